@@ -1,0 +1,2935 @@
+// qlora.cpp - everything backend-independent, and the CPU backend.
+//
+// Reading order (sections below, each behind a banner):
+//   1. errors and asserts         5. op constructors        9. CPU: thread pool
+//   2. type traits                6. autodiff               10. CPU: kernels (elementwise, rows,
+//   3. context / arena            7. graphs                     rope, attention, loss, matmul)
+//   4. tensors and views          8. memory planner         11. CPU backend and its interface
+//                                                          12. optimizer math
+#include "qlora.h"
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cmath>
+#include <condition_variable>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__F16C__)
+#include <immintrin.h>
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
+// gcc 12's own AVX-512 headers trip -Wmaybe-uninitialized when inlined (gcc bug 105593)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#endif
+
+// ============================================================================================
+// 1. errors and asserts
+// ============================================================================================
+
+// Internal invariants only (a bug, not bad input): print where and abort.
+#define QL_ASSERT(x)                                                                            \
+    do {                                                                                        \
+        if (!(x)) ql_abort_at(__FILE__, __LINE__, #x);                                          \
+    } while (0)
+
+[[noreturn]] static void ql_abort_at(const char *file, int line, const char *what) {
+    fprintf(stderr, "%s:%d: qlora internal error: assertion failed: %s\n", file, line, what);
+    fflush(stderr);
+    abort();
+}
+
+static const char *ql_basename(const char *path) {
+    const char *s = strrchr(path, '/');
+    return s ? s + 1 : path;
+}
+
+struct ql_context {
+    uint8_t *mem       = nullptr;  // the arena (NULL when measuring)
+    size_t   mem_size  = 0;
+    size_t   used      = 0;        // arena bytes taken (or needed, when measuring)
+    size_t   data_size = 0;        // data bytes of leaf tensors, allocated or not
+    bool     own_mem   = false;
+    bool     no_alloc  = false;
+    bool     measure   = false;
+    std::vector<ql_tensor *> tensors;                     // every tensor, in creation order
+    std::vector<std::unique_ptr<ql_tensor>> measure_hdr;  // headers while measuring
+    ql_status status = QL_OK;
+    char      err[1024] = {0};
+};
+
+// First error wins: later failures are usually consequences of the first.
+static void ql_set_error_at(ql_context *ctx, ql_status st, const char *file, int line, const char *fmt, ...)
+    __attribute__((format(printf, 5, 6)));
+static void ql_set_error_at(ql_context *ctx, ql_status st, const char *file, int line, const char *fmt, ...) {
+    if (!ctx || ctx->status != QL_OK) return;
+    ctx->status = st;
+    int n = snprintf(ctx->err, sizeof(ctx->err), "%s:%d: ", ql_basename(file), line);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ctx->err + n, sizeof(ctx->err) - (size_t)n, fmt, ap);
+    va_end(ap);
+}
+#define QL_ERR(ctx, st, ...) ql_set_error_at((ctx), (st), __FILE__, __LINE__, __VA_ARGS__)
+
+static const char *k_status_names[] = {"ok", "shape mismatch", "unsupported type", "out of memory",
+                                       "unsupported", "invalid argument", "i/o error"};
+static_assert(sizeof(k_status_names) / sizeof(k_status_names[0]) == QL_STATUS_COUNT, "status names");
+
+const char *ql_status_name(ql_status s) {
+    return (s >= 0 && s < QL_STATUS_COUNT) ? k_status_names[s] : "?";
+}
+
+const char *ql_ctx_error(const ql_context *ctx) { return ctx ? ctx->err : ""; }
+ql_status   ql_ctx_status(const ql_context *ctx) { return ctx ? ctx->status : QL_ERR_INVALID; }
+void ql_ctx_set_error(ql_context *ctx, ql_status st, const char *fmt, ...) {
+    if (!ctx || ctx->status != QL_OK) return;
+    ctx->status = st;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(ctx->err, sizeof(ctx->err), fmt, ap);
+    va_end(ap);
+}
+void        ql_ctx_clear_error(ql_context *ctx) {
+    if (!ctx) return;
+    ctx->status = QL_OK;
+    ctx->err[0] = 0;
+}
+
+// ============================================================================================
+// 2. type traits
+// ============================================================================================
+
+// Scalar conversions are portable bit manipulation; the bulk converters below use F16C where
+// compiled in, and a test holds the two to the same bits.
+uint16_t ql_fp32_to_fp16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    const uint32_t sign = (x >> 16) & 0x8000u;
+    uint32_t       absx = x & 0x7fffffffu;
+    if (absx >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (absx > 0x7f800000u ? 0x200u : 0));
+    if (absx >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // rounds to inf
+    if (absx < 0x38800000u) {                                     // subnormal half or zero
+        if (absx < 0x33000000u) return (uint16_t)sign;
+        const uint32_t e = absx >> 23, m = (absx & 0x7fffffu) | 0x800000u;
+        const uint32_t shift = 126 - e;  // 14 + (113 - e)
+        uint32_t       h = m >> shift;
+        const uint32_t rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rem > half || (rem == half && (h & 1))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = ((absx - 0x38000000u) >> 13);
+    const uint32_t rem = absx & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1))) h++;
+    return (uint16_t)(sign | h);
+}
+
+float ql_fp16_to_fp32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t       e = (h >> 10) & 0x1f, m = h & 0x3ffu, x;
+    if (e == 0) {
+        if (m == 0) {
+            x = sign;
+        } else {  // subnormal: normalise
+            e = 113;
+            while (!(m & 0x400u)) { m <<= 1; e--; }
+            x = sign | (e << 23) | ((m & 0x3ffu) << 13);
+        }
+    } else if (e == 31) {
+        x = sign | 0x7f800000u | (m << 13);
+    } else {
+        x = sign | ((e + 112) << 23) | (m << 13);
+    }
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+uint16_t ql_fp32_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);  // quiet NaN
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+float ql_bf16_to_fp32(uint16_t h) {
+    const uint32_t x = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+static void f32_to_float(const void *s, float *d, int64_t n) { memcpy(d, s, (size_t)n * 4); }
+static void f32_from_float(const float *s, void *d, int64_t n) { memcpy(d, s, (size_t)n * 4); }
+
+static void f16_to_float(const void *s, float *d, int64_t n) {
+    const uint16_t *x = (const uint16_t *)s;
+    int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(d + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(x + i))));
+#endif
+    for (; i < n; i++) d[i] = ql_fp16_to_fp32(x[i]);
+}
+static void f16_from_float(const float *s, void *d, int64_t n) {
+    uint16_t *y = (uint16_t *)d;
+    int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(y + i), _mm256_cvtps_ph(_mm256_loadu_ps(s + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+    for (; i < n; i++) y[i] = ql_fp32_to_fp16(s[i]);
+}
+static void bf16_to_float(const void *s, float *d, int64_t n) {
+    const uint16_t *x = (const uint16_t *)s;
+    for (int64_t i = 0; i < n; i++) d[i] = ql_bf16_to_fp32(x[i]);  // a shift: vectorises
+}
+static void bf16_from_float(const float *s, void *d, int64_t n) {
+    uint16_t *y = (uint16_t *)d;
+    for (int64_t i = 0; i < n; i++) y[i] = ql_fp32_to_bf16(s[i]);
+}
+
+struct ql_type_table {
+    ql_type_traits t[QL_TYPE_COUNT];
+    ql_type_table() {
+        memset(t, 0, sizeof(t));
+        t[QL_TYPE_F32]  = {"f32", 1, 4, true, f32_to_float, f32_from_float};
+        t[QL_TYPE_F16]  = {"f16", 1, 2, true, f16_to_float, f16_from_float};
+        t[QL_TYPE_BF16] = {"bf16", 1, 2, true, bf16_to_float, bf16_from_float};
+        t[QL_TYPE_I32]  = {"i32", 1, 4, false, nullptr, nullptr};
+    }
+};
+static const ql_type_table k_types;
+
+const ql_type_traits *ql_type_traits_get(ql_type type) {
+    if ((int)type < 0 || type >= QL_TYPE_COUNT || !k_types.t[type].name) return nullptr;
+    return &k_types.t[type];
+}
+static const ql_type_traits &traits(ql_type type) {
+    const ql_type_traits *tt = ql_type_traits_get(type);
+    QL_ASSERT(tt);
+    return *tt;
+}
+const char *ql_type_name(ql_type type) {
+    const ql_type_traits *tt = ql_type_traits_get(type);
+    return tt ? tt->name : "?";
+}
+size_t ql_row_size(ql_type type, int64_t ne0) {
+    const ql_type_traits &tt = traits(type);
+    return tt.type_size * (size_t)(ne0 / tt.blck_size);
+}
+
+// ============================================================================================
+// 3. context / arena
+// ============================================================================================
+
+static size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+size_t ql_tensor_overhead(void) { return align_up(sizeof(ql_tensor), QL_ALIGN); }
+
+ql_context *ql_init(ql_init_params p) {
+    ql_context *ctx = new (std::nothrow) ql_context();
+    if (!ctx) return nullptr;
+    ctx->no_alloc = p.no_alloc;
+    ctx->measure  = p.measure;
+    if (p.measure) return ctx;
+    ctx->mem_size = p.mem_size;
+    if (p.mem_buffer) {
+        ctx->mem = (uint8_t *)p.mem_buffer;
+        QL_ASSERT(((uintptr_t)ctx->mem % QL_ALIGN) == 0 && "mem_buffer must be QL_ALIGN-aligned");
+    } else if (p.mem_size > 0) {
+        ctx->mem = (uint8_t *)aligned_alloc(QL_ALIGN, align_up(p.mem_size, QL_ALIGN));
+        if (!ctx->mem) {
+            delete ctx;
+            return nullptr;
+        }
+        ctx->own_mem = true;
+    }
+    return ctx;
+}
+
+void ql_free(ql_context *ctx) {
+    if (!ctx) return;
+    if (ctx->own_mem) free(ctx->mem);
+    delete ctx;
+}
+
+size_t ql_used_mem(const ql_context *ctx) { return ctx ? ctx->used : 0; }
+size_t ql_ctx_data_size(const ql_context *ctx) { return ctx ? ctx->data_size : 0; }
+bool   ql_ctx_is_measure(const ql_context *ctx) { return ctx && ctx->measure; }
+
+// Carves `size` bytes from the arena; NULL (with an error naming `what`) when it is full.
+static void *arena_take(ql_context *ctx, size_t size, const char *what) {
+    const size_t need = align_up(size, QL_ALIGN);
+    if (ctx->measure) {
+        ctx->used += need;
+        return nullptr;
+    }
+    if (ctx->used + need > ctx->mem_size) {
+        QL_ERR(ctx, QL_ERR_NOMEM,
+               "%s: context arena exhausted: need %zu more bytes, %zu of %zu used"
+               " --> hint: raise ql_init_params.mem_size (measure first with .measure = true)",
+               what, need, ctx->used, ctx->mem_size);
+        return nullptr;
+    }
+    void *p = ctx->mem + ctx->used;
+    ctx->used += need;
+    return p;
+}
+
+// ============================================================================================
+// 4. tensors and views
+// ============================================================================================
+
+static std::string shape_str(const ql_tensor *t) {
+    if (!t) return "(null)";
+    char buf[160];
+    int  nd = std::max(1, ql_n_dims(t)), n = 0;
+    n += snprintf(buf + n, sizeof(buf) - n, "[");
+    for (int i = 0; i < nd; i++) n += snprintf(buf + n, sizeof(buf) - n, "%s%lld", i ? ", " : "", (long long)t->ne[i]);
+    n += snprintf(buf + n, sizeof(buf) - n, "] %s", ql_type_name(t->type));
+    if (t->name[0]) snprintf(buf + n, sizeof(buf) - n, " '%s'", t->name);
+    return buf;
+}
+
+int64_t ql_nelements(const ql_tensor *t) { return t->ne[0] * t->ne[1] * t->ne[2] * t->ne[3]; }
+int64_t ql_nrows(const ql_tensor *t) { return t->ne[1] * t->ne[2] * t->ne[3]; }
+
+size_t ql_nbytes(const ql_tensor *t) {
+    for (int i = 0; i < QL_MAX_DIMS; i++)
+        if (t->ne[i] <= 0) return 0;
+    const ql_type_traits &tt = traits(t->type);
+    size_t n = (size_t)(t->ne[0] / tt.blck_size) * t->nb[0];
+    for (int i = 1; i < QL_MAX_DIMS; i++) n += (size_t)(t->ne[i] - 1) * t->nb[i];
+    return n;
+}
+
+int ql_n_dims(const ql_tensor *t) {
+    for (int i = QL_MAX_DIMS - 1; i >= 1; i--)
+        if (t->ne[i] > 1) return i + 1;
+    return 1;
+}
+
+bool ql_is_contiguous(const ql_tensor *t) {
+    size_t expect = traits(t->type).type_size;
+    if (t->nb[0] != expect) return false;
+    expect = ql_row_size(t->type, t->ne[0]);
+    for (int i = 1; i < QL_MAX_DIMS; i++) {
+        if (t->ne[i] != 1 && t->nb[i] != expect) return false;
+        expect *= (size_t)t->ne[i];
+    }
+    return true;
+}
+
+bool ql_rows_contiguous(const ql_tensor *t) { return t->nb[0] == traits(t->type).type_size; }
+
+bool ql_same_shape(const ql_tensor *a, const ql_tensor *b) {
+    for (int i = 0; i < QL_MAX_DIMS; i++)
+        if (a->ne[i] != b->ne[i]) return false;
+    return true;
+}
+
+void *ql_aux_data(const ql_tensor *t) {
+    return (t && t->data && t->aux_size) ? (uint8_t *)t->data + ql_nbytes(t) : nullptr;
+}
+
+static void set_contiguous_strides(ql_tensor *t) {
+    t->nb[0] = traits(t->type).type_size;
+    t->nb[1] = ql_row_size(t->type, t->ne[0]);
+    for (int i = 2; i < QL_MAX_DIMS; i++) t->nb[i] = t->nb[i - 1] * (size_t)t->ne[i - 1];
+}
+
+// The one place headers are made. Leafs (op NONE, no view) get data unless no_alloc.
+static ql_tensor *new_tensor_impl(ql_context *ctx, ql_type type, int n_dims, const int64_t *ne, const char *what) {
+    if (!ctx) return nullptr;
+    if (ctx->status != QL_OK) return nullptr;
+    const ql_type_traits *tt = ql_type_traits_get(type);
+    if (!tt) {
+        QL_ERR(ctx, QL_ERR_TYPE, "%s: unknown type id %d", what, (int)type);
+        return nullptr;
+    }
+    if (n_dims < 1 || n_dims > QL_MAX_DIMS) {
+        QL_ERR(ctx, QL_ERR_SHAPE, "%s: n_dims %d outside 1..%d", what, n_dims, QL_MAX_DIMS);
+        return nullptr;
+    }
+    int64_t n[QL_MAX_DIMS] = {1, 1, 1, 1};
+    for (int i = 0; i < n_dims; i++) {
+        if (ne[i] < 0 || ne[i] > ((int64_t)1 << 40)) {
+            QL_ERR(ctx, QL_ERR_SHAPE, "%s: ne[%d] = %lld out of range", what, i, (long long)ne[i]);
+            return nullptr;
+        }
+        n[i] = ne[i];
+    }
+    if (n[0] % tt->blck_size != 0) {
+        QL_ERR(ctx, QL_ERR_SHAPE, "%s: ne[0] = %lld is not a multiple of %s's block size %lld", what,
+               (long long)n[0], tt->name, (long long)tt->blck_size);
+        return nullptr;
+    }
+    ql_tensor *t;
+    if (ctx->measure) {
+        ctx->measure_hdr.emplace_back(new ql_tensor);
+        t = ctx->measure_hdr.back().get();
+        arena_take(ctx, sizeof(ql_tensor), what);
+    } else {
+        t = (ql_tensor *)arena_take(ctx, sizeof(ql_tensor), what);
+        if (!t) return nullptr;
+    }
+    memset(t, 0, sizeof(*t));
+    t->type = type;
+    for (int i = 0; i < QL_MAX_DIMS; i++) t->ne[i] = n[i];
+    set_contiguous_strides(t);
+    ctx->tensors.push_back(t);
+    return t;
+}
+
+static ql_tensor *new_leaf(ql_context *ctx, ql_type type, int n_dims, const int64_t *ne) {
+    ql_tensor *t = new_tensor_impl(ctx, type, n_dims, ne, "new_tensor");
+    if (!t) return nullptr;
+    const size_t size = ql_nbytes(t);
+    ctx->data_size += align_up(size, QL_ALIGN);
+    if (!ctx->no_alloc) {
+        t->data = arena_take(ctx, size, "new_tensor");
+        if (!t->data && !ctx->measure) return nullptr;
+    }
+    return t;
+}
+
+ql_tensor *ql_new_tensor(ql_context *ctx, ql_type type, int n_dims, const int64_t *ne) {
+    return new_leaf(ctx, type, n_dims, ne);
+}
+ql_tensor *ql_new_tensor_1d(ql_context *ctx, ql_type type, int64_t ne0) {
+    return new_leaf(ctx, type, 1, &ne0);
+}
+ql_tensor *ql_new_tensor_2d(ql_context *ctx, ql_type type, int64_t ne0, int64_t ne1) {
+    const int64_t ne[2] = {ne0, ne1};
+    return new_leaf(ctx, type, 2, ne);
+}
+ql_tensor *ql_new_tensor_3d(ql_context *ctx, ql_type type, int64_t ne0, int64_t ne1, int64_t ne2) {
+    const int64_t ne[3] = {ne0, ne1, ne2};
+    return new_leaf(ctx, type, 3, ne);
+}
+ql_tensor *ql_new_tensor_4d(ql_context *ctx, ql_type type, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3) {
+    const int64_t ne[4] = {ne0, ne1, ne2, ne3};
+    return new_leaf(ctx, type, 4, ne);
+}
+
+ql_tensor *ql_set_name(ql_tensor *t, const char *name) {
+    if (t) snprintf(t->name, sizeof(t->name), "%s", name ? name : "");
+    return t;
+}
+ql_tensor *ql_format_name(ql_tensor *t, const char *fmt, ...) {
+    if (!t) return t;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(t->name, sizeof(t->name), fmt, ap);
+    va_end(ap);
+    return t;
+}
+ql_tensor *ql_set_param(ql_tensor *t) {
+    if (t) t->flags |= QL_FLAG_PARAM;
+    return t;
+}
+ql_tensor *ql_set_input(ql_tensor *t) {
+    if (t) t->flags |= QL_FLAG_INPUT;
+    return t;
+}
+ql_tensor *ql_set_output(ql_tensor *t) {
+    if (t) t->flags |= QL_FLAG_OUTPUT;
+    return t;
+}
+
+// logical flat index -> byte address
+static uint8_t *elem_ptr(const ql_tensor *t, int64_t i) {
+    const int64_t i0 = i % t->ne[0], i1 = (i / t->ne[0]) % t->ne[1];
+    const int64_t i2 = (i / (t->ne[0] * t->ne[1])) % t->ne[2], i3 = i / (t->ne[0] * t->ne[1] * t->ne[2]);
+    return (uint8_t *)t->data + i0 * t->nb[0] + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
+}
+
+float ql_get_f32_1d(const ql_tensor *t, int64_t i) {
+    QL_ASSERT(t && t->data && i >= 0 && i < ql_nelements(t));
+    const uint8_t *p = elem_ptr(t, i);
+    if (t->type == QL_TYPE_I32) return (float)*(const int32_t *)p;
+    const ql_type_traits &tt = traits(t->type);
+    QL_ASSERT(tt.blck_size == 1 && tt.to_float);
+    float v;
+    tt.to_float(p, &v, 1);
+    return v;
+}
+
+void ql_set_f32_1d(ql_tensor *t, int64_t i, float v) {
+    QL_ASSERT(t && t->data && i >= 0 && i < ql_nelements(t));
+    uint8_t *p = elem_ptr(t, i);
+    if (t->type == QL_TYPE_I32) {
+        *(int32_t *)p = (int32_t)v;
+        return;
+    }
+    const ql_type_traits &tt = traits(t->type);
+    QL_ASSERT(tt.blck_size == 1 && tt.from_float);
+    tt.from_float(&v, p, 1);
+}
+
+void ql_tensor_fill_f32(ql_tensor *t, float v) {
+    const int64_t n = ql_nelements(t);
+    for (int64_t i = 0; i < n; i++) ql_set_f32_1d(t, i, v);
+}
+
+// ============================================================================================
+// 5. op constructors: validate, then record (op, sources, params). Nothing is computed here.
+// ============================================================================================
+
+static const char *k_op_names[] = {
+    "none",        "fill",          "cont",       "view",          "reshape",         "permute",
+    "transpose",   "add",           "mul",        "scale",         "sum",             "reduce_to",
+    "mul_mat",     "get_rows",      "get_rows_back", "rms_norm",   "rms_norm_back",   "rope",
+    "rope_back",   "silu",          "silu_back",  "swiglu",        "swiglu_back",     "flash_attn",
+    "flash_attn_back", "cross_entropy", "cross_entropy_back", "dropout", "view_back",  "acc_grad",
+};
+static_assert(sizeof(k_op_names) / sizeof(k_op_names[0]) == QL_OP_COUNT, "op names out of sync with ql_op");
+
+const char *ql_op_name(ql_op op) { return (op >= 0 && op < QL_OP_COUNT) ? k_op_names[op] : "?"; }
+
+// ops whose result is a view of their source: nothing to run
+static bool is_noop(ql_op op) {
+    return op == QL_OP_VIEW || op == QL_OP_RESHAPE || op == QL_OP_PERMUTE || op == QL_OP_TRANSPOSE;
+}
+// ops whose result aliases another tensor's memory: the planner places nothing for them
+static bool aliases_src(ql_op op) { return is_noop(op) || op == QL_OP_ACC_GRAD; }
+
+template <typename T> static void set_param(ql_tensor *t, int slot, T v) {
+    static_assert(sizeof(T) % 4 == 0, "params are int32 slots");
+    QL_ASSERT(slot * 4 + sizeof(T) <= sizeof(t->op_params));
+    memcpy(&t->op_params[slot], &v, sizeof(T));
+}
+template <typename T> static T get_param(const ql_tensor *t, int slot) {
+    T v;
+    memcpy(&v, &t->op_params[slot], sizeof(T));
+    return v;
+}
+
+// A constructor given a NULL source fails quietly: the first failure already left its message.
+static bool srcs_ok(ql_context *ctx, const char *op, std::initializer_list<const ql_tensor *> srcs) {
+    if (!ctx) return false;
+    for (const ql_tensor *s : srcs) {
+        if (!s) {
+            if (ctx->status == QL_OK) QL_ERR(ctx, QL_ERR_INVALID, "%s: a source tensor is NULL", op);
+            return false;
+        }
+    }
+    return ctx->status == QL_OK;
+}
+
+static ql_tensor *new_op(ql_context *ctx, ql_op op, ql_type type, const int64_t ne[4],
+                         std::initializer_list<ql_tensor *> srcs) {
+    ql_tensor *t = new_tensor_impl(ctx, type, 4, ne, ql_op_name(op));
+    if (!t) return nullptr;
+    t->op = op;
+    int i = 0;
+    for (ql_tensor *s : srcs) t->src[i++] = s;
+    return t;
+}
+
+static ql_tensor *new_op_like(ql_context *ctx, ql_op op, ql_type type, const ql_tensor *like,
+                              std::initializer_list<ql_tensor *> srcs) {
+    return new_op(ctx, op, type, like->ne, srcs);
+}
+
+#define QL_CHECK(ctx, cond, st, ...)                                                            \
+    do {                                                                                        \
+        if (!(cond)) {                                                                          \
+            QL_ERR(ctx, st, __VA_ARGS__);                                                       \
+            return nullptr;                                                                     \
+        }                                                                                       \
+    } while (0)
+
+static bool is_float_type(ql_type t) {
+    const ql_type_traits *tt = ql_type_traits_get(t);
+    return tt && tt->is_float;
+}
+
+ql_tensor *ql_fill(ql_context *ctx, ql_type type, int n_dims, const int64_t *ne, float value) {
+    if (!srcs_ok(ctx, "fill", {})) return nullptr;
+    QL_CHECK(ctx, n_dims >= 1 && n_dims <= 4, QL_ERR_SHAPE, "fill: n_dims %d outside 1..4", n_dims);
+    int64_t n[4] = {1, 1, 1, 1};
+    for (int i = 0; i < n_dims; i++) n[i] = ne[i];
+    QL_CHECK(ctx, type == QL_TYPE_F32, QL_ERR_TYPE, "fill: type %s: only f32 results", ql_type_name(type));
+    ql_tensor *t = new_op(ctx, QL_OP_FILL, type, n, {});
+    if (t) set_param(t, 0, value);
+    return t;
+}
+
+static ql_tensor *make_view(ql_context *ctx, ql_op op, ql_tensor *a, const int64_t ne[4], const size_t nb[4],
+                            size_t offset) {
+    ql_tensor *t = new_tensor_impl(ctx, a->type, 4, ne, ql_op_name(op));
+    if (!t) return nullptr;
+    t->op = op;
+    t->src[0] = a;
+    for (int i = 0; i < 4; i++) t->nb[i] = nb[i];
+    t->view_src  = a;
+    t->view_offs = offset;
+    if (a->data) t->data = (uint8_t *)a->data + offset;
+    return t;
+}
+
+ql_tensor *ql_view_4d(ql_context *ctx, ql_tensor *a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3,
+                      size_t nb1, size_t nb2, size_t nb3, size_t offset) {
+    if (!srcs_ok(ctx, "view", {a})) return nullptr;
+    const int64_t ne[4] = {ne0, ne1, ne2, ne3};
+    const size_t  nb[4] = {traits(a->type).type_size, nb1, nb2, nb3};
+    ql_tensor tmp;
+    memset(&tmp, 0, sizeof(tmp));
+    tmp.type = a->type;
+    for (int i = 0; i < 4; i++) { tmp.ne[i] = ne[i]; tmp.nb[i] = nb[i]; }
+    QL_CHECK(ctx, ne0 >= 0 && ne1 >= 0 && ne2 >= 0 && ne3 >= 0 && ne0 % traits(a->type).blck_size == 0,
+             QL_ERR_SHAPE, "view: bad shape %s of %s", shape_str(&tmp).c_str(), shape_str(a).c_str());
+    QL_CHECK(ctx, offset + ql_nbytes(&tmp) <= ql_nbytes(a), QL_ERR_SHAPE,
+             "view: %s at offset %zu with strides [%zu, %zu, %zu] reaches byte %zu, past the %zu bytes of %s",
+             shape_str(&tmp).c_str(), offset, nb1, nb2, nb3, offset + ql_nbytes(&tmp), ql_nbytes(a),
+             shape_str(a).c_str());
+    return make_view(ctx, QL_OP_VIEW, a, ne, nb, offset);
+}
+ql_tensor *ql_view_1d(ql_context *ctx, ql_tensor *a, int64_t ne0, size_t offset) {
+    if (!srcs_ok(ctx, "view", {a})) return nullptr;
+    const size_t rs = ql_row_size(a->type, ne0);
+    return ql_view_4d(ctx, a, ne0, 1, 1, 1, rs, rs, rs, offset);
+}
+ql_tensor *ql_view_2d(ql_context *ctx, ql_tensor *a, int64_t ne0, int64_t ne1, size_t nb1, size_t offset) {
+    return ql_view_4d(ctx, a, ne0, ne1, 1, 1, nb1, nb1 * (size_t)ne1, nb1 * (size_t)ne1, offset);
+}
+ql_tensor *ql_view_3d(ql_context *ctx, ql_tensor *a, int64_t ne0, int64_t ne1, int64_t ne2, size_t nb1, size_t nb2,
+                      size_t offset) {
+    return ql_view_4d(ctx, a, ne0, ne1, ne2, 1, nb1, nb2, nb2 * (size_t)ne2, offset);
+}
+
+static ql_tensor *reshape_impl(ql_context *ctx, ql_tensor *a, const int64_t ne[4]) {
+    if (!srcs_ok(ctx, "reshape", {a})) return nullptr;
+    QL_CHECK(ctx, ql_is_contiguous(a), QL_ERR_SHAPE,
+             "reshape: source %s is not contiguous --> hint: ql_cont it first", shape_str(a).c_str());
+    QL_CHECK(ctx, ne[0] * ne[1] * ne[2] * ne[3] == ql_nelements(a) && ne[0] % traits(a->type).blck_size == 0,
+             QL_ERR_SHAPE, "reshape: %s to [%lld, %lld, %lld, %lld]: element counts differ", shape_str(a).c_str(),
+             (long long)ne[0], (long long)ne[1], (long long)ne[2], (long long)ne[3]);
+    ql_tensor tmp;
+    memset(&tmp, 0, sizeof(tmp));
+    tmp.type = a->type;
+    for (int i = 0; i < 4; i++) tmp.ne[i] = ne[i];
+    set_contiguous_strides(&tmp);
+    return make_view(ctx, QL_OP_RESHAPE, a, ne, tmp.nb, 0);
+}
+ql_tensor *ql_reshape_1d(ql_context *ctx, ql_tensor *a, int64_t ne0) {
+    const int64_t ne[4] = {ne0, 1, 1, 1};
+    return reshape_impl(ctx, a, ne);
+}
+ql_tensor *ql_reshape_2d(ql_context *ctx, ql_tensor *a, int64_t ne0, int64_t ne1) {
+    const int64_t ne[4] = {ne0, ne1, 1, 1};
+    return reshape_impl(ctx, a, ne);
+}
+ql_tensor *ql_reshape_3d(ql_context *ctx, ql_tensor *a, int64_t ne0, int64_t ne1, int64_t ne2) {
+    const int64_t ne[4] = {ne0, ne1, ne2, 1};
+    return reshape_impl(ctx, a, ne);
+}
+ql_tensor *ql_reshape_4d(ql_context *ctx, ql_tensor *a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3) {
+    const int64_t ne[4] = {ne0, ne1, ne2, ne3};
+    return reshape_impl(ctx, a, ne);
+}
+
+ql_tensor *ql_permute(ql_context *ctx, ql_tensor *a, int ax0, int ax1, int ax2, int ax3) {
+    if (!srcs_ok(ctx, "permute", {a})) return nullptr;
+    const int ax[4] = {ax0, ax1, ax2, ax3};
+    bool seen[4] = {false, false, false, false};
+    for (int i = 0; i < 4; i++) {
+        QL_CHECK(ctx, ax[i] >= 0 && ax[i] < 4 && !seen[ax[i]], QL_ERR_INVALID,
+                 "permute: axes (%d, %d, %d, %d) of %s are not a permutation of 0..3", ax0, ax1, ax2, ax3,
+                 shape_str(a).c_str());
+        seen[ax[i]] = true;
+    }
+    QL_CHECK(ctx, traits(a->type).blck_size == 1 || ax0 == 0, QL_ERR_TYPE,
+             "permute: %s is block-quantized: dimension 0 must stay first", shape_str(a).c_str());
+    int64_t ne[4];
+    size_t  nb[4];
+    for (int i = 0; i < 4; i++) {
+        ne[ax[i]] = a->ne[i];
+        nb[ax[i]] = a->nb[i];
+    }
+    ql_tensor *t = make_view(ctx, QL_OP_PERMUTE, a, ne, nb, 0);
+    if (t)
+        for (int i = 0; i < 4; i++) t->op_params[i] = ax[i];
+    return t;
+}
+
+ql_tensor *ql_transpose(ql_context *ctx, ql_tensor *a) {
+    if (!srcs_ok(ctx, "transpose", {a})) return nullptr;
+    QL_CHECK(ctx, traits(a->type).blck_size == 1, QL_ERR_TYPE,
+             "transpose: %s is block-quantized and cannot be transposed by strides", shape_str(a).c_str());
+    const int64_t ne[4] = {a->ne[1], a->ne[0], a->ne[2], a->ne[3]};
+    const size_t  nb[4] = {a->nb[1], a->nb[0], a->nb[2], a->nb[3]};
+    return make_view(ctx, QL_OP_TRANSPOSE, a, ne, nb, 0);
+}
+
+ql_tensor *ql_cast(ql_context *ctx, ql_tensor *a, ql_type type) {
+    if (!srcs_ok(ctx, "cont", {a})) return nullptr;
+    QL_CHECK(ctx, ql_type_traits_get(type), QL_ERR_TYPE, "cont: unknown target type id %d", (int)type);
+    QL_CHECK(ctx, a->type == type || (is_float_type(a->type) && is_float_type(type)), QL_ERR_TYPE,
+             "cont: cannot convert %s to %s", shape_str(a).c_str(), ql_type_name(type));
+    QL_CHECK(ctx, a->ne[0] % traits(type).blck_size == 0, QL_ERR_SHAPE, "cont: %s rows do not fill %s blocks",
+             shape_str(a).c_str(), ql_type_name(type));
+    return new_op_like(ctx, QL_OP_CONT, type, a, {a});
+}
+ql_tensor *ql_cont(ql_context *ctx, ql_tensor *a) { return a ? ql_cast(ctx, a, a->type) : ql_cast(ctx, a, QL_TYPE_F32); }
+
+static bool can_repeat(const ql_tensor *b, const ql_tensor *a) {  // b broadcasts to a
+    for (int i = 0; i < 4; i++)
+        if (b->ne[i] == 0 || a->ne[i] % b->ne[i] != 0) return false;
+    return true;
+}
+
+static ql_tensor *binary_op(ql_context *ctx, ql_op op, ql_tensor *a, ql_tensor *b, bool grouped) {
+    const char *name = ql_op_name(op);
+    if (!srcs_ok(ctx, name, {a, b})) return nullptr;
+    QL_CHECK(ctx, a->type == QL_TYPE_F32 && b->type == QL_TYPE_F32, QL_ERR_TYPE, "%s: a %s, b %s: both must be f32",
+             name, shape_str(a).c_str(), shape_str(b).c_str());
+    QL_CHECK(ctx, can_repeat(b, a), QL_ERR_SHAPE, "%s: b %s does not broadcast to a %s (a.ne[i] %% b.ne[i] != 0)",
+             name, shape_str(b).c_str(), shape_str(a).c_str());
+    QL_CHECK(ctx, ql_rows_contiguous(a) && ql_rows_contiguous(b), QL_ERR_SHAPE,
+             "%s: a %s and b %s need dense rows (nb[0] == element size) --> hint: ql_cont first", name,
+             shape_str(a).c_str(), shape_str(b).c_str());
+    ql_tensor *t = new_op_like(ctx, op, QL_TYPE_F32, a, {a, b});
+    if (t) t->op_params[0] = grouped ? 1 : 0;
+    return t;
+}
+ql_tensor *ql_add(ql_context *ctx, ql_tensor *a, ql_tensor *b) { return binary_op(ctx, QL_OP_ADD, a, b, false); }
+ql_tensor *ql_mul(ql_context *ctx, ql_tensor *a, ql_tensor *b) { return binary_op(ctx, QL_OP_MUL, a, b, false); }
+
+static ql_tensor *unary_f32(ql_context *ctx, ql_op op, ql_tensor *a) {
+    const char *name = ql_op_name(op);
+    if (!srcs_ok(ctx, name, {a})) return nullptr;
+    QL_CHECK(ctx, a->type == QL_TYPE_F32, QL_ERR_TYPE, "%s: a %s must be f32", name, shape_str(a).c_str());
+    QL_CHECK(ctx, ql_rows_contiguous(a), QL_ERR_SHAPE, "%s: a %s needs dense rows --> hint: ql_cont first", name,
+             shape_str(a).c_str());
+    return new_op_like(ctx, op, QL_TYPE_F32, a, {a});
+}
+
+ql_tensor *ql_scale(ql_context *ctx, ql_tensor *a, float s) {
+    ql_tensor *t = unary_f32(ctx, QL_OP_SCALE, a);
+    if (t) set_param(t, 0, s);
+    return t;
+}
+
+ql_tensor *ql_sum(ql_context *ctx, ql_tensor *a) {
+    if (!srcs_ok(ctx, "sum", {a})) return nullptr;
+    QL_CHECK(ctx, a->type == QL_TYPE_F32 && ql_rows_contiguous(a), QL_ERR_TYPE,
+             "sum: a %s must be f32 with dense rows", shape_str(a).c_str());
+    const int64_t ne[4] = {1, 1, 1, 1};
+    return new_op(ctx, QL_OP_SUM, QL_TYPE_F32, ne, {a});
+}
+
+ql_tensor *ql_reduce_to(ql_context *ctx, ql_tensor *a, const ql_tensor *like, bool grouped) {
+    if (!srcs_ok(ctx, "reduce_to", {a, like})) return nullptr;
+    QL_CHECK(ctx, a->type == QL_TYPE_F32 && ql_rows_contiguous(a), QL_ERR_TYPE,
+             "reduce_to: a %s must be f32 with dense rows", shape_str(a).c_str());
+    QL_CHECK(ctx, can_repeat(like, a), QL_ERR_SHAPE, "reduce_to: %s does not broadcast to a %s",
+             shape_str(like).c_str(), shape_str(a).c_str());
+    ql_tensor *t = new_op(ctx, QL_OP_REDUCE_TO, QL_TYPE_F32, like->ne, {a});
+    if (t) t->op_params[0] = grouped ? 1 : 0;
+    return t;
+}
+
+ql_tensor *ql_mul_mat(ql_context *ctx, ql_tensor *a, ql_tensor *b) {
+    if (!srcs_ok(ctx, "mul_mat", {a, b})) return nullptr;
+    QL_CHECK(ctx, a->ne[0] == b->ne[0], QL_ERR_SHAPE,
+             "mul_mat: a %s and b %s: contracted dimensions differ (a.ne[0] %lld != b.ne[0] %lld)",
+             shape_str(a).c_str(), shape_str(b).c_str(), (long long)a->ne[0], (long long)b->ne[0]);
+    QL_CHECK(ctx, a->ne[2] > 0 && a->ne[3] > 0 && b->ne[2] % a->ne[2] == 0 && b->ne[3] % a->ne[3] == 0,
+             QL_ERR_SHAPE, "mul_mat: a %s does not broadcast over b %s's batch (b.ne[2..3] %% a.ne[2..3] != 0)",
+             shape_str(a).c_str(), shape_str(b).c_str());
+    QL_CHECK(ctx, is_float_type(a->type), QL_ERR_TYPE, "mul_mat: a %s is not a numeric type", shape_str(a).c_str());
+    QL_CHECK(ctx, b->type == QL_TYPE_F32, QL_ERR_TYPE, "mul_mat: b %s must be f32", shape_str(b).c_str());
+    const int64_t ne[4] = {a->ne[1], b->ne[1], b->ne[2], b->ne[3]};
+    return new_op(ctx, QL_OP_MUL_MAT, QL_TYPE_F32, ne, {a, b});
+}
+
+ql_tensor *ql_get_rows(ql_context *ctx, ql_tensor *a, ql_tensor *ids) {
+    if (!srcs_ok(ctx, "get_rows", {a, ids})) return nullptr;
+    QL_CHECK(ctx, ids->type == QL_TYPE_I32, QL_ERR_TYPE, "get_rows: ids %s must be i32", shape_str(ids).c_str());
+    QL_CHECK(ctx, is_float_type(a->type) && a->ne[2] == 1 && a->ne[3] == 1, QL_ERR_TYPE,
+             "get_rows: a %s must be a 2-D numeric table", shape_str(a).c_str());
+    QL_CHECK(ctx, ids->ne[3] == 1 && ql_rows_contiguous(ids), QL_ERR_SHAPE, "get_rows: ids %s must be at most 3-D",
+             shape_str(ids).c_str());
+    const int64_t ne[4] = {a->ne[0], ids->ne[0], ids->ne[1], ids->ne[2]};
+    return new_op(ctx, QL_OP_GET_ROWS, QL_TYPE_F32, ne, {a, ids});
+}
+
+ql_tensor *ql_rms_norm(ql_context *ctx, ql_tensor *a, float eps) {
+    ql_tensor *t = unary_f32(ctx, QL_OP_RMS_NORM, a);
+    if (t) set_param(t, 0, eps);
+    return t;
+}
+
+static ql_tensor *rope_impl(ql_context *ctx, ql_op op, ql_tensor *a, ql_tensor *pos, ql_tensor *ff, int n_dims,
+                            int mode, float base) {
+    const char *name = ql_op_name(op);
+    if (!srcs_ok(ctx, name, {a, pos})) return nullptr;
+    QL_CHECK(ctx, a->type == QL_TYPE_F32 && ql_rows_contiguous(a), QL_ERR_TYPE, "%s: a %s must be f32 with dense rows",
+             name, shape_str(a).c_str());
+    QL_CHECK(ctx, pos->type == QL_TYPE_I32 && ql_is_contiguous(pos), QL_ERR_TYPE,
+             "%s: pos %s must be contiguous i32", name, shape_str(pos).c_str());
+    QL_CHECK(ctx, pos->ne[0] == a->ne[2] && pos->ne[1] == a->ne[3] && pos->ne[2] == 1 && pos->ne[3] == 1,
+             QL_ERR_SHAPE, "%s: pos %s must be [T, B] for a %s = [head_dim, n_head, T, B]", name,
+             shape_str(pos).c_str(), shape_str(a).c_str());
+    QL_CHECK(ctx, n_dims > 0 && n_dims % 2 == 0 && n_dims <= a->ne[0], QL_ERR_INVALID,
+             "%s: n_dims %d must be even and within head_dim %lld", name, n_dims, (long long)a->ne[0]);
+    QL_CHECK(ctx, mode == QL_ROPE_NORMAL || mode == QL_ROPE_NEOX, QL_ERR_INVALID, "%s: unknown mode %d", name, mode);
+    QL_CHECK(ctx, base > 0, QL_ERR_INVALID, "%s: freq_base %g must be positive", name, (double)base);
+    if (ff)
+        QL_CHECK(ctx, ff->type == QL_TYPE_F32 && ql_is_contiguous(ff) && ql_nelements(ff) >= n_dims / 2, QL_ERR_SHAPE,
+                 "%s: freq_factors %s must be contiguous f32 with n_dims/2 = %d entries", name, shape_str(ff).c_str(),
+                 n_dims / 2);
+    ql_tensor *t = new_op_like(ctx, op, QL_TYPE_F32, a, {a, pos, ff});
+    if (!t) return nullptr;
+    t->op_params[0] = n_dims;
+    t->op_params[1] = mode;
+    set_param(t, 2, base);
+    return t;
+}
+ql_tensor *ql_rope(ql_context *ctx, ql_tensor *a, ql_tensor *pos, ql_tensor *ff, int n_dims, int mode, float base) {
+    return rope_impl(ctx, QL_OP_ROPE, a, pos, ff, n_dims, mode, base);
+}
+
+ql_tensor *ql_silu(ql_context *ctx, ql_tensor *a) { return unary_f32(ctx, QL_OP_SILU, a); }
+
+ql_tensor *ql_swiglu(ql_context *ctx, ql_tensor *a, ql_tensor *b) {
+    if (!srcs_ok(ctx, "swiglu", {a, b})) return nullptr;
+    QL_CHECK(ctx, a->type == QL_TYPE_F32 && b->type == QL_TYPE_F32 && ql_same_shape(a, b), QL_ERR_SHAPE,
+             "swiglu: a %s and b %s must be f32 of one shape", shape_str(a).c_str(), shape_str(b).c_str());
+    QL_CHECK(ctx, ql_rows_contiguous(a) && ql_rows_contiguous(b), QL_ERR_SHAPE, "swiglu: a %s and b %s need dense rows",
+             shape_str(a).c_str(), shape_str(b).c_str());
+    return new_op_like(ctx, QL_OP_SWIGLU, QL_TYPE_F32, a, {a, b});
+}
+
+ql_tensor *ql_flash_attn(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tensor *v, ql_tensor *seg, float scale) {
+    if (!srcs_ok(ctx, "flash_attn", {q, k, v})) return nullptr;
+    const std::string qs = shape_str(q), ks = shape_str(k), vs = shape_str(v);
+    QL_CHECK(ctx, q->type == QL_TYPE_F32 && k->type == QL_TYPE_F32 && v->type == QL_TYPE_F32, QL_ERR_TYPE,
+             "flash_attn: q %s, k %s, v %s must be f32", qs.c_str(), ks.c_str(), vs.c_str());
+    QL_CHECK(ctx, ql_rows_contiguous(q) && ql_rows_contiguous(k) && ql_rows_contiguous(v), QL_ERR_SHAPE,
+             "flash_attn: q %s, k %s, v %s need dense rows", qs.c_str(), ks.c_str(), vs.c_str());
+    QL_CHECK(ctx, q->ne[0] == k->ne[0] && k->ne[1] == v->ne[1] && k->ne[2] == v->ne[2] && q->ne[3] == k->ne[3] &&
+                      k->ne[3] == v->ne[3] && k->ne[2] > 0 && q->ne[2] % k->ne[2] == 0 && q->ne[1] <= k->ne[1],
+             QL_ERR_SHAPE,
+             "flash_attn: q %s, k %s, v %s do not fit q [d, Tq, H, B], k [d, Tk, Hkv, B], v [dv, Tk, Hkv, B] "
+             "with H %% Hkv == 0 and Tq <= Tk",
+             qs.c_str(), ks.c_str(), vs.c_str());
+    QL_CHECK(ctx, q->ne[0] <= 512 && v->ne[0] <= 512, QL_ERR_SHAPE, "flash_attn: head dims above 512 (q %s, v %s)",
+             qs.c_str(), vs.c_str());
+    if (seg)
+        QL_CHECK(ctx, seg->type == QL_TYPE_I32 && ql_is_contiguous(seg) && seg->ne[0] == k->ne[1] &&
+                          seg->ne[1] == k->ne[3] && seg->ne[2] == 1 && q->ne[1] == k->ne[1],
+                 QL_ERR_SHAPE, "flash_attn: seg %s must be contiguous i32 [Tk, B] with Tq == Tk (q %s, k %s)",
+                 shape_str(seg).c_str(), qs.c_str(), ks.c_str());
+    const int64_t ne[4] = {v->ne[0], q->ne[2], q->ne[1], q->ne[3]};
+    ql_tensor *t = new_op(ctx, QL_OP_FLASH_ATTN, QL_TYPE_F32, ne, {q, k, v, seg});
+    if (!t) return nullptr;
+    set_param(t, 0, scale);
+    t->aux_size = (size_t)(q->ne[1] * q->ne[2] * q->ne[3]) * sizeof(float);  // logsumexp [Tq, H, B]
+    return t;
+}
+
+ql_tensor *ql_cross_entropy(ql_context *ctx, ql_tensor *logits, ql_tensor *targets, ql_tensor *count) {
+    if (!srcs_ok(ctx, "cross_entropy", {logits, targets, count})) return nullptr;
+    QL_CHECK(ctx, logits->type == QL_TYPE_F32 && ql_rows_contiguous(logits), QL_ERR_TYPE,
+             "cross_entropy: logits %s must be f32 with dense rows", shape_str(logits).c_str());
+    QL_CHECK(ctx, targets->type == QL_TYPE_I32 && ql_is_contiguous(targets), QL_ERR_TYPE,
+             "cross_entropy: targets %s must be contiguous i32", shape_str(targets).c_str());
+    QL_CHECK(ctx, ql_nelements(targets) == ql_nrows(logits), QL_ERR_SHAPE,
+             "cross_entropy: targets %s must have one entry per row of logits %s", shape_str(targets).c_str(),
+             shape_str(logits).c_str());
+    QL_CHECK(ctx, count->type == QL_TYPE_F32 && ql_nelements(count) == 1, QL_ERR_SHAPE,
+             "cross_entropy: count %s must be a single f32", shape_str(count).c_str());
+    const int64_t ne[4] = {1, 1, 1, 1};
+    ql_tensor *t = new_op(ctx, QL_OP_CROSS_ENTROPY, QL_TYPE_F32, ne, {logits, targets, count});
+    if (t) t->aux_size = (size_t)ql_nrows(logits) * 2 * sizeof(float);  // per row: logsumexp, loss
+    return t;
+}
+
+ql_tensor *ql_dropout(ql_context *ctx, ql_tensor *a, float p, ql_tensor *seed, uint32_t stream) {
+    if (!srcs_ok(ctx, "dropout", {a, seed})) return nullptr;
+    QL_CHECK(ctx, p >= 0.0f && p < 1.0f, QL_ERR_INVALID, "dropout: p = %g outside [0, 1)", (double)p);
+    QL_CHECK(ctx, seed->type == QL_TYPE_I32 && ql_nelements(seed) >= 1, QL_ERR_TYPE,
+             "dropout: seed %s must be i32 [1]", shape_str(seed).c_str());
+    ql_tensor *t = unary_f32(ctx, QL_OP_DROPOUT, a);
+    if (!t) return nullptr;
+    t->src[1] = seed;
+    set_param(t, 0, p);
+    set_param(t, 1, stream);
+    return t;
+}
+
+// ---- backward-only ops: built by autodiff, not part of the public surface ----
+
+static ql_tensor *add_grouped(ql_context *ctx, ql_tensor *a, ql_tensor *b) {
+    return binary_op(ctx, QL_OP_ADD, a, b, true);
+}
+
+static ql_tensor *get_rows_back(ql_context *ctx, ql_tensor *dy, ql_tensor *ids, const ql_tensor *table) {
+    if (!srcs_ok(ctx, "get_rows_back", {dy, ids, table})) return nullptr;
+    const int64_t ne[4] = {table->ne[0], table->ne[1], 1, 1};
+    return new_op(ctx, QL_OP_GET_ROWS_BACK, QL_TYPE_F32, ne, {dy, ids});
+}
+
+static ql_tensor *rms_norm_back(ql_context *ctx, ql_tensor *x, ql_tensor *dy, float eps) {
+    if (!srcs_ok(ctx, "rms_norm_back", {x, dy})) return nullptr;
+    ql_tensor *t = new_op_like(ctx, QL_OP_RMS_NORM_BACK, QL_TYPE_F32, x, {x, dy});
+    if (t) set_param(t, 0, eps);
+    return t;
+}
+
+static ql_tensor *silu_back(ql_context *ctx, ql_tensor *x, ql_tensor *dy) {
+    if (!srcs_ok(ctx, "silu_back", {x, dy})) return nullptr;
+    return new_op_like(ctx, QL_OP_SILU_BACK, QL_TYPE_F32, x, {x, dy});
+}
+
+// Several gradients from one op come out of one flat buffer; callers view into it.
+static ql_tensor *flat_op(ql_context *ctx, ql_op op, int64_t n, std::initializer_list<ql_tensor *> srcs) {
+    const int64_t ne[4] = {n, 1, 1, 1};
+    return new_op(ctx, op, QL_TYPE_F32, ne, srcs);
+}
+
+// contiguous f32 view of `like`'s shape at element offset `off` of a flat buffer
+static ql_tensor *view_as(ql_context *ctx, ql_tensor *flat, const ql_tensor *like, int64_t off) {
+    if (!flat) return nullptr;
+    const size_t nb1 = (size_t)like->ne[0] * 4, nb2 = nb1 * (size_t)like->ne[1], nb3 = nb2 * (size_t)like->ne[2];
+    return ql_view_4d(ctx, flat, like->ne[0], like->ne[1], like->ne[2], like->ne[3], nb1, nb2, nb3, (size_t)off * 4);
+}
+
+static ql_tensor *view_back(ql_context *ctx, ql_tensor *dy, const ql_tensor *view) {
+    if (!srcs_ok(ctx, "view_back", {dy, view})) return nullptr;
+    const ql_tensor *a = view->view_src;
+    QL_CHECK(ctx, ql_is_contiguous(a) && traits(a->type).blck_size == 1, QL_ERR_UNSUPPORTED,
+             "view_back: gradient through a view of %s, which is not contiguous --> hint: ql_cont the source first",
+             shape_str(a).c_str());
+    ql_tensor *t = new_op(ctx, QL_OP_VIEW_BACK, QL_TYPE_F32, a->ne, {dy});
+    if (!t) return nullptr;
+    // where the view's elements sit in a, counted in a's elements
+    const size_t ts = traits(a->type).type_size;
+    set_param(t, 0, (int64_t)(view->view_offs / ts));
+    for (int i = 1; i < 4; i++) set_param(t, 2 * i, (int64_t)(view->nb[i] / ts));
+    return t;
+}
+
+static ql_tensor *acc_grad(ql_context *ctx, ql_tensor *grad, ql_tensor *contrib) {
+    if (!srcs_ok(ctx, "acc_grad", {grad, contrib})) return nullptr;
+    QL_ASSERT(ql_same_shape(grad, contrib) && ql_is_contiguous(grad) && ql_rows_contiguous(contrib));
+    ql_tensor *t = make_view(ctx, QL_OP_ACC_GRAD, grad, grad->ne, grad->nb, 0);
+    if (t) t->src[1] = contrib;
+    return t;
+}
+
+// ============================================================================================
+// 6. graphs: nodes in execution order (a post-order walk of the sources)
+// ============================================================================================
+
+struct ql_graph {
+    ql_context *ctx = nullptr;
+    std::vector<ql_tensor *> nodes;    // ops, sources before consumers
+    std::vector<ql_tensor *> leafs;    // op NONE tensors the nodes read
+    std::vector<ql_tensor *> outputs;  // kept alive to the end of a run
+    std::vector<ql_tensor *> params;   // trainable leafs with a gradient (backward graphs)
+    std::unordered_set<const ql_tensor *> visited;
+    int n_forward = -1;                // -1: no backward part
+
+    // the plan (section 8)
+    bool planned = false;
+    const ql_backend *plan_backend = nullptr;
+    std::vector<ql_plan_entry> entries;
+    std::vector<ql_tensor *> entry_tensor;     // entries[i].tensor, writable
+    std::vector<std::vector<int>> freed_after; // node i -> entries whose block is free after it
+    size_t arena_size = 0, work_size = 0;
+    ql_plan_stats stats{};
+    bool poison = false, no_reuse = false;
+
+    // the allocation
+    uint8_t *buffer = nullptr;
+    size_t buffer_size = 0;
+    ql_backend *buffer_backend = nullptr;
+    uint8_t *work = nullptr;
+};
+
+ql_graph *ql_graph_new(ql_context *ctx) {
+    if (!ctx) return nullptr;
+    ql_graph *g = new (std::nothrow) ql_graph();
+    if (g) g->ctx = ctx;
+    return g;
+}
+
+static void graph_release_buffer(ql_graph *g) {
+    if (g->buffer) g->buffer_backend->iface.buffer_free(g->buffer_backend, g->buffer);
+    g->buffer = nullptr;
+    g->buffer_size = 0;
+    g->work = nullptr;
+}
+
+void ql_graph_free(ql_graph *g) {
+    if (!g) return;
+    graph_release_buffer(g);
+    delete g;
+}
+
+int         ql_graph_n_nodes(const ql_graph *g) { return (int)g->nodes.size(); }
+int         ql_graph_n_forward(const ql_graph *g) { return g->n_forward < 0 ? (int)g->nodes.size() : g->n_forward; }
+ql_context *ql_graph_ctx(const ql_graph *g) { return g->ctx; }
+int         ql_graph_n_params(const ql_graph *g) { return (int)g->params.size(); }
+ql_tensor  *ql_graph_param(const ql_graph *g, int i) {
+    return (i >= 0 && i < (int)g->params.size()) ? g->params[(size_t)i] : nullptr;
+}
+ql_tensor *ql_graph_node(const ql_graph *g, int i) {
+    const int n = (int)g->nodes.size();
+    if (i < 0) i += n;
+    return (i >= 0 && i < n) ? g->nodes[(size_t)i] : nullptr;
+}
+
+// Iterative post-order walk: deep graphs (hundreds of layers, backward included) must not
+// exhaust the stack.
+static void graph_visit(ql_graph *g, ql_tensor *root) {
+    if (g->visited.count(root)) return;
+    std::vector<std::pair<ql_tensor *, int>> stack;
+    g->visited.insert(root);
+    stack.push_back({root, 0});
+    while (!stack.empty()) {
+        auto &top = stack.back();
+        if (top.second < QL_MAX_SRC) {
+            ql_tensor *s = top.first->src[top.second++];
+            if (s && !g->visited.count(s)) {
+                g->visited.insert(s);
+                stack.push_back({s, 0});
+            }
+            continue;
+        }
+        ql_tensor *t = top.first;
+        stack.pop_back();
+        (t->op == QL_OP_NONE ? g->leafs : g->nodes).push_back(t);
+    }
+}
+
+ql_status ql_graph_build_forward(ql_graph *g, ql_tensor *out) {
+    if (!g) return QL_ERR_INVALID;
+    if (!out) {
+        if (g->ctx->status == QL_OK) QL_ERR(g->ctx, QL_ERR_INVALID, "graph_build_forward: output tensor is NULL");
+        return g->ctx->status;
+    }
+    if (g->planned) {
+        QL_ERR(g->ctx, QL_ERR_INVALID, "graph_build_forward: the graph is already planned; build a new one");
+        return QL_ERR_INVALID;
+    }
+    graph_visit(g, out);
+    if (std::find(g->outputs.begin(), g->outputs.end(), out) == g->outputs.end()) g->outputs.push_back(out);
+    return QL_OK;
+}
+
+// ============================================================================================
+// 7. autodiff: one backward case per forward op, each next to the math it inverts
+// ============================================================================================
+
+struct grad_builder {
+    ql_context *ctx;
+    std::unordered_set<const ql_tensor *> needs;              // leads to a trainable param
+    std::unordered_map<const ql_tensor *, ql_tensor *> grad;  // summed contributions so far
+
+    bool wants(const ql_tensor *t) const { return t && needs.count(t); }
+
+    ql_tensor *dense(ql_tensor *t) {  // kernels read gradients with dense rows
+        return (!t || ql_rows_contiguous(t)) ? t : ql_cont(ctx, t);
+    }
+    ql_tensor *contiguous(ql_tensor *t) { return (!t || ql_is_contiguous(t)) ? t : ql_cont(ctx, t); }
+
+    // A tensor used by several consumers gets the sum of their contributions.
+    void add(ql_tensor *src, ql_tensor *g) {
+        if (!wants(src) || !g) return;
+        auto it = grad.find(src);
+        if (it == grad.end())
+            grad[src] = g;
+        else
+            it->second = ql_add(ctx, dense(it->second), dense(g));
+    }
+};
+
+static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
+    ql_context *ctx = gb.ctx;
+    ql_tensor  *a = node->src[0], *b = node->src[1];
+    switch (node->op) {
+    case QL_OP_NONE:
+    case QL_OP_FILL:
+        break;
+    case QL_OP_CONT:  // y = copy(a) (maybe cast): the gradient passes through, in f32
+        gb.add(a, dy);
+        break;
+    case QL_OP_VIEW:  // y = a[view]: scatter dy into zeros shaped like a
+        gb.add(a, view_back(ctx, gb.dense(dy), node));
+        break;
+    case QL_OP_RESHAPE:
+        gb.add(a, ql_reshape_4d(ctx, gb.contiguous(dy), a->ne[0], a->ne[1], a->ne[2], a->ne[3]));
+        break;
+    case QL_OP_PERMUTE: {  // result dim ax[i] is source dim i: permute back
+        int inv[4];
+        for (int i = 0; i < 4; i++) inv[node->op_params[i]] = i;
+        gb.add(a, ql_permute(ctx, dy, inv[0], inv[1], inv[2], inv[3]));
+        break;
+    }
+    case QL_OP_TRANSPOSE:
+        gb.add(a, ql_transpose(ctx, dy));
+        break;
+    case QL_OP_ADD: {  // y = a + bcast(b): da = dy, db = sum of dy over b's repetitions
+        gb.add(a, dy);
+        if (gb.wants(b)) gb.add(b, ql_same_shape(b, node) ? dy : ql_reduce_to(ctx, gb.dense(dy), b, node->op_params[0] != 0));
+        break;
+    }
+    case QL_OP_MUL: {  // y = a * bcast(b): da = dy * b, db = reduce(dy * a)
+        if (gb.wants(a)) gb.add(a, ql_mul(ctx, gb.dense(dy), b));
+        if (gb.wants(b)) {
+            ql_tensor *t = ql_mul(ctx, gb.dense(dy), a);
+            gb.add(b, ql_same_shape(b, node) ? t : ql_reduce_to(ctx, t, b, false));
+        }
+        break;
+    }
+    case QL_OP_SCALE:  // y = s a
+        gb.add(a, ql_scale(ctx, gb.dense(dy), get_param<float>(node, 0)));
+        break;
+    case QL_OP_SUM: {  // y = sum(a): da = dy broadcast
+        ql_tensor *ones = ql_fill(ctx, QL_TYPE_F32, 4, a->ne, 1.0f);
+        gb.add(a, ql_mul(ctx, ones, gb.dense(dy)));
+        break;
+    }
+    case QL_OP_REDUCE_TO: {  // the adjoint of broadcasting is broadcasting
+        ql_tensor *zeros = ql_fill(ctx, QL_TYPE_F32, 4, a->ne, 0.0f);
+        gb.add(a, node->op_params[0] ? add_grouped(ctx, zeros, gb.dense(dy)) : ql_add(ctx, zeros, gb.dense(dy)));
+        break;
+    }
+    case QL_OP_MUL_MAT: {
+        // c[m,n] = sum_k a[k,m] b[k,n]  =>  da[k,m] = sum_n b[k,n] dc[m,n],  db[k,n] = sum_m a[k,m] dc[m,n]
+        // limitation: block-quantized frozen `a` cannot be transposed by strides; the NF4 issue
+        // adds a transposed-weight path for db.
+        if (gb.wants(a)) {
+            ql_tensor *da = ql_mul_mat(ctx, ql_transpose(ctx, b), ql_transpose(ctx, dy));  // [K, M, B2, B3]
+            if (da && !ql_same_shape(da, a)) da = ql_reduce_to(ctx, da, a, true);          // a was broadcast
+            gb.add(a, da);
+        }
+        if (gb.wants(b)) gb.add(b, ql_mul_mat(ctx, ql_transpose(ctx, a), gb.dense(dy)));  // [K, N, B2, B3]
+        break;
+    }
+    case QL_OP_GET_ROWS:  // y[:, n] = a[:, ids[n]]: scatter-add dy's rows back
+        gb.add(a, get_rows_back(ctx, gb.dense(dy), b, a));
+        break;
+    case QL_OP_RMS_NORM:
+        gb.add(a, rms_norm_back(ctx, a, gb.dense(dy), get_param<float>(node, 0)));
+        break;
+    case QL_OP_ROPE:  // a rotation: its gradient is the inverse rotation of dy
+        gb.add(a, rope_impl(ctx, QL_OP_ROPE_BACK, gb.dense(dy), b, node->src[2], node->op_params[0],
+                            node->op_params[1], get_param<float>(node, 2)));
+        break;
+    case QL_OP_SILU:
+        gb.add(a, silu_back(ctx, a, gb.dense(dy)));
+        break;
+    case QL_OP_SWIGLU: {  // y = silu(a) b: da = dy b silu'(a), db = dy silu(a); one kernel, two views
+        const int64_t n = ql_nelements(a);
+        ql_tensor *flat = flat_op(ctx, QL_OP_SWIGLU_BACK, 2 * n, {a, b, gb.dense(dy)});
+        gb.add(a, view_as(ctx, flat, a, 0));
+        gb.add(b, view_as(ctx, flat, b, n));
+        break;
+    }
+    case QL_OP_FLASH_ATTN: {  // FlashAttention-2 backward: recomputes P from q, k and the saved logsumexp
+        ql_tensor *q = a, *k = b, *v = node->src[2];
+        const int64_t nq = ql_nelements(q), nk = ql_nelements(k), nv = ql_nelements(v);
+        ql_tensor *flat = flat_op(ctx, QL_OP_FLASH_ATTN_BACK, nq + nk + nv, {q, k, v, node->src[3], node, gb.dense(dy)});
+        if (flat) flat->op_params[0] = node->op_params[0];  // scale
+        gb.add(q, view_as(ctx, flat, q, 0));
+        gb.add(k, view_as(ctx, flat, k, nq));
+        gb.add(v, view_as(ctx, flat, v, nq + nk));
+        break;
+    }
+    case QL_OP_CROSS_ENTROPY: {  // dlogits = (softmax - onehot) * dy / count, zero on ignored rows
+        ql_tensor *d = srcs_ok(ctx, "cross_entropy_back", {a, b, node->src[2], node, dy})
+                           ? new_op_like(ctx, QL_OP_CROSS_ENTROPY_BACK, QL_TYPE_F32, a, {a, b, node->src[2], node, dy})
+                           : nullptr;
+        gb.add(a, d);
+        break;
+    }
+    case QL_OP_DROPOUT:  // same mask (same seed, stream and indices), same scale
+        gb.add(a, ql_dropout(ctx, gb.dense(dy), get_param<float>(node, 0), b, get_param<uint32_t>(node, 1)));
+        break;
+    case QL_OP_GET_ROWS_BACK:
+    case QL_OP_RMS_NORM_BACK:
+    case QL_OP_ROPE_BACK:
+    case QL_OP_SILU_BACK:
+    case QL_OP_SWIGLU_BACK:
+    case QL_OP_FLASH_ATTN_BACK:
+    case QL_OP_CROSS_ENTROPY_BACK:
+    case QL_OP_VIEW_BACK:
+    case QL_OP_ACC_GRAD:
+    case QL_OP_COUNT:
+        QL_ERR(ctx, QL_ERR_UNSUPPORTED, "backward: op %s is itself a gradient; second-order gradients are not supported",
+               ql_op_name(node->op));
+        break;
+    }
+}
+
+ql_graph *ql_graph_backward(ql_context *ctx, const ql_graph *gf, ql_tensor *loss) {
+    if (!ctx || !gf) return nullptr;
+    if (ctx->status != QL_OK) return nullptr;
+    if (!loss || !gf->visited.count(loss)) {
+        QL_ERR(ctx, QL_ERR_INVALID, "graph_backward: the loss %s is not in the forward graph",
+               loss ? shape_str(loss).c_str() : "(null)");
+        return nullptr;
+    }
+    if (loss->type != QL_TYPE_F32 || ql_nelements(loss) != 1) {
+        QL_ERR(ctx, QL_ERR_SHAPE, "graph_backward: the loss %s must be a single f32", shape_str(loss).c_str());
+        return nullptr;
+    }
+    grad_builder gb{ctx, {}, {}};
+    for (ql_tensor *l : gf->leafs) {
+        if (!(l->flags & QL_FLAG_PARAM)) continue;
+        if (l->type != QL_TYPE_F32) {
+            QL_ERR(ctx, QL_ERR_TYPE, "graph_backward: trainable %s must be f32 (master weights are fp32)",
+                   shape_str(l).c_str());
+            return nullptr;
+        }
+        gb.needs.insert(l);
+    }
+    for (ql_tensor *n : gf->nodes)
+        for (ql_tensor *s : n->src)
+            if (s && gb.needs.count(s)) {
+                gb.needs.insert(n);
+                break;
+            }
+
+    const size_t first_new = ctx->tensors.size();
+    const int64_t one[4] = {1, 1, 1, 1};
+    if (gb.needs.count(loss)) gb.grad[loss] = ql_fill(ctx, QL_TYPE_F32, 4, one, 1.0f);  // dloss/dloss
+    for (auto it = gf->nodes.rbegin(); it != gf->nodes.rend() && ctx->status == QL_OK; ++it) {
+        auto g = gb.grad.find(*it);
+        if (g != gb.grad.end() && gb.needs.count(*it)) backward_node(gb, *it, g->second);
+    }
+
+    ql_graph *gb_graph = ql_graph_new(ctx);
+    if (!gb_graph) return nullptr;
+    gb_graph->nodes   = gf->nodes;
+    gb_graph->leafs   = gf->leafs;
+    gb_graph->visited = gf->visited;
+    gb_graph->outputs = gf->outputs;
+    gb_graph->n_forward = (int)gf->nodes.size();
+
+    std::vector<ql_tensor *> accs;
+    for (ql_tensor *p : gf->leafs) {
+        auto g = gb.grad.find(p);
+        if (!(p->flags & QL_FLAG_PARAM) || g == gb.grad.end()) continue;
+        if (!p->grad || !ql_same_shape(p->grad, p)) {
+            p->grad = new_leaf(ctx, QL_TYPE_F32, 4, p->ne);
+            if (!p->grad) break;
+            p->grad->flags |= QL_FLAG_GRAD;
+            ql_format_name(p->grad, "grad:%s", p->name);
+        }
+        ql_tensor *acc = acc_grad(ctx, p->grad, gb.dense(g->second));
+        if (!acc) break;
+        accs.push_back(acc);
+        gb_graph->params.push_back(p);
+    }
+    if (ctx->status != QL_OK) {
+        ql_graph_free(gb_graph);
+        return nullptr;
+    }
+    // New nodes join in creation order - already a valid execution order, since each was built
+    // from earlier ones - keeping only those an accumulation needs.
+    std::unordered_set<const ql_tensor *> live;
+    std::vector<const ql_tensor *> stack(accs.begin(), accs.end());
+    while (!stack.empty()) {
+        const ql_tensor *t = stack.back();
+        stack.pop_back();
+        if (gf->visited.count(t) || !live.insert(t).second) continue;
+        for (const ql_tensor *s : t->src)
+            if (s) stack.push_back(s);
+    }
+    for (size_t i = first_new; i < ctx->tensors.size(); i++) {
+        ql_tensor *t = ctx->tensors[i];
+        if (!live.count(t)) continue;
+        gb_graph->visited.insert(t);
+        (t->op == QL_OP_NONE ? gb_graph->leafs : gb_graph->nodes).push_back(t);
+    }
+    for (ql_tensor *acc : accs) gb_graph->outputs.push_back(acc);
+    return gb_graph;
+}
+
+void ql_graph_zero_grads(ql_graph *g) {
+    // limitation: grads live in host memory (the context's arena); a device backend zeroes its own copy
+    for (ql_tensor *p : g->params)
+        if (p->grad && p->grad->data) memset(p->grad->data, 0, ql_nbytes(p->grad));
+}
+
+// ============================================================================================
+// 8. memory planner: liveness over the node order, best-fit placement in one buffer
+// ============================================================================================
+
+static const char *k_mem_names[] = {"weights", "params", "grads", "inputs", "saved activations", "scratch", "work"};
+static_assert(sizeof(k_mem_names) / sizeof(k_mem_names[0]) == QL_MEM_COUNT, "memory category names");
+const char *ql_mem_category_name(ql_mem_category c) { return (c >= 0 && c < QL_MEM_COUNT) ? k_mem_names[c] : "?"; }
+
+// Free blocks of the planned buffer, sorted by offset; `top` is the high-water mark.
+struct block_allocator {
+    std::vector<std::pair<size_t, size_t>> free_;  // (offset, size)
+    size_t top = 0;
+
+    size_t alloc(size_t size) {
+        int best = -1;
+        for (int i = 0; i < (int)free_.size(); i++)
+            if (free_[i].second >= size && (best < 0 || free_[i].second < free_[best].second)) best = i;
+        if (best >= 0) {
+            const size_t off = free_[best].first;
+            if (free_[best].second == size)
+                free_.erase(free_.begin() + best);
+            else
+                free_[best] = {off + size, free_[best].second - size};
+            return off;
+        }
+        if (!free_.empty() && free_.back().first + free_.back().second == top) {  // grow the last hole
+            const size_t off = free_.back().first;
+            free_.pop_back();
+            top = off + size;
+            return off;
+        }
+        const size_t off = top;
+        top += size;
+        return off;
+    }
+
+    void release(size_t off, size_t size) {
+        auto it = std::lower_bound(free_.begin(), free_.end(), std::make_pair(off, (size_t)0));
+        it = free_.insert(it, {off, size});
+        if (it + 1 != free_.end() && it->first + it->second == (it + 1)->first) {  // merge right
+            it->second += (it + 1)->second;
+            free_.erase(it + 1);
+        }
+        if (it != free_.begin() && (it - 1)->first + (it - 1)->second == it->first) {  // merge left
+            (it - 1)->second += it->second;
+            free_.erase(it);
+        }
+    }
+};
+
+static ql_tensor *view_root(ql_tensor *t) {
+    while (t->view_src) t = t->view_src;
+    return t;
+}
+
+// Ops whose kernel may write its result over source `src` (same layout, read element by
+// element or row by row before writing).
+static int inplace_src(const ql_tensor *node) {
+    switch (node->op) {
+    case QL_OP_ADD: case QL_OP_MUL: case QL_OP_SCALE: case QL_OP_SILU: case QL_OP_DROPOUT:
+    case QL_OP_RMS_NORM: case QL_OP_ROPE: case QL_OP_ROPE_BACK:
+        return 0;
+    case QL_OP_SILU_BACK: case QL_OP_RMS_NORM_BACK:
+        return 1;  // over dy
+    default:
+        return -1;
+    }
+}
+
+ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
+    if (!g || !be) return QL_ERR_INVALID;
+    ql_context *ctx = g->ctx;
+    if (ctx->status != QL_OK) return ctx->status;
+    const int n = (int)g->nodes.size();
+    for (ql_tensor *node : g->nodes) {
+        if (is_noop(node->op) || be->iface.supports_op(be, node)) continue;
+        std::string srcs;
+        for (ql_tensor *s : node->src)
+            if (s) srcs += (srcs.empty() ? "" : ", ") + shape_str(s);
+        QL_ERR(ctx, QL_ERR_UNSUPPORTED, "plan: backend %s does not support %s -> %s from (%s)", be->iface.name,
+               ql_op_name(node->op), shape_str(node).c_str(), srcs.c_str());
+        return ctx->status;
+    }
+
+    g->entries.clear();
+    g->entry_tensor.clear();
+    g->freed_after.assign((size_t)n, {});
+    std::unordered_map<const ql_tensor *, int> idx;  // tensor -> entry
+    for (int i = 0; i < n; i++) {
+        ql_tensor *t = g->nodes[(size_t)i];
+        if (aliases_src(t->op)) continue;
+        idx[t] = (int)g->entries.size();
+        g->entries.push_back({t, 0, align_up(ql_nbytes(t) + t->aux_size, QL_ALIGN), i, i, false});
+        g->entry_tensor.push_back(t);
+    }
+    auto entry_of = [&](ql_tensor *t) -> int {
+        auto it = idx.find(view_root(t));
+        return it == idx.end() ? -1 : it->second;
+    };
+    for (int i = 0; i < n; i++)
+        for (ql_tensor *s : g->nodes[(size_t)i]->src)
+            if (s) {
+                const int e = entry_of(s);
+                if (e >= 0) g->entries[(size_t)e].last = std::max(g->entries[(size_t)e].last, i);
+            }
+    std::vector<bool> keep(g->entries.size(), false);
+    for (ql_tensor *t : g->nodes)
+        if (t->flags & QL_FLAG_OUTPUT) {
+            const int e = entry_of(t);
+            if (e >= 0) keep[(size_t)e] = true;
+        }
+    for (ql_tensor *t : g->outputs) {
+        const int e = entry_of(t);
+        if (e >= 0) keep[(size_t)e] = true;
+    }
+    for (size_t e = 0; e < keep.size(); e++)
+        if (keep[e]) g->entries[e].last = n;
+
+    block_allocator alloc;
+    std::vector<bool> moved(g->entries.size(), false);
+    int n_inplace = 0;
+    for (int i = 0; i < n; i++) {
+        ql_tensor *node = g->nodes[(size_t)i];
+        auto own = idx.find(node);
+        if (own != idx.end()) {
+            ql_plan_entry &e = g->entries[(size_t)own->second];
+            bool placed = false;
+            const int k = g->no_reuse ? -1 : inplace_src(node);
+            ql_tensor *s = k >= 0 ? node->src[k] : nullptr;
+            if (s && s->view_src == nullptr && idx.count(s)) {
+                const int se = idx[s];
+                bool shared = false;  // another source in the same block would be overwritten under it
+                for (int j = 0; j < QL_MAX_SRC; j++)
+                    if (j != k && node->src[j] && entry_of(node->src[j]) == se) shared = true;
+                ql_plan_entry &src_e = g->entries[(size_t)se];
+                if (!shared && src_e.last == i && !moved[(size_t)se] && src_e.size == e.size && s->type == node->type &&
+                    ql_is_contiguous(s) && node->aux_size == 0) {
+                    e.offset  = src_e.offset;
+                    e.inplace = true;
+                    moved[(size_t)se] = true;
+                    placed = true;
+                    n_inplace++;
+                }
+            }
+            if (!placed) e.offset = alloc.alloc(e.size);
+        }
+        if (g->no_reuse) continue;
+        // blocks whose last reader was this node (or that nobody reads) are free from here on
+        std::vector<int> dying;
+        for (ql_tensor *s : node->src)
+            if (s) dying.push_back(entry_of(s));
+        if (own != idx.end()) dying.push_back(own->second);
+        std::sort(dying.begin(), dying.end());
+        dying.erase(std::unique(dying.begin(), dying.end()), dying.end());
+        for (int e : dying) {
+            if (e < 0 || moved[(size_t)e] || g->entries[(size_t)e].last != i) continue;
+            alloc.release(g->entries[(size_t)e].offset, g->entries[(size_t)e].size);
+            g->freed_after[(size_t)i].push_back(e);
+        }
+    }
+
+    ql_plan_stats st;
+    memset(&st, 0, sizeof(st));
+    for (ql_tensor *l : g->leafs) {
+        const size_t sz = align_up(ql_nbytes(l), QL_ALIGN);
+        const ql_mem_category c = (l->flags & QL_FLAG_GRAD)    ? QL_MEM_GRADS
+                                  : (l->flags & QL_FLAG_PARAM) ? QL_MEM_PARAMS
+                                  : (l->flags & QL_FLAG_INPUT) ? QL_MEM_INPUTS
+                                                               : QL_MEM_WEIGHTS;
+        st.bytes[c] += sz;
+    }
+    const int nf = ql_graph_n_forward(g);
+    for (const ql_plan_entry &e : g->entries) {
+        st.sum_of_sizes += e.size;
+        if (g->n_forward >= 0 && e.first < nf && e.last >= nf) st.bytes[QL_MEM_SAVED] += e.size;
+    }
+    size_t work = 0;
+    for (ql_tensor *node : g->nodes)
+        if (!is_noop(node->op) && be->iface.work_size) work = std::max(work, be->iface.work_size(be, node));
+    g->arena_size = align_up(alloc.top, QL_ALIGN);
+    g->work_size  = align_up(work, QL_ALIGN);
+    QL_ASSERT(g->arena_size >= st.bytes[QL_MEM_SAVED]);
+    st.bytes[QL_MEM_SCRATCH] = g->arena_size - st.bytes[QL_MEM_SAVED];
+    st.bytes[QL_MEM_WORK]    = g->work_size;
+    st.buffer_size = g->arena_size + g->work_size;
+    for (int c = 0; c < QL_MEM_COUNT; c++) st.total += st.bytes[c];
+    st.n_planned = (int)g->entries.size();
+    st.n_inplace = n_inplace;
+    g->stats = st;
+    g->planned = true;
+    g->plan_backend = be;
+    if (stats_out) *stats_out = st;
+    return QL_OK;
+}
+
+int ql_graph_plan_entries(const ql_graph *g, const ql_plan_entry **entries) {
+    if (entries) *entries = g->entries.empty() ? nullptr : g->entries.data();
+    return (int)g->entries.size();
+}
+
+void ql_graph_set_poison(ql_graph *g, bool on) { g->poison = on; }
+void ql_graph_set_no_reuse(ql_graph *g, bool on) {
+    g->no_reuse = on;
+    g->planned  = false;  // the placement changes: plan again
+}
+
+ql_status ql_graph_alloc(ql_graph *g, ql_backend *be) {
+    if (!g || !be) return QL_ERR_INVALID;
+    ql_context *ctx = g->ctx;
+    if (ctx->status != QL_OK) return ctx->status;
+    if (ctx->measure) {
+        QL_ERR(ctx, QL_ERR_INVALID, "graph_alloc: the graph belongs to a measuring context: plan it for sizes, "
+                                    "then build it again in a real context");
+        return ctx->status;
+    }
+    if (!g->planned || g->plan_backend != be) {
+        const ql_status st = ql_graph_plan(g, be, nullptr);
+        if (st != QL_OK) return st;
+    }
+    for (ql_tensor *l : g->leafs)
+        if (!l->data && ql_nbytes(l) > 0) {
+            QL_ERR(ctx, QL_ERR_INVALID, "graph_alloc: leaf %s has no data (a no_alloc context needs its data set first)",
+                   shape_str(l).c_str());
+            return ctx->status;
+        }
+    const size_t need = g->arena_size + g->work_size;
+    if (!g->buffer || g->buffer_size < need || g->buffer_backend != be) {
+        graph_release_buffer(g);
+        g->buffer = (uint8_t *)be->iface.buffer_alloc(be, std::max(need, (size_t)QL_ALIGN));
+        if (!g->buffer) {
+            QL_ERR(ctx, QL_ERR_NOMEM, "graph_alloc: backend %s could not allocate %zu bytes for the planned buffer "
+                                      "--> hint: lower the batch or sequence length", be->iface.name, need);
+            return ctx->status;
+        }
+        g->buffer_size    = need;
+        g->buffer_backend = be;
+    }
+    for (size_t i = 0; i < g->entries.size(); i++) g->entry_tensor[i]->data = g->buffer + g->entries[i].offset;
+    for (ql_tensor *node : g->nodes)
+        if (aliases_src(node->op)) {
+            QL_ASSERT(node->view_src->data);
+            node->data = (uint8_t *)node->view_src->data + node->view_offs;
+        }
+    g->work = g->buffer + g->arena_size;
+    return QL_OK;
+}
+
+// ============================================================================================
+// 9. CPU: SIMD layer and thread pool
+// ============================================================================================
+
+// One vector type per build: the widest the compiler was allowed (-march). The kernels below
+// are written once against these few functions.
+#if defined(__AVX512F__)
+#define QL_SIMD_NAME "AVX512F"
+typedef __m512 vf;
+static constexpr int VW = 16;
+static inline vf   vf_load(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float *p, vf v) { _mm512_storeu_ps(p, v); }
+static inline vf   vf_set1(float x) { return _mm512_set1_ps(x); }
+static inline vf   vf_zero() { return _mm512_setzero_ps(); }
+static inline vf   vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf   vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf   vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf   vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
+static inline vf   vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }  // a*b + c
+static inline vf   vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
+static inline float vf_hsum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline float vf_hmax(vf a) { return _mm512_reduce_max_ps(a); }
+static inline vf vf_exp(vf x) {  // exp(x) = 2^n * p(r); |rel err| ~ 2 ulp; x <= -104 gives 0
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-104.0f));
+    const vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
+    vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
+    vf p = _mm512_set1_ps(1.0f / 720);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define QL_SIMD_NAME "AVX2 FMA"
+typedef __m256 vf;
+static constexpr int VW = 8;
+static inline vf   vf_load(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vf_store(float *p, vf v) { _mm256_storeu_ps(p, v); }
+static inline vf   vf_set1(float x) { return _mm256_set1_ps(x); }
+static inline vf   vf_zero() { return _mm256_setzero_ps(); }
+static inline vf   vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf   vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf   vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf   vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
+static inline vf   vf_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+static inline vf   vf_max(vf a, vf b) { return _mm256_max_ps(a, b); }
+static inline float vf_hsum(vf a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline float vf_hmax(vf a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline vf vf_exp(vf x) {
+    const vf tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);  // underflow -> 0
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.7f)), _mm256_set1_ps(-87.3f));
+    const vf n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-06f), r);
+    vf p = _mm256_set1_ps(1.0f / 720);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#else
+#define QL_SIMD_NAME "portable"
+struct vf { float v[4]; };
+static constexpr int VW = 4;
+static inline vf vf_load(const float *p) { vf r; for (int i = 0; i < 4; i++) r.v[i] = p[i]; return r; }
+static inline void vf_store(float *p, vf a) { for (int i = 0; i < 4; i++) p[i] = a.v[i]; }
+static inline vf vf_set1(float x) { vf r; for (int i = 0; i < 4; i++) r.v[i] = x; return r; }
+static inline vf vf_zero() { return vf_set1(0.0f); }
+static inline vf vf_add(vf a, vf b) { for (int i = 0; i < 4; i++) a.v[i] += b.v[i]; return a; }
+static inline vf vf_sub(vf a, vf b) { for (int i = 0; i < 4; i++) a.v[i] -= b.v[i]; return a; }
+static inline vf vf_mul(vf a, vf b) { for (int i = 0; i < 4; i++) a.v[i] *= b.v[i]; return a; }
+static inline vf vf_div(vf a, vf b) { for (int i = 0; i < 4; i++) a.v[i] /= b.v[i]; return a; }
+static inline vf vf_fma(vf a, vf b, vf c) { for (int i = 0; i < 4; i++) c.v[i] += a.v[i] * b.v[i]; return c; }
+static inline vf vf_max(vf a, vf b) { for (int i = 0; i < 4; i++) a.v[i] = std::max(a.v[i], b.v[i]); return a; }
+static inline float vf_hsum(vf a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
+static inline float vf_hmax(vf a) { return std::max(std::max(a.v[0], a.v[1]), std::max(a.v[2], a.v[3])); }
+static inline vf vf_exp(vf a) { for (int i = 0; i < 4; i++) a.v[i] = std::exp(a.v[i]); return a; }
+#endif
+
+const char *ql_cpu_features(void) {
+    return QL_SIMD_NAME
+#if defined(__F16C__)
+        " F16C"
+#endif
+        ;
+}
+
+// scalar exp with the vector one's rounding, so a vector body and its scalar tail agree
+static inline float exp1(float x) {
+    float buf[VW];
+    vf_store(buf, vf_exp(vf_set1(x)));
+    return buf[0];
+}
+
+// ---- small vector helpers over rows (n arbitrary; scalar tails) ----
+
+static inline float row_dot(int64_t n, const float *x, const float *y) {
+    vf s0 = vf_zero(), s1 = vf_zero();
+    int64_t i = 0;
+    for (; i + 2 * VW <= n; i += 2 * VW) {
+        s0 = vf_fma(vf_load(x + i), vf_load(y + i), s0);
+        s1 = vf_fma(vf_load(x + i + VW), vf_load(y + i + VW), s1);
+    }
+    for (; i + VW <= n; i += VW) s0 = vf_fma(vf_load(x + i), vf_load(y + i), s0);
+    float s = vf_hsum(vf_add(s0, s1));
+    for (; i < n; i++) s += x[i] * y[i];
+    return s;
+}
+static inline void row_axpy(int64_t n, float a, const float *x, float *y) {  // y += a x
+    const vf va = vf_set1(a);
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) vf_store(y + i, vf_fma(va, vf_load(x + i), vf_load(y + i)));
+    for (; i < n; i++) y[i] += a * x[i];
+}
+static inline void row_scale(int64_t n, float a, const float *x, float *y) {  // y = a x
+    const vf va = vf_set1(a);
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) vf_store(y + i, vf_mul(va, vf_load(x + i)));
+    for (; i < n; i++) y[i] = a * x[i];
+}
+static inline float row_max(int64_t n, const float *x) {
+    float m = -INFINITY;
+    int64_t i = 0;
+    if (n >= VW) {
+        vf vm = vf_load(x);
+        for (i = VW; i + VW <= n; i += VW) vm = vf_max(vm, vf_load(x + i));
+        m = vf_hmax(vm);
+    }
+    for (; i < n; i++) m = std::max(m, x[i]);
+    return m;
+}
+// y = exp(x - m), returns the sum
+static inline float row_exp_sum(int64_t n, const float *x, float m, float *y) {
+    const vf vm = vf_set1(m);
+    vf s = vf_zero();
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) {
+        const vf e = vf_exp(vf_sub(vf_load(x + i), vm));
+        vf_store(y + i, e);
+        s = vf_add(s, e);
+    }
+    float r = vf_hsum(s);
+    for (; i < n; i++) r += (y[i] = exp1(x[i] - m));
+    return r;
+}
+
+static inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+// Persistent workers; the caller is thread 0. A job is a plain function pointer and argument
+// (no std::function: running a graph must not allocate).
+struct cpu_pool {
+    typedef void (*job_fn)(void *arg, int ith, int nth);
+    int n = 1;
+    std::vector<std::thread> threads;
+    std::mutex mu;
+    std::condition_variable cv, done_cv;
+    uint64_t gen = 0;
+    bool quit = false;
+    job_fn fn = nullptr;
+    void *arg = nullptr;
+    int running = 0;
+    alignas(64) std::atomic<int> bar_count{0};
+    alignas(64) std::atomic<int> bar_phase{0};
+
+    void start(int n_threads) {
+        n = std::max(1, n_threads);
+        for (int i = 1; i < n; i++) threads.emplace_back([this, i] { worker(i); });
+    }
+    void stop() {
+        {
+            std::lock_guard<std::mutex> lk(mu);
+            quit = true;
+        }
+        cv.notify_all();
+        for (std::thread &t : threads) t.join();
+        threads.clear();
+    }
+    void worker(int ith) {
+        uint64_t seen = 0;
+        for (;;) {
+            job_fn f;
+            void *a;
+            {
+                std::unique_lock<std::mutex> lk(mu);
+                cv.wait(lk, [&] { return quit || gen != seen; });
+                if (quit) return;
+                seen = gen;
+                f = fn;
+                a = arg;
+            }
+            f(a, ith, n);
+            std::lock_guard<std::mutex> lk(mu);
+            if (--running == 0) done_cv.notify_one();
+        }
+    }
+    void run(job_fn f, void *a) {
+        if (n == 1) {
+            f(a, 0, 1);
+            return;
+        }
+        {
+            std::lock_guard<std::mutex> lk(mu);
+            fn = f;
+            arg = a;
+            running = n - 1;
+            gen++;
+        }
+        cv.notify_all();
+        f(a, 0, n);
+        std::unique_lock<std::mutex> lk(mu);
+        done_cv.wait(lk, [&] { return running == 0; });
+    }
+    // all threads of a job meet here
+    void barrier() {
+        if (n == 1) return;
+        const int phase = bar_phase.load(std::memory_order_acquire);
+        if (bar_count.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+            bar_count.store(0, std::memory_order_relaxed);
+            bar_phase.fetch_add(1, std::memory_order_acq_rel);
+            return;
+        }
+        for (int spins = 0; bar_phase.load(std::memory_order_acquire) == phase; spins++) {
+            if (spins < 2000)
+                cpu_relax();
+            else
+                std::this_thread::yield();  // oversubscribed (sanitizers, valgrind, busy machine)
+        }
+    }
+};
+
+// ============================================================================================
+// 10. CPU kernels
+// ============================================================================================
+
+struct cpu_job;  // below: the graph being run, the first kernel error
+
+struct cpu_params {
+    int      ith, nth, pass;
+    uint8_t *wdata;   // this thread's workspace (work_size / nth bytes)
+    cpu_job *job;
+};
+
+static void cpu_fail(const cpu_params &p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static inline void split_range(int64_t n, int ith, int nth, int64_t &b, int64_t &e) {
+    b = n * ith / nth;
+    e = n * (ith + 1) / nth;
+}
+
+// row r of a tensor with shape ne[1..3] and strides nb[1..3]
+static inline uint8_t *row_ptr(const ql_tensor *t, int64_t r) {
+    const int64_t i1 = r % t->ne[1], i2 = (r / t->ne[1]) % t->ne[2], i3 = r / (t->ne[1] * t->ne[2]);
+    return (uint8_t *)t->data + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
+}
+static inline float *f32_row(const ql_tensor *t, int64_t r) { return (float *)row_ptr(t, r); }
+
+// ---- fill, copies, elementwise ----
+
+static void k_fill(const cpu_params &p, ql_tensor *dst) {
+    const float v = get_param<float>(dst, 0);
+    int64_t b, e;
+    split_range(ql_nelements(dst), p.ith, p.nth, b, e);
+    std::fill((float *)dst->data + b, (float *)dst->data + e, v);
+}
+
+static void k_cont(const cpu_params &p, ql_tensor *dst) {
+    const ql_tensor *src = dst->src[0];
+    const ql_type_traits &ts = traits(src->type), &td = traits(dst->type);
+    const int64_t ne0 = src->ne[0];
+    float *tmp = (float *)p.wdata;  // [ne0]
+    int64_t b, e;
+    split_range(ql_nrows(src), p.ith, p.nth, b, e);
+    for (int64_t r = b; r < e; r++) {
+        const uint8_t *s = row_ptr(src, r);
+        uint8_t *d = (uint8_t *)dst->data + r * dst->nb[1];
+        if (ql_rows_contiguous(src)) {
+            if (src->type == dst->type) {
+                memcpy(d, s, ql_row_size(src->type, ne0));
+            } else if (dst->type == QL_TYPE_F32) {
+                ts.to_float(s, (float *)d, ne0);
+            } else if (src->type == QL_TYPE_F32) {
+                td.from_float((const float *)s, d, ne0);
+            } else {
+                ts.to_float(s, tmp, ne0);
+                td.from_float(tmp, d, ne0);
+            }
+        } else if (src->type == QL_TYPE_F32 && dst->type == QL_TYPE_F32) {  // transposed f32: gather
+            for (int64_t i = 0; i < ne0; i++) ((float *)d)[i] = *(const float *)(s + i * src->nb[0]);
+        } else {
+            for (int64_t i = 0; i < ne0; i++) ts.to_float(s + i * src->nb[0], tmp + i, 1);
+            td.from_float(tmp, d, ne0);
+        }
+    }
+}
+
+// b's row and column for a's index i in one dimension: repetition by modulo, or by blocks
+static inline int64_t bcast_index(int64_t i, int64_t na, int64_t nb, bool grouped) {
+    return grouped ? i / (na / nb) : i % nb;
+}
+
+template <bool MUL> static void k_binary(const cpu_params &p, ql_tensor *dst) {
+    const ql_tensor *a = dst->src[0], *bt = dst->src[1];
+    const bool grouped = dst->op_params[0] != 0;
+    const int64_t ne0 = a->ne[0], nb0 = bt->ne[0];
+    int64_t rb, re;
+    split_range(ql_nrows(a), p.ith, p.nth, rb, re);
+    for (int64_t r = rb; r < re; r++) {
+        const int64_t i1 = r % a->ne[1], i2 = (r / a->ne[1]) % a->ne[2], i3 = r / (a->ne[1] * a->ne[2]);
+        const float *x = f32_row(a, r);
+        const float *y = (const float *)((const uint8_t *)bt->data + bcast_index(i1, a->ne[1], bt->ne[1], grouped) * bt->nb[1] +
+                                          bcast_index(i2, a->ne[2], bt->ne[2], grouped) * bt->nb[2] +
+                                          bcast_index(i3, a->ne[3], bt->ne[3], grouped) * bt->nb[3]);
+        float *d = (float *)dst->data + r * ne0;
+        if (nb0 == ne0) {
+            int64_t i = 0;
+            for (; i + VW <= ne0; i += VW)
+                vf_store(d + i, MUL ? vf_mul(vf_load(x + i), vf_load(y + i)) : vf_add(vf_load(x + i), vf_load(y + i)));
+            for (; i < ne0; i++) d[i] = MUL ? x[i] * y[i] : x[i] + y[i];
+        } else if (nb0 == 1) {
+            const float s = y[0];
+            for (int64_t i = 0; i < ne0; i++) d[i] = MUL ? x[i] * s : x[i] + s;
+        } else {
+            for (int64_t i = 0; i < ne0; i++) {
+                const float s = y[bcast_index(i, ne0, nb0, grouped)];
+                d[i] = MUL ? x[i] * s : x[i] + s;
+            }
+        }
+    }
+}
+
+static void k_scale(const cpu_params &p, ql_tensor *dst) {
+    const ql_tensor *a = dst->src[0];
+    const float s = get_param<float>(dst, 0);
+    int64_t b, e;
+    split_range(ql_nrows(a), p.ith, p.nth, b, e);
+    for (int64_t r = b; r < e; r++) row_scale(a->ne[0], s, f32_row(a, r), (float *)dst->data + r * a->ne[0]);
+}
+
+static void k_sum(const cpu_params &p, ql_tensor *dst) {
+    if (p.ith != 0) return;  // small, and one fixed order keeps it deterministic
+    const ql_tensor *a = dst->src[0];
+    double s = 0;
+    for (int64_t r = 0; r < ql_nrows(a); r++) {
+        const float *x = f32_row(a, r);
+        for (int64_t i = 0; i < a->ne[0]; i++) s += x[i];
+    }
+    *(float *)dst->data = (float)s;
+}
+
+static void k_reduce_to(const cpu_params &p, ql_tensor *dst) {
+    const ql_tensor *a = dst->src[0];
+    const bool grouped = dst->op_params[0] != 0;
+    int64_t rep[4];
+    for (int i = 0; i < 4; i++) rep[i] = a->ne[i] / dst->ne[i];
+    float *acc = (float *)p.wdata;  // [a.ne0]
+    int64_t rb, re;
+    split_range(ql_nrows(dst), p.ith, p.nth, rb, re);
+    for (int64_t r = rb; r < re; r++) {
+        const int64_t j1 = r % dst->ne[1], j2 = (r / dst->ne[1]) % dst->ne[2], j3 = r / (dst->ne[1] * dst->ne[2]);
+        std::fill(acc, acc + a->ne[0], 0.0f);
+        for (int64_t t3 = 0; t3 < rep[3]; t3++)
+            for (int64_t t2 = 0; t2 < rep[2]; t2++)
+                for (int64_t t1 = 0; t1 < rep[1]; t1++) {
+                    const int64_t i1 = grouped ? j1 * rep[1] + t1 : j1 + t1 * dst->ne[1];
+                    const int64_t i2 = grouped ? j2 * rep[2] + t2 : j2 + t2 * dst->ne[2];
+                    const int64_t i3 = grouped ? j3 * rep[3] + t3 : j3 + t3 * dst->ne[3];
+                    const float *x = (const float *)((const uint8_t *)a->data + i1 * a->nb[1] + i2 * a->nb[2] + i3 * a->nb[3]);
+                    row_axpy(a->ne[0], 1.0f, x, acc);
+                }
+        float *d = (float *)dst->data + r * dst->ne[0];
+        for (int64_t j0 = 0; j0 < dst->ne[0]; j0++) {
+            float s = 0;
+            for (int64_t t0 = 0; t0 < rep[0]; t0++) s += acc[grouped ? j0 * rep[0] + t0 : j0 + t0 * dst->ne[0]];
+            d[j0] = s;
+        }
+    }
+}
+
+static void k_acc_grad(const cpu_params &p, ql_tensor *dst) {  // dst aliases the grad: grad += src1
+    const ql_tensor *c = dst->src[1];
+    int64_t b, e;
+    split_range(ql_nrows(c), p.ith, p.nth, b, e);
+    for (int64_t r = b; r < e; r++) row_axpy(c->ne[0], 1.0f, f32_row(c, r), (float *)dst->data + r * c->ne[0]);
+}
+
+static void k_view_back(const cpu_params &p, ql_tensor *dst) {
+    const ql_tensor *dy = dst->src[0];
+    const int64_t off = get_param<int64_t>(dst, 0), s1 = get_param<int64_t>(dst, 2), s2 = get_param<int64_t>(dst, 4),
+                  s3 = get_param<int64_t>(dst, 6);
+    float *d = (float *)dst->data;
+    int64_t b, e;
+    if (p.pass == 0) {
+        split_range(ql_nelements(dst), p.ith, p.nth, b, e);
+        std::fill(d + b, d + e, 0.0f);
+        return;
+    }
+    // rows of a well-formed view land on disjoint places; a view with zero strides may overlap
+    // itself, then one thread does it all
+    const bool overlap = (s1 == 0 && dy->ne[1] > 1) || (s2 == 0 && dy->ne[2] > 1) || (s3 == 0 && dy->ne[3] > 1);
+    if (overlap && p.ith != 0) return;
+    split_range(ql_nrows(dy), overlap ? 0 : p.ith, overlap ? 1 : p.nth, b, e);
+    for (int64_t r = b; r < e; r++) {
+        const int64_t i1 = r % dy->ne[1], i2 = (r / dy->ne[1]) % dy->ne[2], i3 = r / (dy->ne[1] * dy->ne[2]);
+        row_axpy(dy->ne[0], 1.0f, f32_row(dy, r), d + off + i1 * s1 + i2 * s2 + i3 * s3);
+    }
+}
+
+// ---- embedding rows ----
+
+static void k_get_rows(const cpu_params &p, ql_tensor *dst) {
+    const ql_tensor *a = dst->src[0], *ids = dst->src[1];
+    const ql_type_traits &ta = traits(a->type);
+    const int64_t n = ql_nelements(ids);
+    int64_t b, e;
+    split_range(n, p.ith, p.nth, b, e);
+    for (int64_t i = b; i < e; i++) {
+        const int32_t id = ((const int32_t *)ids->data)[i];
+        if (id < 0 || id >= a->ne[1]) {
+            cpu_fail(p, "get_rows: id %d at position %lld is outside the table's %lld rows (%s)", id, (long long)i,
+                     (long long)a->ne[1], shape_str(a).c_str());
+            return;
+        }
+        ta.to_float((const uint8_t *)a->data + id * a->nb[1], (float *)dst->data + i * a->ne[0], a->ne[0]);
+    }
+}
+
+static void k_get_rows_back(const cpu_params &p, ql_tensor *dst) {
+    const ql_tensor *dy = dst->src[0], *ids = dst->src[1];
+    const int64_t ne0 = dst->ne[0], n = ql_nelements(ids);
+    int64_t b, e;
+    if (p.pass == 0) {
+        split_range(ql_nelements(dst), p.ith, p.nth, b, e);
+        std::fill((float *)dst->data + b, (float *)dst->data + e, 0.0f);
+        return;
+    }
+    // each thread owns a slice of columns: scatter-add with no races, in a fixed order
+    split_range(ne0, p.ith, p.nth, b, e);
+    if (b == e) return;
+    for (int64_t i = 0; i < n; i++) {
+        const int32_t id = ((const int32_t *)ids->data)[i];
+        if (id < 0 || id >= dst->ne[1]) {
+            cpu_fail(p, "get_rows_back: id %d at position %lld is outside %lld rows", id, (long long)i, (long long)dst->ne[1]);
+            return;
+        }
+        row_axpy(e - b, 1.0f, f32_row(dy, i) + b, (float *)dst->data + id * ne0 + b);
+    }
+}
+
+// ---- row ops: rms_norm, silu, swiglu, dropout ----
+
+static void k_rms_norm(const cpu_params &p, ql_tensor *dst) {
+    const ql_tensor *a = dst->src[0];
+    const float eps = get_param<float>(dst, 0);
+    const int64_t ne0 = a->ne[0];
+    int64_t b, e;
+    split_range(ql_nrows(a), p.ith, p.nth, b, e);
+    for (int64_t r = b; r < e; r++) {
+        const float *x = f32_row(a, r);
+        const float ms = row_dot(ne0, x, x) / (float)ne0;
+        row_scale(ne0, 1.0f / std::sqrt(ms + eps), x, (float *)dst->data + r * ne0);
+    }
+}
+
+static void k_rms_norm_back(const cpu_params &p, ql_tensor *dst) {
+    // y = x r, r = (mean(x^2) + eps)^-1/2  =>  dx = r dy - r^3/n (dy . x) x
+    const ql_tensor *a = dst->src[0], *dy = dst->src[1];
+    const float eps = get_param<float>(dst, 0);
+    const int64_t ne0 = a->ne[0];
+    int64_t b, e;
+    split_range(ql_nrows(a), p.ith, p.nth, b, e);
+    for (int64_t r = b; r < e; r++) {
+        const float *x = f32_row(a, r), *g = f32_row(dy, r);
+        float *d = (float *)dst->data + r * ne0;
+        const float ms = row_dot(ne0, x, x) / (float)ne0, rs = 1.0f / std::sqrt(ms + eps);
+        const float c = -rs * rs * rs * row_dot(ne0, g, x) / (float)ne0;
+        for (int64_t i = 0; i < ne0; i++) d[i] = rs * g[i] + c * x[i];
+    }
+}
+
+static inline vf vf_sigmoid(vf x) { return vf_div(vf_set1(1.0f), vf_add(vf_set1(1.0f), vf_exp(vf_sub(vf_zero(), x)))); }
+static inline float sigmoid1(float x) { return 1.0f / (1.0f + exp1(-x)); }
+
+static void k_silu(const cpu_params &p, ql_tensor *dst) {
+    const ql_tensor *a = dst->src[0];
+    const int64_t ne0 = a->ne[0];
+    int64_t b, e;
+    split_range(ql_nrows(a), p.ith, p.nth, b, e);
+    for (int64_t r = b; r < e; r++) {
+        const float *x = f32_row(a, r);
+        float *y = (float *)dst->data + r * ne0;
+        int64_t i = 0;
+        for (; i + VW <= ne0; i += VW) {
+            const vf v = vf_load(x + i);
+            vf_store(y + i, vf_mul(v, vf_sigmoid(v)));
+        }
+        for (; i < ne0; i++) y[i] = x[i] * sigmoid1(x[i]);
+    }
+}
+
+static void k_silu_back(const cpu_params &p, ql_tensor *dst) {
+    // d/dx x s(x) = s (1 + x (1 - s))
+    const ql_tensor *a = dst->src[0], *dy = dst->src[1];
+    const int64_t ne0 = a->ne[0];
+    int64_t b, e;
+    split_range(ql_nrows(a), p.ith, p.nth, b, e);
+    const vf one = vf_set1(1.0f);
+    for (int64_t r = b; r < e; r++) {
+        const float *x = f32_row(a, r), *g = f32_row(dy, r);
+        float *d = (float *)dst->data + r * ne0;
+        int64_t i = 0;
+        for (; i + VW <= ne0; i += VW) {
+            const vf v = vf_load(x + i), s = vf_sigmoid(v);
+            vf_store(d + i, vf_mul(vf_load(g + i), vf_mul(s, vf_fma(v, vf_sub(one, s), one))));
+        }
+        for (; i < ne0; i++) {
+            const float s = sigmoid1(x[i]);
+            d[i] = g[i] * s * (1.0f + x[i] * (1.0f - s));
+        }
+    }
+}
+
+static void k_swiglu(const cpu_params &p, ql_tensor *dst) {
+    const ql_tensor *a = dst->src[0], *bt = dst->src[1];
+    const int64_t ne0 = a->ne[0];
+    int64_t b, e;
+    split_range(ql_nrows(a), p.ith, p.nth, b, e);
+    for (int64_t r = b; r < e; r++) {
+        const float *x = f32_row(a, r), *u = f32_row(bt, r);
+        float *y = (float *)dst->data + r * ne0;
+        int64_t i = 0;
+        for (; i + VW <= ne0; i += VW) {
+            const vf v = vf_load(x + i);
+            vf_store(y + i, vf_mul(vf_mul(v, vf_sigmoid(v)), vf_load(u + i)));
+        }
+        for (; i < ne0; i++) y[i] = x[i] * sigmoid1(x[i]) * u[i];
+    }
+}
+
+static void k_swiglu_back(const cpu_params &p, ql_tensor *dst) {
+    // y = silu(a) b: da = dy b silu'(a) at [0, n), db = dy silu(a) at [n, 2n)
+    const ql_tensor *a = dst->src[0], *bt = dst->src[1], *dy = dst->src[2];
+    const int64_t ne0 = a->ne[0], n = ql_nelements(a);
+    int64_t b, e;
+    split_range(ql_nrows(a), p.ith, p.nth, b, e);
+    const vf one = vf_set1(1.0f);
+    for (int64_t r = b; r < e; r++) {
+        const float *x = f32_row(a, r), *u = f32_row(bt, r), *g = f32_row(dy, r);
+        float *da = (float *)dst->data + r * ne0, *db = da + n;
+        int64_t i = 0;
+        for (; i + VW <= ne0; i += VW) {
+            const vf v = vf_load(x + i), s = vf_sigmoid(v), gv = vf_load(g + i);
+            vf_store(db + i, vf_mul(gv, vf_mul(v, s)));
+            vf_store(da + i, vf_mul(vf_mul(gv, vf_load(u + i)), vf_mul(s, vf_fma(v, vf_sub(one, s), one))));
+        }
+        for (; i < ne0; i++) {
+            const float s = sigmoid1(x[i]);
+            db[i] = g[i] * x[i] * s;
+            da[i] = g[i] * u[i] * s * (1.0f + x[i] * (1.0f - s));
+        }
+    }
+}
+
+// Counter-based: the mask of element i depends only on (seed, stream, i), so backward and a
+// recomputed forward regenerate it exactly and nothing is stored.
+static inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static void k_dropout(const cpu_params &p, ql_tensor *dst) {
+    const ql_tensor *a = dst->src[0], *seed = dst->src[1];
+    const float pr = get_param<float>(dst, 0), keep_scale = 1.0f / (1.0f - pr);
+    const uint32_t stream = get_param<uint32_t>(dst, 1);
+    const uint32_t threshold = (uint32_t)((double)pr * 4294967296.0);
+    const uint64_t key = mix64(((uint64_t)(uint32_t)((const int32_t *)seed->data)[0] << 32) | stream);
+    const int64_t ne0 = a->ne[0];
+    int64_t b, e;
+    split_range(ql_nrows(a), p.ith, p.nth, b, e);
+    for (int64_t r = b; r < e; r++) {
+        const float *x = f32_row(a, r);
+        float *y = (float *)dst->data + r * ne0;
+        for (int64_t i = 0; i < ne0; i++) {
+            const uint32_t h = (uint32_t)(mix64(key + 0x9E3779B97F4A7C15ull * (uint64_t)(r * ne0 + i + 1)) >> 32);
+            y[i] = h >= threshold ? x[i] * keep_scale : 0.0f;
+        }
+    }
+}
+
+// ---- rope ----
+
+static size_t rope_work(const ql_tensor *node) {
+    return (size_t)node->op_params[0] / 2 * sizeof(double) + (size_t)node->op_params[0] * sizeof(float);
+}
+
+template <bool BACK> static void k_rope(const cpu_params &p, ql_tensor *dst) {
+    const ql_tensor *a = dst->src[0], *pos = dst->src[1], *ff = dst->src[2];
+    const int n_dims = dst->op_params[0], mode = dst->op_params[1], half = n_dims / 2;
+    const double base = get_param<float>(dst, 2);
+    const int64_t D = a->ne[0], H = a->ne[1], T = a->ne[2];
+    double *inv = (double *)p.wdata;  // [half]
+    float *cs = (float *)(inv + half), *sn = cs + half;
+    for (int i = 0; i < half; i++)
+        inv[i] = std::pow(base, -2.0 * i / n_dims) / (ff ? (double)((const float *)ff->data)[i] : 1.0);
+    int64_t b, e;
+    split_range(T * a->ne[3], p.ith, p.nth, b, e);
+    for (int64_t tok = b; tok < e; tok++) {  // cos/sin once per token, shared by its heads
+        const int64_t t = tok % T, bb = tok / T;
+        const double ps = ((const int32_t *)pos->data)[tok];
+        for (int i = 0; i < half; i++) {
+            const double th = ps * inv[i];
+            cs[i] = (float)std::cos(th);
+            sn[i] = (float)(BACK ? -std::sin(th) : std::sin(th));  // backward rotates by -theta
+        }
+        for (int64_t h = 0; h < H; h++) {
+            const float *x = (const float *)((const uint8_t *)a->data + h * a->nb[1] + t * a->nb[2] + bb * a->nb[3]);
+            float *y = (float *)dst->data + (tok * H + h) * D;
+            const int64_t stride = mode == QL_ROPE_NEOX ? 1 : 2, other = mode == QL_ROPE_NEOX ? half : 1;
+            for (int i = 0; i < half; i++) {
+                const int64_t i0 = i * stride;
+                const float x0 = x[i0], x1 = x[i0 + other];
+                y[i0]         = x0 * cs[i] - x1 * sn[i];
+                y[i0 + other] = x0 * sn[i] + x1 * cs[i];
+            }
+            for (int64_t i = n_dims; i < D; i++) y[i] = x[i];
+        }
+    }
+}
+
+// ---- fused causal attention (FlashAttention-2 on the CPU) ----
+// Forward per (batch, head, block of FA_BQ queries): keys in tiles of FA_BK, scores vectorised
+// over the tile against a transposed copy of K, online softmax, O rescaled as the max grows.
+// Backward in two independent halves so no two threads write one element: dq by query blocks,
+// dk/dv by key blocks (each owning its kv head's whole query group). Scores are recomputed
+// from q, k and the saved logsumexp.
+
+static constexpr int FA_BQ = 32, FA_BK = 64;
+
+static size_t fa_work(const ql_tensor *node) {
+    const ql_tensor *q = node->src[0], *v = node->src[2];
+    const size_t D = (size_t)q->ne[0], DV = (size_t)v->ne[0];
+    if (node->op == QL_OP_FLASH_ATTN) return (D * FA_BK + FA_BK + FA_BQ * DV + 2 * FA_BQ) * sizeof(float);
+    const size_t a = D * FA_BK + DV * FA_BK + 2 * FA_BK + FA_BQ * D + 2 * FA_BQ;
+    const size_t b = D * FA_BQ + DV * FA_BQ + 6 * FA_BQ + FA_BK * (D + DV);
+    return std::max(a, b) * sizeof(float);
+}
+
+static inline const float *fa_row(const ql_tensor *t, int64_t i, int64_t h, int64_t b) {
+    return (const float *)((const uint8_t *)t->data + i * t->nb[1] + h * t->nb[2] + b * t->nb[3]);
+}
+
+// xt[c*W + j] = row j of t (j < n), zero for n <= j < W
+static void fa_pack_t(const ql_tensor *t, int64_t j0, int64_t n, int64_t h, int64_t b, int W, float *xt) {
+    const int64_t D = t->ne[0];
+    for (int64_t j = 0; j < n; j++) {
+        const float *r = fa_row(t, j0 + j, h, b);
+        for (int64_t c = 0; c < D; c++) xt[c * W + j] = r[c];
+    }
+    for (int64_t j = n; j < W; j++)
+        for (int64_t c = 0; c < D; c++) xt[c * W + j] = 0.0f;
+}
+
+// s[j] = sum_c x[c] * xt[c*W + j], j < W (W a multiple of VW)
+template <int W> static inline void fa_scores(int64_t D, const float *x, const float *xt, float *s) {
+    vf acc[W / VW];
+    for (int v = 0; v < W / VW; v++) acc[v] = vf_zero();
+    for (int64_t c = 0; c < D; c++) {
+        const vf xc = vf_set1(x[c]);
+        for (int v = 0; v < W / VW; v++) acc[v] = vf_fma(xc, vf_load(xt + c * W + v * VW), acc[v]);
+    }
+    for (int v = 0; v < W / VW; v++) vf_store(s + v * VW, acc[v]);
+}
+
+static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
+    const ql_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *seg = dst->src[3];
+    const float scale = get_param<float>(dst, 0);
+    const int64_t D = q->ne[0], Tq = q->ne[1], H = q->ne[2], B = q->ne[3], Tk = k->ne[1], DV = v->ne[0];
+    const int64_t off = Tk - Tq, rep = H / k->ne[2], nqb = (Tq + FA_BQ - 1) / FA_BQ;
+    const int32_t *sg = seg ? (const int32_t *)seg->data : nullptr;
+    float *lse = (float *)ql_aux_data(dst);
+    float *KT = (float *)p.wdata, *s = KT + D * FA_BK, *O = s + FA_BK, *m = O + FA_BQ * DV, *l = m + FA_BQ;
+    for (int64_t it = p.ith; it < B * H * nqb; it += p.nth) {
+        const int64_t qb = it % nqb, h = (it / nqb) % H, b = it / (nqb * H), hk = h / rep;
+        const int64_t i0 = qb * FA_BQ, nq = std::min<int64_t>(FA_BQ, Tq - i0);
+        std::fill(O, O + nq * DV, 0.0f);
+        std::fill(m, m + nq, -INFINITY);
+        std::fill(l, l + nq, 0.0f);
+        const int64_t jend = std::min(Tk, i0 + nq + off);  // keys any query of the block may see
+        for (int64_t j0 = 0; j0 < jend; j0 += FA_BK) {
+            const int64_t bk = std::min<int64_t>(FA_BK, jend - j0);
+            fa_pack_t(k, j0, bk, hk, b, FA_BK, KT);
+            for (int64_t ii = 0; ii < nq; ii++) {
+                const int64_t i = i0 + ii, jl = std::min(bk, i + off + 1 - j0);  // causal: j <= i + off
+                if (jl <= 0) continue;
+                fa_scores<FA_BK>(D, fa_row(q, i, h, b), KT, s);
+                for (int64_t j = 0; j < jl; j++) {
+                    s[j] *= scale;
+                    if (sg && sg[b * Tk + j0 + j] != sg[b * Tk + i + off]) s[j] = -INFINITY;
+                }
+                const float mx = row_max(jl, s);
+                if (mx == -INFINITY) continue;
+                const float mnew = std::max(m[ii], mx), alpha = exp1(m[ii] - mnew);
+                l[ii] = l[ii] * alpha + row_exp_sum(jl, s, mnew, s);
+                float *o = O + ii * DV;
+                if (alpha != 1.0f) row_scale(DV, alpha, o, o);
+                for (int64_t j = 0; j < jl; j++)
+                    if (s[j] != 0.0f) row_axpy(DV, s[j], fa_row(v, j0 + j, hk, b), o);
+                m[ii] = mnew;
+            }
+        }
+        for (int64_t ii = 0; ii < nq; ii++) {
+            const int64_t i = i0 + ii;
+            row_scale(DV, 1.0f / l[ii], O + ii * DV, (float *)dst->data + ((b * Tq + i) * H + h) * DV);
+            lse[(b * H + h) * Tq + i] = m[ii] + std::log(l[ii]);
+        }
+    }
+}
+
+static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
+    const ql_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *seg = dst->src[3];
+    const ql_tensor *fwd = dst->src[4], *dO = dst->src[5];
+    const float scale = get_param<float>(dst, 0);
+    const int64_t D = q->ne[0], Tq = q->ne[1], H = q->ne[2], B = q->ne[3], Tk = k->ne[1], Hkv = k->ne[2], DV = v->ne[0];
+    const int64_t off = Tk - Tq, rep = H / Hkv, nqb = (Tq + FA_BQ - 1) / FA_BQ, nkb = (Tk + FA_BK - 1) / FA_BK;
+    const int32_t *sg = seg ? (const int32_t *)seg->data : nullptr;
+    const float *lse = (const float *)ql_aux_data(fwd);
+    float *dq = (float *)dst->data, *dk = dq + ql_nelements(q), *dv = dk + ql_nelements(k);
+    auto o_row  = [&](int64_t i, int64_t h, int64_t b) { return (const float *)fwd->data + ((b * Tq + i) * H + h) * DV; };
+    auto do_row = [&](int64_t i, int64_t h, int64_t b) { return fa_row(dO, h, i, b); };  // dO is [DV, H, Tq, B]
+    auto masked = [&](int64_t i, int64_t j, int64_t b) {
+        return j > i + off || (sg && sg[b * Tk + j] != sg[b * Tk + i + off]);
+    };
+    const int64_t itemsA = B * H * nqb, itemsB = B * Hkv * nkb;
+    for (int64_t it = p.ith; it < itemsA + itemsB; it += p.nth) {
+        float *w = (float *)p.wdata;
+        if (it < itemsA) {  // dq for a block of queries of one head
+            const int64_t qb = it % nqb, h = (it / nqb) % H, b = it / (nqb * H), hk = h / rep;
+            const int64_t i0 = qb * FA_BQ, nq = std::min<int64_t>(FA_BQ, Tq - i0);
+            float *KT = w, *VT = KT + D * FA_BK, *s = VT + DV * FA_BK, *dp = s + FA_BK, *acc = dp + FA_BK, *Dd = acc + FA_BQ * D;
+            std::fill(acc, acc + nq * D, 0.0f);
+            for (int64_t ii = 0; ii < nq; ii++) Dd[ii] = row_dot(DV, do_row(i0 + ii, h, b), o_row(i0 + ii, h, b));
+            const int64_t jend = std::min(Tk, i0 + nq + off);
+            for (int64_t j0 = 0; j0 < jend; j0 += FA_BK) {
+                const int64_t bk = std::min<int64_t>(FA_BK, jend - j0);
+                fa_pack_t(k, j0, bk, hk, b, FA_BK, KT);
+                fa_pack_t(v, j0, bk, hk, b, FA_BK, VT);
+                for (int64_t ii = 0; ii < nq; ii++) {
+                    const int64_t i = i0 + ii, jl = std::min(bk, i + off + 1 - j0);
+                    if (jl <= 0) continue;
+                    const float L = lse[(b * H + h) * Tq + i];
+                    fa_scores<FA_BK>(D, fa_row(q, i, h, b), KT, s);
+                    fa_scores<FA_BK>(DV, do_row(i, h, b), VT, dp);
+                    for (int64_t j = 0; j < jl; j++) s[j] = s[j] * scale - L;
+                    row_exp_sum(jl, s, 0.0f, s);  // P
+                    for (int64_t j = 0; j < jl; j++) {
+                        if (masked(i, j0 + j, b)) continue;
+                        const float ds = s[j] * (dp[j] - Dd[ii]);  // dS = P (dP - rowsum(dO o O))
+                        if (ds != 0.0f) row_axpy(D, scale * ds, fa_row(k, j0 + j, hk, b), acc + ii * D);
+                    }
+                }
+            }
+            for (int64_t ii = 0; ii < nq; ii++) memcpy(dq + ((b * H + h) * Tq + i0 + ii) * D, acc + ii * D, (size_t)D * 4);
+        } else {  // dk, dv for a block of keys of one kv head, over all its query heads
+            const int64_t jt = it - itemsA, kb = jt % nkb, hk = (jt / nkb) % Hkv, b = jt / (nkb * Hkv);
+            const int64_t j0 = kb * FA_BK, nk = std::min<int64_t>(FA_BK, Tk - j0);
+            float *QT = w, *OT = QT + D * FA_BQ, *L = OT + DV * FA_BQ, *Dd = L + FA_BQ, *s = Dd + FA_BQ, *dp = s + FA_BQ;
+            float *ak = dp + FA_BQ, *av = ak + FA_BK * D;
+            std::fill(ak, ak + nk * D, 0.0f);
+            std::fill(av, av + nk * DV, 0.0f);
+            for (int64_t h = hk * rep; h < (hk + 1) * rep; h++) {
+                for (int64_t i0 = std::max<int64_t>(0, j0 - off) / FA_BQ * FA_BQ; i0 < Tq; i0 += FA_BQ) {
+                    const int64_t nq = std::min<int64_t>(FA_BQ, Tq - i0);
+                    fa_pack_t(q, i0, nq, h, b, FA_BQ, QT);
+                    for (int64_t ii = 0; ii < nq; ii++) {  // dO^T, and per query L and D
+                        const float *g = do_row(i0 + ii, h, b);
+                        for (int64_t c = 0; c < DV; c++) OT[c * FA_BQ + ii] = g[c];
+                        L[ii] = lse[(b * H + h) * Tq + i0 + ii];
+                        Dd[ii] = row_dot(DV, g, o_row(i0 + ii, h, b));
+                    }
+                    for (int64_t ii = nq; ii < FA_BQ; ii++)
+                        for (int64_t c = 0; c < DV; c++) OT[c * FA_BQ + ii] = 0.0f;
+                    for (int64_t jj = 0; jj < nk; jj++) {
+                        const int64_t j = j0 + jj;
+                        fa_scores<FA_BQ>(D, fa_row(k, j, hk, b), QT, s);
+                        fa_scores<FA_BQ>(DV, fa_row(v, j, hk, b), OT, dp);
+                        for (int64_t ii = 0; ii < nq; ii++) s[ii] = s[ii] * scale - L[ii];
+                        row_exp_sum(nq, s, 0.0f, s);
+                        for (int64_t ii = 0; ii < nq; ii++) {
+                            const int64_t i = i0 + ii;
+                            if (masked(i, j, b)) continue;
+                            const float pij = s[ii], ds = pij * (dp[ii] - Dd[ii]);
+                            row_axpy(DV, pij, do_row(i, h, b), av + jj * DV);                  // dV += P^T dO
+                            if (ds != 0.0f) row_axpy(D, scale * ds, fa_row(q, i, h, b), ak + jj * D);  // dK += dS^T Q
+                        }
+                    }
+                }
+            }
+            for (int64_t jj = 0; jj < nk; jj++) {
+                memcpy(dk + ((b * Hkv + hk) * Tk + j0 + jj) * D, ak + jj * D, (size_t)D * 4);
+                memcpy(dv + ((b * Hkv + hk) * Tk + j0 + jj) * DV, av + jj * DV, (size_t)DV * 4);
+            }
+        }
+    }
+}
+
+// ---- cross entropy ----
+
+static void k_cross_entropy(const cpu_params &p, ql_tensor *dst) {
+    const ql_tensor *lg = dst->src[0], *tg = dst->src[1], *cnt = dst->src[2];
+    const int64_t V = lg->ne[0], N = ql_nrows(lg);
+    float *lse = (float *)ql_aux_data(dst), *loss = lse + N;
+    const int32_t *t = (const int32_t *)tg->data;
+    if (p.pass == 0) {
+        int64_t b, e;
+        split_range(N, p.ith, p.nth, b, e);
+        for (int64_t r = b; r < e; r++) {
+            lse[r] = loss[r] = 0.0f;
+            if (t[r] < 0) continue;
+            if (t[r] >= V) {
+                cpu_fail(p, "cross_entropy: target %d at row %lld is outside the vocabulary of %lld", t[r], (long long)r,
+                         (long long)V);
+                return;
+            }
+            const float *x = f32_row(lg, r);
+            const float m = row_max(V, x);
+            const vf vm = vf_set1(m);
+            vf acc = vf_zero();
+            int64_t i = 0;
+            for (; i + VW <= V; i += VW) acc = vf_add(acc, vf_exp(vf_sub(vf_load(x + i), vm)));
+            float sum = vf_hsum(acc);
+            for (; i < V; i++) sum += exp1(x[i] - m);
+            lse[r]  = m + std::log(sum);
+            loss[r] = lse[r] - x[t[r]];
+        }
+        return;
+    }
+    if (p.ith != 0) return;
+    const float c = *(const float *)cnt->data;
+    if (!(c > 0.0f)) {
+        cpu_fail(p, "cross_entropy: token count %g must be positive", (double)c);
+        return;
+    }
+    double s = 0;  // one thread, row order: the same loss for any thread count
+    for (int64_t r = 0; r < N; r++) s += loss[r];
+    *(float *)dst->data = (float)(s / c);
+}
+
+static void k_cross_entropy_back(const cpu_params &p, ql_tensor *dst) {
+    const ql_tensor *lg = dst->src[0], *tg = dst->src[1], *cnt = dst->src[2], *fwd = dst->src[3], *dy = dst->src[4];
+    const int64_t V = lg->ne[0], N = ql_nrows(lg);
+    const float *lse = (const float *)ql_aux_data(fwd);
+    const int32_t *t = (const int32_t *)tg->data;
+    const float scale = *(const float *)dy->data / *(const float *)cnt->data;
+    int64_t b, e;
+    split_range(N, p.ith, p.nth, b, e);
+    for (int64_t r = b; r < e; r++) {
+        float *d = (float *)dst->data + r * V;
+        if (t[r] < 0 || t[r] >= V) {
+            std::fill(d, d + V, 0.0f);
+            continue;
+        }
+        const float *x = f32_row(lg, r);
+        row_exp_sum(V, x, lse[r], d);  // softmax
+        row_scale(V, scale, d, d);
+        d[t[r]] -= scale;
+    }
+}
+
+// ---- matrix multiply ----
+// C(i, j) = sum_k X(i, k) W(k, j): i runs over b's columns (tokens), j over a's (outputs).
+// Large N: BLIS-style. W is packed in [KC x NR] panels (dequantised/converted while packing,
+// so a low-precision weight is never materialised in f32 beyond one panel), X in [KC x mr]
+// panels, and an MR x NR register-tile kernel accumulates over KC. Small N (a few tokens):
+// packing W would cost more than the multiply, so each W row is dotted with the few X rows
+// directly. Every C element is summed in the same k order whatever the thread split, so the
+// result does not depend on the number of threads.
+
+#if defined(__AVX512F__)
+static constexpr int MM_MR = 12, MM_NV = 2;  // 24 accumulators of the 32 zmm
+#elif defined(__AVX2__) && defined(__FMA__)
+static constexpr int MM_MR = 6, MM_NV = 2;   // 12 accumulators of the 16 ymm
+#else
+static constexpr int MM_MR = 4, MM_NV = 2;
+#endif
+static constexpr int MM_NR = MM_NV * VW;
+static constexpr int MM_KC = 256;            // a multiple of every block size (k-quants: 256)
+static constexpr int MM_MC = 96;             // rows of X per packed block (a multiple of MR)
+static constexpr int MM_NC = 1024;           // columns of W per packed block (a multiple of NR)
+static constexpr int MM_DOT_MAX_N = 64;      // N at or below: dot path (measured crossover, 2 threads AVX-512)
+static_assert(MM_MC % MM_MR == 0 && MM_NC % MM_NR == 0, "blocking");
+
+struct mm_operand {  // element (k, mn) at p + k*sk + mn*smn (block types: k-contiguous rows only)
+    const uint8_t *p;
+    int64_t sk, smn;
+    ql_type type;
+};
+
+static inline bool mm_k_contig(const mm_operand &o) { return o.sk == (int64_t)traits(o.type).type_size; }
+
+// k-run [k0, k0+n) of row mn as floats: a pointer into the data (f32) or into tmp (converted)
+static inline const float *mm_run(const mm_operand &o, int64_t mn, int64_t k0, int64_t n, float *tmp) {
+    const uint8_t *row = o.p + mn * o.smn + ql_row_size(o.type, k0);
+    if (o.type == QL_TYPE_F32) return (const float *)row;
+    traits(o.type).to_float(row, tmp, n);
+    return tmp;
+}
+
+static inline float mm_elem(const mm_operand &o, int64_t k, int64_t mn) {
+    const uint8_t *e = o.p + k * o.sk + mn * o.smn;
+    if (o.type == QL_TYPE_F32) return *(const float *)e;
+    float v;
+    traits(o.type).to_float(e, &v, 1);
+    return v;
+}
+
+// d[kk*W + j] = element (k0+kk, mn0+j) for j < n; zero for n <= j < W
+static void mm_pack(const mm_operand &o, int64_t k0, int64_t kc, int64_t mn0, int n, int W, float *d, float *tmp) {
+    if (o.type == QL_TYPE_F32 && o.smn == 4) {  // mn-contiguous (a transposed view): rows of the panel
+        for (int64_t kk = 0; kk < kc; kk++) {
+            const float *s = (const float *)(o.p + (k0 + kk) * o.sk) + mn0;
+            float *dk = d + kk * W;
+            for (int j = 0; j < n; j++) dk[j] = s[j];
+            for (int j = n; j < W; j++) dk[j] = 0.0f;
+        }
+    } else if (mm_k_contig(o)) {  // k-contiguous (weights, activations): transpose runs
+        for (int j = 0; j < n; j++) {
+            const float *s = mm_run(o, mn0 + j, k0, kc, tmp);
+            for (int64_t kk = 0; kk < kc; kk++) d[kk * W + j] = s[kk];
+        }
+        for (int j = n; j < W; j++)
+            for (int64_t kk = 0; kk < kc; kk++) d[kk * W + j] = 0.0f;
+    } else {
+        for (int64_t kk = 0; kk < kc; kk++) {
+            for (int j = 0; j < n; j++) d[kk * W + j] = mm_elem(o, k0 + kk, mn0 + j);
+            for (int j = n; j < W; j++) d[kk * W + j] = 0.0f;
+        }
+    }
+}
+
+// C[R x NR] (+)= Xp[kc x R] . Wp[kc x NR]; only the first nr columns of C are real
+template <int R>
+static void mm_kernel(int64_t kc, const float *xp, const float *wp, float *c, int64_t ldc, int nr, bool acc) {
+    vf s[R][MM_NV];
+    for (int r = 0; r < R; r++)
+        for (int v = 0; v < MM_NV; v++) s[r][v] = vf_zero();
+    for (int64_t k = 0; k < kc; k++) {
+        vf w[MM_NV];
+        for (int v = 0; v < MM_NV; v++) w[v] = vf_load(wp + k * MM_NR + v * VW);
+        for (int r = 0; r < R; r++) {
+            const vf x = vf_set1(xp[k * R + r]);
+            for (int v = 0; v < MM_NV; v++) s[r][v] = vf_fma(x, w[v], s[r][v]);
+        }
+    }
+    if (nr == MM_NR) {
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < MM_NV; v++) {
+                float *cp = c + r * ldc + v * VW;
+                vf_store(cp, acc ? vf_add(vf_load(cp), s[r][v]) : s[r][v]);
+            }
+        return;
+    }
+    float t[MM_NR];
+    for (int r = 0; r < R; r++) {
+        for (int v = 0; v < MM_NV; v++) vf_store(t + v * VW, s[r][v]);
+        float *cp = c + r * ldc;
+        for (int j = 0; j < nr; j++) cp[j] = acc ? cp[j] + t[j] : t[j];
+    }
+}
+
+typedef void (*mm_kernel_fn)(int64_t, const float *, const float *, float *, int64_t, int, bool);
+template <int... I> static constexpr std::array<mm_kernel_fn, sizeof...(I) + 1> mm_kernel_table(std::integer_sequence<int, I...>) {
+    return {{nullptr, mm_kernel<I + 1>...}};
+}
+static constexpr auto k_mm_kernels = mm_kernel_table(std::make_integer_sequence<int, MM_MR>{});
+
+// workspace of one thread, in floats: [W panel block | X panel block | conversion run]
+struct mm_layout {
+    size_t xbuf, tmp, total;
+};
+static mm_layout mm_layout_of(int64_t M, int64_t N, int64_t K) {
+    auto round_up = [](int64_t x, int64_t m) { return (x + m - 1) / m * m; };
+    const size_t kc = (size_t)std::min<int64_t>(MM_KC, std::max<int64_t>(K, 1));
+    const size_t nc = (size_t)std::min<int64_t>(MM_NC, round_up(M, MM_NR));
+    const size_t mc = (size_t)std::min<int64_t>(MM_MC, round_up(N, MM_MR));
+    mm_layout L;
+    L.xbuf  = nc * kc;
+    L.tmp   = L.xbuf + mc * kc;
+    L.total = L.tmp + (size_t)std::max<int64_t>(MM_KC, 4 * K) + 64;
+    return L;
+}
+
+// rows [ib, ie) x columns [jb, je) of C, packed path
+static void mm_packed(const mm_operand &w, const mm_operand &x, float *c, int64_t ldc, int64_t K, int64_t ib,
+                      int64_t ie, int64_t jb, int64_t je, float *work, const mm_layout &L) {
+    float *wbuf = work, *xbuf = work + L.xbuf, *tmp = work + L.tmp;
+    if (K == 0) {
+        for (int64_t i = ib; i < ie; i++) std::fill(c + i * ldc + jb, c + i * ldc + je, 0.0f);
+        return;
+    }
+    for (int64_t jc = jb; jc < je; jc += MM_NC) {
+        const int64_t nc = std::min<int64_t>(MM_NC, je - jc);
+        for (int64_t pc = 0; pc < K; pc += MM_KC) {
+            const int64_t kc = std::min<int64_t>(MM_KC, K - pc);
+            for (int64_t jp = 0; jp < nc; jp += MM_NR)
+                mm_pack(w, pc, kc, jc + jp, (int)std::min<int64_t>(MM_NR, nc - jp), MM_NR, wbuf + jp * kc, tmp);
+            for (int64_t ic = ib; ic < ie; ic += MM_MC) {
+                const int64_t mc = std::min<int64_t>(MM_MC, ie - ic);
+                for (int64_t ip = 0; ip < mc; ip += MM_MR) {
+                    const int mr = (int)std::min<int64_t>(MM_MR, mc - ip);
+                    mm_pack(x, pc, kc, ic + ip, mr, mr, xbuf + ip * kc, tmp);
+                }
+                for (int64_t jr = 0; jr < nc; jr += MM_NR) {
+                    const int nr = (int)std::min<int64_t>(MM_NR, nc - jr);
+                    for (int64_t ir = 0; ir < mc; ir += MM_MR) {
+                        const int mr = (int)std::min<int64_t>(MM_MR, mc - ir);
+                        k_mm_kernels[(size_t)mr](kc, xbuf + ir * kc, wbuf + jr * kc, c + (ic + ir) * ldc + jc + jr, ldc,
+                                                 nr, pc > 0);
+                    }
+                }
+            }
+        }
+    }
+}
+
+// columns [jb, je) for all N rows: W rows dotted with X rows (both k-contiguous). A tile of
+// 4 W rows x 4 X rows shares every load between four dot products.
+template <int NJ, int NI>
+static inline void mm_dot_tile(int64_t K, const float *const *wr, const float *const *xr, float *c, int64_t ldc) {
+    vf s[NI][NJ];
+    for (int i = 0; i < NI; i++)
+        for (int j = 0; j < NJ; j++) s[i][j] = vf_zero();
+    int64_t k = 0;
+    for (; k + VW <= K; k += VW) {
+        vf w[NJ];
+        for (int j = 0; j < NJ; j++) w[j] = vf_load(wr[j] + k);
+        for (int i = 0; i < NI; i++) {
+            const vf x = vf_load(xr[i] + k);
+            for (int j = 0; j < NJ; j++) s[i][j] = vf_fma(x, w[j], s[i][j]);
+        }
+    }
+    for (int i = 0; i < NI; i++)
+        for (int j = 0; j < NJ; j++) {
+            float r = vf_hsum(s[i][j]);
+            for (int64_t kk = k; kk < K; kk++) r += xr[i][kk] * wr[j][kk];
+            c[i * ldc + j] = r;
+        }
+}
+
+static void mm_dot(const mm_operand &w, const mm_operand &x, float *c, int64_t ldc, int64_t K, int64_t N, int64_t jb,
+                   int64_t je, float *work, const mm_layout &L) {
+    float *tmp = work + L.tmp;  // [4, K]
+    constexpr int T = 4;
+    for (int64_t j = jb; j < je; j += T) {
+        const int nj = (int)std::min<int64_t>(T, je - j);
+        const float *wr[T];
+        for (int q = 0; q < nj; q++) wr[q] = mm_run(w, j + q, 0, K, tmp + q * K);
+        for (int64_t i = 0; i < N; i += T) {
+            const int ni = (int)std::min<int64_t>(T, N - i);
+            const float *xr[T];
+            for (int q = 0; q < ni; q++) xr[q] = (const float *)(x.p + (i + q) * x.smn);
+            float *cp = c + i * ldc + j;
+            if (nj == T && ni == T) {
+                mm_dot_tile<T, T>(K, wr, xr, cp, ldc);
+            } else {
+                for (int a = 0; a < ni; a++)
+                    for (int b = 0; b < nj; b++) mm_dot_tile<1, 1>(K, wr + b, xr + a, cp + a * ldc + b, ldc);
+            }
+        }
+    }
+}
+
+// One multiply, split into tasks over (batch, column chunk, row chunk); thread ith takes
+// tasks ith, ith + nth, ...
+struct mm_problem {
+    mm_operand w, x;        // batch 0
+    float *c;
+    int64_t M, N, K, ldc;
+    int64_t n_batch, B2;    // batches of b (and c); a is broadcast over them
+    int64_t r2, r3;         // b batches per a batch
+    size_t wb2, wb3, xb2, xb3, cb2, cb3;  // batch strides in bytes
+};
+
+static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
+    const bool dot = P.N <= MM_DOT_MAX_N && mm_k_contig(P.w) && P.x.type == QL_TYPE_F32 && mm_k_contig(P.x);
+    const int64_t align = dot ? 4 : MM_NR;
+    int64_t nj = 1, ni = 1;
+    if (P.n_batch < nth) {  // too few batches: split inside the matrix as well
+        const int64_t want = (nth + P.n_batch - 1) / P.n_batch;
+        nj = std::min<int64_t>(want, std::max<int64_t>(1, (P.M + align - 1) / align));
+        if (!dot) ni = std::min<int64_t>((want + nj - 1) / nj, std::max<int64_t>(1, P.N));
+    }
+    const int64_t n_tasks = P.n_batch * nj * ni;
+    const mm_layout L = mm_layout_of(P.M, P.N, P.K);
+    const int64_t col_units = (P.M + align - 1) / align;
+    for (int64_t t = ith; t < n_tasks; t += nth) {
+        const int64_t bt = t / (nj * ni), cj = (t / ni) % nj, ci = t % ni;
+        const int64_t i2 = bt % P.B2, i3 = bt / P.B2;
+        const int64_t jb = std::min(P.M, col_units * cj / nj * align), je = std::min(P.M, col_units * (cj + 1) / nj * align);
+        const int64_t ib = P.N * ci / ni, ie = P.N * (ci + 1) / ni;
+        if (jb >= je || ib >= ie) continue;
+        mm_operand w = P.w, x = P.x;
+        w.p += (i2 / P.r2) * P.wb2 + (i3 / P.r3) * P.wb3;
+        x.p += i2 * P.xb2 + i3 * P.xb3;
+        float *c = (float *)((uint8_t *)P.c + i2 * P.cb2 + i3 * P.cb3);
+        if (dot)
+            mm_dot(w, x, c, P.ldc, P.K, P.N, jb, je, work, L);
+        else
+            mm_packed(w, x, c, P.ldc, P.K, ib, ie, jb, je, work, L);
+    }
+}
+
+static mm_problem mm_problem_of(const ql_tensor *dst) {
+    const ql_tensor *a = dst->src[0], *b = dst->src[1];
+    mm_problem P;
+    P.w = {(const uint8_t *)a->data, (int64_t)a->nb[0], (int64_t)a->nb[1], a->type};
+    P.x = {(const uint8_t *)b->data, (int64_t)b->nb[0], (int64_t)b->nb[1], b->type};
+    P.c = (float *)dst->data;
+    P.M = a->ne[1];
+    P.N = b->ne[1];
+    P.K = a->ne[0];
+    P.ldc = dst->ne[0];
+    P.B2 = b->ne[2];
+    P.n_batch = b->ne[2] * b->ne[3];
+    P.r2 = b->ne[2] / a->ne[2];
+    P.r3 = b->ne[3] / a->ne[3];
+    P.wb2 = a->nb[2]; P.wb3 = a->nb[3];
+    P.xb2 = b->nb[2]; P.xb3 = b->nb[3];
+    P.cb2 = dst->nb[2]; P.cb3 = dst->nb[3];
+    // one weight for all batches and evenly spaced X rows: one tall multiply instead of many
+    const bool even = b->nb[2] == b->nb[1] * (size_t)b->ne[1] && b->nb[3] == b->nb[2] * (size_t)b->ne[2];
+    if (a->ne[2] == 1 && a->ne[3] == 1 && P.n_batch > 1 && even) {
+        P.N *= P.n_batch;
+        P.n_batch = 1;
+        P.B2 = 1;
+        P.r2 = P.r3 = 1;
+    }
+    return P;
+}
+
+static void k_mul_mat(const cpu_params &p, ql_tensor *dst) {
+    mm_run_tasks(mm_problem_of(dst), p.ith, p.nth, (float *)p.wdata);
+}
+
+// ============================================================================================
+// 11. CPU backend
+// ============================================================================================
+
+struct cpu_backend {
+    cpu_pool pool;
+    std::vector<uint8_t> scratch;  // workspace of direct ql_cpu_sgemm calls (outside graphs)
+};
+
+struct cpu_job {
+    ql_graph *g = nullptr;
+    cpu_pool *pool = nullptr;
+    size_t work_per_thread = 0;
+    std::atomic<bool> failed{false};
+    std::mutex mu;
+    char err[512] = {0};
+};
+
+static void cpu_fail(const cpu_params &p, const char *fmt, ...) {
+    std::lock_guard<std::mutex> lk(p.job->mu);
+    if (p.job->failed.load()) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(p.job->err, sizeof(p.job->err), fmt, ap);
+    va_end(ap);
+    p.job->failed.store(true);
+}
+
+static int cpu_n_passes(const ql_tensor *node) {
+    switch (node->op) {
+    case QL_OP_GET_ROWS_BACK: case QL_OP_VIEW_BACK: case QL_OP_CROSS_ENTROPY:
+        return 2;  // zero (or per-row) first, then combine
+    default:
+        return 1;
+    }
+}
+
+static size_t cpu_work_per_thread(const ql_tensor *node) {
+    switch (node->op) {
+    case QL_OP_CONT:      return (size_t)node->src[0]->ne[0] * sizeof(float);
+    case QL_OP_REDUCE_TO: return (size_t)node->src[0]->ne[0] * sizeof(float);
+    case QL_OP_ROPE: case QL_OP_ROPE_BACK: return rope_work(node);
+    case QL_OP_FLASH_ATTN: case QL_OP_FLASH_ATTN_BACK: return fa_work(node);
+    case QL_OP_MUL_MAT: {
+        const mm_problem P = mm_problem_of(node);
+        return mm_layout_of(P.M, P.N, P.K).total * sizeof(float);
+    }
+    default:              return 0;
+    }
+}
+
+static void cpu_compute_node(const cpu_params &p, ql_tensor *node) {
+    switch (node->op) {
+    case QL_OP_FILL:               k_fill(p, node); break;
+    case QL_OP_CONT:               k_cont(p, node); break;
+    case QL_OP_ADD:                k_binary<false>(p, node); break;
+    case QL_OP_MUL:                k_binary<true>(p, node); break;
+    case QL_OP_SCALE:              k_scale(p, node); break;
+    case QL_OP_SUM:                k_sum(p, node); break;
+    case QL_OP_REDUCE_TO:          k_reduce_to(p, node); break;
+    case QL_OP_MUL_MAT:            k_mul_mat(p, node); break;
+    case QL_OP_GET_ROWS:           k_get_rows(p, node); break;
+    case QL_OP_GET_ROWS_BACK:      k_get_rows_back(p, node); break;
+    case QL_OP_RMS_NORM:           k_rms_norm(p, node); break;
+    case QL_OP_RMS_NORM_BACK:      k_rms_norm_back(p, node); break;
+    case QL_OP_ROPE:               k_rope<false>(p, node); break;
+    case QL_OP_ROPE_BACK:          k_rope<true>(p, node); break;
+    case QL_OP_SILU:               k_silu(p, node); break;
+    case QL_OP_SILU_BACK:          k_silu_back(p, node); break;
+    case QL_OP_SWIGLU:             k_swiglu(p, node); break;
+    case QL_OP_SWIGLU_BACK:        k_swiglu_back(p, node); break;
+    case QL_OP_FLASH_ATTN:         k_flash_attn(p, node); break;
+    case QL_OP_FLASH_ATTN_BACK:    k_flash_attn_back(p, node); break;
+    case QL_OP_CROSS_ENTROPY:      k_cross_entropy(p, node); break;
+    case QL_OP_CROSS_ENTROPY_BACK: k_cross_entropy_back(p, node); break;
+    case QL_OP_DROPOUT:            k_dropout(p, node); break;
+    case QL_OP_VIEW_BACK:          k_view_back(p, node); break;
+    case QL_OP_ACC_GRAD:           k_acc_grad(p, node); break;
+    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE:
+        break;
+    case QL_OP_COUNT:
+        QL_ASSERT(!"cpu: op out of range");
+    }
+}
+
+static void cpu_graph_worker(void *arg, int ith, int nth) {
+    cpu_job *job = (cpu_job *)arg;
+    ql_graph *g = job->g;
+    cpu_params p{ith, nth, 0, g->work + (size_t)ith * job->work_per_thread, job};
+    if (g->poison) {
+        if (ith == 0) memset(g->buffer, 0xff, g->arena_size);  // NaN everywhere nothing wrote yet
+        job->pool->barrier();
+    }
+    for (size_t i = 0; i < g->nodes.size(); i++) {
+        ql_tensor *node = g->nodes[i];
+        if (is_noop(node->op)) continue;
+        for (int pass = 0, np = cpu_n_passes(node); pass < np; pass++) {
+            p.pass = pass;
+            cpu_compute_node(p, node);
+            job->pool->barrier();
+        }
+        if (job->failed.load()) break;  // every thread reads it after the same barrier
+        if (g->poison && !g->freed_after[i].empty()) {
+            if (ith == 0)
+                for (int e : g->freed_after[i]) memset(g->buffer + g->entries[(size_t)e].offset, 0xff, g->entries[(size_t)e].size);
+            job->pool->barrier();
+        }
+    }
+}
+
+static bool cpu_supports_op(ql_backend *, const ql_tensor *node) {
+    const ql_tensor *a = node->src[0];
+    switch (node->op) {
+    case QL_OP_MUL_MAT:
+    case QL_OP_GET_ROWS: {
+        const ql_type_traits *t = ql_type_traits_get(a->type);
+        return t && t->to_float && (t->blck_size == 1 || MM_KC % t->blck_size == 0);
+    }
+    case QL_OP_CONT: {
+        if (a->type == node->type) return traits(a->type).blck_size == 1 || ql_rows_contiguous(a);
+        const ql_type_traits *ts = ql_type_traits_get(a->type), *td = ql_type_traits_get(node->type);
+        return ts && td && ts->to_float && td->from_float && (ts->blck_size == 1 || ql_rows_contiguous(a));
+    }
+    case QL_OP_COUNT:
+        return false;
+    default:
+        return true;  // every other op is f32 by construction
+    }
+}
+
+static size_t cpu_work_size(ql_backend *be, const ql_tensor *node) {
+    const size_t per = align_up(cpu_work_per_thread(node), QL_ALIGN);
+    return per * (size_t)((cpu_backend *)be->impl)->pool.n;
+}
+
+static void *cpu_buffer_alloc(ql_backend *, size_t size) { return aligned_alloc(QL_ALIGN, align_up(size, QL_ALIGN)); }
+static void  cpu_buffer_free(ql_backend *, void *ptr) { free(ptr); }
+
+static ql_status cpu_graph_compute(ql_backend *be, ql_graph *g) {
+    cpu_backend *cb = (cpu_backend *)be->impl;
+    cpu_job job;
+    job.g = g;
+    job.pool = &cb->pool;
+    job.work_per_thread = g->work_size / (size_t)cb->pool.n;
+    cb->pool.run(cpu_graph_worker, &job);
+    if (job.failed.load()) {
+        QL_ERR(g->ctx, QL_ERR_INVALID, "compute: %s", job.err);
+        return g->ctx->status;
+    }
+    return QL_OK;
+}
+
+static void cpu_free(ql_backend *be) {
+    cpu_backend *cb = (cpu_backend *)be->impl;
+    cb->pool.stop();
+    delete cb;
+    delete be;
+}
+
+ql_backend *ql_backend_cpu_init(int n_threads) {
+    if (n_threads <= 0) n_threads = (int)std::max(1u, std::thread::hardware_concurrency());
+    cpu_backend *cb = new (std::nothrow) cpu_backend();
+    ql_backend *be = new (std::nothrow) ql_backend();
+    if (!cb || !be) {
+        delete cb;
+        delete be;
+        return nullptr;
+    }
+    be->iface = {"cpu", cpu_supports_op, cpu_work_size, cpu_buffer_alloc, cpu_buffer_free, cpu_graph_compute, cpu_free};
+    be->impl = cb;
+    cb->pool.start(n_threads);
+    return be;
+}
+
+int ql_backend_cpu_n_threads(const ql_backend *be) {
+    return (be && be->iface.graph_compute == cpu_graph_compute) ? ((const cpu_backend *)be->impl)->pool.n : 0;
+}
+
+void        ql_backend_free(ql_backend *be) { if (be) be->iface.free(be); }
+const char *ql_backend_name(const ql_backend *be) { return be ? be->iface.name : "(null)"; }
+bool        ql_backend_supports_op(ql_backend *be, const ql_tensor *node) {
+    return be && node && (is_noop(node->op) || be->iface.supports_op(be, node));
+}
+
+ql_status ql_backend_graph_compute(ql_backend *be, ql_graph *g) {
+    if (!be || !g) return QL_ERR_INVALID;
+    if (g->ctx->status != QL_OK) return g->ctx->status;
+    if (!g->buffer || g->buffer_backend != be || !g->planned) {
+        QL_ERR(g->ctx, QL_ERR_INVALID, "compute: the graph has no buffer on backend %s --> hint: ql_graph_plan and "
+                                       "ql_graph_alloc it first", be->iface.name);
+        return g->ctx->status;
+    }
+    return be->iface.graph_compute(be, g);
+}
+
+struct sgemm_job {
+    mm_problem P;
+    uint8_t *work;
+    size_t per_thread;
+};
+
+static void sgemm_worker(void *arg, int ith, int nth) {
+    sgemm_job *j = (sgemm_job *)arg;
+    mm_run_tasks(j->P, ith, nth, (float *)(j->work + (size_t)ith * j->per_thread));
+}
+
+void ql_cpu_sgemm(ql_backend *be, int64_t M, int64_t N, int64_t K, const float *a, int64_t lda, const float *b,
+                  int64_t ldb, float *c, int64_t ldc) {
+    QL_ASSERT(ql_backend_cpu_n_threads(be) > 0);
+    cpu_backend *cb = (cpu_backend *)be->impl;
+    sgemm_job j;
+    memset(&j.P, 0, sizeof(j.P));
+    j.P.w = {(const uint8_t *)a, 4, lda * 4, QL_TYPE_F32};
+    j.P.x = {(const uint8_t *)b, 4, ldb * 4, QL_TYPE_F32};
+    j.P.c = c;
+    j.P.M = M;
+    j.P.N = N;
+    j.P.K = K;
+    j.P.ldc = ldc;
+    j.P.n_batch = j.P.B2 = j.P.r2 = j.P.r3 = 1;
+    j.per_thread = align_up(mm_layout_of(M, N, K).total * sizeof(float), QL_ALIGN);
+    const size_t need = j.per_thread * (size_t)cb->pool.n + QL_ALIGN;
+    if (cb->scratch.size() < need) cb->scratch.resize(need);
+    j.work = (uint8_t *)align_up((uintptr_t)cb->scratch.data(), QL_ALIGN);
+    cb->pool.run(sgemm_worker, &j);
+}
+
+// ============================================================================================
+// 12. optimizer math
+// ============================================================================================
+
+void ql_adamw_update(ql_tensor *param, ql_tensor *m, ql_tensor *v, int64_t step, const ql_adamw_params *p,
+                     float grad_scale) {
+    QL_ASSERT(param && param->grad && m && v && p && step >= 1);
+    QL_ASSERT(param->type == QL_TYPE_F32 && ql_is_contiguous(param) && ql_is_contiguous(m) && ql_is_contiguous(v));
+    const int64_t n = ql_nelements(param);
+    QL_ASSERT(ql_nelements(m) == n && ql_nelements(v) == n && ql_nelements(param->grad) == n);
+    float *w = (float *)param->data, *mm = (float *)m->data, *vv = (float *)v->data;
+    const float *g = (const float *)param->grad->data;
+    // bias corrections folded into the step size (Adam paper, sec. 2)
+    const double bc1 = 1.0 - std::pow((double)p->beta1, (double)step), bc2 = 1.0 - std::pow((double)p->beta2, (double)step);
+    const float step_size = (float)(p->lr * std::sqrt(bc2) / bc1), eps = (float)(p->eps * std::sqrt(bc2));
+    const float decay = 1.0f - p->lr * p->weight_decay;
+    for (int64_t i = 0; i < n; i++) {
+        const float gi = g[i] * grad_scale;
+        mm[i] = p->beta1 * mm[i] + (1.0f - p->beta1) * gi;
+        vv[i] = p->beta2 * vv[i] + (1.0f - p->beta2) * gi * gi;
+        w[i] = w[i] * decay - step_size * mm[i] / (std::sqrt(vv[i]) + eps);
+    }
+}

@@ -1,0 +1,423 @@
+// qlora.h - tensor graphs, autodiff, a static memory planner and backends for QLoRA training.
+//
+// One prefix (ql_), one arena per context, graphs recorded first and computed later.
+//
+//     ql_context *ctx = ql_init((ql_init_params){ .mem_size = 64u << 20 });
+//     ql_tensor  *w   = ql_new_tensor_2d(ctx, QL_TYPE_F32, 64, 32);    // [in=64, out=32]
+//     ql_tensor  *x   = ql_new_tensor_2d(ctx, QL_TYPE_F32, 64, 8);     // [in=64, tokens=8]
+//     ql_set_param(w);                                                 // trainable: gets w->grad
+//     ql_tensor  *y   = ql_mul_mat(ctx, w, x);                         // [32, 8]  (records only)
+//     ql_tensor  *l   = ql_sum(ctx, ql_mul(ctx, y, y));                // [1]
+//     ql_graph   *g   = ql_graph_new(ctx);
+//     ql_graph_build_forward(g, l);
+//     ql_graph   *gb  = ql_graph_backward(ctx, g, l);                  // forward + backward nodes
+//     ql_backend *cpu = ql_backend_cpu_init(0);                        // 0 = all cores
+//     ql_plan_stats st;
+//     if (ql_graph_plan(gb, cpu, &st) || ql_graph_alloc(gb, cpu)) puts(ql_ctx_error(ctx));
+//     ql_graph_zero_grads(gb);
+//     ql_backend_graph_compute(cpu, gb);                               // no allocation here
+//     // w->grad->data now holds dl/dw; computing again accumulates into it.
+//
+// Conventions
+// - Shapes are ne[0..3] with ne[0] the fastest (contiguous) dimension; nb[] are byte strides.
+//   A weight W of PyTorch shape [out, in] is ne = [in, out]. Shape comments read [ne0, ne1, ...].
+// - ql_mul_mat(a, b) contracts over ne[0]: a [K, M, A2, A3], b [K, N, B2, B3] -> [M, N, B2, B3],
+//   c[m, n] = sum_k a[k, m] * b[k, n]; a is broadcast over b's batch (B2 % A2 == 0, B3 % A3 == 0;
+//   batch i2 of b uses i2 / (B2 / A2) of a, so consecutive query heads share a kv head).
+// - Op constructors only record; nothing is computed until ql_backend_graph_compute.
+// - Errors: a constructor given bad input returns NULL and stores a message (op, shapes,
+//   file:line) in its context, first error wins; constructors given a NULL source return NULL
+//   without a new message, so a chain of ops fails once and the cause is kept. Functions that
+//   can fail return ql_status (0 = QL_OK) and leave the message in the context: ql_ctx_error().
+// - Nothing here calls exit(); internal invariant failures (bugs, not input) abort with file:line.
+#pragma once
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define QL_MAX_DIMS      4
+#define QL_MAX_SRC       6
+#define QL_MAX_OP_PARAMS 16   // int32 slots
+#define QL_MAX_NAME      64
+#define QL_ALIGN         64   // bytes; every tensor in an arena or a planned buffer starts aligned
+
+// ============================================================================================
+// status codes
+// ============================================================================================
+
+typedef enum ql_status {
+    QL_OK = 0,
+    QL_ERR_SHAPE,        // shapes that do not fit the op
+    QL_ERR_TYPE,         // a type the op (or backend) does not take
+    QL_ERR_NOMEM,        // arena or buffer exhausted
+    QL_ERR_UNSUPPORTED,  // an op no backend implements, or second-order differentiation
+    QL_ERR_INVALID,      // bad argument (NULL, out of range, wrong state)
+    QL_ERR_IO,
+    QL_STATUS_COUNT
+} ql_status;
+
+const char *ql_status_name(ql_status s);
+
+// ============================================================================================
+// types: a table of traits, indexed by ql_type. Ids equal ggml's so GGUF files map 1:1;
+// values that reach a file are append-only. Quantized types (NF4, Q4_K, ...) enter through
+// the same table: op constructors and autodiff never switch on the type.
+// ============================================================================================
+
+typedef enum ql_type {
+    QL_TYPE_F32  = 0,
+    QL_TYPE_F16  = 1,
+    QL_TYPE_I32  = 26,
+    QL_TYPE_BF16 = 30,
+    QL_TYPE_COUNT
+} ql_type;
+
+typedef void (*ql_to_float_fn)(const void *src, float *dst, int64_t n);   // n: multiple of blck_size
+typedef void (*ql_from_float_fn)(const float *src, void *dst, int64_t n);
+
+typedef struct ql_type_traits {
+    const char      *name;        // NULL: no such type
+    int64_t          blck_size;   // elements per block (1 for plain types)
+    size_t           type_size;   // bytes per block
+    bool             is_float;    // holds real numbers convertible with to_float/from_float
+    ql_to_float_fn   to_float;
+    ql_from_float_fn from_float;  // NULL when the type cannot be produced element by element
+} ql_type_traits;
+
+const ql_type_traits *ql_type_traits_get(ql_type t);  // NULL for an unknown id
+const char *ql_type_name(ql_type t);                  // "?" for an unknown id
+size_t      ql_row_size(ql_type t, int64_t ne0);      // bytes of ne0 elements (ne0 % blck == 0)
+
+// scalar conversions (round to nearest even)
+uint16_t ql_fp32_to_fp16(float f);
+float    ql_fp16_to_fp32(uint16_t h);
+uint16_t ql_fp32_to_bf16(float f);
+float    ql_bf16_to_fp32(uint16_t h);
+
+// ============================================================================================
+// context: an arena holding tensor headers and (unless no_alloc) tensor data
+// ============================================================================================
+
+typedef struct ql_context ql_context;
+typedef struct ql_graph   ql_graph;
+typedef struct ql_backend ql_backend;
+
+typedef struct ql_init_params {
+    size_t mem_size;    // arena bytes: headers + data. See ql_tensor_overhead() and measure.
+    void  *mem_buffer;  // NULL: the context mallocs mem_size once and frees it in ql_free
+    bool   no_alloc;    // headers only; data pointers stay NULL (set later: mmap, a backend)
+    bool   measure;     // nothing is allocated: mem_size is ignored, ql_used_mem() then says how
+                        // big an arena with the same tensors (and the same no_alloc) must be
+} ql_init_params;
+
+ql_context *ql_init(ql_init_params params);
+void        ql_free(ql_context *ctx);
+size_t      ql_used_mem(const ql_context *ctx);      // arena bytes in use (or needed, measuring)
+size_t      ql_ctx_data_size(const ql_context *ctx); // data bytes of its tensors (even if no_alloc)
+size_t      ql_tensor_overhead(void);                // arena bytes of one tensor header
+bool        ql_ctx_is_measure(const ql_context *ctx);
+
+const char *ql_ctx_error(const ql_context *ctx);     // "" when there is none
+ql_status   ql_ctx_status(const ql_context *ctx);
+void        ql_ctx_clear_error(ql_context *ctx);
+// for modules built on the library (model loaders, tools): record an error the same way
+void        ql_ctx_set_error(ql_context *ctx, ql_status st, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+
+// ============================================================================================
+// tensors
+// ============================================================================================
+
+typedef enum ql_op {
+    QL_OP_NONE = 0,          // a leaf: data set by the user, a file or a backend
+    QL_OP_FILL,              // every element = value
+    QL_OP_CONT,              // contiguous copy, optionally converting the type
+    QL_OP_VIEW,              // the four view ops alias their source's data
+    QL_OP_RESHAPE,
+    QL_OP_PERMUTE,
+    QL_OP_TRANSPOSE,
+    QL_OP_ADD,               // a + b, b broadcast by repetition
+    QL_OP_MUL,               // a * b, b broadcast by repetition
+    QL_OP_SCALE,             // a * s
+    QL_OP_SUM,               // sum of all elements -> [1]
+    QL_OP_REDUCE_TO,         // sum a down to a smaller broadcast shape (the adjoint of broadcast)
+    QL_OP_MUL_MAT,
+    QL_OP_GET_ROWS,
+    QL_OP_GET_ROWS_BACK,
+    QL_OP_RMS_NORM,
+    QL_OP_RMS_NORM_BACK,
+    QL_OP_ROPE,
+    QL_OP_ROPE_BACK,
+    QL_OP_SILU,
+    QL_OP_SILU_BACK,
+    QL_OP_SWIGLU,
+    QL_OP_SWIGLU_BACK,
+    QL_OP_FLASH_ATTN,
+    QL_OP_FLASH_ATTN_BACK,
+    QL_OP_CROSS_ENTROPY,
+    QL_OP_CROSS_ENTROPY_BACK,
+    QL_OP_DROPOUT,
+    QL_OP_VIEW_BACK,         // zeros of the viewed tensor's shape with the gradient placed in the view
+    QL_OP_ACC_GRAD,          // param->grad += contribution (in place; the result aliases the grad)
+    QL_OP_COUNT
+} ql_op;
+
+const char *ql_op_name(ql_op op);
+
+enum ql_tensor_flag {
+    QL_FLAG_PARAM  = 1 << 0,  // trainable leaf (fp32 master weight): gets a gradient buffer
+    QL_FLAG_INPUT  = 1 << 1,  // leaf written by the caller before each run (tokens, targets, ...)
+    QL_FLAG_OUTPUT = 1 << 2,  // its value must survive the run (never reused by the planner)
+    QL_FLAG_GRAD   = 1 << 3,  // a parameter's gradient accumulator
+};
+
+typedef struct ql_tensor ql_tensor;
+struct ql_tensor {
+    ql_type    type;
+    int64_t    ne[QL_MAX_DIMS];          // elements per dimension, ne[0] fastest
+    size_t     nb[QL_MAX_DIMS];          // bytes between consecutive elements of each dimension
+    ql_op      op;
+    int32_t    op_params[QL_MAX_OP_PARAMS];
+    int32_t    flags;                    // ql_tensor_flag bits
+    ql_tensor *src[QL_MAX_SRC];
+    ql_tensor *grad;                     // QL_FLAG_PARAM leafs: the accumulator, after ql_graph_backward
+    ql_tensor *view_src;                 // views: the tensor whose data this one aliases
+    size_t     view_offs;                // byte offset into view_src's data
+    size_t     aux_size;                 // bytes an op keeps right after the data (e.g. softmax stats)
+    void      *data;
+    void      *extra;                    // backend-private
+    char       name[QL_MAX_NAME];
+};
+
+ql_tensor *ql_new_tensor(ql_context *ctx, ql_type type, int n_dims, const int64_t *ne);
+ql_tensor *ql_new_tensor_1d(ql_context *ctx, ql_type type, int64_t ne0);
+ql_tensor *ql_new_tensor_2d(ql_context *ctx, ql_type type, int64_t ne0, int64_t ne1);
+ql_tensor *ql_new_tensor_3d(ql_context *ctx, ql_type type, int64_t ne0, int64_t ne1, int64_t ne2);
+ql_tensor *ql_new_tensor_4d(ql_context *ctx, ql_type type, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3);
+
+ql_tensor  *ql_set_name(ql_tensor *t, const char *name);   // returns t (NULL-safe)
+ql_tensor  *ql_format_name(ql_tensor *t, const char *fmt, ...);
+ql_tensor  *ql_set_param(ql_tensor *t);                    // mark trainable (must be an F32 leaf)
+ql_tensor  *ql_set_input(ql_tensor *t);
+ql_tensor  *ql_set_output(ql_tensor *t);
+
+int64_t ql_nelements(const ql_tensor *t);
+int64_t ql_nrows(const ql_tensor *t);                       // ne1*ne2*ne3
+size_t  ql_nbytes(const ql_tensor *t);                      // bytes spanned by the data (not aux)
+int     ql_n_dims(const ql_tensor *t);                      // highest dimension with ne > 1, plus one
+bool    ql_is_contiguous(const ql_tensor *t);
+bool    ql_rows_contiguous(const ql_tensor *t);             // nb[0] == element size (rows are dense)
+bool    ql_same_shape(const ql_tensor *a, const ql_tensor *b);
+void   *ql_aux_data(const ql_tensor *t);                    // data + nbytes, or NULL
+
+// element access for tests and tools (f32 view of any float type; i32 for I32)
+float   ql_get_f32_1d(const ql_tensor *t, int64_t i);       // i: logical flat index
+void    ql_set_f32_1d(ql_tensor *t, int64_t i, float v);
+void    ql_tensor_fill_f32(ql_tensor *t, float v);
+
+// ============================================================================================
+// op constructors: record an op, return its (data-less) result. Shapes in comments.
+// ============================================================================================
+
+// every element = value; a leaf-like node computed at run time (no data needed before)
+ql_tensor *ql_fill(ql_context *ctx, ql_type type, int n_dims, const int64_t *ne, float value);
+
+// views alias a's data: no copy. Strides nb1..nb3 in bytes, offset in bytes.
+ql_tensor *ql_view_1d(ql_context *ctx, ql_tensor *a, int64_t ne0, size_t offset);
+ql_tensor *ql_view_2d(ql_context *ctx, ql_tensor *a, int64_t ne0, int64_t ne1, size_t nb1, size_t offset);
+ql_tensor *ql_view_3d(ql_context *ctx, ql_tensor *a, int64_t ne0, int64_t ne1, int64_t ne2,
+                      size_t nb1, size_t nb2, size_t offset);
+ql_tensor *ql_view_4d(ql_context *ctx, ql_tensor *a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3,
+                      size_t nb1, size_t nb2, size_t nb3, size_t offset);
+// reshape needs a contiguous a; same element count
+ql_tensor *ql_reshape_1d(ql_context *ctx, ql_tensor *a, int64_t ne0);
+ql_tensor *ql_reshape_2d(ql_context *ctx, ql_tensor *a, int64_t ne0, int64_t ne1);
+ql_tensor *ql_reshape_3d(ql_context *ctx, ql_tensor *a, int64_t ne0, int64_t ne1, int64_t ne2);
+ql_tensor *ql_reshape_4d(ql_context *ctx, ql_tensor *a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3);
+// source dimension i becomes result dimension axis_i (ggml semantics)
+ql_tensor *ql_permute(ql_context *ctx, ql_tensor *a, int axis0, int axis1, int axis2, int axis3);
+ql_tensor *ql_transpose(ql_context *ctx, ql_tensor *a);             // swap ne0 and ne1
+ql_tensor *ql_cont(ql_context *ctx, ql_tensor *a);                  // contiguous copy
+ql_tensor *ql_cast(ql_context *ctx, ql_tensor *a, ql_type type);    // contiguous copy in `type`
+
+// elementwise, f32. b is broadcast to a's shape by repetition: a.ne[i] % b.ne[i] == 0.
+ql_tensor *ql_add(ql_context *ctx, ql_tensor *a, ql_tensor *b);
+ql_tensor *ql_mul(ql_context *ctx, ql_tensor *a, ql_tensor *b);
+ql_tensor *ql_scale(ql_context *ctx, ql_tensor *a, float s);
+ql_tensor *ql_sum(ql_context *ctx, ql_tensor *a);                   // -> [1]
+// sum a over the repetitions that broadcast `like` to a's shape: result has like's shape.
+// grouped=false: repetition by modulo (as ql_add); true: by blocks (as ql_mul_mat's batch).
+ql_tensor *ql_reduce_to(ql_context *ctx, ql_tensor *a, const ql_tensor *like, bool grouped);
+
+// a [K, M, A2, A3] (any float type), b [K, N, B2, B3] f32 -> [M, N, B2, B3] f32.
+// a and b may be views with any strides (e.g. transposed); the result is contiguous.
+ql_tensor *ql_mul_mat(ql_context *ctx, ql_tensor *a, ql_tensor *b);
+
+// a [n_embd, n_rows] (any float type), ids I32 [n, n2, n3] -> [n_embd, n, n2, n3] f32
+ql_tensor *ql_get_rows(ql_context *ctx, ql_tensor *a, ql_tensor *ids);
+
+// y = x / sqrt(mean(x^2) + eps) over each row (ne0)
+ql_tensor *ql_rms_norm(ql_context *ctx, ql_tensor *a, float eps);
+
+enum ql_rope_mode {
+    QL_ROPE_NORMAL = 0,  // rotate adjacent pairs (2i, 2i+1): llama, llama2.c
+    QL_ROPE_NEOX   = 2,  // rotate (i, i + n_dims/2): qwen2, gpt-neox (value as in ggml)
+};
+// a [head_dim, n_head, T, B] f32, pos I32 [T, B] (position of each token),
+// freq_factors: NULL or f32 [n_dims/2] (divisors of each frequency: Llama-3.1 rope_freqs).
+// Rotates the first n_dims of each head by pos * freq_base^(-2i/n_dims) / factor_i.
+ql_tensor *ql_rope(ql_context *ctx, ql_tensor *a, ql_tensor *pos, ql_tensor *freq_factors,
+                   int n_dims, int mode, float freq_base);
+
+ql_tensor *ql_silu(ql_context *ctx, ql_tensor *a);                  // a * sigmoid(a)
+ql_tensor *ql_swiglu(ql_context *ctx, ql_tensor *a, ql_tensor *b);  // silu(a) * b, same shapes
+
+// Fused causal attention, computed tile by tile with an online softmax: memory O(T), the
+// [Tq, Tk] score matrix is never stored. Keeps only the per-row logsumexp for backward.
+//   q [d, Tq, H, B], k [d, Tk, Hkv, B], v [dv, Tk, Hkv, B] f32 (any strides with dense rows)
+//   -> [dv, H, Tq, B] (reshapes to [dv*H, Tq, B] directly)
+// H % Hkv == 0 (query head h reads kv head h / (H/Hkv)). Query i may attend key j when
+// j <= i + (Tk - Tq) (so a KV cache works) and, if seg (I32 [Tk, B], Tq == Tk) is given,
+// seg[i] == seg[j]: packed documents never see each other.
+ql_tensor *ql_flash_attn(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tensor *v,
+                         ql_tensor *seg, float scale);
+
+// logits [V, N, ...] f32, targets I32 [N, ...] (target < 0: ignored), count f32 [1]
+// -> [1] = sum over kept rows of -log softmax(logits)[target] / count[0].
+// count is read at run time, so accumulation can normalise by a whole optimizer step's tokens.
+ql_tensor *ql_cross_entropy(ql_context *ctx, ql_tensor *logits, ql_tensor *targets, ql_tensor *count);
+
+// Inverted dropout: y = keep ? x/(1-p) : 0, keep decided by a counter-based hash of
+// (seed[0], stream, element index) - never stored, regenerated in backward and on recompute.
+// seed: I32 [1] input the caller changes per step; stream: distinct per call site.
+ql_tensor *ql_dropout(ql_context *ctx, ql_tensor *a, float p, ql_tensor *seed, uint32_t stream);
+
+// ============================================================================================
+// graphs and autodiff
+// ============================================================================================
+
+ql_graph  *ql_graph_new(ql_context *ctx);
+void       ql_graph_free(ql_graph *g);
+ql_status  ql_graph_build_forward(ql_graph *g, ql_tensor *out);   // may be called for several outputs
+int        ql_graph_n_nodes(const ql_graph *g);
+ql_tensor *ql_graph_node(const ql_graph *g, int i);               // negative i counts from the end
+int        ql_graph_n_forward(const ql_graph *g);                 // nodes before the backward part
+ql_context *ql_graph_ctx(const ql_graph *g);
+
+// A new graph: gf's nodes, then the backward of the scalar `loss` (f32 [1]) with respect to
+// every QL_FLAG_PARAM leaf it depends on. Each such param gets param->grad (allocated in ctx,
+// F32, same shape) and the graph ends with param->grad += dloss/dparam, so runs accumulate;
+// zero them with ql_graph_zero_grads. Frozen leafs get no gradient buffer, and no gradient is
+// computed for anything that does not lead to a param. Returns NULL on error (see ctx).
+ql_graph *ql_graph_backward(ql_context *ctx, const ql_graph *gf, ql_tensor *loss);
+void      ql_graph_zero_grads(ql_graph *g);
+int       ql_graph_n_params(const ql_graph *g);
+ql_tensor *ql_graph_param(const ql_graph *g, int i);
+
+// ============================================================================================
+// static memory plan: every op result gets an offset in one buffer, reused after its last
+// consumer (in place where the op allows), all decided before anything runs.
+// ============================================================================================
+
+typedef enum ql_mem_category {
+    QL_MEM_WEIGHTS,   // frozen leaf tensors (the base model)
+    QL_MEM_PARAMS,    // trainable leafs (fp32 master weights)
+    QL_MEM_GRADS,     // their gradient accumulators
+    QL_MEM_INPUTS,    // QL_FLAG_INPUT leafs
+    QL_MEM_SAVED,     // forward results still alive when backward starts
+    QL_MEM_SCRATCH,   // the rest of the planned buffer (temporaries)
+    QL_MEM_WORK,      // per-thread kernel workspace (matmul packing, attention tiles)
+    QL_MEM_COUNT
+} ql_mem_category;
+
+const char *ql_mem_category_name(ql_mem_category c);
+
+typedef struct ql_plan_stats {
+    size_t bytes[QL_MEM_COUNT];
+    size_t buffer_size;    // planned buffer = SAVED + SCRATCH + WORK
+    size_t total;          // everything: the sum of bytes[]
+    size_t sum_of_sizes;   // what the planned tensors would need without reuse
+    int    n_planned;      // tensors placed in the buffer
+    int    n_inplace;      // of them, results written over a dying source
+} ql_plan_stats;
+
+typedef struct ql_plan_entry {
+    const ql_tensor *tensor;
+    size_t offset;         // in the planned buffer
+    size_t size;           // nbytes + aux, aligned
+    int    first, last;    // node indices: produced at first, last read at last
+    bool   inplace;        // took over its source's block
+} ql_plan_entry;
+
+ql_status ql_graph_plan(ql_graph *g, ql_backend *backend, ql_plan_stats *stats);
+int       ql_graph_plan_entries(const ql_graph *g, const ql_plan_entry **entries);
+// Allocates the planned buffer once from the backend and points every op result into it.
+ql_status ql_graph_alloc(ql_graph *g, ql_backend *backend);
+// Debug: before each node runs, fill the bytes of blocks freed by earlier nodes with NaN
+// (0xFF) so a reader of a dead tensor cannot go unnoticed.
+void      ql_graph_set_poison(ql_graph *g, bool on);
+// Debug: give every tensor its own block (no reuse) - the reference the planner is tested against.
+void      ql_graph_set_no_reuse(ql_graph *g, bool on);
+
+// ============================================================================================
+// backends
+// ============================================================================================
+
+ql_backend *ql_backend_cpu_init(int n_threads);   // n_threads <= 0: one per core
+void        ql_backend_free(ql_backend *be);
+const char *ql_backend_name(const ql_backend *be);
+bool        ql_backend_supports_op(ql_backend *be, const ql_tensor *node);
+ql_status   ql_backend_graph_compute(ql_backend *be, ql_graph *g);
+int         ql_backend_cpu_n_threads(const ql_backend *be);
+const char *ql_cpu_features(void);                 // e.g. "AVX512F AVX2 FMA F16C" as compiled in
+
+// For backend implementers (CUDA lives in qlora-cuda.cu and fills this table).
+typedef struct ql_backend_i {
+    const char *name;
+    bool   (*supports_op)(ql_backend *be, const ql_tensor *node);
+    size_t (*work_size)(ql_backend *be, const ql_tensor *node);     // per-node workspace bytes
+    void  *(*buffer_alloc)(ql_backend *be, size_t size);            // QL_ALIGN-aligned or NULL
+    void   (*buffer_free)(ql_backend *be, void *ptr);
+    // run nodes [0, n) of g; the planned buffer is bound; return QL_OK or set an error in ctx
+    ql_status (*graph_compute)(ql_backend *be, ql_graph *g);
+    void   (*free)(ql_backend *be);
+} ql_backend_i;
+
+struct ql_backend {
+    ql_backend_i iface;
+    void        *impl;
+};
+
+// Direct matrix multiply on the CPU, for tools and benchmarks: c[M,N] (ldc floats between rows
+// n) = sum_k a[k + m*lda] * b[k + n*ldb] (both row-major with K contiguous), using the backend's
+// threads and kernels. Equivalent to ql_mul_mat on contiguous f32 tensors.
+void ql_cpu_sgemm(ql_backend *cpu, int64_t M, int64_t N, int64_t K,
+                  const float *a, int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc);
+
+// ============================================================================================
+// optimizer math (host memory, f32): the building block the trainers' optimizers use
+// ============================================================================================
+
+typedef struct ql_adamw_params {
+    float lr;            // e.g. 2e-4
+    float beta1, beta2;  // 0.9, 0.999
+    float eps;           // 1e-8
+    float weight_decay;  // decoupled (AdamW); 0 disables
+} ql_adamw_params;
+
+// One AdamW step for one parameter: m, v are f32 state of param's shape (zero before step 1),
+// step counts from 1, grad = param->grad * grad_scale (e.g. 1 / loss scale).
+void ql_adamw_update(ql_tensor *param, ql_tensor *m, ql_tensor *v, int64_t step, const ql_adamw_params *p,
+                     float grad_scale);
+
+#ifdef __cplusplus
+}
+#endif
