@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstdarg>
@@ -31,6 +32,7 @@
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ < 13
 // gcc 12's own AVX-512 headers trip -Wmaybe-uninitialized when inlined (gcc bug 105593)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #endif
 #endif
 
@@ -954,12 +956,14 @@ struct ql_graph {
     std::vector<std::vector<int>> freed_after; // node i -> entries whose block is free after it
     size_t arena_size = 0, work_size = 0;
     ql_plan_stats stats{};
-    bool poison = false, no_reuse = false;
+    bool poison = false, no_reuse = false, profile = false;
+    std::vector<double> node_seconds;          // profile totals, per node
 
     // the allocation
     uint8_t *buffer = nullptr;
     size_t buffer_size = 0;
-    ql_backend *buffer_backend = nullptr;
+    const ql_backend *buffer_backend = nullptr;  // identity only: never dereferenced after alloc
+    void (*buffer_free)(void *) = nullptr;
     uint8_t *work = nullptr;
 };
 
@@ -971,7 +975,7 @@ ql_graph *ql_graph_new(ql_context *ctx) {
 }
 
 static void graph_release_buffer(ql_graph *g) {
-    if (g->buffer) g->buffer_backend->iface.buffer_free(g->buffer_backend, g->buffer);
+    if (g->buffer) g->buffer_free(g->buffer);
     g->buffer = nullptr;
     g->buffer_size = 0;
     g->work = nullptr;
@@ -1472,6 +1476,13 @@ int ql_graph_plan_entries(const ql_graph *g, const ql_plan_entry **entries) {
 }
 
 void ql_graph_set_poison(ql_graph *g, bool on) { g->poison = on; }
+void ql_graph_set_profile(ql_graph *g, bool on) {
+    g->profile = on;
+    g->node_seconds.assign(g->nodes.size(), 0.0);  // sized here, not while running
+}
+double ql_graph_node_seconds(const ql_graph *g, int i) {
+    return (i >= 0 && i < (int)g->node_seconds.size()) ? g->node_seconds[(size_t)i] : 0.0;
+}
 void ql_graph_set_no_reuse(ql_graph *g, bool on) {
     g->no_reuse = on;
     g->planned  = false;  // the placement changes: plan again
@@ -1507,6 +1518,7 @@ ql_status ql_graph_alloc(ql_graph *g, ql_backend *be) {
         }
         g->buffer_size    = need;
         g->buffer_backend = be;
+        g->buffer_free    = be->iface.buffer_free;
     }
     for (size_t i = 0; i < g->entries.size(); i++) g->entry_tensor[i]->data = g->buffer + g->entries[i].offset;
     for (ql_tensor *node : g->nodes)
@@ -1680,6 +1692,64 @@ static inline float row_exp_sum(int64_t n, const float *x, float m, float *y) {
     float r = vf_hsum(s);
     for (; i < n; i++) r += (y[i] = exp1(x[i] - m));
     return r;
+}
+
+// y[0..n) += sum_r c[r] * x[r][0..n): the accumulator stays in registers across all rows
+// (one load and one store of y per chunk instead of one per row). Zero coefficients skipped.
+static void rows_axpy(int64_t n, int nr, const float *c, const float *const *x, float *y) {
+    int64_t i = 0;
+    for (; i + 4 * VW <= n; i += 4 * VW) {
+        vf a0 = vf_load(y + i), a1 = vf_load(y + i + VW), a2 = vf_load(y + i + 2 * VW), a3 = vf_load(y + i + 3 * VW);
+        for (int r = 0; r < nr; r++) {
+            if (c[r] == 0.0f) continue;
+            const vf cr = vf_set1(c[r]);
+            const float *xr = x[r] + i;
+            a0 = vf_fma(cr, vf_load(xr), a0);
+            a1 = vf_fma(cr, vf_load(xr + VW), a1);
+            a2 = vf_fma(cr, vf_load(xr + 2 * VW), a2);
+            a3 = vf_fma(cr, vf_load(xr + 3 * VW), a3);
+        }
+        vf_store(y + i, a0);
+        vf_store(y + i + VW, a1);
+        vf_store(y + i + 2 * VW, a2);
+        vf_store(y + i + 3 * VW, a3);
+    }
+    for (; i + VW <= n; i += VW) {
+        vf a = vf_load(y + i);
+        for (int r = 0; r < nr; r++)
+            if (c[r] != 0.0f) a = vf_fma(vf_set1(c[r]), vf_load(x[r] + i), a);
+        vf_store(y + i, a);
+    }
+    for (; i < n; i++) {
+        float a = y[i];
+        for (int r = 0; r < nr; r++) a += c[r] * x[r][i];
+        y[i] = a;
+    }
+}
+
+// dst[i*ld_dst + j] = src[j*ld_src + i] for an 8 x 8 block
+static inline void transpose8(const float *src, int64_t ld_src, float *dst, int64_t ld_dst) {
+#if defined(__AVX__)
+    __m256 r[8], t[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + i * ld_src);
+    for (int i = 0; i < 8; i += 2) {
+        t[i]     = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        r[i]     = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        _mm256_storeu_ps(dst + i * ld_dst, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+        _mm256_storeu_ps(dst + (i + 4) * ld_dst, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+    }
+#else
+    for (int i = 0; i < 8; i++)
+        for (int j = 0; j < 8; j++) dst[i * ld_dst + j] = src[j * ld_src + i];
+#endif
 }
 
 static inline void cpu_relax() {
@@ -2231,6 +2301,8 @@ static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
         for (int64_t j0 = 0; j0 < jend; j0 += FA_BK) {
             const int64_t bk = std::min<int64_t>(FA_BK, jend - j0);
             fa_pack_t(k, j0, bk, hk, b, FA_BK, KT);
+            const float *vrows[FA_BK];
+            for (int64_t j = 0; j < bk; j++) vrows[j] = fa_row(v, j0 + j, hk, b);
             for (int64_t ii = 0; ii < nq; ii++) {
                 const int64_t i = i0 + ii, jl = std::min(bk, i + off + 1 - j0);  // causal: j <= i + off
                 if (jl <= 0) continue;
@@ -2245,8 +2317,7 @@ static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
                 l[ii] = l[ii] * alpha + row_exp_sum(jl, s, mnew, s);
                 float *o = O + ii * DV;
                 if (alpha != 1.0f) row_scale(DV, alpha, o, o);
-                for (int64_t j = 0; j < jl; j++)
-                    if (s[j] != 0.0f) row_axpy(DV, s[j], fa_row(v, j0 + j, hk, b), o);
+                rows_axpy(DV, (int)jl, s, vrows, o);  // O += P V over the tile
                 m[ii] = mnew;
             }
         }
@@ -2286,6 +2357,8 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                 const int64_t bk = std::min<int64_t>(FA_BK, jend - j0);
                 fa_pack_t(k, j0, bk, hk, b, FA_BK, KT);
                 fa_pack_t(v, j0, bk, hk, b, FA_BK, VT);
+                const float *krows[FA_BK];
+                for (int64_t j = 0; j < bk; j++) krows[j] = fa_row(k, j0 + j, hk, b);
                 for (int64_t ii = 0; ii < nq; ii++) {
                     const int64_t i = i0 + ii, jl = std::min(bk, i + off + 1 - j0);
                     if (jl <= 0) continue;
@@ -2294,11 +2367,9 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                     fa_scores<FA_BK>(DV, do_row(i, h, b), VT, dp);
                     for (int64_t j = 0; j < jl; j++) s[j] = s[j] * scale - L;
                     row_exp_sum(jl, s, 0.0f, s);  // P
-                    for (int64_t j = 0; j < jl; j++) {
-                        if (masked(i, j0 + j, b)) continue;
-                        const float ds = s[j] * (dp[j] - Dd[ii]);  // dS = P (dP - rowsum(dO o O))
-                        if (ds != 0.0f) row_axpy(D, scale * ds, fa_row(k, j0 + j, hk, b), acc + ii * D);
-                    }
+                    for (int64_t j = 0; j < jl; j++)  // scale * dS, dS = P (dP - rowsum(dO o O))
+                        s[j] = masked(i, j0 + j, b) ? 0.0f : scale * s[j] * (dp[j] - Dd[ii]);
+                    rows_axpy(D, (int)jl, s, krows, acc + ii * D);  // dQ += dS K
                 }
             }
             for (int64_t ii = 0; ii < nq; ii++) memcpy(dq + ((b * H + h) * Tq + i0 + ii) * D, acc + ii * D, (size_t)D * 4);
@@ -2313,6 +2384,11 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                 for (int64_t i0 = std::max<int64_t>(0, j0 - off) / FA_BQ * FA_BQ; i0 < Tq; i0 += FA_BQ) {
                     const int64_t nq = std::min<int64_t>(FA_BQ, Tq - i0);
                     fa_pack_t(q, i0, nq, h, b, FA_BQ, QT);
+                    const float *qrows[FA_BQ], *orows[FA_BQ];
+                    for (int64_t ii = 0; ii < nq; ii++) {
+                        qrows[ii] = fa_row(q, i0 + ii, h, b);
+                        orows[ii] = do_row(i0 + ii, h, b);
+                    }
                     for (int64_t ii = 0; ii < nq; ii++) {  // dO^T, and per query L and D
                         const float *g = do_row(i0 + ii, h, b);
                         for (int64_t c = 0; c < DV; c++) OT[c * FA_BQ + ii] = g[c];
@@ -2328,12 +2404,11 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                         for (int64_t ii = 0; ii < nq; ii++) s[ii] = s[ii] * scale - L[ii];
                         row_exp_sum(nq, s, 0.0f, s);
                         for (int64_t ii = 0; ii < nq; ii++) {
-                            const int64_t i = i0 + ii;
-                            if (masked(i, j, b)) continue;
-                            const float pij = s[ii], ds = pij * (dp[ii] - Dd[ii]);
-                            row_axpy(DV, pij, do_row(i, h, b), av + jj * DV);                  // dV += P^T dO
-                            if (ds != 0.0f) row_axpy(D, scale * ds, fa_row(q, i, h, b), ak + jj * D);  // dK += dS^T Q
+                            if (masked(i0 + ii, j, b)) s[ii] = 0.0f;
+                            dp[ii] = scale * s[ii] * (dp[ii] - Dd[ii]);  // scale * dS
                         }
+                        rows_axpy(DV, (int)nq, s, orows, av + jj * DV);   // dV += P^T dO
+                        rows_axpy(D, (int)nq, dp, qrows, ak + jj * D);    // dK += dS^T Q
                     }
                 }
             }
@@ -2464,12 +2539,23 @@ static void mm_pack(const mm_operand &o, int64_t k0, int64_t kc, int64_t mn0, in
             for (int j = 0; j < n; j++) dk[j] = s[j];
             for (int j = n; j < W; j++) dk[j] = 0.0f;
         }
-    } else if (mm_k_contig(o)) {  // k-contiguous (weights, activations): transpose runs
-        for (int j = 0; j < n; j++) {
+    } else if (mm_k_contig(o)) {  // k-contiguous (weights, activations): transpose, 8 x 8 at a time
+        int j = 0;
+        for (; j + 8 <= n; j += 8) {
+            const float *rows[8];
+            for (int q = 0; q < 8; q++) rows[q] = mm_run(o, mn0 + j + q, k0, kc, tmp + (size_t)q * MM_KC);
+            // rows are evenly spaced in the source (f32) or in tmp (converted)
+            const int64_t ld = o.type == QL_TYPE_F32 ? o.smn / 4 : MM_KC;
+            int64_t kk = 0;
+            for (; kk + 8 <= kc; kk += 8) transpose8(rows[0] + kk, ld, d + kk * W + j, W);
+            for (; kk < kc; kk++)
+                for (int q = 0; q < 8; q++) d[kk * W + j + q] = rows[q][kk];
+        }
+        for (; j < n; j++) {
             const float *s = mm_run(o, mn0 + j, k0, kc, tmp);
             for (int64_t kk = 0; kk < kc; kk++) d[kk * W + j] = s[kk];
         }
-        for (int j = n; j < W; j++)
+        for (j = n; j < W; j++)
             for (int64_t kk = 0; kk < kc; kk++) d[kk * W + j] = 0.0f;
     } else {
         for (int64_t kk = 0; kk < kc; kk++) {
@@ -2527,7 +2613,7 @@ static mm_layout mm_layout_of(int64_t M, int64_t N, int64_t K) {
     mm_layout L;
     L.xbuf  = nc * kc;
     L.tmp   = L.xbuf + mc * kc;
-    L.total = L.tmp + (size_t)std::max<int64_t>(MM_KC, 4 * K) + 64;
+    L.total = L.tmp + (size_t)std::max<int64_t>(8 * MM_KC, 4 * K) + 64;  // 8 converted runs, or 4 whole rows
     return L;
 }
 
@@ -2776,14 +2862,18 @@ static void cpu_graph_worker(void *arg, int ith, int nth) {
         if (ith == 0) memset(g->buffer, 0xff, g->arena_size);  // NaN everywhere nothing wrote yet
         job->pool->barrier();
     }
+    const bool profile = g->profile && g->node_seconds.size() == g->nodes.size();
     for (size_t i = 0; i < g->nodes.size(); i++) {
         ql_tensor *node = g->nodes[i];
         if (is_noop(node->op)) continue;
+        const auto t0 = profile ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
         for (int pass = 0, np = cpu_n_passes(node); pass < np; pass++) {
             p.pass = pass;
             cpu_compute_node(p, node);
             job->pool->barrier();
         }
+        if (profile && ith == 0)
+            g->node_seconds[i] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         if (job->failed.load()) break;  // every thread reads it after the same barrier
         if (g->poison && !g->freed_after[i].empty()) {
             if (ith == 0)
@@ -2819,7 +2909,7 @@ static size_t cpu_work_size(ql_backend *be, const ql_tensor *node) {
 }
 
 static void *cpu_buffer_alloc(ql_backend *, size_t size) { return aligned_alloc(QL_ALIGN, align_up(size, QL_ALIGN)); }
-static void  cpu_buffer_free(ql_backend *, void *ptr) { free(ptr); }
+static void  cpu_buffer_free(void *ptr) { free(ptr); }
 
 static ql_status cpu_graph_compute(ql_backend *be, ql_graph *g) {
     cpu_backend *cb = (cpu_backend *)be->impl;

@@ -366,6 +366,9 @@ ql_status ql_graph_alloc(ql_graph *g, ql_backend *backend);
 void      ql_graph_set_poison(ql_graph *g, bool on);
 // Debug: give every tensor its own block (no reuse) - the reference the planner is tested against.
 void      ql_graph_set_no_reuse(ql_graph *g, bool on);
+// Profiling: when on, each run adds every node's wall time (seconds) to a per-node total.
+void      ql_graph_set_profile(ql_graph *g, bool on);
+double    ql_graph_node_seconds(const ql_graph *g, int i);
 
 // ============================================================================================
 // backends
@@ -385,7 +388,7 @@ typedef struct ql_backend_i {
     bool   (*supports_op)(ql_backend *be, const ql_tensor *node);
     size_t (*work_size)(ql_backend *be, const ql_tensor *node);     // per-node workspace bytes
     void  *(*buffer_alloc)(ql_backend *be, size_t size);            // QL_ALIGN-aligned or NULL
-    void   (*buffer_free)(ql_backend *be, void *ptr);
+    void   (*buffer_free)(void *ptr);   // needs no backend: a graph may outlive the backend object
     // run nodes [0, n) of g; the planned buffer is bound; return QL_OK or set an error in ctx
     ql_status (*graph_compute)(ql_backend *be, ql_graph *g);
     void   (*free)(ql_backend *be);

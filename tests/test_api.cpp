@@ -1,0 +1,211 @@
+// Type traits, contexts, and bad input: every error names the op, the shapes and file:line.
+#include "tiny.h"
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <functional>
+#include <random>
+#include <string>
+
+static bool has(const char *hay, const char *needle) { return strstr(hay, needle) != nullptr; }
+static bool has_file_line(const char *msg) {  // "qlora.cpp:123: ..."
+    const char *p = strstr(msg, ".cpp:");
+    return p && p[5] >= '0' && p[5] <= '9';
+}
+
+TEST_CASE("type traits table") {
+    CHECK(std::string(ql_type_name(QL_TYPE_F32)) == "f32");
+    CHECK(std::string(ql_type_name(QL_TYPE_BF16)) == "bf16");
+    CHECK(ql_type_traits_get(QL_TYPE_F16)->type_size == 2);
+    CHECK(ql_type_traits_get(QL_TYPE_I32)->is_float == false);
+    CHECK(ql_type_traits_get((ql_type)3) == nullptr);  // a gap in the ids
+    CHECK(ql_type_traits_get((ql_type)-1) == nullptr);
+    CHECK(ql_type_traits_get(QL_TYPE_COUNT) == nullptr);
+    CHECK(ql_row_size(QL_TYPE_F16, 7) == 14);
+}
+
+TEST_CASE("fp16 / bf16 conversions round to nearest even; bulk == scalar") {
+    CHECK(ql_fp32_to_fp16(1.0f) == 0x3c00);
+    CHECK(ql_fp32_to_fp16(-2.0f) == 0xc000);
+    CHECK(ql_fp32_to_fp16(65504.0f) == 0x7bff);
+    CHECK(ql_fp32_to_fp16(65520.0f) == 0x7c00);                   // rounds up to inf
+    CHECK(ql_fp32_to_fp16(std::ldexp(1.0f, -24)) == 0x0001);      // smallest subnormal
+    CHECK(ql_fp32_to_fp16(std::ldexp(1.0f, -26)) == 0x0000);      // below half of it
+    CHECK(ql_fp32_to_fp16(1.0f + std::ldexp(1.0f, -11)) == 0x3c00);      // tie -> even
+    CHECK(ql_fp32_to_fp16(1.0f + 3 * std::ldexp(1.0f, -11)) == 0x3c02);  // tie -> even (up)
+    CHECK(std::isnan(ql_fp16_to_fp32(ql_fp32_to_fp16(NAN))));
+    CHECK(ql_fp32_to_bf16(1.0f) == 0x3f80);
+    CHECK(ql_fp32_to_bf16(1.0f + std::ldexp(1.0f, -8)) == 0x3f80);
+    CHECK(ql_fp32_to_bf16(1.0f + 3 * std::ldexp(1.0f, -8)) == 0x3f82);
+    CHECK(std::isnan(ql_bf16_to_fp32(ql_fp32_to_bf16(NAN))));
+
+    // every half: bulk (F16C where compiled in) agrees with the portable scalar code, and
+    // half -> float -> half is the identity for non-NaN values
+    std::vector<uint16_t> h(65536);
+    for (int i = 0; i < 65536; i++) h[(size_t)i] = (uint16_t)i;
+    std::vector<float> f(65536);
+    ql_type_traits_get(QL_TYPE_F16)->to_float(h.data(), f.data(), 65536);
+    std::vector<uint16_t> back(65536);
+    ql_type_traits_get(QL_TYPE_F16)->from_float(f.data(), back.data(), 65536);
+    int bad = 0;
+    for (int i = 0; i < 65536; i++) {
+        const float s = ql_fp16_to_fp32((uint16_t)i);
+        if (std::isnan(s)) continue;
+        bad += memcmp(&s, &f[(size_t)i], 4) != 0 || back[(size_t)i] != (uint16_t)i;
+    }
+    CHECK(bad == 0);
+    std::mt19937 rng(3);
+    std::vector<float> r(4099);
+    for (float &x : r) x = std::ldexp(std::uniform_real_distribution<float>(-1, 1)(rng), (int)(rng() % 40) - 28);
+    std::vector<uint16_t> bulk(r.size());
+    ql_type_traits_get(QL_TYPE_F16)->from_float(r.data(), bulk.data(), (int64_t)r.size());
+    bad = 0;
+    for (size_t i = 0; i < r.size(); i++) bad += bulk[i] != ql_fp32_to_fp16(r[i]);
+    CHECK(bad == 0);
+}
+
+TEST_CASE("context arena: exhaustion is an error with a hint, never a crash") {
+    ql_init_params ip = {4 * ql_tensor_overhead() + 256, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *a = ql_new_tensor_1d(ctx, QL_TYPE_F32, 16);
+    REQUIRE(a);
+    ql_tensor *b = ql_new_tensor_2d(ctx, QL_TYPE_F32, 1000, 1000);
+    CHECK(b == nullptr);
+    CHECK(ql_ctx_status(ctx) == QL_ERR_NOMEM);
+    CHECK(has(ql_ctx_error(ctx), "arena exhausted"));
+    CHECK(has(ql_ctx_error(ctx), "hint"));
+    CHECK(has_file_line(ql_ctx_error(ctx)));
+    CHECK(ql_add(ctx, a, b) == nullptr);  // the chain fails quietly, the first message stays
+    CHECK(has(ql_ctx_error(ctx), "arena exhausted"));
+    ql_free(ctx);
+
+    ql_init_params mp = {0, nullptr, false, true};
+    ql_context *m = ql_init(mp);
+    CHECK(ql_new_tensor_2d(m, QL_TYPE_F32, 1000, 1000) != nullptr);  // measuring: never full
+    CHECK(ql_used_mem(m) == ql_tensor_overhead() + 4000000);
+    ql_free(m);
+}
+
+TEST_CASE("bad shapes and types are reported with op, shapes and file:line") {
+    ql_init_params ip = {8u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *x = ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_F32, 8, 4), "x");
+    ql_tensor *i = ql_new_tensor_1d(ctx, QL_TYPE_I32, 4);
+    struct bad_case {
+        const char *what;
+        std::function<ql_tensor *()> make;
+        ql_status status;
+    };
+    const std::vector<bad_case> cases = {
+        {"view", [&] { return ql_view_2d(ctx, x, 8, 5, x->nb[1], 0); }, QL_ERR_SHAPE},
+        {"reshape", [&] { return ql_reshape_2d(ctx, x, 5, 7); }, QL_ERR_SHAPE},
+        {"reshape", [&] { return ql_reshape_1d(ctx, ql_transpose(ctx, x), 32); }, QL_ERR_SHAPE},
+        {"permute", [&] { return ql_permute(ctx, x, 0, 0, 1, 2); }, QL_ERR_INVALID},
+        {"mul_mat", [&] { return ql_mul_mat(ctx, x, i); }, QL_ERR_SHAPE},
+        {"get_rows", [&] { return ql_get_rows(ctx, x, x); }, QL_ERR_TYPE},
+        {"rms_norm", [&] { return ql_rms_norm(ctx, i, 1e-5f); }, QL_ERR_TYPE},
+        {"rope", [&] { return ql_rope(ctx, ql_reshape_4d(ctx, x, 4, 2, 4, 1), i, nullptr, 3, 0, 1e4f); }, QL_ERR_INVALID},
+        {"rope", [&] { return ql_rope(ctx, ql_reshape_4d(ctx, x, 4, 2, 2, 2), i, nullptr, 4, 0, 1e4f); }, QL_ERR_SHAPE},
+        {"flash_attn", [&] { return ql_flash_attn(ctx, ql_reshape_4d(ctx, x, 4, 4, 2, 1), ql_reshape_4d(ctx, x, 4, 2, 4, 1), ql_reshape_4d(ctx, x, 4, 2, 4, 1), nullptr, 1.0f); }, QL_ERR_SHAPE},
+        {"cross_entropy", [&] { return ql_cross_entropy(ctx, x, ql_new_tensor_1d(ctx, QL_TYPE_I32, 3), ql_new_tensor_1d(ctx, QL_TYPE_F32, 1)); }, QL_ERR_SHAPE},
+        {"dropout", [&] { return ql_dropout(ctx, x, 1.0f, i, 0); }, QL_ERR_INVALID},
+        {"swiglu", [&] { return ql_swiglu(ctx, x, ql_transpose(ctx, x)); }, QL_ERR_SHAPE},
+        {"cont", [&] { return ql_cast(ctx, i, QL_TYPE_F32); }, QL_ERR_TYPE},
+        {"fill", [&] { const int64_t ne[1] = {3}; return ql_fill(ctx, QL_TYPE_I32, 1, ne, 0.0f); }, QL_ERR_TYPE},
+    };
+    for (const bad_case &c : cases) {
+        const std::string what = c.what;
+        CAPTURE(what);
+        ql_ctx_clear_error(ctx);
+        CHECK(c.make() == nullptr);
+        CHECK(ql_ctx_status(ctx) == c.status);
+        CHECK(has(ql_ctx_error(ctx), c.what));
+        CHECK(has_file_line(ql_ctx_error(ctx)));
+    }
+    ql_free(ctx);
+}
+
+TEST_CASE("autodiff refuses what it cannot do") {
+    ql_init_params ip = {8u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *x = ql_set_param(ql_new_tensor_2d(ctx, QL_TYPE_F32, 8, 4));
+    ql_tensor *h = ql_set_param(ql_new_tensor_2d(ctx, QL_TYPE_F16, 8, 4));
+    ql_graph *g = ql_graph_new(ctx);
+    ql_tensor *y = ql_silu(ctx, x);
+    ql_graph_build_forward(g, y);
+    CHECK(ql_graph_backward(ctx, g, y) == nullptr);  // not a scalar
+    CHECK(has(ql_ctx_error(ctx), "single f32"));
+    ql_ctx_clear_error(ctx);
+    ql_tensor *other = ql_sum(ctx, x);
+    CHECK(ql_graph_backward(ctx, g, other) == nullptr);  // not in the graph
+    CHECK(has(ql_ctx_error(ctx), "not in the forward graph"));
+    ql_ctx_clear_error(ctx);
+    ql_graph *g2 = ql_graph_new(ctx);
+    ql_tensor *l2 = ql_sum(ctx, ql_cast(ctx, h, QL_TYPE_F32));
+    ql_graph_build_forward(g2, l2);
+    CHECK(ql_graph_backward(ctx, g2, l2) == nullptr);  // f16 params: master weights are f32
+    CHECK(ql_ctx_status(ctx) == QL_ERR_TYPE);
+    ql_graph_free(g);
+    ql_graph_free(g2);
+    ql_free(ctx);
+}
+
+// A backend that claims no matrix multiply: the plan must name it, the op and the shapes.
+static bool picky_supports(ql_backend *, const ql_tensor *n) { return n->op != QL_OP_MUL_MAT; }
+
+TEST_CASE("plan: an op the backend lacks is named; compute needs a plan; bad ids are runtime errors") {
+    ql_init_params ip = {8u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *emb = ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_F32, 6, 10), "emb");
+    ql_tensor *ids = ql_new_tensor_1d(ctx, QL_TYPE_I32, 3);
+    ql_tensor *w = ql_new_tensor_2d(ctx, QL_TYPE_F32, 6, 5);
+    ql_tensor_fill_f32(emb, 0.5f);
+    ql_tensor_fill_f32(w, 0.25f);
+    ql_tensor *y = ql_mul_mat(ctx, w, ql_get_rows(ctx, emb, ids));
+    ql_graph *g = ql_graph_new(ctx);
+    ql_graph_build_forward(g, y);
+
+    ql_backend *cpu = ql_backend_cpu_init(2);
+    ql_backend picky = *cpu;
+    picky.iface.name = "picky";
+    picky.iface.supports_op = picky_supports;
+    CHECK(ql_graph_plan(g, &picky, nullptr) == QL_ERR_UNSUPPORTED);
+    CHECK(has(ql_ctx_error(ctx), "picky"));
+    CHECK(has(ql_ctx_error(ctx), "mul_mat"));
+    CHECK(has(ql_ctx_error(ctx), "[6, 5] f32"));
+    ql_ctx_clear_error(ctx);
+
+    CHECK(ql_backend_graph_compute(cpu, g) == QL_ERR_INVALID);  // not allocated
+    CHECK(has(ql_ctx_error(ctx), "ql_graph_alloc"));
+    ql_ctx_clear_error(ctx);
+
+    REQUIRE(ql_graph_plan(g, cpu, nullptr) == QL_OK);
+    REQUIRE(ql_graph_alloc(g, cpu) == QL_OK);
+    int32_t *id = (int32_t *)ids->data;
+    id[0] = 1, id[1] = 9, id[2] = 3;
+    REQUIRE(ql_backend_graph_compute(cpu, g) == QL_OK);
+    CHECK(ql_get_f32_1d(y, 7) == doctest::Approx(6 * 0.5 * 0.25));
+    id[1] = 10;  // out of the table
+    CHECK(ql_backend_graph_compute(cpu, g) == QL_ERR_INVALID);
+    CHECK(has(ql_ctx_error(ctx), "get_rows: id 10"));
+    ql_graph_free(g);
+    ql_backend_free(cpu);
+    ql_free(ctx);
+}
+
+TEST_CASE("cross entropy: a target outside the vocabulary and a zero count are runtime errors") {
+    tiny_model tm(8, 1, 7, 1);
+    ql_backend *be = ql_backend_cpu_init(1);
+    REQUIRE(ql_graph_plan(tm.gb, be, nullptr) == QL_OK);
+    REQUIRE(ql_graph_alloc(tm.gb, be) == QL_OK);
+    ((int32_t *)tm.targets->data)[3] = 7;
+    CHECK(ql_backend_graph_compute(be, tm.gb) == QL_ERR_INVALID);
+    CHECK(has(ql_ctx_error(tm.ctx), "target 7 at row 3"));
+    ql_ctx_clear_error(tm.ctx);
+    tm.fill_inputs(1);
+    *(float *)tm.count->data = 0;
+    CHECK(ql_backend_graph_compute(be, tm.gb) == QL_ERR_INVALID);
+    CHECK(has(ql_ctx_error(tm.ctx), "count"));
+    ql_backend_free(be);
+}

@@ -1,0 +1,1154 @@
+// tests/test_ops.cpp - every op constructor of qlora.h, forward against a naive reference
+// written here in double precision, backward against central finite differences of that
+// reference. Each check runs on the CPU backend with 1 and with 3 threads, with the planner's
+// poison mode on (a tensor read after its block was reused shows up as NaN).
+//
+// Error measures:
+//   forward:  max|got - ref| / max(1, max|ref|)                <= 1e-5 (f32)
+//   backward: max|grad - fd| / max(1e-3, max|fd|) over checked elements <= 1e-4
+// with fd the central difference (h = 1e-4) of L(x) = sum(ref(x) * r) in double, r a fixed
+// random tensor of the output's shape. Set QL_TEST_VERBOSE=1 to print every measured error.
+#include <doctest/doctest.h>
+
+#include "qlora.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Vec    = std::vector<double>;
+using Inputs = std::vector<Vec>;
+using RefFn  = std::function<Vec(const Inputs &)>;
+using Shape  = std::array<int64_t, 4>;
+
+bool verbose() {
+    static const bool v = std::getenv("QL_TEST_VERBOSE") != nullptr;
+    return v;
+}
+
+int64_t numel(const Shape &s) { return s[0] * s[1] * s[2] * s[3]; }
+
+// flat index of (i0, i1, i2, i3) in a contiguous tensor of shape ne
+int64_t at(const Shape &ne, int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
+    return i0 + ne[0] * (i1 + ne[1] * (i2 + ne[2] * i3));
+}
+
+template <class F> void for4(const Shape &ne, F &&f) {
+    for (int64_t i3 = 0; i3 < ne[3]; ++i3)
+        for (int64_t i2 = 0; i2 < ne[2]; ++i2)
+            for (int64_t i1 = 0; i1 < ne[1]; ++i1)
+                for (int64_t i0 = 0; i0 < ne[0]; ++i0) f(i0, i1, i2, i3);
+}
+
+// ---- fp16 / bf16, written independently of the library ------------------------------------
+
+// round x to a binary format with `mant` stored mantissa bits and minimum normal exponent
+// `emin` (round to nearest even, subnormals included, no overflow handling)
+double round_to_format(double x, int mant, int emin) {
+    if (x == 0) return x;
+    int e;
+    std::frexp(x, &e);            // |x| = m * 2^e, 0.5 <= m < 1  ->  floor(log2|x|) = e - 1
+    int ex = std::max(e - 1, emin);
+    double quantum = std::ldexp(1.0, ex - mant);
+    return std::nearbyint(x / quantum) * quantum;  // default rounding mode: ties to even
+}
+double round_f16(double x) { return round_to_format(x, 10, -14); }
+double round_bf16(double x) { return round_to_format(x, 7, -126); }
+
+double decode_f16(uint16_t h) {
+    const int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
+    double v;
+    if (e == 0) v = std::ldexp((double)m, -24);
+    else if (e == 31) v = m ? NAN : INFINITY;
+    else v = std::ldexp((double)(1024 + m), e - 25);
+    return s ? -v : v;
+}
+double decode_bf16(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+// ---- test harness ---------------------------------------------------------------------------
+
+// One context with random leafs, an op result y, loss = sum(y * r), forward + backward graphs,
+// computed on a CPU backend. Construction with the same seed gives the same data every time.
+struct Harness {
+    ql_context *ctx = nullptr;
+    std::mt19937 rng;
+    std::vector<ql_tensor *> in_t;   // registered float inputs (leafs), in creation order
+    Inputs in_v;                     // their values (as stored: after rounding to their type)
+    std::vector<bool> in_param;
+    ql_tensor *y = nullptr, *out = nullptr, *r = nullptr, *loss = nullptr;
+    Vec r_v;
+    ql_graph *gf = nullptr, *gb = nullptr;
+    ql_backend *be = nullptr;
+
+    explicit Harness(uint32_t seed = 20240531u) : rng(seed) {
+        ql_init_params ip{256u << 20, nullptr, false, false};
+        ctx = ql_init(ip);
+        REQUIRE(ctx != nullptr);
+    }
+    ~Harness() {
+        if (gb) ql_graph_free(gb);
+        if (gf) ql_graph_free(gf);
+        if (be) ql_backend_free(be);
+        if (ctx) ql_free(ctx);
+    }
+    Harness(const Harness &) = delete;
+    Harness &operator=(const Harness &) = delete;
+
+    double uni(double lo = -1, double hi = 1) { return std::uniform_real_distribution<double>(lo, hi)(rng); }
+    int irand(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); }
+
+    // a contiguous leaf of `type` filled with uniform values in [lo, hi); input number in_t.size()
+    ql_tensor *input(ql_type type, Shape ne, bool param, double lo = -1, double hi = 1) {
+        ql_tensor *t = ql_new_tensor_4d(ctx, type, ne[0], ne[1], ne[2], ne[3]);
+        REQUIRE_MESSAGE(t != nullptr, ql_ctx_error(ctx));
+        REQUIRE(t->data != nullptr);
+        in_t.push_back(t);
+        in_v.emplace_back(numel(ne));
+        in_param.push_back(param);
+        for (int64_t i = 0; i < numel(ne); ++i) set(in_t.size() - 1, i, uni(lo, hi));
+        if (param) ql_set_param(t);
+        return t;
+    }
+    // element i (flat) of input k
+    void set(size_t k, int64_t i, double v) {
+        ql_tensor *t = in_t[k];
+        const float f = (float)v;
+        switch (t->type) {
+        case QL_TYPE_F32: ((float *)t->data)[i] = f; in_v[k][i] = f; break;
+        case QL_TYPE_F16: {
+            uint16_t h = ql_fp32_to_fp16(f);
+            ((uint16_t *)t->data)[i] = h;
+            in_v[k][i] = decode_f16(h);
+            break;
+        }
+        case QL_TYPE_BF16: {
+            uint16_t h = ql_fp32_to_bf16(f);
+            ((uint16_t *)t->data)[i] = h;
+            in_v[k][i] = decode_bf16(h);
+            break;
+        }
+        default: FAIL("unexpected input type");
+        }
+    }
+    ql_tensor *ints(Shape ne, const std::vector<int32_t> &v) {
+        REQUIRE((int64_t)v.size() == numel(ne));
+        ql_tensor *t = ql_new_tensor_4d(ctx, QL_TYPE_I32, ne[0], ne[1], ne[2], ne[3]);
+        REQUIRE_MESSAGE(t != nullptr, ql_ctx_error(ctx));
+        std::memcpy(t->data, v.data(), v.size() * sizeof(int32_t));
+        return t;
+    }
+
+    bool any_param() const { return std::find(in_param.begin(), in_param.end(), true) != in_param.end(); }
+    ql_graph *graph() const { return gb ? gb : gf; }
+
+    // loss = sum(y * r); build, plan, allocate, compute once
+    void run(ql_tensor *y_, int n_threads) {
+        REQUIRE_MESSAGE(y_ != nullptr, "op returned NULL: " << ql_ctx_error(ctx));
+        y = y_;
+        const bool is_view = y->op == QL_OP_VIEW || y->op == QL_OP_RESHAPE || y->op == QL_OP_PERMUTE ||
+                             y->op == QL_OP_TRANSPOSE;
+        out = is_view ? ql_cont(ctx, y) : y;  // ql_mul needs dense rows; outputs are read flat
+        REQUIRE_MESSAGE(out != nullptr, ql_ctx_error(ctx));
+        REQUIRE(out->type == QL_TYPE_F32);
+        ql_set_output(out);
+        const Shape ne = {out->ne[0], out->ne[1], out->ne[2], out->ne[3]};
+        r = ql_new_tensor_4d(ctx, QL_TYPE_F32, ne[0], ne[1], ne[2], ne[3]);
+        REQUIRE(r != nullptr);
+        r_v.resize(numel(ne));
+        for (int64_t i = 0; i < numel(ne); ++i) {
+            ((float *)r->data)[i] = (float)uni();
+            r_v[i] = ((float *)r->data)[i];
+        }
+        loss = ql_sum(ctx, ql_mul(ctx, out, r));
+        REQUIRE_MESSAGE(loss != nullptr, ql_ctx_error(ctx));
+        gf = ql_graph_new(ctx);
+        REQUIRE(gf != nullptr);
+        REQUIRE_MESSAGE(ql_graph_build_forward(gf, loss) == QL_OK, ql_ctx_error(ctx));
+        if (any_param()) {
+            gb = ql_graph_backward(ctx, gf, loss);
+            REQUIRE_MESSAGE(gb != nullptr, "ql_graph_backward: " << ql_ctx_error(ctx));
+        }
+        be = ql_backend_cpu_init(n_threads);
+        REQUIRE(be != nullptr);
+        ql_plan_stats st;
+        REQUIRE_MESSAGE(ql_graph_plan(graph(), be, &st) == QL_OK, "plan: " << ql_ctx_error(ctx));
+        REQUIRE_MESSAGE(ql_graph_alloc(graph(), be) == QL_OK, "alloc: " << ql_ctx_error(ctx));
+        ql_graph_set_poison(graph(), true);
+        compute();
+    }
+    void compute() {
+        ql_graph_zero_grads(graph());
+        REQUIRE_MESSAGE(ql_backend_graph_compute(be, graph()) == QL_OK, "compute: " << ql_ctx_error(ctx));
+    }
+    Vec output() const {
+        const float *p = (const float *)out->data;
+        return Vec(p, p + ql_nelements(out));
+    }
+    Vec grad(size_t k) const {
+        const ql_tensor *x = in_t[k], *g = x->grad;
+        REQUIRE_MESSAGE(g != nullptr, "input " << k << " has no grad");
+        REQUIRE(g->type == QL_TYPE_F32);
+        REQUIRE(ql_same_shape(g, x));
+        REQUIRE(ql_is_contiguous(g));
+        const float *p = (const float *)g->data;
+        return Vec(p, p + ql_nelements(g));
+    }
+};
+
+double fwd_err(const Vec &got, const Vec &ref) {
+    double d = 0, m = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+        if (!std::isfinite(got[i])) return INFINITY;
+        d = std::max(d, std::fabs(got[i] - ref[i]));
+        m = std::max(m, std::fabs(ref[i]));
+    }
+    return d / std::max(1.0, m);
+}
+
+// all elements of a small tensor, ~60 random ones (plus the first and last) of a big one
+std::vector<int64_t> pick_indices(int64_t n, uint32_t seed) {
+    std::vector<int64_t> idx;
+    if (n <= 100) {
+        for (int64_t i = 0; i < n; ++i) idx.push_back(i);
+        return idx;
+    }
+    std::mt19937 g(seed);
+    std::uniform_int_distribution<int64_t> d(0, n - 1);
+    idx.push_back(0);
+    idx.push_back(n - 1);
+    for (int i = 0; i < 60; ++i) idx.push_back(d(g));
+    std::sort(idx.begin(), idx.end());
+    idx.erase(std::unique(idx.begin(), idx.end()), idx.end());
+    return idx;
+}
+
+struct Tol {
+    double fwd  = 1e-5;
+    double grad = 1e-4;
+    double h    = 1e-4;  // finite-difference step
+};
+
+using BuildFn = std::function<ql_tensor *(Harness &)>;
+using ExtraFn = std::function<void(Harness &)>;
+
+// Builds the op with `build` (deterministic: same data every call), runs it with 1 and 3
+// threads, checks the output against ref(inputs) and every param's gradient against central
+// differences of sum(fd_ref(inputs) * r) (fd_ref defaults to ref).
+void check_op(const std::string &name, const BuildFn &build, const RefFn &ref, Tol tol = Tol(),
+              const ExtraFn &extra = nullptr, const RefFn &fd_ref = nullptr) {
+    Vec ref_y;
+    Inputs first_inputs;
+    std::vector<std::vector<int64_t>> idx;
+    std::vector<Vec> fd;
+    bool have_ref = false;
+    for (int nt : {1, 3}) {
+        INFO(name << ", " << nt << " thread(s)");
+        Harness h;
+        ql_tensor *y = build(h);
+        h.run(y, nt);
+        if (!have_ref) {
+            have_ref = true;
+            first_inputs = h.in_v;
+            ref_y = ref(h.in_v);
+            REQUIRE(ref_y.size() == (size_t)ql_nelements(h.out));
+            const RefFn &lf = fd_ref ? fd_ref : ref;
+            const Vec rv = h.r_v;
+            auto L = [&](const Inputs &in) {
+                Vec o = lf(in);
+                double s = 0;
+                for (size_t i = 0; i < o.size(); ++i) s += o[i] * rv[i];
+                return s;
+            };
+            Inputs in = h.in_v;
+            idx.assign(in.size(), {});
+            fd.assign(in.size(), {});
+            for (size_t k = 0; k < in.size(); ++k) {
+                if (!h.in_param[k]) continue;
+                idx[k] = pick_indices((int64_t)in[k].size(), 1000u + (uint32_t)k);
+                for (int64_t i : idx[k]) {
+                    const double x0 = in[k][i];
+                    in[k][i] = x0 + tol.h;
+                    const double lp = L(in);
+                    in[k][i] = x0 - tol.h;
+                    const double lm = L(in);
+                    in[k][i] = x0;
+                    fd[k].push_back((lp - lm) / (2 * tol.h));
+                }
+            }
+        } else {
+            REQUIRE(h.in_v == first_inputs);  // the same data for every thread count
+        }
+        const double ef = fwd_err(h.output(), ref_y);
+        if (verbose()) MESSAGE(name << " nt=" << nt << " forward err " << ef);
+        CHECK_MESSAGE(ef <= tol.fwd, "forward error " << ef << " > " << tol.fwd);
+        for (size_t k = 0; k < h.in_v.size(); ++k) {
+            if (!h.in_param[k]) continue;
+            const Vec g = h.grad(k);
+            double d = 0, m = 0;
+            int64_t worst = -1;
+            for (size_t j = 0; j < idx[k].size(); ++j) {
+                const double gi = g[idx[k][j]], e = std::fabs(gi - fd[k][j]);
+                if (!std::isfinite(gi)) { d = INFINITY; worst = idx[k][j]; break; }
+                if (e > d) { d = e; worst = idx[k][j]; }
+                m = std::max(m, std::fabs(fd[k][j]));
+            }
+            const double eg = d / std::max(1e-3, m);
+            if (verbose()) MESSAGE(name << " nt=" << nt << " grad of input " << k << " err " << eg);
+            CHECK_MESSAGE(eg <= tol.grad, "gradient of input " << k << ": error " << eg << " > " << tol.grad
+                                              << " (max|fd| " << m << ", worst element " << worst << ")");
+        }
+        if (extra) extra(h);
+    }
+}
+
+// ---- naive references -----------------------------------------------------------------------
+
+// gather through byte strides nb (f32 source, element size 4) and a byte offset
+Vec ref_strided(const Vec &src, const Shape &ne, const std::array<size_t, 4> &nb, size_t offs) {
+    Vec o(numel(ne));
+    for4(ne, [&](int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
+        size_t byte = offs + i0 * 4 + i1 * nb[1] + i2 * nb[2] + i3 * nb[3];
+        o[at(ne, i0, i1, i2, i3)] = src[byte / 4];
+    });
+    return o;
+}
+
+// source dimension k becomes result dimension ax[k]
+Vec ref_permute(const Vec &x, const Shape &ne, const std::array<int, 4> &ax) {
+    Shape rne;
+    for (int k = 0; k < 4; ++k) rne[ax[k]] = ne[k];
+    Vec o(x.size());
+    for4(ne, [&](int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
+        const int64_t s[4] = {i0, i1, i2, i3};
+        int64_t d[4];
+        for (int k = 0; k < 4; ++k) d[ax[k]] = s[k];
+        o[at(rne, d[0], d[1], d[2], d[3])] = x[at(ne, i0, i1, i2, i3)];
+    });
+    return o;
+}
+
+// b broadcast to a's shape by repetition (index modulo b's extent)
+Vec ref_binary(const Vec &a, const Shape &an, const Vec &b, const Shape &bn, bool mul) {
+    Vec o(a.size());
+    for4(an, [&](int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
+        const double bv = b[at(bn, i0 % bn[0], i1 % bn[1], i2 % bn[2], i3 % bn[3])];
+        const int64_t i = at(an, i0, i1, i2, i3);
+        o[i] = mul ? a[i] * bv : a[i] + bv;
+    });
+    return o;
+}
+
+Vec ref_reduce_to(const Vec &a, const Shape &an, const Shape &ln, bool grouped) {
+    Vec o(numel(ln), 0.0);
+    for4(an, [&](int64_t i0, int64_t i1, int64_t i2, int64_t i3) {
+        const int64_t s[4] = {i0, i1, i2, i3};
+        int64_t d[4];
+        for (int k = 0; k < 4; ++k) d[k] = grouped ? s[k] / (an[k] / ln[k]) : s[k] % ln[k];
+        o[at(ln, d[0], d[1], d[2], d[3])] += a[at(an, i0, i1, i2, i3)];
+    });
+    return o;
+}
+
+struct MM {
+    int64_t K, M, N, A2, A3, B2, B3;
+    bool at;  // a given as a transposed view of a leaf [M, K, A2, A3]
+    bool bt;  // b given as a transposed view of a leaf [N, K, B2, B3]
+};
+Vec ref_mul_mat(const Vec &a, const Vec &b, const MM &s) {
+    Vec c(s.M * s.N * s.B2 * s.B3);
+    const int64_t r2 = s.B2 / s.A2, r3 = s.B3 / s.A3;
+    for (int64_t j3 = 0; j3 < s.B3; ++j3)
+        for (int64_t j2 = 0; j2 < s.B2; ++j2) {
+            const int64_t ia = s.M * s.K * (j2 / r2 + s.A2 * (j3 / r3));
+            const int64_t ib = s.N * s.K * (j2 + s.B2 * j3);
+            for (int64_t n = 0; n < s.N; ++n)
+                for (int64_t m = 0; m < s.M; ++m) {
+                    double acc = 0;
+                    for (int64_t k = 0; k < s.K; ++k) {
+                        const double av = s.at ? a[ia + m + s.M * k] : a[ia + k + s.K * m];
+                        const double bv = s.bt ? b[ib + n + s.N * k] : b[ib + k + s.K * n];
+                        acc += av * bv;
+                    }
+                    c[m + s.M * (n + s.N * (j2 + s.B2 * j3))] = acc;
+                }
+        }
+    return c;
+}
+
+double silu(double x) { return x / (1 + std::exp(-x)); }
+
+struct RopeCfg {
+    int hd, nd, nh, T, B, mode;
+    bool ff;
+    double base;
+};
+Vec ref_rope(const Vec &x, const std::vector<int32_t> &pos, const Vec *ff, const RopeCfg &c) {
+    Vec o = x;
+    for (int b = 0; b < c.B; ++b)
+        for (int t = 0; t < c.T; ++t)
+            for (int h = 0; h < c.nh; ++h) {
+                const int64_t base = (int64_t)c.hd * (h + c.nh * (t + (int64_t)c.T * b));
+                const double p = pos[t + c.T * b];
+                for (int i = 0; i < c.nd / 2; ++i) {
+                    double theta = p * std::pow(c.base, -2.0 * i / c.nd);
+                    if (ff) theta /= (*ff)[i];
+                    const int i0 = c.mode == QL_ROPE_NEOX ? i : 2 * i;
+                    const int i1 = c.mode == QL_ROPE_NEOX ? i + c.nd / 2 : 2 * i + 1;
+                    const double x0 = x[base + i0], x1 = x[base + i1];
+                    o[base + i0] = x0 * std::cos(theta) - x1 * std::sin(theta);
+                    o[base + i1] = x0 * std::sin(theta) + x1 * std::cos(theta);
+                }
+            }
+    return o;
+}
+
+struct AttnCfg {
+    int d, dv, H, Hkv, Tq, Tk, B;
+    bool seg;
+    double scale;
+    bool q_from_op;  // q is a permuted view of an op result rather than of a leaf
+};
+// q leaf [d, H, Tq, B], k leaf [d, Hkv, Tk, B], v leaf [dv, Hkv, Tk, B] -> [dv, H, Tq, B]
+Vec ref_attn(const Vec &q, const Vec &k, const Vec &v, const std::vector<int32_t> &seg, const AttnCfg &c) {
+    Vec o((size_t)c.dv * c.H * c.Tq * c.B);
+    Vec s(c.Tk);
+    const int g = c.H / c.Hkv;
+    for (int b = 0; b < c.B; ++b)
+        for (int i = 0; i < c.Tq; ++i)
+            for (int h = 0; h < c.H; ++h) {
+                const int hk = h / g;
+                const double *qi = &q[(size_t)c.d * (h + c.H * (i + (size_t)c.Tq * b))];
+                double mx = -INFINITY;
+                for (int j = 0; j < c.Tk; ++j) {
+                    bool ok = j <= i + (c.Tk - c.Tq);
+                    if (c.seg) ok = ok && seg[i + c.Tk * b] == seg[j + c.Tk * b];
+                    if (!ok) { s[j] = -INFINITY; continue; }
+                    const double *kj = &k[(size_t)c.d * (hk + c.Hkv * (j + (size_t)c.Tk * b))];
+                    double dot = 0;
+                    for (int e = 0; e < c.d; ++e) dot += qi[e] * kj[e];
+                    s[j] = c.scale * dot;
+                    mx = std::max(mx, s[j]);
+                }
+                double z = 0;
+                for (int j = 0; j < c.Tk; ++j) {
+                    s[j] = std::isinf(s[j]) ? 0.0 : std::exp(s[j] - mx);
+                    z += s[j];
+                }
+                double *oi = &o[(size_t)c.dv * (h + c.H * (i + (size_t)c.Tq * b))];
+                for (int e = 0; e < c.dv; ++e) {
+                    double acc = 0;
+                    for (int j = 0; j < c.Tk; ++j)
+                        if (s[j] != 0) acc += s[j] * v[(size_t)c.dv * (hk + c.Hkv * (j + (size_t)c.Tk * b)) + e];
+                    oi[e] = acc / z;
+                }
+            }
+    return o;
+}
+
+}  // namespace
+
+// =============================================================================================
+// fill, views, reshape, permute, transpose, cont, cast
+// =============================================================================================
+
+TEST_CASE("fill") {
+    const int64_t ne[4] = {7, 5, 3, 1};
+    check_op("fill alone", [&](Harness &h) { return ql_fill(h.ctx, QL_TYPE_F32, 3, ne, 2.5f); },
+             [](const Inputs &) { return Vec(105, 2.5); });
+    check_op("x + fill",
+             [&](Harness &h) {
+                 ql_tensor *x = h.input(QL_TYPE_F32, {7, 5, 3, 1}, true);
+                 return ql_add(h.ctx, x, ql_fill(h.ctx, QL_TYPE_F32, 3, ne, -1.25f));
+             },
+             [](const Inputs &in) {
+                 Vec o = in[0];
+                 for (double &v : o) v += -1.25;
+                 return o;
+             });
+}
+
+TEST_CASE("view_1d..4d, gradient into the source") {
+    const Shape xn = {13, 7, 5, 3};  // nb = 4, 52, 364, 1820
+    struct V {
+        const char *name;
+        int nd;
+        Shape ne;
+        std::array<size_t, 4> nb;
+        size_t offs;
+        bool of_op;  // view of scale(x, 2) instead of x
+    };
+    const V views[] = {
+        {"view_1d", 1, {29, 1, 1, 1}, {4, 0, 0, 0}, 4 * 11, false},
+        {"view_2d", 2, {5, 4, 1, 1}, {4, 52, 0, 0}, 4 * (2 + 13 * 1), false},
+        {"view_2d every other row", 2, {9, 11, 1, 1}, {4, 104, 0, 0}, 4 * 3, false},
+        {"view_3d", 3, {4, 3, 2, 1}, {4, 52, 728, 0}, 4 * (1 + 13 * 2 + 91 * 1), false},
+        {"view_4d", 4, {6, 2, 2, 2}, {4, 156, 728, 1820}, 4 * 3, false},
+        {"view_2d of an op result", 2, {7, 3, 1, 1}, {4, 52, 0, 0}, 4 * 13 * 2, true},
+    };
+    for (const V &w : views) {
+        check_op(w.name,
+                 [&](Harness &h) {
+                     ql_tensor *x = h.input(QL_TYPE_F32, xn, true);
+                     ql_tensor *s = w.of_op ? ql_scale(h.ctx, x, 2.0f) : x;
+                     switch (w.nd) {
+                     case 1: return ql_view_1d(h.ctx, s, w.ne[0], w.offs);
+                     case 2: return ql_view_2d(h.ctx, s, w.ne[0], w.ne[1], w.nb[1], w.offs);
+                     case 3: return ql_view_3d(h.ctx, s, w.ne[0], w.ne[1], w.ne[2], w.nb[1], w.nb[2], w.offs);
+                     default:
+                         return ql_view_4d(h.ctx, s, w.ne[0], w.ne[1], w.ne[2], w.ne[3], w.nb[1], w.nb[2],
+                                           w.nb[3], w.offs);
+                     }
+                 },
+                 [&](const Inputs &in) {
+                     Vec o = ref_strided(in[0], w.ne, w.nb, w.offs);
+                     if (w.of_op) for (double &v : o) v *= 2;
+                     return o;
+                 });
+    }
+}
+
+TEST_CASE("reshape") {
+    const Shape xn = {13, 7, 5, 1};  // 455 elements
+    for (int nd = 1; nd <= 4; ++nd) {
+        check_op("reshape_" + std::to_string(nd) + "d",
+                 [&](Harness &h) -> ql_tensor * {
+                     ql_tensor *x = h.input(QL_TYPE_F32, xn, true);
+                     switch (nd) {
+                     case 1: return ql_reshape_1d(h.ctx, x, 455);
+                     case 2: return ql_reshape_2d(h.ctx, x, 35, 13);
+                     case 3: return ql_reshape_3d(h.ctx, x, 5, 7, 13);
+                     default: return ql_reshape_4d(h.ctx, x, 7, 5, 1, 13);
+                     }
+                 },
+                 [](const Inputs &in) { return in[0]; });
+    }
+    check_op("reshape_2d of an op result",
+             [&](Harness &h) {
+                 ql_tensor *x = h.input(QL_TYPE_F32, xn, true);
+                 return ql_reshape_2d(h.ctx, ql_scale(h.ctx, x, -1.0f), 65, 7);
+             },
+             [](const Inputs &in) {
+                 Vec o = in[0];
+                 for (double &v : o) v = -v;
+                 return o;
+             });
+}
+
+TEST_CASE("permute, transpose, cont") {
+    const Shape xn = {5, 7, 3, 2};
+    const std::array<int, 4> perms[] = {{2, 0, 1, 3}, {1, 3, 0, 2}, {0, 2, 1, 3}, {3, 2, 1, 0}};
+    for (const auto &p : perms) {
+        check_op("permute " + std::to_string(p[0]) + std::to_string(p[1]) + std::to_string(p[2]) +
+                     std::to_string(p[3]),
+                 [&](Harness &h) {
+                     ql_tensor *x = h.input(QL_TYPE_F32, xn, true);
+                     return ql_permute(h.ctx, x, p[0], p[1], p[2], p[3]);
+                 },
+                 [&](const Inputs &in) { return ref_permute(in[0], xn, p); });
+    }
+    check_op("transpose",
+             [&](Harness &h) { return ql_transpose(h.ctx, h.input(QL_TYPE_F32, xn, true)); },
+             [&](const Inputs &in) { return ref_permute(in[0], xn, {1, 0, 2, 3}); });
+    check_op("cont of a permuted view",
+             [&](Harness &h) {
+                 ql_tensor *x = h.input(QL_TYPE_F32, xn, true);
+                 ql_tensor *y = ql_cont(h.ctx, ql_permute(h.ctx, x, 1, 2, 0, 3));
+                 REQUIRE(y != nullptr);
+                 CHECK(y->op == QL_OP_CONT);
+                 CHECK(ql_is_contiguous(y));
+                 return y;
+             },
+             [&](const Inputs &in) { return ref_permute(in[0], xn, {1, 2, 0, 3}); });
+    check_op("cont of a contiguous tensor",
+             [&](Harness &h) { return ql_cont(h.ctx, h.input(QL_TYPE_F32, xn, true)); },
+             [](const Inputs &in) { return in[0]; });
+}
+
+TEST_CASE("cast to F16 / BF16 and back") {
+    // Forward: the reference rounds in double (ties to even, subnormals included), so the result
+    // must match exactly. Backward: the cast is differentiated as the identity (straight
+    // through), so the reference for the finite differences is the identity; the gradient may
+    // itself pass through an f16/bf16 tensor, hence tolerances of 2^-10 (f16) and 2^-7 (bf16).
+    const Shape xn = {13, 7, 3, 1};
+    struct C {
+        const char *name;
+        ql_type type;
+        bool transposed;
+        double gtol;
+    };
+    const C cases[] = {{"cast F16", QL_TYPE_F16, false, 1e-3},
+                       {"cast BF16", QL_TYPE_BF16, false, 8e-3},
+                       {"cast F16 of a transposed view", QL_TYPE_F16, true, 1e-3}};
+    for (const C &c : cases) {
+        auto rnd = [&](double v) { return c.type == QL_TYPE_F16 ? round_f16(v) : round_bf16(v); };
+        ql_tensor *mid = nullptr;
+        Tol tol;
+        tol.fwd = 0;
+        tol.grad = c.gtol;
+        auto src = [&](const Inputs &in) { return c.transposed ? ref_permute(in[0], xn, {1, 0, 2, 3}) : in[0]; };
+        check_op(c.name,
+                 [&](Harness &h) {
+                     ql_tensor *x = h.input(QL_TYPE_F32, xn, true);
+                     for (int64_t i = 0; i < numel(xn); ++i)  // magnitudes from 2^-26 to 2^10
+                         h.set(0, i, h.uni() * std::ldexp(1.0, h.irand(-26, 10)));
+                     const double u = c.type == QL_TYPE_F16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
+                     h.set(0, 0, 1 + u);      // tie: rounds down to the even 1.0
+                     h.set(0, 1, 1 + 3 * u);  // tie: rounds up to the even 1 + 4u
+                     h.set(0, 2, -(1 + 5 * u));
+                     h.set(0, 3, 0.0);
+                     ql_tensor *s = c.transposed ? ql_transpose(h.ctx, x) : x;
+                     mid = ql_cast(h.ctx, s, c.type);
+                     REQUIRE_MESSAGE(mid != nullptr, ql_ctx_error(h.ctx));
+                     ql_set_output(mid);
+                     return ql_cast(h.ctx, mid, QL_TYPE_F32);
+                 },
+                 [&](const Inputs &in) {
+                     Vec o = src(in);
+                     for (double &v : o) v = rnd(v);
+                     return o;
+                 },
+                 tol,
+                 [&](Harness &h) {
+                     REQUIRE(mid->type == c.type);
+                     REQUIRE(ql_is_contiguous(mid));
+                     const Vec want = src(h.in_v);
+                     const uint16_t *p = (const uint16_t *)mid->data;
+                     int64_t bad = 0;
+                     for (int64_t i = 0; i < (int64_t)want.size(); ++i) {
+                         const double got = c.type == QL_TYPE_F16 ? decode_f16(p[i]) : decode_bf16(p[i]);
+                         if (got != rnd(want[i])) ++bad;
+                     }
+                     CHECK_MESSAGE(bad == 0, bad << " elements of the " << ql_type_name(c.type)
+                                                 << " tensor differ from round-to-nearest-even");
+                 },
+                 src);
+    }
+}
+
+// =============================================================================================
+// elementwise: add, mul, scale, sum, reduce_to
+// =============================================================================================
+
+TEST_CASE("add and mul with broadcasting") {
+    const Shape an = {21, 7, 6, 3};
+    const Shape bns[] = {{21, 7, 6, 3}, {1, 1, 1, 1}, {21, 1, 1, 1}, {7, 1, 3, 3}, {21, 7, 1, 3}, {1, 7, 2, 1}};
+    for (bool mul : {false, true})
+        for (const Shape &bn : bns) {
+            std::string name = std::string(mul ? "mul" : "add") + " b=[" + std::to_string(bn[0]) + "," +
+                               std::to_string(bn[1]) + "," + std::to_string(bn[2]) + "," +
+                               std::to_string(bn[3]) + "]";
+            check_op(name,
+                     [&](Harness &h) {
+                         ql_tensor *a = h.input(QL_TYPE_F32, an, true);
+                         ql_tensor *b = h.input(QL_TYPE_F32, bn, true);
+                         return mul ? ql_mul(h.ctx, a, b) : ql_add(h.ctx, a, b);
+                     },
+                     [&](const Inputs &in) { return ref_binary(in[0], an, in[1], bn, mul); });
+        }
+}
+
+TEST_CASE("scale and sum") {
+    const Shape xn = {37, 13, 3, 1};
+    check_op("scale",
+             [&](Harness &h) { return ql_scale(h.ctx, h.input(QL_TYPE_F32, xn, true), -1.7f); },
+             [](const Inputs &in) {
+                 Vec o = in[0];
+                 for (double &v : o) v *= (double)-1.7f;
+                 return o;
+             });
+    check_op("sum",
+             [&](Harness &h) { return ql_sum(h.ctx, h.input(QL_TYPE_F32, xn, true)); },
+             [](const Inputs &in) {
+                 double s = 0;
+                 for (double v : in[0]) s += v;
+                 return Vec{s};
+             });
+}
+
+TEST_CASE("reduce_to") {
+    const Shape an = {21, 10, 6, 3};
+    const Shape lns[] = {{7, 5, 3, 1}, {1, 1, 1, 1}, {21, 1, 6, 1}, {21, 10, 6, 3}, {3, 2, 1, 3}};
+    for (bool grouped : {false, true})
+        for (const Shape &ln : lns) {
+            std::string name = std::string("reduce_to grouped=") + (grouped ? "1" : "0") + " like=[" +
+                               std::to_string(ln[0]) + "," + std::to_string(ln[1]) + "," +
+                               std::to_string(ln[2]) + "," + std::to_string(ln[3]) + "]";
+            check_op(name,
+                     [&](Harness &h) {
+                         ql_tensor *a = h.input(QL_TYPE_F32, an, true);
+                         ql_tensor *like = ql_new_tensor_4d(h.ctx, QL_TYPE_F32, ln[0], ln[1], ln[2], ln[3]);
+                         return ql_reduce_to(h.ctx, a, like, grouped);
+                     },
+                     [&](const Inputs &in) { return ref_reduce_to(in[0], an, ln, grouped); });
+        }
+}
+
+// =============================================================================================
+// mul_mat
+// =============================================================================================
+
+namespace {
+void check_mul_mat(const std::string &name, const MM &s, ql_type atype = QL_TYPE_F32, Tol tol = Tol()) {
+    check_op(name,
+             [&](Harness &h) {
+                 const bool pa = atype == QL_TYPE_F32;  // only f32 leafs can be params
+                 ql_tensor *a = s.at ? h.input(atype, {s.M, s.K, s.A2, s.A3}, pa)
+                                     : h.input(atype, {s.K, s.M, s.A2, s.A3}, pa);
+                 ql_tensor *b = s.bt ? h.input(QL_TYPE_F32, {s.N, s.K, s.B2, s.B3}, true)
+                                     : h.input(QL_TYPE_F32, {s.K, s.N, s.B2, s.B3}, true);
+                 if (s.at) a = ql_transpose(h.ctx, a);
+                 if (s.bt) b = ql_transpose(h.ctx, b);
+                 ql_tensor *c = ql_mul_mat(h.ctx, a, b);
+                 REQUIRE_MESSAGE(c != nullptr, ql_ctx_error(h.ctx));
+                 CHECK(c->ne[0] == s.M);
+                 CHECK(c->ne[1] == s.N);
+                 CHECK(c->ne[2] == s.B2);
+                 CHECK(c->ne[3] == s.B3);
+                 return c;
+             },
+             [&](const Inputs &in) { return ref_mul_mat(in[0], in[1], s); }, tol);
+}
+}  // namespace
+
+TEST_CASE("mul_mat f32") {
+    check_mul_mat("mul_mat plain 13x7 K=37", {37, 13, 7, 1, 1, 1, 1, false, false});
+    check_mul_mat("mul_mat across blocking M=131 N=67 K=300", {300, 131, 67, 1, 1, 1, 1, false, false});
+    check_mul_mat("mul_mat tiny N M=259 N=3 K=517", {517, 259, 3, 1, 1, 1, 1, false, false});
+    check_mul_mat("mul_mat N=1 M=67 K=131", {131, 67, 1, 1, 1, 1, 1, false, false});
+    check_mul_mat("mul_mat a transposed view", {37, 19, 11, 1, 1, 1, 1, true, false});
+    check_mul_mat("mul_mat a transposed view, big", {131, 67, 21, 1, 1, 1, 1, true, false});
+    check_mul_mat("mul_mat b transposed view", {37, 19, 11, 1, 1, 1, 1, false, true});
+    check_mul_mat("mul_mat both transposed", {29, 13, 9, 1, 1, 1, 1, true, true});
+    check_mul_mat("mul_mat batched, a broadcast (A2=2 B2=6, A3=B3=3)", {11, 13, 5, 2, 3, 6, 3, false, false});
+    check_mul_mat("mul_mat batched, a broadcast (A2=2 B2=4, A3=1 B3=3)", {11, 13, 5, 2, 1, 4, 3, false, false});
+    check_mul_mat("mul_mat batched, a transposed", {11, 7, 5, 1, 3, 3, 3, true, false});
+}
+
+TEST_CASE("mul_mat with an F16 / BF16 a") {
+    // a is stored in f16/bf16 (the reference uses exactly the stored values). The contract is
+    // that a is widened exactly to f32 and b stays f32, so the f32 tolerances apply.
+    Tol f16;
+    Tol bf16;
+    check_mul_mat("mul_mat F16 a 37x13 K=67", {67, 37, 13, 1, 1, 1, 1, false, false}, QL_TYPE_F16, f16);
+    check_mul_mat("mul_mat F16 a M=131 N=5 K=300", {300, 131, 5, 1, 1, 1, 1, false, false}, QL_TYPE_F16, f16);
+    check_mul_mat("mul_mat F16 a batched", {19, 11, 7, 1, 1, 3, 1, false, false}, QL_TYPE_F16, f16);
+    check_mul_mat("mul_mat BF16 a 37x13 K=67", {67, 37, 13, 1, 1, 1, 1, false, false}, QL_TYPE_BF16, bf16);
+    check_mul_mat("mul_mat BF16 a M=131 N=5 K=300", {300, 131, 5, 1, 1, 1, 1, false, false}, QL_TYPE_BF16, bf16);
+}
+
+// =============================================================================================
+// get_rows, rms_norm, rope, silu, swiglu
+// =============================================================================================
+
+TEST_CASE("get_rows") {
+    const int64_t E = 13, R = 11;
+    struct G {
+        const char *name;
+        Shape idn;
+        ql_type atype;
+    };
+    const G cases[] = {{"get_rows 1-D ids", {9, 1, 1, 1}, QL_TYPE_F32},
+                       {"get_rows 2-D ids", {7, 3, 1, 1}, QL_TYPE_F32},
+                       {"get_rows 3-D ids", {5, 2, 3, 1}, QL_TYPE_F32},
+                       {"get_rows F16 a", {7, 3, 1, 1}, QL_TYPE_F16}};
+    for (const G &g : cases) {
+        std::vector<int32_t> ids(numel(g.idn));
+        std::mt19937 r(77);
+        for (auto &v : ids) v = (int32_t)(r() % 5) * 2;  // few distinct rows: many repeats
+        ids[0] = R - 1;
+        ids[1] = R - 1;
+        check_op(g.name,
+                 [&](Harness &h) {
+                     ql_tensor *a = h.input(g.atype, {E, R, 1, 1}, g.atype == QL_TYPE_F32);
+                     ql_tensor *y = ql_get_rows(h.ctx, a, h.ints(g.idn, ids));
+                     REQUIRE_MESSAGE(y != nullptr, ql_ctx_error(h.ctx));
+                     CHECK(y->ne[0] == E);
+                     CHECK(y->ne[1] == g.idn[0]);
+                     CHECK(y->ne[2] == g.idn[1]);
+                     CHECK(y->ne[3] == g.idn[2]);
+                     return y;
+                 },
+                 [&](const Inputs &in) {
+                     Vec o;
+                     for (int32_t id : ids)
+                         for (int64_t c = 0; c < E; ++c) o.push_back(in[0][c + E * id]);
+                     return o;
+                 });
+    }
+}
+
+TEST_CASE("rms_norm") {
+    struct N {
+        const char *name;
+        Shape xn;
+        float eps;
+        double scale;
+    };
+    const N cases[] = {{"rms_norm 37x7x3", {37, 7, 3, 1}, 1e-5f, 1.0},
+                       {"rms_norm 131x5, eps 1e-6", {131, 5, 1, 1}, 1e-6f, 1.0},
+                       {"rms_norm small values (eps matters)", {13, 9, 1, 1}, 1e-2f, 0.05}};
+    for (const N &c : cases) {
+        check_op(c.name,
+                 [&](Harness &h) {
+                     ql_tensor *x = h.input(QL_TYPE_F32, c.xn, true, -c.scale, c.scale);
+                     return ql_rms_norm(h.ctx, x, c.eps);
+                 },
+                 [&](const Inputs &in) {
+                     Vec o = in[0];
+                     const int64_t n = c.xn[0];
+                     for (int64_t r = 0; r < (int64_t)o.size() / n; ++r) {
+                         double ss = 0;
+                         for (int64_t i = 0; i < n; ++i) ss += in[0][r * n + i] * in[0][r * n + i];
+                         const double f = 1 / std::sqrt(ss / n + (double)c.eps);
+                         for (int64_t i = 0; i < n; ++i) o[r * n + i] = in[0][r * n + i] * f;
+                     }
+                     return o;
+                 });
+    }
+}
+
+TEST_CASE("rope") {
+    const RopeCfg cases[] = {
+        {14, 10, 3, 7, 2, QL_ROPE_NORMAL, false, 10000.0},
+        {14, 10, 3, 7, 2, QL_ROPE_NORMAL, true, 10000.0},
+        {14, 10, 3, 7, 2, QL_ROPE_NEOX, false, 10000.0},
+        {14, 10, 3, 7, 2, QL_ROPE_NEOX, true, 500000.0},
+        {13, 6, 5, 5, 1, QL_ROPE_NEOX, false, 10000.0},
+        {22, 22, 2, 5, 3, QL_ROPE_NORMAL, true, 10000.0},  // n_dims == head_dim
+    };
+    for (const RopeCfg &c : cases) {
+        std::vector<int32_t> pos(c.T * c.B);
+        std::mt19937 r(5);
+        for (auto &p : pos) p = (int32_t)(r() % 26);  // repeats, out of order, not 0..T-1
+        std::string name = std::string("rope ") + (c.mode == QL_ROPE_NEOX ? "NEOX" : "NORMAL") + " hd=" +
+                           std::to_string(c.hd) + " n_dims=" + std::to_string(c.nd) +
+                           (c.ff ? " freq_factors" : "");
+        check_op(name,
+                 [&](Harness &h) {
+                     ql_tensor *x = h.input(QL_TYPE_F32, {c.hd, c.nh, c.T, c.B}, true);
+                     ql_tensor *ff = c.ff ? h.input(QL_TYPE_F32, {c.nd / 2, 1, 1, 1}, false, 1.0, 4.0) : nullptr;
+                     ql_tensor *p = h.ints({c.T, c.B, 1, 1}, pos);
+                     return ql_rope(h.ctx, x, p, ff, c.nd, c.mode, (float)c.base);
+                 },
+                 [&](const Inputs &in) {
+                     const double fb = (double)(float)c.base;
+                     RopeCfg cc = c;
+                     cc.base = fb;
+                     return ref_rope(in[0], pos, c.ff ? &in[1] : nullptr, cc);
+                 });
+    }
+}
+
+TEST_CASE("silu and swiglu") {
+    const Shape xn = {37, 13, 3, 1};
+    check_op("silu",
+             [&](Harness &h) { return ql_silu(h.ctx, h.input(QL_TYPE_F32, xn, true, -6, 6)); },
+             [](const Inputs &in) {
+                 Vec o = in[0];
+                 for (double &v : o) v = silu(v);
+                 return o;
+             });
+    check_op("swiglu",
+             [&](Harness &h) {
+                 ql_tensor *a = h.input(QL_TYPE_F32, xn, true, -6, 6);
+                 ql_tensor *b = h.input(QL_TYPE_F32, xn, true);
+                 return ql_swiglu(h.ctx, a, b);
+             },
+             [](const Inputs &in) {
+                 Vec o = in[0];
+                 for (size_t i = 0; i < o.size(); ++i) o[i] = silu(in[0][i]) * in[1][i];
+                 return o;
+             });
+}
+
+// =============================================================================================
+// flash_attn
+// =============================================================================================
+
+namespace {
+void check_attn(const std::string &name, const AttnCfg &c) {
+    std::vector<int32_t> seg;
+    if (c.seg) {
+        REQUIRE(c.Tq == c.Tk);
+        std::mt19937 r(11);
+        for (int b = 0; b < c.B; ++b) {
+            int id = 3 + 10 * b, left = 1 + (int)(r() % 9);
+            for (int j = 0; j < c.Tk; ++j) {
+                if (left-- == 0) { ++id; left = (int)(r() % 17); }
+                seg.push_back(id);
+            }
+        }
+    }
+    check_op(name,
+             [&](Harness &h) {
+                 // as a llama model has them: [d, H, T, B] then permute(0, 2, 1, 3) -> [d, T, H, B]
+                 ql_tensor *ql = h.input(QL_TYPE_F32, {c.d, c.H, c.Tq, c.B}, true);
+                 ql_tensor *kl = h.input(QL_TYPE_F32, {c.d, c.Hkv, c.Tk, c.B}, true);
+                 ql_tensor *vl = h.input(QL_TYPE_F32, {c.dv, c.Hkv, c.Tk, c.B}, true);
+                 ql_tensor *qs = c.q_from_op ? ql_scale(h.ctx, ql, 1.0f) : ql;
+                 ql_tensor *q = ql_permute(h.ctx, qs, 0, 2, 1, 3);
+                 ql_tensor *k = ql_permute(h.ctx, kl, 0, 2, 1, 3);
+                 ql_tensor *v = ql_permute(h.ctx, vl, 0, 2, 1, 3);
+                 REQUIRE(q != nullptr);
+                 CHECK(q->ne[1] == c.Tq);
+                 CHECK(q->ne[2] == c.H);
+                 ql_tensor *s = c.seg ? h.ints({c.Tk, c.B, 1, 1}, seg) : nullptr;
+                 ql_tensor *o = ql_flash_attn(h.ctx, q, k, v, s, (float)c.scale);
+                 REQUIRE_MESSAGE(o != nullptr, ql_ctx_error(h.ctx));
+                 CHECK(o->ne[0] == c.dv);
+                 CHECK(o->ne[1] == c.H);
+                 CHECK(o->ne[2] == c.Tq);
+                 CHECK(o->ne[3] == c.B);
+                 return o;
+             },
+             [&](const Inputs &in) {
+                 AttnCfg cc = c;
+                 cc.scale = (double)(float)c.scale;
+                 return ref_attn(in[0], in[1], in[2], seg, cc);
+             });
+}
+}  // namespace
+
+TEST_CASE("flash_attn") {
+    //                 d  dv   H Hkv  Tq  Tk  B   seg    scale                 q_from_op
+    check_attn("attn H==Hkv Tq==Tk", {19, 19, 3, 3, 13, 13, 2, false, 1 / std::sqrt(19.0), false});
+    check_attn("attn GQA H=4*Hkv", {17, 17, 12, 3, 11, 11, 1, false, 0.5, false});
+    check_attn("attn Tq<Tk (kv cache), GQA", {13, 13, 4, 1, 5, 37, 2, false, 0.6, false});
+    check_attn("attn Tq=1 decode", {13, 13, 2, 2, 1, 23, 2, false, 0.6, false});
+    check_attn("attn seg (packed documents), long T", {19, 19, 2, 2, 67, 67, 2, true, 0.5, false});
+    check_attn("attn seg, GQA, q from an op", {11, 11, 4, 1, 29, 29, 2, true, 0.7, true});
+    check_attn("attn dv != d", {13, 7, 3, 3, 9, 21, 1, false, 0.4, false});
+}
+
+// =============================================================================================
+// cross_entropy
+// =============================================================================================
+
+TEST_CASE("cross_entropy") {
+    struct X {
+        const char *name;
+        Shape ln;
+        double range;
+    };
+    const X cases[] = {{"cross_entropy 37x13", {37, 13, 1, 1}, 3.0},
+                       {"cross_entropy 3-D logits, large values", {67, 5, 3, 1}, 12.0}};
+    for (const X &c : cases) {
+        const int64_t V = c.ln[0], N = c.ln[1] * c.ln[2];
+        std::vector<int32_t> tg(N);
+        std::mt19937 r(3);
+        for (auto &t : tg) t = (int32_t)(r() % V);
+        tg[1] = -1;
+        tg[4] = -100;
+        tg[N - 1] = -1;
+        tg[N - 3] = (int32_t)V - 1;
+        tg[0] = 0;
+        int kept = 0;
+        for (int32_t t : tg) kept += t >= 0;
+        const double count = kept + 7.5;  // normalisation not tied to the kept rows
+        check_op(c.name,
+                 [&](Harness &h) {
+                     ql_tensor *lg = h.input(QL_TYPE_F32, c.ln, true, -c.range, c.range);
+                     ql_tensor *cnt = h.input(QL_TYPE_F32, {1, 1, 1, 1}, false);
+                     h.set(1, 0, count);
+                     ql_tensor *t = h.ints({c.ln[1], c.ln[2], c.ln[3], 1}, tg);
+                     return ql_cross_entropy(h.ctx, lg, t, cnt);
+                 },
+                 [&](const Inputs &in) {
+                     double L = 0;
+                     for (int64_t n = 0; n < N; ++n) {
+                         if (tg[n] < 0) continue;
+                         const double *x = &in[0][n * V];
+                         double mx = -INFINITY, z = 0;
+                         for (int64_t v = 0; v < V; ++v) mx = std::max(mx, x[v]);
+                         for (int64_t v = 0; v < V; ++v) z += std::exp(x[v] - mx);
+                         L += (mx + std::log(z) - x[tg[n]]) / in[1][0];
+                     }
+                     return Vec{L};
+                 },
+                 Tol(),
+                 [&](Harness &h) {  // rows with an ignored target get exactly zero gradient
+                     const Vec g = h.grad(0);
+                     for (int64_t n = 0; n < N; ++n) {
+                         if (tg[n] >= 0) continue;
+                         int64_t nz = 0;
+                         for (int64_t v = 0; v < V; ++v) nz += g[n * V + v] != 0.0;
+                         CHECK_MESSAGE(nz == 0, "row " << n << " (target " << tg[n] << ") has " << nz
+                                                       << " non-zero gradient elements");
+                     }
+                 });
+    }
+}
+
+// =============================================================================================
+// dropout
+// =============================================================================================
+
+TEST_CASE("dropout") {
+    const float p = 0.3f;
+    const Shape xn = {101, 99, 1, 1};  // 9999 elements
+    const int64_t n = numel(xn);
+    const double keep_scale = 1.0 / (1.0 - (double)p);
+    std::vector<bool> mask_first;
+    for (int nt : {1, 3}) {
+        INFO("dropout, " << nt << " thread(s)");
+        Harness h;
+        ql_tensor *x = h.input(QL_TYPE_F32, xn, true);
+        ql_tensor *seed = ql_set_input(h.ints({1, 1, 1, 1}, {42}));
+        ql_tensor *y = ql_dropout(h.ctx, x, p, seed, 7u);
+        h.run(y, nt);
+
+        // every element is 0 or x/(1-p); the gradient is r * keep / (1-p)
+        auto check_run = [&](std::vector<bool> &mask) {
+            const Vec yv = h.output(), g = h.grad(0);
+            int64_t kept = 0, bad_val = 0, bad_grad = 0;
+            mask.assign(n, false);
+            for (int64_t i = 0; i < n; ++i) {
+                const double xv = h.in_v[0][i], want = xv * keep_scale;
+                if (yv[i] != 0) {
+                    mask[i] = true;
+                    ++kept;
+                    if (!(std::fabs(yv[i] - want) <= 1e-6 * std::fabs(want))) ++bad_val;
+                }
+                const double gw = mask[i] ? h.r_v[i] * keep_scale : 0.0;
+                if (!(std::fabs(g[i] - gw) <= 1e-6 * std::fabs(gw) + 1e-30)) ++bad_grad;
+            }
+            CHECK_MESSAGE(bad_val == 0, bad_val << " kept elements differ from x/(1-p)");
+            CHECK_MESSAGE(bad_grad == 0, bad_grad << " gradient elements differ from r*keep/(1-p)");
+            const double frac = (double)kept / (double)n;  // sd ~ 0.0046 for 1 - p = 0.7
+            CHECK_MESSAGE(std::fabs(frac - 0.7) < 0.03, "kept fraction " << frac);
+        };
+        std::vector<bool> m1, m2, m3;
+        check_run(m1);
+        if (nt == 1) mask_first = m1;
+        else CHECK_MESSAGE(m1 == mask_first, "the mask depends on the thread count");
+
+        h.compute();  // same seed: same mask
+        check_run(m2);
+        CHECK(m2 == m1);
+
+        ((int32_t *)seed->data)[0] = 43;  // another step: another mask
+        h.compute();
+        check_run(m3);
+        int64_t diff = 0;
+        for (int64_t i = 0; i < n; ++i) diff += m3[i] != m1[i];
+        CHECK_MESSAGE(diff > n / 10, "seed 42 and 43 masks differ in only " << diff << " elements");
+    }
+
+    // a forward-only graph, another context: the mask depends only on (seed, stream, index);
+    // another stream gives another mask
+    ql_init_params ip{64u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    REQUIRE(ctx != nullptr);
+    ql_tensor *x = ql_new_tensor_2d(ctx, QL_TYPE_F32, xn[0], xn[1]);
+    ql_tensor *seed = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1));
+    ((int32_t *)seed->data)[0] = 42;
+    for (int64_t i = 0; i < n; ++i) ((float *)x->data)[i] = 0.5f + (float)(i % 7);
+    ql_tensor *d7 = ql_set_output(ql_dropout(ctx, x, p, seed, 7u));
+    ql_tensor *d8 = ql_set_output(ql_dropout(ctx, x, p, seed, 8u));
+    REQUIRE(d7 != nullptr);
+    REQUIRE(d8 != nullptr);
+    ql_graph *g = ql_graph_new(ctx);
+    REQUIRE(ql_graph_build_forward(g, d7) == QL_OK);
+    REQUIRE(ql_graph_build_forward(g, d8) == QL_OK);
+    ql_backend *be = ql_backend_cpu_init(3);
+    ql_plan_stats st;
+    REQUIRE(ql_graph_plan(g, be, &st) == QL_OK);
+    REQUIRE(ql_graph_alloc(g, be) == QL_OK);
+    ql_graph_set_poison(g, true);
+    REQUIRE(ql_backend_graph_compute(be, g) == QL_OK);
+    int64_t same7 = 0, diff78 = 0;
+    for (int64_t i = 0; i < n; ++i) {
+        const bool k7 = ((float *)d7->data)[i] != 0, k8 = ((float *)d8->data)[i] != 0;
+        same7 += k7 == (bool)mask_first[i];
+        diff78 += k7 != k8;
+    }
+    CHECK_MESSAGE(same7 == n, "same seed and stream, another graph: mask differs in " << n - same7);
+    CHECK_MESSAGE(diff78 > n / 10, "streams 7 and 8 differ in only " << diff78 << " elements");
+    ql_graph_free(g);
+    ql_backend_free(be);
+    ql_free(ctx);
+}
+
+// =============================================================================================
+// bad input
+// =============================================================================================
+
+TEST_CASE("bad input: NULL result, message with op and file:line, first error kept") {
+    ql_init_params ip{16u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    REQUIRE(ctx != nullptr);
+    CHECK(ql_ctx_status(ctx) == QL_OK);
+    CHECK(std::string(ql_ctx_error(ctx)).empty());
+
+    ql_tensor *a = ql_new_tensor_2d(ctx, QL_TYPE_F32, 7, 5);
+    ql_tensor *b = ql_new_tensor_2d(ctx, QL_TYPE_F32, 8, 3);
+    ql_tensor *c3 = ql_new_tensor_2d(ctx, QL_TYPE_F32, 3, 5);
+    REQUIRE(a != nullptr);
+    REQUIRE(b != nullptr);
+    REQUIRE(c3 != nullptr);
+
+    // mul_mat: K mismatch
+    CHECK(ql_mul_mat(ctx, a, b) == nullptr);
+    const std::string e1 = ql_ctx_error(ctx);
+    CHECK_MESSAGE(e1.find("mul_mat") != std::string::npos, e1);
+    CHECK_MESSAGE(e1.find(".cpp:") != std::string::npos, e1);
+    CHECK(ql_ctx_status(ctx) == QL_ERR_SHAPE);
+
+    // a NULL source: NULL, no new message
+    CHECK(ql_add(ctx, nullptr, a) == nullptr);
+    CHECK(ql_silu(ctx, nullptr) == nullptr);
+    CHECK(ql_mul_mat(ctx, a, nullptr) == nullptr);
+    CHECK(std::string(ql_ctx_error(ctx)) == e1);
+    CHECK(ql_ctx_status(ctx) == QL_ERR_SHAPE);
+
+    // a second bad op: still NULL, the first error is kept
+    CHECK(ql_add(ctx, a, c3) == nullptr);
+    CHECK(std::string(ql_ctx_error(ctx)) == e1);
+
+    // add: 7 % 3 != 0
+    ql_ctx_clear_error(ctx);
+    CHECK(ql_ctx_status(ctx) == QL_OK);
+    CHECK(std::string(ql_ctx_error(ctx)).empty());
+    CHECK(ql_add(ctx, a, c3) == nullptr);
+    const std::string e2 = ql_ctx_error(ctx);
+    CHECK_MESSAGE(e2.find("add") != std::string::npos, e2);
+    CHECK_MESSAGE(e2.find(".cpp:") != std::string::npos, e2);
+    CHECK(ql_ctx_status(ctx) == QL_ERR_SHAPE);
+
+    // mul_mat: b's batch not a multiple of a's
+    ql_ctx_clear_error(ctx);
+    ql_tensor *a3 = ql_new_tensor_3d(ctx, QL_TYPE_F32, 7, 4, 2);
+    ql_tensor *b3 = ql_new_tensor_3d(ctx, QL_TYPE_F32, 7, 3, 3);
+    CHECK(ql_mul_mat(ctx, a3, b3) == nullptr);
+    CHECK(ql_ctx_status(ctx) == QL_ERR_SHAPE);
+    CHECK(std::string(ql_ctx_error(ctx)).find("mul_mat") != std::string::npos);
+
+    // get_rows with F32 ids: a type error
+    ql_ctx_clear_error(ctx);
+    ql_tensor *fids = ql_new_tensor_1d(ctx, QL_TYPE_F32, 3);
+    CHECK(ql_get_rows(ctx, a, fids) == nullptr);
+    const std::string e3 = ql_ctx_error(ctx);
+    CHECK(ql_ctx_status(ctx) == QL_ERR_TYPE);
+    CHECK_MESSAGE(e3.find("get_rows") != std::string::npos, e3);
+    CHECK_MESSAGE(e3.find(".cpp:") != std::string::npos, e3);
+
+    // the context still works after clearing
+    ql_ctx_clear_error(ctx);
+    CHECK(ql_add(ctx, a, a) != nullptr);
+    CHECK(ql_ctx_status(ctx) == QL_OK);
+    ql_free(ctx);
+}

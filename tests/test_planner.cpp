@@ -1,0 +1,156 @@
+// The static memory planner: no two live tensors share bytes, reuse is real, a planned graph
+// computes the same bits as one without reuse, and running it allocates nothing.
+#include "tiny.h"
+
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <new>
+
+// Count heap allocations while `g_counting` is set (covers everything that goes through new).
+static std::atomic<bool> g_counting{false};
+static std::atomic<long> g_allocs{0};
+void *operator new(size_t n) {
+    if (g_counting.load(std::memory_order_relaxed)) g_allocs++;
+    if (void *p = malloc(n ? n : 1)) return p;
+    throw std::bad_alloc();
+}
+void *operator new[](size_t n) { return operator new(n); }
+void *operator new(size_t n, const std::nothrow_t &) noexcept {
+    if (g_counting.load(std::memory_order_relaxed)) g_allocs++;
+    return malloc(n ? n : 1);
+}
+void *operator new[](size_t n, const std::nothrow_t &t) noexcept { return operator new(n, t); }
+void operator delete(void *p, const std::nothrow_t &) noexcept { free(p); }
+void operator delete[](void *p, const std::nothrow_t &) noexcept { free(p); }
+void operator delete(void *p) noexcept { free(p); }
+void operator delete[](void *p) noexcept { free(p); }
+void operator delete(void *p, size_t) noexcept { free(p); }
+void operator delete[](void *p, size_t) noexcept { free(p); }
+
+static void check_no_overlap(const ql_graph *g) {
+    const ql_plan_entry *e;
+    const int n = ql_graph_plan_entries(g, &e);
+    REQUIRE(n > 0);
+    long pairs = 0;
+    for (int i = 0; i < n; i++)
+        for (int j = i + 1; j < n; j++) {
+            const bool live_together = e[i].first <= e[j].last && e[j].first <= e[i].last;
+            if (!live_together) continue;
+            // the one sanctioned sharing: a result written in place over a source dying at that node
+            const bool handoff = (e[j].inplace && e[j].first == e[i].last && e[j].offset == e[i].offset) ||
+                                 (e[i].inplace && e[i].first == e[j].last && e[i].offset == e[j].offset);
+            if (handoff) continue;
+            pairs++;
+            const bool disjoint = e[i].offset + e[i].size <= e[j].offset || e[j].offset + e[j].size <= e[i].offset;
+            if (!disjoint)
+                FAIL("tensors ", e[i].tensor->name, " [", e[i].first, ",", e[i].last, "] @", e[i].offset, "+", e[i].size,
+                     " and ", e[j].tensor->name, " [", e[j].first, ",", e[j].last, "] @", e[j].offset, "+", e[j].size,
+                     " are live together and overlap");
+        }
+    CHECK(pairs > 0);
+}
+
+// loss and every gradient of one run, as raw floats
+static std::vector<float> run_once(tiny_model &tm, ql_backend *be) {
+    ql_graph_zero_grads(tm.gb);
+    REQUIRE_MESSAGE(ql_backend_graph_compute(be, tm.gb) == QL_OK, ql_ctx_error(tm.ctx));
+    std::vector<float> out{*(const float *)tm.loss->data};
+    for (int i = 0; i < ql_graph_n_params(tm.gb); i++) {
+        const ql_tensor *g = ql_graph_param(tm.gb, i)->grad;
+        out.insert(out.end(), (const float *)g->data, (const float *)g->data + ql_nelements(g));
+    }
+    return out;
+}
+
+TEST_CASE("planner: live tensors never overlap; reuse beats the sum of sizes") {
+    tiny_model tm(40, 3, 19, 5);
+    REQUIRE_MESSAGE(tm.gb, ql_ctx_error(tm.ctx));
+    ql_backend *be = ql_backend_cpu_init(2);
+    ql_plan_stats st;
+    REQUIRE_MESSAGE(ql_graph_plan(tm.gb, be, &st) == QL_OK, ql_ctx_error(tm.ctx));
+    check_no_overlap(tm.gb);
+    const size_t arena = st.bytes[QL_MEM_SAVED] + st.bytes[QL_MEM_SCRATCH];
+    MESSAGE("planned ", arena, " bytes for ", st.n_planned, " tensors; without reuse ", st.sum_of_sizes, "; in place ",
+            st.n_inplace);
+    CHECK(arena < st.sum_of_sizes / 2);
+    CHECK(st.n_inplace > 0);
+
+    // categories: params and grads are the model's weights, inputs the four input leafs
+    size_t params = 0;
+    for (int i = 0; i < ql_graph_n_params(tm.gb); i++) params += (ql_nbytes(ql_graph_param(tm.gb, i)) + 63) / 64 * 64;
+    CHECK(st.bytes[QL_MEM_PARAMS] == params);
+    CHECK(st.bytes[QL_MEM_GRADS] == params);
+    CHECK(st.bytes[QL_MEM_WEIGHTS] == 0);
+    CHECK(st.bytes[QL_MEM_INPUTS] == 3 * 512 + 64);  // tokens, pos, targets: 480 bytes each, aligned; count
+    CHECK(st.bytes[QL_MEM_SAVED] > 0);
+    CHECK(st.total == st.bytes[QL_MEM_PARAMS] * 2 + st.bytes[QL_MEM_INPUTS] + st.buffer_size);
+    ql_backend_free(be);
+}
+
+TEST_CASE("planner: poisoned planned run == run without reuse, bit for bit; no allocation while computing") {
+    tiny_model tm(33, 2, 23, 9);
+    REQUIRE_MESSAGE(tm.gb, ql_ctx_error(tm.ctx));
+    ql_backend *be = ql_backend_cpu_init(3);
+
+    ql_graph_set_no_reuse(tm.gb, true);
+    ql_plan_stats flat;
+    REQUIRE(ql_graph_plan(tm.gb, be, &flat) == QL_OK);
+    REQUIRE(ql_graph_alloc(tm.gb, be) == QL_OK);
+    CHECK(flat.bytes[QL_MEM_SAVED] + flat.bytes[QL_MEM_SCRATCH] == flat.sum_of_sizes);
+    const std::vector<float> ref = run_once(tm, be);
+
+    ql_graph_set_no_reuse(tm.gb, false);
+    REQUIRE(ql_graph_plan(tm.gb, be, nullptr) == QL_OK);
+    REQUIRE(ql_graph_alloc(tm.gb, be) == QL_OK);
+    ql_graph_set_poison(tm.gb, true);
+    const std::vector<float> got = run_once(tm, be);
+    REQUIRE(got.size() == ref.size());
+    CHECK(std::isfinite(got[0]));
+    CHECK(memcmp(got.data(), ref.data(), got.size() * sizeof(float)) == 0);
+
+    ql_graph_set_poison(tm.gb, false);
+    g_allocs = 0;
+    g_counting = true;
+    ql_graph_zero_grads(tm.gb);
+    const ql_status s = ql_backend_graph_compute(be, tm.gb);
+    g_counting = false;
+    CHECK(s == QL_OK);
+    CHECK(g_allocs.load() == 0);
+    ql_backend_free(be);
+}
+
+TEST_CASE("planner: a forward-only graph saves nothing for backward; frozen weights count as weights") {
+    tiny_model tm(16, 1, 11, 3, false, /*train=*/false);
+    ql_backend *be = ql_backend_cpu_init(1);
+    ql_plan_stats st;
+    REQUIRE(ql_graph_plan(tm.gf, be, &st) == QL_OK);
+    check_no_overlap(tm.gf);
+    CHECK(st.bytes[QL_MEM_SAVED] == 0);
+    CHECK(st.bytes[QL_MEM_PARAMS] == 0);
+    CHECK(st.bytes[QL_MEM_GRADS] == 0);
+    CHECK(st.bytes[QL_MEM_WEIGHTS] > 0);
+    REQUIRE(ql_graph_alloc(tm.gf, be) == QL_OK);
+    REQUIRE(ql_backend_graph_compute(be, tm.gf) == QL_OK);
+    CHECK(std::fabs(*(const float *)tm.loss->data - std::log(11.0f)) < 1.0f);
+    ql_backend_free(be);
+}
+
+TEST_CASE("measure mode: sizes known before anything is allocated") {
+    tiny_model real(24, 2, 13, 1);
+    tiny_model meas(24, 2, 13, 1, /*measure=*/true);
+    REQUIRE(real.gb);
+    REQUIRE(meas.gb);
+    CHECK(ql_ctx_is_measure(meas.ctx));
+    CHECK(ql_used_mem(meas.ctx) == ql_used_mem(real.ctx));
+    CHECK(ql_ctx_data_size(meas.ctx) == ql_ctx_data_size(real.ctx));
+    ql_backend *be = ql_backend_cpu_init(2);
+    ql_plan_stats a, b;
+    REQUIRE(ql_graph_plan(real.gb, be, &a) == QL_OK);
+    REQUIRE(ql_graph_plan(meas.gb, be, &b) == QL_OK);
+    CHECK(memcmp(&a, &b, sizeof(a)) == 0);
+    CHECK(ql_graph_alloc(meas.gb, be) == QL_ERR_INVALID);  // nothing to bind a measured graph to
+    CHECK(strstr(ql_ctx_error(meas.ctx), "measuring") != nullptr);
+    ql_backend_free(be);
+}

@@ -1,0 +1,191 @@
+// tools/bench - speed of the CPU backend's building blocks.
+//
+//   tools/bench [all | matmul | block] [-t threads] [-r reps] [--profile]
+//
+// matmul: f32 GFLOP/s at 1024^3 and at LoRA-like shapes, next to OpenBLAS when the system has
+//         it (loaded with dlopen as a yardstick; qlora never links it).
+// block:  one llama transformer block, forward and forward+backward, at the 110M shape
+//         (n_embd 768, 12 heads, ffn 2048), seq 256 and 512.
+// Times are medians over the repetitions after one warm-up run.
+#include "../models/llama.h"
+#include "../qlora.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+static double now_s() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+template <typename F> static double median_time(int reps, F &&f) {
+    f();  // warm-up: page faults, caches
+    std::vector<double> t;
+    for (int r = 0; r < reps; r++) {
+        const double t0 = now_s();
+        f();
+        t.push_back(now_s() - t0);
+    }
+    std::sort(t.begin(), t.end());
+    return t[t.size() / 2];
+}
+
+// ---- OpenBLAS, if present ----
+typedef void (*cblas_sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
+                               float *, int);
+typedef void (*set_threads_fn)(int);
+struct openblas {
+    void *h = nullptr;
+    cblas_sgemm_fn sgemm = nullptr;
+    openblas(int n_threads) {
+        for (const char *name : {"libopenblas.so.0", "libopenblas.so"})
+            if ((h = dlopen(name, RTLD_NOW | RTLD_LOCAL))) break;
+        if (!h) return;
+        sgemm = (cblas_sgemm_fn)dlsym(h, "cblas_sgemm");
+        if (set_threads_fn st = (set_threads_fn)dlsym(h, "openblas_set_num_threads")) st(n_threads);
+    }
+    ~openblas() {
+        if (h) dlclose(h);
+    }
+};
+
+static void bench_matmul(ql_backend *cpu, int n_threads, int reps) {
+    openblas ob(n_threads);
+    printf("## matmul f32, %d threads (%s)%s\n", n_threads, ql_cpu_features(),
+           ob.sgemm ? "" : "  [OpenBLAS not found: install libopenblas0-pthread for the side-by-side]");
+    printf("%-26s %10s %10s %12s %12s %8s\n", "shape (M x N x K)", "qlora ms", "GFLOP/s", "OpenBLAS ms", "GFLOP/s", "ratio");
+    struct shape { int M, N, K; const char *what; };
+    const shape shapes[] = {
+        {1024, 1024, 1024, "square"},
+        {4096, 16, 4096, "LoRA-like: 16 tokens"},
+        {4096, 256, 4096, "256 tokens"},
+        {11008, 16, 4096, "ffn up, 16 tokens"},
+        {768, 512, 768, "110M attn proj, seq 512"},
+    };
+    std::mt19937 rng(1);
+    std::uniform_real_distribution<float> U(-1, 1);
+    for (const shape &s : shapes) {
+        std::vector<float> a((size_t)s.M * s.K), b((size_t)s.N * s.K), c((size_t)s.M * s.N), c2(c.size());
+        for (float &x : a) x = U(rng);
+        for (float &x : b) x = U(rng);
+        const int r = (double)s.M * s.N * s.K > 2e9 ? std::max(3, reps / 3) : reps;
+        const double flop = 2.0 * s.M * s.N * s.K;
+        const double tq = median_time(r, [&] { ql_cpu_sgemm(cpu, s.M, s.N, s.K, a.data(), s.K, b.data(), s.K, c.data(), s.M); });
+        char label[64];
+        snprintf(label, sizeof(label), "%dx%dx%d", s.M, s.N, s.K);
+        printf("%-26s %10.3f %10.1f", label, tq * 1e3, flop / tq / 1e9);
+        if (ob.sgemm) {
+            // c[n][m] = sum_k a[m][k] b[n][k]: row-major C (N x M) = B (N x K) . A^T
+            const double to = median_time(r, [&] {
+                ob.sgemm(101 /*RowMajor*/, 111 /*NoTrans*/, 112 /*Trans*/, s.N, s.M, s.K, 1.0f, b.data(), s.K, a.data(),
+                         s.K, 0.0f, c2.data(), s.M);
+            });
+            double md = 0;
+            for (size_t i = 0; i < c.size(); i++) md = std::max(md, (double)std::fabs(c[i] - c2[i]));
+            printf(" %12.3f %12.1f %7.2fx   (max |diff| %.1e)", to * 1e3, flop / to / 1e9, to / tq, md);
+        }
+        printf("   %s\n", s.what);
+    }
+}
+
+static bool g_profile = false;
+
+// total time per op kind over the profiled runs, largest first
+static void print_profile(const ql_graph *g) {
+    double by_op[QL_OP_COUNT] = {0}, total = 0;
+    for (int i = 0; i < ql_graph_n_nodes(g); i++) {
+        by_op[ql_graph_node(g, i)->op] += ql_graph_node_seconds(g, i);
+        total += ql_graph_node_seconds(g, i);
+    }
+    std::vector<int> order;
+    for (int o = 0; o < QL_OP_COUNT; o++)
+        if (by_op[o] > 0) order.push_back(o);
+    std::sort(order.begin(), order.end(), [&](int a, int b) { return by_op[a] > by_op[b]; });
+    for (int o : order) printf("         %-20s %5.1f%%\n", ql_op_name((ql_op)o), 100 * by_op[o] / total);
+}
+
+static void bench_block(ql_backend *cpu, int n_threads, int reps) {
+    printf("\n## one llama block, 110M shape (n_embd 768, 12 heads, ffn 2048), f32, %d threads\n", n_threads);
+    printf("%-6s %-34s %10s %12s %12s\n", "seq", "pass", "ms", "tokens/s", "plan MiB");
+    for (int T : {256, 512}) {
+        for (int mode = 0; mode < 3; mode++) {
+            // 0: forward; 1: forward+backward to the input only (frozen weights, as under LoRA);
+            // 2: forward+backward with every weight trainable
+            ql_llama_hparams hp;
+            hp.n_vocab = 32; hp.n_embd = 768; hp.n_layer = 1; hp.n_head = 12; hp.n_head_kv = 12; hp.n_ff = 2048;
+            ql_init_params ip = {ql_llama_weight_bytes(hp, QL_TYPE_F32, true) * 2 + ((size_t)T * 768 * 8) + (64u << 20),
+                                 nullptr, false, false};
+            ql_context *ctx = ql_init(ip);
+            ql_llama m;
+            if (ql_llama_create(ctx, &m, hp, QL_TYPE_F32, true) != QL_OK) {
+                fprintf(stderr, "bench: %s\n", ql_ctx_error(ctx));
+                exit(1);
+            }
+            ql_llama_randomize(&m, 1, 0.02f);
+            if (mode == 2) ql_llama_set_params(&m);
+            ql_tensor *x = ql_new_tensor_3d(ctx, QL_TYPE_F32, 768, T, 1);
+            ql_tensor *pos = ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1);
+            for (int t = 0; t < T; t++) ((int32_t *)pos->data)[t] = t;
+            std::mt19937 rng(2);
+            std::normal_distribution<float> N(0, 1);
+            for (int64_t i = 0; i < ql_nelements(x); i++) ((float *)x->data)[i] = N(rng);
+            if (mode > 0) ql_set_param(x);
+            ql_tensor *y = ql_llama_block(ctx, &m, 0, x, pos, nullptr);
+            ql_tensor *loss = ql_sum(ctx, ql_mul(ctx, y, y));
+            ql_graph *gf = ql_graph_new(ctx);
+            ql_graph_build_forward(gf, mode == 0 ? y : loss);
+            ql_graph *g = mode == 0 ? gf : ql_graph_backward(ctx, gf, loss);
+            ql_plan_stats st;
+            if (!g || ql_graph_plan(g, cpu, &st) != QL_OK || ql_graph_alloc(g, cpu) != QL_OK) {
+                fprintf(stderr, "bench: %s\n", ql_ctx_error(ctx));
+                exit(1);
+            }
+            if (g_profile) ql_graph_set_profile(g, true);
+            const double t = median_time(reps, [&] {
+                ql_graph_zero_grads(g);
+                ql_backend_graph_compute(cpu, g);
+            });
+            static const char *names[] = {"forward", "fwd+bwd, frozen weights (LoRA-like)", "fwd+bwd, all weights trainable"};
+            printf("%-6d %-34s %10.2f %12.0f %12.1f\n", T, names[mode], t * 1e3, T / t, st.buffer_size / 1048576.0);
+            if (g_profile) print_profile(g);
+            if (g != gf) ql_graph_free(g);
+            ql_graph_free(gf);
+            ql_free(ctx);
+        }
+    }
+}
+
+int main(int argc, char **argv) {
+    std::string what = "all";
+    int n_threads = 0, reps = 10;
+    for (int i = 1; i < argc; i++) {
+        const std::string a = argv[i];
+        if ((a == "-t" || a == "--threads") && i + 1 < argc) {
+            n_threads = atoi(argv[++i]);
+        } else if ((a == "-r" || a == "--reps") && i + 1 < argc) {
+            reps = std::max(1, atoi(argv[++i]));
+        } else if (a == "--profile") {
+            g_profile = true;
+        } else if (a == "all" || a == "matmul" || a == "block") {
+            what = a;
+        } else {
+            fprintf(stderr, "bench: unknown argument '%s'\nusage: %s [all|matmul|block] [-t threads] [-r reps] [--profile]\n", argv[i],
+                    argv[0]);
+            return 2;
+        }
+    }
+    ql_backend *cpu = ql_backend_cpu_init(n_threads);
+    n_threads = ql_backend_cpu_n_threads(cpu);
+    if (what == "all" || what == "matmul") bench_matmul(cpu, n_threads, reps);
+    if (what == "all" || what == "block") bench_block(cpu, n_threads, std::max(3, reps / 2));
+    ql_backend_free(cpu);
+    return 0;
+}
