@@ -72,15 +72,18 @@ struct ql_context {
 };
 
 // First error wins: later failures are usually consequences of the first.
+static void set_error_v(ql_context *ctx, ql_status st, const char *file, int line, const char *fmt, va_list ap) {
+    if (!ctx || ctx->status != QL_OK) return;
+    ctx->status = st;
+    const int n = file ? snprintf(ctx->err, sizeof(ctx->err), "%s:%d: ", ql_basename(file), line) : 0;
+    vsnprintf(ctx->err + n, sizeof(ctx->err) - (size_t)n, fmt, ap);
+}
 static void ql_set_error_at(ql_context *ctx, ql_status st, const char *file, int line, const char *fmt, ...)
     __attribute__((format(printf, 5, 6)));
 static void ql_set_error_at(ql_context *ctx, ql_status st, const char *file, int line, const char *fmt, ...) {
-    if (!ctx || ctx->status != QL_OK) return;
-    ctx->status = st;
-    int n = snprintf(ctx->err, sizeof(ctx->err), "%s:%d: ", ql_basename(file), line);
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(ctx->err + n, sizeof(ctx->err) - (size_t)n, fmt, ap);
+    set_error_v(ctx, st, file, line, fmt, ap);
     va_end(ap);
 }
 #define QL_ERR(ctx, st, ...) ql_set_error_at((ctx), (st), __FILE__, __LINE__, __VA_ARGS__)
@@ -96,11 +99,9 @@ const char *ql_status_name(ql_status s) {
 const char *ql_ctx_error(const ql_context *ctx) { return ctx ? ctx->err : ""; }
 ql_status   ql_ctx_status(const ql_context *ctx) { return ctx ? ctx->status : QL_ERR_INVALID; }
 void ql_ctx_set_error(ql_context *ctx, ql_status st, const char *fmt, ...) {
-    if (!ctx || ctx->status != QL_OK) return;
-    ctx->status = st;
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(ctx->err, sizeof(ctx->err), fmt, ap);
+    set_error_v(ctx, st, nullptr, 0, fmt, ap);
     va_end(ap);
 }
 void        ql_ctx_clear_error(ql_context *ctx) {
@@ -960,6 +961,7 @@ struct ql_graph {
     std::vector<double> node_seconds;          // profile totals, per node
 
     // the allocation
+    bool bound = false;  // data pointers match the current plan
     uint8_t *buffer = nullptr;
     size_t buffer_size = 0;
     const ql_backend *buffer_backend = nullptr;  // identity only: never dereferenced after alloc
@@ -1359,6 +1361,7 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
         return ctx->status;
     }
 
+    g->bound = false;  // a new plan moves tensors: ql_graph_alloc must bind again
     g->entries.clear();
     g->entry_tensor.clear();
     g->freed_after.assign((size_t)n, {});
@@ -1485,7 +1488,8 @@ double ql_graph_node_seconds(const ql_graph *g, int i) {
 }
 void ql_graph_set_no_reuse(ql_graph *g, bool on) {
     g->no_reuse = on;
-    g->planned  = false;  // the placement changes: plan again
+    g->planned  = false;  // the placement changes: plan (and bind) again
+    g->bound    = false;
 }
 
 ql_status ql_graph_alloc(ql_graph *g, ql_backend *be) {
@@ -1527,6 +1531,7 @@ ql_status ql_graph_alloc(ql_graph *g, ql_backend *be) {
             node->data = (uint8_t *)node->view_src->data + node->view_offs;
         }
     g->work = g->buffer + g->arena_size;
+    g->bound = true;
     return QL_OK;
 }
 
@@ -2960,7 +2965,7 @@ bool        ql_backend_supports_op(ql_backend *be, const ql_tensor *node) {
 ql_status ql_backend_graph_compute(ql_backend *be, ql_graph *g) {
     if (!be || !g) return QL_ERR_INVALID;
     if (g->ctx->status != QL_OK) return g->ctx->status;
-    if (!g->buffer || g->buffer_backend != be || !g->planned) {
+    if (!g->bound || g->buffer_backend != be) {
         QL_ERR(g->ctx, QL_ERR_INVALID, "compute: the graph has no buffer on backend %s --> hint: ql_graph_plan and "
                                        "ql_graph_alloc it first", be->iface.name);
         return g->ctx->status;

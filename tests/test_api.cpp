@@ -189,6 +189,13 @@ TEST_CASE("plan: an op the backend lacks is named; compute needs a plan; bad ids
     id[1] = 10;  // out of the table
     CHECK(ql_backend_graph_compute(cpu, g) == QL_ERR_INVALID);
     CHECK(has(ql_ctx_error(ctx), "get_rows: id 10"));
+    ql_ctx_clear_error(ctx);
+    id[1] = 9;
+    REQUIRE(ql_graph_plan(g, cpu, nullptr) == QL_OK);  // a new plan: pointers must be bound again
+    CHECK(ql_backend_graph_compute(cpu, g) == QL_ERR_INVALID);
+    ql_ctx_clear_error(ctx);
+    REQUIRE(ql_graph_alloc(g, cpu) == QL_OK);
+    CHECK(ql_backend_graph_compute(cpu, g) == QL_OK);
     ql_graph_free(g);
     ql_backend_free(cpu);
     ql_free(ctx);

@@ -2,8 +2,9 @@
 //
 //   tools/bench [all | matmul | block] [-t threads] [-r reps] [--profile]
 //
-// matmul: f32 GFLOP/s at 1024^3 and at LoRA-like shapes, next to OpenBLAS when the system has
-//         it (loaded with dlopen as a yardstick; qlora never links it).
+// matmul: f32 GFLOP/s at 1024^3 and at LoRA-like shapes, then the same shapes with OpenBLAS
+//         when the system has it (loaded with dlopen as a yardstick; qlora never links it).
+//         The ratio column is qlora's speed over OpenBLAS's (> 1: qlora faster).
 // block:  one llama transformer block, forward and forward+backward, at the 110M shape
 //         (n_embd 768, 12 heads, ffn 2048), seq 256 and 512.
 // Times are medians over the repetitions after one warm-up run.
@@ -57,42 +58,80 @@ struct openblas {
     }
 };
 
-static void bench_matmul(ql_backend *cpu, int n_threads, int reps) {
-    openblas ob(n_threads);
-    printf("## matmul f32, %d threads (%s)%s\n", n_threads, ql_cpu_features(),
-           ob.sgemm ? "" : "  [OpenBLAS not found: install libopenblas0-pthread for the side-by-side]");
-    printf("%-26s %10s %10s %12s %12s %8s\n", "shape (M x N x K)", "qlora ms", "GFLOP/s", "OpenBLAS ms", "GFLOP/s", "ratio");
-    struct shape { int M, N, K; const char *what; };
-    const shape shapes[] = {
-        {1024, 1024, 1024, "square"},
-        {4096, 16, 4096, "LoRA-like: 16 tokens"},
-        {4096, 256, 4096, "256 tokens"},
-        {11008, 16, 4096, "ffn up, 16 tokens"},
-        {768, 512, 768, "110M attn proj, seq 512"},
-    };
+struct mm_shape {
+    int M, N, K;
+    const char *what;
+};
+static const mm_shape k_shapes[] = {
+    {1024, 1024, 1024, "square"},
+    {4096, 16, 4096, "LoRA-like: 16 tokens"},
+    {4096, 256, 4096, "256 tokens"},
+    {11008, 16, 4096, "ffn up, 16 tokens"},
+    {768, 512, 768, "110M attn proj, seq 512"},
+};
+static const int k_n_shapes = sizeof(k_shapes) / sizeof(k_shapes[0]);
+
+struct mm_data {
+    std::vector<float> a, b, c;
+};
+static mm_data make_data(const mm_shape &s) {
     std::mt19937 rng(1);
     std::uniform_real_distribution<float> U(-1, 1);
-    for (const shape &s : shapes) {
-        std::vector<float> a((size_t)s.M * s.K), b((size_t)s.N * s.K), c((size_t)s.M * s.N), c2(c.size());
-        for (float &x : a) x = U(rng);
-        for (float &x : b) x = U(rng);
-        const int r = (double)s.M * s.N * s.K > 2e9 ? std::max(3, reps / 3) : reps;
-        const double flop = 2.0 * s.M * s.N * s.K;
-        const double tq = median_time(r, [&] { ql_cpu_sgemm(cpu, s.M, s.N, s.K, a.data(), s.K, b.data(), s.K, c.data(), s.M); });
+    mm_data d{std::vector<float>((size_t)s.M * s.K), std::vector<float>((size_t)s.N * s.K), std::vector<float>((size_t)s.M * s.N)};
+    for (float &x : d.a) x = U(rng);
+    for (float &x : d.b) x = U(rng);
+    return d;
+}
+static int reps_for(const mm_shape &s, int reps) { return (double)s.M * s.N * s.K > 2e9 ? std::max(3, reps / 3) : reps; }
+
+static double g_ours_ms[k_n_shapes];
+static std::vector<float> g_ours_c[k_n_shapes];
+
+static void bench_matmul(ql_backend *cpu, int n_threads, int reps) {
+    printf("## matmul f32, %d threads (%s)\n", n_threads, ql_cpu_features());
+    printf("%-26s %10s %10s\n", "shape (M x N x K)", "ms", "GFLOP/s");
+    for (int i = 0; i < k_n_shapes; i++) {
+        const mm_shape &s = k_shapes[i];
+        mm_data d = make_data(s);
+        const double t = median_time(reps_for(s, reps), [&] {
+            ql_cpu_sgemm(cpu, s.M, s.N, s.K, d.a.data(), s.K, d.b.data(), s.K, d.c.data(), s.M);
+        });
+        g_ours_ms[i] = t * 1e3;
+        g_ours_c[i] = d.c;
         char label[64];
         snprintf(label, sizeof(label), "%dx%dx%d", s.M, s.N, s.K);
-        printf("%-26s %10.3f %10.1f", label, tq * 1e3, flop / tq / 1e9);
-        if (ob.sgemm) {
-            // c[n][m] = sum_k a[m][k] b[n][k]: row-major C (N x M) = B (N x K) . A^T
-            const double to = median_time(r, [&] {
-                ob.sgemm(101 /*RowMajor*/, 111 /*NoTrans*/, 112 /*Trans*/, s.N, s.M, s.K, 1.0f, b.data(), s.K, a.data(),
-                         s.K, 0.0f, c2.data(), s.M);
-            });
-            double md = 0;
-            for (size_t i = 0; i < c.size(); i++) md = std::max(md, (double)std::fabs(c[i] - c2[i]));
-            printf(" %12.3f %12.1f %7.2fx   (max |diff| %.1e)", to * 1e3, flop / to / 1e9, to / tq, md);
-        }
-        printf("   %s\n", s.what);
+        printf("%-26s %10.3f %10.1f   %s\n", label, t * 1e3, 2.0 * s.M * s.N * s.K / t / 1e9, s.what);
+    }
+}
+
+// OpenBLAS last: its worker threads busy-wait after each call and would steal cores from
+// anything measured right after it.
+static void bench_openblas(int n_threads, int reps) {
+    openblas ob(n_threads);
+    printf("\n## yardstick: OpenBLAS cblas_sgemm, same shapes and threads\n");
+    if (!ob.sgemm) {
+        printf("OpenBLAS not found (Debian: libopenblas0-pthread); skipped\n");
+        return;
+    }
+    printf("%-26s %10s %10s %14s %12s\n", "shape (M x N x K)", "ms", "GFLOP/s", "qlora/OpenBLAS", "max |diff|");
+    for (int i = 0; i < k_n_shapes; i++) {
+        const mm_shape &s = k_shapes[i];
+        mm_data d = make_data(s);
+        // c[n][m] = sum_k a[m][k] b[n][k]: row-major C (N x M) = B (N x K) . A^T
+        const double t = median_time(reps_for(s, reps), [&] {
+            ob.sgemm(101 /*RowMajor*/, 111 /*NoTrans*/, 112 /*Trans*/, s.N, s.M, s.K, 1.0f, d.b.data(), s.K, d.a.data(), s.K,
+                     0.0f, d.c.data(), s.M);
+        });
+        double md = 0;
+        if (!g_ours_c[i].empty())
+            for (size_t j = 0; j < d.c.size(); j++) md = std::max(md, (double)std::fabs(d.c[j] - g_ours_c[i][j]));
+        char label[64];
+        snprintf(label, sizeof(label), "%dx%dx%d", s.M, s.N, s.K);
+        printf("%-26s %10.3f %10.1f", label, t * 1e3, 2.0 * s.M * s.N * s.K / t / 1e9);
+        if (g_ours_ms[i] > 0)
+            printf(" %13.2fx %12.1e\n", (t * 1e3) / g_ours_ms[i], md);
+        else
+            printf("\n");
     }
 }
 
@@ -186,6 +225,7 @@ int main(int argc, char **argv) {
     n_threads = ql_backend_cpu_n_threads(cpu);
     if (what == "all" || what == "matmul") bench_matmul(cpu, n_threads, reps);
     if (what == "all" || what == "block") bench_block(cpu, n_threads, std::max(3, reps / 2));
+    if (what == "all" || what == "matmul") bench_openblas(n_threads, reps);
     ql_backend_free(cpu);
     return 0;
 }
