@@ -3,6 +3,7 @@
 #   make            library, tools (tools/bench, ./train-tiny), test binary
 #   make test       the test suite + the drop-in build check (a few minutes on 2 cores)
 #   make test-sanitize   the suite under AddressSanitizer + UndefinedBehaviorSanitizer
+#   make test-portable   the suite built without -march=native (portable SIMD fallback)
 #   make bench      benchmarks (numbers go to bench/RESULTS.md by hand, with the command)
 #   make demo       trains a tiny transformer from scratch and samples from it
 #   make PORTABLE=1 ...  no -march=native (the portable SIMD fallback)
@@ -23,7 +24,7 @@ TEST_OBJ := $(TEST_SRC:%.cpp=$(BUILD)/%.o)
 TOOLS    := tools/bench train-tiny
 HEADERS  := qlora.h models/llama.h
 
-.PHONY: all test test-unit test-dropin test-sanitize bench demo clean cuda
+.PHONY: all test test-unit test-dropin test-sanitize test-portable bench demo clean cuda
 all: $(TOOLS) $(BUILD)/test-qlora
 
 $(BUILD)/%.o: %.cpp $(HEADERS)
@@ -53,6 +54,11 @@ test-dropin:
 	$(CC) -std=c99 -Wall -Wextra -pedantic -fsyntax-only -x c qlora.h
 	$(CXX) -std=c++17 -O2 -pthread examples/simple.cpp qlora.cpp -o $(BUILD)/simple
 	./$(BUILD)/simple
+
+# The portable SIMD fallback (no -march=native), in its own tree.
+test-portable:
+	$(MAKE) --no-print-directory BUILD=$(BUILD)/portable PORTABLE=1 $(BUILD)/portable/test-qlora
+	./$(BUILD)/portable/test-qlora
 
 # Sanitizer build in its own tree; same sources, same tests.
 SAN := $(BUILD)/san

@@ -1557,20 +1557,9 @@ static inline vf   vf_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 static inline vf   vf_max(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline float vf_hsum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline float vf_hmax(vf a) { return _mm512_reduce_max_ps(a); }
-static inline vf vf_exp(vf x) {  // exp(x) = 2^n * p(r); |rel err| ~ 2 ulp; x <= -104 gives 0
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-104.0f));
-    const vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT);
-    vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-06f), r);
-    vf p = _mm512_set1_ps(1.0f / 720);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+static inline vf   vf_min(vf a, vf b) { return _mm512_min_ps(a, b); }
+static inline vf   vf_round(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT); }
+static inline vf   vf_scale2(vf p, vf n) { return _mm512_scalef_ps(p, n); }  // p * 2^n, 0 on underflow
 #elif defined(__AVX2__) && defined(__FMA__)
 #define QL_SIMD_NAME "AVX2 FMA"
 typedef __m256 vf;
@@ -1597,19 +1586,10 @@ static inline float vf_hmax(vf a) {
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-static inline vf vf_exp(vf x) {
-    const vf tiny = _mm256_cmp_ps(x, _mm256_set1_ps(-87.3f), _CMP_LT_OQ);  // underflow -> 0
-    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.7f)), _mm256_set1_ps(-87.3f));
-    const vf n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vf r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-06f), r);
-    vf p = _mm256_set1_ps(1.0f / 720);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+static inline vf   vf_min(vf a, vf b) { return _mm256_min_ps(a, b); }
+static inline vf   vf_round(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+static inline vf   vf_scale2(vf p, vf n) {  // p * 2^n for integral n <= 127; 0 below 2^-126
+    const vf tiny = _mm256_cmp_ps(n, _mm256_set1_ps(-126.0f), _CMP_LT_OQ);
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
@@ -1629,8 +1609,22 @@ static inline vf vf_fma(vf a, vf b, vf c) { for (int i = 0; i < 4; i++) c.v[i] +
 static inline vf vf_max(vf a, vf b) { for (int i = 0; i < 4; i++) a.v[i] = std::max(a.v[i], b.v[i]); return a; }
 static inline float vf_hsum(vf a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
 static inline float vf_hmax(vf a) { return std::max(std::max(a.v[0], a.v[1]), std::max(a.v[2], a.v[3])); }
-static inline vf vf_exp(vf a) { for (int i = 0; i < 4; i++) a.v[i] = std::exp(a.v[i]); return a; }
+static inline vf vf_min(vf a, vf b) { for (int i = 0; i < 4; i++) a.v[i] = std::min(a.v[i], b.v[i]); return a; }
+static inline vf vf_round(vf a) { for (int i = 0; i < 4; i++) a.v[i] = std::nearbyint(a.v[i]); return a; }
+static inline vf vf_scale2(vf p, vf n) { for (int i = 0; i < 4; i++) p.v[i] = std::ldexp(p.v[i], (int)n.v[i]); return p; }
 #endif
+
+// exp(x) = 2^n p(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), p a degree-6
+// Taylor polynomial: |rel err| ~ 2 ulp. Inputs are clamped to [-104, 88]: exp(-inf) = 0.
+static inline vf vf_exp(vf x) {
+    x = vf_max(vf_min(x, vf_set1(88.0f)), vf_set1(-104.0f));
+    const vf n = vf_round(vf_mul(x, vf_set1(1.44269504f)));
+    vf r = vf_fma(n, vf_set1(-0.693145752f), x);
+    r = vf_fma(n, vf_set1(-1.42860677e-06f), r);
+    vf p = vf_set1(1.0f / 720);
+    for (float c : {1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = vf_fma(p, r, vf_set1(c));
+    return vf_scale2(p, n);
+}
 
 const char *ql_cpu_features(void) {
     return QL_SIMD_NAME
