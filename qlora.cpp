@@ -273,7 +273,7 @@ size_t ql_ctx_data_size(const ql_context *ctx) { return ctx ? ctx->data_size : 0
 bool   ql_ctx_is_measure(const ql_context *ctx) { return ctx && ctx->measure; }
 
 // Carves `size` bytes from the arena; NULL (with an error naming `what`) when it is full.
-static void *arena_take(ql_context *ctx, size_t size, const char *what) {
+static void *arena_take(ql_context *ctx, size_t size, const char *what, const char *detail = "") {
     const size_t need = align_up(size, QL_ALIGN);
     if (ctx->measure) {
         ctx->used += need;
@@ -281,9 +281,9 @@ static void *arena_take(ql_context *ctx, size_t size, const char *what) {
     }
     if (ctx->used + need > ctx->mem_size) {
         QL_ERR(ctx, QL_ERR_NOMEM,
-               "%s: context arena exhausted: need %zu more bytes, %zu of %zu used"
+               "%s%s: context arena exhausted: need %zu more bytes, %zu of %zu used"
                " --> hint: raise ql_init_params.mem_size (measure first with .measure = true)",
-               what, need, ctx->used, ctx->mem_size);
+               what, detail, need, ctx->used, ctx->mem_size);
         return nullptr;
     }
     void *p = ctx->mem + ctx->used;
@@ -385,7 +385,10 @@ static ql_tensor *new_tensor_impl(ql_context *ctx, ql_type type, int n_dims, con
         t = ctx->measure_hdr.back().get();
         arena_take(ctx, sizeof(ql_tensor), what);
     } else {
-        t = (ql_tensor *)arena_take(ctx, sizeof(ql_tensor), what);
+        char detail[128];
+        snprintf(detail, sizeof(detail), " [%lld, %lld, %lld, %lld] %s", (long long)n[0], (long long)n[1],
+                 (long long)n[2], (long long)n[3], tt->name);
+        t = (ql_tensor *)arena_take(ctx, sizeof(ql_tensor), what, detail);
         if (!t) return nullptr;
     }
     memset(t, 0, sizeof(*t));
@@ -402,7 +405,7 @@ static ql_tensor *new_leaf(ql_context *ctx, ql_type type, int n_dims, const int6
     const size_t size = ql_nbytes(t);
     ctx->data_size += align_up(size, QL_ALIGN);
     if (!ctx->no_alloc) {
-        t->data = arena_take(ctx, size, "new_tensor");
+        t->data = arena_take(ctx, size, "new_tensor", (" data of " + shape_str(t)).c_str());
         if (!t->data && !ctx->measure) return nullptr;
     }
     return t;

@@ -75,6 +75,7 @@ TEST_CASE("context arena: exhaustion is an error with a hint, never a crash") {
     CHECK(ql_ctx_status(ctx) == QL_ERR_NOMEM);
     CHECK(has(ql_ctx_error(ctx), "arena exhausted"));
     CHECK(has(ql_ctx_error(ctx), "hint"));
+    CHECK(has(ql_ctx_error(ctx), "[1000, 1000] f32"));
     CHECK(has_file_line(ql_ctx_error(ctx)));
     CHECK(ql_add(ctx, a, b) == nullptr);  // the chain fails quietly, the first message stays
     CHECK(has(ql_ctx_error(ctx), "arena exhausted"));
@@ -123,6 +124,54 @@ TEST_CASE("bad shapes and types are reported with op, shapes and file:line") {
         CHECK(has(ql_ctx_error(ctx), c.what));
         CHECK(has_file_line(ql_ctx_error(ctx)));
     }
+    ql_free(ctx);
+}
+
+TEST_CASE("autodiff: frozen leafs get no gradient buffer; gradients accumulate across runs") {
+    ql_init_params ip = {8u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *w = ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_F32, 7, 5), "frozen");
+    ql_tensor *a = ql_set_param(ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_F32, 7, 3), "trainable"));
+    ql_tensor *x = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_F32, 7, 4));
+    for (ql_tensor *t : {w, a, x})
+        for (int64_t i = 0; i < ql_nelements(t); i++) ql_set_f32_1d(t, i, 0.1f * (float)((i * 7) % 11) - 0.5f);
+    // loss = sum((W x)^2) + sum((A x)^2): only A is trainable
+    ql_tensor *y1 = ql_mul_mat(ctx, w, x), *y2 = ql_mul_mat(ctx, a, x);
+    ql_tensor *loss = ql_add(ctx, ql_sum(ctx, ql_mul(ctx, y1, y1)), ql_sum(ctx, ql_mul(ctx, y2, y2)));
+    ql_graph *gf = ql_graph_new(ctx);
+    ql_graph_build_forward(gf, loss);
+    ql_graph *gb = ql_graph_backward(ctx, gf, loss);
+    REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
+    CHECK(w->grad == nullptr);
+    REQUIRE(a->grad != nullptr);
+    CHECK(ql_graph_n_params(gb) == 1);
+    for (int i = 0; i < ql_graph_n_nodes(gb); i++)  // no matmul produces a [7, 5] gradient for W
+        CHECK(!(ql_graph_node(gb, i)->op == QL_OP_MUL_MAT && ql_same_shape(ql_graph_node(gb, i), w)));
+    ql_backend *be = ql_backend_cpu_init(2);
+    ql_plan_stats st;
+    REQUIRE(ql_graph_plan(gb, be, &st) == QL_OK);
+    CHECK(st.bytes[QL_MEM_GRADS] == 128);  // 7 x 3 floats, aligned: the only gradient buffer
+    CHECK(st.bytes[QL_MEM_WEIGHTS] == 192);
+    REQUIRE(ql_graph_alloc(gb, be) == QL_OK);
+    ql_graph_zero_grads(gb);
+    REQUIRE(ql_backend_graph_compute(be, gb) == QL_OK);
+    std::vector<float> once((const float *)a->grad->data, (const float *)a->grad->data + 21);
+    REQUIRE(ql_backend_graph_compute(be, gb) == QL_OK);  // no zeroing: the second run adds
+    for (int i = 0; i < 21; i++) CHECK(((const float *)a->grad->data)[i] == 2 * once[(size_t)i]);
+    // dL/dA = 2 (A x) x^T, checked directly
+    for (int r = 0; r < 3; r++)
+        for (int k = 0; k < 7; k++) {
+            double g = 0;
+            for (int n = 0; n < 4; n++) {
+                double ax = 0;
+                for (int j = 0; j < 7; j++) ax += (double)ql_get_f32_1d(a, r * 7 + j) * ql_get_f32_1d(x, n * 7 + j);
+                g += 2 * ax * ql_get_f32_1d(x, n * 7 + k);
+            }
+            CHECK(once[(size_t)(r * 7 + k)] == doctest::Approx(g).epsilon(1e-5));
+        }
+    ql_graph_free(gb);
+    ql_graph_free(gf);
+    ql_backend_free(be);
     ql_free(ctx);
 }
 
