@@ -379,6 +379,13 @@ static ql_tensor *new_tensor_impl(ql_context *ctx, ql_type type, int n_dims, con
                (long long)n[0], tt->name, (long long)tt->blck_size);
         return nullptr;
     }
+    uint64_t bytes = (uint64_t)(n[0] / tt->blck_size) * tt->type_size;
+    for (int i = 1; i < QL_MAX_DIMS; i++)
+        if (__builtin_mul_overflow(bytes, (uint64_t)n[i], &bytes) || bytes > ((uint64_t)1 << 56)) {
+            QL_ERR(ctx, QL_ERR_SHAPE, "%s: [%lld, %lld, %lld, %lld] %s is too large (over 2^56 bytes)", what,
+                   (long long)n[0], (long long)n[1], (long long)n[2], (long long)n[3], tt->name);
+            return nullptr;
+        }
     ql_tensor *t;
     if (ctx->measure) {
         ctx->measure_hdr.emplace_back(new ql_tensor);
@@ -768,8 +775,10 @@ ql_tensor *ql_get_rows(ql_context *ctx, ql_tensor *a, ql_tensor *ids) {
     QL_CHECK(ctx, ids->type == QL_TYPE_I32, QL_ERR_TYPE, "get_rows: ids %s must be i32", shape_str(ids).c_str());
     QL_CHECK(ctx, is_float_type(a->type) && a->ne[2] == 1 && a->ne[3] == 1, QL_ERR_TYPE,
              "get_rows: a %s must be a 2-D numeric table", shape_str(a).c_str());
-    QL_CHECK(ctx, ids->ne[3] == 1 && ql_rows_contiguous(ids), QL_ERR_SHAPE, "get_rows: ids %s must be at most 3-D",
-             shape_str(ids).c_str());
+    QL_CHECK(ctx, ql_rows_contiguous(a), QL_ERR_SHAPE, "get_rows: table %s needs dense rows --> hint: ql_cont it first",
+             shape_str(a).c_str());
+    QL_CHECK(ctx, ids->ne[3] == 1 && ql_is_contiguous(ids), QL_ERR_SHAPE,
+             "get_rows: ids %s must be contiguous and at most 3-D --> hint: ql_cont it first", shape_str(ids).c_str());
     const int64_t ne[4] = {a->ne[0], ids->ne[0], ids->ne[1], ids->ne[2]};
     return new_op(ctx, QL_OP_GET_ROWS, QL_TYPE_F32, ne, {a, ids});
 }
@@ -954,7 +963,7 @@ struct ql_graph {
 
     // the plan (section 8)
     bool planned = false;
-    const ql_backend *plan_backend = nullptr;
+    uint64_t plan_backend = 0;                 // backend id the plan's work sizes are for
     std::vector<ql_plan_entry> entries;
     std::vector<ql_tensor *> entry_tensor;     // entries[i].tensor, writable
     std::vector<std::vector<int>> freed_after; // node i -> entries whose block is free after it
@@ -967,7 +976,7 @@ struct ql_graph {
     bool bound = false;  // data pointers match the current plan
     uint8_t *buffer = nullptr;
     size_t buffer_size = 0;
-    const ql_backend *buffer_backend = nullptr;  // identity only: never dereferenced after alloc
+    uint64_t buffer_backend = 0;                // id of the backend that made the buffer
     void (*buffer_free)(void *) = nullptr;
     uint8_t *work = nullptr;
 };
@@ -1270,7 +1279,11 @@ ql_graph *ql_graph_backward(ql_context *ctx, const ql_graph *gf, ql_tensor *loss
         gb_graph->visited.insert(t);
         (t->op == QL_OP_NONE ? gb_graph->leafs : gb_graph->nodes).push_back(t);
     }
-    for (ql_tensor *acc : accs) gb_graph->outputs.push_back(acc);
+    for (ql_tensor *acc : accs) {
+        gb_graph->outputs.push_back(acc);
+        ql_tensor *gl = acc->src[0];  // made by an earlier ql_graph_backward: not new, not in gf
+        if (gb_graph->visited.insert(gl).second) gb_graph->leafs.push_back(gl);
+    }
     return gb_graph;
 }
 
@@ -1471,7 +1484,7 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
     st.n_inplace = n_inplace;
     g->stats = st;
     g->planned = true;
-    g->plan_backend = be;
+    g->plan_backend = be->id;
     if (stats_out) *stats_out = st;
     return QL_OK;
 }
@@ -1479,6 +1492,12 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
 int ql_graph_plan_entries(const ql_graph *g, const ql_plan_entry **entries) {
     if (entries) *entries = g->entries.empty() ? nullptr : g->entries.data();
     return (int)g->entries.size();
+}
+
+ql_status ql_graph_get_stats(const ql_graph *g, ql_plan_stats *stats) {
+    if (!g || !stats || !g->planned) return QL_ERR_INVALID;
+    *stats = g->stats;
+    return QL_OK;
 }
 
 void ql_graph_set_poison(ql_graph *g, bool on) { g->poison = on; }
@@ -1495,6 +1514,17 @@ void ql_graph_set_no_reuse(ql_graph *g, bool on) {
     g->bound    = false;
 }
 
+// Points every planned tensor and view into this graph's buffer. Runs before every compute
+// too: tensors shared with another graph may have been pointed into that one's buffer.
+static void graph_bind(ql_graph *g) {
+    for (size_t i = 0; i < g->entries.size(); i++) g->entry_tensor[i]->data = g->buffer + g->entries[i].offset;
+    for (ql_tensor *node : g->nodes)
+        if (aliases_src(node->op)) {
+            QL_ASSERT(node->view_src->data);
+            node->data = (uint8_t *)node->view_src->data + node->view_offs;
+        }
+}
+
 ql_status ql_graph_alloc(ql_graph *g, ql_backend *be) {
     if (!g || !be) return QL_ERR_INVALID;
     ql_context *ctx = g->ctx;
@@ -1504,7 +1534,7 @@ ql_status ql_graph_alloc(ql_graph *g, ql_backend *be) {
                                     "then build it again in a real context");
         return ctx->status;
     }
-    if (!g->planned || g->plan_backend != be) {
+    if (!g->planned || g->plan_backend != be->id) {
         const ql_status st = ql_graph_plan(g, be, nullptr);
         if (st != QL_OK) return st;
     }
@@ -1515,7 +1545,7 @@ ql_status ql_graph_alloc(ql_graph *g, ql_backend *be) {
             return ctx->status;
         }
     const size_t need = g->arena_size + g->work_size;
-    if (!g->buffer || g->buffer_size < need || g->buffer_backend != be) {
+    if (!g->buffer || g->buffer_size < need || g->buffer_backend != be->id) {
         graph_release_buffer(g);
         g->buffer = (uint8_t *)be->iface.buffer_alloc(be, std::max(need, (size_t)QL_ALIGN));
         if (!g->buffer) {
@@ -1524,17 +1554,12 @@ ql_status ql_graph_alloc(ql_graph *g, ql_backend *be) {
             return ctx->status;
         }
         g->buffer_size    = need;
-        g->buffer_backend = be;
+        g->buffer_backend = be->id;
         g->buffer_free    = be->iface.buffer_free;
     }
-    for (size_t i = 0; i < g->entries.size(); i++) g->entry_tensor[i]->data = g->buffer + g->entries[i].offset;
-    for (ql_tensor *node : g->nodes)
-        if (aliases_src(node->op)) {
-            QL_ASSERT(node->view_src->data);
-            node->data = (uint8_t *)node->view_src->data + node->view_offs;
-        }
     g->work = g->buffer + g->arena_size;
     g->bound = true;
+    graph_bind(g);
     return QL_OK;
 }
 
@@ -1824,11 +1849,16 @@ struct cpu_pool {
         std::unique_lock<std::mutex> lk(mu);
         done_cv.wait(lk, [&] { return running == 0; });
     }
-    // all threads of a job meet here
-    void barrier() {
-        if (n == 1) return;
+    // All threads of a job meet here. The last to arrive runs `last(arg)` before releasing the
+    // others, so a decision made there is seen identically by every thread after the barrier.
+    void barrier(void (*last)(void *) = nullptr, void *last_arg = nullptr) {
+        if (n == 1) {
+            if (last) last(last_arg);
+            return;
+        }
         const int phase = bar_phase.load(std::memory_order_acquire);
         if (bar_count.fetch_add(1, std::memory_order_acq_rel) == n - 1) {
+            if (last) last(last_arg);
             bar_count.store(0, std::memory_order_relaxed);
             bar_phase.fetch_add(1, std::memory_order_acq_rel);
             return;
@@ -1900,6 +1930,8 @@ static void k_cont(const cpu_params &p, ql_tensor *dst) {
             }
         } else if (src->type == QL_TYPE_F32 && dst->type == QL_TYPE_F32) {  // transposed f32: gather
             for (int64_t i = 0; i < ne0; i++) ((float *)d)[i] = *(const float *)(s + i * src->nb[0]);
+        } else if (src->type == dst->type) {  // any plain type (i32 too): element by element
+            for (int64_t i = 0; i < ne0; i++) memcpy(d + i * ts.type_size, s + i * src->nb[0], ts.type_size);
         } else {
             for (int64_t i = 0; i < ne0; i++) ts.to_float(s + i * src->nb[0], tmp + i, 1);
             td.from_float(tmp, d, ne0);
@@ -1997,6 +2029,20 @@ static void k_acc_grad(const cpu_params &p, ql_tensor *dst) {  // dst aliases th
     for (int64_t r = b; r < e; r++) row_axpy(c->ne[0], 1.0f, f32_row(c, r), (float *)dst->data + r * c->ne[0]);
 }
 
+// sufficient test: with dimensions sorted by stride, each stride clears everything the lower
+// dimensions span
+static bool view_is_injective(const int64_t ne[4], int64_t s1, int64_t s2, int64_t s3) {
+    std::pair<int64_t, int64_t> d[4] = {{1, ne[0]}, {s1, ne[1]}, {s2, ne[2]}, {s3, ne[3]}};  // (stride, extent)
+    std::sort(d, d + 4);
+    int64_t span = 1;  // offsets covered so far: [0, span)
+    for (const auto &x : d) {
+        if (x.second <= 1) continue;
+        if (x.first < span) return false;
+        span = x.first * (x.second - 1) + span;
+    }
+    return true;
+}
+
 static void k_view_back(const cpu_params &p, ql_tensor *dst) {
     const ql_tensor *dy = dst->src[0];
     const int64_t off = get_param<int64_t>(dst, 0), s1 = get_param<int64_t>(dst, 2), s2 = get_param<int64_t>(dst, 4),
@@ -2008,9 +2054,9 @@ static void k_view_back(const cpu_params &p, ql_tensor *dst) {
         std::fill(d + b, d + e, 0.0f);
         return;
     }
-    // rows of a well-formed view land on disjoint places; a view with zero strides may overlap
-    // itself, then one thread does it all
-    const bool overlap = (s1 == 0 && dy->ne[1] > 1) || (s2 == 0 && dy->ne[2] > 1) || (s3 == 0 && dy->ne[3] > 1);
+    // Rows go to different threads only when the view is one-to-one (then rows land on
+    // disjoint places); a view overlapping itself is scattered by one thread, in order.
+    const bool overlap = !view_is_injective(dy->ne, s1, s2, s3);
     if (overlap && p.ith != 0) return;
     split_range(ql_nrows(dy), overlap ? 0 : p.ith, overlap ? 1 : p.nth, b, e);
     for (int64_t r = b; r < e; r++) {
@@ -2784,7 +2830,8 @@ struct cpu_job {
     ql_graph *g = nullptr;
     cpu_pool *pool = nullptr;
     size_t work_per_thread = 0;
-    std::atomic<bool> failed{false};
+    std::atomic<bool> failed{false};  // set by a kernel, any time
+    std::atomic<bool> stop{false};    // `failed` as of the last barrier: what every thread acts on
     std::mutex mu;
     char err[512] = {0};
 };
@@ -2856,6 +2903,11 @@ static void cpu_compute_node(const cpu_params &p, ql_tensor *node) {
     }
 }
 
+static void cpu_latch_stop(void *arg) {
+    cpu_job *job = (cpu_job *)arg;
+    job->stop.store(job->failed.load());
+}
+
 static void cpu_graph_worker(void *arg, int ith, int nth) {
     cpu_job *job = (cpu_job *)arg;
     ql_graph *g = job->g;
@@ -2872,11 +2924,13 @@ static void cpu_graph_worker(void *arg, int ith, int nth) {
         for (int pass = 0, np = cpu_n_passes(node); pass < np; pass++) {
             p.pass = pass;
             cpu_compute_node(p, node);
-            job->pool->barrier();
+            job->pool->barrier(cpu_latch_stop, job);
         }
         if (profile && ith == 0)
             g->node_seconds[i] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        if (job->failed.load()) break;  // every thread reads it after the same barrier
+        // `stop` changes only inside a barrier, so every thread takes the same branch here
+        // (reading `failed` directly let a fast thread fail in the next node first: a hang)
+        if (job->stop.load()) break;
         if (g->poison && !g->freed_after[i].empty()) {
             if (ith == 0)
                 for (int e : g->freed_after[i]) memset(g->buffer + g->entries[(size_t)e].offset, 0xff, g->entries[(size_t)e].size);
@@ -2945,12 +2999,20 @@ ql_backend *ql_backend_cpu_init(int n_threads) {
     }
     be->iface = {"cpu", cpu_supports_op, cpu_work_size, cpu_buffer_alloc, cpu_buffer_free, cpu_graph_compute, cpu_free};
     be->impl = cb;
+    be->id = ql_backend_new_id();
     cb->pool.start(n_threads);
     return be;
 }
 
 int ql_backend_cpu_n_threads(const ql_backend *be) {
     return (be && be->iface.graph_compute == cpu_graph_compute) ? ((const cpu_backend *)be->impl)->pool.n : 0;
+}
+
+// Plans and buffers remember the backend by id: a new backend at a freed one's address must
+// not inherit its plan (work sizes depend on the thread count).
+uint64_t ql_backend_new_id(void) {
+    static std::atomic<uint64_t> next{1};
+    return next.fetch_add(1);
 }
 
 void        ql_backend_free(ql_backend *be) { if (be) be->iface.free(be); }
@@ -2962,11 +3024,12 @@ bool        ql_backend_supports_op(ql_backend *be, const ql_tensor *node) {
 ql_status ql_backend_graph_compute(ql_backend *be, ql_graph *g) {
     if (!be || !g) return QL_ERR_INVALID;
     if (g->ctx->status != QL_OK) return g->ctx->status;
-    if (!g->bound || g->buffer_backend != be) {
+    if (!g->bound || g->buffer_backend != be->id || g->plan_backend != be->id) {
         QL_ERR(g->ctx, QL_ERR_INVALID, "compute: the graph has no buffer on backend %s --> hint: ql_graph_plan and "
                                        "ql_graph_alloc it first", be->iface.name);
         return g->ctx->status;
     }
+    graph_bind(g);
     return be->iface.graph_compute(be, g);
 }
 

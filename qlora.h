@@ -359,7 +359,12 @@ typedef struct ql_plan_entry {
 
 ql_status ql_graph_plan(ql_graph *g, ql_backend *backend, ql_plan_stats *stats);
 int       ql_graph_plan_entries(const ql_graph *g, const ql_plan_entry **entries);
+// the statistics of the current plan (QL_ERR_INVALID if the graph is not planned)
+ql_status ql_graph_get_stats(const ql_graph *g, ql_plan_stats *stats);
 // Allocates the planned buffer once from the backend and points every op result into it.
+// Graphs may share tensors (a backward graph contains its forward graph's nodes): a run
+// points the shared tensors into its own buffer first, so after a run, tensor data refers
+// to the graph that ran last.
 ql_status ql_graph_alloc(ql_graph *g, ql_backend *backend);
 // Debug: before each node runs, fill the bytes of blocks freed by earlier nodes with NaN
 // (0xFF) so a reader of a dead tensor cannot go unnoticed.
@@ -397,7 +402,9 @@ typedef struct ql_backend_i {
 struct ql_backend {
     ql_backend_i iface;
     void        *impl;
+    uint64_t     id;    // unique per backend created in this process (plans remember it)
 };
+uint64_t ql_backend_new_id(void);  // for implementers: the id a new backend must carry
 
 // Direct matrix multiply on the CPU, for tools and benchmarks: c[M,N] (ldc floats between rows
 // n) = sum_k a[k + m*lda] * b[k + n*ldb] (both row-major with K contiguous), using the backend's

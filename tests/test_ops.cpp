@@ -1152,3 +1152,66 @@ TEST_CASE("bad input: NULL result, message with op and file:line, first error ke
     CHECK(ql_ctx_status(ctx) == QL_OK);
     ql_free(ctx);
 }
+
+// =============================================================================================
+// more shapes and paths (from the first code review)
+// =============================================================================================
+
+TEST_CASE("flash_attn: longer, wider heads, Tq < Tk with GQA, segments across tiles") {
+    check_attn("attn Tq<Tk big, GQA, d>64", {80, 72, 4, 2, 45, 130, 2, false, 0.1, false});
+    check_attn("attn seg long, d>64", {70, 70, 2, 1, 150, 150, 1, true, 0.1, true});
+    check_attn("attn Tq=33 Tk=33 GQA", {16, 16, 6, 2, 33, 33, 2, false, 0.3, false});
+}
+TEST_CASE("mul_mat: packed path with batches, broadcast, transposes, F16, K = 1") {
+    check_mul_mat("mm packed batched bcast", {40, 37, 70, 2, 1, 6, 2, false, false});
+    check_mul_mat("mm packed batched bcast a^T", {40, 37, 70, 2, 2, 6, 4, true, false});
+    check_mul_mat("mm packed b^T big", {300, 45, 100, 1, 1, 1, 1, false, true});
+    check_mul_mat("mm F16 packed", {300, 45, 100, 1, 1, 2, 1, false, false}, QL_TYPE_F16);
+    check_mul_mat("mm F16 transposed", {33, 45, 100, 1, 1, 1, 1, true, false}, QL_TYPE_F16);
+    check_mul_mat("mm F16 transposed dot", {33, 45, 5, 1, 1, 1, 1, true, false}, QL_TYPE_F16);
+    check_mul_mat("mm K=1", {1, 45, 100, 1, 1, 1, 1, false, false});
+    check_mul_mat("mm K=1 dot", {1, 45, 3, 1, 1, 1, 1, false, false});
+}
+TEST_CASE("rope on a permuted (non-contiguous) view") {
+    RopeCfg c{14, 10, 3, 7, 2, QL_ROPE_NEOX, false, 10000.0};
+    std::vector<int32_t> pos(c.T * c.B);
+    for (size_t i = 0; i < pos.size(); i++) pos[i] = (int)(i * 3 % 17);
+    check_op("rope permuted",
+             [&](Harness &h) {
+                 ql_tensor *x = h.input(QL_TYPE_F32, {c.hd, c.T, c.nh, c.B}, true);
+                 ql_tensor *xp = ql_permute(h.ctx, ql_scale(h.ctx, x, 1.0f), 0, 2, 1, 3);  // [hd, nh, T, B]
+                 return ql_rope(h.ctx, xp, h.ints({c.T, c.B, 1, 1}, pos), nullptr, c.nd, c.mode, (float)c.base);
+             },
+             [&](const Inputs &in) {
+                 Vec xs = ref_permute(in[0], {c.hd, c.T, c.nh, c.B}, {0, 2, 1, 3});
+                 return ref_rope(xs, pos, nullptr, c);
+             });
+}
+TEST_CASE("view of a view, gradient into the source") {
+    const Shape xn = {13, 7, 5, 3};
+    check_op("view of view",
+             [&](Harness &h) {
+                 ql_tensor *x = h.input(QL_TYPE_F32, xn, true);
+                 ql_tensor *v1 = ql_view_2d(h.ctx, x, 13, 20, 52, 52 * 3);
+                 return ql_view_2d(h.ctx, v1, 5, 6, 104, 8);
+             },
+             [&](const Inputs &in) { return ref_strided(in[0], {5, 6, 1, 1}, {4, 104, 0, 0}, 52 * 3 + 8); });
+}
+TEST_CASE("one tensor reaching an op through several paths") {
+    const Shape xn = {9, 5, 1, 1};
+    check_op("x*x", [&](Harness &h) { ql_tensor *x = h.input(QL_TYPE_F32, xn, true); return ql_mul(h.ctx, x, x); },
+             [](const Inputs &in) { Vec o = in[0]; for (double &v : o) v = v * v; return o; });
+    check_op("swiglu(x,x)", [&](Harness &h) { ql_tensor *x = h.input(QL_TYPE_F32, xn, true); return ql_swiglu(h.ctx, x, x); },
+             [](const Inputs &in) { Vec o = in[0]; for (double &v : o) v = silu(v) * v; return o; });
+    check_op("mul_mat(x,x)", [&](Harness &h) { ql_tensor *x = h.input(QL_TYPE_F32, xn, true); return ql_mul_mat(h.ctx, x, x); },
+             [](const Inputs &in) { MM s{9, 5, 5, 1, 1, 1, 1, false, false}; return ref_mul_mat(in[0], in[0], s); });
+    check_op("cast f16 then mm", [&](Harness &h) {
+                 ql_tensor *x = h.input(QL_TYPE_F32, xn, true, -1, 1);
+                 ql_tensor *b = h.input(QL_TYPE_F32, {9, 4, 1, 1}, true);
+                 return ql_mul_mat(h.ctx, ql_cast(h.ctx, ql_cast(h.ctx, x, QL_TYPE_F16), QL_TYPE_F32), b); },
+             [](const Inputs &in) { MM s{9, 5, 4, 1, 1, 1, 1, false, false}; Vec a = in[0]; for (double &v : a) v = round_f16(v); return ref_mul_mat(a, in[1], s); },
+             Tol{1e-5, 2e-3, 1e-4},
+             nullptr,
+             [](const Inputs &in) { MM s{9, 5, 4, 1, 1, 1, 1, false, false}; return ref_mul_mat(in[0], in[1], s); });
+    check_attn("attn small, Hkv == H", {8, 8, 2, 2, 7, 7, 1, false, 0.5, false});
+}
