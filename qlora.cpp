@@ -1643,9 +1643,10 @@ static inline vf vf_scale2(vf p, vf n) { for (int i = 0; i < 4; i++) p.v[i] = st
 #endif
 
 // exp(x) = 2^n p(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), p a degree-6
-// Taylor polynomial: |rel err| ~ 2 ulp. Inputs are clamped to [-104, 88]: exp(-inf) = 0.
+// Taylor polynomial: |rel err| ~ 2 ulp. Inputs are clamped to [-120, 88]; 2^-173 p rounds
+// to exactly 0, so exp(-inf) = 0 (masked scores contribute nothing).
 static inline vf vf_exp(vf x) {
-    x = vf_max(vf_min(x, vf_set1(88.0f)), vf_set1(-104.0f));
+    x = vf_max(vf_min(x, vf_set1(88.0f)), vf_set1(-120.0f));
     const vf n = vf_round(vf_mul(x, vf_set1(1.44269504f)));
     vf r = vf_fma(n, vf_set1(-0.693145752f), x);
     r = vf_fma(n, vf_set1(-1.42860677e-06f), r);
@@ -1719,39 +1720,6 @@ static inline float row_exp_sum(int64_t n, const float *x, float m, float *y) {
     float r = vf_hsum(s);
     for (; i < n; i++) r += (y[i] = exp1(x[i] - m));
     return r;
-}
-
-// y[0..n) += sum_r c[r] * x[r][0..n): the accumulator stays in registers across all rows
-// (one load and one store of y per chunk instead of one per row). Zero coefficients skipped.
-static void rows_axpy(int64_t n, int nr, const float *c, const float *const *x, float *y) {
-    int64_t i = 0;
-    for (; i + 4 * VW <= n; i += 4 * VW) {
-        vf a0 = vf_load(y + i), a1 = vf_load(y + i + VW), a2 = vf_load(y + i + 2 * VW), a3 = vf_load(y + i + 3 * VW);
-        for (int r = 0; r < nr; r++) {
-            if (c[r] == 0.0f) continue;
-            const vf cr = vf_set1(c[r]);
-            const float *xr = x[r] + i;
-            a0 = vf_fma(cr, vf_load(xr), a0);
-            a1 = vf_fma(cr, vf_load(xr + VW), a1);
-            a2 = vf_fma(cr, vf_load(xr + 2 * VW), a2);
-            a3 = vf_fma(cr, vf_load(xr + 3 * VW), a3);
-        }
-        vf_store(y + i, a0);
-        vf_store(y + i + VW, a1);
-        vf_store(y + i + 2 * VW, a2);
-        vf_store(y + i + 3 * VW, a3);
-    }
-    for (; i + VW <= n; i += VW) {
-        vf a = vf_load(y + i);
-        for (int r = 0; r < nr; r++)
-            if (c[r] != 0.0f) a = vf_fma(vf_set1(c[r]), vf_load(x[r] + i), a);
-        vf_store(y + i, a);
-    }
-    for (; i < n; i++) {
-        float a = y[i];
-        for (int r = 0; r < nr; r++) a += c[r] * x[r][i];
-        y[i] = a;
-    }
 }
 
 // dst[i*ld_dst + j] = src[j*ld_src + i] for an 8 x 8 block
@@ -2294,14 +2262,15 @@ template <bool BACK> static void k_rope(const cpu_params &p, ql_tensor *dst) {
 // dk/dv by key blocks (each owning its kv head's whole query group). Scores are recomputed
 // from q, k and the saved logsumexp.
 
-static constexpr int FA_BQ = 32, FA_BK = 64;
+static constexpr int FA_BQ = 64, FA_BK = 64;
+static constexpr int FA_G = VW >= 16 ? 4 : 2;  // rows handled together so each K/V load feeds G FMAs
 
 static size_t fa_work(const ql_tensor *node) {
     const ql_tensor *q = node->src[0], *v = node->src[2];
-    const size_t D = (size_t)q->ne[0], DV = (size_t)v->ne[0];
-    if (node->op == QL_OP_FLASH_ATTN) return (D * FA_BK + FA_BK + FA_BQ * DV + 2 * FA_BQ) * sizeof(float);
-    const size_t a = D * FA_BK + DV * FA_BK + 2 * FA_BK + FA_BQ * D + 2 * FA_BQ;
-    const size_t b = D * FA_BQ + DV * FA_BQ + 6 * FA_BQ + FA_BK * (D + DV);
+    const size_t D = (size_t)q->ne[0], DV = (size_t)v->ne[0], G = FA_G, MX = std::max(D, DV);
+    if (node->op == QL_OP_FLASH_ATTN) return (D * FA_BK + G * FA_BK + FA_BQ * DV + 2 * FA_BQ + MX) * sizeof(float);
+    const size_t a = D * FA_BK + DV * FA_BK + 2 * G * FA_BK + FA_BQ * D + 2 * FA_BQ + MX;
+    const size_t b = D * FA_BQ + DV * FA_BQ + 2 * FA_BQ + 2 * G * FA_BQ + FA_BK * (D + DV) + MX;
     return std::max(a, b) * sizeof(float);
 }
 
@@ -2311,25 +2280,84 @@ static inline const float *fa_row(const ql_tensor *t, int64_t i, int64_t h, int6
 
 // xt[c*W + j] = row j of t (j < n), zero for n <= j < W
 static void fa_pack_t(const ql_tensor *t, int64_t j0, int64_t n, int64_t h, int64_t b, int W, float *xt) {
-    const int64_t D = t->ne[0];
-    for (int64_t j = 0; j < n; j++) {
+    const int64_t D = t->ne[0], ld = (int64_t)(t->nb[1] / sizeof(float));  // rows j are ld floats apart
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const float *r = fa_row(t, j0 + j, h, b);
+        int64_t c = 0;
+        for (; c + 8 <= D; c += 8) transpose8(r + c, ld, xt + c * W + j, W);
+        for (; c < D; c++)
+            for (int q = 0; q < 8; q++) xt[c * W + j + q] = r[q * ld + c];
+    }
+    for (; j < n; j++) {
         const float *r = fa_row(t, j0 + j, h, b);
         for (int64_t c = 0; c < D; c++) xt[c * W + j] = r[c];
     }
-    for (int64_t j = n; j < W; j++)
+    for (; j < W; j++)
         for (int64_t c = 0; c < D; c++) xt[c * W + j] = 0.0f;
 }
 
-// s[j] = sum_c x[c] * xt[c*W + j], j < W (W a multiple of VW)
-template <int W> static inline void fa_scores(int64_t D, const float *x, const float *xt, float *s) {
-    vf acc[W / VW];
-    for (int v = 0; v < W / VW; v++) acc[v] = vf_zero();
+// S[g*W + j] = sum_c x[g][c] * xt[c*W + j] for g < G, j < W: G rows against a transposed tile
+template <int G, int W> static inline void fa_scores(int64_t D, const float *const *x, const float *xt, float *S) {
+    constexpr int NV = W / VW;
+    vf acc[G][NV];
+    for (int g = 0; g < G; g++)
+        for (int v = 0; v < NV; v++) acc[g][v] = vf_zero();
     for (int64_t c = 0; c < D; c++) {
-        const vf xc = vf_set1(x[c]);
-        for (int v = 0; v < W / VW; v++) acc[v] = vf_fma(xc, vf_load(xt + c * W + v * VW), acc[v]);
+        vf t[NV];
+        for (int v = 0; v < NV; v++) t[v] = vf_load(xt + c * W + v * VW);
+        for (int g = 0; g < G; g++) {
+            const vf xc = vf_set1(x[g][c]);
+            for (int v = 0; v < NV; v++) acc[g][v] = vf_fma(xc, t[v], acc[g][v]);
+        }
     }
-    for (int v = 0; v < W / VW; v++) vf_store(s + v * VW, acc[v]);
+    for (int g = 0; g < G; g++)
+        for (int v = 0; v < NV; v++) vf_store(S + g * W + v * VW, acc[g][v]);
 }
+
+// Y[g][0..n) += sum_{r < nr} C[g*cs + r] * x[r][0..n) for g < G: each x load feeds G rows
+template <int G>
+static void rows_axpy_g(int64_t n, int64_t nr, const float *C, int64_t cs, const float *const *x, float *const *Y) {
+    int64_t i = 0;
+    for (; i + 4 * VW <= n; i += 4 * VW) {
+        vf a[G][4];
+        for (int g = 0; g < G; g++)
+            for (int u = 0; u < 4; u++) a[g][u] = vf_load(Y[g] + i + u * VW);
+        for (int64_t r = 0; r < nr; r++) {
+            vf xr[4];
+            for (int u = 0; u < 4; u++) xr[u] = vf_load(x[r] + i + u * VW);
+            for (int g = 0; g < G; g++) {
+                const vf c = vf_set1(C[g * cs + r]);
+                for (int u = 0; u < 4; u++) a[g][u] = vf_fma(c, xr[u], a[g][u]);
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int u = 0; u < 4; u++) vf_store(Y[g] + i + u * VW, a[g][u]);
+    }
+    for (; i + VW <= n; i += VW) {
+        vf a[G];
+        for (int g = 0; g < G; g++) a[g] = vf_load(Y[g] + i);
+        for (int64_t r = 0; r < nr; r++) {
+            const vf xr = vf_load(x[r] + i);
+            for (int g = 0; g < G; g++) a[g] = vf_fma(vf_set1(C[g * cs + r]), xr, a[g]);
+        }
+        for (int g = 0; g < G; g++) vf_store(Y[g] + i, a[g]);
+    }
+    for (; i < n; i++)
+        for (int g = 0; g < G; g++) {
+            float a = Y[g][i];
+            for (int64_t r = 0; r < nr; r++) a += C[g * cs + r] * x[r][i];
+            Y[g][i] = a;
+        }
+}
+
+// Rows g < gn of a group are real; the rest point at a dummy (their coefficients are zero),
+// so the grouped kernels need no edge cases.
+struct fa_group {
+    int gn;
+    const float *in[FA_G];
+    float *out[FA_G];
+};
 
 static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
     const ql_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *seg = dst->src[3];
@@ -2338,7 +2366,8 @@ static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
     const int64_t off = Tk - Tq, rep = H / k->ne[2], nqb = (Tq + FA_BQ - 1) / FA_BQ;
     const int32_t *sg = seg ? (const int32_t *)seg->data : nullptr;
     float *lse = (float *)ql_aux_data(dst);
-    float *KT = (float *)p.wdata, *s = KT + D * FA_BK, *O = s + FA_BK, *m = O + FA_BQ * DV, *l = m + FA_BQ;
+    float *KT = (float *)p.wdata, *S = KT + D * FA_BK, *O = S + FA_G * FA_BK, *m = O + FA_BQ * DV, *l = m + FA_BQ;
+    float *dummy = l + FA_BQ;
     for (int64_t it = p.ith; it < B * H * nqb; it += p.nth) {
         const int64_t qb = it % nqb, h = (it / nqb) % H, b = it / (nqb * H), hk = h / rep;
         const int64_t i0 = qb * FA_BQ, nq = std::min<int64_t>(FA_BQ, Tq - i0);
@@ -2351,22 +2380,35 @@ static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
             fa_pack_t(k, j0, bk, hk, b, FA_BK, KT);
             const float *vrows[FA_BK];
             for (int64_t j = 0; j < bk; j++) vrows[j] = fa_row(v, j0 + j, hk, b);
-            for (int64_t ii = 0; ii < nq; ii++) {
-                const int64_t i = i0 + ii, jl = std::min(bk, i + off + 1 - j0);  // causal: j <= i + off
-                if (jl <= 0) continue;
-                fa_scores<FA_BK>(D, fa_row(q, i, h, b), KT, s);
-                for (int64_t j = 0; j < jl; j++) {
-                    s[j] *= scale;
-                    if (sg && sg[b * Tk + j0 + j] != sg[b * Tk + i + off]) s[j] = -INFINITY;
+            for (int64_t g0 = 0; g0 < nq; g0 += FA_G) {
+                fa_group grp;
+                grp.gn = (int)std::min<int64_t>(FA_G, nq - g0);
+                for (int g = 0; g < FA_G; g++) {
+                    grp.in[g]  = fa_row(q, i0 + g0 + std::min(g, grp.gn - 1), h, b);
+                    grp.out[g] = g < grp.gn ? O + (g0 + g) * DV : dummy;
                 }
-                const float mx = row_max(jl, s);
-                if (mx == -INFINITY) continue;
-                const float mnew = std::max(m[ii], mx), alpha = exp1(m[ii] - mnew);
-                l[ii] = l[ii] * alpha + row_exp_sum(jl, s, mnew, s);
-                float *o = O + ii * DV;
-                if (alpha != 1.0f) row_scale(DV, alpha, o, o);
-                rows_axpy(DV, (int)jl, s, vrows, o);  // O += P V over the tile
-                m[ii] = mnew;
+                fa_scores<FA_G, FA_BK>(D, grp.in, KT, S);
+                int64_t jmax = 0;
+                for (int g = 0; g < FA_G; g++) {
+                    float *s = S + g * FA_BK;
+                    const int64_t ii = g0 + g, i = i0 + ii, jl = g < grp.gn ? std::min(bk, i + off + 1 - j0) : 0;
+                    for (int64_t j = 0; j < jl; j++) {  // causal: j <= i + off; documents: same segment
+                        s[j] *= scale;
+                        if (sg && sg[b * Tk + j0 + j] != sg[b * Tk + i + off]) s[j] = -INFINITY;
+                    }
+                    const float mx = jl > 0 ? row_max(jl, s) : -INFINITY;
+                    if (mx == -INFINITY) {
+                        std::fill(s, s + FA_BK, 0.0f);
+                        continue;
+                    }
+                    const float mnew = std::max(m[ii], mx), alpha = exp1(m[ii] - mnew);
+                    l[ii] = l[ii] * alpha + row_exp_sum(jl, s, mnew, s);  // s = P
+                    std::fill(s + jl, s + FA_BK, 0.0f);
+                    if (alpha != 1.0f) row_scale(DV, alpha, grp.out[g], grp.out[g]);
+                    m[ii] = mnew;
+                    jmax = std::max(jmax, jl);
+                }
+                rows_axpy_g<FA_G>(DV, jmax, S, FA_BK, vrows, grp.out);  // O += P V
             }
         }
         for (int64_t ii = 0; ii < nq; ii++) {
@@ -2394,12 +2436,16 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
     const int64_t itemsA = B * H * nqb, itemsB = B * Hkv * nkb;
     for (int64_t it = p.ith; it < itemsA + itemsB; it += p.nth) {
         float *w = (float *)p.wdata;
-        if (it < itemsA) {  // dq for a block of queries of one head
+        if (it < itemsA) {  // dq for a block of queries of one head: dQ = scale dS K
             const int64_t qb = it % nqb, h = (it / nqb) % H, b = it / (nqb * H), hk = h / rep;
             const int64_t i0 = qb * FA_BQ, nq = std::min<int64_t>(FA_BQ, Tq - i0);
-            float *KT = w, *VT = KT + D * FA_BK, *s = VT + DV * FA_BK, *dp = s + FA_BK, *acc = dp + FA_BK, *Dd = acc + FA_BQ * D;
+            float *KT = w, *VT = KT + D * FA_BK, *S = VT + DV * FA_BK, *DP = S + FA_G * FA_BK;
+            float *acc = DP + FA_G * FA_BK, *Dd = acc + FA_BQ * D, *L = Dd + FA_BQ, *dummy = L + FA_BQ;
             std::fill(acc, acc + nq * D, 0.0f);
-            for (int64_t ii = 0; ii < nq; ii++) Dd[ii] = row_dot(DV, do_row(i0 + ii, h, b), o_row(i0 + ii, h, b));
+            for (int64_t ii = 0; ii < nq; ii++) {
+                Dd[ii] = row_dot(DV, do_row(i0 + ii, h, b), o_row(i0 + ii, h, b));  // rowsum(dO o O)
+                L[ii] = lse[(b * H + h) * Tq + i0 + ii];
+            }
             const int64_t jend = std::min(Tk, i0 + nq + off);
             for (int64_t j0 = 0; j0 < jend; j0 += FA_BK) {
                 const int64_t bk = std::min<int64_t>(FA_BK, jend - j0);
@@ -2407,25 +2453,37 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                 fa_pack_t(v, j0, bk, hk, b, FA_BK, VT);
                 const float *krows[FA_BK];
                 for (int64_t j = 0; j < bk; j++) krows[j] = fa_row(k, j0 + j, hk, b);
-                for (int64_t ii = 0; ii < nq; ii++) {
-                    const int64_t i = i0 + ii, jl = std::min(bk, i + off + 1 - j0);
-                    if (jl <= 0) continue;
-                    const float L = lse[(b * H + h) * Tq + i];
-                    fa_scores<FA_BK>(D, fa_row(q, i, h, b), KT, s);
-                    fa_scores<FA_BK>(DV, do_row(i, h, b), VT, dp);
-                    for (int64_t j = 0; j < jl; j++) s[j] = s[j] * scale - L;
-                    row_exp_sum(jl, s, 0.0f, s);  // P
-                    for (int64_t j = 0; j < jl; j++)  // scale * dS, dS = P (dP - rowsum(dO o O))
-                        s[j] = masked(i, j0 + j, b) ? 0.0f : scale * s[j] * (dp[j] - Dd[ii]);
-                    rows_axpy(D, (int)jl, s, krows, acc + ii * D);  // dQ += dS K
+                for (int64_t g0 = 0; g0 < nq; g0 += FA_G) {
+                    fa_group gq, gdo;  // queries and their dO rows
+                    gq.gn = gdo.gn = (int)std::min<int64_t>(FA_G, nq - g0);
+                    for (int g = 0; g < FA_G; g++) {
+                        const int64_t ii = g0 + std::min(g, gq.gn - 1);
+                        gq.in[g]  = fa_row(q, i0 + ii, h, b);
+                        gdo.in[g] = do_row(i0 + ii, h, b);
+                        gq.out[g] = g < gq.gn ? acc + (g0 + g) * D : dummy;
+                    }
+                    fa_scores<FA_G, FA_BK>(D, gq.in, KT, S);
+                    fa_scores<FA_G, FA_BK>(DV, gdo.in, VT, DP);
+                    int64_t jmax = 0;
+                    for (int g = 0; g < FA_G; g++) {
+                        float *s = S + g * FA_BK;
+                        const int64_t ii = g0 + g, i = i0 + ii, jl = g < gq.gn ? std::min(bk, i + off + 1 - j0) : 0;
+                        for (int64_t j = 0; j < jl; j++) s[j] = s[j] * scale - L[ii];
+                        if (jl > 0) row_exp_sum(jl, s, 0.0f, s);  // P, from the saved logsumexp
+                        for (int64_t j = 0; j < jl; j++)  // scale dS, dS = P (dP - rowsum(dO o O))
+                            s[j] = masked(i, j0 + j, b) ? 0.0f : scale * s[j] * (DP[g * FA_BK + j] - Dd[ii]);
+                        std::fill(s + std::max<int64_t>(jl, 0), s + FA_BK, 0.0f);
+                        jmax = std::max(jmax, jl);
+                    }
+                    rows_axpy_g<FA_G>(D, jmax, S, FA_BK, krows, gq.out);
                 }
             }
             for (int64_t ii = 0; ii < nq; ii++) memcpy(dq + ((b * H + h) * Tq + i0 + ii) * D, acc + ii * D, (size_t)D * 4);
         } else {  // dk, dv for a block of keys of one kv head, over all its query heads
             const int64_t jt = it - itemsA, kb = jt % nkb, hk = (jt / nkb) % Hkv, b = jt / (nkb * Hkv);
             const int64_t j0 = kb * FA_BK, nk = std::min<int64_t>(FA_BK, Tk - j0);
-            float *QT = w, *OT = QT + D * FA_BQ, *L = OT + DV * FA_BQ, *Dd = L + FA_BQ, *s = Dd + FA_BQ, *dp = s + FA_BQ;
-            float *ak = dp + FA_BQ, *av = ak + FA_BK * D;
+            float *QT = w, *OT = QT + D * FA_BQ, *L = OT + DV * FA_BQ, *Dd = L + FA_BQ, *S = Dd + FA_BQ;
+            float *DS = S + FA_G * FA_BQ, *ak = DS + FA_G * FA_BQ, *av = ak + FA_BK * D, *dummy = av + FA_BK * DV;
             std::fill(ak, ak + nk * D, 0.0f);
             std::fill(av, av + nk * DV, 0.0f);
             for (int64_t h = hk * rep; h < (hk + 1) * rep; h++) {
@@ -2433,30 +2491,46 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                     const int64_t nq = std::min<int64_t>(FA_BQ, Tq - i0);
                     fa_pack_t(q, i0, nq, h, b, FA_BQ, QT);
                     const float *qrows[FA_BQ], *orows[FA_BQ];
-                    for (int64_t ii = 0; ii < nq; ii++) {
+                    for (int64_t ii = 0; ii < nq; ii++) {  // dO^T, and per query L and D
                         qrows[ii] = fa_row(q, i0 + ii, h, b);
                         orows[ii] = do_row(i0 + ii, h, b);
-                    }
-                    for (int64_t ii = 0; ii < nq; ii++) {  // dO^T, and per query L and D
-                        const float *g = do_row(i0 + ii, h, b);
-                        for (int64_t c = 0; c < DV; c++) OT[c * FA_BQ + ii] = g[c];
+                        for (int64_t c = 0; c < DV; c++) OT[c * FA_BQ + ii] = orows[ii][c];
                         L[ii] = lse[(b * H + h) * Tq + i0 + ii];
-                        Dd[ii] = row_dot(DV, g, o_row(i0 + ii, h, b));
+                        Dd[ii] = row_dot(DV, orows[ii], o_row(i0 + ii, h, b));
                     }
                     for (int64_t ii = nq; ii < FA_BQ; ii++)
                         for (int64_t c = 0; c < DV; c++) OT[c * FA_BQ + ii] = 0.0f;
-                    for (int64_t jj = 0; jj < nk; jj++) {
-                        const int64_t j = j0 + jj;
-                        fa_scores<FA_BQ>(D, fa_row(k, j, hk, b), QT, s);
-                        fa_scores<FA_BQ>(DV, fa_row(v, j, hk, b), OT, dp);
-                        for (int64_t ii = 0; ii < nq; ii++) s[ii] = s[ii] * scale - L[ii];
-                        row_exp_sum(nq, s, 0.0f, s);
-                        for (int64_t ii = 0; ii < nq; ii++) {
-                            if (masked(i0 + ii, j, b)) s[ii] = 0.0f;
-                            dp[ii] = scale * s[ii] * (dp[ii] - Dd[ii]);  // scale * dS
+                    for (int64_t g0 = 0; g0 < nk; g0 += FA_G) {
+                        fa_group gk, gv;  // keys (-> dk rows) and their values (-> dv rows)
+                        gk.gn = gv.gn = (int)std::min<int64_t>(FA_G, nk - g0);
+                        for (int g = 0; g < FA_G; g++) {
+                            const int64_t jj = g0 + std::min(g, gk.gn - 1);
+                            gk.in[g]  = fa_row(k, j0 + jj, hk, b);
+                            gv.in[g]  = fa_row(v, j0 + jj, hk, b);
+                            gk.out[g] = g < gk.gn ? ak + (g0 + g) * D : dummy;
+                            gv.out[g] = g < gv.gn ? av + (g0 + g) * DV : dummy;
                         }
-                        rows_axpy(DV, (int)nq, s, orows, av + jj * DV);   // dV += P^T dO
-                        rows_axpy(D, (int)nq, dp, qrows, ak + jj * D);    // dK += dS^T Q
+                        fa_scores<FA_G, FA_BQ>(D, gk.in, QT, S);
+                        fa_scores<FA_G, FA_BQ>(DV, gv.in, OT, DS);
+                        for (int g = 0; g < FA_G; g++) {
+                            float *s = S + g * FA_BQ, *ds = DS + g * FA_BQ;
+                            if (g >= gk.gn) {
+                                std::fill(s, s + FA_BQ, 0.0f);
+                                std::fill(ds, ds + FA_BQ, 0.0f);
+                                continue;
+                            }
+                            const int64_t j = j0 + g0 + g;
+                            for (int64_t ii = 0; ii < nq; ii++) s[ii] = s[ii] * scale - L[ii];
+                            row_exp_sum(nq, s, 0.0f, s);
+                            for (int64_t ii = 0; ii < nq; ii++) {
+                                if (masked(i0 + ii, j, b)) s[ii] = 0.0f;
+                                ds[ii] = scale * s[ii] * (ds[ii] - Dd[ii]);
+                            }
+                            std::fill(s + nq, s + FA_BQ, 0.0f);
+                            std::fill(ds + nq, ds + FA_BQ, 0.0f);
+                        }
+                        rows_axpy_g<FA_G>(DV, nq, S, FA_BQ, orows, gv.out);  // dV += P^T dO
+                        rows_axpy_g<FA_G>(D, nq, DS, FA_BQ, qrows, gk.out);  // dK += dS^T Q
                     }
                 }
             }

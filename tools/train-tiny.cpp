@@ -103,7 +103,8 @@ int main(int argc, char **argv) {
 
     const int n_text = (int)strlen(k_text);
     std::mt19937 rng((uint32_t)seed);
-    const ql_adamw_params opt = {2e-3f, 0.9f, 0.99f, 1e-8f, 0.0f};
+    ql_adamw_params opt = {0.0f, 0.9f, 0.99f, 1e-8f, 0.0f};
+    const float lr_max = 3e-3f;  // linear decay to zero: a settled model at the end
     const auto t0 = std::chrono::steady_clock::now();
     float first = 0, last = 0;
     for (int step = 1; step <= steps; step++) {
@@ -122,6 +123,7 @@ int main(int argc, char **argv) {
             fprintf(stderr, "train-tiny: %s\n", ql_ctx_error(ctx));
             return 1;
         }
+        opt.lr = lr_max * (1.0f - (float)(step - 1) / (float)steps);
         for (int i = 0; i < ql_graph_n_params(gb); i++) ql_adamw_update(ql_graph_param(gb, i), am[(size_t)i], av[(size_t)i], step, &opt, 1.0f);
         last = *(const float *)loss->data;
         if (step == 1) first = last;
