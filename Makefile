@@ -1,11 +1,12 @@
 # qlora - build the library, the tools and the tests. CUDA is opt-in (CUDA=1) and off by default.
 #
-#   make            library, tools (tools/bench, ./train-tiny), test binary
+#   make            library, tools (tools/bench, ./train-tiny, ./quantize), test binary
 #   make test       the test suite + the drop-in build check (a few minutes on 2 cores)
 #   make test-sanitize   the suite under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make test-portable   the suite built without -march=native (portable SIMD fallback)
 #   make bench      benchmarks (numbers go to bench/RESULTS.md by hand, with the command)
 #   make demo       trains a tiny transformer from scratch and samples from it
+#   make fuzz       libFuzzer on the GGUF reader (clang; FUZZ_RUNS=1000000 by default)
 #   make PORTABLE=1 ...  no -march=native (the portable SIMD fallback)
 
 CXX      ?= g++
@@ -21,10 +22,10 @@ LIB_SRC  := qlora.cpp models/llama.cpp
 LIB_OBJ  := $(LIB_SRC:%.cpp=$(BUILD)/%.o)
 TEST_SRC := $(wildcard tests/test_*.cpp)
 TEST_OBJ := $(TEST_SRC:%.cpp=$(BUILD)/%.o)
-TOOLS    := tools/bench train-tiny
+TOOLS    := tools/bench train-tiny quantize
 HEADERS  := qlora.h models/llama.h
 
-.PHONY: all test test-unit test-dropin test-sanitize test-portable bench demo clean cuda
+.PHONY: all test test-unit test-dropin test-sanitize test-portable bench demo clean cuda fuzz
 all: $(TOOLS) $(BUILD)/test-qlora
 
 $(BUILD)/%.o: %.cpp $(HEADERS)
@@ -40,12 +41,15 @@ tools/bench: $(BUILD)/tools/bench.o $(BUILD)/libqlora.a
 train-tiny: $(BUILD)/tools/train-tiny.o $(BUILD)/libqlora.a
 	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
 
+quantize: $(BUILD)/tools/quantize.o $(BUILD)/libqlora.a
+	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
+
 $(BUILD)/test-qlora: $(TEST_OBJ) $(BUILD)/libqlora.a
 	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
 
 test: test-unit test-dropin
 
-test-unit: $(BUILD)/test-qlora
+test-unit: $(BUILD)/test-qlora quantize
 	./$(BUILD)/test-qlora
 
 # The drop-in promise: qlora.h + qlora.cpp and one plain compiler command, nothing else.
@@ -69,7 +73,7 @@ $(SAN)/%.o: %.cpp $(HEADERS)
 $(SAN)/test-qlora: $(TEST_SRC:%.cpp=$(SAN)/%.o) $(LIB_SRC:%.cpp=$(SAN)/%.o)
 	$(CXX) $(SANFLAGS) $^ -o $@ $(LDLIBS)
 
-test-sanitize: $(SAN)/test-qlora
+test-sanitize: $(SAN)/test-qlora quantize
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 ./$(SAN)/test-qlora
 
 bench: tools/bench
@@ -77,6 +81,24 @@ bench: tools/bench
 
 demo: train-tiny
 	./train-tiny
+
+# make fuzz: libFuzzer + ASan/UBSan on the GGUF reader and writer (needs clang).
+# FUZZ_RUNS / FUZZ_MAXLEN adjust the run; seeds: small written files plus the fixtures' GGUFs.
+FUZZ_CXX    ?= clang++
+FUZZ_RUNS   ?= 1000000
+FUZZ_MAXLEN ?= 4096
+FUZZ        := $(BUILD)/fuzz
+$(FUZZ)/fuzz_gguf: tests/fuzz_gguf.cpp $(LIB_SRC) $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(FUZZ_CXX) -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -I. tests/fuzz_gguf.cpp $(LIB_SRC) -o $@ -pthread
+$(FUZZ)/fuzz_gguf_seeds: tests/fuzz_gguf_seeds.cpp $(LIB_SRC) $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(CXX) -std=c++17 -O1 -I. tests/fuzz_gguf_seeds.cpp $(LIB_SRC) -o $@ -pthread
+fuzz: $(FUZZ)/fuzz_gguf $(FUZZ)/fuzz_gguf_seeds
+	@mkdir -p $(FUZZ)/seeds $(FUZZ)/corpus
+	$(FUZZ)/fuzz_gguf_seeds $(FUZZ)/seeds
+	-cp -f ../shared/fixtures/tokenizer-vectors/*.gguf $(FUZZ)/seeds/ 2>/dev/null
+	$(FUZZ)/fuzz_gguf -runs=$(FUZZ_RUNS) -max_len=$(FUZZ_MAXLEN) -print_final_stats=1 $(FUZZ)/corpus $(FUZZ)/seeds
 
 # CUDA: the backend file does not exist yet; say so instead of failing obscurely.
 cuda:

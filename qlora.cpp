@@ -5,10 +5,17 @@
 //   2. type traits                6. autodiff               10. CPU: kernels (elementwise, rows,
 //   3. context / arena            7. graphs                     rope, attention, loss, matmul)
 //   4. tensors and views          8. memory planner         11. CPU backend and its interface
-//                                                          12. optimizer math
+//                                                          12. file formats (GGUF)
+//                                                          13. optimizer math
 #include "qlora.h"
 
+#include <fcntl.h>  // POSIX: GGUF files are mmap'd
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -203,14 +210,236 @@ static void bf16_from_float(const float *s, void *d, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = ql_fp32_to_bf16(s[i]);
 }
 
+// ---- ggml's block formats, byte for byte the blocks of ggml / GGUF files (structs in qlora.h) ----
+//
+// Element order inside a block, as ggml's reference (de)quantisers lay it out (checked against
+// ggml-org/llama.cpp ggml/src/ggml-quants.c: quantize_row_q4_0_ref, quantize_row_q8_0_ref,
+// dequantize_row_q4_0/q8_0/q4_K/q5_K/q6_K, quantize_row_q4_K_ref/q5_K_ref/q6_K_ref,
+// get_scale_min_k4; the same functions in ggml-org/ggml src/ggml-quants.c). Written here from
+// that description, not copied.
+//
+//   Q4_0 (32): byte qs[j], j < 16: low nibble = element j, high nibble = element j + 16;
+//              x = d * (q - 8).
+//   Q8_0 (32): qs[j] = element j (int8); x = d * q.
+//   Q4_K (256): 8 sub-blocks of 32 elements, s = i / 32, l = i % 32. The 4-bit code of element
+//              i is in byte qs[32 * (s / 2) + l]: low nibble for even s, high nibble for odd s
+//              (so every 32 bytes hold two consecutive sub-blocks, the first in the low nibbles).
+//              x = (d * sc[s]) * q - dmin * m[s], with the 6-bit sc/m of sub-block s unpacked
+//              from the 12 scale bytes b:
+//                s < 4:  sc = b[s] & 63,                        m = b[s + 4] & 63
+//                s >= 4: sc = (b[s + 4] & 15) | (b[s - 4] >> 6) << 4,
+//                        m  = (b[s + 4] >> 4) | (b[s]     >> 6) << 4
+//              (the top two bits of bytes 0..3 carry sc[4..7]'s high bits, those of bytes 4..7
+//              m[4..7]'s high bits).
+//   Q5_K (256): as Q4_K for the low 4 bits and the scales; the 5th bit (value 16) of element i
+//              (s = i / 32, l = i % 32) is bit s of qh[l]. x = (d * sc[s]) * q - dmin * m[s].
+//   Q6_K (256): two halves of 128 elements, h = i / 128, r = i % 128, k = r / 32 (quarter),
+//              l = r % 32. Low 4 bits: byte ql[64 h + 32 (k & 1) + l], low nibble for k < 2,
+//              high nibble for k >= 2. High 2 bits: bits 2k, 2k+1 of qh[32 h + l].
+//              Scale: int8 scales[i / 16]. x = (d * sc) * (q - 32).
+//
+// The dequantisers evaluate exactly those f32 expressions in that order (the products d*sc and
+// dmin*m once per sub-block), so they give ggml's reference floats. Their element loops are
+// plain, branch-free loops of fixed length for the vectoriser.
+
+// NaN-safe clamp for codes before the float -> int conversion: finite in-range values are
+// untouched (so results equal ggml's), anything else gets a defined code.
+static inline float ql_qclamp(float v, float lo, float hi) {
+    return v > hi ? hi : (v >= lo ? v : (v < lo ? lo : 0.0f));
+}
+
+static void q4_0_to_float(const void *src, float *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK4_0 == 0);
+    const ql_block_q4_0 *b = (const ql_block_q4_0 *)src;
+    const int64_t nb = n / QL_QK4_0;
+    for (int64_t ib = 0; ib < nb; ib++) {
+        const float d = ql_fp16_to_fp32(b[ib].d);
+        uint8_t     qs[QL_QK4_0 / 2];  // local copy: provably no alias with dst (vectorises at -O2)
+        memcpy(qs, b[ib].qs, sizeof(qs));
+        float *y = dst + ib * QL_QK4_0;
+        for (int j = 0; j < QL_QK4_0 / 2; j++) {
+            y[j]                = (float)((int)(qs[j] & 0x0F) - 8) * d;
+            y[j + QL_QK4_0 / 2] = (float)((int)(qs[j] >> 4) - 8) * d;
+        }
+    }
+}
+
+// ggml's quantize_row_q4_0_ref: `max` = the first element of largest magnitude (sign kept),
+// d = max / -8, id = d ? 1/d : 0, q = min(15, trunc(x * id + 8.5)). An all-zero block gets
+// d = -0.0 (fp16 0x8000) and codes 8, as in ggml.
+static void q4_0_from_float(const float *src, void *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK4_0 == 0);
+    ql_block_q4_0 *b = (ql_block_q4_0 *)dst;
+    const int64_t nb = n / QL_QK4_0;
+    for (int64_t ib = 0; ib < nb; ib++) {
+        const float *x = src + ib * QL_QK4_0;
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < QL_QK4_0; j++) {
+            const float a = fabsf(x[j]);
+            if (amax < a) { amax = a; max = x[j]; }
+        }
+        const float d  = max / -8.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        b[ib].d = ql_fp32_to_fp16(d);
+        for (int j = 0; j < QL_QK4_0 / 2; j++) {
+            // x*id + 8.5 lies in [0.5, 16.5] for finite input; truncation = ggml's int8 cast
+            const int q0 = (int)ql_qclamp(x[j] * id + 8.5f, 0.0f, 15.0f);
+            const int q1 = (int)ql_qclamp(x[j + QL_QK4_0 / 2] * id + 8.5f, 0.0f, 15.0f);
+            b[ib].qs[j] = (uint8_t)(q0 | (q1 << 4));
+        }
+    }
+}
+
+static void q8_0_to_float(const void *src, float *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK8_0 == 0);
+    const ql_block_q8_0 *b = (const ql_block_q8_0 *)src;
+    const int64_t nb = n / QL_QK8_0;
+    for (int64_t ib = 0; ib < nb; ib++) {
+        const float d = ql_fp16_to_fp32(b[ib].d);
+        int8_t      qs[QL_QK8_0];  // local copy: provably no alias with dst
+        memcpy(qs, b[ib].qs, sizeof(qs));
+        float *y = dst + ib * QL_QK8_0;
+        for (int j = 0; j < QL_QK8_0; j++) y[j] = (float)qs[j] * d;
+    }
+}
+
+// ggml's quantize_row_q8_0_ref: amax over the block, d = amax / 127, id = d ? 1/d : 0,
+// q = roundf(x * id) (halves away from zero); id uses the f32 d, the block stores fp16(d).
+static void q8_0_from_float(const float *src, void *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK8_0 == 0);
+    ql_block_q8_0 *b = (ql_block_q8_0 *)dst;
+    const int64_t nb = n / QL_QK8_0;
+    for (int64_t ib = 0; ib < nb; ib++) {
+        const float *x = src + ib * QL_QK8_0;
+        float amax = 0.0f;
+        for (int j = 0; j < QL_QK8_0; j++) {
+            const float a = fabsf(x[j]);
+            amax = amax > a ? amax : a;
+        }
+        const float d  = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        b[ib].d = ql_fp32_to_fp16(d);
+        for (int j = 0; j < QL_QK8_0; j++)
+            b[ib].qs[j] = (int8_t)ql_qclamp(roundf(x[j] * id), -127.0f, 127.0f);
+    }
+}
+
+// the 8 (scale, min) pairs of a Q4_K / Q5_K block (layout in the header comment)
+static inline void ql_k4_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j]     = s[j] & 63;
+        mn[j]     = s[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((s[j + 8] & 15) | ((s[j] >> 6) << 4));
+        mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
+static void q4_K_to_float(const void *src, float *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK_K == 0);
+    const ql_block_q4_K *b = (const ql_block_q4_K *)src;
+    const int64_t nb = n / QL_QK_K;
+    for (int64_t ib = 0; ib < nb; ib++) {
+        const float d = ql_fp16_to_fp32(b[ib].d), dmin = ql_fp16_to_fp32(b[ib].dmin);
+        uint8_t sc[8], mn[8];
+        ql_k4_scales(b[ib].scales, sc, mn);
+        uint8_t qs[QL_QK_K / 2];  // local copy: provably no alias with dst
+        memcpy(qs, b[ib].qs, sizeof(qs));
+        float *y = dst + ib * QL_QK_K;
+        for (int g = 0; g < 4; g++) {  // 32 bytes of qs: sub-blocks 2g (low), 2g+1 (high)
+            const uint8_t *q  = qs + 32 * g;
+            const float    d0 = d * (float)sc[2 * g], m0 = dmin * (float)mn[2 * g];
+            const float    d1 = d * (float)sc[2 * g + 1], m1 = dmin * (float)mn[2 * g + 1];
+            float         *y0 = y + 64 * g, *y1 = y0 + 32;
+            for (int l = 0; l < 32; l++) y0[l] = d0 * (float)(q[l] & 0x0F) - m0;
+            for (int l = 0; l < 32; l++) y1[l] = d1 * (float)(q[l] >> 4) - m1;
+        }
+    }
+}
+
+static void q5_K_to_float(const void *src, float *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK_K == 0);
+    const ql_block_q5_K *b = (const ql_block_q5_K *)src;
+    const int64_t nb = n / QL_QK_K;
+    for (int64_t ib = 0; ib < nb; ib++) {
+        const float d = ql_fp16_to_fp32(b[ib].d), dmin = ql_fp16_to_fp32(b[ib].dmin);
+        uint8_t sc[8], mn[8];
+        ql_k4_scales(b[ib].scales, sc, mn);
+        uint8_t qs[QL_QK_K / 2], qh[QL_QK_K / 8];  // local copies: provably no alias with dst
+        memcpy(qs, b[ib].qs, sizeof(qs));
+        memcpy(qh, b[ib].qh, sizeof(qh));
+        float *y = dst + ib * QL_QK_K;
+        for (int g = 0; g < 4; g++) {
+            const uint8_t *q  = qs + 32 * g;
+            const int      s0 = 2 * g, s1 = 2 * g + 1;  // sub-blocks; also their qh bit
+            const float    d0 = d * (float)sc[s0], m0 = dmin * (float)mn[s0];
+            const float    d1 = d * (float)sc[s1], m1 = dmin * (float)mn[s1];
+            float         *y0 = y + 64 * g, *y1 = y0 + 32;
+            for (int l = 0; l < 32; l++)
+                y0[l] = d0 * (float)((q[l] & 0x0F) | (((qh[l] >> s0) & 1) << 4)) - m0;
+            for (int l = 0; l < 32; l++)
+                y1[l] = d1 * (float)((q[l] >> 4) | (((qh[l] >> s1) & 1) << 4)) - m1;
+        }
+    }
+}
+
+static void q6_K_to_float(const void *src, float *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK_K == 0);
+    const ql_block_q6_K *b = (const ql_block_q6_K *)src;
+    const int64_t nb = n / QL_QK_K;
+    for (int64_t ib = 0; ib < nb; ib++) {
+        const float d = ql_fp16_to_fp32(b[ib].d);
+        float ds[QL_QK_K / 16];
+        for (int s = 0; s < QL_QK_K / 16; s++) ds[s] = d * (float)b[ib].scales[s];
+        uint8_t qlb[QL_QK_K / 2], qhb[QL_QK_K / 4];  // local copies: provably no alias with dst
+        memcpy(qlb, b[ib].ql, sizeof(qlb));
+        memcpy(qhb, b[ib].qh, sizeof(qhb));
+        float *y = dst + ib * QL_QK_K;
+        for (int h = 0; h < 2; h++) {  // 128 elements: 64 bytes of ql, 32 of qh, 8 scales
+            const uint8_t *ql = qlb + 64 * h, *qh = qhb + 32 * h;
+            const float   *dh = ds + 8 * h;
+            float         *yh = y + 128 * h;
+            for (int half = 0; half < 2; half++) {  // l in [16 half, 16 half + 16): one scale per quarter
+                const float s0 = dh[half], s1 = dh[2 + half], s2 = dh[4 + half], s3 = dh[6 + half];
+                for (int l = 16 * half; l < 16 * half + 16; l++) {
+                    const int lo = ql[l], hi = ql[l + 32], top = qh[l];
+                    yh[l]      = s0 * (float)(((lo & 0x0F) | ((top & 3) << 4)) - 32);
+                    yh[l + 32] = s1 * (float)(((hi & 0x0F) | (((top >> 2) & 3) << 4)) - 32);
+                    yh[l + 64] = s2 * (float)(((lo >> 4) | (((top >> 4) & 3) << 4)) - 32);
+                    yh[l + 96] = s3 * (float)(((hi >> 4) | (((top >> 6) & 3) << 4)) - 32);
+                }
+            }
+        }
+    }
+}
+
+// ---- NF4 (bitsandbytes-exact), blocks of 64, side data after the rows (see qlora.h) ----
+
+static int64_t nf4_n_blocks(int64_t n) { return (n + QL_NF4_BLOCK - 1) / QL_NF4_BLOCK; }
+static int64_t nf4_n_groups(int64_t n) { return (nf4_n_blocks(n) + QL_NF4_GROUP - 1) / QL_NF4_GROUP; }
+static size_t nf4_aux_bytes(int64_t n) {  // n_blocks, offset, map, group scales, one code per block
+    return (size_t)(2 + 256 + nf4_n_groups(n)) * sizeof(float) + (size_t)nf4_n_blocks(n);
+}
+static size_t nf4_nodq_aux_bytes(int64_t n) { return (size_t)nf4_n_blocks(n) * sizeof(float); }
+static void nf4_to_float_aux(const void *row, const void *aux, int64_t first, float *dst, int64_t n);
+static void nf4_nodq_to_float_aux(const void *row, const void *aux, int64_t first, float *dst, int64_t n);
+
 struct ql_type_table {
     ql_type_traits t[QL_TYPE_COUNT];
     ql_type_table() {
         memset(t, 0, sizeof(t));
-        t[QL_TYPE_F32]  = {"f32", 1, 4, true, f32_to_float, f32_from_float};
-        t[QL_TYPE_F16]  = {"f16", 1, 2, true, f16_to_float, f16_from_float};
-        t[QL_TYPE_BF16] = {"bf16", 1, 2, true, bf16_to_float, bf16_from_float};
-        t[QL_TYPE_I32]  = {"i32", 1, 4, false, nullptr, nullptr};
+        t[QL_TYPE_F32]  = {"f32", 1, 4, true, f32_to_float, f32_from_float, nullptr, nullptr};
+        t[QL_TYPE_F16]  = {"f16", 1, 2, true, f16_to_float, f16_from_float, nullptr, nullptr};
+        t[QL_TYPE_BF16] = {"bf16", 1, 2, true, bf16_to_float, bf16_from_float, nullptr, nullptr};
+        t[QL_TYPE_I32]  = {"i32", 1, 4, false, nullptr, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q4_0] = {"q4_0", QL_QK4_0, sizeof(ql_block_q4_0), true, q4_0_to_float, q4_0_from_float, nullptr, nullptr};
+        t[QL_TYPE_Q8_0] = {"q8_0", QL_QK8_0, sizeof(ql_block_q8_0), true, q8_0_to_float, q8_0_from_float, nullptr, nullptr};
+        t[QL_TYPE_Q4_K] = {"q4_K", QL_QK_K, sizeof(ql_block_q4_K), true, q4_K_to_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q5_K] = {"q5_K", QL_QK_K, sizeof(ql_block_q5_K), true, q5_K_to_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q6_K] = {"q6_K", QL_QK_K, sizeof(ql_block_q6_K), true, q6_K_to_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_NF4]  = {"nf4", QL_NF4_BLOCK, sizeof(ql_block_nf4), true, nullptr, nullptr, nf4_aux_bytes,
+                           nf4_to_float_aux};
+        t[QL_TYPE_NF4_NODQ] = {"nf4_nodq", QL_NF4_BLOCK, sizeof(ql_block_nf4), true, nullptr, nullptr,
+                               nf4_nodq_aux_bytes, nf4_nodq_to_float_aux};
     }
 };
 static const ql_type_table k_types;
@@ -231,6 +460,305 @@ const char *ql_type_name(ql_type type) {
 size_t ql_row_size(ql_type type, int64_t ne0) {
     const ql_type_traits &tt = traits(type);
     return tt.type_size * (size_t)(ne0 / tt.blck_size);
+}
+size_t ql_type_data_size(ql_type type, int64_t n_rows, int64_t ne0) {
+    const ql_type_traits &tt = traits(type);
+    return ql_row_size(type, ne0) * (size_t)n_rows + (tt.aux_bytes ? tt.aux_bytes(n_rows * ne0) : 0);
+}
+
+// ---- quantisation: bitsandbytes' NF4 and 8-bit dynamic map, whole tensors ----
+
+// A rounding point no compiler may fuse away: gcc contracts a*b + c into an FMA even across
+// statements (its C++ default is -ffp-contract=fast); where bitsandbytes/torch round twice, so must we.
+static inline float rounded(float x) {
+    volatile float v = x;
+    return v;
+}
+
+static const float k_nf4_values[16] = QL_NF4_VALUES;
+static const float k_nf4_thresholds[15] = QL_NF4_THRESHOLDS;
+
+// the NF4 code of a normalised value: how many thresholds it is strictly above (ties: lower)
+static inline uint8_t nf4_code(float x) {
+    uint8_t c = 0;
+    for (float t : k_nf4_thresholds) c += x > t;
+    return c;
+}
+
+// torch.linspace(0.1, 1, n) in f32 exactly as torch's CPU kernel (AVX2 build) computes it:
+// pairs of 8-wide vectors `base + k*step` (base fused: start + step*idx, or end - step*(n-1-idx)
+// past the half), fused scalars for the remainder. bitsandbytes builds its map from this.
+static void torch_linspace_01_1(int n, float *out) {
+    const float start = 0.1f, end = 1.0f, step = (end - start) / (float)(n - 1);
+    const int half = n / 2;
+    auto scalar = [&](int i) { return i < half ? std::fma(step, (float)i, start) : std::fma(-step, (float)(n - 1 - i), end); };
+    int i = 0;
+    for (; i + 16 <= n;)  // whole pairs of vectors only (torch's vectorized loop), then scalars
+        for (int u = 0; u < 2; u++, i += 8) {
+            const float base = scalar(i);
+            for (int k = 0; k < 8; k++) {
+                out[i + k] = base + rounded(step * (float)k);  // two roundings, as the vector constructor
+            }
+        }
+    for (; i < n; i++) out[i] = scalar(i);
+}
+
+struct dynamic_map_table {
+    float v[256];
+    dynamic_map_table() {  // create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8)
+        int n = 0;
+        float b[65];
+        for (int i = 0; i < 7; i++) {
+            const int m = (1 << i) + 1;
+            torch_linspace_01_1(m, b);
+            const float scale = (float)std::pow(10.0, (double)(i - 6));  // the python scalar, then f32
+            for (int j = 0; j + 1 < m; j++) {
+                const float mean = (b[j] + b[j + 1]) / 2.0f;
+                v[n++] = scale * mean;
+                v[n++] = -(scale * mean);
+            }
+        }
+        v[n++] = 0.0f;
+        v[n++] = 1.0f;
+        QL_ASSERT(n == 256);
+        std::sort(v, v + 256);
+    }
+};
+
+const float *ql_dynamic_map_signed(void) {
+    static const dynamic_map_table t;
+    return t.v;
+}
+
+uint8_t ql_dynamic_quantize(const float *map, float x) {
+    // bitsandbytes' dQuantize: 7 halving steps from the middle, then the nearer neighbour;
+    // at an exact midpoint the search path decides (it returns the pivot)
+    int pivot = 127, upper_pivot = 255, lower_pivot = 0;
+    float lower = -1.0f, upper = 1.0f, val = map[pivot];
+    for (int i = 64; i > 0; i >>= 1) {
+        if (x > val) {
+            lower_pivot = pivot;
+            lower = val;
+            pivot += i;
+        } else {
+            upper_pivot = pivot;
+            upper = val;
+            pivot -= i;
+        }
+        val = map[pivot];
+    }
+    if (upper_pivot == 255) upper = map[upper_pivot];
+    if (lower_pivot == 0) lower = map[lower_pivot];
+    if (x > val) return (uint8_t)(x > (upper + val) * 0.5f ? upper_pivot : pivot);
+    return (uint8_t)(x < (lower + val) * 0.5f ? lower_pivot : pivot);
+}
+
+// a double-quantised absmax: two f32 roundings, as bitsandbytes multiplies and then adds
+static inline float nf4_absmax(const float *map, uint8_t code, float scale, float offset) {
+    return rounded(map[code] * scale) + offset;
+}
+
+// NF4 side data, located from its header (see qlora.h)
+struct nf4_aux {
+    uint32_t n_blocks;
+    float offset;
+    const float *map, *scale;
+    const uint8_t *code;
+    explicit nf4_aux(const void *aux) {
+        const float *f = (const float *)aux;
+        memcpy(&n_blocks, f, 4);
+        offset = f[1];
+        map = f + 2;
+        scale = map + 256;
+        code = (const uint8_t *)(scale + (n_blocks + QL_NF4_GROUP - 1) / QL_NF4_GROUP);
+    }
+    float absmax(int64_t b) const { return nf4_absmax(map, code[b], scale[b / QL_NF4_GROUP], offset); }
+};
+
+static bool all_finite(const float *x, int64_t n, int64_t *bad) {
+    for (int64_t i = 0; i < n; i++)
+        if (!std::isfinite(x[i])) {
+            *bad = i;
+            return false;
+        }
+    return true;
+}
+
+static ql_status fail_msg(char *err, size_t err_size, ql_status st, const char *fmt, ...) __attribute__((format(printf, 4, 5)));
+static ql_status fail_msg(char *err, size_t err_size, ql_status st, const char *fmt, ...) {
+    if (err && err_size) {
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(err, err_size, fmt, ap);
+        va_end(ap);
+    }
+    return st;
+}
+
+// x[0..n) in blocks of 64 (the last may be partial) -> packed codes + absmax, as bitsandbytes'
+// quantize_4bit: s = 1/max(absmax, 1e-38) (f32), code of x*s; an odd tail pads with 0.0's code
+static void nf4_quantize_blocks(const float *x, int64_t n, uint8_t *packed, float *absmax) {
+    for (int64_t b = 0; b * QL_NF4_BLOCK < n; b++) {
+        const int64_t lo = b * QL_NF4_BLOCK, hi = std::min(n, lo + QL_NF4_BLOCK);
+        float am = 0.0f;
+        for (int64_t i = lo; i < hi; i++) am = std::max(am, std::fabs(x[i]));
+        absmax[b] = am;
+        const float s = 1.0f / std::max(am, 1e-38f);  // all-zero blocks: codes of 0.0, absmax 0
+        for (int64_t i = lo; i < hi; i += 2) {
+            const uint8_t c0 = nf4_code(x[i] * s), c1 = i + 1 < hi ? nf4_code(x[i + 1] * s) : nf4_code(0.0f);
+            packed[i / 2] = (uint8_t)(c0 << 4 | c1);
+        }
+    }
+}
+
+void ql_nf4_quantize_flat(const float *x, int64_t n, uint8_t *packed, float *absmax) {
+    nf4_quantize_blocks(x, n, packed, absmax);
+}
+
+// QLoRA's double quantisation of the absmax: offset = mean (in double, rounded once), the
+// centred values in groups of 256, each group scaled by its max |value|, 8-bit dynamic codes
+static void nf4_double_quantize(const float *absmax, int64_t n_blocks, const float *map, float *offset, float *scale,
+                                uint8_t *code) {
+    double sum = 0;
+    for (int64_t b = 0; b < n_blocks; b++) sum += absmax[b];
+    *offset = n_blocks ? (float)(sum / (double)n_blocks) : 0.0f;
+    for (int64_t g = 0; g * QL_NF4_GROUP < n_blocks; g++) {
+        const int64_t lo = g * QL_NF4_GROUP, hi = std::min(n_blocks, lo + QL_NF4_GROUP);
+        float am = 0.0f;
+        for (int64_t b = lo; b < hi; b++) am = std::max(am, std::fabs(absmax[b] - *offset));
+        scale[g] = am;
+        const float inv = 1.0f / std::max(am, 1e-38f);
+        for (int64_t b = lo; b < hi; b++) code[b] = ql_dynamic_quantize(map, (absmax[b] - *offset) * inv);
+    }
+}
+
+// header + map of the NF4 side data; returns where the group scales go
+static float *nf4_aux_init(void *aux, int64_t n_blocks, const float *map, float offset) {
+    float *f = (float *)aux;
+    const uint32_t nb = (uint32_t)n_blocks;
+    memcpy(f, &nb, 4);
+    f[1] = offset;
+    memcpy(f + 2, map, 256 * sizeof(float));
+    return f + 2 + 256;
+}
+
+ql_status ql_quantize(ql_type type, const float *src, int64_t n_rows, int64_t ne0, void *dst, char *err, size_t err_size) {
+    const ql_type_traits *tt = ql_type_traits_get(type);
+    if (!tt || !tt->is_float || (!tt->from_float && !tt->aux_bytes))
+        return fail_msg(err, err_size, QL_ERR_TYPE, "quantize: cannot produce type %s", ql_type_name(type));
+    if (n_rows < 0 || ne0 <= 0 || ne0 % tt->blck_size != 0)
+        return fail_msg(err, err_size, QL_ERR_SHAPE, "quantize: rows of %lld elements are not whole %s blocks of %lld",
+                        (long long)ne0, tt->name, (long long)tt->blck_size);
+    const int64_t n = n_rows * ne0;
+    int64_t bad;
+    if (!all_finite(src, n, &bad))
+        return fail_msg(err, err_size, QL_ERR_INVALID, "quantize: element %lld (row %lld, column %lld) is %s", (long long)bad,
+                        (long long)(bad / ne0), (long long)(bad % ne0), std::isnan(src[bad]) ? "nan" : "infinite");
+    if (tt->from_float) {
+        const size_t rs = ql_row_size(type, ne0);
+        for (int64_t r = 0; r < n_rows; r++) tt->from_float(src + r * ne0, (uint8_t *)dst + (size_t)r * rs, ne0);
+        return QL_OK;
+    }
+    const int64_t nb = nf4_n_blocks(n);
+    uint8_t *packed = (uint8_t *)dst;
+    uint8_t *aux = packed + ql_row_size(type, ne0) * (size_t)n_rows;
+    if (type == QL_TYPE_NF4_NODQ) {
+        nf4_quantize_blocks(src, n, packed, (float *)aux);
+        return QL_OK;
+    }
+    std::vector<float> absmax((size_t)nb);  // not the step loop: tools and loaders
+    nf4_quantize_blocks(src, n, packed, absmax.data());
+    const float *map = ql_dynamic_map_signed();
+    float offset = 0;
+    std::vector<float> scale((size_t)nf4_n_groups(n));
+    std::vector<uint8_t> code((size_t)nb);
+    nf4_double_quantize(absmax.data(), nb, map, &offset, scale.data(), code.data());
+    float *sc = nf4_aux_init(aux, nb, map, offset);
+    memcpy(sc, scale.data(), scale.size() * sizeof(float));
+    memcpy(sc + scale.size(), code.data(), code.size());
+    return QL_OK;
+}
+
+ql_status ql_dequantize(ql_type type, const void *src, int64_t n_rows, int64_t ne0, float *dst) {
+    const ql_type_traits *tt = ql_type_traits_get(type);
+    if (!tt || !tt->is_float || ne0 <= 0 || ne0 % tt->blck_size != 0) return QL_ERR_TYPE;
+    const size_t rs = ql_row_size(type, ne0);
+    const uint8_t *aux = (const uint8_t *)src + rs * (size_t)n_rows;
+    for (int64_t r = 0; r < n_rows; r++) {
+        const uint8_t *row = (const uint8_t *)src + (size_t)r * rs;
+        if (tt->to_float_aux)
+            tt->to_float_aux(row, aux, r * ne0, dst + r * ne0, ne0);
+        else
+            tt->to_float(row, dst + r * ne0, ne0);
+    }
+    return QL_OK;
+}
+
+static bool nf4_type(ql_type t) { return t == QL_TYPE_NF4 || t == QL_TYPE_NF4_NODQ; }
+
+ql_status ql_nf4_from_bnb(const ql_bnb_nf4 *in, ql_type type, int64_t ne0, void *dst, char *err, size_t err_size) {
+    if (!in || !dst || !nf4_type(type)) return fail_msg(err, err_size, QL_ERR_INVALID, "nf4_from_bnb: bad arguments");
+    if (ne0 <= 0 || ne0 % QL_NF4_BLOCK != 0 || in->n <= 0 || in->n % ne0 != 0)
+        return fail_msg(err, err_size, QL_ERR_SHAPE,
+                        "nf4_from_bnb: %lld elements do not form rows of %lld (a multiple of 64)", (long long)in->n,
+                        (long long)ne0);
+    if (!in->packed || !in->quant_map || (in->nested ? !in->absmax_codes || !in->nested_absmax || !in->nested_quant_map
+                                                     : !in->absmax))
+        return fail_msg(err, err_size, QL_ERR_INVALID, "nf4_from_bnb: missing %s arrays",
+                        in->nested ? "packed/absmax/nested_absmax/quant_map/nested_quant_map" : "packed/absmax/quant_map");
+    for (int i = 0; i < 16; i++)
+        if (memcmp(&in->quant_map[i], &k_nf4_values[i], 4) != 0)
+            return fail_msg(err, err_size, QL_ERR_INVALID,
+                            "nf4_from_bnb: quant_map[%d] = %.9g is not NF4's %.9g (an fp4 or custom checkpoint?)", i,
+                            (double)in->quant_map[i], (double)k_nf4_values[i]);
+    if (type == QL_TYPE_NF4 && !in->nested)
+        return fail_msg(err, err_size, QL_ERR_INVALID,
+                        "nf4_from_bnb: the checkpoint has plain fp32 absmax; double quantising it would not be lossless "
+                        "--> hint: import as nf4_nodq");
+    const int64_t n = in->n, nb = nf4_n_blocks(n), ng = nf4_n_groups(n);
+    if (in->nested) {
+        int64_t bad;
+        if (!all_finite(in->nested_quant_map, 256, &bad) || !all_finite(in->nested_absmax, ng, &bad) ||
+            !std::isfinite(in->nested_offset))
+            return fail_msg(err, err_size, QL_ERR_INVALID, "nf4_from_bnb: non-finite double-quantisation statistics");
+    }
+    memcpy(dst, in->packed, (size_t)(n / 2));
+    uint8_t *aux = (uint8_t *)dst + n / 2;
+    if (type == QL_TYPE_NF4) {
+        float *sc = nf4_aux_init(aux, nb, in->nested_quant_map, in->nested_offset);
+        memcpy(sc, in->nested_absmax, (size_t)ng * sizeof(float));
+        memcpy(sc + ng, in->absmax_codes, (size_t)nb);
+    } else if (in->nested) {  // reconstruct the absmax exactly as bitsandbytes dequantises them
+        float *am = (float *)aux;
+        for (int64_t b = 0; b < nb; b++)
+            am[b] = nf4_absmax(in->nested_quant_map, in->absmax_codes[b], in->nested_absmax[b / QL_NF4_GROUP], in->nested_offset);
+    } else {
+        memcpy(aux, in->absmax, (size_t)nb * sizeof(float));
+    }
+    return QL_OK;
+}
+
+ql_status ql_nf4_to_bnb(ql_type type, const void *src, int64_t n_rows, int64_t ne0, ql_bnb_nf4 *out) {
+    if (!src || !out || !nf4_type(type) || ne0 % QL_NF4_BLOCK != 0 || n_rows < 0) return QL_ERR_INVALID;
+    const int64_t n = n_rows * ne0, nb = nf4_n_blocks(n), ng = nf4_n_groups(n);
+    out->n = n;
+    out->nested = type == QL_TYPE_NF4;
+    if (!out->packed || !out->quant_map || (out->nested ? !out->absmax_codes || !out->nested_absmax || !out->nested_quant_map
+                                                       : !out->absmax))
+        return QL_ERR_INVALID;
+    memcpy(out->packed, src, (size_t)(n / 2));
+    memcpy(out->quant_map, k_nf4_values, sizeof(k_nf4_values));
+    const uint8_t *aux = (const uint8_t *)src + n / 2;
+    if (out->nested) {
+        const nf4_aux a(aux);
+        out->nested_offset = a.offset;
+        memcpy(out->nested_quant_map, a.map, 256 * sizeof(float));
+        memcpy(out->nested_absmax, a.scale, (size_t)ng * sizeof(float));
+        memcpy(out->absmax_codes, a.code, (size_t)nb);
+    } else {
+        memcpy(out->absmax, aux, (size_t)nb * sizeof(float));
+    }
+    return QL_OK;
 }
 
 // ============================================================================================
@@ -409,7 +937,9 @@ static ql_tensor *new_tensor_impl(ql_context *ctx, ql_type type, int n_dims, con
 static ql_tensor *new_leaf(ql_context *ctx, ql_type type, int n_dims, const int64_t *ne) {
     ql_tensor *t = new_tensor_impl(ctx, type, n_dims, ne, "new_tensor");
     if (!t) return nullptr;
-    const size_t size = ql_nbytes(t);
+    const ql_type_traits &tt = traits(type);
+    t->aux_size = tt.aux_bytes ? tt.aux_bytes(ql_nelements(t)) : 0;  // side data right after the rows
+    const size_t size = ql_nbytes(t) + t->aux_size;
     ctx->data_size += align_up(size, QL_ALIGN);
     if (!ctx->no_alloc) {
         t->data = arena_take(ctx, size, "new_tensor", (" data of " + shape_str(t)).c_str());
@@ -469,15 +999,25 @@ static uint8_t *elem_ptr(const ql_tensor *t, int64_t i) {
     return (uint8_t *)t->data + i0 * t->nb[0] + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
 }
 
+static ql_tensor *view_root(ql_tensor *t);
+static void row_to_float(const ql_tensor *t, const uint8_t *row, int64_t k0, int64_t n, float *dst);
+
 float ql_get_f32_1d(const ql_tensor *t, int64_t i) {
     QL_ASSERT(t && t->data && i >= 0 && i < ql_nelements(t));
-    const uint8_t *p = elem_ptr(t, i);
-    if (t->type == QL_TYPE_I32) return (float)*(const int32_t *)p;
+    if (t->type == QL_TYPE_I32) return (float)*(const int32_t *)elem_ptr(t, i);
     const ql_type_traits &tt = traits(t->type);
-    QL_ASSERT(tt.blck_size == 1 && tt.to_float);
-    float v;
-    tt.to_float(p, &v, 1);
-    return v;
+    QL_ASSERT(tt.is_float);
+    if (tt.blck_size == 1 && tt.to_float) {
+        float v;
+        tt.to_float(elem_ptr(t, i), &v, 1);
+        return v;
+    }
+    // a block type: convert the block holding element i (rows must be dense)
+    QL_ASSERT(ql_rows_contiguous(t) && tt.blck_size <= 256);
+    const int64_t k = i % t->ne[0], k0 = k - k % tt.blck_size;
+    float blk[256];
+    row_to_float(t, elem_ptr(t, i - k), k0, tt.blck_size, blk);
+    return blk[k - k0];
 }
 
 void ql_set_f32_1d(ql_tensor *t, int64_t i, float v) {
@@ -681,11 +1221,18 @@ ql_tensor *ql_permute(ql_context *ctx, ql_tensor *a, int ax0, int ax1, int ax2, 
 
 ql_tensor *ql_transpose(ql_context *ctx, ql_tensor *a) {
     if (!srcs_ok(ctx, "transpose", {a})) return nullptr;
-    QL_CHECK(ctx, traits(a->type).blck_size == 1, QL_ERR_TYPE,
-             "transpose: %s is block-quantized and cannot be transposed by strides", shape_str(a).c_str());
     const int64_t ne[4] = {a->ne[1], a->ne[0], a->ne[2], a->ne[3]};
     const size_t  nb[4] = {a->nb[1], a->nb[0], a->nb[2], a->nb[3]};
-    return make_view(ctx, QL_OP_TRANSPOSE, a, ne, nb, 0);
+    if (traits(a->type).blck_size == 1) return make_view(ctx, QL_OP_TRANSPOSE, a, ne, nb, 0);
+    // A block-quantized tensor cannot be transposed by strides; the view records the intent and
+    // only ql_mul_mat reads it (the weight of dx = dy W in backward). Other ops refuse it: its
+    // rows are not dense.
+    QL_CHECK(ctx, ql_rows_contiguous(a), QL_ERR_TYPE, "transpose: block-quantized %s without dense rows",
+             shape_str(a).c_str());
+    ql_tensor *t = make_view(ctx, QL_OP_TRANSPOSE, a, a->ne, nb, 0);  // made with a's shape (whole blocks) ...
+    if (t)
+        for (int i = 0; i < 4; i++) t->ne[i] = ne[i];                // ... then transposed
+    return t;
 }
 
 ql_tensor *ql_cast(ql_context *ctx, ql_tensor *a, ql_type type) {
@@ -1348,6 +1895,20 @@ static ql_tensor *view_root(ql_tensor *t) {
     return t;
 }
 
+// n floats from column k0 of a row of t (any numeric type; k0 and n whole blocks). Types with
+// side data find it, and the row's place in the tensor, through the view's root.
+static void row_to_float(const ql_tensor *t, const uint8_t *row, int64_t k0, int64_t n, float *dst) {
+    const ql_type_traits &tt = traits(t->type);
+    const uint8_t *p = row + ql_row_size(t->type, k0);
+    if (!tt.to_float_aux) {
+        tt.to_float(p, dst, n);
+        return;
+    }
+    const ql_tensor *root = view_root(const_cast<ql_tensor *>(t));
+    const int64_t r = (int64_t)((size_t)(row - (const uint8_t *)root->data) / root->nb[1]);
+    tt.to_float_aux(p, ql_aux_data(root), r * root->ne[0] + k0, dst, n);
+}
+
 // Ops whose kernel may write its result over source `src` (same layout, read element by
 // element or row by row before writing).
 static int inplace_src(const ql_tensor *node) {
@@ -1458,7 +2019,7 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
     ql_plan_stats st;
     memset(&st, 0, sizeof(st));
     for (ql_tensor *l : g->leafs) {
-        const size_t sz = align_up(ql_nbytes(l), QL_ALIGN);
+        const size_t sz = align_up(ql_nbytes(l) + l->aux_size, QL_ALIGN);
         const ql_mem_category c = (l->flags & QL_FLAG_GRAD)    ? QL_MEM_GRADS
                                   : (l->flags & QL_FLAG_PARAM) ? QL_MEM_PARAMS
                                   : (l->flags & QL_FLAG_INPUT) ? QL_MEM_INPUTS
@@ -1866,6 +2427,43 @@ static inline uint8_t *row_ptr(const ql_tensor *t, int64_t r) {
 }
 static inline float *f32_row(const ql_tensor *t, int64_t r) { return (float *)row_ptr(t, r); }
 
+// ---- quantized rows: NF4 dequantisation (runs inside every matmul with an NF4 weight) ----
+
+// 32 packed bytes -> 64 floats, value * absmax in f32 (the same products on every path)
+static inline void nf4_block_to_float(const uint8_t *q, float am, float *dst) {
+#if defined(__AVX512F__)
+    const __m512  lut = _mm512_loadu_ps(k_nf4_values), vam = _mm512_set1_ps(am);
+    const __m512i even = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i odd  = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    for (int h = 0; h < 2; h++) {
+        const __m512i b  = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * h)));
+        const __m512  hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), lut);                        // elements 2j
+        const __m512  lo = _mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), lut);    // elements 2j+1
+        _mm512_storeu_ps(dst + 32 * h, _mm512_mul_ps(_mm512_permutex2var_ps(hi, even, lo), vam));
+        _mm512_storeu_ps(dst + 32 * h + 16, _mm512_mul_ps(_mm512_permutex2var_ps(hi, odd, lo), vam));
+    }
+#else
+    for (int j = 0; j < QL_NF4_BLOCK / 2; j++) {
+        dst[2 * j]     = k_nf4_values[q[j] >> 4] * am;
+        dst[2 * j + 1] = k_nf4_values[q[j] & 15] * am;
+    }
+#endif
+}
+
+static void nf4_to_float_aux(const void *row, const void *aux, int64_t first, float *dst, int64_t n) {
+    QL_ASSERT(first % QL_NF4_BLOCK == 0 && n % QL_NF4_BLOCK == 0);
+    const nf4_aux a(aux);
+    const uint8_t *q = (const uint8_t *)row;
+    for (int64_t i = 0, b = first / QL_NF4_BLOCK; i < n; i += QL_NF4_BLOCK, b++) nf4_block_to_float(q + i / 2, a.absmax(b), dst + i);
+}
+
+static void nf4_nodq_to_float_aux(const void *row, const void *aux, int64_t first, float *dst, int64_t n) {
+    QL_ASSERT(first % QL_NF4_BLOCK == 0 && n % QL_NF4_BLOCK == 0);
+    const float *am = (const float *)aux;
+    const uint8_t *q = (const uint8_t *)row;
+    for (int64_t i = 0, b = first / QL_NF4_BLOCK; i < n; i += QL_NF4_BLOCK, b++) nf4_block_to_float(q + i / 2, am[b], dst + i);
+}
+
 // ---- fill, copies, elementwise ----
 
 static void k_fill(const cpu_params &p, ql_tensor *dst) {
@@ -1886,14 +2484,14 @@ static void k_cont(const cpu_params &p, ql_tensor *dst) {
         const uint8_t *s = row_ptr(src, r);
         uint8_t *d = (uint8_t *)dst->data + r * dst->nb[1];
         if (ql_rows_contiguous(src)) {
-            if (src->type == dst->type) {
+            if (src->type == dst->type && !ts.aux_bytes) {
                 memcpy(d, s, ql_row_size(src->type, ne0));
             } else if (dst->type == QL_TYPE_F32) {
-                ts.to_float(s, (float *)d, ne0);
+                row_to_float(src, s, 0, ne0, (float *)d);
             } else if (src->type == QL_TYPE_F32) {
                 td.from_float((const float *)s, d, ne0);
             } else {
-                ts.to_float(s, tmp, ne0);
+                row_to_float(src, s, 0, ne0, tmp);
                 td.from_float(tmp, d, ne0);
             }
         } else if (src->type == QL_TYPE_F32 && dst->type == QL_TYPE_F32) {  // transposed f32: gather
@@ -2037,7 +2635,6 @@ static void k_view_back(const cpu_params &p, ql_tensor *dst) {
 
 static void k_get_rows(const cpu_params &p, ql_tensor *dst) {
     const ql_tensor *a = dst->src[0], *ids = dst->src[1];
-    const ql_type_traits &ta = traits(a->type);
     const int64_t n = ql_nelements(ids);
     int64_t b, e;
     split_range(n, p.ith, p.nth, b, e);
@@ -2048,7 +2645,7 @@ static void k_get_rows(const cpu_params &p, ql_tensor *dst) {
                      (long long)a->ne[1], shape_str(a).c_str());
             return;
         }
-        ta.to_float((const uint8_t *)a->data + id * a->nb[1], (float *)dst->data + i * a->ne[0], a->ne[0]);
+        row_to_float(a, (const uint8_t *)a->data + id * a->nb[1], 0, a->ne[0], (float *)dst->data + i * a->ne[0]);
     }
 }
 
@@ -2628,20 +3225,36 @@ static constexpr int MM_NC = 1024;           // columns of W per packed block (a
 static constexpr int MM_DOT_MAX_N = 64;      // N at or below: dot path (measured crossover, 2 threads AVX-512)
 static_assert(MM_MC % MM_MR == 0 && MM_NC % MM_NR == 0, "blocking");
 
-struct mm_operand {  // element (k, mn) at p + k*sk + mn*smn (block types: k-contiguous rows only)
-    const uint8_t *p;
+struct mm_operand {
+    const uint8_t *p;  // element (k, mn) at p + k*sk + mn*smn, for plain types
     int64_t sk, smn;
     ql_type type;
+    // block types: rows of blocks along k (sk == block bytes, rows smn apart) or, for a
+    // transposed block weight (trows), rows along mn that are sk apart
+    bool trows;
+    const void *aux;   // side data of the root tensor (NF4), else NULL
+    int64_t ne0;       // root's row length, and this operand's first row in the root
+    int64_t row0;
 };
 
-static inline bool mm_k_contig(const mm_operand &o) { return o.sk == (int64_t)traits(o.type).type_size; }
+static inline bool mm_k_contig(const mm_operand &o) { return !o.trows && o.sk == (int64_t)traits(o.type).type_size; }
 
-// k-run [k0, k0+n) of row mn as floats: a pointer into the data (f32) or into tmp (converted)
-static inline const float *mm_run(const mm_operand &o, int64_t mn, int64_t k0, int64_t n, float *tmp) {
-    const uint8_t *row = o.p + mn * o.smn + ql_row_size(o.type, k0);
-    if (o.type == QL_TYPE_F32) return (const float *)row;
-    traits(o.type).to_float(row, tmp, n);
+// a run of one root row as floats: a pointer into the data (f32) or into tmp (converted)
+static inline const float *mm_root_run(const mm_operand &o, int64_t row, int64_t c0, int64_t n, const uint8_t *rp,
+                                       float *tmp) {
+    const uint8_t *p = rp + ql_row_size(o.type, c0);
+    if (o.type == QL_TYPE_F32) return (const float *)p;
+    const ql_type_traits &tt = traits(o.type);
+    if (tt.to_float_aux)
+        tt.to_float_aux(p, o.aux, (o.row0 + row) * o.ne0 + c0, tmp, n);
+    else
+        tt.to_float(p, tmp, n);
     return tmp;
+}
+
+// k-run [k0, k0+n) of row mn (k-contiguous operands)
+static inline const float *mm_run(const mm_operand &o, int64_t mn, int64_t k0, int64_t n, float *tmp) {
+    return mm_root_run(o, mn, k0, n, o.p + mn * o.smn, tmp);
 }
 
 static inline float mm_elem(const mm_operand &o, int64_t k, int64_t mn) {
@@ -2683,6 +3296,20 @@ static void mm_pack(const mm_operand &o, int64_t k0, int64_t kc, int64_t mn0, in
         for (int64_t kk = 0; kk < kc; kk++) {
             for (int j = 0; j < n; j++) d[kk * W + j] = mm_elem(o, k0 + kk, mn0 + j);
             for (int j = n; j < W; j++) d[kk * W + j] = 0.0f;
+        }
+    }
+}
+
+// Transposed block weight: for each k, convert the root row's columns [mn0, mn0 + nc) once
+// (block-aligned), then deal them out to the NR-wide panels.
+static void mm_pack_trows(const mm_operand &o, int64_t k0, int64_t kc, int64_t mn0, int64_t nc, float *d, float *tmp) {
+    for (int64_t kk = 0; kk < kc; kk++) {
+        const float *s = mm_root_run(o, k0 + kk, mn0, nc, o.p + (k0 + kk) * o.sk, tmp);
+        for (int64_t jp = 0; jp < nc; jp += MM_NR) {
+            const int64_t nr = std::min<int64_t>(MM_NR, nc - jp);
+            float *dk = d + jp * kc + kk * MM_NR;
+            for (int64_t j = 0; j < nr; j++) dk[j] = s[jp + j];
+            for (int64_t j = nr; j < MM_NR; j++) dk[j] = 0.0f;
         }
     }
 }
@@ -2751,8 +3378,11 @@ static void mm_packed(const mm_operand &w, const mm_operand &x, float *c, int64_
         const int64_t nc = std::min<int64_t>(MM_NC, je - jc);
         for (int64_t pc = 0; pc < K; pc += MM_KC) {
             const int64_t kc = std::min<int64_t>(MM_KC, K - pc);
-            for (int64_t jp = 0; jp < nc; jp += MM_NR)
-                mm_pack(w, pc, kc, jc + jp, (int)std::min<int64_t>(MM_NR, nc - jp), MM_NR, wbuf + jp * kc, tmp);
+            if (w.trows)
+                mm_pack_trows(w, pc, kc, jc, nc, wbuf, tmp);
+            else
+                for (int64_t jp = 0; jp < nc; jp += MM_NR)
+                    mm_pack(w, pc, kc, jc + jp, (int)std::min<int64_t>(MM_NR, nc - jp), MM_NR, wbuf + jp * kc, tmp);
             for (int64_t ic = ib; ic < ie; ic += MM_MC) {
                 const int64_t mc = std::min<int64_t>(MM_MC, ie - ic);
                 for (int64_t ip = 0; ip < mc; ip += MM_MR) {
@@ -2828,11 +3458,13 @@ struct mm_problem {
     int64_t n_batch, B2;    // batches of b (and c); a is broadcast over them
     int64_t r2, r3;         // b batches per a batch
     size_t wb2, wb3, xb2, xb3, cb2, cb3;  // batch strides in bytes
+    int64_t wr2, wr3;       // the same strides of a in root rows (side-data types)
 };
 
 static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
     const bool dot = P.N <= MM_DOT_MAX_N && mm_k_contig(P.w) && P.x.type == QL_TYPE_F32 && mm_k_contig(P.x);
-    const int64_t align = dot ? 4 : MM_NR;
+    // column chunks: whole register panels, and whole blocks where the weight's rows run along them
+    const int64_t align = dot ? 4 : P.w.trows ? std::max<int64_t>(MM_NR, traits(P.w.type).blck_size) : MM_NR;
     int64_t nj = 1, ni = 1;
     if (P.n_batch < nth) {  // too few batches: split inside the matrix as well
         const int64_t want = (nth + P.n_batch - 1) / P.n_batch;
@@ -2850,6 +3482,7 @@ static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
         if (jb >= je || ib >= ie) continue;
         mm_operand w = P.w, x = P.x;
         w.p += (i2 / P.r2) * P.wb2 + (i3 / P.r3) * P.wb3;
+        w.row0 += (i2 / P.r2) * P.wr2 + (i3 / P.r3) * P.wr3;
         x.p += i2 * P.xb2 + i3 * P.xb3;
         float *c = (float *)((uint8_t *)P.c + i2 * P.cb2 + i3 * P.cb3);
         if (dot)
@@ -2859,11 +3492,24 @@ static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
     }
 }
 
+// A block-quantized weight transposed for dx = dy W: a transpose view over dense block rows.
+static bool mm_is_trows(const ql_tensor *a) {
+    return traits(a->type).blck_size > 1 && a->op == QL_OP_TRANSPOSE && ql_rows_contiguous(a->view_src);
+}
+
 static mm_problem mm_problem_of(const ql_tensor *dst) {
     const ql_tensor *a = dst->src[0], *b = dst->src[1];
     mm_problem P;
-    P.w = {(const uint8_t *)a->data, (int64_t)a->nb[0], (int64_t)a->nb[1], a->type};
-    P.x = {(const uint8_t *)b->data, (int64_t)b->nb[0], (int64_t)b->nb[1], b->type};
+    const bool trows = mm_is_trows(a);
+    const ql_tensor *rows = trows ? a->view_src : a;  // the tensor whose rows hold the blocks
+    const ql_tensor *root = view_root(const_cast<ql_tensor *>(rows));
+    const bool side = traits(a->type).aux_bytes != nullptr;
+    P.w = {(const uint8_t *)a->data, (int64_t)(trows ? rows->nb[1] : a->nb[0]), (int64_t)(trows ? 0 : a->nb[1]),
+           a->type, trows, side ? ql_aux_data(root) : nullptr, root->ne[0],
+           side && root->data ? (int64_t)(((const uint8_t *)rows->data - (const uint8_t *)root->data) / root->nb[1]) : 0};
+    P.wr2 = side ? (int64_t)(a->nb[2] / root->nb[1]) : 0;
+    P.wr3 = side ? (int64_t)(a->nb[3] / root->nb[1]) : 0;
+    P.x = {(const uint8_t *)b->data, (int64_t)b->nb[0], (int64_t)b->nb[1], b->type, false, nullptr, b->ne[0], 0};
     P.c = (float *)dst->data;
     P.M = a->ne[1];
     P.N = b->ne[1];
@@ -3019,12 +3665,16 @@ static bool cpu_supports_op(ql_backend *, const ql_tensor *node) {
     case QL_OP_MUL_MAT:
     case QL_OP_GET_ROWS: {
         const ql_type_traits *t = ql_type_traits_get(a->type);
-        return t && t->to_float && (t->blck_size == 1 || MM_KC % t->blck_size == 0);
+        if (!t || !(t->to_float || t->to_float_aux)) return false;
+        if (t->blck_size == 1) return true;
+        // blocks: whole blocks per packing step, and rows of blocks (or their transpose for mul_mat)
+        return MM_KC % t->blck_size == 0 && (ql_rows_contiguous(a) || (node->op == QL_OP_MUL_MAT && mm_is_trows(a)));
     }
     case QL_OP_CONT: {
-        if (a->type == node->type) return traits(a->type).blck_size == 1 || ql_rows_contiguous(a);
         const ql_type_traits *ts = ql_type_traits_get(a->type), *td = ql_type_traits_get(node->type);
-        return ts && td && ts->to_float && td->from_float && (ts->blck_size == 1 || ql_rows_contiguous(a));
+        if (!ts || !td || (ts->blck_size > 1 && !ql_rows_contiguous(a))) return false;
+        if (a->type == node->type) return !ts->aux_bytes;  // a copy of side data would need its own
+        return (ts->to_float || ts->to_float_aux) && td->from_float;
     }
     case QL_OP_COUNT:
         return false;
@@ -3124,8 +3774,8 @@ void ql_cpu_sgemm(ql_backend *be, int64_t M, int64_t N, int64_t K, const float *
     cpu_backend *cb = (cpu_backend *)be->impl;
     sgemm_job j;
     memset(&j.P, 0, sizeof(j.P));
-    j.P.w = {(const uint8_t *)a, 4, lda * 4, QL_TYPE_F32};
-    j.P.x = {(const uint8_t *)b, 4, ldb * 4, QL_TYPE_F32};
+    j.P.w = {(const uint8_t *)a, 4, lda * 4, QL_TYPE_F32, false, nullptr, K, 0};
+    j.P.x = {(const uint8_t *)b, 4, ldb * 4, QL_TYPE_F32, false, nullptr, K, 0};
     j.P.c = c;
     j.P.M = M;
     j.P.N = N;
@@ -3140,7 +3790,1002 @@ void ql_cpu_sgemm(ql_backend *be, int64_t M, int64_t N, int64_t K, const float *
 }
 
 // ============================================================================================
-// 12. optimizer math
+// 12. file formats: GGUF
+// ============================================================================================
+
+//
+// Layout (little-endian, REFERENCE.md section 7):
+//   "GGUF", u32 version, u64 n_tensors, u64 n_kv
+//   n_kv      x { string key, u32 value type, value }
+//   n_tensors x { string name, u32 n_dims, u64 ne[n_dims], u32 type, u64 offset }
+//   zero padding to the alignment, then the data section: tensor i at data_offset + offset_i
+// string = u64 length + bytes (no NUL); array = u32 element type, u64 count, elements.
+//
+// The reader trusts nothing: every length, count and offset is checked against the bytes that
+// are really there, with overflow-checked arithmetic, before anything is sized or read. KV values
+// are copied out at open time (strings get their NUL; numeric arrays land in 8-aligned storage),
+// tensor data stays in the caller's buffer or the mapping.
+
+
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "the GGUF code reads little-endian fields with memcpy: big-endian hosts are not supported"
+#endif
+
+static const uint64_t k_gguf_max_key = 65536;   // bytes; real keys are short, this stops absurd ones
+static const size_t   k_gguf_default_align = 32;
+// smallest possible entries, used to bound the counts in the header by the bytes that follow:
+// a KV is key length (8) + type (4) + a 1-byte value; a tensor info is name length (8) +
+// n_dims (4) + one ne (8) + type (4) + offset (8)
+static const uint64_t k_gguf_min_kv = 8 + 4 + 1;
+static const uint64_t k_gguf_min_tensor = 8 + 4 + 8 + 4 + 8;
+
+static size_t gguf_scalar_size(uint32_t t) {  // 0: string, array or unknown
+    switch (t) {
+    case QL_GGUF_U8: case QL_GGUF_I8: case QL_GGUF_BOOL: return 1;
+    case QL_GGUF_U16: case QL_GGUF_I16: return 2;
+    case QL_GGUF_U32: case QL_GGUF_I32: case QL_GGUF_F32: return 4;
+    case QL_GGUF_U64: case QL_GGUF_I64: case QL_GGUF_F64: return 8;
+    default: return 0;
+    }
+}
+
+static const char *gguf_type_name(uint32_t t) {
+    static const char *names[] = {"u8", "i8", "u16", "i16", "u32", "i32", "f32",
+                                  "bool", "string", "array", "u64", "i64", "f64"};
+    static_assert(sizeof(names) / sizeof(names[0]) == QL_GGUF_TYPE_COUNT, "gguf type names");
+    return t < QL_GGUF_TYPE_COUNT ? names[t] : "?";
+}
+
+// Keys and names in messages: capped, anything but printable ASCII shown as '?', so an error
+// stays one line whatever bytes the file holds.
+static std::string gguf_printable(const char *s, size_t n) {
+    std::string r;
+    for (size_t i = 0; i < n && i < 64; i++) r += (s[i] >= 0x20 && s[i] < 0x7f) ? s[i] : '?';
+    if (n > 64) r += "...";
+    return r;
+}
+static std::string gguf_printable(const std::string &s) { return gguf_printable(s.data(), s.size()); }
+
+static void gguf_set_err(char *err, size_t err_size, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void gguf_set_err(char *err, size_t err_size, const char *fmt, ...) {
+    if (!err || !err_size) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, err_size, fmt, ap);
+    va_end(ap);
+}
+
+// One key-value pair, as read or as to be written.
+struct gguf_kv {
+    std::string  key;
+    ql_gguf_type type = QL_GGUF_TYPE_COUNT;
+    ql_gguf_type elem = QL_GGUF_TYPE_COUNT;  // arrays: element type
+    uint64_t     n    = 0;                   // arrays: element count
+    uint8_t      val[8] = {0};               // numeric and bool scalars: the value's bytes
+    std::string  str;                        // strings
+    std::vector<uint64_t> num;               // numeric arrays: packed elements (u64 words: 8-aligned)
+    std::string  blob;                       // string arrays: each element followed by a NUL
+    std::vector<uint64_t> start;             // string arrays: n + 1 offsets into blob
+};
+
+// Integer values widened; false for non-integer types.
+static bool gguf_kv_int(const gguf_kv &kv, bool *neg, int64_t *s, uint64_t *u) {
+    *neg = false;
+    *s = 0;
+    *u = 0;
+    switch (kv.type) {
+    case QL_GGUF_U8:  { uint8_t v;  memcpy(&v, kv.val, 1); *u = v; return true; }
+    case QL_GGUF_U16: { uint16_t v; memcpy(&v, kv.val, 2); *u = v; return true; }
+    case QL_GGUF_U32: { uint32_t v; memcpy(&v, kv.val, 4); *u = v; return true; }
+    case QL_GGUF_U64: { memcpy(u, kv.val, 8); return true; }
+    case QL_GGUF_I8:  { int8_t v;  memcpy(&v, kv.val, 1); *s = v; break; }
+    case QL_GGUF_I16: { int16_t v; memcpy(&v, kv.val, 2); *s = v; break; }
+    case QL_GGUF_I32: { int32_t v; memcpy(&v, kv.val, 4); *s = v; break; }
+    case QL_GGUF_I64: { memcpy(s, kv.val, 8); break; }
+    default: return false;
+    }
+    *neg = *s < 0;
+    if (!*neg) *u = (uint64_t)*s;
+    return true;
+}
+
+// general.alignment: u32 per the spec; u64 and i32 are taken too when the value fits.
+static bool gguf_alignment_of(const gguf_kv &kv, uint64_t *align, std::string *why) {
+    bool neg;
+    int64_t s;
+    uint64_t u;
+    if ((kv.type != QL_GGUF_U32 && kv.type != QL_GGUF_U64 && kv.type != QL_GGUF_I32) || !gguf_kv_int(kv, &neg, &s, &u)) {
+        *why = std::string("general.alignment has type ") + gguf_type_name(kv.type) + ", expected u32";
+        return false;
+    }
+    if (neg || u == 0 || (u & (u - 1)) != 0) {
+        char b[128];
+        if (neg) snprintf(b, sizeof(b), "general.alignment is %lld, not a non-zero power of two", (long long)s);
+        else snprintf(b, sizeof(b), "general.alignment is %llu, not a non-zero power of two", (unsigned long long)u);
+        *why = b;
+        return false;
+    }
+    *align = u;
+    return true;
+}
+
+// Checked x rounded up to a multiple of a (a power of two).
+static bool gguf_align_up(uint64_t x, uint64_t a, uint64_t *out) {
+    uint64_t t;
+    if (__builtin_add_overflow(x, a - 1, &t)) return false;
+    *out = t & ~(a - 1);
+    return true;
+}
+
+// Bytes of a tensor (rows + side data). ne[] must be >= 0, ne[0] a multiple of the block size.
+// Fails when a product overflows or the rows alone exceed `limit`; the limit (file size, or the
+// caller's buffer size) also keeps the element count small enough for the side-data formula.
+static bool gguf_tensor_bytes(ql_type type, const int64_t ne[4], uint64_t limit, uint64_t *out, std::string *why) {
+    const ql_type_traits *tt = ql_type_traits_get(type);
+    QL_ASSERT(tt && ne[0] % tt->blck_size == 0);
+    int64_t rows = 1, nel = 0;
+    bool ovf = __builtin_mul_overflow(ne[1], ne[2], &rows) || __builtin_mul_overflow(rows, ne[3], &rows) ||
+               __builtin_mul_overflow(rows, ne[0], &nel);
+    if (ovf) {
+        char b[192];
+        snprintf(b, sizeof(b), "element count of [%lld, %lld, %lld, %lld] overflows int64", (long long)ne[0],
+                 (long long)ne[1], (long long)ne[2], (long long)ne[3]);
+        *why = b;
+        return false;
+    }
+    uint64_t row_bytes, bytes;
+    ovf = __builtin_mul_overflow((uint64_t)(ne[0] / tt->blck_size), (uint64_t)tt->type_size, &row_bytes) ||
+          __builtin_mul_overflow(row_bytes, (uint64_t)rows, &bytes);
+    if (ovf || bytes > limit) {
+        char b[192];
+        snprintf(b, sizeof(b), "%lld elements of %s need more than %llu bytes", (long long)nel, tt->name,
+                 (unsigned long long)limit);
+        *why = b;
+        return false;
+    }
+    if (tt->aux_bytes && __builtin_add_overflow(bytes, (uint64_t)tt->aux_bytes(nel), &bytes)) {
+        *why = "side data size overflows";
+        return false;
+    }
+    QL_ASSERT(bytes == ql_type_data_size(type, rows, ne[0]));
+    *out = bytes;
+    return true;
+}
+
+struct gguf_tensor {
+    std::string    name;
+    ql_type        type   = QL_TYPE_F32;
+    int            n_dims = 0;
+    int64_t        ne[4]  = {1, 1, 1, 1};
+    uint64_t       offset = 0;  // in the data section
+    uint64_t       size   = 0;  // rows + side data
+    const uint8_t *data   = nullptr;
+};
+
+struct ql_gguf {
+    void    *map      = nullptr;  // ours to munmap (ql_gguf_open); NULL for caller memory
+    size_t   map_size = 0;
+    uint32_t version  = 0;
+    size_t   alignment   = k_gguf_default_align;
+    size_t   data_offset = 0;
+    std::vector<gguf_kv> kvs;
+    std::unordered_map<std::string, int64_t> kv_index;
+    std::vector<gguf_tensor> tensors;
+    std::unordered_map<std::string, int64_t> tensor_index;
+};
+
+// ============================================================================================
+// reader
+// ============================================================================================
+
+// A cursor over the bytes; every read is bounds-checked and the first failure is kept.
+struct gguf_parser {
+    const uint8_t *buf;
+    size_t         size;
+    size_t         pos = 0;
+    std::string    msg;
+
+    gguf_parser(const uint8_t *b, size_t n) : buf(b), size(n) {}
+    size_t left() const { return size - pos; }
+
+    bool fail(const char *fmt, ...) __attribute__((format(printf, 2, 3))) {
+        if (msg.empty()) {
+            char b[512];
+            va_list ap;
+            va_start(ap, fmt);
+            vsnprintf(b, sizeof(b), fmt, ap);
+            va_end(ap);
+            msg = b;
+        }
+        return false;
+    }
+    bool take(void *dst, size_t n, const char *what) {
+        if (n > left())
+            return fail("%s at offset %zu: needs %zu bytes, the file ends %zu bytes later (truncated?)", what, pos, n,
+                        left());
+        memcpy(dst, buf + pos, n);
+        pos += n;
+        return true;
+    }
+    bool u32(uint32_t *v, const char *what) { return take(v, 4, what); }
+    bool u64(uint64_t *v, const char *what) { return take(v, 8, what); }
+    // a string's length: at most `cap` and within the bytes left
+    bool str_len(uint64_t *len, uint64_t cap, const char *what) {
+        if (!u64(len, what)) return false;
+        if (*len > cap)
+            return fail("%s: length %llu is over the limit of %llu", what, (unsigned long long)*len,
+                        (unsigned long long)cap);
+        if (*len > left())
+            return fail("%s at offset %zu: length %llu runs past the end of the file (%zu bytes left)", what, pos - 8,
+                        (unsigned long long)*len, left());
+        return true;
+    }
+};
+
+static bool gguf_read_value(gguf_parser &P, gguf_kv &kv, const char *ctx) {
+    char what[256];
+    if (kv.type == QL_GGUF_STRING) {
+        uint64_t len = 0;
+        snprintf(what, sizeof(what), "%s: string value", ctx);
+        if (!P.str_len(&len, UINT64_MAX, what)) return false;
+        kv.str.assign((const char *)P.buf + P.pos, (size_t)len);
+        P.pos += (size_t)len;
+        return true;
+    }
+    if (kv.type != QL_GGUF_ARRAY) {
+        const size_t sz = gguf_scalar_size(kv.type);
+        QL_ASSERT(sz > 0);
+        snprintf(what, sizeof(what), "%s: %s value", ctx, gguf_type_name(kv.type));
+        if (!P.take(kv.val, sz, what)) return false;
+        if (kv.type == QL_GGUF_BOOL && kv.val[0] > 1) return P.fail("%s: bool value is %u, not 0 or 1", ctx, kv.val[0]);
+        return true;
+    }
+    uint32_t elem = 0;
+    snprintf(what, sizeof(what), "%s: array element type", ctx);
+    if (!P.u32(&elem, what)) return false;
+    if (elem == QL_GGUF_ARRAY) return P.fail("%s: arrays of arrays (nested arrays) are not supported", ctx);
+    if (elem >= QL_GGUF_TYPE_COUNT) return P.fail("%s: unknown array element type %u", ctx, elem);
+    kv.elem = (ql_gguf_type)elem;
+    snprintf(what, sizeof(what), "%s: array count", ctx);
+    if (!P.u64(&kv.n, what)) return false;
+    if (elem == QL_GGUF_STRING) {
+        if (kv.n > P.left() / 8)  // each element has at least its 8-byte length
+            return P.fail("%s: %llu strings cannot fit in the %zu bytes left", ctx, (unsigned long long)kv.n, P.left());
+        kv.start.reserve((size_t)kv.n + 1);
+        kv.start.push_back(0);
+        for (uint64_t j = 0; j < kv.n; j++) {
+            uint64_t len = 0;
+            if (P.left() >= 8) memcpy(&len, P.buf + P.pos, 8);
+            if (P.left() < 8 || len > P.left() - 8) {  // format the context only when it is needed
+                snprintf(what, sizeof(what), "%s: string %llu", ctx, (unsigned long long)j);
+                return P.str_len(&len, UINT64_MAX, what);  // fails, with the message
+            }
+            P.pos += 8;
+            kv.blob.append((const char *)P.buf + P.pos, (size_t)len);
+            kv.blob.push_back('\0');
+            kv.start.push_back(kv.blob.size());
+            P.pos += (size_t)len;
+        }
+        return true;
+    }
+    const size_t esz = gguf_scalar_size(elem);
+    if (kv.n > P.left() / esz)
+        return P.fail("%s: %llu elements of %s (%zu bytes each) run past the end of the file (%zu bytes left)", ctx,
+                      (unsigned long long)kv.n, gguf_type_name(elem), esz, P.left());
+    const size_t bytes = (size_t)kv.n * esz;
+    kv.num.resize((bytes + 7) / 8);
+    if (bytes) memcpy(kv.num.data(), P.buf + P.pos, bytes);
+    if (elem == QL_GGUF_BOOL)
+        for (size_t j = 0; j < bytes; j++)
+            if (P.buf[P.pos + j] > 1)
+                return P.fail("%s: bool element %zu is %u, not 0 or 1", ctx, j, P.buf[P.pos + j]);
+    P.pos += bytes;
+    return true;
+}
+
+static bool gguf_parse(ql_gguf &g, gguf_parser &P) {
+    // ---- header
+    if (P.size < 4) return P.fail("too short for a GGUF file (%zu bytes)", P.size);
+    if (memcmp(P.buf, "GGUF", 4) != 0)
+        return P.fail("bad magic '%s' (expected 'GGUF'): not a GGUF file", gguf_printable((const char *)P.buf, 4).c_str());
+    P.pos = 4;
+    if (!P.u32(&g.version, "version")) return false;
+    if (g.version == 1) return P.fail("GGUF version 1 is not supported (it has 32-bit counts): convert the file again");
+    if ((g.version & 0xffffu) == 0 && (g.version >> 24) >= 1 && (g.version >> 24) <= 3)
+        return P.fail("big-endian GGUF (version field %08x) is not supported", g.version);
+    if (g.version != 2 && g.version != 3) return P.fail("unsupported GGUF version %u (2 and 3 are read)", g.version);
+    uint64_t n_tensors = 0, n_kv = 0;
+    if (!P.u64(&n_tensors, "n_tensors") || !P.u64(&n_kv, "n_kv")) return false;
+    // counts bounded by the bytes that follow: nothing below is sized from an unchecked count
+    if (n_kv > P.left() / k_gguf_min_kv)
+        return P.fail("n_kv %llu cannot fit in the %zu bytes after the header", (unsigned long long)n_kv, P.left());
+    if (n_tensors > P.left() / k_gguf_min_tensor)
+        return P.fail("n_tensors %llu cannot fit in the %zu bytes after the header", (unsigned long long)n_tensors,
+                      P.left());
+    if (n_kv * k_gguf_min_kv + n_tensors * k_gguf_min_tensor > P.left())  // each term <= left: no overflow
+        return P.fail("n_kv %llu and n_tensors %llu cannot fit in the %zu bytes after the header",
+                      (unsigned long long)n_kv, (unsigned long long)n_tensors, P.left());
+
+    // ---- key-value pairs
+    char ctx[192], what[256];
+    for (uint64_t i = 0; i < n_kv; i++) {
+        gguf_kv kv;
+        uint64_t len = 0;
+        snprintf(ctx, sizeof(ctx), "kv %llu", (unsigned long long)i);
+        snprintf(what, sizeof(what), "%s: key", ctx);
+        if (!P.str_len(&len, k_gguf_max_key, what)) return false;
+        const char *k = (const char *)P.buf + P.pos;
+        if (memchr(k, 0, (size_t)len)) return P.fail("%s: key '%s' contains a NUL byte", ctx, gguf_printable(k, len).c_str());
+        kv.key.assign(k, (size_t)len);
+        P.pos += (size_t)len;
+        snprintf(ctx, sizeof(ctx), "kv %llu '%s'", (unsigned long long)i, gguf_printable(kv.key).c_str());
+        auto ins = g.kv_index.emplace(kv.key, (int64_t)i);
+        if (!ins.second) return P.fail("%s: duplicate key (first at kv %lld)", ctx, (long long)ins.first->second);
+        uint32_t type = 0;
+        snprintf(what, sizeof(what), "%s: value type", ctx);
+        if (!P.u32(&type, what)) return false;
+        if (type >= QL_GGUF_TYPE_COUNT) return P.fail("%s: unknown value type %u", ctx, type);
+        kv.type = (ql_gguf_type)type;
+        if (!gguf_read_value(P, kv, ctx)) return false;
+        g.kvs.push_back(std::move(kv));
+    }
+
+    uint64_t align = k_gguf_default_align;
+    auto al = g.kv_index.find("general.alignment");
+    if (al != g.kv_index.end()) {
+        std::string why;
+        if (!gguf_alignment_of(g.kvs[(size_t)al->second], &align, &why)) return P.fail("%s", why.c_str());
+    }
+    g.alignment = (size_t)align;
+
+    // ---- tensor infos
+    for (uint64_t i = 0; i < n_tensors; i++) {
+        gguf_tensor t;
+        uint64_t len = 0;
+        snprintf(ctx, sizeof(ctx), "tensor %llu", (unsigned long long)i);
+        snprintf(what, sizeof(what), "%s: name", ctx);
+        if (!P.u64(&len, what)) return false;
+        if (len >= QL_MAX_NAME)  // ggml's GGML_MAX_NAME, counting the NUL
+            return P.fail("%s: name length %llu, must be below %d bytes", ctx, (unsigned long long)len, QL_MAX_NAME);
+        if (len > P.left())
+            return P.fail("%s: name of %llu bytes runs past the end of the file (%zu bytes left)", ctx,
+                          (unsigned long long)len, P.left());
+        const char *nm = (const char *)P.buf + P.pos;
+        if (memchr(nm, 0, (size_t)len)) return P.fail("%s: name '%s' contains a NUL byte", ctx, gguf_printable(nm, len).c_str());
+        t.name.assign(nm, (size_t)len);
+        P.pos += (size_t)len;
+        snprintf(ctx, sizeof(ctx), "tensor %llu '%s'", (unsigned long long)i, gguf_printable(t.name).c_str());
+        auto ins = g.tensor_index.emplace(t.name, (int64_t)i);
+        if (!ins.second) return P.fail("%s: duplicate tensor name (first at tensor %lld)", ctx, (long long)ins.first->second);
+        uint32_t n_dims = 0, type = 0;
+        snprintf(what, sizeof(what), "%s: n_dims", ctx);
+        if (!P.u32(&n_dims, what)) return false;
+        if (n_dims < 1 || n_dims > QL_MAX_DIMS) return P.fail("%s: n_dims %u, must be 1..%d", ctx, n_dims, QL_MAX_DIMS);
+        t.n_dims = (int)n_dims;
+        for (uint32_t d = 0; d < n_dims; d++) {
+            uint64_t v = 0;
+            snprintf(what, sizeof(what), "%s: ne[%u]", ctx, d);
+            if (!P.u64(&v, what)) return false;
+            if (v > (uint64_t)INT64_MAX) return P.fail("%s: ne[%u] = %llu is over INT64_MAX", ctx, d, (unsigned long long)v);
+            t.ne[d] = (int64_t)v;
+        }
+        snprintf(what, sizeof(what), "%s: type", ctx);
+        if (!P.u32(&type, what)) return false;
+        const ql_type_traits *tt = type < QL_TYPE_COUNT ? ql_type_traits_get((ql_type)type) : nullptr;
+        if (!tt) return P.fail("%s: unknown tensor type id %u", ctx, type);
+        t.type = (ql_type)type;
+        if (t.ne[0] % tt->blck_size != 0)
+            return P.fail("%s: ne[0] = %lld is not a multiple of %s's block size %lld", ctx, (long long)t.ne[0],
+                          tt->name, (long long)tt->blck_size);
+        std::string why;
+        if (!gguf_tensor_bytes(t.type, t.ne, P.size, &t.size, &why))
+            return P.fail("%s: %s (the file has %zu bytes)", ctx, why.c_str(), P.size);
+        snprintf(what, sizeof(what), "%s: offset", ctx);
+        if (!P.u64(&t.offset, what)) return false;
+        g.tensors.push_back(std::move(t));
+    }
+
+    // ---- data section: starts at the aligned end of the infos; a file without tensors may
+    // end before it (writers add no padding then)
+    uint64_t data_offset;
+    if (!gguf_align_up(P.pos, align, &data_offset)) return P.fail("data offset overflows (alignment %llu)", (unsigned long long)align);
+    g.data_offset = (size_t)data_offset;
+    if (n_tensors == 0) return true;
+    if (data_offset > P.size)
+        return P.fail("the data section would start at %llu, past the end of the file (%zu bytes)",
+                      (unsigned long long)data_offset, P.size);
+    const uint64_t avail = P.size - data_offset;
+    for (size_t i = 0; i < g.tensors.size(); i++) {
+        gguf_tensor &t = g.tensors[i];
+        snprintf(ctx, sizeof(ctx), "tensor %zu '%s'", i, gguf_printable(t.name).c_str());
+        if (t.offset % align != 0)
+            return P.fail("%s: offset %llu is not a multiple of the alignment %llu", ctx, (unsigned long long)t.offset,
+                          (unsigned long long)align);
+        if (t.offset > avail || t.size > avail - t.offset)
+            return P.fail("%s: data [%llu, +%llu) runs past the end of the file (the data section holds %llu bytes)",
+                          ctx, (unsigned long long)t.offset, (unsigned long long)t.size, (unsigned long long)avail);
+        t.data = P.buf + data_offset + t.offset;
+    }
+    // no two tensors share bytes (empty ones occupy nothing)
+    std::vector<size_t> order;
+    for (size_t i = 0; i < g.tensors.size(); i++)
+        if (g.tensors[i].size) order.push_back(i);
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return g.tensors[a].offset < g.tensors[b].offset; });
+    for (size_t k = 1; k < order.size(); k++) {
+        const gguf_tensor &a = g.tensors[order[k - 1]], &b = g.tensors[order[k]];
+        if (a.offset + a.size > b.offset)  // both within the file: no overflow
+            return P.fail("tensors '%s' [%llu, %llu) and '%s' [%llu, %llu) overlap", gguf_printable(a.name).c_str(),
+                          (unsigned long long)a.offset, (unsigned long long)(a.offset + a.size),
+                          gguf_printable(b.name).c_str(), (unsigned long long)b.offset,
+                          (unsigned long long)(b.offset + b.size));
+    }
+    return true;
+}
+
+static ql_gguf *gguf_open_buffer(const uint8_t *buf, size_t size, const char *path, char *err, size_t err_size) {
+    try {
+        std::unique_ptr<ql_gguf> g(new ql_gguf);
+        gguf_parser P(buf, size);
+        if (!gguf_parse(*g, P)) {
+            gguf_set_err(err, err_size, "%s: %s", path, P.msg.c_str());
+            return nullptr;
+        }
+        return g.release();
+    } catch (const std::exception &e) {  // bad_alloc: the file is fine, memory is not
+        gguf_set_err(err, err_size, "%s: out of memory while reading (%s)", path, e.what());
+        return nullptr;
+    }
+}
+
+ql_gguf *ql_gguf_open_memory(const void *data, size_t size, char *err, size_t err_size) {
+    gguf_set_err(err, err_size, "%s", "");
+    if (!data && size) {
+        gguf_set_err(err, err_size, "<memory>: NULL buffer of %zu bytes", size);
+        return nullptr;
+    }
+    static const uint8_t empty[1] = {0};
+    return gguf_open_buffer(data ? (const uint8_t *)data : empty, size, "<memory>", err, err_size);
+}
+
+ql_gguf *ql_gguf_open(const char *path, char *err, size_t err_size) {
+    gguf_set_err(err, err_size, "%s", "");
+    if (!path) {
+        gguf_set_err(err, err_size, "(null): no path given");
+        return nullptr;
+    }
+    const int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        gguf_set_err(err, err_size, "%s: cannot open: %s", path, strerror(errno));
+        return nullptr;
+    }
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        gguf_set_err(err, err_size, "%s: cannot stat: %s", path, strerror(errno));
+        close(fd);
+        return nullptr;
+    }
+    if (!S_ISREG(st.st_mode)) {
+        gguf_set_err(err, err_size, "%s: not a regular file", path);
+        close(fd);
+        return nullptr;
+    }
+    const size_t size = (size_t)st.st_size;
+    void *map = nullptr;
+    if (size) {  // mmap refuses length 0; an empty file gets the parser's "too short"
+        map = mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+        if (map == MAP_FAILED) {
+            gguf_set_err(err, err_size, "%s: cannot map %zu bytes: %s", path, size, strerror(errno));
+            close(fd);
+            return nullptr;
+        }
+    }
+    close(fd);  // the mapping keeps the file
+    static const uint8_t empty[1] = {0};
+    ql_gguf *g = gguf_open_buffer(map ? (const uint8_t *)map : empty, size, path, err, err_size);
+    if (!g) {
+        if (map) munmap(map, size);
+        return nullptr;
+    }
+    g->map = map;
+    g->map_size = size;
+    return g;
+}
+
+void ql_gguf_close(ql_gguf *g) {
+    if (!g) return;
+    if (g->map) munmap(g->map, g->map_size);
+    delete g;
+}
+
+uint32_t ql_gguf_version(const ql_gguf *g) { return g ? g->version : 0; }
+size_t   ql_gguf_alignment(const ql_gguf *g) { return g ? g->alignment : 0; }
+size_t   ql_gguf_data_offset(const ql_gguf *g) { return g ? g->data_offset : 0; }
+
+static const gguf_kv *gguf_kv_at(const ql_gguf *g, int64_t i) {
+    return (g && i >= 0 && (uint64_t)i < g->kvs.size()) ? &g->kvs[(size_t)i] : nullptr;
+}
+static const gguf_tensor *gguf_tensor_at(const ql_gguf *g, int64_t i) {
+    return (g && i >= 0 && (uint64_t)i < g->tensors.size()) ? &g->tensors[(size_t)i] : nullptr;
+}
+
+int64_t ql_gguf_n_kv(const ql_gguf *g) { return g ? (int64_t)g->kvs.size() : 0; }
+
+int64_t ql_gguf_find_kv(const ql_gguf *g, const char *key) {
+    if (!g || !key) return -1;
+    auto it = g->kv_index.find(key);
+    return it == g->kv_index.end() ? -1 : it->second;
+}
+
+const char *ql_gguf_kv_key(const ql_gguf *g, int64_t i) {
+    const gguf_kv *kv = gguf_kv_at(g, i);
+    return kv ? kv->key.c_str() : nullptr;
+}
+
+ql_gguf_type ql_gguf_kv_type(const ql_gguf *g, int64_t i) {
+    const gguf_kv *kv = gguf_kv_at(g, i);
+    return kv ? kv->type : QL_GGUF_TYPE_COUNT;
+}
+
+bool ql_gguf_get_i64(const ql_gguf *g, int64_t i, int64_t *v) {
+    const gguf_kv *kv = gguf_kv_at(g, i);
+    bool neg;
+    int64_t s;
+    uint64_t u;
+    if (!kv || !v || !gguf_kv_int(*kv, &neg, &s, &u)) return false;
+    if (!neg && u > (uint64_t)INT64_MAX) return false;
+    *v = neg ? s : (int64_t)u;
+    return true;
+}
+
+bool ql_gguf_get_u64(const ql_gguf *g, int64_t i, uint64_t *v) {
+    const gguf_kv *kv = gguf_kv_at(g, i);
+    bool neg;
+    int64_t s;
+    uint64_t u;
+    if (!kv || !v || !gguf_kv_int(*kv, &neg, &s, &u) || neg) return false;
+    *v = u;
+    return true;
+}
+
+bool ql_gguf_get_f64(const ql_gguf *g, int64_t i, double *v) {
+    const gguf_kv *kv = gguf_kv_at(g, i);
+    if (!kv || !v) return false;
+    if (kv->type == QL_GGUF_F32) {
+        float f;
+        memcpy(&f, kv->val, 4);
+        *v = f;
+        return true;
+    }
+    if (kv->type == QL_GGUF_F64) {
+        memcpy(v, kv->val, 8);
+        return true;
+    }
+    bool neg;
+    int64_t s;
+    uint64_t u;
+    if (!gguf_kv_int(*kv, &neg, &s, &u)) return false;
+    *v = neg ? (double)s : (double)u;
+    return true;
+}
+
+bool ql_gguf_get_bool(const ql_gguf *g, int64_t i, bool *v) {
+    const gguf_kv *kv = gguf_kv_at(g, i);
+    if (!kv || !v || kv->type != QL_GGUF_BOOL) return false;
+    *v = kv->val[0] != 0;
+    return true;
+}
+
+const char *ql_gguf_get_str(const ql_gguf *g, int64_t i, size_t *len) {
+    const gguf_kv *kv = gguf_kv_at(g, i);
+    if (!kv || kv->type != QL_GGUF_STRING) return nullptr;
+    if (len) *len = kv->str.size();
+    return kv->str.c_str();
+}
+
+ql_gguf_type ql_gguf_arr_type(const ql_gguf *g, int64_t i) {
+    const gguf_kv *kv = gguf_kv_at(g, i);
+    return (kv && kv->type == QL_GGUF_ARRAY) ? kv->elem : QL_GGUF_TYPE_COUNT;
+}
+
+uint64_t ql_gguf_arr_n(const ql_gguf *g, int64_t i) {
+    const gguf_kv *kv = gguf_kv_at(g, i);
+    return (kv && kv->type == QL_GGUF_ARRAY) ? kv->n : 0;
+}
+
+const void *ql_gguf_arr_data(const ql_gguf *g, int64_t i) {
+    const gguf_kv *kv = gguf_kv_at(g, i);
+    if (!kv || kv->type != QL_GGUF_ARRAY || kv->elem == QL_GGUF_STRING) return nullptr;
+    static const uint64_t none = 0;  // an empty array is still an array: not NULL
+    return kv->num.empty() ? (const void *)&none : (const void *)kv->num.data();
+}
+
+const char *ql_gguf_arr_str(const ql_gguf *g, int64_t i, uint64_t j, size_t *len) {
+    const gguf_kv *kv = gguf_kv_at(g, i);
+    if (!kv || kv->type != QL_GGUF_ARRAY || kv->elem != QL_GGUF_STRING || j >= kv->n) return nullptr;
+    if (len) *len = (size_t)(kv->start[(size_t)j + 1] - kv->start[(size_t)j] - 1);
+    return kv->blob.c_str() + kv->start[(size_t)j];
+}
+
+int64_t ql_gguf_n_tensors(const ql_gguf *g) { return g ? (int64_t)g->tensors.size() : 0; }
+
+int64_t ql_gguf_find_tensor(const ql_gguf *g, const char *name) {
+    if (!g || !name) return -1;
+    auto it = g->tensor_index.find(name);
+    return it == g->tensor_index.end() ? -1 : it->second;
+}
+
+const char *ql_gguf_tensor_name(const ql_gguf *g, int64_t i) {
+    const gguf_tensor *t = gguf_tensor_at(g, i);
+    return t ? t->name.c_str() : nullptr;
+}
+
+ql_type ql_gguf_tensor_type(const ql_gguf *g, int64_t i) {
+    const gguf_tensor *t = gguf_tensor_at(g, i);
+    return t ? t->type : QL_TYPE_COUNT;
+}
+
+int ql_gguf_tensor_ne(const ql_gguf *g, int64_t i, int64_t ne[4]) {
+    const gguf_tensor *t = gguf_tensor_at(g, i);
+    if (ne)
+        for (int d = 0; d < 4; d++) ne[d] = t ? t->ne[d] : 1;
+    return t ? t->n_dims : 0;
+}
+
+const void *ql_gguf_tensor_data(const ql_gguf *g, int64_t i) {
+    const gguf_tensor *t = gguf_tensor_at(g, i);
+    return t ? t->data : nullptr;
+}
+
+size_t ql_gguf_tensor_size(const ql_gguf *g, int64_t i) {
+    const gguf_tensor *t = gguf_tensor_at(g, i);
+    return t ? (size_t)t->size : 0;
+}
+
+// ============================================================================================
+// writer
+// ============================================================================================
+
+struct gguf_wtensor {
+    std::string name;
+    ql_type     type;
+    int         n_dims;
+    int64_t     ne[4];
+    const void *data;
+    size_t      size;
+};
+
+struct ql_gguf_writer {
+    std::vector<gguf_kv>      kvs;  // insertion order; few enough for linear lookups
+    std::vector<gguf_wtensor> tensors;
+    std::unordered_set<std::string> tensor_names;
+    // The set_* functions return nothing, so the first one refused (NULL key, bad array) is
+    // remembered and makes ql_gguf_write fail with its message instead of writing a file
+    // without the value.
+    std::string refused;
+};
+
+static void gguf_refuse(ql_gguf_writer *w, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void gguf_refuse(ql_gguf_writer *w, const char *fmt, ...) {
+    if (!w || !w->refused.empty()) return;
+    char b[384];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(b, sizeof(b), fmt, ap);
+    va_end(ap);
+    w->refused = b;
+}
+
+static gguf_kv *gguf_writer_find(ql_gguf_writer *w, const char *key) {
+    for (gguf_kv &kv : w->kvs)
+        if (kv.key == key) return &kv;
+    return nullptr;
+}
+
+// Stores kv under key: replaces an existing key's value in place, else appends.
+static void gguf_put(ql_gguf_writer *w, const char *key, gguf_kv &&kv, const char *fn) {
+    if (!w) return;
+    if (!key) return gguf_refuse(w, "%s: NULL key", fn);
+    if (strlen(key) > k_gguf_max_key)
+        return gguf_refuse(w, "%s: key '%s' is longer than %llu bytes", fn, gguf_printable(key, strlen(key)).c_str(),
+                           (unsigned long long)k_gguf_max_key);
+    try {
+        kv.key = key;
+        gguf_kv *old = gguf_writer_find(w, key);
+        if (old) *old = std::move(kv);
+        else w->kvs.push_back(std::move(kv));
+    } catch (const std::exception &) {
+        gguf_refuse(w, "%s: out of memory storing '%s'", fn, gguf_printable(key, strlen(key)).c_str());
+    }
+}
+
+static void gguf_put_scalar(ql_gguf_writer *w, const char *key, ql_gguf_type type, const void *v, const char *fn) {
+    gguf_kv kv;
+    kv.type = type;
+    memcpy(kv.val, v, gguf_scalar_size(type));
+    gguf_put(w, key, std::move(kv), fn);
+}
+
+ql_gguf_writer *ql_gguf_writer_new(void) {
+    try {
+        return new ql_gguf_writer;
+    } catch (const std::exception &) {
+        return nullptr;
+    }
+}
+void ql_gguf_writer_free(ql_gguf_writer *w) { delete w; }
+
+void ql_gguf_set_u32(ql_gguf_writer *w, const char *key, uint32_t v) { gguf_put_scalar(w, key, QL_GGUF_U32, &v, "set_u32"); }
+void ql_gguf_set_i32(ql_gguf_writer *w, const char *key, int32_t v) { gguf_put_scalar(w, key, QL_GGUF_I32, &v, "set_i32"); }
+void ql_gguf_set_u64(ql_gguf_writer *w, const char *key, uint64_t v) { gguf_put_scalar(w, key, QL_GGUF_U64, &v, "set_u64"); }
+void ql_gguf_set_f32(ql_gguf_writer *w, const char *key, float v) { gguf_put_scalar(w, key, QL_GGUF_F32, &v, "set_f32"); }
+void ql_gguf_set_bool(ql_gguf_writer *w, const char *key, bool v) {
+    const uint8_t b = v ? 1 : 0;
+    gguf_put_scalar(w, key, QL_GGUF_BOOL, &b, "set_bool");
+}
+
+void ql_gguf_set_str(ql_gguf_writer *w, const char *key, const char *v) {
+    if (!w) return;
+    if (!v) return gguf_refuse(w, "set_str '%s': NULL value", key ? gguf_printable(key, strlen(key)).c_str() : "(null)");
+    try {
+        gguf_kv kv;
+        kv.type = QL_GGUF_STRING;
+        kv.str = v;
+        gguf_put(w, key, std::move(kv), "set_str");
+    } catch (const std::exception &) {
+        gguf_refuse(w, "set_str: out of memory");
+    }
+}
+
+void ql_gguf_set_arr(ql_gguf_writer *w, const char *key, ql_gguf_type elem, const void *data, uint64_t n) {
+    if (!w) return;
+    const std::string k = key ? gguf_printable(key, strlen(key)) : "(null)";
+    const size_t esz = gguf_scalar_size(elem);
+    if (!esz) return gguf_refuse(w, "set_arr '%s': element type %d is not numeric or bool", k.c_str(), (int)elem);
+    if (!data && n) return gguf_refuse(w, "set_arr '%s': NULL data for %llu elements", k.c_str(), (unsigned long long)n);
+    uint64_t bytes;
+    if (__builtin_mul_overflow(n, (uint64_t)esz, &bytes) || bytes > SIZE_MAX - 8)
+        return gguf_refuse(w, "set_arr '%s': %llu elements overflow", k.c_str(), (unsigned long long)n);
+    if (elem == QL_GGUF_BOOL)
+        for (uint64_t j = 0; j < n; j++)
+            if (((const uint8_t *)data)[j] > 1)
+                return gguf_refuse(w, "set_arr '%s': bool element %llu is not 0 or 1", k.c_str(), (unsigned long long)j);
+    try {
+        gguf_kv kv;
+        kv.type = QL_GGUF_ARRAY;
+        kv.elem = elem;
+        kv.n = n;
+        kv.num.resize(((size_t)bytes + 7) / 8);
+        if (bytes) memcpy(kv.num.data(), data, (size_t)bytes);
+        gguf_put(w, key, std::move(kv), "set_arr");
+    } catch (const std::exception &) {
+        gguf_refuse(w, "set_arr '%s': out of memory for %llu elements", k.c_str(), (unsigned long long)n);
+    }
+}
+
+void ql_gguf_set_arr_str(ql_gguf_writer *w, const char *key, const char *const *v, uint64_t n) {
+    if (!w) return;
+    const std::string k = key ? gguf_printable(key, strlen(key)) : "(null)";
+    if (!v && n) return gguf_refuse(w, "set_arr_str '%s': NULL array of %llu strings", k.c_str(), (unsigned long long)n);
+    try {
+        gguf_kv kv;
+        kv.type = QL_GGUF_ARRAY;
+        kv.elem = QL_GGUF_STRING;
+        kv.n = n;
+        kv.start.reserve((size_t)n + 1);
+        kv.start.push_back(0);
+        for (uint64_t j = 0; j < n; j++) {
+            if (!v[j]) return gguf_refuse(w, "set_arr_str '%s': string %llu is NULL", k.c_str(), (unsigned long long)j);
+            kv.blob.append(v[j]);
+            kv.blob.push_back('\0');
+            kv.start.push_back(kv.blob.size());
+        }
+        gguf_put(w, key, std::move(kv), "set_arr_str");
+    } catch (const std::exception &) {
+        gguf_refuse(w, "set_arr_str '%s': out of memory for %llu strings", k.c_str(), (unsigned long long)n);
+    }
+}
+
+void ql_gguf_copy_kv(ql_gguf_writer *w, const ql_gguf *src, int64_t i) {
+    if (!w) return;
+    const gguf_kv *kv = gguf_kv_at(src, i);
+    if (!kv) return gguf_refuse(w, "copy_kv: no kv %lld in %s", (long long)i, src ? "the source" : "a NULL source");
+    try {
+        gguf_kv copy = *kv;
+        gguf_put(w, kv->key.c_str(), std::move(copy), "copy_kv");
+    } catch (const std::exception &) {
+        gguf_refuse(w, "copy_kv '%s': out of memory", gguf_printable(kv->key).c_str());
+    }
+}
+
+void ql_gguf_remove_kv(ql_gguf_writer *w, const char *key) {
+    if (!w || !key) return;
+    for (size_t i = 0; i < w->kvs.size(); i++)
+        if (w->kvs[i].key == key) {
+            w->kvs.erase(w->kvs.begin() + (ptrdiff_t)i);
+            return;
+        }
+}
+
+ql_status ql_gguf_add_tensor(ql_gguf_writer *w, const char *name, ql_type type, int n_dims, const int64_t *ne,
+                             const void *data, size_t size) {
+    if (!w || !name || !ne || n_dims < 1 || n_dims > QL_MAX_DIMS) return QL_ERR_INVALID;
+    if (strlen(name) >= QL_MAX_NAME) return QL_ERR_INVALID;
+    const ql_type_traits *tt = ((int)type >= 0 && type < QL_TYPE_COUNT) ? ql_type_traits_get(type) : nullptr;
+    if (!tt) return QL_ERR_INVALID;
+    gguf_wtensor t;
+    t.type = type;
+    t.n_dims = n_dims;
+    for (int d = 0; d < 4; d++) {
+        t.ne[d] = d < n_dims ? ne[d] : 1;
+        if (t.ne[d] < 0) return QL_ERR_INVALID;
+    }
+    if (t.ne[0] % tt->blck_size != 0) return QL_ERR_INVALID;
+    uint64_t bytes;
+    std::string why;
+    if (!gguf_tensor_bytes(type, t.ne, size, &bytes, &why) || bytes != size) return QL_ERR_INVALID;
+    if (!data && size) return QL_ERR_INVALID;
+    t.data = data;
+    t.size = size;
+    try {
+        t.name = name;
+        if (!w->tensor_names.insert(t.name).second) return QL_ERR_INVALID;
+        w->tensors.push_back(std::move(t));
+    } catch (const std::exception &) {
+        w->tensor_names.erase(name);
+        return QL_ERR_NOMEM;
+    }
+    return QL_OK;
+}
+
+static void gguf_put_bytes(std::vector<uint8_t> &out, const void *p, size_t n) {
+    out.insert(out.end(), (const uint8_t *)p, (const uint8_t *)p + n);
+}
+static void gguf_put_u32(std::vector<uint8_t> &out, uint32_t v) { gguf_put_bytes(out, &v, 4); }
+static void gguf_put_u64(std::vector<uint8_t> &out, uint64_t v) { gguf_put_bytes(out, &v, 8); }
+static void gguf_put_str(std::vector<uint8_t> &out, const char *s, size_t n) {
+    gguf_put_u64(out, n);
+    gguf_put_bytes(out, s, n);
+}
+
+static void gguf_put_kv(std::vector<uint8_t> &out, const gguf_kv &kv) {
+    gguf_put_str(out, kv.key.data(), kv.key.size());
+    gguf_put_u32(out, (uint32_t)kv.type);
+    if (kv.type == QL_GGUF_STRING) return gguf_put_str(out, kv.str.data(), kv.str.size());
+    if (kv.type != QL_GGUF_ARRAY) return gguf_put_bytes(out, kv.val, gguf_scalar_size(kv.type));
+    gguf_put_u32(out, (uint32_t)kv.elem);
+    gguf_put_u64(out, kv.n);
+    if (kv.elem != QL_GGUF_STRING) return gguf_put_bytes(out, kv.num.data(), (size_t)kv.n * gguf_scalar_size(kv.elem));
+    for (uint64_t j = 0; j < kv.n; j++)
+        gguf_put_str(out, kv.blob.data() + kv.start[(size_t)j], (size_t)(kv.start[(size_t)j + 1] - kv.start[(size_t)j] - 1));
+}
+
+// Everything before the data section (padding included when there is data), and the offsets.
+static bool gguf_build_header(const ql_gguf_writer *w, uint64_t align, std::vector<uint8_t> &out, std::string *why) {
+    gguf_put_bytes(out, "GGUF", 4);
+    gguf_put_u32(out, 3);
+    gguf_put_u64(out, w->tensors.size());
+    gguf_put_u64(out, w->kvs.size());
+    for (const gguf_kv &kv : w->kvs) gguf_put_kv(out, kv);
+    uint64_t off = 0;
+    for (const gguf_wtensor &t : w->tensors) {
+        gguf_put_str(out, t.name.data(), t.name.size());
+        gguf_put_u32(out, (uint32_t)t.n_dims);
+        for (int d = 0; d < t.n_dims; d++) gguf_put_u64(out, (uint64_t)t.ne[d]);
+        gguf_put_u32(out, (uint32_t)t.type);
+        gguf_put_u64(out, off);
+        uint64_t padded;
+        if (!gguf_align_up(t.size, align, &padded) || __builtin_add_overflow(off, padded, &off)) {
+            *why = "tensor data size overflows";
+            return false;
+        }
+    }
+    uint64_t end;
+    if (!w->tensors.empty()) {
+        if (!gguf_align_up(out.size(), align, &end) || end - out.size() > SIZE_MAX / 2) {
+            *why = "alignment padding too large";
+            return false;
+        }
+        out.resize((size_t)end, 0);
+    }
+    return true;
+}
+
+static bool gguf_write_zeros(FILE *f, uint64_t n) {
+    static const uint8_t zeros[4096] = {0};
+    while (n) {
+        const size_t k = (size_t)std::min<uint64_t>(n, sizeof(zeros));
+        if (fwrite(zeros, 1, k, f) != k) return false;
+        n -= k;
+    }
+    return true;
+}
+
+ql_status ql_gguf_write(const ql_gguf_writer *w, const char *path, char *err, size_t err_size) {
+    gguf_set_err(err, err_size, "%s", "");
+    if (!path) {
+        gguf_set_err(err, err_size, "(null): no path given");
+        return QL_ERR_INVALID;
+    }
+    if (!w) {
+        gguf_set_err(err, err_size, "%s: NULL writer", path);
+        return QL_ERR_INVALID;
+    }
+    if (!w->refused.empty()) {
+        gguf_set_err(err, err_size, "%s: not written, an earlier call was refused: %s", path, w->refused.c_str());
+        return QL_ERR_INVALID;
+    }
+    uint64_t align = k_gguf_default_align;
+    for (const gguf_kv &kv : w->kvs) {
+        std::string why;
+        if (kv.key == "general.alignment" && !gguf_alignment_of(kv, &align, &why)) {
+            gguf_set_err(err, err_size, "%s: %s", path, why.c_str());
+            return QL_ERR_INVALID;
+        }
+    }
+    std::vector<uint8_t> header;
+    std::string tmp;
+    try {
+        std::string why;
+        if (!gguf_build_header(w, align, header, &why)) {
+            gguf_set_err(err, err_size, "%s: %s", path, why.c_str());
+            return QL_ERR_INVALID;
+        }
+        tmp = std::string(path) + ".tmp";
+    } catch (const std::exception &) {
+        gguf_set_err(err, err_size, "%s: out of memory building the header", path);
+        return QL_ERR_NOMEM;
+    }
+
+    // Everything goes to path.tmp, which replaces path only once it is complete and on disk.
+    FILE *f = fopen(tmp.c_str(), "wb");
+    if (!f) {
+        gguf_set_err(err, err_size, "%s: cannot create %s: %s", path, tmp.c_str(), strerror(errno));
+        return QL_ERR_IO;
+    }
+    const char *what = nullptr;
+    errno = 0;
+    if (fwrite(header.data(), 1, header.size(), f) != header.size()) what = "writing the header";
+    for (size_t i = 0; !what && i < w->tensors.size(); i++) {
+        const gguf_wtensor &t = w->tensors[i];
+        uint64_t padded = t.size;
+        gguf_align_up(t.size, align, &padded);  // cannot overflow: checked building the header
+        if ((t.size && fwrite(t.data, 1, t.size, f) != t.size) || !gguf_write_zeros(f, padded - t.size))
+            what = "writing tensor data";
+    }
+    if (!what && fflush(f) != 0) what = "flushing";
+    if (!what && fsync(fileno(f)) != 0) what = "fsync";
+    int e = errno;
+    if (fclose(f) != 0 && !what) {
+        what = "closing";
+        e = errno;
+    }
+    if (!what && rename(tmp.c_str(), path) != 0) {
+        what = "renaming the temporary file over it";
+        e = errno;
+    }
+    if (what) {
+        remove(tmp.c_str());
+        gguf_set_err(err, err_size, "%s: %s: %s", path, what, e ? strerror(e) : "unknown error");
+        return QL_ERR_IO;
+    }
+    // make the rename itself durable (best effort: some file systems refuse directory fsync)
+    try {
+        std::string dir(path);
+        const size_t slash = dir.rfind('/');
+        dir = slash == std::string::npos ? "." : slash == 0 ? "/" : dir.substr(0, slash);
+        const int dfd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (dfd >= 0) {
+            fsync(dfd);
+            close(dfd);
+        }
+    } catch (const std::exception &) {
+    }
+    return QL_OK;
+}
+
+// ============================================================================================
+// 13. optimizer math
 // ============================================================================================
 
 void ql_adamw_update(ql_tensor *param, ql_tensor *m, ql_tensor *v, int64_t step, const ql_adamw_params *p,

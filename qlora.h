@@ -72,32 +72,152 @@ const char *ql_status_name(ql_status s);
 typedef enum ql_type {
     QL_TYPE_F32  = 0,
     QL_TYPE_F16  = 1,
+    QL_TYPE_Q4_0 = 2,
+    QL_TYPE_Q8_0 = 8,
+    QL_TYPE_Q4_K = 12,
+    QL_TYPE_Q5_K = 13,
+    QL_TYPE_Q6_K = 14,
     QL_TYPE_I32  = 26,
     QL_TYPE_BF16 = 30,
+    // qlora's own, outside ggml's id range (llama.cpp cannot load files holding them):
+    QL_TYPE_NF4      = 100,  // NF4, blocks of 64, double-quantised absmax (QLoRA's default)
+    QL_TYPE_NF4_NODQ = 101,  // NF4, blocks of 64, fp32 absmax per block
     QL_TYPE_COUNT
 } ql_type;
 
 typedef void (*ql_to_float_fn)(const void *src, float *dst, int64_t n);   // n: multiple of blck_size
 typedef void (*ql_from_float_fn)(const float *src, void *dst, int64_t n);
+// For types with tensor-wide side data: `row` is the block data of n elements starting at flat
+// element index `first` of the tensor, `aux` the tensor's side data (see ql_tensor.aux_size).
+typedef void (*ql_to_float_aux_fn)(const void *row, const void *aux, int64_t first, float *dst, int64_t n);
 
 typedef struct ql_type_traits {
     const char      *name;        // NULL: no such type
     int64_t          blck_size;   // elements per block (1 for plain types)
     size_t           type_size;   // bytes per block
-    bool             is_float;    // holds real numbers convertible with to_float/from_float
-    ql_to_float_fn   to_float;
-    ql_from_float_fn from_float;  // NULL when the type cannot be produced element by element
+    bool             is_float;    // holds real numbers convertible to float
+    ql_to_float_fn   to_float;    // NULL for types with side data (use to_float_aux)
+    ql_from_float_fn from_float;  // NULL when the type cannot be produced block by block (use ql_quantize)
+    // Side data some types keep after their rows (NF4: the double-quantised absmax of every
+    // block). NULL: none. A tensor of such a type has aux_size = aux_bytes(nelements).
+    size_t             (*aux_bytes)(int64_t n_elements);
+    ql_to_float_aux_fn to_float_aux;
 } ql_type_traits;
 
 const ql_type_traits *ql_type_traits_get(ql_type t);  // NULL for an unknown id
 const char *ql_type_name(ql_type t);                  // "?" for an unknown id
 size_t      ql_row_size(ql_type t, int64_t ne0);      // bytes of ne0 elements (ne0 % blck == 0)
 
+// bytes of a whole tensor of this type: rows + side data
+size_t      ql_type_data_size(ql_type t, int64_t n_rows, int64_t ne0);
+
 // scalar conversions (round to nearest even)
 uint16_t ql_fp32_to_fp16(float f);
 float    ql_fp16_to_fp32(uint16_t h);
 uint16_t ql_fp32_to_bf16(float f);
 float    ql_bf16_to_fp32(uint16_t h);
+
+// ============================================================================================
+// quantized block formats: defined once here, for the C++ and the CUDA code alike
+// ============================================================================================
+
+#define QL_STATIC_ASSERT(cond, name) typedef char ql_static_assert_##name[(cond) ? 1 : -1]
+
+// ggml's formats (byte for byte as in GGUF files). d, dmin: fp16 bits.
+#define QL_QK4_0 32
+typedef struct { uint16_t d; uint8_t qs[QL_QK4_0 / 2]; } ql_block_q4_0;  // x = d (q - 8); element j: low nibble of qs[j], j+16: high
+QL_STATIC_ASSERT(sizeof(ql_block_q4_0) == 18, q4_0);
+#define QL_QK8_0 32
+typedef struct { uint16_t d; int8_t qs[QL_QK8_0]; } ql_block_q8_0;       // x = d q
+QL_STATIC_ASSERT(sizeof(ql_block_q8_0) == 34, q8_0);
+#define QL_QK_K 256
+#define QL_K_SCALE_SIZE 12
+typedef struct {  // 8 sub-blocks of 32: x = d sc q - dmin m, 6-bit sc/m packed in scales
+    uint16_t d, dmin;
+    uint8_t  scales[QL_K_SCALE_SIZE];
+    uint8_t  qs[QL_QK_K / 2];
+} ql_block_q4_K;
+QL_STATIC_ASSERT(sizeof(ql_block_q4_K) == 144, q4_K);
+typedef struct {  // as q4_K plus a fifth bit per element in qh
+    uint16_t d, dmin;
+    uint8_t  scales[QL_K_SCALE_SIZE];
+    uint8_t  qh[QL_QK_K / 8];
+    uint8_t  qs[QL_QK_K / 2];
+} ql_block_q5_K;
+QL_STATIC_ASSERT(sizeof(ql_block_q5_K) == 176, q5_K);
+typedef struct {  // 16 sub-blocks of 16: x = d sc (q - 32), q = 4 low bits (ql) + 2 high bits (qh)
+    uint8_t  ql[QL_QK_K / 2];
+    uint8_t  qh[QL_QK_K / 4];
+    int8_t   scales[QL_QK_K / 16];
+    uint16_t d;
+} ql_block_q6_K;
+QL_STATIC_ASSERT(sizeof(ql_block_q6_K) == 210, q6_K);
+
+// NF4 (bitsandbytes-exact codes, blocks of 64 over the weight flattened row-major as
+// [out, in] = rows of ne0). The rows hold exactly bitsandbytes' packed `weight` bytes: element
+// 2j in the high nibble, 2j+1 in the low nibble. Everything per block lives in the side data
+// after the rows (n_blocks = nelements / 64, n_groups = ceil(n_blocks / 256)):
+//   QL_TYPE_NF4:      uint32_t n_blocks; float offset; float map[256]; float group_scale[n_groups];
+//                     uint8_t absmax_code[n_blocks];
+//                     absmax = map[code] * group_scale[block / 256] + offset  (two f32 roundings)
+//                     The 8-bit map travels with the tensor: bitsandbytes computes it with torch,
+//                     whose last bits depend on the CPU build, so an imported checkpoint keeps its own.
+//   QL_TYPE_NF4_NODQ: float absmax[n_blocks];
+// and an element is nf4_value[q] * absmax, in f32.
+#define QL_NF4_BLOCK 64
+#define QL_NF4_GROUP 256   // blocks per double-quantisation group
+typedef struct { uint8_t qs[QL_NF4_BLOCK / 2]; } ql_block_nf4;
+QL_STATIC_ASSERT(sizeof(ql_block_nf4) == 32, nf4);
+#define QL_NF4_VALUES {                                                                           \
+    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,                     \
+    -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,                    \
+    0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,       \
+    0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f }
+// bitsandbytes' decision thresholds (midpoints between neighbouring values, as f32); a
+// normalised x gets the number of thresholds it is strictly greater than (ties: lower code)
+#define QL_NF4_THRESHOLDS {                                                                       \
+    -0.8480964004993439f, -0.6106329262256622f, -0.4599952697753906f, -0.33967943489551544f,      \
+    -0.23460740596055984f, -0.13791173323988914f, -0.045525018125772476f, 0.03979014977812767f,   \
+    0.1202552504837513f, 0.2035212516784668f, 0.2920137718319893f, 0.3893125355243683f,           \
+    0.5016634166240692f, 0.6427869200706482f, 0.8614784181118011f }
+
+// bitsandbytes' quantize_4bit(nf4, blocksize=64) of n flat elements (the last block may be
+// partial; an odd tail pads with 0.0's code): packed [ceil(n/2)], absmax [ceil(n/64)].
+// Inputs must be finite (see ql_quantize for the checked, whole-tensor version).
+void ql_nf4_quantize_flat(const float *x, int64_t n, uint8_t *packed, float *absmax);
+
+// bitsandbytes' signed 8-bit dynamic map (create_dynamic_map(signed=True)): 256 sorted f32
+const float *ql_dynamic_map_signed(void);
+// its 8-bit quantiser: the 7-step binary search with midpoint rounding (dQuantize)
+uint8_t      ql_dynamic_quantize(const float *map, float x);
+
+// Whole-tensor quantisation of n_rows rows of ne0 floats into `type`: dst receives
+// ql_type_data_size(type, n_rows, ne0) bytes (rows, then side data). NF4 follows bitsandbytes
+// (all-zero blocks guarded: absmax 0, codes of 0.0) and QLoRA's double quantisation (offset =
+// mean of the absmax, computed in double). Non-finite input is refused: QL_ERR_INVALID with
+// the element's index in err. QL_ERR_TYPE for types that cannot be produced.
+ql_status ql_quantize(ql_type type, const float *src, int64_t n_rows, int64_t ne0, void *dst, char *err, size_t err_size);
+// The inverse for any numeric type (f32 out).
+ql_status ql_dequantize(ql_type type, const void *src, int64_t n_rows, int64_t ne0, float *dst);
+
+// bitsandbytes' serialised 4-bit tensors (the `weight` of a "*-bnb-4bit" checkpoint and the
+// entries of its quant_state), for lossless import and export. Only nf4 with blocksize 64 (and
+// nested blocksize 256) is accepted.
+typedef struct ql_bnb_nf4 {
+    int64_t  n;                 // elements of the weight
+    bool     nested;            // compress_statistics: absmax stored as 8-bit codes
+    uint8_t *packed;            // [ceil(n/2)]: bitsandbytes' `weight` bytes
+    uint8_t *absmax_codes;      // nested:     [ceil(n/64)] `absmax` (uint8)
+    float   *absmax;            // not nested: [ceil(n/64)] `absmax` (fp32)
+    float   *nested_absmax;     // nested:     [ceil(n_blocks/256)] `nested_absmax`
+    float    nested_offset;     // nested:     quant_state's "nested_offset"
+    float   *quant_map;         // [16]  `quant_map`        (checked on import, filled on export)
+    float   *nested_quant_map;  // [256] `nested_quant_map` (nested; checked / filled likewise)
+} ql_bnb_nf4;
+// bnb -> qlora: dst gets ql_type_data_size(QL_TYPE_NF4 or _NODQ, n / ne0, ne0) bytes.
+ql_status ql_nf4_from_bnb(const ql_bnb_nf4 *in, ql_type type, int64_t ne0, void *dst, char *err, size_t err_size);
+// qlora -> bnb: fills the arrays `out` points to (sized as above).
+ql_status ql_nf4_to_bnb(ql_type type, const void *src, int64_t n_rows, int64_t ne0, ql_bnb_nf4 *out);
 
 // ============================================================================================
 // context: an arena holding tensor headers and (unless no_alloc) tensor data
@@ -411,6 +531,80 @@ uint64_t ql_backend_new_id(void);  // for implementers: the id a new backend mus
 // threads and kernels. Equivalent to ql_mul_mat on contiguous f32 tensors.
 void ql_cpu_sgemm(ql_backend *cpu, int64_t M, int64_t N, int64_t K,
                   const float *a, int64_t lda, const float *b, int64_t ldb, float *c, int64_t ldc);
+
+// ============================================================================================
+// GGUF files (v3; v2 read too): a validating reader over an mmap, and a writer
+// ============================================================================================
+// The reader checks everything before returning: magic, version, counts against the file size,
+// string lengths, key uniqueness, n_dims <= 4, element products that overflow, known type ids
+// (qlora's trait table, NF4 included), ne[0] a multiple of the block size, tensor offsets
+// aligned and in bounds, tensors not overlapping. Errors are one line naming the file and what
+// is wrong. Tensor data is zero-copy (points into the mapping) until ql_gguf_close.
+
+typedef enum ql_gguf_type {
+    QL_GGUF_U8 = 0, QL_GGUF_I8 = 1, QL_GGUF_U16 = 2, QL_GGUF_I16 = 3, QL_GGUF_U32 = 4, QL_GGUF_I32 = 5,
+    QL_GGUF_F32 = 6, QL_GGUF_BOOL = 7, QL_GGUF_STRING = 8, QL_GGUF_ARRAY = 9, QL_GGUF_U64 = 10,
+    QL_GGUF_I64 = 11, QL_GGUF_F64 = 12,
+    QL_GGUF_TYPE_COUNT
+} ql_gguf_type;
+
+typedef struct ql_gguf ql_gguf;
+
+ql_gguf    *ql_gguf_open(const char *path, char *err, size_t err_size);
+// the same checks over a buffer the caller keeps alive (tests, fuzzing)
+ql_gguf    *ql_gguf_open_memory(const void *data, size_t size, char *err, size_t err_size);
+void        ql_gguf_close(ql_gguf *g);
+uint32_t    ql_gguf_version(const ql_gguf *g);
+size_t      ql_gguf_alignment(const ql_gguf *g);
+size_t      ql_gguf_data_offset(const ql_gguf *g);           // where the tensor data section starts
+
+int64_t     ql_gguf_n_kv(const ql_gguf *g);
+int64_t     ql_gguf_find_kv(const ql_gguf *g, const char *key);  // -1: absent
+const char *ql_gguf_kv_key(const ql_gguf *g, int64_t i);
+ql_gguf_type ql_gguf_kv_type(const ql_gguf *g, int64_t i);
+// Scalar getters: true on success. Integer getters accept any integer KV type whose value
+// fits; ql_gguf_get_f64 accepts f32/f64 (and integers); strings are not NUL-terminated in
+// the file: *len gives the length (the returned pointer is NUL-terminated by the reader).
+bool        ql_gguf_get_i64(const ql_gguf *g, int64_t i, int64_t *v);
+bool        ql_gguf_get_u64(const ql_gguf *g, int64_t i, uint64_t *v);
+bool        ql_gguf_get_f64(const ql_gguf *g, int64_t i, double *v);
+bool        ql_gguf_get_bool(const ql_gguf *g, int64_t i, bool *v);
+const char *ql_gguf_get_str(const ql_gguf *g, int64_t i, size_t *len);   // NULL if not a string
+// arrays
+ql_gguf_type ql_gguf_arr_type(const ql_gguf *g, int64_t i);              // element type
+uint64_t    ql_gguf_arr_n(const ql_gguf *g, int64_t i);
+const void *ql_gguf_arr_data(const ql_gguf *g, int64_t i);               // numeric arrays: packed elements
+const char *ql_gguf_arr_str(const ql_gguf *g, int64_t i, uint64_t j, size_t *len);  // string arrays
+
+int64_t     ql_gguf_n_tensors(const ql_gguf *g);
+int64_t     ql_gguf_find_tensor(const ql_gguf *g, const char *name);    // -1: absent
+const char *ql_gguf_tensor_name(const ql_gguf *g, int64_t i);
+ql_type     ql_gguf_tensor_type(const ql_gguf *g, int64_t i);
+int         ql_gguf_tensor_ne(const ql_gguf *g, int64_t i, int64_t ne[4]); // returns n_dims; unused ne = 1
+const void *ql_gguf_tensor_data(const ql_gguf *g, int64_t i);
+size_t      ql_gguf_tensor_size(const ql_gguf *g, int64_t i);            // rows + side data
+
+// Writer: KVs keep insertion order (setting an existing key replaces its value in place);
+// tensor data is referenced, not copied - it must stay valid until ql_gguf_write returns.
+typedef struct ql_gguf_writer ql_gguf_writer;
+ql_gguf_writer *ql_gguf_writer_new(void);
+void        ql_gguf_writer_free(ql_gguf_writer *w);
+void        ql_gguf_set_u32(ql_gguf_writer *w, const char *key, uint32_t v);
+void        ql_gguf_set_i32(ql_gguf_writer *w, const char *key, int32_t v);
+void        ql_gguf_set_u64(ql_gguf_writer *w, const char *key, uint64_t v);
+void        ql_gguf_set_f32(ql_gguf_writer *w, const char *key, float v);
+void        ql_gguf_set_bool(ql_gguf_writer *w, const char *key, bool v);
+void        ql_gguf_set_str(ql_gguf_writer *w, const char *key, const char *v);
+void        ql_gguf_set_arr(ql_gguf_writer *w, const char *key, ql_gguf_type elem, const void *data, uint64_t n);
+void        ql_gguf_set_arr_str(ql_gguf_writer *w, const char *key, const char *const *v, uint64_t n);
+void        ql_gguf_copy_kv(ql_gguf_writer *w, const ql_gguf *src, int64_t i);   // any type, arrays too
+void        ql_gguf_remove_kv(ql_gguf_writer *w, const char *key);
+// size must equal ql_type_data_size(type, rows, ne[0]); returns QL_ERR_INVALID (duplicate name,
+// name >= 64 bytes, n_dims outside 1..4, bad size) and keeps nothing
+ql_status   ql_gguf_add_tensor(ql_gguf_writer *w, const char *name, ql_type type, int n_dims, const int64_t *ne,
+                               const void *data, size_t size);
+// Writes to path + ".tmp", fsyncs, renames over path: a crash never leaves half a file.
+ql_status   ql_gguf_write(const ql_gguf_writer *w, const char *path, char *err, size_t err_size);
 
 // ============================================================================================
 // optimizer math (host memory, f32): the building block the trainers' optimizers use

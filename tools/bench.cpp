@@ -1,12 +1,14 @@
 // tools/bench - speed of the CPU backend's building blocks.
 //
-//   tools/bench [all | matmul | block] [-t threads] [-r reps] [--profile]
+//   tools/bench [all | matmul | block | qmatmul] [-t threads] [-r reps] [--profile]
 //
 // matmul: f32 GFLOP/s at 1024^3 and at LoRA-like shapes, then the same shapes with OpenBLAS
 //         when the system has it (loaded with dlopen as a yardstick; qlora never links it).
 //         The ratio column is qlora's speed over OpenBLAS's (> 1: qlora faster).
 // block:  one llama transformer block, forward and forward+backward, at the 110M shape
 //         (n_embd 768, 12 heads, ffn 2048), seq 256 and 512.
+// qmatmul: a frozen weight in f32, NF4 and Q4_K: forward y = W x and the input gradient
+//         dx = W^T dy (dequantised tile by tile), 4096x4096 and 11008x4096, 16/256/2048 tokens.
 // Times are medians over the repetitions after one warm-up run.
 #include "../models/llama.h"
 #include "../qlora.h"
@@ -18,6 +20,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstddef>
 #include <cstring>
 #include <random>
 #include <string>
@@ -135,6 +138,81 @@ static void bench_openblas(int n_threads, int reps) {
     }
 }
 
+// ---- frozen quantized weights (the QLoRA base): forward y = W x and input gradient dx = W^T dy ----
+
+// random weight bytes of `type` for an [out, in] weight: quantised from N(0, 0.02) where the type
+// can be produced, random valid blocks otherwise (k-quants)
+static std::vector<uint8_t> weight_bytes(ql_type type, int64_t out, int64_t in, const std::vector<float> &wf) {
+    std::vector<uint8_t> b(ql_type_data_size(type, out, in));
+    const ql_type_traits *tt = ql_type_traits_get(type);
+    if (type == QL_TYPE_F32) {
+        memcpy(b.data(), wf.data(), b.size());
+    } else if (tt->from_float || tt->aux_bytes) {
+        if (ql_quantize(type, wf.data(), out, in, b.data(), nullptr, 0) != QL_OK) exit(1);
+    } else {
+        std::mt19937 rng(7);
+        for (uint8_t &x : b) x = (uint8_t)rng();
+        const uint16_t d = ql_fp32_to_fp16(0.001f);
+        for (size_t off = 0; off < b.size(); off += tt->type_size)
+            memcpy(b.data() + off + (type == QL_TYPE_Q6_K ? offsetof(ql_block_q6_K, d) : 0), &d, 2);
+    }
+    return b;
+}
+
+// median ms of one matmul: forward (transposed = false) or dx = W^T dy (true)
+static double time_qmatmul(ql_backend *cpu, ql_type type, const std::vector<uint8_t> &wb, int64_t out, int64_t in,
+                           int64_t N, bool transposed, int reps) {
+    const int64_t K = transposed ? out : in;
+    ql_init_params ip = {wb.size() + (size_t)(in + out) * (size_t)N * 4 + (16u << 20), nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *w = ql_new_tensor_2d(ctx, type, in, out);
+    memcpy(w->data, wb.data(), wb.size());
+    ql_tensor *x = ql_new_tensor_2d(ctx, QL_TYPE_F32, K, N);
+    std::mt19937 rng(3);
+    std::uniform_real_distribution<float> U(-1, 1);
+    for (int64_t i = 0; i < K * N; i++) ((float *)x->data)[i] = U(rng);
+    ql_tensor *y = ql_mul_mat(ctx, transposed ? ql_transpose(ctx, w) : w, x);
+    ql_graph *g = ql_graph_new(ctx);
+    ql_graph_build_forward(g, y);
+    if (ql_graph_alloc(g, cpu) != QL_OK) {
+        fprintf(stderr, "bench: %s\n", ql_ctx_error(ctx));
+        exit(1);
+    }
+    const double t = median_time(reps, [&] { ql_backend_graph_compute(cpu, g); });
+    ql_graph_free(g);
+    ql_free(ctx);
+    return t * 1e3;
+}
+
+static void bench_qmatmul(ql_backend *cpu, int n_threads, int reps) {
+    printf("\n## frozen weight matmul: forward y = W x, input gradient dx = W^T dy; %d threads\n", n_threads);
+    printf("%-12s %7s %-6s %10s %10s %10s %10s\n", "W [out,in]", "tokens", "type", "fwd ms", "bwd ms", "fwd/f32", "bwd/f32");
+    const int64_t shapes[][2] = {{4096, 4096}, {11008, 4096}};
+    const ql_type types[] = {QL_TYPE_F32, QL_TYPE_NF4, QL_TYPE_Q4_K};
+    for (const auto &sh : shapes) {
+        const int64_t out = sh[0], in = sh[1];
+        std::vector<float> wf((size_t)(out * in));
+        std::mt19937 rng(1);
+        std::normal_distribution<float> N01(0.0f, 0.02f);
+        for (float &v : wf) v = N01(rng);
+        std::vector<std::vector<uint8_t>> wb;
+        for (ql_type t : types) wb.push_back(weight_bytes(t, out, in, wf));
+        for (int64_t N : {16, 256, 2048}) {
+            const int r = N >= 2048 ? std::max(3, reps / 4) : reps;
+            double f32_fwd = 0, f32_bwd = 0;
+            for (size_t ti = 0; ti < 3; ti++) {
+                const double tf = time_qmatmul(cpu, types[ti], wb[ti], out, in, N, false, r);
+                const double tb = time_qmatmul(cpu, types[ti], wb[ti], out, in, N, true, r);
+                if (ti == 0) f32_fwd = tf, f32_bwd = tb;
+                char shape[32];
+                snprintf(shape, sizeof(shape), "%lldx%lld", (long long)out, (long long)in);
+                printf("%-12s %7lld %-6s %10.2f %10.2f %9.2fx %9.2fx\n", shape, (long long)N, ql_type_name(types[ti]), tf, tb,
+                       tf / f32_fwd, tb / f32_bwd);
+            }
+        }
+    }
+}
+
 static bool g_profile = false;
 
 // total time per op kind over the profiled runs, largest first
@@ -213,10 +291,10 @@ int main(int argc, char **argv) {
             reps = std::max(1, atoi(argv[++i]));
         } else if (a == "--profile") {
             g_profile = true;
-        } else if (a == "all" || a == "matmul" || a == "block") {
+        } else if (a == "all" || a == "matmul" || a == "block" || a == "qmatmul") {
             what = a;
         } else {
-            fprintf(stderr, "bench: unknown argument '%s'\nusage: %s [all|matmul|block] [-t threads] [-r reps] [--profile]\n", argv[i],
+            fprintf(stderr, "bench: unknown argument '%s'\nusage: %s [all|matmul|block|qmatmul] [-t threads] [-r reps] [--profile]\n", argv[i],
                     argv[0]);
             return 2;
         }
@@ -225,6 +303,7 @@ int main(int argc, char **argv) {
     n_threads = ql_backend_cpu_n_threads(cpu);
     if (what == "all" || what == "matmul") bench_matmul(cpu, n_threads, reps);
     if (what == "all" || what == "block") bench_block(cpu, n_threads, std::max(3, reps / 2));
+    if (what == "all" || what == "qmatmul") bench_qmatmul(cpu, n_threads, std::max(3, reps / 2));
     if (what == "all" || what == "matmul") bench_openblas(n_threads, reps);
     ql_backend_free(cpu);
     return 0;

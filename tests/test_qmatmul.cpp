@@ -1,0 +1,159 @@
+// A frozen quantized weight in a matmul: forward y = W x and the input gradient dx = W^T dy,
+// dequantised tile by tile inside the kernel, must equal dequantise-then-f32-matmul.
+#include "../qlora.h"
+
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+// weight bytes of `type` for rows x cols: quantised from Gaussians where the type can be
+// produced, random valid blocks otherwise (k-quants: random codes and scales, small d/dmin)
+std::vector<uint8_t> make_weight(ql_type type, int64_t rows, int64_t cols, std::mt19937 &rng) {
+    std::vector<uint8_t> bytes(ql_type_data_size(type, rows, cols));
+    const ql_type_traits *tt = ql_type_traits_get(type);
+    if (tt->from_float || tt->aux_bytes) {
+        std::normal_distribution<float> N(0.0f, 0.05f);
+        std::vector<float> w((size_t)(rows * cols));
+        for (float &v : w) v = N(rng);
+        REQUIRE(ql_quantize(type, w.data(), rows, cols, bytes.data(), nullptr, 0) == QL_OK);
+        return bytes;
+    }
+    for (uint8_t &b : bytes) b = (uint8_t)(rng() & 0xff);
+    const uint16_t d = ql_fp32_to_fp16(0.004f), dmin = ql_fp32_to_fp16(0.002f);
+    for (size_t off = 0; off < bytes.size(); off += tt->type_size) {
+        uint8_t *blk = bytes.data() + off;
+        if (type == QL_TYPE_Q6_K) {
+            memcpy(blk + offsetof(ql_block_q6_K, d), &d, 2);
+        } else {  // q4_K, q5_K: d and dmin lead the block
+            memcpy(blk, &d, 2);
+            memcpy(blk + 2, &dmin, 2);
+        }
+    }
+    return bytes;
+}
+
+struct run_out {
+    std::vector<float> y, dx;
+};
+
+// y = mul_mat(W, x) and dL/dx for L = sum(y * r), W [cols=K, rows=M] of `type`
+run_out run(ql_type type, const std::vector<uint8_t> &wbytes, int64_t M, int64_t K, const std::vector<float> &x,
+            const std::vector<float> &r, int64_t N, int threads) {
+    ql_init_params ip = {wbytes.size() + (size_t)(K * N + 2 * M * N) * 4 + (4u << 20), nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *w = ql_new_tensor_2d(ctx, type, K, M);
+    REQUIRE(w);
+    REQUIRE(ql_nbytes(w) + w->aux_size == wbytes.size());
+    memcpy(w->data, wbytes.data(), wbytes.size());
+    ql_tensor *xt = ql_set_param(ql_new_tensor_2d(ctx, QL_TYPE_F32, K, N));
+    ql_tensor *rt = ql_new_tensor_2d(ctx, QL_TYPE_F32, M, N);
+    memcpy(xt->data, x.data(), x.size() * 4);
+    memcpy(rt->data, r.data(), r.size() * 4);
+    ql_tensor *y = ql_set_output(ql_mul_mat(ctx, w, xt));
+    ql_tensor *loss = ql_sum(ctx, ql_mul(ctx, y, rt));
+    ql_graph *gf = ql_graph_new(ctx);
+    ql_graph_build_forward(gf, loss);
+    ql_graph *gb = ql_graph_backward(ctx, gf, loss);
+    REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
+    ql_backend *be = ql_backend_cpu_init(threads);
+    REQUIRE_MESSAGE(ql_graph_alloc(gb, be) == QL_OK, ql_ctx_error(ctx));
+    ql_graph_set_poison(gb, true);
+    ql_graph_zero_grads(gb);
+    REQUIRE_MESSAGE(ql_backend_graph_compute(be, gb) == QL_OK, ql_ctx_error(ctx));
+    run_out o;
+    o.y.assign((const float *)y->data, (const float *)y->data + M * N);
+    o.dx.assign((const float *)xt->grad->data, (const float *)xt->grad->data + K * N);
+    ql_graph_free(gb);
+    ql_graph_free(gf);
+    ql_backend_free(be);
+    ql_free(ctx);
+    return o;
+}
+
+double rel_err(const std::vector<float> &a, const std::vector<float> &b) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); i++) {
+        num = std::max(num, (double)std::fabs(a[i] - b[i]));
+        den = std::max(den, (double)std::fabs(b[i]));
+    }
+    return num / std::max(den, 1e-30);
+}
+
+}  // namespace
+
+TEST_CASE("quantized matmul == dequantise-then-f32, forward and input gradient, every type") {
+    const ql_type types[] = {QL_TYPE_F16, QL_TYPE_BF16, QL_TYPE_Q4_0, QL_TYPE_Q8_0, QL_TYPE_Q4_K,
+                             QL_TYPE_Q5_K, QL_TYPE_Q6_K, QL_TYPE_NF4, QL_TYPE_NF4_NODQ};
+    const int64_t M = 200, K = 512;  // M: not a multiple of the 32-wide panels
+    std::mt19937 rng(11);
+    for (ql_type type : types) {
+        const std::vector<uint8_t> wq = make_weight(type, M, K, rng);
+        std::vector<float> wf((size_t)(M * K));
+        REQUIRE(ql_dequantize(type, wq.data(), M, K, wf.data()) == QL_OK);
+        std::vector<uint8_t> wfb(wf.size() * 4);
+        memcpy(wfb.data(), wf.data(), wfb.size());
+        for (int64_t N : {5, 100}) {  // the dot path (few tokens) and the packed path
+            std::uniform_real_distribution<float> U(-1, 1);
+            std::vector<float> x((size_t)(K * N)), r((size_t)(M * N));
+            for (float &v : x) v = U(rng);
+            for (float &v : r) v = U(rng);
+            for (int threads : {1, 3}) {
+                const run_out q = run(type, wq, M, K, x, r, N, threads);
+                const run_out f = run(QL_TYPE_F32, wfb, M, K, x, r, N, threads);
+                const double ey = rel_err(q.y, f.y), edx = rel_err(q.dx, f.dx);
+                CAPTURE(std::string(ql_type_name(type)));
+                CAPTURE(N);
+                CAPTURE(threads);
+                CHECK(ey <= 1e-5);
+                CHECK(edx <= 1e-5);
+            }
+        }
+    }
+}
+
+TEST_CASE("finite differences through an NF4 matmul (double reference)") {
+    const int64_t M = 70, K = 256, N = 9;
+    std::mt19937 rng(3);
+    const std::vector<uint8_t> wq = make_weight(QL_TYPE_NF4, M, K, rng);
+    std::vector<float> wf((size_t)(M * K));
+    REQUIRE(ql_dequantize(QL_TYPE_NF4, wq.data(), M, K, wf.data()) == QL_OK);
+    std::uniform_real_distribution<float> U(-1, 1);
+    std::vector<float> x((size_t)(K * N)), r((size_t)(M * N));
+    for (float &v : x) v = U(rng);
+    for (float &v : r) v = U(rng);
+    const run_out q = run(QL_TYPE_NF4, wq, M, K, x, r, N, 2);
+    // L(x) = sum_{m,n} r[m,n] sum_k W[m,k] x[k,n], differentiated numerically in double
+    auto L = [&](const std::vector<double> &xd) {
+        double s = 0;
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t m = 0; m < M; m++) {
+                double y = 0;
+                for (int64_t k = 0; k < K; k++) y += (double)wf[(size_t)(m * K + k)] * xd[(size_t)(n * K + k)];
+                s += y * r[(size_t)(n * M + m)];
+            }
+        return s;
+    };
+    std::vector<double> xd(x.begin(), x.end());
+    double worst = 0, scale = 0;
+    for (int t = 0; t < 40; t++) {
+        const size_t i = (size_t)(rng() % (uint32_t)(K * N));
+        const double h = 1e-3, keep = xd[i];
+        xd[i] = keep + h;
+        const double lp = L(xd);
+        xd[i] = keep - h;
+        const double lm = L(xd);
+        xd[i] = keep;
+        const double fd = (lp - lm) / (2 * h);
+        worst = std::max(worst, std::fabs(fd - q.dx[i]));
+        scale = std::max(scale, std::fabs(fd));
+    }
+    CHECK(worst / scale < 1e-5);
+}

@@ -1,0 +1,155 @@
+// tools/quantize - requantise the linear weights of a GGUF model.
+//
+//   ./quantize in.gguf out.gguf nf4 [--no-double-quant] [--include-output] [--include-embd]
+//
+// The 2-D weights of the transformer blocks (blk.N.*.weight) are converted to the target type;
+// norms and other 1-D tensors stay as they are; the output and the token embedding only when
+// asked. Inputs may be f32/f16/bf16 or any quantised type qlora reads (dequantised first).
+// Targets: nf4 (double-quantised, QLoRA's default; --no-double-quant for fp32 absmax) and the
+// types qlora can produce block by block (q8_0, q4_0, f16, bf16, f32). NF4 files declare
+// themselves (qlora.* keys) and carry type ids llama.cpp does not know, so llama.cpp refuses
+// them with an unknown-type error instead of misreading them.
+#include "../qlora.h"
+
+#include <sys/stat.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+static int usage(const char *argv0) {
+    fprintf(stderr,
+            "usage: %s in.gguf out.gguf TYPE [--no-double-quant] [--include-output] [--include-embd]\n"
+            "  TYPE: nf4 | q8_0 | q4_0 | f16 | bf16 | f32\n",
+            argv0);
+    return 2;
+}
+
+static long long file_size(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 ? (long long)st.st_size : -1;
+}
+
+// which tensors get the target type
+static bool wants_quant(const std::string &name, int n_dims, bool with_output, bool with_embd) {
+    if (n_dims != 2) return false;  // norms, biases, rope factors stay as they are
+    if (name == "output.weight") return with_output;
+    if (name == "token_embd.weight") return with_embd;
+    return name.rfind("blk.", 0) == 0 && name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0;
+}
+
+int main(int argc, char **argv) {
+    std::vector<const char *> pos;
+    bool dq = true, with_output = false, with_embd = false;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--no-double-quant")) dq = false;
+        else if (!strcmp(argv[i], "--include-output")) with_output = true;
+        else if (!strcmp(argv[i], "--include-embd")) with_embd = true;
+        else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
+            usage(argv[0]);
+            return 0;
+        }
+        else if (argv[i][0] == '-' && argv[i][1]) {
+            fprintf(stderr, "quantize: unknown flag '%s'\n", argv[i]);
+            return usage(argv[0]);
+        } else pos.push_back(argv[i]);
+    }
+    if (pos.size() != 3) return usage(argv[0]);
+    const char *in_path = pos[0], *out_path = pos[1], *type_name = pos[2];
+    ql_type target = QL_TYPE_COUNT;
+    if (!strcmp(type_name, "nf4")) target = dq ? QL_TYPE_NF4 : QL_TYPE_NF4_NODQ;
+    else
+        for (int t = 0; t < QL_TYPE_COUNT; t++) {
+            const ql_type_traits *tt = ql_type_traits_get((ql_type)t);
+            if (tt && tt->from_float && tt->is_float && !strcmp(tt->name, type_name)) target = (ql_type)t;
+        }
+    if (target == QL_TYPE_COUNT) {
+        fprintf(stderr, "quantize: unknown target type '%s' (nf4, q8_0, q4_0, f16, bf16, f32)\n", type_name);
+        return 2;
+    }
+    if (!dq && target != QL_TYPE_NF4_NODQ) {
+        fprintf(stderr, "quantize: --no-double-quant applies to nf4 only\n");
+        return 2;
+    }
+    if (!strcmp(in_path, out_path)) {
+        fprintf(stderr, "quantize: %s: the output would overwrite the input\n", out_path);
+        return 2;
+    }
+
+    char err[512];
+    ql_gguf *in = ql_gguf_open(in_path, err, sizeof(err));
+    if (!in) {
+        fprintf(stderr, "quantize: %s\n", err);
+        return 1;
+    }
+    ql_gguf_writer *w = ql_gguf_writer_new();
+    for (int64_t i = 0; i < ql_gguf_n_kv(in); i++) ql_gguf_copy_kv(w, in, i);
+    ql_gguf_remove_kv(w, "general.file_type");  // llama.cpp's enum has no value for these mixes
+    ql_gguf_set_u32(w, "general.quantization_version", 2);
+    ql_gguf_set_str(w, "qlora.quantize.type", ql_type_name(target));
+    if (target == QL_TYPE_NF4 || target == QL_TYPE_NF4_NODQ)
+        ql_gguf_set_str(w, "qlora.note",
+                        "NF4 tensors (type ids 100/101) are qlora's own: llama.cpp cannot load this file; "
+                        "use the unquantised GGUF there, with the adapter");
+
+    std::vector<std::vector<uint8_t>> keep;  // converted tensor bytes, alive until the write
+    std::vector<float> rows;
+    double q_params = 0, q_bytes = 0, all_params = 0, all_bytes = 0;
+    int n_quant = 0;
+    for (int64_t i = 0; i < ql_gguf_n_tensors(in); i++) {
+        const char *name = ql_gguf_tensor_name(in, i);
+        const ql_type type = ql_gguf_tensor_type(in, i);
+        int64_t ne[4];
+        const int nd = ql_gguf_tensor_ne(in, i, ne);
+        const int64_t n_rows = ne[1] * ne[2] * ne[3], n = n_rows * ne[0];
+        const void *data = ql_gguf_tensor_data(in, i);
+        size_t size = ql_gguf_tensor_size(in, i);
+        ql_type out_type = type;
+        const ql_type_traits *tt = ql_type_traits_get(target);
+        if (wants_quant(name, nd, with_output, with_embd) && type != target) {
+            if (ne[0] % tt->blck_size != 0) {
+                printf("  %-32s [%lld, %lld] %s: rows of %lld are not whole %s blocks, kept\n", name, (long long)ne[0],
+                       (long long)ne[1], ql_type_name(type), (long long)ne[0], tt->name);
+            } else {
+                rows.resize((size_t)n);
+                if (ql_dequantize(type, data, n_rows, ne[0], rows.data()) != QL_OK) {
+                    fprintf(stderr, "quantize: %s: tensor %s: cannot read type %s\n", in_path, name, ql_type_name(type));
+                    return 1;
+                }
+                keep.emplace_back(ql_type_data_size(target, n_rows, ne[0]));
+                if (ql_quantize(target, rows.data(), n_rows, ne[0], keep.back().data(), err, sizeof(err)) != QL_OK) {
+                    fprintf(stderr, "quantize: %s: tensor %s: %s\n", in_path, name, err);
+                    return 1;
+                }
+                printf("  %-32s [%lld, %lld] %s -> %s\n", name, (long long)ne[0], (long long)ne[1], ql_type_name(type),
+                       ql_type_name(target));
+                data = keep.back().data();
+                size = keep.back().size();
+                out_type = target;
+                q_params += (double)n;
+                q_bytes += (double)size;
+                n_quant++;
+            }
+        }
+        all_params += (double)n;
+        all_bytes += (double)size;
+        if (ql_gguf_add_tensor(w, name, out_type, nd, ne, data, size) != QL_OK) {
+            fprintf(stderr, "quantize: %s: tensor %s could not be added\n", in_path, name);
+            return 1;
+        }
+    }
+    if (ql_gguf_write(w, out_path, err, sizeof(err)) != QL_OK) {
+        fprintf(stderr, "quantize: %s\n", err);
+        return 1;
+    }
+    ql_gguf_writer_free(w);
+    ql_gguf_close(in);
+    const long long in_size = file_size(in_path), out_size = file_size(out_path);
+    printf("quantize: %d tensors to %s: %.3f bits per parameter (%.0f parameters)\n", n_quant, ql_type_name(target),
+           q_params > 0 ? 8.0 * q_bytes / q_params : 0.0, q_params);
+    printf("quantize: whole model %.3f bits per parameter; file %s: %.2f MiB -> %s: %.2f MiB\n",
+           8.0 * all_bytes / all_params, in_path, (double)in_size / 1048576.0, out_path, (double)out_size / 1048576.0);
+    return 0;
+}
