@@ -1,6 +1,6 @@
 # qlora - build the library, the tools and the tests. CUDA is opt-in (CUDA=1) and off by default.
 #
-#   make            library, tools (tools/bench, ./train-tiny, ./quantize), test binary
+#   make            library, tools (tools/bench; ./X for every other tools/X.cpp), test binary
 #   make test       the test suite + the drop-in build check (a few minutes on 2 cores)
 #   make test-sanitize   the suite under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make test-portable   the suite built without -march=native (portable SIMD fallback)
@@ -18,12 +18,14 @@ SANFLAGS := -O1 -g $(ARCH) -std=c++17 -pthread -fsanitize=address,undefined -fno
 LDLIBS   := -pthread -ldl
 
 BUILD    := build
-LIB_SRC  := qlora.cpp models/llama.cpp
+LIB_SRC  := qlora.cpp $(wildcard models/*.cpp)
 LIB_OBJ  := $(LIB_SRC:%.cpp=$(BUILD)/%.o)
 TEST_SRC := $(wildcard tests/test_*.cpp)
 TEST_OBJ := $(TEST_SRC:%.cpp=$(BUILD)/%.o)
-TOOLS    := tools/bench train-tiny quantize
-HEADERS  := qlora.h models/llama.h
+# every tools/X.cpp is a binary ./X at the repository root, except the benchmark (tools/bench)
+ROOT_TOOLS := $(filter-out bench,$(basename $(notdir $(wildcard tools/*.cpp))))
+TOOLS    := tools/bench $(ROOT_TOOLS)
+HEADERS  := qlora.h $(wildcard models/*.h)
 
 .PHONY: all test test-unit test-dropin test-sanitize test-portable bench demo clean cuda fuzz
 all: $(TOOLS) $(BUILD)/test-qlora
@@ -38,10 +40,7 @@ $(BUILD)/libqlora.a: $(LIB_OBJ)
 tools/bench: $(BUILD)/tools/bench.o $(BUILD)/libqlora.a
 	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
 
-train-tiny: $(BUILD)/tools/train-tiny.o $(BUILD)/libqlora.a
-	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
-
-quantize: $(BUILD)/tools/quantize.o $(BUILD)/libqlora.a
+$(ROOT_TOOLS): %: $(BUILD)/tools/%.o $(BUILD)/libqlora.a
 	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
 
 $(BUILD)/test-qlora: $(TEST_OBJ) $(BUILD)/libqlora.a
@@ -49,7 +48,7 @@ $(BUILD)/test-qlora: $(TEST_OBJ) $(BUILD)/libqlora.a
 
 test: test-unit test-dropin
 
-test-unit: $(BUILD)/test-qlora quantize
+test-unit: $(BUILD)/test-qlora $(ROOT_TOOLS)
 	./$(BUILD)/test-qlora
 
 # The drop-in promise: qlora.h + qlora.cpp and one plain compiler command, nothing else.
@@ -73,7 +72,7 @@ $(SAN)/%.o: %.cpp $(HEADERS)
 $(SAN)/test-qlora: $(TEST_SRC:%.cpp=$(SAN)/%.o) $(LIB_SRC:%.cpp=$(SAN)/%.o)
 	$(CXX) $(SANFLAGS) $^ -o $@ $(LDLIBS)
 
-test-sanitize: $(SAN)/test-qlora quantize
+test-sanitize: $(SAN)/test-qlora $(ROOT_TOOLS)
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 ./$(SAN)/test-qlora
 
 bench: tools/bench
