@@ -25,7 +25,7 @@ TEST_OBJ := $(TEST_SRC:%.cpp=$(BUILD)/%.o)
 # every tools/X.cpp is a binary ./X at the repository root, except the benchmark (tools/bench)
 ROOT_TOOLS := $(filter-out bench,$(basename $(notdir $(wildcard tools/*.cpp))))
 TOOLS    := tools/bench $(ROOT_TOOLS)
-HEADERS  := qlora.h $(wildcard models/*.h)
+HEADERS  := qlora.h $(wildcard models/*.h models/*.inc)
 
 .PHONY: all test test-unit test-dropin test-sanitize test-portable bench demo clean cuda fuzz
 all: $(TOOLS) $(BUILD)/test-qlora

@@ -1047,6 +1047,7 @@ static const char *k_op_names[] = {
     "mul_mat",     "get_rows",      "get_rows_back", "rms_norm",   "rms_norm_back",   "rope",
     "rope_back",   "silu",          "silu_back",  "swiglu",        "swiglu_back",     "flash_attn",
     "flash_attn_back", "cross_entropy", "cross_entropy_back", "dropout", "view_back",  "acc_grad",
+    "cache_store",
 };
 static_assert(sizeof(k_op_names) / sizeof(k_op_names[0]) == QL_OP_COUNT, "op names out of sync with ql_op");
 
@@ -1057,7 +1058,7 @@ static bool is_noop(ql_op op) {
     return op == QL_OP_VIEW || op == QL_OP_RESHAPE || op == QL_OP_PERMUTE || op == QL_OP_TRANSPOSE;
 }
 // ops whose result aliases another tensor's memory: the planner places nothing for them
-static bool aliases_src(ql_op op) { return is_noop(op) || op == QL_OP_ACC_GRAD; }
+static bool aliases_src(ql_op op) { return is_noop(op) || op == QL_OP_ACC_GRAD || op == QL_OP_CACHE_STORE; }
 
 template <typename T> static void set_param(ql_tensor *t, int slot, T v) {
     static_assert(sizeof(T) % 4 == 0, "params are int32 slots");
@@ -1405,6 +1406,33 @@ ql_tensor *ql_flash_attn(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tensor 
     return t;
 }
 
+ql_tensor *ql_flash_attn_kv(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tensor *v, ql_tensor *n_kv, float scale) {
+    if (!srcs_ok(ctx, "flash_attn", {q, k, v, n_kv})) return nullptr;
+    QL_CHECK(ctx, n_kv->type == QL_TYPE_I32 && ql_nelements(n_kv) == 1, QL_ERR_TYPE,
+             "flash_attn: n_kv %s must be a single i32", shape_str(n_kv).c_str());
+    ql_tensor *t = ql_flash_attn(ctx, q, k, v, nullptr, scale);
+    if (t) t->src[4] = n_kv;
+    return t;
+}
+
+ql_tensor *ql_cache_store(ql_context *ctx, ql_tensor *cache, ql_tensor *src, ql_tensor *pos) {
+    if (!srcs_ok(ctx, "cache_store", {cache, src, pos})) return nullptr;
+    QL_CHECK(ctx, cache->type == QL_TYPE_F32 && src->type == QL_TYPE_F32 && ql_is_contiguous(cache) &&
+                      ql_rows_contiguous(src),
+             QL_ERR_TYPE, "cache_store: cache %s (contiguous f32) and src %s (f32, dense rows)", shape_str(cache).c_str(),
+             shape_str(src).c_str());
+    QL_CHECK(ctx, src->ne[0] == cache->ne[0] && src->ne[2] == cache->ne[2] && src->ne[3] == cache->ne[3] &&
+                      src->ne[1] <= cache->ne[1],
+             QL_ERR_SHAPE, "cache_store: src %s does not fit cache %s", shape_str(src).c_str(), shape_str(cache).c_str());
+    QL_CHECK(ctx, pos->type == QL_TYPE_I32 && ql_nelements(pos) == 1, QL_ERR_TYPE,
+             "cache_store: pos %s must be a single i32", shape_str(pos).c_str());
+    ql_tensor *t = make_view(ctx, QL_OP_CACHE_STORE, cache, cache->ne, cache->nb, 0);
+    if (!t) return nullptr;
+    t->src[1] = src;
+    t->src[2] = pos;
+    return t;
+}
+
 ql_tensor *ql_cross_entropy(ql_context *ctx, ql_tensor *logits, ql_tensor *targets, ql_tensor *count) {
     if (!srcs_ok(ctx, "cross_entropy", {logits, targets, count})) return nullptr;
     QL_CHECK(ctx, logits->type == QL_TYPE_F32 && ql_rows_contiguous(logits), QL_ERR_TYPE,
@@ -1710,6 +1738,10 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
         break;
     }
     case QL_OP_FLASH_ATTN: {  // FlashAttention-2 backward: recomputes P from q, k and the saved logsumexp
+        if (node->src[4]) {
+            QL_ERR(ctx, QL_ERR_UNSUPPORTED, "backward: attention over a KV cache (ql_flash_attn_kv) is inference only");
+            break;
+        }
         ql_tensor *q = a, *k = b, *v = node->src[2];
         const int64_t nq = ql_nelements(q), nk = ql_nelements(k), nv = ql_nelements(v);
         ql_tensor *flat = flat_op(ctx, QL_OP_FLASH_ATTN_BACK, nq + nk + nv, {q, k, v, node->src[3], node, gb.dense(dy)});
@@ -1741,6 +1773,9 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
     case QL_OP_COUNT:
         QL_ERR(ctx, QL_ERR_UNSUPPORTED, "backward: op %s is itself a gradient; second-order gradients are not supported",
                ql_op_name(node->op));
+        break;
+    case QL_OP_CACHE_STORE:
+        QL_ERR(ctx, QL_ERR_UNSUPPORTED, "backward: cache_store is inference only");
         break;
     }
 }
@@ -2609,6 +2644,24 @@ static bool view_is_injective(const int64_t ne[4], int64_t s1, int64_t s2, int64
     return true;
 }
 
+static void k_cache_store(const cpu_params &p, ql_tensor *dst) {  // dst aliases the cache
+    const ql_tensor *src = dst->src[1];
+    const int32_t at = *(const int32_t *)dst->src[2]->data;
+    if (at < 0 || at + src->ne[1] > dst->ne[1]) {
+        if (p.ith == 0)
+            cpu_fail(p, "cache_store: rows [%d, %lld) outside the cache's %lld --> hint: a longer context (-c)", at,
+                     (long long)(at + src->ne[1]), (long long)dst->ne[1]);
+        return;
+    }
+    const size_t row = ql_row_size(src->type, src->ne[0]);
+    int64_t b, e;
+    split_range(ql_nrows(src), p.ith, p.nth, b, e);
+    for (int64_t r = b; r < e; r++) {
+        const int64_t i1 = r % src->ne[1], i2 = (r / src->ne[1]) % src->ne[2], i3 = r / (src->ne[1] * src->ne[2]);
+        memcpy((uint8_t *)dst->data + (at + i1) * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3], row_ptr(src, r), row);
+    }
+}
+
 static void k_view_back(const cpu_params &p, ql_tensor *dst) {
     const ql_tensor *dy = dst->src[0];
     const int64_t off = get_param<int64_t>(dst, 0), s1 = get_param<int64_t>(dst, 2), s2 = get_param<int64_t>(dst, 4),
@@ -2957,9 +3010,20 @@ struct fa_group {
 };
 
 static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
-    const ql_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *seg = dst->src[3];
+    const ql_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *seg = dst->src[3], *nkv = dst->src[4];
     const float scale = get_param<float>(dst, 0);
-    const int64_t D = q->ne[0], Tq = q->ne[1], H = q->ne[2], B = q->ne[3], Tk = k->ne[1], DV = v->ne[0];
+    const int64_t D = q->ne[0], Tq = q->ne[1], H = q->ne[2], B = q->ne[3], DV = v->ne[0];
+    int64_t Tk = k->ne[1];
+    if (nkv) {  // a KV cache: only its first n_kv keys are written
+        const int64_t n = *(const int32_t *)nkv->data;
+        if (n < Tq || n > Tk) {
+            if (p.ith == 0)
+                cpu_fail(p, "flash_attn: n_kv %lld outside [%lld, %lld] (queries, cache length)", (long long)n, (long long)Tq,
+                         (long long)Tk);
+            return;
+        }
+        Tk = n;
+    }
     const int64_t off = Tk - Tq, rep = H / k->ne[2], nqb = (Tq + FA_BQ - 1) / FA_BQ;
     const int32_t *sg = seg ? (const int32_t *)seg->data : nullptr;
     float *lse = (float *)ql_aux_data(dst);
@@ -3616,6 +3680,7 @@ static void cpu_compute_node(const cpu_params &p, ql_tensor *node) {
     case QL_OP_DROPOUT:            k_dropout(p, node); break;
     case QL_OP_VIEW_BACK:          k_view_back(p, node); break;
     case QL_OP_ACC_GRAD:           k_acc_grad(p, node); break;
+    case QL_OP_CACHE_STORE:        k_cache_store(p, node); break;
     case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE:
         break;
     case QL_OP_COUNT:

@@ -287,6 +287,7 @@ typedef enum ql_op {
     QL_OP_DROPOUT,
     QL_OP_VIEW_BACK,         // zeros of the viewed tensor's shape with the gradient placed in the view
     QL_OP_ACC_GRAD,          // param->grad += contribution (in place; the result aliases the grad)
+    QL_OP_CACHE_STORE,       // rows written into a persistent cache at a run-time position
     QL_OP_COUNT
 } ql_op;
 
@@ -409,6 +410,16 @@ ql_tensor *ql_swiglu(ql_context *ctx, ql_tensor *a, ql_tensor *b);  // silu(a) *
 // seg[i] == seg[j]: packed documents never see each other.
 ql_tensor *ql_flash_attn(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tensor *v,
                          ql_tensor *seg, float scale);
+// The same over a KV cache: k, v are views of the whole cache [d, n_ctx, Hkv, B], of which
+// only the first n_kv[0] keys (I32 [1], read at run time) are used; the Tq queries sit at
+// positions n_kv - Tq .. n_kv - 1. So one graph serves every decoding step. No backward.
+ql_tensor *ql_flash_attn_kv(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tensor *v, ql_tensor *n_kv, float scale);
+
+// Writes src's rows into `cache` starting at row pos[0] of dimension 1 (I32 [1], read at run
+// time): cache [ne0, n_ctx, ne2, ne3] (a leaf that persists across runs), src [ne0, n, ne2,
+// ne3] with dense rows. The result aliases the whole cache: read the cache through it (views
+// of the result), so readers run after the write. No backward.
+ql_tensor *ql_cache_store(ql_context *ctx, ql_tensor *cache, ql_tensor *src, ql_tensor *pos);
 
 // logits [V, N, ...] f32, targets I32 [N, ...] (target < 0: ignored), count f32 [1]
 // -> [1] = sum over kept rows of -log softmax(logits)[target] / count[0].

@@ -2,6 +2,9 @@
 #include "llama.h"
 
 #include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
 #include <random>
 
 static bool hparams_ok(ql_context *ctx, const ql_llama_hparams &hp) {
@@ -83,36 +86,353 @@ void ql_llama_set_params(ql_llama *m) {
     for_each_weight(m, [](ql_tensor *t, void *) { ql_set_param(t); }, nullptr);
 }
 
-ql_tensor *ql_llama_linear(ql_context *ctx, ql_tensor *w, ql_tensor *x) { return ql_mul_mat(ctx, w, x); }
+ql_tensor *ql_llama_linear(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x) {
+    ql_tensor *y = ql_mul_mat(ctx, w, x);
+    auto it = m->lora.find(w);
+    if (it == m->lora.end()) return y;
+    const ql_lora_pair &p = it->second;  // [in, r] then [r, out]
+    return ql_add(ctx, y, ql_scale(ctx, ql_mul_mat(ctx, p.b, ql_mul_mat(ctx, p.a, x)), p.scale));
+}
 
-ql_tensor *ql_llama_block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x, ql_tensor *pos, ql_tensor *seg) {
+// y = W x (+ b): the linear layers of attention may carry biases (Qwen2)
+static ql_tensor *linear_b(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *b, ql_tensor *x) {
+    ql_tensor *y = ql_llama_linear(ctx, m, w, x);
+    return b ? ql_add(ctx, y, b) : y;
+}
+
+// One block; with a cache, the new keys and values go into it and attention reads it.
+static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x, ql_tensor *pos, ql_tensor *seg,
+                        const ql_llama_cache *cache) {
     if (!x) return nullptr;
     const ql_llama_hparams &hp = m->hp;
     const ql_llama_layer &L = m->layers[(size_t)il];
     const int64_t d = hp.head_dim(), T = x->ne[1], B = x->ne[2];
+    const int n_rot = hp.n_rot > 0 ? hp.n_rot : (int)d;
 
     // attention: pre-norm, q/k/v, rope, fused causal attention, output projection, residual
     ql_tensor *h = ql_mul(ctx, ql_rms_norm(ctx, x, hp.norm_eps), L.attn_norm);
-    ql_tensor *q = ql_reshape_4d(ctx, ql_llama_linear(ctx, L.wq, h), d, hp.n_head, T, B);     // [d, H, T, B]
-    ql_tensor *k = ql_reshape_4d(ctx, ql_llama_linear(ctx, L.wk, h), d, hp.n_head_kv, T, B);  // [d, Hkv, T, B]
-    ql_tensor *v = ql_reshape_4d(ctx, ql_llama_linear(ctx, L.wv, h), d, hp.n_head_kv, T, B);
-    q = ql_rope(ctx, q, pos, m->rope_freqs, (int)d, hp.rope_mode, hp.rope_base);
-    k = ql_rope(ctx, k, pos, m->rope_freqs, (int)d, hp.rope_mode, hp.rope_base);
-    ql_tensor *a = ql_flash_attn(ctx, ql_permute(ctx, q, 0, 2, 1, 3),  // [d, T, H, B] views, no copies
-                                 ql_permute(ctx, k, 0, 2, 1, 3), ql_permute(ctx, v, 0, 2, 1, 3), seg,
-                                 1.0f / std::sqrt((float)d));                               // [d, H, T, B]
+    ql_tensor *q = ql_reshape_4d(ctx, linear_b(ctx, m, L.wq, L.bq, h), d, hp.n_head, T, B);     // [d, H, T, B]
+    ql_tensor *k = ql_reshape_4d(ctx, linear_b(ctx, m, L.wk, L.bk, h), d, hp.n_head_kv, T, B);  // [d, Hkv, T, B]
+    ql_tensor *v = ql_reshape_4d(ctx, linear_b(ctx, m, L.wv, L.bv, h), d, hp.n_head_kv, T, B);
+    q = ql_rope(ctx, q, pos, m->rope_freqs, n_rot, hp.rope_mode, hp.rope_base);
+    k = ql_rope(ctx, k, pos, m->rope_freqs, n_rot, hp.rope_mode, hp.rope_base);
+    const float scale = 1.0f / std::sqrt((float)d);
+    ql_tensor *a;  // [d, H, T, B]
+    if (cache) {
+        ql_tensor *kc = ql_cache_store(ctx, cache->k[(size_t)il], ql_permute(ctx, k, 0, 2, 1, 3), cache->write_pos);
+        ql_tensor *vc = ql_cache_store(ctx, cache->v[(size_t)il], ql_permute(ctx, v, 0, 2, 1, 3), cache->write_pos);
+        a = ql_flash_attn_kv(ctx, ql_permute(ctx, q, 0, 2, 1, 3), kc, vc, cache->n_kv, scale);
+    } else {
+        a = ql_flash_attn(ctx, ql_permute(ctx, q, 0, 2, 1, 3),  // [d, T, H, B] views, no copies
+                          ql_permute(ctx, k, 0, 2, 1, 3), ql_permute(ctx, v, 0, 2, 1, 3), seg, scale);
+    }
     a = ql_reshape_3d(ctx, a, d * hp.n_head, T, B);
-    x = ql_add(ctx, x, ql_llama_linear(ctx, L.wo, a));
+    x = ql_add(ctx, x, ql_llama_linear(ctx, m, L.wo, a));
 
     // feed-forward: pre-norm, SwiGLU, residual
     h = ql_mul(ctx, ql_rms_norm(ctx, x, hp.norm_eps), L.ffn_norm);
-    ql_tensor *g = ql_swiglu(ctx, ql_llama_linear(ctx, L.w_gate, h), ql_llama_linear(ctx, L.w_up, h));  // [n_ff, T, B]
-    return ql_add(ctx, x, ql_llama_linear(ctx, L.w_down, g));
+    ql_tensor *g = ql_swiglu(ctx, ql_llama_linear(ctx, m, L.w_gate, h), ql_llama_linear(ctx, m, L.w_up, h));  // [n_ff, T, B]
+    return ql_add(ctx, x, ql_llama_linear(ctx, m, L.w_down, g));
+}
+
+ql_tensor *ql_llama_block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x, ql_tensor *pos, ql_tensor *seg) {
+    return block(ctx, m, il, x, pos, seg, nullptr);
+}
+
+static ql_tensor *head(ql_context *ctx, const ql_llama *m, ql_tensor *x) {  // final norm, output projection
+    x = ql_mul(ctx, ql_rms_norm(ctx, x, m->hp.norm_eps), m->out_norm);
+    return ql_llama_linear(ctx, m, m->output, x);
 }
 
 ql_tensor *ql_llama_forward(ql_context *ctx, const ql_llama *m, ql_tensor *tokens, ql_tensor *pos, ql_tensor *seg) {
     ql_tensor *x = ql_get_rows(ctx, m->tok_embd, tokens);  // [n_embd, T, B]
-    for (int il = 0; il < m->hp.n_layer; il++) x = ql_llama_block(ctx, m, il, x, pos, seg);
-    x = ql_mul(ctx, ql_rms_norm(ctx, x, m->hp.norm_eps), m->out_norm);
-    return ql_llama_linear(ctx, m->output, x);  // [n_vocab, T, B]
+    for (int il = 0; il < m->hp.n_layer; il++) x = block(ctx, m, il, x, pos, seg, nullptr);
+    return head(ctx, m, x);  // [n_vocab, T, B]
+}
+
+// ---- generation with a KV cache ----
+
+ql_status ql_llama_cache_create(ql_context *ctx, const ql_llama *m, int n_ctx, ql_llama_cache *cache) {
+    if (n_ctx <= 0) {
+        ql_ctx_set_error(ctx, QL_ERR_INVALID, "llama: cache length %d must be positive", n_ctx);
+        return QL_ERR_INVALID;
+    }
+    const ql_llama_hparams &hp = m->hp;
+    cache->n_ctx = n_ctx;
+    cache->k.clear();
+    cache->v.clear();
+    for (int il = 0; il < hp.n_layer; il++) {
+        cache->k.push_back(ql_format_name(ql_new_tensor_3d(ctx, QL_TYPE_F32, hp.head_dim(), n_ctx, hp.n_head_kv), "cache_k.%d", il));
+        cache->v.push_back(ql_format_name(ql_new_tensor_3d(ctx, QL_TYPE_F32, hp.head_dim(), n_ctx, hp.n_head_kv), "cache_v.%d", il));
+    }
+    cache->write_pos = ql_set_input(ql_set_name(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1), "cache_write_pos"));
+    cache->n_kv = ql_set_input(ql_set_name(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1), "cache_n_kv"));
+    return ql_ctx_status(ctx);
+}
+
+ql_tensor *ql_llama_forward_cached(ql_context *ctx, const ql_llama *m, const ql_llama_cache *cache, ql_tensor *tokens,
+                                   ql_tensor *pos) {
+    ql_tensor *x = ql_get_rows(ctx, m->tok_embd, tokens);  // [n_embd, T, 1]
+    for (int il = 0; il < m->hp.n_layer; il++) x = block(ctx, m, il, x, pos, nullptr, cache);
+    ql_tensor *logits = head(ctx, m, x);  // [n_vocab, T, 1]
+    return logits ? ql_reshape_2d(ctx, logits, logits->ne[0], logits->ne[1]) : nullptr;
+}
+
+// ---- a model in a GGUF file ----
+
+namespace {
+
+struct loader {
+    const char *path;
+    ql_gguf *g;
+    std::string arch;
+    char *err;
+    size_t err_size;
+    bool failed = false;
+
+    void fail(const char *fmt, ...) __attribute__((format(printf, 2, 3))) {
+        if (failed) return;
+        failed = true;
+        char msg[400];
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(msg, sizeof(msg), fmt, ap);
+        va_end(ap);
+        snprintf(err, err_size, "%s: %s", path, msg);
+    }
+    // "{arch}.suffix" as an integer; required unless a default is given
+    int64_t key_int(const char *suffix, int64_t def, bool required) {
+        const std::string key = arch + "." + suffix;
+        const int64_t i = ql_gguf_find_kv(g, key.c_str());
+        if (i < 0) {
+            if (required) fail("missing key %s", key.c_str());
+            return def;
+        }
+        int64_t v = 0;
+        if (!ql_gguf_get_i64(g, i, &v)) {
+            fail("key %s is a %s, not an integer%s", key.c_str(),
+                 ql_gguf_kv_type(g, i) == QL_GGUF_ARRAY ? "array" : "non-integer",
+                 ql_gguf_kv_type(g, i) == QL_GGUF_ARRAY ? " (per-layer values are not supported)" : "");
+            return def;
+        }
+        return v;
+    }
+    double key_float(const char *suffix, double def) {
+        const std::string key = arch + "." + suffix;
+        const int64_t i = ql_gguf_find_kv(g, key.c_str());
+        double v = def;
+        if (i >= 0 && !ql_gguf_get_f64(g, i, &v)) fail("key %s is not a number", key.c_str());
+        return v;
+    }
+    // binds a tensor of the expected shape; optional ones may be absent (NULL)
+    ql_tensor *tensor(ql_context *ctx, const std::string &name, int64_t ne0, int64_t ne1, bool optional) {
+        if (failed) return nullptr;
+        const int64_t i = ql_gguf_find_tensor(g, name.c_str());
+        if (i < 0) {
+            if (!optional) fail("missing tensor %s", name.c_str());
+            return nullptr;
+        }
+        int64_t ne[4];
+        ql_gguf_tensor_ne(g, i, ne);
+        const int want_nd = ne1 > 1 ? 2 : 1;
+        if (ne[0] != ne0 || ne[1] != ne1 || ne[2] != 1 || ne[3] != 1) {
+            fail("tensor %s has shape [%lld, %lld, %lld, %lld], expected [%lld, %lld] for these hyper-parameters",
+                 name.c_str(), (long long)ne[0], (long long)ne[1], (long long)ne[2], (long long)ne[3], (long long)ne0,
+                 (long long)ne1);
+            return nullptr;
+        }
+        const ql_type type = ql_gguf_tensor_type(g, i);
+        if (!ql_type_traits_get(type)->is_float || (want_nd == 1 && type != QL_TYPE_F32)) {
+            fail("tensor %s has type %s; %s", name.c_str(), ql_type_name(type),
+                 want_nd == 1 ? "norms and biases must be f32" : "not a number type");
+            return nullptr;
+        }
+        ql_tensor *t = ql_new_tensor_2d(ctx, type, ne0, ne1);
+        if (!t) {
+            fail("%s", ql_ctx_error(ctx));
+            return nullptr;
+        }
+        if (ql_nbytes(t) + t->aux_size != ql_gguf_tensor_size(g, i)) {
+            fail("tensor %s holds %zu bytes, %zu expected", name.c_str(), ql_gguf_tensor_size(g, i), ql_nbytes(t) + t->aux_size);
+            return nullptr;
+        }
+        t->data = const_cast<void *>(ql_gguf_tensor_data(g, i));  // zero copy: read-only mapping
+        ql_set_name(t, name.c_str());
+        return t;
+    }
+};
+
+}  // namespace
+
+ql_llama_file *ql_llama_load(const char *path, char *err, size_t err_size) {
+    ql_gguf *g = ql_gguf_open(path, err, err_size);
+    if (!g) return nullptr;
+    loader L{path, g, "", err, err_size};
+    size_t len = 0;
+    const int64_t ia = ql_gguf_find_kv(g, "general.architecture");
+    const char *arch = ia >= 0 ? ql_gguf_get_str(g, ia, &len) : nullptr;
+    if (!arch) {
+        L.fail("no general.architecture string: not a model file");
+    } else if (strcmp(arch, "llama") && strcmp(arch, "mistral") && strcmp(arch, "qwen2")) {
+        L.fail("unknown architecture '%s' (supported: llama, mistral, qwen2)", arch);
+    }
+    if (L.failed) {
+        ql_gguf_close(g);
+        return nullptr;
+    }
+    L.arch = arch;
+    ql_llama_hparams hp;
+    hp.n_embd    = (int)L.key_int("embedding_length", 0, true);
+    hp.n_layer   = (int)L.key_int("block_count", 0, true);
+    hp.n_ff      = (int)L.key_int("feed_forward_length", 0, true);
+    hp.n_head    = (int)L.key_int("attention.head_count", 0, true);
+    hp.n_head_kv = (int)L.key_int("attention.head_count_kv", hp.n_head, false);
+    hp.n_ctx_train = (int)L.key_int("context_length", 0, false);
+    hp.norm_eps  = (float)L.key_float("attention.layer_norm_rms_epsilon", 1e-5);
+    hp.rope_base = (float)L.key_float("rope.freq_base", 10000.0);
+    hp.rope_mode = L.arch == "qwen2" ? QL_ROPE_NEOX : QL_ROPE_NORMAL;
+    const int64_t it = ql_gguf_find_tensor(g, "token_embd.weight");
+    if (it >= 0) {
+        int64_t ne[4];
+        ql_gguf_tensor_ne(g, it, ne);
+        hp.n_vocab = (int)ne[1];
+    }
+    if (!L.failed && (hp.n_embd <= 0 || hp.n_layer <= 0 || hp.n_head <= 0 || hp.n_head_kv <= 0 || hp.n_ff <= 0 ||
+                      hp.n_embd % hp.n_head != 0 || hp.n_head % hp.n_head_kv != 0 || hp.n_layer > 4096))
+        L.fail("inconsistent hyper-parameters (embd %d, layers %d, heads %d/%d, ff %d)", hp.n_embd, hp.n_layer, hp.n_head,
+               hp.n_head_kv, hp.n_ff);
+    if (!L.failed) {
+        hp.n_rot = (int)L.key_int("rope.dimension_count", hp.head_dim(), false);
+        if (hp.n_rot <= 0 || hp.n_rot > hp.head_dim() || hp.n_rot % 2) L.fail("rope.dimension_count %d does not fit head size %d", hp.n_rot, hp.head_dim());
+    }
+    if (!L.failed && it < 0) L.fail("missing tensor token_embd.weight");
+    if (L.failed) {
+        ql_gguf_close(g);
+        return nullptr;
+    }
+
+    ql_llama_file *f = new ql_llama_file();
+    f->gguf = g;
+    f->arch = L.arch;
+    ql_init_params ip = {(size_t)(hp.n_layer * 12 + 8) * ql_tensor_overhead(), nullptr, true, false};
+    f->ctx = ql_init(ip);
+    ql_llama &m = f->model;
+    m.hp = hp;
+    const int64_t E = hp.n_embd, d = hp.head_dim(), nq = hp.n_head * d, nkv = hp.n_head_kv * d;
+    m.tok_embd = L.tensor(f->ctx, "token_embd.weight", E, hp.n_vocab, false);
+    m.out_norm = L.tensor(f->ctx, "output_norm.weight", E, 1, false);
+    m.output = L.tensor(f->ctx, "output.weight", E, hp.n_vocab, true);
+    if (!m.output) m.output = m.tok_embd;  // tied
+    m.rope_freqs = L.tensor(f->ctx, "rope_freqs.weight", hp.n_rot / 2, 1, true);
+    m.layers.resize((size_t)hp.n_layer);
+    for (int il = 0; il < hp.n_layer && !L.failed; il++) {
+        ql_llama_layer &Y = m.layers[(size_t)il];
+        const std::string p = "blk." + std::to_string(il) + ".";
+        Y.attn_norm = L.tensor(f->ctx, p + "attn_norm.weight", E, 1, false);
+        Y.wq = L.tensor(f->ctx, p + "attn_q.weight", E, nq, false);
+        Y.wk = L.tensor(f->ctx, p + "attn_k.weight", E, nkv, false);
+        Y.wv = L.tensor(f->ctx, p + "attn_v.weight", E, nkv, false);
+        Y.wo = L.tensor(f->ctx, p + "attn_output.weight", nq, E, false);
+        Y.bq = L.tensor(f->ctx, p + "attn_q.bias", nq, 1, true);
+        Y.bk = L.tensor(f->ctx, p + "attn_k.bias", nkv, 1, true);
+        Y.bv = L.tensor(f->ctx, p + "attn_v.bias", nkv, 1, true);
+        Y.ffn_norm = L.tensor(f->ctx, p + "ffn_norm.weight", E, 1, false);
+        Y.w_gate = L.tensor(f->ctx, p + "ffn_gate.weight", E, hp.n_ff, false);
+        Y.w_up = L.tensor(f->ctx, p + "ffn_up.weight", E, hp.n_ff, false);
+        Y.w_down = L.tensor(f->ctx, p + "ffn_down.weight", hp.n_ff, E, false);
+    }
+    if (L.failed) {
+        ql_llama_file_free(f);
+        return nullptr;
+    }
+    return f;
+}
+
+void ql_llama_file_free(ql_llama_file *f) {
+    if (!f) return;
+    ql_free(f->ctx);
+    ql_gguf_close(f->gguf);
+    delete f;
+}
+
+// ---- llama.cpp LoRA adapters ----
+
+ql_lora_adapter *ql_llama_attach_lora(ql_llama *m, const char *arch, const char *path, float user_scale, char *err,
+                                      size_t err_size) {
+    ql_gguf *g = ql_gguf_open(path, err, err_size);
+    if (!g) return nullptr;
+    ql_lora_adapter *ad = new ql_lora_adapter();
+    ad->gguf = g;
+    auto fail = [&](const std::string &msg) -> ql_lora_adapter * {
+        snprintf(err, err_size, "%s: %s", path, msg.c_str());
+        ql_lora_adapter_free(ad);
+        return nullptr;
+    };
+    size_t len;
+    auto str = [&](const char *key) {
+        const int64_t i = ql_gguf_find_kv(g, key);
+        return i >= 0 ? ql_gguf_get_str(g, i, &len) : nullptr;
+    };
+    const char *type = str("general.type"), *atype = str("adapter.type"), *a_arch = str("general.architecture");
+    if (!type || strcmp(type, "adapter") || !atype || strcmp(atype, "lora"))
+        return fail("not a LoRA adapter (general.type \"adapter\" and adapter.type \"lora\" expected)");
+    if (!a_arch || strcmp(a_arch, arch))
+        return fail(std::string("an adapter for architecture '") + (a_arch ? a_arch : "?") + "', the model is '" + arch + "'");
+    double alpha = 0;
+    const int64_t ial = ql_gguf_find_kv(g, "adapter.lora.alpha");
+    if (ial < 0 || !ql_gguf_get_f64(g, ial, &alpha)) return fail("missing adapter.lora.alpha");
+    ad->alpha = (float)alpha;
+
+    std::unordered_map<std::string, ql_tensor *> by_name;  // the model's linear weights
+    for (ql_llama_layer &L : m->layers)
+        for (ql_tensor *t : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) by_name[t->name] = t;
+    by_name[m->output->name] = m->output;
+    struct idx {
+        int64_t a = -1, b = -1;
+    };
+    std::unordered_map<ql_tensor *, idx> found;
+    for (int64_t i = 0; i < ql_gguf_n_tensors(g); i++) {
+        const std::string name = ql_gguf_tensor_name(g, i);
+        const bool is_a = name.size() > 7 && name.compare(name.size() - 7, 7, ".lora_a") == 0;
+        const bool is_b = name.size() > 7 && name.compare(name.size() - 7, 7, ".lora_b") == 0;
+        if (!is_a && !is_b) return fail("unexpected tensor " + name + " (an adapter holds only .lora_a / .lora_b)");
+        const std::string base = name.substr(0, name.size() - 7);
+        auto w = by_name.find(base);
+        if (w == by_name.end()) return fail("tensor " + name + " adapts " + base + ", which the model does not have");
+        (is_a ? found[w->second].a : found[w->second].b) = i;
+    }
+    if (found.empty()) return fail("no adapter tensors");
+    ql_init_params ip = {found.size() * 2 * ql_tensor_overhead() + 1024, nullptr, true, false};
+    ad->ctx = ql_init(ip);
+    std::unordered_map<const ql_tensor *, ql_lora_pair> pairs;
+    for (const auto &kv : found) {
+        const ql_tensor *w = kv.first;
+        if (kv.second.a < 0 || kv.second.b < 0) return fail(std::string("weight ") + w->name + " has only one of lora_a, lora_b");
+        int64_t na[4], nb[4];
+        ql_gguf_tensor_ne(g, kv.second.a, na);
+        ql_gguf_tensor_ne(g, kv.second.b, nb);
+        const int64_t r = na[1];
+        if (na[0] != w->ne[0] || nb[0] != r || nb[1] != w->ne[1] || na[2] * na[3] * nb[2] * nb[3] != 1)
+            return fail(std::string("the adapter of ") + w->name + " has lora_a [" + std::to_string(na[0]) + ", " +
+                        std::to_string(na[1]) + "] and lora_b [" + std::to_string(nb[0]) + ", " + std::to_string(nb[1]) +
+                        "]; the weight is [" + std::to_string(w->ne[0]) + ", " + std::to_string(w->ne[1]) + "]");
+        ql_lora_pair p;
+        p.a = ql_new_tensor_2d(ad->ctx, ql_gguf_tensor_type(g, kv.second.a), na[0], na[1]);
+        p.b = ql_new_tensor_2d(ad->ctx, ql_gguf_tensor_type(g, kv.second.b), nb[0], nb[1]);
+        if (!p.a || !p.b) return fail(ql_ctx_error(ad->ctx));
+        p.a->data = const_cast<void *>(ql_gguf_tensor_data(g, kv.second.a));
+        p.b->data = const_cast<void *>(ql_gguf_tensor_data(g, kv.second.b));
+        p.scale = (float)(user_scale * alpha / (double)r);
+        pairs[w] = p;
+    }
+    for (const auto &kv : pairs) m->lora[kv.first] = kv.second;  // only once everything checked out
+    ad->n_pairs = (int)pairs.size();
+    return ad;
+}
+
+void ql_lora_adapter_free(ql_lora_adapter *a) {
+    if (!a) return;
+    ql_free(a->ctx);
+    ql_gguf_close(a->gguf);
+    delete a;
 }

@@ -9,9 +9,13 @@
 #include "../qlora.h"
 
 #include <stdint.h>
+#include <string>
+#include <unordered_map>
 #include <vector>
 
 struct ql_llama_hparams {
+    int   n_ctx_train = 0;    // the context the model was trained with (0: unknown)
+    int   n_rot     = 0;      // rope dimensions per head (0: the whole head)
     int   n_vocab   = 0;
     int   n_embd    = 0;
     int   n_layer   = 0;
@@ -28,14 +32,24 @@ struct ql_llama_layer {
     ql_tensor *attn_norm;     // [n_embd]
     ql_tensor *wq;            // [n_embd, n_head*d]
     ql_tensor *wk, *wv;       // [n_embd, n_head_kv*d]
+    ql_tensor *bq = nullptr;  // optional biases (Qwen2): [n_head*d]
+    ql_tensor *bk = nullptr, *bv = nullptr;  // [n_head_kv*d]
     ql_tensor *wo;            // [n_head*d, n_embd]
     ql_tensor *ffn_norm;      // [n_embd]
     ql_tensor *w_gate, *w_up; // [n_embd, n_ff]
     ql_tensor *w_down;        // [n_ff, n_embd]
 };
 
+// A low-rank adapter on one linear weight W [in, out]: y = W x + scale * B (A x).
+// A [in, r], B [r, out] in GGUF order (PEFT's lora_A [r, in], lora_B [out, r]).
+struct ql_lora_pair {
+    ql_tensor *a = nullptr, *b = nullptr;
+    float scale = 0.0f;  // alpha / r (or alpha / sqrt(r)), times a user scale
+};
+
 struct ql_llama {
     ql_llama_hparams hp;
+    std::unordered_map<const ql_tensor *, ql_lora_pair> lora;  // keyed by the base weight
     ql_tensor *tok_embd = nullptr;  // [n_embd, n_vocab]
     ql_tensor *out_norm = nullptr;  // [n_embd]
     ql_tensor *output   = nullptr;  // [n_embd, n_vocab]; == tok_embd when tied
@@ -53,8 +67,9 @@ void ql_llama_randomize(ql_llama *m, uint64_t seed, float std);
 // Marks every weight trainable (full fine-tuning; used by tests and the from-scratch demo).
 void ql_llama_set_params(ql_llama *m);
 
-// y = W x: the attachment point for adapters. x [in, ...] -> [out, ...]
-ql_tensor *ql_llama_linear(ql_context *ctx, ql_tensor *w, ql_tensor *x);
+// y = W x (+ scale B (A x) when the model has an adapter on W): the one place adapters attach.
+// x [in, ...] -> [out, ...]
+ql_tensor *ql_llama_linear(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x);
 
 // tokens, pos: I32 [T, B]; seg: NULL or I32 [T, B] document ids (packing).
 // Returns logits [n_vocab, T, B].
@@ -65,3 +80,51 @@ ql_tensor *ql_llama_block(ql_context *ctx, const ql_llama *m, int il, ql_tensor 
 
 // bytes of weights ql_llama_create would allocate (for sizing a context)
 size_t ql_llama_weight_bytes(const ql_llama_hparams &hp, ql_type wtype, bool tied_output);
+
+// ---- a model in a GGUF file (llama, mistral, qwen2 architectures) ----
+
+struct ql_llama_file {
+    ql_gguf    *gguf = nullptr;
+    ql_context *ctx  = nullptr;  // tensor headers only: the weights stay in the file mapping
+    ql_llama    model;
+    std::string arch;
+};
+
+// Reads the hyper-parameters from "{arch}.*" keys and binds every weight (any type qlora
+// reads: f32, f16, bf16, Q4_0, Q8_0, Q4_K, Q5_K, Q6_K, NF4) without copying. NULL on error with
+// one line naming the file and what is missing or wrong (unknown architecture, a missing key or
+// tensor, a tensor of the wrong shape).
+ql_llama_file *ql_llama_load(const char *path, char *err, size_t err_size);
+void           ql_llama_file_free(ql_llama_file *f);
+
+// A llama.cpp LoRA adapter GGUF (general.type "adapter", adapter.type "lora", adapter.lora.alpha;
+// tensors "<weight name>.lora_a" [in, r] and ".lora_b" [r, out]). Attaching binds its pairs
+// into m->lora with scale = user_scale * alpha / r; the adapter (its file mapping and tensor
+// headers) must outlive every graph built from m. NULL on error, one line in err: not an
+// adapter, another architecture, a tensor for a weight the model lacks, mismatched shapes.
+struct ql_lora_adapter {
+    ql_gguf    *gguf = nullptr;
+    ql_context *ctx  = nullptr;
+    float       alpha = 0.0f;
+    int         n_pairs = 0;
+};
+ql_lora_adapter *ql_llama_attach_lora(ql_llama *m, const char *arch, const char *path, float user_scale, char *err,
+                                      size_t err_size);
+void             ql_lora_adapter_free(ql_lora_adapter *a);
+
+// ---- generation with a KV cache ----
+// One graph per number of new tokens serves every step: positions, where to write in the cache
+// and how many cached keys to attend over are inputs set before each run.
+
+struct ql_llama_cache {
+    int n_ctx = 0;
+    std::vector<ql_tensor *> k, v;      // per layer [head_dim, n_ctx, n_head_kv] f32, persistent
+    ql_tensor *write_pos = nullptr;     // I32 [1]: cache row of the first new token
+    ql_tensor *n_kv      = nullptr;     // I32 [1]: write_pos + new tokens
+};
+
+// creates the cache tensors in ctx (which must allocate: n_layer * 2 * head_dim * n_ctx * n_head_kv floats)
+ql_status  ql_llama_cache_create(ql_context *ctx, const ql_llama *m, int n_ctx, ql_llama_cache *cache);
+// tokens, pos: I32 [T, 1]; returns logits [n_vocab, T]
+ql_tensor *ql_llama_forward_cached(ql_context *ctx, const ql_llama *m, const ql_llama_cache *cache, ql_tensor *tokens,
+                                   ql_tensor *pos);

@@ -1,5 +1,6 @@
 // The command-line tools, run as a user would (the binaries must be built: `make` does).
 #include "../models/llama.h"
+#include "../models/tokenizer.h"
 #include "../qlora.h"
 
 #include <doctest/doctest.h>
@@ -7,6 +8,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -174,4 +177,162 @@ TEST_CASE("quantize: bad input gives one clear line and no output file") {
     CHECK(run(q + " " + cut + " " + out + " nf4", &log) == 1);
     CHECK(log.find("cut.gguf") != std::string::npos);
     CHECK(!exists(out));
+}
+
+// ---- convert, make-model, generate, perplexity ----
+
+namespace {
+
+std::string fixtures_dir() {
+    if (const char *e = getenv("QLORA_FIXTURES")) return e;
+    std::string f = __FILE__;
+    return f.substr(0, f.find_last_of('/') + 1) + "../../shared/fixtures";
+}
+
+// generate's text, without the timing line it appends on stderr
+std::string text_of(const std::string &log) { return log.substr(0, log.find("\n\ngenerate:")); }
+
+bool all_built(std::initializer_list<const char *> names) {
+    for (const char *n : names)
+        if (tool(n).empty()) {
+            MESSAGE("skipped: ./", n, " is not built (run make)");
+            return false;
+        }
+    return true;
+}
+
+}  // namespace
+
+TEST_CASE("convert llama2c + generate: stories260K greedy from BOS tells its story") {
+    const std::string fx = fixtures_dir();
+    if (!exists(fx + "/stories260K/stories260K.bin")) {
+        MESSAGE("skipped: no fixtures at ", fx);
+        return;
+    }
+    if (!all_built({"convert", "generate"})) return;
+    tmpdir d;
+    const std::string gguf = d.path + "/s.gguf";
+    std::string log;
+    REQUIRE_MESSAGE(run("./convert llama2c " + fx + "/stories260K/stories260K.bin " + fx + "/stories260K/tok512.bin -o " + gguf,
+                        &log) == 0, log);
+    CHECK(log.find("dim 64, 5 layers, 8/4 heads") != std::string::npos);
+    REQUIRE_MESSAGE(run("./generate -m " + gguf + " -n 40 --temp 0", &log) == 0, log);
+    CHECK_MESSAGE(log.rfind(" Once upon a time, there was a little girl named Lily. She loved to play outside in the park.", 0) == 0,
+                  log);
+    // the same with 1 thread and with 3: greedy decoding does not depend on the split
+    std::string one, three;
+    REQUIRE(run("./generate -m " + gguf + " -n 30 --temp 0 -t 1", &one) == 0);
+    REQUIRE(run("./generate -m " + gguf + " -n 30 --temp 0 -t 3", &three) == 0);
+    CHECK(text_of(one) == text_of(three));
+    // sampling: the same seed, the same text; tokens/s reported
+    std::string a, b;
+    REQUIRE(run("./generate -m " + gguf + " -p \"Once\" -n 20 --temp 0.9 --seed 7", &a) == 0);
+    REQUIRE(run("./generate -m " + gguf + " -p \"Once\" -n 20 --temp 0.9 --seed 7", &b) == 0);
+    CHECK(text_of(a) == text_of(b));
+    REQUIRE(run("./generate -m " + gguf + " -p \"Once\" -n 20 --temp 0.9 --seed 8", &b) == 0);
+    CHECK(text_of(a) != text_of(b));
+    CHECK(a.rfind("Once", 0) == 0);
+    REQUIRE(run("./generate -m " + gguf + " -n 5 --temp 0", &log) == 0);
+    CHECK(log.find("tokens/s") != std::string::npos);
+}
+
+TEST_CASE("perplexity: --json numbers equal an independent computation; every token counted once") {
+    if (!all_built({"make-model", "perplexity"})) return;
+    tmpdir d;
+    const std::string gguf = d.path + "/m.gguf", text = d.path + "/t.txt";
+    std::string log;
+    REQUIRE_MESSAGE(run("./make-model -o " + gguf + " --dim 64 --layers 2 --heads 4 --kv-heads 2 --ff 96 --seed 9 --std 0.5", &log) == 0,
+                    log);
+    const std::string body = "The lamp keeper climbs the stair at dusk; the ships come home.\nOne light, one night.";
+    FILE *f = fopen(text.c_str(), "wb");
+    REQUIRE(f);
+    fwrite(body.data(), 1, body.size(), f);
+    fclose(f);
+    for (int c : {17, 512}) {  // several windows with a short tail, and one window
+        CAPTURE(c);
+        REQUIRE_MESSAGE(run("./perplexity -m " + gguf + " -f " + text + " -c " + std::to_string(c) + " --json", &log) == 0, log);
+        double nll = 0, ppl = 0;
+        long long n_tok = 0;
+        REQUIRE(sscanf(log.c_str(), "{\"nll\": %lf, \"ppl\": %lf, \"tokens\": %lld}", &nll, &ppl, &n_tok) == 3);
+        // the reference: windows of BOS + c-1 tokens, -log softmax in double from the library's logits
+        char err[256];
+        ql_llama_file *lf = ql_llama_load(gguf.c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(lf, err);
+        ql_vocab *v = ql_vocab_load(lf->gguf, err, sizeof(err));
+        REQUIRE_MESSAGE(v, err);
+        const std::vector<int32_t> toks = ql_tokenize(v, body, false, false);
+        CHECK(n_tok == (long long)toks.size());
+        double sum = 0;
+        for (size_t s = 0; s < toks.size(); s += (size_t)(c - 1)) {
+            const size_t len = std::min(toks.size() - s, (size_t)(c - 1));
+            std::vector<int32_t> w = {ql_vocab_bos(v)};
+            w.insert(w.end(), toks.begin() + (long)s, toks.begin() + (long)(s + len));
+            const int V = lf->model.hp.n_vocab, T = (int)w.size();
+            ql_init_params ip = {8u << 20, nullptr, false, false};
+            ql_context *ctx = ql_init(ip);
+            ql_tensor *tk = ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1), *ps = ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1);
+            for (int t = 0; t < T; t++) {
+                ((int32_t *)tk->data)[t] = w[(size_t)t];
+                ((int32_t *)ps->data)[t] = t;
+            }
+            ql_tensor *lg = ql_llama_forward(ctx, &lf->model, tk, ps, nullptr);
+            ql_graph *g = ql_graph_new(ctx);
+            ql_graph_build_forward(g, lg);
+            ql_backend *be = ql_backend_cpu_init(1);
+            REQUIRE(ql_graph_alloc(g, be) == QL_OK);
+            REQUIRE(ql_backend_graph_compute(be, g) == QL_OK);
+            for (int t = 0; t + 1 < T; t++) {
+                const float *row = (const float *)lg->data + (size_t)t * V;
+                double mx = row[0], z = 0;
+                for (int i = 1; i < V; i++) mx = std::max(mx, (double)row[i]);
+                for (int i = 0; i < V; i++) z += std::exp((double)row[i] - mx);
+                sum += mx + std::log(z) - row[w[(size_t)t + 1]];
+            }
+            ql_graph_free(g);
+            ql_backend_free(be);
+            ql_free(ctx);
+        }
+        const double want = sum / (double)toks.size();
+        CHECK(nll == doctest::Approx(want).epsilon(1e-5));
+        CHECK(ppl == doctest::Approx(std::exp(want)).epsilon(1e-5));
+        ql_vocab_free(v);
+        ql_llama_file_free(lf);
+    }
+}
+
+TEST_CASE("make-model, convert, generate, perplexity: bad input, one clear line each") {
+    if (!all_built({"make-model", "convert", "generate", "perplexity"})) return;
+    tmpdir d;
+    const std::string gguf = d.path + "/m.gguf", junk = d.path + "/junk.bin", text = d.path + "/t.txt";
+    std::string log;
+    REQUIRE(run("./make-model -o " + gguf + " --dim 32 --layers 1 --heads 2 --ff 48", &log) == 0);
+    REQUIRE(run("printf 'not a model at all, really not a model' > " + junk + " && printf 'hello' > " + text, &log) == 0);
+    struct bad_case {
+        std::string cmd, says;
+    };
+    const std::vector<bad_case> cases = {
+        {"./make-model --dim 64", "-o model.gguf is required"},
+        {"./make-model -o " + d.path + "/x.gguf --type q9_9", "unknown --type 'q9_9'"},
+        {"./make-model -o " + d.path + "/x.gguf --layers -3", "--layers: '-3' is not an integer"},
+        {"./convert llama2c " + junk + " " + junk + " -o " + d.path + "/x.gguf", "implausible llama2.c header"},
+        {"./convert llama2c " + d.path + "/none.bin " + junk + " -o " + d.path + "/x.gguf", "none.bin: cannot open"},
+        {"./convert llama2c a b", "missing -o"},
+        {"./convert onnx a -o b", "unknown source format 'onnx'"},
+        {"./convert tiktoken a -o b", "needs --pre"},
+        {"./generate", "-m model.gguf is required"},
+        {"./generate -m " + junk, "junk.bin: bad magic"},
+        {"./generate -m " + gguf + " --temp hot", "--temp: 'hot' is not a number"},
+        {"./generate -m " + gguf + " --lora " + gguf, "not a LoRA adapter"},
+        {"./generate -m " + gguf + " -p \"" + std::string(300, 'x') + "\" -c 64", "hint: a larger -c"},
+        {"./perplexity -m " + gguf, "-f text.txt are required"},
+        {"./perplexity -m " + gguf + " -f " + d.path + "/none.txt", "none.txt: cannot open"},
+        {"./perplexity -m " + gguf + " -f " + text + " -c 1", "-c: '1' is not a valid value"},
+        {"./perplexity -m " + gguf + " -f " + text + " --jsn", "unknown or incomplete argument '--jsn'"},
+    };
+    for (const bad_case &c : cases) {
+        CAPTURE(c.cmd);
+        CHECK(run(c.cmd, &log) != 0);
+        CHECK_MESSAGE(log.find(c.says) != std::string::npos, log);
+    }
+    CHECK(!exists(d.path + "/x.gguf"));
 }

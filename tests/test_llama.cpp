@@ -1,0 +1,463 @@
+// The llama family: logits against an independent float64 torch reference (tests/golden/
+// llama_logits.bin from tests/reference/llama_golden.py), GGUF loading and its errors, and the
+// KV cache agreeing with the full forward.
+#include "../models/llama.h"
+#include "../models/tokenizer.h"
+#include "../qlora.h"
+
+#include <doctest/doctest.h>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+std::string here() {
+    std::string f = __FILE__;
+    return f.substr(0, f.find_last_of('/') + 1);
+}
+
+std::string fixtures() {
+    if (const char *e = getenv("QLORA_FIXTURES")) return e;
+    return here() + "../../shared/fixtures";
+}
+
+bool exists(const std::string &p) {
+    struct stat st;
+    return stat(p.c_str(), &st) == 0;
+}
+
+struct golden_case {
+    std::string name;
+    std::vector<int32_t> tokens;
+    int V = 0;
+    std::vector<float> logits;  // [T, V]
+};
+
+std::vector<golden_case> load_golden() {
+    std::vector<golden_case> out;
+    FILE *f = fopen((here() + "golden/llama_logits.bin").c_str(), "rb");
+    if (!f) return out;
+    char magic[8];
+    int32_t n = 0;
+    if (fread(magic, 1, 8, f) == 8 && !memcmp(magic, "QLLOGITS", 8) && fread(&n, 4, 1, f) == 1)
+        for (int i = 0; i < n; i++) {
+            golden_case c;
+            int32_t len = 0, T = 0;
+            if (fread(&len, 4, 1, f) != 1 || len <= 0 || len > 200) break;
+            c.name.resize((size_t)len);
+            if (fread(&c.name[0], 1, (size_t)len, f) != (size_t)len || fread(&T, 4, 1, f) != 1 || fread(&c.V, 4, 1, f) != 1) break;
+            c.tokens.resize((size_t)T);
+            c.logits.resize((size_t)T * (size_t)c.V);
+            if (fread(c.tokens.data(), 4, (size_t)T, f) != (size_t)T ||
+                fread(c.logits.data(), 4, c.logits.size(), f) != c.logits.size())
+                break;
+            out.push_back(c);
+        }
+    fclose(f);
+    return out;
+}
+
+const golden_case *find_case(const std::vector<golden_case> &cs, const char *name) {
+    for (const golden_case &c : cs)
+        if (c.name == name) return &c;
+    return nullptr;
+}
+
+// the reference script's generator: splitmix64, 24-bit uniforms in [-1, 1), exact in f32
+struct gen {
+    uint64_t s;
+    float next() {
+        s += 0x9E3779B97F4A7C15ull;
+        uint64_t z = s;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        return (float)(z >> 40) * 0x1p-23f - 1.0f;
+    }
+    void fill(ql_tensor *t, double scale, float offset = 0.0f) {  // python: f32(f32(u * scale) + offset)
+        float *d = (float *)t->data;
+        for (int64_t i = 0; i < ql_nelements(t); i++) {
+            const float v = (float)((double)next() * scale);
+            d[i] = v + offset;
+        }
+    }
+};
+
+// the golden file's random model: GQA (6 heads over 2), Qwen2-style biases, neox rope, base 1e6
+struct random_model {
+    ql_context *ctx;
+    ql_llama m;
+    random_model() {
+        ql_init_params ip = {16u << 20, nullptr, false, false};
+        ctx = ql_init(ip);
+        ql_llama_hparams hp;
+        hp.n_vocab = 101; hp.n_embd = 96; hp.n_layer = 2; hp.n_head = 6; hp.n_head_kv = 2; hp.n_ff = 160;
+        hp.rope_base = 1000000.0f;
+        hp.rope_mode = QL_ROPE_NEOX;
+        REQUIRE(ql_llama_create(ctx, &m, hp, QL_TYPE_F32, false) == QL_OK);
+        gen g{4242};
+        g.fill(m.tok_embd, 0.5);
+        for (int il = 0; il < 2; il++) {
+            ql_llama_layer &L = m.layers[(size_t)il];
+            L.bq = ql_format_name(ql_new_tensor_1d(ctx, QL_TYPE_F32, 96), "blk.%d.attn_q.bias", il);
+            L.bk = ql_format_name(ql_new_tensor_1d(ctx, QL_TYPE_F32, 32), "blk.%d.attn_k.bias", il);
+            L.bv = ql_format_name(ql_new_tensor_1d(ctx, QL_TYPE_F32, 32), "blk.%d.attn_v.bias", il);
+            g.fill(L.attn_norm, 0.2, 1.0f);
+            g.fill(L.wq, 0.15);
+            g.fill(L.wk, 0.15);
+            g.fill(L.wv, 0.15);
+            g.fill(L.bq, 0.3);
+            g.fill(L.bk, 0.3);
+            g.fill(L.bv, 0.3);
+            g.fill(L.wo, 0.1);
+            g.fill(L.ffn_norm, 0.2, 1.0f);
+            g.fill(L.w_gate, 0.1);
+            g.fill(L.w_up, 0.1);
+            g.fill(L.w_down, 0.1);
+        }
+        g.fill(m.out_norm, 0.2, 1.0f);
+        g.fill(m.output, 0.3);
+    }
+    ~random_model() { ql_free(ctx); }
+};
+
+// full forward of `tokens` (positions 0..T-1): logits [T, V] row-major
+std::vector<float> logits_of(const ql_llama &m, const std::vector<int32_t> &tokens, int threads = 2) {
+    const int64_t T = (int64_t)tokens.size();
+    ql_init_params ip = {4u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *tk = ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1), *ps = ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1);
+    for (int64_t t = 0; t < T; t++) {
+        ((int32_t *)tk->data)[t] = tokens[(size_t)t];
+        ((int32_t *)ps->data)[t] = (int32_t)t;
+    }
+    ql_tensor *lg = ql_llama_forward(ctx, &m, tk, ps, nullptr);
+    ql_graph *g = ql_graph_new(ctx);
+    ql_graph_build_forward(g, lg);
+    ql_backend *be = ql_backend_cpu_init(threads);
+    REQUIRE_MESSAGE(ql_graph_alloc(g, be) == QL_OK, ql_ctx_error(ctx));
+    REQUIRE_MESSAGE(ql_backend_graph_compute(be, g) == QL_OK, ql_ctx_error(ctx));
+    std::vector<float> out((const float *)lg->data, (const float *)lg->data + T * m.hp.n_vocab);
+    ql_graph_free(g);
+    ql_backend_free(be);
+    ql_free(ctx);
+    return out;
+}
+
+double rel_err(const std::vector<float> &a, const std::vector<float> &b) {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size() && i < b.size(); i++) {
+        num = std::max(num, (double)std::fabs(a[i] - b[i]));
+        den = std::max(den, (double)std::fabs(b[i]));
+    }
+    return a.size() == b.size() ? num / den : 1e30;
+}
+
+// writes the model as a GGUF of the given architecture (biases included when present)
+void write_gguf(const ql_llama &m, const char *arch, const std::string &path, const char *skip_tensor = nullptr,
+                const char *skip_key = nullptr) {
+    ql_gguf_writer *w = ql_gguf_writer_new();
+    const std::string a = arch;
+    ql_gguf_set_str(w, "general.architecture", arch);
+    auto key = [&](const char *k, uint32_t v) {
+        if (!skip_key || strcmp(k, skip_key)) ql_gguf_set_u32(w, (a + "." + k).c_str(), v);
+    };
+    key("embedding_length", (uint32_t)m.hp.n_embd);
+    key("block_count", (uint32_t)m.hp.n_layer);
+    key("feed_forward_length", (uint32_t)m.hp.n_ff);
+    key("attention.head_count", (uint32_t)m.hp.n_head);
+    key("attention.head_count_kv", (uint32_t)m.hp.n_head_kv);
+    ql_gguf_set_f32(w, (a + ".attention.layer_norm_rms_epsilon").c_str(), m.hp.norm_eps);
+    ql_gguf_set_f32(w, (a + ".rope.freq_base").c_str(), m.hp.rope_base);
+    auto add = [&](ql_tensor *t) {
+        if (!t || (skip_tensor && !strcmp(t->name, skip_tensor))) return;
+        const int64_t ne[4] = {t->ne[0], t->ne[1], 1, 1};
+        REQUIRE(ql_gguf_add_tensor(w, t->name, t->type, ql_n_dims(t), ne, t->data, ql_nbytes(t)) == QL_OK);
+    };
+    add(m.tok_embd);
+    add(m.out_norm);
+    if (m.output != m.tok_embd) add(m.output);
+    for (const ql_llama_layer &L : m.layers)
+        for (ql_tensor *t : {L.attn_norm, L.wq, L.wk, L.wv, L.bq, L.bk, L.bv, L.wo, L.ffn_norm, L.w_gate, L.w_up, L.w_down})
+            add(t);
+    char err[256];
+    REQUIRE_MESSAGE(ql_gguf_write(w, path.c_str(), err, sizeof(err)) == QL_OK, err);
+    ql_gguf_writer_free(w);
+}
+
+struct tmpdir {
+    std::string path;
+    tmpdir() {
+        char t[] = "/tmp/qlora-llama-XXXXXX";
+        path = mkdtemp(t) ? t : "/tmp";
+    }
+    ~tmpdir() { (void)!system(("rm -rf '" + path + "'").c_str()); }
+};
+
+}  // namespace
+
+TEST_CASE("llama: random GQA model with biases and neox rope matches the float64 reference") {
+    const std::vector<golden_case> cs = load_golden();
+    const golden_case *c = find_case(cs, "random-gqa-bias-neox");
+    REQUIRE_MESSAGE(c, "cannot read tests/golden/llama_logits.bin");
+    random_model rm;
+    const std::vector<float> got = logits_of(rm.m, c->tokens);
+    const double e = rel_err(got, c->logits);
+    MESSAGE("random GQA/bias/neox model: max |logit - ref| / max |ref| = ", e);
+    CHECK(e < 1e-4);
+
+    // the same model through a qwen2 GGUF file: the loader finds biases, neox rope, GQA
+    tmpdir d;
+    const std::string path = d.path + "/qwen2.gguf";
+    write_gguf(rm.m, "qwen2", path);
+    char err[256];
+    ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
+    REQUIRE_MESSAGE(f, err);
+    CHECK(f->arch == "qwen2");
+    CHECK(f->model.hp.rope_mode == QL_ROPE_NEOX);
+    CHECK(f->model.hp.n_head_kv == 2);
+    CHECK(f->model.layers[1].bk != nullptr);
+    const std::vector<float> again = logits_of(f->model, c->tokens, 3);
+    CHECK(memcmp(again.data(), got.data(), got.size() * 4) == 0);
+    ql_llama_file_free(f);
+}
+
+TEST_CASE("llama: the KV cache gives the full forward's logits, prompt then one token at a time") {
+    random_model rm;
+    const std::vector<int32_t> toks = {5, 17, 3, 99, 42, 42, 7, 0, 64, 12, 31, 8};
+    const std::vector<float> full = logits_of(rm.m, toks);
+    const int V = rm.m.hp.n_vocab, n_prompt = 5, n_ctx = 16;
+    ql_init_params ip = {8u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_llama_cache cache;
+    REQUIRE(ql_llama_cache_create(ctx, &rm.m, n_ctx, &cache) == QL_OK);
+    // two static graphs: the prompt (5 tokens) and one token
+    ql_tensor *pt = ql_new_tensor_2d(ctx, QL_TYPE_I32, n_prompt, 1), *pp = ql_new_tensor_2d(ctx, QL_TYPE_I32, n_prompt, 1);
+    ql_tensor *ot = ql_new_tensor_2d(ctx, QL_TYPE_I32, 1, 1), *op = ql_new_tensor_2d(ctx, QL_TYPE_I32, 1, 1);
+    ql_tensor *lp = ql_set_output(ql_llama_forward_cached(ctx, &rm.m, &cache, pt, pp));
+    ql_tensor *lo = ql_set_output(ql_llama_forward_cached(ctx, &rm.m, &cache, ot, op));
+    REQUIRE_MESSAGE(lo, ql_ctx_error(ctx));
+    ql_graph *gp = ql_graph_new(ctx), *go = ql_graph_new(ctx);
+    ql_graph_build_forward(gp, lp);
+    ql_graph_build_forward(go, lo);
+    ql_backend *be = ql_backend_cpu_init(2);
+    REQUIRE(ql_graph_alloc(gp, be) == QL_OK);
+    REQUIRE(ql_graph_alloc(go, be) == QL_OK);
+    for (int t = 0; t < n_prompt; t++) {
+        ((int32_t *)pt->data)[t] = toks[(size_t)t];
+        ((int32_t *)pp->data)[t] = t;
+    }
+    *(int32_t *)cache.write_pos->data = 0;
+    *(int32_t *)cache.n_kv->data = n_prompt;
+    REQUIRE(ql_backend_graph_compute(be, gp) == QL_OK);
+    std::vector<float> got((const float *)lp->data, (const float *)lp->data + n_prompt * V);
+    for (int t = n_prompt; t < (int)toks.size(); t++) {
+        *(int32_t *)ot->data = toks[(size_t)t];
+        *(int32_t *)op->data = t;
+        *(int32_t *)cache.write_pos->data = t;
+        *(int32_t *)cache.n_kv->data = t + 1;
+        REQUIRE_MESSAGE(ql_backend_graph_compute(be, go) == QL_OK, ql_ctx_error(ctx));
+        got.insert(got.end(), (const float *)lo->data, (const float *)lo->data + V);
+    }
+    CHECK(rel_err(got, full) < 1e-5);
+    // past the cache: a clear run-time error
+    *(int32_t *)cache.write_pos->data = n_ctx;
+    *(int32_t *)cache.n_kv->data = n_ctx + 1;
+    CHECK(ql_backend_graph_compute(be, go) == QL_ERR_INVALID);
+    CHECK(std::string(ql_ctx_error(ctx)).find("cache") != std::string::npos);
+    ql_graph_free(gp);
+    ql_graph_free(go);
+    ql_backend_free(be);
+    ql_free(ctx);
+}
+
+TEST_CASE("llama: loading refuses what it cannot run, naming what is wrong") {
+    random_model rm;
+    tmpdir d;
+    char err[300];
+    struct bad_case {
+        const char *arch, *skip_tensor, *skip_key, *says;
+    };
+    const bad_case cases[] = {
+        {"gpt-neox", nullptr, nullptr, "unknown architecture 'gpt-neox'"},
+        {"llama", "blk.1.ffn_up.weight", nullptr, "missing tensor blk.1.ffn_up.weight"},
+        {"llama", nullptr, "block_count", "missing key llama.block_count"},
+        {"llama", "token_embd.weight", nullptr, "missing tensor token_embd.weight"},
+    };
+    for (const bad_case &c : cases) {
+        const std::string path = d.path + "/bad.gguf";
+        write_gguf(rm.m, c.arch, path, c.skip_tensor, c.skip_key);
+        CAPTURE(c.says);
+        CHECK(ql_llama_load(path.c_str(), err, sizeof(err)) == nullptr);
+        CHECK(std::string(err).find(c.says) != std::string::npos);
+        CHECK(std::string(err).find("bad.gguf") != std::string::npos);
+    }
+    // a wrong shape: heads that do not divide the kv projection
+    {
+        const std::string path = d.path + "/shape.gguf";
+        ql_llama_hparams hp = rm.m.hp;
+        rm.m.hp.n_head_kv = 3;
+        write_gguf(rm.m, "llama", path);
+        rm.m.hp = hp;
+        CHECK(ql_llama_load(path.c_str(), err, sizeof(err)) == nullptr);
+        CHECK(std::string(err).find("has shape") != std::string::npos);
+    }
+    CHECK(ql_llama_load((d.path + "/none.gguf").c_str(), err, sizeof(err)) == nullptr);
+    CHECK(std::string(err).find("none.gguf") != std::string::npos);
+}
+
+TEST_CASE("llama: stories260K converted from llama2.c matches the float64 reference") {
+    const std::string fx = fixtures();
+    if (!exists(fx + "/stories260K/stories260K.bin")) {
+        MESSAGE("skipped: no fixtures at ", fx);
+        return;
+    }
+    if (!exists("./convert")) {
+        MESSAGE("skipped: ./convert is not built (run make)");
+        return;
+    }
+    const golden_case *c = nullptr;
+    const std::vector<golden_case> cs = load_golden();
+    c = find_case(cs, "stories260K");
+    REQUIRE(c);
+    tmpdir d;
+    const std::string out = d.path + "/stories260K.gguf";
+    const std::string cmd = "./convert llama2c " + fx + "/stories260K/stories260K.bin " + fx + "/stories260K/tok512.bin -o " +
+                            out + " > /dev/null 2>&1";
+    REQUIRE(system(cmd.c_str()) == 0);
+    char err[300];
+    ql_llama_file *f = ql_llama_load(out.c_str(), err, sizeof(err));
+    REQUIRE_MESSAGE(f, err);
+    CHECK(f->model.hp.n_embd == 64);
+    CHECK(f->model.hp.n_head_kv == 4);
+    CHECK(f->model.output == f->model.tok_embd);  // the classifier is shared
+    const std::vector<float> got = logits_of(f->model, c->tokens);
+    const double e = rel_err(got, c->logits);
+    MESSAGE("stories260K: max |logit - ref| / max |ref| = ", e);
+    CHECK(e < 1e-4);
+    ql_llama_file_free(f);
+}
+
+TEST_CASE("llama: a llama.cpp LoRA adapter gives the logits of the merged weights W + (alpha/r) B A") {
+    random_model rm;
+    tmpdir d;
+    const std::string base = d.path + "/base.gguf", adapter = d.path + "/lora.gguf";
+    write_gguf(rm.m, "llama", base);
+    char err[300];
+    ql_llama_file *f = ql_llama_load(base.c_str(), err, sizeof(err));
+    REQUIRE_MESSAGE(f, err);
+    // an adapter on q and down of both layers: A [in, r], B [r, out], alpha 16, r 4
+    const int r = 4;
+    const float alpha = 16.0f;
+    gen g{77};
+    ql_gguf_writer *w = ql_gguf_writer_new();
+    ql_gguf_set_str(w, "general.architecture", "llama");
+    ql_gguf_set_str(w, "general.type", "adapter");
+    ql_gguf_set_str(w, "adapter.type", "lora");
+    ql_gguf_set_f32(w, "adapter.lora.alpha", alpha);
+    std::vector<std::vector<float>> keep;
+    std::vector<std::pair<ql_tensor *, std::pair<size_t, size_t>>> pairs;  // weight, (A index, B index)
+    for (const ql_llama_layer &L : f->model.layers)
+        for (ql_tensor *wt : {L.wq, L.w_down}) {
+            keep.emplace_back((size_t)(wt->ne[0] * r));
+            for (float &x : keep.back()) x = 0.1f * g.next();
+            keep.emplace_back((size_t)(r * wt->ne[1]));
+            for (float &x : keep.back()) x = 0.1f * g.next();
+            const int64_t na[4] = {wt->ne[0], r, 1, 1}, nb[4] = {r, wt->ne[1], 1, 1};
+            const std::string n = wt->name;
+            REQUIRE(ql_gguf_add_tensor(w, (n + ".lora_a").c_str(), QL_TYPE_F32, 2, na, keep[keep.size() - 2].data(),
+                                       keep[keep.size() - 2].size() * 4) == QL_OK);
+            REQUIRE(ql_gguf_add_tensor(w, (n + ".lora_b").c_str(), QL_TYPE_F32, 2, nb, keep.back().data(),
+                                       keep.back().size() * 4) == QL_OK);
+            pairs.push_back({wt, {keep.size() - 2, keep.size() - 1}});
+        }
+    REQUIRE_MESSAGE(ql_gguf_write(w, adapter.c_str(), err, sizeof(err)) == QL_OK, err);
+    ql_gguf_writer_free(w);
+
+    ql_lora_adapter *ad = ql_llama_attach_lora(&f->model, "llama", adapter.c_str(), 1.0f, err, sizeof(err));
+    REQUIRE_MESSAGE(ad, err);
+    CHECK(ad->n_pairs == 4);
+    const std::vector<int32_t> toks = {3, 1, 4, 1, 5, 9, 2, 6};
+    const std::vector<float> with_adapter = logits_of(f->model, toks);
+    // merge into the in-memory model: W[out][in] += (alpha / r) sum_k B[out][k] A[k][in]
+    for (const auto &p : pairs) {
+        ql_tensor *mw = nullptr;
+        for (ql_llama_layer &L : rm.m.layers)
+            for (ql_tensor *t : {L.wq, L.w_down})
+                if (!strcmp(t->name, p.first->name)) mw = t;
+        REQUIRE(mw);
+        const std::vector<float> &A = keep[p.second.first], &B = keep[p.second.second];
+        const int64_t in = mw->ne[0], out = mw->ne[1];
+        for (int64_t o = 0; o < out; o++)
+            for (int64_t i = 0; i < in; i++) {
+                double s = 0;
+                for (int k = 0; k < r; k++) s += (double)B[(size_t)(o * r + k)] * A[(size_t)(k * in + i)];
+                ((float *)mw->data)[o * in + i] += (float)(alpha / r * s);
+            }
+    }
+    rm.m.hp.rope_mode = QL_ROPE_NORMAL;  // the file says "llama": normal rope
+    const std::vector<float> merged = logits_of(rm.m, toks);
+    CHECK(rel_err(with_adapter, merged) < 1e-5);
+    CHECK(rel_err(with_adapter, logits_of(f->model, toks)) == 0.0);  // deterministic
+    // wrong architecture, and a shape that does not fit
+    CHECK(ql_llama_attach_lora(&f->model, "qwen2", adapter.c_str(), 1.0f, err, sizeof(err)) == nullptr);
+    CHECK(std::string(err).find("architecture 'llama'") != std::string::npos);
+    ql_lora_adapter_free(ad);
+    ql_llama_file_free(f);
+}
+
+TEST_CASE("llama: a rope_freqs tensor (Llama 3.1 scaling) is loaded and divides the frequencies") {
+    random_model rm;
+    tmpdir d;
+    const std::string plain = d.path + "/plain.gguf", scaled = d.path + "/scaled.gguf";
+    rm.m.hp.rope_mode = QL_ROPE_NORMAL;
+    write_gguf(rm.m, "llama", plain);
+    // the same model plus rope_freqs: factors of 1 change nothing; factors of 4 change the logits
+    ql_tensor *ff = ql_set_name(ql_new_tensor_1d(rm.ctx, QL_TYPE_F32, 8), "rope_freqs.weight");  // head_dim 16 / 2
+    auto write_with = [&](float factor, const std::string &path) {
+        for (int i = 0; i < 8; i++) ((float *)ff->data)[i] = factor;
+        ql_gguf_writer *w = ql_gguf_writer_new();
+        ql_gguf *src;
+        char err[256];
+        src = ql_gguf_open(plain.c_str(), err, sizeof(err));
+        REQUIRE(src);
+        for (int64_t i = 0; i < ql_gguf_n_kv(src); i++) ql_gguf_copy_kv(w, src, i);
+        for (int64_t i = 0; i < ql_gguf_n_tensors(src); i++) {
+            int64_t ne[4];
+            const int nd = ql_gguf_tensor_ne(src, i, ne);
+            REQUIRE(ql_gguf_add_tensor(w, ql_gguf_tensor_name(src, i), ql_gguf_tensor_type(src, i), nd, ne,
+                                       ql_gguf_tensor_data(src, i), ql_gguf_tensor_size(src, i)) == QL_OK);
+        }
+        const int64_t ne[4] = {8, 1, 1, 1};
+        REQUIRE(ql_gguf_add_tensor(w, "rope_freqs.weight", QL_TYPE_F32, 1, ne, ff->data, 32) == QL_OK);
+        REQUIRE(ql_gguf_write(w, path.c_str(), err, sizeof(err)) == QL_OK);
+        ql_gguf_writer_free(w);
+        ql_gguf_close(src);
+    };
+    char err[256];
+    const std::vector<int32_t> toks = {7, 7, 3, 50, 2, 9, 11, 4, 4, 80};
+    ql_llama_file *a = ql_llama_load(plain.c_str(), err, sizeof(err));
+    REQUIRE(a);
+    CHECK(a->model.rope_freqs == nullptr);
+    const std::vector<float> base = logits_of(a->model, toks);
+    write_with(1.0f, scaled);
+    ql_llama_file *b = ql_llama_load(scaled.c_str(), err, sizeof(err));
+    REQUIRE_MESSAGE(b, err);
+    REQUIRE(b->model.rope_freqs != nullptr);
+    CHECK(rel_err(logits_of(b->model, toks), base) < 1e-6);
+    ql_llama_file_free(b);
+    write_with(4.0f, scaled);
+    b = ql_llama_load(scaled.c_str(), err, sizeof(err));
+    REQUIRE(b);
+    CHECK(rel_err(logits_of(b->model, toks), base) > 1e-3);
+    ql_llama_file_free(b);
+    ql_llama_file_free(a);
+}

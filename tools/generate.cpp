@@ -1,0 +1,204 @@
+// tools/generate - continue a prompt with a GGUF model, streaming the text.
+//
+//   ./generate -m model.gguf [-p "prompt"] [-n 128] [--temp 0.8] [--top-k 40] [--top-p 0.95]
+//              [--seed 1] [--lora adapter.gguf [--lora-scale 1]] [-c context] [-t threads]
+//
+// --temp 0 is greedy. An empty prompt starts from BOS alone. Two graphs are planned before the
+// first token - the prompt and one new token - over one KV cache; every step then only sets
+// inputs (token, position, cache row) and runs, allocating nothing.
+#include "../models/llama.h"
+#include "../models/tokenizer.h"
+#include "../qlora.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+static int usage(const char *argv0) {
+    fprintf(stderr,
+            "usage: %s -m model.gguf [-p PROMPT] [-n N] [--temp T] [--top-k K] [--top-p P] [--seed S]\n"
+            "       [--lora adapter.gguf] [--lora-scale S] [-c CONTEXT] [-t THREADS]\n",
+            argv0);
+    return 2;
+}
+
+static bool parse_num(const char *flag, const char *s, double lo, double hi, double *out) {
+    char *end = nullptr;
+    const double v = strtod(s, &end);
+    if (!end || *end || !std::isfinite(v) || v < lo || v > hi) {
+        fprintf(stderr, "generate: %s: '%s' is not a number in [%g, %g]\n", flag, s, lo, hi);
+        return false;
+    }
+    *out = v;
+    return true;
+}
+
+// temperature, top-k, top-p over the logits; greedy at temperature 0
+static int32_t sample(const float *logits, int V, double temp, int top_k, double top_p, std::mt19937_64 &rng,
+                      std::vector<std::pair<float, int32_t>> &cand) {
+    if (temp <= 0) return (int32_t)(std::max_element(logits, logits + V) - logits);
+    cand.clear();
+    for (int i = 0; i < V; i++) cand.push_back({logits[i], (int32_t)i});
+    const int k = top_k > 0 ? std::min(top_k, V) : V;
+    std::partial_sort(cand.begin(), cand.begin() + k, cand.end(), [](auto &a, auto &b) { return a.first > b.first; });
+    cand.resize((size_t)k);
+    double sum = 0;
+    for (auto &c : cand) sum += (c.first = (float)std::exp((c.first - cand[0].first) / temp));
+    double acc = 0;
+    size_t keep = cand.size();
+    for (size_t i = 0; i < cand.size(); i++) {  // the smallest prefix holding top_p of the mass
+        acc += cand[i].first / sum;
+        if (acc >= top_p) {
+            keep = i + 1;
+            break;
+        }
+    }
+    cand.resize(keep);
+    double total = 0;
+    for (auto &c : cand) total += c.first;
+    double r = std::uniform_real_distribution<double>(0, total)(rng);
+    for (auto &c : cand)
+        if ((r -= c.first) <= 0) return c.second;
+    return cand.back().second;
+}
+
+int main(int argc, char **argv) {
+    const char *model = nullptr, *lora = nullptr;
+    std::string prompt;
+    double n_gen = 128, temp = 0.8, top_k = 40, top_p = 0.95, seed = 1, n_ctx = 0, threads = 0, lora_scale = 1;
+    for (int i = 1; i < argc; i++) {
+        const std::string a = argv[i];
+        const bool has = i + 1 < argc;
+        bool ok = true;
+        if (a == "-m" && has) model = argv[++i];
+        else if (a == "-p" && has) prompt = argv[++i];
+        else if (a == "-n" && has) ok = parse_num("-n", argv[++i], 0, 1 << 20, &n_gen);
+        else if (a == "--temp" && has) ok = parse_num("--temp", argv[++i], 0, 100, &temp);
+        else if (a == "--top-k" && has) ok = parse_num("--top-k", argv[++i], 0, 1 << 30, &top_k);
+        else if (a == "--top-p" && has) ok = parse_num("--top-p", argv[++i], 0, 1, &top_p);
+        else if (a == "--seed" && has) ok = parse_num("--seed", argv[++i], 0, 1e18, &seed);
+        else if (a == "-c" && has) ok = parse_num("-c", argv[++i], 1, 1 << 20, &n_ctx);
+        else if (a == "-t" && has) ok = parse_num("-t", argv[++i], 0, 1024, &threads);
+        else if (a == "--lora" && has) lora = argv[++i];
+        else if (a == "--lora-scale" && has) ok = parse_num("--lora-scale", argv[++i], -100, 100, &lora_scale);
+        else if (a == "-h" || a == "--help") {
+            usage(argv[0]);
+            return 0;
+        } else {
+            fprintf(stderr, "generate: unknown or incomplete argument '%s'\n", argv[i]);
+            return usage(argv[0]);
+        }
+        if (!ok) return 2;
+    }
+    if (!model) {
+        fprintf(stderr, "generate: -m model.gguf is required\n");
+        return usage(argv[0]);
+    }
+    char err[512];
+    ql_llama_file *f = ql_llama_load(model, err, sizeof(err));
+    if (!f) {
+        fprintf(stderr, "generate: %s\n", err);
+        return 1;
+    }
+    ql_vocab *vocab = ql_vocab_load(f->gguf, err, sizeof(err));
+    if (!vocab) {
+        fprintf(stderr, "generate: %s\n", err);
+        return 1;
+    }
+    ql_llama &m = f->model;
+    ql_lora_adapter *ad = nullptr;
+    if (lora && !(ad = ql_llama_attach_lora(&m, f->arch.c_str(), lora, (float)lora_scale, err, sizeof(err)))) {
+        fprintf(stderr, "generate: %s\n", err);
+        return 1;
+    }
+    std::vector<int32_t> toks = ql_tokenize(vocab, prompt, true, true);
+    if (toks.empty()) {
+        if (ql_vocab_bos(vocab) < 0) {
+            fprintf(stderr, "generate: the prompt is empty and the vocabulary has no BOS token to start from\n");
+            return 1;
+        }
+        toks.push_back(ql_vocab_bos(vocab));
+    }
+    const int n_prompt = (int)toks.size();
+    int ctx_len = n_ctx > 0 ? (int)n_ctx : n_prompt + (int)n_gen;
+    if (m.hp.n_ctx_train > 0 && n_ctx <= 0) ctx_len = std::min(ctx_len, m.hp.n_ctx_train);
+    if (n_prompt >= ctx_len) {
+        fprintf(stderr, "generate: the prompt has %d tokens, the context %d --> hint: a larger -c\n", n_prompt, ctx_len);
+        return 1;
+    }
+
+    // the cache, the two graphs, all planned and allocated before the first token
+    const ql_llama_hparams &hp = m.hp;
+    const size_t cache_bytes = (size_t)hp.n_layer * 2 * (size_t)hp.head_dim() * (size_t)ctx_len * (size_t)hp.n_head_kv * 4;
+    ql_init_params ip = {cache_bytes + (size_t)(hp.n_layer * 200 + 400) * ql_tensor_overhead() + (1u << 20), nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_llama_cache cache;
+    ql_llama_cache_create(ctx, &m, ctx_len, &cache);
+    ql_tensor *pt = ql_new_tensor_2d(ctx, QL_TYPE_I32, n_prompt, 1), *pp = ql_new_tensor_2d(ctx, QL_TYPE_I32, n_prompt, 1);
+    ql_tensor *ot = ql_new_tensor_2d(ctx, QL_TYPE_I32, 1, 1), *op = ql_new_tensor_2d(ctx, QL_TYPE_I32, 1, 1);
+    ql_tensor *lp = ql_set_output(ql_llama_forward_cached(ctx, &m, &cache, pt, pp));
+    ql_tensor *lo = ql_set_output(ql_llama_forward_cached(ctx, &m, &cache, ot, op));
+    ql_graph *gp = ql_graph_new(ctx), *go = ql_graph_new(ctx);
+    ql_graph_build_forward(gp, lp);
+    ql_graph_build_forward(go, lo);
+    ql_backend *cpu = ql_backend_cpu_init((int)threads);
+    if (ql_ctx_status(ctx) != QL_OK || ql_graph_alloc(gp, cpu) != QL_OK || ql_graph_alloc(go, cpu) != QL_OK) {
+        fprintf(stderr, "generate: %s\n", ql_ctx_error(ctx));
+        return 1;
+    }
+
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int t = 0; t < n_prompt; t++) {
+        ((int32_t *)pt->data)[t] = toks[(size_t)t];
+        ((int32_t *)pp->data)[t] = t;
+    }
+    *(int32_t *)cache.write_pos->data = 0;
+    *(int32_t *)cache.n_kv->data = n_prompt;
+    if (ql_backend_graph_compute(cpu, gp) != QL_OK) {
+        fprintf(stderr, "generate: %s\n", ql_ctx_error(ctx));
+        return 1;
+    }
+    printf("%s", prompt.c_str());
+    fflush(stdout);
+    const auto t1 = std::chrono::steady_clock::now();
+    std::mt19937_64 rng((uint64_t)seed);
+    std::vector<std::pair<float, int32_t>> cand;
+    const float *logits = (const float *)lp->data + (size_t)(n_prompt - 1) * hp.n_vocab;
+    int n_done = 0;
+    for (int pos = n_prompt; n_done < (int)n_gen && pos < ctx_len; pos++) {
+        const int32_t next = sample(logits, hp.n_vocab, temp, (int)top_k, top_p, rng, cand);
+        if (ql_vocab_is_eog(vocab, next)) break;
+        const std::string piece = ql_token_to_piece(vocab, next, false);
+        fwrite(piece.data(), 1, piece.size(), stdout);
+        fflush(stdout);
+        n_done++;
+        if (n_done == (int)n_gen || pos + 1 >= ctx_len) break;
+        *(int32_t *)ot->data = next;
+        *(int32_t *)op->data = pos;
+        *(int32_t *)cache.write_pos->data = pos;
+        *(int32_t *)cache.n_kv->data = pos + 1;
+        if (ql_backend_graph_compute(cpu, go) != QL_OK) {
+            fprintf(stderr, "\ngenerate: %s\n", ql_ctx_error(ctx));
+            return 1;
+        }
+        logits = (const float *)lo->data;
+    }
+    const auto t2 = std::chrono::steady_clock::now();
+    const double tp = std::chrono::duration<double>(t1 - t0).count(), tg = std::chrono::duration<double>(t2 - t1).count();
+    fprintf(stderr, "\n\ngenerate: prompt %d tokens in %.3f s (%.1f tokens/s); generated %d tokens in %.3f s (%.1f tokens/s)\n",
+            n_prompt, tp, n_prompt / std::max(tp, 1e-9), n_done, tg, n_done / std::max(tg, 1e-9));
+    ql_graph_free(gp);
+    ql_graph_free(go);
+    ql_backend_free(cpu);
+    ql_free(ctx);
+    ql_lora_adapter_free(ad);
+    ql_vocab_free(vocab);
+    ql_llama_file_free(f);
+    return 0;
+}

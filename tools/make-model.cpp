@@ -1,0 +1,178 @@
+// tools/make-model - a random-initialised llama in GGUF, for benchmarks, tests and the demo.
+//
+//   ./make-model -o model.gguf [--dim 288] [--layers 6] [--heads 6] [--kv-heads 6] [--ff 768]
+//                [--vocab 512] [--ctx 1024] [--type f32|f16|bf16|q8_0|q4_0|nf4] [--seed 1] [--std 0.02]
+//
+// The vocabulary is SentencePiece-style ("llama"): <unk> <s> </s>, the 256 byte tokens, the
+// printable ASCII characters (" " as "▁"), then "▁"-prefixed characters and filler tokens up to
+// --vocab, so any text tokenizes (characters, or bytes as the fallback). Linear weights are
+// N(0, std) in --type; norms are 1 and stay f32, as do the embedding and the output.
+#include "../models/llama.h"
+#include "../qlora.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+static int usage(const char *argv0) {
+    fprintf(stderr,
+            "usage: %s -o model.gguf [--dim N] [--layers N] [--heads N] [--kv-heads N] [--ff N] [--vocab N] [--ctx N]\n"
+            "       [--type f32|f16|bf16|q8_0|q4_0|nf4] [--seed S] [--std X]\n",
+            argv0);
+    return 2;
+}
+
+static void write_vocab(ql_gguf_writer *w, int n_vocab) {
+    std::vector<std::string> tok;
+    std::vector<float> score;
+    std::vector<int32_t> type;
+    auto add = [&](const std::string &t, float s, int ty) {
+        tok.push_back(t);
+        score.push_back(s);
+        type.push_back(ty);
+    };
+    add("<unk>", 0, 2);
+    add("<s>", 0, 3);
+    add("</s>", 0, 3);
+    for (int b = 0; b < 256; b++) {
+        char piece[8];
+        snprintf(piece, sizeof(piece), "<0x%02X>", b);
+        add(piece, 0, 6);
+    }
+    for (int c = 32; c < 127 && (int)tok.size() < n_vocab; c++)  // characters; space as SentencePiece's "▁"
+        add(c == ' ' ? std::string("\xe2\x96\x81") : std::string(1, (char)c), -1.0f - (float)c / 1000.0f, 1);
+    for (int c = 33; c < 127 && (int)tok.size() < n_vocab; c++)  // a word start: "▁x"
+        add(std::string("\xe2\x96\x81") + (char)c, -0.5f - (float)c / 1000.0f, 1);
+    for (int i = 0; (int)tok.size() < n_vocab; i++) add("<extra_" + std::to_string(i) + ">", -1e9f, 5);
+    std::vector<const char *> ptr;
+    for (const std::string &t : tok) ptr.push_back(t.c_str());
+    ql_gguf_set_str(w, "tokenizer.ggml.model", "llama");
+    ql_gguf_set_arr_str(w, "tokenizer.ggml.tokens", ptr.data(), ptr.size());
+    ql_gguf_set_arr(w, "tokenizer.ggml.scores", QL_GGUF_F32, score.data(), score.size());
+    ql_gguf_set_arr(w, "tokenizer.ggml.token_type", QL_GGUF_I32, type.data(), type.size());
+    ql_gguf_set_u32(w, "tokenizer.ggml.unknown_token_id", 0);
+    ql_gguf_set_u32(w, "tokenizer.ggml.bos_token_id", 1);
+    ql_gguf_set_u32(w, "tokenizer.ggml.eos_token_id", 2);
+    ql_gguf_set_bool(w, "tokenizer.ggml.add_bos_token", true);
+    ql_gguf_set_bool(w, "tokenizer.ggml.add_eos_token", false);
+}
+
+int main(int argc, char **argv) {
+    const char *out = nullptr, *type_name = "f32";
+    long dim = 288, layers = 6, heads = 6, kv_heads = -1, ff = 768, vocab = 512, ctx_len = 1024, seed = 1;
+    double std_dev = 0.02;
+    for (int i = 1; i < argc; i++) {
+        const std::string a = argv[i];
+        if (i + 1 >= argc && a != "-h" && a != "--help") {
+            fprintf(stderr, "make-model: '%s' needs a value\n", argv[i]);
+            return usage(argv[0]);
+        }
+        auto num = [&](long *v, long lo, long hi) {
+            char *end = nullptr;
+            const long x = strtol(argv[++i], &end, 10);
+            if (!end || *end || x < lo || x > hi) {
+                fprintf(stderr, "make-model: %s: '%s' is not an integer in [%ld, %ld]\n", a.c_str(), argv[i], lo, hi);
+                exit(2);
+            }
+            *v = x;
+        };
+        if (a == "-o") out = argv[++i];
+        else if (a == "--dim") num(&dim, 2, 1 << 16);
+        else if (a == "--layers") num(&layers, 1, 1024);
+        else if (a == "--heads") num(&heads, 1, 1024);
+        else if (a == "--kv-heads") num(&kv_heads, 1, 1024);
+        else if (a == "--ff") num(&ff, 1, 1 << 18);
+        else if (a == "--vocab") num(&vocab, 259 + 95, 1 << 20);
+        else if (a == "--ctx") num(&ctx_len, 1, 1 << 24);
+        else if (a == "--seed") num(&seed, 0, 1L << 62);
+        else if (a == "--type") type_name = argv[++i];
+        else if (a == "--std") {
+            std_dev = strtod(argv[++i], nullptr);
+            if (!(std_dev > 0 && std_dev < 10)) {
+                fprintf(stderr, "make-model: --std must be in (0, 10)\n");
+                return 2;
+            }
+        } else if (a == "-h" || a == "--help") {
+            usage(argv[0]);
+            return 0;
+        } else {
+            fprintf(stderr, "make-model: unknown flag '%s'\n", argv[i]);
+            return usage(argv[0]);
+        }
+    }
+    if (!out) {
+        fprintf(stderr, "make-model: -o model.gguf is required\n");
+        return usage(argv[0]);
+    }
+    if (kv_heads < 0) kv_heads = heads;
+    ql_type wtype = QL_TYPE_COUNT;
+    for (int t = 0; t < QL_TYPE_COUNT; t++) {
+        const ql_type_traits *tt = ql_type_traits_get((ql_type)t);
+        if (tt && tt->is_float && (tt->from_float || tt->aux_bytes) && !strcmp(tt->name, type_name)) wtype = (ql_type)t;
+    }
+    if (wtype == QL_TYPE_COUNT) {
+        fprintf(stderr, "make-model: unknown --type '%s' (f32, f16, bf16, q8_0, q4_0, nf4, nf4_nodq)\n", type_name);
+        return 2;
+    }
+    ql_llama_hparams hp;
+    hp.n_vocab = (int)vocab;
+    hp.n_embd = (int)dim;
+    hp.n_layer = (int)layers;
+    hp.n_head = (int)heads;
+    hp.n_head_kv = (int)kv_heads;
+    hp.n_ff = (int)ff;
+    ql_init_params ip = {ql_llama_weight_bytes(hp, QL_TYPE_F32, false) + (size_t)(layers * 16 + 16) * ql_tensor_overhead(),
+                         nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_llama m;
+    if (!ctx || ql_llama_create(ctx, &m, hp, QL_TYPE_F32, false) != QL_OK) {
+        fprintf(stderr, "make-model: %s\n", ctx ? ql_ctx_error(ctx) : "out of memory");
+        return 2;
+    }
+    ql_llama_randomize(&m, (uint64_t)seed, (float)std_dev);
+
+    ql_gguf_writer *w = ql_gguf_writer_new();
+    ql_gguf_set_str(w, "general.architecture", "llama");
+    ql_gguf_set_str(w, "general.name", "random llama (make-model)");
+    ql_gguf_set_u32(w, "llama.context_length", (uint32_t)ctx_len);
+    ql_gguf_set_u32(w, "llama.embedding_length", (uint32_t)dim);
+    ql_gguf_set_u32(w, "llama.block_count", (uint32_t)layers);
+    ql_gguf_set_u32(w, "llama.feed_forward_length", (uint32_t)ff);
+    ql_gguf_set_u32(w, "llama.attention.head_count", (uint32_t)heads);
+    ql_gguf_set_u32(w, "llama.attention.head_count_kv", (uint32_t)kv_heads);
+    ql_gguf_set_f32(w, "llama.attention.layer_norm_rms_epsilon", 1e-5f);
+    ql_gguf_set_f32(w, "llama.rope.freq_base", 10000.0f);
+    write_vocab(w, (int)vocab);
+    std::vector<std::vector<uint8_t>> keep;
+    char err[512];
+    auto add = [&](ql_tensor *t, ql_type type) {
+        const int64_t ne[4] = {t->ne[0], t->ne[1], 1, 1};
+        keep.emplace_back(ql_type_data_size(type, t->ne[1], t->ne[0]));
+        if (ql_quantize(type, (const float *)t->data, t->ne[1], t->ne[0], keep.back().data(), err, sizeof(err)) != QL_OK ||
+            ql_gguf_add_tensor(w, t->name, type, ql_n_dims(t), ne, keep.back().data(), keep.back().size()) != QL_OK) {
+            fprintf(stderr, "make-model: tensor %s: %s\n", t->name, err);
+            exit(1);
+        }
+    };
+    add(m.tok_embd, QL_TYPE_F32);
+    add(m.out_norm, QL_TYPE_F32);
+    add(m.output, QL_TYPE_F32);
+    for (ql_llama_layer &L : m.layers) {
+        add(L.attn_norm, QL_TYPE_F32);
+        add(L.ffn_norm, QL_TYPE_F32);
+        for (ql_tensor *t : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down})
+            add(t, t->ne[0] % ql_type_traits_get(wtype)->blck_size == 0 ? wtype : QL_TYPE_F32);
+    }
+    if (ql_gguf_write(w, out, err, sizeof(err)) != QL_OK) {
+        fprintf(stderr, "make-model: %s\n", err);
+        return 1;
+    }
+    ql_gguf_writer_free(w);
+    printf("make-model: %s: dim %ld, %ld layers, %ld/%ld heads, ffn %ld, vocab %ld, %s linear weights\n", out, dim, layers,
+           heads, kv_heads, ff, vocab, ql_type_name(wtype));
+    ql_free(ctx);
+    return 0;
+}

@@ -1,0 +1,177 @@
+// tools/perplexity - how well a model predicts a text.
+//
+//   ./perplexity -m model.gguf -f text.txt [-c 512] [--lora adapter.gguf [--lora-scale 1]]
+//                [--json] [-t threads]
+//
+// The text is tokenized once, without BOS, and cut into consecutive chunks of c-1 tokens; each
+// window is BOS followed by one chunk, and every chunk token is predicted by the position
+// before it - so "tokens" equals the text's token count. Prints the mean negative
+// log-likelihood and its exponential; --json prints {"nll": ..., "ppl": ..., "tokens": ...}.
+#include "../models/llama.h"
+#include "../models/tokenizer.h"
+#include "../qlora.h"
+
+#include <chrono>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+static int usage(const char *argv0) {
+    fprintf(stderr, "usage: %s -m model.gguf -f text.txt [-c 512] [--lora adapter.gguf] [--lora-scale S] [--json] [-t THREADS]\n",
+            argv0);
+    return 2;
+}
+
+// One window length's graph: tokens [T], targets [T] (-1: not predicted), summed NLL out.
+struct window_graph {
+    ql_context *ctx = nullptr;
+    ql_graph *g = nullptr;
+    ql_tensor *tokens, *pos, *targets, *count, *nll;
+    bool build(const ql_llama &m, int T, ql_backend *cpu, std::string *why) {
+        ql_init_params ip = {(size_t)(m.hp.n_layer * 200 + 400) * ql_tensor_overhead() + (size_t)T * 16 + (1u << 16),
+                             nullptr, false, false};
+        ctx = ql_init(ip);
+        tokens = ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1);
+        pos = ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1);
+        targets = ql_new_tensor_1d(ctx, QL_TYPE_I32, T);
+        count = ql_new_tensor_1d(ctx, QL_TYPE_F32, 1);
+        ql_tensor *logits = ql_llama_forward(ctx, &m, tokens, pos, nullptr);
+        nll = ql_cross_entropy(ctx, logits ? ql_reshape_2d(ctx, logits, logits->ne[0], T) : nullptr, targets, count);
+        g = ql_graph_new(ctx);
+        ql_graph_build_forward(g, nll);
+        if (ql_ctx_status(ctx) != QL_OK || ql_graph_alloc(g, cpu) != QL_OK) {
+            *why = ql_ctx_error(ctx);
+            return false;
+        }
+        for (int t = 0; t < T; t++) ((int32_t *)pos->data)[t] = t;
+        *(float *)count->data = 1.0f;  // the op's sum over predicted tokens, unnormalised
+        return true;
+    }
+    ~window_graph() {
+        ql_graph_free(g);
+        ql_free(ctx);
+    }
+};
+
+int main(int argc, char **argv) {
+    const char *model = nullptr, *file = nullptr, *lora = nullptr;
+    int c = 512, threads = 0;
+    double lora_scale = 1;
+    bool json = false;
+    for (int i = 1; i < argc; i++) {
+        const std::string a = argv[i];
+        const bool has = i + 1 < argc;
+        if (a == "-m" && has) model = argv[++i];
+        else if (a == "-f" && has) file = argv[++i];
+        else if (a == "--lora" && has) lora = argv[++i];
+        else if (a == "--json") json = true;
+        else if ((a == "-c" || a == "-t" || a == "--lora-scale") && has) {
+            char *end = nullptr;
+            const double v = strtod(argv[++i], &end);
+            const bool bad = !end || *end || !std::isfinite(v) || (a == "-c" && (v < 2 || v > (1 << 20) || v != (int)v)) ||
+                             (a == "-t" && (v < 0 || v > 1024 || v != (int)v));
+            if (bad) {
+                fprintf(stderr, "perplexity: %s: '%s' is not a valid value%s\n", a.c_str(), argv[i],
+                        a == "-c" ? " (an integer >= 2)" : "");
+                return 2;
+            }
+            if (a == "-c") c = (int)v;
+            else if (a == "-t") threads = (int)v;
+            else lora_scale = v;
+        } else if (a == "-h" || a == "--help") {
+            usage(argv[0]);
+            return 0;
+        } else {
+            fprintf(stderr, "perplexity: unknown or incomplete argument '%s'\n", argv[i]);
+            return usage(argv[0]);
+        }
+    }
+    if (!model || !file) {
+        fprintf(stderr, "perplexity: -m model.gguf and -f text.txt are required\n");
+        return usage(argv[0]);
+    }
+    FILE *tf = fopen(file, "rb");
+    if (!tf) {
+        fprintf(stderr, "perplexity: %s: cannot open: %s\n", file, strerror(errno));
+        return 1;
+    }
+    std::string text;
+    char buf[65536];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof(buf), tf)) > 0) text.append(buf, n);
+    fclose(tf);
+
+    char err[512];
+    ql_llama_file *f = ql_llama_load(model, err, sizeof(err));
+    ql_vocab *vocab = f ? ql_vocab_load(f->gguf, err, sizeof(err)) : nullptr;
+    if (!f || !vocab) {
+        fprintf(stderr, "perplexity: %s\n", err);
+        return 1;
+    }
+    ql_lora_adapter *ad = nullptr;
+    if (lora && !(ad = ql_llama_attach_lora(&f->model, f->arch.c_str(), lora, (float)lora_scale, err, sizeof(err)))) {
+        fprintf(stderr, "perplexity: %s\n", err);
+        return 1;
+    }
+    const int32_t bos = ql_vocab_bos(vocab);
+    if (bos < 0) {
+        fprintf(stderr, "perplexity: %s: the vocabulary has no BOS token to start each window with\n", model);
+        return 1;
+    }
+    const std::vector<int32_t> toks = ql_tokenize(vocab, text, false, false);
+    if (toks.empty()) {
+        fprintf(stderr, "perplexity: %s: the text has no tokens\n", file);
+        return 1;
+    }
+    if (f->model.hp.n_ctx_train > 0 && c > f->model.hp.n_ctx_train)
+        fprintf(stderr, "perplexity: note: -c %d is longer than the model's training context %d\n", c, f->model.hp.n_ctx_train);
+    const int chunk = c - 1;
+    const int64_t n_tok = (int64_t)toks.size(), n_full = n_tok / chunk, tail = n_tok % chunk;
+    ql_backend *cpu = ql_backend_cpu_init(threads);
+    window_graph full, last;  // both planned and allocated before the first window runs
+    std::string why;
+    if ((n_full > 0 && !full.build(f->model, c, cpu, &why)) || (tail > 0 && !last.build(f->model, (int)tail + 1, cpu, &why))) {
+        fprintf(stderr, "perplexity: %s\n", why.c_str());
+        return 1;
+    }
+    const bool progress = isatty(fileno(stderr));  // a live counter on a terminal only
+    const auto t0 = std::chrono::steady_clock::now();
+    double sum = 0;
+    for (int64_t start = 0; start < n_tok; start += chunk) {
+        const int64_t len = std::min<int64_t>(chunk, n_tok - start);
+        window_graph &w = len == chunk ? full : last;
+        int32_t *tk = (int32_t *)w.tokens->data, *tg = (int32_t *)w.targets->data;
+        tk[0] = bos;
+        for (int64_t i = 0; i < len; i++) {
+            tk[i + 1] = toks[(size_t)(start + i)];
+            tg[i] = toks[(size_t)(start + i)];  // predicted from the position before it
+        }
+        tg[len] = -1;  // the last position predicts nothing in this window
+        if (ql_backend_graph_compute(cpu, w.g) != QL_OK) {
+            fprintf(stderr, "perplexity: %s\n", ql_ctx_error(w.ctx));
+            return 1;
+        }
+        sum += *(const float *)w.nll->data;
+        if (!json && progress) fprintf(stderr, "\rperplexity: %lld/%lld tokens", (long long)(start + len), (long long)n_tok);
+    }
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const double nll = sum / (double)n_tok;
+    if (json) {
+        printf("{\"nll\": %.6f, \"ppl\": %.6f, \"tokens\": %lld}\n", nll, std::exp(nll), (long long)n_tok);
+    } else {
+        if (progress) fprintf(stderr, "\n");
+        printf("perplexity: %lld tokens in windows of %d: mean nll %.6f, perplexity %.4f (%.1f tokens/s)\n",
+               (long long)n_tok, c, nll, std::exp(nll), (double)n_tok / std::max(secs, 1e-9));
+    }
+    ql_backend_free(cpu);
+    ql_lora_adapter_free(ad);
+    ql_vocab_free(vocab);
+    ql_llama_file_free(f);
+    return 0;
+}
