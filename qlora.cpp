@@ -422,24 +422,26 @@ static size_t nf4_aux_bytes(int64_t n) {  // n_blocks, offset, map, group scales
 static size_t nf4_nodq_aux_bytes(int64_t n) { return (size_t)nf4_n_blocks(n) * sizeof(float); }
 static void nf4_to_float_aux(const void *row, const void *aux, int64_t first, float *dst, int64_t n);
 static void nf4_nodq_to_float_aux(const void *row, const void *aux, int64_t first, float *dst, int64_t n);
+static bool nf4_aux_check(const void *aux, int64_t n);
+static bool nf4_nodq_aux_check(const void *aux, int64_t n);
 
 struct ql_type_table {
     ql_type_traits t[QL_TYPE_COUNT];
     ql_type_table() {
         memset(t, 0, sizeof(t));
-        t[QL_TYPE_F32]  = {"f32", 1, 4, true, f32_to_float, f32_from_float, nullptr, nullptr};
-        t[QL_TYPE_F16]  = {"f16", 1, 2, true, f16_to_float, f16_from_float, nullptr, nullptr};
-        t[QL_TYPE_BF16] = {"bf16", 1, 2, true, bf16_to_float, bf16_from_float, nullptr, nullptr};
-        t[QL_TYPE_I32]  = {"i32", 1, 4, false, nullptr, nullptr, nullptr, nullptr};
-        t[QL_TYPE_Q4_0] = {"q4_0", QL_QK4_0, sizeof(ql_block_q4_0), true, q4_0_to_float, q4_0_from_float, nullptr, nullptr};
-        t[QL_TYPE_Q8_0] = {"q8_0", QL_QK8_0, sizeof(ql_block_q8_0), true, q8_0_to_float, q8_0_from_float, nullptr, nullptr};
-        t[QL_TYPE_Q4_K] = {"q4_K", QL_QK_K, sizeof(ql_block_q4_K), true, q4_K_to_float, nullptr, nullptr, nullptr};
-        t[QL_TYPE_Q5_K] = {"q5_K", QL_QK_K, sizeof(ql_block_q5_K), true, q5_K_to_float, nullptr, nullptr, nullptr};
-        t[QL_TYPE_Q6_K] = {"q6_K", QL_QK_K, sizeof(ql_block_q6_K), true, q6_K_to_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_F32]  = {"f32", 1, 4, true, f32_to_float, f32_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_F16]  = {"f16", 1, 2, true, f16_to_float, f16_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_BF16] = {"bf16", 1, 2, true, bf16_to_float, bf16_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_I32]  = {"i32", 1, 4, false, nullptr, nullptr, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q4_0] = {"q4_0", QL_QK4_0, sizeof(ql_block_q4_0), true, q4_0_to_float, q4_0_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q8_0] = {"q8_0", QL_QK8_0, sizeof(ql_block_q8_0), true, q8_0_to_float, q8_0_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q4_K] = {"q4_K", QL_QK_K, sizeof(ql_block_q4_K), true, q4_K_to_float, nullptr, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q5_K] = {"q5_K", QL_QK_K, sizeof(ql_block_q5_K), true, q5_K_to_float, nullptr, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q6_K] = {"q6_K", QL_QK_K, sizeof(ql_block_q6_K), true, q6_K_to_float, nullptr, nullptr, nullptr, nullptr};
         t[QL_TYPE_NF4]  = {"nf4", QL_NF4_BLOCK, sizeof(ql_block_nf4), true, nullptr, nullptr, nf4_aux_bytes,
-                           nf4_to_float_aux};
+                           nf4_to_float_aux, nf4_aux_check};
         t[QL_TYPE_NF4_NODQ] = {"nf4_nodq", QL_NF4_BLOCK, sizeof(ql_block_nf4), true, nullptr, nullptr,
-                               nf4_nodq_aux_bytes, nf4_nodq_to_float_aux};
+                               nf4_nodq_aux_bytes, nf4_nodq_to_float_aux, nf4_nodq_aux_check};
     }
 };
 static const ql_type_table k_types;
@@ -574,6 +576,21 @@ struct nf4_aux {
     }
     float absmax(int64_t b) const { return nf4_absmax(map, code[b], scale[b / QL_NF4_GROUP], offset); }
 };
+
+static bool all_finite(const float *x, int64_t n, int64_t *bad);
+
+// side data read from a file: the block count in its header locates the codes, so it must be
+// this tensor's; the statistics must be numbers
+static bool nf4_aux_check(const void *aux, int64_t n) {
+    const nf4_aux a(aux);
+    int64_t bad;
+    return (int64_t)a.n_blocks == nf4_n_blocks(n) && std::isfinite(a.offset) && all_finite(a.map, 256, &bad) &&
+           all_finite(a.scale, nf4_n_groups(n), &bad);
+}
+static bool nf4_nodq_aux_check(const void *aux, int64_t n) {
+    int64_t bad;
+    return all_finite((const float *)aux, nf4_n_blocks(n), &bad);
+}
 
 static bool all_finite(const float *x, int64_t n, int64_t *bad) {
     for (int64_t i = 0; i < n; i++)
@@ -739,7 +756,7 @@ ql_status ql_nf4_from_bnb(const ql_bnb_nf4 *in, ql_type type, int64_t ne0, void 
 }
 
 ql_status ql_nf4_to_bnb(ql_type type, const void *src, int64_t n_rows, int64_t ne0, ql_bnb_nf4 *out) {
-    if (!src || !out || !nf4_type(type) || ne0 % QL_NF4_BLOCK != 0 || n_rows < 0) return QL_ERR_INVALID;
+    if (!src || !out || !nf4_type(type) || ne0 <= 0 || ne0 % QL_NF4_BLOCK != 0 || n_rows < 0) return QL_ERR_INVALID;
     const int64_t n = n_rows * ne0, nb = nf4_n_blocks(n), ng = nf4_n_groups(n);
     out->n = n;
     out->nested = type == QL_TYPE_NF4;
@@ -1146,6 +1163,10 @@ ql_tensor *ql_view_4d(ql_context *ctx, ql_tensor *a, int64_t ne0, int64_t ne1, i
     for (int i = 0; i < 4; i++) { tmp.ne[i] = ne[i]; tmp.nb[i] = nb[i]; }
     QL_CHECK(ctx, ne0 >= 0 && ne1 >= 0 && ne2 >= 0 && ne3 >= 0 && ne0 % traits(a->type).blck_size == 0,
              QL_ERR_SHAPE, "view: bad shape %s of %s", shape_str(&tmp).c_str(), shape_str(a).c_str());
+    const size_t bs = traits(a->type).type_size;  // block types: rows begin on whole blocks
+    QL_CHECK(ctx, traits(a->type).blck_size == 1 || (offset % bs == 0 && nb1 % bs == 0 && nb2 % bs == 0 && nb3 % bs == 0),
+             QL_ERR_SHAPE, "view: offset %zu and strides [%zu, %zu, %zu] of block-quantized %s must be whole %zu-byte blocks",
+             offset, nb1, nb2, nb3, shape_str(a).c_str(), bs);
     QL_CHECK(ctx, offset + ql_nbytes(&tmp) <= ql_nbytes(a), QL_ERR_SHAPE,
              "view: %s at offset %zu with strides [%zu, %zu, %zu] reaches byte %zu, past the %zu bytes of %s",
              shape_str(&tmp).c_str(), offset, nb1, nb2, nb3, offset + ql_nbytes(&tmp), ql_nbytes(a),
@@ -1939,9 +1960,10 @@ static void row_to_float(const ql_tensor *t, const uint8_t *row, int64_t k0, int
         tt.to_float(p, dst, n);
         return;
     }
+    // the root is a dense leaf of blocks: a block's byte address is its index, whatever the view
     const ql_tensor *root = view_root(const_cast<ql_tensor *>(t));
-    const int64_t r = (int64_t)((size_t)(row - (const uint8_t *)root->data) / root->nb[1]);
-    tt.to_float_aux(p, ql_aux_data(root), r * root->ne[0] + k0, dst, n);
+    const int64_t first = (int64_t)((size_t)(p - (const uint8_t *)root->data) / tt.type_size) * tt.blck_size;
+    tt.to_float_aux(p, ql_aux_data(root), first, dst, n);
 }
 
 // Ops whose kernel may write its result over source `src` (same layout, read element by
@@ -3296,21 +3318,19 @@ struct mm_operand {
     // block types: rows of blocks along k (sk == block bytes, rows smn apart) or, for a
     // transposed block weight (trows), rows along mn that are sk apart
     bool trows;
-    const void *aux;   // side data of the root tensor (NF4), else NULL
-    int64_t ne0;       // root's row length, and this operand's first row in the root
-    int64_t row0;
+    const void *aux;             // side data of the root tensor (NF4), else NULL
+    const uint8_t *root_data;    // where the root's blocks start: a block's index from its address
 };
 
 static inline bool mm_k_contig(const mm_operand &o) { return !o.trows && o.sk == (int64_t)traits(o.type).type_size; }
 
 // a run of one root row as floats: a pointer into the data (f32) or into tmp (converted)
-static inline const float *mm_root_run(const mm_operand &o, int64_t row, int64_t c0, int64_t n, const uint8_t *rp,
-                                       float *tmp) {
+static inline const float *mm_root_run(const mm_operand &o, int64_t c0, int64_t n, const uint8_t *rp, float *tmp) {
     const uint8_t *p = rp + ql_row_size(o.type, c0);
     if (o.type == QL_TYPE_F32) return (const float *)p;
     const ql_type_traits &tt = traits(o.type);
     if (tt.to_float_aux)
-        tt.to_float_aux(p, o.aux, (o.row0 + row) * o.ne0 + c0, tmp, n);
+        tt.to_float_aux(p, o.aux, (int64_t)((size_t)(p - o.root_data) / tt.type_size) * tt.blck_size, tmp, n);
     else
         tt.to_float(p, tmp, n);
     return tmp;
@@ -3318,7 +3338,7 @@ static inline const float *mm_root_run(const mm_operand &o, int64_t row, int64_t
 
 // k-run [k0, k0+n) of row mn (k-contiguous operands)
 static inline const float *mm_run(const mm_operand &o, int64_t mn, int64_t k0, int64_t n, float *tmp) {
-    return mm_root_run(o, mn, k0, n, o.p + mn * o.smn, tmp);
+    return mm_root_run(o, k0, n, o.p + mn * o.smn, tmp);
 }
 
 static inline float mm_elem(const mm_operand &o, int64_t k, int64_t mn) {
@@ -3368,7 +3388,7 @@ static void mm_pack(const mm_operand &o, int64_t k0, int64_t kc, int64_t mn0, in
 // (block-aligned), then deal them out to the NR-wide panels.
 static void mm_pack_trows(const mm_operand &o, int64_t k0, int64_t kc, int64_t mn0, int64_t nc, float *d, float *tmp) {
     for (int64_t kk = 0; kk < kc; kk++) {
-        const float *s = mm_root_run(o, k0 + kk, mn0, nc, o.p + (k0 + kk) * o.sk, tmp);
+        const float *s = mm_root_run(o, mn0, nc, o.p + (k0 + kk) * o.sk, tmp);
         for (int64_t jp = 0; jp < nc; jp += MM_NR) {
             const int64_t nr = std::min<int64_t>(MM_NR, nc - jp);
             float *dk = d + jp * kc + kk * MM_NR;
@@ -3522,7 +3542,6 @@ struct mm_problem {
     int64_t n_batch, B2;    // batches of b (and c); a is broadcast over them
     int64_t r2, r3;         // b batches per a batch
     size_t wb2, wb3, xb2, xb3, cb2, cb3;  // batch strides in bytes
-    int64_t wr2, wr3;       // the same strides of a in root rows (side-data types)
 };
 
 static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
@@ -3546,7 +3565,6 @@ static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
         if (jb >= je || ib >= ie) continue;
         mm_operand w = P.w, x = P.x;
         w.p += (i2 / P.r2) * P.wb2 + (i3 / P.r3) * P.wb3;
-        w.row0 += (i2 / P.r2) * P.wr2 + (i3 / P.r3) * P.wr3;
         x.p += i2 * P.xb2 + i3 * P.xb3;
         float *c = (float *)((uint8_t *)P.c + i2 * P.cb2 + i3 * P.cb3);
         if (dot)
@@ -3569,11 +3587,8 @@ static mm_problem mm_problem_of(const ql_tensor *dst) {
     const ql_tensor *root = view_root(const_cast<ql_tensor *>(rows));
     const bool side = traits(a->type).aux_bytes != nullptr;
     P.w = {(const uint8_t *)a->data, (int64_t)(trows ? rows->nb[1] : a->nb[0]), (int64_t)(trows ? 0 : a->nb[1]),
-           a->type, trows, side ? ql_aux_data(root) : nullptr, root->ne[0],
-           side && root->data ? (int64_t)(((const uint8_t *)rows->data - (const uint8_t *)root->data) / root->nb[1]) : 0};
-    P.wr2 = side ? (int64_t)(a->nb[2] / root->nb[1]) : 0;
-    P.wr3 = side ? (int64_t)(a->nb[3] / root->nb[1]) : 0;
-    P.x = {(const uint8_t *)b->data, (int64_t)b->nb[0], (int64_t)b->nb[1], b->type, false, nullptr, b->ne[0], 0};
+           a->type, trows, side ? ql_aux_data(root) : nullptr, (const uint8_t *)root->data};
+    P.x = {(const uint8_t *)b->data, (int64_t)b->nb[0], (int64_t)b->nb[1], b->type, false, nullptr, nullptr};
     P.c = (float *)dst->data;
     P.M = a->ne[1];
     P.N = b->ne[1];
@@ -3839,8 +3854,8 @@ void ql_cpu_sgemm(ql_backend *be, int64_t M, int64_t N, int64_t K, const float *
     cpu_backend *cb = (cpu_backend *)be->impl;
     sgemm_job j;
     memset(&j.P, 0, sizeof(j.P));
-    j.P.w = {(const uint8_t *)a, 4, lda * 4, QL_TYPE_F32, false, nullptr, K, 0};
-    j.P.x = {(const uint8_t *)b, 4, ldb * 4, QL_TYPE_F32, false, nullptr, K, 0};
+    j.P.w = {(const uint8_t *)a, 4, lda * 4, QL_TYPE_F32, false, nullptr, nullptr};
+    j.P.x = {(const uint8_t *)b, 4, ldb * 4, QL_TYPE_F32, false, nullptr, nullptr};
     j.P.c = c;
     j.P.M = M;
     j.P.N = N;
@@ -4271,6 +4286,11 @@ static bool gguf_parse(ql_gguf &g, gguf_parser &P) {
             return P.fail("%s: data [%llu, +%llu) runs past the end of the file (the data section holds %llu bytes)",
                           ctx, (unsigned long long)t.offset, (unsigned long long)t.size, (unsigned long long)avail);
         t.data = P.buf + data_offset + t.offset;
+        const ql_type_traits *tt = ql_type_traits_get(t.type);
+        const int64_t n_el = t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3];
+        if (tt->aux_check && t.size > 0 && !tt->aux_check(t.data + (t.size - tt->aux_bytes(n_el)), n_el))
+            return P.fail("%s: its %s side data does not describe a tensor of %lld elements (corrupt?)", ctx, tt->name,
+                          (long long)n_el);
     }
     // no two tensors share bytes (empty ones occupy nothing)
     std::vector<size_t> order;

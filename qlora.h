@@ -102,6 +102,8 @@ typedef struct ql_type_traits {
     // block). NULL: none. A tensor of such a type has aux_size = aux_bytes(nelements).
     size_t             (*aux_bytes)(int64_t n_elements);
     ql_to_float_aux_fn to_float_aux;
+    // side data from outside (a file) must describe a tensor of n_elements: false if not
+    bool               (*aux_check)(const void *aux, int64_t n_elements);
 } ql_type_traits;
 
 const ql_type_traits *ql_type_traits_get(ql_type t);  // NULL for an unknown id

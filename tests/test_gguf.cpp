@@ -433,7 +433,12 @@ TEST_CASE("gguf: writer round trip, alignment 32 and 64, every array kind, five 
     const int nt = (int)(sizeof(tds) / sizeof(tds[0]));
     std::vector<std::vector<uint8_t>> data;
     for (const tdesc &t : tds) data.push_back(rand_bytes(ql_type_data_size(t.type, t.ne[1] * t.ne[2] * t.ne[3], t.ne[0])));
-    CHECK(data[4].size() > 2 * 64);  // nf4: the rows, then side data
+    {  // nf4: real data (the reader checks its side data), rows then side data
+        std::vector<float> w(256);
+        for (size_t i = 0; i < w.size(); i++) w[i] = (float)std::sin(0.37 * (double)i);
+        REQUIRE(ql_quantize(QL_TYPE_NF4, w.data(), 2, 128, data[4].data(), nullptr, 0) == QL_OK);
+    }
+    CHECK(data[4].size() > 2 * 64);
 
     const uint8_t  a_u8[] = {0, 1, 255};
     const int8_t   a_i8[] = {-128, 0, 127};
@@ -736,9 +741,10 @@ TEST_CASE("gguf: malformed files fail with a message naming the problem") {
         CHECK_FAILS(one_tensor({8}, QL_TYPE_F32, 1024), "past the end");
         CHECK_FAILS(one_tensor({8}, QL_TYPE_F32, 256), "past the end");  // starts at the end, 32 bytes long
         CHECK_FAILS(one_tensor({8}, QL_TYPE_F32, ~0ull - 31), "past the end");
-        // nf4: rows + side data must fit; the rows alone are not enough
+        // nf4: rows + side data must fit; the rows alone are not enough; zeroed side data
+        // (a block count of 0 in its header) is corrupt
         const size_t nf4_bytes = ql_type_data_size(QL_TYPE_NF4, 4, 64);
-        CHECK(open_error(one_tensor({64, 4}, QL_TYPE_NF4, 0, nf4_bytes).b).empty());
+        CHECK_FAILS(one_tensor({64, 4}, QL_TYPE_NF4, 0, nf4_bytes), "side data does not describe");
         CHECK_FAILS(one_tensor({64, 4}, QL_TYPE_NF4, 0, nf4_bytes - 1), "past the end");
         CHECK_FAILS(one_tensor({64, 4}, QL_TYPE_NF4, 0, 4 * 32), "past the end");
         bytes_t ov;
@@ -776,7 +782,9 @@ TEST_CASE("gguf: writer refusals and KV order") {
     CHECK(ql_gguf_add_tensor(w, "t", QL_TYPE_F32, 2, huge, buf, 64) == QL_ERR_INVALID);
     const int64_t nf4ne[2] = {64, 1};
     CHECK(ql_gguf_add_tensor(w, "nf4", QL_TYPE_NF4, 2, nf4ne, buf, 32) == QL_ERR_INVALID);  // rows only: no side data
-    const std::vector<uint8_t> nf4(ql_type_data_size(QL_TYPE_NF4, 1, 64));
+    std::vector<uint8_t> nf4(ql_type_data_size(QL_TYPE_NF4, 1, 64));
+    std::vector<float> nf4w(64, 0.25f);
+    REQUIRE(ql_quantize(QL_TYPE_NF4, nf4w.data(), 1, 64, nf4.data(), nullptr, 0) == QL_OK);
     CHECK(ql_gguf_add_tensor(w, "nf4", QL_TYPE_NF4, 2, nf4ne, nf4.data(), nf4.size()) == QL_OK);
     CHECK(ql_gguf_add_tensor(w, "t", QL_TYPE_F32, 2, ne8, buf, 64) == QL_OK);
     CHECK(ql_gguf_add_tensor(w, "t", QL_TYPE_F32, 2, ne8, buf, 64) == QL_ERR_INVALID);  // duplicate

@@ -157,3 +157,57 @@ TEST_CASE("finite differences through an NF4 matmul (double reference)") {
     }
     CHECK(worst / scale < 1e-5);
 }
+
+TEST_CASE("NF4 read through views: strided rows, half rows, permuted, transposed, get_rows") {
+    // each view of an NF4 weight must read exactly what the same view of its f32 dequantisation reads
+    const int64_t E = 128, R = 8, Z = 2;  // [E, R, Z]
+    std::mt19937 rng(21);
+    std::normal_distribution<float> N(0.0f, 0.1f);
+    std::vector<float> w((size_t)(E * R * Z));
+    for (float &v : w) v = N(rng);
+    ql_init_params ip = {16u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *q = ql_new_tensor_3d(ctx, QL_TYPE_NF4, E, R, Z);
+    ql_tensor *f = ql_new_tensor_3d(ctx, QL_TYPE_F32, E, R, Z);
+    REQUIRE(ql_quantize(QL_TYPE_NF4, w.data(), R * Z, E, q->data, nullptr, 0) == QL_OK);
+    REQUIRE(ql_dequantize(QL_TYPE_NF4, q->data, R * Z, E, (float *)f->data) == QL_OK);
+    ql_tensor *x = ql_new_tensor_2d(ctx, QL_TYPE_F32, E / 2, 3), *xe = ql_new_tensor_2d(ctx, QL_TYPE_F32, E, 3);
+    ql_tensor *y = ql_new_tensor_2d(ctx, QL_TYPE_F32, R / 2, 3);
+    ql_tensor *xb = ql_new_tensor_3d(ctx, QL_TYPE_F32, E, 3, R);  // for the permuted [E, Z, R] weight
+    for (ql_tensor *t : {x, xe, y, xb})
+        for (int64_t i = 0; i < ql_nelements(t); i++) ((float *)t->data)[i] = N(rng);
+    ql_tensor *ids = ql_new_tensor_1d(ctx, QL_TYPE_I32, 3);
+    ((int32_t *)ids->data)[0] = 3, ((int32_t *)ids->data)[1] = 0, ((int32_t *)ids->data)[2] = 7;
+    // the same view built over either tensor
+    auto every_other = [&](ql_tensor *a) { return ql_view_2d(ctx, a, E, R / 2, 2 * a->nb[1], 0); };
+    auto second_half = [&](ql_tensor *a) { return ql_view_2d(ctx, a, E / 2, R, a->nb[1], ql_row_size(a->type, E / 2)); };
+    auto permuted = [&](ql_tensor *a) { return ql_permute(ctx, a, 0, 2, 1, 3); };  // [E, Z, R]: rows strided
+    std::vector<std::pair<ql_tensor *, ql_tensor *>> outs;  // (from NF4, from f32)
+    outs.push_back({ql_mul_mat(ctx, every_other(q), xe), ql_mul_mat(ctx, every_other(f), xe)});
+    outs.push_back({ql_mul_mat(ctx, second_half(q), x), ql_mul_mat(ctx, second_half(f), x)});
+    outs.push_back({ql_mul_mat(ctx, permuted(q), xb), ql_mul_mat(ctx, permuted(f), xb)});
+    outs.push_back({ql_mul_mat(ctx, ql_transpose(ctx, every_other(q)), y), ql_mul_mat(ctx, ql_transpose(ctx, every_other(f)), y)});
+    outs.push_back({ql_get_rows(ctx, second_half(q), ids), ql_get_rows(ctx, second_half(f), ids)});
+    ql_graph *g = ql_graph_new(ctx);
+    for (auto &o : outs) {
+        REQUIRE_MESSAGE(o.first, std::string(ql_ctx_error(ctx)));
+        ql_graph_build_forward(g, ql_set_output(o.first));
+        ql_graph_build_forward(g, ql_set_output(o.second));
+    }
+    ql_backend *be = ql_backend_cpu_init(3);
+    REQUIRE_MESSAGE(ql_graph_alloc(g, be) == QL_OK, ql_ctx_error(ctx));
+    REQUIRE_MESSAGE(ql_backend_graph_compute(be, g) == QL_OK, ql_ctx_error(ctx));
+    const char *names[] = {"every other row", "second half of each row", "permuted", "transposed every-other", "get_rows of half rows"};
+    for (size_t i = 0; i < outs.size(); i++) {
+        CAPTURE(std::string(names[i]));
+        const std::vector<float> a((const float *)outs[i].first->data, (const float *)outs[i].first->data + ql_nelements(outs[i].first));
+        const std::vector<float> b((const float *)outs[i].second->data, (const float *)outs[i].second->data + ql_nelements(outs[i].second));
+        CHECK(rel_err(a, b) <= 1e-5);
+    }
+    // a view starting inside a block is refused
+    CHECK(ql_view_2d(ctx, q, 64, 4, q->nb[1], 16) == nullptr);
+    CHECK(std::string(ql_ctx_error(ctx)).find("whole") != std::string::npos);
+    ql_graph_free(g);
+    ql_backend_free(be);
+    ql_free(ctx);
+}
