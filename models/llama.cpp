@@ -1,6 +1,7 @@
 // models/llama.cpp - llama-family graph construction (see llama.h).
 #include "llama.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
@@ -25,8 +26,10 @@ static bool hparams_ok(ql_context *ctx, const ql_llama_hparams &hp) {
 
 size_t ql_llama_weight_bytes(const ql_llama_hparams &hp, ql_type wtype, bool tied) {
     const int64_t d = hp.head_dim(), E = hp.n_embd;
-    const int64_t per_layer_w = E * hp.n_head * d + 2 * E * hp.n_head_kv * d + hp.n_head * d * E + 3 * E * hp.n_ff;
-    size_t n = ql_row_size(wtype, per_layer_w) * (size_t)hp.n_layer;
+    auto bytes = [&](int64_t in, int64_t out) { return (ql_type_data_size(wtype, out, in) + 63) / 64 * 64; };  // rows + side data
+    const size_t per_layer = bytes(E, hp.n_head * d) + 2 * bytes(E, hp.n_head_kv * d) + bytes(hp.n_head * d, E) +
+                             2 * bytes(E, hp.n_ff) + bytes(hp.n_ff, E);
+    size_t n = per_layer * (size_t)hp.n_layer;
     n += (size_t)(2 * hp.n_layer + 1) * (size_t)E * 4;           // norms
     n += (size_t)E * (size_t)hp.n_vocab * 4 * (tied ? 1 : 2);    // embeddings (+ output)
     return n;
@@ -70,6 +73,7 @@ struct randomize_arg {
 };
 
 void ql_llama_randomize(ql_llama *m, uint64_t seed, float std) {
+    // limitation: values are drawn as f32 one by one: make f32 models, quantize afterwards (ql_quantize)
     randomize_arg a{std::mt19937_64(seed), std};
     for_each_weight(
         m,
@@ -77,7 +81,8 @@ void ql_llama_randomize(ql_llama *m, uint64_t seed, float std) {
             randomize_arg *r = (randomize_arg *)p;
             std::normal_distribution<float> N(0.0f, r->std);
             const bool norm = ql_n_dims(t) == 1;
-            for (int64_t i = 0; i < ql_nelements(t); i++) ql_set_f32_1d(t, i, norm ? 1.0f : N(r->rng));
+            if (t->type != QL_TYPE_F32) return;  // see the limitation above
+            for (int64_t i = 0; i < ql_nelements(t); i++) ((float *)t->data)[i] = norm ? 1.0f : N(r->rng);
         },
         &a);
 }
@@ -91,7 +96,8 @@ ql_tensor *ql_llama_linear(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
     auto it = m->lora.find(w);
     if (it == m->lora.end()) return y;
     const ql_lora_pair &p = it->second;  // [in, r] then [r, out]
-    return ql_add(ctx, y, ql_scale(ctx, ql_mul_mat(ctx, p.b, ql_mul_mat(ctx, p.a, x)), p.scale));
+    ql_tensor *xa = (m->lora_dropout && p.seed && p.dropout > 0) ? ql_dropout(ctx, x, p.dropout, p.seed, p.stream) : x;
+    return ql_add(ctx, y, ql_scale(ctx, ql_mul_mat(ctx, p.b, ql_mul_mat(ctx, p.a, xa)), p.scale));
 }
 
 // y = W x (+ b): the linear layers of attention may carry biases (Qwen2)
@@ -148,6 +154,82 @@ ql_tensor *ql_llama_forward(ql_context *ctx, const ql_llama *m, ql_tensor *token
     ql_tensor *x = ql_get_rows(ctx, m->tok_embd, tokens);  // [n_embd, T, B]
     for (int il = 0; il < m->hp.n_layer; il++) x = block(ctx, m, il, x, pos, seg, nullptr);
     return head(ctx, m, x);  // [n_vocab, T, B]
+}
+
+// ---- trainable LoRA ----
+
+static const char *const k_lora_targets[] = {"q", "k", "v", "o", "gate", "up", "down"};
+
+bool ql_lora_target_valid(const std::string &t) {
+    for (const char *n : k_lora_targets)
+        if (t == n) return true;
+    return false;
+}
+
+static ql_tensor *target_weight(ql_llama_layer &L, const std::string &t) {
+    if (t == "q") return L.wq;
+    if (t == "k") return L.wk;
+    if (t == "v") return L.wv;
+    if (t == "o") return L.wo;
+    if (t == "gate") return L.w_gate;
+    if (t == "up") return L.w_up;
+    return L.w_down;
+}
+
+ql_status ql_llama_add_lora(ql_context *ctx, ql_llama *m, const ql_lora_spec &spec, ql_tensor *seed) {
+    if (spec.r <= 0 || !(spec.alpha > 0) || spec.dropout < 0 || spec.dropout >= 1) {
+        ql_ctx_set_error(ctx, QL_ERR_INVALID, "lora: r %d must be positive, alpha %g positive, dropout %g in [0, 1)", spec.r,
+                         (double)spec.alpha, (double)spec.dropout);
+        return QL_ERR_INVALID;
+    }
+    for (const std::string &t : spec.targets)
+        if (!ql_lora_target_valid(t)) {
+            ql_ctx_set_error(ctx, QL_ERR_INVALID, "lora: unknown target '%s' (q, k, v, o, gate, up, down, or all)", t.c_str());
+            return QL_ERR_INVALID;
+        }
+    const float scale = spec.rslora ? spec.alpha / std::sqrt((float)spec.r) : spec.alpha / (float)spec.r;
+    uint64_t s = spec.init_seed;  // splitmix64: the same initial adapter on every platform
+    auto uniform = [&s]() {
+        s += 0x9E3779B97F4A7C15ull;
+        uint64_t z = s;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        return (double)(z >> 11) * 0x1p-53;  // [0, 1)
+    };
+    uint32_t stream = 1;
+    for (int il = 0; il < m->hp.n_layer; il++)
+        for (const char *t : k_lora_targets) {  // a fixed order, whatever the order given
+            if (std::find(spec.targets.begin(), spec.targets.end(), t) == spec.targets.end()) continue;
+            ql_tensor *w = target_weight(m->layers[(size_t)il], t);
+            ql_lora_pair p;
+            p.a = ql_set_param(ql_format_name(ql_new_tensor_2d(ctx, QL_TYPE_F32, w->ne[0], spec.r), "%s.lora_a", w->name));
+            p.b = ql_set_param(ql_format_name(ql_new_tensor_2d(ctx, QL_TYPE_F32, spec.r, w->ne[1]), "%s.lora_b", w->name));
+            if (!p.a || !p.b) return ql_ctx_status(ctx);
+            if (p.a->data) {  // (a measuring context has no data to fill)
+                const double bound = 1.0 / std::sqrt((double)w->ne[0]);
+                for (int64_t i = 0; i < ql_nelements(p.a); i++) ((float *)p.a->data)[i] = (float)((2 * uniform() - 1) * bound);
+                memset(p.b->data, 0, ql_nbytes(p.b));
+            }
+            p.scale = scale;
+            p.dropout = spec.dropout;
+            p.seed = spec.dropout > 0 ? seed : nullptr;
+            p.stream = stream++;
+            m->lora[w] = p;
+        }
+    return ql_ctx_status(ctx);
+}
+
+std::vector<ql_tensor *> ql_llama_lora_params(const ql_llama &m) {
+    std::vector<ql_tensor *> out;
+    for (const ql_llama_layer &L : m.layers)
+        for (ql_tensor *w : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) {
+            auto it = m.lora.find(w);
+            if (it == m.lora.end()) continue;
+            out.push_back(it->second.a);
+            out.push_back(it->second.b);
+        }
+    return out;
 }
 
 // ---- generation with a KV cache ----
@@ -209,6 +291,10 @@ struct loader {
             return def;
         }
         int64_t v = 0;
+        if (ql_gguf_get_i64(g, i, &v) && (v < 0 || v > (1 << 24))) {
+            fail("key %s = %lld is out of range", key.c_str(), (long long)v);
+            return def;
+        }
         if (!ql_gguf_get_i64(g, i, &v)) {
             fail("key %s is a %s, not an integer%s", key.c_str(),
                  ql_gguf_kv_type(g, i) == QL_GGUF_ARRAY ? "array" : "non-integer",
@@ -306,6 +392,11 @@ ql_llama_file *ql_llama_load(const char *path, char *err, size_t err_size) {
         if (hp.n_rot <= 0 || hp.n_rot > hp.head_dim() || hp.n_rot % 2) L.fail("rope.dimension_count %d does not fit head size %d", hp.n_rot, hp.head_dim());
     }
     if (!L.failed && it < 0) L.fail("missing tensor token_embd.weight");
+    // rope scaling given as keys: only "none"; Llama 3.1's comes as the rope_freqs tensor instead
+    const int64_t irs = ql_gguf_find_kv(g, (L.arch + ".rope.scaling.type").c_str());
+    const char *rs = irs >= 0 ? ql_gguf_get_str(g, irs, &len) : nullptr;
+    if (!L.failed && irs >= 0 && (!rs || strcmp(rs, "none")))
+        L.fail("rope scaling '%s' (%s.rope.scaling.type) is not supported", rs ? rs : "?", L.arch.c_str());
     if (L.failed) {
         ql_gguf_close(g);
         return nullptr;
@@ -412,6 +503,7 @@ ql_lora_adapter *ql_llama_attach_lora(ql_llama *m, const char *arch, const char 
         ql_gguf_tensor_ne(g, kv.second.a, na);
         ql_gguf_tensor_ne(g, kv.second.b, nb);
         const int64_t r = na[1];
+        if (r <= 0) return fail(std::string("the adapter of ") + w->name + " has rank 0");
         if (na[0] != w->ne[0] || nb[0] != r || nb[1] != w->ne[1] || na[2] * na[3] * nb[2] * nb[3] != 1)
             return fail(std::string("the adapter of ") + w->name + " has lora_a [" + std::to_string(na[0]) + ", " +
                         std::to_string(na[1]) + "] and lora_b [" + std::to_string(nb[0]) + ", " + std::to_string(nb[1]) +
@@ -422,7 +514,7 @@ ql_lora_adapter *ql_llama_attach_lora(ql_llama *m, const char *arch, const char 
         if (!p.a || !p.b) return fail(ql_ctx_error(ad->ctx));
         p.a->data = const_cast<void *>(ql_gguf_tensor_data(g, kv.second.a));
         p.b->data = const_cast<void *>(ql_gguf_tensor_data(g, kv.second.b));
-        p.scale = (float)(user_scale * alpha / (double)r);
+        p.scale = (float)(alpha != 0 ? user_scale * alpha / (double)r : user_scale);  // llama.cpp: alpha 0 = the user scale
         pairs[w] = p;
     }
     for (const auto &kv : pairs) m->lora[kv.first] = kv.second;  // only once everything checked out

@@ -45,11 +45,16 @@ struct ql_llama_layer {
 struct ql_lora_pair {
     ql_tensor *a = nullptr, *b = nullptr;
     float scale = 0.0f;  // alpha / r (or alpha / sqrt(r)), times a user scale
+    // training: dropout on the adapter's input, mask from (seed[0], stream, index)
+    float dropout = 0.0f;
+    ql_tensor *seed = nullptr;  // I32 [1]; NULL: no dropout
+    uint32_t stream = 0;
 };
 
 struct ql_llama {
     ql_llama_hparams hp;
     std::unordered_map<const ql_tensor *, ql_lora_pair> lora;  // keyed by the base weight
+    bool lora_dropout = true;  // graphs built while false (evaluation) skip adapter dropout
     ql_tensor *tok_embd = nullptr;  // [n_embd, n_vocab]
     ql_tensor *out_norm = nullptr;  // [n_embd]
     ql_tensor *output   = nullptr;  // [n_embd, n_vocab]; == tok_embd when tied
@@ -111,6 +116,26 @@ struct ql_lora_adapter {
 ql_lora_adapter *ql_llama_attach_lora(ql_llama *m, const char *arch, const char *path, float user_scale, char *err,
                                       size_t err_size);
 void             ql_lora_adapter_free(ql_lora_adapter *a);
+
+// ---- trainable LoRA ----
+// Short target names, as the tools take them: q k v o gate up down ("all" = every one).
+// Creates, in ctx, f32 trainable A [in, r] ~ U(-1/sqrt(in), 1/sqrt(in)) (PEFT's
+// kaiming_uniform(a = sqrt 5)) and B [r, out] = 0 for every targeted weight of every layer, so
+// step 0 is the base model; scale = alpha / r (alpha / sqrt(r) with rslora); dropout masks from
+// `seed` (an I32 [1] input the trainer sets per micro-step), one stream per adapted weight.
+// Errors (unknown target name, ctx too small) go to ctx.
+struct ql_lora_spec {
+    int   r = 16;
+    float alpha = 32.0f;
+    float dropout = 0.05f;
+    bool  rslora = false;
+    std::vector<std::string> targets{"q", "k", "v", "o"};
+    uint64_t init_seed = 42;
+};
+bool       ql_lora_target_valid(const std::string &short_name);
+ql_status  ql_llama_add_lora(ql_context *ctx, ql_llama *m, const ql_lora_spec &spec, ql_tensor *seed);
+// the trainable tensors of m's adapters, A then B per weight, layers in order
+std::vector<ql_tensor *> ql_llama_lora_params(const ql_llama &m);
 
 // ---- generation with a KV cache ----
 // One graph per number of new tokens serves every step: positions, where to write in the cache

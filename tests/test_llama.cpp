@@ -407,9 +407,37 @@ TEST_CASE("llama: a llama.cpp LoRA adapter gives the logits of the merged weight
     const std::vector<float> merged = logits_of(rm.m, toks);
     CHECK(rel_err(with_adapter, merged) < 1e-5);
     CHECK(rel_err(with_adapter, logits_of(f->model, toks)) == 0.0);  // deterministic
-    // wrong architecture, and a shape that does not fit
+    // wrong architecture
     CHECK(ql_llama_attach_lora(&f->model, "qwen2", adapter.c_str(), 1.0f, err, sizeof(err)) == nullptr);
     CHECK(std::string(err).find("architecture 'llama'") != std::string::npos);
+    // llama.cpp's rule: alpha 0 means the user scale alone; rank 0 is refused
+    {
+        const std::string a0 = d.path + "/alpha0.gguf", r0 = d.path + "/rank0.gguf";
+        for (int which = 0; which < 2; which++) {
+            ql_gguf_writer *w2 = ql_gguf_writer_new();
+            ql_gguf_set_str(w2, "general.architecture", "llama");
+            ql_gguf_set_str(w2, "general.type", "adapter");
+            ql_gguf_set_str(w2, "adapter.type", "lora");
+            ql_gguf_set_f32(w2, "adapter.lora.alpha", 0.0f);
+            ql_tensor *wq = f->model.layers[0].wq;
+            const int rk = which == 0 ? 2 : 0;
+            std::vector<float> A((size_t)(wq->ne[0] * rk + 1), 0.01f), Bm((size_t)(rk * wq->ne[1] + 1), 0.02f);
+            const int64_t na[4] = {wq->ne[0], rk, 1, 1}, nb[4] = {rk, wq->ne[1], 1, 1};
+            REQUIRE(ql_gguf_add_tensor(w2, "blk.0.attn_q.weight.lora_a", QL_TYPE_F32, 2, na, A.data(), A.size() * 4 - 4) == QL_OK);
+            REQUIRE(ql_gguf_add_tensor(w2, "blk.0.attn_q.weight.lora_b", QL_TYPE_F32, 2, nb, Bm.data(), Bm.size() * 4 - 4) == QL_OK);
+            REQUIRE(ql_gguf_write(w2, (which == 0 ? a0 : r0).c_str(), err, sizeof(err)) == QL_OK);
+            ql_gguf_writer_free(w2);
+        }
+        ql_llama_file *g2 = ql_llama_load(base.c_str(), err, sizeof(err));
+        REQUIRE(g2);
+        ql_lora_adapter *a = ql_llama_attach_lora(&g2->model, "llama", a0.c_str(), 0.5f, err, sizeof(err));
+        REQUIRE_MESSAGE(a, err);
+        CHECK(g2->model.lora.at(g2->model.layers[0].wq).scale == 0.5f);
+        CHECK(ql_llama_attach_lora(&g2->model, "llama", r0.c_str(), 1.0f, err, sizeof(err)) == nullptr);
+        CHECK(std::string(err).find("rank 0") != std::string::npos);
+        ql_lora_adapter_free(a);
+        ql_llama_file_free(g2);
+    }
     ql_lora_adapter_free(ad);
     ql_llama_file_free(f);
 }
