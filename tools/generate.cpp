@@ -6,6 +6,7 @@
 // --temp 0 is greedy. An empty prompt starts from BOS alone. Two graphs are planned before the
 // first token - the prompt and one new token - over one KV cache; every step then only sets
 // inputs (token, position, cache row) and runs, allocating nothing.
+#include "../models/adapter.h"
 #include "../models/llama.h"
 #include "../models/tokenizer.h"
 #include "../qlora.h"
@@ -23,7 +24,7 @@
 static int usage(const char *argv0) {
     fprintf(stderr,
             "usage: %s -m model.gguf [-p PROMPT] [-n N] [--temp T] [--top-k K] [--top-p P] [--seed S]\n"
-            "       [--lora adapter.gguf] [--lora-scale S] [-c CONTEXT] [-t THREADS]\n",
+            "       [--lora adapter.gguf|peft-dir] [--lora-scale S] [-c CONTEXT] [-t THREADS]\n",
             argv0);
     return 2;
 }
@@ -113,9 +114,12 @@ int main(int argc, char **argv) {
     }
     ql_llama &m = f->model;
     ql_lora_adapter *ad = nullptr;
-    if (lora && !(ad = ql_llama_attach_lora(&m, f->arch.c_str(), lora, (float)lora_scale, err, sizeof(err)))) {
-        fprintf(stderr, "generate: %s\n", err);
-        return 1;
+    if (lora) {
+        std::string e;
+        if (!(ad = ql_lora_attach_any(&m, f->arch.c_str(), lora, (float)lora_scale, &e))) {
+            fprintf(stderr, "generate: %s\n", e.c_str());
+            return 1;
+        }
     }
     std::vector<int32_t> toks = ql_tokenize(vocab, prompt, true, true);
     if (toks.empty()) {
@@ -126,7 +130,7 @@ int main(int argc, char **argv) {
         toks.push_back(ql_vocab_bos(vocab));
     }
     const int n_prompt = (int)toks.size();
-    int ctx_len = n_ctx > 0 ? (int)n_ctx : n_prompt + (int)n_gen;
+    int ctx_len = n_ctx > 0 ? (int)n_ctx : n_prompt + std::max(1, (int)n_gen);
     if (m.hp.n_ctx_train > 0 && n_ctx <= 0) ctx_len = std::min(ctx_len, m.hp.n_ctx_train);
     if (n_prompt >= ctx_len) {
         fprintf(stderr, "generate: the prompt has %d tokens, the context %d --> hint: a larger -c\n", n_prompt, ctx_len);
@@ -138,6 +142,11 @@ int main(int argc, char **argv) {
     const size_t cache_bytes = (size_t)hp.n_layer * 2 * (size_t)hp.head_dim() * (size_t)ctx_len * (size_t)hp.n_head_kv * 4;
     ql_init_params ip = {cache_bytes + (size_t)(hp.n_layer * 200 + 400) * ql_tensor_overhead() + (1u << 20), nullptr, false, false};
     ql_context *ctx = ql_init(ip);
+    if (!ctx) {
+        fprintf(stderr, "generate: cannot allocate %.1f MiB for a context of %d tokens --> hint: a smaller -c\n",
+                (double)ip.mem_size / 1048576.0, ctx_len);
+        return 1;
+    }
     ql_llama_cache cache;
     ql_llama_cache_create(ctx, &m, ctx_len, &cache);
     ql_tensor *pt = ql_new_tensor_2d(ctx, QL_TYPE_I32, n_prompt, 1), *pp = ql_new_tensor_2d(ctx, QL_TYPE_I32, n_prompt, 1);

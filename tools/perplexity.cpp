@@ -7,6 +7,7 @@
 // window is BOS followed by one chunk, and every chunk token is predicted by the position
 // before it - so "tokens" equals the text's token count. Prints the mean negative
 // log-likelihood and its exponential; --json prints {"nll": ..., "ppl": ..., "tokens": ...}.
+#include "../models/adapter.h"
 #include "../models/llama.h"
 #include "../models/tokenizer.h"
 #include "../qlora.h"
@@ -23,7 +24,7 @@
 #include <vector>
 
 static int usage(const char *argv0) {
-    fprintf(stderr, "usage: %s -m model.gguf -f text.txt [-c 512] [--lora adapter.gguf] [--lora-scale S] [--json] [-t THREADS]\n",
+    fprintf(stderr, "usage: %s -m model.gguf -f text.txt [-c 512] [--lora adapter.gguf|peft-dir] [--lora-scale S] [--json] [-t THREADS]\n",
             argv0);
     return 2;
 }
@@ -115,9 +116,12 @@ int main(int argc, char **argv) {
         return 1;
     }
     ql_lora_adapter *ad = nullptr;
-    if (lora && !(ad = ql_llama_attach_lora(&f->model, f->arch.c_str(), lora, (float)lora_scale, err, sizeof(err)))) {
-        fprintf(stderr, "perplexity: %s\n", err);
-        return 1;
+    if (lora) {
+        std::string e;
+        if (!(ad = ql_lora_attach_any(&f->model, f->arch.c_str(), lora, (float)lora_scale, &e))) {
+            fprintf(stderr, "perplexity: %s\n", e.c_str());
+            return 1;
+        }
     }
     const int32_t bos = ql_vocab_bos(vocab);
     if (bos < 0) {

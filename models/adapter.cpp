@@ -1,0 +1,1443 @@
+// models/adapter.cpp - adapters in llama.cpp's and PEFT's files, merged models, loss plots (see adapter.h).
+//
+// Reading order: errors and files -> a small JSON reader/writer -> safetensors -> module names and
+// the q/k row permutation -> LoRA configuration -> llama.cpp adapter GGUF -> PEFT save/attach ->
+// merged model -> loss plot.
+#include "adapter.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+#include <unordered_map>
+
+// stb's PNG writer, private to this file (STB_IMAGE_WRITE_STATIC: no exported symbols)
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
+#pragma GCC diagnostic ignored "-Wshadow"
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+#pragma GCC diagnostic ignored "-Wsign-compare"
+#pragma GCC diagnostic ignored "-Wunused-parameter"
+#endif
+#define STB_IMAGE_WRITE_STATIC
+#define STB_IMAGE_WRITE_IMPLEMENTATION
+#include <stb/stb_image_write.h>
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
+// ============================================================================================
+// errors and files
+// ============================================================================================
+
+static bool fail(std::string *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static bool fail(std::string *err, const char *fmt, ...) {
+    char b[1024];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(b, sizeof(b), fmt, ap);
+    va_end(ap);
+    if (err) *err = b;
+    return false;
+}
+
+static std::string fmt(const char *f, ...) __attribute__((format(printf, 1, 2)));
+static std::string fmt(const char *f, ...) {
+    char b[1024];
+    va_list ap;
+    va_start(ap, f);
+    vsnprintf(b, sizeof(b), f, ap);
+    va_end(ap);
+    return b;
+}
+
+static bool is_dir(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+// The whole file into *out; *why says what went wrong (without the path).
+static bool read_whole_file(const char *path, std::vector<uint8_t> *out, std::string *why) {
+    const int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return fail(why, "cannot open: %s", strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return fail(why, "not a regular file");
+    }
+    out->resize((size_t)st.st_size);
+    size_t got = 0;
+    while (got < out->size()) {
+        const ssize_t n = read(fd, out->data() + got, out->size() - got);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            close(fd);
+            return fail(why, "read failed after %zu of %zu bytes: %s", got, out->size(), n < 0 ? strerror(errno) : "end of file");
+        }
+        got += (size_t)n;
+    }
+    close(fd);
+    return true;
+}
+
+struct chunk {
+    const void *data;
+    size_t size;
+};
+
+// Writes the chunks to path + ".tmp", fsyncs, renames over path (then fsyncs the folder, best
+// effort): a crash leaves the old file or the new one, never half of one.
+static bool write_atomic(const std::string &path, const std::vector<chunk> &chunks, std::string *err) {
+    const std::string tmp = path + ".tmp";
+    const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return fail(err, "%s: cannot create %s: %s", path.c_str(), tmp.c_str(), strerror(errno));
+    const char *what = nullptr;
+    int e = 0;
+    for (const chunk &c : chunks) {
+        size_t done = 0;
+        while (!what && done < c.size) {
+            const ssize_t n = write(fd, (const uint8_t *)c.data + done, c.size - done);
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0) {
+                what = "write";
+                e = n < 0 ? errno : ENOSPC;
+            } else {
+                done += (size_t)n;
+            }
+        }
+    }
+    if (!what && fsync(fd) != 0) {
+        what = "fsync";
+        e = errno;
+    }
+    if (close(fd) != 0 && !what) {
+        what = "close";
+        e = errno;
+    }
+    if (!what && rename(tmp.c_str(), path.c_str()) != 0) {
+        what = "rename";
+        e = errno;
+    }
+    if (what) {
+        unlink(tmp.c_str());
+        return fail(err, "%s: %s failed: %s", path.c_str(), what, strerror(e));
+    }
+    std::string dir = path.substr(0, path.find_last_of('/') == std::string::npos ? 0 : path.find_last_of('/'));
+    if (dir.empty()) dir = path[0] == '/' ? "/" : ".";
+    const int dfd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+        (void)fsync(dfd);  // some file systems refuse: the data itself is already durable
+        close(dfd);
+    }
+    return true;
+}
+
+// shortest decimal text that reads back as the same float (JSON and labels)
+static std::string float_text(double v) {
+    char b[64];
+    for (int p = 6; p <= 17; p++) {
+        snprintf(b, sizeof(b), "%.*g", p, v);
+        if ((float)strtod(b, nullptr) == (float)v) break;
+    }
+    return b;
+}
+
+// ============================================================================================
+// JSON: a reader for safetensors headers and adapter_config.json (RFC 8259 values; numbers
+// keep their text so integers up to 2^64 - 1 are exact), and string quoting for the writers
+// ============================================================================================
+
+namespace {
+
+struct json {
+    enum kind_t { NUL, BOOL, NUM, STR, ARR, OBJ } kind = NUL;
+    bool b = false;
+    std::string str;  // STR: the value; NUM: the literal as written
+    std::vector<json> arr;
+    std::vector<std::pair<std::string, json>> obj;  // in file order
+
+    const json *get(const char *key) const {
+        for (const auto &kv : obj)
+            if (kv.first == key) return &kv.second;
+        return nullptr;
+    }
+    double num() const { return strtod(str.c_str(), nullptr); }
+    // a non-negative integer written without fraction or exponent
+    bool as_u64(uint64_t *v) const {
+        if (kind != NUM || str.empty()) return false;
+        uint64_t x = 0;
+        for (char c : str) {
+            if (c < '0' || c > '9') return false;
+            const uint64_t d = (uint64_t)(c - '0');
+            if (x > (UINT64_MAX - d) / 10) return false;
+            x = x * 10 + d;
+        }
+        *v = x;
+        return true;
+    }
+    // an integer, possibly written 8.0 or 1e1 (Python's json writes floats for float fields)
+    bool as_int(int64_t *v) const {
+        if (kind != NUM) return false;
+        const double d = num();
+        if (!(std::fabs(d) < 9.0e15) || d != std::floor(d)) return false;
+        *v = (int64_t)d;
+        return true;
+    }
+};
+
+const char *kind_name(json::kind_t k) {
+    static const char *names[] = {"null", "a boolean", "a number", "a string", "an array", "an object"};
+    return names[k];
+}
+
+// strict UTF-8 (no overlongs, no surrogates, at most U+10FFFF)
+bool utf8_valid(const uint8_t *s, size_t n, size_t *bad) {
+    size_t i = 0;
+    while (i < n) {
+        const uint8_t c = s[i];
+        int len = 0;
+        uint32_t cp = 0, min = 0;
+        if (c < 0x80) { i++; continue; }
+        if ((c & 0xE0) == 0xC0) { len = 2; cp = c & 0x1F; min = 0x80; }
+        else if ((c & 0xF0) == 0xE0) { len = 3; cp = c & 0x0F; min = 0x800; }
+        else if ((c & 0xF8) == 0xF0) { len = 4; cp = c & 0x07; min = 0x10000; }
+        else { *bad = i; return false; }
+        if (i + (size_t)len > n) { *bad = i; return false; }
+        for (int k = 1; k < len; k++) {
+            if ((s[i + (size_t)k] & 0xC0) != 0x80) { *bad = i; return false; }
+            cp = (cp << 6) | (s[i + (size_t)k] & 0x3F);
+        }
+        if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) { *bad = i; return false; }
+        i += (size_t)len;
+    }
+    return true;
+}
+
+void put_utf8(std::string &o, uint32_t cp) {
+    if (cp < 0x80) {
+        o += (char)cp;
+    } else if (cp < 0x800) {
+        o += (char)(0xC0 | (cp >> 6));
+        o += (char)(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+        o += (char)(0xE0 | (cp >> 12));
+        o += (char)(0x80 | ((cp >> 6) & 0x3F));
+        o += (char)(0x80 | (cp & 0x3F));
+    } else {
+        o += (char)(0xF0 | (cp >> 18));
+        o += (char)(0x80 | ((cp >> 12) & 0x3F));
+        o += (char)(0x80 | ((cp >> 6) & 0x3F));
+        o += (char)(0x80 | (cp & 0x3F));
+    }
+}
+
+struct json_reader {
+    const char *s, *p, *end;
+    std::string why;
+    static const int k_max_depth = 64;  // deeper nesting is refused, not recursed into
+
+    bool bad(const char *what) {
+        if (why.empty()) why = fmt("%s at byte %zu", what, (size_t)(p - s));
+        return false;
+    }
+    void ws() {
+        while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
+    }
+    bool lit(const char *w) {
+        const size_t n = strlen(w);
+        if ((size_t)(end - p) < n || memcmp(p, w, n) != 0) return bad("invalid literal");
+        p += n;
+        return true;
+    }
+    bool hex4(uint32_t *v) {
+        if (end - p < 4) return bad("truncated \\u escape");
+        *v = 0;
+        for (int i = 0; i < 4; i++) {
+            const char c = *p++;
+            *v <<= 4;
+            if (c >= '0' && c <= '9') *v |= (uint32_t)(c - '0');
+            else if (c >= 'a' && c <= 'f') *v |= (uint32_t)(c - 'a' + 10);
+            else if (c >= 'A' && c <= 'F') *v |= (uint32_t)(c - 'A' + 10);
+            else return bad("bad hex digit in \\u escape");
+        }
+        return true;
+    }
+    bool string(std::string *o) {
+        p++;  // the opening quote
+        o->clear();
+        while (true) {
+            if (p >= end) return bad("unterminated string");
+            const unsigned char c = (unsigned char)*p;
+            if (c == '"') {
+                p++;
+                return true;
+            }
+            if (c < 0x20) return bad("control character in string");
+            if (c != '\\') {
+                *o += (char)c;
+                p++;
+                continue;
+            }
+            if (++p >= end) return bad("unterminated escape");
+            const char e = *p++;
+            switch (e) {
+                case '"': *o += '"'; break;
+                case '\\': *o += '\\'; break;
+                case '/': *o += '/'; break;
+                case 'b': *o += '\b'; break;
+                case 'f': *o += '\f'; break;
+                case 'n': *o += '\n'; break;
+                case 'r': *o += '\r'; break;
+                case 't': *o += '\t'; break;
+                case 'u': {
+                    uint32_t cp;
+                    if (!hex4(&cp)) return false;
+                    if (cp >= 0xD800 && cp <= 0xDBFF) {  // a surrogate pair
+                        uint32_t lo;
+                        if (end - p < 2 || p[0] != '\\' || p[1] != 'u') return bad("unpaired surrogate");
+                        p += 2;
+                        if (!hex4(&lo)) return false;
+                        if (lo < 0xDC00 || lo > 0xDFFF) return bad("unpaired surrogate");
+                        cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
+                    } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
+                        return bad("unpaired surrogate");
+                    }
+                    put_utf8(*o, cp);
+                    break;
+                }
+                default: return bad("unknown escape");
+            }
+        }
+    }
+    bool number(json *v) {
+        const char *b = p;
+        if (p < end && *p == '-') p++;
+        if (p >= end || !(*p >= '0' && *p <= '9')) return bad("invalid number");
+        if (*p == '0') p++;
+        else while (p < end && *p >= '0' && *p <= '9') p++;
+        if (p < end && *p == '.') {
+            p++;
+            if (p >= end || !(*p >= '0' && *p <= '9')) return bad("invalid number");
+            while (p < end && *p >= '0' && *p <= '9') p++;
+        }
+        if (p < end && (*p == 'e' || *p == 'E')) {
+            p++;
+            if (p < end && (*p == '+' || *p == '-')) p++;
+            if (p >= end || !(*p >= '0' && *p <= '9')) return bad("invalid number");
+            while (p < end && *p >= '0' && *p <= '9') p++;
+        }
+        v->kind = json::NUM;
+        v->str.assign(b, (size_t)(p - b));
+        return true;
+    }
+    bool value(json *v, int depth) {
+        if (depth > k_max_depth) return bad("nesting too deep");
+        ws();
+        if (p >= end) return bad("unexpected end");
+        switch (*p) {
+            case 'n': v->kind = json::NUL; return lit("null");
+            case 't': v->kind = json::BOOL; v->b = true; return lit("true");
+            case 'f': v->kind = json::BOOL; v->b = false; return lit("false");
+            case '"': v->kind = json::STR; return string(&v->str);
+            case '[': {
+                p++;
+                v->kind = json::ARR;
+                ws();
+                if (p < end && *p == ']') { p++; return true; }
+                while (true) {
+                    v->arr.emplace_back();
+                    if (!value(&v->arr.back(), depth + 1)) return false;
+                    ws();
+                    if (p < end && *p == ',') { p++; continue; }
+                    if (p < end && *p == ']') { p++; return true; }
+                    return bad("expected ',' or ']'");
+                }
+            }
+            case '{': {
+                p++;
+                v->kind = json::OBJ;
+                ws();
+                if (p < end && *p == '}') { p++; return true; }
+                while (true) {
+                    ws();
+                    if (p >= end || *p != '"') return bad("expected a key string");
+                    std::string key;
+                    if (!string(&key)) return false;
+                    if (v->get(key.c_str())) {
+                        if (why.empty()) why = fmt("duplicate key \"%s\"", key.c_str());
+                        return false;
+                    }
+                    ws();
+                    if (p >= end || *p != ':') return bad("expected ':'");
+                    p++;
+                    v->obj.emplace_back(key, json());
+                    if (!value(&v->obj.back().second, depth + 1)) return false;
+                    ws();
+                    if (p < end && *p == ',') { p++; continue; }
+                    if (p < end && *p == '}') { p++; return true; }
+                    return bad("expected ',' or '}'");
+                }
+            }
+            default:
+                if (*p == '-' || (*p >= '0' && *p <= '9')) return number(v);
+                return bad("unexpected character");
+        }
+    }
+};
+
+// parses a whole document (surrounding whitespace allowed); *why says where it went wrong
+bool json_parse(const char *text, size_t n, json *out, std::string *why) {
+    json_reader r{text, text, text + n, ""};
+    if (!r.value(out, 0)) {
+        *why = r.why;
+        return false;
+    }
+    r.ws();
+    if (r.p != r.end) {
+        r.bad("trailing characters");
+        *why = r.why;
+        return false;
+    }
+    return true;
+}
+
+std::string json_quote(const std::string &s) {
+    std::string o = "\"";
+    for (unsigned char c : s) {
+        if (c == '"') o += "\\\"";
+        else if (c == '\\') o += "\\\\";
+        else if (c == '\n') o += "\\n";
+        else if (c == '\t') o += "\\t";
+        else if (c == '\r') o += "\\r";
+        else if (c < 0x20) o += fmt("\\u%04x", c);
+        else o += (char)c;
+    }
+    return o + "\"";
+}
+
+}  // namespace
+
+// ============================================================================================
+// safetensors: u64 LE header length N, N bytes of JSON (space-padded to a multiple of 8 by
+// writers), then the byte buffer the data_offsets [begin, end) index
+// (huggingface/safetensors README "Format" and safetensors/src/tensor.rs)
+// ============================================================================================
+
+static const uint64_t k_st_max_header = 100000000;  // the reference implementation's MAX_HEADER_SIZE
+
+static size_t st_dtype_size(const std::string &d) {
+    if (d == "F32") return 4;
+    if (d == "F16" || d == "BF16") return 2;
+    return 0;
+}
+
+// product(shape) * elem, false on overflow or a negative dimension
+static bool st_nbytes(const std::vector<int64_t> &shape, size_t elem, uint64_t *out) {
+    uint64_t n = elem;
+    for (int64_t d : shape) {
+        if (d < 0) return false;
+        if (d != 0 && n > UINT64_MAX / (uint64_t)d) return false;
+        n *= (uint64_t)d;
+    }
+    *out = n;
+    return true;
+}
+
+bool ql_safetensors_write(const char *path, const std::vector<ql_st_tensor> &tensors,
+                          const std::vector<std::pair<std::string, std::string>> &metadata, std::string *err) {
+    if (!path) return fail(err, "ql_safetensors_write: no path");
+    // larger elements first (as the reference writer), so every tensor's data stays aligned to
+    // its element size in the buffer; the given order is kept among equal sizes
+    std::vector<size_t> order(tensors.size());
+    for (size_t i = 0; i < order.size(); i++) order[i] = i;
+    std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) {
+        return st_dtype_size(tensors[x].dtype) > st_dtype_size(tensors[y].dtype);
+    });
+    std::string h = "{";
+    if (!metadata.empty()) {
+        h += "\"__metadata__\":{";
+        for (size_t i = 0; i < metadata.size(); i++)
+            h += (i ? "," : "") + json_quote(metadata[i].first) + ":" + json_quote(metadata[i].second);
+        h += "}";
+    }
+    std::unordered_map<std::string, int> seen;
+    std::vector<chunk> chunks(1);
+    uint64_t offset = 0;
+    for (size_t i : order) {
+        const ql_st_tensor &t = tensors[i];
+        const size_t es = st_dtype_size(t.dtype);
+        uint64_t n = 0;
+        if (t.name.empty() || t.name == "__metadata__") return fail(err, "%s: bad tensor name '%s'", path, t.name.c_str());
+        if (seen[t.name]++) return fail(err, "%s: tensor %s given twice", path, t.name.c_str());
+        if (!es) return fail(err, "%s: tensor %s has dtype '%s' (F32, F16 or BF16 expected)", path, t.name.c_str(), t.dtype.c_str());
+        if (!st_nbytes(t.shape, es, &n) || n > ((uint64_t)1 << 62))
+            return fail(err, "%s: tensor %s has a bad shape", path, t.name.c_str());
+        if (n && !t.data) return fail(err, "%s: tensor %s has no data", path, t.name.c_str());
+        h += (h.size() > 1 ? "," : "") + json_quote(t.name) + ":{\"dtype\":\"" + t.dtype + "\",\"shape\":[";
+        for (size_t k = 0; k < t.shape.size(); k++) h += (k ? "," : "") + std::to_string(t.shape[k]);
+        h += "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(offset + n) + "]}";
+        offset += n;
+        chunks.push_back({t.data, (size_t)n});
+    }
+    h += "}";
+    while (h.size() % 8) h += ' ';
+    uint8_t len[8];
+    for (int i = 0; i < 8; i++) len[i] = (uint8_t)((uint64_t)h.size() >> (8 * i));
+    chunks[0] = {len, 8};
+    chunks.insert(chunks.begin() + 1, chunk{h.data(), h.size()});
+    return write_atomic(path, chunks, err);
+}
+
+bool ql_safetensors_read(const char *path, std::vector<ql_st_tensor> *tensors, std::vector<uint8_t> *storage,
+                         std::string *err, std::vector<std::pair<std::string, std::string>> *metadata) {
+    if (!path || !tensors || !storage) return fail(err, "ql_safetensors_read: bad arguments");
+    tensors->clear();
+    if (metadata) metadata->clear();
+    std::string why;
+    if (!read_whole_file(path, storage, &why)) return fail(err, "%s: %s", path, why.c_str());
+    const uint8_t *f = storage->data();
+    const uint64_t size = storage->size();
+    if (size < 8) return fail(err, "%s: %llu bytes, too short for a safetensors header", path, (unsigned long long)size);
+    uint64_t n = 0;
+    for (int i = 0; i < 8; i++) n |= (uint64_t)f[i] << (8 * i);
+    if (n > k_st_max_header) return fail(err, "%s: header length %llu is over the %llu-byte limit", path, (unsigned long long)n,
+                                         (unsigned long long)k_st_max_header);
+    if (n > size - 8)
+        return fail(err, "%s: header length %llu runs past the end of the file (%llu bytes)", path, (unsigned long long)n,
+                    (unsigned long long)size);
+    const char *h = (const char *)f + 8;
+    if (n == 0 || h[0] != '{') return fail(err, "%s: the header does not start with '{'", path);
+    size_t bad_at = 0;
+    if (!utf8_valid((const uint8_t *)h, (size_t)n, &bad_at))
+        return fail(err, "%s: the header is not valid UTF-8 (byte %zu)", path, bad_at);
+    json root;
+    if (!json_parse(h, (size_t)n, &root, &why)) return fail(err, "%s: bad JSON header: %s", path, why.c_str());
+    if (root.kind != json::OBJ) return fail(err, "%s: the header is not a JSON object", path);
+    const uint64_t data_size = size - 8 - n;
+    struct span {
+        uint64_t b, e;
+        size_t i;
+    };
+    std::vector<span> spans;
+    for (const auto &kv : root.obj) {
+        const std::string &name = kv.first;
+        const json &v = kv.second;
+        if (name == "__metadata__") {
+            if (v.kind != json::OBJ) return fail(err, "%s: __metadata__ is %s, not an object", path, kind_name(v.kind));
+            for (const auto &m : v.obj) {
+                if (m.second.kind != json::STR)
+                    return fail(err, "%s: __metadata__ value of \"%s\" is %s, not a string", path, m.first.c_str(),
+                                kind_name(m.second.kind));
+                if (metadata) metadata->push_back({m.first, m.second.str});
+            }
+            continue;
+        }
+        if (v.kind != json::OBJ) return fail(err, "%s: tensor %s: entry is %s, not an object", path, name.c_str(), kind_name(v.kind));
+        const json *dt = v.get("dtype"), *sh = v.get("shape"), *of = v.get("data_offsets");
+        if (!dt || dt->kind != json::STR) return fail(err, "%s: tensor %s: missing dtype string", path, name.c_str());
+        if (!sh || sh->kind != json::ARR) return fail(err, "%s: tensor %s: missing shape array", path, name.c_str());
+        if (!of || of->kind != json::ARR || of->arr.size() != 2)
+            return fail(err, "%s: tensor %s: data_offsets must be [begin, end]", path, name.c_str());
+        const size_t es = st_dtype_size(dt->str);
+        if (!es)
+            return fail(err, "%s: tensor %s has dtype %s; only F32, F16 and BF16 are read", path, name.c_str(), dt->str.c_str());
+        ql_st_tensor t;
+        t.name = name;
+        t.dtype = dt->str;
+        for (const json &d : sh->arr) {
+            uint64_t x = 0;
+            if (!d.as_u64(&x) || x > (uint64_t)INT64_MAX)
+                return fail(err, "%s: tensor %s: shape entries must be non-negative integers", path, name.c_str());
+            t.shape.push_back((int64_t)x);
+        }
+        uint64_t b = 0, e = 0, want = 0;
+        if (!of->arr[0].as_u64(&b) || !of->arr[1].as_u64(&e))
+            return fail(err, "%s: tensor %s: data_offsets must be non-negative integers", path, name.c_str());
+        if (e < b) return fail(err, "%s: tensor %s: data_offsets [%llu, %llu] end before they begin", path, name.c_str(),
+                               (unsigned long long)b, (unsigned long long)e);
+        if (e > data_size)
+            return fail(err, "%s: tensor %s: data_offsets [%llu, %llu] run past the %llu data bytes", path, name.c_str(),
+                        (unsigned long long)b, (unsigned long long)e, (unsigned long long)data_size);
+        if (!st_nbytes(t.shape, es, &want) || want != e - b)
+            return fail(err, "%s: tensor %s: %s shape needs %llu bytes, data_offsets give %llu", path, name.c_str(),
+                        t.dtype.c_str(), (unsigned long long)want, (unsigned long long)(e - b));
+        t.data = f + 8 + n + b;
+        spans.push_back({b, e, tensors->size()});
+        tensors->push_back(t);
+    }
+    // the tensors must tile the buffer exactly: no overlaps (aliasing), no gaps (hidden bytes)
+    std::sort(spans.begin(), spans.end(), [](const span &x, const span &y) { return x.b != y.b ? x.b < y.b : x.e < y.e; });
+    uint64_t at = 0;
+    for (const span &s : spans) {
+        const char *name = (*tensors)[s.i].name.c_str();
+        if (s.b < at) return fail(err, "%s: tensor %s (bytes %llu..%llu) overlaps another tensor", path, name,
+                                  (unsigned long long)s.b, (unsigned long long)s.e);
+        if (s.b > at) return fail(err, "%s: bytes %llu..%llu before tensor %s belong to no tensor", path,
+                                  (unsigned long long)at, (unsigned long long)s.b, name);
+        at = s.e;
+    }
+    if (at != data_size)
+        return fail(err, "%s: %llu data bytes after the last tensor belong to no tensor", path, (unsigned long long)(data_size - at));
+    return true;
+}
+
+// ============================================================================================
+// module names and the q/k row order
+// ============================================================================================
+
+namespace {
+
+// the seven linear weights of a block: GGUF name, PEFT module, PEFT parent module
+struct module_name {
+    const char *gguf, *peft, *group;
+};
+const module_name k_modules[] = {
+    {"attn_q", "q_proj", "self_attn"},   {"attn_k", "k_proj", "self_attn"}, {"attn_v", "v_proj", "self_attn"},
+    {"attn_output", "o_proj", "self_attn"}, {"ffn_gate", "gate_proj", "mlp"}, {"ffn_up", "up_proj", "mlp"},
+    {"ffn_down", "down_proj", "mlp"},
+};
+const int k_n_modules = 7;
+const int k_lm_head = 7;  // module index of the output projection (layer -1)
+static_assert(sizeof(k_modules) / sizeof(k_modules[0]) == k_n_modules, "module table");
+
+ql_tensor *slot_weight(const ql_llama &m, int layer, int mod) {
+    if (mod == k_lm_head) return m.output;
+    const ql_llama_layer &L = m.layers[(size_t)layer];
+    ql_tensor *const w[k_n_modules] = {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down};
+    return w[mod];
+}
+
+std::string peft_name(int layer, int mod, char which) {
+    if (mod == k_lm_head) return fmt("base_model.model.lm_head.lora_%c.weight", which);
+    return fmt("base_model.model.model.layers.%d.%s.%s.lora_%c.weight", layer, k_modules[mod].group, k_modules[mod].peft, which);
+}
+
+// "base_model.model.model.layers.N.<group>.<module>.lora_A.weight" or "...lm_head.lora_B.weight"
+// -> layer (-1 for lm_head), module, 'A'/'B'. false when the name is not of that form.
+bool parse_peft_name(const std::string &name, long long *layer, int *mod, char *which) {
+    const std::string pre = "base_model.model.";
+    if (name.compare(0, pre.size(), pre) != 0) return false;
+    std::string rest = name.substr(pre.size());
+    const std::string sa = ".lora_A.weight", sb = ".lora_B.weight";
+    if (rest.size() <= sa.size()) return false;
+    const std::string tail = rest.substr(rest.size() - sa.size());
+    if (tail != sa && tail != sb) return false;
+    *which = tail == sa ? 'A' : 'B';
+    rest.resize(rest.size() - sa.size());
+    if (rest == "lm_head") {
+        *layer = -1;
+        *mod = k_lm_head;
+        return true;
+    }
+    const std::string lp = "model.layers.";
+    if (rest.compare(0, lp.size(), lp) != 0) return false;
+    size_t i = lp.size();
+    long long n = 0;
+    const size_t digits_at = i;
+    while (i < rest.size() && rest[i] >= '0' && rest[i] <= '9' && i - digits_at < 9) n = n * 10 + (rest[i++] - '0');
+    if (i == digits_at || i >= rest.size() || rest[i] != '.') return false;
+    const std::string module = rest.substr(i + 1);
+    for (int k = 0; k < k_n_modules; k++)
+        if (module == std::string(k_modules[k].group) + "." + k_modules[k].peft) {
+            *layer = n;
+            *mod = k;
+            return true;
+        }
+    return false;
+}
+
+// GGUF files of the llama family (normal rope) keep q/k rows in Meta's order; Hugging Face
+// checkpoints (rotate_half rope) keep them per head as [first halves of the pairs, second
+// halves]. llama.cpp's convert_hf_to_gguf.py (LlamaModel.permute) goes HF -> GGUF with
+// w.reshape(n_head, 2, hd/2, in).swapaxes(1, 2).reshape(w.shape) (k: n_head = n_head_kv), i.e.
+// GGUF row h*hd + 2j + s = HF row h*hd + s*hd/2 + j  (j < hd/2, s in {0, 1}).
+// qwen2 (neox rope) is converted without it.
+bool arch_permutes_qk(const char *arch) {
+    return !strcmp(arch, "llama") || !strcmp(arch, "mistral");  // the archs qlora runs with normal rope
+}
+
+// rows of row_len floats; to_hf: GGUF -> HF order, else HF -> GGUF
+void permute_rows(const float *src, float *dst, int64_t n_rows, int64_t row_len, int n_head, bool to_hf) {
+    const int64_t hd = n_rows / n_head, half = hd / 2;
+    for (int64_t h = 0; h < n_head; h++)
+        for (int64_t j = 0; j < half; j++)
+            for (int64_t s = 0; s < 2; s++) {
+                const int64_t g = h * hd + 2 * j + s, f = h * hd + s * half + j;
+                const int64_t from = to_hf ? g : f, to = to_hf ? f : g;
+                memcpy(dst + to * row_len, src + from * row_len, (size_t)row_len * sizeof(float));
+            }
+}
+
+// heads whose rows a module's B carries in rope order (0: not a rope projection)
+int rope_heads(const ql_llama &m, const char *arch, int mod) {
+    if (!arch_permutes_qk(arch)) return 0;
+    if (mod == 0) return m.hp.n_head;
+    if (mod == 1) return m.hp.n_head_kv;
+    return 0;
+}
+
+// any float tensor (contiguous) as f32
+bool tensor_f32(const ql_tensor *t, std::vector<float> *out) {
+    if (!t || !t->data || !ql_is_contiguous(t)) return false;
+    out->resize((size_t)ql_nelements(t));
+    if (t->type == QL_TYPE_F32) {
+        memcpy(out->data(), t->data, out->size() * sizeof(float));
+        return true;
+    }
+    return ql_dequantize(t->type, t->data, ql_nrows(t), t->ne[0], out->data()) == QL_OK;
+}
+
+// an adapter of m, found in model order
+struct adapted {
+    int layer, mod;           // layer -1 for lm_head
+    const ql_tensor *w;
+    const ql_lora_pair *p;
+    int64_t r;
+};
+
+// m's adapters in model order (layers, then the output), each checked against its weight
+bool collect_adapters(const ql_llama &m, std::vector<adapted> *out, std::string *why) {
+    out->clear();
+    auto visit = [&](int layer, int mod) -> bool {
+        const ql_tensor *w = slot_weight(m, layer, mod);
+        if (!w) return true;
+        auto it = m.lora.find(w);
+        if (it == m.lora.end()) return true;
+        const ql_lora_pair &p = it->second;
+        if (!p.a || !p.b) return fail(why, "the adapter of %s lacks its A or B tensor", w->name);
+        if (ql_n_dims(p.a) > 2 || ql_n_dims(p.b) > 2 || p.a->ne[0] != w->ne[0] || p.b->ne[1] != w->ne[1] ||
+            p.a->ne[1] != p.b->ne[0])
+            return fail(why, "the adapter of %s [%lld, %lld] has A [%lld, %lld] and B [%lld, %lld]", w->name,
+                        (long long)w->ne[0], (long long)w->ne[1], (long long)p.a->ne[0], (long long)p.a->ne[1],
+                        (long long)p.b->ne[0], (long long)p.b->ne[1]);
+        if (!p.a->data || !p.b->data) return fail(why, "the adapter of %s has no data", w->name);
+        if (!std::isfinite(p.scale)) return fail(why, "the adapter of %s has scale %g", w->name, (double)p.scale);
+        out->push_back({layer, mod, w, &p, p.a->ne[1]});
+        return true;
+    };
+    for (int il = 0; il < (int)m.layers.size(); il++)
+        for (int k = 0; k < k_n_modules; k++)
+            if (!visit(il, k)) return false;
+    if (!visit(-1, k_lm_head)) return false;
+    if (out->size() != m.lora.size())
+        return fail(why, "%zu of the model's adapters sit on tensors that are not linear weights of its blocks or output",
+                    m.lora.size() - out->size());
+    if (out->empty()) return fail(why, "the model carries no adapter");
+    return true;
+}
+
+}  // namespace
+
+// ============================================================================================
+// LoRA configuration (adapter_config.json)
+// ============================================================================================
+
+float ql_lora_scale(const ql_lora_config &c) {
+    if (c.r <= 0) return 0.0f;
+    return (float)(c.rslora ? (double)c.alpha / std::sqrt((double)c.r) : (double)c.alpha / (double)c.r);
+}
+
+// the adapters must be what the configuration describes: rank r, scale alpha / r (or / sqrt r)
+static bool check_against_config(const std::vector<adapted> &ads, const ql_lora_config &c, std::string *why) {
+    if (c.r <= 0) return fail(why, "config r = %d must be positive", c.r);
+    if (!std::isfinite(c.alpha)) return fail(why, "config alpha is not finite");
+    const double want = ql_lora_scale(c);
+    for (const adapted &a : ads) {
+        if (a.r != c.r)
+            return fail(why, "the adapter of %s has rank %lld, the config says r = %d", a.w->name, (long long)a.r, c.r);
+        if (std::fabs(a.p->scale - want) > 1e-6 * std::fabs(want) + 1e-30)
+            return fail(why, "the adapter of %s has scale %.9g, the config gives %s = %.9g", a.w->name, (double)a.p->scale,
+                        c.rslora ? "alpha / sqrt(r)" : "alpha / r", want);
+    }
+    return true;
+}
+
+// Written as PEFT's save_pretrained writes it (sorted keys, two-space indent), with the keys
+// every PEFT version since 0.9 reads; absent keys take PEFT's defaults on loading.
+static std::string config_json(const ql_lora_config &c, const std::vector<std::string> &targets) {
+    std::vector<std::pair<std::string, std::string>> kv = {
+        {"alpha_pattern", "{}"},
+        {"auto_mapping", "null"},
+        {"base_model_name_or_path", c.base_model.empty() ? "null" : json_quote(c.base_model)},
+        {"bias", "\"none\""},
+        {"fan_in_fan_out", "false"},
+        {"inference_mode", "true"},
+        {"init_lora_weights", "true"},
+        {"layers_pattern", "null"},
+        {"layers_to_transform", "null"},
+        {"lora_alpha", float_text(c.alpha)},
+        {"lora_dropout", float_text(c.dropout)},
+        {"modules_to_save", "null"},
+        {"peft_type", "\"LORA\""},
+        {"r", std::to_string(c.r)},
+        {"rank_pattern", "{}"},
+        {"revision", "null"},
+        {"target_modules", ""},
+        {"task_type", "\"CAUSAL_LM\""},
+        {"use_dora", "false"},
+        {"use_rslora", c.rslora ? "true" : "false"},
+    };
+    std::string t = "[";
+    for (size_t i = 0; i < targets.size(); i++) t += std::string(i ? ",\n    " : "\n    ") + json_quote(targets[i]);
+    t += targets.empty() ? "]" : "\n  ]";
+    std::string o = "{\n";
+    for (size_t i = 0; i < kv.size(); i++)
+        o += "  " + json_quote(kv[i].first) + ": " + (kv[i].first == "target_modules" ? t : kv[i].second) +
+             (i + 1 < kv.size() ? ",\n" : "\n");
+    return o + "}\n";
+}
+
+bool ql_peft_read_config(const char *dir, ql_lora_config *c, std::string *err) {
+    if (!dir || !c) return fail(err, "ql_peft_read_config: bad arguments");
+    const std::string path = std::string(dir) + "/adapter_config.json";
+    std::vector<uint8_t> text;
+    std::string why;
+    if (!read_whole_file(path.c_str(), &text, &why)) return fail(err, "%s: %s", path.c_str(), why.c_str());
+    json root;
+    if (!json_parse((const char *)text.data(), text.size(), &root, &why)) return fail(err, "%s: bad JSON: %s", path.c_str(), why.c_str());
+    if (root.kind != json::OBJ) return fail(err, "%s: not a JSON object", path.c_str());
+    const json *pt = root.get("peft_type");
+    if (!pt || pt->kind != json::STR) return fail(err, "%s: no peft_type: not a PEFT adapter configuration", path.c_str());
+    if (pt->str != "LORA") return fail(err, "%s: peft_type is \"%s\"; only LORA adapters are read", path.c_str(), pt->str.c_str());
+    ql_lora_config out;  // PEFT's LoraConfig defaults where a key is absent
+    out.r = 8;
+    out.alpha = 8.0f;
+    out.dropout = 0.0f;
+    out.rslora = false;
+    auto number = [&](const char *key, double *v) -> bool {
+        const json *j = root.get(key);
+        if (!j || j->kind == json::NUL) return true;
+        if (j->kind != json::NUM) return fail(err, "%s: %s is %s, not a number", path.c_str(), key, kind_name(j->kind));
+        *v = j->num();
+        return true;
+    };
+    auto flag = [&](const char *key, bool *v) -> bool {
+        const json *j = root.get(key);
+        if (!j || j->kind == json::NUL) return true;
+        if (j->kind != json::BOOL) return fail(err, "%s: %s is %s, not true or false", path.c_str(), key, kind_name(j->kind));
+        *v = j->b;
+        return true;
+    };
+    if (const json *j = root.get("r")) {
+        int64_t r = 0;
+        if (!j->as_int(&r) || r <= 0 || r > (1 << 20)) return fail(err, "%s: r must be a positive integer", path.c_str());
+        out.r = (int)r;
+    }
+    double alpha = out.alpha, dropout = out.dropout;
+    bool dora = false;
+    if (!number("lora_alpha", &alpha) || !number("lora_dropout", &dropout) || !flag("use_rslora", &out.rslora) ||
+        !flag("use_dora", &dora))
+        return false;
+    if (!std::isfinite(alpha)) return fail(err, "%s: lora_alpha is not finite", path.c_str());
+    out.alpha = (float)alpha;
+    out.dropout = (float)dropout;
+    if (dora) return fail(err, "%s: use_dora is true; DoRA adapters are not supported", path.c_str());
+    for (const char *key : {"rank_pattern", "alpha_pattern"}) {
+        const json *j = root.get(key);
+        if (j && !(j->kind == json::NUL || (j->kind == json::OBJ && j->obj.empty())))
+            return fail(err, "%s: a non-empty %s (per-module ranks or alphas) is not supported", path.c_str(), key);
+    }
+    if (const json *j = root.get("target_modules")) {
+        if (j->kind == json::STR) {
+            out.targets.push_back(j->str);  // a regular expression or "all-linear"
+        } else if (j->kind == json::ARR) {
+            for (const json &e : j->arr) {
+                if (e.kind != json::STR) return fail(err, "%s: target_modules holds %s, not a string", path.c_str(), kind_name(e.kind));
+                out.targets.push_back(e.str);
+            }
+        } else if (j->kind != json::NUL) {
+            return fail(err, "%s: target_modules is %s", path.c_str(), kind_name(j->kind));
+        }
+    }
+    if (const json *j = root.get("base_model_name_or_path")) {
+        if (j->kind == json::STR) out.base_model = j->str;
+        else if (j->kind != json::NUL) return fail(err, "%s: base_model_name_or_path is %s", path.c_str(), kind_name(j->kind));
+    }
+    *c = out;
+    return true;
+}
+
+// ============================================================================================
+// llama.cpp adapter GGUF
+// ============================================================================================
+
+// llama.cpp applies scale = user_scale * adapter.lora.alpha / rank (rank = lora_b's ne[0];
+// alpha 0 means "no scaling": scale = user_scale), and convert_lora_to_gguf.py stores PEFT's
+// lora_alpha as is, ignoring use_rslora. To reproduce rsLoRA's alpha / sqrt(r) through
+// alpha' / r, the file stores alpha' = alpha * sqrt(r).
+bool ql_lora_save_gguf(const char *path, const ql_llama &m, const char *arch, const ql_lora_config &c, std::string *err) {
+    if (!path || !arch) return fail(err, "ql_lora_save_gguf: bad arguments");
+    std::vector<adapted> ads;
+    std::string why;
+    if (!collect_adapters(m, &ads, &why) || !check_against_config(ads, c, &why)) return fail(err, "%s: %s", path, why.c_str());
+    if (c.alpha == 0.0f)
+        return fail(err, "%s: alpha 0 cannot be written: llama.cpp reads adapter.lora.alpha = 0 as 'no scaling' (scale 1)", path);
+    for (const adapted &a : ads)
+        if (a.w == m.tok_embd)
+            return fail(err, "%s: the output projection is tied to token_embd.weight; llama.cpp would apply its adapter to "
+                             "the embedding lookup", path);
+    const double alpha = c.rslora ? (double)c.alpha * std::sqrt((double)c.r) : (double)c.alpha;
+    ql_gguf_writer *w = ql_gguf_writer_new();
+    ql_gguf_set_str(w, "general.architecture", arch);
+    ql_gguf_set_str(w, "general.type", "adapter");
+    ql_gguf_set_str(w, "adapter.type", "lora");
+    ql_gguf_set_f32(w, "adapter.lora.alpha", (float)alpha);
+    std::vector<std::vector<float>> keep(ads.size() * 2);  // the writer references data until written
+    bool ok = true;
+    for (size_t i = 0; i < ads.size() && ok; i++) {
+        const adapted &a = ads[i];
+        if (!tensor_f32(a.p->a, &keep[2 * i]) || !tensor_f32(a.p->b, &keep[2 * i + 1])) {
+            ok = fail(err, "%s: the adapter of %s is not a readable float tensor", path, a.w->name);
+            break;
+        }
+        const int64_t na[4] = {a.w->ne[0], a.r, 1, 1}, nb[4] = {a.r, a.w->ne[1], 1, 1};
+        const std::string base = a.w->name;
+        if (ql_gguf_add_tensor(w, (base + ".lora_a").c_str(), QL_TYPE_F32, 2, na, keep[2 * i].data(), keep[2 * i].size() * 4) ||
+            ql_gguf_add_tensor(w, (base + ".lora_b").c_str(), QL_TYPE_F32, 2, nb, keep[2 * i + 1].data(),
+                               keep[2 * i + 1].size() * 4))
+            ok = fail(err, "%s: cannot add the tensors of %s (a name of %zu bytes is too long for GGUF?)", path, a.w->name,
+                      base.size() + 7);
+    }
+    char e[512];
+    if (ok && ql_gguf_write(w, path, e, sizeof(e)) != QL_OK) ok = fail(err, "%s", e);
+    ql_gguf_writer_free(w);
+    return ok;
+}
+
+// ============================================================================================
+// PEFT: adapter_config.json + adapter_model.safetensors
+// ============================================================================================
+
+bool ql_peft_save(const char *dir, const ql_llama &m, const char *arch, const ql_lora_config &c, std::string *err) {
+    if (!dir || !arch) return fail(err, "ql_peft_save: bad arguments");
+    std::vector<adapted> ads;
+    std::string why;
+    if (!collect_adapters(m, &ads, &why) || !check_against_config(ads, c, &why)) return fail(err, "%s: %s", dir, why.c_str());
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) return fail(err, "%s: cannot create the folder: %s", dir, strerror(errno));
+    if (!is_dir(dir)) return fail(err, "%s: exists and is not a folder", dir);
+
+    std::vector<std::vector<float>> data(ads.size() * 2);
+    std::vector<ql_st_tensor> ts;
+    bool used[k_n_modules + 1] = {};
+    for (size_t i = 0; i < ads.size(); i++) {
+        const adapted &a = ads[i];
+        std::vector<float> &A = data[2 * i], &B = data[2 * i + 1];
+        if (!tensor_f32(a.p->a, &A) || !tensor_f32(a.p->b, &B))
+            return fail(err, "%s: the adapter of %s is not a readable float tensor", dir, a.w->name);
+        // A: ne [in, r] = lora_A [r, in] as it is. B: ne [r, out] = lora_B [out, r], rows of q/k
+        // put back in Hugging Face's order
+        const int heads = rope_heads(m, arch, a.mod);
+        if (heads) {
+            if (a.w->ne[1] % (2 * heads)) return fail(err, "%s: %s has %lld rows, not pairs per head", dir, a.w->name, (long long)a.w->ne[1]);
+            std::vector<float> hf(B.size());
+            permute_rows(B.data(), hf.data(), a.w->ne[1], a.r, heads, true);
+            B.swap(hf);
+        }
+        ql_st_tensor ta, tb;
+        ta.name = peft_name(a.layer, a.mod, 'A');
+        ta.dtype = "F32";
+        ta.shape = {a.r, a.w->ne[0]};
+        ta.data = A.data();
+        tb.name = peft_name(a.layer, a.mod, 'B');
+        tb.dtype = "F32";
+        tb.shape = {a.w->ne[1], a.r};
+        tb.data = B.data();
+        ts.push_back(ta);
+        ts.push_back(tb);
+        used[a.mod] = true;
+    }
+    std::vector<std::string> targets;  // the modules that carry tensors, in model order
+    for (int k = 0; k <= k_n_modules; k++)
+        if (used[k]) targets.push_back(k == k_lm_head ? "lm_head" : k_modules[k].peft);
+    const std::string st = std::string(dir) + "/adapter_model.safetensors";
+    if (!ql_safetensors_write(st.c_str(), ts, {{"format", "pt"}}, err)) return false;
+    const std::string cfg = config_json(c, targets);
+    return write_atomic(std::string(dir) + "/adapter_config.json", {{cfg.data(), cfg.size()}}, err);
+}
+
+ql_lora_adapter *ql_peft_attach(ql_llama *m, const char *arch, const char *dir, float user_scale, std::string *err) {
+    if (!m || !arch || !dir) {
+        fail(err, "ql_peft_attach: bad arguments");
+        return nullptr;
+    }
+    ql_lora_config c;
+    if (!ql_peft_read_config(dir, &c, err)) return nullptr;
+    const std::string path = std::string(dir) + "/adapter_model.safetensors";
+    const char *file = path.c_str();
+    std::vector<ql_st_tensor> ts;
+    std::vector<uint8_t> storage;
+    if (!ql_safetensors_read(file, &ts, &storage, err)) return nullptr;
+
+    struct found {
+        const ql_st_tensor *a = nullptr, *b = nullptr;
+        int mod = 0;
+    };
+    std::unordered_map<const ql_tensor *, found> byw;
+    std::vector<const ql_tensor *> order;  // weights in file order, for deterministic errors
+    for (const ql_st_tensor &t : ts) {
+        long long layer = 0;
+        int mod = 0;
+        char which = 0;
+        if (!parse_peft_name(t.name, &layer, &mod, &which)) {
+            fail(err, "%s: tensor %s is not a LoRA tensor of a llama block or lm_head (expected "
+                      "base_model.model.model.layers.N.{self_attn,mlp}.<module>.lora_{A,B}.weight)", file, t.name.c_str());
+            return nullptr;
+        }
+        if (layer >= (long long)m->layers.size()) {
+            fail(err, "%s: tensor %s adapts layer %lld; the model has %zu layers", file, t.name.c_str(), layer, m->layers.size());
+            return nullptr;
+        }
+        const ql_tensor *w = slot_weight(*m, (int)layer, mod);
+        found &f = byw[w];
+        if (!f.a && !f.b) order.push_back(w);
+        f.mod = mod;
+        (which == 'A' ? f.a : f.b) = &t;
+    }
+    if (order.empty()) {
+        fail(err, "%s: no LoRA tensors", file);
+        return nullptr;
+    }
+    // check everything and convert to f32 (B's q/k rows into GGUF order) before binding anything
+    struct ready {
+        const ql_tensor *w;
+        std::vector<float> a, b;
+        int64_t r;
+    };
+    std::vector<ready> rs;
+    auto to_f32 = [](const ql_st_tensor &t, std::vector<float> *o) {
+        uint64_t n = 1;
+        for (int64_t d : t.shape) n *= (uint64_t)d;
+        o->resize((size_t)n);
+        const uint8_t *p = (const uint8_t *)t.data;
+        for (size_t i = 0; i < o->size(); i++) {
+            if (t.dtype == "F32") {
+                memcpy(&(*o)[i], p + 4 * i, 4);
+            } else {
+                uint16_t h;
+                memcpy(&h, p + 2 * i, 2);
+                (*o)[i] = t.dtype == "F16" ? ql_fp16_to_fp32(h) : ql_bf16_to_fp32(h);
+            }
+        }
+    };
+    for (const ql_tensor *w : order) {
+        const found &f = byw[w];
+        if (!f.a || !f.b) {
+            fail(err, "%s: %s has no %s", file, (f.a ? f.a : f.b)->name.c_str(), f.a ? "lora_B" : "lora_A");
+            return nullptr;
+        }
+        const std::vector<int64_t> &sa = f.a->shape, &sb = f.b->shape;
+        if (sa.size() != 2 || sb.size() != 2) {
+            fail(err, "%s: %s and its lora_B must be matrices", file, f.a->name.c_str());
+            return nullptr;
+        }
+        if (sa[0] != c.r || sb[1] != c.r) {
+            fail(err, "%s: %s has shape [%lld, %lld] and lora_B [%lld, %lld], but adapter_config.json says r = %d", file,
+                 f.a->name.c_str(), (long long)sa[0], (long long)sa[1], (long long)sb[0], (long long)sb[1], c.r);
+            return nullptr;
+        }
+        if (sa[1] != w->ne[0] || sb[0] != w->ne[1]) {
+            fail(err, "%s: %s [%lld, %lld] and lora_B [%lld, %lld] do not fit %s (in %lld, out %lld)", file, f.a->name.c_str(),
+                 (long long)sa[0], (long long)sa[1], (long long)sb[0], (long long)sb[1], w->name, (long long)w->ne[0],
+                 (long long)w->ne[1]);
+            return nullptr;
+        }
+        ready r{w, {}, {}, c.r};
+        to_f32(*f.a, &r.a);
+        to_f32(*f.b, &r.b);
+        const int heads = rope_heads(*m, arch, f.mod);
+        if (heads) {
+            if (w->ne[1] % (2 * heads)) {
+                fail(err, "%s: %s has %lld rows, not pairs per head", file, w->name, (long long)w->ne[1]);
+                return nullptr;
+            }
+            std::vector<float> g(r.b.size());
+            permute_rows(r.b.data(), g.data(), w->ne[1], r.r, heads, false);
+            r.b.swap(g);
+        }
+        rs.push_back(std::move(r));
+    }
+
+    size_t bytes = 4096;
+    for (const ready &r : rs) bytes += 2 * (ql_tensor_overhead() + 2 * QL_ALIGN) + (r.a.size() + r.b.size()) * sizeof(float);
+    ql_lora_adapter *ad = new ql_lora_adapter();
+    ql_init_params ip = {bytes, nullptr, false, false};
+    ad->ctx = ql_init(ip);
+    ad->alpha = c.alpha;
+    const float scale = (float)((double)user_scale * (double)ql_lora_scale(c));
+    std::vector<std::pair<const ql_tensor *, ql_lora_pair>> pairs;
+    for (const ready &r : rs) {
+        ql_lora_pair p;
+        p.a = ql_new_tensor_2d(ad->ctx, QL_TYPE_F32, r.w->ne[0], r.r);
+        p.b = ql_new_tensor_2d(ad->ctx, QL_TYPE_F32, r.r, r.w->ne[1]);
+        if (!p.a || !p.b) {
+            fail(err, "%s: %s", file, ad->ctx ? ql_ctx_error(ad->ctx) : "out of memory");
+            ql_lora_adapter_free(ad);
+            return nullptr;
+        }
+        ql_format_name(p.a, "%.55s.lora_a", r.w->name);
+        ql_format_name(p.b, "%.55s.lora_b", r.w->name);
+        memcpy(p.a->data, r.a.data(), r.a.size() * sizeof(float));
+        memcpy(p.b->data, r.b.data(), r.b.size() * sizeof(float));
+        p.scale = scale;
+        pairs.push_back({r.w, p});
+    }
+    for (const auto &kv : pairs) m->lora[kv.first] = kv.second;  // only once everything checked out
+    ad->n_pairs = (int)pairs.size();
+    return ad;
+}
+
+ql_lora_adapter *ql_lora_attach_any(ql_llama *m, const char *arch, const char *path, float user_scale, std::string *err) {
+    if (!path) {
+        fail(err, "ql_lora_attach_any: no path");
+        return nullptr;
+    }
+    if (is_dir(path)) return ql_peft_attach(m, arch, path, user_scale, err);
+    char e[512] = "";
+    ql_lora_adapter *ad = ql_llama_attach_lora(m, arch, path, user_scale, e, sizeof(e));
+    if (!ad && err) *err = e;
+    return ad;
+}
+
+// ============================================================================================
+// merged model
+// ============================================================================================
+
+// types llama.cpp reads: ggml's ids (qlora's own, NF4 and NF4_NODQ, sit at 100 and above)
+static bool llamacpp_reads(ql_type t) { return (int)t < (int)QL_TYPE_NF4; }
+
+// f32 -> f16 for a whole tensor; false (with the first bad index) if a value leaves f16's range
+static bool to_f16(const float *x, size_t n, uint16_t *out, size_t *bad) {
+    for (size_t i = 0; i < n; i++) {
+        out[i] = ql_fp32_to_fp16(x[i]);
+        if ((out[i] & 0x7c00u) == 0x7c00u) {
+            *bad = i;
+            return false;
+        }
+    }
+    return true;
+}
+
+// W [out rows of in] += scale * B A, with B [out rows of r], A [r rows of in]; each row's sum
+// over the rank is taken in double, then added to W's f32 value in double and rounded once to f32
+static void merge_rows(float *W, const float *A, const float *B, int64_t in, int64_t out, int64_t r, double scale) {
+    unsigned nt = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
+    if (out * in * r < (int64_t)1 << 22) nt = 1;
+    auto work = [&](int64_t o0, int64_t o1) {
+        std::vector<double> acc((size_t)in);
+        for (int64_t o = o0; o < o1; o++) {
+            std::fill(acc.begin(), acc.end(), 0.0);
+            for (int64_t k = 0; k < r; k++) {
+                const double bk = B[o * r + k];
+                if (bk == 0.0) continue;
+                const float *ak = A + k * in;
+                for (int64_t i = 0; i < in; i++) acc[(size_t)i] += bk * ak[i];
+            }
+            float *wo = W + o * in;
+            for (int64_t i = 0; i < in; i++) wo[i] = (float)((double)wo[i] + scale * acc[(size_t)i]);
+        }
+    };
+    std::vector<std::thread> th;
+    const int64_t per = (out + nt - 1) / nt;
+    for (unsigned t = 1; t < nt; t++)
+        if ((int64_t)t * per < out) th.emplace_back(work, (int64_t)t * per, std::min(out, (int64_t)(t + 1) * per));
+    work(0, std::min(out, per));
+    for (std::thread &t : th) t.join();
+}
+
+// limitation: every converted tensor is held in memory until the file is written (the GGUF
+// writer references tensor data), so an NF4 base needs its whole f16 size in RAM.
+bool ql_llama_save_merged(const char *path, const ql_llama_file &base, const ql_llama &m, std::string *err) {
+    if (!path || !base.gguf) return fail(err, "ql_llama_save_merged: bad arguments");
+    const ql_gguf *g = base.gguf;
+    std::unordered_map<std::string, const ql_lora_pair *> by_name;  // adapters by weight name
+    for (const auto &kv : m.lora) {
+        if (kv.first == m.tok_embd && m.output == m.tok_embd)
+            return fail(err, "%s: the output projection is tied to token_embd.weight; merging its adapter would change the "
+                             "embeddings too", path);
+        by_name[kv.first->name] = &kv.second;
+    }
+    for (const auto &kv : by_name)
+        if (ql_gguf_find_tensor(g, kv.first.c_str()) < 0)
+            return fail(err, "%s: the model has an adapter on %s, which the base file does not hold", path, kv.first.c_str());
+
+    ql_gguf_writer *w = ql_gguf_writer_new();
+    int64_t ift = -1;
+    for (int64_t i = 0; i < ql_gguf_n_kv(g); i++) {
+        ql_gguf_copy_kv(w, g, i);
+        if (!strcmp(ql_gguf_kv_key(g, i), "general.file_type")) ift = i;
+    }
+    std::vector<std::vector<uint16_t>> keep;  // converted tensors, alive until written
+    keep.reserve((size_t)ql_gguf_n_tensors(g));
+    bool widened = false, all_float = true, ok = true;
+    for (int64_t i = 0; i < ql_gguf_n_tensors(g) && ok; i++) {
+        const char *name = ql_gguf_tensor_name(g, i);
+        const ql_type type = ql_gguf_tensor_type(g, i);
+        int64_t ne[4];
+        const int nd = ql_gguf_tensor_ne(g, i, ne);
+        auto it = by_name.find(name);
+        const bool adapted = it != by_name.end();
+        if (!adapted && llamacpp_reads(type)) {  // as it is, byte for byte
+            if (nd >= 2 && type != QL_TYPE_F32 && type != QL_TYPE_F16) all_float = false;
+            if (ql_gguf_add_tensor(w, name, type, nd, ne, ql_gguf_tensor_data(g, i), ql_gguf_tensor_size(g, i)) != QL_OK)
+                ok = fail(err, "%s: cannot copy tensor %s", path, name);
+            continue;
+        }
+        const int64_t n0 = ne[0], rows = ne[1] * ne[2] * ne[3];
+        std::vector<float> x((size_t)(n0 * rows));
+        if (!ql_type_traits_get(type) || !ql_type_traits_get(type)->is_float ||
+            ql_dequantize(type, ql_gguf_tensor_data(g, i), rows, n0, x.data()) != QL_OK) {
+            ok = fail(err, "%s: tensor %s of type %s cannot be converted to f16", path, name, ql_type_name(type));
+            break;
+        }
+        if (adapted) {
+            const ql_lora_pair &p = *it->second;
+            std::vector<float> A, B;
+            if (!p.a || !p.b || nd > 2 || p.a->ne[0] != n0 || p.b->ne[1] != rows || p.a->ne[1] != p.b->ne[0] ||
+                !tensor_f32(p.a, &A) || !tensor_f32(p.b, &B)) {
+                ok = fail(err, "%s: the adapter of %s does not fit its [%lld, %lld] weight in the base file", path, name,
+                          (long long)n0, (long long)rows);
+                break;
+            }
+            merge_rows(x.data(), A.data(), B.data(), n0, rows, p.a->ne[1], (double)p.scale);
+        }
+        keep.emplace_back(x.size());
+        size_t bad = 0;
+        if (!to_f16(x.data(), x.size(), keep.back().data(), &bad)) {
+            ok = fail(err, "%s: tensor %s: element %zu = %g does not fit f16", path, name, bad, (double)x[bad]);
+            break;
+        }
+        widened = true;
+        if (ql_gguf_add_tensor(w, name, QL_TYPE_F16, nd, ne, keep.back().data(), keep.back().size() * 2) != QL_OK)
+            ok = fail(err, "%s: cannot add tensor %s", path, name);
+    }
+    // general.file_type: mostly f16 (1) when converting left only f16/f32 matrices, dropped when
+    // the file now mixes f16 with quantized types, kept when nothing was converted
+    if (widened && all_float) ql_gguf_set_u32(w, "general.file_type", 1);
+    else if (widened && ift >= 0) ql_gguf_remove_kv(w, "general.file_type");
+    char e[512];
+    if (ok && ql_gguf_write(w, path, e, sizeof(e)) != QL_OK) ok = fail(err, "%s", e);
+    ql_gguf_writer_free(w);
+    return ok;
+}
+
+// ============================================================================================
+// loss plot: a small RGB canvas, a 5x7 bitmap font, PNG through stb_image_write
+// ============================================================================================
+
+namespace {
+
+const int k_plot_w = 800, k_plot_h = 500;
+
+struct rgb {
+    uint8_t r, g, b;
+};
+const rgb k_white = {255, 255, 255}, k_black = {0, 0, 0}, k_grid = {228, 228, 228}, k_text = {40, 40, 40},
+          k_train = {31, 119, 180}, k_eval = {230, 110, 10};
+
+// 5x7 glyphs, rows top to bottom, '#' = ink
+struct glyph {
+    char c;
+    const char *rows[7];
+};
+const glyph k_font[] = {
+    {'0', {" ### ", "#   #", "#  ##", "# # #", "##  #", "#   #", " ### "}},
+    {'1', {"  #  ", " ##  ", "  #  ", "  #  ", "  #  ", "  #  ", " ### "}},
+    {'2', {" ### ", "#   #", "    #", "   # ", "  #  ", " #   ", "#####"}},
+    {'3', {"#####", "   # ", "  #  ", "   # ", "    #", "#   #", " ### "}},
+    {'4', {"   # ", "  ## ", " # # ", "#  # ", "#####", "   # ", "   # "}},
+    {'5', {"#####", "#    ", "#### ", "    #", "    #", "#   #", " ### "}},
+    {'6', {"  ## ", " #   ", "#    ", "#### ", "#   #", "#   #", " ### "}},
+    {'7', {"#####", "    #", "   # ", "  #  ", " #   ", " #   ", " #   "}},
+    {'8', {" ### ", "#   #", "#   #", " ### ", "#   #", "#   #", " ### "}},
+    {'9', {" ### ", "#   #", "#   #", " ####", "    #", "   # ", " ##  "}},
+    {'.', {"     ", "     ", "     ", "     ", "     ", " ##  ", " ##  "}},
+    {'-', {"     ", "     ", "     ", " ### ", "     ", "     ", "     "}},
+    {'+', {"     ", "  #  ", "  #  ", "#####", "  #  ", "  #  ", "     "}},
+    {'e', {"     ", "     ", " ### ", "#   #", "#####", "#    ", " ### "}},
+    {'t', {" #   ", " #   ", "#### ", " #   ", " #   ", " #  #", "  ## "}},
+    {'r', {"     ", "     ", "# ## ", "##  #", "#    ", "#    ", "#    "}},
+    {'a', {"     ", "     ", " ### ", "    #", " ####", "#   #", " ####"}},
+    {'i', {"  #  ", "     ", " ##  ", "  #  ", "  #  ", "  #  ", " ### "}},
+    {'n', {"     ", "     ", "# ## ", "##  #", "#   #", "#   #", "#   #"}},
+    {'v', {"     ", "     ", "#   #", "#   #", "#   #", " # # ", "  #  "}},
+    {'l', {" ##  ", "  #  ", "  #  ", "  #  ", "  #  ", "  #  ", " ### "}},
+    {'s', {"     ", "     ", " ####", "#    ", " ### ", "    #", "#### "}},
+    {'p', {"     ", "#### ", "#   #", "#   #", "#### ", "#    ", "#    "}},
+    {'o', {"     ", "     ", " ### ", "#   #", "#   #", "#   #", " ### "}},
+};
+
+struct canvas {
+    int w, h;
+    std::vector<uint8_t> px;  // [h][w][3]
+    canvas(int w_, int h_) : w(w_), h(h_), px((size_t)w_ * (size_t)h_ * 3, 255) {}
+
+    void set(int x, int y, rgb c) {
+        if (x < 0 || y < 0 || x >= w || y >= h) return;
+        uint8_t *p = &px[((size_t)y * (size_t)w + (size_t)x) * 3];
+        p[0] = c.r;
+        p[1] = c.g;
+        p[2] = c.b;
+    }
+    void fill(int x0, int y0, int x1, int y1, rgb c) {  // inclusive corners
+        for (int y = std::max(0, y0); y <= std::min(h - 1, y1); y++)
+            for (int x = std::max(0, x0); x <= std::min(w - 1, x1); x++) set(x, y, c);
+    }
+    // Bresenham, each point a thick x thick square
+    void line(int x0, int y0, int x1, int y1, rgb c, int thick) {
+        const int dx = std::abs(x1 - x0), dy = -std::abs(y1 - y0), sx = x0 < x1 ? 1 : -1, sy = y0 < y1 ? 1 : -1;
+        int e = dx + dy;
+        for (int guard = 0; guard < 4 * (k_plot_w + k_plot_h); guard++) {
+            fill(x0 - (thick - 1) / 2, y0 - (thick - 1) / 2, x0 + thick / 2, y0 + thick / 2, c);
+            if (x0 == x1 && y0 == y1) break;
+            const int e2 = 2 * e;
+            if (e2 >= dy) { e += dy; x0 += sx; }
+            if (e2 <= dx) { e += dx; y0 += sy; }
+        }
+    }
+    void marker(int x, int y, rgb c) {  // a filled diamond with a dark rim
+        for (int dy = -5; dy <= 5; dy++)
+            for (int dx = -5; dx <= 5; dx++) {
+                const int d = std::abs(dx) + std::abs(dy);
+                if (d <= 5) set(x + dx, y + dy, d >= 5 ? k_black : c);
+            }
+    }
+    static int text_width(const std::string &s, int scale) { return (int)s.size() * 6 * scale - scale; }
+    void text(int x, int y, const std::string &s, rgb c, int scale) {  // (x, y): top left
+        for (char ch : s) {
+            for (const glyph &gl : k_font)
+                if (gl.c == ch)
+                    for (int r = 0; r < 7; r++)
+                        for (int k = 0; k < 5; k++)
+                            if (gl.rows[r][k] == '#') fill(x + k * scale, y + r * scale, x + k * scale + scale - 1, y + r * scale + scale - 1, c);
+            x += 6 * scale;
+        }
+    }
+};
+
+// about `target` ticks at 1, 2 or 5 times a power of ten
+double nice_step(double range, int target) {
+    const double raw = range / target, mag = std::pow(10.0, std::floor(std::log10(raw))), f = raw / mag;
+    return (f < 1.5 ? 1 : f < 3 ? 2 : f < 7 ? 5 : 10) * mag;
+}
+
+std::string tick_label(double v, double step) {
+    if (std::fabs(v) < step * 1e-6) v = 0;  // no "-0"
+    char b[32];
+    const double a = std::fabs(v);
+    if (a != 0 && (a >= 1e6 || a < 1e-4 || step < 1e-4)) {
+        snprintf(b, sizeof(b), "%.3g", v);
+    } else {
+        const int dec = std::max(0, (int)-std::floor(std::log10(step) + 1e-9));
+        snprintf(b, sizeof(b), "%.*f", std::min(dec, 6), v);
+    }
+    return b;
+}
+
+void png_sink(void *ctx, void *data, int size) {
+    std::vector<uint8_t> *o = (std::vector<uint8_t> *)ctx;
+    o->insert(o->end(), (const uint8_t *)data, (const uint8_t *)data + size);
+}
+
+}  // namespace
+
+bool ql_plot_losses(const char *path, const std::vector<std::pair<double, double>> &train,
+                    const std::vector<std::pair<double, double>> &eval, std::string *err) {
+    if (!path) return fail(err, "ql_plot_losses: no path");
+    if (train.empty() && eval.empty()) return fail(err, "%s: no losses to plot", path);
+    double x0 = INFINITY, x1 = -INFINITY, y0 = INFINITY, y1 = -INFINITY;
+    for (int s = 0; s < 2; s++) {
+        const auto &pts = s ? eval : train;
+        for (size_t i = 0; i < pts.size(); i++) {
+            if (!std::isfinite(pts[i].first) || !std::isfinite(pts[i].second))
+                return fail(err, "%s: %s point %zu (step %g, loss %g) is not finite; nothing written", path, s ? "eval" : "train", i,
+                            pts[i].first, pts[i].second);
+            x0 = std::min(x0, pts[i].first);
+            x1 = std::max(x1, pts[i].first);
+            y0 = std::min(y0, pts[i].second);
+            y1 = std::max(y1, pts[i].second);
+        }
+    }
+    if (!std::isfinite(x1 - x0) || !std::isfinite(y1 - y0) || std::fabs(x0) > 1e300 || std::fabs(y0) > 1e300 ||
+        std::fabs(x1) > 1e300 || std::fabs(y1) > 1e300)
+        return fail(err, "%s: the values span too large a range to plot", path);
+    // a single step or a constant loss still gets a visible range
+    if (x1 - x0 <= 1e-9 * std::max(1.0, std::fabs(x0))) {
+        x0 -= 1;
+        x1 += 1;
+    }
+    if (y1 - y0 <= 1e-9 * std::max(1.0, std::fabs(y0))) {
+        const double pad = y0 != 0 ? std::fabs(y0) * 0.1 : 1.0;
+        y0 -= pad;
+        y1 += pad;
+    }
+    const double ypad = (y1 - y0) * 0.05;
+    y0 -= ypad;
+    y1 += ypad;
+
+    canvas cv(k_plot_w, k_plot_h);
+    const int left = 100, right = k_plot_w - 24, top = 40, bottom = k_plot_h - 64;  // plot area corners
+    auto X = [&](double x) { return left + (int)std::lround((x - x0) / (x1 - x0) * (right - left)); };
+    auto Y = [&](double y) { return bottom - (int)std::lround((y - y0) / (y1 - y0) * (bottom - top)); };
+
+    // grid, ticks and their labels
+    const double sx = nice_step(x1 - x0, 6), sy = nice_step(y1 - y0, 5);
+    for (double v = std::ceil(x0 / sx) * sx; v <= x1 + sx * 1e-9; v += sx) {
+        const int x = X(v);
+        cv.line(x, top, x, bottom, k_grid, 1);
+        cv.line(x, bottom, x, bottom + 6, k_black, 1);
+        const std::string s = tick_label(v, sx);
+        cv.text(x - canvas::text_width(s, 2) / 2, bottom + 12, s, k_text, 2);
+    }
+    for (double v = std::ceil(y0 / sy) * sy; v <= y1 + sy * 1e-9; v += sy) {
+        const int y = Y(v);
+        cv.line(left, y, right, y, k_grid, 1);
+        cv.line(left - 6, y, left, y, k_black, 1);
+        const std::string s = tick_label(v, sy);
+        cv.text(left - 12 - canvas::text_width(s, 2), y - 7, s, k_text, 2);
+    }
+    cv.line(left, top, left, bottom, k_black, 2);      // axes
+    cv.line(left, bottom, right, bottom, k_black, 2);
+    cv.text((left + right - canvas::text_width("step", 2)) / 2, k_plot_h - 26, "step", k_text, 2);
+    cv.text(left - 60, top - 30, "loss", k_text, 2);
+
+    // the curves: train as a line (one point: a dot), eval as markers joined by a thin line
+    for (size_t i = 0; i + 1 < train.size(); i++)
+        cv.line(X(train[i].first), Y(train[i].second), X(train[i + 1].first), Y(train[i + 1].second), k_train, 2);
+    if (train.size() == 1) cv.fill(X(train[0].first) - 3, Y(train[0].second) - 3, X(train[0].first) + 3, Y(train[0].second) + 3, k_train);
+    for (size_t i = 0; i + 1 < eval.size(); i++)
+        cv.line(X(eval[i].first), Y(eval[i].second), X(eval[i + 1].first), Y(eval[i + 1].second), k_eval, 1);
+    for (const auto &p : eval) cv.marker(X(p.first), Y(p.second), k_eval);
+
+    // legend, top right inside the plot area
+    const int n_items = (train.empty() ? 0 : 1) + (eval.empty() ? 0 : 1);
+    const int lw = 130, lh = 12 + 24 * n_items, lx = right - lw - 10, ly = top + 10;
+    cv.fill(lx, ly, lx + lw, ly + lh, k_white);
+    cv.line(lx, ly, lx + lw, ly, k_black, 1);
+    cv.line(lx, ly + lh, lx + lw, ly + lh, k_black, 1);
+    cv.line(lx, ly, lx, ly + lh, k_black, 1);
+    cv.line(lx + lw, ly, lx + lw, ly + lh, k_black, 1);
+    int iy = ly + 12;
+    if (!train.empty()) {
+        cv.line(lx + 10, iy + 7, lx + 40, iy + 7, k_train, 2);
+        cv.text(lx + 52, iy, "train", k_text, 2);
+        iy += 24;
+    }
+    if (!eval.empty()) {
+        cv.line(lx + 10, iy + 7, lx + 40, iy + 7, k_eval, 1);
+        cv.marker(lx + 25, iy + 7, k_eval);
+        cv.text(lx + 52, iy, "eval", k_text, 2);
+    }
+
+    std::vector<uint8_t> png;
+    if (!stbi_write_png_to_func(png_sink, &png, cv.w, cv.h, 3, cv.px.data(), cv.w * 3) || png.empty())
+        return fail(err, "%s: PNG encoding failed", path);
+    return write_atomic(path, {{png.data(), png.size()}}, err);
+}

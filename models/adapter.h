@@ -1,0 +1,77 @@
+// models/adapter.h - trained adapters in the files other tools load as they are, and plots.
+//
+//   llama.cpp:  adapter.gguf  (general.type "adapter", adapter.type "lora", adapter.lora.alpha;
+//                              "<weight>.lora_a" [in, r], "<weight>.lora_b" [r, out])
+//   PEFT:       dir/adapter_config.json + dir/adapter_model.safetensors
+//               (base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight [r, in] ...);
+//               for the llama architecture the rows of q's and k's lora_B are put back in
+//               Hugging Face's order (GGUF files keep q/k rows permuted for rope: REFERENCE §4, §8)
+//   merged:     a GGUF with W + scale B A in f16 for every adapted weight (and every tensor
+//               llama.cpp could not read, e.g. NF4, widened to f16): loadable by llama.cpp
+//   loss.png:   train / eval loss curves
+#pragma once
+
+#include "llama.h"
+
+#include <stdint.h>
+#include <string>
+#include <utility>
+#include <vector>
+
+// ---- safetensors ----
+struct ql_st_tensor {
+    std::string name;
+    std::string dtype;            // "F32", "F16", "BF16"
+    std::vector<int64_t> shape;   // PyTorch order (outermost first)
+    const void *data = nullptr;   // little-endian, size = product(shape) * dtype size
+};
+// atomic (temp file, fsync, rename); metadata goes to the "__metadata__" entry
+bool ql_safetensors_write(const char *path, const std::vector<ql_st_tensor> &tensors,
+                          const std::vector<std::pair<std::string, std::string>> &metadata, std::string *err);
+// Reads a whole file and checks it as the reference implementation does (header within the
+// file and starting with '{', well-formed UTF-8 JSON, no duplicate names, offsets in bounds,
+// covering the data without gaps or overlaps, sizes = product(shape) * dtype size); dtypes other
+// than F32/F16/BF16 are refused by name. Tensors' data point into *storage (no alignment promised:
+// memcpy out of it); metadata (optional) receives the "__metadata__" pairs.
+bool ql_safetensors_read(const char *path, std::vector<ql_st_tensor> *tensors, std::vector<uint8_t> *storage,
+                         std::string *err, std::vector<std::pair<std::string, std::string>> *metadata = nullptr);
+
+// ---- LoRA configuration (what adapter_config.json says) ----
+struct ql_lora_config {
+    int   r = 16;
+    float alpha = 32.0f;
+    float dropout = 0.05f;
+    bool  rslora = false;                  // scale alpha / sqrt(r) instead of alpha / r
+    std::vector<std::string> targets;      // PEFT module names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj
+    std::string base_model;                // base_model_name_or_path
+};
+float ql_lora_scale(const ql_lora_config &c);  // alpha / r, or alpha / sqrt(r)
+// dir/adapter_config.json as PEFT wrote it (PEFT's defaults for absent keys: r 8, lora_alpha 8,
+// lora_dropout 0); refuses other peft_types, DoRA and per-module rank/alpha patterns.
+bool ql_peft_read_config(const char *dir, ql_lora_config *c, std::string *err);
+
+// The weights of m that carry an adapter (m.lora), written out. `arch` is the model file's
+// general.architecture (the PEFT q/k row order depends on it: "llama" and "mistral", which run
+// with normal rope, get their lora_B rows of q/k un-permuted; "qwen2" is written as it is).
+// Every adapter must have rank c.r and scale ql_lora_scale(c) (else an error naming it), as
+// the files carry one r and one alpha. The GGUF stores adapter.lora.alpha = alpha, or
+// alpha * sqrt(r) with rslora, so that llama.cpp's alpha / r gives the same scale (alpha 0 is
+// refused: llama.cpp reads it as "no scaling"). PEFT's adapter_config.json lists as
+// target_modules the modules that carry tensors (lm_head when the output is adapted).
+bool ql_lora_save_gguf(const char *path, const ql_llama &m, const char *arch, const ql_lora_config &c, std::string *err);
+bool ql_peft_save(const char *dir, const ql_llama &m, const char *arch, const ql_lora_config &c, std::string *err);
+
+// A PEFT folder as an adapter on m (rows converted to GGUF order; tensors copied into the
+// returned adapter, which must outlive every graph built from m). NULL with *err on failure.
+ql_lora_adapter *ql_peft_attach(ql_llama *m, const char *arch, const char *dir, float user_scale, std::string *err);
+// A file or a folder: a llama.cpp adapter GGUF or a PEFT directory.
+ql_lora_adapter *ql_lora_attach_any(ql_llama *m, const char *arch, const char *path, float user_scale, std::string *err);
+
+// The base model file with every adapter of m merged in, as f16 where merged or unreadable
+// by llama.cpp (qlora's NF4), other tensors copied as they are.
+bool ql_llama_save_merged(const char *path, const ql_llama_file &base, const ql_llama &m, std::string *err);
+
+// Loss curves (x: optimizer step) as an 800 x 500 RGB PNG with axes, ticks and a legend; eval
+// may be empty (train too, if eval is not). Non-finite values are refused; written atomically.
+bool ql_plot_losses(const char *path, const std::vector<std::pair<double, double>> &train,
+                    const std::vector<std::pair<double, double>> &eval, std::string *err);
