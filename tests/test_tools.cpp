@@ -6,9 +6,11 @@
 #include <doctest/doctest.h>
 
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <csignal>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -234,6 +236,8 @@ TEST_CASE("convert llama2c + generate: stories260K greedy from BOS tells its sto
     CHECK(a.rfind("Once", 0) == 0);
     REQUIRE(run("./generate -m " + gguf + " -n 5 --temp 0", &log) == 0);
     CHECK(log.find("tokens/s") != std::string::npos);
+    REQUIRE(run("./generate -m " + gguf + " -p \"Once\" -n 0", &log) == 0);  // the prompt only
+    CHECK(log.rfind("Once\n", 0) == 0);
 }
 
 TEST_CASE("perplexity: --json numbers equal an independent computation; every token counted once") {
@@ -335,4 +339,244 @@ TEST_CASE("make-model, convert, generate, perplexity: bad input, one clear line 
         CHECK_MESSAGE(log.find(c.says) != std::string::npos, log);
     }
     CHECK(!exists(d.path + "/x.gguf"));
+}
+
+// ---- finetune ----
+
+namespace {
+
+// a JSONL of prompt/completion pairs with a rule to learn (the answer spells the question backwards)
+void write_qa_jsonl(const std::string &path, int n) {
+    FILE *f = fopen(path.c_str(), "w");
+    REQUIRE(f);
+    for (int i = 0; i < n; i++) {
+        std::string w;
+        for (int k = 0; k < 3 + i % 4; k++) w += (char)('a' + (i * 7 + k * 3) % 26);
+        fprintf(f, "{\"prompt\": \"Q: %s\\nA:\", \"completion\": \" %s.\"}\n", w.c_str(), std::string(w.rbegin(), w.rend()).c_str());
+    }
+    fclose(f);
+}
+
+std::string slurp(const std::string &path) {
+    std::string s;
+    FILE *f = fopen(path.c_str(), "rb");
+    if (!f) return s;
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof(buf), f)) > 0) s.append(buf, n);
+    fclose(f);
+    return s;
+}
+
+// metrics.jsonl as (step, the rest of the line) pairs
+std::vector<std::pair<long long, std::string>> metric_lines(const std::string &path) {
+    std::vector<std::pair<long long, std::string>> out;
+    const std::string s = slurp(path);
+    for (size_t p = 0; p < s.size();) {
+        const size_t e = s.find('\n', p);
+        const std::string line = s.substr(p, e - p);
+        long long step = -1;
+        if (sscanf(line.c_str(), "{\"step\": %lld", &step) == 1) out.push_back({step, line});
+        p = e == std::string::npos ? s.size() : e + 1;
+    }
+    return out;
+}
+
+// the value after "key": in a metrics line (NAN if absent)
+double metric(const std::string &line, const char *key) {
+    const std::string k = std::string("\"") + key + "\": ";
+    const size_t p = line.find(k);
+    return p == std::string::npos ? NAN : atof(line.c_str() + p + k.size());
+}
+
+// Runs cmd with its stdout on a pipe; once a line starting with `when` appears, SIGINT. Returns
+// the exit status (-1 if signalled) and the output.
+int run_interrupted(const std::string &cmd, const std::string &when, std::string *out) {
+    int fd[2];
+    if (pipe(fd) != 0) return -2;
+    const pid_t pid = fork();
+    if (pid == 0) {
+        dup2(fd[1], 1);
+        dup2(fd[1], 2);
+        close(fd[0]);
+        close(fd[1]);
+        execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), (char *)nullptr);
+        _exit(127);
+    }
+    close(fd[1]);
+    out->clear();
+    bool sent = false;
+    char buf[4096];
+    ssize_t n;
+    while ((n = read(fd[0], buf, sizeof(buf))) > 0) {
+        out->append(buf, (size_t)n);
+        if (!sent && (out->rfind("\n" + when, std::string::npos) != std::string::npos)) {
+            kill(pid, SIGINT);
+            sent = true;
+        }
+    }
+    close(fd[0]);
+    int st = 0;
+    waitpid(pid, &st, 0);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+}  // namespace
+
+TEST_CASE("finetune: NF4 base end to end; outputs load in generate and perplexity as GGUF and as PEFT") {
+    if (!all_built({"make-model", "finetune", "generate", "perplexity"})) return;
+    tmpdir d;
+    const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl", out = d.path + "/run", text = d.path + "/t.txt";
+    std::string log;
+    REQUIRE(run("./make-model -o " + base + " --dim 64 --layers 2 --heads 4 --kv-heads 2 --ff 128 --type nf4 --seed 3 --std 0.05",
+                &log) == 0);
+    write_qa_jsonl(data, 24);
+    REQUIRE_MESSAGE(run("./finetune -m " + base + " -d " + data + " -o " + out +
+                            " --max-steps 12 -b 4 --seq-len 32 --lr 3e-3 --val-split 0.25 --eval-every 4 --lora-r 8 -t 2 --merge",
+                        &log) == 0, log);
+    // the start summary and PEFT's line; r 8 on q,k,v,o of 2 layers: 2 * 8 * ((64+64) + (64+32) * 2 + (64+64))
+    CHECK_MESSAGE(log.find("trainable params: 7,168 || all params: ") != std::string::npos, log);
+    CHECK(log.find("effective batch 4 sequences; 12 steps") != std::string::npos);
+    CHECK(log.find("nf4 weights") != std::string::npos);
+    CHECK(log.find("memory plan:") != std::string::npos);
+    CHECK(log.find("finetune: done: 12 steps") != std::string::npos);
+    for (const char *f : {"/adapter.gguf", "/peft/adapter_config.json", "/peft/adapter_model.safetensors", "/loss.png",
+                          "/checkpoint.gguf", "/merged.gguf"})
+        CHECK_MESSAGE(exists(out + f), f);
+    // metrics: steps 0 (eval before training) .. 12, every number present where promised
+    const auto ml = metric_lines(out + "/metrics.jsonl");
+    REQUIRE(ml.size() == 13);
+    for (size_t i = 0; i < ml.size(); i++) {
+        CHECK(ml[i].first == (long long)i);
+        if (i == 0) continue;
+        for (const char *k : {"loss", "lr", "grad_norm", "tokens_per_s", "mem_mib", "peak_mib"})
+            CHECK_MESSAGE(std::isfinite(metric(ml[i].second, k)), ml[i].second, " ", k);
+        CHECK(std::isfinite(metric(ml[i].second, "eval_loss")) == (i % 4 == 0));
+    }
+    CHECK(std::isfinite(metric(ml[0].second, "eval_loss")));
+    CHECK(metric(ml[12].second, "loss") < metric(ml[1].second, "loss"));
+    // the adapter in both formats gives the same numbers, different from the base's
+    REQUIRE(run("printf 'Q: abc\\nA: cba.\\nQ: hello\\nA: olleh.\\n' > " + text, &log) == 0);
+    std::string p_base, p_gguf, p_peft, p_merged;
+    REQUIRE(run("./perplexity -m " + base + " -f " + text + " -c 16 --json", &p_base) == 0);
+    REQUIRE(run("./perplexity -m " + base + " -f " + text + " -c 16 --json --lora " + out + "/adapter.gguf", &p_gguf) == 0);
+    REQUIRE(run("./perplexity -m " + base + " -f " + text + " -c 16 --json --lora " + out + "/peft", &p_peft) == 0);
+    REQUIRE(run("./perplexity -m " + out + "/merged.gguf -f " + text + " -c 16 --json", &p_merged) == 0);
+    const double nb = metric(p_base, "ppl"), ng = metric(p_gguf, "ppl"), np = metric(p_peft, "ppl"), nm = metric(p_merged, "ppl");
+    CAPTURE(p_gguf);
+    REQUIRE(std::isfinite(nb));
+    CHECK(ng != nb);
+    CHECK(std::fabs(np - ng) <= 1e-4 * ng);  // PEFT's rows go back through the q/k permutation
+    CHECK(std::fabs(nm - ng) <= 2e-2 * ng);  // merged: f16 weights
+    std::string g1, g2;
+    REQUIRE(run("./generate -m " + base + " --lora " + out + "/adapter.gguf -p \"Q: abc\" -n 8 --temp 0", &g1) == 0);
+    REQUIRE(run("./generate -m " + base + " --lora " + out + "/peft -p \"Q: abc\" -n 8 --temp 0", &g2) == 0);
+    CHECK(text_of(g1) == text_of(g2));
+    // a second run into the same directory does not clobber the first
+    CHECK(run("./finetune -m " + base + " -d " + data + " -o " + out + " --max-steps 2", &log) == 1);
+    CHECK_MESSAGE(log.find("already holds a run") != std::string::npos, log);
+}
+
+TEST_CASE("finetune: Ctrl-C saves a checkpoint; --resume continues to the uninterrupted run's losses") {
+    if (!all_built({"make-model", "finetune"})) return;
+    tmpdir d;
+    const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl";
+    std::string log;
+    REQUIRE(run("./make-model -o " + base + " --dim 32 --layers 2 --heads 2 --ff 64 --seed 4", &log) == 0);
+    write_qa_jsonl(data, 16);
+    const std::string args = " -m " + base + " -d " + data + " --max-steps 400 -b 2 --seq-len 24 --lora-dropout 0.1 --lr 1e-3 "
+                             "--lr-scheduler cosine --warmup-steps 5 -t 1 --val-split 0.2 --eval-every 50";
+    REQUIRE_MESSAGE(run("./finetune" + args + " -o " + d.path + "/a", &log) == 0, log);
+    const int rc = run_interrupted("./finetune" + args + " -o " + d.path + "/b", "step 1/", &log);
+    CHECK_MESSAGE(rc == 0, log);
+    const size_t at = log.find("interrupted after step ");
+    REQUIRE_MESSAGE(at != std::string::npos, log);  // (400 steps outlast the signal's delivery)
+    const long long k = atoll(log.c_str() + at + strlen("interrupted after step "));
+    CHECK(k >= 1);
+    CHECK(k < 400);
+    CHECK(exists(d.path + "/b/checkpoint.gguf"));
+    CHECK(!exists(d.path + "/b/adapter.gguf"));  // the adapter is written when the run ends
+    CHECK(metric_lines(d.path + "/b/metrics.jsonl").size() == (size_t)k + 1);
+    // a changed setting is refused, naming it
+    CHECK(run("./finetune" + args + " --lora-r 4 --resume " + d.path + "/b", &log) == 1);
+    CHECK_MESSAGE(log.find("checkpoint.gguf: another run: lora r was 16, now 4") != std::string::npos, log);
+    REQUIRE_MESSAGE(run("./finetune" + args + " --resume " + d.path + "/b", &log) == 0, log);
+    CHECK(log.find("resuming after step " + std::to_string(k)) != std::string::npos);
+    const auto a = metric_lines(d.path + "/a/metrics.jsonl"), b = metric_lines(d.path + "/b/metrics.jsonl");
+    REQUIRE(a.size() == 401);
+    REQUIRE(b.size() == 401);
+    for (size_t i = 0; i < a.size(); i++) {
+        CAPTURE(i);
+        CHECK(b[i].first == a[i].first);
+        for (const char *key : {"loss", "eval_loss", "grad_norm", "lr"}) {
+            const double x = metric(a[i].second, key), y = metric(b[i].second, key);
+            CHECK_MESSAGE((x == y || (std::isnan(x) && std::isnan(y))), key, " ", a[i].second, " vs ", b[i].second);
+        }
+    }
+    CHECK(slurp(d.path + "/a/adapter.gguf") == slurp(d.path + "/b/adapter.gguf"));
+}
+
+TEST_CASE("finetune: stories260K fine-tuned on a few stories lowers its loss on held-out ones") {
+    const std::string fx = fixtures_dir();
+    if (!exists(fx + "/stories260K/stories260K.bin")) {
+        MESSAGE("skipped: no fixtures at ", fx);
+        return;
+    }
+    if (!all_built({"convert", "finetune"})) return;
+    const std::string dd = exists("tests/data/stories-train.jsonl") ? "tests/data" : "../tests/data";
+    tmpdir d;
+    std::string log;
+    REQUIRE(run("./convert llama2c " + fx + "/stories260K/stories260K.bin " + fx + "/stories260K/tok512.bin -o " + d.path + "/s.gguf",
+                &log) == 0);
+    REQUIRE_MESSAGE(run("./finetune -m " + d.path + "/s.gguf -d " + dd + "/stories-train.jsonl --val-data " + dd +
+                            "/stories-eval.jsonl -o " + d.path + "/o --max-steps 24 --lr 3e-3 -b 4 --seq-len 128 "
+                            "--lora-targets all -t 2 --eval-every 12",
+                        &log) == 0, log);
+    const auto ml = metric_lines(d.path + "/o/metrics.jsonl");
+    REQUIRE(ml.size() == 25);
+    const double before = metric(ml[0].second, "eval_loss"), after = metric(ml[24].second, "eval_loss");
+    MESSAGE("stories260K eval loss on held-out stories: ", before, " -> ", after);
+    CHECK(before > 1.5);  // the model has not seen these stories: Mia and her dog Sam
+    CHECK(after < 0.85 * before);
+}
+
+TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is written") {
+    if (!all_built({"make-model", "finetune"})) return;
+    tmpdir d;
+    const std::string base = d.path + "/m.gguf", data = d.path + "/qa.jsonl", bad = d.path + "/bad.jsonl", out = d.path + "/out";
+    std::string log;
+    REQUIRE(run("./make-model -o " + base + " --dim 32 --layers 1 --heads 2 --ff 48", &log) == 0);
+    write_qa_jsonl(data, 4);
+    REQUIRE(run("printf '{\"text\": \"fine\"}\\n{\"text\": \"broken}\\n' > " + bad, &log) == 0);
+    struct bad_case {
+        std::string args, says;
+    };
+    const std::string md = " -m " + base + " -d " + data + " -o " + out;
+    const std::vector<bad_case> cases = {
+        {"", "-m model.gguf and -d data.jsonl are required"},
+        {" -m " + base, "-m model.gguf and -d data.jsonl are required"},
+        {md + " --frobnicate", "unknown flag '--frobnicate'"},
+        {md + " --lr fast", "--lr: 'fast' is not a number"},
+        {md + " --lora-r 0", "--lora-r: '0' is not a number in [1, 4096]"},
+        {md + " --lora-r", "--lora-r needs a value"},
+        {md + " --lora-targets q,x", "unknown target 'x'"},
+        {md + " --lr-scheduler step", "--lr-scheduler: 'step'"},
+        {md + " --val-split 0.1 --val-data " + data, "alternatives"},
+        {md + " --chat-template vicuna", "unknown template 'vicuna'"},
+        {" -m " + d.path + "/none.gguf -d " + data + " -o " + out, "none.gguf"},
+        {" -m " + data + " -d " + data + " -o " + out, "qa.jsonl"},
+        {" -m " + base + " -d " + d.path + "/none.jsonl -o " + out, "none.jsonl"},
+        {" -m " + base + " -d " + bad + " -o " + out, "bad.jsonl:2: "},
+        {md + " --resume " + d.path + "/nothing", "nothing/checkpoint.gguf"},
+    };
+    for (const bad_case &c : cases) {
+        CAPTURE(c.args);
+        CHECK(run("./finetune" + c.args, &log) != 0);
+        CHECK_MESSAGE(log.find(c.says) != std::string::npos, log);
+        CHECK_MESSAGE(std::count(log.begin(), log.end(), '\n') == 1, log);
+        CHECK(!exists(out));
+    }
+    // --skip-bad-lines trains on the rest and says what it skipped
+    REQUIRE(run("./finetune -m " + base + " -d " + bad + " -o " + out + " --skip-bad-lines --max-steps 1", &log) == 0);
+    CHECK_MESSAGE(log.find("skipped 1 bad line of " + bad + "; the first: " + bad + ":2: ") != std::string::npos, log);
 }

@@ -1,0 +1,355 @@
+// LoRA fine-tuning: the trainer's semantics (REFERENCE.md section 6) on a tiny llama.
+#include "../models/trainer.h"
+
+#include <doctest/doctest.h>
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct tmpdir {
+    std::string path;
+    tmpdir() {
+        char t[] = "/tmp/qlora-train-XXXXXX";
+        path = mkdtemp(t) ? t : "/tmp";
+    }
+    ~tmpdir() { (void)!system(("rm -rf '" + path + "'").c_str()); }
+};
+
+// a tiny random llama written to GGUF (weights of `type`) and loaded back
+ql_llama_file *tiny_model(const std::string &dir, ql_type type = QL_TYPE_F32, uint64_t seed = 3) {
+    ql_llama_hparams hp;
+    hp.n_vocab = 61; hp.n_embd = 64; hp.n_layer = 2; hp.n_head = 4; hp.n_head_kv = 2; hp.n_ff = 128;
+    ql_init_params ip = {8u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_llama m;
+    REQUIRE(ql_llama_create(ctx, &m, hp, QL_TYPE_F32, true) == QL_OK);
+    ql_llama_randomize(&m, seed, 0.2f);
+    ql_gguf_writer *w = ql_gguf_writer_new();
+    ql_gguf_set_str(w, "general.architecture", "llama");
+    ql_gguf_set_u32(w, "llama.embedding_length", 64);
+    ql_gguf_set_u32(w, "llama.block_count", 2);
+    ql_gguf_set_u32(w, "llama.feed_forward_length", 128);
+    ql_gguf_set_u32(w, "llama.attention.head_count", 4);
+    ql_gguf_set_u32(w, "llama.attention.head_count_kv", 2);
+    std::vector<std::vector<uint8_t>> keep;
+    auto add = [&](ql_tensor *t, ql_type ty) {
+        const int64_t ne[4] = {t->ne[0], t->ne[1], 1, 1};
+        keep.emplace_back(ql_type_data_size(ty, t->ne[1], t->ne[0]));
+        REQUIRE(ql_quantize(ty, (const float *)t->data, t->ne[1], t->ne[0], keep.back().data(), nullptr, 0) == QL_OK);
+        REQUIRE(ql_gguf_add_tensor(w, t->name, ty, ql_n_dims(t), ne, keep.back().data(), keep.back().size()) == QL_OK);
+    };
+    add(m.tok_embd, QL_TYPE_F32);
+    add(m.out_norm, QL_TYPE_F32);
+    for (ql_llama_layer &L : m.layers) {
+        add(L.attn_norm, QL_TYPE_F32);
+        add(L.ffn_norm, QL_TYPE_F32);
+        for (ql_tensor *t : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) add(t, type);
+    }
+    char err[256];
+    const std::string path = dir + "/tiny-" + ql_type_name(type) + ".gguf";
+    REQUIRE(ql_gguf_write(w, path.c_str(), err, sizeof(err)) == QL_OK);
+    ql_gguf_writer_free(w);
+    ql_free(ctx);
+    ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
+    REQUIRE_MESSAGE(f, err);
+    return f;
+}
+
+// sequences of T tokens: document d has length len, the first `prompt` tokens unsupervised,
+// then padding; a learnable rule (next = (3 t + 1) % 61) so the loss can fall
+std::vector<ql_sequence> make_sequences(int n, int T, int first_seed) {
+    std::vector<ql_sequence> out;
+    for (int d = 0; d < n; d++) {
+        ql_sequence s;
+        const int len = T - (d * 5) % (T / 2), prompt = 1 + d % 4;  // varying lengths: padding present
+        int tok = (first_seed + 7 * d) % 61;
+        for (int i = 0; i < T; i++) {
+            const bool real = i < len;
+            s.tokens.push_back(real ? tok : 0);
+            s.pos.push_back(i);
+            s.seg.push_back(real ? 0 : 1);
+            const int next = (3 * tok + 1) % 61;
+            s.targets.push_back(real && i + 1 < len && i + 1 >= prompt ? next : -1);
+            if (s.targets.back() >= 0) s.n_targets++;
+            tok = next;
+        }
+        out.push_back(s);
+    }
+    return out;
+}
+
+ql_train_options base_options() {
+    ql_train_options o;
+    o.lora.r = 4;
+    o.lora.alpha = 8;
+    o.lora.dropout = 0.0f;
+    o.lora.targets = {"q", "k", "v", "o", "gate", "up", "down"};
+    o.micro_batch = 2;
+    o.grad_accum = 1;
+    o.lr = 5e-3f;
+    o.scheduler = "constant";
+    o.max_grad_norm = 0;
+    o.threads = 2;
+    return o;
+}
+
+std::vector<float> adapter_of(ql_trainer *t) {
+    std::vector<float> out;
+    for (ql_tensor *p : ql_llama_lora_params(ql_trainer_model(t)))
+        out.insert(out.end(), (const float *)p->data, (const float *)p->data + ql_nelements(p));
+    return out;
+}
+
+}  // namespace
+
+TEST_CASE("trainer: step 0 is the base model (B = 0); PEFT's trainable line") {
+    tmpdir d;
+    ql_llama_file *f = tiny_model(d.path);
+    const std::vector<ql_sequence> seqs = make_sequences(4, 24, 1);
+    // the base model's loss on the same data, without any adapter
+    ql_train_options o = base_options();
+    std::string err;
+    ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
+    REQUIRE_MESSAGE(t, err);
+    double with_adapter = 0;
+    REQUIRE(ql_trainer_eval(t, &with_adapter, &err));
+    ql_trainer_free(t);  // adapters gone: the base model
+    ql_init_params ip = {4u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    int64_t n_targets = 0;
+    for (const ql_sequence &s : seqs) n_targets += s.n_targets;
+    ql_tensor *tk = ql_new_tensor_2d(ctx, QL_TYPE_I32, 24, 4), *ps = ql_new_tensor_2d(ctx, QL_TYPE_I32, 24, 4);
+    ql_tensor *tg = ql_new_tensor_1d(ctx, QL_TYPE_I32, 96), *cnt = ql_new_tensor_1d(ctx, QL_TYPE_F32, 1);
+    for (int b = 0; b < 4; b++)
+        for (int i = 0; i < 24; i++) {
+            ((int32_t *)tk->data)[b * 24 + i] = seqs[(size_t)b].tokens[(size_t)i];
+            ((int32_t *)ps->data)[b * 24 + i] = i;
+            ((int32_t *)tg->data)[b * 24 + i] = seqs[(size_t)b].targets[(size_t)i];
+        }
+    *(float *)cnt->data = (float)n_targets;
+    ql_tensor *lg = ql_llama_forward(ctx, &f->model, tk, ps, nullptr);
+    ql_tensor *loss = ql_cross_entropy(ctx, ql_reshape_2d(ctx, lg, 61, 96), tg, cnt);
+    ql_graph *g = ql_graph_new(ctx);
+    ql_graph_build_forward(g, loss);
+    ql_backend *be = ql_backend_cpu_init(2);
+    REQUIRE(ql_graph_alloc(g, be) == QL_OK);
+    REQUIRE(ql_backend_graph_compute(be, g) == QL_OK);
+    CHECK(with_adapter == doctest::Approx(*(const float *)loss->data).epsilon(1e-6));
+    ql_graph_free(g);
+    ql_backend_free(be);
+    ql_free(ctx);
+    ql_llama_file_free(f);
+
+    CHECK(ql_trainable_line(4194304, 6742609920LL - 4194304) ==
+          "trainable params: 4,194,304 || all params: 6,742,609,920 || trainable%: 0.0622");
+    CHECK(ql_trainable_line(0, 999) == "trainable params: 0 || all params: 999 || trainable%: 0.0000");
+}
+
+TEST_CASE("trainer: LoRA gradients agree with finite differences of the loss") {
+    tmpdir d;
+    ql_llama_file *f = tiny_model(d.path);
+    const std::vector<ql_sequence> seqs = make_sequences(2, 16, 5);
+    ql_train_options o = base_options();
+    o.lr = 0;  // a step computes the gradients and leaves the adapter alone
+    std::string err;
+    ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
+    REQUIRE_MESSAGE(t, err);
+    std::vector<ql_tensor *> params = ql_llama_lora_params(ql_trainer_model(t));
+    for (ql_tensor *p : params)  // B = 0 would make A's gradient vanish: start from a random adapter
+        for (int64_t i = 0; i < ql_nelements(p); i++) ((float *)p->data)[i] = 0.05f * (float)std::sin(1.7 * (double)i + 0.3 * (double)p->ne[0]);
+    ql_step_metrics m;
+    REQUIRE(ql_trainer_step(t, &m, &err));
+    auto loss_now = [&]() {
+        double l = 0;
+        REQUIRE(ql_trainer_eval(t, &l, &err));  // no dropout; the same sequences and normaliser
+        return l;
+    };
+    int checked = 0;
+    double worst = 0;  // per tensor: max |g - fd| / max |fd| over the sampled entries
+    for (ql_tensor *p : {params[0], params[1], params[params.size() - 2], params.back()}) {
+        const std::vector<float> g((const float *)p->grad->data, (const float *)p->grad->data + ql_nelements(p));
+        double err_max = 0, fd_max = 0;
+        for (int k = 0; k < 6; k++) {
+            const int64_t i = (k * 97 + 13) % ql_nelements(p);
+            float *x = (float *)p->data + i;
+            const float keep = *x, h = 3e-3f;
+            *x = keep + h;
+            const double lp = loss_now();
+            *x = keep - h;
+            const double lm = loss_now();
+            *x = keep;
+            const double fd = (lp - lm) / (2.0 * h);
+            err_max = std::max(err_max, std::fabs(fd - g[(size_t)i]));
+            fd_max = std::max(fd_max, std::fabs(fd));
+            checked++;
+        }
+        worst = std::max(worst, err_max / fd_max);
+    }
+    // f32 loss: FD noise ~ 1e-7 * loss / h; a mis-wired gradient is off by 100%
+    MESSAGE("LoRA gradient vs central differences (f32 loss, h = 3e-3): worst normalised error ", worst, " over ", checked);
+    CHECK(worst < 1e-2);
+    ql_trainer_free(t);
+    ql_llama_file_free(f);
+}
+
+TEST_CASE("trainer: micro 2 x accumulation 4 == micro 8 x accumulation 1 (padding present)") {
+    tmpdir d;
+    ql_llama_file *f = tiny_model(d.path);
+    const std::vector<ql_sequence> seqs = make_sequences(16, 20, 2);
+    std::vector<std::vector<double>> losses(2);
+    std::vector<std::vector<float>> adapters(2);
+    for (int run = 0; run < 2; run++) {
+        ql_train_options o = base_options();
+        o.micro_batch = run == 0 ? 2 : 8;
+        o.grad_accum = run == 0 ? 4 : 1;
+        o.max_grad_norm = 1.0f;
+        std::string err;
+        ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
+        REQUIRE_MESSAGE(t, err);
+        CHECK(ql_trainer_total_steps(t) == 2);
+        for (int s = 0; s < 2; s++) {
+            ql_step_metrics m;
+            REQUIRE_MESSAGE(ql_trainer_step(t, &m, &err), err);
+            losses[(size_t)run].push_back(m.loss);
+        }
+        adapters[(size_t)run] = adapter_of(t);
+        ql_trainer_free(t);
+    }
+    for (size_t s = 0; s < 2; s++) CHECK(losses[0][s] == doctest::Approx(losses[1][s]).epsilon(1e-5));
+    double diff = 0, scale = 0;
+    for (size_t i = 0; i < adapters[0].size(); i++) {
+        diff = std::max(diff, (double)std::fabs(adapters[0][i] - adapters[1][i]));
+        scale = std::max(scale, (double)std::fabs(adapters[1][i]));
+    }
+    // the losses agree to 1e-5; the adapters less closely because Adam divides by sqrt(v):
+    // gradients that differ only by summation order in their last bits move near-zero entries
+    // by visibly different amounts
+    CHECK(diff / scale < 1e-3);
+    ql_llama_file_free(f);
+}
+
+TEST_CASE("trainer: positions without a target contribute nothing (masked prompt, padding)") {
+    tmpdir d;
+    ql_llama_file *f = tiny_model(d.path);
+    std::vector<ql_sequence> a = make_sequences(2, 16, 9), b = a;
+    // change every token after the last supervised position: causal attention never lets it
+    // reach a supervised prediction, and its own targets are masked
+    for (ql_sequence &s : b) {
+        int last = -1;
+        for (int i = 0; i < 16; i++)
+            if (s.targets[(size_t)i] >= 0) last = i;
+        for (int i = last + 2; i < 16; i++) s.tokens[(size_t)i] = (s.tokens[(size_t)i] + 17) % 61;
+    }
+    std::vector<std::vector<float>> grads(2);
+    for (int run = 0; run < 2; run++) {
+        ql_train_options o = base_options();
+        o.lr = 0;
+        std::string err;
+        ql_trainer *t = ql_trainer_new(f, run ? b : a, run ? b : a, o, &err);
+        REQUIRE_MESSAGE(t, err);
+        ql_step_metrics m;
+        REQUIRE(ql_trainer_step(t, &m, &err));
+        for (ql_tensor *p : ql_llama_lora_params(ql_trainer_model(t)))
+            grads[(size_t)run].insert(grads[(size_t)run].end(), (const float *)p->grad->data,
+                                      (const float *)p->grad->data + ql_nelements(p));
+        ql_trainer_free(t);
+    }
+    CHECK(memcmp(grads[0].data(), grads[1].data(), grads[0].size() * 4) == 0);
+    ql_llama_file_free(f);
+}
+
+TEST_CASE("trainer: resuming from a checkpoint reproduces the uninterrupted run bit for bit") {
+    tmpdir d;
+    ql_llama_file *f = tiny_model(d.path, QL_TYPE_NF4);  // a quantized base, as QLoRA trains
+    const std::vector<ql_sequence> seqs = make_sequences(10, 20, 4);
+    ql_train_options o = base_options();
+    o.lora.dropout = 0.1f;  // dropout masks must line up after resume too
+    o.scheduler = "cosine";
+    o.warmup_steps = 2;
+    o.max_steps = 8;  // past one epoch (5 steps): the epoch order must line up as well
+    std::string err;
+    std::vector<double> straight, resumed;
+    {
+        ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
+        REQUIRE_MESSAGE(t, err);
+        for (int s = 0; s < 8; s++) {
+            ql_step_metrics m;
+            REQUIRE_MESSAGE(ql_trainer_step(t, &m, &err), err);
+            straight.push_back(m.loss);
+        }
+        ql_trainer_free(t);
+    }
+    const std::string ckpt = d.path + "/ckpt.gguf";
+    {
+        ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
+        REQUIRE(t);
+        for (int s = 0; s < 3; s++) {
+            ql_step_metrics m;
+            REQUIRE(ql_trainer_step(t, &m, &err));
+            resumed.push_back(m.loss);
+        }
+        REQUIRE_MESSAGE(ql_trainer_save(t, ckpt.c_str(), &err), err);
+        ql_trainer_free(t);
+    }
+    {
+        ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
+        REQUIRE(t);
+        REQUIRE_MESSAGE(ql_trainer_load(t, ckpt.c_str(), &err), err);
+        CHECK(ql_trainer_steps_done(t) == 3);
+        for (int s = 3; s < 8; s++) {
+            ql_step_metrics m;
+            REQUIRE(ql_trainer_step(t, &m, &err));
+            resumed.push_back(m.loss);
+        }
+        ql_trainer_free(t);
+    }
+    REQUIRE(straight.size() == resumed.size());
+    for (size_t s = 0; s < straight.size(); s++) CHECK(straight[s] == resumed[s]);
+    CHECK(straight.back() < straight.front());
+
+    // another run's checkpoint is refused with the reason
+    ql_train_options other = o;
+    other.micro_batch = 1;
+    ql_trainer *t = ql_trainer_new(f, seqs, seqs, other, &err);
+    REQUIRE(t);
+    CHECK(!ql_trainer_load(t, ckpt.c_str(), &err));
+    CHECK(err.find("another run") != std::string::npos);
+    CHECK(!ql_trainer_load(t, (d.path + "/none.gguf").c_str(), &err));
+    CHECK(err.find("none.gguf") != std::string::npos);
+    ql_trainer_free(t);
+    ql_llama_file_free(f);
+}
+
+TEST_CASE("trainer: learning-rate schedules as transformers' (linear warmup from 0)") {
+    tmpdir d;
+    ql_llama_file *f = tiny_model(d.path);
+    const std::vector<ql_sequence> seqs = make_sequences(4, 12, 1);
+    for (const char *sched : {"constant", "linear", "cosine"}) {
+        ql_train_options o = base_options();
+        o.scheduler = sched;
+        o.lr = 1.0f;
+        o.max_steps = 10;
+        o.warmup_ratio = 0.2;  // ceil(0.2 * 10) = 2 warmup steps
+        std::string err;
+        ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
+        REQUIRE(t);
+        CAPTURE(sched);
+        CHECK(ql_trainer_lr_at(t, 0) == 0.0);
+        CHECK(ql_trainer_lr_at(t, 1) == doctest::Approx(0.5));
+        for (int s = 2; s < 10; s++) {
+            const double p = (s - 2) / 8.0;
+            const double want = !strcmp(sched, "constant") ? 1.0 : !strcmp(sched, "linear") ? 1.0 - p : 0.5 * (1 + std::cos(M_PI * p));
+            CHECK(ql_trainer_lr_at(t, s) == doctest::Approx(want));
+        }
+        ql_trainer_free(t);
+    }
+    ql_llama_file_free(f);
+}
