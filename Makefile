@@ -5,7 +5,7 @@
 #   make test-sanitize   the suite under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make test-portable   the suite built without -march=native (portable SIMD fallback)
 #   make bench      benchmarks (numbers go to bench/RESULTS.md by hand, with the command)
-#   make demo       trains a tiny transformer from scratch and samples from it
+#   make demo       QLoRA-fine-tunes a tiny NF4 llama on examples/demo.jsonl and shows what it learned
 #   make fuzz       libFuzzer on the GGUF reader (clang; FUZZ_RUNS=1000000 by default)
 #   make PORTABLE=1 ...  no -march=native (the portable SIMD fallback)
 
@@ -78,8 +78,8 @@ test-sanitize: $(SAN)/test-qlora $(ROOT_TOOLS)
 bench: tools/bench
 	./tools/bench all
 
-demo: train-tiny
-	./train-tiny
+demo: $(TOOLS)
+	./examples/demo.sh
 
 # make fuzz: libFuzzer + ASan/UBSan on the GGUF reader and writer (needs clang).
 # FUZZ_RUNS / FUZZ_MAXLEN adjust the run; seeds: small written files plus the fixtures' GGUFs.
