@@ -5,6 +5,7 @@
 #   make test-sanitize   the suite under AddressSanitizer + UndefinedBehaviorSanitizer
 #   make test-portable   the suite built without -march=native (portable SIMD fallback)
 #   make bench      benchmarks (numbers go to bench/RESULTS.md by hand, with the command)
+#   make bench-finetune  finetune tokens/s and peak RSS, with PyTorch's as the yardstick (bench/finetune.sh)
 #   make demo       QLoRA-fine-tunes a tiny NF4 llama on examples/demo.jsonl and shows what it learned
 #   make fuzz       libFuzzer on the GGUF reader (clang; FUZZ_RUNS=1000000 by default)
 #   make PORTABLE=1 ...  no -march=native (the portable SIMD fallback)
@@ -27,7 +28,7 @@ ROOT_TOOLS := $(filter-out bench,$(basename $(notdir $(wildcard tools/*.cpp))))
 TOOLS    := tools/bench $(ROOT_TOOLS)
 HEADERS  := qlora.h $(wildcard models/*.h models/*.inc)
 
-.PHONY: all test test-unit test-dropin test-sanitize test-portable bench demo clean cuda fuzz
+.PHONY: all test test-unit test-dropin test-sanitize test-portable bench bench-finetune demo clean cuda fuzz
 all: $(TOOLS) $(BUILD)/test-qlora
 
 $(BUILD)/%.o: %.cpp $(HEADERS)
@@ -77,6 +78,9 @@ test-sanitize: $(SAN)/test-qlora $(ROOT_TOOLS)
 
 bench: tools/bench
 	./tools/bench all
+
+bench-finetune: $(TOOLS)
+	./bench/finetune.sh
 
 demo: $(TOOLS)
 	./examples/demo.sh

@@ -165,6 +165,7 @@ int64_t ql_trainer_steps_done(const ql_trainer *t) { return t->step; }
 int64_t ql_trainer_steps_per_epoch(const ql_trainer *t) { return t->per_epoch; }
 const ql_plan_stats &ql_trainer_plan(const ql_trainer *t) { return t->plan; }
 ql_llama &ql_trainer_model(ql_trainer *t) { return t->f->model; }
+ql_graph *ql_trainer_graph(ql_trainer *t) { return t->tr.g; }
 
 int64_t ql_trainer_n_trainable(const ql_trainer *t) {
     int64_t n = 0;

@@ -61,6 +61,8 @@ int64_t     ql_trainer_n_base(const ql_trainer *t);        // base model paramet
 const ql_plan_stats &ql_trainer_plan(const ql_trainer *t); // the training graph's memory plan
 size_t      ql_trainer_state_bytes(const ql_trainer *t);   // adapter + gradients + optimizer moments
 ql_llama   &ql_trainer_model(ql_trainer *t);
+// the training graph (forward + backward), e.g. for ql_graph_set_profile / ql_graph_node_seconds
+ql_graph   *ql_trainer_graph(ql_trainer *t);
 double      ql_trainer_lr_at(const ql_trainer *t, int64_t step);  // the schedule (step from 0)
 
 // One optimizer step. false with *err on a run-time error (e.g. a non-finite loss).

@@ -71,6 +71,8 @@ static const mm_shape k_shapes[] = {
     {4096, 256, 4096, "256 tokens"},
     {11008, 16, 4096, "ffn up, 16 tokens"},
     {768, 512, 768, "110M attn proj, seq 512"},
+    {32000, 1024, 288, "vocab projection, 15M shape, 4x256 tokens"},
+    {288, 1024, 32000, "its input gradient"},
 };
 static const int k_n_shapes = sizeof(k_shapes) / sizeof(k_shapes[0]);
 

@@ -38,7 +38,7 @@ static const char *k_help =
     "           --val-split F | --val-data FILE  --eval-every N\n"
     "trainer:   -b 4  --grad-accum 1  --lr 2e-4  --beta1 0.9  --beta2 0.999  --eps 1e-8  --weight-decay 0\n"
     "           --lr-scheduler constant|linear|cosine  --warmup-ratio 0  --warmup-steps N  --max-grad-norm 1.0\n"
-    "           --epochs 1  --max-steps N  --seed 42  -t THREADS\n"
+    "           --epochs 1  --max-steps N  --seed 42  -t THREADS  --profile (time per op, printed at the end)\n"
     "output:    -o DIR (default finetune-out)  --save-every N  --resume DIR  --merge  --overwrite (replace a run in -o DIR)\n";
 
 static double peak_rss_mib() {  // VmHWM: the high-water mark of resident memory
@@ -98,6 +98,33 @@ static void keep_metrics(const std::string &path, int64_t upto, std::string *kep
     fclose(f);
 }
 
+// where the training graph's time went: per op kind, then the ten costliest nodes
+static void print_profile(const ql_graph *g) {
+    std::vector<double> by_op(QL_OP_COUNT, 0.0);
+    std::vector<std::pair<double, int>> nodes;
+    double total = 0;
+    for (int i = 0; i < ql_graph_n_nodes(g); i++) {
+        const double s = ql_graph_node_seconds(g, i);
+        by_op[ql_graph_node(g, i)->op] += s;
+        nodes.push_back({s, i});
+        total += s;
+    }
+    if (total <= 0) return;
+    printf("finetune: profile of the training graph (%d nodes, %.3f s in all):\n", ql_graph_n_nodes(g), total);
+    std::vector<int> ops;
+    for (int o = 0; o < QL_OP_COUNT; o++)
+        if (by_op[(size_t)o] > 0) ops.push_back(o);
+    std::sort(ops.begin(), ops.end(), [&](int x, int y) { return by_op[(size_t)x] > by_op[(size_t)y]; });
+    for (int o : ops) printf("  %-22s %6.1f%%\n", ql_op_name((ql_op)o), 100 * by_op[(size_t)o] / total);
+    std::sort(nodes.rbegin(), nodes.rend());
+    printf("  costliest nodes:\n");
+    for (size_t k = 0; k < nodes.size() && k < 10; k++) {
+        const ql_tensor *n = ql_graph_node(g, nodes[k].second);
+        printf("  %6.1f%%  %-14s %s [%lld, %lld, %lld]\n", 100 * nodes[k].first / total, ql_op_name(n->op), n->name,
+               (long long)n->ne[0], (long long)n->ne[1], (long long)n->ne[2]);
+    }
+}
+
 struct args {
     const char *model = nullptr, *data = nullptr, *val_data = nullptr, *resume = nullptr, *chat = nullptr;
     std::string out = "finetune-out";
@@ -105,7 +132,7 @@ struct args {
     ql_data_options d;
     double val_split = 0;
     int64_t eval_every = 0, save_every = 0;
-    bool merge = false, overwrite = false;
+    bool merge = false, overwrite = false, profile = false;
 };
 
 // one flag with its value; false (after a one-line message) on anything malformed
@@ -191,6 +218,7 @@ static bool parse(int argc, char **argv, args *a) {
         else if (f == "--save-every") { if (!num(f.c_str(), need(i), 1, 1e12, &v)) return false; a->save_every = (int64_t)v; }
         else if (f == "--merge") a->merge = true;
         else if (f == "--overwrite") a->overwrite = true;
+        else if (f == "--profile") a->profile = true;
         else {
             fprintf(stderr, "finetune: unknown flag '%s' (see --help)\n", argv[i]);
             return false;
@@ -314,6 +342,8 @@ int main(int argc, char **argv) {
            std::chrono::duration<double>(std::chrono::steady_clock::now() - t_build).count());
     fflush(stdout);
 
+    if (a.profile) ql_graph_set_profile(ql_trainer_graph(t), true);
+
     // ---- the loop ----
     signal(SIGINT, on_sigint);
     std::vector<std::pair<double, double>> curve, eval_curve;
@@ -369,8 +399,10 @@ int main(int argc, char **argv) {
         }
         fprintf(metrics, "{\"step\": %lld, \"loss\": %.6f", (long long)m.step, m.loss);
         if (evaluated) fprintf(metrics, ", \"eval_loss\": %.6f", last_eval);
-        fprintf(metrics, ", \"lr\": %.6g, \"grad_norm\": %.6f, \"tokens_per_s\": %.1f, \"mem_mib\": %.1f, \"peak_mib\": %.1f}\n",
-                m.lr, m.grad_norm, tok_s, rss_mib(), peak_rss_mib());
+        fprintf(metrics,
+                ", \"lr\": %.6g, \"grad_norm\": %.6f, \"step_seconds\": %.4f, \"tokens_per_s\": %.1f, \"mem_mib\": %.1f, "
+                "\"peak_mib\": %.1f}\n",
+                m.lr, m.grad_norm, m.seconds, tok_s, rss_mib(), peak_rss_mib());
         fflush(metrics);
         const double eta = (double)(total - m.step) * el / (double)std::max<int64_t>(1, m.step - first);
         char line[256];
@@ -421,6 +453,7 @@ int main(int argc, char **argv) {
     printf("; peak memory %.0f MiB\n", peak_rss_mib());
     printf("finetune: wrote %s/adapter.gguf, %s/peft/, %s/metrics.jsonl, %s/loss.png, %s/checkpoint.gguf%s\n", out.c_str(),
            out.c_str(), out.c_str(), out.c_str(), out.c_str(), a.merge ? (", " + out + "/merged.gguf").c_str() : "");
+    if (a.profile) print_profile(ql_trainer_graph(t));
     ql_trainer_free(t);
     ql_vocab_free(vocab);
     ql_llama_file_free(f);
