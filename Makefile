@@ -27,6 +27,7 @@ TEST_OBJ := $(TEST_SRC:%.cpp=$(BUILD)/%.o)
 ROOT_TOOLS := $(filter-out bench,$(basename $(notdir $(wildcard tools/*.cpp))))
 TOOLS    := tools/bench $(ROOT_TOOLS)
 HEADERS  := qlora.h $(wildcard models/*.h models/*.inc)
+TEST_HEADERS := $(wildcard tests/*.h)
 
 .PHONY: all test test-unit test-dropin test-sanitize test-portable bench bench-finetune demo clean cuda fuzz
 all: $(TOOLS) $(BUILD)/test-qlora
@@ -43,6 +44,9 @@ tools/bench: $(BUILD)/tools/bench.o $(BUILD)/libqlora.a
 
 $(ROOT_TOOLS): %: $(BUILD)/tools/%.o $(BUILD)/libqlora.a
 	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
+
+$(TEST_OBJ): $(TEST_HEADERS)
+$(TEST_SRC:%.cpp=$(BUILD)/san/%.o): $(TEST_HEADERS)
 
 $(BUILD)/test-qlora: $(TEST_OBJ) $(BUILD)/libqlora.a
 	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)

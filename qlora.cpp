@@ -1585,7 +1585,7 @@ ql_graph *ql_graph_new(ql_context *ctx) {
 }
 
 static void graph_release_buffer(ql_graph *g) {
-    if (g->buffer) g->buffer_free(g->buffer);
+    if (g->buffer && g->buffer_free) g->buffer_free(g->buffer);  // NULL: borrowed (ql_graph_alloc_shared)
     g->buffer = nullptr;
     g->buffer_size = 0;
     g->work = nullptr;
@@ -2143,6 +2143,16 @@ static void graph_bind(ql_graph *g) {
         }
 }
 
+static bool graph_leafs_ready(ql_graph *g) {
+    for (ql_tensor *l : g->leafs)
+        if (!l->data && ql_nbytes(l) > 0) {
+            QL_ERR(g->ctx, QL_ERR_INVALID, "graph_alloc: leaf %s has no data (a no_alloc context needs its data set first)",
+                   shape_str(l).c_str());
+            return false;
+        }
+    return true;
+}
+
 ql_status ql_graph_alloc(ql_graph *g, ql_backend *be) {
     if (!g || !be) return QL_ERR_INVALID;
     ql_context *ctx = g->ctx;
@@ -2156,12 +2166,7 @@ ql_status ql_graph_alloc(ql_graph *g, ql_backend *be) {
         const ql_status st = ql_graph_plan(g, be, nullptr);
         if (st != QL_OK) return st;
     }
-    for (ql_tensor *l : g->leafs)
-        if (!l->data && ql_nbytes(l) > 0) {
-            QL_ERR(ctx, QL_ERR_INVALID, "graph_alloc: leaf %s has no data (a no_alloc context needs its data set first)",
-                   shape_str(l).c_str());
-            return ctx->status;
-        }
+    if (!graph_leafs_ready(g)) return ctx->status;
     const size_t need = g->arena_size + g->work_size;
     if (!g->buffer || g->buffer_size < need || g->buffer_backend != be->id) {
         graph_release_buffer(g);
@@ -2177,6 +2182,37 @@ ql_status ql_graph_alloc(ql_graph *g, ql_backend *be) {
     }
     g->work = g->buffer + g->arena_size;
     g->bound = true;
+    graph_bind(g);
+    return QL_OK;
+}
+
+ql_status ql_graph_alloc_shared(ql_graph *g, ql_backend *be, ql_graph *host) {
+    if (!g || !be || !host || g == host) return QL_ERR_INVALID;
+    ql_context *ctx = g->ctx;
+    if (ctx->status != QL_OK) return ctx->status;
+    if (!host->buffer || host->buffer_backend != be->id) {
+        QL_ERR(ctx, QL_ERR_INVALID, "graph_alloc_shared: the host graph has no buffer of backend %s (ql_graph_alloc it first)",
+               be->iface.name);
+        return ctx->status;
+    }
+    if (!g->planned || g->plan_backend != be->id) {
+        const ql_status st = ql_graph_plan(g, be, nullptr);
+        if (st != QL_OK) return st;
+    }
+    if (!graph_leafs_ready(g)) return ctx->status;
+    const size_t need = g->arena_size + g->work_size;
+    if (need > host->buffer_size) {
+        QL_ERR(ctx, QL_ERR_INVALID, "graph_alloc_shared: the graph needs %zu bytes, the host's buffer has %zu", need,
+               host->buffer_size);
+        return ctx->status;
+    }
+    graph_release_buffer(g);
+    g->buffer         = host->buffer;
+    g->buffer_size    = need;
+    g->buffer_backend = be->id;
+    g->buffer_free    = nullptr;  // host's to free
+    g->work           = g->buffer + g->arena_size;
+    g->bound          = true;
     graph_bind(g);
     return QL_OK;
 }

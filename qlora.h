@@ -499,6 +499,12 @@ ql_status ql_graph_get_stats(const ql_graph *g, ql_plan_stats *stats);
 // points the shared tensors into its own buffer first, so after a run, tensor data refers
 // to the graph that ran last.
 ql_status ql_graph_alloc(ql_graph *g, ql_backend *backend);
+// Points g into host's buffer (allocated, same backend) instead of a buffer of its own, for
+// graphs that never run at the same time - an evaluation graph between training steps. A run
+// of g overwrites what host keeps in the buffer (activations, gradients), so host's gradients
+// must not be needed across it; host must outlive g's runs. QL_ERR_INVALID when g's plan needs
+// more than host's buffer (then ql_graph_alloc it).
+ql_status ql_graph_alloc_shared(ql_graph *g, ql_backend *backend, ql_graph *host);
 // Debug: before each node runs, fill the bytes of blocks freed by earlier nodes with NaN
 // (0xFF) so a reader of a dead tensor cannot go unnoticed.
 void      ql_graph_set_poison(ql_graph *g, bool on);

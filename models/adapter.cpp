@@ -4,6 +4,7 @@
 // the q/k row permutation -> LoRA configuration -> llama.cpp adapter GGUF -> PEFT save/attach ->
 // merged model -> loss plot.
 #include "adapter.h"
+#include "json.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -47,16 +48,6 @@ static bool fail(std::string *err, const char *fmt, ...) {
     va_end(ap);
     if (err) *err = b;
     return false;
-}
-
-static std::string fmt(const char *f, ...) __attribute__((format(printf, 1, 2)));
-static std::string fmt(const char *f, ...) {
-    char b[1024];
-    va_list ap;
-    va_start(ap, f);
-    vsnprintf(b, sizeof(b), f, ap);
-    va_end(ap);
-    return b;
 }
 
 static bool is_dir(const char *path) {
@@ -151,281 +142,6 @@ static std::string float_text(double v) {
 }
 
 // ============================================================================================
-// JSON: a reader for safetensors headers and adapter_config.json (RFC 8259 values; numbers
-// keep their text so integers up to 2^64 - 1 are exact), and string quoting for the writers
-// ============================================================================================
-
-namespace {
-
-struct json {
-    enum kind_t { NUL, BOOL, NUM, STR, ARR, OBJ } kind = NUL;
-    bool b = false;
-    std::string str;  // STR: the value; NUM: the literal as written
-    std::vector<json> arr;
-    std::vector<std::pair<std::string, json>> obj;  // in file order
-
-    const json *get(const char *key) const {
-        for (const auto &kv : obj)
-            if (kv.first == key) return &kv.second;
-        return nullptr;
-    }
-    double num() const { return strtod(str.c_str(), nullptr); }
-    // a non-negative integer written without fraction or exponent
-    bool as_u64(uint64_t *v) const {
-        if (kind != NUM || str.empty()) return false;
-        uint64_t x = 0;
-        for (char c : str) {
-            if (c < '0' || c > '9') return false;
-            const uint64_t d = (uint64_t)(c - '0');
-            if (x > (UINT64_MAX - d) / 10) return false;
-            x = x * 10 + d;
-        }
-        *v = x;
-        return true;
-    }
-    // an integer, possibly written 8.0 or 1e1 (Python's json writes floats for float fields)
-    bool as_int(int64_t *v) const {
-        if (kind != NUM) return false;
-        const double d = num();
-        if (!(std::fabs(d) < 9.0e15) || d != std::floor(d)) return false;
-        *v = (int64_t)d;
-        return true;
-    }
-};
-
-const char *kind_name(json::kind_t k) {
-    static const char *names[] = {"null", "a boolean", "a number", "a string", "an array", "an object"};
-    return names[k];
-}
-
-// strict UTF-8 (no overlongs, no surrogates, at most U+10FFFF)
-bool utf8_valid(const uint8_t *s, size_t n, size_t *bad) {
-    size_t i = 0;
-    while (i < n) {
-        const uint8_t c = s[i];
-        int len = 0;
-        uint32_t cp = 0, min = 0;
-        if (c < 0x80) { i++; continue; }
-        if ((c & 0xE0) == 0xC0) { len = 2; cp = c & 0x1F; min = 0x80; }
-        else if ((c & 0xF0) == 0xE0) { len = 3; cp = c & 0x0F; min = 0x800; }
-        else if ((c & 0xF8) == 0xF0) { len = 4; cp = c & 0x07; min = 0x10000; }
-        else { *bad = i; return false; }
-        if (i + (size_t)len > n) { *bad = i; return false; }
-        for (int k = 1; k < len; k++) {
-            if ((s[i + (size_t)k] & 0xC0) != 0x80) { *bad = i; return false; }
-            cp = (cp << 6) | (s[i + (size_t)k] & 0x3F);
-        }
-        if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) { *bad = i; return false; }
-        i += (size_t)len;
-    }
-    return true;
-}
-
-void put_utf8(std::string &o, uint32_t cp) {
-    if (cp < 0x80) {
-        o += (char)cp;
-    } else if (cp < 0x800) {
-        o += (char)(0xC0 | (cp >> 6));
-        o += (char)(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-        o += (char)(0xE0 | (cp >> 12));
-        o += (char)(0x80 | ((cp >> 6) & 0x3F));
-        o += (char)(0x80 | (cp & 0x3F));
-    } else {
-        o += (char)(0xF0 | (cp >> 18));
-        o += (char)(0x80 | ((cp >> 12) & 0x3F));
-        o += (char)(0x80 | ((cp >> 6) & 0x3F));
-        o += (char)(0x80 | (cp & 0x3F));
-    }
-}
-
-struct json_reader {
-    const char *s, *p, *end;
-    std::string why;
-    static const int k_max_depth = 64;  // deeper nesting is refused, not recursed into
-
-    bool bad(const char *what) {
-        if (why.empty()) why = fmt("%s at byte %zu", what, (size_t)(p - s));
-        return false;
-    }
-    void ws() {
-        while (p < end && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
-    }
-    bool lit(const char *w) {
-        const size_t n = strlen(w);
-        if ((size_t)(end - p) < n || memcmp(p, w, n) != 0) return bad("invalid literal");
-        p += n;
-        return true;
-    }
-    bool hex4(uint32_t *v) {
-        if (end - p < 4) return bad("truncated \\u escape");
-        *v = 0;
-        for (int i = 0; i < 4; i++) {
-            const char c = *p++;
-            *v <<= 4;
-            if (c >= '0' && c <= '9') *v |= (uint32_t)(c - '0');
-            else if (c >= 'a' && c <= 'f') *v |= (uint32_t)(c - 'a' + 10);
-            else if (c >= 'A' && c <= 'F') *v |= (uint32_t)(c - 'A' + 10);
-            else return bad("bad hex digit in \\u escape");
-        }
-        return true;
-    }
-    bool string(std::string *o) {
-        p++;  // the opening quote
-        o->clear();
-        while (true) {
-            if (p >= end) return bad("unterminated string");
-            const unsigned char c = (unsigned char)*p;
-            if (c == '"') {
-                p++;
-                return true;
-            }
-            if (c < 0x20) return bad("control character in string");
-            if (c != '\\') {
-                *o += (char)c;
-                p++;
-                continue;
-            }
-            if (++p >= end) return bad("unterminated escape");
-            const char e = *p++;
-            switch (e) {
-                case '"': *o += '"'; break;
-                case '\\': *o += '\\'; break;
-                case '/': *o += '/'; break;
-                case 'b': *o += '\b'; break;
-                case 'f': *o += '\f'; break;
-                case 'n': *o += '\n'; break;
-                case 'r': *o += '\r'; break;
-                case 't': *o += '\t'; break;
-                case 'u': {
-                    uint32_t cp;
-                    if (!hex4(&cp)) return false;
-                    if (cp >= 0xD800 && cp <= 0xDBFF) {  // a surrogate pair
-                        uint32_t lo;
-                        if (end - p < 2 || p[0] != '\\' || p[1] != 'u') return bad("unpaired surrogate");
-                        p += 2;
-                        if (!hex4(&lo)) return false;
-                        if (lo < 0xDC00 || lo > 0xDFFF) return bad("unpaired surrogate");
-                        cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-                    } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
-                        return bad("unpaired surrogate");
-                    }
-                    put_utf8(*o, cp);
-                    break;
-                }
-                default: return bad("unknown escape");
-            }
-        }
-    }
-    bool number(json *v) {
-        const char *b = p;
-        if (p < end && *p == '-') p++;
-        if (p >= end || !(*p >= '0' && *p <= '9')) return bad("invalid number");
-        if (*p == '0') p++;
-        else while (p < end && *p >= '0' && *p <= '9') p++;
-        if (p < end && *p == '.') {
-            p++;
-            if (p >= end || !(*p >= '0' && *p <= '9')) return bad("invalid number");
-            while (p < end && *p >= '0' && *p <= '9') p++;
-        }
-        if (p < end && (*p == 'e' || *p == 'E')) {
-            p++;
-            if (p < end && (*p == '+' || *p == '-')) p++;
-            if (p >= end || !(*p >= '0' && *p <= '9')) return bad("invalid number");
-            while (p < end && *p >= '0' && *p <= '9') p++;
-        }
-        v->kind = json::NUM;
-        v->str.assign(b, (size_t)(p - b));
-        return true;
-    }
-    bool value(json *v, int depth) {
-        if (depth > k_max_depth) return bad("nesting too deep");
-        ws();
-        if (p >= end) return bad("unexpected end");
-        switch (*p) {
-            case 'n': v->kind = json::NUL; return lit("null");
-            case 't': v->kind = json::BOOL; v->b = true; return lit("true");
-            case 'f': v->kind = json::BOOL; v->b = false; return lit("false");
-            case '"': v->kind = json::STR; return string(&v->str);
-            case '[': {
-                p++;
-                v->kind = json::ARR;
-                ws();
-                if (p < end && *p == ']') { p++; return true; }
-                while (true) {
-                    v->arr.emplace_back();
-                    if (!value(&v->arr.back(), depth + 1)) return false;
-                    ws();
-                    if (p < end && *p == ',') { p++; continue; }
-                    if (p < end && *p == ']') { p++; return true; }
-                    return bad("expected ',' or ']'");
-                }
-            }
-            case '{': {
-                p++;
-                v->kind = json::OBJ;
-                ws();
-                if (p < end && *p == '}') { p++; return true; }
-                while (true) {
-                    ws();
-                    if (p >= end || *p != '"') return bad("expected a key string");
-                    std::string key;
-                    if (!string(&key)) return false;
-                    if (v->get(key.c_str())) {
-                        if (why.empty()) why = fmt("duplicate key \"%s\"", key.c_str());
-                        return false;
-                    }
-                    ws();
-                    if (p >= end || *p != ':') return bad("expected ':'");
-                    p++;
-                    v->obj.emplace_back(key, json());
-                    if (!value(&v->obj.back().second, depth + 1)) return false;
-                    ws();
-                    if (p < end && *p == ',') { p++; continue; }
-                    if (p < end && *p == '}') { p++; return true; }
-                    return bad("expected ',' or '}'");
-                }
-            }
-            default:
-                if (*p == '-' || (*p >= '0' && *p <= '9')) return number(v);
-                return bad("unexpected character");
-        }
-    }
-};
-
-// parses a whole document (surrounding whitespace allowed); *why says where it went wrong
-bool json_parse(const char *text, size_t n, json *out, std::string *why) {
-    json_reader r{text, text, text + n, ""};
-    if (!r.value(out, 0)) {
-        *why = r.why;
-        return false;
-    }
-    r.ws();
-    if (r.p != r.end) {
-        r.bad("trailing characters");
-        *why = r.why;
-        return false;
-    }
-    return true;
-}
-
-std::string json_quote(const std::string &s) {
-    std::string o = "\"";
-    for (unsigned char c : s) {
-        if (c == '"') o += "\\\"";
-        else if (c == '\\') o += "\\\\";
-        else if (c == '\n') o += "\\n";
-        else if (c == '\t') o += "\\t";
-        else if (c == '\r') o += "\\r";
-        else if (c < 0x20) o += fmt("\\u%04x", c);
-        else o += (char)c;
-    }
-    return o + "\"";
-}
-
-}  // namespace
-
-// ============================================================================================
 // safetensors: u64 LE header length N, N bytes of JSON (space-padded to a multiple of 8 by
 // writers), then the byte buffer the data_offsets [begin, end) index
 // (huggingface/safetensors README "Format" and safetensors/src/tensor.rs)
@@ -465,7 +181,7 @@ bool ql_safetensors_write(const char *path, const std::vector<ql_st_tensor> &ten
     if (!metadata.empty()) {
         h += "\"__metadata__\":{";
         for (size_t i = 0; i < metadata.size(); i++)
-            h += (i ? "," : "") + json_quote(metadata[i].first) + ":" + json_quote(metadata[i].second);
+            h += (i ? "," : "") + ql_json_quote(metadata[i].first) + ":" + ql_json_quote(metadata[i].second);
         h += "}";
     }
     std::unordered_map<std::string, int> seen;
@@ -481,7 +197,7 @@ bool ql_safetensors_write(const char *path, const std::vector<ql_st_tensor> &ten
         if (!st_nbytes(t.shape, es, &n) || n > ((uint64_t)1 << 62))
             return fail(err, "%s: tensor %s has a bad shape", path, t.name.c_str());
         if (n && !t.data) return fail(err, "%s: tensor %s has no data", path, t.name.c_str());
-        h += (h.size() > 1 ? "," : "") + json_quote(t.name) + ":{\"dtype\":\"" + t.dtype + "\",\"shape\":[";
+        h += (h.size() > 1 ? "," : "") + ql_json_quote(t.name) + ":{\"dtype\":\"" + t.dtype + "\",\"shape\":[";
         for (size_t k = 0; k < t.shape.size(); k++) h += (k ? "," : "") + std::to_string(t.shape[k]);
         h += "],\"data_offsets\":[" + std::to_string(offset) + "," + std::to_string(offset + n) + "]}";
         offset += n;
@@ -515,36 +231,36 @@ bool ql_safetensors_read(const char *path, std::vector<ql_st_tensor> *tensors, s
                     (unsigned long long)size);
     const char *h = (const char *)f + 8;
     if (n == 0 || h[0] != '{') return fail(err, "%s: the header does not start with '{'", path);
-    size_t bad_at = 0;
-    if (!utf8_valid((const uint8_t *)h, (size_t)n, &bad_at))
-        return fail(err, "%s: the header is not valid UTF-8 (byte %zu)", path, bad_at);
-    json root;
-    if (!json_parse(h, (size_t)n, &root, &why)) return fail(err, "%s: bad JSON header: %s", path, why.c_str());
-    if (root.kind != json::OBJ) return fail(err, "%s: the header is not a JSON object", path);
+    const size_t bad_at = ql_utf8_invalid_at(std::string_view(h, (size_t)n));
+    if (bad_at != std::string_view::npos) return fail(err, "%s: the header is not valid UTF-8 (byte %zu)", path, bad_at);
+    ql_json root;
+    if (!ql_json_parse(std::string_view(h, (size_t)n), QL_JSON_DOCUMENT, &root, &why))
+        return fail(err, "%s: bad JSON header: %s", path, why.c_str());
+    if (root.kind != ql_json::OBJ) return fail(err, "%s: the header is not a JSON object", path);
     const uint64_t data_size = size - 8 - n;
     struct span {
         uint64_t b, e;
         size_t i;
     };
     std::vector<span> spans;
-    for (const auto &kv : root.obj) {
-        const std::string &name = kv.first;
-        const json &v = kv.second;
+    for (size_t k = 0; k < root.keys.size(); k++) {
+        const std::string &name = root.keys[k];
+        const ql_json &v = root.items[k];
         if (name == "__metadata__") {
-            if (v.kind != json::OBJ) return fail(err, "%s: __metadata__ is %s, not an object", path, kind_name(v.kind));
-            for (const auto &m : v.obj) {
-                if (m.second.kind != json::STR)
-                    return fail(err, "%s: __metadata__ value of \"%s\" is %s, not a string", path, m.first.c_str(),
-                                kind_name(m.second.kind));
-                if (metadata) metadata->push_back({m.first, m.second.str});
+            if (v.kind != ql_json::OBJ) return fail(err, "%s: __metadata__ is %s, not an object", path, ql_json_kind_name(v.kind));
+            for (size_t i = 0; i < v.keys.size(); i++) {
+                if (v.items[i].kind != ql_json::STR)
+                    return fail(err, "%s: __metadata__ value of \"%s\" is %s, not a string", path, v.keys[i].c_str(),
+                                ql_json_kind_name(v.items[i].kind));
+                if (metadata) metadata->push_back({v.keys[i], v.items[i].str});
             }
             continue;
         }
-        if (v.kind != json::OBJ) return fail(err, "%s: tensor %s: entry is %s, not an object", path, name.c_str(), kind_name(v.kind));
-        const json *dt = v.get("dtype"), *sh = v.get("shape"), *of = v.get("data_offsets");
-        if (!dt || dt->kind != json::STR) return fail(err, "%s: tensor %s: missing dtype string", path, name.c_str());
-        if (!sh || sh->kind != json::ARR) return fail(err, "%s: tensor %s: missing shape array", path, name.c_str());
-        if (!of || of->kind != json::ARR || of->arr.size() != 2)
+        if (v.kind != ql_json::OBJ) return fail(err, "%s: tensor %s: entry is %s, not an object", path, name.c_str(), ql_json_kind_name(v.kind));
+        const ql_json *dt = v.get("dtype"), *sh = v.get("shape"), *of = v.get("data_offsets");
+        if (!dt || dt->kind != ql_json::STR) return fail(err, "%s: tensor %s: missing dtype string", path, name.c_str());
+        if (!sh || sh->kind != ql_json::ARR) return fail(err, "%s: tensor %s: missing shape array", path, name.c_str());
+        if (!of || of->kind != ql_json::ARR || of->items.size() != 2)
             return fail(err, "%s: tensor %s: data_offsets must be [begin, end]", path, name.c_str());
         const size_t es = st_dtype_size(dt->str);
         if (!es)
@@ -552,14 +268,14 @@ bool ql_safetensors_read(const char *path, std::vector<ql_st_tensor> *tensors, s
         ql_st_tensor t;
         t.name = name;
         t.dtype = dt->str;
-        for (const json &d : sh->arr) {
+        for (const ql_json &d : sh->items) {
             uint64_t x = 0;
             if (!d.as_u64(&x) || x > (uint64_t)INT64_MAX)
                 return fail(err, "%s: tensor %s: shape entries must be non-negative integers", path, name.c_str());
             t.shape.push_back((int64_t)x);
         }
         uint64_t b = 0, e = 0, want = 0;
-        if (!of->arr[0].as_u64(&b) || !of->arr[1].as_u64(&e))
+        if (!of->items[0].as_u64(&b) || !of->items[1].as_u64(&e))
             return fail(err, "%s: tensor %s: data_offsets must be non-negative integers", path, name.c_str());
         if (e < b) return fail(err, "%s: tensor %s: data_offsets [%llu, %llu] end before they begin", path, name.c_str(),
                                (unsigned long long)b, (unsigned long long)e);
@@ -616,8 +332,8 @@ ql_tensor *slot_weight(const ql_llama &m, int layer, int mod) {
 }
 
 std::string peft_name(int layer, int mod, char which) {
-    if (mod == k_lm_head) return fmt("base_model.model.lm_head.lora_%c.weight", which);
-    return fmt("base_model.model.model.layers.%d.%s.%s.lora_%c.weight", layer, k_modules[mod].group, k_modules[mod].peft, which);
+    if (mod == k_lm_head) return ql_strf("base_model.model.lm_head.lora_%c.weight", which);
+    return ql_strf("base_model.model.model.layers.%d.%s.%s.lora_%c.weight", layer, k_modules[mod].group, k_modules[mod].peft, which);
 }
 
 // "base_model.model.model.layers.N.<group>.<module>.lora_A.weight" or "...lm_head.lora_B.weight"
@@ -766,7 +482,7 @@ static std::string config_json(const ql_lora_config &c, const std::vector<std::s
     std::vector<std::pair<std::string, std::string>> kv = {
         {"alpha_pattern", "{}"},
         {"auto_mapping", "null"},
-        {"base_model_name_or_path", c.base_model.empty() ? "null" : json_quote(c.base_model)},
+        {"base_model_name_or_path", c.base_model.empty() ? "null" : ql_json_quote(c.base_model)},
         {"bias", "\"none\""},
         {"fan_in_fan_out", "false"},
         {"inference_mode", "true"},
@@ -786,11 +502,11 @@ static std::string config_json(const ql_lora_config &c, const std::vector<std::s
         {"use_rslora", c.rslora ? "true" : "false"},
     };
     std::string t = "[";
-    for (size_t i = 0; i < targets.size(); i++) t += std::string(i ? ",\n    " : "\n    ") + json_quote(targets[i]);
+    for (size_t i = 0; i < targets.size(); i++) t += std::string(i ? ",\n    " : "\n    ") + ql_json_quote(targets[i]);
     t += targets.empty() ? "]" : "\n  ]";
     std::string o = "{\n";
     for (size_t i = 0; i < kv.size(); i++)
-        o += "  " + json_quote(kv[i].first) + ": " + (kv[i].first == "target_modules" ? t : kv[i].second) +
+        o += "  " + ql_json_quote(kv[i].first) + ": " + (kv[i].first == "target_modules" ? t : kv[i].second) +
              (i + 1 < kv.size() ? ",\n" : "\n");
     return o + "}\n";
 }
@@ -801,11 +517,14 @@ bool ql_peft_read_config(const char *dir, ql_lora_config *c, std::string *err) {
     std::vector<uint8_t> text;
     std::string why;
     if (!read_whole_file(path.c_str(), &text, &why)) return fail(err, "%s: %s", path.c_str(), why.c_str());
-    json root;
-    if (!json_parse((const char *)text.data(), text.size(), &root, &why)) return fail(err, "%s: bad JSON: %s", path.c_str(), why.c_str());
-    if (root.kind != json::OBJ) return fail(err, "%s: not a JSON object", path.c_str());
-    const json *pt = root.get("peft_type");
-    if (!pt || pt->kind != json::STR) return fail(err, "%s: no peft_type: not a PEFT adapter configuration", path.c_str());
+    const std::string_view doc((const char *)text.data(), text.size());
+    const size_t bad_at = ql_utf8_invalid_at(doc);
+    if (bad_at != std::string_view::npos) return fail(err, "%s: not valid UTF-8 (byte %zu)", path.c_str(), bad_at);
+    ql_json root;
+    if (!ql_json_parse(doc, QL_JSON_DOCUMENT, &root, &why)) return fail(err, "%s: bad JSON: %s", path.c_str(), why.c_str());
+    if (root.kind != ql_json::OBJ) return fail(err, "%s: not a JSON object", path.c_str());
+    const ql_json *pt = root.get("peft_type");
+    if (!pt || pt->kind != ql_json::STR) return fail(err, "%s: no peft_type: not a PEFT adapter configuration", path.c_str());
     if (pt->str != "LORA") return fail(err, "%s: peft_type is \"%s\"; only LORA adapters are read", path.c_str(), pt->str.c_str());
     ql_lora_config out;  // PEFT's LoraConfig defaults where a key is absent
     out.r = 8;
@@ -813,20 +532,20 @@ bool ql_peft_read_config(const char *dir, ql_lora_config *c, std::string *err) {
     out.dropout = 0.0f;
     out.rslora = false;
     auto number = [&](const char *key, double *v) -> bool {
-        const json *j = root.get(key);
-        if (!j || j->kind == json::NUL) return true;
-        if (j->kind != json::NUM) return fail(err, "%s: %s is %s, not a number", path.c_str(), key, kind_name(j->kind));
+        const ql_json *j = root.get(key);
+        if (!j || j->kind == ql_json::NUL) return true;
+        if (j->kind != ql_json::NUM) return fail(err, "%s: %s is %s, not a number", path.c_str(), key, ql_json_kind_name(j->kind));
         *v = j->num();
         return true;
     };
     auto flag = [&](const char *key, bool *v) -> bool {
-        const json *j = root.get(key);
-        if (!j || j->kind == json::NUL) return true;
-        if (j->kind != json::BOOL) return fail(err, "%s: %s is %s, not true or false", path.c_str(), key, kind_name(j->kind));
+        const ql_json *j = root.get(key);
+        if (!j || j->kind == ql_json::NUL) return true;
+        if (j->kind != ql_json::BOOL) return fail(err, "%s: %s is %s, not true or false", path.c_str(), key, ql_json_kind_name(j->kind));
         *v = j->b;
         return true;
     };
-    if (const json *j = root.get("r")) {
+    if (const ql_json *j = root.get("r")) {
         int64_t r = 0;
         if (!j->as_int(&r) || r <= 0 || r > (1 << 20)) return fail(err, "%s: r must be a positive integer", path.c_str());
         out.r = (int)r;
@@ -841,25 +560,25 @@ bool ql_peft_read_config(const char *dir, ql_lora_config *c, std::string *err) {
     out.dropout = (float)dropout;
     if (dora) return fail(err, "%s: use_dora is true; DoRA adapters are not supported", path.c_str());
     for (const char *key : {"rank_pattern", "alpha_pattern"}) {
-        const json *j = root.get(key);
-        if (j && !(j->kind == json::NUL || (j->kind == json::OBJ && j->obj.empty())))
+        const ql_json *j = root.get(key);
+        if (j && !(j->kind == ql_json::NUL || (j->kind == ql_json::OBJ && j->keys.empty())))
             return fail(err, "%s: a non-empty %s (per-module ranks or alphas) is not supported", path.c_str(), key);
     }
-    if (const json *j = root.get("target_modules")) {
-        if (j->kind == json::STR) {
+    if (const ql_json *j = root.get("target_modules")) {
+        if (j->kind == ql_json::STR) {
             out.targets.push_back(j->str);  // a regular expression or "all-linear"
-        } else if (j->kind == json::ARR) {
-            for (const json &e : j->arr) {
-                if (e.kind != json::STR) return fail(err, "%s: target_modules holds %s, not a string", path.c_str(), kind_name(e.kind));
+        } else if (j->kind == ql_json::ARR) {
+            for (const ql_json &e : j->items) {
+                if (e.kind != ql_json::STR) return fail(err, "%s: target_modules holds %s, not a string", path.c_str(), ql_json_kind_name(e.kind));
                 out.targets.push_back(e.str);
             }
-        } else if (j->kind != json::NUL) {
-            return fail(err, "%s: target_modules is %s", path.c_str(), kind_name(j->kind));
+        } else if (j->kind != ql_json::NUL) {
+            return fail(err, "%s: target_modules is %s", path.c_str(), ql_json_kind_name(j->kind));
         }
     }
-    if (const json *j = root.get("base_model_name_or_path")) {
-        if (j->kind == json::STR) out.base_model = j->str;
-        else if (j->kind != json::NUL) return fail(err, "%s: base_model_name_or_path is %s", path.c_str(), kind_name(j->kind));
+    if (const ql_json *j = root.get("base_model_name_or_path")) {
+        if (j->kind == ql_json::STR) out.base_model = j->str;
+        else if (j->kind != ql_json::NUL) return fail(err, "%s: base_model_name_or_path is %s", path.c_str(), ql_json_kind_name(j->kind));
     }
     *c = out;
     return true;

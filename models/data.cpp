@@ -20,6 +20,7 @@
 // - n_lines counts non-blank lines; each ends up an example, in n_bad, or in n_empty.
 //   n_per_format counts the examples kept.
 #include "data.h"
+#include "json.h"
 
 #include <errno.h>
 #include <stdarg.h>
@@ -28,7 +29,6 @@
 
 #include <algorithm>
 #include <map>
-#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -36,82 +36,6 @@
 // ============================================================================================
 // errors and small helpers
 // ============================================================================================
-
-static std::string strf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-static std::string strf(const char *fmt, ...) {
-    char buf[512];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(buf, sizeof(buf), fmt, ap);
-    va_end(ap);
-    return buf;
-}
-
-// at most 40 bytes of s, control and non-ASCII bytes as \xNN: for quoting user data in errors
-static std::string printable(std::string_view s) {
-    std::string out;
-    for (size_t i = 0; i < s.size() && i < 40; i++) {
-        const unsigned char c = (unsigned char)s[i];
-        if (c >= 0x20 && c < 0x7f && c != '"' && c != '\\') out += (char)c;
-        else out += strf("\\x%02x", c);
-    }
-    if (s.size() > 40) out += "...";
-    return out;
-}
-
-static void utf8_append(std::string &out, uint32_t cp) {
-    if (cp < 0x80) {
-        out += (char)cp;
-    } else if (cp < 0x800) {
-        out += (char)(0xC0 | (cp >> 6));
-        out += (char)(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-        out += (char)(0xE0 | (cp >> 12));
-        out += (char)(0x80 | ((cp >> 6) & 0x3F));
-        out += (char)(0x80 | (cp & 0x3F));
-    } else {
-        out += (char)(0xF0 | (cp >> 18));
-        out += (char)(0x80 | ((cp >> 12) & 0x3F));
-        out += (char)(0x80 | ((cp >> 6) & 0x3F));
-        out += (char)(0x80 | (cp & 0x3F));
-    }
-}
-
-// Length of the well-formed UTF-8 sequence at s[0..n) (RFC 3629: no overlong forms, no
-// surrogates, nothing above U+10FFFF), or 0 when it is not one.
-static size_t utf8_seq(const unsigned char *s, size_t n, uint32_t *cp) {
-    const unsigned char c = s[0];
-    if (c < 0x80) {
-        *cp = c;
-        return 1;
-    }
-    size_t len;
-    uint32_t v, min;
-    if (c >= 0xC2 && c <= 0xDF) len = 2, v = c & 0x1F, min = 0x80;
-    else if (c >= 0xE0 && c <= 0xEF) len = 3, v = c & 0x0F, min = 0x800;
-    else if (c >= 0xF0 && c <= 0xF4) len = 4, v = c & 0x07, min = 0x10000;
-    else return 0;  // continuation byte, C0/C1 (always overlong) or F5..FF
-    if (n < len) return 0;
-    for (size_t k = 1; k < len; k++) {
-        if ((s[k] & 0xC0) != 0x80) return 0;
-        v = (v << 6) | (s[k] & 0x3F);
-    }
-    if (v < min || v > 0x10FFFF || (v >= 0xD800 && v <= 0xDFFF)) return 0;
-    *cp = v;
-    return len;
-}
-
-// offset of the first byte that does not start a well-formed sequence, or npos
-static size_t utf8_invalid_at(std::string_view s) {
-    const unsigned char *p = (const unsigned char *)s.data();
-    uint32_t cp;
-    for (size_t i = 0; i < s.size();) {
-        const size_t n = utf8_seq(p + i, s.size() - i, &cp);
-        if (!n) return i;
-        i += n;
-    }
-    return std::string_view::npos;
-}
 
 // Python's str.isspace (what Jinja's trim and str.strip() remove)
 static bool py_space(uint32_t c) {
@@ -125,14 +49,14 @@ static std::string py_strip(const std::string &s) {
     size_t b = 0, e = s.size();
     uint32_t cp;
     while (b < e) {
-        const size_t n = utf8_seq(p + b, e - b, &cp);
+        const size_t n = ql_utf8_seq(p + b, e - b, &cp);
         if (!n || !py_space(cp)) break;
         b += n;
     }
     while (e > b) {
         size_t start = e - 1;
         while (start > b && (p[start] & 0xC0) == 0x80) start--;
-        const size_t n = utf8_seq(p + start, e - start, &cp);
+        const size_t n = ql_utf8_seq(p + start, e - start, &cp);
         if (n != e - start || !py_space(cp)) break;
         e = start;
     }
@@ -172,271 +96,6 @@ ql_chat_template ql_chat_template_detect(const char *jinja) {
     if (has("<|assistant|>") && (has("</s>") || has("eos_token") || has("<|endoftext|>"))) return QL_CHAT_ZEPHYR;
     return QL_CHAT_NONE;
 }
-
-// ============================================================================================
-// JSON (RFC 8259), one line at a time
-// ============================================================================================
-
-static const int JSON_MAX_DEPTH = 64;  // objects and arrays nested deeper are an error
-
-struct json_value {
-    enum kind_t : uint8_t { NUL, BOOL, NUM, STR, ARR, OBJ } kind = NUL;
-    bool b = false;
-    std::string str;                // STR: the decoded UTF-8; NUM: the number as written
-    std::vector<json_value> items;  // ARR: elements; OBJ: values, parallel to keys
-    std::vector<std::string> keys;  // OBJ
-
-    const json_value *get(const char *key) const {
-        for (size_t i = 0; i < keys.size(); i++)
-            if (keys[i] == key) return &items[i];
-        return nullptr;
-    }
-};
-
-static const char *json_kind_name(json_value::kind_t k) {
-    switch (k) {
-    case json_value::NUL: return "null";
-    case json_value::BOOL: return "a boolean";
-    case json_value::NUM: return "a number";
-    case json_value::STR: return "a string";
-    case json_value::ARR: return "an array";
-    case json_value::OBJ: return "an object";
-    }
-    return "?";
-}
-
-struct json_parser {
-    const char *begin, *p, *end;
-    std::string err;
-
-    json_parser(std::string_view line) : begin(line.data()), p(line.data()), end(line.data() + line.size()) {}
-
-    size_t column(const char *q) const { return (size_t)(q - begin) + 1; }
-
-    bool fail(const char *q, const std::string &msg) {
-        err = msg + strf(" at column %zu", column(q));
-        return false;
-    }
-
-    std::string describe(const char *q) const {  // the character at q, for messages
-        if (q >= end) return "the end of the line";
-        const unsigned char c = (unsigned char)*q;
-        if (c >= 0x20 && c < 0x7f) return strf("'%c'", c);
-        if (c < 0x80) return strf("byte 0x%02x", c);
-        uint32_t cp;
-        if (utf8_seq((const unsigned char *)q, (size_t)(end - q), &cp)) return strf("U+%04X", cp);
-        return strf("byte 0x%02x", c);
-    }
-
-    void skip_ws() {
-        while (p < end && (*p == ' ' || *p == '\t' || *p == '\r' || *p == '\n')) p++;
-    }
-
-    static bool is_digit(char c) { return c >= '0' && c <= '9'; }
-
-    static bool hex4(const char *q, const char *e, uint32_t *v) {
-        if (e - q < 4) return false;
-        uint32_t x = 0;
-        for (int i = 0; i < 4; i++) {
-            const char c = q[i];
-            x <<= 4;
-            if (c >= '0' && c <= '9') x |= (uint32_t)(c - '0');
-            else if (c >= 'a' && c <= 'f') x |= (uint32_t)(c - 'a' + 10);
-            else if (c >= 'A' && c <= 'F') x |= (uint32_t)(c - 'A' + 10);
-            else return false;
-        }
-        *v = x;
-        return true;
-    }
-
-    bool parse_string(std::string &out) {
-        const char *start = p++;  // the opening quote
-        out.clear();
-        for (;;) {
-            const char *run = p;
-            while (p < end && *p != '"' && *p != '\\' && (unsigned char)*p >= 0x20) p++;
-            out.append(run, (size_t)(p - run));
-            if (p == end) return fail(start, "unterminated string (no closing '\"') starting");
-            const unsigned char c = (unsigned char)*p;
-            if (c == '"') {
-                p++;
-                return true;
-            }
-            if (c < 0x20) return fail(p, strf("raw control character 0x%02x in a string (it must be escaped)", c));
-            const char *esc = p++;  // backslash
-            if (p == end) return fail(start, "unterminated string (no closing '\"') starting");
-            switch (*p) {
-            case '"': out += '"'; break;
-            case '\\': out += '\\'; break;
-            case '/': out += '/'; break;
-            case 'b': out += '\b'; break;
-            case 'f': out += '\f'; break;
-            case 'n': out += '\n'; break;
-            case 'r': out += '\r'; break;
-            case 't': out += '\t'; break;
-            case 'u': {
-                uint32_t cp;
-                if (!hex4(p + 1, end, &cp)) return fail(esc, "invalid \\u escape (expected four hex digits)");
-                p += 4;
-                if (cp >= 0xD800 && cp <= 0xDBFF) {
-                    uint32_t lo;
-                    if (end - p >= 7 && p[1] == '\\' && p[2] == 'u' && hex4(p + 3, end, &lo) && lo >= 0xDC00 && lo <= 0xDFFF) {
-                        cp = 0x10000 + ((cp - 0xD800) << 10) + (lo - 0xDC00);
-                        p += 6;
-                    } else {
-                        return fail(esc, strf("invalid \\u escape: high surrogate \\u%04X is not followed by a low "
-                                              "surrogate \\uDC00-\\uDFFF", cp));
-                    }
-                } else if (cp >= 0xDC00 && cp <= 0xDFFF) {
-                    return fail(esc, strf("invalid \\u escape: low surrogate \\u%04X without a high surrogate before it", cp));
-                }
-                utf8_append(out, cp);
-                break;
-            }
-            default:
-                if ((unsigned char)*p > 0x20 && (unsigned char)*p < 0x7f) return fail(esc, strf("invalid escape '\\%c' in a string", *p));
-                return fail(esc, "invalid escape in a string: a backslash followed by " + describe(p));
-            }
-            p++;
-        }
-    }
-
-    bool parse_number(json_value &out) {
-        const char *s = p;
-        if (*p == '-') p++;
-        if (p == end || !is_digit(*p)) return fail(s, "invalid number (a digit must follow '-')");
-        if (*p == '0') {
-            p++;
-            if (p < end && is_digit(*p)) return fail(s, "invalid number (leading zero)");
-        } else {
-            while (p < end && is_digit(*p)) p++;
-        }
-        if (p < end && *p == '.') {
-            p++;
-            if (p == end || !is_digit(*p)) return fail(s, "invalid number (a digit must follow '.')");
-            while (p < end && is_digit(*p)) p++;
-        }
-        if (p < end && (*p == 'e' || *p == 'E')) {
-            p++;
-            if (p < end && (*p == '+' || *p == '-')) p++;
-            if (p == end || !is_digit(*p)) return fail(s, "invalid number (a digit must follow the exponent)");
-            while (p < end && is_digit(*p)) p++;
-        }
-        out.kind = json_value::NUM;
-        out.str.assign(s, (size_t)(p - s));
-        return true;
-    }
-
-    bool parse_literal(json_value &out, const char *word, json_value::kind_t kind, bool b) {
-        const size_t n = strlen(word);
-        const bool ok = (size_t)(end - p) >= n && !memcmp(p, word, n) &&
-                        (p + n == end || !((p[n] >= 'a' && p[n] <= 'z') || (p[n] >= 'A' && p[n] <= 'Z') || is_digit(p[n])));
-        if (!ok) return fail(p, "invalid literal (expected true, false or null)");
-        p += n;
-        out.kind = kind;
-        out.b = b;
-        return true;
-    }
-
-    bool parse_object(json_value &out, int depth) {
-        if (depth > JSON_MAX_DEPTH) return fail(p, strf("objects and arrays nested deeper than %d levels", JSON_MAX_DEPTH));
-        out.kind = json_value::OBJ;
-        p++;  // '{'
-        skip_ws();
-        if (p < end && *p == '}') {
-            p++;
-            return true;
-        }
-        std::set<std::string> seen;  // used once an object has many keys (linear search before)
-        bool after_comma = false;
-        for (;;) {
-            skip_ws();
-            if (p == end) return fail(p, "unterminated object (expected '\"' to start a key, found the end of the line)");
-            if (*p != '"') {
-                if (*p == '}' && after_comma) return fail(p, "trailing comma before '}'");
-                return fail(p, "expected '\"' to start a key, found " + describe(p));
-            }
-            const char *key_at = p;
-            std::string key;
-            if (!parse_string(key)) return false;
-            bool dup;
-            if (out.keys.size() < 16) {
-                dup = std::find(out.keys.begin(), out.keys.end(), key) != out.keys.end();
-            } else {
-                if (seen.empty()) seen.insert(out.keys.begin(), out.keys.end());
-                dup = !seen.insert(key).second;
-            }
-            if (dup) return fail(key_at, "duplicate key \"" + printable(key) + "\"");
-            skip_ws();
-            if (p == end || *p != ':') return fail(p, "expected ':' after key");
-            p++;
-            out.keys.push_back(std::move(key));
-            out.items.emplace_back();
-            if (!parse_value(out.items.back(), depth)) return false;
-            skip_ws();
-            if (p == end) return fail(p, "unterminated object (expected ',' or '}', found the end of the line)");
-            if (*p == '}') {
-                p++;
-                return true;
-            }
-            if (*p != ',') return fail(p, "expected ',' or '}' after a value in an object, found " + describe(p));
-            p++;
-            after_comma = true;
-        }
-    }
-
-    bool parse_array(json_value &out, int depth) {
-        if (depth > JSON_MAX_DEPTH) return fail(p, strf("objects and arrays nested deeper than %d levels", JSON_MAX_DEPTH));
-        out.kind = json_value::ARR;
-        p++;  // '['
-        skip_ws();
-        if (p < end && *p == ']') {
-            p++;
-            return true;
-        }
-        for (;;) {
-            skip_ws();
-            if (p < end && *p == ']' && !out.items.empty()) return fail(p, "trailing comma before ']'");
-            out.items.emplace_back();
-            if (!parse_value(out.items.back(), depth)) return false;
-            skip_ws();
-            if (p == end) return fail(p, "unterminated array (expected ',' or ']', found the end of the line)");
-            if (*p == ']') {
-                p++;
-                return true;
-            }
-            if (*p != ',') return fail(p, "expected ',' or ']' after a value in an array, found " + describe(p));
-            p++;
-        }
-    }
-
-    // depth: of the enclosing container (the line's object is depth 1)
-    bool parse_value(json_value &out, int depth) {
-        skip_ws();
-        if (p == end) return fail(p, "expected a value, found the end of the line");
-        switch (*p) {
-        case '{': return parse_object(out, depth + 1);
-        case '[': return parse_array(out, depth + 1);
-        case '"': out.kind = json_value::STR; return parse_string(out.str);
-        case 't': return parse_literal(out, "true", json_value::BOOL, true);
-        case 'f': return parse_literal(out, "false", json_value::BOOL, false);
-        case 'n': return parse_literal(out, "null", json_value::NUL, false);
-        default:
-            if (*p == '-' || is_digit(*p)) return parse_number(out);
-            return fail(p, "expected a value, found " + describe(p));
-        }
-    }
-
-    // the whole line: one object, then only whitespace
-    bool parse_line(json_value &out) {
-        skip_ws();
-        if (p == end || *p != '{') return fail(p, "expected a JSON object ('{'), found " + describe(p));
-        if (!parse_object(out, 1)) return false;
-        skip_ws();
-        if (p != end) return fail(p, "unexpected " + describe(p) + " after the object (one object per line)");
-        return true;
-    }
-};
 
 // ============================================================================================
 // rendering: a line's object -> text parts with a loss mask
@@ -532,9 +191,9 @@ static bool check_alternation(const std::vector<chat_message> &m, ql_chat_templa
     for (size_t i = first; i < m.size(); i++) {
         const char *want = (i - first) % 2 == 0 ? "user" : "assistant";
         if (m[i].role != want) {
-            *reason = strf("messages[%zu].role is \"%s\" where the %s template needs \"%s\" (an optional system "
+            *reason = ql_strf("messages[%zu].role is \"%s\" where the %s template needs \"%s\" (an optional system "
                            "message first, then user and assistant turns alternating, starting with user)",
-                           i, printable(m[i].role).c_str(), ql_chat_template_name(t), want);
+                           i, ql_printable(m[i].role).c_str(), ql_chat_template_name(t), want);
             return false;
         }
     }
@@ -642,21 +301,21 @@ static const char *const ALPACA_NO_INPUT =
 
 // Detects the format and renders. false: a bad line (*reason) or, with *fatal set, a dataset
 // that cannot be used at all (messages without a usable template).
-static bool render_line(const json_value &obj, const ql_vocab *v, ql_chat_template chat, marker_cache *mc,
+static bool render_line(const ql_json &obj, const ql_vocab *v, ql_chat_template chat, marker_cache *mc,
                         render_out *out, data_format *fmt, std::string *reason, bool *fatal) {
     auto str_field = [&](const char *key, const std::string **s) {
-        const json_value *x = obj.get(key);
-        if (x->kind != json_value::STR) {
-            *reason = strf("\"%s\" is not a string (it is %s)", key, json_kind_name(x->kind));
+        const ql_json *x = obj.get(key);
+        if (x->kind != ql_json::STR) {
+            *reason = ql_strf("\"%s\" is not a string (it is %s)", key, ql_json_kind_name(x->kind));
             return false;
         }
         *s = &x->str;
         return true;
     };
-    if (const json_value *msgs = obj.get("messages")) {
+    if (const ql_json *msgs = obj.get("messages")) {
         *fmt = FMT_MESSAGES;
-        if (msgs->kind != json_value::ARR) {
-            *reason = strf("\"messages\" is not an array (it is %s)", json_kind_name(msgs->kind));
+        if (msgs->kind != ql_json::ARR) {
+            *reason = ql_strf("\"messages\" is not an array (it is %s)", ql_json_kind_name(msgs->kind));
             return false;
         }
         if (msgs->items.empty()) {
@@ -665,23 +324,23 @@ static bool render_line(const json_value &obj, const ql_vocab *v, ql_chat_templa
         }
         std::vector<chat_message> m;
         for (size_t i = 0; i < msgs->items.size(); i++) {
-            const json_value &x = msgs->items[i];
-            if (x.kind != json_value::OBJ) {
-                *reason = strf("messages[%zu] is not an object (it is %s)", i, json_kind_name(x.kind));
+            const ql_json &x = msgs->items[i];
+            if (x.kind != ql_json::OBJ) {
+                *reason = ql_strf("messages[%zu] is not an object (it is %s)", i, ql_json_kind_name(x.kind));
                 return false;
             }
-            const json_value *role = x.get("role"), *content = x.get("content");
-            if (!role || role->kind != json_value::STR) {
-                *reason = strf("messages[%zu].role must be a string (it is %s)", i, role ? json_kind_name(role->kind) : "missing");
+            const ql_json *role = x.get("role"), *content = x.get("content");
+            if (!role || role->kind != ql_json::STR) {
+                *reason = ql_strf("messages[%zu].role must be a string (it is %s)", i, role ? ql_json_kind_name(role->kind) : "missing");
                 return false;
             }
             if (role->str != "system" && role->str != "user" && role->str != "assistant") {
-                *reason = strf("messages[%zu].role \"%s\" is not one of system, user, assistant", i, printable(role->str).c_str());
+                *reason = ql_strf("messages[%zu].role \"%s\" is not one of system, user, assistant", i, ql_printable(role->str).c_str());
                 return false;
             }
-            if (!content || content->kind != json_value::STR) {
-                *reason = strf("messages[%zu].content must be a string (it is %s)", i,
-                               content ? json_kind_name(content->kind) : "missing");
+            if (!content || content->kind != ql_json::STR) {
+                *reason = ql_strf("messages[%zu].content must be a string (it is %s)", i,
+                               content ? ql_json_kind_name(content->kind) : "missing");
                 return false;
             }
             m.push_back({role->str, content->str});
@@ -692,20 +351,20 @@ static bool render_line(const json_value &obj, const ql_vocab *v, ql_chat_templa
                           ? "a \"messages\" line needs a chat template, and none was given --> hint: pick one "
                             "(llama3, chatml, llama2, phi3, gemma, zephyr) or detect it from the model's "
                             "tokenizer.chat_template"
-                          : strf("unknown chat template %d", (int)chat);
+                          : ql_strf("unknown chat template %d", (int)chat);
             return false;
         }
         for (const std::string &mk : chat_required_markers(chat)) {
             if (!mc->present(mk)) {
                 *fatal = true;
-                *reason = strf("chat template %s needs the special token %s, which the vocabulary does not have",
+                *reason = ql_strf("chat template %s needs the special token %s, which the vocabulary does not have",
                                ql_chat_template_name(chat), mk.c_str());
                 return false;
             }
         }
         if ((chat == QL_CHAT_LLAMA2 || chat == QL_CHAT_ZEPHYR) && ql_vocab_eos(v) < 0) {
             *fatal = true;
-            *reason = strf("chat template %s ends turns with EOS, and the vocabulary has none", ql_chat_template_name(chat));
+            *reason = ql_strf("chat template %s ends turns with EOS, and the vocabulary has none", ql_chat_template_name(chat));
             return false;
         }
         return render_messages(m, chat, v, mc, out, reason);
@@ -856,16 +515,16 @@ bool ql_dataset_load(const char *path, const ql_vocab *v, const ql_data_options 
     }
     *out = ql_dataset();
     if (!path || !v) {
-        e = strf("ql_dataset_load: NULL %s", !path ? "path" : "vocabulary");
+        e = ql_strf("ql_dataset_load: NULL %s", !path ? "path" : "vocabulary");
         return false;
     }
     if (o.seq_len < 2) {
-        e = strf("%s: seq_len %d is too small (at least 2: a token and the one it predicts)", path, o.seq_len);
+        e = ql_strf("%s: seq_len %d is too small (at least 2: a token and the one it predicts)", path, o.seq_len);
         return false;
     }
     FILE *f = fopen(path, "rb");
     if (!f) {
-        e = strf("%s: cannot open: %s", path, strerror(errno));
+        e = ql_strf("%s: cannot open: %s", path, strerror(errno));
         return false;
     }
     line_reader lr{f};
@@ -890,22 +549,22 @@ bool ql_dataset_load(const char *path, const ql_vocab *v, const ql_data_options 
 
         std::string reason;
         bool fatal = false;
-        json_value obj;
+        ql_json obj;
         render_out r;
         data_format fmt = FMT_TEXT;
-        const size_t bad = utf8_invalid_at(s);
+        const size_t bad = ql_utf8_invalid_at(s);
         if (bad != std::string_view::npos) {
-            reason = strf("invalid UTF-8 (byte 0x%02x) at column %zu, byte offset %llu in the file",
+            reason = ql_strf("invalid UTF-8 (byte 0x%02x) at column %zu, byte offset %llu in the file",
                           (unsigned char)s[bad], bad + 1, (unsigned long long)(s_off + bad));
         } else {
-            json_parser jp(s);
-            if (!jp.parse_line(obj)) reason = jp.err;
-            else if (!render_line(obj, v, o.chat, &mc, &r, &fmt, &reason, &fatal)) {
+            if (!ql_json_parse(s, QL_JSON_LINE, &obj, &reason)) {
+                if (reason.empty()) reason = "bad JSON";
+            } else if (!render_line(obj, v, o.chat, &mc, &r, &fmt, &reason, &fatal)) {
                 if (reason.empty()) reason = "bad line";
             }
         }
         if (!reason.empty()) {
-            const std::string msg = strf("%s:%lld: ", path, (long long)line_no) + reason;
+            const std::string msg = ql_strf("%s:%lld: ", path, (long long)line_no) + reason;
             if (fatal || !o.skip_bad_lines) {
                 e = msg;
                 ok = false;
@@ -949,7 +608,7 @@ bool ql_dataset_load(const char *path, const ql_vocab *v, const ql_data_options 
         out->examples.push_back(std::move(ex));
     }
     if (ok && ferror(f)) {
-        e = strf("%s:%lld: read error: %s", path, (long long)line_no + 1, strerror(errno));
+        e = ql_strf("%s:%lld: read error: %s", path, (long long)line_no + 1, strerror(errno));
         ok = false;
     }
     fclose(f);

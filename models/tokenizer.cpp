@@ -9,6 +9,7 @@
 // Reading order: errors -> Unicode -> pre-tokenizers -> the vocabulary (load) -> tokenize
 // (special-token partition, SPM, BPE) -> pieces -> converters.
 #include "tokenizer.h"
+#include "json.h"  // the UTF-8 helpers
 
 #include <algorithm>
 #include <cctype>
@@ -126,24 +127,6 @@ static uint32_t utf8_next(std::string_view s, size_t *off) {
     return 0xFFFD;
 }
 
-static void utf8_append(std::string &out, uint32_t cp) {
-    if (cp < 0x80) {
-        out += (char)cp;
-    } else if (cp < 0x800) {
-        out += (char)(0xC0 | (cp >> 6));
-        out += (char)(0x80 | (cp & 0x3F));
-    } else if (cp < 0x10000) {
-        out += (char)(0xE0 | (cp >> 12));
-        out += (char)(0x80 | ((cp >> 6) & 0x3F));
-        out += (char)(0x80 | (cp & 0x3F));
-    } else {
-        out += (char)(0xF0 | (cp >> 18));
-        out += (char)(0x80 | ((cp >> 12) & 0x3F));
-        out += (char)(0x80 | ((cp >> 6) & 0x3F));
-        out += (char)(0x80 | (cp & 0x3F));
-    }
-}
-
 // how many bytes SentencePiece-style splitting takes for a character, from its first byte
 // (llama.cpp's unicode_len_utf8: continuation and invalid bytes count as one)
 static size_t utf8_len(char c) {
@@ -165,7 +148,7 @@ struct byte_map {
         }
         for (int16_t &x : byte_of) x = -1;
         for (int b = 0; b < 256; b++) {
-            utf8_append(utf8[b], cp_of[b]);
+            ql_utf8_append(utf8[b], cp_of[b]);
             byte_of[cp_of[b]] = (int16_t)b;
         }
     }
@@ -449,7 +432,7 @@ static std::vector<std::string> pre_tokenize(pre_kind kind, std::string_view tex
     size_t start = 0;
     for (size_t len : lens) {
         utf8.clear();
-        for (size_t i = start; i < start + len; i++) utf8_append(utf8, t.cpt[i]);
+        for (size_t i = start; i < start + len; i++) ql_utf8_append(utf8, t.cpt[i]);
         std::string w;
         w.reserve(utf8.size() * 2);
         for (unsigned char b : utf8) w += bm.utf8[b];
@@ -1231,7 +1214,7 @@ std::string ql_token_to_piece(const ql_vocab *v, int32_t id, bool render_special
                 out += (char)m.byte_of[cp];
             } else {  // llama.cpp's marker for a character outside the map
                 std::string u;
-                utf8_append(u, cp);
+                ql_utf8_append(u, cp);
                 out += "[UNK_BYTE_0x";
                 for (unsigned char c : u) {
                     char hx[3];

@@ -86,8 +86,9 @@ static bool build(ql_trainer *t, ql_context *ctx) {
 
 double ql_trainer_lr_at(const ql_trainer *t, int64_t s) {  // transformers' schedules, step from 0
     const ql_train_options &o = t->o;
+    if (o.scheduler == "constant") return o.lr;  // transformers' "constant" has no warmup
     if (s < t->warmup) return o.lr * (double)s / (double)std::max<int64_t>(1, t->warmup);
-    if (o.scheduler == "constant") return o.lr;
+    if (o.scheduler == "constant_with_warmup") return o.lr;
     const double progress = (double)(s - t->warmup) / (double)std::max<int64_t>(1, t->total - t->warmup);
     if (o.scheduler == "linear") return o.lr * std::max(0.0, 1.0 - progress);
     return o.lr * 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, progress)));  // cosine, half a cycle
@@ -100,8 +101,9 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, const std::vector<ql_sequence> &tra
         return nullptr;
     }
     if (o.micro_batch < 1 || o.grad_accum < 1 || !(o.lr >= 0) || o.epochs < 1 ||
-        (o.scheduler != "constant" && o.scheduler != "linear" && o.scheduler != "cosine")) {
-        *err = "bad training options (micro-batch and accumulation >= 1, lr >= 0, epochs >= 1, scheduler constant|linear|cosine)";
+        (o.scheduler != "constant" && o.scheduler != "constant_with_warmup" && o.scheduler != "linear" && o.scheduler != "cosine")) {
+        *err = "bad training options (micro-batch and accumulation >= 1, lr >= 0, epochs >= 1, "
+               "scheduler constant|constant_with_warmup|linear|cosine)";
         return nullptr;
     }
     ql_trainer *t = new ql_trainer();
@@ -115,7 +117,9 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, const std::vector<ql_sequence> &tra
     const int64_t per_step = (int64_t)o.micro_batch * o.grad_accum;
     t->per_epoch = ((int64_t)train.size() + per_step - 1) / per_step;
     t->total = o.max_steps > 0 ? o.max_steps : t->per_epoch * o.epochs;
-    t->warmup = o.warmup_steps >= 0 ? o.warmup_steps : (int64_t)std::ceil(o.warmup_ratio * (double)t->total);
+    t->warmup = o.scheduler == "constant"  ? 0  // as transformers: warmup_steps if > 0, else ceil(ratio * total)
+                : o.warmup_steps > 0       ? o.warmup_steps
+                                           : (int64_t)std::ceil(o.warmup_ratio * (double)t->total);
     t->slot.assign((size_t)per_step, nullptr);
     t->order.reserve(train.size());
 
@@ -135,8 +139,19 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, const std::vector<ql_sequence> &tra
     ql_init_params ip = {need + (1u << 16), nullptr, false, false};
     t->ctx = ql_init(ip);
     t->cpu = ql_backend_cpu_init(o.threads);
-    if (!t->ctx || !build(t, t->ctx) || ql_graph_plan(t->tr.g, t->cpu, &t->plan) != QL_OK ||
-        ql_graph_alloc(t->tr.g, t->cpu) != QL_OK || ql_graph_alloc(t->ev.g, t->cpu) != QL_OK) {
+    // evaluation runs between steps: its graph lives in the training graph's buffer (whose
+    // gradients are zeroed at the start of every step anyway), so the plan printed is the peak
+    bool ok_alloc = t->ctx && build(t, t->ctx) && ql_graph_plan(t->tr.g, t->cpu, &t->plan) == QL_OK &&
+                    ql_graph_alloc(t->tr.g, t->cpu) == QL_OK;
+    if (ok_alloc && ql_graph_plan(t->ev.g, t->cpu, nullptr) == QL_OK) {
+        ql_plan_stats es;
+        ql_graph_get_stats(t->ev.g, &es);
+        ok_alloc = es.buffer_size <= t->plan.buffer_size ? ql_graph_alloc_shared(t->ev.g, t->cpu, t->tr.g) == QL_OK
+                                                         : ql_graph_alloc(t->ev.g, t->cpu) == QL_OK;
+    } else {
+        ok_alloc = false;
+    }
+    if (!ok_alloc) {
         *err = t->ctx ? ql_ctx_error(t->ctx) : "out of memory";
         ql_trainer_free(t);
         return nullptr;
@@ -163,6 +178,7 @@ void ql_trainer_free(ql_trainer *t) {
 int64_t ql_trainer_total_steps(const ql_trainer *t) { return t->total; }
 int64_t ql_trainer_steps_done(const ql_trainer *t) { return t->step; }
 int64_t ql_trainer_steps_per_epoch(const ql_trainer *t) { return t->per_epoch; }
+int64_t ql_trainer_warmup_steps(const ql_trainer *t) { return t->warmup; }
 const ql_plan_stats &ql_trainer_plan(const ql_trainer *t) { return t->plan; }
 ql_llama &ql_trainer_model(ql_trainer *t) { return t->f->model; }
 ql_graph *ql_trainer_graph(ql_trainer *t) { return t->tr.g; }
@@ -395,15 +411,16 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
     if (!why.empty() && why.rfind("another run", 0) == 0) why += " --> hint: resume with the same data and flags";
     if (why.empty() && step > (uint64_t)t->total)
         why = "it is at step " + std::to_string(step) + ", past this run's " + std::to_string(t->total) + " steps";
-    for (size_t i = 0; i < t->params.size() && why.empty(); i++)
-        for (ql_tensor *x : {t->params[i], t->adam_m[i], t->adam_v[i]}) {
-            const int64_t k = ql_gguf_find_tensor(g, x->name);
-            if (k < 0 || ql_gguf_tensor_type(g, k) != QL_TYPE_F32 || ql_gguf_tensor_size(g, k) != ql_nbytes(x)) {
-                why = std::string("tensor ") + x->name + " is missing or of another shape";
-                break;
+    for (int pass = 0; pass < 2 && why.empty(); pass++)  // check every tensor, then copy: all or nothing
+        for (size_t i = 0; i < t->params.size() && why.empty(); i++)
+            for (ql_tensor *x : {t->params[i], t->adam_m[i], t->adam_v[i]}) {
+                const int64_t k = ql_gguf_find_tensor(g, x->name);
+                if (k < 0 || ql_gguf_tensor_type(g, k) != QL_TYPE_F32 || ql_gguf_tensor_size(g, k) != ql_nbytes(x)) {
+                    why = std::string("tensor ") + x->name + " is missing or of another shape";
+                    break;
+                }
+                if (pass == 1) memcpy(x->data, ql_gguf_tensor_data(g, k), ql_nbytes(x));
             }
-            memcpy(x->data, ql_gguf_tensor_data(g, k), ql_nbytes(x));
-        }
     ql_gguf_close(g);
     if (!why.empty()) {
         *err = std::string(path) + ": " + why;

@@ -5,8 +5,8 @@
 // micro-batch is summed over its supervised tokens and divided by the supervised tokens of the
 // whole step (not by grad_accum), so accumulation equals one big batch. AdamW (decoupled weight
 // decay) on fp32 master weights; gradients clipped to max_grad_norm after accumulation; the
-// learning rate follows constant / linear / cosine with linear warmup from 0 (as transformers'
-// get_*_schedule_with_warmup). Sequences are visited in an order shuffled per epoch from the
+// learning rate follows transformers' schedules: constant (no warmup, as transformers'
+// "constant"), constant_with_warmup, linear, cosine, the last three with linear warmup from 0. Sequences are visited in an order shuffled per epoch from the
 // seed, so the data position, the dropout masks and the schedule are all functions of the step:
 // a checkpoint holds the adapter, the optimizer moments and the step, and resuming reproduces
 // the uninterrupted run exactly.
@@ -26,9 +26,9 @@ struct ql_train_options {
     int   grad_accum = 1;
     float lr = 2e-4f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
     float max_grad_norm = 1.0f;         // <= 0: no clipping
-    std::string scheduler = "linear";   // constant | linear | cosine
-    double warmup_ratio = 0.0;          // warmup steps = ceil(ratio * total steps) ...
-    int64_t warmup_steps = -1;          // ... unless given (>= 0)
+    std::string scheduler = "linear";   // constant | constant_with_warmup | linear | cosine
+    double warmup_ratio = 0.0;          // warmup steps = warmup_steps if > 0, else ceil(ratio * total steps)
+    int64_t warmup_steps = 0;
     int     epochs = 1;
     int64_t max_steps = -1;             // > 0: overrides epochs
     uint64_t seed = 42;                 // data order and dropout masks (the adapter's init: lora.init_seed)
@@ -56,6 +56,7 @@ void        ql_trainer_free(ql_trainer *t);
 int64_t     ql_trainer_total_steps(const ql_trainer *t);
 int64_t     ql_trainer_steps_done(const ql_trainer *t);
 int64_t     ql_trainer_steps_per_epoch(const ql_trainer *t);
+int64_t     ql_trainer_warmup_steps(const ql_trainer *t);
 int64_t     ql_trainer_n_trainable(const ql_trainer *t);   // adapter parameters
 int64_t     ql_trainer_n_base(const ql_trainer *t);        // base model parameters (any type)
 const ql_plan_stats &ql_trainer_plan(const ql_trainer *t); // the training graph's memory plan

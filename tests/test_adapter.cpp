@@ -4,11 +4,10 @@
 #include "../models/adapter.h"
 #include "../models/llama.h"
 #include "../qlora.h"
+#include "tiny.h"
+#include "util.h"
 
 #include <doctest/doctest.h>
-
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
@@ -37,70 +36,17 @@
 
 namespace {
 
-bool has(const std::string &hay, const std::string &needle) { return hay.find(needle) != std::string::npos; }
-
-struct tmpdir {
-    std::string path;
-    tmpdir() {
-        char t[] = "/tmp/qlora-adapter-XXXXXX";
-        path = mkdtemp(t) ? t : "/tmp";
-    }
-    ~tmpdir() { (void)!system(("rm -rf '" + path + "'").c_str()); }
-};
-
-bool exists(const std::string &p) {
-    struct stat st;
-    return stat(p.c_str(), &st) == 0;
-}
-
-std::vector<uint8_t> slurp(const std::string &path) {
-    std::vector<uint8_t> b;
-    FILE *f = fopen(path.c_str(), "rb");
-    if (!f) return b;
-    uint8_t buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof(buf), f)) > 0) b.insert(b.end(), buf, buf + n);
-    fclose(f);
-    return b;
-}
-
-void spit(const std::string &path, const void *data, size_t n) {
-    FILE *f = fopen(path.c_str(), "wb");
-    REQUIRE(f);
-    REQUIRE(fwrite(data, 1, n, f) == n);
-    fclose(f);
-}
-void spit(const std::string &path, const std::string &s) { spit(path, s.data(), s.size()); }
-
-// a tiny llama (GQA: 4 query heads, 2 kv heads of 16) with weights N(0, 0.1); rows of 64 so
-// any linear weight can be stored as NF4
-ql_llama_hparams tiny_hp(int n_layer = 2) {
-    ql_llama_hparams hp;
-    hp.n_vocab = 96;
-    hp.n_embd = 64;
-    hp.n_layer = n_layer;
-    hp.n_head = 4;
-    hp.n_head_kv = 2;
-    hp.n_ff = 128;
-    return hp;
-}
-
-struct model {
-    ql_context *ctx = nullptr;  // weights
-    ql_context *lctx = nullptr; // adapters
-    ql_llama m;
-    explicit model(int n_layer = 2, uint64_t seed = 1, int rope_mode = QL_ROPE_NORMAL) {
-        ql_init_params ip = {16u << 20, nullptr, false, false};
-        ctx = ql_init(ip);
-        lctx = ql_init(ip);
-        REQUIRE(ql_llama_create(ctx, &m, tiny_hp(n_layer), QL_TYPE_F32, false) == QL_OK);
+// a tiny llama (GQA: 4 query heads, 2 kv heads of 16) with weights N(0, 0.1) in ctx; rows of 64
+// so any linear weight can be stored as NF4
+struct model : tiny_llama {
+    ql_context *lctx = nullptr;  // adapters
+    explicit model(int n_layer = 2, uint64_t seed = 1, int rope_mode = QL_ROPE_NORMAL)
+        : tiny_llama(tiny_hparams(96, 64, 128, n_layer), seed, 0.1f) {
         m.hp.rope_mode = rope_mode;
-        ql_llama_randomize(&m, seed, 0.1f);
+        ql_init_params ip = {16u << 20, nullptr, false, false};
+        lctx = ql_init(ip);
     }
-    ~model() {
-        ql_free(lctx);
-        ql_free(ctx);
-    }
+    ~model() { ql_free(lctx); }
     ql_tensor *weight(const std::string &name) const {
         if (name == m.output->name) return m.output;
         for (const ql_llama_layer &L : m.layers)
@@ -151,78 +97,6 @@ std::vector<int64_t> hf_row_of_gguf_row(int64_t n_rows, int n_head) {
     return v;
 }
 
-// writes m as a model GGUF; tensors named in `nf4` are stored NF4 (double-quantised)
-void write_model(const ql_llama &m, const char *arch, const std::string &path, const std::vector<std::string> &nf4 = {}) {
-    ql_gguf_writer *w = ql_gguf_writer_new();
-    const std::string a = arch;
-    ql_gguf_set_str(w, "general.architecture", arch);
-    ql_gguf_set_str(w, "general.name", "tiny test model");
-    ql_gguf_set_u32(w, "general.file_type", 0);
-    ql_gguf_set_u32(w, (a + ".embedding_length").c_str(), (uint32_t)m.hp.n_embd);
-    ql_gguf_set_u32(w, (a + ".block_count").c_str(), (uint32_t)m.hp.n_layer);
-    ql_gguf_set_u32(w, (a + ".feed_forward_length").c_str(), (uint32_t)m.hp.n_ff);
-    ql_gguf_set_u32(w, (a + ".attention.head_count").c_str(), (uint32_t)m.hp.n_head);
-    ql_gguf_set_u32(w, (a + ".attention.head_count_kv").c_str(), (uint32_t)m.hp.n_head_kv);
-    ql_gguf_set_f32(w, (a + ".attention.layer_norm_rms_epsilon").c_str(), m.hp.norm_eps);
-    const char *toks[] = {"a", "b"};
-    ql_gguf_set_arr_str(w, "tokenizer.ggml.tokens", toks, 2);
-    std::vector<std::vector<uint8_t>> keep;
-    auto add = [&](ql_tensor *t) {
-        const int64_t ne[4] = {t->ne[0], t->ne[1], 1, 1};
-        bool q = false;
-        for (const std::string &n : nf4) q |= n == t->name;
-        if (!q) {
-            REQUIRE(ql_gguf_add_tensor(w, t->name, t->type, ql_n_dims(t), ne, t->data, ql_nbytes(t)) == QL_OK);
-            return;
-        }
-        keep.emplace_back(ql_type_data_size(QL_TYPE_NF4, t->ne[1], t->ne[0]));
-        char e[200];
-        REQUIRE(ql_quantize(QL_TYPE_NF4, (const float *)t->data, t->ne[1], t->ne[0], keep.back().data(), e, sizeof(e)) == QL_OK);
-        REQUIRE(ql_gguf_add_tensor(w, t->name, QL_TYPE_NF4, 2, ne, keep.back().data(), keep.back().size()) == QL_OK);
-    };
-    add(m.tok_embd);
-    add(m.out_norm);
-    if (m.output != m.tok_embd) add(m.output);
-    for (const ql_llama_layer &L : m.layers)
-        for (ql_tensor *t : {L.attn_norm, L.wq, L.wk, L.wv, L.wo, L.ffn_norm, L.w_gate, L.w_up, L.w_down}) add(t);
-    char err[256];
-    REQUIRE_MESSAGE(ql_gguf_write(w, path.c_str(), err, sizeof(err)) == QL_OK, err);
-    ql_gguf_writer_free(w);
-}
-
-// full forward of `tokens` at positions 0..T-1: logits [T, V]
-std::vector<float> logits_of(const ql_llama &m, const std::vector<int32_t> &tokens) {
-    const int64_t T = (int64_t)tokens.size();
-    ql_init_params ip = {8u << 20, nullptr, false, false};
-    ql_context *ctx = ql_init(ip);
-    ql_tensor *tk = ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1), *ps = ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1);
-    for (int64_t t = 0; t < T; t++) {
-        ((int32_t *)tk->data)[t] = tokens[(size_t)t];
-        ((int32_t *)ps->data)[t] = (int32_t)t;
-    }
-    ql_tensor *lg = ql_llama_forward(ctx, &m, tk, ps, nullptr);
-    REQUIRE_MESSAGE(lg, ql_ctx_error(ctx));
-    ql_graph *g = ql_graph_new(ctx);
-    ql_graph_build_forward(g, lg);
-    ql_backend *be = ql_backend_cpu_init(2);
-    REQUIRE_MESSAGE(ql_graph_alloc(g, be) == QL_OK, ql_ctx_error(ctx));
-    REQUIRE_MESSAGE(ql_backend_graph_compute(be, g) == QL_OK, ql_ctx_error(ctx));
-    std::vector<float> out((const float *)lg->data, (const float *)lg->data + T * m.hp.n_vocab);
-    ql_graph_free(g);
-    ql_backend_free(be);
-    ql_free(ctx);
-    return out;
-}
-
-double max_rel(const std::vector<float> &a, const std::vector<float> &b) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < a.size() && i < b.size(); i++) {
-        num = std::max(num, (double)std::fabs(a[i] - b[i]));
-        den = std::max(den, (double)std::fabs(b[i]));
-    }
-    return a.size() == b.size() ? num / den : 1e30;
-}
-
 // a safetensors file from a header text and a data size (data bytes 0, 1, 2, ...)
 std::vector<uint8_t> st_bytes(const std::string &header, size_t data, int64_t len_override = -1) {
     std::vector<uint8_t> b(8 + header.size() + data);
@@ -269,7 +143,7 @@ TEST_CASE("safetensors: F32, F16 and BF16 tensors and metadata round trip bit fo
     REQUIRE_MESSAGE(ql_safetensors_write(path.c_str(), in, meta, &err), err);
     CHECK_FALSE(exists(path + ".tmp"));
 
-    const std::vector<uint8_t> raw = slurp(path);
+    const std::vector<uint8_t> raw = read_file_bytes(path);
     REQUIRE(raw.size() > 8);
     uint64_t n = 0;
     for (int i = 0; i < 8; i++) n |= (uint64_t)raw[(size_t)i] << (8 * i);
@@ -320,10 +194,10 @@ TEST_CASE("safetensors: damaged files fail with a message naming the file and th
         {"not an object", st_bytes("[1, 2]  ", 0), "does not start with '{'"},
         {"bad JSON", st_bytes("{\"a\":{\"dtype\":\"F32\",", 0), "bad JSON"},
         {"bad JSON literal", st_bytes("{\"a\":tru}", 0), "bad JSON"},
-        {"trailing garbage", st_bytes("{} x", 0), "trailing"},
+        {"trailing garbage", st_bytes("{} x", 0), "unexpected 'x' after the value"},
         {"duplicate key", st_bytes("{\"a\":{},\"a\":{}}", 0), "duplicate key"},
         {"invalid UTF-8", bad_utf8, "UTF-8"},
-        {"deep nesting", st_bytes(deep, 0), "nesting too deep"},
+        {"deep nesting", st_bytes(deep, 0), "nested deeper than 64 levels"},
         {"offsets past the data", st_bytes("{\"a\":{\"dtype\":\"F32\",\"shape\":[100],\"data_offsets\":[0,400]}}", 16),
          "run past"},
         {"end before begin", st_bytes("{\"a\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[8,0]}}", 8), "end before"},
@@ -346,7 +220,7 @@ TEST_CASE("safetensors: damaged files fail with a message naming the file and th
     for (const bad_case &c : cases) {
         CAPTURE(c.what);
         const std::string path = d.path + "/bad.safetensors";
-        spit(path, c.bytes.data(), c.bytes.size());
+        write_file(path, c.bytes.data(), c.bytes.size());
         std::vector<ql_st_tensor> ts;
         std::vector<uint8_t> storage;
         std::string err;
@@ -362,7 +236,7 @@ TEST_CASE("safetensors: damaged files fail with a message naming the file and th
     CHECK(has(err, "none.safetensors"));
     // the valid file reads; random damage to it either reads or fails cleanly
     const std::string path = d.path + "/fuzz.safetensors";
-    spit(path, valid.data(), valid.size());
+    write_file(path, valid.data(), valid.size());
     REQUIRE_MESSAGE(ql_safetensors_read(path.c_str(), &ts, &storage, &err), err);
     std::mt19937 rng(7);
     for (int it = 0; it < 300; it++) {
@@ -370,7 +244,7 @@ TEST_CASE("safetensors: damaged files fail with a message naming the file and th
         const int flips = 1 + (int)(rng() % 4);
         for (int k = 0; k < flips; k++) b[rng() % b.size()] = (uint8_t)rng();
         if (rng() % 4 == 0) b.resize(rng() % b.size());
-        spit(path, b.data(), b.size());
+        write_file(path, b.data(), b.size());
         err.clear();
         if (!ql_safetensors_read(path.c_str(), &ts, &storage, &err)) CHECK(has(err, "fuzz.safetensors"));
     }
@@ -484,7 +358,7 @@ TEST_CASE("peft: a llama adapter round trips, with q/k lora_B rows in Hugging Fa
     REQUIRE(exists(dir + "/adapter_config.json"));
 
     // adapter_config.json: the fields PEFT writes and reads back
-    std::vector<uint8_t> cj = slurp(dir + "/adapter_config.json");
+    std::vector<uint8_t> cj = read_file_bytes(dir + "/adapter_config.json");
     const std::string text(cj.begin(), cj.end());
     for (const char *kv : {"\"peft_type\": \"LORA\"", "\"task_type\": \"CAUSAL_LM\"", "\"bias\": \"none\"",
                            "\"fan_in_fan_out\": false", "\"use_dora\": false", "\"use_rslora\": false",
@@ -565,7 +439,7 @@ TEST_CASE("peft: a llama adapter round trips, with q/k lora_B rows in Hugging Fa
     }
     // and the forward pass agrees exactly
     const std::vector<int32_t> toks = {3, 1, 4, 1, 5, 9, 2, 6};
-    CHECK(max_rel(logits_of(a.m, toks), logits_of(b.m, toks)) == 0.0);
+    CHECK(rel_err(logits_of(a.m, toks), logits_of(b.m, toks)) == 0.0);
     ql_lora_adapter_free(ad);
 
     // the folder through ql_lora_attach_any, with a user scale
@@ -633,13 +507,13 @@ TEST_CASE("peft: missing files, a wrong r, a layer the model lacks and foreign t
     model a;
     add_pairs(a.lctx, a.m, {a.m.layers[0].wq, a.m.layers[1].w_down}, 4, k_scale, 2);
     REQUIRE_MESSAGE(ql_peft_save(dir.c_str(), a.m, "llama", config(), &err), err);
-    const std::vector<uint8_t> cfg_bytes = slurp(dir + "/adapter_config.json");
+    const std::vector<uint8_t> cfg_bytes = read_file_bytes(dir + "/adapter_config.json");
     const std::string cfg(cfg_bytes.begin(), cfg_bytes.end());
     auto with_config = [&](const std::string &from, const std::string &to) {
         std::string s = cfg;
         REQUIRE(has(s, from));
         s.replace(s.find(from), from.size(), to);
-        spit(dir + "/adapter_config.json", s);
+        write_file(dir + "/adapter_config.json", s);
     };
     with_config("\"r\": 4", "\"r\": 8");
     attach_fails(dir, {"adapter_model.safetensors", "layers.0.self_attn.q_proj.lora_A.weight", "r = 8"});
@@ -651,9 +525,9 @@ TEST_CASE("peft: missing files, a wrong r, a layer the model lacks and foreign t
     attach_fails(dir, {"rank_pattern"});
     with_config("\"r\": 4", "\"r\": \"four\"");
     attach_fails(dir, {"r must be a positive integer"});
-    spit(dir + "/adapter_config.json", "{\"peft_type\": \"LORA\",");
+    write_file(dir + "/adapter_config.json", "{\"peft_type\": \"LORA\",");
     attach_fails(dir, {"adapter_config.json", "bad JSON"});
-    spit(dir + "/adapter_config.json", cfg);
+    write_file(dir + "/adapter_config.json", cfg);
     ql_lora_adapter *ok = ql_peft_attach(&m.m, "llama", dir.c_str(), 1.0f, &err);  // intact again
     CHECK_MESSAGE(ok, err);
     ql_lora_adapter_free(ok);
@@ -698,9 +572,12 @@ TEST_CASE("merge: the merged GGUF gives the adapted model's logits; NF4 comes ou
     tmpdir d;
     const std::string base = d.path + "/base.gguf", merged = d.path + "/merged.gguf";
     model src;
-    const std::vector<std::string> nf4 = {"blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.1.attn_q.weight",
-                                          "blk.1.ffn_gate.weight"};
-    write_model(src.m, "llama", base, nf4);
+    llama_gguf_opts opts;  // four weights NF4 (double-quantised)
+    opts.name = "tiny test model";
+    opts.file_type = true;
+    opts.tokens = true;
+    opts.nf4 = {"blk.0.attn_q.weight", "blk.0.ffn_up.weight", "blk.1.attn_q.weight", "blk.1.ffn_gate.weight"};
+    write_llama_gguf(src.m, base, opts);
     char e[300];
     ql_llama_file *f = ql_llama_load(base.c_str(), e, sizeof(e));
     REQUIRE_MESSAGE(f, e);
@@ -723,11 +600,11 @@ TEST_CASE("merge: the merged GGUF gives the adapted model's logits; NF4 comes ou
     // Each merged weight is rounded once to f16 (relative error <= 2^-11 ~ 4.9e-4, errors of
     // independent signs), and the f32 reference itself sums in another order; through two
     // blocks and the output that stays well under 1% of the largest logit.
-    const double rel = max_rel(got, want);
+    const double rel = rel_err(got, want);
     MESSAGE("merged vs adapters: max |logit diff| / max |logit| = ", rel);
     CHECK(rel < 5e-3);
     CHECK(rel > 0.0);  // the adapters did change the weights (and the check is not vacuous)
-    CHECK(max_rel(logits_of(src.m, toks), want) > 1e-2);
+    CHECK(rel_err(logits_of(src.m, toks), want) > 1e-2);
 
     const ql_gguf *g = f->gguf, *h = mf->gguf;
     CHECK(ql_gguf_n_tensors(h) == ql_gguf_n_tensors(g));
@@ -798,7 +675,7 @@ uint32_t be32(const uint8_t *p) { return (uint32_t)p[0] << 24 | (uint32_t)p[1] <
 
 // checks the PNG signature and IHDR, decodes it, counts pixels of two colours
 void check_png(const std::string &path, int *n_train, int *n_eval) {
-    const std::vector<uint8_t> b = slurp(path);
+    const std::vector<uint8_t> b = read_file_bytes(path);
     REQUIRE(b.size() > 33);
     const uint8_t sig[8] = {0x89, 'P', 'N', 'G', 0x0D, 0x0A, 0x1A, 0x0A};
     CHECK(memcmp(b.data(), sig, 8) == 0);

@@ -5,12 +5,9 @@
 #include "../models/data.h"
 #include "../models/tokenizer.h"
 #include "../qlora.h"
+#include "util.h"
 
 #include <doctest/doctest.h>
-
-#include <dirent.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -22,62 +19,10 @@
 
 namespace {
 
-// ---- files ---------------------------------------------------------------------------------
-
-struct data_tmp_dir {
-    std::string path;
-    data_tmp_dir() {
-        const char *base = getenv("TMPDIR");
-        std::string tmpl = std::string(base && *base ? base : "/tmp") + "/qlora_data_XXXXXX";
-        std::vector<char> buf(tmpl.begin(), tmpl.end());
-        buf.push_back('\0');
-        REQUIRE(mkdtemp(buf.data()));
-        path = buf.data();
-    }
-    ~data_tmp_dir() {  // plain files one level down
-        if (DIR *d = opendir(path.c_str())) {
-            while (dirent *e = readdir(d)) {
-                if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-                unlink((path + "/" + e->d_name).c_str());
-            }
-            closedir(d);
-        }
-        rmdir(path.c_str());
-    }
-    std::string file(const std::string &name) const { return path + "/" + name; }
-};
-
-void put_file(const std::string &p, const std::string &bytes) {
-    FILE *f = fopen(p.c_str(), "wb");
-    REQUIRE(f);
-    REQUIRE(fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size());
-    fclose(f);
-}
-
-bool has(const std::string &s, const std::string &needle) { return s.find(needle) != std::string::npos; }
-
-std::string ids_str(const std::vector<int32_t> &ids) {
-    std::string s = "[";
-    for (size_t i = 0; i < ids.size(); i++) s += (i ? " " : "") + std::to_string(ids[i]);
-    return s + "]";
-}
 std::string mask_str(const std::vector<uint8_t> &m) {
     std::string s;
     for (uint8_t x : m) s += x ? '1' : '0';
     return s;
-}
-
-std::string fixtures_dir() {
-    std::vector<std::string> cand = {"../shared/fixtures"};
-    if (const char *env = getenv("QLORA_FIXTURES")) cand.insert(cand.begin(), env);
-    const std::string here = __FILE__;
-    const size_t p = here.rfind("/tests/");
-    if (p != std::string::npos) cand.push_back(here.substr(0, p) + "/../shared/fixtures");
-    for (const std::string &c : cand) {
-        struct stat st;
-        if (stat((c + "/tokenizer-vectors").c_str(), &st) == 0) return c;
-    }
-    return "";
 }
 
 // ---- vocabularies --------------------------------------------------------------------------
@@ -88,7 +33,7 @@ struct vocab_free {
 using vocab_ptr = std::unique_ptr<ql_vocab, vocab_free>;
 
 vocab_ptr load_from_writer(ql_gguf_writer *w) {
-    data_tmp_dir dir;
+    tmpdir dir;
     const std::string path = dir.file("vocab.gguf");
     char err[512] = "";
     REQUIRE_MESSAGE(ql_gguf_write(w, path.c_str(), err, sizeof(err)) == QL_OK, err);
@@ -261,9 +206,9 @@ struct loaded {
 };
 
 loaded load_lines(const std::string &content, const ql_vocab *v, const ql_data_options &o) {
-    data_tmp_dir dir;
+    tmpdir dir;
     const std::string path = dir.file("data.jsonl");
-    put_file(path, content);
+    write_file(path, content);
     loaded r;
     r.ok = ql_dataset_load(path.c_str(), v, o, &r.d, &r.err);
     return r;
@@ -812,7 +757,7 @@ TEST_CASE("jsonl: bad lines are refused with path:line and a precise reason") {
         {R"({"messages": [{"role": "robot", "content": "a"}]})", "messages[0].role \"robot\" is not one of system, user, assistant"},
     };
     REQUIRE(cases.size() >= 30);
-    data_tmp_dir dir;
+    tmpdir dir;
     for (size_t i = 0; i < cases.size(); i++) {
         // the bad line after a few good and blank ones, and a good one after it
         std::string content;
@@ -828,7 +773,7 @@ TEST_CASE("jsonl: bad lines are refused with path:line and a precise reason") {
         content += cases[i].line + "\n{\"text\": \"after\"}\n";
         line++;
         const std::string path = dir.file("bad" + std::to_string(i) + ".jsonl");
-        put_file(path, content);
+        write_file(path, content);
         ql_dataset d;
         std::string err;
         CAPTURE(i);
@@ -842,10 +787,10 @@ TEST_CASE("jsonl: bad lines are refused with path:line and a precise reason") {
 }
 
 TEST_CASE("jsonl: the invalid UTF-8 message names the byte offset in the file") {
-    data_tmp_dir dir;
+    tmpdir dir;
     const std::string path = dir.file("utf8.jsonl");
     const std::string first = "{\"text\": \"ok\"}\r\n";  // 16 bytes
-    put_file(path, first + "{\"text\": \"ab\xfe\"}\n");
+    write_file(path, first + "{\"text\": \"ab\xfe\"}\n");
     ql_dataset d;
     std::string err;
     CHECK_FALSE(ql_dataset_load(path.c_str(), toy(), ql_data_options(), &d, &err));
@@ -899,8 +844,8 @@ TEST_CASE("jsonl: skip_bad_lines counts and skips bad lines; fatal problems stil
     CHECK_FALSE(ql_dataset_load("/nonexistent/dir/x.jsonl", v, o, &d, &err));
     CHECK_MESSAGE(has(err, "/nonexistent/dir/x.jsonl: cannot open"), err);
     o.seq_len = 1;
-    data_tmp_dir dir;
-    put_file(dir.file("a.jsonl"), "{\"text\": \"a\"}\n");
+    tmpdir dir;
+    write_file(dir.file("a.jsonl"), "{\"text\": \"a\"}\n");
     CHECK_FALSE(ql_dataset_load(dir.file("a.jsonl").c_str(), v, o, &d, &err));
     CHECK_MESSAGE(has(err, "seq_len 1 is too small"), err);
 }

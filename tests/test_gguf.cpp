@@ -3,10 +3,9 @@
 #include <doctest/doctest.h>
 
 #include "../qlora.h"
+#include "util.h"
 
-#include <dirent.h>
 #include <sys/stat.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
@@ -17,8 +16,6 @@
 #include <vector>
 
 namespace {
-
-bool has(const std::string &hay, const char *needle) { return hay.find(needle) != std::string::npos; }
 
 // Little-endian byte builder for hand-made files.
 struct bytes_t {
@@ -121,60 +118,6 @@ std::string open_error(const std::vector<uint8_t> &b) {
         const std::string e_ = open_error((bytes).b);                                                \
         CHECK_MESSAGE(has(e_, needle), "expected an error naming '" << needle << "', got: '" << e_ << "'"); \
     } while (0)
-
-struct tmp_dir {
-    std::string path;
-    tmp_dir() {
-        const char *base = getenv("TMPDIR");
-        std::string tmpl = std::string(base && *base ? base : "/tmp") + "/qlora_gguf_XXXXXX";
-        std::vector<char> buf(tmpl.begin(), tmpl.end());
-        buf.push_back('\0');
-        REQUIRE(mkdtemp(buf.data()));
-        path = buf.data();
-    }
-    ~tmp_dir() {  // files and empty folders one level down
-        if (DIR *d = opendir(path.c_str())) {
-            while (dirent *e = readdir(d)) {
-                if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-                const std::string p = path + "/" + e->d_name;
-                if (unlink(p.c_str()) != 0) rmdir(p.c_str());
-            }
-            closedir(d);
-        }
-        rmdir(path.c_str());
-    }
-    std::string file(const char *name) const { return path + "/" + name; }
-};
-
-bool exists(const std::string &p) {
-    struct stat st;
-    return stat(p.c_str(), &st) == 0;
-}
-
-std::vector<uint8_t> read_file(const std::string &p) {
-    std::vector<uint8_t> b;
-    FILE *f = fopen(p.c_str(), "rb");
-    if (!f) return b;
-    fseek(f, 0, SEEK_END);
-    b.resize((size_t)ftell(f));
-    fseek(f, 0, SEEK_SET);
-    if (!b.empty() && fread(b.data(), 1, b.size(), f) != b.size()) b.clear();
-    fclose(f);
-    return b;
-}
-
-// ../shared/fixtures beside the checkout (tests run from the repo root), or found from this file;
-// QLORA_FIXTURES overrides.
-std::string fixtures_dir() {
-    std::vector<std::string> cand = {"../shared/fixtures"};
-    if (const char *env = getenv("QLORA_FIXTURES")) cand.insert(cand.begin(), env);
-    std::string here = __FILE__;
-    const size_t p = here.rfind("/tests/");
-    if (p != std::string::npos) cand.push_back(here.substr(0, p) + "/../shared/fixtures");
-    for (const std::string &c : cand)
-        if (exists(c + "/tokenizer-vectors")) return c;
-    return "";
-}
 
 // A valid file with every KV kind, hand-laid exactly as ql_gguf_write lays it out (v3, alignment
 // 32, each tensor padded), the last tensor ending the file.
@@ -386,7 +329,7 @@ TEST_CASE("gguf: NULL-safe API") {
 }
 
 TEST_CASE("gguf: copying every KV and tensor reproduces a file byte for byte") {
-    tmp_dir dir;
+    tmpdir dir;
     const bytes_t f = all_kinds_file();
     char err[256];
     ql_gguf *g = ql_gguf_open_memory(f.b.data(), f.b.size(), err, sizeof(err));
@@ -401,14 +344,14 @@ TEST_CASE("gguf: copying every KV and tensor reproduces a file byte for byte") {
     }
     const std::string path = dir.file("copy.gguf");
     REQUIRE_MESSAGE(ql_gguf_write(w, path.c_str(), err, sizeof(err)) == QL_OK, err);
-    CHECK(read_file(path) == f.b);
+    CHECK(read_file_bytes(path) == f.b);
     CHECK_FALSE(exists(path + ".tmp"));
     ql_gguf_writer_free(w);
     ql_gguf_close(g);
 }
 
 TEST_CASE("gguf: writer round trip, alignment 32 and 64, every array kind, five tensor types") {
-    tmp_dir dir;
+    tmpdir dir;
     std::mt19937 rng(7);
     auto rand_bytes = [&](size_t n) {
         std::vector<uint8_t> v(n);
@@ -562,7 +505,7 @@ TEST_CASE("gguf: the real vocab files open and copy back byte for byte") {
         MESSAGE("skipping: ../shared/fixtures not found (run the tests from the repo root)");
         return;
     }
-    tmp_dir dir;
+    tmpdir dir;
     struct {
         const char *file;
         uint64_t n_tokens;
@@ -571,7 +514,7 @@ TEST_CASE("gguf: the real vocab files open and copy back byte for byte") {
         const std::string path = fx + "/tokenizer-vectors/" + c.file;
         char err[256];
         ql_gguf *g = ql_gguf_open(path.c_str(), err, sizeof(err));
-        if (!g && damaged_by_text_conversion(read_file(path))) {
+        if (!g && damaged_by_text_conversion(read_file_bytes(path))) {
             // the reader must refuse it cleanly, and the damage must not pass silently
             CHECK(has(err, path.c_str()));
             MESSAGE("fixture " << path << " is DAMAGED (valid UTF-8 throughout, U+FFFD where bytes were: it went "
@@ -598,7 +541,7 @@ TEST_CASE("gguf: the real vocab files open and copy back byte for byte") {
         for (int64_t i = 0; i < ql_gguf_n_kv(g); i++) ql_gguf_copy_kv(w, g, i);
         const std::string out = dir.file("copy.gguf");
         REQUIRE_MESSAGE(ql_gguf_write(w, out.c_str(), err, sizeof(err)) == QL_OK, err);
-        CHECK(read_file(out) == read_file(path));
+        CHECK(read_file_bytes(out) == read_file_bytes(path));
         ql_gguf_writer_free(w);
         ql_gguf_close(g);
     }
@@ -757,7 +700,7 @@ TEST_CASE("gguf: malformed files fail with a message naming the problem") {
 }
 
 TEST_CASE("gguf: writer refusals and KV order") {
-    tmp_dir dir;
+    tmpdir dir;
     char err[512];
     ql_gguf_writer *w = ql_gguf_writer_new();
     float buf[64] = {0};
@@ -843,7 +786,7 @@ TEST_CASE("gguf: writer refusals and KV order") {
 }
 
 TEST_CASE("gguf: the write is atomic: failures leave no temporary file and name the path") {
-    tmp_dir dir;
+    tmpdir dir;
     char err[512];
     ql_gguf_writer *w = ql_gguf_writer_new();
     ql_gguf_set_str(w, "general.architecture", "llama");

@@ -4,11 +4,10 @@
 #include "../models/llama.h"
 #include "../models/tokenizer.h"
 #include "../qlora.h"
+#include "tiny.h"
+#include "util.h"
 
 #include <doctest/doctest.h>
-
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
@@ -19,21 +18,6 @@
 
 namespace {
 
-std::string here() {
-    std::string f = __FILE__;
-    return f.substr(0, f.find_last_of('/') + 1);
-}
-
-std::string fixtures() {
-    if (const char *e = getenv("QLORA_FIXTURES")) return e;
-    return here() + "../../shared/fixtures";
-}
-
-bool exists(const std::string &p) {
-    struct stat st;
-    return stat(p.c_str(), &st) == 0;
-}
-
 struct golden_case {
     std::string name;
     std::vector<int32_t> tokens;
@@ -43,7 +27,7 @@ struct golden_case {
 
 std::vector<golden_case> load_golden() {
     std::vector<golden_case> out;
-    FILE *f = fopen((here() + "golden/llama_logits.bin").c_str(), "rb");
+    FILE *f = fopen((tests_dir() + "golden/llama_logits.bin").c_str(), "rb");
     if (!f) return out;
     char magic[8];
     int32_t n = 0;
@@ -98,8 +82,7 @@ struct random_model {
     random_model() {
         ql_init_params ip = {16u << 20, nullptr, false, false};
         ctx = ql_init(ip);
-        ql_llama_hparams hp;
-        hp.n_vocab = 101; hp.n_embd = 96; hp.n_layer = 2; hp.n_head = 6; hp.n_head_kv = 2; hp.n_ff = 160;
+        ql_llama_hparams hp = tiny_hparams(101, 96, 160, 2, 6, 2);
         hp.rope_base = 1000000.0f;
         hp.rope_mode = QL_ROPE_NEOX;
         REQUIRE(ql_llama_create(ctx, &m, hp, QL_TYPE_F32, false) == QL_OK);
@@ -129,78 +112,16 @@ struct random_model {
     ~random_model() { ql_free(ctx); }
 };
 
-// full forward of `tokens` (positions 0..T-1): logits [T, V] row-major
-std::vector<float> logits_of(const ql_llama &m, const std::vector<int32_t> &tokens, int threads = 2) {
-    const int64_t T = (int64_t)tokens.size();
-    ql_init_params ip = {4u << 20, nullptr, false, false};
-    ql_context *ctx = ql_init(ip);
-    ql_tensor *tk = ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1), *ps = ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1);
-    for (int64_t t = 0; t < T; t++) {
-        ((int32_t *)tk->data)[t] = tokens[(size_t)t];
-        ((int32_t *)ps->data)[t] = (int32_t)t;
-    }
-    ql_tensor *lg = ql_llama_forward(ctx, &m, tk, ps, nullptr);
-    ql_graph *g = ql_graph_new(ctx);
-    ql_graph_build_forward(g, lg);
-    ql_backend *be = ql_backend_cpu_init(threads);
-    REQUIRE_MESSAGE(ql_graph_alloc(g, be) == QL_OK, ql_ctx_error(ctx));
-    REQUIRE_MESSAGE(ql_backend_graph_compute(be, g) == QL_OK, ql_ctx_error(ctx));
-    std::vector<float> out((const float *)lg->data, (const float *)lg->data + T * m.hp.n_vocab);
-    ql_graph_free(g);
-    ql_backend_free(be);
-    ql_free(ctx);
-    return out;
-}
-
-double rel_err(const std::vector<float> &a, const std::vector<float> &b) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < a.size() && i < b.size(); i++) {
-        num = std::max(num, (double)std::fabs(a[i] - b[i]));
-        den = std::max(den, (double)std::fabs(b[i]));
-    }
-    return a.size() == b.size() ? num / den : 1e30;
-}
-
 // writes the model as a GGUF of the given architecture (biases included when present)
 void write_gguf(const ql_llama &m, const char *arch, const std::string &path, const char *skip_tensor = nullptr,
                 const char *skip_key = nullptr) {
-    ql_gguf_writer *w = ql_gguf_writer_new();
-    const std::string a = arch;
-    ql_gguf_set_str(w, "general.architecture", arch);
-    auto key = [&](const char *k, uint32_t v) {
-        if (!skip_key || strcmp(k, skip_key)) ql_gguf_set_u32(w, (a + "." + k).c_str(), v);
-    };
-    key("embedding_length", (uint32_t)m.hp.n_embd);
-    key("block_count", (uint32_t)m.hp.n_layer);
-    key("feed_forward_length", (uint32_t)m.hp.n_ff);
-    key("attention.head_count", (uint32_t)m.hp.n_head);
-    key("attention.head_count_kv", (uint32_t)m.hp.n_head_kv);
-    ql_gguf_set_f32(w, (a + ".attention.layer_norm_rms_epsilon").c_str(), m.hp.norm_eps);
-    ql_gguf_set_f32(w, (a + ".rope.freq_base").c_str(), m.hp.rope_base);
-    auto add = [&](ql_tensor *t) {
-        if (!t || (skip_tensor && !strcmp(t->name, skip_tensor))) return;
-        const int64_t ne[4] = {t->ne[0], t->ne[1], 1, 1};
-        REQUIRE(ql_gguf_add_tensor(w, t->name, t->type, ql_n_dims(t), ne, t->data, ql_nbytes(t)) == QL_OK);
-    };
-    add(m.tok_embd);
-    add(m.out_norm);
-    if (m.output != m.tok_embd) add(m.output);
-    for (const ql_llama_layer &L : m.layers)
-        for (ql_tensor *t : {L.attn_norm, L.wq, L.wk, L.wv, L.bq, L.bk, L.bv, L.wo, L.ffn_norm, L.w_gate, L.w_up, L.w_down})
-            add(t);
-    char err[256];
-    REQUIRE_MESSAGE(ql_gguf_write(w, path.c_str(), err, sizeof(err)) == QL_OK, err);
-    ql_gguf_writer_free(w);
+    llama_gguf_opts o;
+    o.arch = arch;
+    o.rope_base = true;
+    o.skip_tensor = skip_tensor;
+    o.skip_key = skip_key;
+    write_llama_gguf(m, path, o);
 }
-
-struct tmpdir {
-    std::string path;
-    tmpdir() {
-        char t[] = "/tmp/qlora-llama-XXXXXX";
-        path = mkdtemp(t) ? t : "/tmp";
-    }
-    ~tmpdir() { (void)!system(("rm -rf '" + path + "'").c_str()); }
-};
 
 }  // namespace
 
@@ -315,9 +236,9 @@ TEST_CASE("llama: loading refuses what it cannot run, naming what is wrong") {
 }
 
 TEST_CASE("llama: stories260K converted from llama2.c matches the float64 reference") {
-    const std::string fx = fixtures();
+    const std::string fx = fixtures_dir();
     if (!exists(fx + "/stories260K/stories260K.bin")) {
-        MESSAGE("skipped: no fixtures at ", fx);
+        MESSAGE("skipped: no stories260K in ../shared/fixtures (set QLORA_FIXTURES or run from the repo root)");
         return;
     }
     if (!exists("./convert")) {

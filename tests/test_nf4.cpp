@@ -2,6 +2,7 @@
 // tests/reference/nf4_golden.py with torch from bitsandbytes' published algorithm), crafted
 // blocks, and the bitsandbytes serialised form.
 #include "../qlora.h"
+#include "util.h"
 
 #include <doctest/doctest.h>
 
@@ -53,10 +54,7 @@ struct golden {
     bool ok = false;
 };
 
-std::string golden_path() {
-    std::string f = __FILE__;  // tests/test_nf4.cpp (make) or an absolute path (cmake)
-    return f.substr(0, f.find_last_of('/') + 1) + "golden/nf4.bin";
-}
+std::string golden_path() { return tests_dir() + "golden/nf4.bin"; }
 
 golden load_golden() {
     golden g;

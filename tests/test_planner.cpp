@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <new>
 
@@ -153,4 +154,52 @@ TEST_CASE("measure mode: sizes known before anything is allocated") {
     CHECK(ql_graph_alloc(meas.gb, be) == QL_ERR_INVALID);  // nothing to bind a measured graph to
     CHECK(strstr(ql_ctx_error(meas.ctx), "measuring") != nullptr);
     ql_backend_free(be);
+}
+
+TEST_CASE("planner: a graph in another graph's buffer (alloc_shared) computes the same; too big is refused") {
+    // host: a chain over [64, 32]; guest: a smaller chain over [16, 8], both from one context
+    ql_init_params ip = {4u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *x = ql_new_tensor_2d(ctx, QL_TYPE_F32, 64, 32), *y = ql_new_tensor_2d(ctx, QL_TYPE_F32, 16, 8);
+    for (int64_t i = 0; i < ql_nelements(x); i++) ((float *)x->data)[i] = 0.01f * (float)(i % 97) - 0.4f;
+    for (int64_t i = 0; i < ql_nelements(y); i++) ((float *)y->data)[i] = 0.03f * (float)(i % 13) - 0.2f;
+    ql_tensor *hx = ql_sum(ctx, ql_silu(ctx, ql_scale(ctx, ql_mul(ctx, x, x), 0.5f)));
+    ql_tensor *gy = ql_sum(ctx, ql_silu(ctx, ql_add(ctx, y, y)));
+    ql_graph *host = ql_graph_new(ctx), *guest = ql_graph_new(ctx);
+    ql_graph_build_forward(host, hx);
+    ql_graph_build_forward(guest, gy);
+    ql_backend *be = ql_backend_cpu_init(2);
+    // refused before the host has a buffer, and when the guest is the bigger one
+    CHECK(ql_graph_alloc_shared(guest, be, host) == QL_ERR_INVALID);
+    CHECK(std::string(ql_ctx_error(ctx)).find("host graph has no buffer") != std::string::npos);
+    ql_ctx_clear_error(ctx);
+    REQUIRE(ql_graph_alloc(guest, be) == QL_OK);
+    CHECK(ql_graph_alloc_shared(host, be, guest) == QL_ERR_INVALID);
+    CHECK(std::string(ql_ctx_error(ctx)).find("needs") != std::string::npos);
+    ql_ctx_clear_error(ctx);
+    // the real thing: guest in the host's buffer, alternating runs give the values computed alone
+    REQUIRE(ql_backend_graph_compute(be, guest) == QL_OK);
+    const float alone_g = *(const float *)gy->data;
+    REQUIRE(ql_graph_alloc(host, be) == QL_OK);
+    REQUIRE(ql_backend_graph_compute(be, host) == QL_OK);
+    const float alone_h = *(const float *)hx->data;
+    REQUIRE(ql_graph_alloc_shared(guest, be, host) == QL_OK);
+    for (int k = 0; k < 3; k++) {
+        REQUIRE(ql_backend_graph_compute(be, guest) == QL_OK);
+        CHECK(*(const float *)gy->data == alone_g);
+        REQUIRE(ql_backend_graph_compute(be, host) == QL_OK);
+        CHECK(*(const float *)hx->data == alone_h);
+    }
+    double want = 0;  // and the guest's value is right
+    for (int64_t i = 0; i < ql_nelements(y); i++) {
+        const double v = 2.0 * ((const float *)y->data)[i];
+        want += v / (1 + std::exp(-v));
+    }
+    CHECK(alone_g == doctest::Approx(want).epsilon(1e-5));
+    ql_graph_free(guest);  // borrowed: freeing the guest leaves the host's buffer alone
+    REQUIRE(ql_backend_graph_compute(be, host) == QL_OK);
+    CHECK(*(const float *)hx->data == alone_h);
+    ql_graph_free(host);
+    ql_backend_free(be);
+    ql_free(ctx);
 }

@@ -1,6 +1,7 @@
 // A frozen quantized weight in a matmul: forward y = W x and the input gradient dx = W^T dy,
 // dequantised tile by tile inside the kernel, must equal dequantise-then-f32-matmul.
 #include "../qlora.h"
+#include "util.h"
 
 #include <doctest/doctest.h>
 
@@ -45,8 +46,8 @@ struct run_out {
 };
 
 // y = mul_mat(W, x) and dL/dx for L = sum(y * r), W [cols=K, rows=M] of `type`
-run_out run(ql_type type, const std::vector<uint8_t> &wbytes, int64_t M, int64_t K, const std::vector<float> &x,
-            const std::vector<float> &r, int64_t N, int threads) {
+run_out run_mul_mat(ql_type type, const std::vector<uint8_t> &wbytes, int64_t M, int64_t K, const std::vector<float> &x,
+                    const std::vector<float> &r, int64_t N, int threads) {
     ql_init_params ip = {wbytes.size() + (size_t)(K * N + 2 * M * N) * 4 + (4u << 20), nullptr, false, false};
     ql_context *ctx = ql_init(ip);
     ql_tensor *w = ql_new_tensor_2d(ctx, type, K, M);
@@ -78,15 +79,6 @@ run_out run(ql_type type, const std::vector<uint8_t> &wbytes, int64_t M, int64_t
     return o;
 }
 
-double rel_err(const std::vector<float> &a, const std::vector<float> &b) {
-    double num = 0, den = 0;
-    for (size_t i = 0; i < a.size(); i++) {
-        num = std::max(num, (double)std::fabs(a[i] - b[i]));
-        den = std::max(den, (double)std::fabs(b[i]));
-    }
-    return num / std::max(den, 1e-30);
-}
-
 }  // namespace
 
 TEST_CASE("quantized matmul == dequantise-then-f32, forward and input gradient, every type") {
@@ -106,8 +98,8 @@ TEST_CASE("quantized matmul == dequantise-then-f32, forward and input gradient, 
             for (float &v : x) v = U(rng);
             for (float &v : r) v = U(rng);
             for (int threads : {1, 3}) {
-                const run_out q = run(type, wq, M, K, x, r, N, threads);
-                const run_out f = run(QL_TYPE_F32, wfb, M, K, x, r, N, threads);
+                const run_out q = run_mul_mat(type, wq, M, K, x, r, N, threads);
+                const run_out f = run_mul_mat(QL_TYPE_F32, wfb, M, K, x, r, N, threads);
                 const double ey = rel_err(q.y, f.y), edx = rel_err(q.dx, f.dx);
                 CAPTURE(std::string(ql_type_name(type)));
                 CAPTURE(N);
@@ -129,7 +121,7 @@ TEST_CASE("finite differences through an NF4 matmul (double reference)") {
     std::vector<float> x((size_t)(K * N)), r((size_t)(M * N));
     for (float &v : x) v = U(rng);
     for (float &v : r) v = U(rng);
-    const run_out q = run(QL_TYPE_NF4, wq, M, K, x, r, N, 2);
+    const run_out q = run_mul_mat(QL_TYPE_NF4, wq, M, K, x, r, N, 2);
     // L(x) = sum_{m,n} r[m,n] sum_k W[m,k] x[k,n], differentiated numerically in double
     auto L = [&](const std::vector<double> &xd) {
         double s = 0;

@@ -3,13 +3,9 @@
 // errors and tools/tokenize.
 #include "../models/tokenizer.h"
 #include "../qlora.h"
+#include "util.h"
 
 #include <doctest/doctest.h>
-
-#include <dirent.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
@@ -22,73 +18,7 @@
 
 namespace {
 
-bool exists(const std::string &p) {
-    struct stat st;
-    return stat(p.c_str(), &st) == 0;
-}
-
-// ../shared/fixtures beside the checkout (tests run from the repo root), or found from this
-// file; QLORA_FIXTURES overrides. "" when absent.
-std::string fixtures_dir() {
-    std::vector<std::string> cand = {"../shared/fixtures"};
-    if (const char *env = getenv("QLORA_FIXTURES")) cand.insert(cand.begin(), env);
-    const std::string here = __FILE__;
-    const size_t p = here.rfind("/tests/");
-    if (p != std::string::npos) cand.push_back(here.substr(0, p) + "/../shared/fixtures");
-    for (const std::string &c : cand)
-        if (exists(c + "/tokenizer-vectors")) return c;
-    return "";
-}
-
-struct tmp_dir {
-    std::string path;
-    tmp_dir() {
-        const char *base = getenv("TMPDIR");
-        std::string tmpl = std::string(base && *base ? base : "/tmp") + "/qlora_tok_XXXXXX";
-        std::vector<char> buf(tmpl.begin(), tmpl.end());
-        buf.push_back('\0');
-        REQUIRE(mkdtemp(buf.data()));
-        path = buf.data();
-    }
-    ~tmp_dir() {  // plain files one level down
-        if (DIR *d = opendir(path.c_str())) {
-            while (dirent *e = readdir(d)) {
-                if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-                unlink((path + "/" + e->d_name).c_str());
-            }
-            closedir(d);
-        }
-        rmdir(path.c_str());
-    }
-    std::string file(const char *name) const { return path + "/" + name; }
-};
-
-std::string slurp(const std::string &p) {
-    std::string s;
-    FILE *f = fopen(p.c_str(), "rb");
-    if (!f) return s;
-    char buf[65536];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof(buf), f)) > 0) s.append(buf, n);
-    fclose(f);
-    return s;
-}
-
-void write_bytes(const std::string &p, const std::string &bytes) {
-    FILE *f = fopen(p.c_str(), "wb");
-    REQUIRE(f);
-    REQUIRE(fwrite(bytes.data(), 1, bytes.size(), f) == bytes.size());
-    fclose(f);
-}
-
 bool one_line(const std::string &e) { return !e.empty() && e.find('\n') == std::string::npos; }
-bool has(const std::string &s, const std::string &needle) { return s.find(needle) != std::string::npos; }
-
-std::string ids_str(const std::vector<int32_t> &ids) {
-    std::string s = "[";
-    for (size_t i = 0; i < ids.size(); i++) s += (i ? " " : "") + std::to_string(ids[i]);
-    return s + "]";
-}
 
 std::string printable(const std::string &s) {
     std::string out;
@@ -132,7 +62,7 @@ const ql_vocab *llama2_vocab() {
     static vocab_ptr v = [] {
         const std::string fx = fixtures_dir();
         if (fx.empty()) return vocab_ptr();
-        tmp_dir dir;
+        tmpdir dir;
         char err[512] = "";
         ql_gguf_writer *w = ql_gguf_writer_new();
         const std::string bin = fx + "/llama2-vocab/tokenizer.bin";
@@ -152,7 +82,7 @@ const ql_vocab *llama3_vocab() {
     static vocab_ptr v = [] {
         const std::string fx = fixtures_dir();
         if (fx.empty()) return vocab_ptr();
-        tmp_dir dir;
+        tmpdir dir;
         char err[512] = "";
         ql_gguf_writer *w = ql_gguf_writer_new();
         const std::string model = fx + "/tokenizer-vectors/llama3/tokenizer.model";
@@ -180,7 +110,7 @@ struct vectors {
 
 vectors read_vectors(const std::string &base) {
     vectors t;
-    const std::string inp = slurp(base + ".inp"), out = slurp(base + ".out");
+    const std::string inp = read_file(base + ".inp"), out = read_file(base + ".out");
     const std::string sep = "\n__ggml_vocab_test__\n";
     for (size_t pos = 0; pos < inp.size();) {
         const size_t next = inp.find(sep, pos);
@@ -265,7 +195,7 @@ struct toy_spm {
     }
 };
 
-vocab_ptr load_toy(ql_gguf_writer *w, const tmp_dir &dir) {
+vocab_ptr load_toy(ql_gguf_writer *w, const tmpdir &dir) {
     std::string e;
     vocab_ptr v(load_written(w, dir.file("toy.gguf"), &e));
     ql_gguf_writer_free(w);
@@ -354,7 +284,7 @@ struct toy_bpe {
 
 void check_split(const char *pre, const std::string &text, const std::vector<std::string> &words) {
     INFO("pre-tokenizer " << pre << ", text '" << printable(text) << "'");
-    tmp_dir dir;
+    tmpdir dir;
     toy_bpe t(words);
     std::vector<int32_t> want;
     for (const std::string &w : words) want.push_back(t.word_id(w));
@@ -392,17 +322,6 @@ std::string llama2c_bin(const std::vector<std::pair<std::string, float>> &toks, 
         b += t.first;
     }
     return b;
-}
-
-int run(const std::string &cmd, std::string *out) {  // exit code; stdout + stderr in *out
-    FILE *p = popen((cmd + " 2>&1").c_str(), "r");
-    if (!p) return -1;
-    char buf[4096];
-    out->clear();
-    size_t n;
-    while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out->append(buf, n);
-    const int st = pclose(p);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 
 }  // namespace
@@ -568,7 +487,7 @@ TEST_CASE("tokenizer: special tokens, BOS/EOS and end of generation on the real 
 // ---- the rules, on small vocabularies ------------------------------------------------------------
 
 TEST_CASE("tokenizer: SentencePiece merges by score, space prefix, byte fallback, special tokens") {
-    tmp_dir dir;
+    tmpdir dir;
     toy_spm t;
     vocab_ptr v = load_toy(t.writer(), dir);
     const ql_vocab *p = v.get();
@@ -621,7 +540,7 @@ TEST_CASE("tokenizer: SentencePiece merges by score, space prefix, byte fallback
     ql_gguf_set_bool(w, "tokenizer.ggml.add_eos_token", true);
     ql_gguf_set_bool(w, "tokenizer.ggml.add_bos_token", false);
     ql_gguf_set_u32(w, "tokenizer.ggml.eot_token_id", 2);
-    tmp_dir dir2;
+    tmpdir dir2;
     vocab_ptr v2 = load_toy(w, dir2);
     CHECK(ql_tokenize(v2.get(), "ab", false, false) == std::vector<int32_t>{264});
     CHECK(ql_tokenize(v2.get(), "ab", true, false) == std::vector<int32_t>{264, 2});
@@ -629,7 +548,7 @@ TEST_CASE("tokenizer: SentencePiece merges by score, space prefix, byte fallback
 }
 
 TEST_CASE("tokenizer: a control-looking token stored as normal is made control, as llama.cpp does") {
-    tmp_dir dir;
+    tmpdir dir;
     toy_spm t;
     t.type[268] = QL_TOKEN_NORMAL;  // <|im_end|>
     vocab_ptr v = load_toy(t.writer(), dir);
@@ -663,7 +582,7 @@ TEST_CASE("tokenizer: pre-tokenizer splits (gpt-2, llama3, qwen2, default)") {
 }
 
 TEST_CASE("tokenizer: byte-level BPE merges by rank, and its pieces") {
-    tmp_dir dir;
+    tmpdir dir;
     toy_bpe t({"ab"});
     // extra: "bc" ranked before "ab" - in "abc" it wins, leaving "a" "bc"
     t.tok(byte_char('b') + byte_char('c'));
@@ -688,7 +607,7 @@ TEST_CASE("tokenizer: byte-level BPE merges by rank, and its pieces") {
 // ---- converters -------------------------------------------------------------------------------
 
 TEST_CASE("tokenizer: llama2.c tokenizer.bin: a small valid file, and bad ones refused in one line") {
-    tmp_dir dir;
+    tmpdir dir;
     std::vector<std::pair<std::string, float>> toks = {{"<unk>", 0}, {"\n<s>\n", 0}, {"\n</s>\n", 0}};
     for (int b = 0; b < 256; b++) {
         char name[8];
@@ -698,7 +617,7 @@ TEST_CASE("tokenizer: llama2.c tokenizer.bin: a small valid file, and bad ones r
     toks.push_back({" a", -1});
     toks.push_back({"b", -2});
     const std::string good = dir.file("good.bin");
-    write_bytes(good, llama2c_bin(toks));
+    write_file(good, llama2c_bin(toks));
     char err[512] = "";
     ql_gguf_writer *w = ql_gguf_writer_new();
     REQUIRE_MESSAGE(ql_vocab_from_llama2c(good.c_str(), w, err, sizeof(err)) == QL_OK, err);
@@ -732,7 +651,7 @@ TEST_CASE("tokenizer: llama2.c tokenizer.bin: a small valid file, and bad ones r
     for (const bad_case &c : bad) {
         INFO(c.name);
         const std::string path = dir.file(c.name);
-        write_bytes(path, c.bytes);
+        write_file(path, c.bytes);
         ql_gguf_writer *bw = ql_gguf_writer_new();
         err[0] = 0;
         CHECK(ql_vocab_from_llama2c(path.c_str(), bw, err, sizeof(err)) != QL_OK);
@@ -755,7 +674,7 @@ TEST_CASE("tokenizer: llama2.c stories260K vocabulary converts and round-trips")
         MESSAGE("skipping: ../shared/fixtures not found");
         return;
     }
-    tmp_dir dir;
+    tmpdir dir;
     char err[512] = "";
     ql_gguf_writer *w = ql_gguf_writer_new();
     REQUIRE_MESSAGE(ql_vocab_from_llama2c((fx + "/stories260K/tok512.bin").c_str(), w, err, sizeof(err)) == QL_OK, err);
@@ -768,12 +687,12 @@ TEST_CASE("tokenizer: llama2.c stories260K vocabulary converts and round-trips")
 }
 
 TEST_CASE("tokenizer: tiktoken files: a small valid one, and bad ones refused in one line") {
-    tmp_dir dir;
+    tmpdir dir;
     std::string file;
     for (int b = 0; b < 256; b++) file += b64(std::string(1, (char)b)) + " " + std::to_string(b) + "\n";
     file += b64("ab") + " 256\n" + b64("abc") + " 257\n";
     const std::string good = dir.file("good.tiktoken");
-    write_bytes(good, file);
+    write_file(good, file);
     char err[512] = "";
     ql_gguf_writer *w = ql_gguf_writer_new();
     REQUIRE_MESSAGE(ql_vocab_from_tiktoken(good.c_str(), "llama3", w, err, sizeof(err)) == QL_OK, err);
@@ -808,7 +727,7 @@ TEST_CASE("tokenizer: tiktoken files: a small valid one, and bad ones refused in
     for (const bad_case &c : bad) {
         INFO(c.name);
         const std::string path = dir.file(c.name);
-        write_bytes(path, c.text);
+        write_file(path, c.text);
         ql_gguf_writer *bw = ql_gguf_writer_new();
         err[0] = 0;
         CHECK(ql_vocab_from_tiktoken(path.c_str(), "llama3", bw, err, sizeof(err)) != QL_OK);
@@ -898,7 +817,7 @@ TEST_CASE("tokenizer: ql_vocab_load refuses what it cannot read, in one line") {
     }
     for (const bad_case &c : bad) {
         INFO(c.name);
-        tmp_dir dir;
+        tmpdir dir;
         std::string e;
         vocab_ptr v(load_written(c.w, dir.file("bad.gguf"), &e));
         ql_gguf_writer_free(c.w);
@@ -922,7 +841,7 @@ TEST_CASE("tokenizer: tools/tokenize prints ids and refuses bad input in one lin
         MESSAGE("skipping: ./tokenize is not built (make tokenize; the tests run from the repo root)");
         return;
     }
-    tmp_dir dir;
+    tmpdir dir;
     const std::string model = dir.file("toy.gguf");
     {
         std::string e;
@@ -932,7 +851,7 @@ TEST_CASE("tokenizer: tools/tokenize prints ids and refuses bad input in one lin
         REQUIRE_MESSAGE(v, e);
     }
     const std::string text = dir.file("text.txt");
-    write_bytes(text, "ab abc");
+    write_file(text, "ab abc");
     const std::string novocab = dir.file("novocab.gguf");
     {
         ql_gguf_writer *w = ql_gguf_writer_new();

@@ -2,10 +2,11 @@
 #include "../models/llama.h"
 #include "../models/tokenizer.h"
 #include "../qlora.h"
+#include "tiny.h"
+#include "util.h"
 
 #include <doctest/doctest.h>
 
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -20,64 +21,16 @@
 
 namespace {
 
-bool exists(const std::string &p) {
-    struct stat st;
-    return stat(p.c_str(), &st) == 0;
-}
-
-// run a command, return its exit code; its combined output goes to *out
-int run(const std::string &cmd, std::string *out) {
-    FILE *p = popen((cmd + " 2>&1").c_str(), "r");
-    if (!p) return -1;
-    char buf[4096];
-    out->clear();
-    size_t n;
-    while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out->append(buf, n);
-    const int st = pclose(p);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
-
-struct tmpdir {
-    std::string path;
-    tmpdir() {
-        char t[] = "/tmp/qlora-test-XXXXXX";
-        path = mkdtemp(t) ? t : "/tmp";
-    }
-    ~tmpdir() { (void)!system(("rm -rf '" + path + "'").c_str()); }
-};
-
 // a tiny llama in GGUF: linear weights of `wtype`, norms and embeddings f32
 void write_tiny_gguf(const std::string &path, ql_type wtype) {
-    ql_llama_hparams hp;
-    hp.n_vocab = 96; hp.n_embd = 128; hp.n_layer = 2; hp.n_head = 4; hp.n_head_kv = 2; hp.n_ff = 192;
-    ql_init_params ip = {16u << 20, nullptr, false, false};
-    ql_context *ctx = ql_init(ip);
-    ql_llama m;
-    REQUIRE(ql_llama_create(ctx, &m, hp, QL_TYPE_F32, false) == QL_OK);
-    ql_llama_randomize(&m, 5, 0.02f);
-    ql_gguf_writer *w = ql_gguf_writer_new();
-    ql_gguf_set_str(w, "general.architecture", "llama");
-    ql_gguf_set_u32(w, "general.file_type", 0);
-    ql_gguf_set_u32(w, "llama.block_count", (uint32_t)hp.n_layer);
-    std::vector<std::vector<uint8_t>> keep;
-    auto add = [&](ql_tensor *t, ql_type type) {
-        const int64_t ne[4] = {t->ne[0], t->ne[1], 1, 1};
-        keep.emplace_back(ql_type_data_size(type, t->ne[1], t->ne[0]));
-        REQUIRE(ql_quantize(type, (const float *)t->data, t->ne[1], t->ne[0], keep.back().data(), nullptr, 0) == QL_OK);
-        REQUIRE(ql_gguf_add_tensor(w, t->name, type, ql_n_dims(t), ne, keep.back().data(), keep.back().size()) == QL_OK);
-    };
-    add(m.tok_embd, QL_TYPE_F32);
-    add(m.out_norm, QL_TYPE_F32);
-    add(m.output, QL_TYPE_F32);
-    for (ql_llama_layer &L : m.layers) {
-        add(L.attn_norm, QL_TYPE_F32);
-        add(L.ffn_norm, QL_TYPE_F32);
-        for (ql_tensor *t : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) add(t, wtype);
-    }
-    char err[256];
-    REQUIRE_MESSAGE(ql_gguf_write(w, path.c_str(), err, sizeof(err)) == QL_OK, err);
-    ql_gguf_writer_free(w);
-    ql_free(ctx);
+    tiny_llama t(tiny_hparams(96, 128, 192), 5, 0.02f);
+    llama_gguf_opts o;  // keys: the architecture, general.file_type and block_count
+    o.file_type = true;
+    o.shape_keys = false;
+    o.norm_eps = false;
+    o.linear_type = wtype;
+    o.norms_first = true;
+    write_llama_gguf(t.m, path, o);
 }
 
 std::string tool(const char *name) {  // make: repo root; cmake: the build directory (cwd)
@@ -185,12 +138,6 @@ TEST_CASE("quantize: bad input gives one clear line and no output file") {
 
 namespace {
 
-std::string fixtures_dir() {
-    if (const char *e = getenv("QLORA_FIXTURES")) return e;
-    std::string f = __FILE__;
-    return f.substr(0, f.find_last_of('/') + 1) + "../../shared/fixtures";
-}
-
 // generate's text, without the timing line it appends on stderr
 std::string text_of(const std::string &log) { return log.substr(0, log.find("\n\ngenerate:")); }
 
@@ -208,7 +155,7 @@ bool all_built(std::initializer_list<const char *> names) {
 TEST_CASE("convert llama2c + generate: stories260K greedy from BOS tells its story") {
     const std::string fx = fixtures_dir();
     if (!exists(fx + "/stories260K/stories260K.bin")) {
-        MESSAGE("skipped: no fixtures at ", fx);
+        MESSAGE("skipped: no stories260K in ../shared/fixtures (set QLORA_FIXTURES or run from the repo root)");
         return;
     }
     if (!all_built({"convert", "generate"})) return;
@@ -357,21 +304,10 @@ void write_qa_jsonl(const std::string &path, int n) {
     fclose(f);
 }
 
-std::string slurp(const std::string &path) {
-    std::string s;
-    FILE *f = fopen(path.c_str(), "rb");
-    if (!f) return s;
-    char buf[4096];
-    size_t n;
-    while ((n = fread(buf, 1, sizeof(buf), f)) > 0) s.append(buf, n);
-    fclose(f);
-    return s;
-}
-
 // metrics.jsonl as (step, the rest of the line) pairs
 std::vector<std::pair<long long, std::string>> metric_lines(const std::string &path) {
     std::vector<std::pair<long long, std::string>> out;
-    const std::string s = slurp(path);
+    const std::string s = read_file(path);
     for (size_t p = 0; p < s.size();) {
         const size_t e = s.find('\n', p);
         const std::string line = s.substr(p, e - p);
@@ -513,17 +449,17 @@ TEST_CASE("finetune: Ctrl-C saves a checkpoint; --resume continues to the uninte
             CHECK_MESSAGE((x == y || (std::isnan(x) && std::isnan(y))), key, " ", a[i].second, " vs ", b[i].second);
         }
     }
-    CHECK(slurp(d.path + "/a/adapter.gguf") == slurp(d.path + "/b/adapter.gguf"));
+    CHECK(read_file(d.path + "/a/adapter.gguf") == read_file(d.path + "/b/adapter.gguf"));
 }
 
 TEST_CASE("finetune: stories260K fine-tuned on a few stories lowers its loss on held-out ones") {
     const std::string fx = fixtures_dir();
     if (!exists(fx + "/stories260K/stories260K.bin")) {
-        MESSAGE("skipped: no fixtures at ", fx);
+        MESSAGE("skipped: no stories260K in ../shared/fixtures (set QLORA_FIXTURES or run from the repo root)");
         return;
     }
     if (!all_built({"convert", "finetune"})) return;
-    const std::string src = __FILE__, dd = src.substr(0, src.find_last_of('/') + 1) + "data";  // tests/data
+    const std::string dd = tests_dir() + "data";
     tmpdir d;
     std::string log;
     REQUIRE(run("./convert llama2c " + fx + "/stories260K/stories260K.bin " + fx + "/stories260K/tok512.bin -o " + d.path + "/s.gguf",
@@ -559,6 +495,8 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
         {md + " --lr fast", "--lr: 'fast' is not a number"},
         {md + " --lora-r 0", "--lora-r: '0' is not a number in [1, 4096]"},
         {md + " --lora-r", "--lora-r needs a value"},
+        {md + " -b 2.5", "-b: '2.5' is not a whole number"},
+        {md + " --lr-scheduler constant --warmup-steps 1.5", "--warmup-steps: '1.5' is not a whole number"},
         {md + " --lora-targets q,x", "unknown target 'x'"},
         {md + " --lr-scheduler step", "--lr-scheduler: 'step'"},
         {md + " --val-split 0.1 --val-data " + data, "alternatives"},
@@ -579,4 +517,53 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
     // --skip-bad-lines trains on the rest and says what it skipped
     REQUIRE(run("./finetune -m " + base + " -d " + bad + " -o " + out + " --skip-bad-lines --max-steps 1", &log) == 0);
     CHECK_MESSAGE(log.find("skipped 1 bad line of " + bad + "; the first: " + bad + ":2: ") != std::string::npos, log);
+    // resuming another run into this one's directory would overwrite it: refused, nothing touched
+    const std::string other = d.path + "/other", before = read_file(out + "/checkpoint.gguf");
+    REQUIRE(run("./finetune" + md.substr(0, md.find(" -o ")) + " -o " + other + " --max-steps 2 --save-every 1", &log) == 0);
+    CHECK(run("./finetune" + md.substr(0, md.find(" -o ")) + " --resume " + other + " -o " + out + " --max-steps 2", &log) == 1);
+    CHECK_MESSAGE(log.find(out + " already holds a run") != std::string::npos, log);
+    CHECK(read_file(out + "/checkpoint.gguf") == before);
+}
+
+TEST_CASE("finetune: BOS only where the vocabulary adds it (tokenizer.ggml.add_bos_token), as generate does") {
+    if (!all_built({"make-model", "finetune", "tokenize"})) return;
+    tmpdir d;
+    const std::string base = d.path + "/m.gguf", nobos = d.path + "/nobos.gguf", data = d.path + "/t.jsonl";
+    std::string log;
+    REQUIRE(run("./make-model -o " + base + " --dim 32 --layers 1 --heads 2 --ff 48", &log) == 0);
+    write_file(data, "{\"text\": \"one two\"}\n{\"text\": \"three\"}\n{\"text\": \"four five six\"}\n");
+    {  // the same model with add_bos_token = false
+        char err[256];
+        ql_gguf *g = ql_gguf_open(base.c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(g, err);
+        ql_gguf_writer *w = ql_gguf_writer_new();
+        for (int64_t i = 0; i < ql_gguf_n_kv(g); i++) ql_gguf_copy_kv(w, g, i);
+        ql_gguf_set_bool(w, "tokenizer.ggml.add_bos_token", false);
+        for (int64_t i = 0; i < ql_gguf_n_tensors(g); i++) {
+            int64_t ne[4];
+            const int nd = ql_gguf_tensor_ne(g, i, ne);
+            REQUIRE(ql_gguf_add_tensor(w, ql_gguf_tensor_name(g, i), ql_gguf_tensor_type(g, i), nd, ne, ql_gguf_tensor_data(g, i),
+                                       ql_gguf_tensor_size(g, i)) == QL_OK);
+        }
+        REQUIRE_MESSAGE(ql_gguf_write(w, nobos.c_str(), err, sizeof(err)) == QL_OK, err);
+        ql_gguf_writer_free(w);
+        ql_gguf_close(g);
+    }
+    // without BOS the first token of each example is context, not a target: one target fewer each
+    auto supervised = [&](const std::string &model) {
+        std::string out;
+        REQUIRE(run("./finetune -m " + model + " -d " + data + " -o " + d.path + "/run --overwrite --max-steps 1", &out) == 0);
+        const size_t at = out.find(" supervised tokens");
+        REQUIRE_MESSAGE(at != std::string::npos, out);
+        size_t b = at;
+        while (b > 0 && out[b - 1] >= '0' && out[b - 1] <= '9') b--;
+        return atol(out.c_str() + b);
+    };
+    const long with_bos = supervised(base), without = supervised(nobos);
+    CHECK(with_bos == without + 3);
+    std::string t1, t2;  // and prompts (generate, tokenize) agree: BOS (id 1) only where the vocabulary adds it
+    REQUIRE(run("./tokenize -m " + base + " -p \"one\"", &t1) == 0);
+    REQUIRE(run("./tokenize -m " + nobos + " -p \"one\"", &t2) == 0);
+    CHECK_MESSAGE(t1.rfind("1 ", 0) == 0, t1);
+    CHECK_MESSAGE(t2 == t1.substr(2), t2);
 }

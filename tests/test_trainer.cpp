@@ -1,9 +1,9 @@
 // LoRA fine-tuning: the trainer's semantics (REFERENCE.md section 6) on a tiny llama.
 #include "../models/trainer.h"
+#include "tiny.h"
+#include "util.h"
 
 #include <doctest/doctest.h>
-
-#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
@@ -14,50 +14,16 @@
 
 namespace {
 
-struct tmpdir {
-    std::string path;
-    tmpdir() {
-        char t[] = "/tmp/qlora-train-XXXXXX";
-        path = mkdtemp(t) ? t : "/tmp";
-    }
-    ~tmpdir() { (void)!system(("rm -rf '" + path + "'").c_str()); }
-};
-
-// a tiny random llama written to GGUF (weights of `type`) and loaded back
-ql_llama_file *tiny_model(const std::string &dir, ql_type type = QL_TYPE_F32, uint64_t seed = 3) {
-    ql_llama_hparams hp;
-    hp.n_vocab = 61; hp.n_embd = 64; hp.n_layer = 2; hp.n_head = 4; hp.n_head_kv = 2; hp.n_ff = 128;
-    ql_init_params ip = {8u << 20, nullptr, false, false};
-    ql_context *ctx = ql_init(ip);
-    ql_llama m;
-    REQUIRE(ql_llama_create(ctx, &m, hp, QL_TYPE_F32, true) == QL_OK);
-    ql_llama_randomize(&m, seed, 0.2f);
-    ql_gguf_writer *w = ql_gguf_writer_new();
-    ql_gguf_set_str(w, "general.architecture", "llama");
-    ql_gguf_set_u32(w, "llama.embedding_length", 64);
-    ql_gguf_set_u32(w, "llama.block_count", 2);
-    ql_gguf_set_u32(w, "llama.feed_forward_length", 128);
-    ql_gguf_set_u32(w, "llama.attention.head_count", 4);
-    ql_gguf_set_u32(w, "llama.attention.head_count_kv", 2);
-    std::vector<std::vector<uint8_t>> keep;
-    auto add = [&](ql_tensor *t, ql_type ty) {
-        const int64_t ne[4] = {t->ne[0], t->ne[1], 1, 1};
-        keep.emplace_back(ql_type_data_size(ty, t->ne[1], t->ne[0]));
-        REQUIRE(ql_quantize(ty, (const float *)t->data, t->ne[1], t->ne[0], keep.back().data(), nullptr, 0) == QL_OK);
-        REQUIRE(ql_gguf_add_tensor(w, t->name, ty, ql_n_dims(t), ne, keep.back().data(), keep.back().size()) == QL_OK);
-    };
-    add(m.tok_embd, QL_TYPE_F32);
-    add(m.out_norm, QL_TYPE_F32);
-    for (ql_llama_layer &L : m.layers) {
-        add(L.attn_norm, QL_TYPE_F32);
-        add(L.ffn_norm, QL_TYPE_F32);
-        for (ql_tensor *t : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) add(t, type);
-    }
-    char err[256];
+// a tiny random llama (tied output) written to GGUF with weights of `type` and loaded back
+ql_llama_file *load_tiny(const std::string &dir, ql_type type = QL_TYPE_F32, uint64_t seed = 3) {
+    tiny_llama t(tiny_hparams(61, 64, 128), seed, 0.2f, /*tied_output=*/true);
+    llama_gguf_opts o;
+    o.norm_eps = false;
+    o.linear_type = type;
+    o.norms_first = true;
     const std::string path = dir + "/tiny-" + ql_type_name(type) + ".gguf";
-    REQUIRE(ql_gguf_write(w, path.c_str(), err, sizeof(err)) == QL_OK);
-    ql_gguf_writer_free(w);
-    ql_free(ctx);
+    write_llama_gguf(t.m, path, o);
+    char err[256];
     ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
     REQUIRE_MESSAGE(f, err);
     return f;
@@ -112,7 +78,7 @@ std::vector<float> adapter_of(ql_trainer *t) {
 
 TEST_CASE("trainer: step 0 is the base model (B = 0); PEFT's trainable line") {
     tmpdir d;
-    ql_llama_file *f = tiny_model(d.path);
+    ql_llama_file *f = load_tiny(d.path);
     const std::vector<ql_sequence> seqs = make_sequences(4, 24, 1);
     // the base model's loss on the same data, without any adapter
     ql_train_options o = base_options();
@@ -155,7 +121,7 @@ TEST_CASE("trainer: step 0 is the base model (B = 0); PEFT's trainable line") {
 
 TEST_CASE("trainer: LoRA gradients agree with finite differences of the loss") {
     tmpdir d;
-    ql_llama_file *f = tiny_model(d.path);
+    ql_llama_file *f = load_tiny(d.path);
     const std::vector<ql_sequence> seqs = make_sequences(2, 16, 5);
     ql_train_options o = base_options();
     o.lr = 0;  // a step computes the gradients and leaves the adapter alone
@@ -202,7 +168,7 @@ TEST_CASE("trainer: LoRA gradients agree with finite differences of the loss") {
 
 TEST_CASE("trainer: micro 2 x accumulation 4 == micro 8 x accumulation 1 (padding present)") {
     tmpdir d;
-    ql_llama_file *f = tiny_model(d.path);
+    ql_llama_file *f = load_tiny(d.path);
     const std::vector<ql_sequence> seqs = make_sequences(16, 20, 2);
     std::vector<std::vector<double>> losses(2);
     std::vector<std::vector<float>> adapters(2);
@@ -236,9 +202,9 @@ TEST_CASE("trainer: micro 2 x accumulation 4 == micro 8 x accumulation 1 (paddin
     ql_llama_file_free(f);
 }
 
-TEST_CASE("trainer: positions without a target contribute nothing (masked prompt, padding)") {
+TEST_CASE("trainer: padding and tokens after the last target change nothing (causality, masked targets)") {
     tmpdir d;
-    ql_llama_file *f = tiny_model(d.path);
+    ql_llama_file *f = load_tiny(d.path);
     std::vector<ql_sequence> a = make_sequences(2, 16, 9), b = a;
     // change every token after the last supervised position: causal attention never lets it
     // reach a supervised prediction, and its own targets are masked
@@ -266,9 +232,49 @@ TEST_CASE("trainer: positions without a target contribute nothing (masked prompt
     ql_llama_file_free(f);
 }
 
+TEST_CASE("trainer: the loss covers the supervised positions only (a masked prompt adds nothing)") {
+    tmpdir d;
+    ql_llama_file *f = load_tiny(d.path), *base = load_tiny(d.path);  // base: the same model without adapters
+    const int T = 16;
+    const std::vector<ql_sequence> seqs = make_sequences(4, T, 2);  // prompts of 1-4 tokens masked, padding
+    ql_train_options o = base_options();
+    std::string err;
+    ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
+    REQUIRE_MESSAGE(t, err);
+    double loss = 0;
+    REQUIRE_MESSAGE(ql_trainer_eval(t, &loss, &err), err);  // B = 0: the base model's loss
+    // independently: -log softmax of the base model's logits at each supervised position
+    double sum_sup = 0, sum_all = 0;
+    int64_t n_sup = 0, n_all = 0;
+    const int V = base->model.hp.n_vocab;
+    for (const ql_sequence &s : seqs) {
+        const std::vector<float> lg = logits_of(base->model, s.tokens);
+        for (int i = 0; i + 1 < T; i++) {
+            const float *row = lg.data() + (size_t)i * V;
+            double mx = row[0], z = 0;
+            for (int k = 1; k < V; k++) mx = std::max(mx, (double)row[k]);
+            for (int k = 0; k < V; k++) z += std::exp(row[k] - mx);
+            const int32_t next = s.tokens[(size_t)i + 1];
+            const double nll = std::log(z) + mx - row[next];
+            if (s.seg[(size_t)i + 1] == 0) sum_all += nll, n_all++;  // every real position, prompt included
+            if (s.targets[(size_t)i] >= 0) {
+                CHECK(s.targets[(size_t)i] == next);
+                sum_sup += nll, n_sup++;
+            }
+        }
+    }
+    REQUIRE(n_sup > 0);
+    REQUIRE(n_all > n_sup);  // prompts are there, and masked
+    CHECK(loss == doctest::Approx(sum_sup / (double)n_sup).epsilon(1e-5));
+    CHECK(std::fabs(loss - sum_all / (double)n_all) > 1e-3);  // including the prompt would show
+    ql_trainer_free(t);
+    ql_llama_file_free(base);
+    ql_llama_file_free(f);
+}
+
 TEST_CASE("trainer: resuming from a checkpoint reproduces the uninterrupted run bit for bit") {
     tmpdir d;
-    ql_llama_file *f = tiny_model(d.path, QL_TYPE_NF4);  // a quantized base, as QLoRA trains
+    ql_llama_file *f = load_tiny(d.path, QL_TYPE_NF4);  // a quantized base, as QLoRA trains
     const std::vector<ql_sequence> seqs = make_sequences(10, 20, 4);
     ql_train_options o = base_options();
     o.lora.dropout = 0.1f;  // dropout masks must line up after resume too
@@ -328,28 +334,93 @@ TEST_CASE("trainer: resuming from a checkpoint reproduces the uninterrupted run 
     ql_llama_file_free(f);
 }
 
-TEST_CASE("trainer: learning-rate schedules as transformers' (linear warmup from 0)") {
+TEST_CASE("trainer: learning-rate schedules as transformers' (constant has no warmup; linear warmup from 0)") {
     tmpdir d;
-    ql_llama_file *f = tiny_model(d.path);
+    ql_llama_file *f = load_tiny(d.path);
     const std::vector<ql_sequence> seqs = make_sequences(4, 12, 1);
-    for (const char *sched : {"constant", "linear", "cosine"}) {
+    for (const char *sched : {"constant", "constant_with_warmup", "linear", "cosine"}) {
         ql_train_options o = base_options();
         o.scheduler = sched;
         o.lr = 1.0f;
         o.max_steps = 10;
-        o.warmup_ratio = 0.2;  // ceil(0.2 * 10) = 2 warmup steps
+        o.warmup_ratio = 0.2;  // ceil(0.2 * 10) = 2 warmup steps (none for "constant", as transformers)
         std::string err;
         ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
         REQUIRE(t);
         CAPTURE(sched);
-        CHECK(ql_trainer_lr_at(t, 0) == 0.0);
-        CHECK(ql_trainer_lr_at(t, 1) == doctest::Approx(0.5));
+        const bool constant = !strcmp(sched, "constant");
+        CHECK(ql_trainer_warmup_steps(t) == (constant ? 0 : 2));
+        CHECK(ql_trainer_lr_at(t, 0) == (constant ? 1.0 : 0.0));
+        CHECK(ql_trainer_lr_at(t, 1) == doctest::Approx(constant ? 1.0 : 0.5));
         for (int s = 2; s < 10; s++) {
             const double p = (s - 2) / 8.0;
-            const double want = !strcmp(sched, "constant") ? 1.0 : !strcmp(sched, "linear") ? 1.0 - p : 0.5 * (1 + std::cos(M_PI * p));
+            const double want = !strncmp(sched, "constant", 8) ? 1.0
+                                : !strcmp(sched, "linear")     ? 1.0 - p
+                                                               : 0.5 * (1 + std::cos(M_PI * p));
             CHECK(ql_trainer_lr_at(t, s) == doctest::Approx(want));
         }
         ql_trainer_free(t);
     }
+    // warmup_steps wins when > 0; 0 leaves it to the ratio (transformers' get_warmup_steps)
+    for (int64_t ws : {0, 3}) {
+        ql_train_options o = base_options();
+        o.scheduler = "linear";
+        o.max_steps = 10;
+        o.warmup_ratio = 0.2;
+        o.warmup_steps = ws;
+        std::string err;
+        ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
+        REQUIRE(t);
+        CHECK(ql_trainer_warmup_steps(t) == (ws ? 3 : 2));
+        ql_trainer_free(t);
+    }
+    ql_llama_file_free(f);
+}
+
+TEST_CASE("trainer: AdamW with weight decay and clipping, step by step, as torch.optim.AdamW after clip_grad_norm_") {
+    tmpdir d;
+    ql_llama_file *f = load_tiny(d.path);
+    const std::vector<ql_sequence> seqs = make_sequences(6, 16, 4);
+    ql_train_options o = base_options();
+    o.lr = 2e-2f;
+    o.weight_decay = 0.1f;
+    o.eps = 0.05f;            // large enough that the gradient's scale (so the clipping) shows in the update
+    o.max_grad_norm = 0.05f;  // below the gradient norms here: every step is clipped
+    std::string err;
+    ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
+    REQUIRE_MESSAGE(t, err);
+    const std::vector<ql_tensor *> ps = ql_llama_lora_params(ql_trainer_model(t));
+    std::vector<double> p = std::vector<double>(), m, v;
+    for (ql_tensor *x : ps) p.insert(p.end(), (const float *)x->data, (const float *)x->data + ql_nelements(x));
+    m.assign(p.size(), 0.0);
+    v.assign(p.size(), 0.0);
+    int clipped = 0;
+    for (int step = 1; step <= 3; step++) {
+        ql_step_metrics sm;
+        REQUIRE_MESSAGE(ql_trainer_step(t, &sm, &err), err);
+        std::vector<double> g;  // the step's gradient, before clipping (still in the grad buffers)
+        for (ql_tensor *x : ps) g.insert(g.end(), (const float *)x->grad->data, (const float *)x->grad->data + ql_nelements(x));
+        double sq = 0;
+        for (double x : g) sq += x * x;
+        const double norm = std::sqrt(sq);
+        CHECK(sm.grad_norm == doctest::Approx(norm).epsilon(1e-6));
+        const double c = norm > o.max_grad_norm ? o.max_grad_norm / (norm + 1e-6) : 1.0;
+        clipped += c < 1.0;
+        const double b1 = o.beta1, b2 = o.beta2, lr = o.lr;
+        for (size_t i = 0; i < p.size(); i++) {
+            const double gi = g[i] * c;
+            m[i] = b1 * m[i] + (1 - b1) * gi;
+            v[i] = b2 * v[i] + (1 - b2) * gi * gi;
+            const double mh = m[i] / (1 - std::pow(b1, step)), vh = v[i] / (1 - std::pow(b2, step));
+            p[i] = p[i] * (1 - lr * o.weight_decay) - lr * mh / (std::sqrt(vh) + o.eps);
+        }
+        std::vector<float> now = adapter_of(t);
+        double worst = 0;
+        for (size_t i = 0; i < p.size(); i++) worst = std::max(worst, std::fabs(now[i] - p[i]) / (1e-3 + std::fabs(p[i])));
+        CAPTURE(step);
+        CHECK(worst < 1e-5);
+    }
+    CHECK(clipped == 3);
+    ql_trainer_free(t);
     ql_llama_file_free(f);
 }

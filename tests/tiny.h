@@ -1,13 +1,148 @@
-// tests/tiny.h - a tiny llama (2 layers, GQA) with its training graph, shared by tests.
+// tests/tiny.h - tiny llamas for the tests: random weights in memory (tiny_llama), written to a
+// GGUF (write_llama_gguf), their logits (logits_of), and one with its training graph (tiny_model).
+//
+//   tiny_llama t(tiny_hparams(96, 64, 128), /*seed=*/1, /*std=*/0.1f);
+//   llama_gguf_opts o;
+//   o.linear_type = QL_TYPE_NF4;               // the seven weights of each block as NF4
+//   write_llama_gguf(t.m, path, o);
 #pragma once
 
 #include "../models/llama.h"
 #include "../qlora.h"
 
+#include <doctest/doctest.h>
+
 #include <cmath>
+#include <cstdint>
 #include <cstring>
+#include <string>
 #include <vector>
 
+// 2 layers, GQA (4 query heads over 2 kv heads) unless told otherwise
+inline ql_llama_hparams tiny_hparams(int n_vocab, int n_embd, int n_ff, int n_layer = 2, int n_head = 4, int n_head_kv = 2) {
+    ql_llama_hparams hp;
+    hp.n_vocab = n_vocab;
+    hp.n_embd = n_embd;
+    hp.n_layer = n_layer;
+    hp.n_head = n_head;
+    hp.n_head_kv = n_head_kv;
+    hp.n_ff = n_ff;
+    return hp;
+}
+
+// An f32 llama in its own context: weights N(0, std), norms 1 (ql_llama_randomize).
+struct tiny_llama {
+    ql_context *ctx = nullptr;
+    ql_llama    m;
+    tiny_llama(const ql_llama_hparams &hp, uint64_t seed, float std, bool tied_output = false) {
+        ql_init_params ip = {16u << 20, nullptr, false, false};
+        ctx = ql_init(ip);
+        REQUIRE(ql_llama_create(ctx, &m, hp, QL_TYPE_F32, tied_output) == QL_OK);
+        ql_llama_randomize(&m, seed, std);
+    }
+    ~tiny_llama() { ql_free(ctx); }
+    tiny_llama(const tiny_llama &) = delete;
+    tiny_llama &operator=(const tiny_llama &) = delete;
+};
+
+// What write_llama_gguf writes. The defaults: the architecture, the hyper-parameters and the norm
+// epsilon; every tensor in its own type, in llama.cpp's order (the output unless it is tied).
+struct llama_gguf_opts {
+    const char *arch = "llama";
+    const char *name = nullptr;           // general.name, when set
+    bool file_type = false;               // general.file_type = 0
+    bool shape_keys = true;               // <arch>.embedding_length, feed_forward_length, head_count(_kv) (block_count always)
+    bool norm_eps = true;                 // <arch>.attention.layer_norm_rms_epsilon
+    bool rope_base = false;               // <arch>.rope.freq_base
+    bool tokens = false;                  // tokenizer.ggml.tokens = ["a", "b"]
+    const char *skip_key = nullptr;       // a hyper-parameter left out, without "<arch>." ("block_count")
+    const char *skip_tensor = nullptr;    // a tensor left out
+    ql_type linear_type = QL_TYPE_COUNT;  // q/k/v/o/gate/up/down quantised to this; COUNT: as they are
+    std::vector<std::string> nf4;         // these tensors NF4 (double-quantised), whatever else is asked
+    bool norms_first = false;             // per block: both norms, then the linear weights
+};
+
+// writes m as a model GGUF (biases included when present); f32 tensors quantised as `o` asks
+inline void write_llama_gguf(const ql_llama &m, const std::string &path, const llama_gguf_opts &o = llama_gguf_opts()) {
+    ql_gguf_writer *w = ql_gguf_writer_new();
+    const std::string a = o.arch;
+    ql_gguf_set_str(w, "general.architecture", o.arch);
+    if (o.name) ql_gguf_set_str(w, "general.name", o.name);
+    if (o.file_type) ql_gguf_set_u32(w, "general.file_type", 0);
+    auto key = [&](const char *k, int v) {
+        if (!o.skip_key || strcmp(k, o.skip_key)) ql_gguf_set_u32(w, (a + "." + k).c_str(), (uint32_t)v);
+    };
+    if (o.shape_keys) key("embedding_length", m.hp.n_embd);
+    key("block_count", m.hp.n_layer);
+    if (o.shape_keys) {
+        key("feed_forward_length", m.hp.n_ff);
+        key("attention.head_count", m.hp.n_head);
+        key("attention.head_count_kv", m.hp.n_head_kv);
+    }
+    if (o.norm_eps) ql_gguf_set_f32(w, (a + ".attention.layer_norm_rms_epsilon").c_str(), m.hp.norm_eps);
+    if (o.rope_base) ql_gguf_set_f32(w, (a + ".rope.freq_base").c_str(), m.hp.rope_base);
+    if (o.tokens) {
+        const char *toks[] = {"a", "b"};
+        ql_gguf_set_arr_str(w, "tokenizer.ggml.tokens", toks, 2);
+    }
+    std::vector<std::vector<uint8_t>> keep;  // quantised bytes, alive until the write
+    auto add = [&](const ql_tensor *t, bool linear) {
+        if (!t || (o.skip_tensor && !strcmp(t->name, o.skip_tensor))) return;
+        ql_type type = linear && o.linear_type != QL_TYPE_COUNT ? o.linear_type : t->type;
+        for (const std::string &n : o.nf4)
+            if (n == t->name) type = QL_TYPE_NF4;
+        const int64_t ne[4] = {t->ne[0], t->ne[1], 1, 1};
+        if (type == t->type) {
+            REQUIRE(ql_gguf_add_tensor(w, t->name, type, ql_n_dims(t), ne, t->data, ql_nbytes(t)) == QL_OK);
+            return;
+        }
+        keep.emplace_back(ql_type_data_size(type, t->ne[1], t->ne[0]));
+        char err[200] = "";
+        REQUIRE_MESSAGE(ql_quantize(type, (const float *)t->data, t->ne[1], t->ne[0], keep.back().data(), err, sizeof(err)) == QL_OK, err);
+        REQUIRE(ql_gguf_add_tensor(w, t->name, type, ql_n_dims(t), ne, keep.back().data(), keep.back().size()) == QL_OK);
+    };
+    add(m.tok_embd, false);
+    add(m.out_norm, false);
+    if (m.output != m.tok_embd) add(m.output, false);
+    for (const ql_llama_layer &L : m.layers) {
+        add(L.attn_norm, false);
+        if (o.norms_first) add(L.ffn_norm, false);
+        for (const ql_tensor *t : {L.wq, L.wk, L.wv}) add(t, true);
+        for (const ql_tensor *t : {L.bq, L.bk, L.bv}) add(t, false);
+        add(L.wo, true);
+        if (!o.norms_first) add(L.ffn_norm, false);
+        for (const ql_tensor *t : {L.w_gate, L.w_up, L.w_down}) add(t, true);
+    }
+    char err[256];
+    REQUIRE_MESSAGE(ql_gguf_write(w, path.c_str(), err, sizeof(err)) == QL_OK, err);
+    ql_gguf_writer_free(w);
+}
+
+// full forward of `tokens` at positions 0..T-1: logits [T, V] row-major
+inline std::vector<float> logits_of(const ql_llama &m, const std::vector<int32_t> &tokens, int threads = 2) {
+    const int64_t T = (int64_t)tokens.size();
+    ql_init_params ip = {8u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *tk = ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1), *ps = ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1);
+    for (int64_t t = 0; t < T; t++) {
+        ((int32_t *)tk->data)[t] = tokens[(size_t)t];
+        ((int32_t *)ps->data)[t] = (int32_t)t;
+    }
+    ql_tensor *lg = ql_llama_forward(ctx, &m, tk, ps, nullptr);
+    REQUIRE_MESSAGE(lg, ql_ctx_error(ctx));
+    ql_graph *g = ql_graph_new(ctx);
+    ql_graph_build_forward(g, lg);
+    ql_backend *be = ql_backend_cpu_init(threads);
+    REQUIRE_MESSAGE(ql_graph_alloc(g, be) == QL_OK, ql_ctx_error(ctx));
+    REQUIRE_MESSAGE(ql_backend_graph_compute(be, g) == QL_OK, ql_ctx_error(ctx));
+    std::vector<float> out((const float *)lg->data, (const float *)lg->data + T * m.hp.n_vocab);
+    ql_graph_free(g);
+    ql_backend_free(be);
+    ql_free(ctx);
+    return out;
+}
+
+// A tiny llama with its forward, loss and backward graphs on a learnable rule, and AdamW.
 struct tiny_model {
     ql_context *ctx = nullptr;
     ql_llama    m;
@@ -16,16 +151,7 @@ struct tiny_model {
     std::vector<ql_tensor *> adam_m, adam_v;
     int T, B, V;
 
-    static ql_llama_hparams hparams(int V) {
-        ql_llama_hparams hp;
-        hp.n_vocab = V;
-        hp.n_embd = 32;
-        hp.n_layer = 2;
-        hp.n_head = 4;
-        hp.n_head_kv = 2;
-        hp.n_ff = 48;
-        return hp;
-    }
+    static ql_llama_hparams hparams(int V) { return tiny_hparams(V, 32, 48); }
 
     // next token = (5 * token + 3) % V: learnable by any working model
     static int next_token(int t, int V) { return (5 * t + 3) % V; }

@@ -10,6 +10,8 @@
 #include "../models/data.h"
 #include "../models/trainer.h"
 
+#include <limits.h>
+#include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -37,7 +39,8 @@ static const char *k_help =
     "data:      --seq-len 512  --pack  --chat-template NAME  --skip-bad-lines  --no-eos\n"
     "           --val-split F | --val-data FILE  --eval-every N\n"
     "trainer:   -b 4  --grad-accum 1  --lr 2e-4  --beta1 0.9  --beta2 0.999  --eps 1e-8  --weight-decay 0\n"
-    "           --lr-scheduler constant|linear|cosine  --warmup-ratio 0  --warmup-steps N  --max-grad-norm 1.0\n"
+    "           --lr-scheduler constant|constant_with_warmup|linear|cosine  --warmup-ratio 0  --warmup-steps N\n"
+    "           --max-grad-norm 1.0\n"
     "           --epochs 1  --max-steps N  --seed 42  -t THREADS  --profile (time per op, printed at the end)\n"
     "output:    -o DIR (default finetune-out)  --save-every N  --resume DIR  --merge  --overwrite (replace a run in -o DIR)\n";
 
@@ -125,9 +128,16 @@ static void print_profile(const ql_graph *g) {
     }
 }
 
+static bool same_dir(const std::string &a, const char *b) {
+    if (!b) return false;
+    char ra[PATH_MAX], rb[PATH_MAX];
+    return realpath(a.c_str(), ra) && realpath(b, rb) && !strcmp(ra, rb);
+}
+
 struct args {
     const char *model = nullptr, *data = nullptr, *val_data = nullptr, *resume = nullptr, *chat = nullptr;
     std::string out = "finetune-out";
+    bool out_given = false;
     ql_train_options o;
     ql_data_options d;
     double val_split = 0;
@@ -153,6 +163,14 @@ static bool parse(int argc, char **argv, args *a) {
         }
         return true;
     };
+    auto whole = [&](const char *flag, const char *s, double lo, double hi, double *v) {  // integer flags
+        if (!num(flag, s, lo, hi, v)) return false;
+        if (*v != std::floor(*v)) {
+            fprintf(stderr, "finetune: %s: '%s' is not a whole number\n", flag, s);
+            return false;
+        }
+        return true;
+    };
     for (int i = 1; i < argc; i++) {
         const std::string f = argv[i];
         double v = 0;
@@ -162,7 +180,7 @@ static bool parse(int argc, char **argv, args *a) {
             exit(0);
         } else if (f == "-m") { if (!(a->model = need(i))) return false; }
         else if (f == "-d") { if (!(a->data = need(i))) return false; }
-        else if (f == "-o") { if (!(s = need(i))) return false; a->out = s; }
+        else if (f == "-o") { if (!(s = need(i))) return false; a->out = s; a->out_given = true; }
         else if (f == "--val-data") { if (!(a->val_data = need(i))) return false; }
         else if (f == "--resume") { if (!(a->resume = need(i))) return false; }
         else if (f == "--chat-template") { if (!(a->chat = need(i))) return false; }
@@ -183,18 +201,18 @@ static bool parse(int argc, char **argv, args *a) {
                 p = c + 1;
             }
         }
-        else if (f == "--lora-r") { if (!num(f.c_str(), need(i), 1, 4096, &v)) return false; a->o.lora.r = (int)v; }
+        else if (f == "--lora-r") { if (!whole(f.c_str(), need(i), 1, 4096, &v)) return false; a->o.lora.r = (int)v; }
         else if (f == "--lora-alpha") { if (!num(f.c_str(), need(i), 1e-6, 1e6, &v)) return false; a->o.lora.alpha = (float)v; }
         else if (f == "--lora-dropout") { if (!num(f.c_str(), need(i), 0, 0.999, &v)) return false; a->o.lora.dropout = (float)v; }
         else if (f == "--rslora") a->o.lora.rslora = true;
-        else if (f == "--seq-len") { if (!num(f.c_str(), need(i), 2, 1 << 20, &v)) return false; a->d.seq_len = (int)v; }
+        else if (f == "--seq-len") { if (!whole(f.c_str(), need(i), 2, 1 << 20, &v)) return false; a->d.seq_len = (int)v; }
         else if (f == "--pack") a->d.pack = true;
         else if (f == "--skip-bad-lines") a->d.skip_bad_lines = true;
         else if (f == "--no-eos") a->d.add_eos = false;
         else if (f == "--val-split") { if (!num(f.c_str(), need(i), 0, 0.9, &v)) return false; a->val_split = v; }
-        else if (f == "--eval-every") { if (!num(f.c_str(), need(i), 1, 1e12, &v)) return false; a->eval_every = (int64_t)v; }
-        else if (f == "-b") { if (!num(f.c_str(), need(i), 1, 4096, &v)) return false; a->o.micro_batch = (int)v; }
-        else if (f == "--grad-accum") { if (!num(f.c_str(), need(i), 1, 1 << 20, &v)) return false; a->o.grad_accum = (int)v; }
+        else if (f == "--eval-every") { if (!whole(f.c_str(), need(i), 1, 1e12, &v)) return false; a->eval_every = (int64_t)v; }
+        else if (f == "-b") { if (!whole(f.c_str(), need(i), 1, 4096, &v)) return false; a->o.micro_batch = (int)v; }
+        else if (f == "--grad-accum") { if (!whole(f.c_str(), need(i), 1, 1 << 20, &v)) return false; a->o.grad_accum = (int)v; }
         else if (f == "--lr") { if (!num(f.c_str(), need(i), 0, 10, &v)) return false; a->o.lr = (float)v; }
         else if (f == "--beta1") { if (!num(f.c_str(), need(i), 0, 0.999999, &v)) return false; a->o.beta1 = (float)v; }
         else if (f == "--beta2") { if (!num(f.c_str(), need(i), 0, 0.999999, &v)) return false; a->o.beta2 = (float)v; }
@@ -203,19 +221,20 @@ static bool parse(int argc, char **argv, args *a) {
         else if (f == "--lr-scheduler") {
             if (!(s = need(i))) return false;
             a->o.scheduler = s;
-            if (a->o.scheduler != "constant" && a->o.scheduler != "linear" && a->o.scheduler != "cosine") {
-                fprintf(stderr, "finetune: --lr-scheduler: '%s' (constant, linear, cosine)\n", s);
+            if (a->o.scheduler != "constant" && a->o.scheduler != "constant_with_warmup" && a->o.scheduler != "linear" &&
+                a->o.scheduler != "cosine") {
+                fprintf(stderr, "finetune: --lr-scheduler: '%s' (constant, constant_with_warmup, linear, cosine)\n", s);
                 return false;
             }
         }
         else if (f == "--warmup-ratio") { if (!num(f.c_str(), need(i), 0, 1, &v)) return false; a->o.warmup_ratio = v; }
-        else if (f == "--warmup-steps") { if (!num(f.c_str(), need(i), 0, 1e12, &v)) return false; a->o.warmup_steps = (int64_t)v; }
+        else if (f == "--warmup-steps") { if (!whole(f.c_str(), need(i), 0, 1e12, &v)) return false; a->o.warmup_steps = (int64_t)v; }
         else if (f == "--max-grad-norm") { if (!num(f.c_str(), need(i), 0, 1e6, &v)) return false; a->o.max_grad_norm = (float)v; }
-        else if (f == "--epochs") { if (!num(f.c_str(), need(i), 1, 1e6, &v)) return false; a->o.epochs = (int)v; }
-        else if (f == "--max-steps") { if (!num(f.c_str(), need(i), 1, 1e12, &v)) return false; a->o.max_steps = (int64_t)v; }
-        else if (f == "--seed") { if (!num(f.c_str(), need(i), 0, 9e15, &v)) return false; a->o.seed = (uint64_t)v; a->o.lora.init_seed = a->o.seed; }
-        else if (f == "-t") { if (!num(f.c_str(), need(i), 0, 1024, &v)) return false; a->o.threads = (int)v; }
-        else if (f == "--save-every") { if (!num(f.c_str(), need(i), 1, 1e12, &v)) return false; a->save_every = (int64_t)v; }
+        else if (f == "--epochs") { if (!whole(f.c_str(), need(i), 1, 1e6, &v)) return false; a->o.epochs = (int)v; }
+        else if (f == "--max-steps") { if (!whole(f.c_str(), need(i), 1, 1e12, &v)) return false; a->o.max_steps = (int64_t)v; }
+        else if (f == "--seed") { if (!whole(f.c_str(), need(i), 0, 9e15, &v)) return false; a->o.seed = (uint64_t)v; a->o.lora.init_seed = a->o.seed; }
+        else if (f == "-t") { if (!whole(f.c_str(), need(i), 0, 1024, &v)) return false; a->o.threads = (int)v; }
+        else if (f == "--save-every") { if (!whole(f.c_str(), need(i), 1, 1e12, &v)) return false; a->save_every = (int64_t)v; }
         else if (f == "--merge") a->merge = true;
         else if (f == "--overwrite") a->overwrite = true;
         else if (f == "--profile") a->profile = true;
@@ -265,7 +284,7 @@ int main(int argc, char **argv) {
         const char *jinja = ic >= 0 ? ql_gguf_get_str(f->gguf, ic, &len) : nullptr;
         a.d.chat = jinja ? ql_chat_template_detect(jinja) : QL_CHAT_NONE;
     }
-    a.d.add_bos = ql_vocab_bos(vocab) >= 0;
+    a.d.add_bos = ql_vocab_bos(vocab) >= 0 && ql_vocab_add_bos(vocab);  // as generate tokenizes prompts
     ql_dataset train, eval;
     if (!ql_dataset_load(a.data, vocab, a.d, &train, &err) ||
         (a.val_data && !ql_dataset_load(a.val_data, vocab, a.d, &eval, &err))) {
@@ -287,9 +306,9 @@ int main(int argc, char **argv) {
     ql_dataset_sequences(eval, a.d, pad, &eseq);
     a.o.packed = a.d.pack;
 
-    const std::string out = a.resume && a.out == "finetune-out" ? std::string(a.resume) : a.out;
+    const std::string out = a.resume && !a.out_given ? std::string(a.resume) : a.out;
     struct stat st;
-    if (!a.resume && !a.overwrite && stat((out + "/checkpoint.gguf").c_str(), &st) == 0) {
+    if (!a.overwrite && !same_dir(out, a.resume) && stat((out + "/checkpoint.gguf").c_str(), &st) == 0) {
         fprintf(stderr, "finetune: %s already holds a run (checkpoint.gguf): --resume %s continues it, --overwrite replaces it, "
                 "or choose another -o\n", out.c_str(), out.c_str());
         return 1;
@@ -331,7 +350,7 @@ int main(int argc, char **argv) {
            (double)a.o.lora.dropout);
     for (const std::string &x : a.o.lora.targets) printf(" %s", x.c_str());
     printf("; AdamW lr %g (%s, warmup %lld steps), weight decay %g, max grad norm %g\n", (double)a.o.lr,
-           a.o.scheduler.c_str(), (long long)(a.o.warmup_steps >= 0 ? a.o.warmup_steps : (int64_t)std::ceil(a.o.warmup_ratio * (double)total)),
+           a.o.scheduler.c_str(), (long long)ql_trainer_warmup_steps(t),
            (double)a.o.weight_decay, (double)a.o.max_grad_norm);
     printf("%s\n", ql_trainable_line(ql_trainer_n_trainable(t), ql_trainer_n_base(t)).c_str());
     printf("finetune: memory plan: base weights %.1f MiB, adapter + gradients + AdamW %.1f MiB, inputs %.2f MiB, "
@@ -349,9 +368,14 @@ int main(int argc, char **argv) {
     std::vector<std::pair<double, double>> curve, eval_curve;
     std::string kept;  // on resume: the metrics of the steps the checkpoint holds (later ones are redone)
     if (a.resume) keep_metrics(std::string(a.resume) + "/metrics.jsonl", ql_trainer_steps_done(t), &kept, &curve, &eval_curve);
-    FILE *metrics = fopen((out + "/metrics.jsonl").c_str(), "w");
-    if (!metrics || fputs(kept.c_str(), metrics) < 0) {
-        fprintf(stderr, "finetune: %s/metrics.jsonl: cannot write: %s\n", out.c_str(), strerror(errno));
+    // the kept history goes in whole (temp file, rename) before new lines are appended
+    const std::string mpath = out + "/metrics.jsonl", mtmp = mpath + ".tmp";
+    FILE *metrics = fopen(mtmp.c_str(), "w");
+    const bool mok = metrics && fputs(kept.c_str(), metrics) >= 0 && fflush(metrics) == 0 && fsync(fileno(metrics)) == 0;
+    if (metrics) fclose(metrics);
+    metrics = mok && rename(mtmp.c_str(), mpath.c_str()) == 0 ? fopen(mpath.c_str(), "a") : nullptr;
+    if (!metrics) {
+        fprintf(stderr, "finetune: %s: cannot write: %s\n", mpath.c_str(), strerror(errno));
         return 1;
     }
     const int64_t eval_every = a.eval_every > 0 ? a.eval_every : std::max<int64_t>(1, total / 10);
@@ -422,6 +446,7 @@ int main(int argc, char **argv) {
         }
     }
     if (tty) printf("\n");
+    signal(SIGINT, SIG_DFL);  // from here on every file is written atomically: Ctrl-C loses nothing
 
     // ---- outputs ----
     if (!save_checkpoint()) return 1;
@@ -436,7 +461,12 @@ int main(int argc, char **argv) {
     c.dropout = a.o.lora.dropout;
     c.rslora = a.o.lora.rslora;
     for (const std::string &x : a.o.lora.targets) c.targets.push_back(x == "o" ? "o_proj" : x + "_proj");
-    c.base_model = a.model;
+    {  // PEFT loads base_model_name_or_path from the Hub: only a repository the GGUF names will do
+        size_t len;
+        const int64_t ik = ql_gguf_find_kv(f->gguf, "general.source.huggingface.repository");
+        const char *repo = ik >= 0 ? ql_gguf_get_str(f->gguf, ik, &len) : nullptr;
+        c.base_model = repo ? repo : "";
+    }
     ql_llama &m = ql_trainer_model(t);
     if (!ql_lora_save_gguf((out + "/adapter.gguf").c_str(), m, f->arch.c_str(), c, &err) ||
         !ql_peft_save((out + "/peft").c_str(), m, f->arch.c_str(), c, &err) ||
@@ -447,8 +477,11 @@ int main(int argc, char **argv) {
     if (!ql_plot_losses((out + "/loss.png").c_str(), curve, eval_curve, &err)) fprintf(stderr, "finetune: note: %s\n", err.c_str());
     fclose(metrics);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    printf("finetune: done: %lld steps in %s, %.0f tokens/s; final loss %.4f", (long long)ql_trainer_steps_done(t),
-           hms(secs).c_str(), tok_s, last_loss);
+    if (ql_trainer_steps_done(t) == first)
+        printf("finetune: the checkpoint had finished all %lld steps; outputs written again", (long long)first);
+    else
+        printf("finetune: done: %lld steps in %s, %.0f tokens/s; final loss %.4f", (long long)ql_trainer_steps_done(t),
+               hms(secs).c_str(), tok_s, last_loss);
     if (!std::isnan(last_eval)) printf(", eval loss %.4f", last_eval);
     printf("; peak memory %.0f MiB\n", peak_rss_mib());
     printf("finetune: wrote %s/adapter.gguf, %s/peft/, %s/metrics.jsonl, %s/loss.png, %s/checkpoint.gguf%s\n", out.c_str(),

@@ -1,0 +1,126 @@
+// tests/util.h - helpers the test files share: a temporary folder, whole-file reads and writes,
+// running a command, where the fixtures are, and comparing vectors.
+//
+//   tmpdir d;                                   // removed, with all it holds, at the end of the scope
+//   write_file(d.file("a.txt"), "hi");          // REQUIREs that it worked
+//   CHECK(read_file(d.file("a.txt")) == "hi");  // "" when the file cannot be read
+//   std::string out;
+//   CHECK(run("./tokenize -p hi", &out) == 0);  // exit code; stdout and stderr in out
+#pragma once
+
+#include <doctest/doctest.h>
+
+#include <ftw.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+// ---- files and folders ---------------------------------------------------------------------
+
+inline bool exists(const std::string &path) {
+    struct stat st;
+    return stat(path.c_str(), &st) == 0;
+}
+
+inline int tmpdir_remove_entry(const char *path, const struct stat *, int, struct FTW *) { return remove(path); }
+
+// A fresh folder under $TMPDIR (or /tmp); it and everything below it go at the end of the scope.
+struct tmpdir {
+    std::string path;
+    tmpdir() {
+        const char *base = getenv("TMPDIR");
+        std::string t = std::string(base && *base ? base : "/tmp") + "/qlora-test-XXXXXX";
+        REQUIRE(mkdtemp(&t[0]));
+        path = t;
+    }
+    ~tmpdir() { nftw(path.c_str(), tmpdir_remove_entry, 16, FTW_DEPTH | FTW_PHYS); }
+    tmpdir(const tmpdir &) = delete;
+    tmpdir &operator=(const tmpdir &) = delete;
+    std::string file(const std::string &name) const { return path + "/" + name; }
+};
+
+// a whole file ("" when it cannot be read)
+inline std::string read_file(const std::string &path) {
+    std::string s;
+    FILE *f = fopen(path.c_str(), "rb");
+    if (!f) return s;
+    char buf[65536];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof(buf), f)) > 0) s.append(buf, n);
+    fclose(f);
+    return s;
+}
+inline std::vector<uint8_t> read_file_bytes(const std::string &path) {
+    const std::string s = read_file(path);
+    return std::vector<uint8_t>(s.begin(), s.end());
+}
+
+inline void write_file(const std::string &path, const void *data, size_t n) {
+    FILE *f = fopen(path.c_str(), "wb");
+    REQUIRE(f);
+    REQUIRE(fwrite(data, 1, n, f) == n);
+    fclose(f);
+}
+inline void write_file(const std::string &path, const std::string &bytes) { write_file(path, bytes.data(), bytes.size()); }
+
+// ---- where things are ----------------------------------------------------------------------
+
+// this folder, tests/, with a trailing slash: "tests/" (make) or an absolute path (cmake)
+inline std::string tests_dir() {
+    const std::string f = __FILE__;
+    return f.substr(0, f.find_last_of('/') + 1);
+}
+
+// ../shared/fixtures beside the checkout (tests run from the repo root), or found from this file;
+// QLORA_FIXTURES overrides. "" when absent.
+inline std::string fixtures_dir() {
+    std::vector<std::string> cand = {"../shared/fixtures", tests_dir() + "../../shared/fixtures"};
+    if (const char *env = getenv("QLORA_FIXTURES")) cand.insert(cand.begin(), env);
+    for (const std::string &c : cand)
+        if (exists(c + "/tokenizer-vectors")) return c;
+    return "";
+}
+
+// ---- commands ------------------------------------------------------------------------------
+
+// runs cmd in a shell; returns its exit code (-1 if it did not exit), its stdout and stderr in *out
+inline int run(const std::string &cmd, std::string *out) {
+    FILE *p = popen((cmd + " 2>&1").c_str(), "r");
+    if (!p) return -1;
+    char buf[4096];
+    out->clear();
+    size_t n;
+    while ((n = fread(buf, 1, sizeof(buf), p)) > 0) out->append(buf, n);
+    const int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+// ---- comparing -----------------------------------------------------------------------------
+
+inline bool has(const std::string &s, const std::string &needle) { return s.find(needle) != std::string::npos; }
+
+// "[1 2 3]"
+inline std::string ids_str(const std::vector<int32_t> &ids) {
+    std::string s = "[";
+    for (size_t i = 0; i < ids.size(); i++) s += (i ? " " : "") + std::to_string(ids[i]);
+    return s + "]";
+}
+
+// max |a - b| / max |b|; 1e30 when the sizes differ
+inline double rel_err(const std::vector<float> &a, const std::vector<float> &b) {
+    if (a.size() != b.size()) return 1e30;
+    double num = 0, den = 0;
+    for (size_t i = 0; i < a.size(); i++) {
+        num = std::max(num, (double)std::fabs(a[i] - b[i]));
+        den = std::max(den, (double)std::fabs(b[i]));
+    }
+    return num / std::max(den, 1e-30);
+}
