@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -1896,6 +1897,166 @@ void ql_graph_zero_grads(ql_graph *g) {
         if (p->grad && p->grad->data) memset(p->grad->data, 0, ql_nbytes(p->grad));
 }
 
+// ---- recompute: forward results backward would keep alive, computed again instead ----
+
+// Rough cost of a node, for comparing schedules (multiply-adds count 2).
+static double node_flops(const ql_tensor *n) {
+    switch (n->op) {
+    case QL_OP_MUL_MAT:
+        return 2.0 * (double)n->src[0]->ne[0] * (double)ql_nelements(n);
+    case QL_OP_FLASH_ATTN: {  // QK^T and PV over the causal half
+        const ql_tensor *q = n->src[0], *k = n->src[1];
+        return 2.0 * (double)q->ne[0] * (double)q->ne[1] * (double)k->ne[1] * (double)q->ne[2] * (double)q->ne[3];
+    }
+    default:
+        return is_noop(n->op) ? 0.0 : (double)ql_nelements(n);
+    }
+}
+
+// The forward part's cuts (see qlora.h) and the segments between them, as node indices:
+// segment i runs from its input in[i] (a cut) to the next cut end[i], with nodes in between.
+struct fwd_segments {
+    std::vector<int> in, end;
+    std::unordered_map<const ql_tensor *, int> index;  // forward node -> its index
+};
+
+static ql_tensor *view_root(ql_tensor *t);
+
+static void find_segments(const ql_graph *g, fwd_segments *fs) {
+    const int nf = g->n_forward;
+    for (int i = 0; i < nf; i++) fs->index[g->nodes[(size_t)i]] = i;
+    auto root_index = [&](ql_tensor *t) {
+        auto it = fs->index.find(view_root(t));
+        return it == fs->index.end() ? -1 : it->second;
+    };
+    std::vector<int> last_read((size_t)nf);  // by root: the last forward node reading it
+    for (int i = 0; i < nf; i++) last_read[(size_t)i] = i;
+    for (int j = 0; j < nf; j++)
+        for (ql_tensor *s : g->nodes[(size_t)j]->src) {
+            const int r = s ? root_index(s) : -1;
+            if (r >= 0) last_read[(size_t)r] = std::max(last_read[(size_t)r], j);
+        }
+    std::vector<int> cuts;
+    int reach = -1;  // the furthest forward read of anything produced so far
+    for (int i = 0; i < nf; i++) {
+        const ql_tensor *n = g->nodes[(size_t)i];
+        if (aliases_src(n->op)) continue;
+        if (reach <= i) cuts.push_back(i);
+        reach = std::max(reach, last_read[(size_t)i]);
+    }
+    for (size_t c = 0; c + 1 < cuts.size(); c++) {
+        bool inner = false;  // a real op strictly between the two cuts
+        for (int i = cuts[c] + 1; i < cuts[c + 1] && !inner; i++) inner = !aliases_src(g->nodes[(size_t)i]->op);
+        if (inner) {
+            fs->in.push_back(cuts[c]);
+            fs->end.push_back(cuts[c + 1]);
+        }
+    }
+}
+
+int ql_graph_segments(const ql_graph *gb, ql_tensor **inputs, int max) {
+    if (!gb || gb->n_forward < 0) return 0;
+    fwd_segments fs;
+    find_segments(gb, &fs);
+    for (int i = 0; i < (int)fs.in.size() && i < max && inputs; i++) inputs[i] = gb->nodes[(size_t)fs.in[(size_t)i]];
+    return (int)fs.in.size();
+}
+
+// A copy of forward node n reading `srcs` (its sources, some replaced by copies).
+static ql_tensor *clone_node(ql_context *ctx, const ql_tensor *n, ql_tensor *const *srcs, ql_tensor *view_src) {
+    ql_tensor *t = new_tensor_impl(ctx, n->type, 4, n->ne, ql_op_name(n->op));
+    if (!t) return nullptr;
+    t->op = n->op;
+    memcpy(t->op_params, n->op_params, sizeof(t->op_params));
+    memcpy(t->nb, n->nb, sizeof(t->nb));
+    t->aux_size  = n->aux_size;
+    t->flags     = (n->flags & ~QL_FLAG_OUTPUT) | QL_FLAG_RECOMPUTED;
+    t->view_src  = view_src;
+    t->view_offs = n->view_offs;
+    for (int i = 0; i < QL_MAX_SRC; i++) t->src[i] = srcs[i];
+    const std::string name = std::string(n->name[0] ? n->name : ql_op_name(n->op)) + " (recomputed)";
+    snprintf(t->name, sizeof(t->name), "%s", name.c_str());
+    return t;
+}
+
+ql_status ql_graph_recompute(ql_graph *g, const ql_keep *level, int n_levels, ql_recompute_stats *stats) {
+    if (!g) return QL_ERR_INVALID;
+    ql_context *ctx = g->ctx;
+    if (ctx->status != QL_OK) return ctx->status;
+    if (g->n_forward < 0) {
+        QL_ERR(ctx, QL_ERR_INVALID, "graph_recompute: not a backward graph (ql_graph_backward makes one)");
+        return ctx->status;
+    }
+    if (g->planned) {
+        QL_ERR(ctx, QL_ERR_INVALID, "graph_recompute: the graph is already planned; recompute comes before the plan");
+        return ctx->status;
+    }
+    const int nf = g->n_forward, n = (int)g->nodes.size();
+    fwd_segments fs;
+    find_segments(g, &fs);
+    const int n_seg = (int)fs.in.size();
+    if (level && n_levels != n_seg) {
+        QL_ERR(ctx, QL_ERR_INVALID, "graph_recompute: %d levels for %d segments", n_levels, n_seg);
+        return ctx->status;
+    }
+    // which forward results stay (by node index; views follow their root)
+    std::vector<bool> kept((size_t)nf, true);
+    for (int k = 0; level && k < n_seg; k++) {
+        const ql_keep lv = level[k];
+        if (lv == QL_KEEP_ALL) continue;
+        for (int i = fs.in[(size_t)k] + 1; i < fs.end[(size_t)k]; i++) {
+            const ql_op op = g->nodes[(size_t)i]->op;
+            kept[(size_t)i] = lv == QL_KEEP_HEAVY && (op == QL_OP_MUL_MAT || op == QL_OP_FLASH_ATTN);
+        }
+        if (lv == QL_KEEP_NONE) kept[(size_t)fs.in[(size_t)k]] = false;
+    }
+    for (ql_tensor *t : g->nodes)  // what the caller reads after a run stays
+        if ((t->flags & QL_FLAG_OUTPUT) && fs.index.count(view_root(t))) kept[(size_t)fs.index[view_root(t)]] = true;
+    for (ql_tensor *t : g->outputs)
+        if (fs.index.count(view_root(t))) kept[(size_t)fs.index[view_root(t)]] = true;
+    auto is_kept = [&](ql_tensor *t) {
+        auto it = fs.index.find(view_root(t));
+        return it == fs.index.end() || kept[(size_t)it->second];  // leafs and backward nodes: as they are
+    };
+
+    // copies, made on demand (each forward node at most once) and emitted in dependency order
+    std::unordered_map<const ql_tensor *, ql_tensor *> copy;
+    std::vector<ql_tensor *> order(g->nodes.begin(), g->nodes.begin() + nf);
+    double recompute_flops = 0;
+    std::function<ql_tensor *(ql_tensor *)> get = [&](ql_tensor *t) -> ql_tensor * {
+        if (!t || !fs.index.count(t) || is_kept(t)) return t;
+        auto it = copy.find(t);
+        if (it != copy.end()) return it->second;
+        ql_tensor *srcs[QL_MAX_SRC] = {nullptr};
+        for (int i = 0; i < QL_MAX_SRC; i++) srcs[i] = get(t->src[i]);
+        ql_tensor *c = clone_node(ctx, t, srcs, t->view_src ? get(t->view_src) : nullptr);
+        if (!c) return nullptr;
+        copy[t] = c;
+        order.push_back(c);  // after its sources' copies (made above): a valid execution order
+        recompute_flops += node_flops(t);
+        return c;
+    };
+    for (int j = nf; j < n && ctx->status == QL_OK; j++) {
+        ql_tensor *node = g->nodes[(size_t)j];
+        for (int i = 0; i < QL_MAX_SRC; i++)
+            if (node->src[i]) node->src[i] = get(node->src[i]);
+        if (node->view_src) node->view_src = get(node->view_src);
+        order.push_back(node);
+    }
+    if (ctx->status != QL_OK) return ctx->status;
+    for (auto &kv : copy) g->visited.insert(kv.second);
+    g->nodes = order;
+    if (stats) {
+        stats->n_segments = n_seg;
+        stats->n_recomputed = 0;
+        for (auto &kv : copy) stats->n_recomputed += !is_noop(kv.second->op);
+        stats->forward_flops = 0;
+        for (int i = 0; i < nf; i++) stats->forward_flops += node_flops(g->nodes[(size_t)i]);
+        stats->recompute_flops = recompute_flops;
+    }
+    return QL_OK;
+}
+
 // ============================================================================================
 // 8. memory planner: liveness over the node order, best-fit placement in one buffer
 // ============================================================================================
@@ -2087,6 +2248,17 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
     for (const ql_plan_entry &e : g->entries) {
         st.sum_of_sizes += e.size;
         if (g->n_forward >= 0 && e.first < nf && e.last >= nf) st.bytes[QL_MEM_SAVED] += e.size;
+    }
+    {  // recomputed tensors alive together, at most
+        std::vector<std::pair<int, long long>> ev;  // (node index, +size at birth / -size after the last read)
+        for (const ql_plan_entry &e : g->entries)
+            if (e.tensor->flags & QL_FLAG_RECOMPUTED) {
+                ev.push_back({e.first, (long long)e.size});
+                ev.push_back({e.last + 1, -(long long)e.size});
+            }
+        std::sort(ev.begin(), ev.end());
+        long long live = 0;
+        for (auto &x : ev) st.recompute_peak = std::max(st.recompute_peak, (size_t)std::max(0LL, live += x.second));
     }
     size_t work = 0;
     for (ql_tensor *node : g->nodes)

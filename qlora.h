@@ -300,6 +300,7 @@ enum ql_tensor_flag {
     QL_FLAG_INPUT  = 1 << 1,  // leaf written by the caller before each run (tokens, targets, ...)
     QL_FLAG_OUTPUT = 1 << 2,  // its value must survive the run (never reused by the planner)
     QL_FLAG_GRAD   = 1 << 3,  // a parameter's gradient accumulator
+    QL_FLAG_RECOMPUTED = 1 << 4,  // a forward result computed again in backward (ql_graph_recompute)
 };
 
 typedef struct ql_tensor ql_tensor;
@@ -455,6 +456,35 @@ void      ql_graph_zero_grads(ql_graph *g);
 int       ql_graph_n_params(const ql_graph *g);
 ql_tensor *ql_graph_param(const ql_graph *g, int i);
 
+// ---- recompute (gradient checkpointing), decided on the graph, not in the model ----
+// The forward part of a backward graph is cut where every later node reaches earlier results
+// only through one tensor (a transformer's residual stream between the halves of its blocks);
+// a segment is the run of nodes between two cuts, its input the first cut. Nodes before the
+// first segment and after the last (embedding, output head) always stay as they are.
+typedef enum ql_keep {
+    QL_KEEP_ALL,    // every forward result backward reads stays alive (no recompute)
+    QL_KEEP_HEAVY,  // matmul and attention results stay; cheaper ones are recomputed from them
+    QL_KEEP_INPUT,  // only the segment's input stays; backward recomputes what it reads from it
+    QL_KEEP_NONE,   // not even the input: it is recomputed from an earlier segment's
+} ql_keep;
+
+typedef struct ql_recompute_stats {
+    int    n_segments;       // segments found
+    int    n_recomputed;     // forward ops computed again in backward
+    double forward_flops;    // estimated cost of the forward part (multiply-adds count 2)
+    double recompute_flops;  // of the recomputed ops
+} ql_recompute_stats;
+
+// Segments of gb's forward part; inputs[i] (i < max, when not NULL) gets segment i's input.
+int       ql_graph_segments(const ql_graph *gb, ql_tensor **inputs, int max);
+// Rewrites backward graph gb (before planning) so that of segment i's forward results only
+// those level[i] keeps are read by backward; every other one it reads is recomputed by a copy
+// of its forward op (flagged QL_FLAG_RECOMPUTED) placed just before its first use, and so are
+// the results that copy needs, back to kept tensors. The copies run the same kernels on the
+// same inputs (dropout masks come from seeds), so gradients are bit for bit those of the
+// graph without recompute. n must equal ql_graph_segments(gb, NULL, 0); stats may be NULL.
+ql_status ql_graph_recompute(ql_graph *gb, const ql_keep *level, int n, ql_recompute_stats *stats);
+
 // ============================================================================================
 // static memory plan: every op result gets an offset in one buffer, reused after its last
 // consumer (in place where the op allows), all decided before anything runs.
@@ -480,6 +510,7 @@ typedef struct ql_plan_stats {
     size_t sum_of_sizes;   // what the planned tensors would need without reuse
     int    n_planned;      // tensors placed in the buffer
     int    n_inplace;      // of them, results written over a dying source
+    size_t recompute_peak; // most bytes of recomputed tensors alive at once (part of SCRATCH)
 } ql_plan_stats;
 
 typedef struct ql_plan_entry {
