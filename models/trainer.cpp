@@ -1,11 +1,15 @@
 // models/trainer.cpp - LoRA fine-tuning (see trainer.h).
 #include "trainer.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <map>
 
 namespace {
 
@@ -28,7 +32,8 @@ struct batch_io {
 struct ql_trainer {
     ql_llama_file *f = nullptr;
     ql_train_options o;
-    std::vector<ql_sequence> train, eval;
+    const std::vector<ql_sequence> *train = nullptr, *eval = nullptr;  // the run's own, or (planning) the caller's
+    std::vector<ql_sequence> own_train, own_eval;
     int64_t T = 0, B = 0;
     bool packed = false;  // sequences hold several documents: attention needs the segment ids
     ql_context *ctx = nullptr;
@@ -41,6 +46,12 @@ struct ql_trainer {
     std::vector<int64_t> order;  // the current epoch's visiting order
     int64_t order_epoch = -1;
     std::vector<const ql_sequence *> slot;  // [micro_batch * grad_accum] a step's sequences (NULL: none)
+    // memory
+    std::vector<ql_keep> levels;  // per forward segment (empty: no recompute)
+    ql_recompute_stats rs{};
+    int n_seg = 0;  // forward segments of the training graph
+    ql_memory_plan mem;
+    std::vector<std::pair<uintptr_t, uintptr_t>> pages;  // base-weight pages a run reads, [begin, end) page numbers
 };
 
 static batch_io make_io(ql_context *ctx, const ql_llama &m, int64_t T, int64_t B, bool packed, bool backward) {
@@ -58,6 +69,13 @@ static batch_io make_io(ql_context *ctx, const ql_llama &m, int64_t T, int64_t B
     return io;
 }
 
+static size_t input_bytes(const batch_io &io) {
+    size_t n = 0;
+    for (const ql_tensor *x : {io.tokens, io.pos, io.seg, io.targets, io.count})
+        if (x) n += ql_nbytes(x);
+    return n;
+}
+
 static void free_io(batch_io &io) {
     if (io.g != io.gf) ql_graph_free(io.g);
     ql_graph_free(io.gf);
@@ -72,6 +90,9 @@ static bool build(ql_trainer *t, ql_context *ctx) {
     t->params = ql_llama_lora_params(m);
     m.lora_dropout = true;
     t->tr = make_io(ctx, m, t->T, t->B, t->packed, true);
+    if (t->tr.g && !t->levels.empty() &&
+        ql_graph_recompute(t->tr.g, t->levels.data(), (int)t->levels.size(), &t->rs) != QL_OK)
+        return false;
     m.lora_dropout = false;  // evaluation: no dropout
     t->ev = make_io(ctx, m, t->T, t->B, t->packed, false);
     m.lora_dropout = true;
@@ -94,8 +115,193 @@ double ql_trainer_lr_at(const ql_trainer *t, int64_t s) {  // transformers' sche
     return o.lr * 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, progress)));  // cosine, half a cycle
 }
 
-ql_trainer *ql_trainer_new(ql_llama_file *f, const std::vector<ql_sequence> &train, const std::vector<ql_sequence> &eval,
-                           const ql_train_options &o, std::string *err) {
+// ---- memory: the weight pages a run reads, a measured plan, the recompute policy ----
+
+// Page intervals of the base weights a run reads: every frozen tensor whole, except the token
+// embedding, of which get_rows reads only the rows of tokens the data holds.
+static void weight_pages(ql_trainer *t) {
+    const ql_llama &m = t->f->model;
+    const uintptr_t P = (uintptr_t)sysconf(_SC_PAGESIZE);
+    // a fault on a mapped file maps the cached pages around it too (Linux: fault_around_bytes,
+    // 64 KiB): the embedding rows the data uses cost their 64 KiB windows, not their pages
+    const uintptr_t W = std::max<uintptr_t>(1, 65536 / P);
+    std::vector<std::pair<uintptr_t, uintptr_t>> iv;
+    std::map<std::string, size_t> by_type;
+    auto whole = [&](const ql_tensor *w) {
+        if (!w || !w->data) return;
+        const size_t n = ql_nbytes(w) + w->aux_size;
+        const uintptr_t b = (uintptr_t)w->data;
+        iv.push_back({b / P, (b + n + P - 1) / P});
+        by_type[ql_type_name(w->type)] += n;
+        t->mem.weights_file += n;
+    };
+    std::vector<bool> used((size_t)m.hp.n_vocab, false);
+    for (const std::vector<ql_sequence> *v : {t->train, t->eval})
+        for (const ql_sequence &q : *v)
+            for (int32_t tok : q.tokens)
+                if (tok >= 0 && tok < m.hp.n_vocab) used[(size_t)tok] = true;
+    if (m.output != m.tok_embd) {  // tied: the output projection reads it all anyway
+        const size_t row = ql_row_size(m.tok_embd->type, m.tok_embd->ne[0]);
+        const uintptr_t e0 = (uintptr_t)m.tok_embd->data, p0 = e0 / P, p1 = (e0 + ql_nbytes(m.tok_embd) + P - 1) / P;
+        for (size_t r = 0; r < used.size(); r++)
+            if (used[r]) {  // the window, within the tensor (its neighbours are counted whole, or are metadata)
+                const uintptr_t b = e0 + r * row;
+                iv.push_back({std::max(p0, b / P / W * W), std::min(p1, ((b + row + P - 1) / P + W - 1) / W * W)});
+                by_type[ql_type_name(m.tok_embd->type)] += row;
+            }
+        t->mem.weights_file += ql_nbytes(m.tok_embd);
+        whole(m.output);
+    } else {
+        whole(m.tok_embd);
+    }
+    whole(m.out_norm);
+    whole(m.rope_freqs);
+    for (const ql_llama_layer &L : m.layers)
+        for (const ql_tensor *w : {L.attn_norm, L.wq, L.wk, L.wv, L.bq, L.bk, L.bv, L.wo, L.ffn_norm, L.w_gate, L.w_up, L.w_down})
+            whole(w);
+    std::sort(iv.begin(), iv.end());
+    t->pages.clear();
+    for (const auto &x : iv) {
+        if (!t->pages.empty() && x.first <= t->pages.back().second)
+            t->pages.back().second = std::max(t->pages.back().second, x.second);
+        else
+            t->pages.push_back(x);
+    }
+    t->mem.weights = 0;
+    for (const auto &x : t->pages) t->mem.weights += (size_t)(x.second - x.first) * P;
+    t->mem.weights_by_type.assign(by_type.begin(), by_type.end());
+}
+
+// Builds everything in a measuring context with the current levels and fills t->mem from the
+// plans; nothing is allocated.
+static bool measure(ql_trainer *t, std::string *err) {
+    ql_init_params mp = {0, nullptr, false, true};
+    ql_context *meas = ql_init(mp);
+    t->rs = ql_recompute_stats();
+    ql_plan_stats ps{}, es{};
+    bool ok = build(t, meas) && ql_graph_plan(t->tr.g, t->cpu, &ps) == QL_OK && ql_graph_plan(t->ev.g, t->cpu, &es) == QL_OK;
+    if (!ok) *err = ql_ctx_error(meas);
+    ql_memory_plan &m = t->mem;
+    if (ok) {
+        const size_t arena = ql_used_mem(meas);
+        m.lora = 0;
+        for (const ql_tensor *p : t->params) m.lora += ql_nbytes(p);
+        m.grads = m.lora;
+        m.optimizer = 2 * m.lora;
+        m.inputs = input_bytes(t->tr) + input_bytes(t->ev) + ql_nbytes(t->seed);
+        m.headers = arena - std::min(arena, m.lora + m.grads + m.optimizer + m.inputs);
+        m.saved = ps.bytes[QL_MEM_SAVED];
+        m.recompute = ps.recompute_peak;
+        m.work = ps.bytes[QL_MEM_WORK];
+        m.scratch = std::max(ps.buffer_size, es.buffer_size) - m.saved - m.work;  // eval shares the buffer
+        m.checkpoints = 0;
+        std::vector<ql_tensor *> in((size_t)t->levels.size(), nullptr);
+        if (!in.empty()) ql_graph_segments(t->tr.g, in.data(), (int)in.size());
+        for (size_t i = 0; i < in.size(); i++)
+            if (t->levels[i] == QL_KEEP_INPUT && in[i]) m.checkpoints += ql_nbytes(in[i]) + in[i]->aux_size;
+        m.offload = t->o.offload_activations && m.checkpoints > 0;
+        // what no plan sees - the graphs' own bookkeeping on the heap, library code paged in on
+        // first use, pages mapped around the embedding rows read - measured at 1-4 MiB on
+        // 6-400 MiB runs: a reserve, so that a budget the plan accepts holds in RSS
+        const size_t planned = m.weights + arena + std::max(ps.buffer_size, es.buffer_size);
+        m.reserve = (1u << 20) + planned / 200;
+        m.total = planned + m.reserve;
+        m.levels.assign(t->levels.begin(), t->levels.end());
+        m.recompute_fraction = t->rs.forward_flops > 0 ? t->rs.recompute_flops / t->rs.forward_flops : 0.0;
+        m.micro_batch = (int)t->B;
+        t->n_seg = ql_graph_segments(t->tr.g, nullptr, 0);
+    }
+    free_io(t->tr);
+    free_io(t->ev);
+    ql_free(meas);
+    return ok;
+}
+
+static bool fits(const ql_trainer *t) { return t->o.mem_limit == 0 || t->o.mem_other + t->mem.total <= t->o.mem_limit; }
+
+static std::string mib_text(size_t b) {
+    char s[32];
+    snprintf(s, sizeof(s), "%.1f MiB", (double)b / 1048576.0);
+    return s;
+}
+
+// The policy's levels, and the plan that goes with them. auto: no recompute if that fits, else
+// the first of a sequence of ever cheaper-in-memory choices that fits: segments one by one keep
+// only matmul/attention results, then one by one only their inputs (= block), then sqrt where
+// that is smaller than block (with few layers it is not: a block's insides, all recomputed at
+// once, outweigh the checkpoints it saves).
+static bool choose_levels(ql_trainer *t, std::string *err) {
+    const std::string &p = t->o.checkpointing;
+    t->levels.clear();
+    if (!measure(t, err)) return false;  // no recompute: also finds the segments
+    const int S = t->n_seg;
+    auto sqrt_levels = [&]() {  // the input of every ceil(sqrt(L))-th block kept, the rest recomputed from it
+        const int L = t->f->model.hp.n_layer;
+        const int per = L > 0 && S % L == 0 ? S / L : 1, blocks = S / per;  // segments per block (llama: 2)
+        const int k = std::max(1, (int)std::ceil(std::sqrt((double)blocks)));
+        std::vector<ql_keep> lv((size_t)S);
+        for (int i = 0; i < S; i++) lv[(size_t)i] = i % (k * per) == 0 ? QL_KEEP_INPUT : QL_KEEP_NONE;
+        return lv;
+    };
+    auto family = [&](int k) {  // k in [0, 2S]: the first min(k, S) heavy-kept, the first k - S input-only
+        std::vector<ql_keep> lv((size_t)S, QL_KEEP_ALL);
+        for (int i = 0; i < S; i++) lv[(size_t)i] = i < k - S ? QL_KEEP_INPUT : i < k ? QL_KEEP_HEAVY : QL_KEEP_ALL;
+        return lv;
+    };
+    if (p == "none" || S == 0) {
+        t->mem.checkpointing = S == 0 && p != "none" ? p + " (no segments: nothing to recompute)" : "none";
+    } else if (p == "block" || p == "sqrt") {
+        t->levels = p == "block" ? family(2 * S) : sqrt_levels();
+        if (!measure(t, err)) return false;
+        t->mem.checkpointing = p;
+    } else if (p == "auto") {
+        if (t->o.mem_limit == 0) {
+            *err = "--checkpointing auto needs a memory limit (--mem-limit)";
+            return false;
+        }
+        if (fits(t)) {
+            t->mem.checkpointing = "auto: none (everything fits)";
+            return true;
+        }
+        t->levels = family(2 * S);
+        if (!measure(t, err)) return false;
+        if (!fits(t)) {  // even block does not fit: sqrt (fewer checkpoints, more recomputed at once) if smaller
+            const std::vector<ql_keep> block_levels = t->levels;
+            const size_t block_total = t->mem.total;
+            t->levels = sqrt_levels();
+            if (!measure(t, err)) return false;
+            t->mem.checkpointing = "auto: sqrt";
+            if (t->mem.total > block_total) {  // few layers: a block's insides outweigh the checkpoints saved
+                t->levels = block_levels;
+                if (!measure(t, err)) return false;
+                t->mem.checkpointing = "auto: block";
+            }
+            return true;
+        }
+        int lo = 1, hi = 2 * S;  // family(hi) fits; find the smallest k that does
+        while (lo < hi) {
+            const int mid = (lo + hi) / 2;
+            t->levels = family(mid);
+            if (!measure(t, err)) return false;
+            if (fits(t)) hi = mid;
+            else lo = mid + 1;
+        }
+        t->levels = family(hi);
+        if (!measure(t, err)) return false;
+        const int heavy = std::min(hi, S) - std::max(0, hi - S), input = std::max(0, hi - S);
+        t->mem.checkpointing = "auto: of " + std::to_string(S) + " segments " + std::to_string(input) + " keep only their input, " +
+                               std::to_string(heavy) + " keep matmul/attention results, " + std::to_string(S - heavy - input) +
+                               " keep everything";
+    } else {
+        *err = "unknown checkpointing policy '" + p + "' (none, block, sqrt, auto)";
+        return false;
+    }
+    return true;
+}
+
+// fields from the options; nothing built
+static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train, const std::vector<ql_sequence> &eval,
+                         const ql_train_options &o, std::string *err) {
     if (train.empty()) {
         *err = "no training sequences";
         return nullptr;
@@ -109,8 +315,8 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, const std::vector<ql_sequence> &tra
     ql_trainer *t = new ql_trainer();
     t->f = f;
     t->o = o;
-    t->train = train;
-    t->eval = eval;
+    t->train = &train;
+    t->eval = &eval;
     t->T = (int64_t)train[0].tokens.size();
     t->B = o.micro_batch;
     t->packed = o.packed;
@@ -120,25 +326,61 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, const std::vector<ql_sequence> &tra
     t->warmup = o.scheduler == "constant"  ? 0  // as transformers: warmup_steps if > 0, else ceil(ratio * total)
                 : o.warmup_steps > 0       ? o.warmup_steps
                                            : (int64_t)std::ceil(o.warmup_ratio * (double)t->total);
-    t->slot.assign((size_t)per_step, nullptr);
-    t->order.reserve(train.size());
+    t->cpu = ql_backend_cpu_init(o.threads);
+    weight_pages(t);
+    return t;
+}
 
-    // sizes first (a measuring pass), then one arena
-    ql_init_params mp = {0, nullptr, false, true};
-    ql_context *meas = ql_init(mp);
-    const bool ok = build(t, meas);
-    const size_t need = ql_used_mem(meas);
-    if (!ok) *err = ql_ctx_error(meas);
-    free_io(t->tr);
-    free_io(t->ev);
-    ql_free(meas);
-    if (!ok) {
+static std::string biggest_items(const ql_memory_plan &m) {
+    std::vector<std::pair<size_t, std::string>> v = {{m.weights, "base weights"},
+                                                     {m.saved, "saved activations"},
+                                                     {m.scratch, "temporaries"},
+                                                     {m.lora + m.grads + m.optimizer, "adapter + gradients + optimizer"}};
+    std::sort(v.rbegin(), v.rend());
+    return v[0].second + " " + mib_text(v[0].first) + ", " + v[1].second + " " + mib_text(v[1].first) + ", " + v[2].second +
+           " " + mib_text(v[2].first);
+}
+
+bool ql_train_plan(ql_llama_file *f, const std::vector<ql_sequence> &train, const std::vector<ql_sequence> &eval,
+                   const ql_train_options &o, ql_memory_plan *mp, std::string *err) {
+    ql_trainer *t = setup(f, train, eval, o, err);
+    if (!t) return false;
+    bool ok = choose_levels(t, err);
+    if (ok) *mp = t->mem;
+    if (ok && !fits(t)) {
+        *err = "needs " + mib_text(t->o.mem_other + t->mem.total) + " of the " + mib_text(t->o.mem_limit) + " allowed (" +
+               biggest_items(t->mem) + ")";
+        ok = false;
+    }
+    ql_trainer_free(t);
+    return ok;
+}
+
+ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std::vector<ql_sequence> eval,
+                           const ql_train_options &o, std::string *err) {
+    ql_trainer *t = setup(f, train, eval, o, err);
+    if (!t) return nullptr;
+    t->own_train = std::move(train);  // the run keeps the sequences (moved: no second copy)
+    t->own_eval = std::move(eval);
+    t->train = &t->own_train;
+    t->eval = &t->own_eval;
+    t->slot.assign((size_t)(o.micro_batch * o.grad_accum), nullptr);
+    t->order.reserve(t->train->size());
+
+    // sizes and the recompute policy first (measuring passes), then one arena
+    if (!choose_levels(t, err)) {
         ql_trainer_free(t);
         return nullptr;
     }
+    if (!fits(t)) {
+        *err = "needs " + mib_text(t->o.mem_other + t->mem.total) + " of the " + mib_text(t->o.mem_limit) + " allowed (" +
+               biggest_items(t->mem) + ")";
+        ql_trainer_free(t);
+        return nullptr;
+    }
+    const size_t need = t->mem.lora + t->mem.grads + t->mem.optimizer + t->mem.inputs + t->mem.headers;  // the arena
     ql_init_params ip = {need + (1u << 16), nullptr, false, false};
     t->ctx = ql_init(ip);
-    t->cpu = ql_backend_cpu_init(o.threads);
     // evaluation runs between steps: its graph lives in the training graph's buffer (whose
     // gradients are zeroed at the start of every step anyway), so the plan printed is the peak
     bool ok_alloc = t->ctx && build(t, t->ctx) && ql_graph_plan(t->tr.g, t->cpu, &t->plan) == QL_OK &&
@@ -161,6 +403,66 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, const std::vector<ql_sequence> &tra
         ql_tensor_fill_f32(t->adam_v[i], 0.0f);
     }
     return t;
+}
+
+const ql_memory_plan &ql_trainer_memory(const ql_trainer *t) { return t->mem; }
+
+bool ql_train_write_snapshot(ql_llama_file *f, const std::vector<ql_sequence> &train, const std::vector<ql_sequence> &eval,
+                             const ql_train_options &o, const char *path, std::string *err) {
+    ql_trainer *t = setup(f, train, eval, o, err);
+    if (!t) return false;
+    bool ok = choose_levels(t, err);
+    ql_init_params mp = {0, nullptr, false, true};
+    ql_context *meas = ok ? ql_init(mp) : nullptr;
+    ql_plan_stats ps{};
+    ok = ok && build(t, meas) && ql_graph_plan(t->tr.g, t->cpu, &ps) == QL_OK;
+    if (meas && !ok && err->empty()) *err = ql_ctx_error(meas);
+    FILE *out = ok ? fopen(path, "w") : nullptr;
+    if (ok && !out) {
+        *err = std::string(path) + ": cannot write: " + strerror(errno);
+        ok = false;
+    }
+    if (out) {
+        const ql_memory_plan &m = t->mem;
+        fprintf(out, "{\"checkpointing\": \"%s\", \"micro_batch\": %d, \"total_bytes\": %zu, \"weights\": %zu, "
+                     "\"adapter_grads_optimizer\": %zu, \"saved\": %zu, \"temporaries\": %zu, \"workspace\": %zu,\n \"tensors\": [",
+                m.checkpointing.c_str(), m.micro_batch, m.total, m.weights, m.lora + m.grads + m.optimizer, m.saved, m.scratch,
+                m.work);
+        const ql_plan_entry *e = nullptr;
+        const int n = ql_graph_plan_entries(t->tr.g, &e), nf = ql_graph_n_forward(t->tr.g);
+        for (int i = 0; i < n; i++) {
+            const ql_tensor *x = e[i].tensor;
+            const char *cat = (x->flags & QL_FLAG_RECOMPUTED) ? "recomputed" : (e[i].first < nf && e[i].last >= nf) ? "saved" : "temporary";
+            std::string name;
+            for (const char *c = x->name[0] ? x->name : ql_op_name(x->op); *c; c++)
+                if (*c == '"' || *c == '\\') name += '_';
+                else if ((unsigned char)*c >= 0x20) name += *c;
+            fprintf(out, "%s\n  {\"name\": \"%s\", \"op\": \"%s\", \"shape\": [%lld, %lld, %lld, %lld], \"bytes\": %zu, \"offset\": %zu, "
+                         "\"first\": %d, \"last\": %d, \"category\": \"%s\"}",
+                    i ? "," : "", name.c_str(), ql_op_name(x->op), (long long)x->ne[0], (long long)x->ne[1], (long long)x->ne[2],
+                    (long long)x->ne[3], e[i].size, e[i].offset, e[i].first, e[i].last, cat);
+        }
+        fprintf(out, "\n]}\n");
+        if (fclose(out) != 0) {
+            *err = std::string(path) + ": cannot write";
+            ok = false;
+        }
+    }
+    free_io(t->tr);
+    free_io(t->ev);
+    if (meas) ql_free(meas);
+    ql_trainer_free(t);
+    return ok;
+}
+
+size_t ql_trainer_page_in_weights(const ql_trainer *t) {
+    const uintptr_t P = (uintptr_t)sysconf(_SC_PAGESIZE);
+    volatile uint8_t sink = 0;
+    size_t n = 0;
+    for (const auto &x : t->pages)
+        for (uintptr_t pg = x.first; pg < x.second; pg++, n += P) sink = sink + *(const volatile uint8_t *)(pg * P);
+    (void)sink;
+    return n;
 }
 
 void ql_trainer_free(ql_trainer *t) {
@@ -205,7 +507,7 @@ size_t ql_trainer_state_bytes(const ql_trainer *t) {
 // sequence index of slot `i` (0 .. micro*accum-1) of step s, or -1 past the epoch's end
 static int64_t slot_sequence(ql_trainer *t, int64_t s, int64_t i) {
     const int64_t epoch = s / t->per_epoch, at = (s % t->per_epoch) * t->o.micro_batch * t->o.grad_accum + i;
-    const int64_t n = (int64_t)t->train.size();
+    const int64_t n = (int64_t)t->train->size();
     if (at >= n) return -1;
     if (t->order_epoch != epoch) {  // Fisher-Yates from (seed, epoch)
         t->order.resize((size_t)n);
@@ -243,8 +545,8 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     int64_t targets = 0;
     for (int64_t i = 0; i < B * A; i++) {
         const int64_t q = slot_sequence(t, s, i);
-        t->slot[(size_t)i] = q >= 0 ? &t->train[(size_t)q] : nullptr;
-        if (q >= 0) targets += t->train[(size_t)q].n_targets;
+        t->slot[(size_t)i] = q >= 0 ? &(*t->train)[(size_t)q] : nullptr;
+        if (q >= 0) targets += (*t->train)[(size_t)q].n_targets;
     }
     if (targets == 0) {
         *err = "step " + std::to_string(s + 1) + " has no supervised tokens";
@@ -295,15 +597,15 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
 
 bool ql_trainer_eval(ql_trainer *t, double *loss, std::string *err) {
     int64_t targets = 0;
-    for (const ql_sequence &s : t->eval) targets += s.n_targets;
+    for (const ql_sequence &s : *t->eval) targets += s.n_targets;
     if (targets == 0) {
         *err = "no evaluation tokens";
         return false;
     }
     *(float *)t->ev.count->data = (float)targets;
     double sum = 0;
-    for (size_t i = 0; i < t->eval.size(); i += (size_t)t->B) {
-        for (size_t b = 0; b < (size_t)t->B; b++) t->slot[b] = i + b < t->eval.size() ? &t->eval[i + b] : nullptr;
+    for (size_t i = 0; i < t->eval->size(); i += (size_t)t->B) {
+        for (size_t b = 0; b < (size_t)t->B; b++) t->slot[b] = i + b < t->eval->size() ? &(*t->eval)[i + b] : nullptr;
         fill(t->ev, t->T, t->B, t->slot.data());
         if (ql_backend_graph_compute(t->cpu, t->ev.g) != QL_OK) {
             *err = ql_ctx_error(t->ctx);
@@ -327,7 +629,7 @@ static std::vector<std::pair<std::string, std::string>> run_settings(const ql_tr
     auto mix = [&h](int32_t v) {
         for (int k = 0; k < 4; k++) h = (h ^ ((uint32_t)v >> (8 * k) & 0xffu)) * 1099511628211ull;
     };
-    for (const ql_sequence &q : t->train) {
+    for (const ql_sequence &q : *t->train) {
         for (int32_t v : q.tokens) mix(v);
         for (int32_t v : q.targets) mix(v);
         for (int32_t v : q.seg) mix(v);
@@ -341,7 +643,7 @@ static std::vector<std::pair<std::string, std::string>> run_settings(const ql_tr
     };
     const ql_train_options &o = t->o;
     return {{"architecture", t->f->arch},
-            {"training data", std::to_string(t->train.size()) + " sequences of " + std::to_string(t->T) + " tokens, fingerprint " + hex},
+            {"training data", std::to_string(t->train->size()) + " sequences of " + std::to_string(t->T) + " tokens, fingerprint " + hex},
             {"seed", std::to_string(o.seed)},
             {"micro-batch", std::to_string(o.micro_batch)},
             {"gradient accumulation", std::to_string(o.grad_accum)},

@@ -6,10 +6,16 @@
 // whole step (not by grad_accum), so accumulation equals one big batch. AdamW (decoupled weight
 // decay) on fp32 master weights; gradients clipped to max_grad_norm after accumulation; the
 // learning rate follows transformers' schedules: constant (no warmup, as transformers'
-// "constant"), constant_with_warmup, linear, cosine, the last three with linear warmup from 0. Sequences are visited in an order shuffled per epoch from the
-// seed, so the data position, the dropout masks and the schedule are all functions of the step:
-// a checkpoint holds the adapter, the optimizer moments and the step, and resuming reproduces
-// the uninterrupted run exactly.
+// "constant"), constant_with_warmup, linear, cosine, the last three with linear warmup from 0.
+// Sequences are visited in an order shuffled per epoch from the seed, so the data position,
+// the dropout masks and the schedule are all functions of the step: a checkpoint holds the
+// adapter, the optimizer moments and the step, and resuming reproduces the uninterrupted run
+// exactly.
+//
+// Memory is planned before anything is allocated (ql_train_plan): base weights (the pages a
+// run reads), adapter, gradients, optimizer state, graph inputs, saved activations and
+// temporaries; the recompute policy (checkpointing) decides what backward recomputes instead
+// of keeping (ql_graph_recompute), "auto" the cheapest choice that fits mem_limit.
 #pragma once
 
 #include "data.h"
@@ -33,6 +39,33 @@ struct ql_train_options {
     int64_t max_steps = -1;             // > 0: overrides epochs
     uint64_t seed = 42;                 // data order and dropout masks (the adapter's init: lora.init_seed)
     int threads = 0;                    // 0: one per core
+    // memory
+    std::string checkpointing = "none";  // none | block | sqrt | auto (the cheapest that fits mem_limit)
+    size_t mem_limit = 0;                // bytes for the whole process; 0: none (auto needs one)
+    size_t mem_other = 0;                // bytes the process holds besides what the trainer plans
+    bool offload_activations = false;    // block checkpoints in host memory (on the CPU: accounted only)
+};
+
+// Where the memory of a run goes, all known before step one (bytes).
+struct ql_memory_plan {
+    std::vector<std::pair<std::string, size_t>> weights_by_type;  // type name -> bytes read
+    size_t weights = 0;         // pages of the base model a run reads (embedding: rows the data uses)
+    size_t weights_file = 0;    // the model's tensor bytes in the file
+    size_t lora = 0, grads = 0, optimizer = 0;
+    size_t inputs = 0;          // graph inputs (tokens, positions, targets, ...)
+    size_t headers = 0;         // tensor headers and graph bookkeeping in the arena
+    size_t saved = 0;           // forward results alive when backward starts (checkpoints included)
+    size_t checkpoints = 0;     // of them, the kept segment inputs (host memory with offload)
+    bool   offload = false;     // --offload-activations: checkpoints counted as host memory
+    size_t recompute = 0;       // most bytes of recomputed results alive at once (in room the saved free)
+    size_t scratch = 0;         // the rest of the planned buffer (temporaries, recomputed results)
+    size_t work = 0;            // kernel workspace (matmul packing, attention tiles)
+    size_t reserve = 0;         // for what no plan sees (heap bookkeeping, code pages): 1 MiB + 0.5%
+    size_t total = 0;           // weights + arena + planned buffer + reserve: what the trainer adds to the process
+    std::string checkpointing;  // the policy; with auto, what it chose ("auto: 6 of 24 segments recomputed")
+    std::vector<int> levels;    // ql_keep per segment
+    double recompute_fraction = 0;  // recomputed / forward FLOPs
+    int micro_batch = 0;
 };
 
 struct ql_step_metrics {
@@ -48,9 +81,23 @@ struct ql_step_metrics {
 struct ql_trainer;
 
 // Builds adapters on f's model, the training and evaluation graphs and all state, sized and
-// allocated once. train/eval: sequences of the same length (ql_dataset_sequences).
-ql_trainer *ql_trainer_new(ql_llama_file *f, const std::vector<ql_sequence> &train, const std::vector<ql_sequence> &eval,
+// allocated once. train/eval: sequences of the same length (ql_dataset_sequences), kept by the
+// trainer (std::move them in to avoid a copy).
+ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std::vector<ql_sequence> eval,
                            const ql_train_options &o, std::string *err);
+// The memory plan of such a trainer, without allocating anything. With mem_limit set, false
+// (and the plan of the smallest configuration tried) when it does not fit.
+bool        ql_train_plan(ql_llama_file *f, const std::vector<ql_sequence> &train, const std::vector<ql_sequence> &eval,
+                          const ql_train_options &o, ql_memory_plan *mp, std::string *err);
+const ql_memory_plan &ql_trainer_memory(const ql_trainer *t);
+// Every tensor the training graph's plan places (the policy applied as ql_train_plan would), as
+// JSON: name, op, shape, bytes, offset, the nodes that make it and read it last, category
+// (saved, recomputed, temporary). For the post-mortem of a plan that does not fit.
+bool        ql_train_write_snapshot(ql_llama_file *f, const std::vector<ql_sequence> &train, const std::vector<ql_sequence> &eval,
+                                    const ql_train_options &o, const char *path, std::string *err);
+// Reads one byte of every page of base weights the run will read (the plan's `weights`), so
+// that they are resident now rather than during step one; returns the bytes.
+size_t      ql_trainer_page_in_weights(const ql_trainer *t);
 void        ql_trainer_free(ql_trainer *t);
 
 int64_t     ql_trainer_total_steps(const ql_trainer *t);

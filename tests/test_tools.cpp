@@ -1,4 +1,5 @@
 // The command-line tools, run as a user would (the binaries must be built: `make` does).
+#include "../models/json.h"
 #include "../models/llama.h"
 #include "../models/tokenizer.h"
 #include "../qlora.h"
@@ -374,7 +375,7 @@ TEST_CASE("finetune: NF4 base end to end; outputs load in generate and perplexit
     CHECK_MESSAGE(log.find("trainable params: 7,168 || all params: ") != std::string::npos, log);
     CHECK(log.find("effective batch 4 sequences; 12 steps") != std::string::npos);
     CHECK(log.find("nf4 weights") != std::string::npos);
-    CHECK(log.find("memory plan:") != std::string::npos);
+    CHECK(log.find("memory plan (MiB)") != std::string::npos);
     CHECK(log.find("finetune: done: 12 steps") != std::string::npos);
     for (const char *f : {"/adapter.gguf", "/peft/adapter_config.json", "/peft/adapter_model.safetensors", "/loss.png",
                           "/checkpoint.gguf", "/merged.gguf"})
@@ -506,6 +507,14 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
         {" -m " + base + " -d " + d.path + "/none.jsonl -o " + out, "none.jsonl"},
         {" -m " + base + " -d " + bad + " -o " + out, "bad.jsonl:2: "},
         {md + " --resume " + d.path + "/nothing", "nothing/checkpoint.gguf"},
+        {md + " --mem-limit lots", "--mem-limit: 'lots' is not a size"},
+        {md + " --mem-limit 0", "--mem-limit: '0' is not a size"},
+        {md + " --mem-limit 6Q", "--mem-limit: '6Q' is not a size"},
+        {md + " --checkpointing half", "--checkpointing: 'half' (none, block, sqrt, auto)"},
+        {md + " -b auto", "-b auto needs --mem-limit"},
+        {md + " --checkpointing auto", "--checkpointing auto needs --mem-limit"},
+        {md + " -b 2 --effective-batch 5", "--effective-batch 5 is not a multiple of -b 2"},
+        {md + " --effective-batch 0", "--effective-batch: '0' is not a number in [1, "},
     };
     for (const bad_case &c : cases) {
         CAPTURE(c.args);
@@ -566,4 +575,142 @@ TEST_CASE("finetune: BOS only where the vocabulary adds it (tokenizer.ggml.add_b
     REQUIRE(run("./tokenize -m " + nobos + " -p \"one\"", &t2) == 0);
     CHECK_MESSAGE(t1.rfind("1 ", 0) == 0, t1);
     CHECK_MESSAGE(t2 == t1.substr(2), t2);
+}
+
+namespace {
+
+// "peak memory WHEN: X MiB measured (VmHWM), Y MiB planned" -> (X, Y); (-1, -1) if absent
+std::pair<double, double> peak_line(const std::string &log, const char *when) {
+    const std::string k = std::string("peak memory ") + when + ": ";
+    const size_t p = log.find(k);
+    double x = -1, y = -1;
+    if (p == std::string::npos || sscanf(log.c_str() + p + k.size(), "%lf MiB measured (VmHWM), %lf MiB planned", &x, &y) != 2)
+        return {-1, -1};
+    return {x, y};
+}
+
+// the JSON object on a line of its own in a tool's output
+ql_json json_line(const std::string &log) {
+    ql_json j;
+    for (size_t p = 0; p < log.size();) {
+        const size_t e = std::min(log.find('\n', p), log.size());
+        if (log[p] == '{') {
+            std::string why;
+            REQUIRE_MESSAGE(ql_json_parse(log.substr(p, e - p), QL_JSON_DOCUMENT, &j, &why), why);
+            return j;
+        }
+        p = e + 1;
+    }
+    FAIL("no JSON line in: " << log);
+    return j;
+}
+
+double jnum(const ql_json &j, const char *key) {
+    const ql_json *v = j.get(key);
+    REQUIRE_MESSAGE(v, key);
+    return v->num();
+}
+
+}  // namespace
+
+TEST_CASE("finetune: the memory plan: --dry-run, measured peak within 3%, -b auto under --mem-limit, advice and snapshot") {
+    if (!all_built({"make-model", "finetune"})) return;
+    tmpdir d;
+    const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl", out = d.path + "/run";
+    std::string log;
+    REQUIRE(run("./make-model -o " + base + " --dim 192 --layers 4 --heads 4 --ff 512 --seed 1", &log) == 0);
+    write_qa_jsonl(data, 16);
+    const std::string ft = "./finetune -m " + base + " -d " + data + " -o " + out + " --seq-len 256 -t 2 --overwrite";
+
+    // --dry-run: the table (or one JSON object), exit 0, nothing written
+    REQUIRE_MESSAGE(run(ft + " -b 4 --dry-run", &log) == 0, log);
+    for (const char *row : {"memory plan (MiB)", "base weights, pages read", "LoRA parameters", "gradients", "optimizer state",
+                            "saved activations", "temporaries and recompute", "kernel workspace", "data buffers", "total"})
+        CHECK_MESSAGE(has(log, row), row);
+    CHECK(!exists(out));
+    REQUIRE_MESSAGE(run(ft + " -b 4 --dry-run --json", &log) == 0, log);
+    const ql_json j = json_line(log);
+    double parts = jnum(j, "process") + jnum(*j.get("weights"), "read");
+    for (const char *k : {"lora", "grads", "optimizer", "saved_activations", "temporaries", "workspace", "inputs", "graph", "reserve"})
+        parts += jnum(j, k);
+    CHECK(parts == jnum(j, "total"));  // the parts add up to the total
+    CHECK(jnum(j, "micro_batch") == 4);
+    CHECK(j.get("fits")->b);
+    CHECK(!exists(out));
+
+    // the plan against the measured peak (VmHWM), after step 1 and at the end: within 3%
+    double planned_none = 0, planned_block = 0;
+    for (const std::string policy : {"none", "block", "sqrt"}) {
+        CAPTURE(policy);
+        REQUIRE_MESSAGE(run(ft + " -b 4 --max-steps 2 --checkpointing " + policy, &log) == 0, log);
+        for (const char *when : {"after step 1", "of training"}) {
+            const auto [measured, planned] = peak_line(log, when);
+            MESSAGE(policy, " ", std::string(when), ": measured ", measured, " MiB, planned ", planned, " MiB");
+            REQUIRE(planned > 0);
+            CHECK(std::fabs(measured - planned) <= 0.03 * planned);
+        }
+        const auto ml = metric_lines(out + "/metrics.jsonl");
+        REQUIRE(ml.size() == 2);
+        CHECK(metric(ml[0].second, "planned_mib") == doctest::Approx(peak_line(log, "of training").second).epsilon(1e-3));
+        if (policy == "none") planned_none = peak_line(log, "of training").second;
+        if (policy == "block") planned_block = peak_line(log, "of training").second;
+    }
+    CHECK(planned_block < planned_none);
+
+    // -b auto: the largest micro-batch whose plan fits, never above the limit, measured too
+    // none at b 4 fits (the printed plan is rounded to 0.1 MiB, and RSS before training varies a little)
+    const long long limit = (long long)((planned_none + 1) * 1048576.0);
+    REQUIRE_MESSAGE(run(ft + " -b auto --mem-limit " + std::to_string(limit) + " --dry-run --json", &log) == 0, log);
+    const ql_json ja = json_line(log);
+    const int b = (int)jnum(ja, "micro_batch");
+    CHECK(b >= 4);
+    CHECK(jnum(ja, "total") <= (double)limit);
+    if (b < 16) {  // one more sequence per micro-batch would not fit
+        CHECK(run(ft + " -b " + std::to_string(b + 1) + " --mem-limit " + std::to_string(limit) + " --dry-run --json", &log) == 1);
+        CHECK(!json_line(log).get("fits")->b);
+    }
+    REQUIRE_MESSAGE(run(ft + " -b auto --effective-batch 8 --mem-limit " + std::to_string(limit) + " --max-steps 1", &log) == 0, log);
+    CHECK_MESSAGE(has(log, "micro-batch 4 (-b auto) x accumulation 2 = effective batch 8"), log);
+    CHECK(peak_line(log, "of training").first * 1048576.0 <= (double)limit);
+
+    // --checkpointing auto halfway between block and none: fits, and recomputes less than block
+    const long long half = (long long)((planned_none + planned_block) / 2 * 1048576.0);
+    REQUIRE_MESSAGE(run(ft + " -b 4 --checkpointing auto --mem-limit " + std::to_string(half) + " --max-steps 1", &log) == 0, log);
+    CHECK_MESSAGE(has(log, "checkpointing: auto: of 8 segments"), log);
+    CHECK(peak_line(log, "of training").first * 1048576.0 <= (double)half);
+
+    // --offload-activations: the checkpoints are shown as host memory
+    REQUIRE(run(ft + " -b 4 --checkpointing block --offload-activations --dry-run", &log) == 0);
+    CHECK_MESSAGE(has(log, "(host memory)"), log);
+    CHECK(has(log, "with --offload-activations: "));
+
+    // nothing fits: the biggest items, three changes with their totals, a snapshot; no run
+    REQUIRE(run("rm -rf " + out, &log) == 0);
+    CHECK(run(ft + " -b 4 --mem-limit 20M", &log) == 1);
+    CHECK_MESSAGE(has(log, "does not fit: needs "), log);
+    CHECK(has(log, "of the 20.0 MiB allowed (saved activations "));
+    CHECK(has(log, "what would help most"));
+    CHECK(has(log, "--checkpointing block "));
+    CHECK(has(log, "-b 1 --grad-accum 4 (the same effective batch)"));
+    CHECK(has(log, "--seq-len 128 "));
+    CHECK(!exists(out + "/checkpoint.gguf"));
+    REQUIRE(exists(out + "/memory-snapshot.json"));
+    ql_json snap;
+    std::string why;
+    REQUIRE_MESSAGE(ql_json_parse(read_file(out + "/memory-snapshot.json"), QL_JSON_DOCUMENT, &snap, &why), why);
+    const ql_json *tensors = snap.get("tensors");
+    REQUIRE(tensors);
+    REQUIRE(tensors->items.size() > 50);
+    int saved = 0;
+    for (const ql_json &x : tensors->items) {
+        saved += x.get("category")->str == "saved";
+        CHECK(jnum(x, "first") <= jnum(x, "last"));
+        CHECK(jnum(x, "bytes") > 0);
+    }
+    CHECK(saved > 10);
+    // --dry-run of a plan that does not fit: exit 1, the advice, nothing written
+    REQUIRE(run("rm -rf " + out, &log) == 0);
+    CHECK(run(ft + " -b 4 --mem-limit 20M --dry-run", &log) == 1);
+    CHECK(has(log, "what would help most"));
+    CHECK(!exists(out));
 }

@@ -15,13 +15,13 @@
 namespace {
 
 // a tiny random llama (tied output) written to GGUF with weights of `type` and loaded back
-ql_llama_file *load_tiny(const std::string &dir, ql_type type = QL_TYPE_F32, uint64_t seed = 3) {
-    tiny_llama t(tiny_hparams(61, 64, 128), seed, 0.2f, /*tied_output=*/true);
+ql_llama_file *load_tiny(const std::string &dir, ql_type type = QL_TYPE_F32, uint64_t seed = 3, int n_layer = 2) {
+    tiny_llama t(tiny_hparams(61, 64, 128, n_layer), seed, 0.2f, /*tied_output=*/true);
     llama_gguf_opts o;
     o.norm_eps = false;
     o.linear_type = type;
     o.norms_first = true;
-    const std::string path = dir + "/tiny-" + ql_type_name(type) + ".gguf";
+    const std::string path = dir + "/tiny-" + ql_type_name(type) + "-" + std::to_string(n_layer) + ".gguf";
     write_llama_gguf(t.m, path, o);
     char err[256];
     ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
@@ -422,5 +422,129 @@ TEST_CASE("trainer: AdamW with weight decay and clipping, step by step, as torch
     }
     CHECK(clipped == 3);
     ql_trainer_free(t);
+    ql_llama_file_free(f);
+}
+
+// ---- memory: recompute policies, the plan, auto under a budget (REFERENCE.md section 12) ----
+
+namespace {
+
+ql_memory_plan plan_of(ql_llama_file *f, const std::vector<ql_sequence> &s, ql_train_options o, const char *policy, size_t limit = 0,
+                       bool *fits = nullptr) {
+    o.checkpointing = policy;
+    o.mem_limit = limit;
+    ql_memory_plan mp;
+    std::string err;
+    const bool ok = ql_train_plan(f, s, s, o, &mp, &err);
+    if (fits) *fits = ok;
+    else REQUIRE_MESSAGE(ok, err);
+    return mp;
+}
+
+}  // namespace
+
+TEST_CASE("trainer: checkpointing none, block, sqrt and auto train the same adapter (dropout on)") {
+    tmpdir d;
+    ql_llama_file *f = load_tiny(d.path, QL_TYPE_F32, 3, 4);
+    const std::vector<ql_sequence> seqs = make_sequences(8, 24, 5);
+    ql_train_options o = base_options();
+    o.lora.dropout = 0.1f;  // masks from (seed, step, tensor): the recomputed forward draws the same ones
+    const ql_memory_plan none = plan_of(f, seqs, o, "none"), block = plan_of(f, seqs, o, "block");
+    const size_t mid = (none.total + block.total) / 2;
+    std::vector<std::vector<float>> adapters, grads;
+    std::vector<std::vector<double>> norms;
+    std::vector<std::string> chosen;
+    for (const char *policy : {"none", "block", "sqrt", "auto"}) {
+        CAPTURE(policy);
+        ql_train_options p = o;
+        p.checkpointing = policy;
+        p.mem_limit = !strcmp(policy, "auto") ? mid : 0;
+        std::string err;
+        ql_trainer *t = ql_trainer_new(f, seqs, seqs, p, &err);
+        REQUIRE_MESSAGE(t, err);
+        chosen.push_back(ql_trainer_memory(t).checkpointing);
+        std::vector<double> n;
+        for (int s = 0; s < 3; s++) {
+            ql_step_metrics m;
+            REQUIRE_MESSAGE(ql_trainer_step(t, &m, &err), err);
+            n.push_back(m.grad_norm);
+        }
+        std::vector<float> g;  // the last step's gradient
+        for (ql_tensor *x : ql_llama_lora_params(ql_trainer_model(t)))
+            g.insert(g.end(), (const float *)x->grad->data, (const float *)x->grad->data + ql_nelements(x));
+        norms.push_back(n);
+        grads.push_back(g);
+        adapters.push_back(adapter_of(t));
+        ql_trainer_free(t);
+    }
+    MESSAGE("auto at a budget halfway between block and none: ", chosen[3]);
+    CHECK(chosen[3].find("keep only their input") != std::string::npos);  // a partial choice, neither extreme
+    for (size_t r = 1; r < adapters.size(); r++) {
+        CAPTURE(r);
+        for (size_t s = 0; s < 3; s++) CHECK(std::fabs(norms[r][s] - norms[0][s]) <= 1e-6 * norms[0][s]);
+        CHECK(rel_err(grads[r], grads[0]) <= 1e-6);
+        CHECK(rel_err(adapters[r], adapters[0]) <= 1e-6);
+    }
+    ql_llama_file_free(f);
+}
+
+TEST_CASE("trainer: block's saved activations on an 8-layer model at seq 512 are <= 40% of none's") {
+    tmpdir d;
+    ql_llama_file *f = load_tiny(d.path, QL_TYPE_F32, 3, 8);
+    const std::vector<ql_sequence> seqs = make_sequences(4, 512, 1);
+    const ql_train_options o = base_options();
+    const ql_memory_plan none = plan_of(f, seqs, o, "none"), block = plan_of(f, seqs, o, "block"), sq = plan_of(f, seqs, o, "sqrt");
+    MESSAGE("saved activations (MiB): none ", none.saved / 1048576.0, ", block ", block.saved / 1048576.0, " (checkpoints ",
+            block.checkpoints / 1048576.0, "), sqrt ", sq.saved / 1048576.0, "; recomputed FLOPs: block ", block.recompute_fraction,
+            ", sqrt ", sq.recompute_fraction);
+    CHECK(none.checkpoints == 0);
+    CHECK(none.recompute_fraction == 0);
+    CHECK(block.saved <= none.saved * 4 / 10);
+    CHECK(block.total < none.total);
+    CHECK(sq.saved < block.saved);  // fewer checkpoints kept ...
+    CHECK(sq.recompute_fraction >= block.recompute_fraction);  // ... for more recompute
+    // block keeps the 16 segment inputs: [64, 512 x 2] f32 each
+    CHECK(block.checkpoints == 16 * (size_t)64 * 512 * 2 * 4);
+    // sqrt: ceil(sqrt(8)) = 3: the inputs of blocks 0, 3, 6
+    CHECK(sq.checkpoints == 3 * (size_t)64 * 512 * 2 * 4);
+    // the parts add up to the total
+    for (const ql_memory_plan *m : {&none, &block, &sq})
+        CHECK(m->total == m->weights + m->lora + m->grads + m->optimizer + m->inputs + m->headers + m->saved + m->scratch + m->work + m->reserve);
+    ql_llama_file_free(f);
+}
+
+TEST_CASE("trainer: auto fits every budget it accepts, and recomputes less than block when the budget allows") {
+    tmpdir d;
+    ql_llama_file *f = load_tiny(d.path, QL_TYPE_F32, 3, 4);
+    const std::vector<ql_sequence> seqs = make_sequences(4, 256, 1);
+    const ql_train_options o = base_options();
+    const ql_memory_plan none = plan_of(f, seqs, o, "none"), block = plan_of(f, seqs, o, "block"), sq = plan_of(f, seqs, o, "sqrt");
+    REQUIRE(block.total < none.total);
+    // 4 layers: sqrt keeps 2 of 4 block inputs but recomputes 2 blocks at once: more than block
+    const size_t least = std::min(sq.total, block.total);
+    int accepted = 0, partial = 0;
+    double last_fraction = 1e9;
+    const size_t lo = least - least / 10, hi = none.total + none.total / 10;
+    for (int i = 0; i <= 40; i++) {
+        const size_t limit = lo + (hi - lo) / 40 * (size_t)i;
+        CAPTURE(limit);
+        bool ok = false;
+        const ql_memory_plan a = plan_of(f, seqs, o, "auto", limit, &ok);
+        CHECK(ok == (limit >= least));  // whatever block or sqrt fits, auto accepts
+        if (!ok) continue;
+        accepted++;
+        CHECK(a.total <= limit);
+        CHECK(a.recompute_fraction <= last_fraction + 1e-12);  // more budget, never more recompute
+        last_fraction = a.recompute_fraction;
+        if (limit >= none.total) CHECK(a.recompute_fraction == 0);
+        if (limit >= block.total) CHECK(a.recompute_fraction <= block.recompute_fraction);
+        if (limit >= block.total + (none.total - block.total) / 4 && limit < none.total) {
+            CHECK(a.recompute_fraction < block.recompute_fraction);
+            CHECK(a.recompute_fraction > 0);
+            partial++;
+        }
+    }
+    CHECK(accepted >= 30);
+    CHECK(partial >= 10);
     ql_llama_file_free(f);
 }

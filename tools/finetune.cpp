@@ -13,6 +13,7 @@
 #include <limits.h>
 #include <stdlib.h>
 #include <sys/stat.h>
+#include <malloc.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -42,6 +43,8 @@ static const char *k_help =
     "           --lr-scheduler constant|constant_with_warmup|linear|cosine  --warmup-ratio 0  --warmup-steps N\n"
     "           --max-grad-norm 1.0\n"
     "           --epochs 1  --max-steps N  --seed 42  -t THREADS  --profile (time per op, printed at the end)\n"
+    "memory:    --checkpointing none|block|sqrt|auto  --mem-limit SIZE (e.g. 6G; auto and -b auto need it)\n"
+    "           -b auto  --effective-batch N  --offload-activations  --dry-run (print the plan, train nothing)  --json\n"
     "output:    -o DIR (default finetune-out)  --save-every N  --resume DIR  --merge  --overwrite (replace a run in -o DIR)\n";
 
 static double peak_rss_mib() {  // VmHWM: the high-water mark of resident memory
@@ -134,6 +137,85 @@ static bool same_dir(const std::string &a, const char *b) {
     return realpath(a.c_str(), ra) && realpath(b, rb) && !strcmp(ra, rb);
 }
 
+// "6G", "512M", "1.5GiB", "6442450944": K, M, G, T are powers of 1024
+static bool parse_size(const char *s, size_t *out) {
+    char *end = nullptr;
+    const double v = strtod(s, &end);
+    if (!end || end == s || !std::isfinite(v) || v <= 0) return false;
+    std::string u = end;
+    for (char &c : u) c = (char)toupper((unsigned char)c);
+    if (u.size() >= 2 && u.substr(u.size() - 2) == "IB") u = u.substr(0, u.size() - 2);
+    else if (u.size() >= 2 && u.back() == 'B') u.pop_back();
+    double m = 1;
+    if (u == "K") m = 1024.0;
+    else if (u == "M") m = 1048576.0;
+    else if (u == "G") m = 1073741824.0;
+    else if (u == "T") m = 1099511627776.0;
+    else if (!u.empty()) return false;
+    if (v * m < 1 || v * m > 1e18) return false;
+    *out = (size_t)(v * m);
+    return true;
+}
+
+static size_t rss_bytes() { return (size_t)(rss_mib() * 1048576.0); }
+static size_t hwm_bytes() { return (size_t)(peak_rss_mib() * 1048576.0); }
+// Linux: the peak (VmHWM) starts again from the current size, so that the training peak is
+// measured apart from loading's
+static void reset_hwm() {
+    if (FILE *f = fopen("/proc/self/clear_refs", "w")) {
+        fputs("5", f);
+        fclose(f);
+    }
+}
+
+// The memory plan as a table (process: the bytes outside the trainer's plan, and how they
+// were obtained) or as one JSON object.
+static void print_memory(const ql_memory_plan &m, size_t process, const char *process_how, size_t limit, bool json) {
+    const double MiB = 1048576.0;
+    const size_t total = process + m.total;
+    if (json) {
+        printf("{\"weights\": {\"read\": %zu, \"file\": %zu, \"by_type\": {", m.weights, m.weights_file);
+        for (size_t i = 0; i < m.weights_by_type.size(); i++)
+            printf("%s\"%s\": %zu", i ? ", " : "", m.weights_by_type[i].first.c_str(), m.weights_by_type[i].second);
+        printf("}}, \"lora\": %zu, \"grads\": %zu, \"optimizer\": %zu, \"saved_activations\": %zu, \"checkpoints\": %zu, "
+               "\"checkpoints_in_host_memory\": %s, \"temporaries\": %zu, \"recompute_peak\": %zu, \"workspace\": %zu, "
+               "\"inputs\": %zu, \"graph\": %zu, \"reserve\": %zu, \"process\": %zu, \"total\": %zu, \"limit\": %zu, \"fits\": %s, "
+               "\"checkpointing\": \"%s\", \"recompute_fraction\": %.4f, \"micro_batch\": %d}\n",
+               m.lora, m.grads, m.optimizer, m.saved, m.checkpoints, m.offload ? "true" : "false", m.scratch, m.recompute, m.work,
+               m.inputs, m.headers, m.reserve, process, total, limit, limit == 0 || total <= limit ? "true" : "false",
+               m.checkpointing.c_str(), m.recompute_fraction, m.micro_batch);
+        return;
+    }
+    std::string types;
+    for (const auto &x : m.weights_by_type) {
+        char b[64];
+        snprintf(b, sizeof(b), "%s%s %.1f", types.empty() ? "" : ", ", x.first.c_str(), (double)x.second / MiB);
+        types += b;
+    }
+    printf("finetune: memory plan (MiB)\n");
+    printf("  base weights, pages read               %10.1f   %s; %.1f in the file\n", m.weights / MiB, types.c_str(), m.weights_file / MiB);
+    printf("  LoRA parameters (fp32)                 %10.1f\n", m.lora / MiB);
+    printf("  gradients (fp32)                       %10.1f\n", m.grads / MiB);
+    printf("  optimizer state (AdamW, 2 x fp32)      %10.1f\n", m.optimizer / MiB);
+    printf("  saved activations (forward->backward)  %10.1f", m.saved / MiB);
+    if (m.checkpoints) printf("   of them block checkpoints %.1f%s", m.checkpoints / MiB, m.offload ? " (host memory)" : "");
+    printf("\n  temporaries and recompute              %10.1f", m.scratch / MiB);
+    if (m.recompute) printf("   recomputed results: at most %.1f at once, in room the saved free", m.recompute / MiB);
+    printf("\n  kernel workspace (matmul, attention)   %10.1f\n", m.work / MiB);
+    printf("  data buffers (graph inputs)            %10.2f\n", m.inputs / MiB);
+    printf("  graph structures                       %10.1f\n", m.headers / MiB);
+    printf("  reserve (heap bookkeeping, code pages) %10.1f\n", m.reserve / MiB);
+    printf("  process (%s)%*s%10.1f\n", process_how, std::max(0, 29 - (int)strlen(process_how)), "", process / MiB);
+    printf("  total                                  %10.1f", total / MiB);
+    if (limit) printf("   limit %.1f: %s", limit / MiB, total <= limit ? "fits" : "does NOT fit");
+    if (m.offload)
+        printf("\n    with --offload-activations: %.1f host + %.1f device (the CPU backend: one memory, nothing moves)",
+               m.checkpoints / MiB, (total - m.checkpoints) / MiB);
+    printf("\n  checkpointing: %s", m.checkpointing.c_str());
+    if (m.recompute_fraction > 0) printf("; recomputes %.0f%% of the forward FLOPs", 100 * m.recompute_fraction);
+    printf("\n");    fflush(stdout);  // before any message on stderr
+}
+
 struct args {
     const char *model = nullptr, *data = nullptr, *val_data = nullptr, *resume = nullptr, *chat = nullptr;
     std::string out = "finetune-out";
@@ -143,6 +225,8 @@ struct args {
     double val_split = 0;
     int64_t eval_every = 0, save_every = 0;
     bool merge = false, overwrite = false, profile = false;
+    bool b_auto = false, dry_run = false, json = false;
+    int effective_batch = 0;  // 0: not asked for
 };
 
 // one flag with its value; false (after a one-line message) on anything malformed
@@ -211,7 +295,28 @@ static bool parse(int argc, char **argv, args *a) {
         else if (f == "--no-eos") a->d.add_eos = false;
         else if (f == "--val-split") { if (!num(f.c_str(), need(i), 0, 0.9, &v)) return false; a->val_split = v; }
         else if (f == "--eval-every") { if (!whole(f.c_str(), need(i), 1, 1e12, &v)) return false; a->eval_every = (int64_t)v; }
+        else if (f == "-b" && i + 1 < argc && !strcmp(argv[i + 1], "auto")) { a->b_auto = true; i++; }
         else if (f == "-b") { if (!whole(f.c_str(), need(i), 1, 4096, &v)) return false; a->o.micro_batch = (int)v; }
+        else if (f == "--effective-batch") { if (!whole(f.c_str(), need(i), 1, 1 << 20, &v)) return false; a->effective_batch = (int)v; }
+        else if (f == "--checkpointing") {
+            if (!(s = need(i))) return false;
+            a->o.checkpointing = s;
+            if (a->o.checkpointing != "none" && a->o.checkpointing != "block" && a->o.checkpointing != "sqrt" &&
+                a->o.checkpointing != "auto") {
+                fprintf(stderr, "finetune: --checkpointing: '%s' (none, block, sqrt, auto)\n", s);
+                return false;
+            }
+        }
+        else if (f == "--mem-limit") {
+            if (!(s = need(i))) return false;
+            if (!parse_size(s, &a->o.mem_limit)) {
+                fprintf(stderr, "finetune: --mem-limit: '%s' is not a size (e.g. 6G, 512M, 1.5G; K/M/G/T are powers of 1024)\n", s);
+                return false;
+            }
+        }
+        else if (f == "--offload-activations") a->o.offload_activations = true;
+        else if (f == "--dry-run") a->dry_run = true;
+        else if (f == "--json") a->json = true;
         else if (f == "--grad-accum") { if (!whole(f.c_str(), need(i), 1, 1 << 20, &v)) return false; a->o.grad_accum = (int)v; }
         else if (f == "--lr") { if (!num(f.c_str(), need(i), 0, 10, &v)) return false; a->o.lr = (float)v; }
         else if (f == "--beta1") { if (!num(f.c_str(), need(i), 0, 0.999999, &v)) return false; a->o.beta1 = (float)v; }
@@ -251,12 +356,125 @@ static bool parse(int argc, char **argv, args *a) {
         fprintf(stderr, "finetune: --val-split and --val-data are alternatives\n");
         return false;
     }
+    if ((a->b_auto || a->o.checkpointing == "auto") && a->o.mem_limit == 0) {
+        fprintf(stderr, "finetune: %s needs --mem-limit\n", a->b_auto ? "-b auto" : "--checkpointing auto");
+        return false;
+    }
+    if (a->effective_batch > 0 && !a->b_auto) {
+        if (a->effective_batch % a->o.micro_batch != 0) {
+            fprintf(stderr, "finetune: --effective-batch %d is not a multiple of -b %d\n", a->effective_batch, a->o.micro_batch);
+            return false;
+        }
+        a->o.grad_accum = a->effective_batch / a->o.micro_batch;
+    }
     return true;
+}
+
+// ---- memory: -b auto, advice when nothing fits, the snapshot ----
+
+using seqs = std::vector<ql_sequence>;
+
+// -b auto: the largest micro-batch whose plan fits --mem-limit (plans only, no trial runs);
+// with --effective-batch N the divisors of N, accumulation making up the rest. Memory grows
+// with the micro-batch, so a binary search over the candidates.
+static bool choose_batch(ql_llama_file *f, const seqs &tr, const seqs &ev, args *a) {
+    std::vector<int> cand;
+    const int N = a->effective_batch;
+    const int cap = N > 0 ? N : (int)std::min<size_t>(4096, tr.size());  // more than the data is padding
+    for (int b = 1; b <= cap; b++)
+        if (N == 0 || N % b == 0) cand.push_back(b);
+    auto fits = [&](int b) {
+        ql_train_options o = a->o;
+        o.micro_batch = b;
+        // with checkpointing auto: the batch that fits with at most block's recompute (sqrt's
+        // extra recompute costs more time than a bigger micro-batch saves); auto then picks the
+        // cheapest recompute for it
+        if (o.checkpointing == "auto") o.checkpointing = "block";
+        ql_memory_plan mp;
+        std::string err;
+        return ql_train_plan(f, tr, ev, o, &mp, &err);
+    };
+    size_t lo = 0, hi = cand.size();  // cand[lo - 1] fits (lo = 0: none known), cand[hi] does not
+    while (lo < hi) {
+        const size_t mid = (lo + hi) / 2;
+        if (fits(cand[mid])) lo = mid + 1;
+        else hi = mid;
+    }
+    a->o.micro_batch = lo > 0 ? cand[lo - 1] : 1;  // nothing fits: 1, and the plan below says why
+    if (N > 0) a->o.grad_accum = N / a->o.micro_batch;
+    if (lo > 0)
+        printf("finetune: -b auto: micro-batch %d is the largest that fits %.0f MiB%s\n", a->o.micro_batch,
+               (double)a->o.mem_limit / 1048576.0, N > 0 ? " among the divisors of --effective-batch" : "");
+    return true;
+}
+
+// The changes that would help most when the plan does not fit, each with its predicted total:
+// more recompute, micro-batch 1, half the sequence length, the base in NF4.
+static void advise(ql_llama_file *f, const seqs &tr, const seqs &ev, const args &a, const ql_memory_plan &now) {
+    struct change { std::string what; size_t total; };
+    std::vector<change> v;
+    auto plan = [&](const std::string &what, const ql_train_options &o, const seqs &t2, const seqs &e2, size_t minus) {
+        ql_memory_plan mp;
+        std::string err;
+        ql_train_plan(f, t2, e2, o, &mp, &err);
+        if (mp.total > 0) v.push_back({what, a.o.mem_other + mp.total - std::min(minus, mp.total)});
+    };
+    const std::string &cp = a.o.checkpointing;
+    if (cp == "none" || cp == "block") {
+        ql_train_options o = a.o;
+        o.checkpointing = cp == "none" ? "block" : "sqrt";
+        plan("--checkpointing " + o.checkpointing, o, tr, ev, 0);
+    }
+    if (a.o.micro_batch > 1) {
+        ql_train_options o = a.o;
+        o.micro_batch = 1;
+        o.grad_accum = a.o.micro_batch * a.o.grad_accum;
+        plan("-b 1 --grad-accum " + std::to_string(o.grad_accum) + " (the same effective batch)", o, tr, ev, 0);
+    }
+    const size_t T = tr.empty() ? 0 : tr[0].tokens.size();
+    if (T >= 4) {  // the plan depends on the length and the tokens present, not on how many sequences
+        auto half = [&](const seqs &s) {
+            seqs h = s;
+            for (ql_sequence &q : h)
+                for (std::vector<int32_t> *x : {&q.tokens, &q.pos, &q.seg, &q.targets})
+                    if (!x->empty()) x->resize(T / 2);
+            return h;
+        };
+        plan("--seq-len " + std::to_string(T / 2), a.o, half(tr), half(ev), 0);
+    }
+    size_t saving = 0;  // ./quantize: the blocks' matrices in NF4
+    for (const ql_llama_layer &L : f->model.layers)
+        for (const ql_tensor *w : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) {
+            const size_t nf4 = ql_type_data_size(QL_TYPE_NF4, w->ne[1], w->ne[0]), cur = ql_nbytes(w) + w->aux_size;
+            if (w->ne[0] % QL_NF4_BLOCK == 0 && cur > nf4) saving += cur - nf4;
+        }
+    if (saving > 0) plan("the base in NF4 (./quantize " + std::string(a.model) + " out.gguf nf4)", a.o, tr, ev, saving);
+    std::sort(v.begin(), v.end(), [](const change &x, const change &y) { return x.total < y.total; });
+    if (v.empty()) return;
+    fprintf(stderr, "finetune: what would help most (predicted totals; now %.1f MiB, limit %.1f MiB):\n",
+            (double)(a.o.mem_other + now.total) / 1048576.0, (double)a.o.mem_limit / 1048576.0);
+    for (size_t i = 0; i < v.size() && i < 3; i++)
+        fprintf(stderr, "  %-60s %9.1f MiB%s\n", v[i].what.c_str(), (double)v[i].total / 1048576.0,
+                a.o.mem_limit == 0 || v[i].total <= a.o.mem_limit ? "  fits" : "");
+}
+
+// Every planned tensor with its size, category and lifetime, for the post-mortem.
+static void write_snapshot(ql_llama_file *f, const seqs &tr, const seqs &ev, const args &a, const std::string &out) {
+    std::string err;
+    const std::string path = out + "/memory-snapshot.json";
+    if (make_dir(out, &err) && ql_train_write_snapshot(f, tr, ev, a.o, path.c_str(), &err))
+        fprintf(stderr, "finetune: wrote %s (every planned tensor: bytes, category, lifetime)\n", path.c_str());
+    else
+        fprintf(stderr, "finetune: no memory snapshot: %s\n", err.c_str());
 }
 
 int main(int argc, char **argv) {
     args a;
     if (!parse(argc, argv, &a)) return 2;
+    // glibc raises its mmap threshold as large blocks are freed, after which planning's
+    // temporaries stay in the heap: fixed thresholds give them back, so RSS is what the plan says
+    mallopt(M_MMAP_THRESHOLD, 1 << 20);
+    mallopt(M_TRIM_THRESHOLD, 1 << 20);
     const bool tty = isatty(fileno(stdout));
     std::string err;
     char e[512];
@@ -314,11 +532,41 @@ int main(int argc, char **argv) {
         return 1;
     }
 
+    // ---- memory: the plan, before anything is allocated ----
+    int64_t n_targets = 0;
+    for (const ql_sequence &s : tseq) n_targets += s.n_targets;
+    const size_t n_train = tseq.size(), n_eval = eseq.size();
+    // what the process already holds (code, model metadata, vocabulary, data): the plan adds to it
+    a.o.mem_other = rss_bytes();
+    if (a.b_auto && !choose_batch(f, tseq, eseq, &a)) return 1;
+    ql_memory_plan plan;
+    const bool planned = ql_train_plan(f, tseq, eseq, a.o, &plan, &err);
+    if (!planned && plan.total == 0) {  // not a question of memory: the model or data cannot be built
+        fprintf(stderr, "finetune: %s\n", err.c_str());
+        return 1;
+    }
+    if (a.dry_run || !planned) {
+        print_memory(plan, a.o.mem_other, "RSS before training", a.o.mem_limit, a.json);
+        if (!planned) {
+            fprintf(stderr, "finetune: does not fit: %s\n", err.c_str());
+            advise(f, tseq, eseq, a, plan);
+            if (!a.dry_run) write_snapshot(f, tseq, eseq, a, out);
+            return 1;
+        }
+        return 0;
+    }
+
     // ---- the trainer: everything sized, planned and allocated before step one ----
     const auto t_build = std::chrono::steady_clock::now();
-    ql_trainer *t = ql_trainer_new(f, tseq, eseq, a.o, &err);
+    ql_trainer *t = ql_trainer_new(f, std::move(tseq), std::move(eseq), a.o, &err);
     if (!t) {
         fprintf(stderr, "finetune: %s\n", err.c_str());
+        if (!make_dir(out, &err)) return 1;  // an allocation failed although the plan fit: what was planned, and advice
+        std::vector<ql_sequence> t2, e2;     // (the sequences went to the trainer: rebuild them for the snapshot)
+        ql_dataset_sequences(train, a.d, pad, &t2);
+        ql_dataset_sequences(eval, a.d, pad, &e2);
+        advise(f, t2, e2, a, plan);
+        write_snapshot(f, t2, e2, a, out);
         return 1;
     }
     if ((a.resume && !ql_trainer_load(t, (std::string(a.resume) + "/checkpoint.gguf").c_str(), &err)) ||
@@ -329,22 +577,21 @@ int main(int argc, char **argv) {
 
     const ql_llama_hparams &hp = f->model.hp;
     const int64_t total = ql_trainer_total_steps(t), per_epoch = ql_trainer_steps_per_epoch(t);
-    int64_t n_targets = 0;
-    for (const ql_sequence &s : tseq) n_targets += s.n_targets;
-    const ql_plan_stats &ps = ql_trainer_plan(t);
+    const ql_memory_plan &mp = ql_trainer_memory(t);
     auto mib = [](size_t b) { return (double)b / 1048576.0; };
     printf("finetune: model %s: %s, %d layers, dim %d, %d/%d heads, ffn %d, vocab %d, %s weights %.1f MiB\n", a.model,
            f->arch.c_str(), hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv, hp.n_ff, hp.n_vocab,
-           ql_type_name(f->model.layers[0].wq->type), mib(ps.bytes[QL_MEM_WEIGHTS]));
+           ql_type_name(f->model.layers[0].wq->type), mib(mp.weights_file));
     printf("finetune: data %s: %lld lines (text %lld, prompt/completion %lld, messages %lld, alpaca %lld), %lld bad, "
            "%lld truncated to %d tokens, %lld with nothing to learn\n",
            a.data, (long long)train.n_lines, (long long)train.n_per_format[0], (long long)train.n_per_format[1],
            (long long)train.n_per_format[2], (long long)train.n_per_format[3], (long long)train.n_bad,
            (long long)train.n_truncated, a.d.seq_len, (long long)train.n_empty);
-    printf("finetune: %zu training sequences (%s), %lld supervised tokens; %zu evaluation sequences\n", tseq.size(),
-           a.d.pack ? "packed" : "one example each", (long long)n_targets, eseq.size());
-    printf("finetune: micro-batch %d x accumulation %d = effective batch %d sequences; %lld steps (%lld per epoch)%s\n",
-           a.o.micro_batch, a.o.grad_accum, a.o.micro_batch * a.o.grad_accum, (long long)total, (long long)per_epoch,
+    printf("finetune: %zu training sequences (%s), %lld supervised tokens; %zu evaluation sequences\n", n_train,
+           a.d.pack ? "packed" : "one example each", (long long)n_targets, n_eval);
+    printf("finetune: micro-batch %d%s x accumulation %d = effective batch %d sequences; %lld steps (%lld per epoch)%s\n",
+           a.o.micro_batch, a.b_auto ? " (-b auto)" : "", a.o.grad_accum, a.o.micro_batch * a.o.grad_accum, (long long)total,
+           (long long)per_epoch,
            ql_trainer_steps_done(t) ? (", resuming after step " + std::to_string(ql_trainer_steps_done(t))).c_str() : "");
     printf("finetune: LoRA r %d, alpha %g%s, dropout %g on", a.o.lora.r, (double)a.o.lora.alpha, a.o.lora.rslora ? " (rsLoRA)" : "",
            (double)a.o.lora.dropout);
@@ -353,13 +600,20 @@ int main(int argc, char **argv) {
            a.o.scheduler.c_str(), (long long)ql_trainer_warmup_steps(t),
            (double)a.o.weight_decay, (double)a.o.max_grad_norm);
     printf("%s\n", ql_trainable_line(ql_trainer_n_trainable(t), ql_trainer_n_base(t)).c_str());
-    printf("finetune: memory plan: base weights %.1f MiB, adapter + gradients + AdamW %.1f MiB, inputs %.2f MiB, "
-           "saved activations %.1f MiB, scratch %.1f MiB, kernel workspace %.1f MiB; total %.1f MiB (planned in %.2f s)\n",
-           mib(ps.bytes[QL_MEM_WEIGHTS]), mib(ql_trainer_state_bytes(t)), mib(ps.bytes[QL_MEM_INPUTS]),
-           mib(ps.bytes[QL_MEM_SAVED]), mib(ps.bytes[QL_MEM_SCRATCH]), mib(ps.bytes[QL_MEM_WORK]),
-           mib(ps.total + ql_trainer_state_bytes(t) / 2),  // plan counts params + grads; add the moments
+    print_memory(mp, a.o.mem_other, "RSS before training", a.o.mem_limit, false);
+    printf("finetune: planned and allocated in %.2f s\n",
            std::chrono::duration<double>(std::chrono::steady_clock::now() - t_build).count());
     fflush(stdout);
+    const size_t predicted = a.o.mem_other + mp.total;
+    // the weight pages now rather than during step one, and the peak counted from here: loading's
+    // temporaries are not the training run's
+    ql_trainer_page_in_weights(t);
+    reset_hwm();
+    auto report_peak = [&](const char *when, size_t hwm) {
+        printf("finetune: peak memory %s: %.1f MiB measured (VmHWM), %.1f MiB planned (%+.1f%%)\n", when, mib(hwm),
+               mib(predicted), 100.0 * ((double)hwm - (double)predicted) / (double)predicted);
+    };
+    bool warned = false;
 
     if (a.profile) ql_graph_set_profile(ql_trainer_graph(t), true);
 
@@ -390,7 +644,7 @@ int main(int argc, char **argv) {
         }
         return true;
     };
-    if (!eseq.empty() && first == 0) {  // where the run starts from
+    if (n_eval > 0 && first == 0) {  // where the run starts from
         if (!ql_trainer_eval(t, &last_eval, &err)) {
             fprintf(stderr, "finetune: %s\n", err.c_str());
             return 1;
@@ -413,7 +667,7 @@ int main(int argc, char **argv) {
         last_loss = m.loss;
         curve.push_back({(double)m.step, m.loss});
         bool evaluated = false;
-        if (!eseq.empty() && (m.step % eval_every == 0 || m.step == total)) {
+        if (n_eval > 0 && (m.step % eval_every == 0 || m.step == total)) {
             if (!ql_trainer_eval(t, &last_eval, &err)) {
                 fprintf(stderr, "\nfinetune: %s\n", err.c_str());
                 return 1;
@@ -425,8 +679,8 @@ int main(int argc, char **argv) {
         if (evaluated) fprintf(metrics, ", \"eval_loss\": %.6f", last_eval);
         fprintf(metrics,
                 ", \"lr\": %.6g, \"grad_norm\": %.6f, \"step_seconds\": %.4f, \"tokens_per_s\": %.1f, \"mem_mib\": %.1f, "
-                "\"peak_mib\": %.1f}\n",
-                m.lr, m.grad_norm, m.seconds, tok_s, rss_mib(), peak_rss_mib());
+                "\"peak_mib\": %.1f, \"planned_mib\": %.1f}\n",
+                m.lr, m.grad_norm, m.seconds, tok_s, rss_mib(), peak_rss_mib(), mib(predicted));
         fflush(metrics);
         const double eta = (double)(total - m.step) * el / (double)std::max<int64_t>(1, m.step - first);
         char line[256];
@@ -439,12 +693,22 @@ int main(int argc, char **argv) {
         else if (m.step == first + 1 || m.step % std::max<int64_t>(1, total / 20) == 0 || m.step == total || evaluated)
             printf("%s\n", line);
         fflush(stdout);
+        if (m.step == first + 1) {
+            if (tty) printf("\n");
+            report_peak("after step 1", hwm_bytes());
+        }
+        if (a.o.mem_limit && !warned && hwm_bytes() > a.o.mem_limit / 10 * 9) {
+            fprintf(stderr, "%sfinetune: warning: memory %.0f MiB is above 90%% of --mem-limit %.0f MiB\n", tty ? "\n" : "",
+                    peak_rss_mib(), mib(a.o.mem_limit));
+            warned = true;
+        }
         if (a.save_every > 0 && m.step % a.save_every == 0 && !save_checkpoint()) return 1;
         if (g_stop.load()) {
             interrupted = true;
             break;
         }
     }
+    const size_t train_peak = hwm_bytes();
     if (tty) printf("\n");
     signal(SIGINT, SIG_DFL);  // from here on every file is written atomically: Ctrl-C loses nothing
 
@@ -483,7 +747,8 @@ int main(int argc, char **argv) {
         printf("finetune: done: %lld steps in %s, %.0f tokens/s; final loss %.4f", (long long)ql_trainer_steps_done(t),
                hms(secs).c_str(), tok_s, last_loss);
     if (!std::isnan(last_eval)) printf(", eval loss %.4f", last_eval);
-    printf("; peak memory %.0f MiB\n", peak_rss_mib());
+    printf("\n");
+    report_peak("of training", train_peak);
     printf("finetune: wrote %s/adapter.gguf, %s/peft/, %s/metrics.jsonl, %s/loss.png, %s/checkpoint.gguf%s\n", out.c_str(),
            out.c_str(), out.c_str(), out.c_str(), out.c_str(), a.merge ? (", " + out + "/merged.gguf").c_str() : "");
     if (a.profile) print_profile(ql_trainer_graph(t));
