@@ -6,6 +6,7 @@
 #   make test-portable   the suite built without -march=native (portable SIMD fallback)
 #   make bench      benchmarks (numbers go to bench/RESULTS.md by hand, with the command)
 #   make bench-finetune  finetune tokens/s and peak RSS, with PyTorch's as the yardstick (bench/finetune.sh)
+#   make bench-checkpointing  step time and peak memory for each --checkpointing policy (bench/checkpointing.sh)
 #   make demo       QLoRA-fine-tunes a tiny NF4 llama on examples/demo.jsonl and shows what it learned
 #   make fuzz       libFuzzer on the GGUF reader (clang; FUZZ_RUNS=1000000 by default)
 #   make PORTABLE=1 ...  no -march=native (the portable SIMD fallback)
@@ -29,7 +30,7 @@ TOOLS    := tools/bench $(ROOT_TOOLS)
 HEADERS  := qlora.h $(wildcard models/*.h models/*.inc)
 TEST_HEADERS := $(wildcard tests/*.h)
 
-.PHONY: all test test-unit test-dropin test-sanitize test-portable bench bench-finetune demo clean cuda fuzz
+.PHONY: all test test-unit test-dropin test-sanitize test-portable bench bench-finetune bench-checkpointing demo clean cuda fuzz
 all: $(TOOLS) $(BUILD)/test-qlora
 
 $(BUILD)/%.o: %.cpp $(HEADERS)
@@ -85,6 +86,9 @@ bench: tools/bench
 
 bench-finetune: $(TOOLS)
 	./bench/finetune.sh
+
+bench-checkpointing: $(TOOLS)
+	./bench/checkpointing.sh
 
 demo: $(TOOLS)
 	./examples/demo.sh

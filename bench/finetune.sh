@@ -26,11 +26,11 @@ for shape in "15M:--dim 288 --layers 6 --heads 6 --ff 768" "110M:--dim 768 --lay
         ./make-model -o $W/m.gguf $dims --vocab 32000 --ctx 256 --type $type > /dev/null
         $TIME ./finetune --overwrite -m $W/m.gguf -d $W/data.jsonl -o $W/out --seq-len 256 -b 4 --lora-r 16 --lora-alpha 32 \
             --max-steps $STEPS -t $T > $W/log 2> $W/time
-        plan=$(sed -n 's/.*; total \([0-9.]*\) MiB.*/\1/p' $W/log)
+        plan=$(sed -n 's/^  total *\([0-9.]*\).*/\1/p' $W/log)
         med=$(grep -o '"step_seconds": [0-9.]*' $W/out/metrics.jsonl | awk 'NR > 2 { print $2 }' | sort -g |
               awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }')
         rss=$(peak $W/time)
-        [ -n "$rss" ] || rss=$(sed -n 's/.*peak memory \([0-9]*\) MiB.*/\1/p' $W/log)
+        [ -n "$rss" ] || rss=$(sed -n 's/.*peak memory of training: \([0-9.]*\) MiB.*/\1/p' $W/log)
         echo "| $name | $type | $plan | $med | $(awk -v m=$med 'BEGIN { printf "%.0f", 1024 / m }') | $rss |"
     done
 done
