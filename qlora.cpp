@@ -434,6 +434,7 @@ struct ql_type_table {
         t[QL_TYPE_F16]  = {"f16", 1, 2, true, f16_to_float, f16_from_float, nullptr, nullptr, nullptr};
         t[QL_TYPE_BF16] = {"bf16", 1, 2, true, bf16_to_float, bf16_from_float, nullptr, nullptr, nullptr};
         t[QL_TYPE_I32]  = {"i32", 1, 4, false, nullptr, nullptr, nullptr, nullptr, nullptr};
+        t[QL_TYPE_I8]   = {"i8", 1, 1, false, nullptr, nullptr, nullptr, nullptr, nullptr};
         t[QL_TYPE_Q4_0] = {"q4_0", QL_QK4_0, sizeof(ql_block_q4_0), true, q4_0_to_float, q4_0_from_float, nullptr, nullptr, nullptr};
         t[QL_TYPE_Q8_0] = {"q8_0", QL_QK8_0, sizeof(ql_block_q8_0), true, q8_0_to_float, q8_0_from_float, nullptr, nullptr, nullptr};
         t[QL_TYPE_Q4_K] = {"q4_K", QL_QK_K, sizeof(ql_block_q4_K), true, q4_K_to_float, nullptr, nullptr, nullptr, nullptr};
@@ -508,17 +509,19 @@ static void torch_linspace_01_1(int n, float *out) {
 
 struct dynamic_map_table {
     float v[256];
-    dynamic_map_table() {  // create_dynamic_map(signed=True, max_exponent_bits=7, total_bits=8)
+    // create_dynamic_map(signed, max_exponent_bits=7, total_bits=8): unsigned maps take twice
+    // the fractions per exponent and no negatives
+    explicit dynamic_map_table(bool is_signed) {
         int n = 0;
-        float b[65];
+        float b[129];
         for (int i = 0; i < 7; i++) {
-            const int m = (1 << i) + 1;
+            const int m = is_signed ? (1 << i) + 1 : (1 << (i + 1)) + 1;
             torch_linspace_01_1(m, b);
             const float scale = (float)std::pow(10.0, (double)(i - 6));  // the python scalar, then f32
             for (int j = 0; j + 1 < m; j++) {
                 const float mean = (b[j] + b[j + 1]) / 2.0f;
                 v[n++] = scale * mean;
-                v[n++] = -(scale * mean);
+                if (is_signed) v[n++] = -(scale * mean);
             }
         }
         v[n++] = 0.0f;
@@ -529,7 +532,12 @@ struct dynamic_map_table {
 };
 
 const float *ql_dynamic_map_signed(void) {
-    static const dynamic_map_table t;
+    static const dynamic_map_table t(true);
+    return t.v;
+}
+
+const float *ql_dynamic_map_unsigned(void) {
+    static const dynamic_map_table t(false);
     return t.v;
 }
 
@@ -5098,5 +5106,50 @@ void ql_adamw_update(ql_tensor *param, ql_tensor *m, ql_tensor *v, int64_t step,
         mm[i] = p->beta1 * mm[i] + (1.0f - p->beta1) * gi;
         vv[i] = p->beta2 * vv[i] + (1.0f - p->beta2) * gi * gi;
         w[i] = w[i] * decay - step_size * mm[i] / (std::sqrt(vv[i]) + eps);
+    }
+}
+
+void ql_adamw8bit_update(ql_tensor *param, ql_tensor *m, ql_tensor *m_absmax, ql_tensor *v, ql_tensor *v_absmax,
+                         int64_t step, const ql_adamw_params *p, float grad_scale) {
+    QL_ASSERT(param && param->grad && m && v && m_absmax && v_absmax && p && step >= 1);
+    QL_ASSERT(param->type == QL_TYPE_F32 && m->type == QL_TYPE_I8 && v->type == QL_TYPE_I8 && m_absmax->type == QL_TYPE_F32 &&
+              v_absmax->type == QL_TYPE_F32);
+    const int64_t n = ql_nelements(param), nb = (n + QL_OPT8_BLOCK - 1) / QL_OPT8_BLOCK;
+    QL_ASSERT(ql_nelements(m) == n && ql_nelements(v) == n && ql_nelements(m_absmax) == nb && ql_nelements(v_absmax) == nb);
+    const float *map_m = ql_dynamic_map_signed(), *map_v = ql_dynamic_map_unsigned();
+    float *w = (float *)param->data, *am = (float *)m_absmax->data, *av = (float *)v_absmax->data;
+    uint8_t *qm = (uint8_t *)m->data, *qv = (uint8_t *)v->data;
+    const float *g = (const float *)param->grad->data;
+    const double bc1 = 1.0 - std::pow((double)p->beta1, (double)step), bc2 = 1.0 - std::pow((double)p->beta2, (double)step);
+    const float step_size = (float)(p->lr * std::sqrt(bc2) / bc1), eps = (float)(p->eps * std::sqrt(bc2));
+    const float decay = 1.0f - p->lr * p->weight_decay;
+    float sm[QL_OPT8_BLOCK], sv[QL_OPT8_BLOCK];  // one block's state, in f32
+    for (int64_t b = 0; b < nb; b++) {
+        const int64_t i0 = b * QL_OPT8_BLOCK, len = std::min<int64_t>(QL_OPT8_BLOCK, n - i0);
+        float mx_m = 0, mx_v = 0;
+        for (int64_t k = 0; k < len; k++) {
+            const int64_t i = i0 + k;
+            const float gi = g[i] * grad_scale;
+            float mi = map_m[qm[i]] * am[b], vi = map_v[qv[i]] * av[b];
+            if (std::isfinite(gi)) {
+                mi = p->beta1 * mi + (1.0f - p->beta1) * gi;
+                vi = p->beta2 * vi + (1.0f - p->beta2) * gi * gi;
+                w[i] = w[i] - step_size * mi / (std::sqrt(vi) + eps);
+                w[i] = w[i] * decay;  // decoupled decay after the update, as bitsandbytes
+            } else {
+                mi = vi = 0.0f;
+            }
+            sm[k] = mi;
+            sv[k] = vi;
+            mx_m = std::max(mx_m, std::fabs(mi));
+            mx_v = std::max(mx_v, vi);
+        }
+        am[b] = mx_m;  // the absmax of the updated state
+        av[b] = mx_v;
+        const float im = mx_m > 0 ? 1.0f / mx_m : 0.0f, iv = mx_v > 0 ? 1.0f / mx_v : 0.0f;
+        for (int64_t k = 0; k < len; k++) {
+            qm[i0 + k] = ql_dynamic_quantize(map_m, sm[k] * im);
+            qv[i0 + k] = ql_dynamic_quantize(map_v, sv[k] * iv);
+        }
     }
 }

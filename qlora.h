@@ -77,6 +77,7 @@ typedef enum ql_type {
     QL_TYPE_Q4_K = 12,
     QL_TYPE_Q5_K = 13,
     QL_TYPE_Q6_K = 14,
+    QL_TYPE_I8   = 24,  // raw bytes (8-bit optimizer state codes)
     QL_TYPE_I32  = 26,
     QL_TYPE_BF16 = 30,
     // qlora's own, outside ggml's id range (llama.cpp cannot load files holding them):
@@ -188,8 +189,10 @@ QL_STATIC_ASSERT(sizeof(ql_block_nf4) == 32, nf4);
 // Inputs must be finite (see ql_quantize for the checked, whole-tensor version).
 void ql_nf4_quantize_flat(const float *x, int64_t n, uint8_t *packed, float *absmax);
 
-// bitsandbytes' signed 8-bit dynamic map (create_dynamic_map(signed=True)): 256 sorted f32
+// bitsandbytes' 8-bit dynamic maps (create_dynamic_map(signed, 7, 8)): 256 sorted f32 each;
+// signed: map[0] = -0.99296875, map[127] = 0, map[255] = 1; unsigned: map[0] = 0, map[255] = 1
 const float *ql_dynamic_map_signed(void);
+const float *ql_dynamic_map_unsigned(void);  // the second Adam moment's (v >= 0)
 // its 8-bit quantiser: the 7-step binary search with midpoint rounding (dQuantize)
 uint8_t      ql_dynamic_quantize(const float *map, float x);
 
@@ -671,6 +674,20 @@ typedef struct ql_adamw_params {
 // step counts from 1, grad = param->grad * grad_scale (e.g. 1 / loss scale).
 void ql_adamw_update(ql_tensor *param, ql_tensor *m, ql_tensor *v, int64_t step, const ql_adamw_params *p,
                      float grad_scale);
+
+// 8-bit AdamW, bitsandbytes' blockwise form (REFERENCE.md section 3): m and v kept as one byte
+// per element, an index into a 256-value dynamic map (signed for m, unsigned for v), scaled by
+// an f32 absmax per block of QL_OPT8_BLOCK elements; codes from ql_dynamic_quantize. Tensors under QL_OPT8_MIN_SIZE elements
+// keep f32 state (the caller decides; ql_adamw_update then).
+#define QL_OPT8_BLOCK    256
+#define QL_OPT8_MIN_SIZE 4096
+// One step: m, v: QL_TYPE_I8 [n] codes (0 before step 1: the caller zeroes absmax, which makes
+// every state 0); m_absmax, v_absmax: f32 [ceil(n / QL_OPT8_BLOCK)]. The state is dequantised,
+// updated, the block's new absmax taken, and requantised to the nearest code; the parameter
+// moves by -lr sqrt(1 - b2^t) / (1 - b1^t) m / (sqrt(v) + sqrt(1 - b2^t) eps), then decays.
+// A non-finite gradient element resets that element's state and leaves it unchanged.
+void ql_adamw8bit_update(ql_tensor *param, ql_tensor *m, ql_tensor *m_absmax, ql_tensor *v, ql_tensor *v_absmax,
+                         int64_t step, const ql_adamw_params *p, float grad_scale);
 
 #ifdef __cplusplus
 }

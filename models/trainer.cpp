@@ -40,7 +40,9 @@ struct ql_trainer {
     ql_backend *cpu = nullptr;
     ql_tensor *seed = nullptr;
     batch_io tr, ev;
-    std::vector<ql_tensor *> params, adam_m, adam_v;
+    std::vector<ql_tensor *> params;
+    // per parameter its optimizer state: {m, v} f32, or (8-bit) {m, m_absmax, v, v_absmax}
+    std::vector<std::vector<ql_tensor *>> state;
     ql_plan_stats plan{};
     int64_t step = 0, total = 0, per_epoch = 0, warmup = 0;
     std::vector<int64_t> order;  // the current epoch's visiting order
@@ -96,11 +98,18 @@ static bool build(ql_trainer *t, ql_context *ctx) {
     m.lora_dropout = false;  // evaluation: no dropout
     t->ev = make_io(ctx, m, t->T, t->B, t->packed, false);
     m.lora_dropout = true;
-    t->adam_m.clear();
-    t->adam_v.clear();
+    t->state.clear();
+    const bool eight = t->o.optim == "adamw8bit" || t->o.optim == "paged_adamw8bit";
     for (ql_tensor *p : t->params) {
-        t->adam_m.push_back(ql_format_name(ql_new_tensor(ctx, QL_TYPE_F32, 4, p->ne), "%s.adam_m", p->name));
-        t->adam_v.push_back(ql_format_name(ql_new_tensor(ctx, QL_TYPE_F32, 4, p->ne), "%s.adam_v", p->name));
+        const int64_t n = ql_nelements(p), nb = (n + QL_OPT8_BLOCK - 1) / QL_OPT8_BLOCK;
+        if (eight && n >= QL_OPT8_MIN_SIZE)  // bitsandbytes: smaller tensors keep f32 state
+            t->state.push_back({ql_format_name(ql_new_tensor_1d(ctx, QL_TYPE_I8, n), "%s.adam_m8", p->name),
+                                ql_format_name(ql_new_tensor_1d(ctx, QL_TYPE_F32, nb), "%s.adam_m8_absmax", p->name),
+                                ql_format_name(ql_new_tensor_1d(ctx, QL_TYPE_I8, n), "%s.adam_v8", p->name),
+                                ql_format_name(ql_new_tensor_1d(ctx, QL_TYPE_F32, nb), "%s.adam_v8_absmax", p->name)});
+        else
+            t->state.push_back({ql_format_name(ql_new_tensor(ctx, QL_TYPE_F32, 4, p->ne), "%s.adam_m", p->name),
+                                ql_format_name(ql_new_tensor(ctx, QL_TYPE_F32, 4, p->ne), "%s.adam_v", p->name)});
     }
     return ql_ctx_status(ctx) == QL_OK && t->tr.g;
 }
@@ -187,7 +196,10 @@ static bool measure(ql_trainer *t, std::string *err) {
         m.lora = 0;
         for (const ql_tensor *p : t->params) m.lora += ql_nbytes(p);
         m.grads = m.lora;
-        m.optimizer = 2 * m.lora;
+        m.optimizer = 0;
+        for (const auto &st : t->state)
+            for (const ql_tensor *x : st) m.optimizer += ql_nbytes(x);
+        m.optimizer_host = t->o.optim.rfind("paged_", 0) == 0;
         m.inputs = input_bytes(t->tr) + input_bytes(t->ev) + ql_nbytes(t->seed);
         m.headers = arena - std::min(arena, m.lora + m.grads + m.optimizer + m.inputs);
         m.saved = ps.bytes[QL_MEM_SAVED];
@@ -306,6 +318,10 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
         *err = "no training sequences";
         return nullptr;
     }
+    if (o.optim != "adamw" && o.optim != "adamw8bit" && o.optim != "paged_adamw" && o.optim != "paged_adamw8bit") {
+        *err = "unknown optimizer '" + o.optim + "' (adamw, adamw8bit, paged_adamw, paged_adamw8bit)";
+        return nullptr;
+    }
     if (o.micro_batch < 1 || o.grad_accum < 1 || !(o.lr >= 0) || o.epochs < 1 ||
         (o.scheduler != "constant" && o.scheduler != "constant_with_warmup" && o.scheduler != "linear" && o.scheduler != "cosine")) {
         *err = "bad training options (micro-batch and accumulation >= 1, lr >= 0, epochs >= 1, "
@@ -398,10 +414,8 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
         ql_trainer_free(t);
         return nullptr;
     }
-    for (size_t i = 0; i < t->params.size(); i++) {
-        ql_tensor_fill_f32(t->adam_m[i], 0.0f);
-        ql_tensor_fill_f32(t->adam_v[i], 0.0f);
-    }
+    for (const auto &st : t->state)  // zero moments (8-bit: zero absmax makes every code 0)
+        for (ql_tensor *x : st) memset(x->data, 0, ql_nbytes(x));
     return t;
 }
 
@@ -500,8 +514,8 @@ int64_t ql_trainer_n_base(const ql_trainer *t) {
     return n;
 }
 
-size_t ql_trainer_state_bytes(const ql_trainer *t) {
-    return (size_t)ql_trainer_n_trainable(t) * 4 * sizeof(float);  // weights, gradients, two moments
+size_t ql_trainer_state_bytes(const ql_trainer *t) {  // adapter, gradients, optimizer state
+    return t->mem.lora + t->mem.grads + t->mem.optimizer;
 }
 
 // sequence index of slot `i` (0 .. micro*accum-1) of step s, or -1 past the epoch's end
@@ -583,7 +597,11 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     const float clip = (t->o.max_grad_norm > 0 && norm > t->o.max_grad_norm) ? (float)(t->o.max_grad_norm / (norm + 1e-6)) : 1.0f;
     const double lr = ql_trainer_lr_at(t, s);
     const ql_adamw_params hp = {(float)lr, t->o.beta1, t->o.beta2, t->o.eps, t->o.weight_decay};
-    for (size_t i = 0; i < t->params.size(); i++) ql_adamw_update(t->params[i], t->adam_m[i], t->adam_v[i], s + 1, &hp, clip);
+    for (size_t i = 0; i < t->params.size(); i++) {
+        const std::vector<ql_tensor *> &st = t->state[i];
+        if (st.size() == 4) ql_adamw8bit_update(t->params[i], st[0], st[1], st[2], st[3], s + 1, &hp, clip);
+        else ql_adamw_update(t->params[i], st[0], st[1], s + 1, &hp, clip);
+    }
     t->step++;
     m->step = t->step;
     m->loss = loss;
@@ -656,8 +674,15 @@ static std::vector<std::pair<std::string, std::string>> run_settings(const ql_tr
             {"lora init seed", std::to_string(o.lora.init_seed)},
             {"learning rate", num(o.lr)},
             {"scheduler", o.scheduler + ", warmup " + std::to_string(t->warmup) + " steps"},
-            {"adamw", "betas " + num(o.beta1) + " " + num(o.beta2) + ", eps " + num(o.eps) + ", weight decay " + num(o.weight_decay)},
+            {"optimizer", o.optim + ", betas " + num(o.beta1) + " " + num(o.beta2) + ", eps " + num(o.eps) + ", weight decay " + num(o.weight_decay)},
             {"max grad norm", num(o.max_grad_norm)}};
+}
+
+// parameter i and its optimizer state: what a checkpoint holds
+static std::vector<ql_tensor *> with_state(const ql_trainer *t, size_t i) {
+    std::vector<ql_tensor *> v = {t->params[i]};
+    v.insert(v.end(), t->state[i].begin(), t->state[i].end());
+    return v;
 }
 
 bool ql_trainer_save(const ql_trainer *t, const char *path, std::string *err) {
@@ -668,9 +693,9 @@ bool ql_trainer_save(const ql_trainer *t, const char *path, std::string *err) {
     ql_gguf_set_u64(w, "qlora.checkpoint.step", (uint64_t)t->step);
     for (const auto &kv : run_settings(t)) ql_gguf_set_str(w, ("qlora.run." + kv.first).c_str(), kv.second.c_str());
     for (size_t i = 0; i < t->params.size(); i++)
-        for (const ql_tensor *x : {t->params[i], t->adam_m[i], t->adam_v[i]}) {
+        for (const ql_tensor *x : with_state(t, i)) {
             const int64_t ne[4] = {x->ne[0], x->ne[1], 1, 1};
-            if (ql_gguf_add_tensor(w, x->name, QL_TYPE_F32, 2, ne, x->data, ql_nbytes(x)) != QL_OK) {
+            if (ql_gguf_add_tensor(w, x->name, x->type, 2, ne, x->data, ql_nbytes(x)) != QL_OK) {
                 *err = std::string(path) + ": tensor " + x->name + " could not be added";
                 ql_gguf_writer_free(w);
                 return false;
@@ -715,9 +740,9 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
         why = "it is at step " + std::to_string(step) + ", past this run's " + std::to_string(t->total) + " steps";
     for (int pass = 0; pass < 2 && why.empty(); pass++)  // check every tensor, then copy: all or nothing
         for (size_t i = 0; i < t->params.size() && why.empty(); i++)
-            for (ql_tensor *x : {t->params[i], t->adam_m[i], t->adam_v[i]}) {
+            for (ql_tensor *x : with_state(t, i)) {
                 const int64_t k = ql_gguf_find_tensor(g, x->name);
-                if (k < 0 || ql_gguf_tensor_type(g, k) != QL_TYPE_F32 || ql_gguf_tensor_size(g, k) != ql_nbytes(x)) {
+                if (k < 0 || ql_gguf_tensor_type(g, k) != x->type || ql_gguf_tensor_size(g, k) != ql_nbytes(x)) {
                     why = std::string("tensor ") + x->name + " is missing or of another shape";
                     break;
                 }

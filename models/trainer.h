@@ -32,6 +32,10 @@ struct ql_train_options {
     int   grad_accum = 1;
     float lr = 2e-4f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
     float max_grad_norm = 1.0f;         // <= 0: no clipping
+    // adamw (f32 moments) | adamw8bit (bitsandbytes' blockwise 8-bit moments; tensors under 4096
+    // elements keep f32) | paged_adamw | paged_adamw8bit (the state in host memory: on the CPU
+    // backend accounting only)
+    std::string optim = "adamw";
     std::string scheduler = "linear";   // constant | constant_with_warmup | linear | cosine
     double warmup_ratio = 0.0;          // warmup steps = warmup_steps if > 0, else ceil(ratio * total steps)
     int64_t warmup_steps = 0;
@@ -52,6 +56,7 @@ struct ql_memory_plan {
     size_t weights = 0;         // pages of the base model a run reads (embedding: rows the data uses)
     size_t weights_file = 0;    // the model's tensor bytes in the file
     size_t lora = 0, grads = 0, optimizer = 0;
+    bool   optimizer_host = false;  // paged optimizers: the state is host memory
     size_t inputs = 0;          // graph inputs (tokens, positions, targets, ...)
     size_t headers = 0;         // tensor headers and graph bookkeeping in the arena
     size_t saved = 0;           // forward results alive when backward starts (checkpoints included)

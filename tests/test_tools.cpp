@@ -515,6 +515,7 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
         {md + " --checkpointing auto", "--checkpointing auto needs --mem-limit"},
         {md + " -b 2 --effective-batch 5", "--effective-batch 5 is not a multiple of -b 2"},
         {md + " --effective-batch 0", "--effective-batch: '0' is not a number in [1, "},
+        {md + " --optim sgd", "--optim: 'sgd' (adamw, adamw8bit, paged_adamw, paged_adamw8bit)"},
     };
     for (const bad_case &c : cases) {
         CAPTURE(c.args);
@@ -678,6 +679,16 @@ TEST_CASE("finetune: the memory plan: --dry-run, measured peak within 3%, -b aut
     REQUIRE_MESSAGE(run(ft + " -b 4 --checkpointing auto --mem-limit " + std::to_string(half) + " --max-steps 1", &log) == 0, log);
     CHECK_MESSAGE(has(log, "checkpointing: auto: of 8 segments"), log);
     CHECK(peak_line(log, "of training").first * 1048576.0 <= (double)half);
+
+    // the optimizers' state in the table: bytes per parameter, paged ones in host memory
+    REQUIRE(run(ft + " -b 4 --dry-run --optim adamw", &log) == 0);
+    CHECK_MESSAGE(has(log, "optimizer state (adamw)"), log);
+    CHECK(has(log, " 8.00 bytes per parameter"));
+    REQUIRE(run(ft + " -b 4 --dry-run --optim paged_adamw8bit", &log) == 0);  // A, B of 192 x 16: 3072 elements: f32
+    CHECK_MESSAGE(has(log, "optimizer state (paged_adamw8bit)"), log);
+    CHECK(has(log, " 8.00 bytes per parameter; paged: host memory"));
+    REQUIRE(run(ft + " -b 4 --dry-run --optim adamw8bit --lora-r 32", &log) == 0);  // 192 x 32 = 6144: 8-bit
+    CHECK_MESSAGE(has(log, " 2.03 bytes per parameter"), log);
 
     // --offload-activations: the checkpoints are shown as host memory
     REQUIRE(run(ft + " -b 4 --checkpointing block --offload-activations --dry-run", &log) == 0);

@@ -548,3 +548,86 @@ TEST_CASE("trainer: auto fits every budget it accepts, and recomputes less than 
     CHECK(partial >= 10);
     ql_llama_file_free(f);
 }
+
+// ---- optimizers ----
+
+TEST_CASE("trainer: adamw8bit tracks adamw over 200 steps; its state bytes are the plan's; it resumes bit for bit") {
+    tmpdir d;
+    ql_llama_file *f = load_tiny(d.path, QL_TYPE_NF4);
+    const std::vector<ql_sequence> seqs = make_sequences(16, 20, 3);
+    ql_train_options o = base_options();
+    o.lora.r = 64;  // A: [64, 64] = 4096 elements, 8-bit state; B of k/v [64, 32] stays f32 (< 4096)
+    o.lora.alpha = 64;
+    o.lr = 1e-3f;
+    o.max_steps = 200;
+    o.max_grad_norm = 1.0f;
+    std::vector<std::vector<double>> losses(2);
+    std::string err;
+    for (int run = 0; run < 2; run++) {
+        o.optim = run == 0 ? "adamw" : "adamw8bit";
+        ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
+        REQUIRE_MESSAGE(t, err);
+        // the plan's optimizer bytes: 2 x 4 per f32 element, 2 x (1 + 4 / 256) per 8-bit one
+        size_t want = 0;
+        for (ql_tensor *p : ql_llama_lora_params(ql_trainer_model(t))) {
+            const size_t n = (size_t)ql_nelements(p);
+            want += run == 1 && n >= QL_OPT8_MIN_SIZE ? 2 * (n + 4 * ((n + 255) / 256)) : 8 * n;
+        }
+        CHECK(ql_trainer_memory(t).optimizer == want);
+        if (run == 1) CHECK(want < ql_trainer_memory(t).lora);  // under a quarter of AdamW's 8 bytes/param
+        for (int s = 0; s < 200; s++) {
+            ql_step_metrics m;
+            REQUIRE_MESSAGE(ql_trainer_step(t, &m, &err), err);
+            losses[(size_t)run].push_back(m.loss);
+        }
+        ql_trainer_free(t);
+    }
+    // stated tolerance: the mean loss of every 20-step window within 2% of adamw's
+    double worst = 0;
+    for (size_t w = 0; w < 200; w += 20) {
+        double a = 0, b = 0;
+        for (size_t s = w; s < w + 20; s++) {
+            a += losses[0][s];
+            b += losses[1][s];
+        }
+        worst = std::max(worst, std::fabs(b - a) / a);
+    }
+    MESSAGE("tiny llama, 200 steps: loss adamw ", losses[0].front(), " -> ", losses[0].back(), ", adamw8bit -> ",
+            losses[1].back(), "; worst 20-step window apart by ", worst);
+    CHECK(losses[0].back() < 0.5 * losses[0].front());
+    CHECK(losses[1].back() < 0.5 * losses[1].front());
+    CHECK(worst < 0.02);
+    CHECK(losses[0] != losses[1]);  // the 8-bit state is really in use
+
+    // resume: 8-bit codes and absmax go through the checkpoint
+    o.optim = "paged_adamw8bit";
+    o.max_steps = 6;
+    std::vector<double> straight, resumed;
+    const std::string ckpt = d.path + "/ckpt8.gguf";
+    for (int part = 0; part < 3; part++) {
+        ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
+        REQUIRE_MESSAGE(t, err);
+        CHECK(ql_trainer_memory(t).optimizer_host);
+        if (part == 2) REQUIRE_MESSAGE(ql_trainer_load(t, ckpt.c_str(), &err), err);
+        const int from = part == 2 ? 3 : 0, to = part == 1 ? 3 : 6;
+        for (int s = from; s < to; s++) {
+            ql_step_metrics m;
+            REQUIRE(ql_trainer_step(t, &m, &err));
+            (part == 0 ? straight : resumed).push_back(m.loss);
+        }
+        if (part == 1) REQUIRE_MESSAGE(ql_trainer_save(t, ckpt.c_str(), &err), err);
+        ql_trainer_free(t);
+    }
+    CHECK(straight == resumed);
+    // a checkpoint of another optimizer is refused by name
+    o.optim = "adamw";
+    ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
+    REQUIRE(t);
+    CHECK(!ql_trainer_load(t, ckpt.c_str(), &err));
+    CHECK_MESSAGE(err.find("optimizer was paged_adamw8bit") != std::string::npos, err);
+    ql_trainer_free(t);
+    o.optim = "sgd";
+    CHECK(!ql_trainer_new(f, seqs, seqs, o, &err));
+    CHECK(err.find("unknown optimizer 'sgd'") != std::string::npos);
+    ql_llama_file_free(f);
+}

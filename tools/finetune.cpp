@@ -41,7 +41,7 @@ static const char *k_help =
     "           --val-split F | --val-data FILE  --eval-every N\n"
     "trainer:   -b 4  --grad-accum 1  --lr 2e-4  --beta1 0.9  --beta2 0.999  --eps 1e-8  --weight-decay 0\n"
     "           --lr-scheduler constant|constant_with_warmup|linear|cosine  --warmup-ratio 0  --warmup-steps N\n"
-    "           --max-grad-norm 1.0\n"
+    "           --max-grad-norm 1.0  --optim adamw|adamw8bit|paged_adamw|paged_adamw8bit\n"
     "           --epochs 1  --max-steps N  --seed 42  -t THREADS  --profile (time per op, printed at the end)\n"
     "memory:    --checkpointing none|block|sqrt|auto  --mem-limit SIZE (e.g. 6G; auto and -b auto need it)\n"
     "           -b auto  --effective-batch N  --offload-activations  --dry-run (print the plan, train nothing)  --json\n"
@@ -170,7 +170,8 @@ static void reset_hwm() {
 
 // The memory plan as a table (process: the bytes outside the trainer's plan, and how they
 // were obtained) or as one JSON object.
-static void print_memory(const ql_memory_plan &m, size_t process, const char *process_how, size_t limit, bool json) {
+static void print_memory(const ql_memory_plan &m, const std::string &optim, size_t process, const char *process_how, size_t limit,
+                         bool json) {
     const double MiB = 1048576.0;
     const size_t total = process + m.total;
     if (json) {
@@ -178,10 +179,10 @@ static void print_memory(const ql_memory_plan &m, size_t process, const char *pr
         for (size_t i = 0; i < m.weights_by_type.size(); i++)
             printf("%s\"%s\": %zu", i ? ", " : "", m.weights_by_type[i].first.c_str(), m.weights_by_type[i].second);
         printf("}}, \"lora\": %zu, \"grads\": %zu, \"optimizer\": %zu, \"saved_activations\": %zu, \"checkpoints\": %zu, "
-               "\"checkpoints_in_host_memory\": %s, \"temporaries\": %zu, \"recompute_peak\": %zu, \"workspace\": %zu, "
+               "\"checkpoints_in_host_memory\": %s, \"optimizer_name\": \"%s\", \"optimizer_in_host_memory\": %s, \"temporaries\": %zu, \"recompute_peak\": %zu, \"workspace\": %zu, "
                "\"inputs\": %zu, \"graph\": %zu, \"reserve\": %zu, \"process\": %zu, \"total\": %zu, \"limit\": %zu, \"fits\": %s, "
                "\"checkpointing\": \"%s\", \"recompute_fraction\": %.4f, \"micro_batch\": %d}\n",
-               m.lora, m.grads, m.optimizer, m.saved, m.checkpoints, m.offload ? "true" : "false", m.scratch, m.recompute, m.work,
+               m.lora, m.grads, m.optimizer, m.saved, m.checkpoints, m.offload ? "true" : "false", optim.c_str(), m.optimizer_host ? "true" : "false", m.scratch, m.recompute, m.work,
                m.inputs, m.headers, m.reserve, process, total, limit, limit == 0 || total <= limit ? "true" : "false",
                m.checkpointing.c_str(), m.recompute_fraction, m.micro_batch);
         return;
@@ -196,7 +197,8 @@ static void print_memory(const ql_memory_plan &m, size_t process, const char *pr
     printf("  base weights, pages read               %10.1f   %s; %.1f in the file\n", m.weights / MiB, types.c_str(), m.weights_file / MiB);
     printf("  LoRA parameters (fp32)                 %10.1f\n", m.lora / MiB);
     printf("  gradients (fp32)                       %10.1f\n", m.grads / MiB);
-    printf("  optimizer state (AdamW, 2 x fp32)      %10.1f\n", m.optimizer / MiB);
+    printf("  optimizer state (%-20s %10.1f   %.2f bytes per parameter%s\n", (optim + ")").c_str(), m.optimizer / MiB,
+           m.lora ? (double)m.optimizer / (double)(m.lora / 4) : 0.0, m.optimizer_host ? "; paged: host memory" : "");
     printf("  saved activations (forward->backward)  %10.1f", m.saved / MiB);
     if (m.checkpoints) printf("   of them block checkpoints %.1f%s", m.checkpoints / MiB, m.offload ? " (host memory)" : "");
     printf("\n  temporaries and recompute              %10.1f", m.scratch / MiB);
@@ -315,6 +317,14 @@ static bool parse(int argc, char **argv, args *a) {
             }
         }
         else if (f == "--offload-activations") a->o.offload_activations = true;
+        else if (f == "--optim") {
+            if (!(s = need(i))) return false;
+            a->o.optim = s;
+            if (a->o.optim != "adamw" && a->o.optim != "adamw8bit" && a->o.optim != "paged_adamw" && a->o.optim != "paged_adamw8bit") {
+                fprintf(stderr, "finetune: --optim: '%s' (adamw, adamw8bit, paged_adamw, paged_adamw8bit)\n", s);
+                return false;
+            }
+        }
         else if (f == "--dry-run") a->dry_run = true;
         else if (f == "--json") a->json = true;
         else if (f == "--grad-accum") { if (!whole(f.c_str(), need(i), 1, 1 << 20, &v)) return false; a->o.grad_accum = (int)v; }
@@ -546,7 +556,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     if (a.dry_run || !planned) {
-        print_memory(plan, a.o.mem_other, "RSS before training", a.o.mem_limit, a.json);
+        print_memory(plan, a.o.optim, a.o.mem_other, "RSS before training", a.o.mem_limit, a.json);
         if (!planned) {
             fprintf(stderr, "finetune: does not fit: %s\n", err.c_str());
             advise(f, tseq, eseq, a, plan);
@@ -596,11 +606,11 @@ int main(int argc, char **argv) {
     printf("finetune: LoRA r %d, alpha %g%s, dropout %g on", a.o.lora.r, (double)a.o.lora.alpha, a.o.lora.rslora ? " (rsLoRA)" : "",
            (double)a.o.lora.dropout);
     for (const std::string &x : a.o.lora.targets) printf(" %s", x.c_str());
-    printf("; AdamW lr %g (%s, warmup %lld steps), weight decay %g, max grad norm %g\n", (double)a.o.lr,
+    printf("; %s lr %g (%s, warmup %lld steps), weight decay %g, max grad norm %g\n", a.o.optim.c_str(), (double)a.o.lr,
            a.o.scheduler.c_str(), (long long)ql_trainer_warmup_steps(t),
            (double)a.o.weight_decay, (double)a.o.max_grad_norm);
     printf("%s\n", ql_trainable_line(ql_trainer_n_trainable(t), ql_trainer_n_base(t)).c_str());
-    print_memory(mp, a.o.mem_other, "RSS before training", a.o.mem_limit, false);
+    print_memory(mp, a.o.optim, a.o.mem_other, "RSS before training", a.o.mem_limit, false);
     printf("finetune: planned and allocated in %.2f s\n",
            std::chrono::duration<double>(std::chrono::steady_clock::now() - t_build).count());
     fflush(stdout);
