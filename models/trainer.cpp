@@ -590,8 +590,19 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
         for (int64_t i = 0; i < ql_nelements(p); i++) sq += (double)g[i] * g[i];
     }
     const double norm = std::sqrt(sq);
-    if (!std::isfinite(norm)) {
-        *err = "step " + std::to_string(s + 1) + ": the gradient norm is not finite";
+    if (!std::isfinite(norm)) {  // stop before the adapter is touched, naming the first bad gradient
+        std::string which = "?";
+        for (const ql_tensor *p : t->params) {
+            const float *g = (const float *)p->grad->data;
+            int64_t i = 0;
+            while (i < ql_nelements(p) && std::isfinite(g[i])) i++;
+            if (i < ql_nelements(p)) {
+                which = std::string(p->name) + " (element " + std::to_string(i) + ": " + (std::isnan(g[i]) ? "nan" : "inf") + ")";
+                break;
+            }
+        }
+        *err = "step " + std::to_string(s + 1) + ": the gradient of " + which +
+               " is not finite; the adapter is left as it was after step " + std::to_string(s) + " --> hint: a lower --lr";
         return false;
     }
     const float clip = (t->o.max_grad_norm > 0 && norm > t->o.max_grad_norm) ? (float)(t->o.max_grad_norm / (norm + 1e-6)) : 1.0f;

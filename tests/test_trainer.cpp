@@ -631,3 +631,25 @@ TEST_CASE("trainer: adamw8bit tracks adamw over 200 steps; its state bytes are t
     CHECK(err.find("unknown optimizer 'sgd'") != std::string::npos);
     ql_llama_file_free(f);
 }
+
+TEST_CASE("trainer: a nan loss stops the step with its step and micro-batch; the adapter is not touched") {
+    tmpdir d;
+    ql_llama_file *f = load_tiny(d.path);
+    const std::vector<ql_sequence> seqs = make_sequences(4, 12, 1);
+    std::string err;
+    ql_trainer *t = ql_trainer_new(f, seqs, seqs, base_options(), &err);
+    REQUIRE_MESSAGE(t, err);
+    ql_step_metrics m;
+    REQUIRE(ql_trainer_step(t, &m, &err));
+    ql_tensor *a0 = ql_llama_lora_params(ql_trainer_model(t))[0];
+    ((float *)a0->data)[5] = NAN;  // a corrupted adapter element: the forward pass turns nan
+    const std::vector<float> before = adapter_of(t);
+    CHECK(!ql_trainer_step(t, &m, &err));
+    CHECK_MESSAGE(err.find("step 2, micro-batch 1: the loss is nan") != std::string::npos, err);
+    const std::vector<float> after = adapter_of(t);
+    REQUIRE(after.size() == before.size());
+    CHECK(memcmp(after.data(), before.data(), 4 * before.size()) == 0);  // bit for bit, the nan included
+    CHECK(ql_trainer_steps_done(t) == 1);
+    ql_trainer_free(t);
+    ql_llama_file_free(f);
+}
