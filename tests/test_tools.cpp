@@ -719,6 +719,11 @@ TEST_CASE("finetune: the memory plan: --dry-run, measured peak within 3%, -b aut
         CHECK(jnum(x, "bytes") > 0);
     }
     CHECK(saved > 10);
+    // a dry run may look at a directory that holds a run: it writes nothing there
+    REQUIRE(run(ft + " -b 4 --max-steps 1", &log) == 0);
+    const std::string ck = read_file(out + "/checkpoint.gguf");
+    REQUIRE(run("./finetune -m " + base + " -d " + data + " -o " + out + " --seq-len 256 -t 2 -b 4 --dry-run", &log) == 0);
+    CHECK(read_file(out + "/checkpoint.gguf") == ck);
     // --dry-run of a plan that does not fit: exit 1, the advice, nothing written
     REQUIRE(run("rm -rf " + out, &log) == 0);
     CHECK(run(ft + " -b 4 --mem-limit 20M --dry-run", &log) == 1);

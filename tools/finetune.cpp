@@ -536,7 +536,7 @@ int main(int argc, char **argv) {
 
     const std::string out = a.resume && !a.out_given ? std::string(a.resume) : a.out;
     struct stat st;
-    if (!a.overwrite && !same_dir(out, a.resume) && stat((out + "/checkpoint.gguf").c_str(), &st) == 0) {
+    if (!a.dry_run && !a.overwrite && !same_dir(out, a.resume) && stat((out + "/checkpoint.gguf").c_str(), &st) == 0) {
         fprintf(stderr, "finetune: %s already holds a run (checkpoint.gguf): --resume %s continues it, --overwrite replaces it, "
                 "or choose another -o\n", out.c_str(), out.c_str());
         return 1;
