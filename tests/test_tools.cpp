@@ -590,6 +590,12 @@ std::pair<double, double> peak_line(const std::string &log, const char *when) {
     return {x, y};
 }
 
+size_t count(const std::string &s, const std::string &what) {
+    size_t n = 0;
+    for (size_t p = s.find(what); p != std::string::npos; p = s.find(what, p + 1)) n++;
+    return n;
+}
+
 // the JSON object on a line of its own in a tool's output
 ql_json json_line(const std::string &log) {
     ql_json j;
@@ -673,6 +679,7 @@ TEST_CASE("finetune: the memory plan: --dry-run, measured peak within 3%, -b aut
     REQUIRE_MESSAGE(run(ft + " -b auto --effective-batch 8 --mem-limit " + std::to_string(limit) + " --max-steps 1", &log) == 0, log);
     CHECK_MESSAGE(has(log, "micro-batch 4 (-b auto) x accumulation 2 = effective batch 8"), log);
     CHECK(peak_line(log, "of training").first * 1048576.0 <= (double)limit);
+    CHECK(count(log, "above 90% of --mem-limit") == 1);  // within 1 MiB of the limit: the warning, once
 
     // --checkpointing auto halfway between block and none: fits, and recomputes less than block
     const long long half = (long long)((planned_none + planned_block) / 2 * 1048576.0);
