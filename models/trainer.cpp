@@ -357,6 +357,12 @@ static std::string biggest_items(const ql_memory_plan &m) {
            " " + mib_text(v[2].first);
 }
 
+// the message when the plan does not fit: the total against the limit, the biggest items
+static std::string over_limit(const ql_trainer *t) {
+    return "needs " + mib_text(t->o.mem_other + t->mem.total) + " of the " + mib_text(t->o.mem_limit) + " allowed (" +
+           biggest_items(t->mem) + ")";
+}
+
 bool ql_train_plan(ql_llama_file *f, const std::vector<ql_sequence> &train, const std::vector<ql_sequence> &eval,
                    const ql_train_options &o, ql_memory_plan *mp, std::string *err) {
     ql_trainer *t = setup(f, train, eval, o, err);
@@ -364,8 +370,7 @@ bool ql_train_plan(ql_llama_file *f, const std::vector<ql_sequence> &train, cons
     bool ok = choose_levels(t, err);
     if (ok) *mp = t->mem;
     if (ok && !fits(t)) {
-        *err = "needs " + mib_text(t->o.mem_other + t->mem.total) + " of the " + mib_text(t->o.mem_limit) + " allowed (" +
-               biggest_items(t->mem) + ")";
+        *err = over_limit(t);
         ok = false;
     }
     ql_trainer_free(t);
@@ -389,8 +394,7 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
         return nullptr;
     }
     if (!fits(t)) {
-        *err = "needs " + mib_text(t->o.mem_other + t->mem.total) + " of the " + mib_text(t->o.mem_limit) + " allowed (" +
-               biggest_items(t->mem) + ")";
+        *err = over_limit(t);
         ql_trainer_free(t);
         return nullptr;
     }

@@ -685,19 +685,20 @@ int main(int argc, char **argv) {
             eval_curve.push_back({(double)m.step, last_eval});
             evaluated = true;
         }
+        const double rss = rss_mib(), hwm = peak_rss_mib();  // read once per step (/proc)
         fprintf(metrics, "{\"step\": %lld, \"loss\": %.6f", (long long)m.step, m.loss);
         if (evaluated) fprintf(metrics, ", \"eval_loss\": %.6f", last_eval);
         fprintf(metrics,
                 ", \"lr\": %.6g, \"grad_norm\": %.6f, \"step_seconds\": %.4f, \"tokens_per_s\": %.1f, \"mem_mib\": %.1f, "
                 "\"peak_mib\": %.1f, \"planned_mib\": %.1f}\n",
-                m.lr, m.grad_norm, m.seconds, tok_s, rss_mib(), peak_rss_mib(), mib(predicted));
+                m.lr, m.grad_norm, m.seconds, tok_s, rss, hwm, mib(predicted));
         fflush(metrics);
         const double eta = (double)(total - m.step) * el / (double)std::max<int64_t>(1, m.step - first);
         char line[256];
         snprintf(line, sizeof(line), "step %lld/%lld  loss %.4f%s  lr %.2e  %.0f tok/s  mem %.0f MiB  ETA %s",
                  (long long)m.step, (long long)total, m.loss,
                  std::isnan(last_eval) ? "" : ("  eval " + std::to_string(last_eval).substr(0, 6)).c_str(), m.lr, tok_s,
-                 rss_mib(), hms(eta).c_str());
+                 rss, hms(eta).c_str());
         if (tty)
             printf("\r%-110s", line);
         else if (m.step == first + 1 || m.step % std::max<int64_t>(1, total / 20) == 0 || m.step == total || evaluated)
@@ -705,11 +706,11 @@ int main(int argc, char **argv) {
         fflush(stdout);
         if (m.step == first + 1) {
             if (tty) printf("\n");
-            report_peak("after step 1", hwm_bytes());
+            report_peak("after step 1", (size_t)(hwm * 1048576.0));
         }
-        if (a.o.mem_limit && !warned && hwm_bytes() > a.o.mem_limit / 10 * 9) {
+        if (a.o.mem_limit && !warned && hwm * 1048576.0 > (double)(a.o.mem_limit / 10 * 9)) {
             fprintf(stderr, "%sfinetune: warning: memory %.0f MiB is above 90%% of --mem-limit %.0f MiB\n", tty ? "\n" : "",
-                    peak_rss_mib(), mib(a.o.mem_limit));
+                    hwm, mib(a.o.mem_limit));
             warned = true;
         }
         if (a.save_every > 0 && m.step % a.save_every == 0 && !save_checkpoint()) return 1;
