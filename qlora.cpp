@@ -1343,7 +1343,8 @@ ql_tensor *ql_mul_mat(ql_context *ctx, ql_tensor *a, ql_tensor *b) {
              QL_ERR_SHAPE, "mul_mat: a %s does not broadcast over b %s's batch (b.ne[2..3] %% a.ne[2..3] != 0)",
              shape_str(a).c_str(), shape_str(b).c_str());
     QL_CHECK(ctx, is_float_type(a->type), QL_ERR_TYPE, "mul_mat: a %s is not a numeric type", shape_str(a).c_str());
-    QL_CHECK(ctx, b->type == QL_TYPE_F32, QL_ERR_TYPE, "mul_mat: b %s must be f32", shape_str(b).c_str());
+    QL_CHECK(ctx, b->type == QL_TYPE_F32 || b->type == QL_TYPE_F16 || b->type == QL_TYPE_BF16, QL_ERR_TYPE,
+             "mul_mat: b %s must be f32, f16 or bf16", shape_str(b).c_str());
     const int64_t ne[4] = {a->ne[1], b->ne[1], b->ne[2], b->ne[3]};
     return new_op(ctx, QL_OP_MUL_MAT, QL_TYPE_F32, ne, {a, b});
 }
@@ -1574,7 +1575,7 @@ struct ql_graph {
     std::vector<std::vector<int>> freed_after; // node i -> entries whose block is free after it
     size_t arena_size = 0, work_size = 0;
     ql_plan_stats stats{};
-    bool poison = false, no_reuse = false, profile = false;
+    bool poison = false, no_reuse = false, profile = false, check_finite = false;
     std::vector<double> node_seconds;          // profile totals, per node
 
     // the allocation
@@ -1737,14 +1738,16 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
     }
     case QL_OP_MUL_MAT: {
         // c[m,n] = sum_k a[k,m] b[k,n]  =>  da[k,m] = sum_n b[k,n] dc[m,n],  db[k,n] = sum_m a[k,m] dc[m,n]
-        // limitation: block-quantized frozen `a` cannot be transposed by strides; the NF4 issue
-        // adds a transposed-weight path for db.
+        // (a block-quantized frozen `a` is transposed as a view only mul_mat reads: dx = dy W).
+        // A 16-bit b made it a 16-bit multiply: so are both of backward's, dc rounded to b's type
+        // (where fp16 gradients underflow or overflow: what loss scaling is for); sums stay f32.
+        ql_tensor *dc = b->type == QL_TYPE_F32 ? dy : ql_cast(ctx, gb.dense(dy), b->type);
         if (gb.wants(a)) {
-            ql_tensor *da = ql_mul_mat(ctx, ql_transpose(ctx, b), ql_transpose(ctx, dy));  // [K, M, B2, B3]
+            ql_tensor *da = ql_mul_mat(ctx, ql_transpose(ctx, b), ql_transpose(ctx, dc));  // [K, M, B2, B3]
             if (da && !ql_same_shape(da, a)) da = ql_reduce_to(ctx, da, a, true);          // a was broadcast
             gb.add(a, da);
         }
-        if (gb.wants(b)) gb.add(b, ql_mul_mat(ctx, ql_transpose(ctx, a), gb.dense(dy)));  // [K, N, B2, B3]
+        if (gb.wants(b)) gb.add(b, ql_mul_mat(ctx, ql_transpose(ctx, a), gb.dense(dc)));  // [K, N, B2, B3]
         break;
     }
     case QL_OP_GET_ROWS:  // y[:, n] = a[:, ids[n]]: scatter-add dy's rows back
@@ -2299,6 +2302,7 @@ ql_status ql_graph_get_stats(const ql_graph *g, ql_plan_stats *stats) {
 }
 
 void ql_graph_set_poison(ql_graph *g, bool on) { g->poison = on; }
+void ql_graph_set_check_finite(ql_graph *g, bool on) { g->check_finite = on; }
 void ql_graph_set_profile(ql_graph *g, bool on) {
     g->profile = on;
     g->node_seconds.assign(g->nodes.size(), 0.0);  // sized here, not while running
@@ -3536,6 +3540,7 @@ struct mm_operand {
     bool trows;
     const void *aux;             // side data of the root tensor (NF4), else NULL
     const uint8_t *root_data;    // where the root's blocks start: a block's index from its address
+    ql_type round = QL_TYPE_F32; // a 16-bit multiply (b in f16/bf16): packed values rounded to it
 };
 
 static inline bool mm_k_contig(const mm_operand &o) { return !o.trows && o.sk == (int64_t)traits(o.type).type_size; }
@@ -3565,13 +3570,34 @@ static inline float mm_elem(const mm_operand &o, int64_t k, int64_t mn) {
     return v;
 }
 
+// Rounds packed values to a 16-bit type (round to nearest even, as the conversions): the
+// weight side of a multiply whose activations are f16/bf16 - what a GPU's 16-bit multiply sees.
+static void mm_round(float *d, size_t n, ql_type t) {
+    if (t == QL_TYPE_BF16) {
+        for (size_t i = 0; i < n; i++) {
+            uint32_t x;
+            memcpy(&x, d + i, 4);
+            const uint32_t r = (x + 0x7fffu + ((x >> 16) & 1u)) & 0xffff0000u;
+            x = (x & 0x7fffffffu) > 0x7f800000u ? x : r;  // NaN stays NaN
+            memcpy(d + i, &x, 4);
+        }
+        return;
+    }
+    uint16_t h[256];
+    for (size_t i = 0; i < n; i += 256) {
+        const int64_t m = (int64_t)std::min<size_t>(256, n - i);
+        f16_from_float(d + i, h, m);
+        f16_to_float(h, d + i, m);
+    }
+}
+
 // d[kk*W + j] = element (k0+kk, mn0+j) for j < n; zero for n <= j < W
 static void mm_pack(const mm_operand &o, int64_t k0, int64_t kc, int64_t mn0, int n, int W, float *d, float *tmp) {
-    if (o.type == QL_TYPE_F32 && o.smn == 4) {  // mn-contiguous (a transposed view): rows of the panel
+    const ql_type_traits &tt = traits(o.type);
+    if (tt.blck_size == 1 && o.smn == (int64_t)tt.type_size) {  // mn-contiguous (a transposed view): rows of the panel
         for (int64_t kk = 0; kk < kc; kk++) {
-            const float *s = (const float *)(o.p + (k0 + kk) * o.sk) + mn0;
             float *dk = d + kk * W;
-            for (int j = 0; j < n; j++) dk[j] = s[j];
+            tt.to_float(o.p + (k0 + kk) * o.sk + mn0 * o.smn, dk, n);
             for (int j = n; j < W; j++) dk[j] = 0.0f;
         }
     } else if (mm_k_contig(o)) {  // k-contiguous (weights, activations): transpose, 8 x 8 at a time
@@ -3683,6 +3709,7 @@ static void mm_packed(const mm_operand &w, const mm_operand &x, float *c, int64_
             else
                 for (int64_t jp = 0; jp < nc; jp += MM_NR)
                     mm_pack(w, pc, kc, jc + jp, (int)std::min<int64_t>(MM_NR, nc - jp), MM_NR, wbuf + jp * kc, tmp);
+            if (w.round != QL_TYPE_F32) mm_round(wbuf, (size_t)((nc + MM_NR - 1) / MM_NR * MM_NR * kc), w.round);
             for (int64_t ic = ib; ic < ie; ic += MM_MC) {
                 const int64_t mc = std::min<int64_t>(MM_MC, ie - ic);
                 for (int64_t ip = 0; ip < mc; ip += MM_MR) {
@@ -3805,6 +3832,7 @@ static mm_problem mm_problem_of(const ql_tensor *dst) {
     P.w = {(const uint8_t *)a->data, (int64_t)(trows ? rows->nb[1] : a->nb[0]), (int64_t)(trows ? 0 : a->nb[1]),
            a->type, trows, side ? ql_aux_data(root) : nullptr, (const uint8_t *)root->data};
     P.x = {(const uint8_t *)b->data, (int64_t)b->nb[0], (int64_t)b->nb[1], b->type, false, nullptr, nullptr};
+    if (b->type != QL_TYPE_F32 && a->type != b->type) P.w.round = b->type;
     P.c = (float *)dst->data;
     P.M = a->ne[1];
     P.N = b->ne[1];
@@ -3919,6 +3947,33 @@ static void cpu_compute_node(const cpu_params &p, ql_tensor *node) {
     }
 }
 
+// check_finite: the first non-finite value of a node's result fails the run, naming the node,
+// its op and where its sources come from (a parameter's name, or the node that made them)
+static void cpu_check_finite(const cpu_params &p, const ql_graph *g, size_t i) {
+    const ql_tensor *node = g->nodes[i];
+    if (!is_float_type(node->type) || traits(node->type).blck_size != 1 || !ql_is_contiguous(node)) return;
+    const int64_t n = ql_nelements(node);
+    int64_t k = 0;
+    float v = 0;
+    for (; k < n; k++) {
+        traits(node->type).to_float((const uint8_t *)node->data + (size_t)k * traits(node->type).type_size, &v, 1);
+        if (!std::isfinite(v)) break;
+    }
+    if (k == n) return;
+    auto who = [g](const ql_tensor *t) {
+        if (t->name[0]) return std::string(t->name);
+        for (size_t j = 0; j < g->nodes.size(); j++)
+            if (g->nodes[j] == t) return "node " + std::to_string(j) + " (" + ql_op_name(t->op) + ")";
+        return std::string("an input");
+    };
+    std::string from;
+    for (const ql_tensor *s : node->src)
+        if (s) from += (from.empty() ? "" : ", ") + who(s);
+    cpu_fail(p, "node %zu of %zu (%s%s%s %s of %s) holds %s at element %lld", i, g->nodes.size(), ql_op_name(node->op),
+             node->name[0] ? " " : "", node->name, shape_str(node).c_str(), from.c_str(), std::isnan(v) ? "nan" : "inf",
+             (long long)k);
+}
+
 static void cpu_latch_stop(void *arg) {
     cpu_job *job = (cpu_job *)arg;
     job->stop.store(job->failed.load());
@@ -3944,6 +3999,10 @@ static void cpu_graph_worker(void *arg, int ith, int nth) {
         }
         if (profile && ith == 0)
             g->node_seconds[i] += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        if (g->check_finite && !job->stop.load()) {
+            if (ith == 0) cpu_check_finite(p, g, i);
+            job->pool->barrier(cpu_latch_stop, job);
+        }
         // `stop` changes only inside a barrier, so every thread takes the same branch here
         // (reading `failed` directly let a fast thread fail in the next node first: a hang)
         if (job->stop.load()) break;
@@ -4069,7 +4128,7 @@ void ql_cpu_sgemm(ql_backend *be, int64_t M, int64_t N, int64_t K, const float *
     QL_ASSERT(ql_backend_cpu_n_threads(be) > 0);
     cpu_backend *cb = (cpu_backend *)be->impl;
     sgemm_job j;
-    memset(&j.P, 0, sizeof(j.P));
+    j.P = mm_problem{};
     j.P.w = {(const uint8_t *)a, 4, lda * 4, QL_TYPE_F32, false, nullptr, nullptr};
     j.P.x = {(const uint8_t *)b, 4, ldb * 4, QL_TYPE_F32, false, nullptr, nullptr};
     j.P.c = c;

@@ -542,6 +542,10 @@ ql_status ql_graph_alloc_shared(ql_graph *g, ql_backend *backend, ql_graph *host
 // Debug: before each node runs, fill the bytes of blocks freed by earlier nodes with NaN
 // (0xFF) so a reader of a dead tensor cannot go unnoticed.
 void      ql_graph_set_poison(ql_graph *g, bool on);
+// Debug: after each node runs, scan its result; the first nan or inf stops the run with an
+// error naming the node, its op and the names (or nodes) of its sources. For diagnosing a
+// non-finite loss: a second run of the same inputs with this on finds where it began.
+void      ql_graph_set_check_finite(ql_graph *g, bool on);
 // Debug: give every tensor its own block (no reuse) - the reference the planner is tested against.
 void      ql_graph_set_no_reuse(ql_graph *g, bool on);
 // Profiling: when on, each run adds every node's wall time (seconds) to a per-node total.

@@ -750,6 +750,73 @@ TEST_CASE("mul_mat with an F16 / BF16 a") {
     check_mul_mat("mul_mat BF16 a M=131 N=5 K=300", {300, 131, 5, 1, 1, 1, 1, false, false}, QL_TYPE_BF16, bf16);
 }
 
+TEST_CASE("mul_mat with an F16 / BF16 b: a 16-bit multiply, forward and backward") {
+    // y = a . cast(x, T): a (f32, or NF4-dequantised) is rounded to T as it is packed, products
+    // sum in f32. Backward does the same: dy rounded to T, then da = x_T dy_T, dx = a_T dy_T.
+    // References in double from independently rounded values.
+    struct C { ql_type t; int64_t K, M, N; };
+    for (const C c : {C{QL_TYPE_BF16, 67, 37, 100}, C{QL_TYPE_F16, 67, 37, 100}, C{QL_TYPE_BF16, 300, 45, 3},
+                      C{QL_TYPE_F16, 33, 131, 70}})
+        for (int nt : {1, 3}) {
+            INFO(ql_type_name(c.t) << " K " << c.K << " M " << c.M << " N " << c.N << ", " << nt << " threads");
+            const auto rnd = [&](double v) { return c.t == QL_TYPE_BF16 ? round_bf16((float)v) : round_f16((float)v); };
+            Harness h;
+            ql_tensor *a = h.input(QL_TYPE_F32, {c.K, c.M, 1, 1}, true);
+            ql_tensor *x = h.input(QL_TYPE_F32, {c.K, c.N, 1, 1}, true);
+            ql_tensor *xc = ql_cast(h.ctx, x, c.t);
+            h.run(ql_mul_mat(h.ctx, a, xc), nt);
+            const Vec &av = h.in_v[0], &xv = h.in_v[1];
+            Vec y(c.M * c.N, 0.0), da(c.K * c.M, 0.0), dx(c.K * c.N, 0.0);
+            for (int64_t n = 0; n < c.N; n++)
+                for (int64_t m = 0; m < c.M; m++) {
+                    const double r = rnd(h.r_v[n * c.M + m]);
+                    for (int64_t k = 0; k < c.K; k++) {
+                        y[n * c.M + m] += rnd(av[m * c.K + k]) * rnd(xv[n * c.K + k]);
+                        da[m * c.K + k] += rnd(xv[n * c.K + k]) * r;
+                        dx[n * c.K + k] += rnd(av[m * c.K + k]) * r;
+                    }
+                }
+            CHECK(fwd_err(h.output(), y) <= 1e-5);
+            CHECK(fwd_err(h.grad(0), da) <= 1e-5);
+            CHECK(fwd_err(h.grad(1), dx) <= 1e-5);
+            // and not the f32 product: the rounding is really there
+            Vec y32(c.M * c.N, 0.0);
+            for (int64_t n = 0; n < c.N; n++)
+                for (int64_t m = 0; m < c.M; m++)
+                    for (int64_t k = 0; k < c.K; k++) y32[n * c.M + m] += av[m * c.K + k] * xv[n * c.K + k];
+            CHECK(fwd_err(h.output(), y32) > 1e-4);
+        }
+}
+
+TEST_CASE("mul_mat with an F16 b: a gradient beyond f16's range overflows, in bf16 it does not") {
+    for (ql_type t : {QL_TYPE_F16, QL_TYPE_BF16}) {
+        Harness h;
+        ql_tensor *a = h.input(QL_TYPE_F32, {16, 8, 1, 1}, true);
+        ql_tensor *x = h.input(QL_TYPE_F32, {16, 4, 1, 1}, false);
+        // dy = 1e6 r: past f16's 65504 (what a too-large loss scale does)
+        h.run(ql_scale(h.ctx, ql_mul_mat(h.ctx, a, ql_cast(h.ctx, x, t)), 1e6f), 1);
+        const Vec g = h.grad(0);
+        const bool finite = std::all_of(g.begin(), g.end(), [](double v) { return std::isfinite(v); });
+        CHECK(finite == (t == QL_TYPE_BF16));
+    }
+}
+
+TEST_CASE("check_finite names the first node that makes a nan, and its sources") {
+    Harness h;
+    ql_tensor *a = ql_set_name(h.input(QL_TYPE_F32, {8, 4, 1, 1}, true), "wa");
+    ql_tensor *x = h.input(QL_TYPE_F32, {8, 3, 1, 1}, false);
+    h.run(ql_mul_mat(h.ctx, a, ql_rms_norm(h.ctx, x, 1e-5f)), 1);
+    ql_graph_set_check_finite(h.graph(), true);
+    h.compute();  // finite: runs through
+    ((float *)a->data)[5] = NAN;
+    CHECK(ql_backend_graph_compute(h.be, h.graph()) != QL_OK);
+    const std::string e = ql_ctx_error(h.ctx);
+    INFO(e);
+    CHECK(e.find("mul_mat") != std::string::npos);
+    CHECK(e.find("of wa, node 0 (rms_norm)") != std::string::npos);
+    CHECK(e.find("holds nan") != std::string::npos);
+}
+
 // =============================================================================================
 // get_rows, rms_norm, rope, silu, swiglu
 // =============================================================================================
