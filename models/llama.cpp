@@ -92,12 +92,17 @@ void ql_llama_set_params(ql_llama *m) {
 }
 
 ql_tensor *ql_llama_linear(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x) {
-    ql_tensor *y = ql_mul_mat(ctx, w, x);
+    // a 16-bit compute type: the multiplies' inputs in it (what backward keeps is then 16-bit too)
+    const bool low = m->compute != QL_TYPE_F32;
+    auto in = [&](ql_tensor *t) { return low ? ql_cast(ctx, t, m->compute) : t; };
+    ql_tensor *xc = in(x);
+    ql_tensor *y = ql_mul_mat(ctx, w, xc);
     auto it = m->lora.find(w);
     if (it == m->lora.end()) return y;
     const ql_lora_pair &p = it->second;  // [in, r] then [r, out]
-    ql_tensor *xa = (m->lora_dropout && p.seed && p.dropout > 0) ? ql_dropout(ctx, x, p.dropout, p.seed, p.stream) : x;
-    return ql_add(ctx, y, ql_scale(ctx, ql_mul_mat(ctx, p.b, ql_mul_mat(ctx, p.a, xa)), p.scale));
+    const bool drop = m->lora_dropout && p.seed && p.dropout > 0;
+    ql_tensor *xa = drop ? in(ql_dropout(ctx, x, p.dropout, p.seed, p.stream)) : xc;
+    return ql_add(ctx, y, ql_scale(ctx, ql_mul_mat(ctx, p.b, in(ql_mul_mat(ctx, p.a, xa))), p.scale));
 }
 
 // y = W x (+ b): the linear layers of attention may carry biases (Qwen2)

@@ -55,6 +55,10 @@ struct ql_llama {
     ql_llama_hparams hp;
     std::unordered_map<const ql_tensor *, ql_lora_pair> lora;  // keyed by the base weight
     bool lora_dropout = true;  // graphs built while false (evaluation) skip adapter dropout
+    // mixed precision: the type of every matmul's inputs (activations cast to it, weights rounded
+    // to it as they are packed, backward's dy too); f32 sums, norms, softmax, loss. Graphs built
+    // after setting it use it.
+    ql_type compute = QL_TYPE_F32;
     ql_tensor *tok_embd = nullptr;  // [n_embd, n_vocab]
     ql_tensor *out_norm = nullptr;  // [n_embd]
     ql_tensor *output   = nullptr;  // [n_embd, n_vocab]; == tok_embd when tied

@@ -54,7 +54,19 @@ struct ql_trainer {
     int n_seg = 0;  // forward segments of the training graph
     ql_memory_plan mem;
     std::vector<std::pair<uintptr_t, uintptr_t>> pages;  // base-weight pages a run reads, [begin, end) page numbers
+    // mixed precision
+    ql_type compute = QL_TYPE_F32;
+    int64_t applied = 0;        // optimizer updates made (steps not skipped): the schedule's position
+    double  scale = 1;          // the loss scale (fp16), else 1
+    int64_t growth_tracker = 0; // clean steps since the scale last changed
+    int64_t skipped = 0, skipped_in_row = 0;
 };
+
+static ql_type precision_type(const std::string &p) {
+    return p == "bf16" ? QL_TYPE_BF16 : p == "fp16" ? QL_TYPE_F16 : QL_TYPE_F32;
+}
+
+std::string ql_auto_precision() { return "fp32"; }  // the CPU backend: see trainer.h
 
 static batch_io make_io(ql_context *ctx, const ql_llama &m, int64_t T, int64_t B, bool packed, bool backward) {
     batch_io io;
@@ -91,6 +103,7 @@ static bool build(ql_trainer *t, ql_context *ctx) {
     if (ql_llama_add_lora(ctx, &m, t->o.lora, t->seed) != QL_OK) return false;
     t->params = ql_llama_lora_params(m);
     m.lora_dropout = true;
+    m.compute = t->compute;
     t->tr = make_io(ctx, m, t->T, t->B, t->packed, true);
     if (t->tr.g && !t->levels.empty() &&
         ql_graph_recompute(t->tr.g, t->levels.data(), (int)t->levels.size(), &t->rs) != QL_OK)
@@ -322,6 +335,15 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
         *err = "unknown optimizer '" + o.optim + "' (adamw, adamw8bit, paged_adamw, paged_adamw8bit)";
         return nullptr;
     }
+    if (o.precision != "fp32" && o.precision != "bf16" && o.precision != "fp16") {
+        *err = "unknown precision '" + o.precision + "' (fp32, bf16, fp16, auto)";
+        return nullptr;
+    }
+    if (!(o.scale_init > 0) || !std::isfinite(o.scale_init) || !(o.scale_growth >= 1) || !(o.scale_backoff > 0) ||
+        !(o.scale_backoff < 1) || o.scale_interval < 1) {
+        *err = "bad loss-scaling options (initial scale > 0, growth >= 1, 0 < backoff < 1, interval >= 1)";
+        return nullptr;
+    }
     if (o.micro_batch < 1 || o.grad_accum < 1 || !(o.lr >= 0) || o.epochs < 1 ||
         (o.scheduler != "constant" && o.scheduler != "constant_with_warmup" && o.scheduler != "linear" && o.scheduler != "cosine")) {
         *err = "bad training options (micro-batch and accumulation >= 1, lr >= 0, epochs >= 1, "
@@ -342,6 +364,8 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
     t->warmup = o.scheduler == "constant"  ? 0  // as transformers: warmup_steps if > 0, else ceil(ratio * total)
                 : o.warmup_steps > 0       ? o.warmup_steps
                                            : (int64_t)std::ceil(o.warmup_ratio * (double)t->total);
+    t->compute = precision_type(o.precision);
+    t->scale = o.precision == "fp16" ? o.scale_init : 1.0;
     t->cpu = ql_backend_cpu_init(o.threads);
     weight_pages(t);
     return t;
@@ -491,12 +515,15 @@ void ql_trainer_free(ql_trainer *t) {
     ql_free(t->ctx);
     if (t->f) {  // the model's adapters pointed into ctx
         t->f->model.lora.clear();
+        t->f->model.compute = QL_TYPE_F32;
     }
     delete t;
 }
 
 int64_t ql_trainer_total_steps(const ql_trainer *t) { return t->total; }
 int64_t ql_trainer_steps_done(const ql_trainer *t) { return t->step; }
+int64_t ql_trainer_updates_done(const ql_trainer *t) { return t->applied; }
+double  ql_trainer_loss_scale(const ql_trainer *t) { return t->scale; }
 int64_t ql_trainer_steps_per_epoch(const ql_trainer *t) { return t->per_epoch; }
 int64_t ql_trainer_warmup_steps(const ql_trainer *t) { return t->warmup; }
 const ql_plan_stats &ql_trainer_plan(const ql_trainer *t) { return t->plan; }
@@ -571,7 +598,10 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
         return false;
     }
     ql_graph_zero_grads(t->tr.g);
-    *(float *)t->tr.count->data = (float)targets;
+    // loss scaling: the loss's denominator divided by the scale multiplies the loss, so every
+    // gradient, by it (exactly, the scale being a power of two)
+    const double scale = t->scale;
+    *(float *)t->tr.count->data = (float)((double)targets / scale);
     double loss = 0;
     for (int64_t a = 0; a < A; a++) {
         fill(t->tr, t->T, B, t->slot.data() + a * B);
@@ -581,19 +611,51 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
             return false;
         }
         const float l = *(const float *)t->tr.loss->data;
-        if (!std::isfinite(l)) {
+        if (!std::isfinite(l)) {  // the forward pass: no loss scale helps; find where it began
+            ql_graph_set_check_finite(t->tr.g, true);
+            const bool found = ql_backend_graph_compute(t->cpu, t->tr.g) != QL_OK;
+            ql_graph_set_check_finite(t->tr.g, false);
+            const std::string where = found ? ql_ctx_error(t->ctx) : "";
+            ql_ctx_clear_error(t->ctx);
             *err = "step " + std::to_string(s + 1) + ", micro-batch " + std::to_string(a + 1) + ": the loss is " +
-                   (std::isnan(l) ? "nan" : "infinite") + " --> hint: a lower --lr, or check the data";
+                   (std::isnan(l) ? "nan" : "infinite") + (found ? "; first non-finite result: " + where.substr(where.find("node ")) : "") +
+                   "; the adapter is left as it was after step " + std::to_string(s) + " --> hint: " +
+                   (t->o.precision == "fp16" ? "--precision bf16 (fp16 overflows past 65504), " : "") +
+                   "a lower --lr, or check the data and the model";
             return false;
         }
-        loss += l;
+        loss += l / scale;
     }
     double sq = 0;  // the global gradient norm, then clipping folded into the update's scale
     for (const ql_tensor *p : t->params) {
         const float *g = (const float *)p->grad->data;
         for (int64_t i = 0; i < ql_nelements(p); i++) sq += (double)g[i] * g[i];
     }
-    const double norm = std::sqrt(sq);
+    const bool scaling = t->o.precision == "fp16";
+    m->loss_scale = scale;
+    if (scaling && !std::isfinite(sq)) {  // GradScaler: skip the update, back off, count it
+        t->scale *= t->o.scale_backoff;
+        t->growth_tracker = 0;
+        t->skipped++;
+        t->skipped_in_row++;
+        t->step++;  // the data moves on; the schedule and Adam's step count do not
+        if (t->skipped_in_row >= 32) {
+            *err = "step " + std::to_string(t->step) + ": 32 steps in a row had non-finite gradients (loss scale now " +
+                   std::to_string(t->scale) + "); the adapter is left as it was --> hint: --precision bf16, or a lower --lr";
+            return false;
+        }
+        m->step = t->step;
+        m->loss = loss;
+        m->lr = ql_trainer_lr_at(t, t->applied);
+        m->grad_norm = INFINITY;
+        m->tokens = B * A * t->T;
+        m->targets = targets;
+        m->skipped = true;
+        m->skipped_total = t->skipped;
+        m->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        return true;
+    }
+    const double norm = std::sqrt(sq) / scale;  // unscaled, before clipping
     if (!std::isfinite(norm)) {  // stop before the adapter is touched, naming the first bad gradient
         std::string which = "?";
         for (const ql_tensor *p : t->params) {
@@ -610,13 +672,22 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
         return false;
     }
     const float clip = (t->o.max_grad_norm > 0 && norm > t->o.max_grad_norm) ? (float)(t->o.max_grad_norm / (norm + 1e-6)) : 1.0f;
-    const double lr = ql_trainer_lr_at(t, s);
+    const float gscale = (float)(clip / scale);  // unscale and clip in one factor
+    const double lr = ql_trainer_lr_at(t, t->applied);
     const ql_adamw_params hp = {(float)lr, t->o.beta1, t->o.beta2, t->o.eps, t->o.weight_decay};
     for (size_t i = 0; i < t->params.size(); i++) {
         const std::vector<ql_tensor *> &st = t->state[i];
-        if (st.size() == 4) ql_adamw8bit_update(t->params[i], st[0], st[1], st[2], st[3], s + 1, &hp, clip);
-        else ql_adamw_update(t->params[i], st[0], st[1], s + 1, &hp, clip);
+        if (st.size() == 4) ql_adamw8bit_update(t->params[i], st[0], st[1], st[2], st[3], t->applied + 1, &hp, gscale);
+        else ql_adamw_update(t->params[i], st[0], st[1], t->applied + 1, &hp, gscale);
     }
+    t->applied++;
+    t->skipped_in_row = 0;
+    if (scaling && ++t->growth_tracker >= t->o.scale_interval) {
+        t->scale *= t->o.scale_growth;
+        t->growth_tracker = 0;
+    }
+    m->skipped = false;
+    m->skipped_total = t->skipped;
     t->step++;
     m->step = t->step;
     m->loss = loss;
@@ -690,7 +761,10 @@ static std::vector<std::pair<std::string, std::string>> run_settings(const ql_tr
             {"learning rate", num(o.lr)},
             {"scheduler", o.scheduler + ", warmup " + std::to_string(t->warmup) + " steps"},
             {"optimizer", o.optim + ", betas " + num(o.beta1) + " " + num(o.beta2) + ", eps " + num(o.eps) + ", weight decay " + num(o.weight_decay)},
-            {"max grad norm", num(o.max_grad_norm)}};
+            {"max grad norm", num(o.max_grad_norm)},
+            {"precision", o.precision + (o.precision == "fp16" ? ", loss scale " + num(o.scale_init) + " x" + num(o.scale_growth) + " per " +
+                                                                     std::to_string(o.scale_interval) + " clean steps, x" + num(o.scale_backoff) + " on overflow"
+                                                               : "")}};
 }
 
 // parameter i and its optimizer state: what a checkpoint holds
@@ -706,6 +780,10 @@ bool ql_trainer_save(const ql_trainer *t, const char *path, std::string *err) {
     ql_gguf_set_str(w, "general.type", "qlora-checkpoint");
     ql_gguf_set_u32(w, "qlora.checkpoint.version", 1);
     ql_gguf_set_u64(w, "qlora.checkpoint.step", (uint64_t)t->step);
+    ql_gguf_set_u64(w, "qlora.checkpoint.updates", (uint64_t)t->applied);  // steps not skipped
+    ql_gguf_set_f32(w, "qlora.scaler.scale", (float)t->scale);             // GradScaler's state
+    ql_gguf_set_u64(w, "qlora.scaler.growth_tracker", (uint64_t)t->growth_tracker);
+    ql_gguf_set_u64(w, "qlora.scaler.skipped", (uint64_t)t->skipped);
     for (const auto &kv : run_settings(t)) ql_gguf_set_str(w, ("qlora.run." + kv.first).c_str(), kv.second.c_str());
     for (size_t i = 0; i < t->params.size(); i++)
         for (const ql_tensor *x : with_state(t, i)) {
@@ -746,7 +824,8 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
     for (const auto &kv : run_settings(t)) {  // every difference, named
         if (!why.empty() && why.rfind("another run", 0) != 0) break;
         bool found = false;
-        const std::string was = str("qlora.run." + kv.first, &found);
+        std::string was = str("qlora.run." + kv.first, &found);
+        if (!found && kv.first == "precision") was = "fp32", found = true;  // written before precisions existed
         if (found && was == kv.second) continue;
         why += (why.empty() ? "another run: " : "; ") + kv.first + " was " + (found ? was : "(not recorded)") + ", now " + kv.second;
     }
@@ -763,12 +842,26 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
                 }
                 if (pass == 1) memcpy(x->data, ql_gguf_tensor_data(g, k), ql_nbytes(x));
             }
-    ql_gguf_close(g);
     if (!why.empty()) {
+        ql_gguf_close(g);
         *err = std::string(path) + ": " + why;
         return false;
     }
     t->step = (int64_t)step;
+    // the scaler and the update count; a checkpoint from before they existed: no step skipped
+    auto u64 = [&](const char *key, uint64_t def) {
+        const int64_t i = ql_gguf_find_kv(g, key);
+        uint64_t v = def;
+        return i >= 0 && ql_gguf_get_u64(g, i, &v) ? v : def;
+    };
+    t->applied = (int64_t)std::min(step, u64("qlora.checkpoint.updates", step));
+    t->growth_tracker = (int64_t)u64("qlora.scaler.growth_tracker", 0);
+    t->skipped = (int64_t)u64("qlora.scaler.skipped", 0);
+    t->skipped_in_row = 0;
+    const int64_t isc = ql_gguf_find_kv(g, "qlora.scaler.scale");
+    double sc = 0;
+    t->scale = t->o.precision != "fp16" ? 1.0 : isc >= 0 && ql_gguf_get_f64(g, isc, &sc) && sc > 0 ? sc : t->o.scale_init;
+    ql_gguf_close(g);
     return true;
 }
 

@@ -36,6 +36,16 @@ struct ql_train_options {
     // elements keep f32) | paged_adamw | paged_adamw8bit (the state in host memory: on the CPU
     // backend accounting only)
     std::string optim = "adamw";
+    // the compute type of activations and matmul inputs: fp32 | bf16 | fp16 (ql_llama.compute);
+    // master weights, gradients, sums, norms, softmax and the loss stay f32. ("auto" is the
+    // caller's to resolve: ql_auto_precision.)
+    std::string precision = "fp32";
+    // fp16 only: dynamic loss scaling, torch's GradScaler. The loss (so every gradient) is
+    // multiplied by the scale; a step with a non-finite gradient is skipped (no update, the
+    // schedule and Adam's step count stay) and the scale multiplied by backoff; after `interval`
+    // clean steps in a row it is multiplied by growth. Gradients are unscaled before clipping.
+    float scale_init = 65536.0f, scale_growth = 2.0f, scale_backoff = 0.5f;
+    int   scale_interval = 2000;
     std::string scheduler = "linear";   // constant | constant_with_warmup | linear | cosine
     double warmup_ratio = 0.0;          // warmup steps = warmup_steps if > 0, else ceil(ratio * total steps)
     int64_t warmup_steps = 0;
@@ -81,6 +91,10 @@ struct ql_step_metrics {
     int64_t tokens = 0;        // sequence positions processed (padding included)
     int64_t targets = 0;       // supervised tokens
     double  seconds = 0;
+    // loss scaling (fp16): the scale this step used, whether it was skipped, skips so far
+    double  loss_scale = 1;
+    bool    skipped = false;
+    int64_t skipped_total = 0;
 };
 
 struct ql_trainer;
@@ -107,6 +121,8 @@ void        ql_trainer_free(ql_trainer *t);
 
 int64_t     ql_trainer_total_steps(const ql_trainer *t);
 int64_t     ql_trainer_steps_done(const ql_trainer *t);
+int64_t     ql_trainer_updates_done(const ql_trainer *t);  // steps not skipped: the schedule's position
+double      ql_trainer_loss_scale(const ql_trainer *t);    // 1 without loss scaling
 int64_t     ql_trainer_steps_per_epoch(const ql_trainer *t);
 int64_t     ql_trainer_warmup_steps(const ql_trainer *t);
 int64_t     ql_trainer_n_trainable(const ql_trainer *t);   // adapter parameters
@@ -118,7 +134,14 @@ ql_llama   &ql_trainer_model(ql_trainer *t);
 ql_graph   *ql_trainer_graph(ql_trainer *t);
 double      ql_trainer_lr_at(const ql_trainer *t, int64_t step);  // the schedule (step from 0)
 
-// One optimizer step. false with *err on a run-time error (e.g. a non-finite loss).
+// "auto" precision on the CPU backend: fp32. Its kernels multiply in f32 whatever the
+// inputs; bf16/fp16 there only round (emulating a GPU's numerics) and cost time - measured in
+// bench/RESULTS.md. (A GPU backend: bf16 from compute capability 8.0, else fp16.)
+std::string ql_auto_precision();
+
+// One optimizer step. false with *err on a run-time error (e.g. a non-finite loss: the message
+// names the first graph node that made a nan or inf). With loss scaling, a step whose gradients
+// are not finite is skipped (m->skipped) and true is returned.
 bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err);
 // Mean loss over every supervised token of the evaluation sequences (no dropout).
 bool ql_trainer_eval(ql_trainer *t, double *loss, std::string *err);

@@ -516,6 +516,11 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
         {md + " -b 2 --effective-batch 5", "--effective-batch 5 is not a multiple of -b 2"},
         {md + " --effective-batch 0", "--effective-batch: '0' is not a number in [1, "},
         {md + " --optim sgd", "--optim: 'sgd' (adamw, adamw8bit, paged_adamw, paged_adamw8bit)"},
+        {md + " --precision fp8", "--precision: 'fp8' (fp32, bf16, fp16, auto)"},
+        {md + " --loss-scale-init 1024", "--loss-scale-init: loss scaling is for --precision fp16 (this run: fp32)"},
+        {md + " --precision bf16 --loss-scale-interval 10", "--loss-scale-interval: loss scaling is for --precision fp16 (this run: bf16)"},
+        {md + " --precision fp16 --loss-scale-backoff 1", "--loss-scale-backoff: '1' is not a number in [1e-06, 0.999999]"},
+        {md + " --precision fp16 --loss-scale-interval 0", "--loss-scale-interval: '0' is not a number in [1, "},
     };
     for (const bad_case &c : cases) {
         CAPTURE(c.args);
@@ -736,4 +741,42 @@ TEST_CASE("finetune: the memory plan: --dry-run, measured peak within 3%, -b aut
     CHECK(run(ft + " -b 4 --mem-limit 20M --dry-run", &log) == 1);
     CHECK(has(log, "what would help most"));
     CHECK(!exists(out));
+}
+
+TEST_CASE("finetune --precision: fp16's scale and skips in the progress line and metrics (valid JSON); auto is fp32 here") {
+    if (!all_built({"make-model", "finetune"})) return;
+    tmpdir d;
+    const std::string base = d.path + "/m.gguf", data = d.path + "/qa.jsonl";
+    std::string log;
+    REQUIRE(run("./make-model -o " + base + " --dim 64 --layers 2 --heads 2 --ff 96 --type nf4", &log) == 0);
+    write_qa_jsonl(data, 8);
+    const std::string ft = "./finetune -m " + base + " -d " + data + " -b 2 --seq-len 32 --max-steps 4 --overwrite";
+    // a scale no f16 gradient survives: every step skipped, the scale halved each time
+    REQUIRE(run(ft + " -o " + d.path + "/h --precision fp16 --loss-scale-init 1e30", &log) == 0);
+    CHECK_MESSAGE(has(log, "precision fp16; loss scale 1e+30, x2 after 2000 clean steps, x0.5"), log);
+    CHECK_MESSAGE(has(log, "scale 1e+30 SKIPPED (1 skipped)"), log);
+    const auto ml = metric_lines(d.path + "/h/metrics.jsonl");
+    REQUIRE(ml.size() >= 4);
+    double want = 1e30;
+    for (size_t i = ml.size() - 4; i < ml.size(); i++) {
+        CAPTURE(ml[i].second);
+        ql_json j;
+        std::string why;
+        REQUIRE_MESSAGE(ql_json_parse(ml[i].second, QL_JSON_LINE, &j, &why), why);  // no bare inf or nan
+        CHECK(j.get("skipped")->kind == ql_json::BOOL);
+        CHECK(j.get("skipped")->b);
+        CHECK(j.get("grad_norm")->kind == ql_json::NUL);
+        CHECK(jnum(j, "loss_scale") == doctest::Approx(want).epsilon(1e-6));
+        want *= 0.5;
+    }
+    CHECK(metric(ml.back().second, "skipped_steps") == 4);
+    // the default scale on this model: no skips, and bf16/fp32 lines carry no scaler fields
+    REQUIRE(run(ft + " -o " + d.path + "/f --precision fp16", &log) == 0);
+    CHECK_MESSAGE(has(log, "scale 65536 (0 skipped)"), log);
+    CHECK(metric(metric_lines(d.path + "/f/metrics.jsonl").back().second, "skipped_steps") == 0);
+    REQUIRE(run(ft + " -o " + d.path + "/b --precision bf16", &log) == 0);
+    CHECK_MESSAGE(has(log, "finetune: precision bf16\n"), log);
+    CHECK(!has(read_file(d.path + "/b/metrics.jsonl"), "loss_scale"));
+    REQUIRE(run(ft + " -o " + d.path + "/a --precision auto", &log) == 0);
+    CHECK_MESSAGE(has(log, "finetune: precision fp32 (auto:"), log);
 }

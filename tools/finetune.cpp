@@ -42,6 +42,8 @@ static const char *k_help =
     "trainer:   -b 4  --grad-accum 1  --lr 2e-4  --beta1 0.9  --beta2 0.999  --eps 1e-8  --weight-decay 0\n"
     "           --lr-scheduler constant|constant_with_warmup|linear|cosine  --warmup-ratio 0  --warmup-steps N\n"
     "           --max-grad-norm 1.0  --optim adamw|adamw8bit|paged_adamw|paged_adamw8bit\n"
+    "precision: --precision fp32|bf16|fp16|auto (auto: fp32 on the CPU)  fp16's loss scaling: --loss-scale-init 65536\n"
+    "           --loss-scale-growth 2  --loss-scale-backoff 0.5  --loss-scale-interval 2000\n"
     "           --epochs 1  --max-steps N  --seed 42  -t THREADS  --profile (time per op, printed at the end)\n"
     "memory:    --checkpointing none|block|sqrt|auto  --mem-limit SIZE (e.g. 6G; auto and -b auto need it)\n"
     "           -b auto  --effective-batch N  --offload-activations  --dry-run (print the plan, train nothing)  --json\n"
@@ -229,6 +231,8 @@ struct args {
     bool merge = false, overwrite = false, profile = false;
     bool b_auto = false, dry_run = false, json = false;
     int effective_batch = 0;  // 0: not asked for
+    bool precision_auto = false;
+    std::string scaler_flag;  // a loss-scaling flag given (only fp16 has a scaler)
 };
 
 // one flag with its value; false (after a one-line message) on anything malformed
@@ -325,6 +329,19 @@ static bool parse(int argc, char **argv, args *a) {
                 return false;
             }
         }
+        else if (f == "--precision") {
+            const char *s = need(i);
+            if (!s) return false;
+            a->o.precision = s;
+            if (a->o.precision != "fp32" && a->o.precision != "bf16" && a->o.precision != "fp16" && a->o.precision != "auto") {
+                fprintf(stderr, "finetune: --precision: '%s' (fp32, bf16, fp16, auto)\n", s);
+                return false;
+            }
+        }
+        else if (f == "--loss-scale-init") { if (!num(f.c_str(), need(i), 1e-30, 1e30, &v)) return false; a->o.scale_init = (float)v; a->scaler_flag = f; }
+        else if (f == "--loss-scale-growth") { if (!num(f.c_str(), need(i), 1, 1e6, &v)) return false; a->o.scale_growth = (float)v; a->scaler_flag = f; }
+        else if (f == "--loss-scale-backoff") { if (!num(f.c_str(), need(i), 1e-6, 0.999999, &v)) return false; a->o.scale_backoff = (float)v; a->scaler_flag = f; }
+        else if (f == "--loss-scale-interval") { if (!whole(f.c_str(), need(i), 1, 1e9, &v)) return false; a->o.scale_interval = (int)v; a->scaler_flag = f; }
         else if (f == "--dry-run") a->dry_run = true;
         else if (f == "--json") a->json = true;
         else if (f == "--grad-accum") { if (!whole(f.c_str(), need(i), 1, 1 << 20, &v)) return false; a->o.grad_accum = (int)v; }
@@ -368,6 +385,15 @@ static bool parse(int argc, char **argv, args *a) {
     }
     if ((a->b_auto || a->o.checkpointing == "auto") && a->o.mem_limit == 0) {
         fprintf(stderr, "finetune: %s needs --mem-limit\n", a->b_auto ? "-b auto" : "--checkpointing auto");
+        return false;
+    }
+    if (a->o.precision == "auto") {
+        a->o.precision = ql_auto_precision();
+        a->precision_auto = true;
+    }
+    if (!a->scaler_flag.empty() && a->o.precision != "fp16") {
+        fprintf(stderr, "finetune: %s: loss scaling is for --precision fp16 (this run: %s)\n", a->scaler_flag.c_str(),
+                a->o.precision.c_str());
         return false;
     }
     if (a->effective_batch > 0 && !a->b_auto) {
@@ -609,7 +635,12 @@ int main(int argc, char **argv) {
     printf("; %s lr %g (%s, warmup %lld steps), weight decay %g, max grad norm %g\n", a.o.optim.c_str(), (double)a.o.lr,
            a.o.scheduler.c_str(), (long long)ql_trainer_warmup_steps(t),
            (double)a.o.weight_decay, (double)a.o.max_grad_norm);
-    printf("%s\n", ql_trainable_line(ql_trainer_n_trainable(t), ql_trainer_n_base(t)).c_str());
+    printf("finetune: precision %s%s", a.o.precision.c_str(),
+           a.precision_auto ? " (auto: the CPU backend multiplies in f32; 16-bit inputs only cost conversions there)" : "");
+    if (a.o.precision == "fp16")
+        printf("; loss scale %g, x%g after %d clean steps, x%g and the step skipped on inf/nan gradients",
+               ql_trainer_loss_scale(t), (double)a.o.scale_growth, a.o.scale_interval, (double)a.o.scale_backoff);
+    printf("\n%s\n", ql_trainable_line(ql_trainer_n_trainable(t), ql_trainer_n_base(t)).c_str());
     print_memory(mp, a.o.optim, a.o.mem_other, "RSS before training", a.o.mem_limit, false);
     printf("finetune: planned and allocated in %.2f s\n",
            std::chrono::duration<double>(std::chrono::steady_clock::now() - t_build).count());
@@ -688,16 +719,23 @@ int main(int argc, char **argv) {
         const double rss = rss_mib(), hwm = peak_rss_mib();  // read once per step (/proc)
         fprintf(metrics, "{\"step\": %lld, \"loss\": %.6f", (long long)m.step, m.loss);
         if (evaluated) fprintf(metrics, ", \"eval_loss\": %.6f", last_eval);
+        if (a.o.precision == "fp16")
+            fprintf(metrics, ", \"loss_scale\": %g, \"skipped\": %s, \"skipped_steps\": %lld", m.loss_scale,
+                    m.skipped ? "true" : "false", (long long)m.skipped_total);
         fprintf(metrics,
-                ", \"lr\": %.6g, \"grad_norm\": %.6f, \"step_seconds\": %.4f, \"tokens_per_s\": %.1f, \"mem_mib\": %.1f, "
+                ", \"lr\": %.6g, \"grad_norm\": %s, \"step_seconds\": %.4f, \"tokens_per_s\": %.1f, \"mem_mib\": %.1f, "
                 "\"peak_mib\": %.1f, \"planned_mib\": %.1f}\n",
-                m.lr, m.grad_norm, m.seconds, tok_s, rss, hwm, mib(predicted));
+                m.lr, std::isfinite(m.grad_norm) ? std::to_string(m.grad_norm).c_str() : "null", m.seconds, tok_s, rss, hwm,
+                mib(predicted));
         fflush(metrics);
         const double eta = (double)(total - m.step) * el / (double)std::max<int64_t>(1, m.step - first);
-        char line[256];
-        snprintf(line, sizeof(line), "step %lld/%lld  loss %.4f%s  lr %.2e  %.0f tok/s  mem %.0f MiB  ETA %s",
+        char line[256], scaler[96] = "";
+        if (a.o.precision == "fp16")
+            snprintf(scaler, sizeof(scaler), "  scale %g%s (%lld skipped)", m.loss_scale, m.skipped ? " SKIPPED" : "",
+                     (long long)m.skipped_total);
+        snprintf(line, sizeof(line), "step %lld/%lld  loss %.4f%s  lr %.2e%s  %.0f tok/s  mem %.0f MiB  ETA %s",
                  (long long)m.step, (long long)total, m.loss,
-                 std::isnan(last_eval) ? "" : ("  eval " + std::to_string(last_eval).substr(0, 6)).c_str(), m.lr, tok_s,
+                 std::isnan(last_eval) ? "" : ("  eval " + std::to_string(last_eval).substr(0, 6)).c_str(), m.lr, scaler, tok_s,
                  rss, hms(eta).c_str());
         if (tty)
             printf("\r%-110s", line);
