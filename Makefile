@@ -7,7 +7,7 @@
 #   make bench      benchmarks (numbers go to bench/RESULTS.md by hand, with the command)
 #   make bench-finetune  finetune tokens/s and peak RSS, with PyTorch's as the yardstick (bench/finetune.sh)
 #   make bench-checkpointing  step time and peak memory for each --checkpointing policy (bench/checkpointing.sh)
-#   make bench-optimizers  finetune tokens/s and state memory for each --optim (bench/optimizers.sh)
+#   make bench-optimizers  finetune tokens/s and state memory for each --precision and --optim (bench/optimizers.sh)
 #   make demo       QLoRA-fine-tunes a tiny NF4 llama on examples/demo.jsonl and shows what it learned
 #   make fuzz       libFuzzer on the GGUF reader (clang; FUZZ_RUNS=1000000 by default)
 #   make PORTABLE=1 ...  no -march=native (the portable SIMD fallback)

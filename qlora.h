@@ -24,6 +24,9 @@
 // - ql_mul_mat(a, b) contracts over ne[0]: a [K, M, A2, A3], b [K, N, B2, B3] -> [M, N, B2, B3],
 //   c[m, n] = sum_k a[k, m] * b[k, n]; a is broadcast over b's batch (B2 % A2 == 0, B3 % A3 == 0;
 //   batch i2 of b uses i2 / (B2 / A2) of a, so consecutive query heads share a kv head).
+//   b is f32, f16 or bf16; a 16-bit b makes a 16-bit multiply (mixed precision): a's values are
+//   rounded to b's type as they are read, products are summed in f32 (the result is f32), and
+//   backward rounds dc to b's type before its two multiplies - fp16 gradients can overflow.
 // - Op constructors only record; nothing is computed until ql_backend_graph_compute.
 // - Errors: a constructor given bad input returns NULL and stores a message (op, shapes,
 //   file:line) in its context, first error wins; constructors given a NULL source return NULL
