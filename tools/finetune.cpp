@@ -330,8 +330,7 @@ static bool parse(int argc, char **argv, args *a) {
             }
         }
         else if (f == "--precision") {
-            const char *s = need(i);
-            if (!s) return false;
+            if (!(s = need(i))) return false;
             a->o.precision = s;
             if (a->o.precision != "fp32" && a->o.precision != "bf16" && a->o.precision != "fp16" && a->o.precision != "auto") {
                 fprintf(stderr, "finetune: --precision: '%s' (fp32, bf16, fp16, auto)\n", s);
