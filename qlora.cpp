@@ -3969,9 +3969,8 @@ static void cpu_check_finite(const cpu_params &p, const ql_graph *g, size_t i) {
     std::string from;
     for (const ql_tensor *s : node->src)
         if (s) from += (from.empty() ? "" : ", ") + who(s);
-    cpu_fail(p, "node %zu of %zu (%s%s%s %s of %s) holds %s at element %lld", i, g->nodes.size(), ql_op_name(node->op),
-             node->name[0] ? " " : "", node->name, shape_str(node).c_str(), from.c_str(), std::isnan(v) ? "nan" : "inf",
-             (long long)k);
+    cpu_fail(p, "node %zu of %zu (%s %s of %s) holds %s at element %lld", i, g->nodes.size(), ql_op_name(node->op),
+             shape_str(node).c_str(), from.c_str(), std::isnan(v) ? "nan" : "inf", (long long)k);
 }
 
 static void cpu_latch_stop(void *arg) {

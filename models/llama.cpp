@@ -96,6 +96,7 @@ ql_tensor *ql_llama_linear(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
     const bool low = m->compute != QL_TYPE_F32;
     auto in = [&](ql_tensor *t) { return low ? ql_cast(ctx, t, m->compute) : t; };
     ql_tensor *xc = in(x);
+    if (low && xc) ql_format_name(xc, "%s.input", w->name);  // a diagnosis names it (an f16 overflow)
     ql_tensor *y = ql_mul_mat(ctx, w, xc);
     auto it = m->lora.find(w);
     if (it == m->lora.end()) return y;

@@ -751,6 +751,20 @@ TEST_CASE("trainer: fp16 loss scaling - an overflow skips the step (adapter, sch
     o.precision = "fp8";
     CHECK(!ql_trainer_new(f, seqs, seqs, o, &err));
     CHECK(err.find("unknown precision 'fp8'") != std::string::npos);
+
+    // an overflow in the forward pass is no scaling matter: the run stops, naming where f16 overflowed
+    o.precision = "fp16";
+    t = ql_trainer_new(f, seqs, seqs, o, &err);
+    REQUIRE_MESSAGE(t, err);
+    for (ql_tensor *p : ql_llama_lora_params(ql_trainer_model(t)))
+        if (std::string(p->name) == "blk.0.attn_v.weight.lora_b")
+            for (int64_t i = 0; i < ql_nelements(p); i++) ((float *)p->data)[i] = 3e4f;  // within f16, but v and attention's output go past it
+    CHECK(!ql_trainer_step(t, &m, &err));
+    CHECK_MESSAGE(err.find("step 1, micro-batch 1: the loss is") != std::string::npos, err);
+    CHECK_MESSAGE(err.find("(cont [64, 16, 2] f16 'blk.0.attn_output.weight.input'") != std::string::npos, err);  // attention's output cast to f16
+    CHECK_MESSAGE(err.find("holds inf") != std::string::npos, err);
+    CHECK_MESSAGE(err.find("--precision bf16") != std::string::npos, err);
+    ql_trainer_free(t);
     ql_llama_file_free(f);
 }
 
