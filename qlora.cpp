@@ -12,6 +12,7 @@
 #include <fcntl.h>  // POSIX: GGUF files are mmap'd
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>  // arch_prctl: the AMX tile state is granted on request (Linux)
 #include <unistd.h>
 
 #include <algorithm>
@@ -208,7 +209,19 @@ static void bf16_to_float(const void *s, float *d, int64_t n) {
 }
 static void bf16_from_float(const float *s, void *d, int64_t n) {
     uint16_t *y = (uint16_t *)d;
-    for (int64_t i = 0; i < n; i++) y[i] = ql_fp32_to_bf16(s[i]);
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    // the scalar rule 16 lanes at a time (the casts of mixed precision run through here)
+    const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff), quiet = _mm512_set1_epi32(0x40);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = _mm512_loadu_ps(s + i);
+        const __m512i x = _mm512_castps_si512(v), hi = _mm512_srli_epi32(x, 16);
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(x, _mm512_add_epi32(bias, _mm512_and_si512(hi, one))), 16);
+        r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_or_si512(hi, quiet));
+        _mm256_storeu_si256((__m256i *)(y + i), _mm512_cvtepi32_epi16(r));
+    }
+#endif
+    for (; i < n; i++) y[i] = ql_fp32_to_bf16(s[i]);
 }
 
 // ---- ggml's block formats, byte for byte the blocks of ggml / GGUF files (structs in qlora.h) ----
@@ -3776,6 +3789,109 @@ static void mm_dot(const mm_operand &w, const mm_operand &x, float *c, int64_t l
     }
 }
 
+// bf16 x bf16 on AMX tiles (Intel AMX-BF16): where b is bf16 and K a multiple of 32. The W
+// block is packed as for the f32 path, then rounded into k-pair dwords in place (bf16(W[k][j])
+// low, bf16(W[k+1][j]) high: the B-tile layout, 16 pairs x 16 columns a tile); X rows are
+// copied token-major in bf16 (the A tiles). A 32 x 32 block of C is four tiles summed over
+// the K block, then added to C. Products are exact and sums f32, as the f32 path's (the order
+// inside a tile differs; subnormals flush to zero). Every C element's order still depends on K
+// only, not on the thread split.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+static bool mm_amx_ready() {  // the kernel grants the tile data state to the process (Linux >= 5.16)
+    static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    return ok;
+}
+
+static inline uint32_t mm_bf16_bits(float f) {  // round to nearest even, as ql_fp32_to_bf16 (finite values)
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
+// a packed f32 panel [kc x W] becomes, in place, [kc/2 x W] k-pair dwords (kc even)
+static void mm_pairs(float *d, int64_t kc, int W) {
+    uint32_t row[MM_NR];
+    for (int64_t pp = 0; 2 * pp < kc; pp++) {
+        const float *a = d + 2 * pp * W, *b = a + W;
+        for (int j = 0; j < W; j++) row[j] = mm_bf16_bits(a[j]) | mm_bf16_bits(b[j]) << 16;
+        memcpy(d + pp * W, row, sizeof(uint32_t) * (size_t)W);  // f32 rows <= 2pp + 1 are read already
+    }
+}
+
+struct mm_tilecfg {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static void mm_amx(const mm_operand &w, const mm_operand &x, float *c, int64_t ldc, int64_t K, int64_t ib, int64_t ie,
+                   int64_t jb, int64_t je, float *work, const mm_layout &L) {
+    float *wbuf = work, *tmp = work + L.tmp;
+    uint16_t *xb = (uint16_t *)(work + L.xbuf);  // [round_up(mc, 32), kc] bf16: fits the f32 X block's room
+    mm_tilecfg cfg = {};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // C 0-3, A 4-5, B 6-7: 16 rows of 64 bytes
+    _tile_loadconfig(&cfg);
+    for (int64_t jc = jb; jc < je; jc += MM_NC) {
+        const int64_t nc = std::min<int64_t>(MM_NC, je - jc);
+        for (int64_t pc = 0; pc < K; pc += MM_KC) {
+            const int64_t kc = std::min<int64_t>(MM_KC, K - pc);  // a multiple of 32
+            if (w.trows)
+                mm_pack_trows(w, pc, kc, jc, nc, wbuf, tmp);
+            else
+                for (int64_t jp = 0; jp < nc; jp += MM_NR)
+                    mm_pack(w, pc, kc, jc + jp, (int)std::min<int64_t>(MM_NR, nc - jp), MM_NR, wbuf + jp * kc, tmp);
+            for (int64_t jp = 0; jp < nc; jp += MM_NR) mm_pairs(wbuf + jp * kc, kc, MM_NR);
+            for (int64_t ic = ib; ic < ie; ic += MM_MC) {
+                const int64_t mc = std::min<int64_t>(MM_MC, ie - ic), mp = (mc + 31) / 32 * 32;
+                if (x.sk == 2) {  // k-contiguous rows: copies
+                    for (int64_t r = 0; r < mc; r++) memcpy(xb + r * kc, x.p + (ic + r) * x.smn + pc * 2, (size_t)kc * 2);
+                } else {
+                    for (int64_t k = 0; k < kc; k++)
+                        for (int64_t r = 0; r < mc; r++) memcpy(xb + r * kc + k, x.p + (pc + k) * x.sk + (ic + r) * x.smn, 2);
+                }
+                memset(xb + mc * kc, 0, (size_t)((mp - mc) * kc) * 2);
+                for (int64_t ir = 0; ir < mc; ir += 32)
+                    for (int64_t jr = 0; jr < nc; jr += MM_NR) {
+                        const uint8_t *a0 = (const uint8_t *)(xb + ir * kc), *a1 = a0 + 16 * kc * 2;
+                        const uint8_t *b = (const uint8_t *)(wbuf + jr * kc);
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_zero(2);
+                        _tile_zero(3);
+                        for (int64_t kk = 0; kk < kc; kk += 32) {
+                            _tile_loadd(4, a0 + kk * 2, kc * 2);
+                            _tile_loadd(5, a1 + kk * 2, kc * 2);
+                            _tile_loadd(6, b + kk / 2 * 128, 128);
+                            _tile_loadd(7, b + kk / 2 * 128 + 64, 128);
+                            _tile_dpbf16ps(0, 4, 6);
+                            _tile_dpbf16ps(1, 4, 7);
+                            _tile_dpbf16ps(2, 5, 6);
+                            _tile_dpbf16ps(3, 5, 7);
+                        }
+                        _tile_stored(0, tmp, 128);  // tmp: [32 rows x 32 columns]
+                        _tile_stored(1, tmp + 16, 128);
+                        _tile_stored(2, tmp + 512, 128);
+                        _tile_stored(3, tmp + 528, 128);
+                        const int64_t rows = std::min<int64_t>(32, mc - ir), cols = std::min<int64_t>(MM_NR, nc - jr);
+                        for (int64_t r = 0; r < rows; r++) {
+                            float *cp = c + (ic + ir + r) * ldc + jc + jr;
+                            const float *t = tmp + r * 32;
+                            for (int64_t j = 0; j < cols; j++) cp[j] = pc > 0 ? cp[j] + t[j] : t[j];
+                        }
+                    }
+            }
+        }
+    }
+    _tile_release();
+}
+static_assert(MM_NR == 32 && MM_KC % 32 == 0, "AMX: a 32-column panel is two B tiles");
+#else
+static bool mm_amx_ready() { return false; }
+static void mm_amx(const mm_operand &, const mm_operand &, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                   float *, const mm_layout &) {}
+#endif
+
 // One multiply, split into tasks over (batch, column chunk, row chunk); thread ith takes
 // tasks ith, ith + nth, ...
 struct mm_problem {
@@ -3789,6 +3905,8 @@ struct mm_problem {
 
 static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
     const bool dot = P.N <= MM_DOT_MAX_N && mm_k_contig(P.w) && P.x.type == QL_TYPE_F32 && mm_k_contig(P.x);
+    // (N >= 16: the bf16 X block, rows rounded up to 32, then fits the f32 X block's room)
+    const bool amx = P.x.type == QL_TYPE_BF16 && P.K % 32 == 0 && P.K > 0 && P.N >= 16 && mm_amx_ready();
     // column chunks: whole register panels, and whole blocks where the weight's rows run along them
     const int64_t align = dot ? 4 : P.w.trows ? std::max<int64_t>(MM_NR, traits(P.w.type).blck_size) : MM_NR;
     int64_t nj = 1, ni = 1;
@@ -3812,6 +3930,8 @@ static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
         float *c = (float *)((uint8_t *)P.c + i2 * P.cb2 + i3 * P.cb3);
         if (dot)
             mm_dot(w, x, c, P.ldc, P.K, P.N, jb, je, work, L);
+        else if (amx)
+            mm_amx(w, x, c, P.ldc, P.K, ib, ie, jb, je, work, L);
         else
             mm_packed(w, x, c, P.ldc, P.K, ib, ie, jb, je, work, L);
     }
@@ -4067,6 +4187,7 @@ static void cpu_free(ql_backend *be) {
 }
 
 ql_backend *ql_backend_cpu_init(int n_threads) {
+    mm_amx_ready();  // asked once, before any worker thread exists
     if (n_threads <= 0) n_threads = (int)std::max(1u, std::thread::hardware_concurrency());
     cpu_backend *cb = new (std::nothrow) cpu_backend();
     ql_backend *be = new (std::nothrow) ql_backend();
@@ -4081,6 +4202,8 @@ ql_backend *ql_backend_cpu_init(int n_threads) {
     cb->pool.start(n_threads);
     return be;
 }
+
+bool ql_cpu_bf16_native(void) { return mm_amx_ready(); }
 
 int ql_backend_cpu_n_threads(const ql_backend *be) {
     return (be && be->iface.graph_compute == cpu_graph_compute) ? ((const cpu_backend *)be->impl)->pool.n : 0;

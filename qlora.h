@@ -565,6 +565,11 @@ const char *ql_backend_name(const ql_backend *be);
 bool        ql_backend_supports_op(ql_backend *be, const ql_tensor *node);
 ql_status   ql_backend_graph_compute(ql_backend *be, ql_graph *g);
 int         ql_backend_cpu_n_threads(const ql_backend *be);
+// Whether the CPU backend multiplies bf16 natively: AMX-BF16 tiles, compiled in (-march with
+// amx-bf16) and granted by the kernel. Then a bf16 mul_mat (b bf16, K % 32 == 0, N >= 16) runs on
+// them; elsewhere bf16 inputs are widened to f32 and multiplied as f32 (the same products,
+// summed in f32 in another order; AMX flushes subnormal inputs and results to zero).
+bool        ql_cpu_bf16_native(void);
 const char *ql_cpu_features(void);                 // e.g. "AVX512F AVX2 FMA F16C" as compiled in
 
 // For backend implementers (CUDA lives in qlora-cuda.cu and fills this table).

@@ -66,7 +66,7 @@ static ql_type precision_type(const std::string &p) {
     return p == "bf16" ? QL_TYPE_BF16 : p == "fp16" ? QL_TYPE_F16 : QL_TYPE_F32;
 }
 
-std::string ql_auto_precision() { return "fp32"; }  // the CPU backend: see trainer.h
+std::string ql_auto_precision() { return ql_cpu_bf16_native() ? "bf16" : "fp32"; }  // the CPU backend: see trainer.h
 
 static batch_io make_io(ql_context *ctx, const ql_llama &m, int64_t T, int64_t B, bool packed, bool backward) {
     batch_io io;

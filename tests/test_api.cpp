@@ -63,6 +63,17 @@ TEST_CASE("fp16 / bf16 conversions round to nearest even; bulk == scalar") {
     bad = 0;
     for (size_t i = 0; i < r.size(); i++) bad += bulk[i] != ql_fp32_to_fp16(r[i]);
     CHECK(bad == 0);
+    // bf16 likewise (AVX-512 where compiled in): random bits (nan, inf, subnormals) and ties
+    std::vector<float> q(4099);
+    for (size_t i = 0; i < q.size(); i++) {
+        uint32_t u = (uint32_t)rng();
+        if (i % 3 == 0) u = (u & 0xffff0000u) | 0x8000u;  // exactly half way
+        memcpy(&q[i], &u, 4);
+    }
+    ql_type_traits_get(QL_TYPE_BF16)->from_float(q.data(), bulk.data(), (int64_t)q.size());
+    bad = 0;
+    for (size_t i = 0; i < q.size(); i++) bad += bulk[i] != ql_fp32_to_bf16(q[i]);
+    CHECK(bad == 0);
 }
 
 TEST_CASE("context arena: exhaustion is an error with a hint, never a crash") {

@@ -755,8 +755,11 @@ TEST_CASE("mul_mat with an F16 / BF16 b: a 16-bit multiply, forward and backward
     // sum in f32. Backward does the same: dy rounded to T, then da = x_T dy_T, dx = a_T dy_T.
     // References in double from independently rounded values.
     struct C { ql_type t; int64_t K, M, N; };
+    // (bf16 with K a multiple of 32 and N >= 16 runs on AMX tiles where the processor has them:
+    // K 256 forward, and K = N = 96 for da; 77 tokens leave partial tiles)
     for (const C c : {C{QL_TYPE_BF16, 67, 37, 100}, C{QL_TYPE_F16, 67, 37, 100}, C{QL_TYPE_BF16, 300, 45, 3},
-                      C{QL_TYPE_F16, 33, 131, 70}})
+                      C{QL_TYPE_F16, 33, 131, 70}, C{QL_TYPE_BF16, 256, 45, 96}, C{QL_TYPE_BF16, 128, 37, 77},
+                      C{QL_TYPE_BF16, 544, 1100, 40}})
         for (int nt : {1, 3}) {
             INFO(ql_type_name(c.t) << " K " << c.K << " M " << c.M << " N " << c.N << ", " << nt << " threads");
             const auto rnd = [&](double v) { return c.t == QL_TYPE_BF16 ? round_bf16((float)v) : round_f16((float)v); };

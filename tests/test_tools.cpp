@@ -743,7 +743,7 @@ TEST_CASE("finetune: the memory plan: --dry-run, measured peak within 3%, -b aut
     CHECK(!exists(out));
 }
 
-TEST_CASE("finetune --precision: fp16's scale and skips in the progress line and metrics (valid JSON); auto is fp32 here") {
+TEST_CASE("finetune --precision: fp16's scale and skips in the progress line and metrics (valid JSON); auto by the CPU") {
     if (!all_built({"make-model", "finetune"})) return;
     tmpdir d;
     const std::string base = d.path + "/m.gguf", data = d.path + "/qa.jsonl";
@@ -778,5 +778,7 @@ TEST_CASE("finetune --precision: fp16's scale and skips in the progress line and
     CHECK_MESSAGE(has(log, "finetune: precision bf16\n"), log);
     CHECK(!has(read_file(d.path + "/b/metrics.jsonl"), "loss_scale"));
     REQUIRE(run(ft + " -o " + d.path + "/a --precision auto", &log) == 0);
-    CHECK_MESSAGE(has(log, "finetune: precision fp32 (auto:"), log);
+    CHECK_MESSAGE(has(log, ql_cpu_bf16_native() ? "finetune: precision bf16 (auto: this CPU multiplies bf16 natively"
+                                                : "finetune: precision fp32 (auto: this CPU has no native bf16"),
+                  log);
 }

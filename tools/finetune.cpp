@@ -635,7 +635,9 @@ int main(int argc, char **argv) {
            a.o.scheduler.c_str(), (long long)ql_trainer_warmup_steps(t),
            (double)a.o.weight_decay, (double)a.o.max_grad_norm);
     printf("finetune: precision %s%s", a.o.precision.c_str(),
-           a.precision_auto ? " (auto: the CPU backend multiplies in f32; 16-bit inputs only cost conversions there)" : "");
+           !a.precision_auto                ? ""
+           : a.o.precision == "bf16" ? " (auto: this CPU multiplies bf16 natively, on AMX tiles)"
+                                     : " (auto: this CPU has no native bf16 multiply; 16-bit would only add conversions)");
     if (a.o.precision == "fp16")
         printf("; loss scale %g, x%g after %d clean steps, x%g and the step skipped on inf/nan gradients",
                ql_trainer_loss_scale(t), (double)a.o.scale_growth, a.o.scale_interval, (double)a.o.scale_backoff);
