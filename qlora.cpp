@@ -4205,6 +4205,11 @@ ql_backend *ql_backend_cpu_init(int n_threads) {
 
 bool ql_cpu_bf16_native(void) { return mm_amx_ready(); }
 
+void ql_backend_cpu_parallel(ql_backend *be, void (*fn)(void *, int, int), void *arg) {
+    QL_ASSERT(ql_backend_cpu_n_threads(be) > 0 && fn);
+    ((cpu_backend *)be->impl)->pool.run(fn, arg);
+}
+
 int ql_backend_cpu_n_threads(const ql_backend *be) {
     return (be && be->iface.graph_compute == cpu_graph_compute) ? ((const cpu_backend *)be->impl)->pool.n : 0;
 }

@@ -565,6 +565,9 @@ const char *ql_backend_name(const ql_backend *be);
 bool        ql_backend_supports_op(ql_backend *be, const ql_tensor *node);
 ql_status   ql_backend_graph_compute(ql_backend *be, ql_graph *g);
 int         ql_backend_cpu_n_threads(const ql_backend *be);
+// Runs fn(arg, ith, nth) on each of the CPU backend's nth threads and returns when all are
+// done: work between graph runs (the optimizer's update) on the same threads, nothing spawned.
+void        ql_backend_cpu_parallel(ql_backend *be, void (*fn)(void *arg, int ith, int nth), void *arg);
 // Whether the CPU backend multiplies bf16 natively: AMX-BF16 tiles, compiled in (-march with
 // amx-bf16) and granted by the kernel. Then a bf16 mul_mat (b bf16, K % 32 == 0, N >= 16) runs on
 // them; elsewhere bf16 inputs are widened to f32 and multiplied as f32 (the same products,

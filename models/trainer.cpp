@@ -43,6 +43,7 @@ struct ql_trainer {
     std::vector<ql_tensor *> params;
     // per parameter its optimizer state: {m, v} f32, or (8-bit) {m, m_absmax, v, v_absmax}
     std::vector<std::vector<ql_tensor *>> state;
+    std::vector<std::vector<size_t>> shard;  // per CPU thread the parameters it updates (balanced by size)
     ql_plan_stats plan{};
     int64_t step = 0, total = 0, per_epoch = 0, warmup = 0;
     std::vector<int64_t> order;  // the current epoch's visiting order
@@ -444,6 +445,18 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
     }
     for (const auto &st : t->state)  // zero moments (8-bit: zero absmax makes every code 0)
         for (ql_tensor *x : st) memset(x->data, 0, ql_nbytes(x));
+    // the optimizer's update runs on the backend's threads: the largest parameter next to the
+    // least-loaded thread (each parameter's update is independent: results do not depend on it)
+    t->shard.assign((size_t)ql_backend_cpu_n_threads(t->cpu), {});
+    std::vector<size_t> by_size(t->params.size()), load(t->shard.size(), 0);
+    for (size_t i = 0; i < by_size.size(); i++) by_size[i] = i;
+    std::stable_sort(by_size.begin(), by_size.end(),
+                     [t](size_t a, size_t b) { return ql_nelements(t->params[a]) > ql_nelements(t->params[b]); });
+    for (size_t i : by_size) {
+        const size_t k = (size_t)(std::min_element(load.begin(), load.end()) - load.begin());
+        t->shard[k].push_back(i);
+        load[k] += (size_t)ql_nelements(t->params[i]);
+    }
     return t;
 }
 
@@ -583,6 +596,22 @@ static void fill(const batch_io &io, int64_t T, int64_t B, const ql_sequence *co
     }
 }
 
+// one thread's share of the optimizer step
+struct update_job {
+    ql_trainer *t;
+    ql_adamw_params hp;
+    float grad_scale;  // unscale and clip
+};
+static void update_worker(void *arg, int ith, int) {
+    const update_job *j = (const update_job *)arg;
+    ql_trainer *t = j->t;
+    for (size_t i : t->shard[(size_t)ith]) {
+        const std::vector<ql_tensor *> &st = t->state[i];
+        if (st.size() == 4) ql_adamw8bit_update(t->params[i], st[0], st[1], st[2], st[3], t->applied + 1, &j->hp, j->grad_scale);
+        else ql_adamw_update(t->params[i], st[0], st[1], t->applied + 1, &j->hp, j->grad_scale);
+    }
+}
+
 bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t s = t->step, B = t->B, A = t->o.grad_accum;
@@ -674,12 +703,8 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     const float clip = (t->o.max_grad_norm > 0 && norm > t->o.max_grad_norm) ? (float)(t->o.max_grad_norm / (norm + 1e-6)) : 1.0f;
     const float gscale = (float)(clip / scale);  // unscale and clip in one factor
     const double lr = ql_trainer_lr_at(t, t->applied);
-    const ql_adamw_params hp = {(float)lr, t->o.beta1, t->o.beta2, t->o.eps, t->o.weight_decay};
-    for (size_t i = 0; i < t->params.size(); i++) {
-        const std::vector<ql_tensor *> &st = t->state[i];
-        if (st.size() == 4) ql_adamw8bit_update(t->params[i], st[0], st[1], st[2], st[3], t->applied + 1, &hp, gscale);
-        else ql_adamw_update(t->params[i], st[0], st[1], t->applied + 1, &hp, gscale);
-    }
+    const update_job job = {t, {(float)lr, t->o.beta1, t->o.beta2, t->o.eps, t->o.weight_decay}, gscale};
+    ql_backend_cpu_parallel(t->cpu, update_worker, (void *)&job);
     t->applied++;
     t->skipped_in_row = 0;
     if (scaling && ++t->growth_tracker >= t->o.scale_interval) {
