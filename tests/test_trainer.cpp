@@ -748,6 +748,7 @@ TEST_CASE("trainer: fp16 loss scaling - an overflow skips the step (adapter, sch
     CHECK(!m.skipped);
     CHECK(m.loss_scale == 1.0);
     ql_trainer_free(t);
+    CHECK(ql_auto_precision() == (ql_cpu_bf16_native() ? "bf16" : "fp32"));  // the CPU's rule
     o.precision = "fp8";
     CHECK(!ql_trainer_new(f, seqs, seqs, o, &err));
     CHECK(err.find("unknown precision 'fp8'") != std::string::npos);
