@@ -3802,10 +3802,10 @@ static bool mm_amx_ready() {  // the kernel grants the tile data state to the pr
     return ok;
 }
 
-static inline uint32_t mm_bf16_bits(float f) {  // round to nearest even, as ql_fp32_to_bf16 (finite values)
+static inline uint32_t mm_bf16_bits(float f) {  // as ql_fp32_to_bf16: round to nearest even, NaN stays NaN
     uint32_t u;
     memcpy(&u, &f, 4);
-    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    return (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
 }
 
 // a packed f32 panel [kc x W] becomes, in place, [kc/2 x W] k-pair dwords (kc even)

@@ -91,12 +91,19 @@ void ql_llama_set_params(ql_llama *m) {
     for_each_weight(m, [](ql_tensor *t, void *) { ql_set_param(t); }, nullptr);
 }
 
-ql_tensor *ql_llama_linear(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x) {
+// x in the compute type: x itself (f32), or one cast that several linears of the same input
+// share (q, k, v; gate, up), named after the first (a diagnosis names it: an f16 overflow)
+static ql_tensor *compute_input(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x) {
+    if (m->compute == QL_TYPE_F32 || !x) return x;
+    ql_tensor *xc = ql_cast(ctx, x, m->compute);
+    return xc ? ql_format_name(xc, "%s.input", w->name) : nullptr;
+}
+
+// y = W x (+ LoRA), xc: x in the compute type (compute_input)
+static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x, ql_tensor *xc) {
     // a 16-bit compute type: the multiplies' inputs in it (what backward keeps is then 16-bit too)
     const bool low = m->compute != QL_TYPE_F32;
     auto in = [&](ql_tensor *t) { return low ? ql_cast(ctx, t, m->compute) : t; };
-    ql_tensor *xc = in(x);
-    if (low && xc) ql_format_name(xc, "%s.input", w->name);  // a diagnosis names it (an f16 overflow)
     ql_tensor *y = ql_mul_mat(ctx, w, xc);
     auto it = m->lora.find(w);
     if (it == m->lora.end()) return y;
@@ -106,9 +113,13 @@ ql_tensor *ql_llama_linear(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
     return ql_add(ctx, y, ql_scale(ctx, ql_mul_mat(ctx, p.b, in(ql_mul_mat(ctx, p.a, xa))), p.scale));
 }
 
+ql_tensor *ql_llama_linear(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x) {
+    return linear_c(ctx, m, w, x, compute_input(ctx, m, w, x));
+}
+
 // y = W x (+ b): the linear layers of attention may carry biases (Qwen2)
-static ql_tensor *linear_b(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *b, ql_tensor *x) {
-    ql_tensor *y = ql_llama_linear(ctx, m, w, x);
+static ql_tensor *linear_b(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *b, ql_tensor *x, ql_tensor *xc) {
+    ql_tensor *y = linear_c(ctx, m, w, x, xc);
     return b ? ql_add(ctx, y, b) : y;
 }
 
@@ -123,9 +134,10 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
 
     // attention: pre-norm, q/k/v, rope, fused causal attention, output projection, residual
     ql_tensor *h = ql_mul(ctx, ql_rms_norm(ctx, x, hp.norm_eps), L.attn_norm);
-    ql_tensor *q = ql_reshape_4d(ctx, linear_b(ctx, m, L.wq, L.bq, h), d, hp.n_head, T, B);     // [d, H, T, B]
-    ql_tensor *k = ql_reshape_4d(ctx, linear_b(ctx, m, L.wk, L.bk, h), d, hp.n_head_kv, T, B);  // [d, Hkv, T, B]
-    ql_tensor *v = ql_reshape_4d(ctx, linear_b(ctx, m, L.wv, L.bv, h), d, hp.n_head_kv, T, B);
+    ql_tensor *hc = compute_input(ctx, m, L.wq, h);  // one 16-bit copy for q, k and v
+    ql_tensor *q = ql_reshape_4d(ctx, linear_b(ctx, m, L.wq, L.bq, h, hc), d, hp.n_head, T, B);     // [d, H, T, B]
+    ql_tensor *k = ql_reshape_4d(ctx, linear_b(ctx, m, L.wk, L.bk, h, hc), d, hp.n_head_kv, T, B);  // [d, Hkv, T, B]
+    ql_tensor *v = ql_reshape_4d(ctx, linear_b(ctx, m, L.wv, L.bv, h, hc), d, hp.n_head_kv, T, B);
     q = ql_rope(ctx, q, pos, m->rope_freqs, n_rot, hp.rope_mode, hp.rope_base);
     k = ql_rope(ctx, k, pos, m->rope_freqs, n_rot, hp.rope_mode, hp.rope_base);
     const float scale = 1.0f / std::sqrt((float)d);
@@ -143,7 +155,8 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
 
     // feed-forward: pre-norm, SwiGLU, residual
     h = ql_mul(ctx, ql_rms_norm(ctx, x, hp.norm_eps), L.ffn_norm);
-    ql_tensor *g = ql_swiglu(ctx, ql_llama_linear(ctx, m, L.w_gate, h), ql_llama_linear(ctx, m, L.w_up, h));  // [n_ff, T, B]
+    hc = compute_input(ctx, m, L.w_gate, h);  // one for gate and up
+    ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, h, hc), linear_c(ctx, m, L.w_up, h, hc));  // [n_ff, T, B]
     return ql_add(ctx, x, ql_llama_linear(ctx, m, L.w_down, g));
 }
 

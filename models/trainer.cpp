@@ -58,7 +58,7 @@ struct ql_trainer {
     // mixed precision
     ql_type compute = QL_TYPE_F32;
     int64_t applied = 0;        // optimizer updates made (steps not skipped): the schedule's position
-    double  scale = 1;          // the loss scale (fp16), else 1
+    float   scale = 1;          // the loss scale (fp16), else 1; f32 as the checkpoint stores it
     int64_t growth_tracker = 0; // clean steps since the scale last changed
     int64_t skipped = 0, skipped_in_row = 0;
 };
@@ -337,7 +337,7 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
         return nullptr;
     }
     if (o.precision != "fp32" && o.precision != "bf16" && o.precision != "fp16") {
-        *err = "unknown precision '" + o.precision + "' (fp32, bf16, fp16, auto)";
+        *err = "unknown precision '" + o.precision + "' (fp32, bf16, fp16; auto is the caller's: ql_auto_precision)";
         return nullptr;
     }
     if (!(o.scale_init > 0) || !std::isfinite(o.scale_init) || !(o.scale_growth >= 1) || !(o.scale_backoff > 0) ||
@@ -366,7 +366,7 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
                 : o.warmup_steps > 0       ? o.warmup_steps
                                            : (int64_t)std::ceil(o.warmup_ratio * (double)t->total);
     t->compute = precision_type(o.precision);
-    t->scale = o.precision == "fp16" ? o.scale_init : 1.0;
+    t->scale = o.precision == "fp16" ? std::min(o.scale_init, 0x1p64f) : 1.0f;
     t->cpu = ql_backend_cpu_init(o.threads);
     weight_pages(t);
     return t;
@@ -628,7 +628,7 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     }
     ql_graph_zero_grads(t->tr.g);
     // loss scaling: the loss's denominator divided by the scale multiplies the loss, so every
-    // gradient, by it (exactly, the scale being a power of two)
+    // gradient, by it (exactly when the scale is a power of two, as with the default flags)
     const double scale = t->scale;
     *(float *)t->tr.count->data = (float)((double)targets / scale);
     double loss = 0;
@@ -647,7 +647,7 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
             const std::string where = found ? ql_ctx_error(t->ctx) : "";
             ql_ctx_clear_error(t->ctx);
             *err = "step " + std::to_string(s + 1) + ", micro-batch " + std::to_string(a + 1) + ": the loss is " +
-                   (std::isnan(l) ? "nan" : "infinite") + (found ? "; first non-finite result: " + where.substr(where.find("node ")) : "") +
+                   (std::isnan(l) ? "nan" : "infinite") + (found ? "; first non-finite result: " + where.substr(std::min(where.size(), where.find("node "))) : "") +
                    "; the adapter is left as it was after step " + std::to_string(s) + " --> hint: " +
                    (t->o.precision == "fp16" ? "--precision bf16 (fp16 overflows past 65504), " : "") +
                    "a lower --lr, or check the data and the model";
@@ -708,7 +708,7 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     t->applied++;
     t->skipped_in_row = 0;
     if (scaling && ++t->growth_tracker >= t->o.scale_interval) {
-        t->scale *= t->o.scale_growth;
+        t->scale = std::min(t->scale * t->o.scale_growth, 0x1p64f);
         t->growth_tracker = 0;
     }
     m->skipped = false;
@@ -741,6 +741,11 @@ bool ql_trainer_eval(ql_trainer *t, double *loss, std::string *err) {
             return false;
         }
         sum += *(const float *)t->ev.loss->data;
+    }
+    if (!std::isfinite(sum)) {  // (fp16 overflow, or a broken adapter): an error, not a number in metrics
+        *err = std::string("the evaluation loss is ") + (std::isnan(sum) ? "nan" : "infinite") +
+               (t->o.precision == "fp16" ? " --> hint: --precision bf16 (fp16 overflows past 65504)" : "");
+        return false;
     }
     *loss = sum;
     return true;
@@ -806,7 +811,7 @@ bool ql_trainer_save(const ql_trainer *t, const char *path, std::string *err) {
     ql_gguf_set_u32(w, "qlora.checkpoint.version", 1);
     ql_gguf_set_u64(w, "qlora.checkpoint.step", (uint64_t)t->step);
     ql_gguf_set_u64(w, "qlora.checkpoint.updates", (uint64_t)t->applied);  // steps not skipped
-    ql_gguf_set_f32(w, "qlora.scaler.scale", (float)t->scale);             // GradScaler's state
+    ql_gguf_set_f32(w, "qlora.scaler.scale", t->scale);                    // GradScaler's state
     ql_gguf_set_u64(w, "qlora.scaler.growth_tracker", (uint64_t)t->growth_tracker);
     ql_gguf_set_u64(w, "qlora.scaler.skipped", (uint64_t)t->skipped);
     for (const auto &kv : run_settings(t)) ql_gguf_set_str(w, ("qlora.run." + kv.first).c_str(), kv.second.c_str());
@@ -885,7 +890,7 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
     t->skipped_in_row = 0;
     const int64_t isc = ql_gguf_find_kv(g, "qlora.scaler.scale");
     double sc = 0;
-    t->scale = t->o.precision != "fp16" ? 1.0 : isc >= 0 && ql_gguf_get_f64(g, isc, &sc) && sc > 0 ? sc : t->o.scale_init;
+    t->scale = t->o.precision != "fp16" ? 1.0f : isc >= 0 && ql_gguf_get_f64(g, isc, &sc) && sc > 0 ? (float)sc : t->o.scale_init;
     ql_gguf_close(g);
     return true;
 }

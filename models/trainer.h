@@ -44,6 +44,7 @@ struct ql_train_options {
     // multiplied by the scale; a step with a non-finite gradient is skipped (no update, the
     // schedule and Adam's step count stay) and the scale multiplied by backoff; after `interval`
     // clean steps in a row it is multiplied by growth. Gradients are unscaled before clipping.
+    // (the scale stays at most 2^64: beyond, the loss's f32 denominator would underflow)
     float scale_init = 65536.0f, scale_growth = 2.0f, scale_backoff = 0.5f;
     int   scale_interval = 2000;
     std::string scheduler = "linear";   // constant | constant_with_warmup | linear | cosine
@@ -135,14 +136,15 @@ ql_graph   *ql_trainer_graph(ql_trainer *t);
 double      ql_trainer_lr_at(const ql_trainer *t, int64_t step);  // the schedule (step from 0)
 
 // "auto" precision on the CPU backend: bf16 where it multiplies bf16 natively (AMX,
-// ql_cpu_bf16_native: 2.2x fp32's tokens/s at the 110M shape, the loss within 0.3%), else fp32
+// ql_cpu_bf16_native: 2.26x fp32's tokens/s at the 110M shape, the loss within 0.42%), else fp32
 // (there 16-bit inputs are widened to f32: no faster - bench/RESULTS.md). (A GPU backend: bf16
 // from compute capability 8.0, else fp16.)
 std::string ql_auto_precision();
 
 // One optimizer step. false with *err on a run-time error (e.g. a non-finite loss: the message
 // names the first graph node that made a nan or inf). With loss scaling, a step whose gradients
-// are not finite is skipped (m->skipped) and true is returned.
+// are not finite is skipped (m->skipped) and true is returned - unless 32 steps in a row were
+// (the scale then 2^-32 of where it was: something else is wrong), which stops with advice.
 bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err);
 // Mean loss over every supervised token of the evaluation sequences (no dropout).
 bool ql_trainer_eval(ql_trainer *t, double *loss, std::string *err);

@@ -713,12 +713,13 @@ TEST_CASE("trainer: fp16 loss scaling - an overflow skips the step (adapter, sch
     CHECK(skips >= 3);    // 2^28 down to where f16 holds the gradients
     CHECK(growths >= 1);
     CHECK(updates >= 3);
+    const std::vector<float> straight_adapter = adapter_of(t);
     ql_trainer_free(t);
 
     // resume: the scale, its growth tracker, the skip count and the update count go through the checkpoint
     const std::string ckpt = d.path + "/ckpt16.gguf";
     std::vector<double> resumed;
-    std::vector<float> straight_adapter;
+    int64_t skipped_after = -1;
     for (int part = 1; part < 3; part++) {
         t = ql_trainer_new(f, seqs, seqs, o, &err);
         REQUIRE_MESSAGE(t, err);
@@ -727,11 +728,14 @@ TEST_CASE("trainer: fp16 loss scaling - an overflow skips the step (adapter, sch
             ql_step_metrics m;
             REQUIRE(ql_trainer_step(t, &m, &err));
             resumed.push_back(m.loss);
+            skipped_after = m.skipped_total;
         }
         if (part == 1) REQUIRE_MESSAGE(ql_trainer_save(t, ckpt.c_str(), &err), err);
         if (part == 2) {
             CHECK(ql_trainer_loss_scale(t) == want);
             CHECK(ql_trainer_updates_done(t) == updates);
+            CHECK(skipped_after == skips);
+            CHECK(adapter_of(t) == straight_adapter);  // bit for bit
         }
         ql_trainer_free(t);
     }

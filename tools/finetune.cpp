@@ -42,9 +42,10 @@ static const char *k_help =
     "trainer:   -b 4  --grad-accum 1  --lr 2e-4  --beta1 0.9  --beta2 0.999  --eps 1e-8  --weight-decay 0\n"
     "           --lr-scheduler constant|constant_with_warmup|linear|cosine  --warmup-ratio 0  --warmup-steps N\n"
     "           --max-grad-norm 1.0  --optim adamw|adamw8bit|paged_adamw|paged_adamw8bit\n"
-    "precision: --precision fp32|bf16|fp16|auto (auto: fp32 on the CPU)  fp16's loss scaling: --loss-scale-init 65536\n"
-    "           --loss-scale-growth 2  --loss-scale-backoff 0.5  --loss-scale-interval 2000\n"
     "           --epochs 1  --max-steps N  --seed 42  -t THREADS  --profile (time per op, printed at the end)\n"
+    "precision: --precision fp32|bf16|fp16|auto (auto: bf16 where the CPU multiplies it natively (AMX), else fp32)\n"
+    "           fp16's loss scaling: --loss-scale-init 65536  --loss-scale-growth 2  --loss-scale-backoff 0.5\n"
+    "           --loss-scale-interval 2000\n"
     "memory:    --checkpointing none|block|sqrt|auto  --mem-limit SIZE (e.g. 6G; auto and -b auto need it)\n"
     "           -b auto  --effective-batch N  --offload-activations  --dry-run (print the plan, train nothing)  --json\n"
     "output:    -o DIR (default finetune-out)  --save-every N  --resume DIR  --merge  --overwrite (replace a run in -o DIR)\n";
@@ -337,7 +338,7 @@ static bool parse(int argc, char **argv, args *a) {
                 return false;
             }
         }
-        else if (f == "--loss-scale-init") { if (!num(f.c_str(), need(i), 1e-30, 1e30, &v)) return false; a->o.scale_init = (float)v; a->scaler_flag = f; }
+        else if (f == "--loss-scale-init") { if (!num(f.c_str(), need(i), 1e-30, 1e19, &v)) return false; a->o.scale_init = (float)v; a->scaler_flag = f; }
         else if (f == "--loss-scale-growth") { if (!num(f.c_str(), need(i), 1, 1e6, &v)) return false; a->o.scale_growth = (float)v; a->scaler_flag = f; }
         else if (f == "--loss-scale-backoff") { if (!num(f.c_str(), need(i), 1e-6, 0.999999, &v)) return false; a->o.scale_backoff = (float)v; a->scaler_flag = f; }
         else if (f == "--loss-scale-interval") { if (!whole(f.c_str(), need(i), 1, 1e9, &v)) return false; a->o.scale_interval = (int)v; a->scaler_flag = f; }
