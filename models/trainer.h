@@ -136,7 +136,7 @@ ql_graph   *ql_trainer_graph(ql_trainer *t);
 double      ql_trainer_lr_at(const ql_trainer *t, int64_t step);  // the schedule (step from 0)
 
 // "auto" precision on the CPU backend: bf16 where it multiplies bf16 natively (AMX,
-// ql_cpu_bf16_native: 2.26x fp32's tokens/s at the 110M shape, the loss within 0.42%), else fp32
+// ql_cpu_bf16_native: 2.26x fp32's tokens/s at the 110M shape, the loss within 0.44%), else fp32
 // (there 16-bit inputs are widened to f32: no faster - bench/RESULTS.md). (A GPU backend: bf16
 // from compute capability 8.0, else fp16.)
 std::string ql_auto_precision();
