@@ -3586,21 +3586,12 @@ static inline float mm_elem(const mm_operand &o, int64_t k, int64_t mn) {
 // Rounds packed values to a 16-bit type (round to nearest even, as the conversions): the
 // weight side of a multiply whose activations are f16/bf16 - what a GPU's 16-bit multiply sees.
 static void mm_round(float *d, size_t n, ql_type t) {
-    if (t == QL_TYPE_BF16) {
-        for (size_t i = 0; i < n; i++) {
-            uint32_t x;
-            memcpy(&x, d + i, 4);
-            const uint32_t r = (x + 0x7fffu + ((x >> 16) & 1u)) & 0xffff0000u;
-            x = (x & 0x7fffffffu) > 0x7f800000u ? x : r;  // NaN stays NaN
-            memcpy(d + i, &x, 4);
-        }
-        return;
-    }
+    const ql_type_traits &tt = traits(t);  // the type's own (vectorised) conversions, there and back
     uint16_t h[256];
     for (size_t i = 0; i < n; i += 256) {
         const int64_t m = (int64_t)std::min<size_t>(256, n - i);
-        f16_from_float(d + i, h, m);
-        f16_to_float(h, d + i, m);
+        tt.from_float(d + i, h, m);
+        tt.to_float(h, d + i, m);
     }
 }
 
@@ -3651,6 +3642,16 @@ static void mm_pack_trows(const mm_operand &o, int64_t k0, int64_t kc, int64_t m
             for (int64_t j = nr; j < MM_NR; j++) dk[j] = 0.0f;
         }
     }
+}
+
+// the W block [k0, k0+kc) x [mn0, mn0+nc) as NR-wide panels [kc x NR], one after another
+static void mm_pack_w(const mm_operand &w, int64_t k0, int64_t kc, int64_t mn0, int64_t nc, float *d, float *tmp) {
+    if (w.trows) {
+        mm_pack_trows(w, k0, kc, mn0, nc, d, tmp);
+        return;
+    }
+    for (int64_t jp = 0; jp < nc; jp += MM_NR)
+        mm_pack(w, k0, kc, mn0 + jp, (int)std::min<int64_t>(MM_NR, nc - jp), MM_NR, d + jp * kc, tmp);
 }
 
 // C[R x NR] (+)= Xp[kc x R] . Wp[kc x NR]; only the first nr columns of C are real
@@ -3717,11 +3718,7 @@ static void mm_packed(const mm_operand &w, const mm_operand &x, float *c, int64_
         const int64_t nc = std::min<int64_t>(MM_NC, je - jc);
         for (int64_t pc = 0; pc < K; pc += MM_KC) {
             const int64_t kc = std::min<int64_t>(MM_KC, K - pc);
-            if (w.trows)
-                mm_pack_trows(w, pc, kc, jc, nc, wbuf, tmp);
-            else
-                for (int64_t jp = 0; jp < nc; jp += MM_NR)
-                    mm_pack(w, pc, kc, jc + jp, (int)std::min<int64_t>(MM_NR, nc - jp), MM_NR, wbuf + jp * kc, tmp);
+            mm_pack_w(w, pc, kc, jc, nc, wbuf, tmp);
             if (w.round != QL_TYPE_F32) mm_round(wbuf, (size_t)((nc + MM_NR - 1) / MM_NR * MM_NR * kc), w.round);
             for (int64_t ic = ib; ic < ie; ic += MM_MC) {
                 const int64_t mc = std::min<int64_t>(MM_MC, ie - ic);
@@ -3802,18 +3799,12 @@ static bool mm_amx_ready() {  // the kernel grants the tile data state to the pr
     return ok;
 }
 
-static inline uint32_t mm_bf16_bits(float f) {  // as ql_fp32_to_bf16: round to nearest even, NaN stays NaN
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    return (u & 0x7fffffffu) > 0x7f800000u ? (u >> 16) | 0x40u : (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-}
-
 // a packed f32 panel [kc x W] becomes, in place, [kc/2 x W] k-pair dwords (kc even)
 static void mm_pairs(float *d, int64_t kc, int W) {
     uint32_t row[MM_NR];
     for (int64_t pp = 0; 2 * pp < kc; pp++) {
         const float *a = d + 2 * pp * W, *b = a + W;
-        for (int j = 0; j < W; j++) row[j] = mm_bf16_bits(a[j]) | mm_bf16_bits(b[j]) << 16;
+        for (int j = 0; j < W; j++) row[j] = ql_fp32_to_bf16(a[j]) | (uint32_t)ql_fp32_to_bf16(b[j]) << 16;
         memcpy(d + pp * W, row, sizeof(uint32_t) * (size_t)W);  // f32 rows <= 2pp + 1 are read already
     }
 }
@@ -3836,11 +3827,7 @@ static void mm_amx(const mm_operand &w, const mm_operand &x, float *c, int64_t l
         const int64_t nc = std::min<int64_t>(MM_NC, je - jc);
         for (int64_t pc = 0; pc < K; pc += MM_KC) {
             const int64_t kc = std::min<int64_t>(MM_KC, K - pc);  // a multiple of 32
-            if (w.trows)
-                mm_pack_trows(w, pc, kc, jc, nc, wbuf, tmp);
-            else
-                for (int64_t jp = 0; jp < nc; jp += MM_NR)
-                    mm_pack(w, pc, kc, jc + jp, (int)std::min<int64_t>(MM_NR, nc - jp), MM_NR, wbuf + jp * kc, tmp);
+            mm_pack_w(w, pc, kc, jc, nc, wbuf, tmp);
             for (int64_t jp = 0; jp < nc; jp += MM_NR) mm_pairs(wbuf + jp * kc, kc, MM_NR);
             for (int64_t ic = ib; ic < ie; ic += MM_MC) {
                 const int64_t mc = std::min<int64_t>(MM_MC, ie - ic), mp = (mc + 31) / 32 * 32;

@@ -661,58 +661,46 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
         for (int64_t i = 0; i < ql_nelements(p); i++) sq += (double)g[i] * g[i];
     }
     const bool scaling = t->o.precision == "fp16";
-    m->loss_scale = scale;
-    if (scaling && !std::isfinite(sq)) {  // GradScaler: skip the update, back off, count it
+    const bool skip = scaling && !std::isfinite(sq);
+    const double lr = ql_trainer_lr_at(t, t->applied);  // the schedule follows the updates made
+    const double norm = skip ? INFINITY : std::sqrt(sq) / scale;  // unscaled, before clipping
+    if (skip) {  // GradScaler: no update, back off, count it; the data moves on, the schedule and Adam's step count do not
         t->scale *= t->o.scale_backoff;
         t->growth_tracker = 0;
         t->skipped++;
-        t->skipped_in_row++;
-        t->step++;  // the data moves on; the schedule and Adam's step count do not
-        if (t->skipped_in_row >= 32) {
+        if (++t->skipped_in_row >= 32) {
+            t->step++;
             *err = "step " + std::to_string(t->step) + ": 32 steps in a row had non-finite gradients (loss scale now " +
                    std::to_string(t->scale) + "); the adapter is left as it was --> hint: --precision bf16, or a lower --lr";
             return false;
         }
-        m->step = t->step;
-        m->loss = loss;
-        m->lr = ql_trainer_lr_at(t, t->applied);
-        m->grad_norm = INFINITY;
-        m->tokens = B * A * t->T;
-        m->targets = targets;
-        m->skipped = true;
-        m->skipped_total = t->skipped;
-        m->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        return true;
-    }
-    const double norm = std::sqrt(sq) / scale;  // unscaled, before clipping
-    if (!std::isfinite(norm)) {  // stop before the adapter is touched, naming the first bad gradient
-        std::string which = "?";
-        for (const ql_tensor *p : t->params) {
-            const float *g = (const float *)p->grad->data;
-            int64_t i = 0;
-            while (i < ql_nelements(p) && std::isfinite(g[i])) i++;
-            if (i < ql_nelements(p)) {
-                which = std::string(p->name) + " (element " + std::to_string(i) + ": " + (std::isnan(g[i]) ? "nan" : "inf") + ")";
-                break;
+    } else {
+        if (!std::isfinite(norm)) {  // stop before the adapter is touched, naming the first bad gradient
+            std::string which = "?";
+            for (const ql_tensor *p : t->params) {
+                const float *g = (const float *)p->grad->data;
+                int64_t i = 0;
+                while (i < ql_nelements(p) && std::isfinite(g[i])) i++;
+                if (i < ql_nelements(p)) {
+                    which = std::string(p->name) + " (element " + std::to_string(i) + ": " + (std::isnan(g[i]) ? "nan" : "inf") + ")";
+                    break;
+                }
             }
+            *err = "step " + std::to_string(s + 1) + ": the gradient of " + which +
+                   " is not finite; the adapter is left as it was after step " + std::to_string(s) + " --> hint: a lower --lr";
+            return false;
         }
-        *err = "step " + std::to_string(s + 1) + ": the gradient of " + which +
-               " is not finite; the adapter is left as it was after step " + std::to_string(s) + " --> hint: a lower --lr";
-        return false;
+        const float clip = (t->o.max_grad_norm > 0 && norm > t->o.max_grad_norm) ? (float)(t->o.max_grad_norm / (norm + 1e-6)) : 1.0f;
+        const float gscale = (float)(clip / scale);  // unscale and clip in one factor
+        const update_job job = {t, {(float)lr, t->o.beta1, t->o.beta2, t->o.eps, t->o.weight_decay}, gscale};
+        ql_backend_cpu_parallel(t->cpu, update_worker, (void *)&job);
+        t->applied++;
+        t->skipped_in_row = 0;
+        if (scaling && ++t->growth_tracker >= t->o.scale_interval) {
+            t->scale = std::min(t->scale * t->o.scale_growth, 0x1p64f);
+            t->growth_tracker = 0;
+        }
     }
-    const float clip = (t->o.max_grad_norm > 0 && norm > t->o.max_grad_norm) ? (float)(t->o.max_grad_norm / (norm + 1e-6)) : 1.0f;
-    const float gscale = (float)(clip / scale);  // unscale and clip in one factor
-    const double lr = ql_trainer_lr_at(t, t->applied);
-    const update_job job = {t, {(float)lr, t->o.beta1, t->o.beta2, t->o.eps, t->o.weight_decay}, gscale};
-    ql_backend_cpu_parallel(t->cpu, update_worker, (void *)&job);
-    t->applied++;
-    t->skipped_in_row = 0;
-    if (scaling && ++t->growth_tracker >= t->o.scale_interval) {
-        t->scale = std::min(t->scale * t->o.scale_growth, 0x1p64f);
-        t->growth_tracker = 0;
-    }
-    m->skipped = false;
-    m->skipped_total = t->skipped;
     t->step++;
     m->step = t->step;
     m->loss = loss;
@@ -720,6 +708,9 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     m->grad_norm = norm;
     m->tokens = B * A * t->T;
     m->targets = targets;
+    m->loss_scale = scale;
+    m->skipped = skip;
+    m->skipped_total = t->skipped;
     m->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return true;
 }

@@ -724,11 +724,12 @@ int main(int argc, char **argv) {
         if (a.o.precision == "fp16")
             fprintf(metrics, ", \"loss_scale\": %g, \"skipped\": %s, \"skipped_steps\": %lld", m.loss_scale,
                     m.skipped ? "true" : "false", (long long)m.skipped_total);
+        char gnorm[32] = "null";  // a skipped fp16 step's norm is inf: JSON has no such number
+        if (std::isfinite(m.grad_norm)) snprintf(gnorm, sizeof(gnorm), "%.6f", m.grad_norm);
         fprintf(metrics,
                 ", \"lr\": %.6g, \"grad_norm\": %s, \"step_seconds\": %.4f, \"tokens_per_s\": %.1f, \"mem_mib\": %.1f, "
                 "\"peak_mib\": %.1f, \"planned_mib\": %.1f}\n",
-                m.lr, std::isfinite(m.grad_norm) ? std::to_string(m.grad_norm).c_str() : "null", m.seconds, tok_s, rss, hwm,
-                mib(predicted));
+                m.lr, gnorm, m.seconds, tok_s, rss, hwm, mib(predicted));
         fflush(metrics);
         const double eta = (double)(total - m.step) * el / (double)std::max<int64_t>(1, m.step - first);
         char line[256], scaler[96] = "";
