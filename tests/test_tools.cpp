@@ -521,6 +521,8 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
         {md + " --precision bf16 --loss-scale-interval 10", "--loss-scale-interval: loss scaling is for --precision fp16 (this run: bf16)"},
         {md + " --precision fp16 --loss-scale-backoff 1", "--loss-scale-backoff: '1' is not a number in [1e-06, 0.999999]"},
         {md + " --precision fp16 --loss-scale-interval 0", "--loss-scale-interval: '0' is not a number in [1, "},
+        {md + " --precision fp16 --loss-scale-growth 0.5", "--loss-scale-growth: '0.5' is not a number in [1, 1e+06]"},
+        {md + " --precision fp16 --loss-scale-init 1e20", "--loss-scale-init: '1e20' is not a number in [1e-30, 1e+19]"},
     };
     for (const bad_case &c : cases) {
         CAPTURE(c.args);
