@@ -2323,6 +2323,31 @@ void ql_graph_set_profile(ql_graph *g, bool on) {
 double ql_graph_node_seconds(const ql_graph *g, int i) {
     return (i >= 0 && i < (int)g->node_seconds.size()) ? g->node_seconds[(size_t)i] : 0.0;
 }
+void ql_graph_add_node_seconds(ql_graph *g, int i, double seconds) {
+    if (i >= 0 && i < (int)g->node_seconds.size()) g->node_seconds[(size_t)i] += seconds;
+}
+void ql_graph_get_exec(const ql_graph *g, ql_graph_exec *ex) {
+    *ex = ql_graph_exec{g->buffer, g->buffer_size, g->work, g->work_size, g->poison, g->check_finite,
+                        g->profile && g->node_seconds.size() == g->nodes.size()};
+}
+
+// check_finite's message, the same on every backend: the node, its op and where its sources come
+// from (a parameter's name, or the node that made them)
+void ql_graph_fail_nonfinite(ql_graph *g, int i, int64_t element, bool is_nan) {
+    const ql_tensor *node = g->nodes[(size_t)i];
+    auto who = [g](const ql_tensor *t) {
+        if (t->name[0]) return std::string(t->name);
+        for (size_t j = 0; j < g->nodes.size(); j++)
+            if (g->nodes[j] == t) return "node " + std::to_string(j) + " (" + ql_op_name(t->op) + ")";
+        return std::string("an input");
+    };
+    std::string from;
+    for (const ql_tensor *s : node->src)
+        if (s) from += (from.empty() ? "" : ", ") + who(s);
+    QL_ERR(g->ctx, QL_ERR_INVALID, "compute: node %d of %zu (%s %s of %s) holds %s at element %lld", i, g->nodes.size(),
+           ql_op_name(node->op), shape_str(node).c_str(), from.c_str(), is_nan ? "nan" : "inf", (long long)element);
+}
+
 void ql_graph_set_no_reuse(ql_graph *g, bool on) {
     g->no_reuse = on;
     g->planned  = false;  // the placement changes: plan (and bind) again
@@ -3984,6 +4009,9 @@ struct cpu_job {
     std::atomic<bool> stop{false};    // `failed` as of the last barrier: what every thread acts on
     std::mutex mu;
     char err[512] = {0};
+    int nonfinite_node = -1;  // check_finite's find
+    int64_t nonfinite_elem = 0;
+    bool nonfinite_nan = false;
 };
 
 static void cpu_fail(const cpu_params &p, const char *fmt, ...) {
@@ -4054,8 +4082,8 @@ static void cpu_compute_node(const cpu_params &p, ql_tensor *node) {
     }
 }
 
-// check_finite: the first non-finite value of a node's result fails the run, naming the node,
-// its op and where its sources come from (a parameter's name, or the node that made them)
+// check_finite: the first non-finite value of a node's result fails the run (the message is
+// ql_graph_fail_nonfinite's; the worker reports it once every thread has stopped)
 static void cpu_check_finite(const cpu_params &p, const ql_graph *g, size_t i) {
     const ql_tensor *node = g->nodes[i];
     if (!is_float_type(node->type) || traits(node->type).blck_size != 1 || !ql_is_contiguous(node)) return;
@@ -4067,17 +4095,10 @@ static void cpu_check_finite(const cpu_params &p, const ql_graph *g, size_t i) {
         if (!std::isfinite(v)) break;
     }
     if (k == n) return;
-    auto who = [g](const ql_tensor *t) {
-        if (t->name[0]) return std::string(t->name);
-        for (size_t j = 0; j < g->nodes.size(); j++)
-            if (g->nodes[j] == t) return "node " + std::to_string(j) + " (" + ql_op_name(t->op) + ")";
-        return std::string("an input");
-    };
-    std::string from;
-    for (const ql_tensor *s : node->src)
-        if (s) from += (from.empty() ? "" : ", ") + who(s);
-    cpu_fail(p, "node %zu of %zu (%s %s of %s) holds %s at element %lld", i, g->nodes.size(), ql_op_name(node->op),
-             shape_str(node).c_str(), from.c_str(), std::isnan(v) ? "nan" : "inf", (long long)k);
+    p.job->nonfinite_node = (int)i;
+    p.job->nonfinite_elem = k;
+    p.job->nonfinite_nan  = std::isnan(v);
+    cpu_fail(p, "non-finite");
 }
 
 static void cpu_latch_stop(void *arg) {
@@ -4159,6 +4180,10 @@ static ql_status cpu_graph_compute(ql_backend *be, ql_graph *g) {
     job.pool = &cb->pool;
     job.work_per_thread = g->work_size / (size_t)cb->pool.n;
     cb->pool.run(cpu_graph_worker, &job);
+    if (job.nonfinite_node >= 0) {
+        ql_graph_fail_nonfinite(g, job.nonfinite_node, job.nonfinite_elem, job.nonfinite_nan);
+        return g->ctx->status;
+    }
     if (job.failed.load()) {
         QL_ERR(g->ctx, QL_ERR_INVALID, "compute: %s", job.err);
         return g->ctx->status;
@@ -4183,7 +4208,8 @@ ql_backend *ql_backend_cpu_init(int n_threads) {
         delete be;
         return nullptr;
     }
-    be->iface = {"cpu", cpu_supports_op, cpu_work_size, cpu_buffer_alloc, cpu_buffer_free, cpu_graph_compute, cpu_free};
+    be->iface = {"cpu", cpu_supports_op, cpu_work_size, cpu_buffer_alloc, cpu_buffer_free, cpu_graph_compute, cpu_free,
+                 nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};  // host memory: memcpy, host math
     be->impl = cb;
     be->id = ql_backend_new_id();
     cb->pool.start(n_threads);
@@ -4225,6 +4251,214 @@ ql_status ql_backend_graph_compute(ql_backend *be, ql_graph *g) {
     graph_bind(g);
     return be->iface.graph_compute(be, g);
 }
+
+// ---- memory a backend owns: buffers and tensor copies (host memory + memcpy for the CPU) ----
+
+const char *ql_buffer_kind_name(ql_buffer_kind k) {
+    static const char *names[] = {"device", "host_pinned"};
+    static_assert(sizeof(names) / sizeof(names[0]) == QL_BUFFER_KIND_COUNT, "one name per buffer kind");
+    return (unsigned)k < QL_BUFFER_KIND_COUNT ? names[k] : "?";
+}
+
+struct ql_backend_buffer {
+    ql_buffer_kind kind;
+    void *base;                // NULL for an empty buffer
+    size_t size;
+    void (*free_fn)(void *);   // NULL: nothing to free
+};
+
+bool ql_backend_is_host(const ql_backend *be) { return be && !be->iface.copy; }
+
+ql_backend_buffer *ql_backend_buffer_alloc(ql_backend *be, ql_buffer_kind kind, size_t size) {
+    if (!be || (unsigned)kind >= QL_BUFFER_KIND_COUNT) return nullptr;
+    ql_backend_buffer *b = new (std::nothrow) ql_backend_buffer{kind, nullptr, size, nullptr};
+    if (!b || size == 0) return b;
+    const size_t n = align_up(size, QL_ALIGN);
+    if (kind == QL_BUFFER_HOST_PINNED && be->iface.host_alloc) {
+        b->base = be->iface.host_alloc(be, n);
+        b->free_fn = be->iface.host_free;
+    } else if (kind == QL_BUFFER_HOST_PINNED) {
+        b->base = cpu_buffer_alloc(be, n);
+        b->free_fn = cpu_buffer_free;
+    } else {
+        b->base = be->iface.buffer_alloc(be, n);
+        b->free_fn = be->iface.buffer_free;
+    }
+    if (!b->base) {
+        delete b;
+        return nullptr;
+    }
+    return b;
+}
+
+void ql_backend_buffer_free(ql_backend_buffer *b) {
+    if (!b) return;
+    if (b->base && b->free_fn) b->free_fn(b->base);
+    delete b;
+}
+void          *ql_backend_buffer_base(const ql_backend_buffer *b) { return b ? b->base : nullptr; }
+size_t         ql_backend_buffer_size(const ql_backend_buffer *b) { return b ? b->size : 0; }
+ql_buffer_kind ql_backend_buffer_kind(const ql_backend_buffer *b) { return b ? b->kind : QL_BUFFER_DEVICE; }
+
+static bool is_plain_leaf(const ql_tensor *t) { return t->op == QL_OP_NONE && !t->view_src; }
+static size_t leaf_bytes(const ql_tensor *t) { return align_up(ql_nbytes(t) + t->aux_size, QL_ALIGN); }
+
+// After leafs moved: every view in ctx whose root moved follows it (views of views in order).
+static void ctx_rebind_views(ql_context *ctx) {
+    for (ql_tensor *t : ctx->tensors)
+        if (t->view_src && t->view_src->data) t->data = (uint8_t *)t->view_src->data + t->view_offs;
+}
+
+ql_backend_buffer *ql_backend_alloc_ctx_tensors(ql_backend *be, ql_context *ctx, ql_buffer_kind kind) {
+    if (!be || !ctx || ctx->measure) return nullptr;
+    size_t total = 0;
+    for (const ql_tensor *t : ctx->tensors)
+        if (is_plain_leaf(t) && !t->data) total += leaf_bytes(t);
+    ql_backend_buffer *b = ql_backend_buffer_alloc(be, kind, total);
+    if (!b) {
+        QL_ERR(ctx, QL_ERR_NOMEM, "alloc_ctx_tensors: backend %s could not allocate %zu bytes of %s memory", be->iface.name,
+               total, ql_buffer_kind_name(kind));
+        return nullptr;
+    }
+    size_t off = 0;
+    for (ql_tensor *t : ctx->tensors)
+        if (is_plain_leaf(t) && !t->data) {
+            t->data = (uint8_t *)b->base + off;
+            off += leaf_bytes(t);
+        }
+    ctx_rebind_views(ctx);
+    return b;
+}
+
+ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx) {
+    if (!be || !ctx || ctx->measure) return nullptr;
+    if (ql_backend_is_host(be)) return new (std::nothrow) ql_backend_buffer{QL_BUFFER_DEVICE, nullptr, 0, nullptr};
+    size_t total = 0;
+    for (const ql_tensor *t : ctx->tensors)
+        if (is_plain_leaf(t) && t->data) total += leaf_bytes(t);
+    ql_backend_buffer *b = ql_backend_buffer_alloc(be, QL_BUFFER_DEVICE, total);
+    if (!b) {
+        QL_ERR(ctx, QL_ERR_NOMEM, "place_ctx_tensors: %s could not allocate %.1f MiB for the weights --> hint: a smaller "
+               "weight type (nf4) or a smaller model", be->iface.name, total / 1048576.0);
+        return nullptr;
+    }
+    char err[256] = {0};
+    size_t off = 0;
+    for (ql_tensor *t : ctx->tensors)
+        if (is_plain_leaf(t) && t->data) {
+            void *dst = (uint8_t *)b->base + off;
+            if (!be->iface.copy(be, dst, t->data, ql_nbytes(t) + t->aux_size, QL_COPY_TO_DEVICE, false, err, sizeof(err))) {
+                QL_ERR(ctx, QL_ERR_IO, "place_ctx_tensors: copying %s to %s: %s", shape_str(t).c_str(), be->iface.name, err);
+                ql_backend_buffer_free(b);
+                return nullptr;
+            }
+            t->data = dst;
+            off += leaf_bytes(t);
+        }
+    ctx_rebind_views(ctx);
+    return b;
+}
+
+static bool tensor_range_ok(const ql_tensor *t, size_t offset, size_t size) {
+    const size_t n = ql_nbytes(t) + t->aux_size;
+    return t && t->data && offset <= n && size <= n - offset && (size == 0 || ql_is_contiguous(t) || offset + size <= ql_nbytes(t));
+}
+
+static ql_status tensor_copy(ql_backend *be, void *dst, const void *src, size_t size, int dir, bool async) {
+    if (size == 0) return QL_OK;
+    if (ql_backend_is_host(be)) {
+        memcpy(dst, src, size);
+        return QL_OK;
+    }
+    char err[256];
+    if (be->iface.copy(be, dst, src, size, dir, async, err, sizeof(err))) return QL_OK;
+    fprintf(stderr, "qlora: %s: %s\n", be->iface.name, err);
+    return QL_ERR_IO;
+}
+
+ql_status ql_backend_tensor_set(ql_backend *be, ql_tensor *t, const void *data, size_t offset, size_t size) {
+    if (!be || !t || (!data && size) || !tensor_range_ok(t, offset, size)) return QL_ERR_INVALID;
+    return tensor_copy(be, (uint8_t *)t->data + offset, data, size, QL_COPY_TO_DEVICE, false);
+}
+ql_status ql_backend_tensor_get(ql_backend *be, const ql_tensor *t, void *data, size_t offset, size_t size) {
+    if (!be || !t || (!data && size) || !tensor_range_ok(t, offset, size)) return QL_ERR_INVALID;
+    return tensor_copy(be, data, (const uint8_t *)t->data + offset, size, QL_COPY_TO_HOST, false);
+}
+ql_status ql_backend_tensor_set_async(ql_backend *be, ql_tensor *t, const void *data, size_t offset, size_t size) {
+    if (!be || !t || (!data && size) || !tensor_range_ok(t, offset, size)) return QL_ERR_INVALID;
+    return tensor_copy(be, (uint8_t *)t->data + offset, data, size, QL_COPY_TO_DEVICE, true);
+}
+ql_status ql_backend_tensor_get_async(ql_backend *be, const ql_tensor *t, void *data, size_t offset, size_t size) {
+    if (!be || !t || (!data && size) || !tensor_range_ok(t, offset, size)) return QL_ERR_INVALID;
+    return tensor_copy(be, data, (const uint8_t *)t->data + offset, size, QL_COPY_TO_HOST, true);
+}
+ql_status ql_backend_tensor_memset(ql_backend *be, ql_tensor *t, int value, size_t offset, size_t size) {
+    if (!be || !t || !tensor_range_ok(t, offset, size)) return QL_ERR_INVALID;
+    if (size == 0) return QL_OK;
+    if (ql_backend_is_host(be)) {
+        memset((uint8_t *)t->data + offset, value, size);
+        return QL_OK;
+    }
+    char err[256];
+    if (be->iface.memset(be, (uint8_t *)t->data + offset, value, size, err, sizeof(err))) return QL_OK;
+    fprintf(stderr, "qlora: %s: %s\n", be->iface.name, err);
+    return QL_ERR_IO;
+}
+ql_status ql_backend_synchronize(ql_backend *be) {
+    if (!be) return QL_ERR_INVALID;
+    if (ql_backend_is_host(be)) return QL_OK;
+    char err[256];
+    if (be->iface.synchronize(be, err, sizeof(err))) return QL_OK;
+    fprintf(stderr, "qlora: %s: %s\n", be->iface.name, err);
+    return QL_ERR_IO;
+}
+ql_status ql_backend_graph_zero_grads(ql_backend *be, ql_graph *g) {
+    if (!be || !g) return QL_ERR_INVALID;
+    for (ql_tensor *p : g->params)
+        if (p->grad && p->grad->data) {
+            const ql_status st = ql_backend_tensor_memset(be, p->grad, 0, 0, ql_nbytes(p->grad));
+            if (st != QL_OK) return st;
+        }
+    return QL_OK;
+}
+
+ql_status ql_backend_adamw_update(ql_backend *be, ql_tensor *param, ql_tensor *m, ql_tensor *v, ql_tensor *m_absmax,
+                                  ql_tensor *v_absmax, int64_t step, const ql_adamw_params *p, float grad_scale) {
+    if (!be || !param || !param->grad || !m || !v || !p || (!m_absmax) != (!v_absmax)) return QL_ERR_INVALID;
+    if (be->iface.adamw_update) return be->iface.adamw_update(be, param, m, v, m_absmax, v_absmax, step, p, grad_scale);
+    if (m_absmax) ql_adamw8bit_update(param, m, m_absmax, v, v_absmax, step, p, grad_scale);
+    else ql_adamw_update(param, m, v, step, p, grad_scale);
+    return QL_OK;
+}
+
+ql_status ql_backend_grad_stats(ql_backend *be, const ql_tensor *t, double *sumsq, bool *finite) {
+    if (!be || !t || t->type != QL_TYPE_F32 || !ql_is_contiguous(t) || !sumsq || !finite) return QL_ERR_INVALID;
+    if (be->iface.grad_stats) return be->iface.grad_stats(be, t, sumsq, finite);
+    double s = 0;
+    bool ok = true;
+    const float *x = (const float *)t->data;
+    for (int64_t i = 0, n = ql_nelements(t); i < n; i++) {
+        ok = ok && std::isfinite(x[i]);
+        s += (double)x[i] * x[i];
+    }
+    *sumsq = s;
+    *finite = ok;
+    return QL_OK;
+}
+
+// A build without qlora-cuda.cu: weak definitions the CUDA object replaces when it is linked in
+// (make CUDA=1), so the library and the drop-in build need no #ifdef and no CUDA.
+__attribute__((weak)) int ql_cuda_device_count(void) { return 0; }
+__attribute__((weak)) ql_status ql_cuda_device_get_info(int, ql_cuda_device_info *info, char *err, size_t err_size) {
+    if (info) memset(info, 0, sizeof(*info));
+    if (err && err_size) snprintf(err, err_size, "this build has no CUDA backend --> hint: rebuild with make CUDA=1");
+    return QL_ERR_UNSUPPORTED;
+}
+__attribute__((weak)) ql_backend *ql_backend_cuda_init(int, char *err, size_t err_size) {
+    if (err && err_size) snprintf(err, err_size, "this build has no CUDA backend --> hint: rebuild with make CUDA=1");
+    return nullptr;
+}
+__attribute__((weak)) bool ql_backend_is_cuda(const ql_backend *) { return false; }
 
 struct sgemm_job {
     mm_problem P;

@@ -575,17 +575,124 @@ void        ql_backend_cpu_parallel(ql_backend *be, void (*fn)(void *arg, int it
 bool        ql_cpu_bf16_native(void);
 const char *ql_cpu_features(void);                 // e.g. "AVX512F AVX2 FMA F16C" as compiled in
 
+typedef struct ql_adamw_params {
+    float lr;            // e.g. 2e-4
+    float beta1, beta2;  // 0.9, 0.999
+    float eps;           // 1e-8
+    float weight_decay;  // decoupled (AdamW); 0 disables
+} ql_adamw_params;
+
+// ---- memory a backend owns: a GPU's memory is not the host's ----
+// Tensor data pointers always point into the memory of the backend that runs the graph: host
+// memory for the CPU backend, device memory for CUDA. The host reads and writes tensors of a
+// device only through ql_backend_tensor_set/get. The CPU backend implements all of this with
+// memcpy, and placing a context's tensors moves nothing, so code written against these calls
+// runs on either backend unchanged.
+typedef enum ql_buffer_kind {
+    QL_BUFFER_DEVICE,       // the backend's own memory (CPU backend: host memory)
+    QL_BUFFER_HOST_PINNED,  // host memory the device reaches by DMA (offload, paged state; CPU: host memory)
+    QL_BUFFER_KIND_COUNT
+} ql_buffer_kind;
+
+const char *ql_buffer_kind_name(ql_buffer_kind k);
+
+typedef struct ql_backend_buffer ql_backend_buffer;
+// One allocation of `size` bytes (QL_ALIGN-aligned); NULL when it cannot be had.
+ql_backend_buffer *ql_backend_buffer_alloc(ql_backend *be, ql_buffer_kind kind, size_t size);
+void        ql_backend_buffer_free(ql_backend_buffer *buf);   // NULL-safe; needs no backend
+void       *ql_backend_buffer_base(const ql_backend_buffer *buf);
+size_t      ql_backend_buffer_size(const ql_backend_buffer *buf);
+ql_buffer_kind ql_backend_buffer_kind(const ql_backend_buffer *buf);
+
+// Every leaf of ctx (op NONE, not a view) that has no data yet gets it, in ONE new buffer of
+// `kind` (data + side data, each QL_ALIGN-aligned). For a no_alloc context built for a backend.
+// NULL (and an error in ctx) when it does not fit; the tensors are then left without data.
+ql_backend_buffer *ql_backend_alloc_ctx_tensors(ql_backend *be, ql_context *ctx, ql_buffer_kind kind);
+// Weights placed once: every leaf of ctx that has host data (an arena, a GGUF mapping) is copied,
+// side data included, into ONE new device buffer and its data pointer moved there; views are
+// re-pointed. Quantized types travel as they are (no f32 copy of a base weight ever exists on
+// the device). The host bytes are not freed (they belong to the arena or the file). The CPU
+// backend moves nothing and returns an empty buffer. NULL with an error in ctx when the device
+// is out of memory (the message says how much was asked and what was free).
+ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx);
+
+// Host <-> tensor copies of bytes [offset, offset + size) of t's data (side data follows the rows:
+// size up to ql_nbytes(t) + t->aux_size). t must be contiguous over that range. QL_OK, or
+// QL_ERR_INVALID for a range outside the tensor, QL_ERR_IO when the device reports an error.
+ql_status   ql_backend_tensor_set(ql_backend *be, ql_tensor *t, const void *data, size_t offset, size_t size);
+ql_status   ql_backend_tensor_get(ql_backend *be, const ql_tensor *t, void *data, size_t offset, size_t size);
+ql_status   ql_backend_tensor_memset(ql_backend *be, ql_tensor *t, int value, size_t offset, size_t size);
+// The same, queued on the backend's stream behind the graph runs already queued: `data` must stay
+// valid (and for get, unread) until ql_backend_synchronize. Pinned host memory makes them truly
+// asynchronous on a GPU. The CPU backend copies at once.
+ql_status   ql_backend_tensor_set_async(ql_backend *be, ql_tensor *t, const void *data, size_t offset, size_t size);
+ql_status   ql_backend_tensor_get_async(ql_backend *be, const ql_tensor *t, void *data, size_t offset, size_t size);
+ql_status   ql_backend_synchronize(ql_backend *be);
+// Zeroes g's gradient accumulators where they live (ql_graph_zero_grads is the host-only form).
+ql_status   ql_backend_graph_zero_grads(ql_backend *be, ql_graph *g);
+// true when tensor data of this backend is host memory the caller may touch directly (CPU)
+bool        ql_backend_is_host(const ql_backend *be);
+// The optimizer's step where the tensors live: AdamW (m_absmax, v_absmax NULL; m, v f32) or
+// 8-bit AdamW (m, v I8 codes with their absmax), with the semantics of ql_adamw_update and
+// ql_adamw8bit_update below, which the CPU backend runs.
+ql_status   ql_backend_adamw_update(ql_backend *be, ql_tensor *param, ql_tensor *m, ql_tensor *v, ql_tensor *m_absmax,
+                                    ql_tensor *v_absmax, int64_t step, const ql_adamw_params *p, float grad_scale);
+// Sum of squares (accumulated in double) of an f32 tensor, and whether every element is finite:
+// the global gradient norm and the fp16 loss scaler's inf/nan check, where the gradient lives.
+ql_status   ql_backend_grad_stats(ql_backend *be, const ql_tensor *t, double *sumsq, bool *finite);
+
+// ---- CUDA (qlora-cuda.cu, built with make CUDA=1 / -DQLORA_CUDA=ON) ----
+// A build without it still has these: no devices, and ql_backend_cuda_init says why.
+typedef struct ql_cuda_device_info {
+    char   name[256];
+    int    major, minor;       // compute capability (7.5 = T4, 8.0 = A100, 8.6/8.9 = RTX 30xx/40xx, 9.0 = H100)
+    size_t total_mem, free_mem;
+    int    n_sm;
+} ql_cuda_device_info;
+int         ql_cuda_device_count(void);   // 0 without a device, or without CUDA built in
+ql_status   ql_cuda_device_get_info(int device, ql_cuda_device_info *info, char *err, size_t err_size);
+// NULL with one line in err: built without CUDA, no such device, or the device failed to start
+ql_backend *ql_backend_cuda_init(int device, char *err, size_t err_size);
+bool        ql_backend_is_cuda(const ql_backend *be);
+
 // For backend implementers (CUDA lives in qlora-cuda.cu and fills this table).
 typedef struct ql_backend_i {
     const char *name;
     bool   (*supports_op)(ql_backend *be, const ql_tensor *node);
     size_t (*work_size)(ql_backend *be, const ql_tensor *node);     // per-node workspace bytes
-    void  *(*buffer_alloc)(ql_backend *be, size_t size);            // QL_ALIGN-aligned or NULL
+    void  *(*buffer_alloc)(ql_backend *be, size_t size);            // device memory, QL_ALIGN-aligned or NULL
     void   (*buffer_free)(void *ptr);   // needs no backend: a graph may outlive the backend object
     // run nodes [0, n) of g; the planned buffer is bound; return QL_OK or set an error in ctx
     ql_status (*graph_compute)(ql_backend *be, ql_graph *g);
     void   (*free)(ql_backend *be);
+    // memory of its own (NULL for the CPU backend: host memory, memcpy). Copies return false on
+    // a device error, with the message in err.
+    void  *(*host_alloc)(ql_backend *be, size_t size);              // pinned host memory
+    void   (*host_free)(void *ptr);
+    bool   (*copy)(ql_backend *be, void *dst, const void *src, size_t size, int dir, bool async, char *err, size_t n);
+    bool   (*memset)(ql_backend *be, void *dst, int value, size_t size, char *err, size_t n);
+    bool   (*synchronize)(ql_backend *be, char *err, size_t n);
+    ql_status (*adamw_update)(ql_backend *be, ql_tensor *param, ql_tensor *m, ql_tensor *v, ql_tensor *m_absmax,
+                              ql_tensor *v_absmax, int64_t step, const ql_adamw_params *p, float grad_scale);
+    ql_status (*grad_stats)(ql_backend *be, const ql_tensor *t, double *sumsq, bool *finite);
 } ql_backend_i;
+#define QL_COPY_TO_DEVICE   0   // ql_backend_i.copy directions
+#define QL_COPY_TO_HOST     1
+#define QL_COPY_ON_DEVICE   2
+
+// What an allocated graph gives the backend that runs it.
+typedef struct ql_graph_exec {
+    uint8_t *buffer;       // the planned buffer (device memory for a device backend)
+    size_t   buffer_size;
+    uint8_t *work;         // the per-node workspace inside it
+    size_t   work_size;
+    bool     poison, check_finite, profile;  // the debug switches above
+} ql_graph_exec;
+void ql_graph_get_exec(const ql_graph *g, ql_graph_exec *ex);
+void ql_graph_add_node_seconds(ql_graph *g, int i, double seconds);
+// Records check_finite's error for node i (the same message on every backend): `element` is the
+// flat index of the first non-finite value, is_nan whether it is a NaN.
+void ql_graph_fail_nonfinite(ql_graph *g, int i, int64_t element, bool is_nan);
 
 struct ql_backend {
     ql_backend_i iface;
@@ -678,12 +785,7 @@ ql_status   ql_gguf_write(const ql_gguf_writer *w, const char *path, char *err, 
 // optimizer math (host memory, f32): the building block the trainers' optimizers use
 // ============================================================================================
 
-typedef struct ql_adamw_params {
-    float lr;            // e.g. 2e-4
-    float beta1, beta2;  // 0.9, 0.999
-    float eps;           // 1e-8
-    float weight_decay;  // decoupled (AdamW); 0 disables
-} ql_adamw_params;
+// ql_adamw_params: see the backends section (the device update takes it too)
 
 // One AdamW step for one parameter: m, v are f32 state of param's shape (zero before step 1),
 // step counts from 1, grad = param->grad * grad_scale (e.g. 1 / loss scale).

@@ -1,0 +1,510 @@
+// tests/test_backend_ops.cpp - every op of the llama graphs, forward and backward, on every
+// backend, compared with the CPU backend (the oracle). Written once against the backend
+// interface (tensor set/get, buffers), so the same cases run
+//   - on the CPU backend (test-qlora): the interface's memcpy path, and the harness itself;
+//   - on the CUDA backend through tests/cuda_shim.h (build/test-cuda-shim, in make test);
+//   - on a real GPU (test-qlora built with make CUDA=1); without one they are skipped and counted.
+//
+// A case builds its graph with the leaf helpers below; the harness builds it twice: once in an
+// allocating context on the CPU (the reference) and once in a no_alloc context whose leafs live
+// in a buffer of the backend under test, filled through ql_backend_tensor_set. Leaf data is a
+// function of the leaf's order, so both see the same numbers. Cases with trainable leafs also
+// run backward (loss = sum(out * R), R random) and compare every gradient. Planned buffers are
+// poisoned with NaN before each run, so an element a kernel forgets to write shows up.
+#include "util.h"
+
+#include "../qlora.h"
+
+#include <cstring>
+#include <functional>
+#include <memory>
+
+namespace {
+
+// ---- the backend under test --------------------------------------------------------------
+
+bool cuda_probe() {
+    const int n = ql_cuda_device_count();
+    if (n == 0) {
+        char err[256] = "";
+        ql_cuda_device_info info;
+        ql_cuda_device_get_info(0, &info, err, sizeof(err));
+        printf("test_backend_ops: skipped: no CUDA device (%s)\n", err);
+    }
+    return n > 0;
+}
+const bool k_have_cuda = cuda_probe();  // evaluated before main: doctest's skip needs it
+
+ql_backend *make_backend(const char *which) {
+    if (!strcmp(which, "cpu")) return ql_backend_cpu_init(2);
+    char err[256];
+    ql_backend *be = ql_backend_cuda_init(0, err, sizeof(err));
+    if (!be) FAIL("ql_backend_cuda_init: ", err);
+    return be;
+}
+
+// ---- deterministic data ------------------------------------------------------------------
+
+struct rng {
+    uint64_t s;
+    explicit rng(uint64_t seed) : s(seed * 0x9E3779B97F4A7C15ull + 1) {}
+    uint64_t next() {
+        s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+        return s;
+    }
+    float uniform(float lo, float hi) { return lo + (hi - lo) * (float)((next() >> 40) * (1.0 / 16777216.0)); }
+};
+
+// How a case makes its leafs. Each leaf's bytes are made here, from the leaf's index.
+struct leafs {
+    ql_context *ctx;
+    bool on_cpu;  // the reference run: data goes straight into the arena
+    struct leaf {
+        ql_tensor *t;
+        std::vector<uint8_t> bytes;  // rows + side data
+    };
+    std::vector<leaf> all;
+    std::vector<ql_tensor *> params;
+
+    ql_tensor *add(ql_tensor *t, std::vector<uint8_t> bytes) {
+        REQUIRE(t);
+        REQUIRE(bytes.size() == ql_nbytes(t) + t->aux_size);
+        if (on_cpu) memcpy(t->data, bytes.data(), bytes.size());
+        all.push_back({t, std::move(bytes)});
+        return t;
+    }
+    static std::vector<float> randn(size_t n, uint64_t seed, float lo, float hi) {
+        rng r(seed);
+        std::vector<float> v(n);
+        for (float &x : v) x = r.uniform(lo, hi);
+        return v;
+    }
+    // any float type: values uniform in [lo, hi), converted (quantized types through ql_quantize)
+    ql_tensor *rand(ql_type type, std::vector<int64_t> ne, float lo = -1.0f, float hi = 1.0f) {
+        ql_tensor *t = ql_new_tensor(ctx, type, (int)ne.size(), ne.data());
+        REQUIRE(t);
+        std::vector<uint8_t> b(ql_nbytes(t) + t->aux_size);
+        if (type == QL_TYPE_Q4_K || type == QL_TYPE_Q5_K || type == QL_TYPE_Q6_K) {
+            // no quantiser for k-quants here: random codes and scales, small fp16 super-scales
+            rng r(all.size() + 1);
+            for (uint8_t &x : b) x = (uint8_t)r.next();
+            const size_t bs = ql_type_traits_get(type)->type_size;
+            for (size_t o = 0; o < b.size(); o += bs) {
+                const uint16_t d = ql_fp32_to_fp16(r.uniform(0.001f, 0.01f)), dm = ql_fp32_to_fp16(r.uniform(0.001f, 0.01f));
+                memcpy(&b[o + (type == QL_TYPE_Q6_K ? bs - 2 : 0)], &d, 2);
+                if (type != QL_TYPE_Q6_K) memcpy(&b[o + 2], &dm, 2);
+            }
+            return add(t, std::move(b));
+        }
+        const std::vector<float> v = randn((size_t)ql_nelements(t), all.size() + 1, lo, hi);
+        char err[128];
+        REQUIRE_MESSAGE(ql_quantize(type, v.data(), ql_nrows(t), t->ne[0], b.data(), err, sizeof(err)) == QL_OK, err);
+        return add(t, std::move(b));
+    }
+    ql_tensor *param(std::vector<int64_t> ne, float lo = -1.0f, float hi = 1.0f) {
+        ql_tensor *t = rand(QL_TYPE_F32, ne, lo, hi);
+        ql_set_param(t);
+        params.push_back(t);
+        return t;
+    }
+    ql_tensor *i32(std::vector<int64_t> ne, const std::function<int32_t(int64_t)> &f) {
+        ql_tensor *t = ql_new_tensor(ctx, QL_TYPE_I32, (int)ne.size(), ne.data());
+        REQUIRE(t);
+        std::vector<uint8_t> b(ql_nbytes(t));
+        for (int64_t i = 0; i < ql_nelements(t); i++) {
+            const int32_t v = f(i);
+            memcpy(b.data() + 4 * i, &v, 4);
+        }
+        return add(t, std::move(b));
+    }
+    ql_tensor *scalar(float v) {
+        ql_tensor *t = ql_new_tensor_1d(ctx, QL_TYPE_F32, 1);
+        std::vector<uint8_t> b(4);
+        memcpy(b.data(), &v, 4);
+        return add(t, std::move(b));
+    }
+};
+
+using builder = std::function<ql_tensor *(leafs &)>;
+
+// One run: build, place on `be`, compute; outputs and gradients come back as floats.
+struct run_result {
+    std::vector<float> out;
+    std::vector<std::vector<float>> grads;
+    std::string error;
+};
+
+std::vector<float> fetch(ql_backend *be, const ql_tensor *t) {
+    REQUIRE(ql_is_contiguous(t));
+    std::vector<uint8_t> b(ql_nbytes(t));
+    REQUIRE(ql_backend_tensor_get(be, t, b.data(), 0, b.size()) == QL_OK);
+    std::vector<float> v((size_t)ql_nelements(t));
+    if (t->type == QL_TYPE_I32) {
+        for (size_t i = 0; i < v.size(); i++) v[i] = (float)((const int32_t *)b.data())[i];
+    } else {
+        REQUIRE(ql_dequantize(t->type, b.data(), ql_nrows(t), t->ne[0], v.data()) == QL_OK);
+    }
+    return v;
+}
+
+run_result run_case(ql_backend *be, bool reference, const builder &build, bool backward) {
+    run_result res;
+    ql_init_params ip = {64u << 20, nullptr, !reference, false};
+    std::unique_ptr<ql_context, void (*)(ql_context *)> ctx(ql_init(ip), ql_free);
+    leafs L{ctx.get(), reference, {}, {}};
+    ql_tensor *out = build(L);
+    INFO("error: " << std::string(ql_ctx_error(ctx.get())));
+    REQUIRE(out);
+    ql_set_output(out);
+    ql_graph *gf = ql_graph_new(ctx.get());
+    REQUIRE(ql_graph_build_forward(gf, out) == QL_OK);
+    ql_graph *g = gf;
+    if (backward && !L.params.empty()) {
+        // loss = sum(out * R): dL/dout = R, random, so every gradient element matters
+        ql_tensor *r = L.rand(QL_TYPE_F32, {out->ne[0], out->ne[1], out->ne[2], out->ne[3]});
+        ql_tensor *loss = ql_sum(ctx.get(), ql_mul(ctx.get(), out, r));
+        REQUIRE(loss);
+        ql_graph_build_forward(gf, loss);
+        g = ql_graph_backward(ctx.get(), gf, loss);
+        REQUIRE_MESSAGE(g, ql_ctx_error(ctx.get()));
+    }
+    std::unique_ptr<ql_backend_buffer, void (*)(ql_backend_buffer *)> buf(nullptr, ql_backend_buffer_free);
+    if (!reference) {
+        buf.reset(ql_backend_alloc_ctx_tensors(be, ctx.get(), QL_BUFFER_DEVICE));
+        REQUIRE_MESSAGE(buf, ql_ctx_error(ctx.get()));
+        for (const auto &l : L.all) REQUIRE(ql_backend_tensor_set(be, l.t, l.bytes.data(), 0, l.bytes.size()) == QL_OK);
+    }
+    ql_plan_stats st;
+    if (ql_graph_plan(g, be, &st) != QL_OK || ql_graph_alloc(g, be) != QL_OK) {
+        res.error = ql_ctx_error(ctx.get());
+    } else {
+        ql_graph_set_poison(g, true);
+        REQUIRE(ql_backend_graph_zero_grads(be, g) == QL_OK);
+        if (ql_backend_graph_compute(be, g) != QL_OK) {
+            res.error = ql_ctx_error(ctx.get());
+        } else {
+            REQUIRE(ql_backend_synchronize(be) == QL_OK);
+            res.out = fetch(be, out);
+            if (g != gf)
+                for (ql_tensor *p : L.params) res.grads.push_back(fetch(be, p->grad));
+        }
+    }
+    if (g != gf) ql_graph_free(g);
+    ql_graph_free(gf);
+    return res;
+}
+
+// max |x - r| / max |r|: one number per tensor, printed on failure
+double norm_err(const std::vector<float> &x, const std::vector<float> &r) {
+    if (x.size() != r.size()) return INFINITY;
+    double num = 0, den = 1e-12;
+    for (size_t i = 0; i < r.size(); i++) {
+        if (std::isnan(x[i]) != std::isnan(r[i])) return INFINITY;  // poisoned = never written
+        if (std::isnan(r[i])) continue;
+        num = std::max(num, (double)std::fabs(x[i] - r[i]));
+        den = std::max(den, (double)std::fabs(r[i]));
+    }
+    return num / den;
+}
+
+// The case on `be` against the CPU: outputs and gradients within tol (normalised).
+void check_case(ql_backend *be, const char *what, const builder &build, double tol, bool backward = true) {
+    INFO("case: " << std::string(what));
+    ql_backend *cpu = ql_backend_cpu_init(1);
+    const run_result ref = run_case(cpu, true, build, backward);
+    ql_backend_free(cpu);
+    REQUIRE_MESSAGE(ref.error.empty(), ref.error);
+    const run_result got = run_case(be, false, build, backward);
+    REQUIRE_MESSAGE(got.error.empty(), got.error);
+    const double e = norm_err(got.out, ref.out);
+    CHECK_MESSAGE(e <= tol, what, ": output error ", e, " > ", tol);
+    REQUIRE(got.grads.size() == ref.grads.size());
+    for (size_t i = 0; i < ref.grads.size(); i++) {
+        const double eg = norm_err(got.grads[i], ref.grads[i]);
+        CHECK_MESSAGE(eg <= tol, what, ": gradient ", i, " error ", eg, " > ", tol);
+    }
+}
+
+constexpr double TOL_F32 = 1e-5;   // the same f32 formulas, another summation order
+constexpr double TOL_MM  = 1e-4;   // long dot products (cuBLAS' order vs the CPU's panels)
+constexpr double TOL_16  = 1e-2;   // bf16/f16 roundings of intermediate values may differ
+
+// Every case registered for both backends: "backend ops cpu: NAME" and "backend ops cuda: NAME".
+#define OP_CASE(name)                                                                                   \
+    static void op_case_##name(ql_backend *be);                                                         \
+    TEST_CASE("backend ops cpu: " #name) {                                                              \
+        ql_backend *be = make_backend("cpu");                                                           \
+        op_case_##name(be);                                                                             \
+        ql_backend_free(be);                                                                            \
+    }                                                                                                   \
+    TEST_CASE("backend ops cuda: " #name * doctest::skip(!k_have_cuda)) {                               \
+        ql_backend *be = make_backend("cuda");                                                          \
+        op_case_##name(be);                                                                             \
+        ql_backend_free(be);                                                                            \
+    }                                                                                                   \
+    static void op_case_##name(ql_backend *be)
+
+}  // namespace
+
+// ---- the cases ------------------------------------------------------------------------------
+
+OP_CASE(fill_cont_cast) {
+    check_case(be, "fill", [](leafs &L) {
+        const int64_t ne[2] = {37, 3};
+        return ql_add(L.ctx, ql_fill(L.ctx, QL_TYPE_F32, 2, ne, 0.25f), L.param({37, 3}));
+    }, TOL_F32);
+    check_case(be, "cont of a permuted view", [](leafs &L) {
+        return ql_cont(L.ctx, ql_permute(L.ctx, L.param({5, 7, 3, 2}), 2, 0, 3, 1));
+    }, TOL_F32);
+    check_case(be, "cont of a transposed view", [](leafs &L) { return ql_cont(L.ctx, ql_transpose(L.ctx, L.param({33, 17}))); },
+               TOL_F32);
+    for (ql_type t : {QL_TYPE_F16, QL_TYPE_BF16}) {
+        INFO("type: " << std::string(ql_type_name(t)));
+        check_case(be, "cast to 16-bit", [t](leafs &L) { return ql_cast(L.ctx, L.param({45, 6}, -70000.0f, 70000.0f), t); },
+                   0.0, false);  // conversions are exact roundings: the same bits
+        check_case(be, "cast from 16-bit", [t](leafs &L) { return ql_cast(L.ctx, L.rand(t, {45, 6}), QL_TYPE_F32); }, 0.0);
+    }
+}
+
+OP_CASE(add_mul_scale_sum_reduce) {
+    check_case(be, "add, broadcast", [](leafs &L) { return ql_add(L.ctx, L.param({19, 6, 4}), L.param({19, 1, 2})); }, TOL_F32);
+    check_case(be, "mul, broadcast", [](leafs &L) { return ql_mul(L.ctx, L.param({19, 6, 4}), L.param({1, 6, 1})); }, TOL_F32);
+    check_case(be, "mul, strided a", [](leafs &L) {
+        ql_tensor *a = L.param({25, 6});
+        return ql_mul(L.ctx, ql_view_2d(L.ctx, a, 19, 6, a->nb[1], 2 * sizeof(float)), L.param({19, 6}));
+    }, TOL_F32);
+    check_case(be, "scale", [](leafs &L) { return ql_scale(L.ctx, L.param({300, 3}), -0.37f); }, TOL_F32);
+    check_case(be, "sum", [](leafs &L) { return ql_sum(L.ctx, L.param({1000, 7})); }, TOL_F32);
+    check_case(be, "reduce_to", [](leafs &L) {
+        ql_tensor *a = L.param({10, 6, 4});
+        return ql_reduce_to(L.ctx, a, ql_new_tensor_3d(L.ctx, QL_TYPE_F32, 10, 3, 1), false);
+    }, TOL_F32);
+    check_case(be, "reduce_to grouped", [](leafs &L) {
+        ql_tensor *a = L.param({10, 6, 4});
+        return ql_reduce_to(L.ctx, a, ql_new_tensor_3d(L.ctx, QL_TYPE_F32, 10, 6, 2), true);
+    }, TOL_F32);
+}
+
+OP_CASE(mul_mat_float) {
+    check_case(be, "f32", [](leafs &L) { return ql_mul_mat(L.ctx, L.param({67, 33}), L.param({67, 9})); }, TOL_MM);
+    check_case(be, "f32, one token", [](leafs &L) { return ql_mul_mat(L.ctx, L.param({64, 40}), L.param({64, 1})); }, TOL_MM);
+    check_case(be, "f32, K = 1", [](leafs &L) { return ql_mul_mat(L.ctx, L.param({1, 5}), L.param({1, 7})); }, TOL_MM);
+    check_case(be, "transposed operands", [](leafs &L) {
+        return ql_mul_mat(L.ctx, ql_transpose(L.ctx, L.param({21, 48})), ql_transpose(L.ctx, L.param({13, 48})));
+    }, TOL_MM);
+    check_case(be, "batched, broadcast (GQA)", [](leafs &L) {
+        return ql_mul_mat(L.ctx, L.param({24, 10, 2, 1}), L.param({24, 7, 6, 2}));
+    }, TOL_MM);
+    check_case(be, "permuted b", [](leafs &L) {
+        return ql_mul_mat(L.ctx, L.param({16, 9, 3}), ql_permute(L.ctx, L.param({16, 3, 5}), 0, 2, 1, 3));
+    }, TOL_MM);
+    for (ql_type t : {QL_TYPE_F16, QL_TYPE_BF16}) {
+        INFO("type: " << std::string(ql_type_name(t)));
+        check_case(be, "16-bit a (frozen), f32 b", [t](leafs &L) { return ql_mul_mat(L.ctx, L.rand(t, {96, 40}), L.param({96, 5})); },
+                   TOL_MM);
+        check_case(be, "16-bit multiply: f32 a rounded to b's type", [t](leafs &L) {
+            return ql_mul_mat(L.ctx, L.param({96, 40}), ql_cast(L.ctx, L.param({96, 5}), t));
+        }, TOL_16);
+    }
+}
+
+OP_CASE(mul_mat_quantized) {
+    for (ql_type t : {QL_TYPE_NF4, QL_TYPE_NF4_NODQ, QL_TYPE_Q4_0, QL_TYPE_Q8_0, QL_TYPE_Q4_K, QL_TYPE_Q5_K, QL_TYPE_Q6_K}) {
+        INFO("type: " << std::string(ql_type_name(t)));
+        // forward, and backward through the transposed quantized weight (dx = W^T dy)
+        check_case(be, "frozen quantized a, f32 b", [t](leafs &L) { return ql_mul_mat(L.ctx, L.rand(t, {512, 24}), L.param({512, 6})); },
+                   TOL_MM);
+        check_case(be, "frozen quantized a, bf16 b", [t](leafs &L) {
+            return ql_mul_mat(L.ctx, L.rand(t, {256, 20}), ql_cast(L.ctx, L.param({256, 3}), QL_TYPE_BF16));
+        }, TOL_16);
+    }
+}
+
+OP_CASE(get_rows) {
+    auto ids = [](leafs &L) { return L.i32({11}, [](int64_t i) { return (int32_t)((i * 7 + 3) % 13); }); };
+    check_case(be, "f32, backward", [ids](leafs &L) { return ql_get_rows(L.ctx, L.param({40, 13}), ids(L)); }, TOL_F32);
+    for (ql_type t : {QL_TYPE_F16, QL_TYPE_BF16, QL_TYPE_Q8_0, QL_TYPE_NF4}) {
+        INFO("type: " << std::string(ql_type_name(t)));
+        check_case(be, "frozen", [ids, t](leafs &L) { return ql_get_rows(L.ctx, L.rand(t, {64, 13}), ids(L)); }, TOL_F32);
+    }
+}
+
+OP_CASE(rms_norm_silu_swiglu) {
+    check_case(be, "rms_norm", [](leafs &L) { return ql_rms_norm(L.ctx, L.param({300, 5}), 1e-5f); }, TOL_F32);
+    check_case(be, "rms_norm wide", [](leafs &L) { return ql_rms_norm(L.ctx, L.param({2050, 3}), 1e-6f); }, TOL_F32);
+    check_case(be, "silu", [](leafs &L) { return ql_silu(L.ctx, L.param({77, 5}, -6.0f, 6.0f)); }, TOL_F32);
+    check_case(be, "swiglu", [](leafs &L) { return ql_swiglu(L.ctx, L.param({77, 5}, -6.0f, 6.0f), L.param({77, 5})); }, TOL_F32);
+}
+
+OP_CASE(rope) {
+    for (int mode : {QL_ROPE_NORMAL, QL_ROPE_NEOX}) {
+        INFO("mode: " << mode);
+        check_case(be, "rope", [mode](leafs &L) {
+            ql_tensor *pos = L.i32({7, 2}, [](int64_t i) { return (int32_t)(i * 3 + 1); });
+            return ql_rope(L.ctx, L.param({16, 3, 7, 2}), pos, nullptr, 16, mode, 10000.0f);
+        }, TOL_F32);
+        check_case(be, "rope, partial dims and freq factors", [mode](leafs &L) {
+            ql_tensor *pos = L.i32({5, 1}, [](int64_t i) { return (int32_t)(100 + i); });
+            ql_tensor *ff = L.rand(QL_TYPE_F32, {4}, 1.0f, 8.0f);
+            return ql_rope(L.ctx, L.param({12, 2, 5, 1}), pos, ff, 8, mode, 500000.0f);
+        }, TOL_F32);
+    }
+}
+
+OP_CASE(cross_entropy) {
+    check_case(be, "with ignored targets", [](leafs &L) {
+        ql_tensor *tg = L.i32({9, 2}, [](int64_t i) { return i % 4 == 3 ? -1 : (int32_t)((i * 37) % 1000); });
+        return ql_cross_entropy(L.ctx, L.param({1000, 9, 2}, -4.0f, 4.0f), tg, L.scalar(11.0f));
+    }, TOL_F32);
+}
+
+OP_CASE(dropout) {
+    // the masks come from the same hash: the same elements survive on every backend
+    check_case(be, "p = 0.3", [](leafs &L) {
+        ql_tensor *seed = L.i32({1}, [](int64_t) { return 1234; });
+        return ql_dropout(L.ctx, L.param({129, 7}), 0.3f, seed, 5);
+    }, TOL_F32);
+}
+
+OP_CASE(flash_attn) {
+    check_case(be, "causal, GQA", [](leafs &L) {
+        return ql_flash_attn(L.ctx, L.param({16, 19, 4, 2}), L.param({16, 19, 2, 2}), L.param({16, 19, 2, 2}), nullptr, 0.25f);
+    }, TOL_F32);
+    check_case(be, "Tq < Tk, dv != d", [](leafs &L) {
+        return ql_flash_attn(L.ctx, L.param({8, 5, 2, 1}), L.param({8, 23, 1, 1}), L.param({12, 23, 1, 1}), nullptr, 0.35f);
+    }, TOL_F32);
+    check_case(be, "document segments", [](leafs &L) {
+        ql_tensor *seg = L.i32({70, 1}, [](int64_t i) { return (int32_t)(i < 20 ? 0 : i < 53 ? 1 : 2); });
+        return ql_flash_attn(L.ctx, L.param({24, 70, 2, 1}), L.param({24, 70, 2, 1}), L.param({24, 70, 2, 1}), seg, 0.2f);
+    }, TOL_F32);
+    check_case(be, "over a KV cache, n_kv at run time", [](leafs &L) {
+        ql_tensor *nkv = L.i32({1}, [](int64_t) { return 13; });
+        return ql_flash_attn_kv(L.ctx, L.rand(QL_TYPE_F32, {16, 3, 4, 1}), L.rand(QL_TYPE_F32, {16, 32, 2, 1}),
+                                L.rand(QL_TYPE_F32, {16, 32, 2, 1}), nkv, 0.25f);
+    }, TOL_F32, false);
+}
+
+OP_CASE(cache_store) {
+    check_case(be, "rows at a run-time position", [](leafs &L) {
+        ql_tensor *cache = L.rand(QL_TYPE_F32, {8, 10, 2, 1});
+        ql_tensor *pos = L.i32({1}, [](int64_t) { return 6; });
+        return ql_cont(L.ctx, ql_cache_store(L.ctx, cache, L.rand(QL_TYPE_F32, {8, 3, 2, 1}), pos));
+    }, 0.0, false);
+}
+
+OP_CASE(views_backward) {
+    check_case(be, "view gradients into the source", [](leafs &L) {
+        ql_tensor *a = L.param({12, 10});
+        ql_tensor *v = ql_view_2d(L.ctx, a, 5, 4, a->nb[1], 3 * sizeof(float) + a->nb[1]);
+        return ql_mul(L.ctx, ql_cont(L.ctx, v), ql_reshape_2d(L.ctx, ql_cont(L.ctx, ql_view_1d(L.ctx, a, 20, 0)), 5, 4));
+    }, TOL_F32);
+}
+
+// ---- the optimizer where the tensors live -----------------------------------------------------
+
+static void adamw_case(ql_backend *be, bool eight_bit) {
+    const int64_t n = 5000;  // over QL_OPT8_MIN_SIZE, a partial last block
+    std::vector<float> p0 = leafs::randn(n, 1, -1, 1), g0 = leafs::randn(n, 2, -0.01f, 0.01f);
+    g0[17] = NAN;  // 8-bit: a non-finite element resets its state and leaves the weight
+    std::vector<std::vector<float>> out;
+    for (int side = 0; side < 2; side++) {
+        ql_backend *b = side == 0 ? ql_backend_cpu_init(1) : be;
+        ql_init_params ip = {1u << 20, nullptr, side == 1, false};
+        ql_context *ctx = ql_init(ip);
+        ql_tensor *p = ql_set_param(ql_new_tensor_1d(ctx, QL_TYPE_F32, n));
+        p->grad = ql_new_tensor_1d(ctx, QL_TYPE_F32, n);
+        const int64_t nb = (n + QL_OPT8_BLOCK - 1) / QL_OPT8_BLOCK;
+        ql_tensor *m = ql_new_tensor_1d(ctx, eight_bit ? QL_TYPE_I8 : QL_TYPE_F32, n);
+        ql_tensor *v = ql_new_tensor_1d(ctx, eight_bit ? QL_TYPE_I8 : QL_TYPE_F32, n);
+        ql_tensor *ma = eight_bit ? ql_new_tensor_1d(ctx, QL_TYPE_F32, nb) : nullptr;
+        ql_tensor *va = eight_bit ? ql_new_tensor_1d(ctx, QL_TYPE_F32, nb) : nullptr;
+        ql_backend_buffer *buf = side == 1 ? ql_backend_alloc_ctx_tensors(b, ctx, QL_BUFFER_DEVICE) : nullptr;
+        REQUIRE((side == 0 || buf));
+        REQUIRE(ql_backend_tensor_set(b, p, p0.data(), 0, n * 4) == QL_OK);
+        for (ql_tensor *t : {m, v, ma, va})
+            if (t) REQUIRE(ql_backend_tensor_memset(b, t, 0, 0, ql_nbytes(t)) == QL_OK);
+        const ql_adamw_params ap = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f};
+        for (int step = 1; step <= 3; step++) {
+            std::vector<float> g = g0;
+            for (auto &x : g) x *= (float)step;
+            if (!eight_bit) g[17] = 0.5f;
+            REQUIRE(ql_backend_tensor_set(b, p->grad, g.data(), 0, n * 4) == QL_OK);
+            REQUIRE(ql_backend_adamw_update(b, p, m, v, ma, va, step, &ap, 0.5f) == QL_OK);
+        }
+        double ss = 0;
+        bool fin = true;
+        REQUIRE(ql_backend_grad_stats(b, p->grad, &ss, &fin) == QL_OK);
+        CHECK(fin == !eight_bit);
+        std::vector<float> r(n);
+        REQUIRE(ql_backend_synchronize(b) == QL_OK);
+        REQUIRE(ql_backend_tensor_get(b, p, r.data(), 0, n * 4) == QL_OK);
+        r.push_back((float)ss);
+        out.push_back(r);
+        ql_backend_buffer_free(buf);
+        ql_free(ctx);
+        if (side == 0) ql_backend_free(b);
+    }
+    CHECK(out[1][17] == doctest::Approx(out[0][17]).epsilon(1e-6));
+    CHECK(norm_err(out[1], out[0]) <= 1e-5);
+}
+
+OP_CASE(adamw) { adamw_case(be, false); }
+OP_CASE(adamw8bit) { adamw_case(be, true); }
+
+// ---- the interface itself ---------------------------------------------------------------------
+
+OP_CASE(buffers_set_get) {
+    ql_init_params ip = {1u << 20, nullptr, true, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *a = ql_new_tensor_2d(ctx, QL_TYPE_F32, 10, 3);
+    ql_tensor *q = ql_new_tensor_2d(ctx, QL_TYPE_NF4, 128, 2);  // side data travels with the rows
+    ql_backend_buffer *buf = ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE);
+    REQUIRE(buf);
+    CHECK(ql_backend_buffer_size(buf) >= ql_nbytes(a) + ql_nbytes(q) + q->aux_size);
+    std::vector<float> x(30);
+    for (int i = 0; i < 30; i++) x[(size_t)i] = (float)i;
+    REQUIRE(ql_backend_tensor_set(be, a, x.data(), 0, 120) == QL_OK);
+    float y[4] = {0};
+    REQUIRE(ql_backend_tensor_get(be, a, y, 40, 16) == QL_OK);
+    CHECK(y[0] == 10.0f);
+    CHECK(y[3] == 13.0f);
+    REQUIRE(ql_backend_tensor_set_async(be, a, x.data() + 20, 0, 8) == QL_OK);
+    REQUIRE(ql_backend_synchronize(be) == QL_OK);
+    REQUIRE(ql_backend_tensor_get_async(be, a, y, 0, 8) == QL_OK);
+    REQUIRE(ql_backend_synchronize(be) == QL_OK);
+    CHECK(y[0] == 20.0f);
+    CHECK(y[1] == 21.0f);
+    std::vector<uint8_t> qb(ql_nbytes(q) + q->aux_size, 7), back(qb.size());
+    REQUIRE(ql_backend_tensor_set(be, q, qb.data(), 0, qb.size()) == QL_OK);
+    REQUIRE(ql_backend_tensor_get(be, q, back.data(), 0, back.size()) == QL_OK);
+    CHECK(back == qb);
+    // outside the tensor: refused, nothing copied
+    CHECK(ql_backend_tensor_set(be, a, x.data(), 100, 24) == QL_ERR_INVALID);
+    CHECK(ql_backend_tensor_get(be, a, y, 0, 121) == QL_ERR_INVALID);
+    ql_backend_buffer_free(buf);
+    ql_free(ctx);
+}
+
+OP_CASE(place_ctx_tensors) {
+    // weights made on the host (an arena, as a GGUF mapping) are placed once; a graph reads them
+    ql_init_params ip = {1u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *w = ql_new_tensor_2d(ctx, QL_TYPE_F32, 4, 2), *x = ql_new_tensor_2d(ctx, QL_TYPE_F32, 4, 1);
+    for (int i = 0; i < 8; i++) ql_set_f32_1d(w, i, (float)i);
+    for (int i = 0; i < 4; i++) ql_set_f32_1d(x, i, 1.0f);
+    ql_tensor *y = ql_mul_mat(ctx, w, ql_view_2d(ctx, x, 4, 1, x->nb[1], 0));
+    ql_graph *g = ql_graph_new(ctx);
+    REQUIRE(ql_graph_build_forward(g, y) == QL_OK);
+    ql_backend_buffer *buf = ql_backend_place_ctx_tensors(be, ctx);
+    REQUIRE(buf);
+    CHECK(ql_backend_buffer_size(buf) == (ql_backend_is_host(be) ? 0u : 2u * QL_ALIGN));
+    REQUIRE(ql_graph_alloc(g, be) == QL_OK);
+    REQUIRE(ql_backend_graph_compute(be, g) == QL_OK);
+    float r[2];
+    REQUIRE(ql_backend_tensor_get(be, y, r, 0, 8) == QL_OK);
+    CHECK(r[0] == 6.0f);   // 0+1+2+3
+    CHECK(r[1] == 22.0f);  // 4+5+6+7
+    ql_graph_free(g);
+    ql_backend_buffer_free(buf);
+    ql_free(ctx);
+}
