@@ -4446,6 +4446,45 @@ ql_status ql_backend_grad_stats(ql_backend *be, const ql_tensor *t, double *sums
     return QL_OK;
 }
 
+ql_backend *ql_backend_init_by_name(const char *device, int n_threads, char *err, size_t err_size) {
+    char tmp[256];
+    if (!err || !err_size) err = tmp, err_size = sizeof(tmp);
+    const std::string d = device ? device : "auto";
+    if (d == "cpu") return ql_backend_cpu_init(n_threads);
+    if (d == "auto") return ql_cuda_device_count() > 0 ? ql_backend_cuda_init(0, err, err_size) : ql_backend_cpu_init(n_threads);
+    if (d == "cuda" || d.rfind("cuda:", 0) == 0) {
+        int dev = 0;
+        if (d.size() > 5) {
+            char *end = nullptr;
+            const long v = strtol(d.c_str() + 5, &end, 10);
+            if (!end || *end || v < 0 || v > 1024) {
+                snprintf(err, err_size, "--device %s: expected cuda:N with N a device number", d.c_str());
+                return nullptr;
+            }
+            dev = (int)v;
+        }
+        return ql_backend_cuda_init(dev, err, err_size);
+    }
+    snprintf(err, err_size, "--device '%s': expected cpu, cuda, cuda:N or auto", d.c_str());
+    return nullptr;
+}
+
+void ql_backend_describe(const ql_backend *be, char *buf, size_t size) {
+    if (!be) {
+        snprintf(buf, size, "(none)");
+    } else if (ql_backend_is_host(be)) {
+        snprintf(buf, size, "cpu (%d threads, %s)", ql_backend_cpu_n_threads(be), ql_cpu_features());
+    } else {
+        ql_cuda_device_info info;
+        char err[128];
+        if (ql_backend_is_cuda(be) && ql_cuda_device_get_info(0, &info, err, sizeof(err)) == QL_OK)
+            snprintf(buf, size, "cuda: %s (cc %d.%d, %d SMs, %.1f GiB free of %.1f GiB)", info.name, info.major, info.minor,
+                     info.n_sm, info.free_mem / 1073741824.0, info.total_mem / 1073741824.0);
+        else
+            snprintf(buf, size, "%s", be->iface.name);
+    }
+}
+
 // A build without qlora-cuda.cu: weak definitions the CUDA object replaces when it is linked in
 // (make CUDA=1), so the library and the drop-in build need no #ifdef and no CUDA.
 __attribute__((weak)) int ql_cuda_device_count(void) { return 0; }

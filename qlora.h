@@ -654,6 +654,12 @@ ql_status   ql_cuda_device_get_info(int device, ql_cuda_device_info *info, char 
 // NULL with one line in err: built without CUDA, no such device, or the device failed to start
 ql_backend *ql_backend_cuda_init(int device, char *err, size_t err_size);
 bool        ql_backend_is_cuda(const ql_backend *be);
+// The tools' --device: "cpu", "cuda" (device 0), "cuda:N", or "auto" (cuda when this build has
+// it and a device is present, else cpu). n_threads: the CPU backend's. NULL + one line in err.
+ql_backend *ql_backend_init_by_name(const char *device, int n_threads, char *err, size_t err_size);
+// One line about a backend for the tools' start: "cpu (2 threads, AVX512F ...)" or
+// "cuda: NVIDIA H100 (cc 9.0, 79.1 GiB free of 79.6 GiB)".
+void        ql_backend_describe(const ql_backend *be, char *buf, size_t size);
 
 // For backend implementers (CUDA lives in qlora-cuda.cu and fills this table).
 typedef struct ql_backend_i {

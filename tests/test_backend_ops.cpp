@@ -13,7 +13,9 @@
 // poisoned with NaN before each run, so an element a kernel forgets to write shows up.
 #include "util.h"
 
+#include "../models/llama.h"
 #include "../qlora.h"
+#include "tiny.h"
 
 #include <cstring>
 #include <functional>
@@ -507,4 +509,123 @@ OP_CASE(place_ctx_tensors) {
     ql_graph_free(g);
     ql_backend_buffer_free(buf);
     ql_free(ctx);
+}
+
+// ---- a whole training step: a tiny GQA llama, NF4 base, LoRA on every linear -------------------
+// The flow a trainer follows on any backend: the base placed once from its GGUF mapping, the
+// adapter and the graph's leafs (inputs, gradient accumulators) placed, inputs in through set,
+// loss and gradients out through get, AdamW where the tensors live.
+
+struct step_run {
+    std::vector<float> losses;
+    std::vector<std::vector<float>> grads;  // after step 1
+};
+
+static step_run llama_steps(ql_backend *be, const std::string &gguf, ql_type compute, int n_steps) {
+    step_run res;
+    char err[256];
+    ql_llama_file *f = ql_llama_load(gguf.c_str(), err, sizeof(err));
+    REQUIRE_MESSAGE(f, err);
+    f->model.compute = compute;
+    ql_backend_buffer *wbuf = ql_backend_place_ctx_tensors(be, f->ctx);
+    REQUIRE_MESSAGE(wbuf, ql_ctx_error(f->ctx));
+
+    ql_init_params ip = {8u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    const int T = 12, B = 2, V = f->model.hp.n_vocab;
+    ql_tensor *seed = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1));
+    ql_lora_spec spec;
+    spec.r = 4;
+    spec.dropout = 0.1f;
+    spec.targets = {"q", "k", "v", "o", "gate", "up", "down"};
+    REQUIRE(ql_llama_add_lora(ctx, &f->model, spec, seed) == QL_OK);
+    const std::vector<ql_tensor *> params = ql_llama_lora_params(f->model);
+    // B starts at 0 (the base model): give it values so every gradient is non-trivial at step 1
+    for (size_t i = 1; i < params.size(); i += 2)
+        for (int64_t j = 0; j < ql_nelements(params[i]); j++) ql_set_f32_1d(params[i], j, 0.01f * (float)((j * 7 + (int64_t)i) % 11 - 5));
+    ql_tensor *tokens  = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, T, B));
+    ql_tensor *pos     = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, T, B));
+    ql_tensor *targets = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, T * B));
+    ql_tensor *count   = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_F32, 1));
+    ql_tensor *logits  = ql_llama_forward(ctx, &f->model, tokens, pos, nullptr);
+    ql_tensor *loss    = ql_set_output(ql_cross_entropy(ctx, ql_reshape_2d(ctx, logits, V, T * B), targets, count));
+    REQUIRE_MESSAGE(loss, ql_ctx_error(ctx));
+    ql_graph *gf = ql_graph_new(ctx);
+    ql_graph_build_forward(gf, loss);
+    ql_graph *gb = ql_graph_backward(ctx, gf, loss);
+    REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
+    std::vector<ql_tensor *> mom;  // AdamW's m and v, zero
+    for (ql_tensor *p : params)
+        for (int k = 0; k < 2; k++) {
+            mom.push_back(ql_new_tensor(ctx, QL_TYPE_F32, 4, p->ne));
+            ql_tensor_fill_f32(mom.back(), 0.0f);
+        }
+    // inputs: next token = (5 t + 3) % V, one ignored target
+    std::vector<int32_t> tk(T * B), ps(T * B), tg(T * B);
+    for (int b = 0; b < B; b++)
+        for (int t = 0, x = 3 + 11 * b; t < T; t++) {
+            tk[b * T + t] = x;
+            ps[b * T + t] = t;
+            x = (5 * x + 3) % V;
+            tg[b * T + t] = x;
+        }
+    tg[0] = -1;
+    const float cnt = (float)(T * B - 1);
+    ql_backend_buffer *abuf = ql_backend_place_ctx_tensors(be, ctx);  // adapter, inputs, grads, moments
+    REQUIRE_MESSAGE(abuf, ql_ctx_error(ctx));
+    REQUIRE(ql_backend_tensor_set(be, tokens, tk.data(), 0, tk.size() * 4) == QL_OK);
+    REQUIRE(ql_backend_tensor_set(be, pos, ps.data(), 0, ps.size() * 4) == QL_OK);
+    REQUIRE(ql_backend_tensor_set(be, targets, tg.data(), 0, tg.size() * 4) == QL_OK);
+    REQUIRE(ql_backend_tensor_set(be, count, &cnt, 0, 4) == QL_OK);
+    REQUIRE_MESSAGE(ql_graph_alloc(gb, be) == QL_OK, ql_ctx_error(ctx));
+    const ql_adamw_params opt = {2e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
+    for (int step = 1; step <= n_steps; step++) {
+        const int32_t sd = 1000 + step;
+        REQUIRE(ql_backend_tensor_set(be, seed, &sd, 0, 4) == QL_OK);
+        REQUIRE(ql_backend_graph_zero_grads(be, gb) == QL_OK);
+        REQUIRE_MESSAGE(ql_backend_graph_compute(be, gb) == QL_OK, ql_ctx_error(ctx));
+        float l = 0;
+        REQUIRE(ql_backend_tensor_get(be, loss, &l, 0, 4) == QL_OK);
+        res.losses.push_back(l);
+        if (step == 1)
+            for (ql_tensor *p : params) res.grads.push_back(fetch(be, p->grad));
+        for (size_t i = 0; i < params.size(); i++)
+            REQUIRE(ql_backend_adamw_update(be, params[i], mom[2 * i], mom[2 * i + 1], nullptr, nullptr, step, &opt, 1.0f) == QL_OK);
+    }
+    ql_graph_free(gb);
+    ql_graph_free(gf);
+    ql_backend_buffer_free(abuf);
+    ql_free(ctx);
+    ql_backend_buffer_free(wbuf);
+    ql_llama_file_free(f);
+    return res;
+}
+
+OP_CASE(llama_qlora_step) {
+    tmpdir d;
+    const std::string path = d.file("tiny-nf4.gguf");
+    {
+        tiny_llama t(tiny_hparams(64, 64, 128), 3, 0.1f);  // GQA: 4 query heads over 2 kv heads
+        llama_gguf_opts o;
+        o.linear_type = QL_TYPE_NF4;
+        write_llama_gguf(t.m, path, o);
+    }
+    for (ql_type compute : {QL_TYPE_BF16, QL_TYPE_F16}) {
+        INFO("compute: " << std::string(ql_type_name(compute)));
+        ql_backend *cpu = ql_backend_cpu_init(1);
+        const step_run ref = llama_steps(cpu, path, compute, 20);
+        ql_backend_free(cpu);
+        const step_run got = llama_steps(be, path, compute, 20);
+        // step 1: the loss and every adapter gradient
+        CHECK(got.losses[0] == doctest::Approx(ref.losses[0]).epsilon(1e-3));
+        REQUIRE(got.grads.size() == ref.grads.size());
+        double worst = 0;
+        for (size_t i = 0; i < ref.grads.size(); i++) worst = std::max(worst, norm_err(got.grads[i], ref.grads[i]));
+        CHECK_MESSAGE(worst <= 2e-2, "worst adapter gradient error ", worst);
+        // 20 steps: the losses track the CPU's, and training works on both
+        for (size_t s = 0; s < ref.losses.size(); s++)
+            CHECK_MESSAGE(std::fabs(got.losses[s] - ref.losses[s]) <= 2e-2 * std::fabs(ref.losses[s]), "step ", s + 1, ": ",
+                          got.losses[s], " vs ", ref.losses[s]);
+        CHECK(ref.losses.back() < 0.8f * ref.losses.front());
+    }
 }

@@ -2,10 +2,12 @@
 //
 //   ./generate -m model.gguf [-p "prompt"] [-n 128] [--temp 0.8] [--top-k 40] [--top-p 0.95]
 //              [--seed 1] [--lora adapter.gguf [--lora-scale 1]] [-c context] [-t threads]
+//              [--device cpu|cuda|cuda:N|auto]
 //
 // --temp 0 is greedy. An empty prompt starts from BOS alone. Two graphs are planned before the
 // first token - the prompt and one new token - over one KV cache; every step then only sets
-// inputs (token, position, cache row) and runs, allocating nothing.
+// inputs (token, position, cache row) and runs, allocating nothing. On a GPU the weights are
+// placed on it once; inputs go in and logits come back through the backend's set/get.
 #include "../models/adapter.h"
 #include "../models/llama.h"
 #include "../models/tokenizer.h"
@@ -24,7 +26,8 @@
 static int usage(const char *argv0) {
     fprintf(stderr,
             "usage: %s -m model.gguf [-p PROMPT] [-n N] [--temp T] [--top-k K] [--top-p P] [--seed S]\n"
-            "       [--lora adapter.gguf|peft-dir] [--lora-scale S] [-c CONTEXT] [-t THREADS]\n",
+            "       [--lora adapter.gguf|peft-dir] [--lora-scale S] [-c CONTEXT] [-t THREADS]\n"
+            "       [--device cpu|cuda|cuda:N|auto]   (auto: cuda when built with it and a GPU is present)\n",
             argv0);
     return 2;
 }
@@ -70,7 +73,7 @@ static int32_t sample(const float *logits, int V, double temp, int top_k, double
 }
 
 int main(int argc, char **argv) {
-    const char *model = nullptr, *lora = nullptr;
+    const char *model = nullptr, *lora = nullptr, *device = "auto";
     std::string prompt;
     double n_gen = 128, temp = 0.8, top_k = 40, top_p = 0.95, seed = 1, n_ctx = 0, threads = 0, lora_scale = 1;
     for (int i = 1; i < argc; i++) {
@@ -87,6 +90,7 @@ int main(int argc, char **argv) {
         else if (a == "-c" && has) ok = parse_num("-c", argv[++i], 1, 1 << 20, &n_ctx);
         else if (a == "-t" && has) ok = parse_num("-t", argv[++i], 0, 1024, &threads);
         else if (a == "--lora" && has) lora = argv[++i];
+        else if (a == "--device" && has) device = argv[++i];
         else if (a == "--lora-scale" && has) ok = parse_num("--lora-scale", argv[++i], -100, 100, &lora_scale);
         else if (a == "-h" || a == "--help") {
             usage(argv[0]);
@@ -140,11 +144,28 @@ int main(int argc, char **argv) {
     // the cache, the two graphs, all planned and allocated before the first token
     const ql_llama_hparams &hp = m.hp;
     const size_t cache_bytes = (size_t)hp.n_layer * 2 * (size_t)hp.head_dim() * (size_t)ctx_len * (size_t)hp.n_head_kv * 4;
-    ql_init_params ip = {cache_bytes + (size_t)(hp.n_layer * 200 + 400) * ql_tensor_overhead() + (1u << 20), nullptr, false, false};
+    ql_backend *be = ql_backend_init_by_name(device, (int)threads, err, sizeof(err));
+    if (!be) {
+        fprintf(stderr, "generate: %s\n", err);
+        return 1;
+    }
+    if (!ql_backend_is_host(be)) {  // a GPU says which, and how much memory it has free
+        char desc[320];
+        ql_backend_describe(be, desc, sizeof(desc));
+        fprintf(stderr, "generate: %s\n", desc);
+    }
+    // the weights (and an adapter) placed once: nothing moves on the CPU
+    ql_backend_buffer *wbuf = ql_backend_place_ctx_tensors(be, f->ctx);
+    ql_backend_buffer *abuf = ad ? ql_backend_place_ctx_tensors(be, ad->ctx) : nullptr;
+    if (!wbuf || (ad && !abuf)) {
+        fprintf(stderr, "generate: %s\n", ql_ctx_error(wbuf ? ad->ctx : f->ctx));
+        return 1;
+    }
+    // headers only: the cache and the inputs get their data from the backend (alloc_ctx_tensors)
+    ql_init_params ip = {(size_t)(hp.n_layer * 200 + 400) * ql_tensor_overhead() + (1u << 20), nullptr, true, false};
     ql_context *ctx = ql_init(ip);
     if (!ctx) {
-        fprintf(stderr, "generate: cannot allocate %.1f MiB for a context of %d tokens --> hint: a smaller -c\n",
-                (double)ip.mem_size / 1048576.0, ctx_len);
+        fprintf(stderr, "generate: out of memory\n");
         return 1;
     }
     ql_llama_cache cache;
@@ -156,20 +177,22 @@ int main(int argc, char **argv) {
     ql_graph *gp = ql_graph_new(ctx), *go = ql_graph_new(ctx);
     ql_graph_build_forward(gp, lp);
     ql_graph_build_forward(go, lo);
-    ql_backend *cpu = ql_backend_cpu_init((int)threads);
-    if (ql_ctx_status(ctx) != QL_OK || ql_graph_alloc(gp, cpu) != QL_OK || ql_graph_alloc(go, cpu) != QL_OK) {
-        fprintf(stderr, "generate: %s\n", ql_ctx_error(ctx));
+    ql_backend_buffer *cbuf = ql_ctx_status(ctx) == QL_OK ? ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE) : nullptr;
+    if (!cbuf || ql_graph_alloc(gp, be) != QL_OK || ql_graph_alloc(go, be) != QL_OK) {
+        fprintf(stderr, "generate: %s (a KV cache of %.1f MiB for %d tokens) --> hint: a smaller -c\n", ql_ctx_error(ctx),
+                cache_bytes / 1048576.0, ctx_len);
         return 1;
     }
+    auto set_i32 = [&](ql_tensor *t, const int32_t *v, size_t n) { return ql_backend_tensor_set(be, t, v, 0, n * 4) == QL_OK; };
+    std::vector<float> logits((size_t)hp.n_vocab);
 
     const auto t0 = std::chrono::steady_clock::now();
-    for (int t = 0; t < n_prompt; t++) {
-        ((int32_t *)pt->data)[t] = toks[(size_t)t];
-        ((int32_t *)pp->data)[t] = t;
-    }
-    *(int32_t *)cache.write_pos->data = 0;
-    *(int32_t *)cache.n_kv->data = n_prompt;
-    if (ql_backend_graph_compute(cpu, gp) != QL_OK) {
+    std::vector<int32_t> positions((size_t)n_prompt);
+    for (int t = 0; t < n_prompt; t++) positions[(size_t)t] = t;
+    const int32_t zero = 0;
+    if (!set_i32(pt, toks.data(), toks.size()) || !set_i32(pp, positions.data(), positions.size()) ||
+        !set_i32(cache.write_pos, &zero, 1) || !set_i32(cache.n_kv, &n_prompt, 1) || ql_backend_graph_compute(be, gp) != QL_OK ||
+        ql_backend_tensor_get(be, lp, logits.data(), (size_t)(n_prompt - 1) * hp.n_vocab * 4, logits.size() * 4) != QL_OK) {
         fprintf(stderr, "generate: %s\n", ql_ctx_error(ctx));
         return 1;
     }
@@ -178,25 +201,22 @@ int main(int argc, char **argv) {
     const auto t1 = std::chrono::steady_clock::now();
     std::mt19937_64 rng((uint64_t)seed);
     std::vector<std::pair<float, int32_t>> cand;
-    const float *logits = (const float *)lp->data + (size_t)(n_prompt - 1) * hp.n_vocab;
     int n_done = 0;
     for (int pos = n_prompt; n_done < (int)n_gen && pos < ctx_len; pos++) {
-        const int32_t next = sample(logits, hp.n_vocab, temp, (int)top_k, top_p, rng, cand);
+        const int32_t next = sample(logits.data(), hp.n_vocab, temp, (int)top_k, top_p, rng, cand);
         if (ql_vocab_is_eog(vocab, next)) break;
         const std::string piece = ql_token_to_piece(vocab, next, false);
         fwrite(piece.data(), 1, piece.size(), stdout);
         fflush(stdout);
         n_done++;
         if (n_done == (int)n_gen || pos + 1 >= ctx_len) break;
-        *(int32_t *)ot->data = next;
-        *(int32_t *)op->data = pos;
-        *(int32_t *)cache.write_pos->data = pos;
-        *(int32_t *)cache.n_kv->data = pos + 1;
-        if (ql_backend_graph_compute(cpu, go) != QL_OK) {
+        const int32_t n_kv = pos + 1;
+        if (!set_i32(ot, &next, 1) || !set_i32(op, &pos, 1) || !set_i32(cache.write_pos, &pos, 1) ||
+            !set_i32(cache.n_kv, &n_kv, 1) || ql_backend_graph_compute(be, go) != QL_OK ||
+            ql_backend_tensor_get(be, lo, logits.data(), 0, logits.size() * 4) != QL_OK) {
             fprintf(stderr, "\ngenerate: %s\n", ql_ctx_error(ctx));
             return 1;
         }
-        logits = (const float *)lo->data;
     }
     const auto t2 = std::chrono::steady_clock::now();
     const double tp = std::chrono::duration<double>(t1 - t0).count(), tg = std::chrono::duration<double>(t2 - t1).count();
@@ -204,7 +224,10 @@ int main(int argc, char **argv) {
             n_prompt, tp, n_prompt / std::max(tp, 1e-9), n_done, tg, n_done / std::max(tg, 1e-9));
     ql_graph_free(gp);
     ql_graph_free(go);
-    ql_backend_free(cpu);
+    ql_backend_buffer_free(cbuf);
+    ql_backend_buffer_free(abuf);
+    ql_backend_buffer_free(wbuf);
+    ql_backend_free(be);
     ql_free(ctx);
     ql_lora_adapter_free(ad);
     ql_vocab_free(vocab);

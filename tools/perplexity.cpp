@@ -1,7 +1,7 @@
 // tools/perplexity - how well a model predicts a text.
 //
 //   ./perplexity -m model.gguf -f text.txt [-c 512] [--lora adapter.gguf [--lora-scale 1]]
-//                [--json] [-t threads]
+//                [--json] [-t threads] [--device cpu|cuda|cuda:N|auto]
 //
 // The text is tokenized once, without BOS, and cut into consecutive chunks of c-1 tokens; each
 // window is BOS followed by one chunk, and every chunk token is predicted by the position
@@ -24,7 +24,8 @@
 #include <vector>
 
 static int usage(const char *argv0) {
-    fprintf(stderr, "usage: %s -m model.gguf -f text.txt [-c 512] [--lora adapter.gguf|peft-dir] [--lora-scale S] [--json] [-t THREADS]\n",
+    fprintf(stderr, "usage: %s -m model.gguf -f text.txt [-c 512] [--lora adapter.gguf|peft-dir] [--lora-scale S] [--json] [-t THREADS]\n"
+                    "       [--device cpu|cuda|cuda:N|auto]   (auto: cuda when built with it and a GPU is present)\n",
             argv0);
     return 2;
 }
@@ -34,9 +35,9 @@ struct window_graph {
     ql_context *ctx = nullptr;
     ql_graph *g = nullptr;
     ql_tensor *tokens, *pos, *targets, *count, *nll;
-    bool build(const ql_llama &m, int T, ql_backend *cpu, std::string *why) {
-        ql_init_params ip = {(size_t)(m.hp.n_layer * 200 + 400) * ql_tensor_overhead() + (size_t)T * 16 + (1u << 16),
-                             nullptr, false, false};
+    ql_backend_buffer *inputs = nullptr;  // the leafs above, in the backend's memory
+    bool build(const ql_llama &m, int T, ql_backend *be, std::string *why) {
+        ql_init_params ip = {(size_t)(m.hp.n_layer * 200 + 400) * ql_tensor_overhead() + (1u << 16), nullptr, true, false};
         ctx = ql_init(ip);
         tokens = ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1);
         pos = ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1);
@@ -46,22 +47,29 @@ struct window_graph {
         nll = ql_cross_entropy(ctx, logits ? ql_reshape_2d(ctx, logits, logits->ne[0], T) : nullptr, targets, count);
         g = ql_graph_new(ctx);
         ql_graph_build_forward(g, nll);
-        if (ql_ctx_status(ctx) != QL_OK || ql_graph_alloc(g, cpu) != QL_OK) {
+        if (ql_ctx_status(ctx) != QL_OK || !(inputs = ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE)) ||
+            ql_graph_alloc(g, be) != QL_OK) {
             *why = ql_ctx_error(ctx);
             return false;
         }
-        for (int t = 0; t < T; t++) ((int32_t *)pos->data)[t] = t;
-        *(float *)count->data = 1.0f;  // the op's sum over predicted tokens, unnormalised
+        std::vector<int32_t> p((size_t)T);
+        for (int t = 0; t < T; t++) p[(size_t)t] = t;
+        const float one = 1.0f;  // the op's sum over predicted tokens, unnormalised
+        if (ql_backend_tensor_set(be, pos, p.data(), 0, p.size() * 4) != QL_OK || ql_backend_tensor_set(be, count, &one, 0, 4) != QL_OK) {
+            *why = "cannot write the inputs to the device";
+            return false;
+        }
         return true;
     }
     ~window_graph() {
         ql_graph_free(g);
+        ql_backend_buffer_free(inputs);
         ql_free(ctx);
     }
 };
 
 int main(int argc, char **argv) {
-    const char *model = nullptr, *file = nullptr, *lora = nullptr;
+    const char *model = nullptr, *file = nullptr, *lora = nullptr, *device = "auto";
     int c = 512, threads = 0;
     double lora_scale = 1;
     bool json = false;
@@ -71,6 +79,7 @@ int main(int argc, char **argv) {
         if (a == "-m" && has) model = argv[++i];
         else if (a == "-f" && has) file = argv[++i];
         else if (a == "--lora" && has) lora = argv[++i];
+        else if (a == "--device" && has) device = argv[++i];
         else if (a == "--json") json = true;
         else if ((a == "-c" || a == "-t" || a == "--lora-scale") && has) {
             char *end = nullptr;
@@ -137,31 +146,49 @@ int main(int argc, char **argv) {
         fprintf(stderr, "perplexity: note: -c %d is longer than the model's training context %d\n", c, f->model.hp.n_ctx_train);
     const int chunk = c - 1;
     const int64_t n_tok = (int64_t)toks.size(), n_full = n_tok / chunk, tail = n_tok % chunk;
-    ql_backend *cpu = ql_backend_cpu_init(threads);
+    ql_backend *be = ql_backend_init_by_name(device, threads, err, sizeof(err));
+    if (!be) {
+        fprintf(stderr, "perplexity: %s\n", err);
+        return 1;
+    }
+    if (!ql_backend_is_host(be)) {
+        char desc[320];
+        ql_backend_describe(be, desc, sizeof(desc));
+        fprintf(stderr, "perplexity: %s\n", desc);
+    }
+    ql_backend_buffer *wbuf = ql_backend_place_ctx_tensors(be, f->ctx);  // the weights, placed once
+    ql_backend_buffer *abuf = ad ? ql_backend_place_ctx_tensors(be, ad->ctx) : nullptr;
+    if (!wbuf || (ad && !abuf)) {
+        fprintf(stderr, "perplexity: %s\n", ql_ctx_error(wbuf ? ad->ctx : f->ctx));
+        return 1;
+    }
     window_graph full, last;  // both planned and allocated before the first window runs
     std::string why;
-    if ((n_full > 0 && !full.build(f->model, c, cpu, &why)) || (tail > 0 && !last.build(f->model, (int)tail + 1, cpu, &why))) {
+    if ((n_full > 0 && !full.build(f->model, c, be, &why)) || (tail > 0 && !last.build(f->model, (int)tail + 1, be, &why))) {
         fprintf(stderr, "perplexity: %s\n", why.c_str());
         return 1;
     }
     const bool progress = isatty(fileno(stderr));  // a live counter on a terminal only
     const auto t0 = std::chrono::steady_clock::now();
     double sum = 0;
+    std::vector<int32_t> tk((size_t)c), tg((size_t)c);
     for (int64_t start = 0; start < n_tok; start += chunk) {
         const int64_t len = std::min<int64_t>(chunk, n_tok - start);
         window_graph &w = len == chunk ? full : last;
-        int32_t *tk = (int32_t *)w.tokens->data, *tg = (int32_t *)w.targets->data;
         tk[0] = bos;
         for (int64_t i = 0; i < len; i++) {
             tk[i + 1] = toks[(size_t)(start + i)];
             tg[i] = toks[(size_t)(start + i)];  // predicted from the position before it
         }
-        tg[len] = -1;  // the last position predicts nothing in this window
-        if (ql_backend_graph_compute(cpu, w.g) != QL_OK) {
+        tg[(size_t)len] = -1;  // the last position predicts nothing in this window
+        float nll_w = 0;
+        if (ql_backend_tensor_set(be, w.tokens, tk.data(), 0, (size_t)(len + 1) * 4) != QL_OK ||
+            ql_backend_tensor_set(be, w.targets, tg.data(), 0, (size_t)(len + 1) * 4) != QL_OK ||
+            ql_backend_graph_compute(be, w.g) != QL_OK || ql_backend_tensor_get(be, w.nll, &nll_w, 0, 4) != QL_OK) {
             fprintf(stderr, "perplexity: %s\n", ql_ctx_error(w.ctx));
             return 1;
         }
-        sum += *(const float *)w.nll->data;
+        sum += nll_w;
         if (!json && progress) fprintf(stderr, "\rperplexity: %lld/%lld tokens", (long long)(start + len), (long long)n_tok);
     }
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -173,7 +200,9 @@ int main(int argc, char **argv) {
         printf("perplexity: %lld tokens in windows of %d: mean nll %.6f, perplexity %.4f (%.1f tokens/s)\n",
                (long long)n_tok, c, nll, std::exp(nll), (double)n_tok / std::max(secs, 1e-9));
     }
-    ql_backend_free(cpu);
+    ql_backend_buffer_free(abuf);
+    ql_backend_buffer_free(wbuf);
+    ql_backend_free(be);
     ql_lora_adapter_free(ad);
     ql_vocab_free(vocab);
     ql_llama_file_free(f);
