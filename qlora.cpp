@@ -838,6 +838,9 @@ void ql_free(ql_context *ctx) {
 size_t ql_used_mem(const ql_context *ctx) { return ctx ? ctx->used : 0; }
 size_t ql_ctx_data_size(const ql_context *ctx) { return ctx ? ctx->data_size : 0; }
 bool   ql_ctx_is_measure(const ql_context *ctx) { return ctx && ctx->measure; }
+ql_tensor *ql_ctx_tensor(const ql_context *ctx, int64_t i) {
+    return ctx && i >= 0 && i < (int64_t)ctx->tensors.size() ? ctx->tensors[(size_t)i] : nullptr;
+}
 
 // Carves `size` bytes from the arena; NULL (with an error naming `what`) when it is full.
 static void *arena_take(ql_context *ctx, size_t size, const char *what, const char *detail = "") {
@@ -4458,14 +4461,14 @@ ql_backend *ql_backend_init_by_name(const char *device, int n_threads, char *err
             char *end = nullptr;
             const long v = strtol(d.c_str() + 5, &end, 10);
             if (!end || *end || v < 0 || v > 1024) {
-                snprintf(err, err_size, "--device %s: expected cuda:N with N a device number", d.c_str());
+                snprintf(err, err_size, "'%s' is not a device (cpu, cuda, cuda:N, auto)", d.c_str());
                 return nullptr;
             }
             dev = (int)v;
         }
         return ql_backend_cuda_init(dev, err, err_size);
     }
-    snprintf(err, err_size, "--device '%s': expected cpu, cuda, cuda:N or auto", d.c_str());
+    snprintf(err, err_size, "'%s' is not a device (cpu, cuda, cuda:N, auto)", d.c_str());
     return nullptr;
 }
 

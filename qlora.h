@@ -234,6 +234,7 @@ ql_status ql_nf4_to_bnb(ql_type type, const void *src, int64_t n_rows, int64_t n
 typedef struct ql_context ql_context;
 typedef struct ql_graph   ql_graph;
 typedef struct ql_backend ql_backend;
+typedef struct ql_tensor  ql_tensor;
 
 typedef struct ql_init_params {
     size_t mem_size;    // arena bytes: headers + data. See ql_tensor_overhead() and measure.
@@ -249,6 +250,7 @@ size_t      ql_used_mem(const ql_context *ctx);      // arena bytes in use (or n
 size_t      ql_ctx_data_size(const ql_context *ctx); // data bytes of its tensors (even if no_alloc)
 size_t      ql_tensor_overhead(void);                // arena bytes of one tensor header
 bool        ql_ctx_is_measure(const ql_context *ctx);
+ql_tensor  *ql_ctx_tensor(const ql_context *ctx, int64_t i);  // the i-th tensor made in ctx; NULL past the end
 
 const char *ql_ctx_error(const ql_context *ctx);     // "" when there is none
 ql_status   ql_ctx_status(const ql_context *ctx);
@@ -309,7 +311,6 @@ enum ql_tensor_flag {
     QL_FLAG_RECOMPUTED = 1 << 4,  // a forward result computed again in backward (ql_graph_recompute)
 };
 
-typedef struct ql_tensor ql_tensor;
 struct ql_tensor {
     ql_type    type;
     int64_t    ne[QL_MAX_DIMS];          // elements per dimension, ne[0] fastest

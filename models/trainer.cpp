@@ -37,7 +37,13 @@ struct ql_trainer {
     int64_t T = 0, B = 0;
     bool packed = false;  // sequences hold several documents: attention needs the segment ids
     ql_context *ctx = nullptr;
-    ql_backend *cpu = nullptr;
+    ql_backend *be = nullptr;  // the backend that trains (t->o.device)
+    // a device backend: the buffers the weights and the run's tensors were placed in, and each
+    // placed tensor's host bytes (what checkpoints and adapters are written from)
+    ql_backend_buffer *weights_buf = nullptr, *state_buf = nullptr;
+    std::vector<std::pair<ql_tensor *, void *>> host_of;  // placed tensor -> its host data
+    bool on_host = true;
+    std::vector<int32_t> in_tokens, in_pos, in_targets, in_seg;  // [T * B] staging for set
     ql_tensor *seed = nullptr;
     batch_io tr, ev;
     std::vector<ql_tensor *> params;
@@ -202,7 +208,7 @@ static bool measure(ql_trainer *t, std::string *err) {
     ql_context *meas = ql_init(mp);
     t->rs = ql_recompute_stats();
     ql_plan_stats ps{}, es{};
-    bool ok = build(t, meas) && ql_graph_plan(t->tr.g, t->cpu, &ps) == QL_OK && ql_graph_plan(t->ev.g, t->cpu, &es) == QL_OK;
+    bool ok = build(t, meas) && ql_graph_plan(t->tr.g, t->be, &ps) == QL_OK && ql_graph_plan(t->ev.g, t->be, &es) == QL_OK;
     if (!ok) *err = ql_ctx_error(meas);
     ql_memory_plan &m = t->mem;
     if (ok) {
@@ -367,9 +373,42 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
                                            : (int64_t)std::ceil(o.warmup_ratio * (double)t->total);
     t->compute = precision_type(o.precision);
     t->scale = o.precision == "fp16" ? std::min(o.scale_init, 0x1p64f) : 1.0f;
-    t->cpu = ql_backend_cpu_init(o.threads);
+    char e[256];
+    t->be = ql_backend_init_by_name(o.device.c_str(), o.threads, e, sizeof(e));
+    if (!t->be) {
+        *err = e;
+        delete t;
+        return nullptr;
+    }
+    t->on_host = ql_backend_is_host(t->be);
     weight_pages(t);
     return t;
+}
+
+// A device backend: every leaf of ctx with host data moves to one device buffer; the host
+// pointers are kept (checkpoints and adapters are written from them, and they come back at the end).
+static ql_backend_buffer *place(ql_trainer *t, ql_context *ctx, std::string *err) {
+    std::vector<std::pair<ql_tensor *, void *>> before;
+    for (int64_t i = 0;; i++) {
+        ql_tensor *x = ql_ctx_tensor(ctx, i);
+        if (!x) break;
+        if (x->op == QL_OP_NONE && !x->view_src && x->data) before.push_back({x, x->data});
+    }
+    ql_backend_buffer *b = ql_backend_place_ctx_tensors(t->be, ctx);
+    if (!b) {
+        *err = ql_ctx_error(ctx);
+        return nullptr;
+    }
+    t->host_of.insert(t->host_of.end(), before.begin(), before.end());
+    return b;
+}
+
+// the host bytes of a tensor the trainer placed (or its own data on the CPU)
+static void *host_data(const ql_trainer *t, const ql_tensor *x) {
+    if (t->on_host) return x->data;
+    for (const auto &h : t->host_of)
+        if (h.first == x) return h.second;
+    return nullptr;
 }
 
 static std::string biggest_items(const ql_memory_plan &m) {
@@ -428,13 +467,13 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
     t->ctx = ql_init(ip);
     // evaluation runs between steps: its graph lives in the training graph's buffer (whose
     // gradients are zeroed at the start of every step anyway), so the plan printed is the peak
-    bool ok_alloc = t->ctx && build(t, t->ctx) && ql_graph_plan(t->tr.g, t->cpu, &t->plan) == QL_OK &&
-                    ql_graph_alloc(t->tr.g, t->cpu) == QL_OK;
-    if (ok_alloc && ql_graph_plan(t->ev.g, t->cpu, nullptr) == QL_OK) {
+    bool ok_alloc = t->ctx && build(t, t->ctx) && ql_graph_plan(t->tr.g, t->be, &t->plan) == QL_OK &&
+                    ql_graph_alloc(t->tr.g, t->be) == QL_OK;
+    if (ok_alloc && ql_graph_plan(t->ev.g, t->be, nullptr) == QL_OK) {
         ql_plan_stats es;
         ql_graph_get_stats(t->ev.g, &es);
-        ok_alloc = es.buffer_size <= t->plan.buffer_size ? ql_graph_alloc_shared(t->ev.g, t->cpu, t->tr.g) == QL_OK
-                                                         : ql_graph_alloc(t->ev.g, t->cpu) == QL_OK;
+        ok_alloc = es.buffer_size <= t->plan.buffer_size ? ql_graph_alloc_shared(t->ev.g, t->be, t->tr.g) == QL_OK
+                                                         : ql_graph_alloc(t->ev.g, t->be) == QL_OK;
     } else {
         ok_alloc = false;
     }
@@ -443,11 +482,18 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
         ql_trainer_free(t);
         return nullptr;
     }
+    if (!t->on_host && (!(t->weights_buf = place(t, t->f->ctx, err)) || !(t->state_buf = place(t, t->ctx, err)))) {
+        *err = "placing the model on " + t->o.device + ": " + *err;
+        ql_trainer_free(t);
+        return nullptr;
+    }
     for (const auto &st : t->state)  // zero moments (8-bit: zero absmax makes every code 0)
-        for (ql_tensor *x : st) memset(x->data, 0, ql_nbytes(x));
+        for (ql_tensor *x : st) ql_backend_tensor_memset(t->be, x, 0, 0, ql_nbytes(x));
+    const size_t n_in = (size_t)(t->T * t->B);
+    t->in_tokens.assign(n_in, 0), t->in_pos.assign(n_in, 0), t->in_targets.assign(n_in, 0), t->in_seg.assign(n_in, 0);
     // the optimizer's update runs on the backend's threads: the largest parameter next to the
     // least-loaded thread (each parameter's update is independent: results do not depend on it)
-    t->shard.assign((size_t)ql_backend_cpu_n_threads(t->cpu), {});
+    t->shard.assign((size_t)ql_backend_cpu_n_threads(t->be), {});
     std::vector<size_t> by_size(t->params.size()), load(t->shard.size(), 0);
     for (size_t i = 0; i < by_size.size(); i++) by_size[i] = i;
     std::stable_sort(by_size.begin(), by_size.end(),
@@ -470,7 +516,7 @@ bool ql_train_write_snapshot(ql_llama_file *f, const std::vector<ql_sequence> &t
     ql_init_params mp = {0, nullptr, false, true};
     ql_context *meas = ok ? ql_init(mp) : nullptr;
     ql_plan_stats ps{};
-    ok = ok && build(t, meas) && ql_graph_plan(t->tr.g, t->cpu, &ps) == QL_OK;
+    ok = ok && build(t, meas) && ql_graph_plan(t->tr.g, t->be, &ps) == QL_OK;
     if (meas && !ok && err->empty()) *err = ql_ctx_error(meas);
     FILE *out = ok ? fopen(path, "w") : nullptr;
     if (ok && !out) {
@@ -524,7 +570,10 @@ void ql_trainer_free(ql_trainer *t) {
     if (!t) return;
     free_io(t->tr);
     free_io(t->ev);
-    ql_backend_free(t->cpu);
+    for (const auto &h : t->host_of) h.first->data = h.second;  // the weights' mapping, the arena
+    ql_backend_buffer_free(t->state_buf);
+    ql_backend_buffer_free(t->weights_buf);
+    ql_backend_free(t->be);
     ql_free(t->ctx);
     if (t->f) {  // the model's adapters pointed into ctx
         t->f->model.lora.clear();
@@ -580,10 +629,11 @@ static int64_t slot_sequence(ql_trainer *t, int64_t s, int64_t i) {
     return t->order[(size_t)at];
 }
 
-// writes B sequences (NULL: empty, all targets -1) into a graph's inputs
-static void fill(const batch_io &io, int64_t T, int64_t B, const ql_sequence *const *seqs) {
-    int32_t *tk = (int32_t *)io.tokens->data, *ps = (int32_t *)io.pos->data, *tg = (int32_t *)io.targets->data;
-    int32_t *sg = io.seg ? (int32_t *)io.seg->data : nullptr;
+// writes B sequences (NULL: empty, all targets -1) into a graph's inputs, through the backend
+static bool fill(ql_trainer *t, const batch_io &io, const ql_sequence *const *seqs) {
+    const int64_t T = t->T, B = t->B;
+    int32_t *tk = t->in_tokens.data(), *ps = t->in_pos.data(), *tg = t->in_targets.data();
+    int32_t *sg = io.seg ? t->in_seg.data() : nullptr;
     for (size_t b = 0; b < (size_t)B; b++) {
         const ql_sequence *s = seqs[b];
         for (int64_t i = 0; i < T; i++) {
@@ -594,7 +644,14 @@ static void fill(const batch_io &io, int64_t T, int64_t B, const ql_sequence *co
             if (sg) sg[k] = s ? s->seg[(size_t)i] : 0;
         }
     }
+    const size_t n = (size_t)(T * B) * 4;
+    return ql_backend_tensor_set(t->be, io.tokens, tk, 0, n) == QL_OK && ql_backend_tensor_set(t->be, io.pos, ps, 0, n) == QL_OK &&
+           ql_backend_tensor_set(t->be, io.targets, tg, 0, n) == QL_OK &&
+           (!sg || ql_backend_tensor_set(t->be, io.seg, sg, 0, n) == QL_OK);
 }
+
+static bool set_f32(ql_trainer *t, ql_tensor *x, float v) { return ql_backend_tensor_set(t->be, x, &v, 0, 4) == QL_OK; }
+static bool get_f32(ql_trainer *t, const ql_tensor *x, float *v) { return ql_backend_tensor_get(t->be, x, v, 0, 4) == QL_OK; }
 
 // one thread's share of the optimizer step
 struct update_job {
@@ -626,23 +683,25 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
         *err = "step " + std::to_string(s + 1) + " has no supervised tokens";
         return false;
     }
-    ql_graph_zero_grads(t->tr.g);
     // loss scaling: the loss's denominator divided by the scale multiplies the loss, so every
     // gradient, by it (exactly when the scale is a power of two, as with the default flags)
     const double scale = t->scale;
-    *(float *)t->tr.count->data = (float)((double)targets / scale);
+    if (ql_backend_graph_zero_grads(t->be, t->tr.g) != QL_OK || !set_f32(t, t->tr.count, (float)((double)targets / scale))) {
+        *err = "step " + std::to_string(s + 1) + ": cannot write to " + t->o.device;
+        return false;
+    }
     double loss = 0;
     for (int64_t a = 0; a < A; a++) {
-        fill(t->tr, t->T, B, t->slot.data() + a * B);
-        *(int32_t *)t->seed->data = (int32_t)(uint32_t)mix(t->o.seed * 0x9E3779B97F4A7C15ull + (uint64_t)(s * A + a));
-        if (ql_backend_graph_compute(t->cpu, t->tr.g) != QL_OK) {
-            *err = ql_ctx_error(t->ctx);
+        const int32_t seed = (int32_t)(uint32_t)mix(t->o.seed * 0x9E3779B97F4A7C15ull + (uint64_t)(s * A + a));
+        float l = 0;
+        if (!fill(t, t->tr, t->slot.data() + a * B) || ql_backend_tensor_set(t->be, t->seed, &seed, 0, 4) != QL_OK ||
+            ql_backend_graph_compute(t->be, t->tr.g) != QL_OK || !get_f32(t, t->tr.loss, &l)) {
+            *err = ql_ctx_status(t->ctx) != QL_OK ? ql_ctx_error(t->ctx) : "step " + std::to_string(s + 1) + ": a device copy failed";
             return false;
         }
-        const float l = *(const float *)t->tr.loss->data;
         if (!std::isfinite(l)) {  // the forward pass: no loss scale helps; find where it began
             ql_graph_set_check_finite(t->tr.g, true);
-            const bool found = ql_backend_graph_compute(t->cpu, t->tr.g) != QL_OK;
+            const bool found = ql_backend_graph_compute(t->be, t->tr.g) != QL_OK;
             ql_graph_set_check_finite(t->tr.g, false);
             const std::string where = found ? ql_ctx_error(t->ctx) : "";
             ql_ctx_clear_error(t->ctx);
@@ -657,8 +716,18 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     }
     double sq = 0;  // the global gradient norm, then clipping folded into the update's scale
     for (const ql_tensor *p : t->params) {
-        const float *g = (const float *)p->grad->data;
-        for (int64_t i = 0; i < ql_nelements(p); i++) sq += (double)g[i] * g[i];
+        if (t->on_host) {  // one running sum over every element (the CPU's order, kept as it was)
+            const float *g = (const float *)p->grad->data;
+            for (int64_t i = 0; i < ql_nelements(p); i++) sq += (double)g[i] * g[i];
+            continue;
+        }
+        double ps = 0;
+        bool finite = true;
+        if (ql_backend_grad_stats(t->be, p->grad, &ps, &finite) != QL_OK) {
+            *err = "step " + std::to_string(s + 1) + ": gradient statistics failed on " + t->o.device;
+            return false;
+        }
+        sq += finite ? ps : INFINITY;
     }
     const bool scaling = t->o.precision == "fp16";
     const bool skip = scaling && !std::isfinite(sq);
@@ -677,8 +746,11 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     } else {
         if (!std::isfinite(norm)) {  // stop before the adapter is touched, naming the first bad gradient
             std::string which = "?";
+            std::vector<float> gh;  // an error path: the device's gradients come over to be named
             for (const ql_tensor *p : t->params) {
-                const float *g = (const float *)p->grad->data;
+                gh.resize((size_t)ql_nelements(p));
+                if (ql_backend_tensor_get(t->be, p->grad, gh.data(), 0, gh.size() * 4) != QL_OK) break;
+                const float *g = gh.data();
                 int64_t i = 0;
                 while (i < ql_nelements(p) && std::isfinite(g[i])) i++;
                 if (i < ql_nelements(p)) {
@@ -693,7 +765,19 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
         const float clip = (t->o.max_grad_norm > 0 && norm > t->o.max_grad_norm) ? (float)(t->o.max_grad_norm / (norm + 1e-6)) : 1.0f;
         const float gscale = (float)(clip / scale);  // unscale and clip in one factor
         const update_job job = {t, {(float)lr, t->o.beta1, t->o.beta2, t->o.eps, t->o.weight_decay}, gscale};
-        ql_backend_cpu_parallel(t->cpu, update_worker, (void *)&job);
+        if (t->on_host) {
+            ql_backend_cpu_parallel(t->be, update_worker, (void *)&job);
+        } else {  // where the tensors live
+            for (size_t i = 0; i < t->params.size(); i++) {
+                const std::vector<ql_tensor *> &st = t->state[i];
+                const bool eight = st.size() == 4;
+                if (ql_backend_adamw_update(t->be, t->params[i], st[0], eight ? st[2] : st[1], eight ? st[1] : nullptr,
+                                            eight ? st[3] : nullptr, t->applied + 1, &job.hp, gscale) != QL_OK) {
+                    *err = "step " + std::to_string(s + 1) + ": the optimizer's update failed on " + t->o.device;
+                    return false;
+                }
+            }
+        }
         t->applied++;
         t->skipped_in_row = 0;
         if (scaling && ++t->growth_tracker >= t->o.scale_interval) {
@@ -722,16 +806,16 @@ bool ql_trainer_eval(ql_trainer *t, double *loss, std::string *err) {
         *err = "no evaluation tokens";
         return false;
     }
-    *(float *)t->ev.count->data = (float)targets;
     double sum = 0;
     for (size_t i = 0; i < t->eval->size(); i += (size_t)t->B) {
         for (size_t b = 0; b < (size_t)t->B; b++) t->slot[b] = i + b < t->eval->size() ? &(*t->eval)[i + b] : nullptr;
-        fill(t->ev, t->T, t->B, t->slot.data());
-        if (ql_backend_graph_compute(t->cpu, t->ev.g) != QL_OK) {
-            *err = ql_ctx_error(t->ctx);
+        float l = 0;
+        if (!set_f32(t, t->ev.count, (float)targets) || !fill(t, t->ev, t->slot.data()) ||
+            ql_backend_graph_compute(t->be, t->ev.g) != QL_OK || !get_f32(t, t->ev.loss, &l)) {
+            *err = ql_ctx_status(t->ctx) != QL_OK ? ql_ctx_error(t->ctx) : "evaluation: a device copy failed";
             return false;
         }
-        sum += *(const float *)t->ev.loss->data;
+        sum += l;
     }
     if (!std::isfinite(sum)) {  // (fp16 overflow, or a broken adapter): an error, not a number in metrics
         *err = std::string("the evaluation loss is ") + (std::isnan(sum) ? "nan" : "infinite") +
@@ -809,7 +893,13 @@ bool ql_trainer_save(const ql_trainer *t, const char *path, std::string *err) {
     for (size_t i = 0; i < t->params.size(); i++)
         for (const ql_tensor *x : with_state(t, i)) {
             const int64_t ne[4] = {x->ne[0], x->ne[1], 1, 1};
-            if (ql_gguf_add_tensor(w, x->name, x->type, 2, ne, x->data, ql_nbytes(x)) != QL_OK) {
+            void *h = host_data(t, x);  // on a device: its host copy, brought up to date first
+            if (!t->on_host && ql_backend_tensor_get(t->be, x, h, 0, ql_nbytes(x)) != QL_OK) {
+                *err = std::string(path) + ": cannot read " + x->name + " from " + t->o.device;
+                ql_gguf_writer_free(w);
+                return false;
+            }
+            if (ql_gguf_add_tensor(w, x->name, x->type, 2, ne, h, ql_nbytes(x)) != QL_OK) {
                 *err = std::string(path) + ": tensor " + x->name + " could not be added";
                 ql_gguf_writer_free(w);
                 return false;
@@ -861,7 +951,8 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
                     why = std::string("tensor ") + x->name + " is missing or of another shape";
                     break;
                 }
-                if (pass == 1) memcpy(x->data, ql_gguf_tensor_data(g, k), ql_nbytes(x));
+                if (pass == 1 && ql_backend_tensor_set(t->be, x, ql_gguf_tensor_data(g, k), 0, ql_nbytes(x)) != QL_OK)
+                    why = std::string("cannot write ") + x->name + " to " + t->o.device;
             }
     if (!why.empty()) {
         ql_gguf_close(g);
@@ -885,6 +976,24 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
     ql_gguf_close(g);
     return true;
 }
+
+bool ql_trainer_to_host(ql_trainer *t, std::string *err) {
+    if (t->on_host) return true;
+    for (const auto &h : t->host_of) {
+        ql_tensor *x = h.first;
+        const bool trained = x->flags & QL_FLAG_PARAM;  // the adapter changed; weights and the rest did not
+        if (trained && ql_backend_tensor_get(t->be, x, h.second, 0, ql_nbytes(x) + x->aux_size) != QL_OK) {
+            *err = std::string("cannot read ") + x->name + " from " + t->o.device;
+            return false;
+        }
+    }
+    for (const auto &h : t->host_of) h.first->data = h.second;
+    t->host_of.clear();
+    t->on_host = true;  // the host copies are the model now; the device buffers go with the trainer
+    return true;
+}
+
+ql_backend *ql_trainer_backend(ql_trainer *t) { return t->be; }
 
 std::string ql_trainable_line(int64_t trainable, int64_t base) {
     auto commas = [](int64_t v) {

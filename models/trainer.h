@@ -54,6 +54,11 @@ struct ql_train_options {
     int64_t max_steps = -1;             // > 0: overrides epochs
     uint64_t seed = 42;                 // data order and dropout masks (the adapter's init: lora.init_seed)
     int threads = 0;                    // 0: one per core
+    // the backend that trains: "cpu", "cuda", "cuda:N" or "auto" (ql_backend_init_by_name). On a
+    // GPU the base weights are placed on it once, adapter, gradients, optimizer state and inputs
+    // live there, and the host sees them only through the backend's set/get. (limitation: the
+    // memory plan still describes the CPU run; the device plan is the GPU-memory issue's)
+    std::string device = "cpu";
     // memory
     std::string checkpointing = "none";  // none | block | sqrt | auto (the cheapest that fits mem_limit)
     size_t mem_limit = 0;                // bytes for the whole process; 0: none (auto needs one)
@@ -152,6 +157,11 @@ bool ql_trainer_eval(ql_trainer *t, double *loss, std::string *err);
 // The adapter, the optimizer moments, the step and the settings that must match on resume,
 // in one GGUF written atomically. Loading checks that the run is the same run.
 bool ql_trainer_save(const ql_trainer *t, const char *path, std::string *err);
+// After the last step, before exporting adapters (or a merged model) from ql_trainer_model: brings
+// the adapter back to host memory and points the model's tensors at host copies again (a no-op on
+// the CPU). No step may run after it.
+bool ql_trainer_to_host(ql_trainer *t, std::string *err);
+ql_backend *ql_trainer_backend(ql_trainer *t);
 bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err);
 
 // PEFT's line, exactly: "trainable params: 4,194,304 || all params: 6,742,609,920 || trainable%: 0.0622"

@@ -280,6 +280,8 @@ TEST_CASE("make-model, convert, generate, perplexity: bad input, one clear line 
         {"./perplexity -m " + gguf + " -f " + d.path + "/none.txt", "none.txt: cannot open"},
         {"./perplexity -m " + gguf + " -f " + text + " -c 1", "-c: '1' is not a valid value"},
         {"./perplexity -m " + gguf + " -f " + text + " --jsn", "unknown or incomplete argument '--jsn'"},
+        {"./generate -m " + gguf + " --device tpu", "--device tpu: 'tpu' is not a device (cpu, cuda, cuda:N, auto)"},
+        {"./perplexity -m " + gguf + " -f " + text + " --device cuda:x", "--device cuda:x: 'cuda:x' is not a device"},
     };
     for (const bad_case &c : cases) {
         CAPTURE(c.cmd);
@@ -517,6 +519,8 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
         {md + " --effective-batch 0", "--effective-batch: '0' is not a number in [1, "},
         {md + " --optim sgd", "--optim: 'sgd' (adamw, adamw8bit, paged_adamw, paged_adamw8bit)"},
         {md + " --precision fp8", "--precision: 'fp8' (fp32, bf16, fp16, auto)"},
+        {md + " --device tpu", "--device tpu: 'tpu' is not a device (cpu, cuda, cuda:N, auto)"},
+        {md + " --device cuda:99", ql_cuda_device_count() == 0 ? "--device cuda:99: " : "no CUDA device 99"},
         {md + " --loss-scale-init 1024", "--loss-scale-init: loss scaling is for --precision fp16 (this run: fp32)"},
         {md + " --precision bf16 --loss-scale-interval 10", "--loss-scale-interval: loss scaling is for --precision fp16 (this run: bf16)"},
         {md + " --precision fp16 --loss-scale-backoff 1", "--loss-scale-backoff: '1' is not a number in [1e-06, 0.999999]"},

@@ -43,7 +43,9 @@ static const char *k_help =
     "           --lr-scheduler constant|constant_with_warmup|linear|cosine  --warmup-ratio 0  --warmup-steps N\n"
     "           --max-grad-norm 1.0  --optim adamw|adamw8bit|paged_adamw|paged_adamw8bit\n"
     "           --epochs 1  --max-steps N  --seed 42  -t THREADS  --profile (time per op, printed at the end)\n"
-    "precision: --precision fp32|bf16|fp16|auto (auto: bf16 where the CPU multiplies it natively (AMX), else fp32)\n"
+    "device:    --device cpu|cuda|cuda:N|auto (auto: cuda when built with it and a GPU is present, else cpu)\n"
+    "precision: --precision fp32|bf16|fp16|auto (auto: on a GPU bf16 from compute capability 8.0, else fp16;\n"
+    "           on the CPU bf16 where it multiplies it natively (AMX), else fp32)\n"
     "           fp16's loss scaling: --loss-scale-init 65536  --loss-scale-growth 2  --loss-scale-backoff 0.5\n"
     "           --loss-scale-interval 2000\n"
     "memory:    --checkpointing none|block|sqrt|auto  --mem-limit SIZE (e.g. 6G; auto and -b auto need it)\n"
@@ -234,6 +236,7 @@ struct args {
     int effective_batch = 0;  // 0: not asked for
     bool precision_auto = false;
     std::string scaler_flag;  // a loss-scaling flag given (only fp16 has a scaler)
+    args() { o.device = "auto"; }  // the tool trains on a GPU when it has one
 };
 
 // one flag with its value; false (after a one-line message) on anything malformed
@@ -366,6 +369,7 @@ static bool parse(int argc, char **argv, args *a) {
         else if (f == "--max-steps") { if (!whole(f.c_str(), need(i), 1, 1e12, &v)) return false; a->o.max_steps = (int64_t)v; }
         else if (f == "--seed") { if (!whole(f.c_str(), need(i), 0, 9e15, &v)) return false; a->o.seed = (uint64_t)v; a->o.lora.init_seed = a->o.seed; }
         else if (f == "-t") { if (!whole(f.c_str(), need(i), 0, 1024, &v)) return false; a->o.threads = (int)v; }
+        else if (f == "--device") a->o.device = need(i);
         else if (f == "--save-every") { if (!whole(f.c_str(), need(i), 1, 1e12, &v)) return false; a->save_every = (int64_t)v; }
         else if (f == "--merge") a->merge = true;
         else if (f == "--overwrite") a->overwrite = true;
@@ -387,9 +391,26 @@ static bool parse(int argc, char **argv, args *a) {
         fprintf(stderr, "finetune: %s needs --mem-limit\n", a->b_auto ? "-b auto" : "--checkpointing auto");
         return false;
     }
-    if (a->o.precision == "auto") {
-        a->o.precision = ql_auto_precision();
-        a->precision_auto = true;
+    {  // the device: refused here with its reason (no GPU, no CUDA in this build), described when a GPU
+        char err[256];
+        ql_backend *be = ql_backend_init_by_name(a->o.device.c_str(), 1, err, sizeof(err));
+        if (!be) {
+            fprintf(stderr, "finetune: --device %s: %s\n", a->o.device.c_str(), err);
+            return false;
+        }
+        a->o.device = ql_backend_is_cuda(be) ? (a->o.device == "auto" ? "cuda" : a->o.device) : "cpu";
+        ql_cuda_device_info info{};
+        if (!ql_backend_is_host(be)) {
+            char desc[320];
+            ql_backend_describe(be, desc, sizeof(desc));
+            printf("finetune: %s\n", desc);
+            ql_cuda_device_get_info(0, &info, err, sizeof(err));
+        }
+        if (a->o.precision == "auto") {  // GPU: bf16 tensor cores from Ampere (8.0), fp16 + loss scaling before
+            a->o.precision = ql_backend_is_host(be) ? ql_auto_precision() : info.major >= 8 ? "bf16" : "fp16";
+            a->precision_auto = true;
+        }
+        ql_backend_free(be);
     }
     if (!a->scaler_flag.empty() && a->o.precision != "fp16") {
         fprintf(stderr, "finetune: %s: loss scaling is for --precision fp16 (this run: %s)\n", a->scaler_flag.c_str(),
@@ -784,7 +805,7 @@ int main(int argc, char **argv) {
         c.base_model = repo ? repo : "";
     }
     ql_llama &m = ql_trainer_model(t);
-    if (!ql_lora_save_gguf((out + "/adapter.gguf").c_str(), m, f->arch.c_str(), c, &err) ||
+    if (!ql_trainer_to_host(t, &err) || !ql_lora_save_gguf((out + "/adapter.gguf").c_str(), m, f->arch.c_str(), c, &err) ||
         !ql_peft_save((out + "/peft").c_str(), m, f->arch.c_str(), c, &err) ||
         (a.merge && !ql_llama_save_merged((out + "/merged.gguf").c_str(), *f, m, &err))) {
         fprintf(stderr, "finetune: %s\n", err.c_str());

@@ -146,7 +146,7 @@ int main(int argc, char **argv) {
     const size_t cache_bytes = (size_t)hp.n_layer * 2 * (size_t)hp.head_dim() * (size_t)ctx_len * (size_t)hp.n_head_kv * 4;
     ql_backend *be = ql_backend_init_by_name(device, (int)threads, err, sizeof(err));
     if (!be) {
-        fprintf(stderr, "generate: %s\n", err);
+        fprintf(stderr, "generate: --device %s: %s\n", device, err);
         return 1;
     }
     if (!ql_backend_is_host(be)) {  // a GPU says which, and how much memory it has free

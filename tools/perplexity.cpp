@@ -148,7 +148,7 @@ int main(int argc, char **argv) {
     const int64_t n_tok = (int64_t)toks.size(), n_full = n_tok / chunk, tail = n_tok % chunk;
     ql_backend *be = ql_backend_init_by_name(device, threads, err, sizeof(err));
     if (!be) {
-        fprintf(stderr, "perplexity: %s\n", err);
+        fprintf(stderr, "perplexity: --device %s: %s\n", device, err);
         return 1;
     }
     if (!ql_backend_is_host(be)) {
