@@ -4441,8 +4441,8 @@ ql_status ql_backend_grad_stats(ql_backend *be, const ql_tensor *t, double *sums
     bool ok = true;
     const float *x = (const float *)t->data;
     for (int64_t i = 0, n = ql_nelements(t); i < n; i++) {
-        ok = ok && std::isfinite(x[i]);
-        s += (double)x[i] * x[i];
+        if (std::isfinite(x[i])) s += (double)x[i] * x[i];
+        else ok = false;
     }
     *sumsq = s;
     *finite = ok;
@@ -4501,6 +4501,11 @@ __attribute__((weak)) ql_backend *ql_backend_cuda_init(int, char *err, size_t er
     return nullptr;
 }
 __attribute__((weak)) bool ql_backend_is_cuda(const ql_backend *) { return false; }
+__attribute__((weak)) bool ql_cuda_memory_used(size_t *in_use, size_t *peak) {
+    if (in_use) *in_use = 0;
+    if (peak) *peak = 0;
+    return false;
+}
 
 struct sgemm_job {
     mm_problem P;

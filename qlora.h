@@ -638,7 +638,7 @@ bool        ql_backend_is_host(const ql_backend *be);
 // ql_adamw8bit_update below, which the CPU backend runs.
 ql_status   ql_backend_adamw_update(ql_backend *be, ql_tensor *param, ql_tensor *m, ql_tensor *v, ql_tensor *m_absmax,
                                     ql_tensor *v_absmax, int64_t step, const ql_adamw_params *p, float grad_scale);
-// Sum of squares (accumulated in double) of an f32 tensor, and whether every element is finite:
+// Sum of squares (accumulated in double) of an f32 tensor's finite elements, and whether every element is finite:
 // the global gradient norm and the fp16 loss scaler's inf/nan check, where the gradient lives.
 ql_status   ql_backend_grad_stats(ql_backend *be, const ql_tensor *t, double *sumsq, bool *finite);
 
@@ -655,6 +655,9 @@ ql_status   ql_cuda_device_get_info(int device, ql_cuda_device_info *info, char 
 // NULL with one line in err: built without CUDA, no such device, or the device failed to start
 ql_backend *ql_backend_cuda_init(int device, char *err, size_t err_size);
 bool        ql_backend_is_cuda(const ql_backend *be);
+// Device memory qlora holds now and at most so far (its own allocations; the CUDA context and
+// cuBLAS' workspace are not counted). false without CUDA.
+bool        ql_cuda_memory_used(size_t *in_use, size_t *peak);
 // The tools' --device: "cpu", "cuda" (device 0), "cuda:N", or "auto" (cuda when this build has
 // it and a device is present, else cpu). n_threads: the CPU backend's. NULL + one line in err.
 ql_backend *ql_backend_init_by_name(const char *device, int n_threads, char *err, size_t err_size);

@@ -822,6 +822,9 @@ int main(int argc, char **argv) {
     if (!std::isnan(last_eval)) printf(", eval loss %.4f", last_eval);
     printf("\n");
     report_peak("of training", train_peak);
+    size_t dev_now = 0, dev_peak = 0;
+    if (a.o.device != "cpu" && ql_cuda_memory_used(&dev_now, &dev_peak))  // (the CUDA context itself not counted)
+        printf("finetune: device memory: peak %.1f MiB allocated by qlora\n", mib(dev_peak));
     printf("finetune: wrote %s/adapter.gguf, %s/peft/, %s/metrics.jsonl, %s/loss.png, %s/checkpoint.gguf%s\n", out.c_str(),
            out.c_str(), out.c_str(), out.c_str(), out.c_str(), a.merge ? (", " + out + "/merged.gguf").c_str() : "");
     if (a.profile) print_profile(ql_trainer_graph(t));

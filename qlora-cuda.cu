@@ -1,0 +1,1764 @@
+// qlora-cuda.cu - the CUDA backend: device memory, one cuBLAS wrapper, a kernel for every op of
+// the llama training and inference graphs, AdamW on the device.
+//
+// Reading order (sections below, each behind a banner):
+//   1. CUDA or the shim; errors      2. device memory      3. tensors as kernels see them
+//   4. dequantisation                5. matrix multiply (cuBLAS)
+//   6. elementwise, rows, rope, loss, dropout, optimizer    7. attention
+//   8. the backend: dispatch, supports_op, copies, init
+//
+// The same source compiles with nvcc (sm_75 .. sm_90) and, for tests on machines without a GPU,
+// as host C++ through tests/cuda_shim.h (QL_CUDA_SHIM): a block's threads become fibers switched
+// at barriers and warp collectives. So: kernels are launched only through QL_LAUNCH, dynamic
+// shared memory is declared only through QL_DYN_SMEM, no inline PTX, and 16-bit values are only
+// converted (to/from float), never used in half arithmetic.
+//
+// Every op has three parts: a kernel (k_*), a launcher taking a stream, and an entry point
+// (cu_op_*) that asserts types and shapes. Results follow the CPU backend (the oracle): the same
+// formulas, f32 accumulation; dequantisation uses the CPU's f32 expressions with explicit
+// rounding (__fmul_rn, __fadd_rn: no fused multiply-add) so the weights are the CPU's bits.
+
+#include "qlora.h"
+
+#ifndef QL_CUDA_SHIM
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#define QL_LAUNCH(k, grid, block, smem, stream, ...) (k)<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
+#define QL_DYN_SMEM(T, name) \
+    extern __shared__ __align__(16) unsigned char ql_dyn_smem_[]; \
+    T *name = reinterpret_cast<T *>(ql_dyn_smem_)
+#endif
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <new>
+#include <vector>
+
+// ============================================================================================
+// 1. errors
+// ============================================================================================
+
+#define CU_ASSERT(cond)                                                                            \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            fprintf(stderr, "%s:%d: qlora-cuda: internal error: %s\n", __FILE__, __LINE__, #cond); \
+            abort();                                                                               \
+        }                                                                                          \
+    } while (0)
+
+struct cuda_backend;
+
+// What an op's entry point gets: where to queue, the workspace, and where a failure goes.
+struct cu_ctx {
+    cuda_backend  *cb = nullptr;
+    cudaStream_t   stream = nullptr;
+    cublasHandle_t blas = nullptr;
+    uint8_t       *work = nullptr;   // this node's workspace (planned into the graph's buffer)
+    size_t         work_size = 0;
+    int            cc = 0;           // compute capability * 10
+    bool           failed = false;
+    char           err[512] = {0};
+};
+
+static void cu_fail(cu_ctx &c, const char *file, int line, const char *what, const char *why) {
+    if (c.failed) return;
+    c.failed = true;
+    const char *f = strrchr(file, '/');
+    snprintf(c.err, sizeof(c.err), "%s:%d: %s: %s", f ? f + 1 : file, line, what, why);
+}
+
+// Every CUDA / cuBLAS call is checked; after a launch the last error is checked too.
+#define CU_CHECK(c, call)                                                                \
+    do {                                                                                 \
+        const cudaError_t e_ = (call);                                                   \
+        if (e_ != cudaSuccess) {                                                         \
+            cu_fail((c), __FILE__, __LINE__, #call, cudaGetErrorString(e_));             \
+            return;                                                                      \
+        }                                                                                \
+    } while (0)
+#define CU_LAUNCHED(c) CU_CHECK(c, cudaGetLastError())
+#define CUBLAS_CHECK(c, call)                                                            \
+    do {                                                                                 \
+        const cublasStatus_t s_ = (call);                                                \
+        if (s_ != CUBLAS_STATUS_SUCCESS) {                                               \
+            cu_fail((c), __FILE__, __LINE__, #call, cublasGetStatusString(s_));          \
+            return;                                                                      \
+        }                                                                                \
+    } while (0)
+
+// ============================================================================================
+// 2. device memory: every device allocation is registered, so a run can refuse a graph whose
+//    leafs still point at host memory (a weight never placed) instead of faulting in a kernel
+// ============================================================================================
+
+struct cu_registry {
+    std::mutex mu;
+    std::map<uintptr_t, size_t> blocks;  // base -> size
+    size_t in_use = 0, peak = 0;
+};
+static cu_registry &cu_reg() {
+    static cu_registry r;  // the device's allocation table: process-wide, as the device is
+    return r;
+}
+
+static void *cu_device_alloc(size_t size) {
+    void *p = nullptr;
+    if (cudaMalloc(&p, std::max(size, (size_t)QL_ALIGN)) != cudaSuccess) {
+        (void)cudaGetLastError();  // not sticky: the caller reports what did not fit
+        return nullptr;
+    }
+    cu_registry &r = cu_reg();
+    std::lock_guard<std::mutex> lk(r.mu);
+    r.blocks[(uintptr_t)p] = size;
+    r.in_use += size;
+    r.peak = std::max(r.peak, r.in_use);
+    return p;
+}
+
+static void cu_device_free(void *p) {
+    if (!p) return;
+    {
+        cu_registry &r = cu_reg();
+        std::lock_guard<std::mutex> lk(r.mu);
+        auto it = r.blocks.find((uintptr_t)p);
+        if (it != r.blocks.end()) {
+            r.in_use -= it->second;
+            r.blocks.erase(it);
+        }
+    }
+    cudaFree(p);
+}
+
+static bool cu_is_device_ptr(const void *p) {
+    cu_registry &r = cu_reg();
+    std::lock_guard<std::mutex> lk(r.mu);
+    auto it = r.blocks.upper_bound((uintptr_t)p);
+    if (it == r.blocks.begin()) return false;
+    --it;
+    return (uintptr_t)p < it->first + std::max(it->second, (size_t)1);
+}
+
+// ============================================================================================
+// 3. tensors as kernels see them: a pointer, the shape and byte strides, passed by value
+// ============================================================================================
+
+struct cu_t {
+    char   *data;
+    int64_t ne[4];
+    int64_t nb[4];
+    int     type;
+};
+
+static cu_t cu_of(const ql_tensor *t) {
+    cu_t r;
+    r.data = (char *)t->data;
+    for (int i = 0; i < 4; i++) {
+        r.ne[i] = t->ne[i];
+        r.nb[i] = (int64_t)t->nb[i];
+    }
+    r.type = (int)t->type;
+    return r;
+}
+
+#define CU_BLOCK 256          // threads per block of the simple kernels
+#define CU_MAX_GRID 65535     // grid-stride loops cap the grid here
+
+static int cu_grid(int64_t n, int per_block = CU_BLOCK) {
+    return (int)std::max<int64_t>(1, std::min<int64_t>((n + per_block - 1) / per_block, CU_MAX_GRID));
+}
+
+static bool is_float_type_cu(ql_type t) { return t == QL_TYPE_F32 || t == QL_TYPE_F16 || t == QL_TYPE_BF16; }
+static size_t type_size_cu(ql_type t) { return t == QL_TYPE_F32 || t == QL_TYPE_I32 ? 4 : (t == QL_TYPE_I8 ? 1 : 2); }
+
+// one element of a plain type as float, and back (round to nearest even, as the CPU's converters)
+__device__ __forceinline__ float cu_ld(const char *p, int type) {
+    if (type == QL_TYPE_F32) return *(const float *)p;
+    if (type == QL_TYPE_F16) return __half2float(*(const __half *)p);
+    return __bfloat162float(*(const __nv_bfloat16 *)p);
+}
+__device__ __forceinline__ void cu_st(char *p, int type, float v) {
+    if (type == QL_TYPE_F32) *(float *)p = v;
+    else if (type == QL_TYPE_F16) *(__half *)p = __float2half_rn(v);
+    else *(__nv_bfloat16 *)p = __float2bfloat16_rn(v);
+}
+// flat logical index -> byte offset of a (possibly strided) tensor
+__device__ __forceinline__ int64_t cu_offs(const cu_t &t, int64_t i) {
+    const int64_t i0 = i % t.ne[0], r = i / t.ne[0];
+    const int64_t i1 = r % t.ne[1], r2 = r / t.ne[1];
+    const int64_t i2 = r2 % t.ne[2], i3 = r2 / t.ne[2];
+    return i0 * t.nb[0] + i1 * t.nb[1] + i2 * t.nb[2] + i3 * t.nb[3];
+}
+
+// ============================================================================================
+// 4. dequantisation: rows of a block-quantized (or 16-bit) weight into the workspace, in the
+//    multiply's type. The f32 expressions are the CPU's, rounded step by step.
+// ============================================================================================
+
+__constant__ float cu_nf4_values[16] = QL_NF4_VALUES;
+
+__device__ __forceinline__ float cu_h2f(uint16_t h) {
+    __half_raw r;
+    r.x = h;
+    return __half2float(__half(r));
+}
+
+// element j (0 <= j < block size) of one block of a ggml type
+__device__ __forceinline__ float cu_dequant_q(int type, const uint8_t *blk, int j) {
+    switch (type) {
+    case QL_TYPE_Q4_0: {
+        const ql_block_q4_0 *b = (const ql_block_q4_0 *)blk;
+        const int q = j < 16 ? (b->qs[j] & 15) : (b->qs[j - 16] >> 4);
+        return __fmul_rn((float)(q - 8), cu_h2f(b->d));
+    }
+    case QL_TYPE_Q8_0: {
+        const ql_block_q8_0 *b = (const ql_block_q8_0 *)blk;
+        return __fmul_rn((float)b->qs[j], cu_h2f(b->d));
+    }
+    case QL_TYPE_Q4_K: case QL_TYPE_Q5_K: {
+        const bool five = type == QL_TYPE_Q5_K;
+        const uint8_t *sc6 = five ? ((const ql_block_q5_K *)blk)->scales : ((const ql_block_q4_K *)blk)->scales;
+        const uint8_t *qs = five ? ((const ql_block_q5_K *)blk)->qs : ((const ql_block_q4_K *)blk)->qs;
+        const uint16_t dh = five ? ((const ql_block_q5_K *)blk)->d : ((const ql_block_q4_K *)blk)->d;
+        const uint16_t mh = five ? ((const ql_block_q5_K *)blk)->dmin : ((const ql_block_q4_K *)blk)->dmin;
+        const int s = j / 32, l = j % 32;
+        int sc, mn;
+        if (s < 4) {
+            sc = sc6[s] & 63;
+            mn = sc6[s + 4] & 63;
+        } else {
+            sc = (sc6[s + 4] & 15) | ((sc6[s - 4] >> 6) << 4);
+            mn = (sc6[s + 4] >> 4) | ((sc6[s] >> 6) << 4);
+        }
+        const uint8_t byte = qs[32 * (s / 2) + l];
+        int q = (s & 1) ? (byte >> 4) : (byte & 15);
+        if (five) q |= ((((const ql_block_q5_K *)blk)->qh[l] >> s) & 1) << 4;
+        const float d = __fmul_rn(cu_h2f(dh), (float)sc), m = __fmul_rn(cu_h2f(mh), (float)mn);
+        return __fsub_rn(__fmul_rn(d, (float)q), m);
+    }
+    case QL_TYPE_Q6_K: {
+        const ql_block_q6_K *b = (const ql_block_q6_K *)blk;
+        const int h = j / 128, r = j % 128, k = r / 32, l = r % 32;
+        const uint8_t lo = b->ql[64 * h + 32 * (k & 1) + l];
+        const int q = ((k < 2 ? (lo & 15) : (lo >> 4)) | (((b->qh[32 * h + l] >> (2 * k)) & 3) << 4)) - 32;
+        const float s = __fmul_rn(cu_h2f(b->d), (float)b->scales[j / 16]);
+        return __fmul_rn(s, (float)q);
+    }
+    default:
+        return 0.0f;
+    }
+}
+
+// NF4 side data (qlora.h): n_blocks, offset, map[256], group_scale[n_groups], code[n_blocks]
+__device__ __forceinline__ float cu_nf4_absmax(const char *aux, int64_t blk) {
+    const float *f = (const float *)aux;
+    uint32_t n_blocks;
+    memcpy(&n_blocks, f, 4);
+    const float *map = f + 2, *scale = map + 256;
+    const uint8_t *code = (const uint8_t *)(scale + (n_blocks + QL_NF4_GROUP - 1) / QL_NF4_GROUP);
+    return __fadd_rn(__fmul_rn(map[code[blk]], scale[blk / QL_NF4_GROUP]), f[1]);
+}
+
+// Rows [row0, row0 + nrows) of a weight (rows of ne0 elements, `row_bytes` apart, any type the
+// trait table reads), written as dst [ne0, nrows] contiguous in dst_type. aux: NF4's side data.
+__global__ void k_dequant_rows(const char *w, int64_t row_bytes, int type, const char *aux, int64_t ne0, int64_t row0,
+                               int64_t nrows, char *dst, int dst_type) {
+    const int64_t n = ne0 * nrows;
+    const size_t dsz = dst_type == QL_TYPE_F32 ? 4 : 2;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t r = row0 + i / ne0, e = i % ne0;
+        const char *row = w + r * row_bytes;
+        float v;
+        if (type == QL_TYPE_F32 || type == QL_TYPE_F16 || type == QL_TYPE_BF16) {
+            v = cu_ld(row + e * (type == QL_TYPE_F32 ? 4 : 2), type);
+        } else if (type == QL_TYPE_NF4 || type == QL_TYPE_NF4_NODQ) {
+            const uint8_t byte = ((const uint8_t *)row)[e / 2];
+            const int64_t blk = (r * ne0 + e) / QL_NF4_BLOCK;  // flat block index: the weight is contiguous
+            const float am = type == QL_TYPE_NF4 ? cu_nf4_absmax(aux, blk) : ((const float *)aux)[blk];
+            v = __fmul_rn(cu_nf4_values[(e & 1) ? (byte & 15) : (byte >> 4)], am);
+        } else {
+            const int bs = (type == QL_TYPE_Q4_0 || type == QL_TYPE_Q8_0) ? 32 : QL_QK_K;
+            const int bb = type == QL_TYPE_Q4_0 ? (int)sizeof(ql_block_q4_0)
+                         : type == QL_TYPE_Q8_0 ? (int)sizeof(ql_block_q8_0)
+                         : type == QL_TYPE_Q4_K ? (int)sizeof(ql_block_q4_K)
+                         : type == QL_TYPE_Q5_K ? (int)sizeof(ql_block_q5_K) : (int)sizeof(ql_block_q6_K);
+            v = cu_dequant_q(type, (const uint8_t *)row + (e / bs) * bb, (int)(e % bs));
+        }
+        cu_st(dst + i * dsz, dst_type, v);
+    }
+}
+
+// A strided 2-D slice src (element (k, m) at k*nb0 + m*nb1, plain type) -> dst [K, M] contiguous
+// in dst_type: a's conversion to the multiply's type, and b's copy when cuBLAS cannot read it.
+__global__ void k_convert_2d(const char *src, int src_type, int64_t nb0, int64_t nb1, int64_t K, int64_t M, char *dst,
+                             int dst_type) {
+    const int64_t n = K * M;
+    const size_t dsz = dst_type == QL_TYPE_F32 ? 4 : 2;
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const int64_t k = i % K, m = i / K;
+        cu_st(dst + i * dsz, dst_type, cu_ld(src + k * nb0 + m * nb1, src_type));
+    }
+}
+
+// ============================================================================================
+// 5. matrix multiply: ONE cuBLAS wrapper (cublasGemmStridedBatchedEx, f32 accumulation; bf16/f16
+//    inputs on tensor cores). ql_mul_mat(a, b): c[m, n] = sum_k a[k, m] b[k, n] is, column-major,
+//    C (M x N) = op(A) op(B) with A read from a's bytes and B from b's.
+// ============================================================================================
+
+#define CU_MM_TILE_ELEMS ((int64_t)1 << 23)  // dequantised weight elements per tile (16 MiB in bf16)
+
+static cudaDataType cu_dtype(ql_type t) { return t == QL_TYPE_F32 ? CUDA_R_32F : t == QL_TYPE_F16 ? CUDA_R_16F : CUDA_R_16BF; }
+
+// An operand cuBLAS reads in place: elements (k, x) at k*nb0 + x*nb1 of a plain type.
+struct cu_operand {
+    const char *p;
+    cublasOperation_t op;
+    int64_t ld;
+    bool ok;
+};
+// as op(M) with k the contracted index: "k contiguous" -> the stored matrix is K x X, so for A
+// (which must come out M x K) that is op T, for B (K x N) op N
+static cu_operand cu_as_operand(const char *p, size_t es, int64_t nb0, int64_t nb1, int64_t K, int64_t X, bool is_a) {
+    cu_operand o{p, CUBLAS_OP_N, 0, false};
+    if (nb0 == (int64_t)es && (X == 1 || nb1 % (int64_t)es == 0)) {
+        o.op = is_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+        o.ld = X == 1 ? std::max<int64_t>(K, 1) : nb1 / (int64_t)es;
+        o.ok = o.ld >= K;
+    } else if (nb1 == (int64_t)es && nb0 % (int64_t)es == 0) {
+        o.op = is_a ? CUBLAS_OP_N : CUBLAS_OP_T;
+        o.ld = K == 1 ? std::max<int64_t>(X, 1) : nb0 / (int64_t)es;
+        o.ok = o.ld >= X;
+    }
+    return o;
+}
+
+// C (M x N, ldc) = alpha op(A) op(B) + beta C, batched with strides (a stride of 0 broadcasts)
+static void cu_gemm(cu_ctx &c, ql_type ab_type, const cu_operand &A, int64_t sA, const cu_operand &B, int64_t sB,
+                    float *C, int64_t ldc, int64_t sC, int64_t M, int64_t N, int64_t K, int batch, float beta) {
+    const float alpha = 1.0f;
+    CUBLAS_CHECK(c, cublasGemmStridedBatchedEx(c.blas, A.op, B.op, (int)M, (int)N, (int)K, &alpha, A.p, cu_dtype(ab_type),
+                                               (int)A.ld, sA, B.p, cu_dtype(ab_type), (int)B.ld, sB, &beta, C, CUDA_R_32F,
+                                               (int)ldc, sC, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+// a is a transpose view of a block-quantized weight (autodiff's dx = dy W): rows of the root
+static bool cu_mm_trows(const ql_tensor *a) {
+    const ql_type_traits *t = ql_type_traits_get(a->type);
+    return t && t->blck_size > 1 && a->op == QL_OP_TRANSPOSE && a->view_src && ql_rows_contiguous(a->view_src);
+}
+static bool cu_mm_a_direct(const ql_tensor *a, ql_type ct) {  // cuBLAS reads a as it is
+    return a->type == ct && cu_as_operand(nullptr, type_size_cu(ct), a->nb[0], a->nb[1], a->ne[0], a->ne[1], true).ok;
+}
+static bool cu_mm_b_direct(const ql_tensor *b) {
+    return cu_as_operand(nullptr, type_size_cu(b->type), b->nb[0], b->nb[1], b->ne[0], b->ne[1], false).ok;
+}
+
+// workspace: b's contiguous copy (when needed) first, then one tile of a in the multiply's type
+static size_t cu_mm_b_bytes(const ql_tensor *b) {
+    return cu_mm_b_direct(b) ? 0 : (size_t)(ql_nelements(b) * (int64_t)type_size_cu(b->type) + QL_ALIGN - 1) / QL_ALIGN * QL_ALIGN;
+}
+static int64_t cu_mm_tile_rows(int64_t row_len, int64_t n_rows) {
+    return std::max<int64_t>(1, std::min<int64_t>(n_rows, CU_MM_TILE_ELEMS / std::max<int64_t>(row_len, 1)));
+}
+static size_t cu_mm_work(const ql_tensor *node) {
+    const ql_tensor *a = node->src[0], *b = node->src[1];
+    const ql_type ct = b->type;
+    size_t w = cu_mm_b_bytes(b);
+    if (cu_mm_trows(a)) w += (size_t)(a->ne[1] * cu_mm_tile_rows(a->ne[1], a->ne[0])) * type_size_cu(ct);
+    else if (!cu_mm_a_direct(a, ct)) w += (size_t)(a->ne[0] * cu_mm_tile_rows(a->ne[0], a->ne[1])) * type_size_cu(ct);
+    return w;
+}
+
+static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *a = node->src[0], *b = node->src[1];
+    const ql_type ct = b->type;
+    const size_t es = type_size_cu(ct);
+    const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
+    const int64_t A2 = a->ne[2], A3 = a->ne[3], B2 = b->ne[2], B3 = b->ne[3], r2 = B2 / A2, r3 = B3 / A3;
+    CU_ASSERT(b->ne[0] == K && node->type == QL_TYPE_F32 && ql_is_contiguous(node) && is_float_type_cu(ct));
+    float *C = (float *)node->data;
+    const int64_t sC = M * N;  // per batch of the result
+    uint8_t *ws = c.work;
+
+    // B: in place, or copied contiguous (K x N per batch) into the workspace
+    const char *bp = (const char *)b->data;
+    int64_t bnb0 = (int64_t)b->nb[0], bnb1 = (int64_t)b->nb[1], bnb2 = (int64_t)b->nb[2], bnb3 = (int64_t)b->nb[3];
+    if (!cu_mm_b_direct(b)) {
+        for (int64_t i3 = 0; i3 < B3; i3++)
+            for (int64_t i2 = 0; i2 < B2; i2++) {
+                char *dst = (char *)ws + ((i3 * B2 + i2) * K * N) * (int64_t)es;
+                QL_LAUNCH(k_convert_2d, cu_grid(K * N), CU_BLOCK, 0, c.stream, bp + i2 * bnb2 + i3 * bnb3, (int)b->type,
+                          bnb0, bnb1, K, N, dst, (int)ct);
+                CU_LAUNCHED(c);
+            }
+        bp = (const char *)ws;
+        bnb0 = (int64_t)es, bnb1 = K * (int64_t)es, bnb2 = K * N * (int64_t)es, bnb3 = K * N * B2 * (int64_t)es;
+        ws += cu_mm_b_bytes(b);
+    }
+    auto b_at = [&](int64_t i2, int64_t i3, int64_t k0, int64_t kt) {  // rows k0 .. k0 + kt of b's batch (i2, i3)
+        return cu_as_operand(bp + i2 * bnb2 + i3 * bnb3 + k0 * bnb0, es, bnb0, bnb1, kt, N, false);
+    };
+
+    if (cu_mm_trows(a)) {
+        // a = transpose(W), W's rows run along a's k: dequantise rows [k0, k0 + kt) of W (each M
+        // long) -> ws [M, kt], C += ws . b[k0 : k0 + kt]
+        CU_ASSERT(A2 == 1 && A3 == 1);
+        const ql_tensor *w = a->view_src;
+        const char *aux = (const char *)w->data + ql_nbytes(w);
+        const int64_t tk = cu_mm_tile_rows(M, K);
+        for (int64_t k0 = 0; k0 < K; k0 += tk) {
+            const int64_t kt = std::min(tk, K - k0);
+            QL_LAUNCH(k_dequant_rows, cu_grid(M * kt), CU_BLOCK, 0, c.stream, (const char *)w->data, (int64_t)w->nb[1],
+                      (int)w->type, aux, M, k0, kt, (char *)ws, (int)ct);
+            CU_LAUNCHED(c);
+            const cu_operand A{(const char *)ws, CUBLAS_OP_N, M, true};
+            for (int64_t i3 = 0; i3 < B3; i3++) {
+                const cu_operand B = b_at(0, i3, k0, kt);
+                cu_gemm(c, ct, A, 0, B, bnb2 / (int64_t)es, C + i3 * B2 * sC, M, sC, M, N, kt, (int)B2, k0 ? 1.0f : 0.0f);
+                if (c.failed) return;
+            }
+        }
+        return;
+    }
+
+    const bool direct = cu_mm_a_direct(a, ct);
+    const ql_type_traits *at = ql_type_traits_get(a->type);
+    for (int64_t ia3 = 0; ia3 < A3; ia3++)
+        for (int64_t ia2 = 0; ia2 < A2; ia2++) {
+            const char *ap = (const char *)a->data + ia2 * a->nb[2] + ia3 * a->nb[3];
+            // the b batches this a batch serves: i2 in [ia2 r2, ia2 r2 + r2), i3 in [ia3 r3, ...)
+            const int64_t tm = direct ? M : cu_mm_tile_rows(K, M);
+            for (int64_t m0 = 0; m0 < M; m0 += tm) {
+                const int64_t mt = std::min(tm, M - m0);
+                cu_operand A;
+                if (direct) {
+                    A = cu_as_operand(ap, es, (int64_t)a->nb[0], (int64_t)a->nb[1], K, M, true);
+                } else {
+                    if (at->blck_size > 1 || at->aux_bytes) {
+                        CU_ASSERT(ql_rows_contiguous(a));
+                        const char *aux = at->aux_bytes ? (const char *)a->data + ql_nbytes(a) : nullptr;
+                        QL_LAUNCH(k_dequant_rows, cu_grid(K * mt), CU_BLOCK, 0, c.stream, ap, (int64_t)a->nb[1], (int)a->type,
+                                  aux, K, m0, mt, (char *)ws, (int)ct);
+                    } else {
+                        QL_LAUNCH(k_convert_2d, cu_grid(K * mt), CU_BLOCK, 0, c.stream, ap + m0 * (int64_t)a->nb[1],
+                                  (int)a->type, (int64_t)a->nb[0], (int64_t)a->nb[1], K, mt, (char *)ws, (int)ct);
+                    }
+                    CU_LAUNCHED(c);
+                    A = cu_operand{(const char *)ws, CUBLAS_OP_T, K, true};
+                }
+                for (int64_t j3 = 0; j3 < r3; j3++) {
+                    const int64_t i3 = ia3 * r3 + j3;
+                    const cu_operand B = b_at(ia2 * r2, i3, 0, K);
+                    cu_gemm(c, ct, A, 0, B, bnb2 / (int64_t)es, C + (i3 * B2 + ia2 * r2) * sC + m0, M, sC, mt, N, K, (int)r2, 0.0f);
+                    if (c.failed) return;
+                }
+            }
+        }
+}
+
+static bool cu_mm_supported(const ql_tensor *node, int cc) {
+    const ql_tensor *a = node->src[0], *b = node->src[1];
+    if (!is_float_type_cu(b->type) || node->type != QL_TYPE_F32) return false;
+    if (b->type == QL_TYPE_BF16 && cc < 80) return false;  // cuBLAS has no bf16 GEMM before Ampere
+    if (cu_mm_b_direct(b) && (b->nb[2] % type_size_cu(b->type) || b->nb[3] % type_size_cu(b->type))) return false;
+    const ql_type_traits *t = ql_type_traits_get(a->type);
+    if (!t || !(t->to_float || t->to_float_aux)) return false;
+    switch (a->type) {
+    case QL_TYPE_F32: case QL_TYPE_F16: case QL_TYPE_BF16:
+        return true;
+    case QL_TYPE_NF4: case QL_TYPE_NF4_NODQ: case QL_TYPE_Q4_0: case QL_TYPE_Q8_0: case QL_TYPE_Q4_K: case QL_TYPE_Q5_K:
+    case QL_TYPE_Q6_K: {
+        const ql_tensor *w = cu_mm_trows(a) ? a->view_src : a;
+        // weights are 2-D and whole (side data is found after the rows)
+        return w->ne[2] == 1 && w->ne[3] == 1 && ql_is_contiguous(w) && (cu_mm_trows(a) || ql_rows_contiguous(a)) &&
+               !w->view_src;
+    }
+    default:
+        return false;
+    }
+}
+
+// ============================================================================================
+// 6. elementwise, rows, rope, loss, dropout, optimizer
+// ============================================================================================
+
+// Rows: the r-th row (ne0 elements) of a tensor of up to 4 dimensions, by its byte strides.
+__device__ __forceinline__ char *cu_row(const cu_t &t, int64_t r) {
+    const int64_t i1 = r % t.ne[1], i2 = (r / t.ne[1]) % t.ne[2], i3 = r / (t.ne[1] * t.ne[2]);
+    return t.data + i1 * t.nb[1] + i2 * t.nb[2] + i3 * t.nb[3];
+}
+static int64_t cu_nrows(const ql_tensor *t) { return t->ne[1] * t->ne[2] * t->ne[3]; }
+template <typename T> static T cu_param(const ql_tensor *t, int slot) {
+    T v;
+    memcpy(&v, &t->op_params[slot], sizeof(T));
+    return v;
+}
+
+#define CU_ROW_BLOCK 256  // threads per row of the row ops (rms_norm, softmax rows)
+
+// the sum over a block of 256 threads (every thread gets it); `sh` holds 32 floats
+__device__ __forceinline__ float cu_block_sum(float v, float *sh) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    __syncthreads();  // sh may still be read from a previous call
+    if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = v;
+    __syncthreads();
+    float t = threadIdx.x < blockDim.x / 32 ? sh[threadIdx.x] : 0.0f;
+    if (threadIdx.x < 32)
+        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffff, t, o);
+    if (threadIdx.x == 0) sh[0] = t;
+    __syncthreads();
+    return sh[0];
+}
+__device__ __forceinline__ float cu_block_max(float v, float *sh) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = v;
+    __syncthreads();
+    float t = threadIdx.x < blockDim.x / 32 ? sh[threadIdx.x] : -INFINITY;
+    if (threadIdx.x < 32)
+        for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffff, t, o));
+    if (threadIdx.x == 0) sh[0] = t;
+    __syncthreads();
+    return sh[0];
+}
+__device__ __forceinline__ double cu_block_sum_d(double v, double *sh) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = v;
+    __syncthreads();
+    double t = threadIdx.x < blockDim.x / 32 ? sh[threadIdx.x] : 0.0;
+    if (threadIdx.x < 32)
+        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffff, t, o);
+    if (threadIdx.x == 0) sh[0] = t;
+    __syncthreads();
+    return sh[0];
+}
+
+#define CU_GRID_LOOP(i, n) for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
+
+// ---- fill, copies, elementwise ----
+
+__global__ void k_fill(float *d, int64_t n, float v) {
+    CU_GRID_LOOP(i, n) d[i] = v;
+}
+static void cu_op_fill(cu_ctx &c, ql_tensor *node) {
+    CU_ASSERT(node->type == QL_TYPE_F32 && ql_is_contiguous(node));
+    const int64_t n = ql_nelements(node);
+    QL_LAUNCH(k_fill, cu_grid(n), CU_BLOCK, 0, c.stream, (float *)node->data, n, cu_param<float>(node, 0));
+    CU_LAUNCHED(c);
+}
+
+// dst (contiguous) = src element for element, converting between plain types; same-type copies of
+// 4-byte types (i32) move the bits
+__global__ void k_cont(cu_t src, char *dst, int dst_type, int64_t n) {
+    const int ss = src.type == QL_TYPE_F32 || src.type == QL_TYPE_I32 ? 4 : 2, ds = dst_type == QL_TYPE_F32 || dst_type == QL_TYPE_I32 ? 4 : 2;
+    CU_GRID_LOOP(i, n) {
+        const char *s = src.data + cu_offs(src, i);
+        if (src.type == dst_type) {
+            if (ss == 4) *(uint32_t *)(dst + i * 4) = *(const uint32_t *)s;
+            else *(uint16_t *)(dst + i * 2) = *(const uint16_t *)s;
+        } else {
+            cu_st(dst + i * ds, dst_type, cu_ld(s, src.type));
+        }
+    }
+}
+static void cu_op_cont(cu_ctx &c, ql_tensor *node) {
+    const int64_t n = ql_nelements(node);
+    QL_LAUNCH(k_cont, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), (char *)node->data, (int)node->type, n);
+    CU_LAUNCHED(c);
+}
+
+// a + b or a * b, b repeated (by modulo, or by blocks when grouped) over a's shape
+__global__ void k_binary(cu_t a, cu_t b, float *d, int mul, int grouped, int64_t n) {
+    CU_GRID_LOOP(i, n) {
+        const int64_t i0 = i % a.ne[0], r = i / a.ne[0], i1 = r % a.ne[1], i2 = (r / a.ne[1]) % a.ne[2], i3 = r / (a.ne[1] * a.ne[2]);
+        const int64_t idx[4] = {i0, i1, i2, i3};
+        int64_t off = 0;
+        for (int k = 0; k < 4; k++) off += (grouped ? idx[k] / (a.ne[k] / b.ne[k]) : idx[k] % b.ne[k]) * b.nb[k];
+        const float x = *(const float *)(a.data + i0 * a.nb[0] + i1 * a.nb[1] + i2 * a.nb[2] + i3 * a.nb[3]);
+        const float y = *(const float *)(b.data + off);
+        d[i] = mul ? x * y : x + y;
+    }
+}
+static void cu_op_binary(cu_ctx &c, ql_tensor *node, bool mul) {
+    const int64_t n = ql_nelements(node);
+    QL_LAUNCH(k_binary, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), cu_of(node->src[1]), (float *)node->data, (int)mul,
+              (int)(node->op_params[0] != 0), n);
+    CU_LAUNCHED(c);
+}
+
+__global__ void k_scale(cu_t a, float *d, float s, int64_t n) {
+    CU_GRID_LOOP(i, n) d[i] = *(const float *)(a.data + cu_offs(a, i)) * s;
+}
+static void cu_op_scale(cu_ctx &c, ql_tensor *node) {
+    const int64_t n = ql_nelements(node);
+    QL_LAUNCH(k_scale, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), (float *)node->data, cu_param<float>(node, 0), n);
+    CU_LAUNCHED(c);
+}
+
+// one block, a fixed assignment of elements to threads, summed in double: deterministic
+__global__ void k_sum(cu_t a, float *d, int64_t n) {
+    __shared__ double sh[32];
+    double s = 0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += *(const float *)(a.data + cu_offs(a, i));
+    s = cu_block_sum_d(s, sh);
+    if (threadIdx.x == 0) *d = (float)s;
+}
+static void cu_op_sum(cu_ctx &c, ql_tensor *node) {
+    QL_LAUNCH(k_sum, 1, 1024, 0, c.stream, cu_of(node->src[0]), (float *)node->data, ql_nelements(node->src[0]));
+    CU_LAUNCHED(c);
+}
+
+// each result element sums its repetitions in a (the adjoint of broadcasting)
+__global__ void k_reduce_to(cu_t a, float *d, int64_t d0, int64_t d1, int64_t d2, int64_t d3, int grouped) {
+    const int64_t dn[4] = {d0, d1, d2, d3};
+    CU_GRID_LOOP(j, d0 * d1 * d2 * d3) {
+        const int64_t jj[4] = {j % d0, (j / d0) % d1, (j / (d0 * d1)) % d2, j / (d0 * d1 * d2)};
+        int64_t rep[4];
+        for (int k = 0; k < 4; k++) rep[k] = a.ne[k] / dn[k];
+        float s = 0;
+        for (int64_t t3 = 0; t3 < rep[3]; t3++)
+            for (int64_t t2 = 0; t2 < rep[2]; t2++)
+                for (int64_t t1 = 0; t1 < rep[1]; t1++)
+                    for (int64_t t0 = 0; t0 < rep[0]; t0++) {
+                        const int64_t i0 = grouped ? jj[0] * rep[0] + t0 : jj[0] + t0 * d0;
+                        const int64_t i1 = grouped ? jj[1] * rep[1] + t1 : jj[1] + t1 * d1;
+                        const int64_t i2 = grouped ? jj[2] * rep[2] + t2 : jj[2] + t2 * d2;
+                        const int64_t i3 = grouped ? jj[3] * rep[3] + t3 : jj[3] + t3 * d3;
+                        s += *(const float *)(a.data + i0 * a.nb[0] + i1 * a.nb[1] + i2 * a.nb[2] + i3 * a.nb[3]);
+                    }
+        d[j] = s;
+    }
+}
+static void cu_op_reduce_to(cu_ctx &c, ql_tensor *node) {
+    const int64_t n = ql_nelements(node);
+    QL_LAUNCH(k_reduce_to, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), (float *)node->data, node->ne[0], node->ne[1],
+              node->ne[2], node->ne[3], (int)(node->op_params[0] != 0));
+    CU_LAUNCHED(c);
+}
+
+// grad += contribution (the node aliases the gradient accumulator)
+__global__ void k_acc_grad(float *g, cu_t src, int64_t n) {
+    CU_GRID_LOOP(i, n) g[i] += *(const float *)(src.data + cu_offs(src, i));
+}
+static void cu_op_acc_grad(cu_ctx &c, ql_tensor *node) {
+    CU_ASSERT(ql_is_contiguous(node));
+    const int64_t n = ql_nelements(node->src[1]);
+    QL_LAUNCH(k_acc_grad, cu_grid(n), CU_BLOCK, 0, c.stream, (float *)node->data, cu_of(node->src[1]), n);
+    CU_LAUNCHED(c);
+}
+
+// rows of src into the cache at the run-time row pos[0] (read on the device)
+__global__ void k_cache_store(cu_t cache, cu_t src, const int32_t *pos, int64_t n) {
+    const int32_t at = *pos;
+    CU_GRID_LOOP(i, n) {
+        const int64_t i0 = i % src.ne[0], r = i / src.ne[0], i1 = r % src.ne[1], i2 = (r / src.ne[1]) % src.ne[2],
+                      i3 = r / (src.ne[1] * src.ne[2]);
+        float v = *(const float *)(src.data + i0 * src.nb[0] + i1 * src.nb[1] + i2 * src.nb[2] + i3 * src.nb[3]);
+        // limitation: a row outside the cache is not written (the CPU backend reports it; the tools never ask for one)
+        if (at >= 0 && at + i1 < cache.ne[1])
+            *(float *)(cache.data + i0 * 4 + (at + i1) * cache.nb[1] + i2 * cache.nb[2] + i3 * cache.nb[3]) = v;
+    }
+}
+static void cu_op_cache_store(cu_ctx &c, ql_tensor *node) {
+    const int64_t n = ql_nelements(node->src[1]);
+    QL_LAUNCH(k_cache_store, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node), cu_of(node->src[1]), (const int32_t *)node->src[2]->data, n);
+    CU_LAUNCHED(c);
+}
+
+// the view's gradient placed into zeros of the source's shape: d[off + i0 + i1 s1 + ...] += dy
+__global__ void k_view_back(cu_t dy, float *d, int64_t off, int64_t s1, int64_t s2, int64_t s3, int64_t n) {
+    CU_GRID_LOOP(i, n) {
+        const int64_t i0 = i % dy.ne[0], r = i / dy.ne[0], i1 = r % dy.ne[1], i2 = (r / dy.ne[1]) % dy.ne[2], i3 = r / (dy.ne[1] * dy.ne[2]);
+        d[off + i0 + i1 * s1 + i2 * s2 + i3 * s3] += *(const float *)(dy.data + i0 * dy.nb[0] + i1 * dy.nb[1] + i2 * dy.nb[2] + i3 * dy.nb[3]);
+    }
+}
+static bool cu_view_injective(const int64_t ne[4], int64_t s1, int64_t s2, int64_t s3) {
+    std::pair<int64_t, int64_t> d[4] = {{1, ne[0]}, {s1, ne[1]}, {s2, ne[2]}, {s3, ne[3]}};
+    std::sort(d, d + 4);
+    int64_t span = 1;
+    for (const auto &x : d) {
+        if (x.second <= 1) continue;
+        if (x.first < span) return false;
+        span = x.first * (x.second - 1) + span;
+    }
+    return true;
+}
+static void cu_op_view_back(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *dy = node->src[0];
+    const int64_t off = cu_param<int64_t>(node, 0), s1 = cu_param<int64_t>(node, 2), s2 = cu_param<int64_t>(node, 4),
+                  s3 = cu_param<int64_t>(node, 6), n = ql_nelements(dy);
+    CU_CHECK(c, cudaMemsetAsync(node->data, 0, ql_nbytes(node), c.stream));
+    // a view overlapping itself adds several elements into one place: one thread, in order
+    const bool inj = cu_view_injective(dy->ne, s1, s2, s3);
+    QL_LAUNCH(k_view_back, inj ? cu_grid(n) : 1, inj ? CU_BLOCK : 1, 0, c.stream, cu_of(dy), (float *)node->data, off, s1, s2, s3, n);
+    CU_LAUNCHED(c);
+}
+
+// ---- embedding rows ----
+
+// one element of row r of a weight of any readable type (rows of ne0, `row_bytes` apart)
+__device__ __forceinline__ float cu_weight_elem(const char *w, int64_t row_bytes, int type, const char *aux, int64_t ne0, int64_t r,
+                                                int64_t e) {
+    const char *row = w + r * row_bytes;
+    if (type == QL_TYPE_F32 || type == QL_TYPE_F16 || type == QL_TYPE_BF16) return cu_ld(row + e * (type == QL_TYPE_F32 ? 4 : 2), type);
+    if (type == QL_TYPE_NF4 || type == QL_TYPE_NF4_NODQ) {
+        const uint8_t byte = ((const uint8_t *)row)[e / 2];
+        const int64_t blk = (r * ne0 + e) / QL_NF4_BLOCK;
+        const float am = type == QL_TYPE_NF4 ? cu_nf4_absmax(aux, blk) : ((const float *)aux)[blk];
+        return __fmul_rn(cu_nf4_values[(e & 1) ? (byte & 15) : (byte >> 4)], am);
+    }
+    const int bs = (type == QL_TYPE_Q4_0 || type == QL_TYPE_Q8_0) ? 32 : QL_QK_K;
+    const int bb = type == QL_TYPE_Q4_0 ? (int)sizeof(ql_block_q4_0)
+                 : type == QL_TYPE_Q8_0 ? (int)sizeof(ql_block_q8_0)
+                 : type == QL_TYPE_Q4_K ? (int)sizeof(ql_block_q4_K)
+                 : type == QL_TYPE_Q5_K ? (int)sizeof(ql_block_q5_K) : (int)sizeof(ql_block_q6_K);
+    return cu_dequant_q(type, (const uint8_t *)row + (e / bs) * bb, (int)(e % bs));
+}
+
+// a row outside the table gives NaN (check_finite names the node; the CPU backend reports the id)
+__global__ void k_get_rows(const char *w, int64_t row_bytes, int type, const char *aux, int64_t ne0, int64_t nrows, const int32_t *ids,
+                           float *d, int64_t n) {
+    CU_GRID_LOOP(i, n) {
+        const int64_t k = i / ne0, e = i % ne0;
+        const int32_t id = ids[k];
+        d[i] = id >= 0 && id < nrows ? cu_weight_elem(w, row_bytes, type, aux, ne0, id, e) : NAN;
+    }
+}
+static void cu_op_get_rows(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *a = node->src[0], *ids = node->src[1];
+    const int64_t n = ql_nelements(node);
+    const char *aux = a->aux_size ? (const char *)a->data + ql_nbytes(a) : nullptr;
+    QL_LAUNCH(k_get_rows, cu_grid(n), CU_BLOCK, 0, c.stream, (const char *)a->data, (int64_t)a->nb[1], (int)a->type, aux, a->ne[0],
+              a->ne[1], (const int32_t *)ids->data, (float *)node->data, n);
+    CU_LAUNCHED(c);
+}
+
+// dst = 0, then each thread owns a column and adds the rows of dy in order: no races, one order
+__global__ void k_get_rows_back(cu_t dy, const int32_t *ids, int64_t n_ids, float *d, int64_t ne0, int64_t nrows) {
+    CU_GRID_LOOP(e, ne0) {
+        for (int64_t i = 0; i < n_ids; i++) {
+            const int32_t id = ids[i];
+            if (id >= 0 && id < nrows) d[id * ne0 + e] += *(const float *)(cu_row(dy, i) + e * 4);
+        }
+    }
+}
+static void cu_op_get_rows_back(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *dy = node->src[0], *ids = node->src[1];
+    CU_CHECK(c, cudaMemsetAsync(node->data, 0, ql_nbytes(node), c.stream));
+    QL_LAUNCH(k_get_rows_back, cu_grid(node->ne[0]), CU_BLOCK, 0, c.stream, cu_of(dy), (const int32_t *)ids->data, ql_nelements(ids),
+              (float *)node->data, node->ne[0], node->ne[1]);
+    CU_LAUNCHED(c);
+}
+
+// ---- row ops: rms_norm, silu, swiglu, dropout ----
+
+__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm(cu_t a, float *d, float eps) {
+    __shared__ float sh[32];
+    const int64_t ne0 = a.ne[0], r = blockIdx.x;
+    const float *x = (const float *)cu_row(a, r);
+    float s = 0;
+    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) s += x[i] * x[i];
+    const float rs = 1.0f / sqrtf(cu_block_sum(s, sh) / (float)ne0 + eps);
+    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) d[r * ne0 + i] = x[i] * rs;
+}
+static void cu_op_rms_norm(cu_ctx &c, ql_tensor *node) {
+    // limitation: one block per row; rows beyond the grid's 2^31 - 1 do not occur in these graphs
+    QL_LAUNCH(k_rms_norm, (unsigned)cu_nrows(node), CU_ROW_BLOCK, 0, c.stream, cu_of(node->src[0]), (float *)node->data,
+              cu_param<float>(node, 0));
+    CU_LAUNCHED(c);
+}
+
+// y = x r, r = (mean(x^2) + eps)^-1/2  =>  dx = r dy - r^3/n (dy . x) x
+__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm_back(cu_t a, cu_t dy, float *d, float eps) {
+    __shared__ float sh[32];
+    const int64_t ne0 = a.ne[0], r = blockIdx.x;
+    const float *x = (const float *)cu_row(a, r), *g = (const float *)cu_row(dy, r);
+    float sxx = 0, sgx = 0;
+    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) {
+        sxx += x[i] * x[i];
+        sgx += g[i] * x[i];
+    }
+    sxx = cu_block_sum(sxx, sh);
+    sgx = cu_block_sum(sgx, sh);
+    const float rs = 1.0f / sqrtf(sxx / (float)ne0 + eps), k = -rs * rs * rs * sgx / (float)ne0;
+    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) d[r * ne0 + i] = rs * g[i] + k * x[i];
+}
+static void cu_op_rms_norm_back(cu_ctx &c, ql_tensor *node) {
+    QL_LAUNCH(k_rms_norm_back, (unsigned)cu_nrows(node), CU_ROW_BLOCK, 0, c.stream, cu_of(node->src[0]), cu_of(node->src[1]),
+              (float *)node->data, cu_param<float>(node, 0));
+    CU_LAUNCHED(c);
+}
+
+__device__ __forceinline__ float cu_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float cu_at(const cu_t &t, int64_t i) { return *(const float *)(t.data + cu_offs(t, i)); }
+
+__global__ void k_silu(cu_t a, float *d, int64_t n) {
+    CU_GRID_LOOP(i, n) {
+        const float x = cu_at(a, i);
+        d[i] = x * cu_sigmoid(x);
+    }
+}
+// d/dx x s(x) = s (1 + x (1 - s))
+__global__ void k_silu_back(cu_t a, cu_t dy, float *d, int64_t n) {
+    CU_GRID_LOOP(i, n) {
+        const float x = cu_at(a, i), s = cu_sigmoid(x);
+        d[i] = cu_at(dy, i) * s * (1.0f + x * (1.0f - s));
+    }
+}
+__global__ void k_swiglu(cu_t a, cu_t b, float *d, int64_t n) {
+    CU_GRID_LOOP(i, n) {
+        const float x = cu_at(a, i);
+        d[i] = x * cu_sigmoid(x) * cu_at(b, i);
+    }
+}
+// y = silu(a) b: da = dy b silu'(a) at [0, n), db = dy silu(a) at [n, 2n)
+__global__ void k_swiglu_back(cu_t a, cu_t b, cu_t dy, float *d, int64_t n) {
+    CU_GRID_LOOP(i, n) {
+        const float x = cu_at(a, i), s = cu_sigmoid(x), g = cu_at(dy, i);
+        d[n + i] = g * x * s;
+        d[i] = g * cu_at(b, i) * s * (1.0f + x * (1.0f - s));
+    }
+}
+static void cu_op_silu(cu_ctx &c, ql_tensor *node) {
+    const int64_t n = ql_nelements(node);
+    QL_LAUNCH(k_silu, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), (float *)node->data, n);
+    CU_LAUNCHED(c);
+}
+static void cu_op_silu_back(cu_ctx &c, ql_tensor *node) {
+    const int64_t n = ql_nelements(node);
+    QL_LAUNCH(k_silu_back, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), cu_of(node->src[1]), (float *)node->data, n);
+    CU_LAUNCHED(c);
+}
+static void cu_op_swiglu(cu_ctx &c, ql_tensor *node) {
+    const int64_t n = ql_nelements(node);
+    QL_LAUNCH(k_swiglu, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), cu_of(node->src[1]), (float *)node->data, n);
+    CU_LAUNCHED(c);
+}
+static void cu_op_swiglu_back(cu_ctx &c, ql_tensor *node) {
+    const int64_t n = ql_nelements(node->src[0]);
+    QL_LAUNCH(k_swiglu_back, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), cu_of(node->src[1]), cu_of(node->src[2]),
+              (float *)node->data, n);
+    CU_LAUNCHED(c);
+}
+
+// the CPU's counter-based hash (splitmix64's finaliser): the same mask bits on every backend
+__device__ __forceinline__ uint64_t cu_mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+__global__ void k_dropout(cu_t a, const int32_t *seed, float *d, uint32_t stream, uint32_t threshold, float keep_scale, int64_t n) {
+    const uint64_t key = cu_mix64(((uint64_t)(uint32_t)seed[0] << 32) | stream);
+    CU_GRID_LOOP(i, n) {
+        const uint32_t h = (uint32_t)(cu_mix64(key + 0x9E3779B97F4A7C15ull * (uint64_t)(i + 1)) >> 32);
+        d[i] = h >= threshold ? cu_at(a, i) * keep_scale : 0.0f;
+    }
+}
+static void cu_op_dropout(cu_ctx &c, ql_tensor *node) {
+    const float pr = cu_param<float>(node, 0);
+    const int64_t n = ql_nelements(node);
+    QL_LAUNCH(k_dropout, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), (const int32_t *)node->src[1]->data, (float *)node->data,
+              cu_param<uint32_t>(node, 1), (uint32_t)((double)pr * 4294967296.0), 1.0f / (1.0f - pr), n);
+    CU_LAUNCHED(c);
+}
+
+// ---- rope ----
+// One thread per (token, rotated pair): its angle once (in double, as the CPU), then every head.
+__global__ void k_rope(cu_t a, const int32_t *pos, const float *ff, float *d, int n_dims, int mode, float base, int back, int64_t n_tok) {
+    const int hp = n_dims / 2;  // rotated pairs
+    const int64_t D = a.ne[0], H = a.ne[1], T = a.ne[2];
+    CU_GRID_LOOP(j, n_tok * hp) {
+        const int64_t tok = j / hp, t = tok % T, bb = tok / T;
+        const int i = (int)(j % hp);
+        // the angle in double as the CPU's, reduced to [-pi, pi] in double, then the f32 intrinsics
+        // (|error| < 2^-21 there; double sin/cos would put their large-argument path in local memory)
+        const double inv = exp(-2.0 * i / n_dims * log((double)base)) / (ff ? (double)ff[i] : 1.0);
+        const double th = (double)pos[tok] * inv, two_pi = 6.283185307179586476925;
+        const float r = (float)(th - two_pi * rint(th / two_pi));
+        const float cs = __cosf(r), sn = back ? -__sinf(r) : __sinf(r);
+        const int64_t i0 = mode == QL_ROPE_NEOX ? i : 2 * i, other = mode == QL_ROPE_NEOX ? hp : 1;
+        for (int64_t h = 0; h < H; h++) {
+            const float *x = (const float *)(a.data + h * a.nb[1] + t * a.nb[2] + bb * a.nb[3]);
+            float *y = d + (tok * H + h) * D;
+            const float x0 = x[i0], x1 = x[i0 + other];
+            y[i0] = x0 * cs - x1 * sn;
+            y[i0 + other] = x0 * sn + x1 * cs;
+        }
+    }
+}
+// the dimensions past n_dims pass through
+__global__ void k_rope_tail(cu_t a, float *d, int n_dims, int64_t n_rows) {
+    const int64_t D = a.ne[0], tail = D - n_dims;
+    CU_GRID_LOOP(j, n_rows * tail) {
+        const int64_t row = j / tail, i = n_dims + j % tail;  // row = tok * H + h
+        const int64_t h = row % a.ne[1], tok = row / a.ne[1], t = tok % a.ne[2], bb = tok / a.ne[2];
+        d[row * D + i] = *(const float *)(a.data + i * 4 + h * a.nb[1] + t * a.nb[2] + bb * a.nb[3]);
+    }
+}
+static void cu_op_rope(cu_ctx &c, ql_tensor *node, bool back) {
+    const ql_tensor *a = node->src[0], *ff = node->src[2];
+    const int n_dims = node->op_params[0], mode = node->op_params[1];
+    const int64_t n_tok = a->ne[2] * a->ne[3];
+    QL_LAUNCH(k_rope, cu_grid(n_tok * (n_dims / 2)), CU_BLOCK, 0, c.stream, cu_of(a), (const int32_t *)node->src[1]->data,
+              ff ? (const float *)ff->data : (const float *)nullptr, (float *)node->data, n_dims, mode, cu_param<float>(node, 2),
+              (int)back, n_tok);
+    CU_LAUNCHED(c);
+    if (n_dims < a->ne[0]) {
+        const int64_t rows = n_tok * a->ne[1];
+        QL_LAUNCH(k_rope_tail, cu_grid(rows * (a->ne[0] - n_dims)), CU_BLOCK, 0, c.stream, cu_of(a), (float *)node->data, n_dims, rows);
+        CU_LAUNCHED(c);
+    }
+}
+
+// ---- cross entropy ----
+// Per row (a block): logsumexp and the row's loss into the side data; then one block sums the
+// losses in row order (in double, as the CPU) and divides by the run-time count.
+__global__ void __launch_bounds__(CU_ROW_BLOCK) k_ce_rows(cu_t lg, const int32_t *tg, float *lse, float *loss) {
+    __shared__ float sh[32];
+    const int64_t V = lg.ne[0], r = blockIdx.x;
+    const int32_t t = tg[r];
+    const float *x = (const float *)cu_row(lg, r);
+    float m = -INFINITY;
+    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) m = fmaxf(m, x[i]);
+    m = cu_block_max(m, sh);
+    float s = 0;
+    for (int64_t i = threadIdx.x; i < V; i += blockDim.x) s += expf(x[i] - m);
+    s = cu_block_sum(s, sh);
+    if (threadIdx.x == 0) {
+        const bool ignored = t < 0;
+        lse[r] = ignored ? 0.0f : m + logf(s);
+        // a target outside the vocabulary: NaN (the CPU backend names it)
+        loss[r] = ignored ? 0.0f : t < V ? lse[r] - x[t] : NAN;
+    }
+}
+__global__ void k_ce_total(const float *loss, int64_t n, const float *count, float *d) {
+    __shared__ double sh[32];
+    double s = 0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += loss[i];
+    s = cu_block_sum_d(s, sh);
+    if (threadIdx.x == 0) *d = *count > 0.0f ? (float)(s / *count) : NAN;
+}
+static void cu_op_cross_entropy(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *lg = node->src[0];
+    const int64_t N = cu_nrows(lg);
+    float *lse = (float *)((char *)node->data + ql_nbytes(node)), *loss = lse + N;
+    QL_LAUNCH(k_ce_rows, (unsigned)N, CU_ROW_BLOCK, 0, c.stream, cu_of(lg), (const int32_t *)node->src[1]->data, lse, loss);
+    CU_LAUNCHED(c);
+    QL_LAUNCH(k_ce_total, 1, 1024, 0, c.stream, (const float *)loss, N, (const float *)node->src[2]->data, (float *)node->data);
+    CU_LAUNCHED(c);
+}
+
+// d = (softmax(x) - onehot(t)) dy / count, zero for ignored rows
+__global__ void __launch_bounds__(CU_ROW_BLOCK) k_ce_back(cu_t lg, const int32_t *tg, const float *lse, const float *dy, const float *count,
+                                                          float *d) {
+    const int64_t V = lg.ne[0], r = blockIdx.x;
+    const int32_t t = tg[r];
+    const float *x = (const float *)cu_row(lg, r);
+    const float scale = *dy / *count, l = lse[r];
+    float *o = d + r * V;
+    const bool ignored = t < 0 || t >= V;
+    for (int64_t i = threadIdx.x; i < V; i += blockDim.x)
+        o[i] = ignored ? 0.0f : expf(x[i] - l) * scale - (i == t ? scale : 0.0f);
+}
+static void cu_op_cross_entropy_back(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *lg = node->src[0], *fwd = node->src[3];
+    const float *lse = (const float *)((const char *)fwd->data + ql_nbytes(fwd));
+    QL_LAUNCH(k_ce_back, (unsigned)cu_nrows(lg), CU_ROW_BLOCK, 0, c.stream, cu_of(lg), (const int32_t *)node->src[1]->data, lse,
+              (const float *)node->src[4]->data, (const float *)node->src[2]->data, (float *)node->data);
+    CU_LAUNCHED(c);
+}
+
+// ---- what runs: exactly the layouts these kernels read ----
+
+static bool cu_plain(ql_type t) { return t == QL_TYPE_F32 || t == QL_TYPE_F16 || t == QL_TYPE_BF16; }
+
+static bool cu_ops_supported(const ql_tensor *node) {
+    const ql_tensor *a = node->src[0];
+    auto f32 = [](const ql_tensor *t) { return !t || t->type == QL_TYPE_F32; };
+    auto dense_rows = [](const ql_tensor *t) { return t->type == QL_TYPE_F32 && ql_rows_contiguous(t); };
+    switch (node->op) {
+    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE:
+        return true;
+    case QL_OP_FILL:
+        return node->type == QL_TYPE_F32;
+    case QL_OP_CONT:
+        return (cu_plain(a->type) && cu_plain(node->type)) || (a->type == QL_TYPE_I32 && node->type == QL_TYPE_I32);
+    case QL_OP_ADD: case QL_OP_MUL:
+        return f32(a) && f32(node->src[1]) && node->type == QL_TYPE_F32;
+    case QL_OP_SCALE: case QL_OP_SUM: case QL_OP_REDUCE_TO: case QL_OP_SILU: case QL_OP_DROPOUT:
+        return f32(a) && node->type == QL_TYPE_F32;
+    case QL_OP_SILU_BACK: case QL_OP_SWIGLU:
+        return f32(a) && f32(node->src[1]);
+    case QL_OP_SWIGLU_BACK:
+        return f32(a) && f32(node->src[1]) && f32(node->src[2]);
+    case QL_OP_ACC_GRAD: case QL_OP_CACHE_STORE:
+        return f32(node) && f32(node->src[1]) && ql_is_contiguous(node);
+    case QL_OP_VIEW_BACK:
+        return f32(a) && ql_is_contiguous(node);
+    case QL_OP_GET_ROWS: {
+        const ql_type_traits *t = ql_type_traits_get(a->type);
+        switch (a->type) {
+        case QL_TYPE_F32: case QL_TYPE_F16: case QL_TYPE_BF16:
+            return ql_rows_contiguous(a) && a->ne[2] == 1 && a->ne[3] == 1;
+        case QL_TYPE_NF4: case QL_TYPE_NF4_NODQ: case QL_TYPE_Q4_0: case QL_TYPE_Q8_0: case QL_TYPE_Q4_K: case QL_TYPE_Q5_K: case QL_TYPE_Q6_K:
+            return t && ql_is_contiguous(a) && !a->view_src && a->ne[2] == 1 && a->ne[3] == 1;  // side data after the rows
+        default:
+            return false;
+        }
+    }
+    case QL_OP_GET_ROWS_BACK:
+        return dense_rows(a) && ql_is_contiguous(node);
+    case QL_OP_RMS_NORM:
+        return dense_rows(a);
+    case QL_OP_RMS_NORM_BACK:
+        return dense_rows(a) && dense_rows(node->src[1]);
+    case QL_OP_ROPE: case QL_OP_ROPE_BACK:
+        return dense_rows(a) && (!node->src[2] || ql_is_contiguous(node->src[2]));
+    case QL_OP_CROSS_ENTROPY:
+        return dense_rows(a);
+    case QL_OP_CROSS_ENTROPY_BACK:
+        return dense_rows(a) && ql_is_contiguous(node);
+    default:
+        return false;
+    }
+}
+
+static size_t cu_ops_work(const ql_tensor *) { return 0; }
+
+// ---- the optimizer and gradient statistics (between graph runs) ----
+
+__constant__ float cu_map_signed[256];
+__constant__ float cu_map_unsigned[256];
+
+// AdamW on f32 moments: ql_adamw_update's expressions, each rounding explicit (no fused
+// multiply-add), so the update is the CPU's bits
+__global__ void k_adamw(float *w, float *m, float *v, const float *g, int64_t n, float b1, float b2, float step_size, float eps,
+                        float decay, float gscale) {
+    CU_GRID_LOOP(i, n) {
+        const float gi = __fmul_rn(g[i], gscale);
+        m[i] = __fadd_rn(__fmul_rn(b1, m[i]), __fmul_rn(1.0f - b1, gi));
+        v[i] = __fadd_rn(__fmul_rn(b2, v[i]), __fmul_rn(__fmul_rn(1.0f - b2, gi), gi));
+        w[i] = __fsub_rn(__fmul_rn(w[i], decay), __fdiv_rn(__fmul_rn(step_size, m[i]), __fadd_rn(sqrtf(v[i]), eps)));
+    }
+}
+
+// bitsandbytes' dQuantize (ql_dynamic_quantize)
+__device__ __forceinline__ uint8_t cu_dyn_quant(const float *map, float x) {
+    int pivot = 127, upper_pivot = 255, lower_pivot = 0;
+    float lower = -1.0f, upper = 1.0f, val = map[pivot];
+    for (int i = 64; i > 0; i >>= 1) {
+        if (x > val) {
+            lower_pivot = pivot;
+            lower = val;
+            pivot += i;
+        } else {
+            upper_pivot = pivot;
+            upper = val;
+            pivot -= i;
+        }
+        val = map[pivot];
+    }
+    if (upper_pivot == 255) upper = map[upper_pivot];
+    if (lower_pivot == 0) lower = map[lower_pivot];
+    if (x > val) return (uint8_t)(x > __fmul_rn(__fadd_rn(upper, val), 0.5f) ? upper_pivot : pivot);
+    return (uint8_t)(x < __fmul_rn(__fadd_rn(lower, val), 0.5f) ? lower_pivot : pivot);
+}
+
+// 8-bit AdamW, one block per block of QL_OPT8_BLOCK elements (one element a thread)
+__global__ void __launch_bounds__(QL_OPT8_BLOCK) k_adamw8(float *w, uint8_t *qm, float *am, uint8_t *qv, float *av, const float *g, int64_t n,
+                                                        float b1, float b2, float step_size, float eps, float decay, float gscale) {
+    __shared__ float sh[32];
+    const int64_t b = blockIdx.x, i = b * QL_OPT8_BLOCK + threadIdx.x;
+    const bool in = i < n;
+    float mi = 0, vi = 0;
+    if (in) {
+        const float gi = __fmul_rn(g[i], gscale);
+        mi = __fmul_rn(cu_map_signed[qm[i]], am[b]);
+        vi = __fmul_rn(cu_map_unsigned[qv[i]], av[b]);
+        if (isfinite(gi)) {
+            mi = __fadd_rn(__fmul_rn(b1, mi), __fmul_rn(1.0f - b1, gi));
+            vi = __fadd_rn(__fmul_rn(b2, vi), __fmul_rn(__fmul_rn(1.0f - b2, gi), gi));
+            const float wi = __fsub_rn(w[i], __fdiv_rn(__fmul_rn(step_size, mi), __fadd_rn(sqrtf(vi), eps)));
+            w[i] = __fmul_rn(wi, decay);  // decoupled decay after the update, as bitsandbytes
+        } else {
+            mi = vi = 0.0f;
+        }
+    }
+    const float mx_m = cu_block_max(fabsf(mi), sh), mx_v = cu_block_max(vi, sh);
+    if (threadIdx.x == 0) {
+        am[b] = mx_m;
+        av[b] = mx_v;
+    }
+    if (in) {
+        const float im = mx_m > 0 ? 1.0f / mx_m : 0.0f, iv = mx_v > 0 ? 1.0f / mx_v : 0.0f;
+        qm[i] = cu_dyn_quant(cu_map_signed, __fmul_rn(mi, im));
+        qv[i] = cu_dyn_quant(cu_map_unsigned, __fmul_rn(vi, iv));
+    }
+}
+
+static void cu_adamw_update(cu_ctx &c, ql_tensor *param, ql_tensor *m, ql_tensor *v, ql_tensor *m_absmax, ql_tensor *v_absmax, int64_t step,
+                            const ql_adamw_params *p, float grad_scale) {
+    CU_ASSERT(param->type == QL_TYPE_F32 && param->grad && ql_is_contiguous(param) && step >= 1);
+    const int64_t n = ql_nelements(param);
+    const double bc1 = 1.0 - std::pow((double)p->beta1, (double)step), bc2 = 1.0 - std::pow((double)p->beta2, (double)step);
+    const float step_size = (float)(p->lr * std::sqrt(bc2) / bc1), eps = (float)(p->eps * std::sqrt(bc2));
+    const float decay = 1.0f - p->lr * p->weight_decay;
+    if (!m_absmax) {
+        QL_LAUNCH(k_adamw, cu_grid(n), CU_BLOCK, 0, c.stream, (float *)param->data, (float *)m->data, (float *)v->data,
+                  (const float *)param->grad->data, n, p->beta1, p->beta2, step_size, eps, decay, grad_scale);
+        CU_LAUNCHED(c);
+        return;
+    }
+    static std::once_flag maps;  // the 8-bit maps into constant memory, once per process
+    static cudaError_t maps_err = cudaSuccess;
+    std::call_once(maps, [] {
+        maps_err = cudaMemcpyToSymbol(cu_map_signed, ql_dynamic_map_signed(), 256 * sizeof(float));
+        if (maps_err == cudaSuccess) maps_err = cudaMemcpyToSymbol(cu_map_unsigned, ql_dynamic_map_unsigned(), 256 * sizeof(float));
+    });
+    CU_CHECK(c, maps_err);
+    const int64_t nb = (n + QL_OPT8_BLOCK - 1) / QL_OPT8_BLOCK;
+    QL_LAUNCH(k_adamw8, (unsigned)nb, QL_OPT8_BLOCK, 0, c.stream, (float *)param->data, (uint8_t *)m->data, (float *)m_absmax->data,
+              (uint8_t *)v->data, (float *)v_absmax->data, (const float *)param->grad->data, n, p->beta1, p->beta2, step_size, eps,
+              decay, grad_scale);
+    CU_LAUNCHED(c);
+}
+
+// sum of squares in double and the count of non-finite elements, one block: deterministic
+__global__ void k_grad_stats(const float *x, int64_t n, double *out) {
+    __shared__ double sh[32];
+    double s = 0, bad = 0;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+        const float v = x[i];
+        if (isfinite(v)) s += (double)v * v;
+        else bad += 1;
+    }
+    s = cu_block_sum_d(s, sh);
+    bad = cu_block_sum_d(bad, sh);
+    if (threadIdx.x == 0) {
+        out[0] = s;
+        out[1] = bad;
+    }
+}
+
+// ============================================================================================
+// 7. attention
+// ============================================================================================
+
+// FlashAttention-2 in plain CUDA (no tensor cores yet; limitation: far from peak speed). Scores
+// go through shared memory a warp at a time: lane j holds key j of a 32-key tile, so the row's
+// max and sum are warp reductions; the output row is updated from the tile's probabilities.
+// Backward as the CPU's: dq by query tiles, dk/dv by key tiles, every element one writer, P
+// recomputed from q, k and the forward's logsumexp. Head dims: d + dv <= 256 (llama: 64, 128).
+
+#define FA_WARPS 4                   // warps per block
+#define FA_BK 32                     // keys per tile: one per lane
+#define FA_BQ 8                      // queries per forward / dq block (FA_BQ / FA_WARPS per warp)
+#define FA_KB 8                      // keys per dk/dv block (FA_KB / FA_WARPS per warp)
+#define FA_MAX_DIMS 256              // d + dv: the shared-memory tiles fit 48 KiB
+
+struct fa_args {
+    cu_t q, k, v;       // q [d, Tq, H, B], k [d, Tk, Hkv, B], v [dv, Tk, Hkv, B]
+    const int32_t *seg; // [Tk, B] or NULL
+    const int32_t *nkv; // KV cache: the keys in use, read on the device; or NULL
+    float scale;
+};
+
+__device__ __forceinline__ const float *fa_row(const cu_t &t, int64_t i, int64_t h, int64_t b) {
+    return (const float *)(t.data + i * t.nb[1] + h * t.nb[2] + b * t.nb[3]);
+}
+// may query i (at key position i + off) see key j?
+__device__ __forceinline__ bool fa_visible(const fa_args &a, int64_t i, int64_t j, int64_t off, int64_t Tk, int64_t b) {
+    return j <= i + off && (!a.seg || a.seg[b * Tk + j] == a.seg[b * Tk + i + off]);
+}
+__device__ __forceinline__ float fa_warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+}
+__device__ __forceinline__ float fa_warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+// rows [j0, j0 + n) of k (or v) of head hk into shared memory, `ld` floats apart; zeros past n
+__device__ __forceinline__ void fa_load(float *dst, int ld, const cu_t &t, int64_t j0, int n, int rows, int64_t hk, int64_t b) {
+    const int64_t D = t.ne[0];
+    for (int x = threadIdx.x; x < rows * D; x += blockDim.x) {
+        const int r = x / (int)D, c = x % (int)D;
+        dst[r * ld + c] = r < n ? fa_row(t, j0 + r, hk, b)[c] : 0.0f;
+    }
+}
+
+// forward: block (query tile, head, batch)
+__global__ void __launch_bounds__(FA_WARPS * 32) k_fa_fwd(fa_args a, float *out, float *lse) {
+    const int64_t D = a.q.ne[0], Tq = a.q.ne[1], H = a.q.ne[2], DV = a.v.ne[0], Hkv = a.k.ne[2];
+    const int64_t h = blockIdx.y, b = blockIdx.z, hk = h / (H / Hkv), i0 = (int64_t)blockIdx.x * FA_BQ;
+    const int nq = (int)min((int64_t)FA_BQ, Tq - i0), lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    int64_t Tk = a.k.ne[1];
+    bool bad = false;
+    if (a.nkv) {
+        const int64_t n = *a.nkv;
+        bad = n < Tq || n > Tk;  // the CPU backend reports it; here the rows become NaN
+        Tk = bad ? Tq : n;
+    }
+    const int64_t off = Tk - Tq;
+    QL_DYN_SMEM(float, sm);
+    float *Q = sm, *K = Q + FA_BQ * D, *V = K + FA_BK * (D + 1), *P = V + FA_BK * (DV + 1), *O = P + FA_BQ * FA_BK;
+    float *M = O + FA_BQ * DV, *L = M + FA_BQ;
+    for (int x = threadIdx.x; x < FA_BQ * D; x += blockDim.x) {
+        const int r = x / (int)D;
+        Q[x] = r < nq ? fa_row(a.q, i0 + r, h, b)[x % D] : 0.0f;
+    }
+    for (int x = threadIdx.x; x < FA_BQ * DV; x += blockDim.x) O[x] = 0.0f;
+    if (threadIdx.x < FA_BQ) M[threadIdx.x] = -INFINITY, L[threadIdx.x] = 0.0f;
+    const int64_t jend = min(Tk, i0 + nq + off);
+    for (int64_t j0 = 0; j0 < jend; j0 += FA_BK) {
+        const int bk = (int)min((int64_t)FA_BK, jend - j0);
+        __syncthreads();  // the previous tile is no longer read
+        fa_load(K, (int)D + 1, a.k, j0, bk, FA_BK, hk, b);
+        fa_load(V, (int)DV + 1, a.v, j0, bk, FA_BK, hk, b);
+        __syncthreads();
+        for (int qi = warp; qi < nq; qi += FA_WARPS) {  // warp-uniform
+            const int64_t i = i0 + qi, j = j0 + lane;
+            const bool vis = lane < bk && fa_visible(a, i, j, off, Tk, b);
+            float s = -INFINITY;
+            if (vis) {
+                float acc = 0;
+                for (int64_t c = 0; c < D; c++) acc += Q[qi * D + c] * K[lane * (D + 1) + c];
+                s = acc * a.scale;
+            }
+            const float mx = fa_warp_max(s);
+            if (mx == -INFINITY) continue;  // the whole warp: nothing visible in this tile
+            const float mold = M[qi], mnew = fmaxf(mold, mx), alpha = expf(mold - mnew);
+            const float p = vis ? expf(s - mnew) : 0.0f;
+            const float psum = fa_warp_sum(p);
+            P[qi * FA_BK + lane] = p;
+            __syncwarp();
+            for (int64_t c = lane; c < DV; c += 32) {
+                float acc = O[qi * DV + c] * alpha;
+                for (int jj = 0; jj < bk; jj++) acc += P[qi * FA_BK + jj] * V[jj * (DV + 1) + c];
+                O[qi * DV + c] = acc;
+            }
+            __syncwarp();  // every lane read M[qi] and P before they change
+            if (lane == 0) {
+                M[qi] = mnew;
+                L[qi] = L[qi] * alpha + psum;
+            }
+            __syncwarp();
+        }
+    }
+    __syncthreads();
+    for (int x = threadIdx.x; x < nq * DV; x += blockDim.x) {
+        const int qi = x / (int)DV;
+        const int64_t i = i0 + qi;
+        out[((b * Tq + i) * H + h) * DV + x % DV] = bad ? NAN : O[x] / L[qi];
+    }
+    if ((int)threadIdx.x < nq) lse[(b * H + h) * Tq + i0 + threadIdx.x] = bad ? NAN : M[threadIdx.x] + logf(L[threadIdx.x]);
+}
+
+// delta_i = dO_i . O_i, per (query, head, batch)
+__global__ void k_fa_delta(const float *dO, const float *O, int64_t DV, int64_t H, int64_t Tq, int64_t n, float *delta) {
+    CU_GRID_LOOP(x, n) {  // x = (b H + h) Tq + i
+        const int64_t i = x % Tq, h = (x / Tq) % H, b = x / (Tq * H), row = ((b * Tq + i) * H + h) * DV;
+        float s = 0;
+        for (int64_t c = 0; c < DV; c++) s += dO[row + c] * O[row + c];
+        delta[x] = s;
+    }
+}
+
+// dq: block (query tile, head, batch); dq_i = scale sum_j p_ij (dp_ij - delta_i) k_j
+__global__ void __launch_bounds__(FA_WARPS * 32) k_fa_dq(fa_args a, const float *dO, const float *lse, const float *delta, float *dq) {
+    const int64_t D = a.q.ne[0], Tq = a.q.ne[1], H = a.q.ne[2], DV = a.v.ne[0], Hkv = a.k.ne[2], Tk = a.k.ne[1], off = Tk - Tq;
+    const int64_t h = blockIdx.y, b = blockIdx.z, hk = h / (H / Hkv), i0 = (int64_t)blockIdx.x * FA_BQ;
+    const int nq = (int)min((int64_t)FA_BQ, Tq - i0), lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    QL_DYN_SMEM(float, sm);
+    float *Q = sm, *G = Q + FA_BQ * D, *K = G + FA_BQ * DV, *V = K + FA_BK * (D + 1), *S = V + FA_BK * (DV + 1), *DQ = S + FA_BQ * FA_BK;
+    for (int x = threadIdx.x; x < FA_BQ * D; x += blockDim.x) {
+        const int r = x / (int)D;
+        Q[x] = r < nq ? fa_row(a.q, i0 + r, h, b)[x % D] : 0.0f;
+        DQ[x] = 0.0f;
+    }
+    for (int x = threadIdx.x; x < FA_BQ * DV; x += blockDim.x) {
+        const int r = x / (int)DV;
+        G[x] = r < nq ? dO[((b * Tq + i0 + r) * H + h) * DV + x % DV] : 0.0f;
+    }
+    const int64_t jend = min(Tk, i0 + nq + off);
+    for (int64_t j0 = 0; j0 < jend; j0 += FA_BK) {
+        const int bk = (int)min((int64_t)FA_BK, jend - j0);
+        __syncthreads();
+        fa_load(K, (int)D + 1, a.k, j0, bk, FA_BK, hk, b);
+        fa_load(V, (int)DV + 1, a.v, j0, bk, FA_BK, hk, b);
+        __syncthreads();
+        for (int qi = warp; qi < nq; qi += FA_WARPS) {
+            const int64_t i = i0 + qi, j = j0 + lane, x = (b * H + h) * Tq + i;
+            float ds = 0.0f;
+            if (lane < bk && fa_visible(a, i, j, off, Tk, b)) {
+                float s = 0, dp = 0;
+                for (int64_t c = 0; c < D; c++) s += Q[qi * D + c] * K[lane * (D + 1) + c];
+                for (int64_t c = 0; c < DV; c++) dp += G[qi * DV + c] * V[lane * (DV + 1) + c];
+                const float p = expf(s * a.scale - lse[x]);
+                ds = p * (dp - delta[x]);
+            }
+            S[qi * FA_BK + lane] = ds;
+            __syncwarp();
+            for (int64_t c = lane; c < D; c += 32) {
+                float acc = 0;
+                for (int jj = 0; jj < bk; jj++) acc += S[qi * FA_BK + jj] * K[jj * (D + 1) + c];
+                DQ[qi * D + c] += acc * a.scale;
+            }
+            __syncwarp();
+        }
+    }
+    __syncthreads();
+    for (int x = threadIdx.x; x < nq * D; x += blockDim.x) {
+        const int qi = x / (int)D;
+        dq[((b * H + h) * Tq + i0 + qi) * D + x % D] = DQ[x];  // q's shape [d, Tq, H, B], contiguous
+    }
+}
+
+// dk, dv: block (key tile, kv head, batch), over every query head of the group and every query
+// tile that sees the keys; lane = query of a 32-query tile, a warp per key
+__global__ void __launch_bounds__(FA_WARPS * 32, 1) k_fa_dkv(fa_args a, const float *dO, const float *lse, const float *delta, float *dk,
+                                                          float *dv) {
+    const int64_t D = a.q.ne[0], Tq = a.q.ne[1], H = a.q.ne[2], DV = a.v.ne[0], Hkv = a.k.ne[2], Tk = a.k.ne[1], off = Tk - Tq;
+    const int64_t hk = blockIdx.y, b = blockIdx.z, j0 = (int64_t)blockIdx.x * FA_KB, rep = H / Hkv;
+    const int nk = (int)min((int64_t)FA_KB, Tk - j0), lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    QL_DYN_SMEM(float, sm);
+    float *K = sm, *V = K + FA_KB * (D + 1), *Q = V + FA_KB * (DV + 1), *G = Q + 32 * (D + 1), *P = G + 32 * (DV + 1), *S = P + FA_KB * 32;
+    float *DK = S + FA_KB * 32, *DV_ = DK + FA_KB * D;
+    fa_load(K, (int)D + 1, a.k, j0, nk, FA_KB, hk, b);
+    fa_load(V, (int)DV + 1, a.v, j0, nk, FA_KB, hk, b);
+    for (int x = threadIdx.x; x < FA_KB * D; x += blockDim.x) DK[x] = 0.0f;
+    for (int x = threadIdx.x; x < FA_KB * DV; x += blockDim.x) DV_[x] = 0.0f;
+    const int64_t ifirst = max((int64_t)0, j0 - off) / 32 * 32;  // the first query that may see key j0
+    for (int64_t h = hk * rep; h < (hk + 1) * rep; h++)
+        for (int64_t i0 = ifirst; i0 < Tq; i0 += 32) {
+            const int nq = (int)min((int64_t)32, Tq - i0);
+            __syncthreads();
+            for (int x = threadIdx.x; x < 32 * D; x += blockDim.x) {
+                const int r = x / (int)D;
+                Q[r * (D + 1) + x % D] = r < nq ? fa_row(a.q, i0 + r, h, b)[x % D] : 0.0f;
+            }
+            for (int x = threadIdx.x; x < 32 * DV; x += blockDim.x) {
+                const int r = x / (int)DV;
+                G[r * (DV + 1) + x % DV] = r < nq ? dO[((b * Tq + i0 + r) * H + h) * DV + x % DV] : 0.0f;
+            }
+            __syncthreads();
+            for (int kj = warp; kj < nk; kj += FA_WARPS) {  // warp-uniform
+                const int64_t i = i0 + lane, j = j0 + kj, x = (b * H + h) * Tq + i;
+                float p = 0.0f, ds = 0.0f;
+                if (lane < nq && fa_visible(a, i, j, off, Tk, b)) {
+                    float s = 0, dp = 0;
+                    for (int64_t c = 0; c < D; c++) s += Q[lane * (D + 1) + c] * K[kj * (D + 1) + c];
+                    for (int64_t c = 0; c < DV; c++) dp += G[lane * (DV + 1) + c] * V[kj * (DV + 1) + c];
+                    p = expf(s * a.scale - lse[x]);
+                    ds = p * (dp - delta[x]);
+                }
+                P[kj * 32 + lane] = p;
+                S[kj * 32 + lane] = ds;
+                __syncwarp();
+                for (int64_t c = lane; c < DV; c += 32) {
+                    float acc = 0;
+                    for (int l = 0; l < nq; l++) acc += P[kj * 32 + l] * G[l * (DV + 1) + c];
+                    DV_[kj * DV + c] += acc;
+                }
+                for (int64_t c = lane; c < D; c += 32) {
+                    float acc = 0;
+                    for (int l = 0; l < nq; l++) acc += S[kj * 32 + l] * Q[l * (D + 1) + c];
+                    DK[kj * D + c] += acc * a.scale;
+                }
+                __syncwarp();
+            }
+        }
+    __syncthreads();
+    for (int x = threadIdx.x; x < nk * D; x += blockDim.x) dk[((b * Hkv + hk) * Tk + j0 + x / D) * D + x % D] = DK[x];
+    for (int x = threadIdx.x; x < nk * DV; x += blockDim.x) dv[((b * Hkv + hk) * Tk + j0 + x / DV) * DV + x % DV] = DV_[x];
+}
+
+static size_t fa_fwd_smem(int64_t D, int64_t DV) {
+    return (size_t)(FA_BQ * D + FA_BK * (D + 1) + FA_BK * (DV + 1) + FA_BQ * FA_BK + FA_BQ * DV + 2 * FA_BQ) * sizeof(float);
+}
+static size_t fa_dq_smem(int64_t D, int64_t DV) {
+    return (size_t)(FA_BQ * D + FA_BQ * DV + FA_BK * (D + 1) + FA_BK * (DV + 1) + FA_BQ * FA_BK + FA_BQ * D) * sizeof(float);
+}
+static size_t fa_dkv_smem(int64_t D, int64_t DV) {
+    return (size_t)(FA_KB * (D + 1) + FA_KB * (DV + 1) + 32 * (D + 1) + 32 * (DV + 1) + 2 * FA_KB * 32 + FA_KB * D + FA_KB * DV) *
+           sizeof(float);
+}
+
+static fa_args fa_args_of(const ql_tensor *node) {
+    fa_args a;
+    a.q = cu_of(node->src[0]);
+    a.k = cu_of(node->src[1]);
+    a.v = cu_of(node->src[2]);
+    a.seg = node->src[3] ? (const int32_t *)node->src[3]->data : nullptr;
+    a.nkv = node->op == QL_OP_FLASH_ATTN && node->src[4] ? (const int32_t *)node->src[4]->data : nullptr;
+    a.scale = cu_param<float>(node, 0);
+    return a;
+}
+
+static void cu_op_flash_attn(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *q = node->src[0], *v = node->src[2];
+    const size_t smem = fa_fwd_smem(q->ne[0], v->ne[0]);
+    const dim3 grid((unsigned)((q->ne[1] + FA_BQ - 1) / FA_BQ), (unsigned)q->ne[2], (unsigned)q->ne[3]);
+    float *lse = (float *)((char *)node->data + ql_nbytes(node));
+    QL_LAUNCH(k_fa_fwd, grid, FA_WARPS * 32, smem, c.stream, fa_args_of(node), (float *)node->data, lse);
+    CU_LAUNCHED(c);
+}
+
+static void cu_op_flash_attn_back(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *q = node->src[0], *k = node->src[1], *v = node->src[2], *fwd = node->src[4], *dO = node->src[5];
+    const int64_t D = q->ne[0], Tq = q->ne[1], H = q->ne[2], B = q->ne[3], DV = v->ne[0];
+    const fa_args a = fa_args_of(node);
+    const float *lse = (const float *)((const char *)fwd->data + ql_nbytes(fwd));
+    float *delta = (float *)c.work;  // [Tq, H, B]
+    CU_ASSERT(c.work_size >= (size_t)(Tq * H * B) * sizeof(float));
+    QL_LAUNCH(k_fa_delta, cu_grid(Tq * H * B), CU_BLOCK, 0, c.stream, (const float *)dO->data, (const float *)fwd->data, DV, H, Tq,
+              Tq * H * B, delta);
+    CU_LAUNCHED(c);
+    float *dq = (float *)node->data, *dk = dq + ql_nelements(q), *dv = dk + ql_nelements(k);
+    const dim3 gq((unsigned)((Tq + FA_BQ - 1) / FA_BQ), (unsigned)H, (unsigned)B);
+    QL_LAUNCH(k_fa_dq, gq, FA_WARPS * 32, fa_dq_smem(D, DV), c.stream, a, (const float *)dO->data, (const float *)lse,
+              (const float *)delta, dq);
+    CU_LAUNCHED(c);
+    const dim3 gk((unsigned)((k->ne[1] + FA_KB - 1) / FA_KB), (unsigned)k->ne[2], (unsigned)B);
+    QL_LAUNCH(k_fa_dkv, gk, FA_WARPS * 32, fa_dkv_smem(D, DV), c.stream, a, (const float *)dO->data, (const float *)lse,
+              (const float *)delta, dk, dv);
+    CU_LAUNCHED(c);
+}
+
+static bool cu_attn_supported(const ql_tensor *node) {
+    const ql_tensor *q = node->src[0], *k = node->src[1], *v = node->src[2];
+    const int64_t D = q->ne[0], DV = v->ne[0];
+    const bool smem_ok = fa_fwd_smem(D, DV) <= (48 << 10) && fa_dq_smem(D, DV) <= (48 << 10) && fa_dkv_smem(D, DV) <= (48 << 10);
+    if (D + DV > FA_MAX_DIMS || !smem_ok || q->type != QL_TYPE_F32 || k->type != QL_TYPE_F32 || v->type != QL_TYPE_F32) return false;
+    if (q->ne[2] > 65535 || q->ne[3] > 65535) return false;  // grid y, z
+    if (node->op == QL_OP_FLASH_ATTN_BACK) {
+        const ql_tensor *dO = node->src[5];
+        return ql_is_contiguous(dO) && ql_is_contiguous(node) && ql_is_contiguous(node->src[4]);
+    }
+    return ql_is_contiguous(node);
+}
+
+static size_t cu_attn_work(const ql_tensor *node) {
+    if (node->op != QL_OP_FLASH_ATTN_BACK) return 0;
+    const ql_tensor *q = node->src[0];
+    return (size_t)(q->ne[1] * q->ne[2] * q->ne[3]) * sizeof(float);  // delta
+}
+
+// ============================================================================================
+// 8. the backend
+// ============================================================================================
+
+struct cuda_backend {
+    int device = 0;
+    cudaDeviceProp prop{};
+    cudaStream_t stream = nullptr;
+    cublasHandle_t blas = nullptr;
+    int   *d_scratch = nullptr;  // device: reduction results (check_finite, gradient statistics)
+    int   *h_scratch = nullptr;  // pinned host copy
+};
+
+__global__ void k_first_nonfinite(cu_t t, int64_t n, unsigned long long *first) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const float v = cu_ld(t.data + cu_offs(t, i), t.type);
+        if (!isfinite(v)) atomicMin(first, (unsigned long long)i * 2 + (isnan(v) ? 1 : 0));
+    }
+}
+
+static void cu_run_node(cu_ctx &c, ql_tensor *node) {
+    switch (node->op) {
+    case QL_OP_FILL:               cu_op_fill(c, node); break;
+    case QL_OP_CONT:               cu_op_cont(c, node); break;
+    case QL_OP_ADD:                cu_op_binary(c, node, false); break;
+    case QL_OP_MUL:                cu_op_binary(c, node, true); break;
+    case QL_OP_SCALE:              cu_op_scale(c, node); break;
+    case QL_OP_SUM:                cu_op_sum(c, node); break;
+    case QL_OP_REDUCE_TO:          cu_op_reduce_to(c, node); break;
+    case QL_OP_MUL_MAT:            cu_op_mul_mat(c, node); break;
+    case QL_OP_GET_ROWS:           cu_op_get_rows(c, node); break;
+    case QL_OP_GET_ROWS_BACK:      cu_op_get_rows_back(c, node); break;
+    case QL_OP_RMS_NORM:           cu_op_rms_norm(c, node); break;
+    case QL_OP_RMS_NORM_BACK:      cu_op_rms_norm_back(c, node); break;
+    case QL_OP_ROPE:               cu_op_rope(c, node, false); break;
+    case QL_OP_ROPE_BACK:          cu_op_rope(c, node, true); break;
+    case QL_OP_SILU:               cu_op_silu(c, node); break;
+    case QL_OP_SILU_BACK:          cu_op_silu_back(c, node); break;
+    case QL_OP_SWIGLU:             cu_op_swiglu(c, node); break;
+    case QL_OP_SWIGLU_BACK:        cu_op_swiglu_back(c, node); break;
+    case QL_OP_FLASH_ATTN:         cu_op_flash_attn(c, node); break;
+    case QL_OP_FLASH_ATTN_BACK:    cu_op_flash_attn_back(c, node); break;
+    case QL_OP_CROSS_ENTROPY:      cu_op_cross_entropy(c, node); break;
+    case QL_OP_CROSS_ENTROPY_BACK: cu_op_cross_entropy_back(c, node); break;
+    case QL_OP_DROPOUT:            cu_op_dropout(c, node); break;
+    case QL_OP_VIEW_BACK:          cu_op_view_back(c, node); break;
+    case QL_OP_ACC_GRAD:           cu_op_acc_grad(c, node); break;
+    case QL_OP_CACHE_STORE:        cu_op_cache_store(c, node); break;
+    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE:
+        break;
+    case QL_OP_COUNT:
+        CU_ASSERT(!"cuda: op out of range");
+    }
+}
+
+static bool cuda_supports_op(ql_backend *be, const ql_tensor *node) {
+    const int cc = ((cuda_backend *)be->impl)->prop.major * 10 + ((cuda_backend *)be->impl)->prop.minor;
+    switch (node->op) {
+    case QL_OP_MUL_MAT:         return cu_mm_supported(node, cc);
+    case QL_OP_FLASH_ATTN:
+    case QL_OP_FLASH_ATTN_BACK: return cu_attn_supported(node);
+    case QL_OP_COUNT:           return false;
+    default:                    return cu_ops_supported(node);
+    }
+}
+
+static size_t cuda_work_size(ql_backend *, const ql_tensor *node) {
+    switch (node->op) {
+    case QL_OP_MUL_MAT:         return cu_mm_work(node);
+    case QL_OP_FLASH_ATTN:
+    case QL_OP_FLASH_ATTN_BACK: return cu_attn_work(node);
+    default:                    return cu_ops_work(node);
+    }
+}
+
+static void *cuda_buffer_alloc(ql_backend *, size_t size) { return cu_device_alloc(size); }
+static void  cuda_buffer_free(void *p) { cu_device_free(p); }
+static void *cuda_host_alloc(ql_backend *, size_t size) {
+    void *p = nullptr;
+    if (cudaMallocHost(&p, size) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return nullptr;
+    }
+    return p;
+}
+static void cuda_host_free(void *p) {
+    if (p) cudaFreeHost(p);
+}
+
+static bool cu_ok(cudaError_t e, const char *what, char *err, size_t n) {
+    if (e == cudaSuccess) return true;
+    snprintf(err, n, "%s: %s", what, cudaGetErrorString(e));
+    return false;
+}
+
+static bool cuda_copy(ql_backend *be, void *dst, const void *src, size_t size, int dir, bool async, char *err, size_t n) {
+    cuda_backend *cb = (cuda_backend *)be->impl;
+    const cudaMemcpyKind kind = dir == QL_COPY_TO_DEVICE ? cudaMemcpyHostToDevice
+                              : dir == QL_COPY_TO_HOST ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice;
+    if (async) return cu_ok(cudaMemcpyAsync(dst, src, size, kind, cb->stream), "cudaMemcpyAsync", err, n);
+    return cu_ok(cudaMemcpyAsync(dst, src, size, kind, cb->stream), "cudaMemcpyAsync", err, n) &&
+           cu_ok(cudaStreamSynchronize(cb->stream), "cudaStreamSynchronize", err, n);
+}
+
+static bool cuda_memset(ql_backend *be, void *dst, int value, size_t size, char *err, size_t n) {
+    return cu_ok(cudaMemsetAsync(dst, value, size, ((cuda_backend *)be->impl)->stream), "cudaMemsetAsync", err, n);
+}
+
+static bool cuda_synchronize(ql_backend *be, char *err, size_t n) {
+    return cu_ok(cudaStreamSynchronize(((cuda_backend *)be->impl)->stream), "cudaStreamSynchronize", err, n);
+}
+
+// the gradient's sum of squares and finiteness, brought to the host (the trainer needs the norm)
+static void cu_grad_stats(cu_ctx &c, const ql_tensor *t, double *sumsq, bool *finite) {
+    CU_ASSERT(t->type == QL_TYPE_F32 && ql_is_contiguous(t));
+    double *d = (double *)c.cb->d_scratch, *h = (double *)c.cb->h_scratch;
+    QL_LAUNCH(k_grad_stats, 1, 1024, 0, c.stream, (const float *)t->data, ql_nelements(t), d);
+    CU_LAUNCHED(c);
+    CU_CHECK(c, cudaMemcpyAsync(h, d, 2 * sizeof(double), cudaMemcpyDeviceToHost, c.stream));
+    CU_CHECK(c, cudaStreamSynchronize(c.stream));
+    *sumsq = h[0];
+    *finite = h[1] == 0;
+}
+
+// a cu_ctx for work outside graphs (the optimizer's update, gradient statistics)
+static cu_ctx cu_ctx_of(cuda_backend *cb) {
+    cu_ctx c;
+    c.cb = cb;
+    c.stream = cb->stream;
+    c.blas = cb->blas;
+    c.cc = cb->prop.major * 10 + cb->prop.minor;
+    return c;
+}
+
+static ql_status cuda_adamw_update(ql_backend *be, ql_tensor *param, ql_tensor *m, ql_tensor *v, ql_tensor *m_absmax,
+                                   ql_tensor *v_absmax, int64_t step, const ql_adamw_params *p, float grad_scale) {
+    cu_ctx c = cu_ctx_of((cuda_backend *)be->impl);
+    cu_adamw_update(c, param, m, v, m_absmax, v_absmax, step, p, grad_scale);
+    if (c.failed) fprintf(stderr, "qlora: cuda: adamw_update: %s\n", c.err);
+    return c.failed ? QL_ERR_IO : QL_OK;
+}
+
+static ql_status cuda_grad_stats(ql_backend *be, const ql_tensor *t, double *sumsq, bool *finite) {
+    cu_ctx c = cu_ctx_of((cuda_backend *)be->impl);
+    cu_grad_stats(c, t, sumsq, finite);
+    if (c.failed) fprintf(stderr, "qlora: cuda: grad_stats: %s\n", c.err);
+    return c.failed ? QL_ERR_IO : QL_OK;
+}
+
+static ql_status cuda_graph_compute(ql_backend *be, ql_graph *g) {
+    cuda_backend *cb = (cuda_backend *)be->impl;
+    ql_context *ctx = ql_graph_ctx(g);
+    ql_graph_exec ex;
+    ql_graph_get_exec(g, &ex);
+    const int n = ql_graph_n_nodes(g);
+    // every leaf a kernel will read must be device memory: a weight never placed is an error, not a fault
+    for (int i = 0; i < n; i++) {
+        const ql_tensor *node = ql_graph_node(g, i);
+        for (const ql_tensor *s : node->src) {
+            if (!s || s->op != QL_OP_NONE) continue;
+            if (s->data && ql_nbytes(s) > 0 && !cu_is_device_ptr(s->data)) {
+                ql_ctx_set_error(ctx, QL_ERR_INVALID, "compute: %s '%s' holds host memory, not %s's --> hint: "
+                                 "ql_backend_place_ctx_tensors (weights, adapters) or ql_backend_alloc_ctx_tensors",
+                                 ql_op_name(s->op), s->name, be->iface.name);
+                return QL_ERR_INVALID;
+            }
+        }
+    }
+    cu_ctx c = cu_ctx_of(cb);
+    c.work = ex.work;
+    c.work_size = ex.work_size;
+    char err[256];
+    if (ex.poison && !cuda_memset(be, ex.buffer, 0xff, ex.buffer_size, err, sizeof(err))) {
+        ql_ctx_set_error(ctx, QL_ERR_IO, "compute: %s", err);
+        return QL_ERR_IO;
+    }
+    for (int i = 0; i < n && !c.failed; i++) {
+        ql_tensor *node = ql_graph_node(g, i);
+        if (node->op == QL_OP_NONE || node->op == QL_OP_VIEW || node->op == QL_OP_RESHAPE || node->op == QL_OP_PERMUTE ||
+            node->op == QL_OP_TRANSPOSE)
+            continue;
+        const auto t0 = std::chrono::steady_clock::now();
+        cu_run_node(c, node);
+        if (ex.profile && !c.failed && cudaStreamSynchronize(c.stream) == cudaSuccess)
+            ql_graph_add_node_seconds(g, i, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        if (ex.check_finite && !c.failed && is_float_type_cu(node->type)) {
+            unsigned long long *d = (unsigned long long *)cb->d_scratch, h = ~0ull;
+            if (!cuda_memset(be, d, 0xff, sizeof(h), err, sizeof(err))) break;
+            QL_LAUNCH(k_first_nonfinite, cu_grid(ql_nelements(node)), CU_BLOCK, 0, c.stream, cu_of(node), ql_nelements(node), d);
+            if (cudaGetLastError() != cudaSuccess || !cuda_copy(be, &h, d, sizeof(h), QL_COPY_TO_HOST, false, err, sizeof(err))) {
+                snprintf(c.err, sizeof(c.err), "check_finite: %s", err);
+                c.failed = true;
+                break;
+            }
+            if (h != ~0ull) {
+                ql_graph_fail_nonfinite(g, i, (int64_t)(h / 2), (h & 1) != 0);
+                return ql_ctx_status(ctx);
+            }
+        }
+        if (c.failed) {
+            ql_ctx_set_error(ctx, QL_ERR_IO, "compute: node %d (%s): %s", i, ql_op_name(node->op), c.err);
+            return QL_ERR_IO;
+        }
+    }
+    if (c.failed) {
+        ql_ctx_set_error(ctx, QL_ERR_IO, "compute: %s", c.err);
+        return QL_ERR_IO;
+    }
+    return QL_OK;
+}
+
+static void cuda_free(ql_backend *be) {
+    cuda_backend *cb = (cuda_backend *)be->impl;
+    if (cb->blas) cublasDestroy(cb->blas);
+    if (cb->stream) cudaStreamDestroy(cb->stream);
+    cu_device_free(cb->d_scratch);
+    cuda_host_free(cb->h_scratch);
+    delete cb;
+    delete be;
+}
+
+int ql_cuda_device_count(void) {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return 0;
+    }
+    return n;
+}
+
+ql_status ql_cuda_device_get_info(int device, ql_cuda_device_info *info, char *err, size_t err_size) {
+    if (!info) return QL_ERR_INVALID;
+    memset(info, 0, sizeof(*info));
+    const int n = ql_cuda_device_count();
+    if (device < 0 || device >= n) {
+        if (err && err_size) snprintf(err, err_size, n ? "no CUDA device %d (there are %d)" : "no CUDA device", device, n);
+        return QL_ERR_INVALID;
+    }
+    cudaDeviceProp p;
+    size_t free_b = 0, total_b = 0;
+    if (cudaGetDeviceProperties(&p, device) != cudaSuccess || cudaSetDevice(device) != cudaSuccess ||
+        cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+        const cudaError_t e = cudaGetLastError();
+        if (err && err_size) snprintf(err, err_size, "CUDA device %d: %s", device, cudaGetErrorString(e));
+        return QL_ERR_IO;
+    }
+    snprintf(info->name, sizeof(info->name), "%s", p.name);
+    info->major = p.major;
+    info->minor = p.minor;
+    info->total_mem = total_b;
+    info->free_mem = free_b;
+    info->n_sm = p.multiProcessorCount;
+    return QL_OK;
+}
+
+ql_backend *ql_backend_cuda_init(int device, char *err, size_t err_size) {
+    char tmp[256];
+    if (!err || !err_size) err = tmp, err_size = sizeof(tmp);
+    ql_cuda_device_info info;
+    if (ql_cuda_device_get_info(device, &info, err, err_size) != QL_OK) return nullptr;
+    if (info.major * 10 + info.minor < 75) {
+        snprintf(err, err_size, "CUDA device %d (%s) has compute capability %d.%d; qlora needs 7.5 or newer", device,
+                 info.name, info.major, info.minor);
+        return nullptr;
+    }
+    cuda_backend *cb = new (std::nothrow) cuda_backend();
+    ql_backend *be = new (std::nothrow) ql_backend();
+    if (!cb || !be) {
+        delete cb;
+        delete be;
+        snprintf(err, err_size, "out of host memory");
+        return nullptr;
+    }
+    cb->device = device;
+    be->iface = {"cuda", cuda_supports_op, cuda_work_size, cuda_buffer_alloc, cuda_buffer_free, cuda_graph_compute,
+                 cuda_free, cuda_host_alloc, cuda_host_free, cuda_copy, cuda_memset, cuda_synchronize,
+                 cuda_adamw_update, cuda_grad_stats};
+    be->impl = cb;
+    be->id = ql_backend_new_id();
+    bool ok = cudaGetDeviceProperties(&cb->prop, device) == cudaSuccess &&
+              cudaStreamCreateWithFlags(&cb->stream, cudaStreamNonBlocking) == cudaSuccess;
+    if (ok && cublasCreate(&cb->blas) != CUBLAS_STATUS_SUCCESS) {
+        snprintf(err, err_size, "cublasCreate failed on device %d", device);
+        cuda_free(be);
+        return nullptr;
+    }
+    ok = ok && cublasSetStream(cb->blas, cb->stream) == CUBLAS_STATUS_SUCCESS &&
+         cublasSetMathMode(cb->blas, CUBLAS_DEFAULT_MATH) == CUBLAS_STATUS_SUCCESS;  // f32 stays f32: no TF32
+    cb->d_scratch = ok ? (int *)cu_device_alloc(4096) : nullptr;
+    cb->h_scratch = ok ? (int *)cuda_host_alloc(be, 4096) : nullptr;
+    if (!ok || !cb->d_scratch || !cb->h_scratch) {
+        snprintf(err, err_size, "CUDA device %d (%s) failed to start: %s", device, info.name,
+                 cudaGetErrorString(cudaGetLastError()));
+        cuda_free(be);
+        return nullptr;
+    }
+    return be;
+}
+
+bool ql_backend_is_cuda(const ql_backend *be) { return be && be->iface.graph_compute == cuda_graph_compute; }
+
+bool ql_cuda_memory_used(size_t *in_use, size_t *peak) {
+    cu_registry &r = cu_reg();
+    std::lock_guard<std::mutex> lk(r.mu);
+    if (in_use) *in_use = r.in_use;
+    if (peak) *peak = r.peak;
+    return true;
+}

@@ -1,0 +1,1010 @@
+// tests/cuda_shim.h - CUDA on the CPU, for testing qlora-cuda.cu where there is no GPU.
+//
+//   #include "cuda_shim.h"        // defines QL_CUDA_SHIM; then
+//   #include "../qlora-cuda.cu"   // the backend's own source, compiled by g++ / clang++
+//
+// The model. A launch runs synchronously (a stream is in order anyway). Its blocks are spread
+// over a few worker threads (QL_SHIM_WORKERS, default 2), each running whole blocks one after
+// another. Inside a block every CUDA thread is a fiber (its own stack; a few instructions switch
+// them on x86-64, ucontext elsewhere), and fibers switch ONLY at
+// __syncthreads, __syncwarp and warp collectives: between two barriers each thread runs alone,
+// to the end, in a selectable order - forward (thread 0 first), reverse, or a seeded random
+// permutation drawn anew at every barrier (QL_SHIM_ORDER=forward|reverse|random[:seed], or
+// qlshim::set_order). So a missing barrier shows up as a wrong answer in some order.
+//
+// What it reports (the launch stops, cudaGetLastError() returns cudaErrorLaunchFailure and
+// cudaGetErrorString() / qlshim::last_error_message() say what happened, file:line included):
+//   - __syncthreads reached from two different call sites in one phase (divergent barrier);
+//   - deadlock: threads waiting at a barrier while others exited or wait elsewhere;
+//   - a warp collective whose mask names a lane that does not exist (the partial last warp of
+//     a block whose size is not a multiple of 32) or has exited, that does not name the caller,
+//     or whose lanes arrive from different call sites;
+//   - an invalid launch (threads per block, grid limits, dynamic shared memory above 48 KiB
+//     without cudaFuncSetAttribute, above the device's opt-in limit with it).
+// Out-of-bounds accesses are ASan's: device allocations are plain malloc blocks. Fresh device
+// memory and each block's dynamic shared memory are filled with 0xFF (NaN as floats).
+//
+// Rules for the kernels (qlora-cuda.cu keeps them): launch only through QL_LAUNCH; dynamic
+// shared memory only through QL_DYN_SMEM; static __shared__ arrays become `static thread_local`
+// (a worker runs one block at a time, so they are per block); no inline PTX, no WMMA, no
+// cooperative groups; 16-bit values only converted (CUDA's own cuda_fp16.h / cuda_bf16.h do that
+// bit-exactly on the host). Types and declarations come from CUDA's headers, so the backend
+// compiles against the real signatures; the definitions below replace the runtime and cuBLAS.
+//
+// Limitations: memory-ordering races between blocks are not detected (blocks on one worker run
+// in sequence); atomics are real atomics; cuBLAS is a plain reference GEMM (f32 sums in k order).
+#pragma once
+
+#define QL_CUDA_SHIM 1
+
+#include <cublas_v2.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <ucontext.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#if defined(__SANITIZE_ADDRESS__)
+#define QLSHIM_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define QLSHIM_ASAN 1
+#endif
+#endif
+#ifdef QLSHIM_ASAN
+#include <sanitizer/common_interface_defs.h>
+#endif
+
+namespace qlshim {
+
+enum order_t { ORDER_FORWARD, ORDER_REVERSE, ORDER_RANDOM };
+
+// ---- global state: the device, the sticky error, settings -----------------------------------
+
+struct state_t {
+    std::mutex mu;
+    int device_count = 1, cc_major = 9, cc_minor = 0;
+    size_t total_mem = (size_t)16 << 30, in_use = 0, peak = 0;
+    std::map<void *, size_t> allocs;
+    cudaError_t sticky = cudaSuccess;  // launch failures: stays until cudaGetLastError
+    std::string message;               // its detail
+    order_t order = ORDER_FORWARD;
+    uint64_t seed = 1;
+    bool env_read = false;
+    int workers = 2;
+    std::map<const void *, int> max_dyn_smem;  // cudaFuncSetAttribute
+};
+inline state_t &st() {
+    static state_t s;
+    return s;
+}
+
+inline void read_env() {
+    state_t &s = st();
+    if (s.env_read) return;
+    s.env_read = true;
+    if (const char *o = getenv("QL_SHIM_ORDER")) {
+        const std::string v = o;
+        if (v == "reverse") s.order = ORDER_REVERSE;
+        else if (v.rfind("random", 0) == 0) {
+            s.order = ORDER_RANDOM;
+            if (v.size() > 7) s.seed = strtoull(v.c_str() + 7, nullptr, 10);
+        }
+    }
+    if (const char *w = getenv("QL_SHIM_WORKERS")) s.workers = std::max(1, atoi(w));
+}
+
+inline void set_order(order_t o, uint64_t seed = 1) {
+    read_env();
+    st().order = o;
+    st().seed = seed;
+}
+inline void set_device(int major, int minor, size_t total_mem) {
+    st().cc_major = major, st().cc_minor = minor, st().total_mem = total_mem;
+}
+inline void set_device_count(int n) { st().device_count = n; }
+inline size_t device_bytes_in_use() { return st().in_use; }
+inline size_t device_peak_bytes() { return st().peak; }
+inline std::string last_error_message() { return st().message; }
+
+inline int max_opt_in_smem() {
+    const int cc = st().cc_major * 10 + st().cc_minor;
+    return cc >= 90 ? 227 << 10 : cc == 80 ? 163 << 10 : cc >= 86 ? 99 << 10 : 64 << 10;
+}
+
+// ---- fibers ----------------------------------------------------------------------------------
+// On x86-64 a switch saves the callee-saved registers, MXCSR and the x87 control word on the
+// stack and swaps stack pointers (no system call: ucontext's swapcontext makes two, which cost
+// more than the kernels under test); elsewhere ucontext.
+#if defined(__x86_64__)
+extern "C" void qlshim_switch(void **save_sp, void *new_sp);
+asm(R"(
+    .text
+    .weak qlshim_switch
+    .type qlshim_switch, @function
+qlshim_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size qlshim_switch, .-qlshim_switch
+)");
+#define QLSHIM_ASM_SWITCH 1
+#endif
+
+enum fstate { F_READY, F_BARRIER, F_WARP, F_DONE };
+enum wop { W_SYNC, W_SHFL, W_XOR, W_DOWN, W_UP, W_BALLOT, W_ANY, W_ALL };
+
+struct fiber {
+#ifdef QLSHIM_ASM_SWITCH
+    void *sp = nullptr;  // its saved stack pointer while it is switched out
+#else
+    ucontext_t uc;
+#endif
+    char *stack = nullptr;
+    fstate state = F_READY;
+    int tid = 0;  // linear thread index in the block
+    uint3 idx{0, 0, 0};
+    const char *file = "";
+    int line = 0;
+    // a pending warp collective
+    wop op = W_SYNC;
+    unsigned mask = 0;
+    uint64_t value = 0, result = 0;
+    int param = 0, width = 32;
+};
+
+struct block_ctx {
+    std::vector<fiber> *fibers = nullptr;
+#ifdef QLSHIM_ASM_SWITCH
+    void *sched_sp = nullptr;
+#else
+    ucontext_t sched;
+#endif
+    fiber *cur = nullptr;
+    dim3 block_idx, block_dim, grid_dim;
+    unsigned char *dyn = nullptr;
+    const std::function<void()> *body = nullptr;
+    bool failed = false;
+    std::string err;
+#ifdef QLSHIM_ASAN
+    const void *sched_stack = nullptr;
+    size_t sched_size = 0;
+#endif
+};
+inline block_ctx *&cur_block() {
+    static thread_local block_ctx *b = nullptr;
+    return b;
+}
+
+inline size_t stack_bytes() {
+#ifdef QLSHIM_ASAN
+    return 512 << 10;
+#else
+    return 128 << 10;
+#endif
+}
+
+inline void switch_to_scheduler(block_ctx *b, fiber *f) {
+#ifdef QLSHIM_ASM_SWITCH
+    qlshim_switch(&f->sp, b->sched_sp);
+#else
+    swapcontext(&f->uc, &b->sched);
+#endif
+}
+inline void switch_to_fiber(block_ctx *b, fiber *f) {
+#ifdef QLSHIM_ASM_SWITCH
+    qlshim_switch(&b->sched_sp, f->sp);
+#else
+    swapcontext(&b->sched, &f->uc);
+#endif
+}
+
+// switch from the current fiber back to the block's scheduler
+inline void yield_to_scheduler(bool dying = false) {
+    block_ctx *b = cur_block();
+    fiber *f = b->cur;
+#ifdef QLSHIM_ASAN
+    void *fake = nullptr;
+    __sanitizer_start_switch_fiber(dying ? nullptr : &fake, b->sched_stack, b->sched_size);
+    switch_to_scheduler(b, f);
+    __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+    (void)dying;
+    switch_to_scheduler(b, f);
+#endif
+}
+
+inline void fiber_entry() {
+#ifdef QLSHIM_ASAN
+    block_ctx *b0 = cur_block();
+    __sanitizer_finish_switch_fiber(nullptr, &b0->sched_stack, &b0->sched_size);
+#endif
+    block_ctx *b = cur_block();
+    (*b->body)();
+    b->cur->state = F_DONE;
+    yield_to_scheduler(true);
+}
+
+inline void fail(const std::string &msg) {
+    block_ctx *b = cur_block();
+    if (!b->failed) b->err = msg;
+    b->failed = true;
+}
+
+inline std::string site(const fiber &f) { return std::string(f.file) + ":" + std::to_string(f.line); }
+
+inline void syncthreads(const char *file, int line) {
+    block_ctx *b = cur_block();
+    b->cur->state = F_BARRIER;
+    b->cur->file = file;
+    b->cur->line = line;
+    yield_to_scheduler();
+}
+
+template <typename T> inline uint64_t bits_of(T v) {
+    static_assert(sizeof(T) <= 8, "warp collectives move at most 8 bytes");
+    uint64_t u = 0;
+    memcpy(&u, &v, sizeof(T));
+    return u;
+}
+template <typename T> inline T of_bits(uint64_t u) {
+    T v;
+    memcpy(&v, &u, sizeof(T));
+    return v;
+}
+
+inline uint64_t warp_op(wop op, unsigned mask, uint64_t value, int param, int width, const char *file, int line) {
+    block_ctx *b = cur_block();
+    fiber *f = b->cur;
+    f->state = F_WARP, f->op = op, f->mask = mask, f->value = value, f->param = param, f->width = width;
+    f->file = file, f->line = line;
+    yield_to_scheduler();
+    return f->result;
+}
+
+// ---- the block scheduler ---------------------------------------------------------------------
+
+inline uint64_t mix64(uint64_t x) {
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    return x ^ (x >> 31);
+}
+
+inline void make_order(std::vector<int> &ord, int n, uint64_t &rs) {
+    ord.resize((size_t)n);
+    for (int i = 0; i < n; i++) ord[(size_t)i] = st().order == ORDER_REVERSE ? n - 1 - i : i;
+    if (st().order == ORDER_RANDOM)
+        for (int i = n - 1; i > 0; i--) std::swap(ord[(size_t)i], ord[(size_t)((rs = mix64(rs)) % (uint64_t)(i + 1))]);
+}
+
+// Resolve the warp collectives every lane of a warp is waiting at; false when none could be.
+inline bool resolve_warps(block_ctx *b, int n) {
+    std::vector<fiber> &fs = *b->fibers;
+    bool progress = false;
+    for (int w0 = 0; w0 < n && !b->failed; w0 += 32) {
+        const int lanes = std::min(32, n - w0);
+        int first = -1;
+        for (int l = 0; l < lanes; l++)
+            if (fs[(size_t)(w0 + l)].state == F_WARP) {
+                first = l;
+                break;
+            }
+        if (first < 0) continue;
+        const fiber &f0 = fs[(size_t)(w0 + first)];
+        const unsigned mask = f0.mask;
+        const std::string where = "warp " + std::to_string(w0 / 32) + " at " + site(f0);
+        if (!(mask >> first & 1u)) {
+            fail("warp collective whose mask 0x" + std::to_string(mask) + " does not name the calling lane " +
+                 std::to_string(first) + ", " + where);
+            return false;
+        }
+        bool ready = true;
+        for (int l = 0; l < 32; l++) {
+            if (!(mask >> l & 1u)) continue;
+            if (l >= lanes) {
+                fail("full-mask warp collective in a partial warp: lane " + std::to_string(l) + " does not exist (" +
+                     std::to_string(lanes) + " threads in the warp), " + where);
+                return false;
+            }
+            const fiber &g = fs[(size_t)(w0 + l)];
+            if (g.state == F_DONE) {
+                fail("warp collective waits for lane " + std::to_string(l) + ", which has exited, " + where);
+                return false;
+            }
+            if (g.state != F_WARP) ready = false;
+            else if (g.line != f0.line || strcmp(g.file, f0.file) || g.op != f0.op || g.mask != mask) {
+                fail("lanes of one warp collective arrive from different call sites or masks: lane " + std::to_string(l) +
+                     " at " + site(g) + ", " + where);
+                return false;
+            }
+        }
+        if (!ready) continue;
+        uint64_t ballot = 0;
+        for (int l = 0; l < 32; l++)
+            if (mask >> l & 1u) ballot |= (uint64_t)(fs[(size_t)(w0 + l)].value != 0) << l;
+        for (int l = 0; l < 32; l++) {
+            if (!(mask >> l & 1u)) continue;
+            fiber &g = fs[(size_t)(w0 + l)];
+            const int wd = g.width, base = l / wd * wd;
+            int src = l;
+            switch (g.op) {
+            case W_SHFL: src = base + (g.param % wd + wd) % wd; break;
+            case W_XOR: src = (l ^ g.param) / wd == l / wd ? l ^ g.param : l; break;
+            case W_DOWN: src = l % wd + g.param < wd ? l + g.param : l; break;
+            case W_UP: src = l % wd >= g.param ? l - g.param : l; break;
+            default: break;
+            }
+            if (g.op == W_SHFL || g.op == W_XOR || g.op == W_DOWN || g.op == W_UP) {
+                if (!(mask >> src & 1u)) {
+                    fail("shuffle reads lane " + std::to_string(src) + ", which is not in the mask, " + where);
+                    return false;
+                }
+                g.result = fs[(size_t)(w0 + src)].value;
+            } else if (g.op == W_BALLOT) {
+                g.result = ballot;
+            } else if (g.op == W_ANY) {
+                g.result = ballot != 0;
+            } else if (g.op == W_ALL) {
+                g.result = ballot == (uint64_t)mask;
+            }
+        }
+        for (int l = 0; l < 32; l++)
+            if (mask >> l & 1u) fs[(size_t)(w0 + l)].state = F_READY;
+        progress = true;
+    }
+    return progress;
+}
+
+inline void run_block(block_ctx *b, int n, uint64_t seed) {
+    std::vector<fiber> &fs = *b->fibers;
+    std::vector<int> ord;
+    uint64_t rs = seed;
+    make_order(ord, n, rs);
+    for (;;) {
+        for (int i : ord) {
+            fiber &f = fs[(size_t)i];
+            if (f.state != F_READY) continue;
+            b->cur = &f;
+#ifdef QLSHIM_ASAN
+            void *fake = nullptr;
+            __sanitizer_start_switch_fiber(&fake, f.stack, stack_bytes());
+            switch_to_fiber(b, &f);
+            __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#else
+            switch_to_fiber(b, &f);
+#endif
+            if (b->failed) return;
+        }
+        if (resolve_warps(b, n)) continue;
+        if (b->failed) return;
+        int done = 0, barrier = 0;
+        const fiber *first_bar = nullptr;
+        for (const fiber &f : fs) {
+            done += f.state == F_DONE;
+            if (f.state == F_BARRIER) {
+                barrier++;
+                if (!first_bar) first_bar = &f;
+            }
+        }
+        if (done == n) return;
+        if (barrier + done == n && done == 0) {
+            for (const fiber &f : fs)
+                if (f.line != first_bar->line || strcmp(f.file, first_bar->file)) {
+                    fail("divergent __syncthreads: thread " + std::to_string(first_bar->tid) + " at " + site(*first_bar) +
+                         ", thread " + std::to_string(f.tid) + " at " + site(f));
+                    return;
+                }
+            for (fiber &f : fs) f.state = F_READY;
+            if (st().order == ORDER_RANDOM) make_order(ord, n, rs);
+            continue;
+        }
+        // nothing can move: say who waits where
+        std::string why = "deadlock: ";
+        if (first_bar && done)
+            why += std::to_string(done) + " thread(s) exited while thread " + std::to_string(first_bar->tid) +
+                   " waits at __syncthreads " + site(*first_bar);
+        else
+            for (const fiber &f : fs)
+                if (f.state == F_WARP || f.state == F_BARRIER) {
+                    why += "thread " + std::to_string(f.tid) + " waits at " + (f.state == F_WARP ? "a warp collective " : "__syncthreads ") +
+                           site(f) + "; ";
+                    if (why.size() > 300) break;
+                }
+        fail(why);
+        return;
+    }
+}
+
+// ---- workers: whole blocks each ----------------------------------------------------------------
+
+struct launch_job {
+    const char *name;
+    dim3 grid, block;
+    size_t smem;
+    const std::function<void()> *body;
+    std::atomic<long long> next{0};
+    std::atomic<bool> failed{false};
+    std::mutex mu;
+    std::string err;
+};
+
+// its own function: getcontext returns twice, which must not touch the caller's locals
+__attribute__((noinline)) inline void init_fiber(fiber *f) {
+#ifdef QLSHIM_ASM_SWITCH
+    // the stack as qlshim_switch leaves it: MXCSR + x87 control word, six registers, and the
+    // return address (fiber_entry), which sits 16-byte aligned so that fiber_entry starts as if called
+    uintptr_t top = ((uintptr_t)f->stack + stack_bytes()) & ~(uintptr_t)15;
+    uint64_t *sp = (uint64_t *)(top - 16);
+    sp[0] = (uint64_t)(uintptr_t)&fiber_entry;
+    for (int r = 1; r <= 6; r++) sp[-r] = 0;
+    uint32_t *ctl = (uint32_t *)(sp - 7);
+    ctl[0] = 0x1F80;  // MXCSR: round to nearest, exceptions masked
+    ctl[1] = 0x037F;  // x87 control word: the default
+    f->sp = sp - 7;
+#else
+    getcontext(&f->uc);
+    f->uc.uc_stack.ss_sp = f->stack;
+    f->uc.uc_stack.ss_size = stack_bytes();
+    f->uc.uc_link = nullptr;
+    makecontext(&f->uc, fiber_entry, 0);
+#endif
+}
+
+// one worker's share: blocks taken from a counter, fibers and stacks reused
+inline void worker_run(launch_job *j) {
+    const int n = (int)(j->block.x * j->block.y * j->block.z);
+    struct stack_pool {  // this worker's fiber stacks, kept for its next blocks, freed when it ends
+        std::vector<char *> s;
+        ~stack_pool() {
+            for (char *p : s) free(p);
+        }
+    };
+    static thread_local std::vector<fiber> fibers;
+    static thread_local stack_pool spool;
+    std::vector<char *> &stacks = spool.s;
+    while ((int)stacks.size() < n) {
+        char *s = (char *)malloc(stack_bytes());
+        if (!s) abort();
+        stacks.push_back(s);
+    }
+    fibers.assign((size_t)n, fiber());
+    std::vector<unsigned char> dyn(j->smem + 16);
+    const long long nb = (long long)j->grid.x * j->grid.y * j->grid.z;
+    block_ctx b;
+    b.fibers = &fibers;
+    b.block_dim = j->block;
+    b.grid_dim = j->grid;
+    b.body = j->body;
+    b.dyn = dyn.data();
+    cur_block() = &b;
+    for (long long bi; !j->failed.load() && (bi = j->next.fetch_add(1)) < nb;) {
+        b.block_idx = dim3((unsigned)(bi % j->grid.x), (unsigned)(bi / j->grid.x % j->grid.y), (unsigned)(bi / j->grid.x / j->grid.y));
+        memset(dyn.data(), 0xff, dyn.size());
+        for (int t = 0; t < n; t++) {
+            fiber &f = fibers[(size_t)t];
+            f = fiber();
+            f.tid = t;
+            f.idx = uint3{(unsigned)(t % j->block.x), (unsigned)(t / j->block.x % j->block.y), (unsigned)(t / j->block.x / j->block.y)};
+            f.stack = stacks[(size_t)t];
+            init_fiber(&f);
+        }
+        run_block(&b, n, st().seed ^ mix64((uint64_t)bi));
+        if (b.failed) {
+            std::lock_guard<std::mutex> lk(j->mu);
+            if (!j->failed.exchange(true))
+                j->err = std::string(j->name) + ", block (" + std::to_string(b.block_idx.x) + "," + std::to_string(b.block_idx.y) +
+                         "," + std::to_string(b.block_idx.z) + "): " + b.err;
+        }
+    }
+    cur_block() = nullptr;
+}
+
+struct pool_t {
+    std::vector<std::thread> threads;
+    std::mutex mu;
+    std::condition_variable cv, done_cv;
+    launch_job *job = nullptr;
+    long long generation = 0;
+    int busy = 0;
+    bool quit = false;
+    void start(int n) {
+        for (int i = 0; i < n; i++)
+            threads.emplace_back([this] {
+                long long seen = 0;
+                for (;;) {
+                    launch_job *j;
+                    {
+                        std::unique_lock<std::mutex> lk(mu);
+                        cv.wait(lk, [&] { return quit || generation != seen; });
+                        if (quit) return;
+                        seen = generation;
+                        j = job;
+                    }
+                    worker_run(j);
+                    std::lock_guard<std::mutex> lk(mu);
+                    if (--busy == 0) done_cv.notify_all();
+                }
+            });
+    }
+    ~pool_t() {
+        {
+            std::lock_guard<std::mutex> lk(mu);
+            quit = true;
+        }
+        cv.notify_all();
+        for (auto &t : threads) t.join();
+    }
+    void run(launch_job *j) {  // the caller works too
+        {
+            std::lock_guard<std::mutex> lk(mu);
+            job = j;
+            busy = (int)threads.size();
+            generation++;
+        }
+        cv.notify_all();
+        worker_run(j);
+        std::unique_lock<std::mutex> lk(mu);
+        done_cv.wait(lk, [&] { return busy == 0; });
+    }
+};
+inline pool_t &pool() {
+    static pool_t p;
+    static std::once_flag once;
+    std::call_once(once, [] { p.start(std::max(0, st().workers - 1)); });
+    return p;
+}
+
+inline void set_sticky(cudaError_t e, const std::string &msg) {
+    state_t &s = st();
+    std::lock_guard<std::mutex> lk(s.mu);
+    if (s.sticky == cudaSuccess) {
+        s.sticky = e;
+        s.message = msg;
+        fprintf(stderr, "qlshim: %s\n", msg.c_str());
+    }
+}
+
+template <typename K, typename... A>
+inline void launch(const char *name, K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t, A... args) {
+    read_env();
+    const unsigned long long threads = (unsigned long long)block.x * block.y * block.z;
+    const int limit = [&] {
+        std::lock_guard<std::mutex> lk(st().mu);
+        auto it = st().max_dyn_smem.find((const void *)kernel);
+        return it != st().max_dyn_smem.end() ? it->second : 48 << 10;
+    }();
+    std::string bad;
+    if (threads == 0 || threads > 1024 || block.z > 64) bad = "block of " + std::to_string(threads) + " threads";
+    else if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.y > 65535 || grid.z > 65535) bad = "grid dimensions";
+    else if (smem > (size_t)limit) bad = std::to_string(smem) + " bytes of dynamic shared memory (limit " + std::to_string(limit) + ")";
+    if (!bad.empty()) {
+        set_sticky(cudaErrorInvalidConfiguration, std::string(name) + ": invalid launch: " + bad);
+        return;
+    }
+    const std::function<void()> body = [&] { kernel(args...); };
+    launch_job j;
+    j.name = name;
+    j.grid = grid;
+    j.block = block;
+    j.smem = smem;
+    j.body = &body;
+    if ((long long)grid.x * grid.y * grid.z == 1) worker_run(&j);  // one block: no hand-off
+    else pool().run(&j);
+    if (j.failed.load()) set_sticky(cudaErrorLaunchFailure, j.err);
+}
+
+inline const dim3 &thread_idx() {
+    static thread_local dim3 d;
+    const uint3 &u = cur_block()->cur->idx;
+    d = dim3(u.x, u.y, u.z);
+    return d;
+}
+
+}  // namespace qlshim
+
+// ---- the kernel language ---------------------------------------------------------------------
+
+#undef __shared__
+#define __shared__ static thread_local
+#undef __launch_bounds__
+#define __launch_bounds__(...)
+#define QL_LAUNCH(k, grid, block, smem, stream, ...) ::qlshim::launch(#k, k, dim3(grid), dim3(block), (size_t)(smem), stream, __VA_ARGS__)
+#define QL_DYN_SMEM(T, name) T *name = reinterpret_cast<T *>(::qlshim::cur_block()->dyn)
+
+#define threadIdx (::qlshim::thread_idx())
+#define blockIdx (::qlshim::cur_block()->block_idx)
+#define blockDim (::qlshim::cur_block()->block_dim)
+#define gridDim (::qlshim::cur_block()->grid_dim)
+
+#define __syncthreads() ::qlshim::syncthreads(__FILE__, __LINE__)
+#define __syncwarp(...) ((void)::qlshim::warp_op(::qlshim::W_SYNC, QLSHIM_MASK(__VA_ARGS__), 0, 0, 32, __FILE__, __LINE__))
+#define QLSHIM_MASK(...) QLSHIM_MASK_(__VA_ARGS__ + 0, 0xffffffffu)
+#define QLSHIM_MASK_(m, d) ((m) ? (unsigned)(m) : (d))
+#define __shfl_sync(mask, v, src, ...) ::qlshim::shfl(::qlshim::W_SHFL, mask, v, src, __FILE__, __LINE__, ##__VA_ARGS__)
+#define __shfl_xor_sync(mask, v, lm, ...) ::qlshim::shfl(::qlshim::W_XOR, mask, v, lm, __FILE__, __LINE__, ##__VA_ARGS__)
+#define __shfl_down_sync(mask, v, d, ...) ::qlshim::shfl(::qlshim::W_DOWN, mask, v, d, __FILE__, __LINE__, ##__VA_ARGS__)
+#define __shfl_up_sync(mask, v, d, ...) ::qlshim::shfl(::qlshim::W_UP, mask, v, d, __FILE__, __LINE__, ##__VA_ARGS__)
+#define __ballot_sync(mask, p) ((unsigned)::qlshim::warp_op(::qlshim::W_BALLOT, mask, (p) != 0, 0, 32, __FILE__, __LINE__))
+#define __any_sync(mask, p) ((int)::qlshim::warp_op(::qlshim::W_ANY, mask, (p) != 0, 0, 32, __FILE__, __LINE__))
+#define __all_sync(mask, p) ((int)::qlshim::warp_op(::qlshim::W_ALL, mask, (p) != 0, 0, 32, __FILE__, __LINE__))
+
+namespace qlshim {
+template <typename T> inline T shfl(wop op, unsigned mask, T v, int p, const char *file, int line, int width = 32) {
+    return of_bits<T>(warp_op(op, mask, bits_of(v), p, width, file, line));
+}
+}  // namespace qlshim
+
+// atomics: real ones (blocks run on several threads)
+template <typename T> inline T qlshim_atomic_add(T *p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_RELAXED); }
+inline float atomicAdd(float *p, float v) {
+    float old = *p, want;
+    do want = old + v;
+    while (!__atomic_compare_exchange(p, &old, &want, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    return old;
+}
+inline double atomicAdd(double *p, double v) {
+    double old = *p, want;
+    do want = old + v;
+    while (!__atomic_compare_exchange(p, &old, &want, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    return old;
+}
+inline int atomicAdd(int *p, int v) { return qlshim_atomic_add(p, v); }
+inline unsigned atomicAdd(unsigned *p, unsigned v) { return qlshim_atomic_add(p, v); }
+inline unsigned long long atomicAdd(unsigned long long *p, unsigned long long v) { return qlshim_atomic_add(p, v); }
+inline int atomicSub(int *p, int v) { return __atomic_fetch_sub(p, v, __ATOMIC_RELAXED); }
+inline unsigned atomicSub(unsigned *p, unsigned v) { return __atomic_fetch_sub(p, v, __ATOMIC_RELAXED); }
+template <typename T> inline T qlshim_atomic_minmax(T *p, T v, bool mx) {
+    T old = __atomic_load_n(p, __ATOMIC_RELAXED);
+    while ((mx ? v > old : v < old) && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {}
+    return old;
+}
+inline int atomicMax(int *p, int v) { return qlshim_atomic_minmax(p, v, true); }
+inline unsigned atomicMax(unsigned *p, unsigned v) { return qlshim_atomic_minmax(p, v, true); }
+inline unsigned long long atomicMax(unsigned long long *p, unsigned long long v) { return qlshim_atomic_minmax(p, v, true); }
+inline int atomicMin(int *p, int v) { return qlshim_atomic_minmax(p, v, false); }
+inline unsigned atomicMin(unsigned *p, unsigned v) { return qlshim_atomic_minmax(p, v, false); }
+inline unsigned long long atomicMin(unsigned long long *p, unsigned long long v) { return qlshim_atomic_minmax(p, v, false); }
+template <typename T> inline T qlshim_cas(T *p, T cmp, T v) {
+    __atomic_compare_exchange_n(p, &cmp, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    return cmp;
+}
+inline int atomicCAS(int *p, int c, int v) { return qlshim_cas(p, c, v); }
+inline unsigned atomicCAS(unsigned *p, unsigned c, unsigned v) { return qlshim_cas(p, c, v); }
+inline unsigned long long atomicCAS(unsigned long long *p, unsigned long long c, unsigned long long v) { return qlshim_cas(p, c, v); }
+inline int atomicExch(int *p, int v) { return __atomic_exchange_n(p, v, __ATOMIC_RELAXED); }
+inline unsigned atomicExch(unsigned *p, unsigned v) { return __atomic_exchange_n(p, v, __ATOMIC_RELAXED); }
+inline float atomicExch(float *p, float v) {
+    float old;
+    __atomic_exchange(p, &v, &old, __ATOMIC_RELAXED);
+    return old;
+}
+inline int atomicOr(int *p, int v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); }
+inline unsigned atomicOr(unsigned *p, unsigned v) { return __atomic_fetch_or(p, v, __ATOMIC_RELAXED); }
+inline int atomicAnd(int *p, int v) { return __atomic_fetch_and(p, v, __ATOMIC_RELAXED); }
+inline unsigned atomicAnd(unsigned *p, unsigned v) { return __atomic_fetch_and(p, v, __ATOMIC_RELAXED); }
+inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+inline void __threadfence_block() { std::atomic_thread_fence(std::memory_order_seq_cst); }
+
+// device math as the host computes it (the _rn forms: one rounding each, never fused)
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __sinf(float x) { return std::sin(x); }
+inline float __cosf(float x) { return std::cos(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float __frcp_rn(float x) { return 1.0f / x; }
+inline float __fsqrt_rn(float x) { return std::sqrt(x); }
+inline float __saturatef(float x) { return x < 0 ? 0.0f : (x > 1 ? 1.0f : x); }
+inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
+inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
+inline float __fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
+inline int __float_as_int(float x) { int i; memcpy(&i, &x, 4); return i; }
+inline float __int_as_float(int i) { float x; memcpy(&x, &i, 4); return x; }
+inline unsigned __float_as_uint(float x) { unsigned i; memcpy(&i, &x, 4); return i; }
+inline float __uint_as_float(unsigned i) { float x; memcpy(&x, &i, 4); return x; }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
+inline int __ffs(int x) { return __builtin_ffs(x); }
+template <typename T> inline T __ldg(const T *p) { return *p; }
+// device code's global min / max (CUDA has them for every arithmetic type)
+template <typename T> inline T min(T a, T b) { return b < a ? b : a; }
+template <typename T> inline T max(T a, T b) { return a < b ? b : a; }
+using std::isfinite;
+using std::isnan;
+using std::isinf;
+
+// ---- the runtime API (CUDA's declarations, these definitions) --------------------------------
+
+struct CUstream_st {
+    int dummy;
+};
+struct CUevent_st {
+    double t;
+};
+struct cublasContext {
+    cudaStream_t stream;
+};
+
+extern "C" {
+inline cudaError_t cudaGetDeviceCount(int *n) {
+    *n = qlshim::st().device_count;
+    return *n ? cudaSuccess : cudaErrorNoDevice;
+}
+inline cudaError_t cudaSetDevice(int d) { return d >= 0 && d < qlshim::st().device_count ? cudaSuccess : cudaErrorInvalidDevice; }
+inline cudaError_t cudaGetDevice(int *d) {
+    *d = 0;
+    return cudaSuccess;
+}
+inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int d) {
+    if (d < 0 || d >= qlshim::st().device_count) return cudaErrorInvalidDevice;
+    memset(p, 0, sizeof(*p));
+    snprintf(p->name, sizeof(p->name), "qlshim (CPU)");
+    p->major = qlshim::st().cc_major;
+    p->minor = qlshim::st().cc_minor;
+    p->totalGlobalMem = qlshim::st().total_mem;
+    p->sharedMemPerBlock = 48 << 10;
+    p->sharedMemPerBlockOptin = (size_t)qlshim::max_opt_in_smem();
+    p->multiProcessorCount = 4;
+    p->warpSize = 32;
+    p->maxThreadsPerBlock = 1024;
+    return cudaSuccess;
+}
+inline cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total) {
+    *total = qlshim::st().total_mem;
+    *free_b = *total - qlshim::st().in_use;
+    return cudaSuccess;
+}
+inline cudaError_t cudaMalloc(void **p, size_t size) {
+    qlshim::state_t &s = qlshim::st();
+    std::lock_guard<std::mutex> lk(s.mu);
+    *p = nullptr;
+    if (s.in_use + size > s.total_mem) return cudaErrorMemoryAllocation;
+    void *m = malloc(std::max<size_t>(size, 1));
+    if (!m) return cudaErrorMemoryAllocation;
+    memset(m, 0xff, size);  // device memory starts as garbage
+    s.allocs[m] = size;
+    s.in_use += size;
+    s.peak = std::max(s.peak, s.in_use);
+    *p = m;
+    return cudaSuccess;
+}
+inline cudaError_t cudaFree(void *p) {
+    if (!p) return cudaSuccess;
+    qlshim::state_t &s = qlshim::st();
+    std::lock_guard<std::mutex> lk(s.mu);
+    auto it = s.allocs.find(p);
+    if (it == s.allocs.end()) return cudaErrorInvalidValue;
+    s.in_use -= it->second;
+    s.allocs.erase(it);
+    free(p);
+    return cudaSuccess;
+}
+inline cudaError_t cudaMallocHost(void **p, size_t size) {
+    *p = malloc(std::max<size_t>(size, 1));
+    return *p ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+inline cudaError_t cudaFreeHost(void *p) {
+    free(p);
+    return cudaSuccess;
+}
+inline cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind) {
+    if (n) memmove(dst, src, n);
+    return cudaSuccess;
+}
+inline cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind k, cudaStream_t) {
+    return cudaMemcpy(dst, src, n, k);
+}
+inline cudaError_t cudaMemset(void *p, int v, size_t n) {
+    if (n) memset(p, v, n);
+    return cudaSuccess;
+}
+inline cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t) { return cudaMemset(p, v, n); }
+inline cudaError_t cudaStreamCreate(cudaStream_t *s) {
+    *s = new CUstream_st{0};
+    return cudaSuccess;
+}
+inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) { return cudaStreamCreate(s); }
+inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
+    delete s;
+    return cudaSuccess;
+}
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) {
+    std::lock_guard<std::mutex> lk(qlshim::st().mu);
+    return qlshim::st().sticky;  // a failed launch shows at the next synchronisation too
+}
+inline cudaError_t cudaDeviceSynchronize(void) { return cudaStreamSynchronize(nullptr); }
+inline cudaError_t cudaGetLastError(void) {
+    std::lock_guard<std::mutex> lk(qlshim::st().mu);
+    const cudaError_t e = qlshim::st().sticky;
+    qlshim::st().sticky = cudaSuccess;
+    return e;
+}
+inline cudaError_t cudaPeekAtLastError(void) {
+    std::lock_guard<std::mutex> lk(qlshim::st().mu);
+    return qlshim::st().sticky;
+}
+inline const char *cudaGetErrorName(cudaError_t e) {
+    switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    default: return "cudaError";
+    }
+}
+inline const char *cudaGetErrorString(cudaError_t e) {
+    // the detail of the last launch failure while it is the one asked about
+    static thread_local std::string s;
+    s = cudaGetErrorName(e);
+    if ((e == cudaErrorLaunchFailure || e == cudaErrorInvalidConfiguration) && !qlshim::st().message.empty())
+        s += ": " + qlshim::st().message;
+    else if (e == cudaErrorMemoryAllocation)
+        s = "out of memory";
+    return s.c_str();
+}
+inline cudaError_t cudaEventCreate(cudaEvent_t *e) {
+    *e = new CUevent_st{0};
+    return cudaSuccess;
+}
+inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t) {
+    e->t = (double)std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    return cudaSuccess;
+}
+inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+inline cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
+    *ms = (float)((b->t - a->t) / 1000.0);
+    return cudaSuccess;
+}
+inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
+    delete e;
+    return cudaSuccess;
+}
+inline cudaError_t cudaMemcpyToSymbol(const void *symbol, const void *src, size_t n, size_t offset, cudaMemcpyKind) {
+    memcpy((char *)symbol + offset, src, n);  // __constant__ data is an ordinary global here
+    return cudaSuccess;
+}
+inline cudaError_t cudaDriverGetVersion(int *v) {
+    *v = 13000;
+    return cudaSuccess;
+}
+inline cudaError_t cudaRuntimeGetVersion(int *v) {
+    *v = 13000;
+    return cudaSuccess;
+}
+}  // extern "C"
+
+namespace qlshim {
+inline cudaError_t set_max_dyn_smem(const void *k, int bytes) {
+    if (bytes < 0 || bytes > max_opt_in_smem()) return cudaErrorInvalidValue;
+    std::lock_guard<std::mutex> lk(st().mu);
+    st().max_dyn_smem[k] = bytes;
+    return cudaSuccess;
+}
+}  // namespace qlshim
+#define cudaFuncSetAttribute(k, attr, v) \
+    ((attr) == cudaFuncAttributeMaxDynamicSharedMemorySize ? ::qlshim::set_max_dyn_smem((const void *)(k), (int)(v)) : cudaSuccess)
+
+// ---- cuBLAS: a reference GEMM with cuBLAS' column-major semantics and argument checks -----------
+
+extern "C" {
+inline cublasStatus_t cublasCreate_v2(cublasHandle_t *h) {
+    *h = new cublasContext{nullptr};
+    return CUBLAS_STATUS_SUCCESS;
+}
+inline cublasStatus_t cublasDestroy_v2(cublasHandle_t h) {
+    delete h;
+    return CUBLAS_STATUS_SUCCESS;
+}
+inline cublasStatus_t cublasSetStream_v2(cublasHandle_t h, cudaStream_t s) {
+    if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
+    h->stream = s;
+    return CUBLAS_STATUS_SUCCESS;
+}
+inline cublasStatus_t cublasSetMathMode(cublasHandle_t h, cublasMath_t) { return h ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_INITIALIZED; }
+inline cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t h, void *, size_t) { return h ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_INITIALIZED; }
+inline const char *cublasGetStatusString(cublasStatus_t s) {
+    switch (s) {
+    case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    default: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    }
+}
+
+inline cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k,
+                                                 const void *alpha, const void *A, cudaDataType at, int lda, long long sA,
+                                                 const void *B, cudaDataType bt, int ldb, long long sB, const void *beta, void *C,
+                                                 cudaDataType ct, int ldc, long long sC, int batch, cublasComputeType_t comp,
+                                                 cublasGemmAlgo_t) {
+    if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
+    if (m < 0 || n < 0 || k < 0 || batch < 0 || lda < std::max(1, ta == CUBLAS_OP_N ? m : k) ||
+        ldb < std::max(1, tb == CUBLAS_OP_N ? k : n) || ldc < std::max(1, m) || (ta != CUBLAS_OP_N && ta != CUBLAS_OP_T) ||
+        (tb != CUBLAS_OP_N && tb != CUBLAS_OP_T))
+        return CUBLAS_STATUS_INVALID_VALUE;
+    const bool f32 = at == CUDA_R_32F && bt == CUDA_R_32F && ct == CUDA_R_32F;
+    const bool h16 = at == bt && (at == CUDA_R_16F || at == CUDA_R_16BF) && (ct == CUDA_R_32F || ct == at);
+    if (!(f32 || h16) || (comp != CUBLAS_COMPUTE_32F && comp != CUBLAS_COMPUTE_32F_PEDANTIC && comp != CUBLAS_COMPUTE_32F_FAST_TF32 &&
+                          comp != CUBLAS_COMPUTE_32F_FAST_16F && comp != CUBLAS_COMPUTE_32F_FAST_16BF))
+        return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (at == CUDA_R_16BF && qlshim::st().cc_major < 8) return CUBLAS_STATUS_ARCH_MISMATCH;
+    auto ld = [](const void *p, cudaDataType t, long long i) -> float {
+        if (t == CUDA_R_32F) return ((const float *)p)[i];
+        if (t == CUDA_R_16F) return __half2float(((const __half *)p)[i]);
+        return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+    };
+    const float al = *(const float *)alpha, be = *(const float *)beta;
+    for (int bi = 0; bi < batch; bi++) {
+        const char *Ab = (const char *)A + bi * sA * (at == CUDA_R_32F ? 4 : 2);
+        const char *Bb = (const char *)B + bi * sB * (bt == CUDA_R_32F ? 4 : 2);
+        char *Cb = (char *)C + bi * sC * (ct == CUDA_R_32F ? 4 : 2);
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < m; i++) {
+                float acc = 0;
+                for (int p = 0; p < k; p++) {
+                    const float a = ld(Ab, at, ta == CUBLAS_OP_N ? i + (long long)p * lda : p + (long long)i * lda);
+                    const float b = ld(Bb, bt, tb == CUBLAS_OP_N ? p + (long long)j * ldb : j + (long long)p * ldb);
+                    acc += a * b;
+                }
+                const long long ci = i + (long long)j * ldc;
+                float r = al * acc;
+                if (be != 0.0f) r += be * ld(Cb, ct, ci);  // beta 0: C is not read (garbage never leaks)
+                if (ct == CUDA_R_32F) ((float *)Cb)[ci] = r;
+                else if (ct == CUDA_R_16F) ((__half *)Cb)[ci] = __float2half_rn(r);
+                else ((__nv_bfloat16 *)Cb)[ci] = __float2bfloat16_rn(r);
+            }
+    }
+    return CUBLAS_STATUS_SUCCESS;
+}
+
+inline cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void *alpha,
+                                   const void *A, cudaDataType at, int lda, const void *B, cudaDataType bt, int ldb, const void *beta,
+                                   void *C, cudaDataType ct, int ldc, cublasComputeType_t comp, cublasGemmAlgo_t algo) {
+    return cublasGemmStridedBatchedEx(h, ta, tb, m, n, k, alpha, A, at, lda, 0, B, bt, ldb, 0, beta, C, ct, ldc, 0, 1, comp, algo);
+}
+}  // extern "C"
+
+// last: the runtime's structs above have a field of this name
+#define warpSize 32

@@ -1,0 +1,272 @@
+// tests/shim_selftest.cpp - the CUDA shim itself: that kernels compute what they would on a
+// GPU, and that what a GPU would hide (a missing or divergent barrier, a deadlock, a shuffle in a
+// partial warp, a bad launch) is reported. Part of build/test-cuda-shim.
+#include "cuda_shim.h"
+
+#include "../qlora.h"
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace {
+
+// RMS norm of each row: shared memory, two barriers, a warp shuffle
+__global__ void k_rms(const float *x, float *y, int n) {
+    __shared__ float partial[32];
+    const float *row = x + (size_t)blockIdx.x * n;
+    float s = 0;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) s += row[i] * row[i];
+    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+    if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = s;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float t = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : 0.0f;
+        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffff, t, o);
+        if (threadIdx.x == 0) partial[0] = t;
+    }
+    __syncthreads();
+    const float r = 1.0f / std::sqrt(partial[0] / n + 1e-6f);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) y[(size_t)blockIdx.x * n + i] = row[i] * r;
+}
+
+// thread t writes shared[t], then reads its neighbour's: right only with the barrier
+__global__ void k_neighbour(float *out, int with_barrier, float salt) {
+    __shared__ float sh[64];
+    sh[threadIdx.x] = (float)threadIdx.x + salt;
+    if (with_barrier) __syncthreads();
+    out[threadIdx.x] = sh[(threadIdx.x + 1) % 64];
+}
+
+__global__ void k_divergent(float *out) {
+    if (threadIdx.x < 16) __syncthreads();
+    else __syncthreads();
+    out[threadIdx.x] = 1;
+}
+
+__global__ void k_early_exit(float *out) {
+    if (threadIdx.x == 3) return;
+    __syncthreads();
+    out[threadIdx.x] = 1;
+}
+
+__global__ void k_shuffle(float *out) { out[threadIdx.x] = __shfl_xor_sync(0xffffffff, (float)threadIdx.x, 1); }
+
+__global__ void k_mask_without_me(float *out) {
+    out[threadIdx.x] = threadIdx.x == 0 ? __shfl_sync(0x2u, 1.0f, 1) : 0.0f;
+}
+
+__global__ void k_lanes(int *out) {
+    const int l = threadIdx.x;
+    out[l * 5 + 0] = __shfl_down_sync(0xffffffff, l, 3, 16);
+    out[l * 5 + 1] = __shfl_up_sync(0xffffffff, l, 2);
+    out[l * 5 + 2] = __shfl_sync(0xffffffff, l * 10, 7);
+    out[l * 5 + 3] = (int)__ballot_sync(0xffffffff, l % 3 == 0);
+    out[l * 5 + 4] = __shfl_xor_sync(0xffffffff, l, 8, 16);
+}
+
+__global__ void k_shared_per_block(int *out) {
+    __shared__ int v;
+    if (threadIdx.x == 0) v = (int)blockIdx.x;
+    __syncthreads();
+    out[blockIdx.x * blockDim.x + threadIdx.x] = v;
+}
+
+__global__ void k_dyn(float *out) {
+    QL_DYN_SMEM(float, sm);
+    out[threadIdx.x] = sm[threadIdx.x];  // never written: the poison
+}
+
+__global__ void k_atomics(float *sum, int *mx) {
+    atomicAdd(sum, 1.0f);
+    atomicMax(mx, (int)(blockIdx.x * blockDim.x + threadIdx.x));
+}
+
+struct shim_settings {  // every test leaves the shim as it found it
+    ~shim_settings() {
+        qlshim::set_order(qlshim::ORDER_FORWARD, 1);
+        qlshim::set_device(9, 0, (size_t)16 << 30);
+        qlshim::set_device_count(1);
+        (void)cudaGetLastError();
+    }
+};
+
+template <typename T> T *dev(size_t n) {
+    void *p = nullptr;
+    REQUIRE(cudaMalloc(&p, n * sizeof(T)) == cudaSuccess);
+    return (T *)p;
+}
+
+}  // namespace
+
+TEST_CASE("shim: a reduction with shared memory, barriers and shuffles equals a plain loop, in every order") {
+    shim_settings keep;
+    const int rows = 37, n = 300;
+    std::vector<float> x((size_t)rows * n);
+    for (size_t i = 0; i < x.size(); i++) x[i] = std::sin((float)i * 0.37f);
+    float *dx = dev<float>(x.size()), *dy = dev<float>(x.size());
+    cudaMemcpy(dx, x.data(), x.size() * 4, cudaMemcpyHostToDevice);
+    for (qlshim::order_t o : {qlshim::ORDER_FORWARD, qlshim::ORDER_REVERSE, qlshim::ORDER_RANDOM}) {
+        qlshim::set_order(o, 7);
+        QL_LAUNCH(k_rms, rows, 128, 0, nullptr, dx, dy, n);
+        REQUIRE(cudaGetLastError() == cudaSuccess);
+        for (int r = 0; r < rows; r++) {
+            double s = 0;
+            for (int i = 0; i < n; i++) s += (double)x[(size_t)(r * n + i)] * x[(size_t)(r * n + i)];
+            const double inv = 1.0 / std::sqrt(s / n + 1e-6);
+            for (int i = 0; i < n; i += 37) CHECK(dy[r * n + i] == doctest::Approx(x[(size_t)(r * n + i)] * inv).epsilon(1e-5));
+        }
+    }
+    cudaFree(dx);
+    cudaFree(dy);
+}
+
+TEST_CASE("shim: a missing barrier gives a wrong answer in some order; with it, right in all") {
+    shim_settings keep;
+    float *out = dev<float>(64);
+    float salt = 0;
+    auto run = [&](qlshim::order_t o, int barrier) {
+        qlshim::set_order(o, 3);
+        salt += 1000;  // what an earlier launch left in shared memory is never this launch's value
+        QL_LAUNCH(k_neighbour, 1, 64, 0, nullptr, out, barrier, salt);
+        REQUIRE(cudaGetLastError() == cudaSuccess);
+        int right = 0;
+        for (int t = 0; t < 64; t++) right += out[t] == (float)((t + 1) % 64) + salt;
+        return right;
+    };
+    // forward: thread t reads t+1's slot before t+1 ran (only thread 63 reads a written one);
+    // reverse: only thread 63 reads too early
+    CHECK(run(qlshim::ORDER_FORWARD, 0) == 1);
+    CHECK(run(qlshim::ORDER_REVERSE, 0) == 63);
+    for (qlshim::order_t o : {qlshim::ORDER_FORWARD, qlshim::ORDER_REVERSE, qlshim::ORDER_RANDOM}) CHECK(run(o, 1) == 64);
+    cudaFree(out);
+}
+
+TEST_CASE("shim: divergent barriers, deadlocks, partial warps, foreign masks and bad launches are reported") {
+    shim_settings keep;
+    float *out = dev<float>(1024);
+    auto fails_with = [&](const std::string &what) {
+        CHECK(cudaGetLastError() == cudaErrorLaunchFailure);
+        CHECK_MESSAGE(qlshim::last_error_message().find(what) != std::string::npos, qlshim::last_error_message());
+    };
+    QL_LAUNCH(k_divergent, 1, 32, 0, nullptr, out);
+    fails_with("divergent __syncthreads");
+    CHECK(qlshim::last_error_message().find("shim_selftest.cpp:44") != std::string::npos);  // both call sites
+    CHECK(qlshim::last_error_message().find("shim_selftest.cpp:45") != std::string::npos);
+    QL_LAUNCH(k_early_exit, 1, 32, 0, nullptr, out);
+    fails_with("deadlock: 1 thread(s) exited while thread");
+    QL_LAUNCH(k_shuffle, 1, 48, 0, nullptr, out);
+    fails_with("partial warp");
+    QL_LAUNCH(k_shuffle, 1, 64, 0, nullptr, out);  // whole warps: fine
+    CHECK(cudaGetLastError() == cudaSuccess);
+    CHECK(out[0] == 1.0f);
+    CHECK(out[33] == 32.0f);
+    QL_LAUNCH(k_mask_without_me, 1, 32, 0, nullptr, out);
+    fails_with("does not name the calling lane");
+    QL_LAUNCH(k_shuffle, 1, 1025, 0, nullptr, out);
+    CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration);
+    QL_LAUNCH(k_dyn, 1, 32, 64 << 10, nullptr, out);
+    CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration);
+    REQUIRE(cudaFuncSetAttribute(k_dyn, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 << 10) == cudaSuccess);
+    QL_LAUNCH(k_dyn, 1, 32, 64 << 10, nullptr, out);
+    CHECK(cudaGetLastError() == cudaSuccess);
+    CHECK(std::isnan(out[5]));  // dynamic shared memory starts poisoned
+    cudaFree(out);
+}
+
+TEST_CASE("shim: shuffle, ballot and width semantics; shared memory per block; atomics across blocks") {
+    shim_settings keep;
+    int *o = dev<int>(32 * 5);
+    QL_LAUNCH(k_lanes, 1, 32, 0, nullptr, o);
+    REQUIRE(cudaGetLastError() == cudaSuccess);
+    for (int l = 0; l < 32; l++) {
+        CHECK(o[l * 5 + 0] == (l % 16 + 3 < 16 ? l + 3 : l));  // down within 16-lane segments
+        CHECK(o[l * 5 + 1] == (l >= 2 ? l - 2 : l));
+        CHECK(o[l * 5 + 2] == 70);
+        CHECK((unsigned)o[l * 5 + 3] == 0x49249249u);
+        CHECK(o[l * 5 + 4] == (l ^ 8));
+    }
+    int *pb = dev<int>(64 * 40);
+    QL_LAUNCH(k_shared_per_block, 40, 64, 0, nullptr, pb);
+    REQUIRE(cudaGetLastError() == cudaSuccess);
+    for (int b = 0; b < 40; b++) CHECK(pb[b * 64 + 63] == b);
+    float *sum = dev<float>(1);
+    int *mx = dev<int>(1);
+    *sum = 0;
+    *mx = -1;
+    QL_LAUNCH(k_atomics, 50, 96, 0, nullptr, sum, mx);
+    REQUIRE(cudaGetLastError() == cudaSuccess);
+    CHECK(*sum == 4800.0f);
+    CHECK(*mx == 4799);
+    cudaFree(o);
+    cudaFree(pb);
+    cudaFree(sum);
+    cudaFree(mx);
+}
+
+TEST_CASE("shim: cuBLAS' GEMM: transposes, batches with a broadcast A, 16-bit inputs, argument checks, beta 0") {
+    shim_settings keep;
+    cublasHandle_t h = nullptr;
+    REQUIRE(cublasCreate(&h) == CUBLAS_STATUS_SUCCESS);
+    const int m = 5, n = 4, k = 7, batch = 3;
+    std::vector<float> A((size_t)m * k), B((size_t)k * n * batch), C((size_t)m * n * batch, NAN);
+    for (size_t i = 0; i < A.size(); i++) A[i] = (float)((int)(i * 7 % 11) - 5);
+    for (size_t i = 0; i < B.size(); i++) B[i] = (float)((int)(i * 5 % 9) - 4) * 0.5f;
+    const float one = 1, zero = 0;
+    // A stored k x m (op T), B k x n per batch (op N), A shared by every batch (stride 0)
+    REQUIRE(cublasGemmStridedBatchedEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, A.data(), CUDA_R_32F, k, 0, B.data(), CUDA_R_32F, k,
+                                       (long long)k * n, &zero, C.data(), CUDA_R_32F, m, (long long)m * n, batch, CUBLAS_COMPUTE_32F,
+                                       CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS);
+    for (int b = 0; b < batch; b++)
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < m; i++) {
+                double want = 0;
+                for (int p = 0; p < k; p++) want += (double)A[(size_t)(p + i * k)] * B[(size_t)(b * k * n + p + j * k)];
+                CHECK(C[(size_t)(b * m * n + i + j * m)] == doctest::Approx(want));
+            }
+    std::vector<__nv_bfloat16> Ab(A.size()), Bb(B.size());
+    for (size_t i = 0; i < A.size(); i++) Ab[i] = __float2bfloat16_rn(A[i]);
+    for (size_t i = 0; i < B.size(); i++) Bb[i] = __float2bfloat16_rn(B[i]);
+    std::vector<float> C2(C.size(), NAN);
+    REQUIRE(cublasGemmStridedBatchedEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, Ab.data(), CUDA_R_16BF, k, 0, Bb.data(), CUDA_R_16BF,
+                                       k, (long long)k * n, &zero, C2.data(), CUDA_R_32F, m, (long long)m * n, batch,
+                                       CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_SUCCESS);
+    CHECK(C2 == C);  // small integers and halves: exact in bf16
+    // lda below the rows of op(A): refused as cuBLAS does; mixed input types: not supported
+    CHECK(cublasGemmStridedBatchedEx(h, CUBLAS_OP_N, CUBLAS_OP_N, m, n, k, &one, A.data(), CUDA_R_32F, m - 1, 0, B.data(), CUDA_R_32F, k,
+                                     0, &zero, C.data(), CUDA_R_32F, m, 0, 1, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) ==
+          CUBLAS_STATUS_INVALID_VALUE);
+    CHECK(cublasGemmStridedBatchedEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, A.data(), CUDA_R_32F, k, 0, Bb.data(), CUDA_R_16BF, k,
+                                     0, &zero, C.data(), CUDA_R_32F, m, 0, 1, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) ==
+          CUBLAS_STATUS_NOT_SUPPORTED);
+    qlshim::set_device(7, 5, (size_t)16 << 30);  // a T4 has no bf16 GEMM
+    CHECK(cublasGemmStridedBatchedEx(h, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, Ab.data(), CUDA_R_16BF, k, 0, Bb.data(), CUDA_R_16BF,
+                                     k, 0, &zero, C2.data(), CUDA_R_32F, m, 0, 1, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) ==
+          CUBLAS_STATUS_ARCH_MISMATCH);
+    cublasDestroy(h);
+}
+
+TEST_CASE("shim: device memory is counted and limited; no device is an answer, not a crash") {
+    shim_settings keep;
+    qlshim::set_device(8, 6, (size_t)1 << 20);  // a 1 MiB device
+    void *a = nullptr, *b = nullptr;
+    REQUIRE(cudaMalloc(&a, 700 << 10) == cudaSuccess);
+    CHECK(qlshim::device_bytes_in_use() == (size_t)(700 << 10));
+    CHECK(cudaMalloc(&b, 400 << 10) == cudaErrorMemoryAllocation);
+    CHECK(b == nullptr);
+    size_t fr = 0, tot = 0;
+    cudaMemGetInfo(&fr, &tot);
+    CHECK(fr == (size_t)(324 << 10));
+    CHECK(((unsigned char *)a)[12345] == 0xff);  // fresh memory is garbage
+    cudaFree(a);
+    CHECK(qlshim::device_bytes_in_use() == 0);
+    qlshim::set_device_count(0);
+    int n = -1;
+    CHECK(cudaGetDeviceCount(&n) == cudaErrorNoDevice);
+    CHECK(n == 0);
+    char err[256] = "";
+    CHECK(ql_backend_cuda_init(0, err, sizeof(err)) == nullptr);
+    CHECK(std::string(err) == "no CUDA device");
+}
