@@ -499,6 +499,7 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
     std::stable_sort(by_size.begin(), by_size.end(),
                      [t](size_t a, size_t b) { return ql_nelements(t->params[a]) > ql_nelements(t->params[b]); });
     for (size_t i : by_size) {
+        if (t->shard.empty()) break;  // a device updates on its own
         const size_t k = (size_t)(std::min_element(load.begin(), load.end()) - load.begin());
         t->shard[k].push_back(i);
         load[k] += (size_t)ql_nelements(t->params[i]);

@@ -14,6 +14,7 @@
 #include "util.h"
 
 #include "../models/llama.h"
+#include "../models/trainer.h"
 #include "../qlora.h"
 #include "tiny.h"
 
@@ -628,4 +629,79 @@ OP_CASE(llama_qlora_step) {
                           got.losses[s], " vs ", ref.losses[s]);
         CHECK(ref.losses.back() < 0.8f * ref.losses.front());
     }
+}
+
+// ---- the trainer itself on the backend (--device): the same run as on the CPU ------------------
+
+OP_CASE(trainer_device) {
+    tmpdir d;
+    const std::string path = d.file("tiny-nf4.gguf");
+    {
+        tiny_llama t(tiny_hparams(61, 64, 128), 5, 0.2f, /*tied_output=*/true);
+        llama_gguf_opts o;
+        o.linear_type = QL_TYPE_NF4;
+        write_llama_gguf(t.m, path, o);
+    }
+    std::vector<ql_sequence> seqs;  // next = (3 t + 1) % 61, a masked prompt, padding
+    for (int s = 0; s < 8; s++) {
+        ql_sequence q;
+        int tok = (7 * s + 2) % 61;
+        for (int i = 0; i < 20; i++) {
+            const bool real = i < 20 - s;
+            q.tokens.push_back(real ? tok : 0);
+            q.pos.push_back(i);
+            q.seg.push_back(real ? 0 : 1);
+            const int next = (3 * tok + 1) % 61;
+            q.targets.push_back(real && i + 1 < 20 - s && i >= 2 ? next : -1);
+            q.n_targets += q.targets.back() >= 0;
+            tok = next;
+        }
+        seqs.push_back(q);
+    }
+    ql_train_options o;
+    o.lora.r = 4;
+    o.lora.alpha = 8;
+    o.lora.dropout = 0.1f;
+    o.lora.targets = {"q", "k", "v", "o", "gate", "up", "down"};
+    o.micro_batch = 2;
+    o.grad_accum = 2;
+    o.lr = 5e-3f;
+    o.max_steps = 8;
+    o.threads = 1;
+    o.precision = "bf16";
+    auto run = [&](const std::string &device, std::vector<double> *losses, double *eval, std::vector<float> *adapter) {
+        char err[256];
+        ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(f, err);
+        ql_train_options oo = o;
+        oo.device = device;
+        std::string e;
+        ql_trainer *t = ql_trainer_new(f, seqs, seqs, oo, &e);
+        REQUIRE_MESSAGE(t, e);
+        ql_step_metrics m;
+        while (ql_trainer_steps_done(t) < ql_trainer_total_steps(t)) {
+            REQUIRE_MESSAGE(ql_trainer_step(t, &m, &e), e);
+            losses->push_back(m.loss);
+        }
+        REQUIRE_MESSAGE(ql_trainer_eval(t, eval, &e), e);
+        REQUIRE_MESSAGE(ql_trainer_save(t, d.file(device + ".ckpt").c_str(), &e), e);
+        REQUIRE_MESSAGE(ql_trainer_to_host(t, &e), e);  // the adapter, back on the host for export
+        for (ql_tensor *p : ql_llama_lora_params(ql_trainer_model(t)))
+            adapter->insert(adapter->end(), (const float *)p->data, (const float *)p->data + ql_nelements(p));
+        ql_trainer_free(t);
+        ql_llama_file_free(f);
+    };
+    std::vector<double> ref_l, got_l;
+    double ref_e = 0, got_e = 0;
+    std::vector<float> ref_a, got_a;
+    run("cpu", &ref_l, &ref_e, &ref_a);
+    run(ql_backend_is_host(be) ? "cpu" : "cuda", &got_l, &got_e, &got_a);
+    REQUIRE(got_l.size() == ref_l.size());
+    for (size_t s = 0; s < ref_l.size(); s++)
+        CHECK_MESSAGE(std::fabs(got_l[s] - ref_l[s]) <= 1e-2 * ref_l[s], "step ", s + 1, ": ", got_l[s], " vs ", ref_l[s]);
+    CHECK(got_e == doctest::Approx(ref_e).epsilon(1e-2));
+    CHECK(norm_err(got_a, ref_a) <= 2e-2);
+    CHECK(ref_l.back() < ref_l.front());
+    // the checkpoint written from the device holds the adapter that came back
+    CHECK(read_file(d.file((ql_backend_is_host(be) ? std::string("cpu") : std::string("cuda")) + ".ckpt")).size() > 1000);
 }
