@@ -270,3 +270,34 @@ TEST_CASE("shim: device memory is counted and limited; no device is an answer, n
     CHECK(ql_backend_cuda_init(0, err, sizeof(err)) == nullptr);
     CHECK(std::string(err) == "no CUDA device");
 }
+
+TEST_CASE("shim: the CUDA backend out of device memory: weights and the planned buffer refused with what did not fit") {
+    shim_settings keep;
+    qlshim::set_device(8, 0, (size_t)4 << 20);  // a 4 MiB GPU
+    char err[256] = "";
+    ql_backend *be = ql_backend_cuda_init(0, err, sizeof(err));
+    REQUIRE_MESSAGE(be, err);
+    ql_init_params ip = {8u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *w = ql_new_tensor_2d(ctx, QL_TYPE_F32, 1024, 1024);  // 4 MiB of weights
+    CHECK(ql_backend_place_ctx_tensors(be, ctx) == nullptr);
+    CHECK_MESSAGE(std::string(ql_ctx_error(ctx)).find("could not allocate 4.0 MiB for the weights") != std::string::npos,
+                  ql_ctx_error(ctx));
+    CHECK(w->data != nullptr);  // still the host's: nothing moved
+    ql_free(ctx);
+    // weights that fit, a planned buffer that does not
+    ctx = ql_init(ip);
+    ql_tensor *a = ql_new_tensor_2d(ctx, QL_TYPE_F32, 512, 512), *x = ql_new_tensor_2d(ctx, QL_TYPE_F32, 512, 1024);
+    ql_graph *g = ql_graph_new(ctx);
+    REQUIRE(ql_graph_build_forward(g, ql_mul_mat(ctx, a, x)) == QL_OK);
+    ql_backend_buffer *buf = ql_backend_place_ctx_tensors(be, ctx);
+    REQUIRE_MESSAGE(buf, ql_ctx_error(ctx));
+    CHECK(ql_graph_alloc(g, be) == QL_ERR_NOMEM);
+    CHECK_MESSAGE(std::string(ql_ctx_error(ctx)).find("backend cuda could not allocate 2097152 bytes for the planned buffer") !=
+                      std::string::npos,
+                  ql_ctx_error(ctx));
+    ql_graph_free(g);
+    ql_backend_buffer_free(buf);
+    ql_free(ctx);
+    ql_backend_free(be);
+}

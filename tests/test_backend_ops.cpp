@@ -705,3 +705,45 @@ OP_CASE(trainer_device) {
     // the checkpoint written from the device holds the adapter that came back
     CHECK(read_file(d.file((ql_backend_is_host(be) ? std::string("cpu") : std::string("cuda")) + ".ckpt")).size() > 1000);
 }
+
+OP_CASE(check_finite_and_host_leafs) {
+    // check_finite names the same node on every backend
+    std::string msg[2];
+    for (int side = 0; side < 2; side++) {
+        ql_backend *b = side == 0 ? ql_backend_cpu_init(1) : be;
+        ql_init_params ip = {1u << 20, nullptr, true, false};
+        ql_context *ctx = ql_init(ip);
+        ql_tensor *x = ql_set_name(ql_new_tensor_1d(ctx, QL_TYPE_F32, 40), "x");
+        ql_tensor *y = ql_scale(ctx, ql_add(ctx, x, x), 1e38f);  // overflows to inf in the scale
+        ql_graph *g = ql_graph_new(ctx);
+        REQUIRE(ql_graph_build_forward(g, y) == QL_OK);
+        ql_backend_buffer *buf = ql_backend_alloc_ctx_tensors(b, ctx, QL_BUFFER_DEVICE);
+        REQUIRE(buf);
+        std::vector<float> v(40, 1.0f);
+        v[7] = 9.0f;  // 2 x 9 x 1e38 overflows; 2 x 1e38 does not
+        REQUIRE(ql_backend_tensor_set(b, x, v.data(), 0, 160) == QL_OK);
+        REQUIRE(ql_graph_alloc(g, b) == QL_OK);
+        ql_graph_set_check_finite(g, true);
+        CHECK(ql_backend_graph_compute(b, g) != QL_OK);
+        msg[side] = ql_ctx_error(ctx);
+        ql_graph_free(g);
+        ql_backend_buffer_free(buf);
+        ql_free(ctx);
+        if (side == 0) ql_backend_free(b);
+    }
+    CHECK_MESSAGE(msg[0].find("(scale [40] f32 of node 0 (add)) holds inf at element 7") != std::string::npos, msg[0]);
+    CHECK(msg[1].substr(msg[1].find("compute:")) == msg[0].substr(msg[0].find("compute:")));
+    if (ql_backend_is_host(be)) return;
+    // a device refuses a graph whose leaf still holds host memory, naming it
+    ql_init_params ip = {1u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *w = ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_F32, 8, 8), "forgotten.weight");
+    ql_tensor_fill_f32(w, 1.0f);
+    ql_graph *g = ql_graph_new(ctx);
+    REQUIRE(ql_graph_build_forward(g, ql_scale(ctx, w, 2.0f)) == QL_OK);
+    REQUIRE(ql_graph_alloc(g, be) == QL_OK);
+    CHECK(ql_backend_graph_compute(be, g) == QL_ERR_INVALID);
+    CHECK_MESSAGE(std::string(ql_ctx_error(ctx)).find("'forgotten.weight' holds host memory") != std::string::npos, ql_ctx_error(ctx));
+    ql_graph_free(g);
+    ql_free(ctx);
+}
