@@ -267,33 +267,33 @@ __device__ __forceinline__ float cu_nf4_absmax(const char *aux, int64_t blk) {
     return __fadd_rn(__fmul_rn(map[code[blk]], scale[blk / QL_NF4_GROUP]), f[1]);
 }
 
+// one element of row r of a weight of any readable type (rows of ne0, `row_bytes` apart)
+__device__ __forceinline__ float cu_weight_elem(const char *w, int64_t row_bytes, int type, const char *aux, int64_t ne0, int64_t r,
+                                                int64_t e) {
+    const char *row = w + r * row_bytes;
+    if (type == QL_TYPE_F32 || type == QL_TYPE_F16 || type == QL_TYPE_BF16) return cu_ld(row + e * (type == QL_TYPE_F32 ? 4 : 2), type);
+    if (type == QL_TYPE_NF4 || type == QL_TYPE_NF4_NODQ) {
+        const uint8_t byte = ((const uint8_t *)row)[e / 2];
+        const int64_t blk = (r * ne0 + e) / QL_NF4_BLOCK;
+        const float am = type == QL_TYPE_NF4 ? cu_nf4_absmax(aux, blk) : ((const float *)aux)[blk];
+        return __fmul_rn(cu_nf4_values[(e & 1) ? (byte & 15) : (byte >> 4)], am);
+    }
+    const int bs = (type == QL_TYPE_Q4_0 || type == QL_TYPE_Q8_0) ? 32 : QL_QK_K;
+    const int bb = type == QL_TYPE_Q4_0 ? (int)sizeof(ql_block_q4_0)
+                 : type == QL_TYPE_Q8_0 ? (int)sizeof(ql_block_q8_0)
+                 : type == QL_TYPE_Q4_K ? (int)sizeof(ql_block_q4_K)
+                 : type == QL_TYPE_Q5_K ? (int)sizeof(ql_block_q5_K) : (int)sizeof(ql_block_q6_K);
+    return cu_dequant_q(type, (const uint8_t *)row + (e / bs) * bb, (int)(e % bs));
+}
+
 // Rows [row0, row0 + nrows) of a weight (rows of ne0 elements, `row_bytes` apart, any type the
 // trait table reads), written as dst [ne0, nrows] contiguous in dst_type. aux: NF4's side data.
 __global__ void k_dequant_rows(const char *w, int64_t row_bytes, int type, const char *aux, int64_t ne0, int64_t row0,
                                int64_t nrows, char *dst, int dst_type) {
     const int64_t n = ne0 * nrows;
     const size_t dsz = dst_type == QL_TYPE_F32 ? 4 : 2;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t r = row0 + i / ne0, e = i % ne0;
-        const char *row = w + r * row_bytes;
-        float v;
-        if (type == QL_TYPE_F32 || type == QL_TYPE_F16 || type == QL_TYPE_BF16) {
-            v = cu_ld(row + e * (type == QL_TYPE_F32 ? 4 : 2), type);
-        } else if (type == QL_TYPE_NF4 || type == QL_TYPE_NF4_NODQ) {
-            const uint8_t byte = ((const uint8_t *)row)[e / 2];
-            const int64_t blk = (r * ne0 + e) / QL_NF4_BLOCK;  // flat block index: the weight is contiguous
-            const float am = type == QL_TYPE_NF4 ? cu_nf4_absmax(aux, blk) : ((const float *)aux)[blk];
-            v = __fmul_rn(cu_nf4_values[(e & 1) ? (byte & 15) : (byte >> 4)], am);
-        } else {
-            const int bs = (type == QL_TYPE_Q4_0 || type == QL_TYPE_Q8_0) ? 32 : QL_QK_K;
-            const int bb = type == QL_TYPE_Q4_0 ? (int)sizeof(ql_block_q4_0)
-                         : type == QL_TYPE_Q8_0 ? (int)sizeof(ql_block_q8_0)
-                         : type == QL_TYPE_Q4_K ? (int)sizeof(ql_block_q4_K)
-                         : type == QL_TYPE_Q5_K ? (int)sizeof(ql_block_q5_K) : (int)sizeof(ql_block_q6_K);
-            v = cu_dequant_q(type, (const uint8_t *)row + (e / bs) * bb, (int)(e % bs));
-        }
-        cu_st(dst + i * dsz, dst_type, v);
-    }
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        cu_st(dst + i * dsz, dst_type, cu_weight_elem(w, row_bytes, type, aux, ne0, row0 + i / ne0, i % ne0));
 }
 
 // A strided 2-D slice src (element (k, m) at k*nb0 + m*nb1, plain type) -> dst [K, M] contiguous
@@ -505,43 +505,29 @@ template <typename T> static T cu_param(const ql_tensor *t, int slot) {
 
 #define CU_ROW_BLOCK 256  // threads per row of the row ops (rms_norm, softmax rows)
 
-// the sum over a block of 256 threads (every thread gets it); `sh` holds 32 floats
-__device__ __forceinline__ float cu_block_sum(float v, float *sh) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+// A reduction over the whole block (every thread gets the result): within each warp by
+// shuffles, then the warps' results through `sh` (32 slots). Every thread must call it.
+struct cu_add {
+    template <typename T> __device__ __forceinline__ T operator()(T a, T b) const { return a + b; }
+};
+struct cu_max {
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+template <typename T, typename Op> __device__ __forceinline__ T cu_block_reduce(T v, T *sh, T identity, Op op) {
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffff, v, o));
     __syncthreads();  // sh may still be read from a previous call
     if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = v;
     __syncthreads();
-    float t = threadIdx.x < blockDim.x / 32 ? sh[threadIdx.x] : 0.0f;
+    T t = threadIdx.x < blockDim.x / 32 ? sh[threadIdx.x] : identity;
     if (threadIdx.x < 32)
-        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffff, t, o);
+        for (int o = 16; o > 0; o >>= 1) t = op(t, __shfl_xor_sync(0xffffffff, t, o));
     if (threadIdx.x == 0) sh[0] = t;
     __syncthreads();
     return sh[0];
 }
-__device__ __forceinline__ float cu_block_max(float v, float *sh) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
-    __syncthreads();
-    if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = v;
-    __syncthreads();
-    float t = threadIdx.x < blockDim.x / 32 ? sh[threadIdx.x] : -INFINITY;
-    if (threadIdx.x < 32)
-        for (int o = 16; o > 0; o >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffff, t, o));
-    if (threadIdx.x == 0) sh[0] = t;
-    __syncthreads();
-    return sh[0];
-}
-__device__ __forceinline__ double cu_block_sum_d(double v, double *sh) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
-    __syncthreads();
-    if (threadIdx.x % 32 == 0) sh[threadIdx.x / 32] = v;
-    __syncthreads();
-    double t = threadIdx.x < blockDim.x / 32 ? sh[threadIdx.x] : 0.0;
-    if (threadIdx.x < 32)
-        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffff, t, o);
-    if (threadIdx.x == 0) sh[0] = t;
-    __syncthreads();
-    return sh[0];
-}
+__device__ __forceinline__ float cu_block_sum(float v, float *sh) { return cu_block_reduce(v, sh, 0.0f, cu_add()); }
+__device__ __forceinline__ double cu_block_sum_d(double v, double *sh) { return cu_block_reduce(v, sh, 0.0, cu_add()); }
+__device__ __forceinline__ float cu_block_max(float v, float *sh) { return cu_block_reduce(v, sh, -INFINITY, cu_max()); }
 
 #define CU_GRID_LOOP(i, n) for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
 
@@ -705,25 +691,6 @@ static void cu_op_view_back(cu_ctx &c, ql_tensor *node) {
 }
 
 // ---- embedding rows ----
-
-// one element of row r of a weight of any readable type (rows of ne0, `row_bytes` apart)
-__device__ __forceinline__ float cu_weight_elem(const char *w, int64_t row_bytes, int type, const char *aux, int64_t ne0, int64_t r,
-                                                int64_t e) {
-    const char *row = w + r * row_bytes;
-    if (type == QL_TYPE_F32 || type == QL_TYPE_F16 || type == QL_TYPE_BF16) return cu_ld(row + e * (type == QL_TYPE_F32 ? 4 : 2), type);
-    if (type == QL_TYPE_NF4 || type == QL_TYPE_NF4_NODQ) {
-        const uint8_t byte = ((const uint8_t *)row)[e / 2];
-        const int64_t blk = (r * ne0 + e) / QL_NF4_BLOCK;
-        const float am = type == QL_TYPE_NF4 ? cu_nf4_absmax(aux, blk) : ((const float *)aux)[blk];
-        return __fmul_rn(cu_nf4_values[(e & 1) ? (byte & 15) : (byte >> 4)], am);
-    }
-    const int bs = (type == QL_TYPE_Q4_0 || type == QL_TYPE_Q8_0) ? 32 : QL_QK_K;
-    const int bb = type == QL_TYPE_Q4_0 ? (int)sizeof(ql_block_q4_0)
-                 : type == QL_TYPE_Q8_0 ? (int)sizeof(ql_block_q8_0)
-                 : type == QL_TYPE_Q4_K ? (int)sizeof(ql_block_q4_K)
-                 : type == QL_TYPE_Q5_K ? (int)sizeof(ql_block_q5_K) : (int)sizeof(ql_block_q6_K);
-    return cu_dequant_q(type, (const uint8_t *)row + (e / bs) * bb, (int)(e % bs));
-}
 
 // a row outside the table gives NaN (check_finite names the node; the CPU backend reports the id)
 __global__ void k_get_rows(const char *w, int64_t row_bytes, int type, const char *aux, int64_t ne0, int64_t nrows, const int32_t *ids,
