@@ -26,8 +26,9 @@
 //
 // Rules for the kernels (qlora-cuda.cu keeps them): launch only through QL_LAUNCH; dynamic
 // shared memory only through QL_DYN_SMEM; static __shared__ arrays become `static thread_local`
-// (a worker runs one block at a time, so they are per block); no inline PTX, no WMMA, no
-// cooperative groups; 16-bit values only converted (CUDA's own cuda_fp16.h / cuda_bf16.h do that
+// (a worker runs one block at a time, so they are per block); no inline PTX, no cooperative
+// groups; WMMA (nvcuda::wmma fragments, fill / load / store / mma_sync, called unqualified as
+// `wmma::load_matrix_sync` through `using namespace nvcuda`) with the shim's own fragment layout; 16-bit values only converted (CUDA's own cuda_fp16.h / cuda_bf16.h do that
 // bit-exactly on the host). Types and declarations come from CUDA's headers, so the backend
 // compiles against the real signatures; the definitions below replace the runtime and cuBLAS.
 //
@@ -58,6 +59,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -166,7 +168,7 @@ qlshim_switch:
 #endif
 
 enum fstate { F_READY, F_BARRIER, F_WARP, F_DONE };
-enum wop { W_SYNC, W_SHFL, W_XOR, W_DOWN, W_UP, W_BALLOT, W_ANY, W_ALL };
+enum wop { W_SYNC, W_SHFL, W_XOR, W_DOWN, W_UP, W_BALLOT, W_ANY, W_ALL, W_GATHER };
 
 struct fiber {
 #ifdef QLSHIM_ASM_SWITCH
@@ -189,6 +191,7 @@ struct fiber {
 
 struct block_ctx {
     std::vector<fiber> *fibers = nullptr;
+    std::vector<uint64_t> gather;  // [warps * 32]: every lane's value at the last W_GATHER (WMMA)
 #ifdef QLSHIM_ASM_SWITCH
     void *sched_sp = nullptr;
 #else
@@ -381,6 +384,9 @@ inline bool resolve_warps(block_ctx *b, int n) {
                 g.result = ballot != 0;
             } else if (g.op == W_ALL) {
                 g.result = ballot == (uint64_t)mask;
+            } else if (g.op == W_GATHER) {  // the warp's values stay readable until its next collective
+                b->gather[(size_t)(w0 + l)] = g.value;
+                g.result = (uint64_t)(uintptr_t)&b->gather[(size_t)w0];
             }
         }
         for (int l = 0; l < 32; l++)
@@ -511,6 +517,7 @@ inline void worker_run(launch_job *j) {
     b.grid_dim = j->grid;
     b.body = j->body;
     b.dyn = dyn.data();
+    b.gather.assign((size_t)(n + 31) / 32 * 32, 0);
     cur_block() = &b;
     for (long long bi; !j->failed.load() && (bi = j->next.fetch_add(1)) < nb;) {
         b.block_idx = dim3((unsigned)(bi % j->grid.x), (unsigned)(bi / j->grid.x % j->grid.y), (unsigned)(bi / j->grid.x / j->grid.y));
@@ -750,6 +757,104 @@ template <typename T> inline T max(T a, T b) { return a < b ? b : a; }
 using std::isfinite;
 using std::isnan;
 using std::isinf;
+
+// ---- WMMA, with the shim's own fragment layout ------------------------------------------------
+// CUDA leaves the mapping of a fragment's elements to lanes unspecified, so correct code never
+// depends on it; here element e (row-major in the tile) lives in lane perm(e) % 32, slot
+// perm(e) / 32, with perm a fixed scramble - code that indexes frag.x[] by a guessed layout
+// computes garbage. load/store/mma are warp collectives (all 32 lanes, one call site).
+namespace nvcuda {
+namespace wmma {
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+template <typename Use, int M, int N, int K, typename T, typename Layout = void> struct fragment {
+    static constexpr int rows = std::is_same<Use, matrix_b>::value ? K : M;
+    static constexpr int cols = std::is_same<Use, matrix_a>::value ? K : N;
+    static constexpr int num_elements = rows * cols / 32;
+    T x[num_elements];
+};
+inline int qlshim_perm(int e, int size) { return (int)(((long long)e * 37 + 11) % size); }  // 37: odd, so a bijection for the power-of-two sizes
+template <typename F> inline float qlshim_get(const F &f, int r, int c) {
+    const int p = qlshim_perm(r * F::cols + c, F::rows * F::cols);
+    return (float)f.x[p / 32];
+}
+inline float qlshim_to_f(float v) { return v; }
+inline float qlshim_to_f(__half v) { return __half2float(v); }
+inline float qlshim_to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T> inline T qlshim_from_f(float v);
+template <> inline float qlshim_from_f<float>(float v) { return v; }
+template <> inline __half qlshim_from_f<__half>(float v) { return __float2half_rn(v); }
+template <> inline __nv_bfloat16 qlshim_from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+inline int qlshim_lane() { return ::qlshim::cur_block()->cur->tid % 32; }
+#define QLSHIM_WARP_SYNC(file, line) (void)::qlshim::warp_op(::qlshim::W_SYNC, 0xffffffffu, 0, 0, 32, file, line)
+
+template <typename U, int M, int N, int K, typename T, typename L, typename V>
+inline void qlshim_fill(fragment<U, M, N, K, T, L> &f, V v) {
+    for (int i = 0; i < f.num_elements; i++) f.x[i] = qlshim_from_f<T>(qlshim_to_f(v));
+}
+// every slot of this lane from memory: element (r, c) at p[r * ldm + c] (row major) or p[c * ldm + r]
+template <typename F, typename P> inline void qlshim_load(F &f, const P *p, unsigned ldm, bool row, const char *file, int line) {
+    QLSHIM_WARP_SYNC(file, line);
+    const int lane = qlshim_lane(), size = F::rows * F::cols;
+    for (int e = 0; e < size; e++) {
+        const int q = qlshim_perm(e, size);
+        if (q % 32 != lane) continue;
+        const int r = e / F::cols, c = e % F::cols;
+        f.x[q / 32] = p[row ? (size_t)r * ldm + c : (size_t)c * ldm + r];
+    }
+}
+template <typename F, typename P> inline void qlshim_store(P *p, const F &f, unsigned ldm, bool row, const char *file, int line) {
+    QLSHIM_WARP_SYNC(file, line);
+    const int lane = qlshim_lane(), size = F::rows * F::cols;
+    for (int e = 0; e < size; e++) {
+        const int q = qlshim_perm(e, size);
+        if (q % 32 != lane) continue;
+        const int r = e / F::cols, c = e % F::cols;
+        p[row ? (size_t)r * ldm + c : (size_t)c * ldm + r] = f.x[q / 32];
+    }
+}
+// D = A B + C: the warp's fragments gathered, each lane its own slots of D, f32 sums in k order
+template <typename FD, typename FA, typename FB, typename FC>
+inline void qlshim_mma(FD &d, const FA &a, const FB &b, const FC &c, const char *file, int line) {
+    struct parts { const FA *a; const FB *b; const FC *c; } mine{&a, &b, &c};
+    const uint64_t *all = (const uint64_t *)(uintptr_t)::qlshim::warp_op(::qlshim::W_GATHER, 0xffffffffu, (uint64_t)(uintptr_t)&mine,
+                                                                         0, 32, file, line);
+    const int lane = qlshim_lane(), size = FD::rows * FD::cols;
+    FD out;
+    for (int e = 0; e < size; e++) {
+        const int q = qlshim_perm(e, size);
+        if (q % 32 != lane) continue;
+        const int r = e / FD::cols, col = e % FD::cols;
+        float acc = 0;
+        for (int k = 0; k < FA::cols; k++) {
+            const int qa = qlshim_perm(r * FA::cols + k, FA::rows * FA::cols), qb = qlshim_perm(k * FB::cols + col, FB::rows * FB::cols);
+            acc += qlshim_to_f(((const parts *)(uintptr_t)all[qa % 32])->a->x[qa / 32]) *
+                   qlshim_to_f(((const parts *)(uintptr_t)all[qb % 32])->b->x[qb / 32]);
+        }
+        out.x[q / 32] = qlshim_from_f<typename std::remove_reference<decltype(d.x[0])>::type>(acc + qlshim_to_f(c.x[q / 32]));
+    }
+    QLSHIM_WARP_SYNC(file, line);  // every lane has read the others' fragments before any changes them
+    d = out;
+}
+}  // namespace wmma
+}  // namespace nvcuda
+#define fill_fragment(f, v) qlshim_fill(f, v)
+#define load_matrix_sync(f, p, ldm, ...) \
+    qlshim_load(f, p, ldm, ::nvcuda::wmma::qlshim_row_of(f, ##__VA_ARGS__), __FILE__, __LINE__)
+#define store_matrix_sync(p, f, ldm, layout) qlshim_store(p, f, ldm, (layout) == ::nvcuda::wmma::mem_row_major, __FILE__, __LINE__)
+#define mma_sync(d, a, b, c) qlshim_mma(d, a, b, c, __FILE__, __LINE__)
+namespace nvcuda {
+namespace wmma {
+// a matrix fragment's layout is in its type; an accumulator's is given at the call
+template <typename U, int M, int N, int K, typename T> inline bool qlshim_row_of(const fragment<U, M, N, K, T, row_major> &) { return true; }
+template <typename U, int M, int N, int K, typename T> inline bool qlshim_row_of(const fragment<U, M, N, K, T, col_major> &) { return false; }
+template <typename F> inline bool qlshim_row_of(const F &, layout_t l) { return l == mem_row_major; }
+}  // namespace wmma
+}  // namespace nvcuda
 
 // ---- the runtime API (CUDA's declarations, these definitions) --------------------------------
 

@@ -84,6 +84,38 @@ __global__ void k_atomics(float *sum, int *mx) {
     atomicMax(mx, (int)(blockIdx.x * blockDim.x + threadIdx.x));
 }
 
+// C [M, N] row major = A [M, K] row major x B [K, N] col major, one warp per 16 x 16 tile
+__global__ void k_wmma_gemm(const __half *A, const __half *B, float *C, int M, int N, int K) {
+    using namespace nvcuda;
+    const int tm = blockIdx.y * 16, tn = blockIdx.x * 16;
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 0.0f);
+    for (int k = 0; k < K; k += 16) {
+        wmma::load_matrix_sync(a, A + (size_t)tm * K + k, K);
+        wmma::load_matrix_sync(b, B + (size_t)tn * K + k, K);
+        wmma::mma_sync(acc, a, b, acc);
+    }
+    wmma::store_matrix_sync(C + (size_t)tm * N + tn, acc, N, wmma::mem_row_major);
+    (void)M;
+}
+
+// the same, but scaling the accumulator by guessing which element a lane holds: layout-dependent
+__global__ void k_wmma_guess(const __half *A, const __half *B, float *C, int K) {
+    using namespace nvcuda;
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __half, wmma::row_major> a;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, __half, wmma::col_major> b;
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+    wmma::fill_fragment(acc, 0.0f);
+    wmma::load_matrix_sync(a, A, K);
+    wmma::load_matrix_sync(b, B, K);
+    wmma::mma_sync(acc, a, b, acc);
+    for (int i = 0; i < acc.num_elements; i++)  // "element lane * 8 + i is row (lane * 8 + i) / 16"
+        if ((threadIdx.x * 8 + i) / 16 == 0) acc.x[i] *= 2.0f;  // meant: double row 0
+    wmma::store_matrix_sync(C, acc, 16, wmma::mem_row_major);
+}
+
 struct shim_settings {  // every test leaves the shim as it found it
     ~shim_settings() {
         qlshim::set_order(qlshim::ORDER_FORWARD, 1);
@@ -300,4 +332,40 @@ TEST_CASE("shim: the CUDA backend out of device memory: weights and the planned 
     ql_backend_buffer_free(buf);
     ql_free(ctx);
     ql_backend_free(be);
+}
+
+TEST_CASE("shim: WMMA - a tiled GEMM equals a plain loop; code that guesses the fragment layout is caught") {
+    shim_settings keep;
+    const int M = 32, N = 32, K = 48;
+    std::vector<__half> A((size_t)M * K), B((size_t)N * K);  // B col major: column n at B + n K
+    std::vector<float> a((size_t)M * K), b((size_t)N * K);
+    for (size_t i = 0; i < A.size(); i++) A[i] = __float2half_rn(a[i] = (float)((int)(i * 7 % 13) - 6) * 0.25f);
+    for (size_t i = 0; i < B.size(); i++) B[i] = __float2half_rn(b[i] = (float)((int)(i * 5 % 11) - 5) * 0.5f);
+    __half *dA = dev<__half>(A.size()), *dB = dev<__half>(B.size());
+    float *dC = dev<float>((size_t)M * N);
+    cudaMemcpy(dA, A.data(), A.size() * 2, cudaMemcpyHostToDevice);
+    cudaMemcpy(dB, B.data(), B.size() * 2, cudaMemcpyHostToDevice);
+    QL_LAUNCH(k_wmma_gemm, dim3(N / 16, M / 16), 32, 0, nullptr, dA, dB, dC, M, N, K);
+    REQUIRE(cudaGetLastError() == cudaSuccess);
+    for (int m = 0; m < M; m++)
+        for (int n = 0; n < N; n++) {
+            float want = 0;
+            for (int k = 0; k < K; k++) want += a[(size_t)(m * K + k)] * b[(size_t)(n * K + k)];
+            CHECK(dC[m * N + n] == want);  // quarters and halves: exact
+        }
+    QL_LAUNCH(k_wmma_guess, 1, 32, 0, nullptr, dA, dB, dC, K);
+    REQUIRE(cudaGetLastError() == cudaSuccess);
+    int row0_doubled = 0, others_doubled = 0;
+    for (int m = 0; m < 16; m++)
+        for (int n = 0; n < 16; n++) {
+            float want = 0;
+            for (int k = 0; k < 16; k++) want += a[(size_t)(m * K + k)] * b[(size_t)(n * K + k)];
+            if (want == 0) continue;
+            const bool doubled = dC[m * 16 + n] == 2 * want;
+            (m == 0 ? row0_doubled : others_doubled) += doubled;
+        }
+    CHECK(others_doubled > 0);  // the guess scaled elements outside row 0: wrong, as it would be on some GPU
+    cudaFree(dA);
+    cudaFree(dB);
+    cudaFree(dC);
 }
