@@ -64,7 +64,6 @@ struct cu_ctx {
     cublasHandle_t blas = nullptr;
     uint8_t       *work = nullptr;   // this node's workspace (planned into the graph's buffer)
     size_t         work_size = 0;
-    int            cc = 0;           // compute capability * 10
     bool           failed = false;
     char           err[512] = {0};
 };
@@ -668,24 +667,13 @@ __global__ void k_view_back(cu_t dy, float *d, int64_t off, int64_t s1, int64_t 
         d[off + i0 + i1 * s1 + i2 * s2 + i3 * s3] += *(const float *)(dy.data + i0 * dy.nb[0] + i1 * dy.nb[1] + i2 * dy.nb[2] + i3 * dy.nb[3]);
     }
 }
-static bool cu_view_injective(const int64_t ne[4], int64_t s1, int64_t s2, int64_t s3) {
-    std::pair<int64_t, int64_t> d[4] = {{1, ne[0]}, {s1, ne[1]}, {s2, ne[2]}, {s3, ne[3]}};
-    std::sort(d, d + 4);
-    int64_t span = 1;
-    for (const auto &x : d) {
-        if (x.second <= 1) continue;
-        if (x.first < span) return false;
-        span = x.first * (x.second - 1) + span;
-    }
-    return true;
-}
 static void cu_op_view_back(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *dy = node->src[0];
     const int64_t off = cu_param<int64_t>(node, 0), s1 = cu_param<int64_t>(node, 2), s2 = cu_param<int64_t>(node, 4),
                   s3 = cu_param<int64_t>(node, 6), n = ql_nelements(dy);
     CU_CHECK(c, cudaMemsetAsync(node->data, 0, ql_nbytes(node), c.stream));
-    // a view overlapping itself adds several elements into one place: one thread, in order
-    const bool inj = cu_view_injective(dy->ne, s1, s2, s3);
+    // a view overlapping itself (marked by its constructor) adds several elements into one place: one thread, in order
+    const bool inj = node->op_params[8] == 0;
     QL_LAUNCH(k_view_back, inj ? cu_grid(n) : 1, inj ? CU_BLOCK : 1, 0, c.stream, cu_of(dy), (float *)node->data, off, s1, s2, s3, n);
     CU_LAUNCHED(c);
 }
@@ -947,8 +935,6 @@ static void cu_op_cross_entropy_back(cu_ctx &c, ql_tensor *node) {
 
 // ---- what runs: exactly the layouts these kernels read ----
 
-static bool cu_plain(ql_type t) { return t == QL_TYPE_F32 || t == QL_TYPE_F16 || t == QL_TYPE_BF16; }
-
 static bool cu_ops_supported(const ql_tensor *node) {
     const ql_tensor *a = node->src[0];
     auto f32 = [](const ql_tensor *t) { return !t || t->type == QL_TYPE_F32; };
@@ -959,7 +945,7 @@ static bool cu_ops_supported(const ql_tensor *node) {
     case QL_OP_FILL:
         return node->type == QL_TYPE_F32;
     case QL_OP_CONT:
-        return (cu_plain(a->type) && cu_plain(node->type)) || (a->type == QL_TYPE_I32 && node->type == QL_TYPE_I32);
+        return (is_float_type_cu(a->type) && is_float_type_cu(node->type)) || (a->type == QL_TYPE_I32 && node->type == QL_TYPE_I32);
     case QL_OP_ADD: case QL_OP_MUL:
         return f32(a) && f32(node->src[1]) && node->type == QL_TYPE_F32;
     case QL_OP_SCALE: case QL_OP_SUM: case QL_OP_REDUCE_TO: case QL_OP_SILU: case QL_OP_DROPOUT:
@@ -1019,28 +1005,6 @@ __global__ void k_adamw(float *w, float *m, float *v, const float *g, int64_t n,
     }
 }
 
-// bitsandbytes' dQuantize (ql_dynamic_quantize)
-__device__ __forceinline__ uint8_t cu_dyn_quant(const float *map, float x) {
-    int pivot = 127, upper_pivot = 255, lower_pivot = 0;
-    float lower = -1.0f, upper = 1.0f, val = map[pivot];
-    for (int i = 64; i > 0; i >>= 1) {
-        if (x > val) {
-            lower_pivot = pivot;
-            lower = val;
-            pivot += i;
-        } else {
-            upper_pivot = pivot;
-            upper = val;
-            pivot -= i;
-        }
-        val = map[pivot];
-    }
-    if (upper_pivot == 255) upper = map[upper_pivot];
-    if (lower_pivot == 0) lower = map[lower_pivot];
-    if (x > val) return (uint8_t)(x > __fmul_rn(__fadd_rn(upper, val), 0.5f) ? upper_pivot : pivot);
-    return (uint8_t)(x < __fmul_rn(__fadd_rn(lower, val), 0.5f) ? lower_pivot : pivot);
-}
-
 // 8-bit AdamW, one block per block of QL_OPT8_BLOCK elements (one element a thread)
 __global__ void __launch_bounds__(QL_OPT8_BLOCK) k_adamw8(float *w, uint8_t *qm, float *am, uint8_t *qv, float *av, const float *g, int64_t n,
                                                         float b1, float b2, float step_size, float eps, float decay, float gscale) {
@@ -1068,8 +1032,8 @@ __global__ void __launch_bounds__(QL_OPT8_BLOCK) k_adamw8(float *w, uint8_t *qm,
     }
     if (in) {
         const float im = mx_m > 0 ? 1.0f / mx_m : 0.0f, iv = mx_v > 0 ? 1.0f / mx_v : 0.0f;
-        qm[i] = cu_dyn_quant(cu_map_signed, __fmul_rn(mi, im));
-        qv[i] = cu_dyn_quant(cu_map_unsigned, __fmul_rn(vi, iv));
+        qm[i] = ql_dynamic_quantize_inline(cu_map_signed, __fmul_rn(mi, im));
+        qv[i] = ql_dynamic_quantize_inline(cu_map_unsigned, __fmul_rn(vi, iv));
     }
 }
 
@@ -1551,7 +1515,6 @@ static cu_ctx cu_ctx_of(cuda_backend *cb) {
     c.cb = cb;
     c.stream = cb->stream;
     c.blas = cb->blas;
-    c.cc = cb->prop.major * 10 + cb->prop.minor;
     return c;
 }
 
@@ -1721,6 +1684,16 @@ ql_backend *ql_backend_cuda_init(int device, char *err, size_t err_size) {
 }
 
 bool ql_backend_is_cuda(const ql_backend *be) { return be && be->iface.graph_compute == cuda_graph_compute; }
+
+ql_status ql_backend_cuda_info(const ql_backend *be, ql_cuda_device_info *info) {
+    if (!info) return QL_ERR_INVALID;
+    if (!ql_backend_is_cuda(be)) {
+        memset(info, 0, sizeof(*info));
+        return QL_ERR_INVALID;
+    }
+    char err[128];
+    return ql_cuda_device_get_info(((const cuda_backend *)be->impl)->device, info, err, sizeof(err));
+}
 
 bool ql_cuda_memory_used(size_t *in_use, size_t *peak) {
     cu_registry &r = cu_reg();

@@ -554,28 +554,7 @@ const float *ql_dynamic_map_unsigned(void) {
     return t.v;
 }
 
-uint8_t ql_dynamic_quantize(const float *map, float x) {
-    // bitsandbytes' dQuantize: 7 halving steps from the middle, then the nearer neighbour;
-    // at an exact midpoint the search path decides (it returns the pivot)
-    int pivot = 127, upper_pivot = 255, lower_pivot = 0;
-    float lower = -1.0f, upper = 1.0f, val = map[pivot];
-    for (int i = 64; i > 0; i >>= 1) {
-        if (x > val) {
-            lower_pivot = pivot;
-            lower = val;
-            pivot += i;
-        } else {
-            upper_pivot = pivot;
-            upper = val;
-            pivot -= i;
-        }
-        val = map[pivot];
-    }
-    if (upper_pivot == 255) upper = map[upper_pivot];
-    if (lower_pivot == 0) lower = map[lower_pivot];
-    if (x > val) return (uint8_t)(x > (upper + val) * 0.5f ? upper_pivot : pivot);
-    return (uint8_t)(x < (lower + val) * 0.5f ? lower_pivot : pivot);
-}
+uint8_t ql_dynamic_quantize(const float *map, float x) { return ql_dynamic_quantize_inline(map, x); }
 
 // a double-quantised absmax: two f32 roundings, as bitsandbytes multiplies and then adds
 static inline float nf4_absmax(const float *map, uint8_t code, float scale, float offset) {
@@ -838,9 +817,6 @@ void ql_free(ql_context *ctx) {
 size_t ql_used_mem(const ql_context *ctx) { return ctx ? ctx->used : 0; }
 size_t ql_ctx_data_size(const ql_context *ctx) { return ctx ? ctx->data_size : 0; }
 bool   ql_ctx_is_measure(const ql_context *ctx) { return ctx && ctx->measure; }
-ql_tensor *ql_ctx_tensor(const ql_context *ctx, int64_t i) {
-    return ctx && i >= 0 && i < (int64_t)ctx->tensors.size() ? ctx->tensors[(size_t)i] : nullptr;
-}
 
 // Carves `size` bytes from the arena; NULL (with an error naming `what`) when it is full.
 static void *arena_take(ql_context *ctx, size_t size, const char *what, const char *detail = "") {
@@ -1547,6 +1523,20 @@ static ql_tensor *view_as(ql_context *ctx, ql_tensor *flat, const ql_tensor *lik
     return ql_view_4d(ctx, flat, like->ne[0], like->ne[1], like->ne[2], like->ne[3], nb1, nb2, nb3, (size_t)off * 4);
 }
 
+// sufficient test: with dimensions sorted by stride, each stride clears everything the lower
+// dimensions span
+static bool view_is_injective(const int64_t ne[4], int64_t s1, int64_t s2, int64_t s3) {
+    std::pair<int64_t, int64_t> d[4] = {{1, ne[0]}, {s1, ne[1]}, {s2, ne[2]}, {s3, ne[3]}};  // (stride, extent)
+    std::sort(d, d + 4);
+    int64_t span = 1;  // offsets covered so far: [0, span)
+    for (const auto &x : d) {
+        if (x.second <= 1) continue;
+        if (x.first < span) return false;
+        span = x.first * (x.second - 1) + span;
+    }
+    return true;
+}
+
 static ql_tensor *view_back(ql_context *ctx, ql_tensor *dy, const ql_tensor *view) {
     if (!srcs_ok(ctx, "view_back", {dy, view})) return nullptr;
     const ql_tensor *a = view->view_src;
@@ -1559,6 +1549,10 @@ static ql_tensor *view_back(ql_context *ctx, ql_tensor *dy, const ql_tensor *vie
     const size_t ts = traits(a->type).type_size;
     set_param(t, 0, (int64_t)(view->view_offs / ts));
     for (int i = 1; i < 4; i++) set_param(t, 2 * i, (int64_t)(view->nb[i] / ts));
+    // slot 8: the view overlaps itself (several of its elements land on one of a's), so a
+    // backend must add them one after another
+    t->op_params[8] = !view_is_injective(view->ne, (int64_t)(view->nb[1] / ts), (int64_t)(view->nb[2] / ts),
+                                         (int64_t)(view->nb[3] / ts));
     return t;
 }
 
@@ -2913,20 +2907,6 @@ static void k_acc_grad(const cpu_params &p, ql_tensor *dst) {  // dst aliases th
     for (int64_t r = b; r < e; r++) row_axpy(c->ne[0], 1.0f, f32_row(c, r), (float *)dst->data + r * c->ne[0]);
 }
 
-// sufficient test: with dimensions sorted by stride, each stride clears everything the lower
-// dimensions span
-static bool view_is_injective(const int64_t ne[4], int64_t s1, int64_t s2, int64_t s3) {
-    std::pair<int64_t, int64_t> d[4] = {{1, ne[0]}, {s1, ne[1]}, {s2, ne[2]}, {s3, ne[3]}};  // (stride, extent)
-    std::sort(d, d + 4);
-    int64_t span = 1;  // offsets covered so far: [0, span)
-    for (const auto &x : d) {
-        if (x.second <= 1) continue;
-        if (x.first < span) return false;
-        span = x.first * (x.second - 1) + span;
-    }
-    return true;
-}
-
 static void k_cache_store(const cpu_params &p, ql_tensor *dst) {  // dst aliases the cache
     const ql_tensor *src = dst->src[1];
     const int32_t at = *(const int32_t *)dst->src[2]->data;
@@ -2958,7 +2938,7 @@ static void k_view_back(const cpu_params &p, ql_tensor *dst) {
     }
     // Rows go to different threads only when the view is one-to-one (then rows land on
     // disjoint places); a view overlapping itself is scattered by one thread, in order.
-    const bool overlap = !view_is_injective(dy->ne, s1, s2, s3);
+    const bool overlap = dst->op_params[8] != 0;
     if (overlap && p.ith != 0) return;
     split_range(ql_nrows(dy), overlap ? 0 : p.ith, overlap ? 1 : p.nth, b, e);
     for (int64_t r = b; r < e; r++) {
@@ -4268,13 +4248,15 @@ struct ql_backend_buffer {
     void *base;                // NULL for an empty buffer
     size_t size;
     void (*free_fn)(void *);   // NULL: nothing to free
+    std::vector<std::pair<ql_tensor *, void *>> placed;  // ql_backend_place_ctx_tensors: tensor -> its host data
+    ql_context *placed_ctx;                               // whose views follow them back
 };
 
 bool ql_backend_is_host(const ql_backend *be) { return be && !be->iface.copy; }
 
 ql_backend_buffer *ql_backend_buffer_alloc(ql_backend *be, ql_buffer_kind kind, size_t size) {
     if (!be || (unsigned)kind >= QL_BUFFER_KIND_COUNT) return nullptr;
-    ql_backend_buffer *b = new (std::nothrow) ql_backend_buffer{kind, nullptr, size, nullptr};
+    ql_backend_buffer *b = new (std::nothrow) ql_backend_buffer{kind, nullptr, size, nullptr, {}, nullptr};
     if (!b || size == 0) return b;
     const size_t n = align_up(size, QL_ALIGN);
     if (kind == QL_BUFFER_HOST_PINNED && be->iface.host_alloc) {
@@ -4294,10 +4276,24 @@ ql_backend_buffer *ql_backend_buffer_alloc(ql_backend *be, ql_buffer_kind kind, 
     return b;
 }
 
+// After leafs moved: every view in ctx whose root moved follows it (views of views in order).
+static void ctx_rebind_views(ql_context *ctx) {
+    for (ql_tensor *t : ctx->tensors)
+        if (t->view_src && t->view_src->data) t->data = (uint8_t *)t->view_src->data + t->view_offs;
+}
+
 void ql_backend_buffer_free(ql_backend_buffer *b) {
     if (!b) return;
+    for (const auto &p : b->placed) p.first->data = p.second;  // placed tensors: back on their host data
+    if (b->placed_ctx) ctx_rebind_views(b->placed_ctx);
     if (b->base && b->free_fn) b->free_fn(b->base);
     delete b;
+}
+void *ql_backend_buffer_host_data(const ql_backend_buffer *b, const ql_tensor *t) {
+    if (!b) return nullptr;
+    for (const auto &p : b->placed)
+        if (p.first == t) return p.second;
+    return nullptr;
 }
 void          *ql_backend_buffer_base(const ql_backend_buffer *b) { return b ? b->base : nullptr; }
 size_t         ql_backend_buffer_size(const ql_backend_buffer *b) { return b ? b->size : 0; }
@@ -4305,12 +4301,6 @@ ql_buffer_kind ql_backend_buffer_kind(const ql_backend_buffer *b) { return b ? b
 
 static bool is_plain_leaf(const ql_tensor *t) { return t->op == QL_OP_NONE && !t->view_src; }
 static size_t leaf_bytes(const ql_tensor *t) { return align_up(ql_nbytes(t) + t->aux_size, QL_ALIGN); }
-
-// After leafs moved: every view in ctx whose root moved follows it (views of views in order).
-static void ctx_rebind_views(ql_context *ctx) {
-    for (ql_tensor *t : ctx->tensors)
-        if (t->view_src && t->view_src->data) t->data = (uint8_t *)t->view_src->data + t->view_offs;
-}
 
 ql_backend_buffer *ql_backend_alloc_ctx_tensors(ql_backend *be, ql_context *ctx, ql_buffer_kind kind) {
     if (!be || !ctx || ctx->measure) return nullptr;
@@ -4335,7 +4325,7 @@ ql_backend_buffer *ql_backend_alloc_ctx_tensors(ql_backend *be, ql_context *ctx,
 
 ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx) {
     if (!be || !ctx || ctx->measure) return nullptr;
-    if (ql_backend_is_host(be)) return new (std::nothrow) ql_backend_buffer{QL_BUFFER_DEVICE, nullptr, 0, nullptr};
+    if (ql_backend_is_host(be)) return new (std::nothrow) ql_backend_buffer{QL_BUFFER_DEVICE, nullptr, 0, nullptr, {}, nullptr};
     size_t total = 0;
     for (const ql_tensor *t : ctx->tensors)
         if (is_plain_leaf(t) && t->data) total += leaf_bytes(t);
@@ -4345,6 +4335,7 @@ ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx)
                "weight type (nf4) or a smaller model", be->iface.name, total / 1048576.0);
         return nullptr;
     }
+    b->placed_ctx = ctx;
     char err[256] = {0};
     size_t off = 0;
     for (ql_tensor *t : ctx->tensors)
@@ -4352,9 +4343,10 @@ ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx)
             void *dst = (uint8_t *)b->base + off;
             if (!be->iface.copy(be, dst, t->data, ql_nbytes(t) + t->aux_size, QL_COPY_TO_DEVICE, false, err, sizeof(err))) {
                 QL_ERR(ctx, QL_ERR_IO, "place_ctx_tensors: copying %s to %s: %s", shape_str(t).c_str(), be->iface.name, err);
-                ql_backend_buffer_free(b);
+                ql_backend_buffer_free(b);  // and the tensors placed so far back on their host data
                 return nullptr;
             }
+            b->placed.push_back({t, t->data});
             t->data = dst;
             off += leaf_bytes(t);
         }
@@ -4379,21 +4371,23 @@ static ql_status tensor_copy(ql_backend *be, void *dst, const void *src, size_t 
     return QL_ERR_IO;
 }
 
+// host bytes in (QL_COPY_TO_DEVICE) or out of bytes [offset, offset + size) of t, checked
+static ql_status tensor_io(ql_backend *be, const ql_tensor *t, void *host, size_t offset, size_t size, int dir, bool async) {
+    if (!be || !t || (!host && size) || !tensor_range_ok(t, offset, size)) return QL_ERR_INVALID;
+    uint8_t *dev = (uint8_t *)t->data + offset;
+    return dir == QL_COPY_TO_DEVICE ? tensor_copy(be, dev, host, size, dir, async) : tensor_copy(be, host, dev, size, dir, async);
+}
 ql_status ql_backend_tensor_set(ql_backend *be, ql_tensor *t, const void *data, size_t offset, size_t size) {
-    if (!be || !t || (!data && size) || !tensor_range_ok(t, offset, size)) return QL_ERR_INVALID;
-    return tensor_copy(be, (uint8_t *)t->data + offset, data, size, QL_COPY_TO_DEVICE, false);
+    return tensor_io(be, t, (void *)data, offset, size, QL_COPY_TO_DEVICE, false);
 }
 ql_status ql_backend_tensor_get(ql_backend *be, const ql_tensor *t, void *data, size_t offset, size_t size) {
-    if (!be || !t || (!data && size) || !tensor_range_ok(t, offset, size)) return QL_ERR_INVALID;
-    return tensor_copy(be, data, (const uint8_t *)t->data + offset, size, QL_COPY_TO_HOST, false);
+    return tensor_io(be, t, data, offset, size, QL_COPY_TO_HOST, false);
 }
 ql_status ql_backend_tensor_set_async(ql_backend *be, ql_tensor *t, const void *data, size_t offset, size_t size) {
-    if (!be || !t || (!data && size) || !tensor_range_ok(t, offset, size)) return QL_ERR_INVALID;
-    return tensor_copy(be, (uint8_t *)t->data + offset, data, size, QL_COPY_TO_DEVICE, true);
+    return tensor_io(be, t, (void *)data, offset, size, QL_COPY_TO_DEVICE, true);
 }
 ql_status ql_backend_tensor_get_async(ql_backend *be, const ql_tensor *t, void *data, size_t offset, size_t size) {
-    if (!be || !t || (!data && size) || !tensor_range_ok(t, offset, size)) return QL_ERR_INVALID;
-    return tensor_copy(be, data, (const uint8_t *)t->data + offset, size, QL_COPY_TO_HOST, true);
+    return tensor_io(be, t, data, offset, size, QL_COPY_TO_HOST, true);
 }
 ql_status ql_backend_tensor_memset(ql_backend *be, ql_tensor *t, int value, size_t offset, size_t size) {
     if (!be || !t || !tensor_range_ok(t, offset, size)) return QL_ERR_INVALID;
@@ -4479,8 +4473,7 @@ void ql_backend_describe(const ql_backend *be, char *buf, size_t size) {
         snprintf(buf, size, "cpu (%d threads, %s)", ql_backend_cpu_n_threads(be), ql_cpu_features());
     } else {
         ql_cuda_device_info info;
-        char err[128];
-        if (ql_backend_is_cuda(be) && ql_cuda_device_get_info(0, &info, err, sizeof(err)) == QL_OK)
+        if (ql_backend_cuda_info(be, &info) == QL_OK)
             snprintf(buf, size, "cuda: %s (cc %d.%d, %d SMs, %.1f GiB free of %.1f GiB)", info.name, info.major, info.minor,
                      info.n_sm, info.free_mem / 1073741824.0, info.total_mem / 1073741824.0);
         else
@@ -4501,6 +4494,10 @@ __attribute__((weak)) ql_backend *ql_backend_cuda_init(int, char *err, size_t er
     return nullptr;
 }
 __attribute__((weak)) bool ql_backend_is_cuda(const ql_backend *) { return false; }
+__attribute__((weak)) ql_status ql_backend_cuda_info(const ql_backend *, ql_cuda_device_info *info) {
+    if (info) memset(info, 0, sizeof(*info));
+    return QL_ERR_INVALID;
+}
 __attribute__((weak)) bool ql_cuda_memory_used(size_t *in_use, size_t *peak) {
     if (in_use) *in_use = 0;
     if (peak) *peak = 0;

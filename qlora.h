@@ -199,6 +199,35 @@ const float *ql_dynamic_map_unsigned(void);  // the second Adam moment's (v >= 0
 // its 8-bit quantiser: the 7-step binary search with midpoint rounding (dQuantize)
 uint8_t      ql_dynamic_quantize(const float *map, float x);
 
+// Code both the host and CUDA kernels run is written once, here (QL_HD: host and device under nvcc).
+#if defined(__CUDACC__)
+#define QL_HD __host__ __device__
+#else
+#define QL_HD
+#endif
+// ql_dynamic_quantize's body: 7 halving steps from the middle, then the nearer neighbour; at an
+// exact midpoint the search path decides (it returns the pivot)
+static inline QL_HD uint8_t ql_dynamic_quantize_inline(const float *map, float x) {
+    int pivot = 127, upper_pivot = 255, lower_pivot = 0, i;
+    float lower = -1.0f, upper = 1.0f, val = map[pivot];
+    for (i = 64; i > 0; i >>= 1) {
+        if (x > val) {
+            lower_pivot = pivot;
+            lower = val;
+            pivot += i;
+        } else {
+            upper_pivot = pivot;
+            upper = val;
+            pivot -= i;
+        }
+        val = map[pivot];
+    }
+    if (upper_pivot == 255) upper = map[upper_pivot];
+    if (lower_pivot == 0) lower = map[lower_pivot];
+    if (x > val) return (uint8_t)(x > (upper + val) * 0.5f ? upper_pivot : pivot);
+    return (uint8_t)(x < (lower + val) * 0.5f ? lower_pivot : pivot);
+}
+
 // Whole-tensor quantisation of n_rows rows of ne0 floats into `type`: dst receives
 // ql_type_data_size(type, n_rows, ne0) bytes (rows, then side data). NF4 follows bitsandbytes
 // (all-zero blocks guarded: absmax 0, codes of 0.0) and QLoRA's double quantisation (offset =
@@ -250,7 +279,6 @@ size_t      ql_used_mem(const ql_context *ctx);      // arena bytes in use (or n
 size_t      ql_ctx_data_size(const ql_context *ctx); // data bytes of its tensors (even if no_alloc)
 size_t      ql_tensor_overhead(void);                // arena bytes of one tensor header
 bool        ql_ctx_is_measure(const ql_context *ctx);
-ql_tensor  *ql_ctx_tensor(const ql_context *ctx, int64_t i);  // the i-th tensor made in ctx; NULL past the end
 
 const char *ql_ctx_error(const ql_context *ctx);     // "" when there is none
 ql_status   ql_ctx_status(const ql_context *ctx);
@@ -600,7 +628,9 @@ const char *ql_buffer_kind_name(ql_buffer_kind k);
 typedef struct ql_backend_buffer ql_backend_buffer;
 // One allocation of `size` bytes (QL_ALIGN-aligned); NULL when it cannot be had.
 ql_backend_buffer *ql_backend_buffer_alloc(ql_backend *be, ql_buffer_kind kind, size_t size);
-void        ql_backend_buffer_free(ql_backend_buffer *buf);   // NULL-safe; needs no backend
+// NULL-safe; needs no backend. Tensors it placed (ql_backend_place_ctx_tensors) point at their host
+// data again, so free a placement before the context it placed.
+void        ql_backend_buffer_free(ql_backend_buffer *buf);
 void       *ql_backend_buffer_base(const ql_backend_buffer *buf);
 size_t      ql_backend_buffer_size(const ql_backend_buffer *buf);
 ql_buffer_kind ql_backend_buffer_kind(const ql_backend_buffer *buf);
@@ -614,8 +644,11 @@ ql_backend_buffer *ql_backend_alloc_ctx_tensors(ql_backend *be, ql_context *ctx,
 // re-pointed. Quantized types travel as they are (no f32 copy of a base weight ever exists on
 // the device). The host bytes are not freed (they belong to the arena or the file). The CPU
 // backend moves nothing and returns an empty buffer. NULL with an error in ctx when the device
-// is out of memory (the message says how much was asked and what was free).
+// is out of memory (the message says how much it needed).
 ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx);
+// The host bytes a placed tensor came from (a checkpoint is written from there after a get);
+// NULL for a tensor this buffer did not place (and for everything on the CPU backend).
+void       *ql_backend_buffer_host_data(const ql_backend_buffer *buf, const ql_tensor *t);
 
 // Host <-> tensor copies of bytes [offset, offset + size) of t's data (side data follows the rows:
 // size up to ql_nbytes(t) + t->aux_size). t must be contiguous over that range. QL_OK, or
@@ -655,6 +688,8 @@ ql_status   ql_cuda_device_get_info(int device, ql_cuda_device_info *info, char 
 // NULL with one line in err: built without CUDA, no such device, or the device failed to start
 ql_backend *ql_backend_cuda_init(int device, char *err, size_t err_size);
 bool        ql_backend_is_cuda(const ql_backend *be);
+// the device a CUDA backend runs on (QL_ERR_INVALID for any other backend)
+ql_status   ql_backend_cuda_info(const ql_backend *be, ql_cuda_device_info *info);
 // Device memory qlora holds now and at most so far (its own allocations; the CUDA context and
 // cuBLAS' workspace are not counted). false without CUDA.
 bool        ql_cuda_memory_used(size_t *in_use, size_t *peak);

@@ -38,10 +38,9 @@ struct ql_trainer {
     bool packed = false;  // sequences hold several documents: attention needs the segment ids
     ql_context *ctx = nullptr;
     ql_backend *be = nullptr;  // the backend that trains (t->o.device)
-    // a device backend: the buffers the weights and the run's tensors were placed in, and each
-    // placed tensor's host bytes (what checkpoints and adapters are written from)
+    // a device backend: the placements of the weights and of the run's tensors (adapter, grads,
+    // moments, inputs); each keeps its tensors' host bytes, which checkpoints are written from
     ql_backend_buffer *weights_buf = nullptr, *state_buf = nullptr;
-    std::vector<std::pair<ql_tensor *, void *>> host_of;  // placed tensor -> its host data
     bool on_host = true;
     std::vector<int32_t> in_tokens, in_pos, in_targets, in_seg;  // [T * B] staging for set
     ql_tensor *seed = nullptr;
@@ -385,30 +384,9 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
     return t;
 }
 
-// A device backend: every leaf of ctx with host data moves to one device buffer; the host
-// pointers are kept (checkpoints and adapters are written from them, and they come back at the end).
-static ql_backend_buffer *place(ql_trainer *t, ql_context *ctx, std::string *err) {
-    std::vector<std::pair<ql_tensor *, void *>> before;
-    for (int64_t i = 0;; i++) {
-        ql_tensor *x = ql_ctx_tensor(ctx, i);
-        if (!x) break;
-        if (x->op == QL_OP_NONE && !x->view_src && x->data) before.push_back({x, x->data});
-    }
-    ql_backend_buffer *b = ql_backend_place_ctx_tensors(t->be, ctx);
-    if (!b) {
-        *err = ql_ctx_error(ctx);
-        return nullptr;
-    }
-    t->host_of.insert(t->host_of.end(), before.begin(), before.end());
-    return b;
-}
-
-// the host bytes of a tensor the trainer placed (or its own data on the CPU)
+// the host bytes of one of the run's tensors (on a device: its host copy, as of the last get)
 static void *host_data(const ql_trainer *t, const ql_tensor *x) {
-    if (t->on_host) return x->data;
-    for (const auto &h : t->host_of)
-        if (h.first == x) return h.second;
-    return nullptr;
+    return t->on_host ? x->data : ql_backend_buffer_host_data(t->state_buf, x);
 }
 
 static std::string biggest_items(const ql_memory_plan &m) {
@@ -482,8 +460,9 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
         ql_trainer_free(t);
         return nullptr;
     }
-    if (!t->on_host && (!(t->weights_buf = place(t, t->f->ctx, err)) || !(t->state_buf = place(t, t->ctx, err)))) {
-        *err = "placing the model on " + t->o.device + ": " + *err;
+    if (!t->on_host && (!(t->weights_buf = ql_backend_place_ctx_tensors(t->be, t->f->ctx)) ||
+                        !(t->state_buf = ql_backend_place_ctx_tensors(t->be, t->ctx)))) {
+        *err = "placing the model on " + t->o.device + ": " + ql_ctx_error(t->weights_buf ? t->ctx : t->f->ctx);
         ql_trainer_free(t);
         return nullptr;
     }
@@ -571,9 +550,8 @@ void ql_trainer_free(ql_trainer *t) {
     if (!t) return;
     free_io(t->tr);
     free_io(t->ev);
-    for (const auto &h : t->host_of) h.first->data = h.second;  // the weights' mapping, the arena
-    ql_backend_buffer_free(t->state_buf);
-    ql_backend_buffer_free(t->weights_buf);
+    ql_backend_buffer_free(t->state_buf);    // the tensors back on the arena,
+    ql_backend_buffer_free(t->weights_buf);  // the weights on the file mapping
     ql_backend_free(t->be);
     ql_free(t->ctx);
     if (t->f) {  // the model's adapters pointed into ctx
@@ -808,10 +786,14 @@ bool ql_trainer_eval(ql_trainer *t, double *loss, std::string *err) {
         return false;
     }
     double sum = 0;
+    if (!set_f32(t, t->ev.count, (float)targets)) {
+        *err = "evaluation: a device copy failed";
+        return false;
+    }
     for (size_t i = 0; i < t->eval->size(); i += (size_t)t->B) {
         for (size_t b = 0; b < (size_t)t->B; b++) t->slot[b] = i + b < t->eval->size() ? &(*t->eval)[i + b] : nullptr;
         float l = 0;
-        if (!set_f32(t, t->ev.count, (float)targets) || !fill(t, t->ev, t->slot.data()) ||
+        if (!fill(t, t->ev, t->slot.data()) ||
             ql_backend_graph_compute(t->be, t->ev.g) != QL_OK || !get_f32(t, t->ev.loss, &l)) {
             *err = ql_ctx_status(t->ctx) != QL_OK ? ql_ctx_error(t->ctx) : "evaluation: a device copy failed";
             return false;
@@ -980,21 +962,18 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
 
 bool ql_trainer_to_host(ql_trainer *t, std::string *err) {
     if (t->on_host) return true;
-    for (const auto &h : t->host_of) {
-        ql_tensor *x = h.first;
-        const bool trained = x->flags & QL_FLAG_PARAM;  // the adapter changed; weights and the rest did not
-        if (trained && ql_backend_tensor_get(t->be, x, h.second, 0, ql_nbytes(x) + x->aux_size) != QL_OK) {
-            *err = std::string("cannot read ") + x->name + " from " + t->o.device;
-            return false;
-        }
-    }
-    for (const auto &h : t->host_of) h.first->data = h.second;
-    t->host_of.clear();
-    t->on_host = true;  // the host copies are the model now; the device buffers go with the trainer
+    for (size_t i = 0; i < t->params.size(); i++)  // the adapter and its moments changed; the weights did not
+        for (ql_tensor *x : with_state(t, i))
+            if (ql_backend_tensor_get(t->be, x, host_data(t, x), 0, ql_nbytes(x)) != QL_OK) {
+                *err = std::string("cannot read ") + x->name + " from " + t->o.device;
+                return false;
+            }
+    ql_backend_buffer_free(t->state_buf);  // every placed tensor back on its host bytes
+    ql_backend_buffer_free(t->weights_buf);
+    t->state_buf = t->weights_buf = nullptr;
+    t->on_host = true;
     return true;
 }
-
-ql_backend *ql_trainer_backend(ql_trainer *t) { return t->be; }
 
 std::string ql_trainable_line(int64_t trainable, int64_t base) {
     auto commas = [](int64_t v) {

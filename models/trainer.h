@@ -158,10 +158,9 @@ bool ql_trainer_eval(ql_trainer *t, double *loss, std::string *err);
 // in one GGUF written atomically. Loading checks that the run is the same run.
 bool ql_trainer_save(const ql_trainer *t, const char *path, std::string *err);
 // After the last step, before exporting adapters (or a merged model) from ql_trainer_model: brings
-// the adapter back to host memory and points the model's tensors at host copies again (a no-op on
-// the CPU). No step may run after it.
+// the adapter and its optimizer state back to host memory and points the model's tensors at
+// their host copies again (a no-op on the CPU). No step may run after it.
 bool ql_trainer_to_host(ql_trainer *t, std::string *err);
-ql_backend *ql_trainer_backend(ql_trainer *t);
 bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err);
 
 // PEFT's line, exactly: "trainable params: 4,194,304 || all params: 6,742,609,920 || trainable%: 0.0622"

@@ -404,7 +404,7 @@ static bool parse(int argc, char **argv, args *a) {
             char desc[320];
             ql_backend_describe(be, desc, sizeof(desc));
             printf("finetune: %s\n", desc);
-            ql_cuda_device_get_info(0, &info, err, sizeof(err));
+            ql_backend_cuda_info(be, &info);
         }
         if (a->o.precision == "auto") {  // GPU: bf16 tensor cores from Ampere (8.0), fp16 + loss scaling before
             a->o.precision = ql_backend_is_host(be) ? ql_auto_precision() : info.major >= 8 ? "bf16" : "fp16";
