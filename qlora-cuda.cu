@@ -313,7 +313,6 @@ __global__ void k_convert_2d(const char *src, int src_type, int64_t nb0, int64_t
 //    C (M x N) = op(A) op(B) with A read from a's bytes and B from b's.
 // ============================================================================================
 
-#define CU_MM_TILE_ELEMS ((int64_t)1 << 23)  // dequantised weight elements per tile (16 MiB in bf16)
 
 static cudaDataType cu_dtype(ql_type t) { return t == QL_TYPE_F32 ? CUDA_R_32F : t == QL_TYPE_F16 ? CUDA_R_16F : CUDA_R_16BF; }
 
@@ -331,12 +330,11 @@ static cu_operand cu_as_operand(const char *p, size_t es, int64_t nb0, int64_t n
     if (nb0 == (int64_t)es && (X == 1 || nb1 % (int64_t)es == 0)) {
         o.op = is_a ? CUBLAS_OP_T : CUBLAS_OP_N;
         o.ld = X == 1 ? std::max<int64_t>(K, 1) : nb1 / (int64_t)es;
-        o.ok = o.ld >= K;
     } else if (nb1 == (int64_t)es && nb0 % (int64_t)es == 0) {
         o.op = is_a ? CUBLAS_OP_N : CUBLAS_OP_T;
         o.ld = K == 1 ? std::max<int64_t>(X, 1) : nb0 / (int64_t)es;
-        o.ok = o.ld >= X;
     }
+    o.ok = ql_cuda_operand_ok(es, nb0, nb1, K, X);  // the planner's rule, exactly
     return o;
 }
 
@@ -349,33 +347,13 @@ static void cu_gemm(cu_ctx &c, ql_type ab_type, const cu_operand &A, int64_t sA,
                                                (int)ldc, sC, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
 }
 
-// a is a transpose view of a block-quantized weight (autodiff's dx = dy W): rows of the root
-static bool cu_mm_trows(const ql_tensor *a) {
-    const ql_type_traits *t = ql_type_traits_get(a->type);
-    return t && t->blck_size > 1 && a->op == QL_OP_TRANSPOSE && a->view_src && ql_rows_contiguous(a->view_src);
-}
-static bool cu_mm_a_direct(const ql_tensor *a, ql_type ct) {  // cuBLAS reads a as it is
-    return a->type == ct && cu_as_operand(nullptr, type_size_cu(ct), a->nb[0], a->nb[1], a->ne[0], a->ne[1], true).ok;
-}
-static bool cu_mm_b_direct(const ql_tensor *b) {
-    return cu_as_operand(nullptr, type_size_cu(b->type), b->nb[0], b->nb[1], b->ne[0], b->ne[1], false).ok;
-}
-
-// workspace: b's contiguous copy (when needed) first, then one tile of a in the multiply's type
-static size_t cu_mm_b_bytes(const ql_tensor *b) {
-    return cu_mm_b_direct(b) ? 0 : (size_t)(ql_nelements(b) * (int64_t)type_size_cu(b->type) + QL_ALIGN - 1) / QL_ALIGN * QL_ALIGN;
-}
-static int64_t cu_mm_tile_rows(int64_t row_len, int64_t n_rows) {
-    return std::max<int64_t>(1, std::min<int64_t>(n_rows, CU_MM_TILE_ELEMS / std::max<int64_t>(row_len, 1)));
-}
-static size_t cu_mm_work(const ql_tensor *node) {
-    const ql_tensor *a = node->src[0], *b = node->src[1];
-    const ql_type ct = b->type;
-    size_t w = cu_mm_b_bytes(b);
-    if (cu_mm_trows(a)) w += (size_t)(a->ne[1] * cu_mm_tile_rows(a->ne[1], a->ne[0])) * type_size_cu(ct);
-    else if (!cu_mm_a_direct(a, ct)) w += (size_t)(a->ne[0] * cu_mm_tile_rows(a->ne[0], a->ne[1])) * type_size_cu(ct);
-    return w;
-}
+// the workspace rules (which operands cuBLAS reads in place, tile sizes) are qlora.cpp's
+// ql_cuda_* functions: a device plan computes them without CUDA
+static bool cu_mm_trows(const ql_tensor *a) { return ql_cuda_mm_trows(a); }
+static bool cu_mm_a_direct(const ql_tensor *a, ql_type ct) { return ql_cuda_mm_a_direct(a, ct); }
+static bool cu_mm_b_direct(const ql_tensor *b) { return ql_cuda_mm_b_direct(b); }
+static size_t cu_mm_b_bytes(const ql_tensor *b) { return ql_cuda_mm_b_bytes(b); }
+static int64_t cu_mm_tile_rows(int64_t row_len, int64_t n_rows) { return ql_cuda_mm_tile_rows(row_len, n_rows); }
 
 static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *a = node->src[0], *b = node->src[1];
@@ -986,8 +964,6 @@ static bool cu_ops_supported(const ql_tensor *node) {
     }
 }
 
-static size_t cu_ops_work(const ql_tensor *) { return 0; }
-
 // ---- the optimizer and gradient statistics (between graph runs) ----
 
 __constant__ float cu_map_signed[256];
@@ -1379,11 +1355,6 @@ static bool cu_attn_supported(const ql_tensor *node) {
     return ql_is_contiguous(node);
 }
 
-static size_t cu_attn_work(const ql_tensor *node) {
-    if (node->op != QL_OP_FLASH_ATTN_BACK) return 0;
-    const ql_tensor *q = node->src[0];
-    return (size_t)(q->ne[1] * q->ne[2] * q->ne[3]) * sizeof(float);  // delta
-}
 
 // ============================================================================================
 // 8. the backend
@@ -1451,14 +1422,7 @@ static bool cuda_supports_op(ql_backend *be, const ql_tensor *node) {
     }
 }
 
-static size_t cuda_work_size(ql_backend *, const ql_tensor *node) {
-    switch (node->op) {
-    case QL_OP_MUL_MAT:         return cu_mm_work(node);
-    case QL_OP_FLASH_ATTN:
-    case QL_OP_FLASH_ATTN_BACK: return cu_attn_work(node);
-    default:                    return cu_ops_work(node);
-    }
-}
+static size_t cuda_work_size(ql_backend *, const ql_tensor *node) { return ql_cuda_work_size(node); }
 
 static void *cuda_buffer_alloc(ql_backend *, size_t size) { return cu_device_alloc(size); }
 static void  cuda_buffer_free(void *p) { cu_device_free(p); }

@@ -712,6 +712,15 @@ ql_status ql_dequantize(ql_type type, const void *src, int64_t n_rows, int64_t n
     return QL_OK;
 }
 
+ql_status ql_tensor_row_to_float(const ql_tensor *t, int64_t r, float *dst) {
+    const ql_type_traits *tt = t ? ql_type_traits_get(t->type) : nullptr;
+    if (!tt || !tt->is_float || !t->data || t->view_src || !ql_rows_contiguous(t) || r < 0 || r >= ql_nrows(t)) return QL_ERR_INVALID;
+    const uint8_t *row = (const uint8_t *)t->data + (size_t)r * t->nb[1];
+    if (tt->to_float_aux) tt->to_float_aux(row, ql_aux_data(t), r * t->ne[0], dst, t->ne[0]);
+    else tt->to_float(row, dst, t->ne[0]);
+    return QL_OK;
+}
+
 static bool nf4_type(ql_type t) { return t == QL_TYPE_NF4 || t == QL_TYPE_NF4_NODQ; }
 
 ql_status ql_nf4_from_bnb(const ql_bnb_nf4 *in, ql_type type, int64_t ne0, void *dst, char *err, size_t err_size) {
@@ -1991,7 +2000,7 @@ static ql_tensor *clone_node(ql_context *ctx, const ql_tensor *n, ql_tensor *con
     memcpy(t->op_params, n->op_params, sizeof(t->op_params));
     memcpy(t->nb, n->nb, sizeof(t->nb));
     t->aux_size  = n->aux_size;
-    t->flags     = (n->flags & ~QL_FLAG_OUTPUT) | QL_FLAG_RECOMPUTED;
+    t->flags     = (n->flags & ~(QL_FLAG_OUTPUT | QL_FLAG_RECOMPUTE)) | QL_FLAG_RECOMPUTED;
     t->view_src  = view_src;
     t->view_offs = n->view_offs;
     for (int i = 0; i < QL_MAX_SRC; i++) t->src[i] = srcs[i];
@@ -2031,6 +2040,8 @@ ql_status ql_graph_recompute(ql_graph *g, const ql_keep *level, int n_levels, ql
         }
         if (lv == QL_KEEP_NONE) kept[(size_t)fs.in[(size_t)k]] = false;
     }
+    for (int i = 0; i < nf; i++)  // results their constructor asked to have recomputed
+        if (g->nodes[(size_t)i]->flags & QL_FLAG_RECOMPUTE) kept[(size_t)i] = false;
     for (ql_tensor *t : g->nodes)  // what the caller reads after a run stays
         if ((t->flags & QL_FLAG_OUTPUT) && fs.index.count(view_root(t))) kept[(size_t)fs.index[view_root(t)]] = true;
     for (ql_tensor *t : g->outputs)
@@ -4252,7 +4263,7 @@ struct ql_backend_buffer {
     ql_context *placed_ctx;                               // whose views follow them back
 };
 
-bool ql_backend_is_host(const ql_backend *be) { return be && !be->iface.copy; }
+bool ql_backend_is_host(const ql_backend *be) { return be && !be->iface.copy && be->iface.graph_compute; }
 
 ql_backend_buffer *ql_backend_buffer_alloc(ql_backend *be, ql_buffer_kind kind, size_t size) {
     if (!be || (unsigned)kind >= QL_BUFFER_KIND_COUNT) return nullptr;
@@ -4302,6 +4313,14 @@ ql_buffer_kind ql_backend_buffer_kind(const ql_backend_buffer *b) { return b ? b
 static bool is_plain_leaf(const ql_tensor *t) { return t->op == QL_OP_NONE && !t->view_src; }
 static size_t leaf_bytes(const ql_tensor *t) { return align_up(ql_nbytes(t) + t->aux_size, QL_ALIGN); }
 
+size_t ql_ctx_placed_bytes(const ql_context *ctx) {
+    size_t total = 0;
+    if (ctx)
+        for (const ql_tensor *t : ctx->tensors)
+            if (is_plain_leaf(t) && (t->data || ctx->measure) && !(t->flags & QL_FLAG_HOST)) total += leaf_bytes(t);
+    return total;
+}
+
 ql_backend_buffer *ql_backend_alloc_ctx_tensors(ql_backend *be, ql_context *ctx, ql_buffer_kind kind) {
     if (!be || !ctx || ctx->measure) return nullptr;
     size_t total = 0;
@@ -4328,7 +4347,7 @@ ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx)
     if (ql_backend_is_host(be)) return new (std::nothrow) ql_backend_buffer{QL_BUFFER_DEVICE, nullptr, 0, nullptr, {}, nullptr};
     size_t total = 0;
     for (const ql_tensor *t : ctx->tensors)
-        if (is_plain_leaf(t) && t->data) total += leaf_bytes(t);
+        if (is_plain_leaf(t) && t->data && !(t->flags & QL_FLAG_HOST)) total += leaf_bytes(t);
     ql_backend_buffer *b = ql_backend_buffer_alloc(be, QL_BUFFER_DEVICE, total);
     if (!b) {
         QL_ERR(ctx, QL_ERR_NOMEM, "place_ctx_tensors: %s could not allocate %.1f MiB for the weights --> hint: a smaller "
@@ -4339,7 +4358,7 @@ ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx)
     char err[256] = {0};
     size_t off = 0;
     for (ql_tensor *t : ctx->tensors)
-        if (is_plain_leaf(t) && t->data) {
+        if (is_plain_leaf(t) && t->data && !(t->flags & QL_FLAG_HOST)) {
             void *dst = (uint8_t *)b->base + off;
             if (!be->iface.copy(be, dst, t->data, ql_nbytes(t) + t->aux_size, QL_COPY_TO_DEVICE, false, err, sizeof(err))) {
                 QL_ERR(ctx, QL_ERR_IO, "place_ctx_tensors: copying %s to %s: %s", shape_str(t).c_str(), be->iface.name, err);
@@ -4479,6 +4498,81 @@ void ql_backend_describe(const ql_backend *be, char *buf, size_t size) {
         else
             snprintf(buf, size, "%s", be->iface.name);
     }
+}
+
+// ---- the CUDA backend's memory rules: pure arithmetic on shapes, here rather than in
+// qlora-cuda.cu so that a device plan (--dry-run --device cuda --vram 8G) needs neither a GPU
+// nor a CUDA build; the CUDA kernels size and carve their workspace by these same functions ----
+
+static size_t cuda_elem_size(ql_type t) { return t == QL_TYPE_F32 || t == QL_TYPE_I32 ? 4 : (t == QL_TYPE_I8 ? 1 : 2); }
+
+bool ql_cuda_operand_ok(size_t es, int64_t nb0, int64_t nb1, int64_t K, int64_t X) {
+    if (nb0 == (int64_t)es && (X == 1 || nb1 % (int64_t)es == 0)) return (X == 1 ? std::max<int64_t>(K, 1) : nb1 / (int64_t)es) >= K;
+    if (nb1 == (int64_t)es && nb0 % (int64_t)es == 0) return (K == 1 ? std::max<int64_t>(X, 1) : nb0 / (int64_t)es) >= X;
+    return false;
+}
+bool ql_cuda_mm_trows(const ql_tensor *a) {
+    const ql_type_traits *t = ql_type_traits_get(a->type);
+    return t && t->blck_size > 1 && a->op == QL_OP_TRANSPOSE && a->view_src && ql_rows_contiguous(a->view_src);
+}
+bool ql_cuda_mm_a_direct(const ql_tensor *a, ql_type ct) {
+    return a->type == ct && ql_cuda_operand_ok(cuda_elem_size(ct), (int64_t)a->nb[0], (int64_t)a->nb[1], a->ne[0], a->ne[1]);
+}
+bool ql_cuda_mm_b_direct(const ql_tensor *b) {
+    return ql_cuda_operand_ok(cuda_elem_size(b->type), (int64_t)b->nb[0], (int64_t)b->nb[1], b->ne[0], b->ne[1]);
+}
+size_t ql_cuda_mm_b_bytes(const ql_tensor *b) {
+    return ql_cuda_mm_b_direct(b) ? 0 : align_up((size_t)ql_nelements(b) * cuda_elem_size(b->type), QL_ALIGN);
+}
+int64_t ql_cuda_mm_tile_rows(int64_t row_len, int64_t n_rows) {
+    return std::max<int64_t>(1, std::min<int64_t>(n_rows, QL_CUDA_MM_TILE_ELEMS / std::max<int64_t>(row_len, 1)));
+}
+size_t ql_cuda_work_size(const ql_tensor *node) {
+    switch (node->op) {
+    case QL_OP_MUL_MAT: {  // b's contiguous copy (when cuBLAS cannot read it), then one dequantised tile of a
+        const ql_tensor *a = node->src[0], *b = node->src[1];
+        const size_t es = cuda_elem_size(b->type);
+        size_t w = ql_cuda_mm_b_bytes(b);
+        if (ql_cuda_mm_trows(a)) w += (size_t)(a->ne[1] * ql_cuda_mm_tile_rows(a->ne[1], a->ne[0])) * es;
+        else if (!ql_cuda_mm_a_direct(a, b->type)) w += (size_t)(a->ne[0] * ql_cuda_mm_tile_rows(a->ne[0], a->ne[1])) * es;
+        return w;
+    }
+    case QL_OP_FLASH_ATTN_BACK: {  // delta = rowsum(dO * O), one float per query row and head
+        const ql_tensor *q = node->src[0];
+        return (size_t)(q->ne[1] * q->ne[2] * q->ne[3]) * sizeof(float);
+    }
+    default:
+        return 0;
+    }
+}
+
+// A backend that only plans: what the CUDA backend would place and need for a graph, on a
+// machine without the device. It computes nothing and allocates nothing.
+static bool cuda_plan_supports(ql_backend *be, const ql_tensor *node) {
+    const int cc = (int)(intptr_t)be->impl;
+    return !(node->op == QL_OP_MUL_MAT && node->src[1]->type == QL_TYPE_BF16 && cc < 80);  // as the device: no bf16 GEMM before 8.0
+}
+static size_t cuda_plan_work(ql_backend *, const ql_tensor *node) { return ql_cuda_work_size(node); }
+static void cuda_plan_free(ql_backend *be) { delete be; }
+
+ql_backend *ql_backend_cuda_plan_init(int cc) {
+    ql_backend *be = new ql_backend();
+    be->iface = {"cuda (plan only)", cuda_plan_supports, cuda_plan_work, nullptr, nullptr, nullptr, cuda_plan_free,
+                 nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+    be->impl = (void *)(intptr_t)cc;
+    be->id = ql_backend_new_id();
+    return be;
+}
+bool ql_backend_is_plan_only(const ql_backend *be) { return be && be->iface.graph_compute == nullptr; }
+
+size_t ql_cuda_context_bytes(int cc) {
+    // The CUDA context (driver state, the runtime, our kernels and cuBLAS's loaded lazily - the
+    // default since CUDA 12.2) and cuBLAS's workspace (NVIDIA's recommendation: 4 MiB, 32 MiB on
+    // Hopper). ESTIMATES from public reports of context sizes with lazy loading (200-500 MiB),
+    // not yet measured by us on each card: bench/gpu.sh prints the measured value (device
+    // memory used after the backend starts, before any allocation of ours) to replace them.
+    const size_t MiB = 1u << 20;
+    return cc >= 90 ? 500 * MiB + 32 * MiB : cc >= 80 ? 400 * MiB + 4 * MiB : 300 * MiB + 4 * MiB;
 }
 
 // A build without qlora-cuda.cu: weak definitions the CUDA object replaces when it is linked in

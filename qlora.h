@@ -337,6 +337,13 @@ enum ql_tensor_flag {
     QL_FLAG_OUTPUT = 1 << 2,  // its value must survive the run (never reused by the planner)
     QL_FLAG_GRAD   = 1 << 3,  // a parameter's gradient accumulator
     QL_FLAG_RECOMPUTED = 1 << 4,  // a forward result computed again in backward (ql_graph_recompute)
+    // a forward result backward recomputes rather than keeps, whatever the segment's level (the
+    // output head's logits: big, cheap to remake from the small hidden state); honoured by
+    // ql_graph_recompute, which must then run even with no levels (level NULL)
+    QL_FLAG_RECOMPUTE  = 1 << 5,
+    // a leaf that stays in host memory when its context is placed on a device (the embedding
+    // with --embd-on-host: only the step's rows travel, gathered on the host)
+    QL_FLAG_HOST       = 1 << 6,
 };
 
 struct ql_tensor {
@@ -370,6 +377,9 @@ ql_tensor  *ql_set_output(ql_tensor *t);
 
 int64_t ql_nelements(const ql_tensor *t);
 int64_t ql_nrows(const ql_tensor *t);                       // ne1*ne2*ne3
+// Row r of a leaf with host data and dense rows (a 2-D weight of any float or quantized type,
+// side data found after its rows) as ne[0] floats. QL_ERR_INVALID otherwise.
+ql_status ql_tensor_row_to_float(const ql_tensor *t, int64_t r, float *dst);
 size_t  ql_nbytes(const ql_tensor *t);                      // bytes spanned by the data (not aux)
 int     ql_n_dims(const ql_tensor *t);                      // highest dimension with ne > 1, plus one
 bool    ql_is_contiguous(const ql_tensor *t);
@@ -518,6 +528,7 @@ int       ql_graph_segments(const ql_graph *gb, ql_tensor **inputs, int max);
 // the results that copy needs, back to kept tensors. The copies run the same kernels on the
 // same inputs (dropout masks come from seeds), so gradients are bit for bit those of the
 // graph without recompute. n must equal ql_graph_segments(gb, NULL, 0); stats may be NULL.
+// level NULL (n ignored): keep every segment; only QL_FLAG_RECOMPUTE results are recomputed.
 ql_status ql_graph_recompute(ql_graph *gb, const ql_keep *level, int n, ql_recompute_stats *stats);
 
 // ============================================================================================
@@ -639,13 +650,16 @@ ql_buffer_kind ql_backend_buffer_kind(const ql_backend_buffer *buf);
 // `kind` (data + side data, each QL_ALIGN-aligned). For a no_alloc context built for a backend.
 // NULL (and an error in ctx) when it does not fit; the tensors are then left without data.
 ql_backend_buffer *ql_backend_alloc_ctx_tensors(ql_backend *be, ql_context *ctx, ql_buffer_kind kind);
-// Weights placed once: every leaf of ctx that has host data (an arena, a GGUF mapping) is copied,
-// side data included, into ONE new device buffer and its data pointer moved there; views are
+// Weights placed once: every leaf of ctx that has host data (an arena, a GGUF mapping), unless
+// flagged QL_FLAG_HOST, is copied, side data included, into ONE new device buffer and its data pointer moved there; views are
 // re-pointed. Quantized types travel as they are (no f32 copy of a base weight ever exists on
 // the device). The host bytes are not freed (they belong to the arena or the file). The CPU
 // backend moves nothing and returns an empty buffer. NULL with an error in ctx when the device
 // is out of memory (the message says how much it needed).
 ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx);
+// The bytes that placement allocates on a device (a measuring context: as if every leaf had data),
+// for plans made before anything is placed.
+size_t      ql_ctx_placed_bytes(const ql_context *ctx);
 // The host bytes a placed tensor came from (a checkpoint is written from there after a get);
 // NULL for a tensor this buffer did not place (and for everything on the CPU backend).
 void       *ql_backend_buffer_host_data(const ql_backend_buffer *buf, const ql_tensor *t);
@@ -724,6 +738,23 @@ typedef struct ql_backend_i {
 #define QL_COPY_TO_DEVICE   0   // ql_backend_i.copy directions
 #define QL_COPY_TO_HOST     1
 #define QL_COPY_ON_DEVICE   2
+
+// The CUDA backend's memory rules (in qlora.cpp: a device plan needs no GPU and no CUDA build).
+#define QL_CUDA_MM_TILE_ELEMS ((int64_t)1 << 23)  // dequantised weight elements per matmul tile (16 MiB in bf16)
+bool    ql_cuda_operand_ok(size_t elem_size, int64_t nb0, int64_t nb1, int64_t K, int64_t X);  // cuBLAS reads it in place
+bool    ql_cuda_mm_trows(const ql_tensor *a);          // a = transpose(block-quantized W): dequantised by rows of W
+bool    ql_cuda_mm_a_direct(const ql_tensor *a, ql_type compute);
+bool    ql_cuda_mm_b_direct(const ql_tensor *b);
+size_t  ql_cuda_mm_b_bytes(const ql_tensor *b);        // b's contiguous copy in the workspace (0: read in place)
+int64_t ql_cuda_mm_tile_rows(int64_t row_len, int64_t n_rows);
+size_t  ql_cuda_work_size(const ql_tensor *node);      // per-node workspace bytes
+// A backend that only plans graphs as the CUDA backend of compute capability cc (75 = 7.5) would
+// (ql_graph_plan works; it runs and allocates nothing), for device plans without a device.
+ql_backend *ql_backend_cuda_plan_init(int cc);
+bool        ql_backend_is_plan_only(const ql_backend *be);
+// Device memory a CUDA run holds besides its own allocations: the context and cuBLAS's workspace
+// (an estimate per compute capability; see qlora.cpp).
+size_t      ql_cuda_context_bytes(int cc);
 
 // What an allocated graph gives the backend that runs it.
 typedef struct ql_graph_exec {

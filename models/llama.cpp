@@ -175,6 +175,37 @@ ql_tensor *ql_llama_forward(ql_context *ctx, const ql_llama *m, ql_tensor *token
     return head(ctx, m, x);  // [n_vocab, T, B]
 }
 
+ql_tensor *ql_llama_hidden(ql_context *ctx, const ql_llama *m, ql_tensor *x, ql_tensor *pos, ql_tensor *seg) {
+    for (int il = 0; il < m->hp.n_layer; il++) x = block(ctx, m, il, x, pos, seg, nullptr);
+    return ql_mul(ctx, ql_rms_norm(ctx, x, m->hp.norm_eps), m->out_norm);  // [n_embd, T, B]
+}
+
+int64_t ql_llama_loss_chunk(int64_t n_vocab, int64_t n_rows) {
+    const int64_t per = std::max<int64_t>(1, QL_LLAMA_LOSS_CHUNK_ELEMS / std::max<int64_t>(1, n_vocab));
+    const int64_t n_chunks = (n_rows + per - 1) / per;
+    return (n_rows + n_chunks - 1) / n_chunks;  // equal chunks, each within the budget
+}
+
+ql_tensor *ql_llama_loss(ql_context *ctx, const ql_llama *m, ql_tensor *h, ql_tensor *targets, ql_tensor *count, int64_t chunk) {
+    if (!h) return nullptr;
+    const int64_t E = h->ne[0], N = ql_nelements(h) / E;
+    h = ql_reshape_2d(ctx, h, E, N);
+    if (chunk <= 0 || chunk >= N)  // one chunk: the plain head, its logits kept for backward
+        return ql_cross_entropy(ctx, ql_llama_linear(ctx, m, m->output, h), targets, count);
+    // rows [r0, r0 + n): logits [n_vocab, n] made, read by their cross-entropy, dropped; backward
+    // makes them again (QL_FLAG_RECOMPUTE) just before it needs them, one chunk at a time
+    ql_tensor *loss = nullptr;
+    for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+        const int64_t n = std::min(chunk, N - r0);
+        ql_tensor *hc = ql_view_2d(ctx, h, E, n, h ? h->nb[1] : 0, (size_t)r0 * (h ? h->nb[1] : 0));
+        ql_tensor *logits = ql_llama_linear(ctx, m, m->output, hc);
+        if (logits) logits->flags |= QL_FLAG_RECOMPUTE;
+        ql_tensor *l = ql_cross_entropy(ctx, logits, ql_view_1d(ctx, targets, n, (size_t)r0 * sizeof(int32_t)), count);
+        loss = loss ? ql_add(ctx, loss, l) : l;
+    }
+    return loss;
+}
+
 // ---- trainable LoRA ----
 
 static const char *const k_lora_targets[] = {"q", "k", "v", "o", "gate", "up", "down"};

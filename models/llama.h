@@ -84,6 +84,23 @@ ql_tensor *ql_llama_linear(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
 // Returns logits [n_vocab, T, B].
 ql_tensor *ql_llama_forward(ql_context *ctx, const ql_llama *m, ql_tensor *tokens, ql_tensor *pos, ql_tensor *seg);
 
+// The blocks over embedded input x [n_embd, T, B] (ql_get_rows of tok_embd, or rows gathered
+// on the host), then the final norm -> h [n_embd, T, B]: what the output projection reads.
+ql_tensor *ql_llama_hidden(ql_context *ctx, const ql_llama *m, ql_tensor *x, ql_tensor *pos, ql_tensor *seg);
+
+// The loss from h: output projection + ql_cross_entropy over its N = T*B rows (targets I32 [N],
+// count f32 [1]), in chunks of `chunk` rows (<= 0: one). Chunked, a chunk's logits [n_vocab,
+// chunk] exist only while its cross-entropy reads them, and backward recomputes them (one chunk
+// at a time, QL_FLAG_RECOMPUTE: the graph must go through ql_graph_recompute): full logits and
+// their gradient never exist at once (Llama 3's 128256 x 2048 would be 1 GiB each in f32).
+// Every chunk covers the whole vocabulary, so the loss is the unchunked one (summed in another
+// order) and so are the gradients.
+ql_tensor *ql_llama_loss(ql_context *ctx, const ql_llama *m, ql_tensor *h, ql_tensor *targets, ql_tensor *count, int64_t chunk);
+// The chunk rows for n_rows rows: equal chunks of at most QL_LLAMA_LOSS_CHUNK_ELEMS logits each
+// (n_rows itself when they fit in one)
+#define QL_LLAMA_LOSS_CHUNK_ELEMS ((int64_t)1 << 23)  // 32 MiB of f32 logits per chunk
+int64_t ql_llama_loss_chunk(int64_t n_vocab, int64_t n_rows);
+
 // One transformer block: x [n_embd, T, B] -> [n_embd, T, B] (for benchmarks and tests).
 ql_tensor *ql_llama_block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x, ql_tensor *pos, ql_tensor *seg);
 

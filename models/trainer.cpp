@@ -24,6 +24,7 @@ uint64_t mix(uint64_t z) {
 // the inputs and the loss of one graph: a batch of B sequences of T tokens
 struct batch_io {
     ql_tensor *tokens = nullptr, *pos = nullptr, *seg = nullptr, *targets = nullptr, *count = nullptr, *loss = nullptr;
+    ql_tensor *embd = nullptr;  // [n_embd, T, B] f32: rows gathered on the host (embd_host), instead of tokens
     ql_graph *gf = nullptr, *g = nullptr;  // g: what runs (gf itself, or its backward graph)
 };
 
@@ -43,6 +44,10 @@ struct ql_trainer {
     ql_backend_buffer *weights_buf = nullptr, *state_buf = nullptr;
     bool on_host = true;
     std::vector<int32_t> in_tokens, in_pos, in_targets, in_seg;  // [T * B] staging for set
+    std::vector<float> in_embd;  // [n_embd * T * B] embedding rows gathered on the host (embd_host)
+    bool embd_host = false;      // the token embedding stays in host memory (QL_FLAG_HOST)
+    int64_t loss_chunk = 0;      // rows per cross-entropy chunk (0: one)
+    int cc = 0;                  // a device run's compute capability (planned or real)
     ql_tensor *seed = nullptr;
     batch_io tr, ev;
     std::vector<ql_tensor *> params;
@@ -74,15 +79,17 @@ static ql_type precision_type(const std::string &p) {
 
 std::string ql_auto_precision() { return ql_cpu_bf16_native() ? "bf16" : "fp32"; }  // the CPU backend: see trainer.h
 
-static batch_io make_io(ql_context *ctx, const ql_llama &m, int64_t T, int64_t B, bool packed, bool backward) {
+static batch_io make_io(ql_context *ctx, const ql_llama &m, int64_t T, int64_t B, bool packed, bool backward, bool embd_host,
+                        int64_t loss_chunk) {
     batch_io io;
-    io.tokens = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, T, B));
+    if (embd_host) io.embd = ql_set_input(ql_new_tensor_3d(ctx, QL_TYPE_F32, m.hp.n_embd, T, B));
+    else io.tokens = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, T, B));
     io.pos = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, T, B));
     io.seg = packed ? ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, T, B)) : nullptr;
     io.targets = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, T * B));
     io.count = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_F32, 1));
-    ql_tensor *logits = ql_llama_forward(ctx, &m, io.tokens, io.pos, io.seg);
-    io.loss = ql_cross_entropy(ctx, logits ? ql_reshape_2d(ctx, logits, logits->ne[0], T * B) : nullptr, io.targets, io.count);
+    ql_tensor *x = embd_host ? io.embd : ql_get_rows(ctx, m.tok_embd, io.tokens);  // [n_embd, T, B]
+    io.loss = ql_llama_loss(ctx, &m, ql_llama_hidden(ctx, &m, x, io.pos, io.seg), io.targets, io.count, loss_chunk);
     io.gf = ql_graph_new(ctx);
     ql_graph_build_forward(io.gf, io.loss);
     io.g = backward ? ql_graph_backward(ctx, io.gf, io.loss) : io.gf;
@@ -91,7 +98,7 @@ static batch_io make_io(ql_context *ctx, const ql_llama &m, int64_t T, int64_t B
 
 static size_t input_bytes(const batch_io &io) {
     size_t n = 0;
-    for (const ql_tensor *x : {io.tokens, io.pos, io.seg, io.targets, io.count})
+    for (const ql_tensor *x : {io.tokens, io.embd, io.pos, io.seg, io.targets, io.count})
         if (x) n += ql_nbytes(x);
     return n;
 }
@@ -110,12 +117,13 @@ static bool build(ql_trainer *t, ql_context *ctx) {
     t->params = ql_llama_lora_params(m);
     m.lora_dropout = true;
     m.compute = t->compute;
-    t->tr = make_io(ctx, m, t->T, t->B, t->packed, true);
-    if (t->tr.g && !t->levels.empty() &&
-        ql_graph_recompute(t->tr.g, t->levels.data(), (int)t->levels.size(), &t->rs) != QL_OK)
+    t->tr = make_io(ctx, m, t->T, t->B, t->packed, true, t->embd_host, t->loss_chunk);
+    // the policy's levels, and the chunked loss's logits (recomputed whatever the levels)
+    if (t->tr.g && (!t->levels.empty() || t->loss_chunk > 0) &&
+        ql_graph_recompute(t->tr.g, t->levels.empty() ? nullptr : t->levels.data(), (int)t->levels.size(), &t->rs) != QL_OK)
         return false;
     m.lora_dropout = false;  // evaluation: no dropout
-    t->ev = make_io(ctx, m, t->T, t->B, t->packed, false);
+    t->ev = make_io(ctx, m, t->T, t->B, t->packed, false, t->embd_host, t->loss_chunk);
     m.lora_dropout = true;
     t->state.clear();
     const bool eight = t->o.optim == "adamw8bit" || t->o.optim == "paged_adamw8bit";
@@ -200,6 +208,36 @@ static void weight_pages(ql_trainer *t) {
     t->mem.weights_by_type.assign(by_type.begin(), by_type.end());
 }
 
+// What a device run allocates, as ql_trainer_new allocates it: the weights placed whole (the
+// embedding too, unless it stays on the host), one placement of the run's own tensors, the
+// training graph's buffer (evaluation shares it when it fits, else has its own), the context.
+static void device_plan(ql_trainer *t, ql_context *meas, size_t train_buf, size_t eval_buf) {
+    ql_memory_plan &m = t->mem;
+    const size_t G = (size_t)2 << 20;  // cudaMalloc hands out whole 2 MiB pages for big blocks
+    auto round = [&](size_t b) { return b ? (b + G - 1) / G * G - b : 0; };
+    m.device = true;
+    m.cc = t->cc;
+    m.dev_weights = ql_ctx_placed_bytes(t->f->ctx);
+    std::map<std::string, size_t> by_type;
+    const ql_llama &md = t->f->model;
+    auto add = [&](const ql_tensor *w) {
+        if (w && w->data && !(w->flags & QL_FLAG_HOST)) by_type[ql_type_name(w->type)] += ql_nbytes(w) + w->aux_size;
+    };
+    add(md.tok_embd);
+    if (md.output != md.tok_embd) add(md.output);
+    add(md.out_norm);
+    add(md.rope_freqs);
+    for (const ql_llama_layer &L : md.layers)
+        for (const ql_tensor *w : {L.attn_norm, L.wq, L.wk, L.wv, L.bq, L.bk, L.bv, L.wo, L.ffn_norm, L.w_gate, L.w_up, L.w_down}) add(w);
+    m.dev_weights_by_type.assign(by_type.begin(), by_type.end());
+    m.dev_state = ql_ctx_placed_bytes(meas);
+    const size_t eval_own = eval_buf > train_buf ? eval_buf : 0;
+    m.dev_buffer = train_buf + eval_own;
+    m.dev_context = ql_cuda_context_bytes(t->cc);
+    m.dev_rounding = round(m.dev_weights) + round(m.dev_state) + round(train_buf) + round(eval_own) + G;  // + the backend's scratch
+    m.total = m.dev_weights + m.dev_state + m.dev_buffer + m.dev_context + m.dev_rounding;
+}
+
 // Builds everything in a measuring context with the current levels and fills t->mem from the
 // plans; nothing is allocated.
 static bool measure(ql_trainer *t, std::string *err) {
@@ -237,6 +275,10 @@ static bool measure(ql_trainer *t, std::string *err) {
         const size_t planned = m.weights + arena + std::max(ps.buffer_size, es.buffer_size);
         m.reserve = (1u << 20) + planned / 200;
         m.total = planned + m.reserve;
+        m.loss_chunk = t->loss_chunk;
+        m.embd_on_host = t->embd_host;
+        m.host_embd = t->embd_host ? ql_nbytes(t->f->model.tok_embd) + t->f->model.tok_embd->aux_size : 0;
+        if (!t->on_host) device_plan(t, meas, ps.buffer_size, es.buffer_size);
         m.levels.assign(t->levels.begin(), t->levels.end());
         m.recompute_fraction = t->rs.forward_flops > 0 ? t->rs.recompute_flops / t->rs.forward_flops : 0.0;
         m.micro_batch = (int)t->B;
@@ -248,7 +290,17 @@ static bool measure(ql_trainer *t, std::string *err) {
     return ok;
 }
 
-static bool fits(const ql_trainer *t) { return t->o.mem_limit == 0 || t->o.mem_other + t->mem.total <= t->o.mem_limit; }
+// the limit a plan must fit: the process's memory (--mem-limit), or on a device its memory
+// (--vram, the device's free memory) and --mem-limit, the smaller
+static size_t limit_of(const ql_trainer *t) {
+    if (!t->mem.device) return t->o.mem_limit;
+    const size_t v = t->mem.vram, l = t->o.mem_limit;
+    return v && l ? std::min(v, l) : v ? v : l;
+}
+static bool fits(const ql_trainer *t) {
+    const size_t lim = limit_of(t);
+    return lim == 0 || (t->mem.device ? 0 : t->o.mem_other) + t->mem.total <= lim;
+}
 
 static std::string mib_text(size_t b) {
     char s[32];
@@ -261,7 +313,7 @@ static std::string mib_text(size_t b) {
 // only matmul/attention results, then one by one only their inputs (= block), then sqrt where
 // that is smaller than block (with few layers it is not: a block's insides, all recomputed at
 // once, outweigh the checkpoints it saves).
-static bool choose_levels(ql_trainer *t, std::string *err) {
+static bool choose_levels_for(ql_trainer *t, std::string *err) {
     const std::string &p = t->o.checkpointing;
     t->levels.clear();
     if (!measure(t, err)) return false;  // no recompute: also finds the segments
@@ -286,8 +338,8 @@ static bool choose_levels(ql_trainer *t, std::string *err) {
         if (!measure(t, err)) return false;
         t->mem.checkpointing = p;
     } else if (p == "auto") {
-        if (t->o.mem_limit == 0) {
-            *err = "--checkpointing auto needs a memory limit (--mem-limit)";
+        if (limit_of(t) == 0) {
+            *err = "--checkpointing auto needs a memory limit (--mem-limit, or on a device --vram)";
             return false;
         }
         if (fits(t)) {
@@ -328,6 +380,22 @@ static bool choose_levels(ql_trainer *t, std::string *err) {
         return false;
     }
     return true;
+}
+
+// The policy, and on a device whether the embedding stays on the host: with embd_on_host auto,
+// on the host only when the plan does not fit otherwise (it costs an upload of the step's rows).
+static void set_embd_host(ql_trainer *t, bool on) {
+    ql_tensor *e = t->f->model.tok_embd;
+    t->embd_host = on;
+    if (on) e->flags |= QL_FLAG_HOST;
+    else e->flags &= ~QL_FLAG_HOST;
+}
+static bool choose_levels(ql_trainer *t, std::string *err) {
+    if (!choose_levels_for(t, err)) return false;
+    if (t->o.embd_on_host != -1 || t->on_host || t->embd_host || fits(t)) return true;
+    if (t->f->model.output == t->f->model.tok_embd) return true;  // tied: the output projection reads it on the device
+    set_embd_host(t, true);
+    return choose_levels_for(t, err);
 }
 
 // fields from the options; nothing built
@@ -374,12 +442,38 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
     t->scale = o.precision == "fp16" ? std::min(o.scale_init, 0x1p64f) : 1.0f;
     char e[256];
     t->be = ql_backend_init_by_name(o.device.c_str(), o.threads, e, sizeof(e));
+    const bool cuda_named = o.device.rfind("cuda", 0) == 0;
+    if (!t->be && cuda_named && (o.vram || o.cc)) {  // a plan for a device this machine lacks
+        t->cc = o.cc ? o.cc : 80;
+        t->be = ql_backend_cuda_plan_init(t->cc);
+        t->mem.device_desc = "planned for a CUDA device of compute capability " + std::to_string(t->cc / 10) + "." +
+                             std::to_string(t->cc % 10) + " (none here)";
+    }
     if (!t->be) {
         *err = e;
         delete t;
         return nullptr;
     }
     t->on_host = ql_backend_is_host(t->be);
+    if (!t->on_host && !ql_backend_is_plan_only(t->be)) {
+        ql_cuda_device_info info;
+        if (ql_backend_cuda_info(t->be, &info) == QL_OK) {
+            t->cc = info.major * 10 + info.minor;
+            t->mem.device_desc = std::string(info.name) + " (cc " + std::to_string(info.major) + "." + std::to_string(info.minor) + ")";
+            if (!o.vram) t->mem.vram = info.free_mem;
+        }
+    }
+    if (o.vram) t->mem.vram = o.vram;
+    const ql_llama &m = f->model;
+    if (o.embd_on_host == 1 && !t->on_host && m.output == m.tok_embd) {
+        *err = "--embd-on-host: this model's output projection is its embedding (tied): it must be on the device";
+        ql_trainer_free(t);
+        return nullptr;
+    }
+    set_embd_host(t, o.embd_on_host == 1 && !t->on_host);
+    const int64_t rows = t->T * t->B;
+    t->loss_chunk = o.loss_chunk < 0 ? 0 : o.loss_chunk > 0 ? o.loss_chunk : ql_llama_loss_chunk(m.hp.n_vocab, rows);
+    if (t->loss_chunk >= rows) t->loss_chunk = 0;  // one chunk: the plain head
     weight_pages(t);
     return t;
 }
@@ -390,7 +484,7 @@ static void *host_data(const ql_trainer *t, const ql_tensor *x) {
 }
 
 static std::string biggest_items(const ql_memory_plan &m) {
-    std::vector<std::pair<size_t, std::string>> v = {{m.weights, "base weights"},
+    std::vector<std::pair<size_t, std::string>> v = {{m.device ? m.dev_weights : m.weights, "base weights"},
                                                      {m.saved, "saved activations"},
                                                      {m.scratch, "temporaries"},
                                                      {m.lora + m.grads + m.optimizer, "adapter + gradients + optimizer"}};
@@ -401,8 +495,8 @@ static std::string biggest_items(const ql_memory_plan &m) {
 
 // the message when the plan does not fit: the total against the limit, the biggest items
 static std::string over_limit(const ql_trainer *t) {
-    return "needs " + mib_text(t->o.mem_other + t->mem.total) + " of the " + mib_text(t->o.mem_limit) + " allowed (" +
-           biggest_items(t->mem) + ")";
+    return "needs " + mib_text((t->mem.device ? 0 : t->o.mem_other) + t->mem.total) + " of the " + mib_text(limit_of(t)) +
+           (t->mem.device ? " of device memory" : "") + " allowed (" + biggest_items(t->mem) + ")";
 }
 
 bool ql_train_plan(ql_llama_file *f, const std::vector<ql_sequence> &train, const std::vector<ql_sequence> &eval,
@@ -423,6 +517,11 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
                            const ql_train_options &o, std::string *err) {
     ql_trainer *t = setup(f, train, eval, o, err);
     if (!t) return nullptr;
+    if (ql_backend_is_plan_only(t->be)) {
+        *err = "no CUDA device here to train on (" + t->mem.device_desc + "; --dry-run prints its plan)";
+        ql_trainer_free(t);
+        return nullptr;
+    }
     t->own_train = std::move(train);  // the run keeps the sequences (moved: no second copy)
     t->own_eval = std::move(eval);
     t->train = &t->own_train;
@@ -470,6 +569,7 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
         for (ql_tensor *x : st) ql_backend_tensor_memset(t->be, x, 0, 0, ql_nbytes(x));
     const size_t n_in = (size_t)(t->T * t->B);
     t->in_tokens.assign(n_in, 0), t->in_pos.assign(n_in, 0), t->in_targets.assign(n_in, 0), t->in_seg.assign(n_in, 0);
+    if (t->embd_host) t->in_embd.assign(n_in * (size_t)t->f->model.hp.n_embd, 0.0f);
     // the optimizer's update runs on the backend's threads: the largest parameter next to the
     // least-loaded thread (each parameter's update is independent: results do not depend on it)
     t->shard.assign((size_t)ql_backend_cpu_n_threads(t->be), {});
@@ -557,6 +657,7 @@ void ql_trainer_free(ql_trainer *t) {
     if (t->f) {  // the model's adapters pointed into ctx
         t->f->model.lora.clear();
         t->f->model.compute = QL_TYPE_F32;
+        if (t->f->model.tok_embd) t->f->model.tok_embd->flags &= ~QL_FLAG_HOST;  // the next run decides again
     }
     delete t;
 }
@@ -624,7 +725,14 @@ static bool fill(ql_trainer *t, const batch_io &io, const ql_sequence *const *se
         }
     }
     const size_t n = (size_t)(T * B) * 4;
-    return ql_backend_tensor_set(t->be, io.tokens, tk, 0, n) == QL_OK && ql_backend_tensor_set(t->be, io.pos, ps, 0, n) == QL_OK &&
+    if (io.embd) {  // the embedding on the host: its rows of this batch gathered here, uploaded
+        const ql_tensor *e = t->f->model.tok_embd;
+        const size_t E = (size_t)e->ne[0];
+        for (size_t k = 0; k < (size_t)(T * B); k++)
+            if (ql_tensor_row_to_float(e, tk[k], t->in_embd.data() + k * E) != QL_OK) return false;
+        if (ql_backend_tensor_set(t->be, io.embd, t->in_embd.data(), 0, t->in_embd.size() * sizeof(float)) != QL_OK) return false;
+    }
+    return (io.embd || ql_backend_tensor_set(t->be, io.tokens, tk, 0, n) == QL_OK) && ql_backend_tensor_set(t->be, io.pos, ps, 0, n) == QL_OK &&
            ql_backend_tensor_set(t->be, io.targets, tg, 0, n) == QL_OK &&
            (!sg || ql_backend_tensor_set(t->be, io.seg, sg, 0, n) == QL_OK);
 }

@@ -64,6 +64,17 @@ struct ql_train_options {
     size_t mem_limit = 0;                // bytes for the whole process; 0: none (auto needs one)
     size_t mem_other = 0;                // bytes the process holds besides what the trainer plans
     bool offload_activations = false;    // block checkpoints in host memory (on the CPU: accounted only)
+    // the loss's output projection and cross-entropy in chunks of rows (ql_llama_loss): 0 auto
+    // (chunks of at most 2^23 logits when the whole would be more), > 0 rows per chunk, < 0 one
+    int64_t loss_chunk = 0;
+    // a device run: the token embedding stays in host memory and only the step's rows are
+    // gathered there and uploaded (1: yes, 0: no, -1: auto - when the plan does not fit without)
+    int embd_on_host = -1;
+    // planning a device run without the device (ql_train_plan only): the card's memory and compute
+    // capability (e.g. 86 for an RTX 3090) stand in for the device's. With a device, vram 0 means
+    // its free memory at the start; otherwise it caps the plan like mem_limit.
+    size_t vram = 0;
+    int    cc = 0;                       // 0: 80 when planning without a device
 };
 
 // Where the memory of a run goes, all known before step one (bytes).
@@ -87,6 +98,20 @@ struct ql_memory_plan {
     std::vector<int> levels;    // ql_keep per segment
     double recompute_fraction = 0;  // recomputed / forward FLOPs
     int micro_batch = 0;
+    int64_t loss_chunk = 0;     // rows per cross-entropy chunk (0: unchunked)
+    // a device run (CUDA, or planned for one without it): total is device memory, made of these
+    bool   device = false;
+    std::string device_desc;    // the device, or "planned for cc 8.6" without one
+    int    cc = 0;
+    size_t vram = 0;            // the device memory the plan must fit (0: no limit known)
+    size_t dev_weights = 0;     // base weights placed whole, as stored (NF4 stays NF4); not the embedding on the host
+    std::vector<std::pair<std::string, size_t>> dev_weights_by_type;
+    size_t dev_state = 0;       // adapter, gradients, moments and graph inputs: one placement
+    size_t dev_buffer = 0;      // the graphs' planned buffer (saved, temporaries, recompute, workspace)
+    size_t dev_context = 0;     // CUDA context + cuBLAS workspace (ql_cuda_context_bytes: an estimate per cc)
+    size_t dev_rounding = 0;    // cudaMalloc's 2 MiB granularity over our few allocations
+    bool   embd_on_host = false;
+    size_t host_embd = 0;       // the embedding's bytes kept in host memory (read a row at a time)
 };
 
 struct ql_step_metrics {

@@ -706,6 +706,99 @@ OP_CASE(trainer_device) {
     CHECK(read_file(d.file((ql_backend_is_host(be) ? std::string("cpu") : std::string("cuda")) + ".ckpt")).size() > 1000);
 }
 
+// ---- GPU memory: the loss in chunks, the embedding on the host, the device plan is exact ----
+
+OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
+    tmpdir d;
+    const std::string path = d.file("tiny-untied.gguf");
+    {
+        tiny_llama t(tiny_hparams(97, 64, 128), 7, 0.2f, /*tied_output=*/false);
+        llama_gguf_opts o;
+        o.linear_type = QL_TYPE_NF4;
+        write_llama_gguf(t.m, path, o);
+    }
+    std::vector<ql_sequence> seqs;
+    for (int s = 0; s < 4; s++) {
+        ql_sequence q;
+        int tok = (11 * s + 5) % 97;
+        for (int i = 0; i < 24; i++) {
+            q.tokens.push_back(tok);
+            q.pos.push_back(i);
+            q.seg.push_back(0);
+            tok = (5 * tok + 3) % 97;
+            q.targets.push_back(i >= 3 ? tok : -1);
+            q.n_targets += q.targets.back() >= 0;
+        }
+        seqs.push_back(q);
+    }
+    ql_train_options o;
+    o.lora.r = 4;
+    o.lora.alpha = 8;
+    o.lora.targets = {"q", "v", "down"};
+    o.micro_batch = 2;
+    o.lr = 1e-2f;
+    o.max_steps = 3;
+    o.threads = 1;
+    o.device = ql_backend_is_host(be) ? "cpu" : "cuda";
+    struct result {
+        std::vector<double> losses;
+        std::vector<float> adapter;
+        ql_memory_plan plan;
+        size_t allocated = 0;  // device memory the trainer allocated (ql_cuda_memory_used)
+    };
+    auto run = [&](int64_t chunk, int embd_host) {
+        result r;
+        char err[256];
+        ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(f, err);
+        ql_train_options oo = o;
+        oo.loss_chunk = chunk;
+        oo.embd_on_host = embd_host;
+        std::string e;
+        REQUIRE_MESSAGE(ql_train_plan(f, seqs, seqs, oo, &r.plan, &e), e);
+        size_t before = 0, after = 0;
+        ql_cuda_memory_used(&before, nullptr);
+        ql_trainer *t = ql_trainer_new(f, seqs, seqs, oo, &e);
+        REQUIRE_MESSAGE(t, e);
+        ql_cuda_memory_used(&after, nullptr);
+        r.allocated = after - before;
+        ql_step_metrics m;
+        while (ql_trainer_steps_done(t) < ql_trainer_total_steps(t)) {
+            REQUIRE_MESSAGE(ql_trainer_step(t, &m, &e), e);
+            r.losses.push_back(m.loss);
+        }
+        REQUIRE_MESSAGE(ql_trainer_to_host(t, &e), e);
+        for (ql_tensor *p : ql_llama_lora_params(ql_trainer_model(t)))
+            r.adapter.insert(r.adapter.end(), (const float *)p->data, (const float *)p->data + ql_nelements(p));
+        ql_trainer_free(t);
+        ql_llama_file_free(f);
+        return r;
+    };
+    const result whole = run(-1, 0), chunked = run(10, ql_backend_is_host(be) ? 0 : 1);
+    // 48 rows in chunks of 10: every chunk covers the whole vocabulary, so the loss is the same sum
+    // in another order and the gradients are the same numbers
+    CHECK(whole.plan.loss_chunk == 0);
+    CHECK(chunked.plan.loss_chunk == 10);
+    REQUIRE(chunked.losses.size() == whole.losses.size());
+    for (size_t s = 0; s < whole.losses.size(); s++) CHECK(chunked.losses[s] == doctest::Approx(whole.losses[s]).epsilon(1e-6));
+    CHECK(norm_err(chunked.adapter, whole.adapter) <= 1e-5);
+    CHECK(whole.losses.back() < whole.losses.front());
+    if (ql_backend_is_host(be)) {
+        CHECK(!whole.plan.device);
+        return;
+    }
+    // on the device: the embedding stayed on the host, and the plan is what was allocated, to the
+    // byte (the weights, the run's tensors, the graph buffer; + the trainer's backend's 4 KiB scratch)
+    REQUIRE(whole.plan.device);
+    CHECK(chunked.plan.embd_on_host);
+    CHECK(chunked.plan.host_embd == (size_t)(97 * 64 * 4));
+    CHECK(chunked.plan.dev_weights < whole.plan.dev_weights);
+    for (const result *r : {&whole, &chunked}) {
+        CHECK(r->allocated == r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer + 4096);
+        CHECK(r->plan.total == r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer + r->plan.dev_context + r->plan.dev_rounding);
+    }
+}
+
 OP_CASE(check_finite_and_host_leafs) {
     // check_finite names the same node on every backend
     std::string msg[2];

@@ -48,8 +48,11 @@ static const char *k_help =
     "           on the CPU bf16 where it multiplies it natively (AMX), else fp32)\n"
     "           fp16's loss scaling: --loss-scale-init 65536  --loss-scale-growth 2  --loss-scale-backoff 0.5\n"
     "           --loss-scale-interval 2000\n"
-    "memory:    --checkpointing none|block|sqrt|auto  --mem-limit SIZE (e.g. 6G; auto and -b auto need it)\n"
+    "memory:    --checkpointing none|block|sqrt|auto  --mem-limit SIZE (e.g. 6G; auto and -b auto need it, or a GPU)\n"
     "           -b auto  --effective-batch N  --offload-activations  --dry-run (print the plan, train nothing)  --json\n"
+    "           --loss-chunk N (tokens per output-projection + loss chunk; 0 auto, -1 never)\n"
+    "GPU:       --vram SIZE  --cc X.Y (with --dry-run on a machine without that card: its plan, e.g. --vram 12G --cc 8.6)\n"
+    "           --embd-on-host | --embd-on-device (default: on the host only when the plan needs it)\n"
     "output:    -o DIR (default finetune-out)  --save-every N  --resume DIR  --merge  --overwrite (replace a run in -o DIR)\n";
 
 static double peak_rss_mib() {  // VmHWM: the high-water mark of resident memory
@@ -175,8 +178,71 @@ static void reset_hwm() {
 
 // The memory plan as a table (process: the bytes outside the trainer's plan, and how they
 // were obtained) or as one JSON object.
+static void print_device_memory(const ql_memory_plan &m, const std::string &optim, size_t process, size_t limit, bool json) {
+    const double MiB = 1048576.0;
+    const bool fits = limit == 0 || m.total <= limit;
+    const size_t act = m.saved + m.scratch + m.work;
+    if (json) {
+        printf("{\"device\": \"%s\", \"cc\": %d, \"weights\": {\"device\": %zu, \"by_type\": {", m.device_desc.c_str(), m.cc, m.dev_weights);
+        for (size_t i = 0; i < m.dev_weights_by_type.size(); i++)
+            printf("%s\"%s\": %zu", i ? ", " : "", m.dev_weights_by_type[i].first.c_str(), m.dev_weights_by_type[i].second);
+        printf("}, \"embedding_in_host_memory\": %zu}, \"lora\": %zu, \"grads\": %zu, \"optimizer\": %zu, \"optimizer_name\": \"%s\", "
+               "\"inputs_and_state\": %zu, \"saved_activations\": %zu, \"checkpoints\": %zu, \"temporaries\": %zu, "
+               "\"recompute_peak\": %zu, \"workspace\": %zu, \"graph_buffer\": %zu, \"context\": %zu, \"rounding\": %zu, "
+               "\"total\": %zu, \"limit\": %zu, \"fits\": %s, \"host\": {\"process\": %zu, \"embedding\": %zu}, "
+               "\"checkpointing\": \"%s\", \"recompute_fraction\": %.4f, \"micro_batch\": %d, \"loss_chunk\": %lld}\n",
+               m.host_embd, m.lora, m.grads, m.optimizer, optim.c_str(), m.dev_state, m.saved, m.checkpoints, m.scratch, m.recompute,
+               m.work, m.dev_buffer, m.dev_context, m.dev_rounding, m.total, limit, fits ? "true" : "false", process, m.host_embd,
+               m.checkpointing.c_str(), m.recompute_fraction, m.micro_batch, (long long)m.loss_chunk);
+        return;
+    }
+    std::string types;
+    for (const auto &x : m.dev_weights_by_type) {
+        char b[64];
+        snprintf(b, sizeof(b), "%s%s %.1f", types.empty() ? "" : ", ", x.first.c_str(), (double)x.second / MiB);
+        types += b;
+    }
+    printf("finetune: device memory plan (MiB), %s\n", m.device_desc.c_str());
+    printf("  base weights, whole, as stored         %10.1f   %s\n", m.dev_weights / MiB, types.c_str());
+    if (m.embd_on_host) printf("    (the token embedding stays in host memory: %.1f; the step's rows are gathered and uploaded)\n", m.host_embd / MiB);
+    printf("  LoRA parameters (fp32)                 %10.1f\n", m.lora / MiB);
+    printf("  gradients (fp32)                       %10.1f\n", m.grads / MiB);
+    printf("  optimizer state (%-20s %10.1f   %.2f bytes per parameter%s\n", (optim + ")").c_str(), m.optimizer / MiB,
+           m.lora ? (double)m.optimizer / (double)(m.lora / 4) : 0.0,
+           m.optimizer_host ? "; paged_*: still on the device in this version" : "");
+    printf("  graph inputs                           %10.2f\n", (m.dev_state - std::min(m.dev_state, m.lora + m.grads + m.optimizer)) / MiB);
+    printf("  saved activations (forward->backward)  %10.1f", m.saved / MiB);
+    if (m.checkpoints) printf("   of them block checkpoints %.1f%s", m.checkpoints / MiB,
+                              m.offload ? " (--offload-activations: not yet moved off the GPU)" : "");
+    printf("\n  temporaries and recompute              %10.1f", m.scratch / MiB);
+    if (m.recompute) printf("   recomputed results: at most %.1f at once", m.recompute / MiB);
+    printf("\n  kernel workspace (dequant tiles, attn) %10.1f\n", m.work / MiB);
+    if (m.dev_buffer > act) printf("  evaluation graph's own buffer          %10.1f\n", (m.dev_buffer - act) / MiB);
+    printf("  CUDA context + cuBLAS workspace        %10.1f   an estimate for cc %d.%d (bench/gpu.sh measures it)\n",
+           m.dev_context / MiB, m.cc / 10, m.cc % 10);
+    printf("  allocator rounding (2 MiB pages)       %10.1f\n", m.dev_rounding / MiB);
+    printf("  total device memory                    %10.1f", m.total / MiB);
+    if (limit) printf("   of %.1f: %s", limit / MiB, fits ? "fits" : "does NOT fit");
+    printf("\n  host memory: process %.1f (RSS before training)%s", process / MiB,
+           m.embd_on_host ? ", the embedding read from the model's mapping" : "");
+    printf("\n  checkpointing: %s", m.checkpointing.c_str());
+    if (m.recompute_fraction > 0) printf("; recomputes %.0f%% of the forward FLOPs", 100 * m.recompute_fraction);
+    if (m.loss_chunk) printf("\n  loss: output projection + cross-entropy in chunks of %lld tokens (logits never whole)", (long long)m.loss_chunk);
+    printf("\n");
+    fflush(stdout);
+}
+
+// the memory a plan must fit: the process's (--mem-limit), or the device's (--vram or its free
+// memory, and --mem-limit), the smaller; what the plan's total is compared with
+static size_t plan_limit(const ql_memory_plan &m, size_t mem_limit) {
+    if (!m.device) return mem_limit;
+    return m.vram && mem_limit ? std::min(m.vram, mem_limit) : m.vram ? m.vram : mem_limit;
+}
+static size_t plan_total(const ql_memory_plan &m, size_t process) { return (m.device ? 0 : process) + m.total; }
+
 static void print_memory(const ql_memory_plan &m, const std::string &optim, size_t process, const char *process_how, size_t limit,
                          bool json) {
+    if (m.device) return print_device_memory(m, optim, process, limit, json);
     const double MiB = 1048576.0;
     const size_t total = process + m.total;
     if (json) {
@@ -220,7 +286,9 @@ static void print_memory(const ql_memory_plan &m, const std::string &optim, size
                m.checkpoints / MiB, (total - m.checkpoints) / MiB);
     printf("\n  checkpointing: %s", m.checkpointing.c_str());
     if (m.recompute_fraction > 0) printf("; recomputes %.0f%% of the forward FLOPs", 100 * m.recompute_fraction);
-    printf("\n");    fflush(stdout);  // before any message on stderr
+    if (m.loss_chunk) printf("\n  loss: output projection + cross-entropy in chunks of %lld tokens (logits never whole)", (long long)m.loss_chunk);
+    printf("\n");
+    fflush(stdout);  // before any message on stderr
 }
 
 struct args {
@@ -235,11 +303,68 @@ struct args {
     bool b_auto = false, dry_run = false, json = false;
     int effective_batch = 0;  // 0: not asked for
     bool precision_auto = false;
+    bool plan_only = false;   // --vram/--cc --dry-run without the GPU: a plan for it
     std::string scaler_flag;  // a loss-scaling flag given (only fp16 has a scaler)
     args() { o.device = "auto"; }  // the tool trains on a GPU when it has one
 };
 
 // one flag with its value; false (after a one-line message) on anything malformed
+// The device: refused here with its reason (no GPU, no CUDA in this build), described when a
+// GPU. --vram/--cc with --dry-run on a machine without the GPU: a plan for that card.
+static bool resolve_device(args *a) {
+    char err[256];
+    const bool card = a->o.vram || a->o.cc;  // a card this machine may not have
+    if (card && a->o.device == "cpu") {
+        fprintf(stderr, "finetune: --vram/--cc describe a GPU: with --device cuda (this run: --device cpu)\n");
+        return false;
+    }
+    ql_backend *be = ql_backend_init_by_name(a->o.device.c_str(), 1, err, sizeof(err));
+    if (be && card && ql_backend_is_host(be) && a->dry_run) {  // --device auto found no GPU: --vram asks about one
+        ql_backend_free(be);
+        be = nullptr;
+        snprintf(err, sizeof(err), "%s", ql_cuda_device_count() ? "" : "no CUDA device");
+        a->o.device = "cuda";
+    }
+    if (!be && card && a->o.device.rfind("cuda", 0) == 0) {
+        if (!a->dry_run) {
+            fprintf(stderr, "finetune: --device %s: %s (--vram/--cc with --dry-run plan for a card that is not here)\n",
+                    a->o.device.c_str(), err);
+            return false;
+        }
+        a->plan_only = true;
+        if (!a->o.cc) a->o.cc = 80;
+        if (a->o.precision == "auto") {  // as on the card: bf16 from Ampere (8.0), else fp16 + loss scaling
+            a->o.precision = a->o.cc >= 80 ? "bf16" : "fp16";
+            a->precision_auto = true;
+        }
+        printf("finetune: no CUDA device here (%s): planning for one with %.1f GiB, compute capability %d.%d\n", err,
+               a->o.vram / 1073741824.0, a->o.cc / 10, a->o.cc % 10);
+        return true;
+    }
+    if (!be) {
+        fprintf(stderr, "finetune: --device %s: %s\n", a->o.device.c_str(), err);
+        return false;
+    }
+    a->o.device = ql_backend_is_cuda(be) ? (a->o.device == "auto" ? "cuda" : a->o.device) : "cpu";
+    ql_cuda_device_info info{};
+    if (!ql_backend_is_host(be)) {
+        char desc[320];
+        ql_backend_describe(be, desc, sizeof(desc));
+        printf("finetune: %s\n", desc);
+        ql_backend_cuda_info(be, &info);
+    } else if (card) {
+        fprintf(stderr, "finetune: --vram/--cc describe a GPU: with --device cuda (this run: --device cpu)\n");
+        ql_backend_free(be);
+        return false;
+    }
+    if (a->o.precision == "auto") {  // GPU: bf16 tensor cores from Ampere (8.0), fp16 + loss scaling before
+        a->o.precision = ql_backend_is_host(be) ? ql_auto_precision() : info.major >= 8 ? "bf16" : "fp16";
+        a->precision_auto = true;
+    }
+    ql_backend_free(be);
+    return true;
+}
+
 static bool parse(int argc, char **argv, args *a) {
     auto need = [&](int &i) -> const char * {
         if (i + 1 >= argc) {
@@ -324,6 +449,27 @@ static bool parse(int argc, char **argv, args *a) {
                 return false;
             }
         }
+        else if (f == "--vram") {
+            if (!(s = need(i))) return false;
+            if (!parse_size(s, &a->o.vram) || a->o.vram == 0) {
+                fprintf(stderr, "finetune: --vram: '%s' is not a size (e.g. 8G, 24G, 11.5G; K/M/G/T are powers of 1024)\n", s);
+                return false;
+            }
+        }
+        else if (f == "--cc") {  // "8.6" or "86"
+            if (!(s = need(i))) return false;
+            char *end = nullptr;
+            const double x = strtod(s, &end);
+            const int cc = end && !*end ? (x < 10 ? (int)std::lround(x * 10) : (int)x) : 0;
+            if (cc < 75 || cc > 120) {
+                fprintf(stderr, "finetune: --cc: '%s' is not a compute capability qlora runs on (7.5 to 12.0, e.g. 8.6)\n", s);
+                return false;
+            }
+            a->o.cc = cc;
+        }
+        else if (f == "--embd-on-host") a->o.embd_on_host = 1;
+        else if (f == "--embd-on-device") a->o.embd_on_host = 0;
+        else if (f == "--loss-chunk") { if (!whole(f.c_str(), need(i), -1, 1 << 30, &v)) return false; a->o.loss_chunk = (int64_t)v; }
         else if (f == "--offload-activations") a->o.offload_activations = true;
         else if (f == "--optim") {
             if (!(s = need(i))) return false;
@@ -387,30 +533,10 @@ static bool parse(int argc, char **argv, args *a) {
         fprintf(stderr, "finetune: --val-split and --val-data are alternatives\n");
         return false;
     }
-    if ((a->b_auto || a->o.checkpointing == "auto") && a->o.mem_limit == 0) {
-        fprintf(stderr, "finetune: %s needs --mem-limit\n", a->b_auto ? "-b auto" : "--checkpointing auto");
+    if (!resolve_device(a)) return false;
+    if ((a->b_auto || a->o.checkpointing == "auto") && a->o.mem_limit == 0 && !a->o.vram && a->o.device == "cpu") {
+        fprintf(stderr, "finetune: %s needs --mem-limit (or on a GPU --vram)\n", a->b_auto ? "-b auto" : "--checkpointing auto");
         return false;
-    }
-    {  // the device: refused here with its reason (no GPU, no CUDA in this build), described when a GPU
-        char err[256];
-        ql_backend *be = ql_backend_init_by_name(a->o.device.c_str(), 1, err, sizeof(err));
-        if (!be) {
-            fprintf(stderr, "finetune: --device %s: %s\n", a->o.device.c_str(), err);
-            return false;
-        }
-        a->o.device = ql_backend_is_cuda(be) ? (a->o.device == "auto" ? "cuda" : a->o.device) : "cpu";
-        ql_cuda_device_info info{};
-        if (!ql_backend_is_host(be)) {
-            char desc[320];
-            ql_backend_describe(be, desc, sizeof(desc));
-            printf("finetune: %s\n", desc);
-            ql_backend_cuda_info(be, &info);
-        }
-        if (a->o.precision == "auto") {  // GPU: bf16 tensor cores from Ampere (8.0), fp16 + loss scaling before
-            a->o.precision = ql_backend_is_host(be) ? ql_auto_precision() : info.major >= 8 ? "bf16" : "fp16";
-            a->precision_auto = true;
-        }
-        ql_backend_free(be);
     }
     if (!a->scaler_flag.empty() && a->o.precision != "fp16") {
         fprintf(stderr, "finetune: %s: loss scaling is for --precision fp16 (this run: %s)\n", a->scaler_flag.c_str(),
@@ -459,9 +585,14 @@ static bool choose_batch(ql_llama_file *f, const seqs &tr, const seqs &ev, args 
     }
     a->o.micro_batch = lo > 0 ? cand[lo - 1] : 1;  // nothing fits: 1, and the plan below says why
     if (N > 0) a->o.grad_accum = N / a->o.micro_batch;
-    if (lo > 0)
-        printf("finetune: -b auto: micro-batch %d is the largest that fits %.0f MiB%s\n", a->o.micro_batch,
-               (double)a->o.mem_limit / 1048576.0, N > 0 ? " among the divisors of --effective-batch" : "");
+    if (lo > 0) {
+        ql_memory_plan mp;
+        std::string err;
+        ql_train_plan(f, tr, ev, a->o, &mp, &err);
+        printf("finetune: -b auto: micro-batch %d is the largest that fits %.0f MiB%s%s\n", a->o.micro_batch,
+               (double)plan_limit(mp, a->o.mem_limit) / 1048576.0, mp.device ? " of device memory" : "",
+               N > 0 ? " among the divisors of --effective-batch" : "");
+    }
     return true;
 }
 
@@ -474,7 +605,7 @@ static void advise(ql_llama_file *f, const seqs &tr, const seqs &ev, const args 
         ql_memory_plan mp;
         std::string err;
         ql_train_plan(f, t2, e2, o, &mp, &err);
-        if (mp.total > 0) v.push_back({what, a.o.mem_other + mp.total - std::min(minus, mp.total)});
+        if (mp.total > 0) v.push_back({what, plan_total(mp, a.o.mem_other) - std::min(minus, mp.total)});
     };
     const std::string &cp = a.o.checkpointing;
     if (cp == "none" || cp == "block") {
@@ -506,13 +637,24 @@ static void advise(ql_llama_file *f, const seqs &tr, const seqs &ev, const args 
             if (w->ne[0] % QL_NF4_BLOCK == 0 && cur > nf4) saving += cur - nf4;
         }
     if (saving > 0) plan("the base in NF4 (./quantize " + std::string(a.model) + " out.gguf nf4)", a.o, tr, ev, saving);
+    if (now.device && !now.embd_on_host && f->model.output != f->model.tok_embd) {
+        ql_train_options o = a.o;
+        o.embd_on_host = 1;
+        plan("--embd-on-host", o, tr, ev, 0);
+    }
+    if (now.device && a.o.optim.find("8bit") == std::string::npos) {
+        ql_train_options o = a.o;
+        o.optim = a.o.optim.rfind("paged_", 0) == 0 ? "paged_adamw8bit" : "adamw8bit";
+        plan("--optim " + o.optim, o, tr, ev, 0);
+    }
     std::sort(v.begin(), v.end(), [](const change &x, const change &y) { return x.total < y.total; });
     if (v.empty()) return;
-    fprintf(stderr, "finetune: what would help most (predicted totals; now %.1f MiB, limit %.1f MiB):\n",
-            (double)(a.o.mem_other + now.total) / 1048576.0, (double)a.o.mem_limit / 1048576.0);
+    const size_t limit = plan_limit(now, a.o.mem_limit);
+    fprintf(stderr, "finetune: what would help most (predicted %stotals; now %.1f MiB, limit %.1f MiB):\n", now.device ? "device " : "",
+            (double)plan_total(now, a.o.mem_other) / 1048576.0, (double)limit / 1048576.0);
     for (size_t i = 0; i < v.size() && i < 3; i++)
         fprintf(stderr, "  %-60s %9.1f MiB%s\n", v[i].what.c_str(), (double)v[i].total / 1048576.0,
-                a.o.mem_limit == 0 || v[i].total <= a.o.mem_limit ? "  fits" : "");
+                limit == 0 || v[i].total <= limit ? "  fits" : "");
 }
 
 // Every planned tensor with its size, category and lifetime, for the post-mortem.
@@ -603,7 +745,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     if (a.dry_run || !planned) {
-        print_memory(plan, a.o.optim, a.o.mem_other, "RSS before training", a.o.mem_limit, a.json);
+        print_memory(plan, a.o.optim, a.o.mem_other, "RSS before training", plan_limit(plan, a.o.mem_limit), a.json);
         if (!planned) {
             fprintf(stderr, "finetune: does not fit: %s\n", err.c_str());
             advise(f, tseq, eseq, a, plan);
@@ -664,7 +806,7 @@ int main(int argc, char **argv) {
         printf("; loss scale %g, x%g after %d clean steps, x%g and the step skipped on inf/nan gradients",
                ql_trainer_loss_scale(t), (double)a.o.scale_growth, a.o.scale_interval, (double)a.o.scale_backoff);
     printf("\n%s\n", ql_trainable_line(ql_trainer_n_trainable(t), ql_trainer_n_base(t)).c_str());
-    print_memory(mp, a.o.optim, a.o.mem_other, "RSS before training", a.o.mem_limit, false);
+    print_memory(mp, a.o.optim, a.o.mem_other, "RSS before training", plan_limit(mp, a.o.mem_limit), false);
     printf("finetune: planned and allocated in %.2f s\n",
            std::chrono::duration<double>(std::chrono::steady_clock::now() - t_build).count());
     fflush(stdout);
@@ -676,6 +818,20 @@ int main(int argc, char **argv) {
     auto report_peak = [&](const char *when, size_t hwm) {
         printf("finetune: peak memory %s: %.1f MiB measured (VmHWM), %.1f MiB planned (%+.1f%%)\n", when, mib(hwm),
                mib(predicted), 100.0 * ((double)hwm - (double)predicted) / (double)predicted);
+        if (!mp.device) return;
+        // the device: our allocations' high-water mark, and the whole card's use (context,
+        // cuBLAS, ours; cudaMemGetInfo), against the device plan
+        size_t in_use = 0, ours = 0;
+        ql_cuda_memory_used(&in_use, &ours);
+        ql_cuda_device_info info{};
+        char e2[128];
+        const int dev = a.o.device.size() > 5 ? atoi(a.o.device.c_str() + 5) : 0;
+        const size_t card = ql_cuda_device_get_info(dev, &info, e2, sizeof(e2)) == QL_OK ? info.total_mem - info.free_mem : 0;
+        const size_t planned_ours = mp.total - mp.dev_context - mp.dev_rounding;
+        printf("finetune: device memory %s: ours %.1f MiB peak (planned %.1f, %+.1f%%); the card in use %.1f MiB (planned %.1f "
+               "with context and rounding, %+.1f%%)\n", when, mib(ours), mib(planned_ours),
+               100.0 * ((double)ours - (double)planned_ours) / (double)std::max<size_t>(1, planned_ours), mib(card), mib(mp.total),
+               100.0 * ((double)card - (double)mp.total) / (double)std::max<size_t>(1, mp.total));
     };
     bool warned = false;
 
