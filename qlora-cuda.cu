@@ -41,6 +41,7 @@
 #include <map>
 #include <mutex>
 #include <new>
+#include <unordered_map>
 #include <vector>
 
 // ============================================================================================
@@ -959,6 +960,8 @@ static bool cu_ops_supported(const ql_tensor *node) {
         return dense_rows(a);
     case QL_OP_CROSS_ENTROPY_BACK:
         return dense_rows(a) && ql_is_contiguous(node);
+    case QL_OP_TO_HOST: case QL_OP_TO_DEVICE:  // one copy of the bytes (cuda_graph_compute, on the copy stream)
+        return ql_is_contiguous(node) && ql_is_contiguous(a) && node->type == a->type;
     default:
         return false;
     }
@@ -1360,6 +1363,13 @@ static bool cu_attn_supported(const ql_tensor *node) {
 // 8. the backend
 // ============================================================================================
 
+struct cu_schedule {  // a graph's offload copies: their event slots, and where the compute stream waits
+    uint64_t plan_id = 0;                      // the plan it was made for (ql_graph_plan_id)
+    int n_copies = 0;
+    std::vector<int> slot;                     // per node: its copy's slot, or -1
+    std::vector<std::vector<int>> wait_before; // per node: the slots whose copy must be done first
+};
+
 struct cuda_backend {
     int device = 0;
     cudaDeviceProp prop{};
@@ -1367,6 +1377,12 @@ struct cuda_backend {
     cublasHandle_t blas = nullptr;
     int   *d_scratch = nullptr;  // device: reduction results (check_finite, gradient statistics)
     int   *h_scratch = nullptr;  // pinned host copy
+    // activation offload (QL_OP_TO_HOST / TO_DEVICE): the copies' own stream, and per copy two
+    // events (the compute stream reached it; the copy is done), made on the first graph that has
+    // copies and kept
+    cudaStream_t copy_stream = nullptr;
+    std::vector<cudaEvent_t> events;
+    std::unordered_map<const ql_graph *, cu_schedule> schedules;  // per graph run: where to wait (cu_copy_schedule)
 };
 
 __global__ void k_first_nonfinite(cu_t t, int64_t n, unsigned long long *first) {
@@ -1404,6 +1420,9 @@ static void cu_run_node(cu_ctx &c, ql_tensor *node) {
     case QL_OP_VIEW_BACK:          cu_op_view_back(c, node); break;
     case QL_OP_ACC_GRAD:           cu_op_acc_grad(c, node); break;
     case QL_OP_CACHE_STORE:        cu_op_cache_store(c, node); break;
+    case QL_OP_TO_HOST: case QL_OP_TO_DEVICE:
+        CU_ASSERT(!"cuda: copies run in cuda_graph_compute, on the copy stream");
+        break;
     case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE:
         break;
     case QL_OP_COUNT:
@@ -1497,6 +1516,43 @@ static ql_status cuda_grad_stats(ql_backend *be, const ql_tensor *t, double *sum
     return c.failed ? QL_ERR_IO : QL_OK;
 }
 
+// Where the compute stream waits for offload's copies: a copy to the host before its source's
+// last reader (which may write over it in place, or after which its block is reused), a copy
+// back before its first reader.
+static void cu_copy_schedule(const ql_graph *g, cu_schedule *sch) {
+    const int n = ql_graph_n_nodes(g);
+    const ql_plan_entry *pe = nullptr;
+    const int n_entries = ql_graph_plan_entries(g, &pe);
+    sch->plan_id = ql_graph_plan_id(g);
+    sch->n_copies = 0;
+    sch->slot.assign((size_t)n, -1);
+    sch->wait_before.assign((size_t)n, {});
+    std::unordered_map<const ql_tensor *, int> made_at, last_read;
+    for (int k = 0; k < n_entries; k++) last_read[pe[k].tensor] = pe[k].last;
+    for (int i = 0; i < n; i++) {
+        const ql_tensor *node = ql_graph_node(g, i);
+        if (node->op == QL_OP_TO_HOST) {
+            sch->slot[(size_t)i] = sch->n_copies++;
+            const ql_tensor *src = node->src[0];
+            while (src->view_src) src = src->view_src;
+            auto it = last_read.find(src);
+            const int L = it == last_read.end() ? i + 1 : std::max(i + 1, it->second);
+            if (L < n) sch->wait_before[(size_t)L].push_back(sch->slot[(size_t)i]);
+        } else if (node->op == QL_OP_TO_DEVICE) {
+            sch->slot[(size_t)i] = sch->n_copies++;
+            made_at[node] = sch->slot[(size_t)i];
+        }
+        for (const ql_tensor *s : node->src) {
+            while (s && s->view_src) s = s->view_src;
+            auto it = s ? made_at.find(s) : made_at.end();
+            if (it != made_at.end()) {
+                sch->wait_before[(size_t)i].push_back(it->second);
+                made_at.erase(it);
+            }
+        }
+    }
+}
+
 static ql_status cuda_graph_compute(ql_backend *be, ql_graph *g) {
     cuda_backend *cb = (cuda_backend *)be->impl;
     ql_context *ctx = ql_graph_ctx(g);
@@ -1520,14 +1576,53 @@ static ql_status cuda_graph_compute(ql_backend *be, ql_graph *g) {
     c.work = ex.work;
     c.work_size = ex.work_size;
     char err[256];
+    // offload: each copy runs on the copy stream once the compute stream reaches it; the compute
+    // stream waits only where it must (cu_copy_schedule). Made once per graph and plan.
+    cu_schedule &sch = cb->schedules[g];
+    if (sch.plan_id != ql_graph_plan_id(g)) {
+        cu_copy_schedule(g, &sch);
+        const int n_copies = sch.n_copies;
+        if (n_copies && !cb->copy_stream && cudaStreamCreateWithFlags(&cb->copy_stream, cudaStreamNonBlocking) != cudaSuccess) {
+            ql_ctx_set_error(ctx, QL_ERR_IO, "compute: creating the copy stream: %s", cudaGetErrorString(cudaGetLastError()));
+            return QL_ERR_IO;
+        }
+        while ((int)cb->events.size() < 2 * n_copies) {
+            cudaEvent_t e = nullptr;
+            if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+                ql_ctx_set_error(ctx, QL_ERR_IO, "compute: creating an event: %s", cudaGetErrorString(cudaGetLastError()));
+                return QL_ERR_IO;
+            }
+            cb->events.push_back(e);
+        }
+    }
+    const std::vector<int> &slot = sch.slot;
+    const std::vector<std::vector<int>> &wait_before = sch.wait_before;
     if (ex.poison && !cuda_memset(be, ex.buffer, 0xff, ex.buffer_size, err, sizeof(err))) {
         ql_ctx_set_error(ctx, QL_ERR_IO, "compute: %s", err);
         return QL_ERR_IO;
     }
     for (int i = 0; i < n && !c.failed; i++) {
         ql_tensor *node = ql_graph_node(g, i);
-        if (node->op == QL_OP_NONE || node->op == QL_OP_VIEW || node->op == QL_OP_RESHAPE || node->op == QL_OP_PERMUTE ||
-            node->op == QL_OP_TRANSPOSE)
+        for (int k : wait_before[(size_t)i])
+            if (cudaStreamWaitEvent(c.stream, cb->events[(size_t)(2 * k + 1)], 0) != cudaSuccess) {
+                snprintf(c.err, sizeof(c.err), "cudaStreamWaitEvent: %s", cudaGetErrorString(cudaGetLastError()));
+                c.failed = true;
+            }
+        if (slot[(size_t)i] >= 0 && !c.failed) {  // a copy: on the copy stream, after what the compute stream did so far
+            cudaEvent_t reached = cb->events[(size_t)(2 * slot[(size_t)i])], done = cb->events[(size_t)(2 * slot[(size_t)i] + 1)];
+            const bool ok = cudaEventRecord(reached, c.stream) == cudaSuccess &&
+                            cudaStreamWaitEvent(cb->copy_stream, reached, 0) == cudaSuccess &&
+                            cudaMemcpyAsync(node->data, node->src[0]->data, ql_nbytes(node), cudaMemcpyDefault, cb->copy_stream) ==
+                                cudaSuccess &&
+                            cudaEventRecord(done, cb->copy_stream) == cudaSuccess;
+            if (!ok) {
+                snprintf(c.err, sizeof(c.err), "%s: %s", ql_op_name(node->op), cudaGetErrorString(cudaGetLastError()));
+                c.failed = true;
+            }
+            continue;
+        }
+        if (c.failed || node->op == QL_OP_NONE || node->op == QL_OP_VIEW || node->op == QL_OP_RESHAPE ||
+            node->op == QL_OP_PERMUTE || node->op == QL_OP_TRANSPOSE)
             continue;
         const auto t0 = std::chrono::steady_clock::now();
         cu_run_node(c, node);
@@ -1563,6 +1658,8 @@ static void cuda_free(ql_backend *be) {
     cuda_backend *cb = (cuda_backend *)be->impl;
     if (cb->blas) cublasDestroy(cb->blas);
     if (cb->stream) cudaStreamDestroy(cb->stream);
+    if (cb->copy_stream) cudaStreamDestroy(cb->copy_stream);
+    for (cudaEvent_t e : cb->events) cudaEventDestroy(e);
     cu_device_free(cb->d_scratch);
     cuda_host_free(cb->h_scratch);
     delete cb;

@@ -1074,7 +1074,7 @@ static const char *k_op_names[] = {
     "mul_mat",     "get_rows",      "get_rows_back", "rms_norm",   "rms_norm_back",   "rope",
     "rope_back",   "silu",          "silu_back",  "swiglu",        "swiglu_back",     "flash_attn",
     "flash_attn_back", "cross_entropy", "cross_entropy_back", "dropout", "view_back",  "acc_grad",
-    "cache_store",
+    "cache_store", "to_host",      "to_device",
 };
 static_assert(sizeof(k_op_names) / sizeof(k_op_names[0]) == QL_OP_COUNT, "op names out of sync with ql_op");
 
@@ -1589,10 +1589,14 @@ struct ql_graph {
     // the plan (section 8)
     bool planned = false;
     uint64_t plan_backend = 0;                 // backend id the plan's work sizes are for
+    uint64_t plan_id = 0;                      // unique per plan made (ql_graph_plan_id)
     std::vector<ql_plan_entry> entries;
     std::vector<ql_tensor *> entry_tensor;     // entries[i].tensor, writable
     std::vector<std::vector<int>> freed_after; // node i -> entries whose block is free after it
     size_t arena_size = 0, work_size = 0;
+    size_t host_size = 0;                      // TO_HOST copies (ql_graph_offload), in host_buf
+    ql_backend_buffer *host_buf_owner = nullptr;
+    uint8_t *host_buf = nullptr;
     ql_plan_stats stats{};
     bool poison = false, no_reuse = false, profile = false, check_finite = false;
     std::vector<double> node_seconds;          // profile totals, per node
@@ -1615,6 +1619,9 @@ ql_graph *ql_graph_new(ql_context *ctx) {
 
 static void graph_release_buffer(ql_graph *g) {
     if (g->buffer && g->buffer_free) g->buffer_free(g->buffer);  // NULL: borrowed (ql_graph_alloc_shared)
+    ql_backend_buffer_free(g->host_buf_owner);
+    g->host_buf_owner = nullptr;
+    g->host_buf = nullptr;
     g->buffer = nullptr;
     g->buffer_size = 0;
     g->work = nullptr;
@@ -1828,6 +1835,10 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
         break;
     case QL_OP_CACHE_STORE:
         QL_ERR(ctx, QL_ERR_UNSUPPORTED, "backward: cache_store is inference only");
+        break;
+    case QL_OP_TO_HOST:
+    case QL_OP_TO_DEVICE:
+        QL_ERR(ctx, QL_ERR_UNSUPPORTED, "backward: %s is made by ql_graph_offload on a backward graph", ql_op_name(node->op));
         break;
     }
 }
@@ -2089,6 +2100,75 @@ ql_status ql_graph_recompute(ql_graph *g, const ql_keep *level, int n_levels, ql
     return QL_OK;
 }
 
+ql_status ql_graph_offload(ql_graph *g, ql_tensor *const *tensors, int n_off) {
+    if (!g || (n_off && !tensors)) return QL_ERR_INVALID;
+    ql_context *ctx = g->ctx;
+    if (ctx->status != QL_OK) return ctx->status;
+    if (g->n_forward < 0 || g->planned) {
+        QL_ERR(ctx, QL_ERR_INVALID, "graph_offload: needs an unplanned backward graph (after ql_graph_recompute, before the plan)");
+        return ctx->status;
+    }
+    const int nf = g->n_forward, n = (int)g->nodes.size();
+    std::unordered_map<const ql_tensor *, int> at;  // forward node -> index
+    for (int i = 0; i < nf; i++) at[g->nodes[(size_t)i]] = i;
+    struct item { ql_tensor *t; int made, first_back; ql_tensor *host, *back; };
+    std::vector<item> items;
+    for (int k = 0; k < n_off; k++) {
+        ql_tensor *t = tensors[k];
+        auto it = t ? at.find(t) : at.end();
+        if (it == at.end() || aliases_src(t->op) || !ql_is_contiguous(t) || t->aux_size) {
+            QL_ERR(ctx, QL_ERR_INVALID, "graph_offload: %s is not a contiguous forward result of this graph",
+                   t ? shape_str(t).c_str() : "(null)");
+            return ctx->status;
+        }
+        int first = -1;
+        for (int j = nf; j < n && first < 0; j++)
+            for (ql_tensor *s : g->nodes[(size_t)j]->src)
+                if (s && view_root(s) == t) first = j;
+        if (first >= 0) items.push_back({t, it->second, first, nullptr, nullptr});  // backward never reads it: nothing to do
+    }
+    // backward meets them in reverse: each comes back just before the previous one's first use
+    std::sort(items.begin(), items.end(), [](const item &a, const item &b) { return a.first_back < b.first_back; });
+    std::vector<std::vector<ql_tensor *>> before((size_t)n + 1), after_fwd((size_t)nf);
+    for (size_t k = 0; k < items.size(); k++) {
+        item &x = items[k];
+        x.host = new_tensor_impl(ctx, x.t->type, 4, x.t->ne, "to_host");
+        x.back = new_tensor_impl(ctx, x.t->type, 4, x.t->ne, "to_device");
+        if (!x.host || !x.back) return ctx->status;
+        x.host->op = QL_OP_TO_HOST;
+        x.host->src[0] = x.t;
+        x.back->op = QL_OP_TO_DEVICE;
+        x.back->src[0] = x.host;
+        ql_format_name(x.host, "%s (host)", x.t->name[0] ? x.t->name : ql_op_name(x.t->op));
+        ql_format_name(x.back, "%s (back)", x.t->name[0] ? x.t->name : ql_op_name(x.t->op));
+        after_fwd[(size_t)x.made].push_back(x.host);
+        before[(size_t)(k == 0 ? x.first_back : items[k - 1].first_back)].push_back(x.back);
+    }
+    std::unordered_map<const ql_tensor *, ql_tensor *> back_of;
+    for (const item &x : items) back_of[x.t] = x.back;
+    std::vector<ql_tensor *> order;
+    order.reserve((size_t)n + 2 * items.size());
+    for (int i = 0; i < n; i++) {
+        ql_tensor *node = g->nodes[(size_t)i];
+        for (ql_tensor *b : before[(size_t)i]) order.push_back(b);
+        if (i >= nf) {  // backward readers (and views of the checkpoint) read the copy brought back
+            for (int s = 0; s < QL_MAX_SRC; s++)
+                if (node->src[s] && back_of.count(node->src[s])) node->src[s] = back_of[node->src[s]];
+            if (node->view_src && back_of.count(node->view_src)) node->view_src = back_of[node->view_src];
+        }
+        order.push_back(node);
+        if (i < nf)
+            for (ql_tensor *h : after_fwd[(size_t)i]) order.push_back(h);
+    }
+    for (const item &x : items) {
+        g->visited.insert(x.host);
+        g->visited.insert(x.back);
+    }
+    g->nodes = order;
+    g->n_forward = nf + (int)items.size();  // the copies to the host belong to the forward part
+    return QL_OK;
+}
+
 // ============================================================================================
 // 8. memory planner: liveness over the node order, best-fit placement in one buffer
 // ============================================================================================
@@ -2197,7 +2277,7 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
         ql_tensor *t = g->nodes[(size_t)i];
         if (aliases_src(t->op)) continue;
         idx[t] = (int)g->entries.size();
-        g->entries.push_back({t, 0, align_up(ql_nbytes(t) + t->aux_size, QL_ALIGN), i, i, false});
+        g->entries.push_back({t, 0, align_up(ql_nbytes(t) + t->aux_size, QL_ALIGN), i, i, false, t->op == QL_OP_TO_HOST});
         g->entry_tensor.push_back(t);
     }
     auto entry_of = [&](ql_tensor *t) -> int {
@@ -2224,6 +2304,7 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
         if (keep[e]) g->entries[e].last = n;
 
     block_allocator alloc;
+    size_t host_top = 0;
     std::vector<bool> moved(g->entries.size(), false);
     int n_inplace = 0;
     for (int i = 0; i < n; i++) {
@@ -2249,7 +2330,12 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
                     n_inplace++;
                 }
             }
-            if (!placed) e.offset = alloc.alloc(e.size);
+            if (e.host) {  // host memory: alive from the forward to its copy back, all at once anyway
+                e.offset = host_top;
+                host_top += e.size;
+            } else if (!placed) {
+                e.offset = alloc.alloc(e.size);
+            }
         }
         if (g->no_reuse) continue;
         // blocks whose last reader was this node (or that nobody reads) are free from here on
@@ -2260,7 +2346,7 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
         std::sort(dying.begin(), dying.end());
         dying.erase(std::unique(dying.begin(), dying.end()), dying.end());
         for (int e : dying) {
-            if (e < 0 || moved[(size_t)e] || g->entries[(size_t)e].last != i) continue;
+            if (e < 0 || moved[(size_t)e] || g->entries[(size_t)e].last != i || g->entries[(size_t)e].host) continue;
             alloc.release(g->entries[(size_t)e].offset, g->entries[(size_t)e].size);
             g->freed_after[(size_t)i].push_back(e);
         }
@@ -2279,8 +2365,10 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
     const int nf = ql_graph_n_forward(g);
     for (const ql_plan_entry &e : g->entries) {
         st.sum_of_sizes += e.size;
-        if (g->n_forward >= 0 && e.first < nf && e.last >= nf) st.bytes[QL_MEM_SAVED] += e.size;
+        if (g->n_forward >= 0 && e.first < nf && e.last >= nf && !e.host) st.bytes[QL_MEM_SAVED] += e.size;
     }
+    st.host_size = host_top;
+    g->host_size = host_top;
     {  // recomputed tensors alive together, at most
         std::vector<std::pair<int, long long>> ev;  // (node index, +size at birth / -size after the last read)
         for (const ql_plan_entry &e : g->entries)
@@ -2307,9 +2395,13 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
     g->stats = st;
     g->planned = true;
     g->plan_backend = be->id;
+    static std::atomic<uint64_t> plans{0};
+    g->plan_id = ++plans;
     if (stats_out) *stats_out = st;
     return QL_OK;
 }
+
+uint64_t ql_graph_plan_id(const ql_graph *g) { return g && g->planned ? g->plan_id : 0; }
 
 int ql_graph_plan_entries(const ql_graph *g, const ql_plan_entry **entries) {
     if (entries) *entries = g->entries.empty() ? nullptr : g->entries.data();
@@ -2365,7 +2457,8 @@ void ql_graph_set_no_reuse(ql_graph *g, bool on) {
 // Points every planned tensor and view into this graph's buffer. Runs before every compute
 // too: tensors shared with another graph may have been pointed into that one's buffer.
 static void graph_bind(ql_graph *g) {
-    for (size_t i = 0; i < g->entries.size(); i++) g->entry_tensor[i]->data = g->buffer + g->entries[i].offset;
+    for (size_t i = 0; i < g->entries.size(); i++)
+        g->entry_tensor[i]->data = (g->entries[i].host ? g->host_buf : g->buffer) + g->entries[i].offset;
     for (ql_tensor *node : g->nodes)
         if (aliases_src(node->op)) {
             QL_ASSERT(node->view_src->data);
@@ -2381,6 +2474,17 @@ static bool graph_leafs_ready(ql_graph *g) {
             return false;
         }
     return true;
+}
+
+// the graph's own host memory (ql_graph_offload's copies), pinned where the backend has it
+static bool graph_alloc_host(ql_graph *g, ql_backend *be) {
+    if (!g->host_size || (g->host_buf_owner && ql_backend_buffer_size(g->host_buf_owner) >= g->host_size)) return true;
+    ql_backend_buffer_free(g->host_buf_owner);
+    g->host_buf_owner = ql_backend_buffer_alloc(be, QL_BUFFER_HOST_PINNED, g->host_size);
+    g->host_buf = g->host_buf_owner ? (uint8_t *)ql_backend_buffer_base(g->host_buf_owner) : nullptr;
+    if (!g->host_buf)
+        QL_ERR(g->ctx, QL_ERR_NOMEM, "graph_alloc: %zu bytes of pinned host memory for offloaded activations", g->host_size);
+    return g->host_buf != nullptr;
 }
 
 ql_status ql_graph_alloc(ql_graph *g, ql_backend *be) {
@@ -2410,6 +2514,7 @@ ql_status ql_graph_alloc(ql_graph *g, ql_backend *be) {
         g->buffer_backend = be->id;
         g->buffer_free    = be->iface.buffer_free;
     }
+    if (!graph_alloc_host(g, be)) return ctx->status;
     g->work = g->buffer + g->arena_size;
     g->bound = true;
     graph_bind(g);
@@ -2441,6 +2546,7 @@ ql_status ql_graph_alloc_shared(ql_graph *g, ql_backend *be, ql_graph *host) {
     g->buffer_size    = need;
     g->buffer_backend = be->id;
     g->buffer_free    = nullptr;  // host's to free
+    if (!graph_alloc_host(g, be)) return ctx->status;  // its offloaded copies are its own
     g->work           = g->buffer + g->arena_size;
     g->bound          = true;
     graph_bind(g);
@@ -4027,6 +4133,12 @@ static int cpu_n_passes(const ql_tensor *node) {
     }
 }
 
+static void k_copy_bytes(const cpu_params &p, ql_tensor *dst) {  // contiguous, same shape and type
+    int64_t b, e;
+    split_range((int64_t)ql_nbytes(dst), p.ith, p.nth, b, e);
+    memcpy((uint8_t *)dst->data + b, (const uint8_t *)dst->src[0]->data + b, (size_t)(e - b));
+}
+
 static size_t cpu_work_per_thread(const ql_tensor *node) {
     switch (node->op) {
     case QL_OP_CONT:      return (size_t)node->src[0]->ne[0] * sizeof(float);
@@ -4069,6 +4181,8 @@ static void cpu_compute_node(const cpu_params &p, ql_tensor *node) {
     case QL_OP_VIEW_BACK:          k_view_back(p, node); break;
     case QL_OP_ACC_GRAD:           k_acc_grad(p, node); break;
     case QL_OP_CACHE_STORE:        k_cache_store(p, node); break;
+    case QL_OP_TO_HOST:
+    case QL_OP_TO_DEVICE:          k_copy_bytes(p, node); break;  // one memory: a copy (the plan is what offload is for here)
     case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE:
         break;
     case QL_OP_COUNT:
@@ -5299,6 +5413,8 @@ struct gguf_wtensor {
     int64_t     ne[4];
     const void *data;
     size_t      size;
+    ql_gguf_fill_fn fill = nullptr;  // data made at write time (ql_gguf_add_tensor_gen)
+    void       *fill_arg = nullptr;
 };
 
 struct ql_gguf_writer {
@@ -5453,8 +5569,8 @@ void ql_gguf_remove_kv(ql_gguf_writer *w, const char *key) {
         }
 }
 
-ql_status ql_gguf_add_tensor(ql_gguf_writer *w, const char *name, ql_type type, int n_dims, const int64_t *ne,
-                             const void *data, size_t size) {
+static ql_status gguf_add_tensor(ql_gguf_writer *w, const char *name, ql_type type, int n_dims, const int64_t *ne,
+                                 const void *data, size_t size, ql_gguf_fill_fn fill, void *fill_arg) {
     if (!w || !name || !ne || n_dims < 1 || n_dims > QL_MAX_DIMS) return QL_ERR_INVALID;
     if (strlen(name) >= QL_MAX_NAME) return QL_ERR_INVALID;
     const ql_type_traits *tt = ((int)type >= 0 && type < QL_TYPE_COUNT) ? ql_type_traits_get(type) : nullptr;
@@ -5470,9 +5586,11 @@ ql_status ql_gguf_add_tensor(ql_gguf_writer *w, const char *name, ql_type type, 
     uint64_t bytes;
     std::string why;
     if (!gguf_tensor_bytes(type, t.ne, size, &bytes, &why) || bytes != size) return QL_ERR_INVALID;
-    if (!data && size) return QL_ERR_INVALID;
+    if (!data && size && !fill) return QL_ERR_INVALID;
     t.data = data;
     t.size = size;
+    t.fill = fill;
+    t.fill_arg = fill_arg;
     try {
         t.name = name;
         if (!w->tensor_names.insert(t.name).second) return QL_ERR_INVALID;
@@ -5482,6 +5600,15 @@ ql_status ql_gguf_add_tensor(ql_gguf_writer *w, const char *name, ql_type type, 
         return QL_ERR_NOMEM;
     }
     return QL_OK;
+}
+
+ql_status ql_gguf_add_tensor(ql_gguf_writer *w, const char *name, ql_type type, int n_dims, const int64_t *ne,
+                             const void *data, size_t size) {
+    return gguf_add_tensor(w, name, type, n_dims, ne, data, size, nullptr, nullptr);
+}
+ql_status ql_gguf_add_tensor_gen(ql_gguf_writer *w, const char *name, ql_type type, int n_dims, const int64_t *ne, size_t size,
+                                 ql_gguf_fill_fn fill, void *arg) {
+    return fill ? gguf_add_tensor(w, name, type, n_dims, ne, nullptr, size, fill, arg) : QL_ERR_INVALID;
 }
 
 static void gguf_put_bytes(std::vector<uint8_t> &out, const void *p, size_t n) {
@@ -5592,11 +5719,25 @@ ql_status ql_gguf_write(const ql_gguf_writer *w, const char *path, char *err, si
     const char *what = nullptr;
     errno = 0;
     if (fwrite(header.data(), 1, header.size(), f) != header.size()) what = "writing the header";
+    std::vector<uint8_t> made;  // generated tensors' bytes, one at a time
+    size_t made_size = 0;
+    for (const gguf_wtensor &t : w->tensors)
+        if (t.fill) made_size = std::max(made_size, t.size);
+    try {
+        made.resize(made_size);
+    } catch (const std::exception &) {
+        what = "allocating the buffer of generated tensors";
+    }
     for (size_t i = 0; !what && i < w->tensors.size(); i++) {
         const gguf_wtensor &t = w->tensors[i];
         uint64_t padded = t.size;
         gguf_align_up(t.size, align, &padded);  // cannot overflow: checked building the header
-        if ((t.size && fwrite(t.data, 1, t.size, f) != t.size) || !gguf_write_zeros(f, padded - t.size))
+        if (t.fill && !t.fill(t.fill_arg, made.data(), t.size)) {
+            what = "making tensor data (the generator failed)";
+            break;
+        }
+        const void *src = t.fill ? (const void *)made.data() : t.data;
+        if ((t.size && fwrite(src, 1, t.size, f) != t.size) || !gguf_write_zeros(f, padded - t.size))
             what = "writing tensor data";
     }
     if (!what && fflush(f) != 0) what = "flushing";

@@ -326,6 +326,8 @@ typedef enum ql_op {
     QL_OP_VIEW_BACK,         // zeros of the viewed tensor's shape with the gradient placed in the view
     QL_OP_ACC_GRAD,          // param->grad += contribution (in place; the result aliases the grad)
     QL_OP_CACHE_STORE,       // rows written into a persistent cache at a run-time position
+    QL_OP_TO_HOST,           // a copy of src[0] in the graph's host memory (activation offload; ql_graph_offload)
+    QL_OP_TO_DEVICE,         // a TO_HOST copy brought back into the planned buffer
     QL_OP_COUNT
 } ql_op;
 
@@ -531,6 +533,14 @@ int       ql_graph_segments(const ql_graph *gb, ql_tensor **inputs, int max);
 // level NULL (n ignored): keep every segment; only QL_FLAG_RECOMPUTE results are recomputed.
 ql_status ql_graph_recompute(ql_graph *gb, const ql_keep *level, int n, ql_recompute_stats *stats);
 
+// Activation offload: rewrites backward graph gb (after ql_graph_recompute, before planning) so
+// that each of the n forward results given (segment checkpoints) is copied into host memory
+// right after it is made (QL_OP_TO_HOST) and its backward readers read a copy brought back
+// (QL_OP_TO_DEVICE) placed one checkpoint ahead of its first use, so that on a GPU the copies
+// run on a copy stream while the neighbouring segment computes. The device buffer then holds
+// only the checkpoints in flight; the copies are exact, so are the gradients.
+ql_status ql_graph_offload(ql_graph *gb, ql_tensor *const *tensors, int n);
+
 // ============================================================================================
 // static memory plan: every op result gets an offset in one buffer, reused after its last
 // consumer (in place where the op allows), all decided before anything runs.
@@ -557,6 +567,7 @@ typedef struct ql_plan_stats {
     int    n_planned;      // tensors placed in the buffer
     int    n_inplace;      // of them, results written over a dying source
     size_t recompute_peak; // most bytes of recomputed tensors alive at once (part of SCRATCH)
+    size_t host_size;      // TO_HOST copies: the graph's host memory (pinned on a GPU), not in buffer_size
 } ql_plan_stats;
 
 typedef struct ql_plan_entry {
@@ -565,10 +576,13 @@ typedef struct ql_plan_entry {
     size_t size;           // nbytes + aux, aligned
     int    first, last;    // node indices: produced at first, last read at last
     bool   inplace;        // took over its source's block
+    bool   host;           // a TO_HOST copy: offset is in the graph's host memory
 } ql_plan_entry;
 
 ql_status ql_graph_plan(ql_graph *g, ql_backend *backend, ql_plan_stats *stats);
 int       ql_graph_plan_entries(const ql_graph *g, const ql_plan_entry **entries);
+// A number no other plan in this process has (0: not planned): what a backend's per-plan caches key on.
+uint64_t  ql_graph_plan_id(const ql_graph *g);
 // the statistics of the current plan (QL_ERR_INVALID if the graph is not planned)
 ql_status ql_graph_get_stats(const ql_graph *g, ql_plan_stats *stats);
 // Allocates the planned buffer once from the backend and points every op result into it.
@@ -854,6 +868,13 @@ void        ql_gguf_remove_kv(ql_gguf_writer *w, const char *key);
 // name >= 64 bytes, n_dims outside 1..4, bad size) and keeps nothing
 ql_status   ql_gguf_add_tensor(ql_gguf_writer *w, const char *name, ql_type type, int n_dims, const int64_t *ne,
                                const void *data, size_t size);
+// The same, with data made at write time: fill(arg, dst, size) writes the tensor's size bytes
+// into a buffer the writer owns (one, as big as the largest such tensor) and returns false to
+// abandon the write. Tensors are made in the order added: a model bigger than memory streams
+// from generator to disk, each byte written once.
+typedef bool (*ql_gguf_fill_fn)(void *arg, void *dst, size_t size);
+ql_status   ql_gguf_add_tensor_gen(ql_gguf_writer *w, const char *name, ql_type type, int n_dims, const int64_t *ne,
+                                   size_t size, ql_gguf_fill_fn fill, void *arg);
 // Writes to path + ".tmp", fsyncs, renames over path: a crash never leaves half a file.
 ql_status   ql_gguf_write(const ql_gguf_writer *w, const char *path, char *err, size_t err_size);
 

@@ -176,7 +176,12 @@ ql_tensor *ql_llama_forward(ql_context *ctx, const ql_llama *m, ql_tensor *token
 }
 
 ql_tensor *ql_llama_hidden(ql_context *ctx, const ql_llama *m, ql_tensor *x, ql_tensor *pos, ql_tensor *seg) {
-    for (int il = 0; il < m->hp.n_layer; il++) x = block(ctx, m, il, x, pos, seg, nullptr);
+    // the residual stream between blocks is named "blk.<il>.in" (il = n_layer: the head's input):
+    // a recompute policy finds block boundaries among the graph's segments by these names
+    for (int il = 0; il <= m->hp.n_layer && x; il++) {
+        if (x->op != QL_OP_NONE && !x->name[0]) ql_format_name(x, "blk.%d.in", il);
+        if (il < m->hp.n_layer) x = block(ctx, m, il, x, pos, seg, nullptr);
+    }
     return ql_mul(ctx, ql_rms_norm(ctx, x, m->hp.norm_eps), m->out_norm);  // [n_embd, T, B]
 }
 

@@ -63,6 +63,7 @@ struct ql_trainer {
     std::vector<ql_keep> levels;  // per forward segment (empty: no recompute)
     ql_recompute_stats rs{};
     int n_seg = 0;  // forward segments of the training graph
+    std::vector<int> seg_block;  // per segment: the block whose input starts it, or -1 (inside a block, or none)
     ql_memory_plan mem;
     std::vector<std::pair<uintptr_t, uintptr_t>> pages;  // base-weight pages a run reads, [begin, end) page numbers
     // mixed precision
@@ -122,6 +123,15 @@ static bool build(ql_trainer *t, ql_context *ctx) {
     if (t->tr.g && (!t->levels.empty() || t->loss_chunk > 0) &&
         ql_graph_recompute(t->tr.g, t->levels.empty() ? nullptr : t->levels.data(), (int)t->levels.size(), &t->rs) != QL_OK)
         return false;
+    if (t->tr.g && t->o.offload_activations && !t->on_host && !t->levels.empty()) {
+        // the checkpoints to host memory, all but the last (backward needs it at once: nothing to overlap)
+        std::vector<ql_tensor *> in(t->levels.size(), nullptr), off;
+        ql_graph_segments(t->tr.g, in.data(), (int)in.size());
+        for (size_t i = 0; i < in.size(); i++)
+            if (t->levels[i] == QL_KEEP_INPUT && in[i]) off.push_back(in[i]);
+        if (!off.empty()) off.pop_back();
+        if (ql_graph_offload(t->tr.g, off.data(), (int)off.size()) != QL_OK) return false;
+    }
     m.lora_dropout = false;  // evaluation: no dropout
     t->ev = make_io(ctx, m, t->T, t->B, t->packed, false, t->embd_host, t->loss_chunk);
     m.lora_dropout = true;
@@ -209,8 +219,9 @@ static void weight_pages(ql_trainer *t) {
 }
 
 // What a device run allocates, as ql_trainer_new allocates it: the weights placed whole (the
-// embedding too, unless it stays on the host), one placement of the run's own tensors, the
-// training graph's buffer (evaluation shares it when it fits, else has its own), the context.
+// embedding too, unless it stays on the host), one placement of the run's own tensors, one
+// graph buffer (the bigger graph's: training and evaluation never run at once), the context,
+// and (offload) the training graph's pinned host memory.
 static void device_plan(ql_trainer *t, ql_context *meas, size_t train_buf, size_t eval_buf) {
     ql_memory_plan &m = t->mem;
     const size_t G = (size_t)2 << 20;  // cudaMalloc hands out whole 2 MiB pages for big blocks
@@ -231,10 +242,9 @@ static void device_plan(ql_trainer *t, ql_context *meas, size_t train_buf, size_
         for (const ql_tensor *w : {L.attn_norm, L.wq, L.wk, L.wv, L.bq, L.bk, L.bv, L.wo, L.ffn_norm, L.w_gate, L.w_up, L.w_down}) add(w);
     m.dev_weights_by_type.assign(by_type.begin(), by_type.end());
     m.dev_state = ql_ctx_placed_bytes(meas);
-    const size_t eval_own = eval_buf > train_buf ? eval_buf : 0;
-    m.dev_buffer = train_buf + eval_own;
+    m.dev_buffer = std::max(train_buf, eval_buf);  // one buffer, the other graph runs in it
     m.dev_context = ql_cuda_context_bytes(t->cc);
-    m.dev_rounding = round(m.dev_weights) + round(m.dev_state) + round(train_buf) + round(eval_own) + G;  // + the backend's scratch
+    m.dev_rounding = round(m.dev_weights) + round(m.dev_state) + round(m.dev_buffer) + G;  // + the backend's scratch
     m.total = m.dev_weights + m.dev_state + m.dev_buffer + m.dev_context + m.dev_rounding;
 }
 
@@ -269,6 +279,7 @@ static bool measure(ql_trainer *t, std::string *err) {
         for (size_t i = 0; i < in.size(); i++)
             if (t->levels[i] == QL_KEEP_INPUT && in[i]) m.checkpoints += ql_nbytes(in[i]) + in[i]->aux_size;
         m.offload = t->o.offload_activations && m.checkpoints > 0;
+        m.host_pinned = ps.host_size;
         // what no plan sees - the graphs' own bookkeeping on the heap, library code paged in on
         // first use, pages mapped around the embedding rows read - measured at 1-4 MiB on
         // 6-400 MiB runs: a reserve, so that a budget the plan accepts holds in RSS
@@ -283,6 +294,13 @@ static bool measure(ql_trainer *t, std::string *err) {
         m.recompute_fraction = t->rs.forward_flops > 0 ? t->rs.recompute_flops / t->rs.forward_flops : 0.0;
         m.micro_batch = (int)t->B;
         t->n_seg = ql_graph_segments(t->tr.g, nullptr, 0);
+        std::vector<ql_tensor *> seg_in((size_t)t->n_seg, nullptr);  // which segments start a block (ql_llama_hidden's names)
+        ql_graph_segments(t->tr.g, seg_in.data(), t->n_seg);
+        t->seg_block.assign((size_t)t->n_seg, -1);
+        for (size_t i = 0; i < seg_in.size(); i++) {
+            int il = -1;
+            if (seg_in[i] && sscanf(seg_in[i]->name, "blk.%d.in", &il) == 1) t->seg_block[i] = il;
+        }
     }
     free_io(t->tr);
     free_io(t->ev);
@@ -318,14 +336,25 @@ static bool choose_levels_for(ql_trainer *t, std::string *err) {
     t->levels.clear();
     if (!measure(t, err)) return false;  // no recompute: also finds the segments
     const int S = t->n_seg;
-    auto sqrt_levels = [&]() {  // the input of every ceil(sqrt(L))-th block kept, the rest recomputed from it
-        const int L = t->f->model.hp.n_layer;
-        const int per = L > 0 && S % L == 0 ? S / L : 1, blocks = S / per;  // segments per block (llama: 2)
-        const int k = std::max(1, (int)std::ceil(std::sqrt((double)blocks)));
-        std::vector<ql_keep> lv((size_t)S);
-        for (int i = 0; i < S; i++) lv[(size_t)i] = i % (k * per) == 0 ? QL_KEEP_INPUT : QL_KEEP_NONE;
+    // the input of every k-th transformer block kept, everything else recomputed from it: k = 1
+    // is "block" (one checkpoint per layer, as transformers' gradient checkpointing; the second
+    // half's input comes back with the first half's recompute, which its backward needs anyway),
+    // k = ceil(sqrt(L)) "sqrt". Block inputs are the segment inputs ql_llama_hidden named
+    // "blk.<il>.in"; segments inside a block are recomputed, those after the last (the chunked
+    // loss's head: its logits are recomputed anyway) kept as they are.
+    const int L = t->f->model.hp.n_layer, blocks = std::max(1, L);
+    const std::vector<int> block_of = t->seg_block;  // the block a segment starts, or -1
+    auto every_k_blocks = [&](int k) {
+        std::vector<ql_keep> lv((size_t)S, QL_KEEP_NONE);
+        bool head = false;
+        for (int i = 0; i < S; i++) {
+            const int b = block_of[(size_t)i];
+            head = head || b >= L;
+            lv[(size_t)i] = head ? QL_KEEP_ALL : b >= 0 && b % k == 0 ? QL_KEEP_INPUT : QL_KEEP_NONE;
+        }
         return lv;
     };
+    auto sqrt_levels = [&]() { return every_k_blocks(std::max(1, (int)std::ceil(std::sqrt((double)blocks)))); };
     auto family = [&](int k) {  // k in [0, 2S]: the first min(k, S) heavy-kept, the first k - S input-only
         std::vector<ql_keep> lv((size_t)S, QL_KEEP_ALL);
         for (int i = 0; i < S; i++) lv[(size_t)i] = i < k - S ? QL_KEEP_INPUT : i < k ? QL_KEEP_HEAVY : QL_KEEP_ALL;
@@ -334,7 +363,7 @@ static bool choose_levels_for(ql_trainer *t, std::string *err) {
     if (p == "none" || S == 0) {
         t->mem.checkpointing = S == 0 && p != "none" ? p + " (no segments: nothing to recompute)" : "none";
     } else if (p == "block" || p == "sqrt") {
-        t->levels = p == "block" ? family(2 * S) : sqrt_levels();
+        t->levels = p == "block" ? every_k_blocks(1) : sqrt_levels();
         if (!measure(t, err)) return false;
         t->mem.checkpointing = p;
     } else if (p == "auto") {
@@ -346,9 +375,13 @@ static bool choose_levels_for(ql_trainer *t, std::string *err) {
             t->mem.checkpointing = "auto: none (everything fits)";
             return true;
         }
-        t->levels = family(2 * S);
+        t->levels = family(2 * S);  // every segment keeps only its input
         if (!measure(t, err)) return false;
-        if (!fits(t)) {  // even block does not fit: sqrt (fewer checkpoints, more recomputed at once) if smaller
+        if (!fits(t)) {  // then one checkpoint per block, or sqrt's fewer (more recomputed at once): the first that fits
+            t->levels = every_k_blocks(1);
+            if (!measure(t, err)) return false;
+            t->mem.checkpointing = "auto: block";
+            if (fits(t)) return true;
             const std::vector<ql_keep> block_levels = t->levels;
             const size_t block_total = t->mem.total;
             t->levels = sqrt_levels();
@@ -544,15 +577,14 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
     t->ctx = ql_init(ip);
     // evaluation runs between steps: its graph lives in the training graph's buffer (whose
     // gradients are zeroed at the start of every step anyway), so the plan printed is the peak
+    // one buffer, the bigger graph's, the other graph pointed into it
+    ql_plan_stats es{};
     bool ok_alloc = t->ctx && build(t, t->ctx) && ql_graph_plan(t->tr.g, t->be, &t->plan) == QL_OK &&
-                    ql_graph_alloc(t->tr.g, t->be) == QL_OK;
-    if (ok_alloc && ql_graph_plan(t->ev.g, t->be, nullptr) == QL_OK) {
-        ql_plan_stats es;
-        ql_graph_get_stats(t->ev.g, &es);
-        ok_alloc = es.buffer_size <= t->plan.buffer_size ? ql_graph_alloc_shared(t->ev.g, t->be, t->tr.g) == QL_OK
-                                                         : ql_graph_alloc(t->ev.g, t->be) == QL_OK;
-    } else {
-        ok_alloc = false;
+                    ql_graph_plan(t->ev.g, t->be, &es) == QL_OK;
+    if (ok_alloc) {
+        const bool train_bigger = es.buffer_size <= t->plan.buffer_size;
+        ql_graph *big = train_bigger ? t->tr.g : t->ev.g, *small = train_bigger ? t->ev.g : t->tr.g;
+        ok_alloc = ql_graph_alloc(big, t->be) == QL_OK && ql_graph_alloc_shared(small, t->be, big) == QL_OK;
     }
     if (!ok_alloc) {
         *err = t->ctx ? ql_ctx_error(t->ctx) : "out of memory";

@@ -110,6 +110,7 @@ struct ql_memory_plan {
     size_t dev_buffer = 0;      // the graphs' planned buffer (saved, temporaries, recompute, workspace)
     size_t dev_context = 0;     // CUDA context + cuBLAS workspace (ql_cuda_context_bytes: an estimate per cc)
     size_t dev_rounding = 0;    // cudaMalloc's 2 MiB granularity over our few allocations
+    size_t host_pinned = 0;     // offloaded checkpoints in pinned host memory (a device run with --offload-activations)
     bool   embd_on_host = false;
     size_t host_embd = 0;       // the embedding's bytes kept in host memory (read a row at a time)
 };

@@ -606,9 +606,12 @@ inline void set_sticky(cudaError_t e, const std::string &msg) {
     }
 }
 
+inline void flush_stream(cudaStream_t s, uint64_t upto = ~0ull);  // below: a stream's queued copies
+
 template <typename K, typename... A>
-inline void launch(const char *name, K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t, A... args) {
+inline void launch(const char *name, K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, A... args) {
     read_env();
+    flush_stream(stream);  // the copies queued before it on its stream land first
     const unsigned long long threads = (unsigned long long)block.x * block.y * block.z;
     const int limit = [&] {
         std::lock_guard<std::mutex> lk(st().mu);
@@ -858,12 +861,31 @@ template <typename F> inline bool qlshim_row_of(const F &, layout_t l) { return 
 
 // ---- the runtime API (CUDA's declarations, these definitions) --------------------------------
 
+// A stream runs its kernels at once, but its async copies wait in its queue until something
+// orders them: a later launch or GEMM on the same stream, an event another stream waits for, or
+// a synchronisation. So a copy on a second stream really happens "later" - a kernel that reads
+// its destination without waiting for its event reads the old bytes, and one that overwrites
+// its source first changes what it copies: the offload's missing waits show as wrong results.
 struct CUstream_st {
-    int dummy;
+    std::vector<std::function<void()>> q;  // queued copies; q[i] is number done + i
+    uint64_t done = 0;
 };
 struct CUevent_st {
     double t;
+    cudaStream_t s = nullptr;  // the stream recorded on, and its queue position then
+    uint64_t pos = 0;
 };
+namespace qlshim {
+inline void flush_stream(cudaStream_t s, uint64_t upto) {
+    if (!s) return;
+    while (s->done < upto && !s->q.empty()) {
+        std::function<void()> f = std::move(s->q.front());
+        s->q.erase(s->q.begin());
+        s->done++;
+        f();
+    }
+}
+}  // namespace qlshim
 struct cublasContext {
     cudaStream_t stream;
 };
@@ -934,16 +956,21 @@ inline cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKi
     if (n) memmove(dst, src, n);
     return cudaSuccess;
 }
-inline cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind k, cudaStream_t) {
-    return cudaMemcpy(dst, src, n, k);
+inline cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind k, cudaStream_t s) {
+    if (!s) return cudaMemcpy(dst, src, n, k);
+    s->q.push_back([=] { cudaMemcpy(dst, src, n, k); });
+    return cudaSuccess;
 }
 inline cudaError_t cudaMemset(void *p, int v, size_t n) {
     if (n) memset(p, v, n);
     return cudaSuccess;
 }
-inline cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t) { return cudaMemset(p, v, n); }
+inline cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s) {
+    qlshim::flush_stream(s);  // in order behind its stream's copies
+    return cudaMemset(p, v, n);
+}
 inline cudaError_t cudaStreamCreate(cudaStream_t *s) {
-    *s = new CUstream_st{0};
+    *s = new CUstream_st();
     return cudaSuccess;
 }
 inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) { return cudaStreamCreate(s); }
@@ -951,7 +978,8 @@ inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
     delete s;
     return cudaSuccess;
 }
-inline cudaError_t cudaStreamSynchronize(cudaStream_t) {
+inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+    qlshim::flush_stream(s, ~0ull);
     std::lock_guard<std::mutex> lk(qlshim::st().mu);
     return qlshim::st().sticky;  // a failed launch shows at the next synchronisation too
 }
@@ -989,14 +1017,24 @@ inline const char *cudaGetErrorString(cudaError_t e) {
     return s.c_str();
 }
 inline cudaError_t cudaEventCreate(cudaEvent_t *e) {
-    *e = new CUevent_st{0};
+    *e = new CUevent_st();
     return cudaSuccess;
 }
-inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t) {
+inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned) { return cudaEventCreate(e); }
+inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
     e->t = (double)std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    e->s = s;
+    e->pos = s ? s->done + s->q.size() : 0;
     return cudaSuccess;
 }
-inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+    qlshim::flush_stream(e->s, e->pos);
+    return cudaSuccess;
+}
+inline cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t e, unsigned) {
+    qlshim::flush_stream(e->s, e->pos);  // what the event covers is done before the waiting stream goes on
+    return cudaSuccess;
+}
 inline cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
     *ms = (float)((b->t - a->t) / 1000.0);
     return cudaSuccess;
@@ -1065,6 +1103,7 @@ inline cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperati
                                                  cudaDataType ct, int ldc, long long sC, int batch, cublasComputeType_t comp,
                                                  cublasGemmAlgo_t) {
     if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
+    qlshim::flush_stream(h->stream);  // in order behind its stream's copies
     if (m < 0 || n < 0 || k < 0 || batch < 0 || lda < std::max(1, ta == CUBLAS_OP_N ? m : k) ||
         ldb < std::max(1, tb == CUBLAS_OP_N ? k : n) || ldc < std::max(1, m) || (ta != CUBLAS_OP_N && ta != CUBLAS_OP_T) ||
         (tb != CUBLAS_OP_N && tb != CUBLAS_OP_T))

@@ -746,7 +746,7 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
         ql_memory_plan plan;
         size_t allocated = 0;  // device memory the trainer allocated (ql_cuda_memory_used)
     };
-    auto run = [&](int64_t chunk, int embd_host) {
+    auto run = [&](int64_t chunk, int embd_host, const char *checkpointing = "none", bool offload = false) {
         result r;
         char err[256];
         ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
@@ -754,6 +754,8 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
         ql_train_options oo = o;
         oo.loss_chunk = chunk;
         oo.embd_on_host = embd_host;
+        oo.checkpointing = checkpointing;
+        oo.offload_activations = offload;
         std::string e;
         REQUIRE_MESSAGE(ql_train_plan(f, seqs, seqs, oo, &r.plan, &e), e);
         size_t before = 0, after = 0;
@@ -775,6 +777,7 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
         return r;
     };
     const result whole = run(-1, 0), chunked = run(10, ql_backend_is_host(be) ? 0 : 1);
+    const result block = run(-1, 0, "block"), offloaded = run(-1, 0, "block", true);
     // 48 rows in chunks of 10: every chunk covers the whole vocabulary, so the loss is the same sum
     // in another order and the gradients are the same numbers
     CHECK(whole.plan.loss_chunk == 0);
@@ -783,6 +786,11 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
     for (size_t s = 0; s < whole.losses.size(); s++) CHECK(chunked.losses[s] == doctest::Approx(whole.losses[s]).epsilon(1e-6));
     CHECK(norm_err(chunked.adapter, whole.adapter) <= 1e-5);
     CHECK(whole.losses.back() < whole.losses.front());
+    // the checkpoints copied to host memory and back (on a GPU on a second stream; through the shim
+    // those copies happen only when an event orders them, so a missing wait reads stale bytes):
+    // the same bits
+    CHECK(offloaded.losses == block.losses);
+    CHECK(offloaded.adapter == block.adapter);
     if (ql_backend_is_host(be)) {
         CHECK(!whole.plan.device);
         return;
@@ -793,7 +801,9 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
     CHECK(chunked.plan.embd_on_host);
     CHECK(chunked.plan.host_embd == (size_t)(97 * 64 * 4));
     CHECK(chunked.plan.dev_weights < whole.plan.dev_weights);
-    for (const result *r : {&whole, &chunked}) {
+    CHECK(offloaded.plan.host_pinned > 0);  // 2 layers: the first block's checkpoint (the last stays)
+    CHECK(offloaded.plan.saved < block.plan.saved);
+    for (const result *r : {&whole, &chunked, &block, &offloaded}) {
         CHECK(r->allocated == r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer + 4096);
         CHECK(r->plan.total == r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer + r->plan.dev_context + r->plan.dev_rounding);
     }

@@ -519,8 +519,9 @@ TEST_CASE("trainer: block's saved activations on an 8-layer model at seq 512 are
     CHECK(block.total < none.total);
     CHECK(sq.saved < block.saved);  // fewer checkpoints kept ...
     CHECK(sq.recompute_fraction >= block.recompute_fraction);  // ... for more recompute
-    // block keeps the 16 segment inputs: [64, 512 x 2] f32 each
-    CHECK(block.checkpoints == 16 * (size_t)64 * 512 * 2 * 4);
+    // block keeps the 8 block inputs (of 16 segments: each block's second half comes back with the
+    // first half's recompute): [64, 512 x 2] f32 each
+    CHECK(block.checkpoints == 8 * (size_t)64 * 512 * 2 * 4);
     // sqrt: ceil(sqrt(8)) = 3: the inputs of blocks 0, 3, 6
     CHECK(sq.checkpoints == 3 * (size_t)64 * 512 * 2 * 4);
     // the parts add up to the total
@@ -546,7 +547,8 @@ TEST_CASE("trainer: auto fits every budget it accepts, and recomputes less than 
         CAPTURE(limit);
         bool ok = false;
         const ql_memory_plan a = plan_of(f, seqs, o, "auto", limit, &ok);
-        CHECK(ok == (limit >= least));  // whatever block or sqrt fits, auto accepts
+        if (limit >= least) CHECK(ok);  // whatever block or sqrt fits, auto accepts (and maybe less: every
+                                        // segment keeping its input can be smaller still on few layers)
         if (!ok) continue;
         accepted++;
         CHECK(a.total <= limit);

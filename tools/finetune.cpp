@@ -189,10 +189,10 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
         printf("}, \"embedding_in_host_memory\": %zu}, \"lora\": %zu, \"grads\": %zu, \"optimizer\": %zu, \"optimizer_name\": \"%s\", "
                "\"inputs_and_state\": %zu, \"saved_activations\": %zu, \"checkpoints\": %zu, \"temporaries\": %zu, "
                "\"recompute_peak\": %zu, \"workspace\": %zu, \"graph_buffer\": %zu, \"context\": %zu, \"rounding\": %zu, "
-               "\"total\": %zu, \"limit\": %zu, \"fits\": %s, \"host\": {\"process\": %zu, \"embedding\": %zu}, "
+               "\"total\": %zu, \"limit\": %zu, \"fits\": %s, \"host\": {\"process\": %zu, \"embedding\": %zu, \"pinned\": %zu}, "
                "\"checkpointing\": \"%s\", \"recompute_fraction\": %.4f, \"micro_batch\": %d, \"loss_chunk\": %lld}\n",
                m.host_embd, m.lora, m.grads, m.optimizer, optim.c_str(), m.dev_state, m.saved, m.checkpoints, m.scratch, m.recompute,
-               m.work, m.dev_buffer, m.dev_context, m.dev_rounding, m.total, limit, fits ? "true" : "false", process, m.host_embd,
+               m.work, m.dev_buffer, m.dev_context, m.dev_rounding, m.total, limit, fits ? "true" : "false", process, m.host_embd, m.host_pinned,
                m.checkpointing.c_str(), m.recompute_fraction, m.micro_batch, (long long)m.loss_chunk);
         return;
     }
@@ -212,12 +212,12 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
            m.optimizer_host ? "; paged_*: still on the device in this version" : "");
     printf("  graph inputs                           %10.2f\n", (m.dev_state - std::min(m.dev_state, m.lora + m.grads + m.optimizer)) / MiB);
     printf("  saved activations (forward->backward)  %10.1f", m.saved / MiB);
-    if (m.checkpoints) printf("   of them block checkpoints %.1f%s", m.checkpoints / MiB,
-                              m.offload ? " (--offload-activations: not yet moved off the GPU)" : "");
+    if (m.checkpoints) printf("   of them block checkpoints %.1f", (m.checkpoints - std::min(m.checkpoints, m.host_pinned)) / MiB);
+    if (m.host_pinned) printf("\n    offloaded: %.1f of checkpoints in pinned host memory, copied on a second stream", m.host_pinned / MiB);
     printf("\n  temporaries and recompute              %10.1f", m.scratch / MiB);
     if (m.recompute) printf("   recomputed results: at most %.1f at once", m.recompute / MiB);
     printf("\n  kernel workspace (dequant tiles, attn) %10.1f\n", m.work / MiB);
-    if (m.dev_buffer > act) printf("  evaluation graph's own buffer          %10.1f\n", (m.dev_buffer - act) / MiB);
+    if (m.dev_buffer > act) printf("  evaluation's larger buffer             %10.1f\n", (m.dev_buffer - act) / MiB);
     printf("  CUDA context + cuBLAS workspace        %10.1f   an estimate for cc %d.%d (bench/gpu.sh measures it)\n",
            m.dev_context / MiB, m.cc / 10, m.cc % 10);
     printf("  allocator rounding (2 MiB pages)       %10.1f\n", m.dev_rounding / MiB);
@@ -225,6 +225,7 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
     if (limit) printf("   of %.1f: %s", limit / MiB, fits ? "fits" : "does NOT fit");
     printf("\n  host memory: process %.1f (RSS before training)%s", process / MiB,
            m.embd_on_host ? ", the embedding read from the model's mapping" : "");
+    if (m.host_pinned) printf(", pinned %.1f (offloaded checkpoints)", m.host_pinned / MiB);
     printf("\n  checkpointing: %s", m.checkpointing.c_str());
     if (m.recompute_fraction > 0) printf("; recomputes %.0f%% of the forward FLOPs", 100 * m.recompute_fraction);
     if (m.loss_chunk) printf("\n  loss: output projection + cross-entropy in chunks of %lld tokens (logits never whole)", (long long)m.loss_chunk);

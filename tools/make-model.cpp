@@ -2,25 +2,35 @@
 //
 //   ./make-model -o model.gguf [--dim 288] [--layers 6] [--heads 6] [--kv-heads 6] [--ff 768]
 //                [--vocab 512] [--ctx 1024] [--type f32|f16|bf16|q8_0|q4_0|nf4] [--seed 1] [--std 0.02]
+//                [--embd-type f32] [--output-type f32]
 //
 // The vocabulary is SentencePiece-style ("llama"): <unk> <s> </s>, the 256 byte tokens, the
 // printable ASCII characters (" " as "▁"), then "▁"-prefixed characters and filler tokens up to
 // --vocab, so any text tokenizes (characters, or bytes as the fallback). Linear weights are
-// N(0, std) in --type; norms are 1 and stay f32, as do the embedding and the output.
+// N(0, std) in --type; norms are 1 and stay f32; the embedding and the output are f32 unless
+// --embd-type / --output-type say otherwise (Llama 3 8B's QLoRA shape: --type nf4 --embd-type
+// bf16 --output-type bf16, or nf4 as ./quantize --include-output makes it).
+//
+// Any size: every tensor is drawn, converted and written one at a time at write time
+// (ql_gguf_add_tensor_gen), so an 8B model needs memory for its largest tensor, not the model,
+// and its bytes reach the disk once. The values are those of ql_llama_randomize on an f32 model
+// (one mt19937_64 stream in the same tensor order), then converted.
 #include "../models/llama.h"
 #include "../qlora.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
 static int usage(const char *argv0) {
     fprintf(stderr,
             "usage: %s -o model.gguf [--dim N] [--layers N] [--heads N] [--kv-heads N] [--ff N] [--vocab N] [--ctx N]\n"
-            "       [--type f32|f16|bf16|q8_0|q4_0|nf4] [--seed S] [--std X]\n",
+            "       [--type f32|f16|bf16|q8_0|q4_0|nf4] [--seed S] [--std X] [--embd-type T] [--output-type T]\n",
             argv0);
     return 2;
 }
@@ -60,8 +70,44 @@ static void write_vocab(ql_gguf_writer *w, int n_vocab) {
     ql_gguf_set_bool(w, "tokenizer.ggml.add_eos_token", false);
 }
 
+// One stream of N(0, std) values over the weights in ql_llama_randomize's order (norms draw
+// nothing: they are 1), each tensor converted to its type as the writer asks for it.
+struct gen_state {
+    std::mt19937_64 rng;
+    float std;
+    std::vector<float> f32;  // one tensor's values before conversion (the largest, reused)
+};
+struct gen_tensor {
+    gen_state *g;
+    const ql_tensor *t;
+    ql_type type;
+};
+
+static bool fill_tensor(void *arg, void *dst, size_t size) {
+    gen_tensor &x = *(gen_tensor *)arg;
+    const int64_t n = ql_nelements(x.t);
+    float *v = x.type == QL_TYPE_F32 ? (float *)dst : nullptr;
+    if (!v) {
+        x.g->f32.resize((size_t)n);
+        v = x.g->f32.data();
+    }
+    if (ql_n_dims(x.t) == 1) {
+        std::fill(v, v + n, 1.0f);
+    } else {
+        std::normal_distribution<float> N(0.0f, x.g->std);  // a fresh one per tensor, as ql_llama_randomize
+        for (int64_t i = 0; i < n; i++) v[i] = N(x.g->rng);
+    }
+    char err[256];
+    if (x.type != QL_TYPE_F32 && ql_quantize(x.type, v, x.t->ne[1], x.t->ne[0], dst, err, sizeof(err)) != QL_OK) {
+        fprintf(stderr, "make-model: tensor %s: %s\n", x.t->name, err);
+        return false;
+    }
+    return size == ql_type_data_size(x.type, x.t->ne[1], x.t->ne[0]);
+}
+
 int main(int argc, char **argv) {
-    const char *out = nullptr, *type_name = "f32";
+    const auto t0 = std::chrono::steady_clock::now();
+    const char *out = nullptr, *type_name = "f32", *embd_name = "f32", *output_name = "f32";
     long dim = 288, layers = 6, heads = 6, kv_heads = -1, ff = 768, vocab = 512, ctx_len = 1024, seed = 1;
     double std_dev = 0.02;
     for (int i = 1; i < argc; i++) {
@@ -89,6 +135,8 @@ int main(int argc, char **argv) {
         else if (a == "--ctx") num(&ctx_len, 1, 1 << 24);
         else if (a == "--seed") num(&seed, 0, 1L << 62);
         else if (a == "--type") type_name = argv[++i];
+        else if (a == "--embd-type") embd_name = argv[++i];
+        else if (a == "--output-type") output_name = argv[++i];
         else if (a == "--std") {
             std_dev = strtod(argv[++i], nullptr);
             if (!(std_dev > 0 && std_dev < 10)) {
@@ -108,15 +156,16 @@ int main(int argc, char **argv) {
         return usage(argv[0]);
     }
     if (kv_heads < 0) kv_heads = heads;
-    ql_type wtype = QL_TYPE_COUNT;
-    for (int t = 0; t < QL_TYPE_COUNT; t++) {
-        const ql_type_traits *tt = ql_type_traits_get((ql_type)t);
-        if (tt && tt->is_float && (tt->from_float || tt->aux_bytes) && !strcmp(tt->name, type_name)) wtype = (ql_type)t;
-    }
-    if (wtype == QL_TYPE_COUNT) {
-        fprintf(stderr, "make-model: unknown --type '%s' (f32, f16, bf16, q8_0, q4_0, nf4, nf4_nodq)\n", type_name);
-        return 2;
-    }
+    auto type_of = [](const char *flag, const char *name) {
+        for (int t = 0; t < QL_TYPE_COUNT; t++) {
+            const ql_type_traits *tt = ql_type_traits_get((ql_type)t);
+            if (tt && tt->is_float && (tt->from_float || tt->aux_bytes) && !strcmp(tt->name, name)) return (ql_type)t;
+        }
+        fprintf(stderr, "make-model: unknown %s '%s' (f32, f16, bf16, q8_0, q4_0, nf4, nf4_nodq)\n", flag, name);
+        exit(2);
+    };
+    const ql_type wtype = type_of("--type", type_name), etype = type_of("--embd-type", embd_name),
+                  otype = type_of("--output-type", output_name);
     ql_llama_hparams hp;
     hp.n_vocab = (int)vocab;
     hp.n_embd = (int)dim;
@@ -124,15 +173,15 @@ int main(int argc, char **argv) {
     hp.n_head = (int)heads;
     hp.n_head_kv = (int)kv_heads;
     hp.n_ff = (int)ff;
-    ql_init_params ip = {ql_llama_weight_bytes(hp, QL_TYPE_F32, false) + (size_t)(layers * 16 + 16) * ql_tensor_overhead(),
-                         nullptr, false, false};
+    // the shapes and names only: the values are made as each tensor is written
+    ql_init_params ip = {(size_t)(layers * 16 + 16) * ql_tensor_overhead(), nullptr, true, false};
     ql_context *ctx = ql_init(ip);
     ql_llama m;
     if (!ctx || ql_llama_create(ctx, &m, hp, QL_TYPE_F32, false) != QL_OK) {
         fprintf(stderr, "make-model: %s\n", ctx ? ql_ctx_error(ctx) : "out of memory");
         return 2;
     }
-    ql_llama_randomize(&m, (uint64_t)seed, (float)std_dev);
+    gen_state g{std::mt19937_64((uint64_t)seed), (float)std_dev, {}};
 
     ql_gguf_writer *w = ql_gguf_writer_new();
     ql_gguf_set_str(w, "general.architecture", "llama");
@@ -146,33 +195,35 @@ int main(int argc, char **argv) {
     ql_gguf_set_f32(w, "llama.attention.layer_norm_rms_epsilon", 1e-5f);
     ql_gguf_set_f32(w, "llama.rope.freq_base", 10000.0f);
     write_vocab(w, (int)vocab);
-    std::vector<std::vector<uint8_t>> keep;
+    std::vector<gen_tensor> gens;
+    gens.reserve((size_t)(layers * 9 + 3));  // stable addresses: the writer keeps pointers to them
     char err[512];
     auto add = [&](ql_tensor *t, ql_type type) {
+        if (t->ne[0] % ql_type_traits_get(type)->blck_size != 0) type = QL_TYPE_F32;  // a row the type cannot hold
         const int64_t ne[4] = {t->ne[0], t->ne[1], 1, 1};
-        keep.emplace_back(ql_type_data_size(type, t->ne[1], t->ne[0]));
-        if (ql_quantize(type, (const float *)t->data, t->ne[1], t->ne[0], keep.back().data(), err, sizeof(err)) != QL_OK ||
-            ql_gguf_add_tensor(w, t->name, type, ql_n_dims(t), ne, keep.back().data(), keep.back().size()) != QL_OK) {
-            fprintf(stderr, "make-model: tensor %s: %s\n", t->name, err);
+        gens.push_back({&g, t, type});
+        if (ql_gguf_add_tensor_gen(w, t->name, type, ql_n_dims(t), ne, ql_type_data_size(type, t->ne[1], t->ne[0]), fill_tensor,
+                                   &gens.back()) != QL_OK) {
+            fprintf(stderr, "make-model: tensor %s: cannot add\n", t->name);
             exit(1);
         }
     };
-    add(m.tok_embd, QL_TYPE_F32);
+    add(m.tok_embd, etype);
     add(m.out_norm, QL_TYPE_F32);
-    add(m.output, QL_TYPE_F32);
+    add(m.output, otype);
     for (ql_llama_layer &L : m.layers) {
         add(L.attn_norm, QL_TYPE_F32);
         add(L.ffn_norm, QL_TYPE_F32);
-        for (ql_tensor *t : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down})
-            add(t, t->ne[0] % ql_type_traits_get(wtype)->blck_size == 0 ? wtype : QL_TYPE_F32);
+        for (ql_tensor *t : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) add(t, wtype);
     }
     if (ql_gguf_write(w, out, err, sizeof(err)) != QL_OK) {
         fprintf(stderr, "make-model: %s\n", err);
         return 1;
     }
     ql_gguf_writer_free(w);
-    printf("make-model: %s: dim %ld, %ld layers, %ld/%ld heads, ffn %ld, vocab %ld, %s linear weights\n", out, dim, layers,
-           heads, kv_heads, ff, vocab, ql_type_name(wtype));
+    printf("make-model: %s: dim %ld, %ld layers, %ld/%ld heads, ffn %ld, vocab %ld, %s linear weights, embedding %s, output %s "
+           "(%.2f s)\n", out, dim, layers, heads, kv_heads, ff, vocab, ql_type_name(wtype), ql_type_name(etype), ql_type_name(otype),
+           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     ql_free(ctx);
     return 0;
 }
