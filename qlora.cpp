@@ -4487,6 +4487,27 @@ ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx)
     return b;
 }
 
+ql_backend_buffer *ql_backend_place_tensors_pinned(ql_backend *be, ql_tensor *const *ts, int n) {
+    if (!be || (n && !ts)) return nullptr;
+    if (ql_backend_is_host(be)) return new (std::nothrow) ql_backend_buffer{QL_BUFFER_HOST_PINNED, nullptr, 0, nullptr, {}, nullptr};
+    size_t total = 0;
+    for (int i = 0; i < n; i++) {
+        if (!ts[i] || !is_plain_leaf(ts[i]) || !ts[i]->data || !(ts[i]->flags & QL_FLAG_HOST)) return nullptr;
+        total += leaf_bytes(ts[i]);
+    }
+    ql_backend_buffer *b = ql_backend_buffer_alloc(be, QL_BUFFER_HOST_PINNED, total);
+    if (!b) return nullptr;
+    size_t off = 0;
+    for (int i = 0; i < n; i++) {  // host memory both: a plain copy
+        uint8_t *dst = (uint8_t *)b->base + off;
+        memcpy(dst, ts[i]->data, ql_nbytes(ts[i]) + ts[i]->aux_size);
+        b->placed.push_back({ts[i], ts[i]->data});
+        ts[i]->data = dst;
+        off += leaf_bytes(ts[i]);
+    }
+    return b;
+}
+
 static bool tensor_range_ok(const ql_tensor *t, size_t offset, size_t size) {
     const size_t n = ql_nbytes(t) + t->aux_size;
     return t && t->data && offset <= n && size <= n - offset && (size == 0 || ql_is_contiguous(t) || offset + size <= ql_nbytes(t));
@@ -4508,6 +4529,10 @@ static ql_status tensor_copy(ql_backend *be, void *dst, const void *src, size_t 
 static ql_status tensor_io(ql_backend *be, const ql_tensor *t, void *host, size_t offset, size_t size, int dir, bool async) {
     if (!be || !t || (!host && size) || !tensor_range_ok(t, offset, size)) return QL_ERR_INVALID;
     uint8_t *dev = (uint8_t *)t->data + offset;
+    if (t->flags & QL_FLAG_HOST) {  // host memory on any backend (pinned state, the embedding kept on the host)
+        if (size && host != dev) memmove(dir == QL_COPY_TO_DEVICE ? dev : host, dir == QL_COPY_TO_DEVICE ? host : dev, size);
+        return QL_OK;
+    }
     return dir == QL_COPY_TO_DEVICE ? tensor_copy(be, dev, host, size, dir, async) : tensor_copy(be, host, dev, size, dir, async);
 }
 ql_status ql_backend_tensor_set(ql_backend *be, ql_tensor *t, const void *data, size_t offset, size_t size) {

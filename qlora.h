@@ -343,8 +343,9 @@ enum ql_tensor_flag {
     // output head's logits: big, cheap to remake from the small hidden state); honoured by
     // ql_graph_recompute, which must then run even with no levels (level NULL)
     QL_FLAG_RECOMPUTE  = 1 << 5,
-    // a leaf that stays in host memory when its context is placed on a device (the embedding
-    // with --embd-on-host: only the step's rows travel, gathered on the host)
+    // a leaf whose data is host memory even on a device backend: its context's placement leaves
+    // it (the embedding with --embd-on-host: only the step's rows travel, gathered on the host;
+    // paged optimizer state, in pinned memory the GPU reads directly), and set/get copy plainly
     QL_FLAG_HOST       = 1 << 6,
 };
 
@@ -674,6 +675,10 @@ ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx)
 // The bytes that placement allocates on a device (a measuring context: as if every leaf had data),
 // for plans made before anything is placed.
 size_t      ql_ctx_placed_bytes(const ql_context *ctx);
+// Leaves flagged QL_FLAG_HOST (so that the placement above leaves them) moved into ONE buffer of
+// pinned host memory, which a GPU's kernels read and write directly over the bus: paged optimizer
+// state. The CPU backend moves nothing. NULL when a tensor is not such a leaf or memory is short.
+ql_backend_buffer *ql_backend_place_tensors_pinned(ql_backend *be, ql_tensor *const *tensors, int n);
 // The host bytes a placed tensor came from (a checkpoint is written from there after a get);
 // NULL for a tensor this buffer did not place (and for everything on the CPU backend).
 void       *ql_backend_buffer_host_data(const ql_backend_buffer *buf, const ql_tensor *t);

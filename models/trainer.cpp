@@ -42,11 +42,13 @@ struct ql_trainer {
     // a device backend: the placements of the weights and of the run's tensors (adapter, grads,
     // moments, inputs); each keeps its tensors' host bytes, which checkpoints are written from
     ql_backend_buffer *weights_buf = nullptr, *state_buf = nullptr;
+    ql_backend_buffer *paged_buf = nullptr;  // paged_* on a device: the moments in pinned host memory
     bool on_host = true;
     std::vector<int32_t> in_tokens, in_pos, in_targets, in_seg;  // [T * B] staging for set
     std::vector<float> in_embd;  // [n_embd * T * B] embedding rows gathered on the host (embd_host)
     bool embd_host = false;      // the token embedding stays in host memory (QL_FLAG_HOST)
     int64_t loss_chunk = 0;      // rows per cross-entropy chunk (0: one)
+    int64_t auto_chunk = 0;      // what auto would choose (0: one chunk suffices)
     int cc = 0;                  // a device run's compute capability (planned or real)
     ql_tensor *seed = nullptr;
     batch_io tr, ev;
@@ -148,6 +150,11 @@ static bool build(ql_trainer *t, ql_context *ctx) {
             t->state.push_back({ql_format_name(ql_new_tensor(ctx, QL_TYPE_F32, 4, p->ne), "%s.adam_m", p->name),
                                 ql_format_name(ql_new_tensor(ctx, QL_TYPE_F32, 4, p->ne), "%s.adam_v", p->name)});
     }
+    // paged_* on a device: the moments live in pinned host memory, updated there by the device's
+    // kernel over the bus (no device copy of the state); the placement of the rest leaves them
+    if (!t->on_host && t->o.optim.rfind("paged_", 0) == 0)
+        for (const auto &st : t->state)
+            for (ql_tensor *x : st) x->flags |= QL_FLAG_HOST;
     return ql_ctx_status(ctx) == QL_OK && t->tr.g;
 }
 
@@ -425,6 +432,10 @@ static void set_embd_host(ql_trainer *t, bool on) {
 }
 static bool choose_levels(ql_trainer *t, std::string *err) {
     if (!choose_levels_for(t, err)) return false;
+    if (t->o.loss_chunk == 0 && t->on_host && t->loss_chunk == 0 && t->auto_chunk > 0 && !fits(t)) {
+        t->loss_chunk = t->auto_chunk;  // the CPU's auto: chunks when the plan needs them
+        if (!choose_levels_for(t, err)) return false;
+    }
     if (t->o.embd_on_host != -1 || t->on_host || t->embd_host || fits(t)) return true;
     if (t->f->model.output == t->f->model.tok_embd) return true;  // tied: the output projection reads it on the device
     set_embd_host(t, true);
@@ -505,15 +516,21 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
     }
     set_embd_host(t, o.embd_on_host == 1 && !t->on_host);
     const int64_t rows = t->T * t->B;
-    t->loss_chunk = o.loss_chunk < 0 ? 0 : o.loss_chunk > 0 ? o.loss_chunk : ql_llama_loss_chunk(m.hp.n_vocab, rows);
-    if (t->loss_chunk >= rows) t->loss_chunk = 0;  // one chunk: the plain head
+    t->auto_chunk = ql_llama_loss_chunk(m.hp.n_vocab, rows);
+    if (t->auto_chunk >= rows) t->auto_chunk = 0;  // one chunk: the plain head
+    // auto: chunked on a device (memory is what it lacks); on the CPU only when the plan needs it
+    // (recomputing the head costs ~9% of a 110M step there)
+    t->loss_chunk = o.loss_chunk < 0 ? 0 : o.loss_chunk > 0 ? o.loss_chunk : t->on_host ? 0 : t->auto_chunk;
+    if (t->loss_chunk >= rows) t->loss_chunk = 0;
     weight_pages(t);
     return t;
 }
 
 // the host bytes of one of the run's tensors (on a device: its host copy, as of the last get)
 static void *host_data(const ql_trainer *t, const ql_tensor *x) {
-    return t->on_host ? x->data : ql_backend_buffer_host_data(t->state_buf, x);
+    if (t->on_host) return x->data;
+    void *h = ql_backend_buffer_host_data(t->state_buf, x);
+    return h ? h : ql_backend_buffer_host_data(t->paged_buf, x);
 }
 
 static std::string biggest_items(const ql_memory_plan &m) {
@@ -597,8 +614,19 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
         ql_trainer_free(t);
         return nullptr;
     }
+    if (!t->on_host && t->o.optim.rfind("paged_", 0) == 0) {
+        std::vector<ql_tensor *> moments;
+        for (const auto &st : t->state) moments.insert(moments.end(), st.begin(), st.end());
+        if (!(t->paged_buf = ql_backend_place_tensors_pinned(t->be, moments.data(), (int)moments.size()))) {
+            *err = "paged optimizer: " + mib_text(t->mem.optimizer) + " of pinned host memory could not be had";
+            ql_trainer_free(t);
+            return nullptr;
+        }
+    }
     for (const auto &st : t->state)  // zero moments (8-bit: zero absmax makes every code 0)
-        for (ql_tensor *x : st) ql_backend_tensor_memset(t->be, x, 0, 0, ql_nbytes(x));
+        for (ql_tensor *x : st)
+            if (x->flags & QL_FLAG_HOST) memset(x->data, 0, ql_nbytes(x));
+            else ql_backend_tensor_memset(t->be, x, 0, 0, ql_nbytes(x));
     const size_t n_in = (size_t)(t->T * t->B);
     t->in_tokens.assign(n_in, 0), t->in_pos.assign(n_in, 0), t->in_targets.assign(n_in, 0), t->in_seg.assign(n_in, 0);
     if (t->embd_host) t->in_embd.assign(n_in * (size_t)t->f->model.hp.n_embd, 0.0f);
@@ -682,6 +710,7 @@ void ql_trainer_free(ql_trainer *t) {
     if (!t) return;
     free_io(t->tr);
     free_io(t->ev);
+    ql_backend_buffer_free(t->paged_buf);
     ql_backend_buffer_free(t->state_buf);    // the tensors back on the arena,
     ql_backend_buffer_free(t->weights_buf);  // the weights on the file mapping
     ql_backend_free(t->be);
@@ -1110,7 +1139,10 @@ bool ql_trainer_to_host(ql_trainer *t, std::string *err) {
             }
     ql_backend_buffer_free(t->state_buf);  // every placed tensor back on its host bytes
     ql_backend_buffer_free(t->weights_buf);
-    t->state_buf = t->weights_buf = nullptr;
+    ql_backend_buffer_free(t->paged_buf);
+    t->state_buf = t->weights_buf = t->paged_buf = nullptr;
+    for (const auto &st : t->state)
+        for (ql_tensor *x : st) x->flags &= ~QL_FLAG_HOST;
     t->on_host = true;
     return true;
 }

@@ -33,8 +33,8 @@ struct ql_train_options {
     float lr = 2e-4f, beta1 = 0.9f, beta2 = 0.999f, eps = 1e-8f, weight_decay = 0.0f;
     float max_grad_norm = 1.0f;         // <= 0: no clipping
     // adamw (f32 moments) | adamw8bit (bitsandbytes' blockwise 8-bit moments; tensors under 4096
-    // elements keep f32) | paged_adamw | paged_adamw8bit (the state in host memory: on the CPU
-    // backend accounting only)
+    // elements keep f32) | paged_adamw | paged_adamw8bit (on a device the state lives in pinned
+    // host memory, which the device's kernel updates in place; on the CPU it is host memory anyway)
     std::string optim = "adamw";
     // the compute type of activations and matmul inputs: fp32 | bf16 | fp16 (ql_llama.compute);
     // master weights, gradients, sums, norms, softmax and the loss stay f32. ("auto" is the
@@ -56,16 +56,19 @@ struct ql_train_options {
     int threads = 0;                    // 0: one per core
     // the backend that trains: "cpu", "cuda", "cuda:N" or "auto" (ql_backend_init_by_name). On a
     // GPU the base weights are placed on it once, adapter, gradients, optimizer state and inputs
-    // live there, and the host sees them only through the backend's set/get. (limitation: the
-    // memory plan still describes the CPU run; the device plan is the GPU-memory issue's)
+    // live there, and the host sees them only through the backend's set/get; the memory plan is
+    // then the device's (ql_memory_plan.device)
     std::string device = "cpu";
     // memory
     std::string checkpointing = "none";  // none | block | sqrt | auto (the cheapest that fits mem_limit)
     size_t mem_limit = 0;                // bytes for the whole process; 0: none (auto needs one)
     size_t mem_other = 0;                // bytes the process holds besides what the trainer plans
-    bool offload_activations = false;    // block checkpoints in host memory (on the CPU: accounted only)
+    // block checkpoints in pinned host memory, copied on a second stream (ql_graph_offload; on
+    // the CPU: accounted only - one memory)
+    bool offload_activations = false;
     // the loss's output projection and cross-entropy in chunks of rows (ql_llama_loss): 0 auto
-    // (chunks of at most 2^23 logits when the whole would be more), > 0 rows per chunk, < 0 one
+    // (chunks of at most 2^23 logits when the whole would be more: always on a device, on the CPU
+    // when the plan does not fit without), > 0 rows per chunk, < 0 one
     int64_t loss_chunk = 0;
     // a device run: the token embedding stays in host memory and only the step's rows are
     // gathered there and uploaded (1: yes, 0: no, -1: auto - when the plan does not fit without)

@@ -746,7 +746,8 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
         ql_memory_plan plan;
         size_t allocated = 0;  // device memory the trainer allocated (ql_cuda_memory_used)
     };
-    auto run = [&](int64_t chunk, int embd_host, const char *checkpointing = "none", bool offload = false) {
+    auto run = [&](int64_t chunk, int embd_host, const char *checkpointing = "none", bool offload = false,
+                   const char *optim = "adamw") {
         result r;
         char err[256];
         ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
@@ -756,6 +757,7 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
         oo.embd_on_host = embd_host;
         oo.checkpointing = checkpointing;
         oo.offload_activations = offload;
+        oo.optim = optim;
         std::string e;
         REQUIRE_MESSAGE(ql_train_plan(f, seqs, seqs, oo, &r.plan, &e), e);
         size_t before = 0, after = 0;
@@ -778,6 +780,8 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
     };
     const result whole = run(-1, 0), chunked = run(10, ql_backend_is_host(be) ? 0 : 1);
     const result block = run(-1, 0, "block"), offloaded = run(-1, 0, "block", true);
+    const result paged = run(-1, 0, "none", false, "paged_adamw"), paged8 = run(-1, 0, "none", false, "paged_adamw8bit"),
+                 eight = run(-1, 0, "none", false, "adamw8bit");
     // 48 rows in chunks of 10: every chunk covers the whole vocabulary, so the loss is the same sum
     // in another order and the gradients are the same numbers
     CHECK(whole.plan.loss_chunk == 0);
@@ -791,6 +795,10 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
     // the same bits
     CHECK(offloaded.losses == block.losses);
     CHECK(offloaded.adapter == block.adapter);
+    // paged state (on a GPU: pinned host memory its kernel updates in place): the same updates
+    CHECK(paged.losses == whole.losses);
+    CHECK(paged.adapter == whole.adapter);
+    CHECK(paged8.adapter == eight.adapter);
     if (ql_backend_is_host(be)) {
         CHECK(!whole.plan.device);
         return;
@@ -803,7 +811,9 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
     CHECK(chunked.plan.dev_weights < whole.plan.dev_weights);
     CHECK(offloaded.plan.host_pinned > 0);  // 2 layers: the first block's checkpoint (the last stays)
     CHECK(offloaded.plan.saved < block.plan.saved);
-    for (const result *r : {&whole, &chunked, &block, &offloaded}) {
+    CHECK(paged.plan.optimizer_host);
+    CHECK(paged.plan.dev_state + paged.plan.optimizer == whole.plan.dev_state);  // the moments left the device
+    for (const result *r : {&whole, &chunked, &block, &offloaded, &paged, &paged8}) {
         CHECK(r->allocated == r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer + 4096);
         CHECK(r->plan.total == r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer + r->plan.dev_context + r->plan.dev_rounding);
     }

@@ -491,7 +491,7 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
         std::string args, says;
     };
     const std::string md = " -m " + base + " -d " + data + " -o " + out;
-    const std::vector<bad_case> cases = {
+    std::vector<bad_case> cases = {
         {"", "-m model.gguf and -d data.jsonl are required"},
         {" -m " + base, "-m model.gguf and -d data.jsonl are required"},
         {md + " --frobnicate", "unknown flag '--frobnicate'"},
@@ -512,6 +512,10 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
         {md + " --mem-limit lots", "--mem-limit: 'lots' is not a size"},
         {md + " --mem-limit 0", "--mem-limit: '0' is not a size"},
         {md + " --mem-limit 6Q", "--mem-limit: '6Q' is not a size"},
+        {md + " --vram lots", "--vram: 'lots' is not a size"},
+        {md + " --cc 5.0", "--cc: '5.0' is not a compute capability qlora runs on"},
+        {md + " --vram 8G --device cpu", "--vram/--cc describe a GPU: with --device cuda (this run: --device cpu)"},
+        {md + " --loss-chunk many", "--loss-chunk: 'many' is not a number in [-1, "},
         {md + " --checkpointing half", "--checkpointing: 'half' (none, block, sqrt, auto)"},
         {md + " -b auto", "-b auto needs --mem-limit"},
         {md + " --checkpointing auto", "--checkpointing auto needs --mem-limit"},
@@ -528,6 +532,8 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
         {md + " --precision fp16 --loss-scale-growth 0.5", "--loss-scale-growth: '0.5' is not a number in [1, 1e+06]"},
         {md + " --precision fp16 --loss-scale-init 1e20", "--loss-scale-init: '1e20' is not a number in [1e-30, 1e+19]"},
     };
+    if (ql_cuda_device_count() == 0)  // a card that is not here: only its plan
+        cases.push_back({md + " --device cuda --vram 8G", "(--vram/--cc with --dry-run plan for a card that is not here)"});
     for (const bad_case &c : cases) {
         CAPTURE(c.args);
         CHECK(run("./finetune" + c.args, &log) != 0);
@@ -747,6 +753,48 @@ TEST_CASE("finetune: the memory plan: --dry-run, measured peak within 3%, -b aut
     CHECK(run(ft + " -b 4 --mem-limit 20M --dry-run", &log) == 1);
     CHECK(has(log, "what would help most"));
     CHECK(!exists(out));
+}
+
+TEST_CASE("finetune: the device plan on a machine without the card (--vram, --cc), -b auto against it, advice") {
+    if (!all_built({"make-model", "finetune"})) return;
+    tmpdir d;
+    const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl", out = d.path + "/run";
+    std::string log;
+    REQUIRE(run("./make-model -o " + base + " --dim 128 --layers 2 --heads 4 --ff 256 --vocab 4000 --type nf4", &log) == 0);
+    write_qa_jsonl(data, 16);
+    const std::string ft = "./finetune -m " + base + " -d " + data + " -o " + out + " --seq-len 256 --device cuda --dry-run";
+    REQUIRE_MESSAGE(run(ft + " -b 4 --vram 2G --cc 7.5 --precision auto", &log) == 0, log);
+    for (const char *row : {"device memory plan (MiB)", "compute capability 7.5", "base weights, whole, as stored", "nf4",
+                            "CUDA context + cuBLAS workspace", "allocator rounding", "total device memory", "fits"})
+        CHECK_MESSAGE(has(log, row), row, "\n", log);
+    CHECK(has(log, "fp16"));  // auto on a 7.5 card: no bf16 GEMM there
+    CHECK(!exists(out));
+    REQUIRE_MESSAGE(run(ft + " -b 4 --vram 2G --json", &log) == 0, log);
+    const ql_json j = json_line(log);
+    double parts = jnum(*j.get("weights"), "device") + jnum(j, "inputs_and_state") + jnum(j, "graph_buffer") + jnum(j, "context") +
+                   jnum(j, "rounding");
+    CHECK(parts == jnum(j, "total"));  // the parts add up to the total
+    const double total = jnum(j, "total");
+    // the loss in chunks: 1024 rows x 4000 logits is under one chunk; 64 rows per chunk forced
+    REQUIRE_MESSAGE(run(ft + " -b 4 --vram 2G --loss-chunk 64", &log) == 0, log);
+    CHECK(has(log, "in chunks of 64 tokens"));
+    // a card too small: exit 1, the biggest items, advice with predicted device totals; nothing written
+    const std::string small = std::to_string((long long)(total * 0.98));
+    CHECK(run(ft + " -b 4 --vram " + small, &log) == 1);
+    CHECK_MESSAGE(has(log, "of device memory allowed"), log);
+    CHECK_MESSAGE(has(log, "what would help most (predicted device totals"), log);
+    CHECK(!exists(out));
+    // -b auto against the card's memory (no --mem-limit needed): the largest batch whose plan fits
+    REQUIRE_MESSAGE(run(ft + " -b auto --vram " + std::to_string((long long)total), &log) == 0, log);
+    CHECK_MESSAGE(has(log, "-b auto: micro-batch"), log);
+    CHECK(has(log, "of device memory"));
+    // with offload, the checkpoints go to pinned host memory and the device total drops
+    REQUIRE_MESSAGE(run(ft + " -b 4 --vram 2G --checkpointing block --offload-activations --json", &log) == 0, log);
+    const ql_json o = json_line(log);
+    REQUIRE_MESSAGE(run(ft + " -b 4 --vram 2G --checkpointing block --json", &log) == 0, log);
+    const ql_json b = json_line(log);
+    CHECK(jnum(*o.get("host"), "pinned") > 0);
+    CHECK(jnum(o, "saved_activations") < jnum(b, "saved_activations"));
 }
 
 TEST_CASE("finetune --precision: fp16's scale and skips in the progress line and metrics (valid JSON); auto by the CPU") {

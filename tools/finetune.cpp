@@ -187,11 +187,11 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
         for (size_t i = 0; i < m.dev_weights_by_type.size(); i++)
             printf("%s\"%s\": %zu", i ? ", " : "", m.dev_weights_by_type[i].first.c_str(), m.dev_weights_by_type[i].second);
         printf("}, \"embedding_in_host_memory\": %zu}, \"lora\": %zu, \"grads\": %zu, \"optimizer\": %zu, \"optimizer_name\": \"%s\", "
-               "\"inputs_and_state\": %zu, \"saved_activations\": %zu, \"checkpoints\": %zu, \"temporaries\": %zu, "
+               "\"optimizer_in_host_memory\": %s, \"inputs_and_state\": %zu, \"saved_activations\": %zu, \"checkpoints\": %zu, \"temporaries\": %zu, "
                "\"recompute_peak\": %zu, \"workspace\": %zu, \"graph_buffer\": %zu, \"context\": %zu, \"rounding\": %zu, "
                "\"total\": %zu, \"limit\": %zu, \"fits\": %s, \"host\": {\"process\": %zu, \"embedding\": %zu, \"pinned\": %zu}, "
                "\"checkpointing\": \"%s\", \"recompute_fraction\": %.4f, \"micro_batch\": %d, \"loss_chunk\": %lld}\n",
-               m.host_embd, m.lora, m.grads, m.optimizer, optim.c_str(), m.dev_state, m.saved, m.checkpoints, m.scratch, m.recompute,
+               m.host_embd, m.lora, m.grads, m.optimizer, optim.c_str(), m.optimizer_host ? "true" : "false", m.dev_state, m.saved, m.checkpoints, m.scratch, m.recompute,
                m.work, m.dev_buffer, m.dev_context, m.dev_rounding, m.total, limit, fits ? "true" : "false", process, m.host_embd, m.host_pinned,
                m.checkpointing.c_str(), m.recompute_fraction, m.micro_batch, (long long)m.loss_chunk);
         return;
@@ -209,7 +209,7 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
     printf("  gradients (fp32)                       %10.1f\n", m.grads / MiB);
     printf("  optimizer state (%-20s %10.1f   %.2f bytes per parameter%s\n", (optim + ")").c_str(), m.optimizer / MiB,
            m.lora ? (double)m.optimizer / (double)(m.lora / 4) : 0.0,
-           m.optimizer_host ? "; paged_*: still on the device in this version" : "");
+           m.optimizer_host ? "; paged: pinned host memory, updated there by the GPU" : "");
     printf("  graph inputs                           %10.2f\n", (m.dev_state - std::min(m.dev_state, m.lora + m.grads + m.optimizer)) / MiB);
     printf("  saved activations (forward->backward)  %10.1f", m.saved / MiB);
     if (m.checkpoints) printf("   of them block checkpoints %.1f", (m.checkpoints - std::min(m.checkpoints, m.host_pinned)) / MiB);
@@ -338,8 +338,9 @@ static bool resolve_device(args *a) {
             a->o.precision = a->o.cc >= 80 ? "bf16" : "fp16";
             a->precision_auto = true;
         }
-        printf("finetune: no CUDA device here (%s): planning for one with %.1f GiB, compute capability %d.%d\n", err,
-               a->o.vram / 1073741824.0, a->o.cc / 10, a->o.cc % 10);
+        printf("finetune: no CUDA device here (%s): planning for one with %.1f GiB, compute capability %d.%d, precision %s%s\n",
+               err, a->o.vram / 1073741824.0, a->o.cc / 10, a->o.cc % 10, a->o.precision.c_str(),
+               a->precision_auto ? (a->o.cc >= 80 ? " (auto: bf16 from 8.0)" : " (auto: fp16 below 8.0, no bf16 GEMM there)") : "");
         return true;
     }
     if (!be) {
