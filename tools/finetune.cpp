@@ -178,6 +178,17 @@ static void reset_hwm() {
 
 // The memory plan as a table (process: the bytes outside the trainer's plan, and how they
 // were obtained) or as one JSON object.
+// "bf16 1002.0, nf4 3433.8": bytes by weight type, in MiB
+static std::string by_type_text(const std::vector<std::pair<std::string, size_t>> &v) {
+    std::string types;
+    for (const auto &x : v) {
+        char b[64];
+        snprintf(b, sizeof(b), "%s%s %.1f", types.empty() ? "" : ", ", x.first.c_str(), (double)x.second / 1048576.0);
+        types += b;
+    }
+    return types;
+}
+
 static void print_device_memory(const ql_memory_plan &m, const std::string &optim, size_t process, size_t limit, bool json) {
     const double MiB = 1048576.0;
     const bool fits = limit == 0 || m.total <= limit;
@@ -196,12 +207,7 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
                m.checkpointing.c_str(), m.recompute_fraction, m.micro_batch, (long long)m.loss_chunk);
         return;
     }
-    std::string types;
-    for (const auto &x : m.dev_weights_by_type) {
-        char b[64];
-        snprintf(b, sizeof(b), "%s%s %.1f", types.empty() ? "" : ", ", x.first.c_str(), (double)x.second / MiB);
-        types += b;
-    }
+    const std::string types = by_type_text(m.dev_weights_by_type);
     printf("finetune: device memory plan (MiB), %s\n", m.device_desc.c_str());
     printf("  base weights, whole, as stored         %10.1f   %s\n", m.dev_weights / MiB, types.c_str());
     if (m.embd_on_host) printf("    (the token embedding stays in host memory: %.1f; the step's rows are gathered and uploaded)\n", m.host_embd / MiB);
@@ -259,12 +265,7 @@ static void print_memory(const ql_memory_plan &m, const std::string &optim, size
                m.checkpointing.c_str(), m.recompute_fraction, m.micro_batch);
         return;
     }
-    std::string types;
-    for (const auto &x : m.weights_by_type) {
-        char b[64];
-        snprintf(b, sizeof(b), "%s%s %.1f", types.empty() ? "" : ", ", x.first.c_str(), (double)x.second / MiB);
-        types += b;
-    }
+    const std::string types = by_type_text(m.weights_by_type);
     printf("finetune: memory plan (MiB)\n");
     printf("  base weights, pages read               %10.1f   %s; %.1f in the file\n", m.weights / MiB, types.c_str(), m.weights_file / MiB);
     printf("  LoRA parameters (fp32)                 %10.1f\n", m.lora / MiB);
