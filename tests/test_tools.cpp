@@ -328,9 +328,9 @@ double metric(const std::string &line, const char *key) {
     return p == std::string::npos ? NAN : atof(line.c_str() + p + k.size());
 }
 
-// Runs cmd with its stdout on a pipe; once a line starting with `when` appears, SIGINT. Returns
+// Runs cmd with its stdout on a pipe; once a line starting with `when` appears, sends sig. Returns
 // the exit status (-1 if signalled) and the output.
-int run_interrupted(const std::string &cmd, const std::string &when, std::string *out) {
+int run_interrupted(const std::string &cmd, const std::string &when, std::string *out, int sig = SIGINT) {
     int fd[2];
     if (pipe(fd) != 0) return -2;
     const pid_t pid = fork();
@@ -350,7 +350,7 @@ int run_interrupted(const std::string &cmd, const std::string &when, std::string
     while ((n = read(fd[0], buf, sizeof(buf))) > 0) {
         out->append(buf, (size_t)n);
         if (!sent && (out->rfind("\n" + when, std::string::npos) != std::string::npos)) {
-            kill(pid, SIGINT);
+            kill(pid, sig);
             sent = true;
         }
     }
@@ -427,10 +427,10 @@ TEST_CASE("finetune: Ctrl-C saves a checkpoint; --resume continues to the uninte
                              "--lr-scheduler cosine --warmup-steps 5 -t 1 --val-split 0.2 --eval-every 50";
     REQUIRE_MESSAGE(run("./finetune" + args + " -o " + d.path + "/a", &log) == 0, log);
     const int rc = run_interrupted("./finetune" + args + " -o " + d.path + "/b", "step 1/", &log);
-    CHECK_MESSAGE(rc == 0, log);
-    const size_t at = log.find("interrupted after step ");
+    CHECK_MESSAGE(rc == 130, log);  // 128 + SIGINT: `finetune && next` does not go on
+    const size_t at = log.find("interrupted (SIGINT) after step ");
     REQUIRE_MESSAGE(at != std::string::npos, log);  // (400 steps outlast the signal's delivery)
-    const long long k = atoll(log.c_str() + at + strlen("interrupted after step "));
+    const long long k = atoll(log.c_str() + at + strlen("interrupted (SIGINT) after step "));
     CHECK(k >= 1);
     CHECK(k < 400);
     CHECK(exists(d.path + "/b/checkpoint.gguf"));
@@ -453,6 +453,27 @@ TEST_CASE("finetune: Ctrl-C saves a checkpoint; --resume continues to the uninte
         }
     }
     CHECK(read_file(d.path + "/a/adapter.gguf") == read_file(d.path + "/b/adapter.gguf"));
+}
+
+TEST_CASE("finetune: SIGTERM and SIGHUP save a checkpoint like Ctrl-C and exit 128 + the signal") {
+    if (!all_built({"make-model", "finetune"})) return;
+    tmpdir d;
+    const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl";
+    std::string log;
+    REQUIRE(run("./make-model -o " + base + " --dim 32 --layers 1 --heads 2 --ff 64 --seed 4", &log) == 0);
+    write_qa_jsonl(data, 8);
+    const std::string args = " -m " + base + " -d " + data + " --max-steps 400 -b 2 --seq-len 24 -t 1";
+    for (const int sig : {SIGTERM, SIGHUP}) {
+        const std::string name = sig == SIGTERM ? "SIGTERM" : "SIGHUP", out = d.path + "/" + name;
+        CAPTURE(name);
+        const int rc = run_interrupted("./finetune" + args + " -o " + out, "step 1/", &log, sig);
+        CHECK_MESSAGE(rc == 128 + sig, log);  // 143 for SIGTERM, 129 for SIGHUP
+        CHECK_MESSAGE(log.find("interrupted (" + name + ") after step ") != std::string::npos, log);
+        CHECK(exists(out + "/checkpoint.gguf"));
+        // it resumes (and stops again the same way)
+        CHECK(run_interrupted("./finetune" + args + " --resume " + out, "step ", &log, sig) == 128 + sig);
+        CHECK_MESSAGE(log.find("resuming after step ") != std::string::npos, log);
+    }
 }
 
 TEST_CASE("finetune: stories260K fine-tuned on a few stories lowers its loss on held-out ones") {

@@ -27,11 +27,15 @@
 #include <string>
 #include <vector>
 
-static std::atomic<bool> g_stop{false};
-// the first Ctrl-C ends the run after the current step (a checkpoint is saved); a second one kills
-static void on_sigint(int) {
-    g_stop.store(true);
-    signal(SIGINT, SIG_DFL);
+static std::atomic<int> g_stop{0};  // the signal that asked the run to stop, or 0
+// SIGINT (Ctrl-C), SIGTERM (kill, timeout, job schedulers, containers) and SIGHUP (a closed
+// terminal): the first ends the run after the current step with a checkpoint saved, and the
+// process exits 128 + the signal so that `finetune && next` does not go on; a second one kills
+static const int k_stop_signals[] = {SIGINT, SIGTERM, SIGHUP};
+static void on_stop_signal(int sig) {
+    int none = 0;
+    g_stop.compare_exchange_strong(none, sig);
+    for (int s : k_stop_signals) signal(s, SIG_DFL);
 }
 
 static const char *k_help =
@@ -841,7 +845,7 @@ int main(int argc, char **argv) {
     if (a.profile) ql_graph_set_profile(ql_trainer_graph(t), true);
 
     // ---- the loop ----
-    signal(SIGINT, on_sigint);
+    for (int s : k_stop_signals) signal(s, on_stop_signal);
     std::vector<std::pair<double, double>> curve, eval_curve;
     std::string kept;  // on resume: the metrics of the steps the checkpoint holds (later ones are redone)
     if (a.resume) keep_metrics(std::string(a.resume) + "/metrics.jsonl", ql_trainer_steps_done(t), &kept, &curve, &eval_curve);
@@ -942,14 +946,17 @@ int main(int argc, char **argv) {
     }
     const size_t train_peak = hwm_bytes();
     if (tty) printf("\n");
-    signal(SIGINT, SIG_DFL);  // from here on every file is written atomically: Ctrl-C loses nothing
+    for (int s : k_stop_signals) signal(s, SIG_DFL);  // from here on every file is written atomically: a signal loses nothing
 
     // ---- outputs ----
     if (!save_checkpoint()) return 1;
     if (interrupted) {
-        printf("finetune: interrupted after step %lld: checkpoint saved in %s --> resume with --resume %s\n",
-               (long long)ql_trainer_steps_done(t), out.c_str(), out.c_str());
-        return 0;
+        const int sig = g_stop.load();
+        printf("finetune: interrupted (%s) after step %lld: checkpoint saved in %s --> resume with --resume %s\n",
+               sig == SIGTERM ? "SIGTERM" : sig == SIGHUP ? "SIGHUP" : "SIGINT", (long long)ql_trainer_steps_done(t), out.c_str(),
+               out.c_str());
+        fflush(stdout);
+        return 128 + sig;  // the shell's convention for a run a signal ended: 130 (SIGINT), 143 (SIGTERM)
     }
     ql_lora_config c;
     c.r = a.o.lora.r;
