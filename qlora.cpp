@@ -10,6 +10,7 @@
 #include "qlora.h"
 
 #include <fcntl.h>  // POSIX: GGUF files are mmap'd
+#include <sched.h>  // sched_getaffinity: the cores this process may use
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>  // arch_prctl: the AMX tile state is granted on request (Linux)
@@ -29,6 +30,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -4306,9 +4308,72 @@ static void cpu_free(ql_backend *be) {
     delete be;
 }
 
+int ql_cpu_threads_for(int cores, int others_running) { return std::max(1, cores - std::max(0, others_running)); }
+
+int ql_cpu_physical_cores(void) {
+    // the cores (not hyper-threads) of the CPUs this process may run on: distinct (package, core)
+    // pairs in /sys for the CPUs of its affinity mask (a container's limit included)
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    const bool have_mask = sched_getaffinity(0, sizeof(set), &set) == 0;
+    std::set<std::pair<int, int>> cores;
+    int cpus = 0;
+    for (int c = 0; c < CPU_SETSIZE; c++) {
+        if (have_mask ? !CPU_ISSET(c, &set) : c >= (int)std::thread::hardware_concurrency()) continue;
+        cpus++;
+        int pkg = -1, core = -1;
+        char path[128];
+        snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu%d/topology/physical_package_id", c);
+        if (FILE *f = fopen(path, "r")) {
+            if (fscanf(f, "%d", &pkg) != 1) pkg = -1;
+            fclose(f);
+        }
+        snprintf(path, sizeof(path), "/sys/devices/system/cpu/cpu%d/topology/core_id", c);
+        if (FILE *f = fopen(path, "r")) {
+            if (fscanf(f, "%d", &core) != 1) core = -1;
+            fclose(f);
+        }
+        cores.insert(core >= 0 ? std::make_pair(pkg, core) : std::make_pair(-1, c));  // no topology: count the CPU
+    }
+    return std::max(1, cores.empty() ? std::max(1, cpus) : (int)cores.size());
+}
+
+int ql_cpu_default_threads(void) {
+    // physical cores less the tasks already running on the machine (/proc/loadavg's "running",
+    // this process included; the least of 8 samples 1 ms apart: one sample catches passing
+    // kernel threads): the pool splits work evenly and meets at barriers, so a thread that shares
+    // its core with a busy process makes every other wait - on a 2-core machine with one busy
+    // loop, 2 threads generate at 0.4-0.6x the speed of 1 (bench/RESULTS.md). Sampled once, when
+    // the backend starts.
+    int others = 1 << 20;
+    for (int k = 0; k < 8; k++) {
+        int running = 0, total = 0;
+        double l1, l5, l15;
+        FILE *f = fopen("/proc/loadavg", "r");
+        const bool ok = f && fscanf(f, "%lf %lf %lf %d/%d", &l1, &l5, &l15, &running, &total) == 5;
+        if (f) fclose(f);
+        if (!ok) {
+            others = 0;  // no /proc: the cores
+            break;
+        }
+        others = std::min(others, running - 1);
+        if (others <= 0) break;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return ql_cpu_threads_for(ql_cpu_physical_cores(), others);
+}
+
+void ql_cpu_warn_threads(const char *tool, int n) {
+    const int cores = ql_cpu_physical_cores();
+    if (n > cores)
+        fprintf(stderr, "%s: warning: -t %d is more than the %d physical core%s here: threads sharing a core make the "
+                        "others wait at every step (0 or no -t: the cores not busy with other work)\n",
+                tool, n, cores, cores == 1 ? "" : "s");
+}
+
 ql_backend *ql_backend_cpu_init(int n_threads) {
     mm_amx_ready();  // asked once, before any worker thread exists
-    if (n_threads <= 0) n_threads = (int)std::max(1u, std::thread::hardware_concurrency());
+    if (n_threads <= 0) n_threads = ql_cpu_default_threads();
     cpu_backend *cb = new (std::nothrow) cpu_backend();
     ql_backend *be = new (std::nothrow) ql_backend();
     if (!cb || !be) {

@@ -614,7 +614,15 @@ double    ql_graph_node_seconds(const ql_graph *g, int i);
 // backends
 // ============================================================================================
 
-ql_backend *ql_backend_cpu_init(int n_threads);   // n_threads <= 0: one per core
+ql_backend *ql_backend_cpu_init(int n_threads);   // n_threads <= 0: ql_cpu_default_threads()
+// Physical cores of the CPUs this process may use (affinity mask; hyper-threads counted once).
+int         ql_cpu_physical_cores(void);
+// The CPU backend's default: physical cores less the other tasks running right now (/proc/loadavg),
+// at least 1 - a thread sharing its core with a busy process stalls every barrier of the pool.
+int         ql_cpu_default_threads(void);
+int         ql_cpu_threads_for(int cores, int others_running);  // the rule, for tests
+// For the tools' -t: a warning line on stderr when n is more than the physical cores ("tool: warning: ...").
+void        ql_cpu_warn_threads(const char *tool, int n);
 void        ql_backend_free(ql_backend *be);
 const char *ql_backend_name(const ql_backend *be);
 bool        ql_backend_supports_op(ql_backend *be, const ql_tensor *node);

@@ -7,6 +7,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <thread>
 
 static bool has(const char *hay, const char *needle) { return strstr(hay, needle) != nullptr; }
 static bool has_file_line(const char *msg) {  // "qlora.cpp:123: ..."
@@ -419,4 +420,23 @@ TEST_CASE("shapes whose byte size overflows are refused") {
     CHECK(ql_ctx_status(ctx) == QL_ERR_SHAPE);
     CHECK(has(ql_ctx_error(ctx), "too large"));
     ql_free(ctx);
+}
+
+TEST_CASE("CPU threads: the default leaves the cores other work is using; -t above the cores warns") {
+    // the rule: physical cores less the tasks already running, at least one
+    CHECK(ql_cpu_threads_for(2, 0) == 2);
+    CHECK(ql_cpu_threads_for(2, 1) == 1);  // one busy loop on a 2-core machine: 1 thread
+    CHECK(ql_cpu_threads_for(2, 5) == 1);
+    CHECK(ql_cpu_threads_for(16, 3) == 13);
+    CHECK(ql_cpu_threads_for(4, -1) == 4);
+    const int cores = ql_cpu_physical_cores();
+    CHECK(cores >= 1);
+    CHECK(cores <= (int)std::max(1u, std::thread::hardware_concurrency()));
+    const int d = ql_cpu_default_threads();
+    CHECK(d >= 1);
+    CHECK(d <= cores);
+    ql_backend *be = ql_backend_cpu_init(0);
+    CHECK(ql_backend_cpu_n_threads(be) >= 1);
+    CHECK(ql_backend_cpu_n_threads(be) <= cores);
+    ql_backend_free(be);
 }

@@ -188,6 +188,19 @@ TEST_CASE("convert llama2c + generate: stories260K greedy from BOS tells its sto
     CHECK(log.rfind("Once\n", 0) == 0);
 }
 
+TEST_CASE("generate / perplexity / finetune: -t above the physical cores warns, once, and still runs") {
+    if (!all_built({"make-model", "generate"})) return;
+    tmpdir d;
+    const std::string m = d.path + "/m.gguf";
+    std::string log;
+    REQUIRE(run("./make-model -o " + m + " --dim 32 --layers 1 --heads 2 --ff 64", &log) == 0);
+    const int over = ql_cpu_physical_cores() + 1;
+    REQUIRE_MESSAGE(run("./generate -m " + m + " -p hi -n 2 --temp 0 -t " + std::to_string(over), &log) == 0, log);
+    CHECK_MESSAGE(log.find("generate: warning: -t " + std::to_string(over) + " is more than the ") != std::string::npos, log);
+    REQUIRE_MESSAGE(run("./generate -m " + m + " -p hi -n 2 --temp 0 -t 1", &log) == 0, log);
+    CHECK(log.find("warning") == std::string::npos);
+}
+
 TEST_CASE("perplexity: --json numbers equal an independent computation; every token counted once") {
     if (!all_built({"make-model", "perplexity"})) return;
     tmpdir d;

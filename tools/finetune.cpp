@@ -541,6 +541,7 @@ static bool parse(int argc, char **argv, args *a) {
         return false;
     }
     if (!resolve_device(a)) return false;
+    if (a->o.threads > 0) ql_cpu_warn_threads("finetune", a->o.threads);
     if ((a->b_auto || a->o.checkpointing == "auto") && a->o.mem_limit == 0 && !a->o.vram && a->o.device == "cpu") {
         fprintf(stderr, "finetune: %s needs --mem-limit (or on a GPU --vram)\n", a->b_auto ? "-b auto" : "--checkpointing auto");
         return false;

@@ -144,6 +144,7 @@ int main(int argc, char **argv) {
     // the cache, the two graphs, all planned and allocated before the first token
     const ql_llama_hparams &hp = m.hp;
     const size_t cache_bytes = (size_t)hp.n_layer * 2 * (size_t)hp.head_dim() * (size_t)ctx_len * (size_t)hp.n_head_kv * 4;
+    if (threads > 0) ql_cpu_warn_threads("generate", (int)threads);
     ql_backend *be = ql_backend_init_by_name(device, (int)threads, err, sizeof(err));
     if (!be) {
         fprintf(stderr, "generate: --device %s: %s\n", device, err);

@@ -146,6 +146,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "perplexity: note: -c %d is longer than the model's training context %d\n", c, f->model.hp.n_ctx_train);
     const int chunk = c - 1;
     const int64_t n_tok = (int64_t)toks.size(), n_full = n_tok / chunk, tail = n_tok % chunk;
+    if (threads > 0) ql_cpu_warn_threads("perplexity", threads);
     ql_backend *be = ql_backend_init_by_name(device, threads, err, sizeof(err));
     if (!be) {
         fprintf(stderr, "perplexity: --device %s: %s\n", device, err);
