@@ -5843,7 +5843,15 @@ ql_status ql_gguf_write(const ql_gguf_writer *w, const char *path, char *err, si
     }
     if (what) {
         remove(tmp.c_str());
-        gguf_set_err(err, err_size, "%s: %s: %s", path, what, e ? strerror(e) : "unknown error");
+        uint64_t need = header.size();  // what the whole file takes, for the user who must free it
+        for (const gguf_wtensor &t : w->tensors) {
+            uint64_t padded = t.size;
+            gguf_align_up(t.size, align, &padded);
+            need += padded;
+        }
+        struct stat st;
+        gguf_set_err(err, err_size, "%s: %s: %s (the file needs %.1f MiB; %s)", path, what, e ? strerror(e) : "unknown error",
+                     (double)need / 1048576.0, stat(path, &st) == 0 ? "the previous file is kept as it was" : "nothing was written");
         return QL_ERR_IO;
     }
     // make the rename itself durable (best effort: some file systems refuse directory fsync)

@@ -53,7 +53,7 @@ struct ql_train_options {
     int     epochs = 1;
     int64_t max_steps = -1;             // > 0: overrides epochs
     uint64_t seed = 42;                 // data order and dropout masks (the adapter's init: lora.init_seed)
-    int threads = 0;                    // 0: one per core
+    int threads = 0;                    // 0: ql_cpu_default_threads() (physical cores not busy with other work)
     // the backend that trains: "cpu", "cuda", "cuda:N" or "auto" (ql_backend_init_by_name). On a
     // GPU the base weights are placed on it once, adapter, gradients, optimizer state and inputs
     // live there, and the host sees them only through the backend's set/get; the memory plan is

@@ -468,6 +468,32 @@ TEST_CASE("finetune: Ctrl-C saves a checkpoint; --resume continues to the uninte
     CHECK(read_file(d.path + "/a/adapter.gguf") == read_file(d.path + "/b/adapter.gguf"));
 }
 
+TEST_CASE("finetune: a full disk - the adapter first, then the checkpoint; the message names the file and the size") {
+    if (!all_built({"make-model", "finetune"})) return;
+    tmpdir d;
+    const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl", out = d.path + "/run";
+    std::string log;
+    REQUIRE(run("./make-model -o " + base + " --dim 64 --layers 2 --heads 2 --ff 128 --seed 4", &log) == 0);
+    write_qa_jsonl(data, 8);
+    const std::string ft = "./finetune -m " + base + " -d " + data + " -o " + out + " --max-steps 2 -b 2 --seq-len 24 -t 1";
+    REQUIRE_MESSAGE(run(ft, &log) == 0, log);
+    const size_t adapter = read_file(out + "/adapter.gguf").size(), ckpt = read_file(out + "/checkpoint.gguf").size();
+    REQUIRE(ckpt > adapter + 4096);
+    const std::string good = read_file(out + "/checkpoint.gguf");
+    // files may grow to between the two sizes (RLIMIT_FSIZE: EFBIG, as a full disk's ENOSPC; the
+    // signal it raises ignored): the adapter is written, the checkpoint is not, the old one stays
+    const long blocks = (long)((adapter + ckpt) / 2 / 512);
+    const std::string limited = "sh -c \"trap '' XFSZ; ulimit -f " + std::to_string(blocks) + "; exec " + ft + " --overwrite\"";
+    CHECK(run(limited, &log) == 1);
+    CHECK_MESSAGE(log.find(out + "/checkpoint.gguf: writing tensor data: ") != std::string::npos, log);
+    CHECK_MESSAGE(log.find("(the file needs ") != std::string::npos, log);
+    CHECK_MESSAGE(log.find("the previous file is kept as it was") != std::string::npos, log);
+    CHECK_MESSAGE(log.find("the adapter is written") != std::string::npos, log);
+    CHECK(read_file(out + "/checkpoint.gguf") == good);  // nothing good replaced by something partial
+    CHECK(read_file(out + "/adapter.gguf").size() == adapter);
+    CHECK(!exists(out + "/checkpoint.gguf.tmp"));
+}
+
 TEST_CASE("finetune: SIGTERM and SIGHUP save a checkpoint like Ctrl-C and exit 128 + the signal") {
     if (!all_built({"make-model", "finetune"})) return;
     tmpdir d;

@@ -949,9 +949,10 @@ int main(int argc, char **argv) {
     if (tty) printf("\n");
     for (int s : k_stop_signals) signal(s, SIG_DFL);  // from here on every file is written atomically: a signal loses nothing
 
-    // ---- outputs ----
-    if (!save_checkpoint()) return 1;
+    // ---- outputs: the adapter (small: what the user wants) first, then the checkpoint (large),
+    // then the merged model; each written atomically, so a full disk replaces nothing good ----
     if (interrupted) {
+        if (!save_checkpoint()) return 1;
         const int sig = g_stop.load();
         printf("finetune: interrupted (%s) after step %lld: checkpoint saved in %s --> resume with --resume %s\n",
                sig == SIGTERM ? "SIGTERM" : sig == SIGHUP ? "SIGHUP" : "SIGINT", (long long)ql_trainer_steps_done(t), out.c_str(),
@@ -973,8 +974,16 @@ int main(int argc, char **argv) {
     }
     ql_llama &m = ql_trainer_model(t);
     if (!ql_trainer_to_host(t, &err) || !ql_lora_save_gguf((out + "/adapter.gguf").c_str(), m, f->arch.c_str(), c, &err) ||
-        !ql_peft_save((out + "/peft").c_str(), m, f->arch.c_str(), c, &err) ||
-        (a.merge && !ql_llama_save_merged((out + "/merged.gguf").c_str(), *f, m, &err))) {
+        !ql_peft_save((out + "/peft").c_str(), m, f->arch.c_str(), c, &err)) {
+        fprintf(stderr, "finetune: %s\n", err.c_str());
+        return 1;
+    }
+    if (!save_checkpoint()) {
+        fprintf(stderr, "finetune: the adapter is written (%s/adapter.gguf, %s/peft/); the checkpoint is not\n", out.c_str(),
+                out.c_str());
+        return 1;
+    }
+    if (a.merge && !ql_llama_save_merged((out + "/merged.gguf").c_str(), *f, m, &err)) {
         fprintf(stderr, "finetune: %s\n", err.c_str());
         return 1;
     }
