@@ -555,7 +555,8 @@ bool ql_peft_read_config(const char *dir, ql_lora_config *c, std::string *err) {
     if (!number("lora_alpha", &alpha) || !number("lora_dropout", &dropout) || !flag("use_rslora", &out.rslora) ||
         !flag("use_dora", &dora))
         return false;
-    if (!std::isfinite(alpha)) return fail(err, "%s: lora_alpha is not finite", path.c_str());
+    if (!std::isfinite((float)alpha))  // 1e39 is a finite double but an infinite float
+        return fail(err, "%s: lora_alpha %g is not a finite 32-bit number", path.c_str(), alpha);
     out.alpha = (float)alpha;
     out.dropout = (float)dropout;
     if (dora) return fail(err, "%s: use_dora is true; DoRA adapters are not supported", path.c_str());

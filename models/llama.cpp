@@ -442,6 +442,11 @@ ql_llama_file *ql_llama_load(const char *path, char *err, size_t err_size) {
                       hp.n_embd % hp.n_head != 0 || hp.n_head % hp.n_head_kv != 0 || hp.n_layer > 4096))
         L.fail("inconsistent hyper-parameters (embd %d, layers %d, heads %d/%d, ff %d)", hp.n_embd, hp.n_layer, hp.n_head,
                hp.n_head_kv, hp.n_ff);
+    // a NaN or negative epsilon, a zero rope base: every output would be nan - refused here, not printed as "nan" later
+    if (!L.failed && !(std::isfinite(hp.norm_eps) && hp.norm_eps > 0))
+        L.fail("%s.attention.layer_norm_rms_epsilon is %g: a positive finite number expected", L.arch.c_str(), (double)hp.norm_eps);
+    if (!L.failed && !(std::isfinite(hp.rope_base) && hp.rope_base > 0))
+        L.fail("%s.rope.freq_base is %g: a positive finite number expected", L.arch.c_str(), (double)hp.rope_base);
     if (!L.failed) {
         hp.n_rot = (int)L.key_int("rope.dimension_count", hp.head_dim(), false);
         if (hp.n_rot <= 0 || hp.n_rot > hp.head_dim() || hp.n_rot % 2) L.fail("rope.dimension_count %d does not fit head size %d", hp.n_rot, hp.head_dim());
@@ -528,6 +533,8 @@ ql_lora_adapter *ql_llama_attach_lora(ql_llama *m, const char *arch, const char 
     const int64_t ial = ql_gguf_find_kv(g, "adapter.lora.alpha");
     if (ial < 0 || !ql_gguf_get_f64(g, ial, &alpha)) return fail("missing adapter.lora.alpha");
     ad->alpha = (float)alpha;
+    if (!std::isfinite(ad->alpha) || ad->alpha < 0)  // (a double beyond float's range is inf here)
+        return fail("adapter.lora.alpha is " + std::to_string(alpha) + ": a finite number >= 0 expected");
 
     std::unordered_map<std::string, ql_tensor *> by_name;  // the model's linear weights
     for (ql_llama_layer &L : m->layers)

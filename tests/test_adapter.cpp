@@ -304,6 +304,33 @@ TEST_CASE("adapter: a llama.cpp LoRA GGUF round trips through ql_llama_attach_lo
     }
     ql_lora_adapter_free(ad);
 
+    // an alpha that is not a finite number >= 0 (llama.cpp's key is not checked by anyone else)
+    for (const float bad : {INFINITY, NAN, -2.0f}) {
+        CAPTURE(bad);
+        char e2[300];
+        ql_gguf *src = ql_gguf_open(path.c_str(), e2, sizeof(e2));
+        REQUIRE_MESSAGE(src, e2);
+        ql_gguf_writer *w = ql_gguf_writer_new();
+        for (int64_t k = 0; k < ql_gguf_n_kv(src); k++) ql_gguf_copy_kv(w, src, k);
+        ql_gguf_set_f32(w, "adapter.lora.alpha", bad);
+        for (int64_t k = 0; k < ql_gguf_n_tensors(src); k++) {
+            int64_t ne[4];
+            const int nd = ql_gguf_tensor_ne(src, k, ne);
+            REQUIRE(ql_gguf_add_tensor(w, ql_gguf_tensor_name(src, k), ql_gguf_tensor_type(src, k), nd, ne,
+                                       ql_gguf_tensor_data(src, k), ql_gguf_tensor_size(src, k)) == QL_OK);
+        }
+        const std::string badp = d.path + "/bad-alpha.gguf";
+        REQUIRE(ql_gguf_write(w, badp.c_str(), e2, sizeof(e2)) == QL_OK);
+        ql_gguf_writer_free(w);
+        ql_gguf_close(src);
+        model x;
+        ql_lora_adapter *bad_ad = ql_llama_attach_lora(&x.m, "llama", badp.c_str(), 1.0f, e2, sizeof(e2));
+        CHECK(bad_ad == nullptr);
+        CHECK_MESSAGE(has(e2, "adapter.lora.alpha is "), e2);
+        CHECK_MESSAGE(has(e2, "a finite number >= 0 expected"), e2);
+        ql_lora_adapter_free(bad_ad);
+    }
+
     // ql_lora_attach_any takes the file as well
     model c;
     ad = ql_lora_attach_any(&c.m, "llama", path.c_str(), 0.5f, &err);
@@ -525,6 +552,8 @@ TEST_CASE("peft: missing files, a wrong r, a layer the model lacks and foreign t
     attach_fails(dir, {"rank_pattern"});
     with_config("\"r\": 4", "\"r\": \"four\"");
     attach_fails(dir, {"r must be a positive integer"});
+    with_config("\"lora_alpha\": 8", "\"lora_alpha\": 1e39");  // a finite double, an infinite float
+    attach_fails(dir, {"adapter_config.json", "lora_alpha 1e+39 is not a finite 32-bit number"});
     write_file(dir + "/adapter_config.json", "{\"peft_type\": \"LORA\",");
     attach_fails(dir, {"adapter_config.json", "bad JSON"});
     write_file(dir + "/adapter_config.json", cfg);

@@ -231,6 +231,17 @@ TEST_CASE("llama: loading refuses what it cannot run, naming what is wrong") {
         CHECK(ql_llama_load(path.c_str(), err, sizeof(err)) == nullptr);
         CHECK(std::string(err).find("has shape") != std::string::npos);
     }
+    // an rms epsilon that makes every output nan (NaN, negative, zero) is refused at load, not printed later
+    for (const float eps : {NAN, -1e-5f, 0.0f}) {
+        CAPTURE(eps);
+        const std::string path = d.path + "/eps.gguf";
+        const ql_llama_hparams hp = rm.m.hp;
+        rm.m.hp.norm_eps = eps;
+        write_gguf(rm.m, "llama", path);
+        rm.m.hp = hp;
+        CHECK(ql_llama_load(path.c_str(), err, sizeof(err)) == nullptr);
+        CHECK_MESSAGE(std::string(err).find("llama.attention.layer_norm_rms_epsilon is ") != std::string::npos, err);
+    }
     CHECK(ql_llama_load((d.path + "/none.gguf").c_str(), err, sizeof(err)) == nullptr);
     CHECK(std::string(err).find("none.gguf") != std::string::npos);
 }

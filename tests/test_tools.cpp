@@ -140,7 +140,13 @@ TEST_CASE("quantize: bad input gives one clear line and no output file") {
 namespace {
 
 // generate's text, without the timing line it appends on stderr
-std::string text_of(const std::string &log) { return log.substr(0, log.find("\n\ngenerate:")); }
+// the generated text: what precedes the statistics, without a warning line (-t above the cores)
+std::string text_of(const std::string &log) {
+    std::string t = log.substr(0, log.find("\n\ngenerate:"));
+    const size_t w = t.find("generate: warning: ");
+    if (w != std::string::npos) t.erase(w, t.find('\n', w) + 1 - w);
+    return t;
+}
 
 bool all_built(std::initializer_list<const char *> names) {
     for (const char *n : names)
@@ -199,6 +205,39 @@ TEST_CASE("generate / perplexity / finetune: -t above the physical cores warns, 
     CHECK_MESSAGE(log.find("generate: warning: -t " + std::to_string(over) + " is more than the ") != std::string::npos, log);
     REQUIRE_MESSAGE(run("./generate -m " + m + " -p hi -n 2 --temp 0 -t 1", &log) == 0, log);
     CHECK(log.find("warning") == std::string::npos);
+}
+
+TEST_CASE("generate / perplexity: NaN weights are an error (exit 1, one line), not a printed nan") {
+    if (!all_built({"make-model", "generate", "perplexity"})) return;
+    tmpdir d;
+    const std::string m = d.path + "/m.gguf", bad = d.path + "/nan.gguf", text = d.path + "/t.txt";
+    std::string log;
+    REQUIRE(run("./make-model -o " + m + " --dim 32 --layers 1 --heads 2 --ff 64", &log) == 0);
+    write_file(text, "the quick brown fox jumps over the lazy dog. the quick brown fox.\n");
+    {  // the same model with a NaN in output_norm.weight
+        char err[256];
+        ql_gguf *g = ql_gguf_open(m.c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(g, err);
+        ql_gguf_writer *w = ql_gguf_writer_new();
+        for (int64_t k = 0; k < ql_gguf_n_kv(g); k++) ql_gguf_copy_kv(w, g, k);
+        std::vector<float> nans(32, NAN);
+        for (int64_t k = 0; k < ql_gguf_n_tensors(g); k++) {
+            int64_t ne[4];
+            const int nd = ql_gguf_tensor_ne(g, k, ne);
+            const bool norm = std::string(ql_gguf_tensor_name(g, k)) == "output_norm.weight";
+            REQUIRE(ql_gguf_add_tensor(w, ql_gguf_tensor_name(g, k), ql_gguf_tensor_type(g, k), nd, ne,
+                                       norm ? (const void *)nans.data() : ql_gguf_tensor_data(g, k), ql_gguf_tensor_size(g, k)) == QL_OK);
+        }
+        REQUIRE(ql_gguf_write(w, bad.c_str(), err, sizeof(err)) == QL_OK);
+        ql_gguf_writer_free(w);
+        ql_gguf_close(g);
+    }
+    CHECK(run("./perplexity -m " + bad + " -f " + text + " -c 16 --json", &log) == 1);
+    CHECK_MESSAGE(log.find("perplexity: the mean nll is nan: the model holds non-finite values") != std::string::npos, log);
+    CHECK(log.find("\"ppl\"") == std::string::npos);
+    CHECK(run("./generate -m " + bad + " -p the -n 4 --temp 0", &log) == 1);
+    CHECK_MESSAGE(log.find("generate: the logits at position ") != std::string::npos, log);
+    REQUIRE(run("./perplexity -m " + m + " -f " + text + " -c 16 --json", &log) == 0);  // the intact model still runs
 }
 
 TEST_CASE("perplexity: --json numbers equal an independent computation; every token counted once") {

@@ -204,6 +204,12 @@ int main(int argc, char **argv) {
     std::vector<std::pair<float, int32_t>> cand;
     int n_done = 0;
     for (int pos = n_prompt; n_done < (int)n_gen && pos < ctx_len; pos++) {
+        for (float x : logits)
+            if (!std::isfinite(x)) {  // NaN weights, an inf adapter scale: refuse to sample from them
+                fprintf(stderr, "\ngenerate: the logits at position %d are not finite: the model or the adapter holds "
+                                "NaN or inf values\n", pos);
+                return 1;
+            }
         const int32_t next = sample(logits.data(), hp.n_vocab, temp, (int)top_k, top_p, rng, cand);
         if (ql_vocab_is_eog(vocab, next)) break;
         const std::string piece = ql_token_to_piece(vocab, next, false);

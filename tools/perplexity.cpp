@@ -194,6 +194,12 @@ int main(int argc, char **argv) {
     }
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double nll = sum / (double)n_tok;
+    if (!std::isfinite(nll)) {  // NaN weights, an inf adapter scale: a number that is not one is an error
+        if (progress && !json) fprintf(stderr, "\n");
+        fprintf(stderr, "perplexity: the mean nll is %s: the model%s holds non-finite values (NaN or inf weights?)\n",
+                std::isnan(nll) ? "nan" : "inf", lora ? " or the adapter" : "");
+        return 1;
+    }
     if (json) {
         printf("{\"nll\": %.6f, \"ppl\": %.6f, \"tokens\": %lld}\n", nll, std::exp(nll), (long long)n_tok);
     } else {
