@@ -371,8 +371,16 @@ static bool render_line(const ql_json &obj, const ql_vocab *v, ql_chat_template 
     }
     if (obj.get("prompt") && obj.get("completion")) {
         *fmt = FMT_PROMPT_COMPLETION;
+        if (obj.get("text")) {  // two texts: which one is the example is a guess we do not make
+            *reason = "both \"text\" and \"prompt\"/\"completion\": which to train on is ambiguous (keep one)";
+            return false;
+        }
         const std::string *prompt, *completion;
         if (!str_field("prompt", &prompt) || !str_field("completion", &completion)) return false;
+        if (completion->empty()) {  // it would train a lone end-of-sequence token (loss ~22 on a fresh adapter)
+            *reason = "empty \"completion\": nothing to learn";
+            return false;
+        }
         // TRL: the text is prompt + completion; the loss is on the completion's tokens
         out->parts = {{*prompt, -1, false}, {*completion, -1, true}};
         out->end_sup = true;
@@ -382,6 +390,10 @@ static bool render_line(const ql_json &obj, const ql_vocab *v, ql_chat_template 
         *fmt = FMT_ALPACA;
         const std::string *instruction, *output, *input = nullptr;
         if (!str_field("instruction", &instruction) || !str_field("output", &output)) return false;
+        if (output->empty()) {
+            *reason = "empty \"output\": nothing to learn";
+            return false;
+        }
         if (obj.get("input") && !str_field("input", &input)) return false;
         // Stanford Alpaca's PROMPT_DICT wording, with the newline after "### Response:" that
         // alpaca-lora's template, torchtune and the tatsu-lab/alpaca "text" field have

@@ -412,7 +412,11 @@ ql_llama_file *ql_llama_load(const char *path, char *err, size_t err_size) {
     size_t len = 0;
     const int64_t ia = ql_gguf_find_kv(g, "general.architecture");
     const char *arch = ia >= 0 ? ql_gguf_get_str(g, ia, &len) : nullptr;
-    if (!arch) {
+    const int64_t itype = ql_gguf_find_kv(g, "general.type");
+    const char *type = itype >= 0 ? ql_gguf_get_str(g, itype, &len) : nullptr;
+    if (type && !strcmp(type, "adapter")) {  // an adapter given where a model belongs
+        L.fail("a LoRA adapter, not a model (give it with --lora, and the base model with -m)");
+    } else if (!arch) {
         L.fail("no general.architecture string: not a model file");
     } else if (strcmp(arch, "llama") && strcmp(arch, "mistral") && strcmp(arch, "qwen2")) {
         L.fail("unknown architecture '%s' (supported: llama, mistral, qwen2)", arch);

@@ -586,6 +586,10 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
     REQUIRE(run("./make-model -o " + base + " --dim 32 --layers 1 --heads 2 --ff 48", &log) == 0);
     write_qa_jsonl(data, 4);
     REQUIRE(run("printf '{\"text\": \"fine\"}\\n{\"text\": \"broken}\\n' > " + bad, &log) == 0);
+    const std::string both = d.path + "/both.jsonl", nocompl = d.path + "/nocompl.jsonl", empty = d.path + "/empty.jsonl";
+    write_file(both, "{\"prompt\": \"Q\", \"completion\": \" A\"}\n{\"text\": \"t\", \"prompt\": \"Q\", \"completion\": \" A\"}\n");
+    write_file(nocompl, "{\"prompt\": \"Q\", \"completion\": \"\"}\n");
+    write_file(empty, "");
     struct bad_case {
         std::string args, says;
     };
@@ -615,6 +619,9 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
         {md + " --cc 5.0", "--cc: '5.0' is not a compute capability qlora runs on"},
         {md + " --vram 8G --device cpu", "--vram/--cc describe a GPU: with --device cuda (this run: --device cpu)"},
         {md + " --loss-chunk many", "--loss-chunk: 'many' is not a number in [-1, "},
+        {" -m " + base + " -d " + both + " -o " + out, both + ":2: both \"text\" and \"prompt\"/\"completion\": which to train on is ambiguous"},
+        {" -m " + base + " -d " + nocompl + " -o " + out, nocompl + ":1: empty \"completion\": nothing to learn"},
+        {md + " --val-data " + empty, "--val-data " + empty + ": no usable evaluation examples"},
         {md + " --checkpointing half", "--checkpointing: 'half' (none, block, sqrt, auto)"},
         {md + " -b auto", "-b auto needs --mem-limit"},
         {md + " --checkpointing auto", "--checkpointing auto needs --mem-limit"},
@@ -643,6 +650,20 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
     // --skip-bad-lines trains on the rest and says what it skipped
     REQUIRE(run("./finetune -m " + base + " -d " + bad + " -o " + out + " --skip-bad-lines --max-steps 1", &log) == 0);
     CHECK_MESSAGE(log.find("skipped 1 bad line of " + bad + "; the first: " + bad + ":2: ") != std::string::npos, log);
+    // the adapter it wrote, where a model belongs: one line each, nothing written
+    if (all_built({"perplexity", "quantize"})) {
+        CHECK(run("./perplexity -m " + out + "/adapter.gguf -f " + data, &log) == 1);
+        CHECK_MESSAGE(log.find("a LoRA adapter, not a model (give it with --lora") != std::string::npos, log);
+        CHECK(run("./quantize " + out + "/adapter.gguf " + d.path + "/q.gguf nf4", &log) == 1);
+        CHECK_MESSAGE(log.find("a LoRA adapter, not a model: nothing to quantize") != std::string::npos, log);
+        CHECK(!exists(d.path + "/q.gguf"));
+        // perplexity's text: a directory, a binary file
+        CHECK(run("./perplexity -m " + base + " -f " + d.path, &log) == 1);
+        CHECK_MESSAGE(log.find(d.path + ": cannot read: Is a directory") != std::string::npos, log);
+        write_file(d.path + "/bin.dat", std::string("GGUF\0\0\0\3binary", 14));
+        CHECK(run("./perplexity -m " + base + " -f " + d.path + "/bin.dat", &log) == 1);
+        CHECK_MESSAGE(log.find("bin.dat: not a text file (a NUL byte at offset 4)") != std::string::npos, log);
+    }
     // resuming another run into this one's directory would overwrite it: refused, nothing touched
     const std::string other = d.path + "/other", before = read_file(out + "/checkpoint.gguf");
     REQUIRE(run("./finetune" + md.substr(0, md.find(" -o ")) + " -o " + other + " --max-steps 2 --save-every 1", &log) == 0);

@@ -725,6 +725,11 @@ int main(int argc, char **argv) {
                 (long long)train.n_lines, (long long)train.n_bad, (long long)train.n_empty);
         return 1;
     }
+    if (a.val_data && eval.examples.empty()) {  // an evaluation asked for and nothing to evaluate: not a silent no-op
+        fprintf(stderr, "finetune: --val-data %s: no usable evaluation examples (%lld lines, %lld bad, %lld with nothing to learn)\n",
+                a.val_data, (long long)eval.n_lines, (long long)eval.n_bad, (long long)eval.n_empty);
+        return 1;
+    }
     const int32_t pad = ql_vocab_pad(vocab) >= 0 ? ql_vocab_pad(vocab) : std::max(0, ql_vocab_eos(vocab));
     std::vector<ql_sequence> tseq, eseq;
     ql_dataset_sequences(train, a.d, pad, &tseq);

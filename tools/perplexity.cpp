@@ -115,7 +115,18 @@ int main(int argc, char **argv) {
     char buf[65536];
     size_t n;
     while ((n = fread(buf, 1, sizeof(buf), tf)) > 0) text.append(buf, n);
+    const bool read_failed = ferror(tf) != 0;
+    const int read_errno = errno;
     fclose(tf);
+    if (read_failed) {  // a directory opens, then fails to read
+        fprintf(stderr, "perplexity: %s: cannot read: %s\n", file, strerror(read_errno));
+        return 1;
+    }
+    const size_t nul = text.find('\0');
+    if (nul != std::string::npos) {  // a binary file would tokenize to byte tokens for minutes
+        fprintf(stderr, "perplexity: %s: not a text file (a NUL byte at offset %zu)\n", file, nul);
+        return 1;
+    }
 
     char err[512];
     ql_llama_file *f = ql_llama_load(model, err, sizeof(err));

@@ -84,6 +84,16 @@ int main(int argc, char **argv) {
         fprintf(stderr, "quantize: %s\n", err);
         return 1;
     }
+    {  // a LoRA adapter has nothing to quantize (its lora_a / lora_b stay f32): say so, write nothing
+        size_t len = 0;
+        const int64_t it = ql_gguf_find_kv(in, "general.type");
+        const char *type = it >= 0 ? ql_gguf_get_str(in, it, &len) : nullptr;
+        if (type && !strcmp(type, "adapter")) {
+            fprintf(stderr, "quantize: %s: a LoRA adapter, not a model: nothing to quantize (quantize the base model)\n", in_path);
+            ql_gguf_close(in);
+            return 1;
+        }
+    }
     ql_gguf_writer *w = ql_gguf_writer_new();
     for (int64_t i = 0; i < ql_gguf_n_kv(in); i++) ql_gguf_copy_kv(w, in, i);
     ql_gguf_remove_kv(w, "general.file_type");  // llama.cpp's enum has no value for these mixes
