@@ -874,6 +874,16 @@ ql_vocab *ql_vocab_load(const ql_gguf *g, char *err, size_t err_size) {
             delete v;
             return nullptr;
         }
+        // a model whose embedding has fewer rows than the vocabulary has tokens: the first text
+        // with a token beyond them would fail deep inside a graph - refused here, by name
+        const int64_t ie = ql_gguf_find_tensor(g, "token_embd.weight");
+        int64_t ne[4] = {0, 0, 0, 0};
+        if (ie >= 0 && ql_gguf_tensor_ne(g, ie, ne) >= 2 && ne[1] < (int64_t)v->text.size()) {
+            tok_err(err, err_size, "tokenizer.ggml.tokens has %zu tokens but token_embd.weight only %lld rows", v->text.size(),
+                    (long long)ne[1]);
+            delete v;
+            return nullptr;
+        }
     } catch (const std::bad_alloc &) {
         delete v;
         tok_err(err, err_size, "ql_vocab_load: out of memory");

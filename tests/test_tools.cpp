@@ -207,6 +207,36 @@ TEST_CASE("generate / perplexity / finetune: -t above the physical cores warns, 
     CHECK(log.find("warning") == std::string::npos);
 }
 
+TEST_CASE("a vocabulary with more tokens than the embedding has rows is refused when it loads") {
+    if (!all_built({"make-model", "generate"})) return;
+    tmpdir d;
+    const std::string m = d.path + "/m.gguf", bad = d.path + "/short.gguf";
+    std::string log;
+    REQUIRE(run("./make-model -o " + m + " --dim 32 --layers 1 --heads 2 --ff 64 --vocab 600", &log) == 0);
+    {  // the embedding and the output cut to 500 rows; the 600-token vocabulary kept
+        char err[256];
+        ql_gguf *g = ql_gguf_open(m.c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(g, err);
+        ql_gguf_writer *w = ql_gguf_writer_new();
+        for (int64_t k = 0; k < ql_gguf_n_kv(g); k++) ql_gguf_copy_kv(w, g, k);
+        for (int64_t k = 0; k < ql_gguf_n_tensors(g); k++) {
+            int64_t ne[4];
+            const int nd = ql_gguf_tensor_ne(g, k, ne);
+            const std::string name = ql_gguf_tensor_name(g, k);
+            const bool cut = name == "token_embd.weight" || name == "output.weight";
+            if (cut) ne[1] = 500;
+            REQUIRE(ql_gguf_add_tensor(w, name.c_str(), ql_gguf_tensor_type(g, k), nd, ne, ql_gguf_tensor_data(g, k),
+                                       cut ? (size_t)(ne[0] * 500 * 4) : ql_gguf_tensor_size(g, k)) == QL_OK);
+        }
+        REQUIRE(ql_gguf_write(w, bad.c_str(), err, sizeof(err)) == QL_OK);
+        ql_gguf_writer_free(w);
+        ql_gguf_close(g);
+    }
+    CHECK(run("./generate -m " + bad + " -p hi -n 2 --temp 0", &log) == 1);
+    CHECK_MESSAGE(log.find("tokenizer.ggml.tokens has 600 tokens but token_embd.weight only 500 rows") != std::string::npos, log);
+    CHECK(std::count(log.begin(), log.end(), '\n') == 1);
+}
+
 TEST_CASE("generate / perplexity: NaN weights are an error (exit 1, one line), not a printed nan") {
     if (!all_built({"make-model", "generate", "perplexity"})) return;
     tmpdir d;
@@ -531,6 +561,27 @@ TEST_CASE("finetune: a full disk - the adapter first, then the checkpoint; the m
     CHECK(read_file(out + "/checkpoint.gguf") == good);  // nothing good replaced by something partial
     CHECK(read_file(out + "/adapter.gguf").size() == adapter);
     CHECK(!exists(out + "/checkpoint.gguf.tmp"));
+}
+
+TEST_CASE("finetune: two runs on one -o at once - the second is refused, naming the first's pid") {
+    if (!all_built({"make-model", "finetune"})) return;
+    tmpdir d;
+    const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl", out = d.path + "/run";
+    std::string log;
+    REQUIRE(run("./make-model -o " + base + " --dim 32 --layers 1 --heads 2 --ff 64 --seed 4", &log) == 0);
+    write_qa_jsonl(data, 8);
+    const std::string ft = "./finetune -m " + base + " -d " + data + " -b 2 --seq-len 24 -t 1 -o " + out;
+    // the first runs (stopped by SIGINT once the second has been tried); the second starts meanwhile
+    const std::string script = ft + " --max-steps 4000 > " + d.path + "/first.log 2>&1 & p=$!; "
+                               "while ! grep -q 'step 1/' " + d.path + "/first.log; do sleep 0.05; done; " +
+                               ft + " --max-steps 2 --overwrite; echo second=$?; kill -INT $p; wait $p; echo first=$?";
+    REQUIRE(run("( " + script + " )", &log) == 0);
+    CHECK_MESSAGE(log.find("second=1") != std::string::npos, log);
+    CHECK_MESSAGE(log.find(out + ": another finetune (pid ") != std::string::npos, log);
+    CHECK_MESSAGE(log.find("first=130") != std::string::npos, log);  // the first was undisturbed, and saved
+    CHECK(exists(out + "/checkpoint.gguf"));
+    // the lock dies with its process: the directory is free again
+    REQUIRE_MESSAGE(run(ft + " --max-steps 2 --overwrite", &log) == 0, log);
 }
 
 TEST_CASE("finetune: SIGTERM and SIGHUP save a checkpoint like Ctrl-C and exit 128 + the signal") {

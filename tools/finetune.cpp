@@ -14,6 +14,8 @@
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <malloc.h>
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -95,6 +97,28 @@ static bool make_dir(const std::string &d, std::string *err) {
     }
     *err = d + ": cannot create the output directory: " + strerror(errno);
     return false;
+}
+
+// One run per output directory: an exclusive flock on DIR/.lock (released by the kernel when
+// the process ends, however it ends), holding the owner's pid for the message.
+static bool lock_dir(const std::string &d, std::string *err) {
+    const std::string path = d + "/.lock";
+    const int fd = open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        *err = path + ": cannot create: " + strerror(errno);
+        return false;
+    }
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        char pid[32] = {0};
+        const ssize_t n = pread(fd, pid, sizeof(pid) - 1, 0);
+        close(fd);
+        *err = d + ": another finetune" + (n > 0 ? std::string(" (pid ") + std::string(pid, strcspn(pid, "\n")) + ")" : "") +
+               " is writing there now --> wait for it, or choose another -o";
+        return false;
+    }
+    const std::string me = std::to_string((long long)getpid()) + "\n";
+    if (ftruncate(fd, 0) != 0 || pwrite(fd, me.data(), me.size(), 0) != (ssize_t)me.size()) {}  // the pid is for the message only
+    return true;  // fd stays open (and locked) for the life of the process
 }
 
 // The lines of an earlier run's metrics.jsonl up to step `upto`, and its loss curves, so that
@@ -781,8 +805,9 @@ int main(int argc, char **argv) {
         write_snapshot(f, t2, e2, a, out);
         return 1;
     }
-    if ((a.resume && !ql_trainer_load(t, (std::string(a.resume) + "/checkpoint.gguf").c_str(), &err)) ||
-        !make_dir(out, &err) || !make_dir(out + "/peft", &err)) {
+    if (!make_dir(out, &err) || !lock_dir(out, &err) ||
+        (a.resume && !ql_trainer_load(t, (std::string(a.resume) + "/checkpoint.gguf").c_str(), &err)) ||
+        !make_dir(out + "/peft", &err)) {
         fprintf(stderr, "finetune: %s\n", err.c_str());
         return 1;
     }
