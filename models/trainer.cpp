@@ -1031,6 +1031,61 @@ static std::vector<ql_tensor *> with_state(const ql_trainer *t, size_t i) {
     return v;
 }
 
+// ---- checkpoint integrity: a checksum of the payload, a fingerprint of the base model ----
+
+// 64-bit FNV-1a over 8-byte words (then the tail bytes): ~GB/s, enough to notice any flipped
+// byte in a checkpoint (not an adversary's collision)
+static uint64_t hash_bytes(uint64_t h, const void *p, size_t n) {
+    const uint8_t *b = (const uint8_t *)p;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w;
+        memcpy(&w, b + i, 8);
+        h = (h ^ w) * 0x100000001b3ull;
+    }
+    for (; i < n; i++) h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+static const uint64_t k_hash_seed = 0xcbf29ce484222325ull;
+static std::string hex64(uint64_t v) {
+    char b[17];
+    snprintf(b, sizeof(b), "%016llx", (unsigned long long)v);
+    return b;
+}
+
+// The base model: its tensor table (names, types, shapes, sizes) and three 64-byte samples of
+// every tensor's data (start, middle, end). Cost: ~3 cache lines per tensor (~900 for an 8B
+// model), so resuming stays instant; it tells apart another model, the same model in another
+// type (f32 vs its NF4 copy: other types and sizes) and another random init of one shape (other
+// bytes), not a change that spares every sample.
+static std::string base_fingerprint(const ql_llama_file *f) {
+    const ql_gguf *g = f->gguf;
+    uint64_t h = k_hash_seed;
+    for (int64_t i = 0; i < ql_gguf_n_tensors(g); i++) {
+        const char *name = ql_gguf_tensor_name(g, i);
+        int64_t ne[4];
+        ql_gguf_tensor_ne(g, i, ne);
+        const int32_t type = (int32_t)ql_gguf_tensor_type(g, i);
+        const size_t size = ql_gguf_tensor_size(g, i);
+        h = hash_bytes(h, name, strlen(name));
+        h = hash_bytes(h, ne, sizeof(ne));
+        h = hash_bytes(h, &type, sizeof(type));
+        h = hash_bytes(h, &size, sizeof(size));
+        const uint8_t *d = (const uint8_t *)ql_gguf_tensor_data(g, i);
+        if (!d) continue;
+        for (size_t at : {(size_t)0, size / 2, size > 64 ? size - 64 : 0}) h = hash_bytes(h, d + at, std::min<size_t>(64, size - at));
+    }
+    return hex64(h);
+}
+
+// What a checkpoint's checksum covers: the step and scaler values, then every tensor's name and
+// bytes in the order written (so a checkpoint is checked against itself, whatever the run)
+static uint64_t checkpoint_hash(uint64_t step, uint64_t updates, float scale, uint64_t growth, uint64_t skipped) {
+    uint64_t h = k_hash_seed;
+    for (uint64_t v : {step, updates, growth, skipped}) h = hash_bytes(h, &v, sizeof(v));
+    return hash_bytes(h, &scale, sizeof(scale));
+}
+
 bool ql_trainer_save(const ql_trainer *t, const char *path, std::string *err) {
     ql_gguf_writer *w = ql_gguf_writer_new();
     ql_gguf_set_str(w, "general.architecture", t->f->arch.c_str());
@@ -1042,6 +1097,8 @@ bool ql_trainer_save(const ql_trainer *t, const char *path, std::string *err) {
     ql_gguf_set_u64(w, "qlora.scaler.growth_tracker", (uint64_t)t->growth_tracker);
     ql_gguf_set_u64(w, "qlora.scaler.skipped", (uint64_t)t->skipped);
     for (const auto &kv : run_settings(t)) ql_gguf_set_str(w, ("qlora.run." + kv.first).c_str(), kv.second.c_str());
+    ql_gguf_set_str(w, "qlora.checkpoint.base", base_fingerprint(t->f).c_str());
+    uint64_t sum = checkpoint_hash((uint64_t)t->step, (uint64_t)t->applied, t->scale, (uint64_t)t->growth_tracker, (uint64_t)t->skipped);
     for (size_t i = 0; i < t->params.size(); i++)
         for (const ql_tensor *x : with_state(t, i)) {
             const int64_t ne[4] = {x->ne[0], x->ne[1], 1, 1};
@@ -1056,7 +1113,9 @@ bool ql_trainer_save(const ql_trainer *t, const char *path, std::string *err) {
                 ql_gguf_writer_free(w);
                 return false;
             }
+            sum = hash_bytes(hash_bytes(sum, x->name, strlen(x->name)), h, ql_nbytes(x));
         }
+    ql_gguf_set_str(w, "qlora.checkpoint.checksum", hex64(sum).c_str());
     char e[512];
     const bool ok = ql_gguf_write(w, path, e, sizeof(e)) == QL_OK;
     if (!ok) *err = e;
@@ -1093,8 +1152,44 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
         why += (why.empty() ? "another run: " : "; ") + kv.first + " was " + (found ? was : "(not recorded)") + ", now " + kv.second;
     }
     if (!why.empty() && why.rfind("another run", 0) == 0) why += " --> hint: resume with the same data and flags";
+    bool has_base = false;
+    const std::string base = str("qlora.checkpoint.base", &has_base), here = base_fingerprint(t->f);
+    if (why.empty() && has_base && base != here)  // (checkpoints from before fingerprints: not checked)
+        why = "it was trained on another base model (fingerprint " + base + ", this model's " + here +
+              ": other tensors, types or weights) --> hint: resume with the model it was trained on";
     if (why.empty() && step > (uint64_t)t->total)
         why = "it is at step " + std::to_string(step) + ", past this run's " + std::to_string(t->total) + " steps";
+    // the scaler and the update count; a checkpoint from before they existed: no step skipped
+    auto u64 = [&](const char *key, uint64_t def) {
+        const int64_t i = ql_gguf_find_kv(g, key);
+        uint64_t v = def;
+        return i >= 0 && ql_gguf_get_u64(g, i, &v) ? v : def;
+    };
+    const uint64_t updates = u64("qlora.checkpoint.updates", step), growth = u64("qlora.scaler.growth_tracker", 0),
+                   skipped = u64("qlora.scaler.skipped", 0);
+    const int64_t isc = ql_gguf_find_kv(g, "qlora.scaler.scale");
+    double sc = 0;
+    const bool has_scale = isc >= 0 && ql_gguf_get_f64(g, isc, &sc);
+    // values in range, or the run would fail later with a misleading message (or overflow)
+    if (why.empty() && (updates > step || skipped > step || updates + skipped != step))
+        why = "inconsistent counters (step " + std::to_string(step) + ", updates " + std::to_string(updates) + ", skipped " +
+              std::to_string(skipped) + ")";
+    if (why.empty() && growth > (uint64_t)std::max(1, t->o.scale_interval))
+        why = "a loss-scaler growth count of " + std::to_string(growth) + " beyond the interval " + std::to_string(t->o.scale_interval);
+    if (why.empty() && has_scale && !(std::isfinite(sc) && sc >= 0x1p-126 && sc <= 0x1p64))
+        why = "a loss scale of " + std::to_string(sc) + " (2^-126 .. 2^64 expected)";
+    bool has_sum = false;
+    const std::string sum_was = str("qlora.checkpoint.checksum", &has_sum);
+    if (why.empty() && has_sum) {  // every byte the run takes from the file, as it was written
+        uint64_t sum = checkpoint_hash(step, updates, has_scale ? (float)sc : 1.0f, growth, skipped);
+        for (int64_t k = 0; k < ql_gguf_n_tensors(g); k++) {
+            const char *name = ql_gguf_tensor_name(g, k);
+            sum = hash_bytes(hash_bytes(sum, name, strlen(name)), ql_gguf_tensor_data(g, k), ql_gguf_tensor_size(g, k));
+        }
+        if (hex64(sum) != sum_was)
+            why = "damaged: its checksum does not match its contents (a changed byte since it was written) --> hint: an "
+                  "earlier copy, or start again";
+    }
     for (int pass = 0; pass < 2 && why.empty(); pass++)  // check every tensor, then copy: all or nothing
         for (size_t i = 0; i < t->params.size() && why.empty(); i++)
             for (ql_tensor *x : with_state(t, i)) {
@@ -1112,19 +1207,11 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
         return false;
     }
     t->step = (int64_t)step;
-    // the scaler and the update count; a checkpoint from before they existed: no step skipped
-    auto u64 = [&](const char *key, uint64_t def) {
-        const int64_t i = ql_gguf_find_kv(g, key);
-        uint64_t v = def;
-        return i >= 0 && ql_gguf_get_u64(g, i, &v) ? v : def;
-    };
-    t->applied = (int64_t)std::min(step, u64("qlora.checkpoint.updates", step));
-    t->growth_tracker = (int64_t)u64("qlora.scaler.growth_tracker", 0);
-    t->skipped = (int64_t)u64("qlora.scaler.skipped", 0);
+    t->applied = (int64_t)updates;
+    t->growth_tracker = (int64_t)growth;
+    t->skipped = (int64_t)skipped;
     t->skipped_in_row = 0;
-    const int64_t isc = ql_gguf_find_kv(g, "qlora.scaler.scale");
-    double sc = 0;
-    t->scale = t->o.precision != "fp16" ? 1.0f : isc >= 0 && ql_gguf_get_f64(g, isc, &sc) && sc > 0 ? (float)sc : t->o.scale_init;
+    t->scale = t->o.precision != "fp16" ? 1.0f : has_scale && sc > 0 ? (float)sc : t->o.scale_init;
     ql_gguf_close(g);
     return true;
 }

@@ -347,6 +347,55 @@ TEST_CASE("trainer: resuming from a checkpoint reproduces the uninterrupted run 
     CHECK(!ql_trainer_load(t, (d.path + "/none.gguf").c_str(), &err));
     CHECK(err.find("none.gguf") != std::string::npos);
     ql_trainer_free(t);
+
+    // a checkpoint cannot lie: one flipped byte anywhere in its payload is refused by its checksum
+    const std::string good = read_file(ckpt);
+    {  // a byte inside the last tensor's data (what follows it is under 32 bytes of alignment padding)
+        std::string bad = good;
+        bad[good.size() - 40] = (char)(bad[good.size() - 40] ^ 0x10);
+        write_file(d.path + "/flipped.gguf", bad);
+    }
+    t = ql_trainer_new(f, seqs, seqs, o, &err);
+    REQUIRE(t);
+    CHECK(!ql_trainer_load(t, (d.path + "/flipped.gguf").c_str(), &err));
+    CHECK_MESSAGE(err.find("flipped.gguf: damaged: its checksum does not match its contents") != std::string::npos, err);
+    CHECK(ql_trainer_steps_done(t) == 0);  // nothing taken from it
+    ql_trainer_free(t);
+    // values out of range are refused by name, before anything is taken (a scale of inf, 3e38, 1e-45)
+    for (const float scale : {INFINITY, 3e38f, 1e-45f}) {
+        CAPTURE(scale);
+        char e[256];
+        ql_gguf *g = ql_gguf_open(ckpt.c_str(), e, sizeof(e));
+        REQUIRE_MESSAGE(g, e);
+        ql_gguf_writer *w = ql_gguf_writer_new();
+        for (int64_t k = 0; k < ql_gguf_n_kv(g); k++) ql_gguf_copy_kv(w, g, k);
+        ql_gguf_set_f32(w, "qlora.scaler.scale", scale);
+        for (int64_t k = 0; k < ql_gguf_n_tensors(g); k++) {
+            int64_t ne[4];
+            const int nd = ql_gguf_tensor_ne(g, k, ne);
+            REQUIRE(ql_gguf_add_tensor(w, ql_gguf_tensor_name(g, k), ql_gguf_tensor_type(g, k), nd, ne, ql_gguf_tensor_data(g, k),
+                                       ql_gguf_tensor_size(g, k)) == QL_OK);
+        }
+        REQUIRE(ql_gguf_write(w, (d.path + "/scale.gguf").c_str(), e, sizeof(e)) == QL_OK);
+        ql_gguf_writer_free(w);
+        ql_gguf_close(g);
+        t = ql_trainer_new(f, seqs, seqs, o, &err);
+        REQUIRE(t);
+        CHECK(!ql_trainer_load(t, (d.path + "/scale.gguf").c_str(), &err));
+        CHECK_MESSAGE(err.find("a loss scale of ") != std::string::npos, err);
+        ql_trainer_free(t);
+    }
+    // the same run on another base - the same model unquantized (f was NF4), another random init - is refused
+    for (int other_base = 0; other_base < 2; other_base++) {
+        ql_llama_file *g2 = other_base == 0 ? load_tiny(d.path, QL_TYPE_F32) : load_tiny(d.path, QL_TYPE_NF4, 99);
+        CAPTURE(other_base);
+        ql_trainer *t2 = ql_trainer_new(g2, seqs, seqs, o, &err);
+        REQUIRE_MESSAGE(t2, err);
+        CHECK(!ql_trainer_load(t2, ckpt.c_str(), &err));
+        CHECK_MESSAGE(err.find("it was trained on another base model (fingerprint ") != std::string::npos, err);
+        ql_trainer_free(t2);
+        ql_llama_file_free(g2);
+    }
     ql_llama_file_free(f);
 }
 

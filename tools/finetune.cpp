@@ -805,9 +805,8 @@ int main(int argc, char **argv) {
         write_snapshot(f, t2, e2, a, out);
         return 1;
     }
-    if (!make_dir(out, &err) || !lock_dir(out, &err) ||
-        (a.resume && !ql_trainer_load(t, (std::string(a.resume) + "/checkpoint.gguf").c_str(), &err)) ||
-        !make_dir(out + "/peft", &err)) {
+    if ((a.resume && !ql_trainer_load(t, (std::string(a.resume) + "/checkpoint.gguf").c_str(), &err)) ||
+        !make_dir(out, &err) || !lock_dir(out, &err) || !make_dir(out + "/peft", &err)) {
         fprintf(stderr, "finetune: %s\n", err.c_str());
         return 1;
     }
