@@ -1421,6 +1421,7 @@ static ql_status from_tiktoken(const char *path, const char *pre, ql_gguf_writer
     std::vector<uint8_t> buf;
     if (!read_whole_file(path, &buf, err, err_size)) return QL_ERR_IO;
     const std::string_view all((const char *)buf.data(), buf.size());
+    const size_t n_lines = (size_t)std::count(all.begin(), all.end(), '\n') + 1;
 
     std::vector<std::string> by_rank;  // token bytes, indexed by rank
     std::vector<size_t> line_of;       // where each rank was defined (0: not yet)
@@ -1452,6 +1453,12 @@ static ql_status from_tiktoken(const char *path, const char *pre, ql_gguf_writer
         }
         if (!ok || rank >= (1u << 30)) {
             tok_err(err, err_size, "%s:%zu: bad rank '%s'", path, line_no, printable(rs).c_str());
+            return QL_ERR_INVALID;
+        }
+        if (rank >= n_lines) {  // ranks run 0.. without gaps, one per line: a bigger one cannot be right (and
+                                // would size the table by it: 4 GB for a 15-byte file)
+            tok_err(err, err_size, "%s:%zu: rank %llu, but the file has only %zu line%s (ranks run 0..n-1 without gaps)", path,
+                    line_no, (unsigned long long)rank, n_lines, n_lines == 1 ? "" : "s");
             return QL_ERR_INVALID;
         }
         if (rank >= by_rank.size()) {

@@ -723,6 +723,7 @@ TEST_CASE("tokenizer: tiktoken files: a small valid one, and bad ones refused in
         {"three.tiktoken", "YQ== 0 1\n", "base64 rank"},
         {"dup_bytes.tiktoken", "YQ== 0\nYQ== 1\n", "repeats"},
         {"empty.tiktoken", "", "no tokens"},
+        {"huge_rank.tiktoken", "QQ== 100000000", "rank 100000000, but the file has only 1 line "},  // once: 4 GB, 44 s
     };
     for (const bad_case &c : bad) {
         INFO(c.name);
