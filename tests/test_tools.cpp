@@ -194,6 +194,16 @@ TEST_CASE("convert llama2c + generate: stories260K greedy from BOS tells its sto
     CHECK(log.rfind("Once\n", 0) == 0);
 }
 
+TEST_CASE("convert --help: the usage on stdout, exit 0; no arguments: usage on stderr, exit 2") {
+    if (!all_built({"convert"})) return;
+    std::string log;
+    CHECK(run("./convert --help 2>/dev/null", &log) == 0);
+    CHECK(log.find("llama2c model.bin tokenizer.bin -o model.gguf") != std::string::npos);
+    CHECK(log.find("tiktoken tokenizer.model --pre llama3") != std::string::npos);
+    CHECK(run("./convert 2>&1 >/dev/null", &log) == 2);
+    CHECK(log.find("usage: ") != std::string::npos);
+}
+
 TEST_CASE("generate / perplexity / finetune: -t above the physical cores warns, once, and still runs") {
     if (!all_built({"make-model", "generate"})) return;
     tmpdir d;

@@ -170,6 +170,15 @@ static int convert_tiktoken(const char *path, const char *pre, const char *out) 
 int main(int argc, char **argv) {
     if (argc < 2) return usage(argv[0]);
     const std::string mode = argv[1];
+    if (mode == "-h" || mode == "--help") {  // asked for: stdout, exit 0
+        printf("usage: %s llama2c model.bin tokenizer.bin -o model.gguf\n"
+               "         a llama2.c checkpoint (and its tokenizer.bin) as a llama GGUF, f32\n"
+               "       %s tiktoken tokenizer.model --pre llama3 -o vocab.gguf\n"
+               "         a vocabulary-only GGUF from a tiktoken file (Meta's Llama 3), merges rebuilt from ranks\n"
+               "         (--pre llama3 | llama-bpe: the pre-tokenizer recorded in the GGUF)\n",
+               argv[0], argv[0]);
+        return 0;
+    }
     std::vector<const char *> pos;
     const char *out = nullptr, *pre = nullptr;
     for (int i = 2; i < argc; i++) {
