@@ -119,10 +119,16 @@ test-dropin:
 	$(CXX) -std=c++17 -O2 -pthread examples/simple.cpp qlora.cpp -o $(BUILD)/simple
 	./$(BUILD)/simple
 
-# The portable SIMD fallback (no -march=native), in its own tree.
+# The portable SIMD fallback (no -march=native), in its own tree; with clang there, under UBSan
+# with float-cast-overflow (GCC's -fsanitize=undefined leaves it out, and the portable path
+# converts floats to int). -fno-sanitize=enum: the API-edge tests pass out-of-range ql_type values.
+CLANGXX := $(shell command -v clang++ 2>/dev/null)
+PORTABLE_SAN   := -O1 -g -std=c++17 -pthread -fsanitize=undefined$(comma)float-cast-overflow -fno-sanitize=enum -fno-sanitize-recover=all
+PORTABLE_FLAGS := $(if $(CLANGXX),CXX=clang++ CXXFLAGS="$(PORTABLE_SAN)")
 test-portable:
-	$(MAKE) --no-print-directory BUILD=$(BUILD)/portable PORTABLE=1 $(BUILD)/portable/test-qlora
-	./$(BUILD)/portable/test-qlora
+	$(if $(CLANGXX),,@echo "test-portable: clang++ not found: the portable build with g++, without float-cast-overflow checks")
+	$(MAKE) --no-print-directory BUILD=$(BUILD)/portable PORTABLE=1 $(PORTABLE_FLAGS) $(BUILD)/portable/test-qlora
+	UBSAN_OPTIONS=print_stacktrace=1 ./$(BUILD)/portable/test-qlora
 
 # Sanitizer build in its own tree; same sources, same tests (the shim suite too).
 SAN := $(BUILD)/san

@@ -2631,7 +2631,11 @@ static inline float vf_hsum(vf a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3])
 static inline float vf_hmax(vf a) { return std::max(std::max(a.v[0], a.v[1]), std::max(a.v[2], a.v[3])); }
 static inline vf vf_min(vf a, vf b) { for (int i = 0; i < 4; i++) a.v[i] = std::min(a.v[i], b.v[i]); return a; }
 static inline vf vf_round(vf a) { for (int i = 0; i < 4; i++) a.v[i] = std::nearbyint(a.v[i]); return a; }
-static inline vf vf_scale2(vf p, vf n) { for (int i = 0; i < 4; i++) p.v[i] = std::ldexp(p.v[i], (int)n.v[i]); return p; }
+// (a NaN exponent - exp(NaN) - stays NaN: converting it to int would be undefined behaviour)
+static inline vf vf_scale2(vf p, vf n) {
+    for (int i = 0; i < 4; i++) p.v[i] = std::isnan(n.v[i]) ? n.v[i] : std::ldexp(p.v[i], (int)n.v[i]);
+    return p;
+}
 #endif
 
 // exp(x) = 2^n p(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), p a degree-6

@@ -1285,3 +1285,29 @@ TEST_CASE("one tensor reaching an op through several paths") {
              [](const Inputs &in) { MM s{9, 5, 4, 1, 1, 1, 1, false, false}; return ref_mul_mat(in[0], in[1], s); });
     check_attn("attn small, Hkv == H", {8, 8, 2, 2, 7, 7, 1, false, 0.5, false});
 }
+
+TEST_CASE("silu and softmax-style exp on NaN / inf inputs: NaN stays NaN, no undefined conversion") {
+    // the vector exp's exponent is converted to int; a NaN there was undefined behaviour on the
+    // portable path (caught by clang's -fsanitize=float-cast-overflow in make test-portable)
+    ql_init_params ip = {1u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *x = ql_new_tensor_1d(ctx, QL_TYPE_F32, 8);
+    const float in[8] = {NAN, INFINITY, -INFINITY, 0.0f, 1.0f, -1.0f, 100.0f, -100.0f};
+    memcpy(x->data, in, sizeof(in));
+    ql_tensor *y = ql_silu(ctx, x);
+    ql_graph *g = ql_graph_new(ctx);
+    REQUIRE(ql_graph_build_forward(g, y) == QL_OK);
+    ql_backend *be = ql_backend_cpu_init(1);
+    REQUIRE(ql_graph_alloc(g, be) == QL_OK);
+    REQUIRE(ql_backend_graph_compute(be, g) == QL_OK);
+    const float *o = (const float *)y->data;
+    CHECK(std::isnan(o[0]));
+    CHECK(o[1] == INFINITY);
+    CHECK(!(o[2] > 0.0f));  // -inf * sigmoid(-inf): the clamped exp leaves -inf (or NaN), never a positive value
+    CHECK(o[3] == 0.0f);
+    CHECK(o[4] == doctest::Approx(0.7310586));
+    CHECK(o[6] == doctest::Approx(100.0));
+    ql_graph_free(g);
+    ql_backend_free(be);
+    ql_free(ctx);
+}
