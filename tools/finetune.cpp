@@ -220,7 +220,6 @@ static std::string by_type_text(const std::vector<std::pair<std::string, size_t>
 static void print_device_memory(const ql_memory_plan &m, const std::string &optim, size_t process, size_t limit, bool json) {
     const double MiB = 1048576.0;
     const bool fits = limit == 0 || m.total <= limit;
-    const size_t act = m.saved + m.scratch + m.work;
     if (json) {
         printf("{\"device\": \"%s\", \"cc\": %d, \"weights\": {\"device\": %zu, \"by_type\": {", m.device_desc.c_str(), m.cc, m.dev_weights);
         for (size_t i = 0; i < m.dev_weights_by_type.size(); i++)
@@ -251,7 +250,6 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
     printf("\n  temporaries and recompute              %10.1f", m.scratch / MiB);
     if (m.recompute) printf("   recomputed results: at most %.1f at once", m.recompute / MiB);
     printf("\n  kernel workspace (dequant tiles, attn) %10.1f\n", m.work / MiB);
-    if (m.dev_buffer > act) printf("  evaluation's larger buffer             %10.1f\n", (m.dev_buffer - act) / MiB);
     printf("  CUDA context + cuBLAS workspace        %10.1f   an estimate for cc %d.%d (bench/gpu.sh measures it)\n",
            m.dev_context / MiB, m.cc / 10, m.cc % 10);
     printf("  allocator rounding (2 MiB pages)       %10.1f\n", m.dev_rounding / MiB);
