@@ -223,25 +223,12 @@ TEST_CASE("a vocabulary with more tokens than the embedding has rows is refused 
     const std::string m = d.path + "/m.gguf", bad = d.path + "/short.gguf";
     std::string log;
     REQUIRE(run("./make-model -o " + m + " --dim 32 --layers 1 --heads 2 --ff 64 --vocab 600", &log) == 0);
-    {  // the embedding and the output cut to 500 rows; the 600-token vocabulary kept
-        char err[256];
-        ql_gguf *g = ql_gguf_open(m.c_str(), err, sizeof(err));
-        REQUIRE_MESSAGE(g, err);
-        ql_gguf_writer *w = ql_gguf_writer_new();
-        for (int64_t k = 0; k < ql_gguf_n_kv(g); k++) ql_gguf_copy_kv(w, g, k);
-        for (int64_t k = 0; k < ql_gguf_n_tensors(g); k++) {
-            int64_t ne[4];
-            const int nd = ql_gguf_tensor_ne(g, k, ne);
-            const std::string name = ql_gguf_tensor_name(g, k);
-            const bool cut = name == "token_embd.weight" || name == "output.weight";
-            if (cut) ne[1] = 500;
-            REQUIRE(ql_gguf_add_tensor(w, name.c_str(), ql_gguf_tensor_type(g, k), nd, ne, ql_gguf_tensor_data(g, k),
-                                       cut ? (size_t)(ne[0] * 500 * 4) : ql_gguf_tensor_size(g, k)) == QL_OK);
-        }
-        REQUIRE(ql_gguf_write(w, bad.c_str(), err, sizeof(err)) == QL_OK);
-        ql_gguf_writer_free(w);
-        ql_gguf_close(g);
-    }
+    // the embedding and the output cut to 500 rows; the 600-token vocabulary kept
+    rewrite_gguf(m, bad, nullptr, [](const std::string &name, int64_t *ne, const void **, size_t *size) {
+        if (name != "token_embd.weight" && name != "output.weight") return;
+        ne[1] = 500;
+        *size = (size_t)(ne[0] * 500 * 4);
+    });
     CHECK(run("./generate -m " + bad + " -p hi -n 2 --temp 0", &log) == 1);
     CHECK_MESSAGE(log.find("tokenizer.ggml.tokens has 600 tokens but token_embd.weight only 500 rows") != std::string::npos, log);
     CHECK(std::count(log.begin(), log.end(), '\n') == 1);
@@ -254,24 +241,10 @@ TEST_CASE("generate / perplexity: NaN weights are an error (exit 1, one line), n
     std::string log;
     REQUIRE(run("./make-model -o " + m + " --dim 32 --layers 1 --heads 2 --ff 64", &log) == 0);
     write_file(text, "the quick brown fox jumps over the lazy dog. the quick brown fox.\n");
-    {  // the same model with a NaN in output_norm.weight
-        char err[256];
-        ql_gguf *g = ql_gguf_open(m.c_str(), err, sizeof(err));
-        REQUIRE_MESSAGE(g, err);
-        ql_gguf_writer *w = ql_gguf_writer_new();
-        for (int64_t k = 0; k < ql_gguf_n_kv(g); k++) ql_gguf_copy_kv(w, g, k);
-        std::vector<float> nans(32, NAN);
-        for (int64_t k = 0; k < ql_gguf_n_tensors(g); k++) {
-            int64_t ne[4];
-            const int nd = ql_gguf_tensor_ne(g, k, ne);
-            const bool norm = std::string(ql_gguf_tensor_name(g, k)) == "output_norm.weight";
-            REQUIRE(ql_gguf_add_tensor(w, ql_gguf_tensor_name(g, k), ql_gguf_tensor_type(g, k), nd, ne,
-                                       norm ? (const void *)nans.data() : ql_gguf_tensor_data(g, k), ql_gguf_tensor_size(g, k)) == QL_OK);
-        }
-        REQUIRE(ql_gguf_write(w, bad.c_str(), err, sizeof(err)) == QL_OK);
-        ql_gguf_writer_free(w);
-        ql_gguf_close(g);
-    }
+    std::vector<float> nans(32, NAN);  // the same model with NaNs in output_norm.weight
+    rewrite_gguf(m, bad, nullptr, [&](const std::string &name, int64_t *, const void **data, size_t *) {
+        if (name == "output_norm.weight") *data = nans.data();
+    });
     CHECK(run("./perplexity -m " + bad + " -f " + text + " -c 16 --json", &log) == 1);
     CHECK_MESSAGE(log.find("perplexity: the mean nll is nan: the model holds non-finite values") != std::string::npos, log);
     CHECK(log.find("\"ppl\"") == std::string::npos);

@@ -364,21 +364,7 @@ TEST_CASE("trainer: resuming from a checkpoint reproduces the uninterrupted run 
     // values out of range are refused by name, before anything is taken (a scale of inf, 3e38, 1e-45)
     for (const float scale : {INFINITY, 3e38f, 1e-45f}) {
         CAPTURE(scale);
-        char e[256];
-        ql_gguf *g = ql_gguf_open(ckpt.c_str(), e, sizeof(e));
-        REQUIRE_MESSAGE(g, e);
-        ql_gguf_writer *w = ql_gguf_writer_new();
-        for (int64_t k = 0; k < ql_gguf_n_kv(g); k++) ql_gguf_copy_kv(w, g, k);
-        ql_gguf_set_f32(w, "qlora.scaler.scale", scale);
-        for (int64_t k = 0; k < ql_gguf_n_tensors(g); k++) {
-            int64_t ne[4];
-            const int nd = ql_gguf_tensor_ne(g, k, ne);
-            REQUIRE(ql_gguf_add_tensor(w, ql_gguf_tensor_name(g, k), ql_gguf_tensor_type(g, k), nd, ne, ql_gguf_tensor_data(g, k),
-                                       ql_gguf_tensor_size(g, k)) == QL_OK);
-        }
-        REQUIRE(ql_gguf_write(w, (d.path + "/scale.gguf").c_str(), e, sizeof(e)) == QL_OK);
-        ql_gguf_writer_free(w);
-        ql_gguf_close(g);
+        rewrite_gguf(ckpt, d.path + "/scale.gguf", [&](ql_gguf_writer *w) { ql_gguf_set_f32(w, "qlora.scaler.scale", scale); });
         t = ql_trainer_new(f, seqs, seqs, o, &err);
         REQUIRE(t);
         CHECK(!ql_trainer_load(t, (d.path + "/scale.gguf").c_str(), &err));

@@ -1,5 +1,6 @@
 // tests/tiny.h - tiny llamas for the tests: random weights in memory (tiny_llama), written to a
-// GGUF (write_llama_gguf), their logits (logits_of), and one with its training graph (tiny_model).
+// GGUF (write_llama_gguf), their logits (logits_of), and one with its training graph (tiny_model);
+// a GGUF copied with edits (rewrite_gguf: a key set, a tensor's bytes or rows changed).
 //
 //   tiny_llama t(tiny_hparams(96, 64, 128), /*seed=*/1, /*std=*/0.1f);
 //   llama_gguf_opts o;
@@ -15,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -63,6 +65,30 @@ struct llama_gguf_opts {
 };
 
 // writes m as a model GGUF (biases included when present); f32 tensors quantised as `o` asks
+// src copied to dst (KVs and tensors in order) with edits: edit_kv(w) after the KVs are copied
+// (ql_gguf_set_* replaces a key in place); edit_tensor(name, ne, &data, &size) may point a
+// tensor at other bytes or change its shape. For damaged-input tests.
+inline void rewrite_gguf(const std::string &src, const std::string &dst, const std::function<void(ql_gguf_writer *)> &edit_kv,
+                         const std::function<void(const std::string &, int64_t *, const void **, size_t *)> &edit_tensor = nullptr) {
+    char err[256];
+    ql_gguf *g = ql_gguf_open(src.c_str(), err, sizeof(err));
+    REQUIRE_MESSAGE(g, err);
+    ql_gguf_writer *w = ql_gguf_writer_new();
+    for (int64_t k = 0; k < ql_gguf_n_kv(g); k++) ql_gguf_copy_kv(w, g, k);
+    if (edit_kv) edit_kv(w);
+    for (int64_t k = 0; k < ql_gguf_n_tensors(g); k++) {
+        int64_t ne[4];
+        const int nd = ql_gguf_tensor_ne(g, k, ne);
+        const void *data = ql_gguf_tensor_data(g, k);
+        size_t size = ql_gguf_tensor_size(g, k);
+        if (edit_tensor) edit_tensor(ql_gguf_tensor_name(g, k), ne, &data, &size);
+        REQUIRE(ql_gguf_add_tensor(w, ql_gguf_tensor_name(g, k), ql_gguf_tensor_type(g, k), nd, ne, data, size) == QL_OK);
+    }
+    REQUIRE_MESSAGE(ql_gguf_write(w, dst.c_str(), err, sizeof(err)) == QL_OK, err);
+    ql_gguf_writer_free(w);
+    ql_gguf_close(g);
+}
+
 inline void write_llama_gguf(const ql_llama &m, const std::string &path, const llama_gguf_opts &o = llama_gguf_opts()) {
     ql_gguf_writer *w = ql_gguf_writer_new();
     const std::string a = o.arch;
