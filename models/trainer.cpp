@@ -170,6 +170,19 @@ double ql_trainer_lr_at(const ql_trainer *t, int64_t s) {  // transformers' sche
 
 // ---- memory: the weight pages a run reads, a measured plan, the recompute policy ----
 
+// Every frozen tensor of the base model (NULL for the ones it lacks): the embedding, the output
+// projection unless tied to it, the final norm, rope factors, each block's tensors.
+static std::vector<const ql_tensor *> base_weights(const ql_llama &m) {
+    std::vector<const ql_tensor *> v = {m.tok_embd};
+    if (m.output != m.tok_embd) v.push_back(m.output);
+    v.push_back(m.out_norm);
+    v.push_back(m.rope_freqs);
+    for (const ql_llama_layer &L : m.layers)
+        for (const ql_tensor *w : {L.attn_norm, L.wq, L.wk, L.wv, L.bq, L.bk, L.bv, L.wo, L.ffn_norm, L.w_gate, L.w_up, L.w_down})
+            v.push_back(w);
+    return v;
+}
+
 // Page intervals of the base weights a run reads: every frozen tensor whole, except the token
 // embedding, of which get_rows reads only the rows of tokens the data holds.
 static void weight_pages(ql_trainer *t) {
@@ -193,7 +206,11 @@ static void weight_pages(ql_trainer *t) {
         for (const ql_sequence &q : *v)
             for (int32_t tok : q.tokens)
                 if (tok >= 0 && tok < m.hp.n_vocab) used[(size_t)tok] = true;
-    if (m.output != m.tok_embd) {  // tied: the output projection reads it all anyway
+    for (const ql_tensor *w : base_weights(m)) {
+        if (w != m.tok_embd || m.output == m.tok_embd) {  // whole; a tied embedding too (the output projection reads it all)
+            whole(w);
+            continue;
+        }
         const size_t row = ql_row_size(m.tok_embd->type, m.tok_embd->ne[0]);
         const uintptr_t e0 = (uintptr_t)m.tok_embd->data, p0 = e0 / P, p1 = (e0 + ql_nbytes(m.tok_embd) + P - 1) / P;
         for (size_t r = 0; r < used.size(); r++)
@@ -203,15 +220,7 @@ static void weight_pages(ql_trainer *t) {
                 by_type[ql_type_name(m.tok_embd->type)] += row;
             }
         t->mem.weights_file += ql_nbytes(m.tok_embd);
-        whole(m.output);
-    } else {
-        whole(m.tok_embd);
     }
-    whole(m.out_norm);
-    whole(m.rope_freqs);
-    for (const ql_llama_layer &L : m.layers)
-        for (const ql_tensor *w : {L.attn_norm, L.wq, L.wk, L.wv, L.bq, L.bk, L.bv, L.wo, L.ffn_norm, L.w_gate, L.w_up, L.w_down})
-            whole(w);
     std::sort(iv.begin(), iv.end());
     t->pages.clear();
     for (const auto &x : iv) {
@@ -238,15 +247,8 @@ static void device_plan(ql_trainer *t, ql_context *meas, size_t train_buf, size_
     m.dev_weights = ql_ctx_placed_bytes(t->f->ctx);
     std::map<std::string, size_t> by_type;
     const ql_llama &md = t->f->model;
-    auto add = [&](const ql_tensor *w) {
+    for (const ql_tensor *w : base_weights(md))
         if (w && w->data && !(w->flags & QL_FLAG_HOST)) by_type[ql_type_name(w->type)] += ql_nbytes(w) + w->aux_size;
-    };
-    add(md.tok_embd);
-    if (md.output != md.tok_embd) add(md.output);
-    add(md.out_norm);
-    add(md.rope_freqs);
-    for (const ql_llama_layer &L : md.layers)
-        for (const ql_tensor *w : {L.attn_norm, L.wq, L.wk, L.wv, L.bq, L.bk, L.bv, L.wo, L.ffn_norm, L.w_gate, L.w_up, L.w_down}) add(w);
     m.dev_weights_by_type.assign(by_type.begin(), by_type.end());
     m.dev_state = ql_ctx_placed_bytes(meas);
     m.dev_buffer = std::max(train_buf, eval_buf);  // one buffer, the other graph runs in it
@@ -350,7 +352,7 @@ static bool choose_levels_for(ql_trainer *t, std::string *err) {
     // "blk.<il>.in"; segments inside a block are recomputed, those after the last (the chunked
     // loss's head: its logits are recomputed anyway) kept as they are.
     const int L = t->f->model.hp.n_layer, blocks = std::max(1, L);
-    const std::vector<int> block_of = t->seg_block;  // the block a segment starts, or -1
+    const std::vector<int> block_of = t->seg_block;  // the block a segment starts, or -1 (a snapshot: measure() refills it)
     auto every_k_blocks = [&](int k) {
         std::vector<ql_keep> lv((size_t)S, QL_KEEP_NONE);
         bool head = false;
