@@ -350,11 +350,6 @@ static void cu_gemm(cu_ctx &c, ql_type ab_type, const cu_operand &A, int64_t sA,
 
 // the workspace rules (which operands cuBLAS reads in place, tile sizes) are qlora.cpp's
 // ql_cuda_* functions: a device plan computes them without CUDA
-static bool cu_mm_trows(const ql_tensor *a) { return ql_cuda_mm_trows(a); }
-static bool cu_mm_a_direct(const ql_tensor *a, ql_type ct) { return ql_cuda_mm_a_direct(a, ct); }
-static bool cu_mm_b_direct(const ql_tensor *b) { return ql_cuda_mm_b_direct(b); }
-static size_t cu_mm_b_bytes(const ql_tensor *b) { return ql_cuda_mm_b_bytes(b); }
-static int64_t cu_mm_tile_rows(int64_t row_len, int64_t n_rows) { return ql_cuda_mm_tile_rows(row_len, n_rows); }
 
 static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *a = node->src[0], *b = node->src[1];
@@ -370,7 +365,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
     // B: in place, or copied contiguous (K x N per batch) into the workspace
     const char *bp = (const char *)b->data;
     int64_t bnb0 = (int64_t)b->nb[0], bnb1 = (int64_t)b->nb[1], bnb2 = (int64_t)b->nb[2], bnb3 = (int64_t)b->nb[3];
-    if (!cu_mm_b_direct(b)) {
+    if (!ql_cuda_mm_b_direct(b)) {
         for (int64_t i3 = 0; i3 < B3; i3++)
             for (int64_t i2 = 0; i2 < B2; i2++) {
                 char *dst = (char *)ws + ((i3 * B2 + i2) * K * N) * (int64_t)es;
@@ -380,19 +375,19 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
             }
         bp = (const char *)ws;
         bnb0 = (int64_t)es, bnb1 = K * (int64_t)es, bnb2 = K * N * (int64_t)es, bnb3 = K * N * B2 * (int64_t)es;
-        ws += cu_mm_b_bytes(b);
+        ws += ql_cuda_mm_b_bytes(b);
     }
     auto b_at = [&](int64_t i2, int64_t i3, int64_t k0, int64_t kt) {  // rows k0 .. k0 + kt of b's batch (i2, i3)
         return cu_as_operand(bp + i2 * bnb2 + i3 * bnb3 + k0 * bnb0, es, bnb0, bnb1, kt, N, false);
     };
 
-    if (cu_mm_trows(a)) {
+    if (ql_cuda_mm_trows(a)) {
         // a = transpose(W), W's rows run along a's k: dequantise rows [k0, k0 + kt) of W (each M
         // long) -> ws [M, kt], C += ws . b[k0 : k0 + kt]
         CU_ASSERT(A2 == 1 && A3 == 1);
         const ql_tensor *w = a->view_src;
         const char *aux = (const char *)w->data + ql_nbytes(w);
-        const int64_t tk = cu_mm_tile_rows(M, K);
+        const int64_t tk = ql_cuda_mm_tile_rows(M, K);
         for (int64_t k0 = 0; k0 < K; k0 += tk) {
             const int64_t kt = std::min(tk, K - k0);
             QL_LAUNCH(k_dequant_rows, cu_grid(M * kt), CU_BLOCK, 0, c.stream, (const char *)w->data, (int64_t)w->nb[1],
@@ -408,13 +403,13 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
         return;
     }
 
-    const bool direct = cu_mm_a_direct(a, ct);
+    const bool direct = ql_cuda_mm_a_direct(a, ct);
     const ql_type_traits *at = ql_type_traits_get(a->type);
     for (int64_t ia3 = 0; ia3 < A3; ia3++)
         for (int64_t ia2 = 0; ia2 < A2; ia2++) {
             const char *ap = (const char *)a->data + ia2 * a->nb[2] + ia3 * a->nb[3];
             // the b batches this a batch serves: i2 in [ia2 r2, ia2 r2 + r2), i3 in [ia3 r3, ...)
-            const int64_t tm = direct ? M : cu_mm_tile_rows(K, M);
+            const int64_t tm = direct ? M : ql_cuda_mm_tile_rows(K, M);
             for (int64_t m0 = 0; m0 < M; m0 += tm) {
                 const int64_t mt = std::min(tm, M - m0);
                 cu_operand A;
@@ -447,7 +442,7 @@ static bool cu_mm_supported(const ql_tensor *node, int cc) {
     const ql_tensor *a = node->src[0], *b = node->src[1];
     if (!is_float_type_cu(b->type) || node->type != QL_TYPE_F32) return false;
     if (b->type == QL_TYPE_BF16 && cc < 80) return false;  // cuBLAS has no bf16 GEMM before Ampere
-    if (cu_mm_b_direct(b) && (b->nb[2] % type_size_cu(b->type) || b->nb[3] % type_size_cu(b->type))) return false;
+    if (ql_cuda_mm_b_direct(b) && (b->nb[2] % type_size_cu(b->type) || b->nb[3] % type_size_cu(b->type))) return false;
     const ql_type_traits *t = ql_type_traits_get(a->type);
     if (!t || !(t->to_float || t->to_float_aux)) return false;
     switch (a->type) {
@@ -455,9 +450,9 @@ static bool cu_mm_supported(const ql_tensor *node, int cc) {
         return true;
     case QL_TYPE_NF4: case QL_TYPE_NF4_NODQ: case QL_TYPE_Q4_0: case QL_TYPE_Q8_0: case QL_TYPE_Q4_K: case QL_TYPE_Q5_K:
     case QL_TYPE_Q6_K: {
-        const ql_tensor *w = cu_mm_trows(a) ? a->view_src : a;
+        const ql_tensor *w = ql_cuda_mm_trows(a) ? a->view_src : a;
         // weights are 2-D and whole (side data is found after the rows)
-        return w->ne[2] == 1 && w->ne[3] == 1 && ql_is_contiguous(w) && (cu_mm_trows(a) || ql_rows_contiguous(a)) &&
+        return w->ne[2] == 1 && w->ne[3] == 1 && ql_is_contiguous(w) && (ql_cuda_mm_trows(a) || ql_rows_contiguous(a)) &&
                !w->view_src;
     }
     default:
