@@ -985,6 +985,16 @@ bool ql_trainer_eval(ql_trainer *t, double *loss, std::string *err) {
 // The settings a resumed run must share with the one that saved the checkpoint (anything that
 // changes the data order, the masks, the schedule or the update), as (key, value) text, so that
 // a mismatch can be named. The data enter by a fingerprint of every training token and target.
+// the schedule as asked for (not the warmup steps it came to: those follow the total, which an
+// extended run changes)
+static std::string scheduler_setting(const ql_train_options &o) {
+    if (o.scheduler == "constant") return o.scheduler;
+    if (o.warmup_steps > 0) return o.scheduler + ", warmup " + std::to_string(o.warmup_steps) + " steps";
+    char b[32];
+    snprintf(b, sizeof(b), "%.9g", o.warmup_ratio);
+    return o.scheduler + ", warmup ratio " + b;
+}
+
 static std::vector<std::pair<std::string, std::string>> run_settings(const ql_trainer *t) {
     std::string targets;
     for (const std::string &x : t->o.lora.targets) targets += (targets.empty() ? "" : ",") + x;
@@ -1018,7 +1028,7 @@ static std::vector<std::pair<std::string, std::string>> run_settings(const ql_tr
             {"lora targets", targets},
             {"lora init seed", std::to_string(o.lora.init_seed)},
             {"learning rate", num(o.lr)},
-            {"scheduler", o.scheduler + ", warmup " + std::to_string(t->warmup) + " steps"},
+            {"scheduler", scheduler_setting(o)},
             {"optimizer", o.optim + ", betas " + num(o.beta1) + " " + num(o.beta2) + ", eps " + num(o.eps) + ", weight decay " + num(o.weight_decay)},
             {"max grad norm", num(o.max_grad_norm)},
             {"precision", o.precision + (o.precision == "fp16" ? ", loss scale " + num(o.scale_init) + " x" + num(o.scale_growth) + " per " +
@@ -1100,6 +1110,11 @@ bool ql_trainer_save(const ql_trainer *t, const char *path, std::string *err) {
     ql_gguf_set_u64(w, "qlora.scaler.skipped", (uint64_t)t->skipped);
     for (const auto &kv : run_settings(t)) ql_gguf_set_str(w, ("qlora.run." + kv.first).c_str(), kv.second.c_str());
     ql_gguf_set_str(w, "qlora.checkpoint.base", base_fingerprint(t->f).c_str());
+    if (!t->o.command.empty()) {
+        std::vector<const char *> cmd;
+        for (const std::string &a : t->o.command) cmd.push_back(a.c_str());
+        ql_gguf_set_arr_str(w, "qlora.run.command", cmd.data(), cmd.size());
+    }
     uint64_t sum = checkpoint_hash((uint64_t)t->step, (uint64_t)t->applied, t->scale, (uint64_t)t->growth_tracker, (uint64_t)t->skipped);
     for (size_t i = 0; i < t->params.size(); i++)
         for (const ql_tensor *x : with_state(t, i)) {
@@ -1151,6 +1166,9 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
         std::string was = str("qlora.run." + kv.first, &found);
         if (!found && kv.first == "precision") was = "fp32", found = true;  // written before precisions existed
         if (found && was == kv.second) continue;
+        if (kv.first == "total steps") continue;  // more steps or epochs extend a run (the step is checked below)
+        if (found && kv.first == "scheduler" && was == t->o.scheduler + ", warmup " + std::to_string(t->warmup) + " steps")
+            continue;  // written before the schedule was stored as asked for
         why += (why.empty() ? "another run: " : "; ") + kv.first + " was " + (found ? was : "(not recorded)") + ", now " + kv.second;
     }
     if (!why.empty() && why.rfind("another run", 0) == 0) why += " --> hint: resume with the same data and flags";
@@ -1160,7 +1178,8 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
         why = "it was trained on another base model (fingerprint " + base + ", this model's " + here +
               ": other tensors, types or weights) --> hint: resume with the model it was trained on";
     if (why.empty() && step > (uint64_t)t->total)
-        why = "it is at step " + std::to_string(step) + ", past this run's " + std::to_string(t->total) + " steps";
+        why = "it is at step " + std::to_string(step) + ", past this run's " + std::to_string(t->total) +
+              " steps --> hint: --max-steps or --epochs at least as many as it has done";
     // the scaler and the update count; a checkpoint from before they existed: no step skipped
     auto u64 = [&](const char *key, uint64_t def) {
         const int64_t i = ql_gguf_find_kv(g, key);
@@ -1216,6 +1235,38 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
     t->scale = t->o.precision != "fp16" ? 1.0f : has_scale && sc > 0 ? (float)sc : t->o.scale_init;
     ql_gguf_close(g);
     return true;
+}
+
+bool ql_checkpoint_info(const char *path, std::vector<std::string> *command, int64_t *step, int64_t *total, std::string *err) {
+    char e[512];
+    ql_gguf *g = ql_gguf_open(path, e, sizeof(e));
+    if (!g) {
+        *err = e;
+        return false;
+    }
+    size_t len = 0;
+    const int64_t it = ql_gguf_find_kv(g, "general.type"), is = ql_gguf_find_kv(g, "qlora.checkpoint.step"),
+                  in = ql_gguf_find_kv(g, "qlora.run.total steps"), ic = ql_gguf_find_kv(g, "qlora.run.command");
+    const char *type = it >= 0 ? ql_gguf_get_str(g, it, &len) : nullptr;
+    const std::string kind = type ? std::string(type, len) : "";
+    uint64_t s = 0;
+    const char *tot = in >= 0 ? ql_gguf_get_str(g, in, &len) : nullptr;
+    bool ok = kind == "qlora-checkpoint" && is >= 0 && ql_gguf_get_u64(g, is, &s);
+    if (!ok) *err = std::string(path) + ": not a qlora checkpoint";
+    command->clear();
+    if (ok && (ic < 0 || ql_gguf_kv_type(g, ic) != QL_GGUF_ARRAY || ql_gguf_arr_type(g, ic) != QL_GGUF_STRING || ql_gguf_arr_n(g, ic) == 0)) {
+        *err = std::string(path) + ": the checkpoint does not store its run's command (written by an older finetune): give the "
+                                   "run's -m, -d and flags again";
+        ok = false;
+    }
+    for (uint64_t j = 0; ok && j < ql_gguf_arr_n(g, ic); j++) {
+        const char *a = ql_gguf_arr_str(g, ic, j, &len);
+        command->push_back(a ? std::string(a, len) : "");
+    }
+    *step = (int64_t)s;
+    *total = tot ? strtoll(tot, nullptr, 10) : 0;
+    ql_gguf_close(g);
+    return ok;
 }
 
 bool ql_trainer_to_host(ql_trainer *t, std::string *err) {

@@ -78,6 +78,9 @@ struct ql_train_options {
     // its free memory at the start; otherwise it caps the plan like mem_limit.
     size_t vram = 0;
     int    cc = 0;                       // 0: 80 when planning without a device
+    // the caller's command line, stored in checkpoints as qlora.run.command (not compared on
+    // load: the settings it produced are): what lets a tool resume a run from its directory alone
+    std::vector<std::string> command;
 };
 
 // Where the memory of a run goes, all known before step one (bytes).
@@ -190,7 +193,12 @@ bool ql_trainer_save(const ql_trainer *t, const char *path, std::string *err);
 // the adapter and its optimizer state back to host memory and points the model's tensors at
 // their host copies again (a no-op on the CPU). No step may run after it.
 bool ql_trainer_to_host(ql_trainer *t, std::string *err);
+// The total step count may differ from the checkpoint's (a finished run extended by more steps
+// or epochs: the schedule then spans the new total); every other setting must match.
 bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err);
+// A checkpoint's stored command (ql_train_options.command) and its step and total steps, without
+// a model; false with the reason (not a checkpoint, or one that stored no command).
+bool ql_checkpoint_info(const char *path, std::vector<std::string> *command, int64_t *step, int64_t *total, std::string *err);
 
 // PEFT's line, exactly: "trainable params: 4,194,304 || all params: 6,742,609,920 || trainable%: 0.0622"
 std::string ql_trainable_line(int64_t trainable, int64_t base);

@@ -501,10 +501,23 @@ TEST_CASE("finetune: Ctrl-C saves a checkpoint; --resume continues to the uninte
     CHECK(exists(d.path + "/b/checkpoint.gguf"));
     CHECK(!exists(d.path + "/b/adapter.gguf"));  // the adapter is written when the run ends
     CHECK(metric_lines(d.path + "/b/metrics.jsonl").size() == (size_t)k + 1);
-    // a changed setting is refused, naming it
-    CHECK(run("./finetune" + args + " --lora-r 4 --resume " + d.path + "/b", &log) == 1);
+    const std::string ck = read_file(d.path + "/b/checkpoint.gguf");
+    // a changed setting is refused, naming it: a flag the run was given, by the flag; one it was
+    // not (a default), by the setting the checkpoint holds
+    CHECK(run("./finetune --resume " + d.path + "/b --lr 2e-3", &log) == 2);
+    CHECK_MESSAGE(log.find("finetune: --lr 2e-3: the run in " + d.path + "/b has --lr 1e-3; a resumed run keeps its settings") !=
+                      std::string::npos, log);
+    CHECK(run("./finetune --lora-r 4 --resume " + d.path + "/b", &log) == 1);
     CHECK_MESSAGE(log.find("checkpoint.gguf: another run: lora r was 16, now 4") != std::string::npos, log);
-    REQUIRE_MESSAGE(run("./finetune" + args + " --resume " + d.path + "/b", &log) == 0, log);
+    // --export: the interrupted run's adapter, from its checkpoint alone, which stays as it was
+    REQUIRE_MESSAGE(run("./finetune --export " + d.path + "/b -o " + d.path + "/e", &log) == 0, log);
+    CHECK_MESSAGE(log.find("exported the adapter after step " + std::to_string(k) + " of 400") != std::string::npos, log);
+    CHECK(exists(d.path + "/e/adapter.gguf"));
+    CHECK(exists(d.path + "/e/peft/adapter_model.safetensors"));
+    CHECK(!exists(d.path + "/b/adapter.gguf"));
+    CHECK(read_file(d.path + "/b/checkpoint.gguf") == ck);
+    // --resume DIR alone: the model, data and flags come from the checkpoint
+    REQUIRE_MESSAGE(run("./finetune --resume " + d.path + "/b", &log) == 0, log);
     CHECK(log.find("resuming after step " + std::to_string(k)) != std::string::npos);
     const auto a = metric_lines(d.path + "/a/metrics.jsonl"), b = metric_lines(d.path + "/b/metrics.jsonl");
     REQUIRE(a.size() == 401);
@@ -518,6 +531,36 @@ TEST_CASE("finetune: Ctrl-C saves a checkpoint; --resume continues to the uninte
         }
     }
     CHECK(read_file(d.path + "/a/adapter.gguf") == read_file(d.path + "/b/adapter.gguf"));
+}
+
+TEST_CASE("finetune: a finished run extended with --resume DIR --max-steps N equals one run of N steps") {
+    if (!all_built({"make-model", "finetune"})) return;
+    tmpdir d;
+    const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl";
+    std::string log;
+    REQUIRE(run("./make-model -o " + base + " --dim 32 --layers 2 --heads 2 --ff 64 --seed 5", &log) == 0);
+    write_qa_jsonl(data, 12);
+    // a constant schedule: the learning rate of a step does not depend on the total
+    const std::string args = " -m " + base + " -d " + data + " -b 2 --seq-len 24 --lr 1e-3 --lr-scheduler constant -t 1";
+    REQUIRE_MESSAGE(run("./finetune" + args + " --max-steps 9 -o " + d.path + "/a", &log) == 0, log);
+    REQUIRE_MESSAGE(run("./finetune" + args + " --max-steps 4 -o " + d.path + "/b", &log) == 0, log);
+    REQUIRE_MESSAGE(run("./finetune --resume " + d.path + "/b", &log) == 0, log);  // finished: outputs again, no step
+    CHECK_MESSAGE(log.find("had finished all 4 steps") != std::string::npos, log);
+    CHECK(read_file(d.path + "/a/adapter.gguf") != read_file(d.path + "/b/adapter.gguf"));
+    REQUIRE_MESSAGE(run("./finetune --resume " + d.path + "/b --max-steps 9", &log) == 0, log);
+    CHECK_MESSAGE(log.find("the run had 4 steps, now 9") != std::string::npos, log);
+    CHECK(read_file(d.path + "/a/adapter.gguf") == read_file(d.path + "/b/adapter.gguf"));
+    // fewer steps than it has done: refused, the run kept
+    CHECK(run("./finetune --resume " + d.path + "/b --max-steps 5", &log) == 1);
+    CHECK_MESSAGE(log.find("it is at step 9, past this run's 5 steps") != std::string::npos, log);
+    // a checkpoint that stores no command (an older finetune): --resume DIR alone says what to give
+    const std::string old = d.path + "/c";
+    REQUIRE(mkdir(old.c_str(), 0755) == 0);
+    rewrite_gguf(d.path + "/b/checkpoint.gguf", old + "/checkpoint.gguf",
+                 [](ql_gguf_writer *w) { ql_gguf_remove_kv(w, "qlora.run.command"); });
+    CHECK(run("./finetune --resume " + old, &log) == 2);
+    CHECK_MESSAGE(log.find("does not store its run's command (written by an older finetune): give the run's -m, -d and flags again") !=
+                      std::string::npos, log);
 }
 
 TEST_CASE("finetune: a full disk - the adapter first, then the checkpoint; the message names the file and the size") {

@@ -5,7 +5,8 @@
 // Writes into DIR: adapter.gguf (llama.cpp's LoRA format), peft/ (adapter_config.json +
 // adapter_model.safetensors), metrics.jsonl, loss.png, checkpoint.gguf (every --save-every steps
 // and at the end, atomically), and merged.gguf with --merge. --resume DIR continues a run
-// exactly; Ctrl-C saves a checkpoint and exits cleanly.
+// exactly (the checkpoint stores the command: DIR alone is enough); --export DIR writes the
+// adapter of an interrupted run; Ctrl-C, SIGTERM and SIGHUP save a checkpoint and exit 128+signal.
 #include "../models/adapter.h"
 #include "../models/data.h"
 #include "../models/trainer.h"
@@ -59,7 +60,9 @@ static const char *k_help =
     "           --loss-chunk N (tokens per output-projection + loss chunk; 0 auto, -1 never)\n"
     "GPU:       --vram SIZE  --cc X.Y (with --dry-run on a machine without that card: its plan, e.g. --vram 12G --cc 8.6)\n"
     "           --embd-on-host | --embd-on-device (default: on the host only when the plan needs it)\n"
-    "output:    -o DIR (default finetune-out)  --save-every N  --resume DIR  --merge  --overwrite (replace a run in -o DIR)\n";
+    "output:    -o DIR (default finetune-out)  --save-every N  --merge  --overwrite (replace a run in -o DIR)\n"
+    "resume:    --resume DIR (continues the run in DIR with its own model, data and flags; more --max-steps or --epochs\n"
+    "           extend a finished run)  --export DIR (writes DIR's adapter.gguf and peft/ from its checkpoint, no training)\n";
 
 static double peak_rss_mib() {  // VmHWM: the high-water mark of resident memory
     FILE *f = fopen("/proc/self/status", "r");
@@ -333,6 +336,9 @@ struct args {
     bool precision_auto = false;
     bool plan_only = false;   // --vram/--cc --dry-run without the GPU: a plan for it
     std::string scaler_flag;  // a loss-scaling flag given (only fp16 has a scaler)
+    const char *export_dir = nullptr;  // --export DIR: the adapter from DIR's checkpoint, no training
+    // every flag as given, with its values (what a checkpoint stores for --resume DIR alone)
+    std::vector<std::vector<std::string>> given;
     args() { o.device = "auto"; }  // the tool trains on a GPU when it has one
 };
 
@@ -394,7 +400,8 @@ static bool resolve_device(args *a) {
     return true;
 }
 
-static bool parse(int argc, char **argv, args *a) {
+// The flags alone (what they say, not whether they make a run): false after a one-line message
+static bool parse_flags(int argc, char **argv, args *a) {
     auto need = [&](int &i) -> const char * {
         if (i + 1 >= argc) {
             fprintf(stderr, "finetune: %s needs a value\n", argv[i]);
@@ -423,6 +430,13 @@ static bool parse(int argc, char **argv, args *a) {
         const std::string f = argv[i];
         double v = 0;
         const char *s = nullptr;
+        const int first = i;
+        struct record {  // the flag and the values it took, once parsed
+            args *a; char **argv; const int &first, &i;
+            ~record() {
+                if (i >= first) a->given.emplace_back(argv + first, argv + i + 1);
+            }
+        } rec{a, argv, first, i};
         if (f == "-h" || f == "--help") {
             printf(k_help, argv[0]);
             exit(0);
@@ -431,6 +445,7 @@ static bool parse(int argc, char **argv, args *a) {
         else if (f == "-o") { if (!(s = need(i))) return false; a->out = s; a->out_given = true; }
         else if (f == "--val-data") { if (!(a->val_data = need(i))) return false; }
         else if (f == "--resume") { if (!(a->resume = need(i))) return false; }
+        else if (f == "--export") { if (!(a->export_dir = need(i))) return false; }
         else if (f == "--chat-template") { if (!(a->chat = need(i))) return false; }
         else if (f == "--lora-targets") {
             if (!(s = need(i))) return false;
@@ -460,7 +475,7 @@ static bool parse(int argc, char **argv, args *a) {
         else if (f == "--val-split") { if (!num(f.c_str(), need(i), 0, 0.9, &v)) return false; a->val_split = v; }
         else if (f == "--eval-every") { if (!whole(f.c_str(), need(i), 1, 1e12, &v)) return false; a->eval_every = (int64_t)v; }
         else if (f == "-b" && i + 1 < argc && !strcmp(argv[i + 1], "auto")) { a->b_auto = true; i++; }
-        else if (f == "-b") { if (!whole(f.c_str(), need(i), 1, 4096, &v)) return false; a->o.micro_batch = (int)v; }
+        else if (f == "-b") { if (!whole(f.c_str(), need(i), 1, 4096, &v)) return false; a->o.micro_batch = (int)v; a->b_auto = false; }
         else if (f == "--effective-batch") { if (!whole(f.c_str(), need(i), 1, 1 << 20, &v)) return false; a->effective_batch = (int)v; }
         else if (f == "--checkpointing") {
             if (!(s = need(i))) return false;
@@ -554,6 +569,98 @@ static bool parse(int argc, char **argv, args *a) {
             return false;
         }
     }
+    return true;
+}
+
+// Flags that change how a run is carried out, not what it computes: a resumed run may give them
+// anew. (--max-steps and --epochs may grow: they extend a run.) Every other flag given again
+// must agree with the run's.
+static bool operational_flag(const std::string &f) {
+    for (const char *x : {"-o", "-t", "--device", "--checkpointing", "--mem-limit", "--vram", "--cc", "--embd-on-host",
+                          "--embd-on-device", "--loss-chunk", "--offload-activations", "--eval-every", "--save-every", "--merge",
+                          "--overwrite", "--profile", "--dry-run", "--json", "--resume", "--export", "--max-steps", "--epochs"})
+        if (f == x) return true;
+    return false;
+}
+static bool path_flag(const std::string &f) { return f == "-m" || f == "-d" || f == "--val-data"; }
+static std::string absolute(const std::string &p) {
+    char buf[PATH_MAX];
+    return realpath(p.c_str(), buf) ? std::string(buf) : p;
+}
+
+// What a checkpoint stores of this run's command: every flag once (the last given wins), paths
+// absolute (a resume may start elsewhere), -b auto as the batch it chose, and none of the flags
+// that only say what this invocation does (-o, --resume, --export, --overwrite, --dry-run, --json).
+static std::vector<std::string> stored_command(const args &a) {
+    std::vector<std::string> out;
+    for (size_t k = 0; k < a.given.size(); k++) {
+        const std::vector<std::string> &g = a.given[k];
+        bool later = false;
+        for (size_t j = k + 1; j < a.given.size(); j++) later = later || a.given[j][0] == g[0];
+        if (later || g[0] == "-o" || g[0] == "--resume" || g[0] == "--export" || g[0] == "--overwrite" || g[0] == "--dry-run" ||
+            g[0] == "--json")
+            continue;
+        if (g[0] == "-b" || g[0] == "--effective-batch") continue;  // the batch as resolved, below
+        out.push_back(g[0]);
+        for (size_t j = 1; j < g.size(); j++) out.push_back(path_flag(g[0]) ? absolute(g[j]) : g[j]);
+    }
+    out.insert(out.end(), {"-b", std::to_string(a.o.micro_batch), "--grad-accum", std::to_string(a.o.grad_accum)});
+    return out;
+}
+
+// --resume DIR / --export DIR: the run's own command from DIR's checkpoint, then
+// this one's flags (which win); a setting given again must say what the run said.
+static bool parse_with_run(int argc, char **argv, args *a) {
+    const std::string dir = a->export_dir ? a->export_dir : a->resume;
+    const char *flag = a->export_dir ? "--export" : "--resume";
+    static std::vector<std::string> cmd;  // the flags' values point into it for the rest of the run
+    int64_t step = 0, total = 0;
+    std::string err;
+    if (!ql_checkpoint_info((dir + "/checkpoint.gguf").c_str(), &cmd, &step, &total, &err)) {
+        if (a->model) return true;  // an older checkpoint, the run's flags given again (the trainer checks them)
+        fprintf(stderr, "finetune: %s %s: %s\n", flag, dir.c_str(), err.c_str());
+        return false;
+    }
+    std::vector<char *> sv = {argv[0]};
+    for (std::string &x : cmd) sv.push_back(&x[0]);
+    args run;
+    if (!parse_flags((int)sv.size(), sv.data(), &run)) {
+        fprintf(stderr, "finetune: %s %s: the command stored in its checkpoint does not parse (above)\n", flag, dir.c_str());
+        return false;
+    }
+    for (const auto &g : a->given) {
+        if (operational_flag(g[0])) continue;
+        for (const auto &r : run.given) {
+            if (r[0] != g[0]) continue;
+            bool same = r.size() == g.size();
+            for (size_t j = 1; same && j < g.size(); j++) same = (path_flag(g[0]) ? absolute(g[j]) : g[j]) == r[j];
+            if (same) continue;
+            std::string was, now;
+            for (size_t j = 1; j < r.size(); j++) was += " " + r[j];
+            for (size_t j = 1; j < g.size(); j++) now += " " + g[j];
+            fprintf(stderr, "finetune: %s%s: the run in %s has %s%s; a resumed run keeps its settings --> hint: leave it out, "
+                            "or start a new run (-o)\n", g[0].c_str(), now.c_str(), dir.c_str(), r[0].c_str(), was.c_str());
+            return false;
+        }
+    }
+    // the run's flags, then this invocation's (later ones win)
+    std::vector<char *> all = sv;
+    for (int i = 1; i < argc; i++) all.push_back(argv[i]);
+    args merged;
+    if (!parse_flags((int)all.size(), all.data(), &merged)) return false;
+    *a = merged;
+    return true;
+}
+
+static bool parse(int argc, char **argv, args *a) {
+    if (!parse_flags(argc, argv, a)) return false;
+    if (a->export_dir && a->resume) {
+        fprintf(stderr, "finetune: --export and --resume are alternatives (--export writes the adapter of a run, --resume goes on "
+                        "training it)\n");
+        return false;
+    }
+    if ((a->export_dir || a->resume) && !parse_with_run(argc, argv, a)) return false;
+    if (a->export_dir && !a->resume) a->resume = a->export_dir;  // export: the checkpoint's state, no step
     if (!a->model || !a->data) {
         fprintf(stderr, "finetune: -m model.gguf and -d data.jsonl are required (see --help)\n");
         return false;
@@ -697,6 +804,44 @@ static void write_snapshot(ql_llama_file *f, const seqs &tr, const seqs &ev, con
         fprintf(stderr, "finetune: no memory snapshot: %s\n", err.c_str());
 }
 
+// adapter.gguf (llama.cpp's format) and peft/ (PEFT's) in DIR, from the trainer's adapter
+static bool write_adapter(ql_llama_file *f, ql_trainer *t, const args &a, const std::string &out) {
+    ql_lora_config c;
+    c.r = a.o.lora.r;
+    c.alpha = a.o.lora.alpha;
+    c.dropout = a.o.lora.dropout;
+    c.rslora = a.o.lora.rslora;
+    for (const std::string &x : a.o.lora.targets) c.targets.push_back(x == "o" ? "o_proj" : x + "_proj");
+    {  // PEFT loads base_model_name_or_path from the Hub: only a repository the GGUF names will do
+        size_t len;
+        const int64_t ik = ql_gguf_find_kv(f->gguf, "general.source.huggingface.repository");
+        const char *repo = ik >= 0 ? ql_gguf_get_str(f->gguf, ik, &len) : nullptr;
+        c.base_model = repo ? repo : "";
+    }
+    ql_llama &m = ql_trainer_model(t);
+    std::string err;
+    if (!ql_trainer_to_host(t, &err) || !ql_lora_save_gguf((out + "/adapter.gguf").c_str(), m, f->arch.c_str(), c, &err) ||
+        !ql_peft_save((out + "/peft").c_str(), m, f->arch.c_str(), c, &err)) {
+        fprintf(stderr, "finetune: %s\n", err.c_str());
+        return false;
+    }
+    return true;
+}
+
+// --export DIR: the adapter as the checkpoint holds it (checked like a resume: checksum, base,
+// settings), no step taken, the checkpoint and metrics left as they are
+static bool export_adapter(ql_llama_file *f, ql_trainer *t, const args &a, const std::string &out, int64_t step, int64_t total) {
+    std::string err;
+    if (!write_adapter(f, t, a, out)) return false;
+    if (a.merge && !ql_llama_save_merged((out + "/merged.gguf").c_str(), *f, ql_trainer_model(t), &err)) {
+        fprintf(stderr, "finetune: %s\n", err.c_str());
+        return false;
+    }
+    printf("finetune: exported the adapter after step %lld of %lld from %s/checkpoint.gguf: wrote %s/adapter.gguf, %s/peft/%s\n",
+           (long long)step, (long long)total, a.export_dir, out.c_str(), out.c_str(), a.merge ? (", " + out + "/merged.gguf").c_str() : "");
+    return true;
+}
+
 int main(int argc, char **argv) {
     args a;
     if (!parse(argc, argv, &a)) return 2;
@@ -773,6 +918,7 @@ int main(int argc, char **argv) {
     // what the process already holds (code, model metadata, vocabulary, data): the plan adds to it
     a.o.mem_other = rss_bytes();
     if (a.b_auto && !choose_batch(f, tseq, eseq, &a)) return 1;
+    a.o.command = stored_command(a);
     ql_memory_plan plan;
     const bool planned = ql_train_plan(f, tseq, eseq, a.o, &plan, &err);
     if (!planned && plan.total == 0) {  // not a question of memory: the model or data cannot be built
@@ -811,6 +957,11 @@ int main(int argc, char **argv) {
 
     const ql_llama_hparams &hp = f->model.hp;
     const int64_t total = ql_trainer_total_steps(t), per_epoch = ql_trainer_steps_per_epoch(t);
+    int64_t run_step = 0, run_total = 0;  // what the checkpoint had done, and of how many steps
+    if (a.resume) {
+        std::vector<std::string> unused;
+        ql_checkpoint_info((std::string(a.resume) + "/checkpoint.gguf").c_str(), &unused, &run_step, &run_total, &err);
+    }
     const ql_memory_plan &mp = ql_trainer_memory(t);
     auto mib = [](size_t b) { return (double)b / 1048576.0; };
     printf("finetune: model %s: %s, %d layers, dim %d, %d/%d heads, ffn %d, vocab %d, %s weights %.1f MiB\n", a.model,
@@ -871,6 +1022,10 @@ int main(int argc, char **argv) {
     bool warned = false;
 
     if (a.profile) ql_graph_set_profile(ql_trainer_graph(t), true);
+    if (a.export_dir) return export_adapter(f, t, a, out, run_step, run_total > 0 ? run_total : total) ? 0 : 1;
+    if (a.resume && run_total > 0 && total != run_total)
+        printf("finetune: the run had %lld steps, now %lld (--max-steps/--epochs): the learning-rate schedule spans the new total\n",
+               (long long)run_total, (long long)total);
 
     // ---- the loop ----
     for (int s : k_stop_signals) signal(s, on_stop_signal);
@@ -987,24 +1142,8 @@ int main(int argc, char **argv) {
         fflush(stdout);
         return 128 + sig;  // the shell's convention for a run a signal ended: 130 (SIGINT), 143 (SIGTERM)
     }
-    ql_lora_config c;
-    c.r = a.o.lora.r;
-    c.alpha = a.o.lora.alpha;
-    c.dropout = a.o.lora.dropout;
-    c.rslora = a.o.lora.rslora;
-    for (const std::string &x : a.o.lora.targets) c.targets.push_back(x == "o" ? "o_proj" : x + "_proj");
-    {  // PEFT loads base_model_name_or_path from the Hub: only a repository the GGUF names will do
-        size_t len;
-        const int64_t ik = ql_gguf_find_kv(f->gguf, "general.source.huggingface.repository");
-        const char *repo = ik >= 0 ? ql_gguf_get_str(f->gguf, ik, &len) : nullptr;
-        c.base_model = repo ? repo : "";
-    }
+    if (!write_adapter(f, t, a, out)) return 1;
     ql_llama &m = ql_trainer_model(t);
-    if (!ql_trainer_to_host(t, &err) || !ql_lora_save_gguf((out + "/adapter.gguf").c_str(), m, f->arch.c_str(), c, &err) ||
-        !ql_peft_save((out + "/peft").c_str(), m, f->arch.c_str(), c, &err)) {
-        fprintf(stderr, "finetune: %s\n", err.c_str());
-        return 1;
-    }
     if (!save_checkpoint()) {
         fprintf(stderr, "finetune: the adapter is written (%s/adapter.gguf, %s/peft/); the checkpoint is not\n", out.c_str(),
                 out.c_str());
@@ -1018,7 +1157,8 @@ int main(int argc, char **argv) {
     fclose(metrics);
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (ql_trainer_steps_done(t) == first)
-        printf("finetune: the checkpoint had finished all %lld steps; outputs written again", (long long)first);
+        printf("finetune: the checkpoint had finished all %lld steps; outputs written again (--max-steps or --epochs with more "
+               "extend the run)", (long long)first);
     else
         printf("finetune: done: %lld steps in %s, %.0f tokens/s; final loss %.4f", (long long)ql_trainer_steps_done(t),
                hms(secs).c_str(), tok_s, last_loss);
