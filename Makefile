@@ -47,7 +47,7 @@ TEST_OBJ := $(TEST_SRC:%.cpp=$(BUILD)/%.o)
 # every tools/X.cpp is a binary ./X at the repository root, except the benchmark (tools/bench)
 ROOT_TOOLS := $(filter-out bench,$(basename $(notdir $(wildcard tools/*.cpp))))
 TOOLS    := tools/bench $(ROOT_TOOLS)
-HEADERS  := qlora.h $(wildcard models/*.h models/*.inc)
+HEADERS  := qlora.h $(wildcard models/*.h models/*.inc tools/*.h)
 TEST_HEADERS := $(wildcard tests/*.h)
 
 .PHONY: all test test-unit test-dropin test-cuda-shim cuda-check test-sanitize test-portable bench bench-finetune bench-checkpointing bench-optimizers demo clean cuda fuzz
@@ -139,14 +139,21 @@ $(SAN)/%.o: %.cpp $(HEADERS)
 $(SAN)/test-qlora: $(TEST_SRC:%.cpp=$(SAN)/%.o) $(LIB_SRC:%.cpp=$(SAN)/%.o)
 	$(CXX) $(SANFLAGS) $^ -o $@ $(LDLIBS)
 
+# the tools under the sanitizers too: their error exits must be leak-free (tests/test_tools.cpp's
+# "error exits" case runs them, QL_TOOLS=$(SAN)/tools)
+$(SAN)/tools/%: $(SAN)/tools/%.o $(LIB_SRC:%.cpp=$(SAN)/%.o)
+	$(CXX) $(SANFLAGS) $^ -o $@ $(LDLIBS)
+SAN_TOOLS := $(ROOT_TOOLS:%=$(SAN)/tools/%)
+
 $(SAN)/shim/%.o: tests/%.cpp tests/cuda_shim.h $(CUDA_SRC) $(HEADERS) $(TEST_HEADERS)
 	@mkdir -p $(dir $@)
 	$(CXX) $(SANFLAGS) $(SHIM_FLAGS) -I. -c $< -o $@
 $(SAN)/test-cuda-shim: $(SHIM_SRC:tests/%.cpp=$(SAN)/shim/%.o) $(SAN)/shim/cuda_shim_backend.o $(LIB_SRC:%.cpp=$(SAN)/%.o)
 	$(CXX) $(SANFLAGS) $^ -o $@ $(LDLIBS)
 
-test-sanitize: $(SAN)/test-qlora $(ROOT_TOOLS) $(if $(CUDA_HEADERS),$(SAN)/test-cuda-shim)
+test-sanitize: $(SAN)/test-qlora $(ROOT_TOOLS) $(SAN_TOOLS) $(if $(CUDA_HEADERS),$(SAN)/test-cuda-shim)
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 ./$(SAN)/test-qlora
+	QL_TOOLS=$(SAN)/tools ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ./$(SAN)/test-qlora -tc="tools: error exits*"
 	$(if $(CUDA_HEADERS),ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 ./$(SAN)/test-cuda-shim)
 
 bench: tools/bench

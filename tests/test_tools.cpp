@@ -1034,3 +1034,64 @@ TEST_CASE("finetune --precision: fp16's scale and skips in the progress line and
     const bool native = has(log, "finetune: precision bf16 (auto: this CPU multiplies bf16 natively, on AMX tiles)");
     CHECK_MESSAGE((native || has(log, "finetune: precision fp32 (auto: this CPU has no native bf16 multiply")), log);
 }
+
+// Every tool's error exits, as a user meets them: exit 1 or 2 with the tool's one-line message,
+// and nothing else. make test-sanitize runs this case again with the tools built under ASan
+// (QL_TOOLS=build/san/tools): a leak on an error path makes LeakSanitizer's report and exit 23.
+TEST_CASE("tools: error exits - one line, the right code, nothing leaked") {
+    if (!all_built({"make-model", "finetune"})) return;
+    const char *dir = getenv("QL_TOOLS");
+    const std::string T = std::string(dir ? dir : ".") + "/";
+    tmpdir d;
+    const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl", junk = d.path + "/junk.bin",
+                      bad = d.path + "/bad.jsonl", run_dir = d.path + "/run";
+    std::string log;
+    REQUIRE(run("./make-model -o " + base + " --dim 32 --layers 1 --heads 2 --ff 64 --seed 3", &log) == 0);
+    write_qa_jsonl(data, 6);
+    write_file(junk, "hello, not a GGUF\n");
+    write_file(bad, "{\"text\": 5}\n");
+    REQUIRE_MESSAGE(run("./finetune -m " + base + " -d " + data + " -o " + run_dir + " --max-steps 2 -b 2 --seq-len 24 -t 1 --lr 1e-3",
+                        &log) == 0, log);
+    const std::string adapter = run_dir + "/adapter.gguf";
+    struct bad_run {
+        std::string cmd;
+        int rc;
+        const char *says;  // in the one line
+        bool one_line = true;  // (a plan that does not fit is printed whole, with advice)
+    };
+    const std::vector<bad_run> runs = {
+        {"finetune", 2, "are required"},
+        {"finetune -m " + d.path + "/none.gguf -d " + data, 1, "cannot open"},
+        {"finetune -m " + junk + " -d " + data, 1, "not a GGUF file"},
+        {"finetune -m " + base + " -d " + d.path + "/none.jsonl -o " + d.path + "/o1", 1, "none.jsonl"},
+        {"finetune -m " + base + " -d " + bad + " -o " + d.path + "/o2", 1, "bad.jsonl"},
+        {"finetune -m " + base + " -d " + data + " --val-data " + bad + " -o " + d.path + "/o3", 1, "bad.jsonl"},
+        {"finetune -m " + base + " -d " + data + " --mem-limit 1M -o " + d.path + "/o4", 1, "does not fit", false},
+        {"finetune -m " + adapter + " -d " + data + " -o " + d.path + "/o5", 1, "a LoRA adapter, not a model"},
+        {"finetune --resume " + d.path + "/none", 2, "cannot open"},
+        {"finetune --resume " + run_dir + " --lr 5", 2, "a resumed run keeps its settings"},
+        {"finetune --resume " + run_dir + " --lora-r 4", 1, "another run: lora r was 16, now 4"},
+        {"generate -m " + d.path + "/none.gguf -p hi", 1, "cannot open"},
+        {"generate -m " + base + " --lora " + d.path + "/none.gguf -p hi", 1, "none.gguf"},
+        {"generate -m " + base + " --lora " + junk + " -p hi", 1, "junk.bin"},
+        {"generate -m " + base + " -p hi -c 2", 1, "the prompt has"},
+        {"perplexity -m " + base + " -f " + d.path, 1, "Is a directory"},
+        {"perplexity -m " + base + " -f " + data + " --lora " + junk, 1, "junk.bin"},
+        {"quantize " + adapter + " " + d.path + "/q.gguf nf4", 1, "a LoRA adapter, not a model"},
+        {"quantize " + base + " " + d.path + "/q.gguf zzz", 2, "unknown target type"},
+        {"make-model -o " + d.path + "/no/such/dir/m.gguf --dim 32 --layers 1 --heads 2 --ff 64", 1, "m.gguf"},
+        {"convert tiktoken " + junk + " --pre llama3 -o " + d.path + "/v.gguf", 1, "junk.bin"},
+        {"tokenize -m " + junk + " -p hi", 1, "not a GGUF file"},
+    };
+    for (const bad_run &b : runs) {
+        const std::string name = b.cmd.substr(0, b.cmd.find(' '));
+        if (!exists(T + name)) continue;
+        CAPTURE(b.cmd);
+        const int rc = run(T + b.cmd, &log);
+        CHECK_MESSAGE(rc == b.rc, log);
+        CHECK_MESSAGE(log.find(name + ": ") == 0, log);
+        CHECK_MESSAGE(log.find(b.says) != std::string::npos, log);
+        CHECK_MESSAGE(log.find("Sanitizer") == std::string::npos, log);
+        if (b.one_line) CHECK_MESSAGE(std::count(log.begin(), log.end(), '\n') <= 2, log);  // one line (and a usage hint at most)
+    }
+}

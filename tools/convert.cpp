@@ -6,6 +6,7 @@
 //       a vocabulary-only GGUF from a tiktoken file (Meta's Llama 3), merges rebuilt from ranks
 #include "../models/tokenizer.h"
 #include "../qlora.h"
+#include "own.h"
 
 #include <cerrno>
 #include <cstdio>
@@ -82,6 +83,7 @@ static int convert_llama2c(const char *model, const char *tok, const char *out) 
         return r;
     };
     ql_gguf_writer *w = ql_gguf_writer_new();
+    owned<ql_gguf_writer> w_(w, ql_gguf_writer_free);
     ql_gguf_set_str(w, "general.architecture", "llama");
     ql_gguf_set_str(w, "general.name", "llama2.c checkpoint");
     ql_gguf_set_u32(w, "general.file_type", 0);  // all f32
@@ -131,7 +133,7 @@ static int convert_llama2c(const char *model, const char *tok, const char *out) 
         fprintf(stderr, "convert: %s\n", err);
         return 1;
     }
-    ql_gguf_writer_free(w);
+    w_.reset();
     // the vocabulary must cover the model's embedding rows
     ql_gguf *g = ql_gguf_open(out, err, sizeof(err));
     ql_vocab *v = g ? ql_vocab_load(g, err, sizeof(err)) : nullptr;
@@ -151,6 +153,7 @@ static int convert_llama2c(const char *model, const char *tok, const char *out) 
 
 static int convert_tiktoken(const char *path, const char *pre, const char *out) {
     ql_gguf_writer *w = ql_gguf_writer_new();
+    owned<ql_gguf_writer> w_(w, ql_gguf_writer_free);
     ql_gguf_set_str(w, "general.architecture", "llama");
     ql_gguf_set_str(w, "general.name", "vocabulary only");
     char err[512];
@@ -162,7 +165,7 @@ static int convert_tiktoken(const char *path, const char *pre, const char *out) 
         fprintf(stderr, "convert: %s\n", err);
         return 1;
     }
-    ql_gguf_writer_free(w);
+    w_.reset();
     printf("convert: %s (tiktoken, pre %s) -> %s\n", path, pre, out);
     return 0;
 }

@@ -10,6 +10,7 @@
 #include "../models/adapter.h"
 #include "../models/data.h"
 #include "../models/trainer.h"
+#include "own.h"
 
 #include <limits.h>
 #include <stdlib.h>
@@ -859,7 +860,9 @@ int main(int argc, char **argv) {
         fprintf(stderr, "finetune: %s\n", e);
         return 1;
     }
+    owned<ql_llama_file> f_(f, ql_llama_file_free);
     ql_vocab *vocab = ql_vocab_load(f->gguf, e, sizeof(e));
+    owned<ql_vocab> vocab_(vocab, ql_vocab_free);
     if (!vocab) {
         fprintf(stderr, "finetune: %s\n", e);
         return 1;
@@ -939,6 +942,7 @@ int main(int argc, char **argv) {
     // ---- the trainer: everything sized, planned and allocated before step one ----
     const auto t_build = std::chrono::steady_clock::now();
     ql_trainer *t = ql_trainer_new(f, std::move(tseq), std::move(eseq), a.o, &err);
+    owned<ql_trainer> t_(t, ql_trainer_free);
     if (!t) {
         fprintf(stderr, "finetune: %s\n", err.c_str());
         if (!make_dir(out, &err)) return 1;  // an allocation failed although the plan fit: what was planned, and advice
@@ -1171,8 +1175,5 @@ int main(int argc, char **argv) {
     printf("finetune: wrote %s/adapter.gguf, %s/peft/, %s/metrics.jsonl, %s/loss.png, %s/checkpoint.gguf%s\n", out.c_str(),
            out.c_str(), out.c_str(), out.c_str(), out.c_str(), a.merge ? (", " + out + "/merged.gguf").c_str() : "");
     if (a.profile) print_profile(ql_trainer_graph(t));
-    ql_trainer_free(t);
-    ql_vocab_free(vocab);
-    ql_llama_file_free(f);
     return 0;
 }

@@ -12,6 +12,7 @@
 #include "../models/llama.h"
 #include "../models/tokenizer.h"
 #include "../qlora.h"
+#include "own.h"
 
 #include <algorithm>
 #include <chrono>
@@ -111,7 +112,9 @@ int main(int argc, char **argv) {
         fprintf(stderr, "generate: %s\n", err);
         return 1;
     }
+    owned<ql_llama_file> f_(f, ql_llama_file_free);
     ql_vocab *vocab = ql_vocab_load(f->gguf, err, sizeof(err));
+    owned<ql_vocab> vocab_(vocab, ql_vocab_free);
     if (!vocab) {
         fprintf(stderr, "generate: %s\n", err);
         return 1;
@@ -125,6 +128,7 @@ int main(int argc, char **argv) {
             return 1;
         }
     }
+    owned<ql_lora_adapter> ad_(ad, ql_lora_adapter_free);
     std::vector<int32_t> toks = ql_tokenize(vocab, prompt, true, true);
     if (toks.empty()) {
         if (ql_vocab_bos(vocab) < 0) {
@@ -146,6 +150,7 @@ int main(int argc, char **argv) {
     const size_t cache_bytes = (size_t)hp.n_layer * 2 * (size_t)hp.head_dim() * (size_t)ctx_len * (size_t)hp.n_head_kv * 4;
     if (threads > 0) ql_cpu_warn_threads("generate", (int)threads);
     ql_backend *be = ql_backend_init_by_name(device, (int)threads, err, sizeof(err));
+    owned<ql_backend> be_(be, ql_backend_free);
     if (!be) {
         fprintf(stderr, "generate: --device %s: %s\n", device, err);
         return 1;
@@ -158,6 +163,7 @@ int main(int argc, char **argv) {
     // the weights (and an adapter) placed once: nothing moves on the CPU
     ql_backend_buffer *wbuf = ql_backend_place_ctx_tensors(be, f->ctx);
     ql_backend_buffer *abuf = ad ? ql_backend_place_ctx_tensors(be, ad->ctx) : nullptr;
+    owned<ql_backend_buffer> wbuf_(wbuf, ql_backend_buffer_free), abuf_(abuf, ql_backend_buffer_free);
     if (!wbuf || (ad && !abuf)) {
         fprintf(stderr, "generate: %s\n", ql_ctx_error(wbuf ? ad->ctx : f->ctx));
         return 1;
@@ -165,6 +171,7 @@ int main(int argc, char **argv) {
     // headers only: the cache and the inputs get their data from the backend (alloc_ctx_tensors)
     ql_init_params ip = {(size_t)(hp.n_layer * 200 + 400) * ql_tensor_overhead() + (1u << 20), nullptr, true, false};
     ql_context *ctx = ql_init(ip);
+    owned<ql_context> ctx_(ctx, ql_free);
     if (!ctx) {
         fprintf(stderr, "generate: out of memory\n");
         return 1;
@@ -176,9 +183,11 @@ int main(int argc, char **argv) {
     ql_tensor *lp = ql_set_output(ql_llama_forward_cached(ctx, &m, &cache, pt, pp));
     ql_tensor *lo = ql_set_output(ql_llama_forward_cached(ctx, &m, &cache, ot, op));
     ql_graph *gp = ql_graph_new(ctx), *go = ql_graph_new(ctx);
+    owned<ql_graph> gp_(gp, ql_graph_free), go_(go, ql_graph_free);
     ql_graph_build_forward(gp, lp);
     ql_graph_build_forward(go, lo);
     ql_backend_buffer *cbuf = ql_ctx_status(ctx) == QL_OK ? ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE) : nullptr;
+    owned<ql_backend_buffer> cbuf_(cbuf, ql_backend_buffer_free);
     if (!cbuf || ql_graph_alloc(gp, be) != QL_OK || ql_graph_alloc(go, be) != QL_OK) {
         fprintf(stderr, "generate: %s (a KV cache of %.1f MiB for %d tokens) --> hint: a smaller -c\n", ql_ctx_error(ctx),
                 cache_bytes / 1048576.0, ctx_len);
@@ -229,15 +238,5 @@ int main(int argc, char **argv) {
     const double tp = std::chrono::duration<double>(t1 - t0).count(), tg = std::chrono::duration<double>(t2 - t1).count();
     fprintf(stderr, "\n\ngenerate: prompt %d tokens in %.3f s (%.1f tokens/s); generated %d tokens in %.3f s (%.1f tokens/s)\n",
             n_prompt, tp, n_prompt / std::max(tp, 1e-9), n_done, tg, n_done / std::max(tg, 1e-9));
-    ql_graph_free(gp);
-    ql_graph_free(go);
-    ql_backend_buffer_free(cbuf);
-    ql_backend_buffer_free(abuf);
-    ql_backend_buffer_free(wbuf);
-    ql_backend_free(be);
-    ql_free(ctx);
-    ql_lora_adapter_free(ad);
-    ql_vocab_free(vocab);
-    ql_llama_file_free(f);
     return 0;
 }

@@ -17,6 +17,7 @@
 // (one mt19937_64 stream in the same tensor order), then converted.
 #include "../models/llama.h"
 #include "../qlora.h"
+#include "own.h"
 
 #include <chrono>
 #include <cmath>
@@ -176,6 +177,7 @@ int main(int argc, char **argv) {
     // the shapes and names only: the values are made as each tensor is written
     ql_init_params ip = {(size_t)(layers * 16 + 16) * ql_tensor_overhead(), nullptr, true, false};
     ql_context *ctx = ql_init(ip);
+    owned<ql_context> ctx_(ctx, ql_free);
     ql_llama m;
     if (!ctx || ql_llama_create(ctx, &m, hp, QL_TYPE_F32, false) != QL_OK) {
         fprintf(stderr, "make-model: %s\n", ctx ? ql_ctx_error(ctx) : "out of memory");
@@ -184,6 +186,7 @@ int main(int argc, char **argv) {
     gen_state g{std::mt19937_64((uint64_t)seed), (float)std_dev, {}};
 
     ql_gguf_writer *w = ql_gguf_writer_new();
+    owned<ql_gguf_writer> w_(w, ql_gguf_writer_free);
     ql_gguf_set_str(w, "general.architecture", "llama");
     ql_gguf_set_str(w, "general.name", "random llama (make-model)");
     ql_gguf_set_u32(w, "llama.context_length", (uint32_t)ctx_len);
@@ -220,10 +223,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "make-model: %s\n", err);
         return 1;
     }
-    ql_gguf_writer_free(w);
     printf("make-model: %s: dim %ld, %ld layers, %ld/%ld heads, ffn %ld, vocab %ld, %s linear weights, embedding %s, output %s "
            "(%.2f s)\n", out, dim, layers, heads, kv_heads, ff, vocab, ql_type_name(wtype), ql_type_name(etype), ql_type_name(otype),
            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    ql_free(ctx);
     return 0;
 }

@@ -11,6 +11,7 @@
 #include "../models/llama.h"
 #include "../models/tokenizer.h"
 #include "../qlora.h"
+#include "own.h"
 
 #include <chrono>
 #include <unistd.h>
@@ -131,6 +132,8 @@ int main(int argc, char **argv) {
     char err[512];
     ql_llama_file *f = ql_llama_load(model, err, sizeof(err));
     ql_vocab *vocab = f ? ql_vocab_load(f->gguf, err, sizeof(err)) : nullptr;
+    owned<ql_llama_file> f_(f, ql_llama_file_free);
+    owned<ql_vocab> vocab_(vocab, ql_vocab_free);
     if (!f || !vocab) {
         fprintf(stderr, "perplexity: %s\n", err);
         return 1;
@@ -143,6 +146,7 @@ int main(int argc, char **argv) {
             return 1;
         }
     }
+    owned<ql_lora_adapter> ad_(ad, ql_lora_adapter_free);
     const int32_t bos = ql_vocab_bos(vocab);
     if (bos < 0) {
         fprintf(stderr, "perplexity: %s: the vocabulary has no BOS token to start each window with\n", model);
@@ -159,6 +163,7 @@ int main(int argc, char **argv) {
     const int64_t n_tok = (int64_t)toks.size(), n_full = n_tok / chunk, tail = n_tok % chunk;
     if (threads > 0) ql_cpu_warn_threads("perplexity", threads);
     ql_backend *be = ql_backend_init_by_name(device, threads, err, sizeof(err));
+    owned<ql_backend> be_(be, ql_backend_free);
     if (!be) {
         fprintf(stderr, "perplexity: --device %s: %s\n", device, err);
         return 1;
@@ -170,6 +175,7 @@ int main(int argc, char **argv) {
     }
     ql_backend_buffer *wbuf = ql_backend_place_ctx_tensors(be, f->ctx);  // the weights, placed once
     ql_backend_buffer *abuf = ad ? ql_backend_place_ctx_tensors(be, ad->ctx) : nullptr;
+    owned<ql_backend_buffer> wbuf_(wbuf, ql_backend_buffer_free), abuf_(abuf, ql_backend_buffer_free);
     if (!wbuf || (ad && !abuf)) {
         fprintf(stderr, "perplexity: %s\n", ql_ctx_error(wbuf ? ad->ctx : f->ctx));
         return 1;
@@ -218,11 +224,5 @@ int main(int argc, char **argv) {
         printf("perplexity: %lld tokens in windows of %d: mean nll %.6f, perplexity %.4f (%.1f tokens/s)\n",
                (long long)n_tok, c, nll, std::exp(nll), (double)n_tok / std::max(secs, 1e-9));
     }
-    ql_backend_buffer_free(abuf);
-    ql_backend_buffer_free(wbuf);
-    ql_backend_free(be);
-    ql_lora_adapter_free(ad);
-    ql_vocab_free(vocab);
-    ql_llama_file_free(f);
     return 0;
 }

@@ -10,6 +10,7 @@
 // themselves (qlora.* keys) and carry type ids llama.cpp does not know, so llama.cpp refuses
 // them with an unknown-type error instead of misreading them.
 #include "../qlora.h"
+#include "own.h"
 
 #include <sys/stat.h>
 
@@ -84,17 +85,18 @@ int main(int argc, char **argv) {
         fprintf(stderr, "quantize: %s\n", err);
         return 1;
     }
+    owned<ql_gguf> in_(in, ql_gguf_close);
     {  // a LoRA adapter has nothing to quantize (its lora_a / lora_b stay f32): say so, write nothing
         size_t len = 0;
         const int64_t it = ql_gguf_find_kv(in, "general.type");
         const char *type = it >= 0 ? ql_gguf_get_str(in, it, &len) : nullptr;
         if (type && !strcmp(type, "adapter")) {
             fprintf(stderr, "quantize: %s: a LoRA adapter, not a model: nothing to quantize (quantize the base model)\n", in_path);
-            ql_gguf_close(in);
             return 1;
         }
     }
     ql_gguf_writer *w = ql_gguf_writer_new();
+    owned<ql_gguf_writer> w_(w, ql_gguf_writer_free);
     for (int64_t i = 0; i < ql_gguf_n_kv(in); i++) ql_gguf_copy_kv(w, in, i);
     ql_gguf_remove_kv(w, "general.file_type");  // llama.cpp's enum has no value for these mixes
     ql_gguf_set_u32(w, "general.quantization_version", 2);
@@ -154,8 +156,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "quantize: %s\n", err);
         return 1;
     }
-    ql_gguf_writer_free(w);
-    ql_gguf_close(in);
+    w_.reset();
+    in_.reset();
     const long long in_size = file_size(in_path), out_size = file_size(out_path);
     printf("quantize: %d tensors to %s: %.3f bits per parameter (%.0f parameters)\n", n_quant, ql_type_name(target),
            q_params > 0 ? 8.0 * q_bytes / q_params : 0.0, q_params);

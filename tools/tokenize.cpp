@@ -7,6 +7,7 @@
 // in the input (e.g. "<|eot_id|>") into those tokens instead of tokenizing them as text.
 #include "../models/tokenizer.h"
 #include "../qlora.h"
+#include "own.h"
 
 #include <cerrno>
 #include <cstdarg>
@@ -80,6 +81,7 @@ int main(int argc, char **argv) {
     }
     ql_vocab *v = ql_vocab_load(g, err, sizeof(err));
     ql_gguf_close(g);  // the vocabulary keeps its own copies
+    owned<ql_vocab> v_(v, ql_vocab_free);
     if (!v) {
         fprintf(stderr, "tokenize: %s: %s\n", model, err);
         return 1;
@@ -92,7 +94,6 @@ int main(int argc, char **argv) {
     }
     line += '\n';
     const bool ok = fwrite(line.data(), 1, line.size(), stdout) == line.size() && fflush(stdout) == 0;
-    ql_vocab_free(v);
     if (!ok) {
         fprintf(stderr, "tokenize: cannot write the ids: %s\n", strerror(errno));
         return 1;
