@@ -93,6 +93,12 @@ $(BUILD)/test-cuda-shim: $(SHIM_SRC:tests/%.cpp=$(BUILD)/shim/%.o) $(BUILD)/shim
 
 test: test-unit test-dropin test-cuda-shim
 
+# The suite linked with the CUDA backend from the objects make already built (the CPU objects do
+# not depend on CUDA=1) and cuda-check's object: what CI runs to see the CUDA build link and its
+# GPU suite skip (or run) without compiling everything a second time.
+$(BUILD)/test-qlora-cuda: $(TEST_OBJ) $(BUILD)/libqlora.a $(BUILD)/cuda/qlora-cuda.o
+	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS) -L$(CUDA_HOME)/lib64 -lcublas -lcudart -Wl,-rpath,$(CUDA_HOME)/lib64
+
 ifneq ($(CUDA_HEADERS),)
 test-cuda-shim: $(BUILD)/test-cuda-shim
 	./$(BUILD)/test-cuda-shim
@@ -102,9 +108,10 @@ test-cuda-shim:
 endif
 
 # every architecture, warnings as errors, and the ptxas gate: no spill stores and no stack frame
-cuda-check:
+$(BUILD)/cuda/qlora-cuda.o: $(CUDA_SRC) qlora.h
 	@mkdir -p $(BUILD)/cuda
-	$(NVCC) $(NVCCFLAGS) -Xptxas -v -I. -c qlora-cuda.cu -o $(BUILD)/cuda/qlora-cuda.o 2> $(BUILD)/ptxas.log || { cat $(BUILD)/ptxas.log; exit 1; }
+	$(NVCC) $(NVCCFLAGS) -Xptxas -v -I. -c qlora-cuda.cu -o $@ 2> $(BUILD)/ptxas.log || { cat $(BUILD)/ptxas.log; exit 1; }
+cuda-check: $(BUILD)/cuda/qlora-cuda.o
 	@if grep -E "[1-9][0-9]* bytes (spill stores|stack frame)" $(BUILD)/ptxas.log >/dev/null; then \
 	    echo "cuda-check: spills or local memory:"; grep -B3 -E "[1-9][0-9]* bytes (spill stores|stack frame)" $(BUILD)/ptxas.log; exit 1; fi
 	@echo "cuda-check: $$(grep -c 'Compiling entry' $(BUILD)/ptxas.log) kernel builds, no spills, no stack frames"
@@ -125,10 +132,17 @@ test-dropin:
 CLANGXX := $(shell command -v clang++ 2>/dev/null)
 PORTABLE_SAN   := -O1 -g -std=c++17 -pthread -fsanitize=undefined$(comma)float-cast-overflow -fno-sanitize=enum -fno-sanitize-recover=all
 PORTABLE_FLAGS := $(if $(CLANGXX),CXX=clang++ CXXFLAGS="$(PORTABLE_SAN)")
-test-portable:
+# the suite in two halves, run at once under make -j (doctest's --first/--last count test cases
+# in file order; the second half has no end, so a new test is always in one)
+SUITE_HALF_1 := --last=110
+SUITE_HALF_2 := --first=111
+.PHONY: portable-build portable-half-1 portable-half-2
+test-portable: portable-half-1 portable-half-2
+portable-build:
 	$(if $(CLANGXX),,@echo "test-portable: clang++ not found: the portable build with g++, without float-cast-overflow checks")
 	$(MAKE) --no-print-directory BUILD=$(BUILD)/portable PORTABLE=1 $(PORTABLE_FLAGS) $(BUILD)/portable/test-qlora
-	UBSAN_OPTIONS=print_stacktrace=1 ./$(BUILD)/portable/test-qlora
+portable-half-1 portable-half-2: portable-half-%: portable-build $(ROOT_TOOLS)
+	UBSAN_OPTIONS=print_stacktrace=1 ./$(BUILD)/portable/test-qlora $(SUITE_HALF_$*)
 
 # Sanitizer build in its own tree; same sources, same tests (the shim suite too).
 SAN := $(BUILD)/san
@@ -151,10 +165,17 @@ $(SAN)/shim/%.o: tests/%.cpp tests/cuda_shim.h $(CUDA_SRC) $(HEADERS) $(TEST_HEA
 $(SAN)/test-cuda-shim: $(SHIM_SRC:tests/%.cpp=$(SAN)/shim/%.o) $(SAN)/shim/cuda_shim_backend.o $(LIB_SRC:%.cpp=$(SAN)/%.o)
 	$(CXX) $(SANFLAGS) $^ -o $@ $(LDLIBS)
 
-test-sanitize: $(SAN)/test-qlora $(ROOT_TOOLS) $(SAN_TOOLS) $(if $(CUDA_HEADERS),$(SAN)/test-cuda-shim)
-	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 ./$(SAN)/test-qlora
+# the suite in two halves, the tools' error exits and the shim suite: separate targets, so that
+# make -j runs them at once
+SAN_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1
+.PHONY: san-half-1 san-half-2 san-tools san-shim
+test-sanitize: san-half-1 san-half-2 san-tools $(if $(CUDA_HEADERS),san-shim)
+san-half-1 san-half-2: san-half-%: $(SAN)/test-qlora $(ROOT_TOOLS)
+	$(SAN_ENV) ./$(SAN)/test-qlora $(SUITE_HALF_$*)
+san-tools: $(SAN)/test-qlora $(ROOT_TOOLS) $(SAN_TOOLS)
 	QL_TOOLS=$(SAN)/tools ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ./$(SAN)/test-qlora -tc="tools: error exits*"
-	$(if $(CUDA_HEADERS),ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 ./$(SAN)/test-cuda-shim)
+san-shim: $(SAN)/test-cuda-shim
+	$(SAN_ENV) ./$(SAN)/test-cuda-shim
 
 bench: tools/bench
 	./tools/bench all
