@@ -759,6 +759,7 @@ void ql_dataset_sequences(const ql_dataset &d, const ql_data_options &o, int32_t
             at += n;
             seg++;
         }
+        s.len = (int64_t)at;
         for (size_t j = at; j < (size_t)L; j++) {  // padding: its own segment, positions from 0
             s.pos[j] = (int32_t)(j - at);
             s.seg[j] = seg;

@@ -69,7 +69,8 @@ void ql_dataset_split(ql_dataset *train, double fraction, uint64_t seed, ql_data
 // its document id (for the attention mask; padding gets its own id), and the target: the next
 // token of the same document when that token is supervised, else -1.
 struct ql_sequence {
-    std::vector<int32_t> tokens, pos, seg, targets;
+    std::vector<int32_t> tokens, pos, seg, targets;  // [seq_len], padded at the end
     int64_t n_targets = 0;
+    int64_t len = 0;  // positions before the padding (a micro-batch need not be longer than its longest)
 };
 void ql_dataset_sequences(const ql_dataset &d, const ql_data_options &o, int32_t pad_token, std::vector<ql_sequence> *out);

@@ -35,7 +35,12 @@ struct ql_trainer {
     ql_train_options o;
     const std::vector<ql_sequence> *train = nullptr, *eval = nullptr;  // the run's own, or (planning) the caller's
     std::vector<ql_sequence> own_train, own_eval;
-    int64_t T = 0, B = 0;
+    int64_t T = 0, B = 0;   // the training graph's length (the longest sequence's bucket) and micro-batch
+    int64_t seq_len = 0;    // the sequences' length (--seq-len)
+    // dynamic padding: the lengths of the training graphs (ascending; the last is T, t->tr) and
+    // the graphs of the shorter ones; a micro-batch runs in the shortest that holds it
+    std::vector<int64_t> bucket_len;
+    std::vector<batch_io> bucket_io;  // [bucket_len.size() - 1]
     bool packed = false;  // sequences hold several documents: attention needs the segment ids
     ql_context *ctx = nullptr;
     ql_backend *be = nullptr;  // the backend that trains (t->o.device)
@@ -133,6 +138,15 @@ static bool build(ql_trainer *t, ql_context *ctx) {
             if (t->levels[i] == QL_KEEP_INPUT && in[i]) off.push_back(in[i]);
         if (!off.empty()) off.pop_back();
         if (ql_graph_offload(t->tr.g, off.data(), (int)off.size()) != QL_OK) return false;
+    }
+    t->bucket_io.clear();
+    for (size_t k = 0; t->tr.g && k + 1 < t->bucket_len.size(); k++) {  // the shorter lengths: the same recompute
+        t->bucket_io.push_back(make_io(ctx, m, t->bucket_len[k], t->B, t->packed, true, t->embd_host,
+                                       t->loss_chunk > 0 ? std::min(t->loss_chunk, t->bucket_len[k] * t->B) : 0));
+        if (!t->bucket_io.back().g || ((!t->levels.empty() || t->loss_chunk > 0) &&
+                                       ql_graph_recompute(t->bucket_io.back().g, t->levels.empty() ? nullptr : t->levels.data(),
+                                                          (int)t->levels.size(), nullptr) != QL_OK))
+            return false;
     }
     m.lora_dropout = false;  // evaluation: no dropout
     t->ev = make_io(ctx, m, t->T, t->B, t->packed, false, t->embd_host, t->loss_chunk);
@@ -265,6 +279,14 @@ static bool measure(ql_trainer *t, std::string *err) {
     t->rs = ql_recompute_stats();
     ql_plan_stats ps{}, es{};
     bool ok = build(t, meas) && ql_graph_plan(t->tr.g, t->be, &ps) == QL_OK && ql_graph_plan(t->ev.g, t->be, &es) == QL_OK;
+    size_t bucket_buf = 0, bucket_inputs = 0;  // the shorter graphs run in the same buffer
+    for (const batch_io &b : t->bucket_io) {
+        ql_plan_stats bs{};
+        ok = ok && ql_graph_plan(b.g, t->be, &bs) == QL_OK;
+        bucket_buf = std::max(bucket_buf, bs.buffer_size);
+        bucket_inputs += input_bytes(b);
+    }
+    es.buffer_size = std::max(es.buffer_size, bucket_buf);  // (what shares the training graph's buffer)
     if (!ok) *err = ql_ctx_error(meas);
     ql_memory_plan &m = t->mem;
     if (ok) {
@@ -276,7 +298,7 @@ static bool measure(ql_trainer *t, std::string *err) {
         for (const auto &st : t->state)
             for (const ql_tensor *x : st) m.optimizer += ql_nbytes(x);
         m.optimizer_host = t->o.optim.rfind("paged_", 0) == 0;
-        m.inputs = input_bytes(t->tr) + input_bytes(t->ev) + ql_nbytes(t->seed);
+        m.inputs = input_bytes(t->tr) + input_bytes(t->ev) + bucket_inputs + ql_nbytes(t->seed);
         m.headers = arena - std::min(arena, m.lora + m.grads + m.optimizer + m.inputs);
         m.saved = ps.bytes[QL_MEM_SAVED];
         m.recompute = ps.recompute_peak;
@@ -313,6 +335,8 @@ static bool measure(ql_trainer *t, std::string *err) {
     }
     free_io(t->tr);
     free_io(t->ev);
+    for (batch_io &b : t->bucket_io) free_io(b);
+    t->bucket_io.clear();
     ql_free(meas);
     return ok;
 }
@@ -444,6 +468,16 @@ static bool choose_levels(ql_trainer *t, std::string *err) {
     return choose_levels_for(t, err);
 }
 
+// The positions of a sequence the loss depends on: up to its last target (attention is causal,
+// so what follows changes nothing) - a shorter graph computes the same loss; and its tokens
+// before the padding (what tokens/s counts; ql_sequence.len, or without it the former).
+static int64_t needed_len(const ql_sequence &q) {
+    int64_t n = (int64_t)q.targets.size();
+    while (n > 0 && q.targets[(size_t)n - 1] < 0) n--;
+    return std::max<int64_t>(1, n);
+}
+static int64_t real_len(const ql_sequence &q) { return q.len > 0 ? q.len : needed_len(q); }
+
 // fields from the options; nothing built
 static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train, const std::vector<ql_sequence> &eval,
                          const ql_train_options &o, std::string *err) {
@@ -475,7 +509,25 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
     t->o = o;
     t->train = &train;
     t->eval = &eval;
-    t->T = (int64_t)train[0].tokens.size();
+    t->seq_len = t->T = (int64_t)train[0].tokens.size();
+    if (o.dynamic_padding && !(o.offload_activations && o.device != "cpu")) {
+        // the graphs' lengths: halves and three-quarters of the sequences' length, multiples of 8,
+        // at least 16; the training graph as long as the longest sequence's, shorter graphs down to
+        // the shortest training sequence's
+        int64_t lmax = 1, lmin = t->T;
+        for (const ql_sequence &q : train) lmax = std::max(lmax, needed_len(q)), lmin = std::min(lmin, needed_len(q));
+        for (const ql_sequence &q : eval) lmax = std::max(lmax, needed_len(q));
+        std::vector<int64_t> ladder = {t->T};
+        for (int64_t b = t->T; b / 2 >= 16; b /= 2)
+            for (int64_t x : {b * 3 / 4, b / 2}) ladder.push_back(std::min(t->T, (x + 7) / 8 * 8));
+        std::sort(ladder.begin(), ladder.end());
+        ladder.erase(std::unique(ladder.begin(), ladder.end()), ladder.end());
+        const auto fit = [&](int64_t n) { return *std::lower_bound(ladder.begin(), ladder.end(), std::min(n, t->T)); };
+        t->T = fit(lmax);
+        for (int64_t x : ladder)
+            if (x >= fit(lmin) && x <= t->T) t->bucket_len.push_back(x);
+    }
+    if (t->bucket_len.empty()) t->bucket_len.push_back(t->T);
     t->B = o.micro_batch;
     t->packed = o.packed;
     const int64_t per_step = (int64_t)o.micro_batch * o.grad_accum;
@@ -604,6 +656,7 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
         const bool train_bigger = es.buffer_size <= t->plan.buffer_size;
         ql_graph *big = train_bigger ? t->tr.g : t->ev.g, *small = train_bigger ? t->ev.g : t->tr.g;
         ok_alloc = ql_graph_alloc(big, t->be) == QL_OK && ql_graph_alloc_shared(small, t->be, big) == QL_OK;
+        for (batch_io &b : t->bucket_io) ok_alloc = ok_alloc && ql_graph_alloc_shared(b.g, t->be, big) == QL_OK;
     }
     if (!ok_alloc) {
         *err = t->ctx ? ql_ctx_error(t->ctx) : "out of memory";
@@ -693,6 +746,8 @@ bool ql_train_write_snapshot(ql_llama_file *f, const std::vector<ql_sequence> &t
     }
     free_io(t->tr);
     free_io(t->ev);
+    for (batch_io &b : t->bucket_io) free_io(b);
+    t->bucket_io.clear();
     if (meas) ql_free(meas);
     ql_trainer_free(t);
     return ok;
@@ -712,6 +767,8 @@ void ql_trainer_free(ql_trainer *t) {
     if (!t) return;
     free_io(t->tr);
     free_io(t->ev);
+    for (batch_io &b : t->bucket_io) free_io(b);
+    t->bucket_io.clear();
     ql_backend_buffer_free(t->paged_buf);
     ql_backend_buffer_free(t->state_buf);    // the tensors back on the arena,
     ql_backend_buffer_free(t->weights_buf);  // the weights on the file mapping
@@ -767,14 +824,46 @@ static int64_t slot_sequence(ql_trainer *t, int64_t s, int64_t i) {
             state = mix(state);
             std::swap(t->order[(size_t)k], t->order[(size_t)(state % (uint64_t)(k + 1))]);
         }
+        if (t->o.group_by_length) {  // transformers' LengthGroupedSampler: mega-batches, each longest first
+            const int64_t step = t->B * t->o.grad_accum, mega = step * std::max<int64_t>(1, std::min<int64_t>(50, n / (4 * step)));
+            const auto longer = [t](int64_t a, int64_t b) { return needed_len((*t->train)[(size_t)a]) > needed_len((*t->train)[(size_t)b]); };
+            for (int64_t k = 0; k < n; k += mega)
+                std::stable_sort(t->order.begin() + k, t->order.begin() + std::min(n, k + mega), longer);
+        }
         t->order_epoch = epoch;
     }
     return t->order[(size_t)at];
 }
 
+// the shortest training graph that holds B sequences (NULL: none): the index into bucket_len
+static size_t bucket_of(const ql_trainer *t, const ql_sequence *const *seqs) {
+    int64_t longest = 1;
+    for (int64_t b = 0; b < t->B; b++)
+        if (seqs[b]) longest = std::max(longest, needed_len(*seqs[b]));
+    size_t k = 0;
+    while (k + 1 < t->bucket_len.size() && t->bucket_len[k] < longest) k++;
+    return k;
+}
+
+void ql_trainer_epoch_tokens(ql_trainer *t, int64_t *real, int64_t *padded) {
+    *real = *padded = 0;
+    std::vector<const ql_sequence *> mb((size_t)t->B);
+    const int64_t A = t->o.grad_accum;
+    for (int64_t s = 0; s < t->per_epoch; s++)
+        for (int64_t a = 0; a < A; a++) {
+            for (int64_t b = 0; b < t->B; b++) {
+                const int64_t q = slot_sequence(t, s, a * t->B + b);
+                mb[(size_t)b] = q >= 0 ? &(*t->train)[(size_t)q] : nullptr;
+                if (q >= 0) *real += real_len(*mb[(size_t)b]);
+            }
+            *padded += t->B * t->bucket_len[bucket_of(t, mb.data())];
+        }
+}
+const std::vector<int64_t> &ql_trainer_lengths(const ql_trainer *t) { return t->bucket_len; }
+
 // writes B sequences (NULL: empty, all targets -1) into a graph's inputs, through the backend
 static bool fill(ql_trainer *t, const batch_io &io, const ql_sequence *const *seqs) {
-    const int64_t T = t->T, B = t->B;
+    const int64_t T = io.pos->ne[0], B = t->B;  // the graph's length: each sequence's first T positions
     int32_t *tk = t->in_tokens.data(), *ps = t->in_pos.data(), *tg = t->in_targets.data();
     int32_t *sg = io.seg ? t->in_seg.data() : nullptr;
     for (size_t b = 0; b < (size_t)B; b++) {
@@ -793,7 +882,7 @@ static bool fill(ql_trainer *t, const batch_io &io, const ql_sequence *const *se
         const size_t E = (size_t)e->ne[0];
         for (size_t k = 0; k < (size_t)(T * B); k++)
             if (ql_tensor_row_to_float(e, tk[k], t->in_embd.data() + k * E) != QL_OK) return false;
-        if (ql_backend_tensor_set(t->be, io.embd, t->in_embd.data(), 0, t->in_embd.size() * sizeof(float)) != QL_OK) return false;
+        if (ql_backend_tensor_set(t->be, io.embd, t->in_embd.data(), 0, (size_t)(T * B) * E * sizeof(float)) != QL_OK) return false;
     }
     return (io.embd || ql_backend_tensor_set(t->be, io.tokens, tk, 0, n) == QL_OK) && ql_backend_tensor_set(t->be, io.pos, ps, 0, n) == QL_OK &&
            ql_backend_tensor_set(t->be, io.targets, tg, 0, n) == QL_OK &&
@@ -836,23 +925,30 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     // loss scaling: the loss's denominator divided by the scale multiplies the loss, so every
     // gradient, by it (exactly when the scale is a power of two, as with the default flags)
     const double scale = t->scale;
-    if (ql_backend_graph_zero_grads(t->be, t->tr.g) != QL_OK || !set_f32(t, t->tr.count, (float)((double)targets / scale))) {
+    if (ql_backend_graph_zero_grads(t->be, t->tr.g) != QL_OK) {
         *err = "step " + std::to_string(s + 1) + ": cannot write to " + t->o.device;
         return false;
     }
     double loss = 0;
+    int64_t padded = 0, real = 0;
     for (int64_t a = 0; a < A; a++) {
         const int32_t seed = (int32_t)(uint32_t)mix(t->o.seed * 0x9E3779B97F4A7C15ull + (uint64_t)(s * A + a));
+        for (int64_t b = 0; b < B; b++)
+            if (const ql_sequence *q = t->slot[(size_t)(a * B + b)]) real += real_len(*q);
+        const size_t k = bucket_of(t, t->slot.data() + a * B);  // the shortest graph that holds the micro-batch
+        const batch_io &io = k + 1 < t->bucket_len.size() ? t->bucket_io[k] : t->tr;
+        padded += B * t->bucket_len[k];
         float l = 0;
-        if (!fill(t, t->tr, t->slot.data() + a * B) || ql_backend_tensor_set(t->be, t->seed, &seed, 0, 4) != QL_OK ||
-            ql_backend_graph_compute(t->be, t->tr.g) != QL_OK || !get_f32(t, t->tr.loss, &l)) {
+        if (!set_f32(t, io.count, (float)((double)targets / scale)) || !fill(t, io, t->slot.data() + a * B) ||
+            ql_backend_tensor_set(t->be, t->seed, &seed, 0, 4) != QL_OK || ql_backend_graph_compute(t->be, io.g) != QL_OK ||
+            !get_f32(t, io.loss, &l)) {
             *err = ql_ctx_status(t->ctx) != QL_OK ? ql_ctx_error(t->ctx) : "step " + std::to_string(s + 1) + ": a device copy failed";
             return false;
         }
         if (!std::isfinite(l)) {  // the forward pass: no loss scale helps; find where it began
-            ql_graph_set_check_finite(t->tr.g, true);
-            const bool found = ql_backend_graph_compute(t->be, t->tr.g) != QL_OK;
-            ql_graph_set_check_finite(t->tr.g, false);
+            ql_graph_set_check_finite(io.g, true);
+            const bool found = ql_backend_graph_compute(t->be, io.g) != QL_OK;
+            ql_graph_set_check_finite(io.g, false);
             const std::string where = found ? ql_ctx_error(t->ctx) : "";
             ql_ctx_clear_error(t->ctx);
             *err = "step " + std::to_string(s + 1) + ", micro-batch " + std::to_string(a + 1) + ": the loss is " +
@@ -940,7 +1036,8 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     m->loss = loss;
     m->lr = lr;
     m->grad_norm = norm;
-    m->tokens = B * A * t->T;
+    m->tokens = padded;
+    m->real_tokens = real;
     m->targets = targets;
     m->loss_scale = scale;
     m->skipped = skip;
@@ -982,9 +1079,6 @@ bool ql_trainer_eval(ql_trainer *t, double *loss, std::string *err) {
 
 // ---- checkpoints ----
 
-// The settings a resumed run must share with the one that saved the checkpoint (anything that
-// changes the data order, the masks, the schedule or the update), as (key, value) text, so that
-// a mismatch can be named. The data enter by a fingerprint of every training token and target.
 // the schedule as asked for (not the warmup steps it came to: those follow the total, which an
 // extended run changes)
 static std::string scheduler_setting(const ql_train_options &o) {
@@ -995,6 +1089,9 @@ static std::string scheduler_setting(const ql_train_options &o) {
     return o.scheduler + ", warmup ratio " + b;
 }
 
+// The settings a resumed run must share with the one that saved the checkpoint (anything that
+// changes the data order, the masks, the schedule or the update), as (key, value) text, so that
+// a mismatch can be named. The data enter by a fingerprint of every training token and target.
 static std::vector<std::pair<std::string, std::string>> run_settings(const ql_trainer *t) {
     std::string targets;
     for (const std::string &x : t->o.lora.targets) targets += (targets.empty() ? "" : ",") + x;
@@ -1016,7 +1113,7 @@ static std::vector<std::pair<std::string, std::string>> run_settings(const ql_tr
     };
     const ql_train_options &o = t->o;
     return {{"architecture", t->f->arch},
-            {"training data", std::to_string(t->train->size()) + " sequences of " + std::to_string(t->T) + " tokens, fingerprint " + hex},
+            {"training data", std::to_string(t->train->size()) + " sequences of " + std::to_string(t->seq_len) + " tokens, fingerprint " + hex},
             {"seed", std::to_string(o.seed)},
             {"micro-batch", std::to_string(o.micro_batch)},
             {"gradient accumulation", std::to_string(o.grad_accum)},
@@ -1031,6 +1128,8 @@ static std::vector<std::pair<std::string, std::string>> run_settings(const ql_tr
             {"scheduler", scheduler_setting(o)},
             {"optimizer", o.optim + ", betas " + num(o.beta1) + " " + num(o.beta2) + ", eps " + num(o.eps) + ", weight decay " + num(o.weight_decay)},
             {"max grad norm", num(o.max_grad_norm)},
+            {"padding", std::string(t->bucket_len.size() > 1 || t->T < t->seq_len ? "to each micro-batch's longest" : "to the sequence length") +
+                            (o.group_by_length ? ", grouped by length" : "")},
             {"precision", o.precision + (o.precision == "fp16" ? ", loss scale " + num(o.scale_init) + " x" + num(o.scale_growth) + " per " +
                                                                      std::to_string(o.scale_interval) + " clean steps, x" + num(o.scale_backoff) + " on overflow"
                                                                : "")}};
@@ -1165,6 +1264,7 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
         bool found = false;
         std::string was = str("qlora.run." + kv.first, &found);
         if (!found && kv.first == "precision") was = "fp32", found = true;  // written before precisions existed
+        if (!found && kv.first == "padding") was = "to the sequence length", found = true;  // before dynamic padding
         if (found && was == kv.second) continue;
         if (kv.first == "total steps") continue;  // more steps or epochs extend a run (the step is checked below)
         if (found && kv.first == "scheduler" && was == t->o.scheduler + ", warmup " + std::to_string(t->warmup) + " steps")

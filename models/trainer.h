@@ -51,6 +51,14 @@ struct ql_train_options {
     double warmup_ratio = 0.0;          // warmup steps = warmup_steps if > 0, else ceil(ratio * total steps)
     int64_t warmup_steps = 0;
     int     epochs = 1;
+    // each micro-batch padded only to its longest sequence: training graphs for a few lengths
+    // (halves and three-quarters down from the longest sequence's, at least 16), planned and
+    // allocated once in the buffer of the longest, which the memory plan covers. Off: every
+    // micro-batch as long as the sequences (--seq-len). (Not with offload_activations on a device.)
+    bool dynamic_padding = true;
+    // transformers' group_by_length: each epoch's shuffled order cut into mega-batches of 50
+    // steps' sequences, each sorted longest first, so that a micro-batch holds similar lengths
+    bool group_by_length = false;
     int64_t max_steps = -1;             // > 0: overrides epochs
     uint64_t seed = 42;                 // data order and dropout masks (the adapter's init: lora.init_seed)
     int threads = 0;                    // 0: ql_cpu_default_threads() (physical cores not busy with other work)
@@ -127,6 +135,7 @@ struct ql_step_metrics {
     double  lr = 0;            // the rate this step used
     double  grad_norm = 0;     // before clipping
     int64_t tokens = 0;        // sequence positions processed (padding included)
+    int64_t real_tokens = 0;   // positions before the padding (the data's tokens)
     int64_t targets = 0;       // supervised tokens
     double  seconds = 0;
     // loss scaling (fp16): the scale this step used, whether it was skipped, skips so far
@@ -170,6 +179,10 @@ size_t      ql_trainer_state_bytes(const ql_trainer *t);   // adapter + gradient
 ql_llama   &ql_trainer_model(ql_trainer *t);
 // the training graph (forward + backward), e.g. for ql_graph_set_profile / ql_graph_node_seconds
 ql_graph   *ql_trainer_graph(ql_trainer *t);
+// dynamic padding: the training graphs' lengths (ascending; the last is the longest sequence's)
+const std::vector<int64_t> &ql_trainer_lengths(const ql_trainer *t);
+// one epoch's positions before the padding, and as computed (each micro-batch padded to its graph)
+void        ql_trainer_epoch_tokens(ql_trainer *t, int64_t *real, int64_t *padded);
 double      ql_trainer_lr_at(const ql_trainer *t, int64_t step);  // the schedule (step from 0)
 
 // "auto" precision on the CPU backend: bf16 where it multiplies bf16 natively (AMX,

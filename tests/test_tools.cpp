@@ -563,6 +563,39 @@ TEST_CASE("finetune: a finished run extended with --resume DIR --max-steps N equ
                       std::string::npos, log);
 }
 
+TEST_CASE("finetune: padding to each micro-batch's longest - the plan's line, real and padded tokens/s; --seq-len past the context warns") {
+    if (!all_built({"make-model", "finetune"})) return;
+    tmpdir d;
+    const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl";
+    std::string log;
+    REQUIRE(run("./make-model -o " + base + " --dim 32 --layers 1 --heads 2 --ff 64 --ctx 48 --seed 6", &log) == 0);
+    write_qa_jsonl(data, 12);  // examples of ~10-20 tokens (byte-level vocabulary)
+    const std::string args = " -m " + base + " -d " + data + " --max-steps 3 -b 2 --seq-len 64 -t 1 -o ";
+    REQUIRE_MESSAGE(run("./finetune" + args + d.path + "/a", &log) == 0, log);
+    CHECK_MESSAGE(log.find("finetune: warning: --seq-len 64 is longer than the model's context length 48") != std::string::npos, log);
+    const size_t at = log.find("finetune: padding: ");
+    REQUIRE_MESSAGE(at != std::string::npos, log);
+    const std::string line = log.substr(at, log.find('\n', at) - at);
+    CHECK_MESSAGE((line.find("each micro-batch to the shortest of") != std::string::npos ||
+                   line.find("(the longest sequence's)") != std::string::npos), line);
+    const double pct = atof(line.c_str() + line.rfind('(') + 1);  // "(P% padding)"
+    const auto m = metric_lines(d.path + "/a/metrics.jsonl");
+    REQUIRE(m.size() == 3);
+    const double real = metric(m[2].second, "tokens_per_s"), padded = metric(m[2].second, "padded_tokens_per_s"),
+                 sup = metric(m[2].second, "supervised_tokens_per_s");
+    CHECK(sup > 0);
+    CHECK(sup < real);
+    CHECK(real <= padded);
+    CHECK(log.find("tok/s (") != std::string::npos);
+    // padded to --seq-len: 64 positions a sequence, of which the same real ones
+    REQUIRE_MESSAGE(run("./finetune" + args + d.path + "/b --no-dynamic-padding", &log) == 0, log);
+    const size_t at2 = log.find("finetune: padding: every micro-batch to --seq-len 64 (--no-dynamic-padding)");
+    REQUIRE_MESSAGE(at2 != std::string::npos, log);
+    const double pct2 = atof(log.c_str() + log.find('(', log.find("positions for", at2)) + 1);
+    CHECK(pct2 > pct);
+    CHECK(pct2 > 60);
+}
+
 TEST_CASE("finetune: a full disk - the adapter first, then the checkpoint; the message names the file and the size") {
     if (!all_built({"make-model", "finetune"})) return;
     tmpdir d;
@@ -841,7 +874,8 @@ TEST_CASE("finetune: the memory plan: --dry-run, measured peak within 3%, -b aut
     std::string log;
     REQUIRE(run("./make-model -o " + base + " --dim 192 --layers 4 --heads 4 --ff 512 --seed 1", &log) == 0);
     write_qa_jsonl(data, 16);
-    const std::string ft = "./finetune -m " + base + " -d " + data + " -o " + out + " --seq-len 256 -t 2 --overwrite";
+    // (every micro-batch at 256: the subject is the plan of a 256-token graph, not the data's lengths)
+    const std::string ft = "./finetune -m " + base + " -d " + data + " -o " + out + " --seq-len 256 -t 2 --overwrite --no-dynamic-padding";
 
     // --dry-run: the table (or one JSON object), exit 0, nothing written
     REQUIRE_MESSAGE(run(ft + " -b 4 --dry-run", &log) == 0, log);
@@ -959,7 +993,7 @@ TEST_CASE("finetune: the device plan on a machine without the card (--vram, --cc
     std::string log;
     REQUIRE(run("./make-model -o " + base + " --dim 128 --layers 2 --heads 4 --ff 256 --vocab 4000 --type nf4", &log) == 0);
     write_qa_jsonl(data, 16);
-    const std::string ft = "./finetune -m " + base + " -d " + data + " -o " + out + " --seq-len 256 --device cuda --dry-run";
+    const std::string ft = "./finetune -m " + base + " -d " + data + " -o " + out + " --seq-len 256 --device cuda --dry-run --no-dynamic-padding";
     REQUIRE_MESSAGE(run(ft + " -b 4 --vram 2G --cc 7.5 --precision auto", &log) == 0, log);
     for (const char *row : {"device memory plan (MiB)", "compute capability 7.5", "base weights, whole, as stored", "nf4",
                             "CUDA context + cuBLAS workspace", "allocator rounding", "total device memory", "fits"})

@@ -856,3 +856,69 @@ TEST_CASE("trainer: bf16 and fp16 training stays within 2% of fp32's loss over 1
     CHECK(losses[0].back() < 0.5 * losses[0].front());
     ql_llama_file_free(f);
 }
+
+TEST_CASE("trainer: dynamic padding - a micro-batch runs in the shortest graph that holds it; the losses of full padding") {
+    tmpdir d;
+    ql_llama_file *f = load_tiny(d.path);
+    // 64-token sequences whose documents end between 8 and 40 tokens: most of every sequence is padding
+    std::vector<ql_sequence> seqs = make_sequences(24, 64, 3);
+    for (size_t k = 0; k < seqs.size(); k++) {
+        ql_sequence &s = seqs[k];
+        const int64_t len = 8 + (int64_t)(k * 7) % 33;
+        s.n_targets = 0;
+        for (int64_t i = 0; i < 64; i++) {
+            if (i >= len) s.tokens[(size_t)i] = 0;
+            if (i + 1 >= len) s.targets[(size_t)i] = -1;
+            s.n_targets += s.targets[(size_t)i] >= 0;
+        }
+        s.len = len;
+    }
+    std::vector<std::vector<double>> losses(3);
+    std::vector<std::vector<float>> adapters(3);
+    std::vector<int64_t> real(3), padded(3), stepped(3, 0);
+    std::vector<size_t> saved(3);
+    for (int run = 0; run < 3; run++) {  // full padding, dynamic, dynamic grouped by length
+        ql_train_options o = base_options();
+        o.grad_accum = 2;
+        o.dynamic_padding = run > 0;
+        o.group_by_length = run == 2;
+        std::string err;
+        ql_trainer *t = ql_trainer_new(f, seqs, {}, o, &err);
+        REQUIRE_MESSAGE(t, err);
+        const std::vector<int64_t> &L = ql_trainer_lengths(t);
+        std::string ls;
+        for (int64_t x : L) ls += std::to_string(x) + " ";
+        // halves and three-quarters, >= 16, from the shortest document's graph to the longest's (39 in 48)
+        CHECK(ls == (run == 0 ? "64 " : "16 24 32 48 "));  // halves and three-quarters, >= 16; the longest (39) in 48
+        ql_trainer_epoch_tokens(t, &real[(size_t)run], &padded[(size_t)run]);
+        saved[(size_t)run] = ql_trainer_memory(t).saved;
+        for (int64_t s = 0; s < ql_trainer_steps_per_epoch(t); s++) {
+            ql_step_metrics m;
+            REQUIRE_MESSAGE(ql_trainer_step(t, &m, &err), err);
+            losses[(size_t)run].push_back(m.loss);
+            stepped[(size_t)run] += m.tokens;
+        }
+        adapters[(size_t)run] = adapter_of(t);
+        ql_trainer_free(t);
+    }
+    int64_t all = 0;
+    for (const ql_sequence &s : seqs) all += s.len;
+    for (int run = 0; run < 3; run++) {
+        CAPTURE(run);
+        CHECK(real[(size_t)run] == all);
+        CHECK(stepped[(size_t)run] == padded[(size_t)run]);  // what the steps computed is what the count said
+    }
+    CHECK(padded[0] == 6 * 2 * 2 * 64);                       // 6 steps of 2 micro-batches of 2, all at 64
+    CHECK(padded[1] < padded[0] * 6 / 10);
+    CHECK(padded[2] < padded[1]);                             // similar lengths together: less padding still
+    CHECK(saved[1] < saved[0]);                               // the plan covers the longest graph (48), not 64
+    // the same data order: the same losses, up to summation order
+    for (size_t s = 0; s < losses[0].size(); s++) CHECK(losses[1][s] == doctest::Approx(losses[0][s]).epsilon(1e-5));
+    double diff = 0, scale = 0;
+    for (size_t i = 0; i < adapters[0].size(); i++) {
+        diff = std::max(diff, (double)std::fabs(adapters[0][i] - adapters[1][i]));
+        scale = std::max(scale, (double)std::fabs(adapters[0][i]));
+    }
+    CHECK(diff / scale < 1e-3);
+    ql_llama_file_free(f);
+}

@@ -46,6 +46,8 @@ static const char *k_help =
     "usage: %s -m model.gguf -d data.jsonl [-o DIR] [options]\n"
     "LoRA:      --lora-targets q,k,v,o|all|LIST  --lora-r 16  --lora-alpha 32  --lora-dropout 0.05  --rslora\n"
     "data:      --seq-len 512  --pack  --chat-template NAME  --skip-bad-lines  --no-eos\n"
+    "           --group-by-length (micro-batches of similar lengths)  --no-dynamic-padding (pad every micro-batch\n"
+    "           to --seq-len, not to its longest sequence)\n"
     "           --val-split F | --val-data FILE  --eval-every N\n"
     "trainer:   -b 4  --grad-accum 1  --lr 2e-4  --beta1 0.9  --beta2 0.999  --eps 1e-8  --weight-decay 0\n"
     "           --lr-scheduler constant|constant_with_warmup|linear|cosine  --warmup-ratio 0  --warmup-steps N\n"
@@ -471,6 +473,8 @@ static bool parse_flags(int argc, char **argv, args *a) {
         else if (f == "--rslora") a->o.lora.rslora = true;
         else if (f == "--seq-len") { if (!whole(f.c_str(), need(i), 2, 1 << 20, &v)) return false; a->d.seq_len = (int)v; }
         else if (f == "--pack") a->d.pack = true;
+        else if (f == "--no-dynamic-padding") a->o.dynamic_padding = false;
+        else if (f == "--group-by-length") a->o.group_by_length = true;
         else if (f == "--skip-bad-lines") a->d.skip_bad_lines = true;
         else if (f == "--no-eos") a->d.add_eos = false;
         else if (f == "--val-split") { if (!num(f.c_str(), need(i), 0, 0.9, &v)) return false; a->val_split = v; }
@@ -880,6 +884,9 @@ int main(int argc, char **argv) {
         a.d.chat = jinja ? ql_chat_template_detect(jinja) : QL_CHAT_NONE;
     }
     a.d.add_bos = ql_vocab_bos(vocab) >= 0 && ql_vocab_add_bos(vocab);  // as generate tokenizes prompts
+    if (f->model.hp.n_ctx_train > 0 && a.d.seq_len > f->model.hp.n_ctx_train)
+        fprintf(stderr, "finetune: warning: --seq-len %d is longer than the model's context length %d (its positions beyond were "
+                        "never trained)\n", a.d.seq_len, f->model.hp.n_ctx_train);
     ql_dataset train, eval;
     if (!ql_dataset_load(a.data, vocab, a.d, &train, &err) ||
         (a.val_data && !ql_dataset_load(a.val_data, vocab, a.d, &eval, &err))) {
@@ -978,6 +985,19 @@ int main(int argc, char **argv) {
            (long long)train.n_truncated, a.d.seq_len, (long long)train.n_empty);
     printf("finetune: %zu training sequences (%s), %lld supervised tokens; %zu evaluation sequences\n", n_train,
            a.d.pack ? "packed" : "one example each", (long long)n_targets, n_eval);
+    {  // what padding costs: one epoch's positions computed against the data's tokens
+        int64_t real = 0, padded = 0;
+        ql_trainer_epoch_tokens(t, &real, &padded);
+        const std::vector<int64_t> &L = ql_trainer_lengths(t);
+        std::string ls;
+        for (int64_t x : L) ls += (ls.empty() ? "" : ", ") + std::to_string(x);
+        const std::string how = !a.o.dynamic_padding ? "every micro-batch to --seq-len " + ls + " (--no-dynamic-padding)"
+                                : L.size() > 1     ? "each micro-batch to the shortest of " + ls + " tokens that holds it"
+                                                   : "every micro-batch to " + ls + " tokens (the longest sequence's)";
+        printf("finetune: padding: %s%s; an epoch computes %lld positions for %lld tokens (%.1f%% padding)\n", how.c_str(),
+               a.o.group_by_length ? ", grouped by length" : "", (long long)padded, (long long)real,
+               padded ? 100.0 * (double)(padded - real) / (double)padded : 0.0);
+    }
     printf("finetune: micro-batch %d%s x accumulation %d = effective batch %d sequences; %lld steps (%lld per epoch)%s\n",
            a.o.micro_batch, a.b_auto ? " (-b auto)" : "", a.o.grad_accum, a.o.micro_batch * a.o.grad_accum, (long long)total,
            (long long)per_epoch,
@@ -1049,8 +1069,8 @@ int main(int argc, char **argv) {
     const int64_t eval_every = a.eval_every > 0 ? a.eval_every : std::max<int64_t>(1, total / 10);
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t first = ql_trainer_steps_done(t);
-    double last_loss = NAN, last_eval = NAN, tok_s = 0;
-    int64_t tokens = 0;
+    double last_loss = NAN, last_eval = NAN, tok_s = 0, real_s = 0, sup_s = 0;  // tokens/s: computed, real, supervised
+    int64_t tokens = 0, real = 0, supervised = 0;
     auto save_checkpoint = [&]() {
         if (!ql_trainer_save(t, (out + "/checkpoint.gguf").c_str(), &err)) {
             fprintf(stderr, "\nfinetune: %s\n", err.c_str());
@@ -1076,8 +1096,12 @@ int main(int argc, char **argv) {
             return 1;
         }
         tokens += m.tokens;
+        real += m.real_tokens;
+        supervised += m.targets;
         const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         tok_s = (double)tokens / std::max(el, 1e-9);
+        real_s = (double)real / std::max(el, 1e-9);
+        sup_s = (double)supervised / std::max(el, 1e-9);
         last_loss = m.loss;
         curve.push_back({(double)m.step, m.loss});
         bool evaluated = false;
@@ -1098,19 +1122,19 @@ int main(int argc, char **argv) {
         char gnorm[32] = "null";  // a skipped fp16 step's norm is inf: JSON has no such number
         if (std::isfinite(m.grad_norm)) snprintf(gnorm, sizeof(gnorm), "%.6f", m.grad_norm);
         fprintf(metrics,
-                ", \"lr\": %.6g, \"grad_norm\": %s, \"step_seconds\": %.4f, \"tokens_per_s\": %.1f, \"mem_mib\": %.1f, "
-                "\"peak_mib\": %.1f, \"planned_mib\": %.1f}\n",
-                m.lr, gnorm, m.seconds, tok_s, rss, hwm, mib(predicted));
+                ", \"lr\": %.6g, \"grad_norm\": %s, \"step_seconds\": %.4f, \"tokens_per_s\": %.1f, \"padded_tokens_per_s\": %.1f, "
+                "\"supervised_tokens_per_s\": %.1f, \"mem_mib\": %.1f, \"peak_mib\": %.1f, \"planned_mib\": %.1f}\n",
+                m.lr, gnorm, m.seconds, real_s, tok_s, sup_s, rss, hwm, mib(predicted));
         fflush(metrics);
         const double eta = (double)(total - m.step) * el / (double)std::max<int64_t>(1, m.step - first);
         char line[256], scaler[96] = "";
         if (a.o.precision == "fp16")
             snprintf(scaler, sizeof(scaler), "  scale %g%s (%lld skipped)", m.loss_scale, m.skipped ? " SKIPPED" : "",
                      (long long)m.skipped_total);
-        snprintf(line, sizeof(line), "step %lld/%lld  loss %.4f%s  lr %.2e%s  %.0f tok/s  mem %.0f MiB  ETA %s",
+        snprintf(line, sizeof(line), "step %lld/%lld  loss %.4f%s  lr %.2e%s  %.0f tok/s (%.0f padded)  mem %.0f MiB  ETA %s",
                  (long long)m.step, (long long)total, m.loss,
-                 std::isnan(last_eval) ? "" : ("  eval " + std::to_string(last_eval).substr(0, 6)).c_str(), m.lr, scaler, tok_s,
-                 rss, hms(eta).c_str());
+                 std::isnan(last_eval) ? "" : ("  eval " + std::to_string(last_eval).substr(0, 6)).c_str(), m.lr, scaler, real_s,
+                 tok_s, rss, hms(eta).c_str());
         if (tty)
             printf("\r%-110s", line);
         else if (m.step == first + 1 || m.step % std::max<int64_t>(1, total / 20) == 0 || m.step == total || evaluated)
@@ -1164,8 +1188,8 @@ int main(int argc, char **argv) {
         printf("finetune: the checkpoint had finished all %lld steps; outputs written again (--max-steps or --epochs with more "
                "extend the run)", (long long)first);
     else
-        printf("finetune: done: %lld steps in %s, %.0f tokens/s; final loss %.4f", (long long)ql_trainer_steps_done(t),
-               hms(secs).c_str(), tok_s, last_loss);
+        printf("finetune: done: %lld steps in %s, %.0f tokens/s (%.0f supervised, %.0f computed with padding); final loss %.4f",
+               (long long)ql_trainer_steps_done(t), hms(secs).c_str(), real_s, sup_s, tok_s, last_loss);
     if (!std::isnan(last_eval)) printf(", eval loss %.4f", last_eval);
     printf("\n");
     report_peak("of training", train_peak);
