@@ -204,6 +204,7 @@ __device__ __forceinline__ int64_t cu_offs(const cu_t &t, int64_t i) {
 // ============================================================================================
 
 __constant__ float cu_nf4_values[16] = QL_NF4_VALUES;
+__constant__ int8_t cu_iq4_values[16] = QL_IQ4_VALUES;
 
 __device__ __forceinline__ float cu_h2f(uint16_t h) {
     __half_raw r;
@@ -222,6 +223,45 @@ __device__ __forceinline__ float cu_dequant_q(int type, const uint8_t *blk, int 
     case QL_TYPE_Q8_0: {
         const ql_block_q8_0 *b = (const ql_block_q8_0 *)blk;
         return __fmul_rn((float)b->qs[j], cu_h2f(b->d));
+    }
+    case QL_TYPE_Q4_1: {
+        const ql_block_q4_1 *b = (const ql_block_q4_1 *)blk;
+        const int q = j < 16 ? (b->qs[j] & 15) : (b->qs[j - 16] >> 4);
+        return __fadd_rn(__fmul_rn(cu_h2f(b->d), (float)q), cu_h2f(b->m));
+    }
+    case QL_TYPE_Q5_0: case QL_TYPE_Q5_1: {  // the same codes; q5_0 centred, q5_1 with its min
+        const bool one = type == QL_TYPE_Q5_1;
+        const uint8_t *qs = one ? ((const ql_block_q5_1 *)blk)->qs : ((const ql_block_q5_0 *)blk)->qs;
+        const uint8_t *qh = one ? ((const ql_block_q5_1 *)blk)->qh : ((const ql_block_q5_0 *)blk)->qh;
+        const float d = cu_h2f(one ? ((const ql_block_q5_1 *)blk)->d : ((const ql_block_q5_0 *)blk)->d);
+        const int q = (j < 16 ? (qs[j] & 15) : (qs[j - 16] >> 4)) | ((qh[j / 8] >> (j % 8)) & 1) << 4;
+        if (!one) return __fmul_rn(d, (float)(q - 16));
+        return __fadd_rn(__fmul_rn(d, (float)q), cu_h2f(((const ql_block_q5_1 *)blk)->m));
+    }
+    case QL_TYPE_IQ4_NL: {
+        const ql_block_iq4_nl *b = (const ql_block_iq4_nl *)blk;
+        const int q = j < 16 ? (b->qs[j] & 15) : (b->qs[j - 16] >> 4);
+        return __fmul_rn(cu_h2f(b->d), (float)cu_iq4_values[q]);
+    }
+    case QL_TYPE_IQ4_XS: {
+        const ql_block_iq4_xs *b = (const ql_block_iq4_xs *)blk;
+        const int s = j / 32, l = j % 32;
+        const int ls = ((b->scales_l[s / 2] >> 4 * (s % 2)) & 15) | ((b->scales_h >> 2 * s) & 3) << 4;
+        const int q = l < 16 ? (b->qs[16 * s + l] & 15) : (b->qs[16 * s + l - 16] >> 4);
+        return __fmul_rn(__fmul_rn(cu_h2f(b->d), (float)(ls - 32)), (float)cu_iq4_values[q]);
+    }
+    case QL_TYPE_Q2_K: case QL_TYPE_Q3_K: {  // 2-bit fields: element j = 128 h + 32 k + i, sub-block j / 16
+        const int h = j / 128, k = (j % 128) / 32, i = j % 32, sub = j / 16;
+        if (type == QL_TYPE_Q2_K) {
+            const ql_block_q2_K *b = (const ql_block_q2_K *)blk;
+            const int q = (b->qs[32 * h + i] >> 2 * k) & 3, sc = b->scales[sub];
+            const float dl = __fmul_rn(cu_h2f(b->d), (float)(sc & 15)), ml = __fmul_rn(cu_h2f(b->dmin), (float)(sc >> 4));
+            return __fsub_rn(__fmul_rn(dl, (float)q), ml);
+        }
+        const ql_block_q3_K *b = (const ql_block_q3_K *)blk;
+        const int lo4 = sub < 8 ? b->scales[sub] & 15 : b->scales[sub - 8] >> 4, hi2 = (b->scales[8 + sub % 4] >> 2 * (sub / 4)) & 3;
+        const int q = ((b->qs[32 * h + i] >> 2 * k) & 3) - ((b->hmask[i] >> (4 * h + k)) & 1 ? 0 : 4);
+        return __fmul_rn(__fmul_rn(cu_h2f(b->d), (float)((lo4 | hi2 << 4) - 32)), (float)q);
     }
     case QL_TYPE_Q4_K: case QL_TYPE_Q5_K: {
         const bool five = type == QL_TYPE_Q5_K;
@@ -278,11 +318,21 @@ __device__ __forceinline__ float cu_weight_elem(const char *w, int64_t row_bytes
         const float am = type == QL_TYPE_NF4 ? cu_nf4_absmax(aux, blk) : ((const float *)aux)[blk];
         return __fmul_rn(cu_nf4_values[(e & 1) ? (byte & 15) : (byte >> 4)], am);
     }
-    const int bs = (type == QL_TYPE_Q4_0 || type == QL_TYPE_Q8_0) ? 32 : QL_QK_K;
-    const int bb = type == QL_TYPE_Q4_0 ? (int)sizeof(ql_block_q4_0)
-                 : type == QL_TYPE_Q8_0 ? (int)sizeof(ql_block_q8_0)
-                 : type == QL_TYPE_Q4_K ? (int)sizeof(ql_block_q4_K)
-                 : type == QL_TYPE_Q5_K ? (int)sizeof(ql_block_q5_K) : (int)sizeof(ql_block_q6_K);
+    int bs = 32, bb = 0;  // elements and bytes per block
+    switch (type) {
+    case QL_TYPE_Q4_0: bb = (int)sizeof(ql_block_q4_0); break;
+    case QL_TYPE_Q4_1: bb = (int)sizeof(ql_block_q4_1); break;
+    case QL_TYPE_Q5_0: bb = (int)sizeof(ql_block_q5_0); break;
+    case QL_TYPE_Q5_1: bb = (int)sizeof(ql_block_q5_1); break;
+    case QL_TYPE_Q8_0: bb = (int)sizeof(ql_block_q8_0); break;
+    case QL_TYPE_IQ4_NL: bb = (int)sizeof(ql_block_iq4_nl); break;
+    case QL_TYPE_Q2_K: bs = QL_QK_K, bb = (int)sizeof(ql_block_q2_K); break;
+    case QL_TYPE_Q3_K: bs = QL_QK_K, bb = (int)sizeof(ql_block_q3_K); break;
+    case QL_TYPE_Q4_K: bs = QL_QK_K, bb = (int)sizeof(ql_block_q4_K); break;
+    case QL_TYPE_Q5_K: bs = QL_QK_K, bb = (int)sizeof(ql_block_q5_K); break;
+    case QL_TYPE_IQ4_XS: bs = QL_QK_K, bb = (int)sizeof(ql_block_iq4_xs); break;
+    default: bs = QL_QK_K, bb = (int)sizeof(ql_block_q6_K); break;
+    }
     return cu_dequant_q(type, (const uint8_t *)row + (e / bs) * bb, (int)(e % bs));
 }
 
@@ -449,7 +499,8 @@ static bool cu_mm_supported(const ql_tensor *node, int cc) {
     case QL_TYPE_F32: case QL_TYPE_F16: case QL_TYPE_BF16:
         return true;
     case QL_TYPE_NF4: case QL_TYPE_NF4_NODQ: case QL_TYPE_Q4_0: case QL_TYPE_Q8_0: case QL_TYPE_Q4_K: case QL_TYPE_Q5_K:
-    case QL_TYPE_Q6_K: {
+    case QL_TYPE_Q6_K: case QL_TYPE_Q4_1: case QL_TYPE_Q5_0: case QL_TYPE_Q5_1: case QL_TYPE_Q2_K: case QL_TYPE_Q3_K:
+    case QL_TYPE_IQ4_NL: case QL_TYPE_IQ4_XS: {
         const ql_tensor *w = ql_cuda_mm_trows(a) ? a->view_src : a;
         // weights are 2-D and whole (side data is found after the rows)
         return w->ne[2] == 1 && w->ne[3] == 1 && ql_is_contiguous(w) && (ql_cuda_mm_trows(a) || ql_rows_contiguous(a)) &&
@@ -938,6 +989,7 @@ static bool cu_ops_supported(const ql_tensor *node) {
         case QL_TYPE_F32: case QL_TYPE_F16: case QL_TYPE_BF16:
             return ql_rows_contiguous(a) && a->ne[2] == 1 && a->ne[3] == 1;
         case QL_TYPE_NF4: case QL_TYPE_NF4_NODQ: case QL_TYPE_Q4_0: case QL_TYPE_Q8_0: case QL_TYPE_Q4_K: case QL_TYPE_Q5_K: case QL_TYPE_Q6_K:
+        case QL_TYPE_Q4_1: case QL_TYPE_Q5_0: case QL_TYPE_Q5_1: case QL_TYPE_Q2_K: case QL_TYPE_Q3_K: case QL_TYPE_IQ4_NL: case QL_TYPE_IQ4_XS:
             return t && ql_is_contiguous(a) && !a->view_src && a->ne[2] == 1 && a->ne[3] == 1;  // side data after the rows
         default:
             return false;

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cfloat>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -428,6 +429,239 @@ static void q6_K_to_float(const void *src, float *dst, int64_t n) {
     }
 }
 
+// ---- the other ggml block types a GGUF file may hold (layouts in qlora.h) ----
+//
+// Written from the formats' description (ggml's dequantize_row_* / quantize_row_*_ref, and
+// gguf-py's gguf/quants.py, which tests/golden/quants.bin is made with), not copied. Where an
+// element is a product plus an offset (d q + m, d q - m), the product is stored first and the
+// offset added in a second pass: two roundings, as the references compute, which no compiler
+// may fuse into one FMA (gcc would within a loop body).
+
+// the 5-bit codes of a q5_0/q5_1 block: nibble j of qs, fifth bit j of qh (j < 16: low nibbles)
+static inline void ql_q5_codes(const uint8_t *qs, const uint8_t *qh4, int q[32]) {
+    uint32_t qh;
+    memcpy(&qh, qh4, 4);
+    for (int j = 0; j < 16; j++) {
+        q[j]      = (qs[j] & 0x0F) | (int)((qh >> j) & 1) << 4;
+        q[j + 16] = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
+    }
+}
+
+static void q4_1_to_float(const void *src, float *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK4_0 == 0);
+    const ql_block_q4_1 *b = (const ql_block_q4_1 *)src;
+    for (int64_t ib = 0; ib < n / QL_QK4_0; ib++) {
+        const float d = ql_fp16_to_fp32(b[ib].d), m = ql_fp16_to_fp32(b[ib].m);
+        uint8_t     qs[QL_QK4_0 / 2];
+        memcpy(qs, b[ib].qs, sizeof(qs));
+        float *y = dst + ib * QL_QK4_0;
+        for (int j = 0; j < 16; j++) {
+            y[j]      = d * (float)(qs[j] & 0x0F);
+            y[j + 16] = d * (float)(qs[j] >> 4);
+        }
+        for (int j = 0; j < QL_QK4_0; j++) y[j] += m;
+    }
+}
+
+// ggml's quantize_row_q4_1_ref: d = (max - min) / 15, m = min, q = min(15, trunc((x - min) / d + 0.5))
+static void q4_1_from_float(const float *src, void *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK4_0 == 0);
+    ql_block_q4_1 *b = (ql_block_q4_1 *)dst;
+    for (int64_t ib = 0; ib < n / QL_QK4_0; ib++) {
+        const float *x = src + ib * QL_QK4_0;
+        float lo = FLT_MAX, hi = -FLT_MAX;
+        for (int j = 0; j < QL_QK4_0; j++) lo = std::min(lo, x[j]), hi = std::max(hi, x[j]);
+        const float d = (hi - lo) / 15.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        b[ib].d = ql_fp32_to_fp16(d);
+        b[ib].m = ql_fp32_to_fp16(lo);
+        for (int j = 0; j < 16; j++) {
+            const int q0 = (int)ql_qclamp((x[j] - lo) * id + 0.5f, 0.0f, 15.0f);
+            const int q1 = (int)ql_qclamp((x[j + 16] - lo) * id + 0.5f, 0.0f, 15.0f);
+            b[ib].qs[j] = (uint8_t)(q0 | (q1 << 4));
+        }
+    }
+}
+
+static void q5_0_to_float(const void *src, float *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK4_0 == 0);
+    const ql_block_q5_0 *b = (const ql_block_q5_0 *)src;
+    for (int64_t ib = 0; ib < n / QL_QK4_0; ib++) {
+        const float d = ql_fp16_to_fp32(b[ib].d);
+        int         q[32];
+        ql_q5_codes(b[ib].qs, b[ib].qh, q);
+        float *y = dst + ib * QL_QK4_0;
+        for (int j = 0; j < QL_QK4_0; j++) y[j] = d * (float)(q[j] - 16);
+    }
+}
+
+// the fifth bits of 32 codes into qh, the low nibbles into qs
+static inline void ql_q5_pack(const int q[32], uint8_t *qs, uint8_t *qh4) {
+    uint32_t qh = 0;
+    for (int j = 0; j < 16; j++) {
+        qs[j] = (uint8_t)((q[j] & 0x0F) | ((q[j + 16] & 0x0F) << 4));
+        qh |= (uint32_t)((q[j] >> 4) & 1) << j | (uint32_t)((q[j + 16] >> 4) & 1) << (j + 16);
+    }
+    memcpy(qh4, &qh, 4);
+}
+
+// ggml's quantize_row_q5_0_ref: as q4_0 with d = max / -16, q = min(31, trunc(x / d + 16.5))
+static void q5_0_from_float(const float *src, void *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK4_0 == 0);
+    ql_block_q5_0 *b = (ql_block_q5_0 *)dst;
+    for (int64_t ib = 0; ib < n / QL_QK4_0; ib++) {
+        const float *x = src + ib * QL_QK4_0;
+        float amax = 0.0f, max = 0.0f;
+        for (int j = 0; j < QL_QK4_0; j++)
+            if (amax < fabsf(x[j])) amax = fabsf(x[j]), max = x[j];
+        const float d = max / -16.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        b[ib].d = ql_fp32_to_fp16(d);
+        int q[32];
+        for (int j = 0; j < QL_QK4_0; j++) q[j] = (int)ql_qclamp(x[j] * id + 16.5f, 0.0f, 31.0f);
+        ql_q5_pack(q, b[ib].qs, b[ib].qh);
+    }
+}
+
+static void q5_1_to_float(const void *src, float *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK4_0 == 0);
+    const ql_block_q5_1 *b = (const ql_block_q5_1 *)src;
+    for (int64_t ib = 0; ib < n / QL_QK4_0; ib++) {
+        const float d = ql_fp16_to_fp32(b[ib].d), m = ql_fp16_to_fp32(b[ib].m);
+        int         q[32];
+        ql_q5_codes(b[ib].qs, b[ib].qh, q);
+        float *y = dst + ib * QL_QK4_0;
+        for (int j = 0; j < QL_QK4_0; j++) y[j] = d * (float)q[j];
+        for (int j = 0; j < QL_QK4_0; j++) y[j] += m;
+    }
+}
+
+// ggml's quantize_row_q5_1_ref: d = (max - min) / 31, m = min, q = min(31, trunc((x - min) / d + 0.5))
+static void q5_1_from_float(const float *src, void *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK4_0 == 0);
+    ql_block_q5_1 *b = (ql_block_q5_1 *)dst;
+    for (int64_t ib = 0; ib < n / QL_QK4_0; ib++) {
+        const float *x = src + ib * QL_QK4_0;
+        float lo = FLT_MAX, hi = -FLT_MAX;
+        for (int j = 0; j < QL_QK4_0; j++) lo = std::min(lo, x[j]), hi = std::max(hi, x[j]);
+        const float d = (hi - lo) / 31.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+        b[ib].d = ql_fp32_to_fp16(d);
+        b[ib].m = ql_fp32_to_fp16(lo);
+        int q[32];
+        for (int j = 0; j < QL_QK4_0; j++) q[j] = (int)ql_qclamp((x[j] - lo) * id + 0.5f, 0.0f, 31.0f);
+        ql_q5_pack(q, b[ib].qs, b[ib].qh);
+    }
+}
+
+static const int8_t k_iq4_values[16] = QL_IQ4_VALUES;
+
+static void iq4_nl_to_float(const void *src, float *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK4_0 == 0);
+    const ql_block_iq4_nl *b = (const ql_block_iq4_nl *)src;
+    for (int64_t ib = 0; ib < n / QL_QK4_0; ib++) {
+        const float d = ql_fp16_to_fp32(b[ib].d);
+        float      *y = dst + ib * QL_QK4_0;
+        for (int j = 0; j < 16; j++) {
+            y[j]      = d * (float)k_iq4_values[b[ib].qs[j] & 0x0F];
+            y[j + 16] = d * (float)k_iq4_values[b[ib].qs[j] >> 4];
+        }
+    }
+}
+
+// IQ4_XS (256): sub-block s of 32 has the 6-bit scale ls = (scales_l[s/2] >> 4 (s%2)) & 15 |
+// ((scales_h >> 2s) & 3) << 4 and its nibbles in qs[16 s ..]: x = (d (ls - 32)) kvalue[q]
+static void iq4_xs_to_float(const void *src, float *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK_K == 0);
+    const ql_block_iq4_xs *b = (const ql_block_iq4_xs *)src;
+    for (int64_t ib = 0; ib < n / QL_QK_K; ib++) {
+        const float d = ql_fp16_to_fp32(b[ib].d);
+        for (int s = 0; s < QL_QK_K / 32; s++) {
+            const int      ls = ((b[ib].scales_l[s / 2] >> 4 * (s % 2)) & 15) | ((b[ib].scales_h >> 2 * s) & 3) << 4;
+            const float    dl = d * (float)(ls - 32);
+            const uint8_t *qs = b[ib].qs + 16 * s;
+            float         *y  = dst + ib * QL_QK_K + 32 * s;
+            for (int j = 0; j < 16; j++) {
+                y[j]      = dl * (float)k_iq4_values[qs[j] & 0x0F];
+                y[j + 16] = dl * (float)k_iq4_values[qs[j] >> 4];
+            }
+        }
+    }
+}
+
+// Q2_K (256): two halves of 128; in half h, 2-bit field k (bits 2k, 2k+1) of qs[32 h + l] is
+// element 128 h + 32 k + l; sub-block of 16 = element / 16 has scales[sub] (low nibble: scale,
+// high: min). x = (d sc) q - (dmin m)
+static void q2_K_to_float(const void *src, float *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK_K == 0);
+    const ql_block_q2_K *b = (const ql_block_q2_K *)src;
+    for (int64_t ib = 0; ib < n / QL_QK_K; ib++) {
+        const float d = ql_fp16_to_fp32(b[ib].d), dmin = ql_fp16_to_fp32(b[ib].dmin);
+        float      *y = dst + ib * QL_QK_K;
+        float       ml[16];
+        for (int h = 0; h < 2; h++)
+            for (int k = 0; k < 4; k++)
+                for (int part = 0; part < 2; part++) {  // 16 elements: one scale
+                    const int      sub = 8 * h + 2 * k + part;
+                    const float    dl = d * (float)(b[ib].scales[sub] & 15);
+                    const uint8_t *q  = b[ib].qs + 32 * h + 16 * part;
+                    ml[sub]           = dmin * (float)(b[ib].scales[sub] >> 4);
+                    for (int l = 0; l < 16; l++) y[16 * sub + l] = dl * (float)((q[l] >> 2 * k) & 3);
+                }
+        for (int e = 0; e < QL_QK_K; e++) y[e] -= ml[e / 16];
+    }
+}
+
+// Q3_K (256): as Q2_K for the low 2 bits; the third bit of element e (half h, field k, l) is
+// bit 4 h + k of hmask[l % 32 ...] - precisely hmask[16 part + l'] & (1 << (4 h + k)); a clear
+// bit subtracts 4. The 16 6-bit scales: low 4 bits from the nibbles of scales[0..7] (sub-block
+// s < 8: low nibble of scales[s], else high nibble of scales[s - 8]), high 2 bits from
+// scales[8 + s % 4] bits 2 (s / 4), 2 (s / 4) + 1. x = (d (sc - 32)) q
+static void q3_K_to_float(const void *src, float *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK_K == 0);
+    const ql_block_q3_K *b = (const ql_block_q3_K *)src;
+    for (int64_t ib = 0; ib < n / QL_QK_K; ib++) {
+        const float    d  = ql_fp16_to_fp32(b[ib].d);
+        const uint8_t *sb = b[ib].scales;
+        float         *y  = dst + ib * QL_QK_K;
+        for (int h = 0; h < 2; h++)
+            for (int k = 0; k < 4; k++)
+                for (int part = 0; part < 2; part++) {
+                    const int   sub = 8 * h + 2 * k + part;
+                    const int   lo4 = sub < 8 ? sb[sub] & 15 : sb[sub - 8] >> 4;
+                    const int   hi2 = (sb[8 + sub % 4] >> 2 * (sub / 4)) & 3;
+                    const float dl  = d * (float)((lo4 | hi2 << 4) - 32);
+                    const uint8_t m = (uint8_t)(1u << (4 * h + k));
+                    for (int l = 0; l < 16; l++) {
+                        const int i = 16 * part + l;
+                        const int q = ((b[ib].qs[32 * h + i] >> 2 * k) & 3) - ((b[ib].hmask[i] & m) ? 0 : 4);
+                        y[16 * sub + l] = dl * (float)q;
+                    }
+                }
+    }
+}
+
+// ggml's names of the types qlora does not read (ids as in ggml.h), for the error that refuses them
+static const char *ggml_type_name(uint32_t id) {
+    switch (id) {
+    case 4: return "q4_2 (removed from ggml)";
+    case 5: return "q4_3 (removed from ggml)";
+    case 9: return "q8_1";
+    case 15: return "q8_K";
+    case 16: return "iq2_xxs";
+    case 17: return "iq2_xs";
+    case 18: return "iq3_xxs";
+    case 19: return "iq1_s";
+    case 21: return "iq3_s";
+    case 22: return "iq2_s";
+    case 25: return "i16";
+    case 27: return "i64";
+    case 28: return "f64";
+    case 29: return "iq1_m";
+    case 34: return "tq1_0";
+    case 35: return "tq2_0";
+    case 39: return "mxfp4";
+    default: return nullptr;
+    }
+}
+
 // ---- NF4 (bitsandbytes-exact), blocks of 64, side data after the rows (see qlora.h) ----
 
 static int64_t nf4_n_blocks(int64_t n) { return (n + QL_NF4_BLOCK - 1) / QL_NF4_BLOCK; }
@@ -452,6 +686,13 @@ struct ql_type_table {
         t[QL_TYPE_I8]   = {"i8", 1, 1, false, nullptr, nullptr, nullptr, nullptr, nullptr};
         t[QL_TYPE_Q4_0] = {"q4_0", QL_QK4_0, sizeof(ql_block_q4_0), true, q4_0_to_float, q4_0_from_float, nullptr, nullptr, nullptr};
         t[QL_TYPE_Q8_0] = {"q8_0", QL_QK8_0, sizeof(ql_block_q8_0), true, q8_0_to_float, q8_0_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q4_1] = {"q4_1", QL_QK4_0, sizeof(ql_block_q4_1), true, q4_1_to_float, q4_1_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q5_0] = {"q5_0", QL_QK4_0, sizeof(ql_block_q5_0), true, q5_0_to_float, q5_0_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q5_1] = {"q5_1", QL_QK4_0, sizeof(ql_block_q5_1), true, q5_1_to_float, q5_1_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q2_K] = {"q2_K", QL_QK_K, sizeof(ql_block_q2_K), true, q2_K_to_float, nullptr, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q3_K] = {"q3_K", QL_QK_K, sizeof(ql_block_q3_K), true, q3_K_to_float, nullptr, nullptr, nullptr, nullptr};
+        t[QL_TYPE_IQ4_NL] = {"iq4_nl", QL_QK4_0, sizeof(ql_block_iq4_nl), true, iq4_nl_to_float, nullptr, nullptr, nullptr, nullptr};
+        t[QL_TYPE_IQ4_XS] = {"iq4_xs", QL_QK_K, sizeof(ql_block_iq4_xs), true, iq4_xs_to_float, nullptr, nullptr, nullptr, nullptr};
         t[QL_TYPE_Q4_K] = {"q4_K", QL_QK_K, sizeof(ql_block_q4_K), true, q4_K_to_float, nullptr, nullptr, nullptr, nullptr};
         t[QL_TYPE_Q5_K] = {"q5_K", QL_QK_K, sizeof(ql_block_q5_K), true, q5_K_to_float, nullptr, nullptr, nullptr, nullptr};
         t[QL_TYPE_Q6_K] = {"q6_K", QL_QK_K, sizeof(ql_block_q6_K), true, q6_K_to_float, nullptr, nullptr, nullptr, nullptr};
@@ -5222,7 +5463,14 @@ static bool gguf_parse(ql_gguf &g, gguf_parser &P) {
         snprintf(what, sizeof(what), "%s: type", ctx);
         if (!P.u32(&type, what)) return false;
         const ql_type_traits *tt = type < QL_TYPE_COUNT ? ql_type_traits_get((ql_type)type) : nullptr;
-        if (!tt) return P.fail("%s: unknown tensor type id %u", ctx, type);
+        if (!tt) {  // a ggml type this build does not read: named, with the way out
+            const char *known = ggml_type_name(type);
+            if (known)
+                return P.fail("%s: type %s (ggml id %u) is not supported --> hint: requantize the model to a type qlora "
+                              "reads (f32 f16 bf16 q4_0 q4_1 q5_0 q5_1 q8_0 q2_K..q6_K iq4_nl iq4_xs), e.g. llama-quantize "
+                              "... Q4_K_M", ctx, known, type);
+            return P.fail("%s: unknown tensor type id %u", ctx, type);
+        }
         t.type = (ql_type)type;
         if (t.ne[0] % tt->blck_size != 0)
             return P.fail("%s: ne[0] = %lld is not a multiple of %s's block size %lld", ctx, (long long)t.ne[0],

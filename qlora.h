@@ -76,10 +76,17 @@ typedef enum ql_type {
     QL_TYPE_F32  = 0,
     QL_TYPE_F16  = 1,
     QL_TYPE_Q4_0 = 2,
+    QL_TYPE_Q4_1 = 3,
+    QL_TYPE_Q5_0 = 6,
+    QL_TYPE_Q5_1 = 7,
     QL_TYPE_Q8_0 = 8,
+    QL_TYPE_Q2_K = 10,
+    QL_TYPE_Q3_K = 11,
     QL_TYPE_Q4_K = 12,
     QL_TYPE_Q5_K = 13,
     QL_TYPE_Q6_K = 14,
+    QL_TYPE_IQ4_NL = 20,
+    QL_TYPE_IQ4_XS = 23,
     QL_TYPE_I8   = 24,  // raw bytes (8-bit optimizer state codes)
     QL_TYPE_I32  = 26,
     QL_TYPE_BF16 = 30,
@@ -133,9 +140,20 @@ float    ql_bf16_to_fp32(uint16_t h);
 #define QL_QK4_0 32
 typedef struct { uint16_t d; uint8_t qs[QL_QK4_0 / 2]; } ql_block_q4_0;  // x = d (q - 8); element j: low nibble of qs[j], j+16: high
 QL_STATIC_ASSERT(sizeof(ql_block_q4_0) == 18, q4_0);
+typedef struct { uint16_t d, m; uint8_t qs[QL_QK4_0 / 2]; } ql_block_q4_1;  // x = d q + m; nibbles as q4_0
+QL_STATIC_ASSERT(sizeof(ql_block_q4_1) == 20, q4_1);
+// x = d (q - 16); q: the nibble as q4_0, its fifth bit bit j of qh (little-endian u32) for element j
+typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[QL_QK4_0 / 2]; } ql_block_q5_0;
+QL_STATIC_ASSERT(sizeof(ql_block_q5_0) == 22, q5_0);
+typedef struct { uint16_t d, m; uint8_t qh[4]; uint8_t qs[QL_QK4_0 / 2]; } ql_block_q5_1;  // x = d q + m; q as q5_0
+QL_STATIC_ASSERT(sizeof(ql_block_q5_1) == 24, q5_1);
 #define QL_QK8_0 32
 typedef struct { uint16_t d; int8_t qs[QL_QK8_0]; } ql_block_q8_0;       // x = d q
 QL_STATIC_ASSERT(sizeof(ql_block_q8_0) == 34, q8_0);
+// IQ4_NL: x = d kvalue[q], q: the nibble as q4_0, kvalue the non-linear table below
+typedef struct { uint16_t d; uint8_t qs[QL_QK4_0 / 2]; } ql_block_iq4_nl;
+QL_STATIC_ASSERT(sizeof(ql_block_iq4_nl) == 18, iq4_nl);
+#define QL_IQ4_VALUES {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113}
 #define QL_QK_K 256
 #define QL_K_SCALE_SIZE 12
 typedef struct {  // 8 sub-blocks of 32: x = d sc q - dmin m, 6-bit sc/m packed in scales
@@ -158,6 +176,26 @@ typedef struct {  // 16 sub-blocks of 16: x = d sc (q - 32), q = 4 low bits (ql)
     uint16_t d;
 } ql_block_q6_K;
 QL_STATIC_ASSERT(sizeof(ql_block_q6_K) == 210, q6_K);
+typedef struct {  // 16 sub-blocks of 16: x = d (sc & 15) q - dmin (sc >> 4), q 2 bits
+    uint8_t  scales[QL_QK_K / 16];
+    uint8_t  qs[QL_QK_K / 4];
+    uint16_t d, dmin;
+} ql_block_q2_K;
+QL_STATIC_ASSERT(sizeof(ql_block_q2_K) == 84, q2_K);
+typedef struct {  // 16 sub-blocks of 16: x = d (sc - 32) (q - 4 unless the hmask bit), q 2 bits, 6-bit sc
+    uint8_t  hmask[QL_QK_K / 8];
+    uint8_t  qs[QL_QK_K / 4];
+    uint8_t  scales[12];
+    uint16_t d;
+} ql_block_q3_K;
+QL_STATIC_ASSERT(sizeof(ql_block_q3_K) == 110, q3_K);
+typedef struct {  // 8 sub-blocks of 32: x = d (ls - 32) kvalue[q], ls 6 bits: 4 in scales_l, 2 in scales_h
+    uint16_t d;
+    uint16_t scales_h;
+    uint8_t  scales_l[QL_QK_K / 64];
+    uint8_t  qs[QL_QK_K / 2];
+} ql_block_iq4_xs;
+QL_STATIC_ASSERT(sizeof(ql_block_iq4_xs) == 136, iq4_xs);
 
 // NF4 (bitsandbytes-exact codes, blocks of 64 over the weight flattened row-major as
 // [out, in] = rows of ne0). The rows hold exactly bitsandbytes' packed `weight` bytes: element

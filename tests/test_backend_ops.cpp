@@ -87,18 +87,9 @@ struct leafs {
         ql_tensor *t = ql_new_tensor(ctx, type, (int)ne.size(), ne.data());
         REQUIRE(t);
         std::vector<uint8_t> b(ql_nbytes(t) + t->aux_size);
-        if (type == QL_TYPE_Q4_K || type == QL_TYPE_Q5_K || type == QL_TYPE_Q6_K) {
-            // no quantiser for k-quants here: random codes and scales, small fp16 super-scales
-            rng r(all.size() + 1);
-            for (uint8_t &x : b) x = (uint8_t)r.next();
-            const size_t bs = ql_type_traits_get(type)->type_size;
-            for (size_t o = 0; o < b.size(); o += bs) {
-                const uint16_t d = ql_fp32_to_fp16(r.uniform(0.001f, 0.01f)), dm = ql_fp32_to_fp16(r.uniform(0.001f, 0.01f));
-                memcpy(&b[o + (type == QL_TYPE_Q6_K ? bs - 2 : 0)], &d, 2);
-                if (type != QL_TYPE_Q6_K) memcpy(&b[o + 2], &dm, 2);
-            }
-            return add(t, std::move(b));
-        }
+        const ql_type_traits *tt = ql_type_traits_get(type);
+        if (!tt->from_float && !tt->aux_bytes)  // no quantiser for it here: random codes, small fp16 super-scales
+            return add(t, random_blocks(type, b.size(), (uint32_t)all.size() + 1));
         const std::vector<float> v = randn((size_t)ql_nelements(t), all.size() + 1, lo, hi);
         char err[128];
         REQUIRE_MESSAGE(ql_quantize(type, v.data(), ql_nrows(t), t->ne[0], b.data(), err, sizeof(err)) == QL_OK, err);
@@ -312,7 +303,8 @@ OP_CASE(mul_mat_float) {
 }
 
 OP_CASE(mul_mat_quantized) {
-    for (ql_type t : {QL_TYPE_NF4, QL_TYPE_NF4_NODQ, QL_TYPE_Q4_0, QL_TYPE_Q8_0, QL_TYPE_Q4_K, QL_TYPE_Q5_K, QL_TYPE_Q6_K}) {
+    for (ql_type t : {QL_TYPE_NF4, QL_TYPE_NF4_NODQ, QL_TYPE_Q4_0, QL_TYPE_Q4_1, QL_TYPE_Q5_0, QL_TYPE_Q5_1, QL_TYPE_Q8_0,
+                      QL_TYPE_Q2_K, QL_TYPE_Q3_K, QL_TYPE_Q4_K, QL_TYPE_Q5_K, QL_TYPE_Q6_K, QL_TYPE_IQ4_NL, QL_TYPE_IQ4_XS}) {
         INFO("type: " << std::string(ql_type_name(t)));
         // forward, and backward through the transposed quantized weight (dx = W^T dy)
         check_case(be, "frozen quantized a, f32 b", [t](leafs &L) { return ql_mul_mat(L.ctx, L.rand(t, {512, 24}), L.param({512, 6})); },

@@ -672,7 +672,8 @@ TEST_CASE("gguf: malformed files fail with a message naming the problem") {
         CHECK_FAILS(bytes_t().header(3, 1, 0).tinfo(std::string("a\0b", 3), {8}, QL_TYPE_F32, 0).pad(32).zeros(32), "NUL");
         CHECK_FAILS(one_tensor({}, QL_TYPE_F32, 0), "n_dims 0");
         CHECK_FAILS(one_tensor({1, 1, 1, 1, 1}, QL_TYPE_F32, 0), "n_dims 5");
-        CHECK_FAILS(one_tensor({8}, 3, 0), "unknown tensor type id 3");
+        CHECK_FAILS(one_tensor({8}, 16, 0), "type iq2_xxs (ggml id 16) is not supported --> hint: requantize");
+        CHECK_FAILS(one_tensor({8}, 99, 0), "unknown tensor type id 99");
         CHECK_FAILS(one_tensor({8}, 1000, 0), "unknown tensor type id 1000");
         CHECK_FAILS(one_tensor({8}, QL_TYPE_COUNT, 0), "unknown tensor type id");
         CHECK_FAILS(one_tensor({33}, QL_TYPE_Q8_0, 0), "not a multiple of q8_0's block size 32");

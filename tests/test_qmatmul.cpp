@@ -2,6 +2,7 @@
 // dequantised tile by tile inside the kernel, must equal dequantise-then-f32-matmul.
 #include "../qlora.h"
 #include "util.h"
+#include "tiny.h"
 
 #include <doctest/doctest.h>
 
@@ -27,18 +28,7 @@ std::vector<uint8_t> make_weight(ql_type type, int64_t rows, int64_t cols, std::
         REQUIRE(ql_quantize(type, w.data(), rows, cols, bytes.data(), nullptr, 0) == QL_OK);
         return bytes;
     }
-    for (uint8_t &b : bytes) b = (uint8_t)(rng() & 0xff);
-    const uint16_t d = ql_fp32_to_fp16(0.004f), dmin = ql_fp32_to_fp16(0.002f);
-    for (size_t off = 0; off < bytes.size(); off += tt->type_size) {
-        uint8_t *blk = bytes.data() + off;
-        if (type == QL_TYPE_Q6_K) {
-            memcpy(blk + offsetof(ql_block_q6_K, d), &d, 2);
-        } else {  // q4_K, q5_K: d and dmin lead the block
-            memcpy(blk, &d, 2);
-            memcpy(blk + 2, &dmin, 2);
-        }
-    }
-    return bytes;
+    return random_blocks(type, bytes.size(), (uint32_t)rng());  // no quantiser here: random codes, small scales
 }
 
 struct run_out {
@@ -82,8 +72,9 @@ run_out run_mul_mat(ql_type type, const std::vector<uint8_t> &wbytes, int64_t M,
 }  // namespace
 
 TEST_CASE("quantized matmul == dequantise-then-f32, forward and input gradient, every type") {
-    const ql_type types[] = {QL_TYPE_F16, QL_TYPE_BF16, QL_TYPE_Q4_0, QL_TYPE_Q8_0, QL_TYPE_Q4_K,
-                             QL_TYPE_Q5_K, QL_TYPE_Q6_K, QL_TYPE_NF4, QL_TYPE_NF4_NODQ};
+    const ql_type types[] = {QL_TYPE_F16,  QL_TYPE_BF16, QL_TYPE_Q4_0, QL_TYPE_Q4_1, QL_TYPE_Q5_0,   QL_TYPE_Q5_1,
+                             QL_TYPE_Q8_0, QL_TYPE_Q2_K, QL_TYPE_Q3_K, QL_TYPE_Q4_K, QL_TYPE_Q5_K,   QL_TYPE_Q6_K,
+                             QL_TYPE_IQ4_NL, QL_TYPE_IQ4_XS, QL_TYPE_NF4, QL_TYPE_NF4_NODQ};
     const int64_t M = 200, K = 512;  // M: not a multiple of the 32-wide panels
     std::mt19937 rng(11);
     for (ql_type type : types) {

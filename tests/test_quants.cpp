@@ -13,6 +13,7 @@
 #include <doctest/doctest.h>
 
 #include "../qlora.h"
+#include "util.h"
 
 #include <algorithm>
 #include <cmath>
@@ -416,4 +417,65 @@ TEST_CASE("quants: q8_0 and q4_0 round trip on random data") {
         tt->from_float(y.data(), q2.data(), n);
         CHECK(q2 == q);
     }
+}
+
+// Every ggml block type against llama.cpp's own Python implementation of the formats (gguf-py's
+// gguf.quants, tests/reference/quants_golden.py -> tests/golden/quants.bin): random block bytes
+// (fp16 scales made finite; one block of zero scales) dequantised bit for bit, and ggml's
+// reference quantisers (q4_0, q4_1, q5_0, q5_1, q8_0) on crafted rows byte for byte.
+TEST_CASE("ggml types: every block type bit for bit against gguf-py (llama.cpp's reference in Python)") {
+    FILE *f = fopen((tests_dir() + "golden/quants.bin").c_str(), "rb");
+    REQUIRE(f);
+    std::vector<uint8_t> all;
+    uint8_t buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof(buf), f)) > 0) all.insert(all.end(), buf, buf + n);
+    fclose(f);
+    size_t at = 0;
+    int n_deq = 0, n_q = 0;
+    std::vector<std::string> seen;
+    while (at + 20 <= all.size()) {
+        uint32_t h[5];
+        memcpy(h, all.data() + at, sizeof(h));
+        at += sizeof(h);
+        const uint32_t kind = h[0], blocks = h[2], size = h[3], blck = h[4];
+        const ql_type type = (ql_type)h[1];
+        const size_t nb = (size_t)blocks * size, ne = (size_t)blocks * blck;
+        REQUIRE(at + nb + ne * 4 <= all.size());
+        const ql_type_traits *tt = ql_type_traits_get(type);
+        REQUIRE_MESSAGE(tt, "type id ", h[1]);
+        CAPTURE(tt->name);
+        CHECK(tt->blck_size == (int64_t)blck);
+        CHECK(tt->type_size == (size_t)size);
+        std::vector<float> floats(ne);
+        if (kind == 0) {
+            const uint8_t *bytes = all.data() + at;
+            memcpy(floats.data(), bytes + nb, ne * 4);
+            REQUIRE((tt->to_float != nullptr));
+            std::vector<float> got(ne, NAN);
+            tt->to_float(bytes, got.data(), (int64_t)ne);
+            size_t bad = 0, first = ne;
+            for (size_t i = 0; i < ne; i++)
+                if (memcmp(&got[i], &floats[i], 4) != 0 && bad++ == 0) first = i;
+            CHECK_MESSAGE(bad == 0, bad, " of ", ne, " differ; first at ", first, ": ", (first < ne ? got[first] : 0.0f), " vs ",
+                          (first < ne ? floats[first] : 0.0f));
+            n_deq++;
+            seen.push_back(tt->name);
+        } else {
+            memcpy(floats.data(), all.data() + at, ne * 4);
+            const uint8_t *want = all.data() + at + ne * 4;
+            REQUIRE((tt->from_float != nullptr));
+            std::vector<uint8_t> got(nb, 0xAA);
+            tt->from_float(floats.data(), got.data(), (int64_t)ne);
+            size_t first = nb;
+            for (size_t i = 0; i < nb && first == nb; i++)
+                if (got[i] != want[i]) first = i;
+            CHECK_MESSAGE(first == nb, "first differing byte ", first, " (block ", first / size, ")");
+            n_q++;
+        }
+        at += nb + ne * 4;
+    }
+    CHECK(at == all.size());
+    CHECK(n_deq == 12);  // q4_0 q4_1 q5_0 q5_1 q8_0 q2_K q3_K q4_K q5_K q6_K iq4_nl iq4_xs
+    CHECK(n_q == 5);
 }

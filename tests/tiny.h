@@ -239,3 +239,27 @@ struct tiny_model {
         return *(const float *)loss->data;
     }
 };
+
+// Random blocks of a ggml type that has no quantiser here (k-quants, iq4): random codes and
+// scales, with the block's fp16 super-scales (d, dmin) made finite and of a weight's magnitude.
+inline std::vector<uint8_t> random_blocks(ql_type type, size_t bytes, uint32_t seed) {
+    std::vector<uint8_t> b(bytes);
+    uint32_t s = seed * 2654435761u + 1;
+    auto next = [&s]() { return s = s * 1664525u + 1013904223u; };
+    for (uint8_t &x : b) x = (uint8_t)(next() >> 24);
+    const size_t bs = ql_type_traits_get(type)->type_size;
+    std::vector<size_t> at;  // byte offsets of the fp16 fields in a block
+    switch (type) {
+    case QL_TYPE_Q4_K: case QL_TYPE_Q5_K: at = {0, 2}; break;
+    case QL_TYPE_Q6_K: at = {bs - 2}; break;
+    case QL_TYPE_Q2_K: at = {80, 82}; break;
+    case QL_TYPE_Q3_K: at = {108}; break;
+    default: at = {0}; break;  // iq4_nl, iq4_xs, and the 32-element types: d leads the block
+    }
+    for (size_t o = 0; o + bs <= b.size(); o += bs)
+        for (size_t f : at) {
+            const uint16_t h = ql_fp32_to_fp16(0.001f + 0.009f * (float)(next() >> 8) / 16777216.0f);
+            memcpy(&b[o + f], &h, 2);
+        }
+    return b;
+}

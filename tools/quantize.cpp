@@ -67,7 +67,12 @@ int main(int argc, char **argv) {
             if (tt && tt->from_float && tt->is_float && !strcmp(tt->name, type_name)) target = (ql_type)t;
         }
     if (target == QL_TYPE_COUNT) {
-        fprintf(stderr, "quantize: unknown target type '%s' (nf4, q8_0, q4_0, f16, bf16, f32)\n", type_name);
+        std::string known = "nf4";
+        for (int t = 0; t < QL_TYPE_COUNT; t++) {
+            const ql_type_traits *tt = ql_type_traits_get((ql_type)t);
+            if (tt && tt->from_float && tt->is_float) known += std::string(", ") + tt->name;
+        }
+        fprintf(stderr, "quantize: unknown target type '%s' (%s)\n", type_name, known.c_str());
         return 2;
     }
     if (!dq && target != QL_TYPE_NF4_NODQ) {
@@ -98,7 +103,11 @@ int main(int argc, char **argv) {
     ql_gguf_writer *w = ql_gguf_writer_new();
     owned<ql_gguf_writer> w_(w, ql_gguf_writer_free);
     for (int64_t i = 0; i < ql_gguf_n_kv(in); i++) ql_gguf_copy_kv(w, in, i);
-    ql_gguf_remove_kv(w, "general.file_type");  // llama.cpp's enum has no value for these mixes
+    // llama.cpp's llama_ftype for a model mostly of one type (its enum has no value for NF4)
+    ql_gguf_remove_kv(w, "general.file_type");
+    const int ftype = target == QL_TYPE_F32 ? 0 : target == QL_TYPE_F16 ? 1 : target == QL_TYPE_Q4_0 ? 2 : target == QL_TYPE_Q4_1 ? 3
+                    : target == QL_TYPE_Q8_0 ? 7 : target == QL_TYPE_Q5_0 ? 8 : target == QL_TYPE_Q5_1 ? 9 : target == QL_TYPE_BF16 ? 32 : -1;
+    if (ftype >= 0) ql_gguf_set_u32(w, "general.file_type", (uint32_t)ftype);
     ql_gguf_set_u32(w, "general.quantization_version", 2);
     ql_gguf_set_str(w, "qlora.quantize.type", ql_type_name(target));
     if (target == QL_TYPE_NF4 || target == QL_TYPE_NF4_NODQ)
