@@ -696,9 +696,11 @@ struct ql_type_table {
         t[QL_TYPE_Q4_K] = {"q4_K", QL_QK_K, sizeof(ql_block_q4_K), true, q4_K_to_float, nullptr, nullptr, nullptr, nullptr};
         t[QL_TYPE_Q5_K] = {"q5_K", QL_QK_K, sizeof(ql_block_q5_K), true, q5_K_to_float, nullptr, nullptr, nullptr, nullptr};
         t[QL_TYPE_Q6_K] = {"q6_K", QL_QK_K, sizeof(ql_block_q6_K), true, q6_K_to_float, nullptr, nullptr, nullptr, nullptr};
-        t[QL_TYPE_NF4]  = {"nf4", QL_NF4_BLOCK, sizeof(ql_block_nf4), true, nullptr, nullptr, nf4_aux_bytes,
+        // NF4's unit is a byte of two codes: its blocks of 64 run over the flattened tensor (as
+        // bitsandbytes' do), so a row need only be even, and a block may span two rows
+        t[QL_TYPE_NF4]  = {"nf4", 2, 1, true, nullptr, nullptr, nf4_aux_bytes,
                            nf4_to_float_aux, nf4_aux_check};
-        t[QL_TYPE_NF4_NODQ] = {"nf4_nodq", QL_NF4_BLOCK, sizeof(ql_block_nf4), true, nullptr, nullptr,
+        t[QL_TYPE_NF4_NODQ] = {"nf4_nodq", 2, 1, true, nullptr, nullptr,
                                nf4_nodq_aux_bytes, nf4_nodq_to_float_aux, nf4_nodq_aux_check};
     }
 };
@@ -968,10 +970,10 @@ static bool nf4_type(ql_type t) { return t == QL_TYPE_NF4 || t == QL_TYPE_NF4_NO
 
 ql_status ql_nf4_from_bnb(const ql_bnb_nf4 *in, ql_type type, int64_t ne0, void *dst, char *err, size_t err_size) {
     if (!in || !dst || !nf4_type(type)) return fail_msg(err, err_size, QL_ERR_INVALID, "nf4_from_bnb: bad arguments");
-    if (ne0 <= 0 || ne0 % QL_NF4_BLOCK != 0 || in->n <= 0 || in->n % ne0 != 0)
+    if (ne0 <= 0 || ne0 % 2 != 0 || in->n <= 0 || in->n % ne0 != 0)
         return fail_msg(err, err_size, QL_ERR_SHAPE,
-                        "nf4_from_bnb: %lld elements do not form rows of %lld (a multiple of 64)", (long long)in->n,
-                        (long long)ne0);
+                        "nf4_from_bnb: %lld elements do not form rows of %lld (an even number: two codes a byte)",
+                        (long long)in->n, (long long)ne0);
     if (!in->packed || !in->quant_map || (in->nested ? !in->absmax_codes || !in->nested_absmax || !in->nested_quant_map
                                                      : !in->absmax))
         return fail_msg(err, err_size, QL_ERR_INVALID, "nf4_from_bnb: missing %s arrays",
@@ -1009,7 +1011,7 @@ ql_status ql_nf4_from_bnb(const ql_bnb_nf4 *in, ql_type type, int64_t ne0, void 
 }
 
 ql_status ql_nf4_to_bnb(ql_type type, const void *src, int64_t n_rows, int64_t ne0, ql_bnb_nf4 *out) {
-    if (!src || !out || !nf4_type(type) || ne0 <= 0 || ne0 % QL_NF4_BLOCK != 0 || n_rows < 0) return QL_ERR_INVALID;
+    if (!src || !out || !nf4_type(type) || ne0 <= 0 || ne0 % 2 != 0 || n_rows < 0) return QL_ERR_INVALID;
     const int64_t n = n_rows * ne0, nb = nf4_n_blocks(n), ng = nf4_n_groups(n);
     out->n = n;
     out->nested = type == QL_TYPE_NF4;
@@ -3126,18 +3128,36 @@ static inline void nf4_block_to_float(const uint8_t *q, float am, float *dst) {
 #endif
 }
 
+// Elements [first, first + n) of the flattened tensor, q at element `first` (both even): whole
+// blocks of 64 on the vector path, and the pieces of blocks a row cuts (rows that are not whole
+// blocks: the block, by flat index, continues in the next row) element pair by pair.
+template <class Absmax> static void nf4_span_to_float(const uint8_t *q, const Absmax &absmax, int64_t first, float *dst, int64_t n) {
+    QL_ASSERT(first % 2 == 0 && n % 2 == 0);
+    for (int64_t i = 0; i < n;) {
+        const int64_t e = first + i, b = e / QL_NF4_BLOCK, off = e % QL_NF4_BLOCK;
+        if (off == 0 && n - i >= QL_NF4_BLOCK) {
+            nf4_block_to_float(q + i / 2, absmax(b), dst + i);
+            i += QL_NF4_BLOCK;
+            continue;
+        }
+        const int64_t m = std::min<int64_t>(QL_NF4_BLOCK - off, n - i);
+        const float am = absmax(b);
+        for (int64_t k = i; k < i + m; k += 2) {
+            dst[k]     = k_nf4_values[q[k / 2] >> 4] * am;
+            dst[k + 1] = k_nf4_values[q[k / 2] & 15] * am;
+        }
+        i += m;
+    }
+}
+
 static void nf4_to_float_aux(const void *row, const void *aux, int64_t first, float *dst, int64_t n) {
-    QL_ASSERT(first % QL_NF4_BLOCK == 0 && n % QL_NF4_BLOCK == 0);
     const nf4_aux a(aux);
-    const uint8_t *q = (const uint8_t *)row;
-    for (int64_t i = 0, b = first / QL_NF4_BLOCK; i < n; i += QL_NF4_BLOCK, b++) nf4_block_to_float(q + i / 2, a.absmax(b), dst + i);
+    nf4_span_to_float((const uint8_t *)row, [&a](int64_t b) { return a.absmax(b); }, first, dst, n);
 }
 
 static void nf4_nodq_to_float_aux(const void *row, const void *aux, int64_t first, float *dst, int64_t n) {
-    QL_ASSERT(first % QL_NF4_BLOCK == 0 && n % QL_NF4_BLOCK == 0);
     const float *am = (const float *)aux;
-    const uint8_t *q = (const uint8_t *)row;
-    for (int64_t i = 0, b = first / QL_NF4_BLOCK; i < n; i += QL_NF4_BLOCK, b++) nf4_block_to_float(q + i / 2, am[b], dst + i);
+    nf4_span_to_float((const uint8_t *)row, [am](int64_t b) { return am[b]; }, first, dst, n);
 }
 
 // ---- fill, copies, elementwise ----

@@ -313,6 +313,10 @@ OP_CASE(mul_mat_quantized) {
             return ql_mul_mat(L.ctx, L.rand(t, {256, 20}), ql_cast(L.ctx, L.param({256, 3}), QL_TYPE_BF16));
         }, TOL_16);
     }
+    for (ql_type t : {QL_TYPE_NF4, QL_TYPE_NF4_NODQ})  // rows of 172: NF4 blocks of 64 cross rows (bitsandbytes' layout)
+        check_case(be, "NF4 rows that are not whole blocks", [t](leafs &L) {
+            return ql_mul_mat(L.ctx, L.rand(t, {172, 10}), L.param({172, 3}));
+        }, TOL_MM);
 }
 
 OP_CASE(get_rows) {

@@ -198,7 +198,38 @@ TEST_CASE("nf4: non-finite input is refused with its position") {
     w[2 * 128 + 70] = -INFINITY;
     CHECK(ql_quantize(QL_TYPE_NF4_NODQ, w.data(), 4, 128, q.data(), err, sizeof(err)) == QL_ERR_INVALID);
     CHECK(std::string(err).find("infinite") != std::string::npos);
-    CHECK(ql_quantize(QL_TYPE_NF4, w.data(), 4, 100, q.data(), err, sizeof(err)) == QL_ERR_SHAPE);
+    CHECK(ql_quantize(QL_TYPE_NF4, w.data(), 4, 99, q.data(), err, sizeof(err)) == QL_ERR_SHAPE);  // two codes a byte
+}
+
+TEST_CASE("nf4: rows that are not whole blocks (172 wide) - bitsandbytes' blocks over the flattened tensor") {
+    const int64_t R = 5, E = 172, n = R * E, nb = (n + 63) / 64;  // 860 elements: 14 blocks, the last of 28
+    std::mt19937 rng(3);
+    std::normal_distribution<float> N(0.0f, 0.1f);
+    std::vector<float> w((size_t)n);
+    for (float &v : w) v = N(rng);
+    std::vector<uint8_t> q(ql_type_data_size(QL_TYPE_NF4_NODQ, R, E)), packed((size_t)n / 2);
+    REQUIRE(q.size() == (size_t)n / 2 + (size_t)nb * 4);
+    REQUIRE(ql_quantize(QL_TYPE_NF4_NODQ, w.data(), R, E, q.data(), nullptr, 0) == QL_OK);
+    std::vector<float> absmax((size_t)nb);
+    ql_nf4_quantize_flat(w.data(), n, packed.data(), absmax.data());  // bitsandbytes' quantize_4bit on the flat tensor
+    CHECK(memcmp(q.data(), packed.data(), packed.size()) == 0);
+    CHECK(memcmp(q.data() + packed.size(), absmax.data(), absmax.size() * 4) == 0);
+    // dequantised: each element by its flat block's absmax, whichever row it is in
+    std::vector<float> d((size_t)n);
+    REQUIRE(ql_dequantize(QL_TYPE_NF4_NODQ, q.data(), R, E, d.data()) == QL_OK);
+    const float values[16] = QL_NF4_VALUES;
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t byte = packed[(size_t)i / 2];
+        const float want = values[(i & 1) ? (byte & 15) : (byte >> 4)] * absmax[(size_t)i / 64];
+        if (d[(size_t)i] != want) {
+            CHECK_MESSAGE(d[(size_t)i] == want, "element ", i);
+            break;
+        }
+    }
+    // and the double-quantised type holds the same codes (its absmax through the 8-bit map)
+    std::vector<uint8_t> q2(ql_type_data_size(QL_TYPE_NF4, R, E));
+    REQUIRE(ql_quantize(QL_TYPE_NF4, w.data(), R, E, q2.data(), nullptr, 0) == QL_OK);
+    CHECK(memcmp(q2.data(), packed.data(), packed.size()) == 0);
 }
 
 TEST_CASE("dynamic map: structure, and values against the formula in double") {

@@ -165,12 +165,17 @@ TEST_CASE("NF4 read through views: strided rows, half rows, permuted, transposed
     auto every_other = [&](ql_tensor *a) { return ql_view_2d(ctx, a, E, R / 2, 2 * a->nb[1], 0); };
     auto second_half = [&](ql_tensor *a) { return ql_view_2d(ctx, a, E / 2, R, a->nb[1], ql_row_size(a->type, E / 2)); };
     auto permuted = [&](ql_tensor *a) { return ql_permute(ctx, a, 0, 2, 1, 3); };  // [E, Z, R]: rows strided
+    // elements 32..111 of each row: starts and ends inside a block of 64 (absmax by flat index)
+    auto inside = [&](ql_tensor *a) { return ql_view_2d(ctx, a, 80, R, a->nb[1], ql_row_size(a->type, 32)); };
+    ql_tensor *x80 = ql_new_tensor_2d(ctx, QL_TYPE_F32, 80, 3);
+    for (int64_t i = 0; i < 240; i++) ((float *)x80->data)[i] = N(rng);
     std::vector<std::pair<ql_tensor *, ql_tensor *>> outs;  // (from NF4, from f32)
     outs.push_back({ql_mul_mat(ctx, every_other(q), xe), ql_mul_mat(ctx, every_other(f), xe)});
     outs.push_back({ql_mul_mat(ctx, second_half(q), x), ql_mul_mat(ctx, second_half(f), x)});
     outs.push_back({ql_mul_mat(ctx, permuted(q), xb), ql_mul_mat(ctx, permuted(f), xb)});
     outs.push_back({ql_mul_mat(ctx, ql_transpose(ctx, every_other(q)), y), ql_mul_mat(ctx, ql_transpose(ctx, every_other(f)), y)});
     outs.push_back({ql_get_rows(ctx, second_half(q), ids), ql_get_rows(ctx, second_half(f), ids)});
+    outs.push_back({ql_mul_mat(ctx, inside(q), x80), ql_mul_mat(ctx, inside(f), x80)});
     ql_graph *g = ql_graph_new(ctx);
     for (auto &o : outs) {
         REQUIRE_MESSAGE(o.first, std::string(ql_ctx_error(ctx)));
@@ -180,15 +185,17 @@ TEST_CASE("NF4 read through views: strided rows, half rows, permuted, transposed
     ql_backend *be = ql_backend_cpu_init(3);
     REQUIRE_MESSAGE(ql_graph_alloc(g, be) == QL_OK, ql_ctx_error(ctx));
     REQUIRE_MESSAGE(ql_backend_graph_compute(be, g) == QL_OK, ql_ctx_error(ctx));
-    const char *names[] = {"every other row", "second half of each row", "permuted", "transposed every-other", "get_rows of half rows"};
+    const char *names[] = {"every other row", "second half of each row", "permuted", "transposed every-other", "get_rows of half rows",
+                           "inside blocks"};
     for (size_t i = 0; i < outs.size(); i++) {
         CAPTURE(std::string(names[i]));
         const std::vector<float> a((const float *)outs[i].first->data, (const float *)outs[i].first->data + ql_nelements(outs[i].first));
         const std::vector<float> b((const float *)outs[i].second->data, (const float *)outs[i].second->data + ql_nelements(outs[i].second));
         CHECK(rel_err(a, b) <= 1e-5);
     }
-    // a view starting inside a block is refused
-    CHECK(ql_view_2d(ctx, q, 64, 4, q->nb[1], 16) == nullptr);
+    // a view starting inside a block of a blocked type (q4_0: 18-byte blocks) is refused
+    ql_tensor *q40 = ql_new_tensor_2d(ctx, QL_TYPE_Q4_0, 64, 4);
+    CHECK(ql_view_2d(ctx, q40, 32, 4, q40->nb[1], 16) == nullptr);
     CHECK(std::string(ql_ctx_error(ctx)).find("whole") != std::string::npos);
     ql_graph_free(g);
     ql_backend_free(be);

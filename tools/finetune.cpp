@@ -776,7 +776,7 @@ static void advise(ql_llama_file *f, const seqs &tr, const seqs &ev, const args 
     for (const ql_llama_layer &L : f->model.layers)
         for (const ql_tensor *w : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) {
             const size_t nf4 = ql_type_data_size(QL_TYPE_NF4, w->ne[1], w->ne[0]), cur = ql_nbytes(w) + w->aux_size;
-            if (w->ne[0] % QL_NF4_BLOCK == 0 && cur > nf4) saving += cur - nf4;
+            if (w->ne[0] % 2 == 0 && cur > nf4) saving += cur - nf4;
         }
     if (saving > 0) plan("the base in NF4 (./quantize " + std::string(a.model) + " out.gguf nf4)", a.o, tr, ev, saving);
     if (now.device && !now.embd_on_host && f->model.output != f->model.tok_embd) {
