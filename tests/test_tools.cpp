@@ -1116,6 +1116,7 @@ TEST_CASE("tools: error exits - one line, the right code, nothing leaked") {
         {"make-model -o " + d.path + "/no/such/dir/m.gguf --dim 32 --layers 1 --heads 2 --ff 64", 1, "m.gguf"},
         {"convert tiktoken " + junk + " --pre llama3 -o " + d.path + "/v.gguf", 1, "junk.bin"},
         {"tokenize -m " + junk + " -p hi", 1, "not a GGUF file"},
+        {"convert hf " + d.path + " -o " + d.path + "/h.gguf", 1, "config.json"},
     };
     for (const bad_run &b : runs) {
         const std::string name = b.cmd.substr(0, b.cmd.find(' '));
@@ -1128,4 +1129,75 @@ TEST_CASE("tools: error exits - one line, the right code, nothing leaked") {
         CHECK_MESSAGE(log.find("Sanitizer") == std::string::npos, log);
         if (b.one_line) CHECK_MESSAGE(std::count(log.begin(), log.end(), '\n') <= 2, log);  // one line (and a usage hint at most)
     }
+}
+
+// ./convert hf against the real transformers: tests/golden/hf/ holds three checkpoints saved by
+// save_pretrained (tests/reference/hf_golden.py: a Llama with GQA, an untied head and Llama 3.1
+// rope scaling; a Qwen2 with biases and a tied head in two shards; a Mistral) and the logits
+// transformers computes for them. Converted, loaded and run here, ours must equal them to 1e-4.
+TEST_CASE("convert hf: Llama, Qwen2 (sharded), Mistral from save_pretrained give transformers' logits; the tokenizer loads") {
+    if (!all_built({"convert"})) return;
+    const std::string dir = tests_dir() + "golden/hf/";
+    const std::vector<uint8_t> g = read_file_bytes(dir + "logits.bin");
+    REQUIRE(g.size() > 8);
+    uint32_t T = 0, V = 0;
+    memcpy(&T, g.data(), 4);
+    memcpy(&V, g.data() + 4, 4);
+    std::vector<int32_t> ids(T);
+    memcpy(ids.data(), g.data() + 8, (size_t)T * 4);
+    size_t at = 8 + (size_t)T * 4;
+    tmpdir d;
+    int n = 0;
+    while (at < g.size()) {
+        uint32_t len = 0;
+        memcpy(&len, g.data() + at, 4);
+        const std::string name((const char *)g.data() + at + 4, len);
+        at += 4 + len;
+        std::vector<float> want((size_t)T * V);
+        memcpy(want.data(), g.data() + at, want.size() * 4);
+        at += want.size() * 4;
+        CAPTURE(name);
+        const std::string out = d.path + "/" + name + ".gguf";
+        std::string log;
+        REQUIRE_MESSAGE(run("./convert hf " + dir + name + " -o " + out, &log) == 0, log);
+        char err[256];
+        ql_llama_file *f = ql_llama_load(out.c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(f, err);
+        CHECK(f->arch == (name == "qwen2" ? "qwen2" : "llama"));
+        CHECK((f->model.output == f->model.tok_embd) == (name == "qwen2"));  // tied
+        CHECK((f->model.rope_freqs != nullptr) == (name == "llama"));      // Llama 3.1's scaling
+        CHECK((f->model.layers[0].bq != nullptr) == (name == "qwen2"));
+        const std::vector<float> got = logits_of(f->model, ids);
+        REQUIRE(got.size() == want.size());
+        double worst = 0, scale = 0;
+        for (size_t i = 0; i < got.size(); i++) {
+            worst = std::max(worst, (double)std::fabs(got[i] - want[i]));
+            scale = std::max(scale, (double)std::fabs(want[i]));
+        }
+        MESSAGE(name, ": max |ours - transformers| = ", worst, " of max |logit| ", scale);
+        CHECK(worst <= 1e-4 * scale);
+        // the vocabulary: byte-level BPE with Llama 3's split, the special tokens from config.json
+        ql_vocab *v = ql_vocab_load(f->gguf, err, sizeof(err));
+        REQUIRE_MESSAGE(v, err);
+        CHECK(ql_vocab_bos(v) == ids[0]);
+        const std::vector<int32_t> t = ql_tokenize(v, " the", false, false);
+        CHECK(t.size() == 1);  // "Ġ t" + "h e" + "Ġt he": one token
+        ql_vocab_free(v);
+        ql_llama_file_free(f);
+        // --outtype: the block weights in another type, the same model to its rounding
+        REQUIRE_MESSAGE(run("./convert hf " + dir + name + " -o " + d.path + "/q.gguf --outtype q8_0", &log) == 0, log);
+        ql_llama_file *fq = ql_llama_load((d.path + "/q.gguf").c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(fq, err);
+        CHECK(fq->model.layers[0].wq->type == QL_TYPE_Q8_0);
+        ql_llama_file_free(fq);
+        n++;
+    }
+    CHECK(n == 3);
+    // bad input: one line naming the file
+    std::string log;
+    CHECK(run("./convert hf " + d.path + " -o " + d.path + "/x.gguf", &log) == 1);
+    CHECK_MESSAGE(log.find("config.json: cannot open") != std::string::npos, log);
+    write_file(d.path + "/config.json", "{\"architectures\": [\"GPT2LMHeadModel\"]}");
+    CHECK(run("./convert hf " + d.path + " -o " + d.path + "/x.gguf", &log) == 1);
+    CHECK_MESSAGE(log.find("architecture 'GPT2LMHeadModel' is not supported") != std::string::npos, log);
 }

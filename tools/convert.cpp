@@ -4,11 +4,22 @@
 //       a llama2.c legacy checkpoint (f32, Meta's rope layout) and its tokenizer.bin
 //   ./convert tiktoken tokenizer.model --pre llama3 -o vocab.gguf
 //       a vocabulary-only GGUF from a tiktoken file (Meta's Llama 3), merges rebuilt from ranks
+//   ./convert hf DIR -o model.gguf [--outtype f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|nf4]
+//       a Hugging Face checkpoint directory (Llama, Mistral, Qwen2; safetensors, sharded or not;
+//       tokenizer.json or tokenizer.model), no Python
+#include "../models/adapter.h"
+#include "../models/json.h"
 #include "../models/tokenizer.h"
 #include "../qlora.h"
 #include "own.h"
 
+#include <sys/stat.h>
+
+#include <algorithm>
 #include <cerrno>
+#include <cmath>
+#include <functional>
+#include <tuple>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -18,8 +29,9 @@
 static int usage(const char *argv0) {
     fprintf(stderr,
             "usage: %s llama2c model.bin tokenizer.bin -o model.gguf\n"
-            "       %s tiktoken tokenizer.model --pre llama3 -o vocab.gguf\n",
-            argv0, argv0);
+            "       %s tiktoken tokenizer.model --pre llama3 -o vocab.gguf\n"
+            "       %s hf DIR -o model.gguf [--outtype f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|nf4]\n",
+            argv0, argv0, argv0);
     return 2;
 }
 
@@ -170,6 +182,529 @@ static int convert_tiktoken(const char *path, const char *pre, const char *out) 
     return 0;
 }
 
+// ---- Hugging Face checkpoints: config.json + safetensors (+ tokenizer) -> GGUF ----
+//
+// What llama.cpp's convert_hf_to_gguf.py writes for LlamaForCausalLM / MistralForCausalLM (arch
+// "llama": q/k rows permuted from HF's rotate-half order to Meta's interleaved pairs) and
+// Qwen2ForCausalLM (arch "qwen2": neox rope, rows as they are, q/k/v biases): the same keys and
+// tensor names, written from the formats' description. Tensors stream from one shard at a time.
+
+struct hf_tensor {
+    std::string gguf_name;
+    size_t shard = 0;
+    std::string hf_name;
+    int64_t ne[4] = {1, 1, 1, 1};
+    int n_dims = 1;
+    ql_type type = QL_TYPE_F32;
+    int permute_heads = 0;  // > 0: rows permuted for that many heads (llama's q, k)
+};
+
+struct hf_source {  // the generator's state: the shard in memory, the tensors in order
+    std::vector<std::string> shards;
+    std::vector<hf_tensor> tensors;
+    size_t loaded = (size_t)-1;
+    std::vector<ql_st_tensor> st;
+    std::vector<uint8_t> storage;
+    std::string err;
+    size_t next = 0;
+};
+
+static bool hf_fill(void *arg, void *dst, size_t size) {
+    hf_source &s = *(hf_source *)arg;
+    const hf_tensor &t = s.tensors[s.next++];
+    if (s.loaded != t.shard) {  // the next shard: the previous one's bytes are written
+        s.st.clear();
+        s.storage.clear();
+        s.storage.shrink_to_fit();
+        if (!ql_safetensors_read(s.shards[t.shard].c_str(), &s.st, &s.storage, &s.err)) return false;
+        s.loaded = t.shard;
+    }
+    const ql_st_tensor *x = nullptr;
+    for (const ql_st_tensor &c : s.st)
+        if (c.name == t.hf_name) x = &c;
+    if (!x) {
+        s.err = s.shards[t.shard] + ": no tensor " + t.hf_name + " (the index names it there)";
+        return false;
+    }
+    const int64_t n = t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3];
+    std::vector<float> f((size_t)n);
+    for (int64_t i = 0; i < n; i++) {
+        const uint8_t *p = (const uint8_t *)x->data;
+        if (x->dtype == "F32") memcpy(&f[(size_t)i], p + 4 * i, 4);
+        else {
+            uint16_t h;
+            memcpy(&h, p + 2 * i, 2);
+            f[(size_t)i] = x->dtype == "F16" ? ql_fp16_to_fp32(h) : ql_bf16_to_fp32(h);
+        }
+    }
+    if (t.permute_heads > 0) {  // HF's rotate-half rows -> interleaved pairs, per head
+        const int64_t rows = t.ne[1], hd = rows / t.permute_heads, E = t.ne[0];
+        std::vector<float> g(f.size());
+        for (int64_t h = 0; h < t.permute_heads; h++)
+            for (int64_t half = 0; half < 2; half++)
+                for (int64_t i = 0; i < hd / 2; i++)
+                    memcpy(&g[(size_t)((h * hd + 2 * i + half) * E)], &f[(size_t)((h * hd + half * (hd / 2) + i) * E)], (size_t)E * 4);
+        f.swap(g);
+    }
+    char e[256];
+    if (ql_quantize(t.type, f.data(), n / t.ne[0], t.ne[0], dst, e, sizeof(e)) != QL_OK) {
+        s.err = t.hf_name + ": " + e;
+        return false;
+    }
+    (void)size;
+    return true;
+}
+
+static bool read_json_file(const std::string &path, ql_json *j, std::string *why) {
+    std::vector<uint8_t> b;
+    if (!read_file(path.c_str(), &b, why)) return false;
+    const std::string text(b.begin(), b.end());
+    if (ql_utf8_invalid_at(text) != std::string::npos) {
+        *why = path + ": not UTF-8";
+        return false;
+    }
+    if (!ql_json_parse(text, QL_JSON_DOCUMENT, j, why)) {
+        *why = path + ": " + *why;
+        return false;
+    }
+    return true;
+}
+
+// the tokenizer: tokenizer.json (byte-level BPE) or tokenizer.model (SentencePiece), with the
+// ids, flags and chat template of tokenizer_config.json / config.json
+static bool hf_tokenizer(const std::string &dir, const ql_json &cfg, ql_gguf_writer *w, std::string *why);
+
+static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
+    const std::string dir = dir_c;
+    std::string why;
+    ql_json cfg;
+    if (!read_json_file(dir + "/config.json", &cfg, &why)) {
+        fprintf(stderr, "convert: %s\n", why.c_str());
+        return 1;
+    }
+    const ql_json *archs = cfg.get("architectures");
+    const std::string arch_hf = archs && archs->kind == ql_json::ARR && !archs->items.empty() ? archs->items[0].str : "";
+    const bool qwen2 = arch_hf == "Qwen2ForCausalLM";
+    if (arch_hf != "LlamaForCausalLM" && arch_hf != "MistralForCausalLM" && !qwen2) {
+        fprintf(stderr, "convert: %s/config.json: architecture '%s' is not supported (LlamaForCausalLM, MistralForCausalLM, "
+                        "Qwen2ForCausalLM)\n", dir_c, arch_hf.c_str());
+        return 1;
+    }
+    const ql_json *act = cfg.get("hidden_act");
+    if (act && act->kind == ql_json::STR && act->str != "silu") {
+        fprintf(stderr, "convert: %s/config.json: hidden_act '%s' (these architectures use silu)\n", dir_c, act->str.c_str());
+        return 1;
+    }
+    auto num = [&](const char *key, double def, bool required) -> double {
+        const ql_json *v = cfg.get(key);
+        if (v && v->kind == ql_json::NUM) return v->num();
+        if (required) why = std::string("config.json: no number '") + key + "'";
+        return def;
+    };
+    const int64_t E = (int64_t)num("hidden_size", 0, true), L = (int64_t)num("num_hidden_layers", 0, true),
+                  H = (int64_t)num("num_attention_heads", 0, true), F = (int64_t)num("intermediate_size", 0, true),
+                  V = (int64_t)num("vocab_size", 0, true);
+    const int64_t HKV = (int64_t)num("num_key_value_heads", (double)H, false);
+    const int64_t hd = (int64_t)num("head_dim", H > 0 ? (double)(E / H) : 0, false);
+    const double eps = num("rms_norm_eps", 1e-6, false), theta = num("rope_theta", 10000.0, false);
+    const int64_t ctx = (int64_t)num("max_position_embeddings", 2048, false);
+    const ql_json *tie = cfg.get("tie_word_embeddings");
+    const bool tied = tie && tie->kind == ql_json::BOOL && tie->b;
+    if (!why.empty() || E <= 0 || L <= 0 || H <= 0 || HKV <= 0 || F <= 0 || V <= 0 || H % HKV || hd * H != E) {
+        fprintf(stderr, "convert: %s/config.json: %s\n", dir_c,
+                why.empty() ? "inconsistent sizes (hidden_size, heads, head_dim)" : why.c_str());
+        return 1;
+    }
+    const ql_json *rs = cfg.get("rope_scaling");
+    std::string rope_type;
+    if (rs && rs->kind == ql_json::OBJ) {
+        const ql_json *t = rs->get("rope_type") ? rs->get("rope_type") : rs->get("type");
+        rope_type = t ? t->str : "?";
+        if (rope_type != "llama3") {
+            fprintf(stderr, "convert: %s/config.json: rope scaling '%s' is not supported (llama3 is)\n", dir_c, rope_type.c_str());
+            return 1;
+        }
+    }
+    ql_type wtype = QL_TYPE_COUNT;
+    for (int t = 0; t < QL_TYPE_COUNT; t++) {
+        const ql_type_traits *tt = ql_type_traits_get((ql_type)t);
+        if (tt && tt->is_float && (tt->from_float || tt->aux_bytes) && !strcmp(tt->name, outtype)) wtype = (ql_type)t;
+    }
+    if (wtype == QL_TYPE_COUNT) {
+        fprintf(stderr, "convert: --outtype '%s': not a type qlora writes (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, nf4)\n", outtype);
+        return 2;
+    }
+
+    // the shards: model.safetensors, or those model.safetensors.index.json's weight_map names
+    hf_source src;
+    std::vector<std::pair<std::string, size_t>> where;  // HF tensor name -> shard
+    struct stat sb;
+    if (stat((dir + "/model.safetensors.index.json").c_str(), &sb) == 0) {
+        ql_json idx;
+        if (!read_json_file(dir + "/model.safetensors.index.json", &idx, &why)) {
+            fprintf(stderr, "convert: %s\n", why.c_str());
+            return 1;
+        }
+        const ql_json *wm = idx.get("weight_map");
+        if (!wm || wm->kind != ql_json::OBJ) {
+            fprintf(stderr, "convert: %s/model.safetensors.index.json: no weight_map object\n", dir_c);
+            return 1;
+        }
+        for (size_t k = 0; k < wm->keys.size(); k++) {
+            const std::string file = dir + "/" + wm->items[k].str;
+            size_t s = std::find(src.shards.begin(), src.shards.end(), file) - src.shards.begin();
+            if (s == src.shards.size()) src.shards.push_back(file);
+            where.push_back({wm->keys[k], s});
+        }
+    } else {
+        src.shards.push_back(dir + "/model.safetensors");
+    }
+    // every shard's table (headers only matter here; the bytes are read again when written)
+    std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;  // name -> PyTorch shape
+    for (size_t s = 0; s < src.shards.size(); s++) {
+        std::vector<ql_st_tensor> st;
+        std::vector<uint8_t> storage;
+        if (!ql_safetensors_read(src.shards[s].c_str(), &st, &storage, &why)) {
+            fprintf(stderr, "convert: %s\n", why.c_str());
+            return 1;
+        }
+        for (const ql_st_tensor &t : st) {
+            shapes.push_back({t.name, t.shape});
+            if (src.shards.size() == 1) where.push_back({t.name, 0});
+        }
+    }
+    auto shape_of = [&](const std::string &n) -> const std::vector<int64_t> * {
+        for (const auto &x : shapes)
+            if (x.first == n) return &x.second;
+        return nullptr;
+    };
+    auto shard_of = [&](const std::string &n) -> size_t {
+        for (const auto &x : where)
+            if (x.first == n) return x.second;
+        return (size_t)-1;
+    };
+    // GGUF names in llama.cpp's order, with the HF tensor each comes from
+    std::vector<std::tuple<std::string, std::string, int>> want = {{"token_embd.weight", "model.embed_tokens.weight", 0}};
+    for (int64_t l = 0; l < L; l++) {
+        const std::string b = "blk." + std::to_string(l) + ".", h = "model.layers." + std::to_string(l) + ".";
+        want.push_back({b + "attn_norm.weight", h + "input_layernorm.weight", 0});
+        want.push_back({b + "attn_q.weight", h + "self_attn.q_proj.weight", qwen2 ? 0 : (int)H});
+        want.push_back({b + "attn_k.weight", h + "self_attn.k_proj.weight", qwen2 ? 0 : (int)HKV});
+        want.push_back({b + "attn_v.weight", h + "self_attn.v_proj.weight", 0});
+        if (qwen2)
+            for (const char *x : {"q", "k", "v"})
+                want.push_back({b + "attn_" + x + ".bias", h + "self_attn." + x + "_proj.bias", 0});
+        want.push_back({b + "attn_output.weight", h + "self_attn.o_proj.weight", 0});
+        want.push_back({b + "ffn_norm.weight", h + "post_attention_layernorm.weight", 0});
+        want.push_back({b + "ffn_gate.weight", h + "mlp.gate_proj.weight", 0});
+        want.push_back({b + "ffn_up.weight", h + "mlp.up_proj.weight", 0});
+        want.push_back({b + "ffn_down.weight", h + "mlp.down_proj.weight", 0});
+    }
+    want.push_back({"output_norm.weight", "model.norm.weight", 0});
+    if (!tied && shape_of("lm_head.weight")) want.push_back({"output.weight", "lm_head.weight", 0});
+    for (const auto &x : want) {
+        const std::vector<int64_t> *sh = shape_of(std::get<1>(x));
+        if (!sh || sh->empty() || sh->size() > 2) {
+            fprintf(stderr, "convert: %s: %s %s\n", dir_c, std::get<1>(x).c_str(), sh ? "is not 1-D or 2-D" : "is missing");
+            return 1;
+        }
+        hf_tensor t;
+        t.gguf_name = std::get<0>(x);
+        t.hf_name = std::get<1>(x);
+        t.shard = shard_of(t.hf_name);
+        t.n_dims = (int)sh->size();
+        t.ne[0] = sh->back();
+        t.ne[1] = sh->size() == 2 ? (*sh)[0] : 1;
+        t.permute_heads = std::get<2>(x);
+        // the block weights in --outtype where their rows fit its blocks; norms, biases, the
+        // embedding and the head f32 unless --outtype is a plain float type (as llama.cpp's f16)
+        const bool block_weight = t.n_dims == 2 && t.gguf_name.rfind("blk.", 0) == 0;
+        const ql_type_traits *tt = ql_type_traits_get(wtype);
+        const bool plain = tt->blck_size == 1;
+        t.type = (t.n_dims == 2 && (block_weight || plain) && t.ne[0] % tt->blck_size == 0) ? wtype : QL_TYPE_F32;
+        if (t.permute_heads && (t.ne[1] % t.permute_heads || (t.ne[1] / t.permute_heads) % 2)) {
+            fprintf(stderr, "convert: %s: %s has %lld rows, not %d heads of an even size\n", dir_c, t.hf_name.c_str(),
+                    (long long)t.ne[1], t.permute_heads);
+            return 1;
+        }
+        src.tensors.push_back(t);
+    }
+    std::stable_sort(src.tensors.begin(), src.tensors.end(), [](const hf_tensor &a, const hf_tensor &b) { return a.shard < b.shard; });
+
+    ql_gguf_writer *w = ql_gguf_writer_new();
+    owned<ql_gguf_writer> w_(w, ql_gguf_writer_free);
+    const std::string arch = qwen2 ? "qwen2" : "llama";
+    ql_gguf_set_str(w, "general.architecture", arch.c_str());
+    ql_gguf_set_str(w, "general.name", (std::string("converted from ") + dir_c).c_str());
+    {  // the Hub repository, when the directory says it (PEFT's base_model_name_or_path)
+        const ql_json *np = cfg.get("_name_or_path");
+        if (np && np->kind == ql_json::STR && !np->str.empty() && np->str.find('/') != std::string::npos && np->str[0] != '/' &&
+            np->str[0] != '.')
+            ql_gguf_set_str(w, "general.source.huggingface.repository", np->str.c_str());
+    }
+    auto key = [&](const char *k) { return arch + "." + k; };
+    ql_gguf_set_u32(w, key("context_length").c_str(), (uint32_t)ctx);
+    ql_gguf_set_u32(w, key("embedding_length").c_str(), (uint32_t)E);
+    ql_gguf_set_u32(w, key("block_count").c_str(), (uint32_t)L);
+    ql_gguf_set_u32(w, key("feed_forward_length").c_str(), (uint32_t)F);
+    ql_gguf_set_u32(w, key("attention.head_count").c_str(), (uint32_t)H);
+    ql_gguf_set_u32(w, key("attention.head_count_kv").c_str(), (uint32_t)HKV);
+    ql_gguf_set_f32(w, key("attention.layer_norm_rms_epsilon").c_str(), (float)eps);
+    ql_gguf_set_f32(w, key("rope.freq_base").c_str(), (float)theta);
+    ql_gguf_set_u32(w, key("rope.dimension_count").c_str(), (uint32_t)hd);
+    ql_gguf_set_u32(w, key("vocab_size").c_str(), (uint32_t)V);
+    if (!hf_tokenizer(dir, cfg, w, &why)) {
+        fprintf(stderr, "convert: %s\n", why.c_str());
+        return 1;
+    }
+    std::vector<float> rope_factors;
+    if (rope_type == "llama3") {  // Llama 3.1: per-frequency divisors, as the rope_freqs tensor
+        auto rnum = [&](const char *k, double def) { const ql_json *v = rs->get(k); return v && v->kind == ql_json::NUM ? v->num() : def; };
+        const double factor = rnum("factor", 8.0), lo = rnum("low_freq_factor", 1.0), hi = rnum("high_freq_factor", 4.0),
+                     old = rnum("original_max_position_embeddings", 8192.0);
+        for (int64_t i = 0; i < hd / 2; i++) {
+            const double freq = 1.0 / std::pow(theta, (double)(2 * i) / (double)hd), wavelen = 2 * M_PI / freq;
+            if (wavelen < old / hi) rope_factors.push_back(1.0f);
+            else if (wavelen > old / lo) rope_factors.push_back((float)factor);
+            else {
+                const double smooth = (old / wavelen - lo) / (hi - lo);
+                rope_factors.push_back((float)(1.0 / ((1 - smooth) / factor + smooth)));
+            }
+        }
+        const int64_t ne[4] = {hd / 2, 1, 1, 1};
+        ql_gguf_add_tensor(w, "rope_freqs.weight", QL_TYPE_F32, 1, ne, rope_factors.data(), rope_factors.size() * 4);
+    }
+    for (hf_tensor &t : src.tensors)
+        if (ql_gguf_add_tensor_gen(w, t.gguf_name.c_str(), t.type, t.n_dims, t.ne, ql_type_data_size(t.type, t.ne[1], t.ne[0]),
+                                   hf_fill, &src) != QL_OK) {
+            fprintf(stderr, "convert: tensor %s: cannot add\n", t.gguf_name.c_str());
+            return 1;
+        }
+    char err[512];
+    if (ql_gguf_write(w, out, err, sizeof(err)) != QL_OK) {
+        fprintf(stderr, "convert: %s%s%s\n", err, src.err.empty() ? "" : ": ", src.err.c_str());
+        return 1;
+    }
+    printf("convert: %s: %s -> %s, dim %lld, %lld layers, %lld/%lld heads, ffn %lld, vocab %lld%s%s, %s weights, %zu shard%s -> %s\n",
+           dir_c, arch_hf.c_str(), arch.c_str(), (long long)E, (long long)L, (long long)H, (long long)HKV, (long long)F, (long long)V,
+           tied ? ", tied output" : "", rope_type.empty() ? "" : ", llama3 rope scaling", outtype, src.shards.size(),
+           src.shards.size() == 1 ? "" : "s", out);
+    return 0;
+}
+
+// SentencePiece's ModelProto, the fields a vocabulary needs: pieces (1: piece 1, score 2, type
+// 3), trainer_spec (2: unk_id 40, bos_id 41, eos_id 42, pad_id 43), normalizer_spec (3:
+// add_dummy_prefix 3). A minimal protobuf reader: varints, fixed32, length-delimited.
+struct pb {
+    const uint8_t *p, *end;
+    bool ok = true;
+    uint64_t varint() {
+        uint64_t v = 0;
+        for (int s = 0; s < 64 && p < end; s += 7) {
+            const uint8_t b = *p++;
+            v |= (uint64_t)(b & 0x7f) << s;
+            if (!(b & 0x80)) return v;
+        }
+        ok = false;
+        return 0;
+    }
+    // the next field: its number and wire type; the payload of a length-delimited one in [*a, *b)
+    bool field(uint32_t *num, uint32_t *wt, const uint8_t **a, const uint8_t **b, uint64_t *v) {
+        if (p >= end || !ok) return false;
+        const uint64_t k = varint();
+        *num = (uint32_t)(k >> 3), *wt = (uint32_t)(k & 7);
+        if (*wt == 0) *v = varint();
+        else if (*wt == 5) {
+            if (end - p < 4) return ok = false;
+            uint32_t x;
+            memcpy(&x, p, 4);
+            *v = x, p += 4;
+        } else if (*wt == 1) {
+            if (end - p < 8) return ok = false;
+            memcpy(v, p, 8), p += 8;
+        } else if (*wt == 2) {
+            const uint64_t n = varint();
+            if (!ok || n > (uint64_t)(end - p)) return ok = false;
+            *a = p, *b = p + n, p += n;
+        } else {
+            return ok = false;
+        }
+        return ok;
+    }
+};
+
+static bool hf_sentencepiece(const std::string &path, int64_t V, ql_gguf_writer *w, std::string *why) {
+    std::vector<uint8_t> buf;
+    if (!read_file(path.c_str(), &buf, why)) return false;
+    std::vector<std::string> tokens;
+    std::vector<float> scores;
+    std::vector<int32_t> types;
+    int64_t unk = 0, bos = 1, eos = 2, pad = -1;
+    bool dummy_prefix = true;
+    pb r{buf.data(), buf.data() + buf.size()};
+    uint32_t num, wt;
+    const uint8_t *a = nullptr, *b = nullptr;
+    uint64_t v = 0;
+    while (r.field(&num, &wt, &a, &b, &v)) {
+        if (wt != 2) continue;
+        pb s{a, b};
+        uint32_t n2, w2;
+        const uint8_t *a2 = nullptr, *b2 = nullptr;
+        uint64_t v2 = 0;
+        if (num == 1) {  // a piece
+            std::string piece;
+            float score = 0;
+            int32_t type = 1;
+            while (s.field(&n2, &w2, &a2, &b2, &v2)) {
+                if (n2 == 1 && w2 == 2) piece.assign((const char *)a2, (size_t)(b2 - a2));
+                else if (n2 == 2 && w2 == 5) { const uint32_t x = (uint32_t)v2; memcpy(&score, &x, 4); }
+                else if (n2 == 3 && w2 == 0) type = (int32_t)v2;
+            }
+            if (!s.ok) break;
+            tokens.push_back(piece), scores.push_back(score), types.push_back(type);
+        } else if (num == 2) {
+            while (s.field(&n2, &w2, &a2, &b2, &v2))
+                if (w2 == 0 && n2 >= 40 && n2 <= 43) (n2 == 40 ? unk : n2 == 41 ? bos : n2 == 42 ? eos : pad) = (int64_t)(int32_t)v2;
+        } else if (num == 3) {
+            while (s.field(&n2, &w2, &a2, &b2, &v2))
+                if (n2 == 3 && w2 == 0) dummy_prefix = v2 != 0;
+        }
+        if (!s.ok) r.ok = false;
+    }
+    if (!r.ok || tokens.empty()) {
+        *why = path + ": not a SentencePiece model (protobuf ModelProto with pieces)";
+        return false;
+    }
+    if ((int64_t)tokens.size() > V) {
+        *why = path + ": " + std::to_string(tokens.size()) + " pieces, but config.json's vocab_size is " + std::to_string(V);
+        return false;
+    }
+    for (int64_t i = (int64_t)tokens.size(); i < V; i++)  // the embedding's extra rows: llama.cpp's padding tokens
+        tokens.push_back("[PAD" + std::to_string(i) + "]"), scores.push_back(-1000.0f), types.push_back(5);
+    std::vector<const char *> tp;
+    for (const std::string &t : tokens) tp.push_back(t.c_str());
+    ql_gguf_set_str(w, "tokenizer.ggml.model", "llama");
+    ql_gguf_set_arr_str(w, "tokenizer.ggml.tokens", tp.data(), tp.size());
+    ql_gguf_set_arr(w, "tokenizer.ggml.scores", QL_GGUF_F32, scores.data(), scores.size());
+    ql_gguf_set_arr(w, "tokenizer.ggml.token_type", QL_GGUF_I32, types.data(), types.size());
+    if (unk >= 0) ql_gguf_set_u32(w, "tokenizer.ggml.unknown_token_id", (uint32_t)unk);
+    if (bos >= 0) ql_gguf_set_u32(w, "tokenizer.ggml.bos_token_id", (uint32_t)bos);
+    if (eos >= 0) ql_gguf_set_u32(w, "tokenizer.ggml.eos_token_id", (uint32_t)eos);
+    if (pad >= 0) ql_gguf_set_u32(w, "tokenizer.ggml.padding_token_id", (uint32_t)pad);
+    ql_gguf_set_bool(w, "tokenizer.ggml.add_space_prefix", dummy_prefix);
+    return true;
+}
+
+// tokenizer.json's byte-level BPE: vocab, merges, added tokens; the pre-tokenizer by its split
+static bool hf_bpe(const std::string &path, const ql_json &tj, int64_t V, ql_gguf_writer *w, std::string *why) {
+    const ql_json *model = tj.get("model");
+    const ql_json *vocab = model ? model->get("vocab") : nullptr, *merges = model ? model->get("merges") : nullptr;
+    const ql_json *type = model ? model->get("type") : nullptr;
+    if (!model || !type || type->str != "BPE" || !vocab || vocab->kind != ql_json::OBJ || !merges || merges->kind != ql_json::ARR) {
+        *why = path + ": not a BPE tokenizer (model.type BPE with vocab and merges)";
+        return false;
+    }
+    std::vector<std::string> tokens((size_t)V);
+    std::vector<int32_t> types((size_t)V, 0);
+    auto put = [&](const std::string &text, const ql_json &id, int32_t ty) {
+        int64_t i = -1;
+        if (!id.as_int(&i) || i < 0 || i >= V) {
+            *why = path + ": token '" + text + "' has id " + id.str + ", outside config.json's vocab_size " + std::to_string(V);
+            return false;
+        }
+        tokens[(size_t)i] = text, types[(size_t)i] = ty;
+        return true;
+    };
+    for (size_t k = 0; k < vocab->keys.size(); k++)
+        if (!put(vocab->keys[k], vocab->items[k], 1)) return false;
+    if (const ql_json *added = tj.get("added_tokens"))
+        for (const ql_json &t : added->items) {
+            const ql_json *c = t.get("content"), *id = t.get("id"), *sp = t.get("special");
+            if (c && id && !put(c->str, *id, sp && sp->b ? 3 : 4)) return false;
+        }
+    for (int64_t i = 0; i < V; i++)
+        if (!types[(size_t)i]) tokens[(size_t)i] = "[PAD" + std::to_string(i) + "]", types[(size_t)i] = 5;
+    std::vector<std::string> ms;
+    for (const ql_json &m : merges->items)
+        if (m.kind == ql_json::STR) ms.push_back(m.str);
+        else if (m.kind == ql_json::ARR && m.items.size() == 2) ms.push_back(m.items[0].str + " " + m.items[1].str);
+    // the pre-tokenizer, recognised by its split pattern
+    std::string pattern;
+    std::function<void(const ql_json &)> find = [&](const ql_json &j) {
+        if (j.kind == ql_json::OBJ) {
+            const ql_json *re = j.get("Regex");
+            if (re && re->kind == ql_json::STR && pattern.empty()) pattern = re->str;
+            for (const ql_json &x : j.items) find(x);
+        } else if (j.kind == ql_json::ARR) {
+            for (const ql_json &x : j.items) find(x);
+        }
+    };
+    const ql_json *pre_tok = tj.get("pre_tokenizer");
+    if (pre_tok) find(*pre_tok);
+    const char *pre = nullptr;
+    if (pattern.find("\\p{N}{1,3}") != std::string::npos) pre = "llama-bpe";
+    else if (pattern.find("\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*") != std::string::npos) pre = "qwen2";
+    else if (pattern.empty() && pre_tok && pre_tok->get("type") && pre_tok->get("type")->str == "ByteLevel") pre = "gpt-2";
+    if (!pre) {
+        *why = path + ": a pre-tokenizer qlora does not know (split pattern '" + pattern.substr(0, 60) +
+               "'; known: llama3, qwen2, gpt-2)";
+        return false;
+    }
+    std::vector<const char *> tp, mp;
+    for (const std::string &t : tokens) tp.push_back(t.c_str());
+    for (const std::string &m : ms) mp.push_back(m.c_str());
+    ql_gguf_set_str(w, "tokenizer.ggml.model", "gpt2");
+    ql_gguf_set_str(w, "tokenizer.ggml.pre", pre);
+    ql_gguf_set_arr_str(w, "tokenizer.ggml.tokens", tp.data(), tp.size());
+    ql_gguf_set_arr(w, "tokenizer.ggml.token_type", QL_GGUF_I32, types.data(), types.size());
+    ql_gguf_set_arr_str(w, "tokenizer.ggml.merges", mp.data(), mp.size());
+    return true;
+}
+
+static bool hf_tokenizer(const std::string &dir, const ql_json &cfg, ql_gguf_writer *w, std::string *why) {
+    const int64_t V = (int64_t)cfg.get("vocab_size")->num();
+    struct stat sb;
+    if (stat((dir + "/tokenizer.json").c_str(), &sb) == 0) {
+        ql_json tj;
+        if (!read_json_file(dir + "/tokenizer.json", &tj, why)) return false;
+        const ql_json *model = tj.get("model");
+        const ql_json *type = model ? model->get("type") : nullptr;
+        if (type && type->str == "BPE" && model->get("byte_fallback") && model->get("byte_fallback")->b &&
+            stat((dir + "/tokenizer.model").c_str(), &sb) == 0) {
+            if (!hf_sentencepiece(dir + "/tokenizer.model", V, w, why)) return false;  // SentencePiece as BPE: its model file
+        } else if (!hf_bpe(dir + "/tokenizer.json", tj, V, w, why)) {
+            return false;
+        }
+    } else if (stat((dir + "/tokenizer.model").c_str(), &sb) == 0) {
+        if (!hf_sentencepiece(dir + "/tokenizer.model", V, w, why)) return false;
+    } else {
+        *why = dir + ": no tokenizer.json or tokenizer.model";
+        return false;
+    }
+    // ids from config.json (the first of a list), flags and the chat template from tokenizer_config.json
+    for (const auto &k : {std::make_pair("bos_token_id", "tokenizer.ggml.bos_token_id"), std::make_pair("eos_token_id", "tokenizer.ggml.eos_token_id"),
+                          std::make_pair("pad_token_id", "tokenizer.ggml.padding_token_id")}) {
+        const ql_json *v = cfg.get(k.first);
+        if (v && v->kind == ql_json::ARR && !v->items.empty()) v = &v->items[0];
+        int64_t id = -1;
+        if (v && v->kind == ql_json::NUM && v->as_int(&id) && id >= 0 && id < V) {
+            ql_gguf_remove_kv(w, k.second);
+            ql_gguf_set_u32(w, k.second, (uint32_t)id);
+        }
+    }
+    ql_json tc;
+    if (stat((dir + "/tokenizer_config.json").c_str(), &sb) == 0) {
+        if (!read_json_file(dir + "/tokenizer_config.json", &tc, why)) return false;
+        for (const auto &k : {std::make_pair("add_bos_token", "tokenizer.ggml.add_bos_token"), std::make_pair("add_eos_token", "tokenizer.ggml.add_eos_token")}) {
+            const ql_json *v = tc.get(k.first);
+            if (v && v->kind == ql_json::BOOL) ql_gguf_set_bool(w, k.second, v->b);
+        }
+        const ql_json *ct = tc.get("chat_template");
+        if (ct && ct->kind == ql_json::STR) ql_gguf_set_str(w, "tokenizer.chat_template", ct->str.c_str());
+    }
+    return true;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) return usage(argv[0]);
     const std::string mode = argv[1];
@@ -178,14 +713,19 @@ int main(int argc, char **argv) {
                "         a llama2.c checkpoint (and its tokenizer.bin) as a llama GGUF, f32\n"
                "       %s tiktoken tokenizer.model --pre llama3 -o vocab.gguf\n"
                "         a vocabulary-only GGUF from a tiktoken file (Meta's Llama 3), merges rebuilt from ranks\n"
-               "         (--pre llama3 | llama-bpe: the pre-tokenizer recorded in the GGUF)\n",
-               argv[0], argv[0]);
+               "         (--pre llama3 | llama-bpe: the pre-tokenizer recorded in the GGUF)\n"
+               "       %s hf DIR -o model.gguf [--outtype f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|nf4]\n"
+               "         a Hugging Face checkpoint (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM: config.json,\n"
+               "         model.safetensors or its shards, tokenizer.json or tokenizer.model, tokenizer_config.json);\n"
+               "         --outtype (default f32) for the block weights (f16/bf16: every matrix)\n",
+               argv[0], argv[0], argv[0]);
         return 0;
     }
     std::vector<const char *> pos;
-    const char *out = nullptr, *pre = nullptr;
+    const char *out = nullptr, *pre = nullptr, *outtype = nullptr;
     for (int i = 2; i < argc; i++) {
         if (!strcmp(argv[i], "-o") && i + 1 < argc) out = argv[++i];
+        else if (!strcmp(argv[i], "--outtype") && i + 1 < argc) outtype = argv[++i];
         else if (!strcmp(argv[i], "--pre") && i + 1 < argc) pre = argv[++i];
         else if (argv[i][0] == '-') {
             fprintf(stderr, "convert: unknown flag '%s'\n", argv[i]);
@@ -208,6 +748,10 @@ int main(int argc, char **argv) {
         }
         return convert_tiktoken(pos[0], pre, out);
     }
-    fprintf(stderr, "convert: unknown source format '%s' (llama2c, tiktoken)\n", mode.c_str());
+    if (mode == "hf") {
+        if (pos.size() != 1 || pre) return usage(argv[0]);
+        return convert_hf(pos[0], out, outtype ? outtype : "f32");
+    }
+    fprintf(stderr, "convert: unknown source format '%s' (llama2c, tiktoken, hf)\n", mode.c_str());
     return usage(argv[0]);
 }

@@ -1,0 +1,93 @@
+#!/usr/bin/env python3
+# Dev-side only (never run by the build or `make test`): writes tests/golden/hf/, the Hugging
+# Face checkpoints `./convert hf` is checked against, saved by the real transformers, and the
+# logits transformers computes for them (tests/test_tools.cpp compares ours to 1e-4).
+#   python3 -m venv /tmp/qv && /tmp/qv/bin/pip install torch==2.5.1 transformers==4.46.3 safetensors==0.4.5
+#   /tmp/qv/bin/python tests/reference/hf_golden.py
+# Three tiny random models: a Llama with GQA, untied head and Llama 3.1 rope scaling; a Qwen2
+# with q/k/v biases and a tied head, saved in two shards; a Mistral. One byte-level BPE
+# tokenizer.json (Llama 3's split pattern) written here by hand for all three.
+import json, os, struct
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+OUT = 'tests/golden/hf'
+torch.manual_seed(20261124)
+
+def bytes_to_unicode():  # GPT-2's byte -> printable character map
+    bs = list(range(ord('!'), ord('~') + 1)) + list(range(ord('¡'), ord('¬') + 1)) + list(range(ord('®'), ord('ÿ') + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, [chr(c) for c in cs]))
+
+B2U = bytes_to_unicode()
+vocab = {B2U[b]: b for b in range(256)}
+merges = []
+for pair in [('Ġ', 't'), ('h', 'e'), ('Ġt', 'he'), ('Ġ', 'a'), ('i', 'n'), ('o', 'n')]:
+    merges.append(' '.join(pair))
+    vocab[pair[0] + pair[1]] = len(vocab)
+SPECIAL = ['<|begin_of_text|>', '<|end_of_text|>']
+LLAMA3_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+                "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+tokenizer = {
+    'version': '1.0',
+    'added_tokens': [{'id': len(vocab) + i, 'content': s, 'single_word': False, 'lstrip': False, 'rstrip': False,
+                      'normalized': False, 'special': True} for i, s in enumerate(SPECIAL)],
+    'normalizer': None,
+    'pre_tokenizer': {'type': 'Sequence', 'pretokenizers': [
+        {'type': 'Split', 'pattern': {'Regex': LLAMA3_SPLIT}, 'behavior': 'Isolated', 'invert': False},
+        {'type': 'ByteLevel', 'add_prefix_space': False, 'trim_offsets': True, 'use_regex': False}]},
+    'post_processor': None,
+    'decoder': {'type': 'ByteLevel', 'add_prefix_space': True, 'trim_offsets': True, 'use_regex': True},
+    'model': {'type': 'BPE', 'dropout': None, 'unk_token': None, 'continuing_subword_prefix': None,
+              'end_of_word_suffix': None, 'fuse_unk': False, 'byte_fallback': False, 'ignore_merges': True,
+              'vocab': vocab, 'merges': merges},
+}
+BOS, EOS = len(vocab), len(vocab) + 1
+V = len(vocab) + len(SPECIAL) + 6  # the embedding a little larger than the vocabulary: padding tokens
+
+common = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              vocab_size=V, max_position_embeddings=128, rms_norm_eps=1e-5, bos_token_id=BOS, eos_token_id=EOS)
+models = {
+    'llama': LlamaForCausalLM(LlamaConfig(**common, rope_theta=500000.0, tie_word_embeddings=False,
+                                          rope_scaling={'rope_type': 'llama3', 'factor': 8.0, 'low_freq_factor': 1.0,
+                                                        'high_freq_factor': 4.0, 'original_max_position_embeddings': 32})),
+    'qwen2': Qwen2ForCausalLM(Qwen2Config(**common, rope_theta=1000000.0, tie_word_embeddings=True)),
+    'mistral': MistralForCausalLM(MistralConfig(**common, rope_theta=10000.0, tie_word_embeddings=False, sliding_window=None)),
+}
+ids = [BOS] + [(7 * i + 3) % (V - 8) for i in range(23)]  # 24 positions
+out = bytearray(struct.pack('<2I', len(ids), V))
+out += struct.pack('<%di' % len(ids), *ids)
+for name, m in models.items():
+    m.eval()
+    with torch.no_grad():  # weights of a trained model's magnitude, not the init's 0.02
+        for p in m.parameters():
+            p.normal_(0.0, 0.2)
+        for n_, p in m.named_parameters():
+            if 'norm' in n_:
+                p.normal_(1.0, 0.1)
+    d = os.path.join(OUT, name)
+    os.makedirs(d, exist_ok=True)
+    m.save_pretrained(d, safe_serialization=True, max_shard_size='40KB' if name == 'qwen2' else '10GB')
+    with open(os.path.join(d, 'tokenizer.json'), 'w') as f:
+        json.dump(tokenizer, f, ensure_ascii=False)
+    with open(os.path.join(d, 'tokenizer_config.json'), 'w') as f:
+        json.dump({'add_bos_token': True, 'bos_token': SPECIAL[0], 'eos_token': SPECIAL[1],
+                   'chat_template': "{% for m in messages %}{{ m['content'] }}{% endfor %}"}, f)
+    for junk in ('generation_config.json',):
+        if os.path.exists(os.path.join(d, junk)):
+            os.remove(os.path.join(d, junk))
+    with torch.no_grad():
+        logits = m(torch.tensor([ids])).logits[0].float()
+    name_b = name.encode()
+    out += struct.pack('<I', len(name_b)) + name_b
+    out += logits.numpy().astype('<f4').tobytes()
+    print(name, 'files:', sorted(os.listdir(d)), 'logits', tuple(logits.shape))
+with open(os.path.join(OUT, 'logits.bin'), 'wb') as f:
+    f.write(bytes(out))
