@@ -436,7 +436,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
         // long) -> ws [M, kt], C += ws . b[k0 : k0 + kt]
         CU_ASSERT(A2 == 1 && A3 == 1);
         const ql_tensor *w = a->view_src;
-        const char *aux = (const char *)w->data + ql_nbytes(w);
+        const char *aux = (const char *)w->data + ql_aux_offset(ql_nbytes(w));
         const int64_t tk = ql_cuda_mm_tile_rows(M, K);
         for (int64_t k0 = 0; k0 < K; k0 += tk) {
             const int64_t kt = std::min(tk, K - k0);
@@ -468,7 +468,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
                 } else {
                     if (at->blck_size > 1 || at->aux_bytes) {
                         CU_ASSERT(ql_rows_contiguous(a));
-                        const char *aux = at->aux_bytes ? (const char *)a->data + ql_nbytes(a) : nullptr;
+                        const char *aux = at->aux_bytes ? (const char *)a->data + ql_aux_offset(ql_nbytes(a)) : nullptr;
                         QL_LAUNCH(k_dequant_rows, cu_grid(K * mt), CU_BLOCK, 0, c.stream, ap, (int64_t)a->nb[1], (int)a->type,
                                   aux, K, m0, mt, (char *)ws, (int)ct);
                     } else {
@@ -717,7 +717,7 @@ __global__ void k_get_rows(const char *w, int64_t row_bytes, int type, const cha
 static void cu_op_get_rows(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *a = node->src[0], *ids = node->src[1];
     const int64_t n = ql_nelements(node);
-    const char *aux = a->aux_size ? (const char *)a->data + ql_nbytes(a) : nullptr;
+    const char *aux = a->aux_size ? (const char *)a->data + ql_aux_offset(ql_nbytes(a)) : nullptr;
     QL_LAUNCH(k_get_rows, cu_grid(n), CU_BLOCK, 0, c.stream, (const char *)a->data, (int64_t)a->nb[1], (int)a->type, aux, a->ne[0],
               a->ne[1], (const int32_t *)ids->data, (float *)node->data, n);
     CU_LAUNCHED(c);

@@ -666,10 +666,12 @@ static const char *ggml_type_name(uint32_t id) {
 
 static int64_t nf4_n_blocks(int64_t n) { return (n + QL_NF4_BLOCK - 1) / QL_NF4_BLOCK; }
 static int64_t nf4_n_groups(int64_t n) { return (nf4_n_blocks(n) + QL_NF4_GROUP - 1) / QL_NF4_GROUP; }
+// (after the pad that puts the side data on a 4-byte boundary: rows of n / 2 bytes)
+static size_t nf4_pad(int64_t n) { return ql_aux_offset((size_t)(n / 2)) - (size_t)(n / 2); }
 static size_t nf4_aux_bytes(int64_t n) {  // n_blocks, offset, map, group scales, one code per block
-    return (size_t)(2 + 256 + nf4_n_groups(n)) * sizeof(float) + (size_t)nf4_n_blocks(n);
+    return nf4_pad(n) + (size_t)(2 + 256 + nf4_n_groups(n)) * sizeof(float) + (size_t)nf4_n_blocks(n);
 }
-static size_t nf4_nodq_aux_bytes(int64_t n) { return (size_t)nf4_n_blocks(n) * sizeof(float); }
+static size_t nf4_nodq_aux_bytes(int64_t n) { return nf4_pad(n) + (size_t)nf4_n_blocks(n) * sizeof(float); }
 static void nf4_to_float_aux(const void *row, const void *aux, int64_t first, float *dst, int64_t n);
 static void nf4_nodq_to_float_aux(const void *row, const void *aux, int64_t first, float *dst, int64_t n);
 static bool nf4_aux_check(const void *aux, int64_t n);
@@ -924,7 +926,7 @@ ql_status ql_quantize(ql_type type, const float *src, int64_t n_rows, int64_t ne
     }
     const int64_t nb = nf4_n_blocks(n);
     uint8_t *packed = (uint8_t *)dst;
-    uint8_t *aux = packed + ql_row_size(type, ne0) * (size_t)n_rows;
+    uint8_t *aux = packed + ql_aux_offset(ql_row_size(type, ne0) * (size_t)n_rows);
     if (type == QL_TYPE_NF4_NODQ) {
         nf4_quantize_blocks(src, n, packed, (float *)aux);
         return QL_OK;
@@ -946,7 +948,7 @@ ql_status ql_dequantize(ql_type type, const void *src, int64_t n_rows, int64_t n
     const ql_type_traits *tt = ql_type_traits_get(type);
     if (!tt || !tt->is_float || ne0 <= 0 || ne0 % tt->blck_size != 0) return QL_ERR_TYPE;
     const size_t rs = ql_row_size(type, ne0);
-    const uint8_t *aux = (const uint8_t *)src + rs * (size_t)n_rows;
+    const uint8_t *aux = (const uint8_t *)src + ql_aux_offset(rs * (size_t)n_rows);
     for (int64_t r = 0; r < n_rows; r++) {
         const uint8_t *row = (const uint8_t *)src + (size_t)r * rs;
         if (tt->to_float_aux)
@@ -995,7 +997,7 @@ ql_status ql_nf4_from_bnb(const ql_bnb_nf4 *in, ql_type type, int64_t ne0, void 
             return fail_msg(err, err_size, QL_ERR_INVALID, "nf4_from_bnb: non-finite double-quantisation statistics");
     }
     memcpy(dst, in->packed, (size_t)(n / 2));
-    uint8_t *aux = (uint8_t *)dst + n / 2;
+    uint8_t *aux = (uint8_t *)dst + ql_aux_offset((size_t)(n / 2));
     if (type == QL_TYPE_NF4) {
         float *sc = nf4_aux_init(aux, nb, in->nested_quant_map, in->nested_offset);
         memcpy(sc, in->nested_absmax, (size_t)ng * sizeof(float));
@@ -1020,7 +1022,7 @@ ql_status ql_nf4_to_bnb(ql_type type, const void *src, int64_t n_rows, int64_t n
         return QL_ERR_INVALID;
     memcpy(out->packed, src, (size_t)(n / 2));
     memcpy(out->quant_map, k_nf4_values, sizeof(k_nf4_values));
-    const uint8_t *aux = (const uint8_t *)src + n / 2;
+    const uint8_t *aux = (const uint8_t *)src + ql_aux_offset((size_t)(n / 2));
     if (out->nested) {
         const nf4_aux a(aux);
         out->nested_offset = a.offset;
@@ -1143,8 +1145,9 @@ bool ql_same_shape(const ql_tensor *a, const ql_tensor *b) {
     return true;
 }
 
+size_t ql_aux_offset(size_t row_bytes) { return (row_bytes + 3) / 4 * 4; }
 void *ql_aux_data(const ql_tensor *t) {
-    return (t && t->data && t->aux_size) ? (uint8_t *)t->data + ql_nbytes(t) : nullptr;
+    return (t && t->data && t->aux_size) ? (uint8_t *)t->data + ql_aux_offset(ql_nbytes(t)) : nullptr;
 }
 
 static void set_contiguous_strides(ql_tensor *t) {

@@ -426,7 +426,10 @@ int     ql_n_dims(const ql_tensor *t);                      // highest dimension
 bool    ql_is_contiguous(const ql_tensor *t);
 bool    ql_rows_contiguous(const ql_tensor *t);             // nb[0] == element size (rows are dense)
 bool    ql_same_shape(const ql_tensor *a, const ql_tensor *b);
-void   *ql_aux_data(const ql_tensor *t);                    // data + nbytes, or NULL
+void   *ql_aux_data(const ql_tensor *t);                    // data + ql_aux_offset(nbytes), or NULL
+// where side data starts after `row_bytes` of rows: the next multiple of 4 (it holds floats; NF4
+// rows of an even but not block-multiple length can end mid-word). A type's aux_bytes count the pad.
+size_t  ql_aux_offset(size_t row_bytes);
 
 // element access for tests and tools (f32 view of any float type; i32 for I32)
 float   ql_get_f32_1d(const ql_tensor *t, int64_t i);       // i: logical flat index

@@ -208,12 +208,12 @@ TEST_CASE("nf4: rows that are not whole blocks (172 wide) - bitsandbytes' blocks
     std::vector<float> w((size_t)n);
     for (float &v : w) v = N(rng);
     std::vector<uint8_t> q(ql_type_data_size(QL_TYPE_NF4_NODQ, R, E)), packed((size_t)n / 2);
-    REQUIRE(q.size() == (size_t)n / 2 + (size_t)nb * 4);
+    REQUIRE(q.size() == ql_aux_offset((size_t)n / 2) + (size_t)nb * 4);  // 430 bytes of codes, 2 of pad: aligned side data
     REQUIRE(ql_quantize(QL_TYPE_NF4_NODQ, w.data(), R, E, q.data(), nullptr, 0) == QL_OK);
     std::vector<float> absmax((size_t)nb);
     ql_nf4_quantize_flat(w.data(), n, packed.data(), absmax.data());  // bitsandbytes' quantize_4bit on the flat tensor
     CHECK(memcmp(q.data(), packed.data(), packed.size()) == 0);
-    CHECK(memcmp(q.data() + packed.size(), absmax.data(), absmax.size() * 4) == 0);
+    CHECK(memcmp(q.data() + ql_aux_offset(packed.size()), absmax.data(), absmax.size() * 4) == 0);
     // dequantised: each element by its flat block's absmax, whichever row it is in
     std::vector<float> d((size_t)n);
     REQUIRE(ql_dequantize(QL_TYPE_NF4_NODQ, q.data(), R, E, d.data()) == QL_OK);
