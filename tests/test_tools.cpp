@@ -1,4 +1,5 @@
 // The command-line tools, run as a user would (the binaries must be built: `make` does).
+#include "../models/adapter.h"
 #include "../models/json.h"
 #include "../models/llama.h"
 #include "../models/tokenizer.h"
@@ -1176,6 +1177,27 @@ TEST_CASE("convert hf: Llama, Qwen2 (sharded), Mistral from save_pretrained give
         }
         MESSAGE(name, ": max |ours - transformers| = ", worst, " of max |logit| ", scale);
         CHECK(worst <= 1e-4 * scale);
+        if (name == "llama") {  // a real PEFT adapter (get_peft_model + save_pretrained) on it: transformers + PEFT's logits
+            std::string e;
+            ql_lora_adapter *ad = ql_lora_attach_any(&f->model, f->arch.c_str(), (dir + "llama-peft").c_str(), 1.0f, &e);
+            REQUIRE_MESSAGE(ad, e);
+            const std::vector<uint8_t> pb = read_file_bytes(dir + "llama-peft-logits.bin");
+            REQUIRE(pb.size() == want.size() * 4);
+            std::vector<float> pw(want.size());
+            memcpy(pw.data(), pb.data(), pb.size());
+            const std::vector<float> pg = logits_of(f->model, ids);
+            double pworst = 0, pscale = 0, moved = 0;
+            for (size_t i = 0; i < pg.size(); i++) {
+                pworst = std::max(pworst, (double)std::fabs(pg[i] - pw[i]));
+                pscale = std::max(pscale, (double)std::fabs(pw[i]));
+                moved = std::max(moved, (double)std::fabs(pw[i] - want[i]));
+            }
+            MESSAGE("llama + PEFT adapter: max |ours - transformers+PEFT| = ", pworst, " of max |logit| ", pscale, " (the adapter moves them by ",
+                    moved, ")");
+            CHECK(moved > 0.1 * pscale);  // the adapter matters
+            CHECK(pworst <= 1e-4 * pscale);
+            ql_lora_adapter_free(ad);
+        }
         // the vocabulary: byte-level BPE with Llama 3's split, the special tokens from config.json
         ql_vocab *v = ql_vocab_load(f->gguf, err, sizeof(err));
         REQUIRE_MESSAGE(v, err);

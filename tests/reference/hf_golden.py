@@ -91,3 +91,23 @@ for name, m in models.items():
     print(name, 'files:', sorted(os.listdir(d)), 'logits', tuple(logits.shape))
 with open(os.path.join(OUT, 'logits.bin'), 'wb') as f:
     f.write(bytes(out))
+
+# A real PEFT LoRA adapter on the Llama (get_peft_model + save_pretrained, B made non-zero), and
+# the logits of transformers + PEFT with it: `--lora DIR` on the converted model must give them.
+from peft import LoraConfig, get_peft_model
+torch.manual_seed(7)
+base = LlamaForCausalLM.from_pretrained(os.path.join(OUT, 'llama'))
+base.eval()
+pm = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type='CAUSAL_LM',
+                                     target_modules=['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj']))
+with torch.no_grad():
+    for n_, p in pm.named_parameters():
+        if 'lora_' in n_:
+            p.normal_(0.0, 0.3)
+pm.save_pretrained(os.path.join(OUT, 'llama-peft'))
+os.remove(os.path.join(OUT, 'llama-peft', 'README.md'))  # PEFT's model card template
+with torch.no_grad():
+    lg = pm(torch.tensor([ids])).logits[0].float()
+with open(os.path.join(OUT, 'llama-peft-logits.bin'), 'wb') as f:
+    f.write(lg.numpy().astype('<f4').tobytes())
+print('llama-peft', sorted(os.listdir(os.path.join(OUT, 'llama-peft'))))
