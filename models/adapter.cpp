@@ -152,6 +152,7 @@ static const uint64_t k_st_max_header = 100000000;  // the reference implementat
 static size_t st_dtype_size(const std::string &d) {
     if (d == "F32") return 4;
     if (d == "F16" || d == "BF16") return 2;
+    if (d == "U8") return 1;  // bitsandbytes' packed 4-bit weights and their 8-bit absmax codes
     return 0;
 }
 
@@ -264,7 +265,7 @@ bool ql_safetensors_read(const char *path, std::vector<ql_st_tensor> *tensors, s
             return fail(err, "%s: tensor %s: data_offsets must be [begin, end]", path, name.c_str());
         const size_t es = st_dtype_size(dt->str);
         if (!es)
-            return fail(err, "%s: tensor %s has dtype %s; only F32, F16 and BF16 are read", path, name.c_str(), dt->str.c_str());
+            return fail(err, "%s: tensor %s has dtype %s; only F32, F16, BF16 and U8 are read", path, name.c_str(), dt->str.c_str());
         ql_st_tensor t;
         t.name = name;
         t.dtype = dt->str;
@@ -695,6 +696,11 @@ ql_lora_adapter *ql_peft_attach(ql_llama *m, const char *arch, const char *dir, 
     std::vector<ql_st_tensor> ts;
     std::vector<uint8_t> storage;
     if (!ql_safetensors_read(file, &ts, &storage, err)) return nullptr;
+    for (const ql_st_tensor &t : ts)
+        if (t.dtype == "U8") {
+            fail(err, "%s: tensor %s has dtype U8; a LoRA tensor is F32, F16 or BF16", file, t.name.c_str());
+            return nullptr;
+        }
 
     struct found {
         const ql_st_tensor *a = nullptr, *b = nullptr;

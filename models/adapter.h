@@ -31,8 +31,9 @@ bool ql_safetensors_write(const char *path, const std::vector<ql_st_tensor> &ten
 // Reads a whole file and checks it as the reference implementation does (header within the
 // file and starting with '{', well-formed UTF-8 JSON, no duplicate names, offsets in bounds,
 // covering the data without gaps or overlaps, sizes = product(shape) * dtype size); dtypes other
-// than F32/F16/BF16 are refused by name. Tensors' data point into *storage (no alignment promised:
-// memcpy out of it); metadata (optional) receives the "__metadata__" pairs.
+// than F32/F16/BF16/U8 (U8: bitsandbytes' packed weights) are refused by name. Tensors' data
+// point into *storage (no alignment promised: memcpy out of it); metadata (optional) receives
+// the "__metadata__" pairs.
 bool ql_safetensors_read(const char *path, std::vector<ql_st_tensor> *tensors, std::vector<uint8_t> *storage,
                          std::string *err, std::vector<std::pair<std::string, std::string>> *metadata = nullptr);
 

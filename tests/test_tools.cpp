@@ -1215,6 +1215,39 @@ TEST_CASE("convert hf: Llama, Qwen2 (sharded), Mistral from save_pretrained give
         n++;
     }
     CHECK(n == 3);
+    {  // a bitsandbytes 4-bit checkpoint: the NF4 codes carried over, bitsandbytes' dequantised model's logits
+        std::string log;
+        REQUIRE_MESSAGE(run("./convert hf " + dir + "llama-bnb4 -o " + d.path + "/bnb.gguf", &log) == 0, log);
+        CHECK_MESSAGE(log.find("bitsandbytes NF4 (codes carried over)") != std::string::npos, log);
+        char err[256];
+        ql_llama_file *f = ql_llama_load((d.path + "/bnb.gguf").c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(f, err);
+        const ql_llama_layer &L0 = f->model.layers[0];
+        CHECK(L0.wv->type == QL_TYPE_NF4);       // double quantisation kept
+        CHECK(L0.wq->type == QL_TYPE_NF4_NODQ);  // rows permuted: each block's absmax as bitsandbytes decodes it
+        std::vector<ql_st_tensor> st;
+        std::vector<uint8_t> storage;
+        std::string why;
+        REQUIRE_MESSAGE(ql_safetensors_read((dir + "llama-bnb4/model.safetensors").c_str(), &st, &storage, &why), why);
+        for (const ql_st_tensor &t : st)
+            if (t.name == "model.layers.0.self_attn.v_proj.weight") {
+                REQUIRE(t.dtype == "U8");
+                CHECK(memcmp(t.data, L0.wv->data, ql_nbytes(L0.wv)) == 0);  // bitsandbytes' packed bytes, bit for bit
+            }
+        const std::vector<uint8_t> lb = read_file_bytes(dir + "llama-bnb4-logits.bin");
+        REQUIRE(lb.size() == (size_t)T * V * 4);
+        std::vector<float> want((size_t)T * V);
+        memcpy(want.data(), lb.data(), lb.size());
+        const std::vector<float> got = logits_of(f->model, ids);
+        double worst = 0, scale = 0;
+        for (size_t i = 0; i < got.size(); i++) {
+            worst = std::max(worst, (double)std::fabs(got[i] - want[i]));
+            scale = std::max(scale, (double)std::fabs(want[i]));
+        }
+        MESSAGE("bitsandbytes NF4 llama: max |ours - transformers on bitsandbytes' dequantised weights| = ", worst, " of ", scale);
+        CHECK(worst <= 1e-4 * scale);
+        ql_llama_file_free(f);
+    }
     // bad input: one line naming the file
     std::string log;
     CHECK(run("./convert hf " + d.path + " -o " + d.path + "/x.gguf", &log) == 1);

@@ -197,6 +197,9 @@ struct hf_tensor {
     int n_dims = 1;
     ql_type type = QL_TYPE_F32;
     int permute_heads = 0;  // > 0: rows permuted for that many heads (llama's q, k)
+    bool bnb = false;       // a bitsandbytes 4-bit weight: its codes carried over, not requantised
+    float nested_offset = 0;
+    bool nested = false;
 };
 
 struct hf_source {  // the generator's state: the shard in memory, the tensors in order
@@ -209,6 +212,71 @@ struct hf_source {  // the generator's state: the shard in memory, the tensors i
     size_t next = 0;
 };
 
+// a bitsandbytes NF4 weight into our NF4 (double quantisation kept, bit for bit) or, where
+// llama's q/k rows are permuted, NF4_NODQ (each block's absmax as bitsandbytes dequantises it:
+// a permutation moves whole blocks out of their double-quantisation groups)
+static bool hf_fill_bnb(hf_source &s, const hf_tensor &t, void *dst) {
+    auto find = [&](const std::string &n) -> const ql_st_tensor * {
+        for (const ql_st_tensor &c : s.st)
+            if (c.name == n) return &c;
+        s.err = s.shards[t.shard] + ": no tensor " + n + " beside " + t.hf_name;
+        return nullptr;
+    };
+    const int64_t n = t.ne[0] * t.ne[1], nb = (n + 63) / 64, ng = (nb + 255) / 256;
+    const ql_st_tensor *w = find(t.hf_name), *am = find(t.hf_name + ".absmax"), *qm = find(t.hf_name + ".quant_map");
+    const ql_st_tensor *na = t.nested ? find(t.hf_name + ".nested_absmax") : nullptr,
+                       *nq = t.nested ? find(t.hf_name + ".nested_quant_map") : nullptr;
+    if (!w || !am || !qm || (t.nested && (!na || !nq))) return false;
+    auto count = [](const ql_st_tensor *x) { int64_t c = 1; for (int64_t d : x->shape) c *= d; return c; };
+    if (w->dtype != "U8" || count(w) != (n + 1) / 2 || qm->dtype != "F32" || count(qm) != 16 || count(am) != nb ||
+        am->dtype != (t.nested ? "U8" : "F32") || (t.nested && (na->dtype != "F32" || count(na) != ng || nq->dtype != "F32" || count(nq) != 256))) {
+        s.err = t.hf_name + ": the bitsandbytes arrays do not fit its quant_state (shape, dtypes)";
+        return false;
+    }
+    // aligned copies of the arrays (safetensors offsets promise no alignment)
+    std::vector<uint8_t> packed((const uint8_t *)w->data, (const uint8_t *)w->data + (n + 1) / 2), codes;
+    std::vector<float> absmax, nabs((size_t)ng), nmap(256), qmap(16);
+    if (t.nested) {
+        codes.assign((const uint8_t *)am->data, (const uint8_t *)am->data + nb);
+        memcpy(nabs.data(), na->data, nabs.size() * 4);
+        memcpy(nmap.data(), nq->data, 1024);
+    } else {
+        absmax.resize((size_t)nb);
+        memcpy(absmax.data(), am->data, absmax.size() * 4);
+    }
+    memcpy(qmap.data(), qm->data, 64);
+    ql_bnb_nf4 in{};
+    in.n = n;
+    in.nested = t.nested;
+    in.packed = packed.data();
+    in.absmax_codes = codes.data();
+    in.absmax = absmax.data();
+    in.nested_absmax = nabs.data();
+    in.nested_offset = t.nested_offset;
+    in.quant_map = qmap.data();
+    in.nested_quant_map = nmap.data();
+    char e[256];
+    if (ql_nf4_from_bnb(&in, t.type, t.ne[0], dst, e, sizeof(e)) != QL_OK) {
+        s.err = t.hf_name + ": " + e;
+        return false;
+    }
+    if (t.permute_heads > 0) {  // whole rows of whole blocks (checked): codes and absmax move together
+        const int64_t rows = t.ne[1], hd = rows / t.permute_heads, rb = t.ne[0] / 2, rblk = t.ne[0] / 64;
+        uint8_t *q = (uint8_t *)dst;
+        float *a = (float *)(q + ql_aux_offset((size_t)(n / 2)));
+        std::vector<uint8_t> q0(q, q + n / 2);
+        std::vector<float> a0(a, a + nb);
+        for (int64_t h = 0; h < t.permute_heads; h++)
+            for (int64_t half = 0; half < 2; half++)
+                for (int64_t i = 0; i < hd / 2; i++) {
+                    const int64_t to = h * hd + 2 * i + half, from = h * hd + half * (hd / 2) + i;
+                    memcpy(q + to * rb, q0.data() + from * rb, (size_t)rb);
+                    memcpy(a + to * rblk, a0.data() + from * rblk, (size_t)rblk * 4);
+                }
+    }
+    return true;
+}
+
 static bool hf_fill(void *arg, void *dst, size_t size) {
     hf_source &s = *(hf_source *)arg;
     const hf_tensor &t = s.tensors[s.next++];
@@ -219,11 +287,16 @@ static bool hf_fill(void *arg, void *dst, size_t size) {
         if (!ql_safetensors_read(s.shards[t.shard].c_str(), &s.st, &s.storage, &s.err)) return false;
         s.loaded = t.shard;
     }
+    if (t.bnb) return hf_fill_bnb(s, t, dst);
     const ql_st_tensor *x = nullptr;
     for (const ql_st_tensor &c : s.st)
         if (c.name == t.hf_name) x = &c;
     if (!x) {
         s.err = s.shards[t.shard] + ": no tensor " + t.hf_name + " (the index names it there)";
+        return false;
+    }
+    if (x->dtype == "U8") {
+        s.err = t.hf_name + ": dtype U8 without a bitsandbytes quant_state";
         return false;
     }
     const int64_t n = t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3];
@@ -361,6 +434,7 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
     }
     // every shard's table (headers only matter here; the bytes are read again when written)
     std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;  // name -> PyTorch shape
+    std::vector<std::pair<std::string, std::string>> bnb_states;       // weight name -> its quant_state JSON
     for (size_t s = 0; s < src.shards.size(); s++) {
         std::vector<ql_st_tensor> st;
         std::vector<uint8_t> storage;
@@ -370,6 +444,12 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
         }
         for (const ql_st_tensor &t : st) {
             shapes.push_back({t.name, t.shape});
+            const std::string tag = ".quant_state.bitsandbytes__nf4";
+            if (t.dtype == "U8" && t.name.size() > tag.size() && t.name.compare(t.name.size() - tag.size(), tag.size(), tag) == 0) {
+                size_t n = 1;
+                for (int64_t d : t.shape) n *= (size_t)d;
+                bnb_states.push_back({t.name.substr(0, t.name.size() - tag.size()), std::string((const char *)t.data, n)});
+            }
             if (src.shards.size() == 1) where.push_back({t.name, 0});
         }
     }
@@ -416,12 +496,38 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
         t.ne[0] = sh->back();
         t.ne[1] = sh->size() == 2 ? (*sh)[0] : 1;
         t.permute_heads = std::get<2>(x);
+        for (const auto &b : bnb_states) {  // a bitsandbytes 4-bit weight: shape and state from its JSON
+            if (b.first != t.hf_name) continue;
+            ql_json qs;
+            std::string qwhy;
+            const ql_json *qt = nullptr, *bs = nullptr, *shp = nullptr, *no = nullptr;
+            if (ql_utf8_invalid_at(b.second) == std::string::npos && ql_json_parse(b.second, QL_JSON_DOCUMENT, &qs, &qwhy)) {
+                qt = qs.get("quant_type"), bs = qs.get("blocksize"), shp = qs.get("shape"), no = qs.get("nested_offset");
+            }
+            if (!qt || qt->str != "nf4" || !bs || bs->num() != 64 || !shp || shp->items.size() != 2) {
+                fprintf(stderr, "convert: %s: %s: a bitsandbytes state that is not NF4 with blocks of 64 (%s)\n", dir_c, t.hf_name.c_str(),
+                        qt ? qt->str.c_str() : "no quant_type");
+                return 1;
+            }
+            t.bnb = true;
+            t.nested = no && no->kind == ql_json::NUM;
+            t.nested_offset = t.nested ? (float)no->num() : 0.0f;
+            t.n_dims = 2;
+            t.ne[0] = (int64_t)shp->items[1].num();
+            t.ne[1] = (int64_t)shp->items[0].num();
+            t.type = t.nested && !t.permute_heads ? QL_TYPE_NF4 : QL_TYPE_NF4_NODQ;
+            if (t.ne[0] % 2 || (t.permute_heads && t.ne[0] % 64)) {
+                fprintf(stderr, "convert: %s: %s: rows of %lld do not hold whole NF4 blocks (needed to permute its rows)\n", dir_c,
+                        t.hf_name.c_str(), (long long)t.ne[0]);
+                return 1;
+            }
+        }
         // the block weights in --outtype where their rows fit its blocks; norms, biases, the
         // embedding and the head f32 unless --outtype is a plain float type (as llama.cpp's f16)
         const bool block_weight = t.n_dims == 2 && t.gguf_name.rfind("blk.", 0) == 0;
         const ql_type_traits *tt = ql_type_traits_get(wtype);
         const bool plain = tt->blck_size == 1;
-        t.type = (t.n_dims == 2 && (block_weight || plain) && t.ne[0] % tt->blck_size == 0) ? wtype : QL_TYPE_F32;
+        if (!t.bnb) t.type = (t.n_dims == 2 && (block_weight || plain) && t.ne[0] % tt->blck_size == 0) ? wtype : QL_TYPE_F32;
         if (t.permute_heads && (t.ne[1] % t.permute_heads || (t.ne[1] / t.permute_heads) % 2)) {
             fprintf(stderr, "convert: %s: %s has %lld rows, not %d heads of an even size\n", dir_c, t.hf_name.c_str(),
                     (long long)t.ne[1], t.permute_heads);
@@ -485,9 +591,11 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
         fprintf(stderr, "convert: %s%s%s\n", err, src.err.empty() ? "" : ": ", src.err.c_str());
         return 1;
     }
+    const bool any_bnb = std::any_of(src.tensors.begin(), src.tensors.end(), [](const hf_tensor &t) { return t.bnb; });
     printf("convert: %s: %s -> %s, dim %lld, %lld layers, %lld/%lld heads, ffn %lld, vocab %lld%s%s, %s weights, %zu shard%s -> %s\n",
            dir_c, arch_hf.c_str(), arch.c_str(), (long long)E, (long long)L, (long long)H, (long long)HKV, (long long)F, (long long)V,
-           tied ? ", tied output" : "", rope_type.empty() ? "" : ", llama3 rope scaling", outtype, src.shards.size(),
+           tied ? ", tied output" : "", rope_type.empty() ? "" : ", llama3 rope scaling",
+           any_bnb ? "bitsandbytes NF4 (codes carried over)" : outtype, src.shards.size(),
            src.shards.size() == 1 ? "" : "s", out);
     return 0;
 }

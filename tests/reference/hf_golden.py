@@ -111,3 +111,49 @@ with torch.no_grad():
 with open(os.path.join(OUT, 'llama-peft-logits.bin'), 'wb') as f:
     f.write(lg.numpy().astype('<f4').tobytes())
 print('llama-peft', sorted(os.listdir(os.path.join(OUT, 'llama-peft'))))
+
+# A bitsandbytes 4-bit checkpoint (NF4, double quantisation) of a Llama: every block linear
+# quantised by bitsandbytes' own quantize_4bit (its CPU backend, bitsandbytes 0.47.0) and stored
+# as transformers stores a Linear4bit (the packed uint8 `weight`, then `weight.<key>` for every
+# entry of QuantState.as_dict(packed=True)), with config.json's quantization_config. (transformers
+# 4.46 cannot load_in_4bit without a GPU, so the file is assembled the way its serialisation
+# writes it rather than by save_pretrained.) The logits are transformers' forward with every
+# linear replaced by bitsandbytes' dequantize_4bit of it.
+import bitsandbytes.functional as BF
+from safetensors.torch import save_file
+torch.manual_seed(11)
+cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=V, max_position_embeddings=128, rms_norm_eps=1e-5, bos_token_id=BOS, eos_token_id=EOS,
+                  rope_theta=10000.0, tie_word_embeddings=False)
+m = LlamaForCausalLM(cfg)
+m.eval()
+sd_extra = {}
+with torch.no_grad():
+    for n_, p in m.named_parameters():
+        p.normal_(1.0, 0.1) if 'norm' in n_ else p.normal_(0.0, 0.2)
+    for n_, mod in m.named_modules():
+        if isinstance(mod, torch.nn.Linear) and '.layers.' in n_:
+            q, st = BF.quantize_4bit(mod.weight.data.contiguous(), blocksize=64, quant_type='nf4', compress_statistics=True)
+            mod.weight.data = BF.dequantize_4bit(q, st).to(torch.float32)
+            sd_extra[n_ + '.weight'] = q
+            for k, v in st.as_dict(packed=True).items():
+                sd_extra[n_ + '.weight.' + k] = v
+sd = {k: v.contiguous() for k, v in m.state_dict().items()}
+sd.update(sd_extra)
+d = os.path.join(OUT, 'llama-bnb4')
+os.makedirs(d, exist_ok=True)
+save_file(sd, os.path.join(d, 'model.safetensors'), metadata={'format': 'pt'})
+c = cfg.to_dict()
+c['architectures'] = ['LlamaForCausalLM']
+c['quantization_config'] = {'quant_method': 'bitsandbytes', 'load_in_4bit': True, 'load_in_8bit': False,
+                            'bnb_4bit_quant_type': 'nf4', 'bnb_4bit_use_double_quant': True,
+                            'bnb_4bit_compute_dtype': 'float32', 'bnb_4bit_quant_storage': 'uint8'}
+with open(os.path.join(d, 'config.json'), 'w') as f:
+    json.dump(c, f, indent=2)
+with open(os.path.join(d, 'tokenizer.json'), 'w') as f:
+    json.dump(tokenizer, f, ensure_ascii=False)
+with torch.no_grad():
+    lg = m(torch.tensor([ids])).logits[0].float()
+with open(os.path.join(OUT, 'llama-bnb4-logits.bin'), 'wb') as f:
+    f.write(lg.numpy().astype('<f4').tobytes())
+print('llama-bnb4', sorted(os.listdir(d)), len(sd), 'tensors')
