@@ -1248,6 +1248,31 @@ TEST_CASE("convert hf: Llama, Qwen2 (sharded), Mistral from save_pretrained give
         CHECK(worst <= 1e-4 * scale);
         ql_llama_file_free(f);
     }
+    {  // a SentencePiece tokenizer.model (trained by the real sentencepiece): its ids, through the protobuf
+        std::string log;
+        REQUIRE_MESSAGE(run("./convert hf " + dir + "mistral-spm -o " + d.path + "/spm.gguf", &log) == 0, log);
+        char err[256];
+        ql_gguf *gg = ql_gguf_open((d.path + "/spm.gguf").c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(gg, err);
+        ql_vocab *v = ql_vocab_load(gg, err, sizeof(err));
+        REQUIRE_MESSAGE(v, err);
+        const std::string lines = read_file(dir + "mistral-spm/ids.txt");
+        int checked = 0;
+        for (size_t p = 0; p < lines.size();) {
+            const size_t e = lines.find('\n', p), tab = lines.find('\t', p);
+            const std::string text = lines.substr(p, tab - p), want = lines.substr(tab + 1, e - tab - 1);
+            const std::vector<int32_t> ids = ql_tokenize(v, text, false, false);
+            std::string got;
+            for (int32_t id : ids) got += (got.empty() ? "" : " ") + std::to_string(id);
+            CHECK_MESSAGE(got == want, "'", text, "': ours ", got, ", sentencepiece ", want);
+            checked++;
+            p = e + 1;
+        }
+        CHECK(checked == 4);
+        CHECK(ql_vocab_bos(v) == 1);
+        ql_vocab_free(v);
+        ql_gguf_close(gg);
+    }
     // bad input: one line naming the file
     std::string log;
     CHECK(run("./convert hf " + d.path + " -o " + d.path + "/x.gguf", &log) == 1);

@@ -157,3 +157,31 @@ with torch.no_grad():
 with open(os.path.join(OUT, 'llama-bnb4-logits.bin'), 'wb') as f:
     f.write(lg.numpy().astype('<f4').tobytes())
 print('llama-bnb4', sorted(os.listdir(d)), len(sd), 'tensors')
+
+# A SentencePiece tokenizer.model trained here by the real sentencepiece 0.2.0 (BPE, whitespace
+# kept, as Llama 2's; no byte fallback: the vocabulary is tiny), beside the Mistral's weights:
+# `./convert hf` reads the protobuf, and the ids of a few strings must be sentencepiece's own.
+import io, shutil
+import sentencepiece as spm
+text = open('examples/demo.jsonl', encoding='utf-8').read().replace('"', ' ').replace('\\n', ' ')
+model = io.BytesIO()
+spm.SentencePieceTrainer.train(sentence_iterator=iter(text.split('}')), model_writer=model, vocab_size=V - 8,
+                               model_type='bpe', byte_fallback=False, character_coverage=1.0, bos_id=1, eos_id=2,
+                               unk_id=0, pad_id=-1, num_threads=1, minloglevel=2, split_digits=True,
+                               add_dummy_prefix=True, normalization_rule_name='identity', remove_extra_whitespaces=False)
+d = os.path.join(OUT, 'mistral-spm')
+os.makedirs(d, exist_ok=True)
+shutil.copy(os.path.join(OUT, 'mistral', 'model.safetensors'), os.path.join(d, 'model.safetensors'))
+c = json.load(open(os.path.join(OUT, 'mistral', 'config.json')))
+c['bos_token_id'], c['eos_token_id'] = 1, 2  # the SentencePiece model's
+with open(os.path.join(d, 'config.json'), 'w') as f:
+    json.dump(c, f, indent=2)
+with open(os.path.join(d, 'tokenizer.model'), 'wb') as f:
+    f.write(model.getvalue())
+sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+with open(os.path.join(d, 'ids.txt'), 'w', encoding='utf-8') as f:  # "text<TAB>ids" per line
+    # (no characters outside the vocabulary: without byte fallback llama.cpp - so qlora - gives an
+    # unknown token per unknown byte where sentencepiece gives one per run of unknown characters)
+    for s in ['The keeper lights the lamp.', 'Who lights it? One light, one night.', 'A lamp, a ship, a keeper', '  two  spaces']:
+        f.write(s + '\t' + ' '.join(str(i) for i in sp.encode(s)) + '\n')
+print('mistral-spm', sp.get_piece_size(), 'pieces')
