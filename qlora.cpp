@@ -638,6 +638,221 @@ static void q3_K_to_float(const void *src, float *dst, int64_t n) {
     }
 }
 
+// A rounding point no compiler may fuse away: gcc contracts a*b + c into an FMA even across
+// statements (its C++ default is -ffp-contract=fast); where bitsandbytes/torch round twice, so must we.
+static inline float rounded(float x) {
+    volatile float v = x;
+    return v;
+}
+// ---- k-quant quantisers: ggml's reference algorithms (quantize_row_q4_K_ref, _q5_K_ref,
+// _q6_K_ref with make_qkx2_quants / make_qx_quants), written from their description, so that
+// `./quantize` writes the bytes llama.cpp's reference writes. ggml builds these without FMA
+// (ggml-base, baseline flags): every product that feeds a sum goes through rounded(), so a
+// -march=native build here does not fuse it and choose differently.
+
+// round half to even, as ggml's nearest_int (|x| <= 2^22)
+static inline int ql_nearest_int(float x) { return (int)nearbyintf(x); }
+
+// a scale for 16 elements into signed codes L + nmax in [0, 2 nmax): the least-squares scale of
+// the best of 19 trial inverse scales, weights x^2 (ggml's make_qx_quants, rmse_type 1)
+static float kq_qx_scale(int n, int nmax, const float *x, int8_t *L) {
+    float max = 0, amax = 0;
+    for (int i = 0; i < n; i++)
+        if (fabsf(x[i]) > amax) amax = fabsf(x[i]), max = x[i];
+    if (amax < 1e-15f) {
+        for (int i = 0; i < n; i++) L[i] = 0;
+        return 0.0f;
+    }
+    float iscale = -(float)nmax / max, sumlx = 0, suml2 = 0;
+    for (int i = 0; i < n; i++) {
+        const int l = std::max(-nmax, std::min(nmax - 1, ql_nearest_int(iscale * x[i])));
+        L[i] = (int8_t)(l + nmax);
+        const float w = rounded(x[i] * x[i]);
+        sumlx += rounded(rounded(w * x[i]) * (float)l);
+        suml2 += rounded(rounded(w * (float)l) * (float)l);
+    }
+    float scale = suml2 ? sumlx / suml2 : 0.0f;
+    float best = scale * sumlx;
+    for (int is = -9; is <= 9; is++) {
+        if (is == 0) continue;
+        iscale = -((float)nmax + rounded(0.1f * (float)is)) / max;
+        sumlx = suml2 = 0;
+        for (int i = 0; i < n; i++) {
+            const int l = std::max(-nmax, std::min(nmax - 1, ql_nearest_int(iscale * x[i])));
+            const float w = rounded(x[i] * x[i]);
+            sumlx += rounded(rounded(w * x[i]) * (float)l);
+            suml2 += rounded(rounded(w * (float)l) * (float)l);
+        }
+        if (suml2 > 0 && rounded(sumlx * sumlx) > rounded(best * suml2)) {
+            for (int i = 0; i < n; i++) L[i] = (int8_t)(nmax + std::max(-nmax, std::min(nmax - 1, ql_nearest_int(iscale * x[i]))));
+            scale = sumlx / suml2;
+            best = scale * sumlx;
+        }
+    }
+    return scale;
+}
+
+// a (scale, min) for 32 elements into codes [0, nmax], weighted least squares over nstep + 1
+// trial scales (ggml's make_qkx2_quants, squared error); *the_min receives -min (>= 0)
+static float kq_qkx2_scale(int n, int nmax, const float *x, const float *w, uint8_t *L, float *the_min, float rmin, float rdelta,
+                           int nstep) {
+    float min = x[0], max = x[0], sum_w = w[0], sum_x = rounded(sum_w * x[0]);
+    for (int i = 1; i < n; i++) {
+        if (x[i] < min) min = x[i];
+        if (x[i] > max) max = x[i];
+        sum_w += w[i];
+        sum_x += rounded(w[i] * x[i]);
+    }
+    if (min > 0) min = 0;
+    if (max == min) {
+        for (int i = 0; i < n; i++) L[i] = 0;
+        *the_min = -min;
+        return 0.0f;
+    }
+    float iscale = (float)nmax / (max - min), scale = 1 / iscale, best_error = 0;
+    for (int i = 0; i < n; i++) {
+        L[i] = (uint8_t)std::max(0, std::min(nmax, ql_nearest_int(iscale * (x[i] - min))));
+        const float diff = rounded(scale * (float)L[i]) + min - x[i];
+        best_error += rounded(w[i] * rounded(diff * diff));
+    }
+    uint8_t Laux[32];
+    for (int is = 0; is <= nstep; is++) {
+        iscale = (rmin + rounded(rdelta * (float)is) + (float)nmax) / (max - min);
+        float sum_l = 0, sum_l2 = 0, sum_xl = 0;
+        for (int i = 0; i < n; i++) {
+            const int l = std::max(0, std::min(nmax, ql_nearest_int(iscale * (x[i] - min))));
+            Laux[i] = (uint8_t)l;
+            sum_l += rounded(w[i] * (float)l);
+            sum_l2 += rounded(rounded(w[i] * (float)l) * (float)l);
+            sum_xl += rounded(rounded(w[i] * (float)l) * x[i]);
+        }
+        const float D = rounded(sum_w * sum_l2) - rounded(sum_l * sum_l);
+        if (D > 0) {
+            float this_scale = (rounded(sum_w * sum_xl) - rounded(sum_x * sum_l)) / D;
+            float this_min = (rounded(sum_l2 * sum_x) - rounded(sum_l * sum_xl)) / D;
+            if (this_min > 0) {
+                this_min = 0;
+                this_scale = sum_xl / sum_l2;
+            }
+            float cur_error = 0;
+            for (int i = 0; i < n; i++) {
+                const float diff = rounded(this_scale * (float)Laux[i]) + this_min - x[i];
+                cur_error += rounded(w[i] * rounded(diff * diff));
+            }
+            if (cur_error < best_error) {
+                memcpy(L, Laux, (size_t)n);
+                best_error = cur_error;
+                scale = this_scale;
+                min = this_min;
+            }
+        }
+    }
+    *the_min = -min;
+    return scale;
+}
+
+// Q4_K / Q5_K (nmax 15 / 31): per sub-block of 32 a (scale, min) pair, both quantised to 6 bits
+// against the block's largest, then every code again against the stored scales
+static void k45_from_float(const float *x, int nmax, uint16_t *d_out, uint16_t *dmin_out, uint8_t *scales_out, uint8_t L[QL_QK_K]) {
+    float mins[8], scales[8], weights[32], max_scale = 0, max_min = 0;
+    for (int j = 0; j < 8; j++) {
+        float sum_x2 = 0;
+        for (int l = 0; l < 32; l++) sum_x2 += rounded(x[32 * j + l] * x[32 * j + l]);
+        const float av_x = sqrtf(sum_x2 / 32);
+        for (int l = 0; l < 32; l++) weights[l] = av_x + fabsf(x[32 * j + l]);
+        scales[j] = nmax == 15 ? kq_qkx2_scale(32, 15, x + 32 * j, weights, L + 32 * j, &mins[j], -1.0f, 0.1f, 20)
+                               : kq_qkx2_scale(32, 31, x + 32 * j, weights, L + 32 * j, &mins[j], -0.5f, 0.1f, 15);
+        if (scales[j] > max_scale) max_scale = scales[j];
+        if (mins[j] > max_min) max_min = mins[j];
+    }
+    const float inv_scale = max_scale > 0 ? 63.0f / max_scale : 0.0f, inv_min = max_min > 0 ? 63.0f / max_min : 0.0f;
+    uint8_t s[QL_K_SCALE_SIZE] = {0};
+    for (int j = 0; j < 8; j++) {
+        const uint8_t ls = (uint8_t)std::min(63, (int)(uint8_t)ql_nearest_int(inv_scale * scales[j]));
+        const uint8_t lm = (uint8_t)std::min(63, (int)(uint8_t)ql_nearest_int(inv_min * mins[j]));
+        if (j < 4) {
+            s[j] = ls;
+            s[j + 4] = lm;
+        } else {
+            s[j + 4] = (uint8_t)((ls & 0xF) | ((lm & 0xF) << 4));
+            s[j - 4] |= (uint8_t)((ls >> 4) << 6);
+            s[j] |= (uint8_t)((lm >> 4) << 6);
+        }
+    }
+    *d_out = ql_fp32_to_fp16(max_scale / 63.0f);
+    *dmin_out = ql_fp32_to_fp16(max_min / 63.0f);
+    memcpy(scales_out, s, sizeof(s));
+    uint8_t sc[8], mn[8];
+    ql_k4_scales(s, sc, mn);
+    for (int j = 0; j < 8; j++) {
+        const float d = ql_fp16_to_fp32(*d_out) * (float)sc[j];
+        if (!d) continue;  // the sub-block keeps its first codes
+        const float dm = ql_fp16_to_fp32(*dmin_out) * (float)mn[j];
+        for (int i = 0; i < 32; i++) L[32 * j + i] = (uint8_t)std::max(0, std::min(nmax, ql_nearest_int((x[32 * j + i] + dm) / d)));
+    }
+}
+
+static void q4_K_from_float(const float *src, void *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK_K == 0);
+    ql_block_q4_K *b = (ql_block_q4_K *)dst;
+    for (int64_t ib = 0; ib < n / QL_QK_K; ib++) {
+        uint8_t L[QL_QK_K];
+        k45_from_float(src + ib * QL_QK_K, 15, &b[ib].d, &b[ib].dmin, b[ib].scales, L);
+        for (int g = 0; g < 4; g++)
+            for (int l = 0; l < 32; l++) b[ib].qs[32 * g + l] = (uint8_t)(L[64 * g + l] | (L[64 * g + l + 32] << 4));
+    }
+}
+
+static void q5_K_from_float(const float *src, void *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK_K == 0);
+    ql_block_q5_K *b = (ql_block_q5_K *)dst;
+    for (int64_t ib = 0; ib < n / QL_QK_K; ib++) {
+        uint8_t L[QL_QK_K];
+        k45_from_float(src + ib * QL_QK_K, 31, &b[ib].d, &b[ib].dmin, b[ib].scales, L);
+        memset(b[ib].qh, 0, sizeof(b[ib].qh));
+        for (int g = 0; g < 4; g++)  // sub-blocks 2g, 2g+1: low nibbles in qs, the fifth bits as bits 2g, 2g+1 of qh
+            for (int l = 0; l < 32; l++) {
+                const int l1 = L[64 * g + l], l2 = L[64 * g + l + 32];
+                b[ib].qh[l] |= (uint8_t)(((l1 >> 4) & 1) << (2 * g) | ((l2 >> 4) & 1) << (2 * g + 1));
+                b[ib].qs[32 * g + l] = (uint8_t)((l1 & 15) | (l2 & 15) << 4);
+            }
+    }
+}
+
+static void q6_K_from_float(const float *src, void *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK_K == 0);
+    ql_block_q6_K *b = (ql_block_q6_K *)dst;
+    for (int64_t ib = 0; ib < n / QL_QK_K; ib++) {
+        const float *x = src + ib * QL_QK_K;
+        int8_t L[QL_QK_K];
+        float scales[QL_QK_K / 16], max_scale = 0, max_abs = 0;
+        for (int s = 0; s < QL_QK_K / 16; s++) {
+            scales[s] = kq_qx_scale(16, 32, x + 16 * s, L + 16 * s);
+            if (fabsf(scales[s]) > max_abs) max_abs = fabsf(scales[s]), max_scale = scales[s];
+        }
+        if (max_abs < 1e-15f) {
+            memset(&b[ib], 0, sizeof(b[ib]));
+            continue;
+        }
+        const float iscale = -128.0f / max_scale;
+        b[ib].d = ql_fp32_to_fp16(1 / iscale);
+        for (int s = 0; s < QL_QK_K / 16; s++) b[ib].scales[s] = (int8_t)std::min(127, ql_nearest_int(iscale * scales[s]));
+        for (int s = 0; s < QL_QK_K / 16; s++) {
+            const float d = ql_fp16_to_fp32(b[ib].d) * (float)b[ib].scales[s];
+            if (!d) continue;
+            for (int i = 0; i < 16; i++) L[16 * s + i] = (int8_t)(std::max(-32, std::min(31, ql_nearest_int(x[16 * s + i] / d))) + 32);
+        }
+        for (int h = 0; h < 2; h++)  // the layout of q6_K_to_float: 4 quarters of 32 per half
+            for (int l = 0; l < 32; l++) {
+                const uint8_t q1 = (uint8_t)L[128 * h + l], q2 = (uint8_t)L[128 * h + l + 32], q3 = (uint8_t)L[128 * h + l + 64],
+                              q4 = (uint8_t)L[128 * h + l + 96];
+                b[ib].ql[64 * h + l] = (uint8_t)((q1 & 15) | (q3 & 15) << 4);
+                b[ib].ql[64 * h + l + 32] = (uint8_t)((q2 & 15) | (q4 & 15) << 4);
+                b[ib].qh[32 * h + l] = (uint8_t)((q1 >> 4) | (q2 >> 4) << 2 | (q3 >> 4) << 4 | (q4 >> 4) << 6);
+            }
+    }
+}
+
 // ggml's names of the types qlora does not read (ids as in ggml.h), for the error that refuses them
 static const char *ggml_type_name(uint32_t id) {
     switch (id) {
@@ -695,9 +910,9 @@ struct ql_type_table {
         t[QL_TYPE_Q3_K] = {"q3_K", QL_QK_K, sizeof(ql_block_q3_K), true, q3_K_to_float, nullptr, nullptr, nullptr, nullptr};
         t[QL_TYPE_IQ4_NL] = {"iq4_nl", QL_QK4_0, sizeof(ql_block_iq4_nl), true, iq4_nl_to_float, nullptr, nullptr, nullptr, nullptr};
         t[QL_TYPE_IQ4_XS] = {"iq4_xs", QL_QK_K, sizeof(ql_block_iq4_xs), true, iq4_xs_to_float, nullptr, nullptr, nullptr, nullptr};
-        t[QL_TYPE_Q4_K] = {"q4_K", QL_QK_K, sizeof(ql_block_q4_K), true, q4_K_to_float, nullptr, nullptr, nullptr, nullptr};
-        t[QL_TYPE_Q5_K] = {"q5_K", QL_QK_K, sizeof(ql_block_q5_K), true, q5_K_to_float, nullptr, nullptr, nullptr, nullptr};
-        t[QL_TYPE_Q6_K] = {"q6_K", QL_QK_K, sizeof(ql_block_q6_K), true, q6_K_to_float, nullptr, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q4_K] = {"q4_K", QL_QK_K, sizeof(ql_block_q4_K), true, q4_K_to_float, q4_K_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q5_K] = {"q5_K", QL_QK_K, sizeof(ql_block_q5_K), true, q5_K_to_float, q5_K_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q6_K] = {"q6_K", QL_QK_K, sizeof(ql_block_q6_K), true, q6_K_to_float, q6_K_from_float, nullptr, nullptr, nullptr};
         // NF4's unit is a byte of two codes: its blocks of 64 run over the flattened tensor (as
         // bitsandbytes' do), so a row need only be even, and a block may span two rows
         t[QL_TYPE_NF4]  = {"nf4", 2, 1, true, nullptr, nullptr, nf4_aux_bytes,
@@ -732,12 +947,6 @@ size_t ql_type_data_size(ql_type type, int64_t n_rows, int64_t ne0) {
 
 // ---- quantisation: bitsandbytes' NF4 and 8-bit dynamic map, whole tensors ----
 
-// A rounding point no compiler may fuse away: gcc contracts a*b + c into an FMA even across
-// statements (its C++ default is -ffp-contract=fast); where bitsandbytes/torch round twice, so must we.
-static inline float rounded(float x) {
-    volatile float v = x;
-    return v;
-}
 
 static const float k_nf4_values[16] = QL_NF4_VALUES;
 static const float k_nf4_thresholds[15] = QL_NF4_THRESHOLDS;

@@ -479,3 +479,40 @@ TEST_CASE("ggml types: every block type bit for bit against gguf-py (llama.cpp's
     CHECK(n_deq == 12);  // q4_0 q4_1 q5_0 q5_1 q8_0 q2_K q3_K q4_K q5_K q6_K iq4_nl iq4_xs
     CHECK(n_q == 5);
 }
+
+// ./quantize's k-quants against ggml's own reference quantisers (quantize_row_q4_K_ref, _q5_K_ref,
+// _q6_K_ref compiled from llama.cpp's ggml-quants.c by tests/reference/kquants_golden.c): 32
+// blocks of varied distributions, a zero block, an outlier, a constant block, a zero sub-block.
+TEST_CASE("k-quants: q4_K, q5_K, q6_K byte for byte as ggml's reference quantisers") {
+    FILE *f = fopen((tests_dir() + "golden/kquants.bin").c_str(), "rb");
+    REQUIRE(f);
+    const int64_t NB = 32, N = 256 * NB;
+    std::vector<float> x((size_t)N);
+    REQUIRE(fread(x.data(), 4, x.size(), f) == x.size());
+    for (ql_type t : {QL_TYPE_Q4_K, QL_TYPE_Q5_K, QL_TYPE_Q6_K}) {
+        const ql_type_traits *tt = ql_type_traits_get(t);
+        CAPTURE(tt->name);
+        REQUIRE((tt->from_float != nullptr));
+        std::vector<uint8_t> want((size_t)NB * tt->type_size), got(want.size(), 0xAA);
+        REQUIRE(fread(want.data(), 1, want.size(), f) == want.size());
+        tt->from_float(x.data(), got.data(), N);
+        size_t first = want.size();
+        for (size_t i = 0; i < want.size() && first == want.size(); i++)
+            if (got[i] != want[i]) first = i;
+        CHECK_MESSAGE(first == want.size(), "first differing byte ", first, " (block ", first / tt->type_size, ")");
+        // and it is a quantisation: the round trip stays within the type's resolution
+        std::vector<float> back((size_t)N);
+        tt->to_float(got.data(), back.data(), N);
+        double worst = 0;
+        for (int64_t b = 0; b < NB; b++) {
+            double amax = 0, err = 0;
+            for (int64_t i = 256 * b; i < 256 * (b + 1); i++) {
+                amax = std::max(amax, (double)std::fabs(x[(size_t)i]));
+                err = std::max(err, (double)std::fabs(x[(size_t)i] - back[(size_t)i]));
+            }
+            if (amax > 0) worst = std::max(worst, err / amax);
+        }
+        CHECK(worst < (t == QL_TYPE_Q4_K ? 0.2 : t == QL_TYPE_Q5_K ? 0.1 : 0.05));
+    }
+    fclose(f);
+}

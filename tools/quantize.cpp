@@ -106,7 +106,8 @@ int main(int argc, char **argv) {
     // llama.cpp's llama_ftype for a model mostly of one type (its enum has no value for NF4)
     ql_gguf_remove_kv(w, "general.file_type");
     const int ftype = target == QL_TYPE_F32 ? 0 : target == QL_TYPE_F16 ? 1 : target == QL_TYPE_Q4_0 ? 2 : target == QL_TYPE_Q4_1 ? 3
-                    : target == QL_TYPE_Q8_0 ? 7 : target == QL_TYPE_Q5_0 ? 8 : target == QL_TYPE_Q5_1 ? 9 : target == QL_TYPE_BF16 ? 32 : -1;
+                    : target == QL_TYPE_Q8_0 ? 7 : target == QL_TYPE_Q5_0 ? 8 : target == QL_TYPE_Q5_1 ? 9 : target == QL_TYPE_Q6_K ? 18
+                    : target == QL_TYPE_BF16 ? 32 : -1;  // (q4_K/q5_K alone are none of llama.cpp's K_S/K_M mixes)
     if (ftype >= 0) ql_gguf_set_u32(w, "general.file_type", (uint32_t)ftype);
     ql_gguf_set_u32(w, "general.quantization_version", 2);
     ql_gguf_set_str(w, "qlora.quantize.type", ql_type_name(target));
