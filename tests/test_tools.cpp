@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
 #include <csignal>
 #include <cmath>
 #include <cstdio>
@@ -1280,4 +1281,70 @@ TEST_CASE("convert hf: Llama, Qwen2 (sharded), Mistral from save_pretrained give
     write_file(d.path + "/config.json", "{\"architectures\": [\"GPT2LMHeadModel\"]}");
     CHECK(run("./convert hf " + d.path + " -o " + d.path + "/x.gguf", &log) == 1);
     CHECK_MESSAGE(log.find("architecture 'GPT2LMHeadModel' is not supported") != std::string::npos, log);
+}
+
+// ./quantize's llama.cpp mixes: llama-quantize's per-tensor types (8 layers: use_more_bits picks
+// layers 0, 3, 6, 7), its tensor order (by layer, then name), its keys (the quantisation version
+// and llama_ftype last), and the fallback for rows that are not whole 256-blocks
+TEST_CASE("quantize Q4_K_M / Q4_K_S / Q8_0: llama-quantize's per-tensor types, order, keys and fallbacks") {
+    if (!all_built({"make-model", "quantize"})) return;
+    tmpdir d;
+    std::string log;
+    REQUIRE(run("./make-model -o " + d.path + "/m.gguf --dim 256 --layers 8 --heads 4 --kv-heads 2 --ff 512 --seed 3", &log) == 0);
+    auto types = [&](const std::string &path, std::vector<std::string> *names) {
+        char err[256];
+        ql_gguf *g = ql_gguf_open(path.c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(g, err);
+        std::map<std::string, std::string> t;
+        names->clear();
+        for (int64_t i = 0; i < ql_gguf_n_tensors(g); i++) {
+            t[ql_gguf_tensor_name(g, i)] = ql_type_name(ql_gguf_tensor_type(g, i));
+            names->push_back(ql_gguf_tensor_name(g, i));
+        }
+        const int64_t n = ql_gguf_n_kv(g);
+        CHECK(std::string(ql_gguf_kv_key(g, n - 2)) == "general.quantization_version");
+        CHECK(std::string(ql_gguf_kv_key(g, n - 1)) == "general.file_type");
+        CHECK(ql_gguf_find_kv(g, "qlora.quantize.type") < 0);
+        ql_gguf_close(g);
+        return t;
+    };
+    std::vector<std::string> names;
+    REQUIRE_MESSAGE(run("./quantize " + d.path + "/m.gguf " + d.path + "/km.gguf Q4_K_M", &log) == 0, log);
+    auto t = types(d.path + "/km.gguf", &names);
+    CHECK(t["output.weight"] == "q6_K");
+    CHECK(t["token_embd.weight"] == "q4_K");
+    CHECK(t["output_norm.weight"] == "f32");
+    for (int l = 0; l < 8; l++) {
+        const std::string b = "blk." + std::to_string(l) + ".", more = (l == 0 || l == 3 || l == 6 || l == 7) ? "q6_K" : "q4_K";
+        CAPTURE(l);
+        CHECK(t[b + "attn_v.weight"] == more);
+        CHECK(t[b + "ffn_down.weight"] == more);
+        CHECK(t[b + "attn_q.weight"] == "q4_K");
+        CHECK(t[b + "ffn_up.weight"] == "q4_K");
+        CHECK(t[b + "attn_norm.weight"] == "f32");
+    }
+    CHECK(names.front() == "output.weight");  // outside the blocks first, by name; then blk.0's by name
+    CHECK(std::find(names.begin(), names.end(), "blk.0.attn_k.weight") < std::find(names.begin(), names.end(), "blk.1.attn_k.weight"));
+    CHECK(std::find(names.begin(), names.end(), "blk.0.attn_k.weight") < std::find(names.begin(), names.end(), "blk.0.attn_norm.weight"));
+    REQUIRE_MESSAGE(run("./quantize " + d.path + "/m.gguf " + d.path + "/ks.gguf Q4_K_S", &log) == 0, log);
+    t = types(d.path + "/ks.gguf", &names);
+    for (int l = 0; l < 8; l++) {
+        const std::string b = "blk." + std::to_string(l) + ".";
+        CHECK(t[b + "attn_v.weight"] == (l < 4 ? "q5_K" : "q4_K"));
+        CHECK(t[b + "ffn_down.weight"] == (l < 1 ? "q5_K" : "q4_K"));
+    }
+    REQUIRE_MESSAGE(run("./quantize " + d.path + "/m.gguf " + d.path + "/q8.gguf Q8_0", &log) == 0, log);
+    t = types(d.path + "/q8.gguf", &names);
+    CHECK(t["output.weight"] == "q8_0");  // the head stays Q8_0 in a Q8_0 mix
+    CHECK(t["blk.3.ffn_down.weight"] == "q8_0");
+    // rows of 96 are not whole 256-blocks: q4_K falls back to q5_0, q6_K to q8_0
+    REQUIRE(run("./make-model -o " + d.path + "/s.gguf --dim 96 --layers 2 --heads 2 --ff 192 --seed 3", &log) == 0);
+    REQUIRE_MESSAGE(run("./quantize " + d.path + "/s.gguf " + d.path + "/sm.gguf Q4_K_M", &log) == 0, log);
+    t = types(d.path + "/sm.gguf", &names);
+    CHECK(t["blk.1.attn_q.weight"] == "q5_0");
+    CHECK(t["blk.0.attn_v.weight"] == "q5_0");  // 2 layers: use_more_bits picks layer 1 only
+    CHECK(t["blk.1.attn_v.weight"] == "q8_0");
+    CHECK(t["output.weight"] == "q8_0");
+    CHECK(run("./quantize " + d.path + "/m.gguf " + d.path + "/x.gguf Q4_K_M --include-output", &log) == 2);
+    CHECK_MESSAGE(log.find("decides every tensor itself") != std::string::npos, log);
 }
