@@ -259,6 +259,14 @@ static void bf16_from_float(const float *s, void *d, int64_t n) {
 // dmin*m once per sub-block), so they give ggml's reference floats. Their element loops are
 // plain, branch-free loops of fixed length for the vectoriser.
 
+// A rounding point no compiler may fuse away: gcc contracts a*b + c into an FMA even across
+// statements (its C++ default is -ffp-contract=fast); where bitsandbytes/torch or ggml
+// (built without FMA) round twice, so must we.
+static inline float rounded(float x) {
+    volatile float v = x;
+    return v;
+}
+
 // NaN-safe clamp for codes before the float -> int conversion: finite in-range values are
 // untouched (so results equal ggml's), anything else gets a defined code.
 static inline float ql_qclamp(float v, float lo, float hi) {
@@ -300,8 +308,8 @@ static void q4_0_from_float(const float *src, void *dst, int64_t n) {
         b[ib].d = ql_fp32_to_fp16(d);
         for (int j = 0; j < QL_QK4_0 / 2; j++) {
             // x*id + 8.5 lies in [0.5, 16.5] for finite input; truncation = ggml's int8 cast
-            const int q0 = (int)ql_qclamp(x[j] * id + 8.5f, 0.0f, 15.0f);
-            const int q1 = (int)ql_qclamp(x[j + QL_QK4_0 / 2] * id + 8.5f, 0.0f, 15.0f);
+            const int q0 = (int)ql_qclamp(rounded(x[j] * id) + 8.5f, 0.0f, 15.0f);
+            const int q1 = (int)ql_qclamp(rounded(x[j + QL_QK4_0 / 2] * id) + 8.5f, 0.0f, 15.0f);
             b[ib].qs[j] = (uint8_t)(q0 | (q1 << 4));
         }
     }
@@ -475,8 +483,8 @@ static void q4_1_from_float(const float *src, void *dst, int64_t n) {
         b[ib].d = ql_fp32_to_fp16(d);
         b[ib].m = ql_fp32_to_fp16(lo);
         for (int j = 0; j < 16; j++) {
-            const int q0 = (int)ql_qclamp((x[j] - lo) * id + 0.5f, 0.0f, 15.0f);
-            const int q1 = (int)ql_qclamp((x[j + 16] - lo) * id + 0.5f, 0.0f, 15.0f);
+            const int q0 = (int)ql_qclamp(rounded((x[j] - lo) * id) + 0.5f, 0.0f, 15.0f);
+            const int q1 = (int)ql_qclamp(rounded((x[j + 16] - lo) * id) + 0.5f, 0.0f, 15.0f);
             b[ib].qs[j] = (uint8_t)(q0 | (q1 << 4));
         }
     }
@@ -516,7 +524,7 @@ static void q5_0_from_float(const float *src, void *dst, int64_t n) {
         const float d = max / -16.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
         b[ib].d = ql_fp32_to_fp16(d);
         int q[32];
-        for (int j = 0; j < QL_QK4_0; j++) q[j] = (int)ql_qclamp(x[j] * id + 16.5f, 0.0f, 31.0f);
+        for (int j = 0; j < QL_QK4_0; j++) q[j] = (int)ql_qclamp(rounded(x[j] * id) + 16.5f, 0.0f, 31.0f);
         ql_q5_pack(q, b[ib].qs, b[ib].qh);
     }
 }
@@ -546,7 +554,7 @@ static void q5_1_from_float(const float *src, void *dst, int64_t n) {
         b[ib].d = ql_fp32_to_fp16(d);
         b[ib].m = ql_fp32_to_fp16(lo);
         int q[32];
-        for (int j = 0; j < QL_QK4_0; j++) q[j] = (int)ql_qclamp((x[j] - lo) * id + 0.5f, 0.0f, 31.0f);
+        for (int j = 0; j < QL_QK4_0; j++) q[j] = (int)ql_qclamp(rounded((x[j] - lo) * id) + 0.5f, 0.0f, 31.0f);
         ql_q5_pack(q, b[ib].qs, b[ib].qh);
     }
 }
@@ -638,12 +646,6 @@ static void q3_K_to_float(const void *src, float *dst, int64_t n) {
     }
 }
 
-// A rounding point no compiler may fuse away: gcc contracts a*b + c into an FMA even across
-// statements (its C++ default is -ffp-contract=fast); where bitsandbytes/torch round twice, so must we.
-static inline float rounded(float x) {
-    volatile float v = x;
-    return v;
-}
 // ---- k-quant quantisers: ggml's reference algorithms (quantize_row_q4_K_ref, _q5_K_ref,
 // _q6_K_ref with make_qkx2_quants / make_qx_quants), written from their description, so that
 // `./quantize` writes the bytes llama.cpp's reference writes. ggml builds these without FMA

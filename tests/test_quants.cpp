@@ -516,3 +516,43 @@ TEST_CASE("k-quants: q4_K, q5_K, q6_K byte for byte as ggml's reference quantise
     }
     fclose(f);
 }
+
+// ggml builds its reference quantisers without FMA: q = trunc(x*id + 16.5) rounds x*id first.
+// A -march=native build fuses it unless told not to, and then, rarely, a code differs by one
+// (llama-quantize's Q5_0 file and ours differed in 1 byte of 180224 before the fix). Found here:
+// blocks where the fused and the unfused sums truncate differently; ours must be the unfused.
+TEST_CASE("q5_0: the reference's two roundings (x*id, then + 16.5), not a fused multiply-add") {
+    std::mt19937 rng(5);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (ql_type t : {QL_TYPE_Q5_0}) {  // (in q4_0 such blocks are rarer still: none in these tries)
+        const float div = t == QL_TYPE_Q5_0 ? -16.0f : -8.0f, add = t == QL_TYPE_Q5_0 ? 16.5f : 8.5f;
+        const int top = t == QL_TYPE_Q5_0 ? 31 : 15;
+        const ql_type_traits *tt = ql_type_traits_get(t);
+        int found = 0;
+        for (int tries = 0; tries < 400000 && found < 2; tries++) {
+            float x[32];
+            for (float &v : x) v = nd(rng);
+            float amax = 0, max = 0;
+            for (float v : x)
+                if (std::fabs(v) > amax) amax = std::fabs(v), max = v;
+            const float d = max / div, id = 1.0f / d;
+            int j_diff = -1;
+            for (int j = 0; j < 32 && j_diff < 0; j++) {
+                volatile float p = x[j] * id;
+                const float unfused = p + add, fused = std::fma(x[j], id, add);
+                if ((int)unfused != (int)fused) j_diff = j;
+            }
+            if (j_diff < 0) continue;
+            found++;
+            uint8_t blk[32];
+            tt->from_float(x, blk, 32);
+            std::vector<float> back(32);
+            tt->to_float(blk, back.data(), 32);
+            volatile float p = x[j_diff] * id;
+            const int want = std::min(top, (int)(p + add));
+            const float dq = ql_fp16_to_fp32(ql_fp32_to_fp16(d));
+            CHECK_MESSAGE(back[(size_t)j_diff] == (float)(want - (top + 1) / 2) * dq, "element ", j_diff, " of a block where fusing changes its code");
+        }
+        CHECK(found == 2);  // the case is exercised
+    }
+}
