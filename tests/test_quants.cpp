@@ -423,8 +423,8 @@ TEST_CASE("quants: q8_0 and q4_0 round trip on random data") {
 // gguf.quants, tests/reference/quants_golden.py -> tests/golden/quants.bin): random block bytes
 // (fp16 scales made finite; one block of zero scales) dequantised bit for bit, and ggml's
 // reference quantisers (q4_0, q4_1, q5_0, q5_1, q8_0) on crafted rows byte for byte.
-TEST_CASE("ggml types: every block type bit for bit against gguf-py (llama.cpp's reference in Python)") {
-    FILE *f = fopen((tests_dir() + "golden/quants.bin").c_str(), "rb");
+static void check_golden_blocks(const std::string &file, int *n_deq_out, int *n_q_out) {
+    FILE *f = fopen((tests_dir() + "golden/" + file).c_str(), "rb");
     REQUIRE(f);
     std::vector<uint8_t> all;
     uint8_t buf[4096];
@@ -476,8 +476,22 @@ TEST_CASE("ggml types: every block type bit for bit against gguf-py (llama.cpp's
         at += nb + ne * 4;
     }
     CHECK(at == all.size());
+    *n_deq_out = n_deq;
+    *n_q_out = n_q;
+}
+
+TEST_CASE("ggml types: every block type bit for bit against gguf-py (llama.cpp's reference in Python)") {
+    int n_deq = 0, n_q = 0;
+    check_golden_blocks("quants.bin", &n_deq, &n_q);
     CHECK(n_deq == 12);  // q4_0 q4_1 q5_0 q5_1 q8_0 q2_K q3_K q4_K q5_K q6_K iq4_nl iq4_xs
     CHECK(n_q == 5);
+}
+
+// blocks the real llama-quantize wrote (tests/reference/llama_quantize_golden.py), dequantised as gguf-py does
+TEST_CASE("ggml types: blocks llama-quantize wrote (q2_K q3_K q4_K q5_K q6_K iq4_nl iq4_xs q4_1 q5_0 q5_1), bit for bit") {
+    int n_deq = 0, n_q = 0;
+    check_golden_blocks("quants_llama.bin", &n_deq, &n_q);
+    CHECK(n_deq == 10);
 }
 
 // ./quantize's k-quants against ggml's own reference quantisers (quantize_row_q4_K_ref, _q5_K_ref,
