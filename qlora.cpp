@@ -471,22 +471,24 @@ static void q4_1_to_float(const void *src, float *dst, int64_t n) {
     }
 }
 
-// ggml's quantize_row_q4_1_ref: d = (max - min) / 15, m = min, q = min(15, trunc((x - min) / d + 0.5))
+// ggml's quantize_row_q4_1_ref / _q5_1_ref: d = (max - min) / nmax, m = min,
+// q = min(nmax, trunc((x - min) / d + 0.5)) for the 32 elements of a block
+static void ql_min_codes(const float *x, int nmax, uint16_t *d16, uint16_t *m16, int q[32]) {
+    float lo = FLT_MAX, hi = -FLT_MAX;
+    for (int j = 0; j < QL_QK4_0; j++) lo = std::min(lo, x[j]), hi = std::max(hi, x[j]);
+    const float d = (hi - lo) / (float)nmax, id = d != 0.0f ? 1.0f / d : 0.0f;
+    *d16 = ql_fp32_to_fp16(d);
+    *m16 = ql_fp32_to_fp16(lo);
+    for (int j = 0; j < QL_QK4_0; j++) q[j] = (int)ql_qclamp(rounded((x[j] - lo) * id) + 0.5f, 0.0f, (float)nmax);
+}
+
 static void q4_1_from_float(const float *src, void *dst, int64_t n) {
     QL_ASSERT(n % QL_QK4_0 == 0);
     ql_block_q4_1 *b = (ql_block_q4_1 *)dst;
     for (int64_t ib = 0; ib < n / QL_QK4_0; ib++) {
-        const float *x = src + ib * QL_QK4_0;
-        float lo = FLT_MAX, hi = -FLT_MAX;
-        for (int j = 0; j < QL_QK4_0; j++) lo = std::min(lo, x[j]), hi = std::max(hi, x[j]);
-        const float d = (hi - lo) / 15.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        b[ib].d = ql_fp32_to_fp16(d);
-        b[ib].m = ql_fp32_to_fp16(lo);
-        for (int j = 0; j < 16; j++) {
-            const int q0 = (int)ql_qclamp(rounded((x[j] - lo) * id) + 0.5f, 0.0f, 15.0f);
-            const int q1 = (int)ql_qclamp(rounded((x[j + 16] - lo) * id) + 0.5f, 0.0f, 15.0f);
-            b[ib].qs[j] = (uint8_t)(q0 | (q1 << 4));
-        }
+        int q[32];
+        ql_min_codes(src + ib * QL_QK4_0, 15, &b[ib].d, &b[ib].m, q);
+        for (int j = 0; j < 16; j++) b[ib].qs[j] = (uint8_t)(q[j] | (q[j + 16] << 4));
     }
 }
 
@@ -542,19 +544,12 @@ static void q5_1_to_float(const void *src, float *dst, int64_t n) {
     }
 }
 
-// ggml's quantize_row_q5_1_ref: d = (max - min) / 31, m = min, q = min(31, trunc((x - min) / d + 0.5))
 static void q5_1_from_float(const float *src, void *dst, int64_t n) {
     QL_ASSERT(n % QL_QK4_0 == 0);
     ql_block_q5_1 *b = (ql_block_q5_1 *)dst;
     for (int64_t ib = 0; ib < n / QL_QK4_0; ib++) {
-        const float *x = src + ib * QL_QK4_0;
-        float lo = FLT_MAX, hi = -FLT_MAX;
-        for (int j = 0; j < QL_QK4_0; j++) lo = std::min(lo, x[j]), hi = std::max(hi, x[j]);
-        const float d = (hi - lo) / 31.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-        b[ib].d = ql_fp32_to_fp16(d);
-        b[ib].m = ql_fp32_to_fp16(lo);
         int q[32];
-        for (int j = 0; j < QL_QK4_0; j++) q[j] = (int)ql_qclamp(rounded((x[j] - lo) * id) + 0.5f, 0.0f, 31.0f);
+        ql_min_codes(src + ib * QL_QK4_0, 31, &b[ib].d, &b[ib].m, q);
         ql_q5_pack(q, b[ib].qs, b[ib].qh);
     }
 }
