@@ -850,6 +850,286 @@ static void q6_K_from_float(const float *src, void *dst, int64_t n) {
     }
 }
 
+// ---- the 2-, 3- and non-linear 4-bit quantisers: what llama-quantize writes for these types
+// without an importance matrix (q2_K, q3_K: ggml's quantize_row_*_ref; iq4_nl, iq4_xs: its
+// quantize_iq4_nl / quantize_iq4_xs search with 7 trial scales each side), from their description
+
+// a (scale, min) for 16 elements into codes [0, 3], weights |x|, absolute error (make_qkx2_quants
+// with use_mad) - Q2_K's sub-block fit; *the_min receives -min (>= 0)
+static float kq_qkx2_mad_scale(const float *x, uint8_t *L, float *the_min) {
+    const int n = 16, nmax = 3, nstep = 15;
+    const float rmin = -0.5f, rdelta = 0.1f;
+    float w[16];
+    for (int i = 0; i < n; i++) w[i] = fabsf(x[i]);
+    float min = x[0], max = x[0], sum_w = w[0], sum_x = rounded(sum_w * x[0]);
+    for (int i = 1; i < n; i++) {
+        if (x[i] < min) min = x[i];
+        if (x[i] > max) max = x[i];
+        sum_w += w[i];
+        sum_x += rounded(w[i] * x[i]);
+    }
+    if (min > 0) min = 0;
+    if (max == min) {
+        for (int i = 0; i < n; i++) L[i] = 0;
+        *the_min = -min;
+        return 0.0f;
+    }
+    float iscale = (float)nmax / (max - min), scale = 1 / iscale, best_error = 0;
+    for (int i = 0; i < n; i++) {
+        L[i] = (uint8_t)std::max(0, std::min(nmax, ql_nearest_int(iscale * (x[i] - min))));
+        best_error += rounded(w[i] * fabsf(rounded(scale * (float)L[i]) + min - x[i]));
+    }
+    uint8_t Laux[16];
+    for (int is = 0; is <= nstep; is++) {
+        iscale = (rmin + rounded(rdelta * (float)is) + (float)nmax) / (max - min);
+        float sum_l = 0, sum_l2 = 0, sum_xl = 0;
+        for (int i = 0; i < n; i++) {
+            const int l = std::max(0, std::min(nmax, ql_nearest_int(iscale * (x[i] - min))));
+            Laux[i] = (uint8_t)l;
+            sum_l += rounded(w[i] * (float)l);
+            sum_l2 += rounded(rounded(w[i] * (float)l) * (float)l);
+            sum_xl += rounded(rounded(w[i] * (float)l) * x[i]);
+        }
+        const float D = rounded(sum_w * sum_l2) - rounded(sum_l * sum_l);
+        if (D > 0) {
+            float this_scale = (rounded(sum_w * sum_xl) - rounded(sum_x * sum_l)) / D;
+            float this_min = (rounded(sum_l2 * sum_x) - rounded(sum_l * sum_xl)) / D;
+            if (this_min > 0) {
+                this_min = 0;
+                this_scale = sum_xl / sum_l2;
+            }
+            float cur_error = 0;
+            for (int i = 0; i < n; i++) cur_error += rounded(w[i] * fabsf(rounded(this_scale * (float)Laux[i]) + this_min - x[i]));
+            if (cur_error < best_error) {
+                memcpy(L, Laux, (size_t)n);
+                best_error = cur_error;
+                scale = this_scale;
+                min = this_min;
+            }
+        }
+    }
+    *the_min = -min;
+    return scale;
+}
+
+// the 2-bit fields of Q2_K / Q3_K: in half h, field k of qs[32 h + l] is element 128 h + 32 k + l
+static void kq_pack2(const uint8_t L[QL_QK_K], uint8_t qs[QL_QK_K / 4]) {
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 32; l++)
+            qs[32 * h + l] = (uint8_t)(L[128 * h + l] | L[128 * h + l + 32] << 2 | L[128 * h + l + 64] << 4 | L[128 * h + l + 96] << 6);
+}
+
+// Q2_K: per sub-block of 16 a (scale, min) fit, both quantised to 4 bits against the largest
+// (d = max / 15), then the codes again against the stored scales
+static void q2_K_from_float(const float *src, void *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK_K == 0);
+    ql_block_q2_K *b = (ql_block_q2_K *)dst;
+    for (int64_t ib = 0; ib < n / QL_QK_K; ib++) {
+        const float *x = src + ib * QL_QK_K;
+        uint8_t L[QL_QK_K];
+        float scales[16], mins[16], max_scale = 0, max_min = 0;
+        for (int j = 0; j < 16; j++) {
+            scales[j] = kq_qkx2_mad_scale(x + 16 * j, L + 16 * j, &mins[j]);
+            if (scales[j] > max_scale) max_scale = scales[j];
+            if (mins[j] > max_min) max_min = mins[j];
+        }
+        memset(b[ib].scales, 0, sizeof(b[ib].scales));
+        b[ib].d = b[ib].dmin = ql_fp32_to_fp16(0.0f);
+        if (max_scale > 0) {
+            const float iscale = 15.0f / max_scale;
+            for (int j = 0; j < 16; j++) b[ib].scales[j] = (uint8_t)ql_nearest_int(iscale * scales[j]);
+            b[ib].d = ql_fp32_to_fp16(max_scale / 15.0f);
+        }
+        if (max_min > 0) {
+            const float iscale = 15.0f / max_min;
+            for (int j = 0; j < 16; j++) b[ib].scales[j] |= (uint8_t)(ql_nearest_int(iscale * mins[j]) << 4);
+            b[ib].dmin = ql_fp32_to_fp16(max_min / 15.0f);
+        }
+        for (int j = 0; j < 16; j++) {
+            const float d = ql_fp16_to_fp32(b[ib].d) * (float)(b[ib].scales[j] & 15);
+            if (!d) continue;  // the sub-block keeps its fitted codes
+            const float dm = ql_fp16_to_fp32(b[ib].dmin) * (float)(b[ib].scales[j] >> 4);
+            for (int i = 0; i < 16; i++) L[16 * j + i] = (uint8_t)std::max(0, std::min(3, ql_nearest_int((x[16 * j + i] + dm) / d)));
+        }
+        kq_pack2(L, b[ib].qs);
+    }
+}
+
+// a symmetric scale for 16 elements into codes [-4, 3]: start from max / -4, then up to 5 sweeps
+// moving single codes where that raises the x^2-weighted fit (ggml's make_q3_quants, rmse)
+static float kq_q3_scale(const float *x, int8_t *L) {
+    const int n = 16, nmax = 4;
+    float max = 0, amax = 0;
+    for (int i = 0; i < n; i++)
+        if (fabsf(x[i]) > amax) amax = fabsf(x[i]), max = x[i];
+    if (amax < 1e-15f) {
+        for (int i = 0; i < n; i++) L[i] = 0;
+        return 0.0f;
+    }
+    const float iscale = -(float)nmax / max;
+    float sumlx = 0, suml2 = 0;
+    for (int i = 0; i < n; i++) {
+        const int l = std::max(-nmax, std::min(nmax - 1, ql_nearest_int(iscale * x[i])));
+        L[i] = (int8_t)l;
+        const float w = rounded(x[i] * x[i]);
+        sumlx += rounded(rounded(w * x[i]) * (float)l);
+        suml2 += rounded(rounded(w * (float)l) * (float)l);
+    }
+    for (int itry = 0; itry < 5; itry++) {
+        int n_changed = 0;
+        for (int i = 0; i < n; i++) {
+            const float w = rounded(x[i] * x[i]);
+            float slx = sumlx - rounded(rounded(w * x[i]) * (float)L[i]);
+            if (slx > 0) {
+                float sl2 = suml2 - rounded(rounded(w * (float)L[i]) * (float)L[i]);
+                const int new_l = std::max(-nmax, std::min(nmax - 1, ql_nearest_int(rounded(x[i] * sl2) / slx)));
+                if (new_l != L[i]) {
+                    slx += rounded(rounded(w * x[i]) * (float)new_l);
+                    sl2 += rounded(rounded(w * (float)new_l) * (float)new_l);
+                    if (sl2 > 0 && rounded(rounded(slx * slx) * suml2) > rounded(rounded(sumlx * sumlx) * sl2)) {
+                        L[i] = (int8_t)new_l;
+                        sumlx = slx;
+                        suml2 = sl2;
+                        n_changed++;
+                    }
+                }
+            }
+        }
+        if (!n_changed) break;
+    }
+    for (int i = 0; i < n; i++) L[i] = (int8_t)(L[i] + nmax);
+    return suml2 > 0.0f ? sumlx / suml2 : 0.0f;
+}
+
+// Q3_K: 16 signed scales quantised to 6 bits against the largest in magnitude (d = max / -32),
+// codes again against the stored scales; the third bit of each code goes to hmask
+static void q3_K_from_float(const float *src, void *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK_K == 0);
+    ql_block_q3_K *b = (ql_block_q3_K *)dst;
+    for (int64_t ib = 0; ib < n / QL_QK_K; ib++) {
+        const float *x = src + ib * QL_QK_K;
+        int8_t L[QL_QK_K];
+        float scales[16], max_scale = 0, amax = 0;
+        for (int j = 0; j < 16; j++) {
+            scales[j] = kq_q3_scale(x + 16 * j, L + 16 * j);
+            if (fabsf(scales[j]) > amax) amax = fabsf(scales[j]), max_scale = scales[j];
+        }
+        uint8_t *sb = b[ib].scales;  // the 6-bit layout q3_K_to_float reads
+        memset(sb, 0, 12);
+        b[ib].d = ql_fp32_to_fp16(0.0f);
+        if (max_scale) {
+            const float iscale = -32.0f / max_scale;
+            for (int j = 0; j < 16; j++) {
+                const int l = std::max(-32, std::min(31, ql_nearest_int(iscale * scales[j]))) + 32;
+                if (j < 8) sb[j] = (uint8_t)(l & 15);
+                else sb[j - 8] |= (uint8_t)((l & 15) << 4);
+                sb[8 + j % 4] |= (uint8_t)((l >> 4) << 2 * (j / 4));
+            }
+            b[ib].d = ql_fp32_to_fp16(1 / iscale);
+        }
+        for (int j = 0; j < 16; j++) {
+            const int lo4 = j < 8 ? sb[j] & 15 : sb[j - 8] >> 4, hi2 = (sb[8 + j % 4] >> 2 * (j / 4)) & 3;
+            const float d = ql_fp16_to_fp32(b[ib].d) * (float)((lo4 | hi2 << 4) - 32);
+            if (!d) continue;
+            for (int i = 0; i < 16; i++) L[16 * j + i] = (int8_t)(std::max(-4, std::min(3, ql_nearest_int(x[16 * j + i] / d))) + 4);
+        }
+        uint8_t U[QL_QK_K];
+        memset(b[ib].hmask, 0, sizeof(b[ib].hmask));
+        for (int e = 0; e < QL_QK_K; e++) {  // element e: bit e / 32 of hmask[e % 32]
+            U[e] = (uint8_t)(L[e] & 3);
+            if (L[e] > 3) b[ib].hmask[e % 32] |= (uint8_t)(1u << (e / 32));
+        }
+        kq_pack2(U, b[ib].qs);
+    }
+}
+
+// the index of the table value nearest x (ties to the lower; ends clamp): a bisection, as ggml's
+static inline int iq4_nearest(float x) {
+    const int8_t *v = k_iq4_values;
+    if (x <= v[0]) return 0;
+    if (x >= v[15]) return 15;
+    int lo = 0, hi = 15;
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (x < v[mid]) hi = mid;
+        else lo = mid;
+    }
+    return x - (float)v[hi - 1] < (float)v[hi] - x ? hi - 1 : hi;
+}
+
+// the best scale of 32 elements on the non-linear table: least squares (weights x^2) at the
+// scale that maps the largest element to -127, then at 15 trial scales around it
+static float iq4_block_scale(const float *x) {
+    float amax = 0, max = 0;
+    for (int j = 0; j < 32; j++)
+        if (fabsf(x[j]) > amax) amax = fabsf(x[j]), max = x[j];
+    if (amax < 1e-15f) return 0.0f;
+    auto fit = [x](float id, float *sumqx, float *sumq2) {
+        *sumqx = *sumq2 = 0;
+        for (int j = 0; j < 32; j++) {
+            const float q = (float)k_iq4_values[iq4_nearest(id * x[j])], w = rounded(x[j] * x[j]);
+            *sumqx += rounded(rounded(w * q) * x[j]);
+            *sumq2 += rounded(rounded(w * q) * q);
+        }
+    };
+    float sumqx, sumq2;
+    fit(1 / (-max / (float)k_iq4_values[0]), &sumqx, &sumq2);
+    float d = sumq2 > 0 ? sumqx / sumq2 : 0.0f, best = d * sumqx;
+    for (int itry = -7; itry <= 7; itry++) {
+        fit((float)(itry + k_iq4_values[0]) / max, &sumqx, &sumq2);
+        if (sumq2 > 0 && rounded(sumqx * sumqx) > rounded(best * sumq2)) {
+            d = sumqx / sumq2;
+            best = d * sumqx;
+        }
+    }
+    return d;
+}
+
+static void iq4_pack(const uint8_t L[32], uint8_t qs[16]) {
+    for (int j = 0; j < 16; j++) qs[j] = (uint8_t)(L[j] | L[16 + j] << 4);
+}
+
+static void iq4_nl_from_float(const float *src, void *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK4_0 == 0);
+    ql_block_iq4_nl *b = (ql_block_iq4_nl *)dst;
+    for (int64_t ib = 0; ib < n / QL_QK4_0; ib++) {
+        const float *x = src + ib * QL_QK4_0, d = iq4_block_scale(x), id = d ? 1 / d : 0.0f;
+        uint8_t L[32];
+        for (int j = 0; j < 32; j++) L[j] = (uint8_t)iq4_nearest(id * x[j]);
+        b[ib].d = ql_fp32_to_fp16(d);
+        iq4_pack(L, b[ib].qs);
+    }
+}
+
+// IQ4_XS: the eight sub-block scales as 6-bit multiples of d = max / -32 (the largest in
+// magnitude); codes against the quantised scales (d unrounded, as the reference)
+static void iq4_xs_from_float(const float *src, void *dst, int64_t n) {
+    QL_ASSERT(n % QL_QK_K == 0);
+    ql_block_iq4_xs *b = (ql_block_iq4_xs *)dst;
+    for (int64_t ib = 0; ib < n / QL_QK_K; ib++) {
+        const float *x = src + ib * QL_QK_K;
+        float scales[8], max_scale = 0, amax = 0;
+        for (int s = 0; s < 8; s++) {
+            scales[s] = iq4_block_scale(x + 32 * s);
+            if (fabsf(scales[s]) > amax) amax = fabsf(scales[s]), max_scale = scales[s];
+        }
+        const float d = -max_scale / 32, id = d ? 1 / d : 0.0f;
+        b[ib].d = ql_fp32_to_fp16(d);
+        b[ib].scales_h = 0;
+        for (int s = 0; s < 8; s++) {
+            const int l = std::max(-32, std::min(31, ql_nearest_int(id * scales[s])));
+            const float dl = d * (float)l, idl = dl ? 1 / dl : 0.0f;
+            uint8_t L[32];
+            for (int j = 0; j < 32; j++) L[j] = (uint8_t)iq4_nearest(idl * x[32 * s + j]);
+            iq4_pack(L, b[ib].qs + 16 * s);
+            const int u = l + 32;
+            if (s % 2 == 0) b[ib].scales_l[s / 2] = (uint8_t)(u & 15);
+            else b[ib].scales_l[s / 2] |= (uint8_t)((u & 15) << 4);
+            b[ib].scales_h |= (uint16_t)((u >> 4) << 2 * s);
+        }
+    }
+}
+
 // ggml's names of the types qlora does not read (ids as in ggml.h), for the error that refuses them
 static const char *ggml_type_name(uint32_t id) {
     switch (id) {
@@ -903,10 +1183,10 @@ struct ql_type_table {
         t[QL_TYPE_Q4_1] = {"q4_1", QL_QK4_0, sizeof(ql_block_q4_1), true, q4_1_to_float, q4_1_from_float, nullptr, nullptr, nullptr};
         t[QL_TYPE_Q5_0] = {"q5_0", QL_QK4_0, sizeof(ql_block_q5_0), true, q5_0_to_float, q5_0_from_float, nullptr, nullptr, nullptr};
         t[QL_TYPE_Q5_1] = {"q5_1", QL_QK4_0, sizeof(ql_block_q5_1), true, q5_1_to_float, q5_1_from_float, nullptr, nullptr, nullptr};
-        t[QL_TYPE_Q2_K] = {"q2_K", QL_QK_K, sizeof(ql_block_q2_K), true, q2_K_to_float, nullptr, nullptr, nullptr, nullptr};
-        t[QL_TYPE_Q3_K] = {"q3_K", QL_QK_K, sizeof(ql_block_q3_K), true, q3_K_to_float, nullptr, nullptr, nullptr, nullptr};
-        t[QL_TYPE_IQ4_NL] = {"iq4_nl", QL_QK4_0, sizeof(ql_block_iq4_nl), true, iq4_nl_to_float, nullptr, nullptr, nullptr, nullptr};
-        t[QL_TYPE_IQ4_XS] = {"iq4_xs", QL_QK_K, sizeof(ql_block_iq4_xs), true, iq4_xs_to_float, nullptr, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q2_K] = {"q2_K", QL_QK_K, sizeof(ql_block_q2_K), true, q2_K_to_float, q2_K_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q3_K] = {"q3_K", QL_QK_K, sizeof(ql_block_q3_K), true, q3_K_to_float, q3_K_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_IQ4_NL] = {"iq4_nl", QL_QK4_0, sizeof(ql_block_iq4_nl), true, iq4_nl_to_float, iq4_nl_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_IQ4_XS] = {"iq4_xs", QL_QK_K, sizeof(ql_block_iq4_xs), true, iq4_xs_to_float, iq4_xs_from_float, nullptr, nullptr, nullptr};
         t[QL_TYPE_Q4_K] = {"q4_K", QL_QK_K, sizeof(ql_block_q4_K), true, q4_K_to_float, q4_K_from_float, nullptr, nullptr, nullptr};
         t[QL_TYPE_Q5_K] = {"q5_K", QL_QK_K, sizeof(ql_block_q5_K), true, q5_K_to_float, q5_K_from_float, nullptr, nullptr, nullptr};
         t[QL_TYPE_Q6_K] = {"q6_K", QL_QK_K, sizeof(ql_block_q6_K), true, q6_K_to_float, q6_K_from_float, nullptr, nullptr, nullptr};

@@ -456,11 +456,18 @@ ql_llama_file *ql_llama_load(const char *path, char *err, size_t err_size) {
         if (hp.n_rot <= 0 || hp.n_rot > hp.head_dim() || hp.n_rot % 2) L.fail("rope.dimension_count %d does not fit head size %d", hp.n_rot, hp.head_dim());
     }
     if (!L.failed && it < 0) L.fail("missing tensor token_embd.weight");
-    // rope scaling given as keys: only "none"; Llama 3.1's comes as the rope_freqs tensor instead
+    // rope scaling given as keys: "none", or "linear" (positions divided by the factor: every
+    // frequency divided by it, so it joins the per-frequency divisors below); Llama 3.1's comes
+    // as the rope_freqs tensor instead
     const int64_t irs = ql_gguf_find_kv(g, (L.arch + ".rope.scaling.type").c_str());
     const char *rs = irs >= 0 ? ql_gguf_get_str(g, irs, &len) : nullptr;
-    if (!L.failed && irs >= 0 && (!rs || strcmp(rs, "none")))
-        L.fail("rope scaling '%s' (%s.rope.scaling.type) is not supported", rs ? rs : "?", L.arch.c_str());
+    float linear = 1.0f;
+    if (!L.failed && irs >= 0 && rs && !strcmp(rs, "linear")) {
+        linear = (float)L.key_float("rope.scaling.factor", 1.0);
+        if (!(std::isfinite(linear) && linear > 0)) L.fail("%s.rope.scaling.factor is %g: a positive finite number expected", L.arch.c_str(), (double)linear);
+    } else if (!L.failed && irs >= 0 && (!rs || strcmp(rs, "none")))
+        L.fail("rope scaling '%s' (%s.rope.scaling.type) is not supported (none and linear are; Llama 3.1's is the rope_freqs tensor)",
+               rs ? rs : "?", L.arch.c_str());
     if (L.failed) {
         ql_gguf_close(g);
         return nullptr;
@@ -469,7 +476,7 @@ ql_llama_file *ql_llama_load(const char *path, char *err, size_t err_size) {
     ql_llama_file *f = new ql_llama_file();
     f->gguf = g;
     f->arch = L.arch;
-    ql_init_params ip = {(size_t)(hp.n_layer * 12 + 8) * ql_tensor_overhead(), nullptr, true, false};
+    ql_init_params ip = {(size_t)(hp.n_layer * 12 + 9) * ql_tensor_overhead(), nullptr, true, false};
     f->ctx = ql_init(ip);
     ql_llama &m = f->model;
     m.hp = hp;
@@ -479,6 +486,14 @@ ql_llama_file *ql_llama_load(const char *path, char *err, size_t err_size) {
     m.output = L.tensor(f->ctx, "output.weight", E, hp.n_vocab, true);
     if (!m.output) m.output = m.tok_embd;  // tied
     m.rope_freqs = L.tensor(f->ctx, "rope_freqs.weight", hp.n_rot / 2, 1, true);
+    if (linear != 1.0f && !L.failed) {  // the divisors times the factor, held by the file object
+        f->rope_linear.assign((size_t)hp.n_rot / 2, linear);
+        if (m.rope_freqs)
+            for (int i = 0; i < hp.n_rot / 2; i++) f->rope_linear[(size_t)i] *= ((const float *)m.rope_freqs->data)[i];
+        m.rope_freqs = ql_new_tensor_1d(f->ctx, QL_TYPE_F32, hp.n_rot / 2);
+        m.rope_freqs->data = f->rope_linear.data();
+        ql_set_name(m.rope_freqs, "rope_freqs.weight");
+    }
     m.layers.resize((size_t)hp.n_layer);
     for (int il = 0; il < hp.n_layer && !L.failed; il++) {
         ql_llama_layer &Y = m.layers[(size_t)il];

@@ -114,6 +114,7 @@ struct ql_llama_file {
     ql_context *ctx  = nullptr;  // tensor headers only: the weights stay in the file mapping
     ql_llama    model;
     std::string arch;
+    std::vector<float> rope_linear;  // [n_rot/2] rope_freqs times a linear scaling factor, when the file has one
 };
 
 // Reads the hyper-parameters from "{arch}.*" keys and binds every weight (any type qlora

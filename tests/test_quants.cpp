@@ -494,20 +494,20 @@ TEST_CASE("ggml types: blocks llama-quantize wrote (q2_K q3_K q4_K q5_K q6_K iq4
     CHECK(n_deq == 10);
 }
 
-// ./quantize's k-quants against ggml's own reference quantisers (quantize_row_q4_K_ref, _q5_K_ref,
-// _q6_K_ref compiled from llama.cpp's ggml-quants.c by tests/reference/kquants_golden.c): 32
+// ./quantize's k-quants and iq4 against llama.cpp's own (quantize_row_q{4,5,6,2,3}_K_ref, and the
+// iq4 searches quantize_iq4_nl/_xs, compiled from ggml-quants.c by tests/reference/kquants_golden.c): 32
 // blocks of varied distributions, a zero block, an outlier, a constant block, a zero sub-block.
-TEST_CASE("k-quants: q4_K, q5_K, q6_K byte for byte as ggml's reference quantisers") {
+TEST_CASE("k-quants and iq4: q4_K, q5_K, q6_K, q2_K, q3_K, iq4_nl, iq4_xs byte for byte as llama-quantize's quantisers") {
     FILE *f = fopen((tests_dir() + "golden/kquants.bin").c_str(), "rb");
     REQUIRE(f);
     const int64_t NB = 32, N = 256 * NB;
     std::vector<float> x((size_t)N);
     REQUIRE(fread(x.data(), 4, x.size(), f) == x.size());
-    for (ql_type t : {QL_TYPE_Q4_K, QL_TYPE_Q5_K, QL_TYPE_Q6_K}) {
+    for (ql_type t : {QL_TYPE_Q4_K, QL_TYPE_Q5_K, QL_TYPE_Q6_K, QL_TYPE_Q2_K, QL_TYPE_Q3_K, QL_TYPE_IQ4_NL, QL_TYPE_IQ4_XS}) {
         const ql_type_traits *tt = ql_type_traits_get(t);
         CAPTURE(tt->name);
         REQUIRE((tt->from_float != nullptr));
-        std::vector<uint8_t> want((size_t)NB * tt->type_size), got(want.size(), 0xAA);
+        std::vector<uint8_t> want((size_t)(N / tt->blck_size) * tt->type_size), got(want.size(), 0xAA);
         REQUIRE(fread(want.data(), 1, want.size(), f) == want.size());
         tt->from_float(x.data(), got.data(), N);
         size_t first = want.size();
@@ -526,8 +526,11 @@ TEST_CASE("k-quants: q4_K, q5_K, q6_K byte for byte as ggml's reference quantise
             }
             if (amax > 0) worst = std::max(worst, err / amax);
         }
-        CHECK(worst < (t == QL_TYPE_Q4_K ? 0.2 : t == QL_TYPE_Q5_K ? 0.1 : 0.05));
+        MESSAGE(std::string(tt->name), " worst block error / amax ", worst);
+        CHECK(worst < (t == QL_TYPE_Q4_K ? 0.2 : t == QL_TYPE_Q5_K ? 0.1 : t == QL_TYPE_Q6_K ? 0.05 : 0.6));
     }
+    uint8_t extra;
+    CHECK(fread(&extra, 1, 1, f) == 0);  // every byte of the golden file compared
     fclose(f);
 }
 

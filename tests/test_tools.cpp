@@ -1262,9 +1262,9 @@ TEST_CASE("convert hf: Llama, Qwen2 (sharded), Mistral from save_pretrained give
         for (size_t p = 0; p < lines.size();) {
             const size_t e = lines.find('\n', p), tab = lines.find('\t', p);
             const std::string text = lines.substr(p, tab - p), want = lines.substr(tab + 1, e - tab - 1);
-            const std::vector<int32_t> ids = ql_tokenize(v, text, false, false);
+            const std::vector<int32_t> toks = ql_tokenize(v, text, false, false);
             std::string got;
-            for (int32_t id : ids) got += (got.empty() ? "" : " ") + std::to_string(id);
+            for (int32_t id : toks) got += (got.empty() ? "" : " ") + std::to_string(id);
             CHECK_MESSAGE(got == want, "'", text, "': ours ", got, ", sentencepiece ", want);
             checked++;
             p = e + 1;
@@ -1286,7 +1286,7 @@ TEST_CASE("convert hf: Llama, Qwen2 (sharded), Mistral from save_pretrained give
 // ./quantize's llama.cpp mixes: llama-quantize's per-tensor types (8 layers: use_more_bits picks
 // layers 0, 3, 6, 7), its tensor order (by layer, then name), its keys (the quantisation version
 // and llama_ftype last), and the fallback for rows that are not whole 256-blocks
-TEST_CASE("quantize Q4_K_M / Q4_K_S / Q8_0: llama-quantize's per-tensor types, order, keys and fallbacks") {
+TEST_CASE("quantize Q4_K_M / Q4_K_S / Q8_0 / Q3_K_M / Q2_K / IQ4_XS: llama-quantize's per-tensor types, order, keys and fallbacks") {
     if (!all_built({"make-model", "quantize"})) return;
     tmpdir d;
     std::string log;
@@ -1345,6 +1345,79 @@ TEST_CASE("quantize Q4_K_M / Q4_K_S / Q8_0: llama-quantize's per-tensor types, o
     CHECK(t["blk.0.attn_v.weight"] == "q5_0");  // 2 layers: use_more_bits picks layer 1 only
     CHECK(t["blk.1.attn_v.weight"] == "q8_0");
     CHECK(t["output.weight"] == "q8_0");
+    // the low-bit mixes (n_gqa 2: Q2_K's attn_v is Q3_K, IQ4_XS's is not raised)
+    REQUIRE_MESSAGE(run("./quantize " + d.path + "/m.gguf " + d.path + "/k3.gguf Q3_K_M", &log) == 0, log);
+    t = types(d.path + "/k3.gguf", &names);
+    CHECK(t["output.weight"] == "q6_K");
+    CHECK(t["token_embd.weight"] == "q3_K");
+    for (int l = 0; l < 8; l++) {
+        const std::string b = "blk." + std::to_string(l) + ".";
+        CAPTURE(l);
+        CHECK(t[b + "attn_v.weight"] == (l < 2 ? "q5_K" : "q4_K"));
+        CHECK(t[b + "ffn_down.weight"] == "q4_K");  // (Q5_K in the first sixteenth: none of 8 layers)
+        CHECK(t[b + "attn_output.weight"] == "q4_K");
+        CHECK(t[b + "attn_q.weight"] == "q3_K");
+        CHECK(t[b + "ffn_gate.weight"] == "q3_K");
+    }
+    REQUIRE_MESSAGE(run("./quantize " + d.path + "/m.gguf " + d.path + "/k2.gguf Q2_K", &log) == 0, log);
+    t = types(d.path + "/k2.gguf", &names);
+    CHECK(t["token_embd.weight"] == "q2_K");
+    CHECK(t["blk.5.attn_v.weight"] == "q3_K");
+    CHECK(t["blk.5.ffn_down.weight"] == "q3_K");
+    CHECK(t["blk.5.attn_output.weight"] == "q3_K");
+    CHECK(t["blk.5.attn_k.weight"] == "q2_K");
+    REQUIRE_MESSAGE(run("./quantize " + d.path + "/m.gguf " + d.path + "/xs.gguf IQ4_XS", &log) == 0, log);
+    t = types(d.path + "/xs.gguf", &names);
+    CHECK(t["blk.0.ffn_down.weight"] == "q5_K");  // the first eighth
+    CHECK(t["blk.1.ffn_down.weight"] == "iq4_xs");
+    CHECK(t["blk.0.attn_v.weight"] == "iq4_xs");
+    CHECK(t["output.weight"] == "q6_K");
+    // and their fallbacks on rows of 96: q2_K / q3_K -> q4_0, iq4_xs -> iq4_nl; the head q8_0
+    REQUIRE_MESSAGE(run("./quantize " + d.path + "/s.gguf " + d.path + "/s2.gguf Q2_K", &log) == 0, log);
+    t = types(d.path + "/s2.gguf", &names);
+    CHECK(t["blk.1.attn_q.weight"] == "q4_0");
+    CHECK(t["blk.1.attn_v.weight"] == "q4_0");
+    CHECK(t["output.weight"] == "q8_0");
+    REQUIRE_MESSAGE(run("./quantize " + d.path + "/s.gguf " + d.path + "/sx.gguf IQ4_XS", &log) == 0, log);
+    t = types(d.path + "/sx.gguf", &names);
+    CHECK(t["blk.1.attn_q.weight"] == "iq4_nl");
+    CHECK(t["blk.1.ffn_down.weight"] == "iq4_nl");
+    // every tensor of the written files is its f32 source within its type's resolution (relative
+    // RMS error), and a file loads and runs
+    auto rel_rms = [&](const std::string &path, std::map<std::string, double> *by_type) {
+        char err[256];
+        ql_gguf *q = ql_gguf_open(path.c_str(), err, sizeof(err)), *r = ql_gguf_open((d.path + "/m.gguf").c_str(), err, sizeof(err));
+        REQUIRE((q && r));
+        for (int64_t i = 0; i < ql_gguf_n_tensors(q); i++) {
+            const int64_t k = ql_gguf_find_tensor(r, ql_gguf_tensor_name(q, i));
+            REQUIRE(k >= 0);
+            int64_t ne[4];
+            ql_gguf_tensor_ne(q, i, ne);
+            const int64_t rows = ne[1] * ne[2] * ne[3], n = rows * ne[0];
+            std::vector<float> a((size_t)n), b((size_t)n);
+            REQUIRE(ql_dequantize(ql_gguf_tensor_type(q, i), ql_gguf_tensor_data(q, i), rows, ne[0], a.data()) == QL_OK);
+            REQUIRE(ql_dequantize(ql_gguf_tensor_type(r, k), ql_gguf_tensor_data(r, k), rows, ne[0], b.data()) == QL_OK);
+            double e2 = 0, x2 = 0;
+            for (int64_t j = 0; j < n; j++) e2 += (double)(a[j] - b[j]) * (a[j] - b[j]), x2 += (double)b[j] * b[j];
+            double &worst = (*by_type)[ql_type_name(ql_gguf_tensor_type(q, i))];
+            worst = std::max(worst, std::sqrt(e2 / x2));
+        }
+        ql_gguf_close(q);
+        ql_gguf_close(r);
+    };
+    std::map<std::string, double> err_of;
+    for (const char *f : {"/k3.gguf", "/k2.gguf", "/xs.gguf", "/km.gguf"}) rel_rms(d.path + f, &err_of);
+    const std::map<std::string, double> bound = {{"f32", 0},       {"q2_K", 0.45},  {"q3_K", 0.25}, {"q4_K", 0.12},
+                                                 {"q5_K", 0.06},   {"q6_K", 0.03},  {"iq4_xs", 0.12}};
+    for (const auto &e : err_of) {
+        CAPTURE(e.first);
+        CAPTURE(e.second);
+        REQUIRE(bound.count(e.first));
+        CHECK(e.second <= bound.at(e.first));
+        CHECK(e.second >= bound.at(e.first) / 4);  // (and it was quantised: f32 has error 0)
+    }
+    write_file(d.path + "/t.txt", "The lamp keeper climbs the stair at dusk; the ships come home. One light, one night.");
+    CHECK_MESSAGE(run("./perplexity -m " + d.path + "/k2.gguf -f " + d.path + "/t.txt -c 64 --json -t 1", &log) == 0, log);
     CHECK(run("./quantize " + d.path + "/m.gguf " + d.path + "/x.gguf Q4_K_M --include-output", &log) == 2);
     CHECK_MESSAGE(log.find("decides every tensor itself") != std::string::npos, log);
 }

@@ -393,8 +393,9 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
     if (rs && rs->kind == ql_json::OBJ) {
         const ql_json *t = rs->get("rope_type") ? rs->get("rope_type") : rs->get("type");
         rope_type = t ? t->str : "?";
-        if (rope_type != "llama3") {
-            fprintf(stderr, "convert: %s/config.json: rope scaling '%s' is not supported (llama3 is)\n", dir_c, rope_type.c_str());
+        if (rope_type != "llama3" && rope_type != "linear") {
+            fprintf(stderr, "convert: %s/config.json: rope scaling '%s' is not supported (llama3 and linear are)\n", dir_c,
+                    rope_type.c_str());
             return 1;
         }
     }
@@ -564,6 +565,16 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
         return 1;
     }
     std::vector<float> rope_factors;
+    if (rope_type == "linear") {  // as llama.cpp's converter writes it: positions divided by the factor
+        const ql_json *fv = rs->get("factor");
+        const double factor = fv && fv->kind == ql_json::NUM ? fv->num() : 0.0;
+        if (!(factor > 0 && std::isfinite(factor))) {
+            fprintf(stderr, "convert: %s/config.json: rope_scaling.factor must be a positive number for linear scaling\n", dir_c);
+            return 1;
+        }
+        ql_gguf_set_str(w, key("rope.scaling.type").c_str(), "linear");
+        ql_gguf_set_f32(w, key("rope.scaling.factor").c_str(), (float)factor);
+    }
     if (rope_type == "llama3") {  // Llama 3.1: per-frequency divisors, as the rope_freqs tensor
         auto rnum = [&](const char *k, double def) { const ql_json *v = rs->get(k); return v && v->kind == ql_json::NUM ? v->num() : def; };
         const double factor = rnum("factor", 8.0), lo = rnum("low_freq_factor", 1.0), hi = rnum("high_freq_factor", 4.0),

@@ -1,7 +1,7 @@
 // tools/make-model - a random-initialised llama in GGUF, for benchmarks, tests and the demo.
 //
 //   ./make-model -o model.gguf [--dim 288] [--layers 6] [--heads 6] [--kv-heads 6] [--ff 768]
-//                [--vocab 512] [--ctx 1024] [--type f32|f16|bf16|q8_0|q4_0|nf4] [--seed 1] [--std 0.02]
+//                [--vocab 512] [--ctx 1024] [--type f32|f16|bf16|nf4|q8_0|q4_0|...|q6_K|iq4_xs] [--seed 1] [--std 0.02]
 //                [--embd-type f32] [--output-type f32]
 //
 // The vocabulary is SentencePiece-style ("llama"): <unk> <s> </s>, the 256 byte tokens, the
@@ -31,7 +31,7 @@
 static int usage(const char *argv0) {
     fprintf(stderr,
             "usage: %s -o model.gguf [--dim N] [--layers N] [--heads N] [--kv-heads N] [--ff N] [--vocab N] [--ctx N]\n"
-            "       [--type f32|f16|bf16|q8_0|q4_0|nf4] [--seed S] [--std X] [--embd-type T] [--output-type T]\n",
+            "       [--type f32|f16|bf16|nf4|q8_0|q4_0|...|q6_K|iq4_xs] [--seed S] [--std X] [--embd-type T] [--output-type T]\n",
             argv0);
     return 2;
 }
@@ -162,7 +162,12 @@ int main(int argc, char **argv) {
             const ql_type_traits *tt = ql_type_traits_get((ql_type)t);
             if (tt && tt->is_float && (tt->from_float || tt->aux_bytes) && !strcmp(tt->name, name)) return (ql_type)t;
         }
-        fprintf(stderr, "make-model: unknown %s '%s' (f32, f16, bf16, q8_0, q4_0, nf4, nf4_nodq)\n", flag, name);
+        std::string known;
+        for (int t = 0; t < QL_TYPE_COUNT; t++) {
+            const ql_type_traits *tt = ql_type_traits_get((ql_type)t);
+            if (tt && tt->is_float && (tt->from_float || tt->aux_bytes)) known += std::string(known.empty() ? "" : ", ") + tt->name;
+        }
+        fprintf(stderr, "make-model: unknown %s '%s' (%s)\n", flag, name, known.c_str());
         exit(2);
     };
     const ql_type wtype = type_of("--type", type_name), etype = type_of("--embd-type", embd_name),

@@ -1,14 +1,15 @@
 // tools/quantize - requantise the linear weights of a GGUF model.
 //
 //   ./quantize in.gguf out.gguf nf4 [--no-double-quant] [--include-output] [--include-embd]
-//   ./quantize in.gguf out.gguf Q4_K_M      (llama.cpp's mixes: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K_S
-//                                            Q4_K_M Q5_K_S Q5_K_M Q6_K, as llama-quantize makes them)
+//   ./quantize in.gguf out.gguf Q4_K_M      (llama.cpp's mixes: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K_S
+//                                            Q3_K_M Q3_K_L Q4_K_S Q4_K_M Q5_K_S Q5_K_M Q6_K IQ4_NL
+//                                            IQ4_XS, as llama-quantize makes them)
 //
 // The 2-D weights of the transformer blocks (blk.N.*.weight) are converted to the target type;
 // norms and other 1-D tensors stay as they are; the output and the token embedding only when
 // asked. Inputs may be f32/f16/bf16 or any quantised type qlora reads (dequantised first).
 // Targets: nf4 (double-quantised, QLoRA's default; --no-double-quant for fp32 absmax) and the
-// types qlora can produce block by block (q8_0, q4_0, f16, bf16, f32). NF4 files declare
+// types qlora can produce block by block (every ggml type it reads, as llama-quantize writes them). NF4 files declare
 // themselves (qlora.* keys) and carry type ids llama.cpp does not know, so llama.cpp refuses
 // them with an unknown-type error instead of misreading them.
 #include "../qlora.h"
@@ -26,8 +27,10 @@
 static int usage(const char *argv0) {
     fprintf(stderr,
             "usage: %s in.gguf out.gguf TYPE [--no-double-quant] [--include-output] [--include-embd]\n"
-            "  TYPE: nf4 | q4_0 | q4_1 | q5_0 | q5_1 | q8_0 | q4_K | q5_K | q6_K | f16 | bf16 | f32 (the block weights)\n"
-            "        or one of llama.cpp's mixes: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q4_K_S Q4_K_M Q5_K_S Q5_K_M Q6_K (every\n"
+            "  TYPE: nf4 | q4_0 | q4_1 | q5_0 | q5_1 | q8_0 | q2_K | q3_K | q4_K | q5_K | q6_K | iq4_nl | iq4_xs\n"
+            "        | f16 | bf16 | f32 (the block weights)\n"
+            "        or one of llama.cpp's mixes: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K_S Q3_K_M Q3_K_L Q4_K_S Q4_K_M\n"
+            "        Q5_K_S Q5_K_M Q6_K IQ4_NL IQ4_XS (every\n"
             "        2-D weight, llama-quantize's per-tensor rules and fallbacks, no importance matrix)\n",
             argv0);
     return 2;
@@ -44,41 +47,59 @@ struct preset {
     int ftype;
     ql_type def;
 };
-static const preset k_presets[] = {{"Q4_0", 2, QL_TYPE_Q4_0},   {"Q4_1", 3, QL_TYPE_Q4_1},   {"Q5_0", 8, QL_TYPE_Q5_0},
-                                   {"Q5_1", 9, QL_TYPE_Q5_1},   {"Q8_0", 7, QL_TYPE_Q8_0},   {"Q4_K_S", 14, QL_TYPE_Q4_K},
-                                   {"Q4_K_M", 15, QL_TYPE_Q4_K}, {"Q5_K_S", 16, QL_TYPE_Q5_K}, {"Q5_K_M", 17, QL_TYPE_Q5_K},
-                                   {"Q6_K", 18, QL_TYPE_Q6_K}};
+static const preset k_presets[] = {
+    {"Q4_0", 2, QL_TYPE_Q4_0},     {"Q4_1", 3, QL_TYPE_Q4_1},     {"Q5_0", 8, QL_TYPE_Q5_0},     {"Q5_1", 9, QL_TYPE_Q5_1},
+    {"Q8_0", 7, QL_TYPE_Q8_0},     {"Q2_K", 10, QL_TYPE_Q2_K},    {"Q3_K_S", 11, QL_TYPE_Q3_K},  {"Q3_K_M", 12, QL_TYPE_Q3_K},
+    {"Q3_K_L", 13, QL_TYPE_Q3_K},  {"Q4_K_S", 14, QL_TYPE_Q4_K},  {"Q4_K_M", 15, QL_TYPE_Q4_K},  {"Q5_K_S", 16, QL_TYPE_Q5_K},
+    {"Q5_K_M", 17, QL_TYPE_Q5_K},  {"Q6_K", 18, QL_TYPE_Q6_K},    {"IQ4_NL", 25, QL_TYPE_IQ4_NL}, {"IQ4_XS", 30, QL_TYPE_IQ4_XS}};
 
 // llama-quantize's choice for one tensor of a llama-family model (llama_tensor_get_type for the
 // mixes above, without an importance matrix; written from its rules): the head (and a tied
-// embedding) Q6_K, or Q8_0 where its rows are not whole blocks; attn_v and ffn_down of the
-// K_M mixes Q6_K in the layers use_more_bits picks (the first and last eighth, and every third
-// between), of Q4_K_S Q5_K in the first four attn_v and the first eighth of ffn_down; 70B
-// (80 layers) attn_v at least Q5_K; then the fallback for rows that are not whole blocks.
+// embedding) Q6_K, or Q8_0 where its rows are not whole blocks of the mix's type; attn_v,
+// attn_output and ffn_down raised per mix and layer (use_more_bits: the first and last eighth,
+// and every third between); a 70B's attn_v at least Q5_K; then the fallback for rows that are
+// not whole blocks (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS ->
+// IQ4_NL, and f16 where even that does not fit).
 struct mix_state {
-    int i_wv = 0, n_wv = 0, i_down = 0, n_layer = 0;
-    bool tied = true;
+    int i_wv = 0, n_wv = 0, i_down = 0, n_layer = 0, n_gqa = 1;
+    bool tied = true, is_70b = false;
 };
 static ql_type preset_type(const preset &p, const std::string &name, int64_t ne0, mix_state &s) {
     auto more_bits = [](int i, int n) { return i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2; };
     auto fits = [ne0](ql_type t) { return ne0 % ql_type_traits_get(t)->blck_size == 0; };
     const std::string f = p.name;
+    const bool km = f == "Q4_K_M" || f == "Q5_K_M", iq4 = f == "IQ4_NL" || f == "IQ4_XS";
     ql_type t = p.def;
     if (name == "output.weight" || (s.tied && name == "token_embd.weight")) {
         t = !fits(t) ? QL_TYPE_Q8_0 : t != QL_TYPE_Q8_0 ? QL_TYPE_Q6_K : t;
     } else if (name == "token_embd.weight") {
     } else if (name.find("attn_v.weight") != std::string::npos) {
-        if ((f == "Q4_K_M" || f == "Q5_K_M") && more_bits(s.i_wv, s.n_wv)) t = QL_TYPE_Q6_K;
+        if (f == "Q2_K") t = s.n_gqa >= 4 ? QL_TYPE_Q4_K : QL_TYPE_Q3_K;
+        else if (f == "Q3_K_M") t = s.i_wv < 2 ? QL_TYPE_Q5_K : QL_TYPE_Q4_K;
+        else if (f == "Q3_K_L") t = QL_TYPE_Q5_K;
+        else if (iq4 && s.n_gqa >= 4) t = QL_TYPE_Q5_K;
+        else if (km && more_bits(s.i_wv, s.n_wv)) t = QL_TYPE_Q6_K;
         else if (f == "Q4_K_S" && s.i_wv < 4) t = QL_TYPE_Q5_K;
-        if (s.n_layer == 80 && t == QL_TYPE_Q4_K) t = QL_TYPE_Q5_K;
+        if (s.is_70b && (t == QL_TYPE_Q3_K || t == QL_TYPE_Q4_K)) t = QL_TYPE_Q5_K;
         s.i_wv++;
     } else if (name.find("ffn_down") != std::string::npos) {
-        if ((f == "Q4_K_M" || f == "Q5_K_M") && more_bits(s.i_down, s.n_layer)) t = QL_TYPE_Q6_K;
-        else if (f == "Q4_K_S" && s.i_down < s.n_layer / 8) t = QL_TYPE_Q5_K;
+        const int i = s.i_down, n = s.n_layer;
+        if (f == "Q2_K") t = QL_TYPE_Q3_K;
+        else if (f == "Q3_K_M") t = i < n / 16 ? QL_TYPE_Q5_K : QL_TYPE_Q4_K;
+        else if (f == "Q3_K_L") t = QL_TYPE_Q5_K;
+        else if (f == "Q4_K_M") t = more_bits(i, n) ? QL_TYPE_Q6_K : t;
+        else if (iq4 && i < n / 8) t = QL_TYPE_Q5_K;
+        else if (f == "Q5_K_M" && more_bits(i, n)) t = QL_TYPE_Q6_K;
+        else if (f == "Q4_K_S" && i < n / 8) t = QL_TYPE_Q5_K;
         s.i_down++;
+    } else if (name.find("attn_output.weight") != std::string::npos) {
+        if (f == "Q2_K") t = QL_TYPE_Q3_K;
+        else if (f == "Q3_K_M") t = QL_TYPE_Q4_K;
+        else if (f == "Q3_K_L") t = QL_TYPE_Q5_K;
     }
     if (!fits(t)) {  // llama.cpp's tensor_type_fallback
-        t = t == QL_TYPE_Q4_K ? QL_TYPE_Q5_0 : t == QL_TYPE_Q5_K ? QL_TYPE_Q5_1 : t == QL_TYPE_Q6_K ? QL_TYPE_Q8_0 : t;
+        t = t == QL_TYPE_Q2_K || t == QL_TYPE_Q3_K ? QL_TYPE_Q4_0 : t == QL_TYPE_Q4_K ? QL_TYPE_Q5_0 : t == QL_TYPE_Q5_K ? QL_TYPE_Q5_1
+          : t == QL_TYPE_Q6_K ? QL_TYPE_Q8_0 : t == QL_TYPE_IQ4_XS ? QL_TYPE_IQ4_NL : t;
         if (!fits(t)) t = QL_TYPE_F16;
     }
     return t;
@@ -193,6 +214,14 @@ int main(int argc, char **argv) {
             return 1;
         }
         ms.n_layer = (int)nl;
+        uint64_t nh = 0, nkv = 0;  // n_gqa = heads per kv head; llama.cpp's 70B: 80 layers, GQA (or qwen2)
+        const int64_t ih = ql_gguf_find_kv(in, (std::string(arch) + ".attention.head_count").c_str());
+        const int64_t ik = ql_gguf_find_kv(in, (std::string(arch) + ".attention.head_count_kv").c_str());
+        if (ih >= 0 && ql_gguf_get_u64(in, ih, &nh) && nh > 0) {
+            if (ik < 0 || !ql_gguf_get_u64(in, ik, &nkv) || nkv == 0) nkv = nh;
+            ms.n_gqa = (int)(nh / nkv);
+        }
+        ms.is_70b = nl == 80 && (nh != nkv || !strcmp(arch, "qwen2"));
         // as llama-quantize: the input's keys, then the quantisation version and the mix, last
         ql_gguf_remove_kv(w, "general.quantization_version");
         ql_gguf_remove_kv(w, "general.file_type");
@@ -203,7 +232,8 @@ int main(int argc, char **argv) {
     if (!mix) ql_gguf_remove_kv(w, "general.file_type");
     const int ftype = target == QL_TYPE_F32 ? 0 : target == QL_TYPE_F16 ? 1 : target == QL_TYPE_Q4_0 ? 2 : target == QL_TYPE_Q4_1 ? 3
                     : target == QL_TYPE_Q8_0 ? 7 : target == QL_TYPE_Q5_0 ? 8 : target == QL_TYPE_Q5_1 ? 9 : target == QL_TYPE_Q6_K ? 18
-                    : target == QL_TYPE_BF16 ? 32 : -1;  // (q4_K/q5_K alone are none of llama.cpp's K_S/K_M mixes)
+                    : target == QL_TYPE_BF16 ? 32 : target == QL_TYPE_IQ4_NL ? 25 : target == QL_TYPE_IQ4_XS ? 30
+                    : -1;  // (q2_K..q5_K alone are none of llama.cpp's K_S/K_M mixes)
     if (!mix && ftype >= 0) ql_gguf_set_u32(w, "general.file_type", (uint32_t)ftype);
     if (!mix) ql_gguf_set_u32(w, "general.quantization_version", 2);
     if (!mix) ql_gguf_set_str(w, "qlora.quantize.type", ql_type_name(target));

@@ -1,6 +1,8 @@
 // Dev-side only (never built by make or make test): writes tests/golden/kquants.bin, ggml's own
-// reference k-quant quantisers (quantize_row_q4_K_ref, _q5_K_ref, _q6_K_ref) on fixed inputs,
-// which tests/test_quants.cpp compares ./quantize's against byte for byte. Built against a
+// quantisers on fixed inputs - the k-quant references (quantize_row_q4_K_ref, _q5_K_ref, _q6_K_ref,
+// _q2_K_ref, _q3_K_ref: what llama-quantize calls without an importance matrix) and the iq4
+// searches llama-quantize calls (quantize_iq4_nl, quantize_iq4_xs with no weights) - which
+// tests/test_quants.cpp compares ./quantize's against byte for byte. Built against a
 // llama.cpp checkout's ggml-quants.c, with ggml's flags for it (ggml-base: no -march, so no FMA):
 //   L=/path/to/llama.cpp
 //   gcc -O2 -c -I$L/ggml/include -I$L/ggml/src -I$L/ggml/src/ggml-cpu $L/ggml/src/ggml-quants.c -o /tmp/q.o
@@ -47,5 +49,17 @@ int main(void) {
     fwrite(q4, sizeof(q4), 1, stdout);
     fwrite(q5, sizeof(q5), 1, stdout);
     fwrite(q6, sizeof(q6), 1, stdout);
+    static block_q2_K q2[NB];
+    static block_q3_K q3[NB];
+    static block_iq4_nl nl[N / 32];
+    static block_iq4_xs xs[NB];
+    quantize_row_q2_K_ref(x, q2, N);
+    quantize_row_q3_K_ref(x, q3, N);
+    quantize_iq4_nl(x, nl, 1, N, NULL);
+    quantize_iq4_xs(x, xs, 1, N, NULL);
+    fwrite(q2, sizeof(q2), 1, stdout);
+    fwrite(q3, sizeof(q3), 1, stdout);
+    fwrite(nl, sizeof(nl), 1, stdout);
+    fwrite(xs, sizeof(xs), 1, stdout);
     return 0;
 }
