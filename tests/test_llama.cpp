@@ -374,7 +374,7 @@ TEST_CASE("llama: a llama.cpp LoRA adapter gives the logits of the merged weight
     ql_llama_file_free(f);
 }
 
-TEST_CASE("llama: a rope_freqs tensor (Llama 3.1 scaling) is loaded and divides the frequencies") {
+TEST_CASE("llama: a rope_freqs tensor (Llama 3.1 scaling) and linear scaling keys divide the frequencies; other scalings refused") {
     random_model rm;
     tmpdir d;
     const std::string plain = d.path + "/plain.gguf", scaled = d.path + "/scaled.gguf";
@@ -382,7 +382,8 @@ TEST_CASE("llama: a rope_freqs tensor (Llama 3.1 scaling) is loaded and divides 
     write_gguf(rm.m, "llama", plain);
     // the same model plus rope_freqs: factors of 1 change nothing; factors of 4 change the logits
     ql_tensor *ff = ql_set_name(ql_new_tensor_1d(rm.ctx, QL_TYPE_F32, 8), "rope_freqs.weight");  // head_dim 16 / 2
-    auto write_with = [&](float factor, const std::string &path) {
+    // (scaling_type: instead of the tensor, the keys rope.scaling.type / .factor, as llama.cpp's converter writes linear scaling)
+    auto write_with = [&](float factor, const std::string &path, const char *scaling_type = nullptr) {
         for (int i = 0; i < 8; i++) ((float *)ff->data)[i] = factor;
         ql_gguf_writer *w = ql_gguf_writer_new();
         ql_gguf *src;
@@ -397,7 +398,11 @@ TEST_CASE("llama: a rope_freqs tensor (Llama 3.1 scaling) is loaded and divides 
                                        ql_gguf_tensor_data(src, i), ql_gguf_tensor_size(src, i)) == QL_OK);
         }
         const int64_t ne[4] = {8, 1, 1, 1};
-        REQUIRE(ql_gguf_add_tensor(w, "rope_freqs.weight", QL_TYPE_F32, 1, ne, ff->data, 32) == QL_OK);
+        if (scaling_type) {
+            ql_gguf_set_str(w, "llama.rope.scaling.type", scaling_type);
+            ql_gguf_set_f32(w, "llama.rope.scaling.factor", factor);
+        } else
+            REQUIRE(ql_gguf_add_tensor(w, "rope_freqs.weight", QL_TYPE_F32, 1, ne, ff->data, 32) == QL_OK);
         REQUIRE(ql_gguf_write(w, path.c_str(), err, sizeof(err)) == QL_OK);
         ql_gguf_writer_free(w);
         ql_gguf_close(src);
@@ -417,7 +422,21 @@ TEST_CASE("llama: a rope_freqs tensor (Llama 3.1 scaling) is loaded and divides 
     write_with(4.0f, scaled);
     b = ql_llama_load(scaled.c_str(), err, sizeof(err));
     REQUIRE(b);
-    CHECK(rel_err(logits_of(b->model, toks), base) > 1e-3);
+    const std::vector<float> by4 = logits_of(b->model, toks);
+    CHECK(rel_err(by4, base) > 1e-3);
     ql_llama_file_free(b);
+    // linear scaling by 4 as keys: every frequency divided by 4, the same logits as the tensor of 4s
+    write_with(4.0f, scaled, "linear");
+    b = ql_llama_load(scaled.c_str(), err, sizeof(err));
+    REQUIRE_MESSAGE(b, err);
+    CHECK(logits_of(b->model, toks) == by4);
+    ql_llama_file_free(b);
+    // refused by name: another scaling type, a factor that is not positive
+    write_with(4.0f, scaled, "yarn");
+    CHECK(ql_llama_load(scaled.c_str(), err, sizeof(err)) == nullptr);
+    CHECK_MESSAGE(std::string(err).find("rope scaling 'yarn' (llama.rope.scaling.type) is not supported") != std::string::npos, err);
+    write_with(-2.0f, scaled, "linear");
+    CHECK(ql_llama_load(scaled.c_str(), err, sizeof(err)) == nullptr);
+    CHECK_MESSAGE(std::string(err).find("llama.rope.scaling.factor is -2") != std::string::npos, err);
     ql_llama_file_free(a);
 }

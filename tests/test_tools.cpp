@@ -1281,6 +1281,81 @@ TEST_CASE("convert hf: Llama, Qwen2 (sharded), Mistral from save_pretrained give
     write_file(d.path + "/config.json", "{\"architectures\": [\"GPT2LMHeadModel\"]}");
     CHECK(run("./convert hf " + d.path + " -o " + d.path + "/x.gguf", &log) == 1);
     CHECK_MESSAGE(log.find("architecture 'GPT2LMHeadModel' is not supported") != std::string::npos, log);
+    const std::string cfg = "{\"architectures\": [\"LlamaForCausalLM\"], \"hidden_size\": 32, \"intermediate_size\": 64, "
+                            "\"num_hidden_layers\": 1, \"num_attention_heads\": 4, \"vocab_size\": 300, ";
+    write_file(d.path + "/config.json", cfg + "\"rope_parameters\": {\"rope_type\": \"yarn\", \"factor\": 4.0}}");
+    CHECK(run("./convert hf " + d.path + " -o " + d.path + "/x.gguf", &log) == 1);
+    CHECK_MESSAGE(log.find("config.json: rope scaling 'yarn' is not supported (llama3 and linear are)") != std::string::npos, log);
+    write_file(d.path + "/config.json", cfg + "\"rope_scaling\": {\"type\": \"linear\"}}");
+    CHECK(run("./convert hf " + d.path + " -o " + d.path + "/x.gguf", &log) == 1);
+    CHECK_MESSAGE(log.find("rope_scaling.factor must be a positive number") != std::string::npos, log);
+}
+
+// The files users have today, from the newest libraries (tests/reference/hf5_golden.py, transformers
+// 5.24 / bitsandbytes 0.50.2): config.json's rope_parameters (transformers 5: theta and a linear
+// rope scaling together), and a real load_in_4bit + save_pretrained on bitsandbytes' CPU backend.
+// Converted and run here, each gives the logits transformers computed for it.
+TEST_CASE("convert hf: transformers 5 checkpoints (rope_parameters, linear rope scaling; a real load_in_4bit save) give its logits") {
+    if (!all_built({"convert"})) return;
+    const std::string dir = tests_dir() + "golden/hf/";
+    const std::vector<uint8_t> g = read_file_bytes(dir + "hf5-logits.bin");
+    REQUIRE(g.size() > 8);
+    uint32_t T = 0, V = 0;
+    memcpy(&T, g.data(), 4);
+    memcpy(&V, g.data() + 4, 4);
+    std::vector<int32_t> ids(T);
+    memcpy(ids.data(), g.data() + 8, (size_t)T * 4);
+    tmpdir d;
+    std::vector<std::string> names;
+    for (size_t at = 8 + (size_t)T * 4; at < g.size();) {
+        uint32_t len = 0;
+        memcpy(&len, g.data() + at, 4);
+        const std::string name((const char *)g.data() + at + 4, len);
+        at += 4 + len;
+        std::vector<float> want((size_t)T * V);
+        REQUIRE(at + want.size() * 4 <= g.size());
+        memcpy(want.data(), g.data() + at, want.size() * 4);
+        at += want.size() * 4;
+        names.push_back(name);
+        CAPTURE(name);
+        const std::string out = d.path + "/" + name + ".gguf";
+        std::string log;
+        REQUIRE_MESSAGE(run("./convert hf " + dir + name + " -o " + out, &log) == 0, log);
+        char err[256];
+        ql_llama_file *f = ql_llama_load(out.c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(f, err);
+        if (name == "llama-linear") {
+            CHECK_MESSAGE(log.find("linear rope scaling") != std::string::npos, log);
+            CHECK(f->model.hp.rope_base == 20000.0f);  // rope_theta from rope_parameters
+            REQUIRE(f->model.rope_freqs);              // the factor as every frequency's divisor
+            CHECK(((const float *)f->model.rope_freqs->data)[0] == 4.0f);
+        } else {
+            CHECK_MESSAGE(log.find("bitsandbytes NF4 (codes carried over)") != std::string::npos, log);
+            CHECK(f->model.layers[1].w_down->type == QL_TYPE_NF4);
+            std::vector<ql_st_tensor> st;
+            std::vector<uint8_t> storage;
+            std::string why;
+            REQUIRE_MESSAGE(ql_safetensors_read((dir + name + "/model.safetensors").c_str(), &st, &storage, &why), why);
+            int same = 0;
+            for (const ql_st_tensor &t : st)
+                if (t.name == "model.layers.1.self_attn.v_proj.weight" || t.name == "model.layers.1.mlp.down_proj.weight") {
+                    const ql_tensor *w = t.name.find("v_proj") != std::string::npos ? f->model.layers[1].wv : f->model.layers[1].w_down;
+                    REQUIRE(t.dtype == "U8");
+                    same += memcmp(t.data, w->data, ql_nbytes(w)) == 0;  // bitsandbytes' packed codes, bit for bit
+                }
+            CHECK(same == 2);
+        }
+        const std::vector<float> got = logits_of(f->model, ids);
+        double worst = 0, scale = 0;
+        for (size_t i = 0; i < got.size(); i++) {
+            worst = std::max(worst, (double)std::fabs(got[i] - want[i]));
+            scale = std::max(scale, (double)std::fabs(want[i]));
+        }
+        MESSAGE(name, ": max |ours - transformers 5| = ", worst, " of max |logit| ", scale);
+        CHECK(worst <= 1e-4 * scale);
+        ql_llama_file_free(f);
+    }
+    CHECK(names == std::vector<std::string>{"llama-linear", "llama-bnb4-real"});
 }
 
 // ./quantize's llama.cpp mixes: llama-quantize's per-tensor types (8 layers: use_more_bits picks

@@ -379,7 +379,12 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
                   V = (int64_t)num("vocab_size", 0, true);
     const int64_t HKV = (int64_t)num("num_key_value_heads", (double)H, false);
     const int64_t hd = (int64_t)num("head_dim", H > 0 ? (double)(E / H) : 0, false);
-    const double eps = num("rms_norm_eps", 1e-6, false), theta = num("rope_theta", 10000.0, false);
+    // transformers 5 writes rope_parameters (theta and scaling together); 4.x rope_theta and rope_scaling
+    const ql_json *rp = cfg.get("rope_parameters");
+    if (rp && rp->kind != ql_json::OBJ) rp = nullptr;
+    const ql_json *rp_theta = rp ? rp->get("rope_theta") : nullptr;
+    const double eps = num("rms_norm_eps", 1e-6, false),
+                 theta = rp_theta && rp_theta->kind == ql_json::NUM ? rp_theta->num() : num("rope_theta", 10000.0, false);
     const int64_t ctx = (int64_t)num("max_position_embeddings", 2048, false);
     const ql_json *tie = cfg.get("tie_word_embeddings");
     const bool tied = tie && tie->kind == ql_json::BOOL && tie->b;
@@ -388,14 +393,24 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
                 why.empty() ? "inconsistent sizes (hidden_size, heads, head_dim)" : why.c_str());
         return 1;
     }
-    const ql_json *rs = cfg.get("rope_scaling");
+    const ql_json *rs = rp ? rp : cfg.get("rope_scaling");
     std::string rope_type;
     if (rs && rs->kind == ql_json::OBJ) {
         const ql_json *t = rs->get("rope_type") ? rs->get("rope_type") : rs->get("type");
         rope_type = t ? t->str : "?";
+        if (rope_type == "default") rope_type.clear();  // (transformers 5's way of saying none)
+    }
+    double linear_factor = 0;
+    if (!rope_type.empty()) {
         if (rope_type != "llama3" && rope_type != "linear") {
             fprintf(stderr, "convert: %s/config.json: rope scaling '%s' is not supported (llama3 and linear are)\n", dir_c,
                     rope_type.c_str());
+            return 1;
+        }
+        const ql_json *fv = rs->get("factor");
+        linear_factor = fv && fv->kind == ql_json::NUM ? fv->num() : 0.0;
+        if (rope_type == "linear" && !(linear_factor > 0 && std::isfinite(linear_factor))) {
+            fprintf(stderr, "convert: %s/config.json: rope_scaling.factor must be a positive number for linear scaling\n", dir_c);
             return 1;
         }
     }
@@ -566,14 +581,8 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
     }
     std::vector<float> rope_factors;
     if (rope_type == "linear") {  // as llama.cpp's converter writes it: positions divided by the factor
-        const ql_json *fv = rs->get("factor");
-        const double factor = fv && fv->kind == ql_json::NUM ? fv->num() : 0.0;
-        if (!(factor > 0 && std::isfinite(factor))) {
-            fprintf(stderr, "convert: %s/config.json: rope_scaling.factor must be a positive number for linear scaling\n", dir_c);
-            return 1;
-        }
         ql_gguf_set_str(w, key("rope.scaling.type").c_str(), "linear");
-        ql_gguf_set_f32(w, key("rope.scaling.factor").c_str(), (float)factor);
+        ql_gguf_set_f32(w, key("rope.scaling.factor").c_str(), (float)linear_factor);
     }
     if (rope_type == "llama3") {  // Llama 3.1: per-frequency divisors, as the rope_freqs tensor
         auto rnum = [&](const char *k, double def) { const ql_json *v = rs->get(k); return v && v->kind == ql_json::NUM ? v->num() : def; };
@@ -605,7 +614,7 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
     const bool any_bnb = std::any_of(src.tensors.begin(), src.tensors.end(), [](const hf_tensor &t) { return t.bnb; });
     printf("convert: %s: %s -> %s, dim %lld, %lld layers, %lld/%lld heads, ffn %lld, vocab %lld%s%s, %s weights, %zu shard%s -> %s\n",
            dir_c, arch_hf.c_str(), arch.c_str(), (long long)E, (long long)L, (long long)H, (long long)HKV, (long long)F, (long long)V,
-           tied ? ", tied output" : "", rope_type.empty() ? "" : ", llama3 rope scaling",
+           tied ? ", tied output" : "", rope_type.empty() ? "" : (", " + rope_type + " rope scaling").c_str(),
            any_bnb ? "bitsandbytes NF4 (codes carried over)" : outtype, src.shards.size(),
            src.shards.size() == 1 ? "" : "s", out);
     return 0;
