@@ -4760,6 +4760,104 @@ static void mm_amx(const mm_operand &, const mm_operand &, float *, int64_t, int
                    float *, const mm_layout &) {}
 #endif
 
+// bf16 x bf16 with AVX512-BF16's pair dot products (vdpbf16ps: AMD Zen 4 and later, Intel Cooper
+// Lake, Sapphire Rapids without the tiles): where b is bf16 and K even. The W block is packed and
+// paired as for AMX ([kc/2 x 32] k-pair dwords a panel); X panels of MR rows become [kc/2 x MR]
+// pair dwords, broadcast one at a time against two W vectors. The register tile is the f32
+// kernel's (MR x 32), at twice its products per instruction. As on AMX, products are exact,
+// sums f32, each dword's odd element first (the instruction's order), subnormals flush to zero;
+// every C element's order depends on K only, not on the thread split.
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+static constexpr bool k_mm_dp = true;
+template <int R>
+static void mm_dp_kernel(int64_t np, const uint32_t *xp, const uint32_t *wp, float *c, int64_t ldc, int nr, bool acc) {
+    __m512 s[R][2];
+    for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < np; p++) {
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + p * MM_NR), w1 = (__m512bh)_mm512_loadu_si512(wp + p * MM_NR + 16);
+        for (int r = 0; r < R; r++) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)xp[p * R + r]);
+            s[r][0] = _mm512_dpbf16_ps(s[r][0], x, w0);
+            s[r][1] = _mm512_dpbf16_ps(s[r][1], x, w1);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float *cp = c + r * ldc;
+        if (nr == MM_NR) {
+            _mm512_storeu_ps(cp, acc ? _mm512_add_ps(_mm512_loadu_ps(cp), s[r][0]) : s[r][0]);
+            _mm512_storeu_ps(cp + 16, acc ? _mm512_add_ps(_mm512_loadu_ps(cp + 16), s[r][1]) : s[r][1]);
+        } else {
+            float t[MM_NR];
+            _mm512_storeu_ps(t, s[r][0]);
+            _mm512_storeu_ps(t + 16, s[r][1]);
+            for (int j = 0; j < nr; j++) cp[j] = acc ? cp[j] + t[j] : t[j];
+        }
+    }
+}
+typedef void (*mm_dp_kernel_fn)(int64_t, const uint32_t *, const uint32_t *, float *, int64_t, int, bool);
+template <int... I> static constexpr std::array<mm_dp_kernel_fn, sizeof...(I) + 1> mm_dp_table(std::integer_sequence<int, I...>) {
+    return {{nullptr, mm_dp_kernel<I + 1>...}};
+}
+static constexpr auto k_mm_dp_kernels = mm_dp_table(std::make_integer_sequence<int, MM_MR>{});
+
+// a panel of W (f32 [kc x NR]) into [kc/2 x NR] k-pair dwords in place: bf16(W[k][j]) low, W[k+1][j] high
+static void mm_pair_panel(float *d, int64_t kc) {
+    uint32_t row[MM_NR];
+    for (int64_t pp = 0; 2 * pp < kc; pp++) {
+        const float *a = d + 2 * pp * MM_NR, *b = a + MM_NR;
+        for (int j = 0; j < MM_NR; j++) row[j] = ql_fp32_to_bf16(a[j]) | (uint32_t)ql_fp32_to_bf16(b[j]) << 16;
+        memcpy(d + pp * MM_NR, row, sizeof(row));  // f32 rows <= 2pp + 1 are read already
+    }
+}
+
+static void mm_dp(const mm_operand &w, const mm_operand &x, float *c, int64_t ldc, int64_t K, int64_t ib, int64_t ie,
+                  int64_t jb, int64_t je, float *work, const mm_layout &L) {
+    float *wbuf = work, *tmp = work + L.tmp;
+    uint32_t *xb = (uint32_t *)(work + L.xbuf);  // [mc/MR panels][kc/2][mr] pair dwords: half the f32 X block
+    for (int64_t jc = jb; jc < je; jc += MM_NC) {
+        const int64_t nc = std::min<int64_t>(MM_NC, je - jc);
+        for (int64_t pc = 0; pc < K; pc += MM_KC) {
+            const int64_t kc = std::min<int64_t>(MM_KC, K - pc), np = kc / 2;  // K even: kc even
+            mm_pack_w(w, pc, kc, jc, nc, wbuf, tmp);
+            for (int64_t jp = 0; jp < nc; jp += MM_NR) mm_pair_panel(wbuf + jp * kc, kc);
+            for (int64_t ic = ib; ic < ie; ic += MM_MC) {
+                const int64_t mc = std::min<int64_t>(MM_MC, ie - ic);
+                for (int64_t ip = 0; ip < mc; ip += MM_MR) {
+                    const int mr = (int)std::min<int64_t>(MM_MR, mc - ip);
+                    uint32_t *xp = xb + ip * np;
+                    for (int r = 0; r < mr; r++) {
+                        const uint8_t *row = x.p + (ic + ip + r) * x.smn + pc * x.sk;
+                        if (x.sk == 2) {  // k-contiguous: the pairs are the row's dwords
+                            for (int64_t p = 0; p < np; p++) memcpy(xp + p * mr + r, row + 4 * p, 4);
+                        } else {
+                            for (int64_t p = 0; p < np; p++) {
+                                uint16_t lo, hi;
+                                memcpy(&lo, row + 2 * p * x.sk, 2);
+                                memcpy(&hi, row + (2 * p + 1) * x.sk, 2);
+                                xp[p * mr + r] = lo | (uint32_t)hi << 16;
+                            }
+                        }
+                    }
+                }
+                for (int64_t jr = 0; jr < nc; jr += MM_NR) {
+                    const int nr = (int)std::min<int64_t>(MM_NR, nc - jr);
+                    for (int64_t ir = 0; ir < mc; ir += MM_MR) {
+                        const int mr = (int)std::min<int64_t>(MM_MR, mc - ir);
+                        k_mm_dp_kernels[(size_t)mr](np, xb + ir * np, (const uint32_t *)(wbuf + jr * kc),
+                                                    c + (ic + ir) * ldc + jc + jr, ldc, nr, pc > 0);
+                    }
+                }
+            }
+        }
+    }
+}
+static_assert(MM_NR == 32 && MM_KC % 2 == 0, "bf16 pairs: a 32-column panel is two vectors of 16 dwords");
+#else
+static constexpr bool k_mm_dp = false;
+static void mm_dp(const mm_operand &, const mm_operand &, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                  float *, const mm_layout &) {}
+#endif
+
 // One multiply, split into tasks over (batch, column chunk, row chunk); thread ith takes
 // tasks ith, ith + nth, ...
 struct mm_problem {
@@ -4775,6 +4873,7 @@ static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
     const bool dot = P.N <= MM_DOT_MAX_N && mm_k_contig(P.w) && P.x.type == QL_TYPE_F32 && mm_k_contig(P.x);
     // (N >= 16: the bf16 X block, rows rounded up to 32, then fits the f32 X block's room)
     const bool amx = P.x.type == QL_TYPE_BF16 && P.K % 32 == 0 && P.K > 0 && P.N >= 16 && mm_amx_ready();
+    const bool dp = !amx && !dot && k_mm_dp && P.x.type == QL_TYPE_BF16 && P.K % 2 == 0 && P.K > 0;
     // column chunks: whole register panels, and whole blocks where the weight's rows run along them
     const int64_t align = dot ? 4 : P.w.trows ? std::max<int64_t>(MM_NR, traits(P.w.type).blck_size) : MM_NR;
     int64_t nj = 1, ni = 1;
@@ -4800,6 +4899,8 @@ static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
             mm_dot(w, x, c, P.ldc, P.K, P.N, jb, je, work, L);
         else if (amx)
             mm_amx(w, x, c, P.ldc, P.K, ib, ie, jb, je, work, L);
+        else if (dp)
+            mm_dp(w, x, c, P.ldc, P.K, ib, ie, jb, je, work, L);
         else
             mm_packed(w, x, c, P.ldc, P.K, ib, ie, jb, je, work, L);
     }
@@ -5143,7 +5244,7 @@ ql_backend *ql_backend_cpu_init(int n_threads) {
     return be;
 }
 
-bool ql_cpu_bf16_native(void) { return mm_amx_ready(); }
+bool ql_cpu_bf16_native(void) { return mm_amx_ready() || k_mm_dp; }
 
 void ql_backend_cpu_parallel(ql_backend *be, void (*fn)(void *, int, int), void *arg) {
     QL_ASSERT(ql_backend_cpu_n_threads(be) > 0 && fn);

@@ -673,9 +673,10 @@ int         ql_backend_cpu_n_threads(const ql_backend *be);
 // done: work between graph runs (the optimizer's update) on the same threads, nothing spawned.
 void        ql_backend_cpu_parallel(ql_backend *be, void (*fn)(void *arg, int ith, int nth), void *arg);
 // Whether the CPU backend multiplies bf16 natively: AMX-BF16 tiles, compiled in (-march with
-// amx-bf16) and granted by the kernel. Then a bf16 mul_mat (b bf16, K % 32 == 0, N >= 16) runs on
-// them; elsewhere bf16 inputs are widened to f32 and multiplied as f32 (the same products,
-// summed in f32 in another order; AMX flushes subnormal inputs and results to zero).
+// amx-bf16) and granted by the kernel, or AVX512-BF16's pair dot products (vdpbf16ps, compiled
+// in). Then a bf16 mul_mat (b bf16; AMX: K % 32 == 0, N >= 16; AVX512-BF16: K even) runs on them;
+// elsewhere bf16 inputs are widened to f32 and multiplied as f32 (the same products, summed in
+// f32 in another order; the native paths flush subnormal inputs and results to zero).
 bool        ql_cpu_bf16_native(void);
 const char *ql_cpu_features(void);                 // e.g. "AVX512F AVX2 FMA F16C" as compiled in
 

@@ -109,6 +109,37 @@ static void bench_matmul(ql_backend *cpu, int n_threads, int reps) {
     }
 }
 
+// The same shapes with b in bf16 (the weight a f32, rounded to bf16 as it is packed): what every
+// matmul of a --precision bf16 step is. Native where ql_cpu_bf16_native() (AMX tiles or
+// AVX512-BF16 pair dots), else widened to f32.
+static void bench_matmul_bf16(ql_backend *cpu, int n_threads, int reps) {
+    printf("\n## matmul bf16 (b bf16), %d threads, native: %s\n", n_threads, ql_cpu_bf16_native() ? "yes" : "no");
+    printf("%-26s %10s %10s %10s\n", "shape (M x N x K)", "ms", "GFLOP/s", "vs f32");
+    for (int i = 0; i < k_n_shapes; i++) {
+        const mm_shape &s = k_shapes[i];
+        mm_data d = make_data(s);
+        ql_init_params ip = {(size_t)s.K * (size_t)(s.M + s.N) * 4 + (size_t)s.M * s.N * 4 + (16u << 20), nullptr, false, false};
+        ql_context *ctx = ql_init(ip);
+        ql_tensor *a = ql_new_tensor_2d(ctx, QL_TYPE_F32, s.K, s.M);
+        memcpy(a->data, d.a.data(), d.a.size() * 4);
+        ql_tensor *b = ql_new_tensor_2d(ctx, QL_TYPE_BF16, s.K, s.N);
+        ql_type_traits_get(QL_TYPE_BF16)->from_float(d.b.data(), b->data, (int64_t)s.K * s.N);
+        ql_graph *g = ql_graph_new(ctx);
+        ql_graph_build_forward(g, ql_mul_mat(ctx, a, b));
+        if (ql_graph_alloc(g, cpu) != QL_OK) {
+            fprintf(stderr, "bench: %s\n", ql_ctx_error(ctx));
+            exit(1);
+        }
+        const double t = median_time(reps_for(s, reps), [&] { ql_backend_graph_compute(cpu, g); });
+        ql_graph_free(g);
+        ql_free(ctx);
+        char label[64];
+        snprintf(label, sizeof(label), "%dx%dx%d", s.M, s.N, s.K);
+        printf("%-26s %10.3f %10.1f %9.2fx   %s\n", label, t * 1e3, 2.0 * s.M * s.N * s.K / t / 1e9,
+               g_ours_ms[i] > 0 ? g_ours_ms[i] / (t * 1e3) : 0.0, s.what);
+    }
+}
+
 // OpenBLAS last: its worker threads busy-wait after each call and would steal cores from
 // anything measured right after it.
 static void bench_openblas(int n_threads, int reps) {
@@ -304,6 +335,7 @@ int main(int argc, char **argv) {
     ql_backend *cpu = ql_backend_cpu_init(n_threads);
     n_threads = ql_backend_cpu_n_threads(cpu);
     if (what == "all" || what == "matmul") bench_matmul(cpu, n_threads, reps);
+    if (what == "all" || what == "matmul") bench_matmul_bf16(cpu, n_threads, reps);
     if (what == "all" || what == "block") bench_block(cpu, n_threads, std::max(3, reps / 2));
     if (what == "all" || what == "qmatmul") bench_qmatmul(cpu, n_threads, std::max(3, reps / 2));
     if (what == "all" || what == "matmul") bench_openblas(n_threads, reps);

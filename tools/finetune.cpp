@@ -55,7 +55,7 @@ static const char *k_help =
     "           --epochs 1  --max-steps N  --seed 42  -t THREADS  --profile (time per op, printed at the end)\n"
     "device:    --device cpu|cuda|cuda:N|auto (auto: cuda when built with it and a GPU is present, else cpu)\n"
     "precision: --precision fp32|bf16|fp16|auto (auto: on a GPU bf16 from compute capability 8.0, else fp16;\n"
-    "           on the CPU bf16 where it multiplies it natively (AMX), else fp32)\n"
+    "           on the CPU bf16 where it multiplies it natively (AMX, AVX512-BF16), else fp32)\n"
     "           fp16's loss scaling: --loss-scale-init 65536  --loss-scale-growth 2  --loss-scale-backoff 0.5\n"
     "           --loss-scale-interval 2000\n"
     "memory:    --checkpointing none|block|sqrt|auto  --mem-limit SIZE (e.g. 6G; auto and -b auto need it, or a GPU)\n"
