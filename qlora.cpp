@@ -4762,8 +4762,9 @@ static void mm_amx(const mm_operand &, const mm_operand &, float *, int64_t, int
 
 // bf16 x bf16 with AVX512-BF16's pair dot products (vdpbf16ps: AMD Zen 4 and later, Intel Cooper
 // Lake, Sapphire Rapids without the tiles): where b is bf16 and K even. The W block is packed and
-// paired as for AMX ([kc/2 x 32] k-pair dwords a panel); X panels of MR rows become [kc/2 x MR]
-// pair dwords, broadcast one at a time against two W vectors. The register tile is the f32
+// paired as for AMX ([kc/2 x 32] k-pair dwords a panel); X rows are copied as they are, each at a
+// fixed stride of KC/2 dwords (so the kernel's R row addresses are one pointer plus constant
+// offsets), and their pair dwords broadcast one at a time against two W vectors. The register tile is the f32
 // kernel's (MR x 32), at twice its products per instruction. As on AMX, products are exact,
 // sums f32, each dword's odd element first (the instruction's order), subnormals flush to zero;
 // every C element's order depends on K only, not on the thread split.
@@ -4773,25 +4774,32 @@ template <int R>
 static void mm_dp_kernel(int64_t np, const uint32_t *xp, const uint32_t *wp, float *c, int64_t ldc, int nr, bool acc) {
     __m512 s[R][2];
     for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
+    if (acc)  // the C tile is added to at the end: ask for it now, it comes while the loop runs
+        for (int r = 0; r < R; r++) {
+            _mm_prefetch((const char *)(c + r * ldc), _MM_HINT_T0);
+            _mm_prefetch((const char *)(c + r * ldc + 16), _MM_HINT_T0);
+        }
     for (int64_t p = 0; p < np; p++) {
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + p * MM_NR), w1 = (__m512bh)_mm512_loadu_si512(wp + p * MM_NR + 16);
         for (int r = 0; r < R; r++) {
-            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)xp[p * R + r]);
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)xp[r * (MM_KC / 2) + p]);
             s[r][0] = _mm512_dpbf16_ps(s[r][0], x, w0);
             s[r][1] = _mm512_dpbf16_ps(s[r][1], x, w1);
         }
     }
-    for (int r = 0; r < R; r++) {
-        float *cp = c + r * ldc;
-        if (nr == MM_NR) {
+    if (nr == MM_NR) {
+        for (int r = 0; r < R; r++) {
+            float *cp = c + r * ldc;
             _mm512_storeu_ps(cp, acc ? _mm512_add_ps(_mm512_loadu_ps(cp), s[r][0]) : s[r][0]);
             _mm512_storeu_ps(cp + 16, acc ? _mm512_add_ps(_mm512_loadu_ps(cp + 16), s[r][1]) : s[r][1]);
-        } else {
-            float t[MM_NR];
-            _mm512_storeu_ps(t, s[r][0]);
-            _mm512_storeu_ps(t + 16, s[r][1]);
-            for (int j = 0; j < nr; j++) cp[j] = acc ? cp[j] + t[j] : t[j];
         }
+        return;
+    }
+    for (int r = 0; r < R; r++) {
+        float *cp = c + r * ldc, t[MM_NR];
+        _mm512_storeu_ps(t, s[r][0]);
+        _mm512_storeu_ps(t + 16, s[r][1]);
+        for (int j = 0; j < nr; j++) cp[j] = acc ? cp[j] + t[j] : t[j];
     }
 }
 typedef void (*mm_dp_kernel_fn)(int64_t, const uint32_t *, const uint32_t *, float *, int64_t, int, bool);
@@ -4800,20 +4808,26 @@ template <int... I> static constexpr std::array<mm_dp_kernel_fn, sizeof...(I) + 
 }
 static constexpr auto k_mm_dp_kernels = mm_dp_table(std::make_integer_sequence<int, MM_MR>{});
 
-// a panel of W (f32 [kc x NR]) into [kc/2 x NR] k-pair dwords in place: bf16(W[k][j]) low, W[k+1][j] high
+// a panel of W (f32 [kc x NR]) into [kc/2 x NR] k-pair dwords in place: bf16(W[k][j]) low, W[k+1][j]
+// high (the instruction's rounding: to nearest even; a subnormal becomes zero, as the dot would read it)
 static void mm_pair_panel(float *d, int64_t kc) {
-    uint32_t row[MM_NR];
     for (int64_t pp = 0; 2 * pp < kc; pp++) {
         const float *a = d + 2 * pp * MM_NR, *b = a + MM_NR;
-        for (int j = 0; j < MM_NR; j++) row[j] = ql_fp32_to_bf16(a[j]) | (uint32_t)ql_fp32_to_bf16(b[j]) << 16;
-        memcpy(d + pp * MM_NR, row, sizeof(row));  // f32 rows <= 2pp + 1 are read already
+        __m512i q[2];
+        for (int v = 0; v < 2; v++) {
+            const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(a + 16 * v)));
+            const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(b + 16 * v)));
+            q[v] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+        }
+        _mm512_storeu_si512(d + pp * MM_NR, q[0]);  // f32 rows <= 2pp + 1 are read already
+        _mm512_storeu_si512(d + pp * MM_NR + 16, q[1]);
     }
 }
 
 static void mm_dp(const mm_operand &w, const mm_operand &x, float *c, int64_t ldc, int64_t K, int64_t ib, int64_t ie,
                   int64_t jb, int64_t je, float *work, const mm_layout &L) {
     float *wbuf = work, *tmp = work + L.tmp;
-    uint32_t *xb = (uint32_t *)(work + L.xbuf);  // [mc/MR panels][kc/2][mr] pair dwords: half the f32 X block
+    uint32_t *xb = (uint32_t *)(work + L.xbuf);  // [mc rows][KC/2] pair dwords: at most half the f32 X block
     for (int64_t jc = jb; jc < je; jc += MM_NC) {
         const int64_t nc = std::min<int64_t>(MM_NC, je - jc);
         for (int64_t pc = 0; pc < K; pc += MM_KC) {
@@ -4822,20 +4836,17 @@ static void mm_dp(const mm_operand &w, const mm_operand &x, float *c, int64_t ld
             for (int64_t jp = 0; jp < nc; jp += MM_NR) mm_pair_panel(wbuf + jp * kc, kc);
             for (int64_t ic = ib; ic < ie; ic += MM_MC) {
                 const int64_t mc = std::min<int64_t>(MM_MC, ie - ic);
-                for (int64_t ip = 0; ip < mc; ip += MM_MR) {
-                    const int mr = (int)std::min<int64_t>(MM_MR, mc - ip);
-                    uint32_t *xp = xb + ip * np;
-                    for (int r = 0; r < mr; r++) {
-                        const uint8_t *row = x.p + (ic + ip + r) * x.smn + pc * x.sk;
-                        if (x.sk == 2) {  // k-contiguous: the pairs are the row's dwords
-                            for (int64_t p = 0; p < np; p++) memcpy(xp + p * mr + r, row + 4 * p, 4);
-                        } else {
-                            for (int64_t p = 0; p < np; p++) {
-                                uint16_t lo, hi;
-                                memcpy(&lo, row + 2 * p * x.sk, 2);
-                                memcpy(&hi, row + (2 * p + 1) * x.sk, 2);
-                                xp[p * mr + r] = lo | (uint32_t)hi << 16;
-                            }
+                for (int64_t r = 0; r < mc; r++) {
+                    uint32_t *xp = xb + r * (MM_KC / 2);
+                    const uint8_t *row = x.p + (ic + r) * x.smn + pc * x.sk;
+                    if (x.sk == 2) {  // k-contiguous: the pairs are the row's dwords
+                        memcpy(xp, row, (size_t)kc * 2);
+                    } else {
+                        for (int64_t p = 0; p < np; p++) {
+                            uint16_t lo, hi;
+                            memcpy(&lo, row + 2 * p * x.sk, 2);
+                            memcpy(&hi, row + (2 * p + 1) * x.sk, 2);
+                            xp[p] = lo | (uint32_t)hi << 16;
                         }
                     }
                 }
@@ -4843,7 +4854,7 @@ static void mm_dp(const mm_operand &w, const mm_operand &x, float *c, int64_t ld
                     const int nr = (int)std::min<int64_t>(MM_NR, nc - jr);
                     for (int64_t ir = 0; ir < mc; ir += MM_MR) {
                         const int mr = (int)std::min<int64_t>(MM_MR, mc - ir);
-                        k_mm_dp_kernels[(size_t)mr](np, xb + ir * np, (const uint32_t *)(wbuf + jr * kc),
+                        k_mm_dp_kernels[(size_t)mr](np, xb + ir * (MM_KC / 2), (const uint32_t *)(wbuf + jr * kc),
                                                     c + (ic + ir) * ldc + jc + jr, ldc, nr, pc > 0);
                     }
                 }
