@@ -4541,6 +4541,9 @@ static void mm_kernel(int64_t kc, const float *xp, const float *wp, float *c, in
     vf s[R][MM_NV];
     for (int r = 0; r < R; r++)
         for (int v = 0; v < MM_NV; v++) s[r][v] = vf_zero();
+    if (acc)  // the C tile is added to at the end: ask for it now, it comes while the loop runs
+        for (int r = 0; r < R; r++)
+            for (int v = 0; v < MM_NR; v += 16) __builtin_prefetch(c + r * ldc + v, 0, 3);
     for (int64_t k = 0; k < kc; k++) {
         vf w[MM_NV];
         for (int v = 0; v < MM_NV; v++) w[v] = vf_load(wp + k * MM_NR + v * VW);
