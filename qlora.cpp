@@ -4145,6 +4145,20 @@ struct fa_group {
     float *out[FA_G];
 };
 
+// Whether packed documents keep every query of [i0, i0+nq) from every key of [j0, j0+nk): the
+// ranges of their segment ids do not meet (segments are runs, so for neighbouring documents they
+// do not; where ids interleave the ranges meet and nothing is skipped). Skipping such a block
+// changes no result: each of its scores would be masked.
+static bool fa_blocks_apart(const int32_t *sg, int64_t Tk, int64_t b, int64_t off, int64_t i0, int64_t nq, int64_t j0,
+                            int64_t nk) {
+    if (!sg) return false;
+    const int32_t *q = sg + b * Tk + i0 + off, *k = sg + b * Tk + j0;
+    int32_t qlo = q[0], qhi = q[0], klo = k[0], khi = k[0];
+    for (int64_t i = 1; i < nq; i++) qlo = std::min(qlo, q[i]), qhi = std::max(qhi, q[i]);
+    for (int64_t j = 1; j < nk; j++) klo = std::min(klo, k[j]), khi = std::max(khi, k[j]);
+    return qhi < klo || khi < qlo;
+}
+
 static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
     const ql_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *seg = dst->src[3], *nkv = dst->src[4];
     const float scale = get_param<float>(dst, 0);
@@ -4174,6 +4188,7 @@ static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
         const int64_t jend = std::min(Tk, i0 + nq + off);  // keys any query of the block may see
         for (int64_t j0 = 0; j0 < jend; j0 += FA_BK) {
             const int64_t bk = std::min<int64_t>(FA_BK, jend - j0);
+            if (fa_blocks_apart(sg, Tk, b, off, i0, nq, j0, bk)) continue;  // another document's keys
             fa_pack_t(k, j0, bk, hk, b, FA_BK, KT);
             const float *vrows[FA_BK];
             for (int64_t j = 0; j < bk; j++) vrows[j] = fa_row(v, j0 + j, hk, b);
@@ -4246,6 +4261,7 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
             const int64_t jend = std::min(Tk, i0 + nq + off);
             for (int64_t j0 = 0; j0 < jend; j0 += FA_BK) {
                 const int64_t bk = std::min<int64_t>(FA_BK, jend - j0);
+                if (fa_blocks_apart(sg, Tk, b, off, i0, nq, j0, bk)) continue;
                 fa_pack_t(k, j0, bk, hk, b, FA_BK, KT);
                 fa_pack_t(v, j0, bk, hk, b, FA_BK, VT);
                 const float *krows[FA_BK];
@@ -4286,6 +4302,7 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
             for (int64_t h = hk * rep; h < (hk + 1) * rep; h++) {
                 for (int64_t i0 = std::max<int64_t>(0, j0 - off) / FA_BQ * FA_BQ; i0 < Tq; i0 += FA_BQ) {
                     const int64_t nq = std::min<int64_t>(FA_BQ, Tq - i0);
+                    if (fa_blocks_apart(sg, Tk, b, off, i0, nq, j0, nk)) continue;
                     fa_pack_t(q, i0, nq, h, b, FA_BQ, QT);
                     const float *qrows[FA_BQ], *orows[FA_BQ];
                     for (int64_t ii = 0; ii < nq; ii++) {  // dO^T, and per query L and D

@@ -46,7 +46,7 @@ theirs() {  # shape precision
         --steps $STEPS --precision $2 > $W/log 2> $W/time
     med=$(sed -n 's/.*median step \([0-9.]*\) s.*/\1/p' $W/log)
     [ -n "$med" ] && echo "$med $(peak $W/time)" >> $W/r.$1.torch.$2
-    sed -n 's/^\(torch [^:]*\):.*/\1/p' $W/log | head -1 > $W/torch.version
+    sed -n "s/^\(torch .* peft [^ ]*\) .*/\1/p" $W/log | head -1 > $W/torch.version
 }
 for s in $SHAPES; do
     for type in f32 nf4; do ./make-model -o $W/$s-$type.gguf $(dims_of $s) --vocab 32000 --ctx 256 --type $type > /dev/null; done
