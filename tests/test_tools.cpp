@@ -598,6 +598,32 @@ TEST_CASE("finetune: padding to each micro-batch's longest - the plan's line, re
     CHECK(pct2 > 60);
 }
 
+// --profile: the time per op kind, the multiplies by shape with their rate, the costliest nodes
+TEST_CASE("finetune --profile: where the step's time goes, the multiplies by shape and their GFLOP/s") {
+    if (!all_built({"make-model", "finetune"})) return;
+    tmpdir d;
+    const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl";
+    std::string log;
+    REQUIRE(run("./make-model -o " + base + " --dim 32 --layers 1 --heads 2 --ff 64 --ctx 64 --seed 6", &log) == 0);
+    write_qa_jsonl(data, 8);
+    REQUIRE_MESSAGE(run("./finetune -m " + base + " -d " + data + " --max-steps 2 -b 2 --seq-len 32 -t 1 --profile -o " + d.path + "/a",
+                        &log) == 0, log);
+    const size_t at = log.find("mul_mat by shape (M x N x K a.b: share of the graph, GFLOP/s):\n");
+    REQUIRE_MESSAGE(at != std::string::npos, log);
+    CHECK(log.find("finetune: profile of the training graph (") < at);
+    CHECK(log.find("  costliest nodes:") > at);
+    // the first shape's line: "  P%  MxNxK a.b R" (M, K among the model's 32, 64, 512 and the LoRA rank)
+    const std::string first = log.substr(log.find('\n', at) + 1, log.find('\n', log.find('\n', at) + 1) - log.find('\n', at) - 1);
+    CAPTURE(first);
+    double pct = 0;
+    long long M = 0, N = 0, K = 0;
+    REQUIRE(sscanf(first.c_str(), " %lf%% %lldx%lldx%lld", &pct, &M, &N, &K) == 4);
+    CHECK((pct > 0 && pct <= 100));
+    CHECK((M > 0 && N > 0 && K > 0));
+    CHECK(atof(first.c_str() + first.rfind(' ') + 1) > 0);  // a rate
+    CHECK(log.find("512x") != std::string::npos);  // the head
+}
+
 TEST_CASE("finetune: a full disk - the adapter first, then the checkpoint; the message names the file and the size") {
     if (!all_built({"make-model", "finetune"})) return;
     tmpdir d;

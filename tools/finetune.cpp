@@ -28,6 +28,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -146,8 +147,8 @@ static void keep_metrics(const std::string &path, int64_t upto, std::string *kep
     fclose(f);
 }
 
-// where the training graph's time went: per op kind, then the ten costliest nodes
-static void print_profile(const ql_graph *g) {
+// where the training graph's time went: per op kind, the multiplies by shape, then the ten costliest nodes
+static void print_profile(const ql_graph *g, double runs) {  // runs: the graph's evaluations profiled
     std::vector<double> by_op(QL_OP_COUNT, 0.0);
     std::vector<std::pair<double, int>> nodes;
     double total = 0;
@@ -164,6 +165,29 @@ static void print_profile(const ql_graph *g) {
         if (by_op[(size_t)o] > 0) ops.push_back(o);
     std::sort(ops.begin(), ops.end(), [&](int x, int y) { return by_op[(size_t)x] > by_op[(size_t)y]; });
     for (int o : ops) printf("  %-22s %6.1f%%\n", ql_op_name((ql_op)o), 100 * by_op[(size_t)o] / total);
+    // the multiplies by shape: where their time goes and at what rate (y = a^T b: M outputs, N
+    // tokens, K inner; 'T' where a is a transposed view, e.g. a frozen weight's input gradient)
+    std::map<std::string, std::pair<double, double>> mm;  // shape -> seconds, flops
+    for (int i = 0; i < ql_graph_n_nodes(g); i++) {
+        const ql_tensor *n = ql_graph_node(g, i);
+        if (n->op != QL_OP_MUL_MAT) continue;
+        const ql_tensor *a = n->src[0], *b = n->src[1];
+        char key[160];
+        snprintf(key, sizeof(key), "%lldx%lldx%lld%s %s.%s", (long long)n->ne[0], (long long)n->ne[1], (long long)a->ne[0],
+                 n->ne[2] * n->ne[3] > 1 ? (" x" + std::to_string(n->ne[2] * n->ne[3])).c_str() : "",
+                 ql_type_name(a->type), ql_type_name(b->type));
+        std::string k = key;
+        if (a->op == QL_OP_TRANSPOSE) k += " (a^T)";
+        mm[k].first += ql_graph_node_seconds(g, i);
+        mm[k].second += 2.0 * (double)ql_nelements(n) * (double)a->ne[0];
+    }
+    std::vector<std::pair<double, std::string>> mms;
+    for (const auto &e : mm) mms.push_back({e.second.first, e.first});
+    std::sort(mms.rbegin(), mms.rend());
+    printf("  mul_mat by shape (M x N x K a.b: share of the graph, GFLOP/s):\n");
+    for (size_t k = 0; k < mms.size() && k < 12; k++)
+        printf("  %6.1f%%  %-40s %7.1f\n", 100 * mms[k].first / total, mms[k].second.c_str(),
+               mms[k].first > 0 ? runs * mm[mms[k].second].second / mms[k].first / 1e9 : 0.0);
     std::sort(nodes.rbegin(), nodes.rend());
     printf("  costliest nodes:\n");
     for (size_t k = 0; k < nodes.size() && k < 10; k++) {
@@ -1198,6 +1222,6 @@ int main(int argc, char **argv) {
         printf("finetune: device memory: peak %.1f MiB allocated by qlora\n", mib(dev_peak));
     printf("finetune: wrote %s/adapter.gguf, %s/peft/, %s/metrics.jsonl, %s/loss.png, %s/checkpoint.gguf%s\n", out.c_str(),
            out.c_str(), out.c_str(), out.c_str(), out.c_str(), a.merge ? (", " + out + "/merged.gguf").c_str() : "");
-    if (a.profile) print_profile(ql_trainer_graph(t));
+    if (a.profile) print_profile(ql_trainer_graph(t), (double)ql_trainer_steps_done(t) * a.o.grad_accum);
     return 0;
 }
