@@ -689,10 +689,12 @@ static float kq_qx_scale(int n, int nmax, const float *x, int8_t *L) {
     return scale;
 }
 
-// a (scale, min) for 32 elements into codes [0, nmax], weighted least squares over nstep + 1
-// trial scales (ggml's make_qkx2_quants, squared error); *the_min receives -min (>= 0)
+// a (scale, min) for n <= 32 elements into codes [0, nmax], weighted least squares over nstep + 1
+// trial scales, each judged by its squared or (mad) absolute error (ggml's make_qkx2_quants);
+// *the_min receives -min (>= 0)
 static float kq_qkx2_scale(int n, int nmax, const float *x, const float *w, uint8_t *L, float *the_min, float rmin, float rdelta,
-                           int nstep) {
+                           int nstep, bool mad = false) {
+    auto err = [mad](float w_, float diff) { return rounded(w_ * (mad ? fabsf(diff) : rounded(diff * diff))); };
     float min = x[0], max = x[0], sum_w = w[0], sum_x = rounded(sum_w * x[0]);
     for (int i = 1; i < n; i++) {
         if (x[i] < min) min = x[i];
@@ -709,8 +711,7 @@ static float kq_qkx2_scale(int n, int nmax, const float *x, const float *w, uint
     float iscale = (float)nmax / (max - min), scale = 1 / iscale, best_error = 0;
     for (int i = 0; i < n; i++) {
         L[i] = (uint8_t)std::max(0, std::min(nmax, ql_nearest_int(iscale * (x[i] - min))));
-        const float diff = rounded(scale * (float)L[i]) + min - x[i];
-        best_error += rounded(w[i] * rounded(diff * diff));
+        best_error += err(w[i], rounded(scale * (float)L[i]) + min - x[i]);
     }
     uint8_t Laux[32];
     for (int is = 0; is <= nstep; is++) {
@@ -732,10 +733,7 @@ static float kq_qkx2_scale(int n, int nmax, const float *x, const float *w, uint
                 this_scale = sum_xl / sum_l2;
             }
             float cur_error = 0;
-            for (int i = 0; i < n; i++) {
-                const float diff = rounded(this_scale * (float)Laux[i]) + this_min - x[i];
-                cur_error += rounded(w[i] * rounded(diff * diff));
-            }
+            for (int i = 0; i < n; i++) cur_error += err(w[i], rounded(this_scale * (float)Laux[i]) + this_min - x[i]);
             if (cur_error < best_error) {
                 memcpy(L, Laux, (size_t)n);
                 best_error = cur_error;
@@ -854,64 +852,6 @@ static void q6_K_from_float(const float *src, void *dst, int64_t n) {
 // without an importance matrix (q2_K, q3_K: ggml's quantize_row_*_ref; iq4_nl, iq4_xs: its
 // quantize_iq4_nl / quantize_iq4_xs search with 7 trial scales each side), from their description
 
-// a (scale, min) for 16 elements into codes [0, 3], weights |x|, absolute error (make_qkx2_quants
-// with use_mad) - Q2_K's sub-block fit; *the_min receives -min (>= 0)
-static float kq_qkx2_mad_scale(const float *x, uint8_t *L, float *the_min) {
-    const int n = 16, nmax = 3, nstep = 15;
-    const float rmin = -0.5f, rdelta = 0.1f;
-    float w[16];
-    for (int i = 0; i < n; i++) w[i] = fabsf(x[i]);
-    float min = x[0], max = x[0], sum_w = w[0], sum_x = rounded(sum_w * x[0]);
-    for (int i = 1; i < n; i++) {
-        if (x[i] < min) min = x[i];
-        if (x[i] > max) max = x[i];
-        sum_w += w[i];
-        sum_x += rounded(w[i] * x[i]);
-    }
-    if (min > 0) min = 0;
-    if (max == min) {
-        for (int i = 0; i < n; i++) L[i] = 0;
-        *the_min = -min;
-        return 0.0f;
-    }
-    float iscale = (float)nmax / (max - min), scale = 1 / iscale, best_error = 0;
-    for (int i = 0; i < n; i++) {
-        L[i] = (uint8_t)std::max(0, std::min(nmax, ql_nearest_int(iscale * (x[i] - min))));
-        best_error += rounded(w[i] * fabsf(rounded(scale * (float)L[i]) + min - x[i]));
-    }
-    uint8_t Laux[16];
-    for (int is = 0; is <= nstep; is++) {
-        iscale = (rmin + rounded(rdelta * (float)is) + (float)nmax) / (max - min);
-        float sum_l = 0, sum_l2 = 0, sum_xl = 0;
-        for (int i = 0; i < n; i++) {
-            const int l = std::max(0, std::min(nmax, ql_nearest_int(iscale * (x[i] - min))));
-            Laux[i] = (uint8_t)l;
-            sum_l += rounded(w[i] * (float)l);
-            sum_l2 += rounded(rounded(w[i] * (float)l) * (float)l);
-            sum_xl += rounded(rounded(w[i] * (float)l) * x[i]);
-        }
-        const float D = rounded(sum_w * sum_l2) - rounded(sum_l * sum_l);
-        if (D > 0) {
-            float this_scale = (rounded(sum_w * sum_xl) - rounded(sum_x * sum_l)) / D;
-            float this_min = (rounded(sum_l2 * sum_x) - rounded(sum_l * sum_xl)) / D;
-            if (this_min > 0) {
-                this_min = 0;
-                this_scale = sum_xl / sum_l2;
-            }
-            float cur_error = 0;
-            for (int i = 0; i < n; i++) cur_error += rounded(w[i] * fabsf(rounded(this_scale * (float)Laux[i]) + this_min - x[i]));
-            if (cur_error < best_error) {
-                memcpy(L, Laux, (size_t)n);
-                best_error = cur_error;
-                scale = this_scale;
-                min = this_min;
-            }
-        }
-    }
-    *the_min = -min;
-    return scale;
-}
-
 // the 2-bit fields of Q2_K / Q3_K: in half h, field k of qs[32 h + l] is element 128 h + 32 k + l
 static void kq_pack2(const uint8_t L[QL_QK_K], uint8_t qs[QL_QK_K / 4]) {
     for (int h = 0; h < 2; h++)
@@ -929,7 +869,9 @@ static void q2_K_from_float(const float *src, void *dst, int64_t n) {
         uint8_t L[QL_QK_K];
         float scales[16], mins[16], max_scale = 0, max_min = 0;
         for (int j = 0; j < 16; j++) {
-            scales[j] = kq_qkx2_mad_scale(x + 16 * j, L + 16 * j, &mins[j]);
+            float w[16];  // weights |x|, absolute error
+            for (int i = 0; i < 16; i++) w[i] = fabsf(x[16 * j + i]);
+            scales[j] = kq_qkx2_scale(16, 3, x + 16 * j, w, L + 16 * j, &mins[j], -0.5f, 0.1f, 15, true);
             if (scales[j] > max_scale) max_scale = scales[j];
             if (mins[j] > max_min) max_min = mins[j];
         }

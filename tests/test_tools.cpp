@@ -1159,6 +1159,46 @@ TEST_CASE("tools: error exits - one line, the right code, nothing leaked") {
     }
 }
 
+// A logits file of tests/reference/hf_golden.py / hf5_golden.py: n_ids, vocab, the ids, then per
+// model its name and the logits transformers computed for the ids [n_ids, vocab]
+struct hf_logits {
+    uint32_t T = 0, V = 0;
+    std::vector<int32_t> ids;
+    std::vector<std::pair<std::string, std::vector<float>>> models;
+};
+static hf_logits read_hf_logits(const std::string &path) {
+    const std::vector<uint8_t> g = read_file_bytes(path);
+    hf_logits h;
+    REQUIRE(g.size() > 8);
+    memcpy(&h.T, g.data(), 4);
+    memcpy(&h.V, g.data() + 4, 4);
+    h.ids.resize(h.T);
+    memcpy(h.ids.data(), g.data() + 8, (size_t)h.T * 4);
+    for (size_t at = 8 + (size_t)h.T * 4; at < g.size();) {
+        uint32_t len = 0;
+        memcpy(&len, g.data() + at, 4);
+        const std::string name((const char *)g.data() + at + 4, len);
+        at += 4 + len;
+        std::vector<float> want((size_t)h.T * h.V);
+        REQUIRE(at + want.size() * 4 <= g.size());
+        memcpy(want.data(), g.data() + at, want.size() * 4);
+        at += want.size() * 4;
+        h.models.push_back({name, want});
+    }
+    return h;
+}
+
+// max |got - want|, and max |want| in *scale
+static double max_diff(const std::vector<float> &got, const std::vector<float> &want, double *scale) {
+    double worst = 0;
+    *scale = 0;
+    for (size_t i = 0; i < got.size(); i++) {
+        worst = std::max(worst, (double)std::fabs(got[i] - want[i]));
+        *scale = std::max(*scale, (double)std::fabs(want[i]));
+    }
+    return worst;
+}
+
 // ./convert hf against the real transformers: tests/golden/hf/ holds three checkpoints saved by
 // save_pretrained (tests/reference/hf_golden.py: a Llama with GQA, an untied head and Llama 3.1
 // rope scaling; a Qwen2 with biases and a tied head in two shards; a Mistral) and the logits
@@ -1166,24 +1206,14 @@ TEST_CASE("tools: error exits - one line, the right code, nothing leaked") {
 TEST_CASE("convert hf: Llama, Qwen2 (sharded), Mistral from save_pretrained give transformers' logits; the tokenizer loads") {
     if (!all_built({"convert"})) return;
     const std::string dir = tests_dir() + "golden/hf/";
-    const std::vector<uint8_t> g = read_file_bytes(dir + "logits.bin");
-    REQUIRE(g.size() > 8);
-    uint32_t T = 0, V = 0;
-    memcpy(&T, g.data(), 4);
-    memcpy(&V, g.data() + 4, 4);
-    std::vector<int32_t> ids(T);
-    memcpy(ids.data(), g.data() + 8, (size_t)T * 4);
-    size_t at = 8 + (size_t)T * 4;
+    const hf_logits g = read_hf_logits(dir + "logits.bin");
+    const uint32_t T = g.T, V = g.V;
+    const std::vector<int32_t> &ids = g.ids;
     tmpdir d;
     int n = 0;
-    while (at < g.size()) {
-        uint32_t len = 0;
-        memcpy(&len, g.data() + at, 4);
-        const std::string name((const char *)g.data() + at + 4, len);
-        at += 4 + len;
-        std::vector<float> want((size_t)T * V);
-        memcpy(want.data(), g.data() + at, want.size() * 4);
-        at += want.size() * 4;
+    for (const auto &model : g.models) {
+        const std::string &name = model.first;  // (not a structured binding: CAPTURE's lambda takes it)
+        const std::vector<float> &want = model.second;
         CAPTURE(name);
         const std::string out = d.path + "/" + name + ".gguf";
         std::string log;
@@ -1197,11 +1227,8 @@ TEST_CASE("convert hf: Llama, Qwen2 (sharded), Mistral from save_pretrained give
         CHECK((f->model.layers[0].bq != nullptr) == (name == "qwen2"));
         const std::vector<float> got = logits_of(f->model, ids);
         REQUIRE(got.size() == want.size());
-        double worst = 0, scale = 0;
-        for (size_t i = 0; i < got.size(); i++) {
-            worst = std::max(worst, (double)std::fabs(got[i] - want[i]));
-            scale = std::max(scale, (double)std::fabs(want[i]));
-        }
+        double scale = 0;
+        const double worst = max_diff(got, want, &scale);
         MESSAGE(name, ": max |ours - transformers| = ", worst, " of max |logit| ", scale);
         CHECK(worst <= 1e-4 * scale);
         if (name == "llama") {  // a real PEFT adapter (get_peft_model + save_pretrained) on it: transformers + PEFT's logits
@@ -1266,11 +1293,8 @@ TEST_CASE("convert hf: Llama, Qwen2 (sharded), Mistral from save_pretrained give
         std::vector<float> want((size_t)T * V);
         memcpy(want.data(), lb.data(), lb.size());
         const std::vector<float> got = logits_of(f->model, ids);
-        double worst = 0, scale = 0;
-        for (size_t i = 0; i < got.size(); i++) {
-            worst = std::max(worst, (double)std::fabs(got[i] - want[i]));
-            scale = std::max(scale, (double)std::fabs(want[i]));
-        }
+        double scale = 0;
+        const double worst = max_diff(got, want, &scale);
         MESSAGE("bitsandbytes NF4 llama: max |ours - transformers on bitsandbytes' dequantised weights| = ", worst, " of ", scale);
         CHECK(worst <= 1e-4 * scale);
         ql_llama_file_free(f);
@@ -1324,24 +1348,12 @@ TEST_CASE("convert hf: Llama, Qwen2 (sharded), Mistral from save_pretrained give
 TEST_CASE("convert hf: transformers 5 checkpoints (rope_parameters, linear rope scaling; a real load_in_4bit save) give its logits") {
     if (!all_built({"convert"})) return;
     const std::string dir = tests_dir() + "golden/hf/";
-    const std::vector<uint8_t> g = read_file_bytes(dir + "hf5-logits.bin");
-    REQUIRE(g.size() > 8);
-    uint32_t T = 0, V = 0;
-    memcpy(&T, g.data(), 4);
-    memcpy(&V, g.data() + 4, 4);
-    std::vector<int32_t> ids(T);
-    memcpy(ids.data(), g.data() + 8, (size_t)T * 4);
+    const hf_logits g = read_hf_logits(dir + "hf5-logits.bin");
     tmpdir d;
     std::vector<std::string> names;
-    for (size_t at = 8 + (size_t)T * 4; at < g.size();) {
-        uint32_t len = 0;
-        memcpy(&len, g.data() + at, 4);
-        const std::string name((const char *)g.data() + at + 4, len);
-        at += 4 + len;
-        std::vector<float> want((size_t)T * V);
-        REQUIRE(at + want.size() * 4 <= g.size());
-        memcpy(want.data(), g.data() + at, want.size() * 4);
-        at += want.size() * 4;
+    for (const auto &model : g.models) {
+        const std::string &name = model.first;  // (not a structured binding: CAPTURE's lambda takes it)
+        const std::vector<float> &want = model.second;
         names.push_back(name);
         CAPTURE(name);
         const std::string out = d.path + "/" + name + ".gguf";
@@ -1371,12 +1383,9 @@ TEST_CASE("convert hf: transformers 5 checkpoints (rope_parameters, linear rope 
                 }
             CHECK(same == 2);
         }
-        const std::vector<float> got = logits_of(f->model, ids);
-        double worst = 0, scale = 0;
-        for (size_t i = 0; i < got.size(); i++) {
-            worst = std::max(worst, (double)std::fabs(got[i] - want[i]));
-            scale = std::max(scale, (double)std::fabs(want[i]));
-        }
+        const std::vector<float> got = logits_of(f->model, g.ids);
+        double scale = 0;
+        const double worst = max_diff(got, want, &scale);
         MESSAGE(name, ": max |ours - transformers 5| = ", worst, " of max |logit| ", scale);
         CHECK(worst <= 1e-4 * scale);
         ql_llama_file_free(f);

@@ -29,9 +29,12 @@ def add_logits(name, m):
         lg = m(torch.tensor([ids])).logits[0].float()
     out += struct.pack('<I', len(name)) + name.encode() + lg.numpy().astype('<f4').tobytes()
 
-def copy_tokenizer(d):
+def save(d, model):  # save_pretrained, llama/'s tokenizer beside it, no generation_config.json
+    model.save_pretrained(d)
     for f in ('tokenizer.json', 'tokenizer_config.json'):
         shutil.copy(os.path.join(OUT, 'llama', f), os.path.join(d, f))
+    if os.path.exists(os.path.join(d, 'generation_config.json')):
+        os.remove(os.path.join(d, 'generation_config.json'))
 
 src = json.load(open(os.path.join(OUT, 'llama', 'config.json')))
 cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -43,11 +46,7 @@ with torch.no_grad():
     for n_, p in m.named_parameters():
         p.normal_(1.0, 0.1) if 'norm' in n_ else p.normal_(0.0, 0.2)
 d = os.path.join(OUT, 'llama-linear')
-m.save_pretrained(d)
-copy_tokenizer(d)
-for junk in ('generation_config.json',):
-    if os.path.exists(os.path.join(d, junk)):
-        os.remove(os.path.join(d, junk))
+save(d, m)
 add_logits('llama-linear', m)
 print('llama-linear', json.load(open(os.path.join(d, 'config.json')))['rope_parameters'])
 
@@ -64,11 +63,7 @@ m.save_pretrained('/tmp/hf5-llama64')
 q = LlamaForCausalLM.from_pretrained('/tmp/hf5-llama64', device_map='cpu', quantization_config=BitsAndBytesConfig(
     load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.float32)).eval()
 d = os.path.join(OUT, 'llama-bnb4-real')
-q.save_pretrained(d)
-copy_tokenizer(d)
-for junk in ('generation_config.json',):
-    if os.path.exists(os.path.join(d, junk)):
-        os.remove(os.path.join(d, junk))
+save(d, q)
 # the reference logits: transformers' fp32 forward with every 4-bit linear replaced by bitsandbytes'
 # own dequantize_4bit of the saved codes (before q runs: its CPU forward repacks the weights). The
 # quantised model's own CPU forward is not fp32: it differs from this by ~0.14 of logits up to ~6
