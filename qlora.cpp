@@ -3986,9 +3986,10 @@ template <bool BACK> static void k_rope(const cpu_params &p, ql_tensor *dst) {
 // ---- fused causal attention (FlashAttention-2 on the CPU) ----
 // Forward per (batch, head, block of FA_BQ queries): keys in tiles of FA_BK, scores vectorised
 // over the tile against a transposed copy of K, online softmax, O rescaled as the max grows.
-// Backward in two independent halves so no two threads write one element: dq by query blocks,
-// dk/dv by key blocks (each owning its kv head's whole query group). Scores are recomputed
-// from q, k and the saved logsumexp.
+// Backward: scores recomputed from q, k and the saved logsumexp, and no two threads write one
+// element. Fused (FlashAttention-2): a thread owns a kv head with its query group, so one tile's
+// S and dP feed dQ, dK and dV. Or, where that leaves threads idle, two independent halves: dq by
+// query blocks, dk/dv by key blocks (recomputing S and dP: 7 products instead of 5).
 
 static constexpr int FA_BQ = 64, FA_BK = 64;
 static constexpr int FA_G = VW >= 16 ? 4 : 2;  // rows handled together so each K/V load feeds G FMAs
@@ -3999,7 +4000,8 @@ static size_t fa_work(const ql_tensor *node) {
     if (node->op == QL_OP_FLASH_ATTN) return (D * FA_BK + G * FA_BK + FA_BQ * DV + 2 * FA_BQ + MX) * sizeof(float);
     const size_t a = D * FA_BK + DV * FA_BK + 2 * G * FA_BK + FA_BQ * D + 2 * FA_BQ + MX;
     const size_t b = D * FA_BQ + DV * FA_BQ + 2 * FA_BQ + 2 * G * FA_BQ + FA_BK * (D + DV) + MX;
-    return std::max(a, b) * sizeof(float);
+    const size_t c = (D + DV) * FA_BK + 2 * FA_BQ * FA_BK + 2 * FA_BQ + MX;  // the fused pass
+    return std::max({a, b, c}) * sizeof(float);
 }
 
 static inline const float *fa_row(const ql_tensor *t, int64_t i, int64_t h, int64_t b) {
@@ -4043,9 +4045,11 @@ template <int G, int W> static inline void fa_scores(int64_t D, const float *con
         for (int v = 0; v < NV; v++) vf_store(S + g * W + v * VW, acc[g][v]);
 }
 
-// Y[g][0..n) += sum_{r < nr} C[g*cs + r] * x[r][0..n) for g < G: each x load feeds G rows
+// Y[g][0..n) += sum_{r < nr} C[g*cs + r*rs] * x[r][0..n) for g < G: each x load feeds G rows
+// (rs = 1: C holds a row per output; cs = 1: C is read transposed, a column per output)
 template <int G>
-static void rows_axpy_g(int64_t n, int64_t nr, const float *C, int64_t cs, const float *const *x, float *const *Y) {
+static void rows_axpy_g(int64_t n, int64_t nr, const float *C, int64_t cs, int64_t rs, const float *const *x,
+                        float *const *Y) {
     int64_t i = 0;
     for (; i + 4 * VW <= n; i += 4 * VW) {
         vf a[G][4];
@@ -4055,7 +4059,7 @@ static void rows_axpy_g(int64_t n, int64_t nr, const float *C, int64_t cs, const
             vf xr[4];
             for (int u = 0; u < 4; u++) xr[u] = vf_load(x[r] + i + u * VW);
             for (int g = 0; g < G; g++) {
-                const vf c = vf_set1(C[g * cs + r]);
+                const vf c = vf_set1(C[g * cs + r * rs]);
                 for (int u = 0; u < 4; u++) a[g][u] = vf_fma(c, xr[u], a[g][u]);
             }
         }
@@ -4067,14 +4071,14 @@ static void rows_axpy_g(int64_t n, int64_t nr, const float *C, int64_t cs, const
         for (int g = 0; g < G; g++) a[g] = vf_load(Y[g] + i);
         for (int64_t r = 0; r < nr; r++) {
             const vf xr = vf_load(x[r] + i);
-            for (int g = 0; g < G; g++) a[g] = vf_fma(vf_set1(C[g * cs + r]), xr, a[g]);
+            for (int g = 0; g < G; g++) a[g] = vf_fma(vf_set1(C[g * cs + r * rs]), xr, a[g]);
         }
         for (int g = 0; g < G; g++) vf_store(Y[g] + i, a[g]);
     }
     for (; i < n; i++)
         for (int g = 0; g < G; g++) {
             float a = Y[g][i];
-            for (int64_t r = 0; r < nr; r++) a += C[g * cs + r] * x[r][i];
+            for (int64_t r = 0; r < nr; r++) a = std::fma(C[g * cs + r * rs], x[r][i], a);  // as the vector body: the same bits wherever inlined
             Y[g][i] = a;
         }
 }
@@ -4162,7 +4166,7 @@ static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
                     m[ii] = mnew;
                     jmax = std::max(jmax, jl);
                 }
-                rows_axpy_g<FA_G>(DV, jmax, S, FA_BK, vrows, grp.out);  // O += P V
+                rows_axpy_g<FA_G>(DV, jmax, S, FA_BK, 1, vrows, grp.out);  // O += P V
             }
         }
         for (int64_t ii = 0; ii < nq; ii++) {
@@ -4172,6 +4176,12 @@ static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
         }
     }
 }
+
+// The backward's two ways give the same bits: the fused pass (an item per kv head: S and dP once
+// a tile, 5 products) and the two passes (dq by query blocks, dk/dv by key blocks: 7 products,
+// finer items). Fused unless its coarser items would leave threads idle for longer than the two
+// products it saves (B * Hkv items, each 5/7 of the two passes' work for that head group).
+static bool fa_back_fused(int64_t items, int nth) { return (items + nth - 1) / nth * 5 * nth <= 7 * items; }
 
 static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
     const ql_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *seg = dst->src[3];
@@ -4187,6 +4197,78 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
     auto masked = [&](int64_t i, int64_t j, int64_t b) {
         return j > i + off || (sg && sg[b * Tk + j] != sg[b * Tk + i + off]);
     };
+    if (fa_back_fused(B * Hkv, p.nth)) {  // FlashAttention-2's single pass: 5 products a tile
+        float *w = (float *)p.wdata;
+        float *KT = w, *VT = KT + D * FA_BK, *P = VT + DV * FA_BK, *DS = P + FA_BQ * FA_BK;  // P, dS [FA_BQ][FA_BK]
+        float *L = DS + FA_BQ * FA_BK, *Dd = L + FA_BQ, *dummy = Dd + FA_BQ;
+        for (int64_t it = p.ith; it < B * Hkv; it += p.nth) {  // a kv head, its query heads, every key and query
+            const int64_t hk = it % Hkv, b = it / Hkv;
+            float *dkb = dk + (b * Hkv + hk) * Tk * D, *dvb = dv + (b * Hkv + hk) * Tk * DV;
+            float *dqb = dq + (b * H + hk * rep) * Tq * D;  // [D, Tq, rep]: this item's query heads
+            std::fill(dkb, dkb + Tk * D, 0.0f);
+            std::fill(dvb, dvb + Tk * DV, 0.0f);
+            std::fill(dqb, dqb + rep * Tq * D, 0.0f);
+            for (int64_t j0 = 0; j0 < Tk; j0 += FA_BK) {  // keys outermost: dq sums over them in the order of the dq pass
+                const int64_t nk = std::min<int64_t>(FA_BK, Tk - j0);
+                fa_pack_t(k, j0, nk, hk, b, FA_BK, KT);
+                fa_pack_t(v, j0, nk, hk, b, FA_BK, VT);
+                const float *krows[FA_BK];
+                for (int64_t j = 0; j < nk; j++) krows[j] = fa_row(k, j0 + j, hk, b);
+                for (int64_t h = hk * rep; h < (hk + 1) * rep; h++) {
+                    for (int64_t i0 = std::max<int64_t>(0, j0 - off) / FA_BQ * FA_BQ; i0 < Tq; i0 += FA_BQ) {
+                        const int64_t nq = std::min<int64_t>(FA_BQ, Tq - i0);
+                        if (fa_blocks_apart(sg, Tk, b, off, i0, nq, j0, nk)) continue;
+                        const float *qrows[FA_BQ], *orows[FA_BQ];
+                        for (int64_t ii = 0; ii < nq; ii++) {
+                            qrows[ii] = fa_row(q, i0 + ii, h, b);
+                            orows[ii] = do_row(i0 + ii, h, b);
+                            L[ii] = lse[(b * H + h) * Tq + i0 + ii];
+                            Dd[ii] = row_dot(DV, orows[ii], o_row(i0 + ii, h, b));  // rowsum(dO o O)
+                        }
+                        for (int64_t g0 = 0; g0 < nq; g0 += FA_G) {  // S = Q K^T, dP = dO V^T -> P, dS; dQ += dS K
+                            fa_group gq, gdo;
+                            gq.gn = gdo.gn = (int)std::min<int64_t>(FA_G, nq - g0);
+                            for (int g = 0; g < FA_G; g++) {
+                                const int64_t ii = g0 + std::min(g, gq.gn - 1);
+                                gq.in[g]  = qrows[ii];
+                                gdo.in[g] = orows[ii];
+                                gq.out[g] = g < gq.gn ? dqb + ((h - hk * rep) * Tq + i0 + g0 + g) * D : dummy;
+                            }
+                            float *S = P + g0 * FA_BK, *DP = DS + g0 * FA_BK;
+                            fa_scores<FA_G, FA_BK>(D, gq.in, KT, S);
+                            fa_scores<FA_G, FA_BK>(DV, gdo.in, VT, DP);
+                            int64_t jmax = 0;
+                            for (int g = 0; g < FA_G; g++) {
+                                float *s = S + g * FA_BK, *dp = DP + g * FA_BK;
+                                const int64_t ii = g0 + g, i = i0 + ii;
+                                const int64_t jl = g < gq.gn ? std::max<int64_t>(0, std::min(nk, i + off + 1 - j0)) : 0;
+                                for (int64_t j = 0; j < jl; j++) s[j] = s[j] * scale - L[ii];
+                                if (jl > 0) row_exp_sum(jl, s, 0.0f, s);
+                                for (int64_t j = 0; j < jl; j++) {
+                                    if (masked(i, j0 + j, b)) s[j] = dp[j] = 0.0f;
+                                    else dp[j] = scale * s[j] * (dp[j] - Dd[ii]);
+                                }
+                                std::fill(s + jl, s + FA_BK, 0.0f);
+                                std::fill(dp + jl, dp + FA_BK, 0.0f);
+                                jmax = std::max(jmax, jl);
+                            }
+                            rows_axpy_g<FA_G>(D, jmax, DP, FA_BK, 1, krows, gq.out);  // dQ += dS K
+                        }
+                        for (int64_t g0 = 0; g0 < nk; g0 += FA_G) {  // dV += P^T dO, dK += dS^T Q: P, dS read by column
+                            float *ok[FA_G], *ov[FA_G];
+                            for (int g = 0; g < FA_G; g++) {
+                                ok[g] = g0 + g < nk ? dkb + (j0 + g0 + g) * D : dummy;
+                                ov[g] = g0 + g < nk ? dvb + (j0 + g0 + g) * DV : dummy;
+                            }
+                            rows_axpy_g<FA_G>(DV, nq, P + g0, 1, FA_BK, orows, ov);
+                            rows_axpy_g<FA_G>(D, nq, DS + g0, 1, FA_BK, qrows, ok);
+                        }
+                    }
+                }
+            }
+        }
+        return;
+    }
     const int64_t itemsA = B * H * nqb, itemsB = B * Hkv * nkb;
     for (int64_t it = p.ith; it < itemsA + itemsB; it += p.nth) {
         float *w = (float *)p.wdata;
@@ -4230,7 +4312,7 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                         std::fill(s + std::max<int64_t>(jl, 0), s + FA_BK, 0.0f);
                         jmax = std::max(jmax, jl);
                     }
-                    rows_axpy_g<FA_G>(D, jmax, S, FA_BK, krows, gq.out);
+                    rows_axpy_g<FA_G>(D, jmax, S, FA_BK, 1, krows, gq.out);
                 }
             }
             for (int64_t ii = 0; ii < nq; ii++) memcpy(dq + ((b * H + h) * Tq + i0 + ii) * D, acc + ii * D, (size_t)D * 4);
@@ -4285,8 +4367,8 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                             std::fill(s + nq, s + FA_BQ, 0.0f);
                             std::fill(ds + nq, ds + FA_BQ, 0.0f);
                         }
-                        rows_axpy_g<FA_G>(DV, nq, S, FA_BQ, orows, gv.out);  // dV += P^T dO
-                        rows_axpy_g<FA_G>(D, nq, DS, FA_BQ, qrows, gk.out);  // dK += dS^T Q
+                        rows_axpy_g<FA_G>(DV, nq, S, FA_BQ, 1, orows, gv.out);  // dV += P^T dO
+                        rows_axpy_g<FA_G>(D, nq, DS, FA_BQ, 1, qrows, gk.out);  // dK += dS^T Q
                     }
                 }
             }

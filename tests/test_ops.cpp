@@ -1012,6 +1012,35 @@ TEST_CASE("flash_attn") {
     check_attn("attn dv != d", {13, 7, 3, 3, 9, 21, 1, false, 0.4, false});
 }
 
+TEST_CASE("flash_attn backward: the fused pass and the two passes give the same bits") {
+    // B * Hkv = 2 items: fused (FlashAttention-2, 5 products a tile) at 1 and 2 threads, the two
+    // passes (dq by query blocks, dk/dv by key blocks) at 3 and 4 - the same sums in the same order
+    struct C { int64_t d, dv, H, Hkv, Tq, Tk, B; bool seg; };
+    for (const C c : {C{16, 16, 4, 1, 150, 150, 2, true}, C{24, 20, 4, 2, 70, 135, 1, false},
+                      C{64, 64, 2, 2, 200, 200, 1, false}, C{13, 13, 3, 1, 67, 67, 2, true}}) {
+        std::vector<int32_t> seg;
+        for (int64_t b = 0; b < c.B; ++b)
+            for (int64_t j = 0; j < c.Tk; ++j) seg.push_back((int32_t)(b * 100 + j / 37));  // documents of 37
+        Vec first[4];
+        for (int nt : {1, 2, 3, 4}) {
+            INFO("d " << c.d << " H " << c.H << " Hkv " << c.Hkv << " Tq " << c.Tq << " Tk " << c.Tk << ", " << nt << " threads");
+            Harness h;
+            ql_tensor *q = h.input(QL_TYPE_F32, {c.d, c.Tq, c.H, c.B}, true, -2, 2);
+            ql_tensor *k = h.input(QL_TYPE_F32, {c.d, c.Tk, c.Hkv, c.B}, true, -2, 2);
+            ql_tensor *v = h.input(QL_TYPE_F32, {c.dv, c.Tk, c.Hkv, c.B}, true);
+            h.run(ql_flash_attn(h.ctx, q, k, v, c.seg ? h.ints({c.Tk, c.B, 1, 1}, seg) : nullptr, 0.3f), nt);
+            const Vec got[4] = {h.output(), h.grad(0), h.grad(1), h.grad(2)};
+            for (int i = 0; i < 4; i++) {
+                double mx = 0;
+                for (double x : got[i]) mx = std::max(mx, std::fabs(x));
+                CHECK(mx > 1e-3);  // gradients that are there to compare
+                if (nt == 1) first[i] = got[i];
+                else CHECK_MESSAGE(got[i] == first[i], "output/grad " << i << " differs from 1 thread's");
+            }
+        }
+    }
+}
+
 // =============================================================================================
 // cross_entropy
 // =============================================================================================
