@@ -2123,6 +2123,13 @@ ql_tensor *ql_flash_attn_kv(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tens
     return t;
 }
 
+ql_status ql_flash_attn_set_prec(ql_tensor *attn, ql_type prec) {
+    if (!attn || attn->op != QL_OP_FLASH_ATTN) return QL_ERR_INVALID;
+    if (prec != QL_TYPE_F32 && prec != QL_TYPE_BF16) return QL_ERR_TYPE;
+    set_param(attn, 1, (int32_t)prec);
+    return QL_OK;
+}
+
 ql_tensor *ql_cache_store(ql_context *ctx, ql_tensor *cache, ql_tensor *src, ql_tensor *pos) {
     if (!srcs_ok(ctx, "cache_store", {cache, src, pos})) return nullptr;
     QL_CHECK(ctx, cache->type == QL_TYPE_F32 && src->type == QL_TYPE_F32 && ql_is_contiguous(cache) &&
@@ -2480,7 +2487,7 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
         ql_tensor *q = a, *k = b, *v = node->src[2];
         const int64_t nq = ql_nelements(q), nk = ql_nelements(k), nv = ql_nelements(v);
         ql_tensor *flat = flat_op(ctx, QL_OP_FLASH_ATTN_BACK, nq + nk + nv, {q, k, v, node->src[3], node, gb.dense(dy)});
-        if (flat) flat->op_params[0] = node->op_params[0];  // scale
+        if (flat) flat->op_params[0] = node->op_params[0], flat->op_params[1] = node->op_params[1];  // scale, prec
         gb.add(q, view_as(ctx, flat, q, 0));
         gb.add(k, view_as(ctx, flat, k, nq));
         gb.add(v, view_as(ctx, flat, v, nq + nk));
@@ -3392,6 +3399,34 @@ static inline float row_exp_sum(int64_t n, const float *x, float m, float *y) {
     return r;
 }
 
+// x[i] = x[i] a - c[i cs] (cs 0: one c): a product then a difference, rounded alike in the
+// vector body and the tail (a padded copy), so attention's two backward ways agree to the bit
+static inline void row_mul_sub(int64_t n, float *x, float a, const float *c, int cs) {
+    const vf va = vf_set1(a);
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) vf_store(x + i, vf_sub(vf_mul(vf_load(x + i), va), cs ? vf_load(c + i) : vf_set1(c[0])));
+    if (i == n) return;
+    float t[VW] = {}, u[VW] = {};
+    std::copy(x + i, x + n, t);
+    if (cs) std::copy(c + i, c + n, u);
+    vf_store(t, vf_sub(vf_mul(vf_load(t), va), cs ? vf_load(u) : vf_set1(c[0])));
+    std::copy(t, t + (n - i), x + i);
+}
+// out[i] = (a s[i]) (d[i] - c[i cs]): attention's dS from P and dP (out may be s or d)
+static inline void row_dsoft(int64_t n, const float *s, const float *d, float *out, float a, const float *c, int cs) {
+    const vf va = vf_set1(a);
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW)
+        vf_store(out + i, vf_mul(vf_mul(va, vf_load(s + i)), vf_sub(vf_load(d + i), cs ? vf_load(c + i) : vf_set1(c[0]))));
+    if (i == n) return;
+    float ts[VW] = {}, td[VW] = {}, tc[VW] = {};
+    std::copy(s + i, s + n, ts);
+    std::copy(d + i, d + n, td);
+    if (cs) std::copy(c + i, c + n, tc);
+    vf_store(ts, vf_mul(vf_mul(va, vf_load(ts)), vf_sub(vf_load(td), cs ? vf_load(tc) : vf_set1(c[0]))));
+    std::copy(ts, ts + (n - i), out + i);
+}
+
 // dst[i*ld_dst + j] = src[j*ld_src + i] for an 8 x 8 block
 static inline void transpose8(const float *src, int64_t ld_src, float *dst, int64_t ld_dst) {
 #if defined(__AVX__)
@@ -3994,15 +4029,6 @@ template <bool BACK> static void k_rope(const cpu_params &p, ql_tensor *dst) {
 static constexpr int FA_BQ = 64, FA_BK = 64;
 static constexpr int FA_G = VW >= 16 ? 4 : 2;  // rows handled together so each K/V load feeds G FMAs
 
-static size_t fa_work(const ql_tensor *node) {
-    const ql_tensor *q = node->src[0], *v = node->src[2];
-    const size_t D = (size_t)q->ne[0], DV = (size_t)v->ne[0], G = FA_G, MX = std::max(D, DV);
-    if (node->op == QL_OP_FLASH_ATTN) return (D * FA_BK + G * FA_BK + FA_BQ * DV + 2 * FA_BQ + MX) * sizeof(float);
-    const size_t a = D * FA_BK + DV * FA_BK + 2 * G * FA_BK + FA_BQ * D + 2 * FA_BQ + MX;
-    const size_t b = D * FA_BQ + DV * FA_BQ + 2 * FA_BQ + 2 * G * FA_BQ + FA_BK * (D + DV) + MX;
-    const size_t c = (D + DV) * FA_BK + 2 * FA_BQ * FA_BK + 2 * FA_BQ + MX;  // the fused pass
-    return std::max({a, b, c}) * sizeof(float);
-}
 
 static inline const float *fa_row(const ql_tensor *t, int64_t i, int64_t h, int64_t b) {
     return (const float *)((const uint8_t *)t->data + i * t->nb[1] + h * t->nb[2] + b * t->nb[3]);
@@ -4105,6 +4131,126 @@ static bool fa_blocks_apart(const int32_t *sg, int64_t Tk, int64_t b, int64_t of
     return qhi < klo || khi < qlo;
 }
 
+// ---- attention in bf16 (ql_flash_attn_set_prec): AVX512-BF16's pair dots ----
+// Each product's inputs rounded to bf16 (q, k, v and P; in backward also dO and dS), products exact
+// and summed in f32 (vdpbf16ps: a dword's odd element first, subnormals read as zero), softmax
+// and every accumulator f32. Operands are dwords of two bf16 along the summed dimension: a row
+// converted as it is where the sum runs along rows (q . k over d), two rows zipped where it runs
+// across them (P V over keys). The same tiles and orders as the f32 kernels.
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+static constexpr bool k_fa_bf16 = true;
+
+static inline __mmask16 fa_mask(int64_t left) {  // the first `left` lanes (none for left <= 0)
+    return left >= 16 ? (__mmask16)0xffff : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+}
+
+// w[0 .. (n+1)/2) = pairs of x[0 .. n): x[2p] low, x[2p+1] high (0 past n)
+static void fa_bf_row(int64_t n, const float *x, uint32_t *w) {
+    for (int64_t i = 0; i < n; i += 32) {
+        const __m512 lo = _mm512_maskz_loadu_ps(fa_mask(n - i), x + i);
+        const __m512 hi = _mm512_maskz_loadu_ps(fa_mask(n - i - 16), x + i + 16);  // a negative count: no lanes
+        _mm512_mask_storeu_epi32(w + i / 2, fa_mask((n - i + 1) / 2), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+// w[c] = pair (a[c], b[c]) for c < n: two rows zipped (b null: zeros)
+static void fa_bf_zip(int64_t n, const float *a, const float *b, uint32_t *w) {
+    for (int64_t c = 0; c < n; c += 16) {
+        const __mmask16 m = fa_mask(n - c);
+        const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, a + c)));
+        const __m512i hi = b ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, b + c)))
+                             : _mm512_setzero_si512();
+        _mm512_mask_storeu_epi32(w + c, m, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+}
+
+// S[g*64 + j] = sum_p xw[g][p] . tp[p*64 + j]: G rows of pairs against a 64-wide tile of pairs
+template <int G> static inline void fa_bf_scores(int64_t np, const uint32_t *const *xw, const uint32_t *tp, float *S) {
+    __m512 acc[G][4];
+    for (int g = 0; g < G; g++)
+        for (int v = 0; v < 4; v++) acc[g][v] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < np; p++) {
+        __m512bh t[4];
+        for (int v = 0; v < 4; v++) t[v] = (__m512bh)_mm512_loadu_si512(tp + p * 64 + 16 * v);
+        for (int g = 0; g < G; g++) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)xw[g][p]);
+            for (int v = 0; v < 4; v++) acc[g][v] = _mm512_dpbf16_ps(acc[g][v], x, t[v]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int v = 0; v < 4; v++) _mm512_storeu_ps(S + g * 64 + 16 * v, acc[g][v]);
+}
+
+// Y[g][0..n) += sum_{p < np} C[g*cs + p*rs] . X[p*ldx + 0..n): G rows, pairs of coefficients against
+// zipped rows (rs = 1: C holds a row per output; cs = 1: C is read by column)
+template <int G>
+static void fa_bf_axpy(int64_t n, int64_t np, const uint32_t *C, int64_t cs, int64_t rs, const uint32_t *X, int64_t ldx,
+                       float *const *Y) {
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        __m512 a[G][4];
+        for (int g = 0; g < G; g++)
+            for (int u = 0; u < 4; u++) a[g][u] = _mm512_loadu_ps(Y[g] + i + 16 * u);
+        for (int64_t p = 0; p < np; p++) {
+            __m512bh x[4];
+            for (int u = 0; u < 4; u++) x[u] = (__m512bh)_mm512_loadu_si512(X + p * ldx + i + 16 * u);
+            for (int g = 0; g < G; g++) {
+                const __m512bh c = (__m512bh)_mm512_set1_epi32((int)C[g * cs + p * rs]);
+                for (int u = 0; u < 4; u++) a[g][u] = _mm512_dpbf16_ps(a[g][u], c, x[u]);
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int u = 0; u < 4; u++) _mm512_storeu_ps(Y[g] + i + 16 * u, a[g][u]);
+    }
+    for (; i < n; i += 16) {
+        const __mmask16 m = fa_mask(n - i);
+        __m512 a[G];
+        for (int g = 0; g < G; g++) a[g] = _mm512_maskz_loadu_ps(m, Y[g] + i);
+        for (int64_t p = 0; p < np; p++) {
+            const __m512bh x = (__m512bh)_mm512_maskz_loadu_epi32(m, X + p * ldx + i);
+            for (int g = 0; g < G; g++) a[g] = _mm512_dpbf16_ps(a[g], (__m512bh)_mm512_set1_epi32((int)C[g * cs + p * rs]), x);
+        }
+        for (int g = 0; g < G; g++) _mm512_mask_storeu_ps(Y[g] + i, m, a[g]);
+    }
+}
+#else
+static constexpr bool k_fa_bf16 = false;
+static void fa_bf_row(int64_t, const float *, uint32_t *) {}
+static void fa_bf_zip(int64_t, const float *, const float *, uint32_t *) {}
+template <int G> static void fa_bf_scores(int64_t, const uint32_t *const *, const uint32_t *, float *) {}
+template <int G>
+static void fa_bf_axpy(int64_t, int64_t, const uint32_t *, int64_t, int64_t, const uint32_t *, int64_t, float *const *) {}
+#endif
+
+// a tile's K (or V) as pairs along d for scores: tp[p*64 + j] = (t[j][2p], t[j][2p+1]); tmp: d x 64 floats
+static void fa_bf_pack_t(const ql_tensor *t, int64_t j0, int64_t n, int64_t h, int64_t b, float *tmp, uint32_t *tp) {
+    const int64_t D = t->ne[0];
+    fa_pack_t(t, j0, n, h, b, 64, tmp);
+    for (int64_t p = 0; 2 * p < D; p++) fa_bf_zip(64, tmp + 2 * p * 64, 2 * p + 1 < D ? tmp + (2 * p + 1) * 64 : nullptr, tp + p * 64);
+}
+
+// rows r0 .. r0+n zipped in pairs: z[p*ld + c] = (row 2p, row 2p+1)[c] for c < len (odd n: a zero partner)
+static void fa_bf_zip_rows(int64_t len, int64_t n, const float *const *rows, uint32_t *z, int64_t ld) {
+    for (int64_t p = 0; 2 * p < n; p++) fa_bf_zip(len, rows[2 * p], 2 * p + 1 < n ? rows[2 * p + 1] : nullptr, z + p * ld);
+}
+
+static size_t fa_work(const ql_tensor *node) {
+    const ql_tensor *q = node->src[0], *v = node->src[2];
+    const size_t D = (size_t)q->ne[0], DV = (size_t)v->ne[0], G = FA_G, MX = std::max(D, DV);
+    if (node->op == QL_OP_FLASH_ATTN) return (D * FA_BK + G * FA_BK + FA_BQ * DV + 2 * FA_BQ + MX) * sizeof(float);
+    const size_t a = D * FA_BK + DV * FA_BK + 2 * G * FA_BK + FA_BQ * D + 2 * FA_BQ + MX;
+    const size_t b = D * FA_BQ + DV * FA_BQ + 2 * FA_BQ + 2 * G * FA_BQ + FA_BK * (D + DV) + MX;
+    const size_t c = (size_t)(q->ne[1] * (q->ne[2] / node->src[1]->ne[2])) + (D + DV) * FA_BK + 2 * FA_BQ * FA_BK +
+                     MX;  // the fused pass: rowsum(dO o O) of a head group first
+    if (!k_fa_bf16 || get_param<int32_t>(node, 1) != QL_TYPE_BF16) return std::max({a, b, c}) * sizeof(float);
+    const size_t D2 = (D + 1) / 2, DV2 = (DV + 1) / 2;  // bf16 pairs (4 bytes) after the f32 layouts
+    if (node->op == QL_OP_FLASH_ATTN)
+        return (D * FA_BK + G * FA_BK + FA_BQ * DV + 2 * FA_BQ + MX + D2 * FA_BK + FA_BK / 2 * DV + FA_BQ * D2 + G * FA_BK / 2) *
+               sizeof(float);
+    return (c + (D2 + DV2) * FA_BK + FA_BK / 2 * D + FA_BQ * (D2 + DV2) + FA_BQ / 2 * (D + DV) + G * FA_BK / 2 +
+            FA_BQ * FA_BK) * sizeof(float);
+}
+
 static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
     const ql_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *seg = dst->src[3], *nkv = dst->src[4];
     const float scale = get_param<float>(dst, 0);
@@ -4125,19 +4271,29 @@ static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
     float *lse = (float *)ql_aux_data(dst);
     float *KT = (float *)p.wdata, *S = KT + D * FA_BK, *O = S + FA_G * FA_BK, *m = O + FA_BQ * DV, *l = m + FA_BQ;
     float *dummy = l + FA_BQ;
+    const bool bf = k_fa_bf16 && get_param<int32_t>(dst, 1) == QL_TYPE_BF16;
+    const int64_t D2 = (D + 1) / 2;  // bf16: pairs (fa_work's layout)
+    uint32_t *KTP = (uint32_t *)(dummy + std::max(D, DV)), *VI = KTP + D2 * FA_BK, *Qw = VI + FA_BK / 2 * DV, *Pw = Qw + FA_BQ * D2;
     for (int64_t it = p.ith; it < B * H * nqb; it += p.nth) {
         const int64_t qb = it % nqb, h = (it / nqb) % H, b = it / (nqb * H), hk = h / rep;
         const int64_t i0 = qb * FA_BQ, nq = std::min<int64_t>(FA_BQ, Tq - i0);
         std::fill(O, O + nq * DV, 0.0f);
         std::fill(m, m + nq, -INFINITY);
         std::fill(l, l + nq, 0.0f);
+        if (bf)
+            for (int64_t ii = 0; ii < nq; ii++) fa_bf_row(D, fa_row(q, i0 + ii, h, b), Qw + ii * D2);
         const int64_t jend = std::min(Tk, i0 + nq + off);  // keys any query of the block may see
         for (int64_t j0 = 0; j0 < jend; j0 += FA_BK) {
             const int64_t bk = std::min<int64_t>(FA_BK, jend - j0);
             if (fa_blocks_apart(sg, Tk, b, off, i0, nq, j0, bk)) continue;  // another document's keys
-            fa_pack_t(k, j0, bk, hk, b, FA_BK, KT);
             const float *vrows[FA_BK];
             for (int64_t j = 0; j < bk; j++) vrows[j] = fa_row(v, j0 + j, hk, b);
+            if (bf) {
+                fa_bf_pack_t(k, j0, bk, hk, b, KT, KTP);
+                fa_bf_zip_rows(DV, bk, vrows, VI, DV);
+            } else {
+                fa_pack_t(k, j0, bk, hk, b, FA_BK, KT);
+            }
             for (int64_t g0 = 0; g0 < nq; g0 += FA_G) {
                 fa_group grp;
                 grp.gn = (int)std::min<int64_t>(FA_G, nq - g0);
@@ -4145,15 +4301,20 @@ static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
                     grp.in[g]  = fa_row(q, i0 + g0 + std::min(g, grp.gn - 1), h, b);
                     grp.out[g] = g < grp.gn ? O + (g0 + g) * DV : dummy;
                 }
-                fa_scores<FA_G, FA_BK>(D, grp.in, KT, S);
+                if (bf) {
+                    const uint32_t *qw[FA_G];
+                    for (int g = 0; g < FA_G; g++) qw[g] = Qw + (g0 + std::min(g, grp.gn - 1)) * D2;
+                    fa_bf_scores<FA_G>(D2, qw, KTP, S);
+                } else {
+                    fa_scores<FA_G, FA_BK>(D, grp.in, KT, S);
+                }
                 int64_t jmax = 0;
                 for (int g = 0; g < FA_G; g++) {
                     float *s = S + g * FA_BK;
                     const int64_t ii = g0 + g, i = i0 + ii, jl = g < grp.gn ? std::min(bk, i + off + 1 - j0) : 0;
-                    for (int64_t j = 0; j < jl; j++) {  // causal: j <= i + off; documents: same segment
-                        s[j] *= scale;
-                        if (sg && sg[b * Tk + j0 + j] != sg[b * Tk + i + off]) s[j] = -INFINITY;
-                    }
+                    row_scale(std::max<int64_t>(jl, 0), scale, s, s);  // causal: j <= i + off
+                    for (int64_t j = 0; sg && j < jl; j++)  // documents: the same segment
+                        if (sg[b * Tk + j0 + j] != sg[b * Tk + i + off]) s[j] = -INFINITY;
                     const float mx = jl > 0 ? row_max(jl, s) : -INFINITY;
                     if (mx == -INFINITY) {
                         std::fill(s, s + FA_BK, 0.0f);
@@ -4166,7 +4327,12 @@ static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
                     m[ii] = mnew;
                     jmax = std::max(jmax, jl);
                 }
-                rows_axpy_g<FA_G>(DV, jmax, S, FA_BK, 1, vrows, grp.out);  // O += P V
+                if (bf) {  // O += P V
+                    for (int g = 0; g < FA_G; g++) fa_bf_row(FA_BK, S + g * FA_BK, Pw + g * (FA_BK / 2));
+                    fa_bf_axpy<FA_G>(DV, (jmax + 1) / 2, Pw, FA_BK / 2, 1, VI, DV, grp.out);
+                } else {
+                    rows_axpy_g<FA_G>(DV, jmax, S, FA_BK, 1, vrows, grp.out);
+                }
             }
         }
         for (int64_t ii = 0; ii < nq; ii++) {
@@ -4197,10 +4363,15 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
     auto masked = [&](int64_t i, int64_t j, int64_t b) {
         return j > i + off || (sg && sg[b * Tk + j] != sg[b * Tk + i + off]);
     };
-    if (fa_back_fused(B * Hkv, p.nth)) {  // FlashAttention-2's single pass: 5 products a tile
-        float *w = (float *)p.wdata;
-        float *KT = w, *VT = KT + D * FA_BK, *P = VT + DV * FA_BK, *DS = P + FA_BQ * FA_BK;  // P, dS [FA_BQ][FA_BK]
-        float *L = DS + FA_BQ * FA_BK, *Dd = L + FA_BQ, *dummy = Dd + FA_BQ;
+    const bool bf = k_fa_bf16 && get_param<int32_t>(dst, 1) == QL_TYPE_BF16;
+    if (bf || fa_back_fused(B * Hkv, p.nth)) {  // FlashAttention-2's single pass: 5 products a tile (bf16: always)
+        float *DdAll = (float *)p.wdata;  // [Tq, rep] rowsum(dO o O) of the item's query heads
+        float *KT = DdAll + rep * Tq, *VT = KT + D * FA_BK, *P = VT + DV * FA_BK, *DS = P + FA_BQ * FA_BK;  // P, dS [FA_BQ][FA_BK]
+        float *dummy = DS + FA_BQ * FA_BK;
+        const int64_t D2 = (D + 1) / 2, DV2 = (DV + 1) / 2;  // bf16: pairs along d for scores, zipped rows for sums
+        uint32_t *KTP = (uint32_t *)(dummy + std::max(D, DV)), *VTP = KTP + D2 * FA_BK, *KI = VTP + DV2 * FA_BK;
+        uint32_t *Qw = KI + FA_BK / 2 * D, *dOw = Qw + FA_BQ * D2, *QI = dOw + FA_BQ * DV2, *dOI = QI + FA_BQ / 2 * D;
+        uint32_t *dSw = dOI + FA_BQ / 2 * DV, *PI = dSw + FA_G * FA_BK / 2, *DSI = PI + FA_BQ / 2 * FA_BK;
         for (int64_t it = p.ith; it < B * Hkv; it += p.nth) {  // a kv head, its query heads, every key and query
             const int64_t hk = it % Hkv, b = it / Hkv;
             float *dkb = dk + (b * Hkv + hk) * Tk * D, *dvb = dv + (b * Hkv + hk) * Tk * DV;
@@ -4208,22 +4379,37 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
             std::fill(dkb, dkb + Tk * D, 0.0f);
             std::fill(dvb, dvb + Tk * DV, 0.0f);
             std::fill(dqb, dqb + rep * Tq * D, 0.0f);
+            for (int64_t h = hk * rep; h < (hk + 1) * rep; h++)
+                for (int64_t i = 0; i < Tq; i++) DdAll[(h - hk * rep) * Tq + i] = row_dot(DV, do_row(i, h, b), o_row(i, h, b));
             for (int64_t j0 = 0; j0 < Tk; j0 += FA_BK) {  // keys outermost: dq sums over them in the order of the dq pass
                 const int64_t nk = std::min<int64_t>(FA_BK, Tk - j0);
-                fa_pack_t(k, j0, nk, hk, b, FA_BK, KT);
-                fa_pack_t(v, j0, nk, hk, b, FA_BK, VT);
                 const float *krows[FA_BK];
                 for (int64_t j = 0; j < nk; j++) krows[j] = fa_row(k, j0 + j, hk, b);
+                if (bf) {
+                    fa_bf_pack_t(k, j0, nk, hk, b, KT, KTP);
+                    fa_bf_pack_t(v, j0, nk, hk, b, VT, VTP);
+                    fa_bf_zip_rows(D, nk, krows, KI, D);
+                } else {
+                    fa_pack_t(k, j0, nk, hk, b, FA_BK, KT);
+                    fa_pack_t(v, j0, nk, hk, b, FA_BK, VT);
+                }
                 for (int64_t h = hk * rep; h < (hk + 1) * rep; h++) {
                     for (int64_t i0 = std::max<int64_t>(0, j0 - off) / FA_BQ * FA_BQ; i0 < Tq; i0 += FA_BQ) {
                         const int64_t nq = std::min<int64_t>(FA_BQ, Tq - i0);
                         if (fa_blocks_apart(sg, Tk, b, off, i0, nq, j0, nk)) continue;
                         const float *qrows[FA_BQ], *orows[FA_BQ];
+                        const float *L = lse + (b * H + h) * Tq + i0, *Dd = DdAll + (h - hk * rep) * Tq + i0;
                         for (int64_t ii = 0; ii < nq; ii++) {
                             qrows[ii] = fa_row(q, i0 + ii, h, b);
                             orows[ii] = do_row(i0 + ii, h, b);
-                            L[ii] = lse[(b * H + h) * Tq + i0 + ii];
-                            Dd[ii] = row_dot(DV, orows[ii], o_row(i0 + ii, h, b));  // rowsum(dO o O)
+                            if (bf) {
+                                fa_bf_row(D, qrows[ii], Qw + ii * D2);
+                                fa_bf_row(DV, orows[ii], dOw + ii * DV2);
+                            }
+                        }
+                        if (bf) {
+                            fa_bf_zip_rows(D, nq, qrows, QI, D);
+                            fa_bf_zip_rows(DV, nq, orows, dOI, DV);
                         }
                         for (int64_t g0 = 0; g0 < nq; g0 += FA_G) {  // S = Q K^T, dP = dO V^T -> P, dS; dQ += dS K
                             fa_group gq, gdo;
@@ -4235,24 +4421,45 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                                 gq.out[g] = g < gq.gn ? dqb + ((h - hk * rep) * Tq + i0 + g0 + g) * D : dummy;
                             }
                             float *S = P + g0 * FA_BK, *DP = DS + g0 * FA_BK;
-                            fa_scores<FA_G, FA_BK>(D, gq.in, KT, S);
-                            fa_scores<FA_G, FA_BK>(DV, gdo.in, VT, DP);
+                            if (bf) {
+                                const uint32_t *qw[FA_G], *ow[FA_G];
+                                for (int g = 0; g < FA_G; g++) {
+                                    const int64_t ii = g0 + std::min(g, gq.gn - 1);
+                                    qw[g] = Qw + ii * D2;
+                                    ow[g] = dOw + ii * DV2;
+                                }
+                                fa_bf_scores<FA_G>(D2, qw, KTP, S);
+                                fa_bf_scores<FA_G>(DV2, ow, VTP, DP);
+                            } else {
+                                fa_scores<FA_G, FA_BK>(D, gq.in, KT, S);
+                                fa_scores<FA_G, FA_BK>(DV, gdo.in, VT, DP);
+                            }
                             int64_t jmax = 0;
                             for (int g = 0; g < FA_G; g++) {
                                 float *s = S + g * FA_BK, *dp = DP + g * FA_BK;
                                 const int64_t ii = g0 + g, i = i0 + ii;
                                 const int64_t jl = g < gq.gn ? std::max<int64_t>(0, std::min(nk, i + off + 1 - j0)) : 0;
-                                for (int64_t j = 0; j < jl; j++) s[j] = s[j] * scale - L[ii];
-                                if (jl > 0) row_exp_sum(jl, s, 0.0f, s);
-                                for (int64_t j = 0; j < jl; j++) {
+                                row_mul_sub(jl, s, scale, L + ii, 0);
+                                if (jl > 0) row_exp_sum(jl, s, 0.0f, s);  // P, from the saved logsumexp
+                                row_dsoft(jl, s, dp, dp, scale, Dd + ii, 0);  // scale dS, dS = P (dP - rowsum(dO o O))
+                                for (int64_t j = 0; sg && j < jl; j++)
                                     if (masked(i, j0 + j, b)) s[j] = dp[j] = 0.0f;
-                                    else dp[j] = scale * s[j] * (dp[j] - Dd[ii]);
-                                }
                                 std::fill(s + jl, s + FA_BK, 0.0f);
                                 std::fill(dp + jl, dp + FA_BK, 0.0f);
                                 jmax = std::max(jmax, jl);
                             }
-                            rows_axpy_g<FA_G>(D, jmax, DP, FA_BK, 1, krows, gq.out);  // dQ += dS K
+                            if (bf) {  // dQ += dS K
+                                for (int g = 0; g < FA_G; g++) fa_bf_row(FA_BK, DP + g * FA_BK, dSw + g * (FA_BK / 2));
+                                fa_bf_axpy<FA_G>(D, (jmax + 1) / 2, dSw, FA_BK / 2, 1, KI, D, gq.out);
+                            } else {
+                                rows_axpy_g<FA_G>(D, jmax, DP, FA_BK, 1, krows, gq.out);
+                            }
+                        }
+                        if (bf) {  // P and dS zipped by query pairs, for the sums over queries
+                            const float *pr[FA_BQ], *sr[FA_BQ];
+                            for (int64_t ii = 0; ii < nq; ii++) pr[ii] = P + ii * FA_BK, sr[ii] = DS + ii * FA_BK;
+                            fa_bf_zip_rows(FA_BK, nq, pr, PI, FA_BK);
+                            fa_bf_zip_rows(FA_BK, nq, sr, DSI, FA_BK);
                         }
                         for (int64_t g0 = 0; g0 < nk; g0 += FA_G) {  // dV += P^T dO, dK += dS^T Q: P, dS read by column
                             float *ok[FA_G], *ov[FA_G];
@@ -4260,8 +4467,13 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                                 ok[g] = g0 + g < nk ? dkb + (j0 + g0 + g) * D : dummy;
                                 ov[g] = g0 + g < nk ? dvb + (j0 + g0 + g) * DV : dummy;
                             }
-                            rows_axpy_g<FA_G>(DV, nq, P + g0, 1, FA_BK, orows, ov);
-                            rows_axpy_g<FA_G>(D, nq, DS + g0, 1, FA_BK, qrows, ok);
+                            if (bf) {
+                                fa_bf_axpy<FA_G>(DV, (nq + 1) / 2, PI + g0, 1, FA_BK, dOI, DV, ov);
+                                fa_bf_axpy<FA_G>(D, (nq + 1) / 2, DSI + g0, 1, FA_BK, QI, D, ok);
+                            } else {
+                                rows_axpy_g<FA_G>(DV, nq, P + g0, 1, FA_BK, orows, ov);
+                                rows_axpy_g<FA_G>(D, nq, DS + g0, 1, FA_BK, qrows, ok);
+                            }
                         }
                     }
                 }
@@ -4305,10 +4517,11 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                     for (int g = 0; g < FA_G; g++) {
                         float *s = S + g * FA_BK;
                         const int64_t ii = g0 + g, i = i0 + ii, jl = g < gq.gn ? std::min(bk, i + off + 1 - j0) : 0;
-                        for (int64_t j = 0; j < jl; j++) s[j] = s[j] * scale - L[ii];
-                        if (jl > 0) row_exp_sum(jl, s, 0.0f, s);  // P, from the saved logsumexp
-                        for (int64_t j = 0; j < jl; j++)  // scale dS, dS = P (dP - rowsum(dO o O))
-                            s[j] = masked(i, j0 + j, b) ? 0.0f : scale * s[j] * (DP[g * FA_BK + j] - Dd[ii]);
+                        row_mul_sub(std::max<int64_t>(jl, 0), s, scale, L + ii, 0);
+                        if (jl > 0) row_exp_sum(jl, s, 0.0f, s);
+                        row_dsoft(std::max<int64_t>(jl, 0), s, DP + g * FA_BK, s, scale, Dd + ii, 0);
+                        for (int64_t j = 0; sg && j < jl; j++)
+                            if (masked(i, j0 + j, b)) s[j] = 0.0f;
                         std::fill(s + std::max<int64_t>(jl, 0), s + FA_BK, 0.0f);
                         jmax = std::max(jmax, jl);
                     }
@@ -4358,12 +4571,11 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                                 continue;
                             }
                             const int64_t j = j0 + g0 + g;
-                            for (int64_t ii = 0; ii < nq; ii++) s[ii] = s[ii] * scale - L[ii];
+                            row_mul_sub(nq, s, scale, L, 1);
                             row_exp_sum(nq, s, 0.0f, s);
-                            for (int64_t ii = 0; ii < nq; ii++) {
+                            for (int64_t ii = 0; ii < nq; ii++)
                                 if (masked(i0 + ii, j, b)) s[ii] = 0.0f;
-                                ds[ii] = scale * s[ii] * (ds[ii] - Dd[ii]);
-                            }
+                            row_dsoft(nq, s, ds, ds, scale, Dd, 1);
                             std::fill(s + nq, s + FA_BQ, 0.0f);
                             std::fill(ds + nq, ds + FA_BQ, 0.0f);
                         }

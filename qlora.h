@@ -506,6 +506,13 @@ ql_tensor *ql_flash_attn(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tensor 
 // only the first n_kv[0] keys (I32 [1], read at run time) are used; the Tq queries sit at
 // positions n_kv - Tq .. n_kv - 1. So one graph serves every decoding step. No backward.
 ql_tensor *ql_flash_attn_kv(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tensor *v, ql_tensor *n_kv, float scale);
+// Asks for an attention's products in bf16 (prec QL_TYPE_BF16; QL_TYPE_F32 is the default): q,
+// k, v and the probabilities - in backward also dO and dS - rounded to bf16, products summed in
+// f32, softmax f32. A request for speed: the CPU backend honours it where it is built for
+// AVX512-BF16's pair dots (which AMX processors have too) and computes in f32 elsewhere, as the
+// CUDA backend does. Its backward inherits it. QL_ERR_INVALID if attn is not a
+// ql_flash_attn(_kv) result, QL_ERR_TYPE for another prec.
+ql_status ql_flash_attn_set_prec(ql_tensor *attn, ql_type prec);
 
 // Writes src's rows into `cache` starting at row pos[0] of dimension 1 (I32 [1], read at run
 // time): cache [ne0, n_ctx, ne2, ne3] (a leaf that persists across runs), src [ne0, n, ne2,

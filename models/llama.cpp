@@ -150,6 +150,7 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
         a = ql_flash_attn(ctx, ql_permute(ctx, q, 0, 2, 1, 3),  // [d, T, H, B] views, no copies
                           ql_permute(ctx, k, 0, 2, 1, 3), ql_permute(ctx, v, 0, 2, 1, 3), seg, scale);
     }
+    if (a && m->compute == QL_TYPE_BF16 && m->attn_bf16) ql_flash_attn_set_prec(a, QL_TYPE_BF16);
     a = ql_reshape_3d(ctx, a, d * hp.n_head, T, B);
     x = ql_add(ctx, x, ql_llama_linear(ctx, m, L.wo, a));
 

@@ -125,6 +125,7 @@ static bool build(ql_trainer *t, ql_context *ctx) {
     t->params = ql_llama_lora_params(m);
     m.lora_dropout = true;
     m.compute = t->compute;
+    m.attn_bf16 = !t->o.attn_f32;
     t->tr = make_io(ctx, m, t->T, t->B, t->packed, true, t->embd_host, t->loss_chunk);
     // the policy's levels, and the chunked loss's logits (recomputed whatever the levels)
     if (t->tr.g && (!t->levels.empty() || t->loss_chunk > 0) &&
