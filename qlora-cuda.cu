@@ -837,18 +837,21 @@ __device__ __forceinline__ uint64_t cu_mix64(uint64_t z) {
     z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
     return z ^ (z >> 31);
 }
-__global__ void k_dropout(cu_t a, const int32_t *seed, float *d, uint32_t stream, uint32_t threshold, float keep_scale, int64_t n) {
+// the result in f32, or rounded to bf16 / f16 as it is stored (ql_dropout_to)
+__global__ void k_dropout(cu_t a, const int32_t *seed, char *d, int d_type, uint32_t stream, uint32_t threshold, float keep_scale,
+                          int64_t n) {
     const uint64_t key = cu_mix64(((uint64_t)(uint32_t)seed[0] << 32) | stream);
+    const int ds = d_type == QL_TYPE_F32 ? 4 : 2;
     CU_GRID_LOOP(i, n) {
         const uint32_t h = (uint32_t)(cu_mix64(key + 0x9E3779B97F4A7C15ull * (uint64_t)(i + 1)) >> 32);
-        d[i] = h >= threshold ? cu_at(a, i) * keep_scale : 0.0f;
+        cu_st(d + i * ds, d_type, h >= threshold ? cu_at(a, i) * keep_scale : 0.0f);
     }
 }
 static void cu_op_dropout(cu_ctx &c, ql_tensor *node) {
     const float pr = cu_param<float>(node, 0);
     const int64_t n = ql_nelements(node);
-    QL_LAUNCH(k_dropout, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), (const int32_t *)node->src[1]->data, (float *)node->data,
-              cu_param<uint32_t>(node, 1), (uint32_t)((double)pr * 4294967296.0), 1.0f / (1.0f - pr), n);
+    QL_LAUNCH(k_dropout, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), (const int32_t *)node->src[1]->data, (char *)node->data,
+              (int)node->type, cu_param<uint32_t>(node, 1), (uint32_t)((double)pr * 4294967296.0), 1.0f / (1.0f - pr), n);
     CU_LAUNCHED(c);
 }
 
@@ -973,8 +976,10 @@ static bool cu_ops_supported(const ql_tensor *node) {
         return (is_float_type_cu(a->type) && is_float_type_cu(node->type)) || (a->type == QL_TYPE_I32 && node->type == QL_TYPE_I32);
     case QL_OP_ADD: case QL_OP_MUL:
         return f32(a) && f32(node->src[1]) && node->type == QL_TYPE_F32;
-    case QL_OP_SCALE: case QL_OP_SUM: case QL_OP_REDUCE_TO: case QL_OP_SILU: case QL_OP_DROPOUT:
+    case QL_OP_SCALE: case QL_OP_SUM: case QL_OP_REDUCE_TO: case QL_OP_SILU:
         return f32(a) && node->type == QL_TYPE_F32;
+    case QL_OP_DROPOUT:
+        return f32(a) && is_float_type_cu(node->type);
     case QL_OP_SILU_BACK: case QL_OP_SWIGLU:
         return f32(a) && f32(node->src[1]);
     case QL_OP_SWIGLU_BACK:

@@ -2166,11 +2166,19 @@ ql_tensor *ql_cross_entropy(ql_context *ctx, ql_tensor *logits, ql_tensor *targe
 }
 
 ql_tensor *ql_dropout(ql_context *ctx, ql_tensor *a, float p, ql_tensor *seed, uint32_t stream) {
+    return ql_dropout_to(ctx, a, p, seed, stream, QL_TYPE_F32);
+}
+ql_tensor *ql_dropout_to(ql_context *ctx, ql_tensor *a, float p, ql_tensor *seed, uint32_t stream, ql_type type) {
     if (!srcs_ok(ctx, "dropout", {a, seed})) return nullptr;
     QL_CHECK(ctx, p >= 0.0f && p < 1.0f, QL_ERR_INVALID, "dropout: p = %g outside [0, 1)", (double)p);
     QL_CHECK(ctx, seed->type == QL_TYPE_I32 && ql_nelements(seed) >= 1, QL_ERR_TYPE,
              "dropout: seed %s must be i32 [1]", shape_str(seed).c_str());
-    ql_tensor *t = unary_f32(ctx, QL_OP_DROPOUT, a);
+    QL_CHECK(ctx, type == QL_TYPE_F32 || type == QL_TYPE_BF16 || type == QL_TYPE_F16, QL_ERR_TYPE,
+             "dropout: result type %s (f32, bf16 or f16)", ql_type_traits_get(type) ? ql_type_name(type) : "?");
+    QL_CHECK(ctx, a->type == QL_TYPE_F32, QL_ERR_TYPE, "dropout: a %s must be f32", shape_str(a).c_str());
+    QL_CHECK(ctx, ql_rows_contiguous(a), QL_ERR_SHAPE, "dropout: a %s needs dense rows --> hint: ql_cont first",
+             shape_str(a).c_str());
+    ql_tensor *t = new_op_like(ctx, QL_OP_DROPOUT, type, a, {a});
     if (!t) return nullptr;
     t->src[1] = seed;
     set_param(t, 0, p);
@@ -2926,9 +2934,11 @@ static void row_to_float(const ql_tensor *t, const uint8_t *row, int64_t k0, int
 // element or row by row before writing).
 static int inplace_src(const ql_tensor *node) {
     switch (node->op) {
-    case QL_OP_ADD: case QL_OP_MUL: case QL_OP_SCALE: case QL_OP_SILU: case QL_OP_DROPOUT:
+    case QL_OP_ADD: case QL_OP_MUL: case QL_OP_SCALE: case QL_OP_SILU:
     case QL_OP_RMS_NORM: case QL_OP_ROPE: case QL_OP_ROPE_BACK:
         return 0;
+    case QL_OP_DROPOUT:  // not into f32 storage as a 16-bit result: rows would land on rows not read yet
+        return node->type == node->src[0]->type ? 0 : -1;
     case QL_OP_SILU_BACK: case QL_OP_RMS_NORM_BACK:
         return 1;  // over dy
     default:
@@ -3959,6 +3969,37 @@ static inline uint64_t mix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 
+// y[i] = x[i] / (1 - p) where element e = e0 + i survives (its hash's high half >= threshold), else 0
+static void dropout_row(int64_t n, const float *x, float *y, uint64_t key, uint64_t e0, uint32_t threshold, float keep_scale) {
+    constexpr uint64_t G = 0x9E3779B97F4A7C15ull;
+    int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+    // 16 elements a step, the hash in two vectors of 8 64-bit lanes: the scalar loop's bits
+    const __m512i c1 = _mm512_set1_epi64((long long)0xBF58476D1CE4E5B9ull), c2 = _mm512_set1_epi64((long long)0x94D049BB133111EBull);
+    const __m512i step = _mm512_set1_epi64((long long)(16 * G));
+    const __m512i lane = _mm512_mullo_epi64(_mm512_set_epi64(8, 7, 6, 5, 4, 3, 2, 1), _mm512_set1_epi64((long long)G));
+    __m512i z0 = _mm512_add_epi64(_mm512_set1_epi64((long long)(key + G * e0)), lane);  // key + G (e0 + i + 1 + lane)
+    __m512i z1 = _mm512_add_epi64(z0, _mm512_set1_epi64((long long)(8 * G)));
+    const __m512i thr = _mm512_set1_epi32((int)threshold);
+    const __m512 ks = _mm512_set1_ps(keep_scale);
+    auto hi32 = [&](__m512i z) {
+        z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), c1);
+        z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), c2);
+        return _mm512_cvtepi64_epi32(_mm512_srli_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 31)), 32));
+    };
+    for (; i + 16 <= n; i += 16) {
+        const __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(hi32(z0)), hi32(z1), 1);
+        _mm512_storeu_ps(y + i, _mm512_maskz_mul_ps(_mm512_cmpge_epu32_mask(h, thr), _mm512_loadu_ps(x + i), ks));
+        z0 = _mm512_add_epi64(z0, step);
+        z1 = _mm512_add_epi64(z1, step);
+    }
+#endif
+    for (; i < n; i++) {
+        const uint32_t h = (uint32_t)(mix64(key + G * (e0 + (uint64_t)i + 1)) >> 32);
+        y[i] = h >= threshold ? x[i] * keep_scale : 0.0f;
+    }
+}
+
 static void k_dropout(const cpu_params &p, ql_tensor *dst) {
     const ql_tensor *a = dst->src[0], *seed = dst->src[1];
     const float pr = get_param<float>(dst, 0), keep_scale = 1.0f / (1.0f - pr);
@@ -3968,13 +4009,11 @@ static void k_dropout(const cpu_params &p, ql_tensor *dst) {
     const int64_t ne0 = a->ne[0];
     int64_t b, e;
     split_range(ql_nrows(a), p.ith, p.nth, b, e);
-    for (int64_t r = b; r < e; r++) {
-        const float *x = f32_row(a, r);
-        float *y = (float *)dst->data + r * ne0;
-        for (int64_t i = 0; i < ne0; i++) {
-            const uint32_t h = (uint32_t)(mix64(key + 0x9E3779B97F4A7C15ull * (uint64_t)(r * ne0 + i + 1)) >> 32);
-            y[i] = h >= threshold ? x[i] * keep_scale : 0.0f;
-        }
+    const size_t ts = traits(dst->type).type_size;
+    for (int64_t r = b; r < e; r++) {  // a 16-bit result: the f32 row in the workspace, then converted
+        float *y = dst->type == QL_TYPE_F32 ? (float *)dst->data + r * ne0 : (float *)p.wdata;
+        dropout_row(ne0, f32_row(a, r), y, key, (uint64_t)(r * ne0), threshold, keep_scale);
+        if (dst->type != QL_TYPE_F32) traits(dst->type).from_float(y, (uint8_t *)dst->data + (size_t)(r * ne0) * ts, ne0);
     }
 }
 
@@ -5266,6 +5305,7 @@ static void k_copy_bytes(const cpu_params &p, ql_tensor *dst) {  // contiguous, 
 static size_t cpu_work_per_thread(const ql_tensor *node) {
     switch (node->op) {
     case QL_OP_CONT:      return (size_t)node->src[0]->ne[0] * sizeof(float);
+    case QL_OP_DROPOUT:   return node->type == QL_TYPE_F32 ? 0 : (size_t)node->ne[0] * sizeof(float);
     case QL_OP_REDUCE_TO: return (size_t)node->src[0]->ne[0] * sizeof(float);
     case QL_OP_ROPE: case QL_OP_ROPE_BACK: return rope_work(node);
     case QL_OP_FLASH_ATTN: case QL_OP_FLASH_ATTN_BACK: return fa_work(node);

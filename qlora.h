@@ -529,6 +529,9 @@ ql_tensor *ql_cross_entropy(ql_context *ctx, ql_tensor *logits, ql_tensor *targe
 // (seed[0], stream, element index) - never stored, regenerated in backward and on recompute.
 // seed: I32 [1] input the caller changes per step; stream: distinct per call site.
 ql_tensor *ql_dropout(ql_context *ctx, ql_tensor *a, float p, ql_tensor *seed, uint32_t stream);
+// The same with the result in `type` (F32, BF16 or F16): ql_cast of ql_dropout's result, bit for
+// bit, without the f32 pass between (what a 16-bit matmul's input wants). Gradients stay f32.
+ql_tensor *ql_dropout_to(ql_context *ctx, ql_tensor *a, float p, ql_tensor *seed, uint32_t stream, ql_type type);
 
 // ============================================================================================
 // graphs and autodiff

@@ -109,7 +109,7 @@ static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
     if (it == m->lora.end()) return y;
     const ql_lora_pair &p = it->second;  // [in, r] then [r, out]
     const bool drop = m->lora_dropout && p.seed && p.dropout > 0;
-    ql_tensor *xa = drop ? in(ql_dropout(ctx, x, p.dropout, p.seed, p.stream)) : xc;
+    ql_tensor *xa = drop ? ql_dropout_to(ctx, x, p.dropout, p.seed, p.stream, m->compute) : xc;  // in the compute type as made
     // the scale on the rank-r side: a pass over [r, T] instead of over [out, T], forward and back
     return ql_add(ctx, y, ql_mul_mat(ctx, p.b, in(ql_scale(ctx, ql_mul_mat(ctx, p.a, xa), p.scale))));
 }

@@ -363,6 +363,11 @@ OP_CASE(dropout) {
         ql_tensor *seed = L.i32({1}, [](int64_t) { return 1234; });
         return ql_dropout(L.ctx, L.param({129, 7}), 0.3f, seed, 5);
     }, TOL_F32);
+    for (ql_type t : {QL_TYPE_F16, QL_TYPE_BF16})  // the result rounded as it is stored: the same bits
+        check_case(be, "p = 0.3, a 16-bit result", [t](leafs &L) {
+            ql_tensor *seed = L.i32({1}, [](int64_t) { return 99; });
+            return ql_cast(L.ctx, ql_dropout_to(L.ctx, L.param({129, 7}), 0.3f, seed, 5, t), QL_TYPE_F32);
+        }, 0.0);
 }
 
 OP_CASE(flash_attn) {

@@ -1186,6 +1186,20 @@ TEST_CASE("dropout") {
         };
         std::vector<bool> m1, m2, m3;
         check_run(m1);
+        {  // the mask is the documented hash, whatever the SIMD path: element e survives when the high
+           // half of mix64(mix64(seed << 32 | stream) + G (e + 1)) >= p 2^32 (splitmix64's finaliser)
+            auto mix = [](uint64_t z) {
+                z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+                z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+                return z ^ (z >> 31);
+            };
+            const uint64_t key = mix((uint64_t)42 << 32 | 7u);
+            const uint32_t thr = (uint32_t)((double)p * 4294967296.0);
+            int64_t wrong = 0;
+            for (int64_t e = 0; e < n; ++e)
+                wrong += m1[e] != ((uint32_t)(mix(key + 0x9E3779B97F4A7C15ull * (uint64_t)(e + 1)) >> 32) >= thr);
+            CHECK_MESSAGE(wrong == 0, wrong << " elements of the mask are not the hash's");
+        }
         if (nt == 1) mask_first = m1;
         else CHECK_MESSAGE(m1 == mask_first, "the mask depends on the thread count");
 
@@ -1199,6 +1213,36 @@ TEST_CASE("dropout") {
         int64_t diff = 0;
         for (int64_t i = 0; i < n; ++i) diff += m3[i] != m1[i];
         CHECK_MESSAGE(diff > n / 10, "seed 42 and 43 masks differ in only " << diff << " elements");
+    }
+
+    // a 16-bit result: the cast of the f32 result, bit for bit, and the same gradient
+    for (ql_type t : {QL_TYPE_BF16, QL_TYPE_F16}) {
+        INFO("dropout to " << ql_type_name(t));
+        Vec out[2], grad[2];
+        for (int fused = 0; fused < 2; fused++) {
+            Harness h;
+            ql_tensor *x = h.input(QL_TYPE_F32, {131, 9, 1, 1}, true, -3, 3);
+            ql_tensor *seed = ql_set_input(h.ints({1, 1, 1, 1}, {5}));
+            ql_tensor *d = fused ? ql_dropout_to(h.ctx, x, 0.2f, seed, 3u, t) : ql_cast(h.ctx, ql_dropout(h.ctx, x, 0.2f, seed, 3u), t);
+            REQUIRE(d != nullptr);
+            CHECK(d->type == t);
+            h.run(ql_cast(h.ctx, d, QL_TYPE_F32), 2);
+            out[fused] = h.output();
+            grad[fused] = h.grad(0);
+        }
+        CHECK(out[1] == out[0]);
+        CHECK(grad[1] == grad[0]);
+        int64_t zeros = 0;
+        for (double v : out[1]) zeros += v == 0;
+        CHECK(zeros > 100);  // ~20% of 1179 dropped
+        CHECK(zeros < 400);
+    }
+    {
+        Harness h;
+        ql_tensor *x = h.input(QL_TYPE_F32, {8, 2, 1, 1}, true);
+        ql_tensor *seed = ql_set_input(h.ints({1, 1, 1, 1}, {5}));
+        CHECK(ql_dropout_to(h.ctx, x, 0.2f, seed, 3u, QL_TYPE_Q8_0) == nullptr);
+        CHECK(std::string(ql_ctx_error(h.ctx)).find("result type q8_0") != std::string::npos);
     }
 
     // a forward-only graph, another context: the mask depends only on (seed, stream, index);
