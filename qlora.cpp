@@ -4068,7 +4068,6 @@ template <bool BACK> static void k_rope(const cpu_params &p, ql_tensor *dst) {
 static constexpr int FA_BQ = 64, FA_BK = 64;
 static constexpr int FA_G = VW >= 16 ? 4 : 2;  // rows handled together so each K/V load feeds G FMAs
 
-
 static inline const float *fa_row(const ql_tensor *t, int64_t i, int64_t h, int64_t b) {
     return (const float *)((const uint8_t *)t->data + i * t->nb[1] + h * t->nb[2] + b * t->nb[3]);
 }
@@ -4273,19 +4272,38 @@ static void fa_bf_zip_rows(int64_t len, int64_t n, const float *const *rows, uin
     for (int64_t p = 0; 2 * p < n; p++) fa_bf_zip(len, rows[2 * p], 2 * p + 1 < n ? rows[2 * p + 1] : nullptr, z + p * ld);
 }
 
+// Y[g] += sum_{j < nj} C[g*FA_BK + j] x[j] for a group's G rows: O += P V and dQ += dS K over a
+// key tile. f32: the tile's rows x; bf16: C's rows as pairs (Cw) against the tile's zipped rows XI.
+static void fa_rows_by_keys(bool bf, int64_t n, int64_t nj, const float *C, uint32_t *Cw, const uint32_t *XI,
+                            const float *const *x, float *const *Y) {
+    if (!bf) return rows_axpy_g<FA_G>(n, nj, C, FA_BK, 1, x, Y);
+    for (int g = 0; g < FA_G; g++) fa_bf_row(FA_BK, C + g * FA_BK, Cw + g * (FA_BK / 2));
+    fa_bf_axpy<FA_G>(n, (nj + 1) / 2, Cw, FA_BK / 2, 1, XI, n, Y);
+}
+
+// Y[g] += sum_{i < ni} C[i*FA_BK + g] x[i] for G keys: dV += P^T dO and dK += dS^T Q, the tile read by
+// column. f32: the query rows x; bf16: C zipped by query pairs (CI) against the zipped rows XI.
+static void fa_keys_by_rows(bool bf, int64_t n, int64_t ni, const float *C, const uint32_t *CI, const uint32_t *XI,
+                            const float *const *x, float *const *Y) {
+    if (bf) fa_bf_axpy<FA_G>(n, (ni + 1) / 2, CI, 1, FA_BK, XI, n, Y);
+    else rows_axpy_g<FA_G>(n, ni, C, 1, FA_BK, x, Y);
+}
+
+static bool fa_bf16(const ql_tensor *node) { return k_fa_bf16 && get_param<int32_t>(node, 1) == QL_TYPE_BF16; }
+
 static size_t fa_work(const ql_tensor *node) {
     const ql_tensor *q = node->src[0], *v = node->src[2];
     const size_t D = (size_t)q->ne[0], DV = (size_t)v->ne[0], G = FA_G, MX = std::max(D, DV);
-    if (node->op == QL_OP_FLASH_ATTN) return (D * FA_BK + G * FA_BK + FA_BQ * DV + 2 * FA_BQ + MX) * sizeof(float);
+    const size_t D2 = (D + 1) / 2, DV2 = (DV + 1) / 2;  // bf16 pairs (4 bytes) after the f32 layouts
+    const bool bf = fa_bf16(node);
+    if (node->op == QL_OP_FLASH_ATTN)  // KT, S, O, m, l, a dummy row; bf16: KTP, VI, Qw, Pw
+        return (D * FA_BK + G * FA_BK + FA_BQ * DV + 2 * FA_BQ + MX +
+                (bf ? D2 * FA_BK + FA_BK / 2 * DV + FA_BQ * D2 + G * FA_BK / 2 : 0)) * sizeof(float);
     const size_t a = D * FA_BK + DV * FA_BK + 2 * G * FA_BK + FA_BQ * D + 2 * FA_BQ + MX;
     const size_t b = D * FA_BQ + DV * FA_BQ + 2 * FA_BQ + 2 * G * FA_BQ + FA_BK * (D + DV) + MX;
     const size_t c = (size_t)(q->ne[1] * (q->ne[2] / node->src[1]->ne[2])) + (D + DV) * FA_BK + 2 * FA_BQ * FA_BK +
                      MX;  // the fused pass: rowsum(dO o O) of a head group first
-    if (!k_fa_bf16 || get_param<int32_t>(node, 1) != QL_TYPE_BF16) return std::max({a, b, c}) * sizeof(float);
-    const size_t D2 = (D + 1) / 2, DV2 = (DV + 1) / 2;  // bf16 pairs (4 bytes) after the f32 layouts
-    if (node->op == QL_OP_FLASH_ATTN)
-        return (D * FA_BK + G * FA_BK + FA_BQ * DV + 2 * FA_BQ + MX + D2 * FA_BK + FA_BK / 2 * DV + FA_BQ * D2 + G * FA_BK / 2) *
-               sizeof(float);
+    if (!bf) return std::max({a, b, c}) * sizeof(float);
     return (c + (D2 + DV2) * FA_BK + FA_BK / 2 * D + FA_BQ * (D2 + DV2) + FA_BQ / 2 * (D + DV) + G * FA_BK / 2 +
             FA_BQ * FA_BK) * sizeof(float);
 }
@@ -4310,7 +4328,7 @@ static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
     float *lse = (float *)ql_aux_data(dst);
     float *KT = (float *)p.wdata, *S = KT + D * FA_BK, *O = S + FA_G * FA_BK, *m = O + FA_BQ * DV, *l = m + FA_BQ;
     float *dummy = l + FA_BQ;
-    const bool bf = k_fa_bf16 && get_param<int32_t>(dst, 1) == QL_TYPE_BF16;
+    const bool bf = fa_bf16(dst);
     const int64_t D2 = (D + 1) / 2;  // bf16: pairs (fa_work's layout)
     uint32_t *KTP = (uint32_t *)(dummy + std::max(D, DV)), *VI = KTP + D2 * FA_BK, *Qw = VI + FA_BK / 2 * DV, *Pw = Qw + FA_BQ * D2;
     for (int64_t it = p.ith; it < B * H * nqb; it += p.nth) {
@@ -4366,12 +4384,7 @@ static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
                     m[ii] = mnew;
                     jmax = std::max(jmax, jl);
                 }
-                if (bf) {  // O += P V
-                    for (int g = 0; g < FA_G; g++) fa_bf_row(FA_BK, S + g * FA_BK, Pw + g * (FA_BK / 2));
-                    fa_bf_axpy<FA_G>(DV, (jmax + 1) / 2, Pw, FA_BK / 2, 1, VI, DV, grp.out);
-                } else {
-                    rows_axpy_g<FA_G>(DV, jmax, S, FA_BK, 1, vrows, grp.out);
-                }
+                fa_rows_by_keys(bf, DV, jmax, S, Pw, VI, vrows, grp.out);  // O += P V
             }
         }
         for (int64_t ii = 0; ii < nq; ii++) {
@@ -4402,7 +4415,7 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
     auto masked = [&](int64_t i, int64_t j, int64_t b) {
         return j > i + off || (sg && sg[b * Tk + j] != sg[b * Tk + i + off]);
     };
-    const bool bf = k_fa_bf16 && get_param<int32_t>(dst, 1) == QL_TYPE_BF16;
+    const bool bf = fa_bf16(dst);
     if (bf || fa_back_fused(B * Hkv, p.nth)) {  // FlashAttention-2's single pass: 5 products a tile (bf16: always)
         float *DdAll = (float *)p.wdata;  // [Tq, rep] rowsum(dO o O) of the item's query heads
         float *KT = DdAll + rep * Tq, *VT = KT + D * FA_BK, *P = VT + DV * FA_BK, *DS = P + FA_BQ * FA_BK;  // P, dS [FA_BQ][FA_BK]
@@ -4487,12 +4500,7 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                                 std::fill(dp + jl, dp + FA_BK, 0.0f);
                                 jmax = std::max(jmax, jl);
                             }
-                            if (bf) {  // dQ += dS K
-                                for (int g = 0; g < FA_G; g++) fa_bf_row(FA_BK, DP + g * FA_BK, dSw + g * (FA_BK / 2));
-                                fa_bf_axpy<FA_G>(D, (jmax + 1) / 2, dSw, FA_BK / 2, 1, KI, D, gq.out);
-                            } else {
-                                rows_axpy_g<FA_G>(D, jmax, DP, FA_BK, 1, krows, gq.out);
-                            }
+                            fa_rows_by_keys(bf, D, jmax, DP, dSw, KI, krows, gq.out);  // dQ += dS K
                         }
                         if (bf) {  // P and dS zipped by query pairs, for the sums over queries
                             const float *pr[FA_BQ], *sr[FA_BQ];
@@ -4506,13 +4514,8 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                                 ok[g] = g0 + g < nk ? dkb + (j0 + g0 + g) * D : dummy;
                                 ov[g] = g0 + g < nk ? dvb + (j0 + g0 + g) * DV : dummy;
                             }
-                            if (bf) {
-                                fa_bf_axpy<FA_G>(DV, (nq + 1) / 2, PI + g0, 1, FA_BK, dOI, DV, ov);
-                                fa_bf_axpy<FA_G>(D, (nq + 1) / 2, DSI + g0, 1, FA_BK, QI, D, ok);
-                            } else {
-                                rows_axpy_g<FA_G>(DV, nq, P + g0, 1, FA_BK, orows, ov);
-                                rows_axpy_g<FA_G>(D, nq, DS + g0, 1, FA_BK, qrows, ok);
-                            }
+                            fa_keys_by_rows(bf, DV, nq, P + g0, PI + g0, dOI, orows, ov);
+                            fa_keys_by_rows(bf, D, nq, DS + g0, DSI + g0, QI, qrows, ok);
                         }
                     }
                 }
