@@ -30,6 +30,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <map>
 #include <mutex>
 #include <set>
 #include <string>
@@ -2383,6 +2384,7 @@ struct grad_builder {
     ql_context *ctx;
     std::unordered_set<const ql_tensor *> needs;              // leads to a trainable param
     std::unordered_map<const ql_tensor *, ql_tensor *> grad;  // summed contributions so far
+    std::map<std::pair<const ql_tensor *, int>, ql_tensor *> casts;  // (gradient, type) -> its one cast
 
     bool wants(const ql_tensor *t) const { return t && needs.count(t); }
 
@@ -2390,6 +2392,15 @@ struct grad_builder {
         return (!t || ql_rows_contiguous(t)) ? t : ql_cont(ctx, t);
     }
     ql_tensor *contiguous(ql_tensor *t) { return (!t || ql_is_contiguous(t)) ? t : ql_cont(ctx, t); }
+
+    // a gradient rounded to a 16-bit type, made once: y = W x + B(s A x) hands the same dy to
+    // both multiplies, and each wants it in x's type
+    ql_tensor *cast(ql_tensor *t, ql_type type) {
+        if (!t || t->type == type) return t;
+        ql_tensor *&c = casts[{t, (int)type}];
+        if (!c) c = ql_cast(ctx, dense(t), type);
+        return c;
+    }
 
     // A tensor used by several consumers gets the sum of their contributions.
     void add(ql_tensor *src, ql_tensor *g) {
@@ -2458,10 +2469,17 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
         // (a block-quantized frozen `a` is transposed as a view only mul_mat reads: dx = dy W).
         // A 16-bit b made it a 16-bit multiply: so are both of backward's, dc rounded to b's type
         // (where fp16 gradients underflow or overflow: what loss scaling is for); sums stay f32.
-        ql_tensor *dc = b->type == QL_TYPE_F32 ? dy : ql_cast(ctx, gb.dense(dy), b->type);
+        ql_tensor *dc = b->type == QL_TYPE_F32 ? dy : gb.cast(dy, b->type);
         if (gb.wants(a)) {
-            ql_tensor *da = ql_mul_mat(ctx, ql_transpose(ctx, b), ql_transpose(ctx, dc));  // [K, M, B2, B3]
-            if (da && !ql_same_shape(da, a)) da = ql_reduce_to(ctx, da, a, true);          // a was broadcast
+            ql_tensor *bb = b, *dd = dc;
+            if (a->ne[2] * a->ne[3] == 1 && b->ne[2] * b->ne[3] > 1 && dc && ql_is_contiguous(b) && ql_is_contiguous(dc)) {
+                // one matrix for all batches (a LoRA factor): its gradient is one multiply over
+                // every token, K = N B2 B3, not a multiply per batch and a reduction after
+                bb = ql_reshape_2d(ctx, b, b->ne[0], ql_nelements(b) / b->ne[0]);    // [K, N B2 B3]
+                dd = ql_reshape_2d(ctx, dc, dc->ne[0], ql_nelements(dc) / dc->ne[0]);  // [M, N B2 B3]
+            }
+            ql_tensor *da = ql_mul_mat(ctx, ql_transpose(ctx, bb), ql_transpose(ctx, dd));  // [K, M, B2, B3]
+            if (da && !ql_same_shape(da, a)) da = ql_reduce_to(ctx, da, a, true);            // a was broadcast
             gb.add(a, da);
         }
         if (gb.wants(b)) gb.add(b, ql_mul_mat(ctx, ql_transpose(ctx, a), gb.dense(dc)));  // [K, N, B2, B3]
@@ -2546,7 +2564,7 @@ ql_graph *ql_graph_backward(ql_context *ctx, const ql_graph *gf, ql_tensor *loss
         QL_ERR(ctx, QL_ERR_SHAPE, "graph_backward: the loss %s must be a single f32", shape_str(loss).c_str());
         return nullptr;
     }
-    grad_builder gb{ctx, {}, {}};
+    grad_builder gb{ctx, {}, {}, {}};
     for (ql_tensor *l : gf->leafs) {
         if (!(l->flags & QL_FLAG_PARAM)) continue;
         if (l->type != QL_TYPE_F32) {
@@ -4965,6 +4983,61 @@ static void mm_dot(const mm_operand &w, const mm_operand &x, float *c, int64_t l
     }
 }
 
+// The transposed gather of a 16-bit X block: rows [0, mc) of an operand stored mn-contiguous
+// (element (k, r) at p + k sk + 2r: dy^T in a weight's gradient) as k-pair dwords, dst[r ld + q] =
+// x(2q, r) | x(2q + 1, r) << 16 for q < np - the layout both bf16 kernels read. 16 x 16 dword
+// blocks are made from 32 source rows and transposed in registers; the edges element by element.
+static void mm_gather_pairs(const uint8_t *p, int64_t sk, int64_t mc, int64_t np, uint32_t *dst, int64_t ld) {
+    auto pair = [&](int64_t q, int64_t r) {
+        uint16_t lo, hi;
+        memcpy(&lo, p + 2 * q * sk + 2 * r, 2);
+        memcpy(&hi, p + (2 * q + 1) * sk + 2 * r, 2);
+        return lo | (uint32_t)hi << 16;
+    };
+    int64_t r0 = 0;
+#if defined(__AVX512F__)
+    // transpose by swapping off-diagonal b x b blocks, b = 8, 4, 2, 1: for rows i (bit b clear) and
+    // i + b, row i takes row i+b's low half of each 2b block into its high half, and back
+    __m512i lo_idx[4], hi_idx[4];
+    for (int s = 0; s < 4; s++) {
+        const int b = 8 >> s;
+        alignas(64) int32_t l[16], h[16];
+        for (int j = 0; j < 16; j++) {
+            l[j] = (j & b) ? 16 + j - b : j;
+            h[j] = (j & b) ? 16 + j : j + b;
+        }
+        lo_idx[s] = _mm512_load_si512(l);
+        hi_idx[s] = _mm512_load_si512(h);
+    }
+    for (; r0 + 16 <= mc; r0 += 16) {
+        int64_t q0 = 0;
+        for (; q0 + 16 <= np; q0 += 16) {
+            __m512i v[16];  // v[q] = the pairs of rows r0 .. r0+15 at pair q0 + q
+            for (int q = 0; q < 16; q++) {
+                const uint8_t *a = p + 2 * (q0 + q) * sk + 2 * r0;
+                const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)a));
+                const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + sk)));
+                v[q] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+            }
+            for (int s = 0; s < 4; s++) {
+                const int b = 8 >> s;
+                for (int i = 0; i < 16; i++) {
+                    if (i & b) continue;
+                    const __m512i x = v[i], y = v[i + b];
+                    v[i]     = _mm512_permutex2var_epi32(x, lo_idx[s], y);
+                    v[i + b] = _mm512_permutex2var_epi32(x, hi_idx[s], y);
+                }
+            }
+            for (int r = 0; r < 16; r++) _mm512_storeu_si512(dst + (r0 + r) * ld + q0, v[r]);
+        }
+        for (int64_t r = r0; r < r0 + 16; r++)
+            for (int64_t q = q0; q < np; q++) dst[r * ld + q] = pair(q, r);
+    }
+#endif
+    for (int64_t r = r0; r < mc; r++)
+        for (int64_t q = 0; q < np; q++) dst[r * ld + q] = pair(q, r);
+}
+
 // bf16 x bf16 on AMX tiles (Intel AMX-BF16): where b is bf16 and K a multiple of 32. The W
 // block is packed as for the f32 path, then rounded into k-pair dwords in place (bf16(W[k][j])
 // low, bf16(W[k+1][j]) high: the B-tile layout, 16 pairs x 16 columns a tile); X rows are
@@ -5012,6 +5085,8 @@ static void mm_amx(const mm_operand &w, const mm_operand &x, float *c, int64_t l
                 const int64_t mc = std::min<int64_t>(MM_MC, ie - ic), mp = (mc + 31) / 32 * 32;
                 if (x.sk == 2) {  // k-contiguous rows: copies
                     for (int64_t r = 0; r < mc; r++) memcpy(xb + r * kc, x.p + (ic + r) * x.smn + pc * 2, (size_t)kc * 2);
+                } else if (x.smn == 2) {  // mn-contiguous: the transposed gather
+                    mm_gather_pairs(x.p + pc * x.sk + ic * 2, x.sk, mc, kc / 2, (uint32_t *)xb, kc / 2);
                 } else {
                     for (int64_t k = 0; k < kc; k++)
                         for (int64_t r = 0; r < mc; r++) memcpy(xb + r * kc + k, x.p + (pc + k) * x.sk + (ic + r) * x.smn, 2);
@@ -5122,6 +5197,32 @@ static void mm_pair_panel(float *d, int64_t kc) {
     }
 }
 
+// a bf16 W block stored mn-contiguous (u^T, x^T in a LoRA factor's gradient) straight into the
+// [kc/2 x NR] k-pair panels: the pairs are two rows' values side by side, no f32 round trip
+static void mm_pack_pairs_t(const mm_operand &w, int64_t k0, int64_t kc, int64_t mn0, int64_t nc, uint32_t *d) {
+    for (int64_t jp = 0; jp < nc; jp += MM_NR) {
+        const int64_t nr = std::min<int64_t>(MM_NR, nc - jp);
+        uint32_t *panel = d + jp * kc;  // kc/2 rows of NR dwords
+        for (int64_t q = 0; 2 * q < kc; q++) {
+            const uint8_t *a = w.p + (k0 + 2 * q) * w.sk + (mn0 + jp) * 2, *b = a + w.sk;
+            uint32_t *o = panel + q * MM_NR;
+            if (nr == MM_NR) {
+                for (int v = 0; v < MM_NR; v += 16) {
+                    const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + 2 * v)));
+                    const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(b + 2 * v)));
+                    _mm512_storeu_si512(o + v, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+                }
+                continue;
+            }
+            for (int64_t j = 0; j < MM_NR; j++) {
+                uint16_t l = 0, h = 0;
+                if (j < nr) memcpy(&l, a + 2 * j, 2), memcpy(&h, b + 2 * j, 2);
+                o[j] = l | (uint32_t)h << 16;
+            }
+        }
+    }
+}
+
 static void mm_dp(const mm_operand &w, const mm_operand &x, float *c, int64_t ldc, int64_t K, int64_t ib, int64_t ie,
                   int64_t jb, int64_t je, float *work, const mm_layout &L) {
     float *wbuf = work, *tmp = work + L.tmp;
@@ -5130,21 +5231,29 @@ static void mm_dp(const mm_operand &w, const mm_operand &x, float *c, int64_t ld
         const int64_t nc = std::min<int64_t>(MM_NC, je - jc);
         for (int64_t pc = 0; pc < K; pc += MM_KC) {
             const int64_t kc = std::min<int64_t>(MM_KC, K - pc), np = kc / 2;  // K even: kc even
-            mm_pack_w(w, pc, kc, jc, nc, wbuf, tmp);
-            for (int64_t jp = 0; jp < nc; jp += MM_NR) mm_pair_panel(wbuf + jp * kc, kc);
+            if (w.type == QL_TYPE_BF16 && !w.trows && w.smn == 2) {
+                mm_pack_pairs_t(w, pc, kc, jc, nc, (uint32_t *)wbuf);
+            } else {
+                mm_pack_w(w, pc, kc, jc, nc, wbuf, tmp);
+                for (int64_t jp = 0; jp < nc; jp += MM_NR) mm_pair_panel(wbuf + jp * kc, kc);
+            }
             for (int64_t ic = ib; ic < ie; ic += MM_MC) {
                 const int64_t mc = std::min<int64_t>(MM_MC, ie - ic);
-                for (int64_t r = 0; r < mc; r++) {
-                    uint32_t *xp = xb + r * (MM_KC / 2);
-                    const uint8_t *row = x.p + (ic + r) * x.smn + pc * x.sk;
-                    if (x.sk == 2) {  // k-contiguous: the pairs are the row's dwords
-                        memcpy(xp, row, (size_t)kc * 2);
-                    } else {
-                        for (int64_t p = 0; p < np; p++) {
-                            uint16_t lo, hi;
-                            memcpy(&lo, row + 2 * p * x.sk, 2);
-                            memcpy(&hi, row + (2 * p + 1) * x.sk, 2);
-                            xp[p] = lo | (uint32_t)hi << 16;
+                if (x.sk != 2 && x.smn == 2) {  // mn-contiguous (dy^T): the transposed gather
+                    mm_gather_pairs(x.p + pc * x.sk + ic * 2, x.sk, mc, np, xb, MM_KC / 2);
+                } else {
+                    for (int64_t r = 0; r < mc; r++) {
+                        uint32_t *xp = xb + r * (MM_KC / 2);
+                        const uint8_t *row = x.p + (ic + r) * x.smn + pc * x.sk;
+                        if (x.sk == 2) {  // k-contiguous: the pairs are the row's dwords
+                            memcpy(xp, row, (size_t)kc * 2);
+                        } else {
+                            for (int64_t p = 0; p < np; p++) {
+                                uint16_t lo, hi;
+                                memcpy(&lo, row + 2 * p * x.sk, 2);
+                                memcpy(&hi, row + (2 * p + 1) * x.sk, 2);
+                                xp[p] = lo | (uint32_t)hi << 16;
+                            }
                         }
                     }
                 }

@@ -736,6 +736,10 @@ TEST_CASE("mul_mat f32") {
     check_mul_mat("mul_mat batched, a broadcast (A2=2 B2=6, A3=B3=3)", {11, 13, 5, 2, 3, 6, 3, false, false});
     check_mul_mat("mul_mat batched, a broadcast (A2=2 B2=4, A3=1 B3=3)", {11, 13, 5, 2, 1, 4, 3, false, false});
     check_mul_mat("mul_mat batched, a transposed", {11, 7, 5, 1, 3, 3, 3, true, false});
+    // one a for every batch: da is one multiply over all N B2 B3 columns (b contiguous), or
+    // per batch then summed (b a transposed view)
+    check_mul_mat("mul_mat batched, a one matrix (A2=A3=1 B2=4 B3=3)", {11, 13, 5, 1, 1, 4, 3, false, false});
+    check_mul_mat("mul_mat batched, a one matrix, b transposed", {11, 13, 5, 1, 1, 4, 3, false, true});
 }
 
 TEST_CASE("mul_mat with an F16 / BF16 a") {
@@ -754,20 +758,21 @@ TEST_CASE("mul_mat with an F16 / BF16 b: a 16-bit multiply, forward and backward
     // y = a . cast(x, T): a (f32, or NF4-dequantised) is rounded to T as it is packed, products
     // sum in f32. Backward does the same: dy rounded to T, then da = x_T dy_T, dx = a_T dy_T.
     // References in double from independently rounded values.
-    struct C { ql_type t; int64_t K, M, N; };
+    struct C { ql_type t; int64_t K, M, N, B = 1; };  // B: batches of x (a shared: da sums over them)
     // (bf16 with K a multiple of 32 and N >= 16 runs on AMX tiles where the processor has them:
     // K 256 forward, and K = N = 96 for da; 77 tokens leave partial tiles; with K even, on
     // AVX512-BF16's pair dots where it has those: K 258 is one of them everywhere)
     for (const C c : {C{QL_TYPE_BF16, 67, 37, 100}, C{QL_TYPE_F16, 67, 37, 100}, C{QL_TYPE_BF16, 300, 45, 3},
                       C{QL_TYPE_F16, 33, 131, 70}, C{QL_TYPE_BF16, 256, 45, 96}, C{QL_TYPE_BF16, 128, 37, 77},
-                      C{QL_TYPE_BF16, 544, 1100, 40}, C{QL_TYPE_BF16, 258, 70, 100}}) {
+                      C{QL_TYPE_BF16, 544, 1100, 40}, C{QL_TYPE_BF16, 258, 70, 100}, C{QL_TYPE_BF16, 70, 21, 36, 3},
+                      C{QL_TYPE_F16, 30, 40, 28, 4}}) {
         Vec first[3];  // y, da, dx at 1 thread: 3 threads must give the same bits
         for (int nt : {1, 3}) {
-            INFO(ql_type_name(c.t) << " K " << c.K << " M " << c.M << " N " << c.N << ", " << nt << " threads");
+            INFO(ql_type_name(c.t) << " K " << c.K << " M " << c.M << " N " << c.N << " B " << c.B << ", " << nt << " threads");
             const auto rnd = [&](double v) { return c.t == QL_TYPE_BF16 ? round_bf16((float)v) : round_f16((float)v); };
             Harness h;
             ql_tensor *a = h.input(QL_TYPE_F32, {c.K, c.M, 1, 1}, true);
-            ql_tensor *x = h.input(QL_TYPE_F32, {c.K, c.N, 1, 1}, true);
+            ql_tensor *x = h.input(QL_TYPE_F32, {c.K, c.N / c.B, c.B, 1}, true);  // N tokens in B batches
             ql_tensor *xc = ql_cast(h.ctx, x, c.t);
             h.run(ql_mul_mat(h.ctx, a, xc), nt);
             const Vec &av = h.in_v[0], &xv = h.in_v[1];
