@@ -411,6 +411,11 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
     float *C = (float *)node->data;
     const int64_t sC = M * N;  // per batch of the result
     uint8_t *ws = c.work;
+    // ql_mul_mat_acc: C starts as c (unless written over it in place), and every GEMM adds to it
+    const ql_tensor *acc = node->src[2];
+    if (acc && acc->data != node->data)
+        CU_CHECK(c, cudaMemcpyAsync(C, acc->data, ql_nbytes(node), cudaMemcpyDeviceToDevice, c.stream));
+    const float beta0 = acc ? 1.0f : 0.0f;  // the first GEMM's beta over C
 
     // B: in place, or copied contiguous (K x N per batch) into the workspace
     const char *bp = (const char *)b->data;
@@ -446,7 +451,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
             const cu_operand A{(const char *)ws, CUBLAS_OP_N, M, true};
             for (int64_t i3 = 0; i3 < B3; i3++) {
                 const cu_operand B = b_at(0, i3, k0, kt);
-                cu_gemm(c, ct, A, 0, B, bnb2 / (int64_t)es, C + i3 * B2 * sC, M, sC, M, N, kt, (int)B2, k0 ? 1.0f : 0.0f);
+                cu_gemm(c, ct, A, 0, B, bnb2 / (int64_t)es, C + i3 * B2 * sC, M, sC, M, N, kt, (int)B2, k0 ? 1.0f : beta0);
                 if (c.failed) return;
             }
         }
@@ -481,7 +486,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
                 for (int64_t j3 = 0; j3 < r3; j3++) {
                     const int64_t i3 = ia3 * r3 + j3;
                     const cu_operand B = b_at(ia2 * r2, i3, 0, K);
-                    cu_gemm(c, ct, A, 0, B, bnb2 / (int64_t)es, C + (i3 * B2 + ia2 * r2) * sC + m0, M, sC, mt, N, K, (int)r2, 0.0f);
+                    cu_gemm(c, ct, A, 0, B, bnb2 / (int64_t)es, C + (i3 * B2 + ia2 * r2) * sC + m0, M, sC, mt, N, K, (int)r2, beta0);
                     if (c.failed) return;
                 }
             }
@@ -491,6 +496,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
 static bool cu_mm_supported(const ql_tensor *node, int cc) {
     const ql_tensor *a = node->src[0], *b = node->src[1];
     if (!is_float_type_cu(b->type) || node->type != QL_TYPE_F32) return false;
+    if (node->src[2] && (node->src[2]->type != QL_TYPE_F32 || !ql_is_contiguous(node->src[2]))) return false;
     if (b->type == QL_TYPE_BF16 && cc < 80) return false;  // cuBLAS has no bf16 GEMM before Ampere
     if (ql_cuda_mm_b_direct(b) && (b->nb[2] % type_size_cu(b->type) || b->nb[3] % type_size_cu(b->type))) return false;
     const ql_type_traits *t = ql_type_traits_get(a->type);

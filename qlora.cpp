@@ -2027,6 +2027,16 @@ ql_tensor *ql_mul_mat(ql_context *ctx, ql_tensor *a, ql_tensor *b) {
     return new_op(ctx, QL_OP_MUL_MAT, QL_TYPE_F32, ne, {a, b});
 }
 
+ql_tensor *ql_mul_mat_acc(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor *c) {
+    if (!srcs_ok(ctx, "mul_mat_acc", {a, b, c})) return nullptr;
+    ql_tensor *y = ql_mul_mat(ctx, a, b);  // the checks of a and b, and the result's shape
+    if (!y) return nullptr;
+    QL_CHECK(ctx, c->type == QL_TYPE_F32 && ql_same_shape(c, y) && ql_is_contiguous(c), QL_ERR_SHAPE,
+             "mul_mat_acc: c %s must be contiguous f32 shaped as the product %s", shape_str(c).c_str(), shape_str(y).c_str());
+    y->src[2] = c;  // the same node: the kernels start from c instead of zero
+    return y;
+}
+
 ql_tensor *ql_get_rows(ql_context *ctx, ql_tensor *a, ql_tensor *ids) {
     if (!srcs_ok(ctx, "get_rows", {a, ids})) return nullptr;
     QL_CHECK(ctx, ids->type == QL_TYPE_I32, QL_ERR_TYPE, "get_rows: ids %s must be i32", shape_str(ids).c_str());
@@ -2483,6 +2493,7 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
             gb.add(a, da);
         }
         if (gb.wants(b)) gb.add(b, ql_mul_mat(ctx, ql_transpose(ctx, a), gb.dense(dc)));  // [K, N, B2, B3]
+        gb.add(node->src[2], dy);  // ql_mul_mat_acc: c passes dy through, as an add
         break;
     }
     case QL_OP_GET_ROWS:  // y[:, n] = a[:, ids[n]]: scatter-add dy's rows back
@@ -2959,6 +2970,8 @@ static int inplace_src(const ql_tensor *node) {
         return node->type == node->src[0]->type ? 0 : -1;
     case QL_OP_SILU_BACK: case QL_OP_RMS_NORM_BACK:
         return 1;  // over dy
+    case QL_OP_MUL_MAT:  // ql_mul_mat_acc: each element of c is read by the tile that then writes it
+        return node->src[2] ? 2 : -1;
     default:
         return -1;
     }
@@ -4848,15 +4861,17 @@ static void mm_pack_w(const mm_operand &w, int64_t k0, int64_t kc, int64_t mn0, 
         mm_pack(w, k0, kc, mn0 + jp, (int)std::min<int64_t>(MM_NR, nc - jp), MM_NR, d + jp * kc, tmp);
 }
 
-// C[R x NR] (+)= Xp[kc x R] . Wp[kc x NR]; only the first nr columns of C are real
+// C[R x NR] (+)= Xp[kc x R] . Wp[kc x NR]; only the first nr columns of C are real. acc: C holds
+// the sum of earlier K blocks; else ci (ql_mul_mat_acc's c, laid out as C; may be C) is added.
 template <int R>
-static void mm_kernel(int64_t kc, const float *xp, const float *wp, float *c, int64_t ldc, int nr, bool acc) {
+static void mm_kernel(int64_t kc, const float *xp, const float *wp, float *c, const float *ci, int64_t ldc, int nr, bool acc) {
     vf s[R][MM_NV];
     for (int r = 0; r < R; r++)
         for (int v = 0; v < MM_NV; v++) s[r][v] = vf_zero();
-    if (acc)  // the C tile is added to at the end: ask for it now, it comes while the loop runs
+    const float *add = acc ? c : ci;  // what the sums are added to: earlier K blocks, c, or nothing
+    if (add)  // the tile is added to at the end: ask for it now, it comes while the loop runs
         for (int r = 0; r < R; r++)
-            for (int v = 0; v < MM_NR; v += 16) __builtin_prefetch(c + r * ldc + v, 0, 3);
+            for (int v = 0; v < MM_NR; v += 16) __builtin_prefetch(add + r * ldc + v, 0, 3);
     for (int64_t k = 0; k < kc; k++) {
         vf w[MM_NV];
         for (int v = 0; v < MM_NV; v++) w[v] = vf_load(wp + k * MM_NR + v * VW);
@@ -4868,20 +4883,19 @@ static void mm_kernel(int64_t kc, const float *xp, const float *wp, float *c, in
     if (nr == MM_NR) {
         for (int r = 0; r < R; r++)
             for (int v = 0; v < MM_NV; v++) {
-                float *cp = c + r * ldc + v * VW;
-                vf_store(cp, acc ? vf_add(vf_load(cp), s[r][v]) : s[r][v]);
+                const int64_t o = r * ldc + v * VW;
+                vf_store(c + o, add ? vf_add(vf_load(add + o), s[r][v]) : s[r][v]);
             }
         return;
     }
     float t[MM_NR];
     for (int r = 0; r < R; r++) {
         for (int v = 0; v < MM_NV; v++) vf_store(t + v * VW, s[r][v]);
-        float *cp = c + r * ldc;
-        for (int j = 0; j < nr; j++) cp[j] = acc ? cp[j] + t[j] : t[j];
+        for (int j = 0; j < nr; j++) c[r * ldc + j] = add ? add[r * ldc + j] + t[j] : t[j];
     }
 }
 
-typedef void (*mm_kernel_fn)(int64_t, const float *, const float *, float *, int64_t, int, bool);
+typedef void (*mm_kernel_fn)(int64_t, const float *, const float *, float *, const float *, int64_t, int, bool);
 template <int... I> static constexpr std::array<mm_kernel_fn, sizeof...(I) + 1> mm_kernel_table(std::integer_sequence<int, I...>) {
     return {{nullptr, mm_kernel<I + 1>...}};
 }
@@ -4898,17 +4912,18 @@ static mm_layout mm_layout_of(int64_t M, int64_t N, int64_t K) {
     const size_t mc = (size_t)std::min<int64_t>(MM_MC, round_up(N, MM_MR));
     mm_layout L;
     L.xbuf  = nc * kc;
-    L.tmp   = L.xbuf + mc * kc;
+    L.tmp   = L.xbuf + mc * std::max<size_t>(kc, MM_KC / 2);  // the f32 X block, or mm_dp's rows of KC/2 dwords
     L.total = L.tmp + (size_t)std::max<int64_t>(8 * MM_KC, 4 * K) + 64;  // 8 converted runs, or 4 whole rows
     return L;
 }
 
 // rows [ib, ie) x columns [jb, je) of C, packed path
-static void mm_packed(const mm_operand &w, const mm_operand &x, float *c, int64_t ldc, int64_t K, int64_t ib,
-                      int64_t ie, int64_t jb, int64_t je, float *work, const mm_layout &L) {
+static void mm_packed(const mm_operand &w, const mm_operand &x, float *c, const float *ci, int64_t ldc, int64_t K,
+                      int64_t ib, int64_t ie, int64_t jb, int64_t je, float *work, const mm_layout &L) {
     float *wbuf = work, *xbuf = work + L.xbuf, *tmp = work + L.tmp;
     if (K == 0) {
-        for (int64_t i = ib; i < ie; i++) std::fill(c + i * ldc + jb, c + i * ldc + je, 0.0f);
+        for (int64_t i = ib; i < ie; i++)
+            for (int64_t j = jb; j < je; j++) c[i * ldc + j] = ci ? ci[i * ldc + j] : 0.0f;
         return;
     }
     for (int64_t jc = jb; jc < je; jc += MM_NC) {
@@ -4927,7 +4942,8 @@ static void mm_packed(const mm_operand &w, const mm_operand &x, float *c, int64_
                     const int nr = (int)std::min<int64_t>(MM_NR, nc - jr);
                     for (int64_t ir = 0; ir < mc; ir += MM_MR) {
                         const int mr = (int)std::min<int64_t>(MM_MR, mc - ir);
-                        k_mm_kernels[(size_t)mr](kc, xbuf + ir * kc, wbuf + jr * kc, c + (ic + ir) * ldc + jc + jr, ldc,
+                        const int64_t o = (ic + ir) * ldc + jc + jr;
+                        k_mm_kernels[(size_t)mr](kc, xbuf + ir * kc, wbuf + jr * kc, c + o, ci ? ci + o : nullptr, ldc,
                                                  nr, pc > 0);
                     }
                 }
@@ -4939,7 +4955,7 @@ static void mm_packed(const mm_operand &w, const mm_operand &x, float *c, int64_
 // columns [jb, je) for all N rows: W rows dotted with X rows (both k-contiguous). A tile of
 // 4 W rows x 4 X rows shares every load between four dot products.
 template <int NJ, int NI>
-static inline void mm_dot_tile(int64_t K, const float *const *wr, const float *const *xr, float *c, int64_t ldc) {
+static inline void mm_dot_tile(int64_t K, const float *const *wr, const float *const *xr, float *c, const float *ci, int64_t ldc) {
     vf s[NI][NJ];
     for (int i = 0; i < NI; i++)
         for (int j = 0; j < NJ; j++) s[i][j] = vf_zero();
@@ -4956,12 +4972,12 @@ static inline void mm_dot_tile(int64_t K, const float *const *wr, const float *c
         for (int j = 0; j < NJ; j++) {
             float r = vf_hsum(s[i][j]);
             for (int64_t kk = k; kk < K; kk++) r += xr[i][kk] * wr[j][kk];
-            c[i * ldc + j] = r;
+            c[i * ldc + j] = ci ? ci[i * ldc + j] + r : r;
         }
 }
 
-static void mm_dot(const mm_operand &w, const mm_operand &x, float *c, int64_t ldc, int64_t K, int64_t N, int64_t jb,
-                   int64_t je, float *work, const mm_layout &L) {
+static void mm_dot(const mm_operand &w, const mm_operand &x, float *c, const float *ci, int64_t ldc, int64_t K, int64_t N,
+                   int64_t jb, int64_t je, float *work, const mm_layout &L) {
     float *tmp = work + L.tmp;  // [4, K]
     constexpr int T = 4;
     for (int64_t j = jb; j < je; j += T) {
@@ -4973,11 +4989,13 @@ static void mm_dot(const mm_operand &w, const mm_operand &x, float *c, int64_t l
             const float *xr[T];
             for (int q = 0; q < ni; q++) xr[q] = (const float *)(x.p + (i + q) * x.smn);
             float *cp = c + i * ldc + j;
+            const float *cip = ci ? ci + i * ldc + j : nullptr;
             if (nj == T && ni == T) {
-                mm_dot_tile<T, T>(K, wr, xr, cp, ldc);
+                mm_dot_tile<T, T>(K, wr, xr, cp, cip, ldc);
             } else {
                 for (int a = 0; a < ni; a++)
-                    for (int b = 0; b < nj; b++) mm_dot_tile<1, 1>(K, wr + b, xr + a, cp + a * ldc + b, ldc);
+                    for (int b = 0; b < nj; b++)
+                        mm_dot_tile<1, 1>(K, wr + b, xr + a, cp + a * ldc + b, cip ? cip + a * ldc + b : nullptr, ldc);
             }
         }
     }
@@ -5067,8 +5085,8 @@ struct mm_tilecfg {
     uint8_t rows[16];
 };
 
-static void mm_amx(const mm_operand &w, const mm_operand &x, float *c, int64_t ldc, int64_t K, int64_t ib, int64_t ie,
-                   int64_t jb, int64_t je, float *work, const mm_layout &L) {
+static void mm_amx(const mm_operand &w, const mm_operand &x, float *c, const float *ci, int64_t ldc, int64_t K, int64_t ib,
+                   int64_t ie, int64_t jb, int64_t je, float *work, const mm_layout &L) {
     float *wbuf = work, *tmp = work + L.tmp;
     uint16_t *xb = (uint16_t *)(work + L.xbuf);  // [round_up(mc, 32), kc] bf16: fits the f32 X block's room
     mm_tilecfg cfg = {};
@@ -5116,9 +5134,9 @@ static void mm_amx(const mm_operand &w, const mm_operand &x, float *c, int64_t l
                         _tile_stored(3, tmp + 528, 128);
                         const int64_t rows = std::min<int64_t>(32, mc - ir), cols = std::min<int64_t>(MM_NR, nc - jr);
                         for (int64_t r = 0; r < rows; r++) {
-                            float *cp = c + (ic + ir + r) * ldc + jc + jr;
-                            const float *t = tmp + r * 32;
-                            for (int64_t j = 0; j < cols; j++) cp[j] = pc > 0 ? cp[j] + t[j] : t[j];
+                            const int64_t o = (ic + ir + r) * ldc + jc + jr;
+                            const float *t = tmp + r * 32, *add = pc > 0 ? c + o : ci ? ci + o : nullptr;
+                            for (int64_t j = 0; j < cols; j++) c[o + j] = add ? add[j] + t[j] : t[j];
                         }
                     }
             }
@@ -5129,8 +5147,8 @@ static void mm_amx(const mm_operand &w, const mm_operand &x, float *c, int64_t l
 static_assert(MM_NR == 32 && MM_KC % 32 == 0, "AMX: a 32-column panel is two B tiles");
 #else
 static bool mm_amx_ready() { return false; }
-static void mm_amx(const mm_operand &, const mm_operand &, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                   float *, const mm_layout &) {}
+static void mm_amx(const mm_operand &, const mm_operand &, float *, const float *, int64_t, int64_t, int64_t, int64_t,
+                   int64_t, int64_t, float *, const mm_layout &) {}
 #endif
 
 // bf16 x bf16 with AVX512-BF16's pair dot products (vdpbf16ps: AMD Zen 4 and later, Intel Cooper
@@ -5144,13 +5162,15 @@ static void mm_amx(const mm_operand &, const mm_operand &, float *, int64_t, int
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 static constexpr bool k_mm_dp = true;
 template <int R>
-static void mm_dp_kernel(int64_t np, const uint32_t *xp, const uint32_t *wp, float *c, int64_t ldc, int nr, bool acc) {
+static void mm_dp_kernel(int64_t np, const uint32_t *xp, const uint32_t *wp, float *c, const float *ci, int64_t ldc, int nr,
+                         bool acc) {
     __m512 s[R][2];
     for (int r = 0; r < R; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
-    if (acc)  // the C tile is added to at the end: ask for it now, it comes while the loop runs
+    const float *add = acc ? c : ci;  // as mm_kernel
+    if (add)  // the tile is added to at the end: ask for it now, it comes while the loop runs
         for (int r = 0; r < R; r++) {
-            _mm_prefetch((const char *)(c + r * ldc), _MM_HINT_T0);
-            _mm_prefetch((const char *)(c + r * ldc + 16), _MM_HINT_T0);
+            _mm_prefetch((const char *)(add + r * ldc), _MM_HINT_T0);
+            _mm_prefetch((const char *)(add + r * ldc + 16), _MM_HINT_T0);
         }
     for (int64_t p = 0; p < np; p++) {
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + p * MM_NR), w1 = (__m512bh)_mm512_loadu_si512(wp + p * MM_NR + 16);
@@ -5163,8 +5183,9 @@ static void mm_dp_kernel(int64_t np, const uint32_t *xp, const uint32_t *wp, flo
     if (nr == MM_NR) {
         for (int r = 0; r < R; r++) {
             float *cp = c + r * ldc;
-            _mm512_storeu_ps(cp, acc ? _mm512_add_ps(_mm512_loadu_ps(cp), s[r][0]) : s[r][0]);
-            _mm512_storeu_ps(cp + 16, acc ? _mm512_add_ps(_mm512_loadu_ps(cp + 16), s[r][1]) : s[r][1]);
+            const float *ap = add + r * ldc;
+            _mm512_storeu_ps(cp, add ? _mm512_add_ps(_mm512_loadu_ps(ap), s[r][0]) : s[r][0]);
+            _mm512_storeu_ps(cp + 16, add ? _mm512_add_ps(_mm512_loadu_ps(ap + 16), s[r][1]) : s[r][1]);
         }
         return;
     }
@@ -5172,10 +5193,10 @@ static void mm_dp_kernel(int64_t np, const uint32_t *xp, const uint32_t *wp, flo
         float *cp = c + r * ldc, t[MM_NR];
         _mm512_storeu_ps(t, s[r][0]);
         _mm512_storeu_ps(t + 16, s[r][1]);
-        for (int j = 0; j < nr; j++) cp[j] = acc ? cp[j] + t[j] : t[j];
+        for (int j = 0; j < nr; j++) cp[j] = add ? add[r * ldc + j] + t[j] : t[j];
     }
 }
-typedef void (*mm_dp_kernel_fn)(int64_t, const uint32_t *, const uint32_t *, float *, int64_t, int, bool);
+typedef void (*mm_dp_kernel_fn)(int64_t, const uint32_t *, const uint32_t *, float *, const float *, int64_t, int, bool);
 template <int... I> static constexpr std::array<mm_dp_kernel_fn, sizeof...(I) + 1> mm_dp_table(std::integer_sequence<int, I...>) {
     return {{nullptr, mm_dp_kernel<I + 1>...}};
 }
@@ -5223,8 +5244,8 @@ static void mm_pack_pairs_t(const mm_operand &w, int64_t k0, int64_t kc, int64_t
     }
 }
 
-static void mm_dp(const mm_operand &w, const mm_operand &x, float *c, int64_t ldc, int64_t K, int64_t ib, int64_t ie,
-                  int64_t jb, int64_t je, float *work, const mm_layout &L) {
+static void mm_dp(const mm_operand &w, const mm_operand &x, float *c, const float *ci, int64_t ldc, int64_t K, int64_t ib,
+                  int64_t ie, int64_t jb, int64_t je, float *work, const mm_layout &L) {
     float *wbuf = work, *tmp = work + L.tmp;
     uint32_t *xb = (uint32_t *)(work + L.xbuf);  // [mc rows][KC/2] pair dwords: at most half the f32 X block
     for (int64_t jc = jb; jc < je; jc += MM_NC) {
@@ -5261,8 +5282,9 @@ static void mm_dp(const mm_operand &w, const mm_operand &x, float *c, int64_t ld
                     const int nr = (int)std::min<int64_t>(MM_NR, nc - jr);
                     for (int64_t ir = 0; ir < mc; ir += MM_MR) {
                         const int mr = (int)std::min<int64_t>(MM_MR, mc - ir);
-                        k_mm_dp_kernels[(size_t)mr](np, xb + ir * (MM_KC / 2), (const uint32_t *)(wbuf + jr * kc),
-                                                    c + (ic + ir) * ldc + jc + jr, ldc, nr, pc > 0);
+                        const int64_t o = (ic + ir) * ldc + jc + jr;
+                        k_mm_dp_kernels[(size_t)mr](np, xb + ir * (MM_KC / 2), (const uint32_t *)(wbuf + jr * kc), c + o,
+                                                    ci ? ci + o : nullptr, ldc, nr, pc > 0);
                     }
                 }
             }
@@ -5272,8 +5294,8 @@ static void mm_dp(const mm_operand &w, const mm_operand &x, float *c, int64_t ld
 static_assert(MM_NR == 32 && MM_KC % 2 == 0, "bf16 pairs: a 32-column panel is two vectors of 16 dwords");
 #else
 static constexpr bool k_mm_dp = false;
-static void mm_dp(const mm_operand &, const mm_operand &, float *, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                  float *, const mm_layout &) {}
+static void mm_dp(const mm_operand &, const mm_operand &, float *, const float *, int64_t, int64_t, int64_t, int64_t,
+                  int64_t, int64_t, float *, const mm_layout &) {}
 #endif
 
 // One multiply, split into tasks over (batch, column chunk, row chunk); thread ith takes
@@ -5281,6 +5303,7 @@ static void mm_dp(const mm_operand &, const mm_operand &, float *, int64_t, int6
 struct mm_problem {
     mm_operand w, x;        // batch 0
     float *c;
+    const float *ci;        // ql_mul_mat_acc's c (laid out as c), else NULL
     int64_t M, N, K, ldc;
     int64_t n_batch, B2;    // batches of b (and c); a is broadcast over them
     int64_t r2, r3;         // b batches per a batch
@@ -5313,14 +5336,15 @@ static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
         w.p += (i2 / P.r2) * P.wb2 + (i3 / P.r3) * P.wb3;
         x.p += i2 * P.xb2 + i3 * P.xb3;
         float *c = (float *)((uint8_t *)P.c + i2 * P.cb2 + i3 * P.cb3);
+        const float *cin = P.ci ? (const float *)((const uint8_t *)P.ci + i2 * P.cb2 + i3 * P.cb3) : nullptr;
         if (dot)
-            mm_dot(w, x, c, P.ldc, P.K, P.N, jb, je, work, L);
+            mm_dot(w, x, c, cin, P.ldc, P.K, P.N, jb, je, work, L);
         else if (amx)
-            mm_amx(w, x, c, P.ldc, P.K, ib, ie, jb, je, work, L);
+            mm_amx(w, x, c, cin, P.ldc, P.K, ib, ie, jb, je, work, L);
         else if (dp)
-            mm_dp(w, x, c, P.ldc, P.K, ib, ie, jb, je, work, L);
+            mm_dp(w, x, c, cin, P.ldc, P.K, ib, ie, jb, je, work, L);
         else
-            mm_packed(w, x, c, P.ldc, P.K, ib, ie, jb, je, work, L);
+            mm_packed(w, x, c, cin, P.ldc, P.K, ib, ie, jb, je, work, L);
     }
 }
 
@@ -5341,6 +5365,7 @@ static mm_problem mm_problem_of(const ql_tensor *dst) {
     P.x = {(const uint8_t *)b->data, (int64_t)b->nb[0], (int64_t)b->nb[1], b->type, false, nullptr, nullptr};
     if (b->type != QL_TYPE_F32 && a->type != b->type) P.w.round = b->type;
     P.c = (float *)dst->data;
+    P.ci = dst->src[2] ? (const float *)dst->src[2]->data : nullptr;  // contiguous, dst's shape: dst's strides
     P.M = a->ne[1];
     P.N = b->ne[1];
     P.K = a->ne[0];

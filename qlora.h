@@ -473,6 +473,11 @@ ql_tensor *ql_reduce_to(ql_context *ctx, ql_tensor *a, const ql_tensor *like, bo
 // a [K, M, A2, A3] (any float type), b [K, N, B2, B3] f32 -> [M, N, B2, B3] f32.
 // a and b may be views with any strides (e.g. transposed); the result is contiguous.
 ql_tensor *ql_mul_mat(ql_context *ctx, ql_tensor *a, ql_tensor *b);
+// c + ql_mul_mat(a, b), c f32 of the result's shape and contiguous: the multiply adds its
+// products onto c as it writes them (and may write over c's storage where c dies here) instead
+// of a separate pass - LoRA's W x + B(s A x). The same bits as ql_add(c, ql_mul_mat(a, b))
+// for K <= 256; beyond that c joins the sum after the first 256 of K (rounding differs).
+ql_tensor *ql_mul_mat_acc(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor *c);
 
 // a [n_embd, n_rows] (any float type), ids I32 [n, n2, n3] -> [n_embd, n, n2, n3] f32
 ql_tensor *ql_get_rows(ql_context *ctx, ql_tensor *a, ql_tensor *ids);

@@ -110,8 +110,9 @@ static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
     const ql_lora_pair &p = it->second;  // [in, r] then [r, out]
     const bool drop = m->lora_dropout && p.seed && p.dropout > 0;
     ql_tensor *xa = drop ? ql_dropout_to(ctx, x, p.dropout, p.seed, p.stream, m->compute) : xc;  // in the compute type as made
-    // the scale on the rank-r side: a pass over [r, T] instead of over [out, T], forward and back
-    return ql_add(ctx, y, ql_mul_mat(ctx, p.b, in(ql_scale(ctx, ql_mul_mat(ctx, p.a, xa), p.scale))));
+    // the scale on the rank-r side: a pass over [r, T] instead of over [out, T], forward and back;
+    // B's multiply adds onto W x as it writes (in place where W x dies there): no pass for the add
+    return ql_mul_mat_acc(ctx, p.b, in(ql_scale(ctx, ql_mul_mat(ctx, p.a, xa), p.scale)), y);
 }
 
 ql_tensor *ql_llama_linear(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x) {

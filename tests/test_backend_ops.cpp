@@ -292,6 +292,16 @@ OP_CASE(mul_mat_float) {
     check_case(be, "permuted b", [](leafs &L) {
         return ql_mul_mat(L.ctx, L.param({16, 9, 3}), ql_permute(L.ctx, L.param({16, 3, 5}), 0, 2, 1, 3));
     }, TOL_MM);
+    // ql_mul_mat_acc: onto c made by an op (written over in place), onto a leaf, batched and bf16 (LoRA's B)
+    check_case(be, "mul_mat_acc onto an op's result", [](leafs &L) {
+        return ql_mul_mat_acc(L.ctx, L.param({16, 40}), L.param({16, 9}), ql_scale(L.ctx, L.param({40, 9}), 0.5f));
+    }, TOL_MM);
+    check_case(be, "mul_mat_acc onto a leaf, batched", [](leafs &L) {
+        return ql_mul_mat_acc(L.ctx, L.param({24, 10}), L.param({24, 7, 3}), L.param({10, 7, 3}));
+    }, TOL_MM);
+    check_case(be, "mul_mat_acc, 16-bit b", [](leafs &L) {
+        return ql_mul_mat_acc(L.ctx, L.param({16, 33}), ql_cast(L.ctx, L.param({16, 12}), QL_TYPE_BF16), L.param({33, 12}));
+    }, TOL_16);
     for (ql_type t : {QL_TYPE_F16, QL_TYPE_BF16}) {
         INFO("type: " << std::string(ql_type_name(t)));
         check_case(be, "16-bit a (frozen), f32 b", [t](leafs &L) { return ql_mul_mat(L.ctx, L.rand(t, {96, 40}), L.param({96, 5})); },

@@ -804,6 +804,68 @@ TEST_CASE("mul_mat with an F16 / BF16 b: a 16-bit multiply, forward and backward
     }
 }
 
+TEST_CASE("mul_mat_acc: c + a b with the bits of ql_add(c, ql_mul_mat(a, b)), forward and backward, in place or not") {
+    // y = c + a . x, c made by an op (so the planner may write the product over it) and shared
+    // with another consumer in some cases (so it may not); LoRA's shape: K small, x 16-bit
+    struct C { ql_type t; int64_t K, M, N, B; bool shared; };
+    for (const C c : {C{QL_TYPE_F32, 16, 70, 100, 1, false}, C{QL_TYPE_F32, 16, 37, 3, 1, false},
+                      C{QL_TYPE_BF16, 16, 70, 96, 4, false}, C{QL_TYPE_BF16, 40, 33, 50, 2, true},
+                      C{QL_TYPE_F16, 24, 45, 20, 1, false}, C{QL_TYPE_F32, 0, 9, 5, 1, false}}) {
+        for (int nt : {1, 3}) {
+            INFO(ql_type_name(c.t) << " K " << c.K << " M " << c.M << " N " << c.N << " B " << c.B
+                                   << (c.shared ? " c shared" : "") << ", " << nt << " threads");
+            Vec got[2][4];
+            for (int fused = 0; fused < 2; fused++) {
+                Harness h;
+                ql_tensor *a = h.input(QL_TYPE_F32, {c.K, c.M, 1, 1}, true);
+                ql_tensor *x = h.input(QL_TYPE_F32, {c.K, c.N / c.B, c.B, 1}, true);
+                ql_tensor *c0 = h.input(QL_TYPE_F32, {c.M, c.N / c.B, c.B, 1}, true);
+                ql_tensor *cm = ql_scale(h.ctx, c0, 0.5f);  // an op's result
+                ql_tensor *xc = c.t == QL_TYPE_F32 ? x : ql_cast(h.ctx, x, c.t);
+                ql_tensor *y = fused ? ql_mul_mat_acc(h.ctx, a, xc, cm) : ql_add(h.ctx, cm, ql_mul_mat(h.ctx, a, xc));
+                if (c.shared) y = ql_mul(h.ctx, y, cm);  // cm lives on after the multiply
+                h.run(y, nt);
+                got[fused][0] = h.output();
+                for (int q = 0; q < 3; q++) got[fused][q + 1] = h.grad((size_t)q);
+                if (!fused || c.shared) continue;
+                // and the values: against double
+                Vec ref(c.M * c.N);
+                const auto rnd = [&](double v) {
+                    return c.t == QL_TYPE_BF16 ? round_bf16((float)v) : c.t == QL_TYPE_F16 ? round_f16((float)v) : v;
+                };
+                for (int64_t n = 0; n < c.N; n++)
+                    for (int64_t m = 0; m < c.M; m++) {
+                        double v = 0.5 * h.in_v[2][n * c.M + m];
+                        for (int64_t k = 0; k < c.K; k++) v += rnd(h.in_v[0][m * c.K + k]) * rnd(h.in_v[1][n * c.K + k]);
+                        ref[n * c.M + m] = v;
+                    }
+                CHECK(fwd_err(h.output(), ref) <= 1e-5);
+                Vec dc(c.M * c.N);
+                for (size_t i = 0; i < dc.size(); i++) dc[i] = 0.5 * h.r_v[i];
+                CHECK(fwd_err(h.grad(2), dc) <= 1e-6);
+            }
+            for (int q = 0; q < 4; q++) CHECK(got[1][q] == got[0][q]);
+        }
+    }
+    // beyond 256 of K, c joins after the first K block: close, not the same bits
+    Harness h;
+    ql_tensor *a = h.input(QL_TYPE_F32, {300, 20, 1, 1}, true), *x = h.input(QL_TYPE_F32, {300, 70, 1, 1}, true);
+    ql_tensor *c0 = h.input(QL_TYPE_F32, {20, 70, 1, 1}, true);
+    h.run(ql_mul_mat_acc(h.ctx, a, x, c0), 2);
+    Vec ref(20 * 70);
+    for (int64_t n = 0; n < 70; n++)
+        for (int64_t m = 0; m < 20; m++) {
+            double v = h.in_v[2][n * 20 + m];
+            for (int64_t k = 0; k < 300; k++) v += h.in_v[0][m * 300 + k] * h.in_v[1][n * 300 + k];
+            ref[n * 20 + m] = v;
+        }
+    CHECK(fwd_err(h.output(), ref) <= 1e-5);
+    // bad input: c of another shape or type is refused with the op's name
+    ql_tensor *bad = ql_mul_mat_acc(h.ctx, a, x, ql_new_tensor_2d(h.ctx, QL_TYPE_F32, 70, 20));
+    CHECK(bad == nullptr);
+    CHECK(std::string(ql_ctx_error(h.ctx)).find("mul_mat_acc") != std::string::npos);
+}
+
 TEST_CASE("mul_mat with an F16 b: a gradient beyond f16's range overflows, in bf16 it does not") {
     for (ql_type t : {QL_TYPE_F16, QL_TYPE_BF16}) {
         Harness h;
