@@ -1,7 +1,8 @@
 #!/bin/sh
 # bench/gpu.sh - the GPU benchmark, one command on a machine with a CUDA GPU:
 #   bench/gpu.sh [shapes="1b 8b"] [steps=20] [warmup=3]
-# 1. builds with CUDA (make CUDA=1 BUILD=build/cuda: the tools in the checkout then have it);
+# 1. builds with CUDA (make CUDA=1 BUILD=build/cuda: the tools in the checkout then have it;
+#    NO_BUILD=1: the tools in the checkout are already built with CUDA, use them as they are);
 # 2. makes random llamas of Llama-3.2-1B's shape (dim 2048, 16 layers, 32/8 heads, ffn 8192) and
 #    Llama-3-8B's (dim 4096, 32 layers, 32/8 heads, ffn 14336), vocab 128256, NF4 linear
 #    weights, bf16 embedding and output (make-model streams them: each byte written once);
@@ -25,7 +26,7 @@ STEPS=${2:-20}
 WARM=${3:-3}
 W=${KEEP:-$(mktemp -d /tmp/qlora-gpu-bench-XXXXXX)}
 mkdir -p "$W"
-make CUDA=1 BUILD=build/cuda -j"$(nproc)" all > "$W/build.log" 2>&1 || { tail -20 "$W/build.log"; exit 1; }
+[ -n "$NO_BUILD" ] || make CUDA=1 BUILD=build/cuda -j"$(nproc)" all > "$W/build.log" 2>&1 || { tail -20 "$W/build.log"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$W/gpu.txt" 2>/dev/null || echo "unknown GPU" > "$W/gpu.txt"
 GPU=$(head -1 "$W/gpu.txt")
 # dense bf16 (fp32 accumulate) tensor-core peaks, TFLOPS (vendor datasheets)
