@@ -391,8 +391,7 @@ static cu_operand cu_as_operand(const char *p, size_t es, int64_t nb0, int64_t n
 
 // C (M x N, ldc) = alpha op(A) op(B) + beta C, batched with strides (a stride of 0 broadcasts)
 static void cu_gemm(cu_ctx &c, ql_type ab_type, const cu_operand &A, int64_t sA, const cu_operand &B, int64_t sB,
-                    float *C, int64_t ldc, int64_t sC, int64_t M, int64_t N, int64_t K, int batch, float beta) {
-    const float alpha = 1.0f;
+                    float *C, int64_t ldc, int64_t sC, int64_t M, int64_t N, int64_t K, int batch, float beta, float alpha = 1.0f) {
     CUBLAS_CHECK(c, cublasGemmStridedBatchedEx(c.blas, A.op, B.op, (int)M, (int)N, (int)K, &alpha, A.p, cu_dtype(ab_type),
                                                (int)A.ld, sA, B.p, cu_dtype(ab_type), (int)B.ld, sB, &beta, C, CUDA_R_32F,
                                                (int)ldc, sC, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
@@ -1122,17 +1121,21 @@ __global__ void k_grad_stats(const float *x, int64_t n, double *out) {
 // 7. attention
 // ============================================================================================
 
-// FlashAttention-2 in plain CUDA (no tensor cores yet; limitation: far from peak speed). Scores
-// go through shared memory a warp at a time: lane j holds key j of a 32-key tile, so the row's
-// max and sum are warp reductions; the output row is updated from the tile's probabilities.
-// Backward as the CPU's: dq by query tiles, dk/dv by key tiles, every element one writer, P
-// recomputed from q, k and the forward's logsumexp. Head dims: d + dv <= 256 (llama: 64, 128).
+// Two ways. Over a KV cache (inference, Tk read at run time): one fused kernel, FlashAttention-2
+// in plain CUDA - scores through shared memory a warp at a time (lane j holds key j of a 32-key
+// tile), online softmax. Everything else (training, perplexity): cuBLAS products over chunks of
+// queries, on tensor cores in bf16 when the attention asks for it (ql_flash_attn_set_prec) -
+// per chunk of queries i0 .. i0 + nq and every (batch, kv head) at once:
+//   S = scale K^T Q [keys, rep nq]  (only keys some query of the chunk may see: jend)
+//   P = softmax(S) by columns, masked (causal, documents); O = V P
+// backward, P recomputed from S and the forward's logsumexp:
+//   dP = V^T dO, dS = P (dP - delta), dV += dO P^T, dK += scale Q dS^T, dQ = scale K dS
+// q, k, v and dO are packed per (batch, kv head) in the compute type first, so each product is one
+// strided-batched GEMM; the layout is qlora.cpp's ql_cuda_fa_layout (the device plan's too).
 
-#define FA_WARPS 4                   // warps per block
+#define FA_WARPS 4                   // warps per block of the fused kernel
 #define FA_BK 32                     // keys per tile: one per lane
-#define FA_BQ 8                      // queries per forward / dq block (FA_BQ / FA_WARPS per warp)
-#define FA_KB 8                      // keys per dk/dv block (FA_KB / FA_WARPS per warp)
-#define FA_MAX_DIMS 256              // d + dv: the shared-memory tiles fit 48 KiB
+#define FA_BQ 8                      // queries per block (FA_BQ / FA_WARPS per warp)
 
 struct fa_args {
     cu_t q, k, v;       // q [d, Tq, H, B], k [d, Tk, Hkv, B], v [dv, Tk, Hkv, B]
@@ -1145,8 +1148,8 @@ __device__ __forceinline__ const float *fa_row(const cu_t &t, int64_t i, int64_t
     return (const float *)(t.data + i * t.nb[1] + h * t.nb[2] + b * t.nb[3]);
 }
 // may query i (at key position i + off) see key j?
-__device__ __forceinline__ bool fa_visible(const fa_args &a, int64_t i, int64_t j, int64_t off, int64_t Tk, int64_t b) {
-    return j <= i + off && (!a.seg || a.seg[b * Tk + j] == a.seg[b * Tk + i + off]);
+__device__ __forceinline__ bool fa_visible(const int32_t *seg, int64_t i, int64_t j, int64_t off, int64_t Tk, int64_t b) {
+    return j <= i + off && (!seg || seg[b * Tk + j] == seg[b * Tk + i + off]);
 }
 __device__ __forceinline__ float fa_warp_max(float v) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
@@ -1165,7 +1168,7 @@ __device__ __forceinline__ void fa_load(float *dst, int ld, const cu_t &t, int64
     }
 }
 
-// forward: block (query tile, head, batch)
+// the fused forward over a KV cache: block (query tile, head, batch)
 __global__ void __launch_bounds__(FA_WARPS * 32) k_fa_fwd(fa_args a, float *out, float *lse) {
     const int64_t D = a.q.ne[0], Tq = a.q.ne[1], H = a.q.ne[2], DV = a.v.ne[0], Hkv = a.k.ne[2];
     const int64_t h = blockIdx.y, b = blockIdx.z, hk = h / (H / Hkv), i0 = (int64_t)blockIdx.x * FA_BQ;
@@ -1196,7 +1199,7 @@ __global__ void __launch_bounds__(FA_WARPS * 32) k_fa_fwd(fa_args a, float *out,
         __syncthreads();
         for (int qi = warp; qi < nq; qi += FA_WARPS) {  // warp-uniform
             const int64_t i = i0 + qi, j = j0 + lane;
-            const bool vis = lane < bk && fa_visible(a, i, j, off, Tk, b);
+            const bool vis = lane < bk && fa_visible(a.seg, i, j, off, Tk, b);
             float s = -INFINITY;
             if (vis) {
                 float acc = 0;
@@ -1232,6 +1235,75 @@ __global__ void __launch_bounds__(FA_WARPS * 32) k_fa_fwd(fa_args a, float *out,
     if ((int)threadIdx.x < nq) lse[(b * H + h) * Tq + i0 + threadIdx.x] = bad ? NAN : M[threadIdx.x] + logf(L[threadIdx.x]);
 }
 
+static size_t fa_fwd_smem(int64_t D, int64_t DV) {
+    return (size_t)(FA_BQ * D + FA_BK * (D + 1) + FA_BK * (DV + 1) + FA_BQ * FA_BK + FA_BQ * DV + 2 * FA_BQ) * sizeof(float);
+}
+
+// ---- attention as products ----
+
+// rows [i0, i0 + n) of t [E, T, Hx, B] (dense rows, any strides) -> dst [E, n, Hx, B] in type ct:
+// per (batch, kv head) the rep = H / Hkv query heads of the group are adjacent, so a group's
+// columns (head r, query i) are one matrix [E, rep n]
+__global__ void k_fa_pack(cu_t t, int64_t i0, int64_t n, char *dst, int ct) {
+    const int64_t E = t.ne[0], Hx = t.ne[2], total = E * n * Hx * t.ne[3];
+    const int es = ct == QL_TYPE_F32 ? 4 : 2;
+    CU_GRID_LOOP(x, total) {
+        const int64_t c = x % E, i = (x / E) % n, hb = x / (E * n), h = hb % Hx, b = hb / Hx;
+        cu_st(dst + x * es, ct, *(const float *)(t.data + c * t.nb[0] + (i0 + i) * t.nb[1] + h * t.nb[2] + b * t.nb[3]));
+    }
+}
+
+// the chunk's columns back into an output laid out [E, H, Tq, B] (attention) or [E, Tq, H, B] (dq)
+__global__ void k_fa_unpack(const float *src, int64_t E, int64_t n, int64_t H, int64_t B, int64_t i0, int64_t Tq, int heads_inner,
+                            float *dst) {
+    CU_GRID_LOOP(x, E * n * H * B) {
+        const int64_t c = x % E, i = (x / E) % n, bh = x / (E * n), h = bh % H, b = bh / H;
+        dst[(heads_inner ? (b * Tq + i0 + i) * H + h : bh * Tq + i0 + i) * E + c] = src[x];
+    }
+}
+
+// forward: one block per column of S (a query of a head; column x = (b H + h) n + i - i0):
+// the visible keys' softmax -> P (in the compute type; over S in f32), and the logsumexp
+__global__ void __launch_bounds__(CU_ROW_BLOCK) k_fa_softmax(float *S, char *P, int pt, int64_t jend, int64_t n, int64_t i0, int64_t Tq,
+                                                             int64_t Tk, const int32_t *seg, int64_t H, float *lse) {
+    __shared__ float sh[32];
+    const int64_t x = blockIdx.x, i = i0 + x % n, bh = x / n, b = bh / H, off = Tk - Tq;
+    const float *s = S + x * jend;
+    float m = -INFINITY;
+    for (int64_t j = threadIdx.x; j < jend; j += blockDim.x)
+        if (fa_visible(seg, i, j, off, Tk, b)) m = fmaxf(m, s[j]);
+    m = cu_block_max(m, sh);
+    float l = 0;
+    for (int64_t j = threadIdx.x; j < jend; j += blockDim.x)
+        if (fa_visible(seg, i, j, off, Tk, b)) l += expf(s[j] - m);
+    l = cu_block_sum(l, sh);
+    const float inv = 1.0f / l;
+    const int es = pt == QL_TYPE_F32 ? 4 : 2;
+    for (int64_t j = threadIdx.x; j < jend; j += blockDim.x) {
+        const float p = fa_visible(seg, i, j, off, Tk, b) ? expf(s[j] - m) * inv : 0.0f;
+        cu_st(P + (x * jend + j) * es, pt, p);  // f32: P is S, each element read before it is written
+    }
+    if (threadIdx.x == 0) lse[bh * Tq + i] = m + logf(l);
+}
+
+// backward: p = exp(s - lse) where visible, ds = p (dp - delta) -> P, dS (over S and dP in f32);
+// element y = x jend + j: key j of column x = (b H + h) n + i - i0
+__global__ void k_fa_ds(const float *S, const float *dP, char *P, char *dS, int pt, int64_t jend, int64_t n, int64_t ncols, int64_t i0,
+                        int64_t Tq, int64_t Tk, const int32_t *seg, int64_t H, const float *lse, const float *delta) {
+    const int es = pt == QL_TYPE_F32 ? 4 : 2;
+    const int64_t off = Tk - Tq;
+    CU_GRID_LOOP(y, jend * ncols) {
+        const int64_t x = y / jend, j = y % jend, i = i0 + x % n, bh = x / n, b = bh / H;
+        float p = 0.0f, ds = 0.0f;
+        if (fa_visible(seg, i, j, off, Tk, b)) {
+            p = expf(S[y] - lse[bh * Tq + i]);
+            ds = p * (dP[y] - delta[bh * Tq + i]);
+        }
+        cu_st(P + y * es, pt, p);  // f32: over S and dP, each element read before it is written
+        cu_st(dS + y * es, pt, ds);
+    }
+}
+
 // delta_i = dO_i . O_i, per (query, head, batch)
 __global__ void k_fa_delta(const float *dO, const float *O, int64_t DV, int64_t H, int64_t Tq, int64_t n, float *delta) {
     CU_GRID_LOOP(x, n) {  // x = (b H + h) Tq + i
@@ -1240,126 +1312,6 @@ __global__ void k_fa_delta(const float *dO, const float *O, int64_t DV, int64_t 
         for (int64_t c = 0; c < DV; c++) s += dO[row + c] * O[row + c];
         delta[x] = s;
     }
-}
-
-// dq: block (query tile, head, batch); dq_i = scale sum_j p_ij (dp_ij - delta_i) k_j
-__global__ void __launch_bounds__(FA_WARPS * 32) k_fa_dq(fa_args a, const float *dO, const float *lse, const float *delta, float *dq) {
-    const int64_t D = a.q.ne[0], Tq = a.q.ne[1], H = a.q.ne[2], DV = a.v.ne[0], Hkv = a.k.ne[2], Tk = a.k.ne[1], off = Tk - Tq;
-    const int64_t h = blockIdx.y, b = blockIdx.z, hk = h / (H / Hkv), i0 = (int64_t)blockIdx.x * FA_BQ;
-    const int nq = (int)min((int64_t)FA_BQ, Tq - i0), lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    QL_DYN_SMEM(float, sm);
-    float *Q = sm, *G = Q + FA_BQ * D, *K = G + FA_BQ * DV, *V = K + FA_BK * (D + 1), *S = V + FA_BK * (DV + 1), *DQ = S + FA_BQ * FA_BK;
-    for (int x = threadIdx.x; x < FA_BQ * D; x += blockDim.x) {
-        const int r = x / (int)D;
-        Q[x] = r < nq ? fa_row(a.q, i0 + r, h, b)[x % D] : 0.0f;
-        DQ[x] = 0.0f;
-    }
-    for (int x = threadIdx.x; x < FA_BQ * DV; x += blockDim.x) {
-        const int r = x / (int)DV;
-        G[x] = r < nq ? dO[((b * Tq + i0 + r) * H + h) * DV + x % DV] : 0.0f;
-    }
-    const int64_t jend = min(Tk, i0 + nq + off);
-    for (int64_t j0 = 0; j0 < jend; j0 += FA_BK) {
-        const int bk = (int)min((int64_t)FA_BK, jend - j0);
-        __syncthreads();
-        fa_load(K, (int)D + 1, a.k, j0, bk, FA_BK, hk, b);
-        fa_load(V, (int)DV + 1, a.v, j0, bk, FA_BK, hk, b);
-        __syncthreads();
-        for (int qi = warp; qi < nq; qi += FA_WARPS) {
-            const int64_t i = i0 + qi, j = j0 + lane, x = (b * H + h) * Tq + i;
-            float ds = 0.0f;
-            if (lane < bk && fa_visible(a, i, j, off, Tk, b)) {
-                float s = 0, dp = 0;
-                for (int64_t c = 0; c < D; c++) s += Q[qi * D + c] * K[lane * (D + 1) + c];
-                for (int64_t c = 0; c < DV; c++) dp += G[qi * DV + c] * V[lane * (DV + 1) + c];
-                const float p = expf(s * a.scale - lse[x]);
-                ds = p * (dp - delta[x]);
-            }
-            S[qi * FA_BK + lane] = ds;
-            __syncwarp();
-            for (int64_t c = lane; c < D; c += 32) {
-                float acc = 0;
-                for (int jj = 0; jj < bk; jj++) acc += S[qi * FA_BK + jj] * K[jj * (D + 1) + c];
-                DQ[qi * D + c] += acc * a.scale;
-            }
-            __syncwarp();
-        }
-    }
-    __syncthreads();
-    for (int x = threadIdx.x; x < nq * D; x += blockDim.x) {
-        const int qi = x / (int)D;
-        dq[((b * H + h) * Tq + i0 + qi) * D + x % D] = DQ[x];  // q's shape [d, Tq, H, B], contiguous
-    }
-}
-
-// dk, dv: block (key tile, kv head, batch), over every query head of the group and every query
-// tile that sees the keys; lane = query of a 32-query tile, a warp per key
-__global__ void __launch_bounds__(FA_WARPS * 32, 1) k_fa_dkv(fa_args a, const float *dO, const float *lse, const float *delta, float *dk,
-                                                          float *dv) {
-    const int64_t D = a.q.ne[0], Tq = a.q.ne[1], H = a.q.ne[2], DV = a.v.ne[0], Hkv = a.k.ne[2], Tk = a.k.ne[1], off = Tk - Tq;
-    const int64_t hk = blockIdx.y, b = blockIdx.z, j0 = (int64_t)blockIdx.x * FA_KB, rep = H / Hkv;
-    const int nk = (int)min((int64_t)FA_KB, Tk - j0), lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    QL_DYN_SMEM(float, sm);
-    float *K = sm, *V = K + FA_KB * (D + 1), *Q = V + FA_KB * (DV + 1), *G = Q + 32 * (D + 1), *P = G + 32 * (DV + 1), *S = P + FA_KB * 32;
-    float *DK = S + FA_KB * 32, *DV_ = DK + FA_KB * D;
-    fa_load(K, (int)D + 1, a.k, j0, nk, FA_KB, hk, b);
-    fa_load(V, (int)DV + 1, a.v, j0, nk, FA_KB, hk, b);
-    for (int x = threadIdx.x; x < FA_KB * D; x += blockDim.x) DK[x] = 0.0f;
-    for (int x = threadIdx.x; x < FA_KB * DV; x += blockDim.x) DV_[x] = 0.0f;
-    const int64_t ifirst = max((int64_t)0, j0 - off) / 32 * 32;  // the first query that may see key j0
-    for (int64_t h = hk * rep; h < (hk + 1) * rep; h++)
-        for (int64_t i0 = ifirst; i0 < Tq; i0 += 32) {
-            const int nq = (int)min((int64_t)32, Tq - i0);
-            __syncthreads();
-            for (int x = threadIdx.x; x < 32 * D; x += blockDim.x) {
-                const int r = x / (int)D;
-                Q[r * (D + 1) + x % D] = r < nq ? fa_row(a.q, i0 + r, h, b)[x % D] : 0.0f;
-            }
-            for (int x = threadIdx.x; x < 32 * DV; x += blockDim.x) {
-                const int r = x / (int)DV;
-                G[r * (DV + 1) + x % DV] = r < nq ? dO[((b * Tq + i0 + r) * H + h) * DV + x % DV] : 0.0f;
-            }
-            __syncthreads();
-            for (int kj = warp; kj < nk; kj += FA_WARPS) {  // warp-uniform
-                const int64_t i = i0 + lane, j = j0 + kj, x = (b * H + h) * Tq + i;
-                float p = 0.0f, ds = 0.0f;
-                if (lane < nq && fa_visible(a, i, j, off, Tk, b)) {
-                    float s = 0, dp = 0;
-                    for (int64_t c = 0; c < D; c++) s += Q[lane * (D + 1) + c] * K[kj * (D + 1) + c];
-                    for (int64_t c = 0; c < DV; c++) dp += G[lane * (DV + 1) + c] * V[kj * (DV + 1) + c];
-                    p = expf(s * a.scale - lse[x]);
-                    ds = p * (dp - delta[x]);
-                }
-                P[kj * 32 + lane] = p;
-                S[kj * 32 + lane] = ds;
-                __syncwarp();
-                for (int64_t c = lane; c < DV; c += 32) {
-                    float acc = 0;
-                    for (int l = 0; l < nq; l++) acc += P[kj * 32 + l] * G[l * (DV + 1) + c];
-                    DV_[kj * DV + c] += acc;
-                }
-                for (int64_t c = lane; c < D; c += 32) {
-                    float acc = 0;
-                    for (int l = 0; l < nq; l++) acc += S[kj * 32 + l] * Q[l * (D + 1) + c];
-                    DK[kj * D + c] += acc * a.scale;
-                }
-                __syncwarp();
-            }
-        }
-    __syncthreads();
-    for (int x = threadIdx.x; x < nk * D; x += blockDim.x) dk[((b * Hkv + hk) * Tk + j0 + x / D) * D + x % D] = DK[x];
-    for (int x = threadIdx.x; x < nk * DV; x += blockDim.x) dv[((b * Hkv + hk) * Tk + j0 + x / DV) * DV + x % DV] = DV_[x];
-}
-
-static size_t fa_fwd_smem(int64_t D, int64_t DV) {
-    return (size_t)(FA_BQ * D + FA_BK * (D + 1) + FA_BK * (DV + 1) + FA_BQ * FA_BK + FA_BQ * DV + 2 * FA_BQ) * sizeof(float);
-}
-static size_t fa_dq_smem(int64_t D, int64_t DV) {
-    return (size_t)(FA_BQ * D + FA_BQ * DV + FA_BK * (D + 1) + FA_BK * (DV + 1) + FA_BQ * FA_BK + FA_BQ * D) * sizeof(float);
-}
-static size_t fa_dkv_smem(int64_t D, int64_t DV) {
-    return (size_t)(FA_KB * (D + 1) + FA_KB * (DV + 1) + 32 * (D + 1) + 32 * (DV + 1) + 2 * FA_KB * 32 + FA_KB * D + FA_KB * DV) *
-           sizeof(float);
 }
 
 static fa_args fa_args_of(const ql_tensor *node) {
@@ -1373,7 +1325,87 @@ static fa_args fa_args_of(const ql_tensor *node) {
     return a;
 }
 
+static int cu_cc(const cu_ctx &c);
+
+// both directions: the products above, chunk by chunk
+static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
+    const bool back = node->op == QL_OP_FLASH_ATTN_BACK;
+    const ql_tensor *q = node->src[0], *k = node->src[1], *v = node->src[2];
+    const int64_t D = q->ne[0], Tq = q->ne[1], H = q->ne[2], B = q->ne[3], Tk = k->ne[1], Hkv = k->ne[2], DV = v->ne[0];
+    const int64_t rep = H / Hkv, G = Hkv * B, off = Tk - Tq;
+    const fa_args a = fa_args_of(node);
+    size_t o[QL_CUDA_FA_NBUF];
+    int64_t chunk;
+    ql_type ct;
+    const size_t need = ql_cuda_fa_layout(node, cu_cc(c), o, &chunk, &ct);
+    CU_ASSERT(c.work_size >= need);
+    const size_t es = type_size_cu(ct);
+    char *W = (char *)c.work;
+    char *Kw = W + o[QL_CUDA_FA_K], *Vw = W + o[QL_CUDA_FA_V], *Qw = W + o[QL_CUDA_FA_Q], *dOw = W + o[QL_CUDA_FA_DO];
+    float *S = (float *)(W + o[QL_CUDA_FA_S]), *dP = (float *)(W + o[QL_CUDA_FA_DP]), *Ow = (float *)(W + o[QL_CUDA_FA_OUT]);
+    char *P = es == 4 ? (char *)S : W + o[QL_CUDA_FA_P], *dS = es == 4 ? (char *)dP : W + o[QL_CUDA_FA_DS];
+    float *delta = (float *)(W + o[QL_CUDA_FA_DELTA]);
+    const ql_tensor *fwd = back ? node->src[4] : node, *dOt = back ? node->src[5] : nullptr;
+    const float *lse_in = (const float *)((const char *)fwd->data + ql_nbytes(fwd));
+    float *out = (float *)node->data, *lse = back ? nullptr : (float *)((char *)node->data + ql_nbytes(node));
+    float *dq = out, *dk = dq + ql_nelements(q), *dv = dk + ql_nelements(k);
+    cu_t dOv{};  // dO [DV, H, Tq, B] seen as [DV, Tq, H, B]
+    if (back) {
+        dOv = cu_of(dOt);
+        dOv.ne[1] = Tq, dOv.ne[2] = H;
+        dOv.nb[1] = (int64_t)(H * DV * 4), dOv.nb[2] = (int64_t)(DV * 4);
+        QL_LAUNCH(k_fa_delta, cu_grid(Tq * H * B), CU_BLOCK, 0, c.stream, (const float *)dOt->data, (const float *)fwd->data, DV, H,
+                  Tq, Tq * H * B, delta);
+        CU_LAUNCHED(c);
+        CU_CHECK(c, cudaMemsetAsync(dk, 0, (ql_nelements(k) + ql_nelements(v)) * sizeof(float), c.stream));  // dK, dV add up
+    }
+    QL_LAUNCH(k_fa_pack, cu_grid(D * Tk * G), CU_BLOCK, 0, c.stream, a.k, 0, Tk, Kw, (int)ct);
+    CU_LAUNCHED(c);
+    QL_LAUNCH(k_fa_pack, cu_grid(DV * Tk * G), CU_BLOCK, 0, c.stream, a.v, 0, Tk, Vw, (int)ct);
+    CU_LAUNCHED(c);
+    const cu_operand Kn{Kw, CUBLAS_OP_N, D, true}, Kt{Kw, CUBLAS_OP_T, D, true};
+    const cu_operand Vn{Vw, CUBLAS_OP_N, DV, true}, Vt{Vw, CUBLAS_OP_T, DV, true};
+    for (int64_t i0 = 0; i0 < Tq; i0 += chunk) {
+        const int64_t n = std::min(chunk, Tq - i0), cols = rep * n, jend = std::min(Tk, i0 + n + off);
+        const int64_t sS = jend * cols;  // per (batch, kv head)
+        QL_LAUNCH(k_fa_pack, cu_grid(D * n * H * B), CU_BLOCK, 0, c.stream, a.q, i0, n, Qw, (int)ct);
+        CU_LAUNCHED(c);
+        // S = scale K^T Q: [jend, cols] per group
+        cu_gemm(c, ct, Kt, D * Tk, cu_operand{Qw, CUBLAS_OP_N, D, true}, D * cols, S, jend, sS, jend, cols, D, (int)G, 0.0f, a.scale);
+        if (c.failed) return;
+        if (!back) {
+            QL_LAUNCH(k_fa_softmax, (unsigned)(n * H * B), CU_ROW_BLOCK, 0, c.stream, S, P, (int)ct, jend, n, i0, Tq, Tk, a.seg, H, lse);
+            CU_LAUNCHED(c);
+            // O = V P: [DV, cols] per group
+            cu_gemm(c, ct, Vn, DV * Tk, cu_operand{P, CUBLAS_OP_N, jend, true}, sS, Ow, DV, DV * cols, DV, cols, jend, (int)G, 0.0f);
+            if (c.failed) return;
+            QL_LAUNCH(k_fa_unpack, cu_grid(DV * n * H * B), CU_BLOCK, 0, c.stream, Ow, DV, n, H, B, i0, Tq, 1, out);
+            CU_LAUNCHED(c);
+            continue;
+        }
+        QL_LAUNCH(k_fa_pack, cu_grid(DV * n * H * B), CU_BLOCK, 0, c.stream, dOv, i0, n, dOw, (int)ct);
+        CU_LAUNCHED(c);
+        const cu_operand dOn{dOw, CUBLAS_OP_N, DV, true}, Qn{Qw, CUBLAS_OP_N, D, true};
+        // dP = V^T dO: [jend, cols]
+        cu_gemm(c, ct, Vt, DV * Tk, dOn, DV * cols, dP, jend, sS, jend, cols, DV, (int)G, 0.0f);
+        if (c.failed) return;
+        QL_LAUNCH(k_fa_ds, cu_grid(jend * n * H * B), CU_BLOCK, 0, c.stream, S, dP, P, dS, (int)ct, jend, n, n * H * B, i0, Tq, Tk,
+                  a.seg, H, lse_in, delta);
+        CU_LAUNCHED(c);
+        // dV += dO P^T: [DV, jend]; dK += scale Q dS^T: [D, jend]; dQ = scale K dS: [D, cols]
+        cu_gemm(c, ct, dOn, DV * cols, cu_operand{P, CUBLAS_OP_T, jend, true}, sS, dv, DV, DV * Tk, DV, jend, cols, (int)G, 1.0f);
+        if (c.failed) return;
+        cu_gemm(c, ct, Qn, D * cols, cu_operand{dS, CUBLAS_OP_T, jend, true}, sS, dk, D, D * Tk, D, jend, cols, (int)G, 1.0f, a.scale);
+        if (c.failed) return;
+        cu_gemm(c, ct, Kn, D * Tk, cu_operand{dS, CUBLAS_OP_N, jend, true}, sS, Ow, D, D * cols, D, cols, jend, (int)G, 0.0f, a.scale);
+        if (c.failed) return;
+        QL_LAUNCH(k_fa_unpack, cu_grid(D * n * H * B), CU_BLOCK, 0, c.stream, Ow, D, n, H, B, i0, Tq, 0, dq);
+        CU_LAUNCHED(c);
+    }
+}
+
 static void cu_op_flash_attn(cu_ctx &c, ql_tensor *node) {
+    if (ql_cuda_fa_gemm(node)) return cu_fa_gemm(c, node);
     const ql_tensor *q = node->src[0], *v = node->src[2];
     const size_t smem = fa_fwd_smem(q->ne[0], v->ne[0]);
     const dim3 grid((unsigned)((q->ne[1] + FA_BQ - 1) / FA_BQ), (unsigned)q->ne[2], (unsigned)q->ne[3]);
@@ -1382,38 +1414,25 @@ static void cu_op_flash_attn(cu_ctx &c, ql_tensor *node) {
     CU_LAUNCHED(c);
 }
 
-static void cu_op_flash_attn_back(cu_ctx &c, ql_tensor *node) {
-    const ql_tensor *q = node->src[0], *k = node->src[1], *v = node->src[2], *fwd = node->src[4], *dO = node->src[5];
-    const int64_t D = q->ne[0], Tq = q->ne[1], H = q->ne[2], B = q->ne[3], DV = v->ne[0];
-    const fa_args a = fa_args_of(node);
-    const float *lse = (const float *)((const char *)fwd->data + ql_nbytes(fwd));
-    float *delta = (float *)c.work;  // [Tq, H, B]
-    CU_ASSERT(c.work_size >= (size_t)(Tq * H * B) * sizeof(float));
-    QL_LAUNCH(k_fa_delta, cu_grid(Tq * H * B), CU_BLOCK, 0, c.stream, (const float *)dO->data, (const float *)fwd->data, DV, H, Tq,
-              Tq * H * B, delta);
-    CU_LAUNCHED(c);
-    float *dq = (float *)node->data, *dk = dq + ql_nelements(q), *dv = dk + ql_nelements(k);
-    const dim3 gq((unsigned)((Tq + FA_BQ - 1) / FA_BQ), (unsigned)H, (unsigned)B);
-    QL_LAUNCH(k_fa_dq, gq, FA_WARPS * 32, fa_dq_smem(D, DV), c.stream, a, (const float *)dO->data, (const float *)lse,
-              (const float *)delta, dq);
-    CU_LAUNCHED(c);
-    const dim3 gk((unsigned)((k->ne[1] + FA_KB - 1) / FA_KB), (unsigned)k->ne[2], (unsigned)B);
-    QL_LAUNCH(k_fa_dkv, gk, FA_WARPS * 32, fa_dkv_smem(D, DV), c.stream, a, (const float *)dO->data, (const float *)lse,
-              (const float *)delta, dk, dv);
-    CU_LAUNCHED(c);
-}
+static void cu_op_flash_attn_back(cu_ctx &c, ql_tensor *node) { cu_fa_gemm(c, node); }
 
-static bool cu_attn_supported(const ql_tensor *node) {
+static bool cu_attn_supported(const ql_tensor *node, int cc) {
     const ql_tensor *q = node->src[0], *k = node->src[1], *v = node->src[2];
-    const int64_t D = q->ne[0], DV = v->ne[0];
-    const bool smem_ok = fa_fwd_smem(D, DV) <= (48 << 10) && fa_dq_smem(D, DV) <= (48 << 10) && fa_dkv_smem(D, DV) <= (48 << 10);
-    if (D + DV > FA_MAX_DIMS || !smem_ok || q->type != QL_TYPE_F32 || k->type != QL_TYPE_F32 || v->type != QL_TYPE_F32) return false;
-    if (q->ne[2] > 65535 || q->ne[3] > 65535) return false;  // grid y, z
+    if (q->type != QL_TYPE_F32 || k->type != QL_TYPE_F32 || v->type != QL_TYPE_F32) return false;
+    if (!ql_is_contiguous(node)) return false;
     if (node->op == QL_OP_FLASH_ATTN_BACK) {
         const ql_tensor *dO = node->src[5];
-        return ql_is_contiguous(dO) && ql_is_contiguous(node) && ql_is_contiguous(node->src[4]);
+        if (!ql_is_contiguous(dO) || !ql_is_contiguous(node->src[4])) return false;
     }
-    return ql_is_contiguous(node);
+    if (ql_cuda_fa_gemm(node)) {  // cuBLAS' int sizes: rows, columns and leading dimensions
+        int64_t chunk;
+        ql_cuda_fa_layout(node, cc, nullptr, &chunk, nullptr);
+        const int64_t cols = q->ne[2] / k->ne[2] * chunk;
+        return k->ne[1] <= INT32_MAX && cols <= INT32_MAX && q->ne[0] <= INT32_MAX && v->ne[0] <= INT32_MAX &&
+               chunk * q->ne[2] * q->ne[3] <= INT32_MAX;
+    }
+    // the fused kernel: its tiles in 48 KiB of shared memory, the grid's y and z
+    return fa_fwd_smem(q->ne[0], v->ne[0]) <= (48 << 10) && q->ne[2] <= 65535 && q->ne[3] <= 65535;
 }
 
 
@@ -1442,6 +1461,8 @@ struct cuda_backend {
     std::vector<cudaEvent_t> events;
     std::unordered_map<const ql_graph *, cu_schedule> schedules;  // per graph run: where to wait (cu_copy_schedule)
 };
+static int cu_cc(const cu_ctx &c) { return c.cb->prop.major * 10 + c.cb->prop.minor; }
+
 
 __global__ void k_first_nonfinite(cu_t t, int64_t n, unsigned long long *first) {
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
@@ -1493,13 +1514,16 @@ static bool cuda_supports_op(ql_backend *be, const ql_tensor *node) {
     switch (node->op) {
     case QL_OP_MUL_MAT:         return cu_mm_supported(node, cc);
     case QL_OP_FLASH_ATTN:
-    case QL_OP_FLASH_ATTN_BACK: return cu_attn_supported(node);
+    case QL_OP_FLASH_ATTN_BACK: return cu_attn_supported(node, cc);
     case QL_OP_COUNT:           return false;
     default:                    return cu_ops_supported(node);
     }
 }
 
-static size_t cuda_work_size(ql_backend *, const ql_tensor *node) { return ql_cuda_work_size(node); }
+static size_t cuda_work_size(ql_backend *be, const ql_tensor *node) {
+    const cudaDeviceProp &p = ((cuda_backend *)be->impl)->prop;
+    return ql_cuda_work_size(node, p.major * 10 + p.minor);
+}
 
 static void *cuda_buffer_alloc(ql_backend *, size_t size) { return cu_device_alloc(size); }
 static void  cuda_buffer_free(void *p) { cu_device_free(p); }

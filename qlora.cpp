@@ -6030,7 +6030,48 @@ size_t ql_cuda_mm_b_bytes(const ql_tensor *b) {
 int64_t ql_cuda_mm_tile_rows(int64_t row_len, int64_t n_rows) {
     return std::max<int64_t>(1, std::min<int64_t>(n_rows, QL_CUDA_MM_TILE_ELEMS / std::max<int64_t>(row_len, 1)));
 }
-size_t ql_cuda_work_size(const ql_tensor *node) {
+bool ql_cuda_fa_gemm(const ql_tensor *node) {
+    return (node->op == QL_OP_FLASH_ATTN && !node->src[4]) || node->op == QL_OP_FLASH_ATTN_BACK;
+}
+// q [D, Tq, H, B], k [D, Tk, Hkv, B], v [DV, Tk, Hkv, B]; the forward needs K, V, Q, S (+ P in
+// bf16) and the output's chunk [DV, chunk, H, B]; backward also delta [Tq, H, B], dO, dP (+ dS)
+// and dq's chunk in the output's place
+size_t ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NBUF], int64_t *chunk, ql_type *compute) {
+    const ql_tensor *q = node->src[0], *k = node->src[1], *v = node->src[2];
+    const ql_tensor *fwd = node->op == QL_OP_FLASH_ATTN_BACK ? node->src[4] : node;
+    int32_t prec;
+    memcpy(&prec, &fwd->op_params[1], sizeof(prec));
+    const ql_type ct = prec == QL_TYPE_BF16 && cc >= 80 ? QL_TYPE_BF16 : QL_TYPE_F32;
+    const size_t es = cuda_elem_size(ct);
+    const int64_t D = q->ne[0], Tq = q->ne[1], H = q->ne[2], B = q->ne[3], Tk = k->ne[1], Hkv = k->ne[2], DV = v->ne[0];
+    const bool back = node->op == QL_OP_FLASH_ATTN_BACK;
+    // the chunk: a power of two in [16, 256] whose scores fit QL_CUDA_FA_SCORE_BYTES, or all of Tq
+    int64_t c = 16;
+    while (c < 256 && (size_t)(2 * c * Tk * H * B) * sizeof(float) <= QL_CUDA_FA_SCORE_BYTES) c *= 2;
+    c = std::min(c, Tq);
+    const size_t sc = (size_t)(Tk * c * H * B);  // scores of one chunk
+    size_t n[QL_CUDA_FA_NBUF] = {0};
+    n[QL_CUDA_FA_DELTA] = back ? (size_t)(Tq * H * B) * sizeof(float) : 0;
+    n[QL_CUDA_FA_K] = (size_t)(D * Tk * Hkv * B) * es;
+    n[QL_CUDA_FA_V] = (size_t)(DV * Tk * Hkv * B) * es;
+    n[QL_CUDA_FA_Q] = (size_t)(D * c * H * B) * es;
+    n[QL_CUDA_FA_DO] = back ? (size_t)(DV * c * H * B) * es : 0;
+    n[QL_CUDA_FA_S] = sc * sizeof(float);
+    n[QL_CUDA_FA_DP] = back ? sc * sizeof(float) : 0;
+    n[QL_CUDA_FA_P] = es == 2 ? sc * es : 0;  // f32: over S
+    n[QL_CUDA_FA_DS] = back && es == 2 ? sc * es : 0;  // f32: over dP
+    n[QL_CUDA_FA_OUT] = (size_t)((back ? D : DV) * c * H * B) * sizeof(float);
+    size_t total = 0;
+    for (int i = 0; i < QL_CUDA_FA_NBUF; i++) {
+        if (off) off[i] = total;
+        total += align_up(n[i], QL_ALIGN);
+    }
+    if (chunk) *chunk = c;
+    if (compute) *compute = ct;
+    return total;
+}
+size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
+    if (ql_cuda_fa_gemm(node)) return ql_cuda_fa_layout(node, cc, nullptr, nullptr, nullptr);
     switch (node->op) {
     case QL_OP_MUL_MAT: {  // b's contiguous copy (when cuBLAS cannot read it), then one dequantised tile of a
         const ql_tensor *a = node->src[0], *b = node->src[1];
@@ -6039,10 +6080,6 @@ size_t ql_cuda_work_size(const ql_tensor *node) {
         if (ql_cuda_mm_trows(a)) w += (size_t)(a->ne[1] * ql_cuda_mm_tile_rows(a->ne[1], a->ne[0])) * es;
         else if (!ql_cuda_mm_a_direct(a, b->type)) w += (size_t)(a->ne[0] * ql_cuda_mm_tile_rows(a->ne[0], a->ne[1])) * es;
         return w;
-    }
-    case QL_OP_FLASH_ATTN_BACK: {  // delta = rowsum(dO * O), one float per query row and head
-        const ql_tensor *q = node->src[0];
-        return (size_t)(q->ne[1] * q->ne[2] * q->ne[3]) * sizeof(float);
     }
     default:
         return 0;
@@ -6055,7 +6092,7 @@ static bool cuda_plan_supports(ql_backend *be, const ql_tensor *node) {
     const int cc = (int)(intptr_t)be->impl;
     return !(node->op == QL_OP_MUL_MAT && node->src[1]->type == QL_TYPE_BF16 && cc < 80);  // as the device: no bf16 GEMM before 8.0
 }
-static size_t cuda_plan_work(ql_backend *, const ql_tensor *node) { return ql_cuda_work_size(node); }
+static size_t cuda_plan_work(ql_backend *be, const ql_tensor *node) { return ql_cuda_work_size(node, (int)(intptr_t)be->impl); }
 static void cuda_plan_free(ql_backend *be) { delete be; }
 
 ql_backend *ql_backend_cuda_plan_init(int cc) {

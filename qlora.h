@@ -831,7 +831,17 @@ bool    ql_cuda_mm_a_direct(const ql_tensor *a, ql_type compute);
 bool    ql_cuda_mm_b_direct(const ql_tensor *b);
 size_t  ql_cuda_mm_b_bytes(const ql_tensor *b);        // b's contiguous copy in the workspace (0: read in place)
 int64_t ql_cuda_mm_tile_rows(int64_t row_len, int64_t n_rows);
-size_t  ql_cuda_work_size(const ql_tensor *node);      // per-node workspace bytes
+size_t  ql_cuda_work_size(const ql_tensor *node, int cc);  // per-node workspace bytes on a device of compute capability cc
+// Attention without a KV cache runs as cuBLAS products over chunks of `chunk` queries: per chunk the
+// scores of every head [keys, chunk] in f32 (QL_CUDA_FA_SCORE_BYTES at most, for 16 queries at
+// least), q, k, v (backward: dO too) packed in the compute type (bf16 when prec asks and cc >= 80,
+// else f32), the probabilities (and dS) beside them in bf16 or over the scores in f32. The byte
+// offsets of those buffers in the node's workspace, in this order:
+#define QL_CUDA_FA_SCORE_BYTES ((size_t)32 << 20)
+enum { QL_CUDA_FA_DELTA, QL_CUDA_FA_K, QL_CUDA_FA_V, QL_CUDA_FA_Q, QL_CUDA_FA_DO, QL_CUDA_FA_S, QL_CUDA_FA_DP, QL_CUDA_FA_P,
+       QL_CUDA_FA_DS, QL_CUDA_FA_OUT, QL_CUDA_FA_NBUF };
+bool    ql_cuda_fa_gemm(const ql_tensor *node);        // this attention runs as products (else: the fused kernel)
+size_t  ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NBUF], int64_t *chunk, ql_type *compute);
 // A backend that only plans graphs as the CUDA backend of compute capability cc (75 = 7.5) would
 // (ql_graph_plan works; it runs and allocates nothing), for device plans without a device.
 ql_backend *ql_backend_cuda_plan_init(int cc);

@@ -70,7 +70,7 @@ for shape in $SHAPES; do
     set -- $A
     M="$W/$shape.gguf"
     if [ ! -f "$M" ]; then
-        /usr/bin/time -f "%e s" ./make-model -o "$M" --dim $1 --layers $2 --heads $3 --kv-heads $4 --ff $5 --vocab $6 --ctx 4096 \
+        /usr/bin/time -f "%e s" ./make-model --threads "$(nproc)" -o "$M" --dim $1 --layers $2 --heads $3 --kv-heads $4 --ff $5 --vocab $6 --ctx 4096 \
             --type nf4 --embd-type bf16 --output-type bf16 > "$W/$shape.make.log" 2>&1
     fi
     FPT=$(flops_per_token $1 $2 $3 $4 $5 $6 16 2048)

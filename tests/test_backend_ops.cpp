@@ -391,6 +391,23 @@ OP_CASE(flash_attn) {
         ql_tensor *seg = L.i32({70, 1}, [](int64_t i) { return (int32_t)(i < 20 ? 0 : i < 53 ? 1 : 2); });
         return ql_flash_attn(L.ctx, L.param({24, 70, 2, 1}), L.param({24, 70, 2, 1}), L.param({24, 70, 2, 1}), seg, 0.2f);
     }, TOL_F32);
+    check_case(be, "several query chunks (300 > 256), GQA 4:1, head dim 128, batch 2", [](leafs &L) {
+        return ql_flash_attn(L.ctx, L.param({128, 300, 4, 2}), L.param({128, 300, 1, 2}), L.param({128, 300, 1, 2}), nullptr, 0.09f);
+    }, TOL_F32);
+    check_case(be, "several query chunks, Tq < Tk, dv != d", [](leafs &L) {
+        return ql_flash_attn(L.ctx, L.param({16, 270, 2, 1}), L.param({16, 290, 2, 1}), L.param({8, 290, 2, 1}), nullptr, 0.25f);
+    }, TOL_F32);
+    check_case(be, "documents across chunks", [](leafs &L) {
+        ql_tensor *seg = L.i32({280, 2}, [](int64_t i) { return (int32_t)((i % 280) < 100 ? 0 : (i % 280) < 261 ? 1 : 2); });
+        return ql_flash_attn(L.ctx, L.param({32, 280, 2, 2}), L.param({32, 280, 2, 2}), L.param({32, 280, 2, 2}), seg, 0.2f);
+    }, TOL_F32);
+    // products in bf16 where asked (the CPU rounds the same operands where it has AVX512-BF16,
+    // else computes in f32: either way within bf16's error)
+    check_case(be, "bf16 products (set_prec), GQA, two chunks", [](leafs &L) {
+        ql_tensor *a = ql_flash_attn(L.ctx, L.param({64, 260, 4, 1}), L.param({64, 260, 2, 1}), L.param({64, 260, 2, 1}), nullptr, 0.125f);
+        REQUIRE(ql_flash_attn_set_prec(a, QL_TYPE_BF16) == QL_OK);
+        return a;
+    }, TOL_16);
     check_case(be, "over a KV cache, n_kv at run time", [](leafs &L) {
         ql_tensor *nkv = L.i32({1}, [](int64_t) { return 13; });
         return ql_flash_attn_kv(L.ctx, L.rand(QL_TYPE_F32, {16, 3, 4, 1}), L.rand(QL_TYPE_F32, {16, 32, 2, 1}),
@@ -633,7 +650,9 @@ OP_CASE(llama_qlora_step) {
         REQUIRE(got.grads.size() == ref.grads.size());
         double worst = 0;
         for (size_t i = 0; i < ref.grads.size(); i++) worst = std::max(worst, norm_err(got.grads[i], ref.grads[i]));
-        CHECK_MESSAGE(worst <= 2e-2, "worst adapter gradient error ", worst);
+        // 3e-2: in bf16 the attention's products are bf16 on the GPU, bf16 or f32 on the CPU (f32
+        // where it lacks AVX512-BF16): 0.021 measured on an H100 against an AVX2 build
+        CHECK_MESSAGE(worst <= 3e-2, "worst adapter gradient error ", worst);
         // 20 steps: the losses track the CPU's, and training works on both
         for (size_t s = 0; s < ref.losses.size(); s++)
             CHECK_MESSAGE(std::fabs(got.losses[s] - ref.losses[s]) <= 2e-2 * std::fabs(ref.losses[s]), "step ", s + 1, ": ",

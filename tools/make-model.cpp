@@ -2,7 +2,7 @@
 //
 //   ./make-model -o model.gguf [--dim 288] [--layers 6] [--heads 6] [--kv-heads 6] [--ff 768]
 //                [--vocab 512] [--ctx 1024] [--type f32|f16|bf16|nf4|q8_0|q4_0|...|q6_K|iq4_xs] [--seed 1] [--std 0.02]
-//                [--embd-type f32] [--output-type f32]
+//                [--embd-type f32] [--output-type f32] [--threads 1]
 //
 // The vocabulary is SentencePiece-style ("llama"): <unk> <s> </s>, the 256 byte tokens, the
 // printable ASCII characters (" " as "▁"), then "▁"-prefixed characters and filler tokens up to
@@ -14,7 +14,10 @@
 // Any size: every tensor is drawn, converted and written one at a time at write time
 // (ql_gguf_add_tensor_gen), so an 8B model needs memory for its largest tensor, not the model,
 // and its bytes reach the disk once. The values are those of ql_llama_randomize on an f32 model
-// (one mt19937_64 stream in the same tensor order), then converted.
+// (one mt19937_64 stream in the same tensor order), then converted. With --threads N > 1 (for the
+// 8B shapes: the one stream is most of the time) each tensor's values come from streams of 2^20
+// values each, seeded from the one stream: other values (the same for any N > 1), drawn and
+// converted in parallel.
 #include "../models/llama.h"
 #include "../qlora.h"
 #include "own.h"
@@ -26,12 +29,14 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 static int usage(const char *argv0) {
     fprintf(stderr,
             "usage: %s -o model.gguf [--dim N] [--layers N] [--heads N] [--kv-heads N] [--ff N] [--vocab N] [--ctx N]\n"
-            "       [--type f32|f16|bf16|nf4|q8_0|q4_0|...|q6_K|iq4_xs] [--seed S] [--std X] [--embd-type T] [--output-type T]\n",
+            "       [--type f32|f16|bf16|nf4|q8_0|q4_0|...|q6_K|iq4_xs] [--seed S] [--std X] [--embd-type T] [--output-type T]\n"
+            "       [--threads N]  (N > 1: faster, other random values - the same for any N > 1)\n",
             argv0);
     return 2;
 }
@@ -76,6 +81,7 @@ static void write_vocab(ql_gguf_writer *w, int n_vocab) {
 struct gen_state {
     std::mt19937_64 rng;
     float std;
+    int threads;
     std::vector<float> f32;  // one tensor's values before conversion (the largest, reused)
 };
 struct gen_tensor {
@@ -94,22 +100,54 @@ static bool fill_tensor(void *arg, void *dst, size_t size) {
     }
     if (ql_n_dims(x.t) == 1) {
         std::fill(v, v + n, 1.0f);
-    } else {
+    } else if (x.g->threads == 1) {
         std::normal_distribution<float> N(0.0f, x.g->std);  // a fresh one per tensor, as ql_llama_randomize
         for (int64_t i = 0; i < n; i++) v[i] = N(x.g->rng);
+    } else {
+        const uint64_t seed = x.g->rng();
+        const int64_t blk = (int64_t)1 << 20, nblk = (n + blk - 1) / blk;
+        std::vector<std::thread> pool;
+        for (int t = 0; t < x.g->threads; t++)
+            pool.emplace_back([&, t] {
+                for (int64_t b = t; b < nblk; b += x.g->threads) {
+                    std::mt19937_64 r(seed ^ ((uint64_t)(b + 1) * 0x9E3779B97F4A7C15ull));
+                    std::normal_distribution<float> N(0.0f, x.g->std);
+                    for (int64_t i = b * blk; i < std::min(n, (b + 1) * blk); i++) v[i] = N(r);
+                }
+            });
+        for (std::thread &th : pool) th.join();
     }
-    char err[256];
-    if (x.type != QL_TYPE_F32 && ql_quantize(x.type, v, x.t->ne[1], x.t->ne[0], dst, err, sizeof(err)) != QL_OK) {
-        fprintf(stderr, "make-model: tensor %s: %s\n", x.t->name, err);
-        return false;
+    if (x.type == QL_TYPE_F32) return size == ql_type_data_size(x.type, x.t->ne[1], x.t->ne[0]);
+    // whole rows per thread where the type has no side data after the rows (NF4's double quantisation has)
+    const ql_type_traits *tt = ql_type_traits_get(x.type);
+    const int64_t rows = x.t->ne[1], ne0 = x.t->ne[0];
+    const int nt = tt->aux_bytes || ql_n_dims(x.t) == 1 ? 1 : (int)std::min<int64_t>(x.g->threads, rows);
+    std::vector<std::string> errs((size_t)nt);
+    std::vector<std::thread> pool;
+    for (int t = 0; t < nt; t++) {
+        auto work = [&, t] {
+            const int64_t r0 = rows * t / nt, r1 = rows * (t + 1) / nt;
+            char err[256];
+            char *d = (char *)dst + (r0 ? ql_type_data_size(x.type, r0, ne0) : 0);  // (side data: one range, at 0)
+            if (ql_quantize(x.type, v + r0 * ne0, r1 - r0, ne0, d, err, sizeof(err)) != QL_OK)
+                errs[(size_t)t] = err;
+        };
+        if (nt == 1) work();
+        else pool.emplace_back(work);
     }
+    for (std::thread &th : pool) th.join();
+    for (const std::string &e : errs)
+        if (!e.empty()) {
+            fprintf(stderr, "make-model: tensor %s: %s\n", x.t->name, e.c_str());
+            return false;
+        }
     return size == ql_type_data_size(x.type, x.t->ne[1], x.t->ne[0]);
 }
 
 int main(int argc, char **argv) {
     const auto t0 = std::chrono::steady_clock::now();
     const char *out = nullptr, *type_name = "f32", *embd_name = "f32", *output_name = "f32";
-    long dim = 288, layers = 6, heads = 6, kv_heads = -1, ff = 768, vocab = 512, ctx_len = 1024, seed = 1;
+    long dim = 288, layers = 6, heads = 6, kv_heads = -1, ff = 768, vocab = 512, ctx_len = 1024, seed = 1, threads = 1;
     double std_dev = 0.02;
     for (int i = 1; i < argc; i++) {
         const std::string a = argv[i];
@@ -135,6 +173,7 @@ int main(int argc, char **argv) {
         else if (a == "--vocab") num(&vocab, 259 + 95, 1 << 20);
         else if (a == "--ctx") num(&ctx_len, 1, 1 << 24);
         else if (a == "--seed") num(&seed, 0, 1L << 62);
+        else if (a == "--threads") num(&threads, 1, 256);
         else if (a == "--type") type_name = argv[++i];
         else if (a == "--embd-type") embd_name = argv[++i];
         else if (a == "--output-type") output_name = argv[++i];
@@ -188,7 +227,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "make-model: %s\n", ctx ? ql_ctx_error(ctx) : "out of memory");
         return 2;
     }
-    gen_state g{std::mt19937_64((uint64_t)seed), (float)std_dev, {}};
+    gen_state g{std::mt19937_64((uint64_t)seed), (float)std_dev, (int)threads, {}};
 
     ql_gguf_writer *w = ql_gguf_writer_new();
     owned<ql_gguf_writer> w_(w, ql_gguf_writer_free);
