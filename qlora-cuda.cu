@@ -156,6 +156,7 @@ struct cu_t {
     int64_t ne[4];
     int64_t nb[4];
     int     type;
+    int     contig;  // elements in order, no gaps: flat index i at i * element size (no 64-bit divisions)
 };
 
 static cu_t cu_of(const ql_tensor *t) {
@@ -166,6 +167,7 @@ static cu_t cu_of(const ql_tensor *t) {
         r.nb[i] = (int64_t)t->nb[i];
     }
     r.type = (int)t->type;
+    r.contig = ql_is_contiguous(t);
     return r;
 }
 
@@ -192,6 +194,7 @@ __device__ __forceinline__ void cu_st(char *p, int type, float v) {
 }
 // flat logical index -> byte offset of a (possibly strided) tensor
 __device__ __forceinline__ int64_t cu_offs(const cu_t &t, int64_t i) {
+    if (t.contig) return i * (t.type == QL_TYPE_F32 || t.type == QL_TYPE_I32 ? 4 : t.type == QL_TYPE_I8 ? 1 : 2);
     const int64_t i0 = i % t.ne[0], r = i / t.ne[0];
     const int64_t i1 = r % t.ne[1], r2 = r / t.ne[1];
     const int64_t i2 = r2 % t.ne[2], i3 = r2 / t.ne[2];
@@ -338,24 +341,30 @@ __device__ __forceinline__ float cu_weight_elem(const char *w, int64_t row_bytes
 
 // Rows [row0, row0 + nrows) of a weight (rows of ne0 elements, `row_bytes` apart, any type the
 // trait table reads), written as dst [ne0, nrows] contiguous in dst_type. aux: NF4's side data.
+// A row per grid row (y, grid-stride), its elements across x: no division per element.
 __global__ void k_dequant_rows(const char *w, int64_t row_bytes, int type, const char *aux, int64_t ne0, int64_t row0,
                                int64_t nrows, char *dst, int dst_type) {
-    const int64_t n = ne0 * nrows;
     const size_t dsz = dst_type == QL_TYPE_F32 ? 4 : 2;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
-        cu_st(dst + i * dsz, dst_type, cu_weight_elem(w, row_bytes, type, aux, ne0, row0 + i / ne0, i % ne0));
+    for (int64_t r = blockIdx.y; r < nrows; r += gridDim.y)
+        for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < ne0; e += (int64_t)gridDim.x * blockDim.x)
+            cu_st(dst + (r * ne0 + e) * dsz, dst_type, cu_weight_elem(w, row_bytes, type, aux, ne0, row0 + r, e));
 }
 
 // A strided 2-D slice src (element (k, m) at k*nb0 + m*nb1, plain type) -> dst [K, M] contiguous
 // in dst_type: a's conversion to the multiply's type, and b's copy when cuBLAS cannot read it.
+// Laid out as k_dequant_rows: m per grid row, k across x.
 __global__ void k_convert_2d(const char *src, int src_type, int64_t nb0, int64_t nb1, int64_t K, int64_t M, char *dst,
                              int dst_type) {
-    const int64_t n = K * M;
     const size_t dsz = dst_type == QL_TYPE_F32 ? 4 : 2;
-    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        const int64_t k = i % K, m = i / K;
-        cu_st(dst + i * dsz, dst_type, cu_ld(src + k * nb0 + m * nb1, src_type));
-    }
+    for (int64_t m = blockIdx.y; m < M; m += gridDim.y)
+        for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < K; k += (int64_t)gridDim.x * blockDim.x)
+            cu_st(dst + (m * K + k) * dsz, dst_type, cu_ld(src + k * nb0 + m * nb1, src_type));
+}
+
+// the grid for rows of `len` elements: x covers a row (up to 8 blocks), y the rows
+static dim3 cu_grid_rows(int64_t len, int64_t rows) {
+    return dim3((unsigned)std::max<int64_t>(1, std::min<int64_t>((len + CU_BLOCK - 1) / CU_BLOCK, 8)),
+                (unsigned)std::max<int64_t>(1, std::min<int64_t>(rows, CU_MAX_GRID)));
 }
 
 // ============================================================================================
@@ -423,7 +432,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
         for (int64_t i3 = 0; i3 < B3; i3++)
             for (int64_t i2 = 0; i2 < B2; i2++) {
                 char *dst = (char *)ws + ((i3 * B2 + i2) * K * N) * (int64_t)es;
-                QL_LAUNCH(k_convert_2d, cu_grid(K * N), CU_BLOCK, 0, c.stream, bp + i2 * bnb2 + i3 * bnb3, (int)b->type,
+                QL_LAUNCH(k_convert_2d, cu_grid_rows(K, N), CU_BLOCK, 0, c.stream, bp + i2 * bnb2 + i3 * bnb3, (int)b->type,
                           bnb0, bnb1, K, N, dst, (int)ct);
                 CU_LAUNCHED(c);
             }
@@ -444,7 +453,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
         const int64_t tk = ql_cuda_mm_tile_rows(M, K);
         for (int64_t k0 = 0; k0 < K; k0 += tk) {
             const int64_t kt = std::min(tk, K - k0);
-            QL_LAUNCH(k_dequant_rows, cu_grid(M * kt), CU_BLOCK, 0, c.stream, (const char *)w->data, (int64_t)w->nb[1],
+            QL_LAUNCH(k_dequant_rows, cu_grid_rows(M, kt), CU_BLOCK, 0, c.stream, (const char *)w->data, (int64_t)w->nb[1],
                       (int)w->type, aux, M, k0, kt, (char *)ws, (int)ct);
             CU_LAUNCHED(c);
             const cu_operand A{(const char *)ws, CUBLAS_OP_N, M, true};
@@ -473,10 +482,10 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
                     if (at->blck_size > 1 || at->aux_bytes) {
                         CU_ASSERT(ql_rows_contiguous(a));
                         const char *aux = at->aux_bytes ? (const char *)a->data + ql_aux_offset(ql_nbytes(a)) : nullptr;
-                        QL_LAUNCH(k_dequant_rows, cu_grid(K * mt), CU_BLOCK, 0, c.stream, ap, (int64_t)a->nb[1], (int)a->type,
+                        QL_LAUNCH(k_dequant_rows, cu_grid_rows(K, mt), CU_BLOCK, 0, c.stream, ap, (int64_t)a->nb[1], (int)a->type,
                                   aux, K, m0, mt, (char *)ws, (int)ct);
                     } else {
-                        QL_LAUNCH(k_convert_2d, cu_grid(K * mt), CU_BLOCK, 0, c.stream, ap + m0 * (int64_t)a->nb[1],
+                        QL_LAUNCH(k_convert_2d, cu_grid_rows(K, mt), CU_BLOCK, 0, c.stream, ap + m0 * (int64_t)a->nb[1],
                                   (int)a->type, (int64_t)a->nb[0], (int64_t)a->nb[1], K, mt, (char *)ws, (int)ct);
                     }
                     CU_LAUNCHED(c);
@@ -594,6 +603,18 @@ static void cu_op_cont(cu_ctx &c, ql_tensor *node) {
 
 // a + b or a * b, b repeated (by modulo, or by blocks when grouped) over a's shape
 __global__ void k_binary(cu_t a, cu_t b, float *d, int mul, int grouped, int64_t n) {
+    // the common layouts without 64-bit divisions: a and b contiguous, b the same size or one row
+    if (a.contig && b.contig && (b.ne[0] * b.ne[1] * b.ne[2] * b.ne[3] == n || (!grouped && b.ne[1] * b.ne[2] * b.ne[3] == 1))) {
+        const float *x = (const float *)a.data, *y = (const float *)b.data;
+        const int64_t nb_ = b.ne[0] * b.ne[1] * b.ne[2] * b.ne[3];
+        if (nb_ == n) {
+            CU_GRID_LOOP(i, n) d[i] = mul ? x[i] * y[i] : x[i] + y[i];
+        } else {
+            const uint32_t r = (uint32_t)b.ne[0];  // a row: ne0 < 2^32
+            CU_GRID_LOOP(i, n) d[i] = mul ? x[i] * y[(uint32_t)(i % r)] : x[i] + y[(uint32_t)(i % r)];
+        }
+        return;
+    }
     CU_GRID_LOOP(i, n) {
         const int64_t i0 = i % a.ne[0], r = i / a.ne[0], i1 = r % a.ne[1], i2 = (r / a.ne[1]) % a.ne[2], i3 = r / (a.ne[1] * a.ne[2]);
         const int64_t idx[4] = {i0, i1, i2, i3};
@@ -911,7 +932,8 @@ static void cu_op_rope(cu_ctx &c, ql_tensor *node, bool back) {
 // ---- cross entropy ----
 // Per row (a block): logsumexp and the row's loss into the side data; then one block sums the
 // losses in row order (in double, as the CPU) and divides by the run-time count.
-__global__ void __launch_bounds__(CU_ROW_BLOCK) k_ce_rows(cu_t lg, const int32_t *tg, float *lse, float *loss) {
+#define CU_CE_BLOCK 1024  // the loss runs over chunks of few rows (64 tokens) of long rows (the vocabulary): wide blocks
+__global__ void __launch_bounds__(CU_CE_BLOCK) k_ce_rows(cu_t lg, const int32_t *tg, float *lse, float *loss) {
     __shared__ float sh[32];
     const int64_t V = lg.ne[0], r = blockIdx.x;
     const int32_t t = tg[r];
@@ -940,14 +962,14 @@ static void cu_op_cross_entropy(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *lg = node->src[0];
     const int64_t N = cu_nrows(lg);
     float *lse = (float *)((char *)node->data + ql_nbytes(node)), *loss = lse + N;
-    QL_LAUNCH(k_ce_rows, (unsigned)N, CU_ROW_BLOCK, 0, c.stream, cu_of(lg), (const int32_t *)node->src[1]->data, lse, loss);
+    QL_LAUNCH(k_ce_rows, (unsigned)N, CU_CE_BLOCK, 0, c.stream, cu_of(lg), (const int32_t *)node->src[1]->data, lse, loss);
     CU_LAUNCHED(c);
     QL_LAUNCH(k_ce_total, 1, 1024, 0, c.stream, (const float *)loss, N, (const float *)node->src[2]->data, (float *)node->data);
     CU_LAUNCHED(c);
 }
 
 // d = (softmax(x) - onehot(t)) dy / count, zero for ignored rows
-__global__ void __launch_bounds__(CU_ROW_BLOCK) k_ce_back(cu_t lg, const int32_t *tg, const float *lse, const float *dy, const float *count,
+__global__ void __launch_bounds__(CU_CE_BLOCK) k_ce_back(cu_t lg, const int32_t *tg, const float *lse, const float *dy, const float *count,
                                                           float *d) {
     const int64_t V = lg.ne[0], r = blockIdx.x;
     const int32_t t = tg[r];
@@ -961,7 +983,7 @@ __global__ void __launch_bounds__(CU_ROW_BLOCK) k_ce_back(cu_t lg, const int32_t
 static void cu_op_cross_entropy_back(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *lg = node->src[0], *fwd = node->src[3];
     const float *lse = (const float *)((const char *)fwd->data + ql_nbytes(fwd));
-    QL_LAUNCH(k_ce_back, (unsigned)cu_nrows(lg), CU_ROW_BLOCK, 0, c.stream, cu_of(lg), (const int32_t *)node->src[1]->data, lse,
+    QL_LAUNCH(k_ce_back, (unsigned)cu_nrows(lg), CU_CE_BLOCK, 0, c.stream, cu_of(lg), (const int32_t *)node->src[1]->data, lse,
               (const float *)node->src[4]->data, (const float *)node->src[2]->data, (float *)node->data);
     CU_LAUNCHED(c);
 }
@@ -1352,7 +1374,7 @@ static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
     cu_t dOv{};  // dO [DV, H, Tq, B] seen as [DV, Tq, H, B]
     if (back) {
         dOv = cu_of(dOt);
-        dOv.ne[1] = Tq, dOv.ne[2] = H;
+        dOv.ne[1] = Tq, dOv.ne[2] = H, dOv.contig = 0;
         dOv.nb[1] = (int64_t)(H * DV * 4), dOv.nb[2] = (int64_t)(DV * 4);
         QL_LAUNCH(k_fa_delta, cu_grid(Tq * H * B), CU_BLOCK, 0, c.stream, (const float *)dOt->data, (const float *)fwd->data, DV, H,
                   Tq, Tq * H * B, delta);

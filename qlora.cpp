@@ -5005,7 +5005,8 @@ static void mm_dot(const mm_operand &w, const mm_operand &x, float *c, const flo
 // (element (k, r) at p + k sk + 2r: dy^T in a weight's gradient) as k-pair dwords, dst[r ld + q] =
 // x(2q, r) | x(2q + 1, r) << 16 for q < np - the layout both bf16 kernels read. 16 x 16 dword
 // blocks are made from 32 source rows and transposed in registers; the edges element by element.
-static void mm_gather_pairs(const uint8_t *p, int64_t sk, int64_t mc, int64_t np, uint32_t *dst, int64_t ld) {
+// Only the AMX and AVX512-BF16 kernels call it (unused in other builds).
+[[maybe_unused]] static void mm_gather_pairs(const uint8_t *p, int64_t sk, int64_t mc, int64_t np, uint32_t *dst, int64_t ld) {
     auto pair = [&](int64_t q, int64_t r) {
         uint16_t lo, hi;
         memcpy(&lo, p + 2 * q * sk + 2 * r, 2);

@@ -611,6 +611,7 @@ TEST_CASE("finetune --profile: where the step's time goes, the multiplies by sha
     const size_t at = log.find("mul_mat by shape (M x N x K a.b: share of the graph, GFLOP/s):\n");
     REQUIRE_MESSAGE(at != std::string::npos, log);
     CHECK(log.find("finetune: profile of the training graph (") < at);
+    CHECK(log.find("finetune: profile: steps 2-2 (step 1 left out: first calls)") != std::string::npos);  // warm-up excluded
     CHECK(log.find("  costliest nodes:") > at);
     // the first shape's line: "  P%  MxNxK a.b R" (M, K among the model's 32, 64, 512 and the LoRA rank)
     const std::string first = log.substr(log.find('\n', at) + 1, log.find('\n', log.find('\n', at) + 1) - log.find('\n', at) - 1);
