@@ -14,6 +14,7 @@
 #   make CUDA=1 ...      with the CUDA backend (qlora-cuda.cu, nvcc, cuBLAS) for sm_75..sm_90 (+ PTX)
 #   make test-cuda-shim  the CUDA backend's kernels run on the CPU through tests/cuda_shim.h
 #                        (needs only CUDA's headers; part of make test when they are there)
+#   make CUDA=1 test-gpu the checks that need a real GPU (tests/gpu-check.sh)
 #   make cuda-check      compile qlora-cuda.cu for every architecture, warnings as errors, and
 #                        fail on register spills or local memory (ptxas -v)
 
@@ -50,7 +51,7 @@ TOOLS    := tools/bench $(ROOT_TOOLS)
 HEADERS  := qlora.h $(wildcard models/*.h models/*.inc tools/*.h)
 TEST_HEADERS := $(wildcard tests/*.h)
 
-.PHONY: all test test-unit test-dropin test-cuda-shim cuda-check test-sanitize test-portable bench bench-finetune bench-checkpointing bench-optimizers demo clean cuda fuzz
+.PHONY: all test test-unit test-dropin test-cuda-shim test-gpu cuda-check test-sanitize test-portable bench bench-finetune bench-checkpointing bench-optimizers demo clean cuda fuzz
 all: $(TOOLS) $(BUILD)/test-qlora
 
 $(BUILD)/%.o: %.cpp $(HEADERS)
@@ -189,6 +190,11 @@ bench-checkpointing: $(TOOLS)
 
 bench-gpu: $(TOOLS)
 	./bench/gpu.sh
+
+# the checks that need a real GPU (make CUDA=1 test-gpu): the op suite on the device, the demo on
+# it, CPU and GPU losses side by side; an error without a device
+test-gpu: $(TOOLS) $(BUILD)/test-qlora
+	BUILD=$(BUILD) ./tests/gpu-check.sh
 
 bench-optimizers: $(TOOLS)
 	./bench/optimizers.sh
