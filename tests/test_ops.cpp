@@ -866,6 +866,36 @@ TEST_CASE("mul_mat_acc: c + a b with the bits of ql_add(c, ql_mul_mat(a, b)), fo
     CHECK(std::string(ql_ctx_error(h.ctx)).find("mul_mat_acc") != std::string::npos);
 }
 
+TEST_CASE("backward: an input feeding several multiplies sums their input gradients in the multiplies (mul_mat_acc)") {
+    // y = W1 x + W2 x + W3 x, x trainable, the W frozen: dx = (W1 + W2 + W3) dy with the second and
+    // third product added onto the sum so far as they are written - no separate add
+    const int64_t K = 40, M = 300, N = 33;  // M > 256: products over two K blocks in backward
+    for (int nt : {1, 3}) {
+        INFO(nt << " threads");
+        Harness h;
+        ql_tensor *w[3];
+        for (int i = 0; i < 3; i++) w[i] = h.input(QL_TYPE_F32, {K, M, 1, 1}, false);
+        ql_tensor *x = h.input(QL_TYPE_F32, {K, N, 1, 1}, true);
+        ql_tensor *y = ql_add(h.ctx, ql_add(h.ctx, ql_mul_mat(h.ctx, w[0], x), ql_mul_mat(h.ctx, w[1], x)), ql_mul_mat(h.ctx, w[2], x));
+        h.run(y, nt);
+        int fused = 0;
+        for (int i = 0; i < ql_graph_n_nodes(h.gb); i++) {
+            const ql_tensor *n = ql_graph_node(h.gb, i);
+            fused += n->op == QL_OP_MUL_MAT && n->src[2] != nullptr;
+        }
+        CHECK(fused == 2);
+        Vec ref((size_t)(K * N));
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t k = 0; k < K; k++) {
+                double v = 0;
+                for (int i = 0; i < 3; i++)
+                    for (int64_t m = 0; m < M; m++) v += (double)h.in_v[(size_t)i][m * K + k] * h.r_v[n * M + m];
+                ref[n * K + k] = v;
+            }
+        CHECK(fwd_err(h.grad(3), ref) <= 1e-5);
+    }
+}
+
 TEST_CASE("mul_mat with an F16 b: a gradient beyond f16's range overflows, in bf16 it does not") {
     for (ql_type t : {QL_TYPE_F16, QL_TYPE_BF16}) {
         Harness h;
