@@ -280,8 +280,8 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
     printf("\n  temporaries and recompute              %10.1f", m.scratch / MiB);
     if (m.recompute) printf("   recomputed results: at most %.1f at once", m.recompute / MiB);
     printf("\n  kernel workspace (dequant tiles, attn) %10.1f\n", m.work / MiB);
-    printf("  CUDA context + cuBLAS workspace        %10.1f   an estimate for cc %d.%d (bench/gpu.sh measures it)\n",
-           m.dev_context / MiB, m.cc / 10, m.cc % 10);
+    printf("  CUDA context + cuBLAS workspace        %10.1f   %s for cc %d.%d (the card's use is printed after step 1)\n",
+           m.dev_context / MiB, m.cc >= 90 ? "measured on an H100" : "an estimate", m.cc / 10, m.cc % 10);
     printf("  allocator rounding (2 MiB pages)       %10.1f\n", m.dev_rounding / MiB);
     printf("  total device memory                    %10.1f", m.total / MiB);
     if (limit) printf("   of %.1f: %s", limit / MiB, fits ? "fits" : "does NOT fit");
