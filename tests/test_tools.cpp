@@ -319,32 +319,6 @@ TEST_CASE("perplexity: --json numbers equal an independent computation; every to
     }
 }
 
-// --threads N > 1: other values than one stream (N = 1, the default: ql_llama_randomize's), the same
-// file for any N > 1; NF4's side data (one range) and q8_0's rows (split across threads) both
-TEST_CASE("make-model --threads: the same file for any N > 1, the one-stream file for N = 1") {
-    if (!all_built({"make-model", "finetune"})) return;
-    tmpdir d;
-    std::string log;
-    for (const char *type : {"nf4", "q8_0"}) {
-        INFO(type);
-        auto make = [&](const std::string &name, const std::string &threads) {
-            const std::string f = d.path + "/" + name + ".gguf";
-            REQUIRE_MESSAGE(run("./make-model -o " + f + " --dim 64 --layers 2 --heads 2 --ff 128 --type " + type + " --embd-type bf16" +
-                                    threads, &log) == 0, log);
-            return read_file(f);
-        };
-        const std::string one = make("one", ""), one_t = make("one_t", " --threads 1"), two = make("two", " --threads 2"),
-                          three = make("three", " --threads 3");
-        CHECK(one == one_t);
-        CHECK(two == three);
-        CHECK(one.size() == two.size());
-        CHECK(one != two);
-        // and the model loads and trains
-        REQUIRE_MESSAGE(run("./finetune --overwrite -m " + d.path + "/three.gguf -d examples/demo.jsonl -o " + d.path +
-                                "/out --max-steps 1 -b 2 --seq-len 32 -t 1", &log) == 0, log);
-    }
-}
-
 TEST_CASE("make-model, convert, generate, perplexity: bad input, one clear line each") {
     if (!all_built({"make-model", "convert", "generate", "perplexity"})) return;
     tmpdir d;
@@ -623,6 +597,33 @@ TEST_CASE("finetune: padding to each micro-batch's longest - the plan's line, re
     const double pct2 = atof(log.c_str() + log.find('(', log.find("positions for", at2)) + 1);
     CHECK(pct2 > pct);
     CHECK(pct2 > 60);
+}
+
+// --threads N > 1: other values than one stream (N = 1, the default: ql_llama_randomize's), the same
+// file for any N > 1; NF4's side data (one range) and q8_0's rows (split across threads) both
+TEST_CASE("make-model --threads: the same file for any N > 1, the one-stream file for N = 1") {
+    if (!all_built({"make-model", "finetune"})) return;
+    tmpdir d;
+    std::string log;
+    for (const char *type : {"nf4", "q8_0"}) {
+        INFO(type);
+        auto make = [&](const std::string &name, const std::string &threads) {
+            const std::string f = d.path + "/" + name + ".gguf";
+            REQUIRE_MESSAGE(run("./make-model -o " + f + " --dim 64 --layers 2 --heads 2 --ff 128 --type " + type + " --embd-type bf16" +
+                                    threads, &log) == 0, log);
+            return read_file(f);
+        };
+        const std::string one = make("one", ""), one_t = make("one_t", " --threads 1"), two = make("two", " --threads 2"),
+                          three = make("three", " --threads 3");
+        CHECK(one == one_t);
+        CHECK(two == three);
+        CHECK(one.size() == two.size());
+        CHECK(one != two);
+        // and the model loads and trains
+        write_qa_jsonl(d.path + "/qa.jsonl", 8);
+        REQUIRE_MESSAGE(run("./finetune --overwrite -m " + d.path + "/three.gguf -d " + d.path + "/qa.jsonl -o " + d.path +
+                                "/out --max-steps 1 -b 2 --seq-len 32 -t 1", &log) == 0, log);
+    }
 }
 
 // --profile: the time per op kind, the multiplies by shape with their rate, the costliest nodes
