@@ -2424,16 +2424,15 @@ struct grad_builder {
     // A product's contribution a^T b: onto the sum so far as the multiply writes it
     // (ql_mul_mat_acc; in place where the sum dies there) instead of a product and an add - an
     // input that feeds several multiplies (q, k, v, the LoRA factors) sums its gradients so
-    ql_tensor *add_product(ql_tensor *src, ql_tensor *a, ql_tensor *b) {
-        if (!wants(src)) return nullptr;
+    void add_product(ql_tensor *src, ql_tensor *a, ql_tensor *b) {
+        if (!wants(src)) return;
         auto it = grad.find(src);
         ql_tensor *prev = it == grad.end() ? nullptr : it->second;
         if (prev && prev->type == QL_TYPE_F32 && ql_is_contiguous(prev) && prev->ne[0] == a->ne[1] && prev->ne[1] == b->ne[1] &&
             prev->ne[2] == b->ne[2] && prev->ne[3] == b->ne[3] && a->ne[2] == 1 && a->ne[3] == 1)
-            return it->second = ql_mul_mat_acc(ctx, a, b, prev);
-        ql_tensor *g = ql_mul_mat(ctx, a, b);
-        add(src, g);
-        return g;
+            it->second = ql_mul_mat_acc(ctx, a, b, prev);
+        else
+            add(src, ql_mul_mat(ctx, a, b));
     }
 };
 
@@ -2506,7 +2505,7 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
             if (da && !ql_same_shape(da, a)) da = ql_reduce_to(ctx, da, a, true);            // a was broadcast
             gb.add(a, da);
         }
-        if (gb.wants(b)) gb.add_product(b, ql_transpose(ctx, a), gb.dense(dc));  // [K, N, B2, B3]
+        if (gb.wants(b)) gb.add_product(b, ql_transpose(ctx, a), gb.dense(dc));  // [K, N, B2, B3] (wants: no views made for nothing)
         gb.add(node->src[2], dy);  // ql_mul_mat_acc: c passes dy through, as an add
         break;
     }

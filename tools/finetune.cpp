@@ -1061,8 +1061,8 @@ int main(int argc, char **argv) {
         ql_cuda_device_info info{};
         char e2[128];
         const int dev = a.o.device.size() > 5 ? atoi(a.o.device.c_str() + 5) : 0;
-        card_max = std::max(card_max, ql_cuda_device_get_info(dev, &info, e2, sizeof(e2)) == QL_OK ? info.total_mem - info.free_mem : 0);
-        const size_t card = card_max;
+        const size_t card = card_max =
+            std::max(card_max, ql_cuda_device_get_info(dev, &info, e2, sizeof(e2)) == QL_OK ? info.total_mem - info.free_mem : 0);
         const size_t planned_ours = mp.total - mp.dev_context - mp.dev_rounding;
         printf("finetune: device memory %s: ours %.1f MiB peak (planned %.1f, %+.1f%%); the card in use %.1f MiB (planned %.1f "
                "with context and rounding, %+.1f%%)\n", when, mib(ours), mib(planned_ours),

@@ -121,7 +121,7 @@ static bool fill_tensor(void *arg, void *dst, size_t size) {
     // whole rows per thread where the type has no side data after the rows (NF4's double quantisation has)
     const ql_type_traits *tt = ql_type_traits_get(x.type);
     const int64_t rows = x.t->ne[1], ne0 = x.t->ne[0];
-    const int nt = tt->aux_bytes || ql_n_dims(x.t) == 1 ? 1 : (int)std::min<int64_t>(x.g->threads, rows);
+    const int nt = tt->aux_bytes ? 1 : (int)std::min<int64_t>(x.g->threads, rows);
     std::vector<std::string> errs((size_t)nt);
     std::vector<std::thread> pool;
     for (int t = 0; t < nt; t++) {
