@@ -5834,6 +5834,14 @@ ql_backend_buffer *ql_backend_alloc_ctx_tensors(ql_backend *be, ql_context *ctx,
     return b;
 }
 
+// The pages of a copied QL_FLAG_MAPPED tensor out of the resident set. Rounded outwards: a
+// neighbour's page dropped too is read again from the file on its next use (the mapping is
+// PROT_READ and private, so no page of it can hold anything the file does not).
+static void release_mapped_pages(const void *data, size_t n) {
+    const uintptr_t P = (uintptr_t)sysconf(_SC_PAGESIZE), b = (uintptr_t)data / P * P, e = ((uintptr_t)data + n + P - 1) / P * P;
+    if (n) madvise((void *)b, e - b, MADV_DONTNEED);  // advice: a failure only leaves the pages resident
+}
+
 ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx) {
     if (!be || !ctx || ctx->measure) return nullptr;
     if (ql_backend_is_host(be)) return new (std::nothrow) ql_backend_buffer{QL_BUFFER_DEVICE, nullptr, 0, nullptr, {}, nullptr};
@@ -5857,10 +5865,15 @@ ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx)
                 ql_backend_buffer_free(b);  // and the tensors placed so far back on their host data
                 return nullptr;
             }
+            if (t->flags & QL_FLAG_MAPPED) release_mapped_pages(t->data, ql_nbytes(t) + t->aux_size);  // (the transient peak)
             b->placed.push_back({t, t->data});
             t->data = dst;
             off += leaf_bytes(t);
         }
+    // again, all of them: reading the next tensor maps the cached pages around it (fault-around,
+    // large folios), the tail of the one before included
+    for (const auto &p : b->placed)
+        if (p.first->flags & QL_FLAG_MAPPED) release_mapped_pages(p.second, ql_nbytes(p.first) + p.first->aux_size);
     ctx_rebind_views(ctx);
     return b;
 }
@@ -6710,6 +6723,7 @@ void ql_gguf_close(ql_gguf *g) {
 uint32_t ql_gguf_version(const ql_gguf *g) { return g ? g->version : 0; }
 size_t   ql_gguf_alignment(const ql_gguf *g) { return g ? g->alignment : 0; }
 size_t   ql_gguf_data_offset(const ql_gguf *g) { return g ? g->data_offset : 0; }
+bool     ql_gguf_is_mapped(const ql_gguf *g) { return g && g->map; }
 
 static const gguf_kv *gguf_kv_at(const ql_gguf *g, int64_t i) {
     return (g && i >= 0 && (uint64_t)i < g->kvs.size()) ? &g->kvs[(size_t)i] : nullptr;

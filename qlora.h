@@ -385,6 +385,10 @@ enum ql_tensor_flag {
     // it (the embedding with --embd-on-host: only the step's rows travel, gathered on the host;
     // paged optimizer state, in pinned memory the GPU reads directly), and set/get copy plainly
     QL_FLAG_HOST       = 1 << 6,
+    // a leaf whose data is a read-only file mapping (a tensor of a GGUF opened by path): once a
+    // device placement has copied it, its pages are given back to the kernel (read again from the
+    // file should the host need them), so that a GPU run does not hold the model in host RAM too
+    QL_FLAG_MAPPED     = 1 << 7,
 };
 
 struct ql_tensor {
@@ -733,7 +737,8 @@ ql_backend_buffer *ql_backend_alloc_ctx_tensors(ql_backend *be, ql_context *ctx,
 // Weights placed once: every leaf of ctx that has host data (an arena, a GGUF mapping), unless
 // flagged QL_FLAG_HOST, is copied, side data included, into ONE new device buffer and its data pointer moved there; views are
 // re-pointed. Quantized types travel as they are (no f32 copy of a base weight ever exists on
-// the device). The host bytes are not freed (they belong to the arena or the file). The CPU
+// the device). The host bytes are not freed (they belong to the arena or the file); those of a
+// QL_FLAG_MAPPED tensor leave the process's resident set as soon as they are copied. The CPU
 // backend moves nothing and returns an empty buffer. NULL with an error in ctx when the device
 // is out of memory (the message says how much it needed).
 ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx);
@@ -902,6 +907,9 @@ void        ql_gguf_close(ql_gguf *g);
 uint32_t    ql_gguf_version(const ql_gguf *g);
 size_t      ql_gguf_alignment(const ql_gguf *g);
 size_t      ql_gguf_data_offset(const ql_gguf *g);           // where the tensor data section starts
+// true when the tensors' bytes are a read-only mapping of the file (ql_gguf_open), whose pages
+// may be dropped and are read again on use (QL_FLAG_MAPPED); false for caller memory
+bool        ql_gguf_is_mapped(const ql_gguf *g);
 
 int64_t     ql_gguf_n_kv(const ql_gguf *g);
 int64_t     ql_gguf_find_kv(const ql_gguf *g, const char *key);  // -1: absent

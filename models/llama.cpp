@@ -401,6 +401,7 @@ struct loader {
             return nullptr;
         }
         t->data = const_cast<void *>(ql_gguf_tensor_data(g, i));  // zero copy: read-only mapping
+        if (ql_gguf_is_mapped(g)) t->flags |= QL_FLAG_MAPPED;  // a device run gives its pages back once placed
         ql_set_name(t, name.c_str());
         return t;
     }

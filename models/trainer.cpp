@@ -208,13 +208,18 @@ static void weight_pages(ql_trainer *t) {
     const uintptr_t W = std::max<uintptr_t>(1, 65536 / P);
     std::vector<std::pair<uintptr_t, uintptr_t>> iv;
     std::map<std::string, size_t> by_type;
+    // on a device the host reads only what stays there (QL_FLAG_HOST: the embedding with
+    // --embd-on-host); the rest is read once, by the placement, which gives the pages back
+    auto host_reads = [&](const ql_tensor *w) { return t->on_host || (w->flags & QL_FLAG_HOST); };
+    t->mem.weights_file = 0;
     auto whole = [&](const ql_tensor *w) {
         if (!w || !w->data) return;
         const size_t n = ql_nbytes(w) + w->aux_size;
         const uintptr_t b = (uintptr_t)w->data;
+        t->mem.weights_file += n;
+        if (!host_reads(w)) return;
         iv.push_back({b / P, (b + n + P - 1) / P});
         by_type[ql_type_name(w->type)] += n;
-        t->mem.weights_file += n;
     };
     std::vector<bool> used((size_t)m.hp.n_vocab, false);
     for (const std::vector<ql_sequence> *v : {t->train, t->eval})
@@ -222,7 +227,7 @@ static void weight_pages(ql_trainer *t) {
             for (int32_t tok : q.tokens)
                 if (tok >= 0 && tok < m.hp.n_vocab) used[(size_t)tok] = true;
     for (const ql_tensor *w : base_weights(m)) {
-        if (w != m.tok_embd || m.output == m.tok_embd) {  // whole; a tied embedding too (the output projection reads it all)
+        if (w != m.tok_embd || m.output == m.tok_embd || !host_reads(w)) {  // whole; a tied embedding too (the output projection reads it all)
             whole(w);
             continue;
         }
@@ -270,6 +275,15 @@ static void device_plan(ql_trainer *t, ql_context *meas, size_t train_buf, size_
     m.dev_context = ql_cuda_context_bytes(t->cc);
     m.dev_rounding = round(m.dev_weights) + round(m.dev_state) + round(m.dev_buffer) + G;  // + the backend's scratch
     m.total = m.dev_weights + m.dev_state + m.dev_buffer + m.dev_context + m.dev_rounding;
+    // the host's part: what the host writes of the arena (tensor headers, the adapter made there
+    // before its upload, the moments' copies each checkpoint fills; gradients and inputs are
+    // never written there), the batch staged for upload, the pages it reads of the weights (the
+    // embedding's rows on the host, else none: the placement gives the model's pages back) and
+    // pinned memory. Not planned: the CUDA runtime's own (kernels loaded on first use).
+    const size_t n_in = (size_t)(t->T * t->B);
+    const size_t staged = n_in * 4 * sizeof(int32_t) + (t->embd_host ? n_in * (size_t)md.hp.n_embd * sizeof(float) : 0);
+    m.host = m.weights + m.headers + m.lora + m.optimizer + staged + m.host_pinned;
+    m.host += (1u << 20) + m.host / 200;  // the same reserve as a host run's
 }
 
 // Builds everything in a measuring context with the current levels and fills t->mem from the
@@ -318,6 +332,7 @@ static bool measure(ql_trainer *t, std::string *err) {
         const size_t planned = m.weights + arena + std::max(ps.buffer_size, es.buffer_size);
         m.reserve = (1u << 20) + planned / 200;
         m.total = planned + m.reserve;
+        m.host = m.total;  // (a device run: device_plan sets both)
         m.loss_chunk = t->loss_chunk;
         m.embd_on_host = t->embd_host;
         m.host_embd = t->embd_host ? ql_nbytes(t->f->model.tok_embd) + t->f->model.tok_embd->aux_size : 0;
@@ -466,6 +481,7 @@ static bool choose_levels(ql_trainer *t, std::string *err) {
     if (t->o.embd_on_host != -1 || t->on_host || t->embd_host || fits(t)) return true;
     if (t->f->model.output == t->f->model.tok_embd) return true;  // tied: the output projection reads it on the device
     set_embd_host(t, true);
+    weight_pages(t);  // the host now reads the embedding's rows
     return choose_levels_for(t, err);
 }
 

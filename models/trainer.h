@@ -111,6 +111,7 @@ struct ql_memory_plan {
     size_t work = 0;            // kernel workspace (matmul packing, attention tiles)
     size_t reserve = 0;         // for what no plan sees (heap bookkeeping, code pages): 1 MiB + 0.5%
     size_t total = 0;           // weights + arena + planned buffer + reserve: what the trainer adds to the process
+    size_t host = 0;            // of it host memory (the process's RSS grows by this): total, or a device run's host part
     std::string checkpointing;  // the policy; with auto, what it chose ("auto: 6 of 24 segments recomputed")
     std::vector<int> levels;    // ql_keep per segment
     double recompute_fraction = 0;  // recomputed / forward FLOPs

@@ -847,7 +847,85 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
     for (const result *r : {&whole, &chunked, &block, &offloaded, &paged, &paged8}) {
         CHECK(r->allocated == r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer + 4096);
         CHECK(r->plan.total == r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer + r->plan.dev_context + r->plan.dev_rounding);
+        // the host's part holds none of the device's buffers: under the adapter, moments, pages
+        // read and pinned memory, plus the reserve and a little staging
+        const size_t own = r->plan.weights + r->plan.headers + r->plan.lora + r->plan.optimizer + r->plan.host_pinned;
+        CHECK(r->plan.host >= own);
+        CHECK(r->plan.host <= own + (1u << 20) + own / 100 + 64 * 1024);
     }
+    // the host reads no weight page on a device, except the embedding rows it keeps
+    CHECK(whole.plan.weights == 0);
+    CHECK(chunked.plan.weights > 0);
+    CHECK(chunked.plan.weights <= chunked.plan.host_embd + 65536);
+    CHECK(offloaded.plan.host >= block.plan.host + offloaded.plan.host_pinned);
+}
+
+// ---- a device run gives the model's pages back once placed (QL_FLAG_MAPPED) ---------------------
+
+namespace {
+// the resident bytes of this process's mappings of `path` (Linux /proc/self/smaps; -1 without it)
+long long mapped_rss(const std::string &path) {
+    FILE *fp = fopen("/proc/self/smaps", "r");
+    if (!fp) return -1;
+    char line[4096];
+    bool in = false;
+    long long kb = 0;
+    while (fgets(line, sizeof(line), fp)) {
+        const size_t n = strlen(line);
+        if (n && line[n - 1] == '\n') line[n - 1] = 0;
+        unsigned long a, b;
+        if (sscanf(line, "%lx-%lx", &a, &b) == 2 && strchr(line, ' ')) {  // a mapping's header line
+            const size_t L = strlen(line);
+            in = L >= path.size() && path == line + L - path.size();
+        } else if (in && !strncmp(line, "Rss:", 4)) {
+            kb += atoll(line + 4);
+        }
+    }
+    fclose(fp);
+    return kb * 1024;
+}
+}  // namespace
+
+OP_CASE(device_gives_back_model_pages) {
+    tmpdir d;
+    const std::string path = d.file("tiny-f32.gguf");
+    {
+        tiny_llama t(tiny_hparams(97, 128, 256), 3, 0.2f, /*tied_output=*/false);
+        write_llama_gguf(t.m, path, llama_gguf_opts{});  // f32: ~0.5 MiB of weights
+    }
+    char err[256];
+    ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
+    REQUIRE_MESSAGE(f, err);
+    size_t tensor_bytes = 0;
+    volatile uint8_t sink = 0;
+    for (ql_tensor *w : {f->model.tok_embd, f->model.output, f->model.layers[0].wq, f->model.layers[1].w_down}) {
+        CHECK((w->flags & QL_FLAG_MAPPED));  // opened by path: the file's mapping
+        for (size_t i = 0; i < ql_nbytes(w); i += 512) sink = sink + ((const uint8_t *)w->data)[i];
+        tensor_bytes += ql_nbytes(w);
+    }
+    (void)sink;
+    const long long before = mapped_rss(path);
+    if (before < 0) {
+        ql_llama_file_free(f);
+        MESSAGE("no /proc/self/smaps: not checked");
+        return;
+    }
+    CHECK(before >= (long long)tensor_bytes);
+    ql_backend_buffer *wb = ql_backend_place_ctx_tensors(be, f->ctx);
+    REQUIRE(wb);
+    const long long placed = mapped_rss(path);
+    if (ql_backend_is_host(be)) {
+        CHECK(placed == before);  // the CPU reads the weights where they are
+    } else {
+        CHECK(f->model.tok_embd->data != ql_backend_buffer_host_data(wb, f->model.tok_embd));
+        CHECK(placed <= (long long)ql_gguf_data_offset(f->gguf) + 8192);  // the header's pages at most
+    }
+    ql_backend_buffer_free(wb);  // back on the mapping: the host reads the same bytes again, from the file
+    REQUIRE(f->model.tok_embd->type == QL_TYPE_F32);
+    tiny_llama t(tiny_hparams(97, 128, 256), 3, 0.2f, false);
+    CHECK(memcmp((const float *)f->model.tok_embd->data + 5 * 128, (const float *)t.m.tok_embd->data + 5 * 128, 128 * 4) == 0);
+    CHECK(memcmp(f->model.output->data, t.m.output->data, ql_nbytes(t.m.output)) == 0);
+    ql_llama_file_free(f);
 }
 
 OP_CASE(check_finite_and_host_leafs) {

@@ -257,10 +257,10 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
         printf("}, \"embedding_in_host_memory\": %zu}, \"lora\": %zu, \"grads\": %zu, \"optimizer\": %zu, \"optimizer_name\": \"%s\", "
                "\"optimizer_in_host_memory\": %s, \"inputs_and_state\": %zu, \"saved_activations\": %zu, \"checkpoints\": %zu, \"temporaries\": %zu, "
                "\"recompute_peak\": %zu, \"workspace\": %zu, \"graph_buffer\": %zu, \"context\": %zu, \"rounding\": %zu, "
-               "\"total\": %zu, \"limit\": %zu, \"fits\": %s, \"host\": {\"process\": %zu, \"embedding\": %zu, \"pinned\": %zu}, "
+               "\"total\": %zu, \"limit\": %zu, \"fits\": %s, \"host\": {\"process\": %zu, \"planned\": %zu, \"embedding\": %zu, \"pinned\": %zu}, "
                "\"checkpointing\": \"%s\", \"recompute_fraction\": %.4f, \"micro_batch\": %d, \"loss_chunk\": %lld}\n",
                m.host_embd, m.lora, m.grads, m.optimizer, optim.c_str(), m.optimizer_host ? "true" : "false", m.dev_state, m.saved, m.checkpoints, m.scratch, m.recompute,
-               m.work, m.dev_buffer, m.dev_context, m.dev_rounding, m.total, limit, fits ? "true" : "false", process, m.host_embd, m.host_pinned,
+               m.work, m.dev_buffer, m.dev_context, m.dev_rounding, m.total, limit, fits ? "true" : "false", process, m.host, m.host_embd, m.host_pinned,
                m.checkpointing.c_str(), m.recompute_fraction, m.micro_batch, (long long)m.loss_chunk);
         return;
     }
@@ -285,9 +285,13 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
     printf("  allocator rounding (2 MiB pages)       %10.1f\n", m.dev_rounding / MiB);
     printf("  total device memory                    %10.1f", m.total / MiB);
     if (limit) printf("   of %.1f: %s", limit / MiB, fits ? "fits" : "does NOT fit");
-    printf("\n  host memory: process %.1f (RSS before training)%s", process / MiB,
-           m.embd_on_host ? ", the embedding read from the model's mapping" : "");
+    printf("\n  host memory: process %.1f (RSS before training) + %.1f planned = %.1f", process / MiB, m.host / MiB,
+           (process + m.host) / MiB);
+    printf("\n    of it: the adapter's and moments' copies (checkpoints are written from them) %.1f", (m.lora + m.optimizer) / MiB);
+    if (m.embd_on_host) printf(", the embedding's rows read from the model's mapping %.1f", m.weights / MiB);
     if (m.host_pinned) printf(", pinned %.1f (offloaded checkpoints)", m.host_pinned / MiB);
+    printf("\n    (the model's pages go back to the kernel once copied to the device; the CUDA runtime's own host memory, its\n"
+           "    kernels loaded on first use, is not planned)");
     printf("\n  checkpointing: %s", m.checkpointing.c_str());
     if (m.recompute_fraction > 0) printf("; recomputes %.0f%% of the forward FLOPs", 100 * m.recompute_fraction);
     if (m.loss_chunk) printf("\n  loss: output projection + cross-entropy in chunks of %lld tokens (logits never whole)", (long long)m.loss_chunk);
@@ -1044,7 +1048,7 @@ int main(int argc, char **argv) {
     printf("finetune: planned and allocated in %.2f s\n",
            std::chrono::duration<double>(std::chrono::steady_clock::now() - t_build).count());
     fflush(stdout);
-    const size_t predicted = a.o.mem_other + mp.total;
+    const size_t predicted = a.o.mem_other + mp.host;  // the process's RSS: on a device run its host part only
     // the weight pages now rather than during step one, and the peak counted from here: loading's
     // temporaries are not the training run's
     ql_trainer_page_in_weights(t);
