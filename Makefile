@@ -12,6 +12,7 @@
 #   make fuzz       libFuzzer on the GGUF reader (clang; FUZZ_RUNS=1000000 by default)
 #   make PORTABLE=1 ...  no -march=native (the portable SIMD fallback)
 #   make CUDA=1 ...      with the CUDA backend (qlora-cuda.cu, nvcc, cuBLAS) for sm_75..sm_90 (+ PTX)
+#   make test-amx-shim   the AMX kernel runs on any CPU through tests/amx_shim.h (part of make test)
 #   make test-cuda-shim  the CUDA backend's kernels run on the CPU through tests/cuda_shim.h
 #                        (needs only CUDA's headers; part of make test when they are there)
 #   make CUDA=1 test-gpu the checks that need a real GPU (tests/gpu-check.sh)
@@ -51,7 +52,7 @@ TOOLS    := tools/bench $(ROOT_TOOLS)
 HEADERS  := qlora.h $(wildcard models/*.h models/*.inc tools/*.h)
 TEST_HEADERS := $(wildcard tests/*.h)
 
-.PHONY: all test test-unit test-dropin test-cuda-shim test-gpu cuda-check test-sanitize test-portable bench bench-finetune bench-checkpointing bench-optimizers demo clean cuda fuzz
+.PHONY: all test test-unit test-dropin test-cuda-shim test-amx-shim test-gpu cuda-check test-sanitize test-portable bench bench-finetune bench-checkpointing bench-optimizers demo clean cuda fuzz
 all: $(TOOLS) $(BUILD)/test-qlora
 
 $(BUILD)/%.o: %.cpp $(HEADERS)
@@ -92,7 +93,21 @@ $(BUILD)/shim/%.o: tests/%.cpp tests/cuda_shim.h $(HEADERS) $(TEST_HEADERS)
 $(BUILD)/test-cuda-shim: $(SHIM_SRC:tests/%.cpp=$(BUILD)/shim/%.o) $(BUILD)/shim/cuda_shim_backend.o $(BUILD)/libqlora.a
 	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
 
-test: test-unit test-dropin test-cuda-shim
+# The AMX kernel through tests/amx_shim.h: qlora.cpp compiled with the tiles emulated, with the
+# cases whose bf16 multiplies take the AMX path (bf16 x, K a multiple of 32, N >= 16) where the
+# processor has the tiles - so that kernel is tested on every machine, not only on Sapphire Rapids.
+AMX_SHIM_TESTS := tests/test_main.cpp tests/amx_selftest.cpp tests/test_ops.cpp tests/test_trainer.cpp
+AMX_SHIM_CASES := -tc="amx shim*,mul_mat*,trainer: bf16*"
+$(BUILD)/tests/amx_selftest.o: tests/amx_shim.h
+$(BUILD)/amx/qlora.o: qlora.cpp tests/amx_shim.h $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(CXX) $(CXXFLAGS) -DQL_AMX_SHIM -include tests/amx_shim.h -I. -c qlora.cpp -o $@
+$(BUILD)/test-amx-shim: $(BUILD)/amx/qlora.o $(filter-out $(BUILD)/qlora.o,$(LIB_OBJ)) $(AMX_SHIM_TESTS:%.cpp=$(BUILD)/%.o)
+	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
+test-amx-shim: $(BUILD)/test-amx-shim
+	./$(BUILD)/test-amx-shim $(AMX_SHIM_CASES)
+
+test: test-unit test-dropin test-cuda-shim test-amx-shim
 
 # The suite linked with the CUDA backend from the objects make already built (the CPU objects do
 # not depend on CUDA=1) and cuda-check's object: what CI runs to see the CUDA build link and its
@@ -167,17 +182,27 @@ $(SAN)/shim/%.o: tests/%.cpp tests/cuda_shim.h $(CUDA_SRC) $(HEADERS) $(TEST_HEA
 $(SAN)/test-cuda-shim: $(SHIM_SRC:tests/%.cpp=$(SAN)/shim/%.o) $(SAN)/shim/cuda_shim_backend.o $(LIB_SRC:%.cpp=$(SAN)/%.o)
 	$(CXX) $(SANFLAGS) $^ -o $@ $(LDLIBS)
 
-# the suite in two halves, the tools' error exits and the shim suite: separate targets, so that
+# the AMX kernel under the sanitizers: its multiplies only (the emulated tiles are slow there)
+$(SAN)/tests/amx_selftest.o: tests/amx_shim.h
+$(SAN)/amx/qlora.o: qlora.cpp tests/amx_shim.h $(HEADERS)
+	@mkdir -p $(dir $@)
+	$(CXX) $(SANFLAGS) -DQL_AMX_SHIM -include tests/amx_shim.h -I. -c qlora.cpp -o $@
+$(SAN)/test-amx-shim: $(SAN)/amx/qlora.o $(filter-out $(SAN)/qlora.o,$(LIB_SRC:%.cpp=$(SAN)/%.o)) $(AMX_SHIM_TESTS:%.cpp=$(SAN)/%.o)
+	$(CXX) $(SANFLAGS) $^ -o $@ $(LDLIBS)
+
+# the suite in two halves, the tools' error exits and the shim suites: separate targets, so that
 # make -j runs them at once
 SAN_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1
-.PHONY: san-half-1 san-half-2 san-tools san-shim
-test-sanitize: san-half-1 san-half-2 san-tools $(if $(CUDA_HEADERS),san-shim)
+.PHONY: san-half-1 san-half-2 san-tools san-shim san-amx
+test-sanitize: san-half-1 san-half-2 san-tools san-amx $(if $(CUDA_HEADERS),san-shim)
 san-half-1 san-half-2: san-half-%: $(SAN)/test-qlora $(ROOT_TOOLS)
 	$(SAN_ENV) ./$(SAN)/test-qlora $(SUITE_HALF_$*)
 san-tools: $(SAN)/test-qlora $(ROOT_TOOLS) $(SAN_TOOLS)
 	QL_TOOLS=$(SAN)/tools ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ./$(SAN)/test-qlora -tc="tools: error exits*"
 san-shim: $(SAN)/test-cuda-shim
 	$(SAN_ENV) ./$(SAN)/test-cuda-shim
+san-amx: $(SAN)/test-amx-shim
+	$(SAN_ENV) ./$(SAN)/test-amx-shim -tc="amx shim*,mul_mat*"  # (the training case: too slow under ASan)
 
 bench: tools/bench
 	./tools/bench all

@@ -5076,11 +5076,16 @@ static void mm_dot(const mm_operand &w, const mm_operand &x, float *c, const flo
 // copied token-major in bf16 (the A tiles). A 32 x 32 block of C is four tiles summed over
 // the K block, then added to C. Products are exact and sums f32, as the f32 path's (the order
 // inside a tile differs; subnormals flush to zero). Every C element's order still depends on K
-// only, not on the thread split.
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+// only, not on the thread split. QL_AMX_SHIM: the tiles emulated (tests/amx_shim.h), so that the
+// kernel is tested on processors without them (with AVX-512's 32-column panels, as on AMX).
+#if (defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)) || (defined(QL_AMX_SHIM) && defined(__AVX512F__))
 static bool mm_amx_ready() {  // the kernel grants the tile data state to the process (Linux >= 5.16)
+#if defined(QL_AMX_SHIM)
+    return true;
+#else
     static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
     return ok;
+#endif
 }
 
 // a packed f32 panel [kc x W] becomes, in place, [kc/2 x W] k-pair dwords (kc even)
