@@ -5073,11 +5073,14 @@ static void mm_dot(const mm_operand &w, const mm_operand &x, float *c, const flo
 // bf16 x bf16 on AMX tiles (Intel AMX-BF16): where b is bf16 and K a multiple of 32. The W
 // block is packed as for the f32 path, then rounded into k-pair dwords in place (bf16(W[k][j])
 // low, bf16(W[k+1][j]) high: the B-tile layout, 16 pairs x 16 columns a tile); X rows are
-// copied token-major in bf16 (the A tiles). A 32 x 32 block of C is four tiles summed over
-// the K block, then added to C. Products are exact and sums f32, as the f32 path's (the order
-// inside a tile differs; subnormals flush to zero). Every C element's order still depends on K
-// only, not on the thread split. QL_AMX_SHIM: the tiles emulated (tests/amx_shim.h), so that the
-// kernel is tested on processors without them (with AVX-512's 32-column panels, as on AMX).
+// copied token-major in bf16 (the A tiles). A 32 x 32 block of C is four tiles: from zero in
+// the first K block (stored straight into C), from C itself in the next ones (loaded, summed
+// over the K block, stored back: no pass over C outside the tiles); edge blocks and c + a b's
+// first block go through a [32 x 32] buffer. Products are exact and sums f32, as the f32 path's
+// (the order differs: each product joins C's running sum; subnormals flush to zero). Every C
+// element's order still depends on K only, not on the thread split. QL_AMX_SHIM: the tiles
+// emulated (tests/amx_shim.h), so that the kernel is tested on processors without them (with
+// AVX-512's 32-column panels, as on AMX).
 #if (defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)) || (defined(QL_AMX_SHIM) && defined(__AVX512F__))
 static bool mm_amx_ready() {  // the kernel grants the tile data state to the process (Linux >= 5.16)
 #if defined(QL_AMX_SHIM)
@@ -5133,10 +5136,22 @@ static void mm_amx(const mm_operand &w, const mm_operand &x, float *c, const flo
                     for (int64_t jr = 0; jr < nc; jr += MM_NR) {
                         const uint8_t *a0 = (const uint8_t *)(xb + ir * kc), *a1 = a0 + 16 * kc * 2;
                         const uint8_t *b = (const uint8_t *)(wbuf + jr * kc);
-                        _tile_zero(0);
-                        _tile_zero(1);
-                        _tile_zero(2);
-                        _tile_zero(3);
+                        const int64_t rows = std::min<int64_t>(32, mc - ir), cols = std::min<int64_t>(MM_NR, nc - jr);
+                        float *cb = c + (ic + ir) * ldc + jc + jr;  // C's 32 x 32 block
+                        // a whole block after the first K block: the tiles go on from C's running
+                        // sum and go back to it, with no pass of their own
+                        const bool direct = rows == 32 && cols == MM_NR && pc > 0;
+                        if (direct) {
+                            _tile_loadd(0, cb, ldc * 4);
+                            _tile_loadd(1, cb + 16, ldc * 4);
+                            _tile_loadd(2, cb + 16 * ldc, ldc * 4);
+                            _tile_loadd(3, cb + 16 * ldc + 16, ldc * 4);
+                        } else {
+                            _tile_zero(0);
+                            _tile_zero(1);
+                            _tile_zero(2);
+                            _tile_zero(3);
+                        }
                         for (int64_t kk = 0; kk < kc; kk += 32) {
                             _tile_loadd(4, a0 + kk * 2, kc * 2);
                             _tile_loadd(5, a1 + kk * 2, kc * 2);
@@ -5147,11 +5162,19 @@ static void mm_amx(const mm_operand &w, const mm_operand &x, float *c, const flo
                             _tile_dpbf16ps(2, 5, 6);
                             _tile_dpbf16ps(3, 5, 7);
                         }
+                        if (direct || (rows == 32 && cols == MM_NR && !ci)) {  // (the first K block, nothing to add)
+                            _tile_stored(0, cb, ldc * 4);
+                            _tile_stored(1, cb + 16, ldc * 4);
+                            _tile_stored(2, cb + 16 * ldc, ldc * 4);
+                            _tile_stored(3, cb + 16 * ldc + 16, ldc * 4);
+                            continue;
+                        }
+                        // an edge block, or the first K block of c + a b (c joins the block's sum
+                        // as ql_add would: the same bits for K <= MM_KC)
                         _tile_stored(0, tmp, 128);  // tmp: [32 rows x 32 columns]
                         _tile_stored(1, tmp + 16, 128);
                         _tile_stored(2, tmp + 512, 128);
                         _tile_stored(3, tmp + 528, 128);
-                        const int64_t rows = std::min<int64_t>(32, mc - ir), cols = std::min<int64_t>(MM_NR, nc - jr);
                         for (int64_t r = 0; r < rows; r++) {
                             const int64_t o = (ic + ir + r) * ldc + jc + jr;
                             const float *t = tmp + r * 32, *add = pc > 0 ? c + o : ci ? ci + o : nullptr;
