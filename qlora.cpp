@@ -5077,8 +5077,8 @@ static void mm_dot(const mm_operand &w, const mm_operand &x, float *c, const flo
 // the first K block (stored straight into C), from C itself in the next ones (loaded, summed
 // over the K block, stored back: no pass over C outside the tiles); edge blocks and c + a b's
 // first block go through a [32 x 32] buffer. Products are exact and sums f32, as the f32 path's
-// (the order differs: each product joins C's running sum; subnormals flush to zero). Every C
-// element's order still depends on K only, not on the thread split. QL_AMX_SHIM: the tiles
+// (the order differs: each instruction's 16 pairs join C's running sum; subnormals flush to
+// zero). Every C element's order depends on K only, not on the thread split. QL_AMX_SHIM: the tiles
 // emulated (tests/amx_shim.h), so that the kernel is tested on processors without them (with
 // AVX-512's 32-column panels, as on AMX).
 #if (defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)) || (defined(QL_AMX_SHIM) && defined(__AVX512F__))
@@ -5138,14 +5138,23 @@ static void mm_amx(const mm_operand &w, const mm_operand &x, float *c, const flo
                         const uint8_t *b = (const uint8_t *)(wbuf + jr * kc);
                         const int64_t rows = std::min<int64_t>(32, mc - ir), cols = std::min<int64_t>(MM_NR, nc - jr);
                         float *cb = c + (ic + ir) * ldc + jc + jr;  // C's 32 x 32 block
-                        // a whole block after the first K block: the tiles go on from C's running
-                        // sum and go back to it, with no pass of their own
-                        const bool direct = rows == 32 && cols == MM_NR && pc > 0;
-                        if (direct) {
+                        // after the first K block the tiles go on from C's running sum: a whole
+                        // block straight from C, an edge block through the buffer, zero-padded -
+                        // the same arithmetic either way, so the thread split (which decides what
+                        // is an edge) changes no bit
+                        const bool whole = rows == 32 && cols == MM_NR;
+                        if (pc > 0 && whole) {
                             _tile_loadd(0, cb, ldc * 4);
                             _tile_loadd(1, cb + 16, ldc * 4);
                             _tile_loadd(2, cb + 16 * ldc, ldc * 4);
                             _tile_loadd(3, cb + 16 * ldc + 16, ldc * 4);
+                        } else if (pc > 0) {
+                            for (int64_t r = 0; r < 32; r++)
+                                for (int64_t j = 0; j < 32; j++) tmp[r * 32 + j] = r < rows && j < cols ? cb[r * ldc + j] : 0.0f;
+                            _tile_loadd(0, tmp, 128);
+                            _tile_loadd(1, tmp + 16, 128);
+                            _tile_loadd(2, tmp + 512, 128);
+                            _tile_loadd(3, tmp + 528, 128);
                         } else {
                             _tile_zero(0);
                             _tile_zero(1);
@@ -5162,23 +5171,23 @@ static void mm_amx(const mm_operand &w, const mm_operand &x, float *c, const flo
                             _tile_dpbf16ps(2, 5, 6);
                             _tile_dpbf16ps(3, 5, 7);
                         }
-                        if (direct || (rows == 32 && cols == MM_NR && !ci)) {  // (the first K block, nothing to add)
+                        const bool add_ci = pc == 0 && ci;  // c + a b: c joins the first K block's sum as
+                                                            // ql_add would (the same bits for K <= MM_KC)
+                        if (whole && !add_ci) {
                             _tile_stored(0, cb, ldc * 4);
                             _tile_stored(1, cb + 16, ldc * 4);
                             _tile_stored(2, cb + 16 * ldc, ldc * 4);
                             _tile_stored(3, cb + 16 * ldc + 16, ldc * 4);
                             continue;
                         }
-                        // an edge block, or the first K block of c + a b (c joins the block's sum
-                        // as ql_add would: the same bits for K <= MM_KC)
                         _tile_stored(0, tmp, 128);  // tmp: [32 rows x 32 columns]
                         _tile_stored(1, tmp + 16, 128);
                         _tile_stored(2, tmp + 512, 128);
                         _tile_stored(3, tmp + 528, 128);
                         for (int64_t r = 0; r < rows; r++) {
                             const int64_t o = (ic + ir + r) * ldc + jc + jr;
-                            const float *t = tmp + r * 32, *add = pc > 0 ? c + o : ci ? ci + o : nullptr;
-                            for (int64_t j = 0; j < cols; j++) c[o + j] = add ? add[j] + t[j] : t[j];
+                            const float *t = tmp + r * 32;
+                            for (int64_t j = 0; j < cols; j++) c[o + j] = add_ci ? ci[o + j] + t[j] : t[j];
                         }
                     }
             }

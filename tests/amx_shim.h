@@ -7,10 +7,13 @@
 //   - LDTILECFG with palette 1: rows and bytes per row of each tile; TILERELEASE;
 //   - TILELOADD / TILESTORED: `rows` rows of `colsb` bytes at base + r * stride;
 //   - TILEZERO;
-//   - TDPBF16PS dst += a . b: a is M rows of K bf16 pairs, b is K rows of N pairs, dst M x N f32;
-//     for each m, k, n: dst[m][n] += a[m][2k] b[k][2n], then += a[m][2k+1] b[k][2n+1], in that
-//     order, each product exact in f32 and each sum rounded to nearest even; denormal inputs read
-//     as zero and denormal results flushed to zero (the instruction's fixed DAZ/FTZ).
+//   - TDPBF16PS dst += a . b: a is M rows of K bf16 pairs, b is K rows of N pairs, dst M x N f32.
+//     The order is the SDM's Operation section: for each row, the even and the odd elements of
+//     the pairs are summed separately from zero over k (FMAs: each product exact, each sum rounded
+//     to nearest even), then the two lanes are added, then that into dst. Denormal inputs read as
+//     zero and denormal results are flushed (the instruction's fixed DAZ/FTZ). (The Intrinsics
+//     Guide's pseudo-code adds every product straight into dst instead; the SDM is the
+//     architecture's definition. Whether real tiles give these bits is not checked here: no AMX.)
 // What the hardware would fault on is a failed check here, naming the intrinsic: an instruction
 // before the configuration, a tile index past 7, rows or bytes past the palette's limits, shapes
 // that do not chain (a's bytes per row != b's rows x 4, dst's shape != a's rows x b's columns).
@@ -109,15 +112,20 @@ inline void dpbf16ps(int d, int a, int b) {
     if (c.colsb[b] != c.colsb[d]) fault(what, "b's bytes per row differ from dst's");
     n_dp++;
     uint8_t(*T)[16][64] = st().t;
-    for (int m = 0; m < M; m++)
+    for (int m = 0; m < M; m++) {
+        float even[16] = {}, odd[16] = {};  // the two lanes of every pair, each its own sum from zero
         for (int k = 0; k < K; k++)
-            for (int n = 0; n < N; n++) {
-                float acc;
-                memcpy(&acc, &T[d][m][n * 4], 4);
-                acc = ftz(acc + bf16_in(&T[a][m][k * 4]) * bf16_in(&T[b][k][n * 4]));
-                acc = ftz(acc + bf16_in(&T[a][m][k * 4 + 2]) * bf16_in(&T[b][k][n * 4 + 2]));
-                memcpy(&T[d][m][n * 4], &acc, 4);
+            for (int n = 0; n < N; n++) {  // FMAs: one rounding a step
+                even[n] = ftz(std::fma(bf16_in(&T[a][m][k * 4]), bf16_in(&T[b][k][n * 4]), even[n]));
+                odd[n] = ftz(std::fma(bf16_in(&T[a][m][k * 4 + 2]), bf16_in(&T[b][k][n * 4 + 2]), odd[n]));
             }
+        for (int n = 0; n < N; n++) {  // then the lanes' sum, then that into dst (dst's denormals read as zero)
+            float acc;
+            memcpy(&acc, &T[d][m][n * 4], 4);
+            acc = ftz(ftz(acc) + ftz(even[n] + odd[n]));
+            memcpy(&T[d][m][n * 4], &acc, 4);
+        }
+    }
 }
 
 }  // namespace qlamx

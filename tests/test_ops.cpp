@@ -765,7 +765,7 @@ TEST_CASE("mul_mat with an F16 / BF16 b: a 16-bit multiply, forward and backward
     for (const C c : {C{QL_TYPE_BF16, 67, 37, 100}, C{QL_TYPE_F16, 67, 37, 100}, C{QL_TYPE_BF16, 300, 45, 3},
                       C{QL_TYPE_F16, 33, 131, 70}, C{QL_TYPE_BF16, 256, 45, 96}, C{QL_TYPE_BF16, 128, 37, 77},
                       C{QL_TYPE_BF16, 544, 1100, 40}, C{QL_TYPE_BF16, 258, 70, 100}, C{QL_TYPE_BF16, 70, 21, 36, 3},
-                      C{QL_TYPE_F16, 30, 40, 28, 4}}) {
+                      C{QL_TYPE_F16, 30, 40, 28, 4}, C{QL_TYPE_BF16, 512, 40, 100}}) {
         Vec first[3];  // y, da, dx at 1 thread: 3 threads must give the same bits
         for (int nt : {1, 3}) {
             INFO(ql_type_name(c.t) << " K " << c.K << " M " << c.M << " N " << c.N << " B " << c.B << ", " << nt << " threads");
@@ -810,6 +810,7 @@ TEST_CASE("mul_mat_acc: c + a b with the bits of ql_add(c, ql_mul_mat(a, b)), fo
     struct C { ql_type t; int64_t K, M, N, B; bool shared; };
     for (const C c : {C{QL_TYPE_F32, 16, 70, 100, 1, false}, C{QL_TYPE_F32, 16, 37, 3, 1, false},
                       C{QL_TYPE_BF16, 16, 70, 96, 4, false}, C{QL_TYPE_BF16, 40, 33, 50, 2, true},
+                      C{QL_TYPE_BF16, 64, 70, 96, 2, false}, C{QL_TYPE_BF16, 96, 45, 40, 1, true},  // (K % 32 == 0: AMX where there)
                       C{QL_TYPE_F16, 24, 45, 20, 1, false}, C{QL_TYPE_F32, 0, 9, 5, 1, false}}) {
         for (int nt : {1, 3}) {
             INFO(ql_type_name(c.t) << " K " << c.K << " M " << c.M << " N " << c.N << " B " << c.B
@@ -860,6 +861,25 @@ TEST_CASE("mul_mat_acc: c + a b with the bits of ql_add(c, ql_mul_mat(a, b)), fo
             ref[n * 20 + m] = v;
         }
     CHECK(fwd_err(h.output(), ref) <= 1e-5);
+    {  // the same with x in bf16 (AMX where there: c through the tiles after the first K block), at 1 and 3 threads
+        Vec first;
+        for (int nt : {1, 3}) {
+            Harness hb;
+            ql_tensor *ab = hb.input(QL_TYPE_F32, {512, 40, 1, 1}, true), *xb = hb.input(QL_TYPE_F32, {512, 100, 1, 1}, true);
+            ql_tensor *cb = hb.input(QL_TYPE_F32, {40, 100, 1, 1}, true);
+            hb.run(ql_mul_mat_acc(hb.ctx, ab, ql_cast(hb.ctx, xb, QL_TYPE_BF16), cb), nt);
+            Vec rb(40 * 100);
+            for (int64_t n = 0; n < 100; n++)
+                for (int64_t m = 0; m < 40; m++) {
+                    double v = hb.in_v[2][n * 40 + m];
+                    for (int64_t k = 0; k < 512; k++) v += round_bf16((float)hb.in_v[0][m * 512 + k]) * round_bf16((float)hb.in_v[1][n * 512 + k]);
+                    rb[n * 40 + m] = v;
+                }
+            CHECK(fwd_err(hb.output(), rb) <= 1e-5);
+            if (nt == 1) first = hb.output();
+            else CHECK(hb.output() == first);
+        }
+    }
     // bad input: c of another shape or type is refused with the op's name
     ql_tensor *bad = ql_mul_mat_acc(h.ctx, a, x, ql_new_tensor_2d(h.ctx, QL_TYPE_F32, 70, 20));
     CHECK(bad == nullptr);
