@@ -239,7 +239,7 @@ static void weight_pages(ql_trainer *t) {
                 iv.push_back({std::max(p0, b / P / W * W), std::min(p1, ((b + row + P - 1) / P + W - 1) / W * W)});
                 by_type[ql_type_name(m.tok_embd->type)] += row;
             }
-        t->mem.weights_file += ql_nbytes(m.tok_embd);
+        t->mem.weights_file += ql_nbytes(m.tok_embd) + m.tok_embd->aux_size;
     }
     std::sort(iv.begin(), iv.end());
     t->pages.clear();
