@@ -5740,6 +5740,9 @@ ql_backend *ql_backend_cpu_init(int n_threads) {
 }
 
 bool ql_cpu_bf16_native(void) { return mm_amx_ready() || k_mm_dp; }
+const char *ql_cpu_bf16_kind(void) {
+    return mm_amx_ready() ? "AMX tiles" : k_mm_dp ? "AVX512-BF16 pair dot products" : nullptr;
+}
 
 void ql_backend_cpu_parallel(ql_backend *be, void (*fn)(void *, int, int), void *arg) {
     QL_ASSERT(ql_backend_cpu_n_threads(be) > 0 && fn);

@@ -1036,10 +1036,14 @@ int main(int argc, char **argv) {
     printf("; %s lr %g (%s, warmup %lld steps), weight decay %g, max grad norm %g\n", a.o.optim.c_str(), (double)a.o.lr,
            a.o.scheduler.c_str(), (long long)ql_trainer_warmup_steps(t),
            (double)a.o.weight_decay, (double)a.o.max_grad_norm);
-    printf("finetune: precision %s%s", a.o.precision.c_str(),
-           !a.precision_auto                ? ""
-           : a.o.precision == "bf16" ? " (auto: this CPU multiplies bf16 natively, on AMX tiles)"
-                                     : " (auto: this CPU has no native bf16 multiply; 16-bit would only add conversions)");
+    std::string why;  // what --precision auto saw
+    if (a.precision_auto && mp.device)
+        why = a.o.precision == "bf16" ? " (auto: this GPU multiplies bf16 on its tensor cores)"
+                                      : " (auto: this GPU has no bf16 tensor cores: fp16 with loss scaling)";
+    else if (a.precision_auto)
+        why = a.o.precision == "bf16" ? std::string(" (auto: this CPU multiplies bf16 natively, on ") + ql_cpu_bf16_kind() + ")"
+                                      : " (auto: this CPU has no native bf16 multiply; 16-bit would only add conversions)";
+    printf("finetune: precision %s%s", a.o.precision.c_str(), why.c_str());
     if (a.o.precision == "fp16")
         printf("; loss scale %g, x%g after %d clean steps, x%g and the step skipped on inf/nan gradients",
                ql_trainer_loss_scale(t), (double)a.o.scale_growth, a.o.scale_interval, (double)a.o.scale_backoff);
