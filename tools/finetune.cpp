@@ -1183,7 +1183,7 @@ int main(int argc, char **argv) {
                 profiled_from = m.step;
             }
         }
-        if (a.o.mem_limit && !warned && hwm * 1048576.0 > (double)(a.o.mem_limit / 10 * 9)) {
+        if (a.o.mem_limit && !mp.device && !warned && hwm * 1048576.0 > (double)(a.o.mem_limit / 10 * 9)) {  // (on a device it limits device memory)
             fprintf(stderr, "%sfinetune: warning: memory %.0f MiB is above 90%% of --mem-limit %.0f MiB\n", tty ? "\n" : "",
                     hwm, mib(a.o.mem_limit));
             warned = true;
