@@ -5115,6 +5115,19 @@ static void mm_amx(const mm_operand &w, const mm_operand &x, float *c, const flo
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;  // C 0-3, A 4-5, B 6-7: 16 rows of 64 bytes
     _tile_loadconfig(&cfg);
+    // C's 32 x 32 block (rows ld floats apart) as tiles 0-3: [0 1] over [2 3]
+    auto c_tiles_load = [](const float *p, int64_t ld) {
+        _tile_loadd(0, p, ld * 4);
+        _tile_loadd(1, p + 16, ld * 4);
+        _tile_loadd(2, p + 16 * ld, ld * 4);
+        _tile_loadd(3, p + 16 * ld + 16, ld * 4);
+    };
+    auto c_tiles_store = [](float *p, int64_t ld) {
+        _tile_stored(0, p, ld * 4);
+        _tile_stored(1, p + 16, ld * 4);
+        _tile_stored(2, p + 16 * ld, ld * 4);
+        _tile_stored(3, p + 16 * ld + 16, ld * 4);
+    };
     for (int64_t jc = jb; jc < je; jc += MM_NC) {
         const int64_t nc = std::min<int64_t>(MM_NC, je - jc);
         for (int64_t pc = 0; pc < K; pc += MM_KC) {
@@ -5144,17 +5157,11 @@ static void mm_amx(const mm_operand &w, const mm_operand &x, float *c, const flo
                         // is an edge) changes no bit
                         const bool whole = rows == 32 && cols == MM_NR;
                         if (pc > 0 && whole) {
-                            _tile_loadd(0, cb, ldc * 4);
-                            _tile_loadd(1, cb + 16, ldc * 4);
-                            _tile_loadd(2, cb + 16 * ldc, ldc * 4);
-                            _tile_loadd(3, cb + 16 * ldc + 16, ldc * 4);
+                            c_tiles_load(cb, ldc);
                         } else if (pc > 0) {
                             for (int64_t r = 0; r < 32; r++)
                                 for (int64_t j = 0; j < 32; j++) tmp[r * 32 + j] = r < rows && j < cols ? cb[r * ldc + j] : 0.0f;
-                            _tile_loadd(0, tmp, 128);
-                            _tile_loadd(1, tmp + 16, 128);
-                            _tile_loadd(2, tmp + 512, 128);
-                            _tile_loadd(3, tmp + 528, 128);
+                            c_tiles_load(tmp, 32);
                         } else {
                             _tile_zero(0);
                             _tile_zero(1);
@@ -5174,16 +5181,10 @@ static void mm_amx(const mm_operand &w, const mm_operand &x, float *c, const flo
                         const bool add_ci = pc == 0 && ci;  // c + a b: c joins the first K block's sum as
                                                             // ql_add would (the same bits for K <= MM_KC)
                         if (whole && !add_ci) {
-                            _tile_stored(0, cb, ldc * 4);
-                            _tile_stored(1, cb + 16, ldc * 4);
-                            _tile_stored(2, cb + 16 * ldc, ldc * 4);
-                            _tile_stored(3, cb + 16 * ldc + 16, ldc * 4);
+                            c_tiles_store(cb, ldc);
                             continue;
                         }
-                        _tile_stored(0, tmp, 128);  // tmp: [32 rows x 32 columns]
-                        _tile_stored(1, tmp + 16, 128);
-                        _tile_stored(2, tmp + 512, 128);
-                        _tile_stored(3, tmp + 528, 128);
+                        c_tiles_store(tmp, 32);  // tmp: [32 rows x 32 columns]
                         for (int64_t r = 0; r < rows; r++) {
                             const int64_t o = (ic + ir + r) * ldc + jc + jr;
                             const float *t = tmp + r * 32;

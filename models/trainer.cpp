@@ -254,6 +254,11 @@ static void weight_pages(ql_trainer *t) {
     t->mem.weights_by_type.assign(by_type.begin(), by_type.end());
 }
 
+// what no plan sees - the graphs' own bookkeeping on the heap, library code paged in on first
+// use, pages mapped around the embedding rows read - measured at 1-4 MiB on 6-400 MiB runs: a
+// reserve, so that a budget the plan accepts holds in RSS
+static size_t plan_reserve(size_t planned) { return (1u << 20) + planned / 200; }
+
 // What a device run allocates, as ql_trainer_new allocates it: the weights placed whole (the
 // embedding too, unless it stays on the host), one placement of the run's own tensors, one
 // graph buffer (the bigger graph's: training and evaluation never run at once), the context,
@@ -283,7 +288,7 @@ static void device_plan(ql_trainer *t, ql_context *meas, size_t train_buf, size_
     const size_t n_in = (size_t)(t->T * t->B);
     const size_t staged = n_in * 4 * sizeof(int32_t) + (t->embd_host ? n_in * (size_t)md.hp.n_embd * sizeof(float) : 0);
     m.host = m.weights + m.headers + m.lora + m.optimizer + staged + m.host_pinned;
-    m.host += (1u << 20) + m.host / 200;  // the same reserve as a host run's
+    m.host += plan_reserve(m.host);
 }
 
 // Builds everything in a measuring context with the current levels and fills t->mem from the
@@ -326,11 +331,8 @@ static bool measure(ql_trainer *t, std::string *err) {
             if (t->levels[i] == QL_KEEP_INPUT && in[i]) m.checkpoints += ql_nbytes(in[i]) + in[i]->aux_size;
         m.offload = t->o.offload_activations && m.checkpoints > 0;
         m.host_pinned = ps.host_size;
-        // what no plan sees - the graphs' own bookkeeping on the heap, library code paged in on
-        // first use, pages mapped around the embedding rows read - measured at 1-4 MiB on
-        // 6-400 MiB runs: a reserve, so that a budget the plan accepts holds in RSS
         const size_t planned = m.weights + arena + std::max(ps.buffer_size, es.buffer_size);
-        m.reserve = (1u << 20) + planned / 200;
+        m.reserve = plan_reserve(planned);
         m.total = planned + m.reserve;
         m.host = m.total;  // (a device run: device_plan sets both)
         m.loss_chunk = t->loss_chunk;
