@@ -26,7 +26,8 @@ ARCH     := $(if $(PORTABLE),,-march=native)
 CXXFLAGS ?= $(OPT) $(ARCH) -g -std=c++17 -Wall -Wextra -Wshadow -pthread
 # the tests' own sources: -O1 with line tables (the library they test is built with CXXFLAGS). Four
 # times quicker to compile than -O3 -g (doctest's expansions), and the suite runs as fast.
-TESTFLAGS = $(filter-out -O% -g,$(CXXFLAGS)) -O1 -g1
+TEST_OPT ?= -O1
+TESTFLAGS = $(filter-out -O% -g,$(CXXFLAGS)) $(TEST_OPT) -g1
 SANFLAGS := -O1 -g1 $(ARCH) -std=c++17 -pthread -fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined
 LDLIBS   := -pthread -ldl
 
@@ -154,18 +155,23 @@ test-dropin:
 # converts floats to int). -fno-sanitize=enum: the API-edge tests pass out-of-range ql_type values.
 CLANGXX := $(shell command -v clang++ 2>/dev/null)
 PORTABLE_SAN   := -O1 -g1 -std=c++17 -pthread -fsanitize=undefined$(comma)float-cast-overflow -fno-sanitize=enum -fno-sanitize-recover=all
-PORTABLE_FLAGS := $(if $(CLANGXX),CXX=clang++ CXXFLAGS="$(PORTABLE_SAN)")
-# the suite in two halves, run at once under make -j (doctest's --first/--last count test cases
-# in file order; the second half has no end, so a new test is always in one)
-SUITE_HALF_1 := --last=110
-SUITE_HALF_2 := --first=111
+PORTABLE_FLAGS := $(if $(CLANGXX),CXX=clang++ CXXFLAGS="$(PORTABLE_SAN)") TEST_OPT=-O0
+# (test_ops.cpp's double references: -O1 everywhere; at -O0 they cost more time than it saves)
+$(BUILD)/tests/test_ops.o: override TEST_OPT = -O1
+# the suite in two halves, run at once under make -j (doctest's --first/--last count the cases
+# that run, in file order; the second half has no end, so a new test is always in one). The
+# split points halve each build's time as measured with doctest's -d (the slow cases differ).
+SAN_HALF_1  := --last=115
+SAN_HALF_2  := --first=116
+PORT_HALF_1 := --last=178
+PORT_HALF_2 := --first=179
 .PHONY: portable-build portable-half-1 portable-half-2
 test-portable: portable-half-1 portable-half-2
 portable-build:
 	$(if $(CLANGXX),,@echo "test-portable: clang++ not found: the portable build with g++, without float-cast-overflow checks")
 	$(MAKE) --no-print-directory BUILD=$(BUILD)/portable PORTABLE=1 $(PORTABLE_FLAGS) $(BUILD)/portable/test-qlora
 portable-half-1 portable-half-2: portable-half-%: portable-build $(ROOT_TOOLS)
-	UBSAN_OPTIONS=print_stacktrace=1 ./$(BUILD)/portable/test-qlora $(SUITE_HALF_$*)
+	UBSAN_OPTIONS=print_stacktrace=1 ./$(BUILD)/portable/test-qlora $(PORT_HALF_$*)
 
 # Sanitizer build in its own tree; same sources, same tests (the shim suite too). -g1: line
 # tables only (file:line in every report) - a third less compile time than -g.
@@ -174,8 +180,10 @@ $(SAN)/%.o: %.cpp $(HEADERS)
 	@mkdir -p $(dir $@)
 	$(CXX) $(SANFLAGS) -I. -c $< -o $@
 
-# the tests' own sources at -O0 (a quarter of -O1's compile time under the sanitizers)
-SAN_TESTFLAGS := $(subst -O1,-O0,$(SANFLAGS))
+# the tests' own sources at -O0 (a quarter of -O1's compile time under the sanitizers), but for
+# test_ops.cpp: its double references run 3-4x slower at -O0 than the compile saves
+SAN_TESTFLAGS = $(subst -O1,-O0,$(SANFLAGS))
+$(SAN)/tests/test_ops.o: SAN_TESTFLAGS = $(SANFLAGS)
 $(SAN)/tests/%.o: tests/%.cpp $(HEADERS) $(TEST_HEADERS)
 	@mkdir -p $(dir $@)
 	$(CXX) $(SAN_TESTFLAGS) -I. -c $< -o $@
@@ -212,7 +220,7 @@ SAN_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stac
 .PHONY: san-half-1 san-half-2 san-tools san-shim san-amx
 test-sanitize: san-half-1 san-half-2 san-tools san-amx $(if $(CUDA_HEADERS),san-shim)
 san-half-1 san-half-2: san-half-%: $(SAN)/test-qlora $(ROOT_TOOLS)
-	$(SAN_ENV) ./$(SAN)/test-qlora $(SUITE_HALF_$*)
+	$(SAN_ENV) ./$(SAN)/test-qlora $(SAN_HALF_$*)
 san-tools: $(SAN)/test-qlora $(ROOT_TOOLS) $(SAN_TOOLS)
 	QL_TOOLS=$(SAN)/tools ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ./$(SAN)/test-qlora -tc="tools: error exits*"
 san-shim: $(SAN)/test-cuda-shim
