@@ -90,7 +90,8 @@ $(BUILD)/test-qlora: $(TEST_OBJ) $(BUILD)/libqlora.a $(CUDA_OBJ)
 
 # The CUDA backend through the shim: qlora-cuda.cu compiled as host C++ (tests/cuda_shim_backend.cpp)
 # with the same op suite (tests/test_backend_ops.cpp) and the shim's own tests.
-SHIM_SRC := tests/test_main.cpp tests/test_backend_ops.cpp tests/shim_selftest.cpp
+# (test_main and test_backend_ops are the suite's own objects: nothing in them sees the shim)
+SHIM_OBJ := tests/test_main.o tests/test_backend_ops.o shim/shim_selftest.o shim/cuda_shim_backend.o
 SHIM_FLAGS := -I$(CUDA_HOME)/include
 $(BUILD)/shim/cuda_shim_backend.o: tests/cuda_shim_backend.cpp tests/cuda_shim.h $(CUDA_SRC) $(HEADERS)
 	@mkdir -p $(dir $@)
@@ -98,7 +99,7 @@ $(BUILD)/shim/cuda_shim_backend.o: tests/cuda_shim_backend.cpp tests/cuda_shim.h
 $(BUILD)/shim/%.o: tests/%.cpp tests/cuda_shim.h $(HEADERS) $(TEST_HEADERS)
 	@mkdir -p $(dir $@)
 	$(CXX) $(TESTFLAGS) $(SHIM_FLAGS) -I. -c $< -o $@
-$(BUILD)/test-cuda-shim: $(SHIM_SRC:tests/%.cpp=$(BUILD)/shim/%.o) $(BUILD)/shim/cuda_shim_backend.o $(BUILD)/libqlora.a
+$(BUILD)/test-cuda-shim: $(SHIM_OBJ:%=$(BUILD)/%) $(BUILD)/libqlora.a
 	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
 
 # The AMX kernel through tests/amx_shim.h: qlora.cpp compiled with the tiles emulated, with the
@@ -203,7 +204,7 @@ $(SAN)/shim/cuda_shim_backend.o: tests/cuda_shim_backend.cpp tests/cuda_shim.h $
 $(SAN)/shim/%.o: tests/%.cpp tests/cuda_shim.h $(HEADERS) $(TEST_HEADERS)
 	@mkdir -p $(dir $@)
 	$(CXX) $(SAN_TESTFLAGS) $(SHIM_FLAGS) -I. -c $< -o $@
-$(SAN)/test-cuda-shim: $(SHIM_SRC:tests/%.cpp=$(SAN)/shim/%.o) $(SAN)/shim/cuda_shim_backend.o $(LIB_SRC:%.cpp=$(SAN)/%.o)
+$(SAN)/test-cuda-shim: $(SHIM_OBJ:%=$(SAN)/%) $(LIB_SRC:%.cpp=$(SAN)/%.o)
 	$(CXX) $(SANFLAGS) $^ -o $@ $(LDLIBS)
 
 # the AMX kernel under the sanitizers: its multiplies only (the emulated tiles are slow there)
