@@ -113,7 +113,8 @@ static void bench_matmul(ql_backend *cpu, int n_threads, int reps) {
 // matmul of a --precision bf16 step is. Native where ql_cpu_bf16_native() (AMX tiles or
 // AVX512-BF16 pair dots), else widened to f32.
 static void bench_matmul_bf16(ql_backend *cpu, int n_threads, int reps) {
-    printf("\n## matmul bf16 (b bf16), %d threads, native: %s\n", n_threads, ql_cpu_bf16_native() ? "yes" : "no");
+    const char *kind = ql_cpu_bf16_kind();  // which kernel the numbers below measure (AMX or pair dots)
+    printf("\n## matmul bf16 (b bf16), %d threads, native: %s\n", n_threads, kind ? kind : "no (widened to f32)");
     printf("%-26s %10s %10s %10s\n", "shape (M x N x K)", "ms", "GFLOP/s", "vs f32");
     for (int i = 0; i < k_n_shapes; i++) {
         const mm_shape &s = k_shapes[i];
