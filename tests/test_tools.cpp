@@ -396,9 +396,10 @@ double metric(const std::string &line, const char *key) {
     return p == std::string::npos ? NAN : atof(line.c_str() + p + k.size());
 }
 
-// Runs cmd with its stdout on a pipe; once a line starting with `when` appears, sends sig. Returns
-// the exit status (-1 if signalled) and the output.
-int run_interrupted(const std::string &cmd, const std::string &when, std::string *out, int sig = SIGINT) {
+// Runs cmd with its stdout on a pipe; once a line starting with `when` appears, sends sig (times
+// times, 5 ms apart: GNU timeout's TERM to the child and then to its group). Returns the exit
+// status (-1 if signalled) and the output.
+int run_interrupted(const std::string &cmd, const std::string &when, std::string *out, int sig = SIGINT, int times = 1) {
     int fd[2];
     if (pipe(fd) != 0) return -2;
     const pid_t pid = fork();
@@ -418,7 +419,10 @@ int run_interrupted(const std::string &cmd, const std::string &when, std::string
     while ((n = read(fd[0], buf, sizeof(buf))) > 0) {
         out->append(buf, (size_t)n);
         if (!sent && (out->rfind("\n" + when, std::string::npos) != std::string::npos)) {
-            kill(pid, sig);
+            for (int i = 0; i < times; i++) {
+                if (i) usleep(5000);
+                kill(pid, sig);
+            }
             sent = true;
         }
     }
@@ -700,18 +704,20 @@ TEST_CASE("finetune: two runs on one -o at once - the second is refused, naming 
     REQUIRE_MESSAGE(run(ft + " --max-steps 2 --overwrite", &log) == 0, log);
 }
 
-TEST_CASE("finetune: SIGTERM and SIGHUP save a checkpoint like Ctrl-C and exit 128 + the signal") {
+TEST_CASE("finetune: SIGTERM and SIGHUP save a checkpoint like Ctrl-C and exit 128 + the signal, also when sent twice") {
     if (!all_built({"make-model", "finetune"})) return;
     tmpdir d;
     const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl";
     std::string log;
-    REQUIRE(run("./make-model -o " + base + " --dim 32 --layers 1 --heads 2 --ff 64 --seed 4", &log) == 0);
+    // steps of ~0.1 s, so that the repeated signal (5 ms later) comes while the run still saves
+    REQUIRE(run("./make-model -o " + base + " --dim 384 --layers 2 --heads 4 --ff 1024 --seed 4", &log) == 0);
     write_qa_jsonl(data, 8);
     const std::string args = " -m " + base + " -d " + data + " --max-steps 400 -b 2 --seq-len 24 -t 1";
     for (const int sig : {SIGTERM, SIGHUP}) {
         const std::string name = sig == SIGTERM ? "SIGTERM" : "SIGHUP", out = d.path + "/" + name;
         CAPTURE(name);
-        const int rc = run_interrupted("./finetune" + args + " -o " + out, "step 1/", &log, sig);
+        // twice, as GNU timeout delivers it: the repeat must not kill the run the first asked to save
+        const int rc = run_interrupted("./finetune" + args + " -o " + out, "step 1/", &log, sig, 2);
         CHECK_MESSAGE(rc == 128 + sig, log);  // 143 for SIGTERM, 129 for SIGHUP
         CHECK_MESSAGE(log.find("interrupted (" + name + ") after step ") != std::string::npos, log);
         CHECK(exists(out + "/checkpoint.gguf"));

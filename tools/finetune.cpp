@@ -35,12 +35,16 @@
 static std::atomic<int> g_stop{0};  // the signal that asked the run to stop, or 0
 // SIGINT (Ctrl-C), SIGTERM (kill, timeout, job schedulers, containers) and SIGHUP (a closed
 // terminal): the first ends the run after the current step with a checkpoint saved, and the
-// process exits 128 + the signal so that `finetune && next` does not go on; a second one kills
+// process exits 128 + the signal so that `finetune && next` does not go on; a second one kills -
+// but for a repeat of the first SIGTERM or SIGHUP: GNU timeout sends its TERM to the child and
+// again to its process group, and a closed terminal's HUP can come twice; those must not kill
+// the run it asked to save (SIGKILL is what kills a run that will not stop)
 static const int k_stop_signals[] = {SIGINT, SIGTERM, SIGHUP};
 static void on_stop_signal(int sig) {
     int none = 0;
     g_stop.compare_exchange_strong(none, sig);
-    for (int s : k_stop_signals) signal(s, SIG_DFL);
+    const int first = g_stop.load();
+    for (int s : k_stop_signals) signal(s, s == first && first != SIGINT ? on_stop_signal : SIG_DFL);
 }
 
 static const char *k_help =
@@ -1196,7 +1200,10 @@ int main(int argc, char **argv) {
     }
     const size_t train_peak = hwm_bytes();
     if (tty) printf("\n");
-    for (int s : k_stop_signals) signal(s, SIG_DFL);  // from here on every file is written atomically: a signal loses nothing
+    // from here on every file is written atomically: a signal loses nothing (but for an interrupted
+    // run, whose checkpoint a repeat of its SIGTERM/SIGHUP must not stop: on_stop_signal's choice stays)
+    if (!interrupted)
+        for (int s : k_stop_signals) signal(s, SIG_DFL);
 
     // ---- outputs: the adapter (small: what the user wants) first, then the checkpoint (large),
     // then the merged model; each written atomically, so a full disk replaces nothing good ----
