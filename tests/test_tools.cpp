@@ -486,6 +486,15 @@ TEST_CASE("finetune: NF4 base end to end; outputs load in generate and perplexit
     // a second run into the same directory does not clobber the first
     CHECK(run("./finetune -m " + base + " -d " + data + " -o " + out + " --max-steps 2", &log) == 1);
     CHECK_MESSAGE(log.find("already holds a run") != std::string::npos, log);
+    // nor its outputs when the checkpoint is gone: each one alone is refused, and stays as it was
+    const std::string kept = d.path + "/kept";
+    for (const char *name : {"adapter.gguf", "peft/adapter_config.json", "metrics.jsonl"}) {
+        CAPTURE(name);
+        REQUIRE(run("rm -rf " + kept + " && mkdir -p " + kept + "/peft && echo mine > " + kept + "/" + name, &log) == 0);
+        CHECK(run("./finetune -m " + base + " -d " + data + " -o " + kept + " --max-steps 2", &log) == 1);
+        CHECK_MESSAGE(log.find(std::string("already holds ") + name) != std::string::npos, log);
+        CHECK(read_file(kept + "/" + name) == "mine\n");
+    }
 }
 
 TEST_CASE("finetune: Ctrl-C saves a checkpoint; --resume continues to the uninterrupted run's losses") {

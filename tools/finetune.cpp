@@ -952,6 +952,15 @@ int main(int argc, char **argv) {
                 "or choose another -o\n", out.c_str(), out.c_str());
         return 1;
     }
+    // a run's outputs without its checkpoint (deleted to save space, or copied there): as much a
+    // user's as the run itself
+    for (const char *name : {"adapter.gguf", "peft/adapter_model.safetensors", "peft/adapter_config.json", "merged.gguf",
+                             "metrics.jsonl", "loss.png"}) {
+        if (a.dry_run || a.overwrite || same_dir(out, a.resume) || lstat((out + "/" + name).c_str(), &st) != 0) continue;
+        fprintf(stderr, "finetune: %s already holds %s (a run's output, without its checkpoint): --overwrite replaces it, or "
+                "choose another -o\n", out.c_str(), name);
+        return 1;
+    }
 
     // ---- memory: the plan, before anything is allocated ----
     int64_t n_targets = 0;
