@@ -6717,7 +6717,8 @@ ql_gguf *ql_gguf_open(const char *path, char *err, size_t err_size) {
         gguf_set_err(err, err_size, "(null): no path given");
         return nullptr;
     }
-    const int fd = open(path, O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: a FIFO opens at once (and is refused below) instead of waiting for a writer
+    const int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) {
         gguf_set_err(err, err_size, "%s: cannot open: %s", path, strerror(errno));
         return nullptr;

@@ -57,7 +57,7 @@ static bool is_dir(const char *path) {
 
 // The whole file into *out; *why says what went wrong (without the path).
 static bool read_whole_file(const char *path, std::vector<uint8_t> *out, std::string *why) {
-    const int fd = open(path, O_RDONLY | O_CLOEXEC);
+    const int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // a FIFO: refused below, not waited on
     if (fd < 0) return fail(why, "cannot open: %s", strerror(errno));
     struct stat st;
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {

@@ -9,6 +9,8 @@
 
 #include <doctest/doctest.h>
 
+#include <sys/stat.h>
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -217,6 +219,15 @@ TEST_CASE("safetensors: damaged files fail with a message naming the file and th
         {"metadata not strings", st_bytes("{\"__metadata__\":{\"n\":1}}", 0), "not a string"},
         {"entry not an object", st_bytes("{\"a\":3}", 0), "not an object"},
     };
+    {  // a FIFO: refused at once, not waited on for a writer
+        const std::string fifo = d.path + "/fifo.safetensors";
+        REQUIRE(mkfifo(fifo.c_str(), 0600) == 0);
+        std::vector<ql_st_tensor> ts;
+        std::vector<uint8_t> storage;
+        std::string err;
+        CHECK_FALSE(ql_safetensors_read(fifo.c_str(), &ts, &storage, &err));
+        CHECK_MESSAGE(has(err, fifo + ": not a regular file"), err);
+    }
     for (const bad_case &c : cases) {
         CAPTURE(c.what);
         const std::string path = d.path + "/bad.safetensors";

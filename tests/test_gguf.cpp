@@ -828,6 +828,11 @@ TEST_CASE("gguf: the write is atomic: failures leave no temporary file and name 
     CHECK(has(err, missing.c_str()));
     CHECK(ql_gguf_open(folder.c_str(), err, sizeof(err)) == nullptr);
     CHECK(has(err, "not a regular file"));
+    // a FIFO is refused at once (opening it for reading would wait for a writer: a hang)
+    const std::string fifo = dir.file("fifo.gguf");
+    REQUIRE(mkfifo(fifo.c_str(), 0600) == 0);
+    CHECK(ql_gguf_open(fifo.c_str(), err, sizeof(err)) == nullptr);
+    CHECK(has(err, (fifo + ": not a regular file").c_str()));
     const std::string empty = dir.file("empty.gguf");
     fclose(fopen(empty.c_str(), "wb"));
     CHECK(ql_gguf_open(empty.c_str(), err, sizeof(err)) == nullptr);
