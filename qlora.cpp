@@ -7193,6 +7193,14 @@ ql_status ql_gguf_write(const ql_gguf_writer *w, const char *path, char *err, si
         gguf_set_err(err, err_size, "%s: not written, an earlier call was refused: %s", path, w->refused.c_str());
         return QL_ERR_INVALID;
     }
+    // the file is replaced by a rename: that would put a file where a device, a FIFO or a link was
+    // (over a folder the rename fails: below)
+    struct stat old_st;
+    if (lstat(path, &old_st) == 0 && !S_ISREG(old_st.st_mode) && !S_ISDIR(old_st.st_mode)) {
+        gguf_set_err(err, err_size, "%s: exists and is not a regular file (a %s): not replaced", path,
+                     S_ISLNK(old_st.st_mode) ? "symbolic link" : "device, FIFO or socket");
+        return QL_ERR_INVALID;
+    }
     uint64_t align = k_gguf_default_align;
     for (const gguf_kv &kv : w->kvs) {
         std::string why;

@@ -87,6 +87,10 @@ struct chunk {
 // Writes the chunks to path + ".tmp", fsyncs, renames over path (then fsyncs the folder, best
 // effort): a crash leaves the old file or the new one, never half of one.
 static bool write_atomic(const std::string &path, const std::vector<chunk> &chunks, std::string *err) {
+    struct stat st;  // the rename would put a file where a device, a FIFO or a link was
+    if (lstat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode))
+        return fail(err, "%s: exists and is not a regular file (a %s): not replaced", path.c_str(),
+                    S_ISLNK(st.st_mode) ? "symbolic link" : "device, FIFO or socket");
     const std::string tmp = path + ".tmp";
     const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) return fail(err, "%s: cannot create %s: %s", path.c_str(), tmp.c_str(), strerror(errno));

@@ -10,6 +10,7 @@
 #include <doctest/doctest.h>
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
@@ -144,6 +145,19 @@ TEST_CASE("safetensors: F32, F16 and BF16 tensors and metadata round trip bit fo
     std::string err;
     REQUIRE_MESSAGE(ql_safetensors_write(path.c_str(), in, meta, &err), err);
     CHECK_FALSE(exists(path + ".tmp"));
+    {  // written by a rename: refused where a link or a FIFO is, which stays as it was
+        const std::string link = d.path + "/link.safetensors", fifo = d.path + "/w.fifo";
+        REQUIRE(symlink(path.c_str(), link.c_str()) == 0);
+        REQUIRE(mkfifo(fifo.c_str(), 0600) == 0);
+        for (const std::string &p : {link, fifo}) {
+            std::string e;
+            CHECK_FALSE(ql_safetensors_write(p.c_str(), in, meta, &e));
+            CHECK_MESSAGE(has(e, p + ": exists and is not a regular file"), e);
+        }
+        struct stat st;
+        CHECK((lstat(link.c_str(), &st) == 0 && S_ISLNK(st.st_mode)));
+        CHECK((lstat(fifo.c_str(), &st) == 0 && S_ISFIFO(st.st_mode)));
+    }
 
     const std::vector<uint8_t> raw = read_file_bytes(path);
     REQUIRE(raw.size() > 8);

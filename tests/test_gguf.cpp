@@ -6,6 +6,7 @@
 #include "util.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
@@ -828,6 +829,24 @@ TEST_CASE("gguf: the write is atomic: failures leave no temporary file and name 
     CHECK(has(err, missing.c_str()));
     CHECK(ql_gguf_open(folder.c_str(), err, sizeof(err)) == nullptr);
     CHECK(has(err, "not a regular file"));
+    // the writer replaces by a rename: never where a FIFO or a link is (nor a device)
+    {
+        const std::string target = dir.file("target.gguf"), link = dir.file("link.gguf"), wfifo = dir.file("w.fifo");
+        ql_gguf_writer *w2 = ql_gguf_writer_new();
+        ql_gguf_set_str(w2, "general.architecture", "llama");
+        REQUIRE(ql_gguf_write(w2, target.c_str(), err, sizeof(err)) == QL_OK);
+        REQUIRE(symlink(target.c_str(), link.c_str()) == 0);
+        REQUIRE(mkfifo(wfifo.c_str(), 0600) == 0);
+        for (const std::string &p : {link, wfifo}) {
+            CAPTURE(p);
+            CHECK(ql_gguf_write(w2, p.c_str(), err, sizeof(err)) == QL_ERR_INVALID);
+            CHECK_MESSAGE(has(err, p + ": exists and is not a regular file"), err);
+        }
+        struct stat st;
+        CHECK((lstat(link.c_str(), &st) == 0 && S_ISLNK(st.st_mode)));
+        CHECK((lstat(wfifo.c_str(), &st) == 0 && S_ISFIFO(st.st_mode)));
+        ql_gguf_writer_free(w2);
+    }
     // a FIFO is refused at once (opening it for reading would wait for a writer: a hang)
     const std::string fifo = dir.file("fifo.gguf");
     REQUIRE(mkfifo(fifo.c_str(), 0600) == 0);
