@@ -870,12 +870,13 @@ void ql_trainer_epoch_tokens(ql_trainer *t, int64_t *real, int64_t *padded) {
     const int64_t A = t->o.grad_accum;
     for (int64_t s = 0; s < t->per_epoch; s++)
         for (int64_t a = 0; a < A; a++) {
+            bool any = false;
             for (int64_t b = 0; b < t->B; b++) {
                 const int64_t q = slot_sequence(t, s, a * t->B + b);
                 mb[(size_t)b] = q >= 0 ? &(*t->train)[(size_t)q] : nullptr;
-                if (q >= 0) *real += real_len(*mb[(size_t)b]);
+                if (q >= 0) *real += real_len(*mb[(size_t)b]), any = true;
             }
-            *padded += t->B * t->bucket_len[bucket_of(t, mb.data())];
+            if (any) *padded += t->B * t->bucket_len[bucket_of(t, mb.data())];  // (an empty one is not run)
         }
 }
 const std::vector<int64_t> &ql_trainer_lengths(const ql_trainer *t) { return t->bucket_len; }
@@ -952,8 +953,12 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     int64_t padded = 0, real = 0;
     for (int64_t a = 0; a < A; a++) {
         const int32_t seed = (int32_t)(uint32_t)mix(t->o.seed * 0x9E3779B97F4A7C15ull + (uint64_t)(s * A + a));
+        bool any = false;
         for (int64_t b = 0; b < B; b++)
-            if (const ql_sequence *q = t->slot[(size_t)(a * B + b)]) real += real_len(*q);
+            if (const ql_sequence *q = t->slot[(size_t)(a * B + b)]) real += real_len(*q), any = true;
+        // past the epoch's end (its last step, or --grad-accum beyond the data): nothing to add
+        // (its gradient is zero), so not run - the other micro-batches' seeds do not move
+        if (!any) continue;
         const size_t k = bucket_of(t, t->slot.data() + a * B);  // the shortest graph that holds the micro-batch
         const batch_io &io = k + 1 < t->bucket_len.size() ? t->bucket_io[k] : t->tr;
         padded += B * t->bucket_len[k];

@@ -218,6 +218,33 @@ TEST_CASE("trainer: micro 2 x accumulation 4 == micro 8 x accumulation 1 (paddin
     ql_llama_file_free(f);
 }
 
+TEST_CASE("trainer: accumulation past the data's end runs no empty micro-batch (--grad-accum beyond the data)") {
+    tmpdir d;
+    ql_llama_file *f = load_tiny(d.path);
+    const std::vector<ql_sequence> seqs = make_sequences(5, 20, 2);  // 3 micro-batches of 2, the last half empty
+    std::vector<ql_step_metrics> ms(2);
+    std::vector<std::vector<float>> adapters(2);
+    for (int run = 0; run < 2; run++) {
+        ql_train_options o = base_options();  // (no dropout: the masks' seeds depend on --grad-accum)
+        o.grad_accum = run == 0 ? 3 : 1000;   // the whole epoch in one step, or far past it
+        std::string err;
+        ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
+        REQUIRE_MESSAGE(t, err);
+        CHECK(ql_trainer_steps_per_epoch(t) == 1);
+        int64_t real = 0, padded = 0;
+        ql_trainer_epoch_tokens(t, &real, &padded);
+        CHECK(padded == 3 * 2 * 20);  // three micro-batches computed, not a thousand
+        REQUIRE_MESSAGE(ql_trainer_step(t, &ms[(size_t)run], &err), err);
+        adapters[(size_t)run] = adapter_of(t);
+        ql_trainer_free(t);
+    }
+    CHECK(ms[1].tokens == ms[0].tokens);
+    CHECK(ms[1].tokens == 3 * 2 * 20);
+    CHECK(ms[1].loss == ms[0].loss);  // the same micro-batches, the same sums: the same bits
+    CHECK(adapters[1] == adapters[0]);
+    ql_llama_file_free(f);
+}
+
 TEST_CASE("trainer: padding and tokens after the last target change nothing (causality, masked targets)") {
     tmpdir d;
     ql_llama_file *f = load_tiny(d.path);
