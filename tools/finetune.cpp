@@ -578,7 +578,14 @@ static bool parse_flags(int argc, char **argv, args *a) {
         else if (f == "--lr") { if (!num(f.c_str(), need(i), 0, 10, &v)) return false; a->o.lr = (float)v; }
         else if (f == "--beta1") { if (!num(f.c_str(), need(i), 0, 0.999999, &v)) return false; a->o.beta1 = (float)v; }
         else if (f == "--beta2") { if (!num(f.c_str(), need(i), 0, 0.999999, &v)) return false; a->o.beta2 = (float)v; }
-        else if (f == "--eps") { if (!num(f.c_str(), need(i), 0, 1, &v)) return false; a->o.eps = (float)v; }
+        else if (f == "--eps") {  // > 0: with eps 0, an entry whose gradient is still 0 divides 0 by 0
+            if (!num(f.c_str(), need(i), 0, 1, &v)) return false;
+            if (!(v > 0)) {
+                fprintf(stderr, "finetune: --eps: '%s' must be above 0 (the update divides by sqrt(v) + eps; default 1e-8)\n", argv[i]);
+                return false;
+            }
+            a->o.eps = (float)v;
+        }
         else if (f == "--weight-decay") { if (!num(f.c_str(), need(i), 0, 10, &v)) return false; a->o.weight_decay = (float)v; }
         else if (f == "--lr-scheduler") {
             if (!(s = need(i))) return false;

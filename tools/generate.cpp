@@ -77,6 +77,7 @@ int main(int argc, char **argv) {
     const char *model = nullptr, *lora = nullptr, *device = "auto";
     std::string prompt;
     double n_gen = 128, temp = 0.8, top_k = 40, top_p = 0.95, seed = 1, n_ctx = 0, threads = 0, lora_scale = 1;
+    bool scale_given = false;
     for (int i = 1; i < argc; i++) {
         const std::string a = argv[i];
         const bool has = i + 1 < argc;
@@ -90,9 +91,15 @@ int main(int argc, char **argv) {
         else if (a == "--seed" && has) ok = parse_num("--seed", argv[++i], 0, 1e18, &seed);
         else if (a == "-c" && has) ok = parse_num("-c", argv[++i], 1, 1 << 20, &n_ctx);
         else if (a == "-t" && has) ok = parse_num("-t", argv[++i], 0, 1024, &threads);
-        else if (a == "--lora" && has) lora = argv[++i];
-        else if (a == "--device" && has) device = argv[++i];
-        else if (a == "--lora-scale" && has) ok = parse_num("--lora-scale", argv[++i], -100, 100, &lora_scale);
+        else if (a == "--lora" && has) {
+            if (lora) {  // one adapter: a second would silently replace the first
+                fprintf(stderr, "generate: --lora given twice ('%s', '%s'): one adapter at a time (merge one with finetune --merge)\n",
+                        lora, argv[i + 1]);
+                return 2;
+            }
+            lora = argv[++i];
+        } else if (a == "--device" && has) device = argv[++i];
+        else if (a == "--lora-scale" && has) ok = parse_num("--lora-scale", argv[++i], -100, 100, &lora_scale), scale_given = true;
         else if (a == "-h" || a == "--help") {
             usage(argv[0]);
             return 0;
@@ -105,6 +112,10 @@ int main(int argc, char **argv) {
     if (!model) {
         fprintf(stderr, "generate: -m model.gguf is required\n");
         return usage(argv[0]);
+    }
+    if (scale_given && !lora) {
+        fprintf(stderr, "generate: --lora-scale without --lora: there is no adapter to scale\n");
+        return 2;
     }
     char err[512];
     ql_llama_file *f = ql_llama_load(model, err, sizeof(err));

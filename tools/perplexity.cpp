@@ -73,14 +73,19 @@ int main(int argc, char **argv) {
     const char *model = nullptr, *file = nullptr, *lora = nullptr, *device = "auto";
     int c = 512, threads = 0;
     double lora_scale = 1;
-    bool json = false;
+    bool json = false, scale_given = false;
     for (int i = 1; i < argc; i++) {
         const std::string a = argv[i];
         const bool has = i + 1 < argc;
         if (a == "-m" && has) model = argv[++i];
         else if (a == "-f" && has) file = argv[++i];
-        else if (a == "--lora" && has) lora = argv[++i];
-        else if (a == "--device" && has) device = argv[++i];
+        else if (a == "--lora" && has) {
+            if (lora) {  // one adapter: a second would silently replace the first
+                fprintf(stderr, "perplexity: --lora given twice ('%s', '%s'): one adapter at a time\n", lora, argv[i + 1]);
+                return 2;
+            }
+            lora = argv[++i];
+        } else if (a == "--device" && has) device = argv[++i];
         else if (a == "--json") json = true;
         else if ((a == "-c" || a == "-t" || a == "--lora-scale") && has) {
             char *end = nullptr;
@@ -94,7 +99,7 @@ int main(int argc, char **argv) {
             }
             if (a == "-c") c = (int)v;
             else if (a == "-t") threads = (int)v;
-            else lora_scale = v;
+            else lora_scale = v, scale_given = true;
         } else if (a == "-h" || a == "--help") {
             usage(argv[0]);
             return 0;
@@ -106,6 +111,10 @@ int main(int argc, char **argv) {
     if (!model || !file) {
         fprintf(stderr, "perplexity: -m model.gguf and -f text.txt are required\n");
         return usage(argv[0]);
+    }
+    if (scale_given && !lora) {
+        fprintf(stderr, "perplexity: --lora-scale without --lora: there is no adapter to scale\n");
+        return 2;
     }
     FILE *tf = fopen(file, "rb");
     if (!tf) {
