@@ -1389,6 +1389,34 @@ TEST_CASE("convert hf: Llama, Qwen2 (sharded), Mistral from save_pretrained give
     write_file(d.path + "/config.json", cfg + "\"rope_scaling\": {\"type\": \"linear\"}}");
     CHECK(run("./convert hf " + d.path + " -o " + d.path + "/x.gguf", &log) == 1);
     CHECK_MESSAGE(log.find("rope_scaling.factor must be a positive number") != std::string::npos, log);
+    // each value by name: out of range or not a number is an error, not a GGUF that fails later
+    const std::pair<std::string, std::string> values[] = {
+        {"\"rms_norm_eps\": 0}", "rms_norm_eps is 0 (above 0, below 1)"},
+        {"\"rms_norm_eps\": \"x\"}", "'rms_norm_eps' is not a number"},
+        {"\"rope_theta\": 1e300}", "rope_theta is 1e+300 (above 1, at most 1e12)"},
+        {"\"max_position_embeddings\": -5}", "max_position_embeddings is -5 (a size from 1 to 2^30)"},
+        {"\"intermediate_size\": 0}", "intermediate_size is 0 (a size from 1 to 2^30)"},
+        {"\"num_key_value_heads\": 3}", "inconsistent sizes: 4 heads of 8 (head_dim) for hidden_size 32, 3 key/value heads"},
+        {"\"rope_scaling\": {\"rope_type\": \"llama3\", \"factor\": 0}}", "rope_scaling.factor must be a positive number for llama3"},
+    };
+    for (const auto &v : values) {
+        CAPTURE(v.first);
+        write_file(d.path + "/config.json", (v.first.find("intermediate") != std::string::npos
+                                                 ? "{\"architectures\": [\"LlamaForCausalLM\"], \"hidden_size\": 32, \"num_hidden_layers\": 1, "
+                                                   "\"num_attention_heads\": 4, \"vocab_size\": 300, "
+                                                 : cfg) + v.first);
+        CHECK(run("./convert hf " + d.path + " -o " + d.path + "/x.gguf", &log) == 1);
+        CHECK_MESSAGE(log.find("config.json: " + v.second) != std::string::npos, log);
+    }
+    // a tensor whose shape is not config.json's (vocab_size 300, 270 embedding rows): refused by name
+    write_file(d.path + "/config.json", cfg + "\"rms_norm_eps\": 1e-5}");
+    std::vector<float> emb(270 * 32, 0.5f);
+    std::string err;
+    REQUIRE_MESSAGE(ql_safetensors_write((d.path + "/model.safetensors").c_str(), {{"model.embed_tokens.weight", "F32", {270, 32}, emb.data()}},
+                                         {}, &err), err);
+    CHECK(run("./convert hf " + d.path + " -o " + d.path + "/x.gguf", &log) == 1);
+    CHECK_MESSAGE(log.find("model.embed_tokens.weight is [270, 32], config.json makes it [300, 32]") != std::string::npos, log);
+    CHECK_FALSE(exists(d.path + "/x.gguf"));
 }
 
 // The files users have today, from the newest libraries (tests/reference/hf5_golden.py, transformers

@@ -371,7 +371,10 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
     auto num = [&](const char *key, double def, bool required) -> double {
         const ql_json *v = cfg.get(key);
         if (v && v->kind == ql_json::NUM) return v->num();
-        if (required) why = std::string("config.json: no number '") + key + "'";
+        if (why.empty() && v && v->kind != ql_json::NUL)  // present but not a number: not silently the default
+            why = std::string("'") + key + "' is not a number";
+        else if (why.empty() && required)
+            why = std::string("no number '") + key + "'";
         return def;
     };
     const int64_t E = (int64_t)num("hidden_size", 0, true), L = (int64_t)num("num_hidden_layers", 0, true),
@@ -388,9 +391,23 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
     const int64_t ctx = (int64_t)num("max_position_embeddings", 2048, false);
     const ql_json *tie = cfg.get("tie_word_embeddings");
     const bool tied = tie && tie->kind == ql_json::BOOL && tie->b;
-    if (!why.empty() || E <= 0 || L <= 0 || H <= 0 || HKV <= 0 || F <= 0 || V <= 0 || H % HKV || hd * H != E) {
-        fprintf(stderr, "convert: %s/config.json: %s\n", dir_c,
-                why.empty() ? "inconsistent sizes (hidden_size, heads, head_dim)" : why.c_str());
+    // each size and value by name, so that the message says which (and no GGUF is written that
+    // generate would refuse, or that computes NaN)
+    const std::pair<const char *, int64_t> sizes[] = {{"hidden_size", E},       {"num_hidden_layers", L},
+                                                      {"num_attention_heads", H}, {"num_key_value_heads", HKV},
+                                                      {"intermediate_size", F},  {"vocab_size", V},
+                                                      {"head_dim", hd},          {"max_position_embeddings", ctx}};
+    for (const auto &sz : sizes)
+        if (why.empty() && (sz.second <= 0 || sz.second > (int64_t)1 << 30))
+            why = std::string(sz.first) + " is " + std::to_string(sz.second) + " (a size from 1 to 2^30)";
+    auto gnum = [](double x) { char b[32]; snprintf(b, sizeof b, "%g", x); return std::string(b); };
+    if (why.empty() && !(eps > 0 && eps < 1)) why = "rms_norm_eps is " + gnum(eps) + " (above 0, below 1)";
+    if (why.empty() && !(theta > 1 && theta <= 1e12)) why = "rope_theta is " + gnum(theta) + " (above 1, at most 1e12)";
+    if (why.empty() && (H % HKV || hd * H != E))
+        why = "inconsistent sizes: " + std::to_string(H) + " heads of " + std::to_string(hd) + " (head_dim) for hidden_size " +
+              std::to_string(E) + ", " + std::to_string(HKV) + " key/value heads";
+    if (!why.empty()) {
+        fprintf(stderr, "convert: %s/config.json: %s\n", dir_c, why.c_str());
         return 1;
     }
     const ql_json *rs = rp ? rp : cfg.get("rope_scaling");
@@ -409,9 +426,19 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
         }
         const ql_json *fv = rs->get("factor");
         linear_factor = fv && fv->kind == ql_json::NUM ? fv->num() : 0.0;
-        if (rope_type == "linear" && !(linear_factor > 0 && std::isfinite(linear_factor))) {
-            fprintf(stderr, "convert: %s/config.json: rope_scaling.factor must be a positive number for linear scaling\n", dir_c);
+        if (!(linear_factor > 0 && std::isfinite(linear_factor)) && (rope_type == "linear" || rs->get("factor"))) {
+            fprintf(stderr, "convert: %s/config.json: rope_scaling.factor must be a positive number for %s scaling\n", dir_c,
+                    rope_type.c_str());
             return 1;
+        }
+        if (rope_type == "llama3") {  // the per-frequency divisors' inputs: positive, low below high
+            auto v = [&](const char *k, double def) { const ql_json *x = rs->get(k); return x && x->kind == ql_json::NUM ? x->num() : def; };
+            const double lo = v("low_freq_factor", 1.0), hi = v("high_freq_factor", 4.0), old = v("original_max_position_embeddings", 8192.0);
+            if (!(lo > 0 && hi > lo && std::isfinite(hi) && old >= 1 && std::isfinite(old))) {
+                fprintf(stderr, "convert: %s/config.json: rope_scaling: low_freq_factor %g, high_freq_factor %g, "
+                        "original_max_position_embeddings %g (positive, low below high)\n", dir_c, lo, hi, old);
+                return 1;
+            }
         }
     }
     ql_type wtype = QL_TYPE_COUNT;
@@ -544,6 +571,24 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
         const ql_type_traits *tt = ql_type_traits_get(wtype);
         const bool plain = tt->blck_size == 1;
         if (!t.bnb) t.type = (t.n_dims == 2 && (block_weight || plain) && t.ne[0] % tt->blck_size == 0) ? wtype : QL_TYPE_F32;
+        {  // the shape config.json implies (GGUF order: ne[0] the input side)
+            const std::string &g = t.gguf_name;
+            auto ends = [&g](const char *sfx) { return g.size() >= strlen(sfx) && g.compare(g.size() - strlen(sfx), strlen(sfx), sfx) == 0; };
+            int64_t w0 = E, w1 = 1;
+            if (g == "token_embd.weight" || g == "output.weight") w1 = V;
+            else if (ends("attn_q.weight")) w1 = H * hd;
+            else if (ends("attn_k.weight") || ends("attn_v.weight")) w1 = HKV * hd;
+            else if (ends("attn_output.weight")) w0 = H * hd, w1 = E;
+            else if (ends("ffn_gate.weight") || ends("ffn_up.weight")) w1 = F;
+            else if (ends("ffn_down.weight")) w0 = F, w1 = E;
+            else if (ends("attn_q.bias")) w0 = H * hd;
+            else if (ends("attn_k.bias") || ends("attn_v.bias")) w0 = HKV * hd;
+            if (t.ne[0] != w0 || t.ne[1] != w1) {
+                fprintf(stderr, "convert: %s: %s is [%lld, %lld], config.json makes it [%lld, %lld] (PyTorch order)\n", dir_c,
+                        t.hf_name.c_str(), (long long)t.ne[1], (long long)t.ne[0], (long long)w1, (long long)w0);
+                return 1;
+            }
+        }
         if (t.permute_heads && (t.ne[1] % t.permute_heads || (t.ne[1] / t.permute_heads) % 2)) {
             fprintf(stderr, "convert: %s: %s has %lld rows, not %d heads of an even size\n", dir_c, t.hf_name.c_str(),
                     (long long)t.ne[1], t.permute_heads);
