@@ -420,6 +420,8 @@ ql_llama_file *ql_llama_load(const char *path, char *err, size_t err_size) {
     const char *type = itype >= 0 ? ql_gguf_get_str(g, itype, &len) : nullptr;
     if (type && !strcmp(type, "adapter")) {  // an adapter given where a model belongs
         L.fail("a LoRA adapter, not a model (give it with --lora, and the base model with -m)");
+    } else if (type && !strcmp(type, "qlora-checkpoint")) {  // finetune's checkpoint.gguf
+        L.fail("a finetune checkpoint, not a model (finetune --resume DIR continues it, --export DIR writes its adapter)");
     } else if (!arch) {
         L.fail("no general.architecture string: not a model file");
     } else if (strcmp(arch, "llama") && strcmp(arch, "mistral") && strcmp(arch, "qwen2")) {

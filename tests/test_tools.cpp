@@ -337,6 +337,9 @@ TEST_CASE("make-model, convert, generate, perplexity: bad input, one clear line 
         {"./convert llama2c " + junk + " " + junk + " -o " + d.path + "/x.gguf", "implausible llama2.c header"},
         {"./convert llama2c " + d.path + "/none.bin " + junk + " -o " + d.path + "/x.gguf", "none.bin: cannot open"},
         {"./convert llama2c a b", "missing -o"},
+        {"./convert llama2c a -o x.gguf", "llama2c takes model.bin and tokenizer.bin: tokenizer.bin missing"},
+        {"./convert hf dir -o", "-o needs a value"},
+        {"./convert hf a b -o x.gguf", "hf takes one checkpoint folder: more than one given"},
         {"./convert onnx a -o b", "unknown source format 'onnx'"},
         {"./convert tiktoken a -o b", "needs --pre"},
         {"./generate", "-m model.gguf is required"},
@@ -439,7 +442,7 @@ int run_interrupted(const std::string &cmd, const std::string &when, std::string
 }  // namespace
 
 TEST_CASE("finetune: NF4 base end to end; outputs load in generate and perplexity as GGUF and as PEFT") {
-    if (!all_built({"make-model", "finetune", "generate", "perplexity"})) return;
+    if (!all_built({"make-model", "finetune", "generate", "perplexity", "quantize"})) return;
     tmpdir d;
     const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl", out = d.path + "/run", text = d.path + "/t.txt";
     std::string log;
@@ -487,6 +490,12 @@ TEST_CASE("finetune: NF4 base end to end; outputs load in generate and perplexit
     REQUIRE(run("./generate -m " + base + " --lora " + out + "/adapter.gguf -p \"Q: abc\" -n 8 --temp 0", &g1) == 0);
     REQUIRE(run("./generate -m " + base + " --lora " + out + "/peft -p \"Q: abc\" -n 8 --temp 0", &g2) == 0);
     CHECK(text_of(g1) == text_of(g2));
+    // its checkpoint is not a model: generate and quantize say so
+    CHECK(run("./generate -m " + out + "/checkpoint.gguf -p hi -n 1", &log) == 1);
+    CHECK_MESSAGE(log.find("checkpoint.gguf: a finetune checkpoint, not a model") != std::string::npos, log);
+    CHECK(run("./quantize " + out + "/checkpoint.gguf " + d.path + "/q.gguf q4_0", &log) == 1);
+    CHECK_MESSAGE(log.find("checkpoint.gguf: a finetune checkpoint, not a model") != std::string::npos, log);
+    CHECK_FALSE(exists(d.path + "/q.gguf"));
     // a second run into the same directory does not clobber the first
     CHECK(run("./finetune -m " + base + " -d " + data + " -o " + out + " --max-steps 2", &log) == 1);
     CHECK_MESSAGE(log.find("already holds a run") != std::string::npos, log);

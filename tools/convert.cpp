@@ -900,7 +900,10 @@ int main(int argc, char **argv) {
         if (!strcmp(argv[i], "-o") && i + 1 < argc) out = argv[++i];
         else if (!strcmp(argv[i], "--outtype") && i + 1 < argc) outtype = argv[++i];
         else if (!strcmp(argv[i], "--pre") && i + 1 < argc) pre = argv[++i];
-        else if (argv[i][0] == '-') {
+        else if (!strcmp(argv[i], "-o") || !strcmp(argv[i], "--outtype") || !strcmp(argv[i], "--pre")) {
+            fprintf(stderr, "convert: %s needs a value\n", argv[i]);
+            return usage(argv[0]);
+        } else if (argv[i][0] == '-') {
             fprintf(stderr, "convert: unknown flag '%s'\n", argv[i]);
             return usage(argv[0]);
         } else pos.push_back(argv[i]);
@@ -910,7 +913,11 @@ int main(int argc, char **argv) {
         return usage(argv[0]);
     }
     if (mode == "llama2c") {
-        if (pos.size() != 2 || pre) return usage(argv[0]);
+        if (pos.size() != 2 || pre) {
+            fprintf(stderr, "convert: llama2c takes model.bin and tokenizer.bin%s\n",
+                    pre ? ", not --pre" : pos.size() < 2 ? (pos.empty() ? ": both missing" : ": tokenizer.bin missing") : ": one too many");
+            return usage(argv[0]);
+        }
         return convert_llama2c(pos[0], pos[1], out);
     }
     if (mode == "tiktoken") {
@@ -922,7 +929,10 @@ int main(int argc, char **argv) {
         return convert_tiktoken(pos[0], pre, out);
     }
     if (mode == "hf") {
-        if (pos.size() != 1 || pre) return usage(argv[0]);
+        if (pos.size() != 1 || pre) {
+            fprintf(stderr, "convert: hf takes one checkpoint folder%s\n", pre ? ", not --pre" : pos.empty() ? ": missing" : ": more than one given");
+            return usage(argv[0]);
+        }
         return convert_hf(pos[0], out, outtype ? outtype : "f32");
     }
     fprintf(stderr, "convert: unknown source format '%s' (llama2c, tiktoken, hf)\n", mode.c_str());

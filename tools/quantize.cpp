@@ -188,6 +188,11 @@ int main(int argc, char **argv) {
             fprintf(stderr, "quantize: %s: a LoRA adapter, not a model: nothing to quantize (quantize the base model)\n", in_path);
             return 1;
         }
+        if (type && !strcmp(type, "qlora-checkpoint")) {
+            fprintf(stderr, "quantize: %s: a finetune checkpoint, not a model: nothing to quantize (finetune --merge writes "
+                    "the merged model)\n", in_path);
+            return 1;
+        }
     }
     ql_gguf_writer *w = ql_gguf_writer_new();
     owned<ql_gguf_writer> w_(w, ql_gguf_writer_free);
