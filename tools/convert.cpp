@@ -418,25 +418,26 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
         if (rope_type == "default") rope_type.clear();  // (transformers 5's way of saying none)
     }
     double linear_factor = 0;
+    double l3_factor = 8.0, l3_lo = 1.0, l3_hi = 4.0, l3_old = 8192.0;  // llama3's, with transformers' defaults
     if (!rope_type.empty()) {
         if (rope_type != "llama3" && rope_type != "linear") {
             fprintf(stderr, "convert: %s/config.json: rope scaling '%s' is not supported (llama3 and linear are)\n", dir_c,
                     rope_type.c_str());
             return 1;
         }
-        const ql_json *fv = rs->get("factor");
-        linear_factor = fv && fv->kind == ql_json::NUM ? fv->num() : 0.0;
+        auto rnum = [&](const char *k, double def) { const ql_json *v = rs->get(k); return v && v->kind == ql_json::NUM ? v->num() : def; };
+        linear_factor = rnum("factor", 0.0);
         if (!(linear_factor > 0 && std::isfinite(linear_factor)) && (rope_type == "linear" || rs->get("factor"))) {
             fprintf(stderr, "convert: %s/config.json: rope_scaling.factor must be a positive number for %s scaling\n", dir_c,
                     rope_type.c_str());
             return 1;
         }
         if (rope_type == "llama3") {  // the per-frequency divisors' inputs: positive, low below high
-            auto v = [&](const char *k, double def) { const ql_json *x = rs->get(k); return x && x->kind == ql_json::NUM ? x->num() : def; };
-            const double lo = v("low_freq_factor", 1.0), hi = v("high_freq_factor", 4.0), old = v("original_max_position_embeddings", 8192.0);
-            if (!(lo > 0 && hi > lo && std::isfinite(hi) && old >= 1 && std::isfinite(old))) {
+            l3_factor = rnum("factor", l3_factor), l3_lo = rnum("low_freq_factor", l3_lo), l3_hi = rnum("high_freq_factor", l3_hi),
+            l3_old = rnum("original_max_position_embeddings", l3_old);
+            if (!(l3_lo > 0 && l3_hi > l3_lo && std::isfinite(l3_hi) && l3_old >= 1 && std::isfinite(l3_old))) {
                 fprintf(stderr, "convert: %s/config.json: rope_scaling: low_freq_factor %g, high_freq_factor %g, "
-                        "original_max_position_embeddings %g (positive, low below high)\n", dir_c, lo, hi, old);
+                        "original_max_position_embeddings %g (positive, low below high)\n", dir_c, l3_lo, l3_hi, l3_old);
                 return 1;
             }
         }
@@ -630,9 +631,7 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
         ql_gguf_set_f32(w, key("rope.scaling.factor").c_str(), (float)linear_factor);
     }
     if (rope_type == "llama3") {  // Llama 3.1: per-frequency divisors, as the rope_freqs tensor
-        auto rnum = [&](const char *k, double def) { const ql_json *v = rs->get(k); return v && v->kind == ql_json::NUM ? v->num() : def; };
-        const double factor = rnum("factor", 8.0), lo = rnum("low_freq_factor", 1.0), hi = rnum("high_freq_factor", 4.0),
-                     old = rnum("original_max_position_embeddings", 8192.0);
+        const double factor = l3_factor, lo = l3_lo, hi = l3_hi, old = l3_old;  // (read and checked above)
         for (int64_t i = 0; i < hd / 2; i++) {
             const double freq = 1.0 / std::pow(theta, (double)(2 * i) / (double)hd), wavelen = 2 * M_PI / freq;
             if (wavelen < old / hi) rope_factors.push_back(1.0f);

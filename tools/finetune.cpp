@@ -954,19 +954,21 @@ int main(int argc, char **argv) {
 
     const std::string out = a.resume && !a.out_given ? std::string(a.resume) : a.out;
     struct stat st;
-    if (!a.dry_run && !a.overwrite && !same_dir(out, a.resume) && stat((out + "/checkpoint.gguf").c_str(), &st) == 0) {
-        fprintf(stderr, "finetune: %s already holds a run (checkpoint.gguf): --resume %s continues it, --overwrite replaces it, "
-                "or choose another -o\n", out.c_str(), out.c_str());
-        return 1;
-    }
-    // a run's outputs without its checkpoint (deleted to save space, or copied there): as much a
-    // user's as the run itself
-    for (const char *name : {"adapter.gguf", "peft/adapter_model.safetensors", "peft/adapter_config.json", "merged.gguf",
-                             "metrics.jsonl", "loss.png"}) {
-        if (a.dry_run || a.overwrite || same_dir(out, a.resume) || lstat((out + "/" + name).c_str(), &st) != 0) continue;
-        fprintf(stderr, "finetune: %s already holds %s (a run's output, without its checkpoint): --overwrite replaces it, or "
-                "choose another -o\n", out.c_str(), name);
-        return 1;
+    if (!a.dry_run && !a.overwrite && !same_dir(out, a.resume)) {  // another run's directory: never overwritten unasked
+        if (stat((out + "/checkpoint.gguf").c_str(), &st) == 0) {
+            fprintf(stderr, "finetune: %s already holds a run (checkpoint.gguf): --resume %s continues it, --overwrite replaces it, "
+                    "or choose another -o\n", out.c_str(), out.c_str());
+            return 1;
+        }
+        // a run's outputs without its checkpoint (deleted to save space, or copied there): as much
+        // a user's as the run itself
+        for (const char *name : {"adapter.gguf", "peft/adapter_model.safetensors", "peft/adapter_config.json", "merged.gguf",
+                                 "metrics.jsonl", "loss.png"})
+            if (lstat((out + "/" + name).c_str(), &st) == 0) {
+                fprintf(stderr, "finetune: %s already holds %s (a run's output, without its checkpoint): --overwrite replaces it, "
+                        "or choose another -o\n", out.c_str(), name);
+                return 1;
+            }
     }
 
     // ---- memory: the plan, before anything is allocated ----
