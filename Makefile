@@ -215,17 +215,21 @@ $(SAN)/amx/qlora.o: qlora.cpp tests/amx_shim.h $(HEADERS)
 $(SAN)/test-amx-shim: $(SAN)/amx/qlora.o $(filter-out $(SAN)/qlora.o,$(LIB_SRC:%.cpp=$(SAN)/%.o)) $(AMX_SHIM_TESTS:%.cpp=$(SAN)/%.o)
 	$(CXX) $(SANFLAGS) $^ -o $@ $(LDLIBS)
 
-# the suite in two halves, the tools' error exits and the shim suites: separate targets, so that
-# make -j runs them at once
+# the suite in two halves, the tools' error exits and the shim suites (also in two: its three
+# training cases are half its time under ASan): separate targets, so that make -j runs them at
+# once; the longest first
 SAN_ENV := ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1
-.PHONY: san-half-1 san-half-2 san-tools san-shim san-amx
-test-sanitize: san-half-1 san-half-2 san-tools san-amx $(if $(CUDA_HEADERS),san-shim)
+SAN_SHIM_SLOW := *llama_qlora_step*,*trainer_device*
+.PHONY: san-half-1 san-half-2 san-tools san-shim-1 san-shim-2 san-amx
+test-sanitize: $(if $(CUDA_HEADERS),san-shim-1 san-shim-2) san-half-1 san-half-2 san-amx san-tools
 san-half-1 san-half-2: san-half-%: $(SAN)/test-qlora $(ROOT_TOOLS)
 	$(SAN_ENV) ./$(SAN)/test-qlora $(SAN_HALF_$*)
 san-tools: $(SAN)/test-qlora $(ROOT_TOOLS) $(SAN_TOOLS)
 	QL_TOOLS=$(SAN)/tools ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ./$(SAN)/test-qlora -tc="tools: error exits*"
-san-shim: $(SAN)/test-cuda-shim
-	$(SAN_ENV) ./$(SAN)/test-cuda-shim
+san-shim-1: $(SAN)/test-cuda-shim
+	$(SAN_ENV) ./$(SAN)/test-cuda-shim -tc="$(SAN_SHIM_SLOW)"
+san-shim-2: $(SAN)/test-cuda-shim
+	$(SAN_ENV) ./$(SAN)/test-cuda-shim -tce="$(SAN_SHIM_SLOW)"
 san-amx: $(SAN)/test-amx-shim
 	$(SAN_ENV) ./$(SAN)/test-amx-shim -tc="amx shim*,mul_mat*"  # (the training case: too slow under ASan)
 

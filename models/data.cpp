@@ -3,9 +3,10 @@
 // those parts consistent with tokenizing the whole text, truncation, splits and packing.
 //
 // Choices, in one place:
-// - A line's format comes from its keys, first match wins: "messages", then "prompt" +
-//   "completion", then "instruction" + "output" (Alpaca; "input" optional), then "text". Other
-//   keys are ignored (tatsu-lab/alpaca lines carry a rendered "text" beside instruction/output).
+// - A line's format comes from its keys: "messages", or "prompt" + "completion", or
+//   "instruction" + "output" (Alpaca; "input" optional), or "text"; two of the first three in one
+//   line are refused as ambiguous, as is "text" beside prompt/completion. Other keys are ignored
+//   (tatsu-lab/alpaca lines carry a rendered "text" beside instruction/output).
 // - text / prompt+completion / Alpaca text is tokenized as Hugging Face's tokenizers do it:
 //   special-token texts in it become special tokens (so pre-rendered chat text works). In
 //   "messages", contents are never parsed for special tokens; only the template's markers are.
@@ -312,6 +313,17 @@ static bool render_line(const ql_json &obj, const ql_vocab *v, ql_chat_template 
         *s = &x->str;
         return true;
     };
+    {  // two formats in one line: which one is the example is a guess we do not make
+        const char *has[3];
+        int n = 0;
+        if (obj.get("messages")) has[n++] = "\"messages\"";
+        if (obj.get("prompt") && obj.get("completion")) has[n++] = "\"prompt\"/\"completion\"";
+        if (obj.get("instruction") && obj.get("output")) has[n++] = "\"instruction\"/\"output\"";
+        if (n > 1) {
+            *reason = ql_strf("both %s and %s: which to train on is ambiguous (keep one)", has[0], has[1]);
+            return false;
+        }
+    }
     if (const ql_json *msgs = obj.get("messages")) {
         *fmt = FMT_MESSAGES;
         if (msgs->kind != ql_json::ARR) {
@@ -341,6 +353,10 @@ static bool render_line(const ql_json &obj, const ql_vocab *v, ql_chat_template 
             if (!content || content->kind != ql_json::STR) {
                 *reason = ql_strf("messages[%zu].content must be a string (it is %s)", i,
                                content ? ql_json_kind_name(content->kind) : "missing");
+                return false;
+            }
+            if (role->str == "assistant" && py_strip(content->str).empty()) {  // it would train a lone end-of-turn token
+                *reason = ql_strf("messages[%zu]: empty assistant \"content\": nothing to learn", i);
                 return false;
             }
             m.push_back({role->str, content->str});

@@ -535,6 +535,26 @@ TEST_CASE("chat: contents are never parsed for special tokens; multi-turn masks;
     REQUIRE_MESSAGE(r.ok, r.err);
     CHECK(r.d.examples.empty());
     CHECK(r.d.n_empty == 1);
+    // an empty (or blank) assistant turn would train its end-of-turn token alone: a bad line,
+    // as an empty completion is
+    for (const char *c : {"\"\"", "\" \\n\""}) {
+        r = load_lines("{\"messages\": [{\"role\": \"user\", \"content\": \"a\"}, {\"role\": \"assistant\", \"content\": " +
+                           std::string(c) + "}]}\n",
+                       v, o);
+        CHECK_FALSE(r.ok);
+        CHECK_MESSAGE(has(r.err, ":1: messages[1]: empty assistant \"content\": nothing to learn"), r.err);
+    }
+    // two formats in one line: refused, whichever the first match would have been
+    r = load_lines(R"({"messages": [{"role": "user", "content": "a"}], "prompt": "Q", "completion": " A"})" "\n", v, o);
+    CHECK_FALSE(r.ok);
+    CHECK_MESSAGE(has(r.err, ":1: both \"messages\" and \"prompt\"/\"completion\": which to train on is ambiguous"), r.err);
+    r = load_lines(R"({"prompt": "Q", "completion": " A", "instruction": "I", "output": "O"})" "\n", v, o);
+    CHECK_FALSE(r.ok);
+    CHECK_MESSAGE(has(r.err, ":1: both \"prompt\"/\"completion\" and \"instruction\"/\"output\""), r.err);
+    // (a rendered "text" beside instruction/output is tatsu-lab/alpaca's layout: the Alpaca fields win)
+    r = load_lines(R"({"instruction": "I", "output": "O", "text": "rendered"})" "\n", v, o);
+    REQUIRE_MESSAGE(r.ok, r.err);
+    CHECK(r.d.examples.size() == 1);
 }
 
 // ============================================================================================

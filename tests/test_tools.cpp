@@ -120,14 +120,19 @@ TEST_CASE("quantize: bad input gives one clear line and no output file") {
         {in + " " + out, "usage", 2},
         {in + " " + out + " q8_0 --no-double-quant", "--no-double-quant applies to nf4 only", 2},
         {d.path + "/missing.gguf " + out + " nf4", "missing.gguf: cannot open", 1},
-        {in + " " + in + " nf4", "would overwrite the input", 2},
-        {in + " " + d.path + "/no/such/dir/out.gguf nf4", "no/such/dir/out.gguf", 1},
+        {in + " " + in + " nf4", "would overwrite the input", 1},
+        {in + " " + d.path + "/no/such/dir/out.gguf nf4", "no/such/dir/out.gguf: the folder " + d.path + "/no/such/dir does not exist", 1},
+        // the input under another name; a folder: refused before any work
+        {in + " " + d.path + "/./tiny.gguf nf4", "tiny.gguf: the output would overwrite the input " + in, 1},
+        {in + " " + d.path + " nf4", d.path + ": is a folder (give the output file's name)", 1},
     };
+    const std::string before = read_file(in);
     for (const bad_case &c : cases) {
         CAPTURE(c.args);
         CHECK(run(q + " " + c.args, &log) == c.code);
         CHECK_MESSAGE(log.find(c.says) != std::string::npos, log);
         CHECK(!exists(out));
+        CHECK(read_file(in) == before);
     }
     // a truncated file: the reader's message, with the path
     const std::string cut = d.path + "/cut.gguf";
@@ -337,6 +342,10 @@ TEST_CASE("make-model, convert, generate, perplexity: bad input, one clear line 
         {"./convert llama2c " + junk + " " + junk + " -o " + d.path + "/x.gguf", "implausible llama2.c header"},
         {"./convert llama2c " + d.path + "/none.bin " + junk + " -o " + d.path + "/x.gguf", "none.bin: cannot open"},
         {"./convert llama2c a b", "missing -o"},
+        {"./convert llama2c " + junk + " " + text + " -o " + junk, junk + ": the output would overwrite the input " + junk},
+        {"./convert hf " + d.path + " -o " + d.path, d.path + ": is a folder"},
+        {"./make-model -o " + d.path + "/no/x.gguf", d.path + "/no/x.gguf: the folder " + d.path + "/no does not exist"},
+        {"./make-model -o " + d.path, d.path + ": is a folder"},
         {"./convert llama2c a -o x.gguf", "llama2c takes model.bin and tokenizer.bin: tokenizer.bin missing"},
         {"./convert hf dir -o", "-o needs a value"},
         {"./convert hf a b -o x.gguf", "hf takes one checkpoint folder: more than one given"},
@@ -508,6 +517,15 @@ TEST_CASE("finetune: NF4 base end to end; outputs load in generate and perplexit
         CHECK_MESSAGE(log.find(std::string("already holds ") + name) != std::string::npos, log);
         CHECK(read_file(kept + "/" + name) == "mine\n");
     }
+    // --overwrite removes the earlier run's files as the new run starts: one that stops early
+    // (here: metrics.jsonl is a folder) leaves neither the old adapter nor its own temporaries
+    REQUIRE(run("rm " + out + "/metrics.jsonl && mkdir " + out + "/metrics.jsonl", &log) == 0);
+    CHECK(run("./finetune -m " + base + " -d " + data + " -o " + out + " --max-steps 2 --overwrite", &log) == 1);
+    CHECK_MESSAGE(log.find("removed the earlier run's checkpoint.gguf, adapter.gguf, peft/adapter_model.safetensors, "
+                           "peft/adapter_config.json, merged.gguf, loss.png from " + out) != std::string::npos, log);
+    CHECK_MESSAGE(log.find(out + "/metrics.jsonl: cannot write: Is a directory") != std::string::npos, log);
+    for (const char *name : {"checkpoint.gguf", "adapter.gguf", "peft", "merged.gguf", "loss.png", "metrics.jsonl.tmp"})
+        CHECK_MESSAGE(!exists(out + "/" + name), name);
 }
 
 TEST_CASE("finetune: Ctrl-C saves a checkpoint; --resume continues to the uninterrupted run's losses") {
@@ -686,15 +704,17 @@ TEST_CASE("finetune: a full disk - the adapter first, then the checkpoint; the m
     std::string log;
     REQUIRE(run("./make-model -o " + base + " --dim 64 --layers 2 --heads 2 --ff 128 --seed 4", &log) == 0);
     write_qa_jsonl(data, 8);
-    const std::string ft = "./finetune -m " + base + " -d " + data + " -o " + out + " --max-steps 2 -b 2 --seq-len 24 -t 1";
-    REQUIRE_MESSAGE(run(ft, &log) == 0, log);
+    const std::string ft = "./finetune -m " + base + " -d " + data + " -o " + out + " -b 2 --seq-len 24 -t 1";
+    REQUIRE_MESSAGE(run(ft + " --max-steps 2", &log) == 0, log);
     const size_t adapter = read_file(out + "/adapter.gguf").size(), ckpt = read_file(out + "/checkpoint.gguf").size();
     REQUIRE(ckpt > adapter + 4096);
     const std::string good = read_file(out + "/checkpoint.gguf");
-    // files may grow to between the two sizes (RLIMIT_FSIZE: EFBIG, as a full disk's ENOSPC; the
-    // signal it raises ignored): the adapter is written, the checkpoint is not, the old one stays
+    // the run extended by a step, with files limited to between the two sizes (RLIMIT_FSIZE:
+    // EFBIG, as a full disk's ENOSPC; the signal it raises ignored): the adapter is written, the
+    // checkpoint is not, and the run's last one stays
     const long blocks = (long)((adapter + ckpt) / 2 / 512);
-    const std::string limited = "sh -c \"trap '' XFSZ; ulimit -f " + std::to_string(blocks) + "; exec " + ft + " --overwrite\"";
+    const std::string limited = "sh -c \"trap '' XFSZ; ulimit -f " + std::to_string(blocks) + "; exec " + ft + " --resume " + out +
+                                " --max-steps 3\"";
     CHECK(run(limited, &log) == 1);
     CHECK_MESSAGE(log.find(out + "/checkpoint.gguf: writing tensor data: ") != std::string::npos, log);
     CHECK_MESSAGE(log.find("(the file needs ") != std::string::npos, log);
@@ -785,6 +805,9 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
     write_file(both, "{\"prompt\": \"Q\", \"completion\": \" A\"}\n{\"text\": \"t\", \"prompt\": \"Q\", \"completion\": \" A\"}\n");
     write_file(nocompl, "{\"prompt\": \"Q\", \"completion\": \"\"}\n");
     write_file(empty, "");
+    const std::string mixed = d.path + "/mixed.jsonl", one = d.path + "/one.jsonl";
+    write_file(mixed, "{\"prompt\": \"Q\", \"completion\": \" A\", \"instruction\": \"I\", \"output\": \"O\"}\n");
+    write_file(one, "{\"text\": \"a story\"}\n");
     struct bad_case {
         std::string args, says;
     };
@@ -817,6 +840,9 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
         {" -m " + base + " -d " + both + " -o " + out, both + ":2: both \"text\" and \"prompt\"/\"completion\": which to train on is ambiguous"},
         {" -m " + base + " -d " + nocompl + " -o " + out, nocompl + ":1: empty \"completion\": nothing to learn"},
         {md + " --val-data " + empty, "--val-data " + empty + ": no usable evaluation examples"},
+        {" -m " + base + " -d " + mixed + " -o " + out, mixed + ":1: both \"prompt\"/\"completion\" and \"instruction\"/\"output\""},
+        {" -m " + base + " -d " + one + " -o " + out + " --val-split 0.5",
+         "--val-split 0.5: " + one + " has 1 usable example, too few to hold one out for evaluation"},
         {md + " --checkpointing half", "--checkpointing: 'half' (none, block, sqrt, auto)"},
         {md + " -b auto", "-b auto needs --mem-limit"},
         {md + " --checkpointing auto", "--checkpointing auto needs --mem-limit"},

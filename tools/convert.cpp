@@ -11,6 +11,7 @@
 #include "../models/json.h"
 #include "../models/tokenizer.h"
 #include "../qlora.h"
+#include "out_path.h"
 #include "own.h"
 
 #include <sys/stat.h>
@@ -910,6 +911,11 @@ int main(int argc, char **argv) {
     if (!out) {
         fprintf(stderr, "convert: missing -o OUTPUT.gguf\n");
         return usage(argv[0]);
+    }
+    std::string why;
+    if (!output_path_ok(out, {pos.size() > 0 ? pos[0] : nullptr, pos.size() > 1 ? pos[1] : nullptr}, &why)) {
+        fprintf(stderr, "convert: %s\n", why.c_str());
+        return 1;
     }
     if (mode == "llama2c") {
         if (pos.size() != 2 || pre) {

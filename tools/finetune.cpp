@@ -101,6 +101,10 @@ static std::string hms(double s) {
     return b;
 }
 
+// what a run writes in -o DIR, its checkpoint first: guarded without --overwrite, removed with it
+static const char *const k_run_outputs[] = {"checkpoint.gguf", "adapter.gguf", "peft/adapter_model.safetensors",
+                                            "peft/adapter_config.json", "merged.gguf", "metrics.jsonl", "loss.png"};
+
 static bool make_dir(const std::string &d, std::string *err) {
     if (mkdir(d.c_str(), 0755) == 0 || errno == EEXIST) {
         struct stat st;
@@ -941,6 +945,11 @@ int main(int argc, char **argv) {
                 (long long)train.n_lines, (long long)train.n_bad, (long long)train.n_empty);
         return 1;
     }
+    if (a.val_split > 0 && eval.examples.empty()) {  // one example: it cannot be both trained on and held out
+        fprintf(stderr, "finetune: --val-split %g: %s has %zu usable example%s, too few to hold one out for evaluation\n",
+                a.val_split, a.data, train.examples.size(), train.examples.size() == 1 ? "" : "s");
+        return 1;
+    }
     if (a.val_data && eval.examples.empty()) {  // an evaluation asked for and nothing to evaluate: not a silent no-op
         fprintf(stderr, "finetune: --val-data %s: no usable evaluation examples (%lld lines, %lld bad, %lld with nothing to learn)\n",
                 a.val_data, (long long)eval.n_lines, (long long)eval.n_bad, (long long)eval.n_empty);
@@ -955,18 +964,16 @@ int main(int argc, char **argv) {
     const std::string out = a.resume && !a.out_given ? std::string(a.resume) : a.out;
     struct stat st;
     if (!a.dry_run && !a.overwrite && !same_dir(out, a.resume)) {  // another run's directory: never overwritten unasked
-        if (stat((out + "/checkpoint.gguf").c_str(), &st) == 0) {
-            fprintf(stderr, "finetune: %s already holds a run (checkpoint.gguf): --resume %s continues it, --overwrite replaces it, "
-                    "or choose another -o\n", out.c_str(), out.c_str());
-            return 1;
-        }
-        // a run's outputs without its checkpoint (deleted to save space, or copied there): as much
-        // a user's as the run itself
-        for (const char *name : {"adapter.gguf", "peft/adapter_model.safetensors", "peft/adapter_config.json", "merged.gguf",
-                                 "metrics.jsonl", "loss.png"})
+        // a run's outputs without its checkpoint (deleted to save space, or copied there) are as
+        // much a user's as the run itself
+        for (const char *name : k_run_outputs)
             if (lstat((out + "/" + name).c_str(), &st) == 0) {
-                fprintf(stderr, "finetune: %s already holds %s (a run's output, without its checkpoint): --overwrite replaces it, "
-                        "or choose another -o\n", out.c_str(), name);
+                if (name == k_run_outputs[0])
+                    fprintf(stderr, "finetune: %s already holds a run (checkpoint.gguf): --resume %s continues it, "
+                            "--overwrite replaces it, or choose another -o\n", out.c_str(), out.c_str());
+                else
+                    fprintf(stderr, "finetune: %s already holds %s (a run's output, without its checkpoint): --overwrite "
+                            "replaces it, or choose another -o\n", out.c_str(), name);
                 return 1;
             }
     }
@@ -1107,6 +1114,15 @@ int main(int argc, char **argv) {
         printf("finetune: the run had %lld steps, now %lld (--max-steps/--epochs): the learning-rate schedule spans the new total\n",
                (long long)run_total, (long long)total);
 
+    // --overwrite: the earlier run's files go now that this one starts, so that the directory
+    // never mixes two runs (its adapter beside this run's metrics when this one stops early)
+    if (a.overwrite && !same_dir(out, a.resume)) {
+        std::string gone;
+        for (const char *name : k_run_outputs)
+            if (unlink((out + "/" + name).c_str()) == 0) gone += std::string(gone.empty() ? "" : ", ") + name;
+        if (!gone.empty()) printf("finetune: --overwrite: removed the earlier run's %s from %s\n", gone.c_str(), out.c_str());
+    }
+
     // ---- the loop ----
     for (int s : k_stop_signals) signal(s, on_stop_signal);
     std::vector<std::pair<double, double>> curve, eval_curve;
@@ -1119,7 +1135,10 @@ int main(int argc, char **argv) {
     if (metrics) fclose(metrics);
     metrics = mok && rename(mtmp.c_str(), mpath.c_str()) == 0 ? fopen(mpath.c_str(), "a") : nullptr;
     if (!metrics) {
-        fprintf(stderr, "finetune: %s: cannot write: %s\n", mpath.c_str(), strerror(errno));
+        const int e_write = errno;
+        unlink(mtmp.c_str());              // nothing of this run is left behind:
+        rmdir((out + "/peft").c_str());    // the temporary, and peft/ if this run made it (empty)
+        fprintf(stderr, "finetune: %s: cannot write: %s\n", mpath.c_str(), strerror(e_write));
         return 1;
     }
     const int64_t eval_every = a.eval_every > 0 ? a.eval_every : std::max<int64_t>(1, total / 10);

@@ -20,6 +20,7 @@
 // converted in parallel.
 #include "../models/llama.h"
 #include "../qlora.h"
+#include "out_path.h"
 #include "own.h"
 
 #include <chrono>
@@ -194,6 +195,11 @@ int main(int argc, char **argv) {
     if (!out) {
         fprintf(stderr, "make-model: -o model.gguf is required\n");
         return usage(argv[0]);
+    }
+    std::string why;
+    if (!output_path_ok(out, {}, &why)) {
+        fprintf(stderr, "make-model: %s\n", why.c_str());
+        return 1;
     }
     if (kv_heads < 0) kv_heads = heads;
     auto type_of = [](const char *flag, const char *name) {

@@ -13,6 +13,7 @@
 // themselves (qlora.* keys) and carry type ids llama.cpp does not know, so llama.cpp refuses
 // them with an unknown-type error instead of misreading them.
 #include "../qlora.h"
+#include "out_path.h"
 #include "own.h"
 
 #include <sys/stat.h>
@@ -168,9 +169,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "quantize: --no-double-quant applies to nf4 only\n");
         return 2;
     }
-    if (!strcmp(in_path, out_path)) {
-        fprintf(stderr, "quantize: %s: the output would overwrite the input\n", out_path);
-        return 2;
+    std::string why;
+    if (!output_path_ok(out_path, {in_path}, &why)) {  // before minutes of quantizing, not after
+        fprintf(stderr, "quantize: %s\n", why.c_str());
+        return 1;
     }
 
     char err[512];
