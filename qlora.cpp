@@ -3528,9 +3528,18 @@ struct cpu_pool {
     alignas(64) std::atomic<int> bar_count{0};
     alignas(64) std::atomic<int> bar_phase{0};
 
-    void start(int n_threads) {
+    // false when the system will not start that many threads (its limit, or memory for their
+    // stacks): those that started are stopped again, and the caller says so
+    bool start(int n_threads) {
         n = std::max(1, n_threads);
-        for (int i = 1; i < n; i++) threads.emplace_back([this, i] { worker(i); });
+        try {
+            threads.reserve((size_t)n - 1);
+            for (int i = 1; i < n; i++) threads.emplace_back([this, i] { worker(i); });
+        } catch (const std::exception &) {
+            stop();
+            return false;
+        }
+        return true;
     }
     void stop() {
         {
@@ -5736,7 +5745,11 @@ ql_backend *ql_backend_cpu_init(int n_threads) {
                  nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};  // host memory: memcpy, host math
     be->impl = cb;
     be->id = ql_backend_new_id();
-    cb->pool.start(n_threads);
+    if (!cb->pool.start(n_threads)) {
+        delete cb;
+        delete be;
+        return nullptr;
+    }
     return be;
 }
 
@@ -6037,8 +6050,13 @@ ql_backend *ql_backend_init_by_name(const char *device, int n_threads, char *err
     char tmp[256];
     if (!err || !err_size) err = tmp, err_size = sizeof(tmp);
     const std::string d = device ? device : "auto";
-    if (d == "cpu") return ql_backend_cpu_init(n_threads);
-    if (d == "auto") return ql_cuda_device_count() > 0 ? ql_backend_cuda_init(0, err, err_size) : ql_backend_cpu_init(n_threads);
+    auto cpu = [&]() {
+        ql_backend *be = ql_backend_cpu_init(n_threads);
+        if (!be) snprintf(err, err_size, "cannot start %d CPU threads (the system's limit, or memory for their stacks)", n_threads);
+        return be;
+    };
+    if (d == "cpu") return cpu();
+    if (d == "auto") return ql_cuda_device_count() > 0 ? ql_backend_cuda_init(0, err, err_size) : cpu();
     if (d == "cuda" || d.rfind("cuda:", 0) == 0) {
         int dev = 0;
         if (d.size() > 5) {

@@ -674,7 +674,7 @@ double    ql_graph_node_seconds(const ql_graph *g, int i);
 // backends
 // ============================================================================================
 
-ql_backend *ql_backend_cpu_init(int n_threads);   // n_threads <= 0: ql_cpu_default_threads()
+ql_backend *ql_backend_cpu_init(int n_threads);   // n_threads <= 0: ql_cpu_default_threads(); NULL: threads not started
 // Physical cores of the CPUs this process may use (affinity mask; hyper-threads counted once).
 int         ql_cpu_physical_cores(void);
 // The CPU backend's default: physical cores less the other tasks running right now (/proc/loadavg),

@@ -79,6 +79,7 @@ struct ql_trainer {
     float   scale = 1;          // the loss scale (fp16), else 1; f32 as the checkpoint stores it
     int64_t growth_tracker = 0; // clean steps since the scale last changed
     int64_t skipped = 0, skipped_in_row = 0;
+    bool broken = false;  // an optimizer update failed part-way: the adapter is no step's
 };
 
 static ql_type precision_type(const std::string &p) {
@@ -373,7 +374,10 @@ static bool fits(const ql_trainer *t) {
 
 static std::string mib_text(size_t b) {
     char s[32];
-    snprintf(s, sizeof(s), "%.1f MiB", (double)b / 1048576.0);
+    if (b > 0 && b < 104858)  // under 0.1 MiB (a --mem-limit 1K) would read "0.0 MiB"
+        snprintf(s, sizeof(s), "%.1f KiB", (double)b / 1024.0);
+    else
+        snprintf(s, sizeof(s), "%.1f MiB", (double)b / 1048576.0);
     return s;
 }
 
@@ -803,6 +807,7 @@ void ql_trainer_free(ql_trainer *t) {
 
 int64_t ql_trainer_total_steps(const ql_trainer *t) { return t->total; }
 int64_t ql_trainer_steps_done(const ql_trainer *t) { return t->step; }
+bool    ql_trainer_intact(const ql_trainer *t) { return !t->broken; }
 int64_t ql_trainer_updates_done(const ql_trainer *t) { return t->applied; }
 double  ql_trainer_loss_scale(const ql_trainer *t) { return t->scale; }
 int64_t ql_trainer_steps_per_epoch(const ql_trainer *t) { return t->per_epoch; }
@@ -1043,6 +1048,7 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
                 const bool eight = st.size() == 4;
                 if (ql_backend_adamw_update(t->be, t->params[i], st[0], eight ? st[2] : st[1], eight ? st[1] : nullptr,
                                             eight ? st[3] : nullptr, t->applied + 1, &job.hp, gscale) != QL_OK) {
+                    t->broken = true;
                     *err = "step " + std::to_string(s + 1) + ": the optimizer's update failed on " + t->o.device;
                     return false;
                 }

@@ -3,6 +3,7 @@
 #include "../models/json.h"
 #include "../models/llama.h"
 #include "../models/tokenizer.h"
+#include "../models/trainer.h"
 #include "../qlora.h"
 #include "tiny.h"
 #include "util.h"
@@ -346,6 +347,15 @@ TEST_CASE("make-model, convert, generate, perplexity: bad input, one clear line 
         {"./convert hf " + d.path + " -o " + d.path, d.path + ": is a folder"},
         {"./make-model -o " + d.path + "/no/x.gguf", d.path + "/no/x.gguf: the folder " + d.path + "/no does not exist"},
         {"./make-model -o " + d.path, d.path + ": is a folder"},
+        // an empty value is no number (strtod reads it as 0); counts are whole; one model, one text
+        {"./generate -m " + gguf + " -p hi --temp ''", "--temp: '' is not a number in [0, 100]"},
+        {"./generate -m " + gguf + " -p hi -n 1.5", "-n: '1.5' is not a whole number"},
+        {"./generate -m " + gguf + " -p hi --seed 2.5", "--seed: '2.5' is not a whole number"},
+        {"./generate -m " + junk + " -m " + gguf + " -p hi", "-m given twice ('" + junk + "', '" + gguf + "')"},
+        {"./generate -m " + gguf + " --frobnicate", "unknown or incomplete argument '--frobnicate' (--help lists the flags)"},
+        {"./perplexity -m " + gguf + " -f " + text + " -t ''", "-t: '' is not a valid value"},
+        {"./perplexity -m " + gguf + " -f " + junk + " -f " + text, "-f given twice ('" + junk + "', '" + text + "')"},
+        {"./perplexity -m " + gguf + " -f " + text + " --frobnicate", "unknown or incomplete argument '--frobnicate' (--help"},
         {"./convert llama2c a -o x.gguf", "llama2c takes model.bin and tokenizer.bin: tokenizer.bin missing"},
         {"./convert hf dir -o", "-o needs a value"},
         {"./convert hf a b -o x.gguf", "hf takes one checkpoint folder: more than one given"},
@@ -373,6 +383,44 @@ TEST_CASE("make-model, convert, generate, perplexity: bad input, one clear line 
         CHECK_MESSAGE(log.find(c.says) != std::string::npos, log);
     }
     CHECK(!exists(d.path + "/x.gguf"));
+    // fewer tokens than -n asked, because the context ran out: said, with whose limit it was
+    REQUIRE(run("./generate -m " + gguf + " -p hi -n 100 -c 8 --temp 0", &log) == 0);
+    CHECK_MESSAGE(log.find("generate: stopped at the end of the context (8 tokens: -c) before -n 100 --> hint: a larger -c") !=
+                      std::string::npos, log);
+}
+
+TEST_CASE("train-tiny and bench: flags as strict as the other tools'") {
+    if (!all_built({"train-tiny"})) return;
+    std::string log;
+    struct bad_case {
+        std::string cmd, says;
+    };
+    std::vector<bad_case> cases = {
+        {"./train-tiny -t 100000", "-t: '100000' is not a whole number in [0, 1024]"},  // was: an abort starting threads
+        {"./train-tiny --steps 1.9", "--steps: '1.9' is not a whole number in [1, 1000000]"},
+        {"./train-tiny --steps 4294967297", "--steps: '4294967297' is not a whole number"},  // was: 1 step (wrapped)
+        {"./train-tiny --steps ''", "--steps: '' is not a whole number"},
+        {"./train-tiny --seed abc", "--seed: 'abc' is not a whole number"},
+        {"./train-tiny --steps", "--steps needs a value"},
+        {"./train-tiny --frobnicate", "unknown argument '--frobnicate'"},
+    };
+    if (exists("tools/bench")) {
+        cases.push_back({"tools/bench matmul -t 100000", "-t: '100000' is not a whole number in [0, 1024]"});
+        cases.push_back({"tools/bench matmul -r abc", "-r: 'abc' is not a whole number"});
+        cases.push_back({"tools/bench matmul -r", "-r needs a value"});
+        cases.push_back({"tools/bench matmul block", "'matmul' and 'block': one benchmark at a time"});
+    }
+    for (const bad_case &c : cases) {
+        CAPTURE(c.cmd);
+        CHECK(run(c.cmd, &log) == 2);
+        CHECK_MESSAGE(log.find(c.says) != std::string::npos, log);
+        CHECK_MESSAGE(std::count(log.begin(), log.end(), '\n') == 1, log);
+    }
+    REQUIRE(run("./train-tiny --help", &log) == 0);
+    CHECK(log.find("usage: ") != std::string::npos);
+    // a run too short to learn the text exits 1 and says why (it said nothing)
+    CHECK(run("./train-tiny --steps 1 -t 1", &log) == 1);
+    CHECK_MESSAGE(log.find("train-tiny: the loss fell from ") != std::string::npos, log);
 }
 
 // ---- finetune ----
@@ -791,6 +839,30 @@ TEST_CASE("finetune: stories260K fine-tuned on a few stories lowers its loss on 
     MESSAGE("stories260K eval loss on held-out stories: ", before, " -> ", after);
     CHECK(before > 1.5);  // the model has not seen these stories: Mia and her dog Sam
     CHECK(after < 0.85 * before);
+
+    // a run that diverges (--lr 10, no clipping: a nan gradient at step 3) stops with the
+    // reason, and keeps the adapter and checkpoint of its last good step, as the message says
+    const std::string nan_run = "./finetune -m " + d.path + "/s.gguf -d " + dd + "/stories-train.jsonl -o " + d.path +
+                                "/nan --max-steps 40 --lr 10 --max-grad-norm 0 -t 1";
+    CHECK(run("(" + nan_run + " 2> " + d.path + "/nan.err > /dev/null)", &log) == 1);  // (stderr alone)
+    const std::string err = read_file(d.path + "/nan.err");
+    const size_t at = err.find(" is not finite; the adapter is left as it was after step ");
+    REQUIRE_MESSAGE(at != std::string::npos, err);
+    const long long good = atoll(err.c_str() + at + strlen(" is not finite; the adapter is left as it was after step "));
+    CHECK(good >= 1);
+    CHECK_MESSAGE(err.find("finetune: the adapter and the checkpoint of step " + std::to_string(good) + " are in " + d.path + "/nan\n") !=
+                      std::string::npos, err);
+    CHECK_MESSAGE(std::count(err.begin(), err.end(), '\n') == 2, err);  // the reason and what was kept: no blank line
+    std::vector<std::string> unused;
+    int64_t step = -1, total = -1;
+    std::string e;
+    REQUIRE_MESSAGE(ql_checkpoint_info((d.path + "/nan/checkpoint.gguf").c_str(), &unused, &step, &total, &e), e);
+    CHECK(step == good);
+    if (all_built({"perplexity"})) {  // its adapter is finite and loads
+        REQUIRE(run("printf 'Once upon a time' > " + d.path + "/t.txt", &log) == 0);
+        CHECK_MESSAGE(run("./perplexity -m " + d.path + "/s.gguf --lora " + d.path + "/nan/adapter.gguf -f " + d.path + "/t.txt", &log) == 0,
+                      log);
+    }
 }
 
 TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is written") {
@@ -849,6 +921,8 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
         {md + " -b 2 --effective-batch 5", "--effective-batch 5 is not a multiple of -b 2"},
         {md + " --effective-batch 0", "--effective-batch: '0' is not a number in [1, "},
         {md + " --eps 0", "--eps: '0' must be above 0"},
+        {md + " --lr ''", "--lr: '' is not a number in [0, 10]"},  // (was: lr 0, exit 0)
+        {md + " --max-grad-norm ''", "--max-grad-norm: '' is not a number"},
         {md + " --optim sgd", "--optim: 'sgd' (adamw, adamw8bit, paged_adamw, paged_adamw8bit)"},
         {md + " --precision fp8", "--precision: 'fp8' (fp32, bf16, fp16, auto)"},
         {md + " --device tpu", "--device tpu: 'tpu' is not a device (cpu, cuda, cuda:N, auto)"},
@@ -869,6 +943,10 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
         CHECK_MESSAGE(std::count(log.begin(), log.end(), '\n') == 1, log);
         CHECK(!exists(out));
     }
+    // settings that run but cannot do what they seem to ask: warned
+    REQUIRE(run("./finetune -m " + base + " -d " + data + " -o " + d.path + "/warn --max-steps 2 --warmup-steps 5 --lora-r 64", &log) == 0);
+    CHECK_MESSAGE(log.find("warning: a warmup of 5 steps in a run of 2: the learning rate never reaches --lr") != std::string::npos, log);
+    CHECK_MESSAGE(log.find("warning: --lora-r 64 is above the model's dimension 32") != std::string::npos, log);
     // --skip-bad-lines trains on the rest and says what it skipped
     REQUIRE(run("./finetune -m " + base + " -d " + bad + " -o " + out + " --skip-bad-lines --max-steps 1", &log) == 0);
     CHECK_MESSAGE(log.find("skipped 1 bad line of " + bad + "; the first: " + bad + ":2: ") != std::string::npos, log);

@@ -315,25 +315,52 @@ static void bench_block(ql_backend *cpu, int n_threads, int reps) {
 }
 
 int main(int argc, char **argv) {
-    std::string what = "all";
+    std::string what;
     int n_threads = 0, reps = 10;
+    const char *usage = "[all|matmul|block|qmatmul] [-t threads] [-r reps] [--profile]";
     for (int i = 1; i < argc; i++) {
         const std::string a = argv[i];
-        if ((a == "-t" || a == "--threads") && i + 1 < argc) {
-            n_threads = atoi(argv[++i]);
-        } else if ((a == "-r" || a == "--reps") && i + 1 < argc) {
-            reps = std::max(1, atoi(argv[++i]));
+        auto whole = [&](int lo, int hi, int *v) {  // "", "abc", "1.5", out of range: one line, exit 2
+            if (i + 1 >= argc) {
+                fprintf(stderr, "bench: %s needs a value\n", a.c_str());
+                return false;
+            }
+            const char *s = argv[++i];
+            char *end = nullptr;
+            const long x = strtol(s, &end, 10);
+            if (end == s || *end || x < lo || x > hi) {
+                fprintf(stderr, "bench: %s: '%s' is not a whole number in [%d, %d]\n", a.c_str(), s, lo, hi);
+                return false;
+            }
+            *v = (int)x;
+            return true;
+        };
+        if (a == "-t" || a == "--threads") {
+            if (!whole(0, 1024, &n_threads)) return 2;
+        } else if (a == "-r" || a == "--reps") {
+            if (!whole(1, 1000000, &reps)) return 2;
         } else if (a == "--profile") {
             g_profile = true;
         } else if (a == "all" || a == "matmul" || a == "block" || a == "qmatmul") {
+            if (!what.empty()) {  // one benchmark a run: a second would silently replace the first
+                fprintf(stderr, "bench: '%s' and '%s': one benchmark at a time (all runs every one)\n", what.c_str(), a.c_str());
+                return 2;
+            }
             what = a;
+        } else if (a == "-h" || a == "--help") {
+            printf("usage: %s %s\n", argv[0], usage);
+            return 0;
         } else {
-            fprintf(stderr, "bench: unknown argument '%s'\nusage: %s [all|matmul|block|qmatmul] [-t threads] [-r reps] [--profile]\n", argv[i],
-                    argv[0]);
+            fprintf(stderr, "bench: unknown argument '%s' (usage: %s %s)\n", argv[i], argv[0], usage);
             return 2;
         }
     }
+    if (what.empty()) what = "all";
     ql_backend *cpu = ql_backend_cpu_init(n_threads);
+    if (!cpu) {
+        fprintf(stderr, "bench: -t %d: cannot start that many threads\n", n_threads);
+        return 1;
+    }
     n_threads = ql_backend_cpu_n_threads(cpu);
     if (what == "all" || what == "matmul") bench_matmul(cpu, n_threads, reps);
     if (what == "all" || what == "matmul") bench_matmul_bf16(cpu, n_threads, reps);

@@ -451,7 +451,7 @@ static bool parse_flags(int argc, char **argv, args *a) {
     auto num = [&](const char *flag, const char *s, double lo, double hi, double *v) {
         char *end = nullptr;
         *v = s ? strtod(s, &end) : NAN;
-        if (!s || !end || *end || !std::isfinite(*v) || *v < lo || *v > hi) {
+        if (!s || !end || end == s || *end || !std::isfinite(*v) || *v < lo || *v > hi) {  // ('' is no number, not 0)
             if (s) fprintf(stderr, "finetune: %s: '%s' is not a number in [%g, %g]\n", flag, s, lo, hi);
             return false;
         }
@@ -545,7 +545,7 @@ static bool parse_flags(int argc, char **argv, args *a) {
             if (!(s = need(i))) return false;
             char *end = nullptr;
             const double x = strtod(s, &end);
-            const int cc = end && !*end ? (x < 10 ? (int)std::lround(x * 10) : (int)x) : 0;
+            const int cc = end && end != s && !*end ? (x < 10 ? (int)std::lround(x * 10) : (int)x) : 0;
             if (cc < 75 || cc > 120) {
                 fprintf(stderr, "finetune: --cc: '%s' is not a compute capability qlora runs on (7.5 to 12.0, e.g. 8.6)\n", s);
                 return false;
@@ -911,7 +911,7 @@ int main(int argc, char **argv) {
     ql_vocab *vocab = ql_vocab_load(f->gguf, e, sizeof(e));
     owned<ql_vocab> vocab_(vocab, ql_vocab_free);
     if (!vocab) {
-        fprintf(stderr, "finetune: %s\n", e);
+        fprintf(stderr, "finetune: %s: %s\n", a.model, e);  // (the vocabulary's errors do not name the file)
         return 1;
     }
     if (a.chat) {
@@ -941,7 +941,7 @@ int main(int argc, char **argv) {
                 train.n_bad == 1 ? "" : "s", a.data, err.c_str());
     if (a.val_split > 0) ql_dataset_split(&train, a.val_split, a.o.seed, &eval);
     if (train.examples.empty()) {
-        fprintf(stderr, "finetune: %s: no usable training examples (%lld lines, %lld bad, %lld with nothing to learn)\n", a.data,
+        fprintf(stderr, "finetune: %s: no usable training examples (%lld non-blank lines, %lld bad, %lld with nothing to learn)\n", a.data,
                 (long long)train.n_lines, (long long)train.n_bad, (long long)train.n_empty);
         return 1;
     }
@@ -951,7 +951,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     if (a.val_data && eval.examples.empty()) {  // an evaluation asked for and nothing to evaluate: not a silent no-op
-        fprintf(stderr, "finetune: --val-data %s: no usable evaluation examples (%lld lines, %lld bad, %lld with nothing to learn)\n",
+        fprintf(stderr, "finetune: --val-data %s: no usable evaluation examples (%lld non-blank lines, %lld bad, %lld with nothing to learn)\n",
                 a.val_data, (long long)eval.n_lines, (long long)eval.n_bad, (long long)eval.n_empty);
         return 1;
     }
@@ -1077,6 +1077,13 @@ int main(int argc, char **argv) {
         printf("; loss scale %g, x%g after %d clean steps, x%g and the step skipped on inf/nan gradients",
                ql_trainer_loss_scale(t), (double)a.o.scale_growth, a.o.scale_interval, (double)a.o.scale_backoff);
     printf("\n%s\n", ql_trainable_line(ql_trainer_n_trainable(t), ql_trainer_n_base(t)).c_str());
+    // settings that run but cannot do what they seem to ask
+    if (ql_trainer_warmup_steps(t) > total)
+        fprintf(stderr, "finetune: warning: a warmup of %lld steps in a run of %lld: the learning rate never reaches --lr %g\n",
+                (long long)ql_trainer_warmup_steps(t), (long long)total, (double)a.o.lr);
+    if (a.o.lora.r > hp.n_embd)  // (every target matrix has a side of n_embd)
+        fprintf(stderr, "finetune: warning: --lora-r %d is above the model's dimension %d: a rank above a matrix's smaller side "
+                "adds parameters, not capacity\n", a.o.lora.r, hp.n_embd);
     print_memory(mp, a.o.optim, a.o.mem_other, "RSS before training", plan_limit(mp, a.o.mem_limit), false);
     printf("finetune: planned and allocated in %.2f s\n",
            std::chrono::duration<double>(std::chrono::steady_clock::now() - t_build).count());
@@ -1149,16 +1156,24 @@ int main(int argc, char **argv) {
     int64_t tokens = 0, real = 0, supervised = 0;
     auto save_checkpoint = [&]() {
         if (!ql_trainer_save(t, (out + "/checkpoint.gguf").c_str(), &err)) {
-            fprintf(stderr, "\nfinetune: %s\n", err.c_str());
+            fprintf(stderr, "%sfinetune: %s\n", tty ? "\n" : "", err.c_str());
             return false;
         }
         return true;
     };
+    // a step or an evaluation that fails (a non-finite loss, a device error) ends the run, and
+    // what it did is kept: the adapter and checkpoint of its last completed step, as the message
+    // of a non-finite loss promises; with no step done, the empty peft/ goes
+    auto failed = [&]() {
+        fprintf(stderr, "%sfinetune: %s\n", tty ? "\n" : "", err.c_str());
+        const int64_t done = ql_trainer_steps_done(t);
+        if (done == first) rmdir((out + "/peft").c_str());
+        else if (ql_trainer_intact(t) && write_adapter(f, t, a, out) && save_checkpoint())
+            fprintf(stderr, "finetune: the adapter and the checkpoint of step %lld are in %s\n", (long long)done, out.c_str());
+        return 1;
+    };
     if (n_eval > 0 && first == 0) {  // where the run starts from
-        if (!ql_trainer_eval(t, &last_eval, &err)) {
-            fprintf(stderr, "finetune: %s\n", err.c_str());
-            return 1;
-        }
+        if (!ql_trainer_eval(t, &last_eval, &err)) return failed();
         eval_curve.push_back({0.0, last_eval});
         fprintf(metrics, "{\"step\": 0, \"eval_loss\": %.6f}\n", last_eval);
         printf("finetune: eval loss before training %.4f\n", last_eval);
@@ -1167,10 +1182,7 @@ int main(int argc, char **argv) {
     bool interrupted = false;
     while (ql_trainer_steps_done(t) < total) {
         ql_step_metrics m;
-        if (!ql_trainer_step(t, &m, &err)) {
-            fprintf(stderr, "\nfinetune: %s\n", err.c_str());
-            return 1;
-        }
+        if (!ql_trainer_step(t, &m, &err)) return failed();
         tokens += m.tokens;
         real += m.real_tokens;
         supervised += m.targets;
@@ -1182,10 +1194,7 @@ int main(int argc, char **argv) {
         curve.push_back({(double)m.step, m.loss});
         bool evaluated = false;
         if (n_eval > 0 && (m.step % eval_every == 0 || m.step == total)) {
-            if (!ql_trainer_eval(t, &last_eval, &err)) {
-                fprintf(stderr, "\nfinetune: %s\n", err.c_str());
-                return 1;
-            }
+            if (!ql_trainer_eval(t, &last_eval, &err)) return failed();
             eval_curve.push_back({(double)m.step, last_eval});
             evaluated = true;
         }

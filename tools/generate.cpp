@@ -33,14 +33,24 @@ static int usage(const char *argv0) {
     return 2;
 }
 
+// (an empty value is no number: strtod reads nothing and would give 0)
 static bool parse_num(const char *flag, const char *s, double lo, double hi, double *out) {
     char *end = nullptr;
     const double v = strtod(s, &end);
-    if (!end || *end || !std::isfinite(v) || v < lo || v > hi) {
+    if (!end || end == s || *end || !std::isfinite(v) || v < lo || v > hi) {
         fprintf(stderr, "generate: %s: '%s' is not a number in [%g, %g]\n", flag, s, lo, hi);
         return false;
     }
     *out = v;
+    return true;
+}
+// a count, a seed, a thread number: 1.5 is refused, not truncated
+static bool parse_whole(const char *flag, const char *s, double lo, double hi, double *out) {
+    if (!parse_num(flag, s, lo, hi, out)) return false;
+    if (*out != std::floor(*out)) {
+        fprintf(stderr, "generate: %s: '%s' is not a whole number\n", flag, s);
+        return false;
+    }
     return true;
 }
 
@@ -82,15 +92,20 @@ int main(int argc, char **argv) {
         const std::string a = argv[i];
         const bool has = i + 1 < argc;
         bool ok = true;
-        if (a == "-m" && has) model = argv[++i];
-        else if (a == "-p" && has) prompt = argv[++i];
-        else if (a == "-n" && has) ok = parse_num("-n", argv[++i], 0, 1 << 20, &n_gen);
+        if (a == "-m" && has) {  // one model: a second would silently replace the first
+            if (model) {
+                fprintf(stderr, "generate: -m given twice ('%s', '%s')\n", model, argv[i + 1]);
+                return 2;
+            }
+            model = argv[++i];
+        } else if (a == "-p" && has) prompt = argv[++i];
+        else if (a == "-n" && has) ok = parse_whole("-n", argv[++i], 0, 1 << 20, &n_gen);
         else if (a == "--temp" && has) ok = parse_num("--temp", argv[++i], 0, 100, &temp);
-        else if (a == "--top-k" && has) ok = parse_num("--top-k", argv[++i], 0, 1 << 30, &top_k);
+        else if (a == "--top-k" && has) ok = parse_whole("--top-k", argv[++i], 0, 1 << 30, &top_k);
         else if (a == "--top-p" && has) ok = parse_num("--top-p", argv[++i], 0, 1, &top_p);
-        else if (a == "--seed" && has) ok = parse_num("--seed", argv[++i], 0, 1e18, &seed);
-        else if (a == "-c" && has) ok = parse_num("-c", argv[++i], 1, 1 << 20, &n_ctx);
-        else if (a == "-t" && has) ok = parse_num("-t", argv[++i], 0, 1024, &threads);
+        else if (a == "--seed" && has) ok = parse_whole("--seed", argv[++i], 0, 1e18, &seed);
+        else if (a == "-c" && has) ok = parse_whole("-c", argv[++i], 1, 1 << 20, &n_ctx);
+        else if (a == "-t" && has) ok = parse_whole("-t", argv[++i], 0, 1024, &threads);
         else if (a == "--lora" && has) {
             if (lora) {  // one adapter: a second would silently replace the first
                 fprintf(stderr, "generate: --lora given twice ('%s', '%s'): one adapter at a time (merge one with finetune --merge)\n",
@@ -104,8 +119,8 @@ int main(int argc, char **argv) {
             usage(argv[0]);
             return 0;
         } else {
-            fprintf(stderr, "generate: unknown or incomplete argument '%s'\n", argv[i]);
-            return usage(argv[0]);
+            fprintf(stderr, "generate: unknown or incomplete argument '%s' (--help lists the flags)\n", argv[i]);  // one line
+            return 2;
         }
         if (!ok) return 2;
     }
@@ -127,7 +142,7 @@ int main(int argc, char **argv) {
     ql_vocab *vocab = ql_vocab_load(f->gguf, err, sizeof(err));
     owned<ql_vocab> vocab_(vocab, ql_vocab_free);
     if (!vocab) {
-        fprintf(stderr, "generate: %s\n", err);
+        fprintf(stderr, "generate: %s: %s\n", model, err);  // (the vocabulary's errors do not name the file)
         return 1;
     }
     ql_llama &m = f->model;
@@ -155,6 +170,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "generate: the prompt has %d tokens, the context %d --> hint: a larger -c\n", n_prompt, ctx_len);
         return 1;
     }
+    if (n_ctx > 0 && m.hp.n_ctx_train > 0 && (int)n_ctx > m.hp.n_ctx_train)  // as perplexity says it
+        fprintf(stderr, "generate: note: -c %d is longer than the model's training context %d\n", (int)n_ctx, m.hp.n_ctx_train);
 
     // the cache, the two graphs, all planned and allocated before the first token
     const ql_llama_hparams &hp = m.hp;
@@ -223,6 +240,7 @@ int main(int argc, char **argv) {
     std::mt19937_64 rng((uint64_t)seed);
     std::vector<std::pair<float, int32_t>> cand;
     int n_done = 0;
+    bool eog = false;  // why it stopped: an end-of-generation token, -n, or the context's end
     for (int pos = n_prompt; n_done < (int)n_gen && pos < ctx_len; pos++) {
         for (float x : logits)
             if (!std::isfinite(x)) {  // NaN weights, an inf adapter scale: refuse to sample from them
@@ -231,7 +249,10 @@ int main(int argc, char **argv) {
                 return 1;
             }
         const int32_t next = sample(logits.data(), hp.n_vocab, temp, (int)top_k, top_p, rng, cand);
-        if (ql_vocab_is_eog(vocab, next)) break;
+        if (ql_vocab_is_eog(vocab, next)) {
+            eog = true;
+            break;
+        }
         const std::string piece = ql_token_to_piece(vocab, next, false);
         fwrite(piece.data(), 1, piece.size(), stdout);
         fflush(stdout);
@@ -249,5 +270,8 @@ int main(int argc, char **argv) {
     const double tp = std::chrono::duration<double>(t1 - t0).count(), tg = std::chrono::duration<double>(t2 - t1).count();
     fprintf(stderr, "\n\ngenerate: prompt %d tokens in %.3f s (%.1f tokens/s); generated %d tokens in %.3f s (%.1f tokens/s)\n",
             n_prompt, tp, n_prompt / std::max(tp, 1e-9), n_done, tg, n_done / std::max(tg, 1e-9));
+    if (!eog && n_done < (int)n_gen)  // fewer than asked, and not the model's choice: say whose limit it was
+        fprintf(stderr, "generate: stopped at the end of the context (%d tokens: %s) before -n %d --> hint: a larger -c\n", ctx_len,
+                n_ctx > 0 ? "-c" : "the model's training context", (int)n_gen);
     return 0;
 }

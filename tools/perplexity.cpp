@@ -77,9 +77,14 @@ int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         const std::string a = argv[i];
         const bool has = i + 1 < argc;
-        if (a == "-m" && has) model = argv[++i];
-        else if (a == "-f" && has) file = argv[++i];
-        else if (a == "--lora" && has) {
+        if ((a == "-m" || a == "-f") && has) {  // one model, one text: a second would silently replace the first
+            const char *&slot = a == "-m" ? model : file;
+            if (slot) {
+                fprintf(stderr, "perplexity: %s given twice ('%s', '%s')\n", a.c_str(), slot, argv[i + 1]);
+                return 2;
+            }
+            slot = argv[++i];
+        } else if (a == "--lora" && has) {
             if (lora) {  // one adapter: a second would silently replace the first
                 fprintf(stderr, "perplexity: --lora given twice ('%s', '%s'): one adapter at a time\n", lora, argv[i + 1]);
                 return 2;
@@ -90,7 +95,7 @@ int main(int argc, char **argv) {
         else if ((a == "-c" || a == "-t" || a == "--lora-scale") && has) {
             char *end = nullptr;
             const double v = strtod(argv[++i], &end);
-            const bool bad = !end || *end || !std::isfinite(v) || (a == "-c" && (v < 2 || v > (1 << 20) || v != (int)v)) ||
+            const bool bad = !end || end == argv[i] || *end || !std::isfinite(v) || (a == "-c" && (v < 2 || v > (1 << 20) || v != (int)v)) ||
                              (a == "-t" && (v < 0 || v > 1024 || v != (int)v));
             if (bad) {
                 fprintf(stderr, "perplexity: %s: '%s' is not a valid value%s\n", a.c_str(), argv[i],
@@ -104,8 +109,8 @@ int main(int argc, char **argv) {
             usage(argv[0]);
             return 0;
         } else {
-            fprintf(stderr, "perplexity: unknown or incomplete argument '%s'\n", argv[i]);
-            return usage(argv[0]);
+            fprintf(stderr, "perplexity: unknown or incomplete argument '%s' (--help lists the flags)\n", argv[i]);  // one line
+            return 2;
         }
     }
     if (!model || !file) {
@@ -144,7 +149,7 @@ int main(int argc, char **argv) {
     owned<ql_llama_file> f_(f, ql_llama_file_free);
     owned<ql_vocab> vocab_(vocab, ql_vocab_free);
     if (!f || !vocab) {
-        fprintf(stderr, "perplexity: %s\n", err);
+        fprintf(stderr, "perplexity: %s: %s\n", model, err);  // (the vocabulary's errors do not name the file)
         return 1;
     }
     ql_lora_adapter *ad = nullptr;

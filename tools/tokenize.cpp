@@ -38,10 +38,12 @@ static bool read_file(const char *path, std::string *out) {
     }
     char buf[65536];
     size_t n;
+    errno = 0;
     while ((n = fread(buf, 1, sizeof(buf), f)) > 0) out->append(buf, n);
     const bool ok = !ferror(f);
+    const int e = errno;
     fclose(f);
-    if (!ok) fprintf(stderr, "tokenize: cannot read '%s'\n", path);
+    if (!ok) fprintf(stderr, "tokenize: cannot read '%s': %s\n", path, strerror(e));
     return ok;
 }
 
