@@ -6052,7 +6052,9 @@ ql_backend *ql_backend_init_by_name(const char *device, int n_threads, char *err
     const std::string d = device ? device : "auto";
     auto cpu = [&]() {
         ql_backend *be = ql_backend_cpu_init(n_threads);
-        if (!be) snprintf(err, err_size, "cannot start %d CPU threads (the system's limit, or memory for their stacks)", n_threads);
+        if (!be)
+            snprintf(err, err_size, "cannot start %d CPU threads (the system's limit, or memory for their stacks)",
+                     n_threads > 0 ? n_threads : ql_cpu_default_threads());
         return be;
     };
     if (d == "cpu") return cpu();

@@ -355,11 +355,18 @@ static bool render_line(const ql_json &obj, const ql_vocab *v, ql_chat_template 
                                content ? ql_json_kind_name(content->kind) : "missing");
                 return false;
             }
-            if (role->str == "assistant" && py_strip(content->str).empty()) {  // it would train a lone end-of-turn token
-                *reason = ql_strf("messages[%zu]: empty assistant \"content\": nothing to learn", i);
+            m.push_back({role->str, content->str});
+        }
+        {  // assistant turns that are all empty would train their end-of-turn tokens alone (as an
+           // empty completion would its EOS); one empty turn among others is the data's business
+            size_t n_assistant = 0, n_empty = 0;
+            for (const chat_message &x : m)
+                if (x.role == "assistant") n_assistant++, n_empty += x.content.empty();
+            if (n_assistant > 0 && n_empty == n_assistant) {
+                *reason = n_assistant == 1 ? std::string("empty assistant \"content\": nothing to learn")
+                                           : ql_strf("every assistant \"content\" (%zu) is empty: nothing to learn", n_assistant);
                 return false;
             }
-            m.push_back({role->str, content->str});
         }
         if (chat == QL_CHAT_NONE || (unsigned)chat >= (unsigned)QL_CHAT_COUNT) {
             *fatal = true;

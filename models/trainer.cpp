@@ -79,7 +79,7 @@ struct ql_trainer {
     float   scale = 1;          // the loss scale (fp16), else 1; f32 as the checkpoint stores it
     int64_t growth_tracker = 0; // clean steps since the scale last changed
     int64_t skipped = 0, skipped_in_row = 0;
-    bool broken = false;  // an optimizer update failed part-way: the adapter is no step's
+    bool broken = false;  // a failed step left a state not worth saving (ql_trainer_intact)
 };
 
 static ql_type precision_type(const std::string &p) {
@@ -951,6 +951,7 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     // gradient, by it (exactly when the scale is a power of two, as with the default flags)
     const double scale = t->scale;
     if (ql_backend_graph_zero_grads(t->be, t->tr.g) != QL_OK) {
+        t->broken = true;  // a backend error: the device may not give the adapter back
         *err = "step " + std::to_string(s + 1) + ": cannot write to " + t->o.device;
         return false;
     }
@@ -971,6 +972,7 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
         if (!set_f32(t, io.count, (float)((double)targets / scale)) || !fill(t, io, t->slot.data() + a * B) ||
             ql_backend_tensor_set(t->be, t->seed, &seed, 0, 4) != QL_OK || ql_backend_graph_compute(t->be, io.g) != QL_OK ||
             !get_f32(t, io.loss, &l)) {
+            t->broken = true;  // a backend error: the device may not give the adapter back
             *err = ql_ctx_status(t->ctx) != QL_OK ? ql_ctx_error(t->ctx) : "step " + std::to_string(s + 1) + ": a device copy failed";
             return false;
         }
@@ -999,6 +1001,7 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
         double ps = 0;
         bool finite = true;
         if (ql_backend_grad_stats(t->be, p->grad, &ps, &finite) != QL_OK) {
+            t->broken = true;  // a backend error: the device may not give the adapter back
             *err = "step " + std::to_string(s + 1) + ": gradient statistics failed on " + t->o.device;
             return false;
         }
@@ -1014,6 +1017,7 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
         t->skipped++;
         if (++t->skipped_in_row >= 32) {
             t->step++;
+            t->broken = true;  // the adapter is intact, but a checkpoint would carry a loss scale 2^-32 of where it was
             *err = "step " + std::to_string(t->step) + ": 32 steps in a row had non-finite gradients (loss scale now " +
                    std::to_string(t->scale) + "); the adapter is left as it was --> hint: --precision bf16, or a lower --lr";
             return false;

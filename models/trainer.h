@@ -200,9 +200,10 @@ std::string ql_auto_precision();
 // are not finite is skipped (m->skipped) and true is returned - unless 32 steps in a row were
 // (the scale then 2^-32 of where it was: something else is wrong), which stops with advice.
 bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err);
-// After a failed step: whether the adapter, its optimizer state and the step count are still
-// the last completed step's (so worth saving). True after a non-finite loss or gradient, which
-// stop before the update; false only when the optimizer's update failed part-way (a device error).
+// After a failed step: whether the adapter, its optimizer state and the step count are the last
+// completed step's, worth saving. True after a non-finite loss or gradient (they stop before the
+// update); false after a backend error (the device may not give them back, or an update stopped
+// part-way) and after fp16's 32 skipped steps in a row (the loss scale is no longer one to resume with).
 bool ql_trainer_intact(const ql_trainer *t);
 // Mean loss over every supervised token of the evaluation sequences (no dropout).
 bool ql_trainer_eval(ql_trainer *t, double *loss, std::string *err);

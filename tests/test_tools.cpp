@@ -121,12 +121,17 @@ TEST_CASE("quantize: bad input gives one clear line and no output file") {
         {in + " " + out, "usage", 2},
         {in + " " + out + " q8_0 --no-double-quant", "--no-double-quant applies to nf4 only", 2},
         {d.path + "/missing.gguf " + out + " nf4", "missing.gguf: cannot open", 1},
-        {in + " " + in + " nf4", "would overwrite the input", 1},
+        {in + " " + in + " nf4", "would overwrite the input", 2},
         {in + " " + d.path + "/no/such/dir/out.gguf nf4", "no/such/dir/out.gguf: the folder " + d.path + "/no/such/dir does not exist", 1},
-        // the input under another name; a folder: refused before any work
-        {in + " " + d.path + "/./tiny.gguf nf4", "tiny.gguf: the output would overwrite the input " + in, 1},
-        {in + " " + d.path + " nf4", d.path + ": is a folder (give the output file's name)", 1},
+        // the input under another name, or as the writer's temporary (emptied, then renamed over
+        // the output: the input was lost); a folder; a file as a folder: refused before any work
+        {in + " " + d.path + "/./tiny.gguf nf4", "tiny.gguf: the output would overwrite the input " + in, 2},
+        {in + " " + d.path + "/tiny nf4", d.path + "/tiny: the output (through its temporary " + d.path + "/tiny.tmp) would overwrite the input " + in, 2},
+        {in + " " + d.path + " nf4", d.path + ": is a folder (give the output file's name)", 2},
+        {in + " " + in + "/x.gguf nf4", in + "/x.gguf: " + in + " is not a folder", 1},
+        {in + " '' nf4", "the output path is empty", 2},
     };
+    REQUIRE(run("ln " + in + " " + d.path + "/tiny.tmp", &log) == 0);  // (the temporary case: a hard link to the input)
     const std::string before = read_file(in);
     for (const bad_case &c : cases) {
         CAPTURE(c.args);
@@ -383,6 +388,11 @@ TEST_CASE("make-model, convert, generate, perplexity: bad input, one clear line 
         CHECK_MESSAGE(log.find(c.says) != std::string::npos, log);
     }
     CHECK(!exists(d.path + "/x.gguf"));
+    // threads the system will not start (here: no address space for their stacks): one line and
+    // exit 1 (it was an abort: std::thread's exception, uncaught)
+    CHECK(run("sh -c 'ulimit -v 400000; exec ./generate -m " + gguf + " -p hi -n 1 -t 1000 --device cpu'", &log) == 1);
+    CHECK_MESSAGE(log.find("cannot start 1000 CPU threads (the system's limit, or memory for their stacks)") !=
+                      std::string::npos, log);
     // fewer tokens than -n asked, because the context ran out: said, with whose limit it was
     REQUIRE(run("./generate -m " + gguf + " -p hi -n 100 -c 8 --temp 0", &log) == 0);
     CHECK_MESSAGE(log.find("generate: stopped at the end of the context (8 tokens: -c) before -n 100 --> hint: a larger -c") !=
@@ -565,15 +575,23 @@ TEST_CASE("finetune: NF4 base end to end; outputs load in generate and perplexit
         CHECK_MESSAGE(log.find(std::string("already holds ") + name) != std::string::npos, log);
         CHECK(read_file(kept + "/" + name) == "mine\n");
     }
-    // --overwrite removes the earlier run's files as the new run starts: one that stops early
-    // (here: metrics.jsonl is a folder) leaves neither the old adapter nor its own temporaries
+    // --overwrite, when the new run cannot even start (here: metrics.jsonl is a folder): the
+    // earlier run is left as it was, and nothing of the new one is left behind
     REQUIRE(run("rm " + out + "/metrics.jsonl && mkdir " + out + "/metrics.jsonl", &log) == 0);
     CHECK(run("./finetune -m " + base + " -d " + data + " -o " + out + " --max-steps 2 --overwrite", &log) == 1);
+    CHECK_MESSAGE(log.find(out + "/metrics.jsonl: cannot write: Is a directory") != std::string::npos, log);
+    CHECK(log.find("removed") == std::string::npos);
+    for (const char *name : {"checkpoint.gguf", "adapter.gguf", "peft/adapter_config.json", "merged.gguf", "loss.png"})
+        CHECK_MESSAGE(exists(out + "/" + name), name);
+    CHECK(!exists(out + "/metrics.jsonl.tmp"));
+    // once it starts, the earlier run's files go, so that the directory never mixes two runs (the
+    // new one writes no merged.gguf: the old one's would have stayed beside its adapter)
+    REQUIRE(run("rmdir " + out + "/metrics.jsonl", &log) == 0);
+    REQUIRE_MESSAGE(run("./finetune -m " + base + " -d " + data + " -o " + out + " --max-steps 2 --overwrite", &log) == 0, log);
     CHECK_MESSAGE(log.find("removed the earlier run's checkpoint.gguf, adapter.gguf, peft/adapter_model.safetensors, "
                            "peft/adapter_config.json, merged.gguf, loss.png from " + out) != std::string::npos, log);
-    CHECK_MESSAGE(log.find(out + "/metrics.jsonl: cannot write: Is a directory") != std::string::npos, log);
-    for (const char *name : {"checkpoint.gguf", "adapter.gguf", "peft", "merged.gguf", "loss.png", "metrics.jsonl.tmp"})
-        CHECK_MESSAGE(!exists(out + "/" + name), name);
+    CHECK(!exists(out + "/merged.gguf"));
+    CHECK(exists(out + "/adapter.gguf"));
 }
 
 TEST_CASE("finetune: Ctrl-C saves a checkpoint; --resume continues to the uninterrupted run's losses") {
@@ -846,9 +864,10 @@ TEST_CASE("finetune: stories260K fine-tuned on a few stories lowers its loss on 
                                 "/nan --max-steps 40 --lr 10 --max-grad-norm 0 -t 1";
     CHECK(run("(" + nan_run + " 2> " + d.path + "/nan.err > /dev/null)", &log) == 1);  // (stderr alone)
     const std::string err = read_file(d.path + "/nan.err");
-    const size_t at = err.find(" is not finite; the adapter is left as it was after step ");
+    const std::string left = "the adapter is left as it was after step ";  // (a nan loss, or a nan gradient)
+    const size_t at = err.find(left);
     REQUIRE_MESSAGE(at != std::string::npos, err);
-    const long long good = atoll(err.c_str() + at + strlen(" is not finite; the adapter is left as it was after step "));
+    const long long good = atoll(err.c_str() + at + left.size());
     CHECK(good >= 1);
     CHECK_MESSAGE(err.find("finetune: the adapter and the checkpoint of step " + std::to_string(good) + " are in " + d.path + "/nan\n") !=
                       std::string::npos, err);

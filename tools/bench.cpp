@@ -356,9 +356,10 @@ int main(int argc, char **argv) {
         }
     }
     if (what.empty()) what = "all";
-    ql_backend *cpu = ql_backend_cpu_init(n_threads);
+    char err[256];
+    ql_backend *cpu = ql_backend_init_by_name("cpu", n_threads, err, sizeof(err));
     if (!cpu) {
-        fprintf(stderr, "bench: -t %d: cannot start that many threads\n", n_threads);
+        fprintf(stderr, "bench: %s\n", err);
         return 1;
     }
     n_threads = ql_backend_cpu_n_threads(cpu);

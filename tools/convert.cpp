@@ -878,6 +878,14 @@ static bool hf_tokenizer(const std::string &dir, const ql_json &cfg, ql_gguf_wri
     return true;
 }
 
+// the output file, checked once the arguments are (before any reading or converting)
+static int check_out(const char *out, std::initializer_list<const char *> inputs) {
+    std::string why;
+    const int rc = output_path_check(out, inputs, &why);
+    if (rc) fprintf(stderr, "convert: %s\n", why.c_str());
+    return rc;
+}
+
 int main(int argc, char **argv) {
     if (argc < 2) return usage(argv[0]);
     const std::string mode = argv[1];
@@ -912,17 +920,13 @@ int main(int argc, char **argv) {
         fprintf(stderr, "convert: missing -o OUTPUT.gguf\n");
         return usage(argv[0]);
     }
-    std::string why;
-    if (!output_path_ok(out, {pos.size() > 0 ? pos[0] : nullptr, pos.size() > 1 ? pos[1] : nullptr}, &why)) {
-        fprintf(stderr, "convert: %s\n", why.c_str());
-        return 1;
-    }
     if (mode == "llama2c") {
         if (pos.size() != 2 || pre) {
             fprintf(stderr, "convert: llama2c takes model.bin and tokenizer.bin%s\n",
                     pre ? ", not --pre" : pos.size() < 2 ? (pos.empty() ? ": both missing" : ": tokenizer.bin missing") : ": one too many");
             return usage(argv[0]);
         }
+        if (const int rc = check_out(out, {pos[0], pos[1]})) return rc;
         return convert_llama2c(pos[0], pos[1], out);
     }
     if (mode == "tiktoken") {
@@ -931,6 +935,7 @@ int main(int argc, char **argv) {
             fprintf(stderr, "convert: tiktoken needs --pre (llama3)\n");
             return 2;
         }
+        if (const int rc = check_out(out, {pos[0]})) return rc;
         return convert_tiktoken(pos[0], pre, out);
     }
     if (mode == "hf") {
@@ -938,6 +943,7 @@ int main(int argc, char **argv) {
             fprintf(stderr, "convert: hf takes one checkpoint folder%s\n", pre ? ", not --pre" : pos.empty() ? ": missing" : ": more than one given");
             return usage(argv[0]);
         }
+        if (const int rc = check_out(out, {pos[0]})) return rc;
         return convert_hf(pos[0], out, outtype ? outtype : "f32");
     }
     fprintf(stderr, "convert: unknown source format '%s' (llama2c, tiktoken, hf)\n", mode.c_str());

@@ -1121,15 +1121,6 @@ int main(int argc, char **argv) {
         printf("finetune: the run had %lld steps, now %lld (--max-steps/--epochs): the learning-rate schedule spans the new total\n",
                (long long)run_total, (long long)total);
 
-    // --overwrite: the earlier run's files go now that this one starts, so that the directory
-    // never mixes two runs (its adapter beside this run's metrics when this one stops early)
-    if (a.overwrite && !same_dir(out, a.resume)) {
-        std::string gone;
-        for (const char *name : k_run_outputs)
-            if (unlink((out + "/" + name).c_str()) == 0) gone += std::string(gone.empty() ? "" : ", ") + name;
-        if (!gone.empty()) printf("finetune: --overwrite: removed the earlier run's %s from %s\n", gone.c_str(), out.c_str());
-    }
-
     // ---- the loop ----
     for (int s : k_stop_signals) signal(s, on_stop_signal);
     std::vector<std::pair<double, double>> curve, eval_curve;
@@ -1139,14 +1130,27 @@ int main(int argc, char **argv) {
     const std::string mpath = out + "/metrics.jsonl", mtmp = mpath + ".tmp";
     FILE *metrics = fopen(mtmp.c_str(), "w");
     const bool mok = metrics && fputs(kept.c_str(), metrics) >= 0 && fflush(metrics) == 0 && fsync(fileno(metrics)) == 0;
+    int e_write = errno;  // (before fclose can change it)
     if (metrics) fclose(metrics);
-    metrics = mok && rename(mtmp.c_str(), mpath.c_str()) == 0 ? fopen(mpath.c_str(), "a") : nullptr;
+    metrics = nullptr;
+    if (mok) {
+        if (rename(mtmp.c_str(), mpath.c_str()) == 0) metrics = fopen(mpath.c_str(), "a");
+        e_write = errno;
+    }
     if (!metrics) {
-        const int e_write = errno;
         unlink(mtmp.c_str());              // nothing of this run is left behind:
         rmdir((out + "/peft").c_str());    // the temporary, and peft/ if this run made it (empty)
         fprintf(stderr, "finetune: %s: cannot write: %s\n", mpath.c_str(), strerror(e_write));
         return 1;
+    }
+    // --overwrite: the earlier run's files go now that this one starts (its metrics were just
+    // replaced), so that the directory never holds its adapter beside this run's metrics
+    if (a.overwrite && !same_dir(out, a.resume)) {
+        std::string gone;
+        for (const char *name : k_run_outputs)
+            if (strcmp(name, "metrics.jsonl") != 0 && unlink((out + "/" + name).c_str()) == 0)
+                gone += std::string(gone.empty() ? "" : ", ") + name;
+        if (!gone.empty()) printf("finetune: --overwrite: removed the earlier run's %s from %s\n", gone.c_str(), out.c_str());
     }
     const int64_t eval_every = a.eval_every > 0 ? a.eval_every : std::max<int64_t>(1, total / 10);
     const auto t0 = std::chrono::steady_clock::now();
@@ -1161,19 +1165,32 @@ int main(int argc, char **argv) {
         }
         return true;
     };
-    // a step or an evaluation that fails (a non-finite loss, a device error) ends the run, and
-    // what it did is kept: the adapter and checkpoint of its last completed step, as the message
-    // of a non-finite loss promises; with no step done, the empty peft/ goes
-    auto failed = [&]() {
+    // the adapter (small: what the user wants) first, then the checkpoint (large); each written
+    // atomically, so a full disk replaces nothing good
+    auto write_outputs = [&]() {
+        if (!write_adapter(f, t, a, out)) return false;
+        if (!save_checkpoint()) {
+            fprintf(stderr, "finetune: the adapter is written (%s/adapter.gguf, %s/peft/); the checkpoint is not\n", out.c_str(),
+                    out.c_str());
+            return false;
+        }
+        return true;
+    };
+    // A step that fails ends the run. After a non-finite loss or gradient (the trainer stopped
+    // before the update, and its message says the adapter is the last good step's) that adapter
+    // and its checkpoint are written; not after a backend error or a failed evaluation. A run
+    // that did no step leaves no empty metrics.jsonl or peft/ (a rerun would be refused for them).
+    auto failed = [&](bool keep) {
         fprintf(stderr, "%sfinetune: %s\n", tty ? "\n" : "", err.c_str());
         const int64_t done = ql_trainer_steps_done(t);
-        if (done == first) rmdir((out + "/peft").c_str());
-        else if (ql_trainer_intact(t) && write_adapter(f, t, a, out) && save_checkpoint())
+        if (done == first && kept.empty()) unlink(mpath.c_str());
+        if (done > first && keep && ql_trainer_intact(t) && write_outputs())
             fprintf(stderr, "finetune: the adapter and the checkpoint of step %lld are in %s\n", (long long)done, out.c_str());
+        rmdir((out + "/peft").c_str());  // (only when empty)
         return 1;
     };
     if (n_eval > 0 && first == 0) {  // where the run starts from
-        if (!ql_trainer_eval(t, &last_eval, &err)) return failed();
+        if (!ql_trainer_eval(t, &last_eval, &err)) return failed(false);
         eval_curve.push_back({0.0, last_eval});
         fprintf(metrics, "{\"step\": 0, \"eval_loss\": %.6f}\n", last_eval);
         printf("finetune: eval loss before training %.4f\n", last_eval);
@@ -1182,7 +1199,7 @@ int main(int argc, char **argv) {
     bool interrupted = false;
     while (ql_trainer_steps_done(t) < total) {
         ql_step_metrics m;
-        if (!ql_trainer_step(t, &m, &err)) return failed();
+        if (!ql_trainer_step(t, &m, &err)) return failed(true);
         tokens += m.tokens;
         real += m.real_tokens;
         supervised += m.targets;
@@ -1194,7 +1211,7 @@ int main(int argc, char **argv) {
         curve.push_back({(double)m.step, m.loss});
         bool evaluated = false;
         if (n_eval > 0 && (m.step % eval_every == 0 || m.step == total)) {
-            if (!ql_trainer_eval(t, &last_eval, &err)) return failed();
+            if (!ql_trainer_eval(t, &last_eval, &err)) return failed(false);
             eval_curve.push_back({(double)m.step, last_eval});
             evaluated = true;
         }
@@ -1262,13 +1279,8 @@ int main(int argc, char **argv) {
         fflush(stdout);
         return 128 + sig;  // the shell's convention for a run a signal ended: 130 (SIGINT), 143 (SIGTERM)
     }
-    if (!write_adapter(f, t, a, out)) return 1;
+    if (!write_outputs()) return 1;
     ql_llama &m = ql_trainer_model(t);
-    if (!save_checkpoint()) {
-        fprintf(stderr, "finetune: the adapter is written (%s/adapter.gguf, %s/peft/); the checkpoint is not\n", out.c_str(),
-                out.c_str());
-        return 1;
-    }
     if (a.merge && !ql_llama_save_merged((out + "/merged.gguf").c_str(), *f, m, &err)) {
         fprintf(stderr, "finetune: %s\n", err.c_str());
         return 1;

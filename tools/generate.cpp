@@ -103,7 +103,7 @@ int main(int argc, char **argv) {
         else if (a == "--temp" && has) ok = parse_num("--temp", argv[++i], 0, 100, &temp);
         else if (a == "--top-k" && has) ok = parse_whole("--top-k", argv[++i], 0, 1 << 30, &top_k);
         else if (a == "--top-p" && has) ok = parse_num("--top-p", argv[++i], 0, 1, &top_p);
-        else if (a == "--seed" && has) ok = parse_whole("--seed", argv[++i], 0, 1e18, &seed);
+        else if (a == "--seed" && has) ok = parse_whole("--seed", argv[++i], 0, 9007199254740992.0, &seed);  // (2^53: every whole number exact)
         else if (a == "-c" && has) ok = parse_whole("-c", argv[++i], 1, 1 << 20, &n_ctx);
         else if (a == "-t" && has) ok = parse_whole("-t", argv[++i], 0, 1024, &threads);
         else if (a == "--lora" && has) {

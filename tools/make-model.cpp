@@ -197,9 +197,9 @@ int main(int argc, char **argv) {
         return usage(argv[0]);
     }
     std::string why;
-    if (!output_path_ok(out, {}, &why)) {
+    if (const int rc = output_path_check(out, {}, &why)) {
         fprintf(stderr, "make-model: %s\n", why.c_str());
-        return 1;
+        return rc;
     }
     if (kv_heads < 0) kv_heads = heads;
     auto type_of = [](const char *flag, const char *name) {

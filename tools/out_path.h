@@ -2,7 +2,7 @@
 // conversion that runs for minutes and then cannot write its result has wasted them.
 //
 //   std::string why;
-//   if (!output_path_ok(out, {in}, &why)) { fprintf(stderr, "quantize: %s\n", why.c_str()); return 1; }
+//   if (int rc = output_path_check(out, {in}, &why)) { fprintf(stderr, "quantize: %s\n", why.c_str()); return rc; }
 #pragma once
 
 #include <errno.h>
@@ -13,36 +13,47 @@
 #include <initializer_list>
 #include <string>
 
-// out may be replaced (a regular file, or nothing yet) in a folder this process can write, and
-// is none of the inputs (compared as files: "./m.gguf" is "m.gguf", a hard link is its target)
-inline bool output_path_ok(const char *out, std::initializer_list<const char *> inputs, std::string *why) {
+// 0 when out may be written: a regular file or nothing yet, in a folder this process can write,
+// and neither it nor the writers' temporary (out.tmp, renamed over out) is one of the inputs
+// (compared as files: "./m.gguf" is "m.gguf", a hard link is its target). Else the exit code -
+// 2 for a wrong argument (a folder, an input), 1 for what the file system refuses - and *why.
+inline int output_path_check(const char *out, std::initializer_list<const char *> inputs, std::string *why) {
+    const std::string s(out ? out : "");
+    if (s.empty()) {
+        *why = "the output path is empty";
+        return 2;
+    }
     struct stat st, in_st;
-    if (lstat(out, &st) == 0) {
-        if (S_ISDIR(st.st_mode)) {
-            *why = std::string(out) + ": is a folder (give the output file's name)";
-            return false;
-        }
-        if (!S_ISREG(st.st_mode)) {  // the writers refuse these too, but only once the work is done
-            *why = std::string(out) + ": exists and is not a regular file (a " +
-                   (S_ISLNK(st.st_mode) ? "symbolic link" : "device, FIFO or socket") + "): not replaced";
-            return false;
-        }
+    if (lstat(s.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+        *why = s + ": is a folder (give the output file's name)";
+        return 2;
+    }
+    for (const std::string &p : {s, s + ".tmp"}) {
+        if (lstat(p.c_str(), &st) != 0) continue;
         for (const char *in : inputs)
             if (in && stat(in, &in_st) == 0 && in_st.st_dev == st.st_dev && in_st.st_ino == st.st_ino) {
-                *why = std::string(out) + ": the output would overwrite the input " + in;
-                return false;
+                *why = s + ": the output " + (p == s ? "" : "(through its temporary " + p + ") ") + "would overwrite the input " + in;
+                return 2;
             }
     }
-    const std::string s(out);
+    if (lstat(s.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) {  // the writers refuse these too, but only once the work is done
+        *why = s + ": exists and is not a regular file (a " + (S_ISLNK(st.st_mode) ? "symbolic link" : "device, FIFO or socket") +
+               "): not replaced";
+        return 1;
+    }
     const size_t slash = s.rfind('/');
     const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : s.substr(0, slash);
-    if (stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    if (stat(dir.c_str(), &st) != 0) {
         *why = s + ": the folder " + dir + " does not exist";
-        return false;
+        return 1;
+    }
+    if (!S_ISDIR(st.st_mode)) {
+        *why = s + ": " + dir + " is not a folder";
+        return 1;
     }
     if (access(dir.c_str(), W_OK) != 0) {  // the writers make out.tmp beside out
         *why = s + ": cannot write in " + dir + ": " + strerror(errno);
-        return false;
+        return 1;
     }
-    return true;
+    return 0;
 }

@@ -170,9 +170,9 @@ int main(int argc, char **argv) {
         return 2;
     }
     std::string why;
-    if (!output_path_ok(out_path, {in_path}, &why)) {  // before minutes of quantizing, not after
+    if (const int rc = output_path_check(out_path, {in_path}, &why)) {  // before minutes of quantizing, not after
         fprintf(stderr, "quantize: %s\n", why.c_str());
-        return 1;
+        return rc;
     }
 
     char err[512];

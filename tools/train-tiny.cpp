@@ -61,9 +61,10 @@ int main(int argc, char **argv) {
         }
         if (!ok) return 2;
     }
-    ql_backend *cpu = ql_backend_cpu_init((int)n_threads);  // (first: nothing else to free when it fails)
+    char err[256];
+    ql_backend *cpu = ql_backend_init_by_name("cpu", (int)n_threads, err, sizeof(err));  // (first: nothing else to free)
     if (!cpu) {
-        fprintf(stderr, "train-tiny: -t %lld: cannot start that many threads\n", n_threads);
+        fprintf(stderr, "train-tiny: %s\n", err);
         return 1;
     }
     const int V = 96, T = 64, B = 8;
