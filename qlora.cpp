@@ -35,6 +35,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -1343,6 +1344,11 @@ ql_status ql_quantize(ql_type type, const float *src, int64_t n_rows, int64_t ne
     if (n_rows < 0 || ne0 <= 0 || ne0 % tt->blck_size != 0)
         return fail_msg(err, err_size, QL_ERR_SHAPE, "quantize: rows of %lld elements are not whole %s blocks of %lld",
                         (long long)ne0, tt->name, (long long)tt->blck_size);
+    if (n_rows > INT64_MAX / ne0 / 4)  // (the element count and its bytes must be numbers)
+        return fail_msg(err, err_size, QL_ERR_SHAPE, "quantize: %lld rows of %lld elements are too many", (long long)n_rows,
+                        (long long)ne0);
+    if ((n_rows > 0 && !src) || (!dst && (n_rows > 0 || tt->aux_bytes)))  // (NF4 writes its side data's header even for 0 rows)
+        return fail_msg(err, err_size, QL_ERR_INVALID, "quantize: NULL %s", !dst ? "dst" : "src");
     const int64_t n = n_rows * ne0;
     int64_t bad;
     if (!all_finite(src, n, &bad))
@@ -1368,16 +1374,21 @@ ql_status ql_quantize(ql_type type, const float *src, int64_t n_rows, int64_t ne
     std::vector<uint8_t> code((size_t)nb);
     nf4_double_quantize(absmax.data(), nb, map, &offset, scale.data(), code.data());
     float *sc = nf4_aux_init(aux, nb, map, offset);
-    memcpy(sc, scale.data(), scale.size() * sizeof(float));
-    memcpy(sc + scale.size(), code.data(), code.size());
+    if (nb > 0) {  // (no memcpy from an empty vector's NULL)
+        memcpy(sc, scale.data(), scale.size() * sizeof(float));
+        memcpy(sc + scale.size(), code.data(), code.size());
+    }
     return QL_OK;
 }
 
 ql_status ql_dequantize(ql_type type, const void *src, int64_t n_rows, int64_t ne0, float *dst) {
     const ql_type_traits *tt = ql_type_traits_get(type);
     if (!tt || !tt->is_float || ne0 <= 0 || ne0 % tt->blck_size != 0) return QL_ERR_TYPE;
+    if (n_rows < 0 || n_rows > INT64_MAX / ne0 / 4 || (n_rows > 0 && (!src || !dst))) return QL_ERR_INVALID;
     const size_t rs = ql_row_size(type, ne0);
     const uint8_t *aux = (const uint8_t *)src + ql_aux_offset(rs * (size_t)n_rows);
+    // side data's header locates the rest of it: checked as the GGUF reader checks it
+    if (n_rows > 0 && tt->aux_check && !tt->aux_check(aux, n_rows * ne0)) return QL_ERR_INVALID;
     for (int64_t r = 0; r < n_rows; r++) {
         const uint8_t *row = (const uint8_t *)src + (size_t)r * rs;
         if (tt->to_float_aux)
@@ -1483,7 +1494,8 @@ ql_context *ql_init(ql_init_params p) {
         ctx->mem = (uint8_t *)p.mem_buffer;
         QL_ASSERT(((uintptr_t)ctx->mem % QL_ALIGN) == 0 && "mem_buffer must be QL_ALIGN-aligned");
     } else if (p.mem_size > 0) {
-        ctx->mem = (uint8_t *)aligned_alloc(QL_ALIGN, align_up(p.mem_size, QL_ALIGN));
+        // (a size within QL_ALIGN of SIZE_MAX would round up to 0: a tiny block for a huge arena)
+        ctx->mem = p.mem_size <= SIZE_MAX - QL_ALIGN ? (uint8_t *)aligned_alloc(QL_ALIGN, align_up(p.mem_size, QL_ALIGN)) : nullptr;
         if (!ctx->mem) {
             delete ctx;
             return nullptr;
@@ -2335,14 +2347,16 @@ void ql_graph_free(ql_graph *g) {
     delete g;
 }
 
-int         ql_graph_n_nodes(const ql_graph *g) { return (int)g->nodes.size(); }
-int         ql_graph_n_forward(const ql_graph *g) { return g->n_forward < 0 ? (int)g->nodes.size() : g->n_forward; }
-ql_context *ql_graph_ctx(const ql_graph *g) { return g->ctx; }
-int         ql_graph_n_params(const ql_graph *g) { return (int)g->params.size(); }
+// (the accessors take NULL as an empty graph: the API edge does not crash)
+int         ql_graph_n_nodes(const ql_graph *g) { return g ? (int)g->nodes.size() : 0; }
+int         ql_graph_n_forward(const ql_graph *g) { return !g ? 0 : g->n_forward < 0 ? (int)g->nodes.size() : g->n_forward; }
+ql_context *ql_graph_ctx(const ql_graph *g) { return g ? g->ctx : nullptr; }
+int         ql_graph_n_params(const ql_graph *g) { return g ? (int)g->params.size() : 0; }
 ql_tensor  *ql_graph_param(const ql_graph *g, int i) {
-    return (i >= 0 && i < (int)g->params.size()) ? g->params[(size_t)i] : nullptr;
+    return (g && i >= 0 && i < (int)g->params.size()) ? g->params[(size_t)i] : nullptr;
 }
 ql_tensor *ql_graph_node(const ql_graph *g, int i) {
+    if (!g) return nullptr;
     const int n = (int)g->nodes.size();
     if (i < 0) i += n;
     return (i >= 0 && i < n) ? g->nodes[(size_t)i] : nullptr;
@@ -2667,6 +2681,7 @@ ql_graph *ql_graph_backward(ql_context *ctx, const ql_graph *gf, ql_tensor *loss
 
 void ql_graph_zero_grads(ql_graph *g) {
     // limitation: grads live in host memory (the context's arena); a device backend zeroes its own copy
+    if (!g) return;
     for (ql_tensor *p : g->params)
         if (p->grad && p->grad->data) memset(p->grad->data, 0, ql_nbytes(p->grad));
 }
@@ -2769,6 +2784,14 @@ ql_status ql_graph_recompute(ql_graph *g, const ql_keep *level, int n_levels, ql
     fwd_segments fs;
     find_segments(g, &fs);
     const int n_seg = (int)fs.in.size();
+    for (int k = 0; level && k < n_levels; k++) {
+        std::underlying_type<ql_keep>::type v;  // read as its integer: loading an out-of-range enum is itself UB
+        memcpy(&v, &level[k], sizeof(v));
+        if (v < QL_KEEP_ALL || v > QL_KEEP_NONE) {
+            QL_ERR(ctx, QL_ERR_INVALID, "graph_recompute: level %lld of segment %d is not a ql_keep", (long long)v, k);
+            return ctx->status;
+        }
+    }
     if (level && n_levels != n_seg) {
         QL_ERR(ctx, QL_ERR_INVALID, "graph_recompute: %d levels for %d segments", n_levels, n_seg);
         return ctx->status;
@@ -3141,8 +3164,8 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
 uint64_t ql_graph_plan_id(const ql_graph *g) { return g && g->planned ? g->plan_id : 0; }
 
 int ql_graph_plan_entries(const ql_graph *g, const ql_plan_entry **entries) {
-    if (entries) *entries = g->entries.empty() ? nullptr : g->entries.data();
-    return (int)g->entries.size();
+    if (entries) *entries = !g || g->entries.empty() ? nullptr : g->entries.data();
+    return g ? (int)g->entries.size() : 0;
 }
 
 ql_status ql_graph_get_stats(const ql_graph *g, ql_plan_stats *stats) {
@@ -3151,19 +3174,28 @@ ql_status ql_graph_get_stats(const ql_graph *g, ql_plan_stats *stats) {
     return QL_OK;
 }
 
-void ql_graph_set_poison(ql_graph *g, bool on) { g->poison = on; }
-void ql_graph_set_check_finite(ql_graph *g, bool on) { g->check_finite = on; }
+void ql_graph_set_poison(ql_graph *g, bool on) {
+    if (g) g->poison = on;
+}
+void ql_graph_set_check_finite(ql_graph *g, bool on) {
+    if (g) g->check_finite = on;
+}
 void ql_graph_set_profile(ql_graph *g, bool on) {
+    if (!g) return;
     g->profile = on;
     g->node_seconds.assign(g->nodes.size(), 0.0);  // sized here, not while running
 }
 double ql_graph_node_seconds(const ql_graph *g, int i) {
-    return (i >= 0 && i < (int)g->node_seconds.size()) ? g->node_seconds[(size_t)i] : 0.0;
+    return (g && i >= 0 && i < (int)g->node_seconds.size()) ? g->node_seconds[(size_t)i] : 0.0;
 }
 void ql_graph_add_node_seconds(ql_graph *g, int i, double seconds) {
     if (i >= 0 && i < (int)g->node_seconds.size()) g->node_seconds[(size_t)i] += seconds;
 }
 void ql_graph_get_exec(const ql_graph *g, ql_graph_exec *ex) {
+    if (!g || !ex) {
+        if (ex) *ex = ql_graph_exec{};
+        return;
+    }
     *ex = ql_graph_exec{g->buffer, g->buffer_size, g->work, g->work_size, g->poison, g->check_finite,
                         g->profile && g->node_seconds.size() == g->nodes.size()};
 }
@@ -3171,6 +3203,7 @@ void ql_graph_get_exec(const ql_graph *g, ql_graph_exec *ex) {
 // check_finite's message, the same on every backend: the node, its op and where its sources come
 // from (a parameter's name, or the node that made them)
 void ql_graph_fail_nonfinite(ql_graph *g, int i, int64_t element, bool is_nan) {
+    if (!g || i < 0 || i >= (int)g->nodes.size()) return;
     const ql_tensor *node = g->nodes[(size_t)i];
     auto who = [g](const ql_tensor *t) {
         if (t->name[0]) return std::string(t->name);
@@ -3186,6 +3219,7 @@ void ql_graph_fail_nonfinite(ql_graph *g, int i, int64_t element, bool is_nan) {
 }
 
 void ql_graph_set_no_reuse(ql_graph *g, bool on) {
+    if (!g) return;
     g->no_reuse = on;
     g->planned  = false;  // the placement changes: plan (and bind) again
     g->bound    = false;
@@ -3239,6 +3273,10 @@ ql_status ql_graph_alloc(ql_graph *g, ql_backend *be) {
     }
     if (!graph_leafs_ready(g)) return ctx->status;
     const size_t need = g->arena_size + g->work_size;
+    if (!be->iface.buffer_alloc) {
+        QL_ERR(ctx, QL_ERR_UNSUPPORTED, "graph_alloc: backend %s only plans (it holds no memory)", be->iface.name);
+        return ctx->status;
+    }
     if (!g->buffer || g->buffer_size < need || g->buffer_backend != be->id) {
         graph_release_buffer(g);
         g->buffer = (uint8_t *)be->iface.buffer_alloc(be, std::max(need, (size_t)QL_ALIGN));
@@ -5810,9 +5848,13 @@ struct ql_backend_buffer {
 };
 
 bool ql_backend_is_host(const ql_backend *be) { return be && !be->iface.copy && be->iface.graph_compute; }
+// a backend with memory of its own or the host's (not a plan-only one: no copies, no buffers)
+static bool holds_memory(const ql_backend *be) { return ql_backend_is_host(be) || (be->iface.copy && be->iface.buffer_alloc); }
 
 ql_backend_buffer *ql_backend_buffer_alloc(ql_backend *be, ql_buffer_kind kind, size_t size) {
     if (!be || (unsigned)kind >= QL_BUFFER_KIND_COUNT) return nullptr;
+    if (size > SIZE_MAX - QL_ALIGN) return nullptr;  // (it would round up to 0 bytes)
+    if (kind != QL_BUFFER_HOST_PINNED && !be->iface.buffer_alloc) return nullptr;  // a plan-only backend holds no memory
     ql_backend_buffer *b = new (std::nothrow) ql_backend_buffer{kind, nullptr, size, nullptr, {}, nullptr};
     if (!b || size == 0) return b;
     const size_t n = align_up(size, QL_ALIGN);
@@ -5869,6 +5911,10 @@ size_t ql_ctx_placed_bytes(const ql_context *ctx) {
 
 ql_backend_buffer *ql_backend_alloc_ctx_tensors(ql_backend *be, ql_context *ctx, ql_buffer_kind kind) {
     if (!be || !ctx || ctx->measure) return nullptr;
+    if (!holds_memory(be)) {
+        QL_ERR(ctx, QL_ERR_UNSUPPORTED, "alloc_ctx_tensors: backend %s only plans (it holds no memory)", be->iface.name);
+        return nullptr;
+    }
     size_t total = 0;
     for (const ql_tensor *t : ctx->tensors)
         if (is_plain_leaf(t) && !t->data) total += leaf_bytes(t);
@@ -5898,6 +5944,10 @@ static void release_mapped_pages(const void *data, size_t n) {
 
 ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx) {
     if (!be || !ctx || ctx->measure) return nullptr;
+    if (!holds_memory(be)) {
+        QL_ERR(ctx, QL_ERR_UNSUPPORTED, "place_ctx_tensors: backend %s only plans (it holds no memory)", be->iface.name);
+        return nullptr;
+    }
     if (ql_backend_is_host(be)) return new (std::nothrow) ql_backend_buffer{QL_BUFFER_DEVICE, nullptr, 0, nullptr, {}, nullptr};
     size_t total = 0;
     for (const ql_tensor *t : ctx->tensors)
@@ -5973,6 +6023,7 @@ static ql_status tensor_copy(ql_backend *be, void *dst, const void *src, size_t 
 // host bytes in (QL_COPY_TO_DEVICE) or out of bytes [offset, offset + size) of t, checked
 static ql_status tensor_io(ql_backend *be, const ql_tensor *t, void *host, size_t offset, size_t size, int dir, bool async) {
     if (!be || !t || (!host && size) || !tensor_range_ok(t, offset, size)) return QL_ERR_INVALID;
+    if (!holds_memory(be)) return QL_ERR_UNSUPPORTED;
     uint8_t *dev = (uint8_t *)t->data + offset;
     if (t->flags & QL_FLAG_HOST) {  // host memory on any backend (pinned state, the embedding kept on the host)
         if (size && host != dev) memmove(dir == QL_COPY_TO_DEVICE ? dev : host, dir == QL_COPY_TO_DEVICE ? host : dev, size);
@@ -5994,6 +6045,7 @@ ql_status ql_backend_tensor_get_async(ql_backend *be, const ql_tensor *t, void *
 }
 ql_status ql_backend_tensor_memset(ql_backend *be, ql_tensor *t, int value, size_t offset, size_t size) {
     if (!be || !t || !tensor_range_ok(t, offset, size)) return QL_ERR_INVALID;
+    if (!holds_memory(be)) return QL_ERR_UNSUPPORTED;
     if (size == 0) return QL_OK;
     if (ql_backend_is_host(be)) {
         memset((uint8_t *)t->data + offset, value, size);
@@ -6007,6 +6059,7 @@ ql_status ql_backend_tensor_memset(ql_backend *be, ql_tensor *t, int value, size
 ql_status ql_backend_synchronize(ql_backend *be) {
     if (!be) return QL_ERR_INVALID;
     if (ql_backend_is_host(be)) return QL_OK;
+    if (!be->iface.synchronize) return QL_ERR_UNSUPPORTED;  // (a plan-only backend runs nothing)
     char err[256];
     if (be->iface.synchronize(be, err, sizeof(err))) return QL_OK;
     fprintf(stderr, "qlora: %s: %s\n", be->iface.name, err);
@@ -6024,7 +6077,15 @@ ql_status ql_backend_graph_zero_grads(ql_backend *be, ql_graph *g) {
 
 ql_status ql_backend_adamw_update(ql_backend *be, ql_tensor *param, ql_tensor *m, ql_tensor *v, ql_tensor *m_absmax,
                                   ql_tensor *v_absmax, int64_t step, const ql_adamw_params *p, float grad_scale) {
-    if (!be || !param || !param->grad || !m || !v || !p || (!m_absmax) != (!v_absmax)) return QL_ERR_INVALID;
+    if (!be || !param || !param->grad || !m || !v || !p || (!m_absmax) != (!v_absmax) || step < 1) return QL_ERR_INVALID;
+    // tensors without memory (a no_alloc context, an unplaced result), or f32 state of another size
+    if (!param->data || !param->grad->data || !m->data || !v->data || (m_absmax && (!m_absmax->data || !v_absmax->data)))
+        return QL_ERR_INVALID;
+    if (!m_absmax && (param->type != QL_TYPE_F32 || m->type != QL_TYPE_F32 || v->type != QL_TYPE_F32 ||
+                      ql_nelements(m) != ql_nelements(param) || ql_nelements(v) != ql_nelements(param) ||
+                      ql_nelements(param->grad) != ql_nelements(param) || !ql_is_contiguous(param) || !ql_is_contiguous(m) ||
+                      !ql_is_contiguous(v)))
+        return QL_ERR_INVALID;
     if (be->iface.adamw_update) return be->iface.adamw_update(be, param, m, v, m_absmax, v_absmax, step, p, grad_scale);
     if (m_absmax) ql_adamw8bit_update(param, m, m_absmax, v, v_absmax, step, p, grad_scale);
     else ql_adamw_update(param, m, v, step, p, grad_scale);
@@ -6032,7 +6093,7 @@ ql_status ql_backend_adamw_update(ql_backend *be, ql_tensor *param, ql_tensor *m
 }
 
 ql_status ql_backend_grad_stats(ql_backend *be, const ql_tensor *t, double *sumsq, bool *finite) {
-    if (!be || !t || t->type != QL_TYPE_F32 || !ql_is_contiguous(t) || !sumsq || !finite) return QL_ERR_INVALID;
+    if (!be || !t || !t->data || t->type != QL_TYPE_F32 || !ql_is_contiguous(t) || !sumsq || !finite) return QL_ERR_INVALID;
     if (be->iface.grad_stats) return be->iface.grad_stats(be, t, sumsq, finite);
     double s = 0;
     bool ok = true;
@@ -6374,6 +6435,12 @@ static bool gguf_alignment_of(const gguf_kv &kv, uint64_t *align, std::string *w
         char b[128];
         if (neg) snprintf(b, sizeof(b), "general.alignment is %lld, not a non-zero power of two", (long long)s);
         else snprintf(b, sizeof(b), "general.alignment is %llu, not a non-zero power of two", (unsigned long long)u);
+        *why = b;
+        return false;
+    }
+    if (u > (1u << 20)) {  // (the padding is made in memory: 2^36 would zero-fill 64 GiB; real files use 32)
+        char b[128];
+        snprintf(b, sizeof(b), "general.alignment is %llu, above the 1 MiB this reader and writer take", (unsigned long long)u);
         *why = b;
         return false;
     }

@@ -440,3 +440,94 @@ TEST_CASE("CPU threads: the default leaves the cores other work is using; -t abo
     CHECK(ql_backend_cpu_n_threads(be) <= cores);
     ql_backend_free(be);
 }
+
+TEST_CASE("API edge: sizes that would wrap, a plan-only backend, NULL graphs, bad quantize arguments - errors, not crashes") {
+    // sizes within the alignment of SIZE_MAX rounded up to 0 bytes: a tiny block for a huge arena
+    ql_init_params p = {SIZE_MAX, nullptr, false, false};
+    CHECK(ql_init(p) == nullptr);
+    ql_backend *cpu = ql_backend_cpu_init(1);
+    REQUIRE(cpu);
+    CHECK(ql_backend_buffer_alloc(cpu, QL_BUFFER_DEVICE, SIZE_MAX) == nullptr);
+    CHECK(ql_backend_buffer_alloc(cpu, QL_BUFFER_HOST_PINNED, SIZE_MAX - 1) == nullptr);
+
+    // a plan-only backend (the device plan of a card that is not here) holds no memory: its copies,
+    // buffers and graph allocation are refused (they called through NULL function pointers)
+    ql_backend *plan = ql_backend_cuda_plan_init(90);
+    REQUIRE(plan);
+    ql_init_params ip = {1 << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *a = ql_set_param(ql_new_tensor_1d(ctx, QL_TYPE_F32, 16));
+    float h[16] = {0};
+    CHECK(ql_backend_tensor_set(plan, a, h, 0, sizeof(h)) == QL_ERR_UNSUPPORTED);
+    CHECK(ql_backend_tensor_get(plan, a, h, 0, sizeof(h)) == QL_ERR_UNSUPPORTED);
+    CHECK(ql_backend_tensor_memset(plan, a, 0, 0, sizeof(h)) == QL_ERR_UNSUPPORTED);
+    CHECK(ql_backend_synchronize(plan) == QL_ERR_UNSUPPORTED);
+    CHECK(ql_backend_buffer_alloc(plan, QL_BUFFER_DEVICE, 64) == nullptr);
+    CHECK(ql_backend_place_ctx_tensors(plan, ctx) == nullptr);
+    CHECK(has(ql_ctx_error(ctx), "only plans (it holds no memory)"));
+    ql_ctx_clear_error(ctx);
+    ql_graph *gf = ql_graph_new(ctx);
+    ql_tensor *l = ql_sum(ctx, ql_mul(ctx, a, a));
+    ql_graph_build_forward(gf, l);
+    ql_graph *g = ql_graph_backward(ctx, gf, l);
+    CHECK(ql_graph_plan(g, plan, nullptr) == QL_OK);  // planning is what it is for
+    CHECK(ql_graph_alloc(g, plan) == QL_ERR_UNSUPPORTED);
+    ql_ctx_clear_error(ctx);
+    CHECK(ql_backend_graph_zero_grads(plan, g) == QL_ERR_UNSUPPORTED);
+    ql_keep bad[1] = {(ql_keep)9999};
+    ql_graph *gf2 = ql_graph_new(ctx);
+    ql_tensor *l2 = ql_sum(ctx, ql_scale(ctx, a, 2.0f));
+    ql_graph_build_forward(gf2, l2);
+    ql_graph *g2 = ql_graph_backward(ctx, gf2, l2);
+    CHECK(ql_graph_recompute(g2, bad, 1, nullptr) == QL_ERR_INVALID);
+    CHECK(has(ql_ctx_error(ctx), "is not a ql_keep"));
+    ql_ctx_clear_error(ctx);
+
+    // optimizer helpers on tensors without memory
+    ql_init_params na = {1 << 20, nullptr, true, false};  // no_alloc: data stays NULL
+    ql_context *cn = ql_init(na);
+    ql_tensor *w = ql_set_param(ql_new_tensor_1d(cn, QL_TYPE_F32, 8)), *m = ql_new_tensor_1d(cn, QL_TYPE_F32, 8),
+              *v = ql_new_tensor_1d(cn, QL_TYPE_F32, 8);
+    ql_graph *gn = ql_graph_new(cn);
+    ql_tensor *ln = ql_sum(cn, ql_mul(cn, w, w));
+    ql_graph_build_forward(gn, ln);
+    ql_graph *gbn = ql_graph_backward(cn, gn, ln);
+    const ql_adamw_params op = {1e-3f, 0.9f, 0.999f, 1e-8f, 0.0f};
+    double sq = 0;
+    bool fin = true;
+    CHECK(ql_backend_grad_stats(cpu, w->grad, &sq, &fin) == QL_ERR_INVALID);
+    CHECK(ql_backend_adamw_update(cpu, w, m, v, nullptr, nullptr, 1, &op, 1.0f) == QL_ERR_INVALID);
+    CHECK(ql_backend_adamw_update(cpu, a, a, a, nullptr, nullptr, 0, &op, 1.0f) == QL_ERR_INVALID);  // step 0
+
+    // NULL graphs read as empty ones
+    CHECK(ql_graph_n_nodes(nullptr) == 0);
+    CHECK(ql_graph_node(nullptr, 0) == nullptr);
+    CHECK(ql_graph_n_params(nullptr) == 0);
+    CHECK(ql_graph_plan_entries(nullptr, nullptr) == 0);
+    ql_graph_zero_grads(nullptr);
+    ql_graph_set_profile(nullptr, true);
+    ql_graph_fail_nonfinite(g, -1, 0, true);  // (an index outside the graph: nothing to name)
+
+    // quantize / dequantize: NULL buffers, row counts whose size overflows, NF4 side data whose
+    // header does not locate this tensor's codes
+    std::vector<float> src(64, 0.5f), out(64);
+    std::vector<uint8_t> q(ql_row_size(QL_TYPE_NF4, 64) + 4096);
+    char err[128];
+    CHECK(ql_quantize(QL_TYPE_Q8_0, nullptr, 1, 32, q.data(), err, sizeof(err)) == QL_ERR_INVALID);
+    CHECK(ql_quantize(QL_TYPE_Q8_0, src.data(), 1, 32, nullptr, err, sizeof(err)) == QL_ERR_INVALID);
+    CHECK(ql_quantize(QL_TYPE_Q8_0, src.data(), INT64_MAX / 16, 32, q.data(), err, sizeof(err)) == QL_ERR_SHAPE);
+    CHECK(ql_dequantize(QL_TYPE_Q8_0, nullptr, 1, 32, out.data()) == QL_ERR_INVALID);
+    CHECK(ql_dequantize(QL_TYPE_Q8_0, q.data(), -1, 32, out.data()) == QL_ERR_INVALID);
+    REQUIRE(ql_quantize(QL_TYPE_NF4, src.data(), 1, 64, q.data(), err, sizeof(err)) == QL_OK);
+    REQUIRE(ql_dequantize(QL_TYPE_NF4, q.data(), 1, 64, out.data()) == QL_OK);
+    CHECK(out[0] == doctest::Approx(0.5f).epsilon(0.05));
+    const uint32_t lie = 0x10000000;  // a block count not this tensor's: the codes would be read far away
+    memcpy(q.data() + ql_aux_offset(ql_row_size(QL_TYPE_NF4, 64)), &lie, 4);
+    CHECK(ql_dequantize(QL_TYPE_NF4, q.data(), 1, 64, out.data()) == QL_ERR_INVALID);
+
+    for (ql_graph *x : {g, gf, g2, gf2, gbn, gn}) ql_graph_free(x);
+    ql_free(cn);
+    ql_free(ctx);
+    ql_backend_free(plan);
+    ql_backend_free(cpu);
+}
