@@ -6753,6 +6753,13 @@ static bool gguf_parse(ql_gguf &g, gguf_parser &P) {
         t.data = P.buf + data_offset + t.offset;
         const ql_type_traits *tt = ql_type_traits_get(t.type);
         const int64_t n_el = t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3];
+        // tensors are read in place: a float's bytes must sit at a float's alignment (a file with
+        // general.alignment 1 or 2 can put them anywhere); NF4's side data needs 4
+        const size_t natural = tt->aux_check ? 4 : tt->blck_size == 1 ? std::min<size_t>(tt->type_size, 8) : 1;
+        if (t.size > 0 && (uintptr_t)t.data % natural != 0)
+            return P.fail("%s: its %s data starts at an address not a multiple of %zu (general.alignment %llu): qlora reads "
+                          "tensors in place --> hint: rewrite the file with the default alignment (32)", ctx, tt->name, natural,
+                          (unsigned long long)align);
         if (tt->aux_check && t.size > 0 && !tt->aux_check(t.data + (t.size - tt->aux_bytes(n_el)), n_el))
             return P.fail("%s: its %s side data does not describe a tensor of %lld elements (corrupt?)", ctx, tt->name,
                           (long long)n_el);
@@ -7295,6 +7302,11 @@ ql_status ql_gguf_write(const ql_gguf_writer *w, const char *path, char *err, si
             gguf_set_err(err, err_size, "%s: %s", path, why.c_str());
             return QL_ERR_INVALID;
         }
+    }
+    if (align < 8 && !w->tensors.empty()) {  // (the reader would refuse the floats it put at odd addresses)
+        gguf_set_err(err, err_size, "%s: general.alignment %llu: tensor data needs 8 or more (the default is 32)", path,
+                     (unsigned long long)align);
+        return QL_ERR_INVALID;
     }
     std::vector<uint8_t> header;
     std::string tmp;

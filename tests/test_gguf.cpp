@@ -657,6 +657,20 @@ TEST_CASE("gguf: malformed files fail with a message naming the problem") {
                     "general.alignment has type f32");
         CHECK_FAILS(with_kv([](bytes_t &f) { f.kv("general.alignment", QL_GGUF_U8).u8(64); }),
                     "general.alignment has type u8");
+        // alignment 1 lets a float tensor start anywhere: read in place, it must sit at a float's
+        // alignment (of the offsets 0..3 after the infos, 3 are refused; UB before, not a message)
+        int refused = 0;
+        for (uint64_t off = 0; off < 4; off++) {
+            bytes_t f;
+            f.header(3, 1, 1).kv("general.alignment", QL_GGUF_U32).u32(1).tinfo("w", {8}, QL_TYPE_F32, off).zeros(64);
+            const std::string e = open_error(f.b);
+            if (!e.empty()) {
+                CHECK_MESSAGE(e.find("its f32 data starts at an address not a multiple of 4 (general.alignment 1)") !=
+                                  std::string::npos, e);
+                refused++;
+            }
+        }
+        CHECK(refused == 3);
         // a huge alignment: refused by name (its padding would be made in memory by the writer)
         CHECK_FAILS(with_kv([](bytes_t &f) { f.kv("general.alignment", QL_GGUF_U64).u64(1ull << 63); }),
                     "general.alignment is 9223372036854775808, above the 1 MiB this reader and writer take");
@@ -760,6 +774,9 @@ TEST_CASE("gguf: writer refusals and KV order") {
     ql_gguf_set_f32(w, "general.alignment", 32.0f);
     CHECK(ql_gguf_write(w, path.c_str(), err, sizeof(err)) == QL_ERR_INVALID);
     CHECK(has(err, "general.alignment has type f32"));
+    ql_gguf_set_u32(w, "general.alignment", 4);  // valid, but its floats could land at odd addresses
+    CHECK(ql_gguf_write(w, path.c_str(), err, sizeof(err)) == QL_ERR_INVALID);
+    CHECK(has(err, "general.alignment 4: tensor data needs 8 or more"));
     ql_gguf_remove_kv(w, "general.alignment");
     CHECK(ql_gguf_write(w, path.c_str(), err, sizeof(err)) == QL_OK);
 
