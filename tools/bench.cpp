@@ -12,6 +12,7 @@
 // Times are medians over the repetitions after one warm-up run.
 #include "../models/llama.h"
 #include "../qlora.h"
+#include "cli.h"
 
 #include <dlfcn.h>
 
@@ -320,25 +321,13 @@ int main(int argc, char **argv) {
     const char *usage = "[all|matmul|block|qmatmul] [-t threads] [-r reps] [--profile]";
     for (int i = 1; i < argc; i++) {
         const std::string a = argv[i];
-        auto whole = [&](int lo, int hi, int *v) {  // "", "abc", "1.5", out of range: one line, exit 2
-            if (i + 1 >= argc) {
-                fprintf(stderr, "bench: %s needs a value\n", a.c_str());
-                return false;
-            }
-            const char *s = argv[++i];
-            char *end = nullptr;
-            const long x = strtol(s, &end, 10);
-            if (end == s || *end || x < lo || x > hi) {
-                fprintf(stderr, "bench: %s: '%s' is not a whole number in [%d, %d]\n", a.c_str(), s, lo, hi);
-                return false;
-            }
-            *v = (int)x;
-            return true;
-        };
+        long long v = 0;
         if (a == "-t" || a == "--threads") {
-            if (!whole(0, 1024, &n_threads)) return 2;
+            if (!arg_whole("bench", argc, argv, &i, 0, 1024, &v)) return 2;
+            n_threads = (int)v;
         } else if (a == "-r" || a == "--reps") {
-            if (!whole(1, 1000000, &reps)) return 2;
+            if (!arg_whole("bench", argc, argv, &i, 1, 1000000, &v)) return 2;
+            reps = (int)v;
         } else if (a == "--profile") {
             g_profile = true;
         } else if (a == "all" || a == "matmul" || a == "block" || a == "qmatmul") {

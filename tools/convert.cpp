@@ -11,7 +11,7 @@
 #include "../models/json.h"
 #include "../models/tokenizer.h"
 #include "../qlora.h"
-#include "out_path.h"
+#include "cli.h"
 #include "own.h"
 
 #include <sys/stat.h>
@@ -878,14 +878,6 @@ static bool hf_tokenizer(const std::string &dir, const ql_json &cfg, ql_gguf_wri
     return true;
 }
 
-// the output file, checked once the arguments are (before any reading or converting)
-static int check_out(const char *out, std::initializer_list<const char *> inputs) {
-    std::string why;
-    const int rc = output_path_check(out, inputs, &why);
-    if (rc) fprintf(stderr, "convert: %s\n", why.c_str());
-    return rc;
-}
-
 int main(int argc, char **argv) {
     if (argc < 2) return usage(argv[0]);
     const std::string mode = argv[1];
@@ -926,7 +918,7 @@ int main(int argc, char **argv) {
                     pre ? ", not --pre" : pos.size() < 2 ? (pos.empty() ? ": both missing" : ": tokenizer.bin missing") : ": one too many");
             return usage(argv[0]);
         }
-        if (const int rc = check_out(out, {pos[0], pos[1]})) return rc;
+        if (const int rc = output_path_check("convert", out, {pos[0], pos[1]})) return rc;  // (after the arguments, before any work)
         return convert_llama2c(pos[0], pos[1], out);
     }
     if (mode == "tiktoken") {
@@ -935,7 +927,7 @@ int main(int argc, char **argv) {
             fprintf(stderr, "convert: tiktoken needs --pre (llama3)\n");
             return 2;
         }
-        if (const int rc = check_out(out, {pos[0]})) return rc;
+        if (const int rc = output_path_check("convert", out, {pos[0]})) return rc;
         return convert_tiktoken(pos[0], pre, out);
     }
     if (mode == "hf") {
@@ -943,7 +935,7 @@ int main(int argc, char **argv) {
             fprintf(stderr, "convert: hf takes one checkpoint folder%s\n", pre ? ", not --pre" : pos.empty() ? ": missing" : ": more than one given");
             return usage(argv[0]);
         }
-        if (const int rc = check_out(out, {pos[0]})) return rc;
+        if (const int rc = output_path_check("convert", out, {pos[0]})) return rc;
         return convert_hf(pos[0], out, outtype ? outtype : "f32");
     }
     fprintf(stderr, "convert: unknown source format '%s' (llama2c, tiktoken, hf)\n", mode.c_str());

@@ -1268,8 +1268,8 @@ int main(int argc, char **argv) {
     if (!interrupted)
         for (int s : k_stop_signals) signal(s, SIG_DFL);
 
-    // ---- outputs: the adapter (small: what the user wants) first, then the checkpoint (large),
-    // then the merged model; each written atomically, so a full disk replaces nothing good ----
+    // ---- outputs: an interrupted run's checkpoint; else write_outputs (adapter, checkpoint), then
+    // the merged model ----
     if (interrupted) {
         if (!save_checkpoint()) return 1;
         const int sig = g_stop.load();

@@ -20,7 +20,7 @@
 // converted in parallel.
 #include "../models/llama.h"
 #include "../qlora.h"
-#include "out_path.h"
+#include "cli.h"
 #include "own.h"
 
 #include <chrono>
@@ -196,11 +196,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "make-model: -o model.gguf is required\n");
         return usage(argv[0]);
     }
-    std::string why;
-    if (const int rc = output_path_check(out, {}, &why)) {
-        fprintf(stderr, "make-model: %s\n", why.c_str());
-        return rc;
-    }
+    if (const int rc = output_path_check("make-model", out, {})) return rc;
     if (kv_heads < 0) kv_heads = heads;
     auto type_of = [](const char *flag, const char *name) {
         for (int t = 0; t < QL_TYPE_COUNT; t++) {

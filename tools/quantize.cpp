@@ -13,7 +13,7 @@
 // themselves (qlora.* keys) and carry type ids llama.cpp does not know, so llama.cpp refuses
 // them with an unknown-type error instead of misreading them.
 #include "../qlora.h"
-#include "out_path.h"
+#include "cli.h"
 #include "own.h"
 
 #include <sys/stat.h>
@@ -169,11 +169,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "quantize: --no-double-quant applies to nf4 only\n");
         return 2;
     }
-    std::string why;
-    if (const int rc = output_path_check(out_path, {in_path}, &why)) {  // before minutes of quantizing, not after
-        fprintf(stderr, "quantize: %s\n", why.c_str());
-        return rc;
-    }
+    if (const int rc = output_path_check("quantize", out_path, {in_path})) return rc;  // before minutes of quantizing, not after
 
     char err[512];
     ql_gguf *in = ql_gguf_open(in_path, err, sizeof(err));

@@ -5,8 +5,8 @@
 //   ./train-tiny [-t threads] [--steps N] [--seed S]
 #include "../models/llama.h"
 #include "../qlora.h"
+#include "cli.h"
 
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -29,27 +29,10 @@ int main(int argc, char **argv) {
     long long n_threads = 0, steps = 400, seed = 1;
     for (int i = 1; i < argc; i++) {
         const std::string a = argv[i];
-        // a whole number in [lo, hi], or one line saying what is wrong ("", "1.9", "abc" included)
-        auto whole = [&](long long lo, long long hi, long long *v) {
-            if (i + 1 >= argc) {
-                fprintf(stderr, "train-tiny: %s needs a value\n", a.c_str());
-                return false;
-            }
-            const char *s = argv[++i];
-            char *end = nullptr;
-            errno = 0;
-            const long long x = strtoll(s, &end, 10);
-            if (end == s || *end || errno || x < lo || x > hi) {
-                fprintf(stderr, "train-tiny: %s: '%s' is not a whole number in [%lld, %lld]\n", a.c_str(), s, lo, hi);
-                return false;
-            }
-            *v = x;
-            return true;
-        };
         bool ok = true;
-        if (a == "-t") ok = whole(0, 1024, &n_threads);
-        else if (a == "--steps") ok = whole(1, 1000000, &steps);
-        else if (a == "--seed") ok = whole(0, 1LL << 62, &seed);
+        if (a == "-t") ok = arg_whole("train-tiny", argc, argv, &i, 0, 1024, &n_threads);
+        else if (a == "--steps") ok = arg_whole("train-tiny", argc, argv, &i, 1, 1000000, &steps);
+        else if (a == "--seed") ok = arg_whole("train-tiny", argc, argv, &i, 0, 1LL << 62, &seed);
         else if (a == "-h" || a == "--help") {
             printf("usage: %s [-t threads] [--steps N] [--seed S]\n"
                    "  trains a tiny character-level llama from scratch on a bundled text, then continues a prompt;\n"

@@ -1,11 +1,14 @@
-// tools/out_path.h - the checks a tool makes on its output file before doing any work: a
-// conversion that runs for minutes and then cannot write its result has wasted them.
+// tools/cli.h - what the tools' command lines share: whole-number flags read strictly, and the
+// checks a tool makes on its output file before doing any work (a conversion that runs for
+// minutes and then cannot write its result has wasted them).
 //
-//   std::string why;
-//   if (int rc = output_path_check(out, {in}, &why)) { fprintf(stderr, "quantize: %s\n", why.c_str()); return rc; }
+//   if (a == "--steps" && !arg_whole("train-tiny", argc, argv, &i, 1, 1000000, &steps)) return 2;
+//   if (int rc = output_path_check("quantize", out, {in})) return rc;
 #pragma once
 
 #include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -13,11 +16,32 @@
 #include <initializer_list>
 #include <string>
 
+// argv[*i]'s value (argv[*i + 1], *i moved onto it) as a whole number in [lo, hi]; else one
+// line on stderr naming the tool, the flag and the value ("", "abc", "1.9", out of range, missing)
+inline bool arg_whole(const char *tool, int argc, char **argv, int *i, long long lo, long long hi, long long *v) {
+    const char *flag = argv[*i];
+    if (*i + 1 >= argc) {
+        fprintf(stderr, "%s: %s needs a value\n", tool, flag);
+        return false;
+    }
+    const char *s = argv[++*i];
+    char *end = nullptr;
+    errno = 0;
+    const long long x = strtoll(s, &end, 10);
+    if (end == s || *end || errno || x < lo || x > hi) {
+        fprintf(stderr, "%s: %s: '%s' is not a whole number in [%lld, %lld]\n", tool, flag, s, lo, hi);
+        return false;
+    }
+    *v = x;
+    return true;
+}
+
 // 0 when out may be written: a regular file or nothing yet, in a folder this process can write,
 // and neither it nor the writers' temporary (out.tmp, renamed over out) is one of the inputs
 // (compared as files: "./m.gguf" is "m.gguf", a hard link is its target). Else the exit code -
-// 2 for a wrong argument (a folder, an input), 1 for what the file system refuses - and *why.
-inline int output_path_check(const char *out, std::initializer_list<const char *> inputs, std::string *why) {
+// 2 for a wrong argument (a folder, an input), 1 for what the file system refuses - and why,
+// in one line on stderr.
+inline int output_path_why(const char *out, std::initializer_list<const char *> inputs, std::string *why) {
     const std::string s(out ? out : "");
     if (s.empty()) {
         *why = "the output path is empty";
@@ -56,4 +80,10 @@ inline int output_path_check(const char *out, std::initializer_list<const char *
         return 1;
     }
     return 0;
+}
+inline int output_path_check(const char *tool, const char *out, std::initializer_list<const char *> inputs) {
+    std::string why;
+    const int rc = output_path_why(out, inputs, &why);
+    if (rc) fprintf(stderr, "%s: %s\n", tool, why.c_str());
+    return rc;
 }
