@@ -56,14 +56,19 @@ TOOLS    := tools/bench $(ROOT_TOOLS)
 HEADERS  := qlora.h $(wildcard models/*.h models/*.inc tools/*.h)
 TEST_HEADERS := $(wildcard tests/*.h)
 
-.PHONY: all test test-unit test-dropin test-cuda-shim test-amx-shim test-gpu cuda-check test-sanitize test-portable bench bench-finetune bench-checkpointing bench-optimizers demo clean cuda fuzz
+.PHONY: deps all test test-unit test-dropin test-cuda-shim test-amx-shim test-gpu cuda-check test-sanitize test-portable bench bench-finetune bench-checkpointing bench-optimizers demo clean cuda fuzz
 all: $(TOOLS) $(BUILD)/test-qlora
 
-$(BUILD)/%.o: %.cpp $(HEADERS)
+# tools/deps.sh: the Debian headers the build needs (stb, doctest), installed as root with apt or
+# named with the one command that installs them, before anything compiles (order-only: no rebuilds)
+deps:
+	@sh tools/deps.sh
+
+$(BUILD)/%.o: %.cpp $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) -I. -c $< -o $@
 
-$(BUILD)/tests/%.o: tests/%.cpp $(HEADERS) $(TEST_HEADERS)
+$(BUILD)/tests/%.o: tests/%.cpp $(HEADERS) $(TEST_HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(TESTFLAGS) -I. -c $< -o $@
 
@@ -96,7 +101,7 @@ SHIM_FLAGS := -I$(CUDA_HOME)/include
 $(BUILD)/shim/cuda_shim_backend.o: tests/cuda_shim_backend.cpp tests/cuda_shim.h $(CUDA_SRC) $(HEADERS)
 	@mkdir -p $(dir $@)
 	$(CXX) $(CXXFLAGS) $(SHIM_FLAGS) -I. -c $< -o $@
-$(BUILD)/shim/%.o: tests/%.cpp tests/cuda_shim.h $(HEADERS) $(TEST_HEADERS)
+$(BUILD)/shim/%.o: tests/%.cpp tests/cuda_shim.h $(HEADERS) $(TEST_HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(TESTFLAGS) $(SHIM_FLAGS) -I. -c $< -o $@
 $(BUILD)/test-cuda-shim: $(SHIM_OBJ:%=$(BUILD)/%) $(BUILD)/libqlora.a
@@ -177,7 +182,7 @@ portable-half-1 portable-half-2: portable-half-%: portable-build $(ROOT_TOOLS)
 # Sanitizer build in its own tree; same sources, same tests (the shim suite too). -g1: line
 # tables only (file:line in every report) - a third less compile time than -g.
 SAN := $(BUILD)/san
-$(SAN)/%.o: %.cpp $(HEADERS)
+$(SAN)/%.o: %.cpp $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(SANFLAGS) -I. -c $< -o $@
 
@@ -185,7 +190,7 @@ $(SAN)/%.o: %.cpp $(HEADERS)
 # test_ops.cpp: its double references run 3-4x slower at -O0 than the compile saves
 SAN_TESTFLAGS = $(subst -O1,-O0,$(SANFLAGS))
 $(SAN)/tests/test_ops.o: SAN_TESTFLAGS = $(SANFLAGS)
-$(SAN)/tests/%.o: tests/%.cpp $(HEADERS) $(TEST_HEADERS)
+$(SAN)/tests/%.o: tests/%.cpp $(HEADERS) $(TEST_HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(SAN_TESTFLAGS) -I. -c $< -o $@
 

@@ -1,0 +1,101 @@
+// A fresh machine: what the README's two commands do when the Debian headers the build needs
+// (libstb-dev, doctest-dev) are missing. tools/deps.sh is run with QL_DEPS_INCLUDE pointing at an
+// empty folder (what a fresh machine's /usr/include lacks) and QL_DEPS_UID as a user or as root,
+// with a stand-in apt-get on PATH that records what it was asked.
+#include "util.h"
+
+#include <doctest/doctest.h>
+
+#include <string>
+
+namespace {
+
+std::string deps_script() { return tests_dir() + "../tools/deps.sh"; }
+
+// a folder with the two headers, as libstb-dev and doctest-dev install them
+void make_headers(const std::string &inc) {
+    REQUIRE(system(("mkdir -p " + inc + "/stb " + inc + "/doctest").c_str()) == 0);
+    write_file(inc + "/stb/stb_image_write.h", "/* stand-in */\n");
+    write_file(inc + "/doctest/doctest.h", "/* stand-in */\n");
+}
+
+// a stand-in apt-get: logs its arguments; `install` creates the headers (or fails with fail=1)
+void make_apt(const tmpdir &d, const std::string &inc, bool fail) {
+    REQUIRE(system(("mkdir -p " + d.file("bin")).c_str()) == 0);
+    const std::string script = "#!/bin/sh\necho \"$@\" >> " + d.file("apt.log") + "\n" +
+                               (fail ? std::string("[ \"$1\" = install ] && exit 100\n")
+                                     : "if [ \"$1\" = install ]; then mkdir -p " + inc + "/stb " + inc + "/doctest; : > " + inc +
+                                           "/stb/stb_image_write.h; : > " + inc + "/doctest/doctest.h; fi\n") +
+                               "exit 0\n";
+    write_file(d.file("bin/apt-get"), script);
+    REQUIRE(chmod(d.file("bin/apt-get").c_str(), 0755) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("fresh machine: tools/deps.sh installs the headers as root, else names the one command") {
+    tmpdir d;
+    const std::string inc = d.file("include");
+    REQUIRE(system(("mkdir -p " + inc).c_str()) == 0);
+    std::string out;
+
+    SUBCASE("a user without root: stops at once with the one command, and the exit code says so") {
+        make_apt(d, inc, false);
+        const std::string env = "PATH=" + d.file("bin") + ":/usr/bin:/bin QL_DEPS_INCLUDE=" + inc + " QL_DEPS_UID=1000 ";
+        CHECK(run(env + "sh " + deps_script(), &out) == 1);
+        CHECK(has(out, "deps: missing libstb-dev doctest-dev; install with: sudo apt-get install libstb-dev doctest-dev\n"));
+        CHECK(std::count(out.begin(), out.end(), '\n') == 1);
+        CHECK_FALSE(exists(d.file("apt.log")));  // nothing was asked of apt
+    }
+    SUBCASE("only doctest missing: only doctest named") {
+        make_headers(inc);
+        REQUIRE(remove((inc + "/doctest/doctest.h").c_str()) == 0);
+        CHECK(run("QL_DEPS_INCLUDE=" + inc + " QL_DEPS_UID=1000 sh " + deps_script(), &out) == 1);
+        CHECK(has(out, "install with: sudo apt-get install doctest-dev\n"));
+        CHECK_FALSE(has(out, "libstb-dev"));
+    }
+    SUBCASE("root with apt-get: updates, installs what is missing, exits 0") {
+        make_apt(d, inc, false);
+        const std::string env = "PATH=" + d.file("bin") + ":/usr/bin:/bin QL_DEPS_INCLUDE=" + inc + " QL_DEPS_UID=0 ";
+        CHECK(run(env + "sh " + deps_script(), &out) == 0);
+        CHECK(has(out, "deps: installing libstb-dev doctest-dev"));
+        const std::string log = read_file(d.file("apt.log"));
+        CHECK(has(log, "update"));
+        CHECK(has(log, "install -y -qq --no-install-recommends libstb-dev doctest-dev"));
+        CHECK(exists(inc + "/stb/stb_image_write.h"));
+        // a second run finds them and is silent
+        CHECK(run(env + "sh " + deps_script(), &out) == 0);
+        CHECK(out.empty());
+    }
+    SUBCASE("root, but apt-get fails: exit 1 with the reason") {
+        make_apt(d, inc, true);
+        const std::string env = "PATH=" + d.file("bin") + ":/usr/bin:/bin QL_DEPS_INCLUDE=" + inc + " QL_DEPS_UID=0 ";
+        CHECK(run(env + "sh " + deps_script(), &out) == 1);
+        CHECK(has(out, "deps: apt-get could not install libstb-dev doctest-dev"));
+    }
+    SUBCASE("everything there: silent, exit 0") {
+        make_headers(inc);
+        CHECK(run("QL_DEPS_INCLUDE=" + inc + " QL_DEPS_UID=1000 sh " + deps_script(), &out) == 0);
+        CHECK(out.empty());
+    }
+}
+
+TEST_CASE("fresh machine: make demo and make test stop before compiling anything, with the one command") {
+    // make in a build tree of its own, as a user on a machine without the headers: the first
+    // thing make runs is tools/deps.sh, and nothing is compiled after its refusal
+    if (!exists("Makefile") || system("command -v make >/dev/null 2>&1") != 0) {
+        MESSAGE("skipped: not run from the repository root with make (cmake runs the suite from its build folder)");
+        return;
+    }
+    tmpdir d;
+    REQUIRE(system(("mkdir -p " + d.file("include")).c_str()) == 0);
+    for (const char *goal : {"demo", "test"}) {
+        std::string out;
+        const std::string cmd = "MAKEFLAGS= QL_DEPS_INCLUDE=" + d.file("include") + " QL_DEPS_UID=1000 make --no-print-directory BUILD=" +
+                                d.file("build") + " " + goal;
+        CHECK(run(cmd, &out) != 0);
+        CHECK_MESSAGE(has(out, "install with: sudo apt-get install libstb-dev doctest-dev"), out);
+        CHECK_MESSAGE(!has(out, "-c "), out);  // no compile started
+        CHECK_FALSE(exists(d.file("build/qlora.o")));
+    }
+}
