@@ -12,15 +12,17 @@ static bool hparams_ok(ql_context *ctx, const ql_llama_hparams &hp) {
     const char *why = nullptr;
     if (hp.n_vocab <= 0 || hp.n_embd <= 0 || hp.n_layer <= 0 || hp.n_head <= 0 || hp.n_head_kv <= 0 || hp.n_ff <= 0)
         why = "every size must be positive";
-    else if (hp.n_embd % hp.n_head != 0)
-        why = "n_embd must be a multiple of n_head";
+    else if (hp.n_embd_head < 0 || hp.n_embd_head > 512)
+        why = "the head dimension must be from 1 to 512 (0: n_embd / n_head)";
+    else if (hp.n_embd_head == 0 && hp.n_embd % hp.n_head != 0)
+        why = "n_embd must be a multiple of n_head (or the head dimension given)";
     else if (hp.n_head % hp.n_head_kv != 0)
         why = "n_head must be a multiple of n_head_kv";
     else if (hp.head_dim() % 2 != 0)
         why = "the head dimension must be even (rope rotates pairs)";
     if (!why) return true;
-    ql_ctx_set_error(ctx, QL_ERR_INVALID, "llama: bad hyper-parameters: %s (vocab %d, embd %d, layers %d, heads %d/%d, ff %d)",
-                     why, hp.n_vocab, hp.n_embd, hp.n_layer, hp.n_head, hp.n_head_kv, hp.n_ff);
+    ql_ctx_set_error(ctx, QL_ERR_INVALID, "llama: bad hyper-parameters: %s (vocab %d, embd %d, layers %d, heads %d/%d, head dim %d, ff %d)",
+                     why, hp.n_vocab, hp.n_embd, hp.n_layer, hp.n_head, hp.n_head_kv, hp.n_embd_head, hp.n_ff);
     return false;
 }
 
@@ -448,8 +450,23 @@ ql_llama_file *ql_llama_load(const char *path, char *err, size_t err_size) {
         ql_gguf_tensor_ne(g, it, ne);
         hp.n_vocab = (int)ne[1];
     }
+    // the head size: llama.cpp's key_length and value_length (Mistral-Nemo, Qwen3: n_head * head
+    // size need not be n_embd); absent, n_embd / n_head. One size serves q, k and v here.
+    const bool has_kl = ql_gguf_find_kv(g, (L.arch + ".attention.key_length").c_str()) >= 0,
+               has_vl = ql_gguf_find_kv(g, (L.arch + ".attention.value_length").c_str()) >= 0;
+    if (!L.failed && (has_kl || has_vl)) {
+        const int64_t hd0 = hp.n_head > 0 ? hp.n_embd / hp.n_head : 0;
+        const int64_t kl = L.key_int("attention.key_length", hd0, false), vl = L.key_int("attention.value_length", kl, false);
+        if (!L.failed && kl != vl)
+            L.fail("%s.attention.value_length %lld differs from %s.attention.key_length %lld: keys and values of different "
+                   "head sizes are not supported", L.arch.c_str(), (long long)vl, L.arch.c_str(), (long long)kl);
+        else if (!L.failed && (kl <= 0 || kl > 512 || kl % 2))
+            L.fail("%s.attention.key_length %lld: an even head size from 2 to 512 expected", L.arch.c_str(), (long long)kl);
+        hp.n_embd_head = (int)kl;
+    }
     if (!L.failed && (hp.n_embd <= 0 || hp.n_layer <= 0 || hp.n_head <= 0 || hp.n_head_kv <= 0 || hp.n_ff <= 0 ||
-                      hp.n_embd % hp.n_head != 0 || hp.n_head % hp.n_head_kv != 0 || hp.n_layer > 4096))
+                      (hp.n_embd_head == 0 && hp.n_embd % hp.n_head != 0) || hp.n_head % hp.n_head_kv != 0 ||
+                      hp.n_layer > 4096))
         L.fail("inconsistent hyper-parameters (embd %d, layers %d, heads %d/%d, ff %d)", hp.n_embd, hp.n_layer, hp.n_head,
                hp.n_head_kv, hp.n_ff);
     // a NaN or negative epsilon, a zero rope base: every output would be nan - refused here, not printed as "nan" later

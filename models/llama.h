@@ -25,7 +25,10 @@ struct ql_llama_hparams {
     float norm_eps  = 1e-5f;
     float rope_base = 10000.0f;
     int   rope_mode = QL_ROPE_NORMAL;
-    int   head_dim() const { return n_embd / n_head; }
+    // the size of a head (<arch>.attention.key_length, = value_length); 0: n_embd / n_head.
+    // Set, n_head * head_dim may differ from n_embd (Mistral-Nemo: 32 x 128 over 5120).
+    int   n_embd_head = 0;
+    int   head_dim() const { return n_embd_head > 0 ? n_embd_head : n_embd / n_head; }
 };
 
 struct ql_llama_layer {
@@ -65,7 +68,7 @@ struct ql_llama {
     ql_tensor *tok_embd = nullptr;  // [n_embd, n_vocab]
     ql_tensor *out_norm = nullptr;  // [n_embd]
     ql_tensor *output   = nullptr;  // [n_embd, n_vocab]; == tok_embd when tied
-    ql_tensor *rope_freqs = nullptr;  // optional [head_dim/2] (Llama 3.1)
+    ql_tensor *rope_freqs = nullptr;  // optional [n_rot/2] (Llama 3.1)
     std::vector<ql_llama_layer> layers;
 };
 

@@ -404,7 +404,10 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
     auto gnum = [](double x) { char b[32]; snprintf(b, sizeof b, "%g", x); return std::string(b); };
     if (why.empty() && !(eps > 0 && eps < 1)) why = "rms_norm_eps is " + gnum(eps) + " (above 0, below 1)";
     if (why.empty() && !(theta > 1 && theta <= 1e12)) why = "rope_theta is " + gnum(theta) + " (above 1, at most 1e12)";
-    if (why.empty() && (H % HKV || hd * H != E))
+    // an explicit head_dim may make H * head_dim differ from hidden_size (Mistral-Nemo, Qwen3's shapes)
+    const bool hd_given = cfg.get("head_dim") && cfg.get("head_dim")->kind == ql_json::NUM;
+    if (why.empty() && hd_given && (hd % 2 || hd > 512)) why = "head_dim is " + std::to_string(hd) + " (an even size up to 512)";
+    if (why.empty() && (H % HKV || (!hd_given && hd * H != E)))
         why = "inconsistent sizes: " + std::to_string(H) + " heads of " + std::to_string(hd) + " (head_dim) for hidden_size " +
               std::to_string(E) + ", " + std::to_string(HKV) + " key/value heads";
     if (!why.empty()) {
@@ -621,6 +624,10 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
     ql_gguf_set_f32(w, key("attention.layer_norm_rms_epsilon").c_str(), (float)eps);
     ql_gguf_set_f32(w, key("rope.freq_base").c_str(), (float)theta);
     ql_gguf_set_u32(w, key("rope.dimension_count").c_str(), (uint32_t)hd);
+    if (hd * H != E) {  // llama.cpp's head size keys; absent, readers take hidden_size / heads
+        ql_gguf_set_u32(w, key("attention.key_length").c_str(), (uint32_t)hd);
+        ql_gguf_set_u32(w, key("attention.value_length").c_str(), (uint32_t)hd);
+    }
     ql_gguf_set_u32(w, key("vocab_size").c_str(), (uint32_t)V);
     if (!hf_tokenizer(dir, cfg, w, &why)) {
         fprintf(stderr, "convert: %s\n", why.c_str());

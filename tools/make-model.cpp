@@ -1,6 +1,6 @@
 // tools/make-model - a random-initialised llama in GGUF, for benchmarks, tests and the demo.
 //
-//   ./make-model -o model.gguf [--dim 288] [--layers 6] [--heads 6] [--kv-heads 6] [--ff 768]
+//   ./make-model -o model.gguf [--dim 288] [--layers 6] [--heads 6] [--kv-heads 6] [--head-dim N] [--ff 768]
 //                [--vocab 512] [--ctx 1024] [--type f32|f16|bf16|nf4|q8_0|q4_0|...|q6_K|iq4_xs] [--seed 1] [--std 0.02]
 //                [--embd-type f32] [--output-type f32] [--threads 1]
 //
@@ -35,7 +35,7 @@
 
 static int usage(const char *argv0) {
     fprintf(stderr,
-            "usage: %s -o model.gguf [--dim N] [--layers N] [--heads N] [--kv-heads N] [--ff N] [--vocab N] [--ctx N]\n"
+            "usage: %s -o model.gguf [--dim N] [--layers N] [--heads N] [--kv-heads N] [--head-dim N] [--ff N] [--vocab N] [--ctx N]\n"
             "       [--type f32|f16|bf16|nf4|q8_0|q4_0|...|q6_K|iq4_xs] [--seed S] [--std X] [--embd-type T] [--output-type T]\n"
             "       [--threads N]  (N > 1: faster, other random values - the same for any N > 1)\n",
             argv0);
@@ -148,7 +148,7 @@ static bool fill_tensor(void *arg, void *dst, size_t size) {
 int main(int argc, char **argv) {
     const auto t0 = std::chrono::steady_clock::now();
     const char *out = nullptr, *type_name = "f32", *embd_name = "f32", *output_name = "f32";
-    long dim = 288, layers = 6, heads = 6, kv_heads = -1, ff = 768, vocab = 512, ctx_len = 1024, seed = 1, threads = 1;
+    long dim = 288, layers = 6, heads = 6, kv_heads = -1, head_dim = 0, ff = 768, vocab = 512, ctx_len = 1024, seed = 1, threads = 1;
     double std_dev = 0.02;
     for (int i = 1; i < argc; i++) {
         const std::string a = argv[i];
@@ -170,6 +170,7 @@ int main(int argc, char **argv) {
         else if (a == "--layers") num(&layers, 1, 1024);
         else if (a == "--heads") num(&heads, 1, 1024);
         else if (a == "--kv-heads") num(&kv_heads, 1, 1024);
+        else if (a == "--head-dim") num(&head_dim, 2, 512);
         else if (a == "--ff") num(&ff, 1, 1 << 18);
         else if (a == "--vocab") num(&vocab, 259 + 95, 1 << 20);
         else if (a == "--ctx") num(&ctx_len, 1, 1 << 24);
@@ -220,6 +221,7 @@ int main(int argc, char **argv) {
     hp.n_head = (int)heads;
     hp.n_head_kv = (int)kv_heads;
     hp.n_ff = (int)ff;
+    hp.n_embd_head = (int)head_dim;
     // the shapes and names only: the values are made as each tensor is written
     ql_init_params ip = {(size_t)(layers * 16 + 16) * ql_tensor_overhead(), nullptr, true, false};
     ql_context *ctx = ql_init(ip);
@@ -241,6 +243,10 @@ int main(int argc, char **argv) {
     ql_gguf_set_u32(w, "llama.feed_forward_length", (uint32_t)ff);
     ql_gguf_set_u32(w, "llama.attention.head_count", (uint32_t)heads);
     ql_gguf_set_u32(w, "llama.attention.head_count_kv", (uint32_t)kv_heads);
+    if (head_dim > 0) {  // heads * head_dim need not be dim (Mistral-Nemo's shape)
+        ql_gguf_set_u32(w, "llama.attention.key_length", (uint32_t)head_dim);
+        ql_gguf_set_u32(w, "llama.attention.value_length", (uint32_t)head_dim);
+    }
     ql_gguf_set_f32(w, "llama.attention.layer_norm_rms_epsilon", 1e-5f);
     ql_gguf_set_f32(w, "llama.rope.freq_base", 10000.0f);
     write_vocab(w, (int)vocab);
@@ -269,8 +275,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "make-model: %s\n", err);
         return 1;
     }
-    printf("make-model: %s: dim %ld, %ld layers, %ld/%ld heads, ffn %ld, vocab %ld, %s linear weights, embedding %s, output %s "
-           "(%.2f s)\n", out, dim, layers, heads, kv_heads, ff, vocab, ql_type_name(wtype), ql_type_name(etype), ql_type_name(otype),
-           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    printf("make-model: %s: dim %ld, %ld layers, %ld/%ld heads of %d, ffn %ld, vocab %ld, %s linear weights, embedding %s, output %s "
+           "(%.2f s)\n", out, dim, layers, heads, kv_heads, hp.head_dim(), ff, vocab, ql_type_name(wtype), ql_type_name(etype),
+           ql_type_name(otype), std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     return 0;
 }
