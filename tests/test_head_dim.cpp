@@ -360,6 +360,13 @@ TEST_CASE("head_dim: LoRA on q/k/v/o trains (gradients as finite differences, th
         ql_lora_adapter_free(ad);
         ql_llama_file_free(g);
     }
+    // merged (f16 where merged): the base's keys carried over, so it loads with its heads of 32
+    REQUIRE_MESSAGE(ql_llama_save_merged(d.file("merged.gguf").c_str(), *f, ql_trainer_model(t), &err), err);
+    ql_llama_file *mg = ql_llama_load(d.file("merged.gguf").c_str(), cerr, sizeof(cerr));
+    REQUIRE_MESSAGE(mg, cerr);
+    CHECK(mg->model.hp.head_dim() == 32);
+    CHECK(rel_err(logits_of(mg->model, toks), trained) < 1e-2);  // (f16 rounding of the merged weights)
+    ql_llama_file_free(mg);
     ql_trainer_free(t);
     ql_llama_file_free(f);
 }
