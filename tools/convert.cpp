@@ -17,10 +17,13 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
+#include <climits>
 #include <cmath>
 #include <functional>
 #include <tuple>
+#include <unordered_set>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -190,6 +193,24 @@ static int convert_tiktoken(const char *path, const char *pre, const char *out) 
 // Qwen2ForCausalLM (arch "qwen2": neox rope, rows as they are, q/k/v biases): the same keys and
 // tensor names, written from the formats' description. Tensors stream from one shard at a time.
 
+// a safetensors dtype's element size (the reader admits F32, F16, BF16 and U8 only)
+static size_t st_dtype_size(const std::string &d) { return d == "F32" ? 4 : d == "U8" ? 1 : 2; }
+
+// a shape's element count; false when a dimension is negative or the product passes 2^62
+// (a zero dimension makes it 0 whatever the others are)
+static bool st_count(const std::vector<int64_t> &shape, int64_t *n) {
+    int64_t c = 1;
+    for (int64_t d : shape)
+        if (d == 0) {
+            *n = 0;
+            return true;
+        }
+    for (int64_t d : shape)
+        if (d < 0 || __builtin_mul_overflow(c, d, &c) || c > ((int64_t)1 << 62)) return false;
+    *n = c;
+    return true;
+}
+
 struct hf_tensor {
     std::string gguf_name;
     size_t shard = 0;
@@ -228,8 +249,10 @@ static bool hf_fill_bnb(hf_source &s, const hf_tensor &t, void *dst) {
     const ql_st_tensor *na = t.nested ? find(t.hf_name + ".nested_absmax") : nullptr,
                        *nq = t.nested ? find(t.hf_name + ".nested_quant_map") : nullptr;
     if (!w || !am || !qm || (t.nested && (!na || !nq))) return false;
-    auto count = [](const ql_st_tensor *x) { int64_t c = 1; for (int64_t d : x->shape) c *= d; return c; };
-    if (w->dtype != "U8" || count(w) != (n + 1) / 2 || qm->dtype != "F32" || count(qm) != 16 || count(am) != nb ||
+    auto count = [](const ql_st_tensor *x) { int64_t c = -1; return st_count(x->shape, &c) ? c : -1; };
+    auto bytes = [&](const ql_st_tensor *x) { const int64_t c = count(x); return c < 0 ? -1 : c * (int64_t)st_dtype_size(x->dtype); };
+    // (the packed codes may be stored as any dtype: bnb_4bit_quant_storage=bfloat16 keeps them in BF16 elements)
+    if (bytes(w) != (n + 1) / 2 || qm->dtype != "F32" || count(qm) != 16 || count(am) != nb ||
         am->dtype != (t.nested ? "U8" : "F32") || (t.nested && (na->dtype != "F32" || count(na) != ng || nq->dtype != "F32" || count(nq) != 256))) {
         s.err = t.hf_name + ": the bitsandbytes arrays do not fit its quant_state (shape, dtypes)";
         return false;
@@ -356,6 +379,10 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
         fprintf(stderr, "convert: %s\n", why.c_str());
         return 1;
     }
+    if (cfg.kind != ql_json::OBJ) {
+        fprintf(stderr, "convert: %s/config.json: is %s, not a JSON object of the model's settings\n", dir_c, ql_json_kind_name(cfg.kind));
+        return 1;
+    }
     const ql_json *archs = cfg.get("architectures");
     const std::string arch_hf = archs && archs->kind == ql_json::ARR && !archs->items.empty() ? archs->items[0].str : "";
     const bool qwen2 = arch_hf == "Qwen2ForCausalLM";
@@ -378,10 +405,19 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
             why = std::string("no number '") + key + "'";
         return def;
     };
-    const int64_t E = (int64_t)num("hidden_size", 0, true), L = (int64_t)num("num_hidden_layers", 0, true),
-                  H = (int64_t)num("num_attention_heads", 0, true), F = (int64_t)num("intermediate_size", 0, true),
-                  V = (int64_t)num("vocab_size", 0, true);
-    const int64_t HKV = (int64_t)num("num_key_value_heads", (double)H, false);
+    // a size: a whole number from 1 to 2^30 (32.5 is not truncated, 1e30 not cast), as written in the message
+    auto size = [&](const char *key, int64_t def, bool required) -> int64_t {
+        const ql_json *v = cfg.get(key);
+        const double x = num(key, (double)def, required);
+        if (!why.empty()) return 0;
+        const std::string as_written = v && v->kind == ql_json::NUM ? v->str : std::to_string(def);
+        if (x != std::floor(x)) why = std::string(key) + " is " + as_written + " (a whole number)";
+        else if (!(x >= 1 && x <= (double)((int64_t)1 << 30))) why = std::string(key) + " is " + as_written + " (a size from 1 to 2^30)";
+        return why.empty() ? (int64_t)x : 0;
+    };
+    const int64_t E = size("hidden_size", 0, true), L = size("num_hidden_layers", 0, true), H = size("num_attention_heads", 0, true),
+                  F = size("intermediate_size", 0, true), V = size("vocab_size", 0, true);
+    const int64_t HKV = size("num_key_value_heads", H, false);
     const int64_t hd = (int64_t)num("head_dim", H > 0 ? (double)(E / H) : 0, false);
     // transformers 5 writes rope_parameters (theta and scaling together); 4.x rope_theta and rope_scaling
     const ql_json *rp = cfg.get("rope_parameters");
@@ -389,7 +425,7 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
     const ql_json *rp_theta = rp ? rp->get("rope_theta") : nullptr;
     const double eps = num("rms_norm_eps", 1e-6, false),
                  theta = rp_theta && rp_theta->kind == ql_json::NUM ? rp_theta->num() : num("rope_theta", 10000.0, false);
-    const int64_t ctx = (int64_t)num("max_position_embeddings", 2048, false);
+    const int64_t ctx = size("max_position_embeddings", 2048, false);
     const ql_json *tie = cfg.get("tie_word_embeddings");
     const bool tied = tie && tie->kind == ql_json::BOOL && tie->b;
     // each size and value by name, so that the message says which (and no GGUF is written that
@@ -446,6 +482,15 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
             }
         }
     }
+    if (const ql_json *qc = cfg.get("quantization_config")) {  // bitsandbytes' other 4-bit code: refused by name, not as a shape
+        const ql_json *qt = qc->get("bnb_4bit_quant_type");
+        const ql_json *l4 = qc->get("load_in_4bit") ? qc->get("load_in_4bit") : qc->get("_load_in_4bit");
+        if (qt && qt->kind == ql_json::STR && qt->str != "nf4" && l4 && l4->kind == ql_json::BOOL && l4->b) {
+            fprintf(stderr, "convert: %s/config.json: bitsandbytes 4-bit type '%s' is not supported: only nf4\n", dir_c,
+                    ql_printable(qt->str).c_str());
+            return 1;
+        }
+    }
     ql_type wtype = QL_TYPE_COUNT;
     for (int t = 0; t < QL_TYPE_COUNT; t++) {
         const ql_type_traits *tt = ql_type_traits_get((ql_type)t);
@@ -457,22 +502,46 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
     }
 
     // the shards: model.safetensors, or those model.safetensors.index.json's weight_map names
+    // (files inside DIR only: no absolute path, no '..', no link that leads out of it)
     hf_source src;
-    std::vector<std::pair<std::string, size_t>> where;  // HF tensor name -> shard
+    std::vector<std::pair<std::string, size_t>> where;  // HF tensor name -> shard, as the index says
     struct stat sb;
-    if (stat((dir + "/model.safetensors.index.json").c_str(), &sb) == 0) {
+    const std::string index = dir + "/model.safetensors.index.json";
+    const bool indexed = stat(index.c_str(), &sb) == 0;
+    if (indexed) {
         ql_json idx;
-        if (!read_json_file(dir + "/model.safetensors.index.json", &idx, &why)) {
+        if (!read_json_file(index, &idx, &why)) {
             fprintf(stderr, "convert: %s\n", why.c_str());
             return 1;
         }
-        const ql_json *wm = idx.get("weight_map");
+        const ql_json *wm = idx.kind == ql_json::OBJ ? idx.get("weight_map") : nullptr;
         if (!wm || wm->kind != ql_json::OBJ) {
-            fprintf(stderr, "convert: %s/model.safetensors.index.json: no weight_map object\n", dir_c);
+            fprintf(stderr, "convert: %s: no weight_map object\n", index.c_str());
             return 1;
         }
+        char dir_real[PATH_MAX];
+        const bool have_real = realpath(dir_c, dir_real) != nullptr;
         for (size_t k = 0; k < wm->keys.size(); k++) {
-            const std::string file = dir + "/" + wm->items[k].str;
+            const ql_json &f = wm->items[k];
+            const std::string &rel = f.str;
+            std::string bad;
+            if (f.kind != ql_json::STR || rel.empty()) bad = "is not a file name";
+            else if (rel[0] == '/') bad = "is an absolute path";
+            else if (rel == ".." || rel.rfind("../", 0) == 0 || rel.find("/../") != std::string::npos ||
+                     (rel.size() >= 3 && rel.compare(rel.size() - 3, 3, "/..") == 0))
+                bad = "leads out of the folder ('..')";
+            if (bad.empty() && have_real) {  // a symbolic link out of DIR
+                char real[PATH_MAX];
+                const std::string top = std::string(dir_real) + "/";
+                if (realpath((dir + "/" + rel).c_str(), real) && std::string(real).rfind(top, 0) != 0)
+                    bad = std::string("leads out of the folder (to ") + real + ")";
+            }
+            if (!bad.empty()) {
+                fprintf(stderr, "convert: %s: weight_map puts %s in '%s', which %s: shards must be files in %s\n", index.c_str(),
+                        ql_printable(wm->keys[k]).c_str(), ql_printable(rel).c_str(), bad.c_str(), dir_c);
+                return 1;
+            }
+            const std::string file = dir + "/" + rel;
             size_t s = std::find(src.shards.begin(), src.shards.end(), file) - src.shards.begin();
             if (s == src.shards.size()) src.shards.push_back(file);
             where.push_back({wm->keys[k], s});
@@ -480,9 +549,27 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
     } else {
         src.shards.push_back(dir + "/model.safetensors");
     }
+    {  // no output over a file this reads (before reading the weights)
+        std::vector<std::string> inputs = src.shards;
+        for (const char *f : {"/config.json", "/model.safetensors.index.json", "/tokenizer.json", "/tokenizer.model", "/tokenizer_config.json"})
+            inputs.push_back(dir + f);
+        for (const std::string &in : inputs) {
+            std::string owhy;
+            if (const int rc = output_path_why(out, {in.c_str()}, &owhy)) {
+                fprintf(stderr, "convert: %s\n", owhy.c_str());
+                return rc;
+            }
+        }
+    }
     // every shard's table (headers only matter here; the bytes are read again when written)
-    std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;  // name -> PyTorch shape
-    std::vector<std::pair<std::string, std::string>> bnb_states;       // weight name -> its quant_state JSON
+    struct hf_entry {
+        std::string name, dtype;
+        std::vector<int64_t> shape;  // PyTorch order
+        size_t shard;
+    };
+    std::vector<hf_entry> table;
+    std::vector<std::pair<std::string, std::string>> bnb_states;  // weight name -> its quant_state JSON
+    auto shard_name = [&](size_t s) { return src.shards[s].substr(dir.size() + 1); };
     for (size_t s = 0; s < src.shards.size(); s++) {
         std::vector<ql_st_tensor> st;
         std::vector<uint8_t> storage;
@@ -491,29 +578,62 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
             return 1;
         }
         for (const ql_st_tensor &t : st) {
-            shapes.push_back({t.name, t.shape});
-            const std::string tag = ".quant_state.bitsandbytes__nf4";
-            if (t.dtype == "U8" && t.name.size() > tag.size() && t.name.compare(t.name.size() - tag.size(), tag.size(), tag) == 0) {
-                size_t n = 1;
-                for (int64_t d : t.shape) n *= (size_t)d;
-                bnb_states.push_back({t.name.substr(0, t.name.size() - tag.size()), std::string((const char *)t.data, n)});
+            for (const hf_entry &e : table)
+                if (e.name == t.name) {
+                    fprintf(stderr, "convert: %s: tensor %s is in both %s and %s\n", dir_c, ql_printable(t.name).c_str(),
+                            shard_name(e.shard).c_str(), shard_name(s).c_str());
+                    return 1;
+                }
+            if (indexed) {  // the index must say where each tensor is: one clause when it does not
+                size_t named = (size_t)-1;
+                for (const auto &x : where)
+                    if (x.first == t.name) named = x.second;
+                if (named != s) {
+                    fprintf(stderr, "convert: %s: weight_map %s%s, but it is in %s\n", index.c_str(),
+                            named == (size_t)-1 ? "does not name " : "puts ", (ql_printable(t.name) + (named == (size_t)-1 ? "" : " in " + shard_name(named))).c_str(),
+                            shard_name(s).c_str());
+                    return 1;
+                }
             }
-            if (src.shards.size() == 1) where.push_back({t.name, 0});
+            table.push_back({t.name, t.dtype, t.shape, s});
+            for (const char *kind : {"nf4", "fp4"}) {
+                const std::string tag = std::string(".quant_state.bitsandbytes__") + kind;
+                if (t.dtype != "U8" || t.name.size() <= tag.size() || t.name.compare(t.name.size() - tag.size(), tag.size(), tag) != 0)
+                    continue;
+                const std::string weight = t.name.substr(0, t.name.size() - tag.size());
+                if (!strcmp(kind, "fp4")) {
+                    fprintf(stderr, "convert: %s: %s: bitsandbytes fp4 4-bit weights are not supported: only nf4\n", dir_c, weight.c_str());
+                    return 1;
+                }
+                int64_t n = 0;
+                if (!st_count(t.shape, &n) || n > (1 << 20)) n = 1 << 20;  // (a quant_state is a short JSON text)
+                bnb_states.push_back({weight, std::string((const char *)t.data, (size_t)n)});
+            }
         }
     }
-    auto shape_of = [&](const std::string &n) -> const std::vector<int64_t> * {
-        for (const auto &x : shapes)
-            if (x.first == n) return &x.second;
+    auto entry_of = [&](const std::string &n) -> const hf_entry * {
+        for (const hf_entry &e : table)
+            if (e.name == n) return &e;
         return nullptr;
     };
-    auto shard_of = [&](const std::string &n) -> size_t {
-        for (const auto &x : where)
-            if (x.first == n) return x.second;
-        return (size_t)-1;
-    };
+    // num_hidden_layers against the layers the files hold, before 9 names a layer are made
+    int64_t layers_held = 0;
+    for (const hf_entry &e : table) {
+        const char *p = "model.layers.";
+        if (e.name.compare(0, strlen(p), p) != 0) continue;
+        int64_t l = 0;
+        size_t i = strlen(p);
+        while (i < e.name.size() && isdigit((unsigned char)e.name[i]) && l < ((int64_t)1 << 31)) l = l * 10 + (e.name[i++] - '0');
+        if (i > strlen(p) && i < e.name.size() && e.name[i] == '.') layers_held = std::max(layers_held, l + 1);
+    }
+    if (layers_held > 0 && L > layers_held) {  // (none at all: the tensors' own messages below, the embedding's first)
+        fprintf(stderr, "convert: %s/config.json: num_hidden_layers is %lld, but the weights hold %lld layer%s\n", dir_c, (long long)L,
+                (long long)layers_held, layers_held == 1 ? "" : "s");
+        return 1;
+    }
     // GGUF names in llama.cpp's order, with the HF tensor each comes from
     std::vector<std::tuple<std::string, std::string, int>> want = {{"token_embd.weight", "model.embed_tokens.weight", 0}};
-    for (int64_t l = 0; l < L; l++) {
+    for (int64_t l = 0; l < std::min(L, layers_held + 1); l++) {
         const std::string b = "blk." + std::to_string(l) + ".", h = "model.layers." + std::to_string(l) + ".";
         want.push_back({b + "attn_norm.weight", h + "input_layernorm.weight", 0});
         want.push_back({b + "attn_q.weight", h + "self_attn.q_proj.weight", qwen2 ? 0 : (int)H});
@@ -529,9 +649,35 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
         want.push_back({b + "ffn_down.weight", h + "mlp.down_proj.weight", 0});
     }
     want.push_back({"output_norm.weight", "model.norm.weight", 0});
-    if (!tied && shape_of("lm_head.weight")) want.push_back({"output.weight", "lm_head.weight", 0});
+    if (!tied && entry_of("lm_head.weight")) want.push_back({"output.weight", "lm_head.weight", 0});
+    // a bitsandbytes weight's arrays against its quant_state's shape, before anything is sized by it:
+    // the codes (any dtype: bnb_4bit_quant_storage may be bfloat16), absmax, the maps, all in its shard
+    auto bnb_arrays_why = [&](const hf_entry &wt, int64_t n, bool nested) -> std::string {
+        const int64_t nb = (n + 63) / 64, ng = (nb + 255) / 256;
+        struct part {
+            const char *sfx, *dtype;
+            int64_t count;
+        };
+        const part parts[] = {{"", nullptr, (n + 1) / 2}, {".absmax", nested ? "U8" : "F32", nb}, {".quant_map", "F32", 16},
+                              {".nested_absmax", "F32", ng}, {".nested_quant_map", "F32", 256}};
+        for (const part &p : parts) {
+            if (!nested && p.sfx[0] && strstr(p.sfx, "nested")) continue;
+            const hf_entry *a = entry_of(wt.name + p.sfx);
+            if (!a) return std::string("no tensor ") + wt.name + p.sfx + " beside it";
+            if (a->shard != wt.shard) return wt.name + p.sfx + " is in " + shard_name(a->shard) + ", not beside it in " + shard_name(wt.shard);
+            int64_t c = 0;
+            if (!st_count(a->shape, &c)) return wt.name + p.sfx + ": its shape's element count overflows";
+            if (!p.dtype) c *= (int64_t)st_dtype_size(a->dtype);  // the codes: bytes, whatever the dtype
+            else if (a->dtype != p.dtype) return wt.name + p.sfx + " is " + a->dtype + ", not " + p.dtype;
+            if (c != p.count)
+                return wt.name + p.sfx + " holds " + std::to_string(c) + (p.dtype ? " values" : " bytes") + ", the shape needs " +
+                       std::to_string(p.count);
+        }
+        return "";
+    };
     for (const auto &x : want) {
-        const std::vector<int64_t> *sh = shape_of(std::get<1>(x));
+        const hf_entry *e = entry_of(std::get<1>(x));
+        const std::vector<int64_t> *sh = e ? &e->shape : nullptr;
         if (!sh || sh->empty() || sh->size() > 2) {
             fprintf(stderr, "convert: %s: %s %s\n", dir_c, std::get<1>(x).c_str(), sh ? "is not 1-D or 2-D" : "is missing");
             return 1;
@@ -539,7 +685,7 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
         hf_tensor t;
         t.gguf_name = std::get<0>(x);
         t.hf_name = std::get<1>(x);
-        t.shard = shard_of(t.hf_name);
+        t.shard = e->shard;
         t.n_dims = (int)sh->size();
         t.ne[0] = sh->back();
         t.ne[1] = sh->size() == 2 ? (*sh)[0] : 1;
@@ -549,26 +695,48 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
             ql_json qs;
             std::string qwhy;
             const ql_json *qt = nullptr, *bs = nullptr, *shp = nullptr, *no = nullptr;
-            if (ql_utf8_invalid_at(b.second) == std::string::npos && ql_json_parse(b.second, QL_JSON_DOCUMENT, &qs, &qwhy)) {
+            if (ql_utf8_invalid_at(b.second) == std::string::npos && ql_json_parse(b.second, QL_JSON_DOCUMENT, &qs, &qwhy) &&
+                qs.kind == ql_json::OBJ) {
                 qt = qs.get("quant_type"), bs = qs.get("blocksize"), shp = qs.get("shape"), no = qs.get("nested_offset");
             }
-            if (!qt || qt->str != "nf4" || !bs || bs->num() != 64 || !shp || shp->items.size() != 2) {
+            if (qt && qt->str == "fp4") {
+                fprintf(stderr, "convert: %s: %s: bitsandbytes fp4 4-bit weights are not supported: only nf4\n", dir_c, t.hf_name.c_str());
+                return 1;
+            }
+            if (!qt || qt->str != "nf4" || !bs || bs->num() != 64 || !shp || shp->kind != ql_json::ARR || shp->items.size() != 2) {
                 fprintf(stderr, "convert: %s: %s: a bitsandbytes state that is not NF4 with blocks of 64 (%s)\n", dir_c, t.hf_name.c_str(),
-                        qt ? qt->str.c_str() : "no quant_type");
+                        qt ? ql_printable(qt->str).c_str() : "no quant_type");
+                return 1;
+            }
+            int64_t rows = 0, cols = 0;
+            if (!shp->items[0].as_int(&rows) || !shp->items[1].as_int(&cols) || rows < 1 || cols < 1 || rows > ((int64_t)1 << 31) ||
+                cols > ((int64_t)1 << 31)) {
+                fprintf(stderr, "convert: %s: %s: quant_state shape [%s, %s] is not two sizes from 1 to 2^31\n", dir_c, t.hf_name.c_str(),
+                        ql_printable(shp->items[0].str).c_str(), ql_printable(shp->items[1].str).c_str());
                 return 1;
             }
             t.bnb = true;
             t.nested = no && no->kind == ql_json::NUM;
+            const std::string bad = bnb_arrays_why(*e, rows * cols, t.nested);
+            if (!bad.empty()) {
+                fprintf(stderr, "convert: %s: %s: its bitsandbytes arrays do not fit its quant_state shape [%lld, %lld]: %s\n", dir_c,
+                        t.hf_name.c_str(), (long long)rows, (long long)cols, bad.c_str());
+                return 1;
+            }
             t.nested_offset = t.nested ? (float)no->num() : 0.0f;
             t.n_dims = 2;
-            t.ne[0] = (int64_t)shp->items[1].num();
-            t.ne[1] = (int64_t)shp->items[0].num();
+            t.ne[0] = cols;
+            t.ne[1] = rows;
             t.type = t.nested && !t.permute_heads ? QL_TYPE_NF4 : QL_TYPE_NF4_NODQ;
             if (t.ne[0] % 2 || (t.permute_heads && t.ne[0] % 64)) {
                 fprintf(stderr, "convert: %s: %s: rows of %lld do not hold whole NF4 blocks (needed to permute its rows)\n", dir_c,
                         t.hf_name.c_str(), (long long)t.ne[0]);
                 return 1;
             }
+        }
+        if (!t.bnb && e->dtype == "U8") {
+            fprintf(stderr, "convert: %s: %s: dtype U8 without a bitsandbytes quant_state\n", dir_c, t.hf_name.c_str());
+            return 1;
         }
         // the block weights in --outtype where their rows fit its blocks; norms, biases, the
         // embedding and the head f32 unless --outtype is a plain float type (as llama.cpp's f16)
@@ -659,8 +827,9 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
             return 1;
         }
     char err[512];
-    if (ql_gguf_write(w, out, err, sizeof(err)) != QL_OK) {
-        fprintf(stderr, "convert: %s%s%s\n", err, src.err.empty() ? "" : ": ", src.err.c_str());
+    if (ql_gguf_write(w, out, err, sizeof(err)) != QL_OK) {  // a tensor's own reason alone, else the writer's
+        if (src.err.empty()) fprintf(stderr, "convert: %s\n", err);
+        else fprintf(stderr, "convert: %s: %s\n", dir_c, src.err.c_str());
         return 1;
     }
     const bool any_bnb = std::any_of(src.tensors.begin(), src.tensors.end(), [](const hf_tensor &t) { return t.bnb; });
@@ -804,10 +973,50 @@ static bool hf_bpe(const std::string &path, const ql_json &tj, int64_t V, ql_ggu
         }
     for (int64_t i = 0; i < V; i++)
         if (!types[(size_t)i]) tokens[(size_t)i] = "[PAD" + std::to_string(i) + "]", types[(size_t)i] = 5;
+    // merges: "a b" (or ["a", "b"]), a, b and ab all in the vocabulary, as tokenizers requires
+    // when it loads the file; one that is not is refused here, not when text is tokenized
+    std::unordered_set<std::string> known(vocab->keys.begin(), vocab->keys.end());
     std::vector<std::string> ms;
-    for (const ql_json &m : merges->items)
-        if (m.kind == ql_json::STR) ms.push_back(m.str);
-        else if (m.kind == ql_json::ARR && m.items.size() == 2) ms.push_back(m.items[0].str + " " + m.items[1].str);
+    for (size_t k = 0; k < merges->items.size(); k++) {
+        const ql_json &m = merges->items[k];
+        std::string a, b, bad;
+        if (m.kind == ql_json::STR) {
+            const size_t sp = m.str.find(' ');
+            if (sp == std::string::npos || sp == 0 || sp + 1 == m.str.size() || m.str.find(' ', sp + 1) != std::string::npos)
+                bad = "is not two tokens separated by one space";
+            else a = m.str.substr(0, sp), b = m.str.substr(sp + 1);
+        } else if (m.kind == ql_json::ARR && m.items.size() == 2 && m.items[0].kind == ql_json::STR && m.items[1].kind == ql_json::STR &&
+                   !m.items[0].str.empty() && !m.items[1].str.empty()) {
+            a = m.items[0].str, b = m.items[1].str;
+        } else {
+            bad = std::string("is ") + (m.kind == ql_json::ARR ? "a list that is not two tokens" : ql_json_kind_name(m.kind)) +
+                  ", not \"a b\" or [\"a\", \"b\"]";
+        }
+        for (const std::string *x : {&a, &b})
+            if (bad.empty() && !known.count(*x)) bad = "has '" + ql_printable(*x) + "', which is not in the vocabulary";
+        if (bad.empty() && !known.count(a + b)) bad = "makes '" + ql_printable(a + b) + "', which is not in the vocabulary";
+        if (!bad.empty()) {
+            *why = path + ": merges entry " + std::to_string(k + 1) + (m.kind == ql_json::STR ? " '" + ql_printable(m.str) + "'" : "") + " " + bad;
+            return false;
+        }
+        ms.push_back(a + " " + b);
+    }
+    {  // a Unicode normalizer (Qwen2's NFC): not applied; say so (text already in that form tokenizes the same)
+        std::string form;
+        std::function<void(const ql_json &)> find_norm = [&](const ql_json &j) {
+            if (j.kind == ql_json::OBJ) {
+                const ql_json *t = j.get("type");
+                if (t && t->kind == ql_json::STR && (t->str == "NFC" || t->str == "NFD" || t->str == "NFKC" || t->str == "NFKD") && form.empty())
+                    form = t->str;
+                if (const ql_json *list = j.get("normalizers"))
+                    for (const ql_json &x : list->items) find_norm(x);
+            }
+        };
+        if (const ql_json *nz = tj.get("normalizer")) find_norm(*nz);
+        if (!form.empty())
+            fprintf(stderr, "convert: warning: %s: its %s normalizer is not applied: text not already in %s may tokenize differently "
+                            "from transformers\n", path.c_str(), form.c_str(), form.c_str());
+    }
     // the pre-tokenizer, recognised by its split pattern
     std::string pattern;
     std::function<void(const ql_json &)> find = [&](const ql_json &j) {

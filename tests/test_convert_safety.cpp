@@ -1,0 +1,379 @@
+// ./convert hf on checkpoints that are hostile, broken or merely unusual: it must never write over
+// what it reads, never open files outside the checkpoint folder, never size anything by a number
+// no data stands behind, and say in one line what is wrong. The checkpoints are copies of
+// tests/golden/hf/ (real save_pretrained output), changed one thing at a time.
+// QL_TOOLS=DIR runs DIR/convert instead of ./convert (to try an older build).
+#include "../models/adapter.h"
+#include "../models/json.h"
+#include "../qlora.h"
+#include "util.h"
+
+#include <doctest/doctest.h>
+
+#include <dirent.h>
+#include <limits.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+std::string convert_bin() {  // absolute, so that a test may run it from another folder
+    const char *d = getenv("QL_TOOLS");
+    const std::string p = d && *d ? std::string(d) + "/convert" : "./convert";
+    char real[PATH_MAX];
+    return realpath(p.c_str(), real) ? std::string(real) : std::string();
+}
+
+bool have_convert() {
+    if (!convert_bin().empty()) return true;
+    MESSAGE("skipped: ./convert is not built (run make)");
+    return false;
+}
+
+// ./convert hf DIR -o OUT, its exit code; stdout and stderr in *log. Memory and time bounded:
+// a converter that sizes a buffer by a forged number fails here instead of taking the machine.
+int convert_hf(const std::string &dir, const std::string &out, std::string *log, const std::string &cd = "") {
+    return run((cd.empty() ? "" : "cd " + cd + " && ") + "ulimit -v 3000000; timeout 60 " + convert_bin() + " hf " + dir + " -o " + out, log);
+}
+
+// a copy of tests/golden/hf/NAME in dst (created)
+void copy_golden(const std::string &name, const std::string &dst) {
+    const std::string src = tests_dir() + "golden/hf/" + name;
+    mkdir(dst.c_str(), 0755);
+    DIR *d = opendir(src.c_str());
+    REQUIRE(d);
+    while (struct dirent *e = readdir(d))
+        if (e->d_name[0] != '.') write_file(dst + "/" + e->d_name, read_file(src + "/" + e->d_name));
+    closedir(d);
+}
+
+// the first `from` in the file replaced by `to` (REQUIREs that it is there)
+void edit_file(const std::string &path, const std::string &from, const std::string &to) {
+    std::string s = read_file(path);
+    const size_t at = s.find(from);
+    REQUIRE_MESSAGE(at != std::string::npos, path, " has no '", from, "'");
+    s.replace(at, from.size(), to);
+    write_file(path, s);
+}
+
+// safetensors written by hand, so that any shape, dtype or size can be tried (the library's
+// writer refuses what is inconsistent)
+struct st_item {
+    std::string name, dtype;
+    std::vector<int64_t> shape;
+    std::string bytes;
+};
+std::vector<st_item> read_st(const std::string &path) {
+    std::vector<ql_st_tensor> ts;
+    std::vector<uint8_t> storage;
+    std::string why;
+    REQUIRE_MESSAGE(ql_safetensors_read(path.c_str(), &ts, &storage, &why), why);
+    std::vector<st_item> out;
+    for (const ql_st_tensor &t : ts) {
+        size_t n = t.dtype == "F32" ? 4 : t.dtype == "U8" ? 1 : 2;
+        for (int64_t d : t.shape) n *= (size_t)d;
+        out.push_back({t.name, t.dtype, t.shape, std::string((const char *)t.data, n)});
+    }
+    return out;
+}
+void write_st(const std::string &path, const std::vector<st_item> &items) {
+    std::string h = "{", data;
+    for (const st_item &t : items) {
+        h += (h.size() > 1 ? "," : "") + ql_json_quote(t.name) + ":{\"dtype\":\"" + t.dtype + "\",\"shape\":[";
+        for (size_t i = 0; i < t.shape.size(); i++) h += (i ? "," : "") + std::to_string(t.shape[i]);
+        h += "],\"data_offsets\":[" + std::to_string(data.size()) + "," + std::to_string(data.size() + t.bytes.size()) + "]}";
+        data += t.bytes;
+    }
+    h += "}";
+    while (h.size() % 8) h += ' ';
+    std::string f(8, '\0');
+    const uint64_t n = h.size();
+    memcpy(&f[0], &n, 8);
+    write_file(path, f + h + data);
+}
+st_item *find_item(std::vector<st_item> &items, const std::string &name) {
+    for (st_item &t : items)
+        if (t.name == name) return &t;
+    return nullptr;
+}
+
+int lines(const std::string &s) { return (int)std::count(s.begin(), s.end(), '\n'); }
+
+}  // namespace
+
+TEST_CASE("convert hf: an output that is a file it reads is refused, and that file is kept") {
+    if (!have_convert()) return;
+    tmpdir d;
+    const std::string q = d.path + "/qwen2", l = d.path + "/llama";
+    copy_golden("qwen2", q);  // sharded: the index names three shards
+    copy_golden("llama", l);
+    std::string log;
+    const std::string outs[] = {q + "/model-00002-of-00003.safetensors", q + "/./model-00003-of-00003.safetensors",
+                                q + "/model.safetensors.index.json", q + "/config.json", q + "/tokenizer.json",
+                                q + "/tokenizer_config.json", l + "/model.safetensors"};
+    for (const std::string &out : outs) {
+        CAPTURE(out);
+        const std::string before = read_file(out);
+        REQUIRE(!before.empty());
+        CHECK(convert_hf(out.find("/llama/") != std::string::npos ? l : q, out, &log) == 2);
+        CHECK_MESSAGE(has(log, "would overwrite the input"), log);
+        CHECK(lines(log) == 1);
+        CHECK(read_file(out) == before);
+    }
+    {  // a hard link to a shard under another name is the same file
+        const std::string link = d.path + "/other-name.gguf";
+        REQUIRE(::link((q + "/model-00001-of-00003.safetensors").c_str(), link.c_str()) == 0);
+        CHECK(convert_hf(q, link, &log) == 2);
+        CHECK_MESSAGE(has(log, "would overwrite the input " + q + "/model-00001-of-00003.safetensors"), log);
+    }
+    CHECK(convert_hf(q, d.path + "/fine.gguf", &log) == 0);  // and the folder still converts
+}
+
+TEST_CASE("convert hf: a weight_map path that leaves the folder is refused by name, never opened") {
+    if (!have_convert()) return;
+    tmpdir d;
+    const std::string q = d.path + "/qwen2";
+    copy_golden("qwen2", q);
+    const std::string idx = q + "/model.safetensors.index.json", orig = read_file(idx);
+    const std::string entry = "\"model.embed_tokens.weight\": \"model-00001-of-00003.safetensors\"";
+    const std::pair<std::string, std::string> cases[] = {
+        {"../../../../../../etc/passwd", "which leads out of the folder ('..')"},
+        {"sub/../../x.safetensors", "which leads out of the folder ('..')"},
+        {"/etc/passwd", "which is an absolute path"},
+        {"outside.safetensors", "which leads out of the folder (to "},  // a symbolic link out
+    };
+    REQUIRE(symlink((d.path + "/elsewhere.safetensors").c_str(), (q + "/outside.safetensors").c_str()) == 0);
+    write_file(d.path + "/elsewhere.safetensors", read_file(q + "/model-00001-of-00003.safetensors"));
+    std::string log;
+    for (const auto &c : cases) {
+        CAPTURE(c.first);
+        write_file(idx, orig);
+        edit_file(idx, entry, "\"model.embed_tokens.weight\": \"" + c.first + "\"");
+        CHECK(convert_hf(q, d.path + "/x.gguf", &log) == 1);
+        CHECK_MESSAGE(has(log, "weight_map puts model.embed_tokens.weight in '" + c.first + "', " + c.second), log);
+        CHECK_MESSAGE(has(log, "shards must be files in " + q), log);
+        CHECK(lines(log) == 1);
+        CHECK_FALSE(exists(d.path + "/x.gguf"));
+    }
+    write_file(idx, orig);
+    edit_file(idx, entry, "\"model.embed_tokens.weight\": 7");
+    CHECK(convert_hf(q, d.path + "/x.gguf", &log) == 1);
+    CHECK_MESSAGE(has(log, "which is not a file name"), log);
+}
+
+TEST_CASE("convert hf: an index that does not say where a tensor is gives one clause (was shards[-1])") {
+    if (!have_convert()) return;
+    tmpdir d;
+    const std::string q = d.path + "/qwen2", idx = q + "/model.safetensors.index.json";
+    copy_golden("qwen2", q);
+    const std::string orig = read_file(idx);
+    const std::string entry = "\"model.layers.0.self_attn.q_proj.weight\": \"model-00001-of-00003.safetensors\",";
+    std::string log;
+    edit_file(idx, entry, "");  // in shard 1, missing from the weight_map
+    CHECK(convert_hf(q, d.path + "/x.gguf", &log) == 1);
+    CHECK_MESSAGE(log == "convert: " + idx + ": weight_map does not name model.layers.0.self_attn.q_proj.weight, but it is in "
+                         "model-00001-of-00003.safetensors\n", log);
+    write_file(idx, orig);
+    edit_file(idx, entry, "\"model.layers.0.self_attn.q_proj.weight\": \"model-00003-of-00003.safetensors\",");  // the wrong shard
+    CHECK(convert_hf(q, d.path + "/x.gguf", &log) == 1);
+    CHECK_MESSAGE(log == "convert: " + idx + ": weight_map puts model.layers.0.self_attn.q_proj.weight in model-00003-of-00003.safetensors, "
+                         "but it is in model-00001-of-00003.safetensors\n", log);
+    CHECK_FALSE(exists(d.path + "/x.gguf"));
+}
+
+TEST_CASE("convert hf: num_hidden_layers beyond the weights is refused at once (was 9 names a layer, then bad_alloc)") {
+    if (!have_convert()) return;
+    tmpdir d;
+    const std::string l = d.path + "/llama";
+    copy_golden("llama", l);
+    edit_file(l + "/config.json", "\"num_hidden_layers\": 2", "\"num_hidden_layers\": 1000000000");
+    std::string log;
+    CHECK(convert_hf(l, d.path + "/x.gguf", &log) == 1);
+    CHECK_MESSAGE(log == "convert: " + l + "/config.json: num_hidden_layers is 1000000000, but the weights hold 2 layers\n", log);
+    edit_file(l + "/config.json", "\"num_hidden_layers\": 1000000000", "\"num_hidden_layers\": 3");
+    CHECK(convert_hf(l, d.path + "/x.gguf", &log) == 1);
+    CHECK_MESSAGE(has(log, "num_hidden_layers is 3, but the weights hold 2 layers"), log);
+}
+
+TEST_CASE("convert hf: config.json's sizes are whole numbers in range, the file an object") {
+    if (!have_convert()) return;
+    tmpdir d;
+    const std::string l = d.path + "/llama", cfg = l + "/config.json";
+    copy_golden("llama", l);
+    const std::string orig = read_file(cfg);
+    const std::pair<std::string, std::string> cases[] = {
+        {"\"hidden_size\": 32.5", "config.json: hidden_size is 32.5 (a whole number)"},
+        {"\"hidden_size\": 1e30", "config.json: hidden_size is 1e30 (a size from 1 to 2^30)"},
+        {"\"hidden_size\": -1e300", "config.json: hidden_size is -1e300 (a size from 1 to 2^30)"},
+        {"\"num_hidden_layers\": 2.0000001", "config.json: num_hidden_layers is 2.0000001 (a whole number)"},
+        {"\"vocab_size\": 9223372036854775808", "config.json: vocab_size is 9223372036854775808 (a size from 1 to 2^30)"},
+    };
+    std::string log;
+    for (const auto &c : cases) {
+        CAPTURE(c.first);
+        write_file(cfg, orig);
+        const std::string key = c.first.substr(0, c.first.find(':') + 1);
+        const size_t at = orig.find(key);
+        REQUIRE(at != std::string::npos);
+        std::string s = orig;
+        s.replace(at, orig.find_first_of(",\n", at) - at, c.first);
+        write_file(cfg, s);
+        CHECK(convert_hf(l, d.path + "/x.gguf", &log) == 1);
+        CHECK_MESSAGE(has(log, c.second), log);
+        CHECK(lines(log) == 1);
+    }
+    write_file(cfg, "[" + orig + "]");
+    CHECK(convert_hf(l, d.path + "/x.gguf", &log) == 1);
+    CHECK_MESSAGE(log == "convert: " + cfg + ": is an array, not a JSON object of the model's settings\n", log);
+    CHECK_FALSE(exists(d.path + "/x.gguf"));
+}
+
+TEST_CASE("convert hf: bitsandbytes arrays are checked against their quant_state before anything is sized by it") {
+    if (!have_convert()) return;
+    tmpdir d;
+    const std::string b = d.path + "/bnb", st = b + "/model.safetensors";
+    copy_golden("llama-bnb4", b);
+    const std::vector<st_item> orig = read_st(st);
+    const std::string v = "model.layers.0.self_attn.v_proj.weight";
+    auto with_state = [&](const std::string &shape_json) {  // v_proj's quant_state with another "shape"
+        std::vector<st_item> items = orig;
+        st_item *qs = find_item(items, v + ".quant_state.bitsandbytes__nf4");
+        REQUIRE(qs);
+        const size_t at = qs->bytes.find("\"shape\": [");
+        REQUIRE(at != std::string::npos);
+        qs->bytes.replace(at, qs->bytes.find(']', at) + 1 - at, "\"shape\": " + shape_json);
+        qs->shape = {(int64_t)qs->bytes.size()};
+        return items;
+    };
+    std::string log;
+    // a shape 2^16 x 2^16 behind 1 KiB of codes (the writer zero-filled 2 GiB for it)
+    write_st(st, with_state("[65536, 65536]"));
+    CHECK(convert_hf(b, d.path + "/x.gguf", &log) == 1);
+    CHECK_MESSAGE(has(log, v + ": its bitsandbytes arrays do not fit its quant_state shape [65536, 65536]: " + v +
+                               " holds 1024 bytes, the shape needs 2147483648"), log);
+    CHECK(lines(log) == 1);
+    // numbers that cast to int64 were undefined
+    write_st(st, with_state("[1e300, 64]"));
+    CHECK(convert_hf(b, d.path + "/x.gguf", &log) == 1);
+    CHECK_MESSAGE(has(log, v + ": quant_state shape [1e300, 64] is not two sizes from 1 to 2^31"), log);
+    write_st(st, with_state("[32.5, 64]"));
+    CHECK(convert_hf(b, d.path + "/x.gguf", &log) == 1);
+    CHECK_MESSAGE(has(log, "quant_state shape [32.5, 64] is not two sizes"), log);
+    {  // an absmax whose shape's product overflows on the way to 0 (was a signed overflow)
+        std::vector<st_item> items = orig;
+        st_item *am = find_item(items, v + ".absmax");
+        REQUIRE(am);
+        am->shape = {(int64_t)1 << 32, ((int64_t)1 << 32) - 1, 0};
+        am->bytes.clear();
+        write_st(st, items);
+        CHECK(convert_hf(b, d.path + "/x.gguf", &log) == 1);
+        CHECK_MESSAGE(has(log, v + ".absmax holds 0 values, the shape needs 32"), log);
+    }
+    {  // a side array missing
+        std::vector<st_item> items = orig;
+        items.erase(std::find_if(items.begin(), items.end(), [&](const st_item &t) { return t.name == v + ".quant_map"; }));
+        write_st(st, items);
+        CHECK(convert_hf(b, d.path + "/x.gguf", &log) == 1);
+        CHECK_MESSAGE(has(log, "no tensor " + v + ".quant_map beside it"), log);
+    }
+    CHECK_FALSE(exists(d.path + "/x.gguf"));
+}
+
+TEST_CASE("convert hf: bnb_4bit_quant_storage=bfloat16 converts to the same file; fp4 is refused by name") {
+    if (!have_convert()) return;
+    tmpdir d;
+    const std::string a = d.path + "/u8", b = d.path + "/bf16";
+    mkdir(a.c_str(), 0755);
+    mkdir(b.c_str(), 0755);
+    copy_golden("llama-bnb4", a + "/m");
+    copy_golden("llama-bnb4", b + "/m");
+    edit_file(b + "/m/config.json", "\"bnb_4bit_quant_storage\": \"uint8\"", "\"bnb_4bit_quant_storage\": \"bfloat16\"");
+    std::vector<st_item> items = read_st(b + "/m/model.safetensors");
+    int moved = 0;
+    for (st_item &t : items)  // the packed codes as bitsandbytes stores them then: BF16 elements, [bytes / 2, 1]
+        if (t.dtype == "U8" && find_item(items, t.name + ".quant_map")) {
+            REQUIRE(t.bytes.size() % 2 == 0);
+            t.dtype = "BF16";
+            t.shape = {(int64_t)t.bytes.size() / 2, 1};
+            moved++;
+        }
+    CHECK(moved == 14);
+    write_st(b + "/m/model.safetensors", items);
+    std::string log;
+    REQUIRE_MESSAGE(convert_hf("m", "out.gguf", &log, a) == 0, log);
+    REQUIRE_MESSAGE(convert_hf("m", "out.gguf", &log, b) == 0, log);  // (the same relative names: the same general.name)
+    const std::string ga = read_file(a + "/out.gguf");
+    CHECK(ga.size() > 10000);
+    CHECK(read_file(b + "/out.gguf") == ga);
+
+    // fp4: refused by name from config.json, and from the tensors' own quant_state
+    const std::string f = d.path + "/fp4";
+    copy_golden("llama-bnb4-real", f);
+    edit_file(f + "/config.json", "\"bnb_4bit_quant_type\": \"nf4\"", "\"bnb_4bit_quant_type\": \"fp4\"");
+    CHECK(convert_hf(f, d.path + "/x.gguf", &log) == 1);
+    CHECK_MESSAGE(log == "convert: " + f + "/config.json: bitsandbytes 4-bit type 'fp4' is not supported: only nf4\n", log);
+    edit_file(f + "/config.json", "\"bnb_4bit_quant_type\": \"fp4\"", "\"bnb_4bit_quant_type\": \"nf4\"");
+    items = read_st(f + "/model.safetensors");
+    for (st_item &t : items) {
+        const size_t at = t.name.find("bitsandbytes__nf4");
+        if (at == std::string::npos) continue;
+        t.name.replace(at, 17, "bitsandbytes__fp4");
+        const size_t q = t.bytes.find("\"nf4\"");
+        if (q != std::string::npos) t.bytes.replace(q, 5, "\"fp4\"");
+    }
+    write_st(f + "/model.safetensors", items);
+    CHECK(convert_hf(f, d.path + "/x.gguf", &log) == 1);
+    CHECK_MESSAGE(has(log, "bitsandbytes fp4 4-bit weights are not supported: only nf4"), log);
+    CHECK(lines(log) == 1);
+}
+
+TEST_CASE("convert hf: malformed merges are refused at convert, naming the entry; an NFC normalizer warns") {
+    if (!have_convert()) return;
+    tmpdir d;
+    const std::string l = d.path + "/llama", tj = l + "/tokenizer.json";
+    copy_golden("llama", l);
+    const std::string orig = read_file(tj);  // each case's list replaces the merges whole
+    const size_t at = orig.find("\"merges\": [");
+    REQUIRE(at != std::string::npos);
+    auto with_merges = [&](const std::string &list) {
+        std::string s = orig;
+        s.replace(at, s.find(']', at) + 1 - at, "\"merges\": [" + list + "]");
+        write_file(tj, s);
+    };
+    const std::pair<std::string, std::string> cases[] = {
+        {"\"h e\", \"he x y\"", "merges entry 2 'he x y' is not two tokens separated by one space"},
+        {"\"h e\", \"he\"", "merges entry 2 'he' is not two tokens separated by one space"},
+        {"\"h  e\"", "merges entry 1 'h  e' is not two tokens separated by one space"},
+        {"\"h e\", \"q z\"", "merges entry 2 'q z' makes 'qz', which is not in the vocabulary"},
+        {"\"h e\", \"Q zz\"", "merges entry 2 'Q zz' has 'zz', which is not in the vocabulary"},
+        {"[\"h\", \"e\"], [\"i\"]", "merges entry 2 is a list that is not two tokens, not \"a b\" or [\"a\", \"b\"]"},
+        {"\"h e\", 7", "merges entry 2 is a number, not \"a b\" or [\"a\", \"b\"]"},
+    };
+    std::string log;
+    for (const auto &c : cases) {
+        CAPTURE(c.first);
+        with_merges(c.first);
+        CHECK(convert_hf(l, d.path + "/x.gguf", &log) == 1);
+        CHECK_MESSAGE(log == "convert: " + tj + ": " + c.second + "\n", log);
+    }
+    with_merges("[\"h\", \"e\"], \"i n\"");  // both forms, well made: converts
+    CHECK_MESSAGE(convert_hf(l, d.path + "/x.gguf", &log) == 0, log);
+    // Qwen2's NFC normalizer, alone and in a Sequence: converted, with one warning line
+    for (const std::string &nz : {std::string("{\"type\": \"NFC\"}"), std::string("{\"type\": \"Sequence\", \"normalizers\": [{\"type\": \"NFC\"}]}")}) {
+        CAPTURE(nz);
+        std::string s = orig;
+        const size_t n = s.find("\"normalizer\": null");
+        REQUIRE(n != std::string::npos);
+        s.replace(n, strlen("\"normalizer\": null"), "\"normalizer\": " + nz);
+        write_file(tj, s);
+        CHECK(convert_hf(l, d.path + "/x.gguf", &log) == 0);
+        CHECK_MESSAGE(has(log, "convert: warning: " + tj + ": its NFC normalizer is not applied"), log);
+    }
+    write_file(tj, orig);
+    CHECK(convert_hf(l, d.path + "/x.gguf", &log) == 0);
+    CHECK_MESSAGE(!has(log, "warning"), log);
+}
