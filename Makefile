@@ -269,7 +269,7 @@ FUZZ_MAXLEN ?= 4096
 FUZZ        := $(BUILD)/fuzz
 $(FUZZ)/fuzz_gguf: tests/fuzz_gguf.cpp $(LIB_SRC) $(HEADERS)
 	@mkdir -p $(dir $@)
-	$(FUZZ_CXX) -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -I. tests/fuzz_gguf.cpp $(LIB_SRC) -o $@ -pthread
+	$(FUZZ_CXX) -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -I. tests/fuzz_gguf.cpp $(LIB_SRC) -o $@ -pthread
 $(FUZZ)/fuzz_gguf_seeds: tests/fuzz_gguf_seeds.cpp $(LIB_SRC) $(HEADERS)
 	@mkdir -p $(dir $@)
 	$(CXX) -std=c++17 -O1 -I. tests/fuzz_gguf_seeds.cpp $(LIB_SRC) -o $@ -pthread

@@ -1262,8 +1262,12 @@ static bool all_finite(const float *x, int64_t n, int64_t *bad);
 static bool nf4_aux_check(const void *aux, int64_t n) {
     const nf4_aux a(aux);
     int64_t bad;
-    return (int64_t)a.n_blocks == nf4_n_blocks(n) && std::isfinite(a.offset) && all_finite(a.map, 256, &bad) &&
-           all_finite(a.scale, nf4_n_groups(n), &bad);
+    if (!((int64_t)a.n_blocks == nf4_n_blocks(n) && std::isfinite(a.offset) && all_finite(a.map, 256, &bad) &&
+          all_finite(a.scale, nf4_n_groups(n), &bad)))
+        return false;
+    for (int64_t b = 0; b < (int64_t)a.n_blocks; b++)  // finite statistics can still make an infinite absmax
+        if (!std::isfinite(a.absmax(b))) return false;
+    return true;
 }
 static bool nf4_nodq_aux_check(const void *aux, int64_t n) {
     int64_t bad;
@@ -1337,6 +1341,18 @@ static float *nf4_aux_init(void *aux, int64_t n_blocks, const float *map, float 
     return f + 2 + 256;
 }
 
+// Where the side data of n_rows rows of ne0 starts: after the rows, padded to 4 bytes (see
+// qlora.h). ql_quantize writes it there; ql_dequantize and the GGUF reader check it there.
+static size_t type_aux_offset(ql_type type, int64_t n_rows, int64_t ne0) {
+    return ql_aux_offset(ql_row_size(type, ne0) * (size_t)n_rows);
+}
+// side data from outside (a file, a caller's buffer) checked where it lies; true for types
+// without side data
+static bool type_aux_valid(ql_type type, const void *data, int64_t n_rows, int64_t ne0) {
+    const ql_type_traits *tt = ql_type_traits_get(type);
+    return !tt->aux_check || tt->aux_check((const uint8_t *)data + type_aux_offset(type, n_rows, ne0), n_rows * ne0);
+}
+
 ql_status ql_quantize(ql_type type, const float *src, int64_t n_rows, int64_t ne0, void *dst, char *err, size_t err_size) {
     const ql_type_traits *tt = ql_type_traits_get(type);
     if (!tt || !tt->is_float || (!tt->from_float && !tt->aux_bytes))
@@ -1361,7 +1377,7 @@ ql_status ql_quantize(ql_type type, const float *src, int64_t n_rows, int64_t ne
     }
     const int64_t nb = nf4_n_blocks(n);
     uint8_t *packed = (uint8_t *)dst;
-    uint8_t *aux = packed + ql_aux_offset(ql_row_size(type, ne0) * (size_t)n_rows);
+    uint8_t *aux = packed + type_aux_offset(type, n_rows, ne0);
     if (type == QL_TYPE_NF4_NODQ) {
         nf4_quantize_blocks(src, n, packed, (float *)aux);
         return QL_OK;
@@ -1386,9 +1402,9 @@ ql_status ql_dequantize(ql_type type, const void *src, int64_t n_rows, int64_t n
     if (!tt || !tt->is_float || ne0 <= 0 || ne0 % tt->blck_size != 0) return QL_ERR_TYPE;
     if (n_rows < 0 || n_rows > INT64_MAX / ne0 / 4 || (n_rows > 0 && (!src || !dst))) return QL_ERR_INVALID;
     const size_t rs = ql_row_size(type, ne0);
-    const uint8_t *aux = (const uint8_t *)src + ql_aux_offset(rs * (size_t)n_rows);
+    const uint8_t *aux = (const uint8_t *)src + type_aux_offset(type, n_rows, ne0);
     // side data's header locates the rest of it: checked as the GGUF reader checks it
-    if (n_rows > 0 && tt->aux_check && !tt->aux_check(aux, n_rows * ne0)) return QL_ERR_INVALID;
+    if (n_rows > 0 && !type_aux_valid(type, src, n_rows, ne0)) return QL_ERR_INVALID;
     for (int64_t r = 0; r < n_rows; r++) {
         const uint8_t *row = (const uint8_t *)src + (size_t)r * rs;
         if (tt->to_float_aux)
@@ -1437,7 +1453,7 @@ ql_status ql_nf4_from_bnb(const ql_bnb_nf4 *in, ql_type type, int64_t ne0, void 
             return fail_msg(err, err_size, QL_ERR_INVALID, "nf4_from_bnb: non-finite double-quantisation statistics");
     }
     memcpy(dst, in->packed, (size_t)(n / 2));
-    uint8_t *aux = (uint8_t *)dst + ql_aux_offset((size_t)(n / 2));
+    uint8_t *aux = (uint8_t *)dst + type_aux_offset(type, n / ne0, ne0);
     if (type == QL_TYPE_NF4) {
         float *sc = nf4_aux_init(aux, nb, in->nested_quant_map, in->nested_offset);
         memcpy(sc, in->nested_absmax, (size_t)ng * sizeof(float));
@@ -1462,7 +1478,7 @@ ql_status ql_nf4_to_bnb(ql_type type, const void *src, int64_t n_rows, int64_t n
         return QL_ERR_INVALID;
     memcpy(out->packed, src, (size_t)(n / 2));
     memcpy(out->quant_map, k_nf4_values, sizeof(k_nf4_values));
-    const uint8_t *aux = (const uint8_t *)src + ql_aux_offset((size_t)(n / 2));
+    const uint8_t *aux = (const uint8_t *)src + type_aux_offset(type, n_rows, ne0);
     if (out->nested) {
         const nf4_aux a(aux);
         out->nested_offset = a.offset;
@@ -6459,13 +6475,28 @@ static bool gguf_align_up(uint64_t x, uint64_t a, uint64_t *out) {
 // Bytes of a tensor (rows + side data). ne[] must be >= 0, ne[0] a multiple of the block size.
 // Fails when a product overflows or the rows alone exceed `limit`; the limit (file size, or the
 // caller's buffer size) also keeps the element count small enough for the side-data formula.
+// Elements and rows (ne[1] * ne[2] * ne[3]) of a shape with ne[] >= 0: the one place a shape's
+// dimensions are multiplied, in a fixed order, each product checked. A 0 dimension makes the
+// count 0, but the product of the others must still be an int64 (false if not): then every
+// partial product, in whatever order other code forms it, is a number too ([2^40, 2^40, 0] is
+// refused, as [0, 2^40, 2^40] is).
+static bool gguf_shape_count(const int64_t ne[4], int64_t *nel, int64_t *rows) {
+    int64_t p = 1;
+    bool empty = false;
+    for (int d = 0; d < 4; d++) {
+        if (ne[d] == 0) empty = true;
+        else if (__builtin_mul_overflow(p, ne[d], &p)) return false;
+    }
+    *nel = empty ? 0 : p;
+    *rows = ne[1] * ne[2] * ne[3];  // (each partial product is 0 or a part of p)
+    return true;
+}
+
 static bool gguf_tensor_bytes(ql_type type, const int64_t ne[4], uint64_t limit, uint64_t *out, std::string *why) {
     const ql_type_traits *tt = ql_type_traits_get(type);
     QL_ASSERT(tt && ne[0] % tt->blck_size == 0);
     int64_t rows = 1, nel = 0;
-    bool ovf = __builtin_mul_overflow(ne[1], ne[2], &rows) || __builtin_mul_overflow(rows, ne[3], &rows) ||
-               __builtin_mul_overflow(rows, ne[0], &nel);
-    if (ovf) {
+    if (!gguf_shape_count(ne, &nel, &rows)) {
         char b[192];
         snprintf(b, sizeof(b), "element count of [%lld, %lld, %lld, %lld] overflows int64", (long long)ne[0],
                  (long long)ne[1], (long long)ne[2], (long long)ne[3]);
@@ -6473,7 +6504,7 @@ static bool gguf_tensor_bytes(ql_type type, const int64_t ne[4], uint64_t limit,
         return false;
     }
     uint64_t row_bytes, bytes;
-    ovf = __builtin_mul_overflow((uint64_t)(ne[0] / tt->blck_size), (uint64_t)tt->type_size, &row_bytes) ||
+    bool ovf = __builtin_mul_overflow((uint64_t)(ne[0] / tt->blck_size), (uint64_t)tt->type_size, &row_bytes) ||
           __builtin_mul_overflow(row_bytes, (uint64_t)rows, &bytes);
     if (ovf || bytes > limit) {
         char b[192];
@@ -6752,7 +6783,8 @@ static bool gguf_parse(ql_gguf &g, gguf_parser &P) {
                           ctx, (unsigned long long)t.offset, (unsigned long long)t.size, (unsigned long long)avail);
         t.data = P.buf + data_offset + t.offset;
         const ql_type_traits *tt = ql_type_traits_get(t.type);
-        const int64_t n_el = t.ne[0] * t.ne[1] * t.ne[2] * t.ne[3];
+        int64_t n_el = 0, n_rows = 0;
+        QL_ASSERT(gguf_shape_count(t.ne, &n_el, &n_rows));  // (gguf_tensor_bytes refused what overflows)
         // tensors are read in place: a float's bytes must sit at a float's alignment (a file with
         // general.alignment 1 or 2 can put them anywhere); NF4's side data needs 4
         const size_t natural = tt->aux_check ? 4 : tt->blck_size == 1 ? std::min<size_t>(tt->type_size, 8) : 1;
@@ -6760,7 +6792,7 @@ static bool gguf_parse(ql_gguf &g, gguf_parser &P) {
             return P.fail("%s: its %s data starts at an address not a multiple of %zu (general.alignment %llu): qlora reads "
                           "tensors in place --> hint: rewrite the file with the default alignment (32)", ctx, tt->name, natural,
                           (unsigned long long)align);
-        if (tt->aux_check && t.size > 0 && !tt->aux_check(t.data + (t.size - tt->aux_bytes(n_el)), n_el))
+        if (t.size > 0 && !type_aux_valid(t.type, t.data, n_rows, t.ne[0]))
             return P.fail("%s: its %s side data does not describe a tensor of %lld elements (corrupt?)", ctx, tt->name,
                           (long long)n_el);
     }

@@ -306,6 +306,6 @@ int main(int argc, char **argv) {
     printf("quantize: %d tensors to %s: %.3f bits per parameter (%.0f parameters)\n", n_quant, mix ? mix->name : ql_type_name(target),
            q_params > 0 ? 8.0 * q_bytes / q_params : 0.0, q_params);
     printf("quantize: whole model %.3f bits per parameter; file %s: %.2f MiB -> %s: %.2f MiB\n",
-           8.0 * all_bytes / all_params, in_path, (double)in_size / 1048576.0, out_path, (double)out_size / 1048576.0);
+           all_params > 0 ? 8.0 * all_bytes / all_params : 0.0, in_path, (double)in_size / 1048576.0, out_path, (double)out_size / 1048576.0);
     return 0;
 }
