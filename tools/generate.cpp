@@ -4,6 +4,9 @@
 //              [--seed 1] [--lora adapter.gguf [--lora-scale 1]] [-c context] [-t threads]
 //              [--device cpu|cuda|cuda:N|auto]
 //
+// Generation stops at an end-of-generation token (ql_vocab_is_eog: eos, eot, eom and the texts
+// llama.cpp treats as such, e.g. <|eot_id|> and <|end_of_text|>), after -n tokens, or at the
+// context's end; one line on stderr says which. The text on stdout ends with a newline.
 // --temp 0 is greedy. An empty prompt starts from BOS alone. Two graphs are planned before the
 // first token - the prompt and one new token - over one KV cache; every step then only sets
 // inputs (token, position, cache row) and runs, allocating nothing. On a GPU the weights are
@@ -236,11 +239,12 @@ int main(int argc, char **argv) {
     }
     printf("%s", prompt.c_str());
     fflush(stdout);
+    bool line_open = !prompt.empty() && prompt.back() != '\n';  // the output ends with a newline
     const auto t1 = std::chrono::steady_clock::now();
     std::mt19937_64 rng((uint64_t)seed);
     std::vector<std::pair<float, int32_t>> cand;
     int n_done = 0;
-    bool eog = false;  // why it stopped: an end-of-generation token, -n, or the context's end
+    int32_t eog = -1;  // why it stopped: an end-of-generation token (this one), -n, or the context's end
     for (int pos = n_prompt; n_done < (int)n_gen && pos < ctx_len; pos++) {
         for (float x : logits)
             if (!std::isfinite(x)) {  // NaN weights, an inf adapter scale: refuse to sample from them
@@ -249,13 +253,14 @@ int main(int argc, char **argv) {
                 return 1;
             }
         const int32_t next = sample(logits.data(), hp.n_vocab, temp, (int)top_k, top_p, rng, cand);
-        if (ql_vocab_is_eog(vocab, next)) {
-            eog = true;
+        if (ql_vocab_is_eog(vocab, next)) {  // eos, eot, eom and llama.cpp's end-of-generation texts
+            eog = next;
             break;
         }
         const std::string piece = ql_token_to_piece(vocab, next, false);
         fwrite(piece.data(), 1, piece.size(), stdout);
         fflush(stdout);
+        if (!piece.empty()) line_open = piece.back() != '\n';
         n_done++;
         if (n_done == (int)n_gen || pos + 1 >= ctx_len) break;
         const int32_t n_kv = pos + 1;
@@ -267,10 +272,19 @@ int main(int argc, char **argv) {
         }
     }
     const auto t2 = std::chrono::steady_clock::now();
+    if (line_open) printf("\n");
+    fflush(stdout);
     const double tp = std::chrono::duration<double>(t1 - t0).count(), tg = std::chrono::duration<double>(t2 - t1).count();
-    fprintf(stderr, "\n\ngenerate: prompt %d tokens in %.3f s (%.1f tokens/s); generated %d tokens in %.3f s (%.1f tokens/s)\n",
-            n_prompt, tp, n_prompt / std::max(tp, 1e-9), n_done, tg, n_done / std::max(tg, 1e-9));
-    if (!eog && n_done < (int)n_gen)  // fewer than asked, and not the model's choice: say whose limit it was
+    fprintf(stderr, "%sgenerate: prompt %d tokens in %.3f s (%.1f tokens/s); generated %d tokens in %.3f s (%.1f tokens/s)\n",
+            n_done > 0 || !prompt.empty() ? "\n" : "", n_prompt, tp, n_prompt / std::max(tp, 1e-9), n_done, tg,
+            n_done / std::max(tg, 1e-9));
+    // why it stopped, in one line
+    if (eog >= 0)
+        fprintf(stderr, "generate: stopped at the end-of-generation token %s (id %d) after %d token%s\n",
+                ql_vocab_token_text(vocab, eog), (int)eog, n_done, n_done == 1 ? "" : "s");
+    else if (n_done == (int)n_gen)
+        fprintf(stderr, "generate: stopped after -n %d tokens\n", (int)n_gen);
+    else  // fewer than asked, and not the model's choice: say whose limit it was
         fprintf(stderr, "generate: stopped at the end of the context (%d tokens: %s) before -n %d --> hint: a larger -c\n", ctx_len,
                 n_ctx > 0 ? "-c" : "the model's training context", (int)n_gen);
     return 0;

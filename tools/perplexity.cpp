@@ -6,7 +6,8 @@
 // The text is tokenized once, without BOS, and cut into consecutive chunks of c-1 tokens; each
 // window is BOS followed by one chunk, and every chunk token is predicted by the position
 // before it - so "tokens" equals the text's token count. Prints the mean negative
-// log-likelihood and its exponential; --json prints {"nll": ..., "ppl": ..., "tokens": ...}.
+// log-likelihood and its exponential; --json prints {"nll": ..., "ppl": ..., "tokens": ...}, the
+// numbers with 9 significant digits (enough to tell two runs apart).
 #include "../models/adapter.h"
 #include "../models/llama.h"
 #include "../models/tokenizer.h"
@@ -232,7 +233,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     if (json) {
-        printf("{\"nll\": %.6f, \"ppl\": %.6f, \"tokens\": %lld}\n", nll, std::exp(nll), (long long)n_tok);
+        printf("{\"nll\": %.9g, \"ppl\": %.9g, \"tokens\": %lld}\n", nll, std::exp(nll), (long long)n_tok);
     } else {
         if (progress) fprintf(stderr, "\n");
         printf("perplexity: %lld tokens in windows of %d: mean nll %.6f, perplexity %.4f (%.1f tokens/s)\n",

@@ -1,22 +1,32 @@
 // tools/tokenize - text to token ids with a GGUF file's vocabulary, as llama.cpp tokenizes.
 //
 //   ./tokenize -m model.gguf (-p TEXT | -f FILE) [--no-bos] [--parse-special]
+//   ./tokenize -m model.gguf --data FILE.jsonl [--line N] [--chat-template NAME] [--seq-len N] [--no-eos]
 //
 // Prints the ids on one line, separated by spaces. BOS (and EOS) are added as the vocabulary's
 // add_bos_token / add_eos_token say, unless --no-bos; --parse-special turns control-token texts
 // in the input (e.g. "<|eot_id|>") into those tokens instead of tokenizing them as text.
+//
+// --data shows what finetune trains on: each example of a JSONL file (or line N's), rendered by
+// finetune's own loader (ql_dataset_load, with finetune's --chat-template, --seq-len, --no-eos
+// and its BOS rule; the template found in the model when none is given), one token a line: its
+// id, "+" where it is a prediction target (the loss mask) or "." where not, and its text.
+#include "../models/data.h"
 #include "../models/tokenizer.h"
 #include "../qlora.h"
 #include "own.h"
 
 #include <cerrno>
+#include <climits>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
-static const char USAGE[] = "usage: tokenize -m model.gguf (-p TEXT | -f FILE) [--no-bos] [--parse-special]";
+static const char USAGE[] = "usage: tokenize -m model.gguf (-p TEXT | -f FILE) [--no-bos] [--parse-special] | "
+                            "tokenize -m model.gguf --data FILE.jsonl [--line N] [--chat-template NAME] [--seq-len N] [--no-eos]";
 
 // a command-line mistake: one line, the problem and the usage
 static int bad_args(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -47,17 +57,114 @@ static bool read_file(const char *path, std::string *out) {
     return ok;
 }
 
+// a token's text, quoted, its control characters, quote and backslash escaped, bytes that are
+// not UTF-8 on their own (a character split over byte tokens) as \xNN
+static std::string quoted(const std::string &s) {
+    std::string q = "\"";
+    for (size_t i = 0; i < s.size();) {
+        const unsigned char c = (unsigned char)s[i];
+        const size_t n = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 0;
+        bool whole = n > 1 && i + n <= s.size();
+        for (size_t k = 1; whole && k < n; k++) whole = ((unsigned char)s[i + k] & 0xc0) == 0x80;
+        char b[8];
+        if (whole) q.append(s, i, n), i += n;
+        else {
+            if (c == '\n') q += "\\n";
+            else if (c == '\t') q += "\\t";
+            else if (c == '"' || c == '\\') q += '\\', q += (char)c;
+            else if (c < 0x20 || c >= 0x7f) snprintf(b, sizeof(b), "\\x%02x", c), q += b;
+            else q += (char)c;
+            i++;
+        }
+    }
+    return q + "\"";
+}
+
+// --data: finetune's examples of a JSONL file, one token a line
+static int show_data(const ql_gguf *g, const ql_vocab *v, const char *data, long line,
+                     const char *chat, long seq_len, bool add_eos) {
+    ql_data_options o;  // as finetune sets them
+    if (chat) {
+        o.chat = ql_chat_template_from_name(chat);
+        if (o.chat == QL_CHAT_COUNT)
+            return bad_args("--chat-template: unknown template '%s' (llama3, chatml, llama2, phi3, gemma, zephyr)", chat);
+    } else {
+        size_t len;
+        const int64_t ic = ql_gguf_find_kv(g, "tokenizer.chat_template");
+        const char *jinja = ic >= 0 ? ql_gguf_get_str(g, ic, &len) : nullptr;
+        o.chat = jinja ? ql_chat_template_detect(jinja) : QL_CHAT_NONE;
+    }
+    if (seq_len > 0) o.seq_len = (int)seq_len;
+    o.add_eos = add_eos;
+    o.add_bos = ql_vocab_bos(v) >= 0 && ql_vocab_add_bos(v);
+    ql_dataset ds;
+    std::string err;
+    if (!ql_dataset_load(data, v, o, &ds, &err)) {
+        fprintf(stderr, "tokenize: %s\n", err.c_str());
+        return 1;
+    }
+    std::string out;
+    int shown = 0;
+    for (const ql_example &ex : ds.examples) {
+        if (line > 0 && ex.line != line) continue;
+        int64_t n_sup = 0;
+        for (uint8_t x : ex.supervised) n_sup += x;
+        char b[256];
+        snprintf(b, sizeof(b), "%sline %d: %zu tokens, %lld trained (+); chat template %s%s\n", shown ? "\n" : "", ex.line,
+                 ex.tokens.size(), (long long)n_sup, ql_chat_template_name(o.chat),
+                 (int)ex.tokens.size() == o.seq_len ? "; --seq-len cuts longer lines here" : "");
+        out += b;
+        for (size_t i = 0; i < ex.tokens.size(); i++) {
+            snprintf(b, sizeof(b), "%8d %c ", (int)ex.tokens[i], ex.supervised[i] ? '+' : '.');
+            out += b + quoted(ql_token_to_piece(v, ex.tokens[i], true)) + "\n";
+        }
+        shown++;
+    }
+    if (shown == 0) {
+        if (line > 0)
+            fprintf(stderr, "tokenize: %s: no example at line %ld (a blank line, past the end, or one with nothing to train on, "
+                            "which finetune skips)\n", data, line);
+        else
+            fprintf(stderr, "tokenize: %s: no examples (finetune would refuse it)\n", data);
+        return 1;
+    }
+    const bool ok = fwrite(out.data(), 1, out.size(), stdout) == out.size() && fflush(stdout) == 0;
+    if (!ok) {
+        fprintf(stderr, "tokenize: cannot write the tokens: %s\n", strerror(errno));
+        return 1;
+    }
+    return 0;
+}
+
+// a whole number in [lo, hi], or -1 (with the message)
+static long whole_arg(const char *flag, const char *s, long lo, long hi) {
+    char *end = nullptr;
+    errno = 0;
+    const long v = strtol(s, &end, 10);
+    if (!*s || *end || errno || v < lo || v > hi) {
+        bad_args("%s: '%s' is not a whole number in [%ld, %ld]", flag, s, lo, hi);
+        return -1;
+    }
+    return v;
+}
+
 int main(int argc, char **argv) {
-    const char *model = nullptr, *prompt = nullptr, *file = nullptr;
-    bool add_special = true, parse_special = false;
+    const char *model = nullptr, *prompt = nullptr, *file = nullptr, *data = nullptr, *line_s = nullptr, *chat = nullptr,
+               *seq_s = nullptr;
+    bool add_special = true, parse_special = false, add_eos = true;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char **dst = nullptr;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) dst = &model;
         else if (!strcmp(a, "-p") || !strcmp(a, "--prompt")) dst = &prompt;
         else if (!strcmp(a, "-f") || !strcmp(a, "--file")) dst = &file;
+        else if (!strcmp(a, "--data")) dst = &data;
+        else if (!strcmp(a, "--line")) dst = &line_s;
+        else if (!strcmp(a, "--chat-template")) dst = &chat;
+        else if (!strcmp(a, "--seq-len")) dst = &seq_s;
         else if (!strcmp(a, "--no-bos")) add_special = false;
         else if (!strcmp(a, "--parse-special")) parse_special = true;
+        else if (!strcmp(a, "--no-eos")) add_eos = false;
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             printf("%s\n", USAGE);
             return 0;
@@ -69,11 +176,22 @@ int main(int argc, char **argv) {
         }
     }
     if (!model) return bad_args("no model: give -m model.gguf");
-    if (!prompt == !file) return bad_args("give exactly one of -p TEXT and -f FILE");
+    long line_no = 0, seq_len = 0;
+    if (data) {
+        if (prompt || file) return bad_args("--data shows a JSONL file's examples: -p and -f do not go with it");
+        if (!add_special || parse_special)
+            return bad_args("--data renders as finetune does: %s does not go with it", !add_special ? "--no-bos" : "--parse-special");
+        if (line_s && (line_no = whole_arg("--line", line_s, 1, LONG_MAX)) < 0) return 2;
+        if (seq_s && (seq_len = whole_arg("--seq-len", seq_s, 2, 1 << 20)) < 0) return 2;
+    } else {
+        if (line_s || chat || seq_s || !add_eos)
+            return bad_args("%s goes with --data FILE.jsonl", line_s ? "--line" : chat ? "--chat-template" : seq_s ? "--seq-len" : "--no-eos");
+        if (!prompt == !file) return bad_args("give exactly one of -p TEXT, -f FILE and --data FILE.jsonl");
+    }
 
     std::string text;
     if (prompt) text = prompt;
-    else if (!read_file(file, &text)) return 1;
+    else if (file && !read_file(file, &text)) return 1;
 
     char err[512];
     ql_gguf *g = ql_gguf_open(model, err, sizeof(err));
@@ -81,13 +199,14 @@ int main(int argc, char **argv) {
         fprintf(stderr, "tokenize: %s\n", err);
         return 1;
     }
+    owned<ql_gguf> g_(g, ql_gguf_close);
     ql_vocab *v = ql_vocab_load(g, err, sizeof(err));
-    ql_gguf_close(g);  // the vocabulary keeps its own copies
     owned<ql_vocab> v_(v, ql_vocab_free);
     if (!v) {
         fprintf(stderr, "tokenize: %s: %s\n", model, err);
         return 1;
     }
+    if (data) return show_data(g, v, data, line_no, chat, seq_len, add_eos);
     const std::vector<int32_t> ids = ql_tokenize(v, text, add_special, parse_special);
     std::string line;
     for (size_t i = 0; i < ids.size(); i++) {
