@@ -64,7 +64,9 @@ TEST_CASE("quantize: nf4 of the block weights, norms and embeddings kept, values
     CHECK(ql_gguf_tensor_type(g, ql_gguf_find_tensor(g, "blk.0.attn_norm.weight")) == QL_TYPE_F32);
     CHECK(ql_gguf_tensor_type(g, ql_gguf_find_tensor(g, "token_embd.weight")) == QL_TYPE_F32);
     CHECK(ql_gguf_tensor_type(g, ql_gguf_find_tensor(g, "output.weight")) == QL_TYPE_F32);
-    CHECK(ql_gguf_find_kv(g, "general.file_type") < 0);
+    uint64_t ft = 0;  // general.file_type: NF4's type id, outside llama.cpp's llama_ftype numbers
+    CHECK(ql_gguf_get_u64(g, ql_gguf_find_kv(g, "general.file_type"), &ft));
+    CHECK(ft == QL_TYPE_NF4);
     CHECK(ql_gguf_find_kv(g, "qlora.note") >= 0);
     uint64_t qv = 0;
     CHECK(ql_gguf_get_u64(g, ql_gguf_find_kv(g, "general.quantization_version"), &qv));
@@ -94,10 +96,10 @@ TEST_CASE("quantize: nf4 of the block weights, norms and embeddings kept, values
     CHECK(ql_gguf_tensor_type(g, ql_gguf_find_tensor(g, "token_embd.weight")) == QL_TYPE_NF4_NODQ);
     ql_gguf_close(g);
 
-    // from a quantised input (q8_0): dequantised, then NF4
+    // from a quantised input (q8_0): dequantised, then NF4 (with --allow-requantize, as llama-quantize)
     const std::string q8 = d.path + "/tiny-q8.gguf", from_q8 = d.path + "/tiny-q8-nf4.gguf";
     REQUIRE_MESSAGE(run(q + " " + in + " " + q8 + " q8_0", &log) == 0, log);
-    REQUIRE_MESSAGE(run(q + " " + q8 + " " + from_q8 + " nf4", &log) == 0, log);
+    REQUIRE_MESSAGE(run(q + " " + q8 + " " + from_q8 + " nf4 --allow-requantize", &log) == 0, log);
     CHECK(log.find("q8_0 -> nf4") != std::string::npos);
 }
 

@@ -1,48 +1,39 @@
-// tools/quantize - requantise the linear weights of a GGUF model.
+// tools/quantize - requantise a GGUF model, with llama-quantize's type names and meanings.
 //
-//   ./quantize in.gguf out.gguf nf4 [--no-double-quant] [--include-output] [--include-embd]
-//   ./quantize in.gguf out.gguf Q4_K_M      (llama.cpp's mixes: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K_S
-//                                            Q3_K_M Q3_K_L Q4_K_S Q4_K_M Q5_K_S Q5_K_M Q6_K IQ4_NL
-//                                            IQ4_XS, as llama-quantize makes them)
+//   ./quantize in.gguf out.gguf Q4_K_M [--allow-requantize]
+//   ./quantize in.gguf out.gguf nf4 [--no-double-quant] [--include-output] [--include-embd] [--allow-requantize]
 //
-// The 2-D weights of the transformer blocks (blk.N.*.weight) are converted to the target type;
-// norms and other 1-D tensors stay as they are; the output and the token embedding only when
-// asked. Inputs may be f32/f16/bf16 or any quantised type qlora reads (dequantised first).
-// Targets: nf4 (double-quantised, QLoRA's default; --no-double-quant for fp32 absmax) and the
-// types qlora can produce block by block (every ggml type it reads, as llama-quantize writes them). NF4 files declare
-// themselves (qlora.* keys) and carry type ids llama.cpp does not know, so llama.cpp refuses
-// them with an unknown-type error instead of misreading them.
+// TYPE is read as llama-quantize reads it: any case, a name or llama.cpp's ftype number, and each
+// name has llama-quantize's one meaning (its mix, made without an importance matrix): Q4_0 Q4_1
+// Q5_0 Q5_1 Q8_0 Q2_K Q3_K_S Q3_K_M Q3_K_L Q4_K_S Q4_K_M Q5_K_S Q5_K_M Q6_K IQ4_NL IQ4_XS F16 BF16
+// F32, and the aliases Q3_K Q4_K Q5_K (= Q3_K_M Q4_K_M Q5_K_M). Every weight matrix (2-D, not a
+// norm) gets the type llama-quantize gives it - per-tensor rules, fallbacks for rows that are not
+// whole blocks, tensor order and keys - so whole files are byte-identical to its output.
+// nf4, which llama.cpp does not have, is QLoRA's: the 2-D weights of the transformer blocks
+// (blk.N.*.weight) only, the output and the token embedding when asked (--no-double-quant: fp32
+// absmax). NF4 files declare themselves (qlora.* keys; general.file_type 100 or 101, the NF4 type
+// ids, outside llama.cpp's numbering) and carry type ids llama.cpp does not know, so llama.cpp
+// refuses them with an unknown-type error instead of misreading them.
+// Inputs may be f32/f16/bf16, or (with --allow-requantize, as llama-quantize) any quantised type
+// qlora reads, dequantised first. A run that would convert no tensor writes nothing and exits 1.
 #include "../qlora.h"
 #include "cli.h"
 #include "own.h"
 
+#include <strings.h>
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <set>
 #include <string>
 #include <vector>
 
-static int usage(const char *argv0) {
-    fprintf(stderr,
-            "usage: %s in.gguf out.gguf TYPE [--no-double-quant] [--include-output] [--include-embd]\n"
-            "  TYPE: nf4 | q4_0 | q4_1 | q5_0 | q5_1 | q8_0 | q2_K | q3_K | q4_K | q5_K | q6_K | iq4_nl | iq4_xs\n"
-            "        | f16 | bf16 | f32 (the block weights)\n"
-            "        or one of llama.cpp's mixes: Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 Q2_K Q3_K_S Q3_K_M Q3_K_L Q4_K_S Q4_K_M\n"
-            "        Q5_K_S Q5_K_M Q6_K IQ4_NL IQ4_XS (every\n"
-            "        2-D weight, llama-quantize's per-tensor rules and fallbacks, no importance matrix)\n",
-            argv0);
-    return 2;
-}
-
-static long long file_size(const char *path) {
-    struct stat st;
-    return stat(path, &st) == 0 ? (long long)st.st_size : -1;
-}
-
-// llama.cpp's mixes (llama_ftype and its default type) this tool makes: those whose types it writes
+// llama.cpp's ftypes this tool makes: the name, llama_ftype's number, the mix's default type
 struct preset {
     const char *name;
     int ftype;
@@ -52,7 +43,94 @@ static const preset k_presets[] = {
     {"Q4_0", 2, QL_TYPE_Q4_0},     {"Q4_1", 3, QL_TYPE_Q4_1},     {"Q5_0", 8, QL_TYPE_Q5_0},     {"Q5_1", 9, QL_TYPE_Q5_1},
     {"Q8_0", 7, QL_TYPE_Q8_0},     {"Q2_K", 10, QL_TYPE_Q2_K},    {"Q3_K_S", 11, QL_TYPE_Q3_K},  {"Q3_K_M", 12, QL_TYPE_Q3_K},
     {"Q3_K_L", 13, QL_TYPE_Q3_K},  {"Q4_K_S", 14, QL_TYPE_Q4_K},  {"Q4_K_M", 15, QL_TYPE_Q4_K},  {"Q5_K_S", 16, QL_TYPE_Q5_K},
-    {"Q5_K_M", 17, QL_TYPE_Q5_K},  {"Q6_K", 18, QL_TYPE_Q6_K},    {"IQ4_NL", 25, QL_TYPE_IQ4_NL}, {"IQ4_XS", 30, QL_TYPE_IQ4_XS}};
+    {"Q5_K_M", 17, QL_TYPE_Q5_K},  {"Q6_K", 18, QL_TYPE_Q6_K},    {"IQ4_NL", 25, QL_TYPE_IQ4_NL}, {"IQ4_XS", 30, QL_TYPE_IQ4_XS},
+    {"F16", 1, QL_TYPE_F16},       {"BF16", 32, QL_TYPE_BF16},    {"F32", 0, QL_TYPE_F32}};
+// llama-quantize's other names for some of them
+static const char *const k_aliases[][2] = {{"Q3_K", "Q3_K_M"}, {"Q4_K", "Q4_K_M"}, {"Q5_K", "Q5_K_M"}};
+// general.file_type of an NF4 file: the type ids (llama.cpp's llama_ftype stops below 40)
+static const int k_ftype_nf4 = QL_TYPE_NF4, k_ftype_nf4_nodq = QL_TYPE_NF4_NODQ;
+
+// llama-quantize's names (and ftype numbers) this tool does not make, and why
+#define QZ_IMATRIX "needs an importance matrix (llama-quantize --imatrix FILE), which this quantize does not take"
+#define QZ_IQ3 "is made of llama.cpp's iq3 types, which qlora neither writes nor reads (llama-quantize makes it, best with --imatrix)"
+#define QZ_TQ "is llama.cpp's ternary type for models trained ternary (BitNet b1.58); qlora neither writes nor reads it"
+struct refusal {
+    const char *name;
+    int ftype;  // -1: none of its own
+    const char *why;
+};
+static const refusal k_refused[] = {
+    {"Q2_K_S", 21, QZ_IMATRIX},  {"IQ1_S", 24, QZ_IMATRIX},   {"IQ1_M", 31, QZ_IMATRIX}, {"IQ2_XXS", 19, QZ_IMATRIX},
+    {"IQ2_XS", 20, QZ_IMATRIX},  {"IQ2_S", 28, QZ_IMATRIX},   {"IQ2_M", 29, QZ_IMATRIX}, {"IQ3_XXS", 23, QZ_IQ3},
+    {"IQ3_XS", 22, QZ_IQ3},      {"IQ3_S", 26, QZ_IQ3},       {"IQ3_M", 27, QZ_IQ3},     {"TQ1_0", 36, QZ_TQ},
+    {"TQ2_0", 37, QZ_TQ},
+    {"MXFP4_MOE", 38, "is for mixture-of-experts models (mxfp4 experts); qlora neither writes nor reads mxfp4"},
+    {"COPY", -1, "(llama-quantize's copy without conversion) is not made here: cp copies a file"}};
+
+// Levenshtein distance, any case (a near miss: "q4_k_n", "Q4KM", "nf5")
+static size_t edit_distance(const std::string &a, const std::string &b) {
+    std::vector<size_t> d(b.size() + 1);
+    for (size_t j = 0; j <= b.size(); j++) d[j] = j;
+    for (size_t i = 1; i <= a.size(); i++) {
+        size_t diag = d[0];  // d[i-1][j-1]
+        d[0] = i;
+        for (size_t j = 1; j <= b.size(); j++) {
+            const size_t up = d[j];
+            const bool same = tolower((unsigned char)a[i - 1]) == tolower((unsigned char)b[j - 1]);
+            d[j] = std::min({d[j] + 1, d[j - 1] + 1, diag + (same ? 0 : 1)});
+            diag = up;
+        }
+    }
+    return d[b.size()];
+}
+
+// every name TYPE may be, those this tool makes first
+static std::vector<std::string> known_names() {
+    std::vector<std::string> v;
+    for (const preset &p : k_presets) v.push_back(p.name);
+    for (const auto &a : k_aliases) v.push_back(a[0]);
+    v.push_back("NF4");
+    for (const refusal &r : k_refused) v.push_back(r.name);
+    return v;
+}
+
+// what TYPE names: a mix (*mix), NF4 (*nf4), a refused name (*no); false when nothing
+static bool type_lookup(const char *arg, const preset **mix, bool *nf4, const refusal **no) {
+    *mix = nullptr, *nf4 = false, *no = nullptr;
+    std::string s = arg;
+    for (const auto &a : k_aliases)
+        if (!strcasecmp(arg, a[0])) s = a[1];
+    const bool number = !s.empty() && s.size() <= 4 && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+    const int n = number ? atoi(s.c_str()) : -2;
+    for (const preset &p : k_presets)
+        if (!*mix && (!strcasecmp(s.c_str(), p.name) || p.ftype == n)) *mix = &p;
+    for (const refusal &r : k_refused)
+        if (!*mix && !*no && (!strcasecmp(s.c_str(), r.name) || r.ftype == n)) *no = &r;
+    *nf4 = !strcasecmp(s.c_str(), "nf4");
+    return *mix || *nf4 || *no;
+}
+
+static int usage(const char *argv0) {
+    std::string mixes, aliases;
+    for (const preset &p : k_presets) mixes += std::string(" ") + p.name;
+    for (const auto &a : k_aliases) aliases += std::string(" ") + a[0] + " (" + a[1] + ")";
+    fprintf(stderr,
+            "usage: %s in.gguf out.gguf TYPE [--allow-requantize]\n"
+            "       %s in.gguf out.gguf nf4 [--no-double-quant] [--include-output] [--include-embd] [--allow-requantize]\n"
+            "  TYPE, any case, or llama.cpp's ftype number (15 = Q4_K_M):%s\n"
+            "       and%s: llama-quantize's mix of that name without an importance matrix (every weight\n"
+            "       matrix: its per-tensor types and fallbacks, byte-identical files)\n"
+            "  nf4: QLoRA's NF4 for the block weights (--no-double-quant: fp32 absmax; --include-output,\n"
+            "       --include-embd: those too); a type of qlora's own, which llama.cpp cannot load\n"
+            "  --allow-requantize: convert tensors that are already quantised (worse than from f16/f32)\n",
+            argv0, argv0, mixes.c_str(), aliases.c_str());
+    return 2;
+}
+
+static long long file_size(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 ? (long long)st.st_size : -1;
+}
 
 // llama-quantize's choice for one tensor of a llama-family model (llama_tensor_get_type for the
 // mixes above, without an importance matrix; written from its rules): the head (and a tied
@@ -60,12 +138,15 @@ static const preset k_presets[] = {
 // attn_output and ffn_down raised per mix and layer (use_more_bits: the first and last eighth,
 // and every third between); a 70B's attn_v at least Q5_K; then the fallback for rows that are
 // not whole blocks (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS ->
-// IQ4_NL, and f16 where even that does not fit).
+// IQ4_NL, and f16 where even that does not fit; *chosen: the type before any fallback).
+// F16, BF16 and F32 have no rules: every weight matrix is of that type.
 struct mix_state {
     int i_wv = 0, n_wv = 0, i_down = 0, n_layer = 0, n_gqa = 1;
     bool tied = true, is_70b = false;
 };
-static ql_type preset_type(const preset &p, const std::string &name, int64_t ne0, mix_state &s) {
+static ql_type preset_type(const preset &p, const std::string &name, int64_t ne0, mix_state &s, ql_type *chosen) {
+    *chosen = p.def;
+    if (ql_type_traits_get(p.def)->blck_size == 1) return p.def;
     auto more_bits = [](int i, int n) { return i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2; };
     auto fits = [ne0](ql_type t) { return ne0 % ql_type_traits_get(t)->blck_size == 0; };
     const std::string f = p.name;
@@ -98,6 +179,7 @@ static ql_type preset_type(const preset &p, const std::string &name, int64_t ne0
         else if (f == "Q3_K_M") t = QL_TYPE_Q4_K;
         else if (f == "Q3_K_L") t = QL_TYPE_Q5_K;
     }
+    *chosen = t;
     if (!fits(t)) {  // llama.cpp's tensor_type_fallback
         t = t == QL_TYPE_Q2_K || t == QL_TYPE_Q3_K ? QL_TYPE_Q4_0 : t == QL_TYPE_Q4_K ? QL_TYPE_Q5_0 : t == QL_TYPE_Q5_K ? QL_TYPE_Q5_1
           : t == QL_TYPE_Q6_K ? QL_TYPE_Q8_0 : t == QL_TYPE_IQ4_XS ? QL_TYPE_IQ4_NL : t;
@@ -114,61 +196,99 @@ static bool weight_order(const std::string &a, const std::string &b) {
     return la != lb ? la < lb : a < b;
 }
 
-// which tensors get the target type
-static bool wants_quant(const std::string &name, int n_dims, bool with_output, bool with_embd) {
+// which tensors nf4 converts
+static bool wants_nf4(const std::string &name, int n_dims, bool with_output, bool with_embd) {
     if (n_dims != 2) return false;  // norms, biases, rope factors stay as they are
     if (name == "output.weight") return with_output;
     if (name == "token_embd.weight") return with_embd;
     return name.rfind("blk.", 0) == 0 && name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0;
 }
 
+static bool is_quantized(ql_type t) { return t != QL_TYPE_F32 && t != QL_TYPE_F16 && t != QL_TYPE_BF16; }
+
+// "a, b and c" (or "a or b")
+static std::string list_of(const std::vector<std::string> &v, const char *last = " and ") {
+    std::string r;
+    for (size_t k = 0; k < v.size(); k++) r += (k == 0 ? "" : k + 1 == v.size() ? last : ", ") + v[k];
+    return r;
+}
+static std::string list_of(const std::set<std::string> &s) { return list_of(std::vector<std::string>(s.begin(), s.end())); }
+static std::string list_of(const std::set<int64_t> &s) {
+    std::vector<std::string> v;
+    for (int64_t x : s) v.push_back(std::to_string(x));
+    return list_of(v);
+}
+
+// the known names nearest to a mistyped one (at most 3): by the distance without underscores
+// ("Q4KM" is Q4_K_M), then with them ("q4_k_n": Q4_K_S or Q4_K_M); none when even the nearest
+// differs in more than 2 characters or in half of its own
+static std::vector<std::string> near_misses(const std::string &arg) {
+    auto bare = [](std::string x) {
+        x.erase(std::remove(x.begin(), x.end(), '_'), x.end());
+        return x;
+    };
+    std::vector<std::string> best;
+    size_t best_bare = SIZE_MAX, best_full = SIZE_MAX;
+    for (const std::string &k : known_names()) {
+        const size_t db = edit_distance(bare(arg), bare(k)), df = edit_distance(arg, k);
+        if (db > 2 || 2 * db > bare(k).size()) continue;
+        if (db < best_bare || (db == best_bare && df < best_full)) best.clear(), best_bare = db, best_full = df;
+        if (db == best_bare && df == best_full && best.size() < 3) best.push_back(k);
+    }
+    return best;
+}
+
 int main(int argc, char **argv) {
     std::vector<const char *> pos;
-    bool dq = true, with_output = false, with_embd = false;
+    bool dq = true, with_output = false, with_embd = false, allow_requant = false;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--no-double-quant")) dq = false;
         else if (!strcmp(argv[i], "--include-output")) with_output = true;
         else if (!strcmp(argv[i], "--include-embd")) with_embd = true;
+        else if (!strcmp(argv[i], "--allow-requantize")) allow_requant = true;
         else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
             usage(argv[0]);
             return 0;
-        }
-        else if (argv[i][0] == '-' && argv[i][1]) {
+        } else if (!strcmp(argv[i], "--imatrix")) {
+            fprintf(stderr, "quantize: --imatrix: this quantize takes no importance matrix (llama-quantize does)\n");
+            return 2;
+        } else if (argv[i][0] == '-' && argv[i][1]) {
             fprintf(stderr, "quantize: unknown flag '%s'\n", argv[i]);
             return usage(argv[0]);
         } else pos.push_back(argv[i]);
     }
     if (pos.size() != 3) return usage(argv[0]);
     const char *in_path = pos[0], *out_path = pos[1], *type_name = pos[2];
-    ql_type target = QL_TYPE_COUNT;
     const preset *mix = nullptr;
-    for (const preset &p : k_presets)
-        if (!strcmp(type_name, p.name)) mix = &p;
-    if (mix && (!dq || with_output || with_embd)) {
-        fprintf(stderr, "quantize: %s is one of llama.cpp's mixes: it decides every tensor itself (no --no-double-quant, "
-                        "--include-output, --include-embd)\n", type_name);
+    const refusal *no = nullptr;
+    bool nf4 = false;
+    if (!type_lookup(type_name, &mix, &nf4, &no)) {
+        std::string names;
+        for (const preset &p : k_presets) names += std::string(p.name) + " ";
+        for (const auto &a : k_aliases) names += std::string(a[0]) + " ";
+        const std::vector<std::string> near = near_misses(type_name);
+        fprintf(stderr, "quantize: unknown target type '%s'%s%s%s (llama-quantize's %sor NF4; any case)\n", type_name,
+                near.empty() ? "" : ": did you mean ", list_of(near, " or ").c_str(), near.empty() ? "" : "?", names.c_str());
         return 2;
     }
-    if (mix) target = mix->def;
-    else if (!strcmp(type_name, "nf4")) target = dq ? QL_TYPE_NF4 : QL_TYPE_NF4_NODQ;
-    else
-        for (int t = 0; t < QL_TYPE_COUNT; t++) {
-            const ql_type_traits *tt = ql_type_traits_get((ql_type)t);
-            if (tt && tt->from_float && tt->is_float && !strcmp(tt->name, type_name)) target = (ql_type)t;
-        }
-    if (target == QL_TYPE_COUNT) {
-        std::string known = "nf4";
-        for (int t = 0; t < QL_TYPE_COUNT; t++) {
-            const ql_type_traits *tt = ql_type_traits_get((ql_type)t);
-            if (tt && tt->from_float && tt->is_float) known += std::string(", ") + tt->name;
-        }
-        fprintf(stderr, "quantize: unknown target type '%s' (%s)\n", type_name, known.c_str());
+    if (no) {
+        const bool number = strcasecmp(type_name, no->name) != 0;
+        fprintf(stderr, "quantize: %s%s%s%s %s\n", no->name, number ? " (ftype " : "", number ? type_name : "", number ? ")" : "",
+                no->why);
         return 2;
     }
-    if (!dq && target != QL_TYPE_NF4_NODQ) {
+    if (!dq && !nf4) {
         fprintf(stderr, "quantize: --no-double-quant applies to nf4 only\n");
         return 2;
     }
+    if (mix && (with_output || with_embd)) {
+        fprintf(stderr, "quantize: %s is llama-quantize's %s: it decides every tensor itself (--include-output and "
+                        "--include-embd are nf4's)\n", type_name, mix->name);
+        return 2;
+    }
+    const ql_type target = mix ? mix->def : dq ? QL_TYPE_NF4 : QL_TYPE_NF4_NODQ;
+    const char *target_name = mix ? mix->name : ql_type_name(target);
+    const bool q_mix = mix && ql_type_traits_get(target)->blck_size > 1;  // a quantised mix: per-tensor rules
     if (const int rc = output_path_check("quantize", out_path, {in_path})) return rc;  // before minutes of quantizing, not after
 
     char err[512];
@@ -192,16 +312,14 @@ int main(int argc, char **argv) {
             return 1;
         }
     }
-    ql_gguf_writer *w = ql_gguf_writer_new();
-    owned<ql_gguf_writer> w_(w, ql_gguf_writer_free);
-    for (int64_t i = 0; i < ql_gguf_n_kv(in); i++) ql_gguf_copy_kv(w, in, i);
     // the tensors in the order written, and a mix's counters (llama-quantize's)
     std::vector<int64_t> order((size_t)ql_gguf_n_tensors(in));
     for (size_t i = 0; i < order.size(); i++) order[i] = (int64_t)i;
     mix_state ms;
-    if (mix) {
+    if (mix)
         std::stable_sort(order.begin(), order.end(),
                          [&](int64_t a, int64_t b) { return weight_order(ql_gguf_tensor_name(in, a), ql_gguf_tensor_name(in, b)); });
+    if (q_mix) {
         for (int64_t i : order) {
             const std::string nm = ql_gguf_tensor_name(in, i);
             ms.n_wv += nm.find("attn_v.weight") != std::string::npos;
@@ -213,7 +331,7 @@ int main(int argc, char **argv) {
         const int64_t ib = arch ? ql_gguf_find_kv(in, (std::string(arch) + ".block_count").c_str()) : -1;
         uint64_t nl = 0;
         if (ib < 0 || !ql_gguf_get_u64(in, ib, &nl)) {
-            fprintf(stderr, "quantize: %s: no {arch}.block_count: %s needs the model's layer count\n", in_path, type_name);
+            fprintf(stderr, "quantize: %s: no {arch}.block_count: %s needs the model's layer count\n", in_path, target_name);
             return 1;
         }
         ms.n_layer = (int)nl;
@@ -225,73 +343,119 @@ int main(int argc, char **argv) {
             ms.n_gqa = (int)(nh / nkv);
         }
         ms.is_70b = nl == 80 && (nh != nkv || !strcmp(arch, "qwen2"));
-        // as llama-quantize: the input's keys, then the quantisation version and the mix, last
-        ql_gguf_remove_kv(w, "general.quantization_version");
-        ql_gguf_remove_kv(w, "general.file_type");
-        ql_gguf_set_u32(w, "general.quantization_version", 2);
-        ql_gguf_set_u32(w, "general.file_type", (uint32_t)mix->ftype);
     }
-    // llama.cpp's llama_ftype for a model mostly of one type (its enum has no value for NF4)
-    if (!mix) ql_gguf_remove_kv(w, "general.file_type");
-    const int ftype = target == QL_TYPE_F32 ? 0 : target == QL_TYPE_F16 ? 1 : target == QL_TYPE_Q4_0 ? 2 : target == QL_TYPE_Q4_1 ? 3
-                    : target == QL_TYPE_Q8_0 ? 7 : target == QL_TYPE_Q5_0 ? 8 : target == QL_TYPE_Q5_1 ? 9 : target == QL_TYPE_Q6_K ? 18
-                    : target == QL_TYPE_BF16 ? 32 : target == QL_TYPE_IQ4_NL ? 25 : target == QL_TYPE_IQ4_XS ? 30
-                    : -1;  // (q2_K..q5_K alone are none of llama.cpp's K_S/K_M mixes)
-    if (!mix && ftype >= 0) ql_gguf_set_u32(w, "general.file_type", (uint32_t)ftype);
-    if (!mix) ql_gguf_set_u32(w, "general.quantization_version", 2);
-    if (!mix) ql_gguf_set_str(w, "qlora.quantize.type", ql_type_name(target));
-    if (target == QL_TYPE_NF4 || target == QL_TYPE_NF4_NODQ)
+
+    // the plan, before any work: each tensor's new type (QL_TYPE_COUNT: kept as it is)
+    std::vector<ql_type> want((size_t)ql_gguf_n_tensors(in), QL_TYPE_COUNT);
+    std::vector<bool> unfit(want.size(), false);  // a matrix nf4 leaves: its rows are not whole blocks
+    int n_weights = 0, n_convert = 0, n_target = 0, n_unfit = 0, n_requant = 0, n_fallback = 0;
+    int64_t first_requant = -1;
+    std::map<std::pair<std::string, std::string>, int> fallbacks;  // (the mix's type, the one that fits) -> tensors
+    std::set<int64_t> unfit_rows, fallback_rows;
+    std::set<std::string> chosen_types;
+    for (int64_t i : order) {
+        const std::string nm = ql_gguf_tensor_name(in, i);
+        const ql_type type = ql_gguf_tensor_type(in, i);
+        int64_t ne[4];
+        const int nd = ql_gguf_tensor_ne(in, i, ne);
+        const bool allowed = mix ? nd >= 2 && nm.size() >= 6 && nm.compare(nm.size() - 6, 6, "weight") == 0 &&
+                                       nm.find("_norm.weight") == std::string::npos
+                                 : wants_nf4(nm, nd, with_output, with_embd);
+        if (!allowed) continue;
+        n_weights++;
+        ql_type chosen = target;
+        const ql_type w = mix ? preset_type(*mix, nm, ne[0], ms, &chosen) : target;
+        if (w != chosen) {
+            n_fallback++;
+            fallback_rows.insert(ne[0]);
+            chosen_types.insert(ql_type_name(chosen));
+            fallbacks[{ql_type_name(chosen), ql_type_name(w)}]++;
+        }
+        if (type == w) continue;
+        if (ne[0] % ql_type_traits_get(w)->blck_size != 0) {
+            unfit[(size_t)i] = true;
+            unfit_rows.insert(ne[0]);
+            n_unfit++;
+            continue;
+        }
+        want[(size_t)i] = w;
+        n_convert++;
+        n_target += !q_mix || is_quantized(w);
+        if (is_quantized(type) && n_requant++ == 0) first_requant = i;
+    }
+    if (n_target == 0) {  // a file that is its input under another name, or no quantised tensor in it, is no success
+        if (n_weights == 0)
+            fprintf(stderr, "quantize: %s: no weight matrix to convert to %s: nothing written\n", in_path, target_name);
+        else if (n_unfit > 0)
+            fprintf(stderr, "quantize: %s: no tensor converted to %s: the rows of its %d weight matrices (%s wide) are not "
+                    "whole %lld-element blocks: nothing written\n", in_path, target_name, n_unfit, list_of(unfit_rows).c_str(),
+                    (long long)ql_type_traits_get(target)->blck_size);
+        else if (n_convert > 0)
+            fprintf(stderr, "quantize: %s: no tensor would be quantised: the rows of its weight matrices (%s wide) are not "
+                    "whole blocks of %s's types (%s) nor of their fallbacks, and f16 is not %s: nothing written\n", in_path,
+                    list_of(fallback_rows).c_str(), target_name, list_of(chosen_types).c_str(), target_name);
+        else
+            fprintf(stderr, "quantize: %s: nothing to convert: its %d weight matrices are of %s's types already: nothing "
+                    "written\n", in_path, n_weights, target_name);
+        return 1;
+    }
+    if (n_requant > 0 && !allow_requant) {
+        fprintf(stderr, "quantize: %s: %d of the tensors to convert are quantised already (%s is %s): quantising again "
+                "loses more than quantising the f16/f32 model; --allow-requantize does it anyway\n", in_path, n_requant,
+                ql_gguf_tensor_name(in, first_requant), ql_type_name(ql_gguf_tensor_type(in, first_requant)));
+        return 2;
+    }
+
+    ql_gguf_writer *w = ql_gguf_writer_new();
+    owned<ql_gguf_writer> w_(w, ql_gguf_writer_free);
+    for (int64_t i = 0; i < ql_gguf_n_kv(in); i++) ql_gguf_copy_kv(w, in, i);
+    // as llama-quantize: the input's keys, then the quantisation version and llama.cpp's ftype, last
+    // (NF4: its type id as the ftype, then qlora's keys)
+    ql_gguf_remove_kv(w, "general.quantization_version");
+    ql_gguf_remove_kv(w, "general.file_type");
+    ql_gguf_set_u32(w, "general.quantization_version", 2);
+    ql_gguf_set_u32(w, "general.file_type", (uint32_t)(mix ? mix->ftype : dq ? k_ftype_nf4 : k_ftype_nf4_nodq));
+    if (nf4) {
+        ql_gguf_set_str(w, "qlora.quantize.type", ql_type_name(target));
         ql_gguf_set_str(w, "qlora.note",
                         "NF4 tensors (type ids 100/101) are qlora's own: llama.cpp cannot load this file; "
                         "use the unquantised GGUF there, with the adapter");
+    }
 
     std::vector<std::vector<uint8_t>> keep;  // converted tensor bytes, alive until the write
     std::vector<float> rows;
     double q_params = 0, q_bytes = 0, all_params = 0, all_bytes = 0;
-    int n_quant = 0;
     for (int64_t i : order) {
         const char *name = ql_gguf_tensor_name(in, i);
-        const ql_type type = ql_gguf_tensor_type(in, i);
+        const ql_type type = ql_gguf_tensor_type(in, i), to = want[(size_t)i];
         int64_t ne[4];
         const int nd = ql_gguf_tensor_ne(in, i, ne);
         const int64_t n_rows = ne[1] * ne[2] * ne[3], n = n_rows * ne[0];
         const void *data = ql_gguf_tensor_data(in, i);
         size_t size = ql_gguf_tensor_size(in, i);
-        ql_type out_type = type;
-        const std::string nm = name;
-        const bool allowed = mix ? nd >= 2 && nm.size() >= 6 && nm.compare(nm.size() - 6, 6, "weight") == 0 &&
-                                       nm.find("_norm.weight") == std::string::npos
-                                 : wants_quant(name, nd, with_output, with_embd);
-        const ql_type want = mix && allowed ? preset_type(*mix, nm, ne[0], ms) : target;
-        const ql_type_traits *tt = ql_type_traits_get(want);
-        if (allowed && type != want) {
-            if (ne[0] % tt->blck_size != 0) {
-                printf("  %-32s [%lld, %lld] %s: rows of %lld are not whole %s blocks, kept\n", name, (long long)ne[0],
-                       (long long)ne[1], ql_type_name(type), (long long)ne[0], tt->name);
-            } else {
-                rows.resize((size_t)n);
-                if (ql_dequantize(type, data, n_rows, ne[0], rows.data()) != QL_OK) {
-                    fprintf(stderr, "quantize: %s: tensor %s: cannot read type %s\n", in_path, name, ql_type_name(type));
-                    return 1;
-                }
-                keep.emplace_back(ql_type_data_size(want, n_rows, ne[0]));
-                if (ql_quantize(want, rows.data(), n_rows, ne[0], keep.back().data(), err, sizeof(err)) != QL_OK) {
-                    fprintf(stderr, "quantize: %s: tensor %s: %s\n", in_path, name, err);
-                    return 1;
-                }
-                printf("  %-32s [%lld, %lld] %s -> %s\n", name, (long long)ne[0], (long long)ne[1], ql_type_name(type),
-                       ql_type_name(want));
-                data = keep.back().data();
-                size = keep.back().size();
-                out_type = want;
-                q_params += (double)n;
-                q_bytes += (double)size;
-                n_quant++;
+        if (unfit[(size_t)i])
+            printf("  %-32s [%lld, %lld] %s: rows of %lld are not whole %s blocks, kept\n", name, (long long)ne[0],
+                   (long long)ne[1], ql_type_name(type), (long long)ne[0], ql_type_name(target));
+        if (to != QL_TYPE_COUNT) {
+            rows.resize((size_t)n);
+            if (ql_dequantize(type, data, n_rows, ne[0], rows.data()) != QL_OK) {
+                fprintf(stderr, "quantize: %s: tensor %s: cannot read type %s\n", in_path, name, ql_type_name(type));
+                return 1;
             }
+            keep.emplace_back(ql_type_data_size(to, n_rows, ne[0]));
+            if (ql_quantize(to, rows.data(), n_rows, ne[0], keep.back().data(), err, sizeof(err)) != QL_OK) {
+                fprintf(stderr, "quantize: %s: tensor %s: %s\n", in_path, name, err);
+                return 1;
+            }
+            printf("  %-32s [%lld, %lld] %s -> %s\n", name, (long long)ne[0], (long long)ne[1], ql_type_name(type), ql_type_name(to));
+            data = keep.back().data();
+            size = keep.back().size();
+            q_params += (double)n;
+            q_bytes += (double)size;
         }
         all_params += (double)n;
         all_bytes += (double)size;
-        if (ql_gguf_add_tensor(w, name, out_type, nd, ne, data, size) != QL_OK) {
+        if (ql_gguf_add_tensor(w, name, to != QL_TYPE_COUNT ? to : type, nd, ne, data, size) != QL_OK) {
             fprintf(stderr, "quantize: %s: tensor %s could not be added\n", in_path, name);
             return 1;
         }
@@ -303,9 +467,23 @@ int main(int argc, char **argv) {
     w_.reset();
     in_.reset();
     const long long in_size = file_size(in_path), out_size = file_size(out_path);
-    printf("quantize: %d tensors to %s: %.3f bits per parameter (%.0f parameters)\n", n_quant, mix ? mix->name : ql_type_name(target),
+    printf("quantize: %d tensors to %s: %.3f bits per parameter (%.0f parameters)\n", n_convert, target_name,
            q_params > 0 ? 8.0 * q_bytes / q_params : 0.0, q_params);
     printf("quantize: whole model %.3f bits per parameter; file %s: %.2f MiB -> %s: %.2f MiB\n",
            all_params > 0 ? 8.0 * all_bytes / all_params : 0.0, in_path, (double)in_size / 1048576.0, out_path, (double)out_size / 1048576.0);
+    if (!fallbacks.empty()) {  // llama-quantize warns of these too (or stops: its fallbacks are for k-quants and iq4_xs)
+        std::vector<std::string> each;
+        std::set<std::string> stops;
+        for (const auto &f : fallbacks) {
+            each.push_back(std::to_string(f.second) + " " + f.first.first + " -> " + f.first.second);
+            if (f.first.second == "f16" && f.first.first.find("_K") == std::string::npos && f.first.first != "iq4_xs")
+                stops.insert(f.first.first);
+        }
+        fflush(stdout);
+        fprintf(stderr, "quantize: warning: %d of %d weight matrices have rows (%s wide) that are not whole blocks of their "
+                "type in %s, so they fell back: %s%s%s%s\n", n_fallback, n_weights, list_of(fallback_rows).c_str(), target_name,
+                list_of(each).c_str(), stops.empty() ? "" : " (llama-quantize has no fallback for ", list_of(stops).c_str(),
+                stops.empty() ? "" : ": it stops there)");
+    }
     return 0;
 }
