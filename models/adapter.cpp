@@ -688,6 +688,50 @@ bool ql_peft_save(const char *dir, const ql_llama &m, const char *arch, const ql
     return write_atomic(std::string(dir) + "/adapter_config.json", {{cfg.data(), cfg.size()}}, err);
 }
 
+// A whole weight PEFT saves beside the LoRA pairs: lm_head's base layer (a LoRA on lm_head saved
+// with save_embedding_layers' default, "auto") and modules_to_save's copies of lm_head or
+// embed_tokens. The model's tensor it stands for, or NULL for any other name.
+static const ql_tensor *peft_full_weight(const ql_llama &m, const std::string &name) {
+    for (const char *n : {"base_model.model.lm_head.weight", "base_model.model.lm_head.base_layer.weight"})
+        if (name == n) return m.output;
+    for (const char *n : {"base_model.model.model.embed_tokens.weight", "base_model.model.model.embed_tokens.base_layer.weight"})
+        if (name == n) return m.tok_embd;
+    return nullptr;
+}
+
+static void st_to_f32(const ql_st_tensor &t, std::vector<float> *o) {
+    uint64_t n = 1;
+    for (int64_t d : t.shape) n *= (uint64_t)d;
+    o->resize((size_t)n);
+    const uint8_t *p = (const uint8_t *)t.data;
+    for (size_t i = 0; i < o->size(); i++) {
+        if (t.dtype == "F32") {
+            memcpy(&(*o)[i], p + 4 * i, 4);
+        } else {
+            uint16_t h;
+            memcpy(&h, p + 2 * i, 2);
+            (*o)[i] = t.dtype == "F16" ? ql_fp16_to_fp32(h) : ql_bf16_to_fp32(h);
+        }
+    }
+}
+
+// whether a saved whole weight is the model's w: its shape, and its values stored in w's type
+// are w's bytes (what converting the same checkpoint gives); else why not, in *why
+static bool peft_same_weight(const ql_st_tensor &t, const ql_tensor *w, std::string *why) {
+    if (!w || !w->data) return fail(why, "the model has no such weight in memory to compare with");
+    if (t.shape.size() != 2 || t.shape[0] != w->ne[1] || t.shape[1] != w->ne[0])
+        return fail(why, "its shape is not the model's %s [%lld, %lld]", w->name, (long long)w->ne[1], (long long)w->ne[0]);
+    std::vector<float> f;
+    st_to_f32(t, &f);
+    std::vector<uint8_t> mine(ql_nbytes(w));
+    char e[256];
+    if (ql_quantize(w->type, f.data(), w->ne[1], w->ne[0], mine.data(), e, sizeof(e)) != QL_OK)
+        return fail(why, "the model's %s is %s, which it cannot be compared with (%s)", w->name, ql_type_name(w->type), e);
+    if (memcmp(mine.data(), w->data, mine.size()) != 0)
+        return fail(why, "it differs from the model's %s", w->name);
+    return true;
+}
+
 ql_lora_adapter *ql_peft_attach(ql_llama *m, const char *arch, const char *dir, float user_scale, std::string *err) {
     if (!m || !arch || !dir) {
         fail(err, "ql_peft_attach: bad arguments");
@@ -717,6 +761,17 @@ ql_lora_adapter *ql_peft_attach(ql_llama *m, const char *arch, const char *dir, 
         int mod = 0;
         char which = 0;
         if (!parse_peft_name(t.name, &layer, &mod, &which)) {
+            if (const ql_tensor *w = peft_full_weight(*m, t.name)) {  // nothing to apply when it is ours; refused otherwise
+                std::string why;
+                if (!peft_same_weight(t, w, &why)) {
+                    const bool copy = t.name.find("base_layer") == std::string::npos;
+                    fail(err, "%s: %s: %s; %s", file, t.name.c_str(), why.c_str(),
+                         copy ? "a trained copy (modules_to_save) replaces the weight, and qlora applies LoRA pairs only"
+                              : "the adapter was made for another base model");
+                    return nullptr;
+                }
+                continue;
+            }
             fail(err, "%s: tensor %s is not a LoRA tensor of a llama block or lm_head (expected "
                       "base_model.model.model.layers.N.{self_attn,mlp}.<module>.lora_{A,B}.weight)", file, t.name.c_str());
             return nullptr;
@@ -742,21 +797,7 @@ ql_lora_adapter *ql_peft_attach(ql_llama *m, const char *arch, const char *dir, 
         int64_t r;
     };
     std::vector<ready> rs;
-    auto to_f32 = [](const ql_st_tensor &t, std::vector<float> *o) {
-        uint64_t n = 1;
-        for (int64_t d : t.shape) n *= (uint64_t)d;
-        o->resize((size_t)n);
-        const uint8_t *p = (const uint8_t *)t.data;
-        for (size_t i = 0; i < o->size(); i++) {
-            if (t.dtype == "F32") {
-                memcpy(&(*o)[i], p + 4 * i, 4);
-            } else {
-                uint16_t h;
-                memcpy(&h, p + 2 * i, 2);
-                (*o)[i] = t.dtype == "F16" ? ql_fp16_to_fp32(h) : ql_bf16_to_fp32(h);
-            }
-        }
-    };
+    auto to_f32 = st_to_f32;
     for (const ql_tensor *w : order) {
         const found &f = byw[w];
         if (!f.a || !f.b) {

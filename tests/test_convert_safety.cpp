@@ -5,6 +5,7 @@
 // QL_TOOLS=DIR runs DIR/convert instead of ./convert (to try an older build).
 #include "../models/adapter.h"
 #include "../models/json.h"
+#include "../models/llama.h"
 #include "../qlora.h"
 #include "util.h"
 
@@ -376,4 +377,66 @@ TEST_CASE("convert hf: malformed merges are refused at convert, naming the entry
     write_file(tj, orig);
     CHECK(convert_hf(l, d.path + "/x.gguf", &log) == 0);
     CHECK_MESSAGE(!has(log, "warning"), log);
+}
+
+// PEFT saves whole weights beside the LoRA pairs: lm_head's base layer when lm_head is a target
+// (save_embedding_layers="auto"), and modules_to_save's copies. Each is loaded (there is nothing
+// to apply) when it is the model's own weight, and refused, saying why, when it is not.
+TEST_CASE("PEFT adapter: lm_head's saved base layer and modules_to_save copies load when they are the model's weights") {
+    if (!have_convert()) return;
+    tmpdir d;
+    std::string log;
+    REQUIRE_MESSAGE(convert_hf(tests_dir() + "golden/hf/llama", d.path + "/m.gguf", &log) == 0, log);
+    REQUIRE_MESSAGE(convert_hf(tests_dir() + "golden/hf/llama", d.path + "/m16.gguf --outtype f16", &log) == 0, log);
+    std::vector<st_item> base = read_st(tests_dir() + "golden/hf/llama/model.safetensors");
+    const st_item *head = find_item(base, "lm_head.weight"), *emb = find_item(base, "model.embed_tokens.weight");
+    REQUIRE(head);
+    REQUIRE(emb);
+    const std::vector<st_item> lora = read_st(tests_dir() + "golden/hf/llama-peft/adapter_model.safetensors");
+    const std::string cfg = read_file(tests_dir() + "golden/hf/llama-peft/adapter_config.json");
+    const int64_t V = head->shape[0], E = head->shape[1], r = 4;
+    std::vector<float> a((size_t)(r * E)), b((size_t)(V * r));
+    for (size_t i = 0; i < a.size(); i++) a[i] = 0.01f * (float)((i * 7) % 13) - 0.06f;
+    for (size_t i = 0; i < b.size(); i++) b[i] = 0.01f * (float)((i * 5) % 11) - 0.05f;
+    const st_item head_a{"base_model.model.lm_head.lora_A.weight", "F32", {r, E}, std::string((const char *)a.data(), a.size() * 4)};
+    const st_item head_b{"base_model.model.lm_head.lora_B.weight", "F32", {V, r}, std::string((const char *)b.data(), b.size() * 4)};
+    auto attach = [&](const std::string &model, std::vector<st_item> extra, std::string *why) -> int {
+        const std::string p = d.path + "/peft";
+        mkdir(p.c_str(), 0755);
+        write_file(p + "/adapter_config.json", cfg);
+        std::vector<st_item> items = lora;
+        items.insert(items.end(), extra.begin(), extra.end());
+        write_st(p + "/adapter_model.safetensors", items);
+        char err[256];
+        ql_llama_file *f = ql_llama_load((d.path + "/" + model).c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(f, err);
+        ql_lora_adapter *ad = ql_lora_attach_any(&f->model, f->arch.c_str(), p.c_str(), 1.0f, why);
+        const int n = ad ? ad->n_pairs : -1;
+        ql_lora_adapter_free(ad);
+        ql_llama_file_free(f);
+        return n;
+    };
+    st_item saved_base = *head, copy = *head, emb_copy = *emb;
+    saved_base.name = "base_model.model.lm_head.base_layer.weight";
+    copy.name = "base_model.model.lm_head.weight";
+    emb_copy.name = "base_model.model.model.embed_tokens.weight";
+    std::string why;
+    // a LoRA on lm_head saved with PEFT's defaults: the pair and lm_head's base layer
+    CHECK_MESSAGE(attach("m.gguf", {head_a, head_b, saved_base}, &why) == 15, why);
+    CHECK_MESSAGE(attach("m16.gguf", {head_a, head_b, saved_base}, &why) == 15, why);  // f16 head: the saved f32 rounds to it
+    // modules_to_save copies that were not trained away from the model's
+    CHECK_MESSAGE(attach("m.gguf", {copy, emb_copy}, &why) == 14, why);
+    // ones that were: refused, saying why
+    std::string changed = copy.bytes;
+    changed[4 * 17 + 2] ^= 0x10;
+    copy.bytes = changed;
+    CHECK(attach("m.gguf", {copy}, &why) == -1);
+    CHECK_MESSAGE(has(why, "base_model.model.lm_head.weight: it differs from the model's output.weight; a trained copy (modules_to_save) "
+                           "replaces the weight, and qlora applies LoRA pairs only"), why);
+    saved_base.bytes = changed;
+    CHECK(attach("m.gguf", {head_a, head_b, saved_base}, &why) == -1);
+    CHECK_MESSAGE(has(why, "lm_head.base_layer.weight: it differs from the model's output.weight; the adapter was made for another base model"), why);
+    saved_base.shape = {E, V};
+    CHECK(attach("m.gguf", {head_a, head_b, saved_base}, &why) == -1);
+    CHECK_MESSAGE(has(why, "its shape is not the model's output.weight"), why);
 }
