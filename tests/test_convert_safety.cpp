@@ -211,6 +211,8 @@ TEST_CASE("convert hf: config.json's sizes are whole numbers in range, the file 
         {"\"hidden_size\": 1e30", "config.json: hidden_size is 1e30 (a size from 1 to 2^30)"},
         {"\"hidden_size\": -1e300", "config.json: hidden_size is -1e300 (a size from 1 to 2^30)"},
         {"\"num_hidden_layers\": 2.0000001", "config.json: num_hidden_layers is 2.0000001 (a whole number)"},
+        {"\"head_dim\": 1e30", "config.json: head_dim is 1e30 (a size from 1 to 2^30)"},
+        {"\"head_dim\": 16.5", "config.json: head_dim is 16.5 (a whole number)"},
         {"\"vocab_size\": 9223372036854775808", "config.json: vocab_size is 9223372036854775808 (a size from 1 to 2^30)"},
     };
     std::string log;

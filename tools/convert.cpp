@@ -418,7 +418,7 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
     const int64_t E = size("hidden_size", 0, true), L = size("num_hidden_layers", 0, true), H = size("num_attention_heads", 0, true),
                   F = size("intermediate_size", 0, true), V = size("vocab_size", 0, true);
     const int64_t HKV = size("num_key_value_heads", H, false);
-    const int64_t hd = (int64_t)num("head_dim", H > 0 ? (double)(E / H) : 0, false);
+    const int64_t hd = size("head_dim", H > 0 ? E / H : 0, false);  // (absent: hidden_size / heads)
     // transformers 5 writes rope_parameters (theta and scaling together); 4.x rope_theta and rope_scaling
     const ql_json *rp = cfg.get("rope_parameters");
     if (rp && rp->kind != ql_json::OBJ) rp = nullptr;
