@@ -3270,7 +3270,8 @@ static bool graph_alloc_host(ql_graph *g, ql_backend *be) {
     g->host_buf_owner = ql_backend_buffer_alloc(be, QL_BUFFER_HOST_PINNED, g->host_size);
     g->host_buf = g->host_buf_owner ? (uint8_t *)ql_backend_buffer_base(g->host_buf_owner) : nullptr;
     if (!g->host_buf)
-        QL_ERR(g->ctx, QL_ERR_NOMEM, "graph_alloc: %zu bytes of pinned host memory for offloaded activations", g->host_size);
+        QL_ERR(g->ctx, QL_ERR_NOMEM, "could not allocate %zu bytes (%.1f MiB) of pinned host memory for offloaded activations",
+               g->host_size, (double)g->host_size / 1048576.0);
     return g->host_buf != nullptr;
 }
 
@@ -3297,8 +3298,9 @@ ql_status ql_graph_alloc(ql_graph *g, ql_backend *be) {
         graph_release_buffer(g);
         g->buffer = (uint8_t *)be->iface.buffer_alloc(be, std::max(need, (size_t)QL_ALIGN));
         if (!g->buffer) {
-            QL_ERR(ctx, QL_ERR_NOMEM, "graph_alloc: backend %s could not allocate %zu bytes for the planned buffer "
-                                      "--> hint: lower the batch or sequence length", be->iface.name, need);
+            QL_ERR(ctx, QL_ERR_NOMEM, "backend %s could not allocate %zu bytes for the planned buffer (%.1f MiB: activations "
+                                      "and temporaries) --> hint: lower the batch or sequence length", be->iface.name, need,
+                   (double)need / 1048576.0);
             return ctx->status;
         }
         g->buffer_size    = need;

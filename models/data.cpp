@@ -434,6 +434,10 @@ static bool render_line(const ql_json &obj, const ql_vocab *v, ql_chat_template 
         *fmt = FMT_TEXT;
         const std::string *text;
         if (!str_field("text", &text)) return false;
+        if (text->empty()) {  // it would train a lone end-of-sequence token, as an empty completion would
+            *reason = "empty \"text\": nothing to learn";
+            return false;
+        }
         out->parts = {{*text, -1, true}};
         out->end_sup = true;
         return true;

@@ -4,10 +4,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 
@@ -85,6 +87,31 @@ struct ql_trainer {
 static ql_type precision_type(const std::string &p) {
     return p == "bf16" ? QL_TYPE_BF16 : p == "fp16" ? QL_TYPE_F16 : QL_TYPE_F32;
 }
+
+// A library message as a user reads it: the "qlora.cpp:3284: " an error carries at the API edge
+// (where in the library it was raised) removed, kept with QLORA_DEBUG set in the environment
+std::string ql_user_message(const std::string &msg) {
+    const char *dbg = getenv("QLORA_DEBUG");
+    if (dbg && *dbg && strcmp(dbg, "0") != 0) return msg;
+    std::string out;
+    for (size_t i = 0; i < msg.size();) {
+        // "<name>.cpp:<digits>: " (or .cu/.h) at the start or after a space: dropped
+        size_t j = i;
+        while (j < msg.size() && (isalnum((unsigned char)msg[j]) || msg[j] == '_' || msg[j] == '-')) j++;
+        size_t k = j;
+        for (const char *ext : {".cpp:", ".cu:", ".h:"})
+            if (k == j && j > i && msg.compare(j, strlen(ext), ext) == 0) k = j + strlen(ext);
+        size_t d = k;
+        while (k > j && d < msg.size() && isdigit((unsigned char)msg[d])) d++;
+        if (k > j && d > k && msg.compare(d, 2, ": ") == 0 && (i == 0 || msg[i - 1] == ' ')) {
+            i = d + 2;
+            continue;
+        }
+        out += msg[i++];
+    }
+    return out;
+}
+static std::string ctx_message(const ql_context *ctx) { return ql_user_message(ql_ctx_error(ctx)); }
 
 std::string ql_auto_precision() { return ql_cpu_bf16_native() ? "bf16" : "fp32"; }  // the CPU backend: see trainer.h
 
@@ -308,7 +335,7 @@ static bool measure(ql_trainer *t, std::string *err) {
         bucket_inputs += input_bytes(b);
     }
     es.buffer_size = std::max(es.buffer_size, bucket_buf);  // (what shares the training graph's buffer)
-    if (!ok) *err = ql_ctx_error(meas);
+    if (!ok) *err = ctx_message(meas);
     ql_memory_plan &m = t->mem;
     if (ok) {
         const size_t arena = ql_used_mem(meas);
@@ -682,13 +709,13 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
         for (batch_io &b : t->bucket_io) ok_alloc = ok_alloc && ql_graph_alloc_shared(b.g, t->be, big) == QL_OK;
     }
     if (!ok_alloc) {
-        *err = t->ctx ? ql_ctx_error(t->ctx) : "out of memory";
+        *err = t->ctx ? ctx_message(t->ctx) : "out of memory";
         ql_trainer_free(t);
         return nullptr;
     }
     if (!t->on_host && (!(t->weights_buf = ql_backend_place_ctx_tensors(t->be, t->f->ctx)) ||
                         !(t->state_buf = ql_backend_place_ctx_tensors(t->be, t->ctx)))) {
-        *err = "placing the model on " + t->o.device + ": " + ql_ctx_error(t->weights_buf ? t->ctx : t->f->ctx);
+        *err = "placing the model on " + t->o.device + ": " + ctx_message(t->weights_buf ? t->ctx : t->f->ctx);
         ql_trainer_free(t);
         return nullptr;
     }
@@ -735,7 +762,7 @@ bool ql_train_write_snapshot(ql_llama_file *f, const std::vector<ql_sequence> &t
     ql_context *meas = ok ? ql_init(mp) : nullptr;
     ql_plan_stats ps{};
     ok = ok && build(t, meas) && ql_graph_plan(t->tr.g, t->be, &ps) == QL_OK;
-    if (meas && !ok && err->empty()) *err = ql_ctx_error(meas);
+    if (meas && !ok && err->empty()) *err = ctx_message(meas);
     FILE *out = ok ? fopen(path, "w") : nullptr;
     if (ok && !out) {
         *err = std::string(path) + ": cannot write: " + strerror(errno);
@@ -973,7 +1000,7 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
             ql_backend_tensor_set(t->be, t->seed, &seed, 0, 4) != QL_OK || ql_backend_graph_compute(t->be, io.g) != QL_OK ||
             !get_f32(t, io.loss, &l)) {
             t->broken = true;  // a backend error: the device may not give the adapter back
-            *err = ql_ctx_status(t->ctx) != QL_OK ? ql_ctx_error(t->ctx) : "step " + std::to_string(s + 1) + ": a device copy failed";
+            *err = ql_ctx_status(t->ctx) != QL_OK ? ctx_message(t->ctx) : "step " + std::to_string(s + 1) + ": a device copy failed";
             return false;
         }
         if (!std::isfinite(l)) {  // the forward pass: no loss scale helps; find where it began
@@ -1097,7 +1124,7 @@ bool ql_trainer_eval(ql_trainer *t, double *loss, std::string *err) {
         float l = 0;
         if (!fill(t, t->ev, t->slot.data()) ||
             ql_backend_graph_compute(t->be, t->ev.g) != QL_OK || !get_f32(t, t->ev.loss, &l)) {
-            *err = ql_ctx_status(t->ctx) != QL_OK ? ql_ctx_error(t->ctx) : "evaluation: a device copy failed";
+            *err = ql_ctx_status(t->ctx) != QL_OK ? ctx_message(t->ctx) : "evaluation: a device copy failed";
             return false;
         }
         sum += l;
@@ -1273,6 +1300,48 @@ bool ql_trainer_save(const ql_trainer *t, const char *path, std::string *err) {
     return ok;
 }
 
+// A stored setting as a user gives it: the flag (finetune's) that sets it, and its numbers as
+// written on a command line (the %.9g of a float - 0.000199999995 - back to 0.0002)
+static std::string setting_name(const std::string &key) {
+    static const std::pair<const char *, const char *> k_flags[] = {
+        {"seed", "--seed"}, {"micro-batch", "-b"}, {"gradient accumulation", "--grad-accum"}, {"lora r", "--lora-r"},
+        {"lora alpha", "--lora-alpha"}, {"rslora", "--rslora"}, {"lora dropout", "--lora-dropout"}, {"lora targets", "--lora-targets"},
+        {"lora init seed", "--seed"}, {"learning rate", "--lr"}, {"max grad norm", "--max-grad-norm"}, {"precision", "--precision"},
+        {"scheduler", "--lr-scheduler/--warmup-steps/--warmup-ratio"},
+        {"optimizer", "--optim/--beta1/--beta2/--eps/--weight-decay"},
+        {"padding", "--no-dynamic-padding/--group-by-length"},
+        {"architecture", "the model's architecture (-m)"}, {"training data", "the training data (-d, --seq-len, --pack, --val-split)"}};
+    for (const auto &f : k_flags)
+        if (key == f.first) return f.second;
+    return key;
+}
+static std::string setting_value(const std::string &key, const std::string &v) {
+    if (key == "training data" || key == "architecture" || key == "lora targets") return v;
+    std::string out, tok;
+    auto flush = [&]() {
+        char *end = nullptr;
+        const double x = tok.empty() ? 0 : strtod(tok.c_str(), &end);
+        if (!tok.empty() && end && !*end && std::isfinite(x) && tok.find_first_of(".eE") != std::string::npos) {
+            char b[32];
+            snprintf(b, sizeof(b), "%g", (double)(float)x);
+            out += b;
+        } else {
+            out += tok;
+        }
+        tok.clear();
+    };
+    for (char c : v) {
+        if (c == ' ' || c == ',') {
+            flush();
+            out += c;
+        } else {
+            tok += c;
+        }
+    }
+    flush();
+    return out;
+}
+
 bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
     char e[512];
     ql_gguf *g = ql_gguf_open(path, e, sizeof(e));
@@ -1303,7 +1372,8 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
         if (kv.first == "total steps") continue;  // more steps or epochs extend a run (the step is checked below)
         if (found && kv.first == "scheduler" && was == t->o.scheduler + ", warmup " + std::to_string(t->warmup) + " steps")
             continue;  // written before the schedule was stored as asked for
-        why += (why.empty() ? "another run: " : "; ") + kv.first + " was " + (found ? was : "(not recorded)") + ", now " + kv.second;
+        why += (why.empty() ? "another run: " : "; ") + setting_name(kv.first) + " was " + (found ? setting_value(kv.first, was) : "(not recorded)") +
+               ", now " + setting_value(kv.first, kv.second);
     }
     if (!why.empty() && why.rfind("another run", 0) == 0) why += " --> hint: resume with the same data and flags";
     bool has_base = false;

@@ -222,5 +222,9 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err);
 // a model; false with the reason (not a checkpoint, or one that stored no command).
 bool ql_checkpoint_info(const char *path, std::vector<std::string> *command, int64_t *step, int64_t *total, std::string *err);
 
+// A library message for a user's line: without the "qlora.cpp:3284: " location the library's
+// errors carry (kept when QLORA_DEBUG is set in the environment)
+std::string ql_user_message(const std::string &msg);
+
 // PEFT's line, exactly: "trainable params: 4,194,304 || all params: 6,742,609,920 || trainable%: 0.0622"
 std::string ql_trainable_line(int64_t trainable, int64_t base);

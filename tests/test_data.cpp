@@ -332,8 +332,10 @@ TEST_CASE("data: text lines: BOS and EOS around every example, loss on every tok
     e3.sup[1] = 1;
     check_one(R"({"text": "<s>A<|im_end|>B</s>"})", v, o, e3);
 
-    // an empty text: BOS and a supervised EOS
-    check_one(R"({"text": ""})", v, o, expected{{T_BOS, T_EOS}, {0, 1}, ""});
+    // an empty text: refused by file and line (it would train a lone EOS), as an empty completion is
+    const loaded r = load_lines("{\"text\": \"\"}\n", v, o);
+    CHECK(!r.ok);
+    CHECK_MESSAGE(r.err.find("data.jsonl:1: empty \"text\": nothing to learn") != std::string::npos, r.err);
 }
 
 TEST_CASE("data: prompt+completion: loss on the completion only, tokens of prompt + completion") {

@@ -42,7 +42,14 @@ static std::atomic<int> g_stop{0};  // the signal that asked the run to stop, or
 static const int k_stop_signals[] = {SIGINT, SIGTERM, SIGHUP};
 static void on_stop_signal(int sig) {
     int none = 0;
-    g_stop.compare_exchange_strong(none, sig);
+    if (g_stop.compare_exchange_strong(none, sig)) {  // the first: say so now, the step may take seconds
+        // (write(2): async-signal-safe, unlike stdio)
+        static const char k_msg[] = "\nfinetune: stopping after this step; a checkpoint will be saved (Ctrl-C again kills)\n";
+        static const char k_msg_term[] = "\nfinetune: stopping after this step; a checkpoint will be saved\n";
+        if (sig == SIGINT) {
+            if (write(STDERR_FILENO, k_msg, sizeof(k_msg) - 1) < 0) {}
+        } else if (write(STDERR_FILENO, k_msg_term, sizeof(k_msg_term) - 1) < 0) {}
+    }
     const int first = g_stop.load();
     for (int s : k_stop_signals) signal(s, s == first && first != SIGINT ? on_stop_signal : SIG_DFL);
 }
@@ -59,14 +66,15 @@ static const char *k_help =
     "           --max-grad-norm 1.0  --optim adamw|adamw8bit|paged_adamw|paged_adamw8bit\n"
     "           --epochs 1  --max-steps N  --seed 42  -t THREADS  --profile (time per op, printed at the end)\n"
     "device:    --device cpu|cuda|cuda:N|auto (auto: cuda when built with it and a GPU is present, else cpu)\n"
-    "precision: --precision fp32|bf16|fp16|auto (auto: on a GPU bf16 from compute capability 8.0, else fp16;\n"
+    "precision: --precision auto|fp32|bf16|fp16 (auto, the default: on a GPU bf16 from compute capability 8.0, else fp16;\n"
     "           on the CPU bf16 where it multiplies it natively (AMX, AVX512-BF16), else fp32)\n"
     "           fp16's loss scaling: --loss-scale-init 65536  --loss-scale-growth 2  --loss-scale-backoff 0.5\n"
     "           --loss-scale-interval 2000\n"
     "memory:    --checkpointing none|block|sqrt|auto  --mem-limit SIZE (e.g. 6G; auto and -b auto need it, or a GPU)\n"
     "           -b auto  --effective-batch N  --offload-activations  --dry-run (print the plan, train nothing)  --json\n"
     "           --loss-chunk N (tokens per output-projection + loss chunk; 0 auto, -1 never)\n"
-    "GPU:       --vram SIZE  --cc X.Y (with --dry-run on a machine without that card: its plan, e.g. --vram 12G --cc 8.6)\n"
+    "GPU:       --vram SIZE  --cc X.Y (with --dry-run on a machine without that card: its plan, e.g. --vram 12G --cc 8.6;\n"
+    "           cc 7.5 to 12.0; sizes take a unit: K/M/G/T, powers of 1024, or B)\n"
     "           --embd-on-host | --embd-on-device (default: on the host only when the plan needs it)\n"
     "output:    -o DIR (default finetune-out)  --save-every N  --merge  --overwrite (replace a run in -o DIR)\n"
     "resume:    --resume DIR (continues the run in DIR with its own model, data and flags; more --max-steps or --epochs\n"
@@ -211,15 +219,22 @@ static bool same_dir(const std::string &a, const char *b) {
     return realpath(a.c_str(), ra) && realpath(b, rb) && !strcmp(ra, rb);
 }
 
-// "6G", "512M", "1.5GiB", "6442450944": K, M, G, T are powers of 1024
-static bool parse_size(const char *s, size_t *out) {
+// "6G", "512M", "1.5GiB", "6442450944B": K, M, G, T are powers of 1024, B is bytes. A unit is
+// required ("--vram 8" would be 8 bytes); false with why on anything else.
+static bool parse_size(const char *s, size_t *out, std::string *why) {
     char *end = nullptr;
     const double v = strtod(s, &end);
+    *why = "is not a size";
     if (!end || end == s || !std::isfinite(v) || v <= 0) return false;
     std::string u = end;
     for (char &c : u) c = (char)toupper((unsigned char)c);
+    if (u.empty()) {
+        *why = "has no unit: K, M, G or T (powers of 1024), or B for bytes";
+        return false;
+    }
     if (u.size() >= 2 && u.substr(u.size() - 2) == "IB") u = u.substr(0, u.size() - 2);
     else if (u.size() >= 2 && u.back() == 'B') u.pop_back();
+    else if (u == "B") u.clear();
     double m = 1;
     if (u == "K") m = 1024.0;
     else if (u == "M") m = 1048576.0;
@@ -229,6 +244,16 @@ static bool parse_size(const char *s, size_t *out) {
     if (v * m < 1 || v * m > 1e18) return false;
     *out = (size_t)(v * m);
     return true;
+}
+
+// --cc: MAJOR.MINOR with one digit after the point ("8.6"), or the two or three digits nvcc's
+// sm_86 uses ("86", "120"); 0 when it is neither
+static int parse_cc(const char *s) {
+    const size_t n = strlen(s), dot = strcspn(s, ".");
+    if (n == 0 || strspn(s, "0123456789.") != n) return 0;
+    if (dot == n) return n >= 2 && n <= 3 ? atoi(s) : 0;
+    if (dot == 0 || dot > 2 || n != dot + 2) return 0;  // one digit after the point
+    return atoi(s) * 10 + (s[dot + 1] - '0');
 }
 
 static size_t rss_bytes() { return (size_t)(rss_mib() * 1048576.0); }
@@ -289,7 +314,8 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
     if (m.recompute) printf("   recomputed results: at most %.1f at once", m.recompute / MiB);
     printf("\n  kernel workspace (dequant tiles, attn) %10.1f\n", m.work / MiB);
     printf("  CUDA context + cuBLAS workspace        %10.1f   %s for cc %d.%d (the card's use is printed after step 1)\n",
-           m.dev_context / MiB, m.cc >= 90 ? "measured on an H100" : "an estimate", m.cc / 10, m.cc % 10);
+           m.dev_context / MiB, m.cc == 90 ? "measured on an H100" : m.cc > 90 ? "an H100's (cc 9.0), assumed" : "an estimate",
+           m.cc / 10, m.cc % 10);
     printf("  allocator rounding (2 MiB pages)       %10.1f\n", m.dev_rounding / MiB);
     printf("  total device memory                    %10.1f", m.total / MiB);
     if (limit) printf("   of %.1f: %s", limit / MiB, fits ? "fits" : "does NOT fit");
@@ -374,11 +400,16 @@ struct args {
     int effective_batch = 0;  // 0: not asked for
     bool precision_auto = false;
     bool plan_only = false;   // --vram/--cc --dry-run without the GPU: a plan for it
+    std::string plan_line;    // which card it plans for
     std::string scaler_flag;  // a loss-scaling flag given (only fp16 has a scaler)
     const char *export_dir = nullptr;  // --export DIR: the adapter from DIR's checkpoint, no training
     // every flag as given, with its values (what a checkpoint stores for --resume DIR alone)
     std::vector<std::vector<std::string>> given;
-    args() { o.device = "auto"; }  // the tool trains on a GPU when it has one
+    // the tool trains on a GPU when it has one, in the precision the hardware multiplies fastest
+    args() {
+        o.device = "auto";
+        o.precision = "auto";
+    }
 };
 
 // one flag with its value; false (after a one-line message) on anything malformed
@@ -386,7 +417,8 @@ struct args {
 // GPU. --vram/--cc with --dry-run on a machine without the GPU: a plan for that card.
 static bool resolve_device(args *a) {
     char err[256];
-    const bool card = a->o.vram || a->o.cc;  // a card this machine may not have
+    // a card this machine may not have: --vram/--cc, or a dry run of --device cuda
+    const bool card = a->o.vram || a->o.cc || (a->dry_run && a->o.device.rfind("cuda", 0) == 0);
     if (card && a->o.device == "cpu") {
         fprintf(stderr, "finetune: --vram/--cc describe a GPU: with --device cuda (this run: --device cpu)\n");
         return false;
@@ -405,14 +437,19 @@ static bool resolve_device(args *a) {
             return false;
         }
         a->plan_only = true;
+        const bool cc_given = a->o.cc != 0;
         if (!a->o.cc) a->o.cc = 80;
         if (a->o.precision == "auto") {  // as on the card: bf16 from Ampere (8.0), else fp16 + loss scaling
             a->o.precision = a->o.cc >= 80 ? "bf16" : "fp16";
             a->precision_auto = true;
         }
-        printf("finetune: no CUDA device here (%s): planning for one with %.1f GiB, compute capability %d.%d, precision %s%s\n",
-               err, a->o.vram / 1073741824.0, a->o.cc / 10, a->o.cc % 10, a->o.precision.c_str(),
+        char mem[64] = "memory unknown (no --vram)";
+        if (a->o.vram) snprintf(mem, sizeof(mem), "%.1f GiB", a->o.vram / 1073741824.0);
+        char line[640];  // printed once the flags are all accepted
+        snprintf(line, sizeof(line), "finetune: no CUDA device here (%s): planning for one with %s, compute capability %d.%d%s, precision %s%s\n",
+               err, mem, a->o.cc / 10, a->o.cc % 10, cc_given ? "" : " (no --cc: assumed)", a->o.precision.c_str(),
                a->precision_auto ? (a->o.cc >= 80 ? " (auto: bf16 from 8.0)" : " (auto: fp16 below 8.0, no bf16 GEMM there)") : "");
+        a->plan_line = line;
         return true;
     }
     if (!be) {
@@ -439,6 +476,14 @@ static bool resolve_device(args *a) {
     return true;
 }
 
+// a bound as a user writes it: whole numbers in full (1048576, not 1.04858e+06), others as %g
+static std::string plain(double v) {
+    char b[48];
+    if (v == std::floor(v) && std::fabs(v) < 1e16) snprintf(b, sizeof(b), "%.0f", v);
+    else snprintf(b, sizeof(b), "%g", v);
+    return b;
+}
+
 // The flags alone (what they say, not whether they make a run): false after a one-line message
 static bool parse_flags(int argc, char **argv, args *a) {
     auto need = [&](int &i) -> const char * {
@@ -452,7 +497,7 @@ static bool parse_flags(int argc, char **argv, args *a) {
         char *end = nullptr;
         *v = s ? strtod(s, &end) : NAN;
         if (!s || !end || end == s || *end || !std::isfinite(*v) || *v < lo || *v > hi) {  // ('' is no number, not 0)
-            if (s) fprintf(stderr, "finetune: %s: '%s' is not a number in [%g, %g]\n", flag, s, lo, hi);
+            if (s) fprintf(stderr, "finetune: %s: '%s' is not a number in [%s, %s]\n", flag, s, plain(lo).c_str(), plain(hi).c_str());
             return false;
         }
         return true;
@@ -529,23 +574,30 @@ static bool parse_flags(int argc, char **argv, args *a) {
         }
         else if (f == "--mem-limit") {
             if (!(s = need(i))) return false;
-            if (!parse_size(s, &a->o.mem_limit)) {
-                fprintf(stderr, "finetune: --mem-limit: '%s' is not a size (e.g. 6G, 512M, 1.5G; K/M/G/T are powers of 1024)\n", s);
+            std::string why;
+            if (!parse_size(s, &a->o.mem_limit, &why)) {
+                fprintf(stderr, "finetune: --mem-limit: '%s' %s (e.g. 6G, 512M, 1.5G%s)\n", s, why.c_str(),
+                        why.find("unit") == std::string::npos ? "; K/M/G/T are powers of 1024" : "");
                 return false;
             }
         }
         else if (f == "--vram") {
             if (!(s = need(i))) return false;
-            if (!parse_size(s, &a->o.vram) || a->o.vram == 0) {
-                fprintf(stderr, "finetune: --vram: '%s' is not a size (e.g. 8G, 24G, 11.5G; K/M/G/T are powers of 1024)\n", s);
+            std::string why;
+            if (!parse_size(s, &a->o.vram, &why) || a->o.vram == 0) {
+                fprintf(stderr, "finetune: --vram: '%s' %s (e.g. 8G, 24G, 11.5G%s)\n", s, why.c_str(),
+                        why.find("unit") == std::string::npos ? "; K/M/G/T are powers of 1024" : "");
                 return false;
             }
         }
-        else if (f == "--cc") {  // "8.6" or "86"
+        else if (f == "--cc") {  // "8.6" or "86"; from 9.0 on the newest rules known (Hopper's) apply
             if (!(s = need(i))) return false;
-            char *end = nullptr;
-            const double x = strtod(s, &end);
-            const int cc = end && end != s && !*end ? (x < 10 ? (int)std::lround(x * 10) : (int)x) : 0;
+            const int cc = parse_cc(s);
+            if (cc == 0) {
+                fprintf(stderr, "finetune: --cc: '%s' is not a compute capability: MAJOR.MINOR with one digit after the point "
+                                "(7.5 to 12.0, e.g. 8.6)\n", s);
+                return false;
+            }
             if (cc < 75 || cc > 120) {
                 fprintf(stderr, "finetune: --cc: '%s' is not a compute capability qlora runs on (7.5 to 12.0, e.g. 8.6)\n", s);
                 return false;
@@ -648,12 +700,47 @@ static std::vector<std::string> stored_command(const args &a) {
         if (later || g[0] == "-o" || g[0] == "--resume" || g[0] == "--export" || g[0] == "--overwrite" || g[0] == "--dry-run" ||
             g[0] == "--json")
             continue;
-        if (g[0] == "-b" || g[0] == "--effective-batch") continue;  // the batch as resolved, below
+        if (g[0] == "-b" || g[0] == "--effective-batch" || g[0] == "--precision") continue;  // as resolved, below
         out.push_back(g[0]);
         for (size_t j = 1; j < g.size(); j++) out.push_back(path_flag(g[0]) ? absolute(g[j]) : g[j]);
     }
-    out.insert(out.end(), {"-b", std::to_string(a.o.micro_batch), "--grad-accum", std::to_string(a.o.grad_accum)});
+    // the batch and the precision as chosen (auto: by this machine; a resume elsewhere keeps them)
+    out.insert(out.end(), {"-b", std::to_string(a.o.micro_batch), "--grad-accum", std::to_string(a.o.grad_accum), "--precision",
+                           a.o.precision});
     return out;
+}
+
+// --resume/--export DIR where DIR has no checkpoint.gguf: what DIR is instead (false, with why) -
+// not there, not a run's, a run still before its first save (DIR/.lock held: running), or one
+// that stopped before it. True when the checkpoint is there.
+static bool no_checkpoint_why(const std::string &dir, std::string *why) {
+    struct stat st;
+    if (stat((dir + "/checkpoint.gguf").c_str(), &st) == 0) return true;
+    if (stat(dir.c_str(), &st) != 0) {
+        *why = "no such directory";
+        return false;
+    }
+    if (!S_ISDIR(st.st_mode)) {
+        *why = "not a directory (give the run's -o directory)";
+        return false;
+    }
+    const int fd = open((dir + "/.lock").c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        *why = "no checkpoint.gguf there: no finetune run has written to it";
+        return false;
+    }
+    char pid[32] = {0};
+    const bool running = flock(fd, LOCK_SH | LOCK_NB) != 0;  // the run holds its lock until it ends
+    const ssize_t n = pread(fd, pid, sizeof(pid) - 1, 0);
+    close(fd);
+    const std::string who = n > 0 ? " (pid " + std::string(pid, strcspn(pid, "\n")) + ")" : "";
+    if (running)
+        *why = "no checkpoint yet: the run there" + who + " is still running and has not reached its first save (one at the "
+               "end, or every --save-every steps) --> wait for it, or stop it with Ctrl-C/kill: it saves one then";
+    else
+        *why = "no checkpoint: the run there" + who + " ended before its first save (it failed, or was killed before a step "
+               "ended) --> start it again";
+    return false;
 }
 
 // --resume DIR / --export DIR: the run's own command from DIR's checkpoint, then
@@ -664,11 +751,17 @@ static bool parse_with_run(int argc, char **argv, args *a) {
     static std::vector<std::string> cmd;  // the flags' values point into it for the rest of the run
     int64_t step = 0, total = 0;
     std::string err;
+    if (!no_checkpoint_why(dir, &err)) {
+        fprintf(stderr, "finetune: %s %s: %s\n", flag, dir.c_str(), err.c_str());
+        return false;
+    }
     if (!ql_checkpoint_info((dir + "/checkpoint.gguf").c_str(), &cmd, &step, &total, &err)) {
         if (a->model) return true;  // an older checkpoint, the run's flags given again (the trainer checks them)
         fprintf(stderr, "finetune: %s %s: %s\n", flag, dir.c_str(), err.c_str());
         return false;
     }
+    // a run from before --precision auto was the default stored no --precision: it was fp32
+    if (std::find(cmd.begin(), cmd.end(), "--precision") == cmd.end()) cmd.insert(cmd.end(), {"--precision", "fp32"});
     std::vector<char *> sv = {argv[0]};
     for (std::string &x : cmd) sv.push_back(&x[0]);
     args run;
@@ -723,9 +816,14 @@ static bool parse(int argc, char **argv, args *a) {
         fprintf(stderr, "finetune: %s needs --mem-limit (or on a GPU --vram)\n", a->b_auto ? "-b auto" : "--checkpointing auto");
         return false;
     }
+    if ((a->b_auto || a->o.checkpointing == "auto") && a->o.mem_limit == 0 && !a->o.vram && a->plan_only) {
+        fprintf(stderr, "finetune: %s needs --vram SIZE: without the GPU there is no memory to fit (e.g. --vram 24G)\n",
+                a->b_auto ? "-b auto" : "--checkpointing auto");
+        return false;
+    }
     if (!a->scaler_flag.empty() && a->o.precision != "fp16") {
-        fprintf(stderr, "finetune: %s: loss scaling is for --precision fp16 (this run: %s)\n", a->scaler_flag.c_str(),
-                a->o.precision.c_str());
+        fprintf(stderr, "finetune: %s: loss scaling is for --precision fp16 (this run: %s%s)\n", a->scaler_flag.c_str(),
+                a->o.precision.c_str(), a->precision_auto ? ", chosen by --precision auto, the default" : "");
         return false;
     }
     if (a->effective_batch > 0 && !a->b_auto) {
@@ -782,74 +880,204 @@ static bool choose_batch(ql_llama_file *f, const seqs &tr, const seqs &ev, args 
 }
 
 // The changes that would help most when the plan does not fit, each with its predicted total:
-// more recompute, micro-batch 1, half the sequence length, the base in NF4.
+// more recompute, micro-batch 1, half the sequence length, the base in NF4 (on a device also the
+// embedding in host memory and 8-bit moments). When no single one fits: the combination that
+// fits at the least cost (each change's cost: what it takes from speed or from the run itself),
+// its micro-batch then the largest that fits with the rest.
 static void advise(ql_llama_file *f, const seqs &tr, const seqs &ev, const args &a, const ql_memory_plan &now) {
-    struct change { std::string what; size_t total; };
-    std::vector<change> v;
-    auto plan = [&](const std::string &what, const ql_train_options &o, const seqs &t2, const seqs &e2, size_t minus) {
-        ql_memory_plan mp;
-        std::string err;
-        ql_train_plan(f, t2, e2, o, &mp, &err);
-        if (mp.total > 0) v.push_back({what, plan_total(mp, a.o.mem_other) - std::min(minus, mp.total)});
+    struct change {
+        std::string what, flags;  // the line's words; the flags they come to in a combination
+        int group, cost;          // at most one change per group in a combination
+        int cp = 0;               // 1 block, 2 sqrt
+        bool b1 = false, half = false, nf4 = false, embd = false, optim8 = false;
     };
+    std::vector<change> ch;
     const std::string &cp = a.o.checkpointing;
-    if (cp == "none" || cp == "block") {
-        ql_train_options o = a.o;
-        o.checkpointing = cp == "none" ? "block" : "sqrt";
-        plan("--checkpointing " + o.checkpointing, o, tr, ev, 0);
-    }
-    if (a.o.micro_batch > 1) {
-        ql_train_options o = a.o;
-        o.micro_batch = 1;
-        o.grad_accum = a.o.micro_batch * a.o.grad_accum;
-        plan("-b 1 --grad-accum " + std::to_string(o.grad_accum) + " (the same effective batch)", o, tr, ev, 0);
-    }
+    const int eff = a.o.micro_batch * a.o.grad_accum;
+    const std::string optim8 = a.o.optim.rfind("paged_", 0) == 0 ? "paged_adamw8bit" : "adamw8bit";
     const size_t T = tr.empty() ? 0 : tr[0].tokens.size();
-    if (T >= 4) {  // the plan depends on the length and the tokens present, not on how many sequences
-        auto half = [&](const seqs &s) {
-            seqs h = s;
-            for (ql_sequence &q : h)
-                for (std::vector<int32_t> *x : {&q.tokens, &q.pos, &q.seg, &q.targets})
-                    if (!x->empty()) x->resize(T / 2);
-            return h;
-        };
-        plan("--seq-len " + std::to_string(T / 2), a.o, half(tr), half(ev), 0);
-    }
     size_t saving = 0;  // ./quantize: the blocks' matrices in NF4
     for (const ql_llama_layer &L : f->model.layers)
         for (const ql_tensor *w : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) {
             const size_t nf4 = ql_type_data_size(QL_TYPE_NF4, w->ne[1], w->ne[0]), cur = ql_nbytes(w) + w->aux_size;
             if (w->ne[0] % 2 == 0 && cur > nf4) saving += cur - nf4;
         }
-    if (saving > 0) plan("the base in NF4 (./quantize " + std::string(a.model) + " out.gguf nf4)", a.o, tr, ev, saving);
+    const std::string nf4_how = "./quantize " + std::string(a.model) + " out.gguf nf4";
     if (now.device && !now.embd_on_host && f->model.output != f->model.tok_embd) {
-        ql_train_options o = a.o;
-        o.embd_on_host = 1;
-        plan("--embd-on-host", o, tr, ev, 0);
+        change c{"--embd-on-host", "--embd-on-host", 0, 1};
+        c.embd = true;
+        ch.push_back(c);
+    }
+    if (cp == "none") {
+        change c{"--checkpointing block", "--checkpointing block", 1, 2};
+        c.cp = 1;
+        ch.push_back(c);
+    }
+    if (cp == "none" || cp == "block") {
+        change c{"--checkpointing sqrt", "--checkpointing sqrt", 1, 4};
+        c.cp = 2;
+        if (cp == "block") c.cost = 2;  // the next step from where the run is
+        ch.push_back(c);
     }
     if (now.device && a.o.optim.find("8bit") == std::string::npos) {
-        ql_train_options o = a.o;
-        o.optim = a.o.optim.rfind("paged_", 0) == 0 ? "paged_adamw8bit" : "adamw8bit";
-        plan("--optim " + o.optim, o, tr, ev, 0);
+        change c{"--optim " + optim8, "--optim " + optim8, 2, 2};
+        c.optim8 = true;
+        ch.push_back(c);
     }
-    std::sort(v.begin(), v.end(), [](const change &x, const change &y) { return x.total < y.total; });
-    if (v.empty()) return;
+    if (a.o.micro_batch > 1) {
+        change c{"-b 1 --grad-accum " + std::to_string(eff) + " (the same effective batch)", "-b 1 --grad-accum " + std::to_string(eff), 3, 3};
+        c.b1 = true;
+        ch.push_back(c);
+    }
+    if (saving > 0) {
+        change c{"the base in NF4 (" + nf4_how + ")", "the base in NF4", 4, 5};
+        c.nf4 = true;
+        ch.push_back(c);
+    }
+    if (T >= 4) {  // the plan depends on the length and the tokens present, not on how many sequences
+        change c{"--seq-len " + std::to_string(T / 2), "--seq-len " + std::to_string(T / 2), 5, 6};
+        c.half = true;
+        ch.push_back(c);
+    }
+    // the predicted total of the run with the changes of `set` (indices into ch); 0: no plan
+    auto half = [&](const seqs &s) {
+        seqs h = s;
+        for (ql_sequence &q : h)
+            for (std::vector<int32_t> *x : {&q.tokens, &q.pos, &q.seg, &q.targets})
+                if (!x->empty()) x->resize(T / 2);
+        return h;
+    };
+    auto options = [&](const std::vector<size_t> &set, int b) {
+        ql_train_options o = a.o;
+        for (size_t k : set) {
+            const change &c = ch[k];
+            if (c.cp) o.checkpointing = c.cp == 1 ? "block" : "sqrt";
+            if (c.b1) o.micro_batch = b, o.grad_accum = eff / b;
+            if (c.embd) o.embd_on_host = 1;
+            if (c.optim8) o.optim = optim8;
+        }
+        return o;
+    };
+    auto predict = [&](const std::vector<size_t> &set, int b) -> size_t {
+        bool h = false, q = false;
+        for (size_t k : set) h = h || ch[k].half, q = q || ch[k].nf4;
+        ql_memory_plan mp;
+        std::string err;
+        if (h) ql_train_plan(f, half(tr), half(ev), options(set, b), &mp, &err);
+        else ql_train_plan(f, tr, ev, options(set, b), &mp, &err);
+        if (mp.total == 0) return 0;
+        return plan_total(mp, a.o.mem_other) - std::min(q ? saving : 0, mp.total);
+    };
     const size_t limit = plan_limit(now, a.o.mem_limit);
-    fprintf(stderr, "finetune: what would help most (predicted %stotals; now %.1f MiB, limit %.1f MiB):\n", now.device ? "device " : "",
-            (double)plan_total(now, a.o.mem_other) / 1048576.0, (double)limit / 1048576.0);
-    for (size_t i = 0; i < v.size() && i < 3; i++)
-        fprintf(stderr, "  %-60s %9.1f MiB%s\n", v[i].what.c_str(), (double)v[i].total / 1048576.0,
-                limit == 0 || v[i].total <= limit ? "  fits" : "");
+    auto fits = [&](size_t total) { return total > 0 && (limit == 0 || total <= limit); };
+    std::vector<std::pair<size_t, size_t>> single;  // total, change
+    for (size_t k = 0; k < ch.size(); k++)
+        if (const size_t t = predict({k}, 1)) single.push_back({t, k});
+    std::sort(single.begin(), single.end());
+    if (single.empty()) return;
+    char lim[64] = "";
+    if (limit) snprintf(lim, sizeof(lim), ", limit %.1f MiB", (double)limit / 1048576.0);
+    fprintf(stderr, "finetune: what would help most (predicted %stotals; now %.1f MiB%s):\n", now.device ? "device " : "",
+            (double)plan_total(now, a.o.mem_other) / 1048576.0, lim);
+    for (size_t i = 0; i < single.size() && i < 3; i++)
+        fprintf(stderr, "  %-60s %9.1f MiB%s\n", ch[single[i].second].what.c_str(), (double)single[i].first / 1048576.0,
+                fits(single[i].first) ? "  fits" : "");
+    if (limit == 0 || fits(single[0].first)) return;
+    // no single change fits: the combinations of two or more (one change per group), cheapest first
+    std::vector<std::vector<size_t>> combos = {{}};
+    for (size_t k = 0; k < ch.size(); k++) {
+        const size_t n = combos.size();
+        for (size_t c = 0; c < n; c++) {
+            bool clash = false;
+            for (size_t j : combos[c]) clash = clash || ch[j].group == ch[k].group;
+            if (clash) continue;
+            std::vector<size_t> x = combos[c];
+            x.push_back(k);
+            combos.push_back(x);
+        }
+    }
+    auto cost = [&](const std::vector<size_t> &set) {
+        int c = 0;
+        for (size_t k : set) c += ch[k].cost;
+        return c;
+    };
+    std::stable_sort(combos.begin(), combos.end(), [&](const std::vector<size_t> &x, const std::vector<size_t> &y) {
+        return cost(x) != cost(y) ? cost(x) < cost(y) : x.size() < y.size();
+    });
+    // the strongest combination first: when even it does not fit, no other will be tried
+    std::vector<size_t> all;
+    for (size_t g = 0; g < 6; g++) {
+        size_t best = ch.size();
+        for (size_t k = 0; k < ch.size(); k++)
+            if (ch[k].group == (int)g && (best == ch.size() || ch[k].cp > ch[best].cp)) best = k;
+        if (best < ch.size()) all.push_back(best);
+    }
+    auto words = [&](const std::vector<size_t> &set, int b) {
+        std::string w;
+        for (size_t k : set)
+            w += (w.empty() ? "" : " + ") + (ch[k].b1 ? "-b " + std::to_string(b) + " --grad-accum " + std::to_string(eff / b) : ch[k].flags);
+        return w;
+    };
+    const size_t t_all = predict(all, 1);
+    if (all.size() < 2 || !fits(t_all)) {
+        if (all.size() >= 2 && t_all > 0)
+            fprintf(stderr, "  %-60s %9.1f MiB  (all of them together: still over the limit)\n", words(all, 1).c_str(),
+                    (double)t_all / 1048576.0);
+        return;
+    }
+    for (const std::vector<size_t> &set : combos) {
+        if (set.size() < 2) continue;
+        const size_t t = set == all ? t_all : predict(set, 1);
+        if (!fits(t)) continue;
+        // its micro-batch: the largest divisor of the effective batch that fits with the rest
+        int b = 1;
+        size_t tb = t;
+        bool has_b1 = false;
+        for (size_t k : set) has_b1 = has_b1 || ch[k].b1;
+        for (int d = eff / 2; has_b1 && d > 1; d--)
+            if (eff % d == 0) {
+                const size_t x = predict(set, d);
+                if (fits(x)) {
+                    b = d, tb = x;
+                    break;
+                }
+            }
+        fprintf(stderr, "  %-60s %9.1f MiB  fits (together; no single change does)\n", words(set, b).c_str(), (double)tb / 1048576.0);
+        for (size_t k : set)
+            if (ch[k].nf4) fprintf(stderr, "  (the base in NF4: %s)\n", nf4_how.c_str());
+        return;
+    }
 }
 
 // Every planned tensor with its size, category and lifetime, for the post-mortem.
+// Not in a directory that holds another run's outputs (--overwrite removes them only once a run
+// starts): the snapshot would sit beside a run it does not describe.
 static void write_snapshot(ql_llama_file *f, const seqs &tr, const seqs &ev, const args &a, const std::string &out) {
     std::string err;
     const std::string path = out + "/memory-snapshot.json";
+    struct stat st;
+    if (!same_dir(out, a.resume))
+        for (const char *name : k_run_outputs)
+            if (lstat((out + "/" + name).c_str(), &st) == 0) {
+                fprintf(stderr, "finetune: no memory snapshot: %s holds an earlier run's %s (--overwrite replaces it only when a "
+                                "run starts) --> hint: another -o gets the snapshot\n", out.c_str(), name);
+                return;
+            }
     if (make_dir(out, &err) && ql_train_write_snapshot(f, tr, ev, a.o, path.c_str(), &err))
         fprintf(stderr, "finetune: wrote %s (every planned tensor: bytes, category, lifetime)\n", path.c_str());
     else
         fprintf(stderr, "finetune: no memory snapshot: %s\n", err.c_str());
+}
+
+// what --precision auto (the default) saw, for the line that says what it chose
+static std::string precision_why(const args &a, bool device) {
+    if (!a.precision_auto) return "";
+    if (device)
+        return a.o.precision == "bf16" ? " (auto: this GPU multiplies bf16 on its tensor cores)"
+                                       : " (auto: this GPU has no bf16 tensor cores: fp16 with loss scaling)";
+    const char *kind = ql_cpu_bf16_kind();
+    return a.o.precision == "bf16" && kind ? std::string(" (auto: this CPU multiplies bf16 natively, on ") + kind + ")"
+                                           : " (auto: this CPU has no native bf16 multiply; 16-bit would only add conversions)";
 }
 
 // adapter.gguf (llama.cpp's format) and peft/ (PEFT's) in DIR, from the trainer's adapter
@@ -893,6 +1121,7 @@ static bool export_adapter(ql_llama_file *f, ql_trainer *t, const args &a, const
 int main(int argc, char **argv) {
     args a;
     if (!parse(argc, argv, &a)) return 2;
+    if (!a.plan_line.empty()) fputs(a.plan_line.c_str(), stdout);
     // glibc raises its mmap threshold as large blocks are freed, after which planning's
     // temporaries stay in the heap: fixed thresholds give them back, so RSS is what the plan says
     mallopt(M_MMAP_THRESHOLD, 1 << 20);
@@ -993,7 +1222,11 @@ int main(int argc, char **argv) {
         return 1;
     }
     if (a.dry_run || !planned) {
+        if (!a.json && !a.plan_only) printf("finetune: precision %s%s\n", a.o.precision.c_str(), precision_why(a, plan.device).c_str());
         print_memory(plan, a.o.optim, a.o.mem_other, "RSS before training", plan_limit(plan, a.o.mem_limit), a.json);
+        if (a.plan_only && plan_limit(plan, a.o.mem_limit) == 0)
+            fprintf(a.json ? stderr : stdout, "finetune: no verdict: without the GPU the plan needs --vram SIZE (the card's memory, "
+                                              "e.g. --vram 24G) to say whether it fits\n");
         if (!planned) {
             fprintf(stderr, "finetune: does not fit: %s\n", err.c_str());
             advise(f, tseq, eseq, a, plan);
@@ -1065,14 +1298,7 @@ int main(int argc, char **argv) {
     printf("; %s lr %g (%s, warmup %lld steps), weight decay %g, max grad norm %g\n", a.o.optim.c_str(), (double)a.o.lr,
            a.o.scheduler.c_str(), (long long)ql_trainer_warmup_steps(t),
            (double)a.o.weight_decay, (double)a.o.max_grad_norm);
-    std::string why;  // what --precision auto saw
-    if (a.precision_auto && mp.device)
-        why = a.o.precision == "bf16" ? " (auto: this GPU multiplies bf16 on its tensor cores)"
-                                      : " (auto: this GPU has no bf16 tensor cores: fp16 with loss scaling)";
-    else if (a.precision_auto)
-        why = a.o.precision == "bf16" ? std::string(" (auto: this CPU multiplies bf16 natively, on ") + ql_cpu_bf16_kind() + ")"
-                                      : " (auto: this CPU has no native bf16 multiply; 16-bit would only add conversions)";
-    printf("finetune: precision %s%s", a.o.precision.c_str(), why.c_str());
+    printf("finetune: precision %s%s", a.o.precision.c_str(), precision_why(a, mp.device).c_str());
     if (a.o.precision == "fp16")
         printf("; loss scale %g, x%g after %d clean steps, x%g and the step skipped on inf/nan gradients",
                ql_trainer_loss_scale(t), (double)a.o.scale_growth, a.o.scale_interval, (double)a.o.scale_backoff);
@@ -1291,9 +1517,13 @@ int main(int argc, char **argv) {
     if (ql_trainer_steps_done(t) == first)
         printf("finetune: the checkpoint had finished all %lld steps; outputs written again (--max-steps or --epochs with more "
                "extend the run)", (long long)first);
-    else
-        printf("finetune: done: %lld steps in %s, %.0f tokens/s (%.0f supervised, %.0f computed with padding); final loss %.4f",
-               (long long)ql_trainer_steps_done(t), hms(secs).c_str(), real_s, sup_s, tok_s, last_loss);
+    else {  // the steps this invocation ran; a resumed run also where that ends the run
+        const int64_t done = ql_trainer_steps_done(t);
+        printf("finetune: done: %lld steps", (long long)(done - first));
+        if (first > 0) printf(" this run (resumed after step %lld; now step %lld of %lld)", (long long)first, (long long)done, (long long)total);
+        printf(" in %s, %.0f tokens/s (%.0f supervised, %.0f computed with padding); final loss %.4f", hms(secs).c_str(), real_s,
+               sup_s, tok_s, last_loss);
+    }
     if (!std::isnan(last_eval)) printf(", eval loss %.4f", last_eval);
     printf("\n");
     report_peak("of training", train_peak);
