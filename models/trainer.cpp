@@ -1306,11 +1306,9 @@ static std::string setting_name(const std::string &key) {
     static const std::pair<const char *, const char *> k_flags[] = {
         {"seed", "--seed"}, {"micro-batch", "-b"}, {"gradient accumulation", "--grad-accum"}, {"lora r", "--lora-r"},
         {"lora alpha", "--lora-alpha"}, {"rslora", "--rslora"}, {"lora dropout", "--lora-dropout"}, {"lora targets", "--lora-targets"},
-        {"lora init seed", "--seed"}, {"learning rate", "--lr"}, {"max grad norm", "--max-grad-norm"}, {"precision", "--precision"},
-        {"scheduler", "--lr-scheduler/--warmup-steps/--warmup-ratio"},
-        {"optimizer", "--optim/--beta1/--beta2/--eps/--weight-decay"},
-        {"padding", "--no-dynamic-padding/--group-by-length"},
-        {"architecture", "the model's architecture (-m)"}, {"training data", "the training data (-d, --seq-len, --pack, --val-split)"}};
+        {"lora init seed", "--seed"}, {"learning rate", "--lr"}, {"max grad norm", "--max-grad-norm"}, {"precision", "--precision"}};
+    // (the settings of several flags - optimizer, scheduler, padding, training data - keep their
+    // names: their values read as the flags do)
     for (const auto &f : k_flags)
         if (key == f.first) return f.second;
     return key;
