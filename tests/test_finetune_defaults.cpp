@@ -44,13 +44,13 @@ void write_qa(const std::string &path, int n) {
     write_file(path, s);
 }
 
-// a tiny model and data in d: ./finetune -m M -d D (without -o)
+// a tiny model and data in d: ./finetune -m M -d D (without -o), on the CPU (a later --device wins)
 std::string tiny_run(const tmpdir &d, const char *model_flags = "--dim 32 --layers 1 --heads 2 --ff 48") {
     const std::string m = d.file("m.gguf"), data = d.file("qa.jsonl");
     std::string log;
     REQUIRE_MESSAGE(run(std::string("./make-model -o ") + m + " " + model_flags, &log) == 0, log);
     write_qa(data, 8);
-    return "./finetune -m " + m + " -d " + data + " -t 1 --seq-len 32 -b 2";
+    return "./finetune -m " + m + " -d " + data + " -t 1 --seq-len 32 -b 2 --device cpu";
 }
 
 // cmd with its output on a pipe; once a line starting with `when` appears, sends sig. The exit
@@ -224,7 +224,7 @@ TEST_CASE("finetune defaults: when no single change fits, the advice gives the c
     REQUIRE(run("./make-model -o " + m + " --dim 192 --layers 4 --heads 4 --ff 512 --seed 1", &log) == 0);
     write_qa(data, 16);
     const std::string ft = "./finetune -m " + m + " -d " + data + " -o " + d.file("o") +
-                           " --seq-len 256 -t 1 --no-dynamic-padding --precision fp32 --dry-run --json";
+                           " --seq-len 256 -t 1 --no-dynamic-padding --precision fp32 --device cpu --dry-run --json";
     auto total = [&](const std::string &flags) {
         std::string out;
         REQUIRE_MESSAGE(run(ft + flags, &out) == 0, out);
@@ -273,7 +273,7 @@ TEST_CASE("finetune defaults: library messages reach the user without the librar
     REQUIRE(run("./make-model -o " + m + " --dim 192 --layers 4 --heads 4 --ff 512 --seed 1", &log) == 0);
     write_qa(data, 16);
     const int rc = run("ulimit -v 60000; ./finetune -m " + m + " -d " + data + " -o " + d.file("o") +
-                           " --seq-len 256 -t 1 --no-dynamic-padding --precision fp32 -b 4 --max-steps 1", &log);
+                           " --seq-len 256 -t 1 --no-dynamic-padding --precision fp32 --device cpu -b 4 --max-steps 1", &log);
     if (rc == 1 && has(log, "could not allocate")) {
         CHECK_MESSAGE(has(log, "finetune: backend cpu could not allocate "), log);
         CHECK(!has(log, ".cpp:"));
