@@ -59,10 +59,14 @@ TEST_HEADERS := $(wildcard tests/*.h)
 .PHONY: deps all test test-unit test-dropin test-cuda-shim test-amx-shim test-gpu cuda-check test-sanitize test-portable bench bench-finetune bench-checkpointing bench-optimizers demo clean cuda fuzz
 all: $(TOOLS) $(BUILD)/test-qlora
 
-# tools/deps.sh: the Debian headers the build needs (stb, doctest), installed as root with apt or
-# named with the one command that installs them, before anything compiles (order-only: no rebuilds)
+# tools/deps.sh: the headers the build needs - stb for the library, doctest for the tests -
+# installed as root with apt or named with the one command that installs them, before anything
+# compiles (order-only: no rebuilds). One check for what the goals need (the tools alone, as in
+# make demo, need no doctest), so that one apt-get runs and one line names all that is missing.
+LIB_ONLY_GOALS := demo cuda fuzz deps $(TOOLS) $(ROOT_TOOLS) bench bench-%
+DEPS_NEED := $(if $(filter-out $(LIB_ONLY_GOALS),$(or $(MAKECMDGOALS),all)),stb doctest,stb)
 deps:
-	@sh tools/deps.sh
+	@CXX="$(CXX)" sh tools/deps.sh $(DEPS_NEED)
 
 $(BUILD)/%.o: %.cpp $(HEADERS) | deps
 	@mkdir -p $(dir $@)
@@ -206,7 +210,7 @@ SAN_TOOLS := $(ROOT_TOOLS:%=$(SAN)/tools/%)
 $(SAN)/shim/cuda_shim_backend.o: tests/cuda_shim_backend.cpp tests/cuda_shim.h $(CUDA_SRC) $(HEADERS)
 	@mkdir -p $(dir $@)
 	$(CXX) $(SANFLAGS) $(SHIM_FLAGS) -I. -c $< -o $@
-$(SAN)/shim/%.o: tests/%.cpp tests/cuda_shim.h $(HEADERS) $(TEST_HEADERS)
+$(SAN)/shim/%.o: tests/%.cpp tests/cuda_shim.h $(HEADERS) $(TEST_HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(SAN_TESTFLAGS) $(SHIM_FLAGS) -I. -c $< -o $@
 $(SAN)/test-cuda-shim: $(SHIM_OBJ:%=$(SAN)/%) $(LIB_SRC:%.cpp=$(SAN)/%.o)
@@ -267,10 +271,10 @@ FUZZ_CXX    ?= clang++
 FUZZ_RUNS   ?= 1000000
 FUZZ_MAXLEN ?= 4096
 FUZZ        := $(BUILD)/fuzz
-$(FUZZ)/fuzz_gguf: tests/fuzz_gguf.cpp $(LIB_SRC) $(HEADERS)
+$(FUZZ)/fuzz_gguf: tests/fuzz_gguf.cpp $(LIB_SRC) $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(FUZZ_CXX) -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -I. tests/fuzz_gguf.cpp $(LIB_SRC) -o $@ -pthread
-$(FUZZ)/fuzz_gguf_seeds: tests/fuzz_gguf_seeds.cpp $(LIB_SRC) $(HEADERS)
+$(FUZZ)/fuzz_gguf_seeds: tests/fuzz_gguf_seeds.cpp $(LIB_SRC) $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CXX) -std=c++17 -O1 -I. tests/fuzz_gguf_seeds.cpp $(LIB_SRC) -o $@ -pthread
 fuzz: $(FUZZ)/fuzz_gguf $(FUZZ)/fuzz_gguf_seeds

@@ -1,7 +1,8 @@
-// A fresh machine: what the README's two commands do when the Debian headers the build needs
-// (libstb-dev, doctest-dev) are missing. tools/deps.sh is run with QL_DEPS_INCLUDE pointing at an
-// empty folder (what a fresh machine's /usr/include lacks) and QL_DEPS_UID as a user or as root,
-// with a stand-in apt-get on PATH that records what it was asked.
+// A fresh machine: what the README's two commands do when the headers the build needs
+// (libstb-dev, doctest-dev) are missing. tools/deps.sh asks the compiler whether it finds them; the
+// tests give it a compiler whose only include folder is one of theirs (c++ -nostdinc -isystem
+// DIR: an empty DIR is what a fresh machine's compiler finds) and QL_DEPS_UID as a user or as
+// root, with a stand-in apt-get on PATH that records what it was asked.
 #include "util.h"
 
 #include <doctest/doctest.h>
@@ -39,9 +40,11 @@ TEST_CASE("fresh machine: tools/deps.sh installs the headers as root, else names
     REQUIRE(system(("mkdir -p " + inc).c_str()) == 0);
     std::string out;
 
+    // the compiler deps.sh asks: it finds only what is under inc
+    const std::string cxx = "CXX='c++ -nostdinc -isystem " + inc + "' ";
     SUBCASE("a user without root: stops at once with the one command, and the exit code says so") {
         make_apt(d, inc, false);
-        const std::string env = "PATH=" + d.file("bin") + ":/usr/bin:/bin QL_DEPS_INCLUDE=" + inc + " QL_DEPS_UID=1000 ";
+        const std::string env = "PATH=" + d.file("bin") + ":/usr/bin:/bin " + cxx + "QL_DEPS_UID=1000 ";
         CHECK(run(env + "sh " + deps_script(), &out) == 1);
         CHECK(has(out, "deps: missing libstb-dev doctest-dev; install with: sudo apt-get install libstb-dev doctest-dev\n"));
         CHECK(std::count(out.begin(), out.end(), '\n') == 1);
@@ -50,13 +53,13 @@ TEST_CASE("fresh machine: tools/deps.sh installs the headers as root, else names
     SUBCASE("only doctest missing: only doctest named") {
         make_headers(inc);
         REQUIRE(remove((inc + "/doctest/doctest.h").c_str()) == 0);
-        CHECK(run("QL_DEPS_INCLUDE=" + inc + " QL_DEPS_UID=1000 sh " + deps_script(), &out) == 1);
+        CHECK(run(cxx + "QL_DEPS_UID=1000 sh " + deps_script(), &out) == 1);
         CHECK(has(out, "install with: sudo apt-get install doctest-dev\n"));
         CHECK_FALSE(has(out, "libstb-dev"));
     }
     SUBCASE("root with apt-get: updates, installs what is missing, exits 0") {
         make_apt(d, inc, false);
-        const std::string env = "PATH=" + d.file("bin") + ":/usr/bin:/bin QL_DEPS_INCLUDE=" + inc + " QL_DEPS_UID=0 ";
+        const std::string env = "PATH=" + d.file("bin") + ":/usr/bin:/bin " + cxx + "QL_DEPS_UID=0 ";
         CHECK(run(env + "sh " + deps_script(), &out) == 0);
         CHECK(has(out, "deps: installing libstb-dev doctest-dev"));
         const std::string log = read_file(d.file("apt.log"));
@@ -69,13 +72,26 @@ TEST_CASE("fresh machine: tools/deps.sh installs the headers as root, else names
     }
     SUBCASE("root, but apt-get fails: exit 1 with the reason") {
         make_apt(d, inc, true);
-        const std::string env = "PATH=" + d.file("bin") + ":/usr/bin:/bin QL_DEPS_INCLUDE=" + inc + " QL_DEPS_UID=0 ";
+        const std::string env = "PATH=" + d.file("bin") + ":/usr/bin:/bin " + cxx + "QL_DEPS_UID=0 ";
         CHECK(run(env + "sh " + deps_script(), &out) == 1);
         CHECK(has(out, "deps: apt-get could not install libstb-dev doctest-dev"));
     }
+    SUBCASE("headers the compiler finds elsewhere (CPATH, /usr/local/include) count as there") {
+        make_headers(inc);
+        CHECK(run("CXX='c++ -nostdinc' CPATH=" + inc + " QL_DEPS_UID=1000 sh " + deps_script(), &out) == 0);
+        CHECK(out.empty());
+        CHECK(run("CXX='c++ -nostdinc' QL_DEPS_UID=1000 sh " + deps_script(), &out) == 1);  // not without it
+    }
+    SUBCASE("no apt-get: names the headers and CPATH, not apt") {
+        REQUIRE(system(("mkdir -p " + d.file("noapt") + " && ln -s \"$(command -v c++)\" " + d.file("noapt/c++")).c_str()) == 0);
+        CHECK(run("PATH=" + d.file("noapt") + " " + cxx + "QL_DEPS_UID=0 /bin/sh " + deps_script() + " doctest", &out) == 1);
+        CHECK_MESSAGE(has(out, "finds no doctest/doctest.h (the stb and doctest headers); install them with your package manager or add "
+                               "their folder to CPATH"), out);
+        CHECK_FALSE(has(out, "apt-get"));
+    }
     SUBCASE("everything there: silent, exit 0") {
         make_headers(inc);
-        CHECK(run("QL_DEPS_INCLUDE=" + inc + " QL_DEPS_UID=1000 sh " + deps_script(), &out) == 0);
+        CHECK(run(cxx + "QL_DEPS_UID=1000 sh " + deps_script(), &out) == 0);
         CHECK(out.empty());
     }
 }
@@ -93,12 +109,14 @@ TEST_CASE("fresh machine: make demo and make test stop before compiling anything
     }
     tmpdir d;
     REQUIRE(system(("mkdir -p " + d.file("include")).c_str()) == 0);
-    for (const char *goal : {"demo", "test"}) {
+    // make demo needs only stb (the tools); make test needs doctest too: one line names both
+    const std::pair<const char *, const char *> goals[] = {{"demo", "libstb-dev"}, {"test", "libstb-dev doctest-dev"}};
+    for (const auto &g : goals) {
         std::string out;
-        const std::string cmd = "MAKEFLAGS= QL_FRESH_TEST=1 QL_DEPS_INCLUDE=" + d.file("include") +
-                                " QL_DEPS_UID=1000 timeout 600 make --no-print-directory -C " + root + " BUILD=" + d.file("build") + " " + goal;
+        const std::string cmd = "MAKEFLAGS= QL_FRESH_TEST=1 QL_DEPS_UID=1000 timeout 600 make --no-print-directory -C " + root +
+                                " BUILD=" + d.file("build") + " CXX='c++ -nostdinc -isystem " + d.file("include") + "' " + g.first;
         CHECK(run(cmd, &out) != 0);
-        CHECK_MESSAGE(has(out, "install with: sudo apt-get install libstb-dev doctest-dev"), out);
+        CHECK_MESSAGE(has(out, std::string("install with: sudo apt-get install ") + g.second + "\n"), out);
         CHECK_MESSAGE(!has(out, "-c "), out);  // no compile started
         CHECK_FALSE(exists(d.file("build/qlora.o")));
     }
