@@ -154,7 +154,9 @@ TEST_CASE("gguf edges: element counts that overflow int64 are refused even when 
 }
 
 TEST_CASE("gguf edges: quantize on a model with no elements prints no nan") {
-    // a 0-element model: the whole-model bits per parameter must not divide 0 by 0
+    // a 0-element model: the bits per parameter (converted tensors and whole model) must not divide
+    // 0 by 0. q8_0 is llama.cpp's Q8_0 mix, which needs llama.block_count; the one weight matrix
+    // [64, 0] is converted (64 is two q8_0 blocks), so quantize gets to its summary lines
     if (!exists("./quantize")) {
         MESSAGE("skipped: ./quantize is not built (run make)");
         return;
@@ -162,12 +164,16 @@ TEST_CASE("gguf edges: quantize on a model with no elements prints no nan") {
     tmpdir d;
     ql_gguf_writer *w = ql_gguf_writer_new();
     ql_gguf_set_str(w, "general.architecture", "llama");
+    ql_gguf_set_u32(w, "llama.block_count", 1);
     const int64_t ne[2] = {64, 0};
     REQUIRE(ql_gguf_add_tensor(w, "blk.0.attn_q.weight", QL_TYPE_F32, 2, ne, nullptr, 0) == QL_OK);
     char err[256];
     REQUIRE(ql_gguf_write(w, d.file("in.gguf").c_str(), err, sizeof(err)) == QL_OK);
     ql_gguf_writer_free(w);
     std::string out;
-    run("./quantize " + d.file("in.gguf") + " " + d.file("out.gguf") + " q8_0", &out);
+    const int rc = run("./quantize " + d.file("in.gguf") + " " + d.file("out.gguf") + " q8_0", &out);
+    CHECK_MESSAGE(rc == 0, out);
+    CHECK_MESSAGE(has(out, "quantize: 1 tensors to Q8_0: 0.000 bits per parameter (0 parameters)"), out);
+    CHECK_MESSAGE(has(out, "quantize: whole model 0.000 bits per parameter"), out);
     CHECK_MESSAGE(!has(out, "nan"), out);
 }
