@@ -8,7 +8,8 @@
 // Q5_0 Q5_1 Q8_0 Q2_K Q3_K_S Q3_K_M Q3_K_L Q4_K_S Q4_K_M Q5_K_S Q5_K_M Q6_K IQ4_NL IQ4_XS F16 BF16
 // F32, and the aliases Q3_K Q4_K Q5_K (= Q3_K_M Q4_K_M Q5_K_M). Every weight matrix (2-D, not a
 // norm) gets the type llama-quantize gives it - per-tensor rules, fallbacks for rows that are not
-// whole blocks, tensor order and keys - so whole files are byte-identical to its output.
+// whole blocks, tensor order and keys - so whole files are byte-identical to its output (llama.cpp
+// b8266 and later: its fallbacks changed there, see preset_type).
 // nf4, which llama.cpp does not have, is QLoRA's: the 2-D weights of the transformer blocks
 // (blk.N.*.weight) only, the output and the token embedding when asked (--no-double-quant: fp32
 // absmax). NF4 files declare themselves (qlora.* keys; general.file_type 100 or 101, the NF4 type
@@ -138,7 +139,9 @@ static long long file_size(const char *path) {
 // attn_output and ffn_down raised per mix and layer (use_more_bits: the first and last eighth,
 // and every third between); a 70B's attn_v at least Q5_K; then the fallback for rows that are
 // not whole blocks (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS ->
-// IQ4_NL, and f16 where even that does not fit; *chosen: the type before any fallback).
+// IQ4_NL, and f16 where even that does not fit; *chosen: the type before any fallback). These are
+// llama.cpp's fallbacks from b8266 (ggml-org/llama.cpp#19770, March 2026) on; builds before it
+// gave Q2_K/Q3_K's rows IQ4_NL.
 // F16, BF16 and F32 have no rules: every weight matrix is of that type.
 struct mix_state {
     int i_wv = 0, n_wv = 0, i_down = 0, n_layer = 0, n_gqa = 1;
