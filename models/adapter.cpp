@@ -715,21 +715,119 @@ static void st_to_f32(const ql_st_tensor &t, std::vector<float> *o) {
     }
 }
 
-// whether a saved whole weight is the model's w: its shape, and its values stored in w's type
-// are w's bytes (what converting the same checkpoint gives); else why not, in *why
+// The rounding of a float dtype: relative (half an ulp: 2^-p for p significand bits) and absolute
+// (half the smallest subnormal, which bounds the rounding of values below the normal range)
+struct rounding {
+    double rel, abs;
+};
+static rounding dtype_rounding(const std::string &st_dtype) {
+    if (st_dtype == "F16") return {std::ldexp(1.0, -11), std::ldexp(1.0, -25)};
+    if (st_dtype == "BF16") return {std::ldexp(1.0, -8), std::ldexp(1.0, -134)};
+    return {std::ldexp(1.0, -24), std::ldexp(1.0, -150)};  // F32
+}
+
+// a number as plain decimals with 4 significant digits ("0.0001234", "12.5"), no exponent
+static std::string plain_number(double x) {
+    if (!std::isfinite(x)) return std::isnan(x) ? "nan" : x > 0 ? "inf" : "-inf";
+    const double ax = std::fabs(x);
+    const int dec = ax == 0 ? 0 : std::max(0, std::min(40, 3 - (int)std::floor(std::log10(ax))));
+    char b[96];
+    snprintf(b, sizeof(b), "%.*f", dec, x);
+    std::string s = b;
+    if (s.find('.') != std::string::npos) {
+        while (s.back() == '0') s.pop_back();
+        if (s.back() == '.') s.pop_back();
+    }
+    return s;
+}
+
+// Whether a saved whole weight t is the model's w - the same base weight, each rounded its own
+// way: PEFT saves it in the training dtype (f16 for fp16 training of a bf16 or f32 checkpoint),
+// the model holds it converted or quantised into w->type. If both come from the same weight W,
+// then by the triangle inequality |ours - saved| <= |ours - W| + |W - saved|, so each value may
+// differ by the two roundings together:
+//   - the saved dtype's: 2^-24 (f32), 2^-11 (f16), 2^-8 (bf16) of |x|, plus half its smallest
+//     subnormal (|W - saved| <= u |W|, and |W| <= |saved| (1 + 2u): 2u |saved| covers it);
+//   - w's, for f32/f16/bf16 the same rule with w's dtype (of |ours|);
+//   - w's, for a quantized type, its quantisation step in that block. Measured, not tabled:
+//     quantising the saved block into w's type (NF4: its fp32-absmax form) errs by at most E_b,
+//     its largest error there. On the same grid (scale), an element whose code differs between
+//     W and the saved values lies within the saved rounding of a boundary, so ours is within
+//     E_b + 2 x that rounding of saved; the scale is computed from the values and moves with them
+//     (k-quants' scale search, NF4's double-quantised absmax), which we allow up to another E_b:
+//     2 E_b. A weight of another model, or trained away, differs by whole steps at many places.
+// Compared in chunks of whole rows (whole blocks: a quantized type's rows are whole blocks; NF4's
+// flat 64-blocks are made whole by the chunk's row count), so memory stays O(chunk) whatever the
+// vocabulary. Refused: the largest excess and where, in *why.
 static bool peft_same_weight(const ql_st_tensor &t, const ql_tensor *w, std::string *why) {
     if (!w || !w->data) return fail(why, "the model has no such weight in memory to compare with");
     if (t.shape.size() != 2 || t.shape[0] != w->ne[1] || t.shape[1] != w->ne[0])
         return fail(why, "its shape is not the model's %s [%lld, %lld]", w->name, (long long)w->ne[1], (long long)w->ne[0]);
-    std::vector<float> f;
-    st_to_f32(t, &f);
-    std::vector<uint8_t> mine(ql_nbytes(w));
+    const ql_type_traits *tt = ql_type_traits_get(w->type);
+    if (!tt || !tt->is_float) return fail(why, "the model's %s is %s, which it cannot be compared with", w->name, ql_type_name(w->type));
+    const int64_t ne0 = w->ne[0], n_rows = w->ne[1];
+    const bool nf4 = w->type == QL_TYPE_NF4 || w->type == QL_TYPE_NF4_NODQ;
+    const bool quantized = nf4 || tt->blck_size > 1;
+    const ql_type requant = nf4 ? QL_TYPE_NF4_NODQ : w->type;
+    const int64_t blck = nf4 ? QL_NF4_BLOCK : tt->blck_size;
+    const rounding rs = dtype_rounding(t.dtype);
+    const rounding ro = w->type == QL_TYPE_F16 ? dtype_rounding("F16") : w->type == QL_TYPE_BF16 ? dtype_rounding("BF16")
+                                                                          : dtype_rounding("F32");
+    // rows a chunk: about 1M values; NF4: a row count whose values are whole 64-blocks
+    int64_t step = 1;
+    if (nf4)
+        while ((step * ne0) % QL_NF4_BLOCK) step++;
+    const int64_t rows = std::max<int64_t>(step, ((int64_t)1 << 20) / ne0 / step * step);
+    const size_t esz = t.dtype == "F32" ? 4 : 2;
+    std::vector<float> saved, ours, back;
+    std::vector<uint8_t> q;
+    double worst = -1, worst_d = 0, worst_tol = 0, worst_s = 0, worst_o = 0;
+    int64_t worst_i = 0, n_bad = 0;
     char e[256];
-    if (ql_quantize(w->type, f.data(), w->ne[1], w->ne[0], mine.data(), e, sizeof(e)) != QL_OK)
-        return fail(why, "the model's %s is %s, which it cannot be compared with (%s)", w->name, ql_type_name(w->type), e);
-    if (memcmp(mine.data(), w->data, mine.size()) != 0)
-        return fail(why, "it differs from the model's %s", w->name);
-    return true;
+    for (int64_t r0 = 0; r0 < n_rows; r0 += rows) {
+        const int64_t nr = std::min(rows, n_rows - r0), n = nr * ne0;
+        ql_st_tensor part = t;  // the chunk's rows of the saved tensor, as f32
+        part.shape = {nr, ne0};
+        part.data = (const uint8_t *)t.data + (size_t)(r0 * ne0) * esz;
+        st_to_f32(part, &saved);
+        ours.resize((size_t)n);
+        for (int64_t r = 0; r < nr; r++)
+            if (ql_tensor_row_to_float(w, r0 + r, ours.data() + r * ne0) != QL_OK)
+                return fail(why, "the model's %s (%s) cannot be read to compare with", w->name, ql_type_name(w->type));
+        bool finite = true;
+        for (float v : saved) finite = finite && std::isfinite(v);
+        if (quantized && finite) {  // E_b: the quantiser's own error on the saved block
+            q.resize(ql_type_data_size(requant, nr, ne0));
+            back.resize((size_t)n);
+            if (ql_quantize(requant, saved.data(), nr, ne0, q.data(), e, sizeof(e)) != QL_OK ||
+                ql_dequantize(requant, q.data(), nr, ne0, back.data()) != QL_OK)
+                return fail(why, "the model's %s is %s, which it cannot be compared with (%s)", w->name, ql_type_name(w->type), e);
+        }
+        for (int64_t b0 = 0; b0 < n; b0 += blck) {
+            const int64_t b1 = std::min(n, b0 + blck);
+            double eb = 0, amax = 0;
+            if (quantized)
+                for (int64_t i = b0; i < b1; i++) {
+                    amax = std::max(amax, std::fabs((double)saved[(size_t)i]));
+                    if (finite) eb = std::max(eb, std::fabs((double)back[(size_t)i] - (double)saved[(size_t)i]));
+                }
+            for (int64_t i = b0; i < b1; i++) {
+                const double s = saved[(size_t)i], o = ours[(size_t)i], d = std::fabs(o - s);
+                const double tol = quantized ? 2 * eb + 2 * (rs.rel * amax + rs.abs)
+                                             : 2 * rs.rel * std::fabs(s) + rs.abs + 2 * ro.rel * std::fabs(o) + ro.abs;
+                if (d <= tol) continue;  // NaN or inf in either: not equal, counted below
+                n_bad++;
+                const double excess = std::isfinite(d) ? d - tol : HUGE_VAL;
+                if (excess > worst) worst = excess, worst_d = d, worst_tol = tol, worst_s = s, worst_o = o, worst_i = r0 * ne0 + i;
+            }
+        }
+    }
+    if (n_bad == 0) return true;
+    return fail(why, "%lld of its %lld values %s from the model's %s (%s) by more than the two roundings allow; the "
+                "largest: %s at row %lld, column %lld (saved %s, the model's %s, allowed %s)", (long long)n_bad,
+                (long long)(n_rows * ne0), n_bad == 1 ? "differs" : "differ", w->name, ql_type_name(w->type), plain_number(worst_d).c_str(),
+                (long long)(worst_i / ne0), (long long)(worst_i % ne0), plain_number(worst_s).c_str(),
+                plain_number(worst_o).c_str(), plain_number(worst_tol).c_str());
 }
 
 ql_lora_adapter *ql_peft_attach(ql_llama *m, const char *arch, const char *dir, float user_scale, std::string *err) {
@@ -765,9 +863,8 @@ ql_lora_adapter *ql_peft_attach(ql_llama *m, const char *arch, const char *dir, 
                 std::string why;
                 if (!peft_same_weight(t, w, &why)) {
                     const bool copy = t.name.find("base_layer") == std::string::npos;
-                    fail(err, "%s: %s: %s; %s", file, t.name.c_str(), why.c_str(),
-                         copy ? "a trained copy (modules_to_save) replaces the weight, and qlora applies LoRA pairs only"
-                              : "the adapter was made for another base model");
+                    fail(err, "%s: %s: %s%s", file, t.name.c_str(), why.c_str(),
+                         copy ? "; a trained copy (modules_to_save) replaces the weight, and qlora applies LoRA pairs only" : "");
                     return nullptr;
                 }
                 continue;

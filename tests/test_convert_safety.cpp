@@ -433,12 +433,91 @@ TEST_CASE("PEFT adapter: lm_head's saved base layer and modules_to_save copies l
     changed[4 * 17 + 2] ^= 0x10;
     copy.bytes = changed;
     CHECK(attach("m.gguf", {copy}, &why) == -1);
-    CHECK_MESSAGE(has(why, "base_model.model.lm_head.weight: it differs from the model's output.weight; a trained copy (modules_to_save) "
-                           "replaces the weight, and qlora applies LoRA pairs only"), why);
+    CHECK_MESSAGE(has(why, "base_model.model.lm_head.weight: 1 of its " + std::to_string(V * E) + " values differs from the model's "
+                           "output.weight (f32)"), why);
+    CHECK_MESSAGE(has(why, "; a trained copy (modules_to_save) replaces the weight, and qlora applies LoRA pairs only"), why);
     saved_base.bytes = changed;
     CHECK(attach("m.gguf", {head_a, head_b, saved_base}, &why) == -1);
-    CHECK_MESSAGE(has(why, "lm_head.base_layer.weight: it differs from the model's output.weight; the adapter was made for another base model"), why);
+    CHECK_MESSAGE(has(why, "lm_head.base_layer.weight: 1 of its " + std::to_string(V * E) + " values differs from the model's "
+                           "output.weight (f32) by more than the two roundings allow; the largest: 0.003906 at row 0, column 17"), why);
+    CHECK_MESSAGE(!has(why, "another base model"), why);
     saved_base.shape = {E, V};
     CHECK(attach("m.gguf", {head_a, head_b, saved_base}, &why) == -1);
     CHECK_MESSAGE(has(why, "its shape is not the model's output.weight"), why);
+}
+
+// A base layer saved in another dtype than the model's (fp16 training on an f32 or bf16
+// checkpoint) is the same weight, rounded: it loads, on float and quantized models; a layer that
+// differs by more than the two roundings is refused with the largest difference and where.
+TEST_CASE("PEFT adapter: lm_head's base layer saved in f16 or bf16 loads on an f32, q8_0 or nf4 model; more than rounding is refused with the number") {
+    if (!have_convert() || !exists("./quantize")) return;
+    tmpdir d;
+    std::string log;
+    const std::string m = d.path + "/m.gguf";
+    REQUIRE_MESSAGE(convert_hf(tests_dir() + "golden/hf/llama", m, &log) == 0, log);
+    REQUIRE_MESSAGE(run("./quantize " + m + " " + d.path + "/q8.gguf q8_0", &log) == 0, log);  // the head q8_0 too
+    REQUIRE_MESSAGE(run("./quantize " + m + " " + d.path + "/nf4.gguf nf4 --include-output", &log) == 0, log);
+    std::vector<st_item> base = read_st(tests_dir() + "golden/hf/llama/model.safetensors");
+    const st_item *head = find_item(base, "lm_head.weight");
+    REQUIRE(head);
+    REQUIRE(head->dtype == "F32");
+    const int64_t V = head->shape[0], E = head->shape[1], r = 4;
+    std::vector<float> h((size_t)(V * E)), a((size_t)(r * E), 0.01f), b((size_t)(V * r), 0.02f);
+    memcpy(h.data(), head->bytes.data(), h.size() * 4);
+    const st_item head_a{"base_model.model.lm_head.lora_A.weight", "F32", {r, E}, std::string((const char *)a.data(), a.size() * 4)};
+    const st_item head_b{"base_model.model.lm_head.lora_B.weight", "F32", {V, r}, std::string((const char *)b.data(), b.size() * 4)};
+    // the head rounded to f16 or bf16, as PEFT saves it after fp16/bf16 training (x scaled by 1 + bump first)
+    auto saved = [&](const char *dtype, float bump) {
+        std::string bytes(h.size() * 2, '\0');
+        for (size_t i = 0; i < h.size(); i++) {
+            const float x = h[i] * (1.0f + bump);
+            const uint16_t v = !strcmp(dtype, "F16") ? ql_fp32_to_fp16(x) : ql_fp32_to_bf16(x);
+            memcpy(&bytes[2 * i], &v, 2);
+        }
+        return st_item{"base_model.model.lm_head.base_layer.weight", dtype, {V, E}, bytes};
+    };
+    const std::vector<st_item> lora = read_st(tests_dir() + "golden/hf/llama-peft/adapter_model.safetensors");
+    const std::string cfg = read_file(tests_dir() + "golden/hf/llama-peft/adapter_config.json");
+    auto attach = [&](const std::string &model, const st_item &layer, std::string *why) -> int {
+        const std::string p = d.path + "/peft";
+        mkdir(p.c_str(), 0755);
+        write_file(p + "/adapter_config.json", cfg);
+        std::vector<st_item> items = lora;
+        items.push_back(head_a);
+        items.push_back(head_b);
+        items.push_back(layer);
+        write_st(p + "/adapter_model.safetensors", items);
+        char err[256];
+        ql_llama_file *f = ql_llama_load((d.path + "/" + model).c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(f, err);
+        ql_lora_adapter *ad = ql_lora_attach_any(&f->model, f->arch.c_str(), p.c_str(), 1.0f, why);
+        const int n = ad ? ad->n_pairs : -1;
+        ql_lora_adapter_free(ad);
+        ql_llama_file_free(f);
+        return n;
+    };
+    std::string why;
+    for (const char *model : {"m.gguf", "q8.gguf", "nf4.gguf"})
+        for (const char *dtype : {"F16", "BF16"}) {
+            const std::string on = model, as = dtype;
+            CAPTURE(on);
+            CAPTURE(as);
+            CHECK_MESSAGE(attach(model, saved(dtype, 0.0f), &why) == 15, why);
+        }
+    // another weight: every value 1% larger (f16 rounds by 0.05%, bf16 by 0.4%) - not rounding
+    CHECK(attach("m.gguf", saved("F16", 0.01f), &why) == -1);
+    CHECK_MESSAGE(has(why, "base_model.model.lm_head.base_layer.weight: "), why);
+    CHECK_MESSAGE(has(why, "differ from the model's output.weight (f32) by more than the two roundings allow; the largest: "), why);
+    CHECK_MESSAGE(has(why, " at row "), why);
+    // one value 10% off in a q8_0 head: more than a q8_0 step (1/127 of its block's largest value)
+    std::vector<float> keep = h;
+    size_t big = 0;
+    auto mag = [](float x) { return x < 0 ? -x : x; };
+    for (size_t i = 0; i < h.size(); i++)
+        if (mag(h[i]) > mag(h[big])) big = i;
+    h[big] *= 1.1f;
+    CHECK(attach("q8.gguf", saved("F16", 0.0f), &why) == -1);
+    CHECK_MESSAGE(has(why, "1 of its " + std::to_string(V * E) + " values differs from the model's output.weight (q8_0)"), why);
+    CHECK_MESSAGE(has(why, "at row " + std::to_string(big / (size_t)E) + ", column " + std::to_string(big % (size_t)E) + " "), why);
+    h = keep;
 }
