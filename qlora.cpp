@@ -7356,10 +7356,16 @@ ql_status ql_gguf_write(const ql_gguf_writer *w, const char *path, char *err, si
         return QL_ERR_NOMEM;
     }
 
-    // Everything goes to path.tmp, which replaces path only once it is complete and on disk.
-    FILE *f = fopen(tmp.c_str(), "wb");
+    // Everything goes to path.tmp, which replaces path only once it is complete and on disk. A
+    // stale path.tmp is removed and a new file made (never opened through a link: one planted at
+    // path.tmp would truncate the file it points to, maybe the input being read).
+    unlink(tmp.c_str());
+    const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0666);  // (fopen's mode)
+    FILE *f = fd < 0 ? nullptr : fdopen(fd, "wb");
     if (!f) {
-        gguf_set_err(err, err_size, "%s: cannot create %s: %s", path, tmp.c_str(), strerror(errno));
+        const int e = errno;
+        if (fd >= 0) close(fd);
+        gguf_set_err(err, err_size, "%s: cannot create %s: %s", path, tmp.c_str(), strerror(e));
         return QL_ERR_IO;
     }
     const char *what = nullptr;

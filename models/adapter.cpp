@@ -92,7 +92,8 @@ static bool write_atomic(const std::string &path, const std::vector<chunk> &chun
         return fail(err, "%s: exists and is not a regular file (a %s): not replaced", path.c_str(),
                     S_ISLNK(st.st_mode) ? "symbolic link" : "device, FIFO or socket");
     const std::string tmp = path + ".tmp";
-    const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    unlink(tmp.c_str());  // a stale one is replaced by a new file, never opened through a link (to an input, say)
+    const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
     if (fd < 0) return fail(err, "%s: cannot create %s: %s", path.c_str(), tmp.c_str(), strerror(errno));
     const char *what = nullptr;
     int e = 0;

@@ -217,3 +217,17 @@ TEST_CASE("quantize names: re-quantising a quantised file needs --allow-requanti
     REQUIRE_MESSAGE(run("./quantize " + f + " " + out + " q4_k_s", &log) == 0, log);
     CHECK(has(log, "f16 -> q4_K"));
 }
+
+TEST_CASE("quantize: an output whose temporary (OUT.tmp) is a symbolic link to the input is refused; the input kept") {
+    if (!built({"make-model", "quantize"})) return;
+    tmpdir d;
+    std::string log;
+    const std::string in = d.file("in.gguf"), out = d.file("o.gguf");
+    REQUIRE_MESSAGE(run("./make-model -o " + in + " --dim 256 --layers 1 --heads 4 --ff 512", &log) == 0, log);
+    const std::string before = read_file(in);
+    REQUIRE(symlink(in.c_str(), (out + ".tmp").c_str()) == 0);  // (the writer truncated the mapped input through it)
+    CHECK(run("./quantize " + in + " " + out + " Q4_K_M", &log) == 2);
+    CHECK_MESSAGE(log == "quantize: " + out + ": the output (through its temporary " + out + ".tmp) would overwrite the input " + in + "\n", log);
+    CHECK(read_file(in) == before);
+    CHECK(!exists(out));
+}

@@ -38,7 +38,9 @@ inline bool arg_whole(const char *tool, int argc, char **argv, int *i, long long
 
 // 0 when out may be written: a regular file or nothing yet, in a folder this process can write,
 // and neither it nor the writers' temporary (out.tmp, renamed over out) is one of the inputs
-// (compared as files: "./m.gguf" is "m.gguf", a hard link is its target). Else the exit code -
+// (compared as files: "./m.gguf" is "m.gguf", a hard link is its target, and so is a symbolic
+// link - the writers remove a stale out.tmp and never follow one, but a link to an input is a
+// mistake worth naming). Else the exit code -
 // 2 for a wrong argument (a folder, an input), 1 for what the file system refuses - and why,
 // in one line on stderr.
 inline int output_path_why(const char *out, std::initializer_list<const char *> inputs, std::string *why) {
@@ -53,7 +55,7 @@ inline int output_path_why(const char *out, std::initializer_list<const char *> 
         return 2;
     }
     for (const std::string &p : {s, s + ".tmp"}) {
-        if (lstat(p.c_str(), &st) != 0) continue;
+        if (stat(p.c_str(), &st) != 0) continue;  // (stat: a link is what it leads to - lstat let out.tmp -> input through)
         for (const char *in : inputs)
             if (in && stat(in, &in_st) == 0 && in_st.st_dev == st.st_dev && in_st.st_ino == st.st_ino) {
                 *why = s + ": the output " + (p == s ? "" : "(through its temporary " + p + ") ") + "would overwrite the input " + in;
