@@ -161,16 +161,22 @@ static size_t st_dtype_size(const std::string &d) {
     return 0;
 }
 
-// product(shape) * elem, false on overflow or a negative dimension
-static bool st_nbytes(const std::vector<int64_t> &shape, size_t elem, uint64_t *out) {
-    uint64_t n = elem;
+bool ql_st_shape_count(const std::vector<int64_t> &shape, int64_t *n) {
+    int64_t p = 1;  // the product of the dimensions that are not 0, each step checked
+    bool empty = false;
     for (int64_t d : shape) {
         if (d < 0) return false;
-        if (d != 0 && n > UINT64_MAX / (uint64_t)d) return false;
-        n *= (uint64_t)d;
+        if (d == 0) empty = true;
+        else if (__builtin_mul_overflow(p, d, &p)) return false;
     }
-    *out = n;
+    *n = empty ? 0 : p;
     return true;
+}
+
+// product(shape) * elem, false on overflow (ql_st_shape_count's rule) or a negative dimension
+static bool st_nbytes(const std::vector<int64_t> &shape, size_t elem, uint64_t *out) {
+    int64_t n = 0;
+    return ql_st_shape_count(shape, &n) && !__builtin_mul_overflow((uint64_t)n, (uint64_t)elem, out);
 }
 
 bool ql_safetensors_write(const char *path, const std::vector<ql_st_tensor> &tensors,
@@ -288,7 +294,10 @@ bool ql_safetensors_read(const char *path, std::vector<ql_st_tensor> *tensors, s
         if (e > data_size)
             return fail(err, "%s: tensor %s: data_offsets [%llu, %llu] run past the %llu data bytes", path, name.c_str(),
                         (unsigned long long)b, (unsigned long long)e, (unsigned long long)data_size);
-        if (!st_nbytes(t.shape, es, &want) || want != e - b)
+        if (!st_nbytes(t.shape, es, &want))
+            return fail(err, "%s: tensor %s: the element count of its shape overflows (data_offsets give %llu bytes)", path, name.c_str(),
+                        (unsigned long long)(e - b));
+        if (want != e - b)
             return fail(err, "%s: tensor %s: %s shape needs %llu bytes, data_offsets give %llu", path, name.c_str(),
                         t.dtype.c_str(), (unsigned long long)want, (unsigned long long)(e - b));
         t.data = f + 8 + n + b;

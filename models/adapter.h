@@ -25,6 +25,11 @@ struct ql_st_tensor {
     std::vector<int64_t> shape;   // PyTorch order (outermost first)
     const void *data = nullptr;   // little-endian, size = product(shape) * dtype size
 };
+// The elements of a shape (PyTorch order, any rank): false for a negative dimension or when the
+// product of the dimensions that are not 0 overflows int64 - a 0 does not hide an overflow
+// ([2^40, 2^40, 0] is refused as [0, 2^40, 2^40] is, the GGUF reader's rule). Readers and
+// converters multiply shapes here, nowhere else.
+bool ql_st_shape_count(const std::vector<int64_t> &shape, int64_t *n);
 // atomic (temp file, fsync, rename); metadata goes to the "__metadata__" entry
 bool ql_safetensors_write(const char *path, const std::vector<ql_st_tensor> &tensors,
                           const std::vector<std::pair<std::string, std::string>> &metadata, std::string *err);

@@ -145,10 +145,11 @@ TEST_CASE("convert hf: a weight_map path that leaves the folder is refused by na
         {"../../../../../../etc/passwd", "which leads out of the folder ('..')"},
         {"sub/../../x.safetensors", "which leads out of the folder ('..')"},
         {"/etc/passwd", "which is an absolute path"},
-        {"outside.safetensors", "which leads out of the folder (to "},  // a symbolic link out
+        {"to-a-folder.safetensors", "which is a symbolic link to something that is not a file"},
+        {"dangling.safetensors", "which is a symbolic link that leads nowhere (No such file or directory)"},
     };
-    REQUIRE(symlink((d.path + "/elsewhere.safetensors").c_str(), (q + "/outside.safetensors").c_str()) == 0);
-    write_file(d.path + "/elsewhere.safetensors", read_file(q + "/model-00001-of-00003.safetensors"));
+    REQUIRE(symlink(d.path.c_str(), (q + "/to-a-folder.safetensors").c_str()) == 0);
+    REQUIRE(symlink((d.path + "/not-there.safetensors").c_str(), (q + "/dangling.safetensors").c_str()) == 0);
     std::string log;
     for (const auto &c : cases) {
         CAPTURE(c.first);
@@ -194,10 +195,40 @@ TEST_CASE("convert hf: num_hidden_layers beyond the weights is refused at once (
     edit_file(l + "/config.json", "\"num_hidden_layers\": 2", "\"num_hidden_layers\": 1000000000");
     std::string log;
     CHECK(convert_hf(l, d.path + "/x.gguf", &log) == 1);
-    CHECK_MESSAGE(log == "convert: " + l + "/config.json: num_hidden_layers is 1000000000, but the weights hold 2 layers\n", log);
+    CHECK_MESSAGE(log == "convert: " + l + "/config.json: num_hidden_layers is 1000000000, but the weights have no layer 2 "
+                         "(no model.layers.2.input_layernorm.weight)\n", log);
     edit_file(l + "/config.json", "\"num_hidden_layers\": 1000000000", "\"num_hidden_layers\": 3");
     CHECK(convert_hf(l, d.path + "/x.gguf", &log) == 1);
-    CHECK_MESSAGE(has(log, "num_hidden_layers is 3, but the weights hold 2 layers"), log);
+    CHECK_MESSAGE(has(log, "num_hidden_layers is 3, but the weights have no layer 2"), log);
+}
+
+TEST_CASE("convert hf: the layers are counted, not taken from the largest index (a tensor model.layers.999999999.x made 9e9 names)") {
+    if (!have_convert()) return;
+    tmpdir d;
+    const std::string l = d.path + "/llama", st = l + "/model.safetensors";
+    copy_golden("llama", l);
+    const std::vector<st_item> orig = read_st(st);
+    edit_file(l + "/config.json", "\"num_hidden_layers\": 2", "\"num_hidden_layers\": 1000000000");
+    std::string log;
+    for (const char *far : {"model.layers.999999999.x", "model.layers.999999999.input_layernorm.weight"}) {
+        CAPTURE(far);
+        std::vector<st_item> items = orig;
+        items.push_back({far, "F32", {0}, ""});  // no data behind it
+        write_st(st, items);
+        CHECK(convert_hf(l, d.path + "/x.gguf", &log) == 1);  // (memory bounded: bad_alloc was exit 134)
+        CHECK_MESSAGE(log == "convert: " + l + "/config.json: num_hidden_layers is 1000000000, but the weights have no layer 2 "
+                             "(no model.layers.2.input_layernorm.weight)\n", log);
+    }
+    {  // a gap: layer 1's norm gone, layer 0 and a far one there - the first missing is named
+        std::vector<st_item> items = orig;
+        items.erase(std::find_if(items.begin(), items.end(), [](const st_item &t) { return t.name == "model.layers.1.input_layernorm.weight"; }));
+        items.push_back({"model.layers.7.input_layernorm.weight", "F32", {0}, ""});
+        write_st(st, items);
+        edit_file(l + "/config.json", "\"num_hidden_layers\": 1000000000", "\"num_hidden_layers\": 8");
+        CHECK(convert_hf(l, d.path + "/x.gguf", &log) == 1);
+        CHECK_MESSAGE(has(log, "num_hidden_layers is 8, but the weights have no layer 1 (no model.layers.1.input_layernorm.weight)"), log);
+    }
+    CHECK_FALSE(exists(d.path + "/x.gguf"));
 }
 
 TEST_CASE("convert hf: config.json's sizes are whole numbers in range, the file an object") {
@@ -266,11 +297,21 @@ TEST_CASE("convert hf: bitsandbytes arrays are checked against their quant_state
     write_st(st, with_state("[32.5, 64]"));
     CHECK(convert_hf(b, d.path + "/x.gguf", &log) == 1);
     CHECK_MESSAGE(has(log, "quant_state shape [32.5, 64] is not two sizes"), log);
-    {  // an absmax whose shape's product overflows on the way to 0 (was a signed overflow)
+    {  // an absmax whose shape's product overflows on the way to 0 (was a signed overflow; now the reader's rule)
         std::vector<st_item> items = orig;
         st_item *am = find_item(items, v + ".absmax");
         REQUIRE(am);
         am->shape = {(int64_t)1 << 32, ((int64_t)1 << 32) - 1, 0};
+        am->bytes.clear();
+        write_st(st, items);
+        CHECK(convert_hf(b, d.path + "/x.gguf", &log) == 1);
+        CHECK_MESSAGE(has(log, "tensor " + v + ".absmax: the element count of its shape overflows"), log);
+    }
+    {  // an empty absmax (a 0 and no overflow) is still the wrong size
+        std::vector<st_item> items = orig;
+        st_item *am = find_item(items, v + ".absmax");
+        REQUIRE(am);
+        am->shape = {(int64_t)1 << 32, 0};
         am->bytes.clear();
         write_st(st, items);
         CHECK(convert_hf(b, d.path + "/x.gguf", &log) == 1);
@@ -520,4 +561,154 @@ TEST_CASE("PEFT adapter: lm_head's base layer saved in f16 or bf16 loads on an f
     CHECK_MESSAGE(has(why, "1 of its " + std::to_string(V * E) + " values differs from the model's output.weight (q8_0)"), why);
     CHECK_MESSAGE(has(why, "at row " + std::to_string(big / (size_t)E) + ", column " + std::to_string(big % (size_t)E) + " "), why);
     h = keep;
+}
+
+TEST_CASE("convert hf: an output whose temporary (OUT.tmp) is a symbolic link to an input is refused; the input kept") {
+    if (!have_convert()) return;
+    tmpdir d;
+    const std::string l = d.path + "/llama", shard = l + "/model.safetensors", out = d.path + "/o.gguf";
+    copy_golden("llama", l);
+    const std::string before = read_file(shard);
+    REQUIRE(symlink(shard.c_str(), (out + ".tmp").c_str()) == 0);  // the link's own inode is not the shard's
+    std::string log;
+    CHECK(convert_hf(l, out, &log) == 2);
+    CHECK_MESSAGE(log == "convert: " + out + ": the output (through its temporary " + out + ".tmp) would overwrite the input " + shard + "\n", log);
+    CHECK(read_file(shard) == before);
+    CHECK_FALSE(exists(out));
+    {  // a link at OUT itself is not replaced either
+        REQUIRE(unlink((out + ".tmp").c_str()) == 0);
+        REQUIRE(symlink(shard.c_str(), out.c_str()) == 0);
+        CHECK(convert_hf(l, out, &log) == 1);
+        CHECK_MESSAGE(has(log, "exists and is not a regular file (a symbolic link): not replaced"), log);
+        CHECK(read_file(shard) == before);
+    }
+}
+
+TEST_CASE("writers: a stale PATH.tmp is replaced, never followed (a link there truncated the file behind it)") {
+    tmpdir d;
+    const std::string victim = d.file("victim.bin"), keep = "what the link points to must survive";
+    const float v[4] = {1, 2, 3, 4};
+    SUBCASE("GGUF") {
+        const std::string out = d.file("o.gguf");
+        write_file(victim, keep);
+        REQUIRE(symlink(victim.c_str(), (out + ".tmp").c_str()) == 0);
+        ql_gguf_writer *w = ql_gguf_writer_new();
+        const int64_t ne[1] = {4};
+        REQUIRE(ql_gguf_add_tensor(w, "t", QL_TYPE_F32, 1, ne, v, sizeof(v)) == QL_OK);
+        char err[256] = "";
+        CHECK_MESSAGE(ql_gguf_write(w, out.c_str(), err, sizeof(err)) == QL_OK, err);
+        CHECK(read_file(victim) == keep);
+        struct stat st;
+        CHECK((lstat(out.c_str(), &st) == 0 && S_ISREG(st.st_mode)));
+        CHECK_FALSE(lstat((out + ".tmp").c_str(), &st) == 0);
+        write_file(out + ".tmp", "a stale temporary from a run that died");  // a plain stale one: replaced as well
+        CHECK_MESSAGE(ql_gguf_write(w, out.c_str(), err, sizeof(err)) == QL_OK, err);
+        ql_gguf_writer_free(w);
+        ql_gguf *g = ql_gguf_open(out.c_str(), err, sizeof(err));
+        CHECK_MESSAGE(g, err);
+        if (g) ql_gguf_close(g);
+    }
+    SUBCASE("safetensors") {
+        const std::string out = d.file("o.safetensors");
+        write_file(victim, keep);
+        REQUIRE(symlink(victim.c_str(), (out + ".tmp").c_str()) == 0);
+        ql_st_tensor t;
+        t.name = "t";
+        t.dtype = "F32";
+        t.shape = {4};
+        t.data = v;
+        std::string why;
+        CHECK_MESSAGE(ql_safetensors_write(out.c_str(), {t}, {}, &why), why);
+        CHECK(read_file(victim) == keep);
+        struct stat st;
+        CHECK((lstat(out.c_str(), &st) == 0 && S_ISREG(st.st_mode)));
+        CHECK(read_st(out).size() == 1);
+    }
+}
+
+TEST_CASE("convert hf: a sharded checkpoint laid out as Hugging Face's download cache (snapshots/REV/* links to ../../blobs/SHA) converts") {
+    if (!have_convert()) return;
+    tmpdir d;
+    const std::string q = d.path + "/plain", cache = d.path + "/models--tiny--qwen2", snap = cache + "/snapshots/0123abc";
+    copy_golden("qwen2", q);
+    REQUIRE(mkdir(cache.c_str(), 0755) == 0);
+    REQUIRE(mkdir((cache + "/blobs").c_str(), 0755) == 0);
+    REQUIRE(mkdir((cache + "/snapshots").c_str(), 0755) == 0);
+    REQUIRE(mkdir(snap.c_str(), 0755) == 0);
+    DIR *dd = opendir(q.c_str());
+    REQUIRE(dd);
+    int n = 0;
+    while (struct dirent *e = readdir(dd)) {
+        if (e->d_name[0] == '.') continue;
+        const std::string blob = "blob" + std::to_string(n++);  // (the cache names them by their hash)
+        write_file(cache + "/blobs/" + blob, read_file(q + "/" + e->d_name));
+        REQUIRE(symlink(("../../blobs/" + blob).c_str(), (snap + "/" + e->d_name).c_str()) == 0);
+    }
+    closedir(dd);
+    std::string log;
+    REQUIRE_MESSAGE(convert_hf(q, d.path + "/plain.gguf", &log) == 0, log);
+    CHECK_MESSAGE(convert_hf(snap, d.path + "/cache.gguf", &log) == 0, log);  // was 'leads out of the folder (to .../blobs/...)'
+    {  // the same tensors, byte for byte (general.name says the folder: it differs)
+        char err[256];
+        ql_gguf *a = ql_gguf_open((d.path + "/cache.gguf").c_str(), err, sizeof(err)), *b = ql_gguf_open((d.path + "/plain.gguf").c_str(), err, sizeof(err));
+        REQUIRE((a && b));
+        REQUIRE(ql_gguf_n_tensors(a) == ql_gguf_n_tensors(b));
+        for (int64_t i = 0; i < ql_gguf_n_tensors(a); i++) {
+            CAPTURE(ql_gguf_tensor_name(b, i));
+            CHECK(std::string(ql_gguf_tensor_name(a, i)) == ql_gguf_tensor_name(b, i));
+            REQUIRE(ql_gguf_tensor_size(a, i) == ql_gguf_tensor_size(b, i));
+            CHECK(memcmp(ql_gguf_tensor_data(a, i), ql_gguf_tensor_data(b, i), ql_gguf_tensor_size(a, i)) == 0);
+        }
+        ql_gguf_close(a);
+        ql_gguf_close(b);
+    }
+    // and an output over one of the blobs, through the link or by its own name, is still refused
+    CHECK(convert_hf(snap, cache + "/blobs/blob0", &log) == 2);
+    CHECK_MESSAGE(has(log, "would overwrite the input"), log);
+}
+
+TEST_CASE("convert hf: hidden_size that the heads do not divide, without head_dim, is named (was 'head_dim is 0')") {
+    if (!have_convert()) return;
+    tmpdir d;
+    const std::string l = d.path + "/llama", cfg = l + "/config.json";
+    copy_golden("llama", l);
+    edit_file(cfg, "\"head_dim\": 8,", "");
+    const std::string orig = read_file(cfg);
+    const std::pair<std::string, std::string> cases[] = {
+        {"\"hidden_size\": 2,", "config.json: hidden_size 2 is smaller than num_attention_heads 4 (and no head_dim gives the heads' size)"},
+        {"\"hidden_size\": 30,", "config.json: hidden_size 30 is not a multiple of num_attention_heads 4 (and no head_dim gives the heads' size)"},
+    };
+    std::string log;
+    for (const auto &c : cases) {
+        CAPTURE(c.first);
+        write_file(cfg, orig);
+        edit_file(cfg, "\"hidden_size\": 32,", c.first);
+        CHECK(convert_hf(l, d.path + "/x.gguf", &log) == 1);
+        CHECK_MESSAGE(has(log, c.second), log);
+        CHECK(lines(log) == 1);
+    }
+    write_file(cfg, orig);  // hidden_size / heads without head_dim still converts
+    CHECK_MESSAGE(convert_hf(l, d.path + "/x.gguf", &log) == 0, log);
+}
+
+TEST_CASE("safetensors shapes: one element count (ql_st_shape_count), a 0 never hiding an overflow, whatever the order") {
+    int64_t n = -1;
+    const int64_t big = (int64_t)1 << 40;
+    CHECK((ql_st_shape_count({}, &n) && n == 1));
+    CHECK((ql_st_shape_count({3, 0, 5}, &n) && n == 0));
+    CHECK((ql_st_shape_count({3, 4}, &n) && n == 12));
+    CHECK_FALSE(ql_st_shape_count({-1, 0}, &n));
+    CHECK_FALSE(ql_st_shape_count({big, big, 0}, &n));
+    CHECK_FALSE(ql_st_shape_count({0, big, big}, &n));  // (the reader took this one: 0 bytes first, then 0 * anything)
+    CHECK_FALSE(ql_st_shape_count({big, 0, big}, &n));
+    tmpdir d;
+    for (const std::vector<int64_t> &shape : {std::vector<int64_t>{big, big, 0}, {0, big, big}}) {
+        CAPTURE(shape[0]);
+        write_st(d.file("s.safetensors"), {{"t", "F32", shape, ""}});
+        std::vector<ql_st_tensor> ts;
+        std::vector<uint8_t> storage;
+        std::string why;
+        CHECK_FALSE(ql_safetensors_read(d.file("s.safetensors").c_str(), &ts, &storage, &why));
+        CHECK_MESSAGE(has(why, "tensor t: the element count of its shape overflows"), why);
+    }
 }

@@ -196,21 +196,6 @@ static int convert_tiktoken(const char *path, const char *pre, const char *out) 
 // a safetensors dtype's element size (the reader admits F32, F16, BF16 and U8 only)
 static size_t st_dtype_size(const std::string &d) { return d == "F32" ? 4 : d == "U8" ? 1 : 2; }
 
-// a shape's element count; false when a dimension is negative or the product passes 2^62
-// (a zero dimension makes it 0 whatever the others are)
-static bool st_count(const std::vector<int64_t> &shape, int64_t *n) {
-    int64_t c = 1;
-    for (int64_t d : shape)
-        if (d == 0) {
-            *n = 0;
-            return true;
-        }
-    for (int64_t d : shape)
-        if (d < 0 || __builtin_mul_overflow(c, d, &c) || c > ((int64_t)1 << 62)) return false;
-    *n = c;
-    return true;
-}
-
 struct hf_tensor {
     std::string gguf_name;
     size_t shard = 0;
@@ -249,14 +234,7 @@ static bool hf_fill_bnb(hf_source &s, const hf_tensor &t, void *dst) {
     const ql_st_tensor *na = t.nested ? find(t.hf_name + ".nested_absmax") : nullptr,
                        *nq = t.nested ? find(t.hf_name + ".nested_quant_map") : nullptr;
     if (!w || !am || !qm || (t.nested && (!na || !nq))) return false;
-    auto count = [](const ql_st_tensor *x) { int64_t c = -1; return st_count(x->shape, &c) ? c : -1; };
-    auto bytes = [&](const ql_st_tensor *x) { const int64_t c = count(x); return c < 0 ? -1 : c * (int64_t)st_dtype_size(x->dtype); };
-    // (the packed codes may be stored as any dtype: bnb_4bit_quant_storage=bfloat16 keeps them in BF16 elements)
-    if (bytes(w) != (n + 1) / 2 || qm->dtype != "F32" || count(qm) != 16 || count(am) != nb ||
-        am->dtype != (t.nested ? "U8" : "F32") || (t.nested && (na->dtype != "F32" || count(na) != ng || nq->dtype != "F32" || count(nq) != 256))) {
-        s.err = t.hf_name + ": the bitsandbytes arrays do not fit its quant_state (shape, dtypes)";
-        return false;
-    }
+    // (their sizes and dtypes were checked against the quant_state with the table: bnb_arrays_why)
     // aligned copies of the arrays (safetensors offsets promise no alignment)
     std::vector<uint8_t> packed((const uint8_t *)w->data, (const uint8_t *)w->data + (n + 1) / 2), codes;
     std::vector<float> absmax, nabs((size_t)ng), nmap(256), qmap(16);
@@ -418,7 +396,14 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
     const int64_t E = size("hidden_size", 0, true), L = size("num_hidden_layers", 0, true), H = size("num_attention_heads", 0, true),
                   F = size("intermediate_size", 0, true), V = size("vocab_size", 0, true);
     const int64_t HKV = size("num_key_value_heads", H, false);
-    const int64_t hd = size("head_dim", H > 0 ? E / H : 0, false);  // (absent: hidden_size / heads)
+    // an explicit head_dim may make H * head_dim differ from hidden_size (Mistral-Nemo, Qwen3's shapes);
+    // without one the heads split hidden_size, which must be a multiple of their number
+    const ql_json *hd_json = cfg.get("head_dim");
+    const bool hd_given = hd_json && hd_json->kind == ql_json::NUM;
+    if (why.empty() && (!hd_json || hd_json->kind == ql_json::NUL) && E % H)
+        why = "hidden_size " + std::to_string(E) + (E < H ? " is smaller than" : " is not a multiple of") + " num_attention_heads " +
+              std::to_string(H) + " (and no head_dim gives the heads' size)";
+    const int64_t hd = size("head_dim", why.empty() ? E / H : 0, false);  // (absent: hidden_size / heads)
     // transformers 5 writes rope_parameters (theta and scaling together); 4.x rope_theta and rope_scaling
     const ql_json *rp = cfg.get("rope_parameters");
     if (rp && rp->kind != ql_json::OBJ) rp = nullptr;
@@ -440,10 +425,8 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
     auto gnum = [](double x) { char b[32]; snprintf(b, sizeof b, "%g", x); return std::string(b); };
     if (why.empty() && !(eps > 0 && eps < 1)) why = "rms_norm_eps is " + gnum(eps) + " (above 0, below 1)";
     if (why.empty() && !(theta > 1 && theta <= 1e12)) why = "rope_theta is " + gnum(theta) + " (above 1, at most 1e12)";
-    // an explicit head_dim may make H * head_dim differ from hidden_size (Mistral-Nemo, Qwen3's shapes)
-    const bool hd_given = cfg.get("head_dim") && cfg.get("head_dim")->kind == ql_json::NUM;
     if (why.empty() && hd_given && (hd % 2 || hd > 512)) why = "head_dim is " + std::to_string(hd) + " (an even size up to 512)";
-    if (why.empty() && (H % HKV || (!hd_given && hd * H != E)))
+    if (why.empty() && H % HKV)
         why = "inconsistent sizes: " + std::to_string(H) + " heads of " + std::to_string(hd) + " (head_dim) for hidden_size " +
               std::to_string(E) + ", " + std::to_string(HKV) + " key/value heads";
     if (!why.empty()) {
@@ -502,7 +485,9 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
     }
 
     // the shards: model.safetensors, or those model.safetensors.index.json's weight_map names
-    // (files inside DIR only: no absolute path, no '..', no link that leads out of it)
+    // (names inside DIR only: no absolute path, no '..'; a symbolic link to a file may lead
+    // anywhere - the user chose the folder, and Hugging Face's download cache is made of links
+    // from snapshots/<rev>/ to ../../blobs/<sha>)
     hf_source src;
     std::vector<std::pair<std::string, size_t>> where;  // HF tensor name -> shard, as the index says
     struct stat sb;
@@ -519,8 +504,6 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
             fprintf(stderr, "convert: %s: no weight_map object\n", index.c_str());
             return 1;
         }
-        char dir_real[PATH_MAX];
-        const bool have_real = realpath(dir_c, dir_real) != nullptr;
         for (size_t k = 0; k < wm->keys.size(); k++) {
             const ql_json &f = wm->items[k];
             const std::string &rel = f.str;
@@ -530,11 +513,11 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
             else if (rel == ".." || rel.rfind("../", 0) == 0 || rel.find("/../") != std::string::npos ||
                      (rel.size() >= 3 && rel.compare(rel.size() - 3, 3, "/..") == 0))
                 bad = "leads out of the folder ('..')";
-            if (bad.empty() && have_real) {  // a symbolic link out of DIR
-                char real[PATH_MAX];
-                const std::string top = std::string(dir_real) + "/";
-                if (realpath((dir + "/" + rel).c_str(), real) && std::string(real).rfind(top, 0) != 0)
-                    bad = std::string("leads out of the folder (to ") + real + ")";
+            struct stat ls, ts;
+            if (bad.empty() && lstat((dir + "/" + rel).c_str(), &ls) == 0 && S_ISLNK(ls.st_mode)) {  // a link: to a file
+                if (stat((dir + "/" + rel).c_str(), &ts) != 0)
+                    bad = std::string("is a symbolic link that leads nowhere (") + strerror(errno) + ")";
+                else if (!S_ISREG(ts.st_mode)) bad = "is a symbolic link to something that is not a file";
             }
             if (!bad.empty()) {
                 fprintf(stderr, "convert: %s: weight_map puts %s in '%s', which %s: shards must be files in %s\n", index.c_str(),
@@ -606,7 +589,7 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
                     return 1;
                 }
                 int64_t n = 0;
-                if (!st_count(t.shape, &n) || n > (1 << 20)) n = 1 << 20;  // (a quant_state is a short JSON text)
+                if (!ql_st_shape_count(t.shape, &n) || n > (1 << 20)) n = 1 << 20;  // (a quant_state is a short JSON text)
                 bnb_states.push_back({weight, std::string((const char *)t.data, (size_t)n)});
             }
         }
@@ -616,24 +599,29 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
             if (e.name == n) return &e;
         return nullptr;
     };
-    // num_hidden_layers against the layers the files hold, before 9 names a layer are made
-    int64_t layers_held = 0;
+    // num_hidden_layers against the layers the files hold, before 9 names a layer are made: every
+    // layer below it holds its input_layernorm.weight (counted, not inferred from the largest
+    // index: a tensor model.layers.999999999.x alone does not make a billion layers)
+    std::unordered_set<int64_t> held;
     for (const hf_entry &e : table) {
-        const char *p = "model.layers.";
+        const char *p = "model.layers.", *sfx = ".input_layernorm.weight";
         if (e.name.compare(0, strlen(p), p) != 0) continue;
         int64_t l = 0;
         size_t i = strlen(p);
         while (i < e.name.size() && isdigit((unsigned char)e.name[i]) && l < ((int64_t)1 << 31)) l = l * 10 + (e.name[i++] - '0');
-        if (i > strlen(p) && i < e.name.size() && e.name[i] == '.') layers_held = std::max(layers_held, l + 1);
+        if (i > strlen(p) && e.name.compare(i, std::string::npos, sfx) == 0) held.insert(l);
     }
-    if (layers_held > 0 && L > layers_held) {  // (none at all: the tensors' own messages below, the embedding's first)
-        fprintf(stderr, "convert: %s/config.json: num_hidden_layers is %lld, but the weights hold %lld layer%s\n", dir_c, (long long)L,
-                (long long)layers_held, layers_held == 1 ? "" : "s");
+    int64_t first_missing = 0;  // (at most one more than the layers held: the loop ends there)
+    while (first_missing < L && held.count(first_missing)) first_missing++;
+    if (!held.empty() && first_missing < L) {  // (none at all: the tensors' own messages below, the embedding's first)
+        fprintf(stderr, "convert: %s/config.json: num_hidden_layers is %lld, but the weights have no layer %lld "
+                        "(no model.layers.%lld.input_layernorm.weight)\n", dir_c, (long long)L, (long long)first_missing,
+                (long long)first_missing);
         return 1;
     }
     // GGUF names in llama.cpp's order, with the HF tensor each comes from
     std::vector<std::tuple<std::string, std::string, int>> want = {{"token_embd.weight", "model.embed_tokens.weight", 0}};
-    for (int64_t l = 0; l < std::min(L, layers_held + 1); l++) {
+    for (int64_t l = 0; l < std::min(L, first_missing + 1); l++) {
         const std::string b = "blk." + std::to_string(l) + ".", h = "model.layers." + std::to_string(l) + ".";
         want.push_back({b + "attn_norm.weight", h + "input_layernorm.weight", 0});
         want.push_back({b + "attn_q.weight", h + "self_attn.q_proj.weight", qwen2 ? 0 : (int)H});
@@ -666,9 +654,9 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
             if (!a) return std::string("no tensor ") + wt.name + p.sfx + " beside it";
             if (a->shard != wt.shard) return wt.name + p.sfx + " is in " + shard_name(a->shard) + ", not beside it in " + shard_name(wt.shard);
             int64_t c = 0;
-            if (!st_count(a->shape, &c)) return wt.name + p.sfx + ": its shape's element count overflows";
-            if (!p.dtype) c *= (int64_t)st_dtype_size(a->dtype);  // the codes: bytes, whatever the dtype
-            else if (a->dtype != p.dtype) return wt.name + p.sfx + " is " + a->dtype + ", not " + p.dtype;
+            if (!ql_st_shape_count(a->shape, &c) || (!p.dtype && __builtin_mul_overflow(c, (int64_t)st_dtype_size(a->dtype), &c)))
+                return wt.name + p.sfx + ": its shape's element count overflows";  // (the codes: bytes, whatever the dtype)
+            if (p.dtype && a->dtype != p.dtype) return wt.name + p.sfx + " is " + a->dtype + ", not " + p.dtype;
             if (c != p.count)
                 return wt.name + p.sfx + " holds " + std::to_string(c) + (p.dtype ? " values" : " bytes") + ", the shape needs " +
                        std::to_string(p.count);
