@@ -544,6 +544,24 @@ struct line_reader {
     }
 };
 
+bool ql_data_options_for(const ql_gguf *g, const ql_vocab *v, const char *template_name, ql_data_options *o, std::string *err) {
+    if (template_name) {
+        const ql_chat_template t = ql_chat_template_from_name(template_name);
+        if (t == QL_CHAT_COUNT) {
+            if (err) *err = ql_strf("unknown template '%s' (llama3, chatml, llama2, phi3, gemma, zephyr)", template_name);
+            return false;
+        }
+        o->chat = t;
+    } else {
+        size_t len = 0;
+        const int64_t ic = g ? ql_gguf_find_kv(g, "tokenizer.chat_template") : -1;
+        const char *jinja = ic >= 0 ? ql_gguf_get_str(g, ic, &len) : nullptr;
+        o->chat = jinja ? ql_chat_template_detect(jinja) : QL_CHAT_NONE;
+    }
+    o->add_bos = ql_vocab_bos(v) >= 0 && ql_vocab_add_bos(v);
+    return true;
+}
+
 bool ql_dataset_load(const char *path, const ql_vocab *v, const ql_data_options &o, ql_dataset *out, std::string *err) {
     std::string e_local;
     std::string &e = err ? *err : e_local;
@@ -626,7 +644,8 @@ bool ql_dataset_load(const char *path, const ql_vocab *v, const ql_data_options 
             sup.push_back(r.end_sup);
         }
         if (!sup.empty()) sup[0] = 0;  // nothing predicts the first token
-        if ((int64_t)tok.size() > o.seq_len) {
+        const bool truncated = (int64_t)tok.size() > o.seq_len;
+        if (truncated) {
             tok.resize((size_t)o.seq_len);
             sup.resize((size_t)o.seq_len);
             out->n_truncated++;
@@ -641,6 +660,7 @@ bool ql_dataset_load(const char *path, const ql_vocab *v, const ql_data_options 
         ex.tokens = tok;
         ex.supervised = sup;
         ex.line = (int)line_no;
+        ex.truncated = truncated;
         out->n_tokens += (int64_t)tok.size();
         out->n_supervised += n_sup;
         out->n_per_format[fmt]++;

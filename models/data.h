@@ -41,11 +41,19 @@ struct ql_data_options {
     ql_chat_template chat = QL_CHAT_NONE;  // for "messages" lines
 };
 
+// The loader's options for a model as finetune sets them (tokenize --data shows the same): the
+// chat template named by template_name ("chatml", ...; NULL: detected from the GGUF's
+// tokenizer.chat_template, QL_CHAT_NONE when it has none or none fits) and BOS before each
+// example where the vocabulary has one and asks for it (as generate tokenizes prompts). The
+// other fields of *o are left as they are. False, with why in *err, for an unknown name.
+bool ql_data_options_for(const ql_gguf *g, const ql_vocab *v, const char *template_name, ql_data_options *o, std::string *err);
+
 // One tokenized example: supervised[i] says whether token i is a prediction target.
 struct ql_example {
     std::vector<int32_t> tokens;
     std::vector<uint8_t> supervised;
-    int line = 0;  // where it came from (1-based)
+    int line = 0;            // where it came from (1-based)
+    bool truncated = false;  // it was longer than seq_len and was cut to it
 };
 
 struct ql_dataset {

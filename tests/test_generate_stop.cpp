@@ -242,10 +242,10 @@ TEST_CASE("tokenize --data: a JSONL line's ids, pieces and loss mask, as finetun
     ql_vocab *v = ql_vocab_load(g, err, sizeof(err));
     REQUIRE(v);
     ql_data_options o;
-    o.chat = QL_CHAT_CHATML;
-    o.add_bos = ql_vocab_add_bos(v);
-    ql_dataset ds;
     std::string e;
+    REQUIRE_MESSAGE(ql_data_options_for(g, v, "chatml", &o, &e), e);  // finetune's own options for the model
+    CHECK(o.chat == QL_CHAT_CHATML);
+    ql_dataset ds;
     REQUIRE_MESSAGE(ql_dataset_load(data.c_str(), v, o, &ds, &e), e);
     REQUIRE(ds.examples.size() == 2);
     const ql_example &ex = ds.examples[1];
@@ -283,10 +283,60 @@ TEST_CASE("tokenize --data: a JSONL line's ids, pieces and loss mask, as finetun
     // without a template, a messages line is finetune's error, word for word
     CHECK(run("./tokenize -m " + m.path + " --data " + data, &out) == 1);
     ql_data_options none;
-    none.add_bos = o.add_bos;
+    REQUIRE(ql_data_options_for(g, v, nullptr, &none, &e));  // the model has no template: none
+    CHECK(none.chat == QL_CHAT_NONE);
     ql_dataset ds2;
     CHECK_FALSE(ql_dataset_load(data.c_str(), v, none, &ds2, &e));
     CHECK_MESSAGE(out == "tokenize: " + e + "\n", out);
     ql_vocab_free(v);
     ql_gguf_close(g);
+}
+
+TEST_CASE("tokenize --data: --skip-bad-lines as finetune; 'cut to --seq-len' only for an example that was cut") {
+    if (!built({"make-model", "tokenize"})) return;
+    tmpdir d;
+    const stop_model m = make_stop_model(d, "chat", 2, {});
+    const std::string data = d.file("d.jsonl");
+    write_file(data, "{\"text\": \"abc abc abc\"}\n"
+                     "{\"txet\": \"a typo\"}\n"
+                     "{\"prompt\": \"Q\", \"completion\": \" b\"}\n");
+    std::string out;
+    // a bad line stops the loader, as it stops finetune; --skip-bad-lines shows the rest, with finetune's warning
+    CHECK(run("./tokenize -m " + m.path + " --data " + data, &out) == 1);
+    CHECK_MESSAGE(has(out, "d.jsonl:2: "), out);
+    REQUIRE_MESSAGE(run("./tokenize -m " + m.path + " --data " + data + " --skip-bad-lines 2>&1", &out) == 0, out);
+    CHECK_MESSAGE(has(out, "tokenize: warning: skipped 1 bad line of " + data + "; the first: " + data + ":2: "), out);
+    CHECK(has(out, "line 1: "));
+    CHECK(has(out, "line 3: "));
+    CHECK(!has(out, "line 2: "));
+    CHECK(run("./tokenize -m " + m.path + " --data " + data + " --skip-bad-lines --line 2", &out) == 1);
+    CHECK_MESSAGE(has(out, "a bad line --skip-bad-lines skipped"), out);
+    CHECK(run("./tokenize -m " + m.path + " -p hi --skip-bad-lines", &out) == 2);
+    CHECK_MESSAGE(has(out, "--skip-bad-lines goes with --data FILE.jsonl"), out);
+
+    // line 1's length as the loader makes it; an --seq-len of exactly that cuts nothing, one less cuts
+    char err[512];
+    ql_gguf *g = ql_gguf_open(m.path.c_str(), err, sizeof(err));
+    REQUIRE(g);
+    ql_vocab *v = ql_vocab_load(g, err, sizeof(err));
+    REQUIRE(v);
+    ql_data_options o;
+    std::string e;
+    REQUIRE(ql_data_options_for(g, v, nullptr, &o, &e));
+    o.skip_bad_lines = true;
+    ql_dataset ds;
+    REQUIRE_MESSAGE(ql_dataset_load(data.c_str(), v, o, &ds, &e), e);
+    REQUIRE(ds.examples.size() == 2);
+    const size_t n = ds.examples[0].tokens.size();
+    CHECK(!ds.examples[0].truncated);
+    ql_vocab_free(v);
+    ql_gguf_close(g);
+    REQUIRE(n > 3);
+    const std::string at = data + " --skip-bad-lines --line 1 --seq-len ";
+    REQUIRE_MESSAGE(run("./tokenize -m " + m.path + " --data " + at + std::to_string(n) + " 2>/dev/null", &out) == 0, out);
+    CHECK_MESSAGE(has(out, "line 1: " + std::to_string(n) + " tokens"), out);
+    CHECK_MESSAGE(!has(out, "seq-len"), out);  // exactly seq_len long, not cut
+    REQUIRE_MESSAGE(run("./tokenize -m " + m.path + " --data " + at + std::to_string(n - 1) + " 2>/dev/null", &out) == 0, out);
+    CHECK_MESSAGE(has(out, "line 1: " + std::to_string(n - 1) + " tokens"), out);
+    CHECK_MESSAGE(has(out, "; cut to --seq-len " + std::to_string(n - 1) + "\n"), out);
 }

@@ -1143,19 +1143,10 @@ int main(int argc, char **argv) {
         fprintf(stderr, "finetune: %s: %s\n", a.model, e);  // (the vocabulary's errors do not name the file)
         return 1;
     }
-    if (a.chat) {
-        a.d.chat = ql_chat_template_from_name(a.chat);
-        if (a.d.chat == QL_CHAT_COUNT) {
-            fprintf(stderr, "finetune: --chat-template: unknown template '%s' (llama3, chatml, llama2, phi3, gemma, zephyr)\n", a.chat);
-            return 2;
-        }
-    } else {
-        size_t len;
-        const int64_t ic = ql_gguf_find_kv(f->gguf, "tokenizer.chat_template");
-        const char *jinja = ic >= 0 ? ql_gguf_get_str(f->gguf, ic, &len) : nullptr;
-        a.d.chat = jinja ? ql_chat_template_detect(jinja) : QL_CHAT_NONE;
+    if (!ql_data_options_for(f->gguf, vocab, a.chat, &a.d, &err)) {  // the template, BOS: as tokenize --data shows them
+        fprintf(stderr, "finetune: --chat-template: %s\n", err.c_str());
+        return 2;
     }
-    a.d.add_bos = ql_vocab_bos(vocab) >= 0 && ql_vocab_add_bos(vocab);  // as generate tokenizes prompts
     if (f->model.hp.n_ctx_train > 0 && a.d.seq_len > f->model.hp.n_ctx_train)
         fprintf(stderr, "finetune: warning: --seq-len %d is longer than the model's context length %d (its positions beyond were "
                         "never trained)\n", a.d.seq_len, f->model.hp.n_ctx_train);

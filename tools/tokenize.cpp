@@ -2,15 +2,17 @@
 //
 //   ./tokenize -m model.gguf (-p TEXT | -f FILE) [--no-bos] [--parse-special]
 //   ./tokenize -m model.gguf --data FILE.jsonl [--line N] [--chat-template NAME] [--seq-len N] [--no-eos]
+//              [--skip-bad-lines]
 //
 // Prints the ids on one line, separated by spaces. BOS (and EOS) are added as the vocabulary's
 // add_bos_token / add_eos_token say, unless --no-bos; --parse-special turns control-token texts
 // in the input (e.g. "<|eot_id|>") into those tokens instead of tokenizing them as text.
 //
 // --data shows what finetune trains on: each example of a JSONL file (or line N's), rendered by
-// finetune's own loader (ql_dataset_load, with finetune's --chat-template, --seq-len, --no-eos
-// and its BOS rule; the template found in the model when none is given), one token a line: its
-// id, "+" where it is a prediction target (the loss mask) or "." where not, and its text.
+// finetune's own loader (ql_dataset_load, with finetune's --chat-template, --seq-len, --no-eos,
+// --skip-bad-lines, and its options for the model: ql_data_options_for, the template found in the
+// model when none is given, its BOS rule), one token a line: its id, "+" where it is a prediction
+// target (the loss mask) or "." where not, and its text.
 #include "../models/data.h"
 #include "../models/tokenizer.h"
 #include "../qlora.h"
@@ -26,7 +28,8 @@
 #include <vector>
 
 static const char USAGE[] = "usage: tokenize -m model.gguf (-p TEXT | -f FILE) [--no-bos] [--parse-special] | "
-                            "tokenize -m model.gguf --data FILE.jsonl [--line N] [--chat-template NAME] [--seq-len N] [--no-eos]";
+                            "tokenize -m model.gguf --data FILE.jsonl [--line N] [--chat-template NAME] [--seq-len N] [--no-eos] "
+                            "[--skip-bad-lines]";
 
 // a command-line mistake: one line, the problem and the usage
 static int bad_args(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -82,27 +85,21 @@ static std::string quoted(const std::string &s) {
 
 // --data: finetune's examples of a JSONL file, one token a line
 static int show_data(const ql_gguf *g, const ql_vocab *v, const char *data, long line,
-                     const char *chat, long seq_len, bool add_eos) {
+                     const char *chat, long seq_len, bool add_eos, bool skip_bad) {
     ql_data_options o;  // as finetune sets them
-    if (chat) {
-        o.chat = ql_chat_template_from_name(chat);
-        if (o.chat == QL_CHAT_COUNT)
-            return bad_args("--chat-template: unknown template '%s' (llama3, chatml, llama2, phi3, gemma, zephyr)", chat);
-    } else {
-        size_t len;
-        const int64_t ic = ql_gguf_find_kv(g, "tokenizer.chat_template");
-        const char *jinja = ic >= 0 ? ql_gguf_get_str(g, ic, &len) : nullptr;
-        o.chat = jinja ? ql_chat_template_detect(jinja) : QL_CHAT_NONE;
-    }
+    std::string err;
+    if (!ql_data_options_for(g, v, chat, &o, &err)) return bad_args("--chat-template: %s", err.c_str());
     if (seq_len > 0) o.seq_len = (int)seq_len;
     o.add_eos = add_eos;
-    o.add_bos = ql_vocab_bos(v) >= 0 && ql_vocab_add_bos(v);
+    o.skip_bad_lines = skip_bad;
     ql_dataset ds;
-    std::string err;
     if (!ql_dataset_load(data, v, o, &ds, &err)) {
         fprintf(stderr, "tokenize: %s\n", err.c_str());
         return 1;
     }
+    if (ds.n_bad > 0)  // finetune's warning, word for word
+        fprintf(stderr, "tokenize: warning: skipped %lld bad line%s of %s; the first: %s\n", (long long)ds.n_bad,
+                ds.n_bad == 1 ? "" : "s", data, err.c_str());
     std::string out;
     int shown = 0;
     for (const ql_example &ex : ds.examples) {
@@ -110,9 +107,9 @@ static int show_data(const ql_gguf *g, const ql_vocab *v, const char *data, long
         int64_t n_sup = 0;
         for (uint8_t x : ex.supervised) n_sup += x;
         char b[256];
-        snprintf(b, sizeof(b), "%sline %d: %zu tokens, %lld trained (+); chat template %s%s\n", shown ? "\n" : "", ex.line,
+        snprintf(b, sizeof(b), "%sline %d: %zu tokens, %lld trained (+); chat template %s%s%s\n", shown ? "\n" : "", ex.line,
                  ex.tokens.size(), (long long)n_sup, ql_chat_template_name(o.chat),
-                 (int)ex.tokens.size() == o.seq_len ? "; --seq-len cuts longer lines here" : "");
+                 ex.truncated ? "; cut to --seq-len " : "", ex.truncated ? std::to_string(o.seq_len).c_str() : "");
         out += b;
         for (size_t i = 0; i < ex.tokens.size(); i++) {
             snprintf(b, sizeof(b), "%8d %c ", (int)ex.tokens[i], ex.supervised[i] ? '+' : '.');
@@ -122,8 +119,8 @@ static int show_data(const ql_gguf *g, const ql_vocab *v, const char *data, long
     }
     if (shown == 0) {
         if (line > 0)
-            fprintf(stderr, "tokenize: %s: no example at line %ld (a blank line, past the end, or one with nothing to train on, "
-                            "which finetune skips)\n", data, line);
+            fprintf(stderr, "tokenize: %s: no example at line %ld (a blank line, past the end, %sone with nothing to train on, "
+                            "which finetune skips)\n", data, line, skip_bad ? "a bad line --skip-bad-lines skipped, or " : "or ");
         else
             fprintf(stderr, "tokenize: %s: no examples (finetune would refuse it)\n", data);
         return 1;
@@ -151,7 +148,7 @@ static long whole_arg(const char *flag, const char *s, long lo, long hi) {
 int main(int argc, char **argv) {
     const char *model = nullptr, *prompt = nullptr, *file = nullptr, *data = nullptr, *line_s = nullptr, *chat = nullptr,
                *seq_s = nullptr;
-    bool add_special = true, parse_special = false, add_eos = true;
+    bool add_special = true, parse_special = false, add_eos = true, skip_bad = false;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         const char **dst = nullptr;
@@ -165,6 +162,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--no-bos")) add_special = false;
         else if (!strcmp(a, "--parse-special")) parse_special = true;
         else if (!strcmp(a, "--no-eos")) add_eos = false;
+        else if (!strcmp(a, "--skip-bad-lines")) skip_bad = true;
         else if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
             printf("%s\n", USAGE);
             return 0;
@@ -184,8 +182,9 @@ int main(int argc, char **argv) {
         if (line_s && (line_no = whole_arg("--line", line_s, 1, LONG_MAX)) < 0) return 2;
         if (seq_s && (seq_len = whole_arg("--seq-len", seq_s, 2, 1 << 20)) < 0) return 2;
     } else {
-        if (line_s || chat || seq_s || !add_eos)
-            return bad_args("%s goes with --data FILE.jsonl", line_s ? "--line" : chat ? "--chat-template" : seq_s ? "--seq-len" : "--no-eos");
+        if (line_s || chat || seq_s || !add_eos || skip_bad)
+            return bad_args("%s goes with --data FILE.jsonl", line_s ? "--line" : chat ? "--chat-template" : seq_s ? "--seq-len"
+                                                              : !add_eos ? "--no-eos" : "--skip-bad-lines");
         if (!prompt == !file) return bad_args("give exactly one of -p TEXT, -f FILE and --data FILE.jsonl");
     }
 
@@ -206,7 +205,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "tokenize: %s: %s\n", model, err);
         return 1;
     }
-    if (data) return show_data(g, v, data, line_no, chat, seq_len, add_eos);
+    if (data) return show_data(g, v, data, line_no, chat, seq_len, add_eos, skip_bad);
     const std::vector<int32_t> ids = ql_tokenize(v, text, add_special, parse_special);
     std::string line;
     for (size_t i = 0; i < ids.size(); i++) {
