@@ -163,8 +163,15 @@ static bool build(ql_trainer *t, ql_context *ctx) {
         // the checkpoints to host memory, all but the last (backward needs it at once: nothing to overlap)
         std::vector<ql_tensor *> in(t->levels.size(), nullptr), off;
         ql_graph_segments(t->tr.g, in.data(), (int)in.size());
+        // limitation: a checkpoint that is a view of another tensor (a segment inside a block can
+        // start at attention's permuted [head_dim, heads, T, B]) stays on the device: ql_graph_offload
+        // copies whole forward results only
+        auto copyable = [](const ql_tensor *x) {
+            return ql_is_contiguous(x) && !x->aux_size && x->op != QL_OP_VIEW && x->op != QL_OP_RESHAPE &&
+                   x->op != QL_OP_PERMUTE && x->op != QL_OP_TRANSPOSE;
+        };
         for (size_t i = 0; i < in.size(); i++)
-            if (t->levels[i] == QL_KEEP_INPUT && in[i]) off.push_back(in[i]);
+            if (t->levels[i] == QL_KEEP_INPUT && in[i] && copyable(in[i])) off.push_back(in[i]);
         if (!off.empty()) off.pop_back();
         if (ql_graph_offload(t->tr.g, off.data(), (int)off.size()) != QL_OK) return false;
     }

@@ -397,6 +397,9 @@ struct args {
     int64_t eval_every = 0, save_every = 0;
     bool merge = false, overwrite = false, profile = false;
     bool b_auto = false, dry_run = false, json = false;
+    // the memory limit is known (--mem-limit, --vram, or a GPU's free memory): the tool fits the
+    // run to it (choose_memory), --checkpointing auto the default
+    bool limit_known = false, cp_default = false;
     int effective_batch = 0;  // 0: not asked for
     bool precision_auto = false;
     bool plan_only = false;   // --vram/--cc --dry-run without the GPU: a plan for it
@@ -672,6 +675,13 @@ static bool parse_flags(int argc, char **argv, args *a) {
     return true;
 }
 
+// whether the command (a resumed run's: its stored command too) gave flag f
+static bool flag_given(const args &a, const char *f) {
+    for (const auto &g : a.given)
+        if (g[0] == f) return true;
+    return false;
+}
+
 // Flags that change how a run is carried out, not what it computes: a resumed run may give them
 // anew. (--max-steps and --epochs may grow: they extend a run.) Every other flag given again
 // must agree with the run's.
@@ -704,6 +714,8 @@ static std::vector<std::string> stored_command(const args &a) {
         out.push_back(g[0]);
         for (size_t j = 1; j < g.size(); j++) out.push_back(path_flag(g[0]) ? absolute(g[j]) : g[j]);
     }
+    // the optimizer when choose_memory made it paged (it is part of the run: a resume keeps it)
+    if (!flag_given(a, "--optim") && a.o.optim != "adamw") out.insert(out.end(), {"--optim", a.o.optim});
     // the batch and the precision as chosen (auto: by this machine; a resume elsewhere keeps them)
     out.insert(out.end(), {"-b", std::to_string(a.o.micro_batch), "--grad-accum", std::to_string(a.o.grad_accum), "--precision",
                            a.o.precision});
@@ -821,6 +833,13 @@ static bool parse(int argc, char **argv, args *a) {
                 a->b_auto ? "-b auto" : "--checkpointing auto");
         return false;
     }
+    // the default policy: auto where there is a limit to fit (the tool then also decides offload,
+    // the embedding's place and paged moments: choose_memory), else none, as it always was
+    a->limit_known = a->o.mem_limit || a->o.vram || (a->o.device != "cpu" && !a->plan_only);
+    if (a->limit_known && !flag_given(*a, "--checkpointing")) {
+        a->o.checkpointing = "auto";
+        a->cp_default = true;
+    }
     if (!a->scaler_flag.empty() && a->o.precision != "fp16") {
         fprintf(stderr, "finetune: %s: loss scaling is for --precision fp16 (this run: %s%s)\n", a->scaler_flag.c_str(),
                 a->o.precision.c_str(), a->precision_auto ? ", chosen by --precision auto, the default" : "");
@@ -849,22 +868,30 @@ static bool choose_batch(ql_llama_file *f, const seqs &tr, const seqs &ev, args 
     const int cap = N > 0 ? N : (int)std::min<size_t>(4096, tr.size());  // more than the data is padding
     for (int b = 1; b <= cap; b++)
         if (N == 0 || N % b == 0) cand.push_back(b);
+    // with --checkpointing auto: the batch that fits with at most block's recompute (sqrt's
+    // extra recompute costs more time than a bigger micro-batch saves); auto then picks the
+    // cheapest recompute for it. auto by default (not asked for): the batch that fits without
+    // recompute, and only when none does the one that fits with block's
+    bool block = a->o.checkpointing == "auto" && !a->cp_default;
     auto fits = [&](int b) {
         ql_train_options o = a->o;
         o.micro_batch = b;
-        // with checkpointing auto: the batch that fits with at most block's recompute (sqrt's
-        // extra recompute costs more time than a bigger micro-batch saves); auto then picks the
-        // cheapest recompute for it
-        if (o.checkpointing == "auto") o.checkpointing = "block";
+        if (o.checkpointing == "auto") o.checkpointing = block ? "block" : "none";
         ql_memory_plan mp;
         std::string err;
         return ql_train_plan(f, tr, ev, o, &mp, &err);
     };
     size_t lo = 0, hi = cand.size();  // cand[lo - 1] fits (lo = 0: none known), cand[hi] does not
-    while (lo < hi) {
-        const size_t mid = (lo + hi) / 2;
-        if (fits(cand[mid])) lo = mid + 1;
-        else hi = mid;
+    for (int pass = 0; pass < 2 && lo == 0; pass++) {
+        if (pass == 1) {
+            if (block || !a->cp_default) break;
+            block = true, hi = cand.size();
+        }
+        while (lo < hi) {
+            const size_t mid = (lo + hi) / 2;
+            if (fits(cand[mid])) lo = mid + 1;
+            else hi = mid;
+        }
     }
     a->o.micro_batch = lo > 0 ? cand[lo - 1] : 1;  // nothing fits: 1, and the plan below says why
     if (N > 0) a->o.grad_accum = N / a->o.micro_batch;
@@ -877,6 +904,162 @@ static bool choose_batch(ql_llama_file *f, const seqs &tr, const seqs &ev, args 
                N > 0 ? " among the divisors of --effective-batch" : "");
     }
     return true;
+}
+
+// ---- memory: the tool's choice when the limit is known ----
+
+static std::string size_text(size_t b) {
+    char s[32];
+    if (b >= ((size_t)1 << 30)) snprintf(s, sizeof(s), "%.1f GiB", (double)b / 1073741824.0);
+    else snprintf(s, sizeof(s), "%.1f MiB", (double)b / 1048576.0);
+    return s;
+}
+
+// What the host can give to pinned memory: MemAvailable (/proc/meminfo) less a margin for the
+// rest of the machine, the larger of 2 GiB and 10% of MemTotal; 0 when unreadable
+static size_t host_for_pinned(size_t *available, size_t *margin) {
+    size_t avail_kb = 0, total_kb = 0;
+    if (FILE *f = fopen("/proc/meminfo", "r")) {
+        char line[256];
+        while (fgets(line, sizeof(line), f)) {
+            unsigned long long kb = 0;
+            if (sscanf(line, "MemAvailable: %llu kB", &kb) == 1) avail_kb = (size_t)kb;
+            if (sscanf(line, "MemTotal: %llu kB", &kb) == 1) total_kb = (size_t)kb;
+        }
+        fclose(f);
+    }
+    *available = avail_kb * 1024;
+    *margin = std::max<size_t>((size_t)2 << 30, total_kb * 1024 / 10);
+    return *available > *margin ? *available - *margin : 0;
+}
+
+// the trainer's auto choice in a few words: "block", "sqrt", "per segment: 6 of 8 input only, 2
+// keep matmul/attention", "none needed"
+static std::string auto_policy_text(const std::string &c) {
+    int S = 0, in = 0, heavy = 0, all = 0;
+    if (sscanf(c.c_str(), "auto: of %d segments %d keep only their input, %d keep matmul/attention results, %d", &S, &in, &heavy,
+               &all) == 4)
+        return "per segment: " + std::to_string(in) + " of " + std::to_string(S) + " input only, " + std::to_string(heavy) +
+               " keep matmul/attention";
+    if (c.rfind("auto: none", 0) == 0) return "none needed";
+    return c.rfind("auto: ", 0) == 0 ? c.substr(6) : c;
+}
+
+// One step of the ladder: its options and plan, whether it fits (the device's or process's
+// limit, and on a device the host's memory for what it pins)
+struct mem_step {
+    std::string what;         // "no recompute", "recompute (block)", "+ checkpoint offload", ...
+    ql_train_options o;
+    ql_memory_plan mp;
+    bool planned = false, fits = false;
+    size_t pinned = 0;        // pinned host memory: offloaded checkpoints, paged moments
+    bool host_short = false;  // the device would hold it, the host has not the pinned memory
+};
+
+// The step time relative to no recompute, from the planner's FLOPs: a LoRA step costs about
+// two forward passes (the forward, then the input gradients; frozen weights get no weight
+// gradient), recompute adds its own. Copies (offload, the embedding's rows, paged moments)
+// overlap or are small: not counted.
+// (The chunked loss's head is recomputed whatever the policy: times are relative to the first step's.)
+static double relative_step_time(const ql_memory_plan &mp, const ql_memory_plan &first) {
+    return (1.0 + mp.recompute_fraction / 2.0) / (1.0 + first.recompute_fraction / 2.0);
+}
+
+// --checkpointing auto (the default when the memory limit is known): the fastest plan that fits,
+// in this order - no recompute; recompute (the trainer's auto: per segment, block, sqrt); then on
+// a device the checkpoints offloaded to pinned host memory (when the host has it); the token
+// embedding in host memory; the optimizer's moments paged to pinned host memory. Each step keeps
+// the ones before it; a flag given for any of them pins it (the ladder leaves it as given). On
+// the CPU only the first two (offload there is accounting only; the rest are device memory's).
+// One line says what was chosen and why; --dry-run adds the table of the steps. When none fits,
+// a.o is the first step's and the caller's plan says what does not fit.
+static void choose_memory(ql_llama_file *f, const seqs &tr, const seqs &ev, args *a) {
+    const bool device = a->o.device != "cpu";
+    const bool cp_pinned = a->o.checkpointing != "auto", offload_pinned = a->o.offload_activations;
+    const bool embd_pinned = a->o.embd_on_host != -1, optim_pinned = flag_given(*a, "--optim");
+    const bool tied = f->model.output == f->model.tok_embd;
+    std::vector<mem_step> steps;
+    mem_step s0;
+    s0.o = a->o;
+    if (!cp_pinned) s0.o.checkpointing = "none";
+    if (device && !embd_pinned) s0.o.embd_on_host = 0;
+    s0.what = cp_pinned ? "--checkpointing " + a->o.checkpointing : "no recompute";
+    steps.push_back(s0);
+    auto add = [&](const std::string &what, auto change) {
+        mem_step s = steps.back();
+        s.what = what;
+        change(s.o);
+        steps.push_back(s);
+    };
+    if (!cp_pinned) add("recompute", [](ql_train_options &o) { o.checkpointing = "auto"; });
+    if (device && !offload_pinned && steps.back().o.checkpointing != "none")
+        add("+ checkpoint offload", [](ql_train_options &o) { o.offload_activations = true; });
+    if (device && !embd_pinned && !tied) add("+ embedding in host memory", [](ql_train_options &o) { o.embd_on_host = 1; });
+    if (device && !optim_pinned && a->o.optim.rfind("paged_", 0) != 0)
+        add("+ paged optimizer state", [](ql_train_options &o) { o.optim = "paged_" + o.optim; });
+    if (steps.size() < 2) return;  // everything pinned: the flags' plan, as given
+
+    size_t available = 0, margin = 0;
+    const size_t host_room = host_for_pinned(&available, &margin);
+    int chosen = -1;
+    for (size_t i = 0; i < steps.size(); i++) {
+        mem_step &s = steps[i];
+        std::string err;
+        s.fits = ql_train_plan(f, tr, ev, s.o, &s.mp, &err);
+        s.planned = s.mp.total > 0;
+        if (s.what == "recompute") s.what += " (" + auto_policy_text(s.mp.checkpointing) + ")";
+        s.pinned = s.mp.host_pinned + (device && s.mp.optimizer_host ? s.mp.optimizer : 0);
+        if (s.fits && s.pinned > 0 && s.pinned > host_room) s.fits = false, s.host_short = true;
+        if (s.fits && chosen < 0) chosen = (int)i;
+        if (chosen >= 0 && !a->dry_run) break;  // a dry run plans them all for its table
+    }
+    const ql_memory_plan &m0 = steps[0].mp;
+    const size_t limit = plan_limit(m0, a->o.mem_limit);
+    auto total = [&](const mem_step &s) { return plan_total(s.mp, a->o.mem_other); };
+    FILE *out = a->json ? stderr : stdout;  // (--json: stdout holds the one object)
+    const char *kind = m0.device ? " of device memory" : "";
+    if (chosen < 0 && !m0.total) {  // not a question of memory (the caller's plan says what)
+        a->o = steps[0].o;
+        return;
+    }
+    if (chosen < 0) {
+        std::string tried;
+        for (const mem_step &s : steps)
+            if (s.planned)
+                tried += (tried.empty() ? "" : ", ") + s.what + " " + size_text(total(s)) + (s.host_short ? " (the host lacks the pinned memory)" : "");
+        fprintf(stderr, "finetune: memory: checkpointing auto: nothing fits the limit of %s%s (%s)\n", size_text(limit).c_str(), kind,
+                tried.c_str());
+    } else {
+        const mem_step &c = steps[(size_t)chosen];
+        a->o = c.o;
+        fprintf(out, "finetune: memory: checkpointing auto -> %s: %s of the %s%s limit", c.what.c_str(), size_text(total(c)).c_str(),
+                size_text(limit).c_str(), kind);
+        if (chosen > 0) {
+            const mem_step &p = steps[(size_t)chosen - 1];
+            fprintf(out, " (%s needs %s%s)", p.what.c_str(), size_text(total(p)).c_str(),
+                    p.host_short ? ", more pinned host memory than there is" : "");
+        }
+        if (c.pinned > 0)
+            fprintf(out, "; pinned host %s of %s available less a %s margin", size_text(c.pinned).c_str(), size_text(available).c_str(),
+                    size_text(margin).c_str());
+        if (chosen > 0) fprintf(out, "; step time about x%.2f", relative_step_time(c.mp, m0));
+        fprintf(out, "\n");
+    }
+    if (a->dry_run) {
+        fprintf(out, "finetune: memory: the alternatives, in the order auto tries them (step time against the first's: 1 + "
+                     "recomputed / (2 x forward) FLOPs, the planner's counts; copies not counted)\n");
+        int w = 0;
+        for (const mem_step &s : steps) w = std::max(w, (int)s.what.size());
+        for (size_t i = 0; i < steps.size(); i++) {
+            const mem_step &s = steps[i];
+            if (!s.planned) continue;
+            fprintf(out, "  %-*s %12s  %-14s x%.2f%s\n", w, s.what.c_str(), size_text(total(s)).c_str(),
+                    s.fits ? "fits" : s.host_short ? "host short" : "does NOT fit", relative_step_time(s.mp, m0),
+                    (int)i == chosen ? "   <- chosen" : "");
+        }
+    }
+    if (chosen < 0) a->o = steps[0].o;
+    fflush(out);
 }
 
 // The changes that would help most when the plan does not fit, each with its predicted total:
@@ -1205,6 +1388,7 @@ int main(int argc, char **argv) {
     // what the process already holds (code, model metadata, vocabulary, data): the plan adds to it
     a.o.mem_other = rss_bytes();
     if (a.b_auto && !choose_batch(f, tseq, eseq, &a)) return 1;
+    if (a.limit_known) choose_memory(f, tseq, eseq, &a);
     a.o.command = stored_command(a);
     ql_memory_plan plan;
     const bool planned = ql_train_plan(f, tseq, eseq, a.o, &plan, &err);
