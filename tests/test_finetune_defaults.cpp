@@ -375,3 +375,100 @@ TEST_CASE("finetune edges: the first Ctrl-C says at once that the run stops afte
     CHECK(run_interrupted(ft + " --max-steps 100000 -o " + d.file("t"), "step 1/", &log, SIGTERM) == 143);
     CHECK_MESSAGE(has(log, "finetune: stopping after this step; a checkpoint will be saved\n"), log);
 }
+
+// ---- issue 30 item 1: the tool decides the memory when it knows the limit ----
+
+namespace {
+// a model whose activations dominate (dim 192, 4 layers, 256 tokens, b 4: 70 MiB without
+// recompute, under 40 with it) and its command on the CPU
+std::string big_run(const tmpdir &d) {
+    const std::string m = d.file("m.gguf"), data = d.file("qa.jsonl");
+    std::string log;
+    REQUIRE_MESSAGE(run("./make-model -o " + m + " --dim 192 --layers 4 --heads 4 --ff 512 --seed 1", &log) == 0, log);
+    write_qa(data, 16);
+    return "./finetune -m " + m + " -d " + data + " --seq-len 256 -t 1 --no-dynamic-padding --precision fp32 --device cpu -b 4";
+}
+}  // namespace
+
+TEST_CASE("finetune memory auto: the default under --mem-limit - recompute only when nothing less fits, the flag wins") {
+    if (!exists("./make-model") || !exists("./finetune")) {
+        MESSAGE("skipped: ./make-model or ./finetune is not built (run make)");
+        return;
+    }
+    tmpdir d;
+    const std::string ft = big_run(d);
+    std::string log;
+    // no limit: none, as always, and no line
+    REQUIRE_MESSAGE(run(ft + " --dry-run -o " + d.file("o"), &log) == 0, log);
+    CHECK_MESSAGE(has(log, "  checkpointing: none\n"), log);
+    CHECK(!has(log, "finetune: memory:"));
+    // a generous limit: no recompute, said in one line; the dry run's table has the alternatives
+    REQUIRE_MESSAGE(run(ft + " --dry-run --mem-limit 1G -o " + d.file("o"), &log) == 0, log);
+    CHECK_MESSAGE(has(log, "finetune: memory: checkpointing auto -> no recompute: "), log);
+    CHECK(has(log, " of the 1.0 GiB limit\n"));
+    CHECK(has(log, "  checkpointing: none\n"));
+    CHECK(has(log, "finetune: memory: the alternatives, in the order auto tries them"));
+    CHECK(has(line_of(log, "  no recompute "), "fits           x1.00   <- chosen"));
+    CHECK(has(line_of(log, "  recompute (none needed)"), "fits"));
+    // a limit that no recompute does not meet: auto recomputes, the run fits and trains
+    REQUIRE_MESSAGE(run(ft + " --max-steps 1 --mem-limit 45M -o " + d.file("r"), &log) == 0, log);
+    const std::string line = line_of(log, "finetune: memory: checkpointing auto -> ");
+    CHECK_MESSAGE(has(line, "-> recompute ("), log);
+    CHECK(has(line, " of the 45.0 MiB limit (no recompute needs "));
+    CHECK(has(line, "; step time about x1."));
+    CHECK(has(log, "checkpointing: auto: "));
+    CHECK(has(log, "finetune: done: 1 steps"));
+    const size_t p = log.find("peak memory of training: ");
+    REQUIRE(p != std::string::npos);
+    CHECK(atof(log.c_str() + p + 25) <= 45.0);
+    // the flag wins: --checkpointing none with that limit is refused as before, no ladder
+    CHECK(run(ft + " --max-steps 1 --mem-limit 45M --checkpointing none -o " + d.file("n"), &log) == 1);
+    CHECK_MESSAGE(has(log, "finetune: does not fit: needs "), log);
+    CHECK(!has(log, "finetune: memory:"));
+    // nothing fits: the steps tried, then the plan as asked and the advice
+    CHECK(run(ft + " --dry-run --mem-limit 20M -o " + d.file("o"), &log) == 1);
+    CHECK_MESSAGE(has(log, "finetune: memory: checkpointing auto: nothing fits the limit of 20.0 MiB (no recompute "), log);
+    CHECK(has(log, "what would help most"));
+}
+
+TEST_CASE("finetune memory auto: a device plan - block recompute when none does not fit, checkpoint offload when block does not") {
+    if (!exists("./make-model") || !exists("./finetune")) {
+        MESSAGE("skipped: ./make-model or ./finetune is not built (run make)");
+        return;
+    }
+    tmpdir d;
+    const std::string m = d.file("g.gguf"), data = d.file("qa.jsonl");
+    std::string log;
+    REQUIRE(run("./make-model -o " + m + " --dim 256 --layers 4 --heads 4 --ff 512 --vocab 4000 --type nf4", &log) == 0);
+    write_qa(data, 16);
+    const std::string ft = "./finetune -m " + m + " -d " + data + " -o " + d.file("o") +
+                           " --seq-len 512 -b 8 --no-dynamic-padding --device cuda --cc 8.6 --dry-run";
+    auto total = [&](const std::string &flags) {
+        std::string out;
+        REQUIRE_MESSAGE(run(ft + " --vram 8G --json" + flags, &out) == 0, out);
+        const size_t p = out.find("\"total\": ");
+        REQUIRE(p != std::string::npos);
+        return (long long)atof(out.c_str() + p + 9);
+    };
+    const long long none = total(" --checkpointing none"), block = total(" --checkpointing block");
+    REQUIRE(block + (4 << 20) < none);
+    // the card holds block's plan, not none's: recompute
+    REQUIRE_MESSAGE(run(ft + " --vram " + std::to_string(block) + "B", &log) == 0, log);
+    std::string line = line_of(log, "finetune: memory: checkpointing auto -> ");
+    CHECK_MESSAGE(has(line, "-> recompute ("), log);
+    CHECK(has(line, " of device memory limit (no recompute needs "));
+    CHECK(has(line_of(log, "  no recompute "), "does NOT fit"));
+    // 1 MiB less: recompute alone does not fit, its checkpoints in pinned host memory do
+    REQUIRE_MESSAGE(run(ft + " --vram " + std::to_string(block - (1 << 20)) + "B", &log) == 0, log);
+    line = line_of(log, "finetune: memory: checkpointing auto -> ");
+    CHECK_MESSAGE(has(line, "-> + checkpoint offload: "), log);
+    CHECK(has(line, "(recompute (block) needs "));
+    CHECK(has(line, "; pinned host "));
+    CHECK(has(line, " available less a "));
+    CHECK(has(line_of(log, "  + checkpoint offload "), "<- chosen"));
+    CHECK(has(log, "offloaded: "));  // the plan printed is the chosen one
+    // a flag pins its step: with --checkpointing block the ladder starts there and cannot offload
+    // past --offload-activations given... nor without it below block's own total
+    REQUIRE_MESSAGE(run(ft + " --vram " + std::to_string(block) + "B --checkpointing block", &log) == 0, log);
+    CHECK_MESSAGE(has(log, "finetune: memory: checkpointing auto -> --checkpointing block: "), log);
+}
