@@ -467,8 +467,7 @@ TEST_CASE("finetune memory auto: a device plan - block recompute when none does 
     CHECK(has(line, " available less a "));
     CHECK(has(line_of(log, "  + checkpoint offload "), "<- chosen"));
     CHECK(has(log, "offloaded: "));  // the plan printed is the chosen one
-    // a flag pins its step: with --checkpointing block the ladder starts there and cannot offload
-    // past --offload-activations given... nor without it below block's own total
+    // a flag pins its step: with --checkpointing block given, the ladder starts from block
     REQUIRE_MESSAGE(run(ft + " --vram " + std::to_string(block) + "B --checkpointing block", &log) == 0, log);
     CHECK_MESSAGE(has(log, "finetune: memory: checkpointing auto -> --checkpointing block: "), log);
 }

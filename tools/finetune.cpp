@@ -71,6 +71,8 @@ static const char *k_help =
     "           fp16's loss scaling: --loss-scale-init 65536  --loss-scale-growth 2  --loss-scale-backoff 0.5\n"
     "           --loss-scale-interval 2000\n"
     "memory:    --checkpointing none|block|sqrt|auto  --mem-limit SIZE (e.g. 6G; auto and -b auto need it, or a GPU)\n"
+    "           (auto is the default when the limit is known - --mem-limit, --vram, a GPU's free memory: no recompute,\n"
+    "           recompute, then on a GPU offload, --embd-on-host, paged optimizer state, the first that fits)\n"
     "           -b auto  --effective-batch N  --offload-activations  --dry-run (print the plan, train nothing)  --json\n"
     "           --loss-chunk N (tokens per output-projection + loss chunk; 0 auto, -1 never)\n"
     "GPU:       --vram SIZE  --cc X.Y (with --dry-run on a machine without that card: its plan, e.g. --vram 12G --cc 8.6;\n"
