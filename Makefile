@@ -154,12 +154,11 @@ cuda-check: $(BUILD)/cuda/qlora-cuda.o
 test-unit: $(BUILD)/test-qlora $(ROOT_TOOLS)
 	./$(BUILD)/test-qlora
 
-# The drop-in promise: qlora.h + qlora.cpp and one plain compiler command, nothing else.
+# The drop-in promise: qlora.h + qlora.cpp and one plain compiler command, nothing else; qlora.h
+# is C99, its implementer part hidden without QL_INTERNALS; its top comment's example builds as C
+# and C++ and runs (tests/dropin.sh).
 test-dropin:
-	@mkdir -p $(BUILD)
-	$(CC) -std=c99 -Wall -Wextra -pedantic -fsyntax-only -x c qlora.h
-	$(CXX) -std=c++17 -O2 -pthread examples/simple.cpp qlora.cpp -o $(BUILD)/simple
-	./$(BUILD)/simple
+	CC="$(CC)" CXX="$(CXX)" sh tests/dropin.sh . $(BUILD)/dropin
 
 # The portable SIMD fallback (no -march=native), in its own tree; with clang there, under UBSan
 # with float-cast-overflow (GCC's -fsanitize=undefined leaves it out, and the portable path

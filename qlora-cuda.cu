@@ -18,6 +18,7 @@
 // formulas, f32 accumulation; dequantisation uses the CPU's f32 expressions with explicit
 // rounding (__fmul_rn, __fadd_rn: no fused multiply-add) so the weights are the CPU's bits.
 
+#define QL_INTERNALS  // qlora.h's implementer part: block formats, the backend interface, the workspace rules
 #include "qlora.h"
 
 #ifndef QL_CUDA_SHIM

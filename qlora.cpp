@@ -7,6 +7,7 @@
 //   4. tensors and views          8. memory planner         11. CPU backend and its interface
 //                                                          12. file formats (GGUF)
 //                                                          13. optimizer math
+#define QL_INTERNALS  // qlora.h's implementer part: block formats, the backend interface
 #include "qlora.h"
 
 #include <fcntl.h>  // POSIX: GGUF files are mmap'd

@@ -1,10 +1,14 @@
 // qlora.h - tensor graphs, autodiff, a static memory planner and backends for QLoRA training.
 //
-// One prefix (ql_), one arena per context, graphs recorded first and computed later.
+// One prefix (ql_), one arena per context, graphs recorded first and computed later. The
+// example is C99 and C++ alike (make test-dropin builds it both ways, inside a main, and runs it):
 //
-//     ql_context *ctx = ql_init((ql_init_params){ .mem_size = 64u << 20 });
+//     ql_init_params ip = {64u << 20, NULL, false, false};             // mem_size, mem_buffer, no_alloc, measure
+//     ql_context *ctx = ql_init(ip);                                   // mallocs its 64 MiB arena
 //     ql_tensor  *w   = ql_new_tensor_2d(ctx, QL_TYPE_F32, 64, 32);    // [in=64, out=32]
 //     ql_tensor  *x   = ql_new_tensor_2d(ctx, QL_TYPE_F32, 64, 8);     // [in=64, tokens=8]
+//     ql_tensor_fill_f32(w, 0.01f);                                    // data in the arena
+//     ql_tensor_fill_f32(x, 1.0f);
 //     ql_set_param(w);                                                 // trainable: gets w->grad
 //     ql_tensor  *y   = ql_mul_mat(ctx, w, x);                         // [32, 8]  (records only)
 //     ql_tensor  *l   = ql_sum(ctx, ql_mul(ctx, y, y));                // [1]
@@ -13,10 +17,15 @@
 //     ql_graph   *gb  = ql_graph_backward(ctx, g, l);                  // forward + backward nodes
 //     ql_backend *cpu = ql_backend_cpu_init(0);                        // 0 = all cores
 //     ql_plan_stats st;
-//     if (ql_graph_plan(gb, cpu, &st) || ql_graph_alloc(gb, cpu)) puts(ql_ctx_error(ctx));
+//     if (ql_graph_plan(gb, cpu, &st) || ql_graph_alloc(gb, cpu)) { puts(ql_ctx_error(ctx)); return 1; }
 //     ql_graph_zero_grads(gb);
 //     ql_backend_graph_compute(cpu, gb);                               // no allocation here
-//     // w->grad->data now holds dl/dw; computing again accumulates into it.
+//     // w->grad now holds dl/dw = 2 sum_t y x = 10.24; computing again accumulates into it.
+//     printf("dl/dw[0] = %g\n", ql_get_f32_1d(w->grad, 0));
+//     ql_graph_free(gb);
+//     ql_graph_free(g);
+//     ql_backend_free(cpu);
+//     ql_free(ctx);                                                    // every tensor with it
 //
 // Conventions
 // - Shapes are ne[0..3] with ne[0] the fastest (contiguous) dimension; nb[] are byte strides.
@@ -33,7 +42,8 @@
 //   without a new message, so a chain of ops fails once and the cause is kept. Functions that
 //   can fail return ql_status (0 = QL_OK) and leave the message in the context: ql_ctx_error().
 // - Nothing here calls exit(); internal invariant failures (bugs, not input) abort with file:line.
-#pragma once
+#ifndef QLORA_H
+#define QLORA_H
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -131,71 +141,9 @@ uint16_t ql_fp32_to_bf16(float f);
 float    ql_bf16_to_fp32(uint16_t h);
 
 // ============================================================================================
-// quantized block formats: defined once here, for the C++ and the CUDA code alike
+// quantisation: NF4's layout, bitsandbytes' maps, whole tensors both ways (the block structs
+// of every type, which the C++ and CUDA code share, are in the implementer part at the end)
 // ============================================================================================
-
-#define QL_STATIC_ASSERT(cond, name) typedef char ql_static_assert_##name[(cond) ? 1 : -1]
-
-// ggml's formats (byte for byte as in GGUF files). d, dmin: fp16 bits.
-#define QL_QK4_0 32
-typedef struct { uint16_t d; uint8_t qs[QL_QK4_0 / 2]; } ql_block_q4_0;  // x = d (q - 8); element j: low nibble of qs[j], j+16: high
-QL_STATIC_ASSERT(sizeof(ql_block_q4_0) == 18, q4_0);
-typedef struct { uint16_t d, m; uint8_t qs[QL_QK4_0 / 2]; } ql_block_q4_1;  // x = d q + m; nibbles as q4_0
-QL_STATIC_ASSERT(sizeof(ql_block_q4_1) == 20, q4_1);
-// x = d (q - 16); q: the nibble as q4_0, its fifth bit bit j of qh (little-endian u32) for element j
-typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[QL_QK4_0 / 2]; } ql_block_q5_0;
-QL_STATIC_ASSERT(sizeof(ql_block_q5_0) == 22, q5_0);
-typedef struct { uint16_t d, m; uint8_t qh[4]; uint8_t qs[QL_QK4_0 / 2]; } ql_block_q5_1;  // x = d q + m; q as q5_0
-QL_STATIC_ASSERT(sizeof(ql_block_q5_1) == 24, q5_1);
-#define QL_QK8_0 32
-typedef struct { uint16_t d; int8_t qs[QL_QK8_0]; } ql_block_q8_0;       // x = d q
-QL_STATIC_ASSERT(sizeof(ql_block_q8_0) == 34, q8_0);
-// IQ4_NL: x = d kvalue[q], q: the nibble as q4_0, kvalue the non-linear table below
-typedef struct { uint16_t d; uint8_t qs[QL_QK4_0 / 2]; } ql_block_iq4_nl;
-QL_STATIC_ASSERT(sizeof(ql_block_iq4_nl) == 18, iq4_nl);
-#define QL_IQ4_VALUES {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113}
-#define QL_QK_K 256
-#define QL_K_SCALE_SIZE 12
-typedef struct {  // 8 sub-blocks of 32: x = d sc q - dmin m, 6-bit sc/m packed in scales
-    uint16_t d, dmin;
-    uint8_t  scales[QL_K_SCALE_SIZE];
-    uint8_t  qs[QL_QK_K / 2];
-} ql_block_q4_K;
-QL_STATIC_ASSERT(sizeof(ql_block_q4_K) == 144, q4_K);
-typedef struct {  // as q4_K plus a fifth bit per element in qh
-    uint16_t d, dmin;
-    uint8_t  scales[QL_K_SCALE_SIZE];
-    uint8_t  qh[QL_QK_K / 8];
-    uint8_t  qs[QL_QK_K / 2];
-} ql_block_q5_K;
-QL_STATIC_ASSERT(sizeof(ql_block_q5_K) == 176, q5_K);
-typedef struct {  // 16 sub-blocks of 16: x = d sc (q - 32), q = 4 low bits (ql) + 2 high bits (qh)
-    uint8_t  ql[QL_QK_K / 2];
-    uint8_t  qh[QL_QK_K / 4];
-    int8_t   scales[QL_QK_K / 16];
-    uint16_t d;
-} ql_block_q6_K;
-QL_STATIC_ASSERT(sizeof(ql_block_q6_K) == 210, q6_K);
-typedef struct {  // 16 sub-blocks of 16: x = d (sc & 15) q - dmin (sc >> 4), q 2 bits
-    uint8_t  scales[QL_QK_K / 16];
-    uint8_t  qs[QL_QK_K / 4];
-    uint16_t d, dmin;
-} ql_block_q2_K;
-QL_STATIC_ASSERT(sizeof(ql_block_q2_K) == 84, q2_K);
-typedef struct {  // 16 sub-blocks of 16: x = d (sc - 32) (q - 4 unless the hmask bit), q 2 bits, 6-bit sc
-    uint8_t  hmask[QL_QK_K / 8];
-    uint8_t  qs[QL_QK_K / 4];
-    uint8_t  scales[12];
-    uint16_t d;
-} ql_block_q3_K;
-QL_STATIC_ASSERT(sizeof(ql_block_q3_K) == 110, q3_K);
-typedef struct {  // 8 sub-blocks of 32: x = d (ls - 32) kvalue[q], ls 6 bits: 4 in scales_l, 2 in scales_h
-    uint16_t d;
-    uint16_t scales_h;
-    uint8_t  scales_l[QL_QK_K / 64];
-    uint8_t  qs[QL_QK_K / 2];
-} ql_block_iq4_xs;
-QL_STATIC_ASSERT(sizeof(ql_block_iq4_xs) == 136, iq4_xs);
 
 // NF4 (bitsandbytes-exact codes, blocks of 64 over the weight flattened row-major as
 // [out, in] = rows of ne0). The rows hold exactly bitsandbytes' packed `weight` bytes: element
@@ -210,20 +158,11 @@ QL_STATIC_ASSERT(sizeof(ql_block_iq4_xs) == 136, iq4_xs);
 // and an element is nf4_value[q] * absmax, in f32.
 #define QL_NF4_BLOCK 64
 #define QL_NF4_GROUP 256   // blocks per double-quantisation group
-typedef struct { uint8_t qs[QL_NF4_BLOCK / 2]; } ql_block_nf4;
-QL_STATIC_ASSERT(sizeof(ql_block_nf4) == 32, nf4);
 #define QL_NF4_VALUES {                                                                           \
     -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,                     \
     -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,                    \
     0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,       \
     0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f }
-// bitsandbytes' decision thresholds (midpoints between neighbouring values, as f32); a
-// normalised x gets the number of thresholds it is strictly greater than (ties: lower code)
-#define QL_NF4_THRESHOLDS {                                                                       \
-    -0.8480964004993439f, -0.6106329262256622f, -0.4599952697753906f, -0.33967943489551544f,      \
-    -0.23460740596055984f, -0.13791173323988914f, -0.045525018125772476f, 0.03979014977812767f,   \
-    0.1202552504837513f, 0.2035212516784668f, 0.2920137718319893f, 0.3893125355243683f,           \
-    0.5016634166240692f, 0.6427869200706482f, 0.8614784181118011f }
 
 // bitsandbytes' quantize_4bit(nf4, blocksize=64) of n flat elements (the last block may be
 // partial; an odd tail pads with 0.0's code): packed [ceil(n/2)], absmax [ceil(n/64)].
@@ -236,35 +175,6 @@ const float *ql_dynamic_map_signed(void);
 const float *ql_dynamic_map_unsigned(void);  // the second Adam moment's (v >= 0)
 // its 8-bit quantiser: the 7-step binary search with midpoint rounding (dQuantize)
 uint8_t      ql_dynamic_quantize(const float *map, float x);
-
-// Code both the host and CUDA kernels run is written once, here (QL_HD: host and device under nvcc).
-#if defined(__CUDACC__)
-#define QL_HD __host__ __device__
-#else
-#define QL_HD
-#endif
-// ql_dynamic_quantize's body: 7 halving steps from the middle, then the nearer neighbour; at an
-// exact midpoint the search path decides (it returns the pivot)
-static inline QL_HD uint8_t ql_dynamic_quantize_inline(const float *map, float x) {
-    int pivot = 127, upper_pivot = 255, lower_pivot = 0, i;
-    float lower = -1.0f, upper = 1.0f, val = map[pivot];
-    for (i = 64; i > 0; i >>= 1) {
-        if (x > val) {
-            lower_pivot = pivot;
-            lower = val;
-            pivot += i;
-        } else {
-            upper_pivot = pivot;
-            upper = val;
-            pivot -= i;
-        }
-        val = map[pivot];
-    }
-    if (upper_pivot == 255) upper = map[upper_pivot];
-    if (lower_pivot == 0) lower = map[lower_pivot];
-    if (x > val) return (uint8_t)(x > (upper + val) * 0.5f ? upper_pivot : pivot);
-    return (uint8_t)(x < (lower + val) * 0.5f ? lower_pivot : pivot);
-}
 
 // Whole-tensor quantisation of n_rows rows of ne0 floats into `type`: dst receives
 // ql_type_data_size(type, n_rows, ne0) bytes (rows, then side data). NF4 follows bitsandbytes
@@ -680,7 +590,6 @@ int         ql_cpu_physical_cores(void);
 // The CPU backend's default: physical cores less the other tasks running right now (/proc/loadavg),
 // at least 1 - a thread sharing its core with a busy process stalls every barrier of the pool.
 int         ql_cpu_default_threads(void);
-int         ql_cpu_threads_for(int cores, int others_running);  // the rule, for tests
 // For the tools' -t: a warning line on stderr when n is more than the physical cores ("tool: warning: ...").
 void        ql_cpu_warn_threads(const char *tool, int n);
 void        ql_backend_free(ql_backend *be);
@@ -804,50 +713,6 @@ ql_backend *ql_backend_init_by_name(const char *device, int n_threads, char *err
 // "cuda: NVIDIA H100 (cc 9.0, 79.1 GiB free of 79.6 GiB)".
 void        ql_backend_describe(const ql_backend *be, char *buf, size_t size);
 
-// For backend implementers (CUDA lives in qlora-cuda.cu and fills this table).
-typedef struct ql_backend_i {
-    const char *name;
-    bool   (*supports_op)(ql_backend *be, const ql_tensor *node);
-    size_t (*work_size)(ql_backend *be, const ql_tensor *node);     // per-node workspace bytes
-    void  *(*buffer_alloc)(ql_backend *be, size_t size);            // device memory, QL_ALIGN-aligned or NULL
-    void   (*buffer_free)(void *ptr);   // needs no backend: a graph may outlive the backend object
-    // run nodes [0, n) of g; the planned buffer is bound; return QL_OK or set an error in ctx
-    ql_status (*graph_compute)(ql_backend *be, ql_graph *g);
-    void   (*free)(ql_backend *be);
-    // memory of its own (NULL for the CPU backend: host memory, memcpy). Copies return false on
-    // a device error, with the message in err.
-    void  *(*host_alloc)(ql_backend *be, size_t size);              // pinned host memory
-    void   (*host_free)(void *ptr);
-    bool   (*copy)(ql_backend *be, void *dst, const void *src, size_t size, int dir, bool async, char *err, size_t n);
-    bool   (*memset)(ql_backend *be, void *dst, int value, size_t size, char *err, size_t n);
-    bool   (*synchronize)(ql_backend *be, char *err, size_t n);
-    ql_status (*adamw_update)(ql_backend *be, ql_tensor *param, ql_tensor *m, ql_tensor *v, ql_tensor *m_absmax,
-                              ql_tensor *v_absmax, int64_t step, const ql_adamw_params *p, float grad_scale);
-    ql_status (*grad_stats)(ql_backend *be, const ql_tensor *t, double *sumsq, bool *finite);
-} ql_backend_i;
-#define QL_COPY_TO_DEVICE   0   // ql_backend_i.copy directions
-#define QL_COPY_TO_HOST     1
-#define QL_COPY_ON_DEVICE   2
-
-// The CUDA backend's memory rules (in qlora.cpp: a device plan needs no GPU and no CUDA build).
-#define QL_CUDA_MM_TILE_ELEMS ((int64_t)1 << 23)  // dequantised weight elements per matmul tile (16 MiB in bf16)
-bool    ql_cuda_operand_ok(size_t elem_size, int64_t nb0, int64_t nb1, int64_t K, int64_t X);  // cuBLAS reads it in place
-bool    ql_cuda_mm_trows(const ql_tensor *a);          // a = transpose(block-quantized W): dequantised by rows of W
-bool    ql_cuda_mm_a_direct(const ql_tensor *a, ql_type compute);
-bool    ql_cuda_mm_b_direct(const ql_tensor *b);
-size_t  ql_cuda_mm_b_bytes(const ql_tensor *b);        // b's contiguous copy in the workspace (0: read in place)
-int64_t ql_cuda_mm_tile_rows(int64_t row_len, int64_t n_rows);
-size_t  ql_cuda_work_size(const ql_tensor *node, int cc);  // per-node workspace bytes on a device of compute capability cc
-// Attention without a KV cache runs as cuBLAS products over chunks of `chunk` queries: per chunk the
-// scores of every head [keys, chunk] in f32 (QL_CUDA_FA_SCORE_BYTES at most, for 16 queries at
-// least), q, k, v (backward: dO too) packed in the compute type (bf16 when prec asks and cc >= 80,
-// else f32), the probabilities (and dS) beside them in bf16 or over the scores in f32. The byte
-// offsets of those buffers in the node's workspace, in this order:
-#define QL_CUDA_FA_SCORE_BYTES ((size_t)32 << 20)
-enum { QL_CUDA_FA_DELTA, QL_CUDA_FA_K, QL_CUDA_FA_V, QL_CUDA_FA_Q, QL_CUDA_FA_DO, QL_CUDA_FA_S, QL_CUDA_FA_DP, QL_CUDA_FA_P,
-       QL_CUDA_FA_DS, QL_CUDA_FA_OUT, QL_CUDA_FA_NBUF };
-bool    ql_cuda_fa_gemm(const ql_tensor *node);        // this attention runs as products (else: the fused kernel)
-size_t  ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NBUF], int64_t *chunk, ql_type *compute);
 // A backend that only plans graphs as the CUDA backend of compute capability cc (75 = 7.5) would
 // (ql_graph_plan works; it runs and allocates nothing), for device plans without a device.
 ql_backend *ql_backend_cuda_plan_init(int cc);
@@ -855,27 +720,6 @@ bool        ql_backend_is_plan_only(const ql_backend *be);
 // Device memory a CUDA run holds besides its own allocations: the context and cuBLAS's workspace
 // (an estimate per compute capability; see qlora.cpp).
 size_t      ql_cuda_context_bytes(int cc);
-
-// What an allocated graph gives the backend that runs it.
-typedef struct ql_graph_exec {
-    uint8_t *buffer;       // the planned buffer (device memory for a device backend)
-    size_t   buffer_size;
-    uint8_t *work;         // the per-node workspace inside it
-    size_t   work_size;
-    bool     poison, check_finite, profile;  // the debug switches above
-} ql_graph_exec;
-void ql_graph_get_exec(const ql_graph *g, ql_graph_exec *ex);
-void ql_graph_add_node_seconds(ql_graph *g, int i, double seconds);
-// Records check_finite's error for node i (the same message on every backend): `element` is the
-// flat index of the first non-finite value, is_nan whether it is a NaN.
-void ql_graph_fail_nonfinite(ql_graph *g, int i, int64_t element, bool is_nan);
-
-struct ql_backend {
-    ql_backend_i iface;
-    void        *impl;
-    uint64_t     id;    // unique per backend created in this process (plans remember it)
-};
-uint64_t ql_backend_new_id(void);  // for implementers: the id a new backend must carry
 
 // Direct matrix multiply on the CPU, for tools and benchmarks: c[M,N] (ldc floats between rows
 // n) = sum_k a[k + m*lda] * b[k + n*ldb] (both row-major with K contiguous), using the backend's
@@ -991,7 +835,218 @@ void ql_adamw_update(ql_tensor *param, ql_tensor *m, ql_tensor *v, int64_t step,
 // A non-finite gradient element resets that element's state and leaves it unchanged.
 void ql_adamw8bit_update(ql_tensor *param, ql_tensor *m, ql_tensor *m_absmax, ql_tensor *v, ql_tensor *v_absmax,
                          int64_t step, const ql_adamw_params *p, float grad_scale);
+#ifdef __cplusplus
+}
+#endif
+
+#endif  // QLORA_H
+
+// ============================================================================================
+// implementer part: for backends (qlora-cuda.cu), the library itself and its tests
+// ============================================================================================
+// NOT a stable API: these names change with the implementation. A program that uses the library
+// needs none of them. They are compiled only where QL_INTERNALS is defined before the include,
+//     #define QL_INTERNALS
+//     #include "qlora.h"
+// and a file that included qlora.h before (through another header) may include it again after
+// the define. Here: the quantized block formats (defined once, for the C++ and the CUDA code
+// alike), host-device helpers, the backend interface a backend fills and the graph state it
+// runs on, and the CUDA backend's workspace rules, which the planner in qlora.cpp applies. (A
+// guarded tail rather than a second header: the library stays two files.)
+#if defined(QL_INTERNALS) && !defined(QLORA_H_INTERNALS)
+#define QLORA_H_INTERNALS
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// ---- quantized block formats ----
+
+#define QL_STATIC_ASSERT(cond, name) typedef char ql_static_assert_##name[(cond) ? 1 : -1]
+
+// ggml's formats (byte for byte as in GGUF files). d, dmin: fp16 bits.
+#define QL_QK4_0 32
+typedef struct { uint16_t d; uint8_t qs[QL_QK4_0 / 2]; } ql_block_q4_0;  // x = d (q - 8); element j: low nibble of qs[j], j+16: high
+QL_STATIC_ASSERT(sizeof(ql_block_q4_0) == 18, q4_0);
+typedef struct { uint16_t d, m; uint8_t qs[QL_QK4_0 / 2]; } ql_block_q4_1;  // x = d q + m; nibbles as q4_0
+QL_STATIC_ASSERT(sizeof(ql_block_q4_1) == 20, q4_1);
+// x = d (q - 16); q: the nibble as q4_0, its fifth bit bit j of qh (little-endian u32) for element j
+typedef struct { uint16_t d; uint8_t qh[4]; uint8_t qs[QL_QK4_0 / 2]; } ql_block_q5_0;
+QL_STATIC_ASSERT(sizeof(ql_block_q5_0) == 22, q5_0);
+typedef struct { uint16_t d, m; uint8_t qh[4]; uint8_t qs[QL_QK4_0 / 2]; } ql_block_q5_1;  // x = d q + m; q as q5_0
+QL_STATIC_ASSERT(sizeof(ql_block_q5_1) == 24, q5_1);
+#define QL_QK8_0 32
+typedef struct { uint16_t d; int8_t qs[QL_QK8_0]; } ql_block_q8_0;       // x = d q
+QL_STATIC_ASSERT(sizeof(ql_block_q8_0) == 34, q8_0);
+// IQ4_NL: x = d kvalue[q], q: the nibble as q4_0, kvalue the non-linear table below
+typedef struct { uint16_t d; uint8_t qs[QL_QK4_0 / 2]; } ql_block_iq4_nl;
+QL_STATIC_ASSERT(sizeof(ql_block_iq4_nl) == 18, iq4_nl);
+#define QL_IQ4_VALUES {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113}
+#define QL_QK_K 256
+#define QL_K_SCALE_SIZE 12
+typedef struct {  // 8 sub-blocks of 32: x = d sc q - dmin m, 6-bit sc/m packed in scales
+    uint16_t d, dmin;
+    uint8_t  scales[QL_K_SCALE_SIZE];
+    uint8_t  qs[QL_QK_K / 2];
+} ql_block_q4_K;
+QL_STATIC_ASSERT(sizeof(ql_block_q4_K) == 144, q4_K);
+typedef struct {  // as q4_K plus a fifth bit per element in qh
+    uint16_t d, dmin;
+    uint8_t  scales[QL_K_SCALE_SIZE];
+    uint8_t  qh[QL_QK_K / 8];
+    uint8_t  qs[QL_QK_K / 2];
+} ql_block_q5_K;
+QL_STATIC_ASSERT(sizeof(ql_block_q5_K) == 176, q5_K);
+typedef struct {  // 16 sub-blocks of 16: x = d sc (q - 32), q = 4 low bits (ql) + 2 high bits (qh)
+    uint8_t  ql[QL_QK_K / 2];
+    uint8_t  qh[QL_QK_K / 4];
+    int8_t   scales[QL_QK_K / 16];
+    uint16_t d;
+} ql_block_q6_K;
+QL_STATIC_ASSERT(sizeof(ql_block_q6_K) == 210, q6_K);
+typedef struct {  // 16 sub-blocks of 16: x = d (sc & 15) q - dmin (sc >> 4), q 2 bits
+    uint8_t  scales[QL_QK_K / 16];
+    uint8_t  qs[QL_QK_K / 4];
+    uint16_t d, dmin;
+} ql_block_q2_K;
+QL_STATIC_ASSERT(sizeof(ql_block_q2_K) == 84, q2_K);
+typedef struct {  // 16 sub-blocks of 16: x = d (sc - 32) (q - 4 unless the hmask bit), q 2 bits, 6-bit sc
+    uint8_t  hmask[QL_QK_K / 8];
+    uint8_t  qs[QL_QK_K / 4];
+    uint8_t  scales[12];
+    uint16_t d;
+} ql_block_q3_K;
+QL_STATIC_ASSERT(sizeof(ql_block_q3_K) == 110, q3_K);
+typedef struct {  // 8 sub-blocks of 32: x = d (ls - 32) kvalue[q], ls 6 bits: 4 in scales_l, 2 in scales_h
+    uint16_t d;
+    uint16_t scales_h;
+    uint8_t  scales_l[QL_QK_K / 64];
+    uint8_t  qs[QL_QK_K / 2];
+} ql_block_iq4_xs;
+QL_STATIC_ASSERT(sizeof(ql_block_iq4_xs) == 136, iq4_xs);
+
+// NF4 (its layout, values and side data: the quantisation section above)
+typedef struct { uint8_t qs[QL_NF4_BLOCK / 2]; } ql_block_nf4;
+QL_STATIC_ASSERT(sizeof(ql_block_nf4) == 32, nf4);
+// bitsandbytes' decision thresholds (midpoints between neighbouring values, as f32); a
+// normalised x gets the number of thresholds it is strictly greater than (ties: lower code)
+#define QL_NF4_THRESHOLDS {                                                                       \
+    -0.8480964004993439f, -0.6106329262256622f, -0.4599952697753906f, -0.33967943489551544f,      \
+    -0.23460740596055984f, -0.13791173323988914f, -0.045525018125772476f, 0.03979014977812767f,   \
+    0.1202552504837513f, 0.2035212516784668f, 0.2920137718319893f, 0.3893125355243683f,           \
+    0.5016634166240692f, 0.6427869200706482f, 0.8614784181118011f }
+
+// ---- host-device code ----
+
+// Code both the host and CUDA kernels run is written once, here (QL_HD: host and device under nvcc).
+#if defined(__CUDACC__)
+#define QL_HD __host__ __device__
+#else
+#define QL_HD
+#endif
+// ql_dynamic_quantize's body: 7 halving steps from the middle, then the nearer neighbour; at an
+// exact midpoint the search path decides (it returns the pivot)
+static inline QL_HD uint8_t ql_dynamic_quantize_inline(const float *map, float x) {
+    int pivot = 127, upper_pivot = 255, lower_pivot = 0, i;
+    float lower = -1.0f, upper = 1.0f, val = map[pivot];
+    for (i = 64; i > 0; i >>= 1) {
+        if (x > val) {
+            lower_pivot = pivot;
+            lower = val;
+            pivot += i;
+        } else {
+            upper_pivot = pivot;
+            upper = val;
+            pivot -= i;
+        }
+        val = map[pivot];
+    }
+    if (upper_pivot == 255) upper = map[upper_pivot];
+    if (lower_pivot == 0) lower = map[lower_pivot];
+    if (x > val) return (uint8_t)(x > (upper + val) * 0.5f ? upper_pivot : pivot);
+    return (uint8_t)(x < (lower + val) * 0.5f ? lower_pivot : pivot);
+}
+
+// ---- the CPU backend ----
+
+// ql_cpu_default_threads' rule: cores less the others running, at least 1 (for tests)
+int ql_cpu_threads_for(int cores, int others_running);
+
+// ---- the backend interface ----
+
+// What a backend implements (CUDA lives in qlora-cuda.cu and fills this table).
+typedef struct ql_backend_i {
+    const char *name;
+    bool   (*supports_op)(ql_backend *be, const ql_tensor *node);
+    size_t (*work_size)(ql_backend *be, const ql_tensor *node);     // per-node workspace bytes
+    void  *(*buffer_alloc)(ql_backend *be, size_t size);            // device memory, QL_ALIGN-aligned or NULL
+    void   (*buffer_free)(void *ptr);   // needs no backend: a graph may outlive the backend object
+    // run nodes [0, n) of g; the planned buffer is bound; return QL_OK or set an error in ctx
+    ql_status (*graph_compute)(ql_backend *be, ql_graph *g);
+    void   (*free)(ql_backend *be);
+    // memory of its own (NULL for the CPU backend: host memory, memcpy). Copies return false on
+    // a device error, with the message in err.
+    void  *(*host_alloc)(ql_backend *be, size_t size);              // pinned host memory
+    void   (*host_free)(void *ptr);
+    bool   (*copy)(ql_backend *be, void *dst, const void *src, size_t size, int dir, bool async, char *err, size_t n);
+    bool   (*memset)(ql_backend *be, void *dst, int value, size_t size, char *err, size_t n);
+    bool   (*synchronize)(ql_backend *be, char *err, size_t n);
+    ql_status (*adamw_update)(ql_backend *be, ql_tensor *param, ql_tensor *m, ql_tensor *v, ql_tensor *m_absmax,
+                              ql_tensor *v_absmax, int64_t step, const ql_adamw_params *p, float grad_scale);
+    ql_status (*grad_stats)(ql_backend *be, const ql_tensor *t, double *sumsq, bool *finite);
+} ql_backend_i;
+#define QL_COPY_TO_DEVICE   0   // ql_backend_i.copy directions
+#define QL_COPY_TO_HOST     1
+#define QL_COPY_ON_DEVICE   2
+
+struct ql_backend {
+    ql_backend_i iface;
+    void        *impl;
+    uint64_t     id;    // unique per backend created in this process (plans remember it)
+};
+uint64_t ql_backend_new_id(void);  // the id a new backend must carry
+
+// ---- the CUDA backend's workspace rules ----
+
+// In qlora.cpp, not qlora-cuda.cu: a device plan (ql_backend_cuda_plan_init) needs no GPU and no
+// CUDA build.
+#define QL_CUDA_MM_TILE_ELEMS ((int64_t)1 << 23)  // dequantised weight elements per matmul tile (16 MiB in bf16)
+bool    ql_cuda_operand_ok(size_t elem_size, int64_t nb0, int64_t nb1, int64_t K, int64_t X);  // cuBLAS reads it in place
+bool    ql_cuda_mm_trows(const ql_tensor *a);          // a = transpose(block-quantized W): dequantised by rows of W
+bool    ql_cuda_mm_a_direct(const ql_tensor *a, ql_type compute);
+bool    ql_cuda_mm_b_direct(const ql_tensor *b);
+size_t  ql_cuda_mm_b_bytes(const ql_tensor *b);        // b's contiguous copy in the workspace (0: read in place)
+int64_t ql_cuda_mm_tile_rows(int64_t row_len, int64_t n_rows);
+size_t  ql_cuda_work_size(const ql_tensor *node, int cc);  // per-node workspace bytes on a device of compute capability cc
+// Attention without a KV cache runs as cuBLAS products over chunks of `chunk` queries: per chunk the
+// scores of every head [keys, chunk] in f32 (QL_CUDA_FA_SCORE_BYTES at most, for 16 queries at
+// least), q, k, v (backward: dO too) packed in the compute type (bf16 when prec asks and cc >= 80,
+// else f32), the probabilities (and dS) beside them in bf16 or over the scores in f32. The byte
+// offsets of those buffers in the node's workspace, in this order:
+#define QL_CUDA_FA_SCORE_BYTES ((size_t)32 << 20)
+enum { QL_CUDA_FA_DELTA, QL_CUDA_FA_K, QL_CUDA_FA_V, QL_CUDA_FA_Q, QL_CUDA_FA_DO, QL_CUDA_FA_S, QL_CUDA_FA_DP, QL_CUDA_FA_P,
+       QL_CUDA_FA_DS, QL_CUDA_FA_OUT, QL_CUDA_FA_NBUF };
+bool    ql_cuda_fa_gemm(const ql_tensor *node);        // this attention runs as products (else: the fused kernel)
+size_t  ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NBUF], int64_t *chunk, ql_type *compute);
+
+// ---- the graph state a backend runs on ----
+
+// What an allocated graph gives the backend that runs it.
+typedef struct ql_graph_exec {
+    uint8_t *buffer;       // the planned buffer (device memory for a device backend)
+    size_t   buffer_size;
+    uint8_t *work;         // the per-node workspace inside it
+    size_t   work_size;
+    bool     poison, check_finite, profile;  // ql_graph_set_poison, _check_finite, _profile
+} ql_graph_exec;
+void ql_graph_get_exec(const ql_graph *g, ql_graph_exec *ex);
+void ql_graph_add_node_seconds(ql_graph *g, int i, double seconds);
+// Records check_finite's error for node i (the same message on every backend): `element` is the
+// flat index of the first non-finite value, is_nan whether it is a NaN.
+void ql_graph_fail_nonfinite(ql_graph *g, int i, int64_t element, bool is_nan);
 
 #ifdef __cplusplus
 }
 #endif
+
+#endif  // QL_INTERNALS

@@ -1,4 +1,5 @@
 // Type traits, contexts, and bad input: every error names the op, the shapes and file:line.
+#define QL_INTERNALS  // ql_backend_i (a backend that refuses ops), ql_cpu_threads_for, ql_graph_fail_nonfinite
 #include "tiny.h"
 
 #include <doctest/doctest.h>

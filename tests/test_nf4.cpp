@@ -1,6 +1,7 @@
 // NF4 and the 8-bit dynamic map, bit for bit against tests/golden/nf4.bin (made by
 // tests/reference/nf4_golden.py with torch from bitsandbytes' published algorithm), crafted
 // blocks, and the bitsandbytes serialised form.
+#define QL_INTERNALS  // QL_NF4_THRESHOLDS
 #include "../qlora.h"
 #include "util.h"
 

@@ -12,6 +12,7 @@
 // max |x - deq(q(x))| / amax of the block.
 #include <doctest/doctest.h>
 
+#define QL_INTERNALS  // the block structs the blocks below are built in (decoded through the public traits)
 #include "../qlora.h"
 #include "util.h"
 

@@ -10,6 +10,8 @@
 // qmatmul: a frozen weight in f32, NF4 and Q4_K: forward y = W x and the input gradient
 //         dx = W^T dy (dequantised tile by tile), 4096x4096 and 11008x4096, 16/256/2048 tokens.
 // Times are medians over the repetitions after one warm-up run.
+// limitation: random q6_K bytes need ql_block_q6_K (implementer part) to put a sane scale in d
+#define QL_INTERNALS
 #include "../models/llama.h"
 #include "../qlora.h"
 #include "cli.h"
