@@ -231,7 +231,7 @@ constexpr double TOL_16  = 1e-2;   // bf16/f16 roundings of intermediate values 
         op_case_##name(be);                                                                             \
         ql_backend_free(be);                                                                            \
     }                                                                                                   \
-    TEST_CASE("backend ops cuda: " #name * doctest::skip(!k_have_cuda)) {                               \
+    TEST_CASE("backend ops cuda: " #name * skip_unless(k_have_cuda, "without a CUDA device")) {            \
         ql_backend *be = make_backend("cuda");                                                          \
         op_case_##name(be);                                                                             \
         ql_backend_free(be);                                                                            \

@@ -29,10 +29,13 @@ std::string convert_bin() {  // absolute, so that a test may run it from another
     return realpath(p.c_str(), real) ? std::string(real) : std::string();
 }
 
-bool have_convert() {
-    if (!convert_bin().empty()) return true;
-    MESSAGE("skipped: ./convert is not built (run make)");
-    return false;
+skip_decorator needs_convert() {  // ./convert, or $QL_TOOLS/convert
+    skip_decorator d = needs_tools("");
+    if (convert_bin().empty()) {
+        d.need.have = false;
+        d.need.what = "convert";
+    }
+    return d;
 }
 
 // ./convert hf DIR -o OUT, its exit code; stdout and stderr in *log. Memory and time bounded:
@@ -106,8 +109,7 @@ int lines(const std::string &s) { return (int)std::count(s.begin(), s.end(), '\n
 
 }  // namespace
 
-TEST_CASE("convert hf: an output that is a file it reads is refused, and that file is kept") {
-    if (!have_convert()) return;
+TEST_CASE("convert hf: an output that is a file it reads is refused, and that file is kept" * needs_convert()) {
     tmpdir d;
     const std::string q = d.path + "/qwen2", l = d.path + "/llama";
     copy_golden("qwen2", q);  // sharded: the index names three shards
@@ -134,8 +136,7 @@ TEST_CASE("convert hf: an output that is a file it reads is refused, and that fi
     CHECK(convert_hf(q, d.path + "/fine.gguf", &log) == 0);  // and the folder still converts
 }
 
-TEST_CASE("convert hf: a weight_map path that leaves the folder is refused by name, never opened") {
-    if (!have_convert()) return;
+TEST_CASE("convert hf: a weight_map path that leaves the folder is refused by name, never opened" * needs_convert()) {
     tmpdir d;
     const std::string q = d.path + "/qwen2";
     copy_golden("qwen2", q);
@@ -167,8 +168,7 @@ TEST_CASE("convert hf: a weight_map path that leaves the folder is refused by na
     CHECK_MESSAGE(has(log, "which is not a file name"), log);
 }
 
-TEST_CASE("convert hf: an index that does not say where a tensor is gives one clause (was shards[-1])") {
-    if (!have_convert()) return;
+TEST_CASE("convert hf: an index that does not say where a tensor is gives one clause (was shards[-1])" * needs_convert()) {
     tmpdir d;
     const std::string q = d.path + "/qwen2", idx = q + "/model.safetensors.index.json";
     copy_golden("qwen2", q);
@@ -187,8 +187,7 @@ TEST_CASE("convert hf: an index that does not say where a tensor is gives one cl
     CHECK_FALSE(exists(d.path + "/x.gguf"));
 }
 
-TEST_CASE("convert hf: num_hidden_layers beyond the weights is refused at once (was 9 names a layer, then bad_alloc)") {
-    if (!have_convert()) return;
+TEST_CASE("convert hf: num_hidden_layers beyond the weights is refused at once (was 9 names a layer, then bad_alloc)" * needs_convert()) {
     tmpdir d;
     const std::string l = d.path + "/llama";
     copy_golden("llama", l);
@@ -202,8 +201,7 @@ TEST_CASE("convert hf: num_hidden_layers beyond the weights is refused at once (
     CHECK_MESSAGE(has(log, "num_hidden_layers is 3, but the weights have no layer 2"), log);
 }
 
-TEST_CASE("convert hf: the layers are counted, not taken from the largest index (a tensor model.layers.999999999.x made 9e9 names)") {
-    if (!have_convert()) return;
+TEST_CASE("convert hf: the layers are counted, not taken from the largest index (a tensor model.layers.999999999.x made 9e9 names)" * needs_convert()) {
     tmpdir d;
     const std::string l = d.path + "/llama", st = l + "/model.safetensors";
     copy_golden("llama", l);
@@ -231,8 +229,7 @@ TEST_CASE("convert hf: the layers are counted, not taken from the largest index 
     CHECK_FALSE(exists(d.path + "/x.gguf"));
 }
 
-TEST_CASE("convert hf: config.json's sizes are whole numbers in range, the file an object") {
-    if (!have_convert()) return;
+TEST_CASE("convert hf: config.json's sizes are whole numbers in range, the file an object" * needs_convert()) {
     tmpdir d;
     const std::string l = d.path + "/llama", cfg = l + "/config.json";
     copy_golden("llama", l);
@@ -266,8 +263,7 @@ TEST_CASE("convert hf: config.json's sizes are whole numbers in range, the file 
     CHECK_FALSE(exists(d.path + "/x.gguf"));
 }
 
-TEST_CASE("convert hf: bitsandbytes arrays are checked against their quant_state before anything is sized by it") {
-    if (!have_convert()) return;
+TEST_CASE("convert hf: bitsandbytes arrays are checked against their quant_state before anything is sized by it" * needs_convert()) {
     tmpdir d;
     const std::string b = d.path + "/bnb", st = b + "/model.safetensors";
     copy_golden("llama-bnb4", b);
@@ -327,8 +323,7 @@ TEST_CASE("convert hf: bitsandbytes arrays are checked against their quant_state
     CHECK_FALSE(exists(d.path + "/x.gguf"));
 }
 
-TEST_CASE("convert hf: bnb_4bit_quant_storage=bfloat16 converts to the same file; fp4 is refused by name") {
-    if (!have_convert()) return;
+TEST_CASE("convert hf: bnb_4bit_quant_storage=bfloat16 converts to the same file; fp4 is refused by name" * needs_convert()) {
     tmpdir d;
     const std::string a = d.path + "/u8", b = d.path + "/bf16";
     mkdir(a.c_str(), 0755);
@@ -375,8 +370,7 @@ TEST_CASE("convert hf: bnb_4bit_quant_storage=bfloat16 converts to the same file
     CHECK(lines(log) == 1);
 }
 
-TEST_CASE("convert hf: malformed merges are refused at convert, naming the entry; an NFC normalizer warns") {
-    if (!have_convert()) return;
+TEST_CASE("convert hf: malformed merges are refused at convert, naming the entry; an NFC normalizer warns" * needs_convert()) {
     tmpdir d;
     const std::string l = d.path + "/llama", tj = l + "/tokenizer.json";
     copy_golden("llama", l);
@@ -425,8 +419,7 @@ TEST_CASE("convert hf: malformed merges are refused at convert, naming the entry
 // PEFT saves whole weights beside the LoRA pairs: lm_head's base layer when lm_head is a target
 // (save_embedding_layers="auto"), and modules_to_save's copies. Each is loaded (there is nothing
 // to apply) when it is the model's own weight, and refused, saying why, when it is not.
-TEST_CASE("PEFT adapter: lm_head's saved base layer and modules_to_save copies load when they are the model's weights") {
-    if (!have_convert()) return;
+TEST_CASE("PEFT adapter: lm_head's saved base layer and modules_to_save copies load when they are the model's weights" * needs_convert()) {
     tmpdir d;
     std::string log;
     REQUIRE_MESSAGE(convert_hf(tests_dir() + "golden/hf/llama", d.path + "/m.gguf", &log) == 0, log);
@@ -490,8 +483,8 @@ TEST_CASE("PEFT adapter: lm_head's saved base layer and modules_to_save copies l
 // A base layer saved in another dtype than the model's (fp16 training on an f32 or bf16
 // checkpoint) is the same weight, rounded: it loads, on float and quantized models; a layer that
 // differs by more than the two roundings is refused with the largest difference and where.
-TEST_CASE("PEFT adapter: lm_head's base layer saved in f16 or bf16 loads on an f32, q8_0 or nf4 model; more than rounding is refused with the number") {
-    if (!have_convert() || !exists("./quantize")) return;
+TEST_CASE("PEFT adapter: lm_head's base layer saved in f16 or bf16 loads on an f32, q8_0 or nf4 model; more than rounding is refused with the number" *
+          needs_convert() * needs_tools("quantize")) {
     tmpdir d;
     std::string log;
     const std::string m = d.path + "/m.gguf";
@@ -563,8 +556,7 @@ TEST_CASE("PEFT adapter: lm_head's base layer saved in f16 or bf16 loads on an f
     h = keep;
 }
 
-TEST_CASE("convert hf: an output whose temporary (OUT.tmp) is a symbolic link to an input is refused; the input kept") {
-    if (!have_convert()) return;
+TEST_CASE("convert hf: an output whose temporary (OUT.tmp) is a symbolic link to an input is refused; the input kept" * needs_convert()) {
     tmpdir d;
     const std::string l = d.path + "/llama", shard = l + "/model.safetensors", out = d.path + "/o.gguf";
     copy_golden("llama", l);
@@ -626,8 +618,7 @@ TEST_CASE("writers: a stale PATH.tmp is replaced, never followed (a link there t
     }
 }
 
-TEST_CASE("convert hf: a sharded checkpoint laid out as Hugging Face's download cache (snapshots/REV/* links to ../../blobs/SHA) converts") {
-    if (!have_convert()) return;
+TEST_CASE("convert hf: a sharded checkpoint laid out as Hugging Face's download cache (snapshots/REV/* links to ../../blobs/SHA) converts" * needs_convert()) {
     tmpdir d;
     const std::string q = d.path + "/plain", cache = d.path + "/models--tiny--qwen2", snap = cache + "/snapshots/0123abc";
     copy_golden("qwen2", q);
@@ -667,8 +658,7 @@ TEST_CASE("convert hf: a sharded checkpoint laid out as Hugging Face's download 
     CHECK_MESSAGE(has(log, "would overwrite the input"), log);
 }
 
-TEST_CASE("convert hf: hidden_size that the heads do not divide, without head_dim, is named (was 'head_dim is 0')") {
-    if (!have_convert()) return;
+TEST_CASE("convert hf: hidden_size that the heads do not divide, without head_dim, is named (was 'head_dim is 0')" * needs_convert()) {
     tmpdir d;
     const std::string l = d.path + "/llama", cfg = l + "/config.json";
     copy_golden("llama", l);

@@ -567,12 +567,11 @@ TEST_CASE("chat: contents are never parsed for special tokens; multi-turn masks;
 // chat templates on Meta's Llama 3 vocabulary (real special tokens)
 // ============================================================================================
 
-TEST_CASE("chat: llama3 on the Llama 3 vocabulary: exact ids, mask, whole-text tokenization") {
+TEST_CASE("chat: llama3 on the Llama 3 vocabulary: exact ids, mask, whole-text tokenization" *
+          needs_fixture("tokenizer-vectors/llama3/tokenizer.model")) {
+    fixture("tokenizer-vectors/llama3/tokenizer.model");
     const ql_vocab *v = llama3();
-    if (!v) {
-        MESSAGE("skipping: ../shared/fixtures not found (set QLORA_FIXTURES or run from the repo root)");
-        return;
-    }
+    REQUIRE(v);
     ql_data_options o;
     o.chat = QL_CHAT_LLAMA3;
     loaded r = load_lines(std::string(CHAT3) + "\n", v, o);
@@ -621,12 +620,11 @@ TEST_CASE("chat: llama3 on the Llama 3 vocabulary: exact ids, mask, whole-text t
     CHECK_MESSAGE(has(r3.err, "needs the special token <|im_start|>"), r3.err);
 }
 
-TEST_CASE("chat: llama2 and zephyr on the Llama 2 vocabulary: the tokens of the whole text, masks at the answers") {
+TEST_CASE("chat: llama2 and zephyr on the Llama 2 vocabulary: the tokens of the whole text, masks at the answers" *
+          needs_fixture("llama2-vocab/tokenizer.bin")) {
+    fixture("llama2-vocab/tokenizer.bin");
     const ql_vocab *v = llama2();
-    if (!v) {
-        MESSAGE("skipping: ../shared/fixtures not found (set QLORA_FIXTURES or run from the repo root)");
-        return;
-    }
+    REQUIRE(v);
     ql_data_options o;
     const std::string two =
         R"({"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"}, )"

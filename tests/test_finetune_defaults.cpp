@@ -24,15 +24,6 @@
 
 namespace {
 
-bool built(std::initializer_list<const char *> names) {
-    for (const char *n : names)
-        if (!exists(std::string("./") + n)) {
-            MESSAGE("skipped: ./", n, " is not built (run make)");
-            return false;
-        }
-    return true;
-}
-
 // prompt/completion pairs (the answer spells the question backwards)
 void write_qa(const std::string &path, int n) {
     std::string s;
@@ -96,8 +87,7 @@ std::string line_of(const std::string &log, const std::string &prefix) {
 
 // ---- item 5: defaults that fit ----
 
-TEST_CASE("finetune defaults: --precision auto unless asked, said in one line, stored as chosen; an older run's fp32 kept") {
-    if (!built({"make-model", "finetune"})) return;
+TEST_CASE("finetune defaults: --precision auto unless asked, said in one line, stored as chosen; an older run's fp32 kept" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string ft = tiny_run(d);
     std::string log, log_auto;
@@ -145,8 +135,7 @@ TEST_CASE("finetune defaults: --precision auto unless asked, said in one line, s
     CHECK_MESSAGE(has(log, "finetune: precision fp32\n"), log);
 }
 
-TEST_CASE("finetune defaults: --vram and --mem-limit need a unit; --cc is MAJOR.MINOR, 7.5 to 12.0") {
-    if (!built({"make-model", "finetune"})) return;
+TEST_CASE("finetune defaults: --vram and --mem-limit need a unit; --cc is MAJOR.MINOR, 7.5 to 12.0" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string ft = tiny_run(d) + " --dry-run -o " + d.file("o");
     std::string log;
@@ -187,12 +176,8 @@ TEST_CASE("finetune defaults: --vram and --mem-limit need a unit; --cc is MAJOR.
     }
 }
 
-TEST_CASE("finetune defaults: a device plan without the GPU and without --vram: the plan, then why there is no verdict") {
-    if (!built({"make-model", "finetune"})) return;
-    if (ql_cuda_device_count() > 0) {
-        MESSAGE("skipped: a GPU is here (its free memory is the limit)");
-        return;
-    }
+TEST_CASE("finetune defaults: a device plan without the GPU and without --vram: the plan, then why there is no verdict" * needs_tools("make-model finetune") *
+          skip_unless(ql_cuda_device_count() == 0, "with a CUDA device (its free memory is the limit; the case is about a machine without one)")) {
     tmpdir d;
     const std::string ft = tiny_run(d) + " --dry-run --device cuda -o " + d.file("o");
     std::string log;
@@ -216,8 +201,7 @@ TEST_CASE("finetune defaults: a device plan without the GPU and without --vram: 
     }
 }
 
-TEST_CASE("finetune defaults: when no single change fits, the advice gives the cheapest combination that does") {
-    if (!built({"make-model", "finetune"})) return;
+TEST_CASE("finetune defaults: when no single change fits, the advice gives the cheapest combination that does" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string m = d.file("m.gguf"), data = d.file("qa.jsonl");
     std::string log;
@@ -256,7 +240,7 @@ TEST_CASE("finetune defaults: when no single change fits, the advice gives the c
     CHECK(!has(log, "fits (together"));
 }
 
-TEST_CASE("finetune defaults: library messages reach the user without the library's file:line") {
+TEST_CASE("finetune defaults: library messages reach the user without the library's file:line" * needs_tools("make-model finetune")) {
     CHECK(ql_user_message("qlora.cpp:3284: backend cpu could not allocate 58474752 bytes") ==
           "backend cpu could not allocate 58474752 bytes");
     CHECK(ql_user_message("placing the model on cuda: qlora-cuda.cu:12: out of memory") == "placing the model on cuda: out of memory");
@@ -266,7 +250,6 @@ TEST_CASE("finetune defaults: library messages reach the user without the librar
     CHECK(ql_user_message("qlora.cpp:3284: x") == "qlora.cpp:3284: x");  // kept for a bug report
     unsetenv("QLORA_DEBUG");
     // as the tool prints it: a planned buffer the process cannot get (address space capped)
-    if (!built({"make-model", "finetune"})) return;
     tmpdir d;
     const std::string m = d.file("m.gguf"), data = d.file("qa.jsonl");
     std::string log;
@@ -285,8 +268,7 @@ TEST_CASE("finetune defaults: library messages reach the user without the librar
 
 // ---- item 7: finetune's edges ----
 
-TEST_CASE("finetune edges: --resume where there is no checkpoint says what is there instead") {
-    if (!built({"make-model", "finetune"})) return;
+TEST_CASE("finetune edges: --resume where there is no checkpoint says what is there instead" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string ft = tiny_run(d);
     std::string log;
@@ -313,8 +295,7 @@ TEST_CASE("finetune edges: --resume where there is no checkpoint says what is th
     CHECK(std::count(log.begin(), log.end(), '\n') == 1);
 }
 
-TEST_CASE("finetune edges: a resumed run - a changed --lr named by its flag in plain numbers; the steps it ran") {
-    if (!built({"make-model", "finetune"})) return;
+TEST_CASE("finetune edges: a resumed run - a changed --lr named by its flag in plain numbers; the steps it ran" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string ft = tiny_run(d), out = d.file("r");
     std::string log;
@@ -330,8 +311,7 @@ TEST_CASE("finetune edges: a resumed run - a changed --lr named by its flag in p
     CHECK_MESSAGE(has(log, "finetune: done: 3 steps this run (resumed after step 2; now step 5 of 5) in "), log);
 }
 
-TEST_CASE("finetune edges: --overwrite of a run whose plan does not fit writes no snapshot beside the old run") {
-    if (!built({"make-model", "finetune"})) return;
+TEST_CASE("finetune edges: --overwrite of a run whose plan does not fit writes no snapshot beside the old run" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string ft = tiny_run(d, "--dim 64 --layers 2 --heads 2 --ff 96"), out = d.file("r");
     std::string log;
@@ -347,8 +327,7 @@ TEST_CASE("finetune edges: --overwrite of a run whose plan does not fit writes n
     CHECK_MESSAGE(exists(d.file("fresh/memory-snapshot.json")), log);
 }
 
-TEST_CASE("finetune edges: an empty text is refused by file and line, as an empty completion is") {
-    if (!built({"make-model", "finetune"})) return;
+TEST_CASE("finetune edges: an empty text is refused by file and line, as an empty completion is" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string ft = tiny_run(d), bad = d.file("t.jsonl");
     write_file(bad, "{\"text\": \"a story\"}\n{\"text\": \"\"}\n");
@@ -361,8 +340,7 @@ TEST_CASE("finetune edges: an empty text is refused by file and line, as an empt
     CHECK_MESSAGE(has(log, "skipped 1 bad line of " + bad), log);
 }
 
-TEST_CASE("finetune edges: the first Ctrl-C says at once that the run stops after this step") {
-    if (!built({"make-model", "finetune"})) return;
+TEST_CASE("finetune edges: the first Ctrl-C says at once that the run stops after this step" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string ft = tiny_run(d);
     std::string log;
@@ -390,11 +368,7 @@ std::string big_run(const tmpdir &d) {
 }
 }  // namespace
 
-TEST_CASE("finetune memory auto: the default under --mem-limit - recompute only when nothing less fits, the flag wins") {
-    if (!exists("./make-model") || !exists("./finetune")) {
-        MESSAGE("skipped: ./make-model or ./finetune is not built (run make)");
-        return;
-    }
+TEST_CASE("finetune memory auto: the default under --mem-limit - recompute only when nothing less fits, the flag wins" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string ft = big_run(d);
     std::string log;
@@ -431,11 +405,7 @@ TEST_CASE("finetune memory auto: the default under --mem-limit - recompute only 
     CHECK(has(log, "what would help most"));
 }
 
-TEST_CASE("finetune memory auto: a device plan - block recompute when none does not fit, checkpoint offload when block does not") {
-    if (!exists("./make-model") || !exists("./finetune")) {
-        MESSAGE("skipped: ./make-model or ./finetune is not built (run make)");
-        return;
-    }
+TEST_CASE("finetune memory auto: a device plan - block recompute when none does not fit, checkpoint offload when block does not" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string m = d.file("g.gguf"), data = d.file("qa.jsonl");
     std::string log;

@@ -17,15 +17,6 @@
 
 namespace {
 
-bool built(std::initializer_list<const char *> names) {
-    for (const char *n : names)
-        if (!exists(std::string("./") + n)) {
-            MESSAGE("skipped: ./", n, " is not built (run make)");
-            return false;
-        }
-    return true;
-}
-
 // A model whose greedy next token is known: every layer adds nothing (attn_output and ffn_down
 // are 0), so the last hidden state is the current token's embedding. Every token's embedding is
 // e0 = (1, ..., 1) but `a_id`'s, e1 = (1, ..., 1, -1, ..., -1); output row a_id is e0 and row
@@ -119,8 +110,7 @@ gen_out generate(const tmpdir &d, const std::string &args) {
 
 }  // namespace
 
-TEST_CASE("generate: stops at every end-of-generation token the vocabulary marks, and names it") {
-    if (!built({"make-model", "generate"})) return;
+TEST_CASE("generate: stops at every end-of-generation token the vocabulary marks, and names it" * needs_tools("make-model generate")) {
     tmpdir d;
     const int control = QL_TOKEN_CONTROL;
     struct stop_case {
@@ -158,8 +148,7 @@ TEST_CASE("generate: stops at every end-of-generation token the vocabulary marks
     }
 }
 
-TEST_CASE("generate: a control token that is no end of generation does not stop it; -n is named") {
-    if (!built({"make-model", "generate"})) return;
+TEST_CASE("generate: a control token that is no end of generation does not stop it; -n is named" * needs_tools("make-model generate")) {
     tmpdir d;
     const stop_model m = make_stop_model(d, "other", 390, {{390, {"<|im_start|>", QL_TOKEN_CONTROL}}});
     const gen_out g = generate(d, "-m " + m.path + " -p x -n 4 --temp 0");
@@ -181,8 +170,7 @@ TEST_CASE("generate: a control token that is no end of generation does not stop 
     CHECK_MESSAGE(has(z.err, "generate: stopped after -n 0 tokens\n"), z.err);
 }
 
-TEST_CASE("generate: output that ends in a newline gets no second one") {
-    if (!built({"make-model", "generate"})) return;
+TEST_CASE("generate: output that ends in a newline gets no second one" * needs_tools("make-model generate")) {
     tmpdir d;
     // a prompt ending in a newline, and nothing after it: printed as it is
     const stop_model m = make_stop_model(d, "nl", 2, {});
@@ -190,8 +178,7 @@ TEST_CASE("generate: output that ends in a newline gets no second one") {
     CHECK(g.out == "x\n");
 }
 
-TEST_CASE("perplexity --json: nll and ppl with 9 significant digits") {
-    if (!built({"make-model", "perplexity"})) return;
+TEST_CASE("perplexity --json: nll and ppl with 9 significant digits" * needs_tools("make-model perplexity")) {
     tmpdir d;
     const std::string m = d.file("m.gguf"), txt = d.file("t.txt");
     std::string log;
@@ -224,8 +211,7 @@ TEST_CASE("perplexity --json: nll and ppl with 9 significant digits") {
     CHECK(std::abs(std::exp(nll.second) - ppl.second) < 1e-6 * ppl.second);
 }
 
-TEST_CASE("tokenize --data: a JSONL line's ids, pieces and loss mask, as finetune's loader renders them") {
-    if (!built({"make-model", "tokenize"})) return;
+TEST_CASE("tokenize --data: a JSONL line's ids, pieces and loss mask, as finetune's loader renders them" * needs_tools("make-model tokenize")) {
     tmpdir d;
     const stop_model m = make_stop_model(d, "chat", 2,
                                          {{390, {"<|im_start|>", QL_TOKEN_CONTROL}}, {391, {"<|im_end|>", QL_TOKEN_CONTROL}}});
@@ -292,8 +278,7 @@ TEST_CASE("tokenize --data: a JSONL line's ids, pieces and loss mask, as finetun
     ql_gguf_close(g);
 }
 
-TEST_CASE("tokenize --data: --skip-bad-lines as finetune; 'cut to --seq-len' only for an example that was cut") {
-    if (!built({"make-model", "tokenize"})) return;
+TEST_CASE("tokenize --data: --skip-bad-lines as finetune; 'cut to --seq-len' only for an example that was cut" * needs_tools("make-model tokenize")) {
     tmpdir d;
     const stop_model m = make_stop_model(d, "chat", 2, {});
     const std::string data = d.file("d.jsonl");

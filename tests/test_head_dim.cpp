@@ -156,8 +156,6 @@ std::vector<ql_sequence> sequences(int n, int T, int V) {
     return out;
 }
 
-std::string tool_path(const char *name) { return exists(std::string("./") + name) ? std::string("./") + name : std::string(); }
-
 }  // namespace
 
 TEST_CASE("head_dim: heads of 32 over dim 64 (q 128 x 64) match the float64 reference; the KV cache agrees") {
@@ -371,11 +369,7 @@ TEST_CASE("head_dim: LoRA on q/k/v/o trains (gradients as finite differences, th
     ql_llama_file_free(f);
 }
 
-TEST_CASE("head_dim: make-model --head-dim writes the keys; generate runs on it, greedy as the full forward") {
-    if (tool_path("make-model").empty() || tool_path("generate").empty()) {
-        MESSAGE("skipped: ./make-model or ./generate is not built (run make)");
-        return;
-    }
+TEST_CASE("head_dim: make-model --head-dim writes the keys; generate runs on it, greedy as the full forward" * needs_tools("make-model generate")) {
     tmpdir d;
     const std::string m = d.file("m.gguf");
     std::string log;
@@ -410,11 +404,7 @@ TEST_CASE("head_dim: make-model --head-dim writes the keys; generate runs on it,
     CHECK_MESSAGE(has(log, "--head-dim: '513' is not an integer in [2, 512]"), log);
 }
 
-TEST_CASE("head_dim: convert hf reads config.json's head_dim (Mistral-Nemo's shape) and writes key_length") {
-    if (tool_path("convert").empty()) {
-        MESSAGE("skipped: ./convert is not built (run make)");
-        return;
-    }
+TEST_CASE("head_dim: convert hf reads config.json's head_dim (Mistral-Nemo's shape) and writes key_length" * needs_tools("convert")) {
     tiny_llama t(hd_hparams(270), 13, 0.15f);
     tmpdir d;
     const std::string hf = d.file("hf");

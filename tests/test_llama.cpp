@@ -246,16 +246,10 @@ TEST_CASE("llama: loading refuses what it cannot run, naming what is wrong") {
     CHECK(std::string(err).find("none.gguf") != std::string::npos);
 }
 
-TEST_CASE("llama: stories260K converted from llama2.c matches the float64 reference") {
+TEST_CASE("llama: stories260K converted from llama2.c matches the float64 reference" * needs_fixture("stories260K/stories260K.bin") *
+          needs_tools("convert")) {
     const std::string fx = fixtures_dir();
-    if (!exists(fx + "/stories260K/stories260K.bin")) {
-        MESSAGE("skipped: no stories260K in ../shared/fixtures (set QLORA_FIXTURES or run from the repo root)");
-        return;
-    }
-    if (!exists("./convert")) {
-        MESSAGE("skipped: ./convert is not built (run make)");
-        return;
-    }
+    fixture("stories260K/stories260K.bin");
     const golden_case *c = nullptr;
     const std::vector<golden_case> cs = load_golden();
     c = find_case(cs, "stories260K");

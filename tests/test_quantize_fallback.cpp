@@ -26,11 +26,7 @@ std::map<std::string, std::string> tensor_types(const std::string &path) {
 
 }  // namespace
 
-TEST_CASE("quantize fallback: Q3_K_M, Q2_K and IQ4_XS on 96- and 160-wide rows fall back as llama-quantize b8495+") {
-    if (!exists("./make-model") || !exists("./quantize")) {
-        MESSAGE("skipped: ./make-model or ./quantize is not built (run make)");
-        return;
-    }
+TEST_CASE("quantize fallback: Q3_K_M, Q2_K and IQ4_XS on 96- and 160-wide rows fall back as llama-quantize b8495+" * needs_tools("make-model quantize")) {
     tmpdir d;
     std::string log;
     const std::string m = d.file("m.gguf");

@@ -13,15 +13,6 @@
 
 namespace {
 
-bool built(std::initializer_list<const char *> names) {
-    for (const char *n : names)
-        if (!exists(std::string("./") + n)) {
-            MESSAGE("skipped: ./", n, " is not built (run make)");
-            return false;
-        }
-    return true;
-}
-
 // a quantize output: its general.file_type (-1: none) and each tensor's type name
 struct qfile {
     long long file_type = -1;
@@ -42,8 +33,7 @@ qfile read_qfile(const std::string &path) {
 
 }  // namespace
 
-TEST_CASE("quantize names: any case, llama-quantize's aliases and numbers, one meaning each (llama.cpp's mix), general.file_type always") {
-    if (!built({"make-model", "quantize"})) return;
+TEST_CASE("quantize names: any case, llama-quantize's aliases and numbers, one meaning each (llama.cpp's mix), general.file_type always" * needs_tools("make-model quantize")) {
     tmpdir d;
     std::string log;
     const std::string m = d.file("m.gguf");
@@ -110,8 +100,7 @@ TEST_CASE("quantize names: any case, llama-quantize's aliases and numbers, one m
     CHECK(!exists(d.file("y.gguf")));
 }
 
-TEST_CASE("quantize names: an unknown name lists the mixes and answers a near miss; the importance-matrix mixes are refused by reason") {
-    if (!built({"make-model", "quantize"})) return;
+TEST_CASE("quantize names: an unknown name lists the mixes and answers a near miss; the importance-matrix mixes are refused by reason" * needs_tools("make-model quantize")) {
     tmpdir d;
     std::string log;
     const std::string m = d.file("m.gguf"), out = d.file("out.gguf");
@@ -159,8 +148,7 @@ TEST_CASE("quantize names: an unknown name lists the mixes and answers a near mi
     CHECK(!exists(out));
 }
 
-TEST_CASE("quantize names: a run that would quantise nothing writes nothing and exits 1; llama-quantize's fallbacks are written, with a warning") {
-    if (!built({"make-model", "quantize"})) return;
+TEST_CASE("quantize names: a run that would quantise nothing writes nothing and exits 1; llama-quantize's fallbacks are written, with a warning" * needs_tools("make-model quantize")) {
     tmpdir d;
     std::string log;
     const std::string m64 = d.file("m64.gguf"), m16 = d.file("m16.gguf"), out = d.file("out.gguf");
@@ -192,8 +180,7 @@ TEST_CASE("quantize names: a run that would quantise nothing writes nothing and 
     CHECK(!exists(out));
 }
 
-TEST_CASE("quantize names: re-quantising a quantised file needs --allow-requantize, as in llama.cpp") {
-    if (!built({"make-model", "quantize"})) return;
+TEST_CASE("quantize names: re-quantising a quantised file needs --allow-requantize, as in llama.cpp" * needs_tools("make-model quantize")) {
     tmpdir d;
     std::string log;
     const std::string q8 = d.file("q8.gguf"), f = d.file("f.gguf"), out = d.file("out.gguf");
@@ -218,8 +205,7 @@ TEST_CASE("quantize names: re-quantising a quantised file needs --allow-requanti
     CHECK(has(log, "f16 -> q4_K"));
 }
 
-TEST_CASE("quantize: an output whose temporary (OUT.tmp) is a symbolic link to the input is refused; the input kept") {
-    if (!built({"make-model", "quantize"})) return;
+TEST_CASE("quantize: an output whose temporary (OUT.tmp) is a symbolic link to the input is refused; the input kept" * needs_tools("make-model quantize")) {
     tmpdir d;
     std::string log;
     const std::string in = d.file("in.gguf"), out = d.file("o.gguf");

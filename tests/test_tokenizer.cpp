@@ -328,12 +328,10 @@ std::string llama2c_bin(const std::vector<std::pair<std::string, float>> &toks, 
 
 // ---- llama.cpp's test vectors ---------------------------------------------------------------
 
-TEST_CASE("tokenizer: llama-spm vectors on the Llama 2 vocabulary from llama2.c's tokenizer.bin") {
+TEST_CASE("tokenizer: llama-spm vectors on the Llama 2 vocabulary from llama2.c's tokenizer.bin" * needs_fixture("llama2-vocab/tokenizer.bin") *
+          needs_fixture("tokenizer-vectors/ggml-vocab-llama-spm.gguf")) {
     const std::string fx = fixtures_dir();
-    if (fx.empty()) {
-        MESSAGE("skipping: ../shared/fixtures not found (set QLORA_FIXTURES or run from the repo root)");
-        return;
-    }
+    fixture("llama2-vocab/tokenizer.bin");
     const ql_vocab *v = llama2_vocab();
     REQUIRE(v);
     CHECK(std::string(ql_vocab_model(v)) == "llama");
@@ -363,37 +361,24 @@ TEST_CASE("tokenizer: llama-spm vectors on the Llama 2 vocabulary from llama2.c'
         CHECK_MESSAGE(d == (s.empty() ? s : " " + s), "'" << printable(s) << "' decoded to '" << printable(d) << "'");
     }
 
-    // llama.cpp's own GGUF of this vocabulary, if it ever opens (the fixture is damaged today)
-    const std::string path = fx + "/tokenizer-vectors/ggml-vocab-llama-spm.gguf";
+    // llama.cpp's own GGUF of this vocabulary (an earlier copy, damaged by a text conversion, did
+    // not open: a failure here, not a skip)
+    const std::string path = fixture("tokenizer-vectors/ggml-vocab-llama-spm.gguf");
     char err[512];
     ql_gguf *g = ql_gguf_open(path.c_str(), err, sizeof(err));
-    if (!g) {
-        MESSAGE("skipping " << path << ": it does not open (" << err << "); the fixture went through a text "
-                "conversion that replaced its non-UTF-8 bytes with U+FFFD - the same vectors ran on the "
-                "llama2.c conversion above");
-        return;
-    }
+    REQUIRE_MESSAGE(g, path << " does not open (" << err << "): it must be llama.cpp's models/ggml-vocab-llama-spm.gguf, byte for byte");
     vocab_ptr orig(ql_vocab_load(g, err, sizeof(err)));
     ql_gguf_close(g);
     REQUIRE_MESSAGE(orig, err);
     run_vectors("llama-spm (ggml-vocab-llama-spm.gguf)", orig.get(), t);
 }
 
-TEST_CASE("tokenizer: gpt-2 vectors, when llama.cpp's GGUF opens") {
+TEST_CASE("tokenizer: gpt-2 vectors on llama.cpp's GGUF" * needs_fixture("tokenizer-vectors/ggml-vocab-gpt-2.gguf")) {
     const std::string fx = fixtures_dir();
-    if (fx.empty()) {
-        MESSAGE("skipping: ../shared/fixtures not found (set QLORA_FIXTURES or run from the repo root)");
-        return;
-    }
-    const std::string path = fx + "/tokenizer-vectors/ggml-vocab-gpt-2.gguf";
+    const std::string path = fixture("tokenizer-vectors/ggml-vocab-gpt-2.gguf");
     char err[512];
     ql_gguf *g = ql_gguf_open(path.c_str(), err, sizeof(err));
-    if (!g) {
-        MESSAGE("skipping the gpt-2 vectors: " << path << " does not open (" << err << "); the fixture is "
-                "damaged (9 bytes of binary fields replaced by U+FFFD in a text conversion) - replace it "
-                "with llama.cpp's models/ggml-vocab-gpt-2.gguf");
-        return;
-    }
+    REQUIRE_MESSAGE(g, path << " does not open (" << err << "): it must be llama.cpp's models/ggml-vocab-gpt-2.gguf, byte for byte");
     vocab_ptr v(ql_vocab_load(g, err, sizeof(err)));
     ql_gguf_close(g);
     REQUIRE_MESSAGE(v, err);
@@ -404,11 +389,8 @@ TEST_CASE("tokenizer: gpt-2 vectors, when llama.cpp's GGUF opens") {
         CHECK(ql_detokenize(v.get(), ql_tokenize(v.get(), s, false, false), false) == s);
 }
 
-TEST_CASE("tokenizer: llama-bpe vectors on Llama 3's tiktoken vocabulary") {
-    if (fixtures_dir().empty()) {
-        MESSAGE("skipping: ../shared/fixtures not found (set QLORA_FIXTURES or run from the repo root)");
-        return;
-    }
+TEST_CASE("tokenizer: llama-bpe vectors on Llama 3's tiktoken vocabulary" * needs_fixture("tokenizer-vectors/llama3/tokenizer.model")) {
+    fixture("tokenizer-vectors/llama3/tokenizer.model");
     const ql_vocab *v = llama3_vocab();
     REQUIRE(v);
     CHECK(std::string(ql_vocab_model(v)) == "gpt2");
@@ -441,12 +423,13 @@ TEST_CASE("tokenizer: llama-bpe vectors on Llama 3's tiktoken vocabulary") {
     }
 }
 
-TEST_CASE("tokenizer: special tokens, BOS/EOS and end of generation on the real vocabularies") {
+TEST_CASE("tokenizer: special tokens, BOS/EOS and end of generation on the real vocabularies" *
+          needs_fixture("tokenizer-vectors/llama3/tokenizer.model") * needs_fixture("llama2-vocab/tokenizer.bin")) {
+    fixture("tokenizer-vectors/llama3/tokenizer.model");
+    fixture("llama2-vocab/tokenizer.bin");
     const ql_vocab *l3 = llama3_vocab(), *l2 = llama2_vocab();
-    if (!l3 || !l2) {
-        MESSAGE("skipping: ../shared/fixtures not found");
-        return;
-    }
+    REQUIRE(l3);
+    REQUIRE(l2);
     const std::string chat = "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>";
     const std::vector<int32_t> on = ql_tokenize(l3, chat, true, true);
     REQUIRE(on.size() >= 5);
@@ -668,12 +651,9 @@ TEST_CASE("tokenizer: llama2.c tokenizer.bin: a small valid file, and bad ones r
     ql_gguf_writer_free(bw);
 }
 
-TEST_CASE("tokenizer: llama2.c stories260K vocabulary converts and round-trips") {
+TEST_CASE("tokenizer: llama2.c stories260K vocabulary converts and round-trips" * needs_fixture("stories260K/tok512.bin")) {
     const std::string fx = fixtures_dir();
-    if (fx.empty()) {
-        MESSAGE("skipping: ../shared/fixtures not found");
-        return;
-    }
+    fixture("stories260K/tok512.bin");
     tmpdir dir;
     char err[512] = "";
     ql_gguf_writer *w = ql_gguf_writer_new();
@@ -837,11 +817,7 @@ TEST_CASE("tokenizer: ql_vocab_load refuses what it cannot read, in one line") {
 
 // ---- tools/tokenize -------------------------------------------------------------------------------
 
-TEST_CASE("tokenizer: tools/tokenize prints ids and refuses bad input in one line") {
-    if (!exists("./tokenize")) {
-        MESSAGE("skipping: ./tokenize is not built (make tokenize; the tests run from the repo root)");
-        return;
-    }
+TEST_CASE("tokenizer: tools/tokenize prints ids and refuses bad input in one line" * needs_tools("tokenize")) {
     tmpdir dir;
     const std::string model = dir.file("toy.gguf");
     {

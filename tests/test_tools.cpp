@@ -43,12 +43,8 @@ std::string tool(const char *name) {  // make: repo root; cmake: the build direc
 
 }  // namespace
 
-TEST_CASE("quantize: nf4 of the block weights, norms and embeddings kept, values as ql_quantize") {
+TEST_CASE("quantize: nf4 of the block weights, norms and embeddings kept, values as ql_quantize" * needs_tools("quantize")) {
     const std::string q = tool("quantize");
-    if (q.empty()) {
-        MESSAGE("skipped: ./quantize is not built (run make)");
-        return;
-    }
     tmpdir d;
     const std::string in = d.path + "/tiny.gguf", out = d.path + "/tiny-nf4.gguf";
     write_tiny_gguf(in, QL_TYPE_F16);  // f16 linear weights: dequantised, then NF4
@@ -103,12 +99,8 @@ TEST_CASE("quantize: nf4 of the block weights, norms and embeddings kept, values
     CHECK(log.find("q8_0 -> nf4") != std::string::npos);
 }
 
-TEST_CASE("quantize: bad input gives one clear line and no output file") {
+TEST_CASE("quantize: bad input gives one clear line and no output file" * needs_tools("quantize")) {
     const std::string q = tool("quantize");
-    if (q.empty()) {
-        MESSAGE("skipped: ./quantize is not built (run make)");
-        return;
-    }
     tmpdir d;
     const std::string in = d.path + "/tiny.gguf", out = d.path + "/out.gguf";
     write_tiny_gguf(in, QL_TYPE_F32);
@@ -163,24 +155,12 @@ std::string text_of(const std::string &log) {
     return t;
 }
 
-bool all_built(std::initializer_list<const char *> names) {
-    for (const char *n : names)
-        if (tool(n).empty()) {
-            MESSAGE("skipped: ./", n, " is not built (run make)");
-            return false;
-        }
-    return true;
-}
-
 }  // namespace
 
-TEST_CASE("convert llama2c + generate: stories260K greedy from BOS tells its story") {
+TEST_CASE("convert llama2c + generate: stories260K greedy from BOS tells its story" * needs_fixture("stories260K/stories260K.bin") *
+          needs_tools("convert generate")) {
     const std::string fx = fixtures_dir();
-    if (!exists(fx + "/stories260K/stories260K.bin")) {
-        MESSAGE("skipped: no stories260K in ../shared/fixtures (set QLORA_FIXTURES or run from the repo root)");
-        return;
-    }
-    if (!all_built({"convert", "generate"})) return;
+    fixture("stories260K/stories260K.bin");
     tmpdir d;
     const std::string gguf = d.path + "/s.gguf";
     std::string log;
@@ -209,8 +189,7 @@ TEST_CASE("convert llama2c + generate: stories260K greedy from BOS tells its sto
     CHECK(log.rfind("Once\n", 0) == 0);
 }
 
-TEST_CASE("convert --help: the usage on stdout, exit 0; no arguments: usage on stderr, exit 2") {
-    if (!all_built({"convert"})) return;
+TEST_CASE("convert --help: the usage on stdout, exit 0; no arguments: usage on stderr, exit 2" * needs_tools("convert")) {
     std::string log;
     CHECK(run("./convert --help 2>/dev/null", &log) == 0);
     CHECK(log.find("llama2c model.bin tokenizer.bin -o model.gguf") != std::string::npos);
@@ -219,8 +198,7 @@ TEST_CASE("convert --help: the usage on stdout, exit 0; no arguments: usage on s
     CHECK(log.find("usage: ") != std::string::npos);
 }
 
-TEST_CASE("generate / perplexity / finetune: -t above the physical cores warns, once, and still runs") {
-    if (!all_built({"make-model", "generate"})) return;
+TEST_CASE("generate / perplexity / finetune: -t above the physical cores warns, once, and still runs" * needs_tools("make-model generate")) {
     tmpdir d;
     const std::string m = d.path + "/m.gguf";
     std::string log;
@@ -232,8 +210,7 @@ TEST_CASE("generate / perplexity / finetune: -t above the physical cores warns, 
     CHECK(log.find("warning") == std::string::npos);
 }
 
-TEST_CASE("a vocabulary with more tokens than the embedding has rows is refused when it loads") {
-    if (!all_built({"make-model", "generate"})) return;
+TEST_CASE("a vocabulary with more tokens than the embedding has rows is refused when it loads" * needs_tools("make-model generate")) {
     tmpdir d;
     const std::string m = d.path + "/m.gguf", bad = d.path + "/short.gguf";
     std::string log;
@@ -249,8 +226,7 @@ TEST_CASE("a vocabulary with more tokens than the embedding has rows is refused 
     CHECK(std::count(log.begin(), log.end(), '\n') == 1);
 }
 
-TEST_CASE("generate / perplexity: NaN weights are an error (exit 1, one line), not a printed nan") {
-    if (!all_built({"make-model", "generate", "perplexity"})) return;
+TEST_CASE("generate / perplexity: NaN weights are an error (exit 1, one line), not a printed nan" * needs_tools("make-model generate perplexity")) {
     tmpdir d;
     const std::string m = d.path + "/m.gguf", bad = d.path + "/nan.gguf", text = d.path + "/t.txt";
     std::string log;
@@ -268,8 +244,7 @@ TEST_CASE("generate / perplexity: NaN weights are an error (exit 1, one line), n
     REQUIRE(run("./perplexity -m " + m + " -f " + text + " -c 16 --json", &log) == 0);  // the intact model still runs
 }
 
-TEST_CASE("perplexity: --json numbers equal an independent computation; every token counted once") {
-    if (!all_built({"make-model", "perplexity"})) return;
+TEST_CASE("perplexity: --json numbers equal an independent computation; every token counted once" * needs_tools("make-model perplexity")) {
     tmpdir d;
     const std::string gguf = d.path + "/m.gguf", text = d.path + "/t.txt";
     std::string log;
@@ -332,8 +307,7 @@ TEST_CASE("perplexity: --json numbers equal an independent computation; every to
     }
 }
 
-TEST_CASE("make-model, convert, generate, perplexity: bad input, one clear line each") {
-    if (!all_built({"make-model", "convert", "generate", "perplexity"})) return;
+TEST_CASE("make-model, convert, generate, perplexity: bad input, one clear line each" * needs_tools("make-model convert generate perplexity")) {
     tmpdir d;
     const std::string gguf = d.path + "/m.gguf", junk = d.path + "/junk.bin", text = d.path + "/t.txt";
     std::string log;
@@ -401,8 +375,7 @@ TEST_CASE("make-model, convert, generate, perplexity: bad input, one clear line 
                       std::string::npos, log);
 }
 
-TEST_CASE("train-tiny and bench: flags as strict as the other tools'") {
-    if (!all_built({"train-tiny"})) return;
+TEST_CASE("train-tiny and bench: flags as strict as the other tools'" * needs_tools("train-tiny")) {
     std::string log;
     struct bad_case {
         std::string cmd, says;
@@ -510,8 +483,7 @@ int run_interrupted(const std::string &cmd, const std::string &when, std::string
 
 }  // namespace
 
-TEST_CASE("finetune: NF4 base end to end; outputs load in generate and perplexity as GGUF and as PEFT") {
-    if (!all_built({"make-model", "finetune", "generate", "perplexity", "quantize"})) return;
+TEST_CASE("finetune: NF4 base end to end; outputs load in generate and perplexity as GGUF and as PEFT" * needs_tools("make-model finetune generate perplexity quantize")) {
     tmpdir d;
     const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl", out = d.path + "/run", text = d.path + "/t.txt";
     std::string log;
@@ -596,8 +568,7 @@ TEST_CASE("finetune: NF4 base end to end; outputs load in generate and perplexit
     CHECK(exists(out + "/adapter.gguf"));
 }
 
-TEST_CASE("finetune: Ctrl-C saves a checkpoint; --resume continues to the uninterrupted run's losses") {
-    if (!all_built({"make-model", "finetune"})) return;
+TEST_CASE("finetune: Ctrl-C saves a checkpoint; --resume continues to the uninterrupted run's losses" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl";
     std::string log;
@@ -648,8 +619,7 @@ TEST_CASE("finetune: Ctrl-C saves a checkpoint; --resume continues to the uninte
     CHECK(read_file(d.path + "/a/adapter.gguf") == read_file(d.path + "/b/adapter.gguf"));
 }
 
-TEST_CASE("finetune: a finished run extended with --resume DIR --max-steps N equals one run of N steps") {
-    if (!all_built({"make-model", "finetune"})) return;
+TEST_CASE("finetune: a finished run extended with --resume DIR --max-steps N equals one run of N steps" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl";
     std::string log;
@@ -678,8 +648,7 @@ TEST_CASE("finetune: a finished run extended with --resume DIR --max-steps N equ
                       std::string::npos, log);
 }
 
-TEST_CASE("finetune: padding to each micro-batch's longest - the plan's line, real and padded tokens/s; --seq-len past the context warns") {
-    if (!all_built({"make-model", "finetune"})) return;
+TEST_CASE("finetune: padding to each micro-batch's longest - the plan's line, real and padded tokens/s; --seq-len past the context warns" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl";
     std::string log;
@@ -713,8 +682,7 @@ TEST_CASE("finetune: padding to each micro-batch's longest - the plan's line, re
 
 // --threads N > 1: other values than one stream (N = 1, the default: ql_llama_randomize's), the same
 // file for any N > 1; NF4's side data (one range) and q8_0's rows (split across threads) both
-TEST_CASE("make-model --threads: the same file for any N > 1, the one-stream file for N = 1") {
-    if (!all_built({"make-model", "finetune"})) return;
+TEST_CASE("make-model --threads: the same file for any N > 1, the one-stream file for N = 1" * needs_tools("make-model finetune")) {
     tmpdir d;
     std::string log;
     for (const char *type : {"nf4", "q8_0"}) {
@@ -739,8 +707,7 @@ TEST_CASE("make-model --threads: the same file for any N > 1, the one-stream fil
 }
 
 // --profile: the time per op kind, the multiplies by shape with their rate, the costliest nodes
-TEST_CASE("finetune --profile: where the step's time goes, the multiplies by shape and their GFLOP/s") {
-    if (!all_built({"make-model", "finetune"})) return;
+TEST_CASE("finetune --profile: where the step's time goes, the multiplies by shape and their GFLOP/s" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl";
     std::string log;
@@ -765,8 +732,7 @@ TEST_CASE("finetune --profile: where the step's time goes, the multiplies by sha
     CHECK(log.find("512x") != std::string::npos);  // the head
 }
 
-TEST_CASE("finetune: a full disk - the adapter first, then the checkpoint; the message names the file and the size") {
-    if (!all_built({"make-model", "finetune"})) return;
+TEST_CASE("finetune: a full disk - the adapter first, then the checkpoint; the message names the file and the size" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl", out = d.path + "/run";
     std::string log;
@@ -793,8 +759,7 @@ TEST_CASE("finetune: a full disk - the adapter first, then the checkpoint; the m
     CHECK(!exists(out + "/checkpoint.gguf.tmp"));
 }
 
-TEST_CASE("finetune: two runs on one -o at once - the second is refused, naming the first's pid") {
-    if (!all_built({"make-model", "finetune"})) return;
+TEST_CASE("finetune: two runs on one -o at once - the second is refused, naming the first's pid" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl", out = d.path + "/run";
     std::string log;
@@ -814,8 +779,7 @@ TEST_CASE("finetune: two runs on one -o at once - the second is refused, naming 
     REQUIRE_MESSAGE(run(ft + " --max-steps 2 --overwrite", &log) == 0, log);
 }
 
-TEST_CASE("finetune: SIGTERM and SIGHUP save a checkpoint like Ctrl-C and exit 128 + the signal, also when sent twice") {
-    if (!all_built({"make-model", "finetune"})) return;
+TEST_CASE("finetune: SIGTERM and SIGHUP save a checkpoint like Ctrl-C and exit 128 + the signal, also when sent twice" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl";
     std::string log;
@@ -837,13 +801,10 @@ TEST_CASE("finetune: SIGTERM and SIGHUP save a checkpoint like Ctrl-C and exit 1
     }
 }
 
-TEST_CASE("finetune: stories260K fine-tuned on a few stories lowers its loss on held-out ones") {
+TEST_CASE("finetune: stories260K fine-tuned on a few stories lowers its loss on held-out ones" * needs_fixture("stories260K/stories260K.bin") *
+          needs_tools("convert finetune perplexity")) {
     const std::string fx = fixtures_dir();
-    if (!exists(fx + "/stories260K/stories260K.bin")) {
-        MESSAGE("skipped: no stories260K in ../shared/fixtures (set QLORA_FIXTURES or run from the repo root)");
-        return;
-    }
-    if (!all_built({"convert", "finetune"})) return;
+    fixture("stories260K/stories260K.bin");
     const std::string dd = tests_dir() + "data";
     tmpdir d;
     std::string log;
@@ -881,15 +842,14 @@ TEST_CASE("finetune: stories260K fine-tuned on a few stories lowers its loss on 
     std::string e;
     REQUIRE_MESSAGE(ql_checkpoint_info((d.path + "/nan/checkpoint.gguf").c_str(), &unused, &step, &total, &e), e);
     CHECK(step == good);
-    if (all_built({"perplexity"})) {  // its adapter is finite and loads
+    {  // its adapter is finite and loads
         REQUIRE(run("printf 'Once upon a time' > " + d.path + "/t.txt", &log) == 0);
         CHECK_MESSAGE(run("./perplexity -m " + d.path + "/s.gguf --lora " + d.path + "/nan/adapter.gguf -f " + d.path + "/t.txt", &log) == 0,
                       log);
     }
 }
 
-TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is written") {
-    if (!all_built({"make-model", "finetune"})) return;
+TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is written" * needs_tools("make-model finetune perplexity quantize")) {
     tmpdir d;
     const std::string base = d.path + "/m.gguf", data = d.path + "/qa.jsonl", bad = d.path + "/bad.jsonl", out = d.path + "/out";
     std::string log;
@@ -974,7 +934,7 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
     REQUIRE(run("./finetune -m " + base + " -d " + bad + " -o " + out + " --skip-bad-lines --max-steps 1", &log) == 0);
     CHECK_MESSAGE(log.find("skipped 1 bad line of " + bad + "; the first: " + bad + ":2: ") != std::string::npos, log);
     // the adapter it wrote, where a model belongs: one line each, nothing written
-    if (all_built({"perplexity", "quantize"})) {
+    {
         CHECK(run("./perplexity -m " + out + "/adapter.gguf -f " + data, &log) == 1);
         CHECK_MESSAGE(log.find("a LoRA adapter, not a model (give it with --lora") != std::string::npos, log);
         CHECK(run("./quantize " + out + "/adapter.gguf " + d.path + "/q.gguf nf4", &log) == 1);
@@ -995,8 +955,7 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
     CHECK(read_file(out + "/checkpoint.gguf") == before);
 }
 
-TEST_CASE("finetune: BOS only where the vocabulary adds it (tokenizer.ggml.add_bos_token), as generate does") {
-    if (!all_built({"make-model", "finetune", "tokenize"})) return;
+TEST_CASE("finetune: BOS only where the vocabulary adds it (tokenizer.ggml.add_bos_token), as generate does" * needs_tools("make-model finetune tokenize")) {
     tmpdir d;
     const std::string base = d.path + "/m.gguf", nobos = d.path + "/nobos.gguf", data = d.path + "/t.jsonl";
     std::string log;
@@ -1080,8 +1039,7 @@ double jnum(const ql_json &j, const char *key) {
 
 }  // namespace
 
-TEST_CASE("finetune: the memory plan: --dry-run, measured peak within 3%, -b auto under --mem-limit, advice and snapshot") {
-    if (!all_built({"make-model", "finetune"})) return;
+TEST_CASE("finetune: the memory plan: --dry-run, measured peak within 3%, -b auto under --mem-limit, advice and snapshot" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl", out = d.path + "/run";
     std::string log;
@@ -1200,8 +1158,7 @@ TEST_CASE("finetune: the memory plan: --dry-run, measured peak within 3%, -b aut
     CHECK(!exists(out));
 }
 
-TEST_CASE("finetune: the device plan on a machine without the card (--vram, --cc), -b auto against it, advice") {
-    if (!all_built({"make-model", "finetune"})) return;
+TEST_CASE("finetune: the device plan on a machine without the card (--vram, --cc), -b auto against it, advice" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl", out = d.path + "/run";
     std::string log;
@@ -1243,8 +1200,7 @@ TEST_CASE("finetune: the device plan on a machine without the card (--vram, --cc
     CHECK(jnum(o, "saved_activations") < jnum(b, "saved_activations"));
 }
 
-TEST_CASE("finetune --precision: fp16's scale and skips in the progress line and metrics (valid JSON); auto by the CPU") {
-    if (!all_built({"make-model", "finetune"})) return;
+TEST_CASE("finetune --precision: fp16's scale and skips in the progress line and metrics (valid JSON); auto by the CPU" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string base = d.path + "/m.gguf", data = d.path + "/qa.jsonl";
     std::string log;
@@ -1288,8 +1244,7 @@ TEST_CASE("finetune --precision: fp16's scale and skips in the progress line and
 // Every tool's error exits, as a user meets them: exit 1 or 2 with the tool's one-line message,
 // and nothing else. make test-sanitize runs this case again with the tools built under ASan
 // (QL_TOOLS=build/san/tools): a leak on an error path makes LeakSanitizer's report and exit 23.
-TEST_CASE("tools: error exits - one line, the right code, nothing leaked") {
-    if (!all_built({"make-model", "finetune"})) return;
+TEST_CASE("tools: error exits - one line, the right code, nothing leaked" * needs_tools("make-model finetune")) {
     const char *dir = getenv("QL_TOOLS");
     const std::string T = std::string(dir ? dir : ".") + "/";
     tmpdir d;
@@ -1391,8 +1346,7 @@ static double max_diff(const std::vector<float> &got, const std::vector<float> &
 // save_pretrained (tests/reference/hf_golden.py: a Llama with GQA, an untied head and Llama 3.1
 // rope scaling; a Qwen2 with biases and a tied head in two shards; a Mistral) and the logits
 // transformers computes for them. Converted, loaded and run here, ours must equal them to 1e-4.
-TEST_CASE("convert hf: Llama, Qwen2 (sharded), Mistral from save_pretrained give transformers' logits; the tokenizer loads") {
-    if (!all_built({"convert"})) return;
+TEST_CASE("convert hf: Llama, Qwen2 (sharded), Mistral from save_pretrained give transformers' logits; the tokenizer loads" * needs_tools("convert")) {
     const std::string dir = tests_dir() + "golden/hf/";
     const hf_logits g = read_hf_logits(dir + "logits.bin");
     const uint32_t T = g.T, V = g.V;
@@ -1561,8 +1515,7 @@ TEST_CASE("convert hf: Llama, Qwen2 (sharded), Mistral from save_pretrained give
 // 5.24 / bitsandbytes 0.50.2): config.json's rope_parameters (transformers 5: theta and a linear
 // rope scaling together), and a real load_in_4bit + save_pretrained on bitsandbytes' CPU backend.
 // Converted and run here, each gives the logits transformers computed for it.
-TEST_CASE("convert hf: transformers 5 checkpoints (rope_parameters, linear rope scaling; a real load_in_4bit save) give its logits") {
-    if (!all_built({"convert"})) return;
+TEST_CASE("convert hf: transformers 5 checkpoints (rope_parameters, linear rope scaling; a real load_in_4bit save) give its logits" * needs_tools("convert")) {
     const std::string dir = tests_dir() + "golden/hf/";
     const hf_logits g = read_hf_logits(dir + "hf5-logits.bin");
     tmpdir d;
@@ -1612,8 +1565,7 @@ TEST_CASE("convert hf: transformers 5 checkpoints (rope_parameters, linear rope 
 // ./quantize's llama.cpp mixes: llama-quantize's per-tensor types (8 layers: use_more_bits picks
 // layers 0, 3, 6, 7), its tensor order (by layer, then name), its keys (the quantisation version
 // and llama_ftype last), and the fallback for rows that are not whole 256-blocks
-TEST_CASE("quantize Q4_K_M / Q4_K_S / Q8_0 / Q3_K_M / Q2_K / IQ4_XS: llama-quantize's per-tensor types, order, keys and fallbacks") {
-    if (!all_built({"make-model", "quantize"})) return;
+TEST_CASE("quantize Q4_K_M / Q4_K_S / Q8_0 / Q3_K_M / Q2_K / IQ4_XS: llama-quantize's per-tensor types, order, keys and fallbacks" * needs_tools("make-model quantize")) {
     tmpdir d;
     std::string log;
     REQUIRE(run("./make-model -o " + d.path + "/m.gguf --dim 256 --layers 8 --heads 4 --kv-heads 2 --ff 512 --seed 3", &log) == 0);

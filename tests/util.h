@@ -1,5 +1,5 @@
 // tests/util.h - helpers the test files share: a temporary folder, whole-file reads and writes,
-// running a command, where the fixtures are, and comparing vectors.
+// running a command, where the fixtures are, skips counted by cause, and comparing vectors.
 //
 //   tmpdir d;                                   // removed, with all it holds, at the end of the scope
 //   write_file(d.file("a.txt"), "hi");          // REQUIREs that it worked
@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -80,13 +81,101 @@ inline std::string tests_dir() {
 }
 
 // ../shared/fixtures beside the checkout (tests run from the repo root), or found from this file;
-// QLORA_FIXTURES overrides. "" when absent.
+// QLORA_FIXTURES, when set, is the only place looked at. "" when absent.
 inline std::string fixtures_dir() {
     std::vector<std::string> cand = {"../shared/fixtures", tests_dir() + "../../shared/fixtures"};
-    if (const char *env = getenv("QLORA_FIXTURES")) cand.insert(cand.begin(), env);
+    if (const char *env = getenv("QLORA_FIXTURES")) cand = {env};
     for (const std::string &c : cand)
         if (exists(c + "/tokenizer-vectors")) return c;
     return "";
+}
+
+// ---- skips ---------------------------------------------------------------------------------
+//
+// A case that cannot run here is skipped by a decorator, which doctest counts as skipped (an early
+// return inside the case would count as a pass). test_main.cpp prints the skips by cause at the end:
+//
+//   TEST_CASE("..." * needs_fixture("stories260K/stories260K.bin")) {  // under ../shared/fixtures
+//       const std::string bin = fixture("stories260K/stories260K.bin"); // the path; REQUIREs it
+//   TEST_CASE("..." * needs_tools("make-model finetune"))              // ./NAME, built by make
+//   TEST_CASE("..." * skip_unless(have_x, "without x"))                 // anything else, by cause
+//
+// Decorators are evaluated before main(): keep the probe cheap and safe (a stat()).
+// QLORA_REQUIRE_FIXTURES=1 (CI sets it) runs the fixture and tool cases anyway: fixture() fails in
+// the case, and the suite exits 1 when any case ran without what it needs.
+// limitation: doctest has no skip from inside a running case; a condition that only the case can
+// know is checked (CHECK), not returned from.
+
+inline bool require_fixtures() {
+    const char *e = getenv("QLORA_REQUIRE_FIXTURES");
+    return e && *e && strcmp(e, "0") != 0;
+}
+
+// one decorator on one case: test_main.cpp's listener finds it by the case's file and line
+struct skip_need {
+    std::string file;
+    unsigned line = 0;
+    std::string cause;  // "without ../shared/fixtures": the summary groups by it
+    std::string what;   // the missing thing, named when QLORA_REQUIRE_FIXTURES=1 runs the case anyway
+    bool have = true;
+    bool required = false;  // QLORA_REQUIRE_FIXTURES=1 turns this skip into a failure
+};
+inline std::vector<skip_need> &skip_needs() {
+    static std::vector<skip_need> v;
+    return v;
+}
+
+struct skip_decorator {
+    skip_need need;
+    void fill(doctest::detail::TestCase &tc) const {
+        skip_need n = need;
+        n.file = tc.m_file.c_str();
+        n.line = tc.m_line;
+        skip_needs().push_back(n);
+        if (!n.have && !(n.required && require_fixtures())) tc.m_skip = true;
+    }
+};
+
+inline skip_decorator skip_unless(bool have, const char *cause) {
+    skip_decorator d;
+    d.need.cause = d.need.what = cause;
+    d.need.have = have;
+    return d;
+}
+
+inline skip_decorator needs_fixture(const std::string &rel) {
+    skip_decorator d;
+    d.need.cause = "without ../shared/fixtures (or QLORA_FIXTURES)";
+    d.need.what = "fixture " + rel;
+    d.need.have = !fixtures_dir().empty() && exists(fixtures_dir() + "/" + rel);
+    d.need.required = true;
+    return d;
+}
+
+// the path of a fixture a case's needs_fixture named; fails the case when it is missing
+inline std::string fixture(const std::string &rel) {
+    const std::string fx = fixtures_dir(), p = fx + "/" + rel;
+    REQUIRE_MESSAGE((!fx.empty() && exists(p)), "fixture " << rel << " not found under "
+                    << (fx.empty() ? std::string("../shared/fixtures (or QLORA_FIXTURES)") : fx));
+    return p;
+}
+
+// the tools, space-separated ("make-model finetune": a macro argument takes no braced list), run as
+// ./NAME: from the repository root (make) or the build folder (ctest)
+inline skip_decorator needs_tools(const char *names) {
+    skip_decorator d;
+    d.need.cause = "without the tools (run make)";
+    const std::string s = names;
+    for (size_t i = 0, j; i < s.size(); i = j + 1) {
+        j = std::min(s.find(' ', i), s.size());
+        const std::string n = s.substr(i, j - i);
+        if (!n.empty() && !exists("./" + n)) {
+            d.need.have = false;
+            d.need.what += (d.need.what.empty() ? "./" : ", ./") + n;
+        }
+    }
+    d.need.required = true;
+    return d;
 }
 
 // ---- commands ------------------------------------------------------------------------------
