@@ -416,6 +416,23 @@ TEST_CASE("convert hf: malformed merges are refused at convert, naming the entry
     CHECK_MESSAGE(!has(log, "warning"), log);
 }
 
+// a PEFT folder d/peft with cfg and items, attached to d/model: its pair count (-1: refused, *why)
+static int peft_attach_pairs(const tmpdir &d, const std::string &model, const std::string &cfg, const std::vector<st_item> &items,
+                             std::string *why) {
+    const std::string p = d.path + "/peft";
+    mkdir(p.c_str(), 0755);
+    write_file(p + "/adapter_config.json", cfg);
+    write_st(p + "/adapter_model.safetensors", items);
+    char err[256];
+    ql_llama_file *f = ql_llama_load((d.path + "/" + model).c_str(), err, sizeof(err));
+    REQUIRE_MESSAGE(f, err);
+    ql_lora_adapter *ad = ql_lora_attach_any(&f->model, f->arch.c_str(), p.c_str(), 1.0f, why);
+    const int n = ad ? ad->n_pairs : -1;
+    ql_lora_adapter_free(ad);
+    ql_llama_file_free(f);
+    return n;
+}
+
 // PEFT saves whole weights beside the LoRA pairs: lm_head's base layer when lm_head is a target
 // (save_embedding_layers="auto"), and modules_to_save's copies. Each is loaded (there is nothing
 // to apply) when it is the model's own weight, and refused, saying why, when it is not.
@@ -437,20 +454,9 @@ TEST_CASE("PEFT adapter: lm_head's saved base layer and modules_to_save copies l
     const st_item head_a{"base_model.model.lm_head.lora_A.weight", "F32", {r, E}, std::string((const char *)a.data(), a.size() * 4)};
     const st_item head_b{"base_model.model.lm_head.lora_B.weight", "F32", {V, r}, std::string((const char *)b.data(), b.size() * 4)};
     auto attach = [&](const std::string &model, std::vector<st_item> extra, std::string *why) -> int {
-        const std::string p = d.path + "/peft";
-        mkdir(p.c_str(), 0755);
-        write_file(p + "/adapter_config.json", cfg);
         std::vector<st_item> items = lora;
         items.insert(items.end(), extra.begin(), extra.end());
-        write_st(p + "/adapter_model.safetensors", items);
-        char err[256];
-        ql_llama_file *f = ql_llama_load((d.path + "/" + model).c_str(), err, sizeof(err));
-        REQUIRE_MESSAGE(f, err);
-        ql_lora_adapter *ad = ql_lora_attach_any(&f->model, f->arch.c_str(), p.c_str(), 1.0f, why);
-        const int n = ad ? ad->n_pairs : -1;
-        ql_lora_adapter_free(ad);
-        ql_llama_file_free(f);
-        return n;
+        return peft_attach_pairs(d, model, cfg, items, why);
     };
     st_item saved_base = *head, copy = *head, emb_copy = *emb;
     saved_base.name = "base_model.model.lm_head.base_layer.weight";
@@ -513,22 +519,11 @@ TEST_CASE("PEFT adapter: lm_head's base layer saved in f16 or bf16 loads on an f
     const std::vector<st_item> lora = read_st(tests_dir() + "golden/hf/llama-peft/adapter_model.safetensors");
     const std::string cfg = read_file(tests_dir() + "golden/hf/llama-peft/adapter_config.json");
     auto attach = [&](const std::string &model, const st_item &layer, std::string *why) -> int {
-        const std::string p = d.path + "/peft";
-        mkdir(p.c_str(), 0755);
-        write_file(p + "/adapter_config.json", cfg);
         std::vector<st_item> items = lora;
         items.push_back(head_a);
         items.push_back(head_b);
         items.push_back(layer);
-        write_st(p + "/adapter_model.safetensors", items);
-        char err[256];
-        ql_llama_file *f = ql_llama_load((d.path + "/" + model).c_str(), err, sizeof(err));
-        REQUIRE_MESSAGE(f, err);
-        ql_lora_adapter *ad = ql_lora_attach_any(&f->model, f->arch.c_str(), p.c_str(), 1.0f, why);
-        const int n = ad ? ad->n_pairs : -1;
-        ql_lora_adapter_free(ad);
-        ql_llama_file_free(f);
-        return n;
+        return peft_attach_pairs(d, model, cfg, items, why);
     };
     std::string why;
     for (const char *model : {"m.gguf", "q8.gguf", "nf4.gguf"})

@@ -44,37 +44,6 @@ std::string tiny_run(const tmpdir &d, const char *model_flags = "--dim 32 --laye
     return "./finetune -m " + m + " -d " + data + " -t 1 --seq-len 32 -b 2 --device cpu";
 }
 
-// cmd with its output on a pipe; once a line starting with `when` appears, sends sig. The exit
-// status (-1 if signalled) and the output.
-int run_interrupted(const std::string &cmd, const std::string &when, std::string *out, int sig = SIGINT) {
-    int fd[2];
-    if (pipe(fd) != 0) return -2;
-    const pid_t pid = fork();
-    if (pid == 0) {
-        dup2(fd[1], 1);
-        dup2(fd[1], 2);
-        close(fd[0]);
-        close(fd[1]);
-        execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), (char *)nullptr);
-        _exit(127);
-    }
-    close(fd[1]);
-    out->clear();
-    bool sent = false;
-    char buf[4096];
-    ssize_t n;
-    while ((n = read(fd[0], buf, sizeof(buf))) > 0) {
-        out->append(buf, (size_t)n);
-        if (!sent && out->find("\n" + when) != std::string::npos) {
-            kill(pid, sig);
-            sent = true;
-        }
-    }
-    close(fd[0]);
-    int st = 0;
-    waitpid(pid, &st, 0);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
 
 // the line of log that starts with prefix ("" when none)
 std::string line_of(const std::string &log, const std::string &prefix) {

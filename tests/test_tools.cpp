@@ -445,41 +445,6 @@ double metric(const std::string &line, const char *key) {
     return p == std::string::npos ? NAN : atof(line.c_str() + p + k.size());
 }
 
-// Runs cmd with its stdout on a pipe; once a line starting with `when` appears, sends sig (times
-// times, 5 ms apart: GNU timeout's TERM to the child and then to its group). Returns the exit
-// status (-1 if signalled) and the output.
-int run_interrupted(const std::string &cmd, const std::string &when, std::string *out, int sig = SIGINT, int times = 1) {
-    int fd[2];
-    if (pipe(fd) != 0) return -2;
-    const pid_t pid = fork();
-    if (pid == 0) {
-        dup2(fd[1], 1);
-        dup2(fd[1], 2);
-        close(fd[0]);
-        close(fd[1]);
-        execl("/bin/sh", "sh", "-c", ("exec " + cmd).c_str(), (char *)nullptr);
-        _exit(127);
-    }
-    close(fd[1]);
-    out->clear();
-    bool sent = false;
-    char buf[4096];
-    ssize_t n;
-    while ((n = read(fd[0], buf, sizeof(buf))) > 0) {
-        out->append(buf, (size_t)n);
-        if (!sent && (out->rfind("\n" + when, std::string::npos) != std::string::npos)) {
-            for (int i = 0; i < times; i++) {
-                if (i) usleep(5000);
-                kill(pid, sig);
-            }
-            sent = true;
-        }
-    }
-    close(fd[0]);
-    int st = 0;
-    waitpid(pid, &st, 0);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
-}
 
 }  // namespace
 
