@@ -16,6 +16,16 @@
 #include <initializer_list>
 #include <string>
 
+// s as a whole number in [lo, hi] ("", "abc", "1.9" and out of range are not)
+inline bool parse_whole(const char *s, long long lo, long long hi, long long *v) {
+    char *end = nullptr;
+    errno = 0;
+    const long long x = strtoll(s, &end, 10);
+    if (end == s || *end || errno || x < lo || x > hi) return false;
+    *v = x;
+    return true;
+}
+
 // argv[*i]'s value (argv[*i + 1], *i moved onto it) as a whole number in [lo, hi]; else one
 // line on stderr naming the tool, the flag and the value ("", "abc", "1.9", out of range, missing)
 inline bool arg_whole(const char *tool, int argc, char **argv, int *i, long long lo, long long hi, long long *v) {
@@ -25,14 +35,10 @@ inline bool arg_whole(const char *tool, int argc, char **argv, int *i, long long
         return false;
     }
     const char *s = argv[++*i];
-    char *end = nullptr;
-    errno = 0;
-    const long long x = strtoll(s, &end, 10);
-    if (end == s || *end || errno || x < lo || x > hi) {
+    if (!parse_whole(s, lo, hi, v)) {
         fprintf(stderr, "%s: %s: '%s' is not a whole number in [%lld, %lld]\n", tool, flag, s, lo, hi);
         return false;
     }
-    *v = x;
     return true;
 }
 

@@ -1132,6 +1132,8 @@ static void advise(ql_llama_file *f, const seqs &tr, const seqs &ev, const args 
                 if (!x->empty()) x->resize(T / 2);
         return h;
     };
+    seqs tr_half, ev_half;  // the data at half the length: made once, when a set first needs it
+    bool halved = false;
     auto options = [&](const std::vector<size_t> &set, int b) {
         ql_train_options o = a.o;
         for (size_t k : set) {
@@ -1148,7 +1150,8 @@ static void advise(ql_llama_file *f, const seqs &tr, const seqs &ev, const args 
         for (size_t k : set) h = h || ch[k].half, q = q || ch[k].nf4;
         ql_memory_plan mp;
         std::string err;
-        if (h) ql_train_plan(f, half(tr), half(ev), options(set, b), &mp, &err);
+        if (h && !halved) tr_half = half(tr), ev_half = half(ev), halved = true;
+        if (h) ql_train_plan(f, tr_half, ev_half, options(set, b), &mp, &err);
         else ql_train_plan(f, tr, ev, options(set, b), &mp, &err);
         if (mp.total == 0) return 0;
         return plan_total(mp, a.o.mem_other) - std::min(q ? saving : 0, mp.total);

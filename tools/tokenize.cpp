@@ -13,6 +13,7 @@
 // --skip-bad-lines, and its options for the model: ql_data_options_for, the template found in the
 // model when none is given, its BOS rule), one token a line: its id, "+" where it is a prediction
 // target (the loss mask) or "." where not, and its text.
+#include "cli.h"
 #include "../models/data.h"
 #include "../models/tokenizer.h"
 #include "../qlora.h"
@@ -133,16 +134,12 @@ static int show_data(const ql_gguf *g, const ql_vocab *v, const char *data, long
     return 0;
 }
 
-// a whole number in [lo, hi], or -1 (with the message)
-static long whole_arg(const char *flag, const char *s, long lo, long hi) {
-    char *end = nullptr;
-    errno = 0;
-    const long v = strtol(s, &end, 10);
-    if (!*s || *end || errno || v < lo || v > hi) {
-        bad_args("%s: '%s' is not a whole number in [%ld, %ld]", flag, s, lo, hi);
-        return -1;
-    }
-    return v;
+// a whole number in [lo, hi], or -1 (with the message and the usage)
+static long long whole_arg(const char *flag, const char *s, long long lo, long long hi) {
+    long long v = 0;
+    if (parse_whole(s, lo, hi, &v)) return v;
+    bad_args("%s: '%s' is not a whole number in [%lld, %lld]", flag, s, lo, hi);
+    return -1;
 }
 
 int main(int argc, char **argv) {
@@ -174,12 +171,12 @@ int main(int argc, char **argv) {
         }
     }
     if (!model) return bad_args("no model: give -m model.gguf");
-    long line_no = 0, seq_len = 0;
+    long long line_no = 0, seq_len = 0;
     if (data) {
         if (prompt || file) return bad_args("--data shows a JSONL file's examples: -p and -f do not go with it");
         if (!add_special || parse_special)
             return bad_args("--data renders as finetune does: %s does not go with it", !add_special ? "--no-bos" : "--parse-special");
-        if (line_s && (line_no = whole_arg("--line", line_s, 1, LONG_MAX)) < 0) return 2;
+        if (line_s && (line_no = whole_arg("--line", line_s, 1, LLONG_MAX)) < 0) return 2;
         if (seq_s && (seq_len = whole_arg("--seq-len", seq_s, 2, 1 << 20)) < 0) return 2;
     } else {
         if (line_s || chat || seq_s || !add_eos || skip_bad)
