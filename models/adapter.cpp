@@ -154,7 +154,7 @@ static std::string float_text(double v) {
 
 static const uint64_t k_st_max_header = 100000000;  // the reference implementation's MAX_HEADER_SIZE
 
-static size_t st_dtype_size(const std::string &d) {
+size_t ql_st_dtype_size(const std::string &d) {
     if (d == "F32") return 4;
     if (d == "F16" || d == "BF16") return 2;
     if (d == "U8") return 1;  // bitsandbytes' packed 4-bit weights and their 8-bit absmax codes
@@ -187,7 +187,7 @@ bool ql_safetensors_write(const char *path, const std::vector<ql_st_tensor> &ten
     std::vector<size_t> order(tensors.size());
     for (size_t i = 0; i < order.size(); i++) order[i] = i;
     std::stable_sort(order.begin(), order.end(), [&](size_t x, size_t y) {
-        return st_dtype_size(tensors[x].dtype) > st_dtype_size(tensors[y].dtype);
+        return ql_st_dtype_size(tensors[x].dtype) > ql_st_dtype_size(tensors[y].dtype);
     });
     std::string h = "{";
     if (!metadata.empty()) {
@@ -201,7 +201,7 @@ bool ql_safetensors_write(const char *path, const std::vector<ql_st_tensor> &ten
     uint64_t offset = 0;
     for (size_t i : order) {
         const ql_st_tensor &t = tensors[i];
-        const size_t es = st_dtype_size(t.dtype);
+        const size_t es = ql_st_dtype_size(t.dtype);
         uint64_t n = 0;
         if (t.name.empty() || t.name == "__metadata__") return fail(err, "%s: bad tensor name '%s'", path, t.name.c_str());
         if (seen[t.name]++) return fail(err, "%s: tensor %s given twice", path, t.name.c_str());
@@ -274,7 +274,7 @@ bool ql_safetensors_read(const char *path, std::vector<ql_st_tensor> *tensors, s
         if (!sh || sh->kind != ql_json::ARR) return fail(err, "%s: tensor %s: missing shape array", path, name.c_str());
         if (!of || of->kind != ql_json::ARR || of->items.size() != 2)
             return fail(err, "%s: tensor %s: data_offsets must be [begin, end]", path, name.c_str());
-        const size_t es = st_dtype_size(dt->str);
+        const size_t es = ql_st_dtype_size(dt->str);
         if (!es)
             return fail(err, "%s: tensor %s has dtype %s; only F32, F16, BF16 and U8 are read", path, name.c_str(), dt->str.c_str());
         ql_st_tensor t;
@@ -710,8 +710,8 @@ static const ql_tensor *peft_full_weight(const ql_llama &m, const std::string &n
 }
 
 static void st_to_f32(const ql_st_tensor &t, std::vector<float> *o) {
-    uint64_t n = 1;
-    for (int64_t d : t.shape) n *= (uint64_t)d;
+    int64_t n = 0;
+    if (!ql_st_shape_count(t.shape, &n)) n = 0;  // (cannot fail: the reader checked every shape)
     o->resize((size_t)n);
     const uint8_t *p = (const uint8_t *)t.data;
     for (size_t i = 0; i < o->size(); i++) {
@@ -788,7 +788,7 @@ static bool peft_same_weight(const ql_st_tensor &t, const ql_tensor *w, std::str
     if (nf4)
         while ((step * ne0) % QL_NF4_BLOCK) step++;
     const int64_t rows = std::max<int64_t>(step, ((int64_t)1 << 20) / ne0 / step * step);
-    const size_t esz = t.dtype == "F32" ? 4 : 2;
+    const size_t esz = ql_st_dtype_size(t.dtype);
     std::vector<float> saved, ours, back;
     std::vector<uint8_t> q;
     double worst = -1, worst_d = 0, worst_tol = 0, worst_s = 0, worst_o = 0;
@@ -904,7 +904,6 @@ ql_lora_adapter *ql_peft_attach(ql_llama *m, const char *arch, const char *dir, 
         int64_t r;
     };
     std::vector<ready> rs;
-    auto to_f32 = st_to_f32;
     for (const ql_tensor *w : order) {
         const found &f = byw[w];
         if (!f.a || !f.b) {
@@ -928,8 +927,8 @@ ql_lora_adapter *ql_peft_attach(ql_llama *m, const char *arch, const char *dir, 
             return nullptr;
         }
         ready r{w, {}, {}, c.r};
-        to_f32(*f.a, &r.a);
-        to_f32(*f.b, &r.b);
+        st_to_f32(*f.a, &r.a);
+        st_to_f32(*f.b, &r.b);
         const int heads = rope_heads(*m, arch, f.mod);
         if (heads) {
             if (w->ne[1] % (2 * heads)) {

@@ -30,6 +30,8 @@ struct ql_st_tensor {
 // ([2^40, 2^40, 0] is refused as [0, 2^40, 2^40] is, the GGUF reader's rule). Readers and
 // converters multiply shapes here, nowhere else.
 bool ql_st_shape_count(const std::vector<int64_t> &shape, int64_t *n);
+// a safetensors dtype's element size: F32 4, F16 and BF16 2, U8 1 (what the reader admits); 0 else
+size_t ql_st_dtype_size(const std::string &dtype);
 // atomic (temp file, fsync, rename); metadata goes to the "__metadata__" entry
 bool ql_safetensors_write(const char *path, const std::vector<ql_st_tensor> &tensors,
                           const std::vector<std::pair<std::string, std::string>> &metadata, std::string *err);

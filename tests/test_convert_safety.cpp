@@ -549,6 +549,10 @@ TEST_CASE("PEFT adapter: lm_head's base layer saved in f16 or bf16 loads on an f
     CHECK_MESSAGE(has(why, "1 of its " + std::to_string(V * E) + " values differs from the model's output.weight (q8_0)"), why);
     CHECK_MESSAGE(has(why, "at row " + std::to_string(big / (size_t)E) + ", column " + std::to_string(big % (size_t)E) + " "), why);
     h = keep;
+    // saved as U8 (bitsandbytes' codes, not values): refused by its dtype before any comparison
+    st_item codes{"base_model.model.lm_head.base_layer.weight", "U8", {V, E}, std::string((size_t)(V * E), '\x11')};
+    CHECK(attach("m.gguf", codes, &why) == -1);
+    CHECK_MESSAGE(has(why, "lm_head.base_layer.weight has dtype U8; a LoRA tensor is F32, F16 or BF16"), why);
 }
 
 TEST_CASE("convert hf: an output whose temporary (OUT.tmp) is a symbolic link to an input is refused; the input kept" * needs_convert()) {

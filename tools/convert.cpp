@@ -193,9 +193,6 @@ static int convert_tiktoken(const char *path, const char *pre, const char *out) 
 // Qwen2ForCausalLM (arch "qwen2": neox rope, rows as they are, q/k/v biases): the same keys and
 // tensor names, written from the formats' description. Tensors stream from one shard at a time.
 
-// a safetensors dtype's element size (the reader admits F32, F16, BF16 and U8 only)
-static size_t st_dtype_size(const std::string &d) { return d == "F32" ? 4 : d == "U8" ? 1 : 2; }
-
 struct hf_tensor {
     std::string gguf_name;
     size_t shard = 0;
@@ -654,7 +651,7 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
             if (!a) return std::string("no tensor ") + wt.name + p.sfx + " beside it";
             if (a->shard != wt.shard) return wt.name + p.sfx + " is in " + shard_name(a->shard) + ", not beside it in " + shard_name(wt.shard);
             int64_t c = 0;
-            if (!ql_st_shape_count(a->shape, &c) || (!p.dtype && __builtin_mul_overflow(c, (int64_t)st_dtype_size(a->dtype), &c)))
+            if (!ql_st_shape_count(a->shape, &c) || (!p.dtype && __builtin_mul_overflow(c, (int64_t)ql_st_dtype_size(a->dtype), &c)))
                 return wt.name + p.sfx + ": its shape's element count overflows";  // (the codes: bytes, whatever the dtype)
             if (p.dtype && a->dtype != p.dtype) return wt.name + p.sfx + " is " + a->dtype + ", not " + p.dtype;
             if (c != p.count)
