@@ -1,12 +1,15 @@
 // qlora.cpp - everything backend-independent, and the CPU backend.
 //
-// Reading order (sections below, each behind a banner):
-//   1. errors and asserts         5. op constructors        9. CPU: thread pool
-//   2. type traits                6. autodiff               10. CPU: kernels (elementwise, rows,
-//   3. context / arena            7. graphs                     rope, attention, loss, matmul)
-//   4. tensors and views          8. memory planner         11. CPU backend and its interface
-//                                                          12. file formats (GGUF)
-//                                                          13. optimizer math
+// Reading order (the banners below, by the names before their colons; each section uses what
+// comes before it, and the type table's quantisers are declared ahead of section 3):
+//    1. errors and asserts          9. memory planner
+//    2. type traits                10. CPU: SIMD layer and thread pool
+//    3. quantisers                 11. CPU kernels
+//    4. context / arena            12. CPU backend
+//    5. tensors and views          13. backend layer
+//    6. op constructors            14. CUDA planning rules
+//    7. graphs                     15. file formats
+//    8. autodiff                   16. optimizer math
 #define QL_INTERNALS  // qlora.h's implementer part: block formats, the backend interface
 #include "qlora.h"
 
@@ -229,6 +232,128 @@ static void bf16_from_float(const float *s, void *d, int64_t n) {
 #endif
     for (; i < n; i++) y[i] = ql_fp32_to_bf16(s[i]);
 }
+
+// ggml's names of the types qlora does not read (ids as in ggml.h), for the error that refuses them
+static const char *ggml_type_name(uint32_t id) {
+    switch (id) {
+    case 4: return "q4_2 (removed from ggml)";
+    case 5: return "q4_3 (removed from ggml)";
+    case 9: return "q8_1";
+    case 15: return "q8_K";
+    case 16: return "iq2_xxs";
+    case 17: return "iq2_xs";
+    case 18: return "iq3_xxs";
+    case 19: return "iq1_s";
+    case 21: return "iq3_s";
+    case 22: return "iq2_s";
+    case 25: return "i16";
+    case 27: return "i64";
+    case 28: return "f64";
+    case 29: return "iq1_m";
+    case 34: return "tq1_0";
+    case 35: return "tq2_0";
+    case 39: return "mxfp4";
+    default: return nullptr;
+    }
+}
+
+// ---- NF4 (bitsandbytes-exact), blocks of 64, side data after the rows (see qlora.h) ----
+
+static int64_t nf4_n_blocks(int64_t n) { return (n + QL_NF4_BLOCK - 1) / QL_NF4_BLOCK; }
+static int64_t nf4_n_groups(int64_t n) { return (nf4_n_blocks(n) + QL_NF4_GROUP - 1) / QL_NF4_GROUP; }
+// (after the pad that puts the side data on a 4-byte boundary: rows of n / 2 bytes)
+static size_t nf4_pad(int64_t n) { return ql_aux_offset((size_t)(n / 2)) - (size_t)(n / 2); }
+static size_t nf4_aux_bytes(int64_t n) {  // n_blocks, offset, map, group scales, one code per block
+    return nf4_pad(n) + (size_t)(2 + 256 + nf4_n_groups(n)) * sizeof(float) + (size_t)nf4_n_blocks(n);
+}
+static size_t nf4_nodq_aux_bytes(int64_t n) { return nf4_pad(n) + (size_t)nf4_n_blocks(n) * sizeof(float); }
+static void nf4_to_float_aux(const void *row, const void *aux, int64_t first, float *dst, int64_t n);
+static void nf4_nodq_to_float_aux(const void *row, const void *aux, int64_t first, float *dst, int64_t n);
+static bool nf4_aux_check(const void *aux, int64_t n);
+static bool nf4_nodq_aux_check(const void *aux, int64_t n);
+
+// The block quantisers the table points at (section 3)
+static void q4_0_to_float(const void *src, float *dst, int64_t n);
+static void q4_0_from_float(const float *src, void *dst, int64_t n);
+static void q8_0_to_float(const void *src, float *dst, int64_t n);
+static void q8_0_from_float(const float *src, void *dst, int64_t n);
+static void q4_1_to_float(const void *src, float *dst, int64_t n);
+static void q4_1_from_float(const float *src, void *dst, int64_t n);
+static void q5_0_to_float(const void *src, float *dst, int64_t n);
+static void q5_0_from_float(const float *src, void *dst, int64_t n);
+static void q5_1_to_float(const void *src, float *dst, int64_t n);
+static void q5_1_from_float(const float *src, void *dst, int64_t n);
+static void q2_K_to_float(const void *src, float *dst, int64_t n);
+static void q2_K_from_float(const float *src, void *dst, int64_t n);
+static void q3_K_to_float(const void *src, float *dst, int64_t n);
+static void q3_K_from_float(const float *src, void *dst, int64_t n);
+static void iq4_nl_to_float(const void *src, float *dst, int64_t n);
+static void iq4_nl_from_float(const float *src, void *dst, int64_t n);
+static void iq4_xs_to_float(const void *src, float *dst, int64_t n);
+static void iq4_xs_from_float(const float *src, void *dst, int64_t n);
+static void q4_K_to_float(const void *src, float *dst, int64_t n);
+static void q4_K_from_float(const float *src, void *dst, int64_t n);
+static void q5_K_to_float(const void *src, float *dst, int64_t n);
+static void q5_K_from_float(const float *src, void *dst, int64_t n);
+static void q6_K_to_float(const void *src, float *dst, int64_t n);
+static void q6_K_from_float(const float *src, void *dst, int64_t n);
+
+struct ql_type_table {
+    ql_type_traits t[QL_TYPE_COUNT];
+    ql_type_table() {
+        memset(t, 0, sizeof(t));
+        t[QL_TYPE_F32]  = {"f32", 1, 4, true, f32_to_float, f32_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_F16]  = {"f16", 1, 2, true, f16_to_float, f16_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_BF16] = {"bf16", 1, 2, true, bf16_to_float, bf16_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_I32]  = {"i32", 1, 4, false, nullptr, nullptr, nullptr, nullptr, nullptr};
+        t[QL_TYPE_I8]   = {"i8", 1, 1, false, nullptr, nullptr, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q4_0] = {"q4_0", QL_QK4_0, sizeof(ql_block_q4_0), true, q4_0_to_float, q4_0_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q8_0] = {"q8_0", QL_QK8_0, sizeof(ql_block_q8_0), true, q8_0_to_float, q8_0_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q4_1] = {"q4_1", QL_QK4_0, sizeof(ql_block_q4_1), true, q4_1_to_float, q4_1_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q5_0] = {"q5_0", QL_QK4_0, sizeof(ql_block_q5_0), true, q5_0_to_float, q5_0_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q5_1] = {"q5_1", QL_QK4_0, sizeof(ql_block_q5_1), true, q5_1_to_float, q5_1_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q2_K] = {"q2_K", QL_QK_K, sizeof(ql_block_q2_K), true, q2_K_to_float, q2_K_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q3_K] = {"q3_K", QL_QK_K, sizeof(ql_block_q3_K), true, q3_K_to_float, q3_K_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_IQ4_NL] = {"iq4_nl", QL_QK4_0, sizeof(ql_block_iq4_nl), true, iq4_nl_to_float, iq4_nl_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_IQ4_XS] = {"iq4_xs", QL_QK_K, sizeof(ql_block_iq4_xs), true, iq4_xs_to_float, iq4_xs_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q4_K] = {"q4_K", QL_QK_K, sizeof(ql_block_q4_K), true, q4_K_to_float, q4_K_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q5_K] = {"q5_K", QL_QK_K, sizeof(ql_block_q5_K), true, q5_K_to_float, q5_K_from_float, nullptr, nullptr, nullptr};
+        t[QL_TYPE_Q6_K] = {"q6_K", QL_QK_K, sizeof(ql_block_q6_K), true, q6_K_to_float, q6_K_from_float, nullptr, nullptr, nullptr};
+        // NF4's unit is a byte of two codes: its blocks of 64 run over the flattened tensor (as
+        // bitsandbytes' do), so a row need only be even, and a block may span two rows
+        t[QL_TYPE_NF4]  = {"nf4", 2, 1, true, nullptr, nullptr, nf4_aux_bytes,
+                           nf4_to_float_aux, nf4_aux_check};
+        t[QL_TYPE_NF4_NODQ] = {"nf4_nodq", 2, 1, true, nullptr, nullptr,
+                               nf4_nodq_aux_bytes, nf4_nodq_to_float_aux, nf4_nodq_aux_check};
+    }
+};
+static const ql_type_table k_types;
+
+const ql_type_traits *ql_type_traits_get(ql_type type) {
+    if ((int)type < 0 || type >= QL_TYPE_COUNT || !k_types.t[type].name) return nullptr;
+    return &k_types.t[type];
+}
+static const ql_type_traits &traits(ql_type type) {
+    const ql_type_traits *tt = ql_type_traits_get(type);
+    QL_ASSERT(tt);
+    return *tt;
+}
+const char *ql_type_name(ql_type type) {
+    const ql_type_traits *tt = ql_type_traits_get(type);
+    return tt ? tt->name : "?";
+}
+size_t ql_row_size(ql_type type, int64_t ne0) {
+    const ql_type_traits &tt = traits(type);
+    return tt.type_size * (size_t)(ne0 / tt.blck_size);
+}
+size_t ql_type_data_size(ql_type type, int64_t n_rows, int64_t ne0) {
+    const ql_type_traits &tt = traits(type);
+    return ql_row_size(type, ne0) * (size_t)n_rows + (tt.aux_bytes ? tt.aux_bytes(n_rows * ne0) : 0);
+}
+
+// ============================================================================================
+// 3. quantisers: ggml's block formats, k-quants, IQ4, NF4 and the 8-bit dynamic map
+// ============================================================================================
 
 // ---- ggml's block formats, byte for byte the blocks of ggml / GGUF files (structs in qlora.h) ----
 //
@@ -1075,98 +1200,6 @@ static void iq4_xs_from_float(const float *src, void *dst, int64_t n) {
     }
 }
 
-// ggml's names of the types qlora does not read (ids as in ggml.h), for the error that refuses them
-static const char *ggml_type_name(uint32_t id) {
-    switch (id) {
-    case 4: return "q4_2 (removed from ggml)";
-    case 5: return "q4_3 (removed from ggml)";
-    case 9: return "q8_1";
-    case 15: return "q8_K";
-    case 16: return "iq2_xxs";
-    case 17: return "iq2_xs";
-    case 18: return "iq3_xxs";
-    case 19: return "iq1_s";
-    case 21: return "iq3_s";
-    case 22: return "iq2_s";
-    case 25: return "i16";
-    case 27: return "i64";
-    case 28: return "f64";
-    case 29: return "iq1_m";
-    case 34: return "tq1_0";
-    case 35: return "tq2_0";
-    case 39: return "mxfp4";
-    default: return nullptr;
-    }
-}
-
-// ---- NF4 (bitsandbytes-exact), blocks of 64, side data after the rows (see qlora.h) ----
-
-static int64_t nf4_n_blocks(int64_t n) { return (n + QL_NF4_BLOCK - 1) / QL_NF4_BLOCK; }
-static int64_t nf4_n_groups(int64_t n) { return (nf4_n_blocks(n) + QL_NF4_GROUP - 1) / QL_NF4_GROUP; }
-// (after the pad that puts the side data on a 4-byte boundary: rows of n / 2 bytes)
-static size_t nf4_pad(int64_t n) { return ql_aux_offset((size_t)(n / 2)) - (size_t)(n / 2); }
-static size_t nf4_aux_bytes(int64_t n) {  // n_blocks, offset, map, group scales, one code per block
-    return nf4_pad(n) + (size_t)(2 + 256 + nf4_n_groups(n)) * sizeof(float) + (size_t)nf4_n_blocks(n);
-}
-static size_t nf4_nodq_aux_bytes(int64_t n) { return nf4_pad(n) + (size_t)nf4_n_blocks(n) * sizeof(float); }
-static void nf4_to_float_aux(const void *row, const void *aux, int64_t first, float *dst, int64_t n);
-static void nf4_nodq_to_float_aux(const void *row, const void *aux, int64_t first, float *dst, int64_t n);
-static bool nf4_aux_check(const void *aux, int64_t n);
-static bool nf4_nodq_aux_check(const void *aux, int64_t n);
-
-struct ql_type_table {
-    ql_type_traits t[QL_TYPE_COUNT];
-    ql_type_table() {
-        memset(t, 0, sizeof(t));
-        t[QL_TYPE_F32]  = {"f32", 1, 4, true, f32_to_float, f32_from_float, nullptr, nullptr, nullptr};
-        t[QL_TYPE_F16]  = {"f16", 1, 2, true, f16_to_float, f16_from_float, nullptr, nullptr, nullptr};
-        t[QL_TYPE_BF16] = {"bf16", 1, 2, true, bf16_to_float, bf16_from_float, nullptr, nullptr, nullptr};
-        t[QL_TYPE_I32]  = {"i32", 1, 4, false, nullptr, nullptr, nullptr, nullptr, nullptr};
-        t[QL_TYPE_I8]   = {"i8", 1, 1, false, nullptr, nullptr, nullptr, nullptr, nullptr};
-        t[QL_TYPE_Q4_0] = {"q4_0", QL_QK4_0, sizeof(ql_block_q4_0), true, q4_0_to_float, q4_0_from_float, nullptr, nullptr, nullptr};
-        t[QL_TYPE_Q8_0] = {"q8_0", QL_QK8_0, sizeof(ql_block_q8_0), true, q8_0_to_float, q8_0_from_float, nullptr, nullptr, nullptr};
-        t[QL_TYPE_Q4_1] = {"q4_1", QL_QK4_0, sizeof(ql_block_q4_1), true, q4_1_to_float, q4_1_from_float, nullptr, nullptr, nullptr};
-        t[QL_TYPE_Q5_0] = {"q5_0", QL_QK4_0, sizeof(ql_block_q5_0), true, q5_0_to_float, q5_0_from_float, nullptr, nullptr, nullptr};
-        t[QL_TYPE_Q5_1] = {"q5_1", QL_QK4_0, sizeof(ql_block_q5_1), true, q5_1_to_float, q5_1_from_float, nullptr, nullptr, nullptr};
-        t[QL_TYPE_Q2_K] = {"q2_K", QL_QK_K, sizeof(ql_block_q2_K), true, q2_K_to_float, q2_K_from_float, nullptr, nullptr, nullptr};
-        t[QL_TYPE_Q3_K] = {"q3_K", QL_QK_K, sizeof(ql_block_q3_K), true, q3_K_to_float, q3_K_from_float, nullptr, nullptr, nullptr};
-        t[QL_TYPE_IQ4_NL] = {"iq4_nl", QL_QK4_0, sizeof(ql_block_iq4_nl), true, iq4_nl_to_float, iq4_nl_from_float, nullptr, nullptr, nullptr};
-        t[QL_TYPE_IQ4_XS] = {"iq4_xs", QL_QK_K, sizeof(ql_block_iq4_xs), true, iq4_xs_to_float, iq4_xs_from_float, nullptr, nullptr, nullptr};
-        t[QL_TYPE_Q4_K] = {"q4_K", QL_QK_K, sizeof(ql_block_q4_K), true, q4_K_to_float, q4_K_from_float, nullptr, nullptr, nullptr};
-        t[QL_TYPE_Q5_K] = {"q5_K", QL_QK_K, sizeof(ql_block_q5_K), true, q5_K_to_float, q5_K_from_float, nullptr, nullptr, nullptr};
-        t[QL_TYPE_Q6_K] = {"q6_K", QL_QK_K, sizeof(ql_block_q6_K), true, q6_K_to_float, q6_K_from_float, nullptr, nullptr, nullptr};
-        // NF4's unit is a byte of two codes: its blocks of 64 run over the flattened tensor (as
-        // bitsandbytes' do), so a row need only be even, and a block may span two rows
-        t[QL_TYPE_NF4]  = {"nf4", 2, 1, true, nullptr, nullptr, nf4_aux_bytes,
-                           nf4_to_float_aux, nf4_aux_check};
-        t[QL_TYPE_NF4_NODQ] = {"nf4_nodq", 2, 1, true, nullptr, nullptr,
-                               nf4_nodq_aux_bytes, nf4_nodq_to_float_aux, nf4_nodq_aux_check};
-    }
-};
-static const ql_type_table k_types;
-
-const ql_type_traits *ql_type_traits_get(ql_type type) {
-    if ((int)type < 0 || type >= QL_TYPE_COUNT || !k_types.t[type].name) return nullptr;
-    return &k_types.t[type];
-}
-static const ql_type_traits &traits(ql_type type) {
-    const ql_type_traits *tt = ql_type_traits_get(type);
-    QL_ASSERT(tt);
-    return *tt;
-}
-const char *ql_type_name(ql_type type) {
-    const ql_type_traits *tt = ql_type_traits_get(type);
-    return tt ? tt->name : "?";
-}
-size_t ql_row_size(ql_type type, int64_t ne0) {
-    const ql_type_traits &tt = traits(type);
-    return tt.type_size * (size_t)(ne0 / tt.blck_size);
-}
-size_t ql_type_data_size(ql_type type, int64_t n_rows, int64_t ne0) {
-    const ql_type_traits &tt = traits(type);
-    return ql_row_size(type, ne0) * (size_t)n_rows + (tt.aux_bytes ? tt.aux_bytes(n_rows * ne0) : 0);
-}
-
 // ---- quantisation: bitsandbytes' NF4 and 8-bit dynamic map, whole tensors ----
 
 
@@ -1493,7 +1526,7 @@ ql_status ql_nf4_to_bnb(ql_type type, const void *src, int64_t n_rows, int64_t n
 }
 
 // ============================================================================================
-// 3. context / arena
+// 4. context / arena
 // ============================================================================================
 
 static size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -1552,7 +1585,7 @@ static void *arena_take(ql_context *ctx, size_t size, const char *what, const ch
 }
 
 // ============================================================================================
-// 4. tensors and views
+// 5. tensors and views
 // ============================================================================================
 
 static std::string shape_str(const ql_tensor *t) {
@@ -1771,7 +1804,7 @@ void ql_tensor_fill_f32(ql_tensor *t, float v) {
 }
 
 // ============================================================================================
-// 5. op constructors: validate, then record (op, sources, params). Nothing is computed here.
+// 6. op constructors: validate, then record (op, sources, params). Nothing is computed here.
 // ============================================================================================
 
 static const char *k_op_names[] = {
@@ -2305,7 +2338,7 @@ static ql_tensor *acc_grad(ql_context *ctx, ql_tensor *grad, ql_tensor *contrib)
 }
 
 // ============================================================================================
-// 6. graphs: nodes in execution order (a post-order walk of the sources)
+// 7. graphs: nodes in execution order (a post-order walk of the sources)
 // ============================================================================================
 
 struct ql_graph {
@@ -2317,7 +2350,7 @@ struct ql_graph {
     std::unordered_set<const ql_tensor *> visited;
     int n_forward = -1;                // -1: no backward part
 
-    // the plan (section 8)
+    // the plan (section 9)
     bool planned = false;
     uint64_t plan_backend = 0;                 // backend id the plan's work sizes are for
     uint64_t plan_id = 0;                      // unique per plan made (ql_graph_plan_id)
@@ -2418,7 +2451,7 @@ ql_status ql_graph_build_forward(ql_graph *g, ql_tensor *out) {
 }
 
 // ============================================================================================
-// 7. autodiff: one backward case per forward op, each next to the math it inverts
+// 8. autodiff: one backward case per forward op, each next to the math it inverts
 // ============================================================================================
 
 struct grad_builder {
@@ -2943,7 +2976,7 @@ ql_status ql_graph_offload(ql_graph *g, ql_tensor *const *tensors, int n_off) {
 }
 
 // ============================================================================================
-// 8. memory planner: liveness over the node order, best-fit placement in one buffer
+// 9. memory planner: liveness over the node order, best-fit placement in one buffer
 // ============================================================================================
 
 static const char *k_mem_names[] = {"weights", "params", "grads", "inputs", "saved activations", "scratch", "work"};
@@ -3348,7 +3381,7 @@ ql_status ql_graph_alloc_shared(ql_graph *g, ql_backend *be, ql_graph *host) {
 }
 
 // ============================================================================================
-// 9. CPU: SIMD layer and thread pool
+// 10. CPU: SIMD layer and thread pool
 // ============================================================================================
 
 // One vector type per build: the widest the compiler was allowed (-march). The kernels below
@@ -3666,7 +3699,7 @@ struct cpu_pool {
 };
 
 // ============================================================================================
-// 10. CPU kernels
+// 11. CPU kernels
 // ============================================================================================
 
 struct cpu_job;  // below: the graph being run, the first kernel error
@@ -5511,7 +5544,7 @@ static void k_mul_mat(const cpu_params &p, ql_tensor *dst) {
 }
 
 // ============================================================================================
-// 11. CPU backend
+// 12. CPU backend: a graph run on the thread pool, the interface table, threads, direct sgemm
 // ============================================================================================
 
 struct cpu_backend {
@@ -5823,6 +5856,42 @@ void ql_backend_cpu_parallel(ql_backend *be, void (*fn)(void *, int, int), void 
 int ql_backend_cpu_n_threads(const ql_backend *be) {
     return (be && be->iface.graph_compute == cpu_graph_compute) ? ((const cpu_backend *)be->impl)->pool.n : 0;
 }
+
+struct sgemm_job {
+    mm_problem P;
+    uint8_t *work;
+    size_t per_thread;
+};
+
+static void sgemm_worker(void *arg, int ith, int nth) {
+    sgemm_job *j = (sgemm_job *)arg;
+    mm_run_tasks(j->P, ith, nth, (float *)(j->work + (size_t)ith * j->per_thread));
+}
+
+void ql_cpu_sgemm(ql_backend *be, int64_t M, int64_t N, int64_t K, const float *a, int64_t lda, const float *b,
+                  int64_t ldb, float *c, int64_t ldc) {
+    QL_ASSERT(ql_backend_cpu_n_threads(be) > 0);
+    cpu_backend *cb = (cpu_backend *)be->impl;
+    sgemm_job j;
+    j.P = mm_problem{};
+    j.P.w = {(const uint8_t *)a, 4, lda * 4, QL_TYPE_F32, false, nullptr, nullptr};
+    j.P.x = {(const uint8_t *)b, 4, ldb * 4, QL_TYPE_F32, false, nullptr, nullptr};
+    j.P.c = c;
+    j.P.M = M;
+    j.P.N = N;
+    j.P.K = K;
+    j.P.ldc = ldc;
+    j.P.n_batch = j.P.B2 = j.P.r2 = j.P.r3 = 1;
+    j.per_thread = align_up(mm_layout_of(M, N, K).total * sizeof(float), QL_ALIGN);
+    const size_t need = j.per_thread * (size_t)cb->pool.n + QL_ALIGN;
+    if (cb->scratch.size() < need) cb->scratch.resize(need);
+    j.work = (uint8_t *)align_up((uintptr_t)cb->scratch.data(), QL_ALIGN);
+    cb->pool.run(sgemm_worker, &j);
+}
+
+// ============================================================================================
+// 13. backend layer: what every backend answers, its buffers, tensor copies, init by name
+// ============================================================================================
 
 // Plans and buffers remember the backend by id: a new backend at a freed one's address must
 // not inherit its plan (work sizes depend on the thread count).
@@ -6171,6 +6240,10 @@ void ql_backend_describe(const ql_backend *be, char *buf, size_t size) {
     }
 }
 
+// ============================================================================================
+// 14. CUDA planning rules: a device plan without the device, and the no-CUDA stand-ins
+// ============================================================================================
+
 // ---- the CUDA backend's memory rules: pure arithmetic on shapes, here rather than in
 // qlora-cuda.cu so that a device plan (--dry-run --device cuda --vram 8G) needs neither a GPU
 // nor a CUDA build; the CUDA kernels size and carve their workspace by these same functions ----
@@ -6308,40 +6381,8 @@ __attribute__((weak)) bool ql_cuda_memory_used(size_t *in_use, size_t *peak) {
     return false;
 }
 
-struct sgemm_job {
-    mm_problem P;
-    uint8_t *work;
-    size_t per_thread;
-};
-
-static void sgemm_worker(void *arg, int ith, int nth) {
-    sgemm_job *j = (sgemm_job *)arg;
-    mm_run_tasks(j->P, ith, nth, (float *)(j->work + (size_t)ith * j->per_thread));
-}
-
-void ql_cpu_sgemm(ql_backend *be, int64_t M, int64_t N, int64_t K, const float *a, int64_t lda, const float *b,
-                  int64_t ldb, float *c, int64_t ldc) {
-    QL_ASSERT(ql_backend_cpu_n_threads(be) > 0);
-    cpu_backend *cb = (cpu_backend *)be->impl;
-    sgemm_job j;
-    j.P = mm_problem{};
-    j.P.w = {(const uint8_t *)a, 4, lda * 4, QL_TYPE_F32, false, nullptr, nullptr};
-    j.P.x = {(const uint8_t *)b, 4, ldb * 4, QL_TYPE_F32, false, nullptr, nullptr};
-    j.P.c = c;
-    j.P.M = M;
-    j.P.N = N;
-    j.P.K = K;
-    j.P.ldc = ldc;
-    j.P.n_batch = j.P.B2 = j.P.r2 = j.P.r3 = 1;
-    j.per_thread = align_up(mm_layout_of(M, N, K).total * sizeof(float), QL_ALIGN);
-    const size_t need = j.per_thread * (size_t)cb->pool.n + QL_ALIGN;
-    if (cb->scratch.size() < need) cb->scratch.resize(need);
-    j.work = (uint8_t *)align_up((uintptr_t)cb->scratch.data(), QL_ALIGN);
-    cb->pool.run(sgemm_worker, &j);
-}
-
 // ============================================================================================
-// 12. file formats: GGUF
+// 15. file formats: GGUF
 // ============================================================================================
 
 //
@@ -7433,7 +7474,7 @@ ql_status ql_gguf_write(const ql_gguf_writer *w, const char *path, char *err, si
 }
 
 // ============================================================================================
-// 13. optimizer math
+// 16. optimizer math
 // ============================================================================================
 
 void ql_adamw_update(ql_tensor *param, ql_tensor *m, ql_tensor *v, int64_t step, const ql_adamw_params *p,
