@@ -6386,7 +6386,7 @@ __attribute__((weak)) bool ql_cuda_memory_used(size_t *in_use, size_t *peak) {
 // ============================================================================================
 
 //
-// Layout (little-endian, REFERENCE.md section 7):
+// Layout (little-endian; the GGUF spec, ggml's docs/gguf.md):
 //   "GGUF", u32 version, u64 n_tensors, u64 n_kv
 //   n_kv      x { string key, u32 value type, value }
 //   n_tensors x { string name, u32 n_dims, u64 ne[n_dims], u32 type, u64 offset }

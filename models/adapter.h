@@ -5,7 +5,8 @@
 //   PEFT:       dir/adapter_config.json + dir/adapter_model.safetensors
 //               (base_model.model.model.layers.N.self_attn.q_proj.lora_A.weight [r, in] ...);
 //               for the llama architecture the rows of q's and k's lora_B are put back in
-//               Hugging Face's order (GGUF files keep q/k rows permuted for rope: REFERENCE §4, §8)
+//               Hugging Face's order (GGUF files keep q/k rows permuted for rope, as llama.cpp's
+//               convert_hf_to_gguf.py writes them: LlamaModel.permute)
 //   merged:     a GGUF with W + scale B A in f16 for every adapted weight (and every tensor
 //               llama.cpp could not read, e.g. NF4, widened to f16): loadable by llama.cpp
 //   loss.png:   train / eval loss curves

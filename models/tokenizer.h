@@ -56,8 +56,9 @@ std::string ql_detokenize(const ql_vocab *v, const std::vector<int32_t> &ids, bo
 
 // Converters: write the tokenizer.ggml.* keys (model, pre, tokens, scores, token_type,
 // merges, bos/eos/unk ids, add_bos/eos, add_space_prefix) into a GGUF writer.
-// llama2.c tokenizer.bin (see ../shared/REFERENCE.md section 11): a "llama" vocabulary; ids
-// 0, 1, 2 are <unk>, <s>, </s>; 3..258 the byte tokens <0x00>..<0xFF>.
+// llama2.c tokenizer.bin (karpathy/llama2.c: tokenizer.py's Tokenizer.export writes it, run.c's
+// build_tokenizer reads it): a "llama" vocabulary; ids 0, 1, 2 are <unk>, <s>, </s>; 3..258 the
+// byte tokens <0x00>..<0xFF>.
 ql_status ql_vocab_from_llama2c(const char *tokenizer_bin, ql_gguf_writer *w, char *err, size_t err_size);
 // tiktoken file (base64 token bytes, rank per line; Meta's Llama 3): a "gpt2" vocabulary with
 // the merges rebuilt from the ranks and Llama 3's special tokens (128000 ...) appended.

@@ -1,4 +1,5 @@
-// Optimizers: bitsandbytes' 8-bit AdamW (REFERENCE.md section 3) against its dynamic maps made
+// Optimizers: bitsandbytes' 8-bit AdamW (bitsandbytes: optim/adamw.py's AdamW8bit, its blockwise
+// update in csrc/kernels.cu, functional.py's create_dynamic_map) against its dynamic maps made
 // by torch (tests/golden/dynamic_map.txt from tests/reference/dynamic_map_golden.py), and
 // against f32 AdamW on a quadratic.
 #include "../qlora.h"

@@ -1,4 +1,5 @@
-// LoRA fine-tuning: the trainer's semantics (REFERENCE.md section 6) on a tiny llama.
+// LoRA fine-tuning: the trainer's semantics (transformers' Trainer and TrainingArguments, docs
+// page main_classes/trainer; TRL's SFTTrainer for completion-only loss) on a tiny llama.
 #include "../models/trainer.h"
 #include "tiny.h"
 #include "util.h"
@@ -503,7 +504,7 @@ TEST_CASE("trainer: AdamW with weight decay and clipping, step by step, as torch
     ql_llama_file_free(f);
 }
 
-// ---- memory: recompute policies, the plan, auto under a budget (REFERENCE.md section 12) ----
+// ---- memory: recompute policies (Chen et al. 2016, arXiv 1604.06174), the plan, auto under a budget ----
 
 namespace {
 

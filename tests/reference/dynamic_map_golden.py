@@ -2,8 +2,9 @@
 # tests/reference/dynamic_map_golden.py - dev-side: writes tests/golden/dynamic_map.txt, the two
 # 256-value maps of bitsandbytes' 8-bit optimizer states, computed with torch as
 # bitsandbytes.functional.create_dynamic_map(signed, max_exponent_bits=7, total_bits=8) does
-# (float32 linspace, midpoints, times 10^(i - 6); 0 and 1 added; sorted). Written out from the
-# description in REFERENCE.md section 3, not copied; one value per line as float.hex.
+# (float32 linspace, midpoints, times 10^(i - 6); 0 and 1 added; sorted). Written out from that
+# function's description (bitsandbytes/functional.py; Dettmers et al. 2021, 8-bit Optimizers via
+# Block-wise Quantization, arXiv 2110.02861), not copied; one value per line as float.hex.
 # Run: /usr/bin/python3 (Debian python3-torch) tests/reference/dynamic_map_golden.py > tests/golden/dynamic_map.txt
 import torch
 
