@@ -51,8 +51,12 @@ LIB_SRC  := qlora.cpp $(wildcard models/*.cpp)
 LIB_OBJ  := $(LIB_SRC:%.cpp=$(BUILD)/%.o)
 TEST_SRC := $(wildcard tests/test_*.cpp)
 TEST_OBJ := $(TEST_SRC:%.cpp=$(BUILD)/%.o)
-# every tools/X.cpp is a binary ./X at the repository root, except the benchmark (tools/bench)
-ROOT_TOOLS := $(filter-out bench,$(basename $(notdir $(wildcard tools/*.cpp))))
+# code the tools share, without a main (tools/plot.cpp: finetune's loss.png), archived so that
+# a tool or the test binary links what it calls; stb's PNG writer is its dependency
+TOOL_LIB_SRC := tools/plot.cpp
+TOOL_LIB_OBJ := $(TOOL_LIB_SRC:%.cpp=$(BUILD)/%.o)
+# every other tools/X.cpp is a binary ./X at the repository root, except the benchmark (tools/bench)
+ROOT_TOOLS := $(filter-out bench $(basename $(notdir $(TOOL_LIB_SRC))),$(basename $(notdir $(wildcard tools/*.cpp))))
 TOOLS    := tools/bench $(ROOT_TOOLS)
 HEADERS  := qlora.h $(wildcard models/*.h models/*.inc tools/*.h)
 TEST_HEADERS := $(wildcard tests/*.h)
@@ -60,7 +64,7 @@ TEST_HEADERS := $(wildcard tests/*.h)
 .PHONY: deps all test test-unit test-dropin test-cuda-shim test-amx-shim test-gpu cuda-check test-sanitize test-portable bench bench-finetune bench-checkpointing bench-optimizers demo clean cuda fuzz
 all: $(TOOLS) $(BUILD)/test-qlora
 
-# tools/deps.sh: the headers the build needs - stb for the library, doctest for the tests -
+# tools/deps.sh: the headers the build needs - stb for the tools' loss plot, doctest for the tests -
 # installed as root with apt or named with the one command that installs them, before anything
 # compiles (order-only: no rebuilds). One check for what the goals need (the tools alone, as in
 # make demo, need no doctest), so that one apt-get runs and one line names all that is missing.
@@ -80,6 +84,9 @@ $(BUILD)/tests/%.o: tests/%.cpp $(HEADERS) $(TEST_HEADERS) | deps
 $(BUILD)/libqlora.a: $(LIB_OBJ)
 	ar rcs $@ $^
 
+$(BUILD)/libtools.a: $(TOOL_LIB_OBJ)
+	ar rcs $@ $^
+
 # the CUDA object is linked explicitly (not archived): its definitions replace the library's weak
 # no-CUDA ones
 $(BUILD)/qlora-cuda.o: $(CUDA_SRC) qlora.h
@@ -89,13 +96,13 @@ $(BUILD)/qlora-cuda.o: $(CUDA_SRC) qlora.h
 tools/bench: $(BUILD)/tools/bench.o $(BUILD)/libqlora.a $(CUDA_OBJ)
 	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
 
-$(ROOT_TOOLS): %: $(BUILD)/tools/%.o $(BUILD)/libqlora.a $(CUDA_OBJ)
+$(ROOT_TOOLS): %: $(BUILD)/tools/%.o $(BUILD)/libtools.a $(BUILD)/libqlora.a $(CUDA_OBJ)
 	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
 
 $(TEST_OBJ): $(TEST_HEADERS)
 $(TEST_SRC:%.cpp=$(BUILD)/san/%.o): $(TEST_HEADERS)
 
-$(BUILD)/test-qlora: $(TEST_OBJ) $(BUILD)/libqlora.a $(CUDA_OBJ)
+$(BUILD)/test-qlora: $(TEST_OBJ) $(BUILD)/libtools.a $(BUILD)/libqlora.a $(CUDA_OBJ)
 	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
 
 # The CUDA backend through the shim: qlora-cuda.cu compiled as host C++ (tests/cuda_shim_backend.cpp)
@@ -131,7 +138,7 @@ test: test-unit test-dropin test-cuda-shim test-amx-shim
 # The suite linked with the CUDA backend from the objects make already built (the CPU objects do
 # not depend on CUDA=1) and cuda-check's object: what CI runs to see the CUDA build link and its
 # GPU suite skip (or run) without compiling everything a second time.
-$(BUILD)/test-qlora-cuda: $(TEST_OBJ) $(BUILD)/libqlora.a $(BUILD)/cuda/qlora-cuda.o
+$(BUILD)/test-qlora-cuda: $(TEST_OBJ) $(BUILD)/libtools.a $(BUILD)/libqlora.a $(BUILD)/cuda/qlora-cuda.o
 	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS) -L$(CUDA_HOME)/lib64 -lcublas -lcudart -Wl,-rpath,$(CUDA_HOME)/lib64
 
 ifneq ($(CUDA_HEADERS),)
@@ -198,12 +205,12 @@ $(SAN)/tests/%.o: tests/%.cpp $(HEADERS) $(TEST_HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CXX) $(SAN_TESTFLAGS) -I. -c $< -o $@
 
-$(SAN)/test-qlora: $(TEST_SRC:%.cpp=$(SAN)/%.o) $(LIB_SRC:%.cpp=$(SAN)/%.o)
+$(SAN)/test-qlora: $(TEST_SRC:%.cpp=$(SAN)/%.o) $(TOOL_LIB_SRC:%.cpp=$(SAN)/%.o) $(LIB_SRC:%.cpp=$(SAN)/%.o)
 	$(CXX) $(SANFLAGS) $^ -o $@ $(LDLIBS)
 
 # the tools under the sanitizers too: their error exits must be leak-free (tests/test_tools.cpp's
 # "error exits" case runs them, QL_TOOLS=$(SAN)/tools)
-$(SAN)/tools/%: $(SAN)/tools/%.o $(LIB_SRC:%.cpp=$(SAN)/%.o)
+$(SAN)/tools/%: $(SAN)/tools/%.o $(TOOL_LIB_SRC:%.cpp=$(SAN)/%.o) $(LIB_SRC:%.cpp=$(SAN)/%.o)
 	$(CXX) $(SANFLAGS) $^ -o $@ $(LDLIBS)
 SAN_TOOLS := $(ROOT_TOOLS:%=$(SAN)/tools/%)
 

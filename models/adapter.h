@@ -1,4 +1,4 @@
-// models/adapter.h - trained adapters in the files other tools load as they are, and plots.
+// models/adapter.h - trained adapters in the files other tools load as they are.
 //
 //   llama.cpp:  adapter.gguf  (general.type "adapter", adapter.type "lora", adapter.lora.alpha;
 //                              "<weight>.lora_a" [in, r], "<weight>.lora_b" [r, out])
@@ -9,7 +9,6 @@
 //               convert_hf_to_gguf.py writes them: LlamaModel.permute)
 //   merged:     a GGUF with W + scale B A in f16 for every adapted weight (and every tensor
 //               llama.cpp could not read, e.g. NF4, widened to f16): loadable by llama.cpp
-//   loss.png:   train / eval loss curves
 #pragma once
 
 #include "llama.h"
@@ -79,8 +78,3 @@ ql_lora_adapter *ql_lora_attach_any(ql_llama *m, const char *arch, const char *p
 // The base model file with every adapter of m merged in, as f16 where merged or unreadable
 // by llama.cpp (qlora's NF4), other tensors copied as they are.
 bool ql_llama_save_merged(const char *path, const ql_llama_file &base, const ql_llama &m, std::string *err);
-
-// Loss curves (x: optimizer step) as an 800 x 500 RGB PNG with axes, ticks and a legend; eval
-// may be empty (train too, if eval is not). Non-finite values are refused; written atomically.
-bool ql_plot_losses(const char *path, const std::vector<std::pair<double, double>> &train,
-                    const std::vector<std::pair<double, double>> &eval, std::string *err);

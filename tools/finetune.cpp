@@ -11,6 +11,7 @@
 #include "../models/data.h"
 #include "../models/trainer.h"
 #include "own.h"
+#include "plot.h"
 
 #include <limits.h>
 #include <stdlib.h>
