@@ -55,7 +55,8 @@ static bool read_file(const char *path, std::vector<uint8_t> *out, std::string *
     return ok;
 }
 
-// llama2.c legacy checkpoint: 7 x i32 header, then f32 arrays (REFERENCE.md section 11)
+// llama2.c legacy checkpoint: 7 x i32 header, then f32 arrays - the layout karpathy/llama2.c's
+// export.py writes (legacy_export) and run.c reads (read_checkpoint, memory_map_weights)
 static int convert_llama2c(const char *model, const char *tok, const char *out) {
     std::vector<uint8_t> buf;
     std::string why;
@@ -346,31 +347,22 @@ static bool read_json_file(const std::string &path, ql_json *j, std::string *why
 // ids, flags and chat template of tokenizer_config.json / config.json
 static bool hf_tokenizer(const std::string &dir, const ql_json &cfg, ql_gguf_writer *w, std::string *why);
 
-static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
-    const std::string dir = dir_c;
-    std::string why;
-    ql_json cfg;
-    if (!read_json_file(dir + "/config.json", &cfg, &why)) {
-        fprintf(stderr, "convert: %s\n", why.c_str());
-        return 1;
-    }
-    if (cfg.kind != ql_json::OBJ) {
-        fprintf(stderr, "convert: %s/config.json: is %s, not a JSON object of the model's settings\n", dir_c, ql_json_kind_name(cfg.kind));
-        return 1;
-    }
-    const ql_json *archs = cfg.get("architectures");
-    const std::string arch_hf = archs && archs->kind == ql_json::ARR && !archs->items.empty() ? archs->items[0].str : "";
-    const bool qwen2 = arch_hf == "Qwen2ForCausalLM";
-    if (arch_hf != "LlamaForCausalLM" && arch_hf != "MistralForCausalLM" && !qwen2) {
-        fprintf(stderr, "convert: %s/config.json: architecture '%s' is not supported (LlamaForCausalLM, MistralForCausalLM, "
-                        "Qwen2ForCausalLM)\n", dir_c, arch_hf.c_str());
-        return 1;
-    }
-    const ql_json *act = cfg.get("hidden_act");
-    if (act && act->kind == ql_json::STR && act->str != "silu") {
-        fprintf(stderr, "convert: %s/config.json: hidden_act '%s' (these architectures use silu)\n", dir_c, act->str.c_str());
-        return 1;
-    }
+// config.json's settings, checked: the sizes, the norm and rope values, the rope scaling
+struct hf_config {
+    std::string arch_hf;  // "LlamaForCausalLM", "MistralForCausalLM" or "Qwen2ForCausalLM"
+    bool qwen2 = false;
+    int64_t E = 0, L = 0, H = 0, HKV = 0, F = 0, V = 0, hd = 0, ctx = 0;
+    double eps = 0, theta = 0;
+    bool tied = false;
+    std::string rope_type;  // "", "linear" or "llama3"
+    double linear_factor = 0;
+    double l3_factor = 8.0, l3_lo = 1.0, l3_hi = 4.0, l3_old = 8192.0;  // llama3's, with transformers' defaults
+};
+
+// The sizes and values of config.json into c; false with *why (without the path) when one is
+// missing, not a number where it must be, or out of range.
+static bool hf_config_sizes(const ql_json &cfg, hf_config *c, std::string *why_out) {
+    std::string &why = *why_out;
     auto num = [&](const char *key, double def, bool required) -> double {
         const ql_json *v = cfg.get(key);
         if (v && v->kind == ql_json::NUM) return v->num();
@@ -409,7 +401,7 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
                  theta = rp_theta && rp_theta->kind == ql_json::NUM ? rp_theta->num() : num("rope_theta", 10000.0, false);
     const int64_t ctx = size("max_position_embeddings", 2048, false);
     const ql_json *tie = cfg.get("tie_word_embeddings");
-    const bool tied = tie && tie->kind == ql_json::BOOL && tie->b;
+    c->tied = tie && tie->kind == ql_json::BOOL && tie->b;
     // each size and value by name, so that the message says which (and no GGUF is written that
     // generate would refuse, or that computes NaN)
     const std::pair<const char *, int64_t> sizes[] = {{"hidden_size", E},       {"num_hidden_layers", L},
@@ -426,42 +418,79 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
     if (why.empty() && H % HKV)
         why = "inconsistent sizes: " + std::to_string(H) + " heads of " + std::to_string(hd) + " (head_dim) for hidden_size " +
               std::to_string(E) + ", " + std::to_string(HKV) + " key/value heads";
-    if (!why.empty()) {
-        fprintf(stderr, "convert: %s/config.json: %s\n", dir_c, why.c_str());
-        return 1;
-    }
+    c->E = E, c->L = L, c->H = H, c->HKV = HKV, c->F = F, c->V = V, c->hd = hd, c->ctx = ctx, c->eps = eps, c->theta = theta;
+    return why.empty();
+}
+
+// The rope scaling config.json asks for (rope_parameters or rope_scaling: none, linear or
+// llama3) into c; 0, or 1 after the message.
+static int hf_config_rope(const char *dir_c, const ql_json &cfg, hf_config *c) {
+    const ql_json *rp = cfg.get("rope_parameters");
+    if (rp && rp->kind != ql_json::OBJ) rp = nullptr;
     const ql_json *rs = rp ? rp : cfg.get("rope_scaling");
-    std::string rope_type;
+    std::string &rope_type = c->rope_type;
     if (rs && rs->kind == ql_json::OBJ) {
         const ql_json *t = rs->get("rope_type") ? rs->get("rope_type") : rs->get("type");
         rope_type = t ? t->str : "?";
         if (rope_type == "default") rope_type.clear();  // (transformers 5's way of saying none)
     }
-    double linear_factor = 0;
-    double l3_factor = 8.0, l3_lo = 1.0, l3_hi = 4.0, l3_old = 8192.0;  // llama3's, with transformers' defaults
-    if (!rope_type.empty()) {
-        if (rope_type != "llama3" && rope_type != "linear") {
-            fprintf(stderr, "convert: %s/config.json: rope scaling '%s' is not supported (llama3 and linear are)\n", dir_c,
-                    rope_type.c_str());
+    if (rope_type.empty()) return 0;
+    if (rope_type != "llama3" && rope_type != "linear") {
+        fprintf(stderr, "convert: %s/config.json: rope scaling '%s' is not supported (llama3 and linear are)\n", dir_c,
+                rope_type.c_str());
+        return 1;
+    }
+    auto rnum = [&](const char *k, double def) { const ql_json *v = rs->get(k); return v && v->kind == ql_json::NUM ? v->num() : def; };
+    c->linear_factor = rnum("factor", 0.0);
+    if (!(c->linear_factor > 0 && std::isfinite(c->linear_factor)) && (rope_type == "linear" || rs->get("factor"))) {
+        fprintf(stderr, "convert: %s/config.json: rope_scaling.factor must be a positive number for %s scaling\n", dir_c,
+                rope_type.c_str());
+        return 1;
+    }
+    if (rope_type == "llama3") {  // the per-frequency divisors' inputs: positive, low below high
+        c->l3_factor = rnum("factor", c->l3_factor), c->l3_lo = rnum("low_freq_factor", c->l3_lo),
+        c->l3_hi = rnum("high_freq_factor", c->l3_hi), c->l3_old = rnum("original_max_position_embeddings", c->l3_old);
+        if (!(c->l3_lo > 0 && c->l3_hi > c->l3_lo && std::isfinite(c->l3_hi) && c->l3_old >= 1 && std::isfinite(c->l3_old))) {
+            fprintf(stderr, "convert: %s/config.json: rope_scaling: low_freq_factor %g, high_freq_factor %g, "
+                    "original_max_position_embeddings %g (positive, low below high)\n", dir_c, c->l3_lo, c->l3_hi, c->l3_old);
             return 1;
-        }
-        auto rnum = [&](const char *k, double def) { const ql_json *v = rs->get(k); return v && v->kind == ql_json::NUM ? v->num() : def; };
-        linear_factor = rnum("factor", 0.0);
-        if (!(linear_factor > 0 && std::isfinite(linear_factor)) && (rope_type == "linear" || rs->get("factor"))) {
-            fprintf(stderr, "convert: %s/config.json: rope_scaling.factor must be a positive number for %s scaling\n", dir_c,
-                    rope_type.c_str());
-            return 1;
-        }
-        if (rope_type == "llama3") {  // the per-frequency divisors' inputs: positive, low below high
-            l3_factor = rnum("factor", l3_factor), l3_lo = rnum("low_freq_factor", l3_lo), l3_hi = rnum("high_freq_factor", l3_hi),
-            l3_old = rnum("original_max_position_embeddings", l3_old);
-            if (!(l3_lo > 0 && l3_hi > l3_lo && std::isfinite(l3_hi) && l3_old >= 1 && std::isfinite(l3_old))) {
-                fprintf(stderr, "convert: %s/config.json: rope_scaling: low_freq_factor %g, high_freq_factor %g, "
-                        "original_max_position_embeddings %g (positive, low below high)\n", dir_c, l3_lo, l3_hi, l3_old);
-                return 1;
-            }
         }
     }
+    return 0;
+}
+
+// DIR/config.json read and checked into *cfg and *c: a supported architecture, silu, the
+// sizes, the rope scaling, no bitsandbytes 4-bit code but nf4; 0, or 1 after the message.
+static int hf_read_config(const std::string &dir, ql_json *cfg_out, hf_config *c) {
+    const char *dir_c = dir.c_str();
+    std::string why;
+    ql_json &cfg = *cfg_out;
+    if (!read_json_file(dir + "/config.json", &cfg, &why)) {
+        fprintf(stderr, "convert: %s\n", why.c_str());
+        return 1;
+    }
+    if (cfg.kind != ql_json::OBJ) {
+        fprintf(stderr, "convert: %s/config.json: is %s, not a JSON object of the model's settings\n", dir_c, ql_json_kind_name(cfg.kind));
+        return 1;
+    }
+    const ql_json *archs = cfg.get("architectures");
+    c->arch_hf = archs && archs->kind == ql_json::ARR && !archs->items.empty() ? archs->items[0].str : "";
+    c->qwen2 = c->arch_hf == "Qwen2ForCausalLM";
+    if (c->arch_hf != "LlamaForCausalLM" && c->arch_hf != "MistralForCausalLM" && !c->qwen2) {
+        fprintf(stderr, "convert: %s/config.json: architecture '%s' is not supported (LlamaForCausalLM, MistralForCausalLM, "
+                        "Qwen2ForCausalLM)\n", dir_c, c->arch_hf.c_str());
+        return 1;
+    }
+    const ql_json *act = cfg.get("hidden_act");
+    if (act && act->kind == ql_json::STR && act->str != "silu") {
+        fprintf(stderr, "convert: %s/config.json: hidden_act '%s' (these architectures use silu)\n", dir_c, act->str.c_str());
+        return 1;
+    }
+    if (!hf_config_sizes(cfg, c, &why)) {
+        fprintf(stderr, "convert: %s/config.json: %s\n", dir_c, why.c_str());
+        return 1;
+    }
+    if (const int rc = hf_config_rope(dir_c, cfg, c)) return rc;
     if (const ql_json *qc = cfg.get("quantization_config")) {  // bitsandbytes' other 4-bit code: refused by name, not as a shape
         const ql_json *qt = qc->get("bnb_4bit_quant_type");
         const ql_json *l4 = qc->get("load_in_4bit") ? qc->get("load_in_4bit") : qc->get("_load_in_4bit");
@@ -471,97 +500,122 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
             return 1;
         }
     }
+    return 0;
+}
+
+// --outtype's name as a type qlora can write (a float type with a quantiser); QL_TYPE_COUNT if none
+static ql_type hf_outtype(const char *outtype) {
     ql_type wtype = QL_TYPE_COUNT;
     for (int t = 0; t < QL_TYPE_COUNT; t++) {
         const ql_type_traits *tt = ql_type_traits_get((ql_type)t);
         if (tt && tt->is_float && (tt->from_float || tt->aux_bytes) && !strcmp(tt->name, outtype)) wtype = (ql_type)t;
     }
-    if (wtype == QL_TYPE_COUNT) {
-        fprintf(stderr, "convert: --outtype '%s': not a type qlora writes (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, nf4)\n", outtype);
-        return 2;
-    }
+    return wtype;
+}
 
-    // the shards: model.safetensors, or those model.safetensors.index.json's weight_map names
-    // (names inside DIR only: no absolute path, no '..'; a symbolic link to a file may lead
-    // anywhere - the user chose the folder, and Hugging Face's download cache is made of links
-    // from snapshots/<rev>/ to ../../blobs/<sha>)
-    hf_source src;
-    std::vector<std::pair<std::string, size_t>> where;  // HF tensor name -> shard, as the index says
-    struct stat sb;
+// The shards into src->shards: model.safetensors, or those model.safetensors.index.json's
+// weight_map names (names inside DIR only: no absolute path, no '..'; a symbolic link to a file
+// may lead anywhere - the user chose the folder, and Hugging Face's download cache is made of
+// links from snapshots/<rev>/ to ../../blobs/<sha>); *where: HF tensor name -> shard, as the
+// index says. 0, or 1 after the message.
+static int hf_find_shards(const std::string &dir, bool indexed, hf_source *src, std::vector<std::pair<std::string, size_t>> *where) {
+    const char *dir_c = dir.c_str();
     const std::string index = dir + "/model.safetensors.index.json";
-    const bool indexed = stat(index.c_str(), &sb) == 0;
-    if (indexed) {
-        ql_json idx;
-        if (!read_json_file(index, &idx, &why)) {
-            fprintf(stderr, "convert: %s\n", why.c_str());
+    if (!indexed) {
+        src->shards.push_back(dir + "/model.safetensors");
+        return 0;
+    }
+    std::string why;
+    ql_json idx;
+    if (!read_json_file(index, &idx, &why)) {
+        fprintf(stderr, "convert: %s\n", why.c_str());
+        return 1;
+    }
+    const ql_json *wm = idx.kind == ql_json::OBJ ? idx.get("weight_map") : nullptr;
+    if (!wm || wm->kind != ql_json::OBJ) {
+        fprintf(stderr, "convert: %s: no weight_map object\n", index.c_str());
+        return 1;
+    }
+    for (size_t k = 0; k < wm->keys.size(); k++) {
+        const ql_json &f = wm->items[k];
+        const std::string &rel = f.str;
+        std::string bad;
+        if (f.kind != ql_json::STR || rel.empty()) bad = "is not a file name";
+        else if (rel[0] == '/') bad = "is an absolute path";
+        else if (rel == ".." || rel.rfind("../", 0) == 0 || rel.find("/../") != std::string::npos ||
+                 (rel.size() >= 3 && rel.compare(rel.size() - 3, 3, "/..") == 0))
+            bad = "leads out of the folder ('..')";
+        struct stat ls, ts;
+        if (bad.empty() && lstat((dir + "/" + rel).c_str(), &ls) == 0 && S_ISLNK(ls.st_mode)) {  // a link: to a file
+            if (stat((dir + "/" + rel).c_str(), &ts) != 0)
+                bad = std::string("is a symbolic link that leads nowhere (") + strerror(errno) + ")";
+            else if (!S_ISREG(ts.st_mode)) bad = "is a symbolic link to something that is not a file";
+        }
+        if (!bad.empty()) {
+            fprintf(stderr, "convert: %s: weight_map puts %s in '%s', which %s: shards must be files in %s\n", index.c_str(),
+                    ql_printable(wm->keys[k]).c_str(), ql_printable(rel).c_str(), bad.c_str(), dir_c);
             return 1;
         }
-        const ql_json *wm = idx.kind == ql_json::OBJ ? idx.get("weight_map") : nullptr;
-        if (!wm || wm->kind != ql_json::OBJ) {
-            fprintf(stderr, "convert: %s: no weight_map object\n", index.c_str());
-            return 1;
-        }
-        for (size_t k = 0; k < wm->keys.size(); k++) {
-            const ql_json &f = wm->items[k];
-            const std::string &rel = f.str;
-            std::string bad;
-            if (f.kind != ql_json::STR || rel.empty()) bad = "is not a file name";
-            else if (rel[0] == '/') bad = "is an absolute path";
-            else if (rel == ".." || rel.rfind("../", 0) == 0 || rel.find("/../") != std::string::npos ||
-                     (rel.size() >= 3 && rel.compare(rel.size() - 3, 3, "/..") == 0))
-                bad = "leads out of the folder ('..')";
-            struct stat ls, ts;
-            if (bad.empty() && lstat((dir + "/" + rel).c_str(), &ls) == 0 && S_ISLNK(ls.st_mode)) {  // a link: to a file
-                if (stat((dir + "/" + rel).c_str(), &ts) != 0)
-                    bad = std::string("is a symbolic link that leads nowhere (") + strerror(errno) + ")";
-                else if (!S_ISREG(ts.st_mode)) bad = "is a symbolic link to something that is not a file";
-            }
-            if (!bad.empty()) {
-                fprintf(stderr, "convert: %s: weight_map puts %s in '%s', which %s: shards must be files in %s\n", index.c_str(),
-                        ql_printable(wm->keys[k]).c_str(), ql_printable(rel).c_str(), bad.c_str(), dir_c);
-                return 1;
-            }
-            const std::string file = dir + "/" + rel;
-            size_t s = std::find(src.shards.begin(), src.shards.end(), file) - src.shards.begin();
-            if (s == src.shards.size()) src.shards.push_back(file);
-            where.push_back({wm->keys[k], s});
-        }
-    } else {
-        src.shards.push_back(dir + "/model.safetensors");
+        const std::string file = dir + "/" + rel;
+        size_t s = std::find(src->shards.begin(), src->shards.end(), file) - src->shards.begin();
+        if (s == src->shards.size()) src->shards.push_back(file);
+        where->push_back({wm->keys[k], s});
     }
-    {  // no output over a file this reads (before reading the weights)
-        std::vector<std::string> inputs = src.shards;
-        for (const char *f : {"/config.json", "/model.safetensors.index.json", "/tokenizer.json", "/tokenizer.model", "/tokenizer_config.json"})
-            inputs.push_back(dir + f);
-        for (const std::string &in : inputs) {
-            std::string owhy;
-            if (const int rc = output_path_why(out, {in.c_str()}, &owhy)) {
-                fprintf(stderr, "convert: %s\n", owhy.c_str());
-                return rc;
-            }
+    return 0;
+}
+
+// no output over a file this reads (before reading the weights): 0, or the exit code after the message
+static int hf_check_output(const std::string &dir, const hf_source &src, const char *out) {
+    std::vector<std::string> inputs = src.shards;
+    for (const char *f : {"/config.json", "/model.safetensors.index.json", "/tokenizer.json", "/tokenizer.model", "/tokenizer_config.json"})
+        inputs.push_back(dir + f);
+    for (const std::string &in : inputs) {
+        std::string owhy;
+        if (const int rc = output_path_why(out, {in.c_str()}, &owhy)) {
+            fprintf(stderr, "convert: %s\n", owhy.c_str());
+            return rc;
         }
     }
-    // every shard's table (headers only matter here; the bytes are read again when written)
-    struct hf_entry {
-        std::string name, dtype;
-        std::vector<int64_t> shape;  // PyTorch order
-        size_t shard;
-    };
+    return 0;
+}
+
+// every shard's table (headers only matter here; the bytes are read again when written)
+struct hf_entry {
+    std::string name, dtype;
+    std::vector<int64_t> shape;  // PyTorch order
+    size_t shard;
+};
+struct hf_tables {
+    std::string dir;
+    std::vector<std::string> shards;
     std::vector<hf_entry> table;
     std::vector<std::pair<std::string, std::string>> bnb_states;  // weight name -> its quant_state JSON
-    auto shard_name = [&](size_t s) { return src.shards[s].substr(dir.size() + 1); };
-    for (size_t s = 0; s < src.shards.size(); s++) {
+    std::string shard_name(size_t s) const { return shards[s].substr(dir.size() + 1); }
+    const hf_entry *entry_of(const std::string &n) const {
+        for (const hf_entry &e : table)
+            if (e.name == n) return &e;
+        return nullptr;
+    }
+};
+
+// Every shard's tensor names, dtypes and shapes into tb (each tensor in one shard, where the
+// index puts it), and the bitsandbytes quant_states by weight; 0, or 1 after the message.
+static int hf_read_tables(bool indexed, const std::vector<std::pair<std::string, size_t>> &where, hf_tables *tb) {
+    const char *dir_c = tb->dir.c_str();
+    const std::string index = tb->dir + "/model.safetensors.index.json";
+    std::string why;
+    for (size_t s = 0; s < tb->shards.size(); s++) {
         std::vector<ql_st_tensor> st;
         std::vector<uint8_t> storage;
-        if (!ql_safetensors_read(src.shards[s].c_str(), &st, &storage, &why)) {
+        if (!ql_safetensors_read(tb->shards[s].c_str(), &st, &storage, &why)) {
             fprintf(stderr, "convert: %s\n", why.c_str());
             return 1;
         }
         for (const ql_st_tensor &t : st) {
-            for (const hf_entry &e : table)
+            for (const hf_entry &e : tb->table)
                 if (e.name == t.name) {
                     fprintf(stderr, "convert: %s: tensor %s is in both %s and %s\n", dir_c, ql_printable(t.name).c_str(),
-                            shard_name(e.shard).c_str(), shard_name(s).c_str());
+                            tb->shard_name(e.shard).c_str(), tb->shard_name(s).c_str());
                     return 1;
                 }
             if (indexed) {  // the index must say where each tensor is: one clause when it does not
@@ -570,12 +624,12 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
                     if (x.first == t.name) named = x.second;
                 if (named != s) {
                     fprintf(stderr, "convert: %s: weight_map %s%s, but it is in %s\n", index.c_str(),
-                            named == (size_t)-1 ? "does not name " : "puts ", (ql_printable(t.name) + (named == (size_t)-1 ? "" : " in " + shard_name(named))).c_str(),
-                            shard_name(s).c_str());
+                            named == (size_t)-1 ? "does not name " : "puts ", (ql_printable(t.name) + (named == (size_t)-1 ? "" : " in " + tb->shard_name(named))).c_str(),
+                            tb->shard_name(s).c_str());
                     return 1;
                 }
             }
-            table.push_back({t.name, t.dtype, t.shape, s});
+            tb->table.push_back({t.name, t.dtype, t.shape, s});
             for (const char *kind : {"nf4", "fp4"}) {
                 const std::string tag = std::string(".quant_state.bitsandbytes__") + kind;
                 if (t.dtype != "U8" || t.name.size() <= tag.size() || t.name.compare(t.name.size() - tag.size(), tag.size(), tag) != 0)
@@ -587,20 +641,20 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
                 }
                 int64_t n = 0;
                 if (!ql_st_shape_count(t.shape, &n) || n > (1 << 20)) n = 1 << 20;  // (a quant_state is a short JSON text)
-                bnb_states.push_back({weight, std::string((const char *)t.data, (size_t)n)});
+                tb->bnb_states.push_back({weight, std::string((const char *)t.data, (size_t)n)});
             }
         }
     }
-    auto entry_of = [&](const std::string &n) -> const hf_entry * {
-        for (const hf_entry &e : table)
-            if (e.name == n) return &e;
-        return nullptr;
-    };
-    // num_hidden_layers against the layers the files hold, before 9 names a layer are made: every
-    // layer below it holds its input_layernorm.weight (counted, not inferred from the largest
-    // index: a tensor model.layers.999999999.x alone does not make a billion layers)
+    return 0;
+}
+
+// num_hidden_layers against the layers the files hold, before 9 names a layer are made: every
+// layer below it holds its input_layernorm.weight (counted, not inferred from the largest
+// index: a tensor model.layers.999999999.x alone does not make a billion layers). The first
+// layer missing (at most one more than the layers held: the loop ends there), or -1 after the message.
+static int64_t hf_check_layers(const hf_tables &tb, int64_t L) {
     std::unordered_set<int64_t> held;
-    for (const hf_entry &e : table) {
+    for (const hf_entry &e : tb.table) {
         const char *p = "model.layers.", *sfx = ".input_layernorm.weight";
         if (e.name.compare(0, strlen(p), p) != 0) continue;
         int64_t l = 0;
@@ -608,23 +662,28 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
         while (i < e.name.size() && isdigit((unsigned char)e.name[i]) && l < ((int64_t)1 << 31)) l = l * 10 + (e.name[i++] - '0');
         if (i > strlen(p) && e.name.compare(i, std::string::npos, sfx) == 0) held.insert(l);
     }
-    int64_t first_missing = 0;  // (at most one more than the layers held: the loop ends there)
+    int64_t first_missing = 0;
     while (first_missing < L && held.count(first_missing)) first_missing++;
     if (!held.empty() && first_missing < L) {  // (none at all: the tensors' own messages below, the embedding's first)
         fprintf(stderr, "convert: %s/config.json: num_hidden_layers is %lld, but the weights have no layer %lld "
-                        "(no model.layers.%lld.input_layernorm.weight)\n", dir_c, (long long)L, (long long)first_missing,
+                        "(no model.layers.%lld.input_layernorm.weight)\n", tb.dir.c_str(), (long long)L, (long long)first_missing,
                 (long long)first_missing);
-        return 1;
+        return -1;
     }
-    // GGUF names in llama.cpp's order, with the HF tensor each comes from
+    return first_missing;
+}
+
+// GGUF names in llama.cpp's order, with the HF tensor each comes from and the heads its rows
+// are permuted for (0: as they are)
+static std::vector<std::tuple<std::string, std::string, int>> hf_tensor_names(const hf_config &c, int64_t n_layers, bool lm_head) {
     std::vector<std::tuple<std::string, std::string, int>> want = {{"token_embd.weight", "model.embed_tokens.weight", 0}};
-    for (int64_t l = 0; l < std::min(L, first_missing + 1); l++) {
+    for (int64_t l = 0; l < n_layers; l++) {
         const std::string b = "blk." + std::to_string(l) + ".", h = "model.layers." + std::to_string(l) + ".";
         want.push_back({b + "attn_norm.weight", h + "input_layernorm.weight", 0});
-        want.push_back({b + "attn_q.weight", h + "self_attn.q_proj.weight", qwen2 ? 0 : (int)H});
-        want.push_back({b + "attn_k.weight", h + "self_attn.k_proj.weight", qwen2 ? 0 : (int)HKV});
+        want.push_back({b + "attn_q.weight", h + "self_attn.q_proj.weight", c.qwen2 ? 0 : (int)c.H});
+        want.push_back({b + "attn_k.weight", h + "self_attn.k_proj.weight", c.qwen2 ? 0 : (int)c.HKV});
         want.push_back({b + "attn_v.weight", h + "self_attn.v_proj.weight", 0});
-        if (qwen2)
+        if (c.qwen2)
             for (const char *x : {"q", "k", "v"})
                 want.push_back({b + "attn_" + x + ".bias", h + "self_attn." + x + "_proj.bias", 0});
         want.push_back({b + "attn_output.weight", h + "self_attn.o_proj.weight", 0});
@@ -634,131 +693,153 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
         want.push_back({b + "ffn_down.weight", h + "mlp.down_proj.weight", 0});
     }
     want.push_back({"output_norm.weight", "model.norm.weight", 0});
-    if (!tied && entry_of("lm_head.weight")) want.push_back({"output.weight", "lm_head.weight", 0});
-    // a bitsandbytes weight's arrays against its quant_state's shape, before anything is sized by it:
-    // the codes (any dtype: bnb_4bit_quant_storage may be bfloat16), absmax, the maps, all in its shard
-    auto bnb_arrays_why = [&](const hf_entry &wt, int64_t n, bool nested) -> std::string {
-        const int64_t nb = (n + 63) / 64, ng = (nb + 255) / 256;
-        struct part {
-            const char *sfx, *dtype;
-            int64_t count;
-        };
-        const part parts[] = {{"", nullptr, (n + 1) / 2}, {".absmax", nested ? "U8" : "F32", nb}, {".quant_map", "F32", 16},
-                              {".nested_absmax", "F32", ng}, {".nested_quant_map", "F32", 256}};
-        for (const part &p : parts) {
-            if (!nested && p.sfx[0] && strstr(p.sfx, "nested")) continue;
-            const hf_entry *a = entry_of(wt.name + p.sfx);
-            if (!a) return std::string("no tensor ") + wt.name + p.sfx + " beside it";
-            if (a->shard != wt.shard) return wt.name + p.sfx + " is in " + shard_name(a->shard) + ", not beside it in " + shard_name(wt.shard);
-            int64_t c = 0;
-            if (!ql_st_shape_count(a->shape, &c) || (!p.dtype && __builtin_mul_overflow(c, (int64_t)ql_st_dtype_size(a->dtype), &c)))
-                return wt.name + p.sfx + ": its shape's element count overflows";  // (the codes: bytes, whatever the dtype)
-            if (p.dtype && a->dtype != p.dtype) return wt.name + p.sfx + " is " + a->dtype + ", not " + p.dtype;
-            if (c != p.count)
-                return wt.name + p.sfx + " holds " + std::to_string(c) + (p.dtype ? " values" : " bytes") + ", the shape needs " +
-                       std::to_string(p.count);
-        }
-        return "";
-    };
-    for (const auto &x : want) {
-        const hf_entry *e = entry_of(std::get<1>(x));
-        const std::vector<int64_t> *sh = e ? &e->shape : nullptr;
-        if (!sh || sh->empty() || sh->size() > 2) {
-            fprintf(stderr, "convert: %s: %s %s\n", dir_c, std::get<1>(x).c_str(), sh ? "is not 1-D or 2-D" : "is missing");
-            return 1;
-        }
-        hf_tensor t;
-        t.gguf_name = std::get<0>(x);
-        t.hf_name = std::get<1>(x);
-        t.shard = e->shard;
-        t.n_dims = (int)sh->size();
-        t.ne[0] = sh->back();
-        t.ne[1] = sh->size() == 2 ? (*sh)[0] : 1;
-        t.permute_heads = std::get<2>(x);
-        for (const auto &b : bnb_states) {  // a bitsandbytes 4-bit weight: shape and state from its JSON
-            if (b.first != t.hf_name) continue;
-            ql_json qs;
-            std::string qwhy;
-            const ql_json *qt = nullptr, *bs = nullptr, *shp = nullptr, *no = nullptr;
-            if (ql_utf8_invalid_at(b.second) == std::string::npos && ql_json_parse(b.second, QL_JSON_DOCUMENT, &qs, &qwhy) &&
-                qs.kind == ql_json::OBJ) {
-                qt = qs.get("quant_type"), bs = qs.get("blocksize"), shp = qs.get("shape"), no = qs.get("nested_offset");
-            }
-            if (qt && qt->str == "fp4") {
-                fprintf(stderr, "convert: %s: %s: bitsandbytes fp4 4-bit weights are not supported: only nf4\n", dir_c, t.hf_name.c_str());
-                return 1;
-            }
-            if (!qt || qt->str != "nf4" || !bs || bs->num() != 64 || !shp || shp->kind != ql_json::ARR || shp->items.size() != 2) {
-                fprintf(stderr, "convert: %s: %s: a bitsandbytes state that is not NF4 with blocks of 64 (%s)\n", dir_c, t.hf_name.c_str(),
-                        qt ? ql_printable(qt->str).c_str() : "no quant_type");
-                return 1;
-            }
-            int64_t rows = 0, cols = 0;
-            if (!shp->items[0].as_int(&rows) || !shp->items[1].as_int(&cols) || rows < 1 || cols < 1 || rows > ((int64_t)1 << 31) ||
-                cols > ((int64_t)1 << 31)) {
-                fprintf(stderr, "convert: %s: %s: quant_state shape [%s, %s] is not two sizes from 1 to 2^31\n", dir_c, t.hf_name.c_str(),
-                        ql_printable(shp->items[0].str).c_str(), ql_printable(shp->items[1].str).c_str());
-                return 1;
-            }
-            t.bnb = true;
-            t.nested = no && no->kind == ql_json::NUM;
-            const std::string bad = bnb_arrays_why(*e, rows * cols, t.nested);
-            if (!bad.empty()) {
-                fprintf(stderr, "convert: %s: %s: its bitsandbytes arrays do not fit its quant_state shape [%lld, %lld]: %s\n", dir_c,
-                        t.hf_name.c_str(), (long long)rows, (long long)cols, bad.c_str());
-                return 1;
-            }
-            t.nested_offset = t.nested ? (float)no->num() : 0.0f;
-            t.n_dims = 2;
-            t.ne[0] = cols;
-            t.ne[1] = rows;
-            t.type = t.nested && !t.permute_heads ? QL_TYPE_NF4 : QL_TYPE_NF4_NODQ;
-            if (t.ne[0] % 2 || (t.permute_heads && t.ne[0] % 64)) {
-                fprintf(stderr, "convert: %s: %s: rows of %lld do not hold whole NF4 blocks (needed to permute its rows)\n", dir_c,
-                        t.hf_name.c_str(), (long long)t.ne[0]);
-                return 1;
-            }
-        }
-        if (!t.bnb && e->dtype == "U8") {
-            fprintf(stderr, "convert: %s: %s: dtype U8 without a bitsandbytes quant_state\n", dir_c, t.hf_name.c_str());
-            return 1;
-        }
-        // the block weights in --outtype where their rows fit its blocks; norms, biases, the
-        // embedding and the head f32 unless --outtype is a plain float type (as llama.cpp's f16)
-        const bool block_weight = t.n_dims == 2 && t.gguf_name.rfind("blk.", 0) == 0;
-        const ql_type_traits *tt = ql_type_traits_get(wtype);
-        const bool plain = tt->blck_size == 1;
-        if (!t.bnb) t.type = (t.n_dims == 2 && (block_weight || plain) && t.ne[0] % tt->blck_size == 0) ? wtype : QL_TYPE_F32;
-        {  // the shape config.json implies (GGUF order: ne[0] the input side)
-            const std::string &g = t.gguf_name;
-            auto ends = [&g](const char *sfx) { return g.size() >= strlen(sfx) && g.compare(g.size() - strlen(sfx), strlen(sfx), sfx) == 0; };
-            int64_t w0 = E, w1 = 1;
-            if (g == "token_embd.weight" || g == "output.weight") w1 = V;
-            else if (ends("attn_q.weight")) w1 = H * hd;
-            else if (ends("attn_k.weight") || ends("attn_v.weight")) w1 = HKV * hd;
-            else if (ends("attn_output.weight")) w0 = H * hd, w1 = E;
-            else if (ends("ffn_gate.weight") || ends("ffn_up.weight")) w1 = F;
-            else if (ends("ffn_down.weight")) w0 = F, w1 = E;
-            else if (ends("attn_q.bias")) w0 = H * hd;
-            else if (ends("attn_k.bias") || ends("attn_v.bias")) w0 = HKV * hd;
-            if (t.ne[0] != w0 || t.ne[1] != w1) {
-                fprintf(stderr, "convert: %s: %s is [%lld, %lld], config.json makes it [%lld, %lld] (PyTorch order)\n", dir_c,
-                        t.hf_name.c_str(), (long long)t.ne[1], (long long)t.ne[0], (long long)w1, (long long)w0);
-                return 1;
-            }
-        }
-        if (t.permute_heads && (t.ne[1] % t.permute_heads || (t.ne[1] / t.permute_heads) % 2)) {
-            fprintf(stderr, "convert: %s: %s has %lld rows, not %d heads of an even size\n", dir_c, t.hf_name.c_str(),
-                    (long long)t.ne[1], t.permute_heads);
-            return 1;
-        }
-        src.tensors.push_back(t);
-    }
-    std::stable_sort(src.tensors.begin(), src.tensors.end(), [](const hf_tensor &a, const hf_tensor &b) { return a.shard < b.shard; });
+    if (!c.tied && lm_head) want.push_back({"output.weight", "lm_head.weight", 0});
+    return want;
+}
 
-    ql_gguf_writer *w = ql_gguf_writer_new();
-    owned<ql_gguf_writer> w_(w, ql_gguf_writer_free);
-    const std::string arch = qwen2 ? "qwen2" : "llama";
+// a bitsandbytes weight's arrays against its quant_state's shape, before anything is sized by it:
+// the codes (any dtype: bnb_4bit_quant_storage may be bfloat16), absmax, the maps, all in its
+// shard. "" when they fit, else what does not.
+static std::string hf_bnb_arrays_why(const hf_tables &tb, const hf_entry &wt, int64_t n, bool nested) {
+    const int64_t nb = (n + 63) / 64, ng = (nb + 255) / 256;
+    struct part {
+        const char *sfx, *dtype;
+        int64_t count;
+    };
+    const part parts[] = {{"", nullptr, (n + 1) / 2}, {".absmax", nested ? "U8" : "F32", nb}, {".quant_map", "F32", 16},
+                          {".nested_absmax", "F32", ng}, {".nested_quant_map", "F32", 256}};
+    for (const part &p : parts) {
+        if (!nested && p.sfx[0] && strstr(p.sfx, "nested")) continue;
+        const hf_entry *a = tb.entry_of(wt.name + p.sfx);
+        if (!a) return std::string("no tensor ") + wt.name + p.sfx + " beside it";
+        if (a->shard != wt.shard) return wt.name + p.sfx + " is in " + tb.shard_name(a->shard) + ", not beside it in " + tb.shard_name(wt.shard);
+        int64_t c = 0;
+        if (!ql_st_shape_count(a->shape, &c) || (!p.dtype && __builtin_mul_overflow(c, (int64_t)ql_st_dtype_size(a->dtype), &c)))
+            return wt.name + p.sfx + ": its shape's element count overflows";  // (the codes: bytes, whatever the dtype)
+        if (p.dtype && a->dtype != p.dtype) return wt.name + p.sfx + " is " + a->dtype + ", not " + p.dtype;
+        if (c != p.count)
+            return wt.name + p.sfx + " holds " + std::to_string(c) + (p.dtype ? " values" : " bytes") + ", the shape needs " +
+                   std::to_string(p.count);
+    }
+    return "";
+}
+
+// A bitsandbytes 4-bit weight (a quant_state in quant_json): its shape and NF4 type from the
+// state, its arrays checked against it; 0, or 1 after the message.
+static int hf_bnb_tensor(const hf_tables &tb, const hf_entry &e, const std::string &quant_json, hf_tensor *tp) {
+    const char *dir_c = tb.dir.c_str();
+    hf_tensor &t = *tp;
+    ql_json qs;
+    std::string qwhy;
+    const ql_json *qt = nullptr, *bs = nullptr, *shp = nullptr, *no = nullptr;
+    if (ql_utf8_invalid_at(quant_json) == std::string::npos && ql_json_parse(quant_json, QL_JSON_DOCUMENT, &qs, &qwhy) &&
+        qs.kind == ql_json::OBJ) {
+        qt = qs.get("quant_type"), bs = qs.get("blocksize"), shp = qs.get("shape"), no = qs.get("nested_offset");
+    }
+    if (qt && qt->str == "fp4") {
+        fprintf(stderr, "convert: %s: %s: bitsandbytes fp4 4-bit weights are not supported: only nf4\n", dir_c, t.hf_name.c_str());
+        return 1;
+    }
+    if (!qt || qt->str != "nf4" || !bs || bs->num() != 64 || !shp || shp->kind != ql_json::ARR || shp->items.size() != 2) {
+        fprintf(stderr, "convert: %s: %s: a bitsandbytes state that is not NF4 with blocks of 64 (%s)\n", dir_c, t.hf_name.c_str(),
+                qt ? ql_printable(qt->str).c_str() : "no quant_type");
+        return 1;
+    }
+    int64_t rows = 0, cols = 0;
+    if (!shp->items[0].as_int(&rows) || !shp->items[1].as_int(&cols) || rows < 1 || cols < 1 || rows > ((int64_t)1 << 31) ||
+        cols > ((int64_t)1 << 31)) {
+        fprintf(stderr, "convert: %s: %s: quant_state shape [%s, %s] is not two sizes from 1 to 2^31\n", dir_c, t.hf_name.c_str(),
+                ql_printable(shp->items[0].str).c_str(), ql_printable(shp->items[1].str).c_str());
+        return 1;
+    }
+    t.bnb = true;
+    t.nested = no && no->kind == ql_json::NUM;
+    const std::string bad = hf_bnb_arrays_why(tb, e, rows * cols, t.nested);
+    if (!bad.empty()) {
+        fprintf(stderr, "convert: %s: %s: its bitsandbytes arrays do not fit its quant_state shape [%lld, %lld]: %s\n", dir_c,
+                t.hf_name.c_str(), (long long)rows, (long long)cols, bad.c_str());
+        return 1;
+    }
+    t.nested_offset = t.nested ? (float)no->num() : 0.0f;
+    t.n_dims = 2;
+    t.ne[0] = cols;
+    t.ne[1] = rows;
+    t.type = t.nested && !t.permute_heads ? QL_TYPE_NF4 : QL_TYPE_NF4_NODQ;
+    if (t.ne[0] % 2 || (t.permute_heads && t.ne[0] % 64)) {
+        fprintf(stderr, "convert: %s: %s: rows of %lld do not hold whole NF4 blocks (needed to permute its rows)\n", dir_c,
+                t.hf_name.c_str(), (long long)t.ne[0]);
+        return 1;
+    }
+    return 0;
+}
+
+// the shape config.json implies for a GGUF tensor (GGUF order: ne[0] the input side)
+static void hf_expected_shape(const hf_config &c, const std::string &g, int64_t *w0, int64_t *w1) {
+    auto ends = [&g](const char *sfx) { return g.size() >= strlen(sfx) && g.compare(g.size() - strlen(sfx), strlen(sfx), sfx) == 0; };
+    *w0 = c.E, *w1 = 1;
+    if (g == "token_embd.weight" || g == "output.weight") *w1 = c.V;
+    else if (ends("attn_q.weight")) *w1 = c.H * c.hd;
+    else if (ends("attn_k.weight") || ends("attn_v.weight")) *w1 = c.HKV * c.hd;
+    else if (ends("attn_output.weight")) *w0 = c.H * c.hd, *w1 = c.E;
+    else if (ends("ffn_gate.weight") || ends("ffn_up.weight")) *w1 = c.F;
+    else if (ends("ffn_down.weight")) *w0 = c.F, *w1 = c.E;
+    else if (ends("attn_q.bias")) *w0 = c.H * c.hd;
+    else if (ends("attn_k.bias") || ends("attn_v.bias")) *w0 = c.HKV * c.hd;
+}
+
+// One GGUF tensor from its HF tensor: shape, type (--outtype's wtype, f32 or the bitsandbytes
+// codes' NF4), checked against config.json; 0, or 1 after the message.
+static int hf_plan_tensor(const hf_config &c, const hf_tables &tb, const std::tuple<std::string, std::string, int> &x, ql_type wtype,
+                          hf_tensor *tp) {
+    const char *dir_c = tb.dir.c_str();
+    const hf_entry *e = tb.entry_of(std::get<1>(x));
+    const std::vector<int64_t> *sh = e ? &e->shape : nullptr;
+    if (!sh || sh->empty() || sh->size() > 2) {
+        fprintf(stderr, "convert: %s: %s %s\n", dir_c, std::get<1>(x).c_str(), sh ? "is not 1-D or 2-D" : "is missing");
+        return 1;
+    }
+    hf_tensor &t = *tp;
+    t.gguf_name = std::get<0>(x);
+    t.hf_name = std::get<1>(x);
+    t.shard = e->shard;
+    t.n_dims = (int)sh->size();
+    t.ne[0] = sh->back();
+    t.ne[1] = sh->size() == 2 ? (*sh)[0] : 1;
+    t.permute_heads = std::get<2>(x);
+    for (const auto &b : tb.bnb_states)  // a bitsandbytes 4-bit weight: shape and state from its JSON
+        if (b.first == t.hf_name)
+            if (const int rc = hf_bnb_tensor(tb, *e, b.second, &t)) return rc;
+    if (!t.bnb && e->dtype == "U8") {
+        fprintf(stderr, "convert: %s: %s: dtype U8 without a bitsandbytes quant_state\n", dir_c, t.hf_name.c_str());
+        return 1;
+    }
+    // the block weights in --outtype where their rows fit its blocks; norms, biases, the
+    // embedding and the head f32 unless --outtype is a plain float type (as llama.cpp's f16)
+    const bool block_weight = t.n_dims == 2 && t.gguf_name.rfind("blk.", 0) == 0;
+    const ql_type_traits *tt = ql_type_traits_get(wtype);
+    const bool plain = tt->blck_size == 1;
+    if (!t.bnb) t.type = (t.n_dims == 2 && (block_weight || plain) && t.ne[0] % tt->blck_size == 0) ? wtype : QL_TYPE_F32;
+    int64_t w0 = 0, w1 = 0;
+    hf_expected_shape(c, t.gguf_name, &w0, &w1);
+    if (t.ne[0] != w0 || t.ne[1] != w1) {
+        fprintf(stderr, "convert: %s: %s is [%lld, %lld], config.json makes it [%lld, %lld] (PyTorch order)\n", dir_c,
+                t.hf_name.c_str(), (long long)t.ne[1], (long long)t.ne[0], (long long)w1, (long long)w0);
+        return 1;
+    }
+    if (t.permute_heads && (t.ne[1] % t.permute_heads || (t.ne[1] / t.permute_heads) % 2)) {
+        fprintf(stderr, "convert: %s: %s has %lld rows, not %d heads of an even size\n", dir_c, t.hf_name.c_str(),
+                (long long)t.ne[1], t.permute_heads);
+        return 1;
+    }
+    return 0;
+}
+
+// The GGUF's keys: general.*, the architecture's sizes, the tokenizer's, the rope scaling (llama3:
+// the rope_freqs tensor, its data in *rope_factors, which must live until the file is written);
+// 0, or 1 after the message.
+static int hf_write_keys(const std::string &dir, const ql_json &cfg, const hf_config &c, const std::string &arch, ql_gguf_writer *w,
+                         std::vector<float> *rope_factors) {
+    const char *dir_c = dir.c_str();
     ql_gguf_set_str(w, "general.architecture", arch.c_str());
     ql_gguf_set_str(w, "general.name", (std::string("converted from ") + dir_c).c_str());
     {  // the Hub repository, when the directory says it (PEFT's base_model_name_or_path)
@@ -768,43 +849,82 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
             ql_gguf_set_str(w, "general.source.huggingface.repository", np->str.c_str());
     }
     auto key = [&](const char *k) { return arch + "." + k; };
-    ql_gguf_set_u32(w, key("context_length").c_str(), (uint32_t)ctx);
-    ql_gguf_set_u32(w, key("embedding_length").c_str(), (uint32_t)E);
-    ql_gguf_set_u32(w, key("block_count").c_str(), (uint32_t)L);
-    ql_gguf_set_u32(w, key("feed_forward_length").c_str(), (uint32_t)F);
-    ql_gguf_set_u32(w, key("attention.head_count").c_str(), (uint32_t)H);
-    ql_gguf_set_u32(w, key("attention.head_count_kv").c_str(), (uint32_t)HKV);
-    ql_gguf_set_f32(w, key("attention.layer_norm_rms_epsilon").c_str(), (float)eps);
-    ql_gguf_set_f32(w, key("rope.freq_base").c_str(), (float)theta);
-    ql_gguf_set_u32(w, key("rope.dimension_count").c_str(), (uint32_t)hd);
-    if (hd * H != E) {  // llama.cpp's head size keys; absent, readers take hidden_size / heads
-        ql_gguf_set_u32(w, key("attention.key_length").c_str(), (uint32_t)hd);
-        ql_gguf_set_u32(w, key("attention.value_length").c_str(), (uint32_t)hd);
+    ql_gguf_set_u32(w, key("context_length").c_str(), (uint32_t)c.ctx);
+    ql_gguf_set_u32(w, key("embedding_length").c_str(), (uint32_t)c.E);
+    ql_gguf_set_u32(w, key("block_count").c_str(), (uint32_t)c.L);
+    ql_gguf_set_u32(w, key("feed_forward_length").c_str(), (uint32_t)c.F);
+    ql_gguf_set_u32(w, key("attention.head_count").c_str(), (uint32_t)c.H);
+    ql_gguf_set_u32(w, key("attention.head_count_kv").c_str(), (uint32_t)c.HKV);
+    ql_gguf_set_f32(w, key("attention.layer_norm_rms_epsilon").c_str(), (float)c.eps);
+    ql_gguf_set_f32(w, key("rope.freq_base").c_str(), (float)c.theta);
+    ql_gguf_set_u32(w, key("rope.dimension_count").c_str(), (uint32_t)c.hd);
+    if (c.hd * c.H != c.E) {  // llama.cpp's head size keys; absent, readers take hidden_size / heads
+        ql_gguf_set_u32(w, key("attention.key_length").c_str(), (uint32_t)c.hd);
+        ql_gguf_set_u32(w, key("attention.value_length").c_str(), (uint32_t)c.hd);
     }
-    ql_gguf_set_u32(w, key("vocab_size").c_str(), (uint32_t)V);
+    ql_gguf_set_u32(w, key("vocab_size").c_str(), (uint32_t)c.V);
+    std::string why;
     if (!hf_tokenizer(dir, cfg, w, &why)) {
         fprintf(stderr, "convert: %s\n", why.c_str());
         return 1;
     }
-    std::vector<float> rope_factors;
-    if (rope_type == "linear") {  // as llama.cpp's converter writes it: positions divided by the factor
+    if (c.rope_type == "linear") {  // as llama.cpp's converter writes it: positions divided by the factor
         ql_gguf_set_str(w, key("rope.scaling.type").c_str(), "linear");
-        ql_gguf_set_f32(w, key("rope.scaling.factor").c_str(), (float)linear_factor);
+        ql_gguf_set_f32(w, key("rope.scaling.factor").c_str(), (float)c.linear_factor);
     }
-    if (rope_type == "llama3") {  // Llama 3.1: per-frequency divisors, as the rope_freqs tensor
-        const double factor = l3_factor, lo = l3_lo, hi = l3_hi, old = l3_old;  // (read and checked above)
-        for (int64_t i = 0; i < hd / 2; i++) {
-            const double freq = 1.0 / std::pow(theta, (double)(2 * i) / (double)hd), wavelen = 2 * M_PI / freq;
-            if (wavelen < old / hi) rope_factors.push_back(1.0f);
-            else if (wavelen > old / lo) rope_factors.push_back((float)factor);
+    if (c.rope_type == "llama3") {  // Llama 3.1: per-frequency divisors, as the rope_freqs tensor
+        const double factor = c.l3_factor, lo = c.l3_lo, hi = c.l3_hi, old = c.l3_old;  // (read and checked with config.json)
+        for (int64_t i = 0; i < c.hd / 2; i++) {
+            const double freq = 1.0 / std::pow(c.theta, (double)(2 * i) / (double)c.hd), wavelen = 2 * M_PI / freq;
+            if (wavelen < old / hi) rope_factors->push_back(1.0f);
+            else if (wavelen > old / lo) rope_factors->push_back((float)factor);
             else {
                 const double smooth = (old / wavelen - lo) / (hi - lo);
-                rope_factors.push_back((float)(1.0 / ((1 - smooth) / factor + smooth)));
+                rope_factors->push_back((float)(1.0 / ((1 - smooth) / factor + smooth)));
             }
         }
-        const int64_t ne[4] = {hd / 2, 1, 1, 1};
-        ql_gguf_add_tensor(w, "rope_freqs.weight", QL_TYPE_F32, 1, ne, rope_factors.data(), rope_factors.size() * 4);
+        const int64_t ne[4] = {c.hd / 2, 1, 1, 1};
+        ql_gguf_add_tensor(w, "rope_freqs.weight", QL_TYPE_F32, 1, ne, rope_factors->data(), rope_factors->size() * 4);
     }
+    return 0;
+}
+
+// ./convert hf: config.json checked, the shards found and their tables read, every tensor
+// planned and checked, then the GGUF written with the tensors streamed from one shard at a time.
+static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
+    const std::string dir = dir_c;
+    ql_json cfg;
+    hf_config c;
+    if (const int rc = hf_read_config(dir, &cfg, &c)) return rc;
+    const ql_type wtype = hf_outtype(outtype);
+    if (wtype == QL_TYPE_COUNT) {
+        fprintf(stderr, "convert: --outtype '%s': not a type qlora writes (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, nf4)\n", outtype);
+        return 2;
+    }
+    hf_source src;
+    std::vector<std::pair<std::string, size_t>> where;  // HF tensor name -> shard, as the index says
+    struct stat sb;
+    const bool indexed = stat((dir + "/model.safetensors.index.json").c_str(), &sb) == 0;
+    if (const int rc = hf_find_shards(dir, indexed, &src, &where)) return rc;
+    if (const int rc = hf_check_output(dir, src, out)) return rc;
+    hf_tables tb;
+    tb.dir = dir;
+    tb.shards = src.shards;
+    if (const int rc = hf_read_tables(indexed, where, &tb)) return rc;
+    const int64_t first_missing = hf_check_layers(tb, c.L);
+    if (first_missing < 0) return 1;
+    for (const auto &x : hf_tensor_names(c, std::min(c.L, first_missing + 1), tb.entry_of("lm_head.weight") != nullptr)) {
+        hf_tensor t;
+        if (const int rc = hf_plan_tensor(c, tb, x, wtype, &t)) return rc;
+        src.tensors.push_back(t);
+    }
+    std::stable_sort(src.tensors.begin(), src.tensors.end(), [](const hf_tensor &a, const hf_tensor &b) { return a.shard < b.shard; });
+
+    ql_gguf_writer *w = ql_gguf_writer_new();
+    owned<ql_gguf_writer> w_(w, ql_gguf_writer_free);
+    const std::string arch = c.qwen2 ? "qwen2" : "llama";
+    std::vector<float> rope_factors;
+    if (const int rc = hf_write_keys(dir, cfg, c, arch, w, &rope_factors)) return rc;
     for (hf_tensor &t : src.tensors)
         if (ql_gguf_add_tensor_gen(w, t.gguf_name.c_str(), t.type, t.n_dims, t.ne, ql_type_data_size(t.type, t.ne[1], t.ne[0]),
                                    hf_fill, &src) != QL_OK) {
@@ -819,10 +939,9 @@ static int convert_hf(const char *dir_c, const char *out, const char *outtype) {
     }
     const bool any_bnb = std::any_of(src.tensors.begin(), src.tensors.end(), [](const hf_tensor &t) { return t.bnb; });
     printf("convert: %s: %s -> %s, dim %lld, %lld layers, %lld/%lld heads, ffn %lld, vocab %lld%s%s, %s weights, %zu shard%s -> %s\n",
-           dir_c, arch_hf.c_str(), arch.c_str(), (long long)E, (long long)L, (long long)H, (long long)HKV, (long long)F, (long long)V,
-           tied ? ", tied output" : "", rope_type.empty() ? "" : (", " + rope_type + " rope scaling").c_str(),
-           any_bnb ? "bitsandbytes NF4 (codes carried over)" : outtype, src.shards.size(),
-           src.shards.size() == 1 ? "" : "s", out);
+           dir_c, c.arch_hf.c_str(), arch.c_str(), (long long)c.E, (long long)c.L, (long long)c.H, (long long)c.HKV, (long long)c.F,
+           (long long)c.V, c.tied ? ", tied output" : "", c.rope_type.empty() ? "" : (", " + c.rope_type + " rope scaling").c_str(),
+           any_bnb ? "bitsandbytes NF4 (codes carried over)" : outtype, src.shards.size(), src.shards.size() == 1 ? "" : "s", out);
     return 0;
 }
 
