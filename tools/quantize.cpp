@@ -241,14 +241,26 @@ static std::vector<std::string> near_misses(const std::string &arg) {
     return best;
 }
 
-int main(int argc, char **argv) {
-    std::vector<const char *> pos;
+// what the command line asks for, and the target it names
+struct qrun {
     bool dq = true, with_output = false, with_embd = false, allow_requant = false;
+    const char *in_path = nullptr, *out_path = nullptr, *type_name = nullptr;
+    const preset *mix = nullptr;  // a llama-quantize mix, or NULL for nf4
+    bool nf4 = false;
+    ql_type target = QL_TYPE_COUNT;  // the mix's default type, or NF4 / NF4_NODQ
+    const char *target_name = nullptr;
+    bool q_mix = false;  // a quantised mix: per-tensor rules
+};
+
+// The flags and positionals into r, TYPE looked up and checked against the flags: -1 to go on,
+// else the exit code (0 for --help) after the usage or the message.
+static int parse_args(int argc, char **argv, qrun *r) {
+    std::vector<const char *> pos;
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--no-double-quant")) dq = false;
-        else if (!strcmp(argv[i], "--include-output")) with_output = true;
-        else if (!strcmp(argv[i], "--include-embd")) with_embd = true;
-        else if (!strcmp(argv[i], "--allow-requantize")) allow_requant = true;
+        if (!strcmp(argv[i], "--no-double-quant")) r->dq = false;
+        else if (!strcmp(argv[i], "--include-output")) r->with_output = true;
+        else if (!strcmp(argv[i], "--include-embd")) r->with_embd = true;
+        else if (!strcmp(argv[i], "--allow-requantize")) r->allow_requant = true;
         else if (!strcmp(argv[i], "-h") || !strcmp(argv[i], "--help")) {
             usage(argv[0]);
             return 0;
@@ -261,11 +273,10 @@ int main(int argc, char **argv) {
         } else pos.push_back(argv[i]);
     }
     if (pos.size() != 3) return usage(argv[0]);
-    const char *in_path = pos[0], *out_path = pos[1], *type_name = pos[2];
-    const preset *mix = nullptr;
+    r->in_path = pos[0], r->out_path = pos[1], r->type_name = pos[2];
+    const char *type_name = r->type_name;
     const refusal *no = nullptr;
-    bool nf4 = false;
-    if (!type_lookup(type_name, &mix, &nf4, &no)) {
+    if (!type_lookup(type_name, &r->mix, &r->nf4, &no)) {
         std::string names;
         for (const preset &p : k_presets) names += std::string(p.name) + " ";
         for (const auto &a : k_aliases) names += std::string(a[0]) + " ";
@@ -280,135 +291,154 @@ int main(int argc, char **argv) {
                 no->why);
         return 2;
     }
-    if (!dq && !nf4) {
+    if (!r->dq && !r->nf4) {
         fprintf(stderr, "quantize: --no-double-quant applies to nf4 only\n");
         return 2;
     }
-    if (mix && (with_output || with_embd)) {
+    if (r->mix && (r->with_output || r->with_embd)) {
         fprintf(stderr, "quantize: %s is llama-quantize's %s: it decides every tensor itself (--include-output and "
-                        "--include-embd are nf4's)\n", type_name, mix->name);
+                        "--include-embd are nf4's)\n", type_name, r->mix->name);
         return 2;
     }
-    const ql_type target = mix ? mix->def : dq ? QL_TYPE_NF4 : QL_TYPE_NF4_NODQ;
-    const char *target_name = mix ? mix->name : ql_type_name(target);
-    const bool q_mix = mix && ql_type_traits_get(target)->blck_size > 1;  // a quantised mix: per-tensor rules
-    if (const int rc = output_path_check("quantize", out_path, {in_path})) return rc;  // before minutes of quantizing, not after
+    r->target = r->mix ? r->mix->def : r->dq ? QL_TYPE_NF4 : QL_TYPE_NF4_NODQ;
+    r->target_name = r->mix ? r->mix->name : ql_type_name(r->target);
+    r->q_mix = r->mix && ql_type_traits_get(r->target)->blck_size > 1;
+    return -1;
+}
 
-    char err[512];
-    ql_gguf *in = ql_gguf_open(in_path, err, sizeof(err));
-    if (!in) {
-        fprintf(stderr, "quantize: %s\n", err);
+// a LoRA adapter or a finetune checkpoint has nothing to quantize (an adapter's lora_a / lora_b
+// stay f32): say so and write nothing. 0, or 1 after the message.
+static int refuse_non_model(ql_gguf *in, const char *in_path) {
+    size_t len = 0;
+    const int64_t it = ql_gguf_find_kv(in, "general.type");
+    const char *type = it >= 0 ? ql_gguf_get_str(in, it, &len) : nullptr;
+    if (type && !strcmp(type, "adapter")) {
+        fprintf(stderr, "quantize: %s: a LoRA adapter, not a model: nothing to quantize (quantize the base model)\n", in_path);
         return 1;
     }
-    owned<ql_gguf> in_(in, ql_gguf_close);
-    {  // a LoRA adapter has nothing to quantize (its lora_a / lora_b stay f32): say so, write nothing
-        size_t len = 0;
-        const int64_t it = ql_gguf_find_kv(in, "general.type");
-        const char *type = it >= 0 ? ql_gguf_get_str(in, it, &len) : nullptr;
-        if (type && !strcmp(type, "adapter")) {
-            fprintf(stderr, "quantize: %s: a LoRA adapter, not a model: nothing to quantize (quantize the base model)\n", in_path);
-            return 1;
-        }
-        if (type && !strcmp(type, "qlora-checkpoint")) {
-            fprintf(stderr, "quantize: %s: a finetune checkpoint, not a model: nothing to quantize (finetune --merge writes "
-                    "the merged model)\n", in_path);
-            return 1;
-        }
+    if (type && !strcmp(type, "qlora-checkpoint")) {
+        fprintf(stderr, "quantize: %s: a finetune checkpoint, not a model: nothing to quantize (finetune --merge writes "
+                "the merged model)\n", in_path);
+        return 1;
     }
-    // the tensors in the order written, and a mix's counters (llama-quantize's)
-    std::vector<int64_t> order((size_t)ql_gguf_n_tensors(in));
-    for (size_t i = 0; i < order.size(); i++) order[i] = (int64_t)i;
-    mix_state ms;
-    if (mix)
-        std::stable_sort(order.begin(), order.end(),
-                         [&](int64_t a, int64_t b) { return weight_order(ql_gguf_tensor_name(in, a), ql_gguf_tensor_name(in, b)); });
-    if (q_mix) {
-        for (int64_t i : order) {
-            const std::string nm = ql_gguf_tensor_name(in, i);
-            ms.n_wv += nm.find("attn_v.weight") != std::string::npos;
-            ms.tied = ms.tied && nm != "output.weight";
-        }
-        size_t len = 0;
-        const int64_t ia = ql_gguf_find_kv(in, "general.architecture");
-        const char *arch = ia >= 0 ? ql_gguf_get_str(in, ia, &len) : nullptr;
-        const int64_t ib = arch ? ql_gguf_find_kv(in, (std::string(arch) + ".block_count").c_str()) : -1;
-        uint64_t nl = 0;
-        if (ib < 0 || !ql_gguf_get_u64(in, ib, &nl)) {
-            fprintf(stderr, "quantize: %s: no {arch}.block_count: %s needs the model's layer count\n", in_path, target_name);
-            return 1;
-        }
-        ms.n_layer = (int)nl;
-        uint64_t nh = 0, nkv = 0;  // n_gqa = heads per kv head; llama.cpp's 70B: 80 layers, GQA (or qwen2)
-        const int64_t ih = ql_gguf_find_kv(in, (std::string(arch) + ".attention.head_count").c_str());
-        const int64_t ik = ql_gguf_find_kv(in, (std::string(arch) + ".attention.head_count_kv").c_str());
-        if (ih >= 0 && ql_gguf_get_u64(in, ih, &nh) && nh > 0) {
-            if (ik < 0 || !ql_gguf_get_u64(in, ik, &nkv) || nkv == 0) nkv = nh;
-            ms.n_gqa = (int)(nh / nkv);
-        }
-        ms.is_70b = nl == 80 && (nh != nkv || !strcmp(arch, "qwen2"));
-    }
+    return 0;
+}
 
-    // the plan, before any work: each tensor's new type (QL_TYPE_COUNT: kept as it is)
-    std::vector<ql_type> want((size_t)ql_gguf_n_tensors(in), QL_TYPE_COUNT);
-    std::vector<bool> unfit(want.size(), false);  // a matrix nf4 leaves: its rows are not whole blocks
+// A quantised mix's counters (llama-quantize's): attn_v count, a tied head, the layer count,
+// the heads per kv head, a 70B. 0, or 1 after the message.
+static int count_mix(ql_gguf *in, const qrun &r, const std::vector<int64_t> &order, mix_state *ms) {
+    for (int64_t i : order) {
+        const std::string nm = ql_gguf_tensor_name(in, i);
+        ms->n_wv += nm.find("attn_v.weight") != std::string::npos;
+        ms->tied = ms->tied && nm != "output.weight";
+    }
+    size_t len = 0;
+    const int64_t ia = ql_gguf_find_kv(in, "general.architecture");
+    const char *arch = ia >= 0 ? ql_gguf_get_str(in, ia, &len) : nullptr;
+    const int64_t ib = arch ? ql_gguf_find_kv(in, (std::string(arch) + ".block_count").c_str()) : -1;
+    uint64_t nl = 0;
+    if (ib < 0 || !ql_gguf_get_u64(in, ib, &nl)) {
+        fprintf(stderr, "quantize: %s: no {arch}.block_count: %s needs the model's layer count\n", r.in_path, r.target_name);
+        return 1;
+    }
+    ms->n_layer = (int)nl;
+    uint64_t nh = 0, nkv = 0;  // n_gqa = heads per kv head; llama.cpp's 70B: 80 layers, GQA (or qwen2)
+    const int64_t ih = ql_gguf_find_kv(in, (std::string(arch) + ".attention.head_count").c_str());
+    const int64_t ik = ql_gguf_find_kv(in, (std::string(arch) + ".attention.head_count_kv").c_str());
+    if (ih >= 0 && ql_gguf_get_u64(in, ih, &nh) && nh > 0) {
+        if (ik < 0 || !ql_gguf_get_u64(in, ik, &nkv) || nkv == 0) nkv = nh;
+        ms->n_gqa = (int)(nh / nkv);
+    }
+    ms->is_70b = nl == 80 && (nh != nkv || !strcmp(arch, "qwen2"));
+    return 0;
+}
+
+// the plan, before any work: each tensor's new type (QL_TYPE_COUNT: kept as it is), and what it counted
+struct qplan {
+    std::vector<ql_type> want;
+    std::vector<bool> unfit;  // a matrix nf4 leaves: its rows are not whole blocks
     int n_weights = 0, n_convert = 0, n_target = 0, n_unfit = 0, n_requant = 0, n_fallback = 0;
     int64_t first_requant = -1;
     std::map<std::pair<std::string, std::string>, int> fallbacks;  // (the mix's type, the one that fits) -> tensors
     std::set<int64_t> unfit_rows, fallback_rows;
     std::set<std::string> chosen_types;
+};
+
+// each weight matrix's new type (the mix's rule with its fallback, or nf4), counted; kept where
+// it is of that type already, or where its rows are not whole blocks of it
+static void make_plan(ql_gguf *in, const qrun &r, const std::vector<int64_t> &order, mix_state &ms, qplan *p) {
+    p->want.assign((size_t)ql_gguf_n_tensors(in), QL_TYPE_COUNT);
+    p->unfit.assign(p->want.size(), false);
     for (int64_t i : order) {
         const std::string nm = ql_gguf_tensor_name(in, i);
         const ql_type type = ql_gguf_tensor_type(in, i);
         int64_t ne[4];
         const int nd = ql_gguf_tensor_ne(in, i, ne);
-        const bool allowed = mix ? nd >= 2 && nm.size() >= 6 && nm.compare(nm.size() - 6, 6, "weight") == 0 &&
-                                       nm.find("_norm.weight") == std::string::npos
-                                 : wants_nf4(nm, nd, with_output, with_embd);
+        const bool allowed = r.mix ? nd >= 2 && nm.size() >= 6 && nm.compare(nm.size() - 6, 6, "weight") == 0 &&
+                                         nm.find("_norm.weight") == std::string::npos
+                                   : wants_nf4(nm, nd, r.with_output, r.with_embd);
         if (!allowed) continue;
-        n_weights++;
-        ql_type chosen = target;
-        const ql_type w = mix ? preset_type(*mix, nm, ne[0], ms, &chosen) : target;
+        p->n_weights++;
+        ql_type chosen = r.target;
+        const ql_type w = r.mix ? preset_type(*r.mix, nm, ne[0], ms, &chosen) : r.target;
         if (w != chosen) {
-            n_fallback++;
-            fallback_rows.insert(ne[0]);
-            chosen_types.insert(ql_type_name(chosen));
-            fallbacks[{ql_type_name(chosen), ql_type_name(w)}]++;
+            p->n_fallback++;
+            p->fallback_rows.insert(ne[0]);
+            p->chosen_types.insert(ql_type_name(chosen));
+            p->fallbacks[{ql_type_name(chosen), ql_type_name(w)}]++;
         }
         if (type == w) continue;
         if (ne[0] % ql_type_traits_get(w)->blck_size != 0) {
-            unfit[(size_t)i] = true;
-            unfit_rows.insert(ne[0]);
-            n_unfit++;
+            p->unfit[(size_t)i] = true;
+            p->unfit_rows.insert(ne[0]);
+            p->n_unfit++;
             continue;
         }
-        want[(size_t)i] = w;
-        n_convert++;
-        n_target += !q_mix || is_quantized(w);
-        if (is_quantized(type) && n_requant++ == 0) first_requant = i;
+        p->want[(size_t)i] = w;
+        p->n_convert++;
+        p->n_target += !r.q_mix || is_quantized(w);
+        if (is_quantized(type) && p->n_requant++ == 0) p->first_requant = i;
     }
-    if (n_target == 0) {  // a file that is its input under another name, or no quantised tensor in it, is no success
-        if (n_weights == 0)
+}
+
+// A plan that quantises nothing, or requantises without --allow-requantize, is refused:
+// 0, or the exit code after the message.
+static int check_plan(ql_gguf *in, const qrun &r, const qplan &p) {
+    const char *in_path = r.in_path, *target_name = r.target_name;
+    if (p.n_target == 0) {  // a file that is its input under another name, or no quantised tensor in it, is no success
+        if (p.n_weights == 0)
             fprintf(stderr, "quantize: %s: no weight matrix to convert to %s: nothing written\n", in_path, target_name);
-        else if (n_unfit > 0)
+        else if (p.n_unfit > 0)
             fprintf(stderr, "quantize: %s: no tensor converted to %s: the rows of its %d weight matrices (%s wide) are not "
-                    "whole %lld-element blocks: nothing written\n", in_path, target_name, n_unfit, list_of(unfit_rows).c_str(),
-                    (long long)ql_type_traits_get(target)->blck_size);
-        else if (n_convert > 0)
+                    "whole %lld-element blocks: nothing written\n", in_path, target_name, p.n_unfit, list_of(p.unfit_rows).c_str(),
+                    (long long)ql_type_traits_get(r.target)->blck_size);
+        else if (p.n_convert > 0)
             fprintf(stderr, "quantize: %s: no tensor would be quantised: the rows of its weight matrices (%s wide) are not "
                     "whole blocks of %s's types (%s) nor of their fallbacks, and f16 is not %s: nothing written\n", in_path,
-                    list_of(fallback_rows).c_str(), target_name, list_of(chosen_types).c_str(), target_name);
+                    list_of(p.fallback_rows).c_str(), target_name, list_of(p.chosen_types).c_str(), target_name);
         else
             fprintf(stderr, "quantize: %s: nothing to convert: its %d weight matrices are of %s's types already: nothing "
-                    "written\n", in_path, n_weights, target_name);
+                    "written\n", in_path, p.n_weights, target_name);
         return 1;
     }
-    if (n_requant > 0 && !allow_requant) {
+    if (p.n_requant > 0 && !r.allow_requant) {
         fprintf(stderr, "quantize: %s: %d of the tensors to convert are quantised already (%s is %s): quantising again "
-                "loses more than quantising the f16/f32 model; --allow-requantize does it anyway\n", in_path, n_requant,
-                ql_gguf_tensor_name(in, first_requant), ql_type_name(ql_gguf_tensor_type(in, first_requant)));
+                "loses more than quantising the f16/f32 model; --allow-requantize does it anyway\n", in_path, p.n_requant,
+                ql_gguf_tensor_name(in, p.first_requant), ql_type_name(ql_gguf_tensor_type(in, p.first_requant)));
         return 2;
     }
+    return 0;
+}
 
+// parameters and bytes: of the converted tensors (q_) and of the whole file (all_)
+struct qsizes {
+    double q_params = 0, q_bytes = 0, all_params = 0, all_bytes = 0;
+};
+
+// The output file: the input's keys with the quantisation's, every tensor in order, converted
+// where the plan says (one line each); 0, or 1 after the message.
+static int write_output(ql_gguf *in, const qrun &r, const std::vector<int64_t> &order, const qplan &p, qsizes *sz) {
+    char err[512];
     ql_gguf_writer *w = ql_gguf_writer_new();
     owned<ql_gguf_writer> w_(w, ql_gguf_writer_free);
     for (int64_t i = 0; i < ql_gguf_n_kv(in); i++) ql_gguf_copy_kv(w, in, i);
@@ -417,9 +447,9 @@ int main(int argc, char **argv) {
     ql_gguf_remove_kv(w, "general.quantization_version");
     ql_gguf_remove_kv(w, "general.file_type");
     ql_gguf_set_u32(w, "general.quantization_version", 2);
-    ql_gguf_set_u32(w, "general.file_type", (uint32_t)(mix ? mix->ftype : dq ? k_ftype_nf4 : k_ftype_nf4_nodq));
-    if (nf4) {
-        ql_gguf_set_str(w, "qlora.quantize.type", ql_type_name(target));
+    ql_gguf_set_u32(w, "general.file_type", (uint32_t)(r.mix ? r.mix->ftype : r.dq ? k_ftype_nf4 : k_ftype_nf4_nodq));
+    if (r.nf4) {
+        ql_gguf_set_str(w, "qlora.quantize.type", ql_type_name(r.target));
         ql_gguf_set_str(w, "qlora.note",
                         "NF4 tensors (type ids 100/101) are qlora's own: llama.cpp cannot load this file; "
                         "use the unquantised GGUF there, with the adapter");
@@ -427,66 +457,101 @@ int main(int argc, char **argv) {
 
     std::vector<std::vector<uint8_t>> keep;  // converted tensor bytes, alive until the write
     std::vector<float> rows;
-    double q_params = 0, q_bytes = 0, all_params = 0, all_bytes = 0;
     for (int64_t i : order) {
         const char *name = ql_gguf_tensor_name(in, i);
-        const ql_type type = ql_gguf_tensor_type(in, i), to = want[(size_t)i];
+        const ql_type type = ql_gguf_tensor_type(in, i), to = p.want[(size_t)i];
         int64_t ne[4];
         const int nd = ql_gguf_tensor_ne(in, i, ne);
         const int64_t n_rows = ne[1] * ne[2] * ne[3], n = n_rows * ne[0];
         const void *data = ql_gguf_tensor_data(in, i);
         size_t size = ql_gguf_tensor_size(in, i);
-        if (unfit[(size_t)i])
+        if (p.unfit[(size_t)i])
             printf("  %-32s [%lld, %lld] %s: rows of %lld are not whole %s blocks, kept\n", name, (long long)ne[0],
-                   (long long)ne[1], ql_type_name(type), (long long)ne[0], ql_type_name(target));
+                   (long long)ne[1], ql_type_name(type), (long long)ne[0], ql_type_name(r.target));
         if (to != QL_TYPE_COUNT) {
             rows.resize((size_t)n);
             if (ql_dequantize(type, data, n_rows, ne[0], rows.data()) != QL_OK) {
-                fprintf(stderr, "quantize: %s: tensor %s: cannot read type %s\n", in_path, name, ql_type_name(type));
+                fprintf(stderr, "quantize: %s: tensor %s: cannot read type %s\n", r.in_path, name, ql_type_name(type));
                 return 1;
             }
             keep.emplace_back(ql_type_data_size(to, n_rows, ne[0]));
             if (ql_quantize(to, rows.data(), n_rows, ne[0], keep.back().data(), err, sizeof(err)) != QL_OK) {
-                fprintf(stderr, "quantize: %s: tensor %s: %s\n", in_path, name, err);
+                fprintf(stderr, "quantize: %s: tensor %s: %s\n", r.in_path, name, err);
                 return 1;
             }
             printf("  %-32s [%lld, %lld] %s -> %s\n", name, (long long)ne[0], (long long)ne[1], ql_type_name(type), ql_type_name(to));
             data = keep.back().data();
             size = keep.back().size();
-            q_params += (double)n;
-            q_bytes += (double)size;
+            sz->q_params += (double)n;
+            sz->q_bytes += (double)size;
         }
-        all_params += (double)n;
-        all_bytes += (double)size;
+        sz->all_params += (double)n;
+        sz->all_bytes += (double)size;
         if (ql_gguf_add_tensor(w, name, to != QL_TYPE_COUNT ? to : type, nd, ne, data, size) != QL_OK) {
-            fprintf(stderr, "quantize: %s: tensor %s could not be added\n", in_path, name);
+            fprintf(stderr, "quantize: %s: tensor %s could not be added\n", r.in_path, name);
             return 1;
         }
     }
-    if (ql_gguf_write(w, out_path, err, sizeof(err)) != QL_OK) {
+    if (ql_gguf_write(w, r.out_path, err, sizeof(err)) != QL_OK) {
         fprintf(stderr, "quantize: %s\n", err);
         return 1;
     }
-    w_.reset();
-    in_.reset();
+    return 0;
+}
+
+// the summary lines, and the mix's fallbacks as a warning (llama-quantize warns of these too, or
+// stops: its fallbacks are for k-quants and iq4_xs)
+static void report(const qrun &r, const qplan &p, const qsizes &sz) {
+    const char *in_path = r.in_path, *out_path = r.out_path;
     const long long in_size = file_size(in_path), out_size = file_size(out_path);
-    printf("quantize: %d tensors to %s: %.3f bits per parameter (%.0f parameters)\n", n_convert, target_name,
-           q_params > 0 ? 8.0 * q_bytes / q_params : 0.0, q_params);
+    printf("quantize: %d tensors to %s: %.3f bits per parameter (%.0f parameters)\n", p.n_convert, r.target_name,
+           sz.q_params > 0 ? 8.0 * sz.q_bytes / sz.q_params : 0.0, sz.q_params);
     printf("quantize: whole model %.3f bits per parameter; file %s: %.2f MiB -> %s: %.2f MiB\n",
-           all_params > 0 ? 8.0 * all_bytes / all_params : 0.0, in_path, (double)in_size / 1048576.0, out_path, (double)out_size / 1048576.0);
-    if (!fallbacks.empty()) {  // llama-quantize warns of these too (or stops: its fallbacks are for k-quants and iq4_xs)
-        std::vector<std::string> each;
-        std::set<std::string> stops;
-        for (const auto &f : fallbacks) {
-            each.push_back(std::to_string(f.second) + " " + f.first.first + " -> " + f.first.second);
-            if (f.first.second == "f16" && f.first.first.find("_K") == std::string::npos && f.first.first != "iq4_xs")
-                stops.insert(f.first.first);
-        }
-        fflush(stdout);
-        fprintf(stderr, "quantize: warning: %d of %d weight matrices have rows (%s wide) that are not whole blocks of their "
-                "type in %s, so they fell back: %s%s%s%s\n", n_fallback, n_weights, list_of(fallback_rows).c_str(), target_name,
-                list_of(each).c_str(), stops.empty() ? "" : " (llama-quantize has no fallback for ", list_of(stops).c_str(),
-                stops.empty() ? "" : ": it stops there)");
+           sz.all_params > 0 ? 8.0 * sz.all_bytes / sz.all_params : 0.0, in_path, (double)in_size / 1048576.0, out_path,
+           (double)out_size / 1048576.0);
+    if (p.fallbacks.empty()) return;
+    std::vector<std::string> each;
+    std::set<std::string> stops;
+    for (const auto &f : p.fallbacks) {
+        each.push_back(std::to_string(f.second) + " " + f.first.first + " -> " + f.first.second);
+        if (f.first.second == "f16" && f.first.first.find("_K") == std::string::npos && f.first.first != "iq4_xs")
+            stops.insert(f.first.first);
     }
+    fflush(stdout);
+    fprintf(stderr, "quantize: warning: %d of %d weight matrices have rows (%s wide) that are not whole blocks of their "
+            "type in %s, so they fell back: %s%s%s%s\n", p.n_fallback, p.n_weights, list_of(p.fallback_rows).c_str(), r.target_name,
+            list_of(each).c_str(), stops.empty() ? "" : " (llama-quantize has no fallback for ", list_of(stops).c_str(),
+            stops.empty() ? "" : ": it stops there)");
+}
+
+int main(int argc, char **argv) {
+    qrun r;
+    if (const int rc = parse_args(argc, argv, &r); rc >= 0) return rc;
+    if (const int rc = output_path_check("quantize", r.out_path, {r.in_path})) return rc;  // before minutes of quantizing, not after
+
+    char err[512];
+    ql_gguf *in = ql_gguf_open(r.in_path, err, sizeof(err));
+    if (!in) {
+        fprintf(stderr, "quantize: %s\n", err);
+        return 1;
+    }
+    owned<ql_gguf> in_(in, ql_gguf_close);
+    if (const int rc = refuse_non_model(in, r.in_path)) return rc;
+    // the tensors in the order written, and a mix's counters (llama-quantize's)
+    std::vector<int64_t> order((size_t)ql_gguf_n_tensors(in));
+    for (size_t i = 0; i < order.size(); i++) order[i] = (int64_t)i;
+    mix_state ms;
+    if (r.mix)
+        std::stable_sort(order.begin(), order.end(),
+                         [&](int64_t a, int64_t b) { return weight_order(ql_gguf_tensor_name(in, a), ql_gguf_tensor_name(in, b)); });
+    if (r.q_mix)
+        if (const int rc = count_mix(in, r, order, &ms)) return rc;
+    qplan p;
+    make_plan(in, r, order, ms, &p);
+    if (const int rc = check_plan(in, r, p)) return rc;
+    qsizes sz;
+    if (const int rc = write_output(in, r, order, p, &sz)) return rc;
+    in_.reset();
+    report(r, p, sz);
     return 0;
 }
