@@ -86,39 +86,44 @@ static int32_t sample(const float *logits, int V, double temp, int top_k, double
     return cand.back().second;
 }
 
-int main(int argc, char **argv) {
+// what the command line asks for
+struct gen_args {
     const char *model = nullptr, *lora = nullptr, *device = "auto";
     std::string prompt;
     double n_gen = 128, temp = 0.8, top_k = 40, top_p = 0.95, seed = 1, n_ctx = 0, threads = 0, lora_scale = 1;
+};
+
+// The flags into a: -1 to go on, else the exit code (0 for --help) after the usage or the message.
+static int parse_args(int argc, char **argv, gen_args *a) {
     bool scale_given = false;
     for (int i = 1; i < argc; i++) {
-        const std::string a = argv[i];
+        const std::string f = argv[i];
         const bool has = i + 1 < argc;
         bool ok = true;
-        if (a == "-m" && has) {  // one model: a second would silently replace the first
-            if (model) {
-                fprintf(stderr, "generate: -m given twice ('%s', '%s')\n", model, argv[i + 1]);
+        if (f == "-m" && has) {  // one model: a second would silently replace the first
+            if (a->model) {
+                fprintf(stderr, "generate: -m given twice ('%s', '%s')\n", a->model, argv[i + 1]);
                 return 2;
             }
-            model = argv[++i];
-        } else if (a == "-p" && has) prompt = argv[++i];
-        else if (a == "-n" && has) ok = parse_whole("-n", argv[++i], 0, 1 << 20, &n_gen);
-        else if (a == "--temp" && has) ok = parse_num("--temp", argv[++i], 0, 100, &temp);
-        else if (a == "--top-k" && has) ok = parse_whole("--top-k", argv[++i], 0, 1 << 30, &top_k);
-        else if (a == "--top-p" && has) ok = parse_num("--top-p", argv[++i], 0, 1, &top_p);
-        else if (a == "--seed" && has) ok = parse_whole("--seed", argv[++i], 0, 9007199254740992.0, &seed);  // (2^53: every whole number exact)
-        else if (a == "-c" && has) ok = parse_whole("-c", argv[++i], 1, 1 << 20, &n_ctx);
-        else if (a == "-t" && has) ok = parse_whole("-t", argv[++i], 0, 1024, &threads);
-        else if (a == "--lora" && has) {
-            if (lora) {  // one adapter: a second would silently replace the first
+            a->model = argv[++i];
+        } else if (f == "-p" && has) a->prompt = argv[++i];
+        else if (f == "-n" && has) ok = parse_whole("-n", argv[++i], 0, 1 << 20, &a->n_gen);
+        else if (f == "--temp" && has) ok = parse_num("--temp", argv[++i], 0, 100, &a->temp);
+        else if (f == "--top-k" && has) ok = parse_whole("--top-k", argv[++i], 0, 1 << 30, &a->top_k);
+        else if (f == "--top-p" && has) ok = parse_num("--top-p", argv[++i], 0, 1, &a->top_p);
+        else if (f == "--seed" && has) ok = parse_whole("--seed", argv[++i], 0, 9007199254740992.0, &a->seed);  // (2^53: every whole number exact)
+        else if (f == "-c" && has) ok = parse_whole("-c", argv[++i], 1, 1 << 20, &a->n_ctx);
+        else if (f == "-t" && has) ok = parse_whole("-t", argv[++i], 0, 1024, &a->threads);
+        else if (f == "--lora" && has) {
+            if (a->lora) {  // one adapter: a second would silently replace the first
                 fprintf(stderr, "generate: --lora given twice ('%s', '%s'): one adapter at a time (merge one with finetune --merge)\n",
-                        lora, argv[i + 1]);
+                        a->lora, argv[i + 1]);
                 return 2;
             }
-            lora = argv[++i];
-        } else if (a == "--device" && has) device = argv[++i];
-        else if (a == "--lora-scale" && has) ok = parse_num("--lora-scale", argv[++i], -100, 100, &lora_scale), scale_given = true;
-        else if (a == "-h" || a == "--help") {
+            a->lora = argv[++i];
+        } else if (f == "--device" && has) a->device = argv[++i];
+        else if (f == "--lora-scale" && has) ok = parse_num("--lora-scale", argv[++i], -100, 100, &a->lora_scale), scale_given = true;
+        else if (f == "-h" || f == "--help") {
             usage(argv[0]);
             return 0;
         } else {
@@ -127,63 +132,96 @@ int main(int argc, char **argv) {
         }
         if (!ok) return 2;
     }
-    if (!model) {
+    if (!a->model) {
         fprintf(stderr, "generate: -m model.gguf is required\n");
         return usage(argv[0]);
     }
-    if (scale_given && !lora) {
+    if (scale_given && !a->lora) {
         fprintf(stderr, "generate: --lora-scale without --lora: there is no adapter to scale\n");
         return 2;
     }
+    return -1;
+}
+
+// What a run holds, freed in reverse order of declaration (what depends on a thing after it),
+// and the two planned graphs: the prompt's (pt, pp -> lp) and one new token's (ot, op -> lo).
+struct gen_state {
+    owned<ql_llama_file> f{nullptr, ql_llama_file_free};
+    owned<ql_vocab> vocab{nullptr, ql_vocab_free};
+    owned<ql_lora_adapter> ad{nullptr, ql_lora_adapter_free};
+    owned<ql_backend> be{nullptr, ql_backend_free};
+    owned<ql_backend_buffer> wbuf{nullptr, ql_backend_buffer_free}, abuf{nullptr, ql_backend_buffer_free};
+    owned<ql_context> ctx{nullptr, ql_free};
+    owned<ql_graph> gp{nullptr, ql_graph_free}, go{nullptr, ql_graph_free};
+    owned<ql_backend_buffer> cbuf{nullptr, ql_backend_buffer_free};
+    std::vector<int32_t> toks;  // the prompt's tokens (BOS alone for an empty prompt)
+    int n_prompt = 0, ctx_len = 0;
+    ql_llama_cache cache;
+    ql_tensor *pt = nullptr, *pp = nullptr, *ot = nullptr, *op = nullptr;  // [n_prompt] / [1] tokens and positions
+    ql_tensor *lp = nullptr, *lo = nullptr;                                 // [n_vocab, n_prompt] / [n_vocab, 1] logits
+};
+
+// The model, its vocabulary and the adapter (--lora); 0, or 1 after the message.
+static int load_model(const gen_args &a, gen_state *s) {
     char err[512];
-    ql_llama_file *f = ql_llama_load(model, err, sizeof(err));
-    if (!f) {
+    s->f.reset(ql_llama_load(a.model, err, sizeof(err)));
+    if (!s->f) {
         fprintf(stderr, "generate: %s\n", err);
         return 1;
     }
-    owned<ql_llama_file> f_(f, ql_llama_file_free);
-    ql_vocab *vocab = ql_vocab_load(f->gguf, err, sizeof(err));
-    owned<ql_vocab> vocab_(vocab, ql_vocab_free);
-    if (!vocab) {
-        fprintf(stderr, "generate: %s: %s\n", model, err);  // (the vocabulary's errors do not name the file)
+    s->vocab.reset(ql_vocab_load(s->f->gguf, err, sizeof(err)));
+    if (!s->vocab) {
+        fprintf(stderr, "generate: %s: %s\n", a.model, err);  // (the vocabulary's errors do not name the file)
         return 1;
     }
-    ql_llama &m = f->model;
-    ql_lora_adapter *ad = nullptr;
-    if (lora) {
+    if (a.lora) {
         std::string e;
-        if (!(ad = ql_lora_attach_any(&m, f->arch.c_str(), lora, (float)lora_scale, &e))) {
+        s->ad.reset(ql_lora_attach_any(&s->f->model, s->f->arch.c_str(), a.lora, (float)a.lora_scale, &e));
+        if (!s->ad) {
             fprintf(stderr, "generate: %s\n", e.c_str());
             return 1;
         }
     }
-    owned<ql_lora_adapter> ad_(ad, ql_lora_adapter_free);
-    std::vector<int32_t> toks = ql_tokenize(vocab, prompt, true, true);
-    if (toks.empty()) {
-        if (ql_vocab_bos(vocab) < 0) {
+    return 0;
+}
+
+// The prompt's tokens and the context length (-c, else the prompt and -n within the model's
+// training context); 0, or 1 after the message when the prompt does not fit.
+static int prompt_tokens(const gen_args &a, gen_state *s) {
+    const ql_llama &m = s->f->model;
+    s->toks = ql_tokenize(s->vocab.get(), a.prompt, true, true);
+    if (s->toks.empty()) {
+        if (ql_vocab_bos(s->vocab.get()) < 0) {
             fprintf(stderr, "generate: the prompt is empty and the vocabulary has no BOS token to start from\n");
             return 1;
         }
-        toks.push_back(ql_vocab_bos(vocab));
+        s->toks.push_back(ql_vocab_bos(s->vocab.get()));
     }
-    const int n_prompt = (int)toks.size();
-    int ctx_len = n_ctx > 0 ? (int)n_ctx : n_prompt + std::max(1, (int)n_gen);
-    if (m.hp.n_ctx_train > 0 && n_ctx <= 0) ctx_len = std::min(ctx_len, m.hp.n_ctx_train);
+    const int n_prompt = s->n_prompt = (int)s->toks.size();
+    int ctx_len = a.n_ctx > 0 ? (int)a.n_ctx : n_prompt + std::max(1, (int)a.n_gen);
+    if (m.hp.n_ctx_train > 0 && a.n_ctx <= 0) ctx_len = std::min(ctx_len, m.hp.n_ctx_train);
+    s->ctx_len = ctx_len;
     if (n_prompt >= ctx_len) {
         fprintf(stderr, "generate: the prompt has %d tokens, the context %d --> hint: a larger -c\n", n_prompt, ctx_len);
         return 1;
     }
-    if (n_ctx > 0 && m.hp.n_ctx_train > 0 && (int)n_ctx > m.hp.n_ctx_train)  // as perplexity says it
-        fprintf(stderr, "generate: note: -c %d is longer than the model's training context %d\n", (int)n_ctx, m.hp.n_ctx_train);
+    if (a.n_ctx > 0 && m.hp.n_ctx_train > 0 && (int)a.n_ctx > m.hp.n_ctx_train)  // as perplexity says it
+        fprintf(stderr, "generate: note: -c %d is longer than the model's training context %d\n", (int)a.n_ctx, m.hp.n_ctx_train);
+    return 0;
+}
 
-    // the cache, the two graphs, all planned and allocated before the first token
+// The backend, the weights (and adapter) placed on it once, the KV cache and the two graphs,
+// all planned and allocated before the first token; 0, or 1 after the message.
+static int plan_graphs(const gen_args &a, gen_state *s) {
+    const ql_llama &m = s->f->model;
     const ql_llama_hparams &hp = m.hp;
-    const size_t cache_bytes = (size_t)hp.n_layer * 2 * (size_t)hp.head_dim() * (size_t)ctx_len * (size_t)hp.n_head_kv * 4;
-    if (threads > 0) ql_cpu_warn_threads("generate", (int)threads);
-    ql_backend *be = ql_backend_init_by_name(device, (int)threads, err, sizeof(err));
-    owned<ql_backend> be_(be, ql_backend_free);
+    const size_t cache_bytes = (size_t)hp.n_layer * 2 * (size_t)hp.head_dim() * (size_t)s->ctx_len * (size_t)hp.n_head_kv * 4;
+    char err[512];
+    if (a.threads > 0) ql_cpu_warn_threads("generate", (int)a.threads);
+    s->be.reset(ql_backend_init_by_name(a.device, (int)a.threads, err, sizeof(err)));
+    ql_backend *be = s->be.get();
     if (!be) {
-        fprintf(stderr, "generate: --device %s: %s\n", device, err);
+        fprintf(stderr, "generate: --device %s: %s\n", a.device, err);
         return 1;
     }
     if (!ql_backend_is_host(be)) {  // a GPU says which, and how much memory it has free
@@ -192,100 +230,138 @@ int main(int argc, char **argv) {
         fprintf(stderr, "generate: %s\n", desc);
     }
     // the weights (and an adapter) placed once: nothing moves on the CPU
-    ql_backend_buffer *wbuf = ql_backend_place_ctx_tensors(be, f->ctx);
-    ql_backend_buffer *abuf = ad ? ql_backend_place_ctx_tensors(be, ad->ctx) : nullptr;
-    owned<ql_backend_buffer> wbuf_(wbuf, ql_backend_buffer_free), abuf_(abuf, ql_backend_buffer_free);
-    if (!wbuf || (ad && !abuf)) {
-        fprintf(stderr, "generate: %s\n", ql_ctx_error(wbuf ? ad->ctx : f->ctx));
+    ql_lora_adapter *ad = s->ad.get();
+    s->wbuf.reset(ql_backend_place_ctx_tensors(be, s->f->ctx));
+    s->abuf.reset(ad ? ql_backend_place_ctx_tensors(be, ad->ctx) : nullptr);
+    if (!s->wbuf || (ad && !s->abuf)) {
+        fprintf(stderr, "generate: %s\n", ql_ctx_error(s->wbuf ? ad->ctx : s->f->ctx));
         return 1;
     }
     // headers only: the cache and the inputs get their data from the backend (alloc_ctx_tensors)
     ql_init_params ip = {(size_t)(hp.n_layer * 200 + 400) * ql_tensor_overhead() + (1u << 20), nullptr, true, false};
-    ql_context *ctx = ql_init(ip);
-    owned<ql_context> ctx_(ctx, ql_free);
+    s->ctx.reset(ql_init(ip));
+    ql_context *ctx = s->ctx.get();
     if (!ctx) {
         fprintf(stderr, "generate: out of memory\n");
         return 1;
     }
-    ql_llama_cache cache;
-    ql_llama_cache_create(ctx, &m, ctx_len, &cache);
-    ql_tensor *pt = ql_new_tensor_2d(ctx, QL_TYPE_I32, n_prompt, 1), *pp = ql_new_tensor_2d(ctx, QL_TYPE_I32, n_prompt, 1);
-    ql_tensor *ot = ql_new_tensor_2d(ctx, QL_TYPE_I32, 1, 1), *op = ql_new_tensor_2d(ctx, QL_TYPE_I32, 1, 1);
-    ql_tensor *lp = ql_set_output(ql_llama_forward_cached(ctx, &m, &cache, pt, pp));
-    ql_tensor *lo = ql_set_output(ql_llama_forward_cached(ctx, &m, &cache, ot, op));
-    ql_graph *gp = ql_graph_new(ctx), *go = ql_graph_new(ctx);
-    owned<ql_graph> gp_(gp, ql_graph_free), go_(go, ql_graph_free);
-    ql_graph_build_forward(gp, lp);
-    ql_graph_build_forward(go, lo);
-    ql_backend_buffer *cbuf = ql_ctx_status(ctx) == QL_OK ? ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE) : nullptr;
-    owned<ql_backend_buffer> cbuf_(cbuf, ql_backend_buffer_free);
-    if (!cbuf || ql_graph_alloc(gp, be) != QL_OK || ql_graph_alloc(go, be) != QL_OK) {
+    ql_llama_cache_create(ctx, &m, s->ctx_len, &s->cache);
+    s->pt = ql_new_tensor_2d(ctx, QL_TYPE_I32, s->n_prompt, 1), s->pp = ql_new_tensor_2d(ctx, QL_TYPE_I32, s->n_prompt, 1);
+    s->ot = ql_new_tensor_2d(ctx, QL_TYPE_I32, 1, 1), s->op = ql_new_tensor_2d(ctx, QL_TYPE_I32, 1, 1);
+    s->lp = ql_set_output(ql_llama_forward_cached(ctx, &m, &s->cache, s->pt, s->pp));
+    s->lo = ql_set_output(ql_llama_forward_cached(ctx, &m, &s->cache, s->ot, s->op));
+    s->gp.reset(ql_graph_new(ctx));
+    s->go.reset(ql_graph_new(ctx));
+    ql_graph_build_forward(s->gp.get(), s->lp);
+    ql_graph_build_forward(s->go.get(), s->lo);
+    s->cbuf.reset(ql_ctx_status(ctx) == QL_OK ? ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE) : nullptr);
+    if (!s->cbuf || ql_graph_alloc(s->gp.get(), be) != QL_OK || ql_graph_alloc(s->go.get(), be) != QL_OK) {
         fprintf(stderr, "generate: %s (a KV cache of %.1f MiB for %d tokens) --> hint: a smaller -c\n", ql_ctx_error(ctx),
-                cache_bytes / 1048576.0, ctx_len);
+                cache_bytes / 1048576.0, s->ctx_len);
         return 1;
     }
-    auto set_i32 = [&](ql_tensor *t, const int32_t *v, size_t n) { return ql_backend_tensor_set(be, t, v, 0, n * 4) == QL_OK; };
-    std::vector<float> logits((size_t)hp.n_vocab);
+    return 0;
+}
 
-    const auto t0 = std::chrono::steady_clock::now();
-    std::vector<int32_t> positions((size_t)n_prompt);
-    for (int t = 0; t < n_prompt; t++) positions[(size_t)t] = t;
+static bool set_i32(ql_backend *be, ql_tensor *t, const int32_t *v, size_t n) { return ql_backend_tensor_set(be, t, v, 0, n * 4) == QL_OK; }
+
+// The prompt through the model: the last position's logits into *logits; 0, or 1 after the message.
+static int run_prompt(gen_state &s, std::vector<float> *logits) {
+    ql_backend *be = s.be.get();
+    std::vector<int32_t> positions((size_t)s.n_prompt);
+    for (int t = 0; t < s.n_prompt; t++) positions[(size_t)t] = t;
     const int32_t zero = 0;
-    if (!set_i32(pt, toks.data(), toks.size()) || !set_i32(pp, positions.data(), positions.size()) ||
-        !set_i32(cache.write_pos, &zero, 1) || !set_i32(cache.n_kv, &n_prompt, 1) || ql_backend_graph_compute(be, gp) != QL_OK ||
-        ql_backend_tensor_get(be, lp, logits.data(), (size_t)(n_prompt - 1) * hp.n_vocab * 4, logits.size() * 4) != QL_OK) {
-        fprintf(stderr, "generate: %s\n", ql_ctx_error(ctx));
+    if (!set_i32(be, s.pt, s.toks.data(), s.toks.size()) || !set_i32(be, s.pp, positions.data(), positions.size()) ||
+        !set_i32(be, s.cache.write_pos, &zero, 1) || !set_i32(be, s.cache.n_kv, &s.n_prompt, 1) ||
+        ql_backend_graph_compute(be, s.gp.get()) != QL_OK ||
+        ql_backend_tensor_get(be, s.lp, logits->data(), (size_t)(s.n_prompt - 1) * s.f->model.hp.n_vocab * 4, logits->size() * 4) !=
+            QL_OK) {
+        fprintf(stderr, "generate: %s\n", ql_ctx_error(s.ctx.get()));
         return 1;
     }
-    printf("%s", prompt.c_str());
-    fflush(stdout);
-    bool line_open = !prompt.empty() && prompt.back() != '\n';  // the output ends with a newline
-    const auto t1 = std::chrono::steady_clock::now();
-    std::mt19937_64 rng((uint64_t)seed);
-    std::vector<std::pair<float, int32_t>> cand;
+    return 0;
+}
+
+// how the generation went: tokens written, the end-of-generation token that stopped it (or -1:
+// -n or the context's end), whether stdout's last line is unfinished
+struct gen_result {
     int n_done = 0;
-    int32_t eog = -1;  // why it stopped: an end-of-generation token (this one), -n, or the context's end
-    for (int pos = n_prompt; n_done < (int)n_gen && pos < ctx_len; pos++) {
+    int32_t eog = -1;
+    bool line_open = false;
+};
+
+// Sample, print, feed back one token at a time until an end-of-generation token, -n tokens or
+// the context's end; 0, or 1 after the message (non-finite logits, a failed step).
+static int generate_tokens(const gen_args &a, gen_state &s, std::vector<float> &logits, gen_result *r) {
+    ql_backend *be = s.be.get();
+    const int n_vocab = s.f->model.hp.n_vocab;
+    std::mt19937_64 rng((uint64_t)a.seed);
+    std::vector<std::pair<float, int32_t>> cand;
+    for (int pos = s.n_prompt; r->n_done < (int)a.n_gen && pos < s.ctx_len; pos++) {
         for (float x : logits)
             if (!std::isfinite(x)) {  // NaN weights, an inf adapter scale: refuse to sample from them
                 fprintf(stderr, "\ngenerate: the logits at position %d are not finite: the model or the adapter holds "
                                 "NaN or inf values\n", pos);
                 return 1;
             }
-        const int32_t next = sample(logits.data(), hp.n_vocab, temp, (int)top_k, top_p, rng, cand);
-        if (ql_vocab_is_eog(vocab, next)) {  // eos, eot, eom and llama.cpp's end-of-generation texts
-            eog = next;
+        const int32_t next = sample(logits.data(), n_vocab, a.temp, (int)a.top_k, a.top_p, rng, cand);
+        if (ql_vocab_is_eog(s.vocab.get(), next)) {  // eos, eot, eom and llama.cpp's end-of-generation texts
+            r->eog = next;
             break;
         }
-        const std::string piece = ql_token_to_piece(vocab, next, false);
+        const std::string piece = ql_token_to_piece(s.vocab.get(), next, false);
         fwrite(piece.data(), 1, piece.size(), stdout);
         fflush(stdout);
-        if (!piece.empty()) line_open = piece.back() != '\n';
-        n_done++;
-        if (n_done == (int)n_gen || pos + 1 >= ctx_len) break;
+        if (!piece.empty()) r->line_open = piece.back() != '\n';
+        r->n_done++;
+        if (r->n_done == (int)a.n_gen || pos + 1 >= s.ctx_len) break;
         const int32_t n_kv = pos + 1;
-        if (!set_i32(ot, &next, 1) || !set_i32(op, &pos, 1) || !set_i32(cache.write_pos, &pos, 1) ||
-            !set_i32(cache.n_kv, &n_kv, 1) || ql_backend_graph_compute(be, go) != QL_OK ||
-            ql_backend_tensor_get(be, lo, logits.data(), 0, logits.size() * 4) != QL_OK) {
-            fprintf(stderr, "\ngenerate: %s\n", ql_ctx_error(ctx));
+        if (!set_i32(be, s.ot, &next, 1) || !set_i32(be, s.op, &pos, 1) || !set_i32(be, s.cache.write_pos, &pos, 1) ||
+            !set_i32(be, s.cache.n_kv, &n_kv, 1) || ql_backend_graph_compute(be, s.go.get()) != QL_OK ||
+            ql_backend_tensor_get(be, s.lo, logits.data(), 0, logits.size() * 4) != QL_OK) {
+            fprintf(stderr, "\ngenerate: %s\n", ql_ctx_error(s.ctx.get()));
             return 1;
         }
     }
+    return 0;
+}
+
+// why it stopped, in one line
+static void report_stop(const gen_args &a, const gen_state &s, const gen_result &r) {
+    if (r.eog >= 0)
+        fprintf(stderr, "generate: stopped at the end-of-generation token %s (id %d) after %d token%s\n",
+                ql_vocab_token_text(s.vocab.get(), r.eog), (int)r.eog, r.n_done, r.n_done == 1 ? "" : "s");
+    else if (r.n_done == (int)a.n_gen)
+        fprintf(stderr, "generate: stopped after -n %d tokens\n", (int)a.n_gen);
+    else  // fewer than asked, and not the model's choice: say whose limit it was
+        fprintf(stderr, "generate: stopped at the end of the context (%d tokens: %s) before -n %d --> hint: a larger -c\n", s.ctx_len,
+                a.n_ctx > 0 ? "-c" : "the model's training context", (int)a.n_gen);
+}
+
+int main(int argc, char **argv) {
+    gen_args a;
+    if (const int rc = parse_args(argc, argv, &a); rc >= 0) return rc;
+    gen_state s;
+    if (const int rc = load_model(a, &s)) return rc;
+    if (const int rc = prompt_tokens(a, &s)) return rc;
+    if (const int rc = plan_graphs(a, &s)) return rc;
+    std::vector<float> logits((size_t)s.f->model.hp.n_vocab);
+
+    const auto t0 = std::chrono::steady_clock::now();
+    if (const int rc = run_prompt(s, &logits)) return rc;
+    printf("%s", a.prompt.c_str());
+    fflush(stdout);
+    gen_result r;
+    r.line_open = !a.prompt.empty() && a.prompt.back() != '\n';  // the output ends with a newline
+    const auto t1 = std::chrono::steady_clock::now();
+    if (const int rc = generate_tokens(a, s, logits, &r)) return rc;
     const auto t2 = std::chrono::steady_clock::now();
-    if (line_open) printf("\n");
+    if (r.line_open) printf("\n");
     fflush(stdout);
     const double tp = std::chrono::duration<double>(t1 - t0).count(), tg = std::chrono::duration<double>(t2 - t1).count();
     fprintf(stderr, "%sgenerate: prompt %d tokens in %.3f s (%.1f tokens/s); generated %d tokens in %.3f s (%.1f tokens/s)\n",
-            n_done > 0 || !prompt.empty() ? "\n" : "", n_prompt, tp, n_prompt / std::max(tp, 1e-9), n_done, tg,
-            n_done / std::max(tg, 1e-9));
-    // why it stopped, in one line
-    if (eog >= 0)
-        fprintf(stderr, "generate: stopped at the end-of-generation token %s (id %d) after %d token%s\n",
-                ql_vocab_token_text(vocab, eog), (int)eog, n_done, n_done == 1 ? "" : "s");
-    else if (n_done == (int)n_gen)
-        fprintf(stderr, "generate: stopped after -n %d tokens\n", (int)n_gen);
-    else  // fewer than asked, and not the model's choice: say whose limit it was
-        fprintf(stderr, "generate: stopped at the end of the context (%d tokens: %s) before -n %d --> hint: a larger -c\n", ctx_len,
-                n_ctx > 0 ? "-c" : "the model's training context", (int)n_gen);
+            r.n_done > 0 || !a.prompt.empty() ? "\n" : "", s.n_prompt, tp, s.n_prompt / std::max(tp, 1e-9), r.n_done, tg,
+            r.n_done / std::max(tg, 1e-9));
+    report_stop(a, s, r);
     return 0;
 }
