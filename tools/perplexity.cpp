@@ -70,29 +70,35 @@ struct window_graph {
     }
 };
 
-int main(int argc, char **argv) {
+// what the command line asks for
+struct ppl_args {
     const char *model = nullptr, *file = nullptr, *lora = nullptr, *device = "auto";
     int c = 512, threads = 0;
     double lora_scale = 1;
-    bool json = false, scale_given = false;
+    bool json = false;
+};
+
+// The flags into a: -1 to go on, else the exit code (0 for --help) after the usage or the message.
+static int parse_args(int argc, char **argv, ppl_args *o) {
+    bool scale_given = false;
     for (int i = 1; i < argc; i++) {
         const std::string a = argv[i];
         const bool has = i + 1 < argc;
         if ((a == "-m" || a == "-f") && has) {  // one model, one text: a second would silently replace the first
-            const char *&slot = a == "-m" ? model : file;
+            const char *&slot = a == "-m" ? o->model : o->file;
             if (slot) {
                 fprintf(stderr, "perplexity: %s given twice ('%s', '%s')\n", a.c_str(), slot, argv[i + 1]);
                 return 2;
             }
             slot = argv[++i];
         } else if (a == "--lora" && has) {
-            if (lora) {  // one adapter: a second would silently replace the first
-                fprintf(stderr, "perplexity: --lora given twice ('%s', '%s'): one adapter at a time\n", lora, argv[i + 1]);
+            if (o->lora) {  // one adapter: a second would silently replace the first
+                fprintf(stderr, "perplexity: --lora given twice ('%s', '%s'): one adapter at a time\n", o->lora, argv[i + 1]);
                 return 2;
             }
-            lora = argv[++i];
-        } else if (a == "--device" && has) device = argv[++i];
-        else if (a == "--json") json = true;
+            o->lora = argv[++i];
+        } else if (a == "--device" && has) o->device = argv[++i];
+        else if (a == "--json") o->json = true;
         else if ((a == "-c" || a == "-t" || a == "--lora-scale") && has) {
             char *end = nullptr;
             const double v = strtod(argv[++i], &end);
@@ -103,9 +109,9 @@ int main(int argc, char **argv) {
                         a == "-c" ? " (an integer >= 2)" : "");
                 return 2;
             }
-            if (a == "-c") c = (int)v;
-            else if (a == "-t") threads = (int)v;
-            else lora_scale = v, scale_given = true;
+            if (a == "-c") o->c = (int)v;
+            else if (a == "-t") o->threads = (int)v;
+            else o->lora_scale = v, scale_given = true;
         } else if (a == "-h" || a == "--help") {
             usage(argv[0]);
             return 0;
@@ -114,23 +120,28 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
-    if (!model || !file) {
+    if (!o->model || !o->file) {
         fprintf(stderr, "perplexity: -m model.gguf and -f text.txt are required\n");
         return usage(argv[0]);
     }
-    if (scale_given && !lora) {
+    if (scale_given && !o->lora) {
         fprintf(stderr, "perplexity: --lora-scale without --lora: there is no adapter to scale\n");
         return 2;
     }
+    return -1;
+}
+
+// The whole text file into *text, refused when it cannot be read or holds a NUL byte;
+// 0, or 1 after the message.
+static int read_text(const char *file, std::string *text) {
     FILE *tf = fopen(file, "rb");
     if (!tf) {
         fprintf(stderr, "perplexity: %s: cannot open: %s\n", file, strerror(errno));
         return 1;
     }
-    std::string text;
     char buf[65536];
     size_t n;
-    while ((n = fread(buf, 1, sizeof(buf), tf)) > 0) text.append(buf, n);
+    while ((n = fread(buf, 1, sizeof(buf), tf)) > 0) text->append(buf, n);
     const bool read_failed = ferror(tf) != 0;
     const int read_errno = errno;
     fclose(tf);
@@ -138,49 +149,51 @@ int main(int argc, char **argv) {
         fprintf(stderr, "perplexity: %s: cannot read: %s\n", file, strerror(read_errno));
         return 1;
     }
-    const size_t nul = text.find('\0');
+    const size_t nul = text->find('\0');
     if (nul != std::string::npos) {  // a binary file would tokenize to byte tokens for minutes
         fprintf(stderr, "perplexity: %s: not a text file (a NUL byte at offset %zu)\n", file, nul);
         return 1;
     }
+    return 0;
+}
 
+// what a run holds, freed in reverse order of declaration (what depends on a thing after it)
+struct ppl_state {
+    owned<ql_llama_file> f{nullptr, ql_llama_file_free};
+    owned<ql_vocab> vocab{nullptr, ql_vocab_free};
+    owned<ql_lora_adapter> ad{nullptr, ql_lora_adapter_free};
+    owned<ql_backend> be{nullptr, ql_backend_free};
+    owned<ql_backend_buffer> wbuf{nullptr, ql_backend_buffer_free}, abuf{nullptr, ql_backend_buffer_free};
+};
+
+// The model, its vocabulary and the adapter (--lora); 0, or 1 after the message.
+static int load_model(const ppl_args &o, ppl_state *s) {
     char err[512];
-    ql_llama_file *f = ql_llama_load(model, err, sizeof(err));
-    ql_vocab *vocab = f ? ql_vocab_load(f->gguf, err, sizeof(err)) : nullptr;
-    owned<ql_llama_file> f_(f, ql_llama_file_free);
-    owned<ql_vocab> vocab_(vocab, ql_vocab_free);
-    if (!f || !vocab) {
-        fprintf(stderr, "perplexity: %s: %s\n", model, err);  // (the vocabulary's errors do not name the file)
+    s->f.reset(ql_llama_load(o.model, err, sizeof(err)));
+    s->vocab.reset(s->f ? ql_vocab_load(s->f->gguf, err, sizeof(err)) : nullptr);
+    if (!s->f || !s->vocab) {
+        fprintf(stderr, "perplexity: %s: %s\n", o.model, err);  // (the vocabulary's errors do not name the file)
         return 1;
     }
-    ql_lora_adapter *ad = nullptr;
-    if (lora) {
+    if (o.lora) {
         std::string e;
-        if (!(ad = ql_lora_attach_any(&f->model, f->arch.c_str(), lora, (float)lora_scale, &e))) {
+        s->ad.reset(ql_lora_attach_any(&s->f->model, s->f->arch.c_str(), o.lora, (float)o.lora_scale, &e));
+        if (!s->ad) {
             fprintf(stderr, "perplexity: %s\n", e.c_str());
             return 1;
         }
     }
-    owned<ql_lora_adapter> ad_(ad, ql_lora_adapter_free);
-    const int32_t bos = ql_vocab_bos(vocab);
-    if (bos < 0) {
-        fprintf(stderr, "perplexity: %s: the vocabulary has no BOS token to start each window with\n", model);
-        return 1;
-    }
-    const std::vector<int32_t> toks = ql_tokenize(vocab, text, false, false);
-    if (toks.empty()) {
-        fprintf(stderr, "perplexity: %s: the text has no tokens\n", file);
-        return 1;
-    }
-    if (f->model.hp.n_ctx_train > 0 && c > f->model.hp.n_ctx_train)
-        fprintf(stderr, "perplexity: note: -c %d is longer than the model's training context %d\n", c, f->model.hp.n_ctx_train);
-    const int chunk = c - 1;
-    const int64_t n_tok = (int64_t)toks.size(), n_full = n_tok / chunk, tail = n_tok % chunk;
-    if (threads > 0) ql_cpu_warn_threads("perplexity", threads);
-    ql_backend *be = ql_backend_init_by_name(device, threads, err, sizeof(err));
-    owned<ql_backend> be_(be, ql_backend_free);
+    return 0;
+}
+
+// The backend (--device), and the weights and the adapter placed on it once; 0, or 1 after the message.
+static int place_model(const ppl_args &o, ppl_state *s) {
+    char err[512];
+    if (o.threads > 0) ql_cpu_warn_threads("perplexity", o.threads);
+    s->be.reset(ql_backend_init_by_name(o.device, o.threads, err, sizeof(err)));
+    ql_backend *be = s->be.get();
     if (!be) {
-        fprintf(stderr, "perplexity: --device %s: %s\n", device, err);
+        fprintf(stderr, "perplexity: --device %s: %s\n", o.device, err);
         return 1;
     }
     if (!ql_backend_is_host(be)) {
@@ -188,23 +201,24 @@ int main(int argc, char **argv) {
         ql_backend_describe(be, desc, sizeof(desc));
         fprintf(stderr, "perplexity: %s\n", desc);
     }
-    ql_backend_buffer *wbuf = ql_backend_place_ctx_tensors(be, f->ctx);  // the weights, placed once
-    ql_backend_buffer *abuf = ad ? ql_backend_place_ctx_tensors(be, ad->ctx) : nullptr;
-    owned<ql_backend_buffer> wbuf_(wbuf, ql_backend_buffer_free), abuf_(abuf, ql_backend_buffer_free);
-    if (!wbuf || (ad && !abuf)) {
-        fprintf(stderr, "perplexity: %s\n", ql_ctx_error(wbuf ? ad->ctx : f->ctx));
+    ql_lora_adapter *ad = s->ad.get();
+    s->wbuf.reset(ql_backend_place_ctx_tensors(be, s->f->ctx));  // the weights, placed once
+    s->abuf.reset(ad ? ql_backend_place_ctx_tensors(be, ad->ctx) : nullptr);
+    if (!s->wbuf || (ad && !s->abuf)) {
+        fprintf(stderr, "perplexity: %s\n", ql_ctx_error(s->wbuf ? ad->ctx : s->f->ctx));
         return 1;
     }
-    window_graph full, last;  // both planned and allocated before the first window runs
-    std::string why;
-    if ((n_full > 0 && !full.build(f->model, c, be, &why)) || (tail > 0 && !last.build(f->model, (int)tail + 1, be, &why))) {
-        fprintf(stderr, "perplexity: %s\n", why.c_str());
-        return 1;
-    }
-    const bool progress = isatty(fileno(stderr));  // a live counter on a terminal only
-    const auto t0 = std::chrono::steady_clock::now();
-    double sum = 0;
-    std::vector<int32_t> tk((size_t)c), tg((size_t)c);
+    return 0;
+}
+
+// Every window of c - 1 tokens after a BOS through its graph (full, or last for the shorter
+// tail), the summed nll into *sum; a live counter on a terminal. 0, or 1 after the message.
+static int score_windows(const ppl_args &o, ql_backend *be, int32_t bos, const std::vector<int32_t> &toks, window_graph &full,
+                         window_graph &last, double *sum) {
+    const int chunk = o.c - 1;
+    const int64_t n_tok = (int64_t)toks.size();
+    const bool progress = isatty(fileno(stderr));
+    std::vector<int32_t> tk((size_t)o.c), tg((size_t)o.c);
     for (int64_t start = 0; start < n_tok; start += chunk) {
         const int64_t len = std::min<int64_t>(chunk, n_tok - start);
         window_graph &w = len == chunk ? full : last;
@@ -221,23 +235,60 @@ int main(int argc, char **argv) {
             fprintf(stderr, "perplexity: %s\n", ql_ctx_error(w.ctx));
             return 1;
         }
-        sum += nll_w;
-        if (!json && progress) fprintf(stderr, "\rperplexity: %lld/%lld tokens", (long long)(start + len), (long long)n_tok);
+        *sum += nll_w;
+        if (!o.json && progress) fprintf(stderr, "\rperplexity: %lld/%lld tokens", (long long)(start + len), (long long)n_tok);
     }
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    ppl_args o;
+    if (const int rc = parse_args(argc, argv, &o); rc >= 0) return rc;
+    std::string text;
+    if (const int rc = read_text(o.file, &text)) return rc;
+    ppl_state s;
+    if (const int rc = load_model(o, &s)) return rc;
+    const ql_llama &m = s.f->model;
+    const int32_t bos = ql_vocab_bos(s.vocab.get());
+    if (bos < 0) {
+        fprintf(stderr, "perplexity: %s: the vocabulary has no BOS token to start each window with\n", o.model);
+        return 1;
+    }
+    const std::vector<int32_t> toks = ql_tokenize(s.vocab.get(), text, false, false);
+    if (toks.empty()) {
+        fprintf(stderr, "perplexity: %s: the text has no tokens\n", o.file);
+        return 1;
+    }
+    if (m.hp.n_ctx_train > 0 && o.c > m.hp.n_ctx_train)
+        fprintf(stderr, "perplexity: note: -c %d is longer than the model's training context %d\n", o.c, m.hp.n_ctx_train);
+    const int chunk = o.c - 1;
+    const int64_t n_tok = (int64_t)toks.size(), n_full = n_tok / chunk, tail = n_tok % chunk;
+    if (const int rc = place_model(o, &s)) return rc;
+    ql_backend *be = s.be.get();
+    window_graph full, last;  // both planned and allocated before the first window runs
+    std::string why;
+    if ((n_full > 0 && !full.build(m, o.c, be, &why)) || (tail > 0 && !last.build(m, (int)tail + 1, be, &why))) {
+        fprintf(stderr, "perplexity: %s\n", why.c_str());
+        return 1;
+    }
+    const bool progress = isatty(fileno(stderr));  // a live counter on a terminal only
+    const auto t0 = std::chrono::steady_clock::now();
+    double sum = 0;
+    if (const int rc = score_windows(o, be, bos, toks, full, last, &sum)) return rc;
     const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double nll = sum / (double)n_tok;
     if (!std::isfinite(nll)) {  // NaN weights, an inf adapter scale: a number that is not one is an error
-        if (progress && !json) fprintf(stderr, "\n");
+        if (progress && !o.json) fprintf(stderr, "\n");
         fprintf(stderr, "perplexity: the mean nll is %s: the model%s holds non-finite values (NaN or inf weights?)\n",
-                std::isnan(nll) ? "nan" : "inf", lora ? " or the adapter" : "");
+                std::isnan(nll) ? "nan" : "inf", o.lora ? " or the adapter" : "");
         return 1;
     }
-    if (json) {
+    if (o.json) {
         printf("{\"nll\": %.9g, \"ppl\": %.9g, \"tokens\": %lld}\n", nll, std::exp(nll), (long long)n_tok);
     } else {
         if (progress) fprintf(stderr, "\n");
         printf("perplexity: %lld tokens in windows of %d: mean nll %.6f, perplexity %.4f (%.1f tokens/s)\n",
-               (long long)n_tok, c, nll, std::exp(nll), (double)n_tok / std::max(secs, 1e-9));
+               (long long)n_tok, o.c, nll, std::exp(nll), (double)n_tok / std::max(secs, 1e-9));
     }
     return 0;
 }
