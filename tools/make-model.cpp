@@ -145,11 +145,16 @@ static bool fill_tensor(void *arg, void *dst, size_t size) {
     return size == ql_type_data_size(x.type, x.t->ne[1], x.t->ne[0]);
 }
 
-int main(int argc, char **argv) {
-    const auto t0 = std::chrono::steady_clock::now();
+// what the command line asks for
+struct mm_args {
     const char *out = nullptr, *type_name = "f32", *embd_name = "f32", *output_name = "f32";
     long dim = 288, layers = 6, heads = 6, kv_heads = -1, head_dim = 0, ff = 768, vocab = 512, ctx_len = 1024, seed = 1, threads = 1;
     double std_dev = 0.02;
+};
+
+// The flags into o (--kv-heads defaults to --heads): -1 to go on, else the exit code (0 for
+// --help) after the usage or the message; a bad number exits 2 at once.
+static int parse_args(int argc, char **argv, mm_args *o) {
     for (int i = 1; i < argc; i++) {
         const std::string a = argv[i];
         if (i + 1 >= argc && a != "-h" && a != "--help") {
@@ -165,23 +170,23 @@ int main(int argc, char **argv) {
             }
             *v = x;
         };
-        if (a == "-o") out = argv[++i];
-        else if (a == "--dim") num(&dim, 2, 1 << 16);
-        else if (a == "--layers") num(&layers, 1, 1024);
-        else if (a == "--heads") num(&heads, 1, 1024);
-        else if (a == "--kv-heads") num(&kv_heads, 1, 1024);
-        else if (a == "--head-dim") num(&head_dim, 2, 512);
-        else if (a == "--ff") num(&ff, 1, 1 << 18);
-        else if (a == "--vocab") num(&vocab, 259 + 95, 1 << 20);
-        else if (a == "--ctx") num(&ctx_len, 1, 1 << 24);
-        else if (a == "--seed") num(&seed, 0, 1L << 62);
-        else if (a == "--threads") num(&threads, 1, 256);
-        else if (a == "--type") type_name = argv[++i];
-        else if (a == "--embd-type") embd_name = argv[++i];
-        else if (a == "--output-type") output_name = argv[++i];
+        if (a == "-o") o->out = argv[++i];
+        else if (a == "--dim") num(&o->dim, 2, 1 << 16);
+        else if (a == "--layers") num(&o->layers, 1, 1024);
+        else if (a == "--heads") num(&o->heads, 1, 1024);
+        else if (a == "--kv-heads") num(&o->kv_heads, 1, 1024);
+        else if (a == "--head-dim") num(&o->head_dim, 2, 512);
+        else if (a == "--ff") num(&o->ff, 1, 1 << 18);
+        else if (a == "--vocab") num(&o->vocab, 259 + 95, 1 << 20);
+        else if (a == "--ctx") num(&o->ctx_len, 1, 1 << 24);
+        else if (a == "--seed") num(&o->seed, 0, 1L << 62);
+        else if (a == "--threads") num(&o->threads, 1, 256);
+        else if (a == "--type") o->type_name = argv[++i];
+        else if (a == "--embd-type") o->embd_name = argv[++i];
+        else if (a == "--output-type") o->output_name = argv[++i];
         else if (a == "--std") {
-            std_dev = strtod(argv[++i], nullptr);
-            if (!(std_dev > 0 && std_dev < 10)) {
+            o->std_dev = strtod(argv[++i], nullptr);
+            if (!(o->std_dev > 0 && o->std_dev < 10)) {
                 fprintf(stderr, "make-model: --std must be in (0, 10)\n");
                 return 2;
             }
@@ -193,37 +198,65 @@ int main(int argc, char **argv) {
             return usage(argv[0]);
         }
     }
-    if (!out) {
+    if (!o->out) {
         fprintf(stderr, "make-model: -o model.gguf is required\n");
         return usage(argv[0]);
     }
-    if (const int rc = output_path_check("make-model", out, {})) return rc;
-    if (kv_heads < 0) kv_heads = heads;
-    auto type_of = [](const char *flag, const char *name) {
-        for (int t = 0; t < QL_TYPE_COUNT; t++) {
-            const ql_type_traits *tt = ql_type_traits_get((ql_type)t);
-            if (tt && tt->is_float && (tt->from_float || tt->aux_bytes) && !strcmp(tt->name, name)) return (ql_type)t;
-        }
-        std::string known;
-        for (int t = 0; t < QL_TYPE_COUNT; t++) {
-            const ql_type_traits *tt = ql_type_traits_get((ql_type)t);
-            if (tt && tt->is_float && (tt->from_float || tt->aux_bytes)) known += std::string(known.empty() ? "" : ", ") + tt->name;
-        }
-        fprintf(stderr, "make-model: unknown %s '%s' (%s)\n", flag, name, known.c_str());
-        exit(2);
-    };
-    const ql_type wtype = type_of("--type", type_name), etype = type_of("--embd-type", embd_name),
-                  otype = type_of("--output-type", output_name);
+    if (const int rc = output_path_check("make-model", o->out, {})) return rc;
+    if (o->kv_heads < 0) o->kv_heads = o->heads;
+    return -1;
+}
+
+// a type flag's value: a float type with a quantiser; otherwise the known names and exit 2
+static ql_type type_of(const char *flag, const char *name) {
+    for (int t = 0; t < QL_TYPE_COUNT; t++) {
+        const ql_type_traits *tt = ql_type_traits_get((ql_type)t);
+        if (tt && tt->is_float && (tt->from_float || tt->aux_bytes) && !strcmp(tt->name, name)) return (ql_type)t;
+    }
+    std::string known;
+    for (int t = 0; t < QL_TYPE_COUNT; t++) {
+        const ql_type_traits *tt = ql_type_traits_get((ql_type)t);
+        if (tt && tt->is_float && (tt->from_float || tt->aux_bytes)) known += std::string(known.empty() ? "" : ", ") + tt->name;
+    }
+    fprintf(stderr, "make-model: unknown %s '%s' (%s)\n", flag, name, known.c_str());
+    exit(2);
+}
+
+// the model's keys (llama's sizes, norm epsilon, rope base) and its byte vocabulary
+static void write_keys(ql_gguf_writer *w, const mm_args &o) {
+    ql_gguf_set_str(w, "general.architecture", "llama");
+    ql_gguf_set_str(w, "general.name", "random llama (make-model)");
+    ql_gguf_set_u32(w, "llama.context_length", (uint32_t)o.ctx_len);
+    ql_gguf_set_u32(w, "llama.embedding_length", (uint32_t)o.dim);
+    ql_gguf_set_u32(w, "llama.block_count", (uint32_t)o.layers);
+    ql_gguf_set_u32(w, "llama.feed_forward_length", (uint32_t)o.ff);
+    ql_gguf_set_u32(w, "llama.attention.head_count", (uint32_t)o.heads);
+    ql_gguf_set_u32(w, "llama.attention.head_count_kv", (uint32_t)o.kv_heads);
+    if (o.head_dim > 0) {  // heads * head_dim need not be dim (Mistral-Nemo's shape)
+        ql_gguf_set_u32(w, "llama.attention.key_length", (uint32_t)o.head_dim);
+        ql_gguf_set_u32(w, "llama.attention.value_length", (uint32_t)o.head_dim);
+    }
+    ql_gguf_set_f32(w, "llama.attention.layer_norm_rms_epsilon", 1e-5f);
+    ql_gguf_set_f32(w, "llama.rope.freq_base", 10000.0f);
+    write_vocab(w, (int)o.vocab);
+}
+
+int main(int argc, char **argv) {
+    const auto t0 = std::chrono::steady_clock::now();
+    mm_args o;
+    if (const int rc = parse_args(argc, argv, &o); rc >= 0) return rc;
+    const ql_type wtype = type_of("--type", o.type_name), etype = type_of("--embd-type", o.embd_name),
+                  otype = type_of("--output-type", o.output_name);
     ql_llama_hparams hp;
-    hp.n_vocab = (int)vocab;
-    hp.n_embd = (int)dim;
-    hp.n_layer = (int)layers;
-    hp.n_head = (int)heads;
-    hp.n_head_kv = (int)kv_heads;
-    hp.n_ff = (int)ff;
-    hp.n_embd_head = (int)head_dim;
+    hp.n_vocab = (int)o.vocab;
+    hp.n_embd = (int)o.dim;
+    hp.n_layer = (int)o.layers;
+    hp.n_head = (int)o.heads;
+    hp.n_head_kv = (int)o.kv_heads;
+    hp.n_ff = (int)o.ff;
+    hp.n_embd_head = (int)o.head_dim;
     // the shapes and names only: the values are made as each tensor is written
-    ql_init_params ip = {(size_t)(layers * 16 + 16) * ql_tensor_overhead(), nullptr, true, false};
+    ql_init_params ip = {(size_t)(o.layers * 16 + 16) * ql_tensor_overhead(), nullptr, true, false};
     ql_context *ctx = ql_init(ip);
     owned<ql_context> ctx_(ctx, ql_free);
     ql_llama m;
@@ -231,27 +264,13 @@ int main(int argc, char **argv) {
         fprintf(stderr, "make-model: %s\n", ctx ? ql_ctx_error(ctx) : "out of memory");
         return 2;
     }
-    gen_state g{std::mt19937_64((uint64_t)seed), (float)std_dev, (int)threads, {}};
+    gen_state g{std::mt19937_64((uint64_t)o.seed), (float)o.std_dev, (int)o.threads, {}};
 
     ql_gguf_writer *w = ql_gguf_writer_new();
     owned<ql_gguf_writer> w_(w, ql_gguf_writer_free);
-    ql_gguf_set_str(w, "general.architecture", "llama");
-    ql_gguf_set_str(w, "general.name", "random llama (make-model)");
-    ql_gguf_set_u32(w, "llama.context_length", (uint32_t)ctx_len);
-    ql_gguf_set_u32(w, "llama.embedding_length", (uint32_t)dim);
-    ql_gguf_set_u32(w, "llama.block_count", (uint32_t)layers);
-    ql_gguf_set_u32(w, "llama.feed_forward_length", (uint32_t)ff);
-    ql_gguf_set_u32(w, "llama.attention.head_count", (uint32_t)heads);
-    ql_gguf_set_u32(w, "llama.attention.head_count_kv", (uint32_t)kv_heads);
-    if (head_dim > 0) {  // heads * head_dim need not be dim (Mistral-Nemo's shape)
-        ql_gguf_set_u32(w, "llama.attention.key_length", (uint32_t)head_dim);
-        ql_gguf_set_u32(w, "llama.attention.value_length", (uint32_t)head_dim);
-    }
-    ql_gguf_set_f32(w, "llama.attention.layer_norm_rms_epsilon", 1e-5f);
-    ql_gguf_set_f32(w, "llama.rope.freq_base", 10000.0f);
-    write_vocab(w, (int)vocab);
+    write_keys(w, o);
     std::vector<gen_tensor> gens;
-    gens.reserve((size_t)(layers * 9 + 3));  // stable addresses: the writer keeps pointers to them
+    gens.reserve((size_t)(o.layers * 9 + 3));  // stable addresses: the writer keeps pointers to them
     char err[512];
     auto add = [&](ql_tensor *t, ql_type type) {
         if (t->ne[0] % ql_type_traits_get(type)->blck_size != 0) type = QL_TYPE_F32;  // a row the type cannot hold
@@ -271,12 +290,12 @@ int main(int argc, char **argv) {
         add(L.ffn_norm, QL_TYPE_F32);
         for (ql_tensor *t : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) add(t, wtype);
     }
-    if (ql_gguf_write(w, out, err, sizeof(err)) != QL_OK) {
+    if (ql_gguf_write(w, o.out, err, sizeof(err)) != QL_OK) {
         fprintf(stderr, "make-model: %s\n", err);
         return 1;
     }
     printf("make-model: %s: dim %ld, %ld layers, %ld/%ld heads of %d, ffn %ld, vocab %ld, %s linear weights, embedding %s, output %s "
-           "(%.2f s)\n", out, dim, layers, heads, kv_heads, hp.head_dim(), ff, vocab, ql_type_name(wtype), ql_type_name(etype),
-           ql_type_name(otype), std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+           "(%.2f s)\n", o.out, o.dim, o.layers, o.heads, o.kv_heads, hp.head_dim(), o.ff, o.vocab, ql_type_name(wtype),
+           ql_type_name(etype), ql_type_name(otype), std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     return 0;
 }
