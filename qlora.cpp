@@ -6195,34 +6195,43 @@ ql_status ql_backend_grad_stats(ql_backend *be, const ql_tensor *t, double *sums
     return QL_OK;
 }
 
-ql_backend *ql_backend_init_by_name(const char *device, int n_threads, char *err, size_t err_size) {
+ql_status ql_device_parse(const char *s, ql_device *d, char *err, size_t err_size) {
+    const std::string x = s ? s : "";
+    ql_device r = {QL_DEVICE_CPU, 0};
+    bool ok = true;
+    if (x == "cpu") r.kind = QL_DEVICE_CPU;
+    else if (x == "auto") r.kind = QL_DEVICE_AUTO;
+    else if (x == "cuda") r.kind = QL_DEVICE_GPU;
+    else if (x.rfind("cuda:", 0) == 0 && x.size() > 5) {
+        char *end = nullptr;
+        const long v = strtol(x.c_str() + 5, &end, 10);
+        ok = end && !*end && isdigit((unsigned char)x[5]) && v >= 0 && v <= 1024;
+        r = {QL_DEVICE_GPU, (int)v};
+    } else ok = false;
+    if (!ok) {
+        if (err && err_size) snprintf(err, err_size, "'%s' is not a device (cpu, cuda, cuda:N, auto)", x.c_str());
+        return QL_ERR_INVALID;
+    }
+    if (d) *d = r;
+    return QL_OK;
+}
+
+ql_backend *ql_backend_init_device(ql_device d, int n_threads, char *err, size_t err_size) {
     char tmp[256];
     if (!err || !err_size) err = tmp, err_size = sizeof(tmp);
-    const std::string d = device ? device : "auto";
-    auto cpu = [&]() {
-        ql_backend *be = ql_backend_cpu_init(n_threads);
-        if (!be)
-            snprintf(err, err_size, "cannot start %d CPU threads (the system's limit, or memory for their stacks)",
-                     n_threads > 0 ? n_threads : ql_cpu_default_threads());
-        return be;
-    };
-    if (d == "cpu") return cpu();
-    if (d == "auto") return ql_cuda_device_count() > 0 ? ql_backend_cuda_init(0, err, err_size) : cpu();
-    if (d == "cuda" || d.rfind("cuda:", 0) == 0) {
-        int dev = 0;
-        if (d.size() > 5) {
-            char *end = nullptr;
-            const long v = strtol(d.c_str() + 5, &end, 10);
-            if (!end || *end || v < 0 || v > 1024) {
-                snprintf(err, err_size, "'%s' is not a device (cpu, cuda, cuda:N, auto)", d.c_str());
-                return nullptr;
-            }
-            dev = (int)v;
-        }
-        return ql_backend_cuda_init(dev, err, err_size);
-    }
-    snprintf(err, err_size, "'%s' is not a device (cpu, cuda, cuda:N, auto)", d.c_str());
-    return nullptr;
+    if (d.kind == QL_DEVICE_GPU || (d.kind == QL_DEVICE_AUTO && ql_cuda_device_count() > 0))
+        return ql_backend_cuda_init(d.kind == QL_DEVICE_GPU ? d.index : 0, err, err_size);
+    ql_backend *be = ql_backend_cpu_init(n_threads);
+    if (!be)
+        snprintf(err, err_size, "cannot start %d CPU threads (the system's limit, or memory for their stacks)",
+                 n_threads > 0 ? n_threads : ql_cpu_default_threads());
+    return be;
+}
+
+ql_backend *ql_backend_init_by_name(const char *device, int n_threads, char *err, size_t err_size) {
+    ql_device d;
+    if (ql_device_parse(device ? device : "auto", &d, err, err_size) != QL_OK) return nullptr;
+    return ql_backend_init_device(d, n_threads, err, err_size);
 }
 
 void ql_backend_describe(const ql_backend *be, char *buf, size_t size) {
@@ -6336,7 +6345,12 @@ static bool cuda_plan_supports(ql_backend *be, const ql_tensor *node) {
 static size_t cuda_plan_work(ql_backend *be, const ql_tensor *node) { return ql_cuda_work_size(node, (int)(intptr_t)be->impl); }
 static void cuda_plan_free(ql_backend *be) { delete be; }
 
-ql_backend *ql_backend_cuda_plan_init(int cc) {
+ql_backend *ql_backend_init_planned(ql_device d, int cc, char *err, size_t err_size) {
+    if (d.kind == QL_DEVICE_CPU || cc < 10) {
+        if (err && err_size)
+            snprintf(err, err_size, d.kind == QL_DEVICE_CPU ? "the CPU needs no stand-in (it is here)" : "%d is not a compute capability", cc);
+        return nullptr;
+    }
     ql_backend *be = new ql_backend();
     be->iface = {"cuda (plan only)", cuda_plan_supports, cuda_plan_work, nullptr, nullptr, nullptr, cuda_plan_free,
                  nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
@@ -6344,7 +6358,44 @@ ql_backend *ql_backend_cuda_plan_init(int cc) {
     be->id = ql_backend_new_id();
     return be;
 }
-bool ql_backend_is_plan_only(const ql_backend *be) { return be && be->iface.graph_compute == nullptr; }
+static bool plan_only(const ql_backend *be) { return be && be->iface.graph_compute == nullptr; }
+
+ql_status ql_backend_get_caps(const ql_backend *be, ql_backend_caps *c) {
+    if (!c) return QL_ERR_INVALID;
+    memset(c, 0, sizeof(*c));
+    if (!be) return QL_ERR_INVALID;
+    c->alloc_granularity = 1;
+    if (ql_backend_is_host(be)) {
+        snprintf(c->name, sizeof(c->name), "cpu");
+        c->host = true;
+        c->bf16_gemm = ql_cpu_bf16_native();
+        return QL_OK;
+    }
+    if (plan_only(be)) {
+        c->plan_only = true;
+        c->cc = (int)(intptr_t)be->impl;
+        snprintf(c->name, sizeof(c->name), "a CUDA device of compute capability %d.%d (none here)", c->cc / 10, c->cc % 10);
+    } else {
+        ql_cuda_device_info info;
+        if (ql_backend_cuda_info(be, &info) != QL_OK) return QL_ERR_INVALID;
+        snprintf(c->name, sizeof(c->name), "%s", info.name);
+        c->cc = info.major * 10 + info.minor;
+        c->mem_total = info.total_mem;
+        c->mem_free = info.free_mem;
+    }
+    c->bf16_gemm = c->cc >= 80;  // tensor cores multiply bf16 from Ampere
+    c->alloc_granularity = (size_t)2 << 20;  // cudaMalloc hands out whole 2 MiB pages for big blocks
+    c->context_bytes = ql_cuda_context_bytes(c->cc);
+    c->context_estimated = c->cc != 90;  // see ql_cuda_context_bytes: only 9.0 measured
+    return QL_OK;
+}
+
+bool ql_backend_memory_used(const ql_backend *be, size_t *in_use, size_t *peak) {
+    if (ql_backend_is_cuda(be)) return ql_cuda_memory_used(in_use, peak);
+    if (in_use) *in_use = 0;
+    if (peak) *peak = 0;
+    return false;
+}
 
 size_t ql_cuda_context_bytes(int cc) {
     // The CUDA context (driver state, the runtime, our kernels and cuBLAS's loaded lazily - the

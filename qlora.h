@@ -688,6 +688,50 @@ ql_status   ql_backend_adamw_update(ql_backend *be, ql_tensor *param, ql_tensor 
 // the global gradient norm and the fp16 loss scaler's inf/nan check, where the gradient lives.
 ql_status   ql_backend_grad_stats(ql_backend *be, const ql_tensor *t, double *sumsq, bool *finite);
 
+// ---- choosing a backend: the tools' --device, parsed once ----
+typedef enum ql_device_kind {
+    QL_DEVICE_CPU,   // "cpu"
+    QL_DEVICE_GPU,   // "cuda" (GPU 0), "cuda:N"
+    QL_DEVICE_AUTO,  // "auto": GPU 0 when this build has a GPU backend and a device is present, else the CPU
+} ql_device_kind;
+typedef struct ql_device {
+    ql_device_kind kind;
+    int            index;  // the GPU's (QL_DEVICE_GPU)
+} ql_device;
+// QL_ERR_INVALID with "'x' is not a device (cpu, cuda, cuda:N, auto)" in err for anything else.
+ql_status   ql_device_parse(const char *s, ql_device *d, char *err, size_t err_size);
+// The backend d names. n_threads: the CPU backend's (<= 0: ql_cpu_default_threads()). NULL + one
+// line in err: no such GPU, a build without one, threads that would not start.
+ql_backend *ql_backend_init_device(ql_device d, int n_threads, char *err, size_t err_size);
+// ql_device_parse + ql_backend_init_device (device NULL: "auto").
+ql_backend *ql_backend_init_by_name(const char *device, int n_threads, char *err, size_t err_size);
+// A stand-in for a GPU this machine lacks, of compute capability cc (86 = 8.6): it plans graphs
+// as that device's backend would (ql_graph_plan works) and runs and allocates nothing. NULL (and
+// err) for QL_DEVICE_CPU, which needs no stand-in.
+ql_backend *ql_backend_init_planned(ql_device d, int cc, char *err, size_t err_size);
+// One line about a backend for the tools' start: "cpu (2 threads, AVX512F ...)" or
+// "cuda: NVIDIA H100 (cc 9.0, 79.1 GiB free of 79.6 GiB)".
+void        ql_backend_describe(const ql_backend *be, char *buf, size_t size);
+
+// ---- what a backend is and has: the questions the tools and the trainer ask of any backend ----
+typedef struct ql_backend_caps {
+    char   name[256];          // "cpu", a device's name, or the card a stand-in plans for
+    bool   host;               // tensor data is host memory (ql_backend_is_host)
+    bool   plan_only;          // a stand-in (ql_backend_init_planned): plans, runs nothing
+    bool   bf16_gemm;          // multiplies bf16 natively (a GPU from cc 8.0; the CPU: ql_cpu_bf16_native)
+    int    cc;                 // a GPU's compute capability x 10 (86 = 8.6); 0 for the CPU
+    size_t mem_total, mem_free;  // a GPU's memory as of this call; 0 for the CPU and for a stand-in
+    // device memory a run holds besides its allocations (a GPU: the context and the GEMM
+    // library's workspace); and whether that number is an estimate for this cc, not measured
+    size_t context_bytes;
+    bool   context_estimated;
+    size_t alloc_granularity;  // allocations of a buffer are whole multiples of this (1: exact)
+} ql_backend_caps;
+ql_status   ql_backend_get_caps(const ql_backend *be, ql_backend_caps *caps);
+// Device memory qlora holds on this backend now and at most so far (its own allocations, not the
+// context). false where that is not tracked: the CPU, whose measure is the process's RSS.
+bool        ql_backend_memory_used(const ql_backend *be, size_t *in_use, size_t *peak);
+
 // ---- CUDA (qlora-cuda.cu, built with make CUDA=1 / -DQLORA_CUDA=ON) ----
 // A build without it still has these: no devices, and ql_backend_cuda_init says why.
 typedef struct ql_cuda_device_info {
@@ -703,23 +747,6 @@ ql_backend *ql_backend_cuda_init(int device, char *err, size_t err_size);
 bool        ql_backend_is_cuda(const ql_backend *be);
 // the device a CUDA backend runs on (QL_ERR_INVALID for any other backend)
 ql_status   ql_backend_cuda_info(const ql_backend *be, ql_cuda_device_info *info);
-// Device memory qlora holds now and at most so far (its own allocations; the CUDA context and
-// cuBLAS' workspace are not counted). false without CUDA.
-bool        ql_cuda_memory_used(size_t *in_use, size_t *peak);
-// The tools' --device: "cpu", "cuda" (device 0), "cuda:N", or "auto" (cuda when this build has
-// it and a device is present, else cpu). n_threads: the CPU backend's. NULL + one line in err.
-ql_backend *ql_backend_init_by_name(const char *device, int n_threads, char *err, size_t err_size);
-// One line about a backend for the tools' start: "cpu (2 threads, AVX512F ...)" or
-// "cuda: NVIDIA H100 (cc 9.0, 79.1 GiB free of 79.6 GiB)".
-void        ql_backend_describe(const ql_backend *be, char *buf, size_t size);
-
-// A backend that only plans graphs as the CUDA backend of compute capability cc (75 = 7.5) would
-// (ql_graph_plan works; it runs and allocates nothing), for device plans without a device.
-ql_backend *ql_backend_cuda_plan_init(int cc);
-bool        ql_backend_is_plan_only(const ql_backend *be);
-// Device memory a CUDA run holds besides its own allocations: the context and cuBLAS's workspace
-// (an estimate per compute capability; see qlora.cpp).
-size_t      ql_cuda_context_bytes(int cc);
 
 // Direct matrix multiply on the CPU, for tools and benchmarks: c[M,N] (ldc floats between rows
 // n) = sum_k a[k + m*lda] * b[k + n*ldb] (both row-major with K contiguous), using the backend's
@@ -822,7 +849,7 @@ ql_status   ql_gguf_write(const ql_gguf_writer *w, const char *path, char *err, 
 void ql_adamw_update(ql_tensor *param, ql_tensor *m, ql_tensor *v, int64_t step, const ql_adamw_params *p,
                      float grad_scale);
 
-// 8-bit AdamW, bitsandbytes' blockwise form (REFERENCE.md section 3): m and v kept as one byte
+// 8-bit AdamW, bitsandbytes' blockwise form (its optim/adamw.py, functional.py create_dynamic_map): m and v kept as one byte
 // per element, an index into a 256-value dynamic map (signed for m, unsigned for v), scaled by
 // an f32 absmax per block of QL_OPT8_BLOCK elements; codes from ql_dynamic_quantize. Tensors under QL_OPT8_MIN_SIZE elements
 // keep f32 state (the caller decides; ql_adamw_update then).
@@ -1008,8 +1035,13 @@ uint64_t ql_backend_new_id(void);  // the id a new backend must carry
 
 // ---- the CUDA backend's workspace rules ----
 
-// In qlora.cpp, not qlora-cuda.cu: a device plan (ql_backend_cuda_plan_init) needs no GPU and no
+// In qlora.cpp, not qlora-cuda.cu: a device plan (ql_backend_init_planned) needs no GPU and no
 // CUDA build.
+// Device memory a CUDA run holds besides its own allocations: the context and cuBLAS's workspace
+// (an estimate per compute capability, measured for 9.0: see qlora.cpp). ql_backend_caps.context_bytes.
+size_t  ql_cuda_context_bytes(int cc);
+// Device memory qlora holds now and at most so far (ql_backend_memory_used); false without CUDA.
+bool    ql_cuda_memory_used(size_t *in_use, size_t *peak);
 #define QL_CUDA_MM_TILE_ELEMS ((int64_t)1 << 23)  // dequantised weight elements per matmul tile (16 MiB in bf16)
 bool    ql_cuda_operand_ok(size_t elem_size, int64_t nb0, int64_t nb1, int64_t K, int64_t X);  // cuBLAS reads it in place
 bool    ql_cuda_mm_trows(const ql_tensor *a);          // a = transpose(block-quantized W): dequantised by rows of W

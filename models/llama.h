@@ -63,7 +63,7 @@ struct ql_llama {
     // after setting it use it.
     ql_type compute = QL_TYPE_F32;
     // with compute bf16, attention's products in bf16 too (ql_flash_attn_set_prec: where the
-    // backend takes the request - the CPU with AVX512-BF16; the CUDA backend stays f32)
+    // backend takes the request - the CPU with AVX512-BF16; the GPU backend stays f32)
     bool attn_bf16 = true;
     ql_tensor *tok_embd = nullptr;  // [n_embd, n_vocab]
     ql_tensor *out_norm = nullptr;  // [n_embd]

@@ -45,7 +45,9 @@ struct ql_trainer {
     std::vector<batch_io> bucket_io;  // [bucket_len.size() - 1]
     bool packed = false;  // sequences hold several documents: attention needs the segment ids
     ql_context *ctx = nullptr;
-    ql_backend *be = nullptr;  // the backend that trains (t->o.device)
+    ql_backend *be = nullptr;      // the backend that trains: the caller's (o.backend), or own_be
+    ql_backend *own_be = nullptr;  // the CPU backend made here when the caller gave none
+    ql_backend_caps caps{};        // what it is and has (host, stand-in, cc, memory, context)
     // a device backend: the placements of the weights and of the run's tensors (adapter, grads,
     // moments, inputs); each keeps its tensors' host bytes, which checkpoints are written from
     ql_backend_buffer *weights_buf = nullptr, *state_buf = nullptr;
@@ -84,8 +86,52 @@ struct ql_trainer {
     bool broken = false;  // a failed step left a state not worth saving (ql_trainer_intact)
 };
 
-static ql_type precision_type(const std::string &p) {
-    return p == "bf16" ? QL_TYPE_BF16 : p == "fp16" ? QL_TYPE_F16 : QL_TYPE_F32;
+// ---- the run's choices: names in enum order, and what a wrong one is called ----
+template <class E> struct choice;
+template <> struct choice<ql_optim> {
+    static constexpr const char *what = "optimizer";
+    static constexpr const char *names[] = {"adamw", "adamw8bit", "paged_adamw", "paged_adamw8bit"};
+};
+template <> struct choice<ql_precision> {
+    static constexpr const char *what = "precision";
+    static constexpr const char *names[] = {"fp32", "bf16", "fp16", "auto"};
+};
+template <> struct choice<ql_schedule> {
+    static constexpr const char *what = "scheduler";
+    static constexpr const char *names[] = {"constant", "constant_with_warmup", "linear", "cosine"};
+};
+template <> struct choice<ql_checkpointing> {
+    static constexpr const char *what = "checkpointing";
+    static constexpr const char *names[] = {"none", "block", "sqrt", "auto"};
+};
+template <class E> static const char *choice_name(E x) {
+    const size_t i = (size_t)x, n = sizeof(choice<E>::names) / sizeof(choice<E>::names[0]);
+    return i < n ? choice<E>::names[i] : "?";
+}
+template <class E> static bool choice_parse(const std::string &s, E *x, std::string *err) {
+    const size_t n = sizeof(choice<E>::names) / sizeof(choice<E>::names[0]);
+    std::string all;
+    for (size_t i = 0; i < n; i++) {
+        if (s == choice<E>::names[i]) {
+            *x = (E)i;
+            return true;
+        }
+        all += (i ? ", " : "") + std::string(choice<E>::names[i]);
+    }
+    if (err) *err = std::string("unknown ") + choice<E>::what + " '" + s + "' (" + all + ")";
+    return false;
+}
+const char *ql_name(ql_optim x) { return choice_name(x); }
+const char *ql_name(ql_precision x) { return choice_name(x); }
+const char *ql_name(ql_schedule x) { return choice_name(x); }
+const char *ql_name(ql_checkpointing x) { return choice_name(x); }
+bool ql_parse(const std::string &s, ql_optim *x, std::string *err) { return choice_parse(s, x, err); }
+bool ql_parse(const std::string &s, ql_precision *x, std::string *err) { return choice_parse(s, x, err); }
+bool ql_parse(const std::string &s, ql_schedule *x, std::string *err) { return choice_parse(s, x, err); }
+bool ql_parse(const std::string &s, ql_checkpointing *x, std::string *err) { return choice_parse(s, x, err); }
+
+static ql_type precision_type(ql_precision p) {
+    return p == ql_precision::bf16 ? QL_TYPE_BF16 : p == ql_precision::fp16 ? QL_TYPE_F16 : QL_TYPE_F32;
 }
 
 // A library message as a user reads it: the "qlora.cpp:3284: " an error carries at the API edge
@@ -113,7 +159,11 @@ std::string ql_user_message(const std::string &msg) {
 }
 static std::string ctx_message(const ql_context *ctx) { return ql_user_message(ql_ctx_error(ctx)); }
 
-std::string ql_auto_precision() { return ql_cpu_bf16_native() ? "bf16" : "fp32"; }  // the CPU backend: see trainer.h
+ql_precision ql_auto_precision(const ql_backend *be) {  // see trainer.h
+    ql_backend_caps c{};
+    ql_backend_get_caps(be, &c);
+    return c.bf16_gemm ? ql_precision::bf16 : c.host ? ql_precision::fp32 : ql_precision::fp16;
+}
 
 static batch_io make_io(ql_context *ctx, const ql_llama &m, int64_t T, int64_t B, bool packed, bool backward, bool embd_host,
                         int64_t loss_chunk) {
@@ -188,7 +238,7 @@ static bool build(ql_trainer *t, ql_context *ctx) {
     t->ev = make_io(ctx, m, t->T, t->B, t->packed, false, t->embd_host, t->loss_chunk);
     m.lora_dropout = true;
     t->state.clear();
-    const bool eight = t->o.optim == "adamw8bit" || t->o.optim == "paged_adamw8bit";
+    const bool eight = ql_optim_8bit(t->o.optim);
     for (ql_tensor *p : t->params) {
         const int64_t n = ql_nelements(p), nb = (n + QL_OPT8_BLOCK - 1) / QL_OPT8_BLOCK;
         if (eight && n >= QL_OPT8_MIN_SIZE)  // bitsandbytes: smaller tensors keep f32 state
@@ -202,7 +252,7 @@ static bool build(ql_trainer *t, ql_context *ctx) {
     }
     // paged_* on a device: the moments live in pinned host memory, updated there by the device's
     // kernel over the bus (no device copy of the state); the placement of the rest leaves them
-    if (!t->on_host && t->o.optim.rfind("paged_", 0) == 0)
+    if (!t->on_host && ql_optim_paged(t->o.optim))
         for (const auto &st : t->state)
             for (ql_tensor *x : st) x->flags |= QL_FLAG_HOST;
     return ql_ctx_status(ctx) == QL_OK && t->tr.g;
@@ -210,11 +260,11 @@ static bool build(ql_trainer *t, ql_context *ctx) {
 
 double ql_trainer_lr_at(const ql_trainer *t, int64_t s) {  // transformers' schedules, step from 0
     const ql_train_options &o = t->o;
-    if (o.scheduler == "constant") return o.lr;  // transformers' "constant" has no warmup
+    if (o.scheduler == ql_schedule::constant) return o.lr;  // transformers' "constant" has no warmup
     if (s < t->warmup) return o.lr * (double)s / (double)std::max<int64_t>(1, t->warmup);
-    if (o.scheduler == "constant_with_warmup") return o.lr;
+    if (o.scheduler == ql_schedule::constant_with_warmup) return o.lr;
     const double progress = (double)(s - t->warmup) / (double)std::max<int64_t>(1, t->total - t->warmup);
-    if (o.scheduler == "linear") return o.lr * std::max(0.0, 1.0 - progress);
+    if (o.scheduler == ql_schedule::linear) return o.lr * std::max(0.0, 1.0 - progress);
     return o.lr * 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, progress)));  // cosine, half a cycle
 }
 
@@ -300,7 +350,8 @@ static size_t plan_reserve(size_t planned) { return (1u << 20) + planned / 200; 
 // and (offload) the training graph's pinned host memory.
 static void device_plan(ql_trainer *t, ql_context *meas, size_t train_buf, size_t eval_buf) {
     ql_memory_plan &m = t->mem;
-    const size_t G = (size_t)2 << 20;  // cudaMalloc hands out whole 2 MiB pages for big blocks
+    const size_t G = std::max<size_t>(1, t->caps.alloc_granularity);  // the device rounds each buffer up to it
+    m.dev_granularity = G;
     auto round = [&](size_t b) { return b ? (b + G - 1) / G * G - b : 0; };
     m.device = true;
     m.cc = t->cc;
@@ -312,14 +363,15 @@ static void device_plan(ql_trainer *t, ql_context *meas, size_t train_buf, size_
     m.dev_weights_by_type.assign(by_type.begin(), by_type.end());
     m.dev_state = ql_ctx_placed_bytes(meas);
     m.dev_buffer = std::max(train_buf, eval_buf);  // one buffer, the other graph runs in it
-    m.dev_context = ql_cuda_context_bytes(t->cc);
+    m.dev_context = t->caps.context_bytes;
+    m.dev_context_estimated = t->caps.context_estimated;
     m.dev_rounding = round(m.dev_weights) + round(m.dev_state) + round(m.dev_buffer) + G;  // + the backend's scratch
     m.total = m.dev_weights + m.dev_state + m.dev_buffer + m.dev_context + m.dev_rounding;
     // the host's part: what the host writes of the arena (tensor headers, the adapter made there
     // before its upload, the moments' copies each checkpoint fills; gradients and inputs are
     // never written there), the batch staged for upload, the pages it reads of the weights (the
     // embedding's rows on the host, else none: the placement gives the model's pages back) and
-    // pinned memory. Not planned: the CUDA runtime's own (kernels loaded on first use).
+    // pinned memory. Not planned: the device runtime's own (kernels loaded on first use).
     const size_t n_in = (size_t)(t->T * t->B);
     const size_t staged = n_in * 4 * sizeof(int32_t) + (t->embd_host ? n_in * (size_t)md.hp.n_embd * sizeof(float) : 0);
     m.host = m.weights + m.headers + m.lora + m.optimizer + staged + m.host_pinned;
@@ -352,7 +404,7 @@ static bool measure(ql_trainer *t, std::string *err) {
         m.optimizer = 0;
         for (const auto &st : t->state)
             for (const ql_tensor *x : st) m.optimizer += ql_nbytes(x);
-        m.optimizer_host = t->o.optim.rfind("paged_", 0) == 0;
+        m.optimizer_host = ql_optim_paged(t->o.optim);
         m.inputs = input_bytes(t->tr) + input_bytes(t->ev) + bucket_inputs + ql_nbytes(t->seed);
         m.headers = arena - std::min(arena, m.lora + m.grads + m.optimizer + m.inputs);
         m.saved = ps.bytes[QL_MEM_SAVED];
@@ -421,7 +473,7 @@ static std::string mib_text(size_t b) {
 // that is smaller than block (with few layers it is not: a block's insides, all recomputed at
 // once, outweigh the checkpoints it saves).
 static bool choose_levels_for(ql_trainer *t, std::string *err) {
-    const std::string &p = t->o.checkpointing;
+    const ql_checkpointing p = t->o.checkpointing;
     t->levels.clear();
     if (!measure(t, err)) return false;  // no recompute: also finds the segments
     const int S = t->n_seg;
@@ -449,13 +501,14 @@ static bool choose_levels_for(ql_trainer *t, std::string *err) {
         for (int i = 0; i < S; i++) lv[(size_t)i] = i < k - S ? QL_KEEP_INPUT : i < k ? QL_KEEP_HEAVY : QL_KEEP_ALL;
         return lv;
     };
-    if (p == "none" || S == 0) {
-        t->mem.checkpointing = S == 0 && p != "none" ? p + " (no segments: nothing to recompute)" : "none";
-    } else if (p == "block" || p == "sqrt") {
-        t->levels = p == "block" ? every_k_blocks(1) : sqrt_levels();
+    using C = ql_checkpointing;
+    if (p == C::none || S == 0) {
+        t->mem.checkpointing = S == 0 && p != C::none ? ql_name(p) + std::string(" (no segments: nothing to recompute)") : "none";
+    } else if (p == C::block || p == C::sqrt) {
+        t->levels = p == C::block ? every_k_blocks(1) : sqrt_levels();
         if (!measure(t, err)) return false;
-        t->mem.checkpointing = p;
-    } else if (p == "auto") {
+        t->mem.checkpointing = ql_name(p);
+    } else if (p == C::automatic) {
         if (limit_of(t) == 0) {
             *err = "--checkpointing auto needs a memory limit (--mem-limit, or on a device --vram)";
             return false;
@@ -498,7 +551,7 @@ static bool choose_levels_for(ql_trainer *t, std::string *err) {
                                std::to_string(heavy) + " keep matmul/attention results, " + std::to_string(S - heavy - input) +
                                " keep everything";
     } else {
-        *err = "unknown checkpointing policy '" + p + "' (none, block, sqrt, auto)";
+        *err = "bad checkpointing policy";
         return false;
     }
     return true;
@@ -542,12 +595,8 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
         *err = "no training sequences";
         return nullptr;
     }
-    if (o.optim != "adamw" && o.optim != "adamw8bit" && o.optim != "paged_adamw" && o.optim != "paged_adamw8bit") {
-        *err = "unknown optimizer '" + o.optim + "' (adamw, adamw8bit, paged_adamw, paged_adamw8bit)";
-        return nullptr;
-    }
-    if (o.precision != "fp32" && o.precision != "bf16" && o.precision != "fp16") {
-        *err = "unknown precision '" + o.precision + "' (fp32, bf16, fp16; auto is the caller's: ql_auto_precision)";
+    if (o.precision == ql_precision::automatic) {
+        *err = "precision auto is the caller's to resolve (ql_auto_precision)";
         return nullptr;
     }
     if (!(o.scale_init > 0) || !std::isfinite(o.scale_init) || !(o.scale_growth >= 1) || !(o.scale_backoff > 0) ||
@@ -555,10 +604,8 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
         *err = "bad loss-scaling options (initial scale > 0, growth >= 1, 0 < backoff < 1, interval >= 1)";
         return nullptr;
     }
-    if (o.micro_batch < 1 || o.grad_accum < 1 || !(o.lr >= 0) || o.epochs < 1 ||
-        (o.scheduler != "constant" && o.scheduler != "constant_with_warmup" && o.scheduler != "linear" && o.scheduler != "cosine")) {
-        *err = "bad training options (micro-batch and accumulation >= 1, lr >= 0, epochs >= 1, "
-               "scheduler constant|constant_with_warmup|linear|cosine)";
+    if (o.micro_batch < 1 || o.grad_accum < 1 || !(o.lr >= 0) || o.epochs < 1) {
+        *err = "bad training options (micro-batch and accumulation >= 1, lr >= 0, epochs >= 1)";
         return nullptr;
     }
     ql_trainer *t = new ql_trainer();
@@ -567,7 +614,7 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
     t->train = &train;
     t->eval = &eval;
     t->seq_len = t->T = (int64_t)train[0].tokens.size();
-    if (o.dynamic_padding && !(o.offload_activations && o.device != "cpu")) {
+    if (o.dynamic_padding && !(o.offload_activations && o.backend && !ql_backend_is_host(o.backend))) {
         // the graphs' lengths: halves and three-quarters of the sequences' length, multiples of 8,
         // at least 16; the training graph as long as the longest sequence's, shorter graphs down to
         // the shortest training sequence's
@@ -590,33 +637,27 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
     const int64_t per_step = (int64_t)o.micro_batch * o.grad_accum;
     t->per_epoch = ((int64_t)train.size() + per_step - 1) / per_step;
     t->total = o.max_steps > 0 ? o.max_steps : t->per_epoch * o.epochs;
-    t->warmup = o.scheduler == "constant"  ? 0  // as transformers: warmup_steps if > 0, else ceil(ratio * total)
+    t->warmup = o.scheduler == ql_schedule::constant ? 0  // as transformers: warmup_steps if > 0, else ceil(ratio * total)
                 : o.warmup_steps > 0       ? o.warmup_steps
                                            : (int64_t)std::ceil(o.warmup_ratio * (double)t->total);
     t->compute = precision_type(o.precision);
-    t->scale = o.precision == "fp16" ? std::min(o.scale_init, 0x1p64f) : 1.0f;
-    char e[256];
-    t->be = ql_backend_init_by_name(o.device.c_str(), o.threads, e, sizeof(e));
-    const bool cuda_named = o.device.rfind("cuda", 0) == 0;
-    if (!t->be && cuda_named && (o.vram || o.cc)) {  // a plan for a device this machine lacks
-        t->cc = o.cc ? o.cc : 80;
-        t->be = ql_backend_cuda_plan_init(t->cc);
-        t->mem.device_desc = "planned for a CUDA device of compute capability " + std::to_string(t->cc / 10) + "." +
-                             std::to_string(t->cc % 10) + " (none here)";
-    }
-    if (!t->be) {
-        *err = e;
+    t->scale = o.precision == ql_precision::fp16 ? std::min(o.scale_init, 0x1p64f) : 1.0f;
+    if (o.backend) {
+        t->be = o.backend;
+    } else if (!(t->be = t->own_be = ql_backend_cpu_init(o.threads))) {
+        *err = "cannot start " + std::to_string(o.threads > 0 ? o.threads : ql_cpu_default_threads()) +
+               " CPU threads (the system's limit, or memory for their stacks)";
         delete t;
         return nullptr;
     }
-    t->on_host = ql_backend_is_host(t->be);
-    if (!t->on_host && !ql_backend_is_plan_only(t->be)) {
-        ql_cuda_device_info info;
-        if (ql_backend_cuda_info(t->be, &info) == QL_OK) {
-            t->cc = info.major * 10 + info.minor;
-            t->mem.device_desc = std::string(info.name) + " (cc " + std::to_string(info.major) + "." + std::to_string(info.minor) + ")";
-            if (!o.vram) t->mem.vram = info.free_mem;
-        }
+    ql_backend_get_caps(t->be, &t->caps);
+    t->on_host = t->caps.host;
+    if (!t->on_host) {
+        t->cc = t->caps.cc;
+        t->mem.device_desc = t->caps.plan_only ? std::string("planned for ") + t->caps.name
+                                               : std::string(t->caps.name) + " (cc " + std::to_string(t->cc / 10) + "." +
+                                                     std::to_string(t->cc % 10) + ")";
+        t->mem.vram = t->caps.mem_free;
     }
     if (o.vram) t->mem.vram = o.vram;
     const ql_llama &m = f->model;
@@ -678,8 +719,8 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
                            const ql_train_options &o, std::string *err) {
     ql_trainer *t = setup(f, train, eval, o, err);
     if (!t) return nullptr;
-    if (ql_backend_is_plan_only(t->be)) {
-        *err = "no CUDA device here to train on (" + t->mem.device_desc + "; --dry-run prints its plan)";
+    if (t->caps.plan_only) {
+        *err = "no such device here to train on (" + t->mem.device_desc + "; --dry-run prints its plan)";
         ql_trainer_free(t);
         return nullptr;
     }
@@ -722,11 +763,11 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
     }
     if (!t->on_host && (!(t->weights_buf = ql_backend_place_ctx_tensors(t->be, t->f->ctx)) ||
                         !(t->state_buf = ql_backend_place_ctx_tensors(t->be, t->ctx)))) {
-        *err = "placing the model on " + t->o.device + ": " + ctx_message(t->weights_buf ? t->ctx : t->f->ctx);
+        *err = "placing the model on " + std::string(ql_backend_name(t->be)) + ": " + ctx_message(t->weights_buf ? t->ctx : t->f->ctx);
         ql_trainer_free(t);
         return nullptr;
     }
-    if (!t->on_host && t->o.optim.rfind("paged_", 0) == 0) {
+    if (!t->on_host && ql_optim_paged(t->o.optim)) {
         std::vector<ql_tensor *> moments;
         for (const auto &st : t->state) moments.insert(moments.end(), st.begin(), st.end());
         if (!(t->paged_buf = ql_backend_place_tensors_pinned(t->be, moments.data(), (int)moments.size()))) {
@@ -829,7 +870,7 @@ void ql_trainer_free(ql_trainer *t) {
     ql_backend_buffer_free(t->paged_buf);
     ql_backend_buffer_free(t->state_buf);    // the tensors back on the arena,
     ql_backend_buffer_free(t->weights_buf);  // the weights on the file mapping
-    ql_backend_free(t->be);
+    ql_backend_free(t->own_be);
     ql_free(t->ctx);
     if (t->f) {  // the model's adapters pointed into ctx
         t->f->model.lora.clear();
@@ -986,7 +1027,7 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     const double scale = t->scale;
     if (ql_backend_graph_zero_grads(t->be, t->tr.g) != QL_OK) {
         t->broken = true;  // a backend error: the device may not give the adapter back
-        *err = "step " + std::to_string(s + 1) + ": cannot write to " + t->o.device;
+        *err = "step " + std::to_string(s + 1) + ": cannot write to " + std::string(ql_backend_name(t->be));
         return false;
     }
     double loss = 0;
@@ -1019,7 +1060,7 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
             *err = "step " + std::to_string(s + 1) + ", micro-batch " + std::to_string(a + 1) + ": the loss is " +
                    (std::isnan(l) ? "nan" : "infinite") + (found ? "; first non-finite result: " + where.substr(std::min(where.size(), where.find("node "))) : "") +
                    "; the adapter is left as it was after step " + std::to_string(s) + " --> hint: " +
-                   (t->o.precision == "fp16" ? "--precision bf16 (fp16 overflows past 65504), " : "") +
+                   (t->o.precision == ql_precision::fp16 ? "--precision bf16 (fp16 overflows past 65504), " : "") +
                    "a lower --lr, or check the data and the model";
             return false;
         }
@@ -1036,12 +1077,12 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
         bool finite = true;
         if (ql_backend_grad_stats(t->be, p->grad, &ps, &finite) != QL_OK) {
             t->broken = true;  // a backend error: the device may not give the adapter back
-            *err = "step " + std::to_string(s + 1) + ": gradient statistics failed on " + t->o.device;
+            *err = "step " + std::to_string(s + 1) + ": gradient statistics failed on " + std::string(ql_backend_name(t->be));
             return false;
         }
         sq += finite ? ps : INFINITY;
     }
-    const bool scaling = t->o.precision == "fp16";
+    const bool scaling = t->o.precision == ql_precision::fp16;
     const bool skip = scaling && !std::isfinite(sq);
     const double lr = ql_trainer_lr_at(t, t->applied);  // the schedule follows the updates made
     const double norm = skip ? INFINITY : std::sqrt(sq) / scale;  // unscaled, before clipping
@@ -1087,7 +1128,7 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
                 if (ql_backend_adamw_update(t->be, t->params[i], st[0], eight ? st[2] : st[1], eight ? st[1] : nullptr,
                                             eight ? st[3] : nullptr, t->applied + 1, &job.hp, gscale) != QL_OK) {
                     t->broken = true;
-                    *err = "step " + std::to_string(s + 1) + ": the optimizer's update failed on " + t->o.device;
+                    *err = "step " + std::to_string(s + 1) + ": the optimizer's update failed on " + std::string(ql_backend_name(t->be));
                     return false;
                 }
             }
@@ -1138,7 +1179,7 @@ bool ql_trainer_eval(ql_trainer *t, double *loss, std::string *err) {
     }
     if (!std::isfinite(sum)) {  // (fp16 overflow, or a broken adapter): an error, not a number in metrics
         *err = std::string("the evaluation loss is ") + (std::isnan(sum) ? "nan" : "infinite") +
-               (t->o.precision == "fp16" ? " --> hint: --precision bf16 (fp16 overflows past 65504)" : "");
+               (t->o.precision == ql_precision::fp16 ? " --> hint: --precision bf16 (fp16 overflows past 65504)" : "");
         return false;
     }
     *loss = sum;
@@ -1150,11 +1191,12 @@ bool ql_trainer_eval(ql_trainer *t, double *loss, std::string *err) {
 // the schedule as asked for (not the warmup steps it came to: those follow the total, which an
 // extended run changes)
 static std::string scheduler_setting(const ql_train_options &o) {
-    if (o.scheduler == "constant") return o.scheduler;
-    if (o.warmup_steps > 0) return o.scheduler + ", warmup " + std::to_string(o.warmup_steps) + " steps";
+    const std::string name = ql_name(o.scheduler);
+    if (o.scheduler == ql_schedule::constant) return name;
+    if (o.warmup_steps > 0) return name + ", warmup " + std::to_string(o.warmup_steps) + " steps";
     char b[32];
     snprintf(b, sizeof(b), "%.9g", o.warmup_ratio);
-    return o.scheduler + ", warmup ratio " + b;
+    return name + ", warmup ratio " + b;
 }
 
 // The settings a resumed run must share with the one that saved the checkpoint (anything that
@@ -1194,11 +1236,11 @@ static std::vector<std::pair<std::string, std::string>> run_settings(const ql_tr
             {"lora init seed", std::to_string(o.lora.init_seed)},
             {"learning rate", num(o.lr)},
             {"scheduler", scheduler_setting(o)},
-            {"optimizer", o.optim + ", betas " + num(o.beta1) + " " + num(o.beta2) + ", eps " + num(o.eps) + ", weight decay " + num(o.weight_decay)},
+            {"optimizer", std::string(ql_name(o.optim)) + ", betas " + num(o.beta1) + " " + num(o.beta2) + ", eps " + num(o.eps) + ", weight decay " + num(o.weight_decay)},
             {"max grad norm", num(o.max_grad_norm)},
             {"padding", std::string(t->bucket_len.size() > 1 || t->T < t->seq_len ? "to each micro-batch's longest" : "to the sequence length") +
                             (o.group_by_length ? ", grouped by length" : "")},
-            {"precision", o.precision + (o.precision == "fp16" ? ", loss scale " + num(o.scale_init) + " x" + num(o.scale_growth) + " per " +
+            {"precision", ql_name(o.precision) + std::string(o.precision == ql_precision::fp16 ? ", loss scale " + num(o.scale_init) + " x" + num(o.scale_growth) + " per " +
                                                                      std::to_string(o.scale_interval) + " clean steps, x" + num(o.scale_backoff) + " on overflow"
                                                                : "")}};
 }
@@ -1288,7 +1330,7 @@ bool ql_trainer_save(const ql_trainer *t, const char *path, std::string *err) {
             const int64_t ne[4] = {x->ne[0], x->ne[1], 1, 1};
             void *h = host_data(t, x);  // on a device: its host copy, brought up to date first
             if (!t->on_host && ql_backend_tensor_get(t->be, x, h, 0, ql_nbytes(x)) != QL_OK) {
-                *err = std::string(path) + ": cannot read " + x->name + " from " + t->o.device;
+                *err = std::string(path) + ": cannot read " + x->name + " from " + std::string(ql_backend_name(t->be));
                 ql_gguf_writer_free(w);
                 return false;
             }
@@ -1375,7 +1417,7 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
         if (!found && kv.first == "padding") was = "to the sequence length", found = true;  // before dynamic padding
         if (found && was == kv.second) continue;
         if (kv.first == "total steps") continue;  // more steps or epochs extend a run (the step is checked below)
-        if (found && kv.first == "scheduler" && was == t->o.scheduler + ", warmup " + std::to_string(t->warmup) + " steps")
+        if (found && kv.first == "scheduler" && was == ql_name(t->o.scheduler) + std::string(", warmup ") + std::to_string(t->warmup) + " steps")
             continue;  // written before the schedule was stored as asked for
         why += (why.empty() ? "another run: " : "; ") + setting_name(kv.first) + " was " + (found ? setting_value(kv.first, was) : "(not recorded)") +
                ", now " + setting_value(kv.first, kv.second);
@@ -1429,7 +1471,7 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
                     break;
                 }
                 if (pass == 1 && ql_backend_tensor_set(t->be, x, ql_gguf_tensor_data(g, k), 0, ql_nbytes(x)) != QL_OK)
-                    why = std::string("cannot write ") + x->name + " to " + t->o.device;
+                    why = std::string("cannot write ") + x->name + " to " + std::string(ql_backend_name(t->be));
             }
     if (!why.empty()) {
         ql_gguf_close(g);
@@ -1441,7 +1483,7 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
     t->growth_tracker = (int64_t)growth;
     t->skipped = (int64_t)skipped;
     t->skipped_in_row = 0;
-    t->scale = t->o.precision != "fp16" ? 1.0f : has_scale && sc > 0 ? (float)sc : t->o.scale_init;
+    t->scale = t->o.precision != ql_precision::fp16 ? 1.0f : has_scale && sc > 0 ? (float)sc : t->o.scale_init;
     ql_gguf_close(g);
     return true;
 }
@@ -1483,7 +1525,7 @@ bool ql_trainer_to_host(ql_trainer *t, std::string *err) {
     for (size_t i = 0; i < t->params.size(); i++)  // the adapter and its moments changed; the weights did not
         for (ql_tensor *x : with_state(t, i))
             if (ql_backend_tensor_get(t->be, x, host_data(t, x), 0, ql_nbytes(x)) != QL_OK) {
-                *err = std::string("cannot read ") + x->name + " from " + t->o.device;
+                *err = std::string("cannot read ") + x->name + " from " + std::string(ql_backend_name(t->be));
                 return false;
             }
     ql_backend_buffer_free(t->state_buf);  // every placed tensor back on its host bytes

@@ -1,5 +1,5 @@
 // models/trainer.h - LoRA fine-tuning of a GGUF llama: the step loop with the semantics of
-// transformers' Trainer (REFERENCE.md section 6).
+// transformers' Trainer (its Trainer and TrainingArguments documentation).
 //
 // One optimizer step = grad_accum micro-batches of micro_batch sequences. The loss of every
 // micro-batch is summed over its supervised tokens and divided by the supervised tokens of the
@@ -25,6 +25,26 @@
 #include <string>
 #include <vector>
 
+// ---- the run's choices: one enum each, one parser (ql_parse), one name (ql_name) ----
+// The names are the flags' values, what checkpoints store and what messages print.
+enum class ql_optim { adamw, adamw8bit, paged_adamw, paged_adamw8bit };
+enum class ql_precision { fp32, bf16, fp16, automatic };  // automatic: the caller's to resolve (ql_auto_precision)
+enum class ql_schedule { constant, constant_with_warmup, linear, cosine };
+enum class ql_checkpointing { none, block, sqrt, automatic };  // automatic: the cheapest that fits mem_limit
+
+const char *ql_name(ql_optim x);       // "adamw8bit"
+const char *ql_name(ql_precision x);   // "bf16", "auto"
+const char *ql_name(ql_schedule x);    // "constant_with_warmup"
+const char *ql_name(ql_checkpointing x);
+// The name's value; false with *err "unknown optimizer 'sgd' (adamw, adamw8bit, paged_adamw,
+// paged_adamw8bit)" for anything else (exact, lower case: the names above).
+bool ql_parse(const std::string &s, ql_optim *x, std::string *err);
+bool ql_parse(const std::string &s, ql_precision *x, std::string *err);
+bool ql_parse(const std::string &s, ql_schedule *x, std::string *err);
+bool ql_parse(const std::string &s, ql_checkpointing *x, std::string *err);
+inline bool ql_optim_8bit(ql_optim x) { return x == ql_optim::adamw8bit || x == ql_optim::paged_adamw8bit; }
+inline bool ql_optim_paged(ql_optim x) { return x == ql_optim::paged_adamw || x == ql_optim::paged_adamw8bit; }
+
 struct ql_train_options {
     ql_lora_spec lora;
     bool  packed = false;  // sequences hold several documents: attention masked by segment
@@ -35,11 +55,11 @@ struct ql_train_options {
     // adamw (f32 moments) | adamw8bit (bitsandbytes' blockwise 8-bit moments; tensors under 4096
     // elements keep f32) | paged_adamw | paged_adamw8bit (on a device the state lives in pinned
     // host memory, which the device's kernel updates in place; on the CPU it is host memory anyway)
-    std::string optim = "adamw";
+    ql_optim optim = ql_optim::adamw;
     // the compute type of activations and matmul inputs: fp32 | bf16 | fp16 (ql_llama.compute);
     // master weights, gradients, sums, norms, softmax and the loss stay f32. ("auto" is the
     // caller's to resolve: ql_auto_precision.)
-    std::string precision = "fp32";
+    ql_precision precision = ql_precision::fp32;
     // bf16: attention's products stay f32 (ql_llama.attn_bf16 off). The CPU multiplies them in bf16
     // where it has AVX512-BF16 - a run on another backend is then not the CPU's to the rounding.
     bool attn_f32 = false;
@@ -50,7 +70,7 @@ struct ql_train_options {
     // (the scale stays at most 2^64: beyond, the loss's f32 denominator would underflow)
     float scale_init = 65536.0f, scale_growth = 2.0f, scale_backoff = 0.5f;
     int   scale_interval = 2000;
-    std::string scheduler = "linear";   // constant | constant_with_warmup | linear | cosine
+    ql_schedule scheduler = ql_schedule::linear;
     double warmup_ratio = 0.0;          // warmup steps = warmup_steps if > 0, else ceil(ratio * total steps)
     int64_t warmup_steps = 0;
     int     epochs = 1;
@@ -65,13 +85,15 @@ struct ql_train_options {
     int64_t max_steps = -1;             // > 0: overrides epochs
     uint64_t seed = 42;                 // data order and dropout masks (the adapter's init: lora.init_seed)
     int threads = 0;                    // 0: ql_cpu_default_threads() (physical cores not busy with other work)
-    // the backend that trains: "cpu", "cuda", "cuda:N" or "auto" (ql_backend_init_by_name). On a
-    // GPU the base weights are placed on it once, adapter, gradients, optimizer state and inputs
-    // live there, and the host sees them only through the backend's set/get; the memory plan is
-    // then the device's (ql_memory_plan.device)
-    std::string device = "cpu";
+    // the backend that trains, the caller's (created once, e.g. from --device by
+    // ql_backend_init_device; it outlives the trainer); NULL: a CPU backend of `threads` the
+    // trainer makes. On a GPU the base weights are placed on it once, adapter, gradients,
+    // optimizer state and inputs live there, and the host sees them only through the backend's
+    // set/get; the memory plan is then the device's (ql_memory_plan.device). A stand-in
+    // (ql_backend_init_planned) plans a card this machine lacks: ql_train_plan only.
+    ql_backend *backend = nullptr;
     // memory
-    std::string checkpointing = "none";  // none | block | sqrt | auto (the cheapest that fits mem_limit)
+    ql_checkpointing checkpointing = ql_checkpointing::none;
     size_t mem_limit = 0;                // bytes for the whole process; 0: none (auto needs one)
     size_t mem_other = 0;                // bytes the process holds besides what the trainer plans
     // block checkpoints in pinned host memory, copied on a second stream (ql_graph_offload; on
@@ -84,11 +106,9 @@ struct ql_train_options {
     // a device run: the token embedding stays in host memory and only the step's rows are
     // gathered there and uploaded (1: yes, 0: no, -1: auto - when the plan does not fit without)
     int embd_on_host = -1;
-    // planning a device run without the device (ql_train_plan only): the card's memory and compute
-    // capability (e.g. 86 for an RTX 3090) stand in for the device's. With a device, vram 0 means
-    // its free memory at the start; otherwise it caps the plan like mem_limit.
+    // a device run: the device memory the plan must fit. 0: the device's free memory at the start
+    // (a stand-in has none: no limit); otherwise it caps the plan like mem_limit.
     size_t vram = 0;
-    int    cc = 0;                       // 0: 80 when planning without a device
     // the caller's command line, stored in checkpoints as qlora.run.command (not compared on
     // load: the settings it produced are): what lets a tool resume a run from its directory alone
     std::vector<std::string> command;
@@ -117,7 +137,7 @@ struct ql_memory_plan {
     double recompute_fraction = 0;  // recomputed / forward FLOPs
     int micro_batch = 0;
     int64_t loss_chunk = 0;     // rows per cross-entropy chunk (0: unchunked)
-    // a device run (CUDA, or planned for one without it): total is device memory, made of these
+    // a device run (a GPU, or a stand-in planning for one): total is device memory, made of these
     bool   device = false;
     std::string device_desc;    // the device, or "planned for cc 8.6" without one
     int    cc = 0;
@@ -126,8 +146,10 @@ struct ql_memory_plan {
     std::vector<std::pair<std::string, size_t>> dev_weights_by_type;
     size_t dev_state = 0;       // adapter, gradients, moments and graph inputs: one placement
     size_t dev_buffer = 0;      // the graphs' planned buffer (saved, temporaries, recompute, workspace)
-    size_t dev_context = 0;     // CUDA context + cuBLAS workspace (ql_cuda_context_bytes: an estimate per cc)
-    size_t dev_rounding = 0;    // cudaMalloc's 2 MiB granularity over our few allocations
+    size_t dev_context = 0;     // the device's context and library workspace (ql_backend_caps.context_bytes)
+    bool   dev_context_estimated = false;  // an estimate for this cc, not measured on such a card
+    size_t dev_granularity = 0; // which rounds each allocation up to a multiple of this
+    size_t dev_rounding = 0;    // the device allocator's granularity over our few allocations (+ one for its scratch)
     size_t host_pinned = 0;     // offloaded checkpoints in pinned host memory (a device run with --offload-activations)
     bool   embd_on_host = false;
     size_t host_embd = 0;       // the embedding's bytes kept in host memory (read a row at a time)
@@ -189,11 +211,11 @@ const std::vector<int64_t> &ql_trainer_lengths(const ql_trainer *t);
 void        ql_trainer_epoch_tokens(ql_trainer *t, int64_t *real, int64_t *padded);
 double      ql_trainer_lr_at(const ql_trainer *t, int64_t step);  // the schedule (step from 0)
 
-// "auto" precision on the CPU backend: bf16 where it multiplies bf16 natively (AMX,
-// ql_cpu_bf16_native: 2.26x fp32's tokens/s at the 110M shape, the loss within 0.44%), else fp32
-// (there 16-bit inputs are widened to f32: no faster - bench/RESULTS.md). (A GPU backend: bf16
-// from compute capability 8.0, else fp16.)
-std::string ql_auto_precision();
+// "auto" precision on a backend: bf16 where it multiplies bf16 natively (ql_backend_caps.bf16_gemm:
+// a GPU from compute capability 8.0; the CPU with AMX or AVX512-BF16, ql_cpu_bf16_native: 2.26x
+// fp32's tokens/s at the 110M shape, the loss within 0.44%); else fp16 with loss scaling on a GPU,
+// fp32 on the CPU (there 16-bit inputs are widened to f32: no faster - bench/RESULTS.md).
+ql_precision ql_auto_precision(const ql_backend *be);
 
 // One optimizer step. false with *err on a run-time error (e.g. a non-finite loss: the message
 // names the first graph node that made a nan or inf). With loss scaling, a step whose gradients

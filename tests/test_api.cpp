@@ -442,6 +442,74 @@ TEST_CASE("CPU threads: the default leaves the cores other work is using; -t abo
     ql_backend_free(be);
 }
 
+TEST_CASE("backend as a value: --device parsed once, and what a backend answers (caps, memory)") {
+    char err[256];
+    ql_device d = {QL_DEVICE_CPU, 7};
+    CHECK(ql_device_parse("cpu", &d, err, sizeof(err)) == QL_OK);
+    CHECK((d.kind == QL_DEVICE_CPU && d.index == 0));
+    CHECK(ql_device_parse("auto", &d, err, sizeof(err)) == QL_OK);
+    CHECK(d.kind == QL_DEVICE_AUTO);
+    CHECK(ql_device_parse("cuda", &d, err, sizeof(err)) == QL_OK);
+    CHECK((d.kind == QL_DEVICE_GPU && d.index == 0));
+    CHECK(ql_device_parse("cuda:3", &d, err, sizeof(err)) == QL_OK);
+    CHECK((d.kind == QL_DEVICE_GPU && d.index == 3));
+    for (const char *bad : {"tpu", "cuda:", "cuda:x", "cuda:-1", "cuda:+1", "cuda:1x", "CPU", "", "cuda:99999"}) {
+        CAPTURE(bad);
+        d = {QL_DEVICE_AUTO, 5};
+        CHECK(ql_device_parse(bad, &d, err, sizeof(err)) == QL_ERR_INVALID);
+        CHECK(has(err, "is not a device (cpu, cuda, cuda:N, auto)"));
+        CHECK((d.kind == QL_DEVICE_AUTO && d.index == 5));  // untouched
+    }
+    CHECK(ql_device_parse(nullptr, &d, nullptr, 0) == QL_ERR_INVALID);
+
+    // the CPU: host memory, bf16 as its kernels have it, no device memory to track
+    ql_backend *cpu = ql_backend_init_device({QL_DEVICE_CPU, 0}, 1, err, sizeof(err));
+    REQUIRE_MESSAGE(cpu, err);
+    ql_backend_caps c;
+    REQUIRE(ql_backend_get_caps(cpu, &c) == QL_OK);
+    CHECK(c.host);
+    CHECK(!c.plan_only);
+    CHECK(std::string(c.name) == "cpu");
+    CHECK(c.bf16_gemm == ql_cpu_bf16_native());
+    CHECK((c.cc == 0 && c.mem_total == 0 && c.context_bytes == 0 && c.alloc_granularity == 1));
+    size_t in_use = 1, peak = 1;
+    CHECK(!ql_backend_memory_used(cpu, &in_use, &peak));
+    CHECK((in_use == 0 && peak == 0));
+    CHECK(ql_backend_init_planned({QL_DEVICE_CPU, 0}, 80, err, sizeof(err)) == nullptr);  // the CPU is here
+    CHECK(has(err, "needs no stand-in"));
+    CHECK(ql_backend_get_caps(nullptr, &c) == QL_ERR_INVALID);
+    CHECK(ql_backend_get_caps(cpu, nullptr) == QL_ERR_INVALID);
+    ql_backend_free(cpu);
+
+    // a stand-in for a card that is not here answers as that card would: its cc, bf16 from 8.0,
+    // the context an estimate except where measured (9.0), 2 MiB pages; no memory of its own
+    for (int cc : {75, 86, 90, 120}) {
+        CAPTURE(cc);
+        ql_backend *p = ql_backend_init_planned({QL_DEVICE_GPU, 0}, cc, err, sizeof(err));
+        REQUIRE_MESSAGE(p, err);
+        REQUIRE(ql_backend_get_caps(p, &c) == QL_OK);
+        CHECK((!c.host && c.plan_only && c.cc == cc));
+        CHECK(c.bf16_gemm == (cc >= 80));
+        CHECK(c.context_estimated == (cc != 90));
+        CHECK(c.context_bytes == ql_cuda_context_bytes(cc));
+        CHECK(c.context_bytes > 0);
+        CHECK(c.alloc_granularity == (size_t)2 << 20);
+        CHECK(c.mem_total == 0);
+        CHECK(has(c.name, ("compute capability " + std::to_string(cc / 10) + "." + std::to_string(cc % 10)).c_str()));
+        CHECK(!ql_backend_memory_used(p, &in_use, &peak));
+        ql_backend_free(p);
+    }
+    // a build or machine without the GPU: the device named is refused, by reason
+    if (ql_cuda_device_count() == 0) {
+        CHECK(ql_backend_init_device({QL_DEVICE_GPU, 0}, 1, err, sizeof(err)) == nullptr);
+        CHECK(strlen(err) > 0);
+        ql_backend *a = ql_backend_init_device({QL_DEVICE_AUTO, 0}, 1, err, sizeof(err));  // auto: the CPU
+        REQUIRE(a);
+        CHECK(ql_backend_is_host(a));
+        ql_backend_free(a);
+    }
+}
+
 TEST_CASE("API edge: sizes that would wrap, a plan-only backend, NULL graphs, bad quantize arguments - errors, not crashes") {
     // sizes within the alignment of SIZE_MAX rounded up to 0 bytes: a tiny block for a huge arena
     ql_init_params p = {SIZE_MAX, nullptr, false, false};
@@ -453,7 +521,7 @@ TEST_CASE("API edge: sizes that would wrap, a plan-only backend, NULL graphs, ba
 
     // a plan-only backend (the device plan of a card that is not here) holds no memory: its copies,
     // buffers and graph allocation are refused (they called through NULL function pointers)
-    ql_backend *plan = ql_backend_cuda_plan_init(90);
+    ql_backend *plan = ql_backend_init_planned({QL_DEVICE_GPU, 0}, 90, nullptr, 0);
     REQUIRE(plan);
     ql_init_params ip = {1 << 20, nullptr, false, false};
     ql_context *ctx = ql_init(ip);

@@ -288,7 +288,7 @@ TEST_CASE("head_dim: LoRA on q/k/v/o trains (gradients as finite differences, th
     o.micro_batch = 2;
     o.grad_accum = 1;
     o.lr = 0;  // first: gradients only
-    o.scheduler = "constant";
+    o.scheduler = ql_schedule::constant;
     o.max_grad_norm = 0;
     o.threads = 2;
     const std::vector<ql_sequence> seqs = sequences(2, 16, 61);

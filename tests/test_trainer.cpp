@@ -62,7 +62,7 @@ ql_train_options base_options() {
     o.micro_batch = 2;
     o.grad_accum = 1;
     o.lr = 5e-3f;
-    o.scheduler = "constant";
+    o.scheduler = ql_schedule::constant;
     o.max_grad_norm = 0;
     o.threads = 2;
     return o;
@@ -322,7 +322,7 @@ TEST_CASE("trainer: resuming from a checkpoint reproduces the uninterrupted run 
     const std::vector<ql_sequence> seqs = make_sequences(10, 20, 4);
     ql_train_options o = base_options();
     o.lora.dropout = 0.1f;  // dropout masks must line up after resume too
-    o.scheduler = "cosine";
+    o.scheduler = ql_schedule::cosine;
     o.warmup_steps = 2;
     o.max_steps = 8;  // past one epoch (5 steps): the epoch order must line up as well
     std::string err;
@@ -419,7 +419,7 @@ TEST_CASE("trainer: learning-rate schedules as transformers' (constant has no wa
     const std::vector<ql_sequence> seqs = make_sequences(4, 12, 1);
     for (const char *sched : {"constant", "constant_with_warmup", "linear", "cosine"}) {
         ql_train_options o = base_options();
-        o.scheduler = sched;
+        REQUIRE(ql_parse(sched, &o.scheduler, nullptr));
         o.lr = 1.0f;
         o.max_steps = 10;
         o.warmup_ratio = 0.2;  // ceil(0.2 * 10) = 2 warmup steps (none for "constant", as transformers)
@@ -443,7 +443,7 @@ TEST_CASE("trainer: learning-rate schedules as transformers' (constant has no wa
     // warmup_steps wins when > 0; 0 leaves it to the ratio (transformers' get_warmup_steps)
     for (int64_t ws : {0, 3}) {
         ql_train_options o = base_options();
-        o.scheduler = "linear";
+        o.scheduler = ql_schedule::linear;
         o.max_steps = 10;
         o.warmup_ratio = 0.2;
         o.warmup_steps = ws;
@@ -510,7 +510,7 @@ namespace {
 
 ql_memory_plan plan_of(ql_llama_file *f, const std::vector<ql_sequence> &s, ql_train_options o, const char *policy, size_t limit = 0,
                        bool *fits = nullptr) {
-    o.checkpointing = policy;
+    REQUIRE(ql_parse(policy, &o.checkpointing, nullptr));
     o.mem_limit = limit;
     ql_memory_plan mp;
     std::string err;
@@ -536,7 +536,7 @@ TEST_CASE("trainer: checkpointing none, block, sqrt and auto train the same adap
     for (const char *policy : {"none", "block", "sqrt", "auto"}) {
         CAPTURE(policy);
         ql_train_options p = o;
-        p.checkpointing = policy;
+        REQUIRE(ql_parse(policy, &p.checkpointing, nullptr));
         p.mem_limit = !strcmp(policy, "auto") ? mid : 0;
         std::string err;
         ql_trainer *t = ql_trainer_new(f, seqs, seqs, p, &err);
@@ -645,7 +645,7 @@ TEST_CASE("trainer: adamw8bit tracks adamw over 200 steps; its state bytes are t
     std::vector<std::vector<double>> losses(2);
     std::string err;
     for (int run = 0; run < 2; run++) {
-        o.optim = run == 0 ? "adamw" : "adamw8bit";
+        o.optim = run == 0 ? ql_optim::adamw : ql_optim::adamw8bit;
         ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
         REQUIRE_MESSAGE(t, err);
         // the plan's optimizer bytes: 2 x 4 per f32 element, 2 x (1 + 4 / 256) per 8-bit one
@@ -673,7 +673,7 @@ TEST_CASE("trainer: adamw8bit tracks adamw over 200 steps; its state bytes are t
     CHECK(losses[0] != losses[1]);  // the 8-bit state is really in use
 
     // resume: 8-bit codes and absmax go through the checkpoint
-    o.optim = "paged_adamw8bit";
+    o.optim = ql_optim::paged_adamw8bit;
     o.max_steps = 6;
     std::vector<double> straight, resumed;
     const std::string ckpt = d.path + "/ckpt8.gguf";
@@ -693,15 +693,28 @@ TEST_CASE("trainer: adamw8bit tracks adamw over 200 steps; its state bytes are t
     }
     CHECK(straight == resumed);
     // a checkpoint of another optimizer is refused by name
-    o.optim = "adamw";
+    o.optim = ql_optim::adamw;
     ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
     REQUIRE(t);
     CHECK(!ql_trainer_load(t, ckpt.c_str(), &err));
     CHECK_MESSAGE(err.find("optimizer was paged_adamw8bit") != std::string::npos, err);
     ql_trainer_free(t);
-    o.optim = "sgd";
-    CHECK(!ql_trainer_new(f, seqs, seqs, o, &err));
-    CHECK(err.find("unknown optimizer 'sgd'") != std::string::npos);
+    // the one parser of each choice (what finetune's flags use) names the values it takes
+    CHECK(!ql_parse("sgd", &o.optim, &err));
+    CHECK(err == "unknown optimizer 'sgd' (adamw, adamw8bit, paged_adamw, paged_adamw8bit)");
+    CHECK(o.optim == ql_optim::adamw);  // untouched
+    for (ql_optim x : {ql_optim::adamw, ql_optim::adamw8bit, ql_optim::paged_adamw, ql_optim::paged_adamw8bit}) {
+        ql_optim y = ql_optim::adamw;
+        CHECK((ql_parse(ql_name(x), &y, &err) && y == x));  // names and values round-trip
+    }
+    CHECK(!ql_parse("AdamW", &o.optim, &err));  // exact, as the flags always were
+    ql_schedule sc;
+    CHECK(!ql_parse("step", &sc, &err));
+    CHECK(err == "unknown scheduler 'step' (constant, constant_with_warmup, linear, cosine)");
+    ql_checkpointing cp;
+    CHECK(!ql_parse("half", &cp, &err));
+    CHECK(err == "unknown checkpointing 'half' (none, block, sqrt, auto)");
+    CHECK((ql_parse("auto", &cp, &err) && cp == ql_checkpointing::automatic && !strcmp(ql_name(cp), "auto")));
     ql_llama_file_free(f);
 }
 
@@ -741,10 +754,10 @@ TEST_CASE("trainer: fp16 loss scaling - an overflow skips the step (adapter, sch
     ql_llama_file *f = load_tiny(d.path, QL_TYPE_NF4);
     const std::vector<ql_sequence> seqs = make_sequences(8, 16, 2);
     ql_train_options o = base_options();
-    o.precision = "fp16";
+    o.precision = ql_precision::fp16;
     o.scale_init = 0x1p28f;  // past f16's range: backward's f16 gradients overflow for the first steps
     o.scale_interval = 3;
-    o.scheduler = "linear";
+    o.scheduler = ql_schedule::linear;
     o.max_steps = 24;
     o.max_grad_norm = 1.0f;
     std::string err;
@@ -814,7 +827,7 @@ TEST_CASE("trainer: fp16 loss scaling - an overflow skips the step (adapter, sch
     }
     CHECK(resumed == losses);
     // another precision is another run
-    o.precision = "bf16";
+    o.precision = ql_precision::bf16;
     t = ql_trainer_new(f, seqs, seqs, o, &err);
     REQUIRE(t);
     CHECK(!ql_trainer_load(t, ckpt.c_str(), &err));
@@ -825,13 +838,20 @@ TEST_CASE("trainer: fp16 loss scaling - an overflow skips the step (adapter, sch
     CHECK(!m.skipped);
     CHECK(m.loss_scale == 1.0);
     ql_trainer_free(t);
-    CHECK(ql_auto_precision() == (ql_cpu_bf16_native() ? "bf16" : "fp32"));  // the CPU's rule
-    o.precision = "fp8";
+    {
+        ql_backend *cpu = ql_backend_cpu_init(1);
+        CHECK(ql_auto_precision(cpu) == (ql_cpu_bf16_native() ? ql_precision::bf16 : ql_precision::fp32));  // the CPU's rule
+        ql_backend_free(cpu);
+    }
+    ql_precision pr;
+    CHECK(!ql_parse("fp8", &pr, &err));
+    CHECK(err == "unknown precision 'fp8' (fp32, bf16, fp16, auto)");
+    o.precision = ql_precision::automatic;  // the caller's to resolve
     CHECK(!ql_trainer_new(f, seqs, seqs, o, &err));
-    CHECK(err.find("unknown precision 'fp8'") != std::string::npos);
+    CHECK_MESSAGE(err.find("precision auto is the caller's") != std::string::npos, err);
 
     // an overflow in the forward pass is no scaling matter: the run stops, naming where f16 overflowed
-    o.precision = "fp16";
+    o.precision = ql_precision::fp16;
     t = ql_trainer_new(f, seqs, seqs, o, &err);
     REQUIRE_MESSAGE(t, err);
     for (ql_tensor *p : ql_llama_lora_params(ql_trainer_model(t)))
@@ -859,7 +879,7 @@ TEST_CASE("trainer: bf16 and fp16 training stays within 2% of fp32's loss over 1
     std::vector<size_t> saved;
     std::string err;
     for (const char *p : {"fp32", "bf16", "fp16"}) {
-        o.precision = p;
+        REQUIRE(ql_parse(p, &o.precision, nullptr));
         ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
         REQUIRE_MESSAGE(t, err);
         saved.push_back(ql_trainer_memory(t).saved);

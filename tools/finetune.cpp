@@ -317,9 +317,10 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
     if (m.recompute) printf("   recomputed results: at most %.1f at once", m.recompute / MiB);
     printf("\n  kernel workspace (dequant tiles, attn) %10.1f\n", m.work / MiB);
     printf("  CUDA context + cuBLAS workspace        %10.1f   %s for cc %d.%d (the card's use is printed after step 1)\n",
-           m.dev_context / MiB, m.cc == 90 ? "measured on an H100" : m.cc > 90 ? "an H100's (cc 9.0), assumed" : "an estimate",
-           m.cc / 10, m.cc % 10);
-    printf("  allocator rounding (2 MiB pages)       %10.1f\n", m.dev_rounding / MiB);
+           m.dev_context / MiB, m.dev_context_estimated ? "an ESTIMATE" : "measured", m.cc / 10, m.cc % 10);
+    char pages[48];
+    snprintf(pages, sizeof(pages), "allocator rounding (%g MiB pages)", m.dev_granularity / MiB);
+    printf("  %-38s %10.1f\n", pages, m.dev_rounding / MiB);
     printf("  total device memory                    %10.1f", m.total / MiB);
     if (limit) printf("   of %.1f: %s", limit / MiB, fits ? "fits" : "does NOT fit");
     printf("\n  host memory: process %.1f (RSS before training) + %.1f planned = %.1f", process / MiB, m.host / MiB,
@@ -405,17 +406,18 @@ struct args {
     bool limit_known = false, cp_default = false;
     int effective_batch = 0;  // 0: not asked for
     bool precision_auto = false;
-    bool plan_only = false;   // --vram/--cc --dry-run without the GPU: a plan for it
+    ql_device dev = {QL_DEVICE_AUTO, 0};  // --device, parsed once
+    std::string device_text = "auto";     // as given, for messages
+    int cc = 0;               // --cc: the card a stand-in plans for (0: 8.0 assumed)
+    ql_backend *be = nullptr; // the backend --device made (resolve_device; main frees it)
+    bool plan_only = false;   // --vram/--cc --dry-run without the GPU: a stand-in plans for it
     std::string plan_line;    // which card it plans for
     std::string scaler_flag;  // a loss-scaling flag given (only fp16 has a scaler)
     const char *export_dir = nullptr;  // --export DIR: the adapter from DIR's checkpoint, no training
     // every flag as given, with its values (what a checkpoint stores for --resume DIR alone)
     std::vector<std::vector<std::string>> given;
     // the tool trains on a GPU when it has one, in the precision the hardware multiplies fastest
-    args() {
-        o.device = "auto";
-        o.precision = "auto";
-    }
+    args() { o.precision = ql_precision::automatic; }
 };
 
 // one flag with its value; false (after a one-line message) on anything malformed
@@ -424,61 +426,65 @@ struct args {
 static bool resolve_device(args *a) {
     char err[256];
     // a card this machine may not have: --vram/--cc, or a dry run of --device cuda
-    const bool card = a->o.vram || a->o.cc || (a->dry_run && a->o.device.rfind("cuda", 0) == 0);
-    if (card && a->o.device == "cpu") {
+    const bool card = a->o.vram || a->cc || (a->dry_run && a->dev.kind == QL_DEVICE_GPU);
+    if (card && a->dev.kind == QL_DEVICE_CPU) {
         fprintf(stderr, "finetune: --vram/--cc describe a GPU: with --device cuda (this run: --device cpu)\n");
         return false;
     }
-    ql_backend *be = ql_backend_init_by_name(a->o.device.c_str(), 1, err, sizeof(err));
+    ql_backend *be = ql_backend_init_device(a->dev, a->o.threads, err, sizeof(err));
     if (be && card && ql_backend_is_host(be) && a->dry_run) {  // --device auto found no GPU: --vram asks about one
         ql_backend_free(be);
         be = nullptr;
-        snprintf(err, sizeof(err), "%s", ql_cuda_device_count() ? "" : "no CUDA device");
-        a->o.device = "cuda";
+        snprintf(err, sizeof(err), "no CUDA device");
+        a->dev = {QL_DEVICE_GPU, 0};
     }
-    if (!be && card && a->o.device.rfind("cuda", 0) == 0) {
+    if (!be && card && a->dev.kind == QL_DEVICE_GPU) {
         if (!a->dry_run) {
             fprintf(stderr, "finetune: --device %s: %s (--vram/--cc with --dry-run plan for a card that is not here)\n",
-                    a->o.device.c_str(), err);
+                    a->device_text.c_str(), err);
             return false;
         }
         a->plan_only = true;
-        const bool cc_given = a->o.cc != 0;
-        if (!a->o.cc) a->o.cc = 80;
-        if (a->o.precision == "auto") {  // as on the card: bf16 from Ampere (8.0), else fp16 + loss scaling
-            a->o.precision = a->o.cc >= 80 ? "bf16" : "fp16";
+        const bool cc_given = a->cc != 0;
+        if (!a->cc) a->cc = 80;
+        char e2[256];
+        if (!(be = ql_backend_init_planned(a->dev, a->cc, e2, sizeof(e2)))) {
+            fprintf(stderr, "finetune: --device %s: %s\n", a->device_text.c_str(), e2);
+            return false;
+        }
+        if (a->o.precision == ql_precision::automatic) {  // as on the card: bf16 where it has bf16 GEMM, else fp16 + loss scaling
+            a->o.precision = ql_auto_precision(be);
             a->precision_auto = true;
         }
+        const bool bf16 = a->o.precision == ql_precision::bf16;
         char mem[64] = "memory unknown (no --vram)";
         if (a->o.vram) snprintf(mem, sizeof(mem), "%.1f GiB", a->o.vram / 1073741824.0);
         char line[640];  // printed once the flags are all accepted
         snprintf(line, sizeof(line), "finetune: no CUDA device here (%s): planning for one with %s, compute capability %d.%d%s, precision %s%s\n",
-               err, mem, a->o.cc / 10, a->o.cc % 10, cc_given ? "" : " (no --cc: assumed)", a->o.precision.c_str(),
-               a->precision_auto ? (a->o.cc >= 80 ? " (auto: bf16 from 8.0)" : " (auto: fp16 below 8.0, no bf16 GEMM there)") : "");
+               err, mem, a->cc / 10, a->cc % 10, cc_given ? "" : " (no --cc: assumed)", ql_name(a->o.precision),
+               a->precision_auto ? (bf16 ? " (auto: bf16 from 8.0)" : " (auto: fp16 below 8.0, no bf16 GEMM there)") : "");
         a->plan_line = line;
+        a->be = a->o.backend = be;
         return true;
     }
     if (!be) {
-        fprintf(stderr, "finetune: --device %s: %s\n", a->o.device.c_str(), err);
+        fprintf(stderr, "finetune: --device %s: %s\n", a->device_text.c_str(), err);
         return false;
     }
-    a->o.device = ql_backend_is_cuda(be) ? (a->o.device == "auto" ? "cuda" : a->o.device) : "cpu";
-    ql_cuda_device_info info{};
     if (!ql_backend_is_host(be)) {
         char desc[320];
         ql_backend_describe(be, desc, sizeof(desc));
         printf("finetune: %s\n", desc);
-        ql_backend_cuda_info(be, &info);
     } else if (card) {
         fprintf(stderr, "finetune: --vram/--cc describe a GPU: with --device cuda (this run: --device cpu)\n");
         ql_backend_free(be);
         return false;
     }
-    if (a->o.precision == "auto") {  // GPU: bf16 tensor cores from Ampere (8.0), fp16 + loss scaling before
-        a->o.precision = ql_backend_is_host(be) ? ql_auto_precision() : info.major >= 8 ? "bf16" : "fp16";
+    if (a->o.precision == ql_precision::automatic) {  // bf16 where the backend multiplies it natively
+        a->o.precision = ql_auto_precision(be);
         a->precision_auto = true;
     }
-    ql_backend_free(be);
+    a->be = a->o.backend = be;
     return true;
 }
 
@@ -488,6 +494,14 @@ static std::string plain(double v) {
     if (v == std::floor(v) && std::fabs(v) < 1e16) snprintf(b, sizeof(b), "%.0f", v);
     else snprintf(b, sizeof(b), "%g", v);
     return b;
+}
+
+// --optim, --precision, --lr-scheduler, --checkpointing: the value by the trainer's one parser
+template <class E> static bool choice_flag(const char *flag, const char *s, E *x) {
+    std::string err;
+    if (ql_parse(s, x, &err)) return true;
+    fprintf(stderr, "finetune: %s: '%s' %s\n", flag, s, err.substr(err.find(" (") + 1).c_str());
+    return false;
 }
 
 // The flags alone (what they say, not whether they make a run): false after a one-line message
@@ -516,6 +530,7 @@ static bool parse_flags(int argc, char **argv, args *a) {
         }
         return true;
     };
+    char e[256];
     for (int i = 1; i < argc; i++) {
         const std::string f = argv[i];
         double v = 0;
@@ -571,12 +586,7 @@ static bool parse_flags(int argc, char **argv, args *a) {
         else if (f == "--effective-batch") { if (!whole(f.c_str(), need(i), 1, 1 << 20, &v)) return false; a->effective_batch = (int)v; }
         else if (f == "--checkpointing") {
             if (!(s = need(i))) return false;
-            a->o.checkpointing = s;
-            if (a->o.checkpointing != "none" && a->o.checkpointing != "block" && a->o.checkpointing != "sqrt" &&
-                a->o.checkpointing != "auto") {
-                fprintf(stderr, "finetune: --checkpointing: '%s' (none, block, sqrt, auto)\n", s);
-                return false;
-            }
+            if (!choice_flag("--checkpointing", s, &a->o.checkpointing)) return false;
         }
         else if (f == "--mem-limit") {
             if (!(s = need(i))) return false;
@@ -608,7 +618,7 @@ static bool parse_flags(int argc, char **argv, args *a) {
                 fprintf(stderr, "finetune: --cc: '%s' is not a compute capability qlora runs on (7.5 to 12.0, e.g. 8.6)\n", s);
                 return false;
             }
-            a->o.cc = cc;
+            a->cc = cc;
         }
         else if (f == "--embd-on-host") a->o.embd_on_host = 1;
         else if (f == "--embd-on-device") a->o.embd_on_host = 0;
@@ -616,19 +626,11 @@ static bool parse_flags(int argc, char **argv, args *a) {
         else if (f == "--offload-activations") a->o.offload_activations = true;
         else if (f == "--optim") {
             if (!(s = need(i))) return false;
-            a->o.optim = s;
-            if (a->o.optim != "adamw" && a->o.optim != "adamw8bit" && a->o.optim != "paged_adamw" && a->o.optim != "paged_adamw8bit") {
-                fprintf(stderr, "finetune: --optim: '%s' (adamw, adamw8bit, paged_adamw, paged_adamw8bit)\n", s);
-                return false;
-            }
+            if (!choice_flag("--optim", s, &a->o.optim)) return false;
         }
         else if (f == "--precision") {
             if (!(s = need(i))) return false;
-            a->o.precision = s;
-            if (a->o.precision != "fp32" && a->o.precision != "bf16" && a->o.precision != "fp16" && a->o.precision != "auto") {
-                fprintf(stderr, "finetune: --precision: '%s' (fp32, bf16, fp16, auto)\n", s);
-                return false;
-            }
+            if (!choice_flag("--precision", s, &a->o.precision)) return false;
         }
         else if (f == "--loss-scale-init") { if (!num(f.c_str(), need(i), 1e-30, 1e19, &v)) return false; a->o.scale_init = (float)v; a->scaler_flag = f; }
         else if (f == "--loss-scale-growth") { if (!num(f.c_str(), need(i), 1, 1e6, &v)) return false; a->o.scale_growth = (float)v; a->scaler_flag = f; }
@@ -651,12 +653,7 @@ static bool parse_flags(int argc, char **argv, args *a) {
         else if (f == "--weight-decay") { if (!num(f.c_str(), need(i), 0, 10, &v)) return false; a->o.weight_decay = (float)v; }
         else if (f == "--lr-scheduler") {
             if (!(s = need(i))) return false;
-            a->o.scheduler = s;
-            if (a->o.scheduler != "constant" && a->o.scheduler != "constant_with_warmup" && a->o.scheduler != "linear" &&
-                a->o.scheduler != "cosine") {
-                fprintf(stderr, "finetune: --lr-scheduler: '%s' (constant, constant_with_warmup, linear, cosine)\n", s);
-                return false;
-            }
+            if (!choice_flag("--lr-scheduler", s, &a->o.scheduler)) return false;
         }
         else if (f == "--warmup-ratio") { if (!num(f.c_str(), need(i), 0, 1, &v)) return false; a->o.warmup_ratio = v; }
         else if (f == "--warmup-steps") { if (!whole(f.c_str(), need(i), 0, 1e12, &v)) return false; a->o.warmup_steps = (int64_t)v; }
@@ -665,7 +662,14 @@ static bool parse_flags(int argc, char **argv, args *a) {
         else if (f == "--max-steps") { if (!whole(f.c_str(), need(i), 1, 1e12, &v)) return false; a->o.max_steps = (int64_t)v; }
         else if (f == "--seed") { if (!whole(f.c_str(), need(i), 0, 9e15, &v)) return false; a->o.seed = (uint64_t)v; a->o.lora.init_seed = a->o.seed; }
         else if (f == "-t") { if (!whole(f.c_str(), need(i), 0, 1024, &v)) return false; a->o.threads = (int)v; }
-        else if (f == "--device") a->o.device = need(i);
+        else if (f == "--device") {
+            if (!(s = need(i))) return false;
+            if (ql_device_parse(s, &a->dev, e, sizeof(e)) != QL_OK) {
+                fprintf(stderr, "finetune: --device %s: %s\n", s, e);
+                return false;
+            }
+            a->device_text = s;
+        }
         else if (f == "--save-every") { if (!whole(f.c_str(), need(i), 1, 1e12, &v)) return false; a->save_every = (int64_t)v; }
         else if (f == "--merge") a->merge = true;
         else if (f == "--overwrite") a->overwrite = true;
@@ -718,10 +722,10 @@ static std::vector<std::string> stored_command(const args &a) {
         for (size_t j = 1; j < g.size(); j++) out.push_back(path_flag(g[0]) ? absolute(g[j]) : g[j]);
     }
     // the optimizer when choose_memory made it paged (it is part of the run: a resume keeps it)
-    if (!flag_given(a, "--optim") && a.o.optim != "adamw") out.insert(out.end(), {"--optim", a.o.optim});
+    if (!flag_given(a, "--optim") && a.o.optim != ql_optim::adamw) out.insert(out.end(), {"--optim", ql_name(a.o.optim)});
     // the batch and the precision as chosen (auto: by this machine; a resume elsewhere keeps them)
     out.insert(out.end(), {"-b", std::to_string(a.o.micro_batch), "--grad-accum", std::to_string(a.o.grad_accum), "--precision",
-                           a.o.precision});
+                           ql_name(a.o.precision)});
     return out;
 }
 
@@ -827,25 +831,26 @@ static bool parse(int argc, char **argv, args *a) {
     }
     if (!resolve_device(a)) return false;
     if (a->o.threads > 0) ql_cpu_warn_threads("finetune", a->o.threads);
-    if ((a->b_auto || a->o.checkpointing == "auto") && a->o.mem_limit == 0 && !a->o.vram && a->o.device == "cpu") {
+    const bool cp_auto = a->o.checkpointing == ql_checkpointing::automatic, host = ql_backend_is_host(a->be);
+    if ((a->b_auto || cp_auto) && a->o.mem_limit == 0 && !a->o.vram && host) {
         fprintf(stderr, "finetune: %s needs --mem-limit (or on a GPU --vram)\n", a->b_auto ? "-b auto" : "--checkpointing auto");
         return false;
     }
-    if ((a->b_auto || a->o.checkpointing == "auto") && a->o.mem_limit == 0 && !a->o.vram && a->plan_only) {
+    if ((a->b_auto || cp_auto) && a->o.mem_limit == 0 && !a->o.vram && a->plan_only) {
         fprintf(stderr, "finetune: %s needs --vram SIZE: without the GPU there is no memory to fit (e.g. --vram 24G)\n",
                 a->b_auto ? "-b auto" : "--checkpointing auto");
         return false;
     }
     // the default policy: auto where there is a limit to fit (the tool then also decides offload,
     // the embedding's place and paged moments: choose_memory), else none, as it always was
-    a->limit_known = a->o.mem_limit || a->o.vram || (a->o.device != "cpu" && !a->plan_only);
+    a->limit_known = a->o.mem_limit || a->o.vram || (!host && !a->plan_only);
     if (a->limit_known && !flag_given(*a, "--checkpointing")) {
-        a->o.checkpointing = "auto";
+        a->o.checkpointing = ql_checkpointing::automatic;
         a->cp_default = true;
     }
-    if (!a->scaler_flag.empty() && a->o.precision != "fp16") {
+    if (!a->scaler_flag.empty() && a->o.precision != ql_precision::fp16) {
         fprintf(stderr, "finetune: %s: loss scaling is for --precision fp16 (this run: %s%s)\n", a->scaler_flag.c_str(),
-                a->o.precision.c_str(), a->precision_auto ? ", chosen by --precision auto, the default" : "");
+                ql_name(a->o.precision), a->precision_auto ? ", chosen by --precision auto, the default" : "");
         return false;
     }
     if (a->effective_batch > 0 && !a->b_auto) {
@@ -875,11 +880,11 @@ static bool choose_batch(ql_llama_file *f, const seqs &tr, const seqs &ev, args 
     // extra recompute costs more time than a bigger micro-batch saves); auto then picks the
     // cheapest recompute for it. auto by default (not asked for): the batch that fits without
     // recompute, and only when none does the one that fits with block's
-    bool block = a->o.checkpointing == "auto" && !a->cp_default;
+    bool block = a->o.checkpointing == ql_checkpointing::automatic && !a->cp_default;
     auto fits = [&](int b) {
         ql_train_options o = a->o;
         o.micro_batch = b;
-        if (o.checkpointing == "auto") o.checkpointing = block ? "block" : "none";
+        if (o.checkpointing == ql_checkpointing::automatic) o.checkpointing = block ? ql_checkpointing::block : ql_checkpointing::none;
         ql_memory_plan mp;
         std::string err;
         return ql_train_plan(f, tr, ev, o, &mp, &err);
@@ -977,16 +982,16 @@ static double relative_step_time(const ql_memory_plan &mp, const ql_memory_plan 
 // One line says what was chosen and why; --dry-run adds the table of the steps. When none fits,
 // a.o is the first step's and the caller's plan says what does not fit.
 static void choose_memory(ql_llama_file *f, const seqs &tr, const seqs &ev, args *a) {
-    const bool device = a->o.device != "cpu";
-    const bool cp_pinned = a->o.checkpointing != "auto", offload_pinned = a->o.offload_activations;
+    const bool device = !ql_backend_is_host(a->be);
+    const bool cp_pinned = a->o.checkpointing != ql_checkpointing::automatic, offload_pinned = a->o.offload_activations;
     const bool embd_pinned = a->o.embd_on_host != -1, optim_pinned = flag_given(*a, "--optim");
     const bool tied = f->model.output == f->model.tok_embd;
     std::vector<mem_step> steps;
     mem_step s0;
     s0.o = a->o;
-    if (!cp_pinned) s0.o.checkpointing = "none";
+    if (!cp_pinned) s0.o.checkpointing = ql_checkpointing::none;
     if (device && !embd_pinned) s0.o.embd_on_host = 0;
-    s0.what = cp_pinned ? "--checkpointing " + a->o.checkpointing : "no recompute";
+    s0.what = cp_pinned ? "--checkpointing " + std::string(ql_name(a->o.checkpointing)) : "no recompute";
     steps.push_back(s0);
     auto add = [&](const std::string &what, auto change) {
         mem_step s = steps.back();
@@ -994,12 +999,14 @@ static void choose_memory(ql_llama_file *f, const seqs &tr, const seqs &ev, args
         change(s.o);
         steps.push_back(s);
     };
-    if (!cp_pinned) add("recompute", [](ql_train_options &o) { o.checkpointing = "auto"; });
-    if (device && !offload_pinned && steps.back().o.checkpointing != "none")
+    if (!cp_pinned) add("recompute", [](ql_train_options &o) { o.checkpointing = ql_checkpointing::automatic; });
+    if (device && !offload_pinned && steps.back().o.checkpointing != ql_checkpointing::none)
         add("+ checkpoint offload", [](ql_train_options &o) { o.offload_activations = true; });
     if (device && !embd_pinned && !tied) add("+ embedding in host memory", [](ql_train_options &o) { o.embd_on_host = 1; });
-    if (device && !optim_pinned && a->o.optim.rfind("paged_", 0) != 0)
-        add("+ paged optimizer state", [](ql_train_options &o) { o.optim = "paged_" + o.optim; });
+    if (device && !optim_pinned && !ql_optim_paged(a->o.optim))
+        add("+ paged optimizer state", [](ql_train_options &o) {
+            o.optim = ql_optim_8bit(o.optim) ? ql_optim::paged_adamw8bit : ql_optim::paged_adamw;
+        });
     if (steps.size() < 2) return;  // everything pinned: the flags' plan, as given
 
     size_t available = 0, margin = 0;
@@ -1078,9 +1085,10 @@ static void advise(ql_llama_file *f, const seqs &tr, const seqs &ev, const args 
         bool b1 = false, half = false, nf4 = false, embd = false, optim8 = false;
     };
     std::vector<change> ch;
-    const std::string &cp = a.o.checkpointing;
+    using C = ql_checkpointing;
+    const C cp = a.o.checkpointing;
     const int eff = a.o.micro_batch * a.o.grad_accum;
-    const std::string optim8 = a.o.optim.rfind("paged_", 0) == 0 ? "paged_adamw8bit" : "adamw8bit";
+    const ql_optim optim8 = ql_optim_paged(a.o.optim) ? ql_optim::paged_adamw8bit : ql_optim::adamw8bit;
     const size_t T = tr.empty() ? 0 : tr[0].tokens.size();
     size_t saving = 0;  // ./quantize: the blocks' matrices in NF4
     for (const ql_llama_layer &L : f->model.layers)
@@ -1094,19 +1102,19 @@ static void advise(ql_llama_file *f, const seqs &tr, const seqs &ev, const args 
         c.embd = true;
         ch.push_back(c);
     }
-    if (cp == "none") {
+    if (cp == C::none) {
         change c{"--checkpointing block", "--checkpointing block", 1, 2};
         c.cp = 1;
         ch.push_back(c);
     }
-    if (cp == "none" || cp == "block") {
+    if (cp == C::none || cp == C::block) {
         change c{"--checkpointing sqrt", "--checkpointing sqrt", 1, 4};
         c.cp = 2;
-        if (cp == "block") c.cost = 2;  // the next step from where the run is
+        if (cp == C::block) c.cost = 2;  // the next step from where the run is
         ch.push_back(c);
     }
-    if (now.device && a.o.optim.find("8bit") == std::string::npos) {
-        change c{"--optim " + optim8, "--optim " + optim8, 2, 2};
+    if (now.device && !ql_optim_8bit(a.o.optim)) {
+        change c{"--optim " + std::string(ql_name(optim8)), "--optim " + std::string(ql_name(optim8)), 2, 2};
         c.optim8 = true;
         ch.push_back(c);
     }
@@ -1139,7 +1147,7 @@ static void advise(ql_llama_file *f, const seqs &tr, const seqs &ev, const args 
         ql_train_options o = a.o;
         for (size_t k : set) {
             const change &c = ch[k];
-            if (c.cp) o.checkpointing = c.cp == 1 ? "block" : "sqrt";
+            if (c.cp) o.checkpointing = c.cp == 1 ? C::block : C::sqrt;
             if (c.b1) o.micro_batch = b, o.grad_accum = eff / b;
             if (c.embd) o.embd_on_host = 1;
             if (c.optim8) o.optim = optim8;
@@ -1262,10 +1270,10 @@ static void write_snapshot(ql_llama_file *f, const seqs &tr, const seqs &ev, con
 static std::string precision_why(const args &a, bool device) {
     if (!a.precision_auto) return "";
     if (device)
-        return a.o.precision == "bf16" ? " (auto: this GPU multiplies bf16 on its tensor cores)"
+        return a.o.precision == ql_precision::bf16 ? " (auto: this GPU multiplies bf16 on its tensor cores)"
                                        : " (auto: this GPU has no bf16 tensor cores: fp16 with loss scaling)";
     const char *kind = ql_cpu_bf16_kind();
-    return a.o.precision == "bf16" && kind ? std::string(" (auto: this CPU multiplies bf16 natively, on ") + kind + ")"
+    return a.o.precision == ql_precision::bf16 && kind ? std::string(" (auto: this CPU multiplies bf16 natively, on ") + kind + ")"
                                            : " (auto: this CPU has no native bf16 multiply; 16-bit would only add conversions)";
 }
 
@@ -1309,7 +1317,9 @@ static bool export_adapter(ql_llama_file *f, ql_trainer *t, const args &a, const
 
 int main(int argc, char **argv) {
     args a;
-    if (!parse(argc, argv, &a)) return 2;
+    const bool parsed = parse(argc, argv, &a);
+    owned<ql_backend> be_(a.be, ql_backend_free);  // made once by resolve_device; freed after everything that uses it
+    if (!parsed) return 2;
     if (!a.plan_line.empty()) fputs(a.plan_line.c_str(), stdout);
     // glibc raises its mmap threshold as large blocks are freed, after which planning's
     // temporaries stay in the heap: fixed thresholds give them back, so RSS is what the plan says
@@ -1403,8 +1413,8 @@ int main(int argc, char **argv) {
         return 1;
     }
     if (a.dry_run || !planned) {
-        if (!a.json && !a.plan_only) printf("finetune: precision %s%s\n", a.o.precision.c_str(), precision_why(a, plan.device).c_str());
-        print_memory(plan, a.o.optim, a.o.mem_other, "RSS before training", plan_limit(plan, a.o.mem_limit), a.json);
+        if (!a.json && !a.plan_only) printf("finetune: precision %s%s\n", ql_name(a.o.precision), precision_why(a, plan.device).c_str());
+        print_memory(plan, ql_name(a.o.optim), a.o.mem_other, "RSS before training", plan_limit(plan, a.o.mem_limit), a.json);
         if (a.plan_only && plan_limit(plan, a.o.mem_limit) == 0)
             fprintf(a.json ? stderr : stdout, "finetune: no verdict: without the GPU the plan needs --vram SIZE (the card's memory, "
                                               "e.g. --vram 24G) to say whether it fits\n");
@@ -1476,11 +1486,11 @@ int main(int argc, char **argv) {
     printf("finetune: LoRA r %d, alpha %g%s, dropout %g on", a.o.lora.r, (double)a.o.lora.alpha, a.o.lora.rslora ? " (rsLoRA)" : "",
            (double)a.o.lora.dropout);
     for (const std::string &x : a.o.lora.targets) printf(" %s", x.c_str());
-    printf("; %s lr %g (%s, warmup %lld steps), weight decay %g, max grad norm %g\n", a.o.optim.c_str(), (double)a.o.lr,
-           a.o.scheduler.c_str(), (long long)ql_trainer_warmup_steps(t),
+    printf("; %s lr %g (%s, warmup %lld steps), weight decay %g, max grad norm %g\n", ql_name(a.o.optim), (double)a.o.lr,
+           ql_name(a.o.scheduler), (long long)ql_trainer_warmup_steps(t),
            (double)a.o.weight_decay, (double)a.o.max_grad_norm);
-    printf("finetune: precision %s%s", a.o.precision.c_str(), precision_why(a, mp.device).c_str());
-    if (a.o.precision == "fp16")
+    printf("finetune: precision %s%s", ql_name(a.o.precision), precision_why(a, mp.device).c_str());
+    if (a.o.precision == ql_precision::fp16)
         printf("; loss scale %g, x%g after %d clean steps, x%g and the step skipped on inf/nan gradients",
                ql_trainer_loss_scale(t), (double)a.o.scale_growth, a.o.scale_interval, (double)a.o.scale_backoff);
     printf("\n%s\n", ql_trainable_line(ql_trainer_n_trainable(t), ql_trainer_n_base(t)).c_str());
@@ -1491,7 +1501,7 @@ int main(int argc, char **argv) {
     if (a.o.lora.r > hp.n_embd)  // (every target matrix has a side of n_embd)
         fprintf(stderr, "finetune: warning: --lora-r %d is above the model's dimension %d: a rank above a matrix's smaller side "
                 "adds parameters, not capacity\n", a.o.lora.r, hp.n_embd);
-    print_memory(mp, a.o.optim, a.o.mem_other, "RSS before training", plan_limit(mp, a.o.mem_limit), false);
+    print_memory(mp, ql_name(a.o.optim), a.o.mem_other, "RSS before training", plan_limit(mp, a.o.mem_limit), false);
     printf("finetune: planned and allocated in %.2f s\n",
            std::chrono::duration<double>(std::chrono::steady_clock::now() - t_build).count());
     fflush(stdout);
@@ -1506,14 +1516,12 @@ int main(int argc, char **argv) {
                mib(predicted), 100.0 * ((double)hwm - (double)predicted) / (double)predicted);
         if (!mp.device) return;
         // the device: our allocations' high-water mark, and the whole card's use (context,
-        // cuBLAS, ours; cudaMemGetInfo), against the device plan
+        // libraries, ours: its total less its free memory), against the device plan
         size_t in_use = 0, ours = 0;
-        ql_cuda_memory_used(&in_use, &ours);
-        ql_cuda_device_info info{};
-        char e2[128];
-        const int dev = a.o.device.size() > 5 ? atoi(a.o.device.c_str() + 5) : 0;
+        ql_backend_memory_used(a.be, &in_use, &ours);
+        ql_backend_caps caps{};
         const size_t card = card_max =
-            std::max(card_max, ql_cuda_device_get_info(dev, &info, e2, sizeof(e2)) == QL_OK ? info.total_mem - info.free_mem : 0);
+            std::max(card_max, ql_backend_get_caps(a.be, &caps) == QL_OK ? caps.mem_total - caps.mem_free : 0);
         const size_t planned_ours = mp.total - mp.dev_context - mp.dev_rounding;
         printf("finetune: device memory %s: ours %.1f MiB peak (planned %.1f, %+.1f%%); the card in use %.1f MiB (planned %.1f "
                "with context and rounding, %+.1f%%)\n", when, mib(ours), mib(planned_ours),
@@ -1625,7 +1633,7 @@ int main(int argc, char **argv) {
         const double rss = rss_mib(), hwm = peak_rss_mib();  // read once per step (/proc)
         fprintf(metrics, "{\"step\": %lld, \"loss\": %.6f", (long long)m.step, m.loss);
         if (evaluated) fprintf(metrics, ", \"eval_loss\": %.6f", last_eval);
-        if (a.o.precision == "fp16")
+        if (a.o.precision == ql_precision::fp16)
             fprintf(metrics, ", \"loss_scale\": %g, \"skipped\": %s, \"skipped_steps\": %lld", m.loss_scale,
                     m.skipped ? "true" : "false", (long long)m.skipped_total);
         char gnorm[32] = "null";  // a skipped fp16 step's norm is inf: JSON has no such number
@@ -1637,7 +1645,7 @@ int main(int argc, char **argv) {
         fflush(metrics);
         const double eta = (double)(total - m.step) * el / (double)std::max<int64_t>(1, m.step - first);
         char line[256], scaler[96] = "";
-        if (a.o.precision == "fp16")
+        if (a.o.precision == ql_precision::fp16)
             snprintf(scaler, sizeof(scaler), "  scale %g%s (%lld skipped)", m.loss_scale, m.skipped ? " SKIPPED" : "",
                      (long long)m.skipped_total);
         snprintf(line, sizeof(line), "step %lld/%lld  loss %.4f%s  lr %.2e%s  %.0f tok/s (%.0f padded)  mem %.0f MiB  ETA %s",
@@ -1709,7 +1717,7 @@ int main(int argc, char **argv) {
     printf("\n");
     report_peak("of training", train_peak);
     size_t dev_now = 0, dev_peak = 0;
-    if (a.o.device != "cpu" && ql_cuda_memory_used(&dev_now, &dev_peak))  // (the CUDA context itself not counted)
+    if (ql_backend_memory_used(a.be, &dev_now, &dev_peak))  // (the device's context itself not counted)
         printf("finetune: device memory: peak %.1f MiB allocated by qlora\n", mib(dev_peak));
     printf("finetune: wrote %s/adapter.gguf, %s/peft/, %s/metrics.jsonl, %s/loss.png, %s/checkpoint.gguf%s\n", out.c_str(),
            out.c_str(), out.c_str(), out.c_str(), out.c_str(), a.merge ? (", " + out + "/merged.gguf").c_str() : "");
