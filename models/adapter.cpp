@@ -566,11 +566,11 @@ bool ql_peft_read_config(const char *dir, ql_lora_config *c, std::string *err) {
     }
     if (const ql_json *j = root.get("target_modules")) {
         if (j->kind == ql_json::STR) {
-            out.targets.push_back(j->str);  // a regular expression or "all-linear"
+            out.target_modules.push_back(j->str);  // a regular expression or "all-linear"
         } else if (j->kind == ql_json::ARR) {
             for (const ql_json &e : j->items) {
                 if (e.kind != ql_json::STR) return fail(err, "%s: target_modules holds %s, not a string", path.c_str(), ql_json_kind_name(e.kind));
-                out.targets.push_back(e.str);
+                out.target_modules.push_back(e.str);
             }
         } else if (j->kind != ql_json::NUL) {
             return fail(err, "%s: target_modules is %s", path.c_str(), ql_json_kind_name(j->kind));

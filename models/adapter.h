@@ -44,18 +44,11 @@ bool ql_safetensors_write(const char *path, const std::vector<ql_st_tensor> &ten
 bool ql_safetensors_read(const char *path, std::vector<ql_st_tensor> *tensors, std::vector<uint8_t> *storage,
                          std::string *err, std::vector<std::pair<std::string, std::string>> *metadata = nullptr);
 
-// ---- LoRA configuration (what adapter_config.json says) ----
-struct ql_lora_config {
-    int   r = 16;
-    float alpha = 32.0f;
-    float dropout = 0.05f;
-    bool  rslora = false;                  // scale alpha / sqrt(r) instead of alpha / r
-    std::vector<std::string> targets;      // PEFT module names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj
-    std::string base_model;                // base_model_name_or_path
-};
+// ---- LoRA configuration (ql_lora_config, llama.h) as adapter_config.json says it ----
 float ql_lora_scale(const ql_lora_config &c);  // alpha / r, or alpha / sqrt(r)
 // dir/adapter_config.json as PEFT wrote it (PEFT's defaults for absent keys: r 8, lora_alpha 8,
-// lora_dropout 0); refuses other peft_types, DoRA and per-module rank/alpha patterns.
+// lora_dropout 0); refuses other peft_types, DoRA and per-module rank/alpha patterns. Fills
+// target_modules (targets keeps its default: training's request, not the file's).
 bool ql_peft_read_config(const char *dir, ql_lora_config *c, std::string *err);
 
 // The weights of m that carry an adapter (m.lora), written out. `arch` is the model file's

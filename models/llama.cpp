@@ -236,7 +236,7 @@ static ql_tensor *target_weight(ql_llama_layer &L, const std::string &t) {
     return L.w_down;
 }
 
-ql_status ql_llama_add_lora(ql_context *ctx, ql_llama *m, const ql_lora_spec &spec, ql_tensor *seed) {
+ql_status ql_llama_add_lora(ql_context *ctx, ql_llama *m, const ql_lora_config &spec, ql_tensor *seed) {
     if (spec.r <= 0 || !(spec.alpha > 0) || spec.dropout < 0 || spec.dropout >= 1) {
         ql_ctx_set_error(ctx, QL_ERR_INVALID, "lora: r %d must be positive, alpha %g positive, dropout %g in [0, 1)", spec.r,
                          (double)spec.alpha, (double)spec.dropout);

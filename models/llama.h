@@ -152,16 +152,22 @@ void             ql_lora_adapter_free(ql_lora_adapter *a);
 // step 0 is the base model; scale = alpha / r (alpha / sqrt(r) with rslora); dropout masks from
 // `seed` (an I32 [1] input the trainer sets per micro-step), one stream per adapted weight.
 // Errors (unknown target name, ctx too small) go to ctx.
-struct ql_lora_spec {
+// The one LoRA configuration: what training adds (ql_llama_add_lora) and what the adapter files
+// say (adapter.h: PEFT's adapter_config.json, llama.cpp's GGUF).
+struct ql_lora_config {
     int   r = 16;
     float alpha = 32.0f;
     float dropout = 0.05f;
-    bool  rslora = false;
-    std::vector<std::string> targets{"q", "k", "v", "o"};
-    uint64_t init_seed = 42;
+    bool  rslora = false;                                  // scale alpha / sqrt(r) instead of alpha / r
+    std::vector<std::string> targets{"q", "k", "v", "o"};  // short names (adapter.cpp maps them to PEFT's q_proj ...)
+    uint64_t init_seed = 42;                               // A's draw (splitmix64: the same on every platform)
+    std::string base_model;                                // PEFT's base_model_name_or_path ("": none known)
+    // ql_peft_read_config only: target_modules as the file states them (PEFT's module names, a
+    // regular expression or "all-linear"); the files written list the modules that hold tensors
+    std::vector<std::string> target_modules;
 };
 bool       ql_lora_target_valid(const std::string &short_name);
-ql_status  ql_llama_add_lora(ql_context *ctx, ql_llama *m, const ql_lora_spec &spec, ql_tensor *seed);
+ql_status  ql_llama_add_lora(ql_context *ctx, ql_llama *m, const ql_lora_config &spec, ql_tensor *seed);
 // the trainable tensors of m's adapters, A then B per weight, layers in order
 std::vector<ql_tensor *> ql_llama_lora_params(const ql_llama &m);
 

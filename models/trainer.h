@@ -46,7 +46,7 @@ inline bool ql_optim_8bit(ql_optim x) { return x == ql_optim::adamw8bit || x == 
 inline bool ql_optim_paged(ql_optim x) { return x == ql_optim::paged_adamw || x == ql_optim::paged_adamw8bit; }
 
 struct ql_train_options {
-    ql_lora_spec lora;
+    ql_lora_config lora;
     bool  packed = false;  // sequences hold several documents: attention masked by segment
     int   micro_batch = 4;
     int   grad_accum = 1;

@@ -375,7 +375,7 @@ TEST_CASE("peft: a llama adapter round trips, with q/k lora_B rows in Hugging Fa
     add_pairs(a.lctx, a.m, a.linears(false), 4, k_scale, 5);
     std::string err;
     ql_lora_config c = config();
-    c.targets = {"q_proj"};  // the file lists what it holds, not this
+    c.targets = {"q"};  // the file lists what it holds, not this
     REQUIRE_MESSAGE(ql_peft_save(dir.c_str(), a.m, "llama", c, &err), err);
     REQUIRE(exists(dir + "/adapter_config.json"));
 
@@ -394,7 +394,7 @@ TEST_CASE("peft: a llama adapter round trips, with q/k lora_B rows in Hugging Fa
     CHECK(back.dropout == 0.05f);
     CHECK_FALSE(back.rslora);
     CHECK(back.base_model == "org/tiny-llama");
-    CHECK(back.targets == std::vector<std::string>{"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"});
+    CHECK(back.target_modules == std::vector<std::string>{"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"});
 
     // adapter_model.safetensors: PEFT's names, lora_A [r, in] = A as it is, lora_B [out, r]
     std::vector<ql_st_tensor> ts;
@@ -496,7 +496,7 @@ TEST_CASE("peft: qwen2 keeps its rows, rsLoRA scales by alpha / sqrt(r), lm_head
     ql_lora_config back;
     REQUIRE(ql_peft_read_config(dir.c_str(), &back, &err));
     CHECK(back.rslora);
-    CHECK(back.targets == std::vector<std::string>{"q_proj", "k_proj", "lm_head"});
+    CHECK(back.target_modules == std::vector<std::string>{"q_proj", "k_proj", "lm_head"});
     model b(2, 1, QL_ROPE_NEOX);
     ql_lora_adapter *ad = ql_peft_attach(&b.m, "qwen2", dir.c_str(), 0.5f, &err);
     REQUIRE_MESSAGE(ad, err);

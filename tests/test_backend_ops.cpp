@@ -563,7 +563,7 @@ static step_run llama_steps(ql_backend *be, const std::string &gguf, ql_type com
     ql_context *ctx = ql_init(ip);
     const int T = 12, B = 2, V = f->model.hp.n_vocab;
     ql_tensor *seed = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1));
-    ql_lora_spec spec;
+    ql_lora_config spec;
     spec.r = 4;
     spec.dropout = 0.1f;
     spec.targets = {"q", "k", "v", "o", "gate", "up", "down"};

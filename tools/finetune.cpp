@@ -1279,12 +1279,7 @@ static std::string precision_why(const args &a, bool device) {
 
 // adapter.gguf (llama.cpp's format) and peft/ (PEFT's) in DIR, from the trainer's adapter
 static bool write_adapter(ql_llama_file *f, ql_trainer *t, const args &a, const std::string &out) {
-    ql_lora_config c;
-    c.r = a.o.lora.r;
-    c.alpha = a.o.lora.alpha;
-    c.dropout = a.o.lora.dropout;
-    c.rslora = a.o.lora.rslora;
-    for (const std::string &x : a.o.lora.targets) c.targets.push_back(x == "o" ? "o_proj" : x + "_proj");
+    ql_lora_config c = a.o.lora;  // the run's: r, alpha, dropout, rslora as trained
     {  // PEFT loads base_model_name_or_path from the Hub: only a repository the GGUF names will do
         size_t len;
         const int64_t ik = ql_gguf_find_kv(f->gguf, "general.source.huggingface.repository");
