@@ -120,6 +120,10 @@ static bool write_atomic(const std::string &path, const std::vector<chunk> &chun
     return true;
 }
 
+bool ql_write_file_atomic(const char *path, const void *data, size_t n, std::string *err) {
+    return write_atomic(path, {{data, n}}, err);
+}
+
 // shortest decimal text that reads back as the same float (JSON and labels)
 static std::string float_text(double v) {
     char b[64];

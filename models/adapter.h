@@ -18,6 +18,14 @@
 #include <utility>
 #include <vector>
 
+// ---- files ----
+// The bytes to path + ".tmp" (a stale one removed, the new one made with O_EXCL | O_NOFOLLOW:
+// never written through a link), fsynced, renamed over path, then the folder fsynced (best
+// effort): a crash leaves the old file or the new one, never half of one. Refused when path is
+// a link, a device, a FIFO or a socket. False with *err naming path and the call that failed.
+// Every file the adapter writers and the tools' loss plot write goes through it.
+bool ql_write_file_atomic(const char *path, const void *data, size_t n, std::string *err);
+
 // ---- safetensors ----
 struct ql_st_tensor {
     std::string name;

@@ -1,10 +1,14 @@
 // The loss plot (tools/plot.cpp, finetune's loss.png): a decodable 800 x 500 RGB PNG with both
 // curves in their colours; single points, constant and tiny or large values; non-finite values
-// refused with nothing written.
+// refused with nothing written. The one atomic write it goes through (ql_write_file_atomic).
+#include "../models/adapter.h"
 #include "../tools/plot.h"
 #include "util.h"
 
 #include <doctest/doctest.h>
+
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
@@ -96,4 +100,35 @@ TEST_CASE("plot: loss.png is an 800x500 PNG with both curves; single points, con
     CHECK(has(err, "eval point 0"));
     CHECK_FALSE(ql_plot_losses(nan_path.c_str(), none, none, &err));
     CHECK(has(err, "no losses"));
+}
+
+TEST_CASE("plot: loss.png goes through ql_write_file_atomic: a stale link at PATH.tmp is never followed, a link at PATH never replaced") {
+    tmpdir d;
+    const std::string path = d.file("out.bin"), victim = d.file("victim.bin"), keep = "what the link points to must survive";
+    std::string err;
+    REQUIRE_MESSAGE(ql_write_file_atomic(path.c_str(), "abc", 3, &err), err);
+    CHECK(read_file(path) == "abc");
+    write_file(path + ".tmp", "a stale temporary from a run that died");
+    REQUIRE_MESSAGE(ql_write_file_atomic(path.c_str(), "", 0, &err), err);  // replaced, empty
+    CHECK(exists(path));
+    CHECK(read_file(path).empty());
+    CHECK_FALSE(exists(path + ".tmp"));
+
+    write_file(victim, keep);  // a link at PATH.tmp: a new file is made, the one behind the link kept
+    REQUIRE(symlink(victim.c_str(), (path + ".tmp").c_str()) == 0);
+    REQUIRE_MESSAGE(ql_write_file_atomic(path.c_str(), "new", 3, &err), err);
+    CHECK(read_file(path) == "new");
+    CHECK(read_file(victim) == keep);
+    struct stat st;
+    CHECK_FALSE(lstat((path + ".tmp").c_str(), &st) == 0);
+
+    const std::string png = d.file("loss.png");  // a link at PATH itself: refused, by name, for the plot too
+    REQUIRE(symlink(victim.c_str(), png.c_str()) == 0);
+    CHECK_FALSE(ql_plot_losses(png.c_str(), {{1, 2.0}, {2, 1.5}}, {}, &err));
+    CHECK_MESSAGE(err == png + ": exists and is not a regular file (a symbolic link): not replaced", err);
+    CHECK(read_file(victim) == keep);
+    CHECK_FALSE(exists(png + ".tmp"));
+
+    CHECK_FALSE(ql_write_file_atomic(d.file("no/such/dir/f").c_str(), "x", 1, &err));
+    CHECK_MESSAGE(has(err, "/no/such/dir/f: cannot create"), err);
 }

@@ -1,20 +1,16 @@
 // tools/plot.cpp - the loss plot (see plot.h): a small RGB canvas, a 5x7 bitmap font, PNG through
-// stb_image_write, written atomically.
+// stb_image_write, written atomically (ql_write_file_atomic, models/adapter.h).
 //
-// Reading order: errors and the atomic write -> the loss plot (canvas, font, ticks, ql_plot_losses).
+// Reading order: errors -> the loss plot (canvas, font, ticks, ql_plot_losses).
 #include "plot.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
+#include "../models/adapter.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstdarg>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 
 // stb's PNG writer, private to this file (STB_IMAGE_WRITE_STATIC: no exported symbols)
 #if defined(__GNUC__)
@@ -33,7 +29,7 @@
 #endif
 
 // ============================================================================================
-// errors and the atomic write
+// errors
 // ============================================================================================
 
 static bool fail(std::string *err, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -45,57 +41,6 @@ static bool fail(std::string *err, const char *fmt, ...) {
     va_end(ap);
     if (err) *err = b;
     return false;
-}
-
-// The bytes to path + ".tmp", fsynced, renamed over path (then the folder fsynced, best effort):
-// a crash leaves the old file or the new one, never half of one. The rules of models/adapter.cpp's
-// write_atomic, which is private to the library's adapter files, for one buffer.
-static bool write_atomic(const std::string &path, const uint8_t *data, size_t size, std::string *err) {
-    struct stat st;  // the rename would put a file where a device, a FIFO or a link was
-    if (lstat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode) && !S_ISDIR(st.st_mode))
-        return fail(err, "%s: exists and is not a regular file (a %s): not replaced", path.c_str(),
-                    S_ISLNK(st.st_mode) ? "symbolic link" : "device, FIFO or socket");
-    const std::string tmp = path + ".tmp";
-    unlink(tmp.c_str());  // a stale one is replaced by a new file, never opened through a link (to an input, say)
-    const int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
-    if (fd < 0) return fail(err, "%s: cannot create %s: %s", path.c_str(), tmp.c_str(), strerror(errno));
-    const char *what = nullptr;
-    int e = 0;
-    size_t done = 0;
-    while (!what && done < size) {
-        const ssize_t n = write(fd, data + done, size - done);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-            what = "write";
-            e = n < 0 ? errno : ENOSPC;
-        } else {
-            done += (size_t)n;
-        }
-    }
-    if (!what && fsync(fd) != 0) {
-        what = "fsync";
-        e = errno;
-    }
-    if (close(fd) != 0 && !what) {
-        what = "close";
-        e = errno;
-    }
-    if (!what && rename(tmp.c_str(), path.c_str()) != 0) {
-        what = "rename";
-        e = errno;
-    }
-    if (what) {
-        unlink(tmp.c_str());
-        return fail(err, "%s: %s failed: %s", path.c_str(), what, strerror(e));
-    }
-    std::string dir = path.substr(0, path.find_last_of('/') == std::string::npos ? 0 : path.find_last_of('/'));
-    if (dir.empty()) dir = path[0] == '/' ? "/" : ".";
-    const int dfd = open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd >= 0) {
-        (void)fsync(dfd);  // some file systems refuse: the data itself is already durable
-        close(dfd);
-    }
-    return true;
 }
 
 // ============================================================================================
@@ -309,5 +254,5 @@ bool ql_plot_losses(const char *path, const std::vector<std::pair<double, double
     std::vector<uint8_t> png;
     if (!stbi_write_png_to_func(png_sink, &png, cv.w, cv.h, 3, cv.px.data(), cv.w * 3) || png.empty())
         return fail(err, "%s: PNG encoding failed", path);
-    return write_atomic(path, png.data(), png.size(), err);
+    return ql_write_file_atomic(path, png.data(), png.size(), err);
 }
