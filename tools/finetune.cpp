@@ -1310,49 +1310,83 @@ static bool export_adapter(ql_llama_file *f, ql_trainer *t, const args &a, const
     return true;
 }
 
-int main(int argc, char **argv) {
-    args a;
-    const bool parsed = parse(argc, argv, &a);
-    owned<ql_backend> be_(a.be, ql_backend_free);  // made once by resolve_device; freed after everything that uses it
-    if (!parsed) return 2;
-    if (!a.plan_line.empty()) fputs(a.plan_line.c_str(), stdout);
-    // glibc raises its mmap threshold as large blocks are freed, after which planning's
-    // temporaries stay in the heap: fixed thresholds give them back, so RSS is what the plan says
-    mallopt(M_MMAP_THRESHOLD, 1 << 20);
-    mallopt(M_TRIM_THRESHOLD, 1 << 20);
-    const bool tty = isatty(fileno(stdout));
-    std::string err;
-    char e[512];
+// ---- the run: main's steps, in the order they happen ----
 
-    // ---- the model, its vocabulary, the data ----
-    ql_llama_file *f = ql_llama_load(a.model, e, sizeof(e));
-    if (!f) {
+static double mib(size_t b) { return (double)b / 1048576.0; }
+
+// What a run holds: the model, its data, the trainer, the loop's counters. Freed in reverse order
+// of declaration - the trainer before the vocabulary and the model it was built from; the
+// backend (main's, made by resolve_device) after them all.
+struct ft_run {
+    owned<ql_llama_file> f{nullptr, ql_llama_file_free};
+    owned<ql_vocab> vocab{nullptr, ql_vocab_free};
+    ql_dataset train, eval;
+    int32_t pad = 0;                      // the sequences' padding token
+    std::vector<ql_sequence> tseq, eseq;  // the training and evaluation sequences (moved into the trainer)
+    size_t n_train = 0, n_eval = 0;
+    int64_t n_targets = 0;                // the supervised tokens of the training sequences
+    std::string out;                      // the output directory
+    ql_memory_plan plan;                  // the plan made before anything was allocated
+    std::chrono::steady_clock::time_point t_build;
+    owned<ql_trainer> t{nullptr, ql_trainer_free};
+    int64_t total = 0, per_epoch = 0;     // optimizer steps: the run's, an epoch's
+    int64_t run_step = 0, run_total = 0;  // what the checkpoint had done, and of how many steps
+    size_t predicted = 0;                 // the process's RSS: on a device run its host part only
+    size_t card_max = 0;                  // the card's use, highest reading: read at the end, the run's buffers may be gone
+    bool tty = false;                     // stdout is a terminal: one step line rewritten in place
+    std::string err;
+    // the loop's
+    std::vector<std::pair<double, double>> curve, eval_curve;
+    std::string kept;   // on resume: the metrics of the steps the checkpoint holds (later ones are redone)
+    std::string mpath;  // DIR/metrics.jsonl, open for appending in `metrics`
+    FILE *metrics = nullptr;
+    int64_t eval_every = 0, first = 0;
+    int64_t profiled_from = 0;  // --profile: the steps after this one
+    std::chrono::steady_clock::time_point t0;
+    double last_loss = NAN, last_eval = NAN, tok_s = 0, real_s = 0, sup_s = 0;  // tokens/s: computed, real, supervised
+    int64_t tokens = 0, real = 0, supervised = 0;
+    bool warned = false, interrupted = false;
+    size_t train_peak = 0;
+};
+
+// The model, its vocabulary, and from them the data's chat template and BOS (as tokenize --data
+// shows them); 0, else the exit code after the message.
+static int load_model(args &a, ft_run &r) {
+    char e[512];
+    r.f.reset(ql_llama_load(a.model, e, sizeof(e)));
+    if (!r.f) {
         fprintf(stderr, "finetune: %s\n", e);
         return 1;
     }
-    owned<ql_llama_file> f_(f, ql_llama_file_free);
-    ql_vocab *vocab = ql_vocab_load(f->gguf, e, sizeof(e));
-    owned<ql_vocab> vocab_(vocab, ql_vocab_free);
-    if (!vocab) {
+    r.vocab.reset(ql_vocab_load(r.f->gguf, e, sizeof(e)));
+    if (!r.vocab) {
         fprintf(stderr, "finetune: %s: %s\n", a.model, e);  // (the vocabulary's errors do not name the file)
         return 1;
     }
-    if (!ql_data_options_for(f->gguf, vocab, a.chat, &a.d, &err)) {  // the template, BOS: as tokenize --data shows them
-        fprintf(stderr, "finetune: --chat-template: %s\n", err.c_str());
+    if (!ql_data_options_for(r.f->gguf, r.vocab.get(), a.chat, &a.d, &r.err)) {
+        fprintf(stderr, "finetune: --chat-template: %s\n", r.err.c_str());
         return 2;
     }
-    if (f->model.hp.n_ctx_train > 0 && a.d.seq_len > f->model.hp.n_ctx_train)
+    const ql_llama_hparams &hp = r.f->model.hp;
+    if (hp.n_ctx_train > 0 && a.d.seq_len > hp.n_ctx_train)
         fprintf(stderr, "finetune: warning: --seq-len %d is longer than the model's context length %d (its positions beyond were "
-                        "never trained)\n", a.d.seq_len, f->model.hp.n_ctx_train);
-    ql_dataset train, eval;
-    if (!ql_dataset_load(a.data, vocab, a.d, &train, &err) ||
-        (a.val_data && !ql_dataset_load(a.val_data, vocab, a.d, &eval, &err))) {
-        fprintf(stderr, "finetune: %s\n", err.c_str());
+                        "never trained)\n", a.d.seq_len, hp.n_ctx_train);
+    return 0;
+}
+
+// The training and evaluation sets (-d, --val-data or --val-split), refused when empty, as
+// sequences; 0, or 1 after the message.
+static int load_data(args &a, ft_run &r) {
+    ql_vocab *vocab = r.vocab.get();
+    ql_dataset &train = r.train, &eval = r.eval;
+    if (!ql_dataset_load(a.data, vocab, a.d, &train, &r.err) ||
+        (a.val_data && !ql_dataset_load(a.val_data, vocab, a.d, &eval, &r.err))) {
+        fprintf(stderr, "finetune: %s\n", r.err.c_str());
         return 1;
     }
     if (train.n_bad > 0)
         fprintf(stderr, "finetune: warning: skipped %lld bad line%s of %s; the first: %s\n", (long long)train.n_bad,
-                train.n_bad == 1 ? "" : "s", a.data, err.c_str());
+                train.n_bad == 1 ? "" : "s", a.data, r.err.c_str());
     if (a.val_split > 0) ql_dataset_split(&train, a.val_split, a.o.seed, &eval);
     if (train.examples.empty()) {
         fprintf(stderr, "finetune: %s: no usable training examples (%lld non-blank lines, %lld bad, %lld with nothing to learn)\n", a.data,
@@ -1369,88 +1403,106 @@ int main(int argc, char **argv) {
                 a.val_data, (long long)eval.n_lines, (long long)eval.n_bad, (long long)eval.n_empty);
         return 1;
     }
-    const int32_t pad = ql_vocab_pad(vocab) >= 0 ? ql_vocab_pad(vocab) : std::max(0, ql_vocab_eos(vocab));
-    std::vector<ql_sequence> tseq, eseq;
-    ql_dataset_sequences(train, a.d, pad, &tseq);
-    ql_dataset_sequences(eval, a.d, pad, &eseq);
+    r.pad = ql_vocab_pad(vocab) >= 0 ? ql_vocab_pad(vocab) : std::max(0, ql_vocab_eos(vocab));
+    ql_dataset_sequences(train, a.d, r.pad, &r.tseq);
+    ql_dataset_sequences(eval, a.d, r.pad, &r.eseq);
     a.o.packed = a.d.pack;
+    return 0;
+}
 
-    const std::string out = a.resume && !a.out_given ? std::string(a.resume) : a.out;
+// Another run's directory is never overwritten unasked: 0, or 1 after the message when -o holds
+// a run's outputs (with or without its checkpoint) and this is neither --resume of it nor --overwrite.
+static int check_out_dir(const args &a, const std::string &out) {
+    if (a.dry_run || a.overwrite || same_dir(out, a.resume)) return 0;
     struct stat st;
-    if (!a.dry_run && !a.overwrite && !same_dir(out, a.resume)) {  // another run's directory: never overwritten unasked
-        // a run's outputs without its checkpoint (deleted to save space, or copied there) are as
-        // much a user's as the run itself
-        for (const char *name : k_run_outputs)
-            if (lstat((out + "/" + name).c_str(), &st) == 0) {
-                if (name == k_run_outputs[0])
-                    fprintf(stderr, "finetune: %s already holds a run (checkpoint.gguf): --resume %s continues it, "
-                            "--overwrite replaces it, or choose another -o\n", out.c_str(), out.c_str());
-                else
-                    fprintf(stderr, "finetune: %s already holds %s (a run's output, without its checkpoint): --overwrite "
-                            "replaces it, or choose another -o\n", out.c_str(), name);
-                return 1;
-            }
-    }
-
-    // ---- memory: the plan, before anything is allocated ----
-    int64_t n_targets = 0;
-    for (const ql_sequence &s : tseq) n_targets += s.n_targets;
-    const size_t n_train = tseq.size(), n_eval = eseq.size();
-    // what the process already holds (code, model metadata, vocabulary, data): the plan adds to it
-    a.o.mem_other = rss_bytes();
-    if (a.b_auto && !choose_batch(f, tseq, eseq, &a)) return 1;
-    if (a.limit_known) choose_memory(f, tseq, eseq, &a);
-    a.o.command = stored_command(a);
-    ql_memory_plan plan;
-    const bool planned = ql_train_plan(f, tseq, eseq, a.o, &plan, &err);
-    if (!planned && plan.total == 0) {  // not a question of memory: the model or data cannot be built
-        fprintf(stderr, "finetune: %s\n", err.c_str());
-        return 1;
-    }
-    if (a.dry_run || !planned) {
-        if (!a.json && !a.plan_only) printf("finetune: precision %s%s\n", ql_name(a.o.precision), precision_why(a, plan.device).c_str());
-        print_memory(plan, ql_name(a.o.optim), a.o.mem_other, "RSS before training", plan_limit(plan, a.o.mem_limit), a.json);
-        if (a.plan_only && plan_limit(plan, a.o.mem_limit) == 0)
-            fprintf(a.json ? stderr : stdout, "finetune: no verdict: without the GPU the plan needs --vram SIZE (the card's memory, "
-                                              "e.g. --vram 24G) to say whether it fits\n");
-        if (!planned) {
-            fprintf(stderr, "finetune: does not fit: %s\n", err.c_str());
-            advise(f, tseq, eseq, a, plan);
-            if (!a.dry_run) write_snapshot(f, tseq, eseq, a, out);
+    // a run's outputs without its checkpoint (deleted to save space, or copied there) are as
+    // much a user's as the run itself
+    for (const char *name : k_run_outputs)
+        if (lstat((out + "/" + name).c_str(), &st) == 0) {
+            if (name == k_run_outputs[0])
+                fprintf(stderr, "finetune: %s already holds a run (checkpoint.gguf): --resume %s continues it, "
+                        "--overwrite replaces it, or choose another -o\n", out.c_str(), out.c_str());
+            else
+                fprintf(stderr, "finetune: %s already holds %s (a run's output, without its checkpoint): --overwrite "
+                        "replaces it, or choose another -o\n", out.c_str(), name);
             return 1;
         }
-        return 0;
-    }
+    return 0;
+}
 
-    // ---- the trainer: everything sized, planned and allocated before step one ----
-    const auto t_build = std::chrono::steady_clock::now();
-    ql_trainer *t = ql_trainer_new(f, std::move(tseq), std::move(eseq), a.o, &err);
-    owned<ql_trainer> t_(t, ql_trainer_free);
+// The memory plan, before anything is allocated: -b auto's batch, --checkpointing auto's ladder,
+// then the plan itself. --dry-run prints it (0); a plan that does not fit says why, with advice
+// and (not on a dry run) the snapshot (1). -1 to go on to the run.
+static int plan_memory(args &a, ft_run &r) {
+    ql_llama_file *f = r.f.get();
+    for (const ql_sequence &s : r.tseq) r.n_targets += s.n_targets;
+    r.n_train = r.tseq.size(), r.n_eval = r.eseq.size();
+    // what the process already holds (code, model metadata, vocabulary, data): the plan adds to it
+    a.o.mem_other = rss_bytes();
+    if (a.b_auto && !choose_batch(f, r.tseq, r.eseq, &a)) return 1;
+    if (a.limit_known) choose_memory(f, r.tseq, r.eseq, &a);
+    a.o.command = stored_command(a);
+    ql_memory_plan &plan = r.plan;
+    const bool planned = ql_train_plan(f, r.tseq, r.eseq, a.o, &plan, &r.err);
+    if (!planned && plan.total == 0) {  // not a question of memory: the model or data cannot be built
+        fprintf(stderr, "finetune: %s\n", r.err.c_str());
+        return 1;
+    }
+    if (!a.dry_run && planned) return -1;
+    if (!a.json && !a.plan_only) printf("finetune: precision %s%s\n", ql_name(a.o.precision), precision_why(a, plan.device).c_str());
+    print_memory(plan, ql_name(a.o.optim), a.o.mem_other, "RSS before training", plan_limit(plan, a.o.mem_limit), a.json);
+    if (a.plan_only && plan_limit(plan, a.o.mem_limit) == 0)
+        fprintf(a.json ? stderr : stdout, "finetune: no verdict: without the GPU the plan needs --vram SIZE (the card's memory, "
+                                          "e.g. --vram 24G) to say whether it fits\n");
+    if (!planned) {
+        fprintf(stderr, "finetune: does not fit: %s\n", r.err.c_str());
+        advise(f, r.tseq, r.eseq, a, plan);
+        if (!a.dry_run) write_snapshot(f, r.tseq, r.eseq, a, r.out);
+        return 1;
+    }
+    return 0;
+}
+
+// The trainer, everything sized, planned and allocated before step one; a resumed run's state
+// from its checkpoint; DIR (and DIR/peft) made and locked. 0, or 1 after the message - when an
+// allocation failed although the plan fit, with what was planned and advice.
+static int build_trainer(const args &a, ft_run &r) {
+    ql_llama_file *f = r.f.get();
+    r.t_build = std::chrono::steady_clock::now();
+    r.t.reset(ql_trainer_new(f, std::move(r.tseq), std::move(r.eseq), a.o, &r.err));
+    ql_trainer *t = r.t.get();
     if (!t) {
-        fprintf(stderr, "finetune: %s\n", err.c_str());
-        if (!make_dir(out, &err)) return 1;  // an allocation failed although the plan fit: what was planned, and advice
-        std::vector<ql_sequence> t2, e2;     // (the sequences went to the trainer: rebuild them for the snapshot)
-        ql_dataset_sequences(train, a.d, pad, &t2);
-        ql_dataset_sequences(eval, a.d, pad, &e2);
-        advise(f, t2, e2, a, plan);
-        write_snapshot(f, t2, e2, a, out);
+        fprintf(stderr, "finetune: %s\n", r.err.c_str());
+        if (!make_dir(r.out, &r.err)) return 1;
+        std::vector<ql_sequence> t2, e2;  // (the sequences went to the trainer: rebuild them for the snapshot)
+        ql_dataset_sequences(r.train, a.d, r.pad, &t2);
+        ql_dataset_sequences(r.eval, a.d, r.pad, &e2);
+        advise(f, t2, e2, a, r.plan);
+        write_snapshot(f, t2, e2, a, r.out);
         return 1;
     }
-    if ((a.resume && !ql_trainer_load(t, (std::string(a.resume) + "/checkpoint.gguf").c_str(), &err)) ||
-        !make_dir(out, &err) || !lock_dir(out, &err) || !make_dir(out + "/peft", &err)) {
-        fprintf(stderr, "finetune: %s\n", err.c_str());
+    if ((a.resume && !ql_trainer_load(t, (std::string(a.resume) + "/checkpoint.gguf").c_str(), &r.err)) ||
+        !make_dir(r.out, &r.err) || !lock_dir(r.out, &r.err) || !make_dir(r.out + "/peft", &r.err)) {
+        fprintf(stderr, "finetune: %s\n", r.err.c_str());
         return 1;
     }
-
-    const ql_llama_hparams &hp = f->model.hp;
-    const int64_t total = ql_trainer_total_steps(t), per_epoch = ql_trainer_steps_per_epoch(t);
-    int64_t run_step = 0, run_total = 0;  // what the checkpoint had done, and of how many steps
+    r.total = ql_trainer_total_steps(t), r.per_epoch = ql_trainer_steps_per_epoch(t);
     if (a.resume) {
         std::vector<std::string> unused;
-        ql_checkpoint_info((std::string(a.resume) + "/checkpoint.gguf").c_str(), &unused, &run_step, &run_total, &err);
+        ql_checkpoint_info((std::string(a.resume) + "/checkpoint.gguf").c_str(), &unused, &r.run_step, &r.run_total, &r.err);
     }
+    return 0;
+}
+
+// What the run is: the model, the data, the sequences and their padding, the batch and steps,
+// LoRA and the optimizer, the precision, warnings for settings that cannot do what they seem to
+// ask, and the memory plan.
+static void print_run(const args &a, const ft_run &r) {
+    const ql_llama_file *f = r.f.get();
+    ql_trainer *t = r.t.get();
+    const ql_llama_hparams &hp = f->model.hp;
+    const ql_dataset &train = r.train;
     const ql_memory_plan &mp = ql_trainer_memory(t);
-    auto mib = [](size_t b) { return (double)b / 1048576.0; };
     printf("finetune: model %s: %s, %d layers, dim %d, %d/%d heads, ffn %d, vocab %d, %s weights %.1f MiB\n", a.model,
            f->arch.c_str(), hp.n_layer, hp.n_embd, hp.n_head, hp.n_head_kv, hp.n_ff, hp.n_vocab,
            ql_type_name(f->model.layers[0].wq->type), mib(mp.weights_file));
@@ -1459,8 +1511,8 @@ int main(int argc, char **argv) {
            a.data, (long long)train.n_lines, (long long)train.n_per_format[0], (long long)train.n_per_format[1],
            (long long)train.n_per_format[2], (long long)train.n_per_format[3], (long long)train.n_bad,
            (long long)train.n_truncated, a.d.seq_len, (long long)train.n_empty);
-    printf("finetune: %zu training sequences (%s), %lld supervised tokens; %zu evaluation sequences\n", n_train,
-           a.d.pack ? "packed" : "one example each", (long long)n_targets, n_eval);
+    printf("finetune: %zu training sequences (%s), %lld supervised tokens; %zu evaluation sequences\n", r.n_train,
+           a.d.pack ? "packed" : "one example each", (long long)r.n_targets, r.n_eval);
     {  // what padding costs: one epoch's positions computed against the data's tokens
         int64_t real = 0, padded = 0;
         ql_trainer_epoch_tokens(t, &real, &padded);
@@ -1475,8 +1527,8 @@ int main(int argc, char **argv) {
                padded ? 100.0 * (double)(padded - real) / (double)padded : 0.0);
     }
     printf("finetune: micro-batch %d%s x accumulation %d = effective batch %d sequences; %lld steps (%lld per epoch)%s\n",
-           a.o.micro_batch, a.b_auto ? " (-b auto)" : "", a.o.grad_accum, a.o.micro_batch * a.o.grad_accum, (long long)total,
-           (long long)per_epoch,
+           a.o.micro_batch, a.b_auto ? " (-b auto)" : "", a.o.grad_accum, a.o.micro_batch * a.o.grad_accum, (long long)r.total,
+           (long long)r.per_epoch,
            ql_trainer_steps_done(t) ? (", resuming after step " + std::to_string(ql_trainer_steps_done(t))).c_str() : "");
     printf("finetune: LoRA r %d, alpha %g%s, dropout %g on", a.o.lora.r, (double)a.o.lora.alpha, a.o.lora.rslora ? " (rsLoRA)" : "",
            (double)a.o.lora.dropout);
@@ -1490,69 +1542,60 @@ int main(int argc, char **argv) {
                ql_trainer_loss_scale(t), (double)a.o.scale_growth, a.o.scale_interval, (double)a.o.scale_backoff);
     printf("\n%s\n", ql_trainable_line(ql_trainer_n_trainable(t), ql_trainer_n_base(t)).c_str());
     // settings that run but cannot do what they seem to ask
-    if (ql_trainer_warmup_steps(t) > total)
+    if (ql_trainer_warmup_steps(t) > r.total)
         fprintf(stderr, "finetune: warning: a warmup of %lld steps in a run of %lld: the learning rate never reaches --lr %g\n",
-                (long long)ql_trainer_warmup_steps(t), (long long)total, (double)a.o.lr);
+                (long long)ql_trainer_warmup_steps(t), (long long)r.total, (double)a.o.lr);
     if (a.o.lora.r > hp.n_embd)  // (every target matrix has a side of n_embd)
         fprintf(stderr, "finetune: warning: --lora-r %d is above the model's dimension %d: a rank above a matrix's smaller side "
                 "adds parameters, not capacity\n", a.o.lora.r, hp.n_embd);
     print_memory(mp, ql_name(a.o.optim), a.o.mem_other, "RSS before training", plan_limit(mp, a.o.mem_limit), false);
-    printf("finetune: planned and allocated in %.2f s\n",
-           std::chrono::duration<double>(std::chrono::steady_clock::now() - t_build).count());
-    fflush(stdout);
-    const size_t predicted = a.o.mem_other + mp.host;  // the process's RSS: on a device run its host part only
-    // the weight pages now rather than during step one, and the peak counted from here: loading's
-    // temporaries are not the training run's
-    ql_trainer_page_in_weights(t);
-    reset_hwm();
-    size_t card_max = 0;  // the card's use, highest reading: read at the end, the run's buffers may be gone
-    auto report_peak = [&](const char *when, size_t hwm) {
-        printf("finetune: peak memory %s: %.1f MiB measured (VmHWM), %.1f MiB planned (%+.1f%%)\n", when, mib(hwm),
-               mib(predicted), 100.0 * ((double)hwm - (double)predicted) / (double)predicted);
-        if (!mp.device) return;
-        // the device: our allocations' high-water mark, and the whole card's use (context,
-        // libraries, ours: its total less its free memory), against the device plan
-        size_t in_use = 0, ours = 0;
-        ql_backend_memory_used(a.be, &in_use, &ours);
-        ql_backend_caps caps{};
-        const size_t card = card_max =
-            std::max(card_max, ql_backend_get_caps(a.be, &caps) == QL_OK ? caps.mem_total - caps.mem_free : 0);
-        const size_t planned_ours = mp.total - mp.dev_context - mp.dev_rounding;
-        printf("finetune: device memory %s: ours %.1f MiB peak (planned %.1f, %+.1f%%); the card in use %.1f MiB (planned %.1f "
-               "with context and rounding, %+.1f%%)\n", when, mib(ours), mib(planned_ours),
-               100.0 * ((double)ours - (double)planned_ours) / (double)std::max<size_t>(1, planned_ours), mib(card), mib(mp.total),
-               100.0 * ((double)card - (double)mp.total) / (double)std::max<size_t>(1, mp.total));
-    };
-    bool warned = false;
+}
 
-    if (a.profile) ql_graph_set_profile(ql_trainer_graph(t), true);
-    if (a.export_dir) return export_adapter(f, t, a, out, run_step, run_total > 0 ? run_total : total) ? 0 : 1;
-    if (a.resume && run_total > 0 && total != run_total)
-        printf("finetune: the run had %lld steps, now %lld (--max-steps/--epochs): the learning-rate schedule spans the new total\n",
-               (long long)run_total, (long long)total);
+// The peak memory measured against the plan: the process's (VmHWM), and on a device our
+// allocations' high-water mark and the whole card's use (context, libraries, ours: its total
+// less its free memory)
+static void report_peak(const args &a, ft_run &r, const char *when, size_t hwm) {
+    const ql_memory_plan &mp = ql_trainer_memory(r.t.get());
+    printf("finetune: peak memory %s: %.1f MiB measured (VmHWM), %.1f MiB planned (%+.1f%%)\n", when, mib(hwm),
+           mib(r.predicted), 100.0 * ((double)hwm - (double)r.predicted) / (double)r.predicted);
+    if (!mp.device) return;
+    size_t in_use = 0, ours = 0;
+    ql_backend_memory_used(a.be, &in_use, &ours);
+    ql_backend_caps caps{};
+    const size_t card = r.card_max =
+        std::max(r.card_max, ql_backend_get_caps(a.be, &caps) == QL_OK ? caps.mem_total - caps.mem_free : 0);
+    const size_t planned_ours = mp.total - mp.dev_context - mp.dev_rounding;
+    printf("finetune: device memory %s: ours %.1f MiB peak (planned %.1f, %+.1f%%); the card in use %.1f MiB (planned %.1f "
+           "with context and rounding, %+.1f%%)\n", when, mib(ours), mib(planned_ours),
+           100.0 * ((double)ours - (double)planned_ours) / (double)std::max<size_t>(1, planned_ours), mib(card), mib(mp.total),
+           100.0 * ((double)card - (double)mp.total) / (double)std::max<size_t>(1, mp.total));
+}
 
-    // ---- the loop ----
-    for (int s : k_stop_signals) signal(s, on_stop_signal);
-    std::vector<std::pair<double, double>> curve, eval_curve;
-    std::string kept;  // on resume: the metrics of the steps the checkpoint holds (later ones are redone)
-    if (a.resume) keep_metrics(std::string(a.resume) + "/metrics.jsonl", ql_trainer_steps_done(t), &kept, &curve, &eval_curve);
-    // the kept history goes in whole (temp file, rename) before new lines are appended
-    const std::string mpath = out + "/metrics.jsonl", mtmp = mpath + ".tmp";
+// DIR/metrics.jsonl: the kept history of a resumed run goes in whole (temp file, rename), then
+// it is open for appending; --overwrite then removes the earlier run's other files. 0, or 1
+// after the message (nothing of this run left behind).
+static int open_metrics(const args &a, ft_run &r) {
+    const std::string &out = r.out;
+    if (a.resume)
+        keep_metrics(std::string(a.resume) + "/metrics.jsonl", ql_trainer_steps_done(r.t.get()), &r.kept, &r.curve, &r.eval_curve);
+    r.mpath = out + "/metrics.jsonl";
+    const std::string mtmp = r.mpath + ".tmp";
     FILE *metrics = fopen(mtmp.c_str(), "w");
-    const bool mok = metrics && fputs(kept.c_str(), metrics) >= 0 && fflush(metrics) == 0 && fsync(fileno(metrics)) == 0;
+    const bool mok = metrics && fputs(r.kept.c_str(), metrics) >= 0 && fflush(metrics) == 0 && fsync(fileno(metrics)) == 0;
     int e_write = errno;  // (before fclose can change it)
     if (metrics) fclose(metrics);
     metrics = nullptr;
     if (mok) {
-        if (rename(mtmp.c_str(), mpath.c_str()) == 0) metrics = fopen(mpath.c_str(), "a");
+        if (rename(mtmp.c_str(), r.mpath.c_str()) == 0) metrics = fopen(r.mpath.c_str(), "a");
         e_write = errno;
     }
     if (!metrics) {
         unlink(mtmp.c_str());              // nothing of this run is left behind:
         rmdir((out + "/peft").c_str());    // the temporary, and peft/ if this run made it (empty)
-        fprintf(stderr, "finetune: %s: cannot write: %s\n", mpath.c_str(), strerror(e_write));
+        fprintf(stderr, "finetune: %s: cannot write: %s\n", r.mpath.c_str(), strerror(e_write));
         return 1;
     }
+    r.metrics = metrics;
     // --overwrite: the earlier run's files go now that this one starts (its metrics were just
     // replaced), so that the directory never holds its adapter beside this run's metrics
     if (a.overwrite && !same_dir(out, a.resume)) {
@@ -1562,164 +1605,234 @@ int main(int argc, char **argv) {
                 gone += std::string(gone.empty() ? "" : ", ") + name;
         if (!gone.empty()) printf("finetune: --overwrite: removed the earlier run's %s from %s\n", gone.c_str(), out.c_str());
     }
-    const int64_t eval_every = a.eval_every > 0 ? a.eval_every : std::max<int64_t>(1, total / 10);
-    const auto t0 = std::chrono::steady_clock::now();
-    const int64_t first = ql_trainer_steps_done(t);
-    int64_t profiled_from = first;  // --profile: the steps after this one
-    double last_loss = NAN, last_eval = NAN, tok_s = 0, real_s = 0, sup_s = 0;  // tokens/s: computed, real, supervised
-    int64_t tokens = 0, real = 0, supervised = 0;
-    auto save_checkpoint = [&]() {
-        if (!ql_trainer_save(t, (out + "/checkpoint.gguf").c_str(), &err)) {
-            fprintf(stderr, "%sfinetune: %s\n", tty ? "\n" : "", err.c_str());
-            return false;
-        }
-        return true;
-    };
-    // the adapter (small: what the user wants) first, then the checkpoint (large); each written
-    // atomically, so a full disk replaces nothing good
-    auto write_outputs = [&]() {
-        if (!write_adapter(f, t, a, out)) return false;
-        if (!save_checkpoint()) {
-            fprintf(stderr, "finetune: the adapter is written (%s/adapter.gguf, %s/peft/); the checkpoint is not\n", out.c_str(),
-                    out.c_str());
-            return false;
-        }
-        return true;
-    };
-    // A step that fails ends the run. After a non-finite loss or gradient (the trainer stopped
-    // before the update, and its message says the adapter is the last good step's) that adapter
-    // and its checkpoint are written; not after a backend error or a failed evaluation. A run
-    // that did no step leaves no empty metrics.jsonl or peft/ (a rerun would be refused for them).
-    auto failed = [&](bool keep) {
-        fprintf(stderr, "%sfinetune: %s\n", tty ? "\n" : "", err.c_str());
-        const int64_t done = ql_trainer_steps_done(t);
-        if (done == first && kept.empty()) unlink(mpath.c_str());
-        if (done > first && keep && ql_trainer_intact(t) && write_outputs())
-            fprintf(stderr, "finetune: the adapter and the checkpoint of step %lld are in %s\n", (long long)done, out.c_str());
-        rmdir((out + "/peft").c_str());  // (only when empty)
-        return 1;
-    };
-    if (n_eval > 0 && first == 0) {  // where the run starts from
-        if (!ql_trainer_eval(t, &last_eval, &err)) return failed(false);
-        eval_curve.push_back({0.0, last_eval});
-        fprintf(metrics, "{\"step\": 0, \"eval_loss\": %.6f}\n", last_eval);
-        printf("finetune: eval loss before training %.4f\n", last_eval);
+    return 0;
+}
+
+// DIR/checkpoint.gguf; false after the message
+static bool save_checkpoint(ft_run &r) {
+    if (!ql_trainer_save(r.t.get(), (r.out + "/checkpoint.gguf").c_str(), &r.err)) {
+        fprintf(stderr, "%sfinetune: %s\n", r.tty ? "\n" : "", r.err.c_str());
+        return false;
+    }
+    return true;
+}
+
+// the adapter (small: what the user wants) first, then the checkpoint (large); each written
+// atomically, so a full disk replaces nothing good
+static bool write_outputs(const args &a, ft_run &r) {
+    if (!write_adapter(r.f.get(), r.t.get(), a, r.out)) return false;
+    if (!save_checkpoint(r)) {
+        fprintf(stderr, "finetune: the adapter is written (%s/adapter.gguf, %s/peft/); the checkpoint is not\n", r.out.c_str(),
+                r.out.c_str());
+        return false;
+    }
+    return true;
+}
+
+// A step that fails ends the run: the exit code 1 after the message. After a non-finite loss or
+// gradient (keep: the trainer stopped before the update, and its message says the adapter is the
+// last good step's) that adapter and its checkpoint are written; not after a backend error or a
+// failed evaluation. A run that did no step leaves no empty metrics.jsonl or peft/ (a rerun
+// would be refused for them).
+static int failed(const args &a, ft_run &r, bool keep) {
+    fprintf(stderr, "%sfinetune: %s\n", r.tty ? "\n" : "", r.err.c_str());
+    ql_trainer *t = r.t.get();
+    const int64_t done = ql_trainer_steps_done(t);
+    if (done == r.first && r.kept.empty()) unlink(r.mpath.c_str());
+    if (done > r.first && keep && ql_trainer_intact(t) && write_outputs(a, r))
+        fprintf(stderr, "finetune: the adapter and the checkpoint of step %lld are in %s\n", (long long)done, r.out.c_str());
+    rmdir((r.out + "/peft").c_str());  // (only when empty)
+    return 1;
+}
+
+// One step's line in metrics.jsonl, and on stdout (rewritten in place on a terminal; else the
+// first, every twentieth of the run, the last and each evaluated one)
+static void log_step(const args &a, const ft_run &r, const ql_step_metrics &m, bool evaluated, double el, double rss, double hwm) {
+    FILE *metrics = r.metrics;
+    fprintf(metrics, "{\"step\": %lld, \"loss\": %.6f", (long long)m.step, m.loss);
+    if (evaluated) fprintf(metrics, ", \"eval_loss\": %.6f", r.last_eval);
+    if (a.o.precision == ql_precision::fp16)
+        fprintf(metrics, ", \"loss_scale\": %g, \"skipped\": %s, \"skipped_steps\": %lld", m.loss_scale,
+                m.skipped ? "true" : "false", (long long)m.skipped_total);
+    char gnorm[32] = "null";  // a skipped fp16 step's norm is inf: JSON has no such number
+    if (std::isfinite(m.grad_norm)) snprintf(gnorm, sizeof(gnorm), "%.6f", m.grad_norm);
+    fprintf(metrics,
+            ", \"lr\": %.6g, \"grad_norm\": %s, \"step_seconds\": %.4f, \"tokens_per_s\": %.1f, \"padded_tokens_per_s\": %.1f, "
+            "\"supervised_tokens_per_s\": %.1f, \"mem_mib\": %.1f, \"peak_mib\": %.1f, \"planned_mib\": %.1f}\n",
+            m.lr, gnorm, m.seconds, r.real_s, r.tok_s, r.sup_s, rss, hwm, mib(r.predicted));
+    fflush(metrics);
+    const int64_t total = r.total;
+    const double eta = (double)(total - m.step) * el / (double)std::max<int64_t>(1, m.step - r.first);
+    char line[256], scaler[96] = "";
+    if (a.o.precision == ql_precision::fp16)
+        snprintf(scaler, sizeof(scaler), "  scale %g%s (%lld skipped)", m.loss_scale, m.skipped ? " SKIPPED" : "",
+                 (long long)m.skipped_total);
+    snprintf(line, sizeof(line), "step %lld/%lld  loss %.4f%s  lr %.2e%s  %.0f tok/s (%.0f padded)  mem %.0f MiB  ETA %s",
+             (long long)m.step, (long long)total, m.loss,
+             std::isnan(r.last_eval) ? "" : ("  eval " + std::to_string(r.last_eval).substr(0, 6)).c_str(), m.lr, scaler, r.real_s,
+             r.tok_s, rss, hms(eta).c_str());
+    if (r.tty)
+        printf("\r%-110s", line);
+    else if (m.step == r.first + 1 || m.step % std::max<int64_t>(1, total / 20) == 0 || m.step == total || evaluated)
+        printf("%s\n", line);
+    fflush(stdout);
+}
+
+// The loop: the evaluation before training, then the steps (each logged, evaluated every
+// eval_every, checkpointed every --save-every) until the last or a stop signal (r.interrupted).
+// 0, else the exit code after the message.
+static int train_steps(const args &a, ft_run &r) {
+    ql_trainer *t = r.t.get();
+    const ql_memory_plan &mp = ql_trainer_memory(t);
+    if (r.n_eval > 0 && r.first == 0) {  // where the run starts from
+        if (!ql_trainer_eval(t, &r.last_eval, &r.err)) return failed(a, r, false);
+        r.eval_curve.push_back({0.0, r.last_eval});
+        fprintf(r.metrics, "{\"step\": 0, \"eval_loss\": %.6f}\n", r.last_eval);
+        printf("finetune: eval loss before training %.4f\n", r.last_eval);
         fflush(stdout);
     }
-    bool interrupted = false;
-    while (ql_trainer_steps_done(t) < total) {
+    while (ql_trainer_steps_done(t) < r.total) {
         ql_step_metrics m;
-        if (!ql_trainer_step(t, &m, &err)) return failed(true);
-        tokens += m.tokens;
-        real += m.real_tokens;
-        supervised += m.targets;
-        const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        tok_s = (double)tokens / std::max(el, 1e-9);
-        real_s = (double)real / std::max(el, 1e-9);
-        sup_s = (double)supervised / std::max(el, 1e-9);
-        last_loss = m.loss;
-        curve.push_back({(double)m.step, m.loss});
+        if (!ql_trainer_step(t, &m, &r.err)) return failed(a, r, true);
+        r.tokens += m.tokens;
+        r.real += m.real_tokens;
+        r.supervised += m.targets;
+        const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - r.t0).count();
+        r.tok_s = (double)r.tokens / std::max(el, 1e-9);
+        r.real_s = (double)r.real / std::max(el, 1e-9);
+        r.sup_s = (double)r.supervised / std::max(el, 1e-9);
+        r.last_loss = m.loss;
+        r.curve.push_back({(double)m.step, m.loss});
         bool evaluated = false;
-        if (n_eval > 0 && (m.step % eval_every == 0 || m.step == total)) {
-            if (!ql_trainer_eval(t, &last_eval, &err)) return failed(false);
-            eval_curve.push_back({(double)m.step, last_eval});
+        if (r.n_eval > 0 && (m.step % r.eval_every == 0 || m.step == r.total)) {
+            if (!ql_trainer_eval(t, &r.last_eval, &r.err)) return failed(a, r, false);
+            r.eval_curve.push_back({(double)m.step, r.last_eval});
             evaluated = true;
         }
         const double rss = rss_mib(), hwm = peak_rss_mib();  // read once per step (/proc)
-        fprintf(metrics, "{\"step\": %lld, \"loss\": %.6f", (long long)m.step, m.loss);
-        if (evaluated) fprintf(metrics, ", \"eval_loss\": %.6f", last_eval);
-        if (a.o.precision == ql_precision::fp16)
-            fprintf(metrics, ", \"loss_scale\": %g, \"skipped\": %s, \"skipped_steps\": %lld", m.loss_scale,
-                    m.skipped ? "true" : "false", (long long)m.skipped_total);
-        char gnorm[32] = "null";  // a skipped fp16 step's norm is inf: JSON has no such number
-        if (std::isfinite(m.grad_norm)) snprintf(gnorm, sizeof(gnorm), "%.6f", m.grad_norm);
-        fprintf(metrics,
-                ", \"lr\": %.6g, \"grad_norm\": %s, \"step_seconds\": %.4f, \"tokens_per_s\": %.1f, \"padded_tokens_per_s\": %.1f, "
-                "\"supervised_tokens_per_s\": %.1f, \"mem_mib\": %.1f, \"peak_mib\": %.1f, \"planned_mib\": %.1f}\n",
-                m.lr, gnorm, m.seconds, real_s, tok_s, sup_s, rss, hwm, mib(predicted));
-        fflush(metrics);
-        const double eta = (double)(total - m.step) * el / (double)std::max<int64_t>(1, m.step - first);
-        char line[256], scaler[96] = "";
-        if (a.o.precision == ql_precision::fp16)
-            snprintf(scaler, sizeof(scaler), "  scale %g%s (%lld skipped)", m.loss_scale, m.skipped ? " SKIPPED" : "",
-                     (long long)m.skipped_total);
-        snprintf(line, sizeof(line), "step %lld/%lld  loss %.4f%s  lr %.2e%s  %.0f tok/s (%.0f padded)  mem %.0f MiB  ETA %s",
-                 (long long)m.step, (long long)total, m.loss,
-                 std::isnan(last_eval) ? "" : ("  eval " + std::to_string(last_eval).substr(0, 6)).c_str(), m.lr, scaler, real_s,
-                 tok_s, rss, hms(eta).c_str());
-        if (tty)
-            printf("\r%-110s", line);
-        else if (m.step == first + 1 || m.step % std::max<int64_t>(1, total / 20) == 0 || m.step == total || evaluated)
-            printf("%s\n", line);
-        fflush(stdout);
-        if (m.step == first + 1) {
-            if (tty) printf("\n");
-            report_peak("after step 1", (size_t)(hwm * 1048576.0));
-            if (a.profile && total > m.step) {  // the profile from step 2: step 1 pays first calls (GPU modules, first touch)
+        log_step(a, r, m, evaluated, el, rss, hwm);
+        if (m.step == r.first + 1) {
+            if (r.tty) printf("\n");
+            report_peak(a, r, "after step 1", (size_t)(hwm * 1048576.0));
+            if (a.profile && r.total > m.step) {  // the profile from step 2: step 1 pays first calls (GPU modules, first touch)
                 ql_graph_set_profile(ql_trainer_graph(t), true);
-                profiled_from = m.step;
+                r.profiled_from = m.step;
             }
         }
-        if (a.o.mem_limit && !mp.device && !warned && hwm * 1048576.0 > (double)(a.o.mem_limit / 10 * 9)) {  // (on a device it limits device memory)
-            fprintf(stderr, "%sfinetune: warning: memory %.0f MiB is above 90%% of --mem-limit %.0f MiB\n", tty ? "\n" : "",
+        if (a.o.mem_limit && !mp.device && !r.warned && hwm * 1048576.0 > (double)(a.o.mem_limit / 10 * 9)) {  // (on a device it limits device memory)
+            fprintf(stderr, "%sfinetune: warning: memory %.0f MiB is above 90%% of --mem-limit %.0f MiB\n", r.tty ? "\n" : "",
                     hwm, mib(a.o.mem_limit));
-            warned = true;
+            r.warned = true;
         }
-        if (a.save_every > 0 && m.step % a.save_every == 0 && !save_checkpoint()) return 1;
+        if (a.save_every > 0 && m.step % a.save_every == 0 && !save_checkpoint(r)) return 1;
         if (g_stop.load()) {
-            interrupted = true;
+            r.interrupted = true;
             break;
         }
     }
-    const size_t train_peak = hwm_bytes();
-    if (tty) printf("\n");
-    // from here on every file is written atomically: a signal loses nothing (but for an interrupted
-    // run, whose checkpoint a repeat of its SIGTERM/SIGHUP must not stop: on_stop_signal's choice stays)
-    if (!interrupted)
-        for (int s : k_stop_signals) signal(s, SIG_DFL);
+    return 0;
+}
 
-    // ---- outputs: an interrupted run's checkpoint; else write_outputs (adapter, checkpoint), then
-    // the merged model ----
-    if (interrupted) {
-        if (!save_checkpoint()) return 1;
-        const int sig = g_stop.load();
-        printf("finetune: interrupted (%s) after step %lld: checkpoint saved in %s --> resume with --resume %s\n",
-               sig == SIGTERM ? "SIGTERM" : sig == SIGHUP ? "SIGHUP" : "SIGINT", (long long)ql_trainer_steps_done(t), out.c_str(),
-               out.c_str());
-        fflush(stdout);
-        return 128 + sig;  // the shell's convention for a run a signal ended: 130 (SIGINT), 143 (SIGTERM)
-    }
-    if (!write_outputs()) return 1;
+// An interrupted run: its checkpoint, and 128 + the signal (the shell's convention for a run a
+// signal ended: 130 for SIGINT, 143 for SIGTERM); 1 when the checkpoint cannot be saved
+static int save_interrupted(ft_run &r) {
+    if (!save_checkpoint(r)) return 1;
+    const int sig = g_stop.load();
+    printf("finetune: interrupted (%s) after step %lld: checkpoint saved in %s --> resume with --resume %s\n",
+           sig == SIGTERM ? "SIGTERM" : sig == SIGHUP ? "SIGHUP" : "SIGINT", (long long)ql_trainer_steps_done(r.t.get()), r.out.c_str(),
+           r.out.c_str());
+    fflush(stdout);
+    return 128 + sig;
+}
+
+// A finished run's outputs - write_outputs (adapter, checkpoint), the merged model, loss.png -
+// and its summary: steps, speed, losses, peak memory, the files, the profile. The exit code.
+static int write_results(const args &a, ft_run &r) {
+    ql_trainer *t = r.t.get();
+    const std::string &out = r.out;
+    if (!write_outputs(a, r)) return 1;
     ql_llama &m = ql_trainer_model(t);
-    if (a.merge && !ql_llama_save_merged((out + "/merged.gguf").c_str(), *f, m, &err)) {
-        fprintf(stderr, "finetune: %s\n", err.c_str());
+    if (a.merge && !ql_llama_save_merged((out + "/merged.gguf").c_str(), *r.f, m, &r.err)) {
+        fprintf(stderr, "finetune: %s\n", r.err.c_str());
         return 1;
     }
-    if (!ql_plot_losses((out + "/loss.png").c_str(), curve, eval_curve, &err)) fprintf(stderr, "finetune: note: %s\n", err.c_str());
-    fclose(metrics);
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!ql_plot_losses((out + "/loss.png").c_str(), r.curve, r.eval_curve, &r.err)) fprintf(stderr, "finetune: note: %s\n", r.err.c_str());
+    fclose(r.metrics);
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - r.t0).count();
+    const int64_t first = r.first;
     if (ql_trainer_steps_done(t) == first)
         printf("finetune: the checkpoint had finished all %lld steps; outputs written again (--max-steps or --epochs with more "
                "extend the run)", (long long)first);
     else {  // the steps this invocation ran; a resumed run also where that ends the run
         const int64_t done = ql_trainer_steps_done(t);
         printf("finetune: done: %lld steps", (long long)(done - first));
-        if (first > 0) printf(" this run (resumed after step %lld; now step %lld of %lld)", (long long)first, (long long)done, (long long)total);
-        printf(" in %s, %.0f tokens/s (%.0f supervised, %.0f computed with padding); final loss %.4f", hms(secs).c_str(), real_s,
-               sup_s, tok_s, last_loss);
+        if (first > 0) printf(" this run (resumed after step %lld; now step %lld of %lld)", (long long)first, (long long)done, (long long)r.total);
+        printf(" in %s, %.0f tokens/s (%.0f supervised, %.0f computed with padding); final loss %.4f", hms(secs).c_str(), r.real_s,
+               r.sup_s, r.tok_s, r.last_loss);
     }
-    if (!std::isnan(last_eval)) printf(", eval loss %.4f", last_eval);
+    if (!std::isnan(r.last_eval)) printf(", eval loss %.4f", r.last_eval);
     printf("\n");
-    report_peak("of training", train_peak);
+    report_peak(a, r, "of training", r.train_peak);
     size_t dev_now = 0, dev_peak = 0;
     if (ql_backend_memory_used(a.be, &dev_now, &dev_peak))  // (the device's context itself not counted)
         printf("finetune: device memory: peak %.1f MiB allocated by qlora\n", mib(dev_peak));
     printf("finetune: wrote %s/adapter.gguf, %s/peft/, %s/metrics.jsonl, %s/loss.png, %s/checkpoint.gguf%s\n", out.c_str(),
            out.c_str(), out.c_str(), out.c_str(), out.c_str(), a.merge ? (", " + out + "/merged.gguf").c_str() : "");
     if (a.profile) {
-        if (profiled_from > first) printf("finetune: profile: steps %lld-%lld (step %lld left out: first calls)\n",
-                                          (long long)profiled_from + 1, (long long)ql_trainer_steps_done(t), (long long)profiled_from);
-        print_profile(ql_trainer_graph(t), (double)(ql_trainer_steps_done(t) - profiled_from) * a.o.grad_accum);
+        if (r.profiled_from > first) printf("finetune: profile: steps %lld-%lld (step %lld left out: first calls)\n",
+                                            (long long)r.profiled_from + 1, (long long)ql_trainer_steps_done(t), (long long)r.profiled_from);
+        print_profile(ql_trainer_graph(t), (double)(ql_trainer_steps_done(t) - r.profiled_from) * a.o.grad_accum);
     }
     return 0;
+}
+
+int main(int argc, char **argv) {
+    args a;
+    const bool parsed = parse(argc, argv, &a);
+    owned<ql_backend> be_(a.be, ql_backend_free);  // made once by resolve_device; freed after everything that uses it (r)
+    if (!parsed) return 2;
+    if (!a.plan_line.empty()) fputs(a.plan_line.c_str(), stdout);
+    // glibc raises its mmap threshold as large blocks are freed, after which planning's
+    // temporaries stay in the heap: fixed thresholds give them back, so RSS is what the plan says
+    mallopt(M_MMAP_THRESHOLD, 1 << 20);
+    mallopt(M_TRIM_THRESHOLD, 1 << 20);
+    ft_run r;
+    r.tty = isatty(fileno(stdout));
+
+    if (const int rc = load_model(a, r)) return rc;
+    if (const int rc = load_data(a, r)) return rc;
+    r.out = a.resume && !a.out_given ? std::string(a.resume) : a.out;
+    if (const int rc = check_out_dir(a, r.out)) return rc;
+    if (const int rc = plan_memory(a, r); rc >= 0) return rc;
+    if (const int rc = build_trainer(a, r)) return rc;
+    print_run(a, r);
+    printf("finetune: planned and allocated in %.2f s\n",
+           std::chrono::duration<double>(std::chrono::steady_clock::now() - r.t_build).count());
+    fflush(stdout);
+    ql_trainer *t = r.t.get();
+    r.predicted = a.o.mem_other + ql_trainer_memory(t).host;
+    // the weight pages now rather than during step one, and the peak counted from here: loading's
+    // temporaries are not the training run's
+    ql_trainer_page_in_weights(t);
+    reset_hwm();
+    if (a.profile) ql_graph_set_profile(ql_trainer_graph(t), true);
+    if (a.export_dir) return export_adapter(r.f.get(), t, a, r.out, r.run_step, r.run_total > 0 ? r.run_total : r.total) ? 0 : 1;
+    if (a.resume && r.run_total > 0 && r.total != r.run_total)
+        printf("finetune: the run had %lld steps, now %lld (--max-steps/--epochs): the learning-rate schedule spans the new total\n",
+               (long long)r.run_total, (long long)r.total);
+
+    for (int s : k_stop_signals) signal(s, on_stop_signal);
+    if (const int rc = open_metrics(a, r)) return rc;
+    r.eval_every = a.eval_every > 0 ? a.eval_every : std::max<int64_t>(1, r.total / 10);
+    r.t0 = std::chrono::steady_clock::now();
+    r.first = r.profiled_from = ql_trainer_steps_done(t);
+    if (const int rc = train_steps(a, r)) return rc;
+    r.train_peak = hwm_bytes();
+    if (r.tty) printf("\n");
+    // from here on every file is written atomically: a signal loses nothing (but for an interrupted
+    // run, whose checkpoint a repeat of its SIGTERM/SIGHUP must not stop: on_stop_signal's choice stays)
+    if (!r.interrupted)
+        for (int s : k_stop_signals) signal(s, SIG_DFL);
+    if (r.interrupted) return save_interrupted(r);
+    return write_results(a, r);
 }
