@@ -865,12 +865,13 @@ __device__ __forceinline__ uint64_t cu_mix64(uint64_t z) {
     return z ^ (z >> 31);
 }
 // the result in f32, or rounded to bf16 / f16 as it is stored (ql_dropout_to)
+// first: the element index of a's first in the tensor it is a piece of (ql_dropout_rows_to)
 __global__ void k_dropout(cu_t a, const int32_t *seed, char *d, int d_type, uint32_t stream, uint32_t threshold, float keep_scale,
-                          int64_t n) {
+                          int64_t first, int64_t n) {
     const uint64_t key = cu_mix64(((uint64_t)(uint32_t)seed[0] << 32) | stream);
     const int ds = d_type == QL_TYPE_F32 ? 4 : 2;
     CU_GRID_LOOP(i, n) {
-        const uint32_t h = (uint32_t)(cu_mix64(key + 0x9E3779B97F4A7C15ull * (uint64_t)(i + 1)) >> 32);
+        const uint32_t h = (uint32_t)(cu_mix64(key + 0x9E3779B97F4A7C15ull * (uint64_t)(first + i + 1)) >> 32);
         cu_st(d + i * ds, d_type, h >= threshold ? cu_at(a, i) * keep_scale : 0.0f);
     }
 }
@@ -878,7 +879,24 @@ static void cu_op_dropout(cu_ctx &c, ql_tensor *node) {
     const float pr = cu_param<float>(node, 0);
     const int64_t n = ql_nelements(node);
     QL_LAUNCH(k_dropout, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), (const int32_t *)node->src[1]->data, (char *)node->data,
-              (int)node->type, cu_param<uint32_t>(node, 1), (uint32_t)((double)pr * 4294967296.0), 1.0f / (1.0f - pr), n);
+              (int)node->type, cu_param<uint32_t>(node, 1), (uint32_t)((double)pr * 4294967296.0), 1.0f / (1.0f - pr),
+              cu_param<int64_t>(node, 2) * node->ne[0], n);
+    CU_LAUNCHED(c);
+}
+
+// a with b added to rows [row0, row0 + nb): over a's storage (in place) only those rows, else every row
+__global__ void k_add_rows(const float *a, cu_t b, float *d, int64_t ne0, int64_t row0, int64_t nb, int inplace, int64_t n) {
+    CU_GRID_LOOP(k, n) {
+        const int64_t i = inplace ? row0 * ne0 + k : k, r = i / ne0;
+        d[i] = r >= row0 && r < row0 + nb ? a[i] + cu_at(b, i - row0 * ne0) : a[i];
+    }
+}
+static void cu_op_add_rows(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *a = node->src[0], *b = node->src[1];
+    const int inplace = node->data == a->data;
+    const int64_t n = inplace ? ql_nelements(b) : ql_nelements(node);
+    QL_LAUNCH(k_add_rows, cu_grid(n), CU_BLOCK, 0, c.stream, (const float *)a->data, cu_of(b), (float *)node->data, node->ne[0],
+              cu_param<int64_t>(node, 0), ql_nrows(b), inplace, n);
     CU_LAUNCHED(c);
 }
 
@@ -1016,6 +1034,8 @@ static bool cu_ops_supported(const ql_tensor *node) {
         return f32(node) && f32(node->src[1]) && ql_is_contiguous(node);
     case QL_OP_VIEW_BACK:
         return f32(a) && ql_is_contiguous(node);
+    case QL_OP_ADD_ROWS:
+        return f32(a) && f32(node->src[1]) && ql_is_contiguous(a);
     case QL_OP_GET_ROWS: {
         const ql_type_traits *t = ql_type_traits_get(a->type);
         switch (a->type) {
@@ -1520,6 +1540,7 @@ static void cu_run_node(cu_ctx &c, ql_tensor *node) {
     case QL_OP_CROSS_ENTROPY_BACK: cu_op_cross_entropy_back(c, node); break;
     case QL_OP_DROPOUT:            cu_op_dropout(c, node); break;
     case QL_OP_VIEW_BACK:          cu_op_view_back(c, node); break;
+    case QL_OP_ADD_ROWS:           cu_op_add_rows(c, node); break;
     case QL_OP_ACC_GRAD:           cu_op_acc_grad(c, node); break;
     case QL_OP_CACHE_STORE:        cu_op_cache_store(c, node); break;
     case QL_OP_TO_HOST: case QL_OP_TO_DEVICE:

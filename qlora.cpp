@@ -1813,7 +1813,7 @@ static const char *k_op_names[] = {
     "mul_mat",     "get_rows",      "get_rows_back", "rms_norm",   "rms_norm_back",   "rope",
     "rope_back",   "silu",          "silu_back",  "swiglu",        "swiglu_back",     "flash_attn",
     "flash_attn_back", "cross_entropy", "cross_entropy_back", "dropout", "view_back",  "acc_grad",
-    "cache_store", "to_host",      "to_device",
+    "cache_store", "to_host",      "to_device",     "add_rows",
 };
 static_assert(sizeof(k_op_names) / sizeof(k_op_names[0]) == QL_OP_COUNT, "op names out of sync with ql_op");
 
@@ -2242,7 +2242,13 @@ ql_tensor *ql_dropout(ql_context *ctx, ql_tensor *a, float p, ql_tensor *seed, u
     return ql_dropout_to(ctx, a, p, seed, stream, QL_TYPE_F32);
 }
 ql_tensor *ql_dropout_to(ql_context *ctx, ql_tensor *a, float p, ql_tensor *seed, uint32_t stream, ql_type type) {
+    return ql_dropout_rows_to(ctx, a, p, seed, stream, type, 0);
+}
+
+ql_tensor *ql_dropout_rows_to(ql_context *ctx, ql_tensor *a, float p, ql_tensor *seed, uint32_t stream, ql_type type,
+                              int64_t first_row) {
     if (!srcs_ok(ctx, "dropout", {a, seed})) return nullptr;
+    QL_CHECK(ctx, first_row >= 0, QL_ERR_INVALID, "dropout: first row %lld < 0", (long long)first_row);
     QL_CHECK(ctx, p >= 0.0f && p < 1.0f, QL_ERR_INVALID, "dropout: p = %g outside [0, 1)", (double)p);
     QL_CHECK(ctx, seed->type == QL_TYPE_I32 && ql_nelements(seed) >= 1, QL_ERR_TYPE,
              "dropout: seed %s must be i32 [1]", shape_str(seed).c_str());
@@ -2256,6 +2262,19 @@ ql_tensor *ql_dropout_to(ql_context *ctx, ql_tensor *a, float p, ql_tensor *seed
     t->src[1] = seed;
     set_param(t, 0, p);
     set_param(t, 1, stream);
+    set_param(t, 2, first_row);  // the mask's elements start at first_row * ne0
+    return t;
+}
+
+ql_tensor *ql_add_rows(ql_context *ctx, ql_tensor *a, ql_tensor *b, int64_t row0) {
+    if (!srcs_ok(ctx, "add_rows", {a, b})) return nullptr;
+    QL_CHECK(ctx, a->type == QL_TYPE_F32 && ql_is_contiguous(a) && b->type == QL_TYPE_F32 && ql_rows_contiguous(b), QL_ERR_TYPE,
+             "add_rows: a %s (contiguous f32) and b %s (f32, dense rows)", shape_str(a).c_str(), shape_str(b).c_str());
+    QL_CHECK(ctx, b->ne[0] == a->ne[0] && b->ne[2] == 1 && b->ne[3] == 1 && row0 >= 0 && row0 + b->ne[1] <= ql_nrows(a),
+             QL_ERR_SHAPE, "add_rows: b %s at row %lld does not fit a %s", shape_str(b).c_str(), (long long)row0,
+             shape_str(a).c_str());
+    ql_tensor *t = new_op_like(ctx, QL_OP_ADD_ROWS, QL_TYPE_F32, a, {a, b});
+    if (t) set_param(t, 0, row0);
     return t;
 }
 
@@ -2615,8 +2634,17 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
         break;
     }
     case QL_OP_DROPOUT:  // same mask (same seed, stream and indices), same scale
-        gb.add(a, ql_dropout(ctx, gb.dense(dy), get_param<float>(node, 0), b, get_param<uint32_t>(node, 1)));
+        gb.add(a, ql_dropout_rows_to(ctx, gb.dense(dy), get_param<float>(node, 0), b, get_param<uint32_t>(node, 1), QL_TYPE_F32,
+                                     get_param<int64_t>(node, 2)));
         break;
+    case QL_OP_ADD_ROWS: {  // y = a, b added at rows [row0, ...): da = dy, db = those rows of dy (a view)
+        gb.add(a, dy);
+        if (gb.wants(b)) {
+            ql_tensor *d = gb.contiguous(dy);
+            gb.add(b, d ? view_as(ctx, d, b, get_param<int64_t>(node, 0) * b->ne[0]) : nullptr);
+        }
+        break;
+    }
     case QL_OP_GET_ROWS_BACK:
     case QL_OP_RMS_NORM_BACK:
     case QL_OP_ROPE_BACK:
@@ -3050,7 +3078,7 @@ static void row_to_float(const ql_tensor *t, const uint8_t *row, int64_t k0, int
 static int inplace_src(const ql_tensor *node) {
     switch (node->op) {
     case QL_OP_ADD: case QL_OP_MUL: case QL_OP_SCALE: case QL_OP_SILU:
-    case QL_OP_RMS_NORM: case QL_OP_ROPE: case QL_OP_ROPE_BACK:
+    case QL_OP_RMS_NORM: case QL_OP_ROPE: case QL_OP_ROPE_BACK: case QL_OP_ADD_ROWS:
         return 0;
     case QL_OP_DROPOUT:  // not into f32 storage as a 16-bit result: rows would land on rows not read yet
         return node->type == node->src[0]->type ? 0 : -1;
@@ -3928,6 +3956,29 @@ static void k_cache_store(const cpu_params &p, ql_tensor *dst) {  // dst aliases
     }
 }
 
+// a with b added to rows [row0, row0 + n): each row written by one thread, once (in place over
+// a: only the rows added)
+static void k_add_rows(const cpu_params &p, ql_tensor *dst) {
+    const ql_tensor *a = dst->src[0], *b = dst->src[1];
+    const int64_t row0 = get_param<int64_t>(dst, 0), n = ql_nrows(b), ne0 = dst->ne[0];
+    const bool inplace = dst->data == a->data;
+    const float *x = (const float *)a->data;
+    float *y = (float *)dst->data;
+    int64_t lo, hi;
+    split_range(inplace ? n : ql_nrows(dst), p.ith, p.nth, lo, hi);
+    for (int64_t i = lo; i < hi; i++) {
+        const int64_t r = inplace ? row0 + i : i;
+        const float *xr = x + r * ne0;
+        float *yr = y + r * ne0;
+        if (r >= row0 && r < row0 + n) {
+            const float *br = f32_row(b, r - row0);
+            for (int64_t j = 0; j < ne0; j++) yr[j] = xr[j] + br[j];
+        } else {
+            memcpy(yr, xr, (size_t)ne0 * sizeof(float));
+        }
+    }
+}
+
 static void k_view_back(const cpu_params &p, ql_tensor *dst) {
     const ql_tensor *dy = dst->src[0];
     const int64_t off = get_param<int64_t>(dst, 0), s1 = get_param<int64_t>(dst, 2), s2 = get_param<int64_t>(dst, 4),
@@ -4147,6 +4198,7 @@ static void k_dropout(const cpu_params &p, ql_tensor *dst) {
     const ql_tensor *a = dst->src[0], *seed = dst->src[1];
     const float pr = get_param<float>(dst, 0), keep_scale = 1.0f / (1.0f - pr);
     const uint32_t stream = get_param<uint32_t>(dst, 1);
+    const int64_t row0 = get_param<int64_t>(dst, 2);  // a piece of a bigger tensor: its rows' mask
     const uint32_t threshold = (uint32_t)((double)pr * 4294967296.0);
     const uint64_t key = mix64(((uint64_t)(uint32_t)((const int32_t *)seed->data)[0] << 32) | stream);
     const int64_t ne0 = a->ne[0];
@@ -4155,7 +4207,7 @@ static void k_dropout(const cpu_params &p, ql_tensor *dst) {
     const size_t ts = traits(dst->type).type_size;
     for (int64_t r = b; r < e; r++) {  // a 16-bit result: the f32 row in the workspace, then converted
         float *y = dst->type == QL_TYPE_F32 ? (float *)dst->data + r * ne0 : (float *)p.wdata;
-        dropout_row(ne0, f32_row(a, r), y, key, (uint64_t)(r * ne0), threshold, keep_scale);
+        dropout_row(ne0, f32_row(a, r), y, key, (uint64_t)((r + row0) * ne0), threshold, keep_scale);
         if (dst->type != QL_TYPE_F32) traits(dst->type).from_float(y, (uint8_t *)dst->data + (size_t)(r * ne0) * ts, ne0);
     }
 }
@@ -5631,6 +5683,7 @@ static void cpu_compute_node(const cpu_params &p, ql_tensor *node) {
     case QL_OP_CROSS_ENTROPY_BACK: k_cross_entropy_back(p, node); break;
     case QL_OP_DROPOUT:            k_dropout(p, node); break;
     case QL_OP_VIEW_BACK:          k_view_back(p, node); break;
+    case QL_OP_ADD_ROWS:           k_add_rows(p, node); break;
     case QL_OP_ACC_GRAD:           k_acc_grad(p, node); break;
     case QL_OP_CACHE_STORE:        k_cache_store(p, node); break;
     case QL_OP_TO_HOST:

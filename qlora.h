@@ -276,6 +276,7 @@ typedef enum ql_op {
     QL_OP_CACHE_STORE,       // rows written into a persistent cache at a run-time position
     QL_OP_TO_HOST,           // a copy of src[0] in the graph's host memory (activation offload; ql_graph_offload)
     QL_OP_TO_DEVICE,         // a TO_HOST copy brought back into the planned buffer
+    QL_OP_ADD_ROWS,          // a with b added to a range of its rows (a result made in pieces of rows)
     QL_OP_COUNT
 } ql_op;
 
@@ -451,6 +452,17 @@ ql_tensor *ql_dropout(ql_context *ctx, ql_tensor *a, float p, ql_tensor *seed, u
 // The same with the result in `type` (F32, BF16 or F16): ql_cast of ql_dropout's result, bit for
 // bit, without the f32 pass between (what a 16-bit matmul's input wants). Gradients stay f32.
 ql_tensor *ql_dropout_to(ql_context *ctx, ql_tensor *a, float p, ql_tensor *seed, uint32_t stream, ql_type type);
+// The same over rows [first_row, first_row + a's rows) of a tensor a is a piece of: each element
+// draws the whole's mask (a tensor processed in pieces of rows - the FFN in token chunks - drops
+// what the whole would).
+ql_tensor *ql_dropout_rows_to(ql_context *ctx, ql_tensor *a, float p, ql_tensor *seed, uint32_t stream, ql_type type,
+                              int64_t first_row);
+
+// a (f32, contiguous) with b (f32 [a->ne[0], n], dense rows) added to a's rows [row0, row0 + n),
+// rows counted over ne[1..3]: a result made in pieces of rows (the FFN in token chunks). It
+// writes over a's storage where a dies here, so a chain of them costs only the rows added. The
+// same bits as ql_add for those rows.
+ql_tensor *ql_add_rows(ql_context *ctx, ql_tensor *a, ql_tensor *b, int64_t row0);
 
 // ============================================================================================
 // graphs and autodiff

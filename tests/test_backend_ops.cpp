@@ -380,6 +380,25 @@ OP_CASE(dropout) {
         }, 0.0);
 }
 
+OP_CASE(add_rows_dropout_rows) {
+    // a result in pieces of rows (the FFN in token chunks): the chain goes in place on the device
+    // too; a piece's dropout draws the whole's mask
+    check_case(be, "add_rows chain", [](leafs &L) {
+        ql_tensor *r = ql_scale(L.ctx, L.param({37, 300}), 1.0f);
+        for (int64_t r0 = 0; r0 < 300; r0 += 100) r = ql_add_rows(L.ctx, r, L.param({37, 100}), r0);
+        return r;
+    }, TOL_F32);
+    check_case(be, "add_rows, a kept a", [](leafs &L) { return ql_add_rows(L.ctx, L.param({37, 10, 3}), L.param({37, 4}), 21); },
+               TOL_F32);
+    for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16})
+        check_case(be, "dropout_rows_to", [t](leafs &L) {
+            ql_tensor *seed = L.i32({1}, [](int64_t) { return 77; });
+            ql_tensor *x = L.param({129, 30});
+            return ql_cast(L.ctx, ql_dropout_rows_to(L.ctx, ql_view_2d(L.ctx, x, 129, 11, x->nb[1], 129 * 4 * 13), 0.3f, seed, 5, t, 13),
+                           QL_TYPE_F32);
+        }, 0.0);
+}
+
 OP_CASE(flash_attn) {
     check_case(be, "causal, GQA", [](leafs &L) {
         return ql_flash_attn(L.ctx, L.param({16, 19, 4, 2}), L.param({16, 19, 2, 2}), L.param({16, 19, 2, 2}), nullptr, 0.25f);

@@ -1398,6 +1398,121 @@ TEST_CASE("dropout") {
 }
 
 // =============================================================================================
+// a result in pieces of rows: add_rows, dropout over rows of a whole
+// =============================================================================================
+
+TEST_CASE("add_rows: x with pieces added at their rows - forward and gradients (a view of dy) against the math") {
+    const int64_t E = 17, N = 12;
+    const int64_t at[3] = {0, 3, 8}, len[3] = {3, 5, 4};  // rows 0-2, 3-7, 8-11: the whole, in pieces
+    check_op("add_rows chain",
+             [&](Harness &h) {
+                 ql_tensor *r = h.input(QL_TYPE_F32, {E, N, 1, 1}, true);
+                 for (int i = 0; i < 3; i++) r = ql_add_rows(h.ctx, r, h.input(QL_TYPE_F32, {E, len[i], 1, 1}, true), at[i]);
+                 return r;
+             },
+             [&](const Inputs &in) {
+                 Vec o = in[0];
+                 for (int i = 0; i < 3; i++)
+                     for (int64_t j = 0; j < E * len[i]; j++) o[(size_t)(at[i] * E + j)] += in[(size_t)i + 1][(size_t)j];
+                 return o;
+             });
+    check_op("add_rows, a part of the rows, b a strided view, a 3-d a",
+             [&](Harness &h) {
+                 ql_tensor *a = h.input(QL_TYPE_F32, {E, 4, 3, 1}, true), *b = h.input(QL_TYPE_F32, {E + 5, 2, 1, 1}, true);
+                 return ql_add_rows(h.ctx, a, ql_view_2d(h.ctx, b, E, 2, b->nb[1], 2 * sizeof(float)), 7);
+             },
+             [&](const Inputs &in) {
+                 Vec o = in[0];
+                 for (int64_t r = 0; r < 2; r++)
+                     for (int64_t j = 0; j < E; j++) o[(size_t)((7 + r) * E + j)] += in[1][(size_t)(r * (E + 5) + 2 + j)];
+                 return o;
+             });
+}
+
+TEST_CASE("add_rows: the bits of ql_add; a chain goes in place; bad shapes are refused") {
+    ql_init_params ip{16u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    const int64_t E = 64, N = 40;
+    ql_tensor *x = ql_new_tensor_2d(ctx, QL_TYPE_F32, E, N), *y = ql_new_tensor_2d(ctx, QL_TYPE_F32, E, N);
+    for (int64_t i = 0; i < E * N; i++) ((float *)x->data)[i] = 0.1f * (float)((i * 37) % 101) - 5.0f;
+    for (int64_t i = 0; i < E * N; i++) ((float *)y->data)[i] = 0.01f * (float)((i * 53) % 97) - 0.3f;
+    ql_tensor *whole = ql_add(ctx, x, y);
+    ql_tensor *r = ql_scale(ctx, x, 1.0f);  // a result that dies in the chain: the chain may go in place from the start
+    for (int64_t r0 = 0; r0 < N; r0 += 10) r = ql_add_rows(ctx, r, ql_view_2d(ctx, y, E, 10, y->nb[1], (size_t)(r0 * E) * 4), r0);
+    ql_set_output(whole);
+    ql_set_output(r);
+    ql_graph *g = ql_graph_new(ctx);
+    REQUIRE(ql_graph_build_forward(g, whole) == QL_OK);
+    REQUIRE(ql_graph_build_forward(g, r) == QL_OK);
+    ql_backend *be = ql_backend_cpu_init(2);
+    ql_plan_stats st;
+    REQUIRE(ql_graph_plan(g, be, &st) == QL_OK);
+    CHECK(st.n_inplace >= 4);  // each add_rows over the tensor before it
+    REQUIRE(ql_graph_alloc(g, be) == QL_OK);
+    REQUIRE(ql_backend_graph_compute(be, g) == QL_OK);
+    CHECK(memcmp(whole->data, r->data, ql_nbytes(r)) == 0);
+    // refused, with the op in the message
+    CHECK(ql_add_rows(ctx, x, ql_new_tensor_2d(ctx, QL_TYPE_F32, E, 3), N - 2) == nullptr);
+    CHECK(std::string(ql_ctx_error(ctx)).find("add_rows: b [64, 3") != std::string::npos);
+    ql_ctx_clear_error(ctx);
+    CHECK(ql_add_rows(ctx, x, ql_new_tensor_2d(ctx, QL_TYPE_F32, E - 1, 3), 0) == nullptr);
+    ql_ctx_clear_error(ctx);
+    CHECK(ql_add_rows(ctx, ql_transpose(ctx, x), ql_new_tensor_2d(ctx, QL_TYPE_F32, N, 3), 0) == nullptr);  // a not contiguous
+    ql_ctx_clear_error(ctx);
+    ql_graph_free(g);
+    ql_backend_free(be);
+    ql_free(ctx);
+}
+
+TEST_CASE("dropout over rows of a whole (ql_dropout_rows_to): the whole's mask, forward and backward") {
+    const float p = 0.25f;
+    const int64_t E = 33, N = 20, r0 = 7, k = 9;
+    for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16}) {
+        CAPTURE(ql_type_name(t));
+        ql_init_params ip{16u << 20, nullptr, false, false};
+        ql_context *ctx = ql_init(ip);
+        ql_tensor *x = ql_set_param(ql_new_tensor_2d(ctx, QL_TYPE_F32, E, N));
+        for (int64_t i = 0; i < E * N; i++) ((float *)x->data)[i] = 0.5f + 0.01f * (float)(i % 89);
+        ql_tensor *seed = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1));
+        ((int32_t *)seed->data)[0] = 1234;
+        ql_tensor *whole = ql_dropout_to(ctx, x, p, seed, 3, t);
+        ql_tensor *piece = ql_dropout_rows_to(ctx, ql_view_2d(ctx, x, E, k, x->nb[1], (size_t)(r0 * E) * 4), p, seed, 3, t, r0);
+        REQUIRE(piece);
+        ql_set_output(whole);
+        ql_set_output(piece);
+        // the loss reads the piece only: x's gradient is the piece's mask in the piece's rows, 0 elsewhere
+        ql_tensor *loss = ql_sum(ctx, ql_cast(ctx, piece, QL_TYPE_F32));
+        ql_graph *gf = ql_graph_new(ctx);
+        REQUIRE(ql_graph_build_forward(gf, whole) == QL_OK);
+        REQUIRE(ql_graph_build_forward(gf, loss) == QL_OK);
+        ql_graph *gb = ql_graph_backward(ctx, gf, loss);
+        REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
+        ql_backend *be = ql_backend_cpu_init(2);
+        REQUIRE(ql_graph_plan(gb, be, nullptr) == QL_OK);
+        REQUIRE(ql_graph_alloc(gb, be) == QL_OK);
+        REQUIRE(ql_backend_graph_zero_grads(be, gb) == QL_OK);
+        REQUIRE(ql_backend_graph_compute(be, gb) == QL_OK);
+        const size_t es = t == QL_TYPE_F32 ? 4 : 2;
+        CHECK(memcmp(piece->data, (const uint8_t *)whole->data + (size_t)(r0 * E) * es, (size_t)(k * E) * es) == 0);
+        int64_t wrong = 0, kept = 0;
+        for (int64_t i = 0; i < E * N; i++) {
+            const int64_t row = i / E;
+            const bool in = row >= r0 && row < r0 + k;
+            const float w = t == QL_TYPE_F32 ? ((float *)whole->data)[i] : ql_bf16_to_fp32(((uint16_t *)whole->data)[i]);
+            const float g = ((float *)x->grad->data)[i], want = in && w != 0 ? 1.0f / (1.0f - p) : 0.0f;
+            wrong += g != want;
+            kept += in && w != 0;
+        }
+        CHECK(wrong == 0);
+        CHECK(kept > k * E / 2);
+        ql_graph_free(gb);
+        ql_graph_free(gf);
+        ql_backend_free(be);
+        ql_free(ctx);
+    }
+}
+
+// =============================================================================================
 // bad input
 // =============================================================================================
 
