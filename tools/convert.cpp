@@ -57,13 +57,15 @@ static bool read_file(const char *path, std::vector<uint8_t> *out, std::string *
 
 // llama2.c legacy checkpoint: 7 x i32 header, then f32 arrays - the layout karpathy/llama2.c's
 // export.py writes (legacy_export) and run.c reads (read_checkpoint, memory_map_weights)
-static int convert_llama2c(const char *model, const char *tok, const char *out) {
-    std::vector<uint8_t> buf;
-    std::string why;
-    if (!read_file(model, &buf, &why)) {
-        fprintf(stderr, "convert: %s\n", why.c_str());
-        return 1;
-    }
+struct l2c_header {
+    int64_t dim, hidden, L, heads, kv_heads, vocab, seq;
+    bool shared;         // the output shares the token embedding (a positive vocabulary size)
+    int64_t hs, kv_dim;  // a head's size, the keys' and values' width
+};
+
+// The header of the checkpoint in buf, checked for plausible sizes and against the file's size;
+// 0, or 1 after the message
+static int l2c_read_header(const char *model, const std::vector<uint8_t> &buf, l2c_header *hd) {
     if (buf.size() < 28) {
         fprintf(stderr, "convert: %s: %zu bytes is too short for a llama2.c header\n", model, buf.size());
         return 1;
@@ -93,65 +95,69 @@ static int convert_llama2c(const char *model, const char *tok, const char *out) 
                 buf.size() < expect ? " (truncated?)" : "");
         return 1;
     }
-    const float *p = (const float *)(buf.data() + 28);
+    *hd = {dim, hidden, L, heads, kv_heads, vocab, seq, shared, hs, kv_dim};
+    return 0;
+}
+
+// llama's settings as the header gives them (all f32; llama2.c's rms eps and rope base)
+static void l2c_write_keys(ql_gguf_writer *w, const l2c_header &h) {
+    ql_gguf_set_str(w, "general.architecture", "llama");
+    ql_gguf_set_str(w, "general.name", "llama2.c checkpoint");
+    ql_gguf_set_u32(w, "general.file_type", 0);  // all f32
+    ql_gguf_set_u32(w, "llama.context_length", (uint32_t)h.seq);
+    ql_gguf_set_u32(w, "llama.embedding_length", (uint32_t)h.dim);
+    ql_gguf_set_u32(w, "llama.block_count", (uint32_t)h.L);
+    ql_gguf_set_u32(w, "llama.feed_forward_length", (uint32_t)h.hidden);
+    ql_gguf_set_u32(w, "llama.attention.head_count", (uint32_t)h.heads);
+    ql_gguf_set_u32(w, "llama.attention.head_count_kv", (uint32_t)h.kv_heads);
+    ql_gguf_set_f32(w, "llama.attention.layer_norm_rms_epsilon", 1e-5f);
+    ql_gguf_set_f32(w, "llama.rope.freq_base", 10000.0f);
+    ql_gguf_set_u32(w, "llama.rope.dimension_count", (uint32_t)h.hs);
+}
+
+// one f32 tensor, ne [ne0, ne1] (a vector when ne1 is 1); exits after the message when refused
+static void l2c_add(ql_gguf_writer *w, const std::string &name, const float *data, int64_t ne0, int64_t ne1) {
+    const int64_t ne[4] = {ne0, ne1, 1, 1};
+    if (ql_gguf_add_tensor(w, name.c_str(), QL_TYPE_F32, ne1 > 1 ? 2 : 1, ne, data, (size_t)(ne0 * ne1) * 4) != QL_OK) {
+        fprintf(stderr, "convert: cannot add tensor %s\n", name.c_str());
+        exit(1);
+    }
+}
+
+// The f32 arrays after the header (p), in file order, as GGUF tensors. llama2.c matrices are
+// [out, in] row-major = GGUF ne [in, out]; already in Meta's rope layout.
+static void l2c_add_tensors(ql_gguf_writer *w, const l2c_header &h, const float *p) {
+    const int64_t dim = h.dim, hidden = h.hidden, L = h.L, vocab = h.vocab, kv_dim = h.kv_dim;
     auto take = [&](int64_t n) {
         const float *r = p;
         p += n;
         return r;
     };
-    ql_gguf_writer *w = ql_gguf_writer_new();
-    owned<ql_gguf_writer> w_(w, ql_gguf_writer_free);
-    ql_gguf_set_str(w, "general.architecture", "llama");
-    ql_gguf_set_str(w, "general.name", "llama2.c checkpoint");
-    ql_gguf_set_u32(w, "general.file_type", 0);  // all f32
-    ql_gguf_set_u32(w, "llama.context_length", (uint32_t)seq);
-    ql_gguf_set_u32(w, "llama.embedding_length", (uint32_t)dim);
-    ql_gguf_set_u32(w, "llama.block_count", (uint32_t)L);
-    ql_gguf_set_u32(w, "llama.feed_forward_length", (uint32_t)hidden);
-    ql_gguf_set_u32(w, "llama.attention.head_count", (uint32_t)heads);
-    ql_gguf_set_u32(w, "llama.attention.head_count_kv", (uint32_t)kv_heads);
-    ql_gguf_set_f32(w, "llama.attention.layer_norm_rms_epsilon", 1e-5f);
-    ql_gguf_set_f32(w, "llama.rope.freq_base", 10000.0f);
-    ql_gguf_set_u32(w, "llama.rope.dimension_count", (uint32_t)hs);
-    char err[512];
-    if (ql_vocab_from_llama2c(tok, w, err, sizeof(err)) != QL_OK) {
-        fprintf(stderr, "convert: %s\n", err);
-        return 1;
-    }
-    // llama2.c matrices are [out, in] row-major = GGUF ne [in, out]; already in Meta's rope layout
-    auto add = [&](const std::string &name, const float *data, int64_t ne0, int64_t ne1) {
-        const int64_t ne[4] = {ne0, ne1, 1, 1};
-        if (ql_gguf_add_tensor(w, name.c_str(), QL_TYPE_F32, ne1 > 1 ? 2 : 1, ne, data, (size_t)(ne0 * ne1) * 4) != QL_OK) {
-            fprintf(stderr, "convert: cannot add tensor %s\n", name.c_str());
-            exit(1);
-        }
-    };
     const float *emb = take(vocab * dim);
-    add("token_embd.weight", emb, dim, vocab);
+    l2c_add(w, "token_embd.weight", emb, dim, vocab);
     const float *rms_att = take(L * dim), *wq = take(L * dim * dim), *wk = take(L * kv_dim * dim),
                 *wv = take(L * kv_dim * dim), *wo = take(L * dim * dim), *rms_ffn = take(L * dim),
                 *w1 = take(L * hidden * dim), *w2 = take(L * dim * hidden), *w3 = take(L * hidden * dim);
     for (int64_t l = 0; l < L; l++) {
         const std::string b = "blk." + std::to_string(l) + ".";
-        add(b + "attn_norm.weight", rms_att + l * dim, dim, 1);
-        add(b + "attn_q.weight", wq + l * dim * dim, dim, dim);
-        add(b + "attn_k.weight", wk + l * kv_dim * dim, dim, kv_dim);
-        add(b + "attn_v.weight", wv + l * kv_dim * dim, dim, kv_dim);
-        add(b + "attn_output.weight", wo + l * dim * dim, dim, dim);
-        add(b + "ffn_norm.weight", rms_ffn + l * dim, dim, 1);
-        add(b + "ffn_gate.weight", w1 + l * hidden * dim, dim, hidden);
-        add(b + "ffn_down.weight", w2 + l * dim * hidden, hidden, dim);
-        add(b + "ffn_up.weight", w3 + l * hidden * dim, dim, hidden);
+        l2c_add(w, b + "attn_norm.weight", rms_att + l * dim, dim, 1);
+        l2c_add(w, b + "attn_q.weight", wq + l * dim * dim, dim, dim);
+        l2c_add(w, b + "attn_k.weight", wk + l * kv_dim * dim, dim, kv_dim);
+        l2c_add(w, b + "attn_v.weight", wv + l * kv_dim * dim, dim, kv_dim);
+        l2c_add(w, b + "attn_output.weight", wo + l * dim * dim, dim, dim);
+        l2c_add(w, b + "ffn_norm.weight", rms_ffn + l * dim, dim, 1);
+        l2c_add(w, b + "ffn_gate.weight", w1 + l * hidden * dim, dim, hidden);
+        l2c_add(w, b + "ffn_down.weight", w2 + l * dim * hidden, hidden, dim);
+        l2c_add(w, b + "ffn_up.weight", w3 + l * hidden * dim, dim, hidden);
     }
-    add("output_norm.weight", take(dim), dim, 1);
-    take(seq * hs);  // legacy rope tables: recomputed, not stored
-    if (!shared) add("output.weight", take(vocab * dim), dim, vocab);
-    if (ql_gguf_write(w, out, err, sizeof(err)) != QL_OK) {
-        fprintf(stderr, "convert: %s\n", err);
-        return 1;
-    }
-    w_.reset();
-    // the vocabulary must cover the model's embedding rows
+    l2c_add(w, "output_norm.weight", take(dim), dim, 1);
+    take(h.seq * h.hs);  // legacy rope tables: recomputed, not stored
+    if (!h.shared) l2c_add(w, "output.weight", take(vocab * dim), dim, vocab);
+}
+
+// The written file's vocabulary covers the model's embedding rows; else 1 after the message, out removed
+static int l2c_check_vocab(const char *model, const char *tok, const char *out, int64_t vocab) {
+    char err[512];
     ql_gguf *g = ql_gguf_open(out, err, sizeof(err));
     ql_vocab *v = g ? ql_vocab_load(g, err, sizeof(err)) : nullptr;
     const int32_t n_tok = v ? ql_vocab_n_tokens(v) : -1;
@@ -162,9 +168,36 @@ static int convert_llama2c(const char *model, const char *tok, const char *out) 
         remove(out);
         return 1;
     }
+    return 0;
+}
+
+static int convert_llama2c(const char *model, const char *tok, const char *out) {
+    std::vector<uint8_t> buf;
+    std::string why;
+    if (!read_file(model, &buf, &why)) {
+        fprintf(stderr, "convert: %s\n", why.c_str());
+        return 1;
+    }
+    l2c_header h;
+    if (const int rc = l2c_read_header(model, buf, &h)) return rc;
+    ql_gguf_writer *w = ql_gguf_writer_new();
+    owned<ql_gguf_writer> w_(w, ql_gguf_writer_free);
+    l2c_write_keys(w, h);
+    char err[512];
+    if (ql_vocab_from_llama2c(tok, w, err, sizeof(err)) != QL_OK) {
+        fprintf(stderr, "convert: %s\n", err);
+        return 1;
+    }
+    l2c_add_tensors(w, h, (const float *)(buf.data() + 28));
+    if (ql_gguf_write(w, out, err, sizeof(err)) != QL_OK) {
+        fprintf(stderr, "convert: %s\n", err);
+        return 1;
+    }
+    w_.reset();
+    if (const int rc = l2c_check_vocab(model, tok, out, h.vocab)) return rc;
     printf("convert: %s: llama, dim %lld, %lld layers, %lld/%lld heads, ffn %lld, vocab %lld, context %lld%s -> %s\n",
-           model, (long long)dim, (long long)L, (long long)heads, (long long)kv_heads, (long long)hidden,
-           (long long)vocab, (long long)seq, shared ? ", tied output" : "", out);
+           model, (long long)h.dim, (long long)h.L, (long long)h.heads, (long long)h.kv_heads, (long long)h.hidden,
+           (long long)h.vocab, (long long)h.seq, h.shared ? ", tied output" : "", out);
     return 0;
 }
 
@@ -1048,41 +1081,42 @@ static bool hf_sentencepiece(const std::string &path, int64_t V, ql_gguf_writer 
     return true;
 }
 
-// tokenizer.json's byte-level BPE: vocab, merges, added tokens; the pre-tokenizer by its split
-static bool hf_bpe(const std::string &path, const ql_json &tj, int64_t V, ql_gguf_writer *w, std::string *why) {
-    const ql_json *model = tj.get("model");
-    const ql_json *vocab = model ? model->get("vocab") : nullptr, *merges = model ? model->get("merges") : nullptr;
-    const ql_json *type = model ? model->get("type") : nullptr;
-    if (!model || !type || type->str != "BPE" || !vocab || vocab->kind != ql_json::OBJ || !merges || merges->kind != ql_json::ARR) {
-        *why = path + ": not a BPE tokenizer (model.type BPE with vocab and merges)";
-        return false;
-    }
-    std::vector<std::string> tokens((size_t)V);
-    std::vector<int32_t> types((size_t)V, 0);
+// The tokens by id, config.json's vocab_size of them: the vocabulary (normal), added tokens
+// (control when special, else user-defined), the ids neither names as [PADn] (unused); false
+// with why on an id outside the vocabulary size
+static bool hf_bpe_tokens(const std::string &path, const ql_json &tj, const ql_json &vocab, int64_t V,
+                          std::vector<std::string> *tokens, std::vector<int32_t> *types, std::string *why) {
+    tokens->assign((size_t)V, std::string());
+    types->assign((size_t)V, 0);
     auto put = [&](const std::string &text, const ql_json &id, int32_t ty) {
         int64_t i = -1;
         if (!id.as_int(&i) || i < 0 || i >= V) {
             *why = path + ": token '" + text + "' has id " + id.str + ", outside config.json's vocab_size " + std::to_string(V);
             return false;
         }
-        tokens[(size_t)i] = text, types[(size_t)i] = ty;
+        (*tokens)[(size_t)i] = text, (*types)[(size_t)i] = ty;
         return true;
     };
-    for (size_t k = 0; k < vocab->keys.size(); k++)
-        if (!put(vocab->keys[k], vocab->items[k], 1)) return false;
+    for (size_t k = 0; k < vocab.keys.size(); k++)
+        if (!put(vocab.keys[k], vocab.items[k], 1)) return false;
     if (const ql_json *added = tj.get("added_tokens"))
         for (const ql_json &t : added->items) {
             const ql_json *c = t.get("content"), *id = t.get("id"), *sp = t.get("special");
             if (c && id && !put(c->str, *id, sp && sp->b ? 3 : 4)) return false;
         }
     for (int64_t i = 0; i < V; i++)
-        if (!types[(size_t)i]) tokens[(size_t)i] = "[PAD" + std::to_string(i) + "]", types[(size_t)i] = 5;
-    // merges: "a b" (or ["a", "b"]), a, b and ab all in the vocabulary, as tokenizers requires
-    // when it loads the file; one that is not is refused here, not when text is tokenized
-    std::unordered_set<std::string> known(vocab->keys.begin(), vocab->keys.end());
-    std::vector<std::string> ms;
-    for (size_t k = 0; k < merges->items.size(); k++) {
-        const ql_json &m = merges->items[k];
+        if (!(*types)[(size_t)i]) (*tokens)[(size_t)i] = "[PAD" + std::to_string(i) + "]", (*types)[(size_t)i] = 5;
+    return true;
+}
+
+// The merges as "a b": each "a b" (or ["a", "b"]), with a, b and ab all in the vocabulary, as
+// tokenizers requires when it loads the file; one that is not is refused here (false with why),
+// not when text is tokenized
+static bool hf_bpe_merges(const std::string &path, const ql_json &vocab, const ql_json &merges, std::vector<std::string> *ms,
+                          std::string *why) {
+    std::unordered_set<std::string> known(vocab.keys.begin(), vocab.keys.end());
+    for (size_t k = 0; k < merges.items.size(); k++) {
+        const ql_json &m = merges.items[k];
         std::string a, b, bad;
         if (m.kind == ql_json::STR) {
             const size_t sp = m.str.find(' ');
@@ -1103,25 +1137,33 @@ static bool hf_bpe(const std::string &path, const ql_json &tj, int64_t V, ql_ggu
             *why = path + ": merges entry " + std::to_string(k + 1) + (m.kind == ql_json::STR ? " '" + ql_printable(m.str) + "'" : "") + " " + bad;
             return false;
         }
-        ms.push_back(a + " " + b);
+        ms->push_back(a + " " + b);
     }
-    {  // a Unicode normalizer (Qwen2's NFC): not applied; say so (text already in that form tokenizes the same)
-        std::string form;
-        std::function<void(const ql_json &)> find_norm = [&](const ql_json &j) {
-            if (j.kind == ql_json::OBJ) {
-                const ql_json *t = j.get("type");
-                if (t && t->kind == ql_json::STR && (t->str == "NFC" || t->str == "NFD" || t->str == "NFKC" || t->str == "NFKD") && form.empty())
-                    form = t->str;
-                if (const ql_json *list = j.get("normalizers"))
-                    for (const ql_json &x : list->items) find_norm(x);
-            }
-        };
-        if (const ql_json *nz = tj.get("normalizer")) find_norm(*nz);
-        if (!form.empty())
-            fprintf(stderr, "convert: warning: %s: its %s normalizer is not applied: text not already in %s may tokenize differently "
-                            "from transformers\n", path.c_str(), form.c_str(), form.c_str());
-    }
-    // the pre-tokenizer, recognised by its split pattern
+    return true;
+}
+
+// A Unicode normalizer (Qwen2's NFC) is not applied: a warning says so (text already in that
+// form tokenizes the same)
+static void hf_bpe_warn_normalizer(const std::string &path, const ql_json &tj) {
+    std::string form;
+    std::function<void(const ql_json &)> find_norm = [&](const ql_json &j) {
+        if (j.kind == ql_json::OBJ) {
+            const ql_json *t = j.get("type");
+            if (t && t->kind == ql_json::STR && (t->str == "NFC" || t->str == "NFD" || t->str == "NFKC" || t->str == "NFKD") && form.empty())
+                form = t->str;
+            if (const ql_json *list = j.get("normalizers"))
+                for (const ql_json &x : list->items) find_norm(x);
+        }
+    };
+    if (const ql_json *nz = tj.get("normalizer")) find_norm(*nz);
+    if (!form.empty())
+        fprintf(stderr, "convert: warning: %s: its %s normalizer is not applied: text not already in %s may tokenize differently "
+                        "from transformers\n", path.c_str(), form.c_str(), form.c_str());
+}
+
+// The pre-tokenizer, recognised by its split pattern: llama-bpe, qwen2 or gpt-2; nullptr with why
+// for another
+static const char *hf_bpe_pre(const std::string &path, const ql_json &tj, std::string *why) {
     std::string pattern;
     std::function<void(const ql_json &)> find = [&](const ql_json &j) {
         if (j.kind == ql_json::OBJ) {
@@ -1138,11 +1180,27 @@ static bool hf_bpe(const std::string &path, const ql_json &tj, int64_t V, ql_ggu
     if (pattern.find("\\p{N}{1,3}") != std::string::npos) pre = "llama-bpe";
     else if (pattern.find("\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*") != std::string::npos) pre = "qwen2";
     else if (pattern.empty() && pre_tok && pre_tok->get("type") && pre_tok->get("type")->str == "ByteLevel") pre = "gpt-2";
-    if (!pre) {
+    if (!pre)
         *why = path + ": a pre-tokenizer qlora does not know (split pattern '" + pattern.substr(0, 60) +
                "'; known: llama3, qwen2, gpt-2)";
+    return pre;
+}
+
+// tokenizer.json's byte-level BPE: vocab, merges, added tokens; the pre-tokenizer by its split
+static bool hf_bpe(const std::string &path, const ql_json &tj, int64_t V, ql_gguf_writer *w, std::string *why) {
+    const ql_json *model = tj.get("model");
+    const ql_json *vocab = model ? model->get("vocab") : nullptr, *merges = model ? model->get("merges") : nullptr;
+    const ql_json *type = model ? model->get("type") : nullptr;
+    if (!model || !type || type->str != "BPE" || !vocab || vocab->kind != ql_json::OBJ || !merges || merges->kind != ql_json::ARR) {
+        *why = path + ": not a BPE tokenizer (model.type BPE with vocab and merges)";
         return false;
     }
+    std::vector<std::string> tokens, ms;
+    std::vector<int32_t> types;
+    if (!hf_bpe_tokens(path, tj, *vocab, V, &tokens, &types, why) || !hf_bpe_merges(path, *vocab, *merges, &ms, why)) return false;
+    hf_bpe_warn_normalizer(path, tj);
+    const char *pre = hf_bpe_pre(path, tj, why);
+    if (!pre) return false;
     std::vector<const char *> tp, mp;
     for (const std::string &t : tokens) tp.push_back(t.c_str());
     for (const std::string &m : ms) mp.push_back(m.c_str());
