@@ -1072,89 +1072,53 @@ static void choose_memory(ql_llama_file *f, const seqs &tr, const seqs &ev, args
     fflush(out);
 }
 
-// The changes that would help most when the plan does not fit, each with its predicted total:
-// more recompute, micro-batch 1, half the sequence length, the base in NF4 (on a device also the
-// embedding in host memory and 8-bit moments). When no single one fits: the combination that
-// fits at the least cost (each change's cost: what it takes from speed or from the run itself),
-// its micro-batch then the largest that fits with the rest.
-static void advise(ql_llama_file *f, const seqs &tr, const seqs &ev, const args &a, const ql_memory_plan &now) {
-    struct change {
-        std::string what, flags;  // the line's words; the flags they come to in a combination
-        int group, cost;          // at most one change per group in a combination
-        int cp = 0;               // 1 block, 2 sqrt
-        bool b1 = false, half = false, nf4 = false, embd = false, optim8 = false;
-    };
-    std::vector<change> ch;
-    using C = ql_checkpointing;
-    const C cp = a.o.checkpointing;
-    const int eff = a.o.micro_batch * a.o.grad_accum;
-    const ql_optim optim8 = ql_optim_paged(a.o.optim) ? ql_optim::paged_adamw8bit : ql_optim::adamw8bit;
-    const size_t T = tr.empty() ? 0 : tr[0].tokens.size();
-    size_t saving = 0;  // ./quantize: the blocks' matrices in NF4
-    for (const ql_llama_layer &L : f->model.layers)
-        for (const ql_tensor *w : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) {
-            const size_t nf4 = ql_type_data_size(QL_TYPE_NF4, w->ne[1], w->ne[0]), cur = ql_nbytes(w) + w->aux_size;
-            if (w->ne[0] % 2 == 0 && cur > nf4) saving += cur - nf4;
-        }
-    const std::string nf4_how = "./quantize " + std::string(a.model) + " out.gguf nf4";
-    if (now.device && !now.embd_on_host && f->model.output != f->model.tok_embd) {
-        change c{"--embd-on-host", "--embd-on-host", 0, 1};
-        c.embd = true;
-        ch.push_back(c);
-    }
-    if (cp == C::none) {
-        change c{"--checkpointing block", "--checkpointing block", 1, 2};
-        c.cp = 1;
-        ch.push_back(c);
-    }
-    if (cp == C::none || cp == C::block) {
-        change c{"--checkpointing sqrt", "--checkpointing sqrt", 1, 4};
-        c.cp = 2;
-        if (cp == C::block) c.cost = 2;  // the next step from where the run is
-        ch.push_back(c);
-    }
-    if (now.device && !ql_optim_8bit(a.o.optim)) {
-        change c{"--optim " + std::string(ql_name(optim8)), "--optim " + std::string(ql_name(optim8)), 2, 2};
-        c.optim8 = true;
-        ch.push_back(c);
-    }
-    if (a.o.micro_batch > 1) {
-        change c{"-b 1 --grad-accum " + std::to_string(eff) + " (the same effective batch)", "-b 1 --grad-accum " + std::to_string(eff), 3, 3};
-        c.b1 = true;
-        ch.push_back(c);
-    }
-    if (saving > 0) {
-        change c{"the base in NF4 (" + nf4_how + ")", "the base in NF4", 4, 5};
-        c.nf4 = true;
-        ch.push_back(c);
-    }
-    if (T >= 4) {  // the plan depends on the length and the tokens present, not on how many sequences
-        change c{"--seq-len " + std::to_string(T / 2), "--seq-len " + std::to_string(T / 2), 5, 6};
-        c.half = true;
-        ch.push_back(c);
-    }
-    // the predicted total of the run with the changes of `set` (indices into ch); 0: no plan
-    auto half = [&](const seqs &s) {
-        seqs h = s;
-        for (ql_sequence &q : h)
-            for (std::vector<int32_t> *x : {&q.tokens, &q.pos, &q.seg, &q.targets})
-                if (!x->empty()) x->resize(T / 2);
-        return h;
-    };
-    seqs tr_half, ev_half;  // the data at half the length: made once, when a set first needs it
+// One change the advice may suggest, and what it does to the run's options
+struct advice_change {
+    std::string what, flags;  // the line's words; the flags they come to in a combination
+    int group, cost;          // at most one change per group in a combination
+    int cp = 0;               // 1 block, 2 sqrt
+    bool b1 = false, half = false, nf4 = false, embd = false, optim8 = false;
+};
+
+// What the advice works with: the run, the changes that apply to it, and the predicted total of
+// any set of them
+struct advisor {
+    ql_llama_file *f;
+    const seqs &tr, &ev;
+    const args &a;
+    std::vector<advice_change> ch;
+    int eff = 0;                           // the effective batch, kept by -b 1 --grad-accum
+    ql_optim optim8 = ql_optim::adamw8bit;  // the 8-bit form of the run's optimizer
+    size_t T = 0;                          // the sequence length
+    size_t saving = 0;                     // ./quantize: the blocks' matrices in NF4
+    std::string nf4_how;
+    size_t limit = 0;                      // plan_limit: what a total must fit
+    seqs tr_half, ev_half;                 // the data at half the length: made once, when a set first needs it
     bool halved = false;
-    auto options = [&](const std::vector<size_t> &set, int b) {
+
+    advisor(ql_llama_file *model, const seqs &train, const seqs &eval, const args &run) : f(model), tr(train), ev(eval), a(run) {}
+
+    // the run's options with the changes of `set` (indices into ch), micro-batch b for -b 1's
+    ql_train_options options(const std::vector<size_t> &set, int b) const {
         ql_train_options o = a.o;
         for (size_t k : set) {
-            const change &c = ch[k];
-            if (c.cp) o.checkpointing = c.cp == 1 ? C::block : C::sqrt;
+            const advice_change &c = ch[k];
+            if (c.cp) o.checkpointing = c.cp == 1 ? ql_checkpointing::block : ql_checkpointing::sqrt;
             if (c.b1) o.micro_batch = b, o.grad_accum = eff / b;
             if (c.embd) o.embd_on_host = 1;
             if (c.optim8) o.optim = optim8;
         }
         return o;
-    };
-    auto predict = [&](const std::vector<size_t> &set, int b) -> size_t {
+    }
+    seqs half(const seqs &s) const {
+        seqs h = s;
+        for (ql_sequence &q : h)
+            for (std::vector<int32_t> *x : {&q.tokens, &q.pos, &q.seg, &q.targets})
+                if (!x->empty()) x->resize(T / 2);
+        return h;
+    }
+    // the predicted total of the run with the changes of `set`; 0: no plan
+    size_t predict(const std::vector<size_t> &set, int b) {
         bool h = false, q = false;
         for (size_t k : set) h = h || ch[k].half, q = q || ch[k].nf4;
         ql_memory_plan mp;
@@ -1164,23 +1128,77 @@ static void advise(ql_llama_file *f, const seqs &tr, const seqs &ev, const args 
         else ql_train_plan(f, tr, ev, options(set, b), &mp, &err);
         if (mp.total == 0) return 0;
         return plan_total(mp, a.o.mem_other) - std::min(q ? saving : 0, mp.total);
-    };
-    const size_t limit = plan_limit(now, a.o.mem_limit);
-    auto fits = [&](size_t total) { return total > 0 && (limit == 0 || total <= limit); };
-    std::vector<std::pair<size_t, size_t>> single;  // total, change
-    for (size_t k = 0; k < ch.size(); k++)
-        if (const size_t t = predict({k}, 1)) single.push_back({t, k});
-    std::sort(single.begin(), single.end());
-    if (single.empty()) return;
-    char lim[64] = "";
-    if (limit) snprintf(lim, sizeof(lim), ", limit %.1f MiB", (double)limit / 1048576.0);
-    fprintf(stderr, "finetune: what would help most (predicted %stotals; now %.1f MiB%s):\n", now.device ? "device " : "",
-            (double)plan_total(now, a.o.mem_other) / 1048576.0, lim);
-    for (size_t i = 0; i < single.size() && i < 3; i++)
-        fprintf(stderr, "  %-60s %9.1f MiB%s\n", ch[single[i].second].what.c_str(), (double)single[i].first / 1048576.0,
-                fits(single[i].first) ? "  fits" : "");
-    if (limit == 0 || fits(single[0].first)) return;
-    // no single change fits: the combinations of two or more (one change per group), cheapest first
+    }
+    bool fits(size_t total) const { return total > 0 && (limit == 0 || total <= limit); }
+    // a combination's flags, -b 1's with micro-batch b
+    std::string words(const std::vector<size_t> &set, int b) const {
+        std::string w;
+        for (size_t k : set)
+            w += (w.empty() ? "" : " + ") + (ch[k].b1 ? "-b " + std::to_string(b) + " --grad-accum " + std::to_string(eff / b) : ch[k].flags);
+        return w;
+    }
+};
+
+// The changes that apply to this run (now: its plan), each with its group and cost: more
+// recompute, micro-batch 1, half the sequence length, the base in NF4 (on a device also the
+// embedding in host memory and 8-bit moments)
+static void advice_changes(advisor &v, const ql_memory_plan &now) {
+    const args &a = v.a;
+    using C = ql_checkpointing;
+    const C cp = a.o.checkpointing;
+    v.eff = a.o.micro_batch * a.o.grad_accum;
+    v.optim8 = ql_optim_paged(a.o.optim) ? ql_optim::paged_adamw8bit : ql_optim::adamw8bit;
+    v.T = v.tr.empty() ? 0 : v.tr[0].tokens.size();
+    for (const ql_llama_layer &L : v.f->model.layers)
+        for (const ql_tensor *w : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) {
+            const size_t nf4 = ql_type_data_size(QL_TYPE_NF4, w->ne[1], w->ne[0]), cur = ql_nbytes(w) + w->aux_size;
+            if (w->ne[0] % 2 == 0 && cur > nf4) v.saving += cur - nf4;
+        }
+    v.nf4_how = "./quantize " + std::string(a.model) + " out.gguf nf4";
+    std::vector<advice_change> &ch = v.ch;
+    if (now.device && !now.embd_on_host && v.f->model.output != v.f->model.tok_embd) {
+        advice_change c{"--embd-on-host", "--embd-on-host", 0, 1};
+        c.embd = true;
+        ch.push_back(c);
+    }
+    if (cp == C::none) {
+        advice_change c{"--checkpointing block", "--checkpointing block", 1, 2};
+        c.cp = 1;
+        ch.push_back(c);
+    }
+    if (cp == C::none || cp == C::block) {
+        advice_change c{"--checkpointing sqrt", "--checkpointing sqrt", 1, 4};
+        c.cp = 2;
+        if (cp == C::block) c.cost = 2;  // the next step from where the run is
+        ch.push_back(c);
+    }
+    if (now.device && !ql_optim_8bit(a.o.optim)) {
+        advice_change c{"--optim " + std::string(ql_name(v.optim8)), "--optim " + std::string(ql_name(v.optim8)), 2, 2};
+        c.optim8 = true;
+        ch.push_back(c);
+    }
+    if (a.o.micro_batch > 1) {
+        advice_change c{"-b 1 --grad-accum " + std::to_string(v.eff) + " (the same effective batch)", "-b 1 --grad-accum " + std::to_string(v.eff), 3, 3};
+        c.b1 = true;
+        ch.push_back(c);
+    }
+    if (v.saving > 0) {
+        advice_change c{"the base in NF4 (" + v.nf4_how + ")", "the base in NF4", 4, 5};
+        c.nf4 = true;
+        ch.push_back(c);
+    }
+    if (v.T >= 4) {  // the plan depends on the length and the tokens present, not on how many sequences
+        advice_change c{"--seq-len " + std::to_string(v.T / 2), "--seq-len " + std::to_string(v.T / 2), 5, 6};
+        c.half = true;
+        ch.push_back(c);
+    }
+}
+
+// When no single change fits: the cheapest combination of two or more (one change per group)
+// that does, its micro-batch the largest that fits with the rest - or, when even all of them
+// together do not fit, that line
+static void advise_combination(advisor &v) {
+    const std::vector<advice_change> &ch = v.ch;
     std::vector<std::vector<size_t>> combos = {{}};
     for (size_t k = 0; k < ch.size(); k++) {
         const size_t n = combos.size();
@@ -1209,41 +1227,59 @@ static void advise(ql_llama_file *f, const seqs &tr, const seqs &ev, const args 
             if (ch[k].group == (int)g && (best == ch.size() || ch[k].cp > ch[best].cp)) best = k;
         if (best < ch.size()) all.push_back(best);
     }
-    auto words = [&](const std::vector<size_t> &set, int b) {
-        std::string w;
-        for (size_t k : set)
-            w += (w.empty() ? "" : " + ") + (ch[k].b1 ? "-b " + std::to_string(b) + " --grad-accum " + std::to_string(eff / b) : ch[k].flags);
-        return w;
-    };
-    const size_t t_all = predict(all, 1);
-    if (all.size() < 2 || !fits(t_all)) {
+    const size_t t_all = v.predict(all, 1);
+    if (all.size() < 2 || !v.fits(t_all)) {
         if (all.size() >= 2 && t_all > 0)
-            fprintf(stderr, "  %-60s %9.1f MiB  (all of them together: still over the limit)\n", words(all, 1).c_str(),
+            fprintf(stderr, "  %-60s %9.1f MiB  (all of them together: still over the limit)\n", v.words(all, 1).c_str(),
                     (double)t_all / 1048576.0);
         return;
     }
     for (const std::vector<size_t> &set : combos) {
         if (set.size() < 2) continue;
-        const size_t t = set == all ? t_all : predict(set, 1);
-        if (!fits(t)) continue;
+        const size_t t = set == all ? t_all : v.predict(set, 1);
+        if (!v.fits(t)) continue;
         // its micro-batch: the largest divisor of the effective batch that fits with the rest
         int b = 1;
         size_t tb = t;
         bool has_b1 = false;
         for (size_t k : set) has_b1 = has_b1 || ch[k].b1;
-        for (int d = eff / 2; has_b1 && d > 1; d--)
-            if (eff % d == 0) {
-                const size_t x = predict(set, d);
-                if (fits(x)) {
+        for (int d = v.eff / 2; has_b1 && d > 1; d--)
+            if (v.eff % d == 0) {
+                const size_t x = v.predict(set, d);
+                if (v.fits(x)) {
                     b = d, tb = x;
                     break;
                 }
             }
-        fprintf(stderr, "  %-60s %9.1f MiB  fits (together; no single change does)\n", words(set, b).c_str(), (double)tb / 1048576.0);
+        fprintf(stderr, "  %-60s %9.1f MiB  fits (together; no single change does)\n", v.words(set, b).c_str(), (double)tb / 1048576.0);
         for (size_t k : set)
-            if (ch[k].nf4) fprintf(stderr, "  (the base in NF4: %s)\n", nf4_how.c_str());
+            if (ch[k].nf4) fprintf(stderr, "  (the base in NF4: %s)\n", v.nf4_how.c_str());
         return;
     }
+}
+
+// The changes that would help most when the plan does not fit, each with its predicted total
+// (advice_changes). When no single one fits: the combination that fits at the least cost (each
+// change's cost: what it takes from speed or from the run itself), its micro-batch then the
+// largest that fits with the rest (advise_combination).
+static void advise(ql_llama_file *f, const seqs &tr, const seqs &ev, const args &a, const ql_memory_plan &now) {
+    advisor v(f, tr, ev, a);
+    advice_changes(v, now);
+    v.limit = plan_limit(now, a.o.mem_limit);
+    std::vector<std::pair<size_t, size_t>> single;  // total, change
+    for (size_t k = 0; k < v.ch.size(); k++)
+        if (const size_t t = v.predict({k}, 1)) single.push_back({t, k});
+    std::sort(single.begin(), single.end());
+    if (single.empty()) return;
+    char lim[64] = "";
+    if (v.limit) snprintf(lim, sizeof(lim), ", limit %.1f MiB", (double)v.limit / 1048576.0);
+    fprintf(stderr, "finetune: what would help most (predicted %stotals; now %.1f MiB%s):\n", now.device ? "device " : "",
+            (double)plan_total(now, a.o.mem_other) / 1048576.0, lim);
+    for (size_t i = 0; i < single.size() && i < 3; i++)
+        fprintf(stderr, "  %-60s %9.1f MiB%s\n", v.ch[single[i].second].what.c_str(), (double)single[i].first / 1048576.0,
+                v.fits(single[i].first) ? "  fits" : "");
+    if (v.limit == 0 || v.fits(single[0].first)) return;
+    advise_combination(v);
 }
 
 // Every planned tensor with its size, category and lifetime, for the post-mortem.
