@@ -504,6 +504,73 @@ template <class E> static bool choice_flag(const char *flag, const char *s, E *x
     return false;
 }
 
+// a flag's value (s; nullptr when it had none, its message already given) as a number in
+// [lo, hi]; false after a one-line message
+static bool num(const char *flag, const char *s, double lo, double hi, double *v) {
+    char *end = nullptr;
+    *v = s ? strtod(s, &end) : NAN;
+    if (!s || !end || end == s || *end || !std::isfinite(*v) || *v < lo || *v > hi) {  // ('' is no number, not 0)
+        if (s) fprintf(stderr, "finetune: %s: '%s' is not a number in [%s, %s]\n", flag, s, plain(lo).c_str(), plain(hi).c_str());
+        return false;
+    }
+    return true;
+}
+// the same for the integer flags: 1.5 is refused, not truncated
+static bool whole(const char *flag, const char *s, double lo, double hi, double *v) {
+    if (!num(flag, s, lo, hi, v)) return false;
+    if (*v != std::floor(*v)) {
+        fprintf(stderr, "finetune: %s: '%s' is not a whole number\n", flag, s);
+        return false;
+    }
+    return true;
+}
+
+// --lora-targets q,k,...|all: the list, each once, in the order given; false after the message
+static bool lora_targets_flag(const char *s, args *a) {
+    a->o.lora.targets.clear();
+    std::string list = s;
+    if (list == "all") list = "q,k,v,o,gate,up,down";
+    for (size_t p = 0; p <= list.size();) {
+        const size_t c = std::min(list.find(',', p), list.size());
+        const std::string t = list.substr(p, c - p);
+        if (!ql_lora_target_valid(t)) {
+            fprintf(stderr, "finetune: --lora-targets: unknown target '%s' (q, k, v, o, gate, up, down, or all)\n", t.c_str());
+            return false;
+        }
+        if (std::find(a->o.lora.targets.begin(), a->o.lora.targets.end(), t) == a->o.lora.targets.end())
+            a->o.lora.targets.push_back(t);
+        p = c + 1;
+    }
+    return true;
+}
+
+// --mem-limit / --vram SIZE (parse_size; --vram not 0); false after the message, with examples
+static bool size_flag(const char *flag, const char *s, const char *examples, bool nonzero, size_t *out) {
+    std::string why;
+    if (!parse_size(s, out, &why) || (nonzero && *out == 0)) {
+        fprintf(stderr, "finetune: %s: '%s' %s (e.g. %s%s)\n", flag, s, why.c_str(), examples,
+                why.find("unit") == std::string::npos ? "; K/M/G/T are powers of 1024" : "");
+        return false;
+    }
+    return true;
+}
+
+// --cc "8.6" or "86", 7.5 to 12.0 (from 9.0 on the newest rules known, Hopper's, apply); false after the message
+static bool cc_flag(const char *s, args *a) {
+    const int cc = parse_cc(s);
+    if (cc == 0) {
+        fprintf(stderr, "finetune: --cc: '%s' is not a compute capability: MAJOR.MINOR with one digit after the point "
+                        "(7.5 to 12.0, e.g. 8.6)\n", s);
+        return false;
+    }
+    if (cc < 75 || cc > 120) {
+        fprintf(stderr, "finetune: --cc: '%s' is not a compute capability qlora runs on (7.5 to 12.0, e.g. 8.6)\n", s);
+        return false;
+    }
+    a->cc = cc;
+    return true;
+}
+
 // The flags alone (what they say, not whether they make a run): false after a one-line message
 static bool parse_flags(int argc, char **argv, args *a) {
     auto need = [&](int &i) -> const char * {
@@ -512,23 +579,6 @@ static bool parse_flags(int argc, char **argv, args *a) {
             return nullptr;
         }
         return argv[++i];
-    };
-    auto num = [&](const char *flag, const char *s, double lo, double hi, double *v) {
-        char *end = nullptr;
-        *v = s ? strtod(s, &end) : NAN;
-        if (!s || !end || end == s || *end || !std::isfinite(*v) || *v < lo || *v > hi) {  // ('' is no number, not 0)
-            if (s) fprintf(stderr, "finetune: %s: '%s' is not a number in [%s, %s]\n", flag, s, plain(lo).c_str(), plain(hi).c_str());
-            return false;
-        }
-        return true;
-    };
-    auto whole = [&](const char *flag, const char *s, double lo, double hi, double *v) {  // integer flags
-        if (!num(flag, s, lo, hi, v)) return false;
-        if (*v != std::floor(*v)) {
-            fprintf(stderr, "finetune: %s: '%s' is not a whole number\n", flag, s);
-            return false;
-        }
-        return true;
     };
     char e[256];
     for (int i = 1; i < argc; i++) {
@@ -552,23 +602,7 @@ static bool parse_flags(int argc, char **argv, args *a) {
         else if (f == "--resume") { if (!(a->resume = need(i))) return false; }
         else if (f == "--export") { if (!(a->export_dir = need(i))) return false; }
         else if (f == "--chat-template") { if (!(a->chat = need(i))) return false; }
-        else if (f == "--lora-targets") {
-            if (!(s = need(i))) return false;
-            a->o.lora.targets.clear();
-            std::string list = s;
-            if (list == "all") list = "q,k,v,o,gate,up,down";
-            for (size_t p = 0; p <= list.size();) {
-                const size_t c = std::min(list.find(',', p), list.size());
-                const std::string t = list.substr(p, c - p);
-                if (!ql_lora_target_valid(t)) {
-                    fprintf(stderr, "finetune: --lora-targets: unknown target '%s' (q, k, v, o, gate, up, down, or all)\n", t.c_str());
-                    return false;
-                }
-                if (std::find(a->o.lora.targets.begin(), a->o.lora.targets.end(), t) == a->o.lora.targets.end())
-                    a->o.lora.targets.push_back(t);
-                p = c + 1;
-            }
-        }
+        else if (f == "--lora-targets") { if (!(s = need(i)) || !lora_targets_flag(s, a)) return false; }
         else if (f == "--lora-r") { if (!whole(f.c_str(), need(i), 1, 4096, &v)) return false; a->o.lora.r = (int)v; }
         else if (f == "--lora-alpha") { if (!num(f.c_str(), need(i), 1e-6, 1e6, &v)) return false; a->o.lora.alpha = (float)v; }
         else if (f == "--lora-dropout") { if (!num(f.c_str(), need(i), 0, 0.999, &v)) return false; a->o.lora.dropout = (float)v; }
@@ -588,38 +622,9 @@ static bool parse_flags(int argc, char **argv, args *a) {
             if (!(s = need(i))) return false;
             if (!choice_flag("--checkpointing", s, &a->o.checkpointing)) return false;
         }
-        else if (f == "--mem-limit") {
-            if (!(s = need(i))) return false;
-            std::string why;
-            if (!parse_size(s, &a->o.mem_limit, &why)) {
-                fprintf(stderr, "finetune: --mem-limit: '%s' %s (e.g. 6G, 512M, 1.5G%s)\n", s, why.c_str(),
-                        why.find("unit") == std::string::npos ? "; K/M/G/T are powers of 1024" : "");
-                return false;
-            }
-        }
-        else if (f == "--vram") {
-            if (!(s = need(i))) return false;
-            std::string why;
-            if (!parse_size(s, &a->o.vram, &why) || a->o.vram == 0) {
-                fprintf(stderr, "finetune: --vram: '%s' %s (e.g. 8G, 24G, 11.5G%s)\n", s, why.c_str(),
-                        why.find("unit") == std::string::npos ? "; K/M/G/T are powers of 1024" : "");
-                return false;
-            }
-        }
-        else if (f == "--cc") {  // "8.6" or "86"; from 9.0 on the newest rules known (Hopper's) apply
-            if (!(s = need(i))) return false;
-            const int cc = parse_cc(s);
-            if (cc == 0) {
-                fprintf(stderr, "finetune: --cc: '%s' is not a compute capability: MAJOR.MINOR with one digit after the point "
-                                "(7.5 to 12.0, e.g. 8.6)\n", s);
-                return false;
-            }
-            if (cc < 75 || cc > 120) {
-                fprintf(stderr, "finetune: --cc: '%s' is not a compute capability qlora runs on (7.5 to 12.0, e.g. 8.6)\n", s);
-                return false;
-            }
-            a->cc = cc;
-        }
+        else if (f == "--mem-limit") { if (!(s = need(i)) || !size_flag("--mem-limit", s, "6G, 512M, 1.5G", false, &a->o.mem_limit)) return false; }
+        else if (f == "--vram") { if (!(s = need(i)) || !size_flag("--vram", s, "8G, 24G, 11.5G", true, &a->o.vram)) return false; }
+        else if (f == "--cc") { if (!(s = need(i)) || !cc_flag(s, a)) return false; }
         else if (f == "--embd-on-host") a->o.embd_on_host = 1;
         else if (f == "--embd-on-device") a->o.embd_on_host = 0;
         else if (f == "--loss-chunk") { if (!whole(f.c_str(), need(i), -1, 1 << 30, &v)) return false; a->o.loss_chunk = (int64_t)v; }
