@@ -2504,6 +2504,22 @@ struct grad_builder {
         else
             it->second = ql_add(ctx, dense(it->second), dense(g));
     }
+    // dy of a view of src: scattered into zeros shaped like src (view_back), or, for whole rows
+    // of src when src has a sum so far, added onto those rows of it (ql_add_rows; in place where
+    // the sum dies there) - a tensor read in pieces of rows (the FFN in chunks) gets its gradient
+    // a piece at a time, not one src-sized tensor per piece
+    void add_view(ql_tensor *src, const ql_tensor *view, ql_tensor *dy) {
+        if (!wants(src) || !dy) return;
+        auto it = grad.find(src);
+        ql_tensor *prev = it == grad.end() ? nullptr : it->second;
+        const size_t rb = src->nb[1];
+        const bool rows = src->type == QL_TYPE_F32 && ql_is_contiguous(src) && view->ne[0] == src->ne[0] && view->nb[1] == rb &&
+                          view->ne[2] == 1 && view->ne[3] == 1 && view->view_offs % rb == 0 && ql_is_contiguous(dy);
+        if (rows && prev && prev->type == QL_TYPE_F32 && ql_is_contiguous(prev) && ql_same_shape(prev, src))
+            it->second = ql_add_rows(ctx, prev, dy, (int64_t)(view->view_offs / rb));
+        else
+            add(src, view_back(ctx, dy, view));
+    }
     // A product's contribution a^T b: onto the sum so far as the multiply writes it
     // (ql_mul_mat_acc; in place where the sum dies there) instead of a product and an add - an
     // input that feeds several multiplies (q, k, v, the LoRA factors) sums its gradients so
@@ -2530,7 +2546,7 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
         gb.add(a, dy);
         break;
     case QL_OP_VIEW:  // y = a[view]: scatter dy into zeros shaped like a
-        gb.add(a, view_back(ctx, gb.dense(dy), node));
+        gb.add_view(a, node, gb.dense(dy));
         break;
     case QL_OP_RESHAPE:
         gb.add(a, ql_reshape_4d(ctx, gb.contiguous(dy), a->ne[0], a->ne[1], a->ne[2], a->ne[3]));

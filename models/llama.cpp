@@ -101,8 +101,9 @@ static ql_tensor *compute_input(ql_context *ctx, const ql_llama *m, ql_tensor *w
     return xc ? ql_format_name(xc, "%s.input", w->name) : nullptr;
 }
 
-// y = W x (+ LoRA), xc: x in the compute type (compute_input)
-static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x, ql_tensor *xc) {
+// y = W x (+ LoRA), xc: x in the compute type (compute_input); x may be rows [row0, ...) of a
+// whole (the FFN in chunks): its dropout draws the whole's mask
+static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x, ql_tensor *xc, int64_t row0 = 0) {
     // a 16-bit compute type: the multiplies' inputs in it (what backward keeps is then 16-bit too)
     const bool low = m->compute != QL_TYPE_F32;
     auto in = [&](ql_tensor *t) { return low ? ql_cast(ctx, t, m->compute) : t; };
@@ -111,7 +112,7 @@ static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
     if (it == m->lora.end()) return y;
     const ql_lora_pair &p = it->second;  // [in, r] then [r, out]
     const bool drop = m->lora_dropout && p.seed && p.dropout > 0;
-    ql_tensor *xa = drop ? ql_dropout_to(ctx, x, p.dropout, p.seed, p.stream, m->compute) : xc;  // in the compute type as made
+    ql_tensor *xa = drop ? ql_dropout_rows_to(ctx, x, p.dropout, p.seed, p.stream, m->compute, row0) : xc;  // in the compute type as made
     // the scale on the rank-r side: a pass over [r, T] instead of over [out, T], forward and back;
     // B's multiply adds onto W x as it writes (in place where W x dies there): no pass for the add
     return ql_mul_mat_acc(ctx, p.b, in(ql_scale(ctx, ql_mul_mat(ctx, p.a, xa), p.scale)), y);
@@ -161,8 +162,27 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     // feed-forward: pre-norm, SwiGLU, residual
     h = ql_mul(ctx, ql_rms_norm(ctx, x, hp.norm_eps), L.ffn_norm);
     hc = compute_input(ctx, m, L.w_gate, h);  // one for gate and up
-    ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, h, hc), linear_c(ctx, m, L.w_up, h, hc));  // [n_ff, T, B]
-    return ql_add(ctx, x, ql_llama_linear(ctx, m, L.w_down, g));
+    const int64_t rows = T * B, c = m->ffn_chunk;
+    if (c <= 0 || c >= rows || !x || !h || !hc) {
+        ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, h, hc), linear_c(ctx, m, L.w_up, h, hc));  // [n_ff, T, B]
+        return ql_add(ctx, x, ql_llama_linear(ctx, m, L.w_down, g));
+    }
+    // in chunks of c tokens: each chunk's gate, up, SwiGLU and down (and their LoRA) on rows of h,
+    // its result added into those rows of the residual (in place along the chain)
+    const int64_t E = hp.n_embd;
+    auto rows_of = [&](ql_tensor *t, int64_t r0, int64_t n) {  // [E, n]: rows r0.. of t, T and B counted together
+        return ql_view_2d(ctx, t, E, n, t->nb[1], (size_t)r0 * t->nb[1]);
+    };
+    // the result stays [E, T, B], not a view of it: a recompute policy cuts the graph at this
+    // block's output (the next one's "blk.N.in"), which must be a result of its own
+    ql_tensor *r = x;
+    for (int64_t r0 = 0; r0 < rows && r; r0 += c) {
+        const int64_t n = std::min(c, rows - r0);
+        ql_tensor *hr = rows_of(h, r0, n), *hcr = hc == h ? hr : rows_of(hc, r0, n);
+        ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, hr, hcr, r0), linear_c(ctx, m, L.w_up, hr, hcr, r0));  // [n_ff, n]
+        r = ql_add_rows(ctx, r, linear_c(ctx, m, L.w_down, g, compute_input(ctx, m, L.w_down, g), r0), r0);
+    }
+    return r;
 }
 
 ql_tensor *ql_llama_block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x, ql_tensor *pos, ql_tensor *seg) {
@@ -188,6 +208,12 @@ ql_tensor *ql_llama_hidden(ql_context *ctx, const ql_llama *m, ql_tensor *x, ql_
         if (il < m->hp.n_layer) x = block(ctx, m, il, x, pos, seg, nullptr);
     }
     return ql_mul(ctx, ql_rms_norm(ctx, x, m->hp.norm_eps), m->out_norm);  // [n_embd, T, B]
+}
+
+int64_t ql_llama_ffn_chunk(int64_t n_ff, int64_t n_rows) {
+    const int64_t per = std::max<int64_t>(1, QL_LLAMA_FFN_CHUNK_ELEMS / std::max<int64_t>(1, n_ff));
+    const int64_t n_chunks = (n_rows + per - 1) / per;
+    return (n_rows + n_chunks - 1) / std::max<int64_t>(1, n_chunks);  // equal chunks, each within the budget
 }
 
 int64_t ql_llama_loss_chunk(int64_t n_vocab, int64_t n_rows) {

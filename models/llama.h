@@ -65,6 +65,10 @@ struct ql_llama {
     // with compute bf16, attention's products in bf16 too (ql_flash_attn_set_prec: where the
     // backend takes the request - the CPU with AVX512-BF16; the GPU backend stays f32)
     bool attn_bf16 = true;
+    // the feed-forward in chunks of this many tokens (T x B counted together; 0: whole): its
+    // T x n_ff intermediates then exist a chunk at a time, in forward and in recompute. The
+    // same numbers (dropout masks included) as unchunked, but for the sums over tokens.
+    int64_t ffn_chunk = 0;
     ql_tensor *tok_embd = nullptr;  // [n_embd, n_vocab]
     ql_tensor *out_norm = nullptr;  // [n_embd]
     ql_tensor *output   = nullptr;  // [n_embd, n_vocab]; == tok_embd when tied
@@ -106,6 +110,10 @@ ql_tensor *ql_llama_loss(ql_context *ctx, const ql_llama *m, ql_tensor *h, ql_te
 // (n_rows itself when they fit in one)
 #define QL_LLAMA_LOSS_CHUNK_ELEMS ((int64_t)1 << 23)  // 32 MiB of f32 logits per chunk
 int64_t ql_llama_loss_chunk(int64_t n_vocab, int64_t n_rows);
+// The same for the feed-forward (ql_llama.ffn_chunk): equal chunks of tokens of at most
+// QL_LLAMA_FFN_CHUNK_ELEMS elements per [n_ff, chunk] intermediate (n_rows when one will do)
+#define QL_LLAMA_FFN_CHUNK_ELEMS ((int64_t)1 << 23)  // 16 MiB in bf16, 32 in f32, per intermediate
+int64_t ql_llama_ffn_chunk(int64_t n_ff, int64_t n_rows);
 
 // One transformer block: x [n_embd, T, B] -> [n_embd, T, B] (for benchmarks and tests).
 ql_tensor *ql_llama_block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x, ql_tensor *pos, ql_tensor *seg);

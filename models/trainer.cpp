@@ -58,6 +58,8 @@ struct ql_trainer {
     bool embd_host = false;      // the token embedding stays in host memory (QL_FLAG_HOST)
     int64_t loss_chunk = 0;      // rows per cross-entropy chunk (0: one)
     int64_t auto_chunk = 0;      // what auto would choose (0: one chunk suffices)
+    int64_t ffn_chunk = 0;       // tokens per feed-forward chunk (0: whole)
+    int64_t auto_ffn_chunk = 0;  // what auto would choose (0: one chunk suffices)
     int cc = 0;                  // a device run's compute capability (planned or real)
     ql_tensor *seed = nullptr;
     batch_io tr, ev;
@@ -204,6 +206,7 @@ static bool build(ql_trainer *t, ql_context *ctx) {
     m.lora_dropout = true;
     m.compute = t->compute;
     m.attn_bf16 = !t->o.attn_f32;
+    m.ffn_chunk = t->ffn_chunk;
     t->tr = make_io(ctx, m, t->T, t->B, t->packed, true, t->embd_host, t->loss_chunk);
     // the policy's levels, and the chunked loss's logits (recomputed whatever the levels)
     if (t->tr.g && (!t->levels.empty() || t->loss_chunk > 0) &&
@@ -423,6 +426,7 @@ static bool measure(ql_trainer *t, std::string *err) {
         m.total = planned + m.reserve;
         m.host = m.total;  // (a device run: device_plan sets both)
         m.loss_chunk = t->loss_chunk;
+        m.ffn_chunk = t->ffn_chunk;
         m.embd_on_host = t->embd_host;
         m.host_embd = t->embd_host ? ql_nbytes(t->f->model.tok_embd) + t->f->model.tok_embd->aux_size : 0;
         if (!t->on_host) device_plan(t, meas, ps.buffer_size, es.buffer_size);
@@ -571,6 +575,10 @@ static bool choose_levels(ql_trainer *t, std::string *err) {
         t->loss_chunk = t->auto_chunk;  // the CPU's auto: chunks when the plan needs them
         if (!choose_levels_for(t, err)) return false;
     }
+    if (t->o.ffn_chunk == 0 && t->ffn_chunk == 0 && t->auto_ffn_chunk > 0 && !t->levels.empty() && !fits(t)) {
+        t->ffn_chunk = t->auto_ffn_chunk;  // the CPU's auto: chunks when recompute's peak needs them
+        if (!choose_levels_for(t, err)) return false;
+    }
     if (t->o.embd_on_host != -1 || t->on_host || t->embd_host || fits(t)) return true;
     if (t->f->model.output == t->f->model.tok_embd) return true;  // tied: the output projection reads it on the device
     set_embd_host(t, true);
@@ -674,6 +682,12 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
     // (recomputing the head adds ~11% to a 110M step's FLOPs there: an estimate, not timed)
     t->loss_chunk = o.loss_chunk < 0 ? 0 : o.loss_chunk > 0 ? o.loss_chunk : t->on_host ? 0 : t->auto_chunk;
     if (t->loss_chunk >= rows) t->loss_chunk = 0;
+    t->auto_ffn_chunk = ql_llama_ffn_chunk(m.hp.n_ff, rows);
+    if (t->auto_ffn_chunk >= rows) t->auto_ffn_chunk = 0;
+    // auto: on a device always (memory is what it lacks; a chunk of 2^23 elements is still a big
+    // GEMM), on the CPU when the plan needs it (choose_levels)
+    t->ffn_chunk = o.ffn_chunk < 0 ? 0 : o.ffn_chunk > 0 ? o.ffn_chunk : t->on_host ? 0 : t->auto_ffn_chunk;
+    if (t->ffn_chunk >= rows) t->ffn_chunk = 0;
     weight_pages(t);
     return t;
 }

@@ -103,6 +103,10 @@ struct ql_train_options {
     // (chunks of at most 2^23 logits when the whole would be more: always on a device, on the CPU
     // when the plan does not fit without), > 0 rows per chunk, < 0 one
     int64_t loss_chunk = 0;
+    // the feed-forward in chunks of tokens (ql_llama.ffn_chunk): 0 auto (chunks of at most 2^23
+    // elements per intermediate when the whole would be more: always on a device, on the CPU when
+    // the plan recomputes and does not fit without), > 0 tokens per chunk, < 0 whole
+    int64_t ffn_chunk = 0;
     // a device run: the token embedding stays in host memory and only the step's rows are
     // gathered there and uploaded (1: yes, 0: no, -1: auto - when the plan does not fit without)
     int embd_on_host = -1;
@@ -137,6 +141,7 @@ struct ql_memory_plan {
     double recompute_fraction = 0;  // recomputed / forward FLOPs
     int micro_batch = 0;
     int64_t loss_chunk = 0;     // rows per cross-entropy chunk (0: unchunked)
+    int64_t ffn_chunk = 0;      // tokens per feed-forward chunk (0: unchunked)
     // a device run (a GPU, or a stand-in planning for one): total is device memory, made of these
     bool   device = false;
     std::string device_desc;    // the device, or "planned for cc 8.6" without one

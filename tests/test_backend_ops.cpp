@@ -799,7 +799,8 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
         size_t allocated = 0;  // device memory the trainer allocated (ql_backend_memory_used)
     };
     using C = ql_checkpointing;
-    auto run = [&](int64_t chunk, int embd_host, C checkpointing = C::none, bool offload = false, ql_optim optim = ql_optim::adamw) {
+    auto run = [&](int64_t chunk, int embd_host, C checkpointing = C::none, bool offload = false, ql_optim optim = ql_optim::adamw,
+                   int64_t ffn_chunk = -1) {
         result r;
         char err[256];
         ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
@@ -810,6 +811,7 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
         oo.checkpointing = checkpointing;
         oo.offload_activations = offload;
         oo.optim = optim;
+        oo.ffn_chunk = ffn_chunk;
         std::string e;
         REQUIRE_MESSAGE(ql_train_plan(f, seqs, seqs, oo, &r.plan, &e), e);
         size_t before = 0, after = 0;
@@ -832,6 +834,7 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
     };
     const result whole = run(-1, 0), chunked = run(10, ql_backend_is_host(be) ? 0 : 1);
     const result block = run(-1, 0, C::block), offloaded = run(-1, 0, C::block, true);
+    const result ffn = run(-1, 0, C::block, false, ql_optim::adamw, 10);  // 48 token rows in chunks of 10
     const result paged = run(-1, 0, C::none, false, ql_optim::paged_adamw), paged8 = run(-1, 0, C::none, false, ql_optim::paged_adamw8bit),
                  eight = run(-1, 0, C::none, false, ql_optim::adamw8bit);
     // 48 rows in chunks of 10: every chunk covers the whole vocabulary, so the loss is the same sum
@@ -847,6 +850,11 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
     // the same bits
     CHECK(offloaded.losses == block.losses);
     CHECK(offloaded.adapter == block.adapter);
+    // the FFN in token chunks: the same run but for the sums over tokens
+    CHECK(ffn.plan.ffn_chunk == 10);
+    REQUIRE(ffn.losses.size() == block.losses.size());
+    for (size_t s = 0; s < block.losses.size(); s++) CHECK(ffn.losses[s] == doctest::Approx(block.losses[s]).epsilon(1e-5));
+    CHECK(norm_err(ffn.adapter, block.adapter) <= 1e-4);
     // paged state (on a GPU: pinned host memory its kernel updates in place): the same updates
     CHECK(paged.losses == whole.losses);
     CHECK(paged.adapter == whole.adapter);
@@ -866,7 +874,7 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
     CHECK(offloaded.plan.saved < block.plan.saved);
     CHECK(paged.plan.optimizer_host);
     CHECK(paged.plan.dev_state + paged.plan.optimizer == whole.plan.dev_state);  // the moments left the device
-    for (const result *r : {&whole, &chunked, &block, &offloaded, &paged, &paged8}) {
+    for (const result *r : {&whole, &chunked, &block, &offloaded, &paged, &paged8, &ffn}) {
         CHECK(r->allocated == r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer);
         CHECK(r->plan.total == r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer + r->plan.dev_context + r->plan.dev_rounding);
         // the host's part holds none of the device's buffers: under the adapter, moments, pages

@@ -593,6 +593,55 @@ TEST_CASE("trainer: block's saved activations on an 8-layer model at seq 512 are
     ql_llama_file_free(f);
 }
 
+TEST_CASE("trainer: the FFN in token chunks trains the same adapter (dropout on, f32 and bf16); recompute's peak shrinks") {
+    tmpdir d;
+    ql_llama_file *f = load_tiny(d.path, QL_TYPE_F32, 3, 2);
+    const std::vector<ql_sequence> seqs = make_sequences(8, 64, 5);  // micro-batch 2: 128 token rows
+    for (ql_precision pr : {ql_precision::fp32, ql_precision::bf16}) {
+        const std::string prn = ql_name(pr);
+        CAPTURE(prn);
+        ql_train_options o = base_options();
+        o.lora.dropout = 0.1f;  // a chunk draws the whole's mask: the same elements dropped
+        o.precision = pr;
+        o.checkpointing = ql_checkpointing::block;
+        o.max_steps = 6;
+        std::vector<std::vector<double>> losses;
+        std::vector<std::vector<float>> adapters;
+        std::vector<ql_memory_plan> plans;
+        for (int64_t chunk : {-1, 32, 40}) {  // whole; 4 equal chunks; 40 + 40 + 40 + 8
+            CAPTURE(chunk);
+            o.ffn_chunk = chunk;
+            std::string err;
+            ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
+            REQUIRE_MESSAGE(t, err);
+            plans.push_back(ql_trainer_memory(t));
+            losses.emplace_back();
+            for (int s = 0; s < 6; s++) {
+                ql_step_metrics m;
+                REQUIRE_MESSAGE(ql_trainer_step(t, &m, &err), err);
+                losses.back().push_back(m.loss);
+            }
+            adapters.push_back(adapter_of(t));
+            ql_trainer_free(t);
+        }
+        CHECK(plans[0].ffn_chunk == 0);
+        CHECK(plans[1].ffn_chunk == 32);
+        const double tol = pr == ql_precision::fp32 ? 1e-5 : 2e-3;  // only sums over tokens differ (bf16: roundings follow)
+        for (size_t r = 1; r < 3; r++) {
+            for (size_t s = 0; s < 6; s++) CHECK(std::fabs(losses[r][s] - losses[0][s]) <= tol * losses[0][s]);
+            CHECK(rel_err(adapters[r], adapters[0]) <= tol * 10);
+        }
+        CHECK(losses[0].back() < losses[0].front());
+        // recomputed at once: one chunk's [n_ff, 32] intermediates instead of [n_ff, 128]. (The
+        // total can grow at this size: four times the FFN's tensor headers in the arena.)
+        MESSAGE(prn, ": recompute peak ", plans[0].recompute, " whole, ", plans[1].recompute, " in chunks of 32; temporaries ",
+                plans[0].scratch, " -> ", plans[1].scratch);
+        CHECK(plans[1].recompute < plans[0].recompute * 7 / 10);
+        CHECK(plans[1].scratch < plans[0].scratch * 8 / 10);
+    }
+    ql_llama_file_free(f);
+}
+
 TEST_CASE("trainer: auto fits every budget it accepts, and recomputes less than block when the budget allows") {
     tmpdir d;
     ql_llama_file *f = load_tiny(d.path, QL_TYPE_F32, 3, 4);
