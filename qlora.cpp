@@ -2400,6 +2400,22 @@ ql_graph *ql_graph_new(ql_context *ctx) {
     return g;
 }
 
+size_t ql_graph_heap_bytes(const ql_graph *g) {
+    if (!g) return 0;
+    const size_t blk = 16;  // glibc's per-block header, rounded
+    auto vec = [&](size_t cap, size_t es) { return cap ? cap * es + blk : 0; };
+    size_t n = sizeof(ql_graph) + blk;
+    n += vec(g->nodes.capacity(), sizeof(ql_tensor *)) + vec(g->leafs.capacity(), sizeof(ql_tensor *)) +
+         vec(g->outputs.capacity(), sizeof(ql_tensor *)) + vec(g->params.capacity(), sizeof(ql_tensor *));
+    // the set: one block per element (next pointer + value) and the bucket array
+    n += g->visited.size() * (2 * sizeof(void *) + blk) + vec(g->visited.bucket_count(), sizeof(void *));
+    n += vec(g->entries.capacity(), sizeof(ql_plan_entry)) + vec(g->entry_tensor.capacity(), sizeof(ql_tensor *));
+    n += vec(g->freed_after.capacity(), sizeof(std::vector<int>));
+    for (const std::vector<int> &f : g->freed_after) n += vec(f.capacity(), sizeof(int));
+    n += vec(g->node_seconds.capacity(), sizeof(double));
+    return n;
+}
+
 static void graph_release_buffer(ql_graph *g) {
     if (g->buffer && g->buffer_free) g->buffer_free(g->buffer);  // NULL: borrowed (ql_graph_alloc_shared)
     ql_backend_buffer_free(g->host_buf_owner);

@@ -475,6 +475,10 @@ int        ql_graph_n_nodes(const ql_graph *g);
 ql_tensor *ql_graph_node(const ql_graph *g, int i);               // negative i counts from the end
 int        ql_graph_n_forward(const ql_graph *g);                 // nodes before the backward part
 ql_context *ql_graph_ctx(const ql_graph *g);
+// The heap a graph's own bookkeeping holds (its node lists, the set its walk marks nodes in, its
+// plan's entries), allocator overhead counted at 16 bytes per block: what a memory plan adds for
+// each graph a run keeps (not its tensors: those are in the context's arena).
+size_t     ql_graph_heap_bytes(const ql_graph *g);
 
 // A new graph: gf's nodes, then the backward of the scalar `loss` (f32 [1]) with respect to
 // every QL_FLAG_PARAM leaf it depends on. Each such param gets param->grad (allocated in ctx,

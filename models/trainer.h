@@ -127,6 +127,7 @@ struct ql_memory_plan {
     bool   optimizer_host = false;  // paged optimizers: the state is host memory
     size_t inputs = 0;          // graph inputs (tokens, positions, targets, ...)
     size_t headers = 0;         // tensor headers and graph bookkeeping in the arena
+    size_t graph_heap = 0;      // the graphs' own lists and plans on the heap (ql_graph_heap_bytes)
     size_t saved = 0;           // forward results alive when backward starts (checkpoints included)
     size_t checkpoints = 0;     // of them, the kept segment inputs (host memory with offload)
     bool   offload = false;     // --offload-activations: checkpoints counted as host memory

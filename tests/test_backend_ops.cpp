@@ -879,7 +879,7 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
         CHECK(r->plan.total == r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer + r->plan.dev_context + r->plan.dev_rounding);
         // the host's part holds none of the device's buffers: under the adapter, moments, pages
         // read and pinned memory, plus the reserve and a little staging
-        const size_t own = r->plan.weights + r->plan.headers + r->plan.lora + r->plan.optimizer + r->plan.host_pinned;
+        const size_t own = r->plan.weights + r->plan.headers + r->plan.graph_heap + r->plan.lora + r->plan.optimizer + r->plan.host_pinned;
         CHECK(r->plan.host >= own);
         CHECK(r->plan.host <= own + (1u << 20) + own / 100 + 64 * 1024);
     }

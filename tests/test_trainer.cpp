@@ -588,8 +588,10 @@ TEST_CASE("trainer: block's saved activations on an 8-layer model at seq 512 are
     // sqrt: ceil(sqrt(8)) = 3: the inputs of blocks 0, 3, 6
     CHECK(sq.checkpoints == 3 * (size_t)64 * 512 * 2 * 4);
     // the parts add up to the total
+    for (const ql_memory_plan *m : {&none, &block, &sq}) CHECK(m->graph_heap > 0);  // the graphs' lists and plans, counted
     for (const ql_memory_plan *m : {&none, &block, &sq})
-        CHECK(m->total == m->weights + m->lora + m->grads + m->optimizer + m->inputs + m->headers + m->saved + m->scratch + m->work + m->reserve);
+        CHECK(m->total == m->weights + m->lora + m->grads + m->optimizer + m->inputs + m->headers + m->graph_heap + m->saved + m->scratch +
+                              m->work + m->reserve);
     ql_llama_file_free(f);
 }
 
