@@ -857,6 +857,7 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
         {md + " --cc 5.0", "--cc: '5.0' is not a compute capability qlora runs on"},
         {md + " --vram 8G --device cpu", "--vram/--cc describe a GPU: with --device cuda (this run: --device cpu)"},
         {md + " --loss-chunk many", "--loss-chunk: 'many' is not a number in [-1, "},
+        {md + " --ffn-chunk -2", "--ffn-chunk: '-2' is not a number in [-1, "},
         {" -m " + base + " -d " + both + " -o " + out, both + ":2: both \"text\" and \"prompt\"/\"completion\": which to train on is ambiguous"},
         {" -m " + base + " -d " + nocompl + " -o " + out, nocompl + ":1: empty \"completion\": nothing to learn"},
         {md + " --val-data " + empty, "--val-data " + empty + ": no usable evaluation examples"},
@@ -1145,6 +1146,10 @@ TEST_CASE("finetune: the device plan on a machine without the card (--vram, --cc
     // the loss in chunks: 1024 rows x 4000 logits is under one chunk; 64 rows per chunk forced
     REQUIRE_MESSAGE(run(ft + " -b 4 --vram 2G --loss-chunk 64", &log) == 0, log);
     CHECK(has(log, "in chunks of 64 tokens"));
+    // the feed-forward in chunks: said in the plan (auto leaves this small shape whole)
+    CHECK(!has(log, "feed-forward: in chunks"));
+    REQUIRE_MESSAGE(run(ft + " -b 4 --vram 2G --ffn-chunk 100", &log) == 0, log);
+    CHECK_MESSAGE(has(log, "feed-forward: in chunks of 100 tokens"), log);
     // a card too small (without recompute: auto, the default under a limit, would fit it): exit 1,
     // the biggest items, advice with predicted device totals; nothing written
     const std::string small = std::to_string((long long)(total * 0.98)) + "B";

@@ -76,6 +76,7 @@ static const char *k_help =
     "           recompute, then on a GPU offload, --embd-on-host, paged optimizer state, the first that fits)\n"
     "           -b auto  --effective-batch N  --offload-activations  --dry-run (print the plan, train nothing)  --json\n"
     "           --loss-chunk N (tokens per output-projection + loss chunk; 0 auto, -1 never)\n"
+    "           --ffn-chunk N (tokens per feed-forward chunk: its intermediates a chunk at a time; 0 auto, -1 never)\n"
     "GPU:       --vram SIZE  --cc X.Y (with --dry-run on a machine without that card: its plan, e.g. --vram 12G --cc 8.6;\n"
     "           cc 7.5 to 12.0; sizes take a unit: K/M/G/T, powers of 1024, or B)\n"
     "           --embd-on-host | --embd-on-device (default: on the host only when the plan needs it)\n"
@@ -294,10 +295,10 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
                "\"optimizer_in_host_memory\": %s, \"inputs_and_state\": %zu, \"saved_activations\": %zu, \"checkpoints\": %zu, \"temporaries\": %zu, "
                "\"recompute_peak\": %zu, \"workspace\": %zu, \"graph_buffer\": %zu, \"context\": %zu, \"rounding\": %zu, "
                "\"total\": %zu, \"limit\": %zu, \"fits\": %s, \"host\": {\"process\": %zu, \"planned\": %zu, \"embedding\": %zu, \"pinned\": %zu}, "
-               "\"checkpointing\": \"%s\", \"recompute_fraction\": %.4f, \"micro_batch\": %d, \"loss_chunk\": %lld}\n",
+               "\"checkpointing\": \"%s\", \"recompute_fraction\": %.4f, \"micro_batch\": %d, \"loss_chunk\": %lld, \"ffn_chunk\": %lld}\n",
                m.host_embd, m.lora, m.grads, m.optimizer, optim.c_str(), m.optimizer_host ? "true" : "false", m.dev_state, m.saved, m.checkpoints, m.scratch, m.recompute,
                m.work, m.dev_buffer, m.dev_context, m.dev_rounding, m.total, limit, fits ? "true" : "false", process, m.host, m.host_embd, m.host_pinned,
-               m.checkpointing.c_str(), m.recompute_fraction, m.micro_batch, (long long)m.loss_chunk);
+               m.checkpointing.c_str(), m.recompute_fraction, m.micro_batch, (long long)m.loss_chunk, (long long)m.ffn_chunk);
         return;
     }
     const std::string types = by_type_text(m.dev_weights_by_type);
@@ -333,6 +334,7 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
     printf("\n  checkpointing: %s", m.checkpointing.c_str());
     if (m.recompute_fraction > 0) printf("; recomputes %.0f%% of the forward FLOPs", 100 * m.recompute_fraction);
     if (m.loss_chunk) printf("\n  loss: output projection + cross-entropy in chunks of %lld tokens (logits never whole)", (long long)m.loss_chunk);
+    if (m.ffn_chunk) printf("\n  feed-forward: in chunks of %lld tokens (its intermediates a chunk at a time)", (long long)m.ffn_chunk);
     printf("\n");
     fflush(stdout);
 }
@@ -356,10 +358,10 @@ static void print_memory(const ql_memory_plan &m, const std::string &optim, size
             printf("%s\"%s\": %zu", i ? ", " : "", m.weights_by_type[i].first.c_str(), m.weights_by_type[i].second);
         printf("}}, \"lora\": %zu, \"grads\": %zu, \"optimizer\": %zu, \"saved_activations\": %zu, \"checkpoints\": %zu, "
                "\"checkpoints_in_host_memory\": %s, \"optimizer_name\": \"%s\", \"optimizer_in_host_memory\": %s, \"temporaries\": %zu, \"recompute_peak\": %zu, \"workspace\": %zu, "
-               "\"inputs\": %zu, \"graph\": %zu, \"reserve\": %zu, \"process\": %zu, \"total\": %zu, \"limit\": %zu, \"fits\": %s, "
+               "\"inputs\": %zu, \"graph\": %zu, \"graph_heap\": %zu, \"reserve\": %zu, \"process\": %zu, \"total\": %zu, \"limit\": %zu, \"fits\": %s, "
                "\"checkpointing\": \"%s\", \"recompute_fraction\": %.4f, \"micro_batch\": %d}\n",
                m.lora, m.grads, m.optimizer, m.saved, m.checkpoints, m.offload ? "true" : "false", optim.c_str(), m.optimizer_host ? "true" : "false", m.scratch, m.recompute, m.work,
-               m.inputs, m.headers, m.reserve, process, total, limit, limit == 0 || total <= limit ? "true" : "false",
+               m.inputs, m.headers, m.graph_heap, m.reserve, process, total, limit, limit == 0 || total <= limit ? "true" : "false",
                m.checkpointing.c_str(), m.recompute_fraction, m.micro_batch);
         return;
     }
@@ -376,8 +378,9 @@ static void print_memory(const ql_memory_plan &m, const std::string &optim, size
     if (m.recompute) printf("   recomputed results: at most %.1f at once, in room the saved free", m.recompute / MiB);
     printf("\n  kernel workspace (matmul, attention)   %10.1f\n", m.work / MiB);
     printf("  data buffers (graph inputs)            %10.2f\n", m.inputs / MiB);
-    printf("  graph structures                       %10.1f\n", m.headers / MiB);
-    printf("  reserve (heap bookkeeping, code pages) %10.1f\n", m.reserve / MiB);
+    printf("  graph structures                       %10.1f   tensor headers %.1f, the graphs' lists and plans %.1f\n",
+           (m.headers + m.graph_heap) / MiB, m.headers / MiB, m.graph_heap / MiB);
+    printf("  reserve (other heap, code pages)       %10.1f\n", m.reserve / MiB);
     printf("  process (%s)%*s%10.1f\n", process_how, std::max(0, 29 - (int)strlen(process_how)), "", process / MiB);
     printf("  total                                  %10.1f", total / MiB);
     if (limit) printf("   limit %.1f: %s", limit / MiB, total <= limit ? "fits" : "does NOT fit");
@@ -387,6 +390,7 @@ static void print_memory(const ql_memory_plan &m, const std::string &optim, size
     printf("\n  checkpointing: %s", m.checkpointing.c_str());
     if (m.recompute_fraction > 0) printf("; recomputes %.0f%% of the forward FLOPs", 100 * m.recompute_fraction);
     if (m.loss_chunk) printf("\n  loss: output projection + cross-entropy in chunks of %lld tokens (logits never whole)", (long long)m.loss_chunk);
+    if (m.ffn_chunk) printf("\n  feed-forward: in chunks of %lld tokens (its intermediates a chunk at a time)", (long long)m.ffn_chunk);
     printf("\n");
     fflush(stdout);  // before any message on stderr
 }
@@ -628,6 +632,7 @@ static bool parse_flags(int argc, char **argv, args *a) {
         else if (f == "--embd-on-host") a->o.embd_on_host = 1;
         else if (f == "--embd-on-device") a->o.embd_on_host = 0;
         else if (f == "--loss-chunk") { if (!whole(f.c_str(), need(i), -1, 1 << 30, &v)) return false; a->o.loss_chunk = (int64_t)v; }
+        else if (f == "--ffn-chunk") { if (!whole(f.c_str(), need(i), -1, 1 << 30, &v)) return false; a->o.ffn_chunk = (int64_t)v; }
         else if (f == "--offload-activations") a->o.offload_activations = true;
         else if (f == "--optim") {
             if (!(s = need(i))) return false;
@@ -699,7 +704,7 @@ static bool flag_given(const args &a, const char *f) {
 // must agree with the run's.
 static bool operational_flag(const std::string &f) {
     for (const char *x : {"-o", "-t", "--device", "--checkpointing", "--mem-limit", "--vram", "--cc", "--embd-on-host",
-                          "--embd-on-device", "--loss-chunk", "--offload-activations", "--eval-every", "--save-every", "--merge",
+                          "--embd-on-device", "--loss-chunk", "--ffn-chunk", "--offload-activations", "--eval-every", "--save-every", "--merge",
                           "--overwrite", "--profile", "--dry-run", "--json", "--resume", "--export", "--max-steps", "--epochs"})
         if (f == x) return true;
     return false;
