@@ -6487,11 +6487,13 @@ size_t ql_cuda_context_bytes(int cc) {
     // default since CUDA 12.2) and cuBLAS's workspace (NVIDIA's recommendation: 4 MiB, 32 MiB on
     // Hopper). cc 9.0 is MEASURED: on an H100 (driver 580, CUDA 13) the card's use minus ours
     // was 601 MiB after step 1 at the 1B and the 8B shape alike, 6.4 of it our allocator's
-    // rounding (planned on its own line): 595. The others are ESTIMATES from public reports of
-    // context sizes with lazy loading (200-500 MiB); finetune prints the card's use beside the
-    // plan after step 1 to check them.
+    // rounding (planned on its own line): 595. The others are not measured: public reports of
+    // context sizes with lazy loading say 200-500 MiB. Until they are, they get the H100's 563
+    // MiB, above every report - the uncertainty left as margin, so that a plan for such a card
+    // does not promise what it may not hold (ql_backend_caps.context_estimated says so; finetune
+    // prints the card's use beside the plan after step 1 to check).
     const size_t MiB = 1u << 20;
-    return cc >= 90 ? 563 * MiB + 32 * MiB : cc >= 80 ? 400 * MiB + 4 * MiB : 300 * MiB + 4 * MiB;
+    return cc >= 90 ? 563 * MiB + 32 * MiB : 563 * MiB + 4 * MiB;
 }
 
 // A build without qlora-cuda.cu: weak definitions the CUDA object replaces when it is linked in

@@ -318,7 +318,7 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
     if (m.recompute) printf("   recomputed results: at most %.1f at once", m.recompute / MiB);
     printf("\n  kernel workspace (dequant tiles, attn) %10.1f\n", m.work / MiB);
     printf("  CUDA context + cuBLAS workspace        %10.1f   %s for cc %d.%d (the card's use is printed after step 1)\n",
-           m.dev_context / MiB, m.dev_context_estimated ? "an ESTIMATE" : "measured", m.cc / 10, m.cc % 10);
+           m.dev_context / MiB, m.dev_context_estimated ? "an ESTIMATE (an H100's, as a bound)" : "measured", m.cc / 10, m.cc % 10);
     char pages[48];
     snprintf(pages, sizeof(pages), "allocator rounding (%g MiB pages)", m.dev_granularity / MiB);
     printf("  %-38s %10.1f\n", pages, m.dev_rounding / MiB);
