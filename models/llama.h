@@ -65,6 +65,10 @@ struct ql_llama {
     // with compute bf16, attention's products in bf16 too (ql_flash_attn_set_prec: where the
     // backend takes the request - the CPU with AVX512-BF16; the GPU backend stays f32)
     bool attn_bf16 = true;
+    // inference: the linears' multiplies by the base weights take their activations in 8 bits
+    // (ql_mul_mat_set_prec QL_TYPE_Q8_0: integer dot products where the backend has them for the
+    // weight's type, decode's few tokens). Within README's bound, not bit-exact: training never sets it
+    bool q8_activations = false;
     ql_tensor *tok_embd = nullptr;  // [n_embd, n_vocab]
     ql_tensor *out_norm = nullptr;  // [n_embd]
     ql_tensor *output   = nullptr;  // [n_embd, n_vocab]; == tok_embd when tied
