@@ -5650,27 +5650,32 @@ static float mm_q8dot_nf4(int64_t K, const uint8_t *w, const int8_t *xq, const f
 static float mm_q8dot_q4_K(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
     const ql_block_q4_K *b = (const ql_block_q4_K *)w;
     const __m256i m4 = _mm256_set1_epi8(15);
-    __m256 acc = _mm256_setzero_ps();
-    float mins = 0.0f;
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     for (int64_t i = 0; i < K / QL_QK_K; i++) {
         uint8_t sc[8], mn[8];
         mm_k4_scales(b[i].scales, sc, mn);
+        alignas(32) int32_t sc32[8];  // each broadcast below is then one load
+        _mm256_store_si256((__m256i *)sc32, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
         const int8_t *x = xq + QL_QK_K * i;
         __m256i isum = _mm256_setzero_si256();
         for (int g = 0; g < 4; g++) {  // 32 bytes: sub-block 2g in the low nibbles, 2g+1 in the high
             const __m256i q = mm_ld(b[i].qs + 32 * g);
             const __m256i s0 = mm_dpbusd(_mm256_setzero_si256(), _mm256_and_si256(q, m4), mm_ld(x + 64 * g));
             const __m256i s1 = mm_dpbusd(_mm256_setzero_si256(), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), mm_ld(x + 64 * g + 32));
-            isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s0, _mm256_set1_epi32(sc[2 * g])));
-            isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s1, _mm256_set1_epi32(sc[2 * g + 1])));
+            isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s0, _mm256_set1_epi32(sc32[2 * g])));
+            isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s1, _mm256_set1_epi32(sc32[2 * g + 1])));
         }
-        const int16_t *bs = bsum + 16 * i;
-        int msum = 0;
-        for (int s = 0; s < 8; s++) msum += mn[s] * (bs[2 * s] + bs[2 * s + 1]);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(mm_h2f(b[i].d) * xd[i]), acc);
-        mins += mm_h2f(b[i].dmin) * xd[i] * (float)msum;
+        // the mins: lane s of madd = m_s (bsum_2s + bsum_2s+1), m_s repeated in both int16 halves
+        uint64_t m8;
+        memcpy(&m8, mn, 8);
+        const __m128i mb = _mm_cvtsi64_si128((long long)m8);
+        const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mb, mb));
+        const __m256i ms = _mm256_madd_epi16(m16, mm_ld(bsum + 16 * i));
+        const float dx = xd[i];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(mm_h2f(b[i].d) * dx), acc);
+        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_set1_ps(mm_h2f(b[i].dmin) * dx), accm);
     }
-    return mm_hsum8(acc) - mins;
+    return mm_hsum8(acc) - mm_hsum8(accm);
 }
 
 // Q6_K: d sc (q - 32) per sub-block of 16, q = 4 bits of ql + 2 of qh; the -32 through the 16-sums
@@ -5680,7 +5685,6 @@ static float mm_q8dot_q6_K(int64_t K, const uint8_t *w, const int8_t *xq, const 
     __m256i pick[4];  // lanes 0-3: sub-block 2m of the 8 scales at hand, lanes 4-7: 2m + 1
     for (int m = 0; m < 4; m++) pick[m] = _mm256_setr_epi32(2 * m, 2 * m, 2 * m, 2 * m, 2 * m + 1, 2 * m + 1, 2 * m + 1, 2 * m + 1);
     __m256 acc = _mm256_setzero_ps();
-    float off = 0.0f;
     for (int64_t i = 0; i < K / QL_QK_K; i++) {
         const int8_t *x = xq + QL_QK_K * i;
         __m256i isum = _mm256_setzero_si256();
@@ -5697,14 +5701,12 @@ static float mm_q8dot_q6_K(int64_t K, const uint8_t *w, const int8_t *xq, const 
                 isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s, _mm256_permutevar8x32_epi32(sc, pick[m])));
             }
         }
-        const int16_t *bs = bsum + 16 * i;
-        int osum = 0;
-        for (int s = 0; s < 16; s++) osum += b[i].scales[s] * bs[s];
-        const float dd = mm_h2f(b[i].d) * xd[i];
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(dd), acc);
-        off += dd * (float)(32 * osum);
+        // the -32: 32 sum_s sc_s bsum_s, pairs of sub-blocks per lane
+        const __m256i os = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b[i].scales)), mm_ld(bsum + 16 * i));
+        const __m256 dd = _mm256_set1_ps(mm_h2f(b[i].d) * xd[i]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum, _mm256_slli_epi32(os, 5))), dd, acc);
     }
-    return mm_hsum8(acc) - off;
+    return mm_hsum8(acc);
 }
 #else
 // the portable kernels: the same integer sums, block by block
