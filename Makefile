@@ -8,6 +8,7 @@
 #   make bench-finetune  finetune tokens/s and peak RSS, with PyTorch's as the yardstick (bench/finetune.sh)
 #   make bench-checkpointing  step time and peak memory for each --checkpointing policy (bench/checkpointing.sh)
 #   make bench-optimizers  finetune tokens/s and state memory for each --precision and --optim (bench/optimizers.sh)
+#   make bench-infer  generate's decode tokens/s against llama.cpp's, 110M and 1B, Q4_0/Q8_0/Q4_K_M/nf4 (bench/infer.sh)
 #   make demo       QLoRA-fine-tunes a tiny NF4 llama on examples/demo.jsonl and shows what it learned
 #   make fuzz       libFuzzer on the GGUF reader (clang; FUZZ_RUNS=1000000 by default)
 #   make PORTABLE=1 ...  no -march=native (the portable SIMD fallback)
@@ -61,7 +62,7 @@ TOOLS    := tools/bench $(ROOT_TOOLS)
 HEADERS  := qlora.h $(wildcard models/*.h models/*.inc tools/*.h)
 TEST_HEADERS := $(wildcard tests/*.h)
 
-.PHONY: deps all test test-unit test-dropin test-cuda-shim test-amx-shim test-gpu cuda-check test-sanitize test-portable bench bench-finetune bench-checkpointing bench-optimizers demo clean cuda fuzz
+.PHONY: deps all test test-unit test-dropin test-cuda-shim test-amx-shim test-gpu cuda-check test-sanitize test-portable bench bench-finetune bench-checkpointing bench-optimizers bench-infer demo clean cuda fuzz
 all: $(TOOLS) $(BUILD)/test-qlora
 
 # tools/deps.sh: the headers the build needs - stb for the tools' loss plot, doctest for the tests -
@@ -268,6 +269,9 @@ test-gpu: $(TOOLS) $(BUILD)/test-qlora
 
 bench-optimizers: $(TOOLS)
 	./bench/optimizers.sh
+
+bench-infer: $(TOOLS)
+	./bench/infer.sh
 
 demo: $(TOOLS)
 	./examples/demo.sh

@@ -2099,6 +2099,13 @@ ql_tensor *ql_mul_mat_acc(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor
     return y;
 }
 
+ql_status ql_mul_mat_set_prec(ql_tensor *mm, ql_type prec) {
+    if (!mm || mm->op != QL_OP_MUL_MAT) return QL_ERR_INVALID;
+    if (prec != QL_TYPE_F32 && prec != QL_TYPE_Q8_0) return QL_ERR_TYPE;
+    set_param(mm, 0, (int32_t)prec);
+    return QL_OK;
+}
+
 ql_tensor *ql_get_rows(ql_context *ctx, ql_tensor *a, ql_tensor *ids) {
     if (!srcs_ok(ctx, "get_rows", {a, ids})) return nullptr;
     QL_CHECK(ctx, ids->type == QL_TYPE_I32, QL_ERR_TYPE, "get_rows: ids %s must be i32", shape_str(ids).c_str());
@@ -5533,6 +5540,374 @@ static void mm_dp(const mm_operand &, const mm_operand &, float *, const float *
                   int64_t, int64_t, float *, const mm_layout &) {}
 #endif
 
+// ---- matrix multiply with 8-bit activations (inference: ql_mul_mat_set_prec) ----
+// Decode multiplies a quantised weight by one token (or a few): the exact paths above turn every
+// weight into a float first, and that conversion, not memory, bounds them. Here the activation
+// rows are quantised instead - int8 per element, an f32 scale d = amax/127 per block of 32 (Q4_0,
+// Q8_0, NF4) or of 256 with the sums of each 16 codes (the k-quants: their offsets, Q4_K's mins and
+// Q6_K's -32, then come from those sums) - once per thread into the workspace, and each weight
+// row is dotted with them in integers, its codes unpacked in registers: four byte products per
+// 32-bit lane (AVX-512 VNNI's vpdpbusd, AVX2's maddubs + madd, or a scalar loop), each block's
+// integer sum scaled in f32. Each output has one thread and one summation order, so the result
+// does not depend on the thread count. The only error against the exact path is the activations'
+// rounding, |x - d q| <= d/2, and for NF4 its table in int8 (k_nf4_i8): README's generate section
+// states the bound and tests/test_qmatmul.cpp checks it. Other weight types stay exact (Q4_1,
+// Q5_*, Q2_K, Q3_K, Q5_K, IQ4_*: limitation: no integer kernel written for them yet).
+
+static constexpr int MM_Q8_MAX_N = 8;  // b rows at or below: this path (decode, short prompts' tails)
+
+// NF4's 16 values as int8, round(127 v): the weight is nf4_i8[q] * absmax / 127 here. The largest
+// rounding, |127 v - round(127 v)| / 127 over the table, is 0.00367 absmax (v = -0.2844: 36.12)
+static const int8_t k_nf4_i8[16] = {-127, -88, -67, -50, -36, -23, -12, 0, 10, 20, 31, 43, 56, 71, 92, 127};
+
+static int mm_q8_block(ql_type t) {  // the activations' block for a weight type; 0: no integer kernel
+    switch (t) {
+    case QL_TYPE_Q4_0: case QL_TYPE_Q8_0: case QL_TYPE_NF4: case QL_TYPE_NF4_NODQ: return 32;
+    case QL_TYPE_Q4_K: case QL_TYPE_Q6_K: return QL_QK_K;
+    default: return 0;
+    }
+}
+
+// activation rows in 8 bits, in a thread's workspace: x(i, k) ~ d[i K/qb + k/qb] q[i K + k]
+struct mm_xq {
+    int8_t  *q;     // [N, K]
+    float   *d;     // [N, K/qb]
+    int16_t *bsum;  // [N, K/16]: the sums of each 16 codes (qb 256)
+    float   *wsc;   // [K/64]: NF4: a weight row's absmax / 127 per block
+};
+static size_t mm_q8_round(size_t n) { return (n + 63) / 64 * 64; }
+static size_t mm_q8_work(int64_t N, int64_t K, int qb) {
+    return mm_q8_round((size_t)(N * K)) + mm_q8_round((size_t)(N * (K / qb)) * 4) + mm_q8_round((size_t)(N * (K / 16)) * 2) +
+           mm_q8_round((size_t)(K / 64) * 4) + 64;
+}
+static mm_xq mm_q8_carve(uint8_t *work, int64_t N, int64_t K, int qb) {
+    uint8_t *p = (uint8_t *)(((uintptr_t)work + 63) / 64 * 64);
+    mm_xq x;
+    x.q    = (int8_t *)p;   p += mm_q8_round((size_t)(N * K));
+    x.d    = (float *)p;    p += mm_q8_round((size_t)(N * (K / qb)) * 4);
+    x.bsum = (int16_t *)p;  p += mm_q8_round((size_t)(N * (K / 16)) * 2);
+    x.wsc  = (float *)p;
+    return x;
+}
+
+static inline float mm_h2f(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    return ql_fp16_to_fp32(h);
+#endif
+}
+
+// one row of K floats into codes and block scales (a non-finite element makes its block's d NaN,
+// so the result is NaN as the exact path's would be)
+static void mm_q8_quantize_row(const float *x, int64_t K, int qb, int8_t *q, float *d, int16_t *bsum) {
+    for (int64_t b = 0; b < K / qb; b++) {
+        const float *xb = x + b * qb;
+        int8_t *qq = q + b * qb;
+        float amax = 0.0f, bad = 0.0f;
+#if defined(__AVX512F__)
+        __m512 m = _mm512_setzero_ps(), z = _mm512_setzero_ps();
+        for (int k = 0; k < qb; k += 16) {
+            const __m512 v = _mm512_loadu_ps(xb + k);
+            m = _mm512_max_ps(m, _mm512_abs_ps(v));
+            z = _mm512_add_ps(z, _mm512_mul_ps(v, _mm512_setzero_ps()));  // NaN if an element is inf or NaN
+        }
+        amax = _mm512_reduce_max_ps(m);
+        bad = _mm512_reduce_add_ps(z);
+        const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        for (int k = 0; k < qb; k += 16)  // to nearest (even), |x id| <= 127
+            _mm_storeu_si128((__m128i *)(qq + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + k), id))));
+#else
+        for (int k = 0; k < qb; k++) {
+            amax = std::max(amax, std::fabs(xb[k]));
+            bad += xb[k] * 0.0f;
+        }
+        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        for (int k = 0; k < qb; k++) qq[k] = (int8_t)std::max(-127.0f, std::min(127.0f, std::nearbyint(xb[k] * id)));
+#endif
+        d[b] = amax / 127.0f + bad;
+        if (bsum)
+            for (int s = 0; s < qb / 16; s++) {
+                int t = 0;
+                for (int k = 0; k < 16; k++) t += qq[16 * s + k];
+                bsum[b * (qb / 16) + s] = (int16_t)t;
+            }
+    }
+}
+
+// the 8 (scale, min) pairs of a Q4_K block as ql_k4_scales, four bytes at a time: sc[0..3] are
+// s[0..3]'s low 6 bits, sc[4..7] s[8..11]'s low nibbles with s[0..3]'s top 2 bits above; the
+// mins likewise from s[4..7] and s[8..11]'s high nibbles
+static inline void mm_k4_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    uint32_t w[3], o[4];
+    memcpy(w, s, 12);
+    o[0] = w[0] & 0x3f3f3f3fu;
+    o[1] = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
+    o[2] = w[1] & 0x3f3f3f3fu;
+    o[3] = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, o, 8);
+    memcpy(mn, o + 2, 8);
+}
+
+// Row dot products: K elements of a weight row (blocks) against one quantised activation row.
+// xd: the row's block scales, bsum: its 16-sums (k-quants), wsc: NF4's absmax / 127 per block.
+typedef float (*mm_q8_dot_fn)(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum,
+                              const float *wsc);
+
+#if defined(__AVX2__) && defined(__FMA__)
+// 8 lanes += the sums of 4 byte products, a unsigned and b signed (AVX2: the pair sums must not
+// saturate int16 - every a here is <= 128 and |b| <= 127: 2 * 128 * 127 < 32768)
+static inline __m256i mm_dpbusd(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
+#endif
+}
+// signed x signed: a's sign moved onto b (|a| as unsigned: -128 reads 128)
+static inline __m256i mm_dpbssd(__m256i acc, __m256i a, __m256i b) {
+    return mm_dpbusd(acc, _mm256_abs_epi8(a), _mm256_sign_epi8(b, a));
+}
+static inline float mm_hsum8(__m256 v) {
+    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_movehdup_ps(t)));
+}
+static inline __m256i mm_ld(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+// sum over blocks 0..nb-1 of step(i, acc): even and odd blocks into two accumulators (two
+// multiply-add chains in flight), added at the end
+template <class Step> static inline float mm_q8_sum2(int64_t nb, const Step &step) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 2 <= nb; i += 2) {
+        a0 = step(i, a0);
+        a1 = step(i + 1, a1);
+    }
+    if (i < nb) a0 = step(i, a0);
+    return mm_hsum8(_mm256_add_ps(a0, a1));
+}
+
+static float mm_q8dot_q4_0(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *, const float *) {
+    const ql_block_q4_0 *b = (const ql_block_q4_0 *)w;
+    const __m256i m4 = _mm256_set1_epi8(15), eight = _mm256_set1_epi8(8);
+    auto step = [&](int64_t i, __m256 acc) {
+        const __m128i qs = _mm_loadu_si128((const __m128i *)b[i].qs);
+        const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), m4);  // elements 0-15, 16-31
+        const __m256i x = mm_ld(xq + 32 * i);
+        const __m256i s = _mm256_sub_epi32(mm_dpbusd(_mm256_setzero_si256(), q, x), mm_dpbusd(_mm256_setzero_si256(), eight, x));
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(mm_h2f(b[i].d) * xd[i]), acc);
+    };
+    return mm_q8_sum2(K / 32, step);
+}
+
+static float mm_q8dot_q8_0(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *, const float *) {
+    const ql_block_q8_0 *b = (const ql_block_q8_0 *)w;
+    auto step = [&](int64_t i, __m256 acc) {
+        const __m256i s = mm_dpbssd(_mm256_setzero_si256(), mm_ld(b[i].qs), mm_ld(xq + 32 * i));
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(mm_h2f(b[i].d) * xd[i]), acc);
+    };
+    return mm_q8_sum2(K / 32, step);
+}
+
+// NF4: 32 bytes of codes are a block of 64 (element 2j in byte j's high nibble, 2j+1 in the low)
+static float mm_q8dot_nf4(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *, const float *wsc) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)k_nf4_i8));
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < K / 64; i++) {
+        const __m256i c = mm_ld(w + 32 * i);
+        const __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(c, 4), m4));  // elements 2j
+        const __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(c, m4));                        // elements 2j+1
+        const __m256i a = _mm256_unpacklo_epi8(hi, lo), e = _mm256_unpackhi_epi8(hi, lo);  // [0-15 | 32-47], [16-31 | 48-63]
+        const __m256i v0 = _mm256_permute2x128_si256(a, e, 0x20), v1 = _mm256_permute2x128_si256(a, e, 0x31);
+        const __m256i s0 = mm_dpbssd(_mm256_setzero_si256(), v0, mm_ld(xq + 64 * i));
+        const __m256i s1 = mm_dpbssd(_mm256_setzero_si256(), v1, mm_ld(xq + 64 * i + 32));
+        acc[0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_set1_ps(wsc[i] * xd[2 * i]), acc[0]);
+        acc[1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_set1_ps(wsc[i] * xd[2 * i + 1]), acc[1]);
+    }
+    return mm_hsum8(_mm256_add_ps(acc[0], acc[1]));
+}
+
+// Q4_K: d sc q - dmin m per sub-block of 32; the mins' part is dmin d_x sum_s m_s (bsum of its two 16s)
+static float mm_q8dot_q4_K(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
+    const ql_block_q4_K *b = (const ql_block_q4_K *)w;
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    for (int64_t i = 0; i < K / QL_QK_K; i++) {
+        uint8_t sc[8], mn[8];
+        mm_k4_scales(b[i].scales, sc, mn);
+        alignas(32) int32_t sc32[8];  // each broadcast below is then one load
+        _mm256_store_si256((__m256i *)sc32, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
+        const int8_t *x = xq + QL_QK_K * i;
+        __m256i isum = _mm256_setzero_si256();
+        for (int g = 0; g < 4; g++) {  // 32 bytes: sub-block 2g in the low nibbles, 2g+1 in the high
+            const __m256i q = mm_ld(b[i].qs + 32 * g);
+            const __m256i s0 = mm_dpbusd(_mm256_setzero_si256(), _mm256_and_si256(q, m4), mm_ld(x + 64 * g));
+            const __m256i s1 = mm_dpbusd(_mm256_setzero_si256(), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), mm_ld(x + 64 * g + 32));
+            isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s0, _mm256_set1_epi32(sc32[2 * g])));
+            isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s1, _mm256_set1_epi32(sc32[2 * g + 1])));
+        }
+        // the mins: lane s of madd = m_s (bsum_2s + bsum_2s+1), m_s repeated in both int16 halves
+        uint64_t m8;
+        memcpy(&m8, mn, 8);
+        const __m128i mb = _mm_cvtsi64_si128((long long)m8);
+        const __m256i m16 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mb, mb));
+        const __m256i ms = _mm256_madd_epi16(m16, mm_ld(bsum + 16 * i));
+        const float dx = xd[i];
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(mm_h2f(b[i].d) * dx), acc);
+        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_set1_ps(mm_h2f(b[i].dmin) * dx), accm);
+    }
+    return mm_hsum8(acc) - mm_hsum8(accm);
+}
+
+// Q6_K: d sc (q - 32) per sub-block of 16, q = 4 bits of ql + 2 of qh; the -32 through the 16-sums
+static float mm_q8dot_q6_K(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
+    const ql_block_q6_K *b = (const ql_block_q6_K *)w;
+    const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), m30 = _mm256_set1_epi8(0x30);
+    __m256i pick[4];  // lanes 0-3: sub-block 2m of the 8 scales at hand, lanes 4-7: 2m + 1
+    for (int m = 0; m < 4; m++) pick[m] = _mm256_setr_epi32(2 * m, 2 * m, 2 * m, 2 * m, 2 * m + 1, 2 * m + 1, 2 * m + 1, 2 * m + 1);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < K / QL_QK_K; i++) {
+        const int8_t *x = xq + QL_QK_K * i;
+        __m256i isum = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {  // 128 elements: 64 bytes of ql, 32 of qh, 8 scales
+            const __m256i l0 = mm_ld(b[i].ql + 64 * h), l1 = mm_ld(b[i].ql + 64 * h + 32), qh = mm_ld(b[i].qh + 32 * h);
+            const __m256i sc = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b[i].scales + 8 * h)));
+            __m256i q[4];
+            q[0] = _mm256_or_si256(_mm256_and_si256(l0, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
+            q[1] = _mm256_or_si256(_mm256_and_si256(l1, m4), _mm256_slli_epi16(_mm256_and_si256(qh, _mm256_set1_epi8(0x0c)), 2));
+            q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), _mm256_and_si256(qh, m30));
+            q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+            for (int m = 0; m < 4; m++) {
+                const __m256i s = mm_dpbusd(_mm256_setzero_si256(), q[m], mm_ld(x + 128 * h + 32 * m));
+                isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s, _mm256_permutevar8x32_epi32(sc, pick[m])));
+            }
+        }
+        // the -32: 32 sum_s sc_s bsum_s, pairs of sub-blocks per lane
+        const __m256i os = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)b[i].scales)), mm_ld(bsum + 16 * i));
+        const __m256 dd = _mm256_set1_ps(mm_h2f(b[i].d) * xd[i]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum, _mm256_slli_epi32(os, 5))), dd, acc);
+    }
+    return mm_hsum8(acc);
+}
+#else
+// the portable kernels: the same integer sums, block by block
+static float mm_q8dot_q4_0(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *, const float *) {
+    const ql_block_q4_0 *b = (const ql_block_q4_0 *)w;
+    float r = 0.0f;
+    for (int64_t i = 0; i < K / 32; i++) {
+        const int8_t *x = xq + 32 * i;
+        int s = 0;
+        for (int j = 0; j < 16; j++) s += ((b[i].qs[j] & 15) - 8) * x[j] + ((b[i].qs[j] >> 4) - 8) * x[j + 16];
+        r += (float)s * (mm_h2f(b[i].d) * xd[i]);
+    }
+    return r;
+}
+static float mm_q8dot_q8_0(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *, const float *) {
+    const ql_block_q8_0 *b = (const ql_block_q8_0 *)w;
+    float r = 0.0f;
+    for (int64_t i = 0; i < K / 32; i++) {
+        int s = 0;
+        for (int j = 0; j < 32; j++) s += b[i].qs[j] * xq[32 * i + j];
+        r += (float)s * (mm_h2f(b[i].d) * xd[i]);
+    }
+    return r;
+}
+static float mm_q8dot_nf4(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *, const float *wsc) {
+    float r = 0.0f;
+    for (int64_t i = 0; i < K / 64; i++)
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *c = w + 32 * i + 16 * h;
+            const int8_t *x = xq + 64 * i + 32 * h;
+            int s = 0;
+            for (int j = 0; j < 16; j++) s += k_nf4_i8[c[j] >> 4] * x[2 * j] + k_nf4_i8[c[j] & 15] * x[2 * j + 1];
+            r += (float)s * (wsc[i] * xd[2 * i + h]);
+        }
+    return r;
+}
+static float mm_q8dot_q4_K(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
+    const ql_block_q4_K *b = (const ql_block_q4_K *)w;
+    float r = 0.0f;
+    for (int64_t i = 0; i < K / QL_QK_K; i++) {
+        uint8_t sc[8], mn[8];
+        mm_k4_scales(b[i].scales, sc, mn);
+        const int8_t *x = xq + QL_QK_K * i;
+        int s = 0, m = 0;
+        for (int g = 0; g < 4; g++) {
+            int s0 = 0, s1 = 0;
+            for (int l = 0; l < 32; l++) {
+                s0 += (b[i].qs[32 * g + l] & 15) * x[64 * g + l];
+                s1 += (b[i].qs[32 * g + l] >> 4) * x[64 * g + 32 + l];
+            }
+            s += sc[2 * g] * s0 + sc[2 * g + 1] * s1;
+        }
+        for (int t = 0; t < 8; t++) m += mn[t] * (bsum[16 * i + 2 * t] + bsum[16 * i + 2 * t + 1]);
+        r += (float)s * (mm_h2f(b[i].d) * xd[i]) - (float)m * (mm_h2f(b[i].dmin) * xd[i]);
+    }
+    return r;
+}
+static float mm_q8dot_q6_K(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *, const float *) {
+    const ql_block_q6_K *b = (const ql_block_q6_K *)w;
+    float r = 0.0f;
+    for (int64_t i = 0; i < K / QL_QK_K; i++) {
+        const int8_t *x = xq + QL_QK_K * i;
+        int s = 0;
+        for (int h = 0; h < 2; h++)
+            for (int m = 0; m < 4; m++)
+                for (int l = 0; l < 32; l++) {
+                    const int lo = b[i].ql[64 * h + 32 * (m & 1) + l], top = b[i].qh[32 * h + l];
+                    const int q = (((m < 2 ? lo : lo >> 4) & 15) | (((top >> (2 * m)) & 3) << 4)) - 32;
+                    s += b[i].scales[8 * h + 2 * m + l / 16] * q * x[128 * h + 32 * m + l];
+                }
+        r += (float)s * (mm_h2f(b[i].d) * xd[i]);
+    }
+    return r;
+}
+#endif
+
+static mm_q8_dot_fn mm_q8_dot_of(ql_type t) {
+    switch (t) {
+    case QL_TYPE_Q4_0: return mm_q8dot_q4_0;
+    case QL_TYPE_Q8_0: return mm_q8dot_q8_0;
+    case QL_TYPE_NF4: case QL_TYPE_NF4_NODQ: return mm_q8dot_nf4;
+    case QL_TYPE_Q4_K: return mm_q8dot_q4_K;
+    case QL_TYPE_Q6_K: return mm_q8dot_q6_K;
+    default: return nullptr;
+    }
+}
+
+// columns [jb, je) for all N rows: the N activation rows quantised (by every thread, each into
+// its own workspace: a few thousand elements against the weight's megabytes), then weight rows
+// dotted with them
+static void mm_q8(const mm_operand &w, const mm_operand &x, float *c, const float *ci, int64_t ldc, int64_t K, int64_t N,
+                  int64_t jb, int64_t je, uint8_t *work) {
+    const int qb = mm_q8_block(w.type);
+    const mm_xq xq = mm_q8_carve(work, N, K, qb);
+    for (int64_t i = 0; i < N; i++)
+        mm_q8_quantize_row((const float *)(x.p + i * x.smn), K, qb, xq.q + i * K, xq.d + i * (K / qb),
+                           qb == QL_QK_K ? xq.bsum + i * (K / 16) : nullptr);
+    const mm_q8_dot_fn dot = mm_q8_dot_of(w.type);
+    const bool nf4 = w.type == QL_TYPE_NF4 || w.type == QL_TYPE_NF4_NODQ;
+    for (int64_t j = jb; j < je; j++) {
+        const uint8_t *row = w.p + j * w.smn;
+        if (nf4) {  // the row's absmax per block of 64 (K % 64 == 0: blocks start at the row)
+            const int64_t b0 = (int64_t)(row - w.root_data) * 2 / QL_NF4_BLOCK;
+            if (w.type == QL_TYPE_NF4) {
+                const nf4_aux a(w.aux);
+                for (int64_t b = 0; b < K / 64; b++) xq.wsc[b] = a.absmax(b0 + b) / 127.0f;
+            } else {
+                for (int64_t b = 0; b < K / 64; b++) xq.wsc[b] = ((const float *)w.aux)[b0 + b] / 127.0f;
+            }
+        }
+        for (int64_t i = 0; i < N; i++) {
+            const float r = dot(K, row, xq.q + i * K, xq.d + i * (K / qb), xq.bsum + i * (K / 16), xq.wsc);
+            c[i * ldc + j] = ci ? ci[i * ldc + j] + r : r;
+        }
+    }
+}
+
 // One multiply, split into tasks over (batch, column chunk, row chunk); thread ith takes
 // tasks ith, ith + nth, ...
 struct mm_problem {
@@ -5543,9 +5918,16 @@ struct mm_problem {
     int64_t n_batch, B2;    // batches of b (and c); a is broadcast over them
     int64_t r2, r3;         // b batches per a batch
     size_t wb2, wb3, xb2, xb3, cb2, cb3;  // batch strides in bytes
+    bool q8;                // the 8-bit activations' path (mm_q8) takes it
 };
 
 static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
+    if (P.q8) {  // one batch, columns in chunks of 16 (whole cache lines of C for one row)
+        const int64_t units = (P.M + 15) / 16;
+        const int64_t jb = std::min(P.M, units * ith / nth * 16), je = std::min(P.M, units * (ith + 1) / nth * 16);
+        if (jb < je) mm_q8(P.w, P.x, P.c, P.ci, P.ldc, P.K, P.N, jb, je, (uint8_t *)work);
+        return;
+    }
     const bool dot = P.N <= MM_DOT_MAX_N && mm_k_contig(P.w) && P.x.type == QL_TYPE_F32 && mm_k_contig(P.x);
     // (N >= 16: the bf16 X block, rows rounded up to 32, then fits the f32 X block's room)
     const bool amx = P.x.type == QL_TYPE_BF16 && P.K % 32 == 0 && P.K > 0 && P.N >= 16 && mm_amx_ready();
@@ -5620,6 +6002,14 @@ static mm_problem mm_problem_of(const ql_tensor *dst) {
         P.B2 = 1;
         P.r2 = P.r3 = 1;
     }
+    // 8-bit activations: asked for (ql_mul_mat_set_prec), a weight type with an integer kernel read
+    // in rows of blocks, few f32 rows of b with dense rows, one batch; NF4: rows of whole blocks of 64
+    const int qb = mm_q8_block(a->type);
+    const int64_t first = (int64_t)(P.w.p - P.w.root_data);  // NF4: bytes = element pairs
+    const bool nf4_whole = (a->type != QL_TYPE_NF4 && a->type != QL_TYPE_NF4_NODQ) ||
+                           (P.K % QL_NF4_BLOCK == 0 && first * 2 % QL_NF4_BLOCK == 0 && P.w.smn * 2 % QL_NF4_BLOCK == 0);
+    P.q8 = get_param<int32_t>(dst, 0) == QL_TYPE_Q8_0 && qb > 0 && !trows && mm_k_contig(P.w) && b->type == QL_TYPE_F32 &&
+           mm_k_contig(P.x) && P.n_batch == 1 && P.N <= MM_Q8_MAX_N && P.K > 0 && P.K % qb == 0 && nf4_whole;
     return P;
 }
 
@@ -5683,7 +6073,7 @@ static size_t cpu_work_per_thread(const ql_tensor *node) {
     case QL_OP_FLASH_ATTN: case QL_OP_FLASH_ATTN_BACK: return fa_work(node);
     case QL_OP_MUL_MAT: {
         const mm_problem P = mm_problem_of(node);
-        return mm_layout_of(P.M, P.N, P.K).total * sizeof(float);
+        return P.q8 ? mm_q8_work(P.N, P.K, mm_q8_block(P.w.type)) : mm_layout_of(P.M, P.N, P.K).total * sizeof(float);
     }
     default:              return 0;
     }

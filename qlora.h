@@ -393,6 +393,15 @@ ql_tensor *ql_mul_mat(ql_context *ctx, ql_tensor *a, ql_tensor *b);
 // of a separate pass - LoRA's W x + B(s A x). The same bits as ql_add(c, ql_mul_mat(a, b))
 // for K <= 256; beyond that c joins the sum after the first 256 of K (rounding differs).
 ql_tensor *ql_mul_mat_acc(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor *c);
+// Asks for a multiply's activations in 8 bits (prec QL_TYPE_Q8_0; QL_TYPE_F32, the default, is
+// exact): b's rows rounded per block to int8 with an f32 scale, dotted in integers with a's
+// packed blocks - llama.cpp's way of running a quantised model. For inference only: the result
+// moves within the bound README's generate section states (training is exact and must not ask).
+// The CPU backend honours it where a is Q4_0, Q8_0, Q4_K, Q6_K or NF4 (rows of whole 64-blocks),
+// b f32 with dense rows and at most 8 of them, one batch; every other multiply stays exact, as
+// on the CUDA backend. QL_ERR_INVALID if mm is not a ql_mul_mat(_acc) result, QL_ERR_TYPE for
+// another prec.
+ql_status ql_mul_mat_set_prec(ql_tensor *mm, ql_type prec);
 
 // a [n_embd, n_rows] (any float type), ids I32 [n, n2, n3] -> [n_embd, n, n2, n3] f32
 ql_tensor *ql_get_rows(ql_context *ctx, ql_tensor *a, ql_tensor *ids);

@@ -108,6 +108,7 @@ static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
     const bool low = m->compute != QL_TYPE_F32;
     auto in = [&](ql_tensor *t) { return low ? ql_cast(ctx, t, m->compute) : t; };
     ql_tensor *y = ql_mul_mat(ctx, w, xc);
+    if (y && m->q8_activations) ql_mul_mat_set_prec(y, QL_TYPE_Q8_0);
     auto it = m->lora.find(w);
     if (it == m->lora.end()) return y;
     const ql_lora_pair &p = it->second;  // [in, r] then [r, out]

@@ -69,6 +69,10 @@ struct ql_llama {
     // T x n_ff intermediates then exist a chunk at a time, in forward and in recompute. The
     // same numbers (dropout masks included) as unchunked, but for the sums over tokens.
     int64_t ffn_chunk = 0;
+    // inference: the linears' multiplies by the base weights take their activations in 8 bits
+    // (ql_mul_mat_set_prec QL_TYPE_Q8_0: integer dot products where the backend has them for the
+    // weight's type, decode's few tokens). Within README's bound, not bit-exact: training never sets it
+    bool q8_activations = false;
     ql_tensor *tok_embd = nullptr;  // [n_embd, n_vocab]
     ql_tensor *out_norm = nullptr;  // [n_embd]
     ql_tensor *output   = nullptr;  // [n_embd, n_vocab]; == tok_embd when tied

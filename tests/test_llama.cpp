@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -433,4 +434,30 @@ TEST_CASE("llama: a rope_freqs tensor (Llama 3.1 scaling) and linear scaling key
     CHECK(ql_llama_load(scaled.c_str(), err, sizeof(err)) == nullptr);
     CHECK_MESSAGE(std::string(err).find("llama.rope.scaling.factor is -2") != std::string::npos, err);
     ql_llama_file_free(a);
+}
+
+TEST_CASE("llama: q8_activations puts the base weights' multiplies on the 8-bit path: close to exact, not equal") {
+    const ql_llama_hparams hp = tiny_hparams(96, 128, 192);
+    ql_init_params ip = {16u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_llama m;
+    REQUIRE(ql_llama_create(ctx, &m, hp, QL_TYPE_Q4_0, false) == QL_OK);
+    ql_llama_randomize(&m, 9, 0.05f);  // the f32 tensors; the Q4_0 linears from Gaussians here
+    std::mt19937 rng(9);
+    std::normal_distribution<float> G(0.0f, 0.05f);
+    for (const ql_llama_layer &L : m.layers)
+        for (ql_tensor *w : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) {
+            REQUIRE(w->type == QL_TYPE_Q4_0);
+            std::vector<float> v((size_t)ql_nelements(w));
+            for (float &e : v) e = G(rng);
+            REQUIRE(ql_quantize(QL_TYPE_Q4_0, v.data(), w->ne[1], w->ne[0], w->data, nullptr, 0) == QL_OK);
+        }
+    const std::vector<int32_t> toks = {5, 17, 3};  // 3 tokens: within the path's 8 rows
+    const std::vector<float> exact = logits_of(m, toks);
+    m.q8_activations = true;
+    const std::vector<float> q8 = logits_of(m, toks);
+    CHECK(q8 != exact);
+    CHECK(rel_err(q8, exact) < 0.02);
+    MESSAGE("q4_0 tiny llama, 8-bit activations: max |logit diff| / max |logit| = " << rel_err(q8, exact));
+    ql_free(ctx);
 }

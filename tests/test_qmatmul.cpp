@@ -201,3 +201,151 @@ TEST_CASE("NF4 read through views: strided rows, half rows, permuted, transposed
     ql_backend_free(be);
     ql_free(ctx);
 }
+
+namespace {
+
+// y = mul_mat(W, x) forward only, W [K, M] of `type`; q8: with ql_mul_mat_set_prec(QL_TYPE_Q8_0)
+std::vector<float> run_forward(ql_type type, const std::vector<uint8_t> &wbytes, int64_t M, int64_t K, const std::vector<float> &x,
+                               int64_t N, int threads, bool q8) {
+    ql_init_params ip = {wbytes.size() + (size_t)(K * N + M * N) * 4 + (4u << 20), nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *w = ql_new_tensor_2d(ctx, type, K, M);
+    REQUIRE(w);
+    memcpy(w->data, wbytes.data(), wbytes.size());
+    ql_tensor *xt = ql_new_tensor_2d(ctx, QL_TYPE_F32, K, N);
+    memcpy(xt->data, x.data(), x.size() * 4);
+    ql_tensor *y = ql_set_output(ql_mul_mat(ctx, w, xt));
+    REQUIRE(y);
+    if (q8) REQUIRE(ql_mul_mat_set_prec(y, QL_TYPE_Q8_0) == QL_OK);
+    ql_graph *g = ql_graph_new(ctx);
+    ql_graph_build_forward(g, y);
+    ql_backend *be = ql_backend_cpu_init(threads);
+    REQUIRE_MESSAGE(ql_graph_alloc(g, be) == QL_OK, ql_ctx_error(ctx));
+    ql_graph_set_poison(g, true);
+    REQUIRE_MESSAGE(ql_backend_graph_compute(be, g) == QL_OK, ql_ctx_error(ctx));
+    std::vector<float> out((const float *)y->data, (const float *)y->data + M * N);
+    ql_graph_free(g);
+    ql_backend_free(be);
+    ql_free(ctx);
+    return out;
+}
+
+// Gaussian activations with outliers (one element in 64 fifty times larger), as a residual stream has
+std::vector<float> outlier_activations(int64_t n, std::mt19937 &rng) {
+    std::normal_distribution<float> G(0.0f, 1.0f);
+    std::vector<float> x((size_t)n);
+    for (float &v : x) v = G(rng) * (rng() % 64 == 0 ? 50.0f : 1.0f);
+    return x;
+}
+
+}  // namespace
+
+// The bound README's generate section states: per output, the activations' rounding (|x - d q| <=
+// d/2, d = the block's max |x| / 127) times |W|, plus for NF4 the table's int8 rounding (at most
+// 0.00367 of the block's absmax per weight) times |x| and times d/2; f32 sums add 1e-5 sum |W| |x|.
+TEST_CASE("8-bit activations (ql_mul_mat_set_prec): within the stated bound of the exact path, every type with an integer kernel") {
+    const ql_type types[] = {QL_TYPE_Q4_0, QL_TYPE_Q8_0, QL_TYPE_Q4_K, QL_TYPE_Q6_K, QL_TYPE_NF4, QL_TYPE_NF4_NODQ};
+    const int64_t M = 72, K = 1024;  // M: chunks of 16 columns split unevenly over 3 threads
+    std::mt19937 rng(32);
+    for (ql_type type : types) {
+        const std::vector<uint8_t> wq = make_weight(type, M, K, rng);
+        std::vector<float> wf((size_t)(M * K));
+        REQUIRE(ql_dequantize(type, wq.data(), M, K, wf.data()) == QL_OK);
+        const bool nf4 = type == QL_TYPE_NF4 || type == QL_TYPE_NF4_NODQ;
+        const int64_t qb = type == QL_TYPE_Q4_K || type == QL_TYPE_Q6_K ? 256 : 32;
+        std::vector<float> wtab((size_t)(M * K), 0.0f);  // NF4: the table's rounding, 0.00367 absmax (= the block's max |W|)
+        if (nf4)
+            for (int64_t b = 0; b < M * K / 64; b++) {
+                float am = 0;
+                for (int64_t k = 0; k < 64; k++) am = std::max(am, std::fabs(wf[(size_t)(b * 64 + k)]));
+                for (int64_t k = 0; k < 64; k++) wtab[(size_t)(b * 64 + k)] = 0.00367f * am;
+            }
+        for (int64_t N : {1, 3, 8}) {
+            const std::vector<float> x = outlier_activations(K * N, rng);
+            const std::vector<float> exact = run_forward(type, wq, M, K, x, N, 2, false);
+            const std::vector<float> fast = run_forward(type, wq, M, K, x, N, 2, true);
+            CAPTURE(std::string(ql_type_name(type)));
+            CAPTURE(N);
+            CHECK(run_forward(type, wq, M, K, x, N, 1, true) == fast);  // no dependence on the threads
+            CHECK(run_forward(type, wq, M, K, x, N, 3, true) == fast);
+            // the documented arithmetic emulated in double: x's codes (q = x 127/amax to nearest, in f32
+            // as the kernel), NF4's weights through the int8 table; only f32 sums may differ from it
+            std::vector<float> xr((size_t)(K * N));
+            for (int64_t b = 0; b < K * N / qb; b++) {
+                float amax = 0;
+                for (int64_t k = b * qb; k < (b + 1) * qb; k++) amax = std::max(amax, std::fabs(x[(size_t)k]));
+                const float id = amax > 0 ? 127.0f / amax : 0.0f;
+                for (int64_t k = b * qb; k < (b + 1) * qb; k++) xr[(size_t)k] = std::nearbyint(x[(size_t)k] * id) * (amax / 127.0f);
+            }
+            std::vector<float> wr = wf;
+            if (nf4) {
+                const float vals[16] = QL_NF4_VALUES;
+                for (size_t k = 0; k < wr.size(); k++) {
+                    const float am = wtab[k] / 0.00367f;
+                    if (am == 0) continue;
+                    int best = 0;
+                    for (int c = 1; c < 16; c++)
+                        if (std::fabs(vals[c] * am - wf[k]) < std::fabs(vals[best] * am - wf[k])) best = c;
+                    wr[k] = (float)std::lround(127.0 * vals[best]) * (am / 127.0f);
+                }
+            }
+            double emul = 0;
+            for (int64_t i = 0; i < N; i++)
+                for (int64_t j = 0; j < M; j++) {
+                    double ref = 0, mag = 0;
+                    for (int64_t k = 0; k < K; k++) {
+                        ref += (double)wr[(size_t)(j * K + k)] * xr[(size_t)(i * K + k)];
+                        mag += std::fabs((double)wr[(size_t)(j * K + k)] * xr[(size_t)(i * K + k)]);
+                    }
+                    emul = std::max(emul, std::fabs(fast[(size_t)(i * M + j)] - ref) / mag);
+                }
+            CHECK(emul <= 2e-6);
+            double worst = 0, moved = 0;  // worst |diff| / bound; the largest |diff| (the path ran)
+            for (int64_t i = 0; i < N; i++)
+                for (int64_t j = 0; j < M; j++) {
+                    double bound = 0, mag = 0;
+                    for (int64_t b = 0; b < K / qb; b++) {
+                        double amax = 0;
+                        for (int64_t k = b * qb; k < (b + 1) * qb; k++) amax = std::max(amax, (double)std::fabs(x[(size_t)(i * K + k)]));
+                        const double half = amax / 127 / 2;
+                        for (int64_t k = b * qb; k < (b + 1) * qb; k++) {
+                            const double w = std::fabs(wf[(size_t)(j * K + k)]), e = wtab[(size_t)(j * K + k)];
+                            const double xv = std::fabs(x[(size_t)(i * K + k)]);
+                            bound += (w + e) * half + e * xv;
+                            mag += w * xv;
+                        }
+                    }
+                    bound += 1e-5 * mag;
+                    const double d = std::fabs((double)fast[(size_t)(i * M + j)] - exact[(size_t)(i * M + j)]);
+                    worst = std::max(worst, d / bound);
+                    moved = std::max(moved, d);
+                }
+            CHECK(worst <= 1.0);
+            CHECK(moved > 0);  // the 8-bit path was taken (exact would be 0)
+            MESSAGE(std::string(ql_type_name(type)) << " N=" << N << ": worst |fast - exact| / bound = " << worst
+                                                    << ", |fast - emulated| / sum |w x| = " << emul);
+        }
+    }
+}
+
+TEST_CASE("8-bit activations: the request's checks, and the multiplies it leaves exact") {
+    ql_init_params ip = {1u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *w = ql_new_tensor_2d(ctx, QL_TYPE_Q4_0, 64, 4), *x = ql_new_tensor_2d(ctx, QL_TYPE_F32, 64, 1);
+    ql_tensor *y = ql_mul_mat(ctx, w, x);
+    CHECK(ql_mul_mat_set_prec(y, QL_TYPE_Q8_0) == QL_OK);
+    CHECK(ql_mul_mat_set_prec(y, QL_TYPE_F32) == QL_OK);
+    CHECK(ql_mul_mat_set_prec(y, QL_TYPE_BF16) == QL_ERR_TYPE);
+    CHECK(ql_mul_mat_set_prec(ql_add(ctx, x, x), QL_TYPE_Q8_0) == QL_ERR_INVALID);
+    CHECK(ql_mul_mat_set_prec(nullptr, QL_TYPE_Q8_0) == QL_ERR_INVALID);
+    ql_free(ctx);
+    // bit for bit the exact path: more than 8 rows of b, and a type without an integer kernel
+    std::mt19937 rng(5);
+    const int64_t M = 40, K = 512;
+    for (auto tn : {std::make_pair(QL_TYPE_Q4_0, (int64_t)9), std::make_pair(QL_TYPE_Q5_K, (int64_t)1)}) {
+        const std::vector<uint8_t> wq = make_weight(tn.first, M, K, rng);
+        const std::vector<float> xs = outlier_activations(K * tn.second, rng);
+        CAPTURE(std::string(ql_type_name(tn.first)));
+        CHECK(run_forward(tn.first, wq, M, K, xs, tn.second, 2, true) == run_forward(tn.first, wq, M, K, xs, tn.second, 2, false));
+    }
+}

@@ -1023,7 +1023,7 @@ TEST_CASE("finetune: the memory plan: --dry-run, measured peak within 3%, -b aut
     REQUIRE_MESSAGE(run(ft + " -b 4 --dry-run --json", &log) == 0, log);
     const ql_json j = json_line(log);
     double parts = jnum(j, "process") + jnum(*j.get("weights"), "read");
-    for (const char *k : {"lora", "grads", "optimizer", "saved_activations", "temporaries", "workspace", "inputs", "graph", "reserve"})
+    for (const char *k : {"lora", "grads", "optimizer", "saved_activations", "temporaries", "workspace", "inputs", "graph", "graph_heap", "reserve"})
         parts += jnum(j, k);
     CHECK(parts == jnum(j, "total"));  // the parts add up to the total
     CHECK(jnum(j, "micro_batch") == 4);
@@ -1668,4 +1668,20 @@ TEST_CASE("quantize Q4_K_M / Q4_K_S / Q8_0 / Q3_K_M / Q2_K / IQ4_XS: llama-quant
     CHECK_MESSAGE(run("./perplexity -m " + d.path + "/k2.gguf -f " + d.path + "/t.txt -c 64 --json -t 1", &log) == 0, log);
     CHECK(run("./quantize " + d.path + "/m.gguf " + d.path + "/x.gguf Q4_K_M --include-output", &log) == 2);
     CHECK_MESSAGE(log.find("decides every tensor itself") != std::string::npos, log);
+}
+
+TEST_CASE("generate --exact: f32 activations in the quantised weights' multiplies, and the same text for any -t either way" *
+          needs_tools("make-model generate")) {
+    tmpdir d;
+    const std::string m = d.path + "/m.gguf";
+    std::string log, one, three;
+    REQUIRE(run("./make-model -o " + m + " --dim 64 --layers 2 --heads 2 --ff 128 --type q4_0", &log) == 0);
+    for (const char *mode : {"", " --exact"}) {
+        CAPTURE(std::string(mode));
+        REQUIRE_MESSAGE(run("./generate -m " + m + " -p hi -n 12 --temp 0 -t 1" + mode, &one) == 0, one);
+        REQUIRE_MESSAGE(run("./generate -m " + m + " -p hi -n 12 --temp 0 -t 3" + mode, &three) == 0, three);
+        CHECK(text_of(one) == text_of(three));
+    }
+    CHECK(run("./generate --help", &log) == 0);
+    CHECK(log.find("[--exact]") != std::string::npos);
 }

@@ -2,7 +2,7 @@
 //
 //   ./generate -m model.gguf [-p "prompt"] [-n 128] [--temp 0.8] [--top-k 40] [--top-p 0.95]
 //              [--seed 1] [--lora adapter.gguf [--lora-scale 1]] [-c context] [-t threads]
-//              [--device cpu|cuda|cuda:N|auto]
+//              [--device cpu|cuda|cuda:N|auto] [--exact]
 //
 // Generation stops at an end-of-generation token (ql_vocab_is_eog: eos, eot, eom and the texts
 // llama.cpp treats as such, e.g. <|eot_id|> and <|end_of_text|>), after -n tokens, or at the
@@ -10,7 +10,9 @@
 // --temp 0 is greedy. An empty prompt starts from BOS alone. Two graphs are planned before the
 // first token - the prompt and one new token - over one KV cache; every step then only sets
 // inputs (token, position, cache row) and runs, allocating nothing. On a GPU the weights are
-// placed on it once; inputs go in and logits come back through the backend's set/get.
+// placed on it once; inputs go in and logits come back through the backend's set/get. The
+// quantised weights' multiplies take 8-bit activations (integer dot products, as llama.cpp; the
+// bound is in README's generate section); --exact keeps them f32, the exact dequantised path.
 #include "../models/adapter.h"
 #include "../models/llama.h"
 #include "../models/tokenizer.h"
@@ -31,7 +33,8 @@ static int usage(const char *argv0) {
     fprintf(stderr,
             "usage: %s -m model.gguf [-p PROMPT] [-n N] [--temp T] [--top-k K] [--top-p P] [--seed S]\n"
             "       [--lora adapter.gguf|peft-dir] [--lora-scale S] [-c CONTEXT] [-t THREADS]\n"
-            "       [--device cpu|cuda|cuda:N|auto]   (auto: cuda when built with it and a GPU is present)\n",
+            "       [--device cpu|cuda|cuda:N|auto]   (auto: cuda when built with it and a GPU is present)\n"
+            "       [--exact]   (f32 activations in the quantised weights' multiplies, not 8-bit)\n",
             argv0);
     return 2;
 }
@@ -91,6 +94,7 @@ struct gen_args {
     const char *model = nullptr, *lora = nullptr, *device = "auto";
     std::string prompt;
     double n_gen = 128, temp = 0.8, top_k = 40, top_p = 0.95, seed = 1, n_ctx = 0, threads = 0, lora_scale = 1;
+    bool exact = false;  // --exact: no 8-bit activations (ql_llama::q8_activations)
 };
 
 // The flags into a: -1 to go on, else the exit code (0 for --help) after the usage or the message.
@@ -122,6 +126,7 @@ static int parse_args(int argc, char **argv, gen_args *a) {
             }
             a->lora = argv[++i];
         } else if (f == "--device" && has) a->device = argv[++i];
+        else if (f == "--exact") a->exact = true;
         else if (f == "--lora-scale" && has) ok = parse_num("--lora-scale", argv[++i], -100, 100, &a->lora_scale), scale_given = true;
         else if (f == "-h" || f == "--help") {
             usage(argv[0]);
@@ -169,6 +174,7 @@ static int load_model(const gen_args &a, gen_state *s) {
         fprintf(stderr, "generate: %s\n", err);
         return 1;
     }
+    s->f->model.q8_activations = !a.exact;
     s->vocab.reset(ql_vocab_load(s->f->gguf, err, sizeof(err)));
     if (!s->vocab) {
         fprintf(stderr, "generate: %s: %s\n", a.model, err);  // (the vocabulary's errors do not name the file)
