@@ -858,6 +858,8 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
         {md + " --vram 8G --device cpu", "--vram/--cc describe a GPU: with --device cuda (this run: --device cpu)"},
         {md + " --loss-chunk many", "--loss-chunk: 'many' is not a number in [-1, "},
         {md + " --ffn-chunk -2", "--ffn-chunk: '-2' is not a number in [-1, "},
+        {md + " --host-mem 64", "--host-mem: '64' "},
+        {md + " --host-mem 64G", "--host-mem plans for another machine's memory: with --dry-run"},
         {" -m " + base + " -d " + both + " -o " + out, both + ":2: both \"text\" and \"prompt\"/\"completion\": which to train on is ambiguous"},
         {" -m " + base + " -d " + nocompl + " -o " + out, nocompl + ":1: empty \"completion\": nothing to learn"},
         {md + " --val-data " + empty, "--val-data " + empty + ": no usable evaluation examples"},

@@ -80,6 +80,7 @@ static const char *k_help =
     "GPU:       --vram SIZE  --cc X.Y (with --dry-run on a machine without that card: its plan, e.g. --vram 12G --cc 8.6;\n"
     "           cc 7.5 to 12.0; sizes take a unit: K/M/G/T, powers of 1024, or B)\n"
     "           --embd-on-host | --embd-on-device (default: on the host only when the plan needs it)\n"
+    "           --host-mem SIZE (with --dry-run: plan for a host with this much available memory, e.g. 128G)\n"
     "output:    -o DIR (default finetune-out)  --save-every N  --merge  --overwrite (replace a run in -o DIR)\n"
     "resume:    --resume DIR (continues the run in DIR with its own model, data and flags; more --max-steps or --epochs\n"
     "           extend a finished run)  --export DIR (writes DIR's adapter.gguf and peft/ from its checkpoint, no training)\n";
@@ -410,6 +411,7 @@ struct args {
     bool limit_known = false, cp_default = false;
     int effective_batch = 0;  // 0: not asked for
     bool precision_auto = false;
+    size_t host_mem = 0;      // --host-mem: the available host memory a plan assumes (0: this machine's)
     ql_device dev = {QL_DEVICE_AUTO, 0};  // --device, parsed once
     std::string device_text = "auto";     // as given, for messages
     int cc = 0;               // --cc: the card a stand-in plans for (0: 8.0 assumed)
@@ -628,6 +630,7 @@ static bool parse_flags(int argc, char **argv, args *a) {
         }
         else if (f == "--mem-limit") { if (!(s = need(i)) || !size_flag("--mem-limit", s, "6G, 512M, 1.5G", false, &a->o.mem_limit)) return false; }
         else if (f == "--vram") { if (!(s = need(i)) || !size_flag("--vram", s, "8G, 24G, 11.5G", true, &a->o.vram)) return false; }
+        else if (f == "--host-mem") { if (!(s = need(i)) || !size_flag("--host-mem", s, "32G, 128G", true, &a->host_mem)) return false; }
         else if (f == "--cc") { if (!(s = need(i)) || !cc_flag(s, a)) return false; }
         else if (f == "--embd-on-host") a->o.embd_on_host = 1;
         else if (f == "--embd-on-device") a->o.embd_on_host = 0;
@@ -703,7 +706,7 @@ static bool flag_given(const args &a, const char *f) {
 // anew. (--max-steps and --epochs may grow: they extend a run.) Every other flag given again
 // must agree with the run's.
 static bool operational_flag(const std::string &f) {
-    for (const char *x : {"-o", "-t", "--device", "--checkpointing", "--mem-limit", "--vram", "--cc", "--embd-on-host",
+    for (const char *x : {"-o", "-t", "--device", "--checkpointing", "--mem-limit", "--vram", "--cc", "--host-mem", "--embd-on-host",
                           "--embd-on-device", "--loss-chunk", "--ffn-chunk", "--offload-activations", "--eval-every", "--save-every", "--merge",
                           "--overwrite", "--profile", "--dry-run", "--json", "--resume", "--export", "--max-steps", "--epochs"})
         if (f == x) return true;
@@ -839,6 +842,10 @@ static bool parse(int argc, char **argv, args *a) {
         fprintf(stderr, "finetune: --val-split and --val-data are alternatives\n");
         return false;
     }
+    if (a->host_mem && !a->dry_run) {
+        fprintf(stderr, "finetune: --host-mem plans for another machine's memory: with --dry-run (a run uses this one's)\n");
+        return false;
+    }
     if (!resolve_device(a)) return false;
     if (a->o.threads > 0) ql_cpu_warn_threads("finetune", a->o.threads);
     const bool cp_auto = a->o.checkpointing == ql_checkpointing::automatic, host = ql_backend_is_host(a->be);
@@ -934,8 +941,14 @@ static std::string size_text(size_t b) {
 }
 
 // What the host can give to pinned memory: MemAvailable (/proc/meminfo) less a margin for the
-// rest of the machine, the larger of 2 GiB and 10% of MemTotal; 0 when unreadable
-static size_t host_for_pinned(size_t *available, size_t *margin) {
+// rest of the machine, the larger of 2 GiB and 10% of MemTotal; 0 when unreadable. host_mem > 0
+// (--host-mem, a plan for another machine): that machine's available memory, the same margin.
+static size_t host_for_pinned(size_t host_mem, size_t *available, size_t *margin) {
+    if (host_mem) {
+        *available = host_mem;
+        *margin = std::max<size_t>((size_t)2 << 30, host_mem / 10);
+        return host_mem > *margin ? host_mem - *margin : 0;
+    }
     size_t avail_kb = 0, total_kb = 0;
     if (FILE *f = fopen("/proc/meminfo", "r")) {
         char line[256];
@@ -1020,7 +1033,7 @@ static void choose_memory(ql_llama_file *f, const seqs &tr, const seqs &ev, args
     if (steps.size() < 2) return;  // everything pinned: the flags' plan, as given
 
     size_t available = 0, margin = 0;
-    const size_t host_room = host_for_pinned(&available, &margin);
+    const size_t host_room = host_for_pinned(a->host_mem, &available, &margin);
     int chosen = -1;
     for (size_t i = 0; i < steps.size(); i++) {
         mem_step &s = steps[i];
