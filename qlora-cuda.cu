@@ -399,16 +399,29 @@ static cu_operand cu_as_operand(const char *p, size_t es, int64_t nb0, int64_t n
     return o;
 }
 
-// C (M x N, ldc) = alpha op(A) op(B) + beta C, batched with strides (a stride of 0 broadcasts)
+// C (M x N, ldc) = alpha op(A) op(B) + beta C, batched with strides (a stride of 0 broadcasts);
+// C f32, or of A and B's 16-bit type: summed in f32 (beta C too), rounded once as it is stored
+static void cu_gemm_to(cu_ctx &c, ql_type ab_type, const cu_operand &A, int64_t sA, const cu_operand &B, int64_t sB,
+                       void *C, ql_type c_type, int64_t ldc, int64_t sC, int64_t M, int64_t N, int64_t K, int batch, float beta,
+                       float alpha = 1.0f) {
+    CUBLAS_CHECK(c, cublasGemmStridedBatchedEx(c.blas, A.op, B.op, (int)M, (int)N, (int)K, &alpha, A.p, cu_dtype(ab_type),
+                                               (int)A.ld, sA, B.p, cu_dtype(ab_type), (int)B.ld, sB, &beta, C, cu_dtype(c_type),
+                                               (int)ldc, sC, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
 static void cu_gemm(cu_ctx &c, ql_type ab_type, const cu_operand &A, int64_t sA, const cu_operand &B, int64_t sB,
                     float *C, int64_t ldc, int64_t sC, int64_t M, int64_t N, int64_t K, int batch, float beta, float alpha = 1.0f) {
-    CUBLAS_CHECK(c, cublasGemmStridedBatchedEx(c.blas, A.op, B.op, (int)M, (int)N, (int)K, &alpha, A.p, cu_dtype(ab_type),
-                                               (int)A.ld, sA, B.p, cu_dtype(ab_type), (int)B.ld, sB, &beta, C, CUDA_R_32F,
-                                               (int)ldc, sC, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    cu_gemm_to(c, ab_type, A, sA, B, sB, C, QL_TYPE_F32, ldc, sC, M, N, K, batch, beta, alpha);
 }
 
 // the workspace rules (which operands cuBLAS reads in place, tile sizes) are qlora.cpp's
 // ql_cuda_* functions: a device plan computes them without CUDA
+
+// d = c + p rounded once to d's 16-bit type (ql_mul_mat_acc onto a 16-bit c; p: the product in
+// f32); d may be c (in place: each element read before it is written)
+__global__ void k_acc_round(const char *c16, const float *p, char *d, int type, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        cu_st(d + i * 2, type, cu_ld(c16 + i * 2, type) + p[i]);
+}
 
 static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *a = node->src[0], *b = node->src[1];
@@ -416,15 +429,24 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
     const size_t es = type_size_cu(ct);
     const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
     const int64_t A2 = a->ne[2], A3 = a->ne[3], B2 = b->ne[2], B3 = b->ne[3], r2 = B2 / A2, r3 = B3 / A3;
-    CU_ASSERT(b->ne[0] == K && node->type == QL_TYPE_F32 && ql_is_contiguous(node) && is_float_type_cu(ct));
-    float *C = (float *)node->data;
-    const int64_t sC = M * N;  // per batch of the result
-    uint8_t *ws = c.work;
-    // ql_mul_mat_acc: C starts as c (unless written over it in place), and every GEMM adds to it
+    // the result f32, or of b's 16-bit type (ql_mul_mat_to): then one GEMM over all of K per element
+    CU_ASSERT(b->ne[0] == K && (node->type == QL_TYPE_F32 || node->type == ct) && ql_is_contiguous(node) && is_float_type_cu(ct));
     const ql_tensor *acc = node->src[2];
-    if (acc && acc->data != node->data)
+    // ql_mul_mat_acc onto a 16-bit c: cuBLAS' epilogue rounds the product to C's type before it
+    // adds beta C (an H200 put 28% of the elements an ulp off round(c + a b)), so the product is
+    // made in f32 at the end of the workspace and k_acc_round adds c and rounds once
+    const bool acc16 = acc && node->type != QL_TYPE_F32;
+    const size_t stage = acc16 ? (size_t)ql_nelements(node) * sizeof(float) : 0;
+    CU_ASSERT(!acc16 || ql_cuda_work_size(node, 0) <= c.work_size);
+    const ql_type rt = acc16 ? QL_TYPE_F32 : node->type;  // what the GEMMs write
+    char *C = acc16 ? (char *)c.work + ql_cuda_work_size(node, 0) - stage : (char *)node->data;
+    const int64_t cs = (int64_t)type_size_cu(rt);
+    const int64_t sC = M * N;  // per batch of the result, in elements
+    uint8_t *ws = c.work;
+    // ql_mul_mat_acc (c of the GEMMs' type): C starts as c (unless written over it in place), and every GEMM adds to it
+    if (acc && !acc16 && acc->data != node->data)
         CU_CHECK(c, cudaMemcpyAsync(C, acc->data, ql_nbytes(node), cudaMemcpyDeviceToDevice, c.stream));
-    const float beta0 = acc ? 1.0f : 0.0f;  // the first GEMM's beta over C
+    const float beta0 = acc && !acc16 ? 1.0f : 0.0f;  // the first GEMM's beta over C
 
     // B: in place, or copied contiguous (K x N per batch) into the workspace
     const char *bp = (const char *)b->data;
@@ -448,7 +470,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
     if (ql_cuda_mm_trows(a)) {
         // a = transpose(W), W's rows run along a's k: dequantise rows [k0, k0 + kt) of W (each M
         // long) -> ws [M, kt], C += ws . b[k0 : k0 + kt]
-        CU_ASSERT(A2 == 1 && A3 == 1);
+        CU_ASSERT(A2 == 1 && A3 == 1 && rt == QL_TYPE_F32);  // K in tiles: summed in C, so C is f32
         const ql_tensor *w = a->view_src;
         const char *aux = (const char *)w->data + ql_aux_offset(ql_nbytes(w));
         const int64_t tk = ql_cuda_mm_tile_rows(M, K);
@@ -460,7 +482,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
             const cu_operand A{(const char *)ws, CUBLAS_OP_N, M, true};
             for (int64_t i3 = 0; i3 < B3; i3++) {
                 const cu_operand B = b_at(0, i3, k0, kt);
-                cu_gemm(c, ct, A, 0, B, bnb2 / (int64_t)es, C + i3 * B2 * sC, M, sC, M, N, kt, (int)B2, k0 ? 1.0f : beta0);
+                cu_gemm(c, ct, A, 0, B, bnb2 / (int64_t)es, (float *)C + i3 * B2 * sC, M, sC, M, N, kt, (int)B2, k0 ? 1.0f : beta0);
                 if (c.failed) return;
             }
         }
@@ -495,17 +517,26 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
                 for (int64_t j3 = 0; j3 < r3; j3++) {
                     const int64_t i3 = ia3 * r3 + j3;
                     const cu_operand B = b_at(ia2 * r2, i3, 0, K);
-                    cu_gemm(c, ct, A, 0, B, bnb2 / (int64_t)es, C + (i3 * B2 + ia2 * r2) * sC + m0, M, sC, mt, N, K, (int)r2, beta0);
+                    cu_gemm_to(c, ct, A, 0, B, bnb2 / (int64_t)es, C + ((i3 * B2 + ia2 * r2) * sC + m0) * cs, rt, M, sC, mt, N, K,
+                               (int)r2, beta0);
                     if (c.failed) return;
                 }
             }
         }
+    if (acc16) {
+        const int64_t n = ql_nelements(node);
+        QL_LAUNCH(k_acc_round, cu_grid(n), CU_BLOCK, 0, c.stream, (const char *)acc->data, (const float *)C, (char *)node->data,
+                  (int)node->type, n);
+        CU_LAUNCHED(c);
+    }
 }
 
 static bool cu_mm_supported(const ql_tensor *node, int cc) {
     const ql_tensor *a = node->src[0], *b = node->src[1];
-    if (!is_float_type_cu(b->type) || node->type != QL_TYPE_F32) return false;
-    if (node->src[2] && (node->src[2]->type != QL_TYPE_F32 || !ql_is_contiguous(node->src[2]))) return false;
+    // the result f32, or of b's 16-bit type; ql_mul_mat_acc's c of the result's type
+    if (!is_float_type_cu(b->type) || (node->type != QL_TYPE_F32 && node->type != b->type)) return false;
+    if (node->type != QL_TYPE_F32 && ql_cuda_mm_trows(a)) return false;  // its K tiles sum in C
+    if (node->src[2] && (node->src[2]->type != node->type || !ql_is_contiguous(node->src[2]))) return false;
     if (b->type == QL_TYPE_BF16 && cc < 80) return false;  // cuBLAS has no bf16 GEMM before Ampere
     if (ql_cuda_mm_b_direct(b) && (b->nb[2] % type_size_cu(b->type) || b->nb[3] % type_size_cu(b->type))) return false;
     const ql_type_traits *t = ql_type_traits_get(a->type);
@@ -822,18 +853,22 @@ __global__ void k_silu_back(cu_t a, cu_t dy, float *d, int64_t n) {
         d[i] = cu_at(dy, i) * s * (1.0f + x * (1.0f - s));
     }
 }
-__global__ void k_swiglu(cu_t a, cu_t b, float *d, int64_t n) {
+// element i of a plain-typed tensor (f32, f16, bf16) as float
+__device__ __forceinline__ float cu_get(const cu_t &t, int64_t i) { return cu_ld(t.data + cu_offs(t, i), t.type); }
+// a and b of one type (f32, f16, bf16); d [n] of it too, a 16-bit value rounded once
+__global__ void k_swiglu(cu_t a, cu_t b, char *d, int64_t n) {
+    const int ds = a.type == QL_TYPE_F32 ? 4 : 2;
     CU_GRID_LOOP(i, n) {
-        const float x = cu_at(a, i);
-        d[i] = x * cu_sigmoid(x) * cu_at(b, i);
+        const float x = cu_get(a, i);
+        cu_st(d + i * ds, a.type, x * cu_sigmoid(x) * cu_get(b, i));
     }
 }
-// y = silu(a) b: da = dy b silu'(a) at [0, n), db = dy silu(a) at [n, 2n)
+// y = silu(a) b: da = dy b silu'(a) at [0, n), db = dy silu(a) at [n, 2n); a and b of any plain type, dy and d f32
 __global__ void k_swiglu_back(cu_t a, cu_t b, cu_t dy, float *d, int64_t n) {
     CU_GRID_LOOP(i, n) {
-        const float x = cu_at(a, i), s = cu_sigmoid(x), g = cu_at(dy, i);
+        const float x = cu_get(a, i), s = cu_sigmoid(x), g = cu_at(dy, i);
         d[n + i] = g * x * s;
-        d[i] = g * cu_at(b, i) * s * (1.0f + x * (1.0f - s));
+        d[i] = g * cu_get(b, i) * s * (1.0f + x * (1.0f - s));
     }
 }
 static void cu_op_silu(cu_ctx &c, ql_tensor *node) {
@@ -848,7 +883,8 @@ static void cu_op_silu_back(cu_ctx &c, ql_tensor *node) {
 }
 static void cu_op_swiglu(cu_ctx &c, ql_tensor *node) {
     const int64_t n = ql_nelements(node);
-    QL_LAUNCH(k_swiglu, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), cu_of(node->src[1]), (float *)node->data, n);
+    CU_ASSERT(node->type == node->src[0]->type && node->src[1]->type == node->src[0]->type && ql_is_contiguous(node));
+    QL_LAUNCH(k_swiglu, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), cu_of(node->src[1]), (char *)node->data, n);
     CU_LAUNCHED(c);
 }
 static void cu_op_swiglu_back(cu_ctx &c, ql_tensor *node) {
@@ -872,7 +908,7 @@ __global__ void k_dropout(cu_t a, const int32_t *seed, char *d, int d_type, uint
     const int ds = d_type == QL_TYPE_F32 ? 4 : 2;
     CU_GRID_LOOP(i, n) {
         const uint32_t h = (uint32_t)(cu_mix64(key + 0x9E3779B97F4A7C15ull * (uint64_t)(first + i + 1)) >> 32);
-        cu_st(d + i * ds, d_type, h >= threshold ? cu_at(a, i) * keep_scale : 0.0f);
+        cu_st(d + i * ds, d_type, h >= threshold ? cu_get(a, i) * keep_scale : 0.0f);
     }
 }
 static void cu_op_dropout(cu_ctx &c, ql_tensor *node) {
@@ -1025,11 +1061,13 @@ static bool cu_ops_supported(const ql_tensor *node) {
     case QL_OP_SCALE: case QL_OP_SUM: case QL_OP_REDUCE_TO: case QL_OP_SILU:
         return f32(a) && node->type == QL_TYPE_F32;
     case QL_OP_DROPOUT:
-        return f32(a) && is_float_type_cu(node->type);
-    case QL_OP_SILU_BACK: case QL_OP_SWIGLU:
+        return is_float_type_cu(a->type) && is_float_type_cu(node->type);
+    case QL_OP_SILU_BACK:
         return f32(a) && f32(node->src[1]);
+    case QL_OP_SWIGLU:  // f32, or 16-bit a, b and result
+        return is_float_type_cu(a->type) && node->src[1]->type == a->type && node->type == a->type && ql_is_contiguous(node);
     case QL_OP_SWIGLU_BACK:
-        return f32(a) && f32(node->src[1]) && f32(node->src[2]);
+        return is_float_type_cu(a->type) && node->src[1]->type == a->type && f32(node->src[2]) && f32(node);
     case QL_OP_ACC_GRAD: case QL_OP_CACHE_STORE:
         return f32(node) && f32(node->src[1]) && ql_is_contiguous(node);
     case QL_OP_VIEW_BACK:

@@ -2074,7 +2074,8 @@ ql_tensor *ql_reduce_to(ql_context *ctx, ql_tensor *a, const ql_tensor *like, bo
     return t;
 }
 
-ql_tensor *ql_mul_mat(ql_context *ctx, ql_tensor *a, ql_tensor *b) {
+// the result in `type`: f32, or b's 16-bit type (ql_mul_mat_to)
+static ql_tensor *mul_mat_impl(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_type type) {
     if (!srcs_ok(ctx, "mul_mat", {a, b})) return nullptr;
     QL_CHECK(ctx, a->ne[0] == b->ne[0], QL_ERR_SHAPE,
              "mul_mat: a %s and b %s: contracted dimensions differ (a.ne[0] %lld != b.ne[0] %lld)",
@@ -2085,16 +2086,25 @@ ql_tensor *ql_mul_mat(ql_context *ctx, ql_tensor *a, ql_tensor *b) {
     QL_CHECK(ctx, is_float_type(a->type), QL_ERR_TYPE, "mul_mat: a %s is not a numeric type", shape_str(a).c_str());
     QL_CHECK(ctx, b->type == QL_TYPE_F32 || b->type == QL_TYPE_F16 || b->type == QL_TYPE_BF16, QL_ERR_TYPE,
              "mul_mat: b %s must be f32, f16 or bf16", shape_str(b).c_str());
+    QL_CHECK(ctx, type == QL_TYPE_F32 || type == b->type, QL_ERR_TYPE,
+             "mul_mat: a result in %s needs b %s of that type (a 16-bit multiply) or f32",
+             ql_type_traits_get(type) ? ql_type_name(type) : "?", shape_str(b).c_str());
     const int64_t ne[4] = {a->ne[1], b->ne[1], b->ne[2], b->ne[3]};
-    return new_op(ctx, QL_OP_MUL_MAT, QL_TYPE_F32, ne, {a, b});
+    return new_op(ctx, QL_OP_MUL_MAT, type, ne, {a, b});
 }
+
+ql_tensor *ql_mul_mat(ql_context *ctx, ql_tensor *a, ql_tensor *b) { return mul_mat_impl(ctx, a, b, QL_TYPE_F32); }
+
+ql_tensor *ql_mul_mat_to(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_type type) { return mul_mat_impl(ctx, a, b, type); }
 
 ql_tensor *ql_mul_mat_acc(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor *c) {
     if (!srcs_ok(ctx, "mul_mat_acc", {a, b, c})) return nullptr;
-    ql_tensor *y = ql_mul_mat(ctx, a, b);  // the checks of a and b, and the result's shape
+    QL_CHECK(ctx, c->type == QL_TYPE_F32 || c->type == b->type, QL_ERR_TYPE,
+             "mul_mat_acc: c %s must be f32 or of b %s's type", shape_str(c).c_str(), shape_str(b).c_str());
+    ql_tensor *y = ql_mul_mat_to(ctx, a, b, c->type);
     if (!y) return nullptr;
-    QL_CHECK(ctx, c->type == QL_TYPE_F32 && ql_same_shape(c, y) && ql_is_contiguous(c), QL_ERR_SHAPE,
-             "mul_mat_acc: c %s must be contiguous f32 shaped as the product %s", shape_str(c).c_str(), shape_str(y).c_str());
+    QL_CHECK(ctx, ql_same_shape(c, y) && ql_is_contiguous(c), QL_ERR_SHAPE,
+             "mul_mat_acc: c %s must be contiguous, shaped as the product %s", shape_str(c).c_str(), shape_str(y).c_str());
     y->src[2] = c;  // the same node: the kernels start from c instead of zero
     return y;
 }
@@ -2159,11 +2169,12 @@ ql_tensor *ql_silu(ql_context *ctx, ql_tensor *a) { return unary_f32(ctx, QL_OP_
 
 ql_tensor *ql_swiglu(ql_context *ctx, ql_tensor *a, ql_tensor *b) {
     if (!srcs_ok(ctx, "swiglu", {a, b})) return nullptr;
-    QL_CHECK(ctx, a->type == QL_TYPE_F32 && b->type == QL_TYPE_F32 && ql_same_shape(a, b), QL_ERR_SHAPE,
-             "swiglu: a %s and b %s must be f32 of one shape", shape_str(a).c_str(), shape_str(b).c_str());
+    QL_CHECK(ctx, (a->type == QL_TYPE_F32 || a->type == QL_TYPE_F16 || a->type == QL_TYPE_BF16) && b->type == a->type &&
+                      ql_same_shape(a, b), QL_ERR_SHAPE,
+             "swiglu: a %s and b %s must be of one shape and one type (f32, f16 or bf16)", shape_str(a).c_str(), shape_str(b).c_str());
     QL_CHECK(ctx, ql_rows_contiguous(a) && ql_rows_contiguous(b), QL_ERR_SHAPE, "swiglu: a %s and b %s need dense rows",
              shape_str(a).c_str(), shape_str(b).c_str());
-    return new_op_like(ctx, QL_OP_SWIGLU, QL_TYPE_F32, a, {a, b});
+    return new_op_like(ctx, QL_OP_SWIGLU, a->type, a, {a, b});
 }
 
 ql_tensor *ql_flash_attn(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tensor *v, ql_tensor *seg, float scale) {
@@ -2261,7 +2272,8 @@ ql_tensor *ql_dropout_rows_to(ql_context *ctx, ql_tensor *a, float p, ql_tensor 
              "dropout: seed %s must be i32 [1]", shape_str(seed).c_str());
     QL_CHECK(ctx, type == QL_TYPE_F32 || type == QL_TYPE_BF16 || type == QL_TYPE_F16, QL_ERR_TYPE,
              "dropout: result type %s (f32, bf16 or f16)", ql_type_traits_get(type) ? ql_type_name(type) : "?");
-    QL_CHECK(ctx, a->type == QL_TYPE_F32, QL_ERR_TYPE, "dropout: a %s must be f32", shape_str(a).c_str());
+    QL_CHECK(ctx, a->type == QL_TYPE_F32 || a->type == QL_TYPE_BF16 || a->type == QL_TYPE_F16, QL_ERR_TYPE,
+             "dropout: a %s must be f32, bf16 or f16", shape_str(a).c_str());
     QL_CHECK(ctx, ql_rows_contiguous(a), QL_ERR_SHAPE, "dropout: a %s needs dense rows --> hint: ql_cont first",
              shape_str(a).c_str());
     ql_tensor *t = new_op_like(ctx, QL_OP_DROPOUT, type, a, {a});
@@ -3790,6 +3802,12 @@ static inline uint8_t *row_ptr(const ql_tensor *t, int64_t r) {
     return (uint8_t *)t->data + i1 * t->nb[1] + i2 * t->nb[2] + i3 * t->nb[3];
 }
 static inline float *f32_row(const ql_tensor *t, int64_t r) { return (float *)row_ptr(t, r); }
+// row r as f32: itself, or a 16-bit row converted into tmp [ne0]
+static inline const float *f32_row_of(const ql_tensor *t, int64_t r, float *tmp) {
+    if (t->type == QL_TYPE_F32) return f32_row(t, r);
+    traits(t->type).to_float(row_ptr(t, r), tmp, t->ne[0]);
+    return tmp;
+}
 
 // ---- quantized rows: NF4 dequantisation (runs inside every matmul with an NF4 weight) ----
 
@@ -4158,15 +4176,18 @@ static void k_swiglu(const cpu_params &p, ql_tensor *dst) {
     const int64_t ne0 = a->ne[0];
     int64_t b, e;
     split_range(ql_nrows(a), p.ith, p.nth, b, e);
+    const bool f32 = dst->type == QL_TYPE_F32;  // else 16-bit a, b and result: rows through the workspace [3, ne0]
+    float *ws = (float *)p.wdata;
     for (int64_t r = b; r < e; r++) {
-        const float *x = f32_row(a, r), *u = f32_row(bt, r);
-        float *y = (float *)dst->data + r * ne0;
+        const float *x = f32_row_of(a, r, ws), *u = f32_row_of(bt, r, ws + ne0);
+        float *y = f32 ? (float *)dst->data + r * ne0 : ws + 2 * ne0;
         int64_t i = 0;
         for (; i + VW <= ne0; i += VW) {
             const vf v = vf_load(x + i);
             vf_store(y + i, vf_mul(vf_mul(v, vf_sigmoid(v)), vf_load(u + i)));
         }
         for (; i < ne0; i++) y[i] = x[i] * sigmoid1(x[i]) * u[i];
+        if (!f32) traits(dst->type).from_float(y, (uint8_t *)dst->data + (size_t)(r * ne0) * traits(dst->type).type_size, ne0);
     }
 }
 
@@ -4177,8 +4198,9 @@ static void k_swiglu_back(const cpu_params &p, ql_tensor *dst) {
     int64_t b, e;
     split_range(ql_nrows(a), p.ith, p.nth, b, e);
     const vf one = vf_set1(1.0f);
+    float *ws = (float *)p.wdata;  // 16-bit a and b: their rows as f32 [2, ne0]
     for (int64_t r = b; r < e; r++) {
-        const float *x = f32_row(a, r), *u = f32_row(bt, r), *g = f32_row(dy, r);
+        const float *x = f32_row_of(a, r, ws), *u = f32_row_of(bt, r, ws + ne0), *g = f32_row(dy, r);
         float *da = (float *)dst->data + r * ne0, *db = da + n;
         int64_t i = 0;
         for (; i + VW <= ne0; i += VW) {
@@ -4244,9 +4266,11 @@ static void k_dropout(const cpu_params &p, ql_tensor *dst) {
     int64_t b, e;
     split_range(ql_nrows(a), p.ith, p.nth, b, e);
     const size_t ts = traits(dst->type).type_size;
+    // the workspace: a 16-bit result's f32 row [ne0], then a 16-bit a's row as f32 [ne0]
+    float *ws = (float *)p.wdata, *arow = ws + (dst->type == QL_TYPE_F32 ? 0 : ne0);
     for (int64_t r = b; r < e; r++) {  // a 16-bit result: the f32 row in the workspace, then converted
-        float *y = dst->type == QL_TYPE_F32 ? (float *)dst->data + r * ne0 : (float *)p.wdata;
-        dropout_row(ne0, f32_row(a, r), y, key, (uint64_t)((r + row0) * ne0), threshold, keep_scale);
+        float *y = dst->type == QL_TYPE_F32 ? (float *)dst->data + r * ne0 : ws;
+        dropout_row(ne0, f32_row_of(a, r, arow), y, key, (uint64_t)((r + row0) * ne0), threshold, keep_scale);
         if (dst->type != QL_TYPE_F32) traits(dst->type).from_float(y, (uint8_t *)dst->data + (size_t)(r * ne0) * ts, ne0);
     }
 }
@@ -5919,7 +5943,18 @@ struct mm_problem {
     int64_t r2, r3;         // b batches per a batch
     size_t wb2, wb3, xb2, xb3, cb2, cb3;  // batch strides in bytes
     bool q8;                // the 8-bit activations' path (mm_q8) takes it
+    ql_type ct = QL_TYPE_F32;         // the result's type; a 16-bit one is made through mm_stage (c: its bytes)
+    const uint8_t *ci16 = nullptr;    // ql_mul_mat_acc's 16-bit c, else NULL
 };
+
+// A 16-bit result is made a sub-tile at a time in f32 in the thread's staging block (after the
+// kernels' workspace): at most MM_STAGE_ROWS x MM_NC, then c (16-bit) added and the sum rounded
+// once as it is stored. The kernels see the staging block as their C, so every element's sum is
+// the f32 result's: the bits of ql_cast(ql_add(c, ql_mul_mat(a, b))).
+static constexpr int MM_STAGE_ROWS = 4 * MM_MC;
+static size_t mm_stage_floats(int64_t M, int64_t N) {
+    return (size_t)(std::min<int64_t>(N, MM_STAGE_ROWS) * std::min<int64_t>(M, MM_NC) + MM_NC);  // + one row of c
+}
 
 static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
     if (P.q8) {  // one batch, columns in chunks of 16 (whole cache lines of C for one row)
@@ -5952,16 +5987,42 @@ static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
         mm_operand w = P.w, x = P.x;
         w.p += (i2 / P.r2) * P.wb2 + (i3 / P.r3) * P.wb3;
         x.p += i2 * P.xb2 + i3 * P.xb3;
-        float *c = (float *)((uint8_t *)P.c + i2 * P.cb2 + i3 * P.cb3);
-        const float *cin = P.ci ? (const float *)((const uint8_t *)P.ci + i2 * P.cb2 + i3 * P.cb3) : nullptr;
-        if (dot)
-            mm_dot(w, x, c, cin, P.ldc, P.K, P.N, jb, je, work, L);
-        else if (amx)
-            mm_amx(w, x, c, cin, P.ldc, P.K, ib, ie, jb, je, work, L);
-        else if (dp)
-            mm_dp(w, x, c, cin, P.ldc, P.K, ib, ie, jb, je, work, L);
-        else
-            mm_packed(w, x, c, cin, P.ldc, P.K, ib, ie, jb, je, work, L);
+        // C's rows [i0, i1) x columns [j0, j1), row stride ldc
+        auto run = [&](float *c, const float *cin, int64_t ldc, int64_t i0, int64_t i1, int64_t j0, int64_t j1) {
+            if (dot)
+                mm_dot(w, x, c, cin, ldc, P.K, P.N, j0, j1, work, L);
+            else if (amx)
+                mm_amx(w, x, c, cin, ldc, P.K, i0, i1, j0, j1, work, L);
+            else if (dp)
+                mm_dp(w, x, c, cin, ldc, P.K, i0, i1, j0, j1, work, L);
+            else
+                mm_packed(w, x, c, cin, ldc, P.K, i0, i1, j0, j1, work, L);
+        };
+        if (P.ct == QL_TYPE_F32) {
+            float *c = (float *)((uint8_t *)P.c + i2 * P.cb2 + i3 * P.cb3);
+            run(c, P.ci ? (const float *)((const uint8_t *)P.ci + i2 * P.cb2 + i3 * P.cb3) : nullptr, P.ldc, ib, ie, jb, je);
+            continue;
+        }
+        const ql_type_traits &tt = traits(P.ct);
+        uint8_t *c16 = (uint8_t *)P.c + i2 * P.cb2 + i3 * P.cb3;
+        const uint8_t *ci16 = P.ci16 ? P.ci16 + i2 * P.cb2 + i3 * P.cb3 : nullptr;
+        float *st = work + L.total;
+        const int64_t rs = dot ? P.N : MM_STAGE_ROWS;  // the dot path takes every row at once (N <= MM_DOT_MAX_N)
+        for (int64_t i0 = ib; i0 < ie; i0 += rs)
+            for (int64_t j0 = jb; j0 < je; j0 += MM_NC) {
+                const int64_t i1 = std::min(ie, i0 + rs), j1 = std::min(je, j0 + MM_NC), n = j1 - j0;
+                float *crow = st + (i1 - i0) * n;
+                run(st - (i0 * n + j0), nullptr, n, i0, i1, j0, j1);  // C's (i, j) at st[(i - i0) n + j - j0]
+                for (int64_t i = i0; i < i1; i++) {
+                    float *s = st + (i - i0) * n;
+                    const size_t o = (size_t)(i * P.ldc + j0) * tt.type_size;
+                    if (ci16) {
+                        tt.to_float(ci16 + o, crow, n);
+                        for (int64_t j = 0; j < n; j++) s[j] = crow[j] + s[j];
+                    }
+                    tt.from_float(s, c16 + o, n);
+                }
+            }
     }
 }
 
@@ -5982,7 +6043,10 @@ static mm_problem mm_problem_of(const ql_tensor *dst) {
     P.x = {(const uint8_t *)b->data, (int64_t)b->nb[0], (int64_t)b->nb[1], b->type, false, nullptr, nullptr};
     if (b->type != QL_TYPE_F32 && a->type != b->type) P.w.round = b->type;
     P.c = (float *)dst->data;
-    P.ci = dst->src[2] ? (const float *)dst->src[2]->data : nullptr;  // contiguous, dst's shape: dst's strides
+    P.ct = dst->type;
+    const bool c16 = dst->type != QL_TYPE_F32;  // ql_mul_mat_acc's c has the result's type
+    P.ci = dst->src[2] && !c16 ? (const float *)dst->src[2]->data : nullptr;  // contiguous, dst's shape: dst's strides
+    P.ci16 = dst->src[2] && c16 ? (const uint8_t *)dst->src[2]->data : nullptr;
     P.M = a->ne[1];
     P.N = b->ne[1];
     P.K = a->ne[0];
@@ -6009,7 +6073,7 @@ static mm_problem mm_problem_of(const ql_tensor *dst) {
     const bool nf4_whole = (a->type != QL_TYPE_NF4 && a->type != QL_TYPE_NF4_NODQ) ||
                            (P.K % QL_NF4_BLOCK == 0 && first * 2 % QL_NF4_BLOCK == 0 && P.w.smn * 2 % QL_NF4_BLOCK == 0);
     P.q8 = get_param<int32_t>(dst, 0) == QL_TYPE_Q8_0 && qb > 0 && !trows && mm_k_contig(P.w) && b->type == QL_TYPE_F32 &&
-           mm_k_contig(P.x) && P.n_batch == 1 && P.N <= MM_Q8_MAX_N && P.K > 0 && P.K % qb == 0 && nf4_whole;
+           mm_k_contig(P.x) && P.n_batch == 1 && P.N <= MM_Q8_MAX_N && P.K > 0 && P.K % qb == 0 && nf4_whole && !c16;
     return P;
 }
 
@@ -6067,13 +6131,16 @@ static void k_copy_bytes(const cpu_params &p, ql_tensor *dst) {  // contiguous, 
 static size_t cpu_work_per_thread(const ql_tensor *node) {
     switch (node->op) {
     case QL_OP_CONT:      return (size_t)node->src[0]->ne[0] * sizeof(float);
-    case QL_OP_DROPOUT:   return node->type == QL_TYPE_F32 ? 0 : (size_t)node->ne[0] * sizeof(float);
+    case QL_OP_DROPOUT:   return ((node->type != QL_TYPE_F32) + (node->src[0]->type != QL_TYPE_F32)) * (size_t)node->ne[0] * sizeof(float);
+    case QL_OP_SWIGLU:    return node->type == QL_TYPE_F32 ? 0 : 3 * (size_t)node->ne[0] * sizeof(float);
+    case QL_OP_SWIGLU_BACK: return node->src[0]->type == QL_TYPE_F32 ? 0 : 2 * (size_t)node->src[0]->ne[0] * sizeof(float);
     case QL_OP_REDUCE_TO: return (size_t)node->src[0]->ne[0] * sizeof(float);
     case QL_OP_ROPE: case QL_OP_ROPE_BACK: return rope_work(node);
     case QL_OP_FLASH_ATTN: case QL_OP_FLASH_ATTN_BACK: return fa_work(node);
     case QL_OP_MUL_MAT: {
         const mm_problem P = mm_problem_of(node);
-        return P.q8 ? mm_q8_work(P.N, P.K, mm_q8_block(P.w.type)) : mm_layout_of(P.M, P.N, P.K).total * sizeof(float);
+        if (P.q8) return mm_q8_work(P.N, P.K, mm_q8_block(P.w.type));
+        return (mm_layout_of(P.M, P.N, P.K).total + (P.ct == QL_TYPE_F32 ? 0 : mm_stage_floats(P.M, P.N))) * sizeof(float);
     }
     default:              return 0;
     }
@@ -6804,6 +6871,8 @@ size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
         size_t w = ql_cuda_mm_b_bytes(b);
         if (ql_cuda_mm_trows(a)) w += (size_t)(a->ne[1] * ql_cuda_mm_tile_rows(a->ne[1], a->ne[0])) * es;
         else if (!ql_cuda_mm_a_direct(a, b->type)) w += (size_t)(a->ne[0] * ql_cuda_mm_tile_rows(a->ne[0], a->ne[1])) * es;
+        if (node->src[2] && node->type != QL_TYPE_F32)  // a 16-bit c: the product in f32 before c is added (qlora-cuda.cu)
+            w = align_up(w, QL_ALIGN) + (size_t)ql_nelements(node) * sizeof(float);
         return w;
     }
     default:
@@ -6815,6 +6884,7 @@ size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
 // machine without the device. It computes nothing and allocates nothing.
 static bool cuda_plan_supports(ql_backend *be, const ql_tensor *node) {
     const int cc = (int)(intptr_t)be->impl;
+    if (node->op == QL_OP_MUL_MAT && node->type != QL_TYPE_F32 && ql_cuda_mm_trows(node->src[0])) return false;  // as the device
     return !(node->op == QL_OP_MUL_MAT && node->src[1]->type == QL_TYPE_BF16 && cc < 80);  // as the device: no bf16 GEMM before 8.0
 }
 static size_t cuda_plan_work(ql_backend *be, const ql_tensor *node) { return ql_cuda_work_size(node, (int)(intptr_t)be->impl); }

@@ -388,10 +388,19 @@ ql_tensor *ql_reduce_to(ql_context *ctx, ql_tensor *a, const ql_tensor *like, bo
 // a [K, M, A2, A3] (any float type), b [K, N, B2, B3] f32 -> [M, N, B2, B3] f32.
 // a and b may be views with any strides (e.g. transposed); the result is contiguous.
 ql_tensor *ql_mul_mat(ql_context *ctx, ql_tensor *a, ql_tensor *b);
-// c + ql_mul_mat(a, b), c f32 of the result's shape and contiguous: the multiply adds its
-// products onto c as it writes them (and may write over c's storage where c dies here) instead
-// of a separate pass - LoRA's W x + B(s A x). The same bits as ql_add(c, ql_mul_mat(a, b))
-// for K <= 256; beyond that c joins the sum after the first 256 of K (rounding differs).
+// The same with the result in `type`: F32 (ql_mul_mat), or b's type where b is F16 or BF16 (a
+// 16-bit multiply whose result a 16-bit op reads: half the bytes saved for backward). Products
+// are summed in f32 and rounded once on store: the bits of ql_cast(ql_mul_mat(a, b), type).
+// Backward is ql_mul_mat's (dy arrives f32).
+ql_tensor *ql_mul_mat_to(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_type type);
+// c + ql_mul_mat(a, b), c contiguous of the result's shape: the multiply adds its products onto
+// c as it writes them (and may write over c's storage where c dies here) instead of a separate
+// pass - LoRA's W x + B(s A x). The result has c's type: F32, or b's 16-bit type.
+// c f32: the same bits as ql_add(c, ql_mul_mat(a, b)) for K <= 256; beyond that c joins the
+// sum after the first 256 of K (rounding differs).
+// c 16-bit (a ql_mul_mat_to result): the products summed in f32, c widened and added, the sum
+// rounded once on store - the bits of ql_cast(ql_add(ql_cast(c, F32), ql_mul_mat(a, b)), c's
+// type) for any K. (So a LoRA'd 16-bit linear is rounded twice: W x on its store, then W x + B(.).)
 ql_tensor *ql_mul_mat_acc(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor *c);
 // Asks for a multiply's activations in 8 bits (prec QL_TYPE_Q8_0; QL_TYPE_F32, the default, is
 // exact): b's rows rounded per block to int8 with an f32 scale, dotted in integers with a's
@@ -420,7 +429,9 @@ ql_tensor *ql_rope(ql_context *ctx, ql_tensor *a, ql_tensor *pos, ql_tensor *fre
                    int n_dims, int mode, float freq_base);
 
 ql_tensor *ql_silu(ql_context *ctx, ql_tensor *a);                  // a * sigmoid(a)
-ql_tensor *ql_swiglu(ql_context *ctx, ql_tensor *a, ql_tensor *b);  // silu(a) * b, same shapes
+// silu(a) * b, same shapes and one type: F32, F16 or BF16 (the result's type; a 16-bit result is
+// the f32 value rounded once). Backward reads a and b as they are and gives f32 gradients.
+ql_tensor *ql_swiglu(ql_context *ctx, ql_tensor *a, ql_tensor *b);
 
 // Fused causal attention, computed tile by tile with an online softmax: memory O(T), the
 // [Tq, Tk] score matrix is never stored. Keeps only the per-row logsumexp for backward.
@@ -456,7 +467,8 @@ ql_tensor *ql_cross_entropy(ql_context *ctx, ql_tensor *logits, ql_tensor *targe
 
 // Inverted dropout: y = keep ? x/(1-p) : 0, keep decided by a counter-based hash of
 // (seed[0], stream, element index) - never stored, regenerated in backward and on recompute.
-// seed: I32 [1] input the caller changes per step; stream: distinct per call site.
+// seed: I32 [1] input the caller changes per step; stream: distinct per call site. a: f32, bf16
+// or f16 with dense rows (a 16-bit a is widened as it is read).
 ql_tensor *ql_dropout(ql_context *ctx, ql_tensor *a, float p, ql_tensor *seed, uint32_t stream);
 // The same with the result in `type` (F32, BF16 or F16): ql_cast of ql_dropout's result, bit for
 // bit, without the f32 pass between (what a 16-bit matmul's input wants). Gradients stay f32.

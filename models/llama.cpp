@@ -96,18 +96,20 @@ void ql_llama_set_params(ql_llama *m) {
 // x in the compute type: x itself (f32), or one cast that several linears of the same input
 // share (q, k, v; gate, up), named after the first (a diagnosis names it: an f16 overflow)
 static ql_tensor *compute_input(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x) {
-    if (m->compute == QL_TYPE_F32 || !x) return x;
+    if (m->compute == QL_TYPE_F32 || !x || x->type == m->compute) return x;  // (SwiGLU's result is made in it)
     ql_tensor *xc = ql_cast(ctx, x, m->compute);
     return xc ? ql_format_name(xc, "%s.input", w->name) : nullptr;
 }
 
 // y = W x (+ LoRA), xc: x in the compute type (compute_input); x may be rows [row0, ...) of a
-// whole (the FFN in chunks): its dropout draws the whole's mask
-static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x, ql_tensor *xc, int64_t row0 = 0) {
+// whole (the FFN in chunks): its dropout draws the whole's mask. out: y's type - F32, or the
+// compute type where only 16-bit ops read y (W x, then W x + B(.), each rounded once on store)
+static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x, ql_tensor *xc, int64_t row0 = 0,
+                           ql_type out = QL_TYPE_F32) {
     // a 16-bit compute type: the multiplies' inputs in it (what backward keeps is then 16-bit too)
     const bool low = m->compute != QL_TYPE_F32;
     auto in = [&](ql_tensor *t) { return low ? ql_cast(ctx, t, m->compute) : t; };
-    ql_tensor *y = ql_mul_mat(ctx, w, xc);
+    ql_tensor *y = ql_mul_mat_to(ctx, w, xc, out);
     if (y && m->q8_activations) ql_mul_mat_set_prec(y, QL_TYPE_Q8_0);
     auto it = m->lora.find(w);
     if (it == m->lora.end()) return y;
@@ -163,9 +165,12 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     // feed-forward: pre-norm, SwiGLU, residual
     h = ql_mul(ctx, ql_rms_norm(ctx, x, hp.norm_eps), L.ffn_norm);
     hc = compute_input(ctx, m, L.w_gate, h);  // one for gate and up
+    // gate, up and SwiGLU's result in the compute type: 16-bit ops read them (SwiGLU; the down
+    // projection's multiply), so what backward keeps of the FFN is 16-bit; the residual stays f32
+    const ql_type ff = m->compute;
     const int64_t rows = T * B, c = m->ffn_chunk;
     if (c <= 0 || c >= rows || !x || !h || !hc) {
-        ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, h, hc), linear_c(ctx, m, L.w_up, h, hc));  // [n_ff, T, B]
+        ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, h, hc, 0, ff), linear_c(ctx, m, L.w_up, h, hc, 0, ff));  // [n_ff, T, B]
         return ql_add(ctx, x, ql_llama_linear(ctx, m, L.w_down, g));
     }
     // in chunks of c tokens: each chunk's gate, up, SwiGLU and down (and their LoRA) on rows of h,
@@ -180,7 +185,7 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     for (int64_t r0 = 0; r0 < rows && r; r0 += c) {
         const int64_t n = std::min(c, rows - r0);
         ql_tensor *hr = rows_of(h, r0, n), *hcr = hc == h ? hr : rows_of(hc, r0, n);
-        ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, hr, hcr, r0), linear_c(ctx, m, L.w_up, hr, hcr, r0));  // [n_ff, n]
+        ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, hr, hcr, r0, ff), linear_c(ctx, m, L.w_up, hr, hcr, r0, ff));  // [n_ff, n]
         r = ql_add_rows(ctx, r, linear_c(ctx, m, L.w_down, g, compute_input(ctx, m, L.w_down, g), r0), r0);
     }
     return r;

@@ -309,6 +309,19 @@ OP_CASE(mul_mat_float) {
         check_case(be, "16-bit multiply: f32 a rounded to b's type", [t](leafs &L) {
             return ql_mul_mat(L.ctx, L.param({96, 40}), ql_cast(L.ctx, L.param({96, 5}), t));
         }, TOL_16);
+        // a 16-bit result (the FFN's gate and up under bf16/fp16): rounded once on store; the LoRA
+        // product added onto it (ql_mul_mat_acc, a 16-bit c: in place where it dies there)
+        check_case(be, "16-bit result, batched", [t](leafs &L) {
+            return ql_cast(L.ctx, ql_mul_mat_to(L.ctx, L.param({96, 40}), ql_cast(L.ctx, L.param({96, 5, 3}), t), t), QL_TYPE_F32);
+        }, TOL_16);
+        check_case(be, "16-bit result, NF4 a, then mul_mat_acc onto it", [t](leafs &L) {
+            ql_tensor *y = ql_mul_mat_to(L.ctx, L.rand(QL_TYPE_NF4, {256, 40}), ql_cast(L.ctx, L.param({256, 9}), t), t);
+            return ql_cast(L.ctx, ql_mul_mat_acc(L.ctx, L.param({16, 40}), ql_cast(L.ctx, L.param({16, 9}), t), y), QL_TYPE_F32);
+        }, TOL_16);
+        check_case(be, "mul_mat_acc onto a 16-bit leaf", [t](leafs &L) {
+            return ql_cast(L.ctx, ql_mul_mat_acc(L.ctx, L.param({24, 10}), ql_cast(L.ctx, L.param({24, 7, 2}), t), L.rand(t, {10, 7, 2})),
+                           QL_TYPE_F32);
+        }, TOL_16);
     }
 }
 
@@ -343,6 +356,13 @@ OP_CASE(rms_norm_silu_swiglu) {
     check_case(be, "rms_norm wide", [](leafs &L) { return ql_rms_norm(L.ctx, L.param({2050, 3}), 1e-6f); }, TOL_F32);
     check_case(be, "silu", [](leafs &L) { return ql_silu(L.ctx, L.param({77, 5}, -6.0f, 6.0f)); }, TOL_F32);
     check_case(be, "swiglu", [](leafs &L) { return ql_swiglu(L.ctx, L.param({77, 5}, -6.0f, 6.0f), L.param({77, 5})); }, TOL_F32);
+    for (ql_type t : {QL_TYPE_F16, QL_TYPE_BF16}) {  // 16-bit a, b and result; f32 gradients
+        INFO("type: " << std::string(ql_type_name(t)));
+        check_case(be, "swiglu, 16-bit", [t](leafs &L) {
+            ql_tensor *a = ql_cast(L.ctx, L.param({77, 5}, -6.0f, 6.0f), t), *b = ql_cast(L.ctx, L.param({77, 5}), t);
+            return ql_cast(L.ctx, ql_swiglu(L.ctx, a, b), QL_TYPE_F32);
+        }, TOL_16);
+    }
 }
 
 OP_CASE(rope) {
@@ -377,6 +397,11 @@ OP_CASE(dropout) {
         check_case(be, "p = 0.3, a 16-bit result", [t](leafs &L) {
             ql_tensor *seed = L.i32({1}, [](int64_t) { return 99; });
             return ql_cast(L.ctx, ql_dropout_to(L.ctx, L.param({129, 7}), 0.3f, seed, 5, t), QL_TYPE_F32);
+        }, 0.0);
+    for (ql_type t : {QL_TYPE_F16, QL_TYPE_BF16})  // a 16-bit a (SwiGLU's result into the down projection's LoRA)
+        check_case(be, "p = 0.3, a 16-bit a and result", [t](leafs &L) {
+            ql_tensor *seed = L.i32({1}, [](int64_t) { return 98; });
+            return ql_cast(L.ctx, ql_dropout_to(L.ctx, ql_cast(L.ctx, L.param({129, 7}), t), 0.3f, seed, 5, t), QL_TYPE_F32);
         }, 0.0);
 }
 
@@ -999,4 +1024,29 @@ OP_CASE(check_finite_and_host_leafs) {
     CHECK_MESSAGE(std::string(ql_ctx_error(ctx)).find("'forgotten.weight' holds host memory") != std::string::npos, ql_ctx_error(ctx));
     ql_graph_free(g);
     ql_free(ctx);
+}
+
+// A 16-bit result on the backend itself against the f32 result rounded: ql_mul_mat_to is
+// round(a b), ql_mul_mat_acc onto a 16-bit c is round(c + a b) - one rounding, not cuBLAS'
+// epilogue's two (which an H200 showed: 28% of the elements an ulp off before the product went
+// through f32). The same multiply either way, so the same bits.
+OP_CASE(mul_mat_16bit_result_rounds_once) {
+    for (ql_type t : {QL_TYPE_BF16, QL_TYPE_F16})
+        for (int acc = 0; acc < 2; acc++)
+            for (int64_t K : {64, 1024}) {
+                INFO("type " << std::string(ql_type_name(t)) << (acc ? ", onto c" : "") << ", K " << K);
+                const run_result r = run_case(be, false, [t, acc, K](leafs &L) {
+                    ql_tensor *a = L.rand(QL_TYPE_NF4, {K, 256});
+                    ql_tensor *x = ql_cast(L.ctx, L.rand(QL_TYPE_F32, {K, 90}), t);
+                    ql_tensor *c = ql_cast(L.ctx, L.rand(QL_TYPE_F32, {256, 90}), t);
+                    ql_tensor *y = acc ? ql_mul_mat_acc(L.ctx, a, x, ql_cont(L.ctx, c)) : ql_mul_mat_to(L.ctx, a, x, t);
+                    ql_tensor *p = ql_mul_mat(L.ctx, a, x);
+                    ql_tensor *ref = ql_cast(L.ctx, acc ? ql_add(L.ctx, ql_cast(L.ctx, c, QL_TYPE_F32), p) : p, t);
+                    return ql_add(L.ctx, ql_cast(L.ctx, y, QL_TYPE_F32), ql_scale(L.ctx, ql_cast(L.ctx, ref, QL_TYPE_F32), -1.0f));
+                }, false);
+                REQUIRE_MESSAGE(r.error.empty(), r.error);
+                int64_t off = 0;
+                for (float v : r.out) off += v != 0.0f;
+                CHECK_MESSAGE(off == 0, off, " of ", r.out.size(), " elements differ from the f32 result rounded once");
+            }
 }

@@ -886,6 +886,146 @@ TEST_CASE("mul_mat_acc: c + a b with the bits of ql_add(c, ql_mul_mat(a, b)), fo
     CHECK(std::string(ql_ctx_error(h.ctx)).find("mul_mat_acc") != std::string::npos);
 }
 
+TEST_CASE("mul_mat_to and mul_mat_acc with a 16-bit result: the bits of ql_cast of the f32 result, forward and backward") {
+    // y = mul_mat_to(a, x16, t) against ql_cast(ql_mul_mat(a, x16), t); with c: mul_mat_acc onto a
+    // 16-bit c against ql_cast(ql_add(ql_cast(c, f32), ql_mul_mat(a, x16)), t), c made by an op
+    // (written over in place) or living on after the multiply. Shapes beyond one staging sub-tile
+    // (M > 1024 columns, N > 384 rows), batched, K beyond one K block.
+    struct C { int64_t K, M, N, B; bool acc, shared; };
+    for (ql_type t : {QL_TYPE_BF16, QL_TYPE_F16})
+        for (const C c : {C{40, 1100, 400, 1, false, false}, C{40, 1100, 400, 1, true, false}, C{64, 70, 96, 4, true, false},
+                          C{300, 33, 50, 1, true, false}, C{512, 40, 100, 1, true, true}, C{16, 37, 3, 1, false, false}})
+            for (int nt : {1, 3}) {
+                INFO(std::string(ql_type_name(t)) << " K " << c.K << " M " << c.M << " N " << c.N << " B " << c.B << (c.acc ? " acc" : "")
+                                     << (c.shared ? " c shared" : "") << ", " << nt << " threads");
+                Vec got[2][4];
+                for (int fused = 0; fused < 2; fused++) {
+                    Harness h;
+                    ql_tensor *a = h.input(QL_TYPE_F32, {c.K, c.M, 1, 1}, true);
+                    ql_tensor *x = h.input(QL_TYPE_F32, {c.K, c.N / c.B, c.B, 1}, true);
+                    ql_tensor *c0 = h.input(QL_TYPE_F32, {c.M, c.N / c.B, c.B, 1}, true);
+                    ql_tensor *xc = ql_cast(h.ctx, x, t), *c16 = ql_cast(h.ctx, ql_scale(h.ctx, c0, 0.5f), t);
+                    ql_tensor *y;
+                    if (fused)
+                        y = c.acc ? ql_mul_mat_acc(h.ctx, a, xc, c16) : ql_mul_mat_to(h.ctx, a, xc, t);
+                    else
+                        y = ql_cast(h.ctx, c.acc ? ql_add(h.ctx, ql_cast(h.ctx, c16, QL_TYPE_F32), ql_mul_mat(h.ctx, a, xc)) : ql_mul_mat(h.ctx, a, xc), t);
+                    REQUIRE_MESSAGE(y, ql_ctx_error(h.ctx));
+                    CHECK(y->type == t);
+                    y = ql_cast(h.ctx, y, QL_TYPE_F32);
+                    if (c.shared) y = ql_mul(h.ctx, y, ql_cast(h.ctx, c16, QL_TYPE_F32));  // c16 lives on after the multiply
+                    h.run(y, nt);
+                    got[fused][0] = h.output();
+                    for (int q = 0; q < (c.acc || c.shared ? 3 : 2); q++) got[fused][q + 1] = h.grad((size_t)q);
+                    if (!fused || c.shared) continue;
+                    // and the values: against double, within one rounding of the 16-bit result
+                    const auto rnd = [&](double v) { return t == QL_TYPE_BF16 ? round_bf16((float)v) : round_f16((float)v); };
+                    Vec ref(c.M * c.N);
+                    for (int64_t n = 0; n < c.N; n++)
+                        for (int64_t m = 0; m < c.M; m++) {
+                            double v = c.acc ? rnd(0.5 * h.in_v[2][n * c.M + m]) : 0.0;
+                            for (int64_t k = 0; k < c.K; k++) v += rnd(h.in_v[0][m * c.K + k]) * rnd(h.in_v[1][n * c.K + k]);
+                            ref[n * c.M + m] = v;
+                        }
+                    CHECK(fwd_err(h.output(), ref) <= (t == QL_TYPE_BF16 ? 8e-3 : 1e-3));
+                }
+                for (int q = 0; q < 4; q++) CHECK(got[1][q] == got[0][q]);
+            }
+    // bad input: a 16-bit result needs b of that type; c of another 16-bit type than b is refused
+    Harness h;
+    ql_tensor *a = h.input(QL_TYPE_F32, {16, 8, 1, 1}, false), *x = h.input(QL_TYPE_F32, {16, 4, 1, 1}, false);
+    CHECK(ql_mul_mat_to(h.ctx, a, x, QL_TYPE_BF16) == nullptr);
+    CHECK(std::string(ql_ctx_error(h.ctx)).find("mul_mat") != std::string::npos);
+    Harness h2;
+    ql_tensor *a2 = h2.input(QL_TYPE_F32, {16, 8, 1, 1}, false), *x2 = h2.input(QL_TYPE_BF16, {16, 4, 1, 1}, false);
+    CHECK(ql_mul_mat_acc(h2.ctx, a2, x2, h2.input(QL_TYPE_F16, {8, 4, 1, 1}, false)) == nullptr);
+    CHECK(std::string(ql_ctx_error(h2.ctx)).find("mul_mat_acc") != std::string::npos);
+}
+
+TEST_CASE("16-bit results against the math with finite-difference gradients: mul_mat_to, swiglu") {
+    for (ql_type t : {QL_TYPE_BF16, QL_TYPE_F16}) {
+        const bool bf = t == QL_TYPE_BF16;
+        auto rnd = [bf](double v) { return bf ? round_bf16((float)v) : round_f16((float)v); };
+        // one rounding of the result (a flip at the last bit where f32 and double differ), and the
+        // gradient of the unrounded math at the rounded inputs (dy rounded to b's type in the multiply)
+        Tol tol;
+        tol.fwd = bf ? 1e-2 : 2e-3;
+        tol.grad = bf ? 3e-2 : 4e-3;
+        const int64_t K = 48, M = 33, N = 20;
+        check_op(std::string("mul_mat_to ") + ql_type_name(t),
+                 [&](Harness &h) {
+                     ql_tensor *a = h.input(QL_TYPE_F32, {K, M, 1, 1}, true), *x = h.input(QL_TYPE_F32, {K, N, 1, 1}, true);
+                     return ql_cast(h.ctx, ql_mul_mat_to(h.ctx, a, ql_cast(h.ctx, x, t), t), QL_TYPE_F32);
+                 },
+                 [&](const Inputs &in) {
+                     Vec o(M * N);
+                     for (int64_t n = 0; n < N; n++)
+                         for (int64_t m = 0; m < M; m++) {
+                             double v = 0;
+                             for (int64_t k = 0; k < K; k++) v += rnd(in[0][m * K + k]) * rnd(in[1][n * K + k]);
+                             o[n * M + m] = rnd(v);
+                         }
+                     return o;
+                 },
+                 tol, nullptr,
+                 [&](const Inputs &in) {
+                     Vec o(M * N);
+                     for (int64_t n = 0; n < N; n++)
+                         for (int64_t m = 0; m < M; m++)
+                             for (int64_t k = 0; k < K; k++) o[n * M + m] += in[0][m * K + k] * in[1][n * K + k];
+                     return o;
+                 });
+        const Shape xn = {37, 13, 3, 1};
+        check_op(std::string("swiglu ") + ql_type_name(t),
+                 [&](Harness &h) {
+                     ql_tensor *a = h.input(QL_TYPE_F32, xn, true, -6, 6), *b = h.input(QL_TYPE_F32, xn, true);
+                     return ql_cast(h.ctx, ql_swiglu(h.ctx, ql_cast(h.ctx, a, t), ql_cast(h.ctx, b, t)), QL_TYPE_F32);
+                 },
+                 [&](const Inputs &in) {
+                     Vec o = in[0];
+                     for (size_t i = 0; i < o.size(); ++i) o[i] = rnd(silu(rnd(in[0][i])) * rnd(in[1][i]));
+                     return o;
+                 },
+                 tol, nullptr,
+                 [](const Inputs &in) {
+                     Vec o = in[0];
+                     for (size_t i = 0; i < o.size(); ++i) o[i] = silu(in[0][i]) * in[1][i];
+                     return o;
+                 });
+    }
+}
+
+TEST_CASE("swiglu and dropout on 16-bit inputs: the bits of the f32 op on the widened inputs, rounded; f32 gradients") {
+    // swiglu(a16, b16) against ql_cast(swiglu(f32(a16), f32(b16)), t); dropout_to(a16, t) against
+    // dropout_to(f32(a16), t): forward and every gradient, 1 and 3 threads
+    for (ql_type t : {QL_TYPE_BF16, QL_TYPE_F16})
+        for (int op = 0; op < 2; op++)
+            for (int nt : {1, 3}) {
+                INFO(std::string(ql_type_name(t)) << (op ? " dropout" : " swiglu") << ", " << nt << " threads");
+                Vec got[2][3];
+                for (int direct = 0; direct < 2; direct++) {
+                    Harness h;
+                    ql_tensor *a = h.input(QL_TYPE_F32, {70, 9, 2, 1}, true, -6, 6), *b = h.input(QL_TYPE_F32, {70, 9, 2, 1}, true);
+                    ql_tensor *a16 = ql_cast(h.ctx, a, t), *b16 = ql_cast(h.ctx, b, t);
+                    ql_tensor *y;
+                    if (op == 0) {
+                        y = direct ? ql_swiglu(h.ctx, a16, b16)
+                                   : ql_cast(h.ctx, ql_swiglu(h.ctx, ql_cast(h.ctx, a16, QL_TYPE_F32), ql_cast(h.ctx, b16, QL_TYPE_F32)), t);
+                    } else {
+                        ql_tensor *seed = h.ints({1, 1, 1, 1}, {4321});
+                        y = ql_mul(h.ctx, ql_cast(h.ctx, ql_dropout_to(h.ctx, direct ? a16 : ql_cast(h.ctx, a16, QL_TYPE_F32), 0.3f, seed, 7, t),
+                                                  QL_TYPE_F32), b);
+                    }
+                    REQUIRE_MESSAGE(y, ql_ctx_error(h.ctx));
+                    if (op == 0) CHECK(y->type == t);
+                    h.run(y->type == QL_TYPE_F32 ? y : ql_cast(h.ctx, y, QL_TYPE_F32), nt);
+                    got[direct][0] = h.output();
+                    for (int q = 0; q < 2; q++) got[direct][q + 1] = h.grad((size_t)q);
+                }
+                for (int q = 0; q < 3; q++) CHECK(got[1][q] == got[0][q]);
+            }
+}
+
 TEST_CASE("backward: an input feeding several multiplies sums their input gradients in the multiplies (mul_mat_acc)") {
     // y = W1 x + W2 x + W3 x, x trainable, the W frozen: dx = (W1 + W2 + W3) dy with the second and
     // third product added onto the sum so far as they are written - no separate add

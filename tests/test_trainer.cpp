@@ -638,7 +638,9 @@ TEST_CASE("trainer: the FFN in token chunks trains the same adapter (dropout on,
         // total can grow at this size: four times the FFN's tensor headers in the arena.)
         MESSAGE(prn, ": recompute peak ", plans[0].recompute, " whole, ", plans[1].recompute, " in chunks of 32; temporaries ",
                 plans[0].scratch, " -> ", plans[1].scratch);
-        CHECK(plans[1].recompute < plans[0].recompute * 7 / 10);
+        // (bf16: gate, up and SwiGLU's result are 16-bit already, so chunking saves half the bytes
+        // it did: 466944 -> 317952 when they were f32, 368640 -> 293376 since)
+        CHECK(plans[1].recompute < plans[0].recompute * (pr == ql_precision::fp32 ? 70 : 85) / 100);
         CHECK(plans[1].scratch < plans[0].scratch * 8 / 10);
     }
     ql_llama_file_free(f);
@@ -950,7 +952,9 @@ TEST_CASE("trainer: bf16 and fp16 training stays within 2% of fp32's loss over 1
                 " -> ", losses[0].back(), "); worst 10-step window apart by ", worst, "; saved activations ", saved[r], " vs ", saved[0]);
         CHECK(worst < 0.02);
         CHECK(losses[r] != losses[0]);  // the rounding is really there
-        CHECK(saved[r] < saved[0]);
+        // the FFN's gate, up and SwiGLU result kept in 16 bits too (not only the multiplies' inputs):
+        // 0.77 of fp32's when those were f32 (282176 of 368576), 0.65 since (241216)
+        CHECK(saved[r] < saved[0] * 7 / 10);
     }
     CHECK(losses[0].back() < 0.5 * losses[0].front());
     ql_llama_file_free(f);
