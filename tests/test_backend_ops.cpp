@@ -777,7 +777,12 @@ OP_CASE(trainer_device) {
     for (size_t s = 0; s < ref_l.size(); s++)
         CHECK_MESSAGE(std::fabs(got_l[s] - ref_l[s]) <= 1e-2 * ref_l[s], "step ", s + 1, ": ", got_l[s], " vs ", ref_l[s]);
     CHECK(got_e == doctest::Approx(ref_e).epsilon(1e-2));
-    CHECK(norm_err(got_a, ref_a) <= 2e-2);
+    // The adapters after 8 Adam steps: since gate and up are stored in bf16 (issue 30 item 2), an
+    // element whose f32 sums differ in the last bit between cuBLAS's order and the CPU's can
+    // round to neighbouring bf16 values (2^-8 apart), and Adam's normalised steps carry that on:
+    // measured on an H200 0.044 (0.0052 with f32 gate/up), 0.0035 through the shim. The bound
+    // is bf16's, not f32's; the losses above still agree to 1e-2 and step 1's to ~1e-5.
+    CHECK(norm_err(got_a, ref_a) <= 6e-2);
     CHECK(ref_l.back() < ref_l.front());
     // the checkpoint written from the device holds the adapter that came back
     CHECK(read_file(d.file((ql_backend_is_host(be) ? std::string("cpu") : std::string("cuda")) + ".ckpt")).size() > 1000);
