@@ -5952,8 +5952,40 @@ struct mm_problem {
 // once as it is stored. The kernels see the staging block as their C, so every element's sum is
 // the f32 result's: the bits of ql_cast(ql_add(c, ql_mul_mat(a, b))).
 static constexpr int MM_STAGE_ROWS = 4 * MM_MC;
-static size_t mm_stage_floats(int64_t M, int64_t N) {
-    return (size_t)(std::min<int64_t>(N, MM_STAGE_ROWS) * std::min<int64_t>(M, MM_NC) + MM_NC);  // + one row of c
+
+// How nth threads share a multiply: tasks of [ib, ie) rows x [jb, je) columns, nj x ni of them per
+// batch (split inside the matrix when there are fewer batches than threads)
+struct mm_split {
+    bool dot;
+    int64_t align, nj, ni;
+};
+static bool mm_uses_dot(const mm_problem &P);
+static mm_split mm_split_of(const mm_problem &P, int nth) {
+    mm_split s;
+    s.dot = mm_uses_dot(P);
+    // column chunks: whole register panels, and whole blocks where the weight's rows run along them
+    s.align = s.dot ? 4 : P.w.trows ? std::max<int64_t>(MM_NR, traits(P.w.type).blck_size) : MM_NR;
+    s.nj = 1, s.ni = 1;
+    if (P.n_batch < nth) {
+        const int64_t want = (nth + P.n_batch - 1) / P.n_batch;
+        s.nj = std::min<int64_t>(want, std::max<int64_t>(1, (P.M + s.align - 1) / s.align));
+        if (!s.dot) s.ni = std::min<int64_t>((want + s.nj - 1) / s.nj, std::max<int64_t>(1, P.N));
+    }
+    return s;
+}
+// a thread's staging block for a 16-bit result: its largest task's rows (at most MM_STAGE_ROWS,
+// all of them on the dot path) x columns (at most MM_NC), + one row of c - sized to what a task
+// touches, so that the plan is what becomes resident
+static size_t mm_stage_floats(const mm_problem &P, int nth) {
+    const mm_split s = mm_split_of(P, nth);
+    const int64_t col_units = (P.M + s.align - 1) / s.align;
+    const int64_t cols = std::min<int64_t>(P.M, (col_units + s.nj - 1) / s.nj * s.align), rows = (P.N + s.ni - 1) / s.ni;
+    const int64_t n = std::min<int64_t>(cols, MM_NC);
+    return (size_t)((s.dot ? rows : std::min<int64_t>(rows, MM_STAGE_ROWS)) * n + n);
+}
+
+static bool mm_uses_dot(const mm_problem &P) {
+    return P.N <= MM_DOT_MAX_N && mm_k_contig(P.w) && P.x.type == QL_TYPE_F32 && mm_k_contig(P.x);
 }
 
 static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
@@ -5963,18 +5995,12 @@ static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
         if (jb < je) mm_q8(P.w, P.x, P.c, P.ci, P.ldc, P.K, P.N, jb, je, (uint8_t *)work);
         return;
     }
-    const bool dot = P.N <= MM_DOT_MAX_N && mm_k_contig(P.w) && P.x.type == QL_TYPE_F32 && mm_k_contig(P.x);
+    const mm_split sp = mm_split_of(P, nth);
+    const bool dot = sp.dot;
     // (N >= 16: the bf16 X block, rows rounded up to 32, then fits the f32 X block's room)
     const bool amx = P.x.type == QL_TYPE_BF16 && P.K % 32 == 0 && P.K > 0 && P.N >= 16 && mm_amx_ready();
     const bool dp = !amx && !dot && k_mm_dp && P.x.type == QL_TYPE_BF16 && P.K % 2 == 0 && P.K > 0;
-    // column chunks: whole register panels, and whole blocks where the weight's rows run along them
-    const int64_t align = dot ? 4 : P.w.trows ? std::max<int64_t>(MM_NR, traits(P.w.type).blck_size) : MM_NR;
-    int64_t nj = 1, ni = 1;
-    if (P.n_batch < nth) {  // too few batches: split inside the matrix as well
-        const int64_t want = (nth + P.n_batch - 1) / P.n_batch;
-        nj = std::min<int64_t>(want, std::max<int64_t>(1, (P.M + align - 1) / align));
-        if (!dot) ni = std::min<int64_t>((want + nj - 1) / nj, std::max<int64_t>(1, P.N));
-    }
+    const int64_t align = sp.align, nj = sp.nj, ni = sp.ni;
     const int64_t n_tasks = P.n_batch * nj * ni;
     const mm_layout L = mm_layout_of(P.M, P.N, P.K);
     const int64_t col_units = (P.M + align - 1) / align;
@@ -6128,7 +6154,7 @@ static void k_copy_bytes(const cpu_params &p, ql_tensor *dst) {  // contiguous, 
     memcpy((uint8_t *)dst->data + b, (const uint8_t *)dst->src[0]->data + b, (size_t)(e - b));
 }
 
-static size_t cpu_work_per_thread(const ql_tensor *node) {
+static size_t cpu_work_per_thread(const ql_tensor *node, int nth) {
     switch (node->op) {
     case QL_OP_CONT:      return (size_t)node->src[0]->ne[0] * sizeof(float);
     case QL_OP_DROPOUT:   return ((node->type != QL_TYPE_F32) + (node->src[0]->type != QL_TYPE_F32)) * (size_t)node->ne[0] * sizeof(float);
@@ -6140,7 +6166,7 @@ static size_t cpu_work_per_thread(const ql_tensor *node) {
     case QL_OP_MUL_MAT: {
         const mm_problem P = mm_problem_of(node);
         if (P.q8) return mm_q8_work(P.N, P.K, mm_q8_block(P.w.type));
-        return (mm_layout_of(P.M, P.N, P.K).total + (P.ct == QL_TYPE_F32 ? 0 : mm_stage_floats(P.M, P.N))) * sizeof(float);
+        return (mm_layout_of(P.M, P.N, P.K).total + (P.ct == QL_TYPE_F32 ? 0 : mm_stage_floats(P, nth))) * sizeof(float);
     }
     default:              return 0;
     }
@@ -6268,8 +6294,8 @@ static bool cpu_supports_op(ql_backend *, const ql_tensor *node) {
 }
 
 static size_t cpu_work_size(ql_backend *be, const ql_tensor *node) {
-    const size_t per = align_up(cpu_work_per_thread(node), QL_ALIGN);
-    return per * (size_t)((cpu_backend *)be->impl)->pool.n;
+    const int nth = ((cpu_backend *)be->impl)->pool.n;
+    return align_up(cpu_work_per_thread(node, nth), QL_ALIGN) * (size_t)nth;
 }
 
 static void *cpu_buffer_alloc(ql_backend *, size_t size) { return aligned_alloc(QL_ALIGN, align_up(size, QL_ALIGN)); }

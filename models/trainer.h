@@ -104,8 +104,8 @@ struct ql_train_options {
     // when the plan does not fit without), > 0 rows per chunk, < 0 one
     int64_t loss_chunk = 0;
     // the feed-forward in chunks of tokens (ql_llama.ffn_chunk): 0 auto (chunks of at most 2^23
-    // elements per intermediate when the whole would be more: always on a device, on the CPU when
-    // the plan recomputes and does not fit without), > 0 tokens per chunk, < 0 whole
+    // elements per intermediate when the whole would be more and the plan recomputes and does not
+    // fit without), > 0 tokens per chunk, < 0 whole
     int64_t ffn_chunk = 0;
     // a device run: the token embedding stays in host memory and only the step's rows are
     // gathered there and uploaded (1: yes, 0: no, -1: auto - when the plan does not fit without)
