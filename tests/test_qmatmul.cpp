@@ -349,3 +349,49 @@ TEST_CASE("8-bit activations: the request's checks, and the multiplies it leaves
         CHECK(run_forward(tn.first, wq, M, K, xs, tn.second, 2, true) == run_forward(tn.first, wq, M, K, xs, tn.second, 2, false));
     }
 }
+
+// Decode's multiplies by 16-bit weights (the embedding and output head ./quantize nf4 leaves
+// unquantised): the rows are widened in registers as they are read, not converted into the
+// workspace first - the same values summed in the same order, so bit for bit the f32 weight's
+// result (and the double-precision sum within f32's rounding). K has a tail after the vectors,
+// M a tail after the 4-row tiles; N = 1, 3, 8 with 1 and 3 threads, with and without the 8-bit
+// activations' request (a 16-bit weight stays exact under it).
+TEST_CASE("mul_mat by 16-bit weights at decode (dot path): bit for bit the f32 weight's result") {
+    const int64_t M = 37, K = 1003;
+    std::mt19937 rng(16);
+    std::normal_distribution<float> G(0.0f, 0.05f);
+    std::vector<float> w0((size_t)(M * K));
+    for (float &v : w0) v = G(rng);
+    for (ql_type type : {QL_TYPE_F16, QL_TYPE_BF16}) {
+        std::vector<uint8_t> wq(ql_type_data_size(type, M, K));
+        REQUIRE(ql_quantize(type, w0.data(), M, K, wq.data(), nullptr, 0) == QL_OK);
+        std::vector<float> wf((size_t)(M * K));
+        REQUIRE(ql_dequantize(type, wq.data(), M, K, wf.data()) == QL_OK);
+        std::vector<uint8_t> wfb(wf.size() * 4);
+        memcpy(wfb.data(), wf.data(), wfb.size());
+        for (int64_t N : {1, 3, 8}) {
+            const std::vector<float> x = outlier_activations(K * N, rng);
+            const std::vector<float> ref = run_forward(QL_TYPE_F32, wfb, M, K, x, N, 1, false);
+            double worst = 0;
+            for (int64_t i = 0; i < N; i++)
+                for (int64_t j = 0; j < M; j++) {
+                    double d = 0, mag = 0;
+                    for (int64_t k = 0; k < K; k++) {
+                        d += (double)wf[(size_t)(j * K + k)] * x[(size_t)(i * K + k)];
+                        mag += std::fabs((double)wf[(size_t)(j * K + k)] * x[(size_t)(i * K + k)]);
+                    }
+                    worst = std::max(worst, std::fabs(ref[(size_t)(i * M + j)] - d) / mag);
+                }
+            CAPTURE(std::string(ql_type_name(type)));
+            CAPTURE(N);
+            CHECK(worst <= 1e-6);  // the f32 path itself: K/VW-term lane sums and a tree, in f32
+            for (int threads : {1, 3})
+                for (bool q8 : {false, true}) {
+                    CAPTURE(threads);
+                    CAPTURE(q8);
+                    CHECK(run_forward(type, wq, M, K, x, N, threads, q8) == ref);
+                    CHECK(run_forward(QL_TYPE_F32, wfb, M, K, x, N, threads, q8) == ref);
+                }
+        }
+    }
+}
