@@ -5243,16 +5243,8 @@ static inline void mm_dot_tile(int64_t K, const void *const *wr, const float *co
     for (int i = 0; i < NI; i++)
         for (int j = 0; j < NJ; j++) {
             float r = vf_hsum(s[i][j]);
-            // as the compiler made r += x w before (fused where the target has FMA, not in a
-            // portable build, where std::fma would be libm's exact - and different - emulation):
-            // the same in every instantiation
-            for (int64_t kk = k; kk < K; kk++) {
-#if defined(__FMA__)
-                r = std::fma(xr[i][kk], WT::at(wr[j], kk), r);
-#else
-                r = r + xr[i][kk] * WT::at(wr[j], kk);
-#endif
-            }
+            // fused, as the compiler contracted it before: the same in every instantiation
+            for (int64_t kk = k; kk < K; kk++) r = std::fma(xr[i][kk], WT::at(wr[j], kk), r);
             c[i * ldc + j] = ci ? ci[i * ldc + j] + r : r;
         }
 }
