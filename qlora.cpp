@@ -5179,62 +5179,17 @@ static void mm_packed(const mm_operand &w, const mm_operand &x, float *c, const 
     }
 }
 
-// A weight row's elements as f32 vectors, from k: an f32 row (or a row converted into the
-// workspace), or an f16 / bf16 row widened in registers as it is read - exact (every 16-bit
-// value is an f32), so the sums are those of the converted row's, bit for bit.
-struct mm_w_f32 {
-    static constexpr int64_t bytes = 4;
-    static vf load(const void *p, int64_t k) { return vf_load((const float *)p + k); }
-    static float at(const void *p, int64_t k) { return ((const float *)p)[k]; }
-};
-struct mm_w_f16 {
-    static constexpr int64_t bytes = 2;
-    static vf load(const void *p, int64_t k) {
-        const uint16_t *h = (const uint16_t *)p + k;
-#if defined(__AVX512F__)
-        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-        return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
-#else
-        float t[VW];
-        for (int i = 0; i < VW; i++) t[i] = ql_fp16_to_fp32(h[i]);
-        return vf_load(t);
-#endif
-    }
-    static float at(const void *p, int64_t k) { return ql_fp16_to_fp32(((const uint16_t *)p)[k]); }
-};
-struct mm_w_bf16 {
-    static constexpr int64_t bytes = 2;
-    static vf load(const void *p, int64_t k) {
-        const uint16_t *h = (const uint16_t *)p + k;
-#if defined(__AVX512F__)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)h)), 16));
-#elif defined(__AVX2__) && defined(__FMA__)
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)h)), 16));
-#else
-        float t[VW];
-        for (int i = 0; i < VW; i++) t[i] = ql_bf16_to_fp32(h[i]);
-        return vf_load(t);
-#endif
-    }
-    static float at(const void *p, int64_t k) { return ql_bf16_to_fp32(((const uint16_t *)p)[k]); }
-};
-
 // columns [jb, je) for all N rows: W rows dotted with X rows (both k-contiguous). A tile of
-// NJ W rows x NI X rows shares every load between its dot products; each C element has its own
-// accumulator, summed in the same k order whatever the tile.
-template <int NJ, int NI, class WT>
-static inline void mm_dot_tile(int64_t K, const void *const *wr, const float *const *xr, float *c, const float *ci, int64_t ldc,
-                               const char *pf = nullptr) {
+// 4 W rows x 4 X rows shares every load between four dot products.
+template <int NJ, int NI>
+static inline void mm_dot_tile(int64_t K, const float *const *wr, const float *const *xr, float *c, const float *ci, int64_t ldc) {
     vf s[NI][NJ];
     for (int i = 0; i < NI; i++)
         for (int j = 0; j < NJ; j++) s[i][j] = vf_zero();
     int64_t k = 0;
     for (; k + VW <= K; k += VW) {
         vf w[NJ];
-        if (pf)  // the next tile's rows, in address order, as much per step as this tile's step reads
-            for (int64_t o = 0; o < NJ * VW * WT::bytes; o += 64) __builtin_prefetch(pf + k * NJ * WT::bytes + o, 0, 3);
-        for (int j = 0; j < NJ; j++) w[j] = WT::load(wr[j], k);
+        for (int j = 0; j < NJ; j++) w[j] = vf_load(wr[j] + k);
         for (int i = 0; i < NI; i++) {
             const vf x = vf_load(xr[i] + k);
             for (int j = 0; j < NJ; j++) s[i][j] = vf_fma(x, w[j], s[i][j]);
@@ -5243,79 +5198,32 @@ static inline void mm_dot_tile(int64_t K, const void *const *wr, const float *co
     for (int i = 0; i < NI; i++)
         for (int j = 0; j < NJ; j++) {
             float r = vf_hsum(s[i][j]);
-            // fused, as the compiler contracted it before: the same in every instantiation
-            for (int64_t kk = k; kk < K; kk++) r = std::fma(xr[i][kk], WT::at(wr[j], kk), r);
+            for (int64_t kk = k; kk < K; kk++) r += xr[i][kk] * wr[j][kk];
             c[i * ldc + j] = ci ? ci[i * ldc + j] + r : r;
         }
 }
 
-// nj (<= 4) W rows against all N X rows; c and ci at the rows' first column. Fewer than 4 X
-// rows (decode: one) take the 4-row tile too - four independent sums, not one latency-bound
-// chain - unless narrow: then one W row at a time (in-place f32 rows: read side by side, 4 of
-// them made ./generate's f32 output head 5% slower, with or without the prefetch).
-template <class WT>
-static void mm_dot_cols(const void *const *wr, int nj, const mm_operand &x, float *c, const float *ci, int64_t ldc, int64_t K,
-                        int64_t N, const char *pf, bool narrow = false) {
-    constexpr int T = 4;
-    for (int64_t i = 0; i < N; i += T) {
-        const int ni = (int)std::min<int64_t>(T, N - i);
-        const float *xr[T];
-        for (int q = 0; q < ni; q++) xr[q] = (const float *)(x.p + (i + q) * x.smn);
-        float *cp = c + i * ldc;
-        const float *cip = ci ? ci + i * ldc : nullptr;
-        const bool wide = nj == T && (ni == T || !narrow);
-        for (int b = 0; b < nj; b += (wide ? T : 1)) {
-            const void *const *w = wr + b;
-            float *cb = cp + b;
-            const float *cib = cip ? cip + b : nullptr;
-            if (wide) {
-                const char *p = i == 0 ? pf : nullptr;  // the first X rows read W from memory
-                switch (ni) {
-                case 4: mm_dot_tile<T, 4, WT>(K, w, xr, cb, cib, ldc, p); break;
-                case 3: mm_dot_tile<T, 3, WT>(K, w, xr, cb, cib, ldc, p); break;
-                case 2: mm_dot_tile<T, 2, WT>(K, w, xr, cb, cib, ldc, p); break;
-                default: mm_dot_tile<T, 1, WT>(K, w, xr, cb, cib, ldc, p); break;
-                }
-            } else {
-                switch (ni) {
-                case 4: mm_dot_tile<1, 4, WT>(K, w, xr, cb, cib, ldc); break;
-                case 3: mm_dot_tile<1, 3, WT>(K, w, xr, cb, cib, ldc); break;
-                case 2: mm_dot_tile<1, 2, WT>(K, w, xr, cb, cib, ldc); break;
-                default: mm_dot_tile<1, 1, WT>(K, w, xr, cb, cib, ldc); break;
-                }
-            }
-        }
-    }
-}
-
-// f32, f16 and bf16 weights (an f16/bf16 model's embedding and output head, which ./quantize nf4
-// keeps) are read in place, 16 bits widened in registers; other types are converted a row at a
-// time into the workspace.
 static void mm_dot(const mm_operand &w, const mm_operand &x, float *c, const float *ci, int64_t ldc, int64_t K, int64_t N,
                    int64_t jb, int64_t je, float *work, const mm_layout &L) {
     float *tmp = work + L.tmp;  // [4, K]
     constexpr int T = 4;
     for (int64_t j = jb; j < je; j += T) {
         const int nj = (int)std::min<int64_t>(T, je - j);
-        const void *wr[T];
-        float *cj = c + j;
-        const float *cij = ci ? ci + j : nullptr;
-        // 16 bits in place: the next 4 rows fetched ahead in address order where they are one run -
-        // 4 rows read side by side are 4 streams, which the hardware fetched more slowly (the 32000 x
-        // 768 f16 head at N = 1, 1 thread: 2.6 ms without the prefetch, 1.2 with, 2.0 converted first)
-        if (w.type == QL_TYPE_F16 || w.type == QL_TYPE_BF16 || w.type == QL_TYPE_F32) {
-            const bool dense = w.smn == K * (int64_t)traits(w.type).type_size;
-            const char *pf = dense && j + 2 * T <= je ? (const char *)(w.p + (j + T) * w.smn) : nullptr;
-            for (int q = 0; q < nj; q++) wr[q] = w.p + (j + q) * w.smn;
-            if (w.type == QL_TYPE_F16)
-                mm_dot_cols<mm_w_f16>(wr, nj, x, cj, cij, ldc, K, N, pf);
-            else if (w.type == QL_TYPE_BF16)
-                mm_dot_cols<mm_w_bf16>(wr, nj, x, cj, cij, ldc, K, N, pf);
-            else
-                mm_dot_cols<mm_w_f32>(wr, nj, x, cj, cij, ldc, K, N, nullptr, true);
-        } else {
-            for (int q = 0; q < nj; q++) wr[q] = mm_run(w, j + q, 0, K, tmp + q * K);
-            mm_dot_cols<mm_w_f32>(wr, nj, x, cj, cij, ldc, K, N, nullptr);
+        const float *wr[T];
+        for (int q = 0; q < nj; q++) wr[q] = mm_run(w, j + q, 0, K, tmp + q * K);
+        for (int64_t i = 0; i < N; i += T) {
+            const int ni = (int)std::min<int64_t>(T, N - i);
+            const float *xr[T];
+            for (int q = 0; q < ni; q++) xr[q] = (const float *)(x.p + (i + q) * x.smn);
+            float *cp = c + i * ldc + j;
+            const float *cip = ci ? ci + i * ldc + j : nullptr;
+            if (nj == T && ni == T) {
+                mm_dot_tile<T, T>(K, wr, xr, cp, cip, ldc);
+            } else {
+                for (int a = 0; a < ni; a++)
+                    for (int b = 0; b < nj; b++)
+                        mm_dot_tile<1, 1>(K, wr + b, xr + a, cp + a * ldc + b, cip ? cip + a * ldc + b : nullptr, ldc);
+            }
         }
     }
 }
