@@ -63,7 +63,6 @@ struct ql_trainer {
     int64_t auto_chunk = 0;      // what auto would choose (0: one chunk suffices)
     int64_t ffn_chunk = 0;       // tokens per feed-forward chunk (0: whole)
     int64_t auto_ffn_chunk = 0;  // what auto would choose (0: one chunk suffices)
-    int cc = 0;                  // a device run's compute capability (planned or real)
     ql_tensor *seed = nullptr;
     batch_io tr, ev;
     std::vector<ql_tensor *> params;
@@ -370,7 +369,7 @@ static void device_plan(ql_trainer *t, ql_context *meas, size_t train_buf, size_
     m.dev_granularity = G;
     auto round = [&](size_t b) { return b ? (b + G - 1) / G * G - b : 0; };
     m.device = true;
-    m.cc = t->cc;
+    m.cc = t->caps.cc;
     m.dev_weights = ql_ctx_placed_bytes(t->f->ctx);
     std::map<std::string, size_t> by_type;
     const ql_llama &md = t->f->model;
@@ -678,10 +677,9 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
     ql_backend_get_caps(t->be, &t->caps);
     t->on_host = t->caps.host;
     if (!t->on_host) {
-        t->cc = t->caps.cc;
         t->mem.device_desc = t->caps.plan_only ? std::string("planned for ") + t->caps.name
-                                               : std::string(t->caps.name) + " (cc " + std::to_string(t->cc / 10) + "." +
-                                                     std::to_string(t->cc % 10) + ")";
+                                               : std::string(t->caps.name) + " (cc " + std::to_string(t->caps.cc / 10) + "." +
+                                                     std::to_string(t->caps.cc % 10) + ")";
         t->mem.vram = t->caps.mem_free;
     }
     if (o.vram) t->mem.vram = o.vram;
