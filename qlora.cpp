@@ -7963,12 +7963,21 @@ static bool gguf_build_header(const ql_gguf_writer *w, uint64_t align, std::vect
     return true;
 }
 
-static bool gguf_write_zeros(FILE *f, uint64_t n) {
+// n bytes of p (zeros where p is NULL) at file offset *pos: a whole 4 KiB page of zeros is skipped,
+// not written, so files of zeros (make-model --zero's plans for shapes of tens of GB) stay sparse;
+// the caller ends the file with ftruncate at its size. The bytes read back are the same.
+static bool gguf_write_data(FILE *f, uint64_t *pos, const uint8_t *p, uint64_t n) {
     static const uint8_t zeros[4096] = {0};
     while (n) {
-        const size_t k = (size_t)std::min<uint64_t>(n, sizeof(zeros));
-        if (fwrite(zeros, 1, k, f) != k) return false;
-        n -= k;
+        const size_t k = (size_t)std::min<uint64_t>(n, sizeof(zeros) - *pos % sizeof(zeros));
+        const uint8_t *src = p ? p : zeros;
+        if (k == sizeof(zeros) && (!p || memcmp(p, zeros, k) == 0)) {
+            if (fseeko(f, (off_t)k, SEEK_CUR) != 0) return false;
+        } else if (fwrite(src, 1, k, f) != k) {
+            return false;
+        }
+        *pos += k, n -= k;
+        if (p) p += k;
     }
     return true;
 }
@@ -8036,7 +8045,8 @@ ql_status ql_gguf_write(const ql_gguf_writer *w, const char *path, char *err, si
     }
     const char *what = nullptr;
     errno = 0;
-    if (fwrite(header.data(), 1, header.size(), f) != header.size()) what = "writing the header";
+    uint64_t pos = 0;  // the file offset written up to
+    if (!gguf_write_data(f, &pos, header.data(), header.size())) what = "writing the header";
     std::vector<uint8_t> made;  // generated tensors' bytes, one at a time
     size_t made_size = 0;
     for (const gguf_wtensor &t : w->tensors)
@@ -8055,10 +8065,11 @@ ql_status ql_gguf_write(const ql_gguf_writer *w, const char *path, char *err, si
             break;
         }
         const void *src = t.fill ? (const void *)made.data() : t.data;
-        if ((t.size && fwrite(src, 1, t.size, f) != t.size) || !gguf_write_zeros(f, padded - t.size))
+        if (!gguf_write_data(f, &pos, (const uint8_t *)src, t.size) || !gguf_write_data(f, &pos, nullptr, padded - t.size))
             what = "writing tensor data";
     }
     if (!what && fflush(f) != 0) what = "flushing";
+    if (!what && ftruncate(fileno(f), (off_t)pos) != 0) what = "setting the size";  // (a skipped page at the end)
     if (!what && fsync(fileno(f)) != 0) what = "fsync";
     int e = errno;
     if (fclose(f) != 0 && !what) {

@@ -351,6 +351,48 @@ TEST_CASE("gguf: copying every KV and tensor reproduces a file byte for byte") {
     ql_gguf_close(g);
 }
 
+// Pages of zeros are skipped, not written (a sparse file), and read back as zeros: the bytes are
+// the same as a dense write's. A tensor ending in zeros ends the file: its size comes from the
+// final ftruncate (without it the file is short and the reader refuses it).
+TEST_CASE("gguf: pages of zeros are left as holes and the file reads back byte for byte") {
+    tmpdir dir;
+    std::vector<uint8_t> a(5 * 4096 + 100, 0);  // a nonzero head and tail, zero pages between
+    for (size_t i = 0; i < 300; i++) a[i] = (uint8_t)(i * 7 + 1);
+    a[a.size() - 1] = 9;
+    a[3 * 4096 + 17] = 5;  // one byte in a page otherwise zero: written
+    const std::string path = dir.file("sparse.gguf");
+    char err[256];
+    auto write = [&](const std::vector<uint8_t> &b) {
+        ql_gguf_writer *w = ql_gguf_writer_new();
+        ql_gguf_set_u32(w, "x", 1);
+        const int64_t na[1] = {(int64_t)a.size()}, nb[1] = {(int64_t)b.size()};
+        REQUIRE(ql_gguf_add_tensor(w, "a", QL_TYPE_I8, 1, na, a.data(), a.size()) == QL_OK);
+        REQUIRE(ql_gguf_add_tensor(w, "b", QL_TYPE_I8, 1, nb, b.data(), b.size()) == QL_OK);
+        REQUIRE_MESSAGE(ql_gguf_write(w, path.c_str(), err, sizeof(err)) == QL_OK, err);
+        ql_gguf_writer_free(w);
+    };
+    // b, all zeros, is last and sized so the file ends on a page boundary (the header's size does
+    // not depend on it): its last page is skipped, only the final ftruncate makes the file whole
+    write(std::vector<uint8_t>(32, 0));
+    ql_gguf *g = ql_gguf_open(path.c_str(), err, sizeof(err));
+    REQUIRE_MESSAGE(g, err);
+    const uint64_t b_at = ql_gguf_data_offset(g) + 5 * 4096 + 128;  // a padded to 32
+    ql_gguf_close(g);
+    const std::vector<uint8_t> b((size_t)(3 * 4096 + (4096 - b_at % 4096) % 4096), 0);
+    write(b);
+    g = ql_gguf_open(path.c_str(), err, sizeof(err));
+    REQUIRE_MESSAGE(g, err);
+    REQUIRE(ql_gguf_n_tensors(g) == 2);
+    CHECK(memcmp(ql_gguf_tensor_data(g, 0), a.data(), a.size()) == 0);
+    CHECK(memcmp(ql_gguf_tensor_data(g, 1), b.data(), b.size()) == 0);
+    ql_gguf_close(g);
+    struct stat st;
+    REQUIRE(stat(path.c_str(), &st) == 0);
+    CHECK((uint64_t)st.st_size == b_at + b.size());
+    CHECK((uint64_t)st.st_size % 4096 == 0);
+    CHECK((uint64_t)st.st_blocks * 512 <= (uint64_t)st.st_size - 4 * 4096);  // at least 4 whole pages are holes
+}
+
 TEST_CASE("gguf: writer round trip, alignment 32 and 64, every array kind, five tensor types") {
     tmpdir dir;
     std::mt19937 rng(7);

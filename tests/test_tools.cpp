@@ -244,6 +244,31 @@ TEST_CASE("generate / perplexity: NaN weights are an error (exit 1, one line), n
     REQUIRE(run("./perplexity -m " + m + " -f " + text + " -c 16 --json", &log) == 0);  // the intact model still runs
 }
 
+// --zero: every weight 0 (so every logit 0: the perplexity is the vocabulary's size exactly), in
+// NF4 with double quantisation (side data the reader accepts), written sparse.
+TEST_CASE("make-model --zero: a sparse all-zero model that loads and plans" * needs_tools("make-model perplexity finetune")) {
+    tmpdir d;
+    const std::string gguf = d.path + "/z.gguf", text = d.path + "/t.txt";
+    std::string log;
+    REQUIRE_MESSAGE(run("./make-model -o " + gguf + " --dim 512 --layers 2 --heads 8 --kv-heads 2 --ff 1536 --type nf4 --embd-type f16 "
+                        "--output-type bf16 --zero", &log) == 0, log);
+    CHECK_MESSAGE(log.find("all zero") != std::string::npos, log);
+    struct stat st;
+    REQUIRE(stat(gguf.c_str(), &st) == 0);
+    CHECK((uint64_t)st.st_blocks * 512 < (uint64_t)st.st_size / 4);  // the f16/bf16 and NF4 rows are holes
+    FILE *f = fopen(text.c_str(), "wb");
+    REQUIRE(f);
+    fputs("Zero weights, uniform logits.", f);
+    fclose(f);
+    REQUIRE_MESSAGE(run("./perplexity -m " + gguf + " -f " + text + " --json", &log) == 0, log);
+    double nll = 0, ppl = 0;
+    long long n_tok = 0;
+    REQUIRE(sscanf(log.c_str(), "{\"nll\": %lf, \"ppl\": %lf, \"tokens\": %lld}", &nll, &ppl, &n_tok) == 3);
+    CHECK(ppl == doctest::Approx(512.0).epsilon(1e-5));
+    REQUIRE_MESSAGE(run("./finetune -m " + gguf + " -d examples/demo.jsonl --dry-run --device cuda --vram 8G --cc 8.6", &log) == 0, log);
+    CHECK_MESSAGE(log.find("fits") != std::string::npos, log);
+}
+
 TEST_CASE("perplexity: --json numbers equal an independent computation; every token counted once" * needs_tools("make-model perplexity")) {
     tmpdir d;
     const std::string gguf = d.path + "/m.gguf", text = d.path + "/t.txt";

@@ -2,7 +2,7 @@
 //
 //   ./make-model -o model.gguf [--dim 288] [--layers 6] [--heads 6] [--kv-heads 6] [--head-dim N] [--ff 768]
 //                [--vocab 512] [--ctx 1024] [--type f32|f16|bf16|nf4|q8_0|q4_0|...|q6_K|iq4_xs] [--seed 1] [--std 0.02]
-//                [--embd-type f32] [--output-type f32] [--threads 1]
+//                [--embd-type f32] [--output-type f32] [--threads 1] [--zero]
 //
 // The vocabulary is SentencePiece-style ("llama"): <unk> <s> </s>, the 256 byte tokens, the
 // printable ASCII characters (" " as "▁"), then "▁"-prefixed characters and filler tokens up to
@@ -18,6 +18,10 @@
 // 8B shapes: the one stream is most of the time) each tensor's values come from streams of 2^20
 // values each, seeded from the one stream: other values (the same for any N > 1), drawn and
 // converted in parallel.
+//
+// --zero: every weight 0 (norms 1), in the types asked for - a file to plan with (`finetune
+// --dry-run` reads shapes, not values): the GGUF writer skips pages of zeros, so a 70B-shaped
+// file is written in seconds and takes next to no disk, while reading back as a complete file.
 #include "../models/llama.h"
 #include "../qlora.h"
 #include "cli.h"
@@ -28,6 +32,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <random>
 #include <string>
 #include <thread>
@@ -37,7 +42,8 @@ static int usage(const char *argv0) {
     fprintf(stderr,
             "usage: %s -o model.gguf [--dim N] [--layers N] [--heads N] [--kv-heads N] [--head-dim N] [--ff N] [--vocab N] [--ctx N]\n"
             "       [--type f32|f16|bf16|nf4|q8_0|q4_0|...|q6_K|iq4_xs] [--seed S] [--std X] [--embd-type T] [--output-type T]\n"
-            "       [--threads N]  (N > 1: faster, other random values - the same for any N > 1)\n",
+            "       [--threads N]  (N > 1: faster, other random values - the same for any N > 1)\n"
+            "       [--zero]  (every weight 0: a sparse file for planning shapes, e.g. finetune --dry-run)\n",
             argv0);
     return 2;
 }
@@ -84,6 +90,8 @@ struct gen_state {
     float std;
     int threads;
     std::vector<float> f32;  // one tensor's values before conversion (the largest, reused)
+    bool zero = false;       // --zero: every weight 0 (the norms 1)
+    std::map<std::string, std::vector<char>> side;  // --zero: NF4's side data of zeros, by type and shape
 };
 struct gen_tensor {
     gen_state *g;
@@ -91,8 +99,36 @@ struct gen_tensor {
     ql_type type;
 };
 
+// --zero: zeros in any type; NF4's side data after its rows is what the quantiser makes of zeros
+// (the codes of 0 themselves are not 0 bits: the rows are written as code 0 times absmax 0 = -0)
+static bool fill_zero(gen_tensor &x, void *dst, size_t size) {
+    if (ql_n_dims(x.t) == 1) {
+        std::fill((float *)dst, (float *)dst + ql_nelements(x.t), 1.0f);
+        return size == (size_t)ql_nelements(x.t) * 4;
+    }
+    const int64_t rows = x.t->ne[1], ne0 = x.t->ne[0];
+    const size_t row_part = ql_row_size(x.type, ne0) * (size_t)rows;
+    memset(dst, 0, size);
+    if (size == row_part) return true;
+    const std::string key = std::string(ql_type_name(x.type)) + " " + std::to_string(ne0) + " " + std::to_string(rows);
+    std::vector<char> &side = x.g->side[key];
+    if (side.empty()) {
+        std::vector<float> z((size_t)(rows * ne0), 0.0f);
+        std::vector<char> q(size);
+        char err[256];
+        if (ql_quantize(x.type, z.data(), rows, ne0, q.data(), err, sizeof(err)) != QL_OK) {
+            fprintf(stderr, "make-model: tensor %s: %s\n", x.t->name, err);
+            return false;
+        }
+        side.assign(q.begin() + (ptrdiff_t)row_part, q.end());
+    }
+    memcpy((char *)dst + row_part, side.data(), side.size());
+    return row_part + side.size() == size;
+}
+
 static bool fill_tensor(void *arg, void *dst, size_t size) {
     gen_tensor &x = *(gen_tensor *)arg;
+    if (x.g->zero) return fill_zero(x, dst, size);
     const int64_t n = ql_nelements(x.t);
     float *v = x.type == QL_TYPE_F32 ? (float *)dst : nullptr;
     if (!v) {
@@ -150,6 +186,7 @@ struct mm_args {
     const char *out = nullptr, *type_name = "f32", *embd_name = "f32", *output_name = "f32";
     long dim = 288, layers = 6, heads = 6, kv_heads = -1, head_dim = 0, ff = 768, vocab = 512, ctx_len = 1024, seed = 1, threads = 1;
     double std_dev = 0.02;
+    bool zero = false;
 };
 
 // The flags into o (--kv-heads defaults to --heads): -1 to go on, else the exit code (0 for
@@ -157,6 +194,10 @@ struct mm_args {
 static int parse_args(int argc, char **argv, mm_args *o) {
     for (int i = 1; i < argc; i++) {
         const std::string a = argv[i];
+        if (a == "--zero") {
+            o->zero = true;
+            continue;
+        }
         if (i + 1 >= argc && a != "-h" && a != "--help") {
             fprintf(stderr, "make-model: '%s' needs a value\n", argv[i]);
             return usage(argv[0]);
@@ -264,7 +305,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "make-model: %s\n", ctx ? ql_ctx_error(ctx) : "out of memory");
         return 2;
     }
-    gen_state g{std::mt19937_64((uint64_t)o.seed), (float)o.std_dev, (int)o.threads, {}};
+    gen_state g{std::mt19937_64((uint64_t)o.seed), (float)o.std_dev, (int)o.threads, {}, o.zero, {}};
 
     ql_gguf_writer *w = ql_gguf_writer_new();
     owned<ql_gguf_writer> w_(w, ql_gguf_writer_free);
@@ -294,8 +335,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "make-model: %s\n", err);
         return 1;
     }
-    printf("make-model: %s: dim %ld, %ld layers, %ld/%ld heads of %d, ffn %ld, vocab %ld, %s linear weights, embedding %s, output %s "
+    printf("make-model: %s: dim %ld, %ld layers, %ld/%ld heads of %d, ffn %ld, vocab %ld, %s linear weights, embedding %s, output %s%s "
            "(%.2f s)\n", o.out, o.dim, o.layers, o.heads, o.kv_heads, hp.head_dim(), o.ff, o.vocab, ql_type_name(wtype),
-           ql_type_name(etype), ql_type_name(otype), std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+           ql_type_name(etype), ql_type_name(otype), o.zero ? ", all zero" : "", std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     return 0;
 }
