@@ -30,6 +30,7 @@
 #define QL_DYN_SMEM(T, name) \
     extern __shared__ __align__(16) unsigned char ql_dyn_smem_[]; \
     T *name = reinterpret_cast<T *>(ql_dyn_smem_)
+#define QL_UNROLL _Pragma("unroll")  // fixed-count loops over register arrays: unrolled, so no local memory
 #endif
 
 #include <algorithm>
@@ -423,7 +424,150 @@ __global__ void k_acc_round(const char *c16, const float *p, char *d, int type, 
         cu_st(d + i * 2, type, cu_ld(c16 + i * 2, type) + p[i]);
 }
 
+// ---- decode: a few tokens' product read straight from the packed weight (ql_cuda_mm_gemv) ----
+// A warp per row of W, each lane 32 elements at a time (chunks lane, lane + 32, ...: neighbouring
+// lanes read neighbouring bytes), decoded with the dequantisation's own expressions, rounded to
+// the multiply's type as the tile would be, and dotted with every column of b (N <= 8 sums in
+// registers); the warp's partial sums meet by shuffles. Decode is bound by the weight's bytes:
+// reading them once, packed, is what the dequantise-then-GEMM path cannot do.
+#define GV_WARPS 4  // rows per block
+
+// elements [e0, e0 + 32) of row r (e0 % 32 == 0) as f32
+__device__ __forceinline__ void gv_chunk(const char *w, int64_t row_bytes, int type, const char *aux, int64_t ne0, int64_t r,
+                                         int64_t e0, float v[32]) {
+    const uint8_t *row = (const uint8_t *)w + r * row_bytes;
+    switch (type) {
+    case QL_TYPE_NF4: case QL_TYPE_NF4_NODQ: {  // one absmax: 32 aligned elements lie in one block of 64
+        const int64_t blk = (r * ne0 + e0) / QL_NF4_BLOCK;
+        const float am = type == QL_TYPE_NF4 ? cu_nf4_absmax(aux, blk) : ((const float *)aux)[blk];
+        const uint8_t *p = row + e0 / 2;
+QL_UNROLL
+        for (int i = 0; i < 16; i++) {
+            const uint8_t byte = p[i];
+            v[2 * i] = __fmul_rn(cu_nf4_values[byte >> 4], am);
+            v[2 * i + 1] = __fmul_rn(cu_nf4_values[byte & 15], am);
+        }
+        return;
+    }
+    case QL_TYPE_Q4_0: {
+        const ql_block_q4_0 *b = (const ql_block_q4_0 *)(row + (e0 / 32) * (int64_t)sizeof(ql_block_q4_0));
+        const float d = cu_h2f(b->d);
+QL_UNROLL
+        for (int j = 0; j < 16; j++) {
+            v[j] = __fmul_rn((float)((b->qs[j] & 15) - 8), d);
+            v[j + 16] = __fmul_rn((float)((b->qs[j] >> 4) - 8), d);
+        }
+        return;
+    }
+    case QL_TYPE_Q8_0: {
+        const ql_block_q8_0 *b = (const ql_block_q8_0 *)(row + (e0 / 32) * (int64_t)sizeof(ql_block_q8_0));
+        const float d = cu_h2f(b->d);
+QL_UNROLL
+        for (int j = 0; j < 32; j++) v[j] = __fmul_rn((float)b->qs[j], d);
+        return;
+    }
+    case QL_TYPE_Q4_K: case QL_TYPE_Q5_K: {  // sub-block s of 32: its scale and min once
+        const bool five = type == QL_TYPE_Q5_K;
+        const uint8_t *blk = row + (e0 / QL_QK_K) * (int64_t)(five ? sizeof(ql_block_q5_K) : sizeof(ql_block_q4_K));
+        const uint8_t *sc6 = five ? ((const ql_block_q5_K *)blk)->scales : ((const ql_block_q4_K *)blk)->scales;
+        const uint8_t *qs = five ? ((const ql_block_q5_K *)blk)->qs : ((const ql_block_q4_K *)blk)->qs;
+        const uint16_t dh = five ? ((const ql_block_q5_K *)blk)->d : ((const ql_block_q4_K *)blk)->d;
+        const uint16_t mh = five ? ((const ql_block_q5_K *)blk)->dmin : ((const ql_block_q4_K *)blk)->dmin;
+        const int s = (int)(e0 % QL_QK_K) / 32;
+        int sc, mn;
+        if (s < 4) {
+            sc = sc6[s] & 63;
+            mn = sc6[s + 4] & 63;
+        } else {
+            sc = (sc6[s + 4] & 15) | ((sc6[s - 4] >> 6) << 4);
+            mn = (sc6[s + 4] >> 4) | ((sc6[s] >> 6) << 4);
+        }
+        const float d = __fmul_rn(cu_h2f(dh), (float)sc), m = __fmul_rn(cu_h2f(mh), (float)mn);
+        const uint8_t *q = qs + 32 * (s / 2);
+QL_UNROLL
+        for (int l = 0; l < 32; l++) {
+            int x = (s & 1) ? (q[l] >> 4) : (q[l] & 15);
+            if (five) x |= ((((const ql_block_q5_K *)blk)->qh[l] >> s) & 1) << 4;
+            v[l] = __fsub_rn(__fmul_rn(d, (float)x), m);
+        }
+        return;
+    }
+    case QL_TYPE_Q6_K: {  // 32 elements: one of the four 32-wide quarters of a 128 half, two scales
+        const ql_block_q6_K *b = (const ql_block_q6_K *)(row + (e0 / QL_QK_K) * (int64_t)sizeof(ql_block_q6_K));
+        const int j0 = (int)(e0 % QL_QK_K), h = j0 / 128, k = (j0 % 128) / 32;
+        const float dd = cu_h2f(b->d);
+        const float s0 = __fmul_rn(dd, (float)b->scales[j0 / 16]), s1 = __fmul_rn(dd, (float)b->scales[j0 / 16 + 1]);
+QL_UNROLL
+        for (int l = 0; l < 32; l++) {
+            const uint8_t lo = b->ql[64 * h + 32 * (k & 1) + l];
+            const int q = ((k < 2 ? (lo & 15) : (lo >> 4)) | (((b->qh[32 * h + l] >> (2 * k)) & 3) << 4)) - 32;
+            v[l] = __fmul_rn(l < 16 ? s0 : s1, (float)q);
+        }
+        return;
+    }
+    case QL_TYPE_F32: case QL_TYPE_F16: case QL_TYPE_BF16: {
+        const int es = type == QL_TYPE_F32 ? 4 : 2;
+QL_UNROLL
+        for (int l = 0; l < 32; l++) v[l] = cu_ld((const char *)row + (e0 + l) * es, type);
+        return;
+    }
+    default:  // the other block types, element by element
+QL_UNROLL
+        for (int l = 0; l < 32; l++) v[l] = cu_weight_elem(w, row_bytes, type, aux, ne0, r, e0 + l);
+        return;
+    }
+}
+
+// C [M, N] = W b: W [K, M] (rows of K, row_bytes apart), b [K, N] (columns bnb1 bytes apart, of b_type)
+__global__ void __launch_bounds__(GV_WARPS * 32) k_gemv(const char *w, int64_t row_bytes, int type, const char *aux, int64_t K,
+                                                        int64_t M, const char *b, int b_type, int64_t bnb1, int N, int ct, float *C) {
+    const int lane = threadIdx.x % 32;
+    const int64_t r = (int64_t)blockIdx.x * GV_WARPS + threadIdx.x / 32;
+    if (r >= M) return;  // the whole warp: no barrier below but the warp's own shuffles
+    const int bes = b_type == QL_TYPE_F32 ? 4 : 2;
+    float acc[QL_CUDA_GEMV_MAX_N];
+QL_UNROLL
+    for (int n = 0; n < QL_CUDA_GEMV_MAX_N; n++) acc[n] = 0.0f;
+    for (int64_t e0 = (int64_t)lane * 32; e0 < K; e0 += 32 * 32) {
+        float v[32];
+        gv_chunk(w, row_bytes, type, aux, K, r, e0, v);
+        if (ct != QL_TYPE_F32) {  // as the tile in the multiply's type
+QL_UNROLL
+            for (int l = 0; l < 32; l++) v[l] = ct == QL_TYPE_F16 ? __half2float(__float2half_rn(v[l]))
+                                                                  : __bfloat162float(__float2bfloat16_rn(v[l]));
+        }
+QL_UNROLL
+        for (int n = 0; n < QL_CUDA_GEMV_MAX_N; n++) {
+            if (n >= N) break;
+            const char *bp = b + n * bnb1 + e0 * bes;
+            float s = 0.0f;
+QL_UNROLL
+            for (int l = 0; l < 32; l++) s = fmaf(v[l], cu_ld(bp + l * bes, b_type), s);
+            acc[n] += s;
+        }
+    }
+QL_UNROLL
+    for (int n = 0; n < QL_CUDA_GEMV_MAX_N; n++) {
+        if (n >= N) break;
+        float s = acc[n];
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+        if (lane == 0) C[n * M + r] = s;
+    }
+}
+
+static void cu_op_gemv(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *a = node->src[0], *b = node->src[1];
+    const ql_type_traits *at = ql_type_traits_get(a->type);
+    const char *aux = at->aux_bytes ? (const char *)a->data + ql_aux_offset(ql_nbytes(a)) : nullptr;
+    const int64_t M = a->ne[1];
+    QL_LAUNCH(k_gemv, (unsigned)((M + GV_WARPS - 1) / GV_WARPS), GV_WARPS * 32, 0, c.stream, (const char *)a->data, (int64_t)a->nb[1],
+              (int)a->type, aux, a->ne[0], M, (const char *)b->data, (int)b->type, (int64_t)b->nb[1], (int)b->ne[1], (int)b->type,
+              (float *)node->data);
+    CU_LAUNCHED(c);
+}
+
 static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
+    if (ql_cuda_mm_gemv(node)) return cu_op_gemv(c, node);
     const ql_tensor *a = node->src[0], *b = node->src[1];
     const ql_type ct = b->type;
     const size_t es = type_size_cu(ct);

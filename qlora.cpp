@@ -6848,6 +6848,19 @@ size_t ql_cuda_mm_b_bytes(const ql_tensor *b) {
 int64_t ql_cuda_mm_tile_rows(int64_t row_len, int64_t n_rows) {
     return std::max<int64_t>(1, std::min<int64_t>(n_rows, QL_CUDA_MM_TILE_ELEMS / std::max<int64_t>(row_len, 1)));
 }
+// A product of a few tokens (decode) read straight from the packed weight, one warp per row:
+// no dequantised tile, no workspace. a: a whole 2-D weight (block-quantized or 16/32-bit) with
+// rows of a multiple of 32; b: at most QL_CUDA_GEMV_MAX_N columns of K contiguous elements; an
+// f32 result, no accumulation onto c.
+bool ql_cuda_mm_gemv(const ql_tensor *node) {
+    if (node->op != QL_OP_MUL_MAT || node->type != QL_TYPE_F32 || node->src[2]) return false;
+    const ql_tensor *a = node->src[0], *b = node->src[1];
+    const ql_type_traits *t = ql_type_traits_get(a->type);
+    if (!t || (!t->to_float && !t->to_float_aux) || a->type == QL_TYPE_I32 || a->type == QL_TYPE_I8) return false;
+    if (a->view_src || a->ne[2] != 1 || a->ne[3] != 1 || !ql_is_contiguous(a) || a->ne[0] % 32 != 0) return false;
+    return b->ne[1] <= QL_CUDA_GEMV_MAX_N && b->ne[2] == 1 && b->ne[3] == 1 && b->nb[0] == cuda_elem_size(b->type) &&
+           (b->ne[1] == 1 || b->nb[1] % b->nb[0] == 0);
+}
 bool ql_cuda_fa_gemm(const ql_tensor *node) {
     return (node->op == QL_OP_FLASH_ATTN && !node->src[4]) || node->op == QL_OP_FLASH_ATTN_BACK;
 }
@@ -6892,6 +6905,7 @@ size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
     if (ql_cuda_fa_gemm(node)) return ql_cuda_fa_layout(node, cc, nullptr, nullptr, nullptr);
     switch (node->op) {
     case QL_OP_MUL_MAT: {  // b's contiguous copy (when cuBLAS cannot read it), then one dequantised tile of a
+        if (ql_cuda_mm_gemv(node)) return 0;
         const ql_tensor *a = node->src[0], *b = node->src[1];
         const size_t es = cuda_elem_size(b->type);
         size_t w = ql_cuda_mm_b_bytes(b);

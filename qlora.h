@@ -1082,6 +1082,8 @@ bool    ql_cuda_memory_used(size_t *in_use, size_t *peak);
 #define QL_CUDA_MM_TILE_ELEMS ((int64_t)1 << 23)  // dequantised weight elements per matmul tile (16 MiB in bf16)
 bool    ql_cuda_operand_ok(size_t elem_size, int64_t nb0, int64_t nb1, int64_t K, int64_t X);  // cuBLAS reads it in place
 bool    ql_cuda_mm_trows(const ql_tensor *a);          // a = transpose(block-quantized W): dequantised by rows of W
+#define QL_CUDA_GEMV_MAX_N 8                           // a product of at most this many tokens may read the packed weight
+bool    ql_cuda_mm_gemv(const ql_tensor *node);        // ... and this one does (decode; no workspace)
 bool    ql_cuda_mm_a_direct(const ql_tensor *a, ql_type compute);
 bool    ql_cuda_mm_b_direct(const ql_tensor *b);
 size_t  ql_cuda_mm_b_bytes(const ql_tensor *b);        // b's contiguous copy in the workspace (0: read in place)

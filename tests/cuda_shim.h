@@ -655,6 +655,7 @@ inline const dim3 &thread_idx() {
 #define __launch_bounds__(...)
 #define QL_LAUNCH(k, grid, block, smem, stream, ...) ::qlshim::launch(#k, k, dim3(grid), dim3(block), (size_t)(smem), stream, __VA_ARGS__)
 #define QL_DYN_SMEM(T, name) T *name = reinterpret_cast<T *>(::qlshim::cur_block()->dyn)
+#define QL_UNROLL  // (a host compiler unrolls as it likes)
 
 #define threadIdx (::qlshim::thread_idx())
 #define blockIdx (::qlshim::cur_block()->block_idx)

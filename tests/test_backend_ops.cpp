@@ -329,13 +329,31 @@ OP_CASE(mul_mat_quantized) {
     for (ql_type t : {QL_TYPE_NF4, QL_TYPE_NF4_NODQ, QL_TYPE_Q4_0, QL_TYPE_Q4_1, QL_TYPE_Q5_0, QL_TYPE_Q5_1, QL_TYPE_Q8_0,
                       QL_TYPE_Q2_K, QL_TYPE_Q3_K, QL_TYPE_Q4_K, QL_TYPE_Q5_K, QL_TYPE_Q6_K, QL_TYPE_IQ4_NL, QL_TYPE_IQ4_XS}) {
         INFO("type: " << std::string(ql_type_name(t)));
-        // forward, and backward through the transposed quantized weight (dx = W^T dy)
-        check_case(be, "frozen quantized a, f32 b", [t](leafs &L) { return ql_mul_mat(L.ctx, L.rand(t, {512, 24}), L.param({512, 6})); },
-                   TOL_MM);
-        check_case(be, "frozen quantized a, bf16 b", [t](leafs &L) {
-            return ql_mul_mat(L.ctx, L.rand(t, {256, 20}), ql_cast(L.ctx, L.param({256, 3}), QL_TYPE_BF16));
-        }, TOL_16);
+        // forward, and backward through the transposed quantized weight (dx = W^T dy); 12 and 11
+        // columns: dequantised tiles and cuBLAS on a device, 6 and 3: the decode product that reads
+        // the packed weight (ql_cuda_mm_gemv)
+        for (int64_t n : {6, 12}) {
+            INFO("columns: " << n);
+            check_case(be, "frozen quantized a, f32 b", [t, n](leafs &L) {
+                return ql_mul_mat(L.ctx, L.rand(t, {512, 24}), L.param({512, n}));
+            }, TOL_MM);
+        }
+        for (int64_t n : {3, 11}) {
+            INFO("columns: " << n);
+            check_case(be, "frozen quantized a, bf16 b", [t, n](leafs &L) {
+                return ql_mul_mat(L.ctx, L.rand(t, {256, 20}), ql_cast(L.ctx, L.param({256, n}), QL_TYPE_BF16));
+            }, TOL_16);
+        }
+        // decode: rows not a multiple of the kernel's warps, 1 and 8 columns, several chunks per lane
+        for (int64_t n : {1, 8})
+            check_case(be, "decode product", [t, n](leafs &L) {
+                return ql_mul_mat(L.ctx, L.rand(t, {2048, 37}), L.rand(QL_TYPE_F32, {2048, n}));
+            }, TOL_MM, false);
     }
+    for (ql_type t : {QL_TYPE_F16, QL_TYPE_BF16, QL_TYPE_F32})
+        check_case(be, "decode product, a float weight", [t](leafs &L) {
+            return ql_mul_mat(L.ctx, L.rand(t, {1024, 37}), L.rand(QL_TYPE_F32, {1024, 2}));
+        }, TOL_MM, false);
     for (ql_type t : {QL_TYPE_NF4, QL_TYPE_NF4_NODQ})  // rows of 172: NF4 blocks of 64 cross rows (bitsandbytes' layout)
         check_case(be, "NF4 rows that are not whole blocks", [t](leafs &L) {
             return ql_mul_mat(L.ctx, L.rand(t, {172, 5}), L.param({172, 3}));  // 430 bytes of codes: padded side data

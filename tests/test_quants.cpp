@@ -574,3 +574,29 @@ TEST_CASE("q5_0: the reference's two roundings (x*id, then + 16.5), not a fused 
         CHECK(found == 2);  // the case is exercised
     }
 }
+
+// Which products a CUDA device runs as the decode kernel that reads the packed weight (no
+// dequantised tile, no workspace): the planner's rule, which the device follows (through the shim,
+// test_backend_ops' "decode product" cases run it against the CPU).
+TEST_CASE("cuda rules: decode products read the packed weight, others take tiles") {
+    ql_init_params ip = {16u << 20, nullptr, true, false};
+    ql_context *ctx = ql_init(ip);
+    REQUIRE(ctx);
+    ql_tensor *w = ql_new_tensor_2d(ctx, QL_TYPE_Q4_K, 512, 64), *x1 = ql_new_tensor_2d(ctx, QL_TYPE_F32, 512, 1);
+    ql_tensor *x8 = ql_new_tensor_2d(ctx, QL_TYPE_F32, 512, QL_CUDA_GEMV_MAX_N), *x9 = ql_new_tensor_2d(ctx, QL_TYPE_F32, 512, 9);
+    ql_tensor *y1 = ql_mul_mat(ctx, w, x1), *y8 = ql_mul_mat(ctx, w, x8), *y9 = ql_mul_mat(ctx, w, x9);
+    CHECK(ql_cuda_mm_gemv(y1));
+    CHECK(ql_cuda_mm_gemv(y8));
+    CHECK_FALSE(ql_cuda_mm_gemv(y9));  // a GEMM's worth of columns: tiles and cuBLAS
+    CHECK(ql_cuda_work_size(y1, 90) == 0);
+    CHECK(ql_cuda_work_size(y9, 90) > 0);
+    CHECK(ql_cuda_mm_gemv(ql_mul_mat(ctx, w, ql_cast(ctx, x1, QL_TYPE_BF16))));  // 16-bit b: its bits read as they are
+    CHECK_FALSE(ql_cuda_mm_gemv(ql_mul_mat_to(ctx, ql_new_tensor_2d(ctx, QL_TYPE_F32, 512, 64), ql_cast(ctx, x1, QL_TYPE_BF16),
+                                              QL_TYPE_BF16)));  // a 16-bit result
+    CHECK_FALSE(ql_cuda_mm_gemv(ql_mul_mat_acc(ctx, ql_new_tensor_2d(ctx, QL_TYPE_F32, 512, 64), x1, ql_new_tensor_2d(ctx, QL_TYPE_F32, 64, 1))));
+    CHECK_FALSE(ql_cuda_mm_gemv(ql_mul_mat(ctx, ql_transpose(ctx, w), ql_new_tensor_2d(ctx, QL_TYPE_F32, 64, 1))));  // W^T: by rows of W
+    CHECK_FALSE(ql_cuda_mm_gemv(ql_mul_mat(ctx, ql_new_tensor_2d(ctx, QL_TYPE_NF4, 172, 5), ql_new_tensor_2d(ctx, QL_TYPE_F32, 172, 1))));
+    CHECK_FALSE(ql_cuda_mm_gemv(ql_mul_mat(ctx, w, ql_new_tensor_3d(ctx, QL_TYPE_F32, 512, 1, 2))));  // batched b
+    CHECK_FALSE(ql_cuda_mm_gemv(ql_mul_mat(ctx, w, ql_transpose(ctx, ql_new_tensor_2d(ctx, QL_TYPE_F32, 3, 512)))));  // strided b
+    ql_free(ctx);
+}
