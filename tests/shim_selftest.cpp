@@ -305,7 +305,7 @@ TEST_CASE("shim: device memory is counted and limited; no device is an answer, n
 
 TEST_CASE("shim: the CUDA backend out of device memory: weights and the planned buffer refused with what did not fit") {
     shim_settings keep;
-    qlshim::set_device(8, 0, (size_t)4 << 20);  // a 4 MiB GPU
+    qlshim::set_device(8, 0, (size_t)8 << 20);  // an 8 MiB GPU: 4 of it cuBLAS's workspace
     char err[256] = "";
     ql_backend *be = ql_backend_cuda_init(0, err, sizeof(err));
     REQUIRE_MESSAGE(be, err);
