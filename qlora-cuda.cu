@@ -2012,7 +2012,8 @@ ql_backend *ql_backend_cuda_init(int device, char *err, size_t err_size) {
     ok = ok && cublasSetStream(cb->blas, cb->stream) == CUBLAS_STATUS_SUCCESS &&
          cublasSetMathMode(cb->blas, CUBLAS_DEFAULT_MATH) == CUBLAS_STATUS_SUCCESS;  // f32 stays f32: no TF32
     // cuBLAS's workspace: ours, of the size the plan counts in the context (not in qlora's own
-    // allocations), so that a captured graph allocates nothing and every capture shares it
+    // allocations), so that a captured graph allocates nothing and every capture shares it.
+    // After cublasSetStream, which resets it to cuBLAS's own pool (the shim does the same)
     const size_t blas_ws = ql_cuda_cublas_workspace_bytes(info.major * 10 + info.minor);
     ok = ok && cudaMalloc(&cb->blas_work, blas_ws) == cudaSuccess &&
          cublasSetWorkspace(cb->blas, cb->blas_work, blas_ws) == CUBLAS_STATUS_SUCCESS;

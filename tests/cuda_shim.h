@@ -1309,6 +1309,7 @@ inline cublasStatus_t cublasDestroy_v2(cublasHandle_t h) {
 inline cublasStatus_t cublasSetStream_v2(cublasHandle_t h, cudaStream_t s) {
     if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
     h->stream = s;
+    h->workspace = false;  // as cuBLAS: setting the stream resets the workspace to its own pool
     return CUBLAS_STATUS_SUCCESS;
 }
 inline cublasStatus_t cublasSetMathMode(cublasHandle_t h, cublasMath_t) { return h ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_INITIALIZED; }

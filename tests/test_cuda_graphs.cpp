@@ -121,7 +121,7 @@ void check_same_bits(const run_result &replayed, const run_result &eager) {
 }  // namespace
 
 TEST_CASE("cuda graphs: training steps replayed from a capture equal eager ones bit for bit (dropout, two padding buckets)" *
-          doctest::skip(!k_cuda)) {
+          skip_unless(k_cuda, "without a CUDA device")) {
     tmpdir d;
     const std::string path = graphs_model(d);
     const std::vector<ql_sequence> seqs = sequences(8, 6, 61);
@@ -139,7 +139,7 @@ TEST_CASE("cuda graphs: training steps replayed from a capture equal eager ones 
     MESSAGE("graphs: ", replayed.counts.captured, " captured, ", replayed.counts.launched, " launched, ", replayed.counts.eager, " eager");
 }
 
-TEST_CASE("cuda graphs: block checkpoints offloaded to pinned host memory: replayed equals eager bit for bit" * doctest::skip(!k_cuda)) {
+TEST_CASE("cuda graphs: block checkpoints offloaded to pinned host memory: replayed equals eager bit for bit" * skip_unless(k_cuda, "without a CUDA device")) {
     tmpdir d;
     const std::string path = graphs_model(d);
     const std::vector<ql_sequence> seqs = sequences(8, 0, 61);
@@ -157,7 +157,7 @@ TEST_CASE("cuda graphs: block checkpoints offloaded to pinned host memory: repla
 // A to-host copy nothing in the run reads again: the run's end joins the copy stream, so once the
 // compute stream is done (ql_backend_synchronize) the copy is too - eager, captured, replayed.
 TEST_CASE("cuda graphs: the copy stream is joined at a run's end: an offload copy with no later reader is complete" *
-          doctest::skip(!k_cuda)) {
+          skip_unless(k_cuda, "without a CUDA device")) {
     char err[256];
     ql_backend *be = ql_backend_cuda_init(0, err, sizeof(err));
     REQUIRE_MESSAGE(be, err);
