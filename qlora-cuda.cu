@@ -1670,6 +1670,10 @@ struct cu_schedule {  // a graph's offload copies: their event slots, and where 
     int n_copies = 0;
     std::vector<int> slot;                     // per node: its copy's slot, or -1
     std::vector<std::vector<int>> wait_before; // per node: the slots whose copy must be done first
+    // CUDA graphs: the run captured once its nodes and buffers (key: cu_graph_key) were seen twice
+    uint64_t key = 0;
+    int runs = 0;                              // eager runs with this key
+    cudaGraphExec_t exec = nullptr;
 };
 
 struct cuda_backend {
@@ -1684,7 +1688,11 @@ struct cuda_backend {
     // copies and kept
     cudaStream_t copy_stream = nullptr;
     std::vector<cudaEvent_t> events;
+    cudaEvent_t joined = nullptr;  // the copy stream's last copy: the compute stream waits for it at a run's end
     std::unordered_map<const ql_graph *, cu_schedule> schedules;  // per graph run: where to wait (cu_copy_schedule)
+    void  *blas_work = nullptr;    // cuBLAS's workspace (cublasSetWorkspace): nothing to allocate in a capture
+    bool   graphs = true;          // CUDA graphs (QLORA_CUDA_GRAPHS=0, ql_cuda_set_graphs: off)
+    ql_cuda_graph_counts counts{};
 };
 static int cu_cc(const cu_ctx &c) { return c.cb->prop.major * 10 + c.cb->prop.minor; }
 
@@ -1861,63 +1869,27 @@ static void cu_copy_schedule(const ql_graph *g, cu_schedule *sch) {
     }
 }
 
-static ql_status cuda_graph_compute(ql_backend *be, ql_graph *g) {
+// The nodes of g queued on the streams, in order; offload's copies on the copy stream, joined
+// back at the end (so a copy no node waits for is done when the compute stream is). Eager runs
+// may also time nodes (profile) or look for the first non-finite result (check_finite).
+static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_exec &ex, const cu_schedule &sch, cu_ctx &c) {
     cuda_backend *cb = (cuda_backend *)be->impl;
     ql_context *ctx = ql_graph_ctx(g);
-    ql_graph_exec ex;
-    ql_graph_get_exec(g, &ex);
     const int n = ql_graph_n_nodes(g);
-    // every leaf a kernel will read must be device memory: a weight never placed is an error, not a fault
-    for (int i = 0; i < n; i++) {
-        const ql_tensor *node = ql_graph_node(g, i);
-        for (const ql_tensor *s : node->src) {
-            if (!s || s->op != QL_OP_NONE) continue;
-            if (s->data && ql_nbytes(s) > 0 && !cu_is_device_ptr(s->data)) {
-                ql_ctx_set_error(ctx, QL_ERR_INVALID, "compute: %s '%s' holds host memory, not %s's --> hint: "
-                                 "ql_backend_place_ctx_tensors (weights, adapters) or ql_backend_alloc_ctx_tensors",
-                                 ql_op_name(s->op), s->name, be->iface.name);
-                return QL_ERR_INVALID;
-            }
-        }
-    }
-    cu_ctx c = cu_ctx_of(cb);
-    c.work = ex.work;
-    c.work_size = ex.work_size;
     char err[256];
-    // offload: each copy runs on the copy stream once the compute stream reaches it; the compute
-    // stream waits only where it must (cu_copy_schedule). Made once per graph and plan.
-    cu_schedule &sch = cb->schedules[g];
-    if (sch.plan_id != ql_graph_plan_id(g)) {
-        cu_copy_schedule(g, &sch);
-        const int n_copies = sch.n_copies;
-        if (n_copies && !cb->copy_stream && cudaStreamCreateWithFlags(&cb->copy_stream, cudaStreamNonBlocking) != cudaSuccess) {
-            ql_ctx_set_error(ctx, QL_ERR_IO, "compute: creating the copy stream: %s", cudaGetErrorString(cudaGetLastError()));
-            return QL_ERR_IO;
-        }
-        while ((int)cb->events.size() < 2 * n_copies) {
-            cudaEvent_t e = nullptr;
-            if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
-                ql_ctx_set_error(ctx, QL_ERR_IO, "compute: creating an event: %s", cudaGetErrorString(cudaGetLastError()));
-                return QL_ERR_IO;
-            }
-            cb->events.push_back(e);
-        }
-    }
-    const std::vector<int> &slot = sch.slot;
-    const std::vector<std::vector<int>> &wait_before = sch.wait_before;
     if (ex.poison && !cuda_memset(be, ex.buffer, 0xff, ex.buffer_size, err, sizeof(err))) {
         ql_ctx_set_error(ctx, QL_ERR_IO, "compute: %s", err);
         return QL_ERR_IO;
     }
     for (int i = 0; i < n && !c.failed; i++) {
         ql_tensor *node = ql_graph_node(g, i);
-        for (int k : wait_before[(size_t)i])
+        for (int k : sch.wait_before[(size_t)i])
             if (cudaStreamWaitEvent(c.stream, cb->events[(size_t)(2 * k + 1)], 0) != cudaSuccess) {
                 snprintf(c.err, sizeof(c.err), "cudaStreamWaitEvent: %s", cudaGetErrorString(cudaGetLastError()));
                 c.failed = true;
             }
-        if (slot[(size_t)i] >= 0 && !c.failed) {  // a copy: on the copy stream, after what the compute stream did so far
-            cudaEvent_t reached = cb->events[(size_t)(2 * slot[(size_t)i])], done = cb->events[(size_t)(2 * slot[(size_t)i] + 1)];
+        if (sch.slot[(size_t)i] >= 0 && !c.failed) {  // a copy: on the copy stream, after what the compute stream did so far
+            cudaEvent_t reached = cb->events[(size_t)(2 * sch.slot[(size_t)i])], done = cb->events[(size_t)(2 * sch.slot[(size_t)i] + 1)];
             const bool ok = cudaEventRecord(reached, c.stream) == cudaSuccess &&
                             cudaStreamWaitEvent(cb->copy_stream, reached, 0) == cudaSuccess &&
                             cudaMemcpyAsync(node->data, node->src[0]->data, ql_nbytes(node), cudaMemcpyDefault, cb->copy_stream) ==
@@ -1955,6 +1927,13 @@ static ql_status cuda_graph_compute(ql_backend *be, ql_graph *g) {
             return QL_ERR_IO;
         }
     }
+    // the copy stream joined: what follows the run on the compute stream (a read of the results,
+    // the next run over the same buffer) comes after every copy, waited for inside or not
+    if (sch.n_copies && !c.failed &&
+        (cudaEventRecord(cb->joined, cb->copy_stream) != cudaSuccess || cudaStreamWaitEvent(c.stream, cb->joined, 0) != cudaSuccess)) {
+        snprintf(c.err, sizeof(c.err), "joining the copy stream: %s", cudaGetErrorString(cudaGetLastError()));
+        c.failed = true;
+    }
     if (c.failed) {
         ql_ctx_set_error(ctx, QL_ERR_IO, "compute: %s", c.err);
         return QL_ERR_IO;
@@ -1962,9 +1941,144 @@ static ql_status cuda_graph_compute(ql_backend *be, ql_graph *g) {
     return QL_OK;
 }
 
+// What a captured run depends on besides the device data it reads when it runs: the buffers,
+// every node's op, parameters, shape, strides and addresses (a kernel argument is baked into
+// the graph). Any change makes a new capture.
+static uint64_t cu_graph_key(const ql_graph *g, const ql_graph_exec &ex) {
+    uint64_t h = 0x243F6A8885A308D3ull;
+    auto mix = [&h](uint64_t v) {
+        h ^= v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+        h *= 0xBF58476D1CE4E5B9ull;
+        h ^= h >> 31;
+    };
+    mix((uintptr_t)ex.buffer), mix(ex.buffer_size), mix((uintptr_t)ex.work), mix(ex.work_size);
+    const int n = ql_graph_n_nodes(g);
+    mix((uint64_t)n);
+    for (int i = 0; i < n; i++) {
+        const ql_tensor *t = ql_graph_node(g, i);
+        mix((uint64_t)t->op), mix((uint64_t)t->type), mix((uintptr_t)t->data);
+        for (int d = 0; d < 4; d++) mix((uint64_t)t->ne[d]), mix((uint64_t)t->nb[d]);
+        for (int p = 0; p < QL_MAX_OP_PARAMS; p++) mix((uint32_t)t->op_params[p]);
+        for (const ql_tensor *sr : t->src) mix(sr ? (uintptr_t)sr->data : 0);
+    }
+    return h;
+}
+
+static void cu_graph_drop(cu_schedule &sch) {
+    if (sch.exec) cudaGraphExecDestroy(sch.exec);
+    sch.exec = nullptr;
+    sch.runs = 0;
+}
+
+static ql_status cuda_graph_compute(ql_backend *be, ql_graph *g) {
+    cuda_backend *cb = (cuda_backend *)be->impl;
+    ql_context *ctx = ql_graph_ctx(g);
+    ql_graph_exec ex;
+    ql_graph_get_exec(g, &ex);
+    const int n = ql_graph_n_nodes(g);
+    // every leaf a kernel will read must be device memory: a weight never placed is an error, not a fault
+    for (int i = 0; i < n; i++) {
+        const ql_tensor *node = ql_graph_node(g, i);
+        for (const ql_tensor *s : node->src) {
+            if (!s || s->op != QL_OP_NONE) continue;
+            if (s->data && ql_nbytes(s) > 0 && !cu_is_device_ptr(s->data)) {
+                ql_ctx_set_error(ctx, QL_ERR_INVALID, "compute: %s '%s' holds host memory, not %s's --> hint: "
+                                 "ql_backend_place_ctx_tensors (weights, adapters) or ql_backend_alloc_ctx_tensors",
+                                 ql_op_name(s->op), s->name, be->iface.name);
+                return QL_ERR_INVALID;
+            }
+        }
+    }
+    cu_ctx c = cu_ctx_of(cb);
+    c.work = ex.work;
+    c.work_size = ex.work_size;
+    // offload: each copy runs on the copy stream once the compute stream reaches it; the compute
+    // stream waits only where it must (cu_copy_schedule). Made once per graph and plan.
+    cu_schedule &sch = cb->schedules[g];
+    if (sch.plan_id != ql_graph_plan_id(g)) {
+        cu_graph_drop(sch);
+        cu_copy_schedule(g, &sch);
+        const int n_copies = sch.n_copies;
+        if (n_copies && !cb->copy_stream && cudaStreamCreateWithFlags(&cb->copy_stream, cudaStreamNonBlocking) != cudaSuccess) {
+            ql_ctx_set_error(ctx, QL_ERR_IO, "compute: creating the copy stream: %s", cudaGetErrorString(cudaGetLastError()));
+            return QL_ERR_IO;
+        }
+        while ((int)cb->events.size() < 2 * n_copies || (n_copies && !cb->joined)) {
+            cudaEvent_t e = nullptr;
+            if (cudaEventCreateWithFlags(&e, cudaEventDisableTiming) != cudaSuccess) {
+                ql_ctx_set_error(ctx, QL_ERR_IO, "compute: creating an event: %s", cudaGetErrorString(cudaGetLastError()));
+                return QL_ERR_IO;
+            }
+            if (!cb->joined) cb->joined = e;
+            else cb->events.push_back(e);
+        }
+    }
+    // CUDA graphs: a run seen twice with the same key is captured (nothing in it syncs with the
+    // host, allocates or reads device data on the host) and from then on replayed in one launch.
+    // Eager: timing nodes, looking for non-finite results, poisoning the buffer, or graphs off.
+    if (!cb->graphs || ex.profile || ex.check_finite || ex.poison) {
+        cb->counts.eager++;
+        return cu_graph_enqueue(be, g, ex, sch, c);
+    }
+    const uint64_t key = cu_graph_key(g, ex);
+    if (sch.key != key) {
+        cu_graph_drop(sch);
+        sch.key = key;
+    }
+    if (!sch.exec && ++sch.runs < 2) {  // (the first run eager: kernels and cuBLAS loaded outside any capture)
+        cb->counts.eager++;
+        return cu_graph_enqueue(be, g, ex, sch, c);
+    }
+    if (!sch.exec) {
+        if (cudaStreamBeginCapture(c.stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+            ql_ctx_set_error(ctx, QL_ERR_IO, "compute: beginning a CUDA graph capture: %s", cudaGetErrorString(cudaGetLastError()));
+            return QL_ERR_IO;
+        }
+        const ql_status st = cu_graph_enqueue(be, g, ex, sch, c);
+        cudaGraph_t graph = nullptr;
+        const cudaError_t e = cudaStreamEndCapture(c.stream, &graph);
+        const cudaError_t ei = e == cudaSuccess && st == QL_OK ? cudaGraphInstantiate(&sch.exec, graph, 0) : cudaSuccess;
+        if (graph) cudaGraphDestroy(graph);
+        if (st != QL_OK || e != cudaSuccess || ei != cudaSuccess) {
+            (void)cudaGetLastError();  // (a failed capture's error is not the next launch's)
+            sch.exec = nullptr;
+            if (st == QL_OK)
+                ql_ctx_set_error(ctx, QL_ERR_IO, "compute: capturing the CUDA graph: %s --> hint: QLORA_CUDA_GRAPHS=0 runs "
+                                 "it node by node", cudaGetErrorString(e != cudaSuccess ? e : ei));
+            return st != QL_OK ? st : QL_ERR_IO;
+        }
+        cb->counts.captured++;
+    }
+    if (cudaGraphLaunch(sch.exec, c.stream) != cudaSuccess) {
+        ql_ctx_set_error(ctx, QL_ERR_IO, "compute: launching the CUDA graph: %s", cudaGetErrorString(cudaGetLastError()));
+        return QL_ERR_IO;
+    }
+    cb->counts.launched++;
+    return QL_OK;
+}
+
+void ql_cuda_set_graphs(ql_backend *be, bool on) {
+    if (!ql_backend_is_cuda(be)) return;
+    cuda_backend *cb = (cuda_backend *)be->impl;
+    cb->graphs = on;
+    if (!on)
+        for (auto &kv : cb->schedules) cu_graph_drop(kv.second);
+}
+
+bool ql_cuda_get_graph_counts(const ql_backend *be, ql_cuda_graph_counts *counts) {
+    if (!counts) return false;
+    *counts = ql_cuda_graph_counts{};
+    if (!ql_backend_is_cuda(be)) return false;
+    *counts = ((const cuda_backend *)be->impl)->counts;
+    return true;
+}
+
 static void cuda_free(ql_backend *be) {
     cuda_backend *cb = (cuda_backend *)be->impl;
+    for (auto &kv : cb->schedules) cu_graph_drop(kv.second);
     if (cb->blas) cublasDestroy(cb->blas);
+    if (cb->blas_work) cudaFree(cb->blas_work);
+    if (cb->joined) cudaEventDestroy(cb->joined);
     if (cb->stream) cudaStreamDestroy(cb->stream);
     if (cb->copy_stream) cudaStreamDestroy(cb->copy_stream);
     for (cudaEvent_t e : cb->events) cudaEventDestroy(e);
@@ -2041,6 +2155,14 @@ ql_backend *ql_backend_cuda_init(int device, char *err, size_t err_size) {
     }
     ok = ok && cublasSetStream(cb->blas, cb->stream) == CUBLAS_STATUS_SUCCESS &&
          cublasSetMathMode(cb->blas, CUBLAS_DEFAULT_MATH) == CUBLAS_STATUS_SUCCESS;  // f32 stays f32: no TF32
+    // cuBLAS's workspace: ours, of the size the plan counts in the context (not in qlora's own
+    // allocations), so that a captured graph allocates nothing and every capture shares it.
+    // After cublasSetStream, which resets it to cuBLAS's own pool (the shim does the same)
+    const size_t blas_ws = ql_cuda_cublas_workspace_bytes(info.major * 10 + info.minor);
+    ok = ok && cudaMalloc(&cb->blas_work, blas_ws) == cudaSuccess &&
+         cublasSetWorkspace(cb->blas, cb->blas_work, blas_ws) == CUBLAS_STATUS_SUCCESS;
+    const char *graphs = getenv("QLORA_CUDA_GRAPHS");
+    cb->graphs = !graphs || strcmp(graphs, "0") != 0;  // on by default
     cb->d_scratch = ok ? (int *)cu_device_alloc(4096) : nullptr;
     cb->h_scratch = ok ? (int *)cuda_host_alloc(be, 4096) : nullptr;
     if (!ok || !cb->d_scratch || !cb->h_scratch) {

@@ -6993,8 +6993,10 @@ size_t ql_cuda_context_bytes(int cc) {
     // does not promise what it may not hold (ql_backend_caps.context_estimated says so; finetune
     // prints the card's use beside the plan after step 1 to check).
     const size_t MiB = 1u << 20;
-    return cc >= 90 ? 563 * MiB + 32 * MiB : 563 * MiB + 4 * MiB;
+    return 563 * MiB + ql_cuda_cublas_workspace_bytes(cc);
 }
+
+size_t ql_cuda_cublas_workspace_bytes(int cc) { return (size_t)(cc >= 90 ? 32 : 4) << 20; }
 
 // A build without qlora-cuda.cu: weak definitions the CUDA object replaces when it is linked in
 // (make CUDA=1), so the library and the drop-in build need no #ifdef and no CUDA.
@@ -7009,6 +7011,11 @@ __attribute__((weak)) ql_backend *ql_backend_cuda_init(int, char *err, size_t er
     return nullptr;
 }
 __attribute__((weak)) bool ql_backend_is_cuda(const ql_backend *) { return false; }
+__attribute__((weak)) void ql_cuda_set_graphs(ql_backend *, bool) {}
+__attribute__((weak)) bool ql_cuda_get_graph_counts(const ql_backend *, ql_cuda_graph_counts *counts) {
+    if (counts) *counts = ql_cuda_graph_counts{};
+    return false;
+}
 __attribute__((weak)) ql_status ql_backend_cuda_info(const ql_backend *, ql_cuda_device_info *info) {
     if (info) memset(info, 0, sizeof(*info));
     return QL_ERR_INVALID;

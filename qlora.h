@@ -1077,8 +1077,23 @@ uint64_t ql_backend_new_id(void);  // the id a new backend must carry
 // Device memory a CUDA run holds besides its own allocations: the context and cuBLAS's workspace
 // (an estimate per compute capability, measured for 9.0: see qlora.cpp). ql_backend_caps.context_bytes.
 size_t  ql_cuda_context_bytes(int cc);
+// cuBLAS's workspace (NVIDIA's recommendation: 32 MiB on Hopper, 4 MiB before), part of the context
+// bytes: the backend allocates it and gives it to cuBLAS (cublasSetWorkspace), so that a CUDA graph
+// capture allocates nothing.
+size_t  ql_cuda_cublas_workspace_bytes(int cc);
 // Device memory qlora holds now and at most so far (ql_backend_memory_used); false without CUDA.
 bool    ql_cuda_memory_used(size_t *in_use, size_t *peak);
+// CUDA graphs: a planned graph run again with the same nodes and buffers is captured once (on its
+// second run) and replayed with one launch after; runs that time nodes (profile), look for
+// non-finite results or poison the buffer stay node by node. On by default; off with the
+// environment's QLORA_CUDA_GRAPHS=0 (read by ql_backend_cuda_init) or here. No-ops without CUDA.
+typedef struct ql_cuda_graph_counts {
+    int64_t eager;     // runs queued node by node
+    int64_t captured;  // captures made
+    int64_t launched;  // runs as one graph launch (a capture's first included)
+} ql_cuda_graph_counts;
+void    ql_cuda_set_graphs(ql_backend *be, bool on);
+bool    ql_cuda_get_graph_counts(const ql_backend *be, ql_cuda_graph_counts *counts);  // false: not a CUDA backend
 #define QL_CUDA_MM_TILE_ELEMS ((int64_t)1 << 23)  // dequantised weight elements per matmul tile (16 MiB in bf16)
 bool    ql_cuda_operand_ok(size_t elem_size, int64_t nb0, int64_t nb1, int64_t K, int64_t X);  // cuBLAS reads it in place
 bool    ql_cuda_mm_trows(const ql_tensor *a);          // a = transpose(block-quantized W): dequantised by rows of W

@@ -21,6 +21,8 @@
 //     or whose lanes arrive from different call sites;
 //   - an invalid launch (threads per block, grid limits, dynamic shared memory above 48 KiB
 //     without cudaFuncSetAttribute, above the device's opt-in limit with it).
+//   - in a stream capture (CUDA graphs), what a capture forbids: synchronising, allocating, a
+//     synchronous copy, a stream drawn in and never joined back (see "stream capture" below).
 // Out-of-bounds accesses are ASan's: device allocations are plain malloc blocks. Fresh device
 // memory and each block's dynamic shared memory are filled with 0xFF (NaN as floats).
 //
@@ -608,10 +610,13 @@ inline void set_sticky(cudaError_t e, const std::string &msg) {
 
 inline void flush_stream(cudaStream_t s, uint64_t upto = ~0ull);  // below: a stream's queued copies
 
+inline bool capturing(cudaStream_t s);                                 // below: stream capture
+inline void capture_record(cudaStream_t s, std::function<void()> op);
+
 template <typename K, typename... A>
 inline void launch(const char *name, K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, A... args) {
     read_env();
-    flush_stream(stream);  // the copies queued before it on its stream land first
+    if (!capturing(stream)) flush_stream(stream);  // the copies queued before it on its stream land first
     const unsigned long long threads = (unsigned long long)block.x * block.y * block.z;
     const int limit = [&] {
         std::lock_guard<std::mutex> lk(st().mu);
@@ -624,6 +629,10 @@ inline void launch(const char *name, K kernel, dim3 grid, dim3 block, size_t sme
     else if (smem > (size_t)limit) bad = std::to_string(smem) + " bytes of dynamic shared memory (limit " + std::to_string(limit) + ")";
     if (!bad.empty()) {
         set_sticky(cudaErrorInvalidConfiguration, std::string(name) + ": invalid launch: " + bad);
+        return;
+    }
+    if (capturing(stream)) {  // recorded with its arguments as they are now (by value, as a graph's kernel node)
+        capture_record(stream, [=] { launch(name, kernel, grid, block, smem, stream, args...); });
         return;
     }
     const std::function<void()> body = [&] { kernel(args...); };
@@ -870,12 +879,23 @@ template <typename F> inline bool qlshim_row_of(const F &, layout_t l) { return 
 struct CUstream_st {
     std::vector<std::function<void()>> q;  // queued copies; q[i] is number done + i
     uint64_t done = 0;
+    uint64_t cap = 0;                      // the stream capture it is part of (0: none)
+    uint64_t cap_ops = 0, cap_joined = 0;  // work recorded on it in that capture; how much of it the origin waited for
 };
 struct CUevent_st {
     double t;
     cudaStream_t s = nullptr;  // the stream recorded on, and its queue position then
     uint64_t pos = 0;
+    uint64_t cap = 0, cap_pos = 0;  // recorded during capture `cap`, after cap_pos of s's recorded work
 };
+// A captured graph is the list of what the capture recorded, in issue order: each entry issues
+// its call again (a kernel with the arguments it had then), so a replay is the eager run again
+struct CUgraph_st {
+    std::vector<std::function<void()>> ops;
+    cudaStream_t origin = nullptr;
+    std::vector<cudaStream_t> streams;  // every stream the capture drew in
+};
+struct CUgraphExec_st : CUgraph_st {};
 namespace qlshim {
 inline void flush_stream(cudaStream_t s, uint64_t upto) {
     if (!s) return;
@@ -886,9 +906,72 @@ inline void flush_stream(cudaStream_t s, uint64_t upto) {
         f();
     }
 }
+
+// ---- stream capture (CUDA graphs) ----
+// cudaStreamBeginCapture puts a stream in capture mode: its launches, async copies and memsets,
+// event records and waits and cuBLAS calls are recorded, not run. Another stream joins the
+// capture by waiting for an event recorded in it, and must be joined back (the origin waits
+// for an event recorded after its last work) before cudaStreamEndCapture, or that fails with
+// cudaErrorStreamCaptureUnjoined. As on a GPU, what a capture forbids fails and invalidates it
+// (cudaErrorStreamCaptureUnsupported; cudaStreamEndCapture then returns
+// cudaErrorStreamCaptureInvalidated): synchronising a capturing stream, cudaMalloc / cudaFree /
+// cudaMallocHost / cudaFreeHost, synchronous copies and memsets, cudaDeviceSynchronize (from
+// the capturing thread in thread-local mode, from any in global mode; relaxed mode allows them),
+// waiting for an event recorded outside the capture (cudaErrorStreamCaptureIsolation). And the
+// shim's own rule: a cuBLAS call is captured only on a handle given its workspace
+// (cublasSetWorkspace), else cuBLAS allocates one of its own per capture.
+// limitation: a join is seen only where the origin itself waits for the joined stream's event
+// (not through a third stream).
+struct capture_t {
+    cudaStream_t origin = nullptr;
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeGlobal;
+    std::thread::id thread;
+    std::vector<std::function<void()>> ops;
+    std::vector<cudaStream_t> streams;  // origin first, then those that joined
+    std::string invalid;                // why it was invalidated ("": it was not)
+};
+struct graphs_t {
+    uint64_t next_id = 1;
+    std::map<uint64_t, capture_t> active;
+    uint64_t captures = 0, launches = 0;  // graphs captured and launched so far (for tests)
+};
+inline graphs_t &gs() {
+    static graphs_t g;
+    return g;
+}
+inline capture_t *capture_of(cudaStream_t s) {
+    if (!s || !s->cap) return nullptr;
+    auto it = gs().active.find(s->cap);
+    return it == gs().active.end() ? nullptr : &it->second;
+}
+inline bool capturing(cudaStream_t s) { return capture_of(s) != nullptr; }
+inline void capture_record(cudaStream_t s, std::function<void()> op) {  // work on a capturing stream
+    capture_of(s)->ops.push_back(std::move(op));
+    s->cap_ops++;
+}
+inline void capture_invalidate(capture_t &c, const std::string &why) {
+    if (!c.invalid.empty()) return;
+    c.invalid = why;
+    fprintf(stderr, "qlshim: stream capture invalidated: %s\n", why.c_str());
+}
+// a call no capture allows: true (and the captures it breaks invalidated) when one is under way
+inline bool forbidden_in_capture(const char *call) {
+    bool hit = false;
+    for (auto &kv : gs().active) {
+        capture_t &c = kv.second;
+        if (c.mode == cudaStreamCaptureModeRelaxed || (c.mode == cudaStreamCaptureModeThreadLocal && c.thread != std::this_thread::get_id()))
+            continue;
+        capture_invalidate(c, std::string(call) + " during stream capture");
+        hit = true;
+    }
+    return hit;
+}
+inline uint64_t graphs_captured() { return gs().captures; }
+inline uint64_t graphs_launched() { return gs().launches; }
 }  // namespace qlshim
 struct cublasContext {
     cudaStream_t stream;
+    bool workspace = false;  // cublasSetWorkspace was called
 };
 
 extern "C" {
@@ -921,6 +1004,8 @@ inline cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total) {
     return cudaSuccess;
 }
 inline cudaError_t cudaMalloc(void **p, size_t size) {
+    *p = nullptr;
+    if (qlshim::forbidden_in_capture("cudaMalloc")) return cudaErrorStreamCaptureUnsupported;
     qlshim::state_t &s = qlshim::st();
     std::lock_guard<std::mutex> lk(s.mu);
     *p = nullptr;
@@ -935,6 +1020,7 @@ inline cudaError_t cudaMalloc(void **p, size_t size) {
     return cudaSuccess;
 }
 inline cudaError_t cudaFree(void *p) {
+    if (qlshim::forbidden_in_capture("cudaFree")) return cudaErrorStreamCaptureUnsupported;
     if (!p) return cudaSuccess;
     qlshim::state_t &s = qlshim::st();
     std::lock_guard<std::mutex> lk(s.mu);
@@ -946,29 +1032,46 @@ inline cudaError_t cudaFree(void *p) {
     return cudaSuccess;
 }
 inline cudaError_t cudaMallocHost(void **p, size_t size) {
+    *p = nullptr;
+    if (qlshim::forbidden_in_capture("cudaMallocHost")) return cudaErrorStreamCaptureUnsupported;
     *p = malloc(std::max<size_t>(size, 1));
     return *p ? cudaSuccess : cudaErrorMemoryAllocation;
 }
 inline cudaError_t cudaFreeHost(void *p) {
+    if (qlshim::forbidden_in_capture("cudaFreeHost")) return cudaErrorStreamCaptureUnsupported;
     free(p);
     return cudaSuccess;
 }
 inline cudaError_t cudaMemcpy(void *dst, const void *src, size_t n, cudaMemcpyKind) {
+    if (qlshim::forbidden_in_capture("cudaMemcpy")) return cudaErrorStreamCaptureUnsupported;
     if (n) memmove(dst, src, n);
     return cudaSuccess;
 }
 inline cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMemcpyKind k, cudaStream_t s) {
     if (!s) return cudaMemcpy(dst, src, n, k);
-    s->q.push_back([=] { cudaMemcpy(dst, src, n, k); });
+    if (qlshim::capturing(s)) {
+        qlshim::capture_record(s, [=] { cudaMemcpyAsync(dst, src, n, k, s); });
+        return cudaSuccess;
+    }
+    s->q.push_back([=] {
+        if (n) memmove(dst, src, n);
+    });
     return cudaSuccess;
 }
 inline cudaError_t cudaMemset(void *p, int v, size_t n) {
+    if (qlshim::forbidden_in_capture("cudaMemset")) return cudaErrorStreamCaptureUnsupported;
     if (n) memset(p, v, n);
     return cudaSuccess;
 }
 inline cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s) {
+    if (!s) return cudaMemset(p, v, n);
+    if (qlshim::capturing(s)) {
+        qlshim::capture_record(s, [=] { cudaMemsetAsync(p, v, n, s); });
+        return cudaSuccess;
+    }
     qlshim::flush_stream(s);  // in order behind its stream's copies
-    return cudaMemset(p, v, n);
+    if (n) memset(p, v, n);
+    return cudaSuccess;
 }
 inline cudaError_t cudaStreamCreate(cudaStream_t *s) {
     *s = new CUstream_st();
@@ -980,6 +1083,11 @@ inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
     return cudaSuccess;
 }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+    if (qlshim::capture_t *c = qlshim::capture_of(s)) {
+        qlshim::capture_invalidate(*c, "cudaStreamSynchronize of a capturing stream");
+        return cudaErrorStreamCaptureUnsupported;
+    }
+    if (!s && qlshim::forbidden_in_capture("cudaDeviceSynchronize")) return cudaErrorStreamCaptureUnsupported;
     qlshim::flush_stream(s, ~0ull);
     std::lock_guard<std::mutex> lk(qlshim::st().mu);
     return qlshim::st().sticky;  // a failed launch shows at the next synchronisation too
@@ -1004,6 +1112,14 @@ inline const char *cudaGetErrorName(cudaError_t e) {
     case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
     case cudaErrorNoDevice: return "cudaErrorNoDevice";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorIllegalState: return "cudaErrorIllegalState";
+    case cudaErrorStreamCaptureUnsupported: return "cudaErrorStreamCaptureUnsupported";
+    case cudaErrorStreamCaptureInvalidated: return "cudaErrorStreamCaptureInvalidated";
+    case cudaErrorStreamCaptureMerge: return "cudaErrorStreamCaptureMerge";
+    case cudaErrorStreamCaptureUnmatched: return "cudaErrorStreamCaptureUnmatched";
+    case cudaErrorStreamCaptureUnjoined: return "cudaErrorStreamCaptureUnjoined";
+    case cudaErrorStreamCaptureIsolation: return "cudaErrorStreamCaptureIsolation";
+    case cudaErrorStreamCaptureImplicit: return "cudaErrorStreamCaptureImplicit";
     default: return "cudaError";
     }
 }
@@ -1023,17 +1139,128 @@ inline cudaError_t cudaEventCreate(cudaEvent_t *e) {
 }
 inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned) { return cudaEventCreate(e); }
 inline cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+    if (qlshim::capturing(s)) {  // a point in the capture another stream may wait for (not work of its own)
+        e->cap = s->cap;
+        e->cap_pos = s->cap_ops;
+        e->s = s;
+        qlshim::capture_of(s)->ops.push_back([=] { cudaEventRecord(e, s); });
+        return cudaSuccess;
+    }
+    e->cap = 0;
     e->t = (double)std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
     e->s = s;
     e->pos = s ? s->done + s->q.size() : 0;
     return cudaSuccess;
 }
 inline cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+    if (e->cap && qlshim::gs().active.count(e->cap) && qlshim::forbidden_in_capture("cudaEventSynchronize of a captured event"))
+        return cudaErrorStreamCaptureUnsupported;
     qlshim::flush_stream(e->s, e->pos);
     return cudaSuccess;
 }
-inline cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t e, unsigned) {
+inline cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
+    qlshim::graphs_t &g = qlshim::gs();
+    auto it = e->cap ? g.active.find(e->cap) : g.active.end();
+    if (it != g.active.end()) {  // recorded in a capture under way: s joins it (or is in it already)
+        qlshim::capture_t &c = it->second;
+        if (!s) {
+            qlshim::capture_invalidate(c, "the legacy stream waits for a captured event");
+            return cudaErrorStreamCaptureImplicit;
+        }
+        if (s->cap && s->cap != e->cap) {
+            qlshim::capture_invalidate(c, "a stream of another capture waits for a captured event");
+            return cudaErrorStreamCaptureMerge;
+        }
+        if (!s->cap) {
+            s->cap = e->cap;
+            s->cap_ops = s->cap_joined = 0;
+            c.streams.push_back(s);
+        }
+        if (s == c.origin && e->s != s) e->s->cap_joined = std::max(e->s->cap_joined, e->cap_pos);
+        c.ops.push_back([=] { cudaStreamWaitEvent(s, e, 0); });
+        return cudaSuccess;
+    }
+    if (qlshim::capture_t *c = qlshim::capture_of(s)) {
+        qlshim::capture_invalidate(*c, "a capturing stream waits for an event recorded outside the capture");
+        return cudaErrorStreamCaptureIsolation;
+    }
     qlshim::flush_stream(e->s, e->pos);  // what the event covers is done before the waiting stream goes on
+    return cudaSuccess;
+}
+inline cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode mode) {
+    if (!s) return cudaErrorStreamCaptureUnsupported;  // the legacy stream cannot be captured
+    if (s->cap) return cudaErrorIllegalState;
+    qlshim::graphs_t &g = qlshim::gs();
+    const uint64_t id = g.next_id++;
+    qlshim::capture_t &c = g.active[id];
+    c.origin = s;
+    c.mode = mode;
+    c.thread = std::this_thread::get_id();
+    c.streams.push_back(s);
+    s->cap = id;
+    s->cap_ops = s->cap_joined = 0;
+    return cudaSuccess;
+}
+inline cudaError_t cudaStreamIsCapturing(cudaStream_t s, cudaStreamCaptureStatus *status) {
+    const qlshim::capture_t *c = qlshim::capture_of(s);
+    *status = !c ? cudaStreamCaptureStatusNone : c->invalid.empty() ? cudaStreamCaptureStatusActive : cudaStreamCaptureStatusInvalidated;
+    return cudaSuccess;
+}
+inline cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *graph) {
+    *graph = nullptr;
+    qlshim::capture_t *c = qlshim::capture_of(s);
+    if (!c) return cudaErrorIllegalState;
+    if (c->origin != s) {
+        qlshim::capture_invalidate(*c, "cudaStreamEndCapture on a stream that did not begin the capture");
+        return cudaErrorStreamCaptureUnmatched;
+    }
+    const uint64_t id = s->cap;
+    std::string unjoined;
+    for (cudaStream_t x : c->streams) {
+        if (x != s && x->cap_ops > x->cap_joined) unjoined = "a stream drawn into the capture has work the origin stream never waited for";
+        x->cap = 0;
+    }
+    qlshim::capture_t done = std::move(*c);
+    qlshim::gs().active.erase(id);
+    if (!done.invalid.empty()) return cudaErrorStreamCaptureInvalidated;
+    if (!unjoined.empty()) {
+        fprintf(stderr, "qlshim: cudaStreamEndCapture: %s\n", unjoined.c_str());
+        return cudaErrorStreamCaptureUnjoined;
+    }
+    CUgraph_st *gr = new CUgraph_st();
+    gr->ops = std::move(done.ops);
+    gr->origin = s;
+    gr->streams = std::move(done.streams);
+    *graph = gr;
+    qlshim::gs().captures++;
+    return cudaSuccess;
+}
+inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t *exec, cudaGraph_t graph, unsigned long long) {
+    if (!graph) return cudaErrorInvalidValue;
+    CUgraphExec_st *x = new CUgraphExec_st();
+    static_cast<CUgraph_st &>(*x) = *graph;
+    *exec = x;
+    return cudaSuccess;
+}
+inline cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
+    if (!exec) return cudaErrorInvalidValue;
+    if (qlshim::capturing(s)) {  // a graph inside a capture: its work, recorded
+        qlshim::capture_record(s, [=] { cudaGraphLaunch(exec, s); });
+        return cudaSuccess;
+    }
+    if (s != exec->origin) qlshim::flush_stream(s);  // after what s did before
+    for (const std::function<void()> &op : exec->ops) op();
+    if (s != exec->origin)
+        for (cudaStream_t x : exec->streams) qlshim::flush_stream(x);  // the graph is done before s goes on
+    qlshim::gs().launches++;
+    return cudaSuccess;
+}
+inline cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+    delete exec;
+    return cudaSuccess;
+}
+inline cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+    delete graph;
     return cudaSuccess;
 }
 inline cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
@@ -1083,10 +1310,15 @@ inline cublasStatus_t cublasDestroy_v2(cublasHandle_t h) {
 inline cublasStatus_t cublasSetStream_v2(cublasHandle_t h, cudaStream_t s) {
     if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
     h->stream = s;
+    h->workspace = false;  // as cuBLAS: setting the stream resets the workspace to its own pool
     return CUBLAS_STATUS_SUCCESS;
 }
 inline cublasStatus_t cublasSetMathMode(cublasHandle_t h, cublasMath_t) { return h ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_INITIALIZED; }
-inline cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t h, void *, size_t) { return h ? CUBLAS_STATUS_SUCCESS : CUBLAS_STATUS_NOT_INITIALIZED; }
+inline cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t h, void *p, size_t size) {
+    if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
+    h->workspace = p && size > 0;
+    return CUBLAS_STATUS_SUCCESS;
+}
 inline const char *cublasGetStatusString(cublasStatus_t s) {
     switch (s) {
     case CUBLAS_STATUS_SUCCESS: return "CUBLAS_STATUS_SUCCESS";
@@ -1104,7 +1336,8 @@ inline cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperati
                                                  cudaDataType ct, int ldc, long long sC, int batch, cublasComputeType_t comp,
                                                  cublasGemmAlgo_t) {
     if (!h) return CUBLAS_STATUS_NOT_INITIALIZED;
-    qlshim::flush_stream(h->stream);  // in order behind its stream's copies
+    const bool capture = qlshim::capturing(h->stream);
+    if (!capture) qlshim::flush_stream(h->stream);  // in order behind its stream's copies
     if (m < 0 || n < 0 || k < 0 || batch < 0 || lda < std::max(1, ta == CUBLAS_OP_N ? m : k) ||
         ldb < std::max(1, tb == CUBLAS_OP_N ? k : n) || ldc < std::max(1, m) || (ta != CUBLAS_OP_N && ta != CUBLAS_OP_T) ||
         (tb != CUBLAS_OP_N && tb != CUBLAS_OP_T))
@@ -1115,6 +1348,20 @@ inline cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperati
                           comp != CUBLAS_COMPUTE_32F_FAST_16F && comp != CUBLAS_COMPUTE_32F_FAST_16BF))
         return CUBLAS_STATUS_NOT_SUPPORTED;
     if (at == CUDA_R_16BF && qlshim::st().cc_major < 8) return CUBLAS_STATUS_ARCH_MISMATCH;
+    if (capture) {  // recorded: alpha and beta by value (host pointer mode), the rest as given
+        if (!h->workspace) {
+            qlshim::capture_invalidate(*qlshim::capture_of(h->stream), "a cuBLAS call captured on a handle without "
+                                       "cublasSetWorkspace (cuBLAS would allocate a workspace of its own per capture)");
+            return CUBLAS_STATUS_NOT_SUPPORTED;
+        }
+        const float al = *(const float *)alpha, be = *(const float *)beta;
+        qlshim::capture_record(h->stream, [=] {
+            const float a2 = al, b2 = be;
+            cublasGemmStridedBatchedEx(h, ta, tb, m, n, k, &a2, A, at, lda, sA, B, bt, ldb, sB, &b2, C, ct, ldc, sC, batch, comp,
+                                       CUBLAS_GEMM_DEFAULT);
+        });
+        return CUBLAS_STATUS_SUCCESS;
+    }
     auto ld = [](const void *p, cudaDataType t, long long i) -> float {
         if (t == CUDA_R_32F) return ((const float *)p)[i];
         if (t == CUDA_R_16F) return __half2float(((const __half *)p)[i]);

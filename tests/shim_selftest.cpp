@@ -116,6 +116,12 @@ __global__ void k_wmma_guess(const __half *A, const __half *B, float *C, int K) 
     wmma::store_matrix_sync(C, acc, 16, wmma::mem_row_major);
 }
 
+// out[i] = in[i] * k + add: `add` by value, as a graph's kernel node keeps it
+__global__ void k_axpb(const float *in, float *out, float k, float add, int n) {
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) out[i] = in[i] * k + add;
+}
+
 struct shim_settings {  // every test leaves the shim as it found it
     ~shim_settings() {
         qlshim::set_order(qlshim::ORDER_FORWARD, 1);
@@ -305,7 +311,7 @@ TEST_CASE("shim: device memory is counted and limited; no device is an answer, n
 
 TEST_CASE("shim: the CUDA backend out of device memory: weights and the planned buffer refused with what did not fit") {
     shim_settings keep;
-    qlshim::set_device(8, 0, (size_t)4 << 20);  // a 4 MiB GPU
+    qlshim::set_device(8, 0, (size_t)8 << 20);  // an 8 MiB GPU: 4 of it cuBLAS's workspace
     char err[256] = "";
     ql_backend *be = ql_backend_cuda_init(0, err, sizeof(err));
     REQUIRE_MESSAGE(be, err);
@@ -368,4 +374,98 @@ TEST_CASE("shim: WMMA - a tiled GEMM equals a plain loop; code that guesses the 
     cudaFree(dA);
     cudaFree(dB);
     cudaFree(dC);
+}
+
+TEST_CASE("shim: stream capture records, a graph launch replays in order; what a capture forbids fails and invalidates it") {
+    shim_settings keep;
+    const int n = 64;
+    float *a = dev<float>(n), *b = dev<float>(n), *c = dev<float>(n);
+    std::vector<float> h(n), got(n);
+    for (int i = 0; i < n; i++) h[i] = (float)i;
+    cudaStream_t s, side;
+    REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+    REQUIRE(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess);
+    cudaEvent_t fork, join;
+    cudaEventCreate(&fork);
+    cudaEventCreate(&join);
+    cublasHandle_t blas;
+    cublasCreate(&blas);
+    cublasSetStream(blas, s);
+    REQUIRE(cudaMemcpy(a, h.data(), n * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess);
+
+    // a kernel, a copy forked onto a second stream and joined back, a memset: nothing runs while capturing
+    float add = 1.0f;
+    REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    cudaStreamCaptureStatus cs;
+    CHECK((cudaStreamIsCapturing(s, &cs) == cudaSuccess && cs == cudaStreamCaptureStatusActive));
+    QL_LAUNCH(k_axpb, 1, n, 0, s, a, b, 2.0f, add, n);
+    add = 100.0f;  // the graph keeps the argument it was captured with
+    cudaEventRecord(fork, s);
+    cudaStreamWaitEvent(side, fork, 0);  // side joins the capture
+    cudaMemcpyAsync(c, b, n * sizeof(float), cudaMemcpyDeviceToDevice, side);
+    cudaEventRecord(join, side);
+    cudaStreamWaitEvent(s, join, 0);
+    cudaMemsetAsync(b, 0, n * sizeof(float), s);
+    CHECK(((unsigned char *)b)[0] == 0xff);  // not run yet
+    cudaGraph_t g = nullptr;
+    REQUIRE(cudaStreamEndCapture(s, &g) == cudaSuccess);
+    cudaGraphExec_t x = nullptr;
+    REQUIRE(cudaGraphInstantiate(&x, g, 0) == cudaSuccess);
+    cudaGraphDestroy(g);
+    for (int rep = 0; rep < 2; rep++) {
+        REQUIRE(cudaMemcpy(c, h.data(), n * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess);  // (overwritten by the replay)
+        REQUIRE(cudaGraphLaunch(x, s) == cudaSuccess);
+        REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+        REQUIRE(cudaMemcpy(got.data(), c, n * sizeof(float), cudaMemcpyDeviceToHost) == cudaSuccess);
+        for (int i = 0; i < n; i++) CHECK(got[i] == 2.0f * i + 1.0f);
+        CHECK(((float *)b)[5] == 0.0f);
+    }
+    cudaGraphExecDestroy(x);
+
+    // forbidden while capturing: each invalidates the capture, which then ends in an error
+    auto forbidden = [&](const char *what, const std::function<cudaError_t()> &call, cudaError_t want) {
+        REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+        CHECK_MESSAGE(call() == want, what);
+        cudaGraph_t bad = nullptr;
+        CHECK_MESSAGE(cudaStreamEndCapture(s, &bad) == cudaErrorStreamCaptureInvalidated, what);
+        CHECK(bad == nullptr);
+    };
+    void *p = nullptr;
+    forbidden("sync", [&] { return cudaStreamSynchronize(s); }, cudaErrorStreamCaptureUnsupported);
+    forbidden("malloc", [&] { return cudaMalloc(&p, 16); }, cudaErrorStreamCaptureUnsupported);
+    forbidden("sync copy", [&] { return cudaMemcpy(got.data(), c, 4, cudaMemcpyDeviceToHost); }, cudaErrorStreamCaptureUnsupported);
+    cudaEventRecord(fork, side);  // recorded outside the capture
+    forbidden("outside event", [&] { return cudaStreamWaitEvent(s, fork, 0); }, cudaErrorStreamCaptureIsolation);
+    const float one = 1.0f, zero = 0.0f;  // cuBLAS without a workspace of ours
+    forbidden("gemm without workspace", [&] {
+        return cublasGemmEx(blas, CUBLAS_OP_N, CUBLAS_OP_N, 8, 8, 8, &one, a, CUDA_R_32F, 8, a, CUDA_R_32F, 8, &zero, c, CUDA_R_32F, 8,
+                            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT) == CUBLAS_STATUS_NOT_SUPPORTED ? cudaSuccess : cudaErrorUnknown;
+    }, cudaSuccess);
+    // relaxed mode allows an allocation
+    REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeRelaxed) == cudaSuccess);
+    CHECK(cudaMalloc(&p, 16) == cudaSuccess);
+    CHECK(cudaFree(p) == cudaSuccess);
+    cudaGraph_t ok = nullptr;
+    CHECK(cudaStreamEndCapture(s, &ok) == cudaSuccess);
+    cudaGraphDestroy(ok);
+    // a stream forked and never joined back
+    REQUIRE(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal) == cudaSuccess);
+    cudaEventRecord(fork, s);
+    cudaStreamWaitEvent(side, fork, 0);
+    cudaMemsetAsync(c, 0, 4, side);
+    cudaGraph_t unjoined = nullptr;
+    CHECK(cudaStreamEndCapture(s, &unjoined) == cudaErrorStreamCaptureUnjoined);
+    CHECK(unjoined == nullptr);
+    // and nothing is left capturing: eager work runs again
+    QL_LAUNCH(k_axpb, 1, n, 0, s, a, b, 1.0f, 0.0f, n);
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess);
+    CHECK(((float *)b)[7] == 7.0f);
+    cublasDestroy(blas);
+    cudaEventDestroy(fork);
+    cudaEventDestroy(join);
+    cudaStreamDestroy(side);
+    cudaStreamDestroy(s);
+    cudaFree(a);
+    cudaFree(b);
+    cudaFree(c);
 }

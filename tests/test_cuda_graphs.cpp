@@ -1,0 +1,212 @@
+// tests/test_cuda_graphs.cpp - CUDA graphs: a planned graph captured once and replayed gives the
+// bits an eager run gives (losses, LoRA gradients, adapters: dropout's per-step seed read on the
+// device, two dynamic-padding buckets, offload's copy stream), and the copy stream is joined at a
+// run's end. Through the shim in build/test-cuda-shim (make test), on a GPU with make CUDA=1;
+// skipped without a CUDA device.
+#define QL_INTERNALS  // ql_cuda_set_graphs, ql_cuda_get_graph_counts, QL_OP_TO_HOST
+#include "util.h"
+
+#include "../models/llama.h"
+#include "../models/trainer.h"
+#include "../qlora.h"
+#include "tiny.h"
+
+#include <cstring>
+
+namespace {
+
+bool have_cuda() {
+    const bool ok = ql_cuda_device_count() > 0;
+    if (!ok) printf("test_cuda_graphs: skipped: no CUDA device\n");
+    return ok;
+}
+const bool k_cuda = have_cuda();  // evaluated before main: doctest's skip needs it
+
+struct run_result {
+    std::vector<double> losses;
+    std::vector<float> grads;    // every step's LoRA gradients, in order
+    std::vector<float> adapter;  // after the last step
+    ql_cuda_graph_counts counts{};
+};
+
+// the tiny NF4 llama trained on the CUDA backend with graphs on or off
+run_result train(const std::string &path, const std::vector<ql_sequence> &seqs, ql_train_options o, bool graphs) {
+    run_result r;
+    char err[256];
+    ql_backend *be = ql_backend_cuda_init(0, err, sizeof(err));
+    REQUIRE_MESSAGE(be, err);
+    ql_cuda_set_graphs(be, graphs);
+    ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
+    REQUIRE_MESSAGE(f, err);
+    o.backend = be;
+    std::string e;
+    ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &e);
+    REQUIRE_MESSAGE(t, e);
+    ql_step_metrics m;
+    while (ql_trainer_steps_done(t) < ql_trainer_total_steps(t)) {
+        REQUIRE_MESSAGE(ql_trainer_step(t, &m, &e), e);
+        r.losses.push_back(m.loss);
+        for (ql_tensor *p : ql_llama_lora_params(ql_trainer_model(t))) {
+            std::vector<float> g((size_t)ql_nelements(p->grad));
+            REQUIRE(ql_backend_tensor_get(be, p->grad, g.data(), 0, g.size() * sizeof(float)) == QL_OK);
+            r.grads.insert(r.grads.end(), g.begin(), g.end());
+        }
+    }
+    REQUIRE(ql_cuda_get_graph_counts(be, &r.counts));
+    REQUIRE_MESSAGE(ql_trainer_to_host(t, &e), e);
+    for (ql_tensor *p : ql_llama_lora_params(ql_trainer_model(t)))
+        r.adapter.insert(r.adapter.end(), (const float *)p->data, (const float *)p->data + ql_nelements(p));
+    ql_trainer_free(t);
+    ql_llama_file_free(f);
+    ql_backend_free(be);
+    return r;
+}
+
+// sequences of 32 tokens: `n_short` of them end within 12 (the 16-token graph holds a pair of
+// them), the rest fill 30 (the 32-token graph)
+std::vector<ql_sequence> sequences(int n, int n_short, int vocab) {
+    std::vector<ql_sequence> seqs;
+    for (int s = 0; s < n; s++) {
+        const int len = s < n_short ? 12 - s % 3 : 30 - s % 2;
+        ql_sequence q;
+        int tok = (7 * s + 2) % vocab;
+        for (int i = 0; i < 32; i++) {
+            const bool real = i < len;
+            q.tokens.push_back(real ? tok : 0);
+            q.pos.push_back(i);
+            q.seg.push_back(real ? 0 : 1);
+            const int next = (3 * tok + 1) % vocab;
+            q.targets.push_back(real && i + 1 < len && i >= 2 ? next : -1);
+            q.n_targets += q.targets.back() >= 0;
+            tok = next;
+        }
+        seqs.push_back(q);
+    }
+    return seqs;
+}
+
+std::string graphs_model(const tmpdir &d) {
+    const std::string path = d.file("tiny-nf4.gguf");
+    tiny_llama t(tiny_hparams(61, 64, 128), 5, 0.2f, /*tied_output=*/true);
+    llama_gguf_opts o;
+    o.linear_type = QL_TYPE_NF4;
+    write_llama_gguf(t.m, path, o);
+    return path;
+}
+
+ql_train_options options() {
+    ql_train_options o;
+    o.lora.r = 4;
+    o.lora.alpha = 8;
+    o.lora.dropout = 0.1f;  // a mask per micro-batch: its seed is written to the device before each run
+    o.lora.targets = {"q", "k", "v", "o", "gate", "up", "down"};
+    o.micro_batch = 2;
+    o.grad_accum = 2;
+    o.lr = 5e-3f;
+    o.threads = 1;
+    o.precision = ql_precision::bf16;
+    return o;
+}
+
+void check_same_bits(const run_result &replayed, const run_result &eager) {
+    REQUIRE(replayed.losses.size() == eager.losses.size());
+    for (size_t s = 0; s < eager.losses.size(); s++)
+        CHECK_MESSAGE(replayed.losses[s] == eager.losses[s], "step ", s + 1, ": ", replayed.losses[s], " vs ", eager.losses[s]);
+    REQUIRE(replayed.grads.size() == eager.grads.size());
+    CHECK(memcmp(replayed.grads.data(), eager.grads.data(), eager.grads.size() * sizeof(float)) == 0);
+    REQUIRE(replayed.adapter.size() == eager.adapter.size());
+    CHECK(memcmp(replayed.adapter.data(), eager.adapter.data(), eager.adapter.size() * sizeof(float)) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("cuda graphs: training steps replayed from a capture equal eager ones bit for bit (dropout, two padding buckets)" *
+          skip_unless(k_cuda, "without a CUDA device")) {
+    tmpdir d;
+    const std::string path = graphs_model(d);
+    const std::vector<ql_sequence> seqs = sequences(8, 6, 61);
+    ql_train_options o = options();
+    o.max_steps = 8;  // 16 micro-batches over 4 epochs: pairs of short and of mixed lengths
+    const run_result eager = train(path, seqs, o, false);
+    const run_result replayed = train(path, seqs, o, true);
+    check_same_bits(replayed, eager);
+    CHECK(eager.counts.captured == 0);
+    CHECK(eager.counts.launched == 0);
+    // a capture per bucket graph (made on its second run), every later run a replay
+    CHECK(replayed.counts.captured == 2);
+    CHECK(replayed.counts.launched >= 12);
+    CHECK(replayed.counts.eager == 2);  // the first run of each graph
+    MESSAGE("graphs: ", replayed.counts.captured, " captured, ", replayed.counts.launched, " launched, ", replayed.counts.eager, " eager");
+}
+
+TEST_CASE("cuda graphs: block checkpoints offloaded to pinned host memory: replayed equals eager bit for bit" * skip_unless(k_cuda, "without a CUDA device")) {
+    tmpdir d;
+    const std::string path = graphs_model(d);
+    const std::vector<ql_sequence> seqs = sequences(8, 0, 61);
+    ql_train_options o = options();
+    o.max_steps = 4;
+    o.checkpointing = ql_checkpointing::block;
+    o.offload_activations = true;
+    const run_result eager = train(path, seqs, o, false);
+    const run_result replayed = train(path, seqs, o, true);
+    check_same_bits(replayed, eager);
+    CHECK(replayed.counts.captured == 1);
+    CHECK(replayed.counts.launched == 7);  // 8 micro-batches: the first eager
+}
+
+// A to-host copy nothing in the run reads again: the run's end joins the copy stream, so once the
+// compute stream is done (ql_backend_synchronize) the copy is too - eager, captured, replayed.
+TEST_CASE("cuda graphs: the copy stream is joined at a run's end: an offload copy with no later reader is complete" *
+          skip_unless(k_cuda, "without a CUDA device")) {
+    char err[256];
+    ql_backend *be = ql_backend_cuda_init(0, err, sizeof(err));
+    REQUIRE_MESSAGE(be, err);
+    ql_init_params ip = {16u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *x = ql_new_tensor_2d(ctx, QL_TYPE_F32, 32, 8), *w1 = ql_new_tensor_2d(ctx, QL_TYPE_F32, 32, 48),
+              *w2 = ql_new_tensor_2d(ctx, QL_TYPE_F32, 48, 16);
+    ql_tensor_fill_f32(x, 0.5f);
+    ql_tensor_fill_f32(w1, 0.01f);
+    ql_tensor_fill_f32(w2, 0.02f);
+    ql_set_param(w2);
+    ql_tensor *h = ql_silu(ctx, ql_mul_mat(ctx, w1, x));  // [48, 8], read again by w2's gradient
+    ql_tensor *y = ql_mul_mat(ctx, w2, h);                // [16, 8]
+    ql_tensor *l = ql_sum(ctx, ql_mul(ctx, y, y));
+    ql_graph *g = ql_graph_new(ctx);
+    REQUIRE(ql_graph_build_forward(g, l) == QL_OK);
+    ql_graph *gb = ql_graph_backward(ctx, g, l);
+    REQUIRE(gb);
+    REQUIRE_MESSAGE(ql_graph_offload(gb, &h, 1) == QL_OK, ql_ctx_error(ctx));
+    ql_tensor *copy = nullptr;  // h's copy to the host
+    for (int i = 0; i < ql_graph_n_nodes(gb); i++)
+        if (ql_graph_node(gb, i)->op == QL_OP_TO_HOST) copy = ql_graph_node(gb, i);
+    REQUIRE(copy);
+    // a graph that ends with the copy: nothing after it waits for it
+    ql_graph *gc = ql_graph_new(ctx);
+    REQUIRE(ql_graph_build_forward(gc, copy) == QL_OK);
+    ql_backend_buffer *leafs = ql_backend_place_ctx_tensors(be, ctx);
+    REQUIRE_MESSAGE(leafs, ql_ctx_error(ctx));
+    REQUIRE_MESSAGE(ql_graph_plan(gc, be, nullptr) == QL_OK, ql_ctx_error(ctx));
+    REQUIRE_MESSAGE(ql_graph_alloc(gc, be) == QL_OK, ql_ctx_error(ctx));
+    std::vector<float> xs((size_t)ql_nelements(x)), want((size_t)ql_nelements(h)), got(want.size());
+    for (int run = 0; run < 4; run++) {  // eager, captured, replayed twice
+        for (size_t i = 0; i < xs.size(); i++) xs[i] = 0.01f * (float)((i * 7 + (size_t)run * 13) % 23) - 0.1f;
+        REQUIRE(ql_backend_tensor_set(be, x, xs.data(), 0, xs.size() * sizeof(float)) == QL_OK);
+        REQUIRE_MESSAGE(ql_backend_graph_compute(be, gc) == QL_OK, ql_ctx_error(ctx));
+        REQUIRE(ql_backend_synchronize(be) == QL_OK);
+        REQUIRE(ql_backend_tensor_get(be, h, want.data(), 0, want.size() * sizeof(float)) == QL_OK);
+        memcpy(got.data(), copy->data, got.size() * sizeof(float));  // pinned host memory
+        CHECK_MESSAGE(memcmp(got.data(), want.data(), want.size() * sizeof(float)) == 0, "run ", run + 1);
+    }
+    ql_cuda_graph_counts c;
+    REQUIRE(ql_cuda_get_graph_counts(be, &c));
+    CHECK(c.eager == 1);
+    CHECK(c.captured == 1);
+    CHECK(c.launched == 3);
+    ql_graph_free(gc);
+    ql_graph_free(gb);
+    ql_graph_free(g);
+    ql_backend_buffer_free(leafs);
+    ql_free(ctx);
+    ql_backend_free(be);
+}
