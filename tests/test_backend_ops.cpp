@@ -479,6 +479,11 @@ static void fused_attn_cases(ql_backend *be) {
         {"d 96, documents, GQA 2:1, batch 2", 96, 90, 90, 4, 2, 2, 1},
         {"d 128, GQA 2:1, three query tiles (whole tiles unmasked)", 128, 150, 150, 2, 1, 1, 0},
         {"d 64, long documents: key tiles skipped", 64, 200, 200, 2, 2, 1, 2},
+        // tile edges: the last query of a warp sees just the first key of a tile (offset 33), the
+        // last query of a tile just one key of a warp (Tq 49), a tile one key short of whole (offset 14)
+        {"d 64, Tq 37 < Tk 70", 64, 37, 70, 1, 1, 1, 0},
+        {"d 64, Tq 49", 64, 49, 49, 1, 1, 1, 0},
+        {"d 64, Tq 50 < Tk 64", 64, 50, 64, 1, 1, 1, 0},
     };
     for (const shape &sh : shapes) {
         const builder build = [sh](leafs &L) {
