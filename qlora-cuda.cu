@@ -26,6 +26,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <mma.h>
 #define QL_LAUNCH(k, grid, block, smem, stream, ...) (k)<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
 #define QL_DYN_SMEM(T, name) \
     extern __shared__ __align__(16) unsigned char ql_dyn_smem_[]; \
@@ -35,6 +36,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
@@ -1629,7 +1631,505 @@ static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
     }
 }
 
+// ---- attention on tensor cores: FlashAttention-2 through WMMA (training, 16-bit compute) ----
+// The default wherever ql_cuda_fa_fused(node) (qlora.cpp): prec bf16, d == dv in {64, 80, 96, 128}.
+// Tiles of q, k, v (and dO) are converted from f32 to the compute type T (bf16 from cc 8.0, fp16
+// on 7.5) on their way into shared memory - so cuda::memcpy_async, a byte copy, has nothing to
+// do here (limitation: no copy/compute overlap beyond what other resident blocks give). Products
+// are 16x16x16 WMMA tiles with f32 accumulators. A fragment's element-to-lane mapping is never
+// assumed: row-wise softmax goes through shared memory (S stored, processed by lanes, P loaded
+// as a matrix_a fragment), and the one per-row operation on register fragments (O's rescale)
+// looks each element's row up in `rid`, an accumulator fragment loaded from a table of row numbers
+// (fragments of one type share one mapping). Scores are kept in log2 units: s2 = scale log2(e) q.k.
+//   forward: block = 64 queries of one head (16 per warp); key tiles of 64; online softmax.
+//   backward, deterministic, no atomics: delta = rowsum(dO O) first (k_fa_delta), then
+//     k_fa2_dkv: block = 16 NW keys of one kv head, over every query head of its group and every
+//              query tile that can see them: dV += P^T dO, dK += dS^T Q (scale at the end);
+//     k_fa2_dq:  block = 16 NW queries of one head, over their key tiles: dQ += dS K.
+// Causal tiles no query of the block may see are not visited; with documents (seg), neither are
+// tiles whose segment ranges do not meet; tiles every query sees entirely skip the mask.
+#ifdef QL_CUDA_SHIM
+#define FA2_UNROLL
+#define FA2_NO_UNROLL
+#else
+#define FA2_NO_UNROLL _Pragma("unroll 1")
+#define FA2_UNROLL _Pragma("unroll")  // fragment arrays stay in registers: every index a constant
+#endif
+#define FA2_WARPS 4  // forward: warps per block
+#define FA2_BQ 64    // forward: queries per block (16 per warp)
+#define FA2_BK 64    // forward: keys per tile
+#define FA2_PAD 8    // 16-bit elements after each row of a tile in shared memory (bank spread; 16-byte rows)
+#define FA2_LOG2E 1.4426950408889634f
+#define FA2_LN2 0.6931471805599453f
+
+// the backward's tiles by compute type: NW warps (16 NW keys per dK/dV block, 16 NW queries per
+// dQ block), BT queries (dK/dV) or keys (dQ) per inner tile. fp16 is sm_75's, whose blocks get 64 KiB.
+template <typename T> struct fa2_back_cfg { static constexpr int NW = 4, BT = 32; };
+template <> struct fa2_back_cfg<__half> { static constexpr int NW = 2, BT = 32; };
+
+// each compute type's kernels are built for its architectures only: bf16 from sm_80 (no bf16 WMMA
+// before), fp16 below (ql_cuda_fa_layout picks bf16 wherever it exists); elsewhere empty, never launched
+#ifdef __CUDA_ARCH__
+#define FA2_ARCH_OK(T) (std::is_same<T, __nv_bfloat16>::value ? __CUDA_ARCH__ >= 800 : __CUDA_ARCH__ < 800)
+#else
+#define FA2_ARCH_OK(T) true
+#endif
+template <typename T> __device__ __forceinline__ T fa2_cvt(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 fa2_cvt<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half fa2_cvt<__half>(float v) { return __float2half_rn(v); }
+__device__ __forceinline__ float fa2_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float fa2_f(__half v) { return __half2float(v); }
+
+// shared memory of each kernel, bytes (host and device agree; the gate below checks the limits)
+template <typename T, int D> constexpr size_t fa2_fwd_smem() {
+    return (size_t)2 * FA2_BK * (D + FA2_PAD) * sizeof(T) + (size_t)FA2_WARPS * 16 * (FA2_BK + 4) * sizeof(float) +
+           (size_t)FA2_WARPS * 16 * (FA2_BK + FA2_PAD) * sizeof(T) + (256 + 3 * FA2_BQ) * sizeof(float);
+}
+template <typename T, int D> constexpr size_t fa2_back_smem() {  // both backward kernels: 16 NW rows held, BT streamed
+    constexpr int NW = fa2_back_cfg<T>::NW, BT = fa2_back_cfg<T>::BT;
+    return (size_t)2 * (16 * NW + BT) * (D + FA2_PAD) * sizeof(T) + (size_t)NW * 16 * (BT + 4) * sizeof(float) +
+           (size_t)NW * 16 * (BT + FA2_PAD) * sizeof(T) + 2 * 16 * NW * sizeof(float) + 2 * BT * sizeof(float);
+}
+// the gate: a block's shared memory within sm_86/89's 99 KiB (bf16, cc >= 8.0) and sm_75's 64 KiB (fp16)
+#define FA2_SMEM_OK(D)                                                                                                  \
+    static_assert(fa2_fwd_smem<__nv_bfloat16, D>() <= (99u << 10) && fa2_back_smem<__nv_bfloat16, D>() <= (99u << 10) && \
+                      fa2_fwd_smem<__half, D>() <= (64u << 10) && fa2_back_smem<__half, D>() <= (64u << 10),        \
+                  "fused attention's shared memory above the device limit at head dim " #D)
+FA2_SMEM_OK(64);
+FA2_SMEM_OK(80);
+FA2_SMEM_OK(96);
+FA2_SMEM_OK(128);
+
+// rows [0, n) of a matrix with E dense f32 columns, `rs` bytes apart, into dst [rows][E + FA2_PAD] as T;
+// zeros from n to rows. vec: base and rs 16-byte aligned (float4 loads).
+template <typename T, int E>
+__device__ __forceinline__ void fa2_load(T *dst, const char *base, int64_t rs, int n, int rows, bool vec) {
+    constexpr int LD = E + FA2_PAD;
+    for (int x = threadIdx.x; x < rows * (E / 4); x += blockDim.x) {
+        const int r = x / (E / 4), c = x % (E / 4) * 4;
+        float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (r < n) {
+            const float *p = (const float *)(base + r * rs) + c;
+            if (vec) v = *(const float4 *)p;
+            else v = make_float4(p[0], p[1], p[2], p[3]);
+        }
+        T *d = dst + r * LD + c;
+        d[0] = fa2_cvt<T>(v.x), d[1] = fa2_cvt<T>(v.y), d[2] = fa2_cvt<T>(v.z), d[3] = fa2_cvt<T>(v.w);
+    }
+}
+__device__ __forceinline__ bool fa2_aligned(const void *p, int64_t rs) { return ((uintptr_t)p | (uintptr_t)rs) % 16 == 0; }
+
+// the segment ids of positions [p0, p0 + n) of batch b: min and max, the same in every lane
+__device__ __forceinline__ void fa2_seg_range(const int32_t *seg, int64_t p0, int n, int *lo, int *hi) {
+    int a = INT_MAX, z = INT_MIN;
+    for (int r = threadIdx.x % 32; r < n; r += 32) a = min(a, (int)seg[p0 + r]), z = max(z, (int)seg[p0 + r]);
+    for (int o = 16; o > 0; o >>= 1) a = min(a, __shfl_xor_sync(0xffffffff, a, o)), z = max(z, __shfl_xor_sync(0xffffffff, z, o));
+    *lo = a, *hi = z;
+}
+
+// forward: block (query tile, head, batch), the last query tiles (the longest causal rows) first
+template <typename T, int D>
+__global__ void __launch_bounds__(FA2_WARPS * 32, 1) k_fa2_fwd(fa_args a, float *out, float *lse) {
+    if constexpr (!FA2_ARCH_OK(T)) return;
+    else
+    {
+    using namespace nvcuda;
+    constexpr int LD = D + FA2_PAD, SLD = FA2_BK + 4, PLD = FA2_BK + FA2_PAD, NF = D / 16, NK = FA2_BK / 16;
+    const int64_t Tq = a.q.ne[1], H = a.q.ne[2], Tk = a.k.ne[1], Hkv = a.k.ne[2], off = Tk - Tq;
+    const int64_t h = blockIdx.y, b = blockIdx.z, hk = (int)h / ((int)H / (int)Hkv), i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * FA2_BQ;  // (32-bit divisions)
+    const int nq = (int)min((int64_t)FA2_BQ, Tq - i0), warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
+    const float sl2 = a.scale * FA2_LOG2E;
+    QL_DYN_SMEM(unsigned char, sm);
+    T *Ks = (T *)sm, *Vs = Ks + FA2_BK * LD;                      // [FA2_BK][LD] each
+    float *S = (float *)(Vs + FA2_BK * LD);                         // [warps][16][SLD]
+    T *P = (T *)(S + FA2_WARPS * 16 * SLD);                         // [warps][16][PLD]
+    float *rid = (float *)(P + FA2_WARPS * 16 * PLD), *M = rid + 256, *L = M + FA2_BQ, *A = L + FA2_BQ;
+    float *Sw = S + warp * 16 * SLD;
+    T *Pw = P + warp * 16 * PLD;
+    // q's rows through Ks into registers
+    const char *qb = a.q.data + i0 * a.q.nb[1] + h * a.q.nb[2] + b * a.q.nb[3];
+    fa2_load<T, D>(Ks, qb, a.q.nb[1], nq, FA2_BQ, fa2_aligned(qb, a.q.nb[1]));
+    for (int x = threadIdx.x; x < 256; x += blockDim.x) rid[x] = (float)(x / 16);
+    if (threadIdx.x < FA2_BQ) M[threadIdx.x] = -INFINITY, L[threadIdx.x] = 0.0f;
+    __syncthreads();
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qf[NF];
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> o[NF], rowf;
+FA2_UNROLL
+    for (int f = 0; f < NF; f++) {
+        wmma::load_matrix_sync(qf[f], Ks + r0 * LD + f * 16, LD);
+        wmma::fill_fragment(o[f], 0.0f);
+    }
+    wmma::load_matrix_sync(rowf, rid, 16, wmma::mem_row_major);
+    int qlo = 0, qhi = 0;
+    if (a.seg) fa2_seg_range(a.seg + b * Tk, i0 + off, nq, &qlo, &qhi);
+    const char *kb = a.k.data + hk * a.k.nb[2] + b * a.k.nb[3], *vb = a.v.data + hk * a.v.nb[2] + b * a.v.nb[3];
+    const bool kvec = fa2_aligned(kb, a.k.nb[1]), vvec = fa2_aligned(vb, a.v.nb[1]);
+    const int64_t jend = min(Tk, i0 + nq + off);  // causal: no query of the block sees a key past jend
+    for (int64_t j0 = 0; j0 < jend; j0 += FA2_BK) {
+        const int nk = (int)min((int64_t)FA2_BK, jend - j0);
+        if (a.seg) {  // documents: skip a tile whose segments do not meet the block's (the same answer in every warp)
+            int klo, khi;
+            fa2_seg_range(a.seg + b * Tk, j0, nk, &klo, &khi);
+            if (khi < qlo || klo > qhi) continue;
+        }
+        __syncthreads();  // the previous tile is no longer read
+        fa2_load<T, D>(Ks, kb + j0 * a.k.nb[1], a.k.nb[1], nk, FA2_BK, kvec);
+        fa2_load<T, D>(Vs, vb + j0 * a.v.nb[1], a.v.nb[1], nk, FA2_BK, vvec);
+        __syncthreads();
+        if (j0 > i0 + r0 + 15 + off || r0 >= nq) continue;  // this warp's queries see none of the tile
+        const bool full = !a.seg && j0 + FA2_BK - 1 <= i0 + r0 + off;  // every query of the warp sees every key
+        // S = Q K^T: [16, FA2_BK] of this warp
+FA2_UNROLL
+        for (int n = 0; n < NK; n++) {
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> s;
+            wmma::fill_fragment(s, 0.0f);
+FA2_UNROLL
+            for (int f = 0; f < NF; f++) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
+                wmma::load_matrix_sync(kf, Ks + n * 16 * LD + f * 16, LD);
+                wmma::mma_sync(s, qf[f], kf, s);
+            }
+            wmma::store_matrix_sync(Sw + n * 16, s, SLD, wmma::mem_row_major);
+        }
+        __syncwarp();
+        {  // online softmax: two lanes per row, half the tile's keys each
+            const int r = lane / 2, c0 = lane % 2 * (FA2_BK / 2);
+            const int64_t i = i0 + r0 + r;
+            const bool row_ok = r0 + r < nq;
+            float *srow = Sw + r * SLD + c0, mx = -INFINITY;  // masked scores over the raw ones, in log2 units
+            for (int c = 0; c < FA2_BK / 2; c++) {
+                const int64_t j = j0 + c0 + c;
+                const bool vis = full || (row_ok && c0 + c < nk && fa_visible(a.seg, i, j, off, Tk, b));
+                srow[c] = vis ? srow[c] * sl2 : -INFINITY;
+                mx = fmaxf(mx, srow[c]);
+            }
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffff, mx, 1));
+            const float mo = M[r0 + r], mn = fmaxf(mo, mx), ms = mn == -INFINITY ? 0.0f : mn;
+            float sum = 0.0f;
+            for (int c = 0; c < FA2_BK / 2; c++) {
+                const float p = exp2f(srow[c] - ms);
+                Pw[r * PLD + c0 + c] = fa2_cvt<T>(p);
+                sum += p;
+            }
+            sum += __shfl_xor_sync(0xffffffff, sum, 1);
+            const float alpha = exp2f(mo - ms);
+            __syncwarp();  // both lanes of a row have read M
+            if (lane % 2 == 0) M[r0 + r] = mn, L[r0 + r] = L[r0 + r] * alpha + sum, A[r0 + r] = alpha;
+        }
+        __syncwarp();
+        // O = alpha O + P V
+FA2_UNROLL
+        for (int f = 0; f < NF; f++)
+FA2_UNROLL
+            for (int e = 0; e < o[f].num_elements; e++) o[f].x[e] *= A[r0 + (int)rowf.x[e]];
+FA2_UNROLL
+        for (int kk = 0; kk < NK; kk++) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf;
+            wmma::load_matrix_sync(pf, Pw + kk * 16, PLD);
+FA2_UNROLL
+            for (int f = 0; f < NF; f++) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
+                wmma::load_matrix_sync(vf, Vs + kk * 16 * LD + f * 16, LD);
+                wmma::mma_sync(o[f], pf, vf, o[f]);
+            }
+        }
+    }
+    __syncwarp();  // every lane has read A
+    if (lane < 16) A[r0 + lane] = L[r0 + lane] > 0.0f ? 1.0f / L[r0 + lane] : 0.0f;
+    __syncwarp();
+    // O / l -> out [D, H, Tq, B] through this warp's S, 4 fragments (64 columns) at a time; lse
+FA2_UNROLL
+    for (int f = 0; f < NF; f++) {
+FA2_UNROLL
+        for (int e = 0; e < o[f].num_elements; e++) o[f].x[e] *= A[r0 + (int)rowf.x[e]];
+        wmma::store_matrix_sync(Sw + f % 4 * 16, o[f], SLD, wmma::mem_row_major);
+        if (f % 4 == 3 || f == NF - 1) {
+            const int cols = (f % 4 + 1) * 16;
+            __syncwarp();
+            for (int x = lane; x < 16 * cols; x += 32) {
+                const int r = x / cols, c = x % cols;
+                if (r0 + r < nq) out[((b * Tq + i0 + r0 + r) * H + h) * D + f / 4 * 64 + c] = Sw[r * SLD + c];
+            }
+            __syncwarp();
+        }
+    }
+    if (lane < 16 && r0 + lane < nq) lse[(b * H + h) * Tq + i0 + r0 + lane] = M[r0 + lane] * FA2_LN2 + logf(L[r0 + lane]);
+    }
+}
+
+// a fragment of 16 rows from shared memory times the transpose of BT rows: [16, BT] of f32 into
+// Sw (ld BT + 4): Sw = X Y^T, X [16][LD] and Y [BT][LD] both rows of D elements
+template <typename T, int D, int BT>
+__device__ __forceinline__ void fa2_rows_by_rows(float *Sw, const T *X, const T *Y) {
+    using namespace nvcuda;
+    constexpr int LD = D + FA2_PAD;
+FA2_NO_UNROLL  // (fewer live registers beside the dK, dV accumulators)
+    for (int n = 0; n < BT / 16; n++) {
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> s;
+        wmma::fill_fragment(s, 0.0f);
+FA2_UNROLL
+        for (int f = 0; f < D / 16; f++) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> xf;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> yf;
+            wmma::load_matrix_sync(xf, X + f * 16, LD);
+            wmma::load_matrix_sync(yf, Y + n * 16 * LD + f * 16, LD);
+            wmma::mma_sync(s, xf, yf, s);
+        }
+        wmma::store_matrix_sync(Sw + n * 16, s, BT + 4, wmma::mem_row_major);
+    }
+}
+// acc[D / 16] += Pw [16][BT] (ld BT + FA2_PAD) times Y [BT][LD]
+template <typename T, int D, int BT, typename F>
+__device__ __forceinline__ void fa2_acc_product(F *acc, const T *Pw, const T *Y) {
+    using namespace nvcuda;
+    constexpr int LD = D + FA2_PAD;
+FA2_NO_UNROLL
+    for (int kk = 0; kk < BT / 16; kk++) {
+        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf;
+        wmma::load_matrix_sync(pf, Pw + kk * 16, BT + FA2_PAD);
+FA2_UNROLL
+        for (int f = 0; f < D / 16; f++) {
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> yf;
+            wmma::load_matrix_sync(yf, Y + kk * 16 * LD + f * 16, LD);
+            wmma::mma_sync(acc[f], pf, yf, acc[f]);
+        }
+    }
+}
+// acc[D / 16] (16 rows) * scale -> rows dst + r * D for r < n, through Sw (ld BT + 4), BT columns at a time
+template <int D, int BT, typename F>
+__device__ __forceinline__ void fa2_store_rows(F *acc, float scale, float *Sw, float *dst, int n) {
+    using namespace nvcuda;
+    const int lane = threadIdx.x % 32;
+    constexpr int G = BT / 16;  // fragments per pass
+FA2_UNROLL
+    for (int f = 0; f < D / 16; f++) {
+FA2_UNROLL
+        for (int e = 0; e < acc[f].num_elements; e++) acc[f].x[e] *= scale;
+        wmma::store_matrix_sync(Sw + f % G * 16, acc[f], BT + 4, wmma::mem_row_major);
+        if (f % G == G - 1 || f == D / 16 - 1) {
+            const int cols = (f % G + 1) * 16;
+            __syncwarp();
+            for (int x = lane; x < 16 * cols; x += 32) {
+                const int r = x / cols, c = x % cols;
+                if (r < n) dst[(int64_t)r * D + f / G * G * 16 + c] = Sw[r * (BT + 4) + c];
+            }
+            __syncwarp();
+        }
+    }
+}
+
+// dK, dV: block (16 NW keys, kv head, batch); every query head of the group, every query tile
+// that may see the keys. dk, dv [D, Tk, Hkv, B]; dO [D, H, Tq, B]; lse, delta [Tq, H, B]
+template <typename T, int D>
+__global__ void __launch_bounds__(fa2_back_cfg<T>::NW * 32, 1)
+    k_fa2_dkv(fa_args a, const float *dO, const float *lse, const float *delta, float *dk, float *dv) {
+    if constexpr (!FA2_ARCH_OK(T)) return;
+    else
+    {
+    using namespace nvcuda;
+    constexpr int NW = fa2_back_cfg<T>::NW, BT = fa2_back_cfg<T>::BT, RK = 16 * NW, LD = D + FA2_PAD, NF = D / 16;
+    constexpr int SLD = BT + 4, PLD = BT + FA2_PAD;
+    // sizes and positions in 32 bits (row offsets below in 64): fewer registers beside the accumulators
+    const int Tq = (int)a.q.ne[1], H = (int)a.q.ne[2], Tk = (int)a.k.ne[1], Hkv = (int)a.k.ne[2], off = Tk - Tq, rep = H / Hkv;
+    const int hk = blockIdx.y, b = blockIdx.z, j0 = blockIdx.x * RK;
+    const int nk = min(RK, Tk - j0), warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
+    const float sl2 = a.scale * FA2_LOG2E;
+    QL_DYN_SMEM(unsigned char, sm);
+    T *Ks = (T *)sm, *Vs = Ks + RK * LD, *Qs = Vs + RK * LD, *dOs = Qs + BT * LD;
+    float *Sw = (float *)(dOs + BT * LD) + warp * 16 * SLD;
+    T *Pw = (T *)((float *)(dOs + BT * LD) + NW * 16 * SLD) + warp * 16 * PLD;
+    float *Lr = (float *)((T *)((float *)(dOs + BT * LD) + NW * 16 * SLD) + NW * 16 * PLD), *Dr = Lr + BT;
+    const char *kb = a.k.data + (int64_t)j0 * a.k.nb[1] + hk * a.k.nb[2] + b * a.k.nb[3];
+    const char *vb = a.v.data + (int64_t)j0 * a.v.nb[1] + hk * a.v.nb[2] + b * a.v.nb[3];
+    fa2_load<T, D>(Ks, kb, a.k.nb[1], nk, RK, fa2_aligned(kb, a.k.nb[1]));
+    fa2_load<T, D>(Vs, vb, a.v.nb[1], nk, RK, fa2_aligned(vb, a.v.nb[1]));
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> dkf[NF], dvf[NF];
+FA2_UNROLL
+    for (int f = 0; f < NF; f++) wmma::fill_fragment(dkf[f], 0.0f), wmma::fill_fragment(dvf[f], 0.0f);
+    int klo = 0, khi = 0;
+    if (a.seg) fa2_seg_range(a.seg + (int64_t)b * Tk, j0, nk, &klo, &khi);
+    const int qstart = max(0, j0 - off) / BT * BT;  // the first query that may see key j0
+    for (int r = 0; r < rep; r++) {
+        const int h = hk * rep + r;
+        const char *qb = a.q.data + h * a.q.nb[2] + b * a.q.nb[3];
+        const bool qvec = fa2_aligned(qb, a.q.nb[1]), ovec = fa2_aligned(dO, H * D * 4);
+        for (int i0 = qstart; i0 < Tq; i0 += BT) {
+            const int nq = min(BT, Tq - i0);
+            if (a.seg) {  // documents: the same answer in every warp
+                int qlo, qhi;
+                fa2_seg_range(a.seg + (int64_t)b * Tk, i0 + off, nq, &qlo, &qhi);
+                if (khi < qlo || klo > qhi) continue;
+            }
+            __syncthreads();  // the previous query tile is no longer read
+            fa2_load<T, D>(Qs, qb + (int64_t)i0 * a.q.nb[1], a.q.nb[1], nq, BT, qvec);
+            fa2_load<T, D>(dOs, (const char *)(dO + ((int64_t)(b * Tq + i0) * H + h) * D), H * D * 4, nq, BT, ovec);
+            for (int x = threadIdx.x; x < BT; x += blockDim.x) {
+                const int64_t row = (int64_t)(b * H + h) * Tq + i0 + x;
+                Lr[x] = x < nq ? lse[row] * FA2_LOG2E : 0.0f;
+                Dr[x] = x < nq ? delta[row] : 0.0f;
+            }
+            __syncthreads();
+            if (r0 >= nk || j0 + r0 > i0 + nq - 1 + off) continue;  // no query of the tile sees this warp's keys
+            const bool full = !a.seg && nq == BT && r0 + 16 <= nk && j0 + r0 + 15 <= i0 + off;
+            // S^T = K Q^T -> P^T (kept in registers for dS, and in Pw for dV)
+            fa2_rows_by_rows<T, D, BT>(Sw, Ks + r0 * LD, Qs);
+            __syncwarp();
+            for (int x = lane; x < 16 * BT; x += 32) {
+                const int kr = x / BT, c = x % BT;
+                const int j = j0 + r0 + kr, i = i0 + c;
+                const bool vis = full || (c < nq && r0 + kr < nk && fa_visible(a.seg, i, j, off, Tk, b));
+                Pw[kr * PLD + c] = fa2_cvt<T>(vis ? exp2f(Sw[kr * SLD + c] * sl2 - Lr[c]) : 0.0f);
+            }
+            __syncwarp();
+            fa2_acc_product<T, D, BT>(dvf, Pw, dOs);  // dV += P^T dO
+            // dP^T = V dO^T -> dS^T = P^T (dP^T - delta) into Pw
+            fa2_rows_by_rows<T, D, BT>(Sw, Vs + r0 * LD, dOs);
+            __syncwarp();
+            for (int x = lane; x < 16 * BT; x += 32) {  // each lane rewrites the elements it reads
+                const int kr = x / BT, c = x % BT;
+                Pw[kr * PLD + c] = fa2_cvt<T>(fa2_f(Pw[kr * PLD + c]) * (Sw[kr * SLD + c] - Dr[c]));
+            }
+            __syncwarp();
+            fa2_acc_product<T, D, BT>(dkf, Pw, Qs);  // dK += dS^T Q
+        }
+    }
+    const int64_t row = (int64_t)(b * Hkv + hk) * Tk + j0 + r0;
+    const int n = max(0, min(16, nk - r0));
+    fa2_store_rows<D, BT>(dkf, a.scale, Sw, dk + row * D, n);
+    fa2_store_rows<D, BT>(dvf, 1.0f, Sw, dv + row * D, n);
+    }
+}
+
+// dQ: block (16 NW queries, head, batch) over the key tiles its queries may see. dq [D, Tq, H, B]
+template <typename T, int D>
+__global__ void __launch_bounds__(fa2_back_cfg<T>::NW * 32, 1)
+    k_fa2_dq(fa_args a, const float *dO, const float *lse, const float *delta, float *dq) {
+    if constexpr (!FA2_ARCH_OK(T)) return;
+    else
+    {
+    constexpr int NW = fa2_back_cfg<T>::NW, BT = fa2_back_cfg<T>::BT, RQ = 16 * NW, LD = D + FA2_PAD, NF = D / 16;
+    constexpr int SLD = BT + 4, PLD = BT + FA2_PAD;
+    const int64_t Tq = a.q.ne[1], H = a.q.ne[2], Tk = a.k.ne[1], Hkv = a.k.ne[2], off = Tk - Tq;
+    const int64_t h = blockIdx.y, b = blockIdx.z, hk = (int)h / ((int)H / (int)Hkv), i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * RQ;
+    const int nq = (int)min((int64_t)RQ, Tq - i0), warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
+    const float sl2 = a.scale * FA2_LOG2E;
+    QL_DYN_SMEM(unsigned char, sm);
+    T *Qs = (T *)sm, *dOs = Qs + RQ * LD, *Ks = dOs + RQ * LD, *Vs = Ks + BT * LD;
+    float *Sw = (float *)(Vs + BT * LD) + warp * 16 * SLD;
+    T *Pw = (T *)((float *)(Vs + BT * LD) + NW * 16 * SLD) + warp * 16 * PLD;
+    float *Lr = (float *)((T *)((float *)(Vs + BT * LD) + NW * 16 * SLD) + NW * 16 * PLD), *Dr = Lr + RQ;
+    const char *qb = a.q.data + i0 * a.q.nb[1] + h * a.q.nb[2] + b * a.q.nb[3];
+    const float *ob = dO + ((b * Tq + i0) * H + h) * D;
+    fa2_load<T, D>(Qs, qb, a.q.nb[1], nq, RQ, fa2_aligned(qb, a.q.nb[1]));
+    fa2_load<T, D>(dOs, (const char *)ob, H * D * 4, nq, RQ, fa2_aligned(ob, H * D * 4));
+    for (int x = threadIdx.x; x < RQ; x += blockDim.x) {
+        const int64_t row = (b * H + h) * Tq + i0 + x;
+        Lr[x] = x < nq ? lse[row] * FA2_LOG2E : 0.0f;
+        Dr[x] = x < nq ? delta[row] : 0.0f;
+    }
+    nvcuda::wmma::fragment<nvcuda::wmma::accumulator, 16, 16, 16, float> dqf[NF];
+FA2_UNROLL
+    for (int f = 0; f < NF; f++) nvcuda::wmma::fill_fragment(dqf[f], 0.0f);
+    int qlo = 0, qhi = 0;
+    if (a.seg) fa2_seg_range(a.seg + b * Tk, i0 + off, nq, &qlo, &qhi);
+    const char *kb = a.k.data + hk * a.k.nb[2] + b * a.k.nb[3], *vb = a.v.data + hk * a.v.nb[2] + b * a.v.nb[3];
+    const bool kvec = fa2_aligned(kb, a.k.nb[1]), vvec = fa2_aligned(vb, a.v.nb[1]);
+    const int64_t jend = min(Tk, i0 + nq + off);
+    for (int64_t j0 = 0; j0 < jend; j0 += BT) {
+        const int nk = (int)min((int64_t)BT, jend - j0);
+        if (a.seg) {
+            int klo, khi;
+            fa2_seg_range(a.seg + b * Tk, j0, nk, &klo, &khi);
+            if (khi < qlo || klo > qhi) continue;
+        }
+        __syncthreads();  // the previous key tile is no longer read
+        fa2_load<T, D>(Ks, kb + j0 * a.k.nb[1], a.k.nb[1], nk, BT, kvec);
+        fa2_load<T, D>(Vs, vb + j0 * a.v.nb[1], a.v.nb[1], nk, BT, vvec);
+        __syncthreads();
+        if (j0 > i0 + r0 + 15 + off || r0 >= nq) continue;  // this warp's queries see none of the tile
+        const bool full = !a.seg && j0 + BT - 1 <= i0 + r0 + off;
+        fa2_rows_by_rows<T, D, BT>(Sw, Qs + r0 * LD, Ks);  // S = Q K^T
+        __syncwarp();
+        for (int x = lane; x < 16 * BT; x += 32) {  // P, rounded as the dK/dV kernel's
+            const int qr = x / BT, c = x % BT;
+            const int64_t i = i0 + r0 + qr, j = j0 + c;
+            const bool vis = full || (r0 + qr < nq && c < nk && fa_visible(a.seg, i, j, off, Tk, b));
+            Pw[qr * PLD + c] = fa2_cvt<T>(vis ? exp2f(Sw[qr * SLD + c] * sl2 - Lr[r0 + qr]) : 0.0f);
+        }
+        __syncwarp();
+        fa2_rows_by_rows<T, D, BT>(Sw, dOs + r0 * LD, Vs);  // dP = dO V^T
+        __syncwarp();
+        for (int x = lane; x < 16 * BT; x += 32) {
+            const int qr = x / BT, c = x % BT;
+            Pw[qr * PLD + c] = fa2_cvt<T>(fa2_f(Pw[qr * PLD + c]) * (Sw[qr * SLD + c] - Dr[r0 + qr]));
+        }
+        __syncwarp();
+        fa2_acc_product<T, D, BT>(dqf, Pw, Ks);  // dQ += dS K
+    }
+    fa2_store_rows<D, BT>(dqf, a.scale, Sw, dq + ((b * H + h) * Tq + i0 + r0) * D, max(0, min(16, nq - r0)));
+    }
+}
+
+// launchers: the kernel for (T, D), its shared memory allowed, then the launch
+template <typename T, int D> static void fa2_fwd_launch(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *q = node->src[0];
+    const size_t smem = fa2_fwd_smem<T, D>();
+    void (*kern)(fa_args, float *, float *) = k_fa2_fwd<T, D>;  // (a name without commas, for the macros)
+    CU_CHECK(c, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    const dim3 grid((unsigned)((q->ne[1] + FA2_BQ - 1) / FA2_BQ), (unsigned)q->ne[2], (unsigned)q->ne[3]);
+    float *lse = (float *)((char *)node->data + ql_nbytes(node));
+    QL_LAUNCH(kern, grid, FA2_WARPS * 32, smem, c.stream, fa_args_of(node), (float *)node->data, lse);
+    CU_LAUNCHED(c);
+}
+template <typename T, int D> static void fa2_back_launch(cu_ctx &c, ql_tensor *node, const float *delta) {
+    const ql_tensor *q = node->src[0], *k = node->src[1], *fwd = node->src[4];
+    constexpr int NW = fa2_back_cfg<T>::NW;
+    const size_t smem = fa2_back_smem<T, D>();
+    const fa_args a = fa_args_of(node);
+    const float *dO = (const float *)node->src[5]->data, *lse = (const float *)((const char *)fwd->data + ql_nbytes(fwd));
+    float *dq = (float *)node->data, *dk = dq + ql_nelements(q), *dv = dk + ql_nelements(k);
+    void (*kdkv)(fa_args, const float *, const float *, const float *, float *, float *) = k_fa2_dkv<T, D>;
+    void (*kdq)(fa_args, const float *, const float *, const float *, float *) = k_fa2_dq<T, D>;
+    CU_CHECK(c, cudaFuncSetAttribute(kdkv, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    CU_CHECK(c, cudaFuncSetAttribute(kdq, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    const dim3 gk((unsigned)((k->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)k->ne[2], (unsigned)k->ne[3]);
+    QL_LAUNCH(kdkv, gk, NW * 32, smem, c.stream, a, dO, lse, delta, dk, dv);
+    CU_LAUNCHED(c);
+    const dim3 gq((unsigned)((q->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)q->ne[2], (unsigned)q->ne[3]);
+    QL_LAUNCH(kdq, gq, NW * 32, smem, c.stream, a, dO, lse, delta, dq);
+    CU_LAUNCHED(c);
+}
+template <typename T> static void fa2_run(cu_ctx &c, ql_tensor *node, const float *delta) {
+    const bool back = node->op == QL_OP_FLASH_ATTN_BACK;
+    switch (node->src[0]->ne[0]) {
+    case 64:  return back ? fa2_back_launch<T, 64>(c, node, delta) : fa2_fwd_launch<T, 64>(c, node);
+    case 80:  return back ? fa2_back_launch<T, 80>(c, node, delta) : fa2_fwd_launch<T, 80>(c, node);
+    case 96:  return back ? fa2_back_launch<T, 96>(c, node, delta) : fa2_fwd_launch<T, 96>(c, node);
+    case 128: return back ? fa2_back_launch<T, 128>(c, node, delta) : fa2_fwd_launch<T, 128>(c, node);
+    default:  CU_ASSERT(!"fused attention: head dim not in ql_cuda_fa_fused");
+    }
+}
+// both directions, fused: the compute type and the backward's delta [Tq, H, B] from ql_cuda_fa_layout
+static void cu_fa_fused(cu_ctx &c, ql_tensor *node) {
+    size_t o[QL_CUDA_FA_NBUF];
+    ql_type ct;
+    const size_t need = ql_cuda_fa_layout(node, cu_cc(c), o, nullptr, &ct);
+    CU_ASSERT(c.work_size >= need);
+    float *delta = nullptr;
+    if (node->op == QL_OP_FLASH_ATTN_BACK) {
+        const ql_tensor *q = node->src[0], *v = node->src[2];
+        const int64_t DV = v->ne[0], H = q->ne[2], Tq = q->ne[1], B = q->ne[3];
+        delta = (float *)((char *)c.work + o[QL_CUDA_FA_DELTA]);
+        QL_LAUNCH(k_fa_delta, cu_grid(Tq * H * B), CU_BLOCK, 0, c.stream, (const float *)node->src[5]->data,
+                  (const float *)node->src[4]->data, DV, H, Tq, Tq * H * B, delta);
+        CU_LAUNCHED(c);
+    }
+    if (ct == QL_TYPE_BF16) fa2_run<__nv_bfloat16>(c, node, delta);
+    else fa2_run<__half>(c, node, delta);
+}
+
 static void cu_op_flash_attn(cu_ctx &c, ql_tensor *node) {
+    if (ql_cuda_fa_fused(node)) return cu_fa_fused(c, node);
     if (ql_cuda_fa_gemm(node)) return cu_fa_gemm(c, node);
     const ql_tensor *q = node->src[0], *v = node->src[2];
     const size_t smem = fa_fwd_smem(q->ne[0], v->ne[0]);
@@ -1639,7 +2139,7 @@ static void cu_op_flash_attn(cu_ctx &c, ql_tensor *node) {
     CU_LAUNCHED(c);
 }
 
-static void cu_op_flash_attn_back(cu_ctx &c, ql_tensor *node) { cu_fa_gemm(c, node); }
+static void cu_op_flash_attn_back(cu_ctx &c, ql_tensor *node) { ql_cuda_fa_fused(node) ? cu_fa_fused(c, node) : cu_fa_gemm(c, node); }
 
 static bool cu_attn_supported(const ql_tensor *node, int cc) {
     const ql_tensor *q = node->src[0], *k = node->src[1], *v = node->src[2];
@@ -1649,6 +2149,8 @@ static bool cu_attn_supported(const ql_tensor *node, int cc) {
         const ql_tensor *dO = node->src[5];
         if (!ql_is_contiguous(dO) || !ql_is_contiguous(node->src[4])) return false;
     }
+    if (ql_cuda_fa_fused(node))  // the fused kernels: the grid's y and z; fp16 on sm_75, bf16 from sm_80
+        return cc >= 75 && q->ne[2] <= 65535 && q->ne[3] <= 65535;
     if (ql_cuda_fa_gemm(node)) {  // cuBLAS' int sizes: rows, columns and leading dimensions
         int64_t chunk;
         ql_cuda_fa_layout(node, cc, nullptr, &chunk, nullptr);

@@ -6861,21 +6861,39 @@ bool ql_cuda_mm_gemv(const ql_tensor *node) {
     return b->ne[1] <= QL_CUDA_GEMV_MAX_N && b->ne[2] == 1 && b->ne[3] == 1 && b->nb[0] == cuda_elem_size(b->type) &&
            (b->ne[1] == 1 || b->nb[1] % b->nb[0] == 0);
 }
+static int32_t cuda_fa_prec(const ql_tensor *node) {
+    const ql_tensor *fwd = node->op == QL_OP_FLASH_ATTN_BACK ? node->src[4] : node;
+    int32_t prec;
+    memcpy(&prec, &fwd->op_params[1], sizeof(prec));
+    return prec;
+}
+static bool g_cuda_fa_fused = true;  // only tools/bench turns it off
+void ql_cuda_fa_set_fused(bool on) { g_cuda_fa_fused = on; }
+bool ql_cuda_fa_fused(const ql_tensor *node) {
+    if (!g_cuda_fa_fused) return false;
+    if (!((node->op == QL_OP_FLASH_ATTN && !node->src[4]) || node->op == QL_OP_FLASH_ATTN_BACK)) return false;
+    const int64_t D = node->src[0]->ne[0];
+    return cuda_fa_prec(node) == QL_TYPE_BF16 && node->src[2]->ne[0] == D && (D == 64 || D == 80 || D == 96 || D == 128);
+}
 bool ql_cuda_fa_gemm(const ql_tensor *node) {
-    return (node->op == QL_OP_FLASH_ATTN && !node->src[4]) || node->op == QL_OP_FLASH_ATTN_BACK;
+    return ((node->op == QL_OP_FLASH_ATTN && !node->src[4]) || node->op == QL_OP_FLASH_ATTN_BACK) && !ql_cuda_fa_fused(node);
 }
 // q [D, Tq, H, B], k [D, Tk, Hkv, B], v [DV, Tk, Hkv, B]; the forward needs K, V, Q, S (+ P in
 // bf16) and the output's chunk [DV, chunk, H, B]; backward also delta [Tq, H, B], dO, dP (+ dS)
 // and dq's chunk in the output's place
 size_t ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NBUF], int64_t *chunk, ql_type *compute) {
     const ql_tensor *q = node->src[0], *k = node->src[1], *v = node->src[2];
-    const ql_tensor *fwd = node->op == QL_OP_FLASH_ATTN_BACK ? node->src[4] : node;
-    int32_t prec;
-    memcpy(&prec, &fwd->op_params[1], sizeof(prec));
-    const ql_type ct = prec == QL_TYPE_BF16 && cc >= 80 ? QL_TYPE_BF16 : QL_TYPE_F32;
+    const bool fused = ql_cuda_fa_fused(node), bf16 = cuda_fa_prec(node) == QL_TYPE_BF16;
+    const ql_type ct = bf16 && cc >= 80 ? QL_TYPE_BF16 : fused ? QL_TYPE_F16 : QL_TYPE_F32;
     const size_t es = cuda_elem_size(ct);
     const int64_t D = q->ne[0], Tq = q->ne[1], H = q->ne[2], B = q->ne[3], Tk = k->ne[1], Hkv = k->ne[2], DV = v->ne[0];
     const bool back = node->op == QL_OP_FLASH_ATTN_BACK;
+    if (fused) {  // the fused kernels read q, k, v, dO in place: the backward's delta [Tq, H, B] only
+        for (int i = 0; off && i < QL_CUDA_FA_NBUF; i++) off[i] = 0;
+        if (chunk) *chunk = 0;
+        if (compute) *compute = ct;
+        return back ? align_up((size_t)(Tq * H * B) * sizeof(float), QL_ALIGN) : 0;
+    }
     // the chunk: a power of two in [16, 256] whose scores fit QL_CUDA_FA_SCORE_BYTES, or all of Tq
     int64_t c = 16;
     while (c < 256 && (size_t)(2 * c * Tk * H * B) * sizeof(float) <= QL_CUDA_FA_SCORE_BYTES) c *= 2;
@@ -6902,7 +6920,7 @@ size_t ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NB
     return total;
 }
 size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
-    if (ql_cuda_fa_gemm(node)) return ql_cuda_fa_layout(node, cc, nullptr, nullptr, nullptr);
+    if (ql_cuda_fa_gemm(node) || ql_cuda_fa_fused(node)) return ql_cuda_fa_layout(node, cc, nullptr, nullptr, nullptr);
     switch (node->op) {
     case QL_OP_MUL_MAT: {  // b's contiguous copy (when cuBLAS cannot read it), then one dequantised tile of a
         if (ql_cuda_mm_gemv(node)) return 0;

@@ -1108,11 +1108,14 @@ size_t  ql_cuda_work_size(const ql_tensor *node, int cc);  // per-node workspace
 // scores of every head [keys, chunk] in f32 (QL_CUDA_FA_SCORE_BYTES at most, for 16 queries at
 // least), q, k, v (backward: dO too) packed in the compute type (bf16 when prec asks and cc >= 80,
 // else f32), the probabilities (and dS) beside them in bf16 or over the scores in f32. The byte
-// offsets of those buffers in the node's workspace, in this order:
+// offsets of those buffers in the node's workspace, in this order (the fused kernels: delta only):
 #define QL_CUDA_FA_SCORE_BYTES ((size_t)32 << 20)
 enum { QL_CUDA_FA_DELTA, QL_CUDA_FA_K, QL_CUDA_FA_V, QL_CUDA_FA_Q, QL_CUDA_FA_DO, QL_CUDA_FA_S, QL_CUDA_FA_DP, QL_CUDA_FA_P,
        QL_CUDA_FA_DS, QL_CUDA_FA_OUT, QL_CUDA_FA_NBUF };
-bool    ql_cuda_fa_gemm(const ql_tensor *node);        // this attention runs as products (else: the fused kernel)
+bool    ql_cuda_fa_fused(const ql_tensor *node);       // training attention on tensor cores (FlashAttention-2, WMMA):
+                                                       // prec bf16, d == dv in {64, 80, 96, 128}; bf16 from cc 8.0, fp16 on 7.5
+bool    ql_cuda_fa_gemm(const ql_tensor *node);        // this attention runs as products (else: a fused kernel)
+void    ql_cuda_fa_set_fused(bool on);                 // tools/bench: off = the chunked products, to compare (process-wide)
 size_t  ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NBUF], int64_t *chunk, ql_type *compute);
 
 // ---- the graph state a backend runs on ----

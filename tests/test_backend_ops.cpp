@@ -11,6 +11,7 @@
 // function of the leaf's order, so both see the same numbers. Cases with trainable leafs also
 // run backward (loss = sum(out * R), R random) and compare every gradient. Planned buffers are
 // poisoned with NaN before each run, so an element a kernel forgets to write shows up.
+#define QL_INTERNALS  // ql_cuda_fa_fused / ql_cuda_fa_gemm: which attention path runs
 #include "util.h"
 
 #include "../models/llama.h"
@@ -475,6 +476,73 @@ OP_CASE(flash_attn) {
         return ql_flash_attn_kv(L.ctx, L.rand(QL_TYPE_F32, {16, 3, 4, 1}), L.rand(QL_TYPE_F32, {16, 32, 2, 1}),
                                 L.rand(QL_TYPE_F32, {16, 32, 2, 1}), nkv, 0.25f);
     }, TOL_F32, false);
+}
+
+// Training attention in bf16 (set_prec) runs as the fused FlashAttention-2 kernels on tensor
+// cores (qlora-cuda.cu, k_fa2_*) at head dims 64, 80, 96, 128: forward and backward against the
+// CPU, causal with Tq < Tk and partial tiles, GQA 1:1 .. 4:1, documents (with tiles skipped),
+// batch 2; bf16 (cc >= 8.0) and fp16 (the cc 7.5 path, through the shim's device setting); the
+// backward bit for bit the same in two runs (no atomics).
+extern "C" __attribute__((weak)) void qlshim_set_cc(int major, int minor);  // tests/cuda_shim.h; absent on a real GPU
+
+static void fused_attn_cases(ql_backend *be) {
+    struct shape {
+        const char *what;
+        int64_t d, tq, tk, h, hkv, b;
+        int docs;  // 0: causal only; else document boundaries
+    };
+    const shape shapes[] = {
+        {"d 64, GQA 4:1, batch 2, Tq 70 (partial tiles)", 64, 70, 70, 4, 1, 2, 0},
+        {"d 80, Tq 37 < Tk 100", 80, 37, 100, 2, 2, 1, 0},
+        {"d 96, documents, GQA 2:1, batch 2", 96, 90, 90, 4, 2, 2, 1},
+        {"d 128, GQA 2:1, three query tiles (whole tiles unmasked)", 128, 150, 150, 2, 1, 1, 0},
+        {"d 64, long documents: key tiles skipped", 64, 200, 200, 2, 2, 1, 2},
+        // tile edges: the last query of a warp sees just the first key of a tile (offset 33), the
+        // last query of a tile just one key of a warp (Tq 49), a tile one key short of whole (offset 14)
+        {"d 64, Tq 37 < Tk 70", 64, 37, 70, 1, 1, 1, 0},
+        {"d 64, Tq 49", 64, 49, 49, 1, 1, 1, 0},
+        {"d 64, Tq 50 < Tk 64", 64, 50, 64, 1, 1, 1, 0},
+    };
+    for (const shape &sh : shapes) {
+        const builder build = [sh](leafs &L) {
+            ql_tensor *seg = nullptr;
+            if (sh.docs == 1)  // batch 0: three documents, batch 1: two
+                seg = L.i32({sh.tk, sh.b}, [&](int64_t i) {
+                    const int64_t j = i % sh.tk;
+                    return (int32_t)(i < sh.tk ? (j < 20 ? 0 : j < 61 ? 1 : 2) : (j < 45 ? 5 : 6));
+                });
+            if (sh.docs == 2) seg = L.i32({sh.tk, sh.b}, [&](int64_t i) { return (int32_t)(i % sh.tk < 70 ? 0 : 1); });
+            ql_tensor *a = ql_flash_attn(L.ctx, L.param({sh.d, sh.tq, sh.h, sh.b}), L.param({sh.d, sh.tk, sh.hkv, sh.b}),
+                                         L.param({sh.d, sh.tk, sh.hkv, sh.b}), seg, 1.0f / std::sqrt((float)sh.d));
+            REQUIRE(ql_flash_attn_set_prec(a, QL_TYPE_BF16) == QL_OK);
+            CHECK(ql_cuda_fa_fused(a));  // the fused kernels, not the chunked products
+            CHECK(!ql_cuda_fa_gemm(a));
+            return a;
+        };
+        check_case(be, sh.what, build, TOL_16);
+        if (ql_backend_is_host(be)) continue;
+        // the backward is deterministic: dK, dV by key tiles, dQ by query tiles, no atomics
+        const run_result r1 = run_case(be, false, build, true), r2 = run_case(be, false, build, true);
+        REQUIRE(r1.error.empty());
+        REQUIRE(r2.error.empty());
+        CHECK(r1.out == r2.out);
+        REQUIRE(r1.grads.size() == 3);
+        for (size_t i = 0; i < r1.grads.size(); i++) CHECK_MESSAGE(r1.grads[i] == r2.grads[i], sh.what, ": gradient ", i, " differs between runs");
+    }
+}
+
+OP_CASE(flash_attn_fused) {
+    fused_attn_cases(be);
+    if (ql_backend_is_host(be)) return;
+    if (!qlshim_set_cc) {
+        MESSAGE("the fp16 (cc 7.5) kernels: not tested on this device (the shim's device setting is absent)");
+        return;
+    }
+    qlshim_set_cc(7, 5);  // a T4: fp16 tensor cores, 64 KiB of shared memory per block
+    ql_backend *t4 = make_backend("cuda");
+    fused_attn_cases(t4);
+    ql_backend_free(t4);
+    qlshim_set_cc(9, 0);
 }
 
 OP_CASE(cache_store) {

@@ -1,6 +1,6 @@
 // tools/bench - speed of the CPU backend's building blocks.
 //
-//   tools/bench [all | matmul | block | qmatmul] [-t threads] [-r reps] [--profile]
+//   tools/bench [all | matmul | block | qmatmul | attn] [-t threads] [-r reps] [--profile]
 //
 // matmul: f32 GFLOP/s at 1024^3 and at LoRA-like shapes, then the same shapes with OpenBLAS
 //         when the system has it (loaded with dlopen as a yardstick; qlora never links it).
@@ -9,6 +9,10 @@
 //         (n_embd 768, 12 heads, ffn 2048), seq 256 and 512.
 // qmatmul: a frozen weight in f32, NF4 and Q4_K: forward y = W x and the input gradient
 //         dx = W^T dy (dequantised tile by tile), 4096x4096 and 11008x4096, 16/256/2048 tokens.
+// attn:   training attention on the CUDA backend (not part of all): causal, seq 2048, d 128, 32
+//         query / 8 kv heads, batch 1, bf16 products; the fused FlashAttention-2 kernels against the
+//         chunked cuBLAS products; forward and backward (fwd+bwd minus fwd) in TFLOP/s, counting
+//         the causal half: forward 2 T^2 d H, backward 2.5 times that.
 // Times are medians over the repetitions after one warm-up run.
 // limitation: random q6_K bytes need ql_block_q6_K (implementer part) to put a sane scale in d
 #define QL_INTERNALS
@@ -250,6 +254,65 @@ static void bench_qmatmul(ql_backend *cpu, int n_threads, int reps) {
     }
 }
 
+// ---- attention on the CUDA backend ----
+static double time_attn(ql_backend *be, bool fused, bool backward, int reps) {
+    const int64_t T = 2048, D = 128, H = 32, HKV = 8;
+    ql_cuda_fa_set_fused(fused);
+    ql_init_params ip = {64u << 20, nullptr, true, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *q = ql_new_tensor_4d(ctx, QL_TYPE_F32, D, T, H, 1), *k = ql_new_tensor_4d(ctx, QL_TYPE_F32, D, T, HKV, 1);
+    ql_tensor *v = ql_new_tensor_4d(ctx, QL_TYPE_F32, D, T, HKV, 1);
+    for (ql_tensor *t : {q, k, v}) ql_set_param(t);
+    ql_tensor *a = ql_flash_attn(ctx, q, k, v, nullptr, 1.0f / std::sqrt((float)D));
+    ql_flash_attn_set_prec(a, QL_TYPE_BF16);
+    ql_tensor *loss = ql_sum(ctx, a);
+    ql_backend_buffer *buf = ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE);
+    ql_graph *gf = ql_graph_new(ctx);
+    ql_graph_build_forward(gf, backward ? loss : a);
+    ql_graph *g = backward ? ql_graph_backward(ctx, gf, loss) : gf;
+    ql_plan_stats st;
+    if (!buf || !g || ql_graph_plan(g, be, &st) != QL_OK || ql_graph_alloc(g, be) != QL_OK) {
+        fprintf(stderr, "bench: %s\n", ql_ctx_error(ctx));
+        exit(1);
+    }
+    std::mt19937 rng(5);
+    std::uniform_real_distribution<float> U(-1, 1);
+    for (ql_tensor *t : {q, k, v}) {
+        std::vector<float> x((size_t)ql_nelements(t));
+        for (float &e : x) e = U(rng);
+        ql_backend_tensor_set(be, t, x.data(), 0, x.size() * sizeof(float));
+    }
+    const double t = median_time(reps, [&] {
+        if (backward) ql_backend_graph_zero_grads(be, g);
+        ql_backend_graph_compute(be, g);
+        ql_backend_synchronize(be);
+    });
+    if (g != gf) ql_graph_free(g);
+    ql_graph_free(gf);
+    ql_backend_buffer_free(buf);
+    ql_free(ctx);
+    ql_cuda_fa_set_fused(true);
+    return t;
+}
+
+static void bench_attn(int reps) {
+    char err[256];
+    ql_backend *be = ql_backend_init_by_name("cuda", 0, err, sizeof(err));
+    if (!be) {
+        fprintf(stderr, "bench attn: %s\n", err);
+        exit(1);
+    }
+    const double flop = 2.0 * 2048.0 * 2048.0 * 128.0 * 32.0;  // the causal half of 2 products of 2 T^2 d H
+    printf("\n## attention on CUDA: causal, seq 2048, d 128, 32/8 heads, batch 1, bf16 products\n");
+    printf("%-22s %10s %10s %12s %12s\n", "path", "fwd ms", "bwd ms", "fwd TFLOP/s", "bwd TFLOP/s");
+    for (bool fused : {true, false}) {
+        const double tf = time_attn(be, fused, false, reps), tfb = time_attn(be, fused, true, reps), tb = tfb - tf;
+        printf("%-22s %10.3f %10.3f %12.1f %12.1f\n", fused ? "fused (WMMA)" : "chunked cuBLAS", tf * 1e3, tb * 1e3, flop / tf * 1e-12,
+               2.5 * flop / tb * 1e-12);
+    }
+    ql_backend_free(be);
+}
+
 static bool g_profile = false;
 
 // total time per op kind over the profiled runs, largest first
@@ -320,7 +383,7 @@ static void bench_block(ql_backend *cpu, int n_threads, int reps) {
 int main(int argc, char **argv) {
     std::string what;
     int n_threads = 0, reps = 10;
-    const char *usage = "[all|matmul|block|qmatmul] [-t threads] [-r reps] [--profile]";
+    const char *usage = "[all|matmul|block|qmatmul|attn] [-t threads] [-r reps] [--profile]";
     for (int i = 1; i < argc; i++) {
         const std::string a = argv[i];
         long long v = 0;
@@ -332,7 +395,7 @@ int main(int argc, char **argv) {
             reps = (int)v;
         } else if (a == "--profile") {
             g_profile = true;
-        } else if (a == "all" || a == "matmul" || a == "block" || a == "qmatmul") {
+        } else if (a == "all" || a == "matmul" || a == "block" || a == "qmatmul" || a == "attn") {
             if (!what.empty()) {  // one benchmark a run: a second would silently replace the first
                 fprintf(stderr, "bench: '%s' and '%s': one benchmark at a time (all runs every one)\n", what.c_str(), a.c_str());
                 return 2;
@@ -347,6 +410,10 @@ int main(int argc, char **argv) {
         }
     }
     if (what.empty()) what = "all";
+    if (what == "attn") {  // the CUDA backend only
+        bench_attn(reps);
+        return 0;
+    }
     char err[256];
     ql_backend *cpu = ql_backend_init_by_name("cpu", n_threads, err, sizeof(err));
     if (!cpu) {
