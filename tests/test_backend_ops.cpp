@@ -471,6 +471,13 @@ OP_CASE(flash_attn) {
         REQUIRE(ql_flash_attn_set_prec(a, QL_TYPE_BF16) == QL_OK);
         return a;
     }, TOL_16);
+    // a head dim the fused kernels do not take (48): bf16 products over query chunks (cuBLAS)
+    check_case(be, "bf16 products (set_prec), head dim 48, two chunks", [](leafs &L) {
+        ql_tensor *a = ql_flash_attn(L.ctx, L.param({48, 260, 4, 1}), L.param({48, 260, 2, 1}), L.param({48, 260, 2, 1}), nullptr, 0.14f);
+        REQUIRE(ql_flash_attn_set_prec(a, QL_TYPE_BF16) == QL_OK);
+        REQUIRE(ql_cuda_fa_gemm(a));
+        return a;
+    }, TOL_16);
     check_case(be, "over a KV cache, n_kv at run time", [](leafs &L) {
         ql_tensor *nkv = L.i32({1}, [](int64_t) { return 13; });
         return ql_flash_attn_kv(L.ctx, L.rand(QL_TYPE_F32, {16, 3, 4, 1}), L.rand(QL_TYPE_F32, {16, 32, 2, 1}),
