@@ -163,3 +163,304 @@ TEST_CASE("8-bit optimizer: tracks f32 AdamW on a quadratic over 200 steps") {
     // the loss barely sees. bitsandbytes' algorithm has the same property.
     CHECK(dw < 0.05);
 }
+
+// ---- the multi-tensor step (ql_optim_list): one launch each, one read, the clip on the device ----
+
+// The shim's counters (tests/cuda_shim.h): defined only in the shim's suite, NULL elsewhere.
+extern "C" long long qlshim_host_syncs(void) __attribute__((weak));
+extern "C" long long qlshim_launches(const char *kernel) __attribute__((weak));
+
+namespace {
+
+const bool k_optim_cuda = ql_cuda_device_count() > 0;  // (before main: doctest's skip needs it)
+
+// Parameters of the given sizes with their gradients and moments (8-bit for those of at least
+// QL_OPT8_MIN_SIZE elements when `eight`), and a list's store, in one context on a backend.
+struct groups_on {
+    ql_backend *be;
+    ql_context *ctx = nullptr;
+    ql_backend_buffer *buf = nullptr;
+    std::vector<ql_optim_group> g;
+    ql_tensor *store = nullptr;
+    groups_on(ql_backend *b, const std::vector<int64_t> &sizes, bool eight) : be(b) {
+        const bool host = ql_backend_is_host(be);
+        size_t bytes = ql_optim_list_bytes((int)sizes.size()) + (1 << 20);
+        for (int64_t n : sizes) bytes += (size_t)n * 16 + 1024;
+        ql_init_params ip = {bytes, nullptr, !host, false};
+        ctx = ql_init(ip);
+        for (int64_t n : sizes) {
+            const int64_t nb = (n + QL_OPT8_BLOCK - 1) / QL_OPT8_BLOCK;
+            const bool e = eight && n >= QL_OPT8_MIN_SIZE;
+            ql_optim_group x = {};
+            x.param = ql_set_param(ql_new_tensor_1d(ctx, QL_TYPE_F32, n));
+            x.param->grad = ql_new_tensor_1d(ctx, QL_TYPE_F32, n);
+            x.m = ql_new_tensor_1d(ctx, e ? QL_TYPE_I8 : QL_TYPE_F32, n);
+            x.v = ql_new_tensor_1d(ctx, e ? QL_TYPE_I8 : QL_TYPE_F32, n);
+            if (e) {
+                x.m_absmax = ql_new_tensor_1d(ctx, QL_TYPE_F32, nb);
+                x.v_absmax = ql_new_tensor_1d(ctx, QL_TYPE_F32, nb);
+            }
+            g.push_back(x);
+        }
+        store = ql_new_tensor_1d(ctx, QL_TYPE_I8, (int64_t)ql_optim_list_bytes((int)sizes.size()));
+        if (!host) buf = ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE);
+        REQUIRE((host || buf));
+        for (size_t i = 0; i < g.size(); i++) {
+            const std::vector<float> w = leafs(ql_nelements(g[i].param), 100 + (int)i, 1.0f);
+            REQUIRE(ql_backend_tensor_set(be, g[i].param, w.data(), 0, w.size() * 4) == QL_OK);
+            for (ql_tensor *t : {g[i].m, g[i].v, g[i].m_absmax, g[i].v_absmax})
+                if (t) REQUIRE(ql_backend_tensor_memset(be, t, 0, 0, ql_nbytes(t)) == QL_OK);
+        }
+    }
+    ~groups_on() {
+        ql_backend_buffer_free(buf);
+        ql_free(ctx);
+    }
+    // deterministic values in [-scale, scale)
+    static std::vector<float> leafs(int64_t n, int seed, float scale) {
+        std::mt19937 rng((unsigned)seed);
+        std::uniform_real_distribution<float> u(-scale, scale);
+        std::vector<float> x((size_t)n);
+        for (float &v : x) v = u(rng);
+        return x;
+    }
+    void set_grads(int step, float scale, int64_t nan_group = -1) {
+        for (size_t i = 0; i < g.size(); i++) {
+            std::vector<float> x = leafs(ql_nelements(g[i].param), 1000 * step + (int)i, scale);
+            if ((int64_t)i == nan_group) x[x.size() / 2] = NAN;
+            REQUIRE(ql_backend_tensor_set(be, g[i].param->grad, x.data(), 0, x.size() * 4) == QL_OK);
+        }
+    }
+    // every parameter as f32, then every state's bytes
+    std::vector<float> params() const {
+        std::vector<float> r;
+        for (const ql_optim_group &x : g) {
+            std::vector<float> w((size_t)ql_nelements(x.param));
+            REQUIRE(ql_backend_tensor_get(be, x.param, w.data(), 0, w.size() * 4) == QL_OK);
+            r.insert(r.end(), w.begin(), w.end());
+        }
+        return r;
+    }
+    std::vector<uint8_t> state() const {
+        std::vector<uint8_t> r;
+        for (const ql_optim_group &x : g)
+            for (const ql_tensor *t : {x.m, x.v, x.m_absmax, x.v_absmax})
+                if (t) {
+                    std::vector<uint8_t> b(ql_nbytes(t));
+                    REQUIRE(ql_backend_tensor_get(be, t, b.data(), 0, b.size()) == QL_OK);
+                    r.insert(r.end(), b.begin(), b.end());
+                }
+        return r;
+    }
+};
+
+double rel_norm_err(const std::vector<float> &x, const std::vector<float> &r) {
+    double e = 0, n = 0;
+    for (size_t i = 0; i < r.size(); i++) e += ((double)x[i] - r[i]) * ((double)x[i] - r[i]), n += (double)r[i] * r[i];
+    return std::sqrt(e / std::max(n, 1e-30));
+}
+
+// sizes that cross chunk boundaries, 8-bit and f32 side by side (a partial last chunk, a single
+// element, a tensor of exactly one 8-bit block's multiple)
+const std::vector<int64_t> k_sizes = {5000, 300, 4096, 1, 20000, 257, 8192 + 3};
+
+struct optim_case {
+    const char *what;
+    float max_norm;
+    double loss_scale;
+    float weight_decay;
+    bool clips;  // the norm exceeds max_norm at every step
+};
+const optim_case k_cases[] = {
+    {"clip inactive", 1e9f, 1.0, 0.0f, false},
+    {"clip active, loss scale 1024, weight decay", 0.05f, 1024.0, 0.01f, true},
+    {"no clipping (max_norm 0), loss scale 2, weight decay", 0.0f, 2.0, 0.1f, false},
+};
+
+// Three steps of the multi-tensor update on `be` against the per-tensor host math
+// (ql_adamw_update, ql_adamw8bit_update) given the factor written out from the same sum of
+// squares. CPU: the same bits; a device: its own summation order and f32 arithmetic, to 1e-6.
+void check_multi_against_per_tensor(ql_backend *be, bool eight, const optim_case &oc) {
+    CAPTURE(oc.what);
+    CAPTURE(eight);
+    ql_backend *cpu = ql_backend_cpu_init(1);
+    groups_on got(be, k_sizes, eight), ref(cpu, k_sizes, eight);
+    ql_optim_list *l = ql_optim_list_new(be, got.g.data(), (int)got.g.size(), got.store);
+    REQUIRE(l);
+    const bool host = ql_backend_is_host(be);
+    const ql_adamw_params hp = {1e-2f, 0.9f, 0.999f, 1e-8f, oc.weight_decay};
+    for (int step = 1; step <= 3; step++) {
+        const float gs = 0.01f * (float)oc.loss_scale;  // the loss scale multiplies every gradient
+        got.set_grads(step, gs);
+        ref.set_grads(step, gs);
+        double sq_ref = 0;  // the reference's norm: one running sum, as the trainer summed before
+        for (const ql_optim_group &x : ref.g)
+            for (int64_t i = 0; i < ql_nelements(x.param); i++) sq_ref += (double)((float *)x.param->grad->data)[i] * ((float *)x.param->grad->data)[i];
+        double sq = 0, sq2 = 0;
+        bool fin = false, fin2 = false;
+        REQUIRE(ql_backend_grad_stats_multi(be, l, &sq2, &fin2) == QL_OK);
+        REQUIRE(ql_backend_adamw_update_multi(be, l, step, &hp, oc.loss_scale, oc.max_norm, &sq, &fin) == QL_OK);
+        CHECK(fin);
+        CHECK(fin2);
+        CHECK(sq == sq2);  // the statistics the update used are the statistics' own
+        if (host) CHECK(sq == sq_ref);  // the CPU's order: the same bits
+        else CHECK(std::fabs(sq - sq_ref) <= 1e-12 * sq_ref);  // another order of the same double sum
+        // the factor as the trainer wrote it before (unscale, clip_grad_norm_'s max / (norm + 1e-6))
+        const double norm = std::sqrt(sq_ref) / oc.loss_scale;
+        const float clip = (oc.max_norm > 0 && norm > oc.max_norm) ? (float)(oc.max_norm / (norm + 1e-6)) : 1.0f;
+        CHECK((clip < 1.0f) == oc.clips);
+        const float factor = (float)(clip / oc.loss_scale);
+        for (const ql_optim_group &x : ref.g)
+            if (x.m_absmax) ql_adamw8bit_update(x.param, x.m, x.m_absmax, x.v, x.v_absmax, step, &hp, factor);
+            else ql_adamw_update(x.param, x.m, x.v, step, &hp, factor);
+        const std::vector<float> pg = got.params(), pr = ref.params();
+        if (host) {
+            CHECK(memcmp(pg.data(), pr.data(), pr.size() * 4) == 0);
+            CHECK(got.state() == ref.state());
+        } else {
+            const double e = rel_norm_err(pg, pr);
+            CHECK_MESSAGE(e <= 1e-6, "step ", step, ": parameters' error ", e);
+            size_t off = 0;  // each parameter on its own (a wrong group offset shows in one)
+            for (size_t i = 0; i < got.g.size(); i++) {
+                const size_t n = (size_t)ql_nelements(got.g[i].param);
+                const std::vector<float> a(pg.begin() + (long)off, pg.begin() + (long)(off + n)),
+                    b(pr.begin() + (long)off, pr.begin() + (long)(off + n));
+                std::vector<float> w0 = groups_on::leafs((int64_t)n, 100 + (int)i, 1.0f), da(n), db(n);
+                for (size_t k = 0; k < n; k++) da[k] = a[k] - w0[k], db[k] = b[k] - w0[k];  // the updates themselves
+                CHECK_MESSAGE(rel_norm_err(da, db) <= 1e-4, "step ", step, ", group ", i, ": update error ", rel_norm_err(da, db));
+                off += n;
+            }
+        }
+    }
+    ql_optim_list_free(l);
+    ql_backend_free(cpu);
+}
+
+// A non-finite gradient element anywhere: nothing changes (every parameter and state byte), the
+// statistics say so; the next clean step updates again.
+void check_multi_nonfinite(ql_backend *be, bool eight) {
+    CAPTURE(eight);
+    groups_on got(be, k_sizes, eight);
+    ql_optim_list *l = ql_optim_list_new(be, got.g.data(), (int)got.g.size(), got.store);
+    REQUIRE(l);
+    const ql_adamw_params hp = {1e-2f, 0.9f, 0.999f, 1e-8f, 0.1f};
+    double sq = 0;
+    bool fin = false;
+    got.set_grads(1, 0.01f);
+    REQUIRE(ql_backend_adamw_update_multi(be, l, 1, &hp, 1.0, 1.0f, &sq, &fin) == QL_OK);
+    REQUIRE(fin);
+    const std::vector<float> p1 = got.params();
+    const std::vector<uint8_t> s1 = got.state();
+    for (int64_t bad : {(int64_t)0, (int64_t)4, (int64_t)k_sizes.size() - 1}) {
+        CAPTURE(bad);
+        got.set_grads(2, 0.01f, bad);
+        REQUIRE(ql_backend_adamw_update_multi(be, l, 2, &hp, 1.0, 1.0f, &sq, &fin) == QL_OK);
+        CHECK(!fin);
+        CHECK(std::isfinite(sq));  // the finite elements' sum
+        CHECK(got.params() == p1);
+        CHECK(got.state() == s1);
+        bool fin2 = true;
+        REQUIRE(ql_backend_grad_stats_multi(be, l, &sq, &fin2) == QL_OK);
+        CHECK(!fin2);
+    }
+    got.set_grads(2, 0.01f);
+    REQUIRE(ql_backend_adamw_update_multi(be, l, 2, &hp, 1.0, 1.0f, &sq, &fin) == QL_OK);
+    CHECK(fin);
+    CHECK(got.params() != p1);
+    ql_optim_list_free(l);
+}
+
+ql_backend *optim_backend(bool cuda) {
+    if (!cuda) return ql_backend_cpu_init(2);
+    char err[256];
+    ql_backend *be = ql_backend_cuda_init(0, err, sizeof(err));
+    if (!be) FAIL("ql_backend_cuda_init: ", err);
+    return be;
+}
+
+}  // namespace
+
+TEST_CASE("optimizer multi-tensor cpu: the update equals the per-tensor update bit for bit (f32, 8-bit; clip on, off; weight decay)") {
+    ql_backend *be = optim_backend(false);
+    for (bool eight : {false, true})
+        for (const optim_case &oc : k_cases) check_multi_against_per_tensor(be, eight, oc);
+    ql_backend_free(be);
+}
+
+TEST_CASE("optimizer multi-tensor cuda: the update equals the per-tensor update (f32, 8-bit; clip on, off; weight decay)" *
+          skip_unless(k_optim_cuda, "without a CUDA device")) {
+    ql_backend *be = optim_backend(true);
+    for (bool eight : {false, true})
+        for (const optim_case &oc : k_cases) check_multi_against_per_tensor(be, eight, oc);
+    ql_backend_free(be);
+}
+
+TEST_CASE("optimizer multi-tensor cpu: a non-finite gradient skips the whole step") {
+    ql_backend *be = optim_backend(false);
+    for (bool eight : {false, true}) check_multi_nonfinite(be, eight);
+    ql_backend_free(be);
+}
+
+TEST_CASE("optimizer multi-tensor cuda: a non-finite gradient skips the whole step" * skip_unless(k_optim_cuda, "without a CUDA device")) {
+    ql_backend *be = optim_backend(true);
+    for (bool eight : {false, true}) check_multi_nonfinite(be, eight);
+    ql_backend_free(be);
+}
+
+TEST_CASE("optimizer multi-tensor cuda: one update is two launches and one host synchronisation, whatever the number of tensors" *
+          skip_unless(k_optim_cuda && qlshim_host_syncs, "without the CUDA shim's counters")) {
+    ql_backend *be = optim_backend(true);
+    for (int n_groups : {1, 40}) {
+        CAPTURE(n_groups);
+        std::vector<int64_t> sizes;
+        for (int i = 0; i < n_groups; i++) sizes.push_back(i % 2 ? 4096 + 17 * i : 300 + i);
+        groups_on got(be, sizes, true);
+        ql_optim_list *l = ql_optim_list_new(be, got.g.data(), (int)got.g.size(), got.store);
+        REQUIRE(l);
+        got.set_grads(1, 0.01f);
+        const ql_adamw_params hp = {1e-2f, 0.9f, 0.999f, 1e-8f, 0.0f};
+        const char *kernels[] = {"k_grad_stats_multi", "k_adamw_multi", "k_grad_stats", "k_adamw", "k_adamw8"};
+        long long before[5], syncs = qlshim_host_syncs();
+        for (int k = 0; k < 5; k++) before[k] = qlshim_launches(kernels[k]);
+        double sq = 0;
+        bool fin = false;
+        REQUIRE(ql_backend_adamw_update_multi(be, l, 1, &hp, 1.0, 1.0f, &sq, &fin) == QL_OK);
+        CHECK(qlshim_host_syncs() - syncs == 1);
+        const long long want[5] = {1, 1, 0, 0, 0};
+        for (int k = 0; k < 5; k++) CHECK_MESSAGE(qlshim_launches(kernels[k]) - before[k] == want[k], kernels[k]);
+        syncs = qlshim_host_syncs();
+        REQUIRE(ql_backend_grad_stats_multi(be, l, &sq, &fin) == QL_OK);
+        CHECK(qlshim_host_syncs() - syncs == 1);
+        ql_optim_list_free(l);
+    }
+    ql_backend_free(be);
+}
+
+TEST_CASE("optimizer multi-tensor: a list refuses what the per-tensor update refuses, and a device needs its store") {
+    ql_backend *cpu = optim_backend(false);
+    groups_on a(cpu, {5000, 300}, true);
+    ql_optim_group bad = a.g[0];
+    bad.v_absmax = nullptr;  // one absmax without the other
+    CHECK(ql_optim_list_new(cpu, &bad, 1, nullptr) == nullptr);
+    bad = a.g[1];
+    bad.m = a.g[0].param;  // moments of another size
+    CHECK(ql_optim_list_new(cpu, &bad, 1, nullptr) == nullptr);
+    ql_optim_list *l = ql_optim_list_new(cpu, a.g.data(), 2, nullptr);  // the CPU needs no store
+    CHECK(l);
+    double sq = 0;
+    bool fin = false;
+    const ql_adamw_params hp = {1e-2f, 0.9f, 0.999f, 1e-8f, 0.0f};
+    CHECK(ql_backend_adamw_update_multi(cpu, l, 0, &hp, 1.0, 1.0f, &sq, &fin) == QL_ERR_INVALID);  // step 0
+    CHECK(ql_backend_adamw_update_multi(cpu, l, 1, &hp, 0.0, 1.0f, &sq, &fin) == QL_ERR_INVALID);  // no loss scale
+    ql_optim_list_free(l);
+    ql_optim_list_free(nullptr);
+    if (k_optim_cuda) {
+        ql_backend *be = optim_backend(true);
+        {
+            groups_on d(be, {5000, 300}, true);
+            CHECK(ql_optim_list_new(be, d.g.data(), 2, nullptr) == nullptr);  // no store
+        }
+        ql_backend_free(be);
+    }
+    ql_backend_free(cpu);
+}
