@@ -2,7 +2,10 @@
 // update in csrc/kernels.cu, functional.py's create_dynamic_map) against its dynamic maps made
 // by torch (tests/golden/dynamic_map.txt from tests/reference/dynamic_map_golden.py), and
 // against f32 AdamW on a quadratic.
+#include "../models/llama.h"
+#include "../models/trainer.h"
 #include "../qlora.h"
+#include "tiny.h"
 #include "util.h"
 
 #include <doctest/doctest.h>
@@ -281,7 +284,8 @@ const optim_case k_cases[] = {
 // (ql_adamw_update, ql_adamw8bit_update) given the factor written out from the same sum of
 // squares. CPU: the same bits; a device: its own summation order and f32 arithmetic, to 1e-6.
 void check_multi_against_per_tensor(ql_backend *be, bool eight, const optim_case &oc) {
-    CAPTURE(oc.what);
+    const std::string what = oc.what;
+    CAPTURE(what);
     CAPTURE(eight);
     ql_backend *cpu = ql_backend_cpu_init(1);
     groups_on got(be, k_sizes, eight), ref(cpu, k_sizes, eight);
@@ -463,4 +467,82 @@ TEST_CASE("optimizer multi-tensor: a list refuses what the per-tensor update ref
         ql_backend_free(be);
     }
     ql_backend_free(cpu);
+}
+
+TEST_CASE("optimizer multi-tensor cuda: a training step's host synchronisations do not grow with the adapter's tensors" *
+          skip_unless(k_optim_cuda && qlshim_host_syncs, "without the CUDA shim's counters")) {
+    tmpdir d;
+    const std::string path = d.file("tiny-nf4.gguf");
+    {
+        tiny_llama t(tiny_hparams(61, 64, 128), 5, 0.2f, /*tied_output=*/true);
+        llama_gguf_opts o;
+        o.linear_type = QL_TYPE_NF4;
+        write_llama_gguf(t.m, path, o);
+    }
+    std::vector<ql_sequence> seqs;
+    for (int s = 0; s < 4; s++) {
+        ql_sequence q;
+        for (int i = 0; i < 12; i++) {
+            q.tokens.push_back((5 * s + 3 * i) % 61);
+            q.pos.push_back(i);
+            q.seg.push_back(0);
+            q.targets.push_back(i >= 2 ? (5 * s + 3 * i + 3) % 61 : -1);
+            q.n_targets += q.targets.back() >= 0;
+        }
+        seqs.push_back(q);
+    }
+    ql_backend *be = optim_backend(true);
+    // per step (steps 2 and 3): host synchronisations, and launches of the optimizer's kernels
+    auto run = [&](const std::vector<std::string> &targets, ql_optim optim, int64_t *n_params) {
+        char err[256];
+        ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(f, err);
+        ql_train_options o;
+        o.lora.r = 4;
+        o.lora.alpha = 8;
+        o.lora.targets = targets;
+        o.micro_batch = 2;
+        o.max_steps = 3;
+        o.threads = 1;
+        o.optim = optim;
+        o.max_grad_norm = 1e-3f;  // clipping active
+        o.backend = be;
+        std::string e;
+        ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &e);
+        REQUIRE_MESSAGE(t, e);
+        *n_params = (int64_t)ql_llama_lora_params(ql_trainer_model(t)).size();
+        ql_step_metrics m;
+        REQUIRE_MESSAGE(ql_trainer_step(t, &m, &e), e);
+        std::vector<long long> r;
+        const char *kernels[] = {"k_grad_stats_multi", "k_adamw_multi", "k_grad_stats", "k_adamw", "k_adamw8"};
+        for (int s = 0; s < 2; s++) {
+            long long k0[5], s0 = qlshim_host_syncs();
+            for (int k = 0; k < 5; k++) k0[k] = qlshim_launches(kernels[k]);
+            REQUIRE_MESSAGE(ql_trainer_step(t, &m, &e), e);
+            CHECK(std::isfinite(m.grad_norm));
+            CHECK(m.grad_norm > o.max_grad_norm);
+            r.push_back(qlshim_host_syncs() - s0);
+            for (int k = 0; k < 5; k++) r.push_back(qlshim_launches(kernels[k]) - k0[k]);
+        }
+        ql_trainer_free(t);
+        ql_llama_file_free(f);
+        return r;
+    };
+    for (ql_optim optim : {ql_optim::adamw, ql_optim::paged_adamw8bit}) {
+        const std::string optim_name = ql_name(optim);
+        CAPTURE(optim_name);
+        int64_t n_few = 0, n_all = 0;
+        const std::vector<long long> few = run({"q", "v"}, optim, &n_few);
+        const std::vector<long long> all = run({"q", "k", "v", "o", "gate", "up", "down"}, optim, &n_all);
+        MESSAGE(optim_name, ": host synchronisations per step: ", few[0], " with ", n_few, " adapter tensors, ", all[0], " with ",
+                n_all);
+        CHECK(n_all > n_few);
+        CHECK(few == all);  // the same syncs and launches per step, whatever the number of tensors
+        for (size_t s = 0; s < 2; s++) {
+            CHECK(all[6 * s + 1] == 1);  // the statistics once a step
+            CHECK(all[6 * s + 2] == 1);  // the update once a step
+            CHECK(all[6 * s + 3] + all[6 * s + 4] + all[6 * s + 5] == 0);  // no per-tensor kernel
+        }
+    }
+    ql_backend_free(be);
 }
