@@ -6812,6 +6812,7 @@ ql_optim_list *ql_optim_list_new(ql_backend *be, const ql_optim_group *groups, i
         return nullptr;
     }
     ql_optim_list *l = new ql_optim_list();
+    l->backend = be->id;
     l->n = n_groups;
     l->groups = new ql_optim_group[(size_t)n_groups + 1];
     l->owner = new int[(size_t)n_groups + 1];
@@ -6882,7 +6883,7 @@ static void optim_worker(void *arg, int ith, int nth) {
 }
 
 ql_status ql_backend_grad_stats_multi(ql_backend *be, ql_optim_list *l, double *sumsq, bool *finite) {
-    if (!be || !l || !sumsq || !finite) return QL_ERR_INVALID;
+    if (!be || !l || l->backend != be->id || !sumsq || !finite) return QL_ERR_INVALID;
     if (be->iface.grad_stats_multi) return be->iface.grad_stats_multi(be, l, sumsq, finite);
     if (ql_backend_is_host(be)) {
         optim_stats_host(l, sumsq, finite);
@@ -6905,7 +6906,7 @@ ql_status ql_backend_grad_stats_multi(ql_backend *be, ql_optim_list *l, double *
 
 ql_status ql_backend_adamw_update_multi(ql_backend *be, ql_optim_list *l, int64_t step, const ql_adamw_params *p,
                                         double loss_scale, float max_norm, double *sumsq, bool *finite) {
-    if (!be || !l || !p || step < 1 || !(loss_scale > 0) || !sumsq || !finite) return QL_ERR_INVALID;
+    if (!be || !l || l->backend != be->id || !p || step < 1 || !(loss_scale > 0) || !sumsq || !finite) return QL_ERR_INVALID;
     if (be->iface.adamw_update_multi) return be->iface.adamw_update_multi(be, l, step, p, loss_scale, max_norm, sumsq, finite);
     const ql_status st = ql_backend_grad_stats_multi(be, l, sumsq, finite);
     if (st != QL_OK || !*finite) return st;  // a non-finite element: the step is skipped

@@ -727,7 +727,7 @@ ql_status   ql_backend_grad_stats(ql_backend *be, const ql_tensor *t, double *su
 
 // The same over every parameter at once (multi-tensor): one launch for the statistics, one for
 // the update, one read back, whatever the number of parameters. A list describes the groups once,
-// after their tensors are placed (tensors moved later need a new list).
+// after their tensors are placed (tensors moved later need a new list), for one backend.
 typedef struct ql_optim_group {
     ql_tensor *param;                // f32 [n], contiguous, with its f32 gradient param->grad
     ql_tensor *m, *v;                // f32 [n] moments, or I8 [n] codes (8-bit AdamW) with
@@ -1094,6 +1094,7 @@ static inline size_t ql_optim_store_partials(int n) { return (size_t)n * sizeof(
 static inline size_t ql_optim_store_result(int n) { return ql_optim_store_partials(n) + 2 * QL_OPT_STATS_BLOCKS * sizeof(double); }
 static inline size_t ql_optim_store_counter(int n) { return ql_optim_store_result(n) + 2 * sizeof(double); }
 struct ql_optim_list {
+    uint64_t        backend;    // the id of the backend it was made for (the only one it runs on)
     int             n;          // groups
     ql_optim_group *groups;     // [n]
     int64_t         n_chunks;   // chunks of QL_OPT8_BLOCK elements over all groups (each group's last one partial)

@@ -412,7 +412,7 @@ TEST_CASE("optimizer multi-tensor cuda: a non-finite gradient skips the whole st
 }
 
 TEST_CASE("optimizer multi-tensor cuda: one update is two launches and one host synchronisation, whatever the number of tensors" *
-          skip_unless(k_optim_cuda && qlshim_host_syncs, "without the CUDA shim's counters")) {
+          skip_unless(k_optim_cuda && qlshim_host_syncs != nullptr, "without the CUDA shim's counters")) {
     ql_backend *be = optim_backend(true);
     for (int n_groups : {1, 40}) {
         CAPTURE(n_groups);
@@ -456,6 +456,10 @@ TEST_CASE("optimizer multi-tensor: a list refuses what the per-tensor update ref
     const ql_adamw_params hp = {1e-2f, 0.9f, 0.999f, 1e-8f, 0.0f};
     CHECK(ql_backend_adamw_update_multi(cpu, l, 0, &hp, 1.0, 1.0f, &sq, &fin) == QL_ERR_INVALID);  // step 0
     CHECK(ql_backend_adamw_update_multi(cpu, l, 1, &hp, 0.0, 1.0f, &sq, &fin) == QL_ERR_INVALID);  // no loss scale
+    ql_backend *other = ql_backend_cpu_init(1);
+    CHECK(ql_backend_adamw_update_multi(other, l, 1, &hp, 1.0, 1.0f, &sq, &fin) == QL_ERR_INVALID);  // another backend's list
+    CHECK(ql_backend_grad_stats_multi(other, l, &sq, &fin) == QL_ERR_INVALID);
+    ql_backend_free(other);
     ql_optim_list_free(l);
     ql_optim_list_free(nullptr);
     if (k_optim_cuda) {
@@ -470,7 +474,7 @@ TEST_CASE("optimizer multi-tensor: a list refuses what the per-tensor update ref
 }
 
 TEST_CASE("optimizer multi-tensor cuda: a training step's host synchronisations do not grow with the adapter's tensors" *
-          skip_unless(k_optim_cuda && qlshim_host_syncs, "without the CUDA shim's counters")) {
+          skip_unless(k_optim_cuda && qlshim_host_syncs != nullptr, "without the CUDA shim's counters")) {
     tmpdir d;
     const std::string path = d.file("tiny-nf4.gguf");
     {
