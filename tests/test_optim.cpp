@@ -473,16 +473,16 @@ TEST_CASE("optimizer multi-tensor: a list refuses what the per-tensor update ref
     ql_backend_free(cpu);
 }
 
-TEST_CASE("optimizer multi-tensor cuda: a training step's host synchronisations do not grow with the adapter's tensors" *
-          skip_unless(k_optim_cuda && qlshim_host_syncs != nullptr, "without the CUDA shim's counters")) {
-    tmpdir d;
-    const std::string path = d.file("tiny-nf4.gguf");
-    {
-        tiny_llama t(tiny_hparams(61, 64, 128), 5, 0.2f, /*tied_output=*/true);
-        llama_gguf_opts o;
-        o.linear_type = QL_TYPE_NF4;
-        write_llama_gguf(t.m, path, o);
-    }
+namespace {
+
+// a 2-layer NF4 Llama of vocabulary 61 and 4 sequences of 12 tokens for it (a rule to learn)
+void write_tiny_nf4(const std::string &path) {
+    tiny_llama t(tiny_hparams(61, 64, 128), 5, 0.2f, /*tied_output=*/true);
+    llama_gguf_opts o;
+    o.linear_type = QL_TYPE_NF4;
+    write_llama_gguf(t.m, path, o);
+}
+std::vector<ql_sequence> tiny_sequences() {
     std::vector<ql_sequence> seqs;
     for (int s = 0; s < 4; s++) {
         ql_sequence q;
@@ -495,6 +495,17 @@ TEST_CASE("optimizer multi-tensor cuda: a training step's host synchronisations 
         }
         seqs.push_back(q);
     }
+    return seqs;
+}
+
+}  // namespace
+
+TEST_CASE("optimizer multi-tensor cuda: a training step's host synchronisations do not grow with the adapter's tensors" *
+          skip_unless(k_optim_cuda && qlshim_host_syncs != nullptr, "without the CUDA shim's counters")) {
+    tmpdir d;
+    const std::string path = d.file("tiny-nf4.gguf");
+    write_tiny_nf4(path);
+    const std::vector<ql_sequence> seqs = tiny_sequences();
     ql_backend *be = optim_backend(true);
     // per step (steps 2 and 3): host synchronisations, and launches of the optimizer's kernels
     auto run = [&](const std::vector<std::string> &targets, ql_optim optim, int64_t *n_params) {
@@ -548,5 +559,67 @@ TEST_CASE("optimizer multi-tensor cuda: a training step's host synchronisations 
             CHECK(all[6 * s + 3] + all[6 * s + 4] + all[6 * s + 5] == 0);  // no per-tensor kernel
         }
     }
+    ql_backend_free(be);
+}
+
+TEST_CASE("optimizer multi-tensor cuda: under fp16 an overflow skips the step on the device - the adapter untouched, the scale "
+          "halves" * skip_unless(k_optim_cuda, "without a CUDA device")) {
+    tmpdir d;
+    const std::string path = d.file("tiny-nf4.gguf");
+    write_tiny_nf4(path);
+    const std::vector<ql_sequence> seqs = tiny_sequences();
+    ql_backend *be = optim_backend(true);
+    char err[256];
+    ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
+    REQUIRE_MESSAGE(f, err);
+    ql_train_options o;
+    o.lora.r = 4;
+    o.lora.alpha = 8;
+    o.lora.targets = {"q", "v", "down"};
+    o.micro_batch = 2;
+    o.max_steps = 12;
+    o.threads = 1;
+    o.optim = ql_optim::adamw8bit;
+    o.precision = ql_precision::fp16;
+    o.scale_init = 0x1p24f;  // past f16's range: backward's f16 gradients overflow for the first steps
+    o.backend = be;
+    std::string e;
+    ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &e);
+    REQUIRE_MESSAGE(t, e);
+    // the adapter, as the device holds it
+    auto snapshot = [&] {
+        std::vector<uint8_t> r;
+        for (const ql_tensor *x : ql_llama_lora_params(ql_trainer_model(t))) {
+            std::vector<uint8_t> b(ql_nbytes(x));
+            REQUIRE(ql_backend_tensor_get(be, x, b.data(), 0, b.size()) == QL_OK);
+            r.insert(r.end(), b.begin(), b.end());
+        }
+        return r;
+    };
+    double want = o.scale_init;
+    int skips = 0, updates = 0;
+    for (int s = 0; s < 10; s++) {
+        INFO("step " << s + 1);
+        const std::vector<uint8_t> before = snapshot();
+        ql_step_metrics m;
+        REQUIRE_MESSAGE(ql_trainer_step(t, &m, &e), e);
+        CHECK(m.loss_scale == want);
+        if (m.skipped) {
+            CHECK(snapshot() == before);
+            CHECK(!std::isfinite(m.grad_norm));
+            want *= 0.5;
+            skips++;
+        } else {
+            CHECK(snapshot() != before);
+            CHECK(std::isfinite(m.grad_norm));
+            updates++;
+        }
+        CHECK(ql_trainer_updates_done(t) == updates);
+    }
+    MESSAGE("fp16 on the device from scale 2^24: ", skips, " steps skipped, then ", updates, " updates");
+    CHECK(skips >= 3);
+    CHECK(updates >= 2);
+    ql_trainer_free(t);
+    ql_llama_file_free(f);
     ql_backend_free(be);
 }
