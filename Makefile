@@ -107,9 +107,11 @@ $(BUILD)/test-qlora: $(TEST_OBJ) $(BUILD)/libtools.a $(BUILD)/libqlora.a $(CUDA_
 	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
 
 # The CUDA backend through the shim: qlora-cuda.cu compiled as host C++ (tests/cuda_shim_backend.cpp)
-# with the same op suite (tests/test_backend_ops.cpp) and the shim's own tests.
-# (test_main and test_backend_ops are the suite's own objects: nothing in them sees the shim)
-SHIM_OBJ := tests/test_main.o tests/test_backend_ops.o tests/test_cuda_graphs.o shim/shim_selftest.o shim/cuda_shim_backend.o
+# with the same op suite (tests/test_backend_ops.cpp), CUDA graphs' (tests/test_cuda_graphs.cpp),
+# the optimizer's (tests/test_optim.cpp: its multi-tensor cases on the device) and the shim's own tests.
+# (test_main, test_backend_ops and test_optim are the suite's own objects: nothing in them sees the
+# shim; test_optim reads its counters through weak symbols)
+SHIM_OBJ := tests/test_main.o tests/test_backend_ops.o tests/test_cuda_graphs.o tests/test_optim.o shim/shim_selftest.o shim/cuda_shim_backend.o
 SHIM_FLAGS := -I$(CUDA_HOME)/include
 $(BUILD)/shim/cuda_shim_backend.o: tests/cuda_shim_backend.cpp tests/cuda_shim.h $(CUDA_SRC) $(HEADERS)
 	@mkdir -p $(dir $@)

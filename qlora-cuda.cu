@@ -1256,23 +1256,26 @@ static bool cu_ops_supported(const ql_tensor *node) {
 __constant__ float cu_map_signed[256];
 __constant__ float cu_map_unsigned[256];
 
-// AdamW on f32 moments: ql_adamw_update's expressions, each rounding explicit (no fused
-// multiply-add), so the update is the CPU's bits
+// AdamW on f32 moments, element i: ql_adamw_update's expressions, each rounding explicit (no
+// fused multiply-add), so the update is the CPU's bits
+__device__ __forceinline__ void cu_adamw_elem(float *w, float *m, float *v, const float *g, int64_t i, float b1, float b2,
+                                              float step_size, float eps, float decay, float gscale) {
+    const float gi = __fmul_rn(g[i], gscale);
+    m[i] = __fadd_rn(__fmul_rn(b1, m[i]), __fmul_rn(1.0f - b1, gi));
+    v[i] = __fadd_rn(__fmul_rn(b2, v[i]), __fmul_rn(__fmul_rn(1.0f - b2, gi), gi));
+    w[i] = __fsub_rn(__fmul_rn(w[i], decay), __fdiv_rn(__fmul_rn(step_size, m[i]), __fadd_rn(sqrtf(v[i]), eps)));
+}
 __global__ void k_adamw(float *w, float *m, float *v, const float *g, int64_t n, float b1, float b2, float step_size, float eps,
                         float decay, float gscale) {
-    CU_GRID_LOOP(i, n) {
-        const float gi = __fmul_rn(g[i], gscale);
-        m[i] = __fadd_rn(__fmul_rn(b1, m[i]), __fmul_rn(1.0f - b1, gi));
-        v[i] = __fadd_rn(__fmul_rn(b2, v[i]), __fmul_rn(__fmul_rn(1.0f - b2, gi), gi));
-        w[i] = __fsub_rn(__fmul_rn(w[i], decay), __fdiv_rn(__fmul_rn(step_size, m[i]), __fadd_rn(sqrtf(v[i]), eps)));
-    }
+    CU_GRID_LOOP(i, n) cu_adamw_elem(w, m, v, g, i, b1, b2, step_size, eps, decay, gscale);
 }
 
-// 8-bit AdamW, one block per block of QL_OPT8_BLOCK elements (one element a thread)
-__global__ void __launch_bounds__(QL_OPT8_BLOCK) k_adamw8(float *w, uint8_t *qm, float *am, uint8_t *qv, float *av, const float *g, int64_t n,
-                                                        float b1, float b2, float step_size, float eps, float decay, float gscale) {
-    __shared__ float sh[32];
-    const int64_t b = blockIdx.x, i = b * QL_OPT8_BLOCK + threadIdx.x;
+// 8-bit AdamW of block b (QL_OPT8_BLOCK elements, one a thread; the last block of n partial):
+// ql_adamw8bit_update's expressions. Every thread of the block calls it.
+__device__ __forceinline__ void cu_adamw8_block(float *w, uint8_t *qm, float *am, uint8_t *qv, float *av, const float *g, int64_t n,
+                                                int64_t b, float b1, float b2, float step_size, float eps, float decay, float gscale,
+                                                float *sh) {
+    const int64_t i = b * QL_OPT8_BLOCK + threadIdx.x;
     const bool in = i < n;
     float mi = 0, vi = 0;
     if (in) {
@@ -1299,31 +1302,49 @@ __global__ void __launch_bounds__(QL_OPT8_BLOCK) k_adamw8(float *w, uint8_t *qm,
         qv[i] = ql_dynamic_quantize_inline(cu_map_unsigned, __fmul_rn(vi, iv));
     }
 }
+__global__ void __launch_bounds__(QL_OPT8_BLOCK) k_adamw8(float *w, uint8_t *qm, float *am, uint8_t *qv, float *av, const float *g, int64_t n,
+                                                        float b1, float b2, float step_size, float eps, float decay, float gscale) {
+    __shared__ float sh[32];
+    cu_adamw8_block(w, qm, am, qv, av, g, n, blockIdx.x, b1, b2, step_size, eps, decay, gscale, sh);
+}
 
-static void cu_adamw_update(cu_ctx &c, ql_tensor *param, ql_tensor *m, ql_tensor *v, ql_tensor *m_absmax, ql_tensor *v_absmax, int64_t step,
-                            const ql_adamw_params *p, float grad_scale) {
-    CU_ASSERT(param->type == QL_TYPE_F32 && param->grad && ql_is_contiguous(param) && step >= 1);
-    const int64_t n = ql_nelements(param);
+// Adam's bias corrections folded into the step size (ql_adamw_update's)
+struct cu_adam_consts {
+    float step_size, eps, decay;
+};
+static cu_adam_consts cu_adam_consts_of(const ql_adamw_params *p, int64_t step) {
     const double bc1 = 1.0 - std::pow((double)p->beta1, (double)step), bc2 = 1.0 - std::pow((double)p->beta2, (double)step);
-    const float step_size = (float)(p->lr * std::sqrt(bc2) / bc1), eps = (float)(p->eps * std::sqrt(bc2));
-    const float decay = 1.0f - p->lr * p->weight_decay;
-    if (!m_absmax) {
-        QL_LAUNCH(k_adamw, cu_grid(n), CU_BLOCK, 0, c.stream, (float *)param->data, (float *)m->data, (float *)v->data,
-                  (const float *)param->grad->data, n, p->beta1, p->beta2, step_size, eps, decay, grad_scale);
-        CU_LAUNCHED(c);
-        return;
-    }
-    static std::once_flag maps;  // the 8-bit maps into constant memory, once per process
+    return {(float)(p->lr * std::sqrt(bc2) / bc1), (float)(p->eps * std::sqrt(bc2)), 1.0f - p->lr * p->weight_decay};
+}
+
+// the 8-bit maps into constant memory, once per process
+static void cu_opt8_maps(cu_ctx &c) {
+    static std::once_flag maps;
     static cudaError_t maps_err = cudaSuccess;
     std::call_once(maps, [] {
         maps_err = cudaMemcpyToSymbol(cu_map_signed, ql_dynamic_map_signed(), 256 * sizeof(float));
         if (maps_err == cudaSuccess) maps_err = cudaMemcpyToSymbol(cu_map_unsigned, ql_dynamic_map_unsigned(), 256 * sizeof(float));
     });
     CU_CHECK(c, maps_err);
+}
+
+static void cu_adamw_update(cu_ctx &c, ql_tensor *param, ql_tensor *m, ql_tensor *v, ql_tensor *m_absmax, ql_tensor *v_absmax, int64_t step,
+                            const ql_adamw_params *p, float grad_scale) {
+    CU_ASSERT(param->type == QL_TYPE_F32 && param->grad && ql_is_contiguous(param) && step >= 1);
+    const int64_t n = ql_nelements(param);
+    const cu_adam_consts k = cu_adam_consts_of(p, step);
+    if (!m_absmax) {
+        QL_LAUNCH(k_adamw, cu_grid(n), CU_BLOCK, 0, c.stream, (float *)param->data, (float *)m->data, (float *)v->data,
+                  (const float *)param->grad->data, n, p->beta1, p->beta2, k.step_size, k.eps, k.decay, grad_scale);
+        CU_LAUNCHED(c);
+        return;
+    }
+    cu_opt8_maps(c);
+    if (c.failed) return;
     const int64_t nb = (n + QL_OPT8_BLOCK - 1) / QL_OPT8_BLOCK;
     QL_LAUNCH(k_adamw8, (unsigned)nb, QL_OPT8_BLOCK, 0, c.stream, (float *)param->data, (uint8_t *)m->data, (float *)m_absmax->data,
-              (uint8_t *)v->data, (float *)v_absmax->data, (const float *)param->grad->data, n, p->beta1, p->beta2, step_size, eps,
-              decay, grad_scale);
+              (uint8_t *)v->data, (float *)v_absmax->data, (const float *)param->grad->data, n, p->beta1, p->beta2, k.step_size, k.eps,
+              k.decay, grad_scale);
     CU_LAUNCHED(c);
 }
 
@@ -1342,6 +1363,91 @@ __global__ void k_grad_stats(const float *x, int64_t n, double *out) {
         out[0] = s;
         out[1] = bad;
     }
+}
+
+// ---- the same over a list of groups (ql_optim_list): one launch each ----
+
+// The statistics of every group's gradient: up to QL_OPT_STATS_BLOCKS blocks of QL_OPT8_BLOCK threads,
+// block b summing chunks b, b + gridDim.x, ... (one element a thread; double) into its partial,
+// the last block to finish summing the partials in block order into result {sumsq, non-finite
+// count} and setting the count of blocks done back to 0. Every order is fixed: the same bits at
+// every run. desc: [n_groups]; part: [2 * gridDim.x]; result: [2].
+__global__ void __launch_bounds__(QL_OPT8_BLOCK) k_grad_stats_multi(const ql_optim_desc *desc, int n_groups, int64_t n_chunks,
+                                                                  double *part, double *result, unsigned *done) {
+    __shared__ double sh[32];
+    __shared__ bool last;
+    double s = 0, bad = 0;
+    int k = 0;  // the group of chunk c: chunks rise, so the group only moves forward
+    for (int64_t c = blockIdx.x; c < n_chunks; c += gridDim.x) {
+        while (k + 1 < n_groups && desc[k + 1].chunk0 <= c) k++;
+        const int64_t i = (c - desc[k].chunk0) * QL_OPT8_BLOCK + threadIdx.x;
+        if (i < desc[k].n) {
+            const float v = desc[k].g[i];
+            if (isfinite(v)) s += (double)v * v;
+            else bad += 1;
+        }
+    }
+    s = cu_block_sum_d(s, sh);
+    bad = cu_block_sum_d(bad, sh);
+    if (threadIdx.x == 0) {
+        part[2 * blockIdx.x] = s;
+        part[2 * blockIdx.x + 1] = bad;
+        __threadfence();  // the partial visible before the count says so
+        last = atomicAdd(done, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const volatile double *vp = part;  // written by other blocks: past this block's L1
+    s = 0, bad = 0;
+    for (unsigned j = threadIdx.x; j < gridDim.x; j += blockDim.x) {
+        s += vp[2 * j];
+        bad += vp[2 * j + 1];
+    }
+    s = cu_block_sum_d(s, sh);
+    bad = cu_block_sum_d(bad, sh);
+    if (threadIdx.x == 0) {
+        result[0] = s;
+        result[1] = bad;
+        *done = 0;  // ready for the next launch
+    }
+}
+
+// One AdamW step of every group, block c updating chunk c (of QL_OPT8_BLOCK elements, one a
+// thread) of its group, f32 or 8-bit. The gradient factor (unscale, clip) comes from the
+// statistics in result, on the device; a non-finite element anywhere skips the whole step.
+__global__ void __launch_bounds__(QL_OPT8_BLOCK) k_adamw_multi(const ql_optim_desc *desc, int n_groups, const double *result,
+                                                             float b1, float b2, float step_size, float eps, float decay,
+                                                             double loss_scale, float max_norm) {
+    __shared__ float sh[32];
+    const double sq = result[0];
+    if (result[1] != 0 || !isfinite(sq)) return;  // the same for every block: no update at all
+    const float gscale = ql_optim_grad_factor(sq, loss_scale, max_norm);
+    const int64_t c = blockIdx.x;
+    int lo = 0, hi = n_groups - 1;  // the last group starting at or before chunk c
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (desc[mid].chunk0 <= c) lo = mid;
+        else hi = mid - 1;
+    }
+    const ql_optim_desc d = desc[lo];
+    if (!d.m_absmax) {
+        const int64_t i = (c - d.chunk0) * QL_OPT8_BLOCK + threadIdx.x;
+        if (i < d.n) cu_adamw_elem(d.w, (float *)d.m, (float *)d.v, d.g, i, b1, b2, step_size, eps, decay, gscale);
+        return;
+    }
+    cu_adamw8_block(d.w, (uint8_t *)d.m, d.m_absmax, (uint8_t *)d.v, d.v_absmax, d.g, d.n, c - d.chunk0, b1, b2, step_size, eps, decay,
+                    gscale, sh);
+}
+
+static void cu_grad_stats_multi_launch(cu_ctx &c, const ql_optim_list *l) {
+    CU_ASSERT(l->store && l->n_chunks < ((int64_t)1 << 31));
+    // at most QL_OPT_STATS_BLOCKS blocks, no more than there are chunks: the order is the list's own
+    const unsigned blocks = (unsigned)std::max<int64_t>(1, std::min<int64_t>(QL_OPT_STATS_BLOCKS, l->n_chunks));
+    QL_LAUNCH(k_grad_stats_multi, blocks, QL_OPT8_BLOCK, 0, c.stream, (const ql_optim_desc *)l->store, l->n, l->n_chunks,
+              (double *)(l->store + ql_optim_store_partials(l->n)), (double *)(l->store + ql_optim_store_result(l->n)),
+              (unsigned *)(l->store + ql_optim_store_counter(l->n)));
+    CU_LAUNCHED(c);
 }
 
 // ============================================================================================
@@ -2334,6 +2440,47 @@ static ql_status cuda_grad_stats(ql_backend *be, const ql_tensor *t, double *sum
     return c.failed ? QL_ERR_IO : QL_OK;
 }
 
+// the statistics' result to the host: the one synchronisation of a step
+static void cu_optim_read(cu_ctx &c, const ql_optim_list *l, double *sumsq, bool *finite) {
+    double *h = (double *)c.cb->h_scratch;
+    CU_CHECK(c, cudaMemcpyAsync(h, l->store + ql_optim_store_result(l->n), 2 * sizeof(double), cudaMemcpyDeviceToHost, c.stream));
+    CU_CHECK(c, cudaStreamSynchronize(c.stream));
+    *sumsq = h[0];
+    *finite = h[1] == 0 && std::isfinite(h[0]);
+}
+
+static void cu_adamw_update_multi(cu_ctx &c, const ql_optim_list *l, int64_t step, const ql_adamw_params *p, double loss_scale,
+                                  float max_norm, double *sumsq, bool *finite) {
+    CU_ASSERT(step >= 1 && loss_scale > 0);
+    cu_grad_stats_multi_launch(c, l);
+    cu_opt8_maps(c);
+    if (c.failed) return;
+    const cu_adam_consts k = cu_adam_consts_of(p, step);
+    if (l->n_chunks > 0) {
+        QL_LAUNCH(k_adamw_multi, (unsigned)l->n_chunks, QL_OPT8_BLOCK, 0, c.stream, (const ql_optim_desc *)l->store, l->n,
+                  (const double *)(l->store + ql_optim_store_result(l->n)), p->beta1, p->beta2, k.step_size, k.eps, k.decay, loss_scale,
+                  max_norm);
+        CU_LAUNCHED(c);
+    }
+    cu_optim_read(c, l, sumsq, finite);
+}
+
+static ql_status cuda_grad_stats_multi(ql_backend *be, ql_optim_list *l, double *sumsq, bool *finite) {
+    cu_ctx c = cu_ctx_of((cuda_backend *)be->impl);
+    cu_grad_stats_multi_launch(c, l);
+    if (!c.failed) cu_optim_read(c, l, sumsq, finite);
+    if (c.failed) fprintf(stderr, "qlora: cuda: grad_stats_multi: %s\n", c.err);
+    return c.failed ? QL_ERR_IO : QL_OK;
+}
+
+static ql_status cuda_adamw_update_multi(ql_backend *be, ql_optim_list *l, int64_t step, const ql_adamw_params *p, double loss_scale,
+                                         float max_norm, double *sumsq, bool *finite) {
+    cu_ctx c = cu_ctx_of((cuda_backend *)be->impl);
+    cu_adamw_update_multi(c, l, step, p, loss_scale, max_norm, sumsq, finite);
+    if (c.failed) fprintf(stderr, "qlora: cuda: adamw_update_multi: %s\n", c.err);
+    return c.failed ? QL_ERR_IO : QL_OK;
+}
+
 // Where the compute stream waits for offload's copies: a copy to the host before its source's
 // last reader (which may write over it in place, or after which its block is reused), a copy
 // back before its first reader.
@@ -2645,7 +2792,7 @@ ql_backend *ql_backend_cuda_init(int device, char *err, size_t err_size) {
     cb->device = device;
     be->iface = {"cuda", cuda_supports_op, cuda_work_size, cuda_buffer_alloc, cuda_buffer_free, cuda_graph_compute,
                  cuda_free, cuda_host_alloc, cuda_host_free, cuda_copy, cuda_memset, cuda_synchronize,
-                 cuda_adamw_update, cuda_grad_stats};
+                 cuda_adamw_update, cuda_grad_stats, cuda_grad_stats_multi, cuda_adamw_update_multi};
     be->impl = cb;
     be->id = ql_backend_new_id();
     bool ok = cudaGetDeviceProperties(&cb->prop, device) == cudaSuccess &&

@@ -6400,7 +6400,7 @@ ql_backend *ql_backend_cpu_init(int n_threads) {
         return nullptr;
     }
     be->iface = {"cpu", cpu_supports_op, cpu_work_size, cpu_buffer_alloc, cpu_buffer_free, cpu_graph_compute, cpu_free,
-                 nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};  // host memory: memcpy, host math
+                 nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};  // host memory: memcpy, host math
     be->impl = cb;
     be->id = ql_backend_new_id();
     if (!cb->pool.start(n_threads)) {
@@ -6731,17 +6731,20 @@ ql_status ql_backend_graph_zero_grads(ql_backend *be, ql_graph *g) {
     return QL_OK;
 }
 
+// f32 moments of the parameter's size, contiguous
+static bool adamw_f32_ok(const ql_tensor *param, const ql_tensor *m, const ql_tensor *v) {
+    return param->type == QL_TYPE_F32 && m->type == QL_TYPE_F32 && v->type == QL_TYPE_F32 && ql_nelements(m) == ql_nelements(param) &&
+           ql_nelements(v) == ql_nelements(param) && ql_nelements(param->grad) == ql_nelements(param) && ql_is_contiguous(param) &&
+           ql_is_contiguous(m) && ql_is_contiguous(v);
+}
+
 ql_status ql_backend_adamw_update(ql_backend *be, ql_tensor *param, ql_tensor *m, ql_tensor *v, ql_tensor *m_absmax,
                                   ql_tensor *v_absmax, int64_t step, const ql_adamw_params *p, float grad_scale) {
     if (!be || !param || !param->grad || !m || !v || !p || (!m_absmax) != (!v_absmax) || step < 1) return QL_ERR_INVALID;
     // tensors without memory (a no_alloc context, an unplaced result), or f32 state of another size
     if (!param->data || !param->grad->data || !m->data || !v->data || (m_absmax && (!m_absmax->data || !v_absmax->data)))
         return QL_ERR_INVALID;
-    if (!m_absmax && (param->type != QL_TYPE_F32 || m->type != QL_TYPE_F32 || v->type != QL_TYPE_F32 ||
-                      ql_nelements(m) != ql_nelements(param) || ql_nelements(v) != ql_nelements(param) ||
-                      ql_nelements(param->grad) != ql_nelements(param) || !ql_is_contiguous(param) || !ql_is_contiguous(m) ||
-                      !ql_is_contiguous(v)))
-        return QL_ERR_INVALID;
+    if (!m_absmax && !adamw_f32_ok(param, m, v)) return QL_ERR_INVALID;
     if (be->iface.adamw_update) return be->iface.adamw_update(be, param, m, v, m_absmax, v_absmax, step, p, grad_scale);
     if (m_absmax) ql_adamw8bit_update(param, m, m_absmax, v, v_absmax, step, p, grad_scale);
     else ql_adamw_update(param, m, v, step, p, grad_scale);
@@ -6760,6 +6763,163 @@ ql_status ql_backend_grad_stats(ql_backend *be, const ql_tensor *t, double *sums
     }
     *sumsq = s;
     *finite = ok;
+    return QL_OK;
+}
+
+// ---- the multi-tensor optimizer ----
+
+// what ql_adamw_update / ql_adamw8bit_update accept, with memory, gradients f32 and contiguous
+static bool optim_group_ok(const ql_optim_group &g) {
+    const ql_tensor *p = g.param;
+    if (!p || !p->grad || !g.m || !g.v || (!g.m_absmax) != (!g.v_absmax)) return false;
+    if (!p->data || !p->grad->data || !g.m->data || !g.v->data || (g.m_absmax && (!g.m_absmax->data || !g.v_absmax->data)))
+        return false;
+    if (p->grad->type != QL_TYPE_F32 || !ql_is_contiguous(p->grad) || ql_nelements(p->grad) != ql_nelements(p)) return false;
+    if (!g.m_absmax) return adamw_f32_ok(p, g.m, g.v);
+    const int64_t n = ql_nelements(p), nb = (n + QL_OPT8_BLOCK - 1) / QL_OPT8_BLOCK;
+    return p->type == QL_TYPE_F32 && ql_is_contiguous(p) && g.m->type == QL_TYPE_I8 && g.v->type == QL_TYPE_I8 &&
+           ql_nelements(g.m) == n && ql_nelements(g.v) == n && ql_is_contiguous(g.m) && ql_is_contiguous(g.v) &&
+           g.m_absmax->type == QL_TYPE_F32 && g.v_absmax->type == QL_TYPE_F32 && ql_nelements(g.m_absmax) == nb &&
+           ql_nelements(g.v_absmax) == nb && ql_is_contiguous(g.m_absmax) && ql_is_contiguous(g.v_absmax);
+}
+
+size_t ql_optim_list_bytes(int n_groups) { return n_groups < 0 ? 0 : ql_optim_store_counter(n_groups) + 16; }
+
+void ql_optim_list_free(ql_optim_list *l) {
+    if (!l) return;
+    delete[] l->groups;
+    delete[] l->owner;
+    delete l;
+}
+
+ql_optim_list *ql_optim_list_new(ql_backend *be, const ql_optim_group *groups, int n_groups, ql_tensor *store) {
+    if (!be || n_groups < 0 || (n_groups > 0 && !groups)) {
+        fprintf(stderr, "qlora: ql_optim_list_new: no backend or no groups\n");
+        return nullptr;
+    }
+    for (int i = 0; i < n_groups; i++)
+        if (!optim_group_ok(groups[i])) {
+            fprintf(stderr, "qlora: ql_optim_list_new: group %d (%s): not an f32 parameter with its f32 gradient and moments "
+                            "(f32, or I8 codes with f32 absmax) of its size, contiguous, with memory\n",
+                    i, groups[i].param ? groups[i].param->name : "no parameter");
+            return nullptr;
+        }
+    const bool host = ql_backend_is_host(be);
+    const size_t bytes = ql_optim_list_bytes(n_groups);
+    if (!host && (!holds_memory(be) || !store || !store->data || !ql_is_contiguous(store) || ql_nbytes(store) < bytes)) {
+        fprintf(stderr, "qlora: ql_optim_list_new: a device backend needs a store of %zu bytes with memory (ql_optim_list_bytes)\n",
+                bytes);
+        return nullptr;
+    }
+    ql_optim_list *l = new ql_optim_list();
+    l->backend = be->id;
+    l->n = n_groups;
+    l->groups = new ql_optim_group[(size_t)n_groups + 1];
+    l->owner = new int[(size_t)n_groups + 1];
+    std::copy(groups, groups + n_groups, l->groups);
+    std::vector<ql_optim_desc> desc((size_t)n_groups);
+    for (int i = 0; i < n_groups; i++) {
+        const ql_optim_group &g = groups[i];
+        const int64_t n = ql_nelements(g.param);
+        desc[(size_t)i] = {(float *)g.param->data, (const float *)g.param->grad->data, g.m->data, g.v->data,
+                           g.m_absmax ? (float *)g.m_absmax->data : nullptr, g.v_absmax ? (float *)g.v_absmax->data : nullptr,
+                           n, l->n_chunks};
+        l->n_chunks += (n + QL_OPT8_BLOCK - 1) / QL_OPT8_BLOCK;
+    }
+    // the CPU's threads: the largest group next to the least-loaded thread (groups are independent:
+    // the results do not depend on who updates them)
+    l->n_threads = std::max(1, ql_backend_cpu_n_threads(be));
+    std::vector<int> by_size((size_t)n_groups);
+    std::vector<int64_t> load((size_t)l->n_threads, 0);
+    for (int i = 0; i < n_groups; i++) by_size[(size_t)i] = i;
+    std::stable_sort(by_size.begin(), by_size.end(),
+                     [groups](int a, int b) { return ql_nelements(groups[a].param) > ql_nelements(groups[b].param); });
+    for (int i : by_size) {
+        const int k = (int)(std::min_element(load.begin(), load.end()) - load.begin());
+        l->owner[i] = k;
+        load[(size_t)k] += ql_nelements(groups[i].param);
+    }
+    if (!host) {  // the descriptors, the partial sums and the count of blocks done (0), written once
+        std::vector<uint8_t> img(bytes, 0);
+        if (n_groups) memcpy(img.data(), desc.data(), desc.size() * sizeof(ql_optim_desc));
+        if (ql_backend_tensor_set(be, store, img.data(), 0, bytes) != QL_OK) {
+            ql_optim_list_free(l);
+            return nullptr;
+        }
+        l->store = (uint8_t *)store->data;
+    }
+    return l;
+}
+
+// the host's statistics: one running sum in group order, element order
+static void optim_stats_host(const ql_optim_list *l, double *sumsq, bool *finite) {
+    double s = 0;
+    bool ok = true;
+    for (int k = 0; k < l->n; k++) {
+        const float *x = (const float *)l->groups[k].param->grad->data;
+        for (int64_t i = 0, n = ql_nelements(l->groups[k].param); i < n; i++) {
+            if (std::isfinite(x[i])) s += (double)x[i] * x[i];
+            else ok = false;
+        }
+    }
+    *sumsq = s;
+    *finite = ok && std::isfinite(s);
+}
+
+struct optim_job {
+    const ql_optim_list *l;
+    int64_t step;
+    const ql_adamw_params *p;
+    float factor;
+};
+static void optim_worker(void *arg, int ith, int nth) {
+    const optim_job *j = (const optim_job *)arg;
+    for (int k = 0; k < j->l->n; k++) {
+        if (j->l->owner[k] % nth != ith) continue;
+        const ql_optim_group &g = j->l->groups[k];
+        if (g.m_absmax) ql_adamw8bit_update(g.param, g.m, g.m_absmax, g.v, g.v_absmax, j->step, j->p, j->factor);
+        else ql_adamw_update(g.param, g.m, g.v, j->step, j->p, j->factor);
+    }
+}
+
+ql_status ql_backend_grad_stats_multi(ql_backend *be, ql_optim_list *l, double *sumsq, bool *finite) {
+    if (!be || !l || l->backend != be->id || !sumsq || !finite) return QL_ERR_INVALID;
+    if (be->iface.grad_stats_multi) return be->iface.grad_stats_multi(be, l, sumsq, finite);
+    if (ql_backend_is_host(be)) {
+        optim_stats_host(l, sumsq, finite);
+        return QL_OK;
+    }
+    double s = 0;  // a device without the multi-tensor form: one tensor at a time
+    bool ok = true;
+    for (int k = 0; k < l->n; k++) {
+        double ps = 0;
+        bool f = true;
+        const ql_status st = ql_backend_grad_stats(be, l->groups[k].param->grad, &ps, &f);
+        if (st != QL_OK) return st;
+        s += ps;
+        ok = ok && f;
+    }
+    *sumsq = s;
+    *finite = ok && std::isfinite(s);
+    return QL_OK;
+}
+
+ql_status ql_backend_adamw_update_multi(ql_backend *be, ql_optim_list *l, int64_t step, const ql_adamw_params *p,
+                                        double loss_scale, float max_norm, double *sumsq, bool *finite) {
+    if (!be || !l || l->backend != be->id || !p || step < 1 || !(loss_scale > 0) || !sumsq || !finite) return QL_ERR_INVALID;
+    if (be->iface.adamw_update_multi) return be->iface.adamw_update_multi(be, l, step, p, loss_scale, max_norm, sumsq, finite);
+    const ql_status st = ql_backend_grad_stats_multi(be, l, sumsq, finite);
+    if (st != QL_OK || !*finite) return st;  // a non-finite element: the step is skipped
+    const optim_job job = {l, step, p, ql_optim_grad_factor(*sumsq, loss_scale, max_norm)};
+    if (ql_backend_cpu_n_threads(be) > 0) {
+        ql_backend_cpu_parallel(be, optim_worker, (void *)&job);
+        return QL_OK;
+    }
+    for (int k = 0; k < l->n; k++) {  // a device without the multi-tensor form: one tensor at a time
+        const ql_optim_group &g = l->groups[k];
+        const ql_status s2 = ql_backend_adamw_update(be, g.param, g.m, g.v, g.m_absmax, g.v_absmax, step, p, job.factor);
+        if (s2 != QL_OK) return s2;
+    }
     return QL_OK;
 }
 
@@ -6956,7 +7116,7 @@ ql_backend *ql_backend_init_planned(ql_device d, int cc, char *err, size_t err_s
     }
     ql_backend *be = new ql_backend();
     be->iface = {"cuda (plan only)", cuda_plan_supports, cuda_plan_work, nullptr, nullptr, nullptr, cuda_plan_free,
-                 nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+                 nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
     be->impl = (void *)(intptr_t)cc;
     be->id = ql_backend_new_id();
     return be;

@@ -725,6 +725,36 @@ ql_status   ql_backend_adamw_update(ql_backend *be, ql_tensor *param, ql_tensor 
 // the global gradient norm and the fp16 loss scaler's inf/nan check, where the gradient lives.
 ql_status   ql_backend_grad_stats(ql_backend *be, const ql_tensor *t, double *sumsq, bool *finite);
 
+// The same over every parameter at once (multi-tensor): one launch for the statistics, one for
+// the update, one read back, whatever the number of parameters. A list describes the groups once,
+// after their tensors are placed (tensors moved later need a new list), for one backend.
+typedef struct ql_optim_group {
+    ql_tensor *param;                // f32 [n], contiguous, with its f32 gradient param->grad
+    ql_tensor *m, *v;                // f32 [n] moments, or I8 [n] codes (8-bit AdamW) with
+    ql_tensor *m_absmax, *v_absmax;  // f32 [ceil(n / QL_OPT8_BLOCK)]; NULL for f32 moments
+} ql_optim_group;
+typedef struct ql_optim_list ql_optim_list;
+// The bytes of `store` a list of n groups needs on a device backend (its descriptors, the
+// statistics' partial sums and result): an I8 tensor of the caller's, planned and placed with the
+// rest of its state, written once here. A host backend (CPU) needs none: store may be NULL there.
+size_t      ql_optim_list_bytes(int n_groups);
+// NULL (and a message on stderr) for a group that ql_backend_adamw_update would refuse, or a
+// store that is missing or too small on a device backend.
+ql_optim_list *ql_optim_list_new(ql_backend *be, const ql_optim_group *groups, int n_groups, ql_tensor *store);
+void        ql_optim_list_free(ql_optim_list *l);  // NULL-safe; the tensors stay
+// Sum of squares (double) of every gradient's finite elements, and whether all are finite, as
+// ql_backend_grad_stats summed over the list (CPU: one running sum in group order, element
+// order; a device: another order, the same to a double's rounding).
+ql_status   ql_backend_grad_stats_multi(ql_backend *be, ql_optim_list *l, double *sumsq, bool *finite);
+// One optimizer step of every group, the gradient norm taken where the gradients live: with
+// norm = sqrt(sumsq) / loss_scale (the unscaled norm), every gradient is multiplied by
+// 1 / loss_scale, and by max_norm / (norm + 1e-6) when max_norm > 0 and norm > max_norm (torch's
+// clip_grad_norm_), the factor computed on the device. When an element is not finite nothing is
+// updated (the step is skipped: the caller's loss scaler backs off, or it reports the error).
+// *sumsq and *finite: the statistics the step used - the one read back to the host.
+ql_status   ql_backend_adamw_update_multi(ql_backend *be, ql_optim_list *l, int64_t step, const ql_adamw_params *p,
+                                          double loss_scale, float max_norm, double *sumsq, bool *finite);
+
 // ---- choosing a backend: the tools' --device, parsed once ----
 typedef enum ql_device_kind {
     QL_DEVICE_CPU,   // "cpu"
@@ -919,6 +949,7 @@ void ql_adamw8bit_update(ql_tensor *param, ql_tensor *m, ql_tensor *m_absmax, ql
 // guarded tail rather than a second header: the library stays two files.)
 #if defined(QL_INTERNALS) && !defined(QLORA_H_INTERNALS)
 #define QLORA_H_INTERNALS
+#include <math.h>  // sqrt (ql_optim_grad_factor)
 
 #ifdef __cplusplus
 extern "C" {
@@ -1036,6 +1067,42 @@ static inline QL_HD uint8_t ql_dynamic_quantize_inline(const float *map, float x
 // ql_cpu_default_threads' rule: cores less the others running, at least 1 (for tests)
 int ql_cpu_threads_for(int cores, int others_running);
 
+// ---- the multi-tensor optimizer (ql_optim_list) ----
+
+// The gradient factor of a multi-tensor step, written once for the host and the device:
+// 1 / loss_scale, times max_norm / (norm + 1e-6) when max_norm > 0 and the unscaled norm exceeds it
+static inline QL_HD float ql_optim_grad_factor(double sumsq, double loss_scale, float max_norm) {
+    const double norm = sqrt(sumsq) / loss_scale;
+    const float clip = (max_norm > 0 && norm > max_norm) ? (float)(max_norm / (norm + 1e-6)) : 1.0f;
+    return (float)(clip / loss_scale);
+}
+// One group as a device's kernels read it from the list's store (pointers where the tensors live).
+typedef struct ql_optim_desc {
+    float       *w;                  // [n] the parameter
+    const float *g;                  // [n] its gradient
+    void        *m, *v;              // [n] f32 moments, or uint8 codes with:
+    float       *m_absmax, *v_absmax;  // [ceil(n / QL_OPT8_BLOCK)] (NULL: f32 moments)
+    int64_t      n;
+    int64_t      chunk0;             // its first chunk of QL_OPT8_BLOCK elements among all groups'
+} ql_optim_desc;
+QL_STATIC_ASSERT(sizeof(ql_optim_desc) == 64, optim_desc);  // the host writes what the device reads
+#define QL_OPT_STATS_BLOCKS 1024  // most blocks of the statistics' launch (min(this, chunks): a fixed summation order per list)
+// The store: ql_optim_desc [n], then per statistics block {sum of squares, non-finite count}
+// (double [2 * QL_OPT_STATS_BLOCKS]), the result {sumsq, non-finite count} (double [2]), and
+// the count of blocks done (uint32, 16 bytes kept).
+static inline size_t ql_optim_store_partials(int n) { return (size_t)n * sizeof(ql_optim_desc); }
+static inline size_t ql_optim_store_result(int n) { return ql_optim_store_partials(n) + 2 * QL_OPT_STATS_BLOCKS * sizeof(double); }
+static inline size_t ql_optim_store_counter(int n) { return ql_optim_store_result(n) + 2 * sizeof(double); }
+struct ql_optim_list {
+    uint64_t        backend;    // the id of the backend it was made for (the only one it runs on)
+    int             n;          // groups
+    ql_optim_group *groups;     // [n]
+    int64_t         n_chunks;   // chunks of QL_OPT8_BLOCK elements over all groups (each group's last one partial)
+    uint8_t        *store;      // the store's data (device memory on a device; NULL on the host)
+    int             n_threads;  // the CPU backend's threads, and
+    int            *owner;      // [n] the thread that updates group i (largest next to the least loaded)
+};
+
 // ---- the backend interface ----
 
 // What a backend implements (CUDA lives in qlora-cuda.cu and fills this table).
@@ -1058,6 +1125,10 @@ typedef struct ql_backend_i {
     ql_status (*adamw_update)(ql_backend *be, ql_tensor *param, ql_tensor *m, ql_tensor *v, ql_tensor *m_absmax,
                               ql_tensor *v_absmax, int64_t step, const ql_adamw_params *p, float grad_scale);
     ql_status (*grad_stats)(ql_backend *be, const ql_tensor *t, double *sumsq, bool *finite);
+    // the multi-tensor forms (NULL: the host's math); their list's store already holds its descriptors
+    ql_status (*grad_stats_multi)(ql_backend *be, ql_optim_list *l, double *sumsq, bool *finite);
+    ql_status (*adamw_update_multi)(ql_backend *be, ql_optim_list *l, int64_t step, const ql_adamw_params *p,
+                                    double loss_scale, float max_norm, double *sumsq, bool *finite);
 } ql_backend_i;
 #define QL_COPY_TO_DEVICE   0   // ql_backend_i.copy directions
 #define QL_COPY_TO_HOST     1

@@ -68,7 +68,10 @@ struct ql_trainer {
     std::vector<ql_tensor *> params;
     // per parameter its optimizer state: {m, v} f32, or (8-bit) {m, m_absmax, v, v_absmax}
     std::vector<std::vector<ql_tensor *>> state;
-    std::vector<std::vector<size_t>> shard;  // per CPU thread the parameters it updates (balanced by size)
+    // the optimizer's groups (parameter, moments) described once for the multi-tensor step, and
+    // on a device its store (descriptors, the norm's partial sums), planned and placed with the state
+    ql_optim_list *olist = nullptr;
+    ql_tensor *optim_store = nullptr;
     ql_plan_stats plan{};
     int64_t step = 0, total = 0, per_epoch = 0, warmup = 0;
     std::vector<int64_t> order;  // the current epoch's visiting order
@@ -260,6 +263,9 @@ static bool build(ql_trainer *t, ql_context *ctx) {
     if (!t->on_host && ql_optim_paged(t->o.optim))
         for (const auto &st : t->state)
             for (ql_tensor *x : st) x->flags |= QL_FLAG_HOST;
+    t->optim_store = t->on_host ? nullptr  // (the CPU's list needs none)
+                                : ql_set_name(ql_new_tensor_1d(ctx, QL_TYPE_I8, (int64_t)ql_optim_list_bytes((int)t->params.size())),
+                                              "optim_list");
     return ql_ctx_status(ctx) == QL_OK && t->tr.g;
 }
 
@@ -812,18 +818,17 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
     const size_t n_in = (size_t)(t->T * t->B);
     t->in_tokens.assign(n_in, 0), t->in_pos.assign(n_in, 0), t->in_targets.assign(n_in, 0), t->in_seg.assign(n_in, 0);
     if (t->embd_host) t->in_embd.assign(n_in * (size_t)t->f->model.hp.n_embd, 0.0f);
-    // the optimizer's update runs on the backend's threads: the largest parameter next to the
-    // least-loaded thread (each parameter's update is independent: results do not depend on it)
-    t->shard.assign((size_t)ql_backend_cpu_n_threads(t->be), {});
-    std::vector<size_t> by_size(t->params.size()), load(t->shard.size(), 0);
-    for (size_t i = 0; i < by_size.size(); i++) by_size[i] = i;
-    std::stable_sort(by_size.begin(), by_size.end(),
-                     [t](size_t a, size_t b) { return ql_nelements(t->params[a]) > ql_nelements(t->params[b]); });
-    for (size_t i : by_size) {
-        if (t->shard.empty()) break;  // a device updates on its own
-        const size_t k = (size_t)(std::min_element(load.begin(), load.end()) - load.begin());
-        t->shard[k].push_back(i);
-        load[k] += (size_t)ql_nelements(t->params[i]);
+    // the optimizer's groups, where they now live: one multi-tensor step over all of them
+    std::vector<ql_optim_group> groups;
+    for (size_t i = 0; i < t->params.size(); i++) {
+        const std::vector<ql_tensor *> &st = t->state[i];
+        const bool eight = st.size() == 4;
+        groups.push_back({t->params[i], st[0], eight ? st[2] : st[1], eight ? st[1] : nullptr, eight ? st[3] : nullptr});
+    }
+    if (!(t->olist = ql_optim_list_new(t->be, groups.data(), (int)groups.size(), t->optim_store))) {
+        *err = "the optimizer's list could not be written to " + std::string(ql_backend_name(t->be));
+        ql_trainer_free(t);
+        return nullptr;
     }
     give_back_heap();
     return t;
@@ -897,6 +902,7 @@ void ql_trainer_free(ql_trainer *t) {
     free_io(t->ev);
     for (batch_io &b : t->bucket_io) free_io(b);
     t->bucket_io.clear();
+    ql_optim_list_free(t->olist);
     ql_backend_buffer_free(t->paged_buf);
     ql_backend_buffer_free(t->state_buf);    // the tensors back on the arena,
     ql_backend_buffer_free(t->weights_buf);  // the weights on the file mapping
@@ -1022,22 +1028,6 @@ static bool fill(ql_trainer *t, const batch_io &io, const ql_sequence *const *se
 static bool set_f32(ql_trainer *t, ql_tensor *x, float v) { return ql_backend_tensor_set(t->be, x, &v, 0, 4) == QL_OK; }
 static bool get_f32(ql_trainer *t, const ql_tensor *x, float *v) { return ql_backend_tensor_get(t->be, x, v, 0, 4) == QL_OK; }
 
-// one thread's share of the optimizer step
-struct update_job {
-    ql_trainer *t;
-    ql_adamw_params hp;
-    float grad_scale;  // unscale and clip
-};
-static void update_worker(void *arg, int ith, int) {
-    const update_job *j = (const update_job *)arg;
-    ql_trainer *t = j->t;
-    for (size_t i : t->shard[(size_t)ith]) {
-        const std::vector<ql_tensor *> &st = t->state[i];
-        if (st.size() == 4) ql_adamw8bit_update(t->params[i], st[0], st[1], st[2], st[3], t->applied + 1, &j->hp, j->grad_scale);
-        else ql_adamw_update(t->params[i], st[0], st[1], t->applied + 1, &j->hp, j->grad_scale);
-    }
-}
-
 bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t s = t->step, B = t->B, A = t->o.grad_accum;
@@ -1096,26 +1086,26 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
         }
         loss += l / scale;
     }
-    double sq = 0;  // the global gradient norm, then clipping folded into the update's scale
-    for (const ql_tensor *p : t->params) {
-        if (t->on_host) {  // one running sum over every element (the CPU's order, kept as it was)
-            const float *g = (const float *)p->grad->data;
-            for (int64_t i = 0; i < ql_nelements(p); i++) sq += (double)g[i] * g[i];
-            continue;
-        }
-        double ps = 0;
-        bool finite = true;
-        if (ql_backend_grad_stats(t->be, p->grad, &ps, &finite) != QL_OK) {
-            t->broken = true;  // a backend error: the device may not give the adapter back
-            *err = "step " + std::to_string(s + 1) + ": gradient statistics failed on " + std::string(ql_backend_name(t->be));
-            return false;
-        }
-        sq += finite ? ps : INFINITY;
+    if (!t->olist) {
+        *err = "step " + std::to_string(s + 1) + ": the trainer's tensors left " + std::string(ql_backend_name(t->be)) +
+               " (ql_trainer_to_host): no more steps";
+        return false;
     }
+    // the optimizer over every parameter at once: the global gradient norm, the clip factor
+    // folded into the update's scale and the non-finite check all where the gradients live; the
+    // norm and the finite flag come back once (the log, the loss scaler), after the update
     const bool scaling = t->o.precision == ql_precision::fp16;
-    const bool skip = scaling && !std::isfinite(sq);
     const double lr = ql_trainer_lr_at(t, t->applied);  // the schedule follows the updates made
-    const double norm = skip ? INFINITY : std::sqrt(sq) / scale;  // unscaled, before clipping
+    const ql_adamw_params hp = {(float)lr, t->o.beta1, t->o.beta2, t->o.eps, t->o.weight_decay};
+    double sq = 0;
+    bool finite = true;
+    if (ql_backend_adamw_update_multi(t->be, t->olist, t->applied + 1, &hp, scale, t->o.max_grad_norm, &sq, &finite) != QL_OK) {
+        t->broken = true;  // a backend error: the device may not give the adapter back
+        *err = "step " + std::to_string(s + 1) + ": the optimizer's update failed on " + std::string(ql_backend_name(t->be));
+        return false;
+    }
+    const bool skip = scaling && !finite;  // (the update skipped itself: nothing was touched)
+    const double norm = finite ? std::sqrt(sq) / scale : INFINITY;  // unscaled, before clipping
     if (skip) {  // GradScaler: no update, back off, count it; the data moves on, the schedule and Adam's step count do not
         t->scale *= t->o.scale_backoff;
         t->growth_tracker = 0;
@@ -1128,7 +1118,7 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
             return false;
         }
     } else {
-        if (!std::isfinite(norm)) {  // stop before the adapter is touched, naming the first bad gradient
+        if (!finite) {  // the update skipped itself: the adapter is untouched; name the first bad gradient
             std::string which = "?";
             std::vector<float> gh;  // an error path: the device's gradients come over to be named
             for (const ql_tensor *p : t->params) {
@@ -1145,23 +1135,6 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
             *err = "step " + std::to_string(s + 1) + ": the gradient of " + which +
                    " is not finite; the adapter is left as it was after step " + std::to_string(s) + " --> hint: a lower --lr";
             return false;
-        }
-        const float clip = (t->o.max_grad_norm > 0 && norm > t->o.max_grad_norm) ? (float)(t->o.max_grad_norm / (norm + 1e-6)) : 1.0f;
-        const float gscale = (float)(clip / scale);  // unscale and clip in one factor
-        const update_job job = {t, {(float)lr, t->o.beta1, t->o.beta2, t->o.eps, t->o.weight_decay}, gscale};
-        if (t->on_host) {
-            ql_backend_cpu_parallel(t->be, update_worker, (void *)&job);
-        } else {  // where the tensors live
-            for (size_t i = 0; i < t->params.size(); i++) {
-                const std::vector<ql_tensor *> &st = t->state[i];
-                const bool eight = st.size() == 4;
-                if (ql_backend_adamw_update(t->be, t->params[i], st[0], eight ? st[2] : st[1], eight ? st[1] : nullptr,
-                                            eight ? st[3] : nullptr, t->applied + 1, &job.hp, gscale) != QL_OK) {
-                    t->broken = true;
-                    *err = "step " + std::to_string(s + 1) + ": the optimizer's update failed on " + std::string(ql_backend_name(t->be));
-                    return false;
-                }
-            }
         }
         t->applied++;
         t->skipped_in_row = 0;
@@ -1561,6 +1534,8 @@ bool ql_trainer_to_host(ql_trainer *t, std::string *err) {
     ql_backend_buffer_free(t->state_buf);  // every placed tensor back on its host bytes
     ql_backend_buffer_free(t->weights_buf);
     ql_backend_buffer_free(t->paged_buf);
+    ql_optim_list_free(t->olist);  // (its pointers were the device's: no step after this)
+    t->olist = nullptr;
     t->state_buf = t->weights_buf = t->paged_buf = nullptr;
     for (const auto &st : t->state)
         for (ql_tensor *x : st) x->flags &= ~QL_FLAG_HOST;
