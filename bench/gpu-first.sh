@@ -4,7 +4,8 @@
 # 1. build with CUDA for this card only (make CUDA=1, CUDA_ARCHS from nvidia-smi's compute
 #    capability: minutes less than all of sm_75..sm_90);
 # 2. the op suite on the device against the CPU oracle (test-qlora's "backend ops cuda*" cases);
-# 3. micro-benchmarks: ./tools/bench's GPU modes where the build has them (`bench attn`);
+# 3. micro-benchmarks: ./tools/bench's GPU modes where the build has them (`bench attn`: fused
+#    attention against the chunked cuBLAS products, forward and backward TFLOP/s);
 # 4. bench/gpu.sh at the 1B shape (and 8B when SHAPES says so), PyTorch + PEFT + bitsandbytes in
 #    the same call when python3 has them;
 # 5. the 1B step's profile (finetune --profile, steps 2..4);
@@ -41,8 +42,8 @@ if [ -n "$BASE" ]; then
 fi
 part ops ./build/test-qlora -tc="backend ops cuda*"
 tail -3 "$OUT/ops.log" | sed 's/^/    /' >> "$S"
-if ./tools/bench 2>&1 | grep -q attn; then
-    part bench-attn ./tools/bench attn --device cuda
+if ./tools/bench --help 2>&1 | grep -q attn; then
+    part bench-attn ./tools/bench attn -r 10
     grep -i 'tflop' "$OUT/bench-attn.log" | sed 's/^/    /' >> "$S"
 fi
 part gpu-bench env KEEP="$PWD/$OUT/gpu" NO_BUILD=1 sh bench/gpu.sh "$SHAPES" "$STEPS" 2
