@@ -3303,6 +3303,33 @@ ql_status ql_graph_get_stats(const ql_graph *g, ql_plan_stats *stats) {
     return QL_OK;
 }
 
+ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
+    if (!g || !be || !c || !g->planned) return QL_ERR_INVALID;
+    *c = ql_census{};
+    ql_backend_caps caps;
+    if (ql_backend_get_caps(be, &caps) != QL_OK) return QL_ERR_INVALID;
+    std::unordered_set<const ql_tensor *> inplace;
+    for (size_t i = 0; i < g->entries.size(); i++)
+        if (g->entries[i].inplace) inplace.insert(g->entry_tensor[i]);
+    for (const ql_tensor *n : g->nodes) {
+        if (is_noop(n->op)) continue;
+        c->nodes++;
+        c->launches += caps.host ? 1 : ql_cuda_node_launches(n, caps.cc, inplace.count(n) > 0);
+        const double f = node_flops(n);
+        c->flops += f;
+        if (n->flags & QL_FLAG_RECOMPUTED) c->recompute_flops += f;
+        double b = (double)ql_nbytes(n);
+        for (const ql_tensor *sr : n->src)
+            if (sr) b += (double)(ql_nbytes(sr) + (sr->view_src ? 0 : sr->aux_size));
+        const int cls = n->op == QL_OP_MUL_MAT ? QL_CENSUS_MATMUL
+                        : n->op == QL_OP_FLASH_ATTN || n->op == QL_OP_FLASH_ATTN_BACK ? QL_CENSUS_ATTENTION
+                        : n->op == QL_OP_CROSS_ENTROPY || n->op == QL_OP_CROSS_ENTROPY_BACK ? QL_CENSUS_LOSS
+                                                                                              : QL_CENSUS_OTHER;
+        c->bytes[cls] += b;
+    }
+    return QL_OK;
+}
+
 void ql_graph_set_poison(ql_graph *g, bool on) {
     if (g) g->poison = on;
 }
@@ -7034,6 +7061,43 @@ bool ql_cuda_fa_fused(const ql_tensor *node) {
     if (!((node->op == QL_OP_FLASH_ATTN && !node->src[4]) || node->op == QL_OP_FLASH_ATTN_BACK)) return false;
     const int64_t D = node->src[0]->ne[0];
     return cuda_fa_prec(node) == QL_TYPE_BF16 && node->src[2]->ne[0] == D && (D == 64 || D == 80 || D == 96 || D == 128);
+}
+// As qlora-cuda.cu issues them (cu_run_node and the cu_op_* it calls); a test runs graphs through
+// the shim and compares the count of what it issued with this.
+int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
+    auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+    switch (node->op) {
+    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE: case QL_OP_COUNT:
+        return 0;
+    case QL_OP_MUL_MAT: {
+        if (ql_cuda_mm_gemv(node)) return 1;
+        const ql_tensor *a = node->src[0], *b = node->src[1], *acc = node->src[2];
+        const int64_t K = a->ne[0], M = a->ne[1];
+        const int64_t A2 = a->ne[2], A3 = a->ne[3], B2 = b->ne[2], B3 = b->ne[3], r3 = B3 / A3;
+        const bool acc16 = acc && node->type != QL_TYPE_F32;
+        int64_t n = (acc && !acc16 && !inplace) + acc16 + (ql_cuda_mm_b_direct(b) ? 0 : B2 * B3);  // c's copy; k_acc_round; b's copies
+        if (ql_cuda_mm_trows(a)) return n + cdiv(K, ql_cuda_mm_tile_rows(M, K)) * (1 + B3);  // per tile: dequantise, GEMMs
+        const bool direct = ql_cuda_mm_a_direct(a, b->type);
+        const int64_t tiles = direct ? 1 : cdiv(M, ql_cuda_mm_tile_rows(K, M));
+        return n + A2 * A3 * tiles * ((direct ? 0 : 1) + r3);
+    }
+    case QL_OP_FLASH_ATTN: case QL_OP_FLASH_ATTN_BACK: {
+        const bool back = node->op == QL_OP_FLASH_ATTN_BACK;
+        if (!ql_cuda_fa_gemm(node)) return back ? 3 : 1;  // fused: delta, dK/dV, dQ; the forward (or the KV cache's kernel)
+        int64_t chunk = 1;
+        ql_cuda_fa_layout(node, cc, nullptr, &chunk, nullptr);
+        const int64_t chunks = cdiv(node->src[0]->ne[1], chunk);
+        return back ? 4 + 9 * chunks : 2 + 5 * chunks;  // (delta, memset,) K and V packed; per chunk: packs, products, softmax/dS, unpack
+    }
+    case QL_OP_CROSS_ENTROPY:
+        return 2;  // rows, total
+    case QL_OP_ROPE: case QL_OP_ROPE_BACK:
+        return 1 + (node->op_params[0] < node->src[0]->ne[0]);  // the dimensions past n_dims copied by a second kernel
+    case QL_OP_VIEW_BACK: case QL_OP_GET_ROWS_BACK:
+        return 2;  // a memset, then the kernel
+    default:
+        return 1;
+    }
 }
 bool ql_cuda_fa_gemm(const ql_tensor *node) {
     return ((node->op == QL_OP_FLASH_ATTN && !node->src[4]) || node->op == QL_OP_FLASH_ATTN_BACK) && !ql_cuda_fa_fused(node);

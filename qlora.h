@@ -593,6 +593,22 @@ int       ql_graph_plan_entries(const ql_graph *g, const ql_plan_entry **entries
 uint64_t  ql_graph_plan_id(const ql_graph *g);
 // the statistics of the current plan (QL_ERR_INVALID if the graph is not planned)
 ql_status ql_graph_get_stats(const ql_graph *g, ql_plan_stats *stats);
+
+// What one run of a planned graph costs on the backend it was planned for, counted from the
+// graph and the backend's rules - no device needed (a stand-in from ql_backend_init_planned
+// counts as its card would). The unit of "launches": a kernel, a library call (cuBLAS) or an
+// asynchronous copy or memset, as the CUDA backend issues them without CUDA graphs (with them:
+// one graph launch per run); on the CPU, a node. Bytes are each computing node's sources and
+// result as stored (a view's bytes where it is read), summed by class.
+enum { QL_CENSUS_MATMUL, QL_CENSUS_ATTENTION, QL_CENSUS_LOSS, QL_CENSUS_OTHER, QL_CENSUS_CLASSES };
+typedef struct ql_census {
+    int64_t nodes;                     // nodes that compute (views, reshapes and leafs not counted)
+    int64_t launches;                  // see above
+    double  flops;                     // executed, multiply-adds counting 2 (the planner's node costs)
+    double  recompute_flops;           // of them, in recomputed copies of forward ops
+    double  bytes[QL_CENSUS_CLASSES];  // moved by class: multiplies, attention, loss, the rest (element-wise, norms, copies)
+} ql_census;
+ql_status ql_graph_census(const ql_graph *g, ql_backend *backend, ql_census *census);
 // Allocates the planned buffer once from the backend and points every op result into it.
 // Graphs may share tensors (a backward graph contains its forward graph's nodes): a run
 // points the shared tensors into its own buffer first, so after a run, tensor data refers
@@ -1170,6 +1186,9 @@ bool    ql_cuda_operand_ok(size_t elem_size, int64_t nb0, int64_t nb1, int64_t K
 bool    ql_cuda_mm_trows(const ql_tensor *a);          // a = transpose(block-quantized W): dequantised by rows of W
 #define QL_CUDA_GEMV_MAX_N 8                           // a product of at most this many tokens may read the packed weight
 bool    ql_cuda_mm_gemv(const ql_tensor *node);        // ... and this one does (decode; no workspace)
+// launches one node costs on a CUDA device of compute capability cc (ql_census' unit); inplace:
+// the planner gave the node its source's memory (ql_plan_entry.inplace)
+int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace);
 bool    ql_cuda_mm_a_direct(const ql_tensor *a, ql_type compute);
 bool    ql_cuda_mm_b_direct(const ql_tensor *b);
 size_t  ql_cuda_mm_b_bytes(const ql_tensor *b);        // b's contiguous copy in the workspace (0: read in place)

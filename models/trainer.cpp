@@ -432,6 +432,7 @@ static bool measure(ql_trainer *t, std::string *err) {
         auto heap = [](const batch_io &io) { return ql_graph_heap_bytes(io.gf) + (io.g != io.gf ? ql_graph_heap_bytes(io.g) : 0); };
         m.graph_heap = heap(t->tr) + heap(t->ev);
         for (const batch_io &b : t->bucket_io) m.graph_heap += heap(b);
+        if (ql_graph_census(t->tr.g, t->be, &m.census) != QL_OK) m.census = ql_census{};
         m.saved = ps.bytes[QL_MEM_SAVED];
         m.recompute = ps.recompute_peak;
         m.work = ps.bytes[QL_MEM_WORK];

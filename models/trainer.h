@@ -159,6 +159,7 @@ struct ql_memory_plan {
     size_t host_pinned = 0;     // offloaded checkpoints in pinned host memory (a device run with --offload-activations)
     bool   embd_on_host = false;
     size_t host_embd = 0;       // the embedding's bytes kept in host memory (read a row at a time)
+    ql_census census{};         // one micro-batch's training graph on the plan's backend (ql_graph_census)
 };
 
 struct ql_step_metrics {

@@ -210,3 +210,94 @@ TEST_CASE("cuda graphs: the copy stream is joined at a run's end: an offload cop
     ql_free(ctx);
     ql_backend_free(be);
 }
+
+// ---- the census: what a run issues, counted from the plan (ql_graph_census), equals what the
+// backend issued through the shim (kernels, cuBLAS calls, async copies and memsets) ----
+extern "C" long long qlshim_stream_ops(void) __attribute__((weak));
+
+namespace {
+// one eager run of the trainer's training graph: the stream operations it issued, and the census's count
+void census_of_training(const std::string &path, const std::vector<ql_sequence> &seqs, ql_train_options o) {
+    char err[256];
+    ql_backend *be = ql_backend_cuda_init(0, err, sizeof(err));
+    REQUIRE_MESSAGE(be, err);
+    ql_cuda_set_graphs(be, false);
+    ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
+    REQUIRE_MESSAGE(f, err);
+    o.backend = be;
+    std::string e;
+    ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &e);
+    REQUIRE_MESSAGE(t, e);
+    ql_graph *g = ql_trainer_graph(t);
+    ql_census c;
+    REQUIRE(ql_graph_census(g, be, &c) == QL_OK);
+    const long long before = qlshim_stream_ops();
+    REQUIRE_MESSAGE(ql_backend_graph_compute(be, g) == QL_OK, ql_ctx_error(ql_graph_ctx(g)));
+    REQUIRE(ql_backend_synchronize(be) == QL_OK);
+    const long long issued = qlshim_stream_ops() - before;
+    CHECK_MESSAGE(c.launches == issued, "census ", c.launches, ", issued ", issued);
+    CHECK(c.nodes > 0);
+    CHECK(c.launches > c.nodes / 2);
+    CHECK(c.flops > 0);
+    CHECK(c.bytes[QL_CENSUS_MATMUL] > 0);
+    CHECK(c.bytes[QL_CENSUS_ATTENTION] > 0);
+    CHECK(c.bytes[QL_CENSUS_LOSS] > 0);
+    if (o.checkpointing == ql_checkpointing::block) CHECK(c.recompute_flops > 0);
+    MESSAGE("census: ", c.nodes, " nodes, ", c.launches, " launches, ", c.flops, " FLOPs (", c.recompute_flops, " recomputed)");
+    ql_trainer_free(t);
+    ql_llama_file_free(f);
+    ql_backend_free(be);
+}
+}  // namespace
+
+TEST_CASE("census: the launches counted from the plan are what the CUDA backend issues (bf16 fused attention, fp32 chunked, "
+          "block recompute with offload)" * skip_unless(k_cuda && qlshim_stream_ops != nullptr, "without the CUDA shim's counters")) {
+    tmpdir d;
+    const std::string path = graphs_model(d);
+    const std::vector<ql_sequence> seqs = sequences(8, 0, 61);
+    ql_train_options o = options();
+    o.max_steps = 1;
+    SUBCASE("bf16") { census_of_training(path, seqs, o); }
+    SUBCASE("fp32") {
+        o.precision = ql_precision::fp32;
+        census_of_training(path, seqs, o);
+    }
+    SUBCASE("bf16, block recompute, checkpoints offloaded") {
+        o.checkpointing = ql_checkpointing::block;
+        o.offload_activations = true;
+        census_of_training(path, seqs, o);
+    }
+}
+
+TEST_CASE("census: a decode product (one kernel) and a product in tiles" * skip_unless(k_cuda && qlshim_stream_ops != nullptr,
+                                                                                    "without the CUDA shim's counters")) {
+    char err[256];
+    ql_backend *be = ql_backend_cuda_init(0, err, sizeof(err));
+    REQUIRE_MESSAGE(be, err);
+    ql_cuda_set_graphs(be, false);
+    for (int64_t n : {1, 8, 9, 40}) {
+        CAPTURE(n);
+        ql_init_params ip = {16u << 20, nullptr, true, false};
+        ql_context *ctx = ql_init(ip);
+        ql_tensor *w = ql_new_tensor_2d(ctx, QL_TYPE_Q4_K, 4096, 700), *x = ql_new_tensor_2d(ctx, QL_TYPE_F32, 4096, n);
+        ql_tensor *y = ql_mul_mat(ctx, w, x);
+        ql_graph *g = ql_graph_new(ctx);
+        REQUIRE(ql_graph_build_forward(g, y) == QL_OK);
+        ql_backend_buffer *leafs = ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE);
+        REQUIRE_MESSAGE(leafs, ql_ctx_error(ctx));
+        const bool ok = ql_graph_plan(g, be, nullptr) == QL_OK && ql_graph_alloc(g, be) == QL_OK;
+        REQUIRE_MESSAGE(ok, ql_ctx_error(ctx));
+        ql_census c;
+        REQUIRE(ql_graph_census(g, be, &c) == QL_OK);
+        const long long before = qlshim_stream_ops();
+        REQUIRE_MESSAGE(ql_backend_graph_compute(be, g) == QL_OK, ql_ctx_error(ctx));
+        REQUIRE(ql_backend_synchronize(be) == QL_OK);
+        CHECK(c.launches == qlshim_stream_ops() - before);
+        if (n <= QL_CUDA_GEMV_MAX_N) CHECK(c.launches == 1);
+        else CHECK(c.launches >= 2);  // a tile dequantised, then multiplied
+        ql_graph_free(g);
+        ql_backend_buffer_free(leafs);
+        ql_free(ctx);
+    }
+    ql_backend_free(be);
+}

@@ -297,10 +297,14 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
                "\"optimizer_in_host_memory\": %s, \"inputs_and_state\": %zu, \"saved_activations\": %zu, \"checkpoints\": %zu, \"temporaries\": %zu, "
                "\"recompute_peak\": %zu, \"workspace\": %zu, \"graph_buffer\": %zu, \"context\": %zu, \"rounding\": %zu, "
                "\"total\": %zu, \"limit\": %zu, \"fits\": %s, \"host\": {\"process\": %zu, \"planned\": %zu, \"embedding\": %zu, \"pinned\": %zu}, "
-               "\"checkpointing\": \"%s\", \"recompute_fraction\": %.4f, \"micro_batch\": %d, \"loss_chunk\": %lld, \"ffn_chunk\": %lld}\n",
+               "\"checkpointing\": \"%s\", \"recompute_fraction\": %.4f, \"micro_batch\": %d, \"loss_chunk\": %lld, \"ffn_chunk\": %lld, "
+               "\"census\": {\"nodes\": %lld, \"launches\": %lld, \"flops\": %.6g, \"recompute_flops\": %.6g, \"bytes\": {\"matmul\": %.6g, "
+               "\"attention\": %.6g, \"loss\": %.6g, \"other\": %.6g}}}\n",
                m.host_embd, m.lora, m.grads, m.optimizer, optim.c_str(), m.optimizer_host ? "true" : "false", m.dev_state, m.saved, m.checkpoints, m.scratch, m.recompute,
                m.work, m.dev_buffer, m.dev_context, m.dev_rounding, m.total, limit, fits ? "true" : "false", process, m.host, m.host_embd, m.host_pinned,
-               m.checkpointing.c_str(), m.recompute_fraction, m.micro_batch, (long long)m.loss_chunk, (long long)m.ffn_chunk);
+               m.checkpointing.c_str(), m.recompute_fraction, m.micro_batch, (long long)m.loss_chunk, (long long)m.ffn_chunk,
+               (long long)m.census.nodes, (long long)m.census.launches, m.census.flops, m.census.recompute_flops,
+               m.census.bytes[QL_CENSUS_MATMUL], m.census.bytes[QL_CENSUS_ATTENTION], m.census.bytes[QL_CENSUS_LOSS], m.census.bytes[QL_CENSUS_OTHER]);
         return;
     }
     const std::string types = by_type_text(m.dev_weights_by_type);
@@ -337,6 +341,14 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
     if (m.recompute_fraction > 0) printf("; recomputes %.0f%% of the forward FLOPs", 100 * m.recompute_fraction);
     if (m.loss_chunk) printf("\n  loss: output projection + cross-entropy in chunks of %lld tokens (logits never whole)", (long long)m.loss_chunk);
     if (m.ffn_chunk) printf("\n  feed-forward: in chunks of %lld tokens (its intermediates a chunk at a time)", (long long)m.ffn_chunk);
+    if (m.census.nodes) {  // what one micro-batch's graph costs there, from the plan (ql_graph_census)
+        const ql_census &c = m.census;
+        const double GB = 1e9;
+        printf("\n  census, one micro-batch: %lld launches without CUDA graphs (%lld ops; with graphs one launch), %.2f TFLOP "
+               "executed of which %.2f recomputed;\n    bytes read and written: multiplies %.1f GB, attention %.1f, loss %.1f, "
+               "the rest %.1f", (long long)c.launches, (long long)c.nodes, c.flops / 1e12, c.recompute_flops / 1e12,
+               c.bytes[QL_CENSUS_MATMUL] / GB, c.bytes[QL_CENSUS_ATTENTION] / GB, c.bytes[QL_CENSUS_LOSS] / GB, c.bytes[QL_CENSUS_OTHER] / GB);
+    }
     printf("\n");
     fflush(stdout);
 }
