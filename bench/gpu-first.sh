@@ -16,6 +16,7 @@
 # status is the number of failed parts.
 cd "$(dirname "$0")/.."
 OUT=${1:-gpu-first-out}
+case $OUT in /*) ;; *) OUT=$PWD/$OUT ;; esac
 SHAPES=${SHAPES:-1b}
 STEPS=${STEPS:-10}
 J=$(nproc)
@@ -37,16 +38,16 @@ say "# gpu-first on $(nvidia-smi --query-gpu=name,memory.total,driver_version --
 build() { make CUDA=1 CUDA_ARCHS="$ARCHS" -j"$J" all build/test-qlora tools/bench; }
 part build build
 if [ -n "$BASE" ]; then
-    (cd "$BASE" && make CUDA=1 CUDA_ARCHS="$ARCHS" -j"$J" all > "$OLDPWD/$OUT/base-build.log" 2>&1) &
+    (cd "$BASE" && make CUDA=1 CUDA_ARCHS="$ARCHS" -j"$J" all > "$OUT/base-build.log" 2>&1) &
     base_pid=$!
 fi
-part ops ./build/test-qlora -tc="backend ops cuda*"
+part ops ./build/test-qlora -tc="backend ops cuda*,cuda graphs*,optimizer multi-tensor cuda*"
 tail -3 "$OUT/ops.log" | sed 's/^/    /' >> "$S"
 if ./tools/bench --help 2>&1 | grep -q attn; then
     part bench-attn ./tools/bench attn -r 10
     grep -i 'tflop' "$OUT/bench-attn.log" | sed 's/^/    /' >> "$S"
 fi
-part gpu-bench env KEEP="$PWD/$OUT/gpu" NO_BUILD=1 sh bench/gpu.sh "$SHAPES" "$STEPS" 2
+part gpu-bench env KEEP="$OUT/gpu" NO_BUILD=1 sh bench/gpu.sh "$SHAPES" "$STEPS" 2
 grep '^|' "$OUT/gpu-bench.log" >> "$S"
 M="$OUT/gpu/1b.gguf"
 if [ -n "$BASE" ] && [ -f "$M" ]; then
