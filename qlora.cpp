@@ -6845,8 +6845,19 @@ bool ql_cuda_mm_b_direct(const ql_tensor *b) {
 size_t ql_cuda_mm_b_bytes(const ql_tensor *b) {
     return ql_cuda_mm_b_direct(b) ? 0 : align_up((size_t)ql_nelements(b) * cuda_elem_size(b->type), QL_ALIGN);
 }
+// the tile budget in elements: QL_CUDA_MM_TILE_ELEMS, or a test's (several tiles of small weights)
+static int64_t cuda_mm_tile_elems = QL_CUDA_MM_TILE_ELEMS;
+void ql_cuda_mm_tile_elems_for_tests(int64_t n) { cuda_mm_tile_elems = n > 0 ? n : QL_CUDA_MM_TILE_ELEMS; }
 int64_t ql_cuda_mm_tile_rows(int64_t row_len, int64_t n_rows) {
-    return std::max<int64_t>(1, std::min<int64_t>(n_rows, QL_CUDA_MM_TILE_ELEMS / std::max<int64_t>(row_len, 1)));
+    const int64_t fit = cuda_mm_tile_elems / std::max<int64_t>(row_len, 1);
+    if (n_rows <= fit) return std::max<int64_t>(n_rows, 1);
+    return std::min<int64_t>(n_rows, std::max<int64_t>(QL_CUDA_MM_TILE_ALIGN, fit / QL_CUDA_MM_TILE_ALIGN * QL_CUDA_MM_TILE_ALIGN));
+}
+size_t ql_cuda_mm_tile_bytes(int64_t row_len, int64_t n_rows, ql_type compute) {
+    return align_up((size_t)(row_len * ql_cuda_mm_tile_rows(row_len, n_rows)) * cuda_elem_size(compute), QL_ALIGN);
+}
+int ql_cuda_mm_tile_bufs(int64_t row_len, int64_t n_rows, int64_t batches) {
+    return batches * ((n_rows + ql_cuda_mm_tile_rows(row_len, n_rows) - 1) / ql_cuda_mm_tile_rows(row_len, n_rows)) > 1 ? 2 : 1;
 }
 bool ql_cuda_fa_gemm(const ql_tensor *node) {
     return (node->op == QL_OP_FLASH_ATTN && !node->src[4]) || node->op == QL_OP_FLASH_ATTN_BACK;
@@ -6891,12 +6902,14 @@ size_t ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NB
 size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
     if (ql_cuda_fa_gemm(node)) return ql_cuda_fa_layout(node, cc, nullptr, nullptr, nullptr);
     switch (node->op) {
-    case QL_OP_MUL_MAT: {  // b's contiguous copy (when cuBLAS cannot read it), then one dequantised tile of a
+    case QL_OP_MUL_MAT: {  // b's contiguous copy (when cuBLAS cannot read it), then a's tile buffers: tiles of
+        // a's rows (K each; of a transposed W, bands of W's columns), two when there is more than
+        // one tile (the next is dequantised while the current one's GEMMs run)
         const ql_tensor *a = node->src[0], *b = node->src[1];
-        const size_t es = cuda_elem_size(b->type);
         size_t w = ql_cuda_mm_b_bytes(b);
-        if (ql_cuda_mm_trows(a)) w += (size_t)(a->ne[1] * ql_cuda_mm_tile_rows(a->ne[1], a->ne[0])) * es;
-        else if (!ql_cuda_mm_a_direct(a, b->type)) w += (size_t)(a->ne[0] * ql_cuda_mm_tile_rows(a->ne[0], a->ne[1])) * es;
+        if (ql_cuda_mm_trows(a) || !ql_cuda_mm_a_direct(a, b->type))
+            w += (size_t)ql_cuda_mm_tile_bufs(a->ne[0], a->ne[1], a->ne[2] * a->ne[3]) *
+                 ql_cuda_mm_tile_bytes(a->ne[0], a->ne[1], b->type);
         if (node->src[2] && node->type != QL_TYPE_F32)  // a 16-bit c: the product in f32 before c is added (qlora-cuda.cu)
             w = align_up(w, QL_ALIGN) + (size_t)ql_nelements(node) * sizeof(float);
         return w;
@@ -6910,7 +6923,6 @@ size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
 // machine without the device. It computes nothing and allocates nothing.
 static bool cuda_plan_supports(ql_backend *be, const ql_tensor *node) {
     const int cc = (int)(intptr_t)be->impl;
-    if (node->op == QL_OP_MUL_MAT && node->type != QL_TYPE_F32 && ql_cuda_mm_trows(node->src[0])) return false;  // as the device
     return !(node->op == QL_OP_MUL_MAT && node->src[1]->type == QL_TYPE_BF16 && cc < 80);  // as the device: no bf16 GEMM before 8.0
 }
 static size_t cuda_plan_work(ql_backend *be, const ql_tensor *node) { return ql_cuda_work_size(node, (int)(intptr_t)be->impl); }
