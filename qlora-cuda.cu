@@ -637,7 +637,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
     // covers m in [m0, m0 + mt); the planner's rules give the tile and the buffers
     const bool trows = ql_cuda_mm_trows(a), direct = !trows && ql_cuda_mm_a_direct(a, ct);
     const int64_t tm = direct ? M : ql_cuda_mm_tile_rows(K, M), per_batch = (M + tm - 1) / tm, n_tiles = A2 * A3 * per_batch;
-    const int n_bufs = direct ? 0 : ql_cuda_mm_tile_bufs(K, M, A2 * A3);
+    const int n_bufs = direct ? 1 : ql_cuda_mm_tile_bufs(K, M, A2 * A3);
     const size_t buf_bytes = direct ? 0 : ql_cuda_mm_tile_bytes(K, M, ct);
     const ql_tensor *w = trows ? a->view_src : a;
     const ql_type_traits *wt = ql_type_traits_get(w->type);
@@ -652,7 +652,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
     }
     for (int64_t t = 0; t < n_tiles && !c.failed; t++) {
         const int64_t ib = t / per_batch, ia2 = ib % A2, ia3 = ib / A2, m0 = (t % per_batch) * tm, mt = std::min(tm, M - m0);
-        const int buf = (int)(t % 2);
+        const int buf = (int)(t % n_bufs);
         cu_operand A;
         if (direct) {
             A = cu_as_operand((const char *)a->data + ia2 * a->nb[2] + ia3 * a->nb[3], es, (int64_t)a->nb[0], (int64_t)a->nb[1], K,

@@ -6856,8 +6856,12 @@ int64_t ql_cuda_mm_tile_rows(int64_t row_len, int64_t n_rows) {
 size_t ql_cuda_mm_tile_bytes(int64_t row_len, int64_t n_rows, ql_type compute) {
     return align_up((size_t)(row_len * ql_cuda_mm_tile_rows(row_len, n_rows)) * cuda_elem_size(compute), QL_ALIGN);
 }
+// two buffers (the next tile filled during the current one's GEMMs) when there is more than one
+// tile and a tile is within the budget; one where the 128-row minimum is over it (the head's Wᵀ
+// dy: 128 columns of 128256 rows are 31 MiB in bf16), filled and used in turn
 int ql_cuda_mm_tile_bufs(int64_t row_len, int64_t n_rows, int64_t batches) {
-    return batches * ((n_rows + ql_cuda_mm_tile_rows(row_len, n_rows) - 1) / ql_cuda_mm_tile_rows(row_len, n_rows)) > 1 ? 2 : 1;
+    const int64_t tr = ql_cuda_mm_tile_rows(row_len, n_rows);
+    return batches * ((n_rows + tr - 1) / tr) > 1 && tr * row_len <= cuda_mm_tile_elems ? 2 : 1;
 }
 bool ql_cuda_fa_gemm(const ql_tensor *node) {
     return (node->op == QL_OP_FLASH_ATTN && !node->src[4]) || node->op == QL_OP_FLASH_ATTN_BACK;

@@ -384,7 +384,9 @@ OP_CASE(mul_mat_tiles_dequantised_bits) {
         for (int64_t rows : {300, 129})
             for (ql_type ct : {QL_TYPE_F32, QL_TYPE_BF16, QL_TYPE_F16})
                 for (int transposed = 0; transposed < 2; transposed++)
-                    for (int64_t budget : {(int64_t)0, 128 * tt.ne0}) {  // one tile; tiles of 128 rows (bands of 128 columns)
+                    // one tile; tiles of 128 rows (bands of 128 columns) in two buffers; 128 over a
+                    // budget of 64 rows: one buffer, tiles made and used in turn
+                    for (int64_t budget : {(int64_t)0, 128 * tt.ne0, 64 * tt.ne0}) {
                         INFO(std::string(ql_type_name(tt.t)) << " [" << tt.ne0 << ", " << rows << "], compute " << std::string(ql_type_name(ct))
                                                 << (transposed ? ", W^T I" : ", W I") << ", budget " << budget);
                         tile_budget tb(budget);
