@@ -383,16 +383,20 @@ __device__ __forceinline__ void cu_st8(char *dst, int dst_type, const float v[CU
     *(uint4 *)dst = make_uint4(h[0], h[1], h[2], h[3]);
 }
 
+// the absmax of NF4 block blk, either kind
+__device__ __forceinline__ float cu_nf4_block_absmax(int type, const char *aux, int64_t blk) {
+    return type == QL_TYPE_NF4 ? cu_nf4_absmax(aux, blk) : ((const float *)aux)[blk];
+}
+
 // elements [e, e + 8) of row r (e a multiple of 8; ne0 too, so the 8 lie in one block of any
 // type: 32, 64 and 256 are multiples of 8). The expressions are cu_dequant_q's and
-// cu_weight_elem's, with what the 8 share read once: the same bits.
+// cu_weight_elem's, with what the 8 share read once: the same bits. am: NF4's absmax of the
+// block (the caller's, shared by the 8 lanes of a block where it can be)
 __device__ __forceinline__ void cu_dequant8(const char *w, int64_t row_bytes, int type, const char *aux, int64_t ne0, int64_t r,
-                                            int64_t e, float v[CU_DQ_VEC]) {
+                                            int64_t e, float am, float v[CU_DQ_VEC]) {
     const uint8_t *row = (const uint8_t *)w + r * row_bytes;
     switch (type) {
     case QL_TYPE_NF4: case QL_TYPE_NF4_NODQ: {
-        const int64_t blk = (r * ne0 + e) / QL_NF4_BLOCK;
-        const float am = type == QL_TYPE_NF4 ? cu_nf4_absmax(aux, blk) : ((const float *)aux)[blk];
         const uint32_t q = *(const uint32_t *)(row + e / 2);  // 4 bytes, 4-aligned (ne0 and e multiples of 8)
         for (int i = 0; i < 4; i++) {
             const uint32_t byte = (q >> 8 * i) & 255;  // little-endian: byte i holds elements 2i (high) and 2i+1 (low)
@@ -438,15 +442,25 @@ __device__ __forceinline__ void cu_dequant8(const char *w, int64_t row_bytes, in
 }
 
 // k_dequant_rows' tile, 8 elements per thread: groups g of a flat index over [nr rows, nc / 8]
-// (nc, c0 and ne0 multiples of 8; nr * nc / 8 < 2^31: a tile is bounded by the planned budget)
+// (nc, c0 and ne0 multiples of 8; nr * nc / 8 < 2^31: a tile is bounded by the planned budget).
+// NF4 with nf4_shared (ne0, c0 and nc multiples of 64: the 8 lanes 8j .. 8j + 7 hold one whole
+// block): one lane reads the block's absmax and passes it on (a shuffle), one per 64 elements;
+// else each lane reads its own, one per 8. The loop is warp-uniform, for the shuffle.
 __global__ void k_dequant_tile(const char *w, int64_t row_bytes, int type, const char *aux, int64_t ne0, int64_t r0, int64_t nr,
-                               int64_t c0, int64_t nc, char *dst, int dst_type) {
-    const uint32_t G = (uint32_t)(nc / CU_DQ_VEC), n = (uint32_t)nr * G;
+                               int64_t c0, int64_t nc, char *dst, int dst_type, int nf4_shared) {
+    const uint32_t G = (uint32_t)(nc / CU_DQ_VEC), n = (uint32_t)nr * G, lane = threadIdx.x % 32;
+    const bool nf4 = type == QL_TYPE_NF4 || type == QL_TYPE_NF4_NODQ;
     const size_t dsz = dst_type == QL_TYPE_F32 ? 4 : 2;
-    for (uint32_t g = blockIdx.x * blockDim.x + threadIdx.x; g < n; g += gridDim.x * blockDim.x) {
-        const uint32_t r = g / G, e = (g - r * G) * CU_DQ_VEC;
+    for (uint32_t g0 = blockIdx.x * blockDim.x + threadIdx.x - lane; g0 < n; g0 += gridDim.x * blockDim.x) {
+        const uint32_t g = g0 + lane, r = g < n ? g / G : 0, e = g < n ? (g - r * G) * CU_DQ_VEC : 0;
+        float am = 0.0f;
+        if (nf4) {
+            if (g < n && (!nf4_shared || lane % 8 == 0)) am = cu_nf4_block_absmax(type, aux, ((int64_t)(r0 + r) * ne0 + c0 + e) / QL_NF4_BLOCK);
+            if (nf4_shared) am = __shfl_sync(0xffffffff, am, lane & ~7u);
+        }
+        if (g >= n) continue;
         float v[CU_DQ_VEC];
-        cu_dequant8(w, row_bytes, type, aux, ne0, r0 + r, c0 + e, v);
+        cu_dequant8(w, row_bytes, type, aux, ne0, r0 + r, c0 + e, am, v);
         cu_st8(dst + ((int64_t)r * nc + e) * dsz, dst_type, v);
     }
 }
@@ -461,9 +475,10 @@ static bool cu_dequant_vec_ok(ql_type type, int64_t ne0) {
 static void cu_dequant_tile(cu_ctx &c, cudaStream_t s, const char *w, int64_t row_bytes, ql_type type, const char *aux, int64_t ne0,
                             int64_t r0, int64_t nr, int64_t c0, int64_t nc, char *dst, ql_type dst_type) {
     if (cu_dequant_vec_ok(type, ne0) && c0 % CU_DQ_VEC == 0 && nc % CU_DQ_VEC == 0) {
-        CU_ASSERT(nr * (nc / CU_DQ_VEC) < ((int64_t)1 << 31) && ((uintptr_t)dst & 15) == 0);
+        CU_ASSERT(nr * (nc / CU_DQ_VEC) < ((int64_t)1 << 31) && ((uintptr_t)dst & 15) == 0 && CU_BLOCK % 32 == 0);
+        const int nf4_shared = ne0 % QL_NF4_BLOCK == 0 && c0 % QL_NF4_BLOCK == 0 && nc % QL_NF4_BLOCK == 0;
         QL_LAUNCH(k_dequant_tile, cu_grid(nr * (nc / CU_DQ_VEC)), CU_BLOCK, 0, s, w, row_bytes, (int)type, aux, ne0, r0, nr, c0, nc,
-                  dst, (int)dst_type);
+                  dst, (int)dst_type, nf4_shared);
     } else {
         QL_LAUNCH(k_dequant_rows, cu_grid_rows(nc, nr), CU_BLOCK, 0, s, w, row_bytes, (int)type, aux, ne0, r0, nr, c0, nc, dst,
                   (int)dst_type);

@@ -362,7 +362,9 @@ struct tile_type {
     int64_t ne0;
 };
 const tile_type k_tile_types[] = {{QL_TYPE_NF4, 320}, {QL_TYPE_NF4_NODQ, 320}, {QL_TYPE_Q4_0, 320}, {QL_TYPE_Q8_0, 320},
-                                  {QL_TYPE_Q4_K, 512}, {QL_TYPE_Q6_K, 512}, {QL_TYPE_NF4, 172}};  // 172: the per-element path
+                                  {QL_TYPE_Q4_K, 512}, {QL_TYPE_Q6_K, 512},
+                                  {QL_TYPE_NF4, 200},   // rows of 200: an absmax per 8 elements (blocks cross rows)
+                                  {QL_TYPE_NF4, 172}};  // 172: the per-element path
 
 // an identity [n, n] in f32
 ql_tensor *identity(leafs &L, int64_t n) {
