@@ -343,15 +343,150 @@ __device__ __forceinline__ float cu_weight_elem(const char *w, int64_t row_bytes
     return cu_dequant_q(type, (const uint8_t *)row + (e / bs) * bb, (int)(e % bs));
 }
 
-// Rows [row0, row0 + nrows) of a weight (rows of ne0 elements, `row_bytes` apart, any type the
-// trait table reads), written as dst [ne0, nrows] contiguous in dst_type. aux: NF4's side data.
-// A row per grid row (y, grid-stride), its elements across x: no division per element.
-__global__ void k_dequant_rows(const char *w, int64_t row_bytes, int type, const char *aux, int64_t ne0, int64_t row0,
-                               int64_t nrows, char *dst, int dst_type) {
+// the grid for rows of `len` elements: x covers a row (up to 8 blocks), y the rows
+static dim3 cu_grid_rows(int64_t len, int64_t rows) {
+    return dim3((unsigned)std::max<int64_t>(1, std::min<int64_t>((len + CU_BLOCK - 1) / CU_BLOCK, 8)),
+                (unsigned)std::max<int64_t>(1, std::min<int64_t>(rows, CU_MAX_GRID)));
+}
+
+// A tile of a weight (rows of ne0 elements, `row_bytes` apart, any type the trait table reads):
+// rows [r0, r0 + nr), columns [c0, c0 + nc) of each, written as dst [nc, nr] contiguous in
+// dst_type. aux: NF4's side data. The multiply's two tiles are both this: W x takes whole rows
+// (c0 = 0, nc = ne0), Wᵀ dy a band of columns of every row. The per-element kernel, for shapes
+// the vectorised one below does not take (rows whose length is not a multiple of 8): a row per
+// grid row (y, grid-stride), its elements across x.
+__global__ void k_dequant_rows(const char *w, int64_t row_bytes, int type, const char *aux, int64_t ne0, int64_t r0, int64_t nr,
+                               int64_t c0, int64_t nc, char *dst, int dst_type) {
     const size_t dsz = dst_type == QL_TYPE_F32 ? 4 : 2;
-    for (int64_t r = blockIdx.y; r < nrows; r += gridDim.y)
-        for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < ne0; e += (int64_t)gridDim.x * blockDim.x)
-            cu_st(dst + (r * ne0 + e) * dsz, dst_type, cu_weight_elem(w, row_bytes, type, aux, ne0, row0 + r, e));
+    for (int64_t r = blockIdx.y; r < nr; r += gridDim.y)
+        for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < nc; e += (int64_t)gridDim.x * blockDim.x)
+            cu_st(dst + (r * nc + e) * dsz, dst_type, cu_weight_elem(w, row_bytes, type, aux, ne0, r0 + r, c0 + e));
+}
+
+// ---- the vectorised path: 8 elements per thread (one NF4 absmax, one block header, one
+// sub-block scale per 8), stored as one 16-byte vector (two in f32) ----
+
+#define CU_DQ_VEC 8  // elements per thread of k_dequant_tile
+
+// v rounded to f16 / bf16 (to nearest even, as cu_st), as bits
+__device__ __forceinline__ uint32_t cu_bits16(float v, int type) {
+    if (type == QL_TYPE_F16) return ((__half_raw)__float2half_rn(v)).x;
+    return ((__nv_bfloat16_raw)__float2bfloat16_rn(v)).x;
+}
+
+// 8 values -> dst (16-byte aligned) in dst_type, rounded to nearest even as cu_st
+__device__ __forceinline__ void cu_st8(char *dst, int dst_type, const float v[CU_DQ_VEC]) {
+    if (dst_type == QL_TYPE_F32) {
+        ((float4 *)dst)[0] = make_float4(v[0], v[1], v[2], v[3]);
+        ((float4 *)dst)[1] = make_float4(v[4], v[5], v[6], v[7]);
+        return;
+    }
+    uint32_t h[CU_DQ_VEC / 2];  // element 2i in the low half (little-endian, as cu_st stores it)
+    for (int i = 0; i < CU_DQ_VEC / 2; i++) h[i] = cu_bits16(v[2 * i], dst_type) | (uint32_t)cu_bits16(v[2 * i + 1], dst_type) << 16;
+    *(uint4 *)dst = make_uint4(h[0], h[1], h[2], h[3]);
+}
+
+// the absmax of NF4 block blk, either kind
+__device__ __forceinline__ float cu_nf4_block_absmax(int type, const char *aux, int64_t blk) {
+    return type == QL_TYPE_NF4 ? cu_nf4_absmax(aux, blk) : ((const float *)aux)[blk];
+}
+
+// elements [e, e + 8) of row r (e a multiple of 8; ne0 too, so the 8 lie in one block of any
+// type: 32, 64 and 256 are multiples of 8). The expressions are cu_dequant_q's and
+// cu_weight_elem's, with what the 8 share read once: the same bits. am: NF4's absmax of the
+// block (the caller's, shared by the 8 lanes of a block where it can be)
+__device__ __forceinline__ void cu_dequant8(const char *w, int64_t row_bytes, int type, const char *aux, int64_t ne0, int64_t r,
+                                            int64_t e, float am, float v[CU_DQ_VEC]) {
+    const uint8_t *row = (const uint8_t *)w + r * row_bytes;
+    switch (type) {
+    case QL_TYPE_NF4: case QL_TYPE_NF4_NODQ: {
+        const uint32_t q = *(const uint32_t *)(row + e / 2);  // 4 bytes, 4-aligned (ne0 and e multiples of 8)
+        for (int i = 0; i < 4; i++) {
+            const uint32_t byte = (q >> 8 * i) & 255;  // little-endian: byte i holds elements 2i (high) and 2i+1 (low)
+            v[2 * i] = __fmul_rn(cu_nf4_values[byte >> 4], am);
+            v[2 * i + 1] = __fmul_rn(cu_nf4_values[byte & 15], am);
+        }
+        return;
+    }
+    case QL_TYPE_Q4_0: {
+        const ql_block_q4_0 *b = (const ql_block_q4_0 *)(row + (e / 32) * sizeof(ql_block_q4_0));
+        const int j = (int)(e % 32), sh = j < 16 ? 0 : 4, j0 = j % 16;
+        const float d = cu_h2f(b->d);
+        for (int i = 0; i < CU_DQ_VEC; i++) v[i] = __fmul_rn((float)(((b->qs[j0 + i] >> sh) & 15) - 8), d);
+        return;
+    }
+    case QL_TYPE_Q8_0: {
+        const ql_block_q8_0 *b = (const ql_block_q8_0 *)(row + (e / 32) * sizeof(ql_block_q8_0));
+        const int j = (int)(e % 32);
+        const float d = cu_h2f(b->d);
+        for (int i = 0; i < CU_DQ_VEC; i++) v[i] = __fmul_rn((float)b->qs[j + i], d);
+        return;
+    }
+    case QL_TYPE_Q4_K: {
+        const ql_block_q4_K *b = (const ql_block_q4_K *)(row + (e / QL_QK_K) * sizeof(ql_block_q4_K));
+        const int j = (int)(e % QL_QK_K), s = j / 32, l = j % 32;
+        int sc, mn;
+        if (s < 4) {
+            sc = b->scales[s] & 63;
+            mn = b->scales[s + 4] & 63;
+        } else {
+            sc = (b->scales[s + 4] & 15) | ((b->scales[s - 4] >> 6) << 4);
+            mn = (b->scales[s + 4] >> 4) | ((b->scales[s] >> 6) << 4);
+        }
+        const float d = __fmul_rn(cu_h2f(b->d), (float)sc), m = __fmul_rn(cu_h2f(b->dmin), (float)mn);
+        const uint8_t *qs = b->qs + 32 * (s / 2) + l;
+        for (int i = 0; i < CU_DQ_VEC; i++) v[i] = __fsub_rn(__fmul_rn(d, (float)((s & 1) ? (qs[i] >> 4) : (qs[i] & 15))), m);
+        return;
+    }
+    default:  // the other block types: each element through cu_weight_elem (plain types never come here)
+        for (int i = 0; i < CU_DQ_VEC; i++) v[i] = cu_weight_elem(w, row_bytes, type, aux, ne0, r, e + i);
+        return;
+    }
+}
+
+// k_dequant_rows' tile, 8 elements per thread: groups g of a flat index over [nr rows, nc / 8]
+// (nc, c0 and ne0 multiples of 8; nr * nc / 8 < 2^31: a tile is bounded by the planned budget).
+// NF4 with nf4_shared (ne0, c0 and nc multiples of 64: the 8 lanes 8j .. 8j + 7 hold one whole
+// block): one lane reads the block's absmax and passes it on (a shuffle), one per 64 elements;
+// else each lane reads its own, one per 8. The loop is warp-uniform, for the shuffle.
+__global__ void k_dequant_tile(const char *w, int64_t row_bytes, int type, const char *aux, int64_t ne0, int64_t r0, int64_t nr,
+                               int64_t c0, int64_t nc, char *dst, int dst_type, int nf4_shared) {
+    const uint32_t G = (uint32_t)(nc / CU_DQ_VEC), n = (uint32_t)nr * G, lane = threadIdx.x % 32;
+    const bool nf4 = type == QL_TYPE_NF4 || type == QL_TYPE_NF4_NODQ;
+    const size_t dsz = dst_type == QL_TYPE_F32 ? 4 : 2;
+    for (uint32_t g0 = blockIdx.x * blockDim.x + threadIdx.x - lane; g0 < n; g0 += gridDim.x * blockDim.x) {
+        const uint32_t g = g0 + lane, r = g < n ? g / G : 0, e = g < n ? (g - r * G) * CU_DQ_VEC : 0;
+        float am = 0.0f;
+        if (nf4) {
+            if (g < n && (!nf4_shared || lane % 8 == 0)) am = cu_nf4_block_absmax(type, aux, ((int64_t)(r0 + r) * ne0 + c0 + e) / QL_NF4_BLOCK);
+            if (nf4_shared) am = __shfl_sync(0xffffffff, am, lane & ~7u);
+        }
+        if (g >= n) continue;
+        float v[CU_DQ_VEC];
+        cu_dequant8(w, row_bytes, type, aux, ne0, r0 + r, c0 + e, am, v);
+        cu_st8(dst + ((int64_t)r * nc + e) * dsz, dst_type, v);
+    }
+}
+
+// can k_dequant_tile take this weight's tiles? (block-quantized, rows of a multiple of 8)
+static bool cu_dequant_vec_ok(ql_type type, int64_t ne0) {
+    const ql_type_traits *t = ql_type_traits_get(type);
+    return t && t->blck_size > 1 && ne0 % CU_DQ_VEC == 0;
+}
+
+// launcher: rows [r0, r0 + nr), columns [c0, c0 + nc) of w -> dst [nc, nr] in dst_type
+static void cu_dequant_tile(cu_ctx &c, cudaStream_t s, const char *w, int64_t row_bytes, ql_type type, const char *aux, int64_t ne0,
+                            int64_t r0, int64_t nr, int64_t c0, int64_t nc, char *dst, ql_type dst_type) {
+    if (cu_dequant_vec_ok(type, ne0) && c0 % CU_DQ_VEC == 0 && nc % CU_DQ_VEC == 0) {
+        CU_ASSERT(nr * (nc / CU_DQ_VEC) < ((int64_t)1 << 31) && ((uintptr_t)dst & 15) == 0 && CU_BLOCK % 32 == 0);
+        const int nf4_shared = ne0 % QL_NF4_BLOCK == 0 && c0 % QL_NF4_BLOCK == 0 && nc % QL_NF4_BLOCK == 0;
+        QL_LAUNCH(k_dequant_tile, cu_grid(nr * (nc / CU_DQ_VEC)), CU_BLOCK, 0, s, w, row_bytes, (int)type, aux, ne0, r0, nr, c0, nc,
+                  dst, (int)dst_type, nf4_shared);
+    } else {
+        QL_LAUNCH(k_dequant_rows, cu_grid_rows(nc, nr), CU_BLOCK, 0, s, w, row_bytes, (int)type, aux, ne0, r0, nr, c0, nc, dst,
+                  (int)dst_type);
+    }
+    CU_LAUNCHED(c);
 }
 
 // A strided 2-D slice src (element (k, m) at k*nb0 + m*nb1, plain type) -> dst [K, M] contiguous
@@ -363,12 +498,6 @@ __global__ void k_convert_2d(const char *src, int src_type, int64_t nb0, int64_t
     for (int64_t m = blockIdx.y; m < M; m += gridDim.y)
         for (int64_t k = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; k < K; k += (int64_t)gridDim.x * blockDim.x)
             cu_st(dst + (m * K + k) * dsz, dst_type, cu_ld(src + k * nb0 + m * nb1, src_type));
-}
-
-// the grid for rows of `len` elements: x covers a row (up to 8 blocks), y the rows
-static dim3 cu_grid_rows(int64_t len, int64_t rows) {
-    return dim3((unsigned)std::max<int64_t>(1, std::min<int64_t>((len + CU_BLOCK - 1) / CU_BLOCK, 8)),
-                (unsigned)std::max<int64_t>(1, std::min<int64_t>(rows, CU_MAX_GRID)));
 }
 
 // ============================================================================================
@@ -568,6 +697,59 @@ static void cu_op_gemv(cu_ctx &c, ql_tensor *node) {
     CU_LAUNCHED(c);
 }
 
+// ---- the dequantised tiles' pipeline: with more than one tile, tile t + 1 is dequantised on a
+// side stream into the other of two buffers while the GEMMs of tile t run on the compute
+// stream. Forked from the compute stream and joined back to it by events (capturable in a CUDA
+// graph; no host synchronisation). The events' order is also kept on the host (cu_mm_order):
+// a fill or a GEMM queued without the wait that orders it is an error - the shim runs every
+// kernel at its launch, so only this bookkeeping shows a missing wait there ----
+
+// The compute stream's wait for the last tile's fill is the join: nothing is queued on the side
+// stream after it.
+enum { CU_MM_EV_FORK, CU_MM_EV_READY0, CU_MM_EV_READY1, CU_MM_EV_FREE0, CU_MM_EV_FREE1, CU_MM_EV_COUNT };
+struct cu_mm_side {  // per backend (cuda_backend::mm_side), made on the first multiply of more than one tile
+    cudaStream_t stream = nullptr;
+    cudaEvent_t ev[CU_MM_EV_COUNT] = {};
+};
+static cu_mm_side &cu_mm_side_of(cu_ctx &c);  // section 8: the backend's (storage only)
+static void cu_mm_side_free(cu_mm_side &m) {
+    if (m.stream) cudaStreamDestroy(m.stream);
+    for (cudaEvent_t &e : m.ev)
+        if (e) cudaEventDestroy(e);
+    m = cu_mm_side();
+}
+static cu_mm_side *cu_mm_side_get(cu_ctx &c) {
+    cu_mm_side &m = cu_mm_side_of(c);
+    if (m.stream) return &m;
+    bool ok = cudaStreamCreateWithFlags(&m.stream, cudaStreamNonBlocking) == cudaSuccess;
+    for (cudaEvent_t &e : m.ev) ok = ok && cudaEventCreateWithFlags(&e, cudaEventDisableTiming) == cudaSuccess;
+    if (!ok) {
+        cu_mm_side_free(m);
+        cu_fail(c, __FILE__, __LINE__, "cu_mm_side_get", "cannot make the multiply's side stream and its events");
+        return nullptr;
+    }
+    return &m;
+}
+
+// what each stream has waited for of the other, positions counted in queued operations
+// (stream 0: compute, 1: side); buffer i was filled at side position filled[i], last read by
+// the GEMM at compute position read[i] (1: the work queued before this node)
+struct cu_mm_order {
+    int64_t pos[2] = {1, 0}, seen[2] = {0, 0};  // seen[x]: the other stream's position x waited for
+    int64_t ev_pos[CU_MM_EV_COUNT] = {};
+    int ev_stream[CU_MM_EV_COUNT] = {};
+    int64_t filled[2] = {0, 0}, read[2] = {1, 1};
+};
+
+static void cu_mm_record(cu_ctx &c, cu_mm_side &m, cu_mm_order &o, int ev, int x) {
+    CU_CHECK(c, cudaEventRecord(m.ev[ev], x ? m.stream : c.stream));
+    o.ev_stream[ev] = x, o.ev_pos[ev] = o.pos[x];
+}
+static void cu_mm_wait(cu_ctx &c, cu_mm_side &m, cu_mm_order &o, int x, int ev) {
+    CU_CHECK(c, cudaStreamWaitEvent(x ? m.stream : c.stream, m.ev[ev], 0));
+    if (o.ev_stream[ev] != x) o.seen[x] = std::max(o.seen[x], o.ev_pos[ev]);
+}
+
 static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
     if (ql_cuda_mm_gemv(node)) return cu_op_gemv(c, node);
     const ql_tensor *a = node->src[0], *b = node->src[1];
@@ -575,7 +757,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
     const size_t es = type_size_cu(ct);
     const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
     const int64_t A2 = a->ne[2], A3 = a->ne[3], B2 = b->ne[2], B3 = b->ne[3], r2 = B2 / A2, r3 = B3 / A3;
-    // the result f32, or of b's 16-bit type (ql_mul_mat_to): then one GEMM over all of K per element
+    // the result f32, or of b's 16-bit type (ql_mul_mat_to): one GEMM over all of K per element
     CU_ASSERT(b->ne[0] == K && (node->type == QL_TYPE_F32 || node->type == ct) && ql_is_contiguous(node) && is_float_type_cu(ct));
     const ql_tensor *acc = node->src[2];
     // ql_mul_mat_acc onto a 16-bit c: cuBLAS' epilogue rounds the product to C's type before it
@@ -583,7 +765,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
     // made in f32 at the end of the workspace and k_acc_round adds c and rounds once
     const bool acc16 = acc && node->type != QL_TYPE_F32;
     const size_t stage = acc16 ? (size_t)ql_nelements(node) * sizeof(float) : 0;
-    CU_ASSERT(!acc16 || ql_cuda_work_size(node, 0) <= c.work_size);
+    CU_ASSERT(ql_cuda_work_size(node, 0) <= c.work_size);
     const ql_type rt = acc16 ? QL_TYPE_F32 : node->type;  // what the GEMMs write
     char *C = acc16 ? (char *)c.work + ql_cuda_work_size(node, 0) - stage : (char *)node->data;
     const int64_t cs = (int64_t)type_size_cu(rt);
@@ -592,7 +774,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
     // ql_mul_mat_acc (c of the GEMMs' type): C starts as c (unless written over it in place), and every GEMM adds to it
     if (acc && !acc16 && acc->data != node->data)
         CU_CHECK(c, cudaMemcpyAsync(C, acc->data, ql_nbytes(node), cudaMemcpyDeviceToDevice, c.stream));
-    const float beta0 = acc && !acc16 ? 1.0f : 0.0f;  // the first GEMM's beta over C
+    const float beta0 = acc && !acc16 ? 1.0f : 0.0f;  // the GEMMs' beta over C
 
     // B: in place, or copied contiguous (K x N per batch) into the workspace
     const char *bp = (const char *)b->data;
@@ -609,66 +791,85 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
         bnb0 = (int64_t)es, bnb1 = K * (int64_t)es, bnb2 = K * N * (int64_t)es, bnb3 = K * N * B2 * (int64_t)es;
         ws += ql_cuda_mm_b_bytes(b);
     }
-    auto b_at = [&](int64_t i2, int64_t i3, int64_t k0, int64_t kt) {  // rows k0 .. k0 + kt of b's batch (i2, i3)
-        return cu_as_operand(bp + i2 * bnb2 + i3 * bnb3 + k0 * bnb0, es, bnb0, bnb1, kt, N, false);
-    };
 
-    if (ql_cuda_mm_trows(a)) {
-        // a = transpose(W), W's rows run along a's k: dequantise rows [k0, k0 + kt) of W (each M
-        // long) -> ws [M, kt], C += ws . b[k0 : k0 + kt]
-        CU_ASSERT(A2 == 1 && A3 == 1 && rt == QL_TYPE_F32);  // K in tiles: summed in C, so C is f32
-        const ql_tensor *w = a->view_src;
-        const char *aux = (const char *)w->data + ql_aux_offset(ql_nbytes(w));
-        const int64_t tk = ql_cuda_mm_tile_rows(M, K);
-        for (int64_t k0 = 0; k0 < K; k0 += tk) {
-            const int64_t kt = std::min(tk, K - k0);
-            QL_LAUNCH(k_dequant_rows, cu_grid_rows(M, kt), CU_BLOCK, 0, c.stream, (const char *)w->data, (int64_t)w->nb[1],
-                      (int)w->type, aux, M, k0, kt, (char *)ws, (int)ct);
-            CU_LAUNCHED(c);
-            const cu_operand A{(const char *)ws, CUBLAS_OP_N, M, true};
-            for (int64_t i3 = 0; i3 < B3; i3++) {
-                const cu_operand B = b_at(0, i3, k0, kt);
-                cu_gemm(c, ct, A, 0, B, bnb2 / (int64_t)es, (float *)C + i3 * B2 * sC, M, sC, M, N, kt, (int)B2, k0 ? 1.0f : beta0);
-                if (c.failed) return;
+    // a: read in place, or made in tiles of tm of its M rows (all of K each: no f32 sums over K
+    // tiles) - a block-quantized W dequantised by rows (W x), a transposed one by bands of tm
+    // columns of every row (Wᵀ dy), a plain type converted. Tile j of a's batch (ia2, ia3)
+    // covers m in [m0, m0 + mt); the planner's rules give the tile and the buffers
+    const bool trows = ql_cuda_mm_trows(a), direct = !trows && ql_cuda_mm_a_direct(a, ct);
+    const int64_t tm = direct ? M : ql_cuda_mm_tile_rows(K, M), per_batch = (M + tm - 1) / tm, n_tiles = A2 * A3 * per_batch;
+    const int n_bufs = direct ? 1 : ql_cuda_mm_tile_bufs(K, M, A2 * A3);
+    const size_t buf_bytes = direct ? 0 : ql_cuda_mm_tile_bytes(K, M, ct);
+    const ql_tensor *w = trows ? a->view_src : a;
+    const ql_type_traits *wt = ql_type_traits_get(w->type);
+    const bool quant = wt->blck_size > 1 || wt->aux_bytes;
+    const char *aux = quant && wt->aux_bytes ? (const char *)w->data + ql_aux_offset(ql_nbytes(w)) : nullptr;
+    cu_mm_side *side = n_bufs > 1 ? cu_mm_side_get(c) : nullptr;
+    if (c.failed) return;
+    cu_mm_order o;
+    if (side) {
+        cu_mm_record(c, *side, o, CU_MM_EV_FORK, 0);
+        cu_mm_wait(c, *side, o, 1, CU_MM_EV_FORK);
+    }
+    for (int64_t t = 0; t < n_tiles && !c.failed; t++) {
+        const int64_t ib = t / per_batch, ia2 = ib % A2, ia3 = ib / A2, m0 = (t % per_batch) * tm, mt = std::min(tm, M - m0);
+        const int buf = (int)(t % n_bufs);
+        cu_operand A;
+        if (direct) {
+            A = cu_as_operand((const char *)a->data + ia2 * a->nb[2] + ia3 * a->nb[3], es, (int64_t)a->nb[0], (int64_t)a->nb[1], K,
+                              M, true);
+        } else {
+            char *dst = (char *)ws + (size_t)buf * buf_bytes;
+            const int x = side ? 1 : 0;  // the stream that fills it
+            cudaStream_t fs = side ? side->stream : c.stream;
+            if (side) {
+                if (t >= 2) cu_mm_wait(c, *side, o, 1, CU_MM_EV_FREE0 + buf);  // tile t - 2's GEMMs are done with it
+                if (o.seen[1] < o.read[buf]) {
+                    cu_fail(c, __FILE__, __LINE__, "cu_op_mul_mat", "a tile is filled before the GEMMs reading its buffer are done");
+                    return;
+                }
+            }
+            if (trows) {  // a = Wᵀ: rows k of W, columns [m0, m0 + mt) -> dst [mt, K] (column-major mt x K)
+                CU_ASSERT(A2 == 1 && A3 == 1);
+                cu_dequant_tile(c, fs, (const char *)w->data, (int64_t)w->nb[1], w->type, aux, M, 0, K, m0, mt, dst, ct);
+                A = cu_operand{dst, CUBLAS_OP_N, mt, true};
+            } else {  // rows [m0, m0 + mt) of a -> dst [K, mt]
+                const char *ap = (const char *)a->data + ia2 * a->nb[2] + ia3 * a->nb[3];
+                if (quant) {
+                    CU_ASSERT(ql_rows_contiguous(a));
+                    cu_dequant_tile(c, fs, ap, (int64_t)a->nb[1], a->type, aux, K, m0, mt, 0, K, dst, ct);
+                } else {
+                    QL_LAUNCH(k_convert_2d, cu_grid_rows(K, mt), CU_BLOCK, 0, fs, ap + m0 * (int64_t)a->nb[1], (int)a->type,
+                              (int64_t)a->nb[0], (int64_t)a->nb[1], K, mt, dst, (int)ct);
+                    CU_LAUNCHED(c);
+                }
+                A = cu_operand{dst, CUBLAS_OP_T, K, true};
+            }
+            o.filled[buf] = ++o.pos[x];
+            if (side) {
+                cu_mm_record(c, *side, o, CU_MM_EV_READY0 + buf, 1);
+                cu_mm_wait(c, *side, o, 0, CU_MM_EV_READY0 + buf);
+                if (o.seen[0] < o.filled[buf]) {
+                    cu_fail(c, __FILE__, __LINE__, "cu_op_mul_mat", "a tile's GEMMs are queued before its fill is done");
+                    return;
+                }
             }
         }
+        for (int64_t j3 = 0; j3 < r3; j3++) {
+            const int64_t i3 = ia3 * r3 + j3;
+            const cu_operand B = cu_as_operand(bp + ia2 * r2 * bnb2 + i3 * bnb3, es, bnb0, bnb1, K, N, false);
+            cu_gemm_to(c, ct, A, 0, B, bnb2 / (int64_t)es, C + ((i3 * B2 + ia2 * r2) * sC + m0) * cs, rt, M, sC, mt, N, K, (int)r2,
+                       beta0);
+            if (c.failed) return;
+        }
+        if (!direct) o.read[buf] = ++o.pos[0];
+        if (side) cu_mm_record(c, *side, o, CU_MM_EV_FREE0 + buf, 0);
+    }
+    if (c.failed) return;
+    if (side && o.seen[0] < o.pos[1]) {  // the join
+        cu_fail(c, __FILE__, __LINE__, "cu_op_mul_mat", "the side stream is not joined back to the compute stream");
         return;
     }
-
-    const bool direct = ql_cuda_mm_a_direct(a, ct);
-    const ql_type_traits *at = ql_type_traits_get(a->type);
-    for (int64_t ia3 = 0; ia3 < A3; ia3++)
-        for (int64_t ia2 = 0; ia2 < A2; ia2++) {
-            const char *ap = (const char *)a->data + ia2 * a->nb[2] + ia3 * a->nb[3];
-            // the b batches this a batch serves: i2 in [ia2 r2, ia2 r2 + r2), i3 in [ia3 r3, ...)
-            const int64_t tm = direct ? M : ql_cuda_mm_tile_rows(K, M);
-            for (int64_t m0 = 0; m0 < M; m0 += tm) {
-                const int64_t mt = std::min(tm, M - m0);
-                cu_operand A;
-                if (direct) {
-                    A = cu_as_operand(ap, es, (int64_t)a->nb[0], (int64_t)a->nb[1], K, M, true);
-                } else {
-                    if (at->blck_size > 1 || at->aux_bytes) {
-                        CU_ASSERT(ql_rows_contiguous(a));
-                        const char *aux = at->aux_bytes ? (const char *)a->data + ql_aux_offset(ql_nbytes(a)) : nullptr;
-                        QL_LAUNCH(k_dequant_rows, cu_grid_rows(K, mt), CU_BLOCK, 0, c.stream, ap, (int64_t)a->nb[1], (int)a->type,
-                                  aux, K, m0, mt, (char *)ws, (int)ct);
-                    } else {
-                        QL_LAUNCH(k_convert_2d, cu_grid_rows(K, mt), CU_BLOCK, 0, c.stream, ap + m0 * (int64_t)a->nb[1],
-                                  (int)a->type, (int64_t)a->nb[0], (int64_t)a->nb[1], K, mt, (char *)ws, (int)ct);
-                    }
-                    CU_LAUNCHED(c);
-                    A = cu_operand{(const char *)ws, CUBLAS_OP_T, K, true};
-                }
-                for (int64_t j3 = 0; j3 < r3; j3++) {
-                    const int64_t i3 = ia3 * r3 + j3;
-                    const cu_operand B = b_at(ia2 * r2, i3, 0, K);
-                    cu_gemm_to(c, ct, A, 0, B, bnb2 / (int64_t)es, C + ((i3 * B2 + ia2 * r2) * sC + m0) * cs, rt, M, sC, mt, N, K,
-                               (int)r2, beta0);
-                    if (c.failed) return;
-                }
-            }
-        }
     if (acc16) {
         const int64_t n = ql_nelements(node);
         QL_LAUNCH(k_acc_round, cu_grid(n), CU_BLOCK, 0, c.stream, (const char *)acc->data, (const float *)C, (char *)node->data,
@@ -681,7 +882,6 @@ static bool cu_mm_supported(const ql_tensor *node, int cc) {
     const ql_tensor *a = node->src[0], *b = node->src[1];
     // the result f32, or of b's 16-bit type; ql_mul_mat_acc's c of the result's type
     if (!is_float_type_cu(b->type) || (node->type != QL_TYPE_F32 && node->type != b->type)) return false;
-    if (node->type != QL_TYPE_F32 && ql_cuda_mm_trows(a)) return false;  // its K tiles sum in C
     if (node->src[2] && (node->src[2]->type != node->type || !ql_is_contiguous(node->src[2]))) return false;
     if (b->type == QL_TYPE_BF16 && cc < 80) return false;  // cuBLAS has no bf16 GEMM before Ampere
     if (ql_cuda_mm_b_direct(b) && (b->nb[2] % type_size_cu(b->type) || b->nb[3] % type_size_cu(b->type))) return false;
@@ -2301,7 +2501,9 @@ struct cuda_backend {
     void  *blas_work = nullptr;    // cuBLAS's workspace (cublasSetWorkspace): nothing to allocate in a capture
     bool   graphs = true;          // CUDA graphs (QLORA_CUDA_GRAPHS=0, ql_cuda_set_graphs: off)
     ql_cuda_graph_counts counts{};
+    cu_mm_side mm_side;  // the multiply's tile pipeline (section 5)
 };
+static cu_mm_side &cu_mm_side_of(cu_ctx &c) { return c.cb->mm_side; }
 static int cu_cc(const cu_ctx &c) { return c.cb->prop.major * 10 + c.cb->prop.minor; }
 
 
@@ -2731,6 +2933,7 @@ static void cuda_free(ql_backend *be) {
     if (cb->stream) cudaStreamDestroy(cb->stream);
     if (cb->copy_stream) cudaStreamDestroy(cb->copy_stream);
     for (cudaEvent_t e : cb->events) cudaEventDestroy(e);
+    cu_mm_side_free(cb->mm_side);
     cu_device_free(cb->d_scratch);
     cuda_host_free(cb->h_scratch);
     delete cb;

@@ -7032,8 +7032,23 @@ bool ql_cuda_mm_b_direct(const ql_tensor *b) {
 size_t ql_cuda_mm_b_bytes(const ql_tensor *b) {
     return ql_cuda_mm_b_direct(b) ? 0 : align_up((size_t)ql_nelements(b) * cuda_elem_size(b->type), QL_ALIGN);
 }
+// the tile budget in elements: QL_CUDA_MM_TILE_ELEMS, or a test's (several tiles of small weights)
+static int64_t cuda_mm_tile_elems = QL_CUDA_MM_TILE_ELEMS;
+void ql_cuda_mm_tile_elems_for_tests(int64_t n) { cuda_mm_tile_elems = n > 0 ? n : QL_CUDA_MM_TILE_ELEMS; }
 int64_t ql_cuda_mm_tile_rows(int64_t row_len, int64_t n_rows) {
-    return std::max<int64_t>(1, std::min<int64_t>(n_rows, QL_CUDA_MM_TILE_ELEMS / std::max<int64_t>(row_len, 1)));
+    const int64_t fit = cuda_mm_tile_elems / std::max<int64_t>(row_len, 1);
+    if (n_rows <= fit) return std::max<int64_t>(n_rows, 1);
+    return std::min<int64_t>(n_rows, std::max<int64_t>(QL_CUDA_MM_TILE_ALIGN, fit / QL_CUDA_MM_TILE_ALIGN * QL_CUDA_MM_TILE_ALIGN));
+}
+size_t ql_cuda_mm_tile_bytes(int64_t row_len, int64_t n_rows, ql_type compute) {
+    return align_up((size_t)(row_len * ql_cuda_mm_tile_rows(row_len, n_rows)) * cuda_elem_size(compute), QL_ALIGN);
+}
+// two buffers (the next tile filled during the current one's GEMMs) when there is more than one
+// tile and a tile is within the budget; one where the 128-row minimum is over it (the head's Wᵀ
+// dy: 128 columns of 128256 rows are 31 MiB in bf16), filled and used in turn
+int ql_cuda_mm_tile_bufs(int64_t row_len, int64_t n_rows, int64_t batches) {
+    const int64_t tr = ql_cuda_mm_tile_rows(row_len, n_rows);
+    return batches * ((n_rows + tr - 1) / tr) > 1 && tr * row_len <= cuda_mm_tile_elems ? 2 : 1;
 }
 // A product of a few tokens (decode) read straight from the packed weight, one warp per row:
 // no dequantised tile, no workspace. a: a whole 2-D weight (block-quantized or 16/32-bit) with
@@ -7075,9 +7090,10 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
         const int64_t K = a->ne[0], M = a->ne[1];
         const int64_t A2 = a->ne[2], A3 = a->ne[3], B2 = b->ne[2], B3 = b->ne[3], r3 = B3 / A3;
         const bool acc16 = acc && node->type != QL_TYPE_F32;
-        int64_t n = (acc && !acc16 && !inplace) + acc16 + (ql_cuda_mm_b_direct(b) ? 0 : B2 * B3);  // c's copy; k_acc_round; b's copies
-        if (ql_cuda_mm_trows(a)) return n + cdiv(K, ql_cuda_mm_tile_rows(M, K)) * (1 + B3);  // per tile: dequantise, GEMMs
-        const bool direct = ql_cuda_mm_a_direct(a, b->type);
+        const int64_t n = (acc && !acc16 && !inplace) + acc16 + (ql_cuda_mm_b_direct(b) ? 0 : B2 * B3);  // c's copy; k_acc_round; b's copies
+        // a in place, or in tiles of its rows (of Wᵀ: bands of W's columns), each dequantised or
+        // converted by one kernel; per tile the GEMMs of the b batches it serves
+        const bool direct = !ql_cuda_mm_trows(a) && ql_cuda_mm_a_direct(a, b->type);
         const int64_t tiles = direct ? 1 : cdiv(M, ql_cuda_mm_tile_rows(K, M));
         return n + A2 * A3 * tiles * ((direct ? 0 : 1) + r3);
     }
@@ -7146,13 +7162,15 @@ size_t ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NB
 size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
     if (ql_cuda_fa_gemm(node) || ql_cuda_fa_fused(node)) return ql_cuda_fa_layout(node, cc, nullptr, nullptr, nullptr);
     switch (node->op) {
-    case QL_OP_MUL_MAT: {  // b's contiguous copy (when cuBLAS cannot read it), then one dequantised tile of a
+    case QL_OP_MUL_MAT: {  // b's contiguous copy (when cuBLAS cannot read it), then a's tile buffers: tiles of
+        // a's rows (K each; of a transposed W, bands of W's columns), two when there is more than
+        // one tile (the next is dequantised while the current one's GEMMs run)
         if (ql_cuda_mm_gemv(node)) return 0;
         const ql_tensor *a = node->src[0], *b = node->src[1];
-        const size_t es = cuda_elem_size(b->type);
         size_t w = ql_cuda_mm_b_bytes(b);
-        if (ql_cuda_mm_trows(a)) w += (size_t)(a->ne[1] * ql_cuda_mm_tile_rows(a->ne[1], a->ne[0])) * es;
-        else if (!ql_cuda_mm_a_direct(a, b->type)) w += (size_t)(a->ne[0] * ql_cuda_mm_tile_rows(a->ne[0], a->ne[1])) * es;
+        if (ql_cuda_mm_trows(a) || !ql_cuda_mm_a_direct(a, b->type))
+            w += (size_t)ql_cuda_mm_tile_bufs(a->ne[0], a->ne[1], a->ne[2] * a->ne[3]) *
+                 ql_cuda_mm_tile_bytes(a->ne[0], a->ne[1], b->type);
         if (node->src[2] && node->type != QL_TYPE_F32)  // a 16-bit c: the product in f32 before c is added (qlora-cuda.cu)
             w = align_up(w, QL_ALIGN) + (size_t)ql_nelements(node) * sizeof(float);
         return w;
@@ -7166,7 +7184,6 @@ size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
 // machine without the device. It computes nothing and allocates nothing.
 static bool cuda_plan_supports(ql_backend *be, const ql_tensor *node) {
     const int cc = (int)(intptr_t)be->impl;
-    if (node->op == QL_OP_MUL_MAT && node->type != QL_TYPE_F32 && ql_cuda_mm_trows(node->src[0])) return false;  // as the device
     return !(node->op == QL_OP_MUL_MAT && node->src[1]->type == QL_TYPE_BF16 && cc < 80);  // as the device: no bf16 GEMM before 8.0
 }
 static size_t cuda_plan_work(ql_backend *be, const ql_tensor *node) { return ql_cuda_work_size(node, (int)(intptr_t)be->impl); }

@@ -1192,7 +1192,12 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace);
 bool    ql_cuda_mm_a_direct(const ql_tensor *a, ql_type compute);
 bool    ql_cuda_mm_b_direct(const ql_tensor *b);
 size_t  ql_cuda_mm_b_bytes(const ql_tensor *b);        // b's contiguous copy in the workspace (0: read in place)
+// a's rows in a dequantised tile (all of its row_len = K each): the budget's rows rounded down to
+// a multiple of QL_CUDA_MM_TILE_ALIGN (at least that many even over the budget), or all n_rows
+#define QL_CUDA_MM_TILE_ALIGN 128
 int64_t ql_cuda_mm_tile_rows(int64_t row_len, int64_t n_rows);
+size_t  ql_cuda_mm_tile_bytes(int64_t row_len, int64_t n_rows, ql_type compute);  // one tile buffer, aligned
+int     ql_cuda_mm_tile_bufs(int64_t row_len, int64_t n_rows, int64_t batches);   // 2 with more than one tile (the overlap) within the budget, else 1
 size_t  ql_cuda_work_size(const ql_tensor *node, int cc);  // per-node workspace bytes on a device of compute capability cc
 // Attention without a KV cache runs as cuBLAS products over chunks of `chunk` queries: per chunk the
 // scores of every head [keys, chunk] in f32 (QL_CUDA_FA_SCORE_BYTES at most, for 16 queries at

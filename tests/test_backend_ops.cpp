@@ -361,6 +361,116 @@ OP_CASE(mul_mat_quantized) {
         }, TOL_MM);
 }
 
+// ---- the multiply's dequantised tiles (issue 31 item 3): weights in several tiles of 128 rows
+// (the tile budget made small here), rows that are not a multiple of the tile, the transposed
+// product Wᵀ dy in bands of W's columns, the vectorised dequantisation and its per-element
+// fallback, the next tile filled on a side stream (a missing event wait fails the node) ----
+
+void ql_cuda_mm_tile_elems_for_tests(int64_t n);  // qlora.cpp's CUDA planning rules: the tile budget (<= 0: the default)
+
+namespace {
+struct tile_budget {  // tiles of `rows` rows of K elements while in scope
+    explicit tile_budget(int64_t elems) { ql_cuda_mm_tile_elems_for_tests(elems); }
+    ~tile_budget() { ql_cuda_mm_tile_elems_for_tests(0); }
+};
+
+// the weight types with their own vectorised code, one through the generic one (Q6_K), and the
+// row length each takes (whole blocks; 192 leaves a band of 64 columns after one of 128)
+struct tile_type {
+    ql_type t;
+    int64_t ne0;
+};
+const tile_type k_tile_types[] = {{QL_TYPE_NF4, 192}, {QL_TYPE_NF4_NODQ, 192}, {QL_TYPE_Q4_0, 192}, {QL_TYPE_Q8_0, 192},
+                                  {QL_TYPE_Q4_K, 256}, {QL_TYPE_Q6_K, 256},
+                                  {QL_TYPE_NF4, 200},   // rows of 200: an absmax per 8 elements (blocks cross rows)
+                                  {QL_TYPE_NF4, 172}};  // 172: the per-element path
+const int64_t k_tile_rows[] = {260, 129};  // 128 + 128 + 4 rows (3 tiles: a buffer's reuse), 128 + 1
+
+// the budget for tiles of `rows` rows both ways (W x: rows of W; Wᵀ dy: bands of W's columns)
+int64_t budget_for(int64_t rows, const tile_type &tt, int64_t w_rows) { return rows * std::max(tt.ne0, w_rows); }
+
+// an identity [n, n] in f32
+ql_tensor *identity(leafs &L, int64_t n) {
+    ql_tensor *t = ql_new_tensor_2d(L.ctx, QL_TYPE_F32, n, n);
+    std::vector<uint8_t> b((size_t)(n * n) * 4, 0);
+    const float one = 1.0f;
+    for (int64_t i = 0; i < n; i++) memcpy(b.data() + 4 * (i * n + i), &one, 4);
+    return L.add(t, std::move(b));
+}
+float round_to(float v, ql_type t) {
+    return t == QL_TYPE_BF16 ? ql_bf16_to_fp32(ql_fp32_to_bf16(v)) : t == QL_TYPE_F16 ? ql_fp16_to_fp32(ql_fp32_to_fp16(v)) : v;
+}
+}  // namespace
+
+// W I and Wᵀ I on the backend are the dequantised weight itself: ql_dequantize's bits, rounded to
+// the compute type (b's), whatever the tiles - an exact product (sums of one term and zeros).
+// Budgets: one tile; tiles of 128 in two buffers; 128 over a budget of 64: one buffer, tiles
+// made and used in turn. The compute type turns with them (each weight sees f32, bf16, fp16 in
+// each direction)
+OP_CASE(mul_mat_tiles_dequantised_bits) {
+    const ql_type cts[3] = {QL_TYPE_F32, QL_TYPE_BF16, QL_TYPE_F16};
+    for (const tile_type &tt : k_tile_types)
+        for (int ri = 0; ri < 2; ri++)
+            for (int transposed = 0; transposed < 2; transposed++)
+                for (int bi = 0; bi < 3; bi++) {
+                    const int64_t rows = k_tile_rows[ri], budget = bi == 0 ? 0 : budget_for(bi == 1 ? 128 : 64, tt, rows);
+                    const ql_type ct = cts[(ri + transposed + bi) % 3];
+                    INFO(std::string(ql_type_name(tt.t)) << " [" << tt.ne0 << ", " << rows << "], compute "
+                                                         << std::string(ql_type_name(ct)) << (transposed ? ", W^T I" : ", W I")
+                                                         << ", budget " << budget);
+                    tile_budget tb(budget);
+                    std::vector<uint8_t> wbytes;
+                    const run_result r = run_case(be, false, [&](leafs &L) {
+                        ql_tensor *w = L.rand(tt.t, {tt.ne0, rows});
+                        wbytes = L.all.back().bytes;
+                        ql_tensor *a = transposed ? ql_transpose(L.ctx, w) : w;
+                        ql_tensor *x = identity(L, a->ne[0]);
+                        return ql_mul_mat(L.ctx, a, ct == QL_TYPE_F32 ? x : ql_cast(L.ctx, x, ct));
+                    }, false);
+                    REQUIRE_MESSAGE(r.error.empty(), r.error);
+                    std::vector<float> wd((size_t)(tt.ne0 * rows));
+                    REQUIRE(ql_dequantize(tt.t, wbytes.data(), rows, tt.ne0, wd.data()) == QL_OK);
+                    REQUIRE(r.out.size() == wd.size());
+                    int64_t off = 0, first = -1;
+                    for (int64_t m = 0; m < rows; m++)
+                        for (int64_t k = 0; k < tt.ne0; k++) {
+                            // W I: out [rows, ne0], out(m, k) = W(m, k); Wᵀ I: out [ne0, rows], the weight's own layout
+                            const float got = r.out[(size_t)(transposed ? m * tt.ne0 + k : k * rows + m)];
+                            if (got != round_to(wd[(size_t)(m * tt.ne0 + k)], ct) && off++ == 0) first = m * tt.ne0 + k;
+                        }
+                    CHECK_MESSAGE(off == 0, off, " elements differ from ql_dequantize's, the first at flat ", first);
+                }
+}
+
+// the products against the CPU in tiles of 128: W x and its backward Wᵀ dy (x's gradient), f32,
+// bf16 and fp16 b; Wᵀ y and a 16-bit result of it (one GEMM over all of K now)
+OP_CASE(mul_mat_tiles) {
+    for (const tile_type &tt : k_tile_types) {
+        if (tt.t == QL_TYPE_Q6_K || tt.ne0 == 172) continue;  // the generic paths: the bits above, and mul_mat_quantized
+        for (int64_t rows : k_tile_rows) {
+            INFO(std::string(ql_type_name(tt.t)) << " [" << tt.ne0 << ", " << rows << "]");
+            tile_budget tb(budget_for(128, tt, rows));
+            check_case(be, "W x, f32", [&](leafs &L) { return ql_mul_mat(L.ctx, L.rand(tt.t, {tt.ne0, rows}), L.param({tt.ne0, 7})); },
+                       TOL_MM);
+            check_case(be, "W^T y, f32", [&](leafs &L) {
+                return ql_mul_mat(L.ctx, ql_transpose(L.ctx, L.rand(tt.t, {tt.ne0, rows})), L.param({rows, 5}));
+            }, TOL_MM, false);  // forward only: W x's backward above is this product already
+            if (rows != k_tile_rows[0]) continue;
+            for (ql_type t : {QL_TYPE_BF16, QL_TYPE_F16}) {
+                INFO("compute " << std::string(ql_type_name(t)));
+                check_case(be, "W x, 16-bit b", [&](leafs &L) {
+                    return ql_mul_mat(L.ctx, L.rand(tt.t, {tt.ne0, rows}), ql_cast(L.ctx, L.param({tt.ne0, 6}), t));
+                }, TOL_16);
+                check_case(be, "W^T y, 16-bit result", [&](leafs &L) {
+                    ql_tensor *y = ql_mul_mat_to(L.ctx, ql_transpose(L.ctx, L.rand(tt.t, {tt.ne0, rows})),
+                                                 ql_cast(L.ctx, L.param({rows, 5}), t), t);
+                    return ql_cast(L.ctx, y, QL_TYPE_F32);
+                }, TOL_16, false);
+            }
+        }
+    }
+}
+
 OP_CASE(get_rows) {
     auto ids = [](leafs &L) { return L.i32({11}, [](int64_t i) { return (int32_t)((i * 7 + 3) % 13); }); };
     check_case(be, "f32, backward", [ids](leafs &L) { return ql_get_rows(L.ctx, L.param({40, 13}), ids(L)); }, TOL_F32);

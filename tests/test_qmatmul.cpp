@@ -1,5 +1,6 @@
 // A frozen quantized weight in a matmul: forward y = W x and the input gradient dx = W^T dy,
 // dequantised tile by tile inside the kernel, must equal dequantise-then-f32-matmul.
+#define QL_INTERNALS  // the CUDA planning rules (ql_cuda_mm_*)
 #include "../qlora.h"
 #include "util.h"
 #include "tiny.h"
@@ -348,4 +349,37 @@ TEST_CASE("8-bit activations: the request's checks, and the multiplies it leaves
         CAPTURE(std::string(ql_type_name(tn.first)));
         CHECK(run_forward(tn.first, wq, M, K, xs, tn.second, 2, true) == run_forward(tn.first, wq, M, K, xs, tn.second, 2, false));
     }
+}
+
+// the planner's tile rules at the 8B shape (no device needed): tiles of whole multiples of 128
+// rows (the old rule made 585 + 1 for ffn_down), the transposed weight in bands of its columns,
+// two buffers where there are several tiles within the budget, one where 128 rows are over it
+TEST_CASE("cuda planning rules: the multiply's tiles") {
+    const ql_type bf16 = QL_TYPE_BF16;
+    CHECK(ql_cuda_mm_tile_rows(14336, 4096) == 512);    // ffn_down W x: 8 tiles of 512 rows, K = 14336
+    CHECK(ql_cuda_mm_tile_rows(4096, 14336) == 2048);   // gate / up W x, and ffn_down's Wᵀ dy (bands of 2048 columns)
+    CHECK(ql_cuda_mm_tile_rows(4096, 1000) == 1000);    // within the budget: all rows, one tile
+    CHECK(ql_cuda_mm_tile_rows(128256, 4096) == 128);   // the head's Wᵀ dy: the 128-column minimum
+    CHECK(ql_cuda_mm_tile_rows(14336, 300) == 300);
+    CHECK(ql_cuda_mm_tile_bufs(14336, 4096, 1) == 2);
+    CHECK(ql_cuda_mm_tile_bufs(4096, 1000, 1) == 1);
+    CHECK(ql_cuda_mm_tile_bufs(4096, 1000, 2) == 2);    // two batches: two tiles
+    CHECK(ql_cuda_mm_tile_bufs(128256, 4096, 1) == 1);  // 31 MiB a band: one buffer
+    CHECK(ql_cuda_mm_tile_bytes(14336, 4096, bf16) == (size_t)512 * 14336 * 2);
+    for (int64_t len : {320, 4096, 14336, 128256})
+        for (int64_t rows : {129, 300, 4096, 14336}) {
+            const int64_t t = ql_cuda_mm_tile_rows(len, rows);
+            INFO("rows of " << len << ", " << rows << " rows: tiles of " << t);
+            CHECK((t == rows || t % QL_CUDA_MM_TILE_ALIGN == 0));
+            CHECK((t == QL_CUDA_MM_TILE_ALIGN || t * len <= QL_CUDA_MM_TILE_ELEMS));
+        }
+    // the workspace of an NF4 ffn_down forward, 2048 tokens of bf16: two 512-row tiles (b read in place)
+    ql_init_params ip = {1u << 20, nullptr, true, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *w = ql_new_tensor_2d(ctx, QL_TYPE_NF4, 14336, 4096), *x = ql_new_tensor_2d(ctx, bf16, 14336, 2048);
+    ql_tensor *y = ql_mul_mat(ctx, w, x), *dx = ql_mul_mat(ctx, ql_transpose(ctx, w), ql_new_tensor_2d(ctx, bf16, 4096, 2048));
+    REQUIRE((y && dx));
+    CHECK(ql_cuda_work_size(y, 90) == 2 * (size_t)512 * 14336 * 2);
+    CHECK(ql_cuda_work_size(dx, 90) == 2 * (size_t)2048 * 4096 * 2);
+    ql_free(ctx);
 }
