@@ -269,18 +269,25 @@ TEST_CASE("census: the launches counted from the plan are what the CUDA backend 
     }
 }
 
-TEST_CASE("census: a decode product (one kernel) and a product in tiles" * skip_unless(k_cuda && qlshim_stream_ops != nullptr,
-                                                                                    "without the CUDA shim's counters")) {
+void ql_cuda_mm_tile_elems_for_tests(int64_t n);  // qlora.cpp's CUDA planning rules: the tile budget (<= 0: the default)
+
+TEST_CASE("census: a decode product (one kernel) and products in tiles" * skip_unless(k_cuda && qlshim_stream_ops != nullptr,
+                                                                                   "without the CUDA shim's counters")) {
     char err[256];
     ql_backend *be = ql_backend_cuda_init(0, err, sizeof(err));
     REQUIRE_MESSAGE(be, err);
     ql_cuda_set_graphs(be, false);
-    for (int64_t n : {1, 8, 9, 40}) {
+    struct budget {  // several tiles of 128 rows (and bands of 128 columns of Wᵀ) out of small weights
+        budget() { ql_cuda_mm_tile_elems_for_tests(4096 * 128); }
+        ~budget() { ql_cuda_mm_tile_elems_for_tests(0); }
+    } small_tiles;
+    for (int64_t n : {1, 8, 9, 40, -40}) {  // -40: Wᵀ dy over 40 columns
         CAPTURE(n);
         ql_init_params ip = {16u << 20, nullptr, true, false};
         ql_context *ctx = ql_init(ip);
-        ql_tensor *w = ql_new_tensor_2d(ctx, QL_TYPE_Q4_K, 4096, 700), *x = ql_new_tensor_2d(ctx, QL_TYPE_F32, 4096, n);
-        ql_tensor *y = ql_mul_mat(ctx, w, x);
+        ql_tensor *w = ql_new_tensor_2d(ctx, QL_TYPE_Q4_K, 4096, 700);
+        ql_tensor *y = n > 0 ? ql_mul_mat(ctx, w, ql_new_tensor_2d(ctx, QL_TYPE_F32, 4096, n))
+                             : ql_mul_mat(ctx, ql_transpose(ctx, w), ql_new_tensor_2d(ctx, QL_TYPE_F32, 700, -n));
         ql_graph *g = ql_graph_new(ctx);
         REQUIRE(ql_graph_build_forward(g, y) == QL_OK);
         ql_backend_buffer *leafs = ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE);
@@ -293,8 +300,9 @@ TEST_CASE("census: a decode product (one kernel) and a product in tiles" * skip_
         REQUIRE_MESSAGE(ql_backend_graph_compute(be, g) == QL_OK, ql_ctx_error(ctx));
         REQUIRE(ql_backend_synchronize(be) == QL_OK);
         CHECK(c.launches == qlshim_stream_ops() - before);
-        if (n <= QL_CUDA_GEMV_MAX_N) CHECK(c.launches == 1);
-        else CHECK(c.launches >= 2);  // a tile dequantised, then multiplied
+        if (n > 0 && n <= QL_CUDA_GEMV_MAX_N) CHECK(c.launches == 1);
+        else if (n > 0) CHECK(c.launches == 12);  // 6 tiles of 128 rows: each dequantised, then multiplied
+        else CHECK(c.launches == 14);             // 7 bands of 640 of W's 4096 columns (K = 700)
         ql_graph_free(g);
         ql_backend_buffer_free(leafs);
         ql_free(ctx);
