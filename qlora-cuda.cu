@@ -556,98 +556,13 @@ __global__ void k_acc_round(const char *c16, const float *p, char *d, int type, 
 }
 
 // ---- decode: a few tokens' product read straight from the packed weight (ql_cuda_mm_gemv) ----
-// A warp per row of W, each lane 32 elements at a time (chunks lane, lane + 32, ...: neighbouring
-// lanes read neighbouring bytes), decoded with the dequantisation's own expressions, rounded to
-// the multiply's type as the tile would be, and dotted with every column of b (N <= 8 sums in
-// registers); the warp's partial sums meet by shuffles. Decode is bound by the weight's bytes:
-// reading them once, packed, is what the dequantise-then-GEMM path cannot do.
+// A warp per row of W; lane l takes elements [base + 8 l, base + 8 l + 8) of each 256 (so a warp
+// reads 256 neighbouring elements of W and of every b column at a time: coalesced), decoded by
+// the tile kernel's cu_dequant8 (NF4's absmax read once per 64 and shuffled where a row is whole
+// blocks), rounded to the multiply's type as the tile would be, and dotted with every column of b
+// (N <= 8 sums in registers); the warp's partial sums meet by shuffles. Decode is bound by the
+// weight's bytes: reading them once, packed, is what the dequantise-then-GEMM path cannot do.
 #define GV_WARPS 4  // rows per block
-
-// elements [e0, e0 + 32) of row r (e0 % 32 == 0) as f32
-__device__ __forceinline__ void gv_chunk(const char *w, int64_t row_bytes, int type, const char *aux, int64_t ne0, int64_t r,
-                                         int64_t e0, float v[32]) {
-    const uint8_t *row = (const uint8_t *)w + r * row_bytes;
-    switch (type) {
-    case QL_TYPE_NF4: case QL_TYPE_NF4_NODQ: {  // one absmax: 32 aligned elements lie in one block of 64
-        const int64_t blk = (r * ne0 + e0) / QL_NF4_BLOCK;
-        const float am = type == QL_TYPE_NF4 ? cu_nf4_absmax(aux, blk) : ((const float *)aux)[blk];
-        const uint8_t *p = row + e0 / 2;
-QL_UNROLL
-        for (int i = 0; i < 16; i++) {
-            const uint8_t byte = p[i];
-            v[2 * i] = __fmul_rn(cu_nf4_values[byte >> 4], am);
-            v[2 * i + 1] = __fmul_rn(cu_nf4_values[byte & 15], am);
-        }
-        return;
-    }
-    case QL_TYPE_Q4_0: {
-        const ql_block_q4_0 *b = (const ql_block_q4_0 *)(row + (e0 / 32) * (int64_t)sizeof(ql_block_q4_0));
-        const float d = cu_h2f(b->d);
-QL_UNROLL
-        for (int j = 0; j < 16; j++) {
-            v[j] = __fmul_rn((float)((b->qs[j] & 15) - 8), d);
-            v[j + 16] = __fmul_rn((float)((b->qs[j] >> 4) - 8), d);
-        }
-        return;
-    }
-    case QL_TYPE_Q8_0: {
-        const ql_block_q8_0 *b = (const ql_block_q8_0 *)(row + (e0 / 32) * (int64_t)sizeof(ql_block_q8_0));
-        const float d = cu_h2f(b->d);
-QL_UNROLL
-        for (int j = 0; j < 32; j++) v[j] = __fmul_rn((float)b->qs[j], d);
-        return;
-    }
-    case QL_TYPE_Q4_K: case QL_TYPE_Q5_K: {  // sub-block s of 32: its scale and min once
-        const bool five = type == QL_TYPE_Q5_K;
-        const uint8_t *blk = row + (e0 / QL_QK_K) * (int64_t)(five ? sizeof(ql_block_q5_K) : sizeof(ql_block_q4_K));
-        const uint8_t *sc6 = five ? ((const ql_block_q5_K *)blk)->scales : ((const ql_block_q4_K *)blk)->scales;
-        const uint8_t *qs = five ? ((const ql_block_q5_K *)blk)->qs : ((const ql_block_q4_K *)blk)->qs;
-        const uint16_t dh = five ? ((const ql_block_q5_K *)blk)->d : ((const ql_block_q4_K *)blk)->d;
-        const uint16_t mh = five ? ((const ql_block_q5_K *)blk)->dmin : ((const ql_block_q4_K *)blk)->dmin;
-        const int s = (int)(e0 % QL_QK_K) / 32;
-        int sc, mn;
-        if (s < 4) {
-            sc = sc6[s] & 63;
-            mn = sc6[s + 4] & 63;
-        } else {
-            sc = (sc6[s + 4] & 15) | ((sc6[s - 4] >> 6) << 4);
-            mn = (sc6[s + 4] >> 4) | ((sc6[s] >> 6) << 4);
-        }
-        const float d = __fmul_rn(cu_h2f(dh), (float)sc), m = __fmul_rn(cu_h2f(mh), (float)mn);
-        const uint8_t *q = qs + 32 * (s / 2);
-QL_UNROLL
-        for (int l = 0; l < 32; l++) {
-            int x = (s & 1) ? (q[l] >> 4) : (q[l] & 15);
-            if (five) x |= ((((const ql_block_q5_K *)blk)->qh[l] >> s) & 1) << 4;
-            v[l] = __fsub_rn(__fmul_rn(d, (float)x), m);
-        }
-        return;
-    }
-    case QL_TYPE_Q6_K: {  // 32 elements: one of the four 32-wide quarters of a 128 half, two scales
-        const ql_block_q6_K *b = (const ql_block_q6_K *)(row + (e0 / QL_QK_K) * (int64_t)sizeof(ql_block_q6_K));
-        const int j0 = (int)(e0 % QL_QK_K), h = j0 / 128, k = (j0 % 128) / 32;
-        const float dd = cu_h2f(b->d);
-        const float s0 = __fmul_rn(dd, (float)b->scales[j0 / 16]), s1 = __fmul_rn(dd, (float)b->scales[j0 / 16 + 1]);
-QL_UNROLL
-        for (int l = 0; l < 32; l++) {
-            const uint8_t lo = b->ql[64 * h + 32 * (k & 1) + l];
-            const int q = ((k < 2 ? (lo & 15) : (lo >> 4)) | (((b->qh[32 * h + l] >> (2 * k)) & 3) << 4)) - 32;
-            v[l] = __fmul_rn(l < 16 ? s0 : s1, (float)q);
-        }
-        return;
-    }
-    case QL_TYPE_F32: case QL_TYPE_F16: case QL_TYPE_BF16: {
-        const int es = type == QL_TYPE_F32 ? 4 : 2;
-QL_UNROLL
-        for (int l = 0; l < 32; l++) v[l] = cu_ld((const char *)row + (e0 + l) * es, type);
-        return;
-    }
-    default:  // the other block types, element by element
-QL_UNROLL
-        for (int l = 0; l < 32; l++) v[l] = cu_weight_elem(w, row_bytes, type, aux, ne0, r, e0 + l);
-        return;
-    }
-}
 
 // C [M, N] = W b: W [K, M] (rows of K, row_bytes apart), b [K, N] (columns bnb1 bytes apart, of b_type)
 __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv(const char *w, int64_t row_bytes, int type, const char *aux, int64_t K,
@@ -655,25 +570,43 @@ __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv(const char *w, int64_t r
     const int lane = threadIdx.x % 32;
     const int64_t r = (int64_t)blockIdx.x * GV_WARPS + threadIdx.x / 32;
     if (r >= M) return;  // the whole warp: no barrier below but the warp's own shuffles
+    const bool nf4 = type == QL_TYPE_NF4 || type == QL_TYPE_NF4_NODQ, share = nf4 && K % QL_NF4_BLOCK == 0;
     const int bes = b_type == QL_TYPE_F32 ? 4 : 2;
+    const bool b4 = b_type == QL_TYPE_F32 && ((uintptr_t)b | (uintptr_t)bnb1) % 16 == 0;  // float4 loads of b
     float acc[QL_CUDA_GEMV_MAX_N];
 QL_UNROLL
     for (int n = 0; n < QL_CUDA_GEMV_MAX_N; n++) acc[n] = 0.0f;
-    for (int64_t e0 = (int64_t)lane * 32; e0 < K; e0 += 32 * 32) {
-        float v[32];
-        gv_chunk(w, row_bytes, type, aux, K, r, e0, v);
+    for (int64_t base = 0; base < K; base += 32 * CU_DQ_VEC) {  // warp-uniform: the shuffle below
+        const int64_t e = base + lane * CU_DQ_VEC;
+        const bool in = e < K;
+        float am = 0.0f;
+        if (nf4) {
+            if (in && (!share || lane % 8 == 0)) am = cu_nf4_block_absmax(type, aux, (r * K + e) / QL_NF4_BLOCK);
+            if (share) am = __shfl_sync(0xffffffff, am, lane & ~7);
+        }
+        if (!in) continue;
+        float v[CU_DQ_VEC];
+        cu_dequant8(w, row_bytes, type, aux, K, r, e, am, v);
         if (ct != QL_TYPE_F32) {  // as the tile in the multiply's type
 QL_UNROLL
-            for (int l = 0; l < 32; l++) v[l] = ct == QL_TYPE_F16 ? __half2float(__float2half_rn(v[l]))
-                                                                  : __bfloat162float(__float2bfloat16_rn(v[l]));
+            for (int l = 0; l < CU_DQ_VEC; l++) v[l] = ct == QL_TYPE_F16 ? __half2float(__float2half_rn(v[l]))
+                                                                         : __bfloat162float(__float2bfloat16_rn(v[l]));
         }
 QL_UNROLL
         for (int n = 0; n < QL_CUDA_GEMV_MAX_N; n++) {
             if (n >= N) break;
-            const char *bp = b + n * bnb1 + e0 * bes;
+            const char *bp = b + n * bnb1 + e * bes;
+            float x[CU_DQ_VEC];
+            if (b4) {
+                const float4 p = ((const float4 *)bp)[0], q = ((const float4 *)bp)[1];
+                x[0] = p.x, x[1] = p.y, x[2] = p.z, x[3] = p.w, x[4] = q.x, x[5] = q.y, x[6] = q.z, x[7] = q.w;
+            } else {
+QL_UNROLL
+                for (int l = 0; l < CU_DQ_VEC; l++) x[l] = cu_ld(bp + l * bes, b_type);
+            }
             float s = 0.0f;
 QL_UNROLL
-            for (int l = 0; l < 32; l++) s = fmaf(v[l], cu_ld(bp + l * bes, b_type), s);
+            for (int l = 0; l < CU_DQ_VEC; l++) s = fmaf(v[l], x[l], s);
             acc[n] += s;
         }
     }

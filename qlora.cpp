@@ -7069,8 +7069,13 @@ static int32_t cuda_fa_prec(const ql_tensor *node) {
     memcpy(&prec, &fwd->op_params[1], sizeof(prec));
     return prec;
 }
-static bool g_cuda_fa_fused = true;  // only tools/bench turns it off
+// Off unless QLORA_CUDA_FA=fused (read once) or ql_cuda_fa_set_fused: on an H200 the WMMA kernels
+// ran attention at seq 2048, d 128 at 23.9 / 11.9 TFLOP/s forward / backward against the
+// chunked cuBLAS products' 41.7 / 18.7, and the 1B and 8B steps were 15% and 27% faster with the
+// products (bench/RESULTS.md, GPU speed, session 8). Correct on the device; not yet faster.
+static bool g_cuda_fa_fused = getenv("QLORA_CUDA_FA") && strcmp(getenv("QLORA_CUDA_FA"), "fused") == 0;
 void ql_cuda_fa_set_fused(bool on) { g_cuda_fa_fused = on; }
+bool ql_cuda_fa_get_fused(void) { return g_cuda_fa_fused; }
 bool ql_cuda_fa_fused(const ql_tensor *node) {
     if (!g_cuda_fa_fused) return false;
     if (!((node->op == QL_OP_FLASH_ATTN && !node->src[4]) || node->op == QL_OP_FLASH_ATTN_BACK)) return false;

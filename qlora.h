@@ -1208,9 +1208,11 @@ size_t  ql_cuda_work_size(const ql_tensor *node, int cc);  // per-node workspace
 enum { QL_CUDA_FA_DELTA, QL_CUDA_FA_K, QL_CUDA_FA_V, QL_CUDA_FA_Q, QL_CUDA_FA_DO, QL_CUDA_FA_S, QL_CUDA_FA_DP, QL_CUDA_FA_P,
        QL_CUDA_FA_DS, QL_CUDA_FA_OUT, QL_CUDA_FA_NBUF };
 bool    ql_cuda_fa_fused(const ql_tensor *node);       // training attention on tensor cores (FlashAttention-2, WMMA):
-                                                       // prec bf16, d == dv in {64, 80, 96, 128}; bf16 from cc 8.0, fp16 on 7.5
+                                                       // prec bf16, d == dv in {64, 80, 96, 128}; bf16 from cc 8.0, fp16 on 7.5;
+                                                       // only when switched on (QLORA_CUDA_FA=fused): slower than the products so far
 bool    ql_cuda_fa_gemm(const ql_tensor *node);        // this attention runs as products (else: a fused kernel)
-void    ql_cuda_fa_set_fused(bool on);                 // tools/bench: off = the chunked products, to compare (process-wide)
+void    ql_cuda_fa_set_fused(bool on);                 // the fused kernels on or off, process-wide (tools/bench, tests)
+bool    ql_cuda_fa_get_fused(void);
 size_t  ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NBUF], int64_t *chunk, ql_type *compute);
 
 // ---- the graph state a backend runs on ----

@@ -595,7 +595,7 @@ OP_CASE(flash_attn) {
     }, TOL_F32, false);
 }
 
-// Training attention in bf16 (set_prec) runs as the fused FlashAttention-2 kernels on tensor
+// Training attention in bf16 (set_prec), switched to the fused FlashAttention-2 kernels on tensor
 // cores (qlora-cuda.cu, k_fa2_*) at head dims 64, 80, 96, 128: forward and backward against the
 // CPU, causal with Tq < Tk and partial tiles, GQA 1:1 .. 4:1, documents (with tiles skipped),
 // batch 2; bf16 (cc >= 8.0) and fp16 (the cc 7.5 path, through the shim's device setting); the
@@ -649,6 +649,11 @@ static void fused_attn_cases(ql_backend *be) {
 }
 
 OP_CASE(flash_attn_fused) {
+    struct fused_on {  // the kernels are off by default (slower than the products so far): on for this case
+        bool was = ql_cuda_fa_get_fused();
+        fused_on() { ql_cuda_fa_set_fused(true); }
+        ~fused_on() { ql_cuda_fa_set_fused(was); }
+    } on;
     fused_attn_cases(be);
     if (ql_backend_is_host(be)) return;
     if (!qlshim_set_cc) {

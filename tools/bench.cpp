@@ -257,6 +257,7 @@ static void bench_qmatmul(ql_backend *cpu, int n_threads, int reps) {
 // ---- attention on the CUDA backend ----
 static double time_attn(ql_backend *be, bool fused, bool backward, int reps) {
     const int64_t T = 2048, D = 128, H = 32, HKV = 8;
+    const bool was = ql_cuda_fa_get_fused();
     ql_cuda_fa_set_fused(fused);
     ql_init_params ip = {64u << 20, nullptr, true, false};
     ql_context *ctx = ql_init(ip);
@@ -266,10 +267,10 @@ static double time_attn(ql_backend *be, bool fused, bool backward, int reps) {
     ql_tensor *a = ql_flash_attn(ctx, q, k, v, nullptr, 1.0f / std::sqrt((float)D));
     ql_flash_attn_set_prec(a, QL_TYPE_BF16);
     ql_tensor *loss = ql_sum(ctx, a);
-    ql_backend_buffer *buf = ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE);
     ql_graph *gf = ql_graph_new(ctx);
     ql_graph_build_forward(gf, backward ? loss : a);
     ql_graph *g = backward ? ql_graph_backward(ctx, gf, loss) : gf;
+    ql_backend_buffer *buf = ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE);  // (after backward: its gradient leafs too)
     ql_plan_stats st;
     if (!buf || !g || ql_graph_plan(g, be, &st) != QL_OK || ql_graph_alloc(g, be) != QL_OK) {
         fprintf(stderr, "bench: %s\n", ql_ctx_error(ctx));
@@ -291,7 +292,7 @@ static double time_attn(ql_backend *be, bool fused, bool backward, int reps) {
     ql_graph_free(gf);
     ql_backend_buffer_free(buf);
     ql_free(ctx);
-    ql_cuda_fa_set_fused(true);
+    ql_cuda_fa_set_fused(was);
     return t;
 }
 
