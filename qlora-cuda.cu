@@ -183,7 +183,7 @@ static int cu_grid(int64_t n, int per_block = CU_BLOCK) {
 }
 
 static bool is_float_type_cu(ql_type t) { return t == QL_TYPE_F32 || t == QL_TYPE_F16 || t == QL_TYPE_BF16; }
-static size_t type_size_cu(ql_type t) { return t == QL_TYPE_F32 || t == QL_TYPE_I32 ? 4 : (t == QL_TYPE_I8 ? 1 : 2); }
+static size_t type_size_cu(ql_type t) { return ql_plain_size(t); }
 
 // one element of a plain type as float, and back (round to nearest even, as the CPU's converters)
 __device__ __forceinline__ float cu_ld(const char *p, int type) {
@@ -816,7 +816,7 @@ static bool cu_mm_supported(const ql_tensor *node, int cc) {
     // the result f32, or of b's 16-bit type; ql_mul_mat_acc's c of the result's type
     if (!is_float_type_cu(b->type) || (node->type != QL_TYPE_F32 && node->type != b->type)) return false;
     if (node->src[2] && (node->src[2]->type != node->type || !ql_is_contiguous(node->src[2]))) return false;
-    if (b->type == QL_TYPE_BF16 && cc < 80) return false;  // cuBLAS has no bf16 GEMM before Ampere
+    if (b->type == QL_TYPE_BF16 && !ql_cuda_bf16_gemm(cc)) return false;  // cuBLAS has no bf16 GEMM before Ampere
     if (ql_cuda_mm_b_direct(b) && (b->nb[2] % type_size_cu(b->type) || b->nb[3] % type_size_cu(b->type))) return false;
     const ql_type_traits *t = ql_type_traits_get(a->type);
     if (!t || !(t->to_float || t->to_float_aux)) return false;
@@ -1173,28 +1173,21 @@ static void cu_op_swiglu_back(cu_ctx &c, ql_tensor *node) {
     CU_LAUNCHED(c);
 }
 
-// the CPU's counter-based hash (splitmix64's finaliser): the same mask bits on every backend
-__device__ __forceinline__ uint64_t cu_mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
 // the result in f32, or rounded to bf16 / f16 as it is stored (ql_dropout_to)
 // first: the element index of a's first in the tensor it is a piece of (ql_dropout_rows_to)
 __global__ void k_dropout(cu_t a, const int32_t *seed, char *d, int d_type, uint32_t stream, uint32_t threshold, float keep_scale,
                           int64_t first, int64_t n) {
-    const uint64_t key = cu_mix64(((uint64_t)(uint32_t)seed[0] << 32) | stream);
+    const uint64_t key = ql_dropout_key(seed[0], stream);  // qlora.h: the CPU's mask, bit for bit
     const int ds = d_type == QL_TYPE_F32 ? 4 : 2;
     CU_GRID_LOOP(i, n) {
-        const uint32_t h = (uint32_t)(cu_mix64(key + 0x9E3779B97F4A7C15ull * (uint64_t)(first + i + 1)) >> 32);
-        cu_st(d + i * ds, d_type, h >= threshold ? cu_get(a, i) * keep_scale : 0.0f);
+        cu_st(d + i * ds, d_type, ql_dropout_hash(key, (uint64_t)(first + i)) >= threshold ? cu_get(a, i) * keep_scale : 0.0f);
     }
 }
 static void cu_op_dropout(cu_ctx &c, ql_tensor *node) {
     const float pr = cu_param<float>(node, 0);
     const int64_t n = ql_nelements(node);
     QL_LAUNCH(k_dropout, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), (const int32_t *)node->src[1]->data, (char *)node->data,
-              (int)node->type, cu_param<uint32_t>(node, 1), (uint32_t)((double)pr * 4294967296.0), 1.0f / (1.0f - pr),
+              (int)node->type, cu_param<uint32_t>(node, 1), ql_dropout_threshold(pr), 1.0f / (1.0f - pr),
               cu_param<int64_t>(node, 2) * node->ne[0], n);
     CU_LAUNCHED(c);
 }
@@ -1225,7 +1218,7 @@ __global__ void k_rope(cu_t a, const int32_t *pos, const float *ff, float *d, in
         const int i = (int)(j % hp);
         // the angle in double as the CPU's, reduced to [-pi, pi] in double, then the f32 intrinsics
         // (|error| < 2^-21 there; double sin/cos would put their large-argument path in local memory)
-        const double inv = exp(-2.0 * i / n_dims * log((double)base)) / (ff ? (double)ff[i] : 1.0);
+        const double inv = ql_rope_inv_freq(i, n_dims, (double)base, ff ? (double)ff[i] : 1.0);  // qlora.h: the CPU's expression
         const double th = (double)pos[tok] * inv, two_pi = 6.283185307179586476925;
         const float r = (float)(th - two_pi * rint(th / two_pi));
         const float cs = __cosf(r), sn = back ? -__sinf(r) : __sinf(r);

@@ -4243,17 +4243,11 @@ static void k_swiglu_back(const cpu_params &p, ql_tensor *dst) {
     }
 }
 
-// Counter-based: the mask of element i depends only on (seed, stream, i), so backward and a
-// recomputed forward regenerate it exactly and nothing is stored.
-static inline uint64_t mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-}
-
+// Counter-based (qlora.h's ql_dropout_hash, every backend's): the mask of element i depends only
+// on (seed, stream, i), so backward and a recomputed forward regenerate it exactly.
 // y[i] = x[i] / (1 - p) where element e = e0 + i survives (its hash's high half >= threshold), else 0
 static void dropout_row(int64_t n, const float *x, float *y, uint64_t key, uint64_t e0, uint32_t threshold, float keep_scale) {
-    constexpr uint64_t G = 0x9E3779B97F4A7C15ull;
+    constexpr uint64_t G = QL_DROPOUT_STEP;
     int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
     // 16 elements a step, the hash in two vectors of 8 64-bit lanes: the scalar loop's bits
@@ -4277,8 +4271,7 @@ static void dropout_row(int64_t n, const float *x, float *y, uint64_t key, uint6
     }
 #endif
     for (; i < n; i++) {
-        const uint32_t h = (uint32_t)(mix64(key + G * (e0 + (uint64_t)i + 1)) >> 32);
-        y[i] = h >= threshold ? x[i] * keep_scale : 0.0f;
+        y[i] = ql_dropout_hash(key, e0 + (uint64_t)i) >= threshold ? x[i] * keep_scale : 0.0f;
     }
 }
 
@@ -4287,8 +4280,8 @@ static void k_dropout(const cpu_params &p, ql_tensor *dst) {
     const float pr = get_param<float>(dst, 0), keep_scale = 1.0f / (1.0f - pr);
     const uint32_t stream = get_param<uint32_t>(dst, 1);
     const int64_t row0 = get_param<int64_t>(dst, 2);  // a piece of a bigger tensor: its rows' mask
-    const uint32_t threshold = (uint32_t)((double)pr * 4294967296.0);
-    const uint64_t key = mix64(((uint64_t)(uint32_t)((const int32_t *)seed->data)[0] << 32) | stream);
+    const uint32_t threshold = ql_dropout_threshold(pr);
+    const uint64_t key = ql_dropout_key(((const int32_t *)seed->data)[0], stream);
     const int64_t ne0 = a->ne[0];
     int64_t b, e;
     split_range(ql_nrows(a), p.ith, p.nth, b, e);
@@ -4316,7 +4309,7 @@ template <bool BACK> static void k_rope(const cpu_params &p, ql_tensor *dst) {
     double *inv = (double *)p.wdata;  // [half]
     float *cs = (float *)(inv + half), *sn = cs + half;
     for (int i = 0; i < half; i++)
-        inv[i] = std::pow(base, -2.0 * i / n_dims) / (ff ? (double)((const float *)ff->data)[i] : 1.0);
+        inv[i] = ql_rope_inv_freq(i, n_dims, base, ff ? (double)((const float *)ff->data)[i] : 1.0);
     int64_t b, e;
     split_range(T * a->ne[3], p.ith, p.nth, b, e);
     for (int64_t tok = b; tok < e; tok++) {  // cos/sin once per token, shared by its heads
@@ -7012,7 +7005,7 @@ void ql_backend_describe(const ql_backend *be, char *buf, size_t size) {
 // qlora-cuda.cu so that a device plan (--dry-run --device cuda --vram 8G) needs neither a GPU
 // nor a CUDA build; the CUDA kernels size and carve their workspace by these same functions ----
 
-static size_t cuda_elem_size(ql_type t) { return t == QL_TYPE_F32 || t == QL_TYPE_I32 ? 4 : (t == QL_TYPE_I8 ? 1 : 2); }
+static size_t cuda_elem_size(ql_type t) { return ql_plain_size(t); }
 
 bool ql_cuda_operand_ok(size_t es, int64_t nb0, int64_t nb1, int64_t K, int64_t X) {
     if (nb0 == (int64_t)es && (X == 1 || nb1 % (int64_t)es == 0)) return (X == 1 ? std::max<int64_t>(K, 1) : nb1 / (int64_t)es) >= K;
@@ -7129,7 +7122,7 @@ bool ql_cuda_fa_gemm(const ql_tensor *node) {
 size_t ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NBUF], int64_t *chunk, ql_type *compute) {
     const ql_tensor *q = node->src[0], *k = node->src[1], *v = node->src[2];
     const bool fused = ql_cuda_fa_fused(node), bf16 = cuda_fa_prec(node) == QL_TYPE_BF16;
-    const ql_type ct = bf16 && cc >= 80 ? QL_TYPE_BF16 : fused ? QL_TYPE_F16 : QL_TYPE_F32;
+    const ql_type ct = bf16 && ql_cuda_bf16_gemm(cc) ? QL_TYPE_BF16 : fused ? QL_TYPE_F16 : QL_TYPE_F32;
     const size_t es = cuda_elem_size(ct);
     const int64_t D = q->ne[0], Tq = q->ne[1], H = q->ne[2], B = q->ne[3], Tk = k->ne[1], Hkv = k->ne[2], DV = v->ne[0];
     const bool back = node->op == QL_OP_FLASH_ATTN_BACK;
@@ -7189,7 +7182,7 @@ size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
 // machine without the device. It computes nothing and allocates nothing.
 static bool cuda_plan_supports(ql_backend *be, const ql_tensor *node) {
     const int cc = (int)(intptr_t)be->impl;
-    return !(node->op == QL_OP_MUL_MAT && node->src[1]->type == QL_TYPE_BF16 && cc < 80);  // as the device: no bf16 GEMM before 8.0
+    return !(node->op == QL_OP_MUL_MAT && node->src[1]->type == QL_TYPE_BF16 && !ql_cuda_bf16_gemm(cc));  // as the device
 }
 static size_t cuda_plan_work(ql_backend *be, const ql_tensor *node) { return ql_cuda_work_size(node, (int)(intptr_t)be->impl); }
 static void cuda_plan_free(ql_backend *be) { delete be; }
@@ -7232,7 +7225,7 @@ ql_status ql_backend_get_caps(const ql_backend *be, ql_backend_caps *c) {
         c->mem_total = info.total_mem;
         c->mem_free = info.free_mem;
     }
-    c->bf16_gemm = c->cc >= 80;  // tensor cores multiply bf16 from Ampere
+    c->bf16_gemm = ql_cuda_bf16_gemm(c->cc);
     c->alloc_granularity = (size_t)2 << 20;  // cudaMalloc hands out whole 2 MiB pages for big blocks
     c->context_bytes = ql_cuda_context_bytes(c->cc);
     c->context_estimated = c->cc != 90;  // see ql_cuda_context_bytes: only 9.0 measured

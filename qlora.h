@@ -965,7 +965,7 @@ void ql_adamw8bit_update(ql_tensor *param, ql_tensor *m, ql_tensor *m_absmax, ql
 // guarded tail rather than a second header: the library stays two files.)
 #if defined(QL_INTERNALS) && !defined(QLORA_H_INTERNALS)
 #define QLORA_H_INTERNALS
-#include <math.h>  // sqrt (ql_optim_grad_factor)
+#include <math.h>  // sqrt (ql_optim_grad_factor), pow (ql_rope_inv_freq)
 
 #ifdef __cplusplus
 extern "C" {
@@ -1077,6 +1077,37 @@ static inline QL_HD uint8_t ql_dynamic_quantize_inline(const float *map, float x
     if (x > val) return (uint8_t)(x > (upper + val) * 0.5f ? upper_pivot : pivot);
     return (uint8_t)(x < (lower + val) * 0.5f ? lower_pivot : pivot);
 }
+
+// ---- what every backend must compute alike, bit for bit: written once ----
+
+// Dropout's mask (ql_dropout*): element e of the tensor survives where ql_dropout_hash(key, e) >=
+// ql_dropout_threshold(p), key = ql_dropout_key(seed, stream). Counter-based (splitmix64's
+// finaliser): backward and recompute regenerate it, nothing is stored, and every backend draws
+// the same elements.
+static inline QL_HD uint64_t ql_mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+#define QL_DROPOUT_STEP 0x9E3779B97F4A7C15ull  // the counter's increment per element
+static inline QL_HD uint64_t ql_dropout_key(int32_t seed, uint32_t stream) {
+    return ql_mix64(((uint64_t)(uint32_t)seed << 32) | stream);
+}
+static inline QL_HD uint32_t ql_dropout_hash(uint64_t key, uint64_t e) {
+    return (uint32_t)(ql_mix64(key + QL_DROPOUT_STEP * (e + 1)) >> 32);
+}
+static inline QL_HD uint32_t ql_dropout_threshold(float p) { return (uint32_t)((double)p * 4294967296.0); }
+// Bytes of one element of a plain type (f32, i32: 4; f16, bf16: 2; i8: 1) - the multiply's and
+// the copies' unit on every backend and in the device plans.
+static inline QL_HD size_t ql_plain_size(int type) {
+    return type == QL_TYPE_F32 || type == QL_TYPE_I32 ? 4 : type == QL_TYPE_I8 ? 1 : 2;
+}
+// RoPE's inverse frequency of pair i (of n_dims / 2), divided by its frequency factor (1: none).
+// One expression for every backend; the bits agree where the two math libraries' pow agree
+// (each within an ulp in double, far below the f32 results' rounding).
+static inline QL_HD double ql_rope_inv_freq(int i, int n_dims, double base, double ff) { return pow(base, -2.0 * i / n_dims) / ff; }
+// A CUDA device multiplies bf16 (cuBLAS, tensor cores) from compute capability 8.0 (cc as 10 major + minor).
+static inline QL_HD bool ql_cuda_bf16_gemm(int cc) { return cc >= 80; }
 
 // ---- the CPU backend ----
 

@@ -382,7 +382,7 @@ TEST_CASE("shim: stream capture records, a graph launch replays in order; what a
     float *a = dev<float>(n), *b = dev<float>(n), *c = dev<float>(n);
     std::vector<float> h(n), got(n);
     for (int i = 0; i < n; i++) h[i] = (float)i;
-    cudaStream_t s, side;
+    cudaStream_t s = nullptr, side = nullptr;
     REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
     REQUIRE(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) == cudaSuccess);
     cudaEvent_t fork, join;
