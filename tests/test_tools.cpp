@@ -210,6 +210,19 @@ TEST_CASE("generate / perplexity / finetune: -t above the physical cores warns, 
     CHECK(log.find("warning") == std::string::npos);
 }
 
+TEST_CASE("generate --profile: a decoded token's time by op, the multiplies by weight type" * needs_tools("make-model generate")) {
+    tmpdir d;
+    const std::string m = d.path + "/m.gguf";
+    std::string log;
+    REQUIRE(run("./make-model -o " + m + " --dim 256 --layers 2 --heads 4 --ff 512 --type q4_K --output-type q6_K", &log) == 0);
+    REQUIRE_MESSAGE(run("./generate -m " + m + " -p hi -n 6 --temp 0 --profile", &log) == 0, log);
+    CHECK_MESSAGE(log.find("generate: profile of a decoded token") != std::string::npos, log);
+    CHECK_MESSAGE(log.find("mul_mat q4_K") != std::string::npos, log);
+    CHECK_MESSAGE(log.find("mul_mat q6_K") != std::string::npos, log);
+    REQUIRE_MESSAGE(run("./generate -m " + m + " -p hi -n 6 --temp 0", &log) == 0, log);
+    CHECK(log.find("profile") == std::string::npos);  // only when asked
+}
+
 TEST_CASE("a vocabulary with more tokens than the embedding has rows is refused when it loads" * needs_tools("make-model generate")) {
     tmpdir d;
     const std::string m = d.path + "/m.gguf", bad = d.path + "/short.gguf";

@@ -2,7 +2,7 @@
 //
 //   ./generate -m model.gguf [-p "prompt"] [-n 128] [--temp 0.8] [--top-k 40] [--top-p 0.95]
 //              [--seed 1] [--lora adapter.gguf [--lora-scale 1]] [-c context] [-t threads]
-//              [--device cpu|cuda|cuda:N|auto] [--exact]
+//              [--device cpu|cuda|cuda:N|auto] [--exact] [--profile]
 //
 // Generation stops at an end-of-generation token (ql_vocab_is_eog: eos, eot, eom and the texts
 // llama.cpp treats as such, e.g. <|eot_id|> and <|end_of_text|>), after -n tokens, or at the
@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
 #include <cstring>
 #include <random>
 #include <string>
@@ -34,7 +35,8 @@ static int usage(const char *argv0) {
             "usage: %s -m model.gguf [-p PROMPT] [-n N] [--temp T] [--top-k K] [--top-p P] [--seed S]\n"
             "       [--lora adapter.gguf|peft-dir] [--lora-scale S] [-c CONTEXT] [-t THREADS]\n"
             "       [--device cpu|cuda|cuda:N|auto]   (auto: cuda when built with it and a GPU is present)\n"
-            "       [--exact]   (f32 activations in the quantised weights' multiplies, not 8-bit)\n",
+            "       [--exact]   (f32 activations in the quantised weights' multiplies, not 8-bit)\n"
+            "       [--profile] (a decoded token's time by op, at the end; each node waited for)\n",
             argv0);
     return 2;
 }
@@ -95,6 +97,7 @@ struct gen_args {
     std::string prompt;
     double n_gen = 128, temp = 0.8, top_k = 40, top_p = 0.95, seed = 1, n_ctx = 0, threads = 0, lora_scale = 1;
     bool exact = false;  // --exact: no 8-bit activations (ql_llama::q8_activations)
+    bool profile = false;  // --profile: the token graph's time by op, node by node (each node waited for)
 };
 
 // The flags into a: -1 to go on, else the exit code (0 for --help) after the usage or the message.
@@ -127,6 +130,7 @@ static int parse_args(int argc, char **argv, gen_args *a) {
             a->lora = argv[++i];
         } else if (f == "--device" && has) a->device = argv[++i];
         else if (f == "--exact") a->exact = true;
+        else if (f == "--profile") a->profile = true;
         else if (f == "--lora-scale" && has) ok = parse_num("--lora-scale", argv[++i], -100, 100, &a->lora_scale), scale_given = true;
         else if (f == "-h" || f == "--help") {
             usage(argv[0]);
@@ -332,6 +336,27 @@ static int generate_tokens(const gen_args &a, gen_state &s, std::vector<float> &
     return 0;
 }
 
+// --profile: where a decoded token's time went, by op (the token graph run node by node, so the
+// sum is above the graph's time without the waits); runs: the token graph's evaluations
+static void print_profile(const ql_graph *g, int runs, double wall) {
+    std::map<std::string, double> by_op;
+    double total = 0;
+    for (int i = 0; i < ql_graph_n_nodes(g); i++) {
+        const ql_tensor *n = ql_graph_node(g, i);
+        std::string key = ql_op_name(n->op);
+        if (n->op == QL_OP_MUL_MAT) key += std::string(" ") + ql_type_name(n->src[0]->type);
+        by_op[key] += ql_graph_node_seconds(g, i);
+        total += ql_graph_node_seconds(g, i);
+    }
+    if (runs <= 0 || total <= 0) return;
+    std::vector<std::pair<double, std::string>> v;
+    for (const auto &kv : by_op) v.push_back({kv.second, kv.first});
+    std::sort(v.rbegin(), v.rend());
+    fprintf(stderr, "generate: profile of a decoded token (%d nodes): %.3f ms in the nodes, %.3f ms a token in all\n",
+            ql_graph_n_nodes(g), total / runs * 1e3, wall / runs * 1e3);
+    for (const auto &x : v) fprintf(stderr, "  %-22s %6.1f%%  %8.3f ms\n", x.second.c_str(), 100 * x.first / total, x.first / runs * 1e3);
+}
+
 // why it stopped, in one line
 static void report_stop(const gen_args &a, const gen_state &s, const gen_result &r) {
     if (r.eog >= 0)
@@ -359,6 +384,7 @@ int main(int argc, char **argv) {
     fflush(stdout);
     gen_result r;
     r.line_open = !a.prompt.empty() && a.prompt.back() != '\n';  // the output ends with a newline
+    if (a.profile) ql_graph_set_profile(s.go.get(), true);
     const auto t1 = std::chrono::steady_clock::now();
     if (const int rc = generate_tokens(a, s, logits, &r)) return rc;
     const auto t2 = std::chrono::steady_clock::now();
@@ -369,5 +395,6 @@ int main(int argc, char **argv) {
             r.n_done > 0 || !a.prompt.empty() ? "\n" : "", s.n_prompt, tp, s.n_prompt / std::max(tp, 1e-9), r.n_done, tg,
             r.n_done / std::max(tg, 1e-9));
     report_stop(a, s, r);
+    if (a.profile) print_profile(s.go.get(), r.n_done - 1, tg);  // (the last token is sampled, not run)
     return 0;
 }
