@@ -4247,9 +4247,9 @@ static void k_swiglu_back(const cpu_params &p, ql_tensor *dst) {
 // on (seed, stream, i), so backward and a recomputed forward regenerate it exactly.
 // y[i] = x[i] / (1 - p) where element e = e0 + i survives (its hash's high half >= threshold), else 0
 static void dropout_row(int64_t n, const float *x, float *y, uint64_t key, uint64_t e0, uint32_t threshold, float keep_scale) {
-    constexpr uint64_t G = QL_DROPOUT_STEP;
     int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512DQ__)
+    constexpr uint64_t G = QL_DROPOUT_STEP;
     // 16 elements a step, the hash in two vectors of 8 64-bit lanes: the scalar loop's bits
     const __m512i c1 = _mm512_set1_epi64((long long)0xBF58476D1CE4E5B9ull), c2 = _mm512_set1_epi64((long long)0x94D049BB133111EBull);
     const __m512i step = _mm512_set1_epi64((long long)(16 * G));
