@@ -183,7 +183,6 @@ static int cu_grid(int64_t n, int per_block = CU_BLOCK) {
 }
 
 static bool is_float_type_cu(ql_type t) { return t == QL_TYPE_F32 || t == QL_TYPE_F16 || t == QL_TYPE_BF16; }
-static size_t type_size_cu(ql_type t) { return ql_plain_size(t); }
 
 // one element of a plain type as float, and back (round to nearest even, as the CPU's converters)
 __device__ __forceinline__ float cu_ld(const char *p, int type) {
@@ -687,7 +686,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
     if (ql_cuda_mm_gemv(node)) return cu_op_gemv(c, node);
     const ql_tensor *a = node->src[0], *b = node->src[1];
     const ql_type ct = b->type;
-    const size_t es = type_size_cu(ct);
+    const size_t es = ql_plain_size(ct);
     const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
     const int64_t A2 = a->ne[2], A3 = a->ne[3], B2 = b->ne[2], B3 = b->ne[3], r2 = B2 / A2, r3 = B3 / A3;
     // the result f32, or of b's 16-bit type (ql_mul_mat_to): one GEMM over all of K per element
@@ -701,7 +700,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
     CU_ASSERT(ql_cuda_work_size(node, 0) <= c.work_size);
     const ql_type rt = acc16 ? QL_TYPE_F32 : node->type;  // what the GEMMs write
     char *C = acc16 ? (char *)c.work + ql_cuda_work_size(node, 0) - stage : (char *)node->data;
-    const int64_t cs = (int64_t)type_size_cu(rt);
+    const int64_t cs = (int64_t)ql_plain_size(rt);
     const int64_t sC = M * N;  // per batch of the result, in elements
     uint8_t *ws = c.work;
     // ql_mul_mat_acc (c of the GEMMs' type): C starts as c (unless written over it in place), and every GEMM adds to it
@@ -817,7 +816,7 @@ static bool cu_mm_supported(const ql_tensor *node, int cc) {
     if (!is_float_type_cu(b->type) || (node->type != QL_TYPE_F32 && node->type != b->type)) return false;
     if (node->src[2] && (node->src[2]->type != node->type || !ql_is_contiguous(node->src[2]))) return false;
     if (b->type == QL_TYPE_BF16 && !ql_cuda_bf16_gemm(cc)) return false;  // cuBLAS has no bf16 GEMM before Ampere
-    if (ql_cuda_mm_b_direct(b) && (b->nb[2] % type_size_cu(b->type) || b->nb[3] % type_size_cu(b->type))) return false;
+    if (ql_cuda_mm_b_direct(b) && (b->nb[2] % ql_plain_size(b->type) || b->nb[3] % ql_plain_size(b->type))) return false;
     const ql_type_traits *t = ql_type_traits_get(a->type);
     if (!t || !(t->to_float || t->to_float_aux)) return false;
     switch (a->type) {
@@ -1798,7 +1797,7 @@ static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
     ql_type ct;
     const size_t need = ql_cuda_fa_layout(node, cu_cc(c), o, &chunk, &ct);
     CU_ASSERT(c.work_size >= need);
-    const size_t es = type_size_cu(ct);
+    const size_t es = ql_plain_size(ct);
     char *W = (char *)c.work;
     char *Kw = W + o[QL_CUDA_FA_K], *Vw = W + o[QL_CUDA_FA_V], *Qw = W + o[QL_CUDA_FA_Q], *dOw = W + o[QL_CUDA_FA_DO];
     float *S = (float *)(W + o[QL_CUDA_FA_S]), *dP = (float *)(W + o[QL_CUDA_FA_DP]), *Ow = (float *)(W + o[QL_CUDA_FA_OUT]);

@@ -7005,7 +7005,6 @@ void ql_backend_describe(const ql_backend *be, char *buf, size_t size) {
 // qlora-cuda.cu so that a device plan (--dry-run --device cuda --vram 8G) needs neither a GPU
 // nor a CUDA build; the CUDA kernels size and carve their workspace by these same functions ----
 
-static size_t cuda_elem_size(ql_type t) { return ql_plain_size(t); }
 
 bool ql_cuda_operand_ok(size_t es, int64_t nb0, int64_t nb1, int64_t K, int64_t X) {
     if (nb0 == (int64_t)es && (X == 1 || nb1 % (int64_t)es == 0)) return (X == 1 ? std::max<int64_t>(K, 1) : nb1 / (int64_t)es) >= K;
@@ -7017,13 +7016,13 @@ bool ql_cuda_mm_trows(const ql_tensor *a) {
     return t && t->blck_size > 1 && a->op == QL_OP_TRANSPOSE && a->view_src && ql_rows_contiguous(a->view_src);
 }
 bool ql_cuda_mm_a_direct(const ql_tensor *a, ql_type ct) {
-    return a->type == ct && ql_cuda_operand_ok(cuda_elem_size(ct), (int64_t)a->nb[0], (int64_t)a->nb[1], a->ne[0], a->ne[1]);
+    return a->type == ct && ql_cuda_operand_ok(ql_plain_size(ct), (int64_t)a->nb[0], (int64_t)a->nb[1], a->ne[0], a->ne[1]);
 }
 bool ql_cuda_mm_b_direct(const ql_tensor *b) {
-    return ql_cuda_operand_ok(cuda_elem_size(b->type), (int64_t)b->nb[0], (int64_t)b->nb[1], b->ne[0], b->ne[1]);
+    return ql_cuda_operand_ok(ql_plain_size(b->type), (int64_t)b->nb[0], (int64_t)b->nb[1], b->ne[0], b->ne[1]);
 }
 size_t ql_cuda_mm_b_bytes(const ql_tensor *b) {
-    return ql_cuda_mm_b_direct(b) ? 0 : align_up((size_t)ql_nelements(b) * cuda_elem_size(b->type), QL_ALIGN);
+    return ql_cuda_mm_b_direct(b) ? 0 : align_up((size_t)ql_nelements(b) * ql_plain_size(b->type), QL_ALIGN);
 }
 // the tile budget in elements: QL_CUDA_MM_TILE_ELEMS, or a test's (several tiles of small weights)
 static int64_t cuda_mm_tile_elems = QL_CUDA_MM_TILE_ELEMS;
@@ -7034,7 +7033,7 @@ int64_t ql_cuda_mm_tile_rows(int64_t row_len, int64_t n_rows) {
     return std::min<int64_t>(n_rows, std::max<int64_t>(QL_CUDA_MM_TILE_ALIGN, fit / QL_CUDA_MM_TILE_ALIGN * QL_CUDA_MM_TILE_ALIGN));
 }
 size_t ql_cuda_mm_tile_bytes(int64_t row_len, int64_t n_rows, ql_type compute) {
-    return align_up((size_t)(row_len * ql_cuda_mm_tile_rows(row_len, n_rows)) * cuda_elem_size(compute), QL_ALIGN);
+    return align_up((size_t)(row_len * ql_cuda_mm_tile_rows(row_len, n_rows)) * ql_plain_size(compute), QL_ALIGN);
 }
 // two buffers (the next tile filled during the current one's GEMMs) when there is more than one
 // tile and a tile is within the budget; one where the 128-row minimum is over it (the head's Wᵀ
@@ -7053,7 +7052,7 @@ bool ql_cuda_mm_gemv(const ql_tensor *node) {
     const ql_type_traits *t = ql_type_traits_get(a->type);
     if (!t || (!t->to_float && !t->to_float_aux) || a->type == QL_TYPE_I32 || a->type == QL_TYPE_I8) return false;
     if (a->view_src || a->ne[2] != 1 || a->ne[3] != 1 || !ql_is_contiguous(a) || a->ne[0] % 32 != 0) return false;
-    return b->ne[1] <= QL_CUDA_GEMV_MAX_N && b->ne[2] == 1 && b->ne[3] == 1 && b->nb[0] == cuda_elem_size(b->type) &&
+    return b->ne[1] <= QL_CUDA_GEMV_MAX_N && b->ne[2] == 1 && b->ne[3] == 1 && b->nb[0] == ql_plain_size(b->type) &&
            (b->ne[1] == 1 || b->nb[1] % b->nb[0] == 0);
 }
 static int32_t cuda_fa_prec(const ql_tensor *node) {
@@ -7123,7 +7122,7 @@ size_t ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NB
     const ql_tensor *q = node->src[0], *k = node->src[1], *v = node->src[2];
     const bool fused = ql_cuda_fa_fused(node), bf16 = cuda_fa_prec(node) == QL_TYPE_BF16;
     const ql_type ct = bf16 && ql_cuda_bf16_gemm(cc) ? QL_TYPE_BF16 : fused ? QL_TYPE_F16 : QL_TYPE_F32;
-    const size_t es = cuda_elem_size(ct);
+    const size_t es = ql_plain_size(ct);
     const int64_t D = q->ne[0], Tq = q->ne[1], H = q->ne[2], B = q->ne[3], Tk = k->ne[1], Hkv = k->ne[2], DV = v->ne[0];
     const bool back = node->op == QL_OP_FLASH_ATTN_BACK;
     if (fused) {  // the fused kernels read q, k, v, dO in place: the backward's delta [Tq, H, B] only
