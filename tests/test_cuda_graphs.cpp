@@ -29,19 +29,37 @@ struct run_result {
     ql_cuda_graph_counts counts{};
 };
 
+// a trainer of the tiny NF4 llama on a CUDA backend of its own, graphs on or off; freed in reverse
+struct cuda_trainer {
+    ql_backend *be = nullptr;
+    ql_llama_file *f = nullptr;
+    ql_trainer *t = nullptr;
+    cuda_trainer(const std::string &path, const std::vector<ql_sequence> &seqs, ql_train_options o, bool graphs) {
+        char err[256];
+        be = ql_backend_cuda_init(0, err, sizeof(err));
+        REQUIRE_MESSAGE(be, err);
+        ql_cuda_set_graphs(be, graphs);
+        f = ql_llama_load(path.c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(f, err);
+        o.backend = be;
+        std::string e;
+        t = ql_trainer_new(f, seqs, seqs, o, &e);
+        REQUIRE_MESSAGE(t, e);
+    }
+    ~cuda_trainer() {
+        ql_trainer_free(t);
+        ql_llama_file_free(f);
+        ql_backend_free(be);
+    }
+};
+
 // the tiny NF4 llama trained on the CUDA backend with graphs on or off
 run_result train(const std::string &path, const std::vector<ql_sequence> &seqs, ql_train_options o, bool graphs) {
     run_result r;
-    char err[256];
-    ql_backend *be = ql_backend_cuda_init(0, err, sizeof(err));
-    REQUIRE_MESSAGE(be, err);
-    ql_cuda_set_graphs(be, graphs);
-    ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
-    REQUIRE_MESSAGE(f, err);
-    o.backend = be;
+    cuda_trainer ct(path, seqs, o, graphs);
+    ql_backend *be = ct.be;
+    ql_trainer *t = ct.t;
     std::string e;
-    ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &e);
-    REQUIRE_MESSAGE(t, e);
     ql_step_metrics m;
     while (ql_trainer_steps_done(t) < ql_trainer_total_steps(t)) {
         REQUIRE_MESSAGE(ql_trainer_step(t, &m, &e), e);
@@ -56,9 +74,6 @@ run_result train(const std::string &path, const std::vector<ql_sequence> &seqs, 
     REQUIRE_MESSAGE(ql_trainer_to_host(t, &e), e);
     for (ql_tensor *p : ql_llama_lora_params(ql_trainer_model(t)))
         r.adapter.insert(r.adapter.end(), (const float *)p->data, (const float *)p->data + ql_nelements(p));
-    ql_trainer_free(t);
-    ql_llama_file_free(f);
-    ql_backend_free(be);
     return r;
 }
 
@@ -218,17 +233,9 @@ extern "C" long long qlshim_stream_ops(void) __attribute__((weak));
 namespace {
 // one eager run of the trainer's training graph: the stream operations it issued, and the census's count
 void census_of_training(const std::string &path, const std::vector<ql_sequence> &seqs, ql_train_options o) {
-    char err[256];
-    ql_backend *be = ql_backend_cuda_init(0, err, sizeof(err));
-    REQUIRE_MESSAGE(be, err);
-    ql_cuda_set_graphs(be, false);
-    ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
-    REQUIRE_MESSAGE(f, err);
-    o.backend = be;
-    std::string e;
-    ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &e);
-    REQUIRE_MESSAGE(t, e);
-    ql_graph *g = ql_trainer_graph(t);
+    cuda_trainer ct(path, seqs, o, false);
+    ql_backend *be = ct.be;
+    ql_graph *g = ql_trainer_graph(ct.t);
     ql_census c;
     REQUIRE(ql_graph_census(g, be, &c) == QL_OK);
     const long long before = qlshim_stream_ops();
@@ -244,9 +251,6 @@ void census_of_training(const std::string &path, const std::vector<ql_sequence> 
     CHECK(c.bytes[QL_CENSUS_LOSS] > 0);
     if (o.checkpointing == ql_checkpointing::block) CHECK(c.recompute_flops > 0);
     MESSAGE("census: ", c.nodes, " nodes, ", c.launches, " launches, ", c.flops, " FLOPs (", c.recompute_flops, " recomputed)");
-    ql_trainer_free(t);
-    ql_llama_file_free(f);
-    ql_backend_free(be);
 }
 }  // namespace
 
