@@ -393,13 +393,35 @@ __device__ __forceinline__ float cu_nf4_block_absmax(int type, const char *aux, 
 // elements [e, e + 8) of row r (e a multiple of 8; ne0 too, so the 8 lie in one block of any
 // type: 32, 64 and 256 are multiples of 8). The expressions are cu_dequant_q's and
 // cu_weight_elem's, with what the 8 share read once: the same bits. am: NF4's absmax of the
-// block (the caller's, shared by the 8 lanes of a block where it can be)
-__device__ __forceinline__ void cu_dequant8(const char *w, int64_t row_bytes, int type, const char *aux, int64_t ne0, int64_t r,
-                                            int64_t e, float am, float v[CU_DQ_VEC]) {
+// block (the caller's, shared by the 8 lanes of a block where it can be). generic = false: only
+// the types with their own code here (cu_dequant8_fast), the others left as zeros - a kernel
+// that unrolls several calls keeps the per-element switch out of its registers
+template <bool generic>
+__device__ __forceinline__ void cu_dequant8_t(const char *w, int64_t row_bytes, int type, const char *aux, int64_t ne0, int64_t r,
+                                              int64_t e, float am, float v[CU_DQ_VEC]) {
     const uint8_t *row = (const uint8_t *)w + r * row_bytes;
     switch (type) {
+    case QL_TYPE_F32: case QL_TYPE_F16: case QL_TYPE_BF16: {
+        const int es = type == QL_TYPE_F32 ? 4 : 2;
+QL_UNROLL
+        for (int i = 0; i < CU_DQ_VEC; i++) v[i] = cu_ld((const char *)row + (e + i) * es, type);
+        return;
+    }
+    case QL_TYPE_Q6_K: {
+        const ql_block_q6_K *b = (const ql_block_q6_K *)(row + (e / QL_QK_K) * sizeof(ql_block_q6_K));
+        const int j = (int)(e % QL_QK_K), h = j / 128, k = (j % 128) / 32, l = j % 32;
+        const uint8_t *lo = b->ql + 64 * h + 32 * (k & 1) + l, *hi = b->qh + 32 * h + l;
+        const float s = __fmul_rn(cu_h2f(b->d), (float)b->scales[j / 16]);
+QL_UNROLL
+        for (int i = 0; i < CU_DQ_VEC; i++) {
+            const int q = ((k < 2 ? (lo[i] & 15) : (lo[i] >> 4)) | (((hi[i] >> (2 * k)) & 3) << 4)) - 32;
+            v[i] = __fmul_rn(s, (float)q);
+        }
+        return;
+    }
     case QL_TYPE_NF4: case QL_TYPE_NF4_NODQ: {
         const uint32_t q = *(const uint32_t *)(row + e / 2);  // 4 bytes, 4-aligned (ne0 and e multiples of 8)
+QL_UNROLL
         for (int i = 0; i < 4; i++) {
             const uint32_t byte = (q >> 8 * i) & 255;  // little-endian: byte i holds elements 2i (high) and 2i+1 (low)
             v[2 * i] = __fmul_rn(cu_nf4_values[byte >> 4], am);
@@ -411,6 +433,7 @@ __device__ __forceinline__ void cu_dequant8(const char *w, int64_t row_bytes, in
         const ql_block_q4_0 *b = (const ql_block_q4_0 *)(row + (e / 32) * sizeof(ql_block_q4_0));
         const int j = (int)(e % 32), sh = j < 16 ? 0 : 4, j0 = j % 16;
         const float d = cu_h2f(b->d);
+QL_UNROLL
         for (int i = 0; i < CU_DQ_VEC; i++) v[i] = __fmul_rn((float)(((b->qs[j0 + i] >> sh) & 15) - 8), d);
         return;
     }
@@ -418,6 +441,7 @@ __device__ __forceinline__ void cu_dequant8(const char *w, int64_t row_bytes, in
         const ql_block_q8_0 *b = (const ql_block_q8_0 *)(row + (e / 32) * sizeof(ql_block_q8_0));
         const int j = (int)(e % 32);
         const float d = cu_h2f(b->d);
+QL_UNROLL
         for (int i = 0; i < CU_DQ_VEC; i++) v[i] = __fmul_rn((float)b->qs[j + i], d);
         return;
     }
@@ -434,12 +458,26 @@ __device__ __forceinline__ void cu_dequant8(const char *w, int64_t row_bytes, in
         }
         const float d = __fmul_rn(cu_h2f(b->d), (float)sc), m = __fmul_rn(cu_h2f(b->dmin), (float)mn);
         const uint8_t *qs = b->qs + 32 * (s / 2) + l;
+QL_UNROLL
         for (int i = 0; i < CU_DQ_VEC; i++) v[i] = __fsub_rn(__fmul_rn(d, (float)((s & 1) ? (qs[i] >> 4) : (qs[i] & 15))), m);
         return;
     }
-    default:  // the other block types: each element through cu_weight_elem (plain types never come here)
-        for (int i = 0; i < CU_DQ_VEC; i++) v[i] = cu_weight_elem(w, row_bytes, type, aux, ne0, r, e + i);
+    default:  // the other block types: each element through cu_weight_elem
+QL_UNROLL
+        for (int i = 0; i < CU_DQ_VEC; i++) v[i] = generic ? cu_weight_elem(w, row_bytes, type, aux, ne0, r, e + i) : 0.0f;
         return;
+    }
+}
+__device__ __forceinline__ void cu_dequant8(const char *w, int64_t row_bytes, int type, const char *aux, int64_t ne0, int64_t r,
+                                            int64_t e, float am, float v[CU_DQ_VEC]) {
+    cu_dequant8_t<true>(w, row_bytes, type, aux, ne0, r, e, am, v);
+}
+// the types cu_dequant8_t<false> decodes
+__host__ __device__ inline bool cu_dequant8_fast(int type) {
+    switch (type) {
+    case QL_TYPE_F32: case QL_TYPE_F16: case QL_TYPE_BF16: case QL_TYPE_NF4: case QL_TYPE_NF4_NODQ: case QL_TYPE_Q4_0:
+    case QL_TYPE_Q8_0: case QL_TYPE_Q4_K: case QL_TYPE_Q6_K: return true;
+    default: return false;
     }
 }
 
@@ -555,58 +593,73 @@ __global__ void k_acc_round(const char *c16, const float *p, char *d, int type, 
 }
 
 // ---- decode: a few tokens' product read straight from the packed weight (ql_cuda_mm_gemv) ----
-// A warp per row of W; lane l takes elements [base + 8 l, base + 8 l + 8) of each 256 (so a warp
-// reads 256 neighbouring elements of W and of every b column at a time: coalesced), decoded by
-// the tile kernel's cu_dequant8 (NF4's absmax read once per 64 and shuffled where a row is whole
-// blocks), rounded to the multiply's type as the tile would be, and dotted with every column of b
-// (N <= 8 sums in registers); the warp's partial sums meet by shuffles. Decode is bound by the
-// weight's bytes: reading them once, packed, is what the dequantise-then-GEMM path cannot do.
-#define GV_WARPS 4  // rows per block
+// A block of GV_WARPS warps per row of W. Thread t takes elements [base + 8 t, base + 8 t + 8) of
+// each GV_SPAN (so a warp reads 256 neighbouring elements of W and of every b column at a time:
+// coalesced), decoded by the tile kernel's cu_dequant8 (NF4's absmax read once per 64 and shuffled
+// where a row is whole blocks), rounded to the multiply's type as the tile would be, and dotted with
+// every column of b (N <= 8 sums in registers). Decode is bound by the weight's bytes: reading them
+// once, packed, is what the dequantise-then-GEMM path cannot do. What limits it is the bytes in
+// flight (a warp per row with one 4-byte load a lane at a time reached ~0.6 TB/s on an H200): so
+// the warps of a block split the row (4x the warps for the short rows of k/v), and each thread
+// issues GV_UNROLL chunks' loads before it multiplies. The partial sums meet by shuffles within a
+// warp, then in shared memory in a fixed order (the same bits every run).
+#define GV_WARPS 4                          // warps per row
+#define GV_SPAN (GV_WARPS * 32 * CU_DQ_VEC)  // elements a block covers per chunk: 1024
+#define GV_UNROLL 4                         // chunks in flight per thread (the types of cu_dequant8_fast; the others 1)
 
-// C [M, N] = W b: W [K, M] (rows of K, row_bytes apart), b [K, N] (columns bnb1 bytes apart, of b_type)
+// C [M, N] = W b: W [K, M] (rows of K, row_bytes apart), b [K, N] (columns bnb1 bytes apart, of b_type); grid: M blocks
+template <int U, bool generic>
 __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv(const char *w, int64_t row_bytes, int type, const char *aux, int64_t K,
                                                         int64_t M, const char *b, int b_type, int64_t bnb1, int N, int ct, float *C) {
-    const int lane = threadIdx.x % 32;
-    const int64_t r = (int64_t)blockIdx.x * GV_WARPS + threadIdx.x / 32;
-    if (r >= M) return;  // the whole warp: no barrier below but the warp's own shuffles
+    __shared__ float red[GV_WARPS][QL_CUDA_GEMV_MAX_N];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    const int64_t r = blockIdx.x;
     const bool nf4 = type == QL_TYPE_NF4 || type == QL_TYPE_NF4_NODQ, share = nf4 && K % QL_NF4_BLOCK == 0;
     const int bes = b_type == QL_TYPE_F32 ? 4 : 2;
     const bool b4 = b_type == QL_TYPE_F32 && ((uintptr_t)b | (uintptr_t)bnb1) % 16 == 0;  // float4 loads of b
     float acc[QL_CUDA_GEMV_MAX_N];
 QL_UNROLL
     for (int n = 0; n < QL_CUDA_GEMV_MAX_N; n++) acc[n] = 0.0f;
-    for (int64_t base = 0; base < K; base += 32 * CU_DQ_VEC) {  // warp-uniform: the shuffle below
-        const int64_t e = base + lane * CU_DQ_VEC;
-        const bool in = e < K;
-        float am = 0.0f;
-        if (nf4) {
-            if (in && (!share || lane % 8 == 0)) am = cu_nf4_block_absmax(type, aux, (r * K + e) / QL_NF4_BLOCK);
-            if (share) am = __shfl_sync(0xffffffff, am, lane & ~7);
-        }
-        if (!in) continue;
-        float v[CU_DQ_VEC];
-        cu_dequant8(w, row_bytes, type, aux, K, r, e, am, v);
-        if (ct != QL_TYPE_F32) {  // as the tile in the multiply's type
+    for (int64_t base = 0; base < K; base += U * GV_SPAN) {  // block-uniform: the shuffles below
+        float v[U][CU_DQ_VEC];
 QL_UNROLL
-            for (int l = 0; l < CU_DQ_VEC; l++) v[l] = ct == QL_TYPE_F16 ? __half2float(__float2half_rn(v[l]))
-                                                                         : __bfloat162float(__float2bfloat16_rn(v[l]));
-        }
-QL_UNROLL
-        for (int n = 0; n < QL_CUDA_GEMV_MAX_N; n++) {
-            if (n >= N) break;
-            const char *bp = b + n * bnb1 + e * bes;
-            float x[CU_DQ_VEC];
-            if (b4) {
-                const float4 p = ((const float4 *)bp)[0], q = ((const float4 *)bp)[1];
-                x[0] = p.x, x[1] = p.y, x[2] = p.z, x[3] = p.w, x[4] = q.x, x[5] = q.y, x[6] = q.z, x[7] = q.w;
-            } else {
-QL_UNROLL
-                for (int l = 0; l < CU_DQ_VEC; l++) x[l] = cu_ld(bp + l * bes, b_type);
+        for (int u = 0; u < U; u++) {  // the loads of every chunk first
+            // past the row's end: the row's first chunk is read again (no branch around the
+            // loads), its products not taken below
+            const int64_t e0 = base + u * GV_SPAN + threadIdx.x * CU_DQ_VEC, e = e0 < K ? e0 : threadIdx.x * CU_DQ_VEC % K;
+            float am = 0.0f;
+            if (nf4) {
+                if (!share || lane % 8 == 0) am = cu_nf4_block_absmax(type, aux, (r * K + e) / QL_NF4_BLOCK);
+                if (share) am = __shfl_sync(0xffffffff, am, lane & ~7);
             }
-            float s = 0.0f;
+            cu_dequant8_t<generic>(w, row_bytes, type, aux, K, r, e, am, v[u]);
+        }
 QL_UNROLL
-            for (int l = 0; l < CU_DQ_VEC; l++) s = fmaf(v[l], x[l], s);
-            acc[n] += s;
+        for (int u = 0; u < U; u++) {
+            const int64_t e = base + u * GV_SPAN + threadIdx.x * CU_DQ_VEC;
+            if (e >= K) break;  // chunks past the row's end: only in the last trip, and for every later u
+            if (ct != QL_TYPE_F32) {  // as the tile in the multiply's type
+QL_UNROLL
+                for (int l = 0; l < CU_DQ_VEC; l++) v[u][l] = ct == QL_TYPE_F16 ? __half2float(__float2half_rn(v[u][l]))
+                                                                               : __bfloat162float(__float2bfloat16_rn(v[u][l]));
+            }
+QL_UNROLL
+            for (int n = 0; n < QL_CUDA_GEMV_MAX_N; n++) {
+                if (n >= N) break;
+                const char *bp = b + n * bnb1 + e * bes;
+                float x[CU_DQ_VEC];
+                if (b4) {
+                    const float4 p = ((const float4 *)bp)[0], q = ((const float4 *)bp)[1];
+                    x[0] = p.x, x[1] = p.y, x[2] = p.z, x[3] = p.w, x[4] = q.x, x[5] = q.y, x[6] = q.z, x[7] = q.w;
+                } else {
+QL_UNROLL
+                    for (int l = 0; l < CU_DQ_VEC; l++) x[l] = cu_ld(bp + l * bes, b_type);
+                }
+                float s = 0.0f;
+QL_UNROLL
+                for (int l = 0; l < CU_DQ_VEC; l++) s = fmaf(v[u][l], x[l], s);
+                acc[n] += s;
+            }
         }
     }
 QL_UNROLL
@@ -614,7 +667,13 @@ QL_UNROLL
         if (n >= N) break;
         float s = acc[n];
         for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-        if (lane == 0) C[n * M + r] = s;
+        if (lane == 0) red[warp][n] = s;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < N) {
+        float s = 0.0f;
+        for (int i = 0; i < GV_WARPS; i++) s += red[i][threadIdx.x];
+        C[threadIdx.x * M + r] = s;
     }
 }
 
@@ -623,7 +682,9 @@ static void cu_op_gemv(cu_ctx &c, ql_tensor *node) {
     const ql_type_traits *at = ql_type_traits_get(a->type);
     const char *aux = at->aux_bytes ? (const char *)a->data + ql_aux_offset(ql_nbytes(a)) : nullptr;
     const int64_t M = a->ne[1];
-    QL_LAUNCH(k_gemv, (unsigned)((M + GV_WARPS - 1) / GV_WARPS), GV_WARPS * 32, 0, c.stream, (const char *)a->data, (int64_t)a->nb[1],
+    void (*kern)(const char *, int64_t, int, const char *, int64_t, int64_t, const char *, int, int64_t, int, int, float *) =
+        cu_dequant8_fast(a->type) ? k_gemv<GV_UNROLL, false> : k_gemv<1, true>;  // (a name without commas, for the macros)
+    QL_LAUNCH(kern, (unsigned)M, GV_WARPS * 32, 0, c.stream, (const char *)a->data, (int64_t)a->nb[1],
               (int)a->type, aux, a->ne[0], M, (const char *)b->data, (int)b->type, (int64_t)b->nb[1], (int)b->ne[1], (int)b->type,
               (float *)node->data);
     CU_LAUNCHED(c);

@@ -345,11 +345,15 @@ OP_CASE(mul_mat_quantized) {
                 return ql_mul_mat(L.ctx, L.rand(t, {256, 20}), ql_cast(L.ctx, L.param({256, n}), QL_TYPE_BF16));
             }, TOL_16);
         }
-        // decode: rows not a multiple of the kernel's warps, 1 and 8 columns, several chunks per lane
+        // decode: 1 and 8 columns; rows of 2048 (two of a trip's four chunks) and 5120 (a whole trip
+        // of four chunks, then one chunk and three past the end)
         for (int64_t n : {1, 8})
-            check_case(be, "decode product", [t, n](leafs &L) {
-                return ql_mul_mat(L.ctx, L.rand(t, {2048, 37}), L.rand(QL_TYPE_F32, {2048, n}));
-            }, TOL_MM, false);
+            for (int64_t k : {2048, 5120}) {
+                INFO("columns: " << n << ", row length " << k);
+                check_case(be, "decode product", [t, n, k](leafs &L) {
+                    return ql_mul_mat(L.ctx, L.rand(t, {k, 37}), L.rand(QL_TYPE_F32, {k, n}));
+                }, TOL_MM, false);
+            }
     }
     for (ql_type t : {QL_TYPE_F16, QL_TYPE_BF16, QL_TYPE_F32})
         check_case(be, "decode product, a float weight", [t](leafs &L) {
