@@ -677,14 +677,198 @@ QL_UNROLL
     }
 }
 
+// The packed weight read in wide units (k_gemv_unit): a thread loads a whole unit of E elements
+// with wide loads - NF4: 32 codes (one uint4) and its block's absmax; Q4_K: 64 elements, two
+// sub-blocks (the 16-byte header and 32 bytes of codes); Q6_K: 32 elements (64 bytes of codes in
+// 2-byte loads, its blocks of 210 bytes allow no wider) - U units before it decodes any, so a
+// warp has 1-1.5 KiB in flight (k_gemv: 128 bytes; the H200 read 8B q4_K weights at ~0.37 TB/s
+// with it). The decoded values are cu_dequant8's expressions: the same bits. A block of up to 4
+// warps per row, sized to the row (a short row keeps one warp busy rather than four idle).
+struct gv_nf4 {  // QL_TYPE_NF4 / NF4_NODQ, K a multiple of 64 (a unit is half a block, blocks within rows)
+    static constexpr int E = 32, U = 2;
+    struct raw {
+        uint4 q;
+        float am;
+    };
+    __device__ __forceinline__ static void load(raw &x, const uint8_t *row, int type, const char *aux, int64_t K, int64_t r, int64_t e) {
+        x.q = *(const uint4 *)(row + e / 2);
+        x.am = cu_nf4_block_absmax(type, aux, (r * K + e) / QL_NF4_BLOCK);
+    }
+    // elements [8 g, 8 g + 8) of the unit: bytes 4 g .. 4 g + 3, the high nibble first
+    __device__ __forceinline__ static void decode8(const raw &x, int g, const float *tab, float v[CU_DQ_VEC]) {
+        const uint32_t q = g == 0 ? x.q.x : g == 1 ? x.q.y : g == 2 ? x.q.z : x.q.w;
+QL_UNROLL
+        for (int i = 0; i < 4; i++) {
+            const uint32_t byte = (q >> 8 * i) & 255;
+            v[2 * i] = __fmul_rn(tab[byte >> 4], x.am);
+            v[2 * i + 1] = __fmul_rn(tab[byte & 15], x.am);
+        }
+    }
+};
+struct gv_q4_K {  // QL_TYPE_Q4_K: sub-blocks 2p and 2p + 1 of a super-block (the low and high nibbles of 32 bytes)
+    static constexpr int E = 64, U = 1;
+    struct raw {
+        uint4 h, q0, q1;
+        int p;
+    };
+    __device__ __forceinline__ static void load(raw &x, const uint8_t *row, int, const char *, int64_t, int64_t, int64_t e) {
+        const uint8_t *b = row + (e / QL_QK_K) * sizeof(ql_block_q4_K);
+        x.p = (int)(e % QL_QK_K) / 64;
+        x.h = *(const uint4 *)b;  // d, dmin, scales[12]
+        x.q0 = *(const uint4 *)(b + 16 + 32 * x.p);
+        x.q1 = *(const uint4 *)(b + 32 + 32 * x.p);
+    }
+    __device__ __forceinline__ static void decode8(const raw &x, int g, const float *, float v[CU_DQ_VEC]) {
+        const int s = 2 * x.p + g / 4, l = (g % 4) * 8;  // sub-block s, its elements l .. l + 7: bytes l .. l + 7
+        auto sc6 = [&x](int k) {  // scales[k] from the header's words (s is not a constant: no array)
+            const uint32_t wd = k < 4 ? x.h.y : k < 8 ? x.h.z : x.h.w;
+            return (int)((wd >> 8 * (k & 3)) & 255);
+        };
+        int sc, mn;
+        if (s < 4) {
+            sc = sc6(s) & 63;
+            mn = sc6(s + 4) & 63;
+        } else {
+            sc = (sc6(s + 4) & 15) | ((sc6(s - 4) >> 6) << 4);
+            mn = (sc6(s + 4) >> 4) | ((sc6(s) >> 6) << 4);
+        }
+        const float d = __fmul_rn(cu_h2f((uint16_t)(x.h.x & 0xffff)), (float)sc), m = __fmul_rn(cu_h2f((uint16_t)(x.h.x >> 16)), (float)mn);
+        const uint32_t w[8] = {x.q0.x, x.q0.y, x.q0.z, x.q0.w, x.q1.x, x.q1.y, x.q1.z, x.q1.w};
+        const uint32_t lo = w[l / 4], hi = w[l / 4 + 1];
+        const int sh = (s & 1) ? 4 : 0;
+QL_UNROLL
+        for (int i = 0; i < CU_DQ_VEC; i++) {
+            const uint32_t byte = ((i < 4 ? lo : hi) >> 8 * (i % 4)) & 255;
+            v[i] = __fsub_rn(__fmul_rn(d, (float)((byte >> sh) & 15)), m);
+        }
+    }
+};
+
+struct gv_q6_K {  // QL_TYPE_Q6_K: the 32 elements of one of a half's four groups (blocks of 210 bytes: 2-byte loads)
+    static constexpr int E = 32, U = 1;
+    struct raw {
+        uint32_t q[8];  // the group's 32 6-bit codes, a byte each: 4 low bits of ql, 2 high bits of qh at 2 k
+        uint32_t sc;    // its two 16-element scales (int8) and d (f16)
+    };
+    __device__ __forceinline__ static void load(raw &x, const uint8_t *row, int, const char *, int64_t, int64_t, int64_t e) {
+        const uint8_t *b = row + (e / QL_QK_K) * sizeof(ql_block_q6_K);
+        const int j = (int)(e % QL_QK_K), h = j / 128, k = (j % 128) / 32, sh = k < 2 ? 0 : 4;
+        const uint16_t *pl = (const uint16_t *)(b + 64 * h + 32 * (k & 1)), *ph = (const uint16_t *)(b + 128 + 32 * h);
+QL_UNROLL
+        for (int i = 0; i < 8; i++) {
+            const uint32_t lo = pl[2 * i] | (uint32_t)pl[2 * i + 1] << 16, hi = ph[2 * i] | (uint32_t)ph[2 * i + 1] << 16;
+            x.q[i] = ((lo >> sh) & 0x0f0f0f0fu) | (((hi >> 2 * k) & 0x03030303u) << 4);
+        }
+        x.sc = *(const uint16_t *)(b + 192 + j / 16) | (uint32_t) * (const uint16_t *)(b + 208) << 16;
+    }
+    __device__ __forceinline__ static void decode8(const raw &x, int g, const float *, float v[CU_DQ_VEC]) {
+        const float s = __fmul_rn(cu_h2f((uint16_t)(x.sc >> 16)), (float)(int8_t)((x.sc >> 8 * (g / 2)) & 255));
+        // words 2 g and 2 g + 1 by selects, not an index (an indexed array went to local memory)
+        const uint32_t w0 = g == 0 ? x.q[0] : g == 1 ? x.q[2] : g == 2 ? x.q[4] : x.q[6];
+        const uint32_t w1 = g == 0 ? x.q[1] : g == 1 ? x.q[3] : g == 2 ? x.q[5] : x.q[7];
+QL_UNROLL
+        for (int i = 0; i < CU_DQ_VEC; i++) v[i] = __fmul_rn(s, (float)((int)(((i < 4 ? w0 : w1) >> 8 * (i % 4)) & 63) - 32));
+    }
+};
+
+// C [M, N] = W b as k_gemv; grid: M blocks of 32-128 threads
+template <typename T>
+__global__ void __launch_bounds__(GV_WARPS * 32) k_gemv_unit(const char *w, int64_t row_bytes, int type, const char *aux, int64_t K,
+                                                             int64_t M, const char *b, int b_type, int64_t bnb1, int N, int ct, float *C) {
+    __shared__ float red[GV_WARPS][QL_CUDA_GEMV_MAX_N];
+    __shared__ float tab[16];  // NF4's table: the lanes' different codes from shared memory, not serialized constant reads
+    if (threadIdx.x < 16) tab[threadIdx.x] = cu_nf4_values[threadIdx.x];
+    __syncthreads();
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nt = blockDim.x;
+    const int64_t r = blockIdx.x, n_units = K / T::E;
+    const uint8_t *row = (const uint8_t *)w + r * row_bytes;
+    const int bes = b_type == QL_TYPE_F32 ? 4 : 2;
+    const bool b4 = b_type == QL_TYPE_F32 && ((uintptr_t)b | (uintptr_t)bnb1) % 16 == 0;  // float4 loads of b
+    float acc[QL_CUDA_GEMV_MAX_N];
+QL_UNROLL
+    for (int n = 0; n < QL_CUDA_GEMV_MAX_N; n++) acc[n] = 0.0f;
+    for (int64_t i0 = threadIdx.x; i0 < n_units; i0 += (int64_t)T::U * nt) {
+        typename T::raw x[T::U];
+QL_UNROLL
+        for (int u = 0; u < T::U; u++) {  // every unit's loads first (past the end: unit i0 again, not used)
+            const int64_t i = i0 + (int64_t)u * nt < n_units ? i0 + (int64_t)u * nt : i0;
+            T::load(x[u], row, type, aux, K, r, i * T::E);
+        }
+QL_UNROLL
+        for (int u = 0; u < T::U; u++) {
+            const int64_t i = i0 + (int64_t)u * nt;
+            const bool in = i < n_units;  // (a guard, not a break: the loop unrolls, x stays in registers)
+QL_UNROLL
+            for (int g = 0; g < T::E / CU_DQ_VEC; g++) {
+                float v[CU_DQ_VEC];
+                T::decode8(x[u], g, tab, v);
+                if (ct != QL_TYPE_F32) {  // as the tile in the multiply's type
+QL_UNROLL
+                    for (int l = 0; l < CU_DQ_VEC; l++) v[l] = ct == QL_TYPE_F16 ? __half2float(__float2half_rn(v[l]))
+                                                                                 : __bfloat162float(__float2bfloat16_rn(v[l]));
+                }
+                const int64_t e = i * T::E + g * CU_DQ_VEC;
+QL_UNROLL
+                for (int n = 0; n < QL_CUDA_GEMV_MAX_N; n++) {
+                    if (n >= N || !in) break;
+                    const char *bp = b + n * bnb1 + e * bes;
+                    float xb[CU_DQ_VEC];
+                    if (b4) {
+                        const float4 p = ((const float4 *)bp)[0], q = ((const float4 *)bp)[1];
+                        xb[0] = p.x, xb[1] = p.y, xb[2] = p.z, xb[3] = p.w, xb[4] = q.x, xb[5] = q.y, xb[6] = q.z, xb[7] = q.w;
+                    } else {
+QL_UNROLL
+                        for (int l = 0; l < CU_DQ_VEC; l++) xb[l] = cu_ld(bp + l * bes, b_type);
+                    }
+                    float s = 0.0f;
+QL_UNROLL
+                    for (int l = 0; l < CU_DQ_VEC; l++) s = fmaf(v[l], xb[l], s);
+                    acc[n] += s;
+                }
+            }
+        }
+    }
+QL_UNROLL
+    for (int n = 0; n < QL_CUDA_GEMV_MAX_N; n++) {
+        if (n >= N) break;
+        float s = acc[n];
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+        if (lane == 0) red[warp][n] = s;
+    }
+    __syncthreads();
+    if ((int)threadIdx.x < N) {
+        float s = 0.0f;
+        for (int i = 0; i < nt / 32; i++) s += red[i][threadIdx.x];
+        C[threadIdx.x * M + r] = s;
+    }
+}
+
+// the unit kernel's threads for rows of K: enough for each to take U units a trip, 32 to 128
+static unsigned cu_gemv_unit_threads(int64_t K, int E, int U) {
+    const int64_t per = (K / E + U - 1) / U;
+    return (unsigned)std::min<int64_t>(GV_WARPS * 32, std::max<int64_t>(32, (per + 31) / 32 * 32));
+}
+
 static void cu_op_gemv(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *a = node->src[0], *b = node->src[1];
     const ql_type_traits *at = ql_type_traits_get(a->type);
     const char *aux = at->aux_bytes ? (const char *)a->data + ql_aux_offset(ql_nbytes(a)) : nullptr;
     const int64_t M = a->ne[1];
-    void (*kern)(const char *, int64_t, int, const char *, int64_t, int64_t, const char *, int, int64_t, int, int, float *) =
-        cu_dequant8_fast(a->type) ? k_gemv<GV_UNROLL, false> : k_gemv<1, true>;  // (a name without commas, for the macros)
-    QL_LAUNCH(kern, (unsigned)M, GV_WARPS * 32, 0, c.stream, (const char *)a->data, (int64_t)a->nb[1],
+    typedef void (*gemv_fn)(const char *, int64_t, int, const char *, int64_t, int64_t, const char *, int, int64_t, int, int, float *);
+    gemv_fn kern = cu_dequant8_fast(a->type) ? k_gemv<GV_UNROLL, false> : k_gemv<1, true>;  // (a name without commas, for the macros)
+    unsigned threads = GV_WARPS * 32;
+    const bool aligned = ((uintptr_t)a->data | (uintptr_t)a->nb[1]) % 16 == 0;  // the unit kernels' 16-byte loads
+    if (aligned && (a->type == QL_TYPE_NF4 || a->type == QL_TYPE_NF4_NODQ) && a->ne[0] % QL_NF4_BLOCK == 0) {
+        kern = k_gemv_unit<gv_nf4>;
+        threads = cu_gemv_unit_threads(a->ne[0], gv_nf4::E, gv_nf4::U);
+    } else if (aligned && a->type == QL_TYPE_Q4_K) {
+        kern = k_gemv_unit<gv_q4_K>;
+        threads = cu_gemv_unit_threads(a->ne[0], gv_q4_K::E, gv_q4_K::U);
+    } else if (a->type == QL_TYPE_Q6_K) {
+        kern = k_gemv_unit<gv_q6_K>;
+        threads = cu_gemv_unit_threads(a->ne[0], gv_q6_K::E, gv_q6_K::U);
+    }
+    QL_LAUNCH(kern, (unsigned)M, threads, 0, c.stream, (const char *)a->data, (int64_t)a->nb[1],
               (int)a->type, aux, a->ne[0], M, (const char *)b->data, (int)b->type, (int64_t)b->nb[1], (int)b->ne[1], (int)b->type,
               (float *)node->data);
     CU_LAUNCHED(c);

@@ -345,10 +345,11 @@ OP_CASE(mul_mat_quantized) {
                 return ql_mul_mat(L.ctx, L.rand(t, {256, 20}), ql_cast(L.ctx, L.param({256, n}), QL_TYPE_BF16));
             }, TOL_16);
         }
-        // decode: 1 and 8 columns; rows of 2048 (two of a trip's four chunks) and 5120 (a whole trip
-        // of four chunks, then one chunk and three past the end)
+        // decode: 1 and 8 columns; rows of 2048 (k_gemv: two of a trip's four chunks), 5120 (a whole
+        // trip of four chunks, then one chunk and three past the end; the unit kernels: threads with
+        // a unit past the end, threads with none) and 9216 (the unit kernels' second trip)
         for (int64_t n : {1, 8})
-            for (int64_t k : {2048, 5120}) {
+            for (int64_t k : {2048, 5120, 9216}) {
                 INFO("columns: " << n << ", row length " << k);
                 check_case(be, "decode product", [t, n, k](leafs &L) {
                     return ql_mul_mat(L.ctx, L.rand(t, {k, 37}), L.rand(QL_TYPE_F32, {k, n}));
