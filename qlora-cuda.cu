@@ -2672,6 +2672,9 @@ struct cuda_backend {
     bool   graphs = true;          // CUDA graphs (QLORA_CUDA_GRAPHS=0, ql_cuda_set_graphs: off)
     ql_cuda_graph_counts counts{};
     cu_mm_side mm_side;  // the multiply's tile pipeline (section 5)
+    // --profile: an event before and after each node on the compute stream, read once the run is
+    // done (no wait per node; made on the first profiled run and kept, grown with the graph)
+    std::vector<cudaEvent_t> prof_events;
 };
 static cu_mm_side &cu_mm_side_of(cu_ctx &c) { return c.cb->mm_side; }
 static int cu_cc(const cu_ctx &c) { return c.cb->prop.major * 10 + c.cb->prop.minor; }
@@ -2902,6 +2905,21 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
         ql_ctx_set_error(ctx, QL_ERR_IO, "compute: %s", err);
         return QL_ERR_IO;
     }
+    // --profile: each node's time on the device between its two events, the nodes queued without
+    // waits between them (a node the host queues slower than the device runs also counts its
+    // launch's time; waiting for each node, as before, added ~10 us to every one on an H200)
+    std::vector<int> timed;
+    if (ex.profile) {
+        while (cb->prof_events.size() < (size_t)(2 * n)) {
+            cudaEvent_t e = nullptr;
+            if (cudaEventCreate(&e) != cudaSuccess) {
+                ql_ctx_set_error(ctx, QL_ERR_IO, "compute: --profile's events: %s", cudaGetErrorString(cudaGetLastError()));
+                return QL_ERR_IO;
+            }
+            cb->prof_events.push_back(e);
+        }
+        timed.reserve((size_t)n);
+    }
     for (int i = 0; i < n && !c.failed; i++) {
         ql_tensor *node = ql_graph_node(g, i);
         for (int k : sch.wait_before[(size_t)i])
@@ -2925,10 +2943,12 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
         if (c.failed || node->op == QL_OP_NONE || node->op == QL_OP_VIEW || node->op == QL_OP_RESHAPE ||
             node->op == QL_OP_PERMUTE || node->op == QL_OP_TRANSPOSE)
             continue;
-        const auto t0 = std::chrono::steady_clock::now();
+        if (ex.profile && !c.failed && cudaEventRecord(cb->prof_events[(size_t)(2 * i)], c.stream) != cudaSuccess) c.failed = true;
         cu_run_node(c, node);
-        if (ex.profile && !c.failed && cudaStreamSynchronize(c.stream) == cudaSuccess)
-            ql_graph_add_node_seconds(g, i, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        if (ex.profile && !c.failed) {
+            if (cudaEventRecord(cb->prof_events[(size_t)(2 * i + 1)], c.stream) != cudaSuccess) c.failed = true;
+            timed.push_back(i);
+        }
         if (ex.check_finite && !c.failed && is_float_type_cu(node->type)) {
             unsigned long long *d = (unsigned long long *)cb->d_scratch, h = ~0ull;
             if (!cuda_memset(be, d, 0xff, sizeof(h), err, sizeof(err))) break;
@@ -2954,6 +2974,17 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
         (cudaEventRecord(cb->joined, cb->copy_stream) != cudaSuccess || cudaStreamWaitEvent(c.stream, cb->joined, 0) != cudaSuccess)) {
         snprintf(c.err, sizeof(c.err), "joining the copy stream: %s", cudaGetErrorString(cudaGetLastError()));
         c.failed = true;
+    }
+    if (ex.profile && !c.failed) {
+        if (cudaStreamSynchronize(c.stream) != cudaSuccess) {
+            snprintf(c.err, sizeof(c.err), "--profile: %s", cudaGetErrorString(cudaGetLastError()));
+            c.failed = true;
+        }
+        for (size_t j = 0; j < timed.size() && !c.failed; j++) {
+            float ms = 0.0f;
+            if (cudaEventElapsedTime(&ms, cb->prof_events[(size_t)(2 * timed[j])], cb->prof_events[(size_t)(2 * timed[j] + 1)]) == cudaSuccess)
+                ql_graph_add_node_seconds(g, timed[j], ms * 1e-3);
+        }
     }
     if (c.failed) {
         ql_ctx_set_error(ctx, QL_ERR_IO, "compute: %s", c.err);
@@ -3103,6 +3134,7 @@ static void cuda_free(ql_backend *be) {
     if (cb->stream) cudaStreamDestroy(cb->stream);
     if (cb->copy_stream) cudaStreamDestroy(cb->copy_stream);
     for (cudaEvent_t e : cb->events) cudaEventDestroy(e);
+    for (cudaEvent_t e : cb->prof_events) cudaEventDestroy(e);
     cu_mm_side_free(cb->mm_side);
     cu_device_free(cb->d_scratch);
     cuda_host_free(cb->h_scratch);

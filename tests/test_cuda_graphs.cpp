@@ -54,11 +54,14 @@ struct cuda_trainer {
 };
 
 // the tiny NF4 llama trained on the CUDA backend with graphs on or off
-run_result train(const std::string &path, const std::vector<ql_sequence> &seqs, ql_train_options o, bool graphs) {
+// (profile: --profile's node times on; the graph's total seconds and its multiplies' least time come back)
+run_result train(const std::string &path, const std::vector<ql_sequence> &seqs, ql_train_options o, bool graphs, bool profile = false,
+                 double *total_s = nullptr, double *least_mm_s = nullptr) {
     run_result r;
     cuda_trainer ct(path, seqs, o, graphs);
     ql_backend *be = ct.be;
     ql_trainer *t = ct.t;
+    if (profile) ql_graph_set_profile(ql_trainer_graph(t), true);
     std::string e;
     ql_step_metrics m;
     while (ql_trainer_steps_done(t) < ql_trainer_total_steps(t)) {
@@ -71,6 +74,15 @@ run_result train(const std::string &path, const std::vector<ql_sequence> &seqs, 
         }
     }
     REQUIRE(ql_cuda_get_graph_counts(be, &r.counts));
+    if (profile) {
+        const ql_graph *g = ql_trainer_graph(t);
+        double total = 0, least = 1e30;
+        for (int i = 0; i < ql_graph_n_nodes(g); i++) {
+            total += ql_graph_node_seconds(g, i);
+            if (ql_graph_node(g, i)->op == QL_OP_MUL_MAT) least = std::min(least, ql_graph_node_seconds(g, i));
+        }
+        *total_s = total, *least_mm_s = least;
+    }
     REQUIRE_MESSAGE(ql_trainer_to_host(t, &e), e);
     for (ql_tensor *p : ql_llama_lora_params(ql_trainer_model(t)))
         r.adapter.insert(r.adapter.end(), (const float *)p->data, (const float *)p->data + ql_nelements(p));
@@ -152,6 +164,25 @@ TEST_CASE("cuda graphs: training steps replayed from a capture equal eager ones 
     CHECK(replayed.counts.launched >= 12);
     CHECK(replayed.counts.eager == 2);  // the first run of each graph
     MESSAGE("graphs: ", replayed.counts.captured, " captured, ", replayed.counts.launched, " launched, ", replayed.counts.eager, " eager");
+}
+
+// --profile times nodes by events around each (no wait per node): the run stays eager, its
+// results are the unprofiled run's bits, and every multiply got a time
+TEST_CASE("cuda graphs: a profiled run is eager, gives the same bits, and times every multiply" * skip_unless(k_cuda, "without a CUDA device")) {
+    tmpdir d;
+    const std::string path = graphs_model(d);
+    const std::vector<ql_sequence> seqs = sequences(8, 0, 61);
+    ql_train_options o = options();
+    o.max_steps = 3;
+    double total = 0, least = 0;
+    const run_result plain = train(path, seqs, o, true);
+    const run_result profiled = train(path, seqs, o, true, true, &total, &least);
+    check_same_bits(profiled, plain);
+    CHECK(profiled.counts.captured == 0);
+    CHECK(profiled.counts.launched == 0);
+    CHECK(total > 0);
+    CHECK(least > 0);
+    MESSAGE("profiled: ", total * 1e3, " ms in the nodes, the shortest multiply ", least * 1e6, " us");
 }
 
 TEST_CASE("cuda graphs: block checkpoints offloaded to pinned host memory: replayed equals eager bit for bit" * skip_unless(k_cuda, "without a CUDA device")) {
