@@ -163,7 +163,7 @@ test: test-unit test-dropin test-cuda-shim test-amx-shim test-mpi
 # (tests/mpi.sh); skipped with its reason where OpenMPI is not installed
 HAVE_MPI := $(and $(shell command -v $(MPICXX) 2>/dev/null),$(shell command -v mpirun 2>/dev/null))
 ifneq ($(HAVE_MPI),)
-test-mpi: $(BUILD)/mpi/finetune make-model
+test-mpi: $(BUILD)/mpi/finetune make-model finetune
 	sh tests/mpi.sh $(BUILD)/mpi/finetune $(BUILD)/mpi-test
 else
 test-mpi:

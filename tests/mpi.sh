@@ -1,0 +1,84 @@
+#!/bin/sh
+# tests/mpi.sh - data parallel over MPI (make test-mpi, part of make test where OpenMPI is):
+#   sh tests/mpi.sh MPI_FINETUNE OUT_DIR        (run from the repository root: ./make-model, ./finetune)
+# 1. mpirun -np 2 with --grad-accum 1 against one process with --grad-accum 2: every step's loss
+#    and every evaluation loss equal within 1e-6 relative; the ranks' adapters and optimizer state
+#    the same (finetune compares their checksums and says so); one metrics file, rank 0's;
+#    --dry-run prints one plan, each process's;
+# 2. a rank killed (SIGKILL) as step 5 begins: mpirun exits non-zero naming rank 1 and the signal,
+#    the checkpoint of step 4 is there and resumes in ONE process (the effective accumulation 2
+#    it stored) to the uninterrupted run's losses;
+# 3. a rank that fails with an error: mpirun exits non-zero, the line names the rank and the cause.
+set -e
+ft=$1
+out=$2
+rm -rf "$out"
+mkdir -p "$out"
+# CI runs as root, which OpenMPI refuses unless told; two processes on however many cores; no
+# single-copy shared memory (containers often forbid the ptrace it needs)
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
+mpirun="mpirun --oversubscribe --bind-to none -np 2"
+fail() {
+    echo "test-mpi: $*"
+    exit 1
+}
+
+./make-model -o "$out/m.gguf" --dim 32 --layers 2 --heads 2 --ff 64 --seed 4 > /dev/null
+i=0
+while [ $i -lt 20 ]; do  # question/answer pairs: the answer spells the question backwards
+    w=$(printf 'abcdefghijklmnopqrstuvwxyz' | cut -c$((i % 20 + 1))-$((i % 20 + 3 + i % 4)))
+    r=$(printf '%s' "$w" | rev)
+    printf '{"prompt": "Q: %s\\nA:", "completion": " %s."}\n' "$w" "$r" >> "$out/qa.jsonl"
+    i=$((i + 1))
+done
+args="-m $out/m.gguf -d $out/qa.jsonl --max-steps 8 -b 2 --seq-len 24 --lora-dropout 0.1 --lr 1e-3 --precision fp32 -t 1 \
+--val-split 0.2 --eval-every 4 --save-every 2"
+
+# KEY's value in each metrics line that has one, as "step value"
+values() {
+    awk -v k="\"$2\": " '{ p = index($0, k); if (p) { split(substr($0, p + length(k)), v, /[,}]/); sub(/^\{"step": /, ""); sub(/,.*/, ""); print $0, v[1] } }' "$1"
+}
+# the two files' KEY values, step by step, within 1e-6 relative (and the same steps)
+same_values() {
+    values "$1" "$3" > "$out/a.txt"
+    values "$2" "$3" > "$out/b.txt"
+    [ -s "$out/a.txt" ] || fail "no $3 in $1"
+    cut -d' ' -f1 "$out/a.txt" > "$out/a.steps"
+    cut -d' ' -f1 "$out/b.txt" > "$out/b.steps"
+    cmp -s "$out/a.steps" "$out/b.steps" || fail "$3: steps differ: $(tr '\n' ' ' < "$out/a.steps") vs $(tr '\n' ' ' < "$out/b.steps")"
+    paste -d' ' "$out/a.txt" "$out/b.txt" | awk -v k="$3" '{ d = $2 - $4; if (d < 0) d = -d; if (d > 1e-6 * ($2 < 0 ? -$2 : $2)) {
+        printf "test-mpi: step %s: %s %s (one process) vs %s (2 processes)\n", $1, k, $2, $4; bad = 1 } } END { exit bad }' ||
+        fail "$3 differs"
+}
+
+# 1. two processes equal one with twice the accumulation
+./finetune $args --grad-accum 2 -o "$out/one" > "$out/one.log" 2>&1 || { cat "$out/one.log"; fail "one process failed"; }
+$mpirun "$ft" $args --grad-accum 1 -o "$out/two" > "$out/two.log" 2>&1 || { cat "$out/two.log"; fail "mpirun -np 2 failed"; }
+same_values "$out/one/metrics.jsonl" "$out/two/metrics.jsonl" loss
+same_values "$out/one/metrics.jsonl" "$out/two/metrics.jsonl" eval_loss
+grep -q "x accumulation 1 x 2 processes = effective batch 4 sequences" "$out/two.log" || fail "no data-parallel batch line in $out/two.log"
+grep -q "the same on all 2 processes" "$out/two.log" || fail "the ranks' adapters were not compared ($out/two.log)"
+[ "$(grep -c '"step": 8,' "$out/two/metrics.jsonl")" = 1 ] || fail "metrics.jsonl: not one writer"
+[ "$(grep -c '^finetune: done' "$out/two.log")" = 1 ] || fail "more than one rank printed"
+$mpirun "$ft" $args --grad-accum 1 --dry-run > "$out/dry.log" 2>&1 || { cat "$out/dry.log"; fail "--dry-run failed"; }
+[ "$(grep -c 'memory plan (MiB)' "$out/dry.log")" = 1 ] && grep -q "2 processes .*the plan is each process's" "$out/dry.log" &&
+    grep -q "gradients packed for the all-reduce" "$out/dry.log" || { cat "$out/dry.log"; fail "--dry-run: not one plan, each process's"; }
+
+# 2. rank 1 killed as step 5 begins: the job stops, naming it; step 4's checkpoint resumes in one process
+if QLORA_DIST_FAIL=1:5:kill $mpirun "$ft" $args --grad-accum 1 -o "$out/killed" > "$out/killed.log" 2>&1; then
+    fail "mpirun exited 0 with rank 1 killed"
+fi
+grep -q "rank 1 .*signal 9" "$out/killed.log" || { cat "$out/killed.log"; fail "the killed rank is not named"; }
+[ -f "$out/killed/checkpoint.gguf" ] && [ ! -f "$out/killed/adapter.gguf" ] || fail "killed: not the checkpoint alone"
+./finetune --resume "$out/killed" > "$out/resumed.log" 2>&1 || { cat "$out/resumed.log"; fail "the checkpoint did not resume"; }
+grep -q "resuming after step 4" "$out/resumed.log" || fail "not resumed after step 4 ($out/resumed.log)"
+same_values "$out/one/metrics.jsonl" "$out/killed/metrics.jsonl" loss
+
+# 3. rank 1 fails with an error: the job stops, the line names the rank and the cause
+if QLORA_DIST_FAIL=1:3 $mpirun "$ft" $args --grad-accum 1 -o "$out/failed" > "$out/failed.log" 2>&1; then
+    fail "mpirun exited 0 with rank 1 failed"
+fi
+grep -q "rank 1 of 2: finetune stopped (exit code 1): step 3: a failure made on purpose" "$out/failed.log" ||
+    { cat "$out/failed.log"; fail "the failed rank and its cause are not named"; }
+echo "test-mpi: 2 processes = 1 with twice the accumulation (8 steps' losses, 3 evaluations, within 1e-6), adapters the same on both;" \
+     "a killed rank and a failed one stop the job by name; the checkpoint resumes in 1 process"
