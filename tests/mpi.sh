@@ -8,7 +8,8 @@
 # 2. a rank killed (SIGKILL) as step 5 begins: mpirun exits non-zero naming rank 1 and the signal,
 #    the checkpoint of step 4 is there and resumes in ONE process (the effective accumulation 2
 #    it stored) to the uninterrupted run's losses;
-# 3. a rank that fails with an error: mpirun exits non-zero, the line names the rank and the cause.
+# 3. a SIGTERM to one rank: every rank stops after that step, with rank 0's checkpoint;
+# 4. a rank that fails with an error: mpirun exits non-zero, the line names the rank and the cause.
 set -e
 ft=$1
 out=$2
@@ -17,7 +18,8 @@ mkdir -p "$out"
 # CI runs as root, which OpenMPI refuses unless told; two processes on however many cores; no
 # single-copy shared memory (containers often forbid the ptrace it needs)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_btl_vader_single_copy_mechanism=none
-mpirun="mpirun --oversubscribe --bind-to none -np 2"
+# (a timeout: a rank waiting for one that went away must fail the test, not hang it)
+mpirun="timeout 120 mpirun --oversubscribe --bind-to none -np 2"
 fail() {
     echo "test-mpi: $*"
     exit 1
@@ -74,11 +76,17 @@ grep -q "rank 1 .*signal 9" "$out/killed.log" || { cat "$out/killed.log"; fail "
 grep -q "resuming after step 4" "$out/resumed.log" || fail "not resumed after step 4 ($out/resumed.log)"
 same_values "$out/one/metrics.jsonl" "$out/killed/metrics.jsonl" loss
 
-# 3. rank 1 fails with an error: the job stops, the line names the rank and the cause
+# 3. SIGTERM to rank 1 alone as step 3 begins: every rank stops after that step, rank 0 saving its
+#    checkpoint (exit 128 + 15)
+QLORA_DIST_FAIL=1:3:term $mpirun "$ft" $args --grad-accum 1 -o "$out/term" > "$out/term.log" 2>&1 && fail "mpirun exited 0 after a SIGTERM"
+grep -q "interrupted (SIGTERM) after step 3: checkpoint saved" "$out/term.log" && [ -f "$out/term/checkpoint.gguf" ] ||
+    { cat "$out/term.log"; fail "a SIGTERM to rank 1 did not stop the job after the step with a checkpoint"; }
+
+# 4. rank 1 fails with an error: the job stops, the line names the rank and the cause
 if QLORA_DIST_FAIL=1:3 $mpirun "$ft" $args --grad-accum 1 -o "$out/failed" > "$out/failed.log" 2>&1; then
     fail "mpirun exited 0 with rank 1 failed"
 fi
 grep -q "rank 1 of 2: finetune stopped (exit code 1): step 3: a failure made on purpose" "$out/failed.log" ||
     { cat "$out/failed.log"; fail "the failed rank and its cause are not named"; }
 echo "test-mpi: 2 processes = 1 with twice the accumulation (8 steps' losses, 3 evaluations, within 1e-6), adapters the same on both;" \
-     "a killed rank and a failed one stop the job by name; the checkpoint resumes in 1 process"
+     "a killed rank and a failed one stop the job by name; the checkpoint resumes in 1 process; a SIGTERM to one rank stops all after the step"

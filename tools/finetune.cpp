@@ -13,8 +13,8 @@
 // process with N x --grad-accum (models/trainer.h). Rank 0 alone prints and writes (metrics,
 // adapter, checkpoints); a rank that fails stops the job (ql_dist_abort) naming itself and the
 // cause; the checkpoint stores the effective accumulation, which --resume divides among however
-// many processes it runs with. QLORA_DIST_FAIL=RANK:STEP[:kill] makes a rank fail (an error, or
-// SIGKILL) as step STEP begins: how the tests stop one rank mid-run.
+// many processes it runs with. QLORA_DIST_FAIL=RANK:STEP[:kill|:term] makes a rank fail (an error,
+// or SIGKILL) or get a SIGTERM as step STEP begins: how the tests stop one rank mid-run.
 #include "../models/adapter.h"
 #include "../models/data.h"
 #include "../models/trainer.h"
@@ -1814,7 +1814,7 @@ static int train_steps(const args &a, ft_run &r) {
         printf("finetune: eval loss before training %.4f\n", r.last_eval);
         fflush(stdout);
     }
-    // QLORA_DIST_FAIL=RANK:STEP[:kill]: this rank fails as step STEP begins (the tests' stopped rank)
+    // QLORA_DIST_FAIL=RANK:STEP[:kill|:term]: this rank fails, or is sent SIGTERM, as step STEP begins (the tests')
     int fail_rank = -1;
     long long fail_step = -1;
     char fail_how[8] = "";
@@ -1823,8 +1823,12 @@ static int train_steps(const args &a, ft_run &r) {
         ql_step_metrics m;
         if (fail_rank == g_rank && fail_step == ql_trainer_steps_done(t) + 1) {
             if (!strcmp(fail_how, "kill")) raise(SIGKILL);
-            r.err = "step " + std::to_string(fail_step) + ": a failure made on purpose (QLORA_DIST_FAIL)";
-            return failed(a, r, false);
+            if (!strcmp(fail_how, "term")) {
+                raise(SIGTERM);  // (not a failure: this rank asks every one to stop after the step)
+            } else {
+                r.err = "step " + std::to_string(fail_step) + ": a failure made on purpose (QLORA_DIST_FAIL)";
+                return failed(a, r, false);
+            }
         }
         if (!ql_trainer_step(t, &m, &r.err)) return failed(a, r, true);
         r.tokens += m.tokens;
@@ -1894,9 +1898,10 @@ static int check_ranks_agree(ft_run &r) {
         return 1;
     }
     if (differ) {  // a bug, not the user's: the run's outputs would be one rank's arbitrary choice
-        r.err = "after step " + std::to_string(ql_trainer_steps_done(r.t.get())) + " the adapter of " + std::to_string(differ) + " of " +
-                std::to_string(g_world) + " processes differs from rank 0's (checksums " + std::to_string(h) + " here, " +
-                std::to_string(h0) + " on rank 0): nothing written";
+        char sums[64];
+        snprintf(sums, sizeof(sums), "%016llx here, %016llx on rank 0", (unsigned long long)h, (unsigned long long)h0);
+        r.err = "after step " + std::to_string(ql_trainer_steps_done(r.t.get())) + " the adapters of " + std::to_string(differ) + " of " +
+                std::to_string(g_world) + " processes differ from rank 0's (checksum " + sums + "): the run's outputs are not written";
         g_cause = r.err;
         fprintf(stderr, "finetune: %s\n", r.err.c_str());
         return 1;
