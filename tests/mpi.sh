@@ -8,7 +8,8 @@
 # 2. a rank killed (SIGKILL) as step 5 begins: mpirun exits non-zero naming rank 1 and the signal,
 #    the checkpoint of step 4 is there and resumes in ONE process (the effective accumulation 2
 #    it stored) to the uninterrupted run's losses;
-# 3. a SIGTERM to one rank: every rank stops after that step, with rank 0's checkpoint;
+# 3. a SIGTERM to one rank: every rank stops after that step, with rank 0's checkpoint, which
+#    resumes in 2 processes to the uninterrupted run's losses (not in 3: 2 micro-batches a step);
 # 4. a rank that fails with an error: mpirun exits non-zero, the line names the rank and the cause.
 set -e
 ft=$1
@@ -77,10 +78,15 @@ grep -q "resuming after step 4" "$out/resumed.log" || fail "not resumed after st
 same_values "$out/one/metrics.jsonl" "$out/killed/metrics.jsonl" loss
 
 # 3. SIGTERM to rank 1 alone as step 3 begins: every rank stops after that step, rank 0 saving its
-#    checkpoint (exit 128 + 15)
+#    checkpoint (exit 128 + 15); it resumes in two processes
 QLORA_DIST_FAIL=1:3:term $mpirun "$ft" $args --grad-accum 1 -o "$out/term" > "$out/term.log" 2>&1 && fail "mpirun exited 0 after a SIGTERM"
 grep -q "interrupted (SIGTERM) after step 3: checkpoint saved" "$out/term.log" && [ -f "$out/term/checkpoint.gguf" ] ||
     { cat "$out/term.log"; fail "a SIGTERM to rank 1 did not stop the job after the step with a checkpoint"; }
+$mpirun "$ft" --resume "$out/term" > "$out/term-resumed.log" 2>&1 || { cat "$out/term-resumed.log"; fail "no resume in 2 processes"; }
+same_values "$out/one/metrics.jsonl" "$out/term/metrics.jsonl" loss
+timeout 60 mpirun --oversubscribe --bind-to none -np 3 "$ft" --resume "$out/term" > "$out/three.log" 2>&1 && fail "3 processes resumed a run of 2"
+grep -q "effective accumulation 2 (micro-batches per step) does not divide among 3 processes" "$out/three.log" ||
+    { cat "$out/three.log"; fail "3 processes: not the reason"; }
 
 # 4. rank 1 fails with an error: the job stops, the line names the rank and the cause
 if QLORA_DIST_FAIL=1:3 $mpirun "$ft" $args --grad-accum 1 -o "$out/failed" > "$out/failed.log" 2>&1; then
@@ -89,4 +95,4 @@ fi
 grep -q "rank 1 of 2: finetune stopped (exit code 1): step 3: a failure made on purpose" "$out/failed.log" ||
     { cat "$out/failed.log"; fail "the failed rank and its cause are not named"; }
 echo "test-mpi: 2 processes = 1 with twice the accumulation (8 steps' losses, 3 evaluations, within 1e-6), adapters the same on both;" \
-     "a killed rank and a failed one stop the job by name; the checkpoint resumes in 1 process; a SIGTERM to one rank stops all after the step"
+     "a killed rank and a failed one stop the job by name; a SIGTERM to one stops all after the step; checkpoints resume in 1 and 2 processes, not 3"
