@@ -105,7 +105,7 @@ tools/bench: $(BUILD)/tools/bench.o $(BUILD)/libqlora.a $(CUDA_OBJ)
 	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
 
 $(ROOT_TOOLS): %: $(BUILD)/tools/%.o $(BUILD)/libtools.a $(BUILD)/libqlora.a $(CUDA_OBJ)
-	$(LINK_CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
+	$(LINK_CXX) $(CXXFLAGS) $(filter %.o %.a,$^) -o $@ $(LDLIBS)
 LINK_CXX = $(CXX)
 
 # the MPI object, like the CUDA one, linked explicitly: its definitions replace the weak ones
@@ -116,6 +116,11 @@ ifneq ($(MPI),)
 finetune: $(MPI_OBJ)
 finetune: LINK_CXX = $(MPICXX)
 endif
+# ./finetune is linked again when MPI= changes: a stamp of the setting, remade when it differs
+MPI_STAMP := $(BUILD)/.mpi-$(if $(MPI),on,off)
+$(BUILD)/.mpi-on $(BUILD)/.mpi-off:
+	@mkdir -p $(BUILD) && rm -f $(BUILD)/.mpi-on $(BUILD)/.mpi-off && touch $@
+finetune: $(MPI_STAMP)
 # the data-parallel finetune for the tests, whatever MPI= says (./finetune stays as built)
 $(BUILD)/mpi/finetune: $(BUILD)/tools/finetune.o $(BUILD)/libtools.a $(BUILD)/libqlora.a $(BUILD)/qlora-mpi.o
 	@mkdir -p $(dir $@)
