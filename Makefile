@@ -53,7 +53,8 @@ LDLIBS    += $(if $(CUDA),-L$(CUDA_HOME)/lib64 -lcublas -lcudart -Wl$(comma)-rpa
 # MPI: opt-in (MPI=1): qlora-mpi.cpp, compiled and linked with mpicxx into ./finetune, whose
 # ql_dist_* replace the library's one-process weak ones. The library itself never includes mpi.h.
 MPICXX    ?= mpicxx
-MPI_OBJ   := $(if $(MPI),$(BUILD)/qlora-mpi.o)
+# with CUDA=1 too: its NCCL part (gradients summed in device memory; NCCL is in the CUDA toolkit's lib64)
+MPI_OBJ   := $(if $(MPI),$(BUILD)/qlora-mpi$(if $(CUDA),-nccl).o)
 
 LIB_SRC  := qlora.cpp $(wildcard models/*.cpp)
 LIB_OBJ  := $(LIB_SRC:%.cpp=$(BUILD)/%.o)
@@ -112,9 +113,13 @@ LINK_CXX = $(CXX)
 $(BUILD)/qlora-mpi.o: qlora-mpi.cpp qlora.h
 	@mkdir -p $(dir $@)
 	$(MPICXX) $(CXXFLAGS) -I. -c qlora-mpi.cpp -o $@
+$(BUILD)/qlora-mpi-nccl.o: qlora-mpi.cpp qlora.h
+	@mkdir -p $(dir $@)
+	$(MPICXX) $(CXXFLAGS) -DQL_DIST_NCCL -I$(CUDA_HOME)/include -I. -c qlora-mpi.cpp -o $@
 ifneq ($(MPI),)
 finetune: $(MPI_OBJ)
 finetune: LINK_CXX = $(MPICXX)
+finetune: LDLIBS += $(if $(CUDA),-lnccl)
 endif
 # ./finetune is linked again when MPI= changes: a stamp of the setting, remade when it differs
 MPI_STAMP := $(BUILD)/.mpi-$(if $(MPI),on,off)

@@ -6,11 +6,13 @@
 // (MPI_ERRORS_RETURN) for the caller to name; a rank that dies is mpirun's to notice, which ends
 // the job and names the rank and its signal or exit code.
 //
-// limitation: the collectives are host memory only. A GPU run stages the gradients through the
-// host (the trainer does); an NCCL all-reduce on device memory, its id broadcast over MPI, would
-// go here.
+// On GPUs (make MPI=1 CUDA=1 compiles the NCCL part, QL_DIST_NCCL): ql_dist_allreduce_device_f32 sums
+// buffers in device memory with NCCL, its id made by rank 0 and broadcast over MPI (llm.c's
+// pattern). Without it, that call says QL_ERR_UNSUPPORTED and the trainer stages through the host.
 #include "qlora.h"
 
+#define OMPI_SKIP_MPICXX 1   // the C API only: Open MPI's and MPICH's C++ bindings (deprecated) left out
+#define MPICH_SKIP_MPICXX 1
 #include <mpi.h>
 
 #include <climits>
@@ -58,13 +60,66 @@ ql_status ql_dist_init(int *argc, char ***argv, char *err, size_t err_size) {
     int len = 0;
     MPI_Get_library_version(lib, &len);
     lib[strcspn(lib, ",\n")] = 0;  // "Open MPI v4.1.4, package: ..." -> "Open MPI v4.1.4"
-    snprintf(g_name, sizeof(g_name), "%s", lib);
+    snprintf(g_name, sizeof(g_name), "%.*s", (int)sizeof(g_name) - 1, lib);
     g_init = true;
     return QL_OK;
 }
 
+// ---- NCCL: sums in a GPU's memory (built only with CUDA: the one part of this file that needs it) ----
+#if defined(QL_DIST_NCCL)
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+namespace {
+
+ncclComm_t g_nccl = nullptr;
+cudaStream_t g_nccl_stream = nullptr;
+
+// The job's communicator on this process's current device (the backend's: ql_backend_cuda_init
+// set it), made at the first device all-reduce: rank 0's id broadcast over MPI.
+// limitation: NCCL's own device memory (its buffers, tens of MiB per peer) is not in the memory plan.
+ql_status nccl_setup() {
+    if (g_nccl) return QL_OK;
+    ncclUniqueId id;
+    memset(&id, 0, sizeof(id));
+    if (g_rank == 0 && ncclGetUniqueId(&id) != ncclSuccess) return QL_ERR_IO;  // (the caller's failure stops the job)
+    if (MPI_Bcast(&id, (int)sizeof(id), MPI_BYTE, 0, MPI_COMM_WORLD) != MPI_SUCCESS) return QL_ERR_IO;
+    if (cudaStreamCreateWithFlags(&g_nccl_stream, cudaStreamNonBlocking) != cudaSuccess) return QL_ERR_IO;
+    if (ncclCommInitRank(&g_nccl, g_size, id, g_rank) != ncclSuccess) {
+        g_nccl = nullptr;
+        return QL_ERR_IO;
+    }
+    return QL_OK;
+}
+
+void nccl_free() {
+    if (g_nccl) ncclCommDestroy(g_nccl);
+    if (g_nccl_stream) cudaStreamDestroy(g_nccl_stream);
+    g_nccl = nullptr, g_nccl_stream = nullptr;
+}
+
+}  // namespace
+
+ql_status ql_dist_allreduce_device_f32(ql_backend *be, float *const *bufs, const size_t *n, int count) {
+    if (!be || !ql_backend_is_cuda(be)) return QL_ERR_UNSUPPORTED;
+    if (!g_init || g_size == 1 || count == 0) return QL_OK;
+    if (!bufs || !n || count < 0) return QL_ERR_INVALID;
+    if (ql_backend_synchronize(be) != QL_OK) return QL_ERR_IO;  // the buffers are complete on the backend's stream
+    const ql_status st = nccl_setup();
+    if (st != QL_OK) return st;
+    bool ok = ncclGroupStart() == ncclSuccess;  // one collective for all of them
+    for (int i = 0; ok && i < count; i++)
+        ok = ncclAllReduce(bufs[i], bufs[i], n[i], ncclFloat, ncclSum, g_nccl, g_nccl_stream) == ncclSuccess;
+    ok = ncclGroupEnd() == ncclSuccess && ok;
+    return ok && cudaStreamSynchronize(g_nccl_stream) == cudaSuccess ? QL_OK : QL_ERR_IO;
+}
+#else
+static void nccl_free() {}
+#endif
+
 void ql_dist_free(void) {
     if (!g_init) return;
+    nccl_free();
     MPI_Finalize();
     g_init = false;
 }

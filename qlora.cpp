@@ -7296,6 +7296,9 @@ __attribute__((weak)) const char *ql_dist_name(void) { return "one process"; }
 __attribute__((weak)) ql_status ql_dist_allreduce_f32(float *, size_t) { return QL_OK; }
 __attribute__((weak)) ql_status ql_dist_allreduce_f64(double *, size_t) { return QL_OK; }
 __attribute__((weak)) ql_status ql_dist_allreduce_i64(int64_t *, size_t) { return QL_OK; }
+__attribute__((weak)) ql_status ql_dist_allreduce_device_f32(ql_backend *, float *const *, const size_t *, int) {
+    return QL_ERR_UNSUPPORTED;
+}
 __attribute__((weak)) ql_status ql_dist_broadcast(void *, size_t, int root) { return root == 0 ? QL_OK : QL_ERR_INVALID; }
 __attribute__((weak)) ql_status ql_dist_barrier(void) { return QL_OK; }
 __attribute__((weak)) void ql_dist_abort(int code, const char *msg) {

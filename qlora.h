@@ -968,6 +968,11 @@ const char *ql_dist_name(void);          // "one process", "Open MPI v4.1.4"
 ql_status   ql_dist_allreduce_f32(float *buf, size_t n);
 ql_status   ql_dist_allreduce_f64(double *buf, size_t n);
 ql_status   ql_dist_allreduce_i64(int64_t *buf, size_t n);
+// The same sum over `count` f32 buffers in the memory of be's device, where they are: one grouped
+// NCCL all-reduce (a build with CUDA and MPI: make MPI=1 CUDA=1; the NCCL id broadcast over MPI at
+// the first call), after be's queued work. QL_ERR_UNSUPPORTED in any other build or for a host
+// backend: the caller stages the buffers through host memory instead.
+ql_status   ql_dist_allreduce_device_f32(ql_backend *be, float *const *bufs, const size_t *n, int count);
 ql_status   ql_dist_broadcast(void *buf, size_t bytes, int root);  // root's bytes to every rank
 ql_status   ql_dist_barrier(void);
 // Stops every rank of the job (MPI_Abort) after printing "rank R of N: msg" to stderr; exit code

@@ -78,6 +78,8 @@ struct ql_trainer {
     int64_t order_epoch = -1;
     std::vector<const ql_sequence *> slot;  // [micro_batch * accum(t)] a step's sequences, every rank's (NULL: none)
     std::vector<float> dist_grads;          // [grads / 4] data parallel: every gradient packed for the all-reduce
+    std::vector<float *> dist_dev;          // ... on a device: the gradients where they are (NCCL), and their sizes
+    std::vector<size_t> dist_n;
     // memory
     std::vector<ql_keep> levels;  // per forward segment (empty: no recompute)
     ql_recompute_stats rs{};
@@ -829,6 +831,8 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
     t->in_tokens.assign(n_in, 0), t->in_pos.assign(n_in, 0), t->in_targets.assign(n_in, 0), t->in_seg.assign(n_in, 0);
     if (t->embd_host) t->in_embd.assign(n_in * (size_t)t->f->model.hp.n_embd, 0.0f);
     t->dist_grads.assign(t->mem.dist / sizeof(float), 0.0f);  // (world 1: none)
+    for (const ql_tensor *p : t->params)
+        if (t->o.world > 1 && !t->on_host) t->dist_dev.push_back((float *)p->grad->data), t->dist_n.push_back((size_t)ql_nelements(p->grad));
     // the optimizer's groups, where they now live: one multi-tensor step over all of them
     std::vector<ql_optim_group> groups;
     for (size_t i = 0; i < t->params.size(); i++) {
@@ -1039,9 +1043,17 @@ static bool fill(ql_trainer *t, const batch_io &io, const ql_sequence *const *se
 static bool set_f32(ql_trainer *t, ql_tensor *x, float v) { return ql_backend_tensor_set(t->be, x, &v, 0, 4) == QL_OK; }
 static bool get_f32(ql_trainer *t, const ql_tensor *x, float *v) { return ql_backend_tensor_get(t->be, x, v, 0, 4) == QL_OK; }
 
-// Data parallel: every rank's gradients summed, in one packed host buffer, and the step's loss and
-// token counts with them; false on a failed copy or collective.
+// Data parallel: every rank's gradients summed - on a device where they are when the build has NCCL
+// (one grouped all-reduce), else in one packed host buffer - and the step's loss and token counts
+// with them; false on a failed copy or collective.
 static bool all_reduce_step(ql_trainer *t, double *loss, int64_t *padded, int64_t *real) {
+    double v[3] = {*loss, (double)*padded, (double)*real};  // (counts exact in a double below 2^53)
+    if (ql_dist_allreduce_f64(v, 3) != QL_OK) return false;
+    *loss = v[0], *padded = (int64_t)v[1], *real = (int64_t)v[2];
+    if (!t->dist_dev.empty()) {  // a device: where the gradients are, when the build can (NCCL)
+        const ql_status st = ql_dist_allreduce_device_f32(t->be, t->dist_dev.data(), t->dist_n.data(), (int)t->dist_dev.size());
+        if (st != QL_ERR_UNSUPPORTED) return st == QL_OK;
+    }
     float *buf = t->dist_grads.data();
     size_t at = 0;
     for (const ql_tensor *p : t->params) {  // (on the CPU a copy; on a device through the host)
@@ -1054,9 +1066,6 @@ static bool all_reduce_step(ql_trainer *t, double *loss, int64_t *padded, int64_
         if (ql_backend_tensor_set(t->be, p->grad, buf + at, 0, ql_nbytes(p->grad)) != QL_OK) return false;
         at += (size_t)ql_nelements(p->grad);
     }
-    double v[3] = {*loss, (double)*padded, (double)*real};  // (counts exact in a double below 2^53)
-    if (ql_dist_allreduce_f64(v, 3) != QL_OK) return false;
-    *loss = v[0], *padded = (int64_t)v[1], *real = (int64_t)v[2];
     return true;
 }
 

@@ -117,8 +117,9 @@ struct ql_train_options {
     // same model, data and options. grad_accum is per process: a step is world x grad_accum
     // micro-batches, rank r computing those from r x grad_accum on, with the data order, dropout
     // masks, loss normalisation (the step's supervised tokens, all ranks') and schedule of one
-    // process with world x grad_accum. The gradients are summed over the ranks (ql_dist_allreduce_f32,
-    // one packed host buffer) after the last micro-batch, before clipping and the update, which
+    // process with world x grad_accum. The gradients are summed over the ranks (ql_dist_allreduce_f32
+    // on one packed host buffer; on a GPU with NCCL built in, ql_dist_allreduce_device_f32 where they
+    // are) after the last micro-batch, before clipping and the update, which
     // every rank then makes alike. Checkpoints store the effective accumulation (world x grad_accum):
     // one resumes under any world that divides it. Evaluation splits its batches over the ranks.
     int world = 1, rank = 0;
