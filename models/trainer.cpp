@@ -450,7 +450,7 @@ static bool measure(ql_trainer *t, std::string *err) {
             if (t->levels[i] == QL_KEEP_INPUT && in[i]) m.checkpoints += ql_nbytes(in[i]) + in[i]->aux_size;
         m.offload = t->o.offload_activations && m.checkpoints > 0;
         m.host_pinned = ps.host_size;
-        m.dist = t->o.world > 1 ? m.grads : 0;
+        m.dist = t->o.world > 1 || t->o.dist_always ? m.grads : 0;
         const size_t planned = m.weights + arena + m.graph_heap + std::max(ps.buffer_size, es.buffer_size) + m.dist;
         m.reserve = plan_reserve(planned);
         m.total = planned + m.reserve;
@@ -832,7 +832,7 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
     if (t->embd_host) t->in_embd.assign(n_in * (size_t)t->f->model.hp.n_embd, 0.0f);
     t->dist_grads.assign(t->mem.dist / sizeof(float), 0.0f);  // (world 1: none)
     for (const ql_tensor *p : t->params)
-        if (t->o.world > 1 && !t->on_host) t->dist_dev.push_back((float *)p->grad->data), t->dist_n.push_back((size_t)ql_nelements(p->grad));
+        if ((t->o.world > 1 || t->o.dist_always) && !t->on_host) t->dist_dev.push_back((float *)p->grad->data), t->dist_n.push_back((size_t)ql_nelements(p->grad));
     // the optimizer's groups, where they now live: one multi-tensor step over all of them
     std::vector<ql_optim_group> groups;
     for (size_t i = 0; i < t->params.size(); i++) {
@@ -1131,7 +1131,7 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     }
     // data parallel: the gradients complete once every rank's are summed (the one collective of
     // the step, after the last micro-batch and before clipping and the update)
-    if (t->o.world > 1 && !all_reduce_step(t, &loss, &padded, &real)) {
+    if ((t->o.world > 1 || t->o.dist_always) && !all_reduce_step(t, &loss, &padded, &real)) {
         t->broken = true;  // (another rank may have stopped: the job ends)
         *err = "step " + std::to_string(s + 1) + ": the all-reduce of the gradients over " + std::to_string(t->o.world) + " processes (" +
                ql_dist_name() + ") failed";

@@ -123,6 +123,7 @@ struct ql_train_options {
     // every rank then makes alike. Checkpoints store the effective accumulation (world x grad_accum):
     // one resumes under any world that divides it. Evaluation splits its batches over the ranks.
     int world = 1, rank = 0;
+    bool dist_always = false;  // the step's all-reduce even when world is 1: a check of the collectives on one device
     // the caller's command line, stored in checkpoints as qlora.run.command (not compared on
     // load: the settings it produced are): what lets a tool resume a run from its directory alone
     std::vector<std::string> command;

@@ -4,7 +4,8 @@
 # 1. mpirun -np 2 with --grad-accum 1 against one process with --grad-accum 2: every step's loss
 #    and every evaluation loss equal within 1e-6 relative; the ranks' adapters and optimizer state
 #    the same (finetune compares their checksums and says so); one metrics file, rank 0's;
-#    --dry-run prints one plan, each process's;
+#    --dry-run prints one plan, each process's; one process with QLORA_DIST_ALWAYS=1 (the
+#    all-reduce made anyway) the same losses;
 # 2. a rank killed (SIGKILL) as step 5 begins: mpirun exits non-zero naming rank 1 and the signal,
 #    the checkpoint of step 4 is there and resumes in ONE process (the effective accumulation 2
 #    it stored) to the uninterrupted run's losses;
@@ -66,6 +67,12 @@ grep -q "the same on all 2 processes" "$out/two.log" || fail "the ranks' adapter
 $mpirun "$ft" $args --grad-accum 1 --dry-run > "$out/dry.log" 2>&1 || { cat "$out/dry.log"; fail "--dry-run failed"; }
 [ "$(grep -c 'memory plan (MiB)' "$out/dry.log")" = 1 ] && grep -q "2 processes .*the plan is each process's" "$out/dry.log" &&
     grep -q "gradients packed for the all-reduce" "$out/dry.log" || { cat "$out/dry.log"; fail "--dry-run: not one plan, each process's"; }
+
+# one process making the all-reduce anyway (QLORA_DIST_ALWAYS: the collectives' path on one GPU)
+QLORA_DIST_ALWAYS=1 timeout 60 mpirun --bind-to none -np 1 "$ft" $args --grad-accum 2 -o "$out/always" > "$out/always.log" 2>&1 ||
+    { cat "$out/always.log"; fail "QLORA_DIST_ALWAYS=1 mpirun -np 1 failed"; }
+grep -q "gradients packed for the all-reduce" "$out/always.log" || fail "QLORA_DIST_ALWAYS: no all-reduce planned"
+same_values "$out/one/metrics.jsonl" "$out/always/metrics.jsonl" loss
 
 # 2. rank 1 killed as step 5 begins: the job stops, naming it; step 4's checkpoint resumes in one process
 if QLORA_DIST_FAIL=1:5:kill $mpirun "$ft" $args --grad-accum 1 -o "$out/killed" > "$out/killed.log" 2>&1; then

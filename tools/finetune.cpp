@@ -15,6 +15,7 @@
 // cause; the checkpoint stores the effective accumulation, which --resume divides among however
 // many processes it runs with. QLORA_DIST_FAIL=RANK:STEP[:kill|:term] makes a rank fail (an error,
 // or SIGKILL) or get a SIGTERM as step STEP begins: how the tests stop one rank mid-run.
+// QLORA_DIST_ALWAYS=1 makes each step's all-reduce in one process too (NCCL's check on one GPU).
 #include "../models/adapter.h"
 #include "../models/data.h"
 #include "../models/trainer.h"
@@ -926,6 +927,7 @@ static bool parse(int argc, char **argv, args *a) {
         a->o.grad_accum /= g_world;
     }
     a->o.world = g_world, a->o.rank = g_rank;
+    a->o.dist_always = getenv("QLORA_DIST_ALWAYS") != nullptr;  // the all-reduce in one process too (the NCCL check on one GPU)
     return true;
 }
 
