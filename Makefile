@@ -17,6 +17,8 @@
 #   make test-cuda-shim  the CUDA backend's kernels run on the CPU through tests/cuda_shim.h
 #                        (needs only CUDA's headers; part of make test when they are there)
 #   make CUDA=1 test-gpu the checks that need a real GPU (tests/gpu-check.sh)
+#   make MPI=1 ...       ./finetune with data parallel over MPI (qlora-mpi.cpp, mpicxx): mpirun -np N ./finetune ...
+#   make test-mpi        mpirun -np 2 against one process (tests/mpi.sh; part of make test where OpenMPI is)
 #   make cuda-check      compile qlora-cuda.cu for every architecture, warnings as errors, and
 #                        fail on register spills or local memory (ptxas -v)
 
@@ -48,6 +50,12 @@ CUDA_OBJ  := $(if $(CUDA),$(BUILD)/qlora-cuda.o)
 comma := ,
 LDLIBS    += $(if $(CUDA),-L$(CUDA_HOME)/lib64 -lcublas -lcudart -Wl$(comma)-rpath$(comma)$(CUDA_HOME)/lib64)
 
+# MPI: opt-in (MPI=1): qlora-mpi.cpp, compiled and linked with mpicxx into ./finetune, whose
+# ql_dist_* replace the library's one-process weak ones. The library itself never includes mpi.h.
+MPICXX    ?= mpicxx
+# with CUDA=1 too: its NCCL part (gradients summed in device memory; NCCL is in the CUDA toolkit's lib64)
+MPI_OBJ   := $(if $(MPI),$(BUILD)/qlora-mpi$(if $(CUDA),-nccl).o)
+
 LIB_SRC  := qlora.cpp $(wildcard models/*.cpp)
 LIB_OBJ  := $(LIB_SRC:%.cpp=$(BUILD)/%.o)
 TEST_SRC := $(wildcard tests/test_*.cpp)
@@ -62,7 +70,7 @@ TOOLS    := tools/bench $(ROOT_TOOLS)
 HEADERS  := qlora.h $(wildcard models/*.h models/*.inc tools/*.h)
 TEST_HEADERS := $(wildcard tests/*.h)
 
-.PHONY: deps all test test-unit test-dropin test-cuda-shim test-amx-shim test-gpu cuda-check test-sanitize test-portable bench bench-finetune bench-checkpointing bench-optimizers bench-infer demo clean cuda fuzz
+.PHONY: deps all test test-unit test-mpi test-dropin test-cuda-shim test-amx-shim test-gpu cuda-check test-sanitize test-portable bench bench-finetune bench-checkpointing bench-optimizers bench-infer demo clean cuda fuzz
 all: $(TOOLS) $(BUILD)/test-qlora
 
 # tools/deps.sh: the headers the build needs - stb for the tools' loss plot, doctest for the tests -
@@ -98,7 +106,30 @@ tools/bench: $(BUILD)/tools/bench.o $(BUILD)/libqlora.a $(CUDA_OBJ)
 	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
 
 $(ROOT_TOOLS): %: $(BUILD)/tools/%.o $(BUILD)/libtools.a $(BUILD)/libqlora.a $(CUDA_OBJ)
-	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
+	$(LINK_CXX) $(CXXFLAGS) $(filter %.o %.a,$^) -o $@ $(LDLIBS)
+LINK_CXX = $(CXX)
+
+# the MPI object, like the CUDA one, linked explicitly: its definitions replace the weak ones
+$(BUILD)/qlora-mpi.o: qlora-mpi.cpp qlora.h
+	@mkdir -p $(dir $@)
+	$(MPICXX) $(CXXFLAGS) -I. -c qlora-mpi.cpp -o $@
+$(BUILD)/qlora-mpi-nccl.o: qlora-mpi.cpp qlora.h
+	@mkdir -p $(dir $@)
+	$(MPICXX) $(CXXFLAGS) -DQL_DIST_NCCL -I$(CUDA_HOME)/include -I. -c qlora-mpi.cpp -o $@
+ifneq ($(MPI),)
+finetune: $(MPI_OBJ)
+finetune: LINK_CXX = $(MPICXX)
+finetune: LDLIBS += $(if $(CUDA),-lnccl)
+endif
+# ./finetune is linked again when MPI= changes: a stamp of the setting, remade when it differs
+MPI_STAMP := $(BUILD)/.mpi-$(if $(MPI),on,off)
+$(BUILD)/.mpi-on $(BUILD)/.mpi-off:
+	@mkdir -p $(BUILD) && rm -f $(BUILD)/.mpi-on $(BUILD)/.mpi-off && touch $@
+finetune: $(MPI_STAMP)
+# the data-parallel finetune for the tests, whatever MPI= says (./finetune stays as built)
+$(BUILD)/mpi/finetune: $(BUILD)/tools/finetune.o $(BUILD)/libtools.a $(BUILD)/libqlora.a $(BUILD)/qlora-mpi.o
+	@mkdir -p $(dir $@)
+	$(MPICXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
 
 $(TEST_OBJ): $(TEST_HEADERS)
 $(TEST_SRC:%.cpp=$(BUILD)/san/%.o): $(TEST_HEADERS)
@@ -136,7 +167,18 @@ $(BUILD)/test-amx-shim: $(BUILD)/amx/qlora.o $(filter-out $(BUILD)/qlora.o,$(LIB
 test-amx-shim: $(BUILD)/test-amx-shim
 	./$(BUILD)/test-amx-shim $(AMX_SHIM_CASES)
 
-test: test-unit test-dropin test-cuda-shim test-amx-shim
+test: test-unit test-dropin test-cuda-shim test-amx-shim test-mpi
+
+# data parallel: mpirun -np 2 against one process with twice the accumulation, a killed rank
+# (tests/mpi.sh); skipped with its reason where OpenMPI is not installed
+HAVE_MPI := $(and $(shell command -v $(MPICXX) 2>/dev/null),$(shell command -v mpirun 2>/dev/null))
+ifneq ($(HAVE_MPI),)
+test-mpi: $(BUILD)/mpi/finetune make-model finetune
+	sh tests/mpi.sh $(BUILD)/mpi/finetune $(BUILD)/mpi-test
+else
+test-mpi:
+	@echo "test-mpi: skipped: mpicxx or mpirun not found (Debian: openmpi-bin libopenmpi-dev); data parallel is untested in this run"
+endif
 
 # The suite linked with the CUDA backend from the objects make already built (the CPU objects do
 # not depend on CUDA=1) and cuda-check's object: what CI runs to see the CUDA build link and its

@@ -7282,6 +7282,31 @@ __attribute__((weak)) bool ql_cuda_memory_used(size_t *in_use, size_t *peak) {
     return false;
 }
 
+// A build without qlora-mpi.cpp: one process. Its definitions replace these when it is linked in
+// (make MPI=1): the library and the drop-in build need no MPI.
+__attribute__((weak)) ql_status ql_dist_init(int *, char ***, char *err, size_t err_size) {
+    if (err && err_size) err[0] = 0;
+    return QL_OK;
+}
+__attribute__((weak)) void ql_dist_free(void) {}
+__attribute__((weak)) int ql_dist_rank(void) { return 0; }
+__attribute__((weak)) int ql_dist_size(void) { return 1; }
+__attribute__((weak)) int ql_dist_local_rank(void) { return 0; }
+__attribute__((weak)) const char *ql_dist_name(void) { return "one process"; }
+__attribute__((weak)) ql_status ql_dist_allreduce_f32(float *, size_t) { return QL_OK; }
+__attribute__((weak)) ql_status ql_dist_allreduce_f64(double *, size_t) { return QL_OK; }
+__attribute__((weak)) ql_status ql_dist_allreduce_i64(int64_t *, size_t) { return QL_OK; }
+__attribute__((weak)) ql_status ql_dist_allreduce_device_f32(ql_backend *, float *const *, const size_t *, int) {
+    return QL_ERR_UNSUPPORTED;
+}
+__attribute__((weak)) ql_status ql_dist_broadcast(void *, size_t, int root) { return root == 0 ? QL_OK : QL_ERR_INVALID; }
+__attribute__((weak)) ql_status ql_dist_barrier(void) { return QL_OK; }
+__attribute__((weak)) void ql_dist_abort(int code, const char *msg) {
+    fprintf(stderr, "%s\n", msg ? msg : "");
+    fflush(stderr);
+    exit(code);  // (a program's request to end: the one exit() in the library, as MPI_Abort is MPI's)
+}
+
 // ============================================================================================
 // 15. file formats: GGUF
 // ============================================================================================

@@ -945,6 +945,40 @@ void ql_adamw_update(ql_tensor *param, ql_tensor *m, ql_tensor *v, int64_t step,
 // A non-finite gradient element resets that element's state and leaves it unchanged.
 void ql_adamw8bit_update(ql_tensor *param, ql_tensor *m, ql_tensor *m_absmax, ql_tensor *v, ql_tensor *v_absmax,
                          int64_t step, const ql_adamw_params *p, float grad_scale);
+
+// ============================================================================================
+// several processes: data parallel over MPI (qlora-mpi.cpp, built with make MPI=1 / -DQLORA_MPI=ON)
+// ============================================================================================
+// A build without it still has these: one process (rank 0 of 1), every collective a no-op that
+// returns QL_OK. With it, `mpirun -np N prog` starts N processes that call ql_dist_init first;
+// buffers are host memory and every rank passes the same count in the same order.
+//
+//     if (ql_dist_init(&argc, &argv, err, sizeof(err)) != QL_OK) { puts(err); return 1; }
+//     ...                                               // each rank: its share of the batch
+//     ql_dist_allreduce_f32(grads, n);                  // [n] summed over the ranks, on every rank
+//     if (ql_dist_rank() == 0) save(...);               // one writer
+//     ql_dist_free();
+ql_status   ql_dist_init(int *argc, char ***argv, char *err, size_t err_size);  // once, before any other ql_dist_
+void        ql_dist_free(void);          // after the last collective (MPI_Finalize); a no-op without MPI
+int         ql_dist_rank(void);          // 0 .. size-1
+int         ql_dist_size(void);          // the processes of the job (1 without MPI)
+int         ql_dist_local_rank(void);    // this process's rank among those on its machine: the GPU it picks
+const char *ql_dist_name(void);          // "one process", "Open MPI v4.1.4"
+// Sums in place over every rank: after the call each rank holds the same sums.
+ql_status   ql_dist_allreduce_f32(float *buf, size_t n);
+ql_status   ql_dist_allreduce_f64(double *buf, size_t n);
+ql_status   ql_dist_allreduce_i64(int64_t *buf, size_t n);
+// The same sum over `count` f32 buffers in the memory of be's device, where they are: one grouped
+// NCCL all-reduce (a build with CUDA and MPI: make MPI=1 CUDA=1; the NCCL id broadcast over MPI at
+// the first call), after be's queued work. QL_ERR_UNSUPPORTED in any other build or for a host
+// backend: the caller stages the buffers through host memory instead.
+ql_status   ql_dist_allreduce_device_f32(ql_backend *be, float *const *bufs, const size_t *n, int count);
+ql_status   ql_dist_broadcast(void *buf, size_t bytes, int root);  // root's bytes to every rank
+ql_status   ql_dist_barrier(void);
+// Stops every rank of the job (MPI_Abort) after printing "rank R of N: msg" to stderr; exit code
+// `code`. A program's last resort when one rank cannot go on and the others would wait for it in
+// a collective forever. Without MPI: prints msg, exits with code.
+void        ql_dist_abort(int code, const char *msg);
 #ifdef __cplusplus
 }
 #endif

@@ -76,7 +76,10 @@ struct ql_trainer {
     int64_t step = 0, total = 0, per_epoch = 0, warmup = 0;
     std::vector<int64_t> order;  // the current epoch's visiting order
     int64_t order_epoch = -1;
-    std::vector<const ql_sequence *> slot;  // [micro_batch * grad_accum] a step's sequences (NULL: none)
+    std::vector<const ql_sequence *> slot;  // [micro_batch * accum(t)] a step's sequences, every rank's (NULL: none)
+    std::vector<float> dist_grads;          // [grads / 4] data parallel: every gradient packed for the all-reduce
+    std::vector<float *> dist_dev;          // ... on a device: the gradients where they are (NCCL), and their sizes
+    std::vector<size_t> dist_n;
     // memory
     std::vector<ql_keep> levels;  // per forward segment (empty: no recompute)
     ql_recompute_stats rs{};
@@ -92,6 +95,9 @@ struct ql_trainer {
     int64_t skipped = 0, skipped_in_row = 0;
     bool broken = false;  // a failed step left a state not worth saving (ql_trainer_intact)
 };
+
+// the micro-batches of one optimizer step, every rank's: one process's accumulation
+static int64_t accum(const ql_trainer *t) { return (int64_t)t->o.grad_accum * t->o.world; }
 
 // ---- the run's choices: names in enum order, and what a wrong one is called ----
 template <class E> struct choice;
@@ -395,7 +401,7 @@ static void device_plan(ql_trainer *t, ql_context *meas, size_t train_buf, size_
     // pinned memory. Not planned: the device runtime's own (kernels loaded on first use).
     const size_t n_in = (size_t)(t->T * t->B);
     const size_t staged = n_in * 4 * sizeof(int32_t) + (t->embd_host ? n_in * (size_t)md.hp.n_embd * sizeof(float) : 0);
-    m.host = m.weights + m.headers + m.graph_heap + m.lora + m.optimizer + staged + m.host_pinned;
+    m.host = m.weights + m.headers + m.graph_heap + m.lora + m.optimizer + staged + m.host_pinned + m.dist;
     m.host += plan_reserve(m.host);
 }
 
@@ -444,7 +450,8 @@ static bool measure(ql_trainer *t, std::string *err) {
             if (t->levels[i] == QL_KEEP_INPUT && in[i]) m.checkpoints += ql_nbytes(in[i]) + in[i]->aux_size;
         m.offload = t->o.offload_activations && m.checkpoints > 0;
         m.host_pinned = ps.host_size;
-        const size_t planned = m.weights + arena + m.graph_heap + std::max(ps.buffer_size, es.buffer_size);
+        m.dist = t->o.world > 1 || t->o.dist_always ? m.grads : 0;
+        const size_t planned = m.weights + arena + m.graph_heap + std::max(ps.buffer_size, es.buffer_size) + m.dist;
         m.reserve = plan_reserve(planned);
         m.total = planned + m.reserve;
         m.host = m.total;  // (a device run: device_plan sets both)
@@ -639,6 +646,10 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
         *err = "bad training options (micro-batch and accumulation >= 1, lr >= 0, epochs >= 1)";
         return nullptr;
     }
+    if (o.world < 1 || o.rank < 0 || o.rank >= o.world) {
+        *err = "bad data-parallel options (rank " + std::to_string(o.rank) + " of " + std::to_string(o.world) + ")";
+        return nullptr;
+    }
     ql_trainer *t = new ql_trainer();
     t->f = f;
     t->o = o;
@@ -665,7 +676,7 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
     if (t->bucket_len.empty()) t->bucket_len.push_back(t->T);
     t->B = o.micro_batch;
     t->packed = o.packed;
-    const int64_t per_step = (int64_t)o.micro_batch * o.grad_accum;
+    const int64_t per_step = (int64_t)o.micro_batch * o.grad_accum * o.world;
     t->per_epoch = ((int64_t)train.size() + per_step - 1) / per_step;
     t->total = o.max_steps > 0 ? o.max_steps : t->per_epoch * o.epochs;
     t->warmup = o.scheduler == ql_schedule::constant ? 0  // as transformers: warmup_steps if > 0, else ceil(ratio * total)
@@ -764,7 +775,7 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
     t->own_eval = std::move(eval);
     t->train = &t->own_train;
     t->eval = &t->own_eval;
-    t->slot.assign((size_t)(o.micro_batch * o.grad_accum), nullptr);
+    t->slot.assign((size_t)(o.micro_batch * accum(t)), nullptr);
     t->order.reserve(t->train->size());
 
     // sizes and the recompute policy first (measuring passes), then one arena
@@ -819,6 +830,9 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
     const size_t n_in = (size_t)(t->T * t->B);
     t->in_tokens.assign(n_in, 0), t->in_pos.assign(n_in, 0), t->in_targets.assign(n_in, 0), t->in_seg.assign(n_in, 0);
     if (t->embd_host) t->in_embd.assign(n_in * (size_t)t->f->model.hp.n_embd, 0.0f);
+    t->dist_grads.assign(t->mem.dist / sizeof(float), 0.0f);  // (world 1: none)
+    for (const ql_tensor *p : t->params)
+        if ((t->o.world > 1 || t->o.dist_always) && !t->on_host) t->dist_dev.push_back((float *)p->grad->data), t->dist_n.push_back((size_t)ql_nelements(p->grad));
     // the optimizer's groups, where they now live: one multi-tensor step over all of them
     std::vector<ql_optim_group> groups;
     for (size_t i = 0; i < t->params.size(); i++) {
@@ -949,7 +963,7 @@ size_t ql_trainer_state_bytes(const ql_trainer *t) {  // adapter, gradients, opt
 
 // sequence index of slot `i` (0 .. micro*accum-1) of step s, or -1 past the epoch's end
 static int64_t slot_sequence(ql_trainer *t, int64_t s, int64_t i) {
-    const int64_t epoch = s / t->per_epoch, at = (s % t->per_epoch) * t->o.micro_batch * t->o.grad_accum + i;
+    const int64_t epoch = s / t->per_epoch, at = (s % t->per_epoch) * t->B * accum(t) + i;
     const int64_t n = (int64_t)t->train->size();
     if (at >= n) return -1;
     if (t->order_epoch != epoch) {  // Fisher-Yates from (seed, epoch)
@@ -961,7 +975,7 @@ static int64_t slot_sequence(ql_trainer *t, int64_t s, int64_t i) {
             std::swap(t->order[(size_t)k], t->order[(size_t)(state % (uint64_t)(k + 1))]);
         }
         if (t->o.group_by_length) {  // transformers' LengthGroupedSampler: mega-batches, each longest first
-            const int64_t step = t->B * t->o.grad_accum, mega = step * std::max<int64_t>(1, std::min<int64_t>(50, n / (4 * step)));
+            const int64_t step = t->B * accum(t), mega = step * std::max<int64_t>(1, std::min<int64_t>(50, n / (4 * step)));
             const auto longer = [t](int64_t a, int64_t b) { return needed_len((*t->train)[(size_t)a]) > needed_len((*t->train)[(size_t)b]); };
             for (int64_t k = 0; k < n; k += mega)
                 std::stable_sort(t->order.begin() + k, t->order.begin() + std::min(n, k + mega), longer);
@@ -984,7 +998,7 @@ static size_t bucket_of(const ql_trainer *t, const ql_sequence *const *seqs) {
 void ql_trainer_epoch_tokens(ql_trainer *t, int64_t *real, int64_t *padded) {
     *real = *padded = 0;
     std::vector<const ql_sequence *> mb((size_t)t->B);
-    const int64_t A = t->o.grad_accum;
+    const int64_t A = accum(t);  // (the epoch's, every rank's)
     for (int64_t s = 0; s < t->per_epoch; s++)
         for (int64_t a = 0; a < A; a++) {
             bool any = false;
@@ -1029,10 +1043,38 @@ static bool fill(ql_trainer *t, const batch_io &io, const ql_sequence *const *se
 static bool set_f32(ql_trainer *t, ql_tensor *x, float v) { return ql_backend_tensor_set(t->be, x, &v, 0, 4) == QL_OK; }
 static bool get_f32(ql_trainer *t, const ql_tensor *x, float *v) { return ql_backend_tensor_get(t->be, x, v, 0, 4) == QL_OK; }
 
+// Data parallel: every rank's gradients summed - on a device where they are when the build has NCCL
+// (one grouped all-reduce), else in one packed host buffer - and the step's loss and token counts
+// with them; false on a failed copy or collective.
+static bool all_reduce_step(ql_trainer *t, double *loss, int64_t *padded, int64_t *real) {
+    double v[3] = {*loss, (double)*padded, (double)*real};  // (counts exact in a double below 2^53)
+    if (ql_dist_allreduce_f64(v, 3) != QL_OK) return false;
+    *loss = v[0], *padded = (int64_t)v[1], *real = (int64_t)v[2];
+    if (!t->dist_dev.empty()) {  // a device: where the gradients are, when the build can (NCCL)
+        const ql_status st = ql_dist_allreduce_device_f32(t->be, t->dist_dev.data(), t->dist_n.data(), (int)t->dist_dev.size());
+        if (st != QL_ERR_UNSUPPORTED) return st == QL_OK;
+    }
+    float *buf = t->dist_grads.data();
+    size_t at = 0;
+    for (const ql_tensor *p : t->params) {  // (on the CPU a copy; on a device through the host)
+        if (ql_backend_tensor_get(t->be, p->grad, buf + at, 0, ql_nbytes(p->grad)) != QL_OK) return false;
+        at += (size_t)ql_nelements(p->grad);
+    }
+    if (at != t->dist_grads.size() || ql_dist_allreduce_f32(buf, at) != QL_OK) return false;
+    at = 0;
+    for (const ql_tensor *p : t->params) {
+        if (ql_backend_tensor_set(t->be, p->grad, buf + at, 0, ql_nbytes(p->grad)) != QL_OK) return false;
+        at += (size_t)ql_nelements(p->grad);
+    }
+    return true;
+}
+
 bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     const auto t0 = std::chrono::steady_clock::now();
-    const int64_t s = t->step, B = t->B, A = t->o.grad_accum;
-    // the step's sequences, and its supervised-token count (the loss's denominator)
+    const int64_t s = t->step, B = t->B, A = accum(t);
+    // this rank's micro-batches of the step: [a0, a1) of the A every rank's make up
+    const int64_t a0 = (int64_t)t->o.rank * t->o.grad_accum, a1 = a0 + t->o.grad_accum;
+    // the step's sequences, and its supervised-token count (the loss's denominator): every rank's
     int64_t targets = 0;
     for (int64_t i = 0; i < B * A; i++) {
         const int64_t q = slot_sequence(t, s, i);
@@ -1053,7 +1095,7 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     }
     double loss = 0;
     int64_t padded = 0, real = 0;
-    for (int64_t a = 0; a < A; a++) {
+    for (int64_t a = a0; a < a1; a++) {
         const int32_t seed = (int32_t)(uint32_t)mix(t->o.seed * 0x9E3779B97F4A7C15ull + (uint64_t)(s * A + a));
         bool any = false;
         for (int64_t b = 0; b < B; b++)
@@ -1086,6 +1128,14 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
             return false;
         }
         loss += l / scale;
+    }
+    // data parallel: the gradients complete once every rank's are summed (the one collective of
+    // the step, after the last micro-batch and before clipping and the update)
+    if ((t->o.world > 1 || t->o.dist_always) && !all_reduce_step(t, &loss, &padded, &real)) {
+        t->broken = true;  // (another rank may have stopped: the job ends)
+        *err = "step " + std::to_string(s + 1) + ": the all-reduce of the gradients over " + std::to_string(t->o.world) + " processes (" +
+               ql_dist_name() + ") failed";
+        return false;
     }
     if (!t->olist) {
         *err = "step " + std::to_string(s + 1) + ": the trainer's tensors left " + std::string(ql_backend_name(t->be)) +
@@ -1171,7 +1221,8 @@ bool ql_trainer_eval(ql_trainer *t, double *loss, std::string *err) {
         *err = "evaluation: a device copy failed";
         return false;
     }
-    for (size_t i = 0; i < t->eval->size(); i += (size_t)t->B) {
+    for (size_t i = 0, k = 0; i < t->eval->size(); i += (size_t)t->B, k++) {
+        if ((int64_t)(k % (size_t)t->o.world) != t->o.rank) continue;  // data parallel: the ranks' batches in turn
         for (size_t b = 0; b < (size_t)t->B; b++) t->slot[b] = i + b < t->eval->size() ? &(*t->eval)[i + b] : nullptr;
         float l = 0;
         if (!fill(t, t->ev, t->slot.data()) ||
@@ -1180,6 +1231,10 @@ bool ql_trainer_eval(ql_trainer *t, double *loss, std::string *err) {
             return false;
         }
         sum += l;
+    }
+    if (t->o.world > 1 && ql_dist_allreduce_f64(&sum, 1) != QL_OK) {
+        *err = std::string("evaluation: the all-reduce of the loss (") + ql_dist_name() + ") failed";
+        return false;
     }
     if (!std::isfinite(sum)) {  // (fp16 overflow, or a broken adapter): an error, not a number in metrics
         *err = std::string("the evaluation loss is ") + (std::isnan(sum) ? "nan" : "infinite") +
@@ -1230,7 +1285,7 @@ static std::vector<std::pair<std::string, std::string>> run_settings(const ql_tr
             {"training data", std::to_string(t->train->size()) + " sequences of " + std::to_string(t->seq_len) + " tokens, fingerprint " + hex},
             {"seed", std::to_string(o.seed)},
             {"micro-batch", std::to_string(o.micro_batch)},
-            {"gradient accumulation", std::to_string(o.grad_accum)},
+            {"gradient accumulation", std::to_string(accum(t))},  // the effective: any world that divides it resumes
             {"total steps", std::to_string(t->total)},
             {"lora r", std::to_string(o.lora.r)},
             {"lora alpha", num(o.lora.alpha)},
@@ -1351,6 +1406,18 @@ bool ql_trainer_save(const ql_trainer *t, const char *path, std::string *err) {
     if (!ok) *err = e;
     ql_gguf_writer_free(w);
     return ok;
+}
+
+bool ql_trainer_state_hash(const ql_trainer *t, uint64_t *h) {
+    uint64_t sum = k_hash_seed;
+    for (size_t i = 0; i < t->params.size(); i++)
+        for (const ql_tensor *x : with_state(t, i)) {
+            void *d = host_data(t, x);  // on a device: its host copy, brought up to date first
+            if (!t->on_host && ql_backend_tensor_get(t->be, x, d, 0, ql_nbytes(x)) != QL_OK) return false;
+            sum = hash_bytes(hash_bytes(sum, x->name, strlen(x->name)), d, ql_nbytes(x));
+        }
+    *h = sum;
+    return true;
 }
 
 // A stored setting as a user gives it: the flag (finetune's) that sets it, and its numbers as

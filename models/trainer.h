@@ -113,6 +113,17 @@ struct ql_train_options {
     // a device run: the device memory the plan must fit. 0: the device's free memory at the start
     // (a stand-in has none: no limit); otherwise it caps the plan like mem_limit.
     size_t vram = 0;
+    // data parallel (qlora.h's ql_dist_*): this process is rank `rank` of `world`, each with the
+    // same model, data and options. grad_accum is per process: a step is world x grad_accum
+    // micro-batches, rank r computing those from r x grad_accum on, with the data order, dropout
+    // masks, loss normalisation (the step's supervised tokens, all ranks') and schedule of one
+    // process with world x grad_accum. The gradients are summed over the ranks (ql_dist_allreduce_f32
+    // on one packed host buffer; on a GPU with NCCL built in, ql_dist_allreduce_device_f32 where they
+    // are) after the last micro-batch, before clipping and the update, which
+    // every rank then makes alike. Checkpoints store the effective accumulation (world x grad_accum):
+    // one resumes under any world that divides it. Evaluation splits its batches over the ranks.
+    int world = 1, rank = 0;
+    bool dist_always = false;  // the step's all-reduce even when world is 1: a check of the collectives on one device
     // the caller's command line, stored in checkpoints as qlora.run.command (not compared on
     // load: the settings it produced are): what lets a tool resume a run from its directory alone
     std::vector<std::string> command;
@@ -134,6 +145,7 @@ struct ql_memory_plan {
     size_t recompute = 0;       // most bytes of recomputed results alive at once (in room the saved free)
     size_t scratch = 0;         // the rest of the planned buffer (temporaries, recomputed results)
     size_t work = 0;            // kernel workspace (matmul packing, attention tiles)
+    size_t dist = 0;            // data parallel (world > 1): the gradients packed in host memory for the all-reduce
     size_t reserve = 0;         // for what no plan sees (heap bookkeeping, code pages): 1 MiB + 0.5%
     size_t total = 0;           // weights + arena + planned buffer + reserve: what the trainer adds to the process
     size_t host = 0;            // of it host memory (the process's RSS grows by this): total, or a device run's host part
@@ -240,6 +252,9 @@ bool ql_trainer_eval(ql_trainer *t, double *loss, std::string *err);
 // The adapter, the optimizer moments, the step and the settings that must match on resume,
 // in one GGUF written atomically. Loading checks that the run is the same run.
 bool ql_trainer_save(const ql_trainer *t, const char *path, std::string *err);
+// A checksum of the adapter and its optimizer state (the bytes a checkpoint holds), for data-parallel
+// ranks to see that they made the same updates; false when the backend cannot give them back.
+bool ql_trainer_state_hash(const ql_trainer *t, uint64_t *h);
 // After the last step, before exporting adapters (or a merged model) from ql_trainer_model: brings
 // the adapter and its optimizer state back to host memory and points the model's tensors at
 // their host copies again (a no-op on the CPU). No step may run after it.

@@ -7,6 +7,15 @@
 // and at the end, atomically), and merged.gguf with --merge. --resume DIR continues a run
 // exactly (the checkpoint stores the command: DIR alone is enough); --export DIR writes the
 // adapter of an interrupted run; Ctrl-C, SIGTERM and SIGHUP save a checkpoint and exit 128+signal.
+//
+// Data parallel (built with make MPI=1): `mpirun -np N ./finetune ...` runs N processes, each with
+// the model and the data, each computing --grad-accum micro-batches of every step: the run of one
+// process with N x --grad-accum (models/trainer.h). Rank 0 alone prints and writes (metrics,
+// adapter, checkpoints); a rank that fails stops the job (ql_dist_abort) naming itself and the
+// cause; the checkpoint stores the effective accumulation, which --resume divides among however
+// many processes it runs with. QLORA_DIST_FAIL=RANK:STEP[:kill|:term] makes a rank fail (an error,
+// or SIGKILL) or get a SIGTERM as step STEP begins: how the tests stop one rank mid-run.
+// QLORA_DIST_ALWAYS=1 makes each step's all-reduce in one process too (NCCL's check on one GPU).
 #include "../models/adapter.h"
 #include "../models/data.h"
 #include "../models/trainer.h"
@@ -34,6 +43,10 @@
 #include <vector>
 
 static std::atomic<int> g_stop{0};  // the signal that asked the run to stop, or 0
+// data parallel (ql_dist_*): this process's rank and the job's processes; rank 0 is the writer
+static int g_rank = 0, g_world = 1;
+static bool writer() { return g_rank == 0; }
+static std::string g_cause;  // a failed run's message, for the line that stops the other ranks
 // SIGINT (Ctrl-C), SIGTERM (kill, timeout, job schedulers, containers) and SIGHUP (a closed
 // terminal): the first ends the run after the current step with a checkpoint saved, and the
 // process exits 128 + the signal so that `finetune && next` does not go on; a second one kills -
@@ -338,6 +351,7 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
     printf("\n  host memory: process %.1f (RSS before training) + %.1f planned = %.1f", process / MiB, m.host / MiB,
            (process + m.host) / MiB);
     printf("\n    of it: the adapter's and moments' copies (checkpoints are written from them) %.1f", (m.lora + m.optimizer) / MiB);
+    if (m.dist) printf(", the gradients packed for the all-reduce (data parallel) %.1f", m.dist / MiB);
     if (m.embd_on_host) printf(", the embedding's rows read from the model's mapping %.1f", m.weights / MiB);
     if (m.host_pinned) printf(", pinned %.1f (offloaded checkpoints)", m.host_pinned / MiB);
     printf("\n    (the model's pages go back to the kernel once copied to the device; the CUDA runtime's own host memory, its\n"
@@ -397,6 +411,7 @@ static void print_memory(const ql_memory_plan &m, const std::string &optim, size
     if (m.recompute) printf("   recomputed results: at most %.1f at once, in room the saved free", m.recompute / MiB);
     printf("\n  kernel workspace (matmul, attention)   %10.1f\n", m.work / MiB);
     printf("  data buffers (graph inputs)            %10.2f\n", m.inputs / MiB);
+    if (m.dist) printf("  gradients packed for the all-reduce    %10.2f   (data parallel: host memory)\n", m.dist / MiB);
     printf("  graph structures                       %10.1f   tensor headers %.1f, the graphs' lists and plans %.1f\n",
            (m.headers + m.graph_heap) / MiB, m.headers / MiB, m.graph_heap / MiB);
     printf("  reserve (other heap, code pages)       %10.1f\n", m.reserve / MiB);
@@ -455,6 +470,9 @@ static bool resolve_device(args *a) {
         fprintf(stderr, "finetune: --vram/--cc describe a GPU: with --device cuda (this run: --device cpu)\n");
         return false;
     }
+    // data parallel: each process the GPU of its local rank (cuda and auto name none)
+    if (g_world > 1 && (a->device_text == "cuda" || a->device_text == "auto") && ql_cuda_device_count() > 0)
+        a->dev = {QL_DEVICE_GPU, ql_dist_local_rank() % ql_cuda_device_count()};
     ql_backend *be = ql_backend_init_device(a->dev, a->o.threads, err, sizeof(err));
     if (be && card && ql_backend_is_host(be) && a->dry_run) {  // --device auto found no GPU: --vram asks about one
         ql_backend_free(be);
@@ -618,6 +636,7 @@ static bool parse_flags(int argc, char **argv, args *a) {
         } rec{a, argv, first, i};
         if (f == "-h" || f == "--help") {
             printf(k_help, argv[0]);
+            ql_dist_free();
             exit(0);
         } else if (f == "-m") { if (!(a->model = need(i))) return false; }
         else if (f == "-d") { if (!(a->data = need(i))) return false; }
@@ -755,7 +774,8 @@ static std::vector<std::string> stored_command(const args &a) {
     // the optimizer when choose_memory made it paged (it is part of the run: a resume keeps it)
     if (!flag_given(a, "--optim") && a.o.optim != ql_optim::adamw) out.insert(out.end(), {"--optim", ql_name(a.o.optim)});
     // the batch and the precision as chosen (auto: by this machine; a resume elsewhere keeps them)
-    out.insert(out.end(), {"-b", std::to_string(a.o.micro_batch), "--grad-accum", std::to_string(a.o.grad_accum), "--precision",
+    // (the accumulation as one process would make it: a resume divides it among its processes)
+    out.insert(out.end(), {"-b", std::to_string(a.o.micro_batch), "--grad-accum", std::to_string(a.o.grad_accum * g_world), "--precision",
                            ql_name(a.o.precision)});
     return out;
 }
@@ -889,12 +909,25 @@ static bool parse(int argc, char **argv, args *a) {
         return false;
     }
     if (a->effective_batch > 0 && !a->b_auto) {
-        if (a->effective_batch % a->o.micro_batch != 0) {
-            fprintf(stderr, "finetune: --effective-batch %d is not a multiple of -b %d\n", a->effective_batch, a->o.micro_batch);
+        if (a->effective_batch % (a->o.micro_batch * g_world) != 0) {
+            fprintf(stderr, "finetune: --effective-batch %d is not a multiple of -b %d%s\n", a->effective_batch, a->o.micro_batch,
+                    g_world > 1 ? (" x " + std::to_string(g_world) + " processes").c_str() : "");
             return false;
         }
-        a->o.grad_accum = a->effective_batch / a->o.micro_batch;
+        a->o.grad_accum = a->effective_batch / a->o.micro_batch / g_world;
     }
+    // data parallel: a resumed run's accumulation is the checkpoint's effective one (its stored
+    // command's), divided among this job's processes
+    if (a->resume && g_world > 1) {
+        if (a->o.grad_accum % g_world != 0) {
+            fprintf(stderr, "finetune: %s: the run's effective accumulation %d (micro-batches per step) does not divide among %d "
+                            "processes --> hint: mpirun -np with a divisor of %d\n", a->resume, a->o.grad_accum, g_world, a->o.grad_accum);
+            return false;
+        }
+        a->o.grad_accum /= g_world;
+    }
+    a->o.world = g_world, a->o.rank = g_rank;
+    a->o.dist_always = getenv("QLORA_DIST_ALWAYS") != nullptr;  // the all-reduce in one process too (the NCCL check on one GPU)
     return true;
 }
 
@@ -910,7 +943,7 @@ static bool choose_batch(ql_llama_file *f, const seqs &tr, const seqs &ev, args 
     const int N = a->effective_batch;
     const int cap = N > 0 ? N : (int)std::min<size_t>(4096, tr.size());  // more than the data is padding
     for (int b = 1; b <= cap; b++)
-        if (N == 0 || N % b == 0) cand.push_back(b);
+        if (N == 0 || N % (b * g_world) == 0) cand.push_back(b);
     // with --checkpointing auto: the batch that fits with at most block's recompute (sqrt's
     // extra recompute costs more time than a bigger micro-batch saves); auto then picks the
     // cheapest recompute for it. auto by default (not asked for): the batch that fits without
@@ -937,7 +970,7 @@ static bool choose_batch(ql_llama_file *f, const seqs &tr, const seqs &ev, args 
         }
     }
     a->o.micro_batch = lo > 0 ? cand[lo - 1] : 1;  // nothing fits: 1, and the plan below says why
-    if (N > 0) a->o.grad_accum = N / a->o.micro_batch;
+    if (N > 0) a->o.grad_accum = std::max(1, N / a->o.micro_batch / g_world);
     if (lo > 0) {
         ql_memory_plan mp;
         std::string err;
@@ -1490,7 +1523,7 @@ static int load_data(args &a, ft_run &r) {
 // Another run's directory is never overwritten unasked: 0, or 1 after the message when -o holds
 // a run's outputs (with or without its checkpoint) and this is neither --resume of it nor --overwrite.
 static int check_out_dir(const args &a, const std::string &out) {
-    if (a.dry_run || a.overwrite || same_dir(out, a.resume)) return 0;
+    if (a.dry_run || a.overwrite || same_dir(out, a.resume) || !writer()) return 0;  // (rank 0 checks for all)
     struct stat st;
     // a run's outputs without its checkpoint (deleted to save space, or copied there) are as
     // much a user's as the run itself
@@ -1527,6 +1560,7 @@ static int plan_memory(args &a, ft_run &r) {
     }
     if (!a.dry_run && planned) return -1;
     if (!a.json && !a.plan_only) printf("finetune: precision %s%s\n", ql_name(a.o.precision), precision_why(a, plan.device).c_str());
+    if (!a.json && g_world > 1) printf("finetune: data parallel: %d processes (%s); the plan is each process's\n", g_world, ql_dist_name());
     print_memory(plan, ql_name(a.o.optim), a.o.mem_other, "RSS before training", plan_limit(plan, a.o.mem_limit), a.json);
     if (a.plan_only && plan_limit(plan, a.o.mem_limit) == 0)
         fprintf(a.json ? stderr : stdout, "finetune: no verdict: without the GPU the plan needs --vram SIZE (the card's memory, "
@@ -1534,7 +1568,7 @@ static int plan_memory(args &a, ft_run &r) {
     if (!planned) {
         fprintf(stderr, "finetune: does not fit: %s\n", r.err.c_str());
         advise(f, r.tseq, r.eseq, a, plan);
-        if (!a.dry_run) write_snapshot(f, r.tseq, r.eseq, a, r.out);
+        if (!a.dry_run && writer()) write_snapshot(f, r.tseq, r.eseq, a, r.out);
         return 1;
     }
     return 0;
@@ -1550,7 +1584,8 @@ static int build_trainer(const args &a, ft_run &r) {
     ql_trainer *t = r.t.get();
     if (!t) {
         fprintf(stderr, "finetune: %s\n", r.err.c_str());
-        if (!make_dir(r.out, &r.err)) return 1;
+        g_cause = r.err;
+        if (!writer() || !make_dir(r.out, &r.err)) return 1;
         std::vector<ql_sequence> t2, e2;  // (the sequences went to the trainer: rebuild them for the snapshot)
         ql_dataset_sequences(r.train, a.d, r.pad, &t2);
         ql_dataset_sequences(r.eval, a.d, r.pad, &e2);
@@ -1559,8 +1594,9 @@ static int build_trainer(const args &a, ft_run &r) {
         return 1;
     }
     if ((a.resume && !ql_trainer_load(t, (std::string(a.resume) + "/checkpoint.gguf").c_str(), &r.err)) ||
-        !make_dir(r.out, &r.err) || !lock_dir(r.out, &r.err) || !make_dir(r.out + "/peft", &r.err)) {
+        (writer() && (!make_dir(r.out, &r.err) || !lock_dir(r.out, &r.err) || !make_dir(r.out + "/peft", &r.err)))) {
         fprintf(stderr, "finetune: %s\n", r.err.c_str());
+        g_cause = r.err;
         return 1;
     }
     r.total = ql_trainer_total_steps(t), r.per_epoch = ql_trainer_steps_per_epoch(t);
@@ -1603,8 +1639,12 @@ static void print_run(const args &a, const ft_run &r) {
                a.o.group_by_length ? ", grouped by length" : "", (long long)padded, (long long)real,
                padded ? 100.0 * (double)(padded - real) / (double)padded : 0.0);
     }
-    printf("finetune: micro-batch %d%s x accumulation %d = effective batch %d sequences; %lld steps (%lld per epoch)%s\n",
-           a.o.micro_batch, a.b_auto ? " (-b auto)" : "", a.o.grad_accum, a.o.micro_batch * a.o.grad_accum, (long long)r.total,
+    if (g_world > 1)
+        printf("finetune: data parallel: %d processes (%s), each computing %d of every step's %d micro-batches; the memory "
+               "plan below is each process's\n", g_world, ql_dist_name(), a.o.grad_accum, a.o.grad_accum * g_world);
+    const std::string procs = g_world > 1 ? " x " + std::to_string(g_world) + " processes" : "";
+    printf("finetune: micro-batch %d%s x accumulation %d%s = effective batch %d sequences; %lld steps (%lld per epoch)%s\n",
+           a.o.micro_batch, a.b_auto ? " (-b auto)" : "", a.o.grad_accum, procs.c_str(), a.o.micro_batch * a.o.grad_accum * g_world, (long long)r.total,
            (long long)r.per_epoch,
            ql_trainer_steps_done(t) ? (", resuming after step " + std::to_string(ql_trainer_steps_done(t))).c_str() : "");
     printf("finetune: LoRA r %d, alpha %g%s, dropout %g on", a.o.lora.r, (double)a.o.lora.alpha, a.o.lora.rslora ? " (rsLoRA)" : "",
@@ -1652,6 +1692,10 @@ static void report_peak(const args &a, ft_run &r, const char *when, size_t hwm) 
 // it is open for appending; --overwrite then removes the earlier run's other files. 0, or 1
 // after the message (nothing of this run left behind).
 static int open_metrics(const args &a, ft_run &r) {
+    if (!writer()) {  // data parallel: rank 0 writes the metrics (the others' lines go nowhere)
+        r.metrics = fopen("/dev/null", "w");
+        return r.metrics ? 0 : 1;
+    }
     const std::string &out = r.out;
     if (a.resume)
         keep_metrics(std::string(a.resume) + "/metrics.jsonl", ql_trainer_steps_done(r.t.get()), &r.kept, &r.curve, &r.eval_curve);
@@ -1687,8 +1731,10 @@ static int open_metrics(const args &a, ft_run &r) {
 
 // DIR/checkpoint.gguf; false after the message
 static bool save_checkpoint(ft_run &r) {
+    if (!writer()) return true;  // data parallel: rank 0's (every rank holds the same state)
     if (!ql_trainer_save(r.t.get(), (r.out + "/checkpoint.gguf").c_str(), &r.err)) {
         fprintf(stderr, "%sfinetune: %s\n", r.tty ? "\n" : "", r.err.c_str());
+        g_cause = r.err;
         return false;
     }
     return true;
@@ -1713,6 +1759,8 @@ static bool write_outputs(const args &a, ft_run &r) {
 // would be refused for them).
 static int failed(const args &a, ft_run &r, bool keep) {
     fprintf(stderr, "%sfinetune: %s\n", r.tty ? "\n" : "", r.err.c_str());
+    g_cause = r.err;
+    if (!writer()) return 1;  // (rank 0 writes; the job is stopped when this returns)
     ql_trainer *t = r.t.get();
     const int64_t done = ql_trainer_steps_done(t);
     if (done == r.first && r.kept.empty()) unlink(r.mpath.c_str());
@@ -1768,8 +1816,22 @@ static int train_steps(const args &a, ft_run &r) {
         printf("finetune: eval loss before training %.4f\n", r.last_eval);
         fflush(stdout);
     }
+    // QLORA_DIST_FAIL=RANK:STEP[:kill|:term]: this rank fails, or is sent SIGTERM, as step STEP begins (the tests')
+    int fail_rank = -1;
+    long long fail_step = -1;
+    char fail_how[8] = "";
+    if (const char *e = getenv("QLORA_DIST_FAIL")) sscanf(e, "%d:%lld:%7s", &fail_rank, &fail_step, fail_how);
     while (ql_trainer_steps_done(t) < r.total) {
         ql_step_metrics m;
+        if (fail_rank == g_rank && fail_step == ql_trainer_steps_done(t) + 1) {
+            if (!strcmp(fail_how, "kill")) raise(SIGKILL);
+            if (!strcmp(fail_how, "term")) {
+                raise(SIGTERM);  // (not a failure: this rank asks every one to stop after the step)
+            } else {
+                r.err = "step " + std::to_string(fail_step) + ": a failure made on purpose (QLORA_DIST_FAIL)";
+                return failed(a, r, false);
+            }
+        }
         if (!ql_trainer_step(t, &m, &r.err)) return failed(a, r, true);
         r.tokens += m.tokens;
         r.real += m.real_tokens;
@@ -1802,11 +1864,52 @@ static int train_steps(const args &a, ft_run &r) {
             r.warned = true;
         }
         if (a.save_every > 0 && m.step % a.save_every == 0 && !save_checkpoint(r)) return 1;
-        if (g_stop.load()) {
+        // data parallel: a signal reaches one rank or all, at different steps: they stop together
+        int64_t stop = g_stop.load() != 0;
+        if (g_world > 1 && ql_dist_allreduce_i64(&stop, 1) != QL_OK) {
+            r.err = std::string("the stop flag's all-reduce (") + ql_dist_name() + ") failed";
+            return failed(a, r, false);
+        }
+        if (stop) {
+            int none = 0;
+            g_stop.compare_exchange_strong(none, SIGTERM);  // (another rank's signal: the exit code of a SIGTERM)
             r.interrupted = true;
             break;
         }
     }
+    return 0;
+}
+
+// Data parallel: every rank's adapter and optimizer state the same as rank 0's (they took the
+// same summed gradients and made the same updates), checked by a checksum; 0, or 1 after the message
+static int check_ranks_agree(ft_run &r) {
+    if (g_world == 1) return 0;
+    uint64_t h = 0, h0 = 0;
+    int64_t differ = 0;
+    if (!ql_trainer_state_hash(r.t.get(), &h)) {
+        r.err = "the adapter could not be read back for the ranks' comparison";
+        g_cause = r.err;
+        fprintf(stderr, "finetune: %s\n", r.err.c_str());
+        return 1;
+    }
+    h0 = h;
+    if (ql_dist_broadcast(&h0, sizeof(h0), 0) != QL_OK || (differ = h0 != h, ql_dist_allreduce_i64(&differ, 1) != QL_OK)) {
+        r.err = std::string("the ranks' comparison of their adapters (") + ql_dist_name() + ") failed";
+        g_cause = r.err;
+        fprintf(stderr, "finetune: %s\n", r.err.c_str());
+        return 1;
+    }
+    if (differ) {  // a bug, not the user's: the run's outputs would be one rank's arbitrary choice
+        char sums[64];
+        snprintf(sums, sizeof(sums), "%016llx here, %016llx on rank 0", (unsigned long long)h, (unsigned long long)h0);
+        r.err = "after step " + std::to_string(ql_trainer_steps_done(r.t.get())) + " the adapters of " + std::to_string(differ) + " of " +
+                std::to_string(g_world) + " processes differ from rank 0's (checksum " + sums + "): the run's outputs are not written";
+        g_cause = r.err;
+        fprintf(stderr, "finetune: %s\n", r.err.c_str());
+        return 1;
+    }
+    printf("finetune: data parallel: the adapter and its optimizer state are the same on all %d processes (checksum %016llx)\n",
+           g_world, (unsigned long long)h);
     return 0;
 }
 
@@ -1827,6 +1930,10 @@ static int save_interrupted(ft_run &r) {
 static int write_results(const args &a, ft_run &r) {
     ql_trainer *t = r.t.get();
     const std::string &out = r.out;
+    if (!writer()) {  // data parallel: rank 0 writes the outputs
+        fclose(r.metrics);
+        return 0;
+    }
     if (!write_outputs(a, r)) return 1;
     ql_llama &m = ql_trainer_model(t);
     if (a.merge && !ql_llama_save_merged((out + "/merged.gguf").c_str(), *r.f, m, &r.err)) {
@@ -1863,7 +1970,7 @@ static int write_results(const args &a, ft_run &r) {
     return 0;
 }
 
-int main(int argc, char **argv) {
+static int run(int argc, char **argv) {
     args a;
     const bool parsed = parse(argc, argv, &a);
     owned<ql_backend> be_(a.be, ql_backend_free);  // made once by resolve_device; freed after everything that uses it (r)
@@ -1874,7 +1981,7 @@ int main(int argc, char **argv) {
     mallopt(M_MMAP_THRESHOLD, 1 << 20);
     mallopt(M_TRIM_THRESHOLD, 1 << 20);
     ft_run r;
-    r.tty = isatty(fileno(stdout));
+    r.tty = isatty(fileno(stdout)) && g_world == 1;  // (under mpirun stdout is its pty, whatever the end is)
 
     if (const int rc = load_model(a, r)) return rc;
     if (const int rc = load_data(a, r)) return rc;
@@ -1893,7 +2000,8 @@ int main(int argc, char **argv) {
     ql_trainer_page_in_weights(t);
     reset_hwm();
     if (a.profile) ql_graph_set_profile(ql_trainer_graph(t), true);
-    if (a.export_dir) return export_adapter(r.f.get(), t, a, r.out, r.run_step, r.run_total > 0 ? r.run_total : r.total) ? 0 : 1;
+    if (a.export_dir)
+        return !writer() || export_adapter(r.f.get(), t, a, r.out, r.run_step, r.run_total > 0 ? r.run_total : r.total) ? 0 : 1;
     if (a.resume && r.run_total > 0 && r.total != r.run_total)
         printf("finetune: the run had %lld steps, now %lld (--max-steps/--epochs): the learning-rate schedule spans the new total\n",
                (long long)r.run_total, (long long)r.total);
@@ -1904,12 +2012,38 @@ int main(int argc, char **argv) {
     r.t0 = std::chrono::steady_clock::now();
     r.first = r.profiled_from = ql_trainer_steps_done(t);
     if (const int rc = train_steps(a, r)) return rc;
+    if (const int rc = check_ranks_agree(r)) return rc;
     r.train_peak = hwm_bytes();
     if (r.tty) printf("\n");
     // from here on every file is written atomically: a signal loses nothing (but for an interrupted
     // run, whose checkpoint a repeat of its SIGTERM/SIGHUP must not stop: on_stop_signal's choice stays)
     if (!r.interrupted)
         for (int s : k_stop_signals) signal(s, SIG_DFL);
-    if (r.interrupted) return save_interrupted(r);
+    if (r.interrupted) {
+        g_cause.clear();  // (every rank agreed to stop: not a failure to spread)
+        return save_interrupted(r);
+    }
     return write_results(a, r);
+}
+
+int main(int argc, char **argv) {
+    char err[256];
+    if (ql_dist_init(&argc, &argv, err, sizeof(err)) != QL_OK) {
+        fprintf(stderr, "finetune: %s\n", err);
+        return 1;
+    }
+    g_rank = ql_dist_rank(), g_world = ql_dist_size();
+    // data parallel: rank 0 alone prints (the others' errors and warnings still reach stderr)
+    if (g_world > 1 && !writer() && !freopen("/dev/null", "w", stdout)) return 1;
+    const int rc = run(argc, argv);
+    if (g_world > 1 && rc != 0 && (rc < 128 || !g_cause.empty())) {
+        // the others may be waiting for this one in a collective: the job ends here
+        fflush(stdout);
+        const std::string msg = "finetune stopped (exit code " + std::to_string(rc) + "): " +
+                                (g_cause.empty() ? std::string("the reason is in its message above") : ql_user_message(g_cause)) +
+                                "; stopping every process";
+        ql_dist_abort(rc, msg.c_str());
+    }
+    ql_dist_free();
+    return rc;
 }
