@@ -35,6 +35,7 @@
 #endif
 
 #include <algorithm>
+#include <type_traits>
 #include <chrono>
 #include <climits>
 #include <cmath>
@@ -771,28 +772,36 @@ QL_UNROLL
     }
 };
 
-// C [M, N] = W b as k_gemv; grid: M blocks of 32-128 threads
-template <typename T>
+// C [M, N] = W b as k_gemv, R rows a block (grid: M / R blocks of 32-128 threads), NN >= N
+// columns. The rows of a block share each load of b: the 8 elements of b a thread reads serve
+// its units of all R rows (per row, b is K f32 against K / 2 bytes of 4-bit weight: with a row a
+// block, b's re-reads from L1/L2 were 7x the weight's bytes and bounded the kernel)
+template <typename T, int R, int NN>
 __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv_unit(const char *w, int64_t row_bytes, int type, const char *aux, int64_t K,
                                                              int64_t M, const char *b, int b_type, int64_t bnb1, int N, int ct, float *C) {
-    __shared__ float red[GV_WARPS][QL_CUDA_GEMV_MAX_N];
+    __shared__ float red[GV_WARPS][R * NN];
     __shared__ float tab[16];  // NF4's table: the lanes' different codes from shared memory, not serialized constant reads
     if (threadIdx.x < 16) tab[threadIdx.x] = cu_nf4_values[threadIdx.x];
     __syncthreads();
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nt = blockDim.x;
-    const int64_t r = blockIdx.x, n_units = K / T::E;
-    const uint8_t *row = (const uint8_t *)w + r * row_bytes;
+    const int64_t r0 = (int64_t)blockIdx.x * R, n_units = K / T::E;
     const int bes = b_type == QL_TYPE_F32 ? 4 : 2;
     const bool b4 = b_type == QL_TYPE_F32 && ((uintptr_t)b | (uintptr_t)bnb1) % 16 == 0;  // float4 loads of b
-    float acc[QL_CUDA_GEMV_MAX_N];
+    float acc[R][NN];
 QL_UNROLL
-    for (int n = 0; n < QL_CUDA_GEMV_MAX_N; n++) acc[n] = 0.0f;
+    for (int q = 0; q < R; q++)
+QL_UNROLL
+        for (int n = 0; n < NN; n++) acc[q][n] = 0.0f;
     for (int64_t i0 = threadIdx.x; i0 < n_units; i0 += (int64_t)T::U * nt) {
-        typename T::raw x[T::U];
+        typename T::raw x[T::U][R];
 QL_UNROLL
-        for (int u = 0; u < T::U; u++) {  // every unit's loads first (past the end: unit i0 again, not used)
+        for (int u = 0; u < T::U; u++) {  // every unit's loads first (past the end: unit i0 again, rows past M: r0's; not used)
             const int64_t i = i0 + (int64_t)u * nt < n_units ? i0 + (int64_t)u * nt : i0;
-            T::load(x[u], row, type, aux, K, r, i * T::E);
+QL_UNROLL
+            for (int q = 0; q < R; q++) {
+                const int64_t r = r0 + q < M ? r0 + q : r0;
+                T::load(x[u][q], (const uint8_t *)w + r * row_bytes, type, aux, K, r, i * T::E);
+            }
         }
 QL_UNROLL
         for (int u = 0; u < T::U; u++) {
@@ -800,46 +809,55 @@ QL_UNROLL
             const bool in = i < n_units;  // (a guard, not a break: the loop unrolls, x stays in registers)
 QL_UNROLL
             for (int g = 0; g < T::E / CU_DQ_VEC; g++) {
-                float v[CU_DQ_VEC];
-                T::decode8(x[u], g, tab, v);
-                if (ct != QL_TYPE_F32) {  // as the tile in the multiply's type
-QL_UNROLL
-                    for (int l = 0; l < CU_DQ_VEC; l++) v[l] = ct == QL_TYPE_F16 ? __half2float(__float2half_rn(v[l]))
-                                                                                 : __bfloat162float(__float2bfloat16_rn(v[l]));
-                }
                 const int64_t e = i * T::E + g * CU_DQ_VEC;
+                float v[R][CU_DQ_VEC];  // the R rows' 8 values, then each column of b read once for them
 QL_UNROLL
-                for (int n = 0; n < QL_CUDA_GEMV_MAX_N; n++) {
+                for (int q = 0; q < R; q++) {
+                    T::decode8(x[u][q], g, tab, v[q]);
+                    if (ct != QL_TYPE_F32) {  // as the tile in the multiply's type
+QL_UNROLL
+                        for (int l = 0; l < CU_DQ_VEC; l++) v[q][l] = ct == QL_TYPE_F16 ? __half2float(__float2half_rn(v[q][l]))
+                                                                                         : __bfloat162float(__float2bfloat16_rn(v[q][l]));
+                    }
+                }
+QL_UNROLL
+                for (int n = 0; n < NN; n++) {
                     if (n >= N || !in) break;
                     const char *bp = b + n * bnb1 + e * bes;
                     float xb[CU_DQ_VEC];
                     if (b4) {
-                        const float4 p = ((const float4 *)bp)[0], q = ((const float4 *)bp)[1];
-                        xb[0] = p.x, xb[1] = p.y, xb[2] = p.z, xb[3] = p.w, xb[4] = q.x, xb[5] = q.y, xb[6] = q.z, xb[7] = q.w;
+                        const float4 p = ((const float4 *)bp)[0], p2 = ((const float4 *)bp)[1];
+                        xb[0] = p.x, xb[1] = p.y, xb[2] = p.z, xb[3] = p.w, xb[4] = p2.x, xb[5] = p2.y, xb[6] = p2.z, xb[7] = p2.w;
                     } else {
 QL_UNROLL
                         for (int l = 0; l < CU_DQ_VEC; l++) xb[l] = cu_ld(bp + l * bes, b_type);
                     }
-                    float s = 0.0f;
 QL_UNROLL
-                    for (int l = 0; l < CU_DQ_VEC; l++) s = fmaf(v[l], xb[l], s);
-                    acc[n] += s;
+                    for (int q = 0; q < R; q++) {
+                        float sum = 0.0f;
+QL_UNROLL
+                        for (int l = 0; l < CU_DQ_VEC; l++) sum = fmaf(v[q][l], xb[l], sum);
+                        acc[q][n] += sum;
+                    }
                 }
             }
         }
     }
 QL_UNROLL
-    for (int n = 0; n < QL_CUDA_GEMV_MAX_N; n++) {
-        if (n >= N) break;
-        float s = acc[n];
-        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
-        if (lane == 0) red[warp][n] = s;
-    }
+    for (int q = 0; q < R; q++)
+QL_UNROLL
+        for (int n = 0; n < NN; n++) {
+            if (n >= N) break;
+            float sum = acc[q][n];
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+            if (lane == 0) red[warp][q * NN + n] = sum;
+        }
     __syncthreads();
-    if ((int)threadIdx.x < N) {
-        float s = 0.0f;
-        for (int i = 0; i < nt / 32; i++) s += red[i][threadIdx.x];
-        C[threadIdx.x * M + r] = s;
+    const int q = (int)threadIdx.x / NN, n = (int)threadIdx.x % NN;
+    if (q < R && n < N && r0 + q < M) {
+        float sum = 0.0f;
+        for (int i = 0; i < nt / 32; i++) sum += red[i][q * NN + n];
+        C[n * M + r0 + q] = sum;
     }
 }
 
@@ -849,6 +867,10 @@ static unsigned cu_gemv_unit_threads(int64_t K, int E, int U) {
     return (unsigned)std::min<int64_t>(GV_WARPS * 32, std::max<int64_t>(32, (per + 31) / 32 * 32));
 }
 
+static const int g_gemv_rows = [] {
+    const char *e = getenv("QLORA_CUDA_GEMV_ROWS");
+    return e && (!strcmp(e, "1") || !strcmp(e, "2")) ? atoi(e) : 4;
+}();
 static void cu_op_gemv(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *a = node->src[0], *b = node->src[1];
     const ql_type_traits *at = ql_type_traits_get(a->type);
@@ -856,19 +878,24 @@ static void cu_op_gemv(cu_ctx &c, ql_tensor *node) {
     const int64_t M = a->ne[1];
     typedef void (*gemv_fn)(const char *, int64_t, int, const char *, int64_t, int64_t, const char *, int, int64_t, int, int, float *);
     gemv_fn kern = cu_dequant8_fast(a->type) ? k_gemv<GV_UNROLL, false> : k_gemv<1, true>;  // (a name without commas, for the macros)
-    unsigned threads = GV_WARPS * 32;
+    unsigned threads = GV_WARPS * 32, rows = 1;  // the block's threads and rows
     const bool aligned = ((uintptr_t)a->data | (uintptr_t)a->nb[1]) % 16 == 0;  // the unit kernels' 16-byte loads
-    if (aligned && (a->type == QL_TYPE_NF4 || a->type == QL_TYPE_NF4_NODQ) && a->ne[0] % QL_NF4_BLOCK == 0) {
-        kern = k_gemv_unit<gv_nf4>;
-        threads = cu_gemv_unit_threads(a->ne[0], gv_nf4::E, gv_nf4::U);
-    } else if (aligned && a->type == QL_TYPE_Q4_K) {
-        kern = k_gemv_unit<gv_q4_K>;
-        threads = cu_gemv_unit_threads(a->ne[0], gv_q4_K::E, gv_q4_K::U);
-    } else if (a->type == QL_TYPE_Q6_K) {
-        kern = k_gemv_unit<gv_q6_K>;
-        threads = cu_gemv_unit_threads(a->ne[0], gv_q6_K::E, gv_q6_K::U);
-    }
-    QL_LAUNCH(kern, (unsigned)M, threads, 0, c.stream, (const char *)a->data, (int64_t)a->nb[1],
+    // one token (decode): g_gemv_rows rows a block (4; 2 or 1 by QLORA_CUDA_GEMV_ROWS, to measure);
+    // more: one row a block, up to 8 columns
+    const bool one = b->ne[1] == 1;
+    auto unit = [&](auto *tag) {
+        typedef std::remove_pointer_t<decltype(tag)> T;
+        rows = one ? g_gemv_rows : 1;
+        kern = rows == 4 ? k_gemv_unit<T, 4, 1> : rows == 2 ? k_gemv_unit<T, 2, 1> : one ? k_gemv_unit<T, 1, 1> : k_gemv_unit<T, 1, QL_CUDA_GEMV_MAX_N>;
+        threads = cu_gemv_unit_threads(a->ne[0], T::E, T::U);
+    };
+    if (aligned && (a->type == QL_TYPE_NF4 || a->type == QL_TYPE_NF4_NODQ) && a->ne[0] % QL_NF4_BLOCK == 0)
+        unit((gv_nf4 *)nullptr);
+    else if (aligned && a->type == QL_TYPE_Q4_K)
+        unit((gv_q4_K *)nullptr);
+    else if (a->type == QL_TYPE_Q6_K)
+        unit((gv_q6_K *)nullptr);
+    QL_LAUNCH(kern, (unsigned)((M + rows - 1) / rows), threads, 0, c.stream, (const char *)a->data, (int64_t)a->nb[1],
               (int)a->type, aux, a->ne[0], M, (const char *)b->data, (int)b->type, (int64_t)b->nb[1], (int)b->ne[1], (int)b->type,
               (float *)node->data);
     CU_LAUNCHED(c);
