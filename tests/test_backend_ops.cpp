@@ -598,6 +598,20 @@ OP_CASE(flash_attn) {
         return ql_flash_attn_kv(L.ctx, L.rand(QL_TYPE_F32, {16, 3, 4, 1}), L.rand(QL_TYPE_F32, {16, 32, 2, 1}),
                                 L.rand(QL_TYPE_F32, {16, 32, 2, 1}), nkv, 0.25f);
     }, TOL_F32, false);
+    // decode (k_fa_decode on a device): 1 and 3 queries, head dims 128 and 80 (lanes past the row's
+    // end), 77 keys in use of 96 (several key groups a warp, the last partial), GQA 4:1, batch 2;
+    // and 9 queries (the tile kernel)
+    struct kv_shape {
+        int64_t d, tq, nkv, h, hkv, b;
+    };
+    for (const kv_shape &k : {kv_shape{128, 1, 77, 8, 2, 1}, kv_shape{80, 3, 77, 4, 1, 2}, kv_shape{64, 9, 40, 2, 2, 1}}) {
+        INFO("d " << k.d << ", " << k.tq << " queries, " << k.nkv << " keys, heads " << k.h << "/" << k.hkv << ", batch " << k.b);
+        check_case(be, "over a KV cache, decode", [k](leafs &L) {
+            ql_tensor *nkv = L.i32({1}, [k](int64_t) { return (int32_t)k.nkv; });
+            return ql_flash_attn_kv(L.ctx, L.rand(QL_TYPE_F32, {k.d, k.tq, k.h, k.b}), L.rand(QL_TYPE_F32, {k.d, 96, k.hkv, k.b}),
+                                    L.rand(QL_TYPE_F32, {k.d, 96, k.hkv, k.b}), nkv, 1.0f / std::sqrt((float)k.d));
+        }, TOL_F32, false);
+    }
 }
 
 // Training attention in bf16 (set_prec), switched to the fused FlashAttention-2 kernels on tensor
