@@ -7055,6 +7055,17 @@ bool ql_cuda_mm_gemv(const ql_tensor *node) {
     return b->ne[1] <= QL_CUDA_GEMV_MAX_N && b->ne[2] == 1 && b->ne[3] == 1 && b->nb[0] == ql_plain_size(b->type) &&
            (b->ne[1] == 1 || b->nb[1] % b->nb[0] == 0);
 }
+// A product over a short K (LoRA's rank side: B u and Aᵀ du, K = r): one kernel reading a (a
+// plain 2-D float tensor, any strides; rounded to b's type as the tiles would be) and b (2-D, any
+// strides), writing each output once - with ql_mul_mat_acc's c added as it writes, where the
+// general path wrote an f32 product and added a 16-bit c in a second pass. No workspace.
+bool ql_cuda_mm_thin(const ql_tensor *node) {
+    if (node->op != QL_OP_MUL_MAT || ql_cuda_mm_gemv(node)) return false;
+    const ql_tensor *a = node->src[0], *b = node->src[1];
+    const bool plain = a->type == QL_TYPE_F32 || a->type == QL_TYPE_F16 || a->type == QL_TYPE_BF16;
+    return plain && !ql_cuda_mm_trows(a) && a->ne[0] <= QL_CUDA_THIN_K && a->ne[2] == 1 && a->ne[3] == 1 && b->ne[2] == 1 &&
+           b->ne[3] == 1 && a->ne[1] <= INT32_MAX && b->ne[1] <= (int64_t)65535 * 64 && (!node->src[2] || ql_is_contiguous(node->src[2]));
+}
 static int32_t cuda_fa_prec(const ql_tensor *node) {
     const ql_tensor *fwd = node->op == QL_OP_FLASH_ATTN_BACK ? node->src[4] : node;
     int32_t prec;
@@ -7082,7 +7093,7 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
     case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE: case QL_OP_COUNT:
         return 0;
     case QL_OP_MUL_MAT: {
-        if (ql_cuda_mm_gemv(node)) return 1;
+        if (ql_cuda_mm_gemv(node) || ql_cuda_mm_thin(node)) return 1;
         const ql_tensor *a = node->src[0], *b = node->src[1], *acc = node->src[2];
         const int64_t K = a->ne[0], M = a->ne[1];
         const int64_t A2 = a->ne[2], A3 = a->ne[3], B2 = b->ne[2], B3 = b->ne[3], r3 = B3 / A3;
@@ -7162,7 +7173,7 @@ size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
     case QL_OP_MUL_MAT: {  // b's contiguous copy (when cuBLAS cannot read it), then a's tile buffers: tiles of
         // a's rows (K each; of a transposed W, bands of W's columns), two when there is more than
         // one tile (the next is dequantised while the current one's GEMMs run)
-        if (ql_cuda_mm_gemv(node)) return 0;
+        if (ql_cuda_mm_gemv(node) || ql_cuda_mm_thin(node)) return 0;
         const ql_tensor *a = node->src[0], *b = node->src[1];
         size_t w = ql_cuda_mm_b_bytes(b);
         if (ql_cuda_mm_trows(a) || !ql_cuda_mm_a_direct(a, b->type))

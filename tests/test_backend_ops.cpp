@@ -326,6 +326,34 @@ OP_CASE(mul_mat_float) {
     }
 }
 
+// a product over a short K (ql_cuda_mm_thin on a device: LoRA's rank side): tiles of 64 x 64 with
+// partial ones both ways, K 16 and 64, a transposed a (Aᵀ du), c added (16-bit: rounded once)
+OP_CASE(mul_mat_thin_k) {
+    for (int64_t k : {16, 64}) {
+        INFO("K " << k);
+        check_case(be, "short K, f32", [k](leafs &L) {
+            ql_tensor *y = ql_mul_mat(L.ctx, L.param({k, 130}), L.param({k, 70}));
+            CHECK(ql_cuda_mm_thin(y));  // (the device's rule; the CPU runs it too)
+            return y;
+        }, TOL_MM);
+        check_case(be, "short K, transposed a", [k](leafs &L) {
+            return ql_mul_mat(L.ctx, ql_transpose(L.ctx, L.param({130, k})), L.param({k, 70}));
+        }, TOL_MM);
+        for (ql_type t : {QL_TYPE_BF16, QL_TYPE_F16}) {
+            INFO("type: " << std::string(ql_type_name(t)));
+            check_case(be, "short K, 16-bit b, mul_mat_acc onto f32", [k, t](leafs &L) {
+                return ql_mul_mat_acc(L.ctx, L.param({k, 130}), ql_cast(L.ctx, L.param({k, 70}), t), L.param({130, 70}));
+            }, TOL_16);
+            check_case(be, "short K, mul_mat_acc onto a 16-bit result", [k, t](leafs &L) {
+                ql_tensor *y = ql_mul_mat_to(L.ctx, L.param({96, 130}), ql_cast(L.ctx, L.param({96, 70}), t), t);
+                ql_tensor *r = ql_mul_mat_acc(L.ctx, L.param({k, 130}), ql_cast(L.ctx, L.param({k, 70}), t), y);
+                CHECK(ql_cuda_mm_thin(r));
+                return ql_cast(L.ctx, r, QL_TYPE_F32);
+            }, TOL_16);
+        }
+    }
+}
+
 OP_CASE(mul_mat_quantized) {
     for (ql_type t : {QL_TYPE_NF4, QL_TYPE_NF4_NODQ, QL_TYPE_Q4_0, QL_TYPE_Q4_1, QL_TYPE_Q5_0, QL_TYPE_Q5_1, QL_TYPE_Q8_0,
                       QL_TYPE_Q2_K, QL_TYPE_Q3_K, QL_TYPE_Q4_K, QL_TYPE_Q5_K, QL_TYPE_Q6_K, QL_TYPE_IQ4_NL, QL_TYPE_IQ4_XS}) {
