@@ -136,10 +136,13 @@ $(BUILD)/mpi/finetune: $(BUILD)/tools/finetune.o $(BUILD)/libtools.a $(BUILD)/li
 # the shim and qlora-mpi.cpp's NCCL part on tests/nccl_shim.h (NCCL on MPI over the shim's memory);
 # built and tested where CUDA's headers and nccl.h are
 NCCL_HEADER := $(wildcard $(CUDA_HOME)/include/nccl.h)
-MPI_SHIM_FT := $(if $(CUDA_HEADERS),$(if $(NCCL_HEADER),$(BUILD)/mpi/finetune-shim))
+MPI_SHIM := $(if $(CUDA_HEADERS),$(if $(NCCL_HEADER),$(BUILD)/mpi/finetune-shim $(BUILD)/mpi/nccl-shim-selftest))
 $(BUILD)/mpi/nccl_shim_mpi.o: tests/nccl_shim_mpi.cpp tests/nccl_shim.h tests/cuda_shim.h qlora-mpi.cpp qlora.h
 	@mkdir -p $(dir $@)
 	$(MPICXX) $(CXXFLAGS) $(SHIM_FLAGS) -I. -c $< -o $@
+$(BUILD)/mpi/nccl-shim-selftest: tests/nccl_shim_selftest.cpp tests/nccl_shim.h tests/cuda_shim.h
+	@mkdir -p $(dir $@)
+	$(MPICXX) $(CXXFLAGS) $(SHIM_FLAGS) -I. $< -o $@ $(LDLIBS)
 $(BUILD)/mpi/finetune-shim: $(BUILD)/tools/finetune.o $(BUILD)/shim/cuda_shim_backend.o $(BUILD)/mpi/nccl_shim_mpi.o $(BUILD)/libtools.a $(BUILD)/libqlora.a
 	$(MPICXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
 
@@ -185,8 +188,8 @@ test: test-unit test-dropin test-cuda-shim test-amx-shim test-mpi
 # (tests/mpi.sh); skipped with its reason where OpenMPI is not installed
 HAVE_MPI := $(and $(shell command -v $(MPICXX) 2>/dev/null),$(shell command -v mpirun 2>/dev/null))
 ifneq ($(HAVE_MPI),)
-test-mpi: $(BUILD)/mpi/finetune make-model finetune $(MPI_SHIM_FT)
-	sh tests/mpi.sh $(BUILD)/mpi/finetune $(BUILD)/mpi-test $(MPI_SHIM_FT)
+test-mpi: $(BUILD)/mpi/finetune make-model finetune $(MPI_SHIM)
+	sh tests/mpi.sh $(BUILD)/mpi/finetune $(BUILD)/mpi-test $(MPI_SHIM)
 else
 test-mpi:
 	@echo "test-mpi: skipped: mpicxx or mpirun not found (Debian: openmpi-bin libopenmpi-dev); data parallel is untested in this run"

@@ -16,12 +16,14 @@
 #    MPI through tests/nccl_shim.h), the GPU path on the CPU: --device cuda, mpirun -np 2 with two
 #    shim devices against one process with twice the accumulation (losses within 1e-6, the ranks'
 #    adapters the same, one NCCL launch a step on each rank, each on its own device); with one
-#    device the two ranks share it and NCCL's init refuses; QLORA_DIST_ALWAYS=1 -np 1 the same losses.
-#   sh tests/mpi.sh MPI_FINETUNE OUT_DIR [SHIM_FINETUNE]
+#    device the two ranks share it and NCCL's init refuses; QLORA_DIST_ALWAYS=1 -np 1 the same losses;
+#    before them NCCL_SHIM_SELFTEST (tests/nccl_shim_selftest.cpp), the NCCL shim's own checks.
+#   sh tests/mpi.sh MPI_FINETUNE OUT_DIR [SHIM_FINETUNE NCCL_SHIM_SELFTEST]
 set -e
 ft=$1
 out=$2
 shim=$3
+shim_selftest=$4
 rm -rf "$out"
 mkdir -p "$out"
 # CI runs as root, which OpenMPI refuses unless told; two processes on however many cores; no
@@ -110,6 +112,8 @@ grep -q "rank 1 of 2: finetune stopped (exit code 1): step 3: a failure made on 
     { cat "$out/failed.log"; fail "the failed rank and its cause are not named"; }
 # 5. the GPU path (the device all-reduce, NCCL's) through the shims
 if [ -n "$shim" ]; then
+    QL_SHIM_DEVICES=2 $mpirun "$shim_selftest" > "$out/nccl-shim-selftest.log" 2>&1 ||
+        { cat "$out/nccl-shim-selftest.log"; fail "the NCCL shim's self-test failed"; }
     "$shim" $args --device cuda --grad-accum 2 -o "$out/shim-one" > "$out/shim-one.log" 2>&1 ||
         { cat "$out/shim-one.log"; fail "the shim: one process failed"; }
     QL_SHIM_DEVICES=2 $mpirun "$shim" $args --device cuda --grad-accum 1 -o "$out/shim-two" > "$out/shim-two.log" 2>&1 ||
@@ -133,7 +137,7 @@ if [ -n "$shim" ]; then
         { cat "$out/shim-always.log"; fail "the shim: QLORA_DIST_ALWAYS=1 mpirun -np 1 failed"; }
     grep -q "qlshim nccl: rank 0 of 1 on device 0: 8 launches" "$out/shim-always.log" || fail "the shim: QLORA_DIST_ALWAYS: no NCCL launches"
     same_values "$out/shim-one/metrics.jsonl" "$out/shim-always/metrics.jsonl" loss
-    echo "test-mpi: the GPU path through the CUDA shim and NCCL on MPI: 2 processes on 2 shim devices = 1 with twice the accumulation" \
+    echo "test-mpi: the NCCL shim's self-test; the GPU path through the CUDA shim and NCCL on MPI: 2 processes on 2 shim devices = 1 with twice the accumulation" \
          "(8 steps, 3 evaluations, within 1e-6), one NCCL launch a step; 2 ranks on 1 device refused; QLORA_DIST_ALWAYS=1 -np 1 the same"
 else
     echo "test-mpi: the GPU path through the shim skipped (no SHIM_FINETUNE: nccl.h or CUDA's headers missing)"
