@@ -1,5 +1,5 @@
 // tests/nccl_shim_selftest.cpp - tests/nccl_shim.h itself, under mpirun -np 2 (tests/mpi.sh part 5):
-// sums in place and not, in stream order, grouped; and what it refuses as NCCL does. Exits 0 when
+// sums in place and not, in stream order, grouped, in a CUDA graph; and what it refuses as NCCL does. Exits 0 when
 // every check holds, printing each one that fails.
 #include "nccl_shim.h"
 
@@ -104,12 +104,30 @@ int main(int argc, char **argv) {
     int64_t got = 0;
     CHECK(cudaStreamSynchronize(s) == cudaSuccess);
     CHECK(cudaMemcpy(&got, di, sizeof(got), cudaMemcpyDeviceToHost) == cudaSuccess && got == 2 * one);
+    // captured in a CUDA graph: each replay sums again (1 + 2 -> 3 -> 6)
+    float *dg = nullptr;
+    CHECK(cudaMalloc((void **)&dg, sizeof(float)) == cudaSuccess);
+    const float fv = 1.0f + (float)rank;
+    CHECK(cudaMemcpy(dg, &fv, sizeof(fv), cudaMemcpyHostToDevice) == cudaSuccess);
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) == cudaSuccess);
+    CHECK(ncclAllReduce(dg, dg, 1, ncclFloat, ncclSum, comm, s) == ncclSuccess);
+    CHECK(cudaStreamEndCapture(s, &graph) == cudaSuccess && graph);
+    CHECK(cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess);
+    float fg = 0;
+    CHECK(cudaMemcpy(&fg, dg, sizeof(fg), cudaMemcpyDeviceToHost) == cudaSuccess && fg == fv);  // (recorded, not run)
+    CHECK(cudaGraphLaunch(exec, s) == cudaSuccess && cudaGraphLaunch(exec, s) == cudaSuccess);
+    CHECK(cudaStreamSynchronize(s) == cudaSuccess);
+    CHECK(cudaMemcpy(&fg, dg, sizeof(fg), cudaMemcpyDeviceToHost) == cudaSuccess && fg == 6.0f);
+    cudaGraphExecDestroy(exec), cudaGraphDestroy(graph);
+
     ncclResult_t async = ncclInternalError;
     CHECK(ncclCommGetAsyncError(comm, &async) == ncclSuccess && async == ncclSuccess);
 
     CHECK(ncclCommDestroy(comm) == ncclSuccess);
     CHECK(cudaStreamDestroy(s) == cudaSuccess);
-    cudaFree(d), cudaFree(dd), cudaFree(di);
+    cudaFree(d), cudaFree(dd), cudaFree(di), cudaFree(dg);
     int failed = g_failed;
     MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_SUM, MPI_COMM_WORLD);
     if (rank == 0) printf("nccl-shim-selftest: %s\n", failed ? "FAILED" : "all checks hold on 2 ranks");
