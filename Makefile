@@ -18,7 +18,8 @@
 #                        (needs only CUDA's headers; part of make test when they are there)
 #   make CUDA=1 test-gpu the checks that need a real GPU (tests/gpu-check.sh)
 #   make MPI=1 ...       ./finetune with data parallel over MPI (qlora-mpi.cpp, mpicxx): mpirun -np N ./finetune ...
-#   make test-mpi        mpirun -np 2 against one process (tests/mpi.sh; part of make test where OpenMPI is)
+#   make test-mpi        mpirun -np 2 against one process (tests/mpi.sh; part of make test where OpenMPI is),
+#                        on the CPU and, through the CUDA shim and NCCL on MPI, on two shim devices
 #   make cuda-check      compile qlora-cuda.cu for every architecture, warnings as errors, and
 #                        fail on register spills or local memory (ptxas -v)
 
@@ -131,6 +132,20 @@ $(BUILD)/mpi/finetune: $(BUILD)/tools/finetune.o $(BUILD)/libtools.a $(BUILD)/li
 	@mkdir -p $(dir $@)
 	$(MPICXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
 
+# the data-parallel GPU path without a GPU (tests/mpi.sh, part 5): finetune with the CUDA backend through
+# the shim and qlora-mpi.cpp's NCCL part on tests/nccl_shim.h (NCCL on MPI over the shim's memory);
+# built and tested where CUDA's headers and nccl.h are
+NCCL_HEADER := $(wildcard $(CUDA_HOME)/include/nccl.h)
+MPI_SHIM := $(if $(CUDA_HEADERS),$(if $(NCCL_HEADER),$(BUILD)/mpi/finetune-shim $(BUILD)/mpi/nccl-shim-selftest))
+$(BUILD)/mpi/nccl_shim_mpi.o: tests/nccl_shim_mpi.cpp tests/nccl_shim.h tests/cuda_shim.h qlora-mpi.cpp qlora.h
+	@mkdir -p $(dir $@)
+	$(MPICXX) $(CXXFLAGS) $(SHIM_FLAGS) -I. -c $< -o $@
+$(BUILD)/mpi/nccl-shim-selftest: tests/nccl_shim_selftest.cpp tests/nccl_shim.h tests/cuda_shim.h
+	@mkdir -p $(dir $@)
+	$(MPICXX) $(CXXFLAGS) $(SHIM_FLAGS) -I. $< -o $@ $(LDLIBS)
+$(BUILD)/mpi/finetune-shim: $(BUILD)/tools/finetune.o $(BUILD)/shim/cuda_shim_backend.o $(BUILD)/mpi/nccl_shim_mpi.o $(BUILD)/libtools.a $(BUILD)/libqlora.a
+	$(MPICXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS)
+
 $(TEST_OBJ): $(TEST_HEADERS)
 $(TEST_SRC:%.cpp=$(BUILD)/san/%.o): $(TEST_HEADERS)
 
@@ -173,8 +188,8 @@ test: test-unit test-dropin test-cuda-shim test-amx-shim test-mpi
 # (tests/mpi.sh); skipped with its reason where OpenMPI is not installed
 HAVE_MPI := $(and $(shell command -v $(MPICXX) 2>/dev/null),$(shell command -v mpirun 2>/dev/null))
 ifneq ($(HAVE_MPI),)
-test-mpi: $(BUILD)/mpi/finetune make-model finetune
-	sh tests/mpi.sh $(BUILD)/mpi/finetune $(BUILD)/mpi-test
+test-mpi: $(BUILD)/mpi/finetune make-model finetune $(MPI_SHIM)
+	sh tests/mpi.sh $(BUILD)/mpi/finetune $(BUILD)/mpi-test $(MPI_SHIM)
 else
 test-mpi:
 	@echo "test-mpi: skipped: mpicxx or mpirun not found (Debian: openmpi-bin libopenmpi-dev); data parallel is untested in this run"

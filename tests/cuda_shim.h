@@ -11,6 +11,8 @@
 // to the end, in a selectable order - forward (thread 0 first), reverse, or a seeded random
 // permutation drawn anew at every barrier (QL_SHIM_ORDER=forward|reverse|random[:seed], or
 // qlshim::set_order). So a missing barrier shows up as a wrong answer in some order.
+// Devices: one by default; QL_SHIM_DEVICES=N gives N, each a number for cudaSetDevice (the current
+// one, per host thread, is what cudaGetDevice says), all of them this process's memory.
 //
 // What it reports (the launch stops, cudaGetLastError() returns cudaErrorLaunchFailure and
 // cudaGetErrorString() / qlshim::last_error_message() say what happened, file:line included):
@@ -115,6 +117,14 @@ inline void read_env() {
         }
     }
     if (const char *w = getenv("QL_SHIM_WORKERS")) s.workers = std::max(1, atoi(w));
+    // devices: QL_SHIM_DEVICES=N (default 1), so that ranks on one machine each take their own
+    // (tests/nccl_shim.h refuses two ranks on one device, as NCCL does)
+    if (const char *d = getenv("QL_SHIM_DEVICES")) s.device_count = std::max(1, atoi(d));
+}
+// the current device (cudaSetDevice's; one per host thread, as in CUDA)
+inline int &current_device() {
+    static thread_local int d = 0;
+    return d;
 }
 
 inline void set_order(order_t o, uint64_t seed = 1) {
@@ -989,15 +999,22 @@ struct cublasContext {
 
 extern "C" {
 inline cudaError_t cudaGetDeviceCount(int *n) {
+    qlshim::read_env();
     *n = qlshim::st().device_count;
     return *n ? cudaSuccess : cudaErrorNoDevice;
 }
-inline cudaError_t cudaSetDevice(int d) { return d >= 0 && d < qlshim::st().device_count ? cudaSuccess : cudaErrorInvalidDevice; }
+inline cudaError_t cudaSetDevice(int d) {
+    qlshim::read_env();
+    if (d < 0 || d >= qlshim::st().device_count) return cudaErrorInvalidDevice;
+    qlshim::current_device() = d;
+    return cudaSuccess;
+}
 inline cudaError_t cudaGetDevice(int *d) {
-    *d = 0;
+    *d = qlshim::current_device();
     return cudaSuccess;
 }
 inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp *p, int d) {
+    qlshim::read_env();
     if (d < 0 || d >= qlshim::st().device_count) return cudaErrorInvalidDevice;
     memset(p, 0, sizeof(*p));
     snprintf(p->name, sizeof(p->name), "qlshim (CPU)");

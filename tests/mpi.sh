@@ -12,9 +12,18 @@
 # 3. a SIGTERM to one rank: every rank stops after that step, with rank 0's checkpoint, which
 #    resumes in 2 processes to the uninterrupted run's losses (not in 3: 2 micro-batches a step);
 # 4. a rank that fails with an error: mpirun exits non-zero, the line names the rank and the cause.
+# 5. with SHIM_FINETUNE (build/mpi/finetune-shim: the CUDA backend through tests/cuda_shim.h, NCCL on
+#    MPI through tests/nccl_shim.h), the GPU path on the CPU: --device cuda, mpirun -np 2 with two
+#    shim devices against one process with twice the accumulation (losses within 1e-6, the ranks'
+#    adapters the same, one NCCL launch a step on each rank, each on its own device); with one
+#    device the two ranks share it and NCCL's init refuses; QLORA_DIST_ALWAYS=1 -np 1 the same losses;
+#    before them NCCL_SHIM_SELFTEST (tests/nccl_shim_selftest.cpp), the NCCL shim's own checks.
+#   sh tests/mpi.sh MPI_FINETUNE OUT_DIR [SHIM_FINETUNE NCCL_SHIM_SELFTEST]
 set -e
 ft=$1
 out=$2
+shim=$3
+shim_selftest=$4
 rm -rf "$out"
 mkdir -p "$out"
 # CI runs as root, which OpenMPI refuses unless told; two processes on however many cores; no
@@ -101,5 +110,38 @@ if QLORA_DIST_FAIL=1:3 $mpirun "$ft" $args --grad-accum 1 -o "$out/failed" > "$o
 fi
 grep -q "rank 1 of 2: finetune stopped (exit code 1): step 3: a failure made on purpose" "$out/failed.log" ||
     { cat "$out/failed.log"; fail "the failed rank and its cause are not named"; }
+# 5. the GPU path (the device all-reduce, NCCL's) through the shims
+if [ -n "$shim" ]; then
+    QL_SHIM_DEVICES=2 $mpirun "$shim_selftest" > "$out/nccl-shim-selftest.log" 2>&1 ||
+        { cat "$out/nccl-shim-selftest.log"; fail "the NCCL shim's self-test failed"; }
+    "$shim" $args --device cuda --grad-accum 2 -o "$out/shim-one" > "$out/shim-one.log" 2>&1 ||
+        { cat "$out/shim-one.log"; fail "the shim: one process failed"; }
+    QL_SHIM_DEVICES=2 $mpirun "$shim" $args --device cuda --grad-accum 1 -o "$out/shim-two" > "$out/shim-two.log" 2>&1 ||
+        { cat "$out/shim-two.log"; fail "the shim: mpirun -np 2 failed"; }
+    grep -q "^finetune: cuda: qlshim" "$out/shim-two.log" || fail "the shim: not on the CUDA backend ($out/shim-two.log)"
+    same_values "$out/shim-one/metrics.jsonl" "$out/shim-two/metrics.jsonl" loss
+    same_values "$out/shim-one/metrics.jsonl" "$out/shim-two/metrics.jsonl" eval_loss
+    grep -q "the same on all 2 processes" "$out/shim-two.log" || fail "the shim: the ranks' adapters were not compared ($out/shim-two.log)"
+    for r in 0 1; do  # one grouped all-reduce a step, on each rank's own device
+        grep -q "qlshim nccl: rank $r of 2 on device $r: 8 launches, [1-9][0-9]* all-reduces run" "$out/shim-two.log" ||
+            { grep "qlshim nccl" "$out/shim-two.log"; fail "the shim: rank $r did not make 8 NCCL launches on device $r"; }
+    done
+    # one device: both ranks on it, which NCCL refuses (the device is the local rank's)
+    QL_SHIM_DEVICES=1 $mpirun "$shim" $args --device cuda --grad-accum 1 -o "$out/shim-dup" > "$out/shim-dup.log" 2>&1 &&
+        fail "the shim: two ranks on one device ran"
+    grep -q "Duplicate GPU detected : rank 1 and rank 0 both on CUDA device 0" "$out/shim-dup.log" &&
+        grep -q "rank [01] of 2: finetune stopped (exit code 1): step 1: the all-reduce of the gradients" "$out/shim-dup.log" ||
+        { cat "$out/shim-dup.log"; fail "the shim: two ranks on one device did not fail as NCCL does"; }
+    # NCCL with one rank (QLORA_DIST_ALWAYS: what a machine with one GPU can check)
+    QLORA_DIST_ALWAYS=1 timeout 60 mpirun --bind-to none -np 1 "$shim" $args --device cuda --grad-accum 2 -o "$out/shim-always" > "$out/shim-always.log" 2>&1 ||
+        { cat "$out/shim-always.log"; fail "the shim: QLORA_DIST_ALWAYS=1 mpirun -np 1 failed"; }
+    grep -q "qlshim nccl: rank 0 of 1 on device 0: 8 launches" "$out/shim-always.log" || fail "the shim: QLORA_DIST_ALWAYS: no NCCL launches"
+    same_values "$out/shim-one/metrics.jsonl" "$out/shim-always/metrics.jsonl" loss
+    echo "test-mpi: the NCCL shim's self-test; the GPU path through the CUDA shim and NCCL on MPI: 2 processes on 2 shim devices = 1 with twice the accumulation" \
+         "(8 steps, 3 evaluations, within 1e-6), one NCCL launch a step; 2 ranks on 1 device refused; QLORA_DIST_ALWAYS=1 -np 1 the same"
+else
+    echo "test-mpi: the GPU path through the shim skipped (no SHIM_FINETUNE: nccl.h or CUDA's headers missing)"
+fi
+
 echo "test-mpi: 2 processes = 1 with twice the accumulation (8 steps' losses, 3 evaluations, within 1e-6), adapters the same on both;" \
      "a killed rank and a failed one stop the job by name; a SIGTERM to one stops all after the step; checkpoints resume in 1 and 2 processes, not 3"
