@@ -38,6 +38,9 @@ for s in 1b 8b; do
         decode "$s $ty" "$M/$s-$ty.gguf" ./generate
         [ -n "$BASE" ] && decode "$s $ty, base" "$M/$s-$ty.gguf" "$BASE/generate"
     done
+    for r in 1 2; do  # the decode product's rows a block (default 4)
+        decode "$s q4_K, gemv rows $r" "$M/$s-q4_K.gguf" ./generate QLORA_CUDA_GEMV_ROWS=$r
+    done
 done | tee "$OUT/decode.txt"
 for s in 1b 8b; do
     ./generate -m "$M/$s-q4_K.gguf" -p "Once upon a time" -n 64 --temp 0 --device cuda --profile > "$OUT/profile-$s.txt" 2>&1
