@@ -955,34 +955,41 @@ static void cu_mm_wait(cu_ctx &c, cu_mm_side &m, cu_mm_order &o, int x, int ev) 
 }
 
 // ---- a product over a short K (ql_cuda_mm_thin: LoRA's rank side) ----
-// C [M, N] = a b (+ c): a [K, M], b [K, N] (any strides), K <= QL_CUDA_THIN_K. A block makes a 64 x
-// 64 tile of C: the K x 64 slices of a (rounded to the compute type, as a converted tile) and of b
-// in shared memory, each thread 4 x 4 outputs summed over k in order in f32, then c added (read
-// where it is: in place too) and the result rounded once to C's type - k_acc_round's value
-// without the f32 product's round trip through the workspace.
-#define MT_TILE 64
+// C [M, N] = a b (+ c): a [K, M], b [K, N] (any strides), K <= QL_CUDA_THIN_K. A block makes a
+// 128 x 32 tile of C: the K x 128 slice of a (rounded to the compute type, as a converted tile)
+// and the K x 32 slice of b in shared memory; thread (x, y) makes rows m0 + x + 32 i (i < 4: a
+// warp's loads and stores of c and C are 32 neighbouring elements) of columns n0 + 4 y .. + 3,
+// summed over k in order in f32; then c added (read where it is: in place too) and the result
+// rounded once to C's type - k_acc_round's value without the f32 product's round trip through
+// the workspace.
+#define MT_M 128
+#define MT_N 32
 __global__ void __launch_bounds__(256) k_mm_thin(cu_t a, cu_t b, int ct, const char *c, char *C, int c_type, int64_t M, int64_t N,
                                                  int64_t K) {
-    __shared__ float As[QL_CUDA_THIN_K][MT_TILE], Bs[QL_CUDA_THIN_K][MT_TILE];
-    const int64_t m0 = (int64_t)blockIdx.x * MT_TILE, n0 = (int64_t)blockIdx.y * MT_TILE;
-    for (int x = threadIdx.x; x < K * MT_TILE; x += blockDim.x) {
-        const int k = x / MT_TILE, j = x % MT_TILE;
-        float av = 0.0f, bv = 0.0f;
+    QL_DYN_SMEM(float, sm);  // As [K][MT_M], then Bs [K][MT_N]: K (MT_M + MT_N) floats, 40 KiB at K = 64
+    float *As = sm, *Bs = sm + K * MT_M;
+    const int64_t m0 = (int64_t)blockIdx.x * MT_M, n0 = (int64_t)blockIdx.y * MT_N;
+    for (int x = threadIdx.x; x < K * MT_M; x += blockDim.x) {
+        const int k = x / MT_M, j = x % MT_M;
+        float av = 0.0f;
         if (m0 + j < M) {
             av = cu_ld(a.data + k * a.nb[0] + (m0 + j) * a.nb[1], a.type);
             if (ct == QL_TYPE_BF16) av = __bfloat162float(__float2bfloat16_rn(av));
             else if (ct == QL_TYPE_F16) av = __half2float(__float2half_rn(av));
         }
-        if (n0 + j < N) bv = cu_ld(b.data + k * b.nb[0] + (n0 + j) * b.nb[1], b.type);
-        As[k][j] = av, Bs[k][j] = bv;
+        As[k * MT_M + j] = av;
+    }
+    for (int x = threadIdx.x; x < K * MT_N; x += blockDim.x) {
+        const int k = x / MT_N, j = x % MT_N;
+        Bs[k * MT_N + j] = n0 + j < N ? cu_ld(b.data + k * b.nb[0] + (n0 + j) * b.nb[1], b.type) : 0.0f;
     }
     __syncthreads();
-    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
     float acc[4][4] = {};
     for (int k = 0; k < K; k++) {
         float av[4], bv[4];
 QL_UNROLL
-        for (int i = 0; i < 4; i++) av[i] = As[k][tx * 4 + i], bv[i] = Bs[k][ty * 4 + i];
+        for (int i = 0; i < 4; i++) av[i] = As[k * MT_M + tx + 32 * i], bv[i] = Bs[k * MT_N + ty * 4 + i];
 QL_UNROLL
         for (int j = 0; j < 4; j++)
 QL_UNROLL
@@ -995,7 +1002,7 @@ QL_UNROLL
         if (n >= N) break;
 QL_UNROLL
         for (int i = 0; i < 4; i++) {
-            const int64_t m = m0 + tx * 4 + i, o = n * M + m;
+            const int64_t m = m0 + tx + 32 * i, o = n * M + m;
             if (m >= M) break;
             cu_st(C + o * cs, c_type, c ? cu_ld(c + o * cs, c_type) + acc[j][i] : acc[j][i]);
         }
@@ -1006,8 +1013,8 @@ static void cu_op_mm_thin(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *a = node->src[0], *b = node->src[1], *acc = node->src[2];
     const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
     CU_ASSERT(K <= QL_CUDA_THIN_K && ql_is_contiguous(node) && (!acc || (acc->type == node->type && ql_is_contiguous(acc))));
-    const dim3 grid((unsigned)((M + MT_TILE - 1) / MT_TILE), (unsigned)((N + MT_TILE - 1) / MT_TILE));
-    QL_LAUNCH(k_mm_thin, grid, 256, 0, c.stream, cu_of(a), cu_of(b), (int)b->type, acc ? (const char *)acc->data : nullptr,
+    const dim3 grid((unsigned)((M + MT_M - 1) / MT_M), (unsigned)((N + MT_N - 1) / MT_N));
+    QL_LAUNCH(k_mm_thin, grid, 256, (size_t)K * (MT_M + MT_N) * sizeof(float), c.stream, cu_of(a), cu_of(b), (int)b->type, acc ? (const char *)acc->data : nullptr,
               (char *)node->data, (int)node->type, M, N, K);
     CU_LAUNCHED(c);
 }

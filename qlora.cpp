@@ -7064,7 +7064,7 @@ bool ql_cuda_mm_thin(const ql_tensor *node) {
     const ql_tensor *a = node->src[0], *b = node->src[1];
     const bool plain = a->type == QL_TYPE_F32 || a->type == QL_TYPE_F16 || a->type == QL_TYPE_BF16;
     return plain && !ql_cuda_mm_trows(a) && a->ne[0] <= QL_CUDA_THIN_K && a->ne[2] == 1 && a->ne[3] == 1 && b->ne[2] == 1 &&
-           b->ne[3] == 1 && a->ne[1] <= INT32_MAX && b->ne[1] <= (int64_t)65535 * 64 && (!node->src[2] || ql_is_contiguous(node->src[2]));
+           b->ne[3] == 1 && a->ne[1] <= INT32_MAX && b->ne[1] <= (int64_t)65535 * 32 && (!node->src[2] || ql_is_contiguous(node->src[2]));
 }
 static int32_t cuda_fa_prec(const ql_tensor *node) {
     const ql_tensor *fwd = node->op == QL_OP_FLASH_ATTN_BACK ? node->src[4] : node;
