@@ -3149,6 +3149,39 @@ static int inplace_src(const ql_tensor *node) {
     }
 }
 
+// Debug: QLORA_PLAN_DUMP=N (MiB) prints, for each plan whose buffer is at least N MiB, what is alive
+// where the most is (by node: made at or before it, last read at or after it; device entries),
+// grouped by op, type and row length, largest first - what makes a plan's bytes per token.
+static void plan_dump(const ql_graph *g) {
+    const char *env = getenv("QLORA_PLAN_DUMP");
+    if (!env || !*env || (double)g->arena_size < atof(env) * 1048576.0) return;
+    const int n = (int)g->nodes.size();
+    std::vector<long long> live((size_t)n + 1, 0);
+    for (const ql_plan_entry &e : g->entries)
+        if (!e.host) {
+            live[(size_t)std::min(std::max(e.first, 0), n)] += (long long)e.size;
+            live[(size_t)std::min(std::max(e.last + 1, 0), n)] -= (long long)e.size;  // (outputs live to the end)
+        }
+    int at = 0;
+    long long cur = 0, best = -1;
+    for (int i = 0; i < n; i++)
+        if ((cur += live[(size_t)i]) > best) best = cur, at = i;
+    std::map<std::string, std::pair<int, size_t>> groups;  // "op type [ne0]" -> (count, bytes)
+    for (const ql_plan_entry &e : g->entries) {
+        if (e.host || e.first > at || e.last < at) continue;
+        char key[160];
+        snprintf(key, sizeof(key), "%-16s %-5s [%lld, ...] %s", ql_op_name(e.tensor->op), ql_type_name(e.tensor->type),
+                 (long long)e.tensor->ne[0], e.tensor->flags & QL_FLAG_RECOMPUTED ? "recomputed" : "");
+        groups[key].first++, groups[key].second += e.size;
+    }
+    std::vector<std::pair<size_t, std::string>> order;
+    for (const auto &kv : groups) order.push_back({kv.second.second, kv.first + " x" + std::to_string(kv.second.first)});
+    std::sort(order.rbegin(), order.rend());
+    fprintf(stderr, "plan dump: buffer %.1f MiB; most alive at node %d of %d (%s %s): %.1f MiB\n", g->arena_size / 1048576.0, at, n,
+            ql_op_name(g->nodes[(size_t)at]->op), g->nodes[(size_t)at]->name, best / 1048576.0);
+    for (const auto &o : order) fprintf(stderr, "  %10.1f MiB  %s\n", o.first / 1048576.0, o.second.c_str());
+}
+
 ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
     if (!g || !be) return QL_ERR_INVALID;
     ql_context *ctx = g->ctx;
@@ -3294,6 +3327,7 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
     static std::atomic<uint64_t> plans{0};
     g->plan_id = ++plans;
     if (stats_out) *stats_out = st;
+    plan_dump(g);
     return QL_OK;
 }
 
