@@ -1547,7 +1547,9 @@ static void cu_op_add_rows(cu_ctx &c, ql_tensor *node) {
 
 // ---- rope ----
 // One thread per (token, rotated pair): its angle once (in double, as the CPU), then every head.
-__global__ void k_rope(cu_t a, const int32_t *pos, const float *ff, float *d, int n_dims, int mode, float base, int back, int64_t n_tok) {
+// a and d in one type: f32, or 16-bit (rope of q, k under a 16-bit compute type: widened as read,
+// the f32 result rounded once on store, as the CPU); d contiguous [D, H, T, B].
+__global__ void k_rope(cu_t a, const int32_t *pos, const float *ff, char *d, int n_dims, int mode, float base, int back, int64_t n_tok) {
     const int hp = n_dims / 2;  // rotated pairs
     const int64_t D = a.ne[0], H = a.ne[1], T = a.ne[2];
     CU_GRID_LOOP(j, n_tok * hp) {
@@ -1560,22 +1562,26 @@ __global__ void k_rope(cu_t a, const int32_t *pos, const float *ff, float *d, in
         const float r = (float)(th - two_pi * rint(th / two_pi));
         const float cs = __cosf(r), sn = back ? -__sinf(r) : __sinf(r);
         const int64_t i0 = mode == QL_ROPE_NEOX ? i : 2 * i, other = mode == QL_ROPE_NEOX ? hp : 1;
+        const int es = a.type == QL_TYPE_F32 ? 4 : 2;
         for (int64_t h = 0; h < H; h++) {
-            const float *x = (const float *)(a.data + h * a.nb[1] + t * a.nb[2] + bb * a.nb[3]);
-            float *y = d + (tok * H + h) * D;
-            const float x0 = x[i0], x1 = x[i0 + other];
-            y[i0] = x0 * cs - x1 * sn;
-            y[i0 + other] = x0 * sn + x1 * cs;
+            const char *x = a.data + h * a.nb[1] + t * a.nb[2] + bb * a.nb[3];
+            char *y = d + (tok * H + h) * D * es;
+            const float x0 = cu_ld(x + i0 * es, a.type), x1 = cu_ld(x + (i0 + other) * es, a.type);
+            cu_st(y + i0 * es, a.type, x0 * cs - x1 * sn);
+            cu_st(y + (i0 + other) * es, a.type, x0 * sn + x1 * cs);
         }
     }
 }
-// the dimensions past n_dims pass through
-__global__ void k_rope_tail(cu_t a, float *d, int n_dims, int64_t n_rows) {
+// the dimensions past n_dims pass through (the bytes: d has a's type)
+__global__ void k_rope_tail(cu_t a, char *d, int n_dims, int64_t n_rows) {
     const int64_t D = a.ne[0], tail = D - n_dims;
+    const int es = a.type == QL_TYPE_F32 ? 4 : 2;
     CU_GRID_LOOP(j, n_rows * tail) {
         const int64_t row = j / tail, i = n_dims + j % tail;  // row = tok * H + h
         const int64_t h = row % a.ne[1], tok = row / a.ne[1], t = tok % a.ne[2], bb = tok / a.ne[2];
-        d[row * D + i] = *(const float *)(a.data + i * 4 + h * a.nb[1] + t * a.nb[2] + bb * a.nb[3]);
+        const char *x = a.data + i * es + h * a.nb[1] + t * a.nb[2] + bb * a.nb[3];
+        if (es == 4) *(float *)(d + (row * D + i) * 4) = *(const float *)x;
+        else *(uint16_t *)(d + (row * D + i) * 2) = *(const uint16_t *)x;
     }
 }
 static void cu_op_rope(cu_ctx &c, ql_tensor *node, bool back) {
@@ -1583,12 +1589,12 @@ static void cu_op_rope(cu_ctx &c, ql_tensor *node, bool back) {
     const int n_dims = node->op_params[0], mode = node->op_params[1];
     const int64_t n_tok = a->ne[2] * a->ne[3];
     QL_LAUNCH(k_rope, cu_grid(n_tok * (n_dims / 2)), CU_BLOCK, 0, c.stream, cu_of(a), (const int32_t *)node->src[1]->data,
-              ff ? (const float *)ff->data : (const float *)nullptr, (float *)node->data, n_dims, mode, cu_param<float>(node, 2),
+              ff ? (const float *)ff->data : (const float *)nullptr, (char *)node->data, n_dims, mode, cu_param<float>(node, 2),
               (int)back, n_tok);
     CU_LAUNCHED(c);
     if (n_dims < a->ne[0]) {
         const int64_t rows = n_tok * a->ne[1];
-        QL_LAUNCH(k_rope_tail, cu_grid(rows * (a->ne[0] - n_dims)), CU_BLOCK, 0, c.stream, cu_of(a), (float *)node->data, n_dims, rows);
+        QL_LAUNCH(k_rope_tail, cu_grid(rows * (a->ne[0] - n_dims)), CU_BLOCK, 0, c.stream, cu_of(a), (char *)node->data, n_dims, rows);
         CU_LAUNCHED(c);
     }
 }
@@ -1701,8 +1707,9 @@ static bool cu_ops_supported(const ql_tensor *node) {
         return dense_rows(a);
     case QL_OP_RMS_NORM_BACK:
         return dense_rows(a) && dense_rows(node->src[1]);
-    case QL_OP_ROPE: case QL_OP_ROPE_BACK:
-        return dense_rows(a) && (!node->src[2] || ql_is_contiguous(node->src[2]));
+    case QL_OP_ROPE: case QL_OP_ROPE_BACK:  // rope: f32 or 16-bit a, the result in a's type
+        return is_float_type_cu(a->type) && ql_rows_contiguous(a) && node->type == a->type && ql_is_contiguous(node) &&
+               (!node->src[2] || ql_is_contiguous(node->src[2]));
     case QL_OP_CROSS_ENTROPY:
         return dense_rows(a);
     case QL_OP_CROSS_ENTROPY_BACK:
@@ -2109,7 +2116,7 @@ static size_t fa_fwd_smem(int64_t D, int64_t DV) {
 
 // ---- attention as products ----
 
-// rows [i0, i0 + n) of t [E, T, Hx, B] (dense rows, any strides) -> dst [E, n, Hx, B] in type ct:
+// rows [i0, i0 + n) of t [E, T, Hx, B] (f32 or 16-bit, dense rows, any strides) -> dst [E, n, Hx, B] in type ct:
 // per (batch, kv head) the rep = H / Hkv query heads of the group are adjacent, so a group's
 // columns (head r, query i) are one matrix [E, rep n]
 __global__ void k_fa_pack(cu_t t, int64_t i0, int64_t n, char *dst, int ct) {
@@ -2117,16 +2124,18 @@ __global__ void k_fa_pack(cu_t t, int64_t i0, int64_t n, char *dst, int ct) {
     const int es = ct == QL_TYPE_F32 ? 4 : 2;
     CU_GRID_LOOP(x, total) {
         const int64_t c = x % E, i = (x / E) % n, hb = x / (E * n), h = hb % Hx, b = hb / Hx;
-        cu_st(dst + x * es, ct, *(const float *)(t.data + c * t.nb[0] + (i0 + i) * t.nb[1] + h * t.nb[2] + b * t.nb[3]));
+        cu_st(dst + x * es, ct, cu_ld(t.data + c * t.nb[0] + (i0 + i) * t.nb[1] + h * t.nb[2] + b * t.nb[3], t.type));
     }
 }
 
-// the chunk's columns back into an output laid out [E, H, Tq, B] (attention) or [E, Tq, H, B] (dq)
+// the chunk's columns back into an output laid out [E, H, Tq, B] (attention, in its type dt: f32,
+// or 16-bit rounded once) or [E, Tq, H, B] (dq, f32)
 __global__ void k_fa_unpack(const float *src, int64_t E, int64_t n, int64_t H, int64_t B, int64_t i0, int64_t Tq, int heads_inner,
-                            float *dst) {
+                            char *dst, int dt) {
+    const int es = dt == QL_TYPE_F32 ? 4 : 2;
     CU_GRID_LOOP(x, E * n * H * B) {
         const int64_t c = x % E, i = (x / E) % n, bh = x / (E * n), h = bh % H, b = bh / H;
-        dst[(heads_inner ? (b * Tq + i0 + i) * H + h : bh * Tq + i0 + i) * E + c] = src[x];
+        cu_st(dst + ((heads_inner ? (b * Tq + i0 + i) * H + h : bh * Tq + i0 + i) * E + c) * es, dt, src[x]);
     }
 }
 
@@ -2172,12 +2181,13 @@ __global__ void k_fa_ds(const float *S, const float *dP, char *P, char *dS, int 
     }
 }
 
-// delta_i = dO_i . O_i, per (query, head, batch)
-__global__ void k_fa_delta(const float *dO, const float *O, int64_t DV, int64_t H, int64_t Tq, int64_t n, float *delta) {
+// delta_i = dO_i . O_i, per (query, head, batch); O f32 or 16-bit (ot)
+__global__ void k_fa_delta(const float *dO, const char *O, int ot, int64_t DV, int64_t H, int64_t Tq, int64_t n, float *delta) {
+    const int es = ot == QL_TYPE_F32 ? 4 : 2;
     CU_GRID_LOOP(x, n) {  // x = (b H + h) Tq + i
         const int64_t i = x % Tq, h = (x / Tq) % H, b = x / (Tq * H), row = ((b * Tq + i) * H + h) * DV;
         float s = 0;
-        for (int64_t c = 0; c < DV; c++) s += dO[row + c] * O[row + c];
+        for (int64_t c = 0; c < DV; c++) s += dO[row + c] * cu_ld(O + (row + c) * es, ot);
         delta[x] = s;
     }
 }
@@ -2215,15 +2225,15 @@ static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
     float *delta = (float *)(W + o[QL_CUDA_FA_DELTA]);
     const ql_tensor *fwd = back ? node->src[4] : node, *dOt = back ? node->src[5] : nullptr;
     const float *lse_in = (const float *)((const char *)fwd->data + ql_nbytes(fwd));
-    float *out = (float *)node->data, *lse = back ? nullptr : (float *)((char *)node->data + ql_nbytes(node));
+    float *out = (float *)node->data, *lse = back ? nullptr : (float *)((char *)node->data + ql_nbytes(node));  // (out: dq's f32 in backward)
     float *dq = out, *dk = dq + ql_nelements(q), *dv = dk + ql_nelements(k);
     cu_t dOv{};  // dO [DV, H, Tq, B] seen as [DV, Tq, H, B]
     if (back) {
         dOv = cu_of(dOt);
         dOv.ne[1] = Tq, dOv.ne[2] = H, dOv.contig = 0;
         dOv.nb[1] = (int64_t)(H * DV * 4), dOv.nb[2] = (int64_t)(DV * 4);
-        QL_LAUNCH(k_fa_delta, cu_grid(Tq * H * B), CU_BLOCK, 0, c.stream, (const float *)dOt->data, (const float *)fwd->data, DV, H,
-                  Tq, Tq * H * B, delta);
+        QL_LAUNCH(k_fa_delta, cu_grid(Tq * H * B), CU_BLOCK, 0, c.stream, (const float *)dOt->data, (const char *)fwd->data,
+                  (int)fwd->type, DV, H, Tq, Tq * H * B, delta);
         CU_LAUNCHED(c);
         CU_CHECK(c, cudaMemsetAsync(dk, 0, (ql_nelements(k) + ql_nelements(v)) * sizeof(float), c.stream));  // dK, dV add up
     }
@@ -2247,7 +2257,8 @@ static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
             // O = V P: [DV, cols] per group
             cu_gemm(c, ct, Vn, DV * Tk, cu_operand{P, CUBLAS_OP_N, jend, true}, sS, Ow, DV, DV * cols, DV, cols, jend, (int)G, 0.0f);
             if (c.failed) return;
-            QL_LAUNCH(k_fa_unpack, cu_grid(DV * n * H * B), CU_BLOCK, 0, c.stream, Ow, DV, n, H, B, i0, Tq, 1, out);
+            QL_LAUNCH(k_fa_unpack, cu_grid(DV * n * H * B), CU_BLOCK, 0, c.stream, Ow, DV, n, H, B, i0, Tq, 1, (char *)node->data,
+                      (int)node->type);
             CU_LAUNCHED(c);
             continue;
         }
@@ -2267,7 +2278,7 @@ static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
         if (c.failed) return;
         cu_gemm(c, ct, Kn, D * Tk, cu_operand{dS, CUBLAS_OP_N, jend, true}, sS, Ow, D, D * cols, D, cols, jend, (int)G, 0.0f, a.scale);
         if (c.failed) return;
-        QL_LAUNCH(k_fa_unpack, cu_grid(D * n * H * B), CU_BLOCK, 0, c.stream, Ow, D, n, H, B, i0, Tq, 0, dq);
+        QL_LAUNCH(k_fa_unpack, cu_grid(D * n * H * B), CU_BLOCK, 0, c.stream, Ow, D, n, H, B, i0, Tq, 0, (char *)dq, (int)QL_TYPE_F32);
         CU_LAUNCHED(c);
     }
 }
@@ -2341,15 +2352,19 @@ FA2_SMEM_OK(80);
 FA2_SMEM_OK(96);
 FA2_SMEM_OK(128);
 
-// rows [0, n) of a matrix with E dense f32 columns, `rs` bytes apart, into dst [rows][E + FA2_PAD] as T;
-// zeros from n to rows. vec: base and rs 16-byte aligned (float4 loads).
+// rows [0, n) of a matrix with E dense columns of type st (f32, or 16-bit: q, k, v under a 16-bit
+// compute type, widened exactly), `rs` bytes apart, into dst [rows][E + FA2_PAD] as T; zeros from n
+// to rows. vec: base and rs 16-byte aligned (f32: float4 loads).
 template <typename T, int E>
-__device__ __forceinline__ void fa2_load(T *dst, const char *base, int64_t rs, int n, int rows, bool vec) {
+__device__ __forceinline__ void fa2_load(T *dst, const char *base, int64_t rs, int n, int rows, bool vec, int st = QL_TYPE_F32) {
     constexpr int LD = E + FA2_PAD;
     for (int x = threadIdx.x; x < rows * (E / 4); x += blockDim.x) {
         const int r = x / (E / 4), c = x % (E / 4) * 4;
         float4 v = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (r < n) {
+        if (r < n && st != QL_TYPE_F32) {
+            const char *p = base + r * rs + c * 2;
+            v = make_float4(cu_ld(p, st), cu_ld(p + 2, st), cu_ld(p + 4, st), cu_ld(p + 6, st));
+        } else if (r < n) {
             const float *p = (const float *)(base + r * rs) + c;
             if (vec) v = *(const float4 *)p;
             else v = make_float4(p[0], p[1], p[2], p[3]);
@@ -2370,7 +2385,7 @@ __device__ __forceinline__ void fa2_seg_range(const int32_t *seg, int64_t p0, in
 
 // forward: block (query tile, head, batch), the last query tiles (the longest causal rows) first
 template <typename T, int D>
-__global__ void __launch_bounds__(FA2_WARPS * 32, 1) k_fa2_fwd(fa_args a, float *out, float *lse) {
+__global__ void __launch_bounds__(FA2_WARPS * 32, 1) k_fa2_fwd(fa_args a, char *out, float *lse) {
     if constexpr (!FA2_ARCH_OK(T)) return;
     else
     {
@@ -2389,7 +2404,7 @@ __global__ void __launch_bounds__(FA2_WARPS * 32, 1) k_fa2_fwd(fa_args a, float 
     T *Pw = P + warp * 16 * PLD;
     // q's rows through Ks into registers
     const char *qb = a.q.data + i0 * a.q.nb[1] + h * a.q.nb[2] + b * a.q.nb[3];
-    fa2_load<T, D>(Ks, qb, a.q.nb[1], nq, FA2_BQ, fa2_aligned(qb, a.q.nb[1]));
+    fa2_load<T, D>(Ks, qb, a.q.nb[1], nq, FA2_BQ, fa2_aligned(qb, a.q.nb[1]), a.q.type);
     for (int x = threadIdx.x; x < 256; x += blockDim.x) rid[x] = (float)(x / 16);
     if (threadIdx.x < FA2_BQ) M[threadIdx.x] = -INFINITY, L[threadIdx.x] = 0.0f;
     __syncthreads();
@@ -2414,8 +2429,8 @@ FA2_UNROLL
             if (khi < qlo || klo > qhi) continue;
         }
         __syncthreads();  // the previous tile is no longer read
-        fa2_load<T, D>(Ks, kb + j0 * a.k.nb[1], a.k.nb[1], nk, FA2_BK, kvec);
-        fa2_load<T, D>(Vs, vb + j0 * a.v.nb[1], a.v.nb[1], nk, FA2_BK, vvec);
+        fa2_load<T, D>(Ks, kb + j0 * a.k.nb[1], a.k.nb[1], nk, FA2_BK, kvec, a.k.type);
+        fa2_load<T, D>(Vs, vb + j0 * a.v.nb[1], a.v.nb[1], nk, FA2_BK, vvec, a.v.type);
         __syncthreads();
         if (j0 > i0 + r0 + 15 + off || r0 >= nq) continue;  // this warp's queries see none of the tile
         const bool full = !a.seg && j0 + FA2_BK - 1 <= i0 + r0 + off;  // every query of the warp sees every key
@@ -2489,7 +2504,9 @@ FA2_UNROLL
             __syncwarp();
             for (int x = lane; x < 16 * cols; x += 32) {
                 const int r = x / cols, c = x % cols;
-                if (r0 + r < nq) out[((b * Tq + i0 + r0 + r) * H + h) * D + f / 4 * 64 + c] = Sw[r * SLD + c];
+                if (r0 + r < nq)  // the output in q's type (16-bit: rounded once)
+                    cu_st(out + (((b * Tq + i0 + r0 + r) * H + h) * D + f / 4 * 64 + c) * (a.q.type == QL_TYPE_F32 ? 4 : 2), a.q.type,
+                          Sw[r * SLD + c]);
             }
             __syncwarp();
         }
@@ -2582,8 +2599,8 @@ __global__ void __launch_bounds__(fa2_back_cfg<T>::NW * 32, 1)
     float *Lr = (float *)((T *)((float *)(dOs + BT * LD) + NW * 16 * SLD) + NW * 16 * PLD), *Dr = Lr + BT;
     const char *kb = a.k.data + (int64_t)j0 * a.k.nb[1] + hk * a.k.nb[2] + b * a.k.nb[3];
     const char *vb = a.v.data + (int64_t)j0 * a.v.nb[1] + hk * a.v.nb[2] + b * a.v.nb[3];
-    fa2_load<T, D>(Ks, kb, a.k.nb[1], nk, RK, fa2_aligned(kb, a.k.nb[1]));
-    fa2_load<T, D>(Vs, vb, a.v.nb[1], nk, RK, fa2_aligned(vb, a.v.nb[1]));
+    fa2_load<T, D>(Ks, kb, a.k.nb[1], nk, RK, fa2_aligned(kb, a.k.nb[1]), a.k.type);
+    fa2_load<T, D>(Vs, vb, a.v.nb[1], nk, RK, fa2_aligned(vb, a.v.nb[1]), a.v.type);
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> dkf[NF], dvf[NF];
 FA2_UNROLL
     for (int f = 0; f < NF; f++) wmma::fill_fragment(dkf[f], 0.0f), wmma::fill_fragment(dvf[f], 0.0f);
@@ -2602,7 +2619,7 @@ FA2_UNROLL
                 if (khi < qlo || klo > qhi) continue;
             }
             __syncthreads();  // the previous query tile is no longer read
-            fa2_load<T, D>(Qs, qb + (int64_t)i0 * a.q.nb[1], a.q.nb[1], nq, BT, qvec);
+            fa2_load<T, D>(Qs, qb + (int64_t)i0 * a.q.nb[1], a.q.nb[1], nq, BT, qvec, a.q.type);
             fa2_load<T, D>(dOs, (const char *)(dO + ((int64_t)(b * Tq + i0) * H + h) * D), H * D * 4, nq, BT, ovec);
             for (int x = threadIdx.x; x < BT; x += blockDim.x) {
                 const int64_t row = (int64_t)(b * H + h) * Tq + i0 + x;
@@ -2661,7 +2678,7 @@ __global__ void __launch_bounds__(fa2_back_cfg<T>::NW * 32, 1)
     float *Lr = (float *)((T *)((float *)(Vs + BT * LD) + NW * 16 * SLD) + NW * 16 * PLD), *Dr = Lr + RQ;
     const char *qb = a.q.data + i0 * a.q.nb[1] + h * a.q.nb[2] + b * a.q.nb[3];
     const float *ob = dO + ((b * Tq + i0) * H + h) * D;
-    fa2_load<T, D>(Qs, qb, a.q.nb[1], nq, RQ, fa2_aligned(qb, a.q.nb[1]));
+    fa2_load<T, D>(Qs, qb, a.q.nb[1], nq, RQ, fa2_aligned(qb, a.q.nb[1]), a.q.type);
     fa2_load<T, D>(dOs, (const char *)ob, H * D * 4, nq, RQ, fa2_aligned(ob, H * D * 4));
     for (int x = threadIdx.x; x < RQ; x += blockDim.x) {
         const int64_t row = (b * H + h) * Tq + i0 + x;
@@ -2684,8 +2701,8 @@ FA2_UNROLL
             if (khi < qlo || klo > qhi) continue;
         }
         __syncthreads();  // the previous key tile is no longer read
-        fa2_load<T, D>(Ks, kb + j0 * a.k.nb[1], a.k.nb[1], nk, BT, kvec);
-        fa2_load<T, D>(Vs, vb + j0 * a.v.nb[1], a.v.nb[1], nk, BT, vvec);
+        fa2_load<T, D>(Ks, kb + j0 * a.k.nb[1], a.k.nb[1], nk, BT, kvec, a.k.type);
+        fa2_load<T, D>(Vs, vb + j0 * a.v.nb[1], a.v.nb[1], nk, BT, vvec, a.v.type);
         __syncthreads();
         if (j0 > i0 + r0 + 15 + off || r0 >= nq) continue;  // this warp's queries see none of the tile
         const bool full = !a.seg && j0 + BT - 1 <= i0 + r0 + off;
@@ -2715,11 +2732,11 @@ FA2_UNROLL
 template <typename T, int D> static void fa2_fwd_launch(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *q = node->src[0];
     const size_t smem = fa2_fwd_smem<T, D>();
-    void (*kern)(fa_args, float *, float *) = k_fa2_fwd<T, D>;  // (a name without commas, for the macros)
+    void (*kern)(fa_args, char *, float *) = k_fa2_fwd<T, D>;  // (a name without commas, for the macros)
     CU_CHECK(c, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     const dim3 grid((unsigned)((q->ne[1] + FA2_BQ - 1) / FA2_BQ), (unsigned)q->ne[2], (unsigned)q->ne[3]);
     float *lse = (float *)((char *)node->data + ql_nbytes(node));
-    QL_LAUNCH(kern, grid, FA2_WARPS * 32, smem, c.stream, fa_args_of(node), (float *)node->data, lse);
+    QL_LAUNCH(kern, grid, FA2_WARPS * 32, smem, c.stream, fa_args_of(node), (char *)node->data, lse);
     CU_LAUNCHED(c);
 }
 template <typename T, int D> static void fa2_back_launch(cu_ctx &c, ql_tensor *node, const float *delta) {
@@ -2762,7 +2779,7 @@ static void cu_fa_fused(cu_ctx &c, ql_tensor *node) {
         const int64_t DV = v->ne[0], H = q->ne[2], Tq = q->ne[1], B = q->ne[3];
         delta = (float *)((char *)c.work + o[QL_CUDA_FA_DELTA]);
         QL_LAUNCH(k_fa_delta, cu_grid(Tq * H * B), CU_BLOCK, 0, c.stream, (const float *)node->src[5]->data,
-                  (const float *)node->src[4]->data, DV, H, Tq, Tq * H * B, delta);
+                  (const char *)node->src[4]->data, (int)node->src[4]->type, DV, H, Tq, Tq * H * B, delta);
         CU_LAUNCHED(c);
     }
     if (ct == QL_TYPE_BF16) fa2_run<__nv_bfloat16>(c, node, delta);
@@ -2790,8 +2807,9 @@ static void cu_op_flash_attn_back(cu_ctx &c, ql_tensor *node) { ql_cuda_fa_fused
 
 static bool cu_attn_supported(const ql_tensor *node, int cc) {
     const ql_tensor *q = node->src[0], *k = node->src[1], *v = node->src[2];
-    if (q->type != QL_TYPE_F32 || k->type != QL_TYPE_F32 || v->type != QL_TYPE_F32) return false;
+    if (!is_float_type_cu(q->type) || k->type != q->type || v->type != q->type) return false;  // f32, or one 16-bit type
     if (!ql_is_contiguous(node)) return false;
+    if (node->op == QL_OP_FLASH_ATTN && (node->src[4] ? q->type != QL_TYPE_F32 : node->type != q->type)) return false;
     if (node->op == QL_OP_FLASH_ATTN_BACK) {
         const ql_tensor *dO = node->src[5];
         if (!ql_is_contiguous(dO) || !ql_is_contiguous(node->src[4])) return false;

@@ -2139,8 +2139,10 @@ static ql_tensor *rope_impl(ql_context *ctx, ql_op op, ql_tensor *a, ql_tensor *
                             int mode, float base) {
     const char *name = ql_op_name(op);
     if (!srcs_ok(ctx, name, {a, pos})) return nullptr;
-    QL_CHECK(ctx, a->type == QL_TYPE_F32 && ql_rows_contiguous(a), QL_ERR_TYPE, "%s: a %s must be f32 with dense rows",
-             name, shape_str(a).c_str());
+    // rope: f32, or 16-bit in and out (q and k under a 16-bit compute type); its gradient is f32
+    const bool a16 = op == QL_OP_ROPE && (a->type == QL_TYPE_BF16 || a->type == QL_TYPE_F16);
+    QL_CHECK(ctx, (a->type == QL_TYPE_F32 || a16) && ql_rows_contiguous(a), QL_ERR_TYPE,
+             "%s: a %s must be f32 (rope: or f16/bf16) with dense rows", name, shape_str(a).c_str());
     QL_CHECK(ctx, pos->type == QL_TYPE_I32 && ql_is_contiguous(pos), QL_ERR_TYPE,
              "%s: pos %s must be contiguous i32", name, shape_str(pos).c_str());
     QL_CHECK(ctx, pos->ne[0] == a->ne[2] && pos->ne[1] == a->ne[3] && pos->ne[2] == 1 && pos->ne[3] == 1,
@@ -2154,7 +2156,7 @@ static ql_tensor *rope_impl(ql_context *ctx, ql_op op, ql_tensor *a, ql_tensor *
         QL_CHECK(ctx, ff->type == QL_TYPE_F32 && ql_is_contiguous(ff) && ql_nelements(ff) >= n_dims / 2, QL_ERR_SHAPE,
                  "%s: freq_factors %s must be contiguous f32 with n_dims/2 = %d entries", name, shape_str(ff).c_str(),
                  n_dims / 2);
-    ql_tensor *t = new_op_like(ctx, op, QL_TYPE_F32, a, {a, pos, ff});
+    ql_tensor *t = new_op_like(ctx, op, a->type, a, {a, pos, ff});
     if (!t) return nullptr;
     t->op_params[0] = n_dims;
     t->op_params[1] = mode;
@@ -2180,8 +2182,10 @@ ql_tensor *ql_swiglu(ql_context *ctx, ql_tensor *a, ql_tensor *b) {
 ql_tensor *ql_flash_attn(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tensor *v, ql_tensor *seg, float scale) {
     if (!srcs_ok(ctx, "flash_attn", {q, k, v})) return nullptr;
     const std::string qs = shape_str(q), ks = shape_str(k), vs = shape_str(v);
-    QL_CHECK(ctx, q->type == QL_TYPE_F32 && k->type == QL_TYPE_F32 && v->type == QL_TYPE_F32, QL_ERR_TYPE,
-             "flash_attn: q %s, k %s, v %s must be f32", qs.c_str(), ks.c_str(), vs.c_str());
+    QL_CHECK(ctx, (q->type == QL_TYPE_F32 || q->type == QL_TYPE_BF16 || q->type == QL_TYPE_F16) && k->type == q->type &&
+                      v->type == q->type,
+             QL_ERR_TYPE, "flash_attn: q %s, k %s, v %s must be of one type: f32, bf16 or f16", qs.c_str(), ks.c_str(),
+             vs.c_str());
     QL_CHECK(ctx, ql_rows_contiguous(q) && ql_rows_contiguous(k) && ql_rows_contiguous(v), QL_ERR_SHAPE,
              "flash_attn: q %s, k %s, v %s need dense rows", qs.c_str(), ks.c_str(), vs.c_str());
     QL_CHECK(ctx, q->ne[0] == k->ne[0] && k->ne[1] == v->ne[1] && k->ne[2] == v->ne[2] && q->ne[3] == k->ne[3] &&
@@ -2198,7 +2202,7 @@ ql_tensor *ql_flash_attn(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tensor 
                  QL_ERR_SHAPE, "flash_attn: seg %s must be contiguous i32 [Tk, B] with Tq == Tk (q %s, k %s)",
                  shape_str(seg).c_str(), qs.c_str(), ks.c_str());
     const int64_t ne[4] = {v->ne[0], q->ne[2], q->ne[1], q->ne[3]};
-    ql_tensor *t = new_op(ctx, QL_OP_FLASH_ATTN, QL_TYPE_F32, ne, {q, k, v, seg});
+    ql_tensor *t = new_op(ctx, QL_OP_FLASH_ATTN, q->type, ne, {q, k, v, seg});  // 16-bit inputs: a 16-bit output
     if (!t) return nullptr;
     set_param(t, 0, scale);
     t->aux_size = (size_t)(q->ne[1] * q->ne[2] * q->ne[3]) * sizeof(float);  // logsumexp [Tq, H, B]
@@ -2209,6 +2213,9 @@ ql_tensor *ql_flash_attn_kv(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tens
     if (!srcs_ok(ctx, "flash_attn", {q, k, v, n_kv})) return nullptr;
     QL_CHECK(ctx, n_kv->type == QL_TYPE_I32 && ql_nelements(n_kv) == 1, QL_ERR_TYPE,
              "flash_attn: n_kv %s must be a single i32", shape_str(n_kv).c_str());
+    QL_CHECK(ctx, q->type == QL_TYPE_F32 && k->type == QL_TYPE_F32 && v->type == QL_TYPE_F32, QL_ERR_TYPE,
+             "flash_attn: over a KV cache q %s, k %s, v %s must be f32", shape_str(q).c_str(), shape_str(k).c_str(),
+             shape_str(v).c_str());
     ql_tensor *t = ql_flash_attn(ctx, q, k, v, nullptr, scale);
     if (t) t->src[4] = n_kv;
     return t;
@@ -3142,6 +3149,39 @@ static int inplace_src(const ql_tensor *node) {
     }
 }
 
+// Debug: QLORA_PLAN_DUMP=N (MiB) prints, for each plan whose buffer is at least N MiB, what is alive
+// where the most is (by node: made at or before it, last read at or after it; device entries),
+// grouped by op, type and row length, largest first - what makes a plan's bytes per token.
+static void plan_dump(const ql_graph *g) {
+    const char *env = getenv("QLORA_PLAN_DUMP");
+    if (!env || !*env || (double)g->arena_size < atof(env) * 1048576.0) return;
+    const int n = (int)g->nodes.size();
+    std::vector<long long> live((size_t)n + 1, 0);
+    for (const ql_plan_entry &e : g->entries)
+        if (!e.host) {
+            live[(size_t)std::min(std::max(e.first, 0), n)] += (long long)e.size;
+            live[(size_t)std::min(std::max(e.last + 1, 0), n)] -= (long long)e.size;  // (outputs live to the end)
+        }
+    int at = 0;
+    long long cur = 0, best = -1;
+    for (int i = 0; i < n; i++)
+        if ((cur += live[(size_t)i]) > best) best = cur, at = i;
+    std::map<std::string, std::pair<int, size_t>> groups;  // "op type [ne0]" -> (count, bytes)
+    for (const ql_plan_entry &e : g->entries) {
+        if (e.host || e.first > at || e.last < at) continue;
+        char key[160];
+        snprintf(key, sizeof(key), "%-16s %-5s [%lld, ...] %s", ql_op_name(e.tensor->op), ql_type_name(e.tensor->type),
+                 (long long)e.tensor->ne[0], e.tensor->flags & QL_FLAG_RECOMPUTED ? "recomputed" : "");
+        groups[key].first++, groups[key].second += e.size;
+    }
+    std::vector<std::pair<size_t, std::string>> order;
+    for (const auto &kv : groups) order.push_back({kv.second.second, kv.first + " x" + std::to_string(kv.second.first)});
+    std::sort(order.rbegin(), order.rend());
+    fprintf(stderr, "plan dump: buffer %.1f MiB; most alive at node %d of %d (%s %s): %.1f MiB\n", g->arena_size / 1048576.0, at, n,
+            ql_op_name(g->nodes[(size_t)at]->op), g->nodes[(size_t)at]->name, best / 1048576.0);
+    for (const auto &o : order) fprintf(stderr, "  %10.1f MiB  %s\n", o.first / 1048576.0, o.second.c_str());
+}
+
 ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
     if (!g || !be) return QL_ERR_INVALID;
     ql_context *ctx = g->ctx;
@@ -3287,6 +3327,7 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
     static std::atomic<uint64_t> plans{0};
     g->plan_id = ++plans;
     if (stats_out) *stats_out = st;
+    plan_dump(g);
     return QL_OK;
 }
 
@@ -4297,8 +4338,9 @@ static void k_dropout(const cpu_params &p, ql_tensor *dst) {
 
 // ---- rope ----
 
-static size_t rope_work(const ql_tensor *node) {
-    return (size_t)node->op_params[0] / 2 * sizeof(double) + (size_t)node->op_params[0] * sizeof(float);
+static size_t rope_work(const ql_tensor *node) {  // inv, cos, sin; 16-bit: a row in and out as f32 [2, D]
+    const size_t row16 = node->type == QL_TYPE_F32 ? 0 : 2 * (size_t)node->ne[0];
+    return (size_t)node->op_params[0] / 2 * sizeof(double) + ((size_t)node->op_params[0] + row16) * sizeof(float);
 }
 
 template <bool BACK> static void k_rope(const cpu_params &p, ql_tensor *dst) {
@@ -4308,6 +4350,8 @@ template <bool BACK> static void k_rope(const cpu_params &p, ql_tensor *dst) {
     const int64_t D = a->ne[0], H = a->ne[1], T = a->ne[2];
     double *inv = (double *)p.wdata;  // [half]
     float *cs = (float *)(inv + half), *sn = cs + half;
+    float *xw = sn + half, *yw = xw + D;  // 16-bit (rope only): a row widened, the result before its one rounding
+    const bool f32 = dst->type == QL_TYPE_F32;
     for (int i = 0; i < half; i++)
         inv[i] = ql_rope_inv_freq(i, n_dims, base, ff ? (double)((const float *)ff->data)[i] : 1.0);
     int64_t b, e;
@@ -4321,8 +4365,10 @@ template <bool BACK> static void k_rope(const cpu_params &p, ql_tensor *dst) {
             sn[i] = (float)(BACK ? -std::sin(th) : std::sin(th));  // backward rotates by -theta
         }
         for (int64_t h = 0; h < H; h++) {
-            const float *x = (const float *)((const uint8_t *)a->data + h * a->nb[1] + t * a->nb[2] + bb * a->nb[3]);
-            float *y = (float *)dst->data + (tok * H + h) * D;
+            const uint8_t *xr = (const uint8_t *)a->data + h * a->nb[1] + t * a->nb[2] + bb * a->nb[3];
+            const float *x = (const float *)xr;
+            float *y = f32 ? (float *)dst->data + (tok * H + h) * D : yw;
+            if (!f32) traits(a->type).to_float(xr, xw, D), x = xw;
             const int64_t stride = mode == QL_ROPE_NEOX ? 1 : 2, other = mode == QL_ROPE_NEOX ? half : 1;
             for (int i = 0; i < half; i++) {
                 const int64_t i0 = i * stride;
@@ -4331,6 +4377,7 @@ template <bool BACK> static void k_rope(const cpu_params &p, ql_tensor *dst) {
                 y[i0 + other] = x0 * sn[i] + x1 * cs[i];
             }
             for (int64_t i = n_dims; i < D; i++) y[i] = x[i];
+            if (!f32) traits(dst->type).from_float(y, (uint8_t *)dst->data + (size_t)((tok * H + h) * D) * 2, D);
         }
     }
 }
@@ -4349,11 +4396,31 @@ static constexpr int FA_G = VW >= 16 ? 4 : 2;  // rows handled together so each 
 static inline const float *fa_row(const ql_tensor *t, int64_t i, int64_t h, int64_t b) {
     return (const float *)((const uint8_t *)t->data + i * t->nb[1] + h * t->nb[2] + b * t->nb[3]);
 }
+// q, k, v (and the forward's output) may be 16-bit (a 16-bit compute type): their rows are widened
+// to f32 as they are read - exactly, so every sum and rounding is the f32 kernel's
+static inline float fa_at(const ql_tensor *t, const uint8_t *row, int64_t c) {
+    const uint16_t x = ((const uint16_t *)row)[c];
+    return t->type == QL_TYPE_BF16 ? ql_bf16_to_fp32(x) : ql_fp16_to_fp32(x);
+}
+// rows [i0, i0 + n) of t (head h, batch b) as f32: t's own rows, or (16-bit) widened into buf [n][ne0]
+static void fa_rows(const ql_tensor *t, int64_t i0, int64_t n, int64_t h, int64_t b, float *buf, const float **rows) {
+    for (int64_t j = 0; j < n; j++) {
+        rows[j] = fa_row(t, i0 + j, h, b);
+        if (t->type == QL_TYPE_F32) continue;
+        traits(t->type).to_float((const uint8_t *)rows[j], buf + j * t->ne[0], t->ne[0]);
+        rows[j] = buf + j * t->ne[0];
+    }
+}
 
 // xt[c*W + j] = row j of t (j < n), zero for n <= j < W
 static void fa_pack_t(const ql_tensor *t, int64_t j0, int64_t n, int64_t h, int64_t b, int W, float *xt) {
     const int64_t D = t->ne[0], ld = (int64_t)(t->nb[1] / sizeof(float));  // rows j are ld floats apart
     int64_t j = 0;
+    if (t->type != QL_TYPE_F32)  // 16-bit: element by element
+        for (; j < n; j++) {
+            const uint8_t *r = (const uint8_t *)fa_row(t, j0 + j, h, b);
+            for (int64_t c = 0; c < D; c++) xt[c * W + j] = fa_at(t, r, c);
+        }
     for (; j + 8 <= n; j += 8) {
         const float *r = fa_row(t, j0 + j, h, b);
         int64_t c = 0;
@@ -4569,7 +4636,7 @@ static void fa_keys_by_rows(bool bf, int64_t n, int64_t ni, const float *C, cons
 
 static bool fa_bf16(const ql_tensor *node) { return k_fa_bf16 && get_param<int32_t>(node, 1) == QL_TYPE_BF16; }
 
-static size_t fa_work(const ql_tensor *node) {
+static size_t fa_work_f32(const ql_tensor *node) {  // f32 q, k, v: the kernels' layouts
     const ql_tensor *q = node->src[0], *v = node->src[2];
     const size_t D = (size_t)q->ne[0], DV = (size_t)v->ne[0], G = FA_G, MX = std::max(D, DV);
     const size_t D2 = (D + 1) / 2, DV2 = (DV + 1) / 2;  // bf16 pairs (4 bytes) after the f32 layouts
@@ -4585,6 +4652,22 @@ static size_t fa_work(const ql_tensor *node) {
     return (c + (D2 + DV2) * FA_BK + FA_BK / 2 * D + FA_BQ * (D2 + DV2) + FA_BQ / 2 * (D + DV) + G * FA_BK / 2 +
             FA_BQ * FA_BK) * sizeof(float);
 }
+// 16-bit q, k, v: after that layout, f32 copies of a block of queries, a tile of keys and of
+// values, and one output row [FA_BQ D + FA_BK (D + DV) + DV] (fa_x16)
+static size_t fa_work(const ql_tensor *node) {
+    const ql_tensor *q = node->src[0], *v = node->src[2];
+    const size_t D = (size_t)q->ne[0], DV = (size_t)v->ne[0];
+    return fa_work_f32(node) + (q->type == QL_TYPE_F32 ? 0 : (FA_BQ * D + FA_BK * (D + DV) + DV) * sizeof(float));
+}
+struct fa_x16 {  // fa_work's 16-bit part
+    float *q, *k, *v, *o;
+    fa_x16(const cpu_params &p, const ql_tensor *node) {
+        q = (float *)((uint8_t *)p.wdata + fa_work_f32(node));
+        k = q + FA_BQ * node->src[0]->ne[0];
+        v = k + FA_BK * node->src[0]->ne[0];
+        o = v + FA_BK * node->src[2]->ne[0];
+    }
+};
 
 static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
     const ql_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2], *seg = dst->src[3], *nkv = dst->src[4];
@@ -4609,20 +4692,23 @@ static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
     const bool bf = fa_bf16(dst);
     const int64_t D2 = (D + 1) / 2;  // bf16: pairs (fa_work's layout)
     uint32_t *KTP = (uint32_t *)(dummy + std::max(D, DV)), *VI = KTP + D2 * FA_BK, *Qw = VI + FA_BK / 2 * DV, *Pw = Qw + FA_BQ * D2;
+    const fa_x16 x16(p, dst);  // (16-bit q, k, v)
     for (int64_t it = p.ith; it < B * H * nqb; it += p.nth) {
         const int64_t qb = it % nqb, h = (it / nqb) % H, b = it / (nqb * H), hk = h / rep;
         const int64_t i0 = qb * FA_BQ, nq = std::min<int64_t>(FA_BQ, Tq - i0);
         std::fill(O, O + nq * DV, 0.0f);
         std::fill(m, m + nq, -INFINITY);
         std::fill(l, l + nq, 0.0f);
+        const float *qrows[FA_BQ];
+        fa_rows(q, i0, nq, h, b, x16.q, qrows);
         if (bf)
-            for (int64_t ii = 0; ii < nq; ii++) fa_bf_row(D, fa_row(q, i0 + ii, h, b), Qw + ii * D2);
+            for (int64_t ii = 0; ii < nq; ii++) fa_bf_row(D, qrows[ii], Qw + ii * D2);
         const int64_t jend = std::min(Tk, i0 + nq + off);  // keys any query of the block may see
         for (int64_t j0 = 0; j0 < jend; j0 += FA_BK) {
             const int64_t bk = std::min<int64_t>(FA_BK, jend - j0);
             if (fa_blocks_apart(sg, Tk, b, off, i0, nq, j0, bk)) continue;  // another document's keys
             const float *vrows[FA_BK];
-            for (int64_t j = 0; j < bk; j++) vrows[j] = fa_row(v, j0 + j, hk, b);
+            fa_rows(v, j0, bk, hk, b, x16.v, vrows);
             if (bf) {
                 fa_bf_pack_t(k, j0, bk, hk, b, KT, KTP);
                 fa_bf_zip_rows(DV, bk, vrows, VI, DV);
@@ -4633,7 +4719,7 @@ static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
                 fa_group grp;
                 grp.gn = (int)std::min<int64_t>(FA_G, nq - g0);
                 for (int g = 0; g < FA_G; g++) {
-                    grp.in[g]  = fa_row(q, i0 + g0 + std::min(g, grp.gn - 1), h, b);
+                    grp.in[g]  = qrows[g0 + std::min(g, grp.gn - 1)];
                     grp.out[g] = g < grp.gn ? O + (g0 + g) * DV : dummy;
                 }
                 if (bf) {
@@ -4666,8 +4752,13 @@ static void k_flash_attn(const cpu_params &p, ql_tensor *dst) {
             }
         }
         for (int64_t ii = 0; ii < nq; ii++) {
-            const int64_t i = i0 + ii;
-            row_scale(DV, 1.0f / l[ii], O + ii * DV, (float *)dst->data + ((b * Tq + i) * H + h) * DV);
+            const int64_t i = i0 + ii, at = ((b * Tq + i) * H + h) * DV;
+            if (dst->type == QL_TYPE_F32) {
+                row_scale(DV, 1.0f / l[ii], O + ii * DV, (float *)dst->data + at);
+            } else {  // a 16-bit output: the f32 row rounded once
+                row_scale(DV, 1.0f / l[ii], O + ii * DV, O + ii * DV);
+                traits(dst->type).from_float(O + ii * DV, (uint8_t *)dst->data + at * 2, DV);
+            }
             lse[(b * H + h) * Tq + i] = m[ii] + std::log(l[ii]);
         }
     }
@@ -4688,7 +4779,13 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
     const int32_t *sg = seg ? (const int32_t *)seg->data : nullptr;
     const float *lse = (const float *)ql_aux_data(fwd);
     float *dq = (float *)dst->data, *dk = dq + ql_nelements(q), *dv = dk + ql_nelements(k);
-    auto o_row  = [&](int64_t i, int64_t h, int64_t b) { return (const float *)fwd->data + ((b * Tq + i) * H + h) * DV; };
+    const fa_x16 x16(p, dst);  // (16-bit q, k, v and output)
+    auto o_row = [&](int64_t i, int64_t h, int64_t b) {  // the forward's output row, f32 (16-bit: widened into x16.o)
+        const int64_t at = ((b * Tq + i) * H + h) * DV;
+        if (fwd->type == QL_TYPE_F32) return (const float *)fwd->data + at;
+        traits(fwd->type).to_float((const uint8_t *)fwd->data + at * 2, x16.o, DV);
+        return (const float *)x16.o;
+    };
     auto do_row = [&](int64_t i, int64_t h, int64_t b) { return fa_row(dO, h, i, b); };  // dO is [DV, H, Tq, B]
     auto masked = [&](int64_t i, int64_t j, int64_t b) {
         return j > i + off || (sg && sg[b * Tk + j] != sg[b * Tk + i + off]);
@@ -4714,7 +4811,7 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
             for (int64_t j0 = 0; j0 < Tk; j0 += FA_BK) {  // keys outermost: dq sums over them in the order of the dq pass
                 const int64_t nk = std::min<int64_t>(FA_BK, Tk - j0);
                 const float *krows[FA_BK];
-                for (int64_t j = 0; j < nk; j++) krows[j] = fa_row(k, j0 + j, hk, b);
+                fa_rows(k, j0, nk, hk, b, x16.k, krows);
                 if (bf) {
                     fa_bf_pack_t(k, j0, nk, hk, b, KT, KTP);
                     fa_bf_pack_t(v, j0, nk, hk, b, VT, VTP);
@@ -4729,8 +4826,8 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                         if (fa_blocks_apart(sg, Tk, b, off, i0, nq, j0, nk)) continue;
                         const float *qrows[FA_BQ], *orows[FA_BQ];
                         const float *L = lse + (b * H + h) * Tq + i0, *Dd = DdAll + (h - hk * rep) * Tq + i0;
+                        fa_rows(q, i0, nq, h, b, x16.q, qrows);
                         for (int64_t ii = 0; ii < nq; ii++) {
-                            qrows[ii] = fa_row(q, i0 + ii, h, b);
                             orows[ii] = do_row(i0 + ii, h, b);
                             if (bf) {
                                 fa_bf_row(D, qrows[ii], Qw + ii * D2);
@@ -4814,6 +4911,8 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                 Dd[ii] = row_dot(DV, do_row(i0 + ii, h, b), o_row(i0 + ii, h, b));  // rowsum(dO o O)
                 L[ii] = lse[(b * H + h) * Tq + i0 + ii];
             }
+            const float *qblk[FA_BQ];
+            fa_rows(q, i0, nq, h, b, x16.q, qblk);
             const int64_t jend = std::min(Tk, i0 + nq + off);
             for (int64_t j0 = 0; j0 < jend; j0 += FA_BK) {
                 const int64_t bk = std::min<int64_t>(FA_BK, jend - j0);
@@ -4821,13 +4920,13 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                 fa_pack_t(k, j0, bk, hk, b, FA_BK, KT);
                 fa_pack_t(v, j0, bk, hk, b, FA_BK, VT);
                 const float *krows[FA_BK];
-                for (int64_t j = 0; j < bk; j++) krows[j] = fa_row(k, j0 + j, hk, b);
+                fa_rows(k, j0, bk, hk, b, x16.k, krows);
                 for (int64_t g0 = 0; g0 < nq; g0 += FA_G) {
                     fa_group gq, gdo;  // queries and their dO rows
                     gq.gn = gdo.gn = (int)std::min<int64_t>(FA_G, nq - g0);
                     for (int g = 0; g < FA_G; g++) {
                         const int64_t ii = g0 + std::min(g, gq.gn - 1);
-                        gq.in[g]  = fa_row(q, i0 + ii, h, b);
+                        gq.in[g]  = qblk[ii];
                         gdo.in[g] = do_row(i0 + ii, h, b);
                         gq.out[g] = g < gq.gn ? acc + (g0 + g) * D : dummy;
                     }
@@ -4856,14 +4955,17 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
             float *DS = S + FA_G * FA_BQ, *ak = DS + FA_G * FA_BQ, *av = ak + FA_BK * D, *dummy = av + FA_BK * DV;
             std::fill(ak, ak + nk * D, 0.0f);
             std::fill(av, av + nk * DV, 0.0f);
+            const float *kblk[FA_BK], *vblk[FA_BK];
+            fa_rows(k, j0, nk, hk, b, x16.k, kblk);
+            fa_rows(v, j0, nk, hk, b, x16.v, vblk);
             for (int64_t h = hk * rep; h < (hk + 1) * rep; h++) {
                 for (int64_t i0 = std::max<int64_t>(0, j0 - off) / FA_BQ * FA_BQ; i0 < Tq; i0 += FA_BQ) {
                     const int64_t nq = std::min<int64_t>(FA_BQ, Tq - i0);
                     if (fa_blocks_apart(sg, Tk, b, off, i0, nq, j0, nk)) continue;
                     fa_pack_t(q, i0, nq, h, b, FA_BQ, QT);
                     const float *qrows[FA_BQ], *orows[FA_BQ];
+                    fa_rows(q, i0, nq, h, b, x16.q, qrows);
                     for (int64_t ii = 0; ii < nq; ii++) {  // dO^T, and per query L and D
-                        qrows[ii] = fa_row(q, i0 + ii, h, b);
                         orows[ii] = do_row(i0 + ii, h, b);
                         for (int64_t c = 0; c < DV; c++) OT[c * FA_BQ + ii] = orows[ii][c];
                         L[ii] = lse[(b * H + h) * Tq + i0 + ii];
@@ -4876,8 +4978,8 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                         gk.gn = gv.gn = (int)std::min<int64_t>(FA_G, nk - g0);
                         for (int g = 0; g < FA_G; g++) {
                             const int64_t jj = g0 + std::min(g, gk.gn - 1);
-                            gk.in[g]  = fa_row(k, j0 + jj, hk, b);
-                            gv.in[g]  = fa_row(v, j0 + jj, hk, b);
+                            gk.in[g]  = kblk[jj];
+                            gv.in[g]  = vblk[jj];
                             gk.out[g] = g < gk.gn ? ak + (g0 + g) * D : dummy;
                             gv.out[g] = g < gv.gn ? av + (g0 + g) * DV : dummy;
                         }

@@ -422,7 +422,8 @@ enum ql_rope_mode {
     QL_ROPE_NORMAL = 0,  // rotate adjacent pairs (2i, 2i+1): llama, llama2.c
     QL_ROPE_NEOX   = 2,  // rotate (i, i + n_dims/2): qwen2, gpt-neox (value as in ggml)
 };
-// a [head_dim, n_head, T, B] f32, pos I32 [T, B] (position of each token),
+// a [head_dim, n_head, T, B] f32 or 16-bit (the result in a's type: computed in f32 and rounded
+// once on store; the gradient f32), pos I32 [T, B] (position of each token),
 // freq_factors: NULL or f32 [n_dims/2] (divisors of each frequency: Llama-3.1 rope_freqs).
 // Rotates the first n_dims of each head by pos * freq_base^(-2i/n_dims) / factor_i.
 ql_tensor *ql_rope(ql_context *ctx, ql_tensor *a, ql_tensor *pos, ql_tensor *freq_factors,
@@ -435,14 +436,17 @@ ql_tensor *ql_swiglu(ql_context *ctx, ql_tensor *a, ql_tensor *b);
 
 // Fused causal attention, computed tile by tile with an online softmax: memory O(T), the
 // [Tq, Tk] score matrix is never stored. Keeps only the per-row logsumexp for backward.
-//   q [d, Tq, H, B], k [d, Tk, Hkv, B], v [dv, Tk, Hkv, B] f32 (any strides with dense rows)
-//   -> [dv, H, Tq, B] (reshapes to [dv*H, Tq, B] directly)
+//   q [d, Tq, H, B], k [d, Tk, Hkv, B], v [dv, Tk, Hkv, B] of one type, f32 or 16-bit (bf16, f16:
+//   a 16-bit compute type's q, k, v, widened as they are read), any strides with dense rows
+//   -> [dv, H, Tq, B] in that type (16-bit: each f32 result rounded once on store; what backward
+//   keeps of attention is then 16-bit; the logsumexp and the gradients stay f32); reshapes to
+//   [dv*H, Tq, B] directly
 // H % Hkv == 0 (query head h reads kv head h / (H/Hkv)). Query i may attend key j when
 // j <= i + (Tk - Tq) (so a KV cache works) and, if seg (I32 [Tk, B], Tq == Tk) is given,
 // seg[i] == seg[j]: packed documents never see each other.
 ql_tensor *ql_flash_attn(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tensor *v,
                          ql_tensor *seg, float scale);
-// The same over a KV cache: k, v are views of the whole cache [d, n_ctx, Hkv, B], of which
+// The same over a KV cache (f32 only): k, v are views of the whole cache [d, n_ctx, Hkv, B], of which
 // only the first n_kv[0] keys (I32 [1], read at run time) are used; the Tq queries sit at
 // positions n_kv - Tq .. n_kv - 1. So one graph serves every decoding step. No backward.
 ql_tensor *ql_flash_attn_kv(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tensor *v, ql_tensor *n_kv, float scale);

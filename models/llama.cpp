@@ -125,9 +125,10 @@ ql_tensor *ql_llama_linear(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
     return linear_c(ctx, m, w, x, compute_input(ctx, m, w, x));
 }
 
-// y = W x (+ b): the linear layers of attention may carry biases (Qwen2)
-static ql_tensor *linear_b(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *b, ql_tensor *x, ql_tensor *xc) {
-    ql_tensor *y = linear_c(ctx, m, w, x, xc);
+// y = W x (+ b): the linear layers of attention may carry biases (Qwen2); out: y's type (linear_c)
+static ql_tensor *linear_b(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *b, ql_tensor *x, ql_tensor *xc,
+                           ql_type out) {
+    ql_tensor *y = linear_c(ctx, m, w, x, xc, 0, out);
     return b ? ql_add(ctx, y, b) : y;
 }
 
@@ -143,9 +144,13 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     // attention: pre-norm, q/k/v, rope, fused causal attention, output projection, residual
     ql_tensor *h = ql_mul(ctx, ql_rms_norm(ctx, x, hp.norm_eps), L.attn_norm);
     ql_tensor *hc = compute_input(ctx, m, L.wq, h);  // one 16-bit copy for q, k and v
-    ql_tensor *q = ql_reshape_4d(ctx, linear_b(ctx, m, L.wq, L.bq, h, hc), d, hp.n_head, T, B);     // [d, H, T, B]
-    ql_tensor *k = ql_reshape_4d(ctx, linear_b(ctx, m, L.wk, L.bk, h, hc), d, hp.n_head_kv, T, B);  // [d, Hkv, T, B]
-    ql_tensor *v = ql_reshape_4d(ctx, linear_b(ctx, m, L.wv, L.bv, h, hc), d, hp.n_head_kv, T, B);
+    // q, k, v in the compute type: only 16-bit ops read them (rope, attention), so what backward
+    // keeps of attention (q and k after rope, v, the output: the o projection's input) is 16-bit
+    // too. f32 where something f32-only reads them: the biases' add (Qwen2), a KV cache (generate)
+    const ql_type qkv = m->compute != QL_TYPE_F32 && !cache && !L.bq && !L.bk && !L.bv ? m->compute : QL_TYPE_F32;
+    ql_tensor *q = ql_reshape_4d(ctx, linear_b(ctx, m, L.wq, L.bq, h, hc, qkv), d, hp.n_head, T, B);     // [d, H, T, B]
+    ql_tensor *k = ql_reshape_4d(ctx, linear_b(ctx, m, L.wk, L.bk, h, hc, qkv), d, hp.n_head_kv, T, B);  // [d, Hkv, T, B]
+    ql_tensor *v = ql_reshape_4d(ctx, linear_b(ctx, m, L.wv, L.bv, h, hc, qkv), d, hp.n_head_kv, T, B);
     q = ql_rope(ctx, q, pos, m->rope_freqs, n_rot, hp.rope_mode, hp.rope_base);
     k = ql_rope(ctx, k, pos, m->rope_freqs, n_rot, hp.rope_mode, hp.rope_base);
     const float scale = 1.0f / std::sqrt((float)d);
@@ -159,7 +164,7 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
                           ql_permute(ctx, k, 0, 2, 1, 3), ql_permute(ctx, v, 0, 2, 1, 3), seg, scale);
     }
     if (a && m->compute == QL_TYPE_BF16 && m->attn_bf16) ql_flash_attn_set_prec(a, QL_TYPE_BF16);
-    a = ql_reshape_3d(ctx, a, d * hp.n_head, T, B);
+    a = ql_reshape_3d(ctx, a, d * hp.n_head, T, B);  // in q's type: a 16-bit a is the o projection's input as it is
     x = ql_add(ctx, x, ql_llama_linear(ctx, m, L.wo, a));
 
     // feed-forward: pre-norm, SwiGLU, residual

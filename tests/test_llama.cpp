@@ -461,3 +461,74 @@ TEST_CASE("llama: q8_activations puts the base weights' multiplies on the 8-bit 
     MESSAGE("q4_0 tiny llama, 8-bit activations: max |logit diff| / max |logit| = " << rel_err(q8, exact));
     ql_free(ctx);
 }
+
+// Issue 30 item 2, attention's side: under a 16-bit compute type q, k and v are made in it (with
+// their LoRA), rope and attention read and write it, and the o projection multiplies attention's
+// output as it is (no cast): what backward keeps of attention is 16-bit. With biases (an f32
+// add) they stay f32, and so does the KV cache's path.
+TEST_CASE("llama: under bf16 / fp16 q, k, v, rope and attention are 16-bit; the o projection reads attention's output uncast") {
+    for (ql_type ct : {QL_TYPE_BF16, QL_TYPE_F16})
+        for (bool biases : {false, true}) {
+            INFO("compute " << std::string(ql_type_name(ct)) << std::string(biases ? ", biases" : ""));
+            tiny_llama t(tiny_hparams(40, 64, 96, 2, 4, 2), 7, 0.1f);
+            ql_llama &m = t.m;
+            ql_init_params ip = {8u << 20, nullptr, true, false};
+            ql_context *ctx = ql_init(ip);
+            if (biases)
+                for (ql_llama_layer &L : m.layers) {
+                    L.bq = ql_new_tensor_1d(ctx, QL_TYPE_F32, 64);
+                    L.bk = ql_new_tensor_1d(ctx, QL_TYPE_F32, 32);
+                    L.bv = ql_new_tensor_1d(ctx, QL_TYPE_F32, 32);
+                }
+            ql_lora_config lc;
+            lc.r = 4, lc.alpha = 8, lc.targets = {"q", "k", "v", "o"};
+            REQUIRE(ql_llama_add_lora(ctx, &m, lc, nullptr) == QL_OK);
+            m.compute = ct;
+            ql_tensor *tok = ql_new_tensor_2d(ctx, QL_TYPE_I32, 9, 1), *pos = ql_new_tensor_2d(ctx, QL_TYPE_I32, 9, 1);
+            ql_tensor *out = ql_llama_forward(ctx, &m, tok, pos, nullptr);
+            REQUIRE_MESSAGE(out, ql_ctx_error(ctx));
+            ql_graph *g = ql_graph_new(ctx);
+            REQUIRE(ql_graph_build_forward(g, out) == QL_OK);
+            const ql_type want = biases ? QL_TYPE_F32 : ct;
+            auto root = [](const ql_tensor *x) {  // through reshapes and permutes to what made the data
+                while (x->view_src) x = x->view_src;
+                return x;
+            };
+            int n_rope = 0, n_attn = 0, n_qkv = 0, n_o = 0;
+            for (int i = 0; i < ql_graph_n_nodes(g); i++) {
+                const ql_tensor *n = ql_graph_node(g, i);
+                if (n->op == QL_OP_ROPE) {
+                    n_rope++;
+                    CHECK(n->type == want);
+                    CHECK(root(n->src[0])->type == want);  // q or k as its linear (+ LoRA) made it
+                }
+                if (n->op == QL_OP_FLASH_ATTN) {
+                    n_attn++;
+                    CHECK(n->type == want);
+                    for (int s = 0; s < 3; s++) CHECK(n->src[s]->type == want);
+                    CHECK(root(n->src[0])->op == QL_OP_ROPE);
+                    if (!biases) CHECK(root(n->src[2])->op == QL_OP_MUL_MAT);  // v: W x + B(A x), straight into attention
+                }
+                if (n->op != QL_OP_MUL_MAT) continue;
+                for (const ql_llama_layer &L : m.layers) {
+                    const ql_tensor *made[6] = {L.wq, L.wk, L.wv, m.lora.at(L.wq).b, m.lora.at(L.wk).b, m.lora.at(L.wv).b};
+                    for (const ql_tensor *w : made)
+                        if (n->src[0] == w) {
+                            n_qkv++;
+                            CHECK(n->type == want);
+                        }
+                    if (n->src[0] == L.wo || n->src[0] == m.lora.at(L.wo).a) {  // the o projection and its LoRA's A
+                        n_o++;
+                        CHECK(n->src[1]->type == ct);
+                        if (!biases) CHECK(root(n->src[1])->op == QL_OP_FLASH_ATTN);  // no cast between
+                    }
+                }
+            }
+            CHECK(n_rope == 2 * 2);
+            CHECK(n_attn == 2);
+            CHECK(n_qkv == 2 * 6);
+            CHECK(n_o == 2 * 2);
+            ql_graph_free(g);
+            ql_free(ctx);
+        }
+}

@@ -909,10 +909,12 @@ TEST_CASE("trainer: fp16 loss scaling - an overflow skips the step (adapter, sch
     REQUIRE_MESSAGE(t, err);
     for (ql_tensor *p : ql_llama_lora_params(ql_trainer_model(t)))
         if (std::string(p->name) == "blk.0.attn_v.weight.lora_b")
-            for (int64_t i = 0; i < ql_nelements(p); i++) ((float *)p->data)[i] = 3e4f;  // within f16, but v and attention's output go past it
+            for (int64_t i = 0; i < ql_nelements(p); i++) ((float *)p->data)[i] = 3e4f;  // within f16, but v goes past it
     CHECK(!ql_trainer_step(t, &m, &err));
     CHECK_MESSAGE(err.find("step 1, micro-batch 1: the loss is") != std::string::npos, err);
-    CHECK_MESSAGE(err.find("(cont [64, 16, 2] f16 'blk.0.attn_output.weight.input'") != std::string::npos, err);  // attention's output cast to f16
+    // v is made in f16 (issue 30 item 2: q, k, v in the compute type): its LoRA's multiply, which
+    // writes W x + B(s A x) rounded to f16, is where the overflow shows
+    CHECK_MESSAGE(err.find("(mul_mat [32, 16, 2] f16 of blk.0.attn_v.weight.lora_b") != std::string::npos, err);
     CHECK_MESSAGE(err.find("holds inf") != std::string::npos, err);
     CHECK_MESSAGE(err.find("--precision bf16") != std::string::npos, err);
     ql_trainer_free(t);
@@ -953,8 +955,9 @@ TEST_CASE("trainer: bf16 and fp16 training stays within 2% of fp32's loss over 1
         CHECK(worst < 0.02);
         CHECK(losses[r] != losses[0]);  // the rounding is really there
         // the FFN's gate, up and SwiGLU result kept in 16 bits too (not only the multiplies' inputs):
-        // 0.77 of fp32's when those were f32 (282176 of 368576), 0.65 since (241216)
-        CHECK(saved[r] < saved[0] * 7 / 10);
+        // 0.77 of fp32's when those were f32 (282176 of 368576), 0.65 since (241216); attention's
+        // q, k, v, rope results and output in 16 bits too: 0.57 (210496)
+        CHECK(saved[r] < saved[0] * 6 / 10);
     }
     CHECK(losses[0].back() < 0.5 * losses[0].front());
     ql_llama_file_free(f);
