@@ -966,22 +966,24 @@ static void cu_mm_wait(cu_ctx &c, cu_mm_side &m, cu_mm_order &o, int x, int ev) 
 #define MT_N 32
 __global__ void __launch_bounds__(256) k_mm_thin(cu_t a, cu_t b, int ct, const char *c, char *C, int c_type, int64_t M, int64_t N,
                                                  int64_t K) {
-    QL_DYN_SMEM(float, sm);  // As [K][MT_M], then Bs [K][MT_N]: K (MT_M + MT_N) floats, 40 KiB at K = 64
-    float *As = sm, *Bs = sm + K * MT_M;
+    QL_DYN_SMEM(float, sm);  // As [K][MT_M + 1], then Bs [K][MT_N + 1]: 41 KiB at K = 64
+    float *As = sm, *Bs = sm + K * (MT_M + 1);
     const int64_t m0 = (int64_t)blockIdx.x * MT_M, n0 = (int64_t)blockIdx.y * MT_N;
+    // k fastest: LoRA's factors have their K elements adjacent (a warp reads whole rows, not one
+    // element of each); rows of MT_M + 1 and MT_N + 1 in shared memory, so those stores spread over banks
     for (int x = threadIdx.x; x < K * MT_M; x += blockDim.x) {
-        const int k = x / MT_M, j = x % MT_M;
+        const int k = x % K, j = x / K;
         float av = 0.0f;
         if (m0 + j < M) {
             av = cu_ld(a.data + k * a.nb[0] + (m0 + j) * a.nb[1], a.type);
             if (ct == QL_TYPE_BF16) av = __bfloat162float(__float2bfloat16_rn(av));
             else if (ct == QL_TYPE_F16) av = __half2float(__float2half_rn(av));
         }
-        As[k * MT_M + j] = av;
+        As[k * (MT_M + 1) + j] = av;
     }
     for (int x = threadIdx.x; x < K * MT_N; x += blockDim.x) {
-        const int k = x / MT_N, j = x % MT_N;
-        Bs[k * MT_N + j] = n0 + j < N ? cu_ld(b.data + k * b.nb[0] + (n0 + j) * b.nb[1], b.type) : 0.0f;
+        const int k = x % K, j = x / K;
+        Bs[k * (MT_N + 1) + j] = n0 + j < N ? cu_ld(b.data + k * b.nb[0] + (n0 + j) * b.nb[1], b.type) : 0.0f;
     }
     __syncthreads();
     const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;
@@ -989,7 +991,7 @@ __global__ void __launch_bounds__(256) k_mm_thin(cu_t a, cu_t b, int ct, const c
     for (int k = 0; k < K; k++) {
         float av[4], bv[4];
 QL_UNROLL
-        for (int i = 0; i < 4; i++) av[i] = As[k * MT_M + tx + 32 * i], bv[i] = Bs[k * MT_N + ty * 4 + i];
+        for (int i = 0; i < 4; i++) av[i] = As[k * (MT_M + 1) + tx + 32 * i], bv[i] = Bs[k * (MT_N + 1) + ty * 4 + i];
 QL_UNROLL
         for (int j = 0; j < 4; j++)
 QL_UNROLL
@@ -1014,7 +1016,7 @@ static void cu_op_mm_thin(cu_ctx &c, ql_tensor *node) {
     const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
     CU_ASSERT(K <= QL_CUDA_THIN_K && ql_is_contiguous(node) && (!acc || (acc->type == node->type && ql_is_contiguous(acc))));
     const dim3 grid((unsigned)((M + MT_M - 1) / MT_M), (unsigned)((N + MT_N - 1) / MT_N));
-    QL_LAUNCH(k_mm_thin, grid, 256, (size_t)K * (MT_M + MT_N) * sizeof(float), c.stream, cu_of(a), cu_of(b), (int)b->type, acc ? (const char *)acc->data : nullptr,
+    QL_LAUNCH(k_mm_thin, grid, 256, (size_t)K * (MT_M + MT_N + 2) * sizeof(float), c.stream, cu_of(a), cu_of(b), (int)b->type, acc ? (const char *)acc->data : nullptr,
               (char *)node->data, (int)node->type, M, N, K);
     CU_LAUNCHED(c);
 }

@@ -1255,7 +1255,7 @@ bool    ql_cuda_operand_ok(size_t elem_size, int64_t nb0, int64_t nb1, int64_t K
 bool    ql_cuda_mm_trows(const ql_tensor *a);          // a = transpose(block-quantized W): dequantised by rows of W
 #define QL_CUDA_GEMV_MAX_N 8                           // a product of at most this many tokens may read the packed weight
 bool    ql_cuda_mm_gemv(const ql_tensor *node);        // ... and this one does (decode; no workspace)
-#define QL_CUDA_THIN_K 64                              // a product over at most this K of a plain a (LoRA's rank side) ...
+#define QL_CUDA_THIN_K 64                              // a product over at most this K of a plain a onto a 16-bit c (LoRA's B u) ...
 bool    ql_cuda_mm_thin(const ql_tensor *node);        // ... is one kernel, c added as it writes (no workspace)
 // launches one node costs on a CUDA device of compute capability cc (ql_census' unit); inplace:
 // the planner gave the node its source's memory (ql_plan_entry.inplace)

@@ -326,14 +326,15 @@ OP_CASE(mul_mat_float) {
     }
 }
 
-// a product over a short K (ql_cuda_mm_thin on a device: LoRA's rank side): tiles of 64 x 64 with
-// partial ones both ways, K 16 and 64, a transposed a (Aᵀ du), c added (16-bit: rounded once)
+// a product over a short K (LoRA's rank side; ql_cuda_mm_thin on a device where c is 16-bit):
+// tiles of 128 x 32 with partial ones both ways, K 16 and 64, a transposed a (Aᵀ du), c added
+// (16-bit: rounded once)
 OP_CASE(mul_mat_thin_k) {
     for (int64_t k : {16, 64}) {
         INFO("K " << k);
         check_case(be, "short K, f32", [k](leafs &L) {
             ql_tensor *y = ql_mul_mat(L.ctx, L.param({k, 130}), L.param({k, 70}));
-            CHECK(ql_cuda_mm_thin(y));  // (the device's rule; the CPU runs it too)
+            CHECK_FALSE(ql_cuda_mm_thin(y));  // an f32 result: cuBLAS (the device's rule; the CPU runs it too)
             return y;
         }, TOL_MM);
         check_case(be, "short K, transposed a", [k](leafs &L) {
@@ -1133,12 +1134,14 @@ OP_CASE(trainer_device) {
     // The adapters after 8 Adam steps: since gate and up are stored in bf16 (issue 30 item 2), an
     // element whose f32 sums differ in the last bit between cuBLAS's order and the CPU's can
     // round to neighbouring bf16 values (2^-8 apart), and Adam's normalised steps carry that on:
-    // measured on an H200 0.044 (0.0052 with f32 gate/up), 0.0035 through the shim. The bound
-    // is bf16's, not f32's; the losses above still agree to 1e-2 and step 1's to ~1e-5.
+    // measured on an H200 0.044 (0.0052 with f32 gate/up), 0.0035 through the shim. With q, k, v,
+    // RoPE and attention in bf16 too (7d7cd48): 0.074 on the H200, 0.046 through the shim, so the
+    // bound is 0.1 - a drift bound of bf16 storage over 8 normalised steps (a wrong kernel is off
+    // by O(1)); the losses above still agree to 1e-2 (measured 8.4e-4) and step 1's to ~1e-5.
     double gap = 0;
     for (size_t s = 0; s < ref_l.size(); s++) gap = std::max(gap, std::fabs(got_l[s] - ref_l[s]) / ref_l[s]);
     MESSAGE("8 bf16 steps: losses within ", gap, " (relative), the adapter within ", norm_err(got_a, ref_a), " of the CPU's");
-    CHECK(norm_err(got_a, ref_a) <= 6e-2);
+    CHECK(norm_err(got_a, ref_a) <= 0.1);
     CHECK(ref_l.back() < ref_l.front());
     // the checkpoint written from the device holds the adapter that came back
     CHECK(read_file(d.file((ql_backend_is_host(be) ? std::string("cpu") : std::string("cuda")) + ".ckpt")).size() > 1000);
