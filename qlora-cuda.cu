@@ -608,6 +608,25 @@ __global__ void k_acc_round(const char *c16, const float *p, char *d, int type, 
 #define GV_SPAN (GV_WARPS * 32 * CU_DQ_VEC)  // elements a block covers per chunk: 1024
 #define GV_UNROLL 4                         // chunks in flight per thread (the types of cu_dequant8_fast; the others 1)
 
+// the decode products' shared steps: 8 dequantised values rounded to the multiply's type ct (as
+// the tile would be), and elements [e, e + 8) of a column of b (float4 loads where b4 says they
+// are aligned f32)
+__device__ __forceinline__ void cu_round8(float v[CU_DQ_VEC], int ct) {
+    if (ct == QL_TYPE_F32) return;
+QL_UNROLL
+    for (int l = 0; l < CU_DQ_VEC; l++)
+        v[l] = ct == QL_TYPE_F16 ? __half2float(__float2half_rn(v[l])) : __bfloat162float(__float2bfloat16_rn(v[l]));
+}
+__device__ __forceinline__ void cu_load8(const char *bp, bool b4, int bes, int b_type, float x[CU_DQ_VEC]) {
+    if (b4) {
+        const float4 p = ((const float4 *)bp)[0], q = ((const float4 *)bp)[1];
+        x[0] = p.x, x[1] = p.y, x[2] = p.z, x[3] = p.w, x[4] = q.x, x[5] = q.y, x[6] = q.z, x[7] = q.w;
+        return;
+    }
+QL_UNROLL
+    for (int l = 0; l < CU_DQ_VEC; l++) x[l] = cu_ld(bp + l * bes, b_type);
+}
+
 // C [M, N] = W b: W [K, M] (rows of K, row_bytes apart), b [K, N] (columns bnb1 bytes apart, of b_type); grid: M blocks
 template <int U, bool generic>
 __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv(const char *w, int64_t row_bytes, int type, const char *aux, int64_t K,
@@ -639,23 +658,12 @@ QL_UNROLL
         for (int u = 0; u < U; u++) {
             const int64_t e = base + u * GV_SPAN + threadIdx.x * CU_DQ_VEC;
             if (e >= K) break;  // chunks past the row's end: only in the last trip, and for every later u
-            if (ct != QL_TYPE_F32) {  // as the tile in the multiply's type
-QL_UNROLL
-                for (int l = 0; l < CU_DQ_VEC; l++) v[u][l] = ct == QL_TYPE_F16 ? __half2float(__float2half_rn(v[u][l]))
-                                                                               : __bfloat162float(__float2bfloat16_rn(v[u][l]));
-            }
+            cu_round8(v[u], ct);
 QL_UNROLL
             for (int n = 0; n < QL_CUDA_GEMV_MAX_N; n++) {
                 if (n >= N) break;
-                const char *bp = b + n * bnb1 + e * bes;
                 float x[CU_DQ_VEC];
-                if (b4) {
-                    const float4 p = ((const float4 *)bp)[0], q = ((const float4 *)bp)[1];
-                    x[0] = p.x, x[1] = p.y, x[2] = p.z, x[3] = p.w, x[4] = q.x, x[5] = q.y, x[6] = q.z, x[7] = q.w;
-                } else {
-QL_UNROLL
-                    for (int l = 0; l < CU_DQ_VEC; l++) x[l] = cu_ld(bp + l * bes, b_type);
-                }
+                cu_load8(b + n * bnb1 + e * bes, b4, bes, b_type, x);
                 float s = 0.0f;
 QL_UNROLL
                 for (int l = 0; l < CU_DQ_VEC; l++) s = fmaf(v[u][l], x[l], s);
@@ -814,24 +822,13 @@ QL_UNROLL
 QL_UNROLL
                 for (int q = 0; q < R; q++) {
                     T::decode8(x[u][q], g, tab, v[q]);
-                    if (ct != QL_TYPE_F32) {  // as the tile in the multiply's type
-QL_UNROLL
-                        for (int l = 0; l < CU_DQ_VEC; l++) v[q][l] = ct == QL_TYPE_F16 ? __half2float(__float2half_rn(v[q][l]))
-                                                                                         : __bfloat162float(__float2bfloat16_rn(v[q][l]));
-                    }
+                    cu_round8(v[q], ct);
                 }
 QL_UNROLL
                 for (int n = 0; n < NN; n++) {
                     if (n >= N || !in) break;
-                    const char *bp = b + n * bnb1 + e * bes;
                     float xb[CU_DQ_VEC];
-                    if (b4) {
-                        const float4 p = ((const float4 *)bp)[0], p2 = ((const float4 *)bp)[1];
-                        xb[0] = p.x, xb[1] = p.y, xb[2] = p.z, xb[3] = p.w, xb[4] = p2.x, xb[5] = p2.y, xb[6] = p2.z, xb[7] = p2.w;
-                    } else {
-QL_UNROLL
-                        for (int l = 0; l < CU_DQ_VEC; l++) xb[l] = cu_ld(bp + l * bes, b_type);
-                    }
+                    cu_load8(b + n * bnb1 + e * bes, b4, bes, b_type, xb);
 QL_UNROLL
                     for (int q = 0; q < R; q++) {
                         float sum = 0.0f;
