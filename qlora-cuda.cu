@@ -2727,8 +2727,435 @@ FA2_UNROLL
     }
 }
 
+// ---- the register path (bf16, where k_fa2_probe found sm_80's fragment layout) ----
+// Scores, probabilities and dS never leave the registers: element i of a 16x16 accumulator or
+// matrix_a fragment of lane l sits at row fa2_rr(l, i), column fa2_rc(l, i) - mma.m16n8k16's
+// layout, which k_fa2_probe checks on the device once (cuda_backend::fa2_reg) instead of assuming
+// it. A row is then held by the 4 lanes of a quad (shuffles over lane bits 0-1), and an
+// accumulator's elements are the matrix_a fragment of the same tile: P and dS go from one to the
+// other without shared memory. Rounding as the shared-memory path (P and dS rounded to bf16 for
+// the products; sums and the softmax state in f32).
+__device__ __forceinline__ int fa2_rr(int lane, int i) { return lane / 4 + 8 * (i / 2 % 2); }
+__device__ __forceinline__ int fa2_rc(int lane, int i) { return 2 * (lane % 4) + i % 2 + 8 * (i / 4); }
+__device__ __forceinline__ float fa2_quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffff, v, 2));
+}
+__device__ __forceinline__ float fa2_quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffff, v, 1);
+    return v + __shfl_xor_sync(0xffffffff, v, 2);
+}
+
+// one warp: *ok = 1 when bf16 16x16 accumulator and matrix_a fragments follow fa2_rr / fa2_rc
+template <typename T> __global__ void k_fa2_probe(int *ok) {  // (T: bf16; a template, so the branch below compiles away below sm_80)
+    if constexpr (!FA2_ARCH_OK(T)) {
+        if (threadIdx.x == 0) *ok = 0;
+    } else {
+    using namespace nvcuda;
+    __shared__ float tf[256];
+    __shared__ T tb[256];
+    const int lane = threadIdx.x % 32;
+    for (int x = lane; x < 256; x += 32) tf[x] = (float)x, tb[x] = __float2bfloat16_rn((float)x);  // 0..255: exact in bf16
+    __syncwarp();
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> c;
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> m;
+    wmma::load_matrix_sync(c, tf, 16, wmma::mem_row_major);
+    wmma::load_matrix_sync(m, tb, 16);
+    bool good = c.num_elements == 8 && m.num_elements == 8;
+    if (good)
+        for (int i = 0; i < 8; i++) {
+            const float want = (float)(fa2_rr(lane, i) * 16 + fa2_rc(lane, i));
+            good = good && c.x[i % c.num_elements] == want && __bfloat162float(m.x[i % m.num_elements]) == want;
+        }
+    good = __all_sync(0xffffffff, good);
+    if (lane == 0) *ok = good ? 1 : 0;
+    }
+}
+
+// rows [0, n) of a 16-bit matrix of T, E dense columns `rs` bytes apart, into dst [rows][E +
+// FA2_PAD]: 16-byte copies (base and rs 16-byte aligned); zeros from n to rows
+template <typename T, int E> __device__ __forceinline__ void fa2_copy16(T *dst, const char *base, int64_t rs, int n, int rows) {
+    constexpr int LD = E + FA2_PAD, V = E / 8;  // 8 elements a copy
+    for (int x = threadIdx.x; x < rows * V; x += blockDim.x) {
+        const int r = x / V, c = x % V * 8;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r < n) v = *(const uint4 *)(base + r * rs + c * 2);
+        *(uint4 *)(dst + r * LD + c) = v;
+    }
+}
+// fa2_load, or fa2_copy16 where the source is T already and aligned
+template <typename T, int E>
+__device__ __forceinline__ void fa2_tile(T *dst, const char *base, int64_t rs, int n, int rows, int st) {
+    if (st == QL_TYPE_BF16 && std::is_same<T, __nv_bfloat16>::value && fa2_aligned(base, rs)) fa2_copy16<T, E>(dst, base, rs, n, rows);
+    else fa2_load<T, E>(dst, base, rs, n, rows, fa2_aligned(base, rs), st);
+}
+
+// forward, register path: block (16 NW queries, head, batch), key tiles of FA2_BK
+template <typename T, int D, int NW>  // (T: bf16)
+__global__ void __launch_bounds__(NW * 32, 1) k_fa2_fwd_reg(fa_args a, char *out, float *lse) {
+    if constexpr (!FA2_ARCH_OK(T)) return;
+    else
+    {
+    using namespace nvcuda;
+    constexpr int LD = D + FA2_PAD, NF = D / 16, NK = FA2_BK / 16, BQ = 16 * NW;
+    constexpr bool QREG = D <= 96;  // q's fragments held in registers; at 128 read from shared memory (no spills)
+    static_assert(BQ <= 2 * FA2_BK, "q's tile is loaded through the K and V tiles");
+    const int64_t Tq = a.q.ne[1], H = a.q.ne[2], Tk = a.k.ne[1], Hkv = a.k.ne[2], off = Tk - Tq;
+    const int64_t h = blockIdx.y, b = blockIdx.z, hk = (int)h / ((int)H / (int)Hkv), i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * BQ;
+    const int nq = (int)min((int64_t)BQ, Tq - i0), warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
+    const float sl2 = a.scale * FA2_LOG2E;
+    QL_DYN_SMEM(unsigned char, sm);
+    T *Ks = (T *)sm, *Vs = Ks + FA2_BK * LD, *Qs = QREG ? Ks : Vs + FA2_BK * LD;  // [FA2_BK][LD] each; q [BQ][LD]
+    const char *qb = a.q.data + i0 * a.q.nb[1] + h * a.q.nb[2] + b * a.q.nb[3];
+    fa2_tile<T, D>(Qs, qb, a.q.nb[1], nq, BQ, a.q.type);
+    __syncthreads();
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qf[QREG ? NF : 1];
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> o[NF];
+FA2_UNROLL
+    for (int f = 0; f < NF; f++) {
+        if constexpr (QREG) wmma::load_matrix_sync(qf[f], Qs + r0 * LD + f * 16, LD);
+        wmma::fill_fragment(o[f], 0.0f);
+    }
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows fa2_rr(lane, 0) and + 8: max (log2 units), this lane's part of the sum
+    int qlo = 0, qhi = 0;
+    if (a.seg) fa2_seg_range(a.seg + b * Tk, i0 + off, nq, &qlo, &qhi);
+    const char *kb = a.k.data + hk * a.k.nb[2] + b * a.k.nb[3], *vb = a.v.data + hk * a.v.nb[2] + b * a.v.nb[3];
+    const int64_t jend = min(Tk, i0 + nq + off);
+    for (int64_t j0 = 0; j0 < jend; j0 += FA2_BK) {
+        const int nk = (int)min((int64_t)FA2_BK, jend - j0);
+        if (a.seg) {
+            int klo, khi;
+            fa2_seg_range(a.seg + b * Tk, j0, nk, &klo, &khi);
+            if (khi < qlo || klo > qhi) continue;
+        }
+        __syncthreads();  // the previous tile (or q) is no longer read
+        fa2_tile<T, D>(Ks, kb + j0 * a.k.nb[1], a.k.nb[1], nk, FA2_BK, a.k.type);
+        fa2_tile<T, D>(Vs, vb + j0 * a.v.nb[1], a.v.nb[1], nk, FA2_BK, a.v.type);
+        __syncthreads();
+        if (j0 > i0 + r0 + 15 + off || r0 >= nq) continue;  // this warp's queries see none of the tile
+        const bool full = !a.seg && j0 + FA2_BK - 1 <= i0 + r0 + off;
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> s[NK];
+FA2_UNROLL
+        for (int n = 0; n < NK; n++) {
+            wmma::fill_fragment(s[n], 0.0f);
+FA2_UNROLL
+            for (int f = 0; f < NF; f++) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
+                wmma::load_matrix_sync(kf, Ks + n * 16 * LD + f * 16, LD);
+                if constexpr (QREG) {
+                    wmma::mma_sync(s[n], qf[f], kf, s[n]);
+                } else {
+                    wmma::load_matrix_sync(qf[0], Qs + r0 * LD + f * 16, LD);
+                    wmma::mma_sync(s[n], qf[0], kf, s[n]);
+                }
+            }
+        }
+        float mx[2] = {-INFINITY, -INFINITY};
+FA2_UNROLL
+        for (int n = 0; n < NK; n++)
+FA2_UNROLL
+            for (int i = 0; i < 8; i++) {
+                float v = s[n].x[i] * sl2;
+                if (!full) {
+                    const int r = r0 + fa2_rr(lane, i), c = n * 16 + fa2_rc(lane, i);
+                    if (!(r < nq && c < nk && fa_visible(a.seg, i0 + r, j0 + c, off, Tk, b))) v = -INFINITY;
+                }
+                s[n].x[i] = v;
+                mx[i / 2 % 2] = fmaxf(mx[i / 2 % 2], v);
+            }
+        float ms[2], alpha[2];
+FA2_UNROLL
+        for (int e = 0; e < 2; e++) {
+            const float mn = fmaxf(m[e], fa2_quad_max(mx[e]));
+            ms[e] = mn == -INFINITY ? 0.0f : mn;
+            alpha[e] = exp2f(m[e] - ms[e]);
+            m[e] = mn;
+            l[e] *= alpha[e];
+        }
+FA2_UNROLL
+        for (int f = 0; f < NF; f++)
+FA2_UNROLL
+            for (int i = 0; i < 8; i++) o[f].x[i] *= alpha[i / 2 % 2];
+FA2_UNROLL
+        for (int kk = 0; kk < NK; kk++) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf;
+FA2_UNROLL
+            for (int i = 0; i < 8; i++) {
+                const float p = exp2f(s[kk].x[i] - ms[i / 2 % 2]);
+                l[i / 2 % 2] += p;
+                pf.x[i] = fa2_cvt<T>(p);
+            }
+FA2_UNROLL
+            for (int f = 0; f < NF; f++) {
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
+                wmma::load_matrix_sync(vf, Vs + kk * 16 * LD + f * 16, LD);
+                wmma::mma_sync(o[f], pf, vf, o[f]);
+            }
+        }
+    }
+    float inv[2];
+FA2_UNROLL
+    for (int e = 0; e < 2; e++) {
+        l[e] = fa2_quad_sum(l[e]);
+        inv[e] = l[e] > 0.0f ? 1.0f / l[e] : 0.0f;
+    }
+    const int es = a.q.type == QL_TYPE_F32 ? 4 : 2;  // the output in q's type (16-bit: rounded once)
+FA2_UNROLL
+    for (int f = 0; f < NF; f++)
+FA2_UNROLL
+        for (int i = 0; i < 8; i++) {
+            const int r = r0 + fa2_rr(lane, i);
+            if (r < nq) cu_st(out + (((b * Tq + i0 + r) * H + h) * D + f * 16 + fa2_rc(lane, i)) * es, a.q.type, o[f].x[i] * inv[i / 2 % 2]);
+        }
+    if (lane % 4 == 0)
+        for (int e = 0; e < 2; e++) {
+            const int r = r0 + lane / 4 + 8 * e;
+            if (r < nq) lse[(b * H + h) * Tq + i0 + r] = m[e] * FA2_LN2 + logf(l[e]);
+        }
+    }
+}
+
+// dK, dV, register path: block (16 NW keys, kv head, batch); every query head of the group, query
+// tiles of BT, 16 queries at a time. dk, dv [D, Tk, Hkv, B]; dO [D, H, Tq, B]; lse, delta [Tq, H, B]
+template <typename T, int D, int NW, int BT>  // (T: bf16)
+__global__ void __launch_bounds__(NW * 32, 1)
+    k_fa2_dkv_reg(fa_args a, const float *dO, const float *lse, const float *delta, float *dk, float *dv) {
+    if constexpr (!FA2_ARCH_OK(T)) return;
+    else
+    {
+    using namespace nvcuda;
+    constexpr int RK = 16 * NW, LD = D + FA2_PAD, NF = D / 16;
+    const int Tq = (int)a.q.ne[1], H = (int)a.q.ne[2], Tk = (int)a.k.ne[1], Hkv = (int)a.k.ne[2], off = Tk - Tq, rep = H / Hkv;
+    const int hk = blockIdx.y, b = blockIdx.z, j0 = blockIdx.x * RK;
+    const int nk = min(RK, Tk - j0), warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
+    const float sl2 = a.scale * FA2_LOG2E;
+    QL_DYN_SMEM(unsigned char, sm);
+    T *Ks = (T *)sm, *Vs = Ks + RK * LD, *Qs = Vs + RK * LD, *dOs = Qs + BT * LD;
+    float *Lr = (float *)(dOs + BT * LD), *Dr = Lr + BT;
+    const char *kb = a.k.data + (int64_t)j0 * a.k.nb[1] + hk * a.k.nb[2] + b * a.k.nb[3];
+    const char *vb = a.v.data + (int64_t)j0 * a.v.nb[1] + hk * a.v.nb[2] + b * a.v.nb[3];
+    fa2_tile<T, D>(Ks, kb, a.k.nb[1], nk, RK, a.k.type);
+    fa2_tile<T, D>(Vs, vb, a.v.nb[1], nk, RK, a.v.type);
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> dkf[NF], dvf[NF];
+FA2_UNROLL
+    for (int f = 0; f < NF; f++) wmma::fill_fragment(dkf[f], 0.0f), wmma::fill_fragment(dvf[f], 0.0f);
+    int klo = 0, khi = 0;
+    if (a.seg) fa2_seg_range(a.seg + (int64_t)b * Tk, j0, nk, &klo, &khi);
+    const int qstart = max(0, j0 - off) / BT * BT;
+    for (int r = 0; r < rep; r++) {
+        const int h = hk * rep + r;
+        const char *qb = a.q.data + h * a.q.nb[2] + b * a.q.nb[3];
+        const bool ovec = fa2_aligned(dO, H * D * 4);
+        for (int i0 = qstart; i0 < Tq; i0 += BT) {
+            const int nq = min(BT, Tq - i0);
+            if (a.seg) {
+                int qlo, qhi;
+                fa2_seg_range(a.seg + (int64_t)b * Tk, i0 + off, nq, &qlo, &qhi);
+                if (khi < qlo || klo > qhi) continue;
+            }
+            __syncthreads();  // the previous query tile is no longer read
+            fa2_tile<T, D>(Qs, qb + (int64_t)i0 * a.q.nb[1], a.q.nb[1], nq, BT, a.q.type);
+            fa2_load<T, D>(dOs, (const char *)(dO + ((int64_t)(b * Tq + i0) * H + h) * D), H * D * 4, nq, BT, ovec);
+            for (int x = threadIdx.x; x < BT; x += blockDim.x) {
+                const int64_t row = (int64_t)(b * H + h) * Tq + i0 + x;
+                Lr[x] = x < nq ? lse[row] * FA2_LOG2E : 0.0f;
+                Dr[x] = x < nq ? delta[row] : 0.0f;
+            }
+            __syncthreads();
+            if (r0 >= nk) continue;
+FA2_NO_UNROLL
+            for (int n = 0; n < BT / 16; n++) {  // queries i0 + 16 n ..
+                const int q0 = n * 16;
+                if (q0 >= nq || j0 + r0 > i0 + q0 + 15 + off) continue;  // none of them sees this warp's keys
+                const bool full = !a.seg && q0 + 16 <= nq && r0 + 16 <= nk && j0 + r0 + 15 <= i0 + q0 + off;
+                // S^T = K Q^T and dP^T = V dO^T: [16 keys, 16 queries]
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> s, dp;
+                wmma::fill_fragment(s, 0.0f);
+                wmma::fill_fragment(dp, 0.0f);
+FA2_UNROLL
+                for (int f = 0; f < NF; f++) {
+                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> xf;
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> yf;
+                    wmma::load_matrix_sync(xf, Ks + r0 * LD + f * 16, LD);
+                    wmma::load_matrix_sync(yf, Qs + q0 * LD + f * 16, LD);
+                    wmma::mma_sync(s, xf, yf, s);
+                    wmma::load_matrix_sync(xf, Vs + r0 * LD + f * 16, LD);
+                    wmma::load_matrix_sync(yf, dOs + q0 * LD + f * 16, LD);
+                    wmma::mma_sync(dp, xf, yf, dp);
+                }
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf, df;
+FA2_UNROLL
+                for (int i = 0; i < 8; i++) {
+                    const int kr = r0 + fa2_rr(lane, i), c = q0 + fa2_rc(lane, i);
+                    const bool vis = full || (c < nq && kr < nk && fa_visible(a.seg, i0 + c, j0 + kr, off, Tk, b));
+                    pf.x[i] = fa2_cvt<T>(vis ? exp2f(s.x[i] * sl2 - Lr[c]) : 0.0f);
+                    df.x[i] = fa2_cvt<T>(fa2_f(pf.x[i]) * (dp.x[i] - Dr[c]));
+                }
+FA2_UNROLL
+                for (int f = 0; f < NF; f++) {  // dV += P^T dO, dK += dS^T Q
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> yf;
+                    wmma::load_matrix_sync(yf, dOs + q0 * LD + f * 16, LD);
+                    wmma::mma_sync(dvf[f], pf, yf, dvf[f]);
+                    wmma::load_matrix_sync(yf, Qs + q0 * LD + f * 16, LD);
+                    wmma::mma_sync(dkf[f], df, yf, dkf[f]);
+                }
+            }
+        }
+    }
+    const int64_t row = (int64_t)(b * Hkv + hk) * Tk + j0 + r0;
+FA2_UNROLL
+    for (int f = 0; f < NF; f++)
+FA2_UNROLL
+        for (int i = 0; i < 8; i++) {
+            const int kr = fa2_rr(lane, i), c = f * 16 + fa2_rc(lane, i);
+            if (r0 + kr < nk) dk[(row + kr) * D + c] = dkf[f].x[i] * a.scale, dv[(row + kr) * D + c] = dvf[f].x[i];
+        }
+    }
+}
+
+// dQ, register path: block (16 NW queries, head, batch) over key tiles of BT, 16 keys at a time.
+// dq [D, Tq, H, B]
+template <typename T, int D, int NW, int BT>  // (T: bf16)
+__global__ void __launch_bounds__(NW * 32, 1)
+    k_fa2_dq_reg(fa_args a, const float *dO, const float *lse, const float *delta, float *dq) {
+    if constexpr (!FA2_ARCH_OK(T)) return;
+    else
+    {
+    using namespace nvcuda;
+    constexpr int RQ = 16 * NW, LD = D + FA2_PAD, NF = D / 16;
+    const int64_t Tq = a.q.ne[1], H = a.q.ne[2], Tk = a.k.ne[1], Hkv = a.k.ne[2], off = Tk - Tq;
+    const int64_t h = blockIdx.y, b = blockIdx.z, hk = (int)h / ((int)H / (int)Hkv), i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * RQ;
+    const int nq = (int)min((int64_t)RQ, Tq - i0), warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
+    const float sl2 = a.scale * FA2_LOG2E;
+    QL_DYN_SMEM(unsigned char, sm);
+    T *Qs = (T *)sm, *dOs = Qs + RQ * LD, *Ks = dOs + RQ * LD, *Vs = Ks + BT * LD;
+    const char *qb = a.q.data + i0 * a.q.nb[1] + h * a.q.nb[2] + b * a.q.nb[3];
+    const float *ob = dO + ((b * Tq + i0) * H + h) * D;
+    fa2_tile<T, D>(Qs, qb, a.q.nb[1], nq, RQ, a.q.type);
+    fa2_load<T, D>(dOs, (const char *)ob, H * D * 4, nq, RQ, fa2_aligned(ob, H * D * 4));
+    float Lq[2], Dq[2];  // rows fa2_rr(lane, 0) and + 8
+    for (int e = 0; e < 2; e++) {
+        const int r = r0 + lane / 4 + 8 * e;
+        const int64_t row = (b * H + h) * Tq + i0 + r;
+        Lq[e] = r < nq ? lse[row] * FA2_LOG2E : 0.0f;
+        Dq[e] = r < nq ? delta[row] : 0.0f;
+    }
+    wmma::fragment<wmma::accumulator, 16, 16, 16, float> dqf[NF];
+FA2_UNROLL
+    for (int f = 0; f < NF; f++) wmma::fill_fragment(dqf[f], 0.0f);
+    int qlo = 0, qhi = 0;
+    if (a.seg) fa2_seg_range(a.seg + b * Tk, i0 + off, nq, &qlo, &qhi);
+    const char *kb = a.k.data + hk * a.k.nb[2] + b * a.k.nb[3], *vb = a.v.data + hk * a.v.nb[2] + b * a.v.nb[3];
+    const int64_t jend = min(Tk, i0 + nq + off);
+    for (int64_t j0 = 0; j0 < jend; j0 += BT) {
+        const int nk = (int)min((int64_t)BT, jend - j0);
+        if (a.seg) {
+            int klo, khi;
+            fa2_seg_range(a.seg + b * Tk, j0, nk, &klo, &khi);
+            if (khi < qlo || klo > qhi) continue;
+        }
+        __syncthreads();  // the previous key tile is no longer read
+        fa2_tile<T, D>(Ks, kb + j0 * a.k.nb[1], a.k.nb[1], nk, BT, a.k.type);
+        fa2_tile<T, D>(Vs, vb + j0 * a.v.nb[1], a.v.nb[1], nk, BT, a.v.type);
+        __syncthreads();
+        if (r0 >= nq) continue;
+FA2_NO_UNROLL
+        for (int n = 0; n < BT / 16; n++) {  // keys j0 + 16 n ..
+            const int k0 = n * 16;
+            if (k0 >= nk || j0 + k0 > i0 + r0 + 15 + off) continue;  // none of them seen by this warp's queries
+            const bool full = !a.seg && k0 + 16 <= nk && r0 + 16 <= nq && j0 + k0 + 15 <= i0 + r0 + off;
+            // S = Q K^T and dP = dO V^T: [16 queries, 16 keys]
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> s, dp;
+            wmma::fill_fragment(s, 0.0f);
+            wmma::fill_fragment(dp, 0.0f);
+FA2_UNROLL
+            for (int f = 0; f < NF; f++) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> xf;
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> yf;
+                wmma::load_matrix_sync(xf, Qs + r0 * LD + f * 16, LD);
+                wmma::load_matrix_sync(yf, Ks + k0 * LD + f * 16, LD);
+                wmma::mma_sync(s, xf, yf, s);
+                wmma::load_matrix_sync(xf, dOs + r0 * LD + f * 16, LD);
+                wmma::load_matrix_sync(yf, Vs + k0 * LD + f * 16, LD);
+                wmma::mma_sync(dp, xf, yf, dp);
+            }
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> df;
+FA2_UNROLL
+            for (int i = 0; i < 8; i++) {
+                const int qr = r0 + fa2_rr(lane, i), c = k0 + fa2_rc(lane, i), e = i / 2 % 2;
+                const bool vis = full || (qr < nq && c < nk && fa_visible(a.seg, i0 + qr, j0 + c, off, Tk, b));
+                const float p = fa2_f(fa2_cvt<T>(vis ? exp2f(s.x[i] * sl2 - Lq[e]) : 0.0f));  // P rounded as the dK/dV kernel's
+                df.x[i] = fa2_cvt<T>(p * (dp.x[i] - Dq[e]));
+            }
+FA2_UNROLL
+            for (int f = 0; f < NF; f++) {  // dQ += dS K
+                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> yf;
+                wmma::load_matrix_sync(yf, Ks + k0 * LD + f * 16, LD);
+                wmma::mma_sync(dqf[f], df, yf, dqf[f]);
+            }
+        }
+    }
+    float *dst = dq + ((b * H + h) * Tq + i0) * D;
+FA2_UNROLL
+    for (int f = 0; f < NF; f++)
+FA2_UNROLL
+        for (int i = 0; i < 8; i++) {
+            const int qr = r0 + fa2_rr(lane, i);
+            if (qr < nq) dst[(int64_t)qr * D + f * 16 + fa2_rc(lane, i)] = dqf[f].x[i] * a.scale;
+        }
+    }
+}
+template <int D, int NW> constexpr size_t fa2_fwd_reg_smem() {  // K and V tiles (q's first), and q's own above head dim 96
+    return (size_t)(2 * FA2_BK + (D > 96 ? 16 * NW : 0)) * (D + FA2_PAD) * 2;
+}
+template <int D, int NW, int BT> constexpr size_t fa2_back_reg_smem() {
+    return (size_t)2 * (16 * NW + BT) * (D + FA2_PAD) * 2 + 2 * BT * sizeof(float);
+}
+#define FA2_REG_NW 4   // backward: warps per block (16 NW keys or queries held)
+#define FA2_REG_BT 64  // backward: queries (dK/dV) or keys (dQ) per streamed tile
+#define FA2_REG_SMEM_OK(D)                                                                                                 \
+    static_assert(fa2_fwd_reg_smem<D, 8>() <= (99u << 10) && fa2_back_reg_smem<D, FA2_REG_NW, FA2_REG_BT>() <= (99u << 10), \
+                  "fused attention's register path: shared memory above the device limit at head dim " #D)
+FA2_REG_SMEM_OK(64);
+FA2_REG_SMEM_OK(80);
+FA2_REG_SMEM_OK(96);
+FA2_REG_SMEM_OK(128);
+
 // launchers: the kernel for (T, D), its shared memory allowed, then the launch
+static bool cu_fa2_reg(const cu_ctx &c);
+// QLORA_CUDA_FA2_WARPS=8: the register path's forward with 8 warps (128 queries) a block, else 4
+static const int g_fa2_fwd_warps = getenv("QLORA_CUDA_FA2_WARPS") && atoi(getenv("QLORA_CUDA_FA2_WARPS")) == 8 ? 8 : 4;
+template <int D, int NW> static void fa2_fwd_reg_launch(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *q = node->src[0];
+    const size_t smem = fa2_fwd_reg_smem<D, NW>();
+    void (*kern)(fa_args, char *, float *) = k_fa2_fwd_reg<__nv_bfloat16, D, NW>;
+    CU_CHECK(c, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    const dim3 grid((unsigned)((q->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)q->ne[2], (unsigned)q->ne[3]);
+    float *lse = (float *)((char *)node->data + ql_nbytes(node));
+    QL_LAUNCH(kern, grid, NW * 32, smem, c.stream, fa_args_of(node), (char *)node->data, lse);
+    CU_LAUNCHED(c);
+}
+template <int D> static void fa2_back_reg_launch(cu_ctx &c, ql_tensor *node, const float *delta) {
+    constexpr int NW = FA2_REG_NW, BT = FA2_REG_BT;
+    const ql_tensor *q = node->src[0], *k = node->src[1], *fwd = node->src[4];
+    const size_t smem = fa2_back_reg_smem<D, NW, BT>();
+    const fa_args a = fa_args_of(node);
+    const float *dO = (const float *)node->src[5]->data, *lse = (const float *)((const char *)fwd->data + ql_nbytes(fwd));
+    float *dq = (float *)node->data, *dk = dq + ql_nelements(q), *dv = dk + ql_nelements(k);
+    void (*kdkv)(fa_args, const float *, const float *, const float *, float *, float *) = k_fa2_dkv_reg<__nv_bfloat16, D, NW, BT>;
+    void (*kdq)(fa_args, const float *, const float *, const float *, float *) = k_fa2_dq_reg<__nv_bfloat16, D, NW, BT>;
+    CU_CHECK(c, cudaFuncSetAttribute(kdkv, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    CU_CHECK(c, cudaFuncSetAttribute(kdq, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    const dim3 gk((unsigned)((k->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)k->ne[2], (unsigned)k->ne[3]);
+    QL_LAUNCH(kdkv, gk, NW * 32, smem, c.stream, a, dO, lse, delta, dk, dv);
+    CU_LAUNCHED(c);
+    const dim3 gq((unsigned)((q->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)q->ne[2], (unsigned)q->ne[3]);
+    QL_LAUNCH(kdq, gq, NW * 32, smem, c.stream, a, dO, lse, delta, dq);
+    CU_LAUNCHED(c);
+}
 template <typename T, int D> static void fa2_fwd_launch(cu_ctx &c, ql_tensor *node) {
+    if (std::is_same<T, __nv_bfloat16>::value && cu_fa2_reg(c))
+        return g_fa2_fwd_warps == 8 ? fa2_fwd_reg_launch<D, 8>(c, node) : fa2_fwd_reg_launch<D, 4>(c, node);
     const ql_tensor *q = node->src[0];
     const size_t smem = fa2_fwd_smem<T, D>();
     void (*kern)(fa_args, char *, float *) = k_fa2_fwd<T, D>;  // (a name without commas, for the macros)
@@ -2739,6 +3166,7 @@ template <typename T, int D> static void fa2_fwd_launch(cu_ctx &c, ql_tensor *no
     CU_LAUNCHED(c);
 }
 template <typename T, int D> static void fa2_back_launch(cu_ctx &c, ql_tensor *node, const float *delta) {
+    if (std::is_same<T, __nv_bfloat16>::value && cu_fa2_reg(c)) return fa2_back_reg_launch<D>(c, node, delta);
     const ql_tensor *q = node->src[0], *k = node->src[1], *fwd = node->src[4];
     constexpr int NW = fa2_back_cfg<T>::NW;
     const size_t smem = fa2_back_smem<T, D>();
@@ -2863,9 +3291,11 @@ struct cuda_backend {
     // --profile: an event before and after each node on the compute stream, read once the run is
     // done (no wait per node; made on the first profiled run and kept, grown with the graph)
     std::vector<cudaEvent_t> prof_events;
+    bool fa2_reg = false;  // k_fa2_probe found sm_80's fragment layout: the fused attention's register path
 };
 static cu_mm_side &cu_mm_side_of(cu_ctx &c) { return c.cb->mm_side; }
 static int cu_cc(const cu_ctx &c) { return c.cb->prop.major * 10 + c.cb->prop.minor; }
+static bool cu_fa2_reg(const cu_ctx &c) { return c.cb->fa2_reg; }
 
 
 __global__ void k_first_nonfinite(cu_t t, int64_t n, unsigned long long *first) {
@@ -3407,6 +3837,13 @@ ql_backend *ql_backend_cuda_init(int device, char *err, size_t err_size) {
     cb->graphs = !graphs || strcmp(graphs, "0") != 0;  // on by default
     cb->d_scratch = ok ? (int *)cu_device_alloc(4096) : nullptr;
     cb->h_scratch = ok ? (int *)cuda_host_alloc(be, 4096) : nullptr;
+    if (ok && cb->d_scratch && cb->h_scratch && info.major >= 8) {  // the fragment layout the register path needs, checked once
+        QL_LAUNCH(k_fa2_probe<__nv_bfloat16>, 1, 32, 0, cb->stream, cb->d_scratch);
+        ok = cudaGetLastError() == cudaSuccess &&
+             cudaMemcpyAsync(cb->h_scratch, cb->d_scratch, sizeof(int), cudaMemcpyDeviceToHost, cb->stream) == cudaSuccess &&
+             cudaStreamSynchronize(cb->stream) == cudaSuccess;
+        cb->fa2_reg = ok && cb->h_scratch[0] == 1 && !(getenv("QLORA_CUDA_FA2_REG") && strcmp(getenv("QLORA_CUDA_FA2_REG"), "0") == 0);
+    }
     if (!ok || !cb->d_scratch || !cb->h_scratch) {
         snprintf(err, err_size, "CUDA device %d (%s) failed to start: %s", device, info.name,
                  cudaGetErrorString(cudaGetLastError()));
@@ -3417,6 +3854,7 @@ ql_backend *ql_backend_cuda_init(int device, char *err, size_t err_size) {
 }
 
 bool ql_backend_is_cuda(const ql_backend *be) { return be && be->iface.graph_compute == cuda_graph_compute; }
+bool ql_cuda_fa2_register_path(const ql_backend *be) { return ql_backend_is_cuda(be) && ((const cuda_backend *)be->impl)->fa2_reg; }
 
 ql_status ql_backend_cuda_info(const ql_backend *be, ql_cuda_device_info *info) {
     if (!info) return QL_ERR_INVALID;

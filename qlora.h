@@ -1284,6 +1284,8 @@ bool    ql_cuda_fa_fused(const ql_tensor *node);       // training attention on 
 bool    ql_cuda_fa_gemm(const ql_tensor *node);        // this attention runs as products (else: a fused kernel)
 void    ql_cuda_fa_set_fused(bool on);                 // the fused kernels on or off, process-wide (tools/bench, tests)
 bool    ql_cuda_fa_get_fused(void);
+bool    ql_cuda_fa2_register_path(const ql_backend *be); // the fused kernels keep scores in registers on this device (bf16,
+                                                       // sm_80's fragment layout found by a probe; QLORA_CUDA_FA2_REG=0: off)
 size_t  ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NBUF], int64_t *chunk, ql_type *compute);
 
 // ---- the graph state a backend runs on ----

@@ -98,6 +98,7 @@ struct state_t {
     long long syncs = 0;                         // cudaStreamSynchronize calls (qlshim_host_syncs)
     long long stream_ops = 0;                    // kernels, cuBLAS calls, async copies and memsets run (qlshim_stream_ops)
     std::map<std::string, long long> launches;   // per kernel name (qlshim_launches)
+    int wmma_sm80 = 0;                           // WMMA 16x16 fragments in sm_80's layout, not scrambled (QL_SHIM_WMMA=sm80)
 };
 inline state_t &st() {
     static state_t s;
@@ -120,6 +121,7 @@ inline void read_env() {
     // devices: QL_SHIM_DEVICES=N (default 1), so that ranks on one machine each take their own
     // (tests/nccl_shim.h refuses two ranks on one device, as NCCL does)
     if (const char *d = getenv("QL_SHIM_DEVICES")) s.device_count = std::max(1, atoi(d));
+    if (const char *w = getenv("QL_SHIM_WMMA")) s.wmma_sm80 = strcmp(w, "sm80") == 0;
 }
 // the current device (cudaSetDevice's; one per host thread, as in CUDA)
 inline int &current_device() {
@@ -140,6 +142,14 @@ inline void set_device_count(int n) { st().device_count = n; }
 // the device's compute capability, for suites compiled without this header (tests/test_backend_ops.cpp
 // declares it weak: absent where the suite runs on a real GPU)
 extern "C" __attribute__((weak)) void qlshim_set_cc(int major, int minor) { qlshim::st().cc_major = major, qlshim::st().cc_minor = minor; }
+// WMMA's 16x16 fragments: 1 = sm_80's layout (what code that probes the layout at run time finds
+// on a real GPU), 0 = the scramble (the default); returns the previous setting
+extern "C" __attribute__((weak)) int qlshim_set_wmma_sm80(int on) {
+    qlshim::read_env();
+    const int was = qlshim::st().wmma_sm80;
+    qlshim::st().wmma_sm80 = on;
+    return was;
+}
 namespace qlshim {
 inline size_t device_bytes_in_use() { return st().in_use; }
 inline size_t device_peak_bytes() { return st().peak; }
@@ -799,6 +809,9 @@ using std::isinf;
 // depends on it; here element e (row-major in the tile) lives in lane perm(e) % 32, slot
 // perm(e) / 32, with perm a fixed scramble - code that indexes frag.x[] by a guessed layout
 // computes garbage. load/store/mma are warp collectives (all 32 lanes, one call site).
+// QL_SHIM_WMMA=sm80 (or qlshim_set_wmma_sm80): 16x16 fragments instead in sm_80's mma.m16n8k16
+// layout - element (r, c) in lane 4 (r % 8) + (c % 8) / 2, slot 4 (c / 8) + 2 (r / 8) + c % 2 -
+// for code that checks the layout at run time before it relies on it (k_fa2_probe).
 namespace nvcuda {
 namespace wmma {
 struct matrix_a {};
@@ -813,7 +826,13 @@ template <typename Use, int M, int N, int K, typename T, typename Layout = void>
     static constexpr int num_elements = rows * cols / 32;
     T x[num_elements];
 };
-inline int qlshim_perm(int e, int size) { return (int)(((long long)e * 37 + 11) % size); }  // 37: odd, so a bijection for the power-of-two sizes
+inline int qlshim_perm(int e, int size) {
+    if (size == 256 && ::qlshim::st().wmma_sm80) {
+        const int r = e / 16, c = e % 16;
+        return (4 * (c / 8) + 2 * (r / 8) + c % 2) * 32 + 4 * (r % 8) + (c % 8) / 2;
+    }
+    return (int)(((long long)e * 37 + 11) % size);  // 37: odd, so a bijection for the power-of-two sizes
+}
 template <typename F> inline float qlshim_get(const F &f, int r, int c) {
     const int p = qlshim_perm(r * F::cols + c, F::rows * F::cols);
     return (float)f.x[p / 32];

@@ -729,6 +729,7 @@ OP_CASE(flash_attn) {
 // batch 2; bf16 (cc >= 8.0) and fp16 (the cc 7.5 path, through the shim's device setting); the
 // backward bit for bit the same in two runs (no atomics).
 extern "C" __attribute__((weak)) void qlshim_set_cc(int major, int minor);  // tests/cuda_shim.h; absent on a real GPU
+extern "C" __attribute__((weak)) int qlshim_set_wmma_sm80(int on);         // the same
 
 static void fused_attn_cases(ql_backend *be) {
     struct shape {
@@ -788,8 +789,21 @@ OP_CASE(flash_attn_fused) {
         fused_on() { ql_cuda_fa_set_fused(true); }
         ~fused_on() { ql_cuda_fa_set_fused(was); }
     } on;
+    if (!ql_backend_is_host(be)) MESSAGE("fused attention: the " << std::string(ql_cuda_fa2_register_path(be) ? "register" : "shared-memory") << " path");
     fused_attn_cases(be);
     if (ql_backend_is_host(be)) return;
+    if (qlshim_set_wmma_sm80) {
+        // the other layout: sm_80's fragments (the register path, k_fa2_*_reg, where the backend's
+        // probe finds them) if the shim scrambled them above, else the scramble (the shared-memory path)
+        const int was = qlshim_set_wmma_sm80(1);
+        qlshim_set_wmma_sm80(!was);
+        INFO("WMMA fragments " << (was ? "scrambled: the shared-memory path" : "in sm_80's layout: the register path"));
+        ql_backend *other = make_backend("cuda");
+        CHECK(ql_cuda_fa2_register_path(other) == !was);  // the probe found what the shim does
+        fused_attn_cases(other);
+        ql_backend_free(other);
+        qlshim_set_wmma_sm80(was);
+    }
     if (!qlshim_set_cc) {
         MESSAGE("the fp16 (cc 7.5) kernels: not tested on this device (the shim's device setting is absent)");
         return;

@@ -9,7 +9,7 @@
 //         (n_embd 768, 12 heads, ffn 2048), seq 256 and 512.
 // qmatmul: a frozen weight in f32, NF4 and Q4_K: forward y = W x and the input gradient
 //         dx = W^T dy (dequantised tile by tile), 4096x4096 and 11008x4096, 16/256/2048 tokens.
-// attn:   training attention on the CUDA backend (not part of all): causal, seq 2048, d 128, 32
+// attn:   training attention on the CUDA backend (not part of all): causal, seq 2048, d 128 and 64, 32
 //         query / 8 kv heads, batch 1, bf16 products; the fused FlashAttention-2 kernels against the
 //         chunked cuBLAS products; forward and backward (fwd+bwd minus fwd) in TFLOP/s, counting
 //         the causal half: forward 2 T^2 d H, backward 2.5 times that.
@@ -255,8 +255,10 @@ static void bench_qmatmul(ql_backend *cpu, int n_threads, int reps) {
 }
 
 // ---- attention on the CUDA backend ----
-static double time_attn(ql_backend *be, bool fused, bool backward, int reps) {
-    const int64_t T = 2048, D = 128, H = 32, HKV = 8;
+// q, k, v in bf16 as the trainer makes them under a bf16 compute type (cast from f32 leafs: the
+// casts' time is in the numbers, ~1% at d 128)
+static double time_attn(ql_backend *be, bool fused, bool backward, int reps, int64_t D) {
+    const int64_t T = 2048, H = 32, HKV = 8;
     const bool was = ql_cuda_fa_get_fused();
     ql_cuda_fa_set_fused(fused);
     ql_init_params ip = {64u << 20, nullptr, true, false};
@@ -264,9 +266,10 @@ static double time_attn(ql_backend *be, bool fused, bool backward, int reps) {
     ql_tensor *q = ql_new_tensor_4d(ctx, QL_TYPE_F32, D, T, H, 1), *k = ql_new_tensor_4d(ctx, QL_TYPE_F32, D, T, HKV, 1);
     ql_tensor *v = ql_new_tensor_4d(ctx, QL_TYPE_F32, D, T, HKV, 1);
     for (ql_tensor *t : {q, k, v}) ql_set_param(t);
-    ql_tensor *a = ql_flash_attn(ctx, q, k, v, nullptr, 1.0f / std::sqrt((float)D));
+    ql_tensor *a = ql_flash_attn(ctx, ql_cast(ctx, q, QL_TYPE_BF16), ql_cast(ctx, k, QL_TYPE_BF16), ql_cast(ctx, v, QL_TYPE_BF16),
+                                 nullptr, 1.0f / std::sqrt((float)D));
     ql_flash_attn_set_prec(a, QL_TYPE_BF16);
-    ql_tensor *loss = ql_sum(ctx, a);
+    ql_tensor *loss = ql_sum(ctx, ql_cast(ctx, a, QL_TYPE_F32));
     ql_graph *gf = ql_graph_new(ctx);
     ql_graph_build_forward(gf, backward ? loss : a);
     ql_graph *g = backward ? ql_graph_backward(ctx, gf, loss) : gf;
@@ -303,13 +306,18 @@ static void bench_attn(int reps) {
         fprintf(stderr, "bench attn: %s\n", err);
         exit(1);
     }
-    const double flop = 2.0 * 2048.0 * 2048.0 * 128.0 * 32.0;  // the causal half of 2 products of 2 T^2 d H
-    printf("\n## attention on CUDA: causal, seq 2048, d 128, 32/8 heads, batch 1, bf16 products\n");
-    printf("%-22s %10s %10s %12s %12s\n", "path", "fwd ms", "bwd ms", "fwd TFLOP/s", "bwd TFLOP/s");
-    for (bool fused : {true, false}) {
-        const double tf = time_attn(be, fused, false, reps), tfb = time_attn(be, fused, true, reps), tb = tfb - tf;
-        printf("%-22s %10.3f %10.3f %12.1f %12.1f\n", fused ? "fused (WMMA)" : "chunked cuBLAS", tf * 1e3, tb * 1e3, flop / tf * 1e-12,
-               2.5 * flop / tb * 1e-12);
+    const char *reg = getenv("QLORA_CUDA_FA2_REG"), *warps = getenv("QLORA_CUDA_FA2_WARPS");
+    printf("\n## attention on CUDA: causal, seq 2048, 32/8 heads, batch 1, bf16 q/k/v and products"
+           " (fused: the %s path; QLORA_CUDA_FA2_REG=%s, QLORA_CUDA_FA2_WARPS=%s)\n",
+           ql_cuda_fa2_register_path(be) ? "register" : "shared-memory", reg ? reg : "-", warps ? warps : "-");
+    printf("%-22s %4s %10s %10s %12s %12s\n", "path", "d", "fwd ms", "bwd ms", "fwd TFLOP/s", "bwd TFLOP/s");
+    for (int64_t D : {128, 64}) {
+        const double flop = 2.0 * 2048.0 * 2048.0 * (double)D * 32.0;  // the causal half of 2 products of 2 T^2 d H
+        for (bool fused : {true, false}) {
+            const double tf = time_attn(be, fused, false, reps, D), tfb = time_attn(be, fused, true, reps, D), tb = tfb - tf;
+            printf("%-22s %4lld %10.3f %10.3f %12.1f %12.1f\n", fused ? "fused (WMMA)" : "chunked cuBLAS", (long long)D, tf * 1e3,
+                   tb * 1e3, flop / tf * 1e-12, 2.5 * flop / tb * 1e-12);
+        }
     }
     ql_backend_free(be);
 }
