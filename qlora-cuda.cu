@@ -2181,12 +2181,17 @@ __global__ void k_fa_ds(const float *S, const float *dP, char *P, char *dS, int 
 }
 
 // delta_i = dO_i . O_i, per (query, head, batch); O f32 or 16-bit (ot)
-__global__ void k_fa_delta(const float *dO, const char *O, int ot, int64_t DV, int64_t H, int64_t Tq, int64_t n, float *delta) {
+// d16 (the fused backward's): dO rounded to the compute type ct as well, for its kernels' 16-byte tile copies
+__global__ void k_fa_delta(const float *dO, const char *O, int ot, int64_t DV, int64_t H, int64_t Tq, int64_t n, float *delta,
+                           char *d16, int ct) {
     const int es = ot == QL_TYPE_F32 ? 4 : 2;
     CU_GRID_LOOP(x, n) {  // x = (b H + h) Tq + i
         const int64_t i = x % Tq, h = (x / Tq) % H, b = x / (Tq * H), row = ((b * Tq + i) * H + h) * DV;
         float s = 0;
-        for (int64_t c = 0; c < DV; c++) s += dO[row + c] * cu_ld(O + (row + c) * es, ot);
+        for (int64_t c = 0; c < DV; c++) {
+            s += dO[row + c] * cu_ld(O + (row + c) * es, ot);
+            if (d16) cu_st(d16 + (row + c) * 2, ct, dO[row + c]);
+        }
         delta[x] = s;
     }
 }
@@ -2232,7 +2237,7 @@ static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
         dOv.ne[1] = Tq, dOv.ne[2] = H, dOv.contig = 0;
         dOv.nb[1] = (int64_t)(H * DV * 4), dOv.nb[2] = (int64_t)(DV * 4);
         QL_LAUNCH(k_fa_delta, cu_grid(Tq * H * B), CU_BLOCK, 0, c.stream, (const float *)dOt->data, (const char *)fwd->data,
-                  (int)fwd->type, DV, H, Tq, Tq * H * B, delta);
+                  (int)fwd->type, DV, H, Tq, Tq * H * B, delta, nullptr, (int)QL_TYPE_BF16);
         CU_LAUNCHED(c);
         CU_CHECK(c, cudaMemsetAsync(dk, 0, (ql_nelements(k) + ql_nelements(v)) * sizeof(float), c.stream));  // dK, dV add up
     }
@@ -2919,7 +2924,7 @@ FA2_UNROLL
 // tiles of BT, 16 queries at a time. dk, dv [D, Tk, Hkv, B]; dO [D, H, Tq, B]; lse, delta [Tq, H, B]
 template <typename T, int D, int NW, int BT>  // (T: bf16)
 __global__ void __launch_bounds__(NW * 32, 1)
-    k_fa2_dkv_reg(fa_args a, const float *dO, const float *lse, const float *delta, float *dk, float *dv) {
+    k_fa2_dkv_reg(fa_args a, const char *dO, const float *lse, const float *delta, float *dk, float *dv) {
     if constexpr (!FA2_ARCH_OK(T)) return;
     else
     {
@@ -2936,6 +2941,16 @@ __global__ void __launch_bounds__(NW * 32, 1)
     const char *vb = a.v.data + (int64_t)j0 * a.v.nb[1] + hk * a.v.nb[2] + b * a.v.nb[3];
     fa2_tile<T, D>(Ks, kb, a.k.nb[1], nk, RK, a.k.type);
     fa2_tile<T, D>(Vs, vb, a.v.nb[1], nk, RK, a.v.type);
+    constexpr bool KVREG = D <= 64;  // this warp's K and V rows as fragments in registers (fewer shared-memory reads); above, read each time
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> kfa[KVREG ? NF : 1], vfa[KVREG ? NF : 1];
+    if constexpr (KVREG) {
+        __syncthreads();
+FA2_UNROLL
+        for (int f = 0; f < NF; f++) {
+            wmma::load_matrix_sync(kfa[f], Ks + r0 * LD + f * 16, LD);
+            wmma::load_matrix_sync(vfa[f], Vs + r0 * LD + f * 16, LD);
+        }
+    }
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> dkf[NF], dvf[NF];
 FA2_UNROLL
     for (int f = 0; f < NF; f++) wmma::fill_fragment(dkf[f], 0.0f), wmma::fill_fragment(dvf[f], 0.0f);
@@ -2945,7 +2960,6 @@ FA2_UNROLL
     for (int r = 0; r < rep; r++) {
         const int h = hk * rep + r;
         const char *qb = a.q.data + h * a.q.nb[2] + b * a.q.nb[3];
-        const bool ovec = fa2_aligned(dO, H * D * 4);
         for (int i0 = qstart; i0 < Tq; i0 += BT) {
             const int nq = min(BT, Tq - i0);
             if (a.seg) {
@@ -2955,7 +2969,7 @@ FA2_UNROLL
             }
             __syncthreads();  // the previous query tile is no longer read
             fa2_tile<T, D>(Qs, qb + (int64_t)i0 * a.q.nb[1], a.q.nb[1], nq, BT, a.q.type);
-            fa2_load<T, D>(dOs, (const char *)(dO + ((int64_t)(b * Tq + i0) * H + h) * D), H * D * 4, nq, BT, ovec);
+            fa2_copy16<T, D>(dOs, dO + (((int64_t)(b * Tq + i0) * H + h) * D) * 2, H * D * 2, nq, BT);  // (bf16, aligned: the workspace's)
             for (int x = threadIdx.x; x < BT; x += blockDim.x) {
                 const int64_t row = (int64_t)(b * H + h) * Tq + i0 + x;
                 Lr[x] = x < nq ? lse[row] * FA2_LOG2E : 0.0f;
@@ -2968,20 +2982,20 @@ FA2_NO_UNROLL
                 const int q0 = n * 16;
                 if (q0 >= nq || j0 + r0 > i0 + q0 + 15 + off) continue;  // none of them sees this warp's keys
                 const bool full = !a.seg && q0 + 16 <= nq && r0 + 16 <= nk && j0 + r0 + 15 <= i0 + q0 + off;
-                // S^T = K Q^T and dP^T = V dO^T: [16 keys, 16 queries]
-                wmma::fragment<wmma::accumulator, 16, 16, 16, float> s, dp;
+                // S^T = K Q^T -> P^T; dV += P^T dO; dP^T = V dO^T -> dS^T; dK += dS^T Q ([16 keys, 16 queries];
+                // in this order, so that S^T and dP^T are not live at once)
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> s;
                 wmma::fill_fragment(s, 0.0f);
-                wmma::fill_fragment(dp, 0.0f);
 FA2_UNROLL
                 for (int f = 0; f < NF; f++) {
-                    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> xf;
                     wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> yf;
-                    wmma::load_matrix_sync(xf, Ks + r0 * LD + f * 16, LD);
                     wmma::load_matrix_sync(yf, Qs + q0 * LD + f * 16, LD);
-                    wmma::mma_sync(s, xf, yf, s);
-                    wmma::load_matrix_sync(xf, Vs + r0 * LD + f * 16, LD);
-                    wmma::load_matrix_sync(yf, dOs + q0 * LD + f * 16, LD);
-                    wmma::mma_sync(dp, xf, yf, dp);
+                    if constexpr (KVREG) {
+                        wmma::mma_sync(s, kfa[f], yf, s);
+                    } else {
+                        wmma::load_matrix_sync(kfa[0], Ks + r0 * LD + f * 16, LD);
+                        wmma::mma_sync(s, kfa[0], yf, s);
+                    }
                 }
                 wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf, df;
 FA2_UNROLL
@@ -2989,13 +3003,30 @@ FA2_UNROLL
                     const int kr = r0 + fa2_rr(lane, i), c = q0 + fa2_rc(lane, i);
                     const bool vis = full || (c < nq && kr < nk && fa_visible(a.seg, i0 + c, j0 + kr, off, Tk, b));
                     pf.x[i] = fa2_cvt<T>(vis ? exp2f(s.x[i] * sl2 - Lr[c]) : 0.0f);
-                    df.x[i] = fa2_cvt<T>(fa2_f(pf.x[i]) * (dp.x[i] - Dr[c]));
                 }
 FA2_UNROLL
-                for (int f = 0; f < NF; f++) {  // dV += P^T dO, dK += dS^T Q
+                for (int f = 0; f < NF; f++) {  // dV += P^T dO
                     wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> yf;
                     wmma::load_matrix_sync(yf, dOs + q0 * LD + f * 16, LD);
                     wmma::mma_sync(dvf[f], pf, yf, dvf[f]);
+                }
+                wmma::fill_fragment(s, 0.0f);  // now dP^T
+FA2_UNROLL
+                for (int f = 0; f < NF; f++) {
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> yf;
+                    wmma::load_matrix_sync(yf, dOs + q0 * LD + f * 16, LD);
+                    if constexpr (KVREG) {
+                        wmma::mma_sync(s, vfa[f], yf, s);
+                    } else {
+                        wmma::load_matrix_sync(vfa[0], Vs + r0 * LD + f * 16, LD);
+                        wmma::mma_sync(s, vfa[0], yf, s);
+                    }
+                }
+FA2_UNROLL
+                for (int i = 0; i < 8; i++) df.x[i] = fa2_cvt<T>(fa2_f(pf.x[i]) * (s.x[i] - Dr[q0 + fa2_rc(lane, i)]));
+FA2_UNROLL
+                for (int f = 0; f < NF; f++) {  // dK += dS^T Q
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> yf;
                     wmma::load_matrix_sync(yf, Qs + q0 * LD + f * 16, LD);
                     wmma::mma_sync(dkf[f], df, yf, dkf[f]);
                 }
@@ -3017,7 +3048,7 @@ FA2_UNROLL
 // dq [D, Tq, H, B]
 template <typename T, int D, int NW, int BT>  // (T: bf16)
 __global__ void __launch_bounds__(NW * 32, 1)
-    k_fa2_dq_reg(fa_args a, const float *dO, const float *lse, const float *delta, float *dq) {
+    k_fa2_dq_reg(fa_args a, const char *dO, const float *lse, const float *delta, float *dq) {
     if constexpr (!FA2_ARCH_OK(T)) return;
     else
     {
@@ -3030,15 +3061,24 @@ __global__ void __launch_bounds__(NW * 32, 1)
     QL_DYN_SMEM(unsigned char, sm);
     T *Qs = (T *)sm, *dOs = Qs + RQ * LD, *Ks = dOs + RQ * LD, *Vs = Ks + BT * LD;
     const char *qb = a.q.data + i0 * a.q.nb[1] + h * a.q.nb[2] + b * a.q.nb[3];
-    const float *ob = dO + ((b * Tq + i0) * H + h) * D;
     fa2_tile<T, D>(Qs, qb, a.q.nb[1], nq, RQ, a.q.type);
-    fa2_load<T, D>(dOs, (const char *)ob, H * D * 4, nq, RQ, fa2_aligned(ob, H * D * 4));
+    fa2_copy16<T, D>(dOs, dO + ((b * Tq + i0) * H + h) * D * 2, H * D * 2, nq, RQ);  // (bf16, aligned: the workspace's)
     float Lq[2], Dq[2];  // rows fa2_rr(lane, 0) and + 8
     for (int e = 0; e < 2; e++) {
         const int r = r0 + lane / 4 + 8 * e;
         const int64_t row = (b * H + h) * Tq + i0 + r;
         Lq[e] = r < nq ? lse[row] * FA2_LOG2E : 0.0f;
         Dq[e] = r < nq ? delta[row] : 0.0f;
+    }
+    constexpr bool QREG = D <= 64;  // this warp's q and dO rows as fragments in registers; above, read each time
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> qfa[QREG ? NF : 1], ofa[QREG ? NF : 1];
+    if constexpr (QREG) {
+        __syncthreads();
+FA2_UNROLL
+        for (int f = 0; f < NF; f++) {
+            wmma::load_matrix_sync(qfa[f], Qs + r0 * LD + f * 16, LD);
+            wmma::load_matrix_sync(ofa[f], dOs + r0 * LD + f * 16, LD);
+        }
     }
     wmma::fragment<wmma::accumulator, 16, 16, 16, float> dqf[NF];
 FA2_UNROLL
@@ -3070,14 +3110,21 @@ FA2_NO_UNROLL
             wmma::fill_fragment(dp, 0.0f);
 FA2_UNROLL
             for (int f = 0; f < NF; f++) {
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> xf;
                 wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> yf;
-                wmma::load_matrix_sync(xf, Qs + r0 * LD + f * 16, LD);
                 wmma::load_matrix_sync(yf, Ks + k0 * LD + f * 16, LD);
-                wmma::mma_sync(s, xf, yf, s);
-                wmma::load_matrix_sync(xf, dOs + r0 * LD + f * 16, LD);
+                if constexpr (QREG) {
+                    wmma::mma_sync(s, qfa[f], yf, s);
+                } else {
+                    wmma::load_matrix_sync(qfa[0], Qs + r0 * LD + f * 16, LD);
+                    wmma::mma_sync(s, qfa[0], yf, s);
+                }
                 wmma::load_matrix_sync(yf, Vs + k0 * LD + f * 16, LD);
-                wmma::mma_sync(dp, xf, yf, dp);
+                if constexpr (QREG) {
+                    wmma::mma_sync(dp, ofa[f], yf, dp);
+                } else {
+                    wmma::load_matrix_sync(ofa[0], dOs + r0 * LD + f * 16, LD);
+                    wmma::mma_sync(dp, ofa[0], yf, dp);
+                }
             }
             wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> df;
 FA2_UNROLL
@@ -3123,8 +3170,9 @@ FA2_REG_SMEM_OK(128);
 
 // launchers: the kernel for (T, D), its shared memory allowed, then the launch
 static bool cu_fa2_reg(const cu_ctx &c);
-// QLORA_CUDA_FA2_WARPS=8: the register path's forward with 8 warps (128 queries) a block, else 4
-static const int g_fa2_fwd_warps = getenv("QLORA_CUDA_FA2_WARPS") && atoi(getenv("QLORA_CUDA_FA2_WARPS")) == 8 ? 8 : 4;
+// the register path's forward: 8 warps (128 queries) a block, or 4 (QLORA_CUDA_FA2_WARPS=4); on an H200
+// 8 ran 56 / 45 TFLOP/s at d 128 / 64, 4 ran 50 / 42
+static const int g_fa2_fwd_warps = getenv("QLORA_CUDA_FA2_WARPS") && atoi(getenv("QLORA_CUDA_FA2_WARPS")) == 4 ? 4 : 8;
 template <int D, int NW> static void fa2_fwd_reg_launch(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *q = node->src[0];
     const size_t smem = fa2_fwd_reg_smem<D, NW>();
@@ -3135,20 +3183,33 @@ template <int D, int NW> static void fa2_fwd_reg_launch(cu_ctx &c, ql_tensor *no
     QL_LAUNCH(kern, grid, NW * 32, smem, c.stream, fa_args_of(node), (char *)node->data, lse);
     CU_LAUNCHED(c);
 }
-template <int D> static void fa2_back_reg_launch(cu_ctx &c, ql_tensor *node, const float *delta) {
+template <int D> static void fa2_back_reg_launch(cu_ctx &c, ql_tensor *node, const float *delta, const char *dO16) {
     constexpr int NW = FA2_REG_NW, BT = FA2_REG_BT;
     const ql_tensor *q = node->src[0], *k = node->src[1], *fwd = node->src[4];
     const size_t smem = fa2_back_reg_smem<D, NW, BT>();
     const fa_args a = fa_args_of(node);
-    const float *dO = (const float *)node->src[5]->data, *lse = (const float *)((const char *)fwd->data + ql_nbytes(fwd));
+    const char *dO = dO16;
+    const float *lse = (const float *)((const char *)fwd->data + ql_nbytes(fwd));
     float *dq = (float *)node->data, *dk = dq + ql_nelements(q), *dv = dk + ql_nelements(k);
-    void (*kdkv)(fa_args, const float *, const float *, const float *, float *, float *) = k_fa2_dkv_reg<__nv_bfloat16, D, NW, BT>;
-    void (*kdq)(fa_args, const float *, const float *, const float *, float *) = k_fa2_dq_reg<__nv_bfloat16, D, NW, BT>;
-    CU_CHECK(c, cudaFuncSetAttribute(kdkv, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    void (*kdkv)(fa_args, const char *, const float *, const float *, float *, float *) =
+        k_fa2_dkv_reg<__nv_bfloat16, D <= 96 ? D : 64, NW, BT>;  // (not instantiated at 128: see below)
+    void (*kdq)(fa_args, const char *, const float *, const float *, float *) = k_fa2_dq_reg<__nv_bfloat16, D, NW, BT>;
     CU_CHECK(c, cudaFuncSetAttribute(kdq, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    const dim3 gk((unsigned)((k->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)k->ne[2], (unsigned)k->ne[3]);
-    QL_LAUNCH(kdkv, gk, NW * 32, smem, c.stream, a, dO, lse, delta, dk, dv);
-    CU_LAUNCHED(c);
+    if constexpr (D > 96) {  // dK, dV at head dim 128: the shared-memory kernel (the register one needs more than 255 registers)
+        using T = __nv_bfloat16;
+        constexpr int SNW = fa2_back_cfg<T>::NW;
+        const size_t ssmem = fa2_back_smem<T, D>();
+        void (*kold)(fa_args, const float *, const float *, const float *, float *, float *) = k_fa2_dkv<T, D>;
+        CU_CHECK(c, cudaFuncSetAttribute(kold, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ssmem));
+        const dim3 gk((unsigned)((k->ne[1] + 16 * SNW - 1) / (16 * SNW)), (unsigned)k->ne[2], (unsigned)k->ne[3]);
+        QL_LAUNCH(kold, gk, SNW * 32, ssmem, c.stream, a, (const float *)node->src[5]->data, lse, delta, dk, dv);
+        CU_LAUNCHED(c);
+    } else {
+        CU_CHECK(c, cudaFuncSetAttribute(kdkv, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+        const dim3 gk((unsigned)((k->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)k->ne[2], (unsigned)k->ne[3]);
+        QL_LAUNCH(kdkv, gk, NW * 32, smem, c.stream, a, dO, lse, delta, dk, dv);
+        CU_LAUNCHED(c);
+    }
     const dim3 gq((unsigned)((q->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)q->ne[2], (unsigned)q->ne[3]);
     QL_LAUNCH(kdq, gq, NW * 32, smem, c.stream, a, dO, lse, delta, dq);
     CU_LAUNCHED(c);
@@ -3165,8 +3226,8 @@ template <typename T, int D> static void fa2_fwd_launch(cu_ctx &c, ql_tensor *no
     QL_LAUNCH(kern, grid, FA2_WARPS * 32, smem, c.stream, fa_args_of(node), (char *)node->data, lse);
     CU_LAUNCHED(c);
 }
-template <typename T, int D> static void fa2_back_launch(cu_ctx &c, ql_tensor *node, const float *delta) {
-    if (std::is_same<T, __nv_bfloat16>::value && cu_fa2_reg(c)) return fa2_back_reg_launch<D>(c, node, delta);
+template <typename T, int D> static void fa2_back_launch(cu_ctx &c, ql_tensor *node, const float *delta, const char *dO16) {
+    if (std::is_same<T, __nv_bfloat16>::value && cu_fa2_reg(c)) return fa2_back_reg_launch<D>(c, node, delta, dO16);
     const ql_tensor *q = node->src[0], *k = node->src[1], *fwd = node->src[4];
     constexpr int NW = fa2_back_cfg<T>::NW;
     const size_t smem = fa2_back_smem<T, D>();
@@ -3184,13 +3245,13 @@ template <typename T, int D> static void fa2_back_launch(cu_ctx &c, ql_tensor *n
     QL_LAUNCH(kdq, gq, NW * 32, smem, c.stream, a, dO, lse, delta, dq);
     CU_LAUNCHED(c);
 }
-template <typename T> static void fa2_run(cu_ctx &c, ql_tensor *node, const float *delta) {
+template <typename T> static void fa2_run(cu_ctx &c, ql_tensor *node, const float *delta, const char *dO16) {
     const bool back = node->op == QL_OP_FLASH_ATTN_BACK;
     switch (node->src[0]->ne[0]) {
-    case 64:  return back ? fa2_back_launch<T, 64>(c, node, delta) : fa2_fwd_launch<T, 64>(c, node);
-    case 80:  return back ? fa2_back_launch<T, 80>(c, node, delta) : fa2_fwd_launch<T, 80>(c, node);
-    case 96:  return back ? fa2_back_launch<T, 96>(c, node, delta) : fa2_fwd_launch<T, 96>(c, node);
-    case 128: return back ? fa2_back_launch<T, 128>(c, node, delta) : fa2_fwd_launch<T, 128>(c, node);
+    case 64:  return back ? fa2_back_launch<T, 64>(c, node, delta, dO16) : fa2_fwd_launch<T, 64>(c, node);
+    case 80:  return back ? fa2_back_launch<T, 80>(c, node, delta, dO16) : fa2_fwd_launch<T, 80>(c, node);
+    case 96:  return back ? fa2_back_launch<T, 96>(c, node, delta, dO16) : fa2_fwd_launch<T, 96>(c, node);
+    case 128: return back ? fa2_back_launch<T, 128>(c, node, delta, dO16) : fa2_fwd_launch<T, 128>(c, node);
     default:  CU_ASSERT(!"fused attention: head dim not in ql_cuda_fa_fused");
     }
 }
@@ -3201,16 +3262,18 @@ static void cu_fa_fused(cu_ctx &c, ql_tensor *node) {
     const size_t need = ql_cuda_fa_layout(node, cu_cc(c), o, nullptr, &ct);
     CU_ASSERT(c.work_size >= need);
     float *delta = nullptr;
+    char *dO16 = nullptr;
     if (node->op == QL_OP_FLASH_ATTN_BACK) {
         const ql_tensor *q = node->src[0], *v = node->src[2];
         const int64_t DV = v->ne[0], H = q->ne[2], Tq = q->ne[1], B = q->ne[3];
         delta = (float *)((char *)c.work + o[QL_CUDA_FA_DELTA]);
+        dO16 = (char *)c.work + o[QL_CUDA_FA_DO];
         QL_LAUNCH(k_fa_delta, cu_grid(Tq * H * B), CU_BLOCK, 0, c.stream, (const float *)node->src[5]->data,
-                  (const char *)node->src[4]->data, (int)node->src[4]->type, DV, H, Tq, Tq * H * B, delta);
+                  (const char *)node->src[4]->data, (int)node->src[4]->type, DV, H, Tq, Tq * H * B, delta, dO16, (int)ct);
         CU_LAUNCHED(c);
     }
-    if (ct == QL_TYPE_BF16) fa2_run<__nv_bfloat16>(c, node, delta);
-    else fa2_run<__half>(c, node, delta);
+    if (ct == QL_TYPE_BF16) fa2_run<__nv_bfloat16>(c, node, delta, dO16);
+    else fa2_run<__half>(c, node, delta, dO16);
 }
 
 static void cu_op_flash_attn(cu_ctx &c, ql_tensor *node) {

@@ -7176,16 +7176,23 @@ static int32_t cuda_fa_prec(const ql_tensor *node) {
     memcpy(&prec, &fwd->op_params[1], sizeof(prec));
     return prec;
 }
-// Off unless QLORA_CUDA_FA=fused (read once) or ql_cuda_fa_set_fused: on an H200 the WMMA kernels
-// ran attention at seq 2048, d 128 at 23.9 / 11.9 TFLOP/s forward / backward against the
-// chunked cuBLAS products' 41.7 / 18.7, and the 1B and 8B steps were 15% and 27% faster with the
-// products (bench/RESULTS.md, GPU speed, session 8). Correct on the device; not yet faster.
-static bool g_cuda_fa_fused = getenv("QLORA_CUDA_FA") && strcmp(getenv("QLORA_CUDA_FA"), "fused") == 0;
-void ql_cuda_fa_set_fused(bool on) { g_cuda_fa_fused = on; }
-bool ql_cuda_fa_get_fused(void) { return g_cuda_fa_fused; }
+// Which attention runs on tensor cores (read once from QLORA_CUDA_FA=chunked|forward|fused, or
+// ql_cuda_fa_set_mode). The default, QL_CUDA_FA_FORWARD: the fused forward, the chunked cuBLAS
+// backward - on an H200 at seq 2048 the fused forward's register path ran at 50 / 42 TFLOP/s (d 128
+// / 64) against the products' 40 / 23, its backward at 16 / 17 against 22 / 20 (bench/RESULTS.md,
+// GPU speed, session 10). The two paths store the forward's lse alike, so they mix.
+static int cuda_fa_mode_from_env() {
+    const char *e = getenv("QLORA_CUDA_FA");
+    if (!e) return QL_CUDA_FA_FORWARD;
+    return strcmp(e, "fused") == 0 ? QL_CUDA_FA_FUSED : strcmp(e, "chunked") == 0 ? QL_CUDA_FA_CHUNKED : QL_CUDA_FA_FORWARD;
+}
+static int g_cuda_fa_mode = cuda_fa_mode_from_env();
+void ql_cuda_fa_set_mode(int mode) { g_cuda_fa_mode = mode; }
+int ql_cuda_fa_get_mode(void) { return g_cuda_fa_mode; }
 bool ql_cuda_fa_fused(const ql_tensor *node) {
-    if (!g_cuda_fa_fused) return false;
-    if (!((node->op == QL_OP_FLASH_ATTN && !node->src[4]) || node->op == QL_OP_FLASH_ATTN_BACK)) return false;
+    if (g_cuda_fa_mode == QL_CUDA_FA_CHUNKED) return false;
+    if (!((node->op == QL_OP_FLASH_ATTN && !node->src[4]) || (node->op == QL_OP_FLASH_ATTN_BACK && g_cuda_fa_mode == QL_CUDA_FA_FUSED)))
+        return false;
     const int64_t D = node->src[0]->ne[0];
     return cuda_fa_prec(node) == QL_TYPE_BF16 && node->src[2]->ne[0] == D && (D == 64 || D == 80 || D == 96 || D == 128);
 }
@@ -7240,11 +7247,13 @@ size_t ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NB
     const size_t es = ql_plain_size(ct);
     const int64_t D = q->ne[0], Tq = q->ne[1], H = q->ne[2], B = q->ne[3], Tk = k->ne[1], Hkv = k->ne[2], DV = v->ne[0];
     const bool back = node->op == QL_OP_FLASH_ATTN_BACK;
-    if (fused) {  // the fused kernels read q, k, v, dO in place: the backward's delta [Tq, H, B] only
+    if (fused) {  // the fused kernels read q, k, v in place; the backward's delta [Tq, H, B] and dO in the compute type [DV, H, Tq, B]
         for (int i = 0; off && i < QL_CUDA_FA_NBUF; i++) off[i] = 0;
+        const size_t nd = align_up((size_t)(Tq * H * B) * sizeof(float), QL_ALIGN);
+        if (off) off[QL_CUDA_FA_DO] = nd;
         if (chunk) *chunk = 0;
         if (compute) *compute = ct;
-        return back ? align_up((size_t)(Tq * H * B) * sizeof(float), QL_ALIGN) : 0;
+        return back ? nd + align_up((size_t)(DV * Tq * H * B) * es, QL_ALIGN) : 0;
     }
     // the chunk: a power of two in [16, 256] whose scores fit QL_CUDA_FA_SCORE_BYTES, or all of Tq
     int64_t c = 16;

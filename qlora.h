@@ -1280,10 +1280,11 @@ enum { QL_CUDA_FA_DELTA, QL_CUDA_FA_K, QL_CUDA_FA_V, QL_CUDA_FA_Q, QL_CUDA_FA_DO
        QL_CUDA_FA_DS, QL_CUDA_FA_OUT, QL_CUDA_FA_NBUF };
 bool    ql_cuda_fa_fused(const ql_tensor *node);       // training attention on tensor cores (FlashAttention-2, WMMA):
                                                        // prec bf16, d == dv in {64, 80, 96, 128}; bf16 from cc 8.0, fp16 on 7.5;
-                                                       // only when switched on (QLORA_CUDA_FA=fused): slower than the products so far
+                                                       // the forward by default, the backward too under QL_CUDA_FA_FUSED
 bool    ql_cuda_fa_gemm(const ql_tensor *node);        // this attention runs as products (else: a fused kernel)
-void    ql_cuda_fa_set_fused(bool on);                 // the fused kernels on or off, process-wide (tools/bench, tests)
-bool    ql_cuda_fa_get_fused(void);
+enum { QL_CUDA_FA_CHUNKED, QL_CUDA_FA_FORWARD, QL_CUDA_FA_FUSED };  // products only; the fused forward (default); both fused
+void    ql_cuda_fa_set_mode(int mode);                 // process-wide (QLORA_CUDA_FA=chunked|forward|fused; tools/bench, tests)
+int     ql_cuda_fa_get_mode(void);
 bool    ql_cuda_fa2_register_path(const ql_backend *be); // the fused kernels keep scores in registers on this device (bf16,
                                                        // sm_80's fragment layout found by a probe; QLORA_CUDA_FA2_REG=0: off)
 size_t  ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NBUF], int64_t *chunk, ql_type *compute);

@@ -619,7 +619,15 @@ OP_CASE(add_rows_dropout_rows) {
         }, 0.0);
 }
 
+// fa_mode_guard: a CUDA attention mode (ql_cuda_fa_set_mode) for one case, the previous one after
+struct fa_mode_guard {
+    int was = ql_cuda_fa_get_mode();
+    explicit fa_mode_guard(int mode) { ql_cuda_fa_set_mode(mode); }
+    ~fa_mode_guard() { ql_cuda_fa_set_mode(was); }
+};
+
 OP_CASE(flash_attn) {
+    fa_mode_guard chunked(QL_CUDA_FA_CHUNKED);  // the products on a device (flash_attn_fused: the fused kernels)
     check_case(be, "causal, GQA", [](leafs &L) {
         return ql_flash_attn(L.ctx, L.param({16, 19, 4, 2}), L.param({16, 19, 2, 2}), L.param({16, 19, 2, 2}), nullptr, 0.25f);
     }, TOL_F32);
@@ -784,14 +792,16 @@ static void fused_attn_cases(ql_backend *be) {
 }
 
 OP_CASE(flash_attn_fused) {
-    struct fused_on {  // the kernels are off by default (slower than the products so far): on for this case
-        bool was = ql_cuda_fa_get_fused();
-        fused_on() { ql_cuda_fa_set_fused(true); }
-        ~fused_on() { ql_cuda_fa_set_fused(was); }
-    } on;
+    fa_mode_guard on(QL_CUDA_FA_FUSED);  // the default fuses the forward only: both for this case
     if (!ql_backend_is_host(be)) MESSAGE("fused attention: the " << std::string(ql_cuda_fa2_register_path(be) ? "register" : "shared-memory") << " path");
     fused_attn_cases(be);
     if (ql_backend_is_host(be)) return;
+    {  // the default: the fused forward's lse read by the chunked backward
+        ql_cuda_fa_set_mode(QL_CUDA_FA_FORWARD);
+        INFO("the fused forward, the chunked backward");
+        fused_attn_cases(be);
+        ql_cuda_fa_set_mode(QL_CUDA_FA_FUSED);
+    }
     if (qlshim_set_wmma_sm80) {
         // the other layout: sm_80's fragments (the register path, k_fa2_*_reg, where the backend's
         // probe finds them) if the shim scrambled them above, else the scramble (the shared-memory path)

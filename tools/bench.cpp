@@ -259,8 +259,8 @@ static void bench_qmatmul(ql_backend *cpu, int n_threads, int reps) {
 // casts' time is in the numbers, ~1% at d 128)
 static double time_attn(ql_backend *be, bool fused, bool backward, int reps, int64_t D) {
     const int64_t T = 2048, H = 32, HKV = 8;
-    const bool was = ql_cuda_fa_get_fused();
-    ql_cuda_fa_set_fused(fused);
+    const int was = ql_cuda_fa_get_mode();
+    ql_cuda_fa_set_mode(fused ? QL_CUDA_FA_FUSED : QL_CUDA_FA_CHUNKED);
     ql_init_params ip = {64u << 20, nullptr, true, false};
     ql_context *ctx = ql_init(ip);
     ql_tensor *q = ql_new_tensor_4d(ctx, QL_TYPE_F32, D, T, H, 1), *k = ql_new_tensor_4d(ctx, QL_TYPE_F32, D, T, HKV, 1);
@@ -295,7 +295,7 @@ static double time_attn(ql_backend *be, bool fused, bool backward, int reps, int
     ql_graph_free(gf);
     ql_backend_buffer_free(buf);
     ql_free(ctx);
-    ql_cuda_fa_set_fused(was);
+    ql_cuda_fa_set_mode(was);
     return t;
 }
 
