@@ -3362,6 +3362,9 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
         double b = (double)ql_nbytes(n);
         for (const ql_tensor *sr : n->src)
             if (sr) b += (double)(ql_nbytes(sr) + (sr->view_src ? 0 : sr->aux_size));
+        if (!caps.host && n->op == QL_OP_MUL_MAT && ql_cuda_mm_cached(n->src[0]))  // a device reads the weight's copy instead
+            b += (double)ql_nelements(n->src[0]) * (double)ql_plain_size(n->src[1]->type) -
+                 (double)(ql_nbytes(n->src[0]) + (n->src[0]->view_src ? 0 : n->src[0]->aux_size));
         const int cls = n->op == QL_OP_MUL_MAT ? QL_CENSUS_MATMUL
                         : n->op == QL_OP_FLASH_ATTN || n->op == QL_OP_FLASH_ATTN_BACK ? QL_CENSUS_ATTENTION
                         : n->op == QL_OP_CROSS_ENTROPY || n->op == QL_OP_CROSS_ENTROPY_BACK ? QL_CENSUS_LOSS
