@@ -1166,6 +1166,7 @@ struct advice_change {
     int group, cost;          // at most one change per group in a combination
     int cp = 0;               // 1 block, 2 sqrt
     bool b1 = false, half = false, nf4 = false, embd = false, optim8 = false;
+    bool cache_auto = false;  // --cache-weights auto: the copies only when they fit
 };
 
 // What the advice works with: the run, the changes that apply to it, and the predicted total of
@@ -1195,6 +1196,7 @@ struct advisor {
             if (c.b1) o.micro_batch = b, o.grad_accum = eff / b;
             if (c.embd) o.embd_on_host = 1;
             if (c.optim8) o.optim = optim8;
+            if (c.cache_auto) o.cache_weights = -1;
         }
         return o;
     }
@@ -1244,6 +1246,11 @@ static void advice_changes(advisor &v, const ql_memory_plan &now) {
         }
     v.nf4_how = "./quantize " + std::string(a.model) + " out.gguf nf4";
     std::vector<advice_change> &ch = v.ch;
+    if (now.device && now.dev_cache > 0 && a.o.cache_weights == 1) {  // the first thing to give up
+        advice_change c{"--cache-weights auto (the weights' copies only when they fit)", "--cache-weights auto", 6, 0};
+        c.cache_auto = true;
+        ch.push_back(c);
+    }
     if (now.device && !now.embd_on_host && v.f->model.output != v.f->model.tok_embd) {
         advice_change c{"--embd-on-host", "--embd-on-host", 0, 1};
         c.embd = true;
