@@ -1065,7 +1065,17 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
     // tiles) - a block-quantized W dequantised by rows (W x), a transposed one by bands of tm
     // columns of every row (Wᵀ dy), a plain type converted. Tile j of a's batch (ia2, ia3)
     // covers m in [m0, m0 + mt); the planner's rules give the tile and the buffers
-    const bool trows = ql_cuda_mm_trows(a), direct = !trows && ql_cuda_mm_a_direct(a, ct);
+    // (a cached weight W, or Wᵀ: read in place from its copy in the compute type, ql_backend_cache_weights)
+    const ql_tensor *cw = ql_cuda_mm_cached(a);
+    const ql_weight_copy *copy = cw ? (const ql_weight_copy *)cw->extra : nullptr;
+    if (cw && (!copy || copy->type != ct)) {
+        char why[160];
+        snprintf(why, sizeof(why), "weight '%s' is flagged cached but has no copy in %s (ql_backend_cache_weights)", cw->name,
+                 ql_type_name(ct));
+        cu_fail(c, __FILE__, __LINE__, "cu_op_mul_mat", why);
+        return;
+    }
+    const bool trows = !cw && ql_cuda_mm_trows(a), direct = cw || (!trows && ql_cuda_mm_a_direct(a, ct));
     const int64_t tm = direct ? M : ql_cuda_mm_tile_rows(K, M), per_batch = (M + tm - 1) / tm, n_tiles = A2 * A3 * per_batch;
     const int n_bufs = direct ? 1 : ql_cuda_mm_tile_bufs(K, M, A2 * A3);
     const size_t buf_bytes = direct ? 0 : ql_cuda_mm_tile_bytes(K, M, ct);
@@ -1084,7 +1094,11 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
         const int64_t ib = t / per_batch, ia2 = ib % A2, ia3 = ib / A2, m0 = (t % per_batch) * tm, mt = std::min(tm, M - m0);
         const int buf = (int)(t % n_bufs);
         cu_operand A;
-        if (direct) {
+        if (copy) {  // W [K, M] contiguous (a = W), or Wᵀ over it: element (k, m) at m * K_w + k of W's [K_w = M, K]
+            const bool tr = cw != a;
+            A = cu_as_operand((const char *)copy->data, es, tr ? M * (int64_t)es : (int64_t)es, tr ? (int64_t)es : K * (int64_t)es, K, M,
+                              true);
+        } else if (direct) {
             A = cu_as_operand((const char *)a->data + ia2 * a->nb[2] + ia3 * a->nb[3], es, (int64_t)a->nb[0], (int64_t)a->nb[1], K,
                               M, true);
         } else {
@@ -1144,6 +1158,28 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
         QL_LAUNCH(k_acc_round, cu_grid(n), CU_BLOCK, 0, c.stream, (const char *)acc->data, (const float *)C, (char *)node->data,
                   (int)node->type, n);
         CU_LAUNCHED(c);
+    }
+}
+
+// --cache-weights: W [K, M] whole in the multiply's type ct into dst, made by the tiles' own kernels
+// (cu_dequant_tile, k_convert_2d) over the tiles' rows, so that the copy holds the tiles' values
+static void cu_weight_copy(cu_ctx &c, const ql_tensor *w, char *dst, ql_type ct) {
+    const ql_type_traits *wt = ql_type_traits_get(w->type);
+    CU_ASSERT(wt && w->ne[2] == 1 && w->ne[3] == 1 && ql_rows_contiguous(w) && is_float_type_cu(ct));
+    const bool quant = wt->blck_size > 1 || wt->aux_bytes;
+    const char *aux = quant && wt->aux_bytes ? (const char *)w->data + ql_aux_offset(ql_nbytes(w)) : nullptr;
+    const int64_t K = w->ne[0], M = w->ne[1], tm = ql_cuda_mm_tile_rows(K, M);
+    const size_t es = ql_plain_size(ct);
+    for (int64_t m0 = 0; m0 < M && !c.failed; m0 += tm) {  // rows [m0, m0 + mt) of W -> dst's [K, mt] at row m0
+        const int64_t mt = std::min(tm, M - m0);
+        char *d = dst + (size_t)(m0 * K) * es;
+        if (quant) {
+            cu_dequant_tile(c, c.stream, (const char *)w->data, (int64_t)w->nb[1], w->type, aux, K, m0, mt, 0, K, d, ct);
+        } else {
+            QL_LAUNCH(k_convert_2d, cu_grid_rows(K, mt), CU_BLOCK, 0, c.stream, (const char *)w->data + m0 * (int64_t)w->nb[1],
+                      (int)w->type, (int64_t)w->nb[0], (int64_t)w->nb[1], K, mt, d, (int)ct);
+            CU_LAUNCHED(c);
+        }
     }
 }
 
@@ -3496,6 +3532,15 @@ static ql_status cuda_grad_stats(ql_backend *be, const ql_tensor *t, double *sum
     return c.failed ? QL_ERR_IO : QL_OK;
 }
 
+static bool cuda_weight_copy(ql_backend *be, const ql_tensor *w, void *dst, ql_type type, char *err, size_t n) {
+    cu_ctx c = cu_ctx_of((cuda_backend *)be->impl);
+    cu_weight_copy(c, w, (char *)dst, type);
+    const cudaError_t e = c.failed ? cudaSuccess : cudaStreamSynchronize(c.stream);
+    if (e != cudaSuccess) cu_fail(c, __FILE__, __LINE__, "cudaStreamSynchronize", cudaGetErrorString(e));
+    if (c.failed) snprintf(err, n, "%s", c.err);
+    return !c.failed;
+}
+
 // the statistics' result to the host: the one synchronisation of a step
 static void cu_optim_read(cu_ctx &c, const ql_optim_list *l, double *sumsq, bool *finite) {
     double *h = (double *)c.cb->h_scratch;
@@ -3878,7 +3923,7 @@ ql_backend *ql_backend_cuda_init(int device, char *err, size_t err_size) {
     cb->device = device;
     be->iface = {"cuda", cuda_supports_op, cuda_work_size, cuda_buffer_alloc, cuda_buffer_free, cuda_graph_compute,
                  cuda_free, cuda_host_alloc, cuda_host_free, cuda_copy, cuda_memset, cuda_synchronize,
-                 cuda_adamw_update, cuda_grad_stats, cuda_grad_stats_multi, cuda_adamw_update_multi};
+                 cuda_adamw_update, cuda_grad_stats, cuda_grad_stats_multi, cuda_adamw_update_multi, cuda_weight_copy};
     be->impl = cb;
     be->id = ql_backend_new_id();
     bool ok = cudaGetDeviceProperties(&cb->prop, device) == cudaSuccess &&

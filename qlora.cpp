@@ -3362,6 +3362,9 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
         double b = (double)ql_nbytes(n);
         for (const ql_tensor *sr : n->src)
             if (sr) b += (double)(ql_nbytes(sr) + (sr->view_src ? 0 : sr->aux_size));
+        if (!caps.host && n->op == QL_OP_MUL_MAT && ql_cuda_mm_cached(n->src[0]))  // a device reads the weight's copy instead
+            b += (double)ql_nelements(n->src[0]) * (double)ql_plain_size(n->src[1]->type) -
+                 (double)(ql_nbytes(n->src[0]) + (n->src[0]->view_src ? 0 : n->src[0]->aux_size));
         const int cls = n->op == QL_OP_MUL_MAT ? QL_CENSUS_MATMUL
                         : n->op == QL_OP_FLASH_ATTN || n->op == QL_OP_FLASH_ATTN_BACK ? QL_CENSUS_ATTENTION
                         : n->op == QL_OP_CROSS_ENTROPY || n->op == QL_OP_CROSS_ENTROPY_BACK ? QL_CENSUS_LOSS
@@ -6522,7 +6525,7 @@ ql_backend *ql_backend_cpu_init(int n_threads) {
         return nullptr;
     }
     be->iface = {"cpu", cpu_supports_op, cpu_work_size, cpu_buffer_alloc, cpu_buffer_free, cpu_graph_compute, cpu_free,
-                 nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};  // host memory: memcpy, host math
+                 nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};  // host memory: memcpy, host math
     be->impl = cb;
     be->id = ql_backend_new_id();
     if (!cb->pool.start(n_threads)) {
@@ -6623,6 +6626,8 @@ struct ql_backend_buffer {
     void (*free_fn)(void *);   // NULL: nothing to free
     std::vector<std::pair<ql_tensor *, void *>> placed;  // ql_backend_place_ctx_tensors: tensor -> its host data
     ql_context *placed_ctx;                               // whose views follow them back
+    std::vector<ql_tensor *> cached;                      // ql_backend_cache_weights: the weights whose copies it holds,
+    std::vector<ql_weight_copy> copies;                   // and the copies (their `extra`; sized once, never grown)
 };
 
 bool ql_backend_is_host(const ql_backend *be) { return be && !be->iface.copy && be->iface.graph_compute; }
@@ -6633,7 +6638,7 @@ ql_backend_buffer *ql_backend_buffer_alloc(ql_backend *be, ql_buffer_kind kind, 
     if (!be || (unsigned)kind >= QL_BUFFER_KIND_COUNT) return nullptr;
     if (size > SIZE_MAX - QL_ALIGN) return nullptr;  // (it would round up to 0 bytes)
     if (kind != QL_BUFFER_HOST_PINNED && !be->iface.buffer_alloc) return nullptr;  // a plan-only backend holds no memory
-    ql_backend_buffer *b = new (std::nothrow) ql_backend_buffer{kind, nullptr, size, nullptr, {}, nullptr};
+    ql_backend_buffer *b = new (std::nothrow) ql_backend_buffer{kind, nullptr, size, nullptr, {}, nullptr, {}, {}};
     if (!b || size == 0) return b;
     const size_t n = align_up(size, QL_ALIGN);
     if (kind == QL_BUFFER_HOST_PINNED && be->iface.host_alloc) {
@@ -6662,6 +6667,10 @@ static void ctx_rebind_views(ql_context *ctx) {
 void ql_backend_buffer_free(ql_backend_buffer *b) {
     if (!b) return;
     for (const auto &p : b->placed) p.first->data = p.second;  // placed tensors: back on their host data
+    for (ql_tensor *w : b->cached) {  // cached weights: their products dequantise tiles again
+        w->extra = nullptr;
+        w->flags &= ~QL_FLAG_CACHED;
+    }
     if (b->placed_ctx) ctx_rebind_views(b->placed_ctx);
     if (b->base && b->free_fn) b->free_fn(b->base);
     delete b;
@@ -6726,7 +6735,7 @@ ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx)
         QL_ERR(ctx, QL_ERR_UNSUPPORTED, "place_ctx_tensors: backend %s only plans (it holds no memory)", be->iface.name);
         return nullptr;
     }
-    if (ql_backend_is_host(be)) return new (std::nothrow) ql_backend_buffer{QL_BUFFER_DEVICE, nullptr, 0, nullptr, {}, nullptr};
+    if (ql_backend_is_host(be)) return new (std::nothrow) ql_backend_buffer{QL_BUFFER_DEVICE, nullptr, 0, nullptr, {}, nullptr, {}, {}};
     size_t total = 0;
     for (const ql_tensor *t : ctx->tensors)
         if (is_plain_leaf(t) && t->data && !(t->flags & QL_FLAG_HOST)) total += leaf_bytes(t);
@@ -6760,9 +6769,67 @@ ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx)
     return b;
 }
 
+// ---- frozen weights in the compute type (--cache-weights) ----
+
+static size_t weight_copy_bytes(const ql_tensor *w, ql_type type) {
+    return align_up((size_t)ql_nelements(w) * ql_plain_size(type), QL_ALIGN);
+}
+size_t ql_weight_cache_bytes(ql_tensor *const *w, int n, ql_type type) {
+    size_t total = 0;
+    for (int i = 0; i < n; i++)
+        if (w[i]) total += weight_copy_bytes(w[i], type);
+    return total;
+}
+void ql_weight_cache_mark(ql_tensor *const *w, int n, bool on) {
+    for (int i = 0; i < n; i++)
+        if (w[i] && on) w[i]->flags |= QL_FLAG_CACHED;
+        else if (w[i]) w[i]->flags &= ~QL_FLAG_CACHED;
+}
+
+ql_backend_buffer *ql_backend_cache_weights(ql_backend *be, ql_tensor *const *w, int n, ql_type type, char *err, size_t err_size) {
+    auto fail = [&](const char *fmt, const char *a, const char *b) {
+        if (err && err_size) snprintf(err, err_size, fmt, a, b);
+        return nullptr;
+    };
+    if (!be || n < 0 || (n && !w) || (type != QL_TYPE_F32 && type != QL_TYPE_F16 && type != QL_TYPE_BF16))
+        return fail("cache_weights: bad arguments%s%s", "", "");
+    if (!be->iface.weight_copy || !holds_memory(be))
+        return fail("cache_weights: backend %s keeps no weight copies%s", be->iface.name,
+                    ql_backend_is_host(be) ? " (it converts the weights while packing its panels: a copy saves nothing)" : "");
+    for (int i = 0; i < n; i++) {
+        const ql_tensor *x = w[i];
+        if (!x || !is_plain_leaf(x) || !x->data || (x->flags & (QL_FLAG_HOST | QL_FLAG_PARAM)) || x->ne[2] != 1 || x->ne[3] != 1 ||
+            x->type == type || !ql_rows_contiguous(x) || !ql_type_traits_get(x->type))
+            return fail("cache_weights: %s is not a placed 2-D frozen weight of another type than %s", x ? x->name : "(null)",
+                        ql_type_name(type));
+    }
+    ql_backend_buffer *b = ql_backend_buffer_alloc(be, QL_BUFFER_DEVICE, ql_weight_cache_bytes(w, n, type));
+    if (!b) {
+        char need[64];
+        snprintf(need, sizeof(need), "%.1f MiB", ql_weight_cache_bytes(w, n, type) / 1048576.0);
+        return fail("cache_weights: %s could not allocate %s for the weights' copies", be->iface.name, need);
+    }
+    b->copies.reserve((size_t)n);  // (the weights' extra point into it: never grown past n)
+    char e[256] = {0};
+    size_t off = 0;
+    for (int i = 0; i < n; i++) {
+        void *dst = (uint8_t *)b->base + off;
+        if (!be->iface.weight_copy(be, w[i], dst, type, e, sizeof(e))) {
+            ql_backend_buffer_free(b);  // (and the weights flagged so far unflagged)
+            return fail("cache_weights: %s: %s", w[i]->name, e);
+        }
+        b->copies.push_back({dst, type});
+        b->cached.push_back(w[i]);
+        w[i]->extra = &b->copies.back();
+        w[i]->flags |= QL_FLAG_CACHED;
+        off += weight_copy_bytes(w[i], type);
+    }
+    return b;
+}
+
 ql_backend_buffer *ql_backend_place_tensors_pinned(ql_backend *be, ql_tensor *const *ts, int n) {
     if (!be || (n && !ts)) return nullptr;
-    if (ql_backend_is_host(be)) return new (std::nothrow) ql_backend_buffer{QL_BUFFER_HOST_PINNED, nullptr, 0, nullptr, {}, nullptr};
+    if (ql_backend_is_host(be)) return new (std::nothrow) ql_backend_buffer{QL_BUFFER_HOST_PINNED, nullptr, 0, nullptr, {}, nullptr, {}, {}};
     size_t total = 0;
     for (int i = 0; i < n; i++) {
         if (!ts[i] || !is_plain_leaf(ts[i]) || !ts[i]->data || !(ts[i]->flags & QL_FLAG_HOST)) return nullptr;
@@ -7120,6 +7187,12 @@ bool ql_cuda_mm_trows(const ql_tensor *a) {
 bool ql_cuda_mm_a_direct(const ql_tensor *a, ql_type ct) {
     return a->type == ct && ql_cuda_operand_ok(ql_plain_size(ct), (int64_t)a->nb[0], (int64_t)a->nb[1], a->ne[0], a->ne[1]);
 }
+const ql_tensor *ql_cuda_mm_cached(const ql_tensor *a) {
+    const bool tr = a->op == QL_OP_TRANSPOSE && a->view_src && a->view_offs == 0;
+    const ql_tensor *w = tr ? a->view_src : a;
+    if (!(w->flags & QL_FLAG_CACHED) || w->op != QL_OP_NONE || w->view_src || w->ne[2] != 1 || w->ne[3] != 1) return nullptr;
+    return !tr || (a->ne[0] == w->ne[1] && a->ne[1] == w->ne[0] && a->ne[2] == 1 && a->ne[3] == 1) ? w : nullptr;
+}
 bool ql_cuda_mm_b_direct(const ql_tensor *b) {
     return ql_cuda_operand_ok(ql_plain_size(b->type), (int64_t)b->nb[0], (int64_t)b->nb[1], b->ne[0], b->ne[1]);
 }
@@ -7210,9 +7283,9 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
         const int64_t A2 = a->ne[2], A3 = a->ne[3], B2 = b->ne[2], B3 = b->ne[3], r3 = B3 / A3;
         const bool acc16 = acc && node->type != QL_TYPE_F32;
         const int64_t n = (acc && !acc16 && !inplace) + acc16 + (ql_cuda_mm_b_direct(b) ? 0 : B2 * B3);  // c's copy; k_acc_round; b's copies
-        // a in place, or in tiles of its rows (of Wᵀ: bands of W's columns), each dequantised or
-        // converted by one kernel; per tile the GEMMs of the b batches it serves
-        const bool direct = !ql_cuda_mm_trows(a) && ql_cuda_mm_a_direct(a, b->type);
+        // a in place (a cached weight: its copy), or in tiles of its rows (of Wᵀ: bands of W's
+        // columns), each dequantised or converted by one kernel; per tile the GEMMs of the b batches it serves
+        const bool direct = ql_cuda_mm_cached(a) || (!ql_cuda_mm_trows(a) && ql_cuda_mm_a_direct(a, b->type));
         const int64_t tiles = direct ? 1 : cdiv(M, ql_cuda_mm_tile_rows(K, M));
         return n + A2 * A3 * tiles * ((direct ? 0 : 1) + r3);
     }
@@ -7289,7 +7362,7 @@ size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
         if (ql_cuda_mm_gemv(node) || ql_cuda_mm_thin(node)) return 0;
         const ql_tensor *a = node->src[0], *b = node->src[1];
         size_t w = ql_cuda_mm_b_bytes(b);
-        if (ql_cuda_mm_trows(a) || !ql_cuda_mm_a_direct(a, b->type))
+        if (!ql_cuda_mm_cached(a) && (ql_cuda_mm_trows(a) || !ql_cuda_mm_a_direct(a, b->type)))  // (a cached weight: its copy)
             w += (size_t)ql_cuda_mm_tile_bufs(a->ne[0], a->ne[1], a->ne[2] * a->ne[3]) *
                  ql_cuda_mm_tile_bytes(a->ne[0], a->ne[1], b->type);
         if (node->src[2] && node->type != QL_TYPE_F32)  // a 16-bit c: the product in f32 before c is added (qlora-cuda.cu)
@@ -7318,7 +7391,7 @@ ql_backend *ql_backend_init_planned(ql_device d, int cc, char *err, size_t err_s
     }
     ql_backend *be = new ql_backend();
     be->iface = {"cuda (plan only)", cuda_plan_supports, cuda_plan_work, nullptr, nullptr, nullptr, cuda_plan_free,
-                 nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+                 nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
     be->impl = (void *)(intptr_t)cc;
     be->id = ql_backend_new_id();
     return be;

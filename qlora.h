@@ -300,6 +300,9 @@ enum ql_tensor_flag {
     // device placement has copied it, its pages are given back to the kernel (read again from the
     // file should the host need them), so that a GPU run does not hold the model in host RAM too
     QL_FLAG_MAPPED     = 1 << 7,
+    // a frozen weight whose products on a device read a copy of it in their compute type instead
+    // of dequantising tiles (ql_weight_cache_mark, ql_backend_cache_weights: --cache-weights)
+    QL_FLAG_CACHED     = 1 << 8,
 };
 
 struct ql_tensor {
@@ -315,7 +318,7 @@ struct ql_tensor {
     size_t     view_offs;                // byte offset into view_src's data
     size_t     aux_size;                 // bytes an op keeps right after the data (e.g. softmax stats)
     void      *data;
-    void      *extra;                    // backend-private
+    void      *extra;                    // backend-private (a QL_FLAG_CACHED weight's: its ql_weight_copy)
     char       name[QL_MAX_NAME];
 };
 
@@ -712,6 +715,22 @@ ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx)
 // The bytes that placement allocates on a device (a measuring context: as if every leaf had data),
 // for plans made before anything is placed.
 size_t      ql_ctx_placed_bytes(const ql_context *ctx);
+// Frozen weights in the compute type (finetune's --cache-weights). A device multiplies a
+// block-quantized (or otherwise typed) frozen weight by dequantising tiles of it into the
+// multiply's type before every product - forward, recompute and backward. With memory to spare
+// it keeps one copy of each weight in that type instead, made once after placement; the products
+// then read the copy: the same values the tiles hold, so the GEMMs get the same inputs. Weights:
+// placed 2-D leaves (not views, not QL_FLAG_HOST, not parameters) of another type than `type`.
+// The bytes ql_backend_cache_weights allocates for them (one buffer: each copy QL_ALIGN-aligned):
+size_t      ql_weight_cache_bytes(ql_tensor *const *w, int n, ql_type type);
+// Sets (on) or clears QL_FLAG_CACHED on the weights without making copies: a plan made before they
+// exist then sizes the multiplies' workspace without tiles (ql_backend_cache_weights sets it too).
+void        ql_weight_cache_mark(ql_tensor *const *w, int n, bool on);
+// The copies, in ONE new device buffer; each weight flagged and its `extra` pointed at its copy.
+// Freeing the buffer clears both. A weight's products must then be in `type`. NULL with the
+// reason in err when a weight is not one of the above, memory is short, or the backend keeps no
+// copies (the CPU: it converts weights while packing its panels, so a copy would save nothing).
+ql_backend_buffer *ql_backend_cache_weights(ql_backend *be, ql_tensor *const *w, int n, ql_type type, char *err, size_t err_size);
 // Leaves flagged QL_FLAG_HOST (so that the placement above leaves them) moved into ONE buffer of
 // pinned host memory, which a GPU's kernels read and write directly over the bus: paged optimizer
 // state. The CPU backend moves nothing. NULL when a tensor is not such a leaf or memory is short.
@@ -1214,7 +1233,15 @@ typedef struct ql_backend_i {
     ql_status (*grad_stats_multi)(ql_backend *be, ql_optim_list *l, double *sumsq, bool *finite);
     ql_status (*adamw_update_multi)(ql_backend *be, ql_optim_list *l, int64_t step, const ql_adamw_params *p,
                                     double loss_scale, float max_norm, double *sumsq, bool *finite);
+    // w's elements as `type` into dst ([ne0, ne1] contiguous), the values its products' tiles
+    // would hold (ql_backend_cache_weights; NULL: the backend keeps no such copies)
+    bool (*weight_copy)(ql_backend *be, const ql_tensor *w, void *dst, ql_type type, char *err, size_t n);
 } ql_backend_i;
+// a QL_FLAG_CACHED weight's copy (its `extra`, owned by the buffer ql_backend_cache_weights made)
+typedef struct ql_weight_copy {
+    void   *data;  // [ne0, ne1] in type, device memory
+    ql_type type;
+} ql_weight_copy;
 #define QL_COPY_TO_DEVICE   0   // ql_backend_i.copy directions
 #define QL_COPY_TO_HOST     1
 #define QL_COPY_ON_DEVICE   2
@@ -1261,6 +1288,9 @@ bool    ql_cuda_mm_thin(const ql_tensor *node);        // ... is one kernel, c a
 // the planner gave the node its source's memory (ql_plan_entry.inplace)
 int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace);
 bool    ql_cuda_mm_a_direct(const ql_tensor *a, ql_type compute);
+// a = W or transpose(W) of a QL_FLAG_CACHED weight W: its products read W's copy in place (no
+// tile, no workspace for a); W, or NULL
+const ql_tensor *ql_cuda_mm_cached(const ql_tensor *a);
 bool    ql_cuda_mm_b_direct(const ql_tensor *b);
 size_t  ql_cuda_mm_b_bytes(const ql_tensor *b);        // b's contiguous copy in the workspace (0: read in place)
 // a's rows in a dequantised tile (all of its row_len = K each): the budget's rows rounded down to

@@ -59,6 +59,11 @@ struct ql_trainer {
     std::vector<int32_t> in_tokens, in_pos, in_targets, in_seg;  // [T * B] staging for set
     std::vector<float> in_embd;  // [n_embd * T * B] embedding rows gathered on the host (embd_host)
     bool embd_host = false;      // the token embedding stays in host memory (QL_FLAG_HOST)
+    // --cache-weights: the frozen weights that get a copy in the compute type (flagged while the
+    // plan has them: QL_FLAG_CACHED), and on a device the buffer of the copies
+    bool cache = false;
+    std::vector<ql_tensor *> cache_w;
+    ql_backend_buffer *cache_buf = nullptr;
     int64_t loss_chunk = 0;      // rows per cross-entropy chunk (0: one)
     int64_t auto_chunk = 0;      // what auto would choose (0: one chunk suffices)
     int64_t ffn_chunk = 0;       // tokens per feed-forward chunk (0: whole)
@@ -371,6 +376,24 @@ static void give_back_heap() {
 // 1-4 MiB on 6-400 MiB runs: a reserve, so that a budget the plan accepts holds in RSS
 static size_t plan_reserve(size_t planned) { return (1u << 20) + planned / 200; }
 
+// --cache-weights: the frozen linears of the blocks and the output head that are not of the
+// compute type and stay on the device; flagged (on) or not, so that the plans count them
+static void set_cache(ql_trainer *t, bool on) {
+    ql_weight_cache_mark(t->cache_w.data(), (int)t->cache_w.size(), false);
+    t->cache_w.clear();
+    ql_llama &m = t->f->model;
+    auto add = [&](ql_tensor *w) {
+        if (w && w->type != t->compute && !(w->flags & QL_FLAG_HOST) && w->ne[2] == 1 && w->ne[3] == 1 &&
+            std::find(t->cache_w.begin(), t->cache_w.end(), w) == t->cache_w.end())
+            t->cache_w.push_back(w);
+    };
+    for (ql_llama_layer &L : m.layers)
+        for (ql_tensor *w : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) add(w);
+    add(m.output);
+    t->cache = on;
+    ql_weight_cache_mark(t->cache_w.data(), (int)t->cache_w.size(), on);
+}
+
 // What a device run allocates, as ql_trainer_new allocates it: the weights placed whole (the
 // embedding too, unless it stays on the host), one placement of the run's own tensors, one
 // graph buffer (the bigger graph's: training and evaluation never run at once), the context,
@@ -392,8 +415,10 @@ static void device_plan(ql_trainer *t, ql_context *meas, size_t train_buf, size_
     m.dev_buffer = std::max(train_buf, eval_buf);  // one buffer, the other graph runs in it
     m.dev_context = t->caps.context_bytes;
     m.dev_context_estimated = t->caps.context_estimated;
-    m.dev_rounding = round(m.dev_weights) + round(m.dev_state) + round(m.dev_buffer) + G;  // + the backend's scratch
-    m.total = m.dev_weights + m.dev_state + m.dev_buffer + m.dev_context + m.dev_rounding;
+    m.cache_candidate = ql_weight_cache_bytes(t->cache_w.data(), (int)t->cache_w.size(), t->compute);
+    m.dev_cache = t->cache ? m.cache_candidate : 0;  // one buffer of copies, made after the weights are placed
+    m.dev_rounding = round(m.dev_weights) + round(m.dev_state) + round(m.dev_buffer) + round(m.dev_cache) + G;  // + the backend's scratch
+    m.total = m.dev_weights + m.dev_state + m.dev_buffer + m.dev_cache + m.dev_context + m.dev_rounding;
     // the host's part: what the host writes of the arena (tensor headers, the adapter made there
     // before its upload, the moments' copies each checkpoint fills; gradients and inputs are
     // never written there), the batch staged for upload, the pages it reads of the weights (the
@@ -599,7 +624,7 @@ static void set_embd_host(ql_trainer *t, bool on) {
     if (on) e->flags |= QL_FLAG_HOST;
     else e->flags &= ~QL_FLAG_HOST;
 }
-static bool choose_levels(ql_trainer *t, std::string *err) {
+static bool choose_memory(ql_trainer *t, std::string *err) {
     if (!choose_levels_for(t, err)) return false;
     if (t->o.loss_chunk == 0 && t->on_host && t->loss_chunk == 0 && t->auto_chunk > 0 && !fits(t)) {
         t->loss_chunk = t->auto_chunk;  // the CPU's auto: chunks when the plan needs them
@@ -613,7 +638,36 @@ static bool choose_levels(ql_trainer *t, std::string *err) {
     if (t->f->model.output == t->f->model.tok_embd) return true;  // tied: the output projection reads it on the device
     set_embd_host(t, true);
     weight_pages(t);  // the host now reads the embedding's rows
+    if (t->cache) set_cache(t, true);  // (a tied head now stays on the host: no copy of it)
     return choose_levels_for(t, err);
+}
+// Everything above, and the weights' copies (--cache-weights): on, every choice is made with
+// them; auto, they are added last, only when the plan with them still fits - the first thing
+// given up when memory is tight, before any recompute, offload or embedding choice.
+static bool choose_levels(ql_trainer *t, std::string *err) {
+    const int cw = t->on_host ? 0 : t->o.cache_weights;
+    set_cache(t, cw == 1);
+    if (!choose_memory(t, err)) return false;
+    ql_memory_plan &m = t->mem;
+    if (t->on_host) m.cache_weights = "off (the CPU converts weights while packing its panels)";
+    else if (cw == 1) m.cache_weights = "on";
+    else if (cw == 0) m.cache_weights = "off";
+    else if (m.cache_candidate == 0) m.cache_weights = "auto: off (no weight to copy: all are of the compute type)";
+    else if (limit_of(t) == 0) m.cache_weights = "auto: off (no memory limit known: --vram)";
+    else if (!fits(t)) m.cache_weights = "auto: off (the plan does not fit as it is)";
+    else {
+        set_cache(t, true);
+        if (!measure(t, err)) return false;
+        if (fits(t)) {
+            m.cache_weights = "auto: on";
+            return true;
+        }
+        const size_t over = m.total - limit_of(t);
+        set_cache(t, false);
+        if (!measure(t, err)) return false;
+        m.cache_weights = "auto: off (" + mib_text(over) + " over the limit with them)";
+    }
+    return true;
 }
 
 // The positions of a sequence the loss depends on: up to its last target (attention is causal,
@@ -702,6 +756,12 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
     }
     if (o.vram) t->mem.vram = o.vram;
     const ql_llama &m = f->model;
+    if (o.cache_weights == 1 && t->on_host) {
+        *err = "--cache-weights on: the CPU backend converts the weights while packing its panels, so a copy would save "
+               "nothing (it is for a device: --device cuda)";
+        ql_trainer_free(t);
+        return nullptr;
+    }
     if (o.embd_on_host == 1 && !t->on_host && m.output == m.tok_embd) {
         *err = "--embd-on-host: this model's output projection is its embedding (tied): it must be on the device";
         ql_trainer_free(t);
@@ -744,6 +804,12 @@ static std::string biggest_items(const ql_memory_plan &m) {
 
 // the message when the plan does not fit: the total against the limit, the biggest items
 static std::string over_limit(const ql_trainer *t) {
+    if (t->cache && t->o.cache_weights == 1) {
+        const size_t lim = limit_of(t);
+        return "--cache-weights on: the plan needs " + std::to_string(t->mem.total) + " bytes of device memory (" +
+               mib_text(t->mem.total) + "; the weights' copies " + std::to_string(t->mem.dev_cache) + "), " + std::to_string(lim) +
+               " available (" + mib_text(lim) + ") --> hint: --cache-weights auto";
+    }
     return "needs " + mib_text((t->mem.device ? 0 : t->o.mem_other) + t->mem.total) + " of the " + mib_text(limit_of(t)) +
            (t->mem.device ? " of device memory" : "") + " allowed (" + biggest_items(t->mem) + ")";
 }
@@ -813,6 +879,14 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
         *err = "placing the model on " + std::string(ql_backend_name(t->be)) + ": " + ctx_message(t->weights_buf ? t->ctx : t->f->ctx);
         ql_trainer_free(t);
         return nullptr;
+    }
+    if (t->cache) {  // after the weights are on the device: made from them, once
+        char e[512] = {0};
+        if (!(t->cache_buf = ql_backend_cache_weights(t->be, t->cache_w.data(), (int)t->cache_w.size(), t->compute, e, sizeof(e)))) {
+            *err = "--cache-weights: " + ql_user_message(e);
+            ql_trainer_free(t);
+            return nullptr;
+        }
     }
     if (!t->on_host && ql_optim_paged(t->o.optim)) {
         std::vector<ql_tensor *> moments;
@@ -919,11 +993,13 @@ void ql_trainer_free(ql_trainer *t) {
     t->bucket_io.clear();
     ql_optim_list_free(t->olist);
     ql_backend_buffer_free(t->paged_buf);
+    ql_backend_buffer_free(t->cache_buf);    // the weights' copies (their flags cleared),
     ql_backend_buffer_free(t->state_buf);    // the tensors back on the arena,
     ql_backend_buffer_free(t->weights_buf);  // the weights on the file mapping
     ql_backend_free(t->own_be);
     ql_free(t->ctx);
     if (t->f) {  // the model's adapters pointed into ctx
+        if (!t->cache_w.empty()) ql_weight_cache_mark(t->cache_w.data(), (int)t->cache_w.size(), false);  // (a plan's flags)
         t->f->model.lora.clear();
         t->f->model.compute = QL_TYPE_F32;
         if (t->f->model.tok_embd) t->f->model.tok_embd->flags &= ~QL_FLAG_HOST;  // the next run decides again
@@ -1599,12 +1675,13 @@ bool ql_trainer_to_host(ql_trainer *t, std::string *err) {
                 *err = std::string("cannot read ") + x->name + " from " + std::string(ql_backend_name(t->be));
                 return false;
             }
+    ql_backend_buffer_free(t->cache_buf);  // the weights' copies first (they point at nothing of the host)
     ql_backend_buffer_free(t->state_buf);  // every placed tensor back on its host bytes
     ql_backend_buffer_free(t->weights_buf);
     ql_backend_buffer_free(t->paged_buf);
     ql_optim_list_free(t->olist);  // (its pointers were the device's: no step after this)
     t->olist = nullptr;
-    t->state_buf = t->weights_buf = t->paged_buf = nullptr;
+    t->state_buf = t->weights_buf = t->paged_buf = t->cache_buf = nullptr;
     for (const auto &st : t->state)
         for (ql_tensor *x : st) x->flags &= ~QL_FLAG_HOST;
     t->on_host = true;

@@ -110,6 +110,13 @@ struct ql_train_options {
     // a device run: the token embedding stays in host memory and only the step's rows are
     // gathered there and uploaded (1: yes, 0: no, -1: auto - when the plan does not fit without)
     int embd_on_host = -1;
+    // a device run: each frozen linear weight of the blocks (and the output head) that is not
+    // of the compute type gets a copy in it on the device, made once after loading; the products
+    // read it instead of dequantising tiles (ql_backend_cache_weights: the same GEMM inputs).
+    // 1: on (every other choice made with it; refused when it does not fit), 0: off, -1: auto -
+    // on when the plan with it fits the memory limit with the options chosen without it (the
+    // first thing given up). The CPU: off (it converts weights while packing; 1 is refused).
+    int cache_weights = -1;
     // a device run: the device memory the plan must fit. 0: the device's free memory at the start
     // (a stand-in has none: no limit); otherwise it caps the plan like mem_limit.
     size_t vram = 0;
@@ -171,6 +178,9 @@ struct ql_memory_plan {
     size_t host_pinned = 0;     // offloaded checkpoints in pinned host memory (a device run with --offload-activations)
     bool   embd_on_host = false;
     size_t host_embd = 0;       // the embedding's bytes kept in host memory (read a row at a time)
+    size_t dev_cache = 0;       // --cache-weights: the frozen weights' copies in the compute type (0: none)
+    size_t cache_candidate = 0; // what those copies take (or would), whether or not they are made
+    std::string cache_weights;  // the choice and why ("auto: on", "auto: off (does not fit)", "off", "on")
     ql_census census{};         // one micro-batch's training graph on the plan's backend (ql_graph_census)
 };
 

@@ -1288,8 +1288,10 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
     CHECK(paged.plan.optimizer_host);
     CHECK(paged.plan.dev_state + paged.plan.optimizer == whole.plan.dev_state);  // the moments left the device
     for (const result *r : {&whole, &chunked, &block, &offloaded, &paged, &paged8, &ffn}) {
-        CHECK(r->allocated == r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer);
-        CHECK(r->plan.total == r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer + r->plan.dev_context + r->plan.dev_rounding);
+        // (and the weights' copies, which --cache-weights auto takes on the shim's 16 GiB)
+        CHECK(r->allocated == r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer + r->plan.dev_cache);
+        CHECK(r->plan.total ==
+              r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer + r->plan.dev_cache + r->plan.dev_context + r->plan.dev_rounding);
         // the host's part holds none of the device's buffers: under the adapter, moments, pages
         // read and pinned memory, plus the reserve and a little staging
         const size_t own = r->plan.weights + r->plan.headers + r->plan.graph_heap + r->plan.lora + r->plan.optimizer + r->plan.host_pinned;
@@ -1437,4 +1439,151 @@ OP_CASE(mul_mat_16bit_result_rounds_once) {
                 for (float v : r.out) off += v != 0.0f;
                 CHECK_MESSAGE(off == 0, off, " of ", r.out.size(), " elements differ from the f32 result rounded once");
             }
+}
+
+// ---- --cache-weights (issue 31 item 3): the frozen weights' copies in the compute type ----------
+// A tiny llama whose linears are NF4, Q8_0 or f16 and whose head is f32, trained with and without
+// the copies. The products then read the copy (one GEMM over all of W, or Wᵀ over it) instead of
+// dequantising tiles (here several of 128 rows: the tile budget made small): the GEMMs' inputs
+// are the same values, so through the shim (a GEMM that sums each element alone, in k order) the
+// losses and adapters are the same bits. The plan counts the copies, to the byte. The CPU keeps
+// no copies: `on` is refused there, auto is off.
+OP_CASE(trainer_cache_weights) {
+    tmpdir d;
+    tile_budget tiles(64 * 128);  // (a budget of 128 rows of 64: the 384-row weights and the 300-row head in 3 tiles)
+    {  // the workspace rule: a flagged weight's products (W x and Wᵀ dy) plan no tile for it
+        ql_init_params ip = {1u << 20, nullptr, true, false};
+        ql_context *ctx = ql_init(ip);
+        ql_tensor *w = ql_new_tensor_2d(ctx, QL_TYPE_NF4, 64, 384);
+        ql_tensor *x = ql_new_tensor_2d(ctx, QL_TYPE_BF16, 64, 10), *dy = ql_new_tensor_2d(ctx, QL_TYPE_BF16, 384, 10);
+        ql_tensor *fwd = ql_mul_mat(ctx, w, x), *back = ql_mul_mat(ctx, ql_transpose(ctx, w), dy);
+        const size_t f0 = ql_cuda_work_size(fwd, 90), b0 = ql_cuda_work_size(back, 90);
+        CHECK(f0 >= (size_t)2 * 128 * 64 * 2);  // two tiles' buffers
+        CHECK(b0 >= (size_t)2 * 64 * 64 * 2);
+        CHECK(ql_cuda_node_launches(fwd, 90, false) == 3 + 3);  // 3 tiles: a fill and a GEMM each
+        ql_weight_cache_mark(&w, 1, true);
+        CHECK(ql_cuda_mm_cached(fwd->src[0]) == w);
+        CHECK(ql_cuda_mm_cached(back->src[0]) == w);
+        CHECK(ql_cuda_work_size(fwd, 90) == 0);
+        CHECK(ql_cuda_work_size(back, 90) == 0);
+        CHECK(ql_cuda_node_launches(fwd, 90, false) == 1);  // one GEMM over the copy
+        ql_weight_cache_mark(&w, 1, false);
+        CHECK(ql_cuda_work_size(fwd, 90) == f0);
+        ql_free(ctx);
+    }
+    struct variant {
+        ql_type linear;
+        ql_precision prec;
+    };
+    for (const variant &vr : {variant{QL_TYPE_NF4, ql_precision::bf16}, variant{QL_TYPE_NF4, ql_precision::fp16},
+                              variant{QL_TYPE_Q8_0, ql_precision::bf16}, variant{QL_TYPE_F16, ql_precision::bf16},
+                              variant{QL_TYPE_F16, ql_precision::fp16}}) {
+        INFO("linears " << std::string(ql_type_name(vr.linear)) << ", precision " << std::string(ql_name(vr.prec)));
+        const std::string path = d.file(std::string("tiny-") + ql_type_name(vr.linear) + ".gguf");
+        {
+            tiny_llama t(tiny_hparams(300, 64, 384), 9, 0.2f, /*tied_output=*/false);
+            llama_gguf_opts o;
+            o.linear_type = vr.linear;
+            write_llama_gguf(t.m, path, o);
+        }
+        std::vector<ql_sequence> seqs;
+        for (int s = 0; s < 4; s++) {
+            ql_sequence q;
+            int tok = (13 * s + 7) % 300;
+            for (int i = 0; i < 24; i++) {
+                q.tokens.push_back(tok);
+                q.pos.push_back(i);
+                q.seg.push_back(0);
+                tok = (7 * tok + 11) % 300;
+                q.targets.push_back(i >= 2 ? tok : -1);
+                q.n_targets += q.targets.back() >= 0;
+            }
+            seqs.push_back(q);
+        }
+        ql_train_options o;
+        o.lora.r = 4;
+        o.lora.alpha = 8;
+        o.lora.targets = {"q", "k", "v", "o", "gate", "up", "down"};
+        o.lora.dropout = 0.1f;
+        o.micro_batch = 2;
+        o.lr = 1e-2f;
+        o.max_steps = 3;
+        o.threads = 1;
+        o.precision = vr.prec;
+        o.checkpointing = ql_checkpointing::block;  // (recompute reads the weights too)
+        o.loss_chunk = -1;
+        o.backend = be;
+        struct result {
+            std::vector<double> losses;
+            std::vector<float> adapter;
+            ql_memory_plan plan;
+            size_t allocated = 0;
+            std::string error;
+        };
+        auto run = [&](int cache) {
+            result r;
+            char err[256];
+            ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
+            REQUIRE_MESSAGE(f, err);
+            ql_train_options oo = o;
+            oo.cache_weights = cache;
+            size_t before = 0, after = 0;
+            ql_backend_memory_used(be, &before, nullptr);
+            ql_trainer *t = nullptr;
+            if (ql_train_plan(f, seqs, seqs, oo, &r.plan, &r.error)) t = ql_trainer_new(f, seqs, seqs, oo, &r.error);
+            if (!t) {
+                ql_llama_file_free(f);
+                return r;
+            }
+            ql_backend_memory_used(be, &after, nullptr);
+            r.allocated = after - before;
+            ql_step_metrics m;
+            std::string e;
+            while (ql_trainer_steps_done(t) < ql_trainer_total_steps(t)) {
+                REQUIRE_MESSAGE(ql_trainer_step(t, &m, &e), e);
+                r.losses.push_back(m.loss);
+            }
+            REQUIRE_MESSAGE(ql_trainer_to_host(t, &e), e);
+            for (ql_tensor *p : ql_llama_lora_params(ql_trainer_model(t)))
+                r.adapter.insert(r.adapter.end(), (const float *)p->data, (const float *)p->data + ql_nelements(p));
+            ql_trainer_free(t);
+            for (const ql_tensor *w : {f->model.layers[0].wq, f->model.layers[1].w_down, f->model.output})
+                CHECK((!(w->flags & QL_FLAG_CACHED) && !w->extra));  // the trainer leaves the model as it found it
+            ql_llama_file_free(f);
+            return r;
+        };
+        const result off = run(0), autod = run(-1);
+        REQUIRE_MESSAGE(off.error.empty(), off.error);
+        REQUIRE_MESSAGE(autod.error.empty(), autod.error);
+        CHECK(off.losses.back() < off.losses.front());
+        CHECK(autod.losses == off.losses);
+        CHECK(autod.adapter == off.adapter);
+        CHECK(off.plan.dev_cache == 0);
+        if (ql_backend_is_host(be)) {  // the CPU converts while packing: no copies, `on` refused with the reason
+            CHECK_MESSAGE(autod.plan.cache_weights.rfind("off (the CPU", 0) == 0, autod.plan.cache_weights);
+            const result on = run(1);
+            CHECK_MESSAGE(on.error.rfind("--cache-weights on: the CPU backend converts the weights while packing", 0) == 0, on.error);
+            continue;
+        }
+        const result on = run(1);
+        REQUIRE_MESSAGE(on.error.empty(), on.error);
+        CHECK(on.plan.cache_weights == "on");
+        // f16 linears under fp16 need no copy (they are the compute type): only the f32 head has one
+        const int64_t E = 64, F = 384, V = 300, kv = 64 / 4 * 2, L = 2;
+        const size_t es = vr.prec == ql_precision::fp32 ? 4 : 2;
+        const int64_t linear_elems = L * (E * E * 2 + E * kv * 2 + E * F * 3);
+        const bool linears = !(vr.linear == QL_TYPE_F16 && vr.prec == ql_precision::fp16);
+        CHECK(on.plan.dev_cache == (linears ? (size_t)linear_elems * es : 0) + (size_t)(E * V) * es);
+        // the shim's 16 GiB: auto took them, and the same plan as `on`
+        CHECK(autod.plan.cache_weights == "auto: on");
+        CHECK(autod.plan.dev_cache == on.plan.dev_cache);
+        // the same bits: the copies hold the tiles' values
+        CHECK(on.losses == off.losses);
+        CHECK(on.adapter == off.adapter);
+        for (const result *r : {&off, &on, &autod}) {  // the plan is what was allocated, to the byte
+            CHECK(r->allocated == r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer + r->plan.dev_cache);
+            CHECK(r->plan.total ==
+                  r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer + r->plan.dev_cache + r->plan.dev_context + r->plan.dev_rounding);
+        }
+    }
 }

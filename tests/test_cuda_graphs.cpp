@@ -297,6 +297,10 @@ TEST_CASE("census: the launches counted from the plan are what the CUDA backend 
         o.precision = ql_precision::fp32;
         census_of_training(path, seqs, o);
     }
+    SUBCASE("bf16, the weights' copies (--cache-weights: one GEMM a product, no tile)") {
+        o.cache_weights = 1;
+        census_of_training(path, seqs, o);
+    }
     SUBCASE("bf16, block recompute, checkpoints offloaded") {
         o.checkpointing = ql_checkpointing::block;
         o.offload_activations = true;

@@ -899,6 +899,9 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
         {md + " --vram lots", "--vram: 'lots' is not a size"},
         {md + " --cc 5.0", "--cc: '5.0' is not a compute capability qlora runs on"},
         {md + " --vram 8G --device cpu", "--vram/--cc describe a GPU: with --device cuda (this run: --device cpu)"},
+        {md + " --cache-weights yes", "--cache-weights: 'yes' is not one of on, off, auto"},
+        {md + " --cache-weights", "--cache-weights needs a value"},
+        {md + " --device cpu --cache-weights on", "--cache-weights on: the CPU backend converts the weights while packing its panels"},
         {md + " --loss-chunk many", "--loss-chunk: 'many' is not a number in [-1, "},
         {md + " --ffn-chunk -2", "--ffn-chunk: '-2' is not a number in [-1, "},
         {md + " --host-mem 64", "--host-mem: '64' "},
@@ -1040,6 +1043,12 @@ ql_json json_line(const std::string &log) {
     }
     FAIL("no JSON line in: " << log);
     return j;
+}
+
+std::string jstr(const ql_json &j, const char *key) {
+    const ql_json *v = j.get(key);
+    REQUIRE_MESSAGE(v, key);
+    return v->str;
 }
 
 double jnum(const ql_json &j, const char *key) {
@@ -1185,7 +1194,7 @@ TEST_CASE("finetune: the device plan on a machine without the card (--vram, --cc
     REQUIRE_MESSAGE(run(ft + " -b 4 --vram 2G --json", &log) == 0, log);
     const ql_json j = json_line(log);
     double parts = jnum(*j.get("weights"), "device") + jnum(j, "inputs_and_state") + jnum(j, "graph_buffer") + jnum(j, "context") +
-                   jnum(j, "rounding");
+                   jnum(j, "rounding") + jnum(*j.get("cache_weights"), "bytes");
     CHECK(parts == jnum(j, "total"));  // the parts add up to the total
     const double total = jnum(j, "total");
     // the loss in chunks: 1024 rows x 4000 logits is under one chunk; 64 rows per chunk forced
@@ -1213,6 +1222,51 @@ TEST_CASE("finetune: the device plan on a machine without the card (--vram, --cc
     const ql_json b = json_line(log);
     CHECK(jnum(*o.get("host"), "pinned") > 0);
     CHECK(jnum(o, "saved_activations") < jnum(b, "saved_activations"));
+}
+
+TEST_CASE("finetune --cache-weights: auto takes the copies on a large --vram and gives them up first on a small one; on "
+          "refused where they do not fit" * needs_tools("make-model finetune")) {
+    tmpdir d;
+    const std::string base = d.path + "/base.gguf", data = d.path + "/qa.jsonl", out = d.path + "/run";
+    std::string log;
+    REQUIRE(run("./make-model -o " + base + " --dim 128 --layers 2 --heads 4 --ff 512 --vocab 512 --type nf4", &log) == 0);
+    write_qa_jsonl(data, 16);
+    const std::string ft = "./finetune -m " + base + " -d " + data + " -o " + out + " --seq-len 64 -b 2 --device cuda --cc 9.0 --dry-run --json";
+    auto plan = [&](const std::string &flags) {
+        REQUIRE_MESSAGE(run(ft + flags, &log) == 0, log);
+        return json_line(log);
+    };
+    // the copies: the seven NF4 linears of 2 blocks and the f32 head, in bf16
+    const size_t copies = (size_t)2 * (128 * 128 * 4 + 128 * 512 * 3) * 2 + (size_t)128 * 512 * 2;
+    const ql_json big = plan(" --vram 8G"), off = plan(" --vram 8G --cache-weights off");
+    const ql_json &cb = *big.get("cache_weights"), &co = *off.get("cache_weights");
+    CHECK(jstr(cb, "choice") == "auto: on");
+    CHECK(jnum(cb, "bytes") == (double)copies);
+    CHECK(jstr(co, "choice") == "off");
+    CHECK(jnum(co, "bytes") == 0);
+    CHECK(jnum(co, "copies_would_take") == (double)copies);
+    // their bytes and the allocator's rounding of their buffer: the whole difference
+    CHECK(jnum(big, "total") == jnum(off, "total") + (double)copies + (double)((2u << 20) - copies % (2u << 20)));
+    CHECK(jstr(big, "checkpointing") == jstr(off, "checkpointing"));
+    // a card with room for the plan but not for the copies too: auto leaves them out and says so;
+    // nothing else changes (no recompute for their sake)
+    const std::string tight = std::to_string((long long)jnum(off, "total") + (long long)copies / 2) + "B";
+    const ql_json small = plan(" --vram " + tight);
+    CHECK(has(jstr(*small.get("cache_weights"), "choice"), "auto: off ("));
+    CHECK(jnum(*small.get("cache_weights"), "bytes") == 0);
+    CHECK(jnum(small, "total") == jnum(off, "total"));
+    CHECK(jstr(small, "checkpointing") == jstr(off, "checkpointing"));
+    // on where they do not fit: refused, naming the flag and the bytes needed against those available
+    CHECK(run(ft + " --vram " + tight + " --cache-weights on --checkpointing none --embd-on-device --optim adamw", &log) == 1);
+    CHECK_MESSAGE(has(log, "--cache-weights on: the plan needs " + std::to_string((long long)jnum(big, "total")) +
+                               " bytes of device memory"), log);
+    CHECK_MESSAGE(has(log, tight.substr(0, tight.size() - 1) + " available"), log);
+    CHECK_MESSAGE(has(log, "--cache-weights auto (the weights' copies only when they fit)"), log);  // the advice's first line
+    CHECK(!exists(out));
+    // the table says it too
+    REQUIRE_MESSAGE(run(ft.substr(0, ft.size() - 7) + " --vram 8G", &log) == 0, log);
+    CHECK_MESSAGE(has(log, "weights' copies in the compute type"), log);
+    CHECK_MESSAGE(has(log, "--cache-weights auto: on"), log);
 }
 
 TEST_CASE("finetune --precision: fp16's scale and skips in the progress line and metrics (valid JSON); auto by the CPU" * needs_tools("make-model finetune")) {

@@ -94,6 +94,8 @@ static const char *k_help =
     "GPU:       --vram SIZE  --cc X.Y (with --dry-run on a machine without that card: its plan, e.g. --vram 12G --cc 8.6;\n"
     "           cc 7.5 to 12.0; sizes take a unit: K/M/G/T, powers of 1024, or B)\n"
     "           --embd-on-host | --embd-on-device (default: on the host only when the plan needs it)\n"
+    "           --cache-weights on|off|auto (a copy of the frozen weights in the compute type, so the products need no\n"
+    "           dequantising; auto, the default: when the plan with it fits, the first thing given up)\n"
     "           --host-mem SIZE (with --dry-run: plan for a host with this much available memory, e.g. 128G)\n"
     "output:    -o DIR (default finetune-out)  --save-every N  --merge  --overwrite (replace a run in -o DIR)\n"
     "resume:    --resume DIR (continues the run in DIR with its own model, data and flags; more --max-steps or --epochs\n"
@@ -316,12 +318,12 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
                "\"recompute_peak\": %zu, \"workspace\": %zu, \"graph_buffer\": %zu, \"context\": %zu, \"rounding\": %zu, "
                "\"total\": %zu, \"limit\": %zu, \"fits\": %s, \"host\": {\"process\": %zu, \"planned\": %zu, \"embedding\": %zu, \"pinned\": %zu}, "
                "\"checkpointing\": \"%s\", \"recompute_fraction\": %.4f, \"micro_batch\": %d, \"loss_chunk\": %lld, \"ffn_chunk\": %lld, "
-               "\"census\": {\"nodes\": %lld, \"launches\": %lld, \"flops\": %.6g, \"recompute_flops\": %.6g, \"bytes\": {\"matmul\": %.6g, "
+               "\"cache_weights\": {\"bytes\": %zu, \"copies_would_take\": %zu, \"choice\": \"%s\"}, \"census\": {\"nodes\": %lld, \"launches\": %lld, \"flops\": %.6g, \"recompute_flops\": %.6g, \"bytes\": {\"matmul\": %.6g, "
                "\"attention\": %.6g, \"loss\": %.6g, \"other\": %.6g}}}\n",
                m.host_embd, m.lora, m.grads, m.optimizer, optim.c_str(), m.optimizer_host ? "true" : "false", m.dev_state, m.saved, m.checkpoints, m.scratch, m.recompute,
                m.work, m.dev_buffer, m.dev_context, m.dev_rounding, m.total, limit, fits ? "true" : "false", process, m.host, m.host_embd, m.host_pinned,
                m.checkpointing.c_str(), m.recompute_fraction, m.micro_batch, (long long)m.loss_chunk, (long long)m.ffn_chunk,
-               (long long)m.census.nodes, (long long)m.census.launches, m.census.flops, m.census.recompute_flops,
+               m.dev_cache, m.cache_candidate, m.cache_weights.c_str(), (long long)m.census.nodes, (long long)m.census.launches, m.census.flops, m.census.recompute_flops,
                m.census.bytes[QL_CENSUS_MATMUL], m.census.bytes[QL_CENSUS_ATTENTION], m.census.bytes[QL_CENSUS_LOSS], m.census.bytes[QL_CENSUS_OTHER]);
         return;
     }
@@ -341,6 +343,9 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
     printf("\n  temporaries and recompute              %10.1f", m.scratch / MiB);
     if (m.recompute) printf("   recomputed results: at most %.1f at once", m.recompute / MiB);
     printf("\n  kernel workspace (dequant tiles, attn) %10.1f\n", m.work / MiB);
+    printf("  weights' copies in the compute type    %10.1f   --cache-weights %s", m.dev_cache / MiB, m.cache_weights.c_str());
+    if (!m.dev_cache && m.cache_candidate) printf("; they would take %.1f", m.cache_candidate / MiB);
+    printf("\n");
     printf("  CUDA context + cuBLAS workspace        %10.1f   %s for cc %d.%d (the card's use is printed after step 1)\n",
            m.dev_context / MiB, m.dev_context_estimated ? "an ESTIMATE (an H100's, as a bound)" : "measured", m.cc / 10, m.cc % 10);
     char pages[48];
@@ -671,6 +676,15 @@ static bool parse_flags(int argc, char **argv, args *a) {
         else if (f == "--cc") { if (!(s = need(i)) || !cc_flag(s, a)) return false; }
         else if (f == "--embd-on-host") a->o.embd_on_host = 1;
         else if (f == "--embd-on-device") a->o.embd_on_host = 0;
+        else if (f == "--cache-weights") {
+            if (!(s = need(i))) return false;
+            if (!strcmp(s, "on") || !strcmp(s, "off") || !strcmp(s, "auto")) {
+                a->o.cache_weights = !strcmp(s, "on") ? 1 : !strcmp(s, "off") ? 0 : -1;
+            } else {
+                fprintf(stderr, "finetune: --cache-weights: '%s' is not one of on, off, auto\n", s);
+                return false;
+            }
+        }
         else if (f == "--loss-chunk") { if (!whole(f.c_str(), need(i), -1, 1 << 30, &v)) return false; a->o.loss_chunk = (int64_t)v; }
         else if (f == "--ffn-chunk") { if (!whole(f.c_str(), need(i), -1, 1 << 30, &v)) return false; a->o.ffn_chunk = (int64_t)v; }
         else if (f == "--offload-activations") a->o.offload_activations = true;
@@ -744,7 +758,7 @@ static bool flag_given(const args &a, const char *f) {
 // must agree with the run's.
 static bool operational_flag(const std::string &f) {
     for (const char *x : {"-o", "-t", "--device", "--checkpointing", "--mem-limit", "--vram", "--cc", "--host-mem", "--embd-on-host",
-                          "--embd-on-device", "--loss-chunk", "--ffn-chunk", "--offload-activations", "--eval-every", "--save-every", "--merge",
+                          "--embd-on-device", "--cache-weights", "--loss-chunk", "--ffn-chunk", "--offload-activations", "--eval-every", "--save-every", "--merge",
                           "--overwrite", "--profile", "--dry-run", "--json", "--resume", "--export", "--max-steps", "--epochs"})
         if (f == x) return true;
     return false;
@@ -1152,6 +1166,7 @@ struct advice_change {
     int group, cost;          // at most one change per group in a combination
     int cp = 0;               // 1 block, 2 sqrt
     bool b1 = false, half = false, nf4 = false, embd = false, optim8 = false;
+    bool cache_auto = false;  // --cache-weights auto: the copies only when they fit
 };
 
 // What the advice works with: the run, the changes that apply to it, and the predicted total of
@@ -1181,6 +1196,7 @@ struct advisor {
             if (c.b1) o.micro_batch = b, o.grad_accum = eff / b;
             if (c.embd) o.embd_on_host = 1;
             if (c.optim8) o.optim = optim8;
+            if (c.cache_auto) o.cache_weights = -1;
         }
         return o;
     }
@@ -1230,6 +1246,11 @@ static void advice_changes(advisor &v, const ql_memory_plan &now) {
         }
     v.nf4_how = "./quantize " + std::string(a.model) + " out.gguf nf4";
     std::vector<advice_change> &ch = v.ch;
+    if (now.device && now.dev_cache > 0 && a.o.cache_weights == 1) {  // the first thing to give up
+        advice_change c{"--cache-weights auto (the weights' copies only when they fit)", "--cache-weights auto", 6, 0};
+        c.cache_auto = true;
+        ch.push_back(c);
+    }
     if (now.device && !now.embd_on_host && v.f->model.output != v.f->model.tok_embd) {
         advice_change c{"--embd-on-host", "--embd-on-host", 0, 1};
         c.embd = true;
