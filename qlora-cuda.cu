@@ -1664,7 +1664,7 @@ static bool cu_ops_supported(const ql_tensor *node) {
     auto f32 = [](const ql_tensor *t) { return !t || t->type == QL_TYPE_F32; };
     auto dense_rows = [](const ql_tensor *t) { return t->type == QL_TYPE_F32 && ql_rows_contiguous(t); };
     switch (node->op) {
-    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE:
+    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE: case QL_OP_WITH_GRAD:
         return true;
     case QL_OP_FILL:
         return node->type == QL_TYPE_F32;
@@ -2907,7 +2907,7 @@ static void cu_run_node(cu_ctx &c, ql_tensor *node) {
     case QL_OP_TO_HOST: case QL_OP_TO_DEVICE:
         CU_ASSERT(!"cuda: copies run in cuda_graph_compute, on the copy stream");
         break;
-    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE:
+    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE: case QL_OP_WITH_GRAD:
         break;
     case QL_OP_COUNT:
         CU_ASSERT(!"cuda: op out of range");
@@ -3129,7 +3129,7 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
             continue;
         }
         if (c.failed || node->op == QL_OP_NONE || node->op == QL_OP_VIEW || node->op == QL_OP_RESHAPE ||
-            node->op == QL_OP_PERMUTE || node->op == QL_OP_TRANSPOSE)
+            node->op == QL_OP_PERMUTE || node->op == QL_OP_TRANSPOSE || node->op == QL_OP_WITH_GRAD)
             continue;
         if (ex.profile && !c.failed && cudaEventRecord(cb->prof_events[(size_t)(2 * i)], c.stream) != cudaSuccess) c.failed = true;
         cu_run_node(c, node);

@@ -1813,7 +1813,7 @@ static const char *k_op_names[] = {
     "mul_mat",     "get_rows",      "get_rows_back", "rms_norm",   "rms_norm_back",   "rope",
     "rope_back",   "silu",          "silu_back",  "swiglu",        "swiglu_back",     "flash_attn",
     "flash_attn_back", "cross_entropy", "cross_entropy_back", "dropout", "view_back",  "acc_grad",
-    "cache_store", "to_host",      "to_device",     "add_rows",
+    "cache_store", "to_host",      "to_device",     "add_rows",      "with_grad",
 };
 static_assert(sizeof(k_op_names) / sizeof(k_op_names[0]) == QL_OP_COUNT, "op names out of sync with ql_op");
 
@@ -1821,7 +1821,7 @@ const char *ql_op_name(ql_op op) { return (op >= 0 && op < QL_OP_COUNT) ? k_op_n
 
 // ops whose result is a view of their source: nothing to run
 static bool is_noop(ql_op op) {
-    return op == QL_OP_VIEW || op == QL_OP_RESHAPE || op == QL_OP_PERMUTE || op == QL_OP_TRANSPOSE;
+    return op == QL_OP_VIEW || op == QL_OP_RESHAPE || op == QL_OP_PERMUTE || op == QL_OP_TRANSPOSE || op == QL_OP_WITH_GRAD;
 }
 // ops whose result aliases another tensor's memory: the planner places nothing for them
 static bool aliases_src(ql_op op) { return is_noop(op) || op == QL_OP_ACC_GRAD || op == QL_OP_CACHE_STORE; }
@@ -2263,6 +2263,33 @@ ql_tensor *ql_cross_entropy(ql_context *ctx, ql_tensor *logits, ql_tensor *targe
     return t;
 }
 
+ql_tensor *ql_cross_entropy_back(ql_context *ctx, ql_tensor *ce, ql_tensor *dy) {
+    if (!srcs_ok(ctx, "cross_entropy_back", {ce, dy})) return nullptr;
+    QL_CHECK(ctx, ce->op == QL_OP_CROSS_ENTROPY, QL_ERR_INVALID, "cross_entropy_back: %s is not a ql_cross_entropy result",
+             shape_str(ce).c_str());
+    QL_CHECK(ctx, dy->type == QL_TYPE_F32 && ql_nelements(dy) == 1, QL_ERR_SHAPE, "cross_entropy_back: dy %s must be a single f32",
+             shape_str(dy).c_str());
+    ql_tensor *lg = ce->src[0];  // reads the logits, the targets, the count and ce's logsumexp rows
+    return new_op_like(ctx, QL_OP_CROSS_ENTROPY_BACK, QL_TYPE_F32, lg, {lg, ce->src[1], ce->src[2], ce, dy});
+}
+
+ql_tensor *ql_with_grad(ql_context *ctx, ql_tensor *y, ql_tensor *x, ql_tensor *dx) {
+    if (!srcs_ok(ctx, "with_grad", {y, x, dx})) return nullptr;
+    QL_CHECK(ctx, y->type == QL_TYPE_F32 && ql_nelements(y) == 1 && ql_is_contiguous(y), QL_ERR_SHAPE,
+             "with_grad: y %s must be a single f32", shape_str(y).c_str());
+    QL_CHECK(ctx, dx->type == QL_TYPE_F32 && ql_same_shape(dx, x) && ql_is_contiguous(dx), QL_ERR_SHAPE,
+             "with_grad: dx %s must be contiguous f32 shaped like x %s", shape_str(dx).c_str(), shape_str(x).c_str());
+    ql_tensor *t = make_view(ctx, QL_OP_WITH_GRAD, y, y->ne, y->nb, 0);
+    if (!t) return nullptr;
+    // dx first: the post-order walk then makes what dx needs (the head's chunks, each logits ->
+    // loss -> dlogits -> dh in turn) before y's sum, which would otherwise make every chunk's
+    // logits, alive at once, before the first dlogits. view_src stays y.
+    t->src[0] = dx;
+    t->src[1] = x;
+    t->src[2] = y;
+    return t;
+}
+
 ql_tensor *ql_dropout(ql_context *ctx, ql_tensor *a, float p, ql_tensor *seed, uint32_t stream) {
     return ql_dropout_to(ctx, a, p, seed, stream, QL_TYPE_F32);
 }
@@ -2684,11 +2711,12 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
         gb.add(v, view_as(ctx, flat, v, nq + nk));
         break;
     }
-    case QL_OP_CROSS_ENTROPY: {  // dlogits = (softmax - onehot) * dy / count, zero on ignored rows
-        ql_tensor *d = srcs_ok(ctx, "cross_entropy_back", {a, b, node->src[2], node, dy})
-                           ? new_op_like(ctx, QL_OP_CROSS_ENTROPY_BACK, QL_TYPE_F32, a, {a, b, node->src[2], node, dy})
-                           : nullptr;
-        gb.add(a, d);
+    case QL_OP_CROSS_ENTROPY:  // dlogits = (softmax - onehot) * dy / count, zero on ignored rows
+        gb.add(a, ql_cross_entropy_back(ctx, node, dy));
+        break;
+    case QL_OP_WITH_GRAD: {  // y given with dy/dx = dx (src[0]) made in forward: x gets dx dy; y's sources nothing
+        const bool one = dy && dy->op == QL_OP_FILL && get_param<float>(dy, 0) == 1.0f;  // the loss's own seed: dx as it is
+        gb.add(node->src[1], one ? a : ql_mul(ctx, a, gb.dense(dy)));
         break;
     }
     case QL_OP_DROPOUT:  // same mask (same seed, stream and indices), same scale
@@ -2945,6 +2973,10 @@ ql_status ql_graph_recompute(ql_graph *g, const ql_keep *level, int n_levels, ql
     }
     for (int i = 0; i < nf; i++)  // results their constructor asked to have recomputed
         if (g->nodes[(size_t)i]->flags & QL_FLAG_RECOMPUTE) kept[(size_t)i] = false;
+    for (int i = 0; i < nf; i++) {  // a gradient made in forward (ql_with_grad) stays: recomputing it would redo its products
+        const ql_tensor *node = g->nodes[(size_t)i];
+        if (node->op == QL_OP_WITH_GRAD && fs.index.count(view_root(node->src[0]))) kept[(size_t)fs.index[view_root(node->src[0])]] = true;
+    }
     for (ql_tensor *t : g->nodes)  // what the caller reads after a run stays
         if ((t->flags & QL_FLAG_OUTPUT) && fs.index.count(view_root(t))) kept[(size_t)fs.index[view_root(t)]] = true;
     for (ql_tensor *t : g->outputs)
@@ -3137,6 +3169,7 @@ static int inplace_src(const ql_tensor *node) {
     switch (node->op) {
     case QL_OP_ADD: case QL_OP_MUL: case QL_OP_SCALE: case QL_OP_SILU:
     case QL_OP_RMS_NORM: case QL_OP_ROPE: case QL_OP_ROPE_BACK: case QL_OP_ADD_ROWS:
+    case QL_OP_CROSS_ENTROPY_BACK:  // dlogits over the logits, element by element (the fused head + loss's forward)
         return 0;
     case QL_OP_DROPOUT:  // not into f32 storage as a 16-bit result: rows would land on rows not read yet
         return node->type == node->src[0]->type ? 0 : -1;
@@ -6325,7 +6358,7 @@ static void cpu_compute_node(const cpu_params &p, ql_tensor *node) {
     case QL_OP_CACHE_STORE:        k_cache_store(p, node); break;
     case QL_OP_TO_HOST:
     case QL_OP_TO_DEVICE:          k_copy_bytes(p, node); break;  // one memory: a copy (the plan is what offload is for here)
-    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE:
+    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE: case QL_OP_WITH_GRAD:
         break;
     case QL_OP_COUNT:
         QL_ASSERT(!"cpu: op out of range");
@@ -7194,7 +7227,8 @@ bool ql_cuda_fa_fused(const ql_tensor *node) {
 int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
     auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
     switch (node->op) {
-    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE: case QL_OP_COUNT:
+    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE: case QL_OP_WITH_GRAD:
+    case QL_OP_COUNT:
         return 0;
     case QL_OP_MUL_MAT: {
         if (ql_cuda_mm_gemv(node) || ql_cuda_mm_thin(node)) return 1;
