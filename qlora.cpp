@@ -2973,10 +2973,6 @@ ql_status ql_graph_recompute(ql_graph *g, const ql_keep *level, int n_levels, ql
     }
     for (int i = 0; i < nf; i++)  // results their constructor asked to have recomputed
         if (g->nodes[(size_t)i]->flags & QL_FLAG_RECOMPUTE) kept[(size_t)i] = false;
-    for (int i = 0; i < nf; i++) {  // a gradient made in forward (ql_with_grad) stays: recomputing it would redo its products
-        const ql_tensor *node = g->nodes[(size_t)i];
-        if (node->op == QL_OP_WITH_GRAD && fs.index.count(view_root(node->src[0]))) kept[(size_t)fs.index[view_root(node->src[0])]] = true;
-    }
     for (ql_tensor *t : g->nodes)  // what the caller reads after a run stays
         if ((t->flags & QL_FLAG_OUTPUT) && fs.index.count(view_root(t))) kept[(size_t)fs.index[view_root(t)]] = true;
     for (ql_tensor *t : g->outputs)

@@ -477,7 +477,11 @@ ql_tensor *ql_cross_entropy_back(ql_context *ctx, ql_tensor *ce, ql_tensor *dy);
 // y itself (a view: nothing runs) with its gradient w.r.t. x made already: dx (f32, x's shape),
 // the gradient for dy = 1. Backward adds dx * dy to x's gradient and gives y's own sources
 // nothing - what made y is not differentiated again. y: a single f32 that depends on x (a loss
-// whose gradient was computed in forward: the fused head + loss of ql_llama_loss).
+// whose gradient was computed in forward: the fused head + loss of ql_llama_loss). dy multiplies
+// dx after the fact: a loss scale meant to keep 16-bit intermediates of dx from underflowing
+// must be inside it already (the trainer's fp16 scaling divides the loss's count by it).
+// Recompute leaves dx alone: what makes it reads x, which y's view reads to the end of forward,
+// so it lies in no segment (ql_graph_recompute).
 ql_tensor *ql_with_grad(ql_context *ctx, ql_tensor *y, ql_tensor *x, ql_tensor *dx);
 
 // Inverted dropout: y = keep ? x/(1-p) : 0, keep decided by a counter-based hash of
