@@ -2885,6 +2885,12 @@ static void cu_run_node(cu_ctx &c, ql_tensor *node) {
     case QL_OP_SUM:                cu_op_sum(c, node); break;
     case QL_OP_REDUCE_TO:          cu_op_reduce_to(c, node); break;
     case QL_OP_MUL_MAT:            cu_op_mul_mat(c, node); break;
+    case QL_OP_MUL_MAT_ROWS: {     // the product, written at its rows of the result (c's storage)
+        ql_tensor mm;
+        ql_mul_mat_rows_product(node, &mm);
+        cu_op_mul_mat(c, &mm);
+        break;
+    }
     case QL_OP_GET_ROWS:           cu_op_get_rows(c, node); break;
     case QL_OP_GET_ROWS_BACK:      cu_op_get_rows_back(c, node); break;
     case QL_OP_RMS_NORM:           cu_op_rms_norm(c, node); break;
@@ -2918,6 +2924,11 @@ static bool cuda_supports_op(ql_backend *be, const ql_tensor *node) {
     const int cc = ((cuda_backend *)be->impl)->prop.major * 10 + ((cuda_backend *)be->impl)->prop.minor;
     switch (node->op) {
     case QL_OP_MUL_MAT:         return cu_mm_supported(node, cc);
+    case QL_OP_MUL_MAT_ROWS: {
+        ql_tensor mm;
+        ql_mul_mat_rows_product(node, &mm);
+        return cu_mm_supported(&mm, cc);
+    }
     case QL_OP_FLASH_ATTN:
     case QL_OP_FLASH_ATTN_BACK: return cu_attn_supported(node, cc);
     case QL_OP_COUNT:           return false;

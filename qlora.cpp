@@ -1814,6 +1814,7 @@ static const char *k_op_names[] = {
     "rope_back",   "silu",          "silu_back",  "swiglu",        "swiglu_back",     "flash_attn",
     "flash_attn_back", "cross_entropy", "cross_entropy_back", "dropout", "view_back",  "acc_grad",
     "cache_store", "to_host",      "to_device",     "add_rows",      "with_grad",
+    "mul_mat_rows",
 };
 static_assert(sizeof(k_op_names) / sizeof(k_op_names[0]) == QL_OP_COUNT, "op names out of sync with ql_op");
 
@@ -1824,7 +1825,9 @@ static bool is_noop(ql_op op) {
     return op == QL_OP_VIEW || op == QL_OP_RESHAPE || op == QL_OP_PERMUTE || op == QL_OP_TRANSPOSE || op == QL_OP_WITH_GRAD;
 }
 // ops whose result aliases another tensor's memory: the planner places nothing for them
-static bool aliases_src(ql_op op) { return is_noop(op) || op == QL_OP_ACC_GRAD || op == QL_OP_CACHE_STORE; }
+static bool aliases_src(ql_op op) {
+    return is_noop(op) || op == QL_OP_ACC_GRAD || op == QL_OP_CACHE_STORE || op == QL_OP_MUL_MAT_ROWS;
+}
 
 template <typename T> static void set_param(ql_tensor *t, int slot, T v) {
     static_assert(sizeof(T) % 4 == 0, "params are int32 slots");
@@ -2331,6 +2334,40 @@ ql_tensor *ql_add_rows(ql_context *ctx, ql_tensor *a, ql_tensor *b, int64_t row0
     return t;
 }
 
+ql_tensor *ql_mul_mat_rows(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor *c, int64_t row0) {
+    if (!srcs_ok(ctx, "mul_mat_rows", {a, b, c})) return nullptr;
+    QL_CHECK(ctx, c->type == QL_TYPE_F32 && ql_is_contiguous(c) && c->ne[2] == 1 && c->ne[3] == 1, QL_ERR_TYPE,
+             "mul_mat_rows: c %s must be 2-D contiguous f32", shape_str(c).c_str());
+    QL_CHECK(ctx, a->ne[2] == 1 && a->ne[3] == 1 && b->ne[2] == 1 && b->ne[3] == 1 && a->ne[0] == b->ne[0] && a->ne[1] == c->ne[0] &&
+                      row0 >= 0 && row0 + b->ne[1] <= c->ne[1],
+             QL_ERR_SHAPE, "mul_mat_rows: a %s times b %s does not fit c %s at row %lld", shape_str(a).c_str(), shape_str(b).c_str(),
+             shape_str(c).c_str(), (long long)row0);
+    ql_tensor *t = make_view(ctx, QL_OP_MUL_MAT_ROWS, c, c->ne, c->nb, 0);
+    if (!t) return nullptr;
+    t->src[1] = a;
+    t->src[2] = b;
+    set_param(t, 0, row0);
+    return t;
+}
+
+void ql_mul_mat_rows_product(const ql_tensor *node, ql_tensor *mm) {
+    const ql_tensor *a = node->src[1], *b = node->src[2];
+    *mm = *node;
+    mm->op = QL_OP_MUL_MAT;
+    memset(mm->op_params, 0, sizeof(mm->op_params));
+    for (ql_tensor *&s : mm->src) s = nullptr;
+    mm->src[0] = (ql_tensor *)a;
+    mm->src[1] = (ql_tensor *)b;
+    mm->ne[0] = a->ne[1], mm->ne[1] = b->ne[1], mm->ne[2] = mm->ne[3] = 1;
+    mm->nb[2] = mm->nb[3] = node->nb[1] * (size_t)mm->ne[1];
+    const size_t offs = (size_t)get_param<int64_t>(node, 0) * node->nb[1];
+    mm->data = node->data ? (uint8_t *)node->data + offs : nullptr;
+    mm->view_src = nullptr;
+    mm->view_offs = 0;
+    mm->aux_size = 0;
+    mm->grad = nullptr;
+}
+
 // ---- backward-only ops: built by autodiff, not part of the public surface ----
 
 static ql_tensor *add_grouped(ql_context *ctx, ql_tensor *a, ql_tensor *b) {
@@ -2747,6 +2784,9 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
     case QL_OP_CACHE_STORE:
         QL_ERR(ctx, QL_ERR_UNSUPPORTED, "backward: cache_store is inference only");
         break;
+    case QL_OP_MUL_MAT_ROWS:
+        QL_ERR(ctx, QL_ERR_UNSUPPORTED, "backward: mul_mat_rows writes a gradient made in forward; it has none itself");
+        break;
     case QL_OP_TO_HOST:
     case QL_OP_TO_DEVICE:
         QL_ERR(ctx, QL_ERR_UNSUPPORTED, "backward: %s is made by ql_graph_offload on a backward graph", ql_op_name(node->op));
@@ -2857,6 +2897,8 @@ static double node_flops(const ql_tensor *n) {
     switch (n->op) {
     case QL_OP_MUL_MAT:
         return 2.0 * (double)n->src[0]->ne[0] * (double)ql_nelements(n);
+    case QL_OP_MUL_MAT_ROWS:  // the rows it writes
+        return 2.0 * (double)n->src[1]->ne[0] * (double)n->src[1]->ne[1] * (double)n->src[2]->ne[1];
     case QL_OP_FLASH_ATTN: {  // QK^T and PV over the causal half
         const ql_tensor *q = n->src[0], *k = n->src[1];
         return 2.0 * (double)q->ne[0] * (double)q->ne[1] * (double)k->ne[1] * (double)q->ne[2] * (double)q->ne[3];
@@ -3381,10 +3423,12 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
     std::unordered_set<const ql_tensor *> inplace;
     for (size_t i = 0; i < g->entries.size(); i++)
         if (g->entries[i].inplace) inplace.insert(g->entry_tensor[i]);
-    for (const ql_tensor *n : g->nodes) {
-        if (is_noop(n->op)) continue;
+    for (const ql_tensor *node : g->nodes) {
+        if (is_noop(node->op)) continue;
+        ql_tensor mm;  // a product into rows: its FLOPs and bytes those of the product
+        const ql_tensor *n = node->op == QL_OP_MUL_MAT_ROWS ? (ql_mul_mat_rows_product(node, &mm), &mm) : node;
         c->nodes++;
-        c->launches += caps.host ? 1 : ql_cuda_node_launches(n, caps.cc, inplace.count(n) > 0);
+        c->launches += caps.host ? 1 : ql_cuda_node_launches(node, caps.cc, inplace.count(node) > 0);
         const double f = node_flops(n);
         c->flops += f;
         if (n->flags & QL_FLAG_RECOMPUTED) c->recompute_flops += f;
@@ -6319,6 +6363,11 @@ static size_t cpu_work_per_thread(const ql_tensor *node, int nth) {
         if (P.q8) return mm_q8_work(P.N, P.K, mm_q8_block(P.w.type));
         return (mm_layout_of(P.M, P.N, P.K).total + (P.ct == QL_TYPE_F32 ? 0 : mm_stage_floats(P, nth))) * sizeof(float);
     }
+    case QL_OP_MUL_MAT_ROWS: {
+        ql_tensor mm;
+        ql_mul_mat_rows_product(node, &mm);
+        return cpu_work_per_thread(&mm, nth);
+    }
     default:              return 0;
     }
 }
@@ -6333,6 +6382,12 @@ static void cpu_compute_node(const cpu_params &p, ql_tensor *node) {
     case QL_OP_SUM:                k_sum(p, node); break;
     case QL_OP_REDUCE_TO:          k_reduce_to(p, node); break;
     case QL_OP_MUL_MAT:            k_mul_mat(p, node); break;
+    case QL_OP_MUL_MAT_ROWS: {     // the product, written at its rows of the result (c's storage)
+        ql_tensor mm;
+        ql_mul_mat_rows_product(node, &mm);
+        k_mul_mat(p, &mm);
+        break;
+    }
     case QL_OP_GET_ROWS:           k_get_rows(p, node); break;
     case QL_OP_GET_ROWS_BACK:      k_get_rows_back(p, node); break;
     case QL_OP_RMS_NORM:           k_rms_norm(p, node); break;
@@ -6420,9 +6475,14 @@ static void cpu_graph_worker(void *arg, int ith, int nth) {
     }
 }
 
-static bool cpu_supports_op(ql_backend *, const ql_tensor *node) {
+static bool cpu_supports_op(ql_backend *be, const ql_tensor *node) {
     const ql_tensor *a = node->src[0];
     switch (node->op) {
+    case QL_OP_MUL_MAT_ROWS: {
+        ql_tensor mm;
+        ql_mul_mat_rows_product(node, &mm);
+        return cpu_supports_op(be, &mm);
+    }
     case QL_OP_MUL_MAT:
     case QL_OP_GET_ROWS: {
         const ql_type_traits *t = ql_type_traits_get(a->type);
@@ -7226,6 +7286,11 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
     case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE: case QL_OP_WITH_GRAD:
     case QL_OP_COUNT:
         return 0;
+    case QL_OP_MUL_MAT_ROWS: {  // its product's (the result is c's storage: no copy of c)
+        ql_tensor mm;
+        ql_mul_mat_rows_product(node, &mm);
+        return ql_cuda_node_launches(&mm, cc, false);
+    }
     case QL_OP_MUL_MAT: {
         if (ql_cuda_mm_gemv(node) || ql_cuda_mm_thin(node)) return 1;
         const ql_tensor *a = node->src[0], *b = node->src[1], *acc = node->src[2];
@@ -7304,6 +7369,11 @@ size_t ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NB
 size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
     if (ql_cuda_fa_gemm(node) || ql_cuda_fa_fused(node)) return ql_cuda_fa_layout(node, cc, nullptr, nullptr, nullptr);
     switch (node->op) {
+    case QL_OP_MUL_MAT_ROWS: {  // its product's
+        ql_tensor mm;
+        ql_mul_mat_rows_product(node, &mm);
+        return ql_cuda_work_size(&mm, cc);
+    }
     case QL_OP_MUL_MAT: {  // b's contiguous copy (when cuBLAS cannot read it), then a's tile buffers: tiles of
         // a's rows (K each; of a transposed W, bands of W's columns), two when there is more than
         // one tile (the next is dequantised while the current one's GEMMs run)
@@ -7326,7 +7396,8 @@ size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
 // machine without the device. It computes nothing and allocates nothing.
 static bool cuda_plan_supports(ql_backend *be, const ql_tensor *node) {
     const int cc = (int)(intptr_t)be->impl;
-    return !(node->op == QL_OP_MUL_MAT && node->src[1]->type == QL_TYPE_BF16 && !ql_cuda_bf16_gemm(cc));  // as the device
+    const ql_tensor *b = node->op == QL_OP_MUL_MAT ? node->src[1] : node->op == QL_OP_MUL_MAT_ROWS ? node->src[2] : nullptr;
+    return !(b && b->type == QL_TYPE_BF16 && !ql_cuda_bf16_gemm(cc));  // as the device
 }
 static size_t cuda_plan_work(ql_backend *be, const ql_tensor *node) { return ql_cuda_work_size(node, (int)(intptr_t)be->impl); }
 static void cuda_plan_free(ql_backend *be) { delete be; }

@@ -278,6 +278,7 @@ typedef enum ql_op {
     QL_OP_TO_DEVICE,         // a TO_HOST copy brought back into the planned buffer
     QL_OP_ADD_ROWS,          // a with b added to a range of its rows (a result made in pieces of rows)
     QL_OP_WITH_GRAD,         // a scalar itself (a view) with its gradient w.r.t. a tensor made in forward (ql_with_grad)
+    QL_OP_MUL_MAT_ROWS,      // a product written over a range of rows of c (in place; the result aliases c)
     QL_OP_COUNT
 } ql_op;
 
@@ -503,6 +504,15 @@ ql_tensor *ql_dropout_rows_to(ql_context *ctx, ql_tensor *a, float p, ql_tensor 
 // writes over a's storage where a dies here, so a chain of them costs only the rows added. The
 // same bits as ql_add for those rows.
 ql_tensor *ql_add_rows(ql_context *ctx, ql_tensor *a, ql_tensor *b, int64_t row0);
+// c (f32 [M, N] contiguous) with ql_mul_mat(a, b)'s [M, n] written over its rows [row0, row0 +
+// n): a 2-D product straight into its rows of a whole made in pieces (the fused loss's dh), no
+// [M, n] result and no add. a, b: as ql_mul_mat takes them (a may be a transposed quantized
+// weight), 2-D, f32 result. The result aliases c - read c through it, so readers follow the
+// write; chain them for several pieces. No backward.
+ql_tensor *ql_mul_mat_rows(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor *c, int64_t row0);
+// For backends: the MUL_MAT node a MUL_MAT_ROWS node runs - its product over the rows it writes
+// (data, when bound, at those rows) - so both run, size and count it as that product
+void ql_mul_mat_rows_product(const ql_tensor *node, ql_tensor *mm);
 
 // ============================================================================================
 // graphs and autodiff

@@ -241,13 +241,13 @@ ql_tensor *ql_llama_loss(ql_context *ctx, const ql_llama *m, ql_tensor *h, ql_te
     if (grad && !(m->output->flags & QL_FLAG_PARAM) && !m->lora.count(m->output)) {
         // fused: per chunk logits -> loss -> dlogits (over the logits) -> dh rows; the product
         // of backward's shape (W^T dlogits, dlogits in the multiply's type: what backward's
-        // would read), so the numbers are the unfused path's
+        // would read), written straight into its rows of dh, so the numbers are the unfused path's
         if (chunk <= 0 || chunk > N) chunk = N;
         const int64_t one_ne[1] = {1};
         ql_tensor *one = ql_fill(ctx, QL_TYPE_F32, 1, one_ne, 1.0f);  // dy = 1: the loss's seed (scaled in backward)
-        // [E, N] zeros made from h, not a fill: the graph's order (a post-order walk) then makes
-        // them after h, where a fill (no sources) would come first and live through the whole
-        // forward, joining every recompute segment into one
+        // dh's storage [E, N], zeros made from h (every row is then written), not a fill: the
+        // graph's order (a post-order walk) then makes it after h, where a fill (no sources)
+        // would come first and live through the whole forward, joining every recompute segment into one
         ql_tensor *dh = ql_scale(ctx, h, 0.0f);
         ql_tensor *wt = ql_transpose(ctx, m->output);                  // [n_vocab, E]
         ql_tensor *loss = nullptr;
@@ -258,7 +258,7 @@ ql_tensor *ql_llama_loss(ql_context *ctx, const ql_llama *m, ql_tensor *h, ql_te
                                             ql_view_1d(ctx, targets, n, (size_t)r0 * sizeof(int32_t)), count);
             ql_tensor *d = ql_cross_entropy_back(ctx, l, one);  // [n_vocab, n]
             if (m->compute != QL_TYPE_F32) d = ql_cast(ctx, d, m->compute);
-            dh = ql_add_rows(ctx, dh, ql_mul_mat(ctx, wt, d), r0);
+            dh = ql_mul_mat_rows(ctx, wt, d, dh, r0);  // straight into its rows of dh
             loss = loss ? ql_add(ctx, loss, l) : l;
         }
         return ql_with_grad(ctx, loss, h, dh);

@@ -111,8 +111,8 @@ ql_tensor *ql_llama_hidden(ql_context *ctx, const ql_llama *m, ql_tensor *x, ql_
 // order) and so are the gradients.
 // grad (a graph that will get a backward; the head frozen): the head and the loss fused, as
 // Liger-Kernel's linear cross-entropy - each chunk's dlogits (dy = 1) are made in forward, over
-// its logits, right after its loss, and dh = W^T dlogits added into its rows of one dh [n_embd,
-// N]; the loss comes back through ql_with_grad, so backward's gradient of h is that dh (times
+// its logits, right after its loss, and dh = W^T dlogits written into its rows of one dh [n_embd,
+// N] (ql_mul_mat_rows); the loss comes back through ql_with_grad, so backward's gradient of h is that dh (times
 // dy): no logits recompute, no third product per chunk. One chunk (chunk <= 0) works alike.
 // Evaluation graphs leave it false: they pay for no dh.
 ql_tensor *ql_llama_loss(ql_context *ctx, const ql_llama *m, ql_tensor *h, ql_tensor *targets, ql_tensor *count, int64_t chunk,

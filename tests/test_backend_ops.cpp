@@ -1279,6 +1279,62 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
     CHECK(offloaded.plan.host >= block.plan.host + offloaded.plan.host_pinned);
 }
 
+// ---- a product straight into rows of a whole (the fused loss's dh) ----------------------------
+
+OP_CASE(mul_mat_rows) {
+    const int E = 64, V = 288, N = 40;
+    for (ql_type wtype : {QL_TYPE_NF4, QL_TYPE_F16}) {
+        for (ql_type btype : {QL_TYPE_F32, QL_TYPE_F16}) {
+            CAPTURE(std::string(ql_type_name(wtype)));
+            CAPTURE(std::string(ql_type_name(btype)));
+            ql_init_params ip = {16u << 20, nullptr, true, false};
+            ql_context *ctx = ql_init(ip);
+            ql_tensor *w = ql_new_tensor_2d(ctx, wtype, E, V);  // a head: [E, V]
+            ql_tensor *d0 = ql_new_tensor_2d(ctx, btype, V, 16), *d1 = ql_new_tensor_2d(ctx, btype, V, 20);
+            ql_tensor *c = ql_new_tensor_2d(ctx, QL_TYPE_F32, E, N);
+            ql_tensor *wt = ql_transpose(ctx, w);
+            // rows [0, 16) and [16, 36) written, [36, 40) left as c had them
+            ql_tensor *y = ql_mul_mat_rows(ctx, wt, d1, ql_mul_mat_rows(ctx, wt, d0, c, 0), 16);
+            ql_tensor *r0 = ql_mul_mat(ctx, wt, d0), *r1 = ql_mul_mat(ctx, wt, d1);  // the products as ql_mul_mat makes them
+            REQUIRE_MESSAGE(y, ql_ctx_error(ctx));
+            for (ql_tensor *t : {y, r0, r1}) ql_set_output(t);
+            ql_graph *g = ql_graph_new(ctx);
+            for (ql_tensor *t : {r0, r1, y}) REQUIRE(ql_graph_build_forward(g, t) == QL_OK);
+            ql_backend_buffer *leafs = ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE);
+            REQUIRE_MESSAGE(leafs, ql_ctx_error(ctx));
+            rng r(3);
+            auto fill = [&](ql_tensor *t) {
+                std::vector<float> x((size_t)ql_nelements(t));
+                for (float &v : x) v = r.uniform(-1.0f, 1.0f);
+                std::vector<uint8_t> bytes(ql_nbytes(t) + t->aux_size);
+                char err[200] = "";
+                REQUIRE_MESSAGE(ql_quantize(t->type, x.data(), ql_nrows(t), t->ne[0], bytes.data(), err, sizeof(err)) == QL_OK, err);
+                REQUIRE(ql_backend_tensor_set(be, t, bytes.data(), 0, bytes.size()) == QL_OK);
+            };
+            for (ql_tensor *t : {w, d0, d1}) fill(t);
+            std::vector<float> c0((size_t)E * N, 7.0f);
+            REQUIRE(ql_backend_tensor_set(be, c, c0.data(), 0, c0.size() * 4) == QL_OK);
+            const bool planned = ql_graph_plan(g, be, nullptr) == QL_OK && ql_graph_alloc(g, be) == QL_OK;
+            REQUIRE_MESSAGE(planned, ql_ctx_error(ctx));
+            REQUIRE_MESSAGE(ql_backend_graph_compute(be, g) == QL_OK, ql_ctx_error(ctx));
+            std::vector<float> got((size_t)E * N), p0((size_t)E * 16), p1((size_t)E * 20);
+            REQUIRE(ql_backend_tensor_get(be, y, got.data(), 0, got.size() * 4) == QL_OK);
+            REQUIRE(ql_backend_tensor_get(be, r0, p0.data(), 0, p0.size() * 4) == QL_OK);
+            REQUIRE(ql_backend_tensor_get(be, r1, p1.data(), 0, p1.size() * 4) == QL_OK);
+            std::vector<float> want(p0);
+            want.insert(want.end(), p1.begin(), p1.end());
+            want.insert(want.end(), (size_t)E * 4, 7.0f);
+            CHECK((got == want));  // the same kernel over the same product: the same bits, at their rows
+            ql_census cs;
+            REQUIRE(ql_graph_census(g, be, &cs) == QL_OK);
+            CHECK(cs.flops == 2.0 * 2 * V * E * 36);  // each product counted once, as the rows it writes
+            ql_graph_free(g);
+            ql_backend_buffer_free(leafs);
+            ql_free(ctx);
+        }
+    }
+}
+
 // ---- the head and the loss fused: dlogits and dh made in forward, no logits recompute ----------
 
 OP_CASE(trainer_fused_loss) {
@@ -1345,7 +1401,8 @@ OP_CASE(trainer_fused_loss) {
         ql_graph *g = ql_trainer_graph(t);
         for (int i = 0; i < ql_graph_n_nodes(g); i++) {
             const ql_tensor *n = ql_graph_node(g, i);
-            r.head_products += n->op == QL_OP_MUL_MAT && (n->src[0] == w || n->src[0]->view_src == w);
+            r.head_products += (n->op == QL_OP_MUL_MAT && (n->src[0] == w || n->src[0]->view_src == w)) ||
+                               (n->op == QL_OP_MUL_MAT_ROWS && n->src[1]->view_src == w);
         }
         ql_step_metrics m;
         while (ql_trainer_steps_done(t) < ql_trainer_total_steps(t)) {

@@ -593,7 +593,8 @@ TEST_CASE("llama: the fused loss gives the unfused gradient of h, one chunk's lo
         r.buffer = st.buffer_size - st.bytes[QL_MEM_WORK];  // (the matmul's packing buffers aside)
         for (int i = 0; i < ql_graph_n_nodes(gb); i++) {
             const ql_tensor *n = ql_graph_node(gb, i);
-            r.head_products += n->op == QL_OP_MUL_MAT && (n->src[0] == m.output || n->src[0]->view_src == m.output);
+            r.head_products += (n->op == QL_OP_MUL_MAT && (n->src[0] == m.output || n->src[0]->view_src == m.output)) ||
+                               (n->op == QL_OP_MUL_MAT_ROWS && n->src[1]->view_src == m.output);
         }
         ql_graph_free(gb);
         ql_graph_free(gf);
@@ -611,10 +612,10 @@ TEST_CASE("llama: the fused loss gives the unfused gradient of h, one chunk's lo
             CHECK(old.head_products == (chunk > 0 ? 3 : 2) * chunks);
             CHECK(fused.head_products == 2 * chunks);
             if (chunk == 8 && ct == QL_TYPE_F32) {
-                // the buffer: one chunk's logits [V, 8] (32 KiB; its dlogits over them) and dh,
-                // h's zeros and a chunk's product [E, N] (8 KiB each) - never the whole logits (250 KiB)
+                // the buffer: one chunk's logits [V, 8] (32,000 bytes; its dlogits over them) and dh
+                // [E, N] (8 KiB), a few small ones - never the whole logits (256,000 bytes)
                 MESSAGE("fused, chunks of 8: buffer ", fused.buffer, " bytes (unfused ", old.buffer, ")");
-                CHECK(fused.buffer <= (size_t)V * 8 * 4 + 2 * (size_t)E * N * 4);
+                CHECK(fused.buffer <= (size_t)V * 8 * 4 + (size_t)E * N * 4 + 2048);  // (no [E, 8] product: straight into dh)
                 CHECK(fused.buffer < old.buffer);
             }
             if (chunk == 0) continue;
