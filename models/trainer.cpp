@@ -220,7 +220,7 @@ static bool build(ql_trainer *t, ql_context *ctx) {
     m.attn_bf16 = !t->o.attn_f32;
     m.ffn_chunk = t->ffn_chunk;
     t->tr = make_io(ctx, m, t->T, t->B, t->packed, true, t->embd_host, t->loss_chunk, t->o.loss_fused);
-    // the policy's levels, and the chunked loss's logits (recomputed whatever the levels)
+    // the policy's levels, and the unfused chunked loss's logits (recomputed whatever the levels)
     if (t->tr.g && (!t->levels.empty() || t->loss_chunk > 0) &&
         ql_graph_recompute(t->tr.g, t->levels.empty() ? nullptr : t->levels.data(), (int)t->levels.size(), &t->rs) != QL_OK)
         return false;
@@ -728,7 +728,8 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
     t->auto_chunk = ql_llama_loss_chunk(m.hp.n_vocab, rows);
     if (t->auto_chunk >= rows) t->auto_chunk = 0;  // one chunk: the plain head
     // auto: chunked on a device (memory is what it lacks); on the CPU only when the plan needs it
-    // (recomputing the head adds ~11% to a 110M step's FLOPs there: an estimate, not timed)
+    // (unfused, recomputing the head adds ~11% to a 110M step's FLOPs there: an estimate, not
+    // timed; fused, chunks cost no FLOPs, but the CPU keeps its rule)
     // (a device with the fused loss: chunks of 512+ rows first, choose_levels falls back to these)
     const int64_t device_chunk = o.loss_fused ? ql_llama_loss_chunk(m.hp.n_vocab, rows, QL_LLAMA_LOSS_CHUNK_ELEMS_DEVICE) : t->auto_chunk;
     t->loss_chunk = o.loss_chunk < 0 ? 0 : o.loss_chunk > 0 ? o.loss_chunk : t->on_host ? 0 : device_chunk;
