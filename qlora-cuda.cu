@@ -1700,7 +1700,7 @@ static bool cu_ops_supported(const ql_tensor *node) {
     auto f32 = [](const ql_tensor *t) { return !t || t->type == QL_TYPE_F32; };
     auto dense_rows = [](const ql_tensor *t) { return t->type == QL_TYPE_F32 && ql_rows_contiguous(t); };
     switch (node->op) {
-    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE:
+    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE: case QL_OP_WITH_GRAD:
         return true;
     case QL_OP_FILL:
         return node->type == QL_TYPE_F32;
@@ -3414,6 +3414,12 @@ static void cu_run_node(cu_ctx &c, ql_tensor *node) {
     case QL_OP_SUM:                cu_op_sum(c, node); break;
     case QL_OP_REDUCE_TO:          cu_op_reduce_to(c, node); break;
     case QL_OP_MUL_MAT:            cu_op_mul_mat(c, node); break;
+    case QL_OP_MUL_MAT_ROWS: {     // the product, written at its rows of the result (c's storage)
+        ql_tensor mm;
+        ql_mul_mat_rows_product(node, &mm);
+        cu_op_mul_mat(c, &mm);
+        break;
+    }
     case QL_OP_GET_ROWS:           cu_op_get_rows(c, node); break;
     case QL_OP_GET_ROWS_BACK:      cu_op_get_rows_back(c, node); break;
     case QL_OP_RMS_NORM:           cu_op_rms_norm(c, node); break;
@@ -3436,7 +3442,7 @@ static void cu_run_node(cu_ctx &c, ql_tensor *node) {
     case QL_OP_TO_HOST: case QL_OP_TO_DEVICE:
         CU_ASSERT(!"cuda: copies run in cuda_graph_compute, on the copy stream");
         break;
-    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE:
+    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE: case QL_OP_WITH_GRAD:
         break;
     case QL_OP_COUNT:
         CU_ASSERT(!"cuda: op out of range");
@@ -3447,6 +3453,11 @@ static bool cuda_supports_op(ql_backend *be, const ql_tensor *node) {
     const int cc = ((cuda_backend *)be->impl)->prop.major * 10 + ((cuda_backend *)be->impl)->prop.minor;
     switch (node->op) {
     case QL_OP_MUL_MAT:         return cu_mm_supported(node, cc);
+    case QL_OP_MUL_MAT_ROWS: {
+        ql_tensor mm;
+        ql_mul_mat_rows_product(node, &mm);
+        return cu_mm_supported(&mm, cc);
+    }
     case QL_OP_FLASH_ATTN:
     case QL_OP_FLASH_ATTN_BACK: return cu_attn_supported(node, cc);
     case QL_OP_COUNT:           return false;
@@ -3667,7 +3678,7 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
             continue;
         }
         if (c.failed || node->op == QL_OP_NONE || node->op == QL_OP_VIEW || node->op == QL_OP_RESHAPE ||
-            node->op == QL_OP_PERMUTE || node->op == QL_OP_TRANSPOSE)
+            node->op == QL_OP_PERMUTE || node->op == QL_OP_TRANSPOSE || node->op == QL_OP_WITH_GRAD)
             continue;
         if (ex.profile && !c.failed && cudaEventRecord(cb->prof_events[(size_t)(2 * i)], c.stream) != cudaSuccess) c.failed = true;
         cu_run_node(c, node);

@@ -1813,7 +1813,8 @@ static const char *k_op_names[] = {
     "mul_mat",     "get_rows",      "get_rows_back", "rms_norm",   "rms_norm_back",   "rope",
     "rope_back",   "silu",          "silu_back",  "swiglu",        "swiglu_back",     "flash_attn",
     "flash_attn_back", "cross_entropy", "cross_entropy_back", "dropout", "view_back",  "acc_grad",
-    "cache_store", "to_host",      "to_device",     "add_rows",
+    "cache_store", "to_host",      "to_device",     "add_rows",      "with_grad",
+    "mul_mat_rows",
 };
 static_assert(sizeof(k_op_names) / sizeof(k_op_names[0]) == QL_OP_COUNT, "op names out of sync with ql_op");
 
@@ -1821,10 +1822,12 @@ const char *ql_op_name(ql_op op) { return (op >= 0 && op < QL_OP_COUNT) ? k_op_n
 
 // ops whose result is a view of their source: nothing to run
 static bool is_noop(ql_op op) {
-    return op == QL_OP_VIEW || op == QL_OP_RESHAPE || op == QL_OP_PERMUTE || op == QL_OP_TRANSPOSE;
+    return op == QL_OP_VIEW || op == QL_OP_RESHAPE || op == QL_OP_PERMUTE || op == QL_OP_TRANSPOSE || op == QL_OP_WITH_GRAD;
 }
 // ops whose result aliases another tensor's memory: the planner places nothing for them
-static bool aliases_src(ql_op op) { return is_noop(op) || op == QL_OP_ACC_GRAD || op == QL_OP_CACHE_STORE; }
+static bool aliases_src(ql_op op) {
+    return is_noop(op) || op == QL_OP_ACC_GRAD || op == QL_OP_CACHE_STORE || op == QL_OP_MUL_MAT_ROWS;
+}
 
 template <typename T> static void set_param(ql_tensor *t, int slot, T v) {
     static_assert(sizeof(T) % 4 == 0, "params are int32 slots");
@@ -2263,6 +2266,33 @@ ql_tensor *ql_cross_entropy(ql_context *ctx, ql_tensor *logits, ql_tensor *targe
     return t;
 }
 
+ql_tensor *ql_cross_entropy_back(ql_context *ctx, ql_tensor *ce, ql_tensor *dy) {
+    if (!srcs_ok(ctx, "cross_entropy_back", {ce, dy})) return nullptr;
+    QL_CHECK(ctx, ce->op == QL_OP_CROSS_ENTROPY, QL_ERR_INVALID, "cross_entropy_back: %s is not a ql_cross_entropy result",
+             shape_str(ce).c_str());
+    QL_CHECK(ctx, dy->type == QL_TYPE_F32 && ql_nelements(dy) == 1, QL_ERR_SHAPE, "cross_entropy_back: dy %s must be a single f32",
+             shape_str(dy).c_str());
+    ql_tensor *lg = ce->src[0];  // reads the logits, the targets, the count and ce's logsumexp rows
+    return new_op_like(ctx, QL_OP_CROSS_ENTROPY_BACK, QL_TYPE_F32, lg, {lg, ce->src[1], ce->src[2], ce, dy});
+}
+
+ql_tensor *ql_with_grad(ql_context *ctx, ql_tensor *y, ql_tensor *x, ql_tensor *dx) {
+    if (!srcs_ok(ctx, "with_grad", {y, x, dx})) return nullptr;
+    QL_CHECK(ctx, y->type == QL_TYPE_F32 && ql_nelements(y) == 1 && ql_is_contiguous(y), QL_ERR_SHAPE,
+             "with_grad: y %s must be a single f32", shape_str(y).c_str());
+    QL_CHECK(ctx, dx->type == QL_TYPE_F32 && ql_same_shape(dx, x) && ql_is_contiguous(dx), QL_ERR_SHAPE,
+             "with_grad: dx %s must be contiguous f32 shaped like x %s", shape_str(dx).c_str(), shape_str(x).c_str());
+    ql_tensor *t = make_view(ctx, QL_OP_WITH_GRAD, y, y->ne, y->nb, 0);
+    if (!t) return nullptr;
+    // dx first: the post-order walk then makes what dx needs (the head's chunks, each logits ->
+    // loss -> dlogits -> dh in turn) before y's sum, which would otherwise make every chunk's
+    // logits, alive at once, before the first dlogits. view_src stays y.
+    t->src[0] = dx;
+    t->src[1] = x;
+    t->src[2] = y;
+    return t;
+}
+
 ql_tensor *ql_dropout(ql_context *ctx, ql_tensor *a, float p, ql_tensor *seed, uint32_t stream) {
     return ql_dropout_to(ctx, a, p, seed, stream, QL_TYPE_F32);
 }
@@ -2302,6 +2332,40 @@ ql_tensor *ql_add_rows(ql_context *ctx, ql_tensor *a, ql_tensor *b, int64_t row0
     ql_tensor *t = new_op_like(ctx, QL_OP_ADD_ROWS, QL_TYPE_F32, a, {a, b});
     if (t) set_param(t, 0, row0);
     return t;
+}
+
+ql_tensor *ql_mul_mat_rows(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor *c, int64_t row0) {
+    if (!srcs_ok(ctx, "mul_mat_rows", {a, b, c})) return nullptr;
+    QL_CHECK(ctx, c->type == QL_TYPE_F32 && ql_is_contiguous(c) && c->ne[2] == 1 && c->ne[3] == 1, QL_ERR_TYPE,
+             "mul_mat_rows: c %s must be 2-D contiguous f32", shape_str(c).c_str());
+    QL_CHECK(ctx, a->ne[2] == 1 && a->ne[3] == 1 && b->ne[2] == 1 && b->ne[3] == 1 && a->ne[0] == b->ne[0] && a->ne[1] == c->ne[0] &&
+                      row0 >= 0 && row0 + b->ne[1] <= c->ne[1],
+             QL_ERR_SHAPE, "mul_mat_rows: a %s times b %s does not fit c %s at row %lld", shape_str(a).c_str(), shape_str(b).c_str(),
+             shape_str(c).c_str(), (long long)row0);
+    ql_tensor *t = make_view(ctx, QL_OP_MUL_MAT_ROWS, c, c->ne, c->nb, 0);
+    if (!t) return nullptr;
+    t->src[1] = a;
+    t->src[2] = b;
+    set_param(t, 0, row0);
+    return t;
+}
+
+void ql_mul_mat_rows_product(const ql_tensor *node, ql_tensor *mm) {
+    const ql_tensor *a = node->src[1], *b = node->src[2];
+    *mm = *node;
+    mm->op = QL_OP_MUL_MAT;
+    memset(mm->op_params, 0, sizeof(mm->op_params));
+    for (ql_tensor *&s : mm->src) s = nullptr;
+    mm->src[0] = (ql_tensor *)a;
+    mm->src[1] = (ql_tensor *)b;
+    mm->ne[0] = a->ne[1], mm->ne[1] = b->ne[1], mm->ne[2] = mm->ne[3] = 1;
+    mm->nb[2] = mm->nb[3] = node->nb[1] * (size_t)mm->ne[1];
+    const size_t offs = (size_t)get_param<int64_t>(node, 0) * node->nb[1];
+    mm->data = node->data ? (uint8_t *)node->data + offs : nullptr;
+    mm->view_src = nullptr;
+    mm->view_offs = 0;
+    mm->aux_size = 0;
+    mm->grad = nullptr;
 }
 
 // ---- backward-only ops: built by autodiff, not part of the public surface ----
@@ -2684,11 +2748,12 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
         gb.add(v, view_as(ctx, flat, v, nq + nk));
         break;
     }
-    case QL_OP_CROSS_ENTROPY: {  // dlogits = (softmax - onehot) * dy / count, zero on ignored rows
-        ql_tensor *d = srcs_ok(ctx, "cross_entropy_back", {a, b, node->src[2], node, dy})
-                           ? new_op_like(ctx, QL_OP_CROSS_ENTROPY_BACK, QL_TYPE_F32, a, {a, b, node->src[2], node, dy})
-                           : nullptr;
-        gb.add(a, d);
+    case QL_OP_CROSS_ENTROPY:  // dlogits = (softmax - onehot) * dy / count, zero on ignored rows
+        gb.add(a, ql_cross_entropy_back(ctx, node, dy));
+        break;
+    case QL_OP_WITH_GRAD: {  // y given with dy/dx = dx (src[0]) made in forward: x gets dx dy; y's sources nothing
+        const bool one = dy && dy->op == QL_OP_FILL && get_param<float>(dy, 0) == 1.0f;  // the loss's own seed: dx as it is
+        gb.add(node->src[1], one ? a : ql_mul(ctx, a, gb.dense(dy)));
         break;
     }
     case QL_OP_DROPOUT:  // same mask (same seed, stream and indices), same scale
@@ -2718,6 +2783,9 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
         break;
     case QL_OP_CACHE_STORE:
         QL_ERR(ctx, QL_ERR_UNSUPPORTED, "backward: cache_store is inference only");
+        break;
+    case QL_OP_MUL_MAT_ROWS:
+        QL_ERR(ctx, QL_ERR_UNSUPPORTED, "backward: mul_mat_rows writes a gradient made in forward; it has none itself");
         break;
     case QL_OP_TO_HOST:
     case QL_OP_TO_DEVICE:
@@ -2829,6 +2897,8 @@ static double node_flops(const ql_tensor *n) {
     switch (n->op) {
     case QL_OP_MUL_MAT:
         return 2.0 * (double)n->src[0]->ne[0] * (double)ql_nelements(n);
+    case QL_OP_MUL_MAT_ROWS:  // the rows it writes
+        return 2.0 * (double)n->src[1]->ne[0] * (double)n->src[1]->ne[1] * (double)n->src[2]->ne[1];
     case QL_OP_FLASH_ATTN: {  // QK^T and PV over the causal half
         const ql_tensor *q = n->src[0], *k = n->src[1];
         return 2.0 * (double)q->ne[0] * (double)q->ne[1] * (double)k->ne[1] * (double)q->ne[2] * (double)q->ne[3];
@@ -3137,6 +3207,7 @@ static int inplace_src(const ql_tensor *node) {
     switch (node->op) {
     case QL_OP_ADD: case QL_OP_MUL: case QL_OP_SCALE: case QL_OP_SILU:
     case QL_OP_RMS_NORM: case QL_OP_ROPE: case QL_OP_ROPE_BACK: case QL_OP_ADD_ROWS:
+    case QL_OP_CROSS_ENTROPY_BACK:  // dlogits over the logits, element by element (the fused head + loss's forward)
         return 0;
     case QL_OP_DROPOUT:  // not into f32 storage as a 16-bit result: rows would land on rows not read yet
         return node->type == node->src[0]->type ? 0 : -1;
@@ -3352,10 +3423,12 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
     std::unordered_set<const ql_tensor *> inplace;
     for (size_t i = 0; i < g->entries.size(); i++)
         if (g->entries[i].inplace) inplace.insert(g->entry_tensor[i]);
-    for (const ql_tensor *n : g->nodes) {
-        if (is_noop(n->op)) continue;
+    for (const ql_tensor *node : g->nodes) {
+        if (is_noop(node->op)) continue;
+        ql_tensor mm;  // a product into rows: its FLOPs and bytes those of the product
+        const ql_tensor *n = node->op == QL_OP_MUL_MAT_ROWS ? (ql_mul_mat_rows_product(node, &mm), &mm) : node;
         c->nodes++;
-        c->launches += caps.host ? 1 : ql_cuda_node_launches(n, caps.cc, inplace.count(n) > 0);
+        c->launches += caps.host ? 1 : ql_cuda_node_launches(node, caps.cc, inplace.count(node) > 0);
         const double f = node_flops(n);
         c->flops += f;
         if (n->flags & QL_FLAG_RECOMPUTED) c->recompute_flops += f;
@@ -6293,6 +6366,11 @@ static size_t cpu_work_per_thread(const ql_tensor *node, int nth) {
         if (P.q8) return mm_q8_work(P.N, P.K, mm_q8_block(P.w.type));
         return (mm_layout_of(P.M, P.N, P.K).total + (P.ct == QL_TYPE_F32 ? 0 : mm_stage_floats(P, nth))) * sizeof(float);
     }
+    case QL_OP_MUL_MAT_ROWS: {
+        ql_tensor mm;
+        ql_mul_mat_rows_product(node, &mm);
+        return cpu_work_per_thread(&mm, nth);
+    }
     default:              return 0;
     }
 }
@@ -6307,6 +6385,12 @@ static void cpu_compute_node(const cpu_params &p, ql_tensor *node) {
     case QL_OP_SUM:                k_sum(p, node); break;
     case QL_OP_REDUCE_TO:          k_reduce_to(p, node); break;
     case QL_OP_MUL_MAT:            k_mul_mat(p, node); break;
+    case QL_OP_MUL_MAT_ROWS: {     // the product, written at its rows of the result (c's storage)
+        ql_tensor mm;
+        ql_mul_mat_rows_product(node, &mm);
+        k_mul_mat(p, &mm);
+        break;
+    }
     case QL_OP_GET_ROWS:           k_get_rows(p, node); break;
     case QL_OP_GET_ROWS_BACK:      k_get_rows_back(p, node); break;
     case QL_OP_RMS_NORM:           k_rms_norm(p, node); break;
@@ -6328,7 +6412,7 @@ static void cpu_compute_node(const cpu_params &p, ql_tensor *node) {
     case QL_OP_CACHE_STORE:        k_cache_store(p, node); break;
     case QL_OP_TO_HOST:
     case QL_OP_TO_DEVICE:          k_copy_bytes(p, node); break;  // one memory: a copy (the plan is what offload is for here)
-    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE:
+    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE: case QL_OP_WITH_GRAD:
         break;
     case QL_OP_COUNT:
         QL_ASSERT(!"cpu: op out of range");
@@ -6394,9 +6478,14 @@ static void cpu_graph_worker(void *arg, int ith, int nth) {
     }
 }
 
-static bool cpu_supports_op(ql_backend *, const ql_tensor *node) {
+static bool cpu_supports_op(ql_backend *be, const ql_tensor *node) {
     const ql_tensor *a = node->src[0];
     switch (node->op) {
+    case QL_OP_MUL_MAT_ROWS: {
+        ql_tensor mm;
+        ql_mul_mat_rows_product(node, &mm);
+        return cpu_supports_op(be, &mm);
+    }
     case QL_OP_MUL_MAT:
     case QL_OP_GET_ROWS: {
         const ql_type_traits *t = ql_type_traits_get(a->type);
@@ -7274,8 +7363,14 @@ bool ql_cuda_fa_fused(const ql_tensor *node) {
 int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
     auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
     switch (node->op) {
-    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE: case QL_OP_COUNT:
+    case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE: case QL_OP_WITH_GRAD:
+    case QL_OP_COUNT:
         return 0;
+    case QL_OP_MUL_MAT_ROWS: {  // its product's (the result is c's storage: no copy of c)
+        ql_tensor mm;
+        ql_mul_mat_rows_product(node, &mm);
+        return ql_cuda_node_launches(&mm, cc, false);
+    }
     case QL_OP_MUL_MAT: {
         if (ql_cuda_mm_gemv(node) || ql_cuda_mm_thin(node)) return 1;
         const ql_tensor *a = node->src[0], *b = node->src[1], *acc = node->src[2];
@@ -7356,6 +7451,11 @@ size_t ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NB
 size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
     if (ql_cuda_fa_gemm(node) || ql_cuda_fa_fused(node)) return ql_cuda_fa_layout(node, cc, nullptr, nullptr, nullptr);
     switch (node->op) {
+    case QL_OP_MUL_MAT_ROWS: {  // its product's
+        ql_tensor mm;
+        ql_mul_mat_rows_product(node, &mm);
+        return ql_cuda_work_size(&mm, cc);
+    }
     case QL_OP_MUL_MAT: {  // b's contiguous copy (when cuBLAS cannot read it), then a's tile buffers: tiles of
         // a's rows (K each; of a transposed W, bands of W's columns), two when there is more than
         // one tile (the next is dequantised while the current one's GEMMs run)
@@ -7378,7 +7478,8 @@ size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
 // machine without the device. It computes nothing and allocates nothing.
 static bool cuda_plan_supports(ql_backend *be, const ql_tensor *node) {
     const int cc = (int)(intptr_t)be->impl;
-    return !(node->op == QL_OP_MUL_MAT && node->src[1]->type == QL_TYPE_BF16 && !ql_cuda_bf16_gemm(cc));  // as the device
+    const ql_tensor *b = node->op == QL_OP_MUL_MAT ? node->src[1] : node->op == QL_OP_MUL_MAT_ROWS ? node->src[2] : nullptr;
+    return !(b && b->type == QL_TYPE_BF16 && !ql_cuda_bf16_gemm(cc));  // as the device
 }
 static size_t cuda_plan_work(ql_backend *be, const ql_tensor *node) { return ql_cuda_work_size(node, (int)(intptr_t)be->impl); }
 static void cuda_plan_free(ql_backend *be) { delete be; }

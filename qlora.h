@@ -277,6 +277,8 @@ typedef enum ql_op {
     QL_OP_TO_HOST,           // a copy of src[0] in the graph's host memory (activation offload; ql_graph_offload)
     QL_OP_TO_DEVICE,         // a TO_HOST copy brought back into the planned buffer
     QL_OP_ADD_ROWS,          // a with b added to a range of its rows (a result made in pieces of rows)
+    QL_OP_WITH_GRAD,         // a scalar itself (a view) with its gradient w.r.t. a tensor made in forward (ql_with_grad)
+    QL_OP_MUL_MAT_ROWS,      // a product written over a range of rows of c (in place; the result aliases c)
     QL_OP_COUNT
 } ql_op;
 
@@ -471,6 +473,20 @@ ql_tensor *ql_cache_store(ql_context *ctx, ql_tensor *cache, ql_tensor *src, ql_
 // -> [1] = sum over kept rows of -log softmax(logits)[target] / count[0].
 // count is read at run time, so accumulation can normalise by a whole optimizer step's tokens.
 ql_tensor *ql_cross_entropy(ql_context *ctx, ql_tensor *logits, ql_tensor *targets, ql_tensor *count);
+// The gradient of ce = ql_cross_entropy(logits, targets, count) w.r.t. its logits for an
+// incoming gradient dy (f32 [1], read at run time): (softmax(logits) - onehot(target)) dy /
+// count, zero on ignored rows; f32 shaped like the logits. Written over the logits where they
+// die here (the fused head + loss makes it in forward, ql_llama_loss; backward makes it too).
+ql_tensor *ql_cross_entropy_back(ql_context *ctx, ql_tensor *ce, ql_tensor *dy);
+// y itself (a view: nothing runs) with its gradient w.r.t. x made already: dx (f32, x's shape),
+// the gradient for dy = 1. Backward adds dx * dy to x's gradient and gives y's own sources
+// nothing - what made y is not differentiated again. y: a single f32 that depends on x (a loss
+// whose gradient was computed in forward: the fused head + loss of ql_llama_loss). dy multiplies
+// dx after the fact: a loss scale meant to keep 16-bit intermediates of dx from underflowing
+// must be inside it already (the trainer's fp16 scaling divides the loss's count by it).
+// Recompute leaves dx alone: what makes it reads x, which y's view reads to the end of forward,
+// so it lies in no segment (ql_graph_recompute).
+ql_tensor *ql_with_grad(ql_context *ctx, ql_tensor *y, ql_tensor *x, ql_tensor *dx);
 
 // Inverted dropout: y = keep ? x/(1-p) : 0, keep decided by a counter-based hash of
 // (seed[0], stream, element index) - never stored, regenerated in backward and on recompute.
@@ -491,6 +507,15 @@ ql_tensor *ql_dropout_rows_to(ql_context *ctx, ql_tensor *a, float p, ql_tensor 
 // writes over a's storage where a dies here, so a chain of them costs only the rows added. The
 // same bits as ql_add for those rows.
 ql_tensor *ql_add_rows(ql_context *ctx, ql_tensor *a, ql_tensor *b, int64_t row0);
+// c (f32 [M, N] contiguous) with ql_mul_mat(a, b)'s [M, n] written over its rows [row0, row0 +
+// n): a 2-D product straight into its rows of a whole made in pieces (the fused loss's dh), no
+// [M, n] result and no add. a, b: as ql_mul_mat takes them (a may be a transposed quantized
+// weight), 2-D, f32 result. The result aliases c - read c through it, so readers follow the
+// write; chain them for several pieces. No backward.
+ql_tensor *ql_mul_mat_rows(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor *c, int64_t row0);
+// For backends: the MUL_MAT node a MUL_MAT_ROWS node runs - its product over the rows it writes
+// (data, when bound, at those rows) - so both run, size and count it as that product
+void ql_mul_mat_rows_product(const ql_tensor *node, ql_tensor *mm);
 
 // ============================================================================================
 // graphs and autodiff

@@ -227,16 +227,42 @@ int64_t ql_llama_ffn_chunk(int64_t n_ff, int64_t n_rows) {
     return (n_rows + n_chunks - 1) / std::max<int64_t>(1, n_chunks);  // equal chunks, each within the budget
 }
 
-int64_t ql_llama_loss_chunk(int64_t n_vocab, int64_t n_rows) {
-    const int64_t per = std::max<int64_t>(1, QL_LLAMA_LOSS_CHUNK_ELEMS / std::max<int64_t>(1, n_vocab));
+int64_t ql_llama_loss_chunk(int64_t n_vocab, int64_t n_rows, int64_t elems) {
+    const int64_t per = std::max<int64_t>(1, elems / std::max<int64_t>(1, n_vocab));
     const int64_t n_chunks = (n_rows + per - 1) / per;
     return (n_rows + n_chunks - 1) / n_chunks;  // equal chunks, each within the budget
 }
 
-ql_tensor *ql_llama_loss(ql_context *ctx, const ql_llama *m, ql_tensor *h, ql_tensor *targets, ql_tensor *count, int64_t chunk) {
+ql_tensor *ql_llama_loss(ql_context *ctx, const ql_llama *m, ql_tensor *h, ql_tensor *targets, ql_tensor *count, int64_t chunk,
+                         bool grad) {
     if (!h) return nullptr;
     const int64_t E = h->ne[0], N = ql_nelements(h) / E;
     h = ql_reshape_2d(ctx, h, E, N);
+    if (grad && !(m->output->flags & QL_FLAG_PARAM) && !m->lora.count(m->output)) {
+        // fused: per chunk logits -> loss -> dlogits (over the logits) -> dh rows; the product
+        // of backward's shape (W^T dlogits, dlogits in the multiply's type: what backward's
+        // would read), written straight into its rows of dh, so the numbers are the unfused path's
+        if (chunk <= 0 || chunk > N) chunk = N;
+        const int64_t one_ne[1] = {1};
+        ql_tensor *one = ql_fill(ctx, QL_TYPE_F32, 1, one_ne, 1.0f);  // dy = 1: the loss's seed (scaled in backward)
+        // dh's storage [E, N], zeros made from h (every row is then written), not a fill: the
+        // graph's order (a post-order walk) then makes it after h, where a fill (no sources)
+        // would come first and live through the whole forward, joining every recompute segment into one
+        ql_tensor *dh = ql_scale(ctx, h, 0.0f);
+        ql_tensor *wt = ql_transpose(ctx, m->output);                  // [n_vocab, E]
+        ql_tensor *loss = nullptr;
+        for (int64_t r0 = 0; r0 < N; r0 += chunk) {
+            const int64_t n = std::min(chunk, N - r0);
+            ql_tensor *hc = ql_view_2d(ctx, h, E, n, h ? h->nb[1] : 0, (size_t)r0 * (h ? h->nb[1] : 0));
+            ql_tensor *l = ql_cross_entropy(ctx, ql_llama_linear(ctx, m, m->output, hc),
+                                            ql_view_1d(ctx, targets, n, (size_t)r0 * sizeof(int32_t)), count);
+            ql_tensor *d = ql_cross_entropy_back(ctx, l, one);  // [n_vocab, n]
+            if (m->compute != QL_TYPE_F32) d = ql_cast(ctx, d, m->compute);
+            dh = ql_mul_mat_rows(ctx, wt, d, dh, r0);  // straight into its rows of dh
+            loss = loss ? ql_add(ctx, loss, l) : l;
+        }
+        return ql_with_grad(ctx, loss, h, dh);
+    }
     if (chunk <= 0 || chunk >= N)  // one chunk: the plain head, its logits kept for backward
         return ql_cross_entropy(ctx, ql_llama_linear(ctx, m, m->output, h), targets, count);
     // rows [r0, r0 + n): logits [n_vocab, n] made, read by their cross-entropy, dropped; backward

@@ -109,11 +109,22 @@ ql_tensor *ql_llama_hidden(ql_context *ctx, const ql_llama *m, ql_tensor *x, ql_
 // their gradient never exist at once (Llama 3's 128256 x 2048 would be 1 GiB each in f32).
 // Every chunk covers the whole vocabulary, so the loss is the unchunked one (summed in another
 // order) and so are the gradients.
-ql_tensor *ql_llama_loss(ql_context *ctx, const ql_llama *m, ql_tensor *h, ql_tensor *targets, ql_tensor *count, int64_t chunk);
+// grad (a graph that will get a backward; the head frozen): the head and the loss fused, as
+// Liger-Kernel's linear cross-entropy - each chunk's dlogits (dy = 1) are made in forward, over
+// its logits, right after its loss, and dh = W^T dlogits written into its rows of one dh [n_embd,
+// N] (ql_mul_mat_rows); the loss comes back through ql_with_grad, so backward's gradient of h is that dh (times
+// dy): no logits recompute, no third product per chunk. One chunk (chunk <= 0) works alike.
+// Evaluation graphs leave it false: they pay for no dh.
+ql_tensor *ql_llama_loss(ql_context *ctx, const ql_llama *m, ql_tensor *h, ql_tensor *targets, ql_tensor *count, int64_t chunk,
+                         bool grad = false);
 // The chunk rows for n_rows rows: equal chunks of at most QL_LLAMA_LOSS_CHUNK_ELEMS logits each
 // (n_rows itself when they fit in one)
 #define QL_LLAMA_LOSS_CHUNK_ELEMS ((int64_t)1 << 23)  // 32 MiB of f32 logits per chunk
-int64_t ql_llama_loss_chunk(int64_t n_vocab, int64_t n_rows);
+// a device's budget for the fused loss (grad): chunks of 512+ rows where the vocabulary is
+// Llama 3's (the head's products then run near a GPU's peak: 64-row chunks ran at 153-164
+// TFLOP/s on an H100), the trainer's first try on a device
+#define QL_LLAMA_LOSS_CHUNK_ELEMS_DEVICE ((int64_t)1 << 26)  // 256 MiB of f32 logits (+ 128 of 16-bit dlogits)
+int64_t ql_llama_loss_chunk(int64_t n_vocab, int64_t n_rows, int64_t elems = QL_LLAMA_LOSS_CHUNK_ELEMS);
 // The same for the feed-forward (ql_llama.ffn_chunk): equal chunks of tokens of at most
 // QL_LLAMA_FFN_CHUNK_ELEMS elements per [n_ff, chunk] intermediate (n_rows when one will do)
 #define QL_LLAMA_FFN_CHUNK_ELEMS ((int64_t)1 << 23)  // 16 MiB in bf16, 32 in f32, per intermediate

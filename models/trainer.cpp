@@ -184,7 +184,7 @@ ql_precision ql_auto_precision(const ql_backend *be) {  // see trainer.h
 }
 
 static batch_io make_io(ql_context *ctx, const ql_llama &m, int64_t T, int64_t B, bool packed, bool backward, bool embd_host,
-                        int64_t loss_chunk) {
+                        int64_t loss_chunk, bool loss_fused) {
     batch_io io;
     if (embd_host) io.embd = ql_set_input(ql_new_tensor_3d(ctx, QL_TYPE_F32, m.hp.n_embd, T, B));
     else io.tokens = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, T, B));
@@ -193,7 +193,8 @@ static batch_io make_io(ql_context *ctx, const ql_llama &m, int64_t T, int64_t B
     io.targets = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, T * B));
     io.count = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_F32, 1));
     ql_tensor *x = embd_host ? io.embd : ql_get_rows(ctx, m.tok_embd, io.tokens);  // [n_embd, T, B]
-    io.loss = ql_llama_loss(ctx, &m, ql_llama_hidden(ctx, &m, x, io.pos, io.seg), io.targets, io.count, loss_chunk);
+    io.loss = ql_llama_loss(ctx, &m, ql_llama_hidden(ctx, &m, x, io.pos, io.seg), io.targets, io.count, loss_chunk,
+                            backward && loss_fused);
     io.gf = ql_graph_new(ctx);
     ql_graph_build_forward(io.gf, io.loss);
     io.g = backward ? ql_graph_backward(ctx, io.gf, io.loss) : io.gf;
@@ -223,8 +224,8 @@ static bool build(ql_trainer *t, ql_context *ctx) {
     m.compute = t->compute;
     m.attn_bf16 = !t->o.attn_f32;
     m.ffn_chunk = t->ffn_chunk;
-    t->tr = make_io(ctx, m, t->T, t->B, t->packed, true, t->embd_host, t->loss_chunk);
-    // the policy's levels, and the chunked loss's logits (recomputed whatever the levels)
+    t->tr = make_io(ctx, m, t->T, t->B, t->packed, true, t->embd_host, t->loss_chunk, t->o.loss_fused);
+    // the policy's levels, and the unfused chunked loss's logits (recomputed whatever the levels)
     if (t->tr.g && (!t->levels.empty() || t->loss_chunk > 0) &&
         ql_graph_recompute(t->tr.g, t->levels.empty() ? nullptr : t->levels.data(), (int)t->levels.size(), &t->rs) != QL_OK)
         return false;
@@ -247,14 +248,14 @@ static bool build(ql_trainer *t, ql_context *ctx) {
     t->bucket_io.clear();
     for (size_t k = 0; t->tr.g && k + 1 < t->bucket_len.size(); k++) {  // the shorter lengths: the same recompute
         t->bucket_io.push_back(make_io(ctx, m, t->bucket_len[k], t->B, t->packed, true, t->embd_host,
-                                       t->loss_chunk > 0 ? std::min(t->loss_chunk, t->bucket_len[k] * t->B) : 0));
+                                       t->loss_chunk > 0 ? std::min(t->loss_chunk, t->bucket_len[k] * t->B) : 0, t->o.loss_fused));
         if (!t->bucket_io.back().g || ((!t->levels.empty() || t->loss_chunk > 0) &&
                                        ql_graph_recompute(t->bucket_io.back().g, t->levels.empty() ? nullptr : t->levels.data(),
                                                           (int)t->levels.size(), nullptr) != QL_OK))
             return false;
     }
     m.lora_dropout = false;  // evaluation: no dropout
-    t->ev = make_io(ctx, m, t->T, t->B, t->packed, false, t->embd_host, t->loss_chunk);
+    t->ev = make_io(ctx, m, t->T, t->B, t->packed, false, t->embd_host, t->loss_chunk, false);
     m.lora_dropout = true;
     t->state.clear();
     const bool eight = ql_optim_8bit(t->o.optim);
@@ -481,6 +482,7 @@ static bool measure(ql_trainer *t, std::string *err) {
         m.total = planned + m.reserve;
         m.host = m.total;  // (a device run: device_plan sets both)
         m.loss_chunk = t->loss_chunk;
+        m.loss_fused = t->o.loss_fused;
         m.ffn_chunk = t->ffn_chunk;
         m.embd_on_host = t->embd_host;
         m.host_embd = t->embd_host ? ql_nbytes(t->f->model.tok_embd) + t->f->model.tok_embd->aux_size : 0;
@@ -626,6 +628,20 @@ static void set_embd_host(ql_trainer *t, bool on) {
 }
 static bool choose_memory(ql_trainer *t, std::string *err) {
     if (!choose_levels_for(t, err)) return false;
+    if (t->o.loss_chunk == 0 && !t->on_host && t->loss_chunk != t->auto_chunk &&
+        (!fits(t) || (t->o.checkpointing == ql_checkpointing::automatic && !t->levels.empty()))) {
+        // the device's chunks of 512+ rows, unless they do not fit, or make auto recompute, where
+        // today's smaller ones fit or recompute less (the big chunk saves ~4% of a step, recompute costs more)
+        const bool big_fits = fits(t);
+        const double big_recompute = t->rs.recompute_flops;
+        const int64_t big = t->loss_chunk;
+        t->loss_chunk = t->auto_chunk;
+        if (!choose_levels_for(t, err)) return false;
+        if (big_fits && !(fits(t) && t->rs.recompute_flops < big_recompute)) {
+            t->loss_chunk = big;
+            if (!choose_levels_for(t, err)) return false;
+        }
+    }
     if (t->o.loss_chunk == 0 && t->on_host && t->loss_chunk == 0 && t->auto_chunk > 0 && !fits(t)) {
         t->loss_chunk = t->auto_chunk;  // the CPU's auto: chunks when the plan needs them
         if (!choose_levels_for(t, err)) return false;
@@ -772,8 +788,11 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
     t->auto_chunk = ql_llama_loss_chunk(m.hp.n_vocab, rows);
     if (t->auto_chunk >= rows) t->auto_chunk = 0;  // one chunk: the plain head
     // auto: chunked on a device (memory is what it lacks); on the CPU only when the plan needs it
-    // (recomputing the head adds ~11% to a 110M step's FLOPs there: an estimate, not timed)
-    t->loss_chunk = o.loss_chunk < 0 ? 0 : o.loss_chunk > 0 ? o.loss_chunk : t->on_host ? 0 : t->auto_chunk;
+    // (unfused, recomputing the head adds ~11% to a 110M step's FLOPs there: an estimate, not
+    // timed; fused, chunks cost no FLOPs, but the CPU keeps its rule)
+    // (a device with the fused loss: chunks of 512+ rows first, choose_levels falls back to these)
+    const int64_t device_chunk = o.loss_fused ? ql_llama_loss_chunk(m.hp.n_vocab, rows, QL_LLAMA_LOSS_CHUNK_ELEMS_DEVICE) : t->auto_chunk;
+    t->loss_chunk = o.loss_chunk < 0 ? 0 : o.loss_chunk > 0 ? o.loss_chunk : t->on_host ? 0 : device_chunk;
     if (t->loss_chunk >= rows) t->loss_chunk = 0;
     t->auto_ffn_chunk = ql_llama_ffn_chunk(m.hp.n_ff, rows);
     if (t->auto_ffn_chunk >= rows) t->auto_ffn_chunk = 0;

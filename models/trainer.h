@@ -101,8 +101,13 @@ struct ql_train_options {
     bool offload_activations = false;
     // the loss's output projection and cross-entropy in chunks of rows (ql_llama_loss): 0 auto
     // (chunks of at most 2^23 logits when the whole would be more: always on a device, on the CPU
-    // when the plan does not fit without), > 0 rows per chunk, < 0 one
+    // when the plan does not fit without; on a device the fused loss's chunks of 512+ rows, 2^26
+    // logits, where the plan fits them as well as those), > 0 rows per chunk, < 0 one
     int64_t loss_chunk = 0;
+    // the head and the loss fused (ql_llama_loss's grad): dlogits and dh made in forward, chunk by
+    // chunk, no logits recompute. false: backward recomputes each chunk's logits (the old path,
+    // kept for comparisons)
+    bool loss_fused = true;
     // the feed-forward in chunks of tokens (ql_llama.ffn_chunk): 0 auto (chunks of at most 2^23
     // elements per intermediate when the whole would be more and the plan recomputes and does not
     // fit without), > 0 tokens per chunk, < 0 whole
@@ -161,6 +166,7 @@ struct ql_memory_plan {
     double recompute_fraction = 0;  // recomputed / forward FLOPs
     int micro_batch = 0;
     int64_t loss_chunk = 0;     // rows per cross-entropy chunk (0: unchunked)
+    bool loss_fused = false;    // the head and the loss fused (dh made in forward)
     int64_t ffn_chunk = 0;      // tokens per feed-forward chunk (0: unchunked)
     // a device run (a GPU, or a stand-in planning for one): total is device memory, made of these
     bool   device = false;

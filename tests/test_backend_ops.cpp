@@ -1305,6 +1305,178 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
     CHECK(offloaded.plan.host >= block.plan.host + offloaded.plan.host_pinned);
 }
 
+// ---- a product straight into rows of a whole (the fused loss's dh) ----------------------------
+
+OP_CASE(mul_mat_rows) {
+    const int E = 64, V = 288, N = 40;
+    for (ql_type wtype : {QL_TYPE_NF4, QL_TYPE_F16}) {
+        for (ql_type btype : {QL_TYPE_F32, QL_TYPE_F16}) {
+            CAPTURE(std::string(ql_type_name(wtype)));
+            CAPTURE(std::string(ql_type_name(btype)));
+            ql_init_params ip = {16u << 20, nullptr, true, false};
+            ql_context *ctx = ql_init(ip);
+            ql_tensor *w = ql_new_tensor_2d(ctx, wtype, E, V);  // a head: [E, V]
+            ql_tensor *d0 = ql_new_tensor_2d(ctx, btype, V, 16), *d1 = ql_new_tensor_2d(ctx, btype, V, 20);
+            ql_tensor *c = ql_new_tensor_2d(ctx, QL_TYPE_F32, E, N);
+            ql_tensor *wt = ql_transpose(ctx, w);
+            // rows [0, 16) and [16, 36) written, [36, 40) left as c had them
+            ql_tensor *y = ql_mul_mat_rows(ctx, wt, d1, ql_mul_mat_rows(ctx, wt, d0, c, 0), 16);
+            ql_tensor *r0 = ql_mul_mat(ctx, wt, d0), *r1 = ql_mul_mat(ctx, wt, d1);  // the products as ql_mul_mat makes them
+            REQUIRE_MESSAGE(y, ql_ctx_error(ctx));
+            for (ql_tensor *t : {y, r0, r1}) ql_set_output(t);
+            ql_graph *g = ql_graph_new(ctx);
+            for (ql_tensor *t : {r0, r1, y}) REQUIRE(ql_graph_build_forward(g, t) == QL_OK);
+            ql_backend_buffer *leafs = ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE);
+            REQUIRE_MESSAGE(leafs, ql_ctx_error(ctx));
+            rng r(3);
+            auto fill = [&](ql_tensor *t) {
+                std::vector<float> x((size_t)ql_nelements(t));
+                for (float &v : x) v = r.uniform(-1.0f, 1.0f);
+                std::vector<uint8_t> bytes(ql_nbytes(t) + t->aux_size);
+                char err[200] = "";
+                REQUIRE_MESSAGE(ql_quantize(t->type, x.data(), ql_nrows(t), t->ne[0], bytes.data(), err, sizeof(err)) == QL_OK, err);
+                REQUIRE(ql_backend_tensor_set(be, t, bytes.data(), 0, bytes.size()) == QL_OK);
+            };
+            for (ql_tensor *t : {w, d0, d1}) fill(t);
+            std::vector<float> c0((size_t)E * N, 7.0f);
+            REQUIRE(ql_backend_tensor_set(be, c, c0.data(), 0, c0.size() * 4) == QL_OK);
+            const bool planned = ql_graph_plan(g, be, nullptr) == QL_OK && ql_graph_alloc(g, be) == QL_OK;
+            REQUIRE_MESSAGE(planned, ql_ctx_error(ctx));
+            REQUIRE_MESSAGE(ql_backend_graph_compute(be, g) == QL_OK, ql_ctx_error(ctx));
+            std::vector<float> got((size_t)E * N), p0((size_t)E * 16), p1((size_t)E * 20);
+            REQUIRE(ql_backend_tensor_get(be, y, got.data(), 0, got.size() * 4) == QL_OK);
+            REQUIRE(ql_backend_tensor_get(be, r0, p0.data(), 0, p0.size() * 4) == QL_OK);
+            REQUIRE(ql_backend_tensor_get(be, r1, p1.data(), 0, p1.size() * 4) == QL_OK);
+            std::vector<float> want(p0);
+            want.insert(want.end(), p1.begin(), p1.end());
+            want.insert(want.end(), (size_t)E * 4, 7.0f);
+            CHECK((got == want));  // the same kernel over the same product: the same bits, at their rows
+            ql_census cs;
+            REQUIRE(ql_graph_census(g, be, &cs) == QL_OK);
+            CHECK(cs.flops == 2.0 * 2 * V * E * 36);  // each product counted once, as the rows it writes
+            ql_graph_free(g);
+            ql_backend_buffer_free(leafs);
+            ql_free(ctx);
+        }
+    }
+}
+
+// ---- the head and the loss fused: dlogits and dh made in forward, no logits recompute ----------
+
+OP_CASE(trainer_fused_loss) {
+    tmpdir d;
+    const std::string path = d.file("tiny-nf4-head.gguf");
+    const int V = 97, E = 64;
+    {
+        tiny_llama t(tiny_hparams(V, E, 128), 3, 0.2f, /*tied_output=*/false);
+        llama_gguf_opts o;
+        o.linear_type = QL_TYPE_Q4_0;
+        o.nf4 = {"output.weight"};  // a quantised frozen head, as a QLoRA run's
+        write_llama_gguf(t.m, path, o);
+    }
+    std::vector<ql_sequence> seqs;
+    for (int s = 0; s < 4; s++) {
+        ql_sequence q;
+        int tok = (13 * s + 4) % V;
+        for (int i = 0; i < 24; i++) {
+            q.tokens.push_back(tok);
+            q.pos.push_back(i);
+            q.seg.push_back(0);
+            tok = (7 * tok + 2) % V;
+            q.targets.push_back(i >= 2 && i != 9 ? tok : -1);  // a masked prompt and an ignored row inside a chunk
+            q.n_targets += q.targets.back() >= 0;
+        }
+        seqs.push_back(q);
+    }
+    ql_train_options o;
+    o.lora.r = 4;
+    o.lora.alpha = 8;
+    o.lora.dropout = 0.1f;
+    o.lora.targets = {"q", "v", "up", "down"};
+    o.micro_batch = 2;
+    o.lr = 1e-2f;
+    o.max_steps = 3;
+    o.threads = 1;
+    o.backend = be;
+    o.attn_f32 = true;
+    struct result {
+        std::vector<double> losses;
+        std::vector<float> adapter;
+        ql_memory_plan plan;
+        int head_products = 0;  // multiplies by the head's weight in a micro-batch's graph
+        size_t allocated = 0;
+    };
+    auto run = [&](ql_precision pr, int64_t chunk, bool fused) {
+        result r;
+        char err[256];
+        ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(f, err);
+        ql_train_options oo = o;
+        oo.precision = pr;
+        oo.loss_chunk = chunk;
+        oo.loss_fused = fused;
+        std::string e;
+        REQUIRE_MESSAGE(ql_train_plan(f, seqs, seqs, oo, &r.plan, &e), e);
+        size_t before = 0, after = 0;
+        ql_backend_memory_used(be, &before, nullptr);
+        ql_trainer *t = ql_trainer_new(f, seqs, seqs, oo, &e);
+        REQUIRE_MESSAGE(t, e);
+        ql_backend_memory_used(be, &after, nullptr);
+        r.allocated = after - before;
+        const ql_tensor *w = ql_trainer_model(t).output;
+        ql_graph *g = ql_trainer_graph(t);
+        for (int i = 0; i < ql_graph_n_nodes(g); i++) {
+            const ql_tensor *n = ql_graph_node(g, i);
+            r.head_products += (n->op == QL_OP_MUL_MAT && (n->src[0] == w || n->src[0]->view_src == w)) ||
+                               (n->op == QL_OP_MUL_MAT_ROWS && n->src[1]->view_src == w);
+        }
+        ql_step_metrics m;
+        while (ql_trainer_steps_done(t) < ql_trainer_total_steps(t)) {
+            REQUIRE_MESSAGE(ql_trainer_step(t, &m, &e), e);
+            r.losses.push_back(m.loss);
+        }
+        double ev = 0;
+        REQUIRE_MESSAGE(ql_trainer_eval(t, &ev, &e), e);
+        r.losses.push_back(ev);  // the evaluation graph's (no dh in it)
+        REQUIRE_MESSAGE(ql_trainer_to_host(t, &e), e);
+        for (ql_tensor *p : ql_llama_lora_params(ql_trainer_model(t)))
+            r.adapter.insert(r.adapter.end(), (const float *)p->data, (const float *)p->data + ql_nelements(p));
+        ql_trainer_free(t);
+        ql_llama_file_free(f);
+        return r;
+    };
+    const int rows = 2 * 24;
+    for (ql_precision pr : {ql_precision::fp32, ql_precision::bf16, ql_precision::fp16}) {
+        if (pr == ql_precision::bf16 && !ql_backend_is_host(be)) {
+            ql_backend_caps c{};
+            ql_backend_get_caps(be, &c);
+            if (!c.bf16_gemm) continue;
+        }
+        for (int64_t chunk : {(int64_t)-1, (int64_t)10}) {
+            CAPTURE((int)pr);
+            CAPTURE(chunk);
+            const result old = run(pr, chunk, false), fused = run(pr, chunk, true);
+            // the same operations in the same order (dy = 1 made in forward instead of backward's
+            // seed of 1, dh's rows added onto zeros instead of view_back's): the same bits
+            REQUIRE(fused.losses.size() == old.losses.size());
+            for (size_t s = 0; s < old.losses.size(); s++) CHECK(fused.losses[s] == old.losses[s]);
+            CHECK(norm_err(fused.adapter, old.adapter) == 0.0);
+            CHECK(old.losses[old.losses.size() - 2] < old.losses.front());
+            CHECK(fused.plan.loss_fused);
+            // the census: 3 head products per chunk before (forward, recompute, Wᵀ dlogits), 2 now
+            const int chunks = chunk > 0 ? (rows + (int)chunk - 1) / (int)chunk : 1;
+            CHECK(old.head_products == (chunk > 0 ? 3 : 2) * chunks);
+            CHECK(fused.head_products == 2 * chunks);
+            CHECK(fused.plan.census.recompute_flops == 0.0);
+            if (chunk > 0) CHECK(old.plan.census.recompute_flops == 2.0 * V * E * rows);
+            if (!ql_backend_is_host(be)) {  // the device plan is what was allocated, to the byte
+                CHECK(fused.allocated == fused.plan.dev_weights + fused.plan.dev_state + fused.plan.dev_buffer);
+                CHECK(old.allocated == old.plan.dev_weights + old.plan.dev_state + old.plan.dev_buffer);
+            }
+        }
+    }
+}
+
 // ---- a device run gives the model's pages back once placed (QL_FLAG_MAPPED) ---------------------
 
 namespace {

@@ -532,3 +532,113 @@ TEST_CASE("llama: under bf16 / fp16 q, k, v, rope and attention are 16-bit; the 
             ql_free(ctx);
         }
 }
+
+// The head and the loss fused (ql_llama_loss's grad): h's gradient made in forward is backward's
+// (bit for bit: the same operations), one chunk's logits are alive at a time with its dlogits over
+// them, and no chunk is recomputed.
+TEST_CASE("llama: the fused loss gives the unfused gradient of h, one chunk's logits at a time, dlogits over them") {
+    const int V = 1000, E = 32, N = 64;
+    tiny_llama t(tiny_hparams(V, E, 64, 1), 3, 0.3f, /*tied_output=*/false);
+    ql_backend *be = ql_backend_cpu_init(2);
+    REQUIRE(be);
+    struct run_result {
+        float loss = 0;
+        std::vector<float> dh;
+        size_t buffer = 0;
+        int head_products = 0;
+    };
+    // scale: the loss scaled after the head (its gradient seed then reaches ql_with_grad as dy =
+    // scale, not 1); block: the model's block between the input and the head (h's gradient is then
+    // the input's), recompute: with every segment's results recomputed (QL_KEEP_NONE)
+    auto run = [&](int64_t chunk, bool fused, ql_type compute, float scale = 1.0f, bool block = false, bool recompute = false) {
+        run_result r;
+        ql_init_params ip = {32u << 20, nullptr, false, false};
+        ql_context *ctx = ql_init(ip);
+        ql_llama m = t.m;
+        m.compute = compute;
+        ql_tensor *h = ql_set_param(ql_new_tensor_2d(ctx, QL_TYPE_F32, E, N));
+        ql_tensor *tg = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, N));
+        ql_tensor *cnt = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_F32, 1));
+        std::mt19937 rng(5);
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        for (int i = 0; i < E * N; i++) ((float *)h->data)[i] = nd(rng);
+        for (int i = 0; i < N; i++) ((int32_t *)tg->data)[i] = i % 7 == 3 ? -1 : (int32_t)((i * 37 + 11) % V);
+        *(float *)cnt->data = 50.0f;
+        ql_tensor *pos = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, N, 1));
+        for (int i = 0; i < N; i++) ((int32_t *)pos->data)[i] = i;
+        ql_tensor *x = block ? ql_llama_hidden(ctx, &m, ql_reshape_3d(ctx, h, E, N, 1), pos, nullptr) : h;
+        ql_tensor *loss = ql_llama_loss(ctx, &m, x, tg, cnt, chunk, fused);
+        if (scale != 1.0f) loss = ql_scale(ctx, loss, scale);
+        REQUIRE_MESSAGE(loss, ql_ctx_error(ctx));
+        ql_graph *gf = ql_graph_new(ctx);
+        REQUIRE(ql_graph_build_forward(gf, loss) == QL_OK);
+        ql_graph *gb = ql_graph_backward(ctx, gf, loss);
+        REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
+        if (recompute) {
+            const int n_seg = ql_graph_segments(gb, nullptr, 0);
+            REQUIRE(n_seg > 0);
+            std::vector<ql_keep> none((size_t)n_seg, QL_KEEP_NONE);
+            REQUIRE(ql_graph_recompute(gb, none.data(), n_seg, nullptr) == QL_OK);
+        } else if (!fused && chunk > 0) {
+            REQUIRE(ql_graph_recompute(gb, nullptr, 0, nullptr) == QL_OK);
+        }
+        ql_plan_stats st{};
+        REQUIRE_MESSAGE(ql_graph_plan(gb, be, &st) == QL_OK, ql_ctx_error(ctx));
+        REQUIRE(ql_graph_alloc(gb, be) == QL_OK);
+        ql_graph_set_poison(gb, true);  // a reader of a dead (or overwritten) tensor reads NaN
+        ql_graph_zero_grads(gb);
+        REQUIRE_MESSAGE(ql_backend_graph_compute(be, gb) == QL_OK, ql_ctx_error(ctx));
+        r.loss = ql_get_f32_1d(loss, 0);
+        r.dh.assign((const float *)h->grad->data, (const float *)h->grad->data + E * N);
+        r.buffer = st.buffer_size - st.bytes[QL_MEM_WORK];  // (the matmul's packing buffers aside)
+        for (int i = 0; i < ql_graph_n_nodes(gb); i++) {
+            const ql_tensor *n = ql_graph_node(gb, i);
+            r.head_products += (n->op == QL_OP_MUL_MAT && (n->src[0] == m.output || n->src[0]->view_src == m.output)) ||
+                               (n->op == QL_OP_MUL_MAT_ROWS && n->src[1]->view_src == m.output);
+        }
+        ql_graph_free(gb);
+        ql_graph_free(gf);
+        ql_free(ctx);
+        return r;
+    };
+    for (ql_type ct : {QL_TYPE_F32, QL_TYPE_BF16, QL_TYPE_F16}) {
+        CAPTURE(std::string(ql_type_name(ct)));
+        for (int64_t chunk : {(int64_t)0, (int64_t)8, (int64_t)24}) {
+            CAPTURE(chunk);
+            const run_result old = run(chunk, false, ct), fused = run(chunk, true, ct);
+            CHECK(fused.loss == old.loss);
+            CHECK(fused.dh == old.dh);
+            const int chunks = chunk > 0 ? (int)((N + chunk - 1) / chunk) : 1;
+            CHECK(old.head_products == (chunk > 0 ? 3 : 2) * chunks);
+            CHECK(fused.head_products == 2 * chunks);
+            if (chunk == 8 && ct == QL_TYPE_F32) {
+                // the buffer: one chunk's logits [V, 8] (32,000 bytes; its dlogits over them) and dh
+                // [E, N] (8 KiB), a few small ones - never the whole logits (256,000 bytes)
+                MESSAGE("fused, chunks of 8: buffer ", fused.buffer, " bytes (unfused ", old.buffer, ")");
+                CHECK(fused.buffer <= (size_t)V * 8 * 4 + (size_t)E * N * 4 + 2048);  // (no [E, 8] product: straight into dh)
+                CHECK(fused.buffer < old.buffer);
+            }
+            if (chunk == 0) continue;
+            // a loss scaled after the head (dy 0.5 at ql_with_grad): exact powers of two, the same
+            // bits - but in fp16, where the old path rounds dlogits dy / count and the fused one
+            // dlogits / count, then scales dh: a scale against fp16's underflow belongs in count
+            // (the trainer's loss scaling), as ql_with_grad says
+            const run_result old_s = run(chunk, false, ct, 0.5f), fused_s = run(chunk, true, ct, 0.5f);
+            CHECK(fused_s.loss == old_s.loss);
+            if (ct != QL_TYPE_F16) CHECK(fused_s.dh == old_s.dh);
+            else {
+                double num = 0, den = 0;
+                for (size_t i = 0; i < old_s.dh.size(); i++)
+                    num += std::pow(fused_s.dh[i] - old_s.dh[i], 2), den += std::pow(old_s.dh[i], 2);
+                CHECK(std::sqrt(num / den) < 1e-2);
+            }
+            CHECK(fused_s.dh != fused.dh);
+            // recompute at its most (every segment keeps nothing): the gradient made in forward stays
+            const run_result old_b = run(chunk, false, ct, 1.0f, true), fused_r = run(chunk, true, ct, 1.0f, true, true);
+            CHECK(fused_r.loss == old_b.loss);
+            CHECK(fused_r.dh == old_b.dh);
+            CHECK(fused_r.head_products == 2 * chunks);
+        }
+    }
+    ql_backend_free(be);
+}

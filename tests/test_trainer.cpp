@@ -1028,3 +1028,65 @@ TEST_CASE("trainer: dynamic padding - a micro-batch runs in the shortest graph t
     CHECK(diff / scale < 1e-3);
     ql_llama_file_free(f);
 }
+
+// On a device the fused loss's chunks are 2^26 logits (512 rows at Llama 3's vocabulary) where the
+// plan has room, today's 2^23 where it has not (planned for a card that is not here).
+TEST_CASE("trainer: on a device the fused loss takes chunks of 2^26 logits where they fit, 2^23 where only those do") {
+    tmpdir d;
+    const std::string path = d.file("wide-vocab.gguf");
+    const int V = 32768, T = 512, B = 8, rows = T * B;
+    {
+        tiny_llama t(tiny_hparams(V, 32, 64, 1, 2, 1), 1, 0.1f, /*tied_output=*/false);
+        write_llama_gguf(t.m, path, llama_gguf_opts());
+    }
+    std::vector<ql_sequence> seqs;
+    for (int s = 0; s < B; s++) {
+        ql_sequence q;
+        for (int i = 0; i < T; i++) {
+            q.tokens.push_back((s * 131 + i * 7) % V);
+            q.pos.push_back(i);
+            q.seg.push_back(0);
+            q.targets.push_back((s * 131 + i * 7 + 7) % V);
+            q.n_targets++;
+        }
+        seqs.push_back(q);
+    }
+    char err[256];
+    ql_backend *card = ql_backend_init_planned({QL_DEVICE_GPU, 0}, 90, err, sizeof(err));
+    REQUIRE_MESSAGE(card, err);
+    ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
+    REQUIRE_MESSAGE(f, err);
+    ql_train_options o;
+    o.lora.r = 4;
+    o.lora.targets = {"q", "v"};
+    o.micro_batch = B;
+    o.max_steps = 1;
+    o.threads = 1;
+    o.backend = card;
+    o.precision = ql_precision::bf16;
+    o.vram = (size_t)80 << 30;
+    auto plan = [&](int64_t chunk, size_t vram, bool fused = true) {
+        ql_train_options oo = o;
+        oo.loss_chunk = chunk;
+        oo.vram = vram;
+        oo.loss_fused = fused;
+        ql_memory_plan m;
+        std::string e;
+        REQUIRE_MESSAGE(ql_train_plan(f, seqs, seqs, oo, &m, &e), e);
+        return m;
+    };
+    const int64_t big = ql_llama_loss_chunk(V, rows, QL_LLAMA_LOSS_CHUNK_ELEMS_DEVICE), small = ql_llama_loss_chunk(V, rows);
+    REQUIRE(big == 2048);
+    REQUIRE(small == 256);
+    const ql_memory_plan roomy = plan(0, o.vram), with_big = plan(big, o.vram), with_small = plan(small, o.vram);
+    CHECK(roomy.loss_chunk == big);
+    CHECK(roomy.loss_fused);
+    CHECK(with_small.total < with_big.total);
+    const ql_memory_plan tight = plan(0, (with_big.total + with_small.total) / 2);
+    MESSAGE("planned: chunks of ", big, " ", with_big.total, " bytes, of ", small, " ", with_small.total);
+    CHECK(tight.loss_chunk == small);
+    CHECK(tight.total == with_small.total);
+    CHECK(plan(0, o.vram, false).loss_chunk == small);  // the unfused path keeps today's rule
+    ql_llama_file_free(f);
+    ql_backend_free(card);
+}

@@ -88,7 +88,8 @@ static const char *k_help =
     "           (auto is the default when the limit is known - --mem-limit, --vram, a GPU's free memory: no recompute,\n"
     "           recompute, then on a GPU offload, --embd-on-host, paged optimizer state, the first that fits)\n"
     "           -b auto  --effective-batch N  --offload-activations  --dry-run (print the plan, train nothing)  --json\n"
-    "           --loss-chunk N (tokens per output-projection + loss chunk; 0 auto, -1 never)\n"
+    "           --loss-chunk N (tokens per output-projection + loss chunk; 0 auto, -1 never)  --loss-unfused (backward\n"
+    "           recomputes each chunk's logits: the path before the fused head + loss, for comparisons)\n"
     "           --ffn-chunk N (tokens per feed-forward chunk: its intermediates a chunk at a time; 0 auto: when the plan\n"
     "           needs it, -1 never)\n"
     "GPU:       --vram SIZE  --cc X.Y (with --dry-run on a machine without that card: its plan, e.g. --vram 12G --cc 8.6;\n"
@@ -363,7 +364,8 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
            "    kernels loaded on first use, is not planned)");
     printf("\n  checkpointing: %s", m.checkpointing.c_str());
     if (m.recompute_fraction > 0) printf("; recomputes %.0f%% of the forward FLOPs", 100 * m.recompute_fraction);
-    if (m.loss_chunk) printf("\n  loss: output projection + cross-entropy in chunks of %lld tokens (logits never whole)", (long long)m.loss_chunk);
+    if (m.loss_chunk) printf("\n  loss: output projection + cross-entropy in chunks of %lld tokens (logits never whole)%s", (long long)m.loss_chunk,
+                             m.loss_fused ? "; fused: dlogits and dh made in forward" : "; backward recomputes the logits");
     if (m.ffn_chunk) printf("\n  feed-forward: in chunks of %lld tokens (its intermediates a chunk at a time)", (long long)m.ffn_chunk);
     if (m.census.nodes) {  // what one micro-batch's graph costs there, from the plan (ql_graph_census)
         const ql_census &c = m.census;
@@ -428,7 +430,8 @@ static void print_memory(const ql_memory_plan &m, const std::string &optim, size
                m.checkpoints / MiB, (total - m.checkpoints) / MiB);
     printf("\n  checkpointing: %s", m.checkpointing.c_str());
     if (m.recompute_fraction > 0) printf("; recomputes %.0f%% of the forward FLOPs", 100 * m.recompute_fraction);
-    if (m.loss_chunk) printf("\n  loss: output projection + cross-entropy in chunks of %lld tokens (logits never whole)", (long long)m.loss_chunk);
+    if (m.loss_chunk) printf("\n  loss: output projection + cross-entropy in chunks of %lld tokens (logits never whole)%s", (long long)m.loss_chunk,
+                             m.loss_fused ? "; fused: dlogits and dh made in forward" : "; backward recomputes the logits");
     if (m.ffn_chunk) printf("\n  feed-forward: in chunks of %lld tokens (its intermediates a chunk at a time)", (long long)m.ffn_chunk);
     printf("\n");
     fflush(stdout);  // before any message on stderr
@@ -688,6 +691,7 @@ static bool parse_flags(int argc, char **argv, args *a) {
         else if (f == "--loss-chunk") { if (!whole(f.c_str(), need(i), -1, 1 << 30, &v)) return false; a->o.loss_chunk = (int64_t)v; }
         else if (f == "--ffn-chunk") { if (!whole(f.c_str(), need(i), -1, 1 << 30, &v)) return false; a->o.ffn_chunk = (int64_t)v; }
         else if (f == "--offload-activations") a->o.offload_activations = true;
+        else if (f == "--loss-unfused") a->o.loss_fused = false;
         else if (f == "--optim") {
             if (!(s = need(i))) return false;
             if (!choice_flag("--optim", s, &a->o.optim)) return false;
@@ -758,7 +762,7 @@ static bool flag_given(const args &a, const char *f) {
 // must agree with the run's.
 static bool operational_flag(const std::string &f) {
     for (const char *x : {"-o", "-t", "--device", "--checkpointing", "--mem-limit", "--vram", "--cc", "--host-mem", "--embd-on-host",
-                          "--embd-on-device", "--cache-weights", "--loss-chunk", "--ffn-chunk", "--offload-activations", "--eval-every", "--save-every", "--merge",
+                          "--embd-on-device", "--cache-weights", "--loss-chunk", "--loss-unfused", "--ffn-chunk", "--offload-activations", "--eval-every", "--save-every", "--merge",
                           "--overwrite", "--profile", "--dry-run", "--json", "--resume", "--export", "--max-steps", "--epochs"})
         if (f == x) return true;
     return false;
