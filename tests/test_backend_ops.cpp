@@ -1470,8 +1470,8 @@ OP_CASE(trainer_fused_loss) {
             CHECK(fused.plan.census.recompute_flops == 0.0);
             if (chunk > 0) CHECK(old.plan.census.recompute_flops == 2.0 * V * E * rows);
             if (!ql_backend_is_host(be)) {  // the device plan is what was allocated, to the byte
-                CHECK(fused.allocated == fused.plan.dev_weights + fused.plan.dev_state + fused.plan.dev_buffer);
-                CHECK(old.allocated == old.plan.dev_weights + old.plan.dev_state + old.plan.dev_buffer);
+                CHECK(fused.allocated == fused.plan.dev_weights + fused.plan.dev_state + fused.plan.dev_buffer + fused.plan.dev_cache);
+                CHECK(old.allocated == old.plan.dev_weights + old.plan.dev_state + old.plan.dev_buffer + old.plan.dev_cache);
             }
         }
     }
