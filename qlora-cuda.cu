@@ -994,18 +994,25 @@ QL_UNROLL
 QL_UNROLL
             for (int i = 0; i < 4; i++) acc[j][i] = fmaf(av[i], bv[j], acc[j][i]);
     }
+    // c's 16 elements read first, all at once, then the sums stored: C may be c itself (in place),
+    // and each thread reads only what it writes - so no read waits for the previous element's store
     const size_t cs = c_type == QL_TYPE_F32 ? 4 : 2;
+    if (c) {
 QL_UNROLL
-    for (int j = 0; j < 4; j++) {
-        const int64_t n = n0 + ty * 4 + j;
-        if (n >= N) break;
+        for (int j = 0; j < 4; j++)
+QL_UNROLL
+            for (int i = 0; i < 4; i++) {
+                const int64_t n = n0 + ty * 4 + j, m = m0 + tx + 32 * i;
+                if (n < N && m < M) acc[j][i] += cu_ld(c + (n * M + m) * cs, c_type);
+            }
+    }
+QL_UNROLL
+    for (int j = 0; j < 4; j++)
 QL_UNROLL
         for (int i = 0; i < 4; i++) {
-            const int64_t m = m0 + tx + 32 * i, o = n * M + m;
-            if (m >= M) break;
-            cu_st(C + o * cs, c_type, c ? cu_ld(c + o * cs, c_type) + acc[j][i] : acc[j][i]);
+            const int64_t n = n0 + ty * 4 + j, m = m0 + tx + 32 * i;
+            if (n < N && m < M) cu_st(C + (n * M + m) * cs, c_type, acc[j][i]);
         }
-    }
 }
 
 static void cu_op_mm_thin(cu_ctx &c, ql_tensor *node) {
