@@ -3270,7 +3270,7 @@ template <int D, int NW, int BT> constexpr size_t fa2_back_reg_smem() {
 #define FA2_REG_NW 4   // backward: warps per block (16 NW keys or queries held)
 #define FA2_REG_BT 64  // backward: queries (dK/dV) or keys (dQ) per streamed tile
 #define FA2_REG_SMEM_OK(D)                                                                                                 \
-    static_assert(fa2_fwd_reg_smem<D, 8>() <= (99u << 10) && fa2_back_reg_smem<D, FA2_REG_NW, FA2_REG_BT>() <= (99u << 10), \
+    static_assert(fa2_fwd_reg_smem<D, 8>() <= (99u << 10) && fa2_back_reg_smem<D, (D <= 96 ? 8 : 4), FA2_REG_BT>() <= (99u << 10), \
                   "fused attention's register path: shared memory above the device limit at head dim " #D)
 FA2_REG_SMEM_OK(64);
 FA2_REG_SMEM_OK(80);
@@ -3292,8 +3292,10 @@ template <int D, int NW> static void fa2_fwd_reg_launch(cu_ctx &c, ql_tensor *no
     QL_LAUNCH(kern, grid, NW * 32, smem, c.stream, fa_args_of(node), (char *)node->data, lse);
     CU_LAUNCHED(c);
 }
-template <int D> static void fa2_back_reg_launch(cu_ctx &c, ql_tensor *node, const float *delta, const char *dO16) {
-    constexpr int NW = FA2_REG_NW, BT = FA2_REG_BT;
+// the register path's backward: 4 warps a block (64 keys or queries held), or 8 (QLORA_CUDA_FA2_BWD_WARPS=8: not measured yet)
+static const int g_fa2_bwd_warps = getenv("QLORA_CUDA_FA2_BWD_WARPS") && atoi(getenv("QLORA_CUDA_FA2_BWD_WARPS")) == 8 ? 8 : 4;
+template <int D, int NW> static void fa2_back_reg_launch(cu_ctx &c, ql_tensor *node, const float *delta, const char *dO16) {
+    constexpr int BT = FA2_REG_BT;
     const ql_tensor *q = node->src[0], *k = node->src[1], *fwd = node->src[4];
     const size_t smem = fa2_back_reg_smem<D, NW, BT>();
     const fa_args a = fa_args_of(node);
@@ -3336,7 +3338,11 @@ template <typename T, int D> static void fa2_fwd_launch(cu_ctx &c, ql_tensor *no
     CU_LAUNCHED(c);
 }
 template <typename T, int D> static void fa2_back_launch(cu_ctx &c, ql_tensor *node, const float *delta, const char *dO16) {
-    if (std::is_same<T, __nv_bfloat16>::value && cu_fa2_reg(c)) return fa2_back_reg_launch<D>(c, node, delta, dO16);
+    if (std::is_same<T, __nv_bfloat16>::value && cu_fa2_reg(c)) {
+        if constexpr (D <= 96)  // (8 warps' tiles above 99 KiB of shared memory at d 128)
+            if (g_fa2_bwd_warps == 8) return fa2_back_reg_launch<D, 8>(c, node, delta, dO16);
+        return fa2_back_reg_launch<D, FA2_REG_NW>(c, node, delta, dO16);
+    }
     const ql_tensor *q = node->src[0], *k = node->src[1], *fwd = node->src[4];
     constexpr int NW = fa2_back_cfg<T>::NW;
     const size_t smem = fa2_back_smem<T, D>();
