@@ -7325,8 +7325,11 @@ bool ql_cuda_mm_gemv(const ql_tensor *node) {
 // the general path wrote an f32 product and added c in a second pass. No workspace. Only onto a
 // 16-bit c: on an H200 it ran 8192 x 2048 x 16 onto bf16 at 7.7 TFLOP/s against 5.2, but with an
 // f32 result (c or not) cuBLAS was as fast or faster (2048 x 2048 x 16: 7.3 against 5.6).
+// QLORA_CUDA_THIN=all (read once): also the products onto an f32 c (measuring: in session 9 those ran
+// slower than cuBLAS, 5.6 against 7.3 TFLOP/s, before the kernel read c's elements all at once)
+static const bool g_cuda_thin_f32 = getenv("QLORA_CUDA_THIN") && strcmp(getenv("QLORA_CUDA_THIN"), "all") == 0;
 bool ql_cuda_mm_thin(const ql_tensor *node) {
-    if (node->op != QL_OP_MUL_MAT || ql_cuda_mm_gemv(node) || !node->src[2] || node->type == QL_TYPE_F32) return false;
+    if (node->op != QL_OP_MUL_MAT || ql_cuda_mm_gemv(node) || !node->src[2] || (node->type == QL_TYPE_F32 && !g_cuda_thin_f32)) return false;
     const ql_tensor *a = node->src[0], *b = node->src[1];
     const bool plain = a->type == QL_TYPE_F32 || a->type == QL_TYPE_F16 || a->type == QL_TYPE_BF16;
     return plain && !ql_cuda_mm_trows(a) && a->ne[0] <= QL_CUDA_THIN_K && a->ne[2] == 1 && a->ne[3] == 1 && b->ne[2] == 1 &&
