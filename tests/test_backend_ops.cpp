@@ -546,13 +546,13 @@ struct ew_fast_off {  // the strided kernels for every layout while in scope
 };
 
 // `build` on be: against the CPU within tol; on CUDA also the fast paths' bits against the strided
-// kernels', and `fast` of its launches taken by a fast path (-1: any number, at least one)
-void ew_case(ql_backend *be, const char *what, const builder &build, double tol, int fast, bool backward = true) {
+// kernels', and `fast` of its launches taken by a fast path (-1: any number, at least one); returns that number
+int64_t ew_case(ql_backend *be, const char *what, const builder &build, double tol, int fast, bool backward = true) {
     INFO("case: " << std::string(what));
     const bool cuda = ql_backend_is_cuda(be);
     const int64_t n0 = cuda ? ql_cuda_ew_fast_launches_for_tests() : 0;
     check_case(be, what, build, tol, backward);
-    if (!cuda) return;
+    if (!cuda) return 0;
     const int64_t n_fast = ql_cuda_ew_fast_launches_for_tests() - n0;
     if (fast < 0) CHECK_MESSAGE(n_fast > 0, what, ": no fast path taken");
     else CHECK_MESSAGE(n_fast == fast, what, ": ", n_fast, " fast-path launches, expected ", fast);
@@ -570,6 +570,7 @@ void ew_case(ql_backend *be, const char *what, const builder &build, double tol,
     CHECK_MESSAGE(same(on.out, off.out), what, ": the fast path's output is not the strided kernel's bits");
     REQUIRE(on.grads.size() == off.grads.size());
     for (size_t i = 0; i < on.grads.size(); i++) CHECK_MESSAGE(same(on.grads[i], off.grads[i]), what, ": gradient ", i, " differs");
+    return n_fast;
 }
 
 }  // namespace
@@ -611,15 +612,19 @@ OP_CASE(elementwise_fast_paths) {
         }
     }
     // swiglu's backward: the db half at d + n, aligned where n is a multiple of 4 (36 x 5 = 180:
-    // vectors and a tail of 4) - one fast launch forward, one backward; 37 x 5 only the forward
-    for (int64_t n0 : {36, 37})
-        for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16}) {
+    // vectors and a tail of 4) takes the fast path, 37 x 5 does not; nor does the consumer of
+    // the db half (a view at n floats), the other ops alike
+    for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16}) {
+        int64_t n_fast[2] = {0, 0};
+        for (int64_t n0 : {36, 37}) {
             INFO("elements " << n0 << " x 5, " << ql_type_name(t));
-            ew_case(be, "swiglu back", [n0, t](leafs &L) {
+            n_fast[n0 - 36] = ew_case(be, "swiglu back", [n0, t](leafs &L) {
                 ql_tensor *a = ql_cast(L.ctx, L.param({n0, 5}, -6.0f, 6.0f), t), *b = ql_cast(L.ctx, L.param({n0, 5}), t);
                 return ql_cast(L.ctx, ql_swiglu(L.ctx, a, b), QL_TYPE_F32);
             }, t == QL_TYPE_F32 ? TOL_F32 : TOL_16, -1);
         }
+        if (ql_backend_is_cuda(be)) CHECK_MESSAGE(n_fast[0] == n_fast[1] + 2, "swiglu_back's fast path: ", n_fast[0], " vs ", n_fast[1]);
+    }
     // broadcasts: b one row of a multiple of 8 (fast), of 36 or a column (strided), grouped (strided)
     ew_case(be, "add, a row of 64", [](leafs &L) { return ql_add(L.ctx, L.rand(QL_TYPE_F32, {64, 7}), L.rand(QL_TYPE_F32, {64})); },
             TOL_F32, 1, false);
