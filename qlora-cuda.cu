@@ -1315,8 +1315,9 @@ template <> struct cu_ew<QL_TYPE_BF16> : cu_ew16<QL_TYPE_BF16> {};
 static bool cu_vec_ok(const ql_tensor *t) { return ql_is_contiguous(t) && (uintptr_t)t->data % 16 == 0; }
 static int cu_grid_vec(int64_t n) { return cu_grid(n / CU_EW_VEC, CU_BLOCK * CU_EW_STEPS); }
 
-// tests: the fast paths off (the strided kernels for every layout), and how many launches took one
-static std::atomic<bool> cu_ew_fast_on{true};
+// the fast paths off (the strided kernels for every layout): QLORA_CUDA_EW_FAST=0 (an A/B on a
+// GPU), or a test; and how many launches took one (tests)
+static std::atomic<bool> cu_ew_fast_on{!(getenv("QLORA_CUDA_EW_FAST") && strcmp(getenv("QLORA_CUDA_EW_FAST"), "0") == 0)};
 static std::atomic<int64_t> cu_ew_fast_launches{0};
 void ql_cuda_ew_fast_for_tests(bool on) { cu_ew_fast_on = on; }
 int64_t ql_cuda_ew_fast_launches_for_tests() { return cu_ew_fast_launches.load(); }

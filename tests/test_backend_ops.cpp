@@ -554,8 +554,8 @@ int64_t ew_case(ql_backend *be, const char *what, const builder &build, double t
     check_case(be, what, build, tol, backward);
     if (!cuda) return 0;
     const int64_t n_fast = ql_cuda_ew_fast_launches_for_tests() - n0;
-    if (fast < 0) CHECK_MESSAGE(n_fast > 0, what, ": no fast path taken");
-    else CHECK_MESSAGE(n_fast == fast, what, ": ", n_fast, " fast-path launches, expected ", fast);
+    if (fast < 0) CHECK_MESSAGE(n_fast > 0, std::string(what), ": no fast path taken");
+    else CHECK_MESSAGE(n_fast == fast, std::string(what), ": ", n_fast, " fast-path launches, expected ", fast);
     const run_result on = run_case(be, false, build, backward);
     run_result off;
     {
@@ -567,9 +567,9 @@ int64_t ew_case(ql_backend *be, const char *what, const builder &build, double t
     auto same = [](const std::vector<float> &x, const std::vector<float> &y) {
         return x.size() == y.size() && (x.empty() || !memcmp(x.data(), y.data(), x.size() * sizeof(float)));
     };
-    CHECK_MESSAGE(same(on.out, off.out), what, ": the fast path's output is not the strided kernel's bits");
+    CHECK_MESSAGE(same(on.out, off.out), std::string(what), ": the fast path's output is not the strided kernel's bits");
     REQUIRE(on.grads.size() == off.grads.size());
-    for (size_t i = 0; i < on.grads.size(); i++) CHECK_MESSAGE(same(on.grads[i], off.grads[i]), what, ": gradient ", i, " differs");
+    for (size_t i = 0; i < on.grads.size(); i++) CHECK_MESSAGE(same(on.grads[i], off.grads[i]), std::string(what), ": gradient ", i, " differs");
     return n_fast;
 }
 
@@ -582,7 +582,7 @@ OP_CASE(elementwise_fast_paths) {
         // cont: every pair of the float types (the same type: the bits moved), forward only: one launch each
         for (ql_type s : types)
             for (ql_type d : types) {
-                INFO("cont " << ql_type_name(s) << " -> " << ql_type_name(d));
+                INFO("cont " << std::string(ql_type_name(s)) << " -> " << std::string(ql_type_name(d)));
                 ew_case(be, "cont", [n0, s, d](leafs &L) {
                     ql_tensor *x = L.rand(s, {n0, 5}, -70000.0f, 70000.0f);  // (f16 overflows to inf: the same on both)
                     return ql_cast(L.ctx, x, d);
@@ -603,7 +603,7 @@ OP_CASE(elementwise_fast_paths) {
         }, TOL_F32, -1);
         // swiglu and its backward in each type (16-bit: rounded once on store)
         for (ql_type t : types) {
-            INFO("swiglu " << ql_type_name(t));
+            INFO("swiglu " << std::string(ql_type_name(t)));
             ew_case(be, "swiglu", [n0, t](leafs &L) {
                 ql_tensor *a = L.param({n0, 5}, -6.0f, 6.0f), *b = L.param({n0, 5});
                 if (t != QL_TYPE_F32) a = ql_cast(L.ctx, a, t), b = ql_cast(L.ctx, b, t);
@@ -617,7 +617,7 @@ OP_CASE(elementwise_fast_paths) {
     for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16}) {
         int64_t n_fast[2] = {0, 0};
         for (int64_t n0 : {36, 37}) {
-            INFO("elements " << n0 << " x 5, " << ql_type_name(t));
+            INFO("elements " << n0 << " x 5, " << std::string(ql_type_name(t)));
             n_fast[n0 - 36] = ew_case(be, "swiglu back", [n0, t](leafs &L) {
                 ql_tensor *a = ql_cast(L.ctx, L.param({n0, 5}, -6.0f, 6.0f), t), *b = ql_cast(L.ctx, L.param({n0, 5}), t);
                 return ql_cast(L.ctx, ql_swiglu(L.ctx, a, b), QL_TYPE_F32);
