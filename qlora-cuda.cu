@@ -35,6 +35,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <type_traits>
 #include <chrono>
 #include <climits>
@@ -1259,6 +1260,81 @@ __device__ __forceinline__ float cu_block_max(float v, float *sh) { return cu_bl
 
 #define CU_GRID_LOOP(i, n) for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < (n); i += (int64_t)gridDim.x * blockDim.x)
 
+// ---- typed contiguous fast paths: CU_EW_VEC elements a step, read and written as 16-byte
+// vectors (two for f32), the element types template parameters chosen on the host from the
+// node's types. Each element gets the generic kernel's float math (the same helpers) and the
+// same rounding on store (cu_bits16: __float2half_rn / __float2bfloat16_rn), so the results are
+// the generic kernels' bits. The host takes them where every operand is contiguous and 16-byte
+// aligned (cu_vec_ok); the elements after the last whole vector are a scalar tail. ----
+
+#define CU_EW_VEC   8  // elements a vector step: 16 bytes of a 16-bit type, 32 of f32
+#define CU_EW_STEPS 2  // vector steps a thread the grid is sized for (a grid-stride loop beyond it)
+
+// element traits by ql_type: the stored type, one element to and from float, 8 from and to
+// 16-byte aligned memory
+template <int TYPE> struct cu_ew;
+template <> struct cu_ew<QL_TYPE_F32> {
+    typedef float T;
+    static __device__ __forceinline__ float ld(const float *p, int64_t i) { return p[i]; }
+    static __device__ __forceinline__ void st(float *p, int64_t i, float v) { p[i] = v; }
+    static __device__ __forceinline__ void ld8(const float *p, float v[CU_EW_VEC]) {
+        const float4 a = ((const float4 *)p)[0], b = ((const float4 *)p)[1];
+        v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    }
+    static __device__ __forceinline__ void st8(float *p, const float v[CU_EW_VEC]) {
+        ((float4 *)p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+        ((float4 *)p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+    }
+};
+template <int TYPE> struct cu_ew16 {  // f16, bf16: the bits as uint16_t, element 2i in a word's low half
+    typedef uint16_t T;
+    static __device__ __forceinline__ float f(uint32_t h) {
+        if (TYPE == QL_TYPE_F16) return cu_h2f((uint16_t)h);
+        __nv_bfloat16_raw r;
+        r.x = (uint16_t)h;
+        return __bfloat162float(__nv_bfloat16(r));
+    }
+    static __device__ __forceinline__ float ld(const uint16_t *p, int64_t i) { return f(p[i]); }
+    static __device__ __forceinline__ void st(uint16_t *p, int64_t i, float v) { p[i] = (uint16_t)cu_bits16(v, TYPE); }
+    static __device__ __forceinline__ void ld8(const uint16_t *p, float v[CU_EW_VEC]) {
+        const uint4 q = *(const uint4 *)p;
+        const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+QL_UNROLL
+        for (int k = 0; k < 4; k++) v[2 * k] = f(w[k] & 0xffff), v[2 * k + 1] = f(w[k] >> 16);
+    }
+    static __device__ __forceinline__ void st8(uint16_t *p, const float v[CU_EW_VEC]) {
+        uint32_t w[4];
+QL_UNROLL
+        for (int k = 0; k < 4; k++) w[k] = cu_bits16(v[2 * k], TYPE) | (uint32_t)cu_bits16(v[2 * k + 1], TYPE) << 16;
+        *(uint4 *)p = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+};
+template <> struct cu_ew<QL_TYPE_F16> : cu_ew16<QL_TYPE_F16> {};
+template <> struct cu_ew<QL_TYPE_BF16> : cu_ew16<QL_TYPE_BF16> {};
+
+// the grid-stride loop over whole vectors [0, n / CU_EW_VEC), then the tail [n - n % CU_EW_VEC, n)
+// on block 0's first threads
+#define CU_VEC_LOOP(v, n) CU_GRID_LOOP(v, (n) / CU_EW_VEC)
+#define CU_VEC_TAIL(i, n) \
+    for (int64_t i = (n) / CU_EW_VEC * CU_EW_VEC + threadIdx.x; blockIdx.x == 0 && threadIdx.x < CU_EW_VEC && i < (n); i += CU_EW_VEC)
+
+// the fast path's conditions: contiguous, 16-byte aligned (tensors start QL_ALIGN-aligned; a view may not)
+static bool cu_vec_ok(const ql_tensor *t) { return ql_is_contiguous(t) && (uintptr_t)t->data % 16 == 0; }
+static int cu_grid_vec(int64_t n) { return cu_grid(n / CU_EW_VEC, CU_BLOCK * CU_EW_STEPS); }
+
+// the fast paths off (the strided kernels for every layout): QLORA_CUDA_EW_FAST=0 (an A/B on a
+// GPU), or a test; and how many launches took one (tests)
+static std::atomic<bool> cu_ew_fast_on{!(getenv("QLORA_CUDA_EW_FAST") && strcmp(getenv("QLORA_CUDA_EW_FAST"), "0") == 0)};
+static std::atomic<int64_t> cu_ew_fast_launches{0};
+void ql_cuda_ew_fast_for_tests(bool on) { cu_ew_fast_on = on; }
+int64_t ql_cuda_ew_fast_launches_for_tests() { return cu_ew_fast_launches.load(); }
+// layouts_ok: the operands allow the fast path (cu_vec_ok and the op's own conditions)
+static bool cu_ew_fast(bool layouts_ok) {
+    if (!layouts_ok || !cu_ew_fast_on) return false;
+    cu_ew_fast_launches++;
+    return true;
+}
+
 // ---- fill, copies, elementwise ----
 
 __global__ void k_fill(float *d, int64_t n, float v) {
@@ -1285,9 +1361,45 @@ __global__ void k_cont(cu_t src, char *dst, int dst_type, int64_t n) {
         }
     }
 }
+// the fast paths: a same-type copy moves the bits in 16-byte words (U: the element's bits), a
+// conversion goes through float as k_cont's
+template <typename U> __global__ void k_copy_vec(const U *s, U *d, int64_t n) {
+    const int64_t nw = n * (int64_t)sizeof(U) / 16;  // whole 16-byte words
+    CU_GRID_LOOP(w, nw) ((uint4 *)d)[w] = ((const uint4 *)s)[w];
+    const int64_t t0 = nw * 16 / (int64_t)sizeof(U);  // the tail: fewer than 16 bytes
+    if (blockIdx.x == 0 && threadIdx.x < n - t0) d[t0 + threadIdx.x] = s[t0 + threadIdx.x];
+}
+template <int S, int D> __global__ void k_cont_vec(const typename cu_ew<S>::T *s, typename cu_ew<D>::T *d, int64_t n) {
+    CU_VEC_LOOP(v, n) {
+        float x[CU_EW_VEC];
+        cu_ew<S>::ld8(s + v * CU_EW_VEC, x);
+        cu_ew<D>::st8(d + v * CU_EW_VEC, x);
+    }
+    CU_VEC_TAIL(i, n) cu_ew<D>::st(d, i, cu_ew<S>::ld(s, i));
+}
+template <int S, int D> static void cu_launch_cont_vec(cu_ctx &c, const void *s, void *d, int64_t n) {
+    QL_LAUNCH((k_cont_vec<S, D>), cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const typename cu_ew<S>::T *)s, (typename cu_ew<D>::T *)d, n);
+}
 static void cu_op_cont(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *a = node->src[0];
     const int64_t n = ql_nelements(node);
-    QL_LAUNCH(k_cont, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), (char *)node->data, (int)node->type, n);
+    const int st = (int)a->type, dt = (int)node->type;
+    if (cu_ew_fast(cu_vec_ok(a) && cu_vec_ok(node))) {
+        if (st == dt && (st == QL_TYPE_F32 || st == QL_TYPE_I32))
+            QL_LAUNCH(k_copy_vec<uint32_t>, cu_grid(n * 4 / 16, CU_BLOCK * CU_EW_STEPS), CU_BLOCK, 0, c.stream, (const uint32_t *)a->data,
+                      (uint32_t *)node->data, n);
+        else if (st == dt)
+            QL_LAUNCH(k_copy_vec<uint16_t>, cu_grid(n * 2 / 16, CU_BLOCK * CU_EW_STEPS), CU_BLOCK, 0, c.stream, (const uint16_t *)a->data,
+                      (uint16_t *)node->data, n);
+        else if (st == QL_TYPE_F32 && dt == QL_TYPE_BF16) cu_launch_cont_vec<QL_TYPE_F32, QL_TYPE_BF16>(c, a->data, node->data, n);
+        else if (st == QL_TYPE_F32 && dt == QL_TYPE_F16) cu_launch_cont_vec<QL_TYPE_F32, QL_TYPE_F16>(c, a->data, node->data, n);
+        else if (st == QL_TYPE_BF16 && dt == QL_TYPE_F32) cu_launch_cont_vec<QL_TYPE_BF16, QL_TYPE_F32>(c, a->data, node->data, n);
+        else if (st == QL_TYPE_F16 && dt == QL_TYPE_F32) cu_launch_cont_vec<QL_TYPE_F16, QL_TYPE_F32>(c, a->data, node->data, n);
+        else if (st == QL_TYPE_BF16 && dt == QL_TYPE_F16) cu_launch_cont_vec<QL_TYPE_BF16, QL_TYPE_F16>(c, a->data, node->data, n);
+        else cu_launch_cont_vec<QL_TYPE_F16, QL_TYPE_BF16>(c, a->data, node->data, n);
+    } else {
+        QL_LAUNCH(k_cont, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), (char *)node->data, dt, n);
+    }
     CU_LAUNCHED(c);
 }
 
@@ -1315,19 +1427,56 @@ __global__ void k_binary(cu_t a, cu_t b, float *d, int mul, int grouped, int64_t
         d[i] = mul ? x * y : x + y;
     }
 }
+// the fast path: a and b contiguous, b the same size (nb == n) or one row of nb elements
+// repeated (nb a multiple of CU_EW_VEC, so a vector of a meets one vector of b)
+template <bool MUL> __global__ void k_binary_vec(const float *x, const float *y, float *d, int64_t nb, int64_t n) {
+    CU_VEC_LOOP(v, n) {
+        float p[CU_EW_VEC], q[CU_EW_VEC];
+        cu_ew<QL_TYPE_F32>::ld8(x + v * CU_EW_VEC, p);
+        cu_ew<QL_TYPE_F32>::ld8(y + (nb == n ? v * CU_EW_VEC : v * CU_EW_VEC % nb), q);
+QL_UNROLL
+        for (int k = 0; k < CU_EW_VEC; k++) p[k] = MUL ? p[k] * q[k] : p[k] + q[k];
+        cu_ew<QL_TYPE_F32>::st8(d + v * CU_EW_VEC, p);
+    }
+    CU_VEC_TAIL(i, n) d[i] = MUL ? x[i] * y[i % nb] : x[i] + y[i % nb];
+}
 static void cu_op_binary(cu_ctx &c, ql_tensor *node, bool mul) {
-    const int64_t n = ql_nelements(node);
-    QL_LAUNCH(k_binary, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), cu_of(node->src[1]), (float *)node->data, (int)mul,
-              (int)(node->op_params[0] != 0), n);
+    const ql_tensor *a = node->src[0], *b = node->src[1];
+    const int64_t n = ql_nelements(node), nb = ql_nelements(b);
+    const bool grouped = node->op_params[0] != 0;
+    const bool b_fits = nb == n || (!grouped && nb == b->ne[0] && nb % CU_EW_VEC == 0);  // b the same size, or a row of whole vectors
+    if (cu_ew_fast(cu_vec_ok(a) && cu_vec_ok(b) && cu_vec_ok(node) && b_fits)) {
+        if (mul) QL_LAUNCH(k_binary_vec<true>, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const float *)a->data, (const float *)b->data,
+                           (float *)node->data, nb, n);
+        else QL_LAUNCH(k_binary_vec<false>, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const float *)a->data, (const float *)b->data,
+                       (float *)node->data, nb, n);
+    } else {
+        QL_LAUNCH(k_binary, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), cu_of(b), (float *)node->data, (int)mul, (int)grouped, n);
+    }
     CU_LAUNCHED(c);
 }
 
 __global__ void k_scale(cu_t a, float *d, float s, int64_t n) {
     CU_GRID_LOOP(i, n) d[i] = *(const float *)(a.data + cu_offs(a, i)) * s;
 }
+__global__ void k_scale_vec(const float *x, float *d, float s, int64_t n) {
+    CU_VEC_LOOP(v, n) {
+        float p[CU_EW_VEC];
+        cu_ew<QL_TYPE_F32>::ld8(x + v * CU_EW_VEC, p);
+QL_UNROLL
+        for (int k = 0; k < CU_EW_VEC; k++) p[k] = p[k] * s;
+        cu_ew<QL_TYPE_F32>::st8(d + v * CU_EW_VEC, p);
+    }
+    CU_VEC_TAIL(i, n) d[i] = x[i] * s;
+}
 static void cu_op_scale(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *a = node->src[0];
     const int64_t n = ql_nelements(node);
-    QL_LAUNCH(k_scale, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), (float *)node->data, cu_param<float>(node, 0), n);
+    const float s = cu_param<float>(node, 0);
+    if (cu_ew_fast(cu_vec_ok(a) && cu_vec_ok(node)))
+        QL_LAUNCH(k_scale_vec, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const float *)a->data, (float *)node->data, s, n);
+    else
+        QL_LAUNCH(k_scale, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), (float *)node->data, s, n);
     CU_LAUNCHED(c);
 }
 
@@ -1376,10 +1525,25 @@ static void cu_op_reduce_to(cu_ctx &c, ql_tensor *node) {
 __global__ void k_acc_grad(float *g, cu_t src, int64_t n) {
     CU_GRID_LOOP(i, n) g[i] += *(const float *)(src.data + cu_offs(src, i));
 }
+__global__ void k_acc_grad_vec(float *g, const float *x, int64_t n) {
+    CU_VEC_LOOP(v, n) {
+        float p[CU_EW_VEC], q[CU_EW_VEC];
+        cu_ew<QL_TYPE_F32>::ld8(g + v * CU_EW_VEC, p);
+        cu_ew<QL_TYPE_F32>::ld8(x + v * CU_EW_VEC, q);
+QL_UNROLL
+        for (int k = 0; k < CU_EW_VEC; k++) p[k] += q[k];
+        cu_ew<QL_TYPE_F32>::st8(g + v * CU_EW_VEC, p);
+    }
+    CU_VEC_TAIL(i, n) g[i] += x[i];
+}
 static void cu_op_acc_grad(cu_ctx &c, ql_tensor *node) {
     CU_ASSERT(ql_is_contiguous(node));
-    const int64_t n = ql_nelements(node->src[1]);
-    QL_LAUNCH(k_acc_grad, cu_grid(n), CU_BLOCK, 0, c.stream, (float *)node->data, cu_of(node->src[1]), n);
+    const ql_tensor *src = node->src[1];
+    const int64_t n = ql_nelements(src);
+    if (cu_ew_fast(cu_vec_ok(src) && cu_vec_ok(node)))
+        QL_LAUNCH(k_acc_grad_vec, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (float *)node->data, (const float *)src->data, n);
+    else
+        QL_LAUNCH(k_acc_grad, cu_grid(n), CU_BLOCK, 0, c.stream, (float *)node->data, cu_of(src), n);
     CU_LAUNCHED(c);
 }
 
@@ -1498,57 +1662,142 @@ static void cu_op_rms_norm_back(cu_ctx &c, ql_tensor *node) {
 __device__ __forceinline__ float cu_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float cu_at(const cu_t &t, int64_t i) { return *(const float *)(t.data + cu_offs(t, i)); }
 
-__global__ void k_silu(cu_t a, float *d, int64_t n) {
-    CU_GRID_LOOP(i, n) {
-        const float x = cu_at(a, i);
-        d[i] = x * cu_sigmoid(x);
-    }
-}
+// the per-element math, one place for the generic kernels and the fast paths (the same bits)
+__device__ __forceinline__ float cu_silu_f(float x) { return x * cu_sigmoid(x); }
 // d/dx x s(x) = s (1 + x (1 - s))
+__device__ __forceinline__ float cu_silu_back_f(float x, float g) {
+    const float s = cu_sigmoid(x);
+    return g * s * (1.0f + x * (1.0f - s));
+}
+__device__ __forceinline__ float cu_swiglu_f(float x, float y) { return x * cu_sigmoid(x) * y; }
+// swiglu's backward at one element: *da = dy b silu'(a), *db = dy silu(a)
+__device__ __forceinline__ void cu_swiglu_back_f(float x, float y, float g, float *da, float *db) {
+    const float s = cu_sigmoid(x);
+    *db = g * x * s;
+    *da = g * y * s * (1.0f + x * (1.0f - s));
+}
+
+__global__ void k_silu(cu_t a, float *d, int64_t n) {
+    CU_GRID_LOOP(i, n) d[i] = cu_silu_f(cu_at(a, i));
+}
 __global__ void k_silu_back(cu_t a, cu_t dy, float *d, int64_t n) {
-    CU_GRID_LOOP(i, n) {
-        const float x = cu_at(a, i), s = cu_sigmoid(x);
-        d[i] = cu_at(dy, i) * s * (1.0f + x * (1.0f - s));
-    }
+    CU_GRID_LOOP(i, n) d[i] = cu_silu_back_f(cu_at(a, i), cu_at(dy, i));
 }
 // element i of a plain-typed tensor (f32, f16, bf16) as float
 __device__ __forceinline__ float cu_get(const cu_t &t, int64_t i) { return cu_ld(t.data + cu_offs(t, i), t.type); }
 // a and b of one type (f32, f16, bf16); d [n] of it too, a 16-bit value rounded once
 __global__ void k_swiglu(cu_t a, cu_t b, char *d, int64_t n) {
     const int ds = a.type == QL_TYPE_F32 ? 4 : 2;
-    CU_GRID_LOOP(i, n) {
-        const float x = cu_get(a, i);
-        cu_st(d + i * ds, a.type, x * cu_sigmoid(x) * cu_get(b, i));
-    }
+    CU_GRID_LOOP(i, n) cu_st(d + i * ds, a.type, cu_swiglu_f(cu_get(a, i), cu_get(b, i)));
 }
 // y = silu(a) b: da = dy b silu'(a) at [0, n), db = dy silu(a) at [n, 2n); a and b of any plain type, dy and d f32
 __global__ void k_swiglu_back(cu_t a, cu_t b, cu_t dy, float *d, int64_t n) {
-    CU_GRID_LOOP(i, n) {
-        const float x = cu_get(a, i), s = cu_sigmoid(x), g = cu_at(dy, i);
-        d[n + i] = g * x * s;
-        d[i] = g * cu_get(b, i) * s * (1.0f + x * (1.0f - s));
+    CU_GRID_LOOP(i, n) cu_swiglu_back_f(cu_get(a, i), cu_get(b, i), cu_at(dy, i), &d[i], &d[n + i]);
+}
+
+// the fast paths: every operand contiguous and 16-byte aligned (swiglu_back's d + n too)
+__global__ void k_silu_vec(const float *x, float *d, int64_t n) {
+    CU_VEC_LOOP(v, n) {
+        float p[CU_EW_VEC];
+        cu_ew<QL_TYPE_F32>::ld8(x + v * CU_EW_VEC, p);
+QL_UNROLL
+        for (int k = 0; k < CU_EW_VEC; k++) p[k] = cu_silu_f(p[k]);
+        cu_ew<QL_TYPE_F32>::st8(d + v * CU_EW_VEC, p);
     }
+    CU_VEC_TAIL(i, n) d[i] = cu_silu_f(x[i]);
+}
+__global__ void k_silu_back_vec(const float *x, const float *dy, float *d, int64_t n) {
+    CU_VEC_LOOP(v, n) {
+        float p[CU_EW_VEC], g[CU_EW_VEC];
+        cu_ew<QL_TYPE_F32>::ld8(x + v * CU_EW_VEC, p);
+        cu_ew<QL_TYPE_F32>::ld8(dy + v * CU_EW_VEC, g);
+QL_UNROLL
+        for (int k = 0; k < CU_EW_VEC; k++) p[k] = cu_silu_back_f(p[k], g[k]);
+        cu_ew<QL_TYPE_F32>::st8(d + v * CU_EW_VEC, p);
+    }
+    CU_VEC_TAIL(i, n) d[i] = cu_silu_back_f(x[i], dy[i]);
+}
+template <int T> __global__ void k_swiglu_vec(const typename cu_ew<T>::T *a, const typename cu_ew<T>::T *b, typename cu_ew<T>::T *d,
+                                              int64_t n) {
+    CU_VEC_LOOP(v, n) {
+        float p[CU_EW_VEC], q[CU_EW_VEC];
+        cu_ew<T>::ld8(a + v * CU_EW_VEC, p);
+        cu_ew<T>::ld8(b + v * CU_EW_VEC, q);
+QL_UNROLL
+        for (int k = 0; k < CU_EW_VEC; k++) p[k] = cu_swiglu_f(p[k], q[k]);
+        cu_ew<T>::st8(d + v * CU_EW_VEC, p);
+    }
+    CU_VEC_TAIL(i, n) cu_ew<T>::st(d, i, cu_swiglu_f(cu_ew<T>::ld(a, i), cu_ew<T>::ld(b, i)));
+}
+template <int T> __global__ void k_swiglu_back_vec(const typename cu_ew<T>::T *a, const typename cu_ew<T>::T *b, const float *dy, float *d,
+                                                   int64_t n) {
+    CU_VEC_LOOP(v, n) {
+        float p[CU_EW_VEC], q[CU_EW_VEC], g[CU_EW_VEC], da[CU_EW_VEC], db[CU_EW_VEC];
+        cu_ew<T>::ld8(a + v * CU_EW_VEC, p);
+        cu_ew<T>::ld8(b + v * CU_EW_VEC, q);
+        cu_ew<QL_TYPE_F32>::ld8(dy + v * CU_EW_VEC, g);
+QL_UNROLL
+        for (int k = 0; k < CU_EW_VEC; k++) cu_swiglu_back_f(p[k], q[k], g[k], &da[k], &db[k]);
+        cu_ew<QL_TYPE_F32>::st8(d + v * CU_EW_VEC, da);
+        cu_ew<QL_TYPE_F32>::st8(d + n + v * CU_EW_VEC, db);
+    }
+    CU_VEC_TAIL(i, n) cu_swiglu_back_f(cu_ew<T>::ld(a, i), cu_ew<T>::ld(b, i), dy[i], &d[i], &d[n + i]);
 }
 static void cu_op_silu(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *a = node->src[0];
     const int64_t n = ql_nelements(node);
-    QL_LAUNCH(k_silu, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), (float *)node->data, n);
+    if (cu_ew_fast(cu_vec_ok(a) && cu_vec_ok(node)))
+        QL_LAUNCH(k_silu_vec, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const float *)a->data, (float *)node->data, n);
+    else
+        QL_LAUNCH(k_silu, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), (float *)node->data, n);
     CU_LAUNCHED(c);
 }
 static void cu_op_silu_back(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *a = node->src[0], *dy = node->src[1];
     const int64_t n = ql_nelements(node);
-    QL_LAUNCH(k_silu_back, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), cu_of(node->src[1]), (float *)node->data, n);
+    if (cu_ew_fast(cu_vec_ok(a) && cu_vec_ok(dy) && cu_vec_ok(node)))
+        QL_LAUNCH(k_silu_back_vec, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const float *)a->data, (const float *)dy->data,
+                  (float *)node->data, n);
+    else
+        QL_LAUNCH(k_silu_back, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), cu_of(dy), (float *)node->data, n);
     CU_LAUNCHED(c);
 }
 static void cu_op_swiglu(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *a = node->src[0], *b = node->src[1];
     const int64_t n = ql_nelements(node);
-    CU_ASSERT(node->type == node->src[0]->type && node->src[1]->type == node->src[0]->type && ql_is_contiguous(node));
-    QL_LAUNCH(k_swiglu, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), cu_of(node->src[1]), (char *)node->data, n);
+    CU_ASSERT(node->type == a->type && b->type == a->type && ql_is_contiguous(node));
+    if (cu_ew_fast(cu_vec_ok(a) && cu_vec_ok(b) && cu_vec_ok(node))) {
+        if (a->type == QL_TYPE_F32)
+            QL_LAUNCH(k_swiglu_vec<QL_TYPE_F32>, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const float *)a->data, (const float *)b->data,
+                      (float *)node->data, n);
+        else if (a->type == QL_TYPE_BF16)
+            QL_LAUNCH(k_swiglu_vec<QL_TYPE_BF16>, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const uint16_t *)a->data,
+                      (const uint16_t *)b->data, (uint16_t *)node->data, n);
+        else
+            QL_LAUNCH(k_swiglu_vec<QL_TYPE_F16>, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const uint16_t *)a->data,
+                      (const uint16_t *)b->data, (uint16_t *)node->data, n);
+    } else {
+        QL_LAUNCH(k_swiglu, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), cu_of(b), (char *)node->data, n);
+    }
     CU_LAUNCHED(c);
 }
 static void cu_op_swiglu_back(cu_ctx &c, ql_tensor *node) {
-    const int64_t n = ql_nelements(node->src[0]);
-    QL_LAUNCH(k_swiglu_back, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node->src[0]), cu_of(node->src[1]), cu_of(node->src[2]),
-              (float *)node->data, n);
+    const ql_tensor *a = node->src[0], *b = node->src[1], *dy = node->src[2];
+    const int64_t n = ql_nelements(a);
+    float *d = (float *)node->data;
+    if (cu_ew_fast(cu_vec_ok(a) && cu_vec_ok(b) && cu_vec_ok(dy) && cu_vec_ok(node) && (uintptr_t)(d + n) % 16 == 0)) {
+        if (a->type == QL_TYPE_F32)
+            QL_LAUNCH(k_swiglu_back_vec<QL_TYPE_F32>, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const float *)a->data, (const float *)b->data,
+                      (const float *)dy->data, d, n);
+        else if (a->type == QL_TYPE_BF16)
+            QL_LAUNCH(k_swiglu_back_vec<QL_TYPE_BF16>, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const uint16_t *)a->data,
+                      (const uint16_t *)b->data, (const float *)dy->data, d, n);
+        else
+            QL_LAUNCH(k_swiglu_back_vec<QL_TYPE_F16>, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const uint16_t *)a->data,
+                      (const uint16_t *)b->data, (const float *)dy->data, d, n);
+    } else {
+        QL_LAUNCH(k_swiglu_back, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), cu_of(b), cu_of(dy), d, n);
+    }
     CU_LAUNCHED(c);
 }
 

@@ -528,6 +528,142 @@ OP_CASE(rms_norm_silu_swiglu) {
     }
 }
 
+// ---- the element-wise ops' typed fast paths (issue 28 item 2): contiguous, 16-byte aligned
+// operands take vectors of 8 elements and a scalar tail; other layouts the strided kernels. Each
+// case runs on the backend twice, fast paths on and off: the same bits (the same float math per
+// element, the same rounding), and against the CPU (exactly where the op is a copy or a cast).
+// Element counts: under one vector, whole vectors, whole vectors and a tail; views at 4 bytes
+// (misaligned: the strided kernels) and 16 bytes (aligned: the fast path) into a leaf. ----
+
+void ql_cuda_ew_fast_for_tests(bool on) __attribute__((weak));  // qlora-cuda.cu (absent without the CUDA backend)
+int64_t ql_cuda_ew_fast_launches_for_tests() __attribute__((weak));
+
+namespace {
+
+struct ew_fast_off {  // the strided kernels for every layout while in scope
+    ew_fast_off() { ql_cuda_ew_fast_for_tests(false); }
+    ~ew_fast_off() { ql_cuda_ew_fast_for_tests(true); }
+};
+
+// `build` on be: against the CPU within tol; on CUDA also the fast paths' bits against the strided
+// kernels', and `fast` of its launches taken by a fast path (-1: any number, at least one); returns that number
+int64_t ew_case(ql_backend *be, const char *what, const builder &build, double tol, int fast, bool backward = true) {
+    INFO("case: " << std::string(what));
+    const bool cuda = ql_backend_is_cuda(be);
+    const int64_t n0 = cuda ? ql_cuda_ew_fast_launches_for_tests() : 0;
+    check_case(be, what, build, tol, backward);
+    if (!cuda) return 0;
+    const int64_t n_fast = ql_cuda_ew_fast_launches_for_tests() - n0;
+    if (fast < 0) CHECK_MESSAGE(n_fast > 0, std::string(what), ": no fast path taken");
+    else CHECK_MESSAGE(n_fast == fast, std::string(what), ": ", n_fast, " fast-path launches, expected ", fast);
+    const run_result on = run_case(be, false, build, backward);
+    run_result off;
+    {
+        ew_fast_off guard;
+        off = run_case(be, false, build, backward);
+    }
+    REQUIRE(on.error.empty());
+    REQUIRE(off.error.empty());
+    auto same = [](const std::vector<float> &x, const std::vector<float> &y) {
+        return x.size() == y.size() && (x.empty() || !memcmp(x.data(), y.data(), x.size() * sizeof(float)));
+    };
+    CHECK_MESSAGE(same(on.out, off.out), std::string(what), ": the fast path's output is not the strided kernel's bits");
+    REQUIRE(on.grads.size() == off.grads.size());
+    for (size_t i = 0; i < on.grads.size(); i++) CHECK_MESSAGE(same(on.grads[i], off.grads[i]), std::string(what), ": gradient ", i, " differs");
+    return n_fast;
+}
+
+}  // namespace
+
+OP_CASE(elementwise_fast_paths) {
+    const ql_type types[3] = {QL_TYPE_F32, QL_TYPE_F16, QL_TYPE_BF16};
+    for (int64_t n0 : {5, 64, 37}) {  // one row of n0 x 5: a tail only, whole vectors, vectors and a tail of 1
+        INFO("elements " << n0 << " x 5");
+        // cont: every pair of the float types (the same type: the bits moved), forward only: one launch each
+        for (ql_type s : types)
+            for (ql_type d : types) {
+                INFO("cont " << std::string(ql_type_name(s)) << " -> " << std::string(ql_type_name(d)));
+                ew_case(be, "cont", [n0, s, d](leafs &L) {
+                    ql_tensor *x = L.rand(s, {n0, 5}, -70000.0f, 70000.0f);  // (f16 overflows to inf: the same on both)
+                    return ql_cast(L.ctx, x, d);
+                }, 0.0, 1, false);
+            }
+        ew_case(be, "cont i32", [n0](leafs &L) {
+            return ql_cont(L.ctx, L.i32({n0, 5}, [](int64_t i) { return (int32_t)(i * 2654435761u); }));
+        }, 0.0, 1, false);
+        // add, mul (the backward: reduce_to and mul, fast paths too), scale, silu and its backward
+        ew_case(be, "add", [n0](leafs &L) { return ql_add(L.ctx, L.param({n0, 5}), L.param({n0, 5})); }, TOL_F32, -1);
+        ew_case(be, "mul", [n0](leafs &L) { return ql_mul(L.ctx, L.param({n0, 5}), L.param({n0, 5})); }, TOL_F32, -1);
+        ew_case(be, "scale", [n0](leafs &L) { return ql_scale(L.ctx, L.param({n0, 5}), -0.37f); }, TOL_F32, -1);
+        ew_case(be, "silu", [n0](leafs &L) { return ql_silu(L.ctx, L.param({n0, 5}, -6.0f, 6.0f)); }, TOL_F32, -1);
+        // acc_grad: a parameter used twice, its two contributions added into its gradient
+        ew_case(be, "acc_grad", [n0](leafs &L) {
+            ql_tensor *p = L.param({n0, 5});
+            return ql_add(L.ctx, ql_scale(L.ctx, p, 0.5f), ql_silu(L.ctx, p));
+        }, TOL_F32, -1);
+        // swiglu and its backward in each type (16-bit: rounded once on store)
+        for (ql_type t : types) {
+            INFO("swiglu " << std::string(ql_type_name(t)));
+            ew_case(be, "swiglu", [n0, t](leafs &L) {
+                ql_tensor *a = L.param({n0, 5}, -6.0f, 6.0f), *b = L.param({n0, 5});
+                if (t != QL_TYPE_F32) a = ql_cast(L.ctx, a, t), b = ql_cast(L.ctx, b, t);
+                return ql_cast(L.ctx, ql_swiglu(L.ctx, a, b), QL_TYPE_F32);
+            }, t == QL_TYPE_F32 ? TOL_F32 : TOL_16, -1);
+        }
+    }
+    // swiglu's backward: the db half at d + n, aligned where n is a multiple of 4 (36 x 5 = 180:
+    // vectors and a tail of 4) takes the fast path, 37 x 5 does not; nor does the consumer of
+    // the db half (a view at n floats), the other ops alike
+    for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16}) {
+        int64_t n_fast[2] = {0, 0};
+        for (int64_t n0 : {36, 37}) {
+            INFO("elements " << n0 << " x 5, " << std::string(ql_type_name(t)));
+            n_fast[n0 - 36] = ew_case(be, "swiglu back", [n0, t](leafs &L) {
+                ql_tensor *a = ql_cast(L.ctx, L.param({n0, 5}, -6.0f, 6.0f), t), *b = ql_cast(L.ctx, L.param({n0, 5}), t);
+                return ql_cast(L.ctx, ql_swiglu(L.ctx, a, b), QL_TYPE_F32);
+            }, t == QL_TYPE_F32 ? TOL_F32 : TOL_16, -1);
+        }
+        if (ql_backend_is_cuda(be)) CHECK_MESSAGE(n_fast[0] == n_fast[1] + 2, "swiglu_back's fast path: ", n_fast[0], " vs ", n_fast[1]);
+    }
+    // broadcasts: b one row of a multiple of 8 (fast), of 36 or a column (strided), grouped (strided)
+    ew_case(be, "add, a row of 64", [](leafs &L) { return ql_add(L.ctx, L.rand(QL_TYPE_F32, {64, 7}), L.rand(QL_TYPE_F32, {64})); },
+            TOL_F32, 1, false);
+    ew_case(be, "mul, a row of 64", [](leafs &L) { return ql_mul(L.ctx, L.rand(QL_TYPE_F32, {64, 7}), L.rand(QL_TYPE_F32, {64})); },
+            TOL_F32, 1, false);
+    ew_case(be, "add, a row of 8 repeated along rows of 16", [](leafs &L) {
+        return ql_add(L.ctx, L.rand(QL_TYPE_F32, {16, 7}), L.rand(QL_TYPE_F32, {8}));
+    }, TOL_F32, 1, false);
+    ew_case(be, "add, a row of 36", [](leafs &L) { return ql_add(L.ctx, L.rand(QL_TYPE_F32, {36, 7}), L.rand(QL_TYPE_F32, {36})); },
+            TOL_F32, 0, false);
+    ew_case(be, "mul, a column", [](leafs &L) { return ql_mul(L.ctx, L.rand(QL_TYPE_F32, {64, 7}), L.rand(QL_TYPE_F32, {1, 7})); },
+            TOL_F32, 0, false);
+    // views into a leaf of 400: at 4 bytes (misaligned: strided kernels), at 16 (aligned: fast)
+    for (int64_t off : {1, 4}) {
+        INFO("view at element " << off);
+        const int fast = off % 4 == 0 ? 1 : 0;
+        ew_case(be, "cont of a view", [off](leafs &L) {
+            ql_tensor *x = L.rand(QL_TYPE_F32, {400});
+            return ql_cast(L.ctx, ql_view_1d(L.ctx, x, 333, off * 4), QL_TYPE_BF16);
+        }, 0.0, fast, false);
+        ew_case(be, "copy of a view", [off](leafs &L) {
+            ql_tensor *x = L.rand(QL_TYPE_F32, {400});
+            return ql_cont(L.ctx, ql_view_1d(L.ctx, x, 333, off * 4));
+        }, 0.0, fast, false);
+        ew_case(be, "add of a view", [off](leafs &L) {
+            ql_tensor *x = L.rand(QL_TYPE_F32, {400});
+            return ql_add(L.ctx, ql_view_1d(L.ctx, x, 333, off * 4), L.rand(QL_TYPE_F32, {333}));
+        }, TOL_F32, fast, false);
+        ew_case(be, "scale of a view", [off](leafs &L) {
+            ql_tensor *x = L.rand(QL_TYPE_F32, {400});
+            return ql_scale(L.ctx, ql_view_1d(L.ctx, x, 333, off * 4), 3.0f);
+        }, TOL_F32, fast, false);
+        ew_case(be, "swiglu of views", [off](leafs &L) {
+            ql_tensor *x = ql_cast(L.ctx, L.rand(QL_TYPE_F32, {400}, -6.0f, 6.0f), QL_TYPE_BF16);
+            return ql_swiglu(L.ctx, ql_view_1d(L.ctx, x, 333, off * 2 * 2), ql_view_1d(L.ctx, x, 333, 0));
+        }, TOL_16, fast + 1, false);  // (+ the cast)
+    }
+}
+
 OP_CASE(rope) {
     for (int mode : {QL_ROPE_NORMAL, QL_ROPE_NEOX}) {
         INFO("mode: " << mode);
