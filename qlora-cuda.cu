@@ -3335,79 +3335,59 @@ FA2_UNROLL
             }
             __syncthreads();
             if (r0 >= nk) continue;
-            static_assert(BT % 32 == 0, "the query tile in pairs of 16");
 FA2_NO_UNROLL
-            for (int n = 0; n < BT / 16; n += 2) {  // queries i0 + 16 n .. and the next 16: two independent chains of products
-                int q0[2];
-                bool live[2], full[2];
-FA2_UNROLL
-                for (int u = 0; u < 2; u++) {
-                    q0[u] = (n + u) * 16;
-                    live[u] = q0[u] < nq && j0 + r0 <= i0 + q0[u] + 15 + off;  // some of them see this warp's keys
-                    full[u] = !a.seg && q0[u] + 16 <= nq && r0 + 16 <= nk && j0 + r0 + 15 <= i0 + q0[u] + off;
-                }
-                if (!live[0] && !live[1]) continue;
-                // S^T = K Q^T -> P^T; dV += P^T dO; dP^T = V dO^T -> dS^T; dK += dS^T Q ([16 keys, 16 queries]
-                // each; in this order, so that S^T and dP^T are not live at once). Each accumulator takes
-                // the sub-tiles in query order, as one at a time would.
-                wmma::fragment<wmma::accumulator, 16, 16, 16, float> s[2];
-                wmma::fill_fragment(s[0], 0.0f);
-                wmma::fill_fragment(s[1], 0.0f);
+            for (int n = 0; n < BT / 16; n++) {  // queries i0 + 16 n ..
+                const int q0 = n * 16;
+                if (q0 >= nq || j0 + r0 > i0 + q0 + 15 + off) continue;  // none of them sees this warp's keys
+                const bool full = !a.seg && q0 + 16 <= nq && r0 + 16 <= nk && j0 + r0 + 15 <= i0 + q0 + off;
+                // S^T = K Q^T -> P^T; dV += P^T dO; dP^T = V dO^T -> dS^T; dK += dS^T Q ([16 keys, 16 queries];
+                // in this order, so that S^T and dP^T are not live at once)
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> s;
+                wmma::fill_fragment(s, 0.0f);
 FA2_UNROLL
                 for (int f = 0; f < NF; f++) {
-                    if constexpr (!KVREG) wmma::load_matrix_sync(kfa[0], Ks + r0 * LD + f * 16, LD);
-FA2_UNROLL
-                    for (int u = 0; u < 2; u++)
-                        if (live[u]) {
-                            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> yf;
-                            wmma::load_matrix_sync(yf, Qs + q0[u] * LD + f * 16, LD);
-                            wmma::mma_sync(s[u], kfa[KVREG ? f : 0], yf, s[u]);
-                        }
-                }
-                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf[2], df[2];
-FA2_UNROLL
-                for (int u = 0; u < 2; u++)
-FA2_UNROLL
-                    for (int i = 0; i < 8; i++) {
-                        const int kr = r0 + fa2_rr(lane, i), c = q0[u] + fa2_rc(lane, i);
-                        const bool vis = full[u] || (c < nq && kr < nk && fa_visible(a.seg, i0 + c, j0 + kr, off, Tk, b));
-                        pf[u].x[i] = fa2_cvt<T>(vis ? exp2f(s[u].x[i] * sl2 - Lr[c]) : 0.0f);
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> yf;
+                    wmma::load_matrix_sync(yf, Qs + q0 * LD + f * 16, LD);
+                    if constexpr (KVREG) {
+                        wmma::mma_sync(s, kfa[f], yf, s);
+                    } else {
+                        wmma::load_matrix_sync(kfa[0], Ks + r0 * LD + f * 16, LD);
+                        wmma::mma_sync(s, kfa[0], yf, s);
                     }
+                }
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf, df;
 FA2_UNROLL
-                for (int u = 0; u < 2; u++)
-                    if (live[u])
-FA2_UNROLL
-                        for (int f = 0; f < NF; f++) {  // dV += P^T dO
-                            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> yf;
-                            wmma::load_matrix_sync(yf, dOs + q0[u] * LD + f * 16, LD);
-                            wmma::mma_sync(dvf[f], pf[u], yf, dvf[f]);
-                        }
-                wmma::fill_fragment(s[0], 0.0f);  // now dP^T
-                wmma::fill_fragment(s[1], 0.0f);
-FA2_UNROLL
-                for (int f = 0; f < NF; f++) {
-                    if constexpr (!KVREG) wmma::load_matrix_sync(vfa[0], Vs + r0 * LD + f * 16, LD);
-FA2_UNROLL
-                    for (int u = 0; u < 2; u++)
-                        if (live[u]) {
-                            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> yf;
-                            wmma::load_matrix_sync(yf, dOs + q0[u] * LD + f * 16, LD);
-                            wmma::mma_sync(s[u], vfa[KVREG ? f : 0], yf, s[u]);
-                        }
+                for (int i = 0; i < 8; i++) {
+                    const int kr = r0 + fa2_rr(lane, i), c = q0 + fa2_rc(lane, i);
+                    const bool vis = full || (c < nq && kr < nk && fa_visible(a.seg, i0 + c, j0 + kr, off, Tk, b));
+                    pf.x[i] = fa2_cvt<T>(vis ? exp2f(s.x[i] * sl2 - Lr[c]) : 0.0f);
                 }
 FA2_UNROLL
-                for (int u = 0; u < 2; u++)
+                for (int f = 0; f < NF; f++) {  // dV += P^T dO
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> yf;
+                    wmma::load_matrix_sync(yf, dOs + q0 * LD + f * 16, LD);
+                    wmma::mma_sync(dvf[f], pf, yf, dvf[f]);
+                }
+                wmma::fill_fragment(s, 0.0f);  // now dP^T
 FA2_UNROLL
-                    for (int i = 0; i < 8; i++) df[u].x[i] = fa2_cvt<T>(fa2_f(pf[u].x[i]) * (s[u].x[i] - Dr[q0[u] + fa2_rc(lane, i)]));
+                for (int f = 0; f < NF; f++) {
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> yf;
+                    wmma::load_matrix_sync(yf, dOs + q0 * LD + f * 16, LD);
+                    if constexpr (KVREG) {
+                        wmma::mma_sync(s, vfa[f], yf, s);
+                    } else {
+                        wmma::load_matrix_sync(vfa[0], Vs + r0 * LD + f * 16, LD);
+                        wmma::mma_sync(s, vfa[0], yf, s);
+                    }
+                }
 FA2_UNROLL
-                for (int u = 0; u < 2; u++)
-                    if (live[u])
+                for (int i = 0; i < 8; i++) df.x[i] = fa2_cvt<T>(fa2_f(pf.x[i]) * (s.x[i] - Dr[q0 + fa2_rc(lane, i)]));
 FA2_UNROLL
-                        for (int f = 0; f < NF; f++) {  // dK += dS^T Q
-                            wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> yf;
-                            wmma::load_matrix_sync(yf, Qs + q0[u] * LD + f * 16, LD);
-                            wmma::mma_sync(dkf[f], df[u], yf, dkf[f]);
-                        }
+                for (int f = 0; f < NF; f++) {  // dK += dS^T Q
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> yf;
+                    wmma::load_matrix_sync(yf, Qs + q0 * LD + f * 16, LD);
+                    wmma::mma_sync(dkf[f], df, yf, dkf[f]);
+                }
             }
         }
     }
