@@ -7427,9 +7427,13 @@ size_t ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NB
         if (compute) *compute = ct;
         return back ? nd + align_up((size_t)(DV * Tq * H * B) * es, QL_ALIGN) : 0;
     }
-    // the chunk: a power of two in [16, 256] whose scores fit QL_CUDA_FA_SCORE_BYTES, or all of Tq
+    // the chunk: a power of two in [16, 256] whose scores fit QL_CUDA_FA_SCORE_BYTES (QLORA_CUDA_FA_SCORE_MB:
+    // another budget, for measuring), or all of Tq
+    static const size_t score_bytes = getenv("QLORA_CUDA_FA_SCORE_MB") && atoi(getenv("QLORA_CUDA_FA_SCORE_MB")) > 0
+                                          ? (size_t)atoi(getenv("QLORA_CUDA_FA_SCORE_MB")) << 20
+                                          : QL_CUDA_FA_SCORE_BYTES;
     int64_t c = 16;
-    while (c < 256 && (size_t)(2 * c * Tk * H * B) * sizeof(float) <= QL_CUDA_FA_SCORE_BYTES) c *= 2;
+    while (c < 256 && (size_t)(2 * c * Tk * H * B) * sizeof(float) <= score_bytes) c *= 2;
     c = std::min(c, Tq);
     const size_t sc = (size_t)(Tk * c * H * B);  // scores of one chunk
     size_t n[QL_CUDA_FA_NBUF] = {0};
