@@ -1811,54 +1811,33 @@ __global__ void k_dropout(cu_t a, const int32_t *seed, char *d, int d_type, uint
         cu_st(d + i * ds, d_type, ql_dropout_hash(key, (uint64_t)(first + i)) >= threshold ? cu_get(a, i) * keep_scale : 0.0f);
     }
 }
-template <typename T> __host__ __device__ constexpr int cu_type_of() {
-    return std::is_same<T, float>::value ? QL_TYPE_F32 : std::is_same<T, __half>::value ? QL_TYPE_F16 : QL_TYPE_BF16;
-}
-// 8 elements of a plain type TA as floats, from 16-byte aligned memory (16-bit: one 16-byte load; f32: two)
-template <typename TA> __device__ __forceinline__ void cu_vld8(const TA *p, float x[8]);
-template <> __device__ __forceinline__ void cu_vld8<float>(const float *p, float x[8]) {
-    const float4 u = ((const float4 *)p)[0], v = ((const float4 *)p)[1];
-    x[0] = u.x, x[1] = u.y, x[2] = u.z, x[3] = u.w, x[4] = v.x, x[5] = v.y, x[6] = v.z, x[7] = v.w;
-}
-template <> __device__ __forceinline__ void cu_vld8<__nv_bfloat16>(const __nv_bfloat16 *p, float x[8]) {
-    const uint4 u = *(const uint4 *)p;
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};  // element 2i in the low half
-    for (int j = 0; j < 4; j++) x[2 * j] = __uint_as_float(w[j] << 16), x[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
-}
-template <> __device__ __forceinline__ void cu_vld8<__half>(const __half *p, float x[8]) {
-    const uint4 u = *(const uint4 *)p;
-    const uint32_t w[4] = {u.x, u.y, u.z, u.w};
-    for (int j = 0; j < 8; j++) {
-        __half_raw r;
-        r.x = (unsigned short)(w[j / 2] >> (16 * (j % 2)));
-        x[j] = __half2float(__half(r));
-    }
-}
-// ... and back, rounded to nearest even as cu_st (cu_st8)
-template <typename TD> __device__ __forceinline__ void cu_vst8(TD *p, const float y[8]) { cu_st8((char *)p, cu_type_of<TD>(), y); }
-
-// k_dropout over contiguous, 16-byte aligned a and d: 8 elements a thread, one vector load and store,
+// k_dropout over contiguous, 16-byte aligned a and d (the element-wise fast paths' vectors, cu_ew),
 // the counter stepped by an add (key + QL_DROPOUT_STEP (e + 1), as ql_dropout_hash, without its
-// multiply per element): the same mask and values as k_dropout, bit for bit. The last n % 8 elements
-// one at a time.
-template <typename TA, typename TD>
-__global__ void k_dropout8(const TA *a, const int32_t *seed, TD *d, uint32_t stream, uint32_t threshold, float keep_scale, int64_t first,
-                           int64_t n) {
+// multiply per element): the same mask and values as k_dropout, bit for bit; then the scalar tail
+template <int TA, int TD>
+__global__ void k_dropout8(const typename cu_ew<TA>::T *a, const int32_t *seed, typename cu_ew<TD>::T *d, uint32_t stream,
+                           uint32_t threshold, float keep_scale, int64_t first, int64_t n) {
     const uint64_t key = ql_dropout_key(seed[0], stream);
-    const int64_t nv = n / 8;
-    CU_GRID_LOOP(v, nv) {
-        float x[8];
-        cu_vld8<TA>(a + v * 8, x);
-        uint64_t ctr = key + QL_DROPOUT_STEP * (uint64_t)(first + v * 8 + 1);
+    CU_VEC_LOOP(v, n) {
+        float x[CU_EW_VEC];
+        cu_ew<TA>::ld8(a + v * CU_EW_VEC, x);
+        uint64_t ctr = key + QL_DROPOUT_STEP * (uint64_t)(first + v * CU_EW_VEC + 1);
 QL_UNROLL
-        for (int j = 0; j < 8; j++, ctr += QL_DROPOUT_STEP) x[j] = (uint32_t)(ql_mix64(ctr) >> 32) >= threshold ? x[j] * keep_scale : 0.0f;
-        cu_vst8<TD>(d + v * 8, x);
+        for (int j = 0; j < CU_EW_VEC; j++, ctr += QL_DROPOUT_STEP) x[j] = (uint32_t)(ql_mix64(ctr) >> 32) >= threshold ? x[j] * keep_scale : 0.0f;
+        cu_ew<TD>::st8(d + v * CU_EW_VEC, x);
     }
-    CU_GRID_LOOP(t, n - nv * 8) {
-        const int64_t i = nv * 8 + t;
-        cu_st((char *)(d + i), cu_type_of<TD>(), ql_dropout_hash(key, (uint64_t)(first + i)) >= threshold
-                                                    ? cu_ld((const char *)(a + i), cu_type_of<TA>()) * keep_scale : 0.0f);
-    }
+    CU_VEC_TAIL(i, n) cu_ew<TD>::st(d, i, ql_dropout_hash(key, (uint64_t)(first + i)) >= threshold ? cu_ew<TA>::ld(a, i) * keep_scale : 0.0f);
+}
+template <int TA, int TD> static void cu_launch_dropout8(cu_ctx &c, const ql_tensor *a, ql_tensor *node, const int32_t *seed,
+                                                         uint32_t stream, uint32_t thr, float ks, int64_t first, int64_t n) {
+    QL_LAUNCH((k_dropout8<TA, TD>), cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const typename cu_ew<TA>::T *)a->data, seed,
+              (typename cu_ew<TD>::T *)node->data, stream, thr, ks, first, n);
+}
+template <int TA> static void cu_launch_dropout8_to(cu_ctx &c, const ql_tensor *a, ql_tensor *node, const int32_t *seed,
+                                                    uint32_t stream, uint32_t thr, float ks, int64_t first, int64_t n) {
+    if (node->type == QL_TYPE_F32) cu_launch_dropout8<TA, QL_TYPE_F32>(c, a, node, seed, stream, thr, ks, first, n);
+    else if (node->type == QL_TYPE_BF16) cu_launch_dropout8<TA, QL_TYPE_BF16>(c, a, node, seed, stream, thr, ks, first, n);
+    else cu_launch_dropout8<TA, QL_TYPE_F16>(c, a, node, seed, stream, thr, ks, first, n);
 }
 static void cu_op_dropout(cu_ctx &c, ql_tensor *node) {
     const float pr = cu_param<float>(node, 0);
@@ -1868,21 +1847,13 @@ static void cu_op_dropout(cu_ctx &c, ql_tensor *node) {
     const uint32_t stream = cu_param<uint32_t>(node, 1), thr = ql_dropout_threshold(pr);
     const float ks = 1.0f / (1.0f - pr);
     const int64_t first = cu_param<int64_t>(node, 2) * node->ne[0];
-    if (ql_is_contiguous(a) && ql_is_contiguous(node) && ((uintptr_t)a->data | (uintptr_t)node->data) % 16 == 0 && is_float_type_cu(a->type)) {
-        const int g = cu_grid(std::max<int64_t>(1, n / 8));
-#define CU_DROPOUT8(TA, TD) QL_LAUNCH((k_dropout8<TA, TD>), g, CU_BLOCK, 0, c.stream, (const TA *)a->data, seed, (TD *)node->data, stream, thr, ks, first, n)
-#define CU_DROPOUT8_TO(TA)                                                                         \
-    (node->type == QL_TYPE_F32 ? CU_DROPOUT8(TA, float) : node->type == QL_TYPE_BF16 ? CU_DROPOUT8(TA, __nv_bfloat16) \
-                                                                                     : CU_DROPOUT8(TA, __half))
-        if (a->type == QL_TYPE_F32) CU_DROPOUT8_TO(float);
-        else if (a->type == QL_TYPE_BF16) CU_DROPOUT8_TO(__nv_bfloat16);
-        else CU_DROPOUT8_TO(__half);
-#undef CU_DROPOUT8_TO
-#undef CU_DROPOUT8
-        CU_LAUNCHED(c);
-        return;
+    if (cu_vec_ok(a) && cu_vec_ok(node) && is_float_type_cu(a->type)) {
+        if (a->type == QL_TYPE_F32) cu_launch_dropout8_to<QL_TYPE_F32>(c, a, node, seed, stream, thr, ks, first, n);
+        else if (a->type == QL_TYPE_BF16) cu_launch_dropout8_to<QL_TYPE_BF16>(c, a, node, seed, stream, thr, ks, first, n);
+        else cu_launch_dropout8_to<QL_TYPE_F16>(c, a, node, seed, stream, thr, ks, first, n);
+    } else {
+        QL_LAUNCH(k_dropout, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), seed, (char *)node->data, (int)node->type, stream, thr, ks, first, n);
     }
-    QL_LAUNCH(k_dropout, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), seed, (char *)node->data, (int)node->type, stream, thr, ks, first, n);
     CU_LAUNCHED(c);
 }
 
@@ -3552,8 +3523,6 @@ template <int D, int NW> static void fa2_back_reg_launch(cu_ctx &c, ql_tensor *n
     const char *dO = dO16;
     const float *lse = (const float *)((const char *)fwd->data + ql_nbytes(fwd));
     float *dq = (float *)node->data, *dk = dq + ql_nelements(q), *dv = dk + ql_nelements(k);
-    void (*kdkv)(fa_args, const char *, const float *, const float *, float *, float *) =
-        k_fa2_dkv_reg<__nv_bfloat16, D <= 96 ? D : 64, NW, BT>;  // (not instantiated at 128: see below)
     void (*kdq)(fa_args, const char *, const float *, const float *, float *) = k_fa2_dq_reg<__nv_bfloat16, D, NW, BT>;
     CU_CHECK(c, cudaFuncSetAttribute(kdq, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if constexpr (D > 96) {  // dK, dV at head dim 128: the shared-memory kernel (the register one needs more than 255 registers)
@@ -3566,6 +3535,7 @@ template <int D, int NW> static void fa2_back_reg_launch(cu_ctx &c, ql_tensor *n
         QL_LAUNCH(kold, gk, SNW * 32, ssmem, c.stream, a, (const float *)node->src[5]->data, lse, delta, dk, dv);
         CU_LAUNCHED(c);
     } else {
+        void (*kdkv)(fa_args, const char *, const float *, const float *, float *, float *) = k_fa2_dkv_reg<__nv_bfloat16, D, NW, BT>;
         CU_CHECK(c, cudaFuncSetAttribute(kdkv, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
         const dim3 gk((unsigned)((k->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)k->ne[2], (unsigned)k->ne[3]);
         QL_LAUNCH(kdkv, gk, NW * 32, smem, c.stream, a, dO, lse, delta, dk, dv);
