@@ -376,10 +376,11 @@ ql_status ql_llama_cache_create(ql_context *ctx, const ql_llama *m, int n_ctx, q
 }
 
 ql_tensor *ql_llama_forward_cached(ql_context *ctx, const ql_llama *m, const ql_llama_cache *cache, ql_tensor *tokens,
-                                   ql_tensor *pos) {
+                                   ql_tensor *pos, bool last_only) {
     ql_tensor *x = ql_get_rows(ctx, m->tok_embd, tokens);  // [n_embd, T, 1]
     for (int il = 0; il < m->hp.n_layer; il++) x = block(ctx, m, il, x, pos, nullptr, cache);
-    ql_tensor *logits = head(ctx, m, x);  // [n_vocab, T, 1]
+    if (x && last_only && x->ne[1] > 1) x = ql_view_2d(ctx, x, x->ne[0], 1, x->nb[1], (size_t)(x->ne[1] - 1) * x->nb[1]);  // [n_embd, 1]
+    ql_tensor *logits = head(ctx, m, x);  // [n_vocab, T or 1, 1]
     return logits ? ql_reshape_2d(ctx, logits, logits->ne[0], logits->ne[1]) : nullptr;
 }
 

@@ -207,6 +207,8 @@ struct ql_llama_cache {
 
 // creates the cache tensors in ctx (which must allocate: n_layer * 2 * head_dim * n_ctx * n_head_kv floats)
 ql_status  ql_llama_cache_create(ql_context *ctx, const ql_llama *m, int n_ctx, ql_llama_cache *cache);
-// tokens, pos: I32 [T, 1]; returns logits [n_vocab, T]
+// tokens, pos: I32 [T, 1]; returns logits [n_vocab, T], or with last_only the last token's alone
+// [n_vocab, 1] (a prompt that is only continued: the head, 22% of a 110M model's multiplies, runs
+// for one token instead of T)
 ql_tensor *ql_llama_forward_cached(ql_context *ctx, const ql_llama *m, const ql_llama_cache *cache, ql_tensor *tokens,
-                                   ql_tensor *pos);
+                                   ql_tensor *pos, bool last_only = false);

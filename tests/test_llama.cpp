@@ -181,6 +181,22 @@ TEST_CASE("llama: the KV cache gives the full forward's logits, prompt then one 
     *(int32_t *)cache.n_kv->data = n_prompt;
     REQUIRE(ql_backend_graph_compute(be, gp) == QL_OK);
     std::vector<float> got((const float *)lp->data, (const float *)lp->data + n_prompt * V);
+    {  // the prompt with the last token's logits alone (generate): that row of the full prompt's
+        ql_tensor *pl = ql_new_tensor_2d(ctx, QL_TYPE_I32, n_prompt, 1), *ql = ql_new_tensor_2d(ctx, QL_TYPE_I32, n_prompt, 1);
+        ql_tensor *ll = ql_set_output(ql_llama_forward_cached(ctx, &rm.m, &cache, pl, ql, true));
+        REQUIRE_MESSAGE(ll, ql_ctx_error(ctx));
+        CHECK(ll->ne[0] == V);
+        CHECK(ql_nelements(ll) == V);
+        ql_graph *gl = ql_graph_new(ctx);
+        ql_graph_build_forward(gl, ll);
+        REQUIRE(ql_graph_alloc(gl, be) == QL_OK);
+        memcpy(pl->data, pt->data, ql_nbytes(pt));
+        memcpy(ql->data, pp->data, ql_nbytes(pp));
+        REQUIRE(ql_backend_graph_compute(be, gl) == QL_OK);
+        const std::vector<float> last(got.end() - V, got.end()), one((const float *)ll->data, (const float *)ll->data + V);
+        CHECK(rel_err(one, last) < 1e-5);
+        ql_graph_free(gl);
+    }
     for (int t = n_prompt; t < (int)toks.size(); t++) {
         *(int32_t *)ot->data = toks[(size_t)t];
         *(int32_t *)op->data = t;

@@ -258,7 +258,7 @@ static int plan_graphs(const gen_args &a, gen_state *s) {
     ql_llama_cache_create(ctx, &m, s->ctx_len, &s->cache);
     s->pt = ql_new_tensor_2d(ctx, QL_TYPE_I32, s->n_prompt, 1), s->pp = ql_new_tensor_2d(ctx, QL_TYPE_I32, s->n_prompt, 1);
     s->ot = ql_new_tensor_2d(ctx, QL_TYPE_I32, 1, 1), s->op = ql_new_tensor_2d(ctx, QL_TYPE_I32, 1, 1);
-    s->lp = ql_set_output(ql_llama_forward_cached(ctx, &m, &s->cache, s->pt, s->pp));
+    s->lp = ql_set_output(ql_llama_forward_cached(ctx, &m, &s->cache, s->pt, s->pp, true));  // [n_vocab, 1]: the last's
     s->lo = ql_set_output(ql_llama_forward_cached(ctx, &m, &s->cache, s->ot, s->op));
     s->gp.reset(ql_graph_new(ctx));
     s->go.reset(ql_graph_new(ctx));
@@ -284,8 +284,7 @@ static int run_prompt(gen_state &s, std::vector<float> *logits) {
     if (!set_i32(be, s.pt, s.toks.data(), s.toks.size()) || !set_i32(be, s.pp, positions.data(), positions.size()) ||
         !set_i32(be, s.cache.write_pos, &zero, 1) || !set_i32(be, s.cache.n_kv, &s.n_prompt, 1) ||
         ql_backend_graph_compute(be, s.gp.get()) != QL_OK ||
-        ql_backend_tensor_get(be, s.lp, logits->data(), (size_t)(s.n_prompt - 1) * s.f->model.hp.n_vocab * 4, logits->size() * 4) !=
-            QL_OK) {
+        ql_backend_tensor_get(be, s.lp, logits->data(), 0, logits->size() * 4) != QL_OK) {
         fprintf(stderr, "generate: %s\n", ql_ctx_error(s.ctx.get()));
         return 1;
     }
