@@ -6130,6 +6130,223 @@ static void mm_q8(const mm_operand &w, const mm_operand &x, float *c, const floa
     }
 }
 
+// ---- prompts: the 8-bit activations over many rows of b (an int8 GEMM) ----
+// Decode's kernel dots one weight row with one activation row: a prompt's N rows would unpack each
+// weight row N times, and its 8-lane sums reach a third of what the bf16 GEMM does. Here a panel
+// of 16 weight rows is unpacked once into int8 codes: per block of 32, eight groups of 4 elements,
+// each group the 16 rows' 4 bytes (one zmm), then per row its scales and 128 times its code sums.
+// The activations are quantised per block of 32 for every type (decode's k-quant kernels use 256)
+// and kept as unsigned bytes, code + 128. vpdpbusd of a group with one activation row's 4 bytes
+// broadcast adds 4 products to each of 16 rows, so a block is 8 instructions for 16 rows (512
+// multiply-adds); started from -128 sum w it is the integer block sum of the codes, then scaled in
+// f32 and added, block after block. Each output has one thread: no dependence on the thread count.
+// AVX-512 VNNI only (elsewhere a prompt keeps the exact packed GEMM). Per kind:
+//   plain (Q4_0 q - 8, Q8_0, NF4 through k_nf4_i8): d_w d_x sum;
+//   mins (Q4_K: q, scale d sc_s, min dmin m_s): d sc d_x sum - dmin m d_x sum(x codes);
+//   halves (Q6_K: q - 32, a scale per 16): the block's two halves summed apart, d sc each.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+static constexpr bool k_mm_q8g = true;
+#else
+static constexpr bool k_mm_q8g = false;
+#endif
+static constexpr int MM_Q8G_ROWS = 16;  // weight rows a panel (zmm lanes)
+static constexpr int MM_Q8G_TOK = 8;    // activation rows a kernel call
+enum mm_q8g_kind { MM_Q8G_PLAIN, MM_Q8G_MINS, MM_Q8G_HALVES };
+static int mm_q8g_kind_of(ql_type t) {
+    switch (t) {
+    case QL_TYPE_Q4_0: case QL_TYPE_Q8_0: case QL_TYPE_NF4: case QL_TYPE_NF4_NODQ: return MM_Q8G_PLAIN;
+    case QL_TYPE_Q4_K: return MM_Q8G_MINS;
+    case QL_TYPE_Q6_K: return MM_Q8G_HALVES;
+    default: return -1;
+    }
+}
+static bool mm_q8g_type(ql_type t) { return k_mm_q8g && mm_q8g_kind_of(t) >= 0; }
+// a panel's block: 512 bytes of codes, then 16-lane rows of f32 / int32: plain and mins [scale,
+// -128 sum], mins [min], halves [scale lo, scale hi, -128 sum lo, -128 sum hi]
+static size_t mm_q8g_block_bytes(int kind) { return 512 + 64 * (kind == MM_Q8G_PLAIN ? 2 : kind == MM_Q8G_MINS ? 3 : 4); }
+static size_t mm_q8g_work(int64_t N, int64_t K, ql_type t) {  // [N, K] bytes, [N, K/32] scales and code sums, one panel
+    return mm_q8_round((size_t)(N * K)) + 2 * mm_q8_round((size_t)(N * (K / 32)) * 4) + (size_t)(K / 32) * mm_q8g_block_bytes(mm_q8g_kind_of(t)) +
+           64;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// weight rows [j0, j0 + nr) as a panel (rows past nr: zeros)
+static void mm_q8g_pack(const mm_operand &w, int64_t K, int64_t j0, int64_t nr, uint8_t *pan) {
+    const int kind = mm_q8g_kind_of(w.type);
+    const bool nf4 = w.type == QL_TYPE_NF4 || w.type == QL_TYPE_NF4_NODQ;
+    const int64_t nb = K / 32;
+    const size_t bb = mm_q8g_block_bytes(kind);
+    memset(pan, 0, (size_t)nb * bb);
+    int8_t v[32];
+    auto put = [](uint8_t *p, int r, float f) { memcpy(p + 4 * r, &f, 4); };
+    auto put_i = [](uint8_t *p, int r, int32_t i) { memcpy(p + 4 * r, &i, 4); };
+    for (int64_t r = 0; r < nr; r++) {
+        const uint8_t *row = w.p + (j0 + r) * w.smn;
+        const int64_t b0 = nf4 ? (int64_t)(row - w.root_data) * 2 / QL_NF4_BLOCK : 0;  // the row's first block of 64
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *pb = pan + (size_t)b * bb;
+            float d = 0, d2 = 0, mn = 0;  // the block's scale (halves: lo, hi), Q4_K's min
+            if (w.type == QL_TYPE_Q4_0) {
+                const ql_block_q4_0 &q = ((const ql_block_q4_0 *)row)[b];
+#if defined(__SSE2__)
+                const __m128i c = _mm_loadu_si128((const __m128i *)q.qs), m4 = _mm_set1_epi8(15), e8 = _mm_set1_epi8(8);
+                _mm_storeu_si128((__m128i *)v, _mm_sub_epi8(_mm_and_si128(c, m4), e8));
+                _mm_storeu_si128((__m128i *)(v + 16), _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(c, 4), m4), e8));
+#else
+                for (int k = 0; k < 16; k++) v[k] = (int8_t)((q.qs[k] & 15) - 8), v[k + 16] = (int8_t)((q.qs[k] >> 4) - 8);
+#endif
+                d = mm_h2f(q.d);
+            } else if (w.type == QL_TYPE_Q8_0) {
+                const ql_block_q8_0 &q = ((const ql_block_q8_0 *)row)[b];
+                memcpy(v, q.qs, 32);
+                d = mm_h2f(q.d);
+            } else if (nf4) {  // block b is half of the 64-block b/2, whose element 2j sits in byte j's high nibble
+                const uint8_t *c = row + 32 * (b / 2) + 16 * (b % 2);
+#if defined(__SSSE3__)
+                const __m128i lut = _mm_loadu_si128((const __m128i *)k_nf4_i8), m4 = _mm_set1_epi8(15), cc = _mm_loadu_si128((const __m128i *)c);
+                const __m128i hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(cc, 4), m4)), lo = _mm_shuffle_epi8(lut, _mm_and_si128(cc, m4));
+                _mm_storeu_si128((__m128i *)v, _mm_unpacklo_epi8(hi, lo));
+                _mm_storeu_si128((__m128i *)(v + 16), _mm_unpackhi_epi8(hi, lo));
+#else
+                for (int k = 0; k < 16; k++) v[2 * k] = k_nf4_i8[c[k] >> 4], v[2 * k + 1] = k_nf4_i8[c[k] & 15];
+#endif
+                d = (w.type == QL_TYPE_NF4 ? nf4_aux(w.aux).absmax(b0 + b / 2) : ((const float *)w.aux)[b0 + b / 2]) / 127.0f;
+            } else if (w.type == QL_TYPE_Q4_K) {  // sub-block s = b % 8: 2g in qs[32 g ..]'s low nibbles, 2g + 1 the high
+                const ql_block_q4_K &q = ((const ql_block_q4_K *)row)[b / 8];
+                const int sb = (int)(b % 8), g = sb / 2;
+                uint8_t sc[8], m8[8];
+                mm_k4_scales(q.scales, sc, m8);
+                for (int l = 0; l < 32; l++) v[l] = (int8_t)(sb % 2 ? q.qs[32 * g + l] >> 4 : q.qs[32 * g + l] & 15);
+                d = mm_h2f(q.d) * sc[sb];
+                mn = mm_h2f(q.dmin) * m8[sb];
+            } else {  // Q6_K: elements 128 h + 32 m + l, a scale per 16
+                const ql_block_q6_K &q = ((const ql_block_q6_K *)row)[b / 8];
+                const int h = (int)(b % 8) / 4, m = (int)(b % 4);
+                for (int l = 0; l < 32; l++) {
+                    const int lo = q.ql[64 * h + 32 * (m & 1) + l], top = q.qh[32 * h + l];
+                    v[l] = (int8_t)((((m < 2 ? lo : lo >> 4) & 15) | (((top >> (2 * m)) & 3) << 4)) - 32);
+                }
+                d = mm_h2f(q.d) * q.scales[8 * h + 2 * m];
+                d2 = mm_h2f(q.d) * q.scales[8 * h + 2 * m + 1];
+            }
+            for (int g = 0; g < 8; g++) memcpy(pb + g * 64 + r * 4, v + 4 * g, 4);
+            int32_t lo = 0, hi = 0;
+            for (int k = 0; k < 16; k++) lo += v[k], hi += v[k + 16];
+            put(pb + 512, (int)r, d);
+            if (kind == MM_Q8G_HALVES) {
+                put(pb + 576, (int)r, d2);
+                put_i(pb + 640, (int)r, -128 * lo);
+                put_i(pb + 704, (int)r, -128 * hi);
+            } else {
+                put_i(pb + 576, (int)r, -128 * (lo + hi));
+                if (kind == MM_Q8G_MINS) put(pb + 640, (int)r, mn);
+            }
+        }
+    }
+}
+
+// NT activation rows (u8 codes xu, K apart; per block of 32 their scales xd and d_x sum(codes) xm,
+// K/32 apart) times a panel: out[t][r]
+template <int NT, int KIND>
+static void mm_q8g_kernel(const uint8_t *pan, int64_t K, const uint8_t *xu, const float *xd, const float *xm, float out[][MM_Q8G_ROWS]) {
+    const int64_t nb = K / 32;
+    const size_t bb = mm_q8g_block_bytes(KIND);
+    __m512 acc[NT];
+    for (int t = 0; t < NT; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *pb = pan + (size_t)b * bb;
+        __m512i wg[8];
+        for (int g = 0; g < 8; g++) wg[g] = _mm512_load_si512((const void *)(pb + 64 * g));
+        const __m512 ws = _mm512_load_ps((const float *)(pb + 512));
+        if (KIND == MM_Q8G_HALVES) {
+            const __m512 ws2 = _mm512_load_ps((const float *)(pb + 576));
+            const __m512i o1 = _mm512_load_si512((const void *)(pb + 640)), o2 = _mm512_load_si512((const void *)(pb + 704));
+            for (int t = 0; t < NT; t++) {
+                const uint8_t *x = xu + t * K + 32 * b;
+                __m512i s1 = o1, s2 = o2;
+                for (int g = 0; g < 4; g++) {
+                    int32_t x1, x2;
+                    memcpy(&x1, x + 4 * g, 4);
+                    memcpy(&x2, x + 16 + 4 * g, 4);
+                    s1 = _mm512_dpbusd_epi32(s1, _mm512_set1_epi32(x1), wg[g]);
+                    s2 = _mm512_dpbusd_epi32(s2, _mm512_set1_epi32(x2), wg[g + 4]);
+                }
+                const __m512 dx = _mm512_set1_ps(xd[t * nb + b]);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(ws, dx), acc[t]);
+                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s2), _mm512_mul_ps(ws2, dx), acc[t]);
+            }
+            continue;
+        }
+        const __m512i noff = _mm512_load_si512((const void *)(pb + 576));
+        for (int t = 0; t < NT; t++) {
+            const uint8_t *x = xu + t * K + 32 * b;
+            __m512i s = noff;  // -128 sum w: the activations' offset taken out up front
+            for (int g = 0; g < 8; g++) {
+                int32_t x4;
+                memcpy(&x4, x + 4 * g, 4);
+                s = _mm512_dpbusd_epi32(s, _mm512_set1_epi32(x4), wg[g]);
+            }
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(ws, _mm512_set1_ps(xd[t * nb + b])), acc[t]);
+            if (KIND == MM_Q8G_MINS)
+                acc[t] = _mm512_fnmadd_ps(_mm512_load_ps((const float *)(pb + 640)), _mm512_set1_ps(xm[t * nb + b]), acc[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) _mm512_storeu_ps(out[t], acc[t]);
+}
+
+template <int KIND>
+static void mm_q8g_rows(const uint8_t *pan, int64_t K, int64_t nt, const uint8_t *xu, const float *xd, const float *xm,
+                        float out[][MM_Q8G_ROWS]) {
+    const int64_t nb = K / 32;
+    if (nt == MM_Q8G_TOK) return mm_q8g_kernel<MM_Q8G_TOK, KIND>(pan, K, xu, xd, xm, out);
+    for (int64_t t = 0; t < nt; t++) mm_q8g_kernel<1, KIND>(pan, K, xu + t * K, xd + t * nb, xm + t * nb, out + t);
+}
+#endif
+
+// columns [jb, je) of c for all N rows of x (jb a multiple of 16)
+static void mm_q8g(const mm_operand &w, const mm_operand &x, float *c, const float *ci, int64_t ldc, int64_t K, int64_t N,
+                   int64_t jb, int64_t je, uint8_t *work) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+    const int64_t nb = K / 32;
+    const int kind = mm_q8g_kind_of(w.type);
+    uint8_t *p = (uint8_t *)(((uintptr_t)work + 63) / 64 * 64);
+    uint8_t *xu = p;
+    float *xd = (float *)(p + mm_q8_round((size_t)(N * K)));
+    float *xm = (float *)((uint8_t *)xd + mm_q8_round((size_t)(N * nb) * 4));
+    uint8_t *pan = (uint8_t *)xm + mm_q8_round((size_t)(N * nb) * 4);
+    for (int64_t i = 0; i < N; i++) {  // decode's codes, stored + 128 (the sign bit flipped)
+        int8_t *q = (int8_t *)xu + i * K;
+        mm_q8_quantize_row((const float *)(x.p + i * x.smn), K, 32, q, xd + i * nb, nullptr);
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t sum = 0;
+            for (int k = 0; k < 32; k++) sum += q[32 * b + k];
+            xm[i * nb + b] = (float)sum * xd[i * nb + b];
+        }
+        for (int64_t k = 0; k < K; k += 64)
+            _mm512_storeu_si512((void *)(q + k), _mm512_xor_si512(_mm512_loadu_si512((const void *)(q + k)), _mm512_set1_epi8((char)0x80)));
+    }
+    alignas(64) float out[MM_Q8G_TOK][MM_Q8G_ROWS];
+    for (int64_t j0 = jb; j0 < je; j0 += MM_Q8G_ROWS) {
+        const int64_t nr = std::min<int64_t>(MM_Q8G_ROWS, je - j0);
+        mm_q8g_pack(w, K, j0, nr, pan);
+        for (int64_t i0 = 0; i0 < N; i0 += MM_Q8G_TOK) {
+            const int64_t nt = std::min<int64_t>(MM_Q8G_TOK, N - i0);
+            if (kind == MM_Q8G_PLAIN) mm_q8g_rows<MM_Q8G_PLAIN>(pan, K, nt, xu + i0 * K, xd + i0 * nb, xm + i0 * nb, out);
+            else if (kind == MM_Q8G_MINS) mm_q8g_rows<MM_Q8G_MINS>(pan, K, nt, xu + i0 * K, xd + i0 * nb, xm + i0 * nb, out);
+            else mm_q8g_rows<MM_Q8G_HALVES>(pan, K, nt, xu + i0 * K, xd + i0 * nb, xm + i0 * nb, out);
+            for (int64_t t = 0; t < nt; t++)
+                for (int64_t r = 0; r < nr; r++) {
+                    const int64_t o = (i0 + t) * ldc + j0 + r;
+                    c[o] = ci ? ci[o] + out[t][r] : out[t][r];
+                }
+        }
+    }
+#else
+    (void)w, (void)x, (void)c, (void)ci, (void)ldc, (void)K, (void)N, (void)jb, (void)je, (void)work;
+    QL_ASSERT(!"mm_q8g without AVX-512 VNNI");
+#endif
+}
+
 // One multiply, split into tasks over (batch, column chunk, row chunk); thread ith takes
 // tasks ith, ith + nth, ...
 struct mm_problem {
@@ -6190,7 +6407,8 @@ static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
     if (P.q8) {  // one batch, columns in chunks of 16 (whole cache lines of C for one row)
         const int64_t units = (P.M + 15) / 16;
         const int64_t jb = std::min(P.M, units * ith / nth * 16), je = std::min(P.M, units * (ith + 1) / nth * 16);
-        if (jb < je) mm_q8(P.w, P.x, P.c, P.ci, P.ldc, P.K, P.N, jb, je, (uint8_t *)work);
+        if (jb < je && P.N > MM_Q8_MAX_N) mm_q8g(P.w, P.x, P.c, P.ci, P.ldc, P.K, P.N, jb, je, (uint8_t *)work);
+        else if (jb < je) mm_q8(P.w, P.x, P.c, P.ci, P.ldc, P.K, P.N, jb, je, (uint8_t *)work);
         return;
     }
     const mm_split sp = mm_split_of(P, nth);
@@ -6297,7 +6515,7 @@ static mm_problem mm_problem_of(const ql_tensor *dst) {
     const bool nf4_whole = (a->type != QL_TYPE_NF4 && a->type != QL_TYPE_NF4_NODQ) ||
                            (P.K % QL_NF4_BLOCK == 0 && first * 2 % QL_NF4_BLOCK == 0 && P.w.smn * 2 % QL_NF4_BLOCK == 0);
     P.q8 = get_param<int32_t>(dst, 0) == QL_TYPE_Q8_0 && qb > 0 && !trows && mm_k_contig(P.w) && b->type == QL_TYPE_F32 &&
-           mm_k_contig(P.x) && P.n_batch == 1 && P.N <= MM_Q8_MAX_N && P.K > 0 && P.K % qb == 0 && nf4_whole && !c16;
+           mm_k_contig(P.x) && P.n_batch == 1 && (P.N <= MM_Q8_MAX_N || mm_q8g_type(a->type)) && P.K > 0 && P.K % qb == 0 && nf4_whole && !c16;
     return P;
 }
 
@@ -6363,7 +6581,7 @@ static size_t cpu_work_per_thread(const ql_tensor *node, int nth) {
     case QL_OP_FLASH_ATTN: case QL_OP_FLASH_ATTN_BACK: return fa_work(node);
     case QL_OP_MUL_MAT: {
         const mm_problem P = mm_problem_of(node);
-        if (P.q8) return mm_q8_work(P.N, P.K, mm_q8_block(P.w.type));
+        if (P.q8) return P.N > MM_Q8_MAX_N ? mm_q8g_work(P.N, P.K, P.w.type) : mm_q8_work(P.N, P.K, mm_q8_block(P.w.type));
         return (mm_layout_of(P.M, P.N, P.K).total + (P.ct == QL_TYPE_F32 ? 0 : mm_stage_floats(P, nth))) * sizeof(float);
     }
     case QL_OP_MUL_MAT_ROWS: {

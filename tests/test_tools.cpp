@@ -350,6 +350,32 @@ TEST_CASE("perplexity: --json numbers equal an independent computation; every to
     }
 }
 
+// a trained model (random weights of a large std are chaotic: the two paths differed by 3% on one)
+TEST_CASE("perplexity: 8-bit activations by default on a quantised model, --exact the exact path; close on a trained model" *
+          needs_fixture("stories260K/stories260K.bin") * needs_tools("convert quantize perplexity")) {
+    tmpdir d;
+    fixture("stories260K/stories260K.bin");
+    const std::string fx = fixtures_dir(), f32 = d.path + "/s.gguf", q = d.path + "/q.gguf", text = d.path + "/t.txt";
+    std::string log;
+    REQUIRE_MESSAGE(run("./convert llama2c " + fx + "/stories260K/stories260K.bin " + fx + "/stories260K/tok512.bin -o " + f32, &log) == 0, log);
+    REQUIRE_MESSAGE(run("./quantize " + f32 + " " + q + " q8_0 2>&1", &log) == 0, log);
+    FILE *f = fopen(text.c_str(), "wb");
+    REQUIRE(f);
+    const std::string body = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park. One day, she saw "
+                             "a big, red ball. She wanted to play with it, but it was too high. Lily's mom said, \"Lily, let's go to the "
+                             "park.\" Lily was sad, but she was happy. She went to the park and played with her friends.";
+    fwrite(body.data(), 1, body.size(), f);
+    fclose(f);
+    double nll[2] = {0, 0}, ppl = 0;
+    long long n = 0;
+    for (int exact = 0; exact < 2; exact++) {  // -c 32: windows of 32 tokens, each multiply a prompt's (the int8 GEMM above 8 rows)
+        REQUIRE_MESSAGE(run("./perplexity -m " + q + " -f " + text + " -c 32 --json" + (exact ? " --exact" : ""), &log) == 0, log);
+        REQUIRE(sscanf(log.c_str(), "{\"nll\": %lf, \"ppl\": %lf, \"tokens\": %lld}", &nll[exact], &ppl, &n) == 3);
+    }
+    CHECK(nll[0] != nll[1]);  // the 8-bit path ran (measured: 1.17744 against 1.17803 exact)
+    CHECK(std::fabs(nll[0] - nll[1]) < 0.005 * nll[1]);
+}
+
 TEST_CASE("make-model, convert, generate, perplexity: bad input, one clear line each" * needs_tools("make-model convert generate perplexity")) {
     tmpdir d;
     const std::string gguf = d.path + "/m.gguf", junk = d.path + "/junk.bin", text = d.path + "/t.txt";

@@ -1,13 +1,15 @@
 // tools/perplexity - how well a model predicts a text.
 //
 //   ./perplexity -m model.gguf -f text.txt [-c 512] [--lora adapter.gguf [--lora-scale 1]]
-//                [--json] [-t threads] [--device cpu|cuda|cuda:N|auto]
+//                [--json] [-t threads] [--device cpu|cuda|cuda:N|auto] [--exact]
 //
 // The text is tokenized once, without BOS, and cut into consecutive chunks of c-1 tokens; each
 // window is BOS followed by one chunk, and every chunk token is predicted by the position
 // before it - so "tokens" equals the text's token count. Prints the mean negative
 // log-likelihood and its exponential; --json prints {"nll": ..., "ppl": ..., "tokens": ...}, the
-// numbers with 9 significant digits (enough to tell two runs apart).
+// numbers with 9 significant digits (enough to tell two runs apart). The quantised weights'
+// multiplies take 8-bit activations, as generate's do (the bound is in README's generate section;
+// llama.cpp's perplexity works alike); --exact keeps them f32, the exact dequantised path.
 #include "../models/adapter.h"
 #include "../models/llama.h"
 #include "../models/tokenizer.h"
@@ -27,7 +29,8 @@
 
 static int usage(const char *argv0) {
     fprintf(stderr, "usage: %s -m model.gguf -f text.txt [-c 512] [--lora adapter.gguf|peft-dir] [--lora-scale S] [--json] [-t THREADS]\n"
-                    "       [--device cpu|cuda|cuda:N|auto]   (auto: cuda when built with it and a GPU is present)\n",
+                    "       [--device cpu|cuda|cuda:N|auto]   (auto: cuda when built with it and a GPU is present)\n"
+                    "       [--exact]   (f32 activations in the quantised weights' multiplies, not 8-bit)\n",
             argv0);
     return 2;
 }
@@ -76,6 +79,7 @@ struct ppl_args {
     int c = 512, threads = 0;
     double lora_scale = 1;
     bool json = false;
+    bool exact = false;  // --exact: no 8-bit activations (ql_llama::q8_activations)
 };
 
 // The flags into a: -1 to go on, else the exit code (0 for --help) after the usage or the message.
@@ -99,6 +103,7 @@ static int parse_args(int argc, char **argv, ppl_args *o) {
             o->lora = argv[++i];
         } else if (a == "--device" && has) o->device = argv[++i];
         else if (a == "--json") o->json = true;
+        else if (a == "--exact") o->exact = true;
         else if ((a == "-c" || a == "-t" || a == "--lora-scale") && has) {
             char *end = nullptr;
             const double v = strtod(argv[++i], &end);
@@ -265,6 +270,7 @@ int main(int argc, char **argv) {
     const int64_t n_tok = (int64_t)toks.size(), n_full = n_tok / chunk, tail = n_tok % chunk;
     if (const int rc = place_model(o, &s)) return rc;
     ql_backend *be = s.be.get();
+    s.f->model.q8_activations = !o.exact;  // (before the graphs are built: their multiplies carry it)
     window_graph full, last;  // both planned and allocated before the first window runs
     std::string why;
     if ((n_full > 0 && !full.build(m, o.c, be, &why)) || (tail > 0 && !last.build(m, (int)tail + 1, be, &why))) {
