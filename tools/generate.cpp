@@ -337,7 +337,7 @@ static int generate_tokens(const gen_args &a, gen_state &s, std::vector<float> &
 
 // --profile: where a decoded token's time went, by op (the token graph run node by node, so the
 // sum is above the graph's time without the waits); runs: the token graph's evaluations
-static void print_profile(const ql_graph *g, int runs, double wall) {
+static void print_profile(const ql_graph *g, int runs, double wall, const char *what = "a decoded token") {
     std::map<std::string, double> by_op;
     double total = 0;
     for (int i = 0; i < ql_graph_n_nodes(g); i++) {
@@ -351,8 +351,8 @@ static void print_profile(const ql_graph *g, int runs, double wall) {
     std::vector<std::pair<double, std::string>> v;
     for (const auto &kv : by_op) v.push_back({kv.second, kv.first});
     std::sort(v.rbegin(), v.rend());
-    fprintf(stderr, "generate: profile of a decoded token (%d nodes): %.3f ms in the nodes, %.3f ms a token in all\n",
-            ql_graph_n_nodes(g), total / runs * 1e3, wall / runs * 1e3);
+    fprintf(stderr, "generate: profile of %s (%d nodes): %.3f ms in the nodes, %.3f ms in all\n", what, ql_graph_n_nodes(g),
+            total / runs * 1e3, wall / runs * 1e3);
     for (const auto &x : v) fprintf(stderr, "  %-22s %6.1f%%  %8.3f ms\n", x.second.c_str(), 100 * x.first / total, x.first / runs * 1e3);
 }
 
@@ -377,6 +377,7 @@ int main(int argc, char **argv) {
     if (const int rc = plan_graphs(a, &s)) return rc;
     std::vector<float> logits((size_t)s.f->model.hp.n_vocab);
 
+    if (a.profile) ql_graph_set_profile(s.gp.get(), true);
     const auto t0 = std::chrono::steady_clock::now();
     if (const int rc = run_prompt(s, &logits)) return rc;
     printf("%s", a.prompt.c_str());
@@ -394,6 +395,7 @@ int main(int argc, char **argv) {
             r.n_done > 0 || !a.prompt.empty() ? "\n" : "", s.n_prompt, tp, s.n_prompt / std::max(tp, 1e-9), r.n_done, tg,
             r.n_done / std::max(tg, 1e-9));
     report_stop(a, s, r);
+    if (a.profile) print_profile(s.gp.get(), 1, tp, "the prompt");
     if (a.profile) print_profile(s.go.get(), r.n_done - 1, tg);  // (the last token is sampled, not run)
     return 0;
 }
