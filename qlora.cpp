@@ -4760,18 +4760,49 @@ struct fa_x16 {  // fa_work's 16-bit part
 // rows a tile (FA_G - 1 of them copies for one query) and transposes every key tile for every head:
 // with 534 cached keys a 110M model's decoded token spent 14 of its 26 ms in it. Not the tiled
 // path's bits (its softmax runs tile by tile): equal to rounding.
+// a row of ND vectors dotted with another, one chain (keys in flight overlap); 0 < ND
+template <int ND> static inline float fa_dec_dot(const float *q, const float *k) {
+    vf a = vf_mul(vf_load(q), vf_load(k));
+    for (int c = 1; c < ND; c++) a = vf_fma(vf_load(q + c * VW), vf_load(k + c * VW), a);
+    return vf_hsum(a);
+}
+// o = sum_j p[j] v_j over the cached value rows, the NV vectors of o held in registers
+template <int NV> static inline void fa_dec_pv(int64_t jl, const float *p, const ql_tensor *v, int64_t hk, int64_t b, float *o) {
+    vf acc[NV];
+    for (int c = 0; c < NV; c++) acc[c] = vf_zero();
+    for (int64_t j = 0; j < jl; j++) {
+        const vf pj = vf_set1(p[j]);
+        const float *vr = fa_row(v, j, hk, b);
+        for (int c = 0; c < NV; c++) acc[c] = vf_fma(pj, vf_load(vr + c * VW), acc[c]);
+    }
+    for (int c = 0; c < NV; c++) vf_store(o + c * VW, acc[c]);
+}
 static void fa_decode_run(const cpu_params &p, ql_tensor *dst, int64_t Tk) {
     const ql_tensor *q = dst->src[0], *k = dst->src[1], *v = dst->src[2];
     const float scale = get_param<float>(dst, 0);
     const int64_t D = q->ne[0], Tq = q->ne[1], H = q->ne[2], B = q->ne[3], DV = v->ne[0], off = Tk - Tq, rep = H / k->ne[2];
     float *s = (float *)p.wdata, *o = s + k->ne[1], *lse = (float *)ql_aux_data(dst);
+    const int64_t nd = D % VW ? 0 : D / VW, nv = DV % VW ? 0 : DV / VW;
     for (int64_t it = p.ith; it < B * H * Tq; it += p.nth) {
         const int64_t i = it % Tq, h = (it / Tq) % H, b = it / (Tq * H), hk = h / rep, jl = std::min(Tk, i + off + 1);
         const float *qr = fa_row(q, i, h, b);
-        for (int64_t j = 0; j < jl; j++) s[j] = row_dot(D, qr, fa_row(k, j, hk, b)) * scale;  // causal: j <= i + off
+        switch (nd) {  // causal: j <= i + off
+#define QL_FA_DOTS(N) case N: for (int64_t j = 0; j < jl; j++) s[j] = fa_dec_dot<N>(qr, fa_row(k, j, hk, b)) * scale; break;
+        QL_FA_DOTS(1) QL_FA_DOTS(2) QL_FA_DOTS(4) QL_FA_DOTS(8) QL_FA_DOTS(16)
+#undef QL_FA_DOTS
+        default:
+            for (int64_t j = 0; j < jl; j++) s[j] = row_dot(D, qr, fa_row(k, j, hk, b)) * scale;
+        }
         const float mx = row_max(jl, s), l = row_exp_sum(jl, s, mx, s);
-        std::fill(o, o + DV, 0.0f);
-        for (int64_t j = 0; j < jl; j++) row_axpy(DV, s[j], fa_row(v, j, hk, b), o);
+        switch (nv) {
+        case 1: fa_dec_pv<1>(jl, s, v, hk, b, o); break;
+        case 2: fa_dec_pv<2>(jl, s, v, hk, b, o); break;
+        case 4: fa_dec_pv<4>(jl, s, v, hk, b, o); break;
+        case 8: fa_dec_pv<8>(jl, s, v, hk, b, o); break;
+        default:
+            std::fill(o, o + DV, 0.0f);
+            for (int64_t j = 0; j < jl; j++) row_axpy(DV, s[j], fa_row(v, j, hk, b), o);
+        }
         const int64_t at = ((b * Tq + i) * H + h) * DV;
         if (dst->type == QL_TYPE_F32) {
             row_scale(DV, 1.0f / l, o, (float *)dst->data + at);
