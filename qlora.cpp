@@ -2182,11 +2182,13 @@ ql_tensor *ql_swiglu(ql_context *ctx, ql_tensor *a, ql_tensor *b) {
     return new_op_like(ctx, QL_OP_SWIGLU, a->type, a, {a, b});
 }
 
-ql_tensor *ql_flash_attn(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tensor *v, ql_tensor *seg, float scale) {
+// kv16: f32 q over an f16 cache's k and v (ql_flash_attn_kv; inference: no backward case reads it)
+static ql_tensor *flash_attn_new(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tensor *v, ql_tensor *seg, float scale, bool kv16) {
     if (!srcs_ok(ctx, "flash_attn", {q, k, v})) return nullptr;
     const std::string qs = shape_str(q), ks = shape_str(k), vs = shape_str(v);
-    QL_CHECK(ctx, (q->type == QL_TYPE_F32 || q->type == QL_TYPE_BF16 || q->type == QL_TYPE_F16) && k->type == q->type &&
-                      v->type == q->type,
+    const ql_type kt = kv16 ? QL_TYPE_F16 : q->type;
+    QL_CHECK(ctx, (q->type == QL_TYPE_F32 || q->type == QL_TYPE_BF16 || q->type == QL_TYPE_F16) && k->type == kt &&
+                      v->type == kt,
              QL_ERR_TYPE, "flash_attn: q %s, k %s, v %s must be of one type: f32, bf16 or f16", qs.c_str(), ks.c_str(),
              vs.c_str());
     QL_CHECK(ctx, ql_rows_contiguous(q) && ql_rows_contiguous(k) && ql_rows_contiguous(v), QL_ERR_SHAPE,
@@ -2211,15 +2213,19 @@ ql_tensor *ql_flash_attn(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tensor 
     t->aux_size = (size_t)(q->ne[1] * q->ne[2] * q->ne[3]) * sizeof(float);  // logsumexp [Tq, H, B]
     return t;
 }
+ql_tensor *ql_flash_attn(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tensor *v, ql_tensor *seg, float scale) {
+    return flash_attn_new(ctx, q, k, v, seg, scale, false);
+}
 
 ql_tensor *ql_flash_attn_kv(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tensor *v, ql_tensor *n_kv, float scale) {
     if (!srcs_ok(ctx, "flash_attn", {q, k, v, n_kv})) return nullptr;
     QL_CHECK(ctx, n_kv->type == QL_TYPE_I32 && ql_nelements(n_kv) == 1, QL_ERR_TYPE,
              "flash_attn: n_kv %s must be a single i32", shape_str(n_kv).c_str());
-    QL_CHECK(ctx, q->type == QL_TYPE_F32 && k->type == QL_TYPE_F32 && v->type == QL_TYPE_F32, QL_ERR_TYPE,
-             "flash_attn: over a KV cache q %s, k %s, v %s must be f32", shape_str(q).c_str(), shape_str(k).c_str(),
-             shape_str(v).c_str());
-    ql_tensor *t = ql_flash_attn(ctx, q, k, v, nullptr, scale);
+    QL_CHECK(ctx, q->type == QL_TYPE_F32 && (k->type == QL_TYPE_F32 || k->type == QL_TYPE_F16) && v->type == k->type, QL_ERR_TYPE,
+             "flash_attn: over a KV cache q %s must be f32, k %s and v %s both f32 or both f16", shape_str(q).c_str(),
+             shape_str(k).c_str(), shape_str(v).c_str());
+    // (an f16 cache: the kernels widen each key and value row as they read it)
+    ql_tensor *t = flash_attn_new(ctx, q, k, v, nullptr, scale, k->type == QL_TYPE_F16);
     if (t) t->src[4] = n_kv;
     return t;
 }
@@ -2233,9 +2239,9 @@ ql_status ql_flash_attn_set_prec(ql_tensor *attn, ql_type prec) {
 
 ql_tensor *ql_cache_store(ql_context *ctx, ql_tensor *cache, ql_tensor *src, ql_tensor *pos) {
     if (!srcs_ok(ctx, "cache_store", {cache, src, pos})) return nullptr;
-    QL_CHECK(ctx, cache->type == QL_TYPE_F32 && src->type == QL_TYPE_F32 && ql_is_contiguous(cache) &&
+    QL_CHECK(ctx, (cache->type == QL_TYPE_F32 || cache->type == QL_TYPE_F16) && src->type == QL_TYPE_F32 && ql_is_contiguous(cache) &&
                       ql_rows_contiguous(src),
-             QL_ERR_TYPE, "cache_store: cache %s (contiguous f32) and src %s (f32, dense rows)", shape_str(cache).c_str(),
+             QL_ERR_TYPE, "cache_store: cache %s (contiguous f32 or f16) and src %s (f32, dense rows)", shape_str(cache).c_str(),
              shape_str(src).c_str());
     QL_CHECK(ctx, src->ne[0] == cache->ne[0] && src->ne[2] == cache->ne[2] && src->ne[3] == cache->ne[3] &&
                       src->ne[1] <= cache->ne[1],
@@ -3686,6 +3692,19 @@ static inline vf vf_scale2(vf p, vf n) {
 }
 #endif
 
+// VW f16 values widened (an f16 KV cache's rows)
+static inline vf vf_load_h(const uint16_t *p) {
+#if defined(__AVX512F__)
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    float t[VW];
+    for (int i = 0; i < VW; i++) t[i] = ql_fp16_to_fp32(p[i]);
+    return vf_load(t);
+#endif
+}
+
 // exp(x) = 2^n p(r), n = round(x / ln 2), r = x - n ln 2 (ln 2 in two parts), p a degree-6
 // Taylor polynomial: |rel err| ~ 2 ulp. Inputs are clamped to [-120, 88]; 2^-173 p rounds
 // to exactly 0, so exp(-inf) = 0 (masked scores contribute nothing).
@@ -4153,7 +4172,9 @@ static void k_cache_store(const cpu_params &p, ql_tensor *dst) {  // dst aliases
     split_range(ql_nrows(src), p.ith, p.nth, b, e);
     for (int64_t r = b; r < e; r++) {
         const int64_t i1 = r % src->ne[1], i2 = (r / src->ne[1]) % src->ne[2], i3 = r / (src->ne[1] * src->ne[2]);
-        memcpy((uint8_t *)dst->data + (at + i1) * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3], row_ptr(src, r), row);
+        uint8_t *to = (uint8_t *)dst->data + (at + i1) * dst->nb[1] + i2 * dst->nb[2] + i3 * dst->nb[3];
+        if (dst->type == src->type) memcpy(to, row_ptr(src, r), row);
+        else traits(dst->type).from_float((const float *)row_ptr(src, r), to, src->ne[0]);  // an f16 cache
     }
 }
 
@@ -4716,10 +4737,10 @@ static constexpr int FA_DEC_MAXQ = 4;
 static bool fa_decode(const ql_tensor *node) {
     const ql_tensor *q = node->src[0], *k = node->src[1], *v = node->src[2];
     return node->op == QL_OP_FLASH_ATTN && node->src[4] && !node->src[3] && q->ne[1] <= FA_DEC_MAXQ && q->type == QL_TYPE_F32 &&
-           k->type == QL_TYPE_F32 && v->type == QL_TYPE_F32 && !fa_bf16(node);
+           (k->type == QL_TYPE_F32 || k->type == QL_TYPE_F16) && v->type == k->type && !fa_bf16(node);
 }
-static size_t fa_decode_work(const ql_tensor *node) {  // scores over the whole cache, one output row
-    return (size_t)(node->src[1]->ne[1] + node->src[2]->ne[0]) * sizeof(float);
+static size_t fa_decode_work(const ql_tensor *node) {  // scores over the whole cache, one output row, an f16 cache's rows widened
+    return (size_t)(node->src[1]->ne[1] + 2 * node->src[2]->ne[0] + node->src[0]->ne[0] + 2 * 16) * sizeof(float);
 }
 static size_t fa_work_f32(const ql_tensor *node) {  // f32 q, k, v: the kernels' layouts
     const ql_tensor *q = node->src[0], *v = node->src[2];
@@ -4743,7 +4764,8 @@ static size_t fa_work(const ql_tensor *node) {
     if (fa_decode(node)) return std::max(fa_work_f32(node), fa_decode_work(node));
     const ql_tensor *q = node->src[0], *v = node->src[2];
     const size_t D = (size_t)q->ne[0], DV = (size_t)v->ne[0];
-    return fa_work_f32(node) + (q->type == QL_TYPE_F32 ? 0 : (FA_BQ * D + FA_BK * (D + DV) + DV) * sizeof(float));
+    const bool x16 = q->type != QL_TYPE_F32 || node->src[1]->type != QL_TYPE_F32 || v->type != QL_TYPE_F32;  // (an f16 cache)
+    return fa_work_f32(node) + (x16 ? (FA_BQ * D + FA_BK * (D + DV) + DV) * sizeof(float) : 0);
 }
 struct fa_x16 {  // fa_work's 16-bit part
     float *q, *k, *v, *o;
@@ -4760,20 +4782,31 @@ struct fa_x16 {  // fa_work's 16-bit part
 // rows a tile (FA_G - 1 of them copies for one query) and transposes every key tile for every head:
 // with 534 cached keys a 110M model's decoded token spent 14 of its 26 ms in it. Not the tiled
 // path's bits (its softmax runs tile by tile): equal to rounding.
-// a row of ND vectors dotted with another, one chain (keys in flight overlap); 0 < ND
-template <int ND> static inline float fa_dec_dot(const float *q, const float *k) {
-    vf a = vf_mul(vf_load(q), vf_load(k));
-    for (int c = 1; c < ND; c++) a = vf_fma(vf_load(q + c * VW), vf_load(k + c * VW), a);
+// a cached row's vector c: f32, or (an f16 cache) widened as loaded
+template <bool H> static inline vf fa_dec_ld(const float *r, int c) {
+    return H ? vf_load_h((const uint16_t *)r + c * VW) : vf_load(r + c * VW);
+}
+// a row of ND vectors dotted with a cached one, one chain (keys in flight overlap); 0 < ND
+template <int ND, bool H> static inline float fa_dec_dot(const float *q, const float *k) {
+    vf a = vf_mul(vf_load(q), fa_dec_ld<H>(k, 0));
+    for (int c = 1; c < ND; c++) a = vf_fma(vf_load(q + c * VW), fa_dec_ld<H>(k, c), a);
     return vf_hsum(a);
 }
 // o = sum_j p[j] v_j over the cached value rows, the NV vectors of o held in registers
-template <int NV> static inline void fa_dec_pv(int64_t jl, const float *p, const ql_tensor *v, int64_t hk, int64_t b, float *o) {
+// a cached row as f32: itself, or (an f16 cache) widened into buf
+static inline const float *fa_dec_row(const ql_tensor *t, int64_t j, int64_t hk, int64_t b, float *buf) {
+    const float *r = fa_row(t, j, hk, b);
+    if (t->type == QL_TYPE_F32) return r;
+    traits(t->type).to_float((const uint8_t *)r, buf, t->ne[0]);
+    return buf;
+}
+template <int NV, bool H> static inline void fa_dec_pv(int64_t jl, const float *p, const ql_tensor *v, int64_t hk, int64_t b, float *o) {
     vf acc[NV];
     for (int c = 0; c < NV; c++) acc[c] = vf_zero();
     for (int64_t j = 0; j < jl; j++) {
         const vf pj = vf_set1(p[j]);
         const float *vr = fa_row(v, j, hk, b);
-        for (int c = 0; c < NV; c++) acc[c] = vf_fma(pj, vf_load(vr + c * VW), acc[c]);
+        for (int c = 0; c < NV; c++) acc[c] = vf_fma(pj, fa_dec_ld<H>(vr, c), acc[c]);
     }
     for (int c = 0; c < NV; c++) vf_store(o + c * VW, acc[c]);
 }
@@ -4782,26 +4815,27 @@ static void fa_decode_run(const cpu_params &p, ql_tensor *dst, int64_t Tk) {
     const float scale = get_param<float>(dst, 0);
     const int64_t D = q->ne[0], Tq = q->ne[1], H = q->ne[2], B = q->ne[3], DV = v->ne[0], off = Tk - Tq, rep = H / k->ne[2];
     float *s = (float *)p.wdata, *o = s + k->ne[1], *lse = (float *)ql_aux_data(dst);
-    const int64_t nd = D % VW ? 0 : D / VW, nv = DV % VW ? 0 : DV / VW;
+    float *kb = (float *)(((uintptr_t)(o + DV) + 63) / 64 * 64), *vb = kb + D;  // (an f16 cache: a row widened)
+    const int64_t nd = D % VW ? 0 : D / VW, nv = DV % VW ? 0 : DV / VW, h16 = k->type == QL_TYPE_F16;
     for (int64_t it = p.ith; it < B * H * Tq; it += p.nth) {
         const int64_t i = it % Tq, h = (it / Tq) % H, b = it / (Tq * H), hk = h / rep, jl = std::min(Tk, i + off + 1);
         const float *qr = fa_row(q, i, h, b);
-        switch (nd) {  // causal: j <= i + off
-#define QL_FA_DOTS(N) case N: for (int64_t j = 0; j < jl; j++) s[j] = fa_dec_dot<N>(qr, fa_row(k, j, hk, b)) * scale; break;
-        QL_FA_DOTS(1) QL_FA_DOTS(2) QL_FA_DOTS(4) QL_FA_DOTS(8) QL_FA_DOTS(16)
+        switch (nd * 2 + h16) {  // causal: j <= i + off
+#define QL_FA_DOTS(N, H) case N * 2 + H: for (int64_t j = 0; j < jl; j++) s[j] = fa_dec_dot<N, H>(qr, fa_row(k, j, hk, b)) * scale; break;
+        QL_FA_DOTS(1, 0) QL_FA_DOTS(2, 0) QL_FA_DOTS(4, 0) QL_FA_DOTS(8, 0) QL_FA_DOTS(16, 0)
+        QL_FA_DOTS(1, 1) QL_FA_DOTS(2, 1) QL_FA_DOTS(4, 1) QL_FA_DOTS(8, 1) QL_FA_DOTS(16, 1)
 #undef QL_FA_DOTS
         default:
-            for (int64_t j = 0; j < jl; j++) s[j] = row_dot(D, qr, fa_row(k, j, hk, b)) * scale;
+            for (int64_t j = 0; j < jl; j++) s[j] = row_dot(D, qr, fa_dec_row(k, j, hk, b, kb)) * scale;
         }
         const float mx = row_max(jl, s), l = row_exp_sum(jl, s, mx, s);
-        switch (nv) {
-        case 1: fa_dec_pv<1>(jl, s, v, hk, b, o); break;
-        case 2: fa_dec_pv<2>(jl, s, v, hk, b, o); break;
-        case 4: fa_dec_pv<4>(jl, s, v, hk, b, o); break;
-        case 8: fa_dec_pv<8>(jl, s, v, hk, b, o); break;
+        switch (nv * 2 + h16) {
+#define QL_FA_PV(N, H) case N * 2 + H: fa_dec_pv<N, H>(jl, s, v, hk, b, o); break;
+        QL_FA_PV(1, 0) QL_FA_PV(2, 0) QL_FA_PV(4, 0) QL_FA_PV(8, 0) QL_FA_PV(1, 1) QL_FA_PV(2, 1) QL_FA_PV(4, 1) QL_FA_PV(8, 1)
+#undef QL_FA_PV
         default:
             std::fill(o, o + DV, 0.0f);
-            for (int64_t j = 0; j < jl; j++) row_axpy(DV, s[j], fa_row(v, j, hk, b), o);
+            for (int64_t j = 0; j < jl; j++) row_axpy(DV, s[j], fa_dec_row(v, j, hk, b, vb), o);
         }
         const int64_t at = ((b * Tq + i) * H + h) * DV;
         if (dst->type == QL_TYPE_F32) {

@@ -357,18 +357,22 @@ std::vector<ql_tensor *> ql_llama_lora_params(const ql_llama &m) {
 
 // ---- generation with a KV cache ----
 
-ql_status ql_llama_cache_create(ql_context *ctx, const ql_llama *m, int n_ctx, ql_llama_cache *cache) {
+ql_status ql_llama_cache_create(ql_context *ctx, const ql_llama *m, int n_ctx, ql_llama_cache *cache, ql_type type) {
     if (n_ctx <= 0) {
         ql_ctx_set_error(ctx, QL_ERR_INVALID, "llama: cache length %d must be positive", n_ctx);
         return QL_ERR_INVALID;
+    }
+    if (type != QL_TYPE_F32 && type != QL_TYPE_F16) {
+        ql_ctx_set_error(ctx, QL_ERR_TYPE, "llama: a KV cache in %s (f32 or f16)", ql_type_name(type));
+        return QL_ERR_TYPE;
     }
     const ql_llama_hparams &hp = m->hp;
     cache->n_ctx = n_ctx;
     cache->k.clear();
     cache->v.clear();
     for (int il = 0; il < hp.n_layer; il++) {
-        cache->k.push_back(ql_format_name(ql_new_tensor_3d(ctx, QL_TYPE_F32, hp.head_dim(), n_ctx, hp.n_head_kv), "cache_k.%d", il));
-        cache->v.push_back(ql_format_name(ql_new_tensor_3d(ctx, QL_TYPE_F32, hp.head_dim(), n_ctx, hp.n_head_kv), "cache_v.%d", il));
+        cache->k.push_back(ql_format_name(ql_new_tensor_3d(ctx, type, hp.head_dim(), n_ctx, hp.n_head_kv), "cache_k.%d", il));
+        cache->v.push_back(ql_format_name(ql_new_tensor_3d(ctx, type, hp.head_dim(), n_ctx, hp.n_head_kv), "cache_v.%d", il));
     }
     cache->write_pos = ql_set_input(ql_set_name(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1), "cache_write_pos"));
     cache->n_kv = ql_set_input(ql_set_name(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1), "cache_n_kv"));

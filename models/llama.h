@@ -200,13 +200,15 @@ std::vector<ql_tensor *> ql_llama_lora_params(const ql_llama &m);
 
 struct ql_llama_cache {
     int n_ctx = 0;
-    std::vector<ql_tensor *> k, v;      // per layer [head_dim, n_ctx, n_head_kv] f32, persistent
+    std::vector<ql_tensor *> k, v;      // per layer [head_dim, n_ctx, n_head_kv] f32 (or f16), persistent
     ql_tensor *write_pos = nullptr;     // I32 [1]: cache row of the first new token
     ql_tensor *n_kv      = nullptr;     // I32 [1]: write_pos + new tokens
 };
 
-// creates the cache tensors in ctx (which must allocate: n_layer * 2 * head_dim * n_ctx * n_head_kv floats)
-ql_status  ql_llama_cache_create(ql_context *ctx, const ql_llama *m, int n_ctx, ql_llama_cache *cache);
+// creates the cache tensors in ctx (which must allocate: n_layer * 2 * head_dim * n_ctx * n_head_kv
+// elements of `type`: F32, or F16 - half the memory and the bytes each decoded token reads; keys and
+// values rounded to f16 as they are stored, widened as attention reads them)
+ql_status  ql_llama_cache_create(ql_context *ctx, const ql_llama *m, int n_ctx, ql_llama_cache *cache, ql_type type = QL_TYPE_F32);
 // tokens, pos: I32 [T, 1]; returns logits [n_vocab, T], or with last_only the last token's alone
 // [n_vocab, 1] (a prompt that is only continued: the head, 22% of a 110M model's multiplies, runs
 // for one token instead of T)

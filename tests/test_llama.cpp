@@ -157,10 +157,20 @@ TEST_CASE("llama: the KV cache gives the full forward's logits, prompt then one 
     const std::vector<int32_t> toks = {5, 17, 3, 99, 42, 42, 7, 0, 64, 12, 31, 8};
     const std::vector<float> full = logits_of(rm.m, toks);
     const int V = rm.m.hp.n_vocab, n_prompt = 5, n_ctx = 16;
+    ql_type ctype = QL_TYPE_F32;
+    double tol = 1e-5;
+    SUBCASE("an f32 cache") {}
+    SUBCASE("an f16 cache (keys and values rounded as stored)") {
+        ctype = QL_TYPE_F16;
+        tol = 1e-3;  // (measured 1.7e-4)
+    }
+    const std::string ctype_name = ql_type_name(ctype);
+    CAPTURE(ctype_name);
     ql_init_params ip = {8u << 20, nullptr, false, false};
     ql_context *ctx = ql_init(ip);
     ql_llama_cache cache;
-    REQUIRE(ql_llama_cache_create(ctx, &rm.m, n_ctx, &cache) == QL_OK);
+    REQUIRE(ql_llama_cache_create(ctx, &rm.m, n_ctx, &cache, ctype) == QL_OK);
+    CHECK(cache.k[0]->type == ctype);
     // two static graphs: the prompt (5 tokens) and one token
     ql_tensor *pt = ql_new_tensor_2d(ctx, QL_TYPE_I32, n_prompt, 1), *pp = ql_new_tensor_2d(ctx, QL_TYPE_I32, n_prompt, 1);
     ql_tensor *ot = ql_new_tensor_2d(ctx, QL_TYPE_I32, 1, 1), *op = ql_new_tensor_2d(ctx, QL_TYPE_I32, 1, 1);
@@ -205,7 +215,10 @@ TEST_CASE("llama: the KV cache gives the full forward's logits, prompt then one 
         REQUIRE_MESSAGE(ql_backend_graph_compute(be, go) == QL_OK, ql_ctx_error(ctx));
         got.insert(got.end(), (const float *)lo->data, (const float *)lo->data + V);
     }
-    CHECK(rel_err(got, full) < 1e-5);
+    const double e = rel_err(got, full);
+    MESSAGE(std::string(ql_type_name(ctype)) << " cache: logits within " << e << " of the full forward's");
+    CHECK(e < tol);
+    CHECK((ctype == QL_TYPE_F32 || e > 1e-6));  // (the f16 rounding is there)
     // past the cache: a clear run-time error
     *(int32_t *)cache.write_pos->data = n_ctx;
     *(int32_t *)cache.n_kv->data = n_ctx + 1;

@@ -403,6 +403,7 @@ TEST_CASE("make-model, convert, generate, perplexity: bad input, one clear line 
         {"./generate -m " + gguf + " -p hi --seed 2.5", "--seed: '2.5' is not a whole number"},
         {"./generate -m " + junk + " -m " + gguf + " -p hi", "-m given twice ('" + junk + "', '" + gguf + "')"},
         {"./generate -m " + gguf + " --frobnicate", "unknown or incomplete argument '--frobnicate' (--help lists the flags)"},
+        {"./generate -m " + gguf + " -p hi --cache-type q8", "--cache-type: 'q8' is not f32 or f16"},
         {"./perplexity -m " + gguf + " -f " + text + " -t ''", "-t: '' is not a valid value"},
         {"./perplexity -m " + gguf + " -f " + junk + " -f " + text, "-f given twice ('" + junk + "', '" + text + "')"},
         {"./perplexity -m " + gguf + " -f " + text + " --frobnicate", "unknown or incomplete argument '--frobnicate' (--help"},

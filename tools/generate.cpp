@@ -2,7 +2,7 @@
 //
 //   ./generate -m model.gguf [-p "prompt"] [-n 128] [--temp 0.8] [--top-k 40] [--top-p 0.95]
 //              [--seed 1] [--lora adapter.gguf [--lora-scale 1]] [-c context] [-t threads]
-//              [--device cpu|cuda|cuda:N|auto] [--exact] [--profile]
+//              [--device cpu|cuda|cuda:N|auto] [--exact] [--profile] [--cache-type f32|f16]
 //
 // Generation stops at an end-of-generation token (ql_vocab_is_eog: eos, eot, eom and the texts
 // llama.cpp treats as such, e.g. <|eot_id|> and <|end_of_text|>), after -n tokens, or at the
@@ -13,6 +13,8 @@
 // placed on it once; inputs go in and logits come back through the backend's set/get. The
 // quantised weights' multiplies take 8-bit activations (integer dot products, as llama.cpp; the
 // bound is in README's generate section); --exact keeps them f32, the exact dequantised path.
+// --cache-type f16 keeps the KV cache in f16 (half its memory and of the bytes a long context's
+// token reads; keys and values rounded as stored); f32 by default. The CUDA backend's cache is f32.
 #include "../models/adapter.h"
 #include "../models/llama.h"
 #include "../models/tokenizer.h"
@@ -36,7 +38,8 @@ static int usage(const char *argv0) {
             "       [--lora adapter.gguf|peft-dir] [--lora-scale S] [-c CONTEXT] [-t THREADS]\n"
             "       [--device cpu|cuda|cuda:N|auto]   (auto: cuda when built with it and a GPU is present)\n"
             "       [--exact]   (f32 activations in the quantised weights' multiplies, not 8-bit)\n"
-            "       [--profile] (a decoded token's time by op, at the end; each node waited for)\n",
+            "       [--profile] (the prompt's and a decoded token's time by op, at the end; each node waited for)\n"
+            "       [--cache-type f32|f16]   (the KV cache's type; default f32)\n",
             argv0);
     return 2;
 }
@@ -98,6 +101,7 @@ struct gen_args {
     double n_gen = 128, temp = 0.8, top_k = 40, top_p = 0.95, seed = 1, n_ctx = 0, threads = 0, lora_scale = 1;
     bool exact = false;  // --exact: no 8-bit activations (ql_llama::q8_activations)
     bool profile = false;  // --profile: the token graph's time by op, node by node (each node waited for)
+    ql_type cache_type = QL_TYPE_F32;  // --cache-type
 };
 
 // The flags into a: -1 to go on, else the exit code (0 for --help) after the usage or the message.
@@ -131,6 +135,14 @@ static int parse_args(int argc, char **argv, gen_args *a) {
         } else if (f == "--device" && has) a->device = argv[++i];
         else if (f == "--exact") a->exact = true;
         else if (f == "--profile") a->profile = true;
+        else if (f == "--cache-type" && has) {
+            const std::string t = argv[++i];
+            if (t != "f32" && t != "f16") {
+                fprintf(stderr, "generate: --cache-type: '%s' is not f32 or f16\n", t.c_str());
+                return 2;
+            }
+            a->cache_type = t == "f16" ? QL_TYPE_F16 : QL_TYPE_F32;
+        }
         else if (f == "--lora-scale" && has) ok = parse_num("--lora-scale", argv[++i], -100, 100, &a->lora_scale), scale_given = true;
         else if (f == "-h" || f == "--help") {
             usage(argv[0]);
@@ -225,13 +237,18 @@ static int prompt_tokens(const gen_args &a, gen_state *s) {
 static int plan_graphs(const gen_args &a, gen_state *s) {
     const ql_llama &m = s->f->model;
     const ql_llama_hparams &hp = m.hp;
-    const size_t cache_bytes = (size_t)hp.n_layer * 2 * (size_t)hp.head_dim() * (size_t)s->ctx_len * (size_t)hp.n_head_kv * 4;
+    const size_t cache_bytes = (size_t)hp.n_layer * 2 * (size_t)hp.head_dim() * (size_t)s->ctx_len * (size_t)hp.n_head_kv *
+                               (a.cache_type == QL_TYPE_F16 ? 2 : 4);
     char err[512];
     if (a.threads > 0) ql_cpu_warn_threads("generate", (int)a.threads);
     s->be.reset(ql_backend_init_by_name(a.device, (int)a.threads, err, sizeof(err)));
     ql_backend *be = s->be.get();
     if (!be) {
         fprintf(stderr, "generate: --device %s: %s\n", a.device, err);
+        return 1;
+    }
+    if (a.cache_type == QL_TYPE_F16 && !ql_backend_is_host(be)) {  // (its attention kernels read f32 keys and values)
+        fprintf(stderr, "generate: --cache-type f16: the CUDA backend keeps an f32 KV cache --> hint: drop --cache-type, or --device cpu\n");
         return 1;
     }
     if (!ql_backend_is_host(be)) {  // a GPU says which, and how much memory it has free
@@ -255,7 +272,7 @@ static int plan_graphs(const gen_args &a, gen_state *s) {
         fprintf(stderr, "generate: out of memory\n");
         return 1;
     }
-    ql_llama_cache_create(ctx, &m, s->ctx_len, &s->cache);
+    ql_llama_cache_create(ctx, &m, s->ctx_len, &s->cache, a.cache_type);
     s->pt = ql_new_tensor_2d(ctx, QL_TYPE_I32, s->n_prompt, 1), s->pp = ql_new_tensor_2d(ctx, QL_TYPE_I32, s->n_prompt, 1);
     s->ot = ql_new_tensor_2d(ctx, QL_TYPE_I32, 1, 1), s->op = ql_new_tensor_2d(ctx, QL_TYPE_I32, 1, 1);
     s->lp = ql_set_output(ql_llama_forward_cached(ctx, &m, &s->cache, s->pt, s->pp, true));  // [n_vocab, 1]: the last's
