@@ -395,6 +395,38 @@ OP_CASE(mul_mat_quantized) {
         }, TOL_MM);
 }
 
+// Decode with 8-bit activations (ql_mul_mat_set_prec Q8_0; ql_cuda_mm_q8 on a device): the
+// reference is the CPU's own 8-bit path (the same codes and integer sums; the CPU's test holds it
+// to README's bound of the exact product), so only f32 summation order may differ. Every type with
+// an integer kernel; 1, 3 and 8 columns; 37 rows (4 a block: a last block of one) and 2; rows of
+// one unit's worth up to several trips of 128 threads, and lengths that are not a multiple of 256
+// where the type's blocks allow (Q4_0, Q8_0: 32; NF4: 64). Each case checks that the path ran.
+OP_CASE(mul_mat_decode_q8) {
+    struct shape {
+        ql_type t;
+        std::vector<int64_t> ks;
+    };
+    const shape shapes[] = {{QL_TYPE_Q4_0, {96, 544, 4160}},   {QL_TYPE_Q8_0, {32, 544, 4160}},
+                            {QL_TYPE_NF4, {64, 576, 4160}},    {QL_TYPE_NF4_NODQ, {192, 4160}},
+                            {QL_TYPE_Q4_K, {256, 2304, 5120}}, {QL_TYPE_Q6_K, {256, 2304, 5120}}};
+    const bool cuda = strcmp(ql_backend_name(be), "cpu") != 0;
+    for (const shape &sh : shapes)
+        for (int64_t k : sh.ks)
+            for (int64_t n : {1, 3, 8})
+                for (int64_t m : {37, 2}) {
+                    if (m == 2 && n != 1) continue;
+                    INFO("type " << std::string(ql_type_name(sh.t)) << ", K " << k << ", columns " << n << ", rows " << m);
+                    const ql_type t = sh.t;
+                    check_case(be, "decode product, 8-bit activations", [t, k, n, m, cuda](leafs &L) {
+                        // activations with an outlier per column (blocks of very different scales)
+                        ql_tensor *y = ql_mul_mat(L.ctx, L.rand(t, {k, m}, -0.5f, 0.5f), L.rand(QL_TYPE_F32, {k, n}, -2.0f, 2.0f));
+                        REQUIRE(ql_mul_mat_set_prec(y, QL_TYPE_Q8_0) == QL_OK);
+                        if (cuda) CHECK(ql_cuda_mm_q8(y) == (t == QL_TYPE_Q4_K || t == QL_TYPE_Q6_K ? 256 : 32));
+                        return y;
+                    }, TOL_MM, false);
+                }
+}
+
 // ---- the multiply's dequantised tiles (issue 31 item 3): weights in several tiles of 128 rows
 // (the tile budget made small here), rows that are not a multiple of the tile, the transposed
 // product Wᵀ dy in bands of W's columns, the vectorised dequantisation and its per-element
