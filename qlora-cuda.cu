@@ -73,6 +73,10 @@ struct cu_ctx {
     size_t         work_size = 0;
     bool           failed = false;
     char           err[512] = {0};
+    // decode's 8-bit activations (section 5): the b whose codes the workspace holds, kept from one
+    // product to the next of the same run while no node in between writes the workspace or over b
+    const void    *q8_b = nullptr;
+    int64_t        q8_key[4] = {0, 0, 0, 0};  // K, N, b's column stride, the block
 };
 
 static void cu_fail(cu_ctx &c, const char *file, int line, const char *what, const char *why) {
@@ -1179,9 +1183,16 @@ static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *node, int qb) {
     int8_t *xq = (int8_t *)c.work;
     float *xd = (float *)(c.work + off[0]);
     int *xs = (int *)(c.work + off[1]);
-    QL_LAUNCH(k_q8_act, dim3((unsigned)((K + 256 * Q8_ACT_WARPS - 1) / (256 * Q8_ACT_WARPS)), (unsigned)N), Q8_ACT_WARPS * 32, 0,
-              c.stream, (const char *)b->data, (int64_t)b->nb[1], K, qb, xq, xd, xs);
-    CU_LAUNCHED(c);
+    // the codes of this b made by an earlier product (q, k and v of one input; gate and up) are
+    // still there (cu_q8_after): not made again
+    const int64_t key[4] = {K, N, (int64_t)b->nb[1], qb};
+    if (c.q8_b != b->data || memcmp(c.q8_key, key, sizeof(key)) != 0) {
+        QL_LAUNCH(k_q8_act, dim3((unsigned)((K + 256 * Q8_ACT_WARPS - 1) / (256 * Q8_ACT_WARPS)), (unsigned)N), Q8_ACT_WARPS * 32, 0,
+                  c.stream, (const char *)b->data, (int64_t)b->nb[1], K, qb, xq, xd, xs);
+        CU_LAUNCHED(c);
+        c.q8_b = b->data;
+        memcpy(c.q8_key, key, sizeof(key));
+    }
     typedef void (*fn)(const char *, int64_t, int, const char *, int64_t, int64_t, const int8_t *, const float *, const int *, int, float *);
     fn kern = nullptr;
     const ql_type_traits *at = ql_type_traits_get(a->type);
@@ -1202,6 +1213,18 @@ static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *node, int qb) {
               (int64_t)a->nb[1], (int)a->type, aux, K, M, (const int8_t *)xq, (const float *)xd, (const int *)xs, (int)N,
               (float *)node->data);
     CU_LAUNCHED(c);
+}
+
+// After each node of a run: the workspace's codes are forgotten once a node wrote over their b
+// (its memory reused, a product in place of it) or used the workspace for anything else.
+// limitation: ql_cuda_node_launches (the census) counts the quantisation for every such product
+static int cu_cc(const cu_ctx &c);  // section 8
+static void cu_q8_after(cu_ctx &c, const ql_tensor *node) {
+    if (!c.q8_b) return;
+    const uintptr_t b0 = (uintptr_t)c.q8_b, b1 = b0 + (uintptr_t)(c.q8_key[2] * (c.q8_key[1] - 1) + c.q8_key[0] * 4);
+    const uintptr_t n0 = (uintptr_t)node->data, n1 = n0 + ql_nbytes(node);
+    const bool over = n0 < b1 && b0 < n1;
+    if (over || (!ql_cuda_mm_q8(node) && ql_cuda_work_size(node, cu_cc(c)) > 0)) c.q8_b = nullptr;
 }
 
 static void cu_op_gemv(cu_ctx &c, ql_tensor *node) {
@@ -4083,6 +4106,7 @@ static void cu_run_node(cu_ctx &c, ql_tensor *node) {
     case QL_OP_COUNT:
         CU_ASSERT(!"cuda: op out of range");
     }
+    cu_q8_after(c, node);  // (section 5: decode's 8-bit activations kept or forgotten)
 }
 
 static bool cuda_supports_op(ql_backend *be, const ql_tensor *node) {
@@ -4311,6 +4335,7 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
                 snprintf(c.err, sizeof(c.err), "%s: %s", ql_op_name(node->op), cudaGetErrorString(cudaGetLastError()));
                 c.failed = true;
             }
+            c.q8_b = nullptr;  // (a copy may write where decode's 8-bit activations came from)
             continue;
         }
         if (c.failed || node->op == QL_OP_NONE || node->op == QL_OP_VIEW || node->op == QL_OP_RESHAPE ||

@@ -395,6 +395,8 @@ OP_CASE(mul_mat_quantized) {
         }, TOL_MM);
 }
 
+extern "C" long long qlshim_launches(const char *kernel) __attribute__((weak));  // the shim's count per kernel (NULL elsewhere)
+
 // Decode with 8-bit activations (ql_mul_mat_set_prec Q8_0; ql_cuda_mm_q8 on a device): the
 // reference is the CPU's own 8-bit path (the same codes and integer sums; the CPU's test holds it
 // to README's bound of the exact product), so only f32 summation order may differ. Every type with
@@ -425,6 +427,26 @@ OP_CASE(mul_mat_decode_q8) {
                         return y;
                     }, TOL_MM, false);
                 }
+    // products of one b (q, k and v; gate and up) share its codes: made once, unless a node in
+    // between used the workspace (here a product in dequantised tiles: made again). The shim counts
+    // the quantisations
+    for (bool between : {false, true}) {
+        INFO(std::string(between ? "a tiled product in between" : "two products of one b"));
+        const long long before = qlshim_launches ? qlshim_launches("k_q8_act") : 0;
+        check_case(be, "decode products sharing b's 8-bit activations", [between](leafs &L) {
+            ql_tensor *b = L.rand(QL_TYPE_F32, {512, 1}, -2.0f, 2.0f);
+            ql_tensor *y1 = ql_mul_mat(L.ctx, L.rand(QL_TYPE_Q4_K, {512, 40}), b);
+            ql_tensor *y2 = ql_mul_mat(L.ctx, L.rand(QL_TYPE_Q6_K, {512, 40}), b);
+            REQUIRE(ql_mul_mat_set_prec(y1, QL_TYPE_Q8_0) == QL_OK);
+            REQUIRE(ql_mul_mat_set_prec(y2, QL_TYPE_Q8_0) == QL_OK);
+            if (between) {  // y1, then z (12 columns: tiles in the workspace), then y2
+                ql_tensor *z = ql_mul_mat(L.ctx, L.rand(QL_TYPE_Q4_K, {512, 40}), L.rand(QL_TYPE_F32, {512, 12}));
+                y1 = ql_add(L.ctx, y1, ql_view_2d(L.ctx, z, 40, 1, z->nb[1], 0));
+            }
+            return ql_add(L.ctx, y1, y2);
+        }, TOL_MM, false);
+        if (cuda && qlshim_launches) CHECK(qlshim_launches("k_q8_act") - before == (between ? 2 : 1));
+    }
 }
 
 // ---- the multiply's dequantised tiles (issue 31 item 3): weights in several tiles of 128 rows
