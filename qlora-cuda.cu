@@ -1168,6 +1168,69 @@ QL_UNROLL
     }
 }
 
+// Q6_K's 210-byte blocks through shared memory: a warp stages a chunk of 8 super-blocks of each
+// of its R rows (1680 bytes, 16-byte aligned where rows are a multiple of 2048 elements) with
+// 16-byte loads - 4 a lane, each instruction 512 neighbouring bytes - and its lanes then read
+// their units' bytes there (gq_q6_K::load on the chunk: 2 units a lane). Read straight from global
+// memory a unit's 17 two-byte loads touch ~8 cache lines a warp-instruction. Grid: M / R blocks of
+// one warp per chunk of a row, up to GV_WARPS; the sums as k_gemv_q8's.
+#define Q6S_CHUNK (8 * (int)sizeof(ql_block_q6_K))  // bytes of a chunk: 8 super-blocks, 2048 elements
+template <int R, int NN>
+__global__ void __launch_bounds__(GV_WARPS * 32) k_gemv_q8_q6s(const char *w, int64_t row_bytes, int64_t K, int64_t M, const int8_t *xq,
+                                                               const float *xd, const int *xs, int N, float *C) {
+    QL_DYN_SMEM(uint4, stage);  // [warps][R][Q6S_CHUNK / 16]: each warp's chunk of each row
+    __shared__ float red[GV_WARPS][R * NN];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    const int64_t r0 = (int64_t)blockIdx.x * R, n_chunks = K / 2048;
+    float acc[R][NN];
+QL_UNROLL
+    for (int q = 0; q < R; q++)
+QL_UNROLL
+        for (int n = 0; n < NN; n++) acc[q][n] = 0.0f;
+    for (int64_t ch = warp; ch < n_chunks; ch += nw) {
+QL_UNROLL
+        for (int q = 0; q < R; q++) {  // rows past M: r0's again (not stored)
+            const uint4 *src = (const uint4 *)(w + (r0 + q < M ? r0 + q : r0) * row_bytes + ch * Q6S_CHUNK);
+QL_UNROLL
+            for (int k = 0; k < 4; k++)
+                if (lane + 32 * k < Q6S_CHUNK / 16) stage[(warp * R + q) * (Q6S_CHUNK / 16) + lane + 32 * k] = src[lane + 32 * k];
+        }
+        __syncwarp();
+QL_UNROLL
+        for (int h = 0; h < 2; h++) {  // units lane and lane + 32 of the chunk's 64
+            const int u = lane + 32 * h;
+            gq_q6_K::raw x[R];
+QL_UNROLL
+            for (int q = 0; q < R; q++) gq_q6_K::load(x[q], (const uint8_t *)(stage + (warp * R + q) * (Q6S_CHUNK / 16)), 0, nullptr, K, 0, u);
+QL_UNROLL
+            for (int n = 0; n < NN; n++) {
+                if (n >= N) break;
+                q8x_t xv;
+                gq_q6_K::xload(xv, xq + n * K, xd + n * (K / QL_QK_K), xs + n * (K / 8), ch * 64 + u);
+QL_UNROLL
+                for (int q = 0; q < R; q++) acc[q][n] += gq_q6_K::dot(x[q], xv, nullptr);
+            }
+        }
+        __syncwarp();  // (the chunk read by every lane before the next is staged over it)
+    }
+QL_UNROLL
+    for (int q = 0; q < R; q++)
+QL_UNROLL
+        for (int n = 0; n < NN; n++) {
+            if (n >= N) break;
+            float sum = acc[q][n];
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+            if (lane == 0) red[warp][q * NN + n] = sum;
+        }
+    __syncthreads();
+    const int q = (int)threadIdx.x / NN, n = (int)threadIdx.x % NN;
+    if (q < R && n < N && r0 + q < M) {
+        float sum = 0.0f;
+        for (int i = 0; i < nw; i++) sum += red[i][q * NN + n];
+        C[n * M + r0 + q] = sum;
+    }
+}
+
 // the 16-byte loads of Q4_K's and NF4's units need an aligned weight: otherwise the f32 kernels
 // run (the workspace planned for the codes then unused)
 static bool cu_gemv_q8_ok(const ql_tensor *node) {
@@ -1202,6 +1265,19 @@ static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *node, int qb) {
         typedef std::remove_pointer_t<decltype(tag)> T;
         kern = N > 1 ? k_gemv_q8<T, 1, QL_CUDA_GEMV_MAX_N> : rows == 4 ? k_gemv_q8<T, 4, 1> : rows == 2 ? k_gemv_q8<T, 2, 1> : k_gemv_q8<T, 1, 1>;
     };
+    // Q6_K in rows of whole chunks, 16-byte aligned: staged through shared memory (k_gemv_q8_q6s)
+    const bool q6s = a->type == QL_TYPE_Q6_K && K % 2048 == 0 && ((uintptr_t)a->data | (uintptr_t)a->nb[1]) % 16 == 0;
+    if (q6s) {
+        typedef void (*fs)(const char *, int64_t, int64_t, int64_t, const int8_t *, const float *, const int *, int, float *);
+        const fs k6 = N > 1 ? k_gemv_q8_q6s<1, QL_CUDA_GEMV_MAX_N> : rows == 4 ? k_gemv_q8_q6s<4, 1> : rows == 2 ? k_gemv_q8_q6s<2, 1>
+                                                                                                      : k_gemv_q8_q6s<1, 1>;
+        const unsigned nw = (unsigned)std::min<int64_t>(GV_WARPS, K / 2048);
+        QL_LAUNCH(k6, (unsigned)((M + rows - 1) / rows), 32 * nw, nw * (N > 1 ? 1 : rows) * Q6S_CHUNK, c.stream,
+                  (const char *)a->data, (int64_t)a->nb[1], K, M, (const int8_t *)xq, (const float *)xd, (const int *)xs, (int)N,
+                  (float *)node->data);
+        CU_LAUNCHED(c);
+        return;
+    }
     switch (a->type) {
     case QL_TYPE_Q4_0: pick((gq_q4_0 *)nullptr); break;
     case QL_TYPE_Q8_0: pick((gq_q8_0 *)nullptr); break;

@@ -402,7 +402,8 @@ extern "C" long long qlshim_launches(const char *kernel) __attribute__((weak)); 
 // to README's bound of the exact product), so only f32 summation order may differ. Every type with
 // an integer kernel; 1, 3 and 8 columns; 37 rows (4 a block: a last block of one) and 2; rows of
 // one unit's worth up to several trips of 128 threads, and lengths that are not a multiple of 256
-// where the type's blocks allow (Q4_0, Q8_0: 32; NF4: 64). Each case checks that the path ran.
+// where the type's blocks allow (Q4_0, Q8_0: 32; NF4: 64); Q6_K also in rows of whole chunks of
+// 2048 (k_gemv_q8_q6s: one chunk a warp; 5 chunks over 4 warps). Each case checks that the path ran.
 OP_CASE(mul_mat_decode_q8) {
     struct shape {
         ql_type t;
@@ -410,7 +411,7 @@ OP_CASE(mul_mat_decode_q8) {
     };
     const shape shapes[] = {{QL_TYPE_Q4_0, {96, 544, 4160}},   {QL_TYPE_Q8_0, {32, 544, 4160}},
                             {QL_TYPE_NF4, {64, 576, 4160}},    {QL_TYPE_NF4_NODQ, {192, 4160}},
-                            {QL_TYPE_Q4_K, {256, 2304, 5120}}, {QL_TYPE_Q6_K, {256, 2304, 5120}}};
+                            {QL_TYPE_Q4_K, {256, 2304, 5120}}, {QL_TYPE_Q6_K, {256, 2304, 2048, 10240}}};
     const bool cuda = strcmp(ql_backend_name(be), "cpu") != 0;
     for (const shape &sh : shapes)
         for (int64_t k : sh.ks)
