@@ -415,9 +415,10 @@ ql_tensor *ql_mul_mat_acc(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor
 // packed blocks - llama.cpp's way of running a quantised model. For inference only: the result
 // moves within the bound README's generate section states (training is exact and must not ask).
 // The CPU backend honours it where a is Q4_0, Q8_0, Q4_K, Q6_K or NF4 (rows of whole 64-blocks),
-// b f32 with dense rows and at most 8 of them, one batch; every other multiply stays exact, as
-// on the CUDA backend. QL_ERR_INVALID if mm is not a ql_mul_mat(_acc) result, QL_ERR_TYPE for
-// another prec.
+// b f32 with dense rows and at most 8 of them, one batch; every other multiply stays exact. The
+// CUDA backend honours it for the same weight types in its decode products (ql_cuda_mm_q8: the
+// same codes and integer sums). QL_ERR_INVALID if mm is not a ql_mul_mat(_acc) result, QL_ERR_TYPE
+// for another prec.
 ql_status ql_mul_mat_set_prec(ql_tensor *mm, ql_type prec);
 
 // a [n_embd, n_rows] (any float type), ids I32 [n, n2, n3] -> [n_embd, n, n2, n3] f32
