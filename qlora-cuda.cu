@@ -73,6 +73,10 @@ struct cu_ctx {
     size_t         work_size = 0;
     bool           failed = false;
     char           err[512] = {0};
+    // decode's 8-bit activations (section 5): the b whose codes the workspace holds, kept from one
+    // product to the next of the same run while no node in between writes the workspace or over b
+    const void    *q8_b = nullptr;
+    int64_t        q8_key[4] = {0, 0, 0, 0};  // K, N, b's column stride, the block
 };
 
 static void cu_fail(cu_ctx &c, const char *file, int line, const char *what, const char *why) {
@@ -869,7 +873,439 @@ static const int g_gemv_rows = [] {
     const char *e = getenv("QLORA_CUDA_GEMV_ROWS");
     return e && (!strcmp(e, "1") || !strcmp(e, "2")) ? atoi(e) : 4;
 }();
+// ---- decode with 8-bit activations (ql_cuda_mm_q8: ql_mul_mat_set_prec Q8_0) ----
+// The CPU's path (mm_q8) on the device: b's columns quantised once per node by k_q8_act into the
+// workspace - int8 codes per element, per block of qb (32; 256 for the k-quants) an f32 scale
+// d = amax / 127 (+ 0 * every element: NaN for a non-finite one) and the sums of each g codes (32;
+// 8 for the k-quants: the offsets' part: Q4_0's -8, Q4_K's mins, Q6_K's -32) - then each weight
+// unit dotted with them by __dp4a (four byte products a lane-instruction) on the packed codes,
+// each unit's integer sums scaled in f32. The same codes and integer sums as the CPU: the results
+// differ from its by f32 summation order only (the CPU's bound against the exact path then holds).
+// A thread's unit is 32 elements; the k-quants' 8 units of a super-block are 8 neighbouring
+// threads (16-byte loads of Q4_K's codes: a warp reads 4 super-blocks' 512 code bytes at once).
+// NF4's codes become their int8 values (QL_NF4_I8_VALUES) by two byte permutes from the table in
+// registers, a select on the code's top bit. Q4_0, Q8_0 (18- and 34-byte blocks) and Q6_K (210)
+// are read by 2-byte loads, a thread a block (Q4_0, Q8_0) - limitation: not coalesced; the
+// Q4_K / NF4 files this targets use Q6_K for the head (~9% of an 8B file's bytes).
+
+__constant__ int8_t cu_nf4_i8[16] = QL_NF4_I8_VALUES;
+
+#define Q8_ACT_WARPS 8  // warps per block of k_q8_act, 256 elements each
+
+// codes [N, K], scales [N, K/qb], sums [N, K/g] (ql_cuda_mm_q8_layout) of b [K, N] (f32, columns
+// bnb1 bytes apart); grid: (K / (256 Q8_ACT_WARPS) rounded up, N). A lane takes 8 neighbouring
+// elements; the lanes of a block (4 for qb 32, the warp for 256) meet by shuffles.
+__global__ void __launch_bounds__(Q8_ACT_WARPS * 32) k_q8_act(const char *b, int64_t bnb1, int64_t K, int qb, int8_t *q, float *d, int *s) {
+    const int lane = threadIdx.x % 32, n = blockIdx.y;
+    const int64_t e = ((int64_t)blockIdx.x * Q8_ACT_WARPS + threadIdx.x / 32) * 256 + lane * 8;
+    const bool in = e < K;  // (K a multiple of qb: a block's lanes are all in or all out)
+    const float *x = (const float *)(b + n * bnb1) + e;
+    float v[8];
+    if (in && (((uintptr_t)x) % 16) == 0) {
+        const float4 p0 = ((const float4 *)x)[0], p1 = ((const float4 *)x)[1];
+        v[0] = p0.x, v[1] = p0.y, v[2] = p0.z, v[3] = p0.w, v[4] = p1.x, v[5] = p1.y, v[6] = p1.z, v[7] = p1.w;
+    } else {
+QL_UNROLL
+        for (int l = 0; l < 8; l++) v[l] = in ? x[l] : 0.0f;
+    }
+    float amax = 0.0f, bad = 0.0f;
+QL_UNROLL
+    for (int l = 0; l < 8; l++) {
+        amax = fmaxf(amax, fabsf(v[l]));
+        bad += v[l] * 0.0f;
+    }
+    const int span = qb == 32 ? 4 : 32;  // lanes of a block
+    for (int o = 1; o < span; o <<= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+        bad += __shfl_xor_sync(0xffffffff, bad, o);
+    }
+    const float id = amax > 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;  // the CPU's expressions: x id to nearest even, |.| <= 127
+    uint32_t w[2] = {0, 0};
+    int sum = 0;
+QL_UNROLL
+    for (int l = 0; l < 8; l++) {
+        const int c = max(-127, min(127, __float2int_rn(__fmul_rn(v[l], id))));
+        w[l / 4] |= (uint32_t)(c & 255) << 8 * (l % 4);
+        sum += c;
+    }
+    // the sums of g codes: a lane's 8 (qb 256), or its block's 4 lanes' (qb 32)
+    if (qb == 32) sum += __shfl_xor_sync(0xffffffff, sum, 1), sum += __shfl_xor_sync(0xffffffff, sum, 2);
+    if (!in) return;
+    *(uint2 *)(q + n * K + e) = make_uint2(w[0], w[1]);
+    const int g = qb == 32 ? 32 : 8;
+    if (lane % (g / 8) == 0) s[n * (K / g) + e / g] = sum;
+    if (lane % span == 0) d[n * (K / qb) + e / qb] = __fadd_rn(__fdiv_rn(amax, 127.0f), bad);
+}
+
+// The weight units: load (the raw bytes of unit i of a row), xload (column n's codes, scales and
+// sums for unit i), dot (the unit's products, f32). A unit is 32 elements.
+struct q8x_t {  // 32 codes, the block's scale, up to 4 sums
+    int4 c0, c1;
+    float d;
+    int s[4];
+};
+__device__ __forceinline__ uint32_t cu_ld_u32_2(const uint8_t *p) {  // 4 bytes at a 2-byte boundary
+    return (uint32_t)((const uint16_t *)p)[0] | (uint32_t)((const uint16_t *)p)[1] << 16;
+}
+
+struct gq_q4_0 {  // a block of 18 bytes: d, 16 bytes of codes (element j low nibble, j + 16 high)
+    static constexpr int QB = 32;
+    struct raw { uint32_t q[4]; uint16_t d; };
+    __device__ __forceinline__ static void load(raw &x, const uint8_t *row, int, const char *, int64_t, int64_t, int64_t i) {
+        const uint8_t *b = row + i * sizeof(ql_block_q4_0);
+        x.d = *(const uint16_t *)b;
+QL_UNROLL
+        for (int k = 0; k < 4; k++) x.q[k] = cu_ld_u32_2(b + 2 + 4 * k);
+    }
+    __device__ __forceinline__ static void xload(q8x_t &x, const int8_t *q, const float *d, const int *s, int64_t i) {
+        x.c0 = ((const int4 *)(q + 32 * i))[0], x.c1 = ((const int4 *)(q + 32 * i))[1];
+        x.d = d[i], x.s[0] = s[i];
+    }
+    __device__ __forceinline__ static float dot(const raw &w, const q8x_t &x, const uint32_t *) {
+        const int lo[4] = {x.c0.x, x.c0.y, x.c0.z, x.c0.w}, hi[4] = {x.c1.x, x.c1.y, x.c1.z, x.c1.w};
+        int sum = 0;
+QL_UNROLL
+        for (int k = 0; k < 4; k++) sum = __dp4a((int)((w.q[k] >> 4) & 0x0f0f0f0fu), hi[k], __dp4a((int)(w.q[k] & 0x0f0f0f0fu), lo[k], sum));
+        return (float)(sum - 8 * x.s[0]) * __fmul_rn(cu_h2f(w.d), x.d);
+    }
+};
+
+struct gq_q8_0 {  // a block of 34 bytes: d, 32 int8 codes
+    static constexpr int QB = 32;
+    struct raw { uint32_t q[8]; uint16_t d; };
+    __device__ __forceinline__ static void load(raw &x, const uint8_t *row, int, const char *, int64_t, int64_t, int64_t i) {
+        const uint8_t *b = row + i * sizeof(ql_block_q8_0);
+        x.d = *(const uint16_t *)b;
+QL_UNROLL
+        for (int k = 0; k < 8; k++) x.q[k] = cu_ld_u32_2(b + 2 + 4 * k);
+    }
+    __device__ __forceinline__ static void xload(q8x_t &x, const int8_t *q, const float *d, const int *, int64_t i) {
+        x.c0 = ((const int4 *)(q + 32 * i))[0], x.c1 = ((const int4 *)(q + 32 * i))[1];
+        x.d = d[i];
+    }
+    __device__ __forceinline__ static float dot(const raw &w, const q8x_t &x, const uint32_t *) {
+        const int c[8] = {x.c0.x, x.c0.y, x.c0.z, x.c0.w, x.c1.x, x.c1.y, x.c1.z, x.c1.w};
+        int sum = 0;
+QL_UNROLL
+        for (int k = 0; k < 8; k++) sum = __dp4a((int)w.q[k], c[k], sum);
+        return (float)sum * __fmul_rn(cu_h2f(w.d), x.d);
+    }
+};
+
+// NF4 codes -> int8 values, four at a time: n holds a code in the low nibble of each byte; the
+// table's entries 0-7 are t[0..1], 8-15 t[2..3]
+__device__ __forceinline__ uint32_t cu_nf4_i8x4(uint32_t n, const uint32_t *t) {
+    const uint32_t sel = __byte_perm(n | (n >> 4), 0, 0x4420) & 0x7777;  // the codes' low 3 bits, a nibble each
+    const uint32_t lo = __byte_perm(t[0], t[1], sel), hi = __byte_perm(t[2], t[3], sel);
+    const uint32_t top = ((n >> 3) & 0x01010101u) * 255u;  // 0xff in the bytes whose code is 8 or more
+    return (lo & ~top) | (hi & top);
+}
+struct gq_nf4 {  // half a block of 64: 16 bytes of codes (element 2j in byte j's high nibble), the block's absmax / 127
+    static constexpr int QB = 32;
+    struct raw { uint4 q; float wsc; };
+    __device__ __forceinline__ static void load(raw &x, const uint8_t *row, int type, const char *aux, int64_t K, int64_t r, int64_t i) {
+        x.q = *(const uint4 *)(row + 16 * i);
+        x.wsc = __fdiv_rn(cu_nf4_block_absmax(type, aux, (r * K + 32 * i) / QL_NF4_BLOCK), 127.0f);
+    }
+    __device__ __forceinline__ static void xload(q8x_t &x, const int8_t *q, const float *d, const int *, int64_t i) {
+        x.c0 = ((const int4 *)(q + 32 * i))[0], x.c1 = ((const int4 *)(q + 32 * i))[1];
+        x.d = d[i];
+    }
+    __device__ __forceinline__ static float dot(const raw &w, const q8x_t &x, const uint32_t *t) {
+        const uint32_t c[4] = {w.q.x, w.q.y, w.q.z, w.q.w};
+        const int xc[8] = {x.c0.x, x.c0.y, x.c0.z, x.c0.w, x.c1.x, x.c1.y, x.c1.z, x.c1.w};
+        int sum = 0;
+QL_UNROLL
+        for (int k = 0; k < 4; k++) {  // bytes 4k .. 4k + 3: elements 8k .. 8k + 7
+            const uint32_t ve = cu_nf4_i8x4((c[k] >> 4) & 0x0f0f0f0fu, t), vo = cu_nf4_i8x4(c[k] & 0x0f0f0f0fu, t);
+            sum = __dp4a((int)__byte_perm(ve, vo, 0x5140), xc[2 * k], sum);      // elements 8k .. 8k + 3
+            sum = __dp4a((int)__byte_perm(ve, vo, 0x7362), xc[2 * k + 1], sum);  // 8k + 4 .. 8k + 7
+        }
+        return (float)sum * __fmul_rn(w.wsc, x.d);
+    }
+};
+
+struct gq_q4_K {  // unit j of a super-block: 16 code bytes 32p + 16h (p = j / 2, h = j % 2): elements 16h .. 16h + 15 of sub-blocks 2p and 2p + 1
+    static constexpr int QB = QL_QK_K;
+    struct raw { uint4 hd, q; int j; };
+    __device__ __forceinline__ static void load(raw &x, const uint8_t *row, int, const char *, int64_t, int64_t, int64_t i) {
+        const uint8_t *b = row + (i / 8) * sizeof(ql_block_q4_K);
+        x.j = (int)(i % 8);
+        x.hd = *(const uint4 *)b;  // d, dmin, scales[12]
+        x.q = *(const uint4 *)(b + 16 + 16 * x.j);
+    }
+    __device__ __forceinline__ static void xload(q8x_t &x, const int8_t *q, const float *d, const int *s, int64_t i) {
+        const int64_t b = i / 8;
+        const int j = (int)(i % 8), p = j / 2, h = j % 2;
+        const int8_t *c = q + b * QL_QK_K + 64 * p + 16 * h;
+        x.c0 = *(const int4 *)c, x.c1 = *(const int4 *)(c + 32);
+        x.d = d[b];
+        const int *sp = s + b * (QL_QK_K / 8) + 8 * p + 2 * h;  // sums of 8: the unit's 16 of each sub-block
+        x.s[0] = sp[0] + sp[1], x.s[1] = sp[4] + sp[5];
+    }
+    __device__ __forceinline__ static float dot(const raw &w, const q8x_t &x, const uint32_t *) {
+        const int p = w.j / 2;
+        // the 6-bit scales and mins as mm_k4_scales: bytes 2p, 2p + 1 of sc[0..7], mn[0..7]
+        const uint32_t sc = p < 2 ? w.hd.y & 0x3f3f3f3fu : (w.hd.w & 0x0f0f0f0fu) | (((w.hd.y >> 6) & 0x03030303u) << 4);
+        const uint32_t mn = p < 2 ? w.hd.z & 0x3f3f3f3fu : ((w.hd.w >> 4) & 0x0f0f0f0fu) | (((w.hd.z >> 6) & 0x03030303u) << 4);
+        const int sh = 16 * (p & 1);
+        const int sc0 = (sc >> sh) & 255, sc1 = (sc >> (sh + 8)) & 255, mn0 = (mn >> sh) & 255, mn1 = (mn >> (sh + 8)) & 255;
+        const uint32_t c[4] = {w.q.x, w.q.y, w.q.z, w.q.w};
+        const int xa[4] = {x.c0.x, x.c0.y, x.c0.z, x.c0.w}, xb[4] = {x.c1.x, x.c1.y, x.c1.z, x.c1.w};
+        int sa = 0, sb = 0;
+QL_UNROLL
+        for (int k = 0; k < 4; k++) {
+            sa = __dp4a((int)(c[k] & 0x0f0f0f0fu), xa[k], sa);
+            sb = __dp4a((int)((c[k] >> 4) & 0x0f0f0f0fu), xb[k], sb);
+        }
+        const float dx = x.d;
+        return (float)(sc0 * sa + sc1 * sb) * __fmul_rn(cu_h2f((uint16_t)(w.hd.x & 0xffff)), dx) -
+               (float)(mn0 * x.s[0] + mn1 * x.s[1]) * __fmul_rn(cu_h2f((uint16_t)(w.hd.x >> 16)), dx);
+    }
+};
+
+struct gq_q6_K {  // unit j of a super-block: half h = j / 4, l in [8t, 8t + 8) (t = j % 4) of its four groups m (elements 128h + 32m + l)
+    static constexpr int QB = QL_QK_K;
+    struct raw { uint32_t la[2], lb[2], qh[2]; int sc; uint16_t d; };  // sc: the four groups' scales (int8)
+    __device__ __forceinline__ static void load(raw &x, const uint8_t *row, int, const char *, int64_t, int64_t, int64_t i) {
+        const uint8_t *b = row + (i / 8) * sizeof(ql_block_q6_K);
+        const int j = (int)(i % 8), h = j / 4, t = j % 4;
+QL_UNROLL
+        for (int k = 0; k < 2; k++) {
+            x.la[k] = cu_ld_u32_2(b + 64 * h + 8 * t + 4 * k);       // groups 0 (low nibbles), 2 (high)
+            x.lb[k] = cu_ld_u32_2(b + 64 * h + 32 + 8 * t + 4 * k);  // groups 1, 3
+            x.qh[k] = cu_ld_u32_2(b + 128 + 32 * h + 8 * t + 4 * k);
+        }
+        int sc = 0;
+QL_UNROLL
+        for (int m = 0; m < 4; m++) {  // scales[8h + 2m + t / 2]: a byte of the 2-byte word at 8h + 2m
+            const uint32_t v = *(const uint16_t *)(b + 192 + 8 * h + 2 * m);
+            sc |= (int)((v >> 8 * (t / 2)) & 255) << 8 * m;
+        }
+        x.sc = sc;
+        x.d = *(const uint16_t *)(b + 208);
+    }
+    __device__ __forceinline__ static void xload(q8x_t &x, const int8_t *q, const float *d, const int *s, int64_t i) {
+        const int64_t b = i / 8;
+        const int j = (int)(i % 8), h = j / 4, t = j % 4;
+        const int8_t *c = q + b * QL_QK_K + 128 * h + 8 * t;  // groups m at + 32 m: 8 codes each
+        const int2 g0 = *(const int2 *)c, g1 = *(const int2 *)(c + 32), g2 = *(const int2 *)(c + 64), g3 = *(const int2 *)(c + 96);
+        x.c0 = make_int4(g0.x, g0.y, g1.x, g1.y), x.c1 = make_int4(g2.x, g2.y, g3.x, g3.y);
+        x.d = d[b];
+        const int *sp = s + b * (QL_QK_K / 8) + 16 * h + t;
+QL_UNROLL
+        for (int m = 0; m < 4; m++) x.s[m] = sp[4 * m];
+    }
+    __device__ __forceinline__ static float dot(const raw &w, const q8x_t &x, const uint32_t *) {
+        const int xc[8] = {x.c0.x, x.c0.y, x.c0.z, x.c0.w, x.c1.x, x.c1.y, x.c1.z, x.c1.w};  // group m's words: 2m, 2m + 1
+        int dm[4] = {0, 0, 0, 0};
+QL_UNROLL
+        for (int k = 0; k < 2; k++) {  // 6-bit codes 0..63, a byte each
+            const uint32_t la = w.la[k], lb = w.lb[k], qh = w.qh[k];
+            dm[0] = __dp4a((int)((la & 0x0f0f0f0fu) | ((qh & 0x03030303u) << 4)), xc[k], dm[0]);
+            dm[1] = __dp4a((int)((lb & 0x0f0f0f0fu) | ((qh & 0x0c0c0c0cu) << 2)), xc[2 + k], dm[1]);
+            dm[2] = __dp4a((int)(((la >> 4) & 0x0f0f0f0fu) | (qh & 0x30303030u)), xc[4 + k], dm[2]);
+            dm[3] = __dp4a((int)(((lb >> 4) & 0x0f0f0f0fu) | ((qh >> 2) & 0x30303030u)), xc[6 + k], dm[3]);
+        }
+        int sum = 0;
+QL_UNROLL
+        for (int m = 0; m < 4; m++) sum += (int)(int8_t)(w.sc >> 8 * m) * (dm[m] - 32 * x.s[m]);
+        return (float)sum * __fmul_rn(cu_h2f(w.d), x.d);
+    }
+};
+
+// C [M, N] = W b from b's codes: R rows a block (grid: M / R blocks of 32-128 threads), NN >= N
+// columns; a thread takes units i0, i0 + threads, ... of its rows, each column's codes read once
+// for the R rows. Partial sums meet by shuffles, then across warps in a fixed order.
+template <typename T, int R, int NN>
+__global__ void __launch_bounds__(GV_WARPS * 32) k_gemv_q8(const char *w, int64_t row_bytes, int type, const char *aux, int64_t K, int64_t M,
+                                                           const int8_t *xq, const float *xd, const int *xs, int N, float *C) {
+    __shared__ float red[GV_WARPS][R * NN];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nt = blockDim.x;
+    const int64_t r0 = (int64_t)blockIdx.x * R, n_units = K / 32;
+    const int g = T::QB == 32 ? 32 : 8;
+    uint32_t tab[4];  // NF4's int8 values, four a word
+QL_UNROLL
+    for (int k = 0; k < 4; k++)
+        tab[k] = (uint32_t)(uint8_t)cu_nf4_i8[4 * k] | (uint32_t)(uint8_t)cu_nf4_i8[4 * k + 1] << 8 |
+                 (uint32_t)(uint8_t)cu_nf4_i8[4 * k + 2] << 16 | (uint32_t)(uint8_t)cu_nf4_i8[4 * k + 3] << 24;
+    float acc[R][NN];
+QL_UNROLL
+    for (int q = 0; q < R; q++)
+QL_UNROLL
+        for (int n = 0; n < NN; n++) acc[q][n] = 0.0f;
+    for (int64_t i = threadIdx.x; i < n_units; i += nt) {
+        typename T::raw x[R];
+QL_UNROLL
+        for (int q = 0; q < R; q++) {  // rows past M: r0's again (not stored)
+            const int64_t r = r0 + q < M ? r0 + q : r0;
+            T::load(x[q], (const uint8_t *)w + r * row_bytes, type, aux, K, r, i);
+        }
+QL_UNROLL
+        for (int n = 0; n < NN; n++) {
+            if (n >= N) break;
+            q8x_t xv;
+            T::xload(xv, xq + n * K, xd + n * (K / T::QB), xs + n * (K / g), i);
+QL_UNROLL
+            for (int q = 0; q < R; q++) acc[q][n] += T::dot(x[q], xv, tab);
+        }
+    }
+QL_UNROLL
+    for (int q = 0; q < R; q++)
+QL_UNROLL
+        for (int n = 0; n < NN; n++) {
+            if (n >= N) break;
+            float sum = acc[q][n];
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+            if (lane == 0) red[warp][q * NN + n] = sum;
+        }
+    __syncthreads();
+    const int q = (int)threadIdx.x / NN, n = (int)threadIdx.x % NN;
+    if (q < R && n < N && r0 + q < M) {
+        float sum = 0.0f;
+        for (int i = 0; i < nt / 32; i++) sum += red[i][q * NN + n];
+        C[n * M + r0 + q] = sum;
+    }
+}
+
+// Q6_K's 210-byte blocks through shared memory: a warp stages a chunk of 8 super-blocks of each
+// of its R rows (1680 bytes, 16-byte aligned where rows are a multiple of 2048 elements) with
+// 16-byte loads - 4 a lane, each instruction 512 neighbouring bytes - and its lanes then read
+// their units' bytes there (gq_q6_K::load on the chunk: 2 units a lane). Read straight from global
+// memory a unit's 17 two-byte loads touch ~8 cache lines a warp-instruction. Grid: M / R blocks of
+// one warp per chunk of a row, up to GV_WARPS; the sums as k_gemv_q8's.
+#define Q6S_CHUNK (8 * (int)sizeof(ql_block_q6_K))  // bytes of a chunk: 8 super-blocks, 2048 elements
+template <int R, int NN>
+__global__ void __launch_bounds__(GV_WARPS * 32) k_gemv_q8_q6s(const char *w, int64_t row_bytes, int64_t K, int64_t M, const int8_t *xq,
+                                                               const float *xd, const int *xs, int N, float *C) {
+    QL_DYN_SMEM(uint4, stage);  // [warps][R][Q6S_CHUNK / 16]: each warp's chunk of each row
+    __shared__ float red[GV_WARPS][R * NN];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    const int64_t r0 = (int64_t)blockIdx.x * R, n_chunks = K / 2048;
+    float acc[R][NN];
+QL_UNROLL
+    for (int q = 0; q < R; q++)
+QL_UNROLL
+        for (int n = 0; n < NN; n++) acc[q][n] = 0.0f;
+    for (int64_t ch = warp; ch < n_chunks; ch += nw) {
+QL_UNROLL
+        for (int q = 0; q < R; q++) {  // rows past M: r0's again (not stored)
+            const uint4 *src = (const uint4 *)(w + (r0 + q < M ? r0 + q : r0) * row_bytes + ch * Q6S_CHUNK);
+QL_UNROLL
+            for (int k = 0; k < 4; k++)
+                if (lane + 32 * k < Q6S_CHUNK / 16) stage[(warp * R + q) * (Q6S_CHUNK / 16) + lane + 32 * k] = src[lane + 32 * k];
+        }
+        __syncwarp();
+QL_UNROLL
+        for (int h = 0; h < 2; h++) {  // units lane and lane + 32 of the chunk's 64
+            const int u = lane + 32 * h;
+            gq_q6_K::raw x[R];
+QL_UNROLL
+            for (int q = 0; q < R; q++) gq_q6_K::load(x[q], (const uint8_t *)(stage + (warp * R + q) * (Q6S_CHUNK / 16)), 0, nullptr, K, 0, u);
+QL_UNROLL
+            for (int n = 0; n < NN; n++) {
+                if (n >= N) break;
+                q8x_t xv;
+                gq_q6_K::xload(xv, xq + n * K, xd + n * (K / QL_QK_K), xs + n * (K / 8), ch * 64 + u);
+QL_UNROLL
+                for (int q = 0; q < R; q++) acc[q][n] += gq_q6_K::dot(x[q], xv, nullptr);
+            }
+        }
+        __syncwarp();  // (the chunk read by every lane before the next is staged over it)
+    }
+QL_UNROLL
+    for (int q = 0; q < R; q++)
+QL_UNROLL
+        for (int n = 0; n < NN; n++) {
+            if (n >= N) break;
+            float sum = acc[q][n];
+            for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffff, sum, o);
+            if (lane == 0) red[warp][q * NN + n] = sum;
+        }
+    __syncthreads();
+    const int q = (int)threadIdx.x / NN, n = (int)threadIdx.x % NN;
+    if (q < R && n < N && r0 + q < M) {
+        float sum = 0.0f;
+        for (int i = 0; i < nw; i++) sum += red[i][q * NN + n];
+        C[n * M + r0 + q] = sum;
+    }
+}
+
+// the 16-byte loads of Q4_K's and NF4's units need an aligned weight: otherwise the f32 kernels
+// run (the workspace planned for the codes then unused)
+static bool cu_gemv_q8_ok(const ql_tensor *node) {
+    const ql_tensor *a = node->src[0];
+    const bool wide = a->type == QL_TYPE_Q4_K || a->type == QL_TYPE_NF4 || a->type == QL_TYPE_NF4_NODQ;
+    return !wide || ((uintptr_t)a->data | (uintptr_t)a->nb[1]) % 16 == 0;
+}
+static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *node, int qb) {
+    const ql_tensor *a = node->src[0], *b = node->src[1];
+    const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
+    size_t off[2];
+    CU_ASSERT(ql_cuda_mm_q8_layout(N, K, qb, off) <= c.work_size && N <= QL_CUDA_GEMV_MAX_N);
+    int8_t *xq = (int8_t *)c.work;
+    float *xd = (float *)(c.work + off[0]);
+    int *xs = (int *)(c.work + off[1]);
+    // the codes of this b made by an earlier product (q, k and v of one input; gate and up) are
+    // still there (cu_q8_after): not made again
+    const int64_t key[4] = {K, N, (int64_t)b->nb[1], qb};
+    if (c.q8_b != b->data || memcmp(c.q8_key, key, sizeof(key)) != 0) {
+        QL_LAUNCH(k_q8_act, dim3((unsigned)((K + 256 * Q8_ACT_WARPS - 1) / (256 * Q8_ACT_WARPS)), (unsigned)N), Q8_ACT_WARPS * 32, 0,
+                  c.stream, (const char *)b->data, (int64_t)b->nb[1], K, qb, xq, xd, xs);
+        CU_LAUNCHED(c);
+        c.q8_b = b->data;
+        memcpy(c.q8_key, key, sizeof(key));
+    }
+    typedef void (*fn)(const char *, int64_t, int, const char *, int64_t, int64_t, const int8_t *, const float *, const int *, int, float *);
+    fn kern = nullptr;
+    const ql_type_traits *at = ql_type_traits_get(a->type);
+    const char *aux = at->aux_bytes ? (const char *)a->data + ql_aux_offset(ql_nbytes(a)) : nullptr;
+    const int rows = N == 1 ? g_gemv_rows : 1;
+    auto pick = [&](auto *tag) {
+        typedef std::remove_pointer_t<decltype(tag)> T;
+        kern = N > 1 ? k_gemv_q8<T, 1, QL_CUDA_GEMV_MAX_N> : rows == 4 ? k_gemv_q8<T, 4, 1> : rows == 2 ? k_gemv_q8<T, 2, 1> : k_gemv_q8<T, 1, 1>;
+    };
+    // Q6_K in rows of whole chunks, 16-byte aligned: staged through shared memory (k_gemv_q8_q6s)
+    const bool q6s = a->type == QL_TYPE_Q6_K && K % 2048 == 0 && ((uintptr_t)a->data | (uintptr_t)a->nb[1]) % 16 == 0;
+    if (q6s) {
+        typedef void (*fs)(const char *, int64_t, int64_t, int64_t, const int8_t *, const float *, const int *, int, float *);
+        const fs k6 = N > 1 ? k_gemv_q8_q6s<1, QL_CUDA_GEMV_MAX_N> : rows == 4 ? k_gemv_q8_q6s<4, 1> : rows == 2 ? k_gemv_q8_q6s<2, 1>
+                                                                                                      : k_gemv_q8_q6s<1, 1>;
+        const unsigned nw = (unsigned)std::min<int64_t>(GV_WARPS, K / 2048);
+        QL_LAUNCH(k6, (unsigned)((M + rows - 1) / rows), 32 * nw, nw * (N > 1 ? 1 : rows) * Q6S_CHUNK, c.stream,
+                  (const char *)a->data, (int64_t)a->nb[1], K, M, (const int8_t *)xq, (const float *)xd, (const int *)xs, (int)N,
+                  (float *)node->data);
+        CU_LAUNCHED(c);
+        return;
+    }
+    switch (a->type) {
+    case QL_TYPE_Q4_0: pick((gq_q4_0 *)nullptr); break;
+    case QL_TYPE_Q8_0: pick((gq_q8_0 *)nullptr); break;
+    case QL_TYPE_Q4_K: pick((gq_q4_K *)nullptr); break;
+    case QL_TYPE_Q6_K: pick((gq_q6_K *)nullptr); break;
+    default: CU_ASSERT(a->type == QL_TYPE_NF4 || a->type == QL_TYPE_NF4_NODQ); pick((gq_nf4 *)nullptr); break;
+    }
+    QL_LAUNCH(kern, (unsigned)((M + rows - 1) / rows), cu_gemv_unit_threads(K, 32, 1), 0, c.stream, (const char *)a->data,
+              (int64_t)a->nb[1], (int)a->type, aux, K, M, (const int8_t *)xq, (const float *)xd, (const int *)xs, (int)N,
+              (float *)node->data);
+    CU_LAUNCHED(c);
+}
+
+// After each node of a run: the workspace's codes are forgotten once a node wrote over their b
+// (its memory reused, a product in place of it) or used the workspace for anything else.
+// limitation: ql_cuda_node_launches (the census) counts the quantisation for every such product
+static int cu_cc(const cu_ctx &c);  // section 8
+static void cu_q8_after(cu_ctx &c, const ql_tensor *node) {
+    if (!c.q8_b) return;
+    const uintptr_t b0 = (uintptr_t)c.q8_b, b1 = b0 + (uintptr_t)(c.q8_key[2] * (c.q8_key[1] - 1) + c.q8_key[0] * 4);
+    const uintptr_t n0 = (uintptr_t)node->data, n1 = n0 + ql_nbytes(node);
+    const bool over = n0 < b1 && b0 < n1;
+    if (over || (!ql_cuda_mm_q8(node) && ql_cuda_work_size(node, cu_cc(c)) > 0)) c.q8_b = nullptr;
+}
+
 static void cu_op_gemv(cu_ctx &c, ql_tensor *node) {
+    if (const int qb = ql_cuda_mm_q8(node))
+        if (cu_gemv_q8_ok(node)) return cu_op_gemv_q8(c, node, qb);
     const ql_tensor *a = node->src[0], *b = node->src[1];
     const ql_type_traits *at = ql_type_traits_get(a->type);
     const char *aux = at->aux_bytes ? (const char *)a->data + ql_aux_offset(ql_nbytes(a)) : nullptr;
@@ -3746,6 +4182,7 @@ static void cu_run_node(cu_ctx &c, ql_tensor *node) {
     case QL_OP_COUNT:
         CU_ASSERT(!"cuda: op out of range");
     }
+    cu_q8_after(c, node);  // (section 5: decode's 8-bit activations kept or forgotten)
 }
 
 static bool cuda_supports_op(ql_backend *be, const ql_tensor *node) {
@@ -3974,6 +4411,7 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
                 snprintf(c.err, sizeof(c.err), "%s: %s", ql_op_name(node->op), cudaGetErrorString(cudaGetLastError()));
                 c.failed = true;
             }
+            c.q8_b = nullptr;  // (a copy may write where decode's 8-bit activations came from)
             continue;
         }
         if (c.failed || node->op == QL_OP_NONE || node->op == QL_OP_VIEW || node->op == QL_OP_RESHAPE ||

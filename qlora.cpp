@@ -5884,7 +5884,7 @@ static constexpr int MM_Q8_MAX_N = 8;  // b rows at or below: this path (decode,
 
 // NF4's 16 values as int8, round(127 v): the weight is nf4_i8[q] * absmax / 127 here. The largest
 // rounding, |127 v - round(127 v)| / 127 over the table, is 0.00367 absmax (v = -0.2844: 36.12)
-static const int8_t k_nf4_i8[16] = {-127, -88, -67, -50, -36, -23, -12, 0, 10, 20, 31, 43, 56, 71, 92, 127};
+static const int8_t k_nf4_i8[16] = QL_NF4_I8_VALUES;  // (qlora.h: the CUDA backend's decode reads the same)
 
 static int mm_q8_block(ql_type t) {  // the activations' block for a weight type; 0: no integer kernel
     switch (t) {
@@ -7641,6 +7641,23 @@ bool ql_cuda_mm_gemv(const ql_tensor *node) {
     return b->ne[1] <= QL_CUDA_GEMV_MAX_N && b->ne[2] == 1 && b->ne[3] == 1 && b->nb[0] == ql_plain_size(b->type) &&
            (b->ne[1] == 1 || b->nb[1] % b->nb[0] == 0);
 }
+// Decode's products with 8-bit activations on the device (ql_mul_mat_set_prec Q8_0): the CPU's
+// path (mm_q8: the same blocks, codes and scales) where it has an integer kernel for the weight's
+// type, read straight from the packed weight (a gemv); QLORA_CUDA_DECODE_DP4A=0 (read once) keeps
+// the f32 decode products instead, to measure one against the other
+static const bool g_cuda_decode_dp4a = !(getenv("QLORA_CUDA_DECODE_DP4A") && strcmp(getenv("QLORA_CUDA_DECODE_DP4A"), "0") == 0);
+int ql_cuda_mm_q8(const ql_tensor *node) {
+    if (!g_cuda_decode_dp4a || !ql_cuda_mm_gemv(node) || node->op_params[0] != QL_TYPE_Q8_0) return 0;
+    const ql_tensor *a = node->src[0], *b = node->src[1];
+    const bool nf4 = a->type == QL_TYPE_NF4 || a->type == QL_TYPE_NF4_NODQ;
+    const int qb = a->type == QL_TYPE_Q4_0 || a->type == QL_TYPE_Q8_0 || nf4 ? 32 : a->type == QL_TYPE_Q4_K || a->type == QL_TYPE_Q6_K ? QL_QK_K : 0;
+    return qb && b->type == QL_TYPE_F32 && a->ne[0] % qb == 0 && (!nf4 || a->ne[0] % QL_NF4_BLOCK == 0) ? qb : 0;
+}
+size_t ql_cuda_mm_q8_layout(int64_t N, int64_t K, int qb, size_t off[2]) {
+    const size_t d = align_up((size_t)(N * K), 16), s = d + align_up((size_t)(N * (K / qb)) * sizeof(float), 16);
+    if (off) off[0] = d, off[1] = s;
+    return s + (size_t)(N * (K / (qb == 32 ? 32 : 8))) * sizeof(int32_t);
+}
 // A product over a short K (LoRA's rank side: B u onto a 16-bit W x, K = r): one kernel reading a
 // (a plain 2-D float tensor, any strides; rounded to b's type as the tiles would be) and b (2-D,
 // any strides), writing each output once with ql_mul_mat_acc's 16-bit c added as it writes, where
@@ -7698,7 +7715,8 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
         return ql_cuda_node_launches(&mm, cc, false);
     }
     case QL_OP_MUL_MAT: {
-        if (ql_cuda_mm_gemv(node) || ql_cuda_mm_thin(node)) return 1;
+        if (ql_cuda_mm_gemv(node)) return ql_cuda_mm_q8(node) ? 2 : 1;  // (b's columns quantised first)
+        if (ql_cuda_mm_thin(node)) return 1;
         const ql_tensor *a = node->src[0], *b = node->src[1], *acc = node->src[2];
         const int64_t K = a->ne[0], M = a->ne[1];
         const int64_t A2 = a->ne[2], A3 = a->ne[3], B2 = b->ne[2], B3 = b->ne[3], r3 = B3 / A3;
@@ -7789,7 +7807,11 @@ size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
     case QL_OP_MUL_MAT: {  // b's contiguous copy (when cuBLAS cannot read it), then a's tile buffers: tiles of
         // a's rows (K each; of a transposed W, bands of W's columns), two when there is more than
         // one tile (the next is dequantised while the current one's GEMMs run)
-        if (ql_cuda_mm_gemv(node) || ql_cuda_mm_thin(node)) return 0;
+        if (ql_cuda_mm_gemv(node)) {  // none, or b's columns in 8 bits
+            const int qb = ql_cuda_mm_q8(node);
+            return qb ? ql_cuda_mm_q8_layout(node->src[1]->ne[1], node->src[0]->ne[0], qb, nullptr) : 0;
+        }
+        if (ql_cuda_mm_thin(node)) return 0;
         const ql_tensor *a = node->src[0], *b = node->src[1];
         size_t w = ql_cuda_mm_b_bytes(b);
         if (!ql_cuda_mm_cached(a) && (ql_cuda_mm_trows(a) || !ql_cuda_mm_a_direct(a, b->type)))  // (a cached weight: its copy)

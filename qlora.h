@@ -163,6 +163,9 @@ float    ql_bf16_to_fp32(uint16_t h);
     -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,                    \
     0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,       \
     0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f }
+// the 16 values as int8, round(127 v): what the 8-bit activations' integer dot products multiply
+// (ql_mul_mat_set_prec; the CPU's and the CUDA backend's decode alike)
+#define QL_NF4_I8_VALUES {-127, -88, -67, -50, -36, -23, -12, 0, 10, 20, 31, 43, 56, 71, 92, 127}
 
 // bitsandbytes' quantize_4bit(nf4, blocksize=64) of n flat elements (the last block may be
 // partial; an odd tail pads with 0.0's code): packed [ceil(n/2)], absmax [ceil(n/64)].
@@ -412,9 +415,10 @@ ql_tensor *ql_mul_mat_acc(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor
 // packed blocks - llama.cpp's way of running a quantised model. For inference only: the result
 // moves within the bound README's generate section states (training is exact and must not ask).
 // The CPU backend honours it where a is Q4_0, Q8_0, Q4_K, Q6_K or NF4 (rows of whole 64-blocks),
-// b f32 with dense rows and at most 8 of them, one batch; every other multiply stays exact, as
-// on the CUDA backend. QL_ERR_INVALID if mm is not a ql_mul_mat(_acc) result, QL_ERR_TYPE for
-// another prec.
+// b f32 with dense rows and at most 8 of them, one batch; every other multiply stays exact. The
+// CUDA backend honours it for the same weight types in its decode products (ql_cuda_mm_q8: the
+// same codes and integer sums). QL_ERR_INVALID if mm is not a ql_mul_mat(_acc) result, QL_ERR_TYPE
+// for another prec.
 ql_status ql_mul_mat_set_prec(ql_tensor *mm, ql_type prec);
 
 // a [n_embd, n_rows] (any float type), ids I32 [n, n2, n3] -> [n_embd, n, n2, n3] f32
@@ -1306,7 +1310,14 @@ bool    ql_cuda_get_graph_counts(const ql_backend *be, ql_cuda_graph_counts *cou
 bool    ql_cuda_operand_ok(size_t elem_size, int64_t nb0, int64_t nb1, int64_t K, int64_t X);  // cuBLAS reads it in place
 bool    ql_cuda_mm_trows(const ql_tensor *a);          // a = transpose(block-quantized W): dequantised by rows of W
 #define QL_CUDA_GEMV_MAX_N 8                           // a product of at most this many tokens may read the packed weight
-bool    ql_cuda_mm_gemv(const ql_tensor *node);        // ... and this one does (decode; no workspace)
+bool    ql_cuda_mm_gemv(const ql_tensor *node);        // ... and this one does (decode; no workspace but for ql_cuda_mm_q8)
+// ... with 8-bit activations (ql_mul_mat_set_prec Q8_0, a Q4_0/Q8_0/Q4_K/Q6_K/NF4 weight, an f32 b;
+// QLORA_CUDA_DECODE_DP4A=0: never): b's columns quantised as the CPU's path does, into the workspace,
+// then integer dot products. The activations' block (32, or 256 for the k-quants), or 0: not this path
+int     ql_cuda_mm_q8(const ql_tensor *node);
+// the quantised columns' workspace, N columns of K in blocks of qb: codes int8 [N, K] at 0, scales
+// f32 [N, K/qb] at off[0], code sums int32 [N, K/g] at off[1] (g: 32 for qb 32, 8 for qb 256); the size
+size_t  ql_cuda_mm_q8_layout(int64_t N, int64_t K, int qb, size_t off[2]);
 #define QL_CUDA_THIN_K 64                              // a product over at most this K of a plain a onto a 16-bit c (LoRA's B u) ...
 bool    ql_cuda_mm_thin(const ql_tensor *node);        // ... is one kernel, c added as it writes (no workspace)
 // launches one node costs on a CUDA device of compute capability cc (ql_census' unit); inplace:

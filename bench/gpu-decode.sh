@@ -1,7 +1,8 @@
 #!/bin/sh
 # bench/gpu-decode.sh - on a machine with a CUDA GPU: decode tokens/s at the 1B and 8B shapes in
 # q4_K (q6_K head) and nf4, this tree and BASE=DIR (another source tree) in the same call, then
-# where a 1B token goes (generate --profile). Dev-side; numbers go to bench/RESULTS.md.
+# where a 1B token goes (generate --profile). Each decode also with QLORA_CUDA_DECODE_DP4A=0 (the
+# f32 decode products instead of the 8-bit activations' __dp4a ones). Dev-side; numbers go to bench/RESULTS.md.
 #   bench/gpu-decode.sh [out=gpu-decode-out]
 # Models are `make-model --zero` files (every weight 0: the bytes, work and launches of a real model
 # of the shape; the text is meaningless). Kept out of OUT (MODELS=DIR, default /tmp/qlora-decode).
@@ -36,6 +37,7 @@ decode() {  # name file generate [env...]: the median of 3, and the weight bytes
 for s in 1b 8b; do
     for ty in q4_K nf4; do
         decode "$s $ty" "$M/$s-$ty.gguf" ./generate
+        decode "$s $ty, f32 gemv" "$M/$s-$ty.gguf" ./generate QLORA_CUDA_DECODE_DP4A=0  # the f32 decode kernels (A/B)
         [ -n "$BASE" ] && decode "$s $ty, base" "$M/$s-$ty.gguf" "$BASE/generate"
     done
     for r in 1 2; do  # the decode product's rows a block (default 4)

@@ -797,6 +797,24 @@ inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 template <typename T> inline T __ldg(const T *p) { return *p; }
+// integer SIMD as the device: __dp4a sums the four byte products (signed x signed, or unsigned x
+// unsigned) onto c; __byte_perm picks bytes of the 8-byte {y:x} by the low 3 bits of each selector
+// nibble (callers keep bit 3 clear: PTX's prmt reads it as a sign-replication flag)
+inline int __dp4a(int a, int b, int c) {
+    for (int i = 0; i < 4; i++) c += (int)(int8_t)(a >> 8 * i) * (int)(int8_t)(b >> 8 * i);
+    return c;
+}
+inline unsigned __dp4a(unsigned a, unsigned b, unsigned c) {
+    for (int i = 0; i < 4; i++) c += ((a >> 8 * i) & 255) * ((b >> 8 * i) & 255);
+    return c;
+}
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const uint64_t v = (uint64_t)y << 32 | x;
+    unsigned r = 0;
+    for (int i = 0; i < 4; i++) r |= (unsigned)((v >> 8 * ((s >> 4 * i) & 7)) & 255) << 8 * i;
+    return r;
+}
+inline int __float2int_rn(float x) { return (int)std::nearbyint(x); }
 // device code's global min / max (CUDA has them for every arithmetic type)
 template <typename T> inline T min(T a, T b) { return b < a ? b : a; }
 template <typename T> inline T max(T a, T b) { return a < b ? b : a; }

@@ -395,6 +395,61 @@ OP_CASE(mul_mat_quantized) {
         }, TOL_MM);
 }
 
+extern "C" long long qlshim_launches(const char *kernel) __attribute__((weak));  // the shim's count per kernel (NULL elsewhere)
+
+// Decode with 8-bit activations (ql_mul_mat_set_prec Q8_0; ql_cuda_mm_q8 on a device): the
+// reference is the CPU's own 8-bit path (the same codes and integer sums; the CPU's test holds it
+// to README's bound of the exact product), so only f32 summation order may differ. Every type with
+// an integer kernel; 1, 3 and 8 columns; 37 rows (4 a block: a last block of one) and 2; rows of
+// one unit's worth up to several trips of 128 threads, and lengths that are not a multiple of 256
+// where the type's blocks allow (Q4_0, Q8_0: 32; NF4: 64); Q6_K also in rows of whole chunks of
+// 2048 (k_gemv_q8_q6s: one chunk a warp; 5 chunks over 4 warps). Each case checks that the path ran.
+OP_CASE(mul_mat_decode_q8) {
+    struct shape {
+        ql_type t;
+        std::vector<int64_t> ks;
+    };
+    const shape shapes[] = {{QL_TYPE_Q4_0, {96, 544, 4160}},   {QL_TYPE_Q8_0, {32, 544, 4160}},
+                            {QL_TYPE_NF4, {64, 576, 4160}},    {QL_TYPE_NF4_NODQ, {192, 4160}},
+                            {QL_TYPE_Q4_K, {256, 2304, 5120}}, {QL_TYPE_Q6_K, {256, 2304, 2048, 10240}}};
+    const bool cuda = strcmp(ql_backend_name(be), "cpu") != 0;
+    for (const shape &sh : shapes)
+        for (int64_t k : sh.ks)
+            for (int64_t n : {1, 3, 8})
+                for (int64_t m : {37, 2}) {
+                    if (m == 2 && n != 1) continue;
+                    INFO("type " << std::string(ql_type_name(sh.t)) << ", K " << k << ", columns " << n << ", rows " << m);
+                    const ql_type t = sh.t;
+                    check_case(be, "decode product, 8-bit activations", [t, k, n, m, cuda](leafs &L) {
+                        // activations with an outlier per column (blocks of very different scales)
+                        ql_tensor *y = ql_mul_mat(L.ctx, L.rand(t, {k, m}, -0.5f, 0.5f), L.rand(QL_TYPE_F32, {k, n}, -2.0f, 2.0f));
+                        REQUIRE(ql_mul_mat_set_prec(y, QL_TYPE_Q8_0) == QL_OK);
+                        if (cuda) CHECK(ql_cuda_mm_q8(y) == (t == QL_TYPE_Q4_K || t == QL_TYPE_Q6_K ? 256 : 32));
+                        return y;
+                    }, TOL_MM, false);
+                }
+    // products of one b (q, k and v; gate and up) share its codes: made once, unless a node in
+    // between used the workspace (here a product in dequantised tiles: made again). The shim counts
+    // the quantisations
+    for (bool between : {false, true}) {
+        INFO(std::string(between ? "a tiled product in between" : "two products of one b"));
+        const long long before = qlshim_launches ? qlshim_launches("k_q8_act") : 0;
+        check_case(be, "decode products sharing b's 8-bit activations", [between](leafs &L) {
+            ql_tensor *b = L.rand(QL_TYPE_F32, {512, 1}, -2.0f, 2.0f);
+            ql_tensor *y1 = ql_mul_mat(L.ctx, L.rand(QL_TYPE_Q4_K, {512, 40}), b);
+            ql_tensor *y2 = ql_mul_mat(L.ctx, L.rand(QL_TYPE_Q6_K, {512, 40}), b);
+            REQUIRE(ql_mul_mat_set_prec(y1, QL_TYPE_Q8_0) == QL_OK);
+            REQUIRE(ql_mul_mat_set_prec(y2, QL_TYPE_Q8_0) == QL_OK);
+            if (between) {  // y1, then z (12 columns: tiles in the workspace), then y2
+                ql_tensor *z = ql_mul_mat(L.ctx, L.rand(QL_TYPE_Q4_K, {512, 40}), L.rand(QL_TYPE_F32, {512, 12}));
+                y1 = ql_add(L.ctx, y1, ql_view_2d(L.ctx, z, 40, 1, z->nb[1], 0));
+            }
+            return ql_add(L.ctx, y1, y2);
+        }, TOL_MM, false);
+        if (cuda && qlshim_launches) CHECK(qlshim_launches("k_q8_act") - before == (between ? 2 : 1));
+    }
+}
+
 // ---- the multiply's dequantised tiles (issue 31 item 3): weights in several tiles of 128 rows
 // (the tile budget made small here), rows that are not a multiple of the tile, the transposed
 // product Wᵀ dy in bands of W's columns, the vectorised dequantisation and its per-element

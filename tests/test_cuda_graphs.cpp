@@ -320,13 +320,16 @@ TEST_CASE("census: a decode product (one kernel) and products in tiles" * skip_u
         budget() { ql_cuda_mm_tile_elems_for_tests(4096 * 128); }
         ~budget() { ql_cuda_mm_tile_elems_for_tests(0); }
     } small_tiles;
-    for (int64_t n : {1, 8, 9, 40, -40}) {  // -40: Wᵀ dy over 40 columns
+    for (int64_t n : {1, 8, 9, 40, -40, 101, 108}) {  // -40: Wᵀ dy over 40 columns; 101, 108: 1 and 8 with 8-bit activations
         CAPTURE(n);
+        const bool q8 = n > 100;
+        if (q8) n -= 100;
         ql_init_params ip = {16u << 20, nullptr, true, false};
         ql_context *ctx = ql_init(ip);
         ql_tensor *w = ql_new_tensor_2d(ctx, QL_TYPE_Q4_K, 4096, 700);
         ql_tensor *y = n > 0 ? ql_mul_mat(ctx, w, ql_new_tensor_2d(ctx, QL_TYPE_F32, 4096, n))
                              : ql_mul_mat(ctx, ql_transpose(ctx, w), ql_new_tensor_2d(ctx, QL_TYPE_F32, 700, -n));
+        if (q8) REQUIRE(ql_mul_mat_set_prec(y, QL_TYPE_Q8_0) == QL_OK);
         ql_graph *g = ql_graph_new(ctx);
         REQUIRE(ql_graph_build_forward(g, y) == QL_OK);
         ql_backend_buffer *leafs = ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE);
@@ -339,7 +342,7 @@ TEST_CASE("census: a decode product (one kernel) and products in tiles" * skip_u
         REQUIRE_MESSAGE(ql_backend_graph_compute(be, g) == QL_OK, ql_ctx_error(ctx));
         REQUIRE(ql_backend_synchronize(be) == QL_OK);
         CHECK(c.launches == qlshim_stream_ops() - before);
-        if (n > 0 && n <= QL_CUDA_GEMV_MAX_N) CHECK(c.launches == 1);
+        if (n > 0 && n <= QL_CUDA_GEMV_MAX_N) CHECK(c.launches == (q8 ? 2 : 1));  // (8-bit: the columns quantised first)
         else if (n > 0) CHECK(c.launches == 12);  // 6 tiles of 128 rows: each dequantised, then multiplied
         else CHECK(c.launches == 14);             // 7 bands of 640 of W's 4096 columns (K = 700)
         ql_graph_free(g);
@@ -347,4 +350,85 @@ TEST_CASE("census: a decode product (one kernel) and products in tiles" * skip_u
         ql_free(ctx);
     }
     ql_backend_free(be);
+}
+
+extern "C" long long qlshim_launches(const char *kernel) __attribute__((weak));  // the shim's count per kernel (NULL elsewhere)
+
+// Decode through the CUDA backend with 8-bit activations, as ./generate runs it (a KV cache, the
+// prompt's graph, then one token's graph at a time): the logits are the CPU's 8-bit path's, and a
+// token quantises its activations once per input - q, k and v share theirs, gate and up theirs:
+// 4 a layer and the head's, 5 in the layer whose v is NF4 (blocks of 32 against Q4_K's 256)
+TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logits, quantised once per input" *
+          skip_unless(k_cuda, "without a CUDA device")) {
+    tmpdir d;
+    const std::string path = d.file("tiny-q4k.gguf");
+    {
+        tiny_llama t(tiny_hparams(61, 256, 512), 5, 0.2f);
+        llama_gguf_opts o;
+        o.linear_type = QL_TYPE_Q4_K;
+        o.nf4 = {"output.weight", "blk.1.attn_v.weight"};
+        write_llama_gguf(t.m, path, o);
+    }
+    const int32_t prompt[3] = {3, 17, 42}, next[3] = {5, 9, 33};
+    auto run = [&](bool cuda, std::vector<long long> *quantised) {
+        char err[256] = "";
+        ql_backend *be = cuda ? ql_backend_cuda_init(0, err, sizeof(err)) : ql_backend_cpu_init(1);
+        REQUIRE_MESSAGE(be, err);
+        if (cuda) ql_cuda_set_graphs(be, false);  // (each token's launches counted; a capture replays the same sequence)
+        ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(f, err);
+        f->model.q8_activations = true;
+        const ql_llama &m = f->model;
+        ql_backend_buffer *wbuf = ql_backend_place_ctx_tensors(be, f->ctx);
+        REQUIRE_MESSAGE(wbuf, ql_ctx_error(f->ctx));
+        ql_init_params ip = {(size_t)1000 * ql_tensor_overhead() + (1u << 20), nullptr, true, false};
+        ql_context *ctx = ql_init(ip);
+        ql_llama_cache cache;
+        REQUIRE(ql_llama_cache_create(ctx, &m, 8, &cache) == QL_OK);
+        ql_tensor *pt = ql_new_tensor_2d(ctx, QL_TYPE_I32, 3, 1), *pp = ql_new_tensor_2d(ctx, QL_TYPE_I32, 3, 1);
+        ql_tensor *ot = ql_new_tensor_2d(ctx, QL_TYPE_I32, 1, 1), *op = ql_new_tensor_2d(ctx, QL_TYPE_I32, 1, 1);
+        ql_tensor *lp = ql_set_output(ql_llama_forward_cached(ctx, &m, &cache, pt, pp));
+        ql_tensor *lo = ql_set_output(ql_llama_forward_cached(ctx, &m, &cache, ot, op));
+        ql_graph *gp = ql_graph_new(ctx), *go = ql_graph_new(ctx);
+        ql_graph_build_forward(gp, lp);
+        ql_graph_build_forward(go, lo);
+        ql_backend_buffer *cbuf = ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE);
+        REQUIRE_MESSAGE((cbuf && ql_graph_alloc(gp, be) == QL_OK && ql_graph_alloc(go, be) == QL_OK), ql_ctx_error(ctx));
+        auto set = [&](ql_tensor *t, const int32_t *v, size_t n) { REQUIRE(ql_backend_tensor_set(be, t, v, 0, n * 4) == QL_OK); };
+        const int V = m.hp.n_vocab;
+        std::vector<float> logits, l((size_t)V);
+        const int32_t pos[3] = {0, 1, 2}, zero = 0, three = 3;
+        set(pt, prompt, 3), set(pp, pos, 3), set(cache.write_pos, &zero, 1), set(cache.n_kv, &three, 1);
+        REQUIRE_MESSAGE(ql_backend_graph_compute(be, gp) == QL_OK, ql_ctx_error(ctx));
+        REQUIRE(ql_backend_tensor_get(be, lp, l.data(), (size_t)2 * V * 4, (size_t)V * 4) == QL_OK);
+        logits.insert(logits.end(), l.begin(), l.end());
+        for (int i = 0; i < 3; i++) {
+            const int32_t p = 3 + i, n_kv = p + 1;
+            set(ot, &next[i], 1), set(op, &p, 1), set(cache.write_pos, &p, 1), set(cache.n_kv, &n_kv, 1);
+            const long long before = qlshim_launches ? qlshim_launches("k_q8_act") : 0;
+            REQUIRE_MESSAGE(ql_backend_graph_compute(be, go) == QL_OK, ql_ctx_error(ctx));
+            if (cuda && qlshim_launches) quantised->push_back(qlshim_launches("k_q8_act") - before);
+            REQUIRE(ql_backend_tensor_get(be, lo, l.data(), 0, (size_t)V * 4) == QL_OK);
+            logits.insert(logits.end(), l.begin(), l.end());
+        }
+        ql_graph_free(gp), ql_graph_free(go);
+        ql_backend_buffer_free(cbuf);
+        ql_free(ctx);
+        ql_backend_buffer_free(wbuf);
+        ql_llama_file_free(f);
+        ql_backend_free(be);
+        return logits;
+    };
+    std::vector<long long> quantised;
+    const std::vector<float> ref = run(false, nullptr), got = run(true, &quantised);
+    REQUIRE(got.size() == ref.size());
+    double num = 0, den = 1e-12;
+    for (size_t i = 0; i < ref.size(); i++) {
+        const double e = std::fabs((double)got[i] - ref[i]);
+        num = std::isfinite(e) ? std::max(num, e) : INFINITY;  // (a NaN logit fails)
+        den = std::max(den, (double)std::fabs(ref[i]));
+    }
+    CHECK_MESSAGE(num / den < 1e-3, "max |cuda - cpu| / max |cpu| = ", num / den);
+    MESSAGE("decode logits, cuda against the CPU's 8-bit path: max |diff| / max |logit| = ", num / den);
+    if (qlshim_launches) CHECK(quantised == std::vector<long long>{10, 10, 10});  // 4 + 5 + the head's, each token
 }
