@@ -1033,9 +1033,11 @@ static void cu_op_mm_thin(cu_ctx &c, ql_tensor *node) {
 // MD_K x MD_N slice of x - each thread 8 neighbouring k of one token (one 16-byte load for 16 bits,
 // two for f32, where x's rows allow: vec), the mask's hash per element (qlora.h's: the CPU's mask),
 // x / (1 - p) or 0 rounded to ct - in shared memory; thread (tn, tm) sums rows tm + 8 i of column
-// tn over k in order in f32. x is read once; no copy of D is made.
-#define MD_N 32  // columns (tokens) a block
-#define MD_K 64  // k a step
+// tn over k in order in f32. x is read once; no copy of D is made. With few tokens, block (i, s)
+// sums only k in [s kc, (s + 1) kc) into the workspace's split s (ql_cuda_mm_drop_splits), which
+// k_mm_drop_sum adds in split order.
+#define MD_N QL_CUDA_DROP_TOKENS  // columns (tokens) a block
+#define MD_K QL_CUDA_DROP_KSTEP   // k a step
 __device__ __forceinline__ float cu_round_to(float v, int ct) {
     if (ct == QL_TYPE_BF16) return __bfloat162float(__float2bfloat16_rn(v));
     if (ct == QL_TYPE_F16) return __half2float(__float2half_rn(v));
@@ -1043,7 +1045,7 @@ __device__ __forceinline__ float cu_round_to(float v, int ct) {
 }
 __global__ void __launch_bounds__(256) k_mm_drop(const char *a, int a_type, int64_t a_nb1, const char *x, int x_type, int64_t x_nb1,
                                                  int vec, const int32_t *seed, uint32_t stream, uint32_t threshold, float keep_scale,
-                                                 int64_t row0, int ct, float *C, int M, int64_t N, int64_t K) {
+                                                 int64_t row0, int ct, float *C, int M, int64_t N, int64_t K, int64_t kc) {
     __shared__ float As[MD_K][QL_CUDA_DROP_M + 1];  // [k][m]
     __shared__ float Xs[MD_K][MD_N + 1];            // [k][n]
     const uint64_t key = ql_dropout_key(seed[0], stream);
@@ -1051,7 +1053,9 @@ __global__ void __launch_bounds__(256) k_mm_drop(const char *a, int a_type, int6
     const int tn = threadIdx.x % 32, tm = threadIdx.x / 32;
     const int as = a_type == QL_TYPE_F32 ? 4 : 2, xs = x_type == QL_TYPE_F32 ? 4 : 2;
     float acc[QL_CUDA_DROP_M / 8] = {};
-    for (int64_t k0 = 0; k0 < K; k0 += MD_K) {
+    const int64_t kb = (int64_t)blockIdx.y * kc, ke = kb + kc < K ? kb + kc : K;
+    C += (int64_t)blockIdx.y * M * N;  // this split's sums
+    for (int64_t k0 = kb; k0 < ke; k0 += MD_K) {
         for (int i = threadIdx.x; i < MD_K * M; i += blockDim.x) {  // k fastest: a's columns are dense
             const int k = i % MD_K, m = i / MD_K;
             As[k][m] = k0 + k < K ? cu_round_to(cu_ld(a + (k0 + k) * as + m * a_nb1, a_type), ct) : 0.0f;
@@ -1097,6 +1101,14 @@ QL_UNROLL
     for (int i = 0; i < QL_CUDA_DROP_M / 8; i++)
         if (n < N && tm + 8 * i < M) C[n * M + tm + 8 * i] = acc[i];
 }
+// C [n] = the splits' sums P [s, n] added in split order
+__global__ void k_mm_drop_sum(const float *P, float *C, int splits, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float v = P[i];
+        for (int s = 1; s < splits; s++) v += P[s * n + i];
+        C[i] = v;
+    }
+}
 
 static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node);
 static void cu_op_dropout(cu_ctx &c, ql_tensor *node);
@@ -1109,12 +1121,21 @@ static void cu_op_mul_mat_dropout(cu_ctx &c, ql_tensor *node) {
         const int64_t K = x->ne[0], N = ql_nrows(x);
         const float pr = cu_param<float>(node, 0);
         const int vec = (uintptr_t)x->data % 16 == 0 && x->nb[1] % 16 == 0 && x->nb[0] == ql_plain_size(x->type);
-        CU_ASSERT(ql_is_contiguous(node) && a->ne[0] == K && a->ne[1] <= QL_CUDA_DROP_M);
-        QL_LAUNCH(k_mm_drop, (unsigned)((N + MD_N - 1) / MD_N), 256, 0, c.stream, (const char *)a->data, (int)a->type, (int64_t)a->nb[1],
-                  (const char *)x->data, (int)x->type, (int64_t)x->nb[1], vec, (const int32_t *)seed->data, cu_param<uint32_t>(node, 1),
-                  ql_dropout_threshold(pr), 1.0f / (1.0f - pr), cu_param<int64_t>(node, 2), cu_param<int32_t>(node, 5),
-                  (float *)node->data, (int)a->ne[1], N, K);
+        int64_t kc = K;
+        const int64_t splits = ql_cuda_mm_drop_splits(node, &kc);
+        CU_ASSERT(ql_is_contiguous(node) && a->ne[0] == K && a->ne[1] <= QL_CUDA_DROP_M && ql_cuda_work_size(node, 0) <= c.work_size);
+        float *P = splits > 1 ? (float *)c.work : (float *)node->data;
+        const dim3 grid((unsigned)((N + MD_N - 1) / MD_N), (unsigned)splits);
+        QL_LAUNCH(k_mm_drop, grid, 256, 0, c.stream, (const char *)a->data, (int)a->type, (int64_t)a->nb[1], (const char *)x->data,
+                  (int)x->type, (int64_t)x->nb[1], vec, (const int32_t *)seed->data, cu_param<uint32_t>(node, 1),
+                  ql_dropout_threshold(pr), 1.0f / (1.0f - pr), cu_param<int64_t>(node, 2), cu_param<int32_t>(node, 5), P,
+                  (int)a->ne[1], N, K, kc);
         CU_LAUNCHED(c);
+        if (splits > 1) {
+            const int64_t n = ql_nelements(node);
+            QL_LAUNCH(k_mm_drop_sum, cu_grid(n), CU_BLOCK, 0, c.stream, (const float *)P, (float *)node->data, (int)splits, n);
+            CU_LAUNCHED(c);
+        }
         return;
     }
     // D in the workspace by the dropout kernel (a QL_OP_DROPOUT node's params are this node's

@@ -7478,6 +7478,14 @@ bool ql_cuda_mm_drop_fused(const ql_tensor *node) {
     return plain && a->ne[1] <= QL_CUDA_DROP_M && a->nb[0] == ql_plain_size(a->type) && x->nb[2] == x->nb[1] * (size_t)x->ne[1] &&
            x->nb[3] == x->nb[2] * (size_t)x->ne[2] && ql_nrows(x) <= INT32_MAX;
 }
+int64_t ql_cuda_mm_drop_splits(const ql_tensor *node, int64_t *k_per_split) {
+    const int64_t K = node->src[1]->ne[0], N = ql_nrows(node->src[1]);
+    const int64_t steps = (K + QL_CUDA_DROP_KSTEP - 1) / QL_CUDA_DROP_KSTEP, blocks = (N + QL_CUDA_DROP_TOKENS - 1) / QL_CUDA_DROP_TOKENS;
+    const int64_t want = std::max<int64_t>(1, std::min<int64_t>(steps, QL_CUDA_DROP_BLOCKS / std::max<int64_t>(blocks, 1)));
+    const int64_t per = (steps + want - 1) / want;  // k steps a split; no split left empty
+    if (k_per_split) *k_per_split = per * QL_CUDA_DROP_KSTEP;
+    return (steps + per - 1) / per;
+}
 static int32_t cuda_fa_prec(const ql_tensor *node) {
     const ql_tensor *fwd = node->op == QL_OP_FLASH_ATTN_BACK ? node->src[4] : node;
     int32_t prec;
@@ -7518,7 +7526,7 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
         return ql_cuda_node_launches(&mm, cc, false);
     }
     case QL_OP_MUL_MAT_DROPOUT: {  // one kernel, or the dropout kernel and the product's launches
-        if (ql_cuda_mm_drop_fused(node)) return 1;
+        if (ql_cuda_mm_drop_fused(node)) return ql_cuda_mm_drop_splits(node, nullptr) > 1 ? 2 : 1;  // (the splits' sum)
         ql_tensor mm, d;
         ql_mul_mat_dropout_product(node, &mm, &d, nullptr);
         return 1 + ql_cuda_node_launches(&mm, cc, false);
@@ -7612,8 +7620,11 @@ size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
         ql_mul_mat_rows_product(node, &mm);
         return ql_cuda_work_size(&mm, cc);
     }
-    case QL_OP_MUL_MAT_DROPOUT: {  // none (k_mm_drop), or the dropped operand D (x's elements in the product's type), then the product's
-        if (ql_cuda_mm_drop_fused(node)) return 0;
+    case QL_OP_MUL_MAT_DROPOUT: {  // k_mm_drop: its splits' sums (none unsplit); or the dropped operand D (x's elements in the product's type), then the product's
+        if (ql_cuda_mm_drop_fused(node)) {
+            const int64_t s = ql_cuda_mm_drop_splits(node, nullptr);
+            return s > 1 ? (size_t)(s * ql_nelements(node)) * sizeof(float) : 0;
+        }
         ql_tensor mm, d;
         ql_mul_mat_dropout_product(node, &mm, &d, nullptr);
         return align_up((size_t)ql_nelements(node->src[node->op_params[4]]) * ql_plain_size(d.type), QL_ALIGN) + ql_cuda_work_size(&mm, cc);

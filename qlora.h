@@ -1327,8 +1327,15 @@ bool    ql_cuda_mm_thin(const ql_tensor *node);        // ... is one kernel, c a
 // QL_OP_MUL_MAT_DROPOUT: LoRA's A dropout(x) in forward (b dropped, a plain a of at most
 // QL_CUDA_DROP_M columns) is one kernel that masks x as it reads it (k_mm_drop: no workspace);
 // other such products (backward's da) make the dropped operand in the workspace, then multiply
+// Few tokens (the grid's token blocks below QL_CUDA_DROP_BLOCKS): K split over that many blocks
+// too, each split's sums in the workspace [splits, N, M] f32, then added in split order (a second
+// launch): deterministic
 #define QL_CUDA_DROP_M 64
+#define QL_CUDA_DROP_TOKENS 32                         // tokens (columns) a block
+#define QL_CUDA_DROP_KSTEP 64                          // k a step
+#define QL_CUDA_DROP_BLOCKS 512
 bool    ql_cuda_mm_drop_fused(const ql_tensor *node);
+int64_t ql_cuda_mm_drop_splits(const ql_tensor *node, int64_t *k_per_split);  // 1: no split
 void    ql_cuda_mm_drop_fused_for_tests(bool on);      // off: every such product by the workspace's path
 // launches one node costs on a CUDA device of compute capability cc (ql_census' unit); inplace:
 // the planner gave the node its source's memory (ql_plan_entry.inplace)

@@ -779,6 +779,13 @@ OP_CASE(mul_mat_dropout) {
                 }
     }
     ql_cuda_mm_drop_fused_for_tests(true);
+    // enough tokens that a split takes more than one k step (2 splits of 2 steps and 1, 172 token
+    // blocks): forward only
+    for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16})
+        check_case(be, "mul_mat_dropout, 5500 tokens", [t](leafs &L) {
+            ql_tensor *seed = L.i32({1}, [](int64_t) { return 5; });
+            return ql_mul_mat_dropout(L.ctx, L.param({136, 4}), L.param({136, 5500}), 0.1f, seed, 2, t, 3);
+        }, t == QL_TYPE_F32 ? TOL_MM : TOL_16, false);
 }
 
 // fa_mode_guard: a CUDA attention mode (ql_cuda_fa_set_mode) for one case, the previous one after

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -659,7 +660,7 @@ TEST_CASE("llama: adapter dropout inside A's multiply gives the copies' loss and
         int n_dropout = 0, n_fused = 0;
         size_t saved = 0;
     };
-    auto run = [&](bool fused, ql_type ct, int64_t chunk, bool recompute) {
+    auto run = [&](bool fused, ql_type ct, int64_t chunk, bool recompute, bool x16 = false) {
         result r;
         ql_init_params ip = {32u << 20, nullptr, false, false};
         ql_context *ctx = ql_init(ip);
@@ -667,6 +668,7 @@ TEST_CASE("llama: adapter dropout inside A's multiply gives the copies' loss and
         m.compute = ct;
         m.ffn_chunk = chunk;
         m.lora_dropout_fused = fused;
+        m.lora_dropout_x16 = x16;
         ql_tensor *seed = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1));
         ((int32_t *)seed->data)[0] = 2024;
         ql_lora_config lc;
@@ -716,6 +718,7 @@ TEST_CASE("llama: adapter dropout inside A's multiply gives the copies' loss and
         ql_free(ctx);
         return r;
     };
+    std::map<std::pair<int64_t, bool>, result> f32_copies;  // the f32 run, each 16-bit one's yardstick
     for (ql_type ct : {QL_TYPE_F32, QL_TYPE_BF16, QL_TYPE_F16})
         for (int64_t chunk : {(int64_t)0, (int64_t)10})
             for (bool recompute : {false, true}) {
@@ -731,6 +734,32 @@ TEST_CASE("llama: adapter dropout inside A's multiply gives the copies' loss and
                 if (!recompute) CHECK(fused.saved < copies.saved);
                 if (ct == QL_TYPE_BF16 && !chunk && !recompute)
                     MESSAGE("saved activations: ", fused.saved, " bytes fused, ", copies.saved, " with the copies");
+                // reading x's 16-bit cast (lora_dropout_x16): f32 x is that cast under f32 - the same
+                // bits; under bf16 / fp16 a kept element is rounded twice: no farther from the f32 run
+                // than the copies' run is (within 25%), and less is kept
+                const result x16 = run(true, ct, chunk, recompute, true);
+                auto dist = [](const result &u, const result &v) {  // relative L2 over every LoRA gradient
+                    double num = 0, den = 0;
+                    for (size_t i = 0; i < u.grads.size(); i++)
+                        for (size_t j = 0; j < u.grads[i].size(); j++)
+                            num += std::pow((double)u.grads[i][j] - v.grads[i][j], 2), den += std::pow((double)v.grads[i][j], 2);
+                    return std::sqrt(num / den);
+                };
+                if (ct == QL_TYPE_F32) {
+                    CHECK(x16.loss == copies.loss);
+                    CHECK(dist(x16, copies) == 0);
+                    f32_copies[{chunk, recompute}] = copies;
+                } else {
+                    const result &ref = f32_copies.at({chunk, recompute});
+                    const double e16 = dist(x16, copies), ect = dist(copies, ref), e16ref = dist(x16, ref);
+                    CHECK(std::fabs(x16.loss - ref.loss) <= 1.25 * std::fabs(copies.loss - ref.loss) + 1e-3f);
+                    CHECK(e16ref < 1.25 * ect);
+                    if (!recompute) CHECK(x16.saved < fused.saved);
+                    if (!chunk && !recompute)
+                        MESSAGE(std::string(ql_type_name(ct)), " x16: loss ", x16.loss, " (copies ", copies.loss, ", f32 ", ref.loss,
+                                "), gradients ", e16, " from the copies', ", e16ref, " from f32's (the copies' ", ect, "); saved ",
+                                x16.saved, " bytes");
+                }
             }
     ql_backend_free(be);
 }
