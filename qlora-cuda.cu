@@ -959,11 +959,13 @@ static void cu_mm_wait(cu_ctx &c, cu_mm_side &m, cu_mm_order &o, int x, int ev) 
 // warp's loads and stores of c and C are 32 neighbouring elements) of columns n0 + 4 y .. + 3,
 // summed over k in order in f32; then c added (read where it is: in place too) and the result
 // rounded once to C's type - k_acc_round's value without the f32 product's round trip through
-// the workspace.
+// the workspace. With seed (mul_mat_dropout's dx, C f32): each sum dropped out first - element
+// (m, n) of the result's rows from row0 (qlora.h's hash), x / (1 - p) or 0 - then c added.
 #define MT_M 128
 #define MT_N 32
 __global__ void __launch_bounds__(256) k_mm_thin(cu_t a, cu_t b, int ct, const char *c, char *C, int c_type, int64_t M, int64_t N,
-                                                 int64_t K) {
+                                                 int64_t K, const int32_t *seed, uint32_t stream, uint32_t threshold, float keep_scale,
+                                                 int64_t row0) {
     QL_DYN_SMEM(float, sm);  // As [K][MT_M + 1], then Bs [K][MT_N + 1]: 41 KiB at K = 64
     float *As = sm, *Bs = sm + K * (MT_M + 1);
     const int64_t m0 = (int64_t)blockIdx.x * MT_M, n0 = (int64_t)blockIdx.y * MT_N;
@@ -995,6 +997,16 @@ QL_UNROLL
 QL_UNROLL
             for (int i = 0; i < 4; i++) acc[j][i] = fmaf(av[i], bv[j], acc[j][i]);
     }
+    if (seed) {
+        const uint64_t key = ql_dropout_key(seed[0], stream);
+QL_UNROLL
+        for (int j = 0; j < 4; j++)
+QL_UNROLL
+            for (int i = 0; i < 4; i++) {
+                const int64_t n = n0 + ty * 4 + j, m = m0 + tx + 32 * i;
+                acc[j][i] = ql_dropout_hash(key, (uint64_t)((row0 + n) * M + m)) >= threshold ? acc[j][i] * keep_scale : 0.0f;
+            }
+    }
     // c's 16 elements read first, all at once, then the sums stored: C may be c itself (in place),
     // and each thread reads only what it writes - so no read waits for the previous element's store
     const size_t cs = c_type == QL_TYPE_F32 ? 4 : 2;
@@ -1022,7 +1034,7 @@ static void cu_op_mm_thin(cu_ctx &c, ql_tensor *node) {
     CU_ASSERT(K <= QL_CUDA_THIN_K && ql_is_contiguous(node) && (!acc || (acc->type == node->type && ql_is_contiguous(acc))));
     const dim3 grid((unsigned)((M + MT_M - 1) / MT_M), (unsigned)((N + MT_N - 1) / MT_N));
     QL_LAUNCH(k_mm_thin, grid, 256, (size_t)K * (MT_M + MT_N + 2) * sizeof(float), c.stream, cu_of(a), cu_of(b), (int)b->type, acc ? (const char *)acc->data : nullptr,
-              (char *)node->data, (int)node->type, M, N, K);
+              (char *)node->data, (int)node->type, M, N, K, (const int32_t *)nullptr, 0u, 0u, 0.0f, (int64_t)0);
     CU_LAUNCHED(c);
 }
 
@@ -1113,8 +1125,44 @@ __global__ void k_mm_drop_sum(const float *P, float *C, int splits, int64_t n) {
 static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node);
 static void cu_op_dropout(cu_ctx &c, ql_tensor *node);
 template <typename T> static T cu_param(const ql_tensor *t, int slot);
+// y = c + dropout(y) over the product y (the result of mul_mat_dropout's dx, where k_mm_thin does not take it)
+__global__ void k_drop_acc(float *y, const float *cin, const int32_t *seed, uint32_t stream, uint32_t threshold, float keep_scale,
+                           int64_t first, int64_t n) {
+    const uint64_t key = ql_dropout_key(seed[0], stream);
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const float v = ql_dropout_hash(key, (uint64_t)(first + i)) >= threshold ? y[i] * keep_scale : 0.0f;
+        y[i] = cin ? cin[i] + v : v;
+    }
+}
+
 static void cu_op_mul_mat_dropout(cu_ctx &c, ql_tensor *node) {
     const int slot = cu_param<int32_t>(node, 4);
+    if (slot == 2) {  // the result dropped, c (src[3]) added: k_mm_thin's epilogue, or the product then k_drop_acc
+        const ql_tensor *a = node->src[0], *b = node->src[1], *acc = node->src[3];
+        const int32_t *seed = (const int32_t *)node->src[2]->data;
+        const float pr = cu_param<float>(node, 0);
+        const uint32_t stream = cu_param<uint32_t>(node, 1), thr = ql_dropout_threshold(pr);
+        const int64_t row0 = cu_param<int64_t>(node, 2);
+        CU_ASSERT(ql_is_contiguous(node) && node->type == QL_TYPE_F32 && (!acc || (acc->type == QL_TYPE_F32 && ql_is_contiguous(acc))));
+        if (ql_cuda_mm_drop_fused(node)) {
+            const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
+            const dim3 grid((unsigned)((M + MT_M - 1) / MT_M), (unsigned)((N + MT_N - 1) / MT_N));
+            QL_LAUNCH(k_mm_thin, grid, 256, (size_t)K * (MT_M + MT_N + 2) * sizeof(float), c.stream, cu_of(a), cu_of(b), (int)b->type,
+                      acc ? (const char *)acc->data : nullptr, (char *)node->data, (int)QL_TYPE_F32, M, N, K, seed, stream, thr,
+                      1.0f / (1.0f - pr), row0);
+            CU_LAUNCHED(c);
+            return;
+        }
+        ql_tensor mm, d;
+        ql_mul_mat_dropout_product(node, &mm, &d, nullptr);
+        cu_op_mul_mat(c, &mm);
+        if (c.failed) return;
+        const int64_t n = ql_nelements(node);
+        QL_LAUNCH(k_drop_acc, cu_grid(n), CU_BLOCK, 0, c.stream, (float *)node->data, acc ? (const float *)acc->data : nullptr, seed, stream,
+                  thr, 1.0f / (1.0f - pr), row0 * node->ne[0], n);
+        CU_LAUNCHED(c);
+        return;
+    }
     const ql_tensor *x = node->src[slot], *seed = node->src[2];
     if (ql_cuda_mm_drop_fused(node)) {
         const ql_tensor *a = node->src[0];
@@ -3893,7 +3941,7 @@ static bool cuda_supports_op(ql_backend *be, const ql_tensor *node) {
         ql_mul_mat_rows_product(node, &mm);
         return cu_mm_supported(&mm, cc);
     }
-    case QL_OP_MUL_MAT_DROPOUT: {  // (the fused kernel converts as it reads; the workspace's path is the product's)
+    case QL_OP_MUL_MAT_DROPOUT: {  // (the fused kernels convert as they read; the other path is the product's)
         ql_tensor mm, d;
         ql_mul_mat_dropout_product(node, &mm, &d, nullptr);
         return ql_cuda_mm_drop_fused(node) || cu_mm_supported(&mm, cc);

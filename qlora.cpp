@@ -2369,7 +2369,8 @@ void ql_mul_mat_rows_product(const ql_tensor *node, ql_tensor *mm) {
 }
 
 // params: p, stream, the mask's first row (int64: slots 2-3), the slot of the dropped operand's
-// source x (0: a = transpose(D), x [M, K] in rows; 1: b = D, x [K, N, ...]), the multiply's type
+// source x (0: a = transpose(D), x [M, K] in rows; 1: b = D, x [K, N, ...]; 2: none - the result
+// dropped, mul_mat_dropped), the multiply's type
 static ql_tensor *mul_mat_dropout_impl(ql_context *ctx, ql_tensor *a, ql_tensor *b, int slot, float p, ql_tensor *seed,
                                        uint32_t stream, ql_type type, int64_t first_row) {
     if (!srcs_ok(ctx, "mul_mat_dropout", {a, b, seed})) return nullptr;
@@ -2405,9 +2406,46 @@ ql_tensor *ql_mul_mat_dropout(ql_context *ctx, ql_tensor *a, ql_tensor *x, float
     return mul_mat_dropout_impl(ctx, a, x, 1, p, seed, stream, type, first_row);
 }
 
+// Backward's dx of y = a dropout(x): c + dropout(a b) (c: NULL, or f32 shaped as the result: the
+// gradient so far, as ql_add(c, dropout(a b)) would add it), the mask's elements those of the
+// result's rows from first_row (x's); a 2-D plain, b as ql_mul_mat takes it - the bits of
+// ql_dropout_rows_to(ql_mul_mat(a, b)) and the add, in one node
+static ql_tensor *mul_mat_dropped(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor *c, float p, ql_tensor *seed, uint32_t stream,
+                                  int64_t first_row) {
+    if (!srcs_ok(ctx, "mul_mat_dropped", {a, b, seed})) return nullptr;
+    QL_CHECK(ctx, a->ne[2] == 1 && a->ne[3] == 1 && a->ne[0] == b->ne[0] && ql_plain_size(b->type) > 1 &&
+                      (a->type == QL_TYPE_F32 || a->type == QL_TYPE_BF16 || a->type == QL_TYPE_F16),
+             QL_ERR_SHAPE, "mul_mat_dropped: a %s (2-D, plain) and b %s", shape_str(a).c_str(), shape_str(b).c_str());
+    const int64_t ne[4] = {a->ne[1], b->ne[1], b->ne[2], b->ne[3]};
+    ql_tensor *t = new_op(ctx, QL_OP_MUL_MAT_DROPOUT, QL_TYPE_F32, ne, {a, b, seed});
+    if (!t) return nullptr;
+    if (c) {
+        QL_CHECK(ctx, c->type == QL_TYPE_F32 && ql_is_contiguous(c) && ql_same_shape(c, t), QL_ERR_SHAPE,
+                 "mul_mat_dropped: c %s must be f32, contiguous, shaped as %s", shape_str(c).c_str(), shape_str(t).c_str());
+        t->src[3] = c;
+    }
+    set_param(t, 0, p);
+    set_param(t, 1, stream);
+    set_param(t, 2, first_row);
+    set_param(t, 4, (int32_t)2);
+    set_param(t, 5, (int32_t)b->type);
+    return t;
+}
+
 void ql_mul_mat_dropout_product(const ql_tensor *node, ql_tensor *mm, ql_tensor *d, void *d_data) {
     const int slot = get_param<int32_t>(node, 4);
     const ql_type type = (ql_type)get_param<int32_t>(node, 5);
+    if (slot == 2) {  // the result dropped: the product itself, at the result's data
+        *d = ql_tensor{};
+        *mm = *node;
+        mm->op = QL_OP_MUL_MAT;
+        memset(mm->op_params, 0, sizeof(mm->op_params));
+        for (ql_tensor *&s : mm->src) s = nullptr;
+        mm->src[0] = node->src[0];
+        mm->src[1] = node->src[1];
+        mm->grad = nullptr;
+        return;
+    }
     const ql_tensor *x = node->src[slot];
     const size_t es = ql_plain_size(type);
     *d = ql_tensor{};
@@ -2705,6 +2743,11 @@ struct grad_builder {
     }
 };
 
+// mul_mat_dropout's dx in one node (mul_mat_dropped) - or the product, the dropout and the add as
+// three (QLORA_DROPOUT_FUSED_DX=0, or a test): the same bits either way
+static bool g_mmd_dx_fused = !(getenv("QLORA_DROPOUT_FUSED_DX") && strcmp(getenv("QLORA_DROPOUT_FUSED_DX"), "0") == 0);
+void ql_mul_mat_dropout_dx_fused_for_tests(bool on) { g_mmd_dx_fused = on; }
+
 static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
     ql_context *ctx = gb.ctx;
     ql_tensor  *a = node->src[0], *b = node->src[1];
@@ -2826,7 +2869,7 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
         // mask: the same seed, stream and indices), dx = dropout(aᵀ dc) (the same mask and scale);
         // dc = dy rounded to t. The same nodes' arithmetic as the unfused pair, so the same bits.
         if (get_param<int32_t>(node, 4) != 1) {
-            QL_ERR(ctx, QL_ERR_UNSUPPORTED, "backward: mul_mat_dropout with the a side dropped is backward's own product");
+            QL_ERR(ctx, QL_ERR_UNSUPPORTED, "backward: mul_mat_dropout with the a side or the result dropped is backward's own product");
             break;
         }
         const ql_type t = (ql_type)get_param<int32_t>(node, 5);
@@ -2840,8 +2883,18 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
             if (dd) dd = ql_reshape_2d(ctx, dd, dd->ne[0], ql_nelements(dd) / dd->ne[0]);  // [M, N B2 B3]
             gb.add(a, mul_mat_dropout_impl(ctx, b, ql_transpose(ctx, dd), 0, p, seed, stream, t, row0));
         }
-        if (gb.wants(b))
-            gb.add(b, ql_dropout_rows_to(ctx, ql_mul_mat(ctx, ql_transpose(ctx, a), gb.dense(dc)), p, seed, stream, QL_TYPE_F32, row0));
+        if (gb.wants(b)) {  // dx = dropout(aᵀ dc) added onto x's gradient so far as it is made (the add's bits: c + v)
+            if (g_mmd_dx_fused) {
+                auto it = gb.grad.find(b);
+                ql_tensor *prev = it == gb.grad.end() ? nullptr : it->second;
+                const bool onto = prev && prev->type == QL_TYPE_F32 && ql_is_contiguous(prev) && ql_same_shape(prev, b);
+                ql_tensor *d = mul_mat_dropped(ctx, ql_transpose(ctx, a), gb.dense(dc), onto ? prev : nullptr, p, seed, stream, row0);
+                if (onto) it->second = d;
+                else gb.add(b, d);
+            } else {
+                gb.add(b, ql_dropout_rows_to(ctx, ql_mul_mat(ctx, ql_transpose(ctx, a), gb.dense(dc)), p, seed, stream, QL_TYPE_F32, row0));
+            }
+        }
         break;
     }
     case QL_OP_DROPOUT:  // same mask (same seed, stream and indices), same scale
@@ -2986,7 +3039,8 @@ static double node_flops(const ql_tensor *n) {
     case QL_OP_MUL_MAT:
         return 2.0 * (double)n->src[0]->ne[0] * (double)ql_nelements(n);
     case QL_OP_MUL_MAT_DROPOUT:  // K: the dropped operand's contracted length
-        return 2.0 * (double)(n->op_params[4] ? n->src[1]->ne[0] : ql_nrows(n->src[0])) * (double)ql_nelements(n);
+        return 2.0 * (double)(n->op_params[4] == 1 ? n->src[1]->ne[0] : n->op_params[4] == 2 ? n->src[0]->ne[0] : ql_nrows(n->src[0])) *
+               (double)ql_nelements(n);
     case QL_OP_MUL_MAT_ROWS:  // the rows it writes
         return 2.0 * (double)n->src[1]->ne[0] * (double)n->src[1]->ne[1] * (double)n->src[2]->ne[1];
     case QL_OP_FLASH_ATTN: {  // QK^T and PV over the causal half
@@ -6422,15 +6476,35 @@ struct cpu_job {
 // ql_dropout_rows_to's result) at the start of the graph's workspace, shared: each thread's
 // workspace holds a share of it. Pass 1 is ql_mul_mat over D: the same bits as the unfused pair.
 // Each thread's own workspace (the product's, or k_dropout's rows) follows D.
-static size_t mmd_d_bytes(const ql_tensor *node, const ql_tensor &d) {
-    return align_up((size_t)ql_nelements(node->src[get_param<int32_t>(node, 4)]) * ql_plain_size(d.type), QL_ALIGN);
+static size_t mmd_d_bytes(const ql_tensor *node, const ql_tensor &d) {  // (the result dropped: none)
+    const int slot = get_param<int32_t>(node, 4);
+    return slot == 2 ? 0 : align_up((size_t)ql_nelements(node->src[slot]) * ql_plain_size(d.type), QL_ALIGN);
 }
 static size_t cpu_work_per_thread(const ql_tensor *node, int nth);
 static size_t mmd_thread_work(const ql_tensor *node, const ql_tensor &mm, int nth) {
-    const size_t rows = 2 * (size_t)node->src[get_param<int32_t>(node, 4)]->ne[0] * sizeof(float);  // k_dropout's
+    const int slot = get_param<int32_t>(node, 4);
+    const size_t rows = slot == 2 ? 0 : 2 * (size_t)node->src[slot]->ne[0] * sizeof(float);  // k_dropout's
     return align_up(std::max(cpu_work_per_thread(&mm, nth), rows), QL_ALIGN);
 }
 static void k_mul_mat_dropout(const cpu_params &p, ql_tensor *dst) {
+    if (get_param<int32_t>(dst, 4) == 2) {  // the product into the result, then its rows dropped (in place) and c added
+        ql_tensor mm, d;
+        ql_mul_mat_dropout_product(dst, &mm, &d, nullptr);
+        if (p.pass == 0) return k_mul_mat(p, &mm);
+        const float pr = get_param<float>(dst, 0);
+        const uint64_t key = ql_dropout_key(((const int32_t *)dst->src[2]->data)[0], get_param<uint32_t>(dst, 1));
+        const int64_t ne0 = dst->ne[0], row0 = get_param<int64_t>(dst, 2);
+        const float *c = dst->src[3] ? (const float *)dst->src[3]->data : nullptr;
+        int64_t b, e;
+        split_range(ql_nrows(dst), p.ith, p.nth, b, e);
+        for (int64_t r = b; r < e; r++) {
+            float *y = (float *)dst->data + r * ne0;
+            dropout_row(ne0, y, y, key, (uint64_t)((r + row0) * ne0), ql_dropout_threshold(pr), 1.0f / (1.0f - pr));
+            if (c)
+                for (int64_t i = 0; i < ne0; i++) y[i] = c[r * ne0 + i] + y[i];  // ql_add's order: the sum so far + this
+        }
+        return;
+    }
     const ql_tensor *x = dst->src[get_param<int32_t>(dst, 4)];
     uint8_t *base = p.job->g->work;
     ql_tensor mm, d;
@@ -6500,6 +6574,7 @@ static size_t cpu_work_per_thread(const ql_tensor *node, int nth) {
     case QL_OP_MUL_MAT_DROPOUT: {  // D shared by the threads (a share each), then each thread's own (k_mul_mat_dropout)
         ql_tensor mm, d;
         ql_mul_mat_dropout_product(node, &mm, &d, nullptr);
+        if (get_param<int32_t>(node, 4) == 2) return cpu_work_per_thread(&mm, nth);  // the product's (into the result)
         return mmd_thread_work(node, mm, nth) + align_up((mmd_d_bytes(node, d) + (size_t)nth - 1) / (size_t)nth, QL_ALIGN);
     }
     default:              return 0;
@@ -7471,7 +7546,13 @@ bool ql_cuda_mm_thin(const ql_tensor *node) {
 static bool g_cuda_drop_fused = true;
 void ql_cuda_mm_drop_fused_for_tests(bool on) { g_cuda_drop_fused = on; }
 bool ql_cuda_mm_drop_fused(const ql_tensor *node) {
-    if (node->op != QL_OP_MUL_MAT_DROPOUT || !g_cuda_drop_fused || node->op_params[4] != 1) return false;
+    if (node->op != QL_OP_MUL_MAT_DROPOUT || !g_cuda_drop_fused || node->op_params[4] == 0) return false;
+    if (node->op_params[4] == 2) {  // dx = c + dropout(Aᵀ dc): k_mm_thin's shapes (K = r), its epilogue dropping each sum
+        const ql_tensor *a = node->src[0], *b = node->src[1];
+        const bool plain = a->type == QL_TYPE_F32 || a->type == QL_TYPE_F16 || a->type == QL_TYPE_BF16;
+        return plain && !ql_cuda_mm_trows(a) && a->ne[0] <= QL_CUDA_THIN_K && b->ne[2] == 1 && b->ne[3] == 1 && a->ne[1] <= INT32_MAX &&
+               b->ne[1] <= (int64_t)65535 * 32;
+    }
     const ql_tensor *a = node->src[0], *x = node->src[1];
     const bool plain = a->type == QL_TYPE_F32 || a->type == QL_TYPE_F16 || a->type == QL_TYPE_BF16;
     // x's rows evenly spaced (row r at r nb[1]: the FFN's chunks are such views of h), a's columns dense
@@ -7526,10 +7607,10 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
         return ql_cuda_node_launches(&mm, cc, false);
     }
     case QL_OP_MUL_MAT_DROPOUT: {  // one kernel, or the dropout kernel and the product's launches
-        if (ql_cuda_mm_drop_fused(node)) return ql_cuda_mm_drop_splits(node, nullptr) > 1 ? 2 : 1;  // (the splits' sum)
+        if (ql_cuda_mm_drop_fused(node)) return node->op_params[4] == 1 && ql_cuda_mm_drop_splits(node, nullptr) > 1 ? 2 : 1;  // (the splits' sum)
         ql_tensor mm, d;
         ql_mul_mat_dropout_product(node, &mm, &d, nullptr);
-        return 1 + ql_cuda_node_launches(&mm, cc, false);
+        return 1 + ql_cuda_node_launches(&mm, cc, false);  // the dropout before (D), or after (k_drop_acc)
     }
     case QL_OP_MUL_MAT: {
         if (ql_cuda_mm_gemv(node) || ql_cuda_mm_thin(node)) return 1;
@@ -7621,13 +7702,15 @@ size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
         return ql_cuda_work_size(&mm, cc);
     }
     case QL_OP_MUL_MAT_DROPOUT: {  // k_mm_drop: its splits' sums (none unsplit); or the dropped operand D (x's elements in the product's type), then the product's
+        const int slot = node->op_params[4];
         if (ql_cuda_mm_drop_fused(node)) {
-            const int64_t s = ql_cuda_mm_drop_splits(node, nullptr);
+            const int64_t s = slot == 1 ? ql_cuda_mm_drop_splits(node, nullptr) : 1;
             return s > 1 ? (size_t)(s * ql_nelements(node)) * sizeof(float) : 0;
         }
         ql_tensor mm, d;
         ql_mul_mat_dropout_product(node, &mm, &d, nullptr);
-        return align_up((size_t)ql_nelements(node->src[node->op_params[4]]) * ql_plain_size(d.type), QL_ALIGN) + ql_cuda_work_size(&mm, cc);
+        if (slot == 2) return ql_cuda_work_size(&mm, cc);  // (the product into the result)
+        return align_up((size_t)ql_nelements(node->src[slot]) * ql_plain_size(d.type), QL_ALIGN) + ql_cuda_work_size(&mm, cc);
     }
     case QL_OP_MUL_MAT: {  // b's contiguous copy (when cuBLAS cannot read it), then a's tile buffers: tiles of
         // a's rows (K each; of a transposed W, bands of W's columns), two when there is more than
@@ -7652,7 +7735,9 @@ size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
 static bool cuda_plan_supports(ql_backend *be, const ql_tensor *node) {
     const int cc = (int)(intptr_t)be->impl;
     const ql_tensor *b = node->op == QL_OP_MUL_MAT ? node->src[1] : node->op == QL_OP_MUL_MAT_ROWS ? node->src[2] : nullptr;
-    if (node->op == QL_OP_MUL_MAT_DROPOUT && node->op_params[5] == QL_TYPE_BF16 && !ql_cuda_mm_drop_fused(node)) return ql_cuda_bf16_gemm(cc);
+    if (node->op == QL_OP_MUL_MAT_DROPOUT && (node->op_params[4] == 2 ? node->src[1]->type : node->op_params[5]) == QL_TYPE_BF16 &&
+        !ql_cuda_mm_drop_fused(node))
+        return ql_cuda_bf16_gemm(cc);
     return !(b && b->type == QL_TYPE_BF16 && !ql_cuda_bf16_gemm(cc));  // as the device
 }
 static size_t cuda_plan_work(ql_backend *be, const ql_tensor *node) { return ql_cuda_work_size(node, (int)(intptr_t)be->impl); }

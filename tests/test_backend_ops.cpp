@@ -779,6 +779,19 @@ OP_CASE(mul_mat_dropout) {
                 }
     }
     ql_cuda_mm_drop_fused_for_tests(true);
+    // x read by two such products: the second dx added onto the first as it is made (k_mm_thin's
+    // dropout epilogue with c; k_drop_acc after the product where the fused kernels are off)
+    for (int fused = 1; fused >= 0; fused--) {
+        ql_cuda_mm_drop_fused_for_tests(fused != 0);
+        for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16})
+            check_case(be, fused ? "mul_mat_dropout, x read twice" : "mul_mat_dropout, x read twice, the product's path", [t](leafs &L) {
+                ql_tensor *seed = L.i32({1}, [](int64_t) { return 8; });
+                ql_tensor *x = L.param({96, 150}, -2.0f, 2.0f);
+                return ql_add(L.ctx, ql_mul_mat_dropout(L.ctx, L.param({96, 8}), x, 0.3f, seed, 1, t, 0),
+                              ql_mul_mat_dropout(L.ctx, L.param({96, 8}), x, 0.3f, seed, 2, t, 0));
+            }, t == QL_TYPE_F32 ? TOL_MM : TOL_16);
+    }
+    ql_cuda_mm_drop_fused_for_tests(true);
     // enough tokens that a split takes more than one k step (2 splits of 2 steps and 1, 172 token
     // blocks): forward only
     for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16})
