@@ -2744,9 +2744,8 @@ struct grad_builder {
 };
 
 // mul_mat_dropout's dx in one node (mul_mat_dropped) - or the product, the dropout and the add as
-// three (QLORA_DROPOUT_FUSED_DX=0, or a test): the same bits either way
-static bool g_mmd_dx_fused = !(getenv("QLORA_DROPOUT_FUSED_DX") && strcmp(getenv("QLORA_DROPOUT_FUSED_DX"), "0") == 0);
-void ql_mul_mat_dropout_dx_fused_for_tests(bool on) { g_mmd_dx_fused = on; }
+// three (QLORA_DROPOUT_FUSED_DX=0, to compare): the same bits either way
+static const bool g_mmd_dx_fused = !(getenv("QLORA_DROPOUT_FUSED_DX") && strcmp(getenv("QLORA_DROPOUT_FUSED_DX"), "0") == 0);
 
 static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
     ql_context *ctx = gb.ctx;

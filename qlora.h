@@ -516,9 +516,6 @@ ql_tensor *ql_mul_mat_dropout(ql_context *ctx, ql_tensor *a, ql_tensor *x, float
 // shape, or [rows, ne0] transposed for the operand on the a side, which backward's da uses) - how
 // the CPU backend runs it, and the CUDA backend where no fused kernel takes it
 void ql_mul_mat_dropout_product(const ql_tensor *node, ql_tensor *mm, ql_tensor *d, void *d_data);
-// Backward's dx = dropout(aᵀ dy) as one such node (the product, the mask, the add onto x's gradient
-// so far) - the default - or as three (QLORA_DROPOUT_FUSED_DX=0; off here: to compare): the same bits
-void ql_mul_mat_dropout_dx_fused_for_tests(bool on);
 
 // a (f32, contiguous) with b (f32 [a->ne[0], n], dense rows) added to a's rows [row0, row0 + n),
 // rows counted over ne[1..3]: a result made in pieces of rows (the FFN in token chunks). It
