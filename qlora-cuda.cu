@@ -1395,11 +1395,13 @@ static void cu_mm_wait(cu_ctx &c, cu_mm_side &m, cu_mm_order &o, int x, int ev) 
 // warp's loads and stores of c and C are 32 neighbouring elements) of columns n0 + 4 y .. + 3,
 // summed over k in order in f32; then c added (read where it is: in place too) and the result
 // rounded once to C's type - k_acc_round's value without the f32 product's round trip through
-// the workspace.
+// the workspace. With seed (mul_mat_dropout's dx, C f32): each sum dropped out first - element
+// (m, n) of the result's rows from row0 (qlora.h's hash), x / (1 - p) or 0 - then c added.
 #define MT_M 128
 #define MT_N 32
 __global__ void __launch_bounds__(256) k_mm_thin(cu_t a, cu_t b, int ct, const char *c, char *C, int c_type, int64_t M, int64_t N,
-                                                 int64_t K) {
+                                                 int64_t K, const int32_t *seed, uint32_t stream, uint32_t threshold, float keep_scale,
+                                                 int64_t row0) {
     QL_DYN_SMEM(float, sm);  // As [K][MT_M + 1], then Bs [K][MT_N + 1]: 41 KiB at K = 64
     float *As = sm, *Bs = sm + K * (MT_M + 1);
     const int64_t m0 = (int64_t)blockIdx.x * MT_M, n0 = (int64_t)blockIdx.y * MT_N;
@@ -1431,6 +1433,16 @@ QL_UNROLL
 QL_UNROLL
             for (int i = 0; i < 4; i++) acc[j][i] = fmaf(av[i], bv[j], acc[j][i]);
     }
+    if (seed) {
+        const uint64_t key = ql_dropout_key(seed[0], stream);
+QL_UNROLL
+        for (int j = 0; j < 4; j++)
+QL_UNROLL
+            for (int i = 0; i < 4; i++) {
+                const int64_t n = n0 + ty * 4 + j, m = m0 + tx + 32 * i;
+                acc[j][i] = ql_dropout_hash(key, (uint64_t)((row0 + n) * M + m)) >= threshold ? acc[j][i] * keep_scale : 0.0f;
+            }
+    }
     // c's 16 elements read first, all at once, then the sums stored: C may be c itself (in place),
     // and each thread reads only what it writes - so no read waits for the previous element's store
     const size_t cs = c_type == QL_TYPE_F32 ? 4 : 2;
@@ -1458,8 +1470,179 @@ static void cu_op_mm_thin(cu_ctx &c, ql_tensor *node) {
     CU_ASSERT(K <= QL_CUDA_THIN_K && ql_is_contiguous(node) && (!acc || (acc->type == node->type && ql_is_contiguous(acc))));
     const dim3 grid((unsigned)((M + MT_M - 1) / MT_M), (unsigned)((N + MT_N - 1) / MT_N));
     QL_LAUNCH(k_mm_thin, grid, 256, (size_t)K * (MT_M + MT_N + 2) * sizeof(float), c.stream, cu_of(a), cu_of(b), (int)b->type, acc ? (const char *)acc->data : nullptr,
-              (char *)node->data, (int)node->type, M, N, K);
+              (char *)node->data, (int)node->type, M, N, K, (const int32_t *)nullptr, 0u, 0u, 0.0f, (int64_t)0);
     CU_LAUNCHED(c);
+}
+
+// ---- a product with its b dropped out as it is read (QL_OP_MUL_MAT_DROPOUT: LoRA's A dropout(x)) ----
+// C [M, N] f32 = a D, D = dropout(x) in the compute type ct: a [K, M] plain (M <= QL_CUDA_DROP_M,
+// its columns dense), x [K, N] in rows (row n at n x_nb1). A block makes MD_N columns of C, all M
+// rows: per step of MD_K, the MD_K x M slice of a (rounded to ct, as a converted tile) and the
+// MD_K x MD_N slice of x - each thread 8 neighbouring k of one token (one 16-byte load for 16 bits,
+// two for f32, where x's rows allow: vec), the mask's hash per element (qlora.h's: the CPU's mask),
+// x / (1 - p) or 0 rounded to ct - in shared memory; thread (tn, tm) sums rows tm + 8 i of column
+// tn over k in order in f32. x is read once; no copy of D is made. With few tokens, block (i, s)
+// sums only k in [s kc, (s + 1) kc) into the workspace's split s (ql_cuda_mm_drop_splits), which
+// k_mm_drop_sum adds in split order.
+#define MD_N QL_CUDA_DROP_TOKENS  // columns (tokens) a block
+#define MD_K QL_CUDA_DROP_KSTEP   // k a step
+__device__ __forceinline__ float cu_round_to(float v, int ct) {
+    if (ct == QL_TYPE_BF16) return __bfloat162float(__float2bfloat16_rn(v));
+    if (ct == QL_TYPE_F16) return __half2float(__float2half_rn(v));
+    return v;
+}
+__global__ void __launch_bounds__(256) k_mm_drop(const char *a, int a_type, int64_t a_nb1, const char *x, int x_type, int64_t x_nb1,
+                                                 int vec, const int32_t *seed, uint32_t stream, uint32_t threshold, float keep_scale,
+                                                 int64_t row0, int ct, float *C, int M, int64_t N, int64_t K, int64_t kc) {
+    __shared__ float As[MD_K][QL_CUDA_DROP_M + 1];  // [k][m]
+    __shared__ float Xs[MD_K][MD_N + 1];            // [k][n]
+    const uint64_t key = ql_dropout_key(seed[0], stream);
+    const int64_t n0 = (int64_t)blockIdx.x * MD_N;
+    const int tn = threadIdx.x % 32, tm = threadIdx.x / 32;
+    const int as = a_type == QL_TYPE_F32 ? 4 : 2, xs = x_type == QL_TYPE_F32 ? 4 : 2;
+    float acc[QL_CUDA_DROP_M / 8] = {};
+    const int64_t kb = (int64_t)blockIdx.y * kc, ke = kb + kc < K ? kb + kc : K;
+    C += (int64_t)blockIdx.y * M * N;  // this split's sums
+    for (int64_t k0 = kb; k0 < ke; k0 += MD_K) {
+        for (int i = threadIdx.x; i < MD_K * M; i += blockDim.x) {  // k fastest: a's columns are dense
+            const int k = i % MD_K, m = i / MD_K;
+            As[k][m] = k0 + k < K ? cu_round_to(cu_ld(a + (k0 + k) * as + m * a_nb1, a_type), ct) : 0.0f;
+        }
+        {  // thread (n, g): k0 + 8 g .. + 7 of column n0 + n (MD_N x MD_K / 8 = 256 pieces)
+            const int n = threadIdx.x / 8, g = threadIdx.x % 8;
+            const int64_t k = k0 + 8 * g, row = n0 + n;
+            float v[8];
+            if (row < N && vec && k + 8 <= K) {
+                const char *p = x + row * x_nb1 + k * xs;
+                if (x_type == QL_TYPE_F32) {
+                    const float4 lo = ((const float4 *)p)[0], hi = ((const float4 *)p)[1];
+                    v[0] = lo.x, v[1] = lo.y, v[2] = lo.z, v[3] = lo.w, v[4] = hi.x, v[5] = hi.y, v[6] = hi.z, v[7] = hi.w;
+                } else {
+                    const uint4 q = *(const uint4 *)p;
+                    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+QL_UNROLL
+                    for (int j = 0; j < 4; j++) {
+                        const uint16_t l = (uint16_t)(w[j] & 0xffff), h = (uint16_t)(w[j] >> 16);
+                        v[2 * j] = x_type == QL_TYPE_F16 ? cu_h2f(l) : __uint_as_float((uint32_t)l << 16);
+                        v[2 * j + 1] = x_type == QL_TYPE_F16 ? cu_h2f(h) : __uint_as_float((uint32_t)h << 16);
+                    }
+                }
+            } else {
+QL_UNROLL
+                for (int j = 0; j < 8; j++) v[j] = row < N && k + j < K ? cu_ld(x + row * x_nb1 + (k + j) * xs, x_type) : 0.0f;
+            }
+            const uint64_t e = (uint64_t)((row0 + row) * K + k);  // the mask's element: x's flat index in the whole
+QL_UNROLL
+            for (int j = 0; j < 8; j++)
+                Xs[8 * g + j][n] = cu_round_to(ql_dropout_hash(key, e + j) >= threshold ? v[j] * keep_scale : 0.0f, ct);
+        }
+        __syncthreads();
+        for (int k = 0; k < MD_K; k++) {
+            const float xv = Xs[k][tn];
+QL_UNROLL
+            for (int i = 0; i < QL_CUDA_DROP_M / 8; i++) acc[i] = fmaf(As[k][tm + 8 * i], xv, acc[i]);
+        }
+        __syncthreads();
+    }
+    const int64_t n = n0 + tn;
+QL_UNROLL
+    for (int i = 0; i < QL_CUDA_DROP_M / 8; i++)
+        if (n < N && tm + 8 * i < M) C[n * M + tm + 8 * i] = acc[i];
+}
+// C [n] = the splits' sums P [s, n] added in split order
+__global__ void k_mm_drop_sum(const float *P, float *C, int splits, int64_t n) {
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        float v = P[i];
+        for (int s = 1; s < splits; s++) v += P[s * n + i];
+        C[i] = v;
+    }
+}
+
+static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node);
+static void cu_op_dropout(cu_ctx &c, ql_tensor *node);
+template <typename T> static T cu_param(const ql_tensor *t, int slot);
+// y = c + dropout(y) over the product y (the result of mul_mat_dropout's dx, where k_mm_thin does not take it)
+__global__ void k_drop_acc(float *y, const float *cin, const int32_t *seed, uint32_t stream, uint32_t threshold, float keep_scale,
+                           int64_t first, int64_t n) {
+    const uint64_t key = ql_dropout_key(seed[0], stream);
+    for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        const float v = ql_dropout_hash(key, (uint64_t)(first + i)) >= threshold ? y[i] * keep_scale : 0.0f;
+        y[i] = cin ? cin[i] + v : v;
+    }
+}
+
+static void cu_op_mul_mat_dropout(cu_ctx &c, ql_tensor *node) {
+    const int slot = cu_param<int32_t>(node, 4);
+    if (slot == 2) {  // the result dropped, c (src[3]) added: k_mm_thin's epilogue, or the product then k_drop_acc
+        const ql_tensor *a = node->src[0], *b = node->src[1], *acc = node->src[3];
+        const int32_t *seed = (const int32_t *)node->src[2]->data;
+        const float pr = cu_param<float>(node, 0);
+        const uint32_t stream = cu_param<uint32_t>(node, 1), thr = ql_dropout_threshold(pr);
+        const int64_t row0 = cu_param<int64_t>(node, 2);
+        CU_ASSERT(ql_is_contiguous(node) && node->type == QL_TYPE_F32 && (!acc || (acc->type == QL_TYPE_F32 && ql_is_contiguous(acc))));
+        if (ql_cuda_mm_drop_fused(node)) {
+            const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
+            const dim3 grid((unsigned)((M + MT_M - 1) / MT_M), (unsigned)((N + MT_N - 1) / MT_N));
+            QL_LAUNCH(k_mm_thin, grid, 256, (size_t)K * (MT_M + MT_N + 2) * sizeof(float), c.stream, cu_of(a), cu_of(b), (int)b->type,
+                      acc ? (const char *)acc->data : nullptr, (char *)node->data, (int)QL_TYPE_F32, M, N, K, seed, stream, thr,
+                      1.0f / (1.0f - pr), row0);
+            CU_LAUNCHED(c);
+            return;
+        }
+        ql_tensor mm, d;
+        ql_mul_mat_dropout_product(node, &mm, &d, nullptr);
+        cu_op_mul_mat(c, &mm);
+        if (c.failed) return;
+        const int64_t n = ql_nelements(node);
+        QL_LAUNCH(k_drop_acc, cu_grid(n), CU_BLOCK, 0, c.stream, (float *)node->data, acc ? (const float *)acc->data : nullptr, seed, stream,
+                  thr, 1.0f / (1.0f - pr), row0 * node->ne[0], n);
+        CU_LAUNCHED(c);
+        return;
+    }
+    const ql_tensor *x = node->src[slot], *seed = node->src[2];
+    if (ql_cuda_mm_drop_fused(node)) {
+        const ql_tensor *a = node->src[0];
+        const int64_t K = x->ne[0], N = ql_nrows(x);
+        const float pr = cu_param<float>(node, 0);
+        const int vec = (uintptr_t)x->data % 16 == 0 && x->nb[1] % 16 == 0 && x->nb[0] == ql_plain_size(x->type);
+        int64_t kc = K;
+        const int64_t splits = ql_cuda_mm_drop_splits(node, &kc);
+        CU_ASSERT(ql_is_contiguous(node) && a->ne[0] == K && a->ne[1] <= QL_CUDA_DROP_M && ql_cuda_work_size(node, 0) <= c.work_size);
+        float *P = splits > 1 ? (float *)c.work : (float *)node->data;
+        const dim3 grid((unsigned)((N + MD_N - 1) / MD_N), (unsigned)splits);
+        QL_LAUNCH(k_mm_drop, grid, 256, 0, c.stream, (const char *)a->data, (int)a->type, (int64_t)a->nb[1], (const char *)x->data,
+                  (int)x->type, (int64_t)x->nb[1], vec, (const int32_t *)seed->data, cu_param<uint32_t>(node, 1),
+                  ql_dropout_threshold(pr), 1.0f / (1.0f - pr), cu_param<int64_t>(node, 2), cu_param<int32_t>(node, 5), P,
+                  (int)a->ne[1], N, K, kc);
+        CU_LAUNCHED(c);
+        if (splits > 1) {
+            const int64_t n = ql_nelements(node);
+            QL_LAUNCH(k_mm_drop_sum, cu_grid(n), CU_BLOCK, 0, c.stream, (const float *)P, (float *)node->data, (int)splits, n);
+            CU_LAUNCHED(c);
+        }
+        return;
+    }
+    // D in the workspace by the dropout kernel (a QL_OP_DROPOUT node's params are this node's
+    // first three: p, stream, first row), then the product over it with the rest of the workspace
+    ql_tensor mm, d;
+    ql_mul_mat_dropout_product(node, &mm, &d, c.work);
+    const size_t nd = ((size_t)ql_nelements(x) * ql_plain_size(d.type) + QL_ALIGN - 1) / QL_ALIGN * QL_ALIGN;  // (qlora.cpp's rule)
+    CU_ASSERT(ql_cuda_work_size(node, 0) <= c.work_size && nd <= c.work_size);
+    ql_tensor dn = *node;
+    dn.op = QL_OP_DROPOUT;
+    dn.type = d.type;
+    for (int i = 0; i < 4; i++) dn.ne[i] = x->ne[i];
+    dn.nb[0] = ql_plain_size(d.type);
+    for (int i = 1; i < 4; i++) dn.nb[i] = dn.nb[i - 1] * (size_t)dn.ne[i - 1];
+    dn.data = c.work;
+    for (ql_tensor *&s : dn.src) s = nullptr;
+    dn.src[0] = (ql_tensor *)x;
+    dn.src[1] = (ql_tensor *)seed;
+    cu_op_dropout(c, &dn);
+    if (c.failed) return;
+    c.work += nd, c.work_size -= nd;
+    cu_op_mul_mat(c, &mm);
+    c.work -= nd, c.work_size += nd;
 }
 
 static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
@@ -4170,6 +4353,7 @@ static void cu_run_node(cu_ctx &c, ql_tensor *node) {
     case QL_OP_CROSS_ENTROPY:      cu_op_cross_entropy(c, node); break;
     case QL_OP_CROSS_ENTROPY_BACK: cu_op_cross_entropy_back(c, node); break;
     case QL_OP_DROPOUT:            cu_op_dropout(c, node); break;
+    case QL_OP_MUL_MAT_DROPOUT:    cu_op_mul_mat_dropout(c, node); break;
     case QL_OP_VIEW_BACK:          cu_op_view_back(c, node); break;
     case QL_OP_ADD_ROWS:           cu_op_add_rows(c, node); break;
     case QL_OP_ACC_GRAD:           cu_op_acc_grad(c, node); break;
@@ -4193,6 +4377,11 @@ static bool cuda_supports_op(ql_backend *be, const ql_tensor *node) {
         ql_tensor mm;
         ql_mul_mat_rows_product(node, &mm);
         return cu_mm_supported(&mm, cc);
+    }
+    case QL_OP_MUL_MAT_DROPOUT: {  // (the fused kernels convert as they read; the other path is the product's)
+        ql_tensor mm, d;
+        ql_mul_mat_dropout_product(node, &mm, &d, nullptr);
+        return ql_cuda_mm_drop_fused(node) || cu_mm_supported(&mm, cc);
     }
     case QL_OP_FLASH_ATTN:
     case QL_OP_FLASH_ATTN_BACK: return cu_attn_supported(node, cc);

@@ -1814,7 +1814,7 @@ static const char *k_op_names[] = {
     "rope_back",   "silu",          "silu_back",  "swiglu",        "swiglu_back",     "flash_attn",
     "flash_attn_back", "cross_entropy", "cross_entropy_back", "dropout", "view_back",  "acc_grad",
     "cache_store", "to_host",      "to_device",     "add_rows",      "with_grad",
-    "mul_mat_rows",
+    "mul_mat_rows", "mul_mat_dropout",
 };
 static_assert(sizeof(k_op_names) / sizeof(k_op_names[0]) == QL_OP_COUNT, "op names out of sync with ql_op");
 
@@ -2374,6 +2374,108 @@ void ql_mul_mat_rows_product(const ql_tensor *node, ql_tensor *mm) {
     mm->grad = nullptr;
 }
 
+// params: p, stream, the mask's first row (int64: slots 2-3), the slot of the dropped operand's
+// source x (0: a = transpose(D), x [M, K] in rows; 1: b = D, x [K, N, ...]; 2: none - the result
+// dropped, mul_mat_dropped), the multiply's type
+static ql_tensor *mul_mat_dropout_impl(ql_context *ctx, ql_tensor *a, ql_tensor *b, int slot, float p, ql_tensor *seed,
+                                       uint32_t stream, ql_type type, int64_t first_row) {
+    if (!srcs_ok(ctx, "mul_mat_dropout", {a, b, seed})) return nullptr;
+    ql_tensor *x = slot ? b : a, *o = slot ? a : b;  // the dropped operand's source, the other operand
+    QL_CHECK(ctx, first_row >= 0 && p >= 0.0f && p < 1.0f, QL_ERR_INVALID, "mul_mat_dropout: p = %g, first row %lld",
+             (double)p, (long long)first_row);
+    QL_CHECK(ctx, seed->type == QL_TYPE_I32 && ql_nelements(seed) >= 1, QL_ERR_TYPE, "mul_mat_dropout: seed %s must be i32 [1]",
+             shape_str(seed).c_str());
+    const auto plain = [](ql_type t) { return t == QL_TYPE_F32 || t == QL_TYPE_BF16 || t == QL_TYPE_F16; };
+    QL_CHECK(ctx, plain(type) && plain(x->type) && plain(o->type), QL_ERR_TYPE,
+             "mul_mat_dropout: x %s, the other operand %s and the multiply's type %s must be f32, bf16 or f16",
+             shape_str(x).c_str(), shape_str(o).c_str(), ql_type_traits_get(type) ? ql_type_name(type) : "?");
+    QL_CHECK(ctx, ql_rows_contiguous(x), QL_ERR_SHAPE, "mul_mat_dropout: x %s needs dense rows --> hint: ql_cont first",
+             shape_str(x).c_str());
+    // the a side's operand is D transposed: [rows of x, ne0 of x], b 2-D over those rows
+    const int64_t K = slot ? x->ne[0] : ql_nrows(x);
+    QL_CHECK(ctx, o->ne[2] == 1 && o->ne[3] == 1 && (slot || type == o->type) && o->ne[0] == K, QL_ERR_SHAPE,
+             "mul_mat_dropout: %s and x %s (dropped out as the %s operand) do not multiply", shape_str(o).c_str(),
+             shape_str(x).c_str(), slot ? "b" : "a");
+    const int64_t ne[4] = {slot ? a->ne[1] : x->ne[0], slot ? x->ne[1] : b->ne[1], slot ? x->ne[2] : 1, slot ? x->ne[3] : 1};
+    ql_tensor *t = new_op(ctx, QL_OP_MUL_MAT_DROPOUT, QL_TYPE_F32, ne, {a, b, seed});
+    if (!t) return nullptr;
+    set_param(t, 0, p);
+    set_param(t, 1, stream);
+    set_param(t, 2, first_row);
+    set_param(t, 4, (int32_t)slot);
+    set_param(t, 5, (int32_t)type);
+    return t;
+}
+
+ql_tensor *ql_mul_mat_dropout(ql_context *ctx, ql_tensor *a, ql_tensor *x, float p, ql_tensor *seed, uint32_t stream,
+                              ql_type type, int64_t first_row) {
+    return mul_mat_dropout_impl(ctx, a, x, 1, p, seed, stream, type, first_row);
+}
+
+// Backward's dx of y = a dropout(x): c + dropout(a b) (c: NULL, or f32 shaped as the result: the
+// gradient so far, as ql_add(c, dropout(a b)) would add it), the mask's elements those of the
+// result's rows from first_row (x's); a 2-D plain, b as ql_mul_mat takes it - the bits of
+// ql_dropout_rows_to(ql_mul_mat(a, b)) and the add, in one node
+static ql_tensor *mul_mat_dropped(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor *c, float p, ql_tensor *seed, uint32_t stream,
+                                  int64_t first_row) {
+    if (!srcs_ok(ctx, "mul_mat_dropped", {a, b, seed})) return nullptr;
+    QL_CHECK(ctx, a->ne[2] == 1 && a->ne[3] == 1 && a->ne[0] == b->ne[0] && ql_plain_size(b->type) > 1 &&
+                      (a->type == QL_TYPE_F32 || a->type == QL_TYPE_BF16 || a->type == QL_TYPE_F16),
+             QL_ERR_SHAPE, "mul_mat_dropped: a %s (2-D, plain) and b %s", shape_str(a).c_str(), shape_str(b).c_str());
+    const int64_t ne[4] = {a->ne[1], b->ne[1], b->ne[2], b->ne[3]};
+    ql_tensor *t = new_op(ctx, QL_OP_MUL_MAT_DROPOUT, QL_TYPE_F32, ne, {a, b, seed});
+    if (!t) return nullptr;
+    if (c) {
+        QL_CHECK(ctx, c->type == QL_TYPE_F32 && ql_is_contiguous(c) && ql_same_shape(c, t), QL_ERR_SHAPE,
+                 "mul_mat_dropped: c %s must be f32, contiguous, shaped as %s", shape_str(c).c_str(), shape_str(t).c_str());
+        t->src[3] = c;
+    }
+    set_param(t, 0, p);
+    set_param(t, 1, stream);
+    set_param(t, 2, first_row);
+    set_param(t, 4, (int32_t)2);
+    set_param(t, 5, (int32_t)b->type);
+    return t;
+}
+
+void ql_mul_mat_dropout_product(const ql_tensor *node, ql_tensor *mm, ql_tensor *d, void *d_data) {
+    const int slot = get_param<int32_t>(node, 4);
+    const ql_type type = (ql_type)get_param<int32_t>(node, 5);
+    if (slot == 2) {  // the result dropped: the product itself, at the result's data
+        *d = ql_tensor{};
+        *mm = *node;
+        mm->op = QL_OP_MUL_MAT;
+        memset(mm->op_params, 0, sizeof(mm->op_params));
+        for (ql_tensor *&s : mm->src) s = nullptr;
+        mm->src[0] = node->src[0];
+        mm->src[1] = node->src[1];
+        mm->grad = nullptr;
+        return;
+    }
+    const ql_tensor *x = node->src[slot];
+    const size_t es = ql_plain_size(type);
+    *d = ql_tensor{};
+    d->type = type;
+    d->op = QL_OP_NONE;
+    d->data = d_data;
+    snprintf(d->name, sizeof(d->name), "%.50s.dropped", x->name);
+    if (slot) {  // x's shape, contiguous
+        for (int i = 0; i < 4; i++) d->ne[i] = x->ne[i];
+        d->nb[0] = es;
+        for (int i = 1; i < 4; i++) d->nb[i] = d->nb[i - 1] * (size_t)d->ne[i - 1];
+    } else {  // transpose(D) over x's rows: [rows, ne0], element (k, m) at m + k ne0
+        d->ne[0] = ql_nrows(x), d->ne[1] = x->ne[0], d->ne[2] = d->ne[3] = 1;
+        d->nb[0] = (size_t)x->ne[0] * es, d->nb[1] = es, d->nb[2] = d->nb[3] = es * (size_t)ql_nelements(x);
+    }
+    *mm = *node;
+    mm->op = QL_OP_MUL_MAT;
+    memset(mm->op_params, 0, sizeof(mm->op_params));
+    for (ql_tensor *&s : mm->src) s = nullptr;
+    mm->src[0] = slot ? node->src[0] : d;
+    mm->src[1] = slot ? d : node->src[1];
+    mm->grad = nullptr;
+}
+
 // ---- backward-only ops: built by autodiff, not part of the public surface ----
 
 static ql_tensor *add_grouped(ql_context *ctx, ql_tensor *a, ql_tensor *b) {
@@ -2647,6 +2749,10 @@ struct grad_builder {
     }
 };
 
+// mul_mat_dropout's dx in one node (mul_mat_dropped) - or the product, the dropout and the add as
+// three (QLORA_DROPOUT_FUSED_DX=0, to compare): the same bits either way
+static const bool g_mmd_dx_fused = !(getenv("QLORA_DROPOUT_FUSED_DX") && strcmp(getenv("QLORA_DROPOUT_FUSED_DX"), "0") == 0);
+
 static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
     ql_context *ctx = gb.ctx;
     ql_tensor  *a = node->src[0], *b = node->src[1];
@@ -2760,6 +2866,40 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
     case QL_OP_WITH_GRAD: {  // y given with dy/dx = dx (src[0]) made in forward: x gets dx dy; y's sources nothing
         const bool one = dy && dy->op == QL_OP_FILL && get_param<float>(dy, 0) == 1.0f;  // the loss's own seed: dx as it is
         gb.add(node->src[1], one ? a : ql_mul(ctx, a, gb.dense(dy)));
+        break;
+    }
+    case QL_OP_MUL_MAT_DROPOUT: {
+        // y = a D, D = dropout(x) rounded to the multiply's type t: QL_OP_MUL_MAT's case with b = D
+        // and then QL_OP_DROPOUT's - da = D dcᵀ with D regenerated as x is read again (the same
+        // mask: the same seed, stream and indices), dx = dropout(aᵀ dc) (the same mask and scale);
+        // dc = dy rounded to t. The same nodes' arithmetic as the unfused pair, so the same bits.
+        if (get_param<int32_t>(node, 4) != 1) {
+            QL_ERR(ctx, QL_ERR_UNSUPPORTED, "backward: mul_mat_dropout with the a side or the result dropped is backward's own product");
+            break;
+        }
+        const ql_type t = (ql_type)get_param<int32_t>(node, 5);
+        const float p = get_param<float>(node, 0);
+        const uint32_t stream = get_param<uint32_t>(node, 1);
+        const int64_t row0 = get_param<int64_t>(node, 2);
+        ql_tensor *seed = node->src[2];
+        ql_tensor *dc = t == QL_TYPE_F32 ? dy : gb.cast(dy, t);
+        if (gb.wants(a)) {  // [K, M]: one multiply over every token (x's rows and dc's columns together)
+            ql_tensor *dd = gb.contiguous(dc);
+            if (dd) dd = ql_reshape_2d(ctx, dd, dd->ne[0], ql_nelements(dd) / dd->ne[0]);  // [M, N B2 B3]
+            gb.add(a, mul_mat_dropout_impl(ctx, b, ql_transpose(ctx, dd), 0, p, seed, stream, t, row0));
+        }
+        if (gb.wants(b)) {  // dx = dropout(aᵀ dc) added onto x's gradient so far as it is made (the add's bits: c + v)
+            if (g_mmd_dx_fused) {
+                auto it = gb.grad.find(b);
+                ql_tensor *prev = it == gb.grad.end() ? nullptr : it->second;
+                const bool onto = prev && prev->type == QL_TYPE_F32 && ql_is_contiguous(prev) && ql_same_shape(prev, b);
+                ql_tensor *d = mul_mat_dropped(ctx, ql_transpose(ctx, a), gb.dense(dc), onto ? prev : nullptr, p, seed, stream, row0);
+                if (onto) it->second = d;
+                else gb.add(b, d);
+            } else {
+                gb.add(b, ql_dropout_rows_to(ctx, ql_mul_mat(ctx, ql_transpose(ctx, a), gb.dense(dc)), p, seed, stream, QL_TYPE_F32, row0));
+            }
+        }
         break;
     }
     case QL_OP_DROPOUT:  // same mask (same seed, stream and indices), same scale
@@ -2903,6 +3043,9 @@ static double node_flops(const ql_tensor *n) {
     switch (n->op) {
     case QL_OP_MUL_MAT:
         return 2.0 * (double)n->src[0]->ne[0] * (double)ql_nelements(n);
+    case QL_OP_MUL_MAT_DROPOUT:  // K: the dropped operand's contracted length
+        return 2.0 * (double)(n->op_params[4] == 1 ? n->src[1]->ne[0] : n->op_params[4] == 2 ? n->src[0]->ne[0] : ql_nrows(n->src[0])) *
+               (double)ql_nelements(n);
     case QL_OP_MUL_MAT_ROWS:  // the rows it writes
         return 2.0 * (double)n->src[1]->ne[0] * (double)n->src[1]->ne[1] * (double)n->src[2]->ne[1];
     case QL_OP_FLASH_ATTN: {  // QK^T and PV over the causal half
@@ -3015,7 +3158,7 @@ ql_status ql_graph_recompute(ql_graph *g, const ql_keep *level, int n_levels, ql
         if (lv == QL_KEEP_ALL) continue;
         for (int i = fs.in[(size_t)k] + 1; i < fs.end[(size_t)k]; i++) {
             const ql_op op = g->nodes[(size_t)i]->op;
-            kept[(size_t)i] = lv == QL_KEEP_HEAVY && (op == QL_OP_MUL_MAT || op == QL_OP_FLASH_ATTN);
+            kept[(size_t)i] = lv == QL_KEEP_HEAVY && (op == QL_OP_MUL_MAT || op == QL_OP_MUL_MAT_DROPOUT || op == QL_OP_FLASH_ATTN);
         }
         if (lv == QL_KEEP_NONE) kept[(size_t)fs.in[(size_t)k]] = false;
     }
@@ -3444,7 +3587,7 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
         if (!caps.host && n->op == QL_OP_MUL_MAT && ql_cuda_mm_cached(n->src[0]))  // a device reads the weight's copy instead
             b += (double)ql_nelements(n->src[0]) * (double)ql_plain_size(n->src[1]->type) -
                  (double)(ql_nbytes(n->src[0]) + (n->src[0]->view_src ? 0 : n->src[0]->aux_size));
-        const int cls = n->op == QL_OP_MUL_MAT ? QL_CENSUS_MATMUL
+        const int cls = n->op == QL_OP_MUL_MAT || n->op == QL_OP_MUL_MAT_DROPOUT ? QL_CENSUS_MATMUL
                         : n->op == QL_OP_FLASH_ATTN || n->op == QL_OP_FLASH_ATTN_BACK ? QL_CENSUS_ATTENTION
                         : n->op == QL_OP_CROSS_ENTROPY || n->op == QL_OP_CROSS_ENTROPY_BACK ? QL_CENSUS_LOSS
                                                                                               : QL_CENSUS_OTHER;
@@ -6649,6 +6792,60 @@ struct cpu_job {
     bool nonfinite_nan = false;
 };
 
+// ---- the product with a dropped-out operand (QL_OP_MUL_MAT_DROPOUT), in the oracle's form ----
+// Pass 0 writes D = dropout(x) in the product's type by k_dropout's rows (the bits of
+// ql_dropout_rows_to's result) at the start of the graph's workspace, shared: each thread's
+// workspace holds a share of it. Pass 1 is ql_mul_mat over D: the same bits as the unfused pair.
+// Each thread's own workspace (the product's, or k_dropout's rows) follows D.
+static size_t mmd_d_bytes(const ql_tensor *node, const ql_tensor &d) {  // (the result dropped: none)
+    const int slot = get_param<int32_t>(node, 4);
+    return slot == 2 ? 0 : align_up((size_t)ql_nelements(node->src[slot]) * ql_plain_size(d.type), QL_ALIGN);
+}
+static size_t cpu_work_per_thread(const ql_tensor *node, int nth);
+static size_t mmd_thread_work(const ql_tensor *node, const ql_tensor &mm, int nth) {
+    const int slot = get_param<int32_t>(node, 4);
+    const size_t rows = slot == 2 ? 0 : 2 * (size_t)node->src[slot]->ne[0] * sizeof(float);  // k_dropout's
+    return align_up(std::max(cpu_work_per_thread(&mm, nth), rows), QL_ALIGN);
+}
+static void k_mul_mat_dropout(const cpu_params &p, ql_tensor *dst) {
+    if (get_param<int32_t>(dst, 4) == 2) {  // the product into the result, then its rows dropped (in place) and c added
+        ql_tensor mm, d;
+        ql_mul_mat_dropout_product(dst, &mm, &d, nullptr);
+        if (p.pass == 0) return k_mul_mat(p, &mm);
+        const float pr = get_param<float>(dst, 0);
+        const uint64_t key = ql_dropout_key(((const int32_t *)dst->src[2]->data)[0], get_param<uint32_t>(dst, 1));
+        const int64_t ne0 = dst->ne[0], row0 = get_param<int64_t>(dst, 2);
+        const float *c = dst->src[3] ? (const float *)dst->src[3]->data : nullptr;
+        int64_t b, e;
+        split_range(ql_nrows(dst), p.ith, p.nth, b, e);
+        for (int64_t r = b; r < e; r++) {
+            float *y = (float *)dst->data + r * ne0;
+            dropout_row(ne0, y, y, key, (uint64_t)((r + row0) * ne0), ql_dropout_threshold(pr), 1.0f / (1.0f - pr));
+            if (c)
+                for (int64_t i = 0; i < ne0; i++) y[i] = c[r * ne0 + i] + y[i];  // ql_add's order: the sum so far + this
+        }
+        return;
+    }
+    const ql_tensor *x = dst->src[get_param<int32_t>(dst, 4)];
+    uint8_t *base = p.job->g->work;
+    ql_tensor mm, d;
+    ql_mul_mat_dropout_product(dst, &mm, &d, base);
+    cpu_params q = p;
+    q.wdata = base + mmd_d_bytes(dst, d) + (size_t)p.ith * mmd_thread_work(dst, mm, p.nth);
+    if (p.pass == 1) return k_mul_mat(q, &mm);
+    ql_tensor dn = *dst;  // a QL_OP_DROPOUT node writing D: x's rows, contiguous
+    dn.op = QL_OP_DROPOUT;
+    dn.type = d.type;
+    for (int i = 0; i < 4; i++) dn.ne[i] = x->ne[i];
+    dn.nb[0] = ql_plain_size(d.type);
+    for (int i = 1; i < 4; i++) dn.nb[i] = dn.nb[i - 1] * (size_t)dn.ne[i - 1];
+    dn.data = base;
+    for (ql_tensor *&s : dn.src) s = nullptr;
+    dn.src[0] = (ql_tensor *)x;
+    dn.src[1] = dst->src[2];
+    k_dropout(q, &dn);
+}
+
 static void cpu_fail(const cpu_params &p, const char *fmt, ...) {
     std::lock_guard<std::mutex> lk(p.job->mu);
     if (p.job->failed.load()) return;
@@ -6663,6 +6860,8 @@ static int cpu_n_passes(const ql_tensor *node) {
     switch (node->op) {
     case QL_OP_GET_ROWS_BACK: case QL_OP_VIEW_BACK: case QL_OP_CROSS_ENTROPY:
         return 2;  // zero (or per-row) first, then combine
+    case QL_OP_MUL_MAT_DROPOUT:
+        return 2;  // the dropped operand, then the product
     default:
         return 1;
     }
@@ -6692,6 +6891,12 @@ static size_t cpu_work_per_thread(const ql_tensor *node, int nth) {
         ql_tensor mm;
         ql_mul_mat_rows_product(node, &mm);
         return cpu_work_per_thread(&mm, nth);
+    }
+    case QL_OP_MUL_MAT_DROPOUT: {  // D shared by the threads (a share each), then each thread's own (k_mul_mat_dropout)
+        ql_tensor mm, d;
+        ql_mul_mat_dropout_product(node, &mm, &d, nullptr);
+        if (get_param<int32_t>(node, 4) == 2) return cpu_work_per_thread(&mm, nth);  // the product's (into the result)
+        return mmd_thread_work(node, mm, nth) + align_up((mmd_d_bytes(node, d) + (size_t)nth - 1) / (size_t)nth, QL_ALIGN);
     }
     default:              return 0;
     }
@@ -6728,6 +6933,7 @@ static void cpu_compute_node(const cpu_params &p, ql_tensor *node) {
     case QL_OP_CROSS_ENTROPY:      k_cross_entropy(p, node); break;
     case QL_OP_CROSS_ENTROPY_BACK: k_cross_entropy_back(p, node); break;
     case QL_OP_DROPOUT:            k_dropout(p, node); break;
+    case QL_OP_MUL_MAT_DROPOUT:    k_mul_mat_dropout(p, node); break;
     case QL_OP_VIEW_BACK:          k_view_back(p, node); break;
     case QL_OP_ADD_ROWS:           k_add_rows(p, node); break;
     case QL_OP_ACC_GRAD:           k_acc_grad(p, node); break;
@@ -7675,6 +7881,30 @@ bool ql_cuda_mm_thin(const ql_tensor *node) {
     return plain && !ql_cuda_mm_trows(a) && a->ne[0] <= QL_CUDA_THIN_K && a->ne[2] == 1 && a->ne[3] == 1 && b->ne[2] == 1 &&
            b->ne[3] == 1 && a->ne[1] <= INT32_MAX && b->ne[1] <= (int64_t)65535 * 32 && (!node->src[2] || ql_is_contiguous(node->src[2]));
 }
+static bool g_cuda_drop_fused = true;
+void ql_cuda_mm_drop_fused_for_tests(bool on) { g_cuda_drop_fused = on; }
+bool ql_cuda_mm_drop_fused(const ql_tensor *node) {
+    if (node->op != QL_OP_MUL_MAT_DROPOUT || !g_cuda_drop_fused || node->op_params[4] == 0) return false;
+    if (node->op_params[4] == 2) {  // dx = c + dropout(Aᵀ dc): k_mm_thin's shapes (K = r), its epilogue dropping each sum
+        const ql_tensor *a = node->src[0], *b = node->src[1];
+        const bool plain = a->type == QL_TYPE_F32 || a->type == QL_TYPE_F16 || a->type == QL_TYPE_BF16;
+        return plain && !ql_cuda_mm_trows(a) && a->ne[0] <= QL_CUDA_THIN_K && b->ne[2] == 1 && b->ne[3] == 1 && a->ne[1] <= INT32_MAX &&
+               b->ne[1] <= (int64_t)65535 * 32;
+    }
+    const ql_tensor *a = node->src[0], *x = node->src[1];
+    const bool plain = a->type == QL_TYPE_F32 || a->type == QL_TYPE_F16 || a->type == QL_TYPE_BF16;
+    // x's rows evenly spaced (row r at r nb[1]: the FFN's chunks are such views of h), a's columns dense
+    return plain && a->ne[1] <= QL_CUDA_DROP_M && a->nb[0] == ql_plain_size(a->type) && x->nb[2] == x->nb[1] * (size_t)x->ne[1] &&
+           x->nb[3] == x->nb[2] * (size_t)x->ne[2] && ql_nrows(x) <= INT32_MAX;
+}
+int64_t ql_cuda_mm_drop_splits(const ql_tensor *node, int64_t *k_per_split) {
+    const int64_t K = node->src[1]->ne[0], N = ql_nrows(node->src[1]);
+    const int64_t steps = (K + QL_CUDA_DROP_KSTEP - 1) / QL_CUDA_DROP_KSTEP, blocks = (N + QL_CUDA_DROP_TOKENS - 1) / QL_CUDA_DROP_TOKENS;
+    const int64_t want = std::max<int64_t>(1, std::min<int64_t>(steps, QL_CUDA_DROP_BLOCKS / std::max<int64_t>(blocks, 1)));
+    const int64_t per = (steps + want - 1) / want;  // k steps a split; no split left empty
+    if (k_per_split) *k_per_split = per * QL_CUDA_DROP_KSTEP;
+    return (steps + per - 1) / per;
+}
 static int32_t cuda_fa_prec(const ql_tensor *node) {
     const ql_tensor *fwd = node->op == QL_OP_FLASH_ATTN_BACK ? node->src[4] : node;
     int32_t prec;
@@ -7713,6 +7943,12 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
         ql_tensor mm;
         ql_mul_mat_rows_product(node, &mm);
         return ql_cuda_node_launches(&mm, cc, false);
+    }
+    case QL_OP_MUL_MAT_DROPOUT: {  // one kernel, or the dropout kernel and the product's launches
+        if (ql_cuda_mm_drop_fused(node)) return node->op_params[4] == 1 && ql_cuda_mm_drop_splits(node, nullptr) > 1 ? 2 : 1;  // (the splits' sum)
+        ql_tensor mm, d;
+        ql_mul_mat_dropout_product(node, &mm, &d, nullptr);
+        return 1 + ql_cuda_node_launches(&mm, cc, false);  // the dropout before (D), or after (k_drop_acc)
     }
     case QL_OP_MUL_MAT: {
         if (ql_cuda_mm_gemv(node)) return ql_cuda_mm_q8(node) ? 2 : 1;  // (b's columns quantised first)
@@ -7804,6 +8040,17 @@ size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
         ql_mul_mat_rows_product(node, &mm);
         return ql_cuda_work_size(&mm, cc);
     }
+    case QL_OP_MUL_MAT_DROPOUT: {  // k_mm_drop: its splits' sums (none unsplit); or the dropped operand D (x's elements in the product's type), then the product's
+        const int slot = node->op_params[4];
+        if (ql_cuda_mm_drop_fused(node)) {
+            const int64_t s = slot == 1 ? ql_cuda_mm_drop_splits(node, nullptr) : 1;
+            return s > 1 ? (size_t)(s * ql_nelements(node)) * sizeof(float) : 0;
+        }
+        ql_tensor mm, d;
+        ql_mul_mat_dropout_product(node, &mm, &d, nullptr);
+        if (slot == 2) return ql_cuda_work_size(&mm, cc);  // (the product into the result)
+        return align_up((size_t)ql_nelements(node->src[slot]) * ql_plain_size(d.type), QL_ALIGN) + ql_cuda_work_size(&mm, cc);
+    }
     case QL_OP_MUL_MAT: {  // b's contiguous copy (when cuBLAS cannot read it), then a's tile buffers: tiles of
         // a's rows (K each; of a transposed W, bands of W's columns), two when there is more than
         // one tile (the next is dequantised while the current one's GEMMs run)
@@ -7831,6 +8078,9 @@ size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
 static bool cuda_plan_supports(ql_backend *be, const ql_tensor *node) {
     const int cc = (int)(intptr_t)be->impl;
     const ql_tensor *b = node->op == QL_OP_MUL_MAT ? node->src[1] : node->op == QL_OP_MUL_MAT_ROWS ? node->src[2] : nullptr;
+    if (node->op == QL_OP_MUL_MAT_DROPOUT && (node->op_params[4] == 2 ? node->src[1]->type : node->op_params[5]) == QL_TYPE_BF16 &&
+        !ql_cuda_mm_drop_fused(node))
+        return ql_cuda_bf16_gemm(cc);
     return !(b && b->type == QL_TYPE_BF16 && !ql_cuda_bf16_gemm(cc));  // as the device
 }
 static size_t cuda_plan_work(ql_backend *be, const ql_tensor *node) { return ql_cuda_work_size(node, (int)(intptr_t)be->impl); }

@@ -282,6 +282,7 @@ typedef enum ql_op {
     QL_OP_ADD_ROWS,          // a with b added to a range of its rows (a result made in pieces of rows)
     QL_OP_WITH_GRAD,         // a scalar itself (a view) with its gradient w.r.t. a tensor made in forward (ql_with_grad)
     QL_OP_MUL_MAT_ROWS,      // a product written over a range of rows of c (in place; the result aliases c)
+    QL_OP_MUL_MAT_DROPOUT,   // a product with one operand dropped out as it is read (ql_mul_mat_dropout)
     QL_OP_COUNT
 } ql_op;
 
@@ -505,6 +506,20 @@ ql_tensor *ql_dropout_to(ql_context *ctx, ql_tensor *a, float p, ql_tensor *seed
 // what the whole would).
 ql_tensor *ql_dropout_rows_to(ql_context *ctx, ql_tensor *a, float p, ql_tensor *seed, uint32_t stream, ql_type type,
                               int64_t first_row);
+
+// ql_mul_mat(a, ql_dropout_rows_to(x, p, seed, stream, type, first_row)) bit for bit, without
+// the dropped-out copy of x: the mask is regenerated from its hash as x is read, in forward and in
+// backward (where da's product reads x again, and dx = dropout(a^T dy)). LoRA's y = s B(A(dropout(x)))
+// keeps x (which other products read anyway) instead of one 16-bit copy per adapted linear.
+// a: a plain 2-D matrix [K, M] (f32, bf16, f16), x [K, N, B2, B3] f32 / bf16 / f16 with dense rows,
+// type: F32, BF16 or F16 (what the product multiplies in) -> f32 [M, N, B2, B3].
+ql_tensor *ql_mul_mat_dropout(ql_context *ctx, ql_tensor *a, ql_tensor *x, float p, ql_tensor *seed, uint32_t stream,
+                              ql_type type, int64_t first_row);
+// For backends: a QL_OP_MUL_MAT_DROPOUT node as a MUL_MAT node `mm` over `d`, the header of the
+// dropped-out operand materialised at d_data (contiguous, x's rows, in the product's type: x's
+// shape, or [rows, ne0] transposed for the operand on the a side, which backward's da uses) - how
+// the CPU backend runs it, and the CUDA backend where no fused kernel takes it
+void ql_mul_mat_dropout_product(const ql_tensor *node, ql_tensor *mm, ql_tensor *d, void *d_data);
 
 // a (f32, contiguous) with b (f32 [a->ne[0], n], dense rows) added to a's rows [row0, row0 + n),
 // rows counted over ne[1..3]: a result made in pieces of rows (the FFN in token chunks). It
@@ -1320,6 +1335,19 @@ int     ql_cuda_mm_q8(const ql_tensor *node);
 size_t  ql_cuda_mm_q8_layout(int64_t N, int64_t K, int qb, size_t off[2]);
 #define QL_CUDA_THIN_K 64                              // a product over at most this K of a plain a onto a 16-bit c (LoRA's B u) ...
 bool    ql_cuda_mm_thin(const ql_tensor *node);        // ... is one kernel, c added as it writes (no workspace)
+// QL_OP_MUL_MAT_DROPOUT: LoRA's A dropout(x) in forward (b dropped, a plain a of at most
+// QL_CUDA_DROP_M columns) is one kernel that masks x as it reads it (k_mm_drop: no workspace);
+// other such products (backward's da) make the dropped operand in the workspace, then multiply
+// Few tokens (the grid's token blocks below QL_CUDA_DROP_BLOCKS): K split over that many blocks
+// too, each split's sums in the workspace [splits, N, M] f32, then added in split order (a second
+// launch): deterministic
+#define QL_CUDA_DROP_M 64
+#define QL_CUDA_DROP_TOKENS 32                         // tokens (columns) a block
+#define QL_CUDA_DROP_KSTEP 64                          // k a step
+#define QL_CUDA_DROP_BLOCKS 512
+bool    ql_cuda_mm_drop_fused(const ql_tensor *node);   // ... and backward's dx = c + dropout(Aᵀ dc) by k_mm_thin (K = r)
+int64_t ql_cuda_mm_drop_splits(const ql_tensor *node, int64_t *k_per_split);  // 1: no split
+void    ql_cuda_mm_drop_fused_for_tests(bool on);      // off: every such product by the workspace's path
 // launches one node costs on a CUDA device of compute capability cc (ql_census' unit); inplace:
 // the planner gave the node its source's memory (ql_plan_entry.inplace)
 int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace);

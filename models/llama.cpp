@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -115,10 +116,16 @@ static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
     if (it == m->lora.end()) return y;
     const ql_lora_pair &p = it->second;  // [in, r] then [r, out]
     const bool drop = m->lora_dropout && p.seed && p.dropout > 0;
-    ql_tensor *xa = drop ? ql_dropout_rows_to(ctx, x, p.dropout, p.seed, p.stream, m->compute, row0) : xc;  // in the compute type as made
+    static const char *env = getenv("QLORA_DROPOUT_FUSED");
+    static const bool env_unfused = env && strcmp(env, "0") == 0, env_x16 = env && strcmp(env, "16") == 0;
+    ql_tensor *ax;  // A dropout(x) [r, T]: the mask applied as A's multiply reads x (or xc), or a dropped-out copy of x first
+    if (drop && m->lora_dropout_fused && !env_unfused)
+        ax = ql_mul_mat_dropout(ctx, p.a, m->lora_dropout_x16 || env_x16 ? xc : x, p.dropout, p.seed, p.stream, m->compute, row0);
+    else  // (the copy in the compute type as made)
+        ax = ql_mul_mat(ctx, p.a, drop ? ql_dropout_rows_to(ctx, x, p.dropout, p.seed, p.stream, m->compute, row0) : xc);
     // the scale on the rank-r side: a pass over [r, T] instead of over [out, T], forward and back;
     // B's multiply adds onto W x as it writes (in place where W x dies there): no pass for the add
-    return ql_mul_mat_acc(ctx, p.b, in(ql_scale(ctx, ql_mul_mat(ctx, p.a, xa), p.scale)), y);
+    return ql_mul_mat_acc(ctx, p.b, in(ql_scale(ctx, ax, p.scale)), y);
 }
 
 ql_tensor *ql_llama_linear(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x) {

@@ -58,6 +58,15 @@ struct ql_llama {
     ql_llama_hparams hp;
     std::unordered_map<const ql_tensor *, ql_lora_pair> lora;  // keyed by the base weight
     bool lora_dropout = true;  // graphs built while false (evaluation) skip adapter dropout
+    // adapter dropout inside A's multiply (ql_mul_mat_dropout: the mask regenerated as x is read,
+    // no dropped-out copy of x per adapted linear; the same bits). false, or QLORA_DROPOUT_FUSED=0
+    // in the environment: a ql_dropout_rows_to copy, then the multiply (to compare the two)
+    bool lora_dropout_fused = true;
+    // ... and reading x's cast to the compute type (the one q, k, v or gate, up multiply) instead
+    // of f32 x: backward keeps that 16-bit cast, not f32 x (half the bytes a token), but a kept
+    // element is rounded twice, round(round(x) / (1 - p)) - within a 16-bit ulp of the copies',
+    // not their bits. Off by default; on with QLORA_DROPOUT_FUSED=16 too
+    bool lora_dropout_x16 = false;
     // mixed precision: the type of every matmul's inputs (activations cast to it, weights rounded
     // to it as they are packed, backward's dy too); f32 sums, norms, softmax, loss. Graphs built
     // after setting it use it.

@@ -810,6 +810,52 @@ OP_CASE(add_rows_dropout_rows) {
         }, 0.0);
 }
 
+// LoRA's A dropout(x) with the mask applied as x is read (ql_mul_mat_dropout; on a device k_mm_drop
+// in forward, the dropped operand made in the workspace for backward's da): x a piece of rows of a
+// whole (the mask's row offset), K over several k steps and a partial one, with and without 16-byte
+// rows, tokens over several blocks and a partial one, batches; then the workspace's path in forward too
+OP_CASE(mul_mat_dropout) {
+    struct shape { int64_t K, M, N, B; };
+    for (int fused = 1; fused >= 0; fused--) {
+        ql_cuda_mm_drop_fused_for_tests(fused != 0);
+        for (const shape s : {shape{200, 16, 45, 1}, shape{77, 5, 33, 2}, shape{64, 64, 70, 1}})
+            for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16, QL_TYPE_F16})
+                for (ql_type xt : {QL_TYPE_F32, QL_TYPE_BF16}) {
+                    INFO("K " << s.K << " M " << s.M << " N " << s.N << " B " << s.B << ", multiply " << std::string(ql_type_name(t)) << ", x "
+                              << std::string(ql_type_name(xt)) << (fused ? ", k_mm_drop" : ", the workspace's path"));
+                    check_case(be, "mul_mat_dropout", [&](leafs &L) {
+                        ql_tensor *seed = L.i32({1}, [](int64_t) { return 4321; });
+                        const int64_t r0 = 7, rows = s.N * s.B;  // the whole has r0 + rows + 3 rows
+                        ql_tensor *w = L.param({s.K, r0 + rows + 3}, -2.0f, 2.0f);
+                        ql_tensor *wx = xt == QL_TYPE_F32 ? w : ql_cast(L.ctx, w, xt);
+                        ql_tensor *x = ql_view_3d(L.ctx, wx, s.K, s.N, s.B, wx->nb[1], wx->nb[1] * (size_t)s.N, (size_t)r0 * wx->nb[1]);
+                        return ql_mul_mat_dropout(L.ctx, L.param({s.K, s.M}), x, 0.25f, seed, 11, t, r0);
+                    }, t == QL_TYPE_F32 ? TOL_MM : TOL_16);
+                }
+    }
+    ql_cuda_mm_drop_fused_for_tests(true);
+    // x read by two such products: the second dx added onto the first as it is made (k_mm_thin's
+    // dropout epilogue with c; k_drop_acc after the product where the fused kernels are off)
+    for (int fused = 1; fused >= 0; fused--) {
+        ql_cuda_mm_drop_fused_for_tests(fused != 0);
+        for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16})
+            check_case(be, fused ? "mul_mat_dropout, x read twice" : "mul_mat_dropout, x read twice, the product's path", [t](leafs &L) {
+                ql_tensor *seed = L.i32({1}, [](int64_t) { return 8; });
+                ql_tensor *x = L.param({96, 150}, -2.0f, 2.0f);
+                return ql_add(L.ctx, ql_mul_mat_dropout(L.ctx, L.param({96, 8}), x, 0.3f, seed, 1, t, 0),
+                              ql_mul_mat_dropout(L.ctx, L.param({96, 8}), x, 0.3f, seed, 2, t, 0));
+            }, t == QL_TYPE_F32 ? TOL_MM : TOL_16);
+    }
+    ql_cuda_mm_drop_fused_for_tests(true);
+    // enough tokens that a split takes more than one k step (2 splits of 2 steps and 1, 172 token
+    // blocks): forward only
+    for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16})
+        check_case(be, "mul_mat_dropout, 5500 tokens", [t](leafs &L) {
+            ql_tensor *seed = L.i32({1}, [](int64_t) { return 5; });
+            return ql_mul_mat_dropout(L.ctx, L.param({136, 4}), L.param({136, 5500}), 0.1f, seed, 2, t, 3);
+        }, t == QL_TYPE_F32 ? TOL_MM : TOL_16, false);
+}
+
 // fa_mode_guard: a CUDA attention mode (ql_cuda_fa_set_mode) for one case, the previous one after
 struct fa_mode_guard {
     int was = ql_cuda_fa_get_mode();

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <random>
 #include <string>
 #include <vector>
@@ -669,5 +670,125 @@ TEST_CASE("llama: the fused loss gives the unfused gradient of h, one chunk's lo
             CHECK(fused_r.head_products == 2 * chunks);
         }
     }
+    ql_backend_free(be);
+}
+
+// Adapter dropout inside A's multiply (ql_llama.lora_dropout_fused: ql_mul_mat_dropout) against the
+// dropped-out copies (ql_dropout_rows_to, then the multiply): the same loss and LoRA gradients bit
+// for bit - every compute type, the FFN whole and in chunks (a chunk's mask offset), and with every
+// segment recomputed (the masks drawn again) - and no copies: no dropout node in forward, and fewer
+// bytes alive when backward starts
+TEST_CASE("llama: adapter dropout inside A's multiply gives the copies' loss and LoRA gradients bit for bit, and saves less") {
+    const int V = 50, E = 64, N = 24;
+    tiny_llama t(tiny_hparams(V, E, 96, 2, 4, 2), 11, 0.2f);
+    ql_backend *be = ql_backend_cpu_init(2);
+    REQUIRE(be);
+    struct result {
+        float loss = 0;
+        std::vector<std::vector<float>> grads;
+        int n_dropout = 0, n_fused = 0;
+        size_t saved = 0;
+    };
+    auto run = [&](bool fused, ql_type ct, int64_t chunk, bool recompute, bool x16 = false) {
+        result r;
+        ql_init_params ip = {32u << 20, nullptr, false, false};
+        ql_context *ctx = ql_init(ip);
+        ql_llama m = t.m;
+        m.compute = ct;
+        m.ffn_chunk = chunk;
+        m.lora_dropout_fused = fused;
+        m.lora_dropout_x16 = x16;
+        ql_tensor *seed = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1));
+        ((int32_t *)seed->data)[0] = 2024;
+        ql_lora_config lc;
+        lc.r = 4, lc.alpha = 8, lc.dropout = 0.2f, lc.targets = {"q", "k", "v", "o", "gate", "up", "down"};
+        REQUIRE(ql_llama_add_lora(ctx, &m, lc, seed) == QL_OK);
+        const std::vector<ql_tensor *> params = ql_llama_lora_params(m);
+        std::mt19937 rng(3);
+        std::normal_distribution<float> nd(0.0f, 0.3f);
+        for (ql_tensor *p : params)  // B too (0 as made): A's gradient then flows
+            if (p->ne[1] != 4 || p->ne[0] == 4)
+                for (int64_t i = 0; i < ql_nelements(p); i++) ((float *)p->data)[i] = nd(rng);
+        ql_tensor *h = ql_set_input(ql_new_tensor_3d(ctx, QL_TYPE_F32, E, N, 1));
+        for (int i = 0; i < E * N; i++) ((float *)h->data)[i] = nd(rng) * 3.0f;
+        ql_tensor *pos = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, N, 1));
+        for (int i = 0; i < N; i++) ((int32_t *)pos->data)[i] = i;
+        ql_tensor *tg = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, N));
+        for (int i = 0; i < N; i++) ((int32_t *)tg->data)[i] = (i * 7 + 3) % V;
+        ql_tensor *cnt = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_F32, 1));
+        *(float *)cnt->data = (float)N;
+        ql_tensor *loss = ql_llama_loss(ctx, &m, ql_llama_hidden(ctx, &m, h, pos, nullptr), tg, cnt, 0, true);
+        REQUIRE_MESSAGE(loss, ql_ctx_error(ctx));
+        ql_graph *gf = ql_graph_new(ctx);
+        REQUIRE(ql_graph_build_forward(gf, loss) == QL_OK);
+        for (int i = 0; i < ql_graph_n_nodes(gf); i++) {
+            r.n_dropout += ql_graph_node(gf, i)->op == QL_OP_DROPOUT;
+            r.n_fused += ql_graph_node(gf, i)->op == QL_OP_MUL_MAT_DROPOUT;
+        }
+        ql_graph *gb = ql_graph_backward(ctx, gf, loss);
+        REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
+        if (recompute) {
+            const int n_seg = ql_graph_segments(gb, nullptr, 0);
+            REQUIRE(n_seg > 0);
+            std::vector<ql_keep> none((size_t)n_seg, QL_KEEP_NONE);
+            REQUIRE(ql_graph_recompute(gb, none.data(), n_seg, nullptr) == QL_OK);
+        }
+        ql_plan_stats st{};
+        REQUIRE_MESSAGE(ql_graph_plan(gb, be, &st) == QL_OK, ql_ctx_error(ctx));
+        REQUIRE(ql_graph_alloc(gb, be) == QL_OK);
+        ql_graph_set_poison(gb, true);
+        ql_graph_zero_grads(gb);
+        REQUIRE_MESSAGE(ql_backend_graph_compute(be, gb) == QL_OK, ql_ctx_error(ctx));
+        r.loss = ql_get_f32_1d(loss, 0);
+        for (ql_tensor *p : params) r.grads.emplace_back((const float *)p->grad->data, (const float *)p->grad->data + ql_nelements(p));
+        r.saved = st.bytes[QL_MEM_SAVED];
+        ql_graph_free(gb);
+        ql_graph_free(gf);
+        ql_free(ctx);
+        return r;
+    };
+    std::map<std::pair<int64_t, bool>, result> f32_copies;  // the f32 run, each 16-bit one's yardstick
+    for (ql_type ct : {QL_TYPE_F32, QL_TYPE_BF16, QL_TYPE_F16})
+        for (int64_t chunk : {(int64_t)0, (int64_t)10})
+            for (bool recompute : {false, true}) {
+                INFO(std::string(ql_type_name(ct)) << ", FFN chunk " << chunk << (recompute ? ", every segment recomputed" : ""));
+                const result copies = run(false, ct, chunk, recompute), fused = run(true, ct, chunk, recompute);
+                CHECK(fused.loss == copies.loss);
+                REQUIRE(fused.grads.size() == copies.grads.size());
+                for (size_t i = 0; i < fused.grads.size(); i++) CHECK_MESSAGE(fused.grads[i] == copies.grads[i], "LoRA tensor " << i);
+                const int per_layer = chunk ? 4 + 3 * 3 : 7;  // q k v o, then gate up down per chunk (24 rows: 3 chunks)
+                CHECK(copies.n_dropout == 2 * per_layer);
+                CHECK(fused.n_dropout == 0);
+                CHECK(fused.n_fused == 2 * per_layer);
+                if (!recompute) CHECK(fused.saved < copies.saved);
+                if (ct == QL_TYPE_BF16 && !chunk && !recompute)
+                    MESSAGE("saved activations: ", fused.saved, " bytes fused, ", copies.saved, " with the copies");
+                // reading x's 16-bit cast (lora_dropout_x16): f32 x is that cast under f32 - the same
+                // bits; under bf16 / fp16 a kept element is rounded twice: no farther from the f32 run
+                // than the copies' run is (within 25%), and less is kept
+                const result x16 = run(true, ct, chunk, recompute, true);
+                auto dist = [](const result &u, const result &v) {  // relative L2 over every LoRA gradient
+                    double num = 0, den = 0;
+                    for (size_t i = 0; i < u.grads.size(); i++)
+                        for (size_t j = 0; j < u.grads[i].size(); j++)
+                            num += std::pow((double)u.grads[i][j] - v.grads[i][j], 2), den += std::pow((double)v.grads[i][j], 2);
+                    return std::sqrt(num / den);
+                };
+                if (ct == QL_TYPE_F32) {
+                    CHECK(x16.loss == copies.loss);
+                    CHECK(dist(x16, copies) == 0);
+                    f32_copies[{chunk, recompute}] = copies;
+                } else {
+                    const result &ref = f32_copies.at({chunk, recompute});
+                    const double e16 = dist(x16, copies), ect = dist(copies, ref), e16ref = dist(x16, ref);
+                    CHECK(std::fabs(x16.loss - ref.loss) <= 1.25 * std::fabs(copies.loss - ref.loss) + 1e-3f);
+                    CHECK(e16ref < 1.25 * ect);
+                    if (!recompute) CHECK(x16.saved < fused.saved);
+                    if (!chunk && !recompute)
+                        MESSAGE(std::string(ql_type_name(ct)), " x16: loss ", x16.loss, " (copies ", copies.loss, ", f32 ", ref.loss,
+                                "), gradients ", e16, " from the copies', ", e16ref, " from f32's (the copies' ", ect, "); saved ",
+                                x16.saved, " bytes");
+                }
+            }
     ql_backend_free(be);
 }

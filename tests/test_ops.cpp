@@ -1653,6 +1653,137 @@ TEST_CASE("dropout over rows of a whole (ql_dropout_rows_to): the whole's mask, 
 }
 
 // =============================================================================================
+// a product with its b dropped out as it is read (ql_mul_mat_dropout: LoRA's A dropout(x))
+// =============================================================================================
+
+// element e of the whole survives dropout p under (seed, stream): qlora.h's documented hash, written out
+static bool ref_keep(int32_t seed, uint32_t stream, int64_t e, float p) {
+    auto mix = [](uint64_t z) {
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        return z ^ (z >> 31);
+    };
+    const uint64_t key = mix((uint64_t)(uint32_t)seed << 32 | stream);
+    return (uint32_t)(mix(key + 0x9E3779B97F4A7C15ull * (uint64_t)(e + 1)) >> 32) >= (uint32_t)((double)p * 4294967296.0);
+}
+
+TEST_CASE("mul_mat_dropout: a dropout(x) against the math, gradients by central differences (rows of a whole, batches)") {
+    const float p = 0.3f;
+    const double ks = 1.0 / (1.0 - (double)p);
+    // x [K, N, B2] rows r0.. of a whole: element (k, row) draws the whole's mask at (r0 + row) K + k
+    struct Cfg { int64_t K, M, N, B2, r0; };
+    for (const Cfg c : {Cfg{37, 5, 11, 1, 0}, Cfg{70, 16, 9, 3, 0}, Cfg{33, 7, 13, 1, 6}}) {
+        INFO("K " << c.K << " M " << c.M << " N " << c.N << " B2 " << c.B2 << " row0 " << c.r0);
+        check_op("mul_mat_dropout",
+                 [&](Harness &h) {
+                     ql_tensor *a = h.input(QL_TYPE_F32, {c.K, c.M, 1, 1}, true), *x = h.input(QL_TYPE_F32, {c.K, c.N, c.B2, 1}, true);
+                     ql_tensor *seed = ql_set_input(h.ints({1, 1, 1, 1}, {77}));
+                     return ql_mul_mat_dropout(h.ctx, a, x, p, seed, 9u, QL_TYPE_F32, c.r0);
+                 },
+                 [&](const Inputs &in) {
+                     Vec o((size_t)(c.M * c.N * c.B2));
+                     for (int64_t row = 0; row < c.N * c.B2; row++)
+                         for (int64_t m = 0; m < c.M; m++) {
+                             double acc = 0;
+                             for (int64_t k = 0; k < c.K; k++)
+                                 if (ref_keep(77, 9u, (c.r0 + row) * c.K + k, p)) acc += in[0][(size_t)(m * c.K + k)] * in[1][(size_t)(row * c.K + k)] * ks;
+                             o[(size_t)(row * c.M + m)] = acc;
+                         }
+                     return o;
+                 });
+    }
+}
+
+// The unfused pair's bits: ql_mul_mat(a, ql_dropout_rows_to(x, ...)) - forward, a's and x's
+// gradients - for every multiply type, x of each type, a piece of rows of a whole, 1 and 3 threads
+TEST_CASE("mul_mat_dropout: the bits of mul_mat over ql_dropout_rows_to, forward and backward") {
+    const float p = 0.2f;
+    const int64_t K = 96, M = 8, N = 40, r0 = 9, n = 19;  // x: rows r0 .. r0 + n of a whole [K, N]
+    for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16, QL_TYPE_F16})
+        for (ql_type xt : {QL_TYPE_F32, QL_TYPE_BF16})
+            for (int nt : {1, 3}) {
+                INFO(std::string(ql_type_name(t)) << " multiply, x " << std::string(ql_type_name(xt)) << ", " << nt << " threads");
+                std::vector<float> y[2], ga[2], gx[2];
+                for (int fused = 0; fused < 2; fused++) {
+                    ql_init_params ip{16u << 20, nullptr, false, false};
+                    ql_context *ctx = ql_init(ip);
+                    ql_tensor *a = ql_set_param(ql_new_tensor_2d(ctx, QL_TYPE_F32, K, M));
+                    ql_tensor *w = ql_set_param(ql_new_tensor_2d(ctx, QL_TYPE_F32, K, N));
+                    for (int64_t i = 0; i < K * M; i++) ((float *)a->data)[i] = 0.05f * (float)((i * 29) % 41) - 1.0f;
+                    for (int64_t i = 0; i < K * N; i++) ((float *)w->data)[i] = 0.37f * (float)((i * 53) % 97) / 7.0f - 2.3f;
+                    ql_tensor *seed = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1));
+                    ((int32_t *)seed->data)[0] = 31;
+                    ql_tensor *xw = xt == QL_TYPE_F32 ? w : ql_cast(ctx, w, xt);  // the whole, then a piece of its rows
+                    ql_tensor *x = ql_view_2d(ctx, xw, K, n, xw->nb[1], (size_t)r0 * xw->nb[1]);
+                    ql_tensor *u = fused ? ql_mul_mat_dropout(ctx, a, x, p, seed, 4u, t, r0)
+                                         : ql_mul_mat(ctx, a, ql_dropout_rows_to(ctx, x, p, seed, 4u, t, r0));
+                    REQUIRE_MESSAGE(u, ql_ctx_error(ctx));
+                    CHECK(u->op == (fused ? QL_OP_MUL_MAT_DROPOUT : QL_OP_MUL_MAT));
+                    ql_tensor *r = ql_new_tensor_2d(ctx, QL_TYPE_F32, M, n);
+                    for (int64_t i = 0; i < M * n; i++) ((float *)r->data)[i] = 0.01f * (float)((i * 7) % 23) - 0.1f;
+                    ql_set_output(u);
+                    ql_tensor *loss = ql_sum(ctx, ql_mul(ctx, u, r));
+                    ql_graph *gf = ql_graph_new(ctx);
+                    REQUIRE(ql_graph_build_forward(gf, loss) == QL_OK);
+                    ql_graph *gb = ql_graph_backward(ctx, gf, loss);
+                    REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
+                    int n_fused = 0;
+                    for (int i = 0; i < ql_graph_n_nodes(gb); i++) n_fused += ql_graph_node(gb, i)->op == QL_OP_MUL_MAT_DROPOUT;
+                    CHECK(n_fused == (fused ? 3 : 0));  // forward, da's and dx's: no dropped-out copy anywhere
+                    ql_backend *be = ql_backend_cpu_init(nt);
+                    REQUIRE(ql_graph_plan(gb, be, nullptr) == QL_OK);
+                    REQUIRE(ql_graph_alloc(gb, be) == QL_OK);
+                    ql_graph_set_poison(gb, true);
+                    ql_graph_zero_grads(gb);
+                    REQUIRE_MESSAGE(ql_backend_graph_compute(be, gb) == QL_OK, ql_ctx_error(ctx));
+                    y[fused].assign((const float *)u->data, (const float *)u->data + M * n);
+                    ga[fused].assign((const float *)a->grad->data, (const float *)a->grad->data + K * M);
+                    gx[fused].assign((const float *)w->grad->data, (const float *)w->grad->data + K * N);
+                    ql_graph_free(gb);
+                    ql_graph_free(gf);
+                    ql_backend_free(be);
+                    ql_free(ctx);
+                }
+                CHECK(y[1] == y[0]);
+                CHECK(ga[1] == ga[0]);
+                CHECK(gx[1] == gx[0]);
+                int64_t zeros = 0, outside = 0;  // x's gradient: the piece's mask in its rows, nothing elsewhere
+                for (int64_t i = 0; i < K * N; i++) {
+                    const bool in = i / K >= r0 && i / K < r0 + n;
+                    zeros += in && gx[1][(size_t)i] == 0.0f;
+                    outside += !in && gx[1][(size_t)i] != 0.0f;
+                }
+                CHECK(outside == 0);
+                CHECK(zeros > K * n / 10);
+                CHECK(zeros < K * n / 3);
+            }
+}
+
+TEST_CASE("mul_mat_dropout: bad input is refused with the op's name") {
+    ql_init_params ip{4u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *a = ql_new_tensor_2d(ctx, QL_TYPE_F32, 16, 4), *x = ql_new_tensor_2d(ctx, QL_TYPE_F32, 16, 5);
+    ql_tensor *seed = ql_new_tensor_1d(ctx, QL_TYPE_I32, 1);
+    CHECK(ql_mul_mat_dropout(ctx, a, x, 1.0f, seed, 0, QL_TYPE_BF16, 0) == nullptr);
+    CHECK(std::string(ql_ctx_error(ctx)).find("mul_mat_dropout: p = 1") != std::string::npos);
+    ql_ctx_clear_error(ctx);
+    CHECK(ql_mul_mat_dropout(ctx, a, ql_new_tensor_2d(ctx, QL_TYPE_F32, 15, 5), 0.1f, seed, 0, QL_TYPE_BF16, 0) == nullptr);
+    ql_ctx_clear_error(ctx);
+    CHECK(ql_mul_mat_dropout(ctx, a, x, 0.1f, x, 0, QL_TYPE_BF16, 0) == nullptr);  // the seed
+    ql_ctx_clear_error(ctx);
+    CHECK(ql_mul_mat_dropout(ctx, a, x, 0.1f, seed, 0, QL_TYPE_Q8_0, 0) == nullptr);
+    ql_ctx_clear_error(ctx);
+    CHECK(ql_mul_mat_dropout(ctx, a, ql_transpose(ctx, ql_new_tensor_2d(ctx, QL_TYPE_F32, 5, 16)), 0.1f, seed, 0, QL_TYPE_BF16, 0) ==
+          nullptr);  // x without dense rows
+    ql_ctx_clear_error(ctx);
+    ql_tensor *ok = ql_mul_mat_dropout(ctx, a, x, 0.1f, seed, 0, QL_TYPE_BF16, 3);
+    REQUIRE(ok);
+    CHECK(ok->type == QL_TYPE_F32);
+    CHECK((ok->ne[0] == 4 && ok->ne[1] == 5));
+    ql_free(ctx);
+}
+
+// =============================================================================================
 // bad input
 // =============================================================================================
 

@@ -956,8 +956,11 @@ TEST_CASE("trainer: bf16 and fp16 training stays within 2% of fp32's loss over 1
         CHECK(losses[r] != losses[0]);  // the rounding is really there
         // the FFN's gate, up and SwiGLU result kept in 16 bits too (not only the multiplies' inputs):
         // 0.77 of fp32's when those were f32 (282176 of 368576), 0.65 since (241216); attention's
-        // q, k, v, rope results and output in 16 bits too: 0.57 (210496)
-        CHECK(saved[r] < saved[0] * 6 / 10);
+        // q, k, v, rope results and output in 16 bits too: 0.57 (210496); LoRA's dropout inside A's
+        // multiply (no dropped-out copies, which fp32 kept in 4 bytes and 16 bits in 2): 0.66 (190464
+        // of 287104) - both smaller, fp32 more
+        CHECK(saved[r] < saved[0] * 7 / 10);
+        CHECK(saved[r] <= 190464);
     }
     CHECK(losses[0].back() < 0.5 * losses[0].front());
     ql_llama_file_free(f);
