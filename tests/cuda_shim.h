@@ -142,6 +142,13 @@ inline void set_device_count(int n) { st().device_count = n; }
 // the device's compute capability, for suites compiled without this header (tests/test_backend_ops.cpp
 // declares it weak: absent where the suite runs on a real GPU)
 extern "C" __attribute__((weak)) void qlshim_set_cc(int major, int minor) { qlshim::st().cc_major = major, qlshim::st().cc_minor = minor; }
+// the number of devices (QL_SHIM_DEVICES' setting, for suites compiled without this header; returns the previous one)
+extern "C" __attribute__((weak)) int qlshim_set_devices(int n) {
+    qlshim::read_env();
+    const int was = qlshim::st().device_count;
+    qlshim::st().device_count = n < 1 ? 1 : n;
+    return was;
+}
 // WMMA's 16x16 fragments: 1 = sm_80's layout (what code that probes the layout at run time finds
 // on a real GPU), 0 = the scramble (the default); returns the previous setting
 extern "C" __attribute__((weak)) int qlshim_set_wmma_sm80(int on) {
@@ -659,6 +666,11 @@ inline void launch(const char *name, K kernel, dim3 grid, dim3 block, size_t sme
         set_sticky(cudaErrorInvalidConfiguration, std::string(name) + ": invalid launch: " + bad);
         return;
     }
+    if (stream && stream->device != current_device()) {  // CUDA: a stream belongs to its device
+        set_sticky(cudaErrorInvalidResourceHandle, std::string(name) + ": launched on a stream of device " + std::to_string(stream->device) +
+                                                        " while device " + std::to_string(current_device()) + " is current");
+        return;
+    }
     if (capturing(stream)) {  // recorded with its arguments as they are now (by value, as a graph's kernel node)
         capture_record(stream, [=] { launch(name, kernel, grid, block, smem, stream, args...); });
         return;
@@ -923,6 +935,7 @@ struct CUstream_st {
     uint64_t done = 0;
     uint64_t cap = 0;                      // the stream capture it is part of (0: none)
     uint64_t cap_ops = 0, cap_joined = 0;  // work recorded on it in that capture; how much of it the origin waited for
+    int device = 0;                        // the device current when it was made: a launch on it needs that one current
 };
 struct CUevent_st {
     double t;
@@ -1128,6 +1141,7 @@ inline cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s) {
 }
 inline cudaError_t cudaStreamCreate(cudaStream_t *s) {
     *s = new CUstream_st();
+    (*s)->device = qlshim::current_device();
     return cudaSuccess;
 }
 inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) { return cudaStreamCreate(s); }
