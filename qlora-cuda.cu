@@ -4100,7 +4100,6 @@ static ql_status cuda_graph_compute(ql_backend *be, ql_graph *g) {
     ql_context *ctx = ql_graph_ctx(g);
     ql_graph_exec ex;
     ql_graph_get_exec(g, &ex);
-    const int n = ql_graph_n_nodes(g);
     if (!cu_use(cb)) {
         ql_ctx_set_error(ctx, QL_ERR_IO, "compute: cannot make CUDA device %d current", cb->device);
         return QL_ERR_IO;

@@ -648,6 +648,7 @@ inline void flush_stream(cudaStream_t s, uint64_t upto = ~0ull);  // below: a st
 inline bool capturing(cudaStream_t s);                                 // below: stream capture
 inline void capture_record(cudaStream_t s, std::function<void()> op);
 
+inline int stream_device(cudaStream_t s);  // (CUstream_st comes below)
 template <typename K, typename... A>
 inline void launch(const char *name, K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, A... args) {
     read_env();
@@ -666,8 +667,8 @@ inline void launch(const char *name, K kernel, dim3 grid, dim3 block, size_t sme
         set_sticky(cudaErrorInvalidConfiguration, std::string(name) + ": invalid launch: " + bad);
         return;
     }
-    if (stream && stream->device != current_device()) {  // CUDA: a stream belongs to its device
-        set_sticky(cudaErrorInvalidResourceHandle, std::string(name) + ": launched on a stream of device " + std::to_string(stream->device) +
+    if (stream && stream_device(stream) != current_device()) {  // CUDA: a stream belongs to its device
+        set_sticky(cudaErrorInvalidResourceHandle, std::string(name) + ": launched on a stream of device " + std::to_string(stream_device(stream)) +
                                                         " while device " + std::to_string(current_device()) + " is current");
         return;
     }
@@ -937,6 +938,9 @@ struct CUstream_st {
     uint64_t cap_ops = 0, cap_joined = 0;  // work recorded on it in that capture; how much of it the origin waited for
     int device = 0;                        // the device current when it was made: a launch on it needs that one current
 };
+namespace qlshim {
+inline int stream_device(cudaStream_t s) { return s->device; }
+}  // namespace qlshim
 struct CUevent_st {
     double t;
     cudaStream_t s = nullptr;  // the stream recorded on, and its queue position then
