@@ -153,22 +153,15 @@ static void cu_device_free(void *p) {
     cudaFree(p);
 }
 
-static bool cu_is_device_ptr(const void *p) {
-    cu_registry &r = cu_reg();
-    std::lock_guard<std::mutex> lk(r.mu);
-    auto it = r.blocks.upper_bound((uintptr_t)p);
-    if (it == r.blocks.begin()) return false;
-    --it;
-    return (uintptr_t)p < it->first + std::max(it->second, (size_t)1);
-}
-// the device a registered allocation is on (-1: none of ours)
+// the device a registered allocation is on: -2 for none of ours (host memory), -1 for one whose
+// device was not known when it was made
 static int cu_device_of_ptr(const void *p) {
     cu_registry &r = cu_reg();
     std::lock_guard<std::mutex> lk(r.mu);
     auto it = r.blocks.upper_bound((uintptr_t)p);
-    if (it == r.blocks.begin()) return -1;
+    if (it == r.blocks.begin()) return -2;
     --it;
-    if ((uintptr_t)p >= it->first + std::max(it->second, (size_t)1)) return -1;
+    if ((uintptr_t)p >= it->first + std::max(it->second, (size_t)1)) return -2;
     auto id = r.device.find(it->first);
     return id == r.device.end() ? -1 : id->second;
 }
@@ -4110,13 +4103,13 @@ static ql_status cuda_graph_compute(ql_backend *be, ql_graph *g) {
         const ql_tensor *node = ql_graph_node(g, i);
         for (const ql_tensor *s : node->src) {
             if (!s || s->op != QL_OP_NONE) continue;
-            if (s->data && ql_nbytes(s) > 0 && !cu_is_device_ptr(s->data)) {
+            const int dev = s->data && ql_nbytes(s) > 0 ? cu_device_of_ptr(s->data) : -1;
+            if (dev == -2) {
                 ql_ctx_set_error(ctx, QL_ERR_INVALID, "compute: %s '%s' holds host memory, not %s's --> hint: "
                                  "ql_backend_place_ctx_tensors (weights, adapters) or ql_backend_alloc_ctx_tensors",
                                  ql_op_name(s->op), s->name, be->iface.name);
                 return QL_ERR_INVALID;
             }
-            const int dev = s->data && ql_nbytes(s) > 0 ? cu_device_of_ptr(s->data) : -1;
             if (dev >= 0 && dev != cb->device) {
                 ql_ctx_set_error(ctx, QL_ERR_INVALID, "compute: '%s' is on CUDA device %d, the graph runs on device %d", s->name, dev,
                                  cb->device);

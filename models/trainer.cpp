@@ -1096,11 +1096,13 @@ static bool split_layers_for(ql_llama_file *f, const std::vector<ql_sequence> &t
 static void split_memory(ql_memory_plan *mp, const std::vector<stage_plan> &plans, const std::vector<int> &first, const std::string &choice) {
     *mp = plans[0].mem;
     mp->stages.clear();
-    mp->total = mp->host = 0;
+    mp->total = mp->host = mp->weights = mp->weights_file = 0;
     for (const stage_plan &p : plans) {
         mp->stages.push_back(p.mem);
         mp->total += p.mem.total;
         mp->host += p.mem.host;
+        mp->weights += p.mem.weights;
+        mp->weights_file += p.mem.weights_file;
     }
     mp->stage_layers = first;
     mp->split_choice = choice;
