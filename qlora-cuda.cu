@@ -111,6 +111,7 @@ struct cu_registry {
     std::map<uintptr_t, size_t> blocks;  // base -> size
     std::map<uintptr_t, int> device;     // base -> the device it is on (several backends in one process: a model split)
     size_t in_use = 0, peak = 0;
+    std::map<int, std::pair<size_t, size_t>> per_device;  // device -> its in_use, peak
 };
 static cu_registry &cu_reg() {
     static cu_registry r;  // the device's allocation table: process-wide, as the device is
@@ -129,6 +130,9 @@ static void *cu_device_alloc(size_t size) {
     std::lock_guard<std::mutex> lk(r.mu);
     r.blocks[(uintptr_t)p] = size;
     r.device[(uintptr_t)p] = dev;
+    std::pair<size_t, size_t> &pd = r.per_device[dev];
+    pd.first += size;
+    pd.second = std::max(pd.second, pd.first);
     r.in_use += size;
     r.peak = std::max(r.peak, r.in_use);
     return p;
@@ -140,11 +144,12 @@ static void cu_device_free(void *p) {
         cu_registry &r = cu_reg();
         std::lock_guard<std::mutex> lk(r.mu);
         auto it = r.blocks.find((uintptr_t)p);
+        auto id = r.device.find((uintptr_t)p);
         if (it != r.blocks.end()) {
             r.in_use -= it->second;
+            if (id != r.device.end()) r.per_device[id->second].first -= it->second;
             r.blocks.erase(it);
         }
-        auto id = r.device.find((uintptr_t)p);
         if (id != r.device.end()) {
             if (id->second >= 0 && cudaSetDevice(id->second) != cudaSuccess) (void)cudaGetLastError();  // (its own device's)
             r.device.erase(id);
@@ -4323,6 +4328,16 @@ ql_status ql_backend_cuda_info(const ql_backend *be, ql_cuda_device_info *info) 
     }
     char err[128];
     return ql_cuda_device_get_info(((const cuda_backend *)be->impl)->device, info, err, sizeof(err));
+}
+
+bool ql_cuda_device_memory_used(const ql_backend *be, size_t *in_use, size_t *peak) {
+    if (!ql_backend_is_cuda(be)) return false;
+    cu_registry &r = cu_reg();
+    std::lock_guard<std::mutex> lk(r.mu);
+    auto it = r.per_device.find(((const cuda_backend *)be->impl)->device);
+    if (in_use) *in_use = it == r.per_device.end() ? 0 : it->second.first;
+    if (peak) *peak = it == r.per_device.end() ? 0 : it->second.second;
+    return true;
 }
 
 bool ql_cuda_memory_used(size_t *in_use, size_t *peak) {

@@ -7630,6 +7630,11 @@ __attribute__((weak)) bool ql_cuda_memory_used(size_t *in_use, size_t *peak) {
     if (peak) *peak = 0;
     return false;
 }
+__attribute__((weak)) bool ql_cuda_device_memory_used(const ql_backend *, size_t *in_use, size_t *peak) {
+    if (in_use) *in_use = 0;
+    if (peak) *peak = 0;
+    return false;
+}
 
 // A build without qlora-mpi.cpp: one process. Its definitions replace these when it is linked in
 // (make MPI=1): the library and the drop-in build need no MPI.

@@ -1305,6 +1305,8 @@ size_t  ql_cuda_context_bytes(int cc);
 size_t  ql_cuda_cublas_workspace_bytes(int cc);
 // Device memory qlora holds now and at most so far (ql_backend_memory_used); false without CUDA.
 bool    ql_cuda_memory_used(size_t *in_use, size_t *peak);
+// The same for be's device alone (a model split over devices: each stage's); false without CUDA
+bool    ql_cuda_device_memory_used(const ql_backend *be, size_t *in_use, size_t *peak);
 // CUDA graphs: a planned graph run again with the same nodes and buffers is captured once (on its
 // second run) and replayed with one launch after; runs that time nodes (profile), look for
 // non-finite results or poison the buffer stay node by node. On by default; off with the

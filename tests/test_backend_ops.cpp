@@ -1961,6 +1961,7 @@ OP_CASE(trainer_split_layers) {
         uint64_t hash = 0;
         ql_memory_plan plan;
         size_t allocated = 0;
+        std::vector<size_t> per_device;  // what each stage's device got (through the shim: devices 0, 1, 2)
     };
     auto run = [&](const std::vector<ql_backend *> &split, const std::vector<int> &layers) {
         result r;
@@ -1974,10 +1975,16 @@ OP_CASE(trainer_split_layers) {
         REQUIRE_MESSAGE(ql_train_plan(f, seqs, seqs, oo, &r.plan, &e), e);
         size_t before = 0, after = 0;
         ql_backend_memory_used(be, &before, nullptr);
+        std::vector<size_t> dev_before(split.size(), 0), dev_after(split.size(), 0);  // each stage's device
+        for (size_t i = 0; i < split.size(); i++) ql_cuda_device_memory_used(split[i], &dev_before[i], nullptr);
         ql_trainer *t = ql_trainer_new(f, seqs, seqs, oo, &e);
         REQUIRE_MESSAGE(t, e);
         ql_backend_memory_used(be, &after, nullptr);
         r.allocated = after - before;
+        for (size_t i = 0; i < split.size(); i++) {
+            ql_cuda_device_memory_used(split[i], &dev_after[i], nullptr);
+            r.per_device.push_back(dev_after[i] - dev_before[i]);
+        }
         ql_step_metrics m;
         while (ql_trainer_steps_done(t) < ql_trainer_total_steps(t)) {
             REQUIRE_MESSAGE(ql_trainer_step(t, &m, &e), e);
@@ -2016,10 +2023,13 @@ OP_CASE(trainer_split_layers) {
         if (host) continue;
         // each stage's device plan is what it allocated (all of them together, to the byte)
         size_t planned = 0;
-        for (const ql_memory_plan &sp : r->plan.stages) {
+        for (size_t i = 0; i < r->plan.stages.size(); i++) {
+            const ql_memory_plan &sp = r->plan.stages[i];
             CHECK(sp.device);
             CHECK(sp.total == sp.dev_weights + sp.dev_state + sp.dev_buffer + sp.dev_cache + sp.dev_context + sp.dev_rounding);
             planned += sp.dev_weights + sp.dev_state + sp.dev_buffer + sp.dev_cache;
+            // each device its own stage's (where two stages share a real card, the card's count holds both)
+            if (n_dev >= 3) CHECK(r->per_device[i] == sp.dev_weights + sp.dev_state + sp.dev_buffer + sp.dev_cache);
         }
         CHECK(r->allocated == planned);
         // the blocks' weights are on their stages: the weights over the stages are the whole's
