@@ -1367,8 +1367,9 @@ void ql_trainer_free(ql_trainer *t) {
     if (t->f && !t->is_stage) {  // the model's adapters pointed into ctx (a split: the stages' contexts)
         t->f->model.lora.clear();
         t->f->model.compute = QL_TYPE_F32;
-        if (t->f->model.tok_embd) t->f->model.tok_embd->flags &= ~QL_FLAG_HOST;  // the next run decides again
     }
+    if (t->f && t->l0 == 0 && t->f->model.tok_embd)  // (a split: the first stage's choice)
+        t->f->model.tok_embd->flags &= ~QL_FLAG_HOST;  // the next run decides again
     delete t;
 }
 

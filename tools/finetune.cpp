@@ -1012,6 +1012,10 @@ static bool parse(int argc, char **argv, args *a) {
         return false;
     }
     if (!resolve_device(a)) return false;
+    if (a->profile && !a->split_dev.empty()) {
+        fprintf(stderr, "finetune: --profile: not for a model split over cards (--device %s) in this version\n", a->device_text.c_str());
+        return false;
+    }
     if (a->o.threads > 0) ql_cpu_warn_threads("finetune", a->o.threads);
     const bool cp_auto = a->o.checkpointing == ql_checkpointing::automatic, host = ql_backend_is_host(a->be);
     if ((a->b_auto || cp_auto) && a->o.mem_limit == 0 && !a->o.vram && host) {
