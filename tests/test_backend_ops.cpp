@@ -2037,6 +2037,13 @@ OP_CASE(trainer_split_layers) {
         for (const ql_memory_plan &sp : r->plan.stages) w += sp.dev_weights;
         CHECK(w == one.plan.dev_weights);
     }
+    if (!host) {  // the halves of a stage's graph were captured as CUDA graphs of their own and replayed (the same bits above)
+        ql_cuda_graph_counts c;
+        REQUIRE(ql_cuda_get_graph_counts(more[0], &c));
+        MESSAGE("the second device: ", c.captured, " captures, ", c.launched, " launches, ", c.eager, " eager runs");
+        CHECK(c.captured > 0);
+        CHECK(c.launched > c.captured);
+    }
     // a split's checkpoint is one device's: the same file
     CHECK(read_file(d.file("split0.ckpt")) == read_file(d.file("split2.ckpt")));
     CHECK(read_file(d.file("split0.ckpt")) == read_file(d.file("split3.ckpt")));
