@@ -113,7 +113,9 @@ static void cu_fail(cu_ctx &c, const char *file, int line, const char *what, con
 struct cu_registry {
     std::mutex mu;
     std::map<uintptr_t, size_t> blocks;  // base -> size
+    std::map<uintptr_t, int> device;     // base -> the device it is on (several backends in one process: a model split)
     size_t in_use = 0, peak = 0;
+    std::map<int, std::pair<size_t, size_t>> per_device;  // device -> its in_use, peak
 };
 static cu_registry &cu_reg() {
     static cu_registry r;  // the device's allocation table: process-wide, as the device is
@@ -126,9 +128,15 @@ static void *cu_device_alloc(size_t size) {
         (void)cudaGetLastError();  // not sticky: the caller reports what did not fit
         return nullptr;
     }
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess) (void)cudaGetLastError(), dev = -1;
     cu_registry &r = cu_reg();
     std::lock_guard<std::mutex> lk(r.mu);
     r.blocks[(uintptr_t)p] = size;
+    r.device[(uintptr_t)p] = dev;
+    std::pair<size_t, size_t> &pd = r.per_device[dev];
+    pd.first += size;
+    pd.second = std::max(pd.second, pd.first);
     r.in_use += size;
     r.peak = std::max(r.peak, r.in_use);
     return p;
@@ -140,21 +148,31 @@ static void cu_device_free(void *p) {
         cu_registry &r = cu_reg();
         std::lock_guard<std::mutex> lk(r.mu);
         auto it = r.blocks.find((uintptr_t)p);
+        auto id = r.device.find((uintptr_t)p);
         if (it != r.blocks.end()) {
             r.in_use -= it->second;
+            if (id != r.device.end()) r.per_device[id->second].first -= it->second;
             r.blocks.erase(it);
+        }
+        if (id != r.device.end()) {
+            if (id->second >= 0 && cudaSetDevice(id->second) != cudaSuccess) (void)cudaGetLastError();  // (its own device's)
+            r.device.erase(id);
         }
     }
     cudaFree(p);
 }
 
-static bool cu_is_device_ptr(const void *p) {
+// the device a registered allocation is on: -2 for none of ours (host memory), -1 for one whose
+// device was not known when it was made
+static int cu_device_of_ptr(const void *p) {
     cu_registry &r = cu_reg();
     std::lock_guard<std::mutex> lk(r.mu);
     auto it = r.blocks.upper_bound((uintptr_t)p);
-    if (it == r.blocks.begin()) return false;
+    if (it == r.blocks.begin()) return -2;
     --it;
-    return (uintptr_t)p < it->first + std::max(it->second, (size_t)1);
+    if ((uintptr_t)p >= it->first + std::max(it->second, (size_t)1)) return -2;
+    auto id = r.device.find(it->first);
+    return id == r.device.end() ? -1 : id->second;
 }
 
 // ============================================================================================
@@ -4300,7 +4318,8 @@ struct cuda_backend {
     cudaStream_t copy_stream = nullptr;
     std::vector<cudaEvent_t> events;
     cudaEvent_t joined = nullptr;  // the copy stream's last copy: the compute stream waits for it at a run's end
-    std::unordered_map<const ql_graph *, cu_schedule> schedules;  // per graph run: where to wait (cu_copy_schedule)
+    // per graph and first node (a graph run in parts: each part its own capture): where to wait (cu_copy_schedule)
+    std::map<std::pair<const ql_graph *, int>, cu_schedule> schedules;
     void  *blas_work = nullptr;    // cuBLAS's workspace (cublasSetWorkspace): nothing to allocate in a capture
     bool   graphs = true;          // CUDA graphs (QLORA_CUDA_GRAPHS=0, ql_cuda_set_graphs: off)
     ql_cuda_graph_counts counts{};
@@ -4311,6 +4330,13 @@ struct cuda_backend {
     bool fa2_reg = false;  // k_fa2_probe found sm_80's fragment layout: the fused attention's register path
 };
 static cu_mm_side &cu_mm_side_of(cu_ctx &c) { return c.cb->mm_side; }
+// Every entry point makes its backend's device the current one first: several backends (a model
+// split over devices) share the process and its host threads.
+static bool cu_use(const cuda_backend *cb) {
+    if (cudaSetDevice(cb->device) == cudaSuccess) return true;
+    fprintf(stderr, "qlora: cuda: cudaSetDevice(%d): %s\n", cb->device, cudaGetErrorString(cudaGetLastError()));
+    return false;
+}
 static int cu_cc(const cu_ctx &c) { return c.cb->prop.major * 10 + c.cb->prop.minor; }
 static bool cu_fa2_reg(const cu_ctx &c) { return c.cb->fa2_reg; }
 
@@ -4395,10 +4421,11 @@ static size_t cuda_work_size(ql_backend *be, const ql_tensor *node) {
     return ql_cuda_work_size(node, p.major * 10 + p.minor);
 }
 
-static void *cuda_buffer_alloc(ql_backend *, size_t size) { return cu_device_alloc(size); }
+static void *cuda_buffer_alloc(ql_backend *be, size_t size) { return cu_use((cuda_backend *)be->impl) ? cu_device_alloc(size) : nullptr; }
 static void  cuda_buffer_free(void *p) { cu_device_free(p); }
-static void *cuda_host_alloc(ql_backend *, size_t size) {
+static void *cuda_host_alloc(ql_backend *be, size_t size) {
     void *p = nullptr;
+    if (!cu_use((cuda_backend *)be->impl)) return nullptr;
     if (cudaMallocHost(&p, size) != cudaSuccess) {
         (void)cudaGetLastError();
         return nullptr;
@@ -4417,6 +4444,7 @@ static bool cu_ok(cudaError_t e, const char *what, char *err, size_t n) {
 
 static bool cuda_copy(ql_backend *be, void *dst, const void *src, size_t size, int dir, bool async, char *err, size_t n) {
     cuda_backend *cb = (cuda_backend *)be->impl;
+    if (!cu_use(cb)) return cu_ok(cudaErrorInvalidDevice, "cudaSetDevice", err, n);
     const cudaMemcpyKind kind = dir == QL_COPY_TO_DEVICE ? cudaMemcpyHostToDevice
                               : dir == QL_COPY_TO_HOST ? cudaMemcpyDeviceToHost : cudaMemcpyDeviceToDevice;
     if (async) return cu_ok(cudaMemcpyAsync(dst, src, size, kind, cb->stream), "cudaMemcpyAsync", err, n);
@@ -4425,10 +4453,12 @@ static bool cuda_copy(ql_backend *be, void *dst, const void *src, size_t size, i
 }
 
 static bool cuda_memset(ql_backend *be, void *dst, int value, size_t size, char *err, size_t n) {
+    if (!cu_use((cuda_backend *)be->impl)) return cu_ok(cudaErrorInvalidDevice, "cudaSetDevice", err, n);
     return cu_ok(cudaMemsetAsync(dst, value, size, ((cuda_backend *)be->impl)->stream), "cudaMemsetAsync", err, n);
 }
 
 static bool cuda_synchronize(ql_backend *be, char *err, size_t n) {
+    if (!cu_use((cuda_backend *)be->impl)) return cu_ok(cudaErrorInvalidDevice, "cudaSetDevice", err, n);
     return cu_ok(cudaStreamSynchronize(((cuda_backend *)be->impl)->stream), "cudaStreamSynchronize", err, n);
 }
 
@@ -4455,6 +4485,7 @@ static cu_ctx cu_ctx_of(cuda_backend *cb) {
 
 static ql_status cuda_adamw_update(ql_backend *be, ql_tensor *param, ql_tensor *m, ql_tensor *v, ql_tensor *m_absmax,
                                    ql_tensor *v_absmax, int64_t step, const ql_adamw_params *p, float grad_scale) {
+    if (!cu_use((cuda_backend *)be->impl)) return QL_ERR_IO;
     cu_ctx c = cu_ctx_of((cuda_backend *)be->impl);
     cu_adamw_update(c, param, m, v, m_absmax, v_absmax, step, p, grad_scale);
     if (c.failed) fprintf(stderr, "qlora: cuda: adamw_update: %s\n", c.err);
@@ -4462,6 +4493,7 @@ static ql_status cuda_adamw_update(ql_backend *be, ql_tensor *param, ql_tensor *
 }
 
 static ql_status cuda_grad_stats(ql_backend *be, const ql_tensor *t, double *sumsq, bool *finite) {
+    if (!cu_use((cuda_backend *)be->impl)) return QL_ERR_IO;
     cu_ctx c = cu_ctx_of((cuda_backend *)be->impl);
     cu_grad_stats(c, t, sumsq, finite);
     if (c.failed) fprintf(stderr, "qlora: cuda: grad_stats: %s\n", c.err);
@@ -4469,6 +4501,7 @@ static ql_status cuda_grad_stats(ql_backend *be, const ql_tensor *t, double *sum
 }
 
 static bool cuda_weight_copy(ql_backend *be, const ql_tensor *w, void *dst, ql_type type, char *err, size_t n) {
+    if (!cu_use((cuda_backend *)be->impl)) return cu_ok(cudaErrorInvalidDevice, "cudaSetDevice", err, n);
     cu_ctx c = cu_ctx_of((cuda_backend *)be->impl);
     cu_weight_copy(c, w, (char *)dst, type);
     const cudaError_t e = c.failed ? cudaSuccess : cudaStreamSynchronize(c.stream);
@@ -4503,6 +4536,7 @@ static void cu_adamw_update_multi(cu_ctx &c, const ql_optim_list *l, int64_t ste
 }
 
 static ql_status cuda_grad_stats_multi(ql_backend *be, ql_optim_list *l, double *sumsq, bool *finite) {
+    if (!cu_use((cuda_backend *)be->impl)) return QL_ERR_IO;
     cu_ctx c = cu_ctx_of((cuda_backend *)be->impl);
     cu_grad_stats_multi_launch(c, l);
     if (!c.failed) cu_optim_read(c, l, sumsq, finite);
@@ -4512,6 +4546,7 @@ static ql_status cuda_grad_stats_multi(ql_backend *be, ql_optim_list *l, double 
 
 static ql_status cuda_adamw_update_multi(ql_backend *be, ql_optim_list *l, int64_t step, const ql_adamw_params *p, double loss_scale,
                                          float max_norm, double *sumsq, bool *finite) {
+    if (!cu_use((cuda_backend *)be->impl)) return QL_ERR_IO;
     cu_ctx c = cu_ctx_of((cuda_backend *)be->impl);
     cu_adamw_update_multi(c, l, step, p, loss_scale, max_norm, sumsq, finite);
     if (c.failed) fprintf(stderr, "qlora: cuda: adamw_update_multi: %s\n", c.err);
@@ -4582,7 +4617,7 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
         }
         timed.reserve((size_t)n);
     }
-    for (int i = 0; i < n && !c.failed; i++) {
+    for (int i = ex.first; i < ex.last && !c.failed; i++) {
         ql_tensor *node = ql_graph_node(g, i);
         for (int k : sch.wait_before[(size_t)i])
             if (cudaStreamWaitEvent(c.stream, cb->events[(size_t)(2 * k + 1)], 0) != cudaSuccess) {
@@ -4668,7 +4703,7 @@ static uint64_t cu_graph_key(const ql_graph *g, const ql_graph_exec &ex) {
     };
     mix((uintptr_t)ex.buffer), mix(ex.buffer_size), mix((uintptr_t)ex.work), mix(ex.work_size);
     const int n = ql_graph_n_nodes(g);
-    mix((uint64_t)n);
+    mix((uint64_t)n), mix((uint64_t)ex.first), mix((uint64_t)ex.last);
     for (int i = 0; i < n; i++) {
         const ql_tensor *t = ql_graph_node(g, i);
         mix((uint64_t)t->op), mix((uint64_t)t->type), mix((uintptr_t)t->data);
@@ -4690,16 +4725,26 @@ static ql_status cuda_graph_compute(ql_backend *be, ql_graph *g) {
     ql_context *ctx = ql_graph_ctx(g);
     ql_graph_exec ex;
     ql_graph_get_exec(g, &ex);
-    const int n = ql_graph_n_nodes(g);
-    // every leaf a kernel will read must be device memory: a weight never placed is an error, not a fault
-    for (int i = 0; i < n; i++) {
+    if (!cu_use(cb)) {
+        ql_ctx_set_error(ctx, QL_ERR_IO, "compute: cannot make CUDA device %d current", cb->device);
+        return QL_ERR_IO;
+    }
+    // every leaf a kernel will read must be this device's memory: a weight never placed (or placed
+    // on another device of a split) is an error, not a fault
+    for (int i = ex.first; i < ex.last; i++) {
         const ql_tensor *node = ql_graph_node(g, i);
         for (const ql_tensor *s : node->src) {
             if (!s || s->op != QL_OP_NONE) continue;
-            if (s->data && ql_nbytes(s) > 0 && !cu_is_device_ptr(s->data)) {
+            const int dev = s->data && ql_nbytes(s) > 0 ? cu_device_of_ptr(s->data) : -1;
+            if (dev == -2) {
                 ql_ctx_set_error(ctx, QL_ERR_INVALID, "compute: %s '%s' holds host memory, not %s's --> hint: "
                                  "ql_backend_place_ctx_tensors (weights, adapters) or ql_backend_alloc_ctx_tensors",
                                  ql_op_name(s->op), s->name, be->iface.name);
+                return QL_ERR_INVALID;
+            }
+            if (dev >= 0 && dev != cb->device) {
+                ql_ctx_set_error(ctx, QL_ERR_INVALID, "compute: '%s' is on CUDA device %d, the graph runs on device %d", s->name, dev,
+                                 cb->device);
                 return QL_ERR_INVALID;
             }
         }
@@ -4709,7 +4754,7 @@ static ql_status cuda_graph_compute(ql_backend *be, ql_graph *g) {
     c.work_size = ex.work_size;
     // offload: each copy runs on the copy stream once the compute stream reaches it; the compute
     // stream waits only where it must (cu_copy_schedule). Made once per graph and plan.
-    cu_schedule &sch = cb->schedules[g];
+    cu_schedule &sch = cb->schedules[{g, ex.first}];
     if (sch.plan_id != ql_graph_plan_id(g)) {
         cu_graph_drop(sch);
         cu_copy_schedule(g, &sch);
@@ -4790,6 +4835,7 @@ bool ql_cuda_get_graph_counts(const ql_backend *be, ql_cuda_graph_counts *counts
 
 static void cuda_free(ql_backend *be) {
     cuda_backend *cb = (cuda_backend *)be->impl;
+    if (!cu_use(cb)) (void)cudaGetLastError();  // (freed anyway)
     for (auto &kv : cb->schedules) cu_graph_drop(kv.second);
     if (cb->blas) cublasDestroy(cb->blas);
     if (cb->blas_work) cudaFree(cb->blas_work);
@@ -4909,6 +4955,16 @@ ql_status ql_backend_cuda_info(const ql_backend *be, ql_cuda_device_info *info) 
     }
     char err[128];
     return ql_cuda_device_get_info(((const cuda_backend *)be->impl)->device, info, err, sizeof(err));
+}
+
+bool ql_cuda_device_memory_used(const ql_backend *be, size_t *in_use, size_t *peak) {
+    if (!ql_backend_is_cuda(be)) return false;
+    cu_registry &r = cu_reg();
+    std::lock_guard<std::mutex> lk(r.mu);
+    auto it = r.per_device.find(((const cuda_backend *)be->impl)->device);
+    if (in_use) *in_use = it == r.per_device.end() ? 0 : it->second.first;
+    if (peak) *peak = it == r.per_device.end() ? 0 : it->second.second;
+    return true;
 }
 
 bool ql_cuda_memory_used(size_t *in_use, size_t *peak) {

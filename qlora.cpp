@@ -2581,6 +2581,7 @@ struct ql_graph {
     ql_plan_stats stats{};
     bool poison = false, no_reuse = false, profile = false, check_finite = false;
     std::vector<double> node_seconds;          // profile totals, per node
+    int run_first = 0, run_last = 0;           // the nodes the run under way queues (ql_backend_graph_compute_range)
 
     // the allocation
     bool bound = false;  // data pointers match the current plan
@@ -3618,8 +3619,8 @@ void ql_graph_get_exec(const ql_graph *g, ql_graph_exec *ex) {
         if (ex) *ex = ql_graph_exec{};
         return;
     }
-    *ex = ql_graph_exec{g->buffer, g->buffer_size, g->work, g->work_size, g->poison, g->check_finite,
-                        g->profile && g->node_seconds.size() == g->nodes.size()};
+    *ex = ql_graph_exec{g->buffer, g->buffer_size, g->work, g->work_size, g->poison && g->run_first == 0, g->check_finite,
+                        g->profile && g->node_seconds.size() == g->nodes.size(), g->run_first, g->run_last};
 }
 
 // check_finite's message, the same on every backend: the node, its op and where its sources come
@@ -6975,12 +6976,12 @@ static void cpu_graph_worker(void *arg, int ith, int nth) {
     cpu_job *job = (cpu_job *)arg;
     ql_graph *g = job->g;
     cpu_params p{ith, nth, 0, g->work + (size_t)ith * job->work_per_thread, job};
-    if (g->poison) {
+    if (g->poison && g->run_first == 0) {
         if (ith == 0) memset(g->buffer, 0xff, g->arena_size);  // NaN everywhere nothing wrote yet
         job->pool->barrier();
     }
     const bool profile = g->profile && g->node_seconds.size() == g->nodes.size();
-    for (size_t i = 0; i < g->nodes.size(); i++) {
+    for (size_t i = (size_t)g->run_first; i < (size_t)g->run_last; i++) {
         ql_tensor *node = g->nodes[i];
         if (is_noop(node->op)) continue;
         const auto t0 = profile ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
@@ -7225,7 +7226,30 @@ ql_status ql_backend_graph_compute(ql_backend *be, ql_graph *g) {
         return g->ctx->status;
     }
     graph_bind(g);
+    g->run_first = 0, g->run_last = (int)g->nodes.size();
     return be->iface.graph_compute(be, g);
+}
+
+ql_status ql_backend_graph_compute_range(ql_backend *be, ql_graph *g, int first, int last) {
+    if (!be || !g) return QL_ERR_INVALID;
+    const int n = (int)g->nodes.size();
+    if (last < 0) last = n;
+    if (first < 0 || first > last || last > n) {
+        QL_ERR(g->ctx, QL_ERR_INVALID, "compute_range: nodes [%d, %d) of a graph of %d", first, last, n);
+        return g->ctx->status;
+    }
+    if (first == 0 && last == n) return ql_backend_graph_compute(be, g);
+    if (g->ctx->status != QL_OK) return g->ctx->status;
+    if (!g->bound || g->buffer_backend != be->id || g->plan_backend != be->id) {
+        QL_ERR(g->ctx, QL_ERR_INVALID, "compute: the graph has no buffer on backend %s --> hint: ql_graph_plan and "
+                                       "ql_graph_alloc it first", be->iface.name);
+        return g->ctx->status;
+    }
+    graph_bind(g);
+    g->run_first = first, g->run_last = last;
+    const ql_status st = be->iface.graph_compute(be, g);
+    g->run_first = 0, g->run_last = n;
+    return st;
 }
 
 // ---- memory a backend owns: buffers and tensor copies (host memory + memcpy for the CPU) ----
@@ -7346,7 +7370,8 @@ static void release_mapped_pages(const void *data, size_t n) {
     if (n) madvise((void *)b, e - b, MADV_DONTNEED);  // advice: a failure only leaves the pages resident
 }
 
-ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx) {
+// the leaves of ctx placed (only: NULL, every one; else those in it)
+static ql_backend_buffer *place_leaves(ql_backend *be, ql_context *ctx, const std::unordered_set<const ql_tensor *> *only) {
     if (!be || !ctx || ctx->measure) return nullptr;
     if (!holds_memory(be)) {
         QL_ERR(ctx, QL_ERR_UNSUPPORTED, "place_ctx_tensors: backend %s only plans (it holds no memory)", be->iface.name);
@@ -7355,7 +7380,7 @@ ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx)
     if (ql_backend_is_host(be)) return new (std::nothrow) ql_backend_buffer{QL_BUFFER_DEVICE, nullptr, 0, nullptr, {}, nullptr, {}, {}};
     size_t total = 0;
     for (const ql_tensor *t : ctx->tensors)
-        if (is_plain_leaf(t) && t->data && !(t->flags & QL_FLAG_HOST)) total += leaf_bytes(t);
+        if (is_plain_leaf(t) && t->data && !(t->flags & QL_FLAG_HOST) && (!only || only->count(t))) total += leaf_bytes(t);
     ql_backend_buffer *b = ql_backend_buffer_alloc(be, QL_BUFFER_DEVICE, total);
     if (!b) {
         QL_ERR(ctx, QL_ERR_NOMEM, "place_ctx_tensors: %s could not allocate %.1f MiB for the weights --> hint: a smaller "
@@ -7366,7 +7391,7 @@ ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx)
     char err[256] = {0};
     size_t off = 0;
     for (ql_tensor *t : ctx->tensors)
-        if (is_plain_leaf(t) && t->data && !(t->flags & QL_FLAG_HOST)) {
+        if (is_plain_leaf(t) && t->data && !(t->flags & QL_FLAG_HOST) && (!only || only->count(t))) {
             void *dst = (uint8_t *)b->base + off;
             if (!be->iface.copy(be, dst, t->data, ql_nbytes(t) + t->aux_size, QL_COPY_TO_DEVICE, false, err, sizeof(err))) {
                 QL_ERR(ctx, QL_ERR_IO, "place_ctx_tensors: copying %s to %s: %s", shape_str(t).c_str(), be->iface.name, err);
@@ -7384,6 +7409,21 @@ ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx)
         if (p.first->flags & QL_FLAG_MAPPED) release_mapped_pages(p.second, ql_nbytes(p.first) + p.first->aux_size);
     ctx_rebind_views(ctx);
     return b;
+}
+
+ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx) { return place_leaves(be, ctx, nullptr); }
+
+ql_backend_buffer *ql_backend_place_tensors(ql_backend *be, ql_context *ctx, ql_tensor *const *tensors, int n) {
+    if (n < 0 || (n && !tensors)) return nullptr;
+    const std::unordered_set<const ql_tensor *> only(tensors, tensors + n);
+    return place_leaves(be, ctx, &only);
+}
+
+size_t ql_tensors_placed_bytes(const ql_tensor *const *tensors, int n) {
+    size_t total = 0;
+    for (int i = 0; i < n; i++)
+        if (tensors[i] && is_plain_leaf(tensors[i]) && !(tensors[i]->flags & QL_FLAG_HOST)) total += leaf_bytes(tensors[i]);
+    return total;
 }
 
 // ---- frozen weights in the compute type (--cache-weights) ----
@@ -7687,6 +7727,8 @@ static void optim_worker(void *arg, int ith, int nth) {
         else ql_adamw_update(g.param, g.m, g.v, j->step, j->p, j->factor);
     }
 }
+
+float ql_optim_step_factor(double sumsq, double loss_scale, float max_norm) { return ql_optim_grad_factor(sumsq, loss_scale, max_norm); }
 
 ql_status ql_backend_grad_stats_multi(ql_backend *be, ql_optim_list *l, double *sumsq, bool *finite) {
     if (!be || !l || l->backend != be->id || !sumsq || !finite) return QL_ERR_INVALID;
@@ -8178,6 +8220,11 @@ __attribute__((weak)) ql_status ql_backend_cuda_info(const ql_backend *, ql_cuda
     return QL_ERR_INVALID;
 }
 __attribute__((weak)) bool ql_cuda_memory_used(size_t *in_use, size_t *peak) {
+    if (in_use) *in_use = 0;
+    if (peak) *peak = 0;
+    return false;
+}
+__attribute__((weak)) bool ql_cuda_device_memory_used(const ql_backend *, size_t *in_use, size_t *peak) {
     if (in_use) *in_use = 0;
     if (peak) *peak = 0;
     return false;

@@ -700,6 +700,12 @@ void        ql_backend_free(ql_backend *be);
 const char *ql_backend_name(const ql_backend *be);
 bool        ql_backend_supports_op(ql_backend *be, const ql_tensor *node);
 ql_status   ql_backend_graph_compute(ql_backend *be, ql_graph *g);
+// Nodes [first, last) of g only (last < 0: to its end), on its buffer as the run before left it:
+// a graph run in parts - its forward part [0, ql_graph_n_forward), then, once the caller has set
+// what its backward part reads (a pipeline stage's incoming gradient: a model split over
+// devices), the rest. The planner's buffer is not touched between the parts (nor poisoned, but
+// by a part that starts at node 0).
+ql_status   ql_backend_graph_compute_range(ql_backend *be, ql_graph *g, int first, int last);
 int         ql_backend_cpu_n_threads(const ql_backend *be);
 // Runs fn(arg, ith, nth) on each of the CPU backend's nth threads and returns when all are
 // done: work between graph runs (the optimizer's update) on the same threads, nothing spawned.
@@ -756,6 +762,10 @@ ql_backend_buffer *ql_backend_alloc_ctx_tensors(ql_backend *be, ql_context *ctx,
 // backend moves nothing and returns an empty buffer. NULL with an error in ctx when the device
 // is out of memory (the message says how much it needed).
 ql_backend_buffer *ql_backend_place_ctx_tensors(ql_backend *be, ql_context *ctx);
+// The same for the listed leaves of ctx only (the rest stay where they are): a model split over
+// devices places each device's blocks on it. ql_tensors_placed_bytes: what that allocates.
+ql_backend_buffer *ql_backend_place_tensors(ql_backend *be, ql_context *ctx, ql_tensor *const *tensors, int n);
+size_t      ql_tensors_placed_bytes(const ql_tensor *const *tensors, int n);
 // The bytes that placement allocates on a device (a measuring context: as if every leaf had data),
 // for plans made before anything is placed.
 size_t      ql_ctx_placed_bytes(const ql_context *ctx);
@@ -837,6 +847,10 @@ ql_status   ql_backend_grad_stats_multi(ql_backend *be, ql_optim_list *l, double
 // *sumsq and *finite: the statistics the step used - the one read back to the host.
 ql_status   ql_backend_adamw_update_multi(ql_backend *be, ql_optim_list *l, int64_t step, const ql_adamw_params *p,
                                           double loss_scale, float max_norm, double *sumsq, bool *finite);
+// The factor that update multiplies every gradient by, from the statistics it took (the unscale
+// and the clip, as the backends compute it). A model split over devices sums its stages' sumsq
+// and gives each stage's update 1 / this as its loss scale and max_norm 0: one clip for all.
+float       ql_optim_step_factor(double sumsq, double loss_scale, float max_norm);
 
 // ---- choosing a backend: the tools' --device, parsed once ----
 typedef enum ql_device_kind {
@@ -1310,6 +1324,8 @@ size_t  ql_cuda_context_bytes(int cc);
 size_t  ql_cuda_cublas_workspace_bytes(int cc);
 // Device memory qlora holds now and at most so far (ql_backend_memory_used); false without CUDA.
 bool    ql_cuda_memory_used(size_t *in_use, size_t *peak);
+// The same for be's device alone (a model split over devices: each stage's); false without CUDA
+bool    ql_cuda_device_memory_used(const ql_backend *be, size_t *in_use, size_t *peak);
 // CUDA graphs: a planned graph run again with the same nodes and buffers is captured once (on its
 // second run) and replayed with one launch after; runs that time nodes (profile), look for
 // non-finite results or poison the buffer stay node by node. On by default; off with the
@@ -1392,6 +1408,7 @@ typedef struct ql_graph_exec {
     uint8_t *work;         // the per-node workspace inside it
     size_t   work_size;
     bool     poison, check_finite, profile;  // ql_graph_set_poison, _check_finite, _profile
+    int      first, last;  // the nodes this run queues: [first, last) (ql_backend_graph_compute_range)
 } ql_graph_exec;
 void ql_graph_get_exec(const ql_graph *g, ql_graph_exec *ex);
 void ql_graph_add_node_seconds(ql_graph *g, int i, double seconds);

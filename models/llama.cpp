@@ -219,12 +219,22 @@ ql_tensor *ql_llama_forward(ql_context *ctx, const ql_llama *m, ql_tensor *token
 }
 
 ql_tensor *ql_llama_hidden(ql_context *ctx, const ql_llama *m, ql_tensor *x, ql_tensor *pos, ql_tensor *seg) {
+    return ql_llama_hidden_range(ctx, m, x, pos, seg, 0, m->hp.n_layer);
+}
+
+ql_tensor *ql_llama_hidden_range(ql_context *ctx, const ql_llama *m, ql_tensor *x, ql_tensor *pos, ql_tensor *seg, int l0, int l1) {
+    if (l0 < 0 || l1 > m->hp.n_layer || l0 > l1) {
+        ql_ctx_set_error(ctx, QL_ERR_INVALID, "llama: blocks [%d, %d) of %d", l0, l1, m->hp.n_layer);
+        return nullptr;
+    }
     // the residual stream between blocks is named "blk.<il>.in" (il = n_layer: the head's input):
     // a recompute policy finds block boundaries among the graph's segments by these names
-    for (int il = 0; il <= m->hp.n_layer && x; il++) {
+    const int last = l1 == m->hp.n_layer ? l1 : l1 - 1;  // (a range's output, another range's input, is left unnamed)
+    for (int il = l0; il <= last && x; il++) {
         if (x->op != QL_OP_NONE && !x->name[0]) ql_format_name(x, "blk.%d.in", il);
-        if (il < m->hp.n_layer) x = block(ctx, m, il, x, pos, seg, nullptr);
+        if (il < l1) x = block(ctx, m, il, x, pos, seg, nullptr);
     }
+    if (l1 < m->hp.n_layer) return x;
     return ql_mul(ctx, ql_rms_norm(ctx, x, m->hp.norm_eps), m->out_norm);  // [n_embd, T, B]
 }
 
@@ -307,6 +317,14 @@ static ql_tensor *target_weight(ql_llama_layer &L, const std::string &t) {
 }
 
 ql_status ql_llama_add_lora(ql_context *ctx, ql_llama *m, const ql_lora_config &spec, ql_tensor *seed) {
+    return ql_llama_add_lora_range(ctx, m, spec, seed, 0, m->hp.n_layer);
+}
+
+ql_status ql_llama_add_lora_range(ql_context *ctx, ql_llama *m, const ql_lora_config &spec, ql_tensor *seed, int l0, int l1) {
+    if (l0 < 0 || l1 > m->hp.n_layer || l0 > l1) {
+        ql_ctx_set_error(ctx, QL_ERR_INVALID, "lora: blocks [%d, %d) of %d", l0, l1, m->hp.n_layer);
+        return QL_ERR_INVALID;
+    }
     if (spec.r <= 0 || !(spec.alpha > 0) || spec.dropout < 0 || spec.dropout >= 1) {
         ql_ctx_set_error(ctx, QL_ERR_INVALID, "lora: r %d must be positive, alpha %g positive, dropout %g in [0, 1)", spec.r,
                          (double)spec.alpha, (double)spec.dropout);
@@ -327,11 +345,18 @@ ql_status ql_llama_add_lora(ql_context *ctx, ql_llama *m, const ql_lora_config &
         z ^= z >> 31;
         return (double)(z >> 11) * 0x1p-53;  // [0, 1)
     };
+    // the draws and dropout streams of the whole model, whatever the range: a block's adapter and
+    // masks are the same in every split
     uint32_t stream = 1;
-    for (int il = 0; il < m->hp.n_layer; il++)
+    for (int il = 0; il < l1; il++)
         for (const char *t : k_lora_targets) {  // a fixed order, whatever the order given
             if (std::find(spec.targets.begin(), spec.targets.end(), t) == spec.targets.end()) continue;
             ql_tensor *w = target_weight(m->layers[(size_t)il], t);
+            if (il < l0) {  // another range's: its stream and A's draws passed over
+                stream++;
+                s += 0x9E3779B97F4A7C15ull * (uint64_t)(w->ne[0] * spec.r);
+                continue;
+            }
             ql_lora_pair p;
             p.a = ql_set_param(ql_format_name(ql_new_tensor_2d(ctx, QL_TYPE_F32, w->ne[0], spec.r), "%s.lora_a", w->name));
             p.b = ql_set_param(ql_format_name(ql_new_tensor_2d(ctx, QL_TYPE_F32, spec.r, w->ne[1]), "%s.lora_b", w->name));

@@ -110,6 +110,9 @@ ql_tensor *ql_llama_forward(ql_context *ctx, const ql_llama *m, ql_tensor *token
 // The blocks over embedded input x [n_embd, T, B] (ql_get_rows of tok_embd, or rows gathered
 // on the host), then the final norm -> h [n_embd, T, B]: what the output projection reads.
 ql_tensor *ql_llama_hidden(ql_context *ctx, const ql_llama *m, ql_tensor *x, ql_tensor *pos, ql_tensor *seg);
+// Blocks [l0, l1) only, over x [n_embd, T, B] (the residual stream entering block l0), then the
+// final norm when l1 is n_layer: a stage of a model split over devices (ql_llama_hidden is [0, n_layer)).
+ql_tensor *ql_llama_hidden_range(ql_context *ctx, const ql_llama *m, ql_tensor *x, ql_tensor *pos, ql_tensor *seg, int l0, int l1);
 
 // The loss from h: output projection + ql_cross_entropy over its N = T*B rows (targets I32 [N],
 // count f32 [1]), in chunks of `chunk` rows (<= 0: one). Chunked, a chunk's logits [n_vocab,
@@ -200,6 +203,9 @@ struct ql_lora_config {
 };
 bool       ql_lora_target_valid(const std::string &short_name);
 ql_status  ql_llama_add_lora(ql_context *ctx, ql_llama *m, const ql_lora_config &spec, ql_tensor *seed);
+// The adapters of blocks [l0, l1) only (m->lora's other entries untouched), each with the initial
+// values and the dropout stream it has in the whole (ql_llama_add_lora is [0, n_layer)).
+ql_status  ql_llama_add_lora_range(ql_context *ctx, ql_llama *m, const ql_lora_config &spec, ql_tensor *seed, int l0, int l1);
 // the trainable tensors of m's adapters, A then B per weight, layers in order
 std::vector<ql_tensor *> ql_llama_lora_params(const ql_llama &m);
 

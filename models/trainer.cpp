@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <tuple>
 
 namespace {
 
@@ -31,6 +32,10 @@ struct batch_io {
     ql_tensor *tokens = nullptr, *pos = nullptr, *seg = nullptr, *targets = nullptr, *count = nullptr, *loss = nullptr;
     ql_tensor *embd = nullptr;  // [n_embd, T, B] f32: rows gathered on the host (embd_host), instead of tokens
     ql_graph *gf = nullptr, *g = nullptr;  // g: what runs (gf itself, or its backward graph)
+    // a stage of a split (blocks [l0, l1) of the model on one device): the residual stream coming
+    // in (stages after the first; training: a leaf with a gradient, the one going back), the one
+    // going out (stages before the last) and the gradient that comes back for it, all [n_embd, T, B] f32
+    ql_tensor *h_in = nullptr, *h_out = nullptr, *g_out = nullptr;
 };
 
 }  // namespace
@@ -99,10 +104,24 @@ struct ql_trainer {
     int64_t growth_tracker = 0; // clean steps since the scale last changed
     int64_t skipped = 0, skipped_in_row = 0;
     bool broken = false;  // a failed step left a state not worth saving (ql_trainer_intact)
+    // a model split over devices (ql_train_options.split): the outer trainer holds the run (data
+    // order, schedule, scaler, step) and one stage trainer per device, each a trainer of blocks
+    // [l0, l1) on its backend with its own plan, graphs, adapter part and optimizer state
+    std::vector<ql_trainer *> stages;
+    bool is_stage = false;
+    int l0 = 0, l1 = 0;            // the blocks this trainer trains ([0, n_layer) unless a stage)
+    ql_tensor *rope = nullptr;     // a stage: its own copy of the model's rope factors (each device needs them)
+    std::vector<float> xfer;       // the outer trainer: [n_embd * T * B] a stage's h_out or h_in's gradient on its way
 };
 
 // the micro-batches of one optimizer step, every rank's: one process's accumulation
 static int64_t accum(const ql_trainer *t) { return (int64_t)t->o.grad_accum * t->o.world; }
+
+// the trainers that hold the adapter: the stages of a split, else the trainer itself
+static std::vector<ql_trainer *> parts(const ql_trainer *t) {
+    return t->stages.empty() ? std::vector<ql_trainer *>{const_cast<ql_trainer *>(t)} : t->stages;
+}
+
 
 // ---- the run's choices: names in enum order, and what a wrong one is called ----
 template <class E> struct choice;
@@ -183,18 +202,38 @@ ql_precision ql_auto_precision(const ql_backend *be) {  // see trainer.h
     return c.bf16_gemm ? ql_precision::bf16 : c.host ? ql_precision::fp32 : ql_precision::fp16;
 }
 
+// the graph of blocks [l0, l1) (the whole model: [0, n_layer)); a stage before the last ends in
+// its h_out, returned (training) through ql_with_grad with g_out as its gradient, so that
+// backward starts from what the next stage sends back
 static batch_io make_io(ql_context *ctx, const ql_llama &m, int64_t T, int64_t B, bool packed, bool backward, bool embd_host,
-                        int64_t loss_chunk, bool loss_fused) {
+                        int64_t loss_chunk, bool loss_fused, int l0, int l1) {
+    const bool first = l0 == 0, last = l1 == m.hp.n_layer;
     batch_io io;
-    if (embd_host) io.embd = ql_set_input(ql_new_tensor_3d(ctx, QL_TYPE_F32, m.hp.n_embd, T, B));
-    else io.tokens = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, T, B));
+    if (!first) {  // (training: a leaf with a gradient - an accumulator, not one of the optimizer's parameters)
+        io.h_in = ql_format_name(ql_new_tensor_3d(ctx, QL_TYPE_F32, m.hp.n_embd, T, B), "blk.%d.in", l0);
+        io.h_in = backward ? ql_set_param(io.h_in) : ql_set_input(io.h_in);
+    } else if (embd_host) {
+        io.embd = ql_set_input(ql_new_tensor_3d(ctx, QL_TYPE_F32, m.hp.n_embd, T, B));
+    } else {
+        io.tokens = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, T, B));
+    }
     io.pos = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, T, B));
     io.seg = packed ? ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, T, B)) : nullptr;
-    io.targets = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, T * B));
-    io.count = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_F32, 1));
-    ql_tensor *x = embd_host ? io.embd : ql_get_rows(ctx, m.tok_embd, io.tokens);  // [n_embd, T, B]
-    io.loss = ql_llama_loss(ctx, &m, ql_llama_hidden(ctx, &m, x, io.pos, io.seg), io.targets, io.count, loss_chunk,
-                            backward && loss_fused);
+    if (last) {
+        io.targets = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, T * B));
+        io.count = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_F32, 1));
+    }
+    ql_tensor *x = !first ? io.h_in : embd_host ? io.embd : ql_get_rows(ctx, m.tok_embd, io.tokens);  // [n_embd, T, B]
+    ql_tensor *h = ql_llama_hidden_range(ctx, &m, x, io.pos, io.seg, l0, l1);
+    if (last) {
+        io.loss = ql_llama_loss(ctx, &m, h, io.targets, io.count, loss_chunk, backward && loss_fused);
+    } else if (backward) {  // y: h_out's first element (a view: nothing runs), its gradient g_out
+        io.h_out = h;
+        io.g_out = ql_set_input(ql_format_name(ql_new_tensor_3d(ctx, QL_TYPE_F32, m.hp.n_embd, T, B), "blk.%d.in.grad", l1));
+        io.loss = ql_with_grad(ctx, h ? ql_view_1d(ctx, h, 1, 0) : nullptr, h, io.g_out);
+    } else {
+        io.loss = io.h_out = h;
+    }
     io.gf = ql_graph_new(ctx);
     ql_graph_build_forward(io.gf, io.loss);
     io.g = backward ? ql_graph_backward(ctx, io.gf, io.loss) : io.gf;
@@ -203,8 +242,9 @@ static batch_io make_io(ql_context *ctx, const ql_llama &m, int64_t T, int64_t B
 
 static size_t input_bytes(const batch_io &io) {
     size_t n = 0;
-    for (const ql_tensor *x : {io.tokens, io.embd, io.pos, io.seg, io.targets, io.count})
+    for (const ql_tensor *x : {io.tokens, io.embd, io.pos, io.seg, io.targets, io.count, io.h_in, io.g_out})
         if (x) n += ql_nbytes(x);
+    if (io.h_in && io.h_in->grad) n += ql_nbytes(io.h_in->grad);  // (a split: what goes back to the stage before)
     return n;
 }
 
@@ -215,16 +255,45 @@ static void free_io(batch_io &io) {
 }
 
 // adapters, both graphs and the optimizer state in ctx (a measuring context, or the real one)
+// the trainable tensors of blocks [l0, l1)'s adapters, as ql_llama_lora_params orders them
+static std::vector<ql_tensor *> lora_params_range(const ql_llama &m, int l0, int l1) {
+    std::vector<ql_tensor *> out;
+    for (int il = l0; il < l1; il++) {
+        const ql_llama_layer &L = m.layers[(size_t)il];
+        for (ql_tensor *w : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) {
+            auto it = m.lora.find(w);
+            if (it == m.lora.end()) continue;
+            out.push_back(it->second.a);
+            out.push_back(it->second.b);
+        }
+    }
+    return out;
+}
+
 static bool build(ql_trainer *t, ql_context *ctx) {
     ql_llama &m = t->f->model;
     t->seed = ql_set_input(ql_set_name(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1), "dropout_seed"));
-    if (ql_llama_add_lora(ctx, &m, t->o.lora, t->seed) != QL_OK) return false;
-    t->params = ql_llama_lora_params(m);
+    if (ql_llama_add_lora_range(ctx, &m, t->o.lora, t->seed, t->l0, t->l1) != QL_OK) return false;
+    t->params = lora_params_range(m, t->l0, t->l1);
+    // a stage: the rope factors (read by every block) copied into its own tensors, placed with
+    // them on its device; the model's stay where they are while its graphs are built
+    ql_tensor *const rope_model = m.rope_freqs;
+    t->rope = nullptr;
+    if (t->is_stage && rope_model) {
+        t->rope = ql_format_name(ql_new_tensor(ctx, rope_model->type, 4, rope_model->ne), "%s.stage", rope_model->name);
+        if (t->rope && t->rope->data) memcpy(t->rope->data, rope_model->data, ql_nbytes(rope_model));
+        m.rope_freqs = t->rope;
+    }
+    struct restore_rope {
+        ql_llama &m;
+        ql_tensor *r;
+        ~restore_rope() { m.rope_freqs = r; }
+    } restore{m, rope_model};
     m.lora_dropout = true;
     m.compute = t->compute;
     m.attn_bf16 = !t->o.attn_f32;
     m.ffn_chunk = t->ffn_chunk;
-    t->tr = make_io(ctx, m, t->T, t->B, t->packed, true, t->embd_host, t->loss_chunk, t->o.loss_fused);
+    t->tr = make_io(ctx, m, t->T, t->B, t->packed, true, t->embd_host, t->loss_chunk, t->o.loss_fused, t->l0, t->l1);
     // the policy's levels, and the unfused chunked loss's logits (recomputed whatever the levels)
     if (t->tr.g && (!t->levels.empty() || t->loss_chunk > 0) &&
         ql_graph_recompute(t->tr.g, t->levels.empty() ? nullptr : t->levels.data(), (int)t->levels.size(), &t->rs) != QL_OK)
@@ -248,14 +317,15 @@ static bool build(ql_trainer *t, ql_context *ctx) {
     t->bucket_io.clear();
     for (size_t k = 0; t->tr.g && k + 1 < t->bucket_len.size(); k++) {  // the shorter lengths: the same recompute
         t->bucket_io.push_back(make_io(ctx, m, t->bucket_len[k], t->B, t->packed, true, t->embd_host,
-                                       t->loss_chunk > 0 ? std::min(t->loss_chunk, t->bucket_len[k] * t->B) : 0, t->o.loss_fused));
+                                       t->loss_chunk > 0 ? std::min(t->loss_chunk, t->bucket_len[k] * t->B) : 0, t->o.loss_fused,
+                                       t->l0, t->l1));
         if (!t->bucket_io.back().g || ((!t->levels.empty() || t->loss_chunk > 0) &&
                                        ql_graph_recompute(t->bucket_io.back().g, t->levels.empty() ? nullptr : t->levels.data(),
                                                           (int)t->levels.size(), nullptr) != QL_OK))
             return false;
     }
     m.lora_dropout = false;  // evaluation: no dropout
-    t->ev = make_io(ctx, m, t->T, t->B, t->packed, false, t->embd_host, t->loss_chunk, false);
+    t->ev = make_io(ctx, m, t->T, t->B, t->packed, false, t->embd_host, t->loss_chunk, false, t->l0, t->l1);
     m.lora_dropout = true;
     t->state.clear();
     const bool eight = ql_optim_8bit(t->o.optim);
@@ -295,14 +365,28 @@ double ql_trainer_lr_at(const ql_trainer *t, int64_t s) {  // transformers' sche
 
 // Every frozen tensor of the base model (NULL for the ones it lacks): the embedding, the output
 // projection unless tied to it, the final norm, rope factors, each block's tensors.
-static std::vector<const ql_tensor *> base_weights(const ql_llama &m) {
-    std::vector<const ql_tensor *> v = {m.tok_embd};
-    if (m.output != m.tok_embd) v.push_back(m.output);
-    v.push_back(m.out_norm);
-    v.push_back(m.rope_freqs);
-    for (const ql_llama_layer &L : m.layers)
+// A stage of a split: its blocks', the embedding on the first, the head on the last (the rope
+// factors: its own copy, ql_trainer.rope).
+static std::vector<const ql_tensor *> base_weights(const ql_trainer *t) {
+    const ql_llama &m = t->f->model;
+    const bool first = t->l0 == 0, last = t->l1 == m.hp.n_layer;
+    std::vector<const ql_tensor *> v;
+    if (first) v.push_back(m.tok_embd);
+    if (last && m.output != m.tok_embd) v.push_back(m.output);
+    if (last) v.push_back(m.out_norm);
+    if (!t->is_stage) v.push_back(m.rope_freqs);
+    for (int il = t->l0; il < t->l1; il++) {
+        const ql_llama_layer &L = m.layers[(size_t)il];
         for (const ql_tensor *w : {L.attn_norm, L.wq, L.wk, L.wv, L.bq, L.bk, L.bv, L.wo, L.ffn_norm, L.w_gate, L.w_up, L.w_down})
             v.push_back(w);
+    }
+    return v;
+}
+// the same, without the absent ones, for a placement
+static std::vector<ql_tensor *> stage_weights(const ql_trainer *t) {
+    std::vector<ql_tensor *> v;
+    for (const ql_tensor *w : base_weights(t))
+        if (w) v.push_back(const_cast<ql_tensor *>(w));
     return v;
 }
 
@@ -334,7 +418,7 @@ static void weight_pages(ql_trainer *t) {
         for (const ql_sequence &q : *v)
             for (int32_t tok : q.tokens)
                 if (tok >= 0 && tok < m.hp.n_vocab) used[(size_t)tok] = true;
-    for (const ql_tensor *w : base_weights(m)) {
+    for (const ql_tensor *w : base_weights(t)) {
         if (w != m.tok_embd || m.output == m.tok_embd || !host_reads(w)) {  // whole; a tied embedding too (the output projection reads it all)
             whole(w);
             continue;
@@ -388,9 +472,11 @@ static void set_cache(ql_trainer *t, bool on) {
             std::find(t->cache_w.begin(), t->cache_w.end(), w) == t->cache_w.end())
             t->cache_w.push_back(w);
     };
-    for (ql_llama_layer &L : m.layers)
+    for (int il = t->l0; il < t->l1; il++) {
+        ql_llama_layer &L = m.layers[(size_t)il];
         for (ql_tensor *w : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) add(w);
-    add(m.output);
+    }
+    if (t->l1 == m.hp.n_layer) add(m.output);
     t->cache = on;
     ql_weight_cache_mark(t->cache_w.data(), (int)t->cache_w.size(), on);
 }
@@ -406,10 +492,11 @@ static void device_plan(ql_trainer *t, ql_context *meas, size_t train_buf, size_
     auto round = [&](size_t b) { return b ? (b + G - 1) / G * G - b : 0; };
     m.device = true;
     m.cc = t->caps.cc;
-    m.dev_weights = ql_ctx_placed_bytes(t->f->ctx);
+    const std::vector<ql_tensor *> sw = stage_weights(t);
+    m.dev_weights = t->is_stage ? ql_tensors_placed_bytes(sw.data(), (int)sw.size()) : ql_ctx_placed_bytes(t->f->ctx);
     std::map<std::string, size_t> by_type;
     const ql_llama &md = t->f->model;
-    for (const ql_tensor *w : base_weights(md))
+    for (const ql_tensor *w : base_weights(t))
         if (w && w->data && !(w->flags & QL_FLAG_HOST)) by_type[ql_type_name(w->type)] += ql_nbytes(w) + w->aux_size;
     m.dev_weights_by_type.assign(by_type.begin(), by_type.end());
     m.dev_state = ql_ctx_placed_bytes(meas);
@@ -621,6 +708,10 @@ static bool choose_levels_for(ql_trainer *t, std::string *err) {
 // The policy, and on a device whether the embedding stays on the host: with embd_on_host auto,
 // on the host only when the plan does not fit otherwise (it costs an upload of the step's rows).
 static void set_embd_host(ql_trainer *t, bool on) {
+    if (t->l0 != 0) {  // a later stage of a split: the embedding is the first stage's
+        t->embd_host = false;
+        return;
+    }
     ql_tensor *e = t->f->model.tok_embd;
     t->embd_host = on;
     if (on) e->flags |= QL_FLAG_HOST;
@@ -650,7 +741,7 @@ static bool choose_memory(ql_trainer *t, std::string *err) {
         t->ffn_chunk = t->auto_ffn_chunk;  // auto: chunks when recompute's peak needs them
         if (!choose_levels_for(t, err)) return false;
     }
-    if (t->o.embd_on_host != -1 || t->on_host || t->embd_host || fits(t)) return true;
+    if (t->o.embd_on_host != -1 || t->on_host || t->embd_host || t->l0 != 0 || fits(t)) return true;
     if (t->f->model.output == t->f->model.tok_embd) return true;  // tied: the output projection reads it on the device
     set_embd_host(t, true);
     weight_pages(t);  // the host now reads the embedding's rows
@@ -697,8 +788,9 @@ static int64_t needed_len(const ql_sequence &q) {
 static int64_t real_len(const ql_sequence &q) { return q.len > 0 ? q.len : needed_len(q); }
 
 // fields from the options; nothing built
+// (a stage of a split: blocks [l0, l1) only, is_stage)
 static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train, const std::vector<ql_sequence> &eval,
-                         const ql_train_options &o, std::string *err) {
+                         const ql_train_options &o, std::string *err, int l0 = 0, int l1 = -1, bool is_stage = false) {
     if (train.empty()) {
         *err = "no training sequences";
         return nullptr;
@@ -723,6 +815,9 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
     ql_trainer *t = new ql_trainer();
     t->f = f;
     t->o = o;
+    t->l0 = l0;
+    t->l1 = l1 < 0 ? f->model.hp.n_layer : l1;
+    t->is_stage = is_stage;
     t->train = &train;
     t->eval = &eval;
     t->seq_len = t->T = (int64_t)train[0].tokens.size();
@@ -833,8 +928,209 @@ static std::string over_limit(const ql_trainer *t) {
            (t->mem.device ? " of device memory" : "") + " allowed (" + biggest_items(t->mem) + ")";
 }
 
+// ---- a model split over devices: its checks, the stages' plans, the blocks each device takes ----
+
+// stage s's options: one device's run, over its backend and its memory
+static ql_train_options stage_options(const ql_train_options &o, size_t s) {
+    ql_train_options so = o;
+    so.backend = o.split[s];
+    so.vram = o.split_vram.empty() ? 0 : o.split_vram.size() == 1 ? o.split_vram[0] : o.split_vram[s];
+    so.split.clear();
+    so.split_vram.clear();
+    so.split_layers.clear();
+    return so;
+}
+
+static bool split_check(const ql_llama_file *f, const ql_train_options &o, std::string *err) {
+    const size_t S = o.split.size();
+    const int L = f->model.hp.n_layer;
+    if (o.world > 1 || o.dist_always) {
+        *err = "a model split over devices with data parallel (several processes): not supported (v1) --> hint: one of the two";
+        return false;
+    }
+    if (f->model.output == f->model.tok_embd) {
+        *err = "a model split over devices: this model's output projection is its embedding (tied), which the first and the last "
+               "device would both read: not supported (v1)";
+        return false;
+    }
+    if ((int)S > L) {
+        *err = "a split over " + std::to_string(S) + " devices of a model of " + std::to_string(L) + " blocks: at most one device per block";
+        return false;
+    }
+    for (size_t i = 0; i < S; i++)
+        for (size_t j = 0; j <= i; j++)
+            if (!o.split[i] || (j < i && o.split[i] == o.split[j])) {
+                *err = "a split's backends: one per device, each once";
+                return false;
+            }
+    if (o.split_vram.size() > 1 && o.split_vram.size() != S) {
+        *err = std::to_string(o.split_vram.size()) + " device memory limits for a split over " + std::to_string(S) + " devices (one, or one each)";
+        return false;
+    }
+    if (!o.split_layers.empty()) {
+        bool ok = o.split_layers.size() == S && o.split_layers[0] == 0;
+        for (size_t s = 1; ok && s < S; s++) ok = o.split_layers[s] > o.split_layers[s - 1] && o.split_layers[s] < L;
+        if (!ok) {
+            *err = "a split's first blocks: one per device, the first 0, ascending, each device at least one of the " + std::to_string(L);
+            return false;
+        }
+    }
+    return true;
+}
+
+struct stage_plan {
+    ql_memory_plan mem;
+    size_t limit = 0;  // its device's (0: none known)
+    bool fits = false;
+    std::string over;  // why not
+};
+
+static bool plan_stage(ql_llama_file *f, const std::vector<ql_sequence> &train, const std::vector<ql_sequence> &eval,
+                       const ql_train_options &o, size_t s, int l0, int l1, stage_plan *p, std::string *err) {
+    ql_trainer *t = setup(f, train, eval, stage_options(o, s), err, l0, l1, true);
+    if (!t) return false;
+    const bool ok = choose_levels(t, err);
+    if (ok) {
+        p->mem = t->mem;
+        p->limit = limit_of(t);
+        p->fits = fits(t);
+        p->over = p->fits ? "" : over_limit(t);
+    }
+    ql_trainer_free(t);
+    return ok;
+}
+
+// a plan's room: its limit less its total (no limit known: less than nothing, so that the
+// balance evens the totals)
+static double plan_room(const stage_plan &p) { return p.limit ? (double)p.limit - (double)p.mem.total : -(double)p.mem.total; }
+
+// The first block of each stage and the stages' plans: as given, or balanced by memory - shares of
+// the blocks proportional to the devices' memory, then one block at a time moved off the stage
+// with the least room to a neighbour while that gives the tightest stage more (each try: the two
+// stages' plans, measured, nothing allocated).
+static bool split_layers_for(ql_llama_file *f, const std::vector<ql_sequence> &train, const std::vector<ql_sequence> &eval,
+                             const ql_train_options &o, std::vector<int> *first, std::vector<stage_plan> *plans, std::string *choice,
+                             std::string *err) {
+    const int S = (int)o.split.size(), L = f->model.hp.n_layer;
+    std::map<std::tuple<int, int, int>, stage_plan> cache;
+    auto plan_all = [&](const std::vector<int> &fl, std::vector<stage_plan> *v) {
+        v->assign((size_t)S, stage_plan());
+        for (int s = 0; s < S; s++) {
+            const int l0 = fl[(size_t)s], l1 = s + 1 < S ? fl[(size_t)s + 1] : L;
+            auto it = cache.find(std::make_tuple(s, l0, l1));
+            if (it == cache.end()) {
+                stage_plan p;
+                if (!plan_stage(f, train, eval, o, (size_t)s, l0, l1, &p, err)) {
+                    *err = "device " + std::to_string(s) + " (blocks " + std::to_string(l0) + "-" + std::to_string(l1 - 1) + "): " + *err;
+                    return false;
+                }
+                it = cache.emplace(std::make_tuple(s, l0, l1), p).first;
+            }
+            (*v)[(size_t)s] = it->second;
+        }
+        return true;
+    };
+    auto worst = [](const std::vector<stage_plan> &v, int *at) {
+        double w = INFINITY;
+        for (size_t s = 0; s < v.size(); s++)
+            if (plan_room(v[s]) < w) w = plan_room(v[s]), *at = (int)s;
+        return w;
+    };
+    std::vector<int> fl = o.split_layers;
+    if (fl.empty()) {
+        std::vector<double> lim((size_t)S, 1.0);  // each device's memory: --vram, else what it has free
+        bool known = true;
+        for (int s = 0; s < S; s++) {
+            const ql_train_options so = stage_options(o, (size_t)s);
+            ql_backend_caps c{};
+            ql_backend_get_caps(so.backend, &c);
+            const size_t v = so.vram ? so.vram : c.host ? 0 : c.mem_free;
+            lim[(size_t)s] = (double)v;
+            known = known && v > 0;
+        }
+        double total = 0, cum = 0;
+        for (int s = 0; s < S; s++) total += known ? lim[(size_t)s] : 1.0;
+        fl.assign((size_t)S, 0);
+        for (int s = 1; s < S; s++) {
+            cum += known ? lim[(size_t)s - 1] : 1.0;
+            const int b = (int)std::lround((double)L * cum / total);
+            fl[(size_t)s] = std::min(L - (S - s), std::max(fl[(size_t)s - 1] + 1, b));
+        }
+        std::vector<stage_plan> v;
+        if (!plan_all(fl, &v)) return false;
+        int w = 0;
+        double room = worst(v, &w);
+        for (int moves = 0; moves < L * S; moves++) {  // one block at a time off the tightest stage
+            std::vector<int> best;
+            double best_room = room;
+            for (int dir : {-1, 1}) {
+                const int nb = w + dir;  // the neighbour that takes its first (-1) or last (+1) block
+                const int l0 = fl[(size_t)w], l1 = w + 1 < S ? fl[(size_t)w + 1] : L;
+                if (nb < 0 || nb >= S || l1 - l0 < 2) continue;
+                std::vector<int> tf = fl;
+                if (dir < 0) tf[(size_t)w]++;
+                else tf[(size_t)w + 1]--;
+                std::vector<stage_plan> tv;
+                if (!plan_all(tf, &tv)) return false;
+                int tw = 0;
+                const double r = worst(tv, &tw);
+                if (r > best_room) best_room = r, best = tf;
+            }
+            if (best.empty()) break;
+            fl = best;
+            if (!plan_all(fl, &v)) return false;
+            room = worst(v, &w);
+        }
+        *choice = "balanced by memory";
+    } else {
+        *choice = "as given";
+    }
+    if (!plan_all(fl, plans)) return false;
+    *first = fl;
+    for (int s = 0; s < S; s++) *choice += std::string(s ? " + " : ": ") + std::to_string((s + 1 < S ? fl[(size_t)s + 1] : L) - fl[(size_t)s]);
+    *choice += " blocks";
+    return true;
+}
+
+// the plans of a split as one: the first stage's fields, every stage's plan, the total of all
+static void split_memory(ql_memory_plan *mp, const std::vector<stage_plan> &plans, const std::vector<int> &first, const std::string &choice) {
+    *mp = plans[0].mem;
+    mp->stages.clear();
+    mp->total = mp->host = mp->weights = mp->weights_file = 0;
+    for (const stage_plan &p : plans) {
+        mp->stages.push_back(p.mem);
+        mp->total += p.mem.total;
+        mp->host += p.mem.host;
+        mp->weights += p.mem.weights;
+        mp->weights_file += p.mem.weights_file;
+    }
+    mp->stage_layers = first;
+    mp->split_choice = choice;
+}
+
+// the first stage whose plan does not fit, named, and why; "" when all fit
+static std::string split_over(const std::vector<stage_plan> &plans, const std::vector<int> &first, int L) {
+    for (size_t s = 0; s < plans.size(); s++)
+        if (!plans[s].fits)
+            return "device " + std::to_string(s) + " (" + plans[s].mem.device_desc + ", blocks " + std::to_string(first[s]) + "-" +
+                   std::to_string((s + 1 < plans.size() ? first[s + 1] : L) - 1) + ") " + plans[s].over;
+    return "";
+}
+
+static bool split_plan(ql_llama_file *f, const std::vector<ql_sequence> &train, const std::vector<ql_sequence> &eval,
+                       const ql_train_options &o, ql_memory_plan *mp, std::string *err) {
+    std::vector<int> first;
+    std::vector<stage_plan> plans;
+    std::string choice;
+    if (!split_check(f, o, err) || !split_layers_for(f, train, eval, o, &first, &plans, &choice, err)) return false;
+    split_memory(mp, plans, first, choice);
+    *err = split_over(plans, first, f->model.hp.n_layer);
+    return err->empty();
+}
+
 bool ql_train_plan(ql_llama_file *f, const std::vector<ql_sequence> &train, const std::vector<ql_sequence> &eval,
                    const ql_train_options &o, ql_memory_plan *mp, std::string *err) {
+    if (o.split.size() > 1) return split_plan(f, train, eval, o, mp, err);
     ql_trainer *t = setup(f, train, eval, o, err);
     if (!t) return false;
     bool ok = choose_levels(t, err);
@@ -847,31 +1143,16 @@ bool ql_train_plan(ql_llama_file *f, const std::vector<ql_sequence> &train, cons
     return ok;
 }
 
-ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std::vector<ql_sequence> eval,
-                           const ql_train_options &o, std::string *err) {
-    ql_trainer *t = setup(f, train, eval, o, err);
-    if (!t) return nullptr;
-    if (t->caps.plan_only) {
-        *err = "no such device here to train on (" + t->mem.device_desc + "; --dry-run prints its plan)";
-        ql_trainer_free(t);
-        return nullptr;
-    }
-    t->own_train = std::move(train);  // the run keeps the sequences (moved: no second copy)
-    t->own_eval = std::move(eval);
-    t->train = &t->own_train;
-    t->eval = &t->own_eval;
-    t->slot.assign((size_t)(o.micro_batch * accum(t)), nullptr);
-    t->order.reserve(t->train->size());
-
+// Sizes and the recompute policy (measuring passes), then one arena, the graphs' buffer, the
+// placements and the optimizer's list: a trainer set up (the whole model, or a stage of a split)
+static bool allocate(ql_trainer *t, std::string *err) {
     // sizes and the recompute policy first (measuring passes), then one arena
     if (!choose_levels(t, err)) {
-        ql_trainer_free(t);
-        return nullptr;
+        return false;
     }
     if (!fits(t)) {
         *err = over_limit(t);
-        ql_trainer_free(t);
-        return nullptr;
+        return false;
     }
     const size_t need = t->mem.lora + t->mem.grads + t->mem.optimizer + t->mem.inputs + t->mem.headers;  // the arena
     ql_init_params ip = {need + (1u << 16), nullptr, false, false};
@@ -890,21 +1171,20 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
     }
     if (!ok_alloc) {
         *err = t->ctx ? ctx_message(t->ctx) : "out of memory";
-        ql_trainer_free(t);
-        return nullptr;
+        return false;
     }
-    if (!t->on_host && (!(t->weights_buf = ql_backend_place_ctx_tensors(t->be, t->f->ctx)) ||
+    const std::vector<ql_tensor *> sw = stage_weights(t);  // (a stage of a split: its part of the model only)
+    if (!t->on_host && (!(t->weights_buf = t->is_stage ? ql_backend_place_tensors(t->be, t->f->ctx, sw.data(), (int)sw.size())
+                                                       : ql_backend_place_ctx_tensors(t->be, t->f->ctx)) ||
                         !(t->state_buf = ql_backend_place_ctx_tensors(t->be, t->ctx)))) {
         *err = "placing the model on " + std::string(ql_backend_name(t->be)) + ": " + ctx_message(t->weights_buf ? t->ctx : t->f->ctx);
-        ql_trainer_free(t);
-        return nullptr;
+        return false;
     }
     if (t->cache) {  // after the weights are on the device: made from them, once
         char e[512] = {0};
         if (!(t->cache_buf = ql_backend_cache_weights(t->be, t->cache_w.data(), (int)t->cache_w.size(), t->compute, e, sizeof(e)))) {
             *err = "--cache-weights: " + ql_user_message(e);
-            ql_trainer_free(t);
-            return nullptr;
+            return false;
         }
     }
     if (!t->on_host && ql_optim_paged(t->o.optim)) {
@@ -912,8 +1192,7 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
         for (const auto &st : t->state) moments.insert(moments.end(), st.begin(), st.end());
         if (!(t->paged_buf = ql_backend_place_tensors_pinned(t->be, moments.data(), (int)moments.size()))) {
             *err = "paged optimizer: " + mib_text(t->mem.optimizer) + " of pinned host memory could not be had";
-            ql_trainer_free(t);
-            return nullptr;
+            return false;
         }
     }
     for (const auto &st : t->state)  // zero moments (8-bit: zero absmax makes every code 0)
@@ -935,6 +1214,68 @@ ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std
     }
     if (!(t->olist = ql_optim_list_new(t->be, groups.data(), (int)groups.size(), t->optim_store))) {
         *err = "the optimizer's list could not be written to " + std::string(ql_backend_name(t->be));
+        return false;
+    }
+    return true;
+}
+
+// A split: the layers and plans chosen, then an outer trainer (the run: data, schedule, scaler)
+// and one stage trainer per device, each allocated on it as a run of one device is
+static ql_trainer *split_new(ql_llama_file *f, std::vector<ql_sequence> train, std::vector<ql_sequence> eval, const ql_train_options &o,
+                             std::string *err) {
+    std::vector<int> first;
+    std::vector<stage_plan> plans;
+    std::string choice;
+    if (!split_check(f, o, err) || !split_layers_for(f, train, eval, o, &first, &plans, &choice, err)) return nullptr;
+    if (!(*err = split_over(plans, first, f->model.hp.n_layer)).empty()) return nullptr;
+    ql_train_options oo = o;
+    oo.backend = o.split[0];  // (the outer trainer allocates nothing: its backend only describes)
+    ql_trainer *t = setup(f, train, eval, oo, err);
+    if (!t) return nullptr;
+    t->own_train = std::move(train);
+    t->own_eval = std::move(eval);
+    t->train = &t->own_train;
+    t->eval = &t->own_eval;
+    t->slot.assign((size_t)(o.micro_batch * accum(t)), nullptr);
+    t->order.reserve(t->train->size());
+    const int S = (int)o.split.size(), L = f->model.hp.n_layer;
+    for (int s = 0; s < S; s++) {
+        ql_trainer *st = setup(f, *t->train, *t->eval, stage_options(o, (size_t)s), err, first[(size_t)s], s + 1 < S ? first[(size_t)s + 1] : L, true);
+        if (st && st->caps.plan_only) *err = "no such device here to train on (" + st->mem.device_desc + "; --dry-run prints its plan)";
+        if (!st || st->caps.plan_only || !allocate(st, err)) {
+            *err = "device " + std::to_string(s) + ": " + *err;
+            ql_trainer_free(st);
+            ql_trainer_free(t);
+            return nullptr;
+        }
+        t->stages.push_back(st);
+    }
+    std::vector<stage_plan> made(plans);  // the plans as the stages made them (the same choices)
+    for (int s = 0; s < S; s++) made[(size_t)s].mem = t->stages[(size_t)s]->mem;
+    split_memory(&t->mem, made, first, choice);
+    t->xfer.assign((size_t)(f->model.hp.n_embd * t->T * t->B), 0.0f);
+    give_back_heap();
+    return t;
+}
+
+ql_trainer *ql_trainer_new(ql_llama_file *f, std::vector<ql_sequence> train, std::vector<ql_sequence> eval,
+                           const ql_train_options &o, std::string *err) {
+    if (o.split.size() > 1) return split_new(f, std::move(train), std::move(eval), o, err);
+    ql_trainer *t = setup(f, train, eval, o, err);
+    if (!t) return nullptr;
+    if (t->caps.plan_only) {
+        *err = "no such device here to train on (" + t->mem.device_desc + "; --dry-run prints its plan)";
+        ql_trainer_free(t);
+        return nullptr;
+    }
+    t->own_train = std::move(train);  // the run keeps the sequences (moved: no second copy)
+    t->own_eval = std::move(eval);
+    t->train = &t->own_train;
+    t->eval = &t->own_eval;
+    t->slot.assign((size_t)(o.micro_batch * accum(t)), nullptr);
+    t->order.reserve(t->train->size());
+
+    if (!allocate(t, err)) {
         ql_trainer_free(t);
         return nullptr;
     }
@@ -946,6 +1287,10 @@ const ql_memory_plan &ql_trainer_memory(const ql_trainer *t) { return t->mem; }
 
 bool ql_train_write_snapshot(ql_llama_file *f, const std::vector<ql_sequence> &train, const std::vector<ql_sequence> &eval,
                              const ql_train_options &o, const char *path, std::string *err) {
+    if (o.split.size() > 1) {
+        *err = "the plan's snapshot of a model split over devices: not written (v1)";
+        return false;
+    }
     ql_trainer *t = setup(f, train, eval, o, err);
     if (!t) return false;
     bool ok = choose_levels(t, err);
@@ -1017,12 +1362,14 @@ void ql_trainer_free(ql_trainer *t) {
     ql_backend_buffer_free(t->weights_buf);  // the weights on the file mapping
     ql_backend_free(t->own_be);
     ql_free(t->ctx);
-    if (t->f) {  // the model's adapters pointed into ctx
-        if (!t->cache_w.empty()) ql_weight_cache_mark(t->cache_w.data(), (int)t->cache_w.size(), false);  // (a plan's flags)
+    for (size_t s = t->stages.size(); s-- > 0;) ql_trainer_free(t->stages[s]);  // (a split: the last placed first back)
+    if (t->f && !t->cache_w.empty()) ql_weight_cache_mark(t->cache_w.data(), (int)t->cache_w.size(), false);  // (a plan's flags)
+    if (t->f && !t->is_stage) {  // the model's adapters pointed into ctx (a split: the stages' contexts)
         t->f->model.lora.clear();
         t->f->model.compute = QL_TYPE_F32;
-        if (t->f->model.tok_embd) t->f->model.tok_embd->flags &= ~QL_FLAG_HOST;  // the next run decides again
     }
+    if (t->f && t->l0 == 0 && t->f->model.tok_embd)  // (a split: the first stage's choice)
+        t->f->model.tok_embd->flags &= ~QL_FLAG_HOST;  // the next run decides again
     delete t;
 }
 
@@ -1039,7 +1386,8 @@ ql_graph *ql_trainer_graph(ql_trainer *t) { return t->tr.g; }
 
 int64_t ql_trainer_n_trainable(const ql_trainer *t) {
     int64_t n = 0;
-    for (const ql_tensor *p : t->params) n += ql_nelements(p);
+    for (const ql_trainer *pt : parts(t))
+        for (const ql_tensor *p : pt->params) n += ql_nelements(p);
     return n;
 }
 
@@ -1130,8 +1478,9 @@ static bool fill(ql_trainer *t, const batch_io &io, const ql_sequence *const *se
             if (ql_tensor_row_to_float(e, tk[k], t->in_embd.data() + k * E) != QL_OK) return false;
         if (ql_backend_tensor_set(t->be, io.embd, t->in_embd.data(), 0, (size_t)(T * B) * E * sizeof(float)) != QL_OK) return false;
     }
-    return (io.embd || ql_backend_tensor_set(t->be, io.tokens, tk, 0, n) == QL_OK) && ql_backend_tensor_set(t->be, io.pos, ps, 0, n) == QL_OK &&
-           ql_backend_tensor_set(t->be, io.targets, tg, 0, n) == QL_OK &&
+    // (a stage of a split has the inputs its blocks read: the tokens on the first, the targets on the last)
+    return (!io.tokens || ql_backend_tensor_set(t->be, io.tokens, tk, 0, n) == QL_OK) && ql_backend_tensor_set(t->be, io.pos, ps, 0, n) == QL_OK &&
+           (!io.targets || ql_backend_tensor_set(t->be, io.targets, tg, 0, n) == QL_OK) &&
            (!sg || ql_backend_tensor_set(t->be, io.seg, sg, 0, n) == QL_OK);
 }
 
@@ -1164,7 +1513,232 @@ static bool all_reduce_step(ql_trainer *t, double *loss, int64_t *padded, int64_
     return true;
 }
 
+// The step after the update (or its skip): the loss scaler, the counters, the metrics. sq, finite:
+// the gradients' statistics the update used (every stage's, on a split).
+static bool finish_step(ql_trainer *t, ql_step_metrics *m, std::chrono::steady_clock::time_point t0, double loss, int64_t padded,
+                        int64_t real, int64_t targets, double scale, double lr, double sq, bool finite, std::string *err) {
+    const int64_t s = t->step;
+    const bool scaling = t->o.precision == ql_precision::fp16;
+    const bool skip = scaling && !finite;  // (the update skipped itself: nothing was touched)
+    const double norm = finite ? std::sqrt(sq) / scale : INFINITY;  // unscaled, before clipping
+    if (skip) {  // GradScaler: no update, back off, count it; the data moves on, the schedule and Adam's step count do not
+        t->scale *= t->o.scale_backoff;
+        t->growth_tracker = 0;
+        t->skipped++;
+        if (++t->skipped_in_row >= 32) {
+            t->step++;
+            t->broken = true;  // the adapter is intact, but a checkpoint would carry a loss scale 2^-32 of where it was
+            *err = "step " + std::to_string(t->step) + ": 32 steps in a row had non-finite gradients (loss scale now " +
+                   std::to_string(t->scale) + "); the adapter is left as it was --> hint: --precision bf16, or a lower --lr";
+            return false;
+        }
+    } else {
+        if (!finite) {  // the update skipped itself: the adapter is untouched; name the first bad gradient
+            std::string which = "?";
+            std::vector<float> gh;  // an error path: the device's gradients come over to be named
+            for (const ql_trainer *pt : parts(t))
+            for (const ql_tensor *p : pt->params) {
+                if (which != "?") break;
+                gh.resize((size_t)ql_nelements(p));
+                if (ql_backend_tensor_get(pt->be, p->grad, gh.data(), 0, gh.size() * 4) != QL_OK) break;
+                const float *g = gh.data();
+                int64_t i = 0;
+                while (i < ql_nelements(p) && std::isfinite(g[i])) i++;
+                if (i < ql_nelements(p)) {
+                    which = std::string(p->name) + " (element " + std::to_string(i) + ": " + (std::isnan(g[i]) ? "nan" : "inf") + ")";
+                    break;
+                }
+            }
+            *err = "step " + std::to_string(s + 1) + ": the gradient of " + which +
+                   " is not finite; the adapter is left as it was after step " + std::to_string(s) + " --> hint: a lower --lr";
+            return false;
+        }
+        t->applied++;
+        t->skipped_in_row = 0;
+        if (scaling && ++t->growth_tracker >= t->o.scale_interval) {
+            t->scale = std::min(t->scale * t->o.scale_growth, 0x1p64f);
+            t->growth_tracker = 0;
+        }
+    }
+    t->step++;
+    m->step = t->step;
+    m->loss = loss;
+    m->lr = lr;
+    m->grad_norm = norm;
+    m->tokens = padded;
+    m->real_tokens = real;
+    m->targets = targets;
+    m->loss_scale = scale;
+    m->skipped = skip;
+    m->skipped_total = t->skipped;
+    m->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    return true;
+}
+
+
+// ---- a model split over devices: the step and the evaluation over the stages ----
+
+// the graph of a stage for bucket k (the training graph for the longest)
+static const batch_io &stage_io(const ql_trainer *st, size_t k) { return k + 1 < st->bucket_len.size() ? st->bucket_io[k] : st->tr; }
+
+// x's bytes from stage `from` (a result of its graph, or a leaf) into y of stage `to`, through
+// the outer trainer's host buffer (limitation: v1 - a peer copy between the devices, or pinned
+// memory with asynchronous copies, would spare the host's round trip)
+static bool stage_copy(ql_trainer *t, ql_trainer *from, const ql_tensor *x, ql_trainer *to, ql_tensor *y) {
+    const size_t n = ql_nbytes(x);
+    if (n != ql_nbytes(y) || n > t->xfer.size() * sizeof(float)) return false;
+    return ql_backend_tensor_get(from->be, x, t->xfer.data(), 0, n) == QL_OK && ql_backend_tensor_set(to->be, y, t->xfer.data(), 0, n) == QL_OK;
+}
+
+// A stage's error: its context's message, or what failed
+static std::string stage_error(const ql_trainer *st, const std::string &what) {
+    return ql_ctx_status(st->ctx) != QL_OK ? ctx_message(st->ctx) : what + " (" + std::string(ql_backend_name(st->be)) + ", blocks " +
+                                                                      std::to_string(st->l0) + "-" + std::to_string(st->l1 - 1) + ")";
+}
+
+// One micro-batch through every stage (training: forward parts in order, the last stage whole,
+// backward parts in reverse; evaluation: forward graphs in order); *l: the last stage's loss.
+static bool split_micro_batch(ql_trainer *t, size_t k, const ql_sequence *const *seqs, bool train, float count, int32_t seed, float *l,
+                              std::string *why) {
+    const size_t S = t->stages.size();
+    auto io_of = [&](const ql_trainer *st) -> const batch_io & { return train ? stage_io(st, k) : st->ev; };
+    for (ql_trainer *st : t->stages) {  // every stage's inputs, the dropout seed; h_in's gradient accumulator zeroed
+        const batch_io &io = io_of(st);
+        if ((io.count && !set_f32(st, io.count, count)) || !fill(st, io, seqs) ||
+            (train && ql_backend_tensor_set(st->be, st->seed, &seed, 0, 4) != QL_OK) ||
+            (train && io.h_in && ql_backend_tensor_memset(st->be, io.h_in->grad, 0, 0, ql_nbytes(io.h_in->grad)) != QL_OK)) {
+            *why = stage_error(st, "writing the micro-batch's inputs");
+            return false;
+        }
+    }
+    for (size_t j = 0; j + 1 < S; j++) {  // the forward parts, each stage's output the next one's input
+        ql_trainer *st = t->stages[j], *nx = t->stages[j + 1];
+        const batch_io &io = io_of(st);
+        if (ql_backend_graph_compute_range(st->be, io.g, 0, ql_graph_n_forward(io.g)) != QL_OK ||
+            !stage_copy(t, st, io.h_out, nx, io_of(nx).h_in)) {
+            *why = stage_error(st, "its forward part, or its output's copy to the next device");
+            return false;
+        }
+    }
+    ql_trainer *last = t->stages[S - 1];
+    if (ql_backend_graph_compute(last->be, io_of(last).g) != QL_OK || !get_f32(last, io_of(last).loss, l)) {
+        *why = stage_error(last, "its graph, or reading the loss");
+        return false;
+    }
+    for (size_t j = S - 1; train && j-- > 0;) {  // the backward parts in reverse, each from the gradient of its output
+        ql_trainer *st = t->stages[j], *nx = t->stages[j + 1];
+        const batch_io &io = io_of(st);
+        if (!stage_copy(t, nx, io_of(nx).h_in->grad, st, io.g_out) ||
+            ql_backend_graph_compute_range(st->be, io.g, ql_graph_n_forward(io.g), -1) != QL_OK) {
+            *why = stage_error(st, "the gradient's copy from the next device, or its backward part");
+            return false;
+        }
+    }
+    return true;
+}
+
+// The step of a split: ql_trainer_step's, micro-batch by micro-batch through the stages; the
+// gradient norm summed over every stage's, so that one clip factor (and fp16's one skip) holds
+// for all, each stage's update given that factor as its scale (and no clipping of its own).
+static bool split_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const int64_t s = t->step, B = t->B, A = accum(t);  // (no data parallel with a split: world 1)
+    int64_t targets = 0;
+    for (int64_t i = 0; i < B * A; i++) {
+        const int64_t q = slot_sequence(t, s, i);
+        t->slot[(size_t)i] = q >= 0 ? &(*t->train)[(size_t)q] : nullptr;
+        if (q >= 0) targets += (*t->train)[(size_t)q].n_targets;
+    }
+    if (targets == 0) {
+        *err = "step " + std::to_string(s + 1) + " has no supervised tokens";
+        return false;
+    }
+    const double scale = t->scale;
+    auto fail = [&](const std::string &what) {
+        t->broken = true;  // a backend error: a device may not give the adapter back
+        *err = "step " + std::to_string(s + 1) + ": " + what;
+        return false;
+    };
+    for (ql_trainer *st : t->stages) {
+        if (!st->olist) return fail("the trainer's tensors left the devices (ql_trainer_to_host): no more steps");
+        if (ql_backend_graph_zero_grads(st->be, st->tr.g) != QL_OK) return fail("cannot write to " + std::string(ql_backend_name(st->be)));
+    }
+    double loss = 0;
+    int64_t padded = 0, real = 0;
+    for (int64_t a = 0; a < A; a++) {
+        const int32_t seed = (int32_t)(uint32_t)mix(t->o.seed * 0x9E3779B97F4A7C15ull + (uint64_t)(s * A + a));
+        bool any = false;
+        for (int64_t b = 0; b < B; b++)
+            if (const ql_sequence *q = t->slot[(size_t)(a * B + b)]) real += real_len(*q), any = true;
+        if (!any) continue;
+        const size_t k = bucket_of(t, t->slot.data() + a * B);
+        padded += B * t->bucket_len[k];
+        float l = 0;
+        std::string why;
+        if (!split_micro_batch(t, k, t->slot.data() + a * B, true, (float)((double)targets / scale), seed, &l, &why)) return fail(why);
+        if (!std::isfinite(l)) {  // (limitation: the node that made it first is not searched for over a split)
+            *err = "step " + std::to_string(s + 1) + ", micro-batch " + std::to_string(a + 1) + ": the loss is " + (std::isnan(l) ? "nan" : "infinite") +
+                   "; the adapter is left as it was after step " + std::to_string(s) + " --> hint: " +
+                   (t->o.precision == ql_precision::fp16 ? "--precision bf16 (fp16 overflows past 65504), " : "") +
+                   "a lower --lr, or check the data and the model";
+            return false;
+        }
+        loss += l / scale;
+    }
+    const double lr = ql_trainer_lr_at(t, t->applied);
+    const ql_adamw_params hp = {(float)lr, t->o.beta1, t->o.beta2, t->o.eps, t->o.weight_decay};
+    double sq = 0;
+    bool finite = true;
+    for (ql_trainer *st : t->stages) {  // the global norm: every stage's sum of squares
+        double q = 0;
+        bool f = true;
+        if (ql_backend_grad_stats_multi(st->be, st->olist, &q, &f) != QL_OK) return fail(stage_error(st, "the gradients' norm"));
+        sq += q;
+        finite = finite && f;
+    }
+    finite = finite && std::isfinite(sq);
+    if (finite) {
+        // the factor one device's update would apply (unscale and clip: ql_optim_step_factor); each
+        // stage's update given it as 1 / its loss scale and no clipping (1 / (1 / f) is f again in
+        // f32: a float's reciprocal and back in double rounds to it)
+        const float factor = ql_optim_step_factor(sq, scale, t->o.max_grad_norm);
+        for (ql_trainer *st : t->stages) {
+            double q = 0;
+            bool f = true;
+            if (ql_backend_adamw_update_multi(st->be, st->olist, t->applied + 1, &hp, 1.0 / (double)factor, 0.0f, &q, &f) != QL_OK || !f)
+                return fail(stage_error(st, "the optimizer's update"));
+        }
+    }
+    return finish_step(t, m, t0, loss, padded, real, targets, scale, lr, sq, finite, err);
+}
+
+static bool split_eval(ql_trainer *t, double *loss, std::string *err) {
+    int64_t targets = 0;
+    for (const ql_sequence &s : *t->eval) targets += s.n_targets;
+    if (targets == 0) {
+        *err = "no evaluation tokens";
+        return false;
+    }
+    double sum = 0;
+    for (size_t i = 0; i < t->eval->size(); i += (size_t)t->B) {
+        for (size_t b = 0; b < (size_t)t->B; b++) t->slot[b] = i + b < t->eval->size() ? &(*t->eval)[i + b] : nullptr;
+        float l = 0;
+        std::string why;
+        if (!split_micro_batch(t, 0, t->slot.data(), false, (float)targets, 0, &l, &why)) {
+            *err = "evaluation: " + why;
+            return false;
+        }
+        sum += l;
+    }
+    if (!std::isfinite(sum)) {
+        *err = std::string("the evaluation loss is ") + (std::isnan(sum) ? "nan" : "infinite");
+        return false;
+    }
+    *loss = sum;
+    return true;
+}
 bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
+    if (!t->stages.empty()) return split_step(t, m, err);
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t s = t->step, B = t->B, A = accum(t);
     // this rank's micro-batches of the step: [a0, a1) of the A every rank's make up
@@ -1240,7 +1814,6 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     // the optimizer over every parameter at once: the global gradient norm, the clip factor
     // folded into the update's scale and the non-finite check all where the gradients live; the
     // norm and the finite flag come back once (the log, the loss scaler), after the update
-    const bool scaling = t->o.precision == ql_precision::fp16;
     const double lr = ql_trainer_lr_at(t, t->applied);  // the schedule follows the updates made
     const ql_adamw_params hp = {(float)lr, t->o.beta1, t->o.beta2, t->o.eps, t->o.weight_decay};
     double sq = 0;
@@ -1250,61 +1823,11 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
         *err = "step " + std::to_string(s + 1) + ": the optimizer's update failed on " + std::string(ql_backend_name(t->be));
         return false;
     }
-    const bool skip = scaling && !finite;  // (the update skipped itself: nothing was touched)
-    const double norm = finite ? std::sqrt(sq) / scale : INFINITY;  // unscaled, before clipping
-    if (skip) {  // GradScaler: no update, back off, count it; the data moves on, the schedule and Adam's step count do not
-        t->scale *= t->o.scale_backoff;
-        t->growth_tracker = 0;
-        t->skipped++;
-        if (++t->skipped_in_row >= 32) {
-            t->step++;
-            t->broken = true;  // the adapter is intact, but a checkpoint would carry a loss scale 2^-32 of where it was
-            *err = "step " + std::to_string(t->step) + ": 32 steps in a row had non-finite gradients (loss scale now " +
-                   std::to_string(t->scale) + "); the adapter is left as it was --> hint: --precision bf16, or a lower --lr";
-            return false;
-        }
-    } else {
-        if (!finite) {  // the update skipped itself: the adapter is untouched; name the first bad gradient
-            std::string which = "?";
-            std::vector<float> gh;  // an error path: the device's gradients come over to be named
-            for (const ql_tensor *p : t->params) {
-                gh.resize((size_t)ql_nelements(p));
-                if (ql_backend_tensor_get(t->be, p->grad, gh.data(), 0, gh.size() * 4) != QL_OK) break;
-                const float *g = gh.data();
-                int64_t i = 0;
-                while (i < ql_nelements(p) && std::isfinite(g[i])) i++;
-                if (i < ql_nelements(p)) {
-                    which = std::string(p->name) + " (element " + std::to_string(i) + ": " + (std::isnan(g[i]) ? "nan" : "inf") + ")";
-                    break;
-                }
-            }
-            *err = "step " + std::to_string(s + 1) + ": the gradient of " + which +
-                   " is not finite; the adapter is left as it was after step " + std::to_string(s) + " --> hint: a lower --lr";
-            return false;
-        }
-        t->applied++;
-        t->skipped_in_row = 0;
-        if (scaling && ++t->growth_tracker >= t->o.scale_interval) {
-            t->scale = std::min(t->scale * t->o.scale_growth, 0x1p64f);
-            t->growth_tracker = 0;
-        }
-    }
-    t->step++;
-    m->step = t->step;
-    m->loss = loss;
-    m->lr = lr;
-    m->grad_norm = norm;
-    m->tokens = padded;
-    m->real_tokens = real;
-    m->targets = targets;
-    m->loss_scale = scale;
-    m->skipped = skip;
-    m->skipped_total = t->skipped;
-    m->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    return true;
+    return finish_step(t, m, t0, loss, padded, real, targets, scale, lr, sq, finite, err);
 }
 
 bool ql_trainer_eval(ql_trainer *t, double *loss, std::string *err) {
+    if (!t->stages.empty()) return split_eval(t, loss, err);
     int64_t targets = 0;
     for (const ql_sequence &s : *t->eval) targets += s.n_targets;
     if (targets == 0) {
@@ -1479,12 +2002,13 @@ bool ql_trainer_save(const ql_trainer *t, const char *path, std::string *err) {
         ql_gguf_set_arr_str(w, "qlora.run.command", cmd.data(), cmd.size());
     }
     uint64_t sum = checkpoint_hash((uint64_t)t->step, (uint64_t)t->applied, t->scale, (uint64_t)t->growth_tracker, (uint64_t)t->skipped);
-    for (size_t i = 0; i < t->params.size(); i++)
-        for (const ql_tensor *x : with_state(t, i)) {
+    for (const ql_trainer *pt : parts(t))  // (a split: every stage's, in the order of the blocks - one device's file)
+    for (size_t i = 0; i < pt->params.size(); i++)
+        for (const ql_tensor *x : with_state(pt, i)) {
             const int64_t ne[4] = {x->ne[0], x->ne[1], 1, 1};
-            void *h = host_data(t, x);  // on a device: its host copy, brought up to date first
-            if (!t->on_host && ql_backend_tensor_get(t->be, x, h, 0, ql_nbytes(x)) != QL_OK) {
-                *err = std::string(path) + ": cannot read " + x->name + " from " + std::string(ql_backend_name(t->be));
+            void *h = host_data(pt, x);  // on a device: its host copy, brought up to date first
+            if (!pt->on_host && ql_backend_tensor_get(pt->be, x, h, 0, ql_nbytes(x)) != QL_OK) {
+                *err = std::string(path) + ": cannot read " + x->name + " from " + std::string(ql_backend_name(pt->be));
                 ql_gguf_writer_free(w);
                 return false;
             }
@@ -1505,10 +2029,11 @@ bool ql_trainer_save(const ql_trainer *t, const char *path, std::string *err) {
 
 bool ql_trainer_state_hash(const ql_trainer *t, uint64_t *h) {
     uint64_t sum = k_hash_seed;
-    for (size_t i = 0; i < t->params.size(); i++)
-        for (const ql_tensor *x : with_state(t, i)) {
-            void *d = host_data(t, x);  // on a device: its host copy, brought up to date first
-            if (!t->on_host && ql_backend_tensor_get(t->be, x, d, 0, ql_nbytes(x)) != QL_OK) return false;
+    for (const ql_trainer *pt : parts(t))
+    for (size_t i = 0; i < pt->params.size(); i++)
+        for (const ql_tensor *x : with_state(pt, i)) {
+            void *d = host_data(pt, x);  // on a device: its host copy, brought up to date first
+            if (!pt->on_host && ql_backend_tensor_get(pt->be, x, d, 0, ql_nbytes(x)) != QL_OK) return false;
             sum = hash_bytes(hash_bytes(sum, x->name, strlen(x->name)), d, ql_nbytes(x));
         }
     *h = sum;
@@ -1629,15 +2154,16 @@ bool ql_trainer_load(ql_trainer *t, const char *path, std::string *err) {
                   "earlier copy, or start again";
     }
     for (int pass = 0; pass < 2 && why.empty(); pass++)  // check every tensor, then copy: all or nothing
-        for (size_t i = 0; i < t->params.size() && why.empty(); i++)
-            for (ql_tensor *x : with_state(t, i)) {
+        for (const ql_trainer *pt : parts(t))
+        for (size_t i = 0; i < pt->params.size() && why.empty(); i++)
+            for (ql_tensor *x : with_state(pt, i)) {
                 const int64_t k = ql_gguf_find_tensor(g, x->name);
                 if (k < 0 || ql_gguf_tensor_type(g, k) != x->type || ql_gguf_tensor_size(g, k) != ql_nbytes(x)) {
                     why = std::string("tensor ") + x->name + " is missing or of another shape";
                     break;
                 }
-                if (pass == 1 && ql_backend_tensor_set(t->be, x, ql_gguf_tensor_data(g, k), 0, ql_nbytes(x)) != QL_OK)
-                    why = std::string("cannot write ") + x->name + " to " + std::string(ql_backend_name(t->be));
+                if (pass == 1 && ql_backend_tensor_set(pt->be, x, ql_gguf_tensor_data(g, k), 0, ql_nbytes(x)) != QL_OK)
+                    why = std::string("cannot write ") + x->name + " to " + std::string(ql_backend_name(pt->be));
             }
     if (!why.empty()) {
         ql_gguf_close(g);
@@ -1687,7 +2213,9 @@ bool ql_checkpoint_info(const char *path, std::vector<std::string> *command, int
 }
 
 bool ql_trainer_to_host(ql_trainer *t, std::string *err) {
-    if (t->on_host) return true;
+    for (ql_trainer *st : t->stages)  // a split: each stage's
+        if (!ql_trainer_to_host(st, err)) return false;
+    if (t->on_host || !t->stages.empty()) return true;
     for (size_t i = 0; i < t->params.size(); i++)  // the adapter and its moments changed; the weights did not
         for (ql_tensor *x : with_state(t, i))
             if (ql_backend_tensor_get(t->be, x, host_data(t, x), 0, ql_nbytes(x)) != QL_OK) {

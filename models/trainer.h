@@ -136,6 +136,20 @@ struct ql_train_options {
     // one resumes under any world that divides it. Evaluation splits its batches over the ranks.
     int world = 1, rank = 0;
     bool dist_always = false;  // the step's all-reduce even when world is 1: a check of the collectives on one device
+    // a model split over devices (--device cuda:0,cuda:1): one backend per stage, in order (the
+    // caller's, as `backend`, which a split leaves unused). Stage s trains consecutive blocks on
+    // split[s] - the first also the embedding, the last the final norm, head and loss - with its
+    // own plan, graphs, adapter part and optimizer state; a micro-batch runs each stage's forward
+    // part in turn, the residual stream copied to the next device, then the backward parts in
+    // reverse, the gradient of that stream copied back (through host memory: v1). One gradient
+    // norm over all stages clips them all, and fp16's skip is decided for all: the same step as
+    // one device. Not with data parallel (world > 1), nor with a tied output projection.
+    std::vector<ql_backend *> split;
+    std::vector<size_t> split_vram;  // each stage's device memory (one value: every stage's; empty: each device's free memory)
+    // the first block of each stage ([0] = 0, ascending; empty: balanced by memory - each stage's
+    // share of the blocks proportional to its memory, then one block at a time moved off the
+    // stage with the least room while that gives the tightest one more)
+    std::vector<int> split_layers;
     // the caller's command line, stored in checkpoints as qlora.run.command (not compared on
     // load: the settings it produced are): what lets a tool resume a run from its directory alone
     std::vector<std::string> command;
@@ -188,6 +202,12 @@ struct ql_memory_plan {
     size_t cache_candidate = 0; // what those copies take (or would), whether or not they are made
     std::string cache_weights;  // the choice and why ("auto: on", "auto: off (does not fit)", "off", "on")
     ql_census census{};         // one micro-batch's training graph on the plan's backend (ql_graph_census)
+    // a split (ql_train_options.split): each stage's plan, in order, and the first block of each;
+    // the fields above are then the first stage's, but total (every stage's), which fits no one
+    // device: each stage fits its own limit (stages[s].vram)
+    std::vector<ql_memory_plan> stages;
+    std::vector<int> stage_layers;
+    std::string split_choice;   // how the layers were chosen ("balanced by memory: 41 + 39", "as given")
 };
 
 struct ql_step_metrics {

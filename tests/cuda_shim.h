@@ -142,6 +142,13 @@ inline void set_device_count(int n) { st().device_count = n; }
 // the device's compute capability, for suites compiled without this header (tests/test_backend_ops.cpp
 // declares it weak: absent where the suite runs on a real GPU)
 extern "C" __attribute__((weak)) void qlshim_set_cc(int major, int minor) { qlshim::st().cc_major = major, qlshim::st().cc_minor = minor; }
+// the number of devices (QL_SHIM_DEVICES' setting, for suites compiled without this header; returns the previous one)
+extern "C" __attribute__((weak)) int qlshim_set_devices(int n) {
+    qlshim::read_env();
+    const int was = qlshim::st().device_count;
+    qlshim::st().device_count = n < 1 ? 1 : n;
+    return was;
+}
 // WMMA's 16x16 fragments: 1 = sm_80's layout (what code that probes the layout at run time finds
 // on a real GPU), 0 = the scramble (the default); returns the previous setting
 extern "C" __attribute__((weak)) int qlshim_set_wmma_sm80(int on) {
@@ -641,6 +648,7 @@ inline void flush_stream(cudaStream_t s, uint64_t upto = ~0ull);  // below: a st
 inline bool capturing(cudaStream_t s);                                 // below: stream capture
 inline void capture_record(cudaStream_t s, std::function<void()> op);
 
+inline int stream_device(cudaStream_t s);  // (CUstream_st comes below)
 template <typename K, typename... A>
 inline void launch(const char *name, K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t stream, A... args) {
     read_env();
@@ -657,6 +665,11 @@ inline void launch(const char *name, K kernel, dim3 grid, dim3 block, size_t sme
     else if (smem > (size_t)limit) bad = std::to_string(smem) + " bytes of dynamic shared memory (limit " + std::to_string(limit) + ")";
     if (!bad.empty()) {
         set_sticky(cudaErrorInvalidConfiguration, std::string(name) + ": invalid launch: " + bad);
+        return;
+    }
+    if (stream && stream_device(stream) != current_device()) {  // CUDA: a stream belongs to its device
+        set_sticky(cudaErrorInvalidResourceHandle, std::string(name) + ": launched on a stream of device " + std::to_string(stream_device(stream)) +
+                                                        " while device " + std::to_string(current_device()) + " is current");
         return;
     }
     if (capturing(stream)) {  // recorded with its arguments as they are now (by value, as a graph's kernel node)
@@ -941,7 +954,11 @@ struct CUstream_st {
     uint64_t done = 0;
     uint64_t cap = 0;                      // the stream capture it is part of (0: none)
     uint64_t cap_ops = 0, cap_joined = 0;  // work recorded on it in that capture; how much of it the origin waited for
+    int device = 0;                        // the device current when it was made: a launch on it needs that one current
 };
+namespace qlshim {
+inline int stream_device(cudaStream_t s) { return s->device; }
+}  // namespace qlshim
 struct CUevent_st {
     double t;
     cudaStream_t s = nullptr;  // the stream recorded on, and its queue position then
@@ -1146,6 +1163,7 @@ inline cudaError_t cudaMemsetAsync(void *p, int v, size_t n, cudaStream_t s) {
 }
 inline cudaError_t cudaStreamCreate(cudaStream_t *s) {
     *s = new CUstream_st();
+    (*s)->device = qlshim::current_device();
     return cudaSuccess;
 }
 inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) { return cudaStreamCreate(s); }

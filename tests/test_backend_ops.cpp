@@ -1998,3 +1998,192 @@ OP_CASE(trainer_cache_weights) {
         }
     }
 }
+
+// ---- a model split over devices: the same run as one device --------------------------------
+
+extern "C" __attribute__((weak)) int qlshim_set_devices(int n);  // tests/cuda_shim.h; absent on a real GPU
+
+OP_CASE(trainer_split_layers) {
+    // a second and third device: through the shim three of them (each a number for cudaSetDevice:
+    // a launch on another device's stream, or a weight placed on another device, fails); on a real
+    // GPU the card itself again when it is alone (two backends on one device: what a split needs
+    // of the code, not of the hardware); on the CPU more CPU backends
+    const bool host = ql_backend_is_host(be);
+    const int was = !host && qlshim_set_devices ? qlshim_set_devices(3) : 0;
+    const int n_dev = host ? 3 : ql_cuda_device_count();
+    std::vector<ql_backend *> more;
+    for (int i = 1; i < 3; i++) {
+        char err[256] = "";
+        ql_backend *b = host ? ql_backend_cpu_init(1) : ql_backend_cuda_init(i < n_dev ? i : 0, err, sizeof(err));
+        REQUIRE_MESSAGE(b, err);
+        more.push_back(b);
+    }
+    tmpdir d;
+    const std::string path = d.file("tiny4.gguf"), tied_path = d.file("tied.gguf");
+    {
+        tiny_llama t(tiny_hparams(97, 64, 128, /*n_layer=*/4), 11, 0.2f, /*tied_output=*/false);
+        llama_gguf_opts o;
+        o.linear_type = QL_TYPE_NF4;
+        write_llama_gguf(t.m, path, o);
+        tiny_llama u(tiny_hparams(97, 64, 128, 4), 11, 0.2f, /*tied_output=*/true);
+        write_llama_gguf(u.m, tied_path, o);
+    }
+    std::vector<ql_sequence> seqs;
+    for (int s = 0; s < 6; s++) {  // targets end at 24, 16 or 12: the shorter graphs of dynamic padding run too
+        ql_sequence q;
+        int tok = (13 * s + 3) % 97;
+        const int last = s % 3 == 0 ? 24 : s % 3 == 1 ? 16 : 12;
+        for (int i = 0; i < 24; i++) {
+            q.tokens.push_back(tok);
+            q.pos.push_back(i);
+            q.seg.push_back(0);
+            tok = (7 * tok + 5) % 97;
+            q.targets.push_back(i >= 2 && i < last ? tok : -1);
+            q.n_targets += q.targets.back() >= 0;
+        }
+        seqs.push_back(q);
+    }
+    ql_train_options o;
+    o.lora.r = 4;
+    o.lora.alpha = 8;
+    o.lora.dropout = 0.1f;  // masks drawn per block: a stage's must be the whole's
+    o.lora.targets = {"q", "v", "gate", "down"};
+    o.micro_batch = 2;
+    o.grad_accum = 2;  // h_in's gradient must start from zero in each micro-batch
+    o.lr = 1e-2f;
+    o.max_grad_norm = 0.05f;  // below the norms met: the clip factor is the whole's, from every stage's gradients
+    o.max_steps = 3;
+    o.threads = 1;
+    o.backend = be;
+    struct result {
+        std::vector<double> losses, norms;
+        double eval = 0;
+        std::vector<float> adapter;
+        uint64_t hash = 0;
+        ql_memory_plan plan;
+        size_t allocated = 0;
+        std::vector<size_t> per_device;  // what each stage's device got (through the shim: devices 0, 1, 2)
+    };
+    auto run = [&](const std::vector<ql_backend *> &split, const std::vector<int> &layers) {
+        result r;
+        char err[256];
+        ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(f, err);
+        ql_train_options oo = o;
+        oo.split = split;
+        oo.split_layers = layers;
+        std::string e;
+        REQUIRE_MESSAGE(ql_train_plan(f, seqs, seqs, oo, &r.plan, &e), e);
+        size_t before = 0, after = 0;
+        ql_backend_memory_used(be, &before, nullptr);
+        std::vector<size_t> dev_before(split.size(), 0), dev_after(split.size(), 0);  // each stage's device
+        for (size_t i = 0; i < split.size(); i++) ql_cuda_device_memory_used(split[i], &dev_before[i], nullptr);
+        ql_trainer *t = ql_trainer_new(f, seqs, seqs, oo, &e);
+        REQUIRE_MESSAGE(t, e);
+        ql_backend_memory_used(be, &after, nullptr);
+        r.allocated = after - before;
+        for (size_t i = 0; i < split.size(); i++) {
+            ql_cuda_device_memory_used(split[i], &dev_after[i], nullptr);
+            r.per_device.push_back(dev_after[i] - dev_before[i]);
+        }
+        ql_step_metrics m;
+        while (ql_trainer_steps_done(t) < ql_trainer_total_steps(t)) {
+            REQUIRE_MESSAGE(ql_trainer_step(t, &m, &e), e);
+            r.losses.push_back(m.loss);
+            r.norms.push_back(m.grad_norm);
+        }
+        REQUIRE_MESSAGE(ql_trainer_eval(t, &r.eval, &e), e);
+        REQUIRE(ql_trainer_state_hash(t, &r.hash));
+        REQUIRE_MESSAGE(ql_trainer_save(t, d.file("split" + std::to_string(split.size()) + ".ckpt").c_str(), &e), e);
+        REQUIRE_MESSAGE(ql_trainer_to_host(t, &e), e);
+        for (ql_tensor *p : ql_llama_lora_params(ql_trainer_model(t)))
+            r.adapter.insert(r.adapter.end(), (const float *)p->data, (const float *)p->data + ql_nelements(p));
+        ql_trainer_free(t);
+        ql_llama_file_free(f);
+        return r;
+    };
+    const result one = run({}, {});
+    const result two = run({be, more[0]}, {});               // balanced by memory
+    const result three = run({be, more[0], more[1]}, {0, 1, 3});
+    REQUIRE(two.plan.stages.size() == 2);
+    REQUIRE(three.plan.stages.size() == 3);
+    MESSAGE("split over 2: ", two.plan.split_choice, "; over 3: ", three.plan.split_choice);
+    CHECK(three.plan.stage_layers == std::vector<int>{0, 1, 3});
+    CHECK(one.norms[0] > o.max_grad_norm);  // (the clip is in force)
+    for (const result *r : {&two, &three}) {
+        REQUIRE(r->losses.size() == one.losses.size());
+        // the same ops in the same order on every stage: the same bits (the norm's double sum
+        // over the stages in another order: within a double's rounding)
+        for (size_t s = 0; s < one.losses.size(); s++) {
+            CHECK(r->losses[s] == one.losses[s]);
+            CHECK(r->norms[s] == doctest::Approx(one.norms[s]).epsilon(1e-12));
+        }
+        CHECK(r->eval == one.eval);
+        CHECK(r->adapter == one.adapter);
+        CHECK(r->hash == one.hash);  // the checkpoint's payload: the adapter and the moments, named, in order
+        if (host) continue;
+        // each stage's device plan is what it allocated (all of them together, to the byte)
+        size_t planned = 0;
+        for (size_t i = 0; i < r->plan.stages.size(); i++) {
+            const ql_memory_plan &sp = r->plan.stages[i];
+            CHECK(sp.device);
+            CHECK(sp.total == sp.dev_weights + sp.dev_state + sp.dev_buffer + sp.dev_cache + sp.dev_context + sp.dev_rounding);
+            planned += sp.dev_weights + sp.dev_state + sp.dev_buffer + sp.dev_cache;
+            // each device its own stage's (where two stages share a real card, the card's count holds both)
+            if (n_dev >= 3) CHECK(r->per_device[i] == sp.dev_weights + sp.dev_state + sp.dev_buffer + sp.dev_cache);
+        }
+        CHECK(r->allocated == planned);
+        // the blocks' weights are on their stages: the weights over the stages are the whole's
+        size_t w = 0;
+        for (const ql_memory_plan &sp : r->plan.stages) w += sp.dev_weights;
+        CHECK(w == one.plan.dev_weights);
+    }
+    if (!host) {  // the halves of a stage's graph were captured as CUDA graphs of their own and replayed (the same bits above)
+        ql_cuda_graph_counts c;
+        REQUIRE(ql_cuda_get_graph_counts(more[0], &c));
+        MESSAGE("the second device: ", c.captured, " captures, ", c.launched, " launches, ", c.eager, " eager runs");
+        CHECK(c.captured > 0);
+        CHECK(c.launched > c.captured);
+    }
+    // a split's checkpoint is one device's: the same file
+    CHECK(read_file(d.file("split0.ckpt")) == read_file(d.file("split2.ckpt")));
+    CHECK(read_file(d.file("split0.ckpt")) == read_file(d.file("split3.ckpt")));
+
+    // what a split refuses, in one line
+    char err[256];
+    ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
+    ql_llama_file *tied = ql_llama_load(tied_path.c_str(), err, sizeof(err));
+    REQUIRE(f);
+    REQUIRE(tied);
+    auto refused = [&](ql_llama_file *m, ql_train_options oo, const char *what) {
+        ql_memory_plan mp;
+        std::string e;
+        CHECK_FALSE(ql_train_plan(m, seqs, seqs, oo, &mp, &e));
+        CHECK_MESSAGE(e.find(what) != std::string::npos, e);
+        ql_trainer *t = ql_trainer_new(m, seqs, seqs, oo, &e);
+        CHECK(!t);
+        ql_trainer_free(t);
+    };
+    ql_train_options bad = o;
+    bad.split = {be, more[0]};
+    refused(tied, bad, "tied");
+    ql_train_options dup = bad;
+    dup.split = {be, be};
+    refused(f, dup, "each once");
+    ql_train_options five = bad;
+    five.split = {be, more[0], more[1], more[0], more[1]};
+    refused(f, five, "at most one device per block");
+    ql_train_options layers = bad;
+    layers.split_layers = {0, 4};
+    refused(f, layers, "first blocks");
+    ql_train_options dp = bad;
+    dp.world = 2;
+    refused(f, dp, "data parallel");
+    ql_train_options vr = bad;
+    vr.split_vram = {1u << 30, 1u << 30, 1u << 30};
+    refused(f, vr, "device memory limits");
+    ql_llama_file_free(tied);
+    ql_llama_file_free(f);
+    for (ql_backend *b : more) ql_backend_free(b);
+    if (!host && qlshim_set_devices) qlshim_set_devices(was);
+}

@@ -1811,3 +1811,44 @@ TEST_CASE("generate --exact: f32 activations in the quantised weights' multiplie
     CHECK(run("./generate --help", &log) == 0);
     CHECK(log.find("[--exact]") != std::string::npos);
 }
+
+TEST_CASE("finetune --device cuda:0,cuda:1: a plan line per card on a machine without them; bad lists refused, naming the flag" *
+          needs_tools("make-model finetune")) {
+    tmpdir d;
+    const std::string gguf = d.path + "/m.gguf", data = d.path + "/d.jsonl";
+    std::string log;
+    REQUIRE_MESSAGE(run("./make-model -o " + gguf + " --dim 128 --layers 4 --heads 4 --ff 256 --vocab 512 --type nf4", &log) == 0, log);
+    FILE *f = fopen(data.c_str(), "wb");
+    REQUIRE(f);
+    for (int i = 0; i < 8; i++) fputs("{\"text\": \"a model split over two cards plans each card on its own\"}\n", f);
+    fclose(f);
+    const std::string ft = "./finetune -m " + gguf + " -d " + data + " --dry-run --cc 8.9 --seq-len 64";
+    REQUIRE_MESSAGE(run(ft + " --device cuda:0,cuda:1 --vram 2G,1G", &log) == 0, log);
+    CHECK_MESSAGE(log.find("card 0 cuda:0") != std::string::npos, log);
+    CHECK_MESSAGE(log.find("card 1 cuda:1") != std::string::npos, log);
+    CHECK_MESSAGE(log.find("balanced by memory") != std::string::npos, log);
+    CHECK_MESSAGE(log.find("+ embedding") != std::string::npos, log);
+    CHECK_MESSAGE(log.find("+ head") != std::string::npos, log);
+    CHECK_MESSAGE(log.find("(fits)") != std::string::npos, log);
+    REQUIRE_MESSAGE(run(ft + " --device cuda:0,cuda:1,cuda:2 --vram 2G --json 2>/dev/null", &log) == 0, log);
+    CHECK_MESSAGE(log.find("\"card\": \"cuda:2\"") != std::string::npos, log);
+    CHECK_MESSAGE(log.find("\"cards\": 3, \"fits\": true") != std::string::npos, log);
+    // one line each, exit 2 for the flags, 1 for the model's limit
+    const struct {
+        const char *flags, *says;
+        int rc;
+    } bad[] = {{"--device cuda:0,cuda:0 --vram 2G", "--device cuda:0,cuda:0: cuda:0 given twice", 2},
+               {"--device cuda,cuda:0 --vram 2G", "given twice", 2},  // ("cuda" is cuda:0)
+               {"--device cuda:0,cuda:1 --vram 2G,2G,2G", "--vram: 3 sizes for 2 cards", 2},
+               {"--device cuda:0 --vram 2G,2G", "--vram: 2 sizes for one card", 2},
+               {"--device cuda:0,cpu", "--device cuda:0,cpu: a model split over cards takes CUDA cards", 2},
+               {"--device cuda:0,cuda:1,cuda:2,cuda:3,cuda:4 --vram 2G", "5 cards for a model of 4 blocks", 1}};
+    for (const auto &b : bad) {
+        CAPTURE(std::string(b.flags));
+        std::string out;
+        CHECK(run("(" + ft + " " + b.flags + " >/dev/null 2>" + d.path + "/err)", &out) == b.rc);
+        log = read_file(d.path + "/err");
+        CHECK_MESSAGE(log.find(b.says) != std::string::npos, log);
+        CHECK_MESSAGE(std::count(log.begin(), log.end(), '\n') == 1, log);
+    }
+}

@@ -457,6 +457,11 @@ struct args {
     std::string device_text = "auto";     // as given, for messages
     int cc = 0;               // --cc: the card a stand-in plans for (0: 8.0 assumed)
     ql_backend *be = nullptr; // the backend --device made (resolve_device; main frees it)
+    // --device cuda:0,cuda:1: a model split over cards (the first is dev, be); --vram A,B: one per card
+    std::vector<ql_device> split_dev;
+    std::vector<std::string> split_text;
+    std::vector<ql_backend *> split_be;  // [1..] freed by run() (be is [0])
+    std::vector<size_t> vram_list;
     bool plan_only = false;   // --vram/--cc --dry-run without the GPU: a stand-in plans for it
     std::string plan_line;    // which card it plans for
     std::string scaler_flag;  // a loss-scaling flag given (only fp16 has a scaler)
@@ -467,10 +472,89 @@ struct args {
     args() { o.precision = ql_precision::automatic; }
 };
 
+// a flag's comma-separated values ("cuda:0,cuda:1", "24G,24G"); one value: itself
+static std::vector<std::string> split_list(const char *s) {
+    std::vector<std::string> v;
+    const std::string str = s;
+    for (size_t p = 0; p <= str.size();) {
+        const size_t c = std::min(str.find(',', p), str.size());
+        v.push_back(str.substr(p, c - p));
+        p = c + 1;
+    }
+    return v;
+}
+
+// --device cuda:0,cuda:1: a backend per card (a stand-in for each card not here, with --dry-run),
+// the trainer's split over them; --vram one size per card, or one for all
+static bool resolve_split(args *a) {
+    const size_t S = a->split_dev.size();
+    if (g_world > 1) {
+        fprintf(stderr, "finetune: --device %s: a model split over cards with several processes (data parallel): not supported "
+                        "(v1) --> hint: one of the two\n", a->device_text.c_str());
+        return false;
+    }
+    if (a->vram_list.size() > 1 && a->vram_list.size() != S) {
+        fprintf(stderr, "finetune: --vram: %zu sizes for %zu cards (--device %s): one, or one per card\n", a->vram_list.size(), S,
+                a->device_text.c_str());
+        return false;
+    }
+    std::string missing;
+    for (size_t i = 0; i < S; i++) {
+        char err[256] = "";
+        ql_backend *be = ql_backend_init_device(a->split_dev[i], a->o.threads, err, sizeof(err));
+        if (!be && a->dry_run) {  // a card that is not here: its plan, by a stand-in
+            missing += (missing.empty() ? "" : ", ") + a->split_text[i];
+            if (!a->cc) a->cc = 80;
+            char e2[256];
+            be = ql_backend_init_planned(a->split_dev[i], a->cc, e2, sizeof(e2));
+            if (!be) snprintf(err, sizeof(err), "%s", e2);
+            else a->plan_only = true;
+        }
+        if (!be) {
+            fprintf(stderr, "finetune: --device %s: %s: %s%s\n", a->device_text.c_str(), a->split_text[i].c_str(), err,
+                    a->dry_run ? "" : " (--dry-run plans for cards that are not here)");
+            return false;
+        }
+        a->split_be.push_back(be);
+        if (i == 0) a->be = be;  // (run() frees it; the others by split_be)
+        if (!ql_backend_is_host(be) && !missing.empty() && missing.find(a->split_text[i]) != std::string::npos) continue;
+        char desc[320];
+        ql_backend_describe(be, desc, sizeof(desc));
+        printf("finetune: card %zu: %s\n", i, desc);
+    }
+    if (a->o.precision == ql_precision::automatic) {
+        a->o.precision = ql_auto_precision(a->be);
+        a->precision_auto = true;
+    }
+    a->o.backend = a->be;
+    a->o.split = a->split_be;
+    a->o.split_vram = a->vram_list;
+    std::string mem;
+    for (size_t i = 0; i < S; i++) {
+        char b[64];
+        const size_t v = a->vram_list.empty() ? 0 : a->vram_list[a->vram_list.size() == 1 ? 0 : i];
+        snprintf(b, sizeof(b), "%s%s %s", i ? ", " : "", a->split_text[i].c_str(), v ? (std::to_string(v >> 20) + " MiB").c_str() : "(its free memory)");
+        mem += b;
+    }
+    char line[768];
+    const std::string planned = missing.empty() ? "" : "; not here, planned for compute capability " + std::to_string(a->cc / 10) + "." +
+                                                           std::to_string(a->cc % 10) + ": " + missing;
+    snprintf(line, sizeof(line), "finetune: a model split over %zu cards (%s)%s, precision %s\n", S, mem.c_str(), planned.c_str(),
+             ql_name(a->o.precision));
+    a->plan_line = line;
+    return true;
+}
+
 // one flag with its value; false (after a one-line message) on anything malformed
 // The device: refused here with its reason (no GPU, no CUDA in this build), described when a
 // GPU. --vram/--cc with --dry-run on a machine without the GPU: a plan for that card.
 static bool resolve_device(args *a) {
+    if (!a->split_dev.empty()) return resolve_split(a);
+    if (a->vram_list.size() > 1) {
+        fprintf(stderr, "finetune: --vram: %zu sizes for one card: one size per card is for a split (--device cuda:0,cuda:1)\n",
+                a->vram_list.size());
+        return false;
+    }
     char err[256];
     // a card this machine may not have: --vram/--cc, or a dry run of --device cuda
     const bool card = a->o.vram || a->cc || (a->dry_run && a->dev.kind == QL_DEVICE_GPU);
@@ -674,7 +758,16 @@ static bool parse_flags(int argc, char **argv, args *a) {
             if (!choice_flag("--checkpointing", s, &a->o.checkpointing)) return false;
         }
         else if (f == "--mem-limit") { if (!(s = need(i)) || !size_flag("--mem-limit", s, "6G, 512M, 1.5G", false, &a->o.mem_limit)) return false; }
-        else if (f == "--vram") { if (!(s = need(i)) || !size_flag("--vram", s, "8G, 24G, 11.5G", true, &a->o.vram)) return false; }
+        else if (f == "--vram") {
+            if (!(s = need(i))) return false;
+            a->vram_list.clear();
+            for (const std::string &x : split_list(s)) {  // one size, or one per card of a split (24G,24G)
+                size_t sz = 0;
+                if (!size_flag("--vram", x.c_str(), "8G, 24G, 11.5G; one per card: 24G,24G", true, &sz)) return false;
+                a->vram_list.push_back(sz);
+            }
+            a->o.vram = a->vram_list[0];
+        }
         else if (f == "--host-mem") { if (!(s = need(i)) || !size_flag("--host-mem", s, "32G, 128G", true, &a->host_mem)) return false; }
         else if (f == "--cc") { if (!(s = need(i)) || !cc_flag(s, a)) return false; }
         else if (f == "--embd-on-host") a->o.embd_on_host = 1;
@@ -732,9 +825,25 @@ static bool parse_flags(int argc, char **argv, args *a) {
         else if (f == "-t") { if (!whole(f.c_str(), need(i), 0, 1024, &v)) return false; a->o.threads = (int)v; }
         else if (f == "--device") {
             if (!(s = need(i))) return false;
-            if (ql_device_parse(s, &a->dev, e, sizeof(e)) != QL_OK) {
-                fprintf(stderr, "finetune: --device %s: %s\n", s, e);
-                return false;
+            a->split_dev.clear(), a->split_text.clear();
+            const std::vector<std::string> list = split_list(s);
+            for (const std::string &x : list) {  // several: a model split over those cards, in that order
+                ql_device d;
+                if (ql_device_parse(x.c_str(), &d, e, sizeof(e)) != QL_OK) {
+                    fprintf(stderr, "finetune: --device %s: %s\n", s, e);
+                    return false;
+                }
+                if (list.size() > 1 && d.kind != QL_DEVICE_GPU) {
+                    fprintf(stderr, "finetune: --device %s: a model split over cards takes CUDA cards (cuda:0,cuda:1), not %s\n", s, x.c_str());
+                    return false;
+                }
+                for (const ql_device &o : a->split_dev)
+                    if (o.index == d.index) {
+                        fprintf(stderr, "finetune: --device %s: cuda:%d given twice (each card once)\n", s, d.index);
+                        return false;
+                    }
+                if (list.size() > 1) a->split_dev.push_back(d), a->split_text.push_back("cuda:" + std::to_string(d.index));
+                if (a->split_dev.size() <= 1) a->dev = d;
             }
             a->device_text = s;
         }
@@ -903,6 +1012,10 @@ static bool parse(int argc, char **argv, args *a) {
         return false;
     }
     if (!resolve_device(a)) return false;
+    if (a->profile && !a->split_dev.empty()) {
+        fprintf(stderr, "finetune: --profile: not for a model split over cards (--device %s) in this version\n", a->device_text.c_str());
+        return false;
+    }
     if (a->o.threads > 0) ql_cpu_warn_threads("finetune", a->o.threads);
     const bool cp_auto = a->o.checkpointing == ql_checkpointing::automatic, host = ql_backend_is_host(a->be);
     if ((a->b_auto || cp_auto) && a->o.mem_limit == 0 && !a->o.vram && host) {
@@ -947,6 +1060,57 @@ static bool parse(int argc, char **argv, args *a) {
     a->o.world = g_world, a->o.rank = g_rank;
     a->o.dist_always = getenv("QLORA_DIST_ALWAYS") != nullptr;  // the all-reduce in one process too (the NCCL check on one GPU)
     return true;
+}
+
+static std::string mib_str(size_t b) {
+    char t[32];
+    snprintf(t, sizeof(t), "%.1f", (double)b / 1048576.0);
+    return t;
+}
+
+// A split's plan: a line per card (its blocks, weights, state, saved activations, temporaries,
+// workspace, context, its total against its limit, its recompute), and how the blocks were chosen
+static void print_split(const args &a, const ql_memory_plan &m, int n_layer, bool json) {
+    const double MiB = 1048576.0;
+    const size_t S = m.stages.size();
+    if (!json)
+        printf("finetune: a model split over %zu cards, blocks %s; each card's plan (MiB) - the residual stream and its gradient "
+               "cross between cards through host memory (v1)\n", S, m.split_choice.c_str());
+    for (size_t i = 0; i < S; i++) {
+        const ql_memory_plan &p = m.stages[i];
+        const int l0 = m.stage_layers[i], l1 = i + 1 < S ? m.stage_layers[i + 1] : n_layer;
+        const std::string extra = std::string(i == 0 ? " + embedding" : "") + (i + 1 == S ? " + head" : "");
+        const char *verdict = p.vram == 0 ? "no limit known" : p.total <= p.vram ? "fits" : "does not fit";
+        const std::string card = i < a.split_text.size() ? a.split_text[i] : std::to_string(i);
+        if (json) {
+            printf("{\"card\": \"%s\", \"device\": \"%s\", \"blocks\": [%d, %d], \"weights\": %zu, \"state\": %zu, \"saved\": %zu, "
+                   "\"temporaries\": %zu, \"workspace\": %zu, \"cache\": %zu, \"context\": %zu, \"total\": %zu, \"limit\": %zu, "
+                   "\"fits\": %s, \"checkpointing\": \"%s\", \"micro_batch\": %d}\n",
+                   card.c_str(), p.device_desc.c_str(), l0, l1, p.dev_weights, p.dev_state, p.saved, p.scratch, p.work, p.dev_cache,
+                   p.dev_context + p.dev_rounding, p.total, p.vram, p.vram == 0 || p.total <= p.vram ? "true" : "false",
+                   p.checkpointing.c_str(), p.micro_batch);
+            continue;
+        }
+        printf("  card %zu %s (%s): blocks %d-%d%s: weights %.1f, adapter+grads+optimizer+inputs %.1f, saved %.1f, temporaries %.1f, "
+               "workspace %.1f%s, context %.1f = %.1f of %.1f (%s); checkpointing %s\n",
+               i, card.c_str(), p.device_desc.c_str(), l0, l1 - 1, extra.c_str(), p.dev_weights / MiB, p.dev_state / MiB, p.saved / MiB,
+               p.scratch / MiB, p.work / MiB, p.dev_cache ? (", weight copies " + mib_str(p.dev_cache)).c_str() : "",
+               (p.dev_context + p.dev_rounding) / MiB, p.total / MiB, p.vram / MiB, verdict, p.checkpointing.c_str());
+    }
+    if (json) {  // the whole: fits when every card does; total the fullest card's (bench/seq_fit.sh reads this line)
+        bool all = true;
+        size_t most = 0, pinned = 0;
+        std::string cps;
+        for (const ql_memory_plan &p : m.stages) {
+            all = all && (p.vram == 0 || p.total <= p.vram);
+            most = std::max(most, p.total);
+            pinned += p.host_pinned;
+            cps += (cps.empty() ? "" : " | ") + p.checkpointing;
+        }
+        printf("{\"split\": \"%s\", \"cards\": %zu, \"fits\": %s, \"total\": %zu, \"checkpointing\": \"%s\", \"optimizer_name\": \"%s\", "
+               "\"host\": {\"process\": %zu, \"planned\": %zu, \"pinned\": %zu}}\n",
+               m.split_choice.c_str(), S, all ? "true" : "false", most, cps.c_str(), ql_name(a.o.optim), a.o.mem_other, m.host, pinned);
+    }
 }
 
 // ---- memory: -b auto, advice when nothing fits, the snapshot ----
@@ -1574,8 +1738,15 @@ static int plan_memory(args &a, ft_run &r) {
     r.n_train = r.tseq.size(), r.n_eval = r.eseq.size();
     // what the process already holds (code, model metadata, vocabulary, data): the plan adds to it
     a.o.mem_other = rss_bytes();
+    if (!a.split_dev.empty() && (int)a.split_dev.size() > f->model.hp.n_layer) {
+        fprintf(stderr, "finetune: --device %s: %zu cards for a model of %d blocks (at most one card per block)\n", a.device_text.c_str(),
+                a.split_dev.size(), f->model.hp.n_layer);
+        return 1;
+    }
     if (a.b_auto && !choose_batch(f, r.tseq, r.eseq, &a)) return 1;
-    if (a.limit_known) choose_memory(f, r.tseq, r.eseq, &a);
+    // (a split: each card's plan chooses its own recompute; the ladder's offload, embedding and
+    // paged choices are left to the flags - limitation: v1)
+    if (a.limit_known && a.split_dev.empty()) choose_memory(f, r.tseq, r.eseq, &a);
     a.o.command = stored_command(a);
     ql_memory_plan &plan = r.plan;
     const bool planned = ql_train_plan(f, r.tseq, r.eseq, a.o, &plan, &r.err);
@@ -1586,7 +1757,8 @@ static int plan_memory(args &a, ft_run &r) {
     if (!a.dry_run && planned) return -1;
     if (!a.json && !a.plan_only) printf("finetune: precision %s%s\n", ql_name(a.o.precision), precision_why(a, plan.device).c_str());
     if (!a.json && g_world > 1) printf("finetune: data parallel: %d processes (%s); the plan is each process's\n", g_world, ql_dist_name());
-    print_memory(plan, ql_name(a.o.optim), a.o.mem_other, "RSS before training", plan_limit(plan, a.o.mem_limit), a.json);
+    if (!plan.stages.empty()) print_split(a, plan, f->model.hp.n_layer, a.json);
+    else print_memory(plan, ql_name(a.o.optim), a.o.mem_other, "RSS before training", plan_limit(plan, a.o.mem_limit), a.json);
     if (a.plan_only && plan_limit(plan, a.o.mem_limit) == 0)
         fprintf(a.json ? stderr : stdout, "finetune: no verdict: without the GPU the plan needs --vram SIZE (the card's memory, "
                                           "e.g. --vram 24G) to say whether it fits\n");
@@ -1690,7 +1862,8 @@ static void print_run(const args &a, const ft_run &r) {
     if (a.o.lora.r > hp.n_embd)  // (every target matrix has a side of n_embd)
         fprintf(stderr, "finetune: warning: --lora-r %d is above the model's dimension %d: a rank above a matrix's smaller side "
                 "adds parameters, not capacity\n", a.o.lora.r, hp.n_embd);
-    print_memory(mp, ql_name(a.o.optim), a.o.mem_other, "RSS before training", plan_limit(mp, a.o.mem_limit), false);
+    if (!mp.stages.empty()) print_split(a, mp, hp.n_layer, false);
+    else print_memory(mp, ql_name(a.o.optim), a.o.mem_other, "RSS before training", plan_limit(mp, a.o.mem_limit), false);
 }
 
 // The peak memory measured against the plan: the process's (VmHWM), and on a device our
@@ -1703,6 +1876,13 @@ static void report_peak(const args &a, ft_run &r, const char *when, size_t hwm) 
     if (!mp.device) return;
     size_t in_use = 0, ours = 0;
     ql_backend_memory_used(a.be, &in_use, &ours);
+    if (!mp.stages.empty()) {  // a split: ours over every card (one process's count), against every card's plan
+        size_t planned = 0;
+        for (const ql_memory_plan &p : mp.stages) planned += p.total - p.dev_context - p.dev_rounding;
+        printf("finetune: device memory %s: ours %.1f MiB peak over %zu cards (planned %.1f, %+.1f%%)\n", when, mib(ours), mp.stages.size(),
+               mib(planned), 100.0 * ((double)ours - (double)planned) / (double)std::max<size_t>(1, planned));
+        return;
+    }
     ql_backend_caps caps{};
     const size_t card = r.card_max =
         std::max(r.card_max, ql_backend_get_caps(a.be, &caps) == QL_OK ? caps.mem_total - caps.mem_free : 0);
@@ -1999,6 +2179,12 @@ static int run(int argc, char **argv) {
     args a;
     const bool parsed = parse(argc, argv, &a);
     owned<ql_backend> be_(a.be, ql_backend_free);  // made once by resolve_device; freed after everything that uses it (r)
+    struct free_rest {  // a split's other cards
+        std::vector<ql_backend *> v;
+        ~free_rest() {
+            for (ql_backend *b : v) ql_backend_free(b);
+        }
+    } rest_{a.split_be.size() > 1 ? std::vector<ql_backend *>(a.split_be.begin() + 1, a.split_be.end()) : std::vector<ql_backend *>()};
     if (!parsed) return 2;
     if (!a.plan_line.empty()) fputs(a.plan_line.c_str(), stdout);
     // glibc raises its mmap threshold as large blocks are freed, after which planning's
