@@ -60,7 +60,8 @@ struct ql_llama {
     bool lora_dropout = true;  // graphs built while false (evaluation) skip adapter dropout
     // adapter dropout inside A's multiply (ql_mul_mat_dropout: the mask regenerated as x is read,
     // no dropped-out copy of x per adapted linear; the same bits). false, or QLORA_DROPOUT_FUSED=0
-    // in the environment: a ql_dropout_rows_to copy, then the multiply (to compare the two)
+    // in the environment: a ql_dropout_rows_to copy, then the multiply (to compare the two). The
+    // trainer sets it on the CPU only (on a device with QLORA_DROPOUT_FUSED=1 or 16: slower there)
     bool lora_dropout_fused = true;
     // ... and reading x's cast to the compute type (the one q, k, v or gate, up multiply) instead
     // of f32 x: backward keeps that 16-bit cast, not f32 x (half the bytes a token), but a kept

@@ -290,6 +290,11 @@ static bool build(ql_trainer *t, ql_context *ctx) {
         ~restore_rope() { m.rope_freqs = r; }
     } restore{m, rope_model};
     m.lora_dropout = true;
+    // adapter dropout inside A's multiply: on the CPU (the copies' bits, less memory); on a device
+    // only when asked (QLORA_DROPOUT_FUSED=1, or 16): there its kernels made an H200's 1B and 8B
+    // steps 14% slower than the dropped-out copies and cuBLAS (bench/RESULTS.md, session 11)
+    const char *fused_env = getenv("QLORA_DROPOUT_FUSED");
+    m.lora_dropout_fused = t->on_host || (fused_env && (strcmp(fused_env, "1") == 0 || strcmp(fused_env, "16") == 0));
     m.compute = t->compute;
     m.attn_bf16 = !t->o.attn_f32;
     m.ffn_chunk = t->ffn_chunk;
