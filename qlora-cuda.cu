@@ -46,6 +46,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
 #include <new>
 #include <unordered_map>
 #include <vector>
@@ -4955,6 +4956,30 @@ ql_status ql_backend_cuda_info(const ql_backend *be, ql_cuda_device_info *info) 
     }
     char err[128];
     return ql_cuda_device_get_info(((const cuda_backend *)be->impl)->device, info, err, sizeof(err));
+}
+
+ql_status ql_cuda_copy_peer(ql_backend *to, void *dst, ql_backend *from, const void *src, size_t size) {
+    if (!ql_backend_is_cuda(to) || !ql_backend_is_cuda(from) || (!dst && size) || (!src && size)) return QL_ERR_UNSUPPORTED;
+    cuda_backend *ct = (cuda_backend *)to->impl, *cf = (cuda_backend *)from->impl;
+    if (size == 0) return QL_OK;
+    // from's work done (the source complete); the copy queued on to's stream (before its next run)
+    if (!cu_use(cf) || cudaStreamSynchronize(cf->stream) != cudaSuccess || !cu_use(ct)) return QL_ERR_IO;
+    if (ct->device != cf->device) {
+        static std::mutex mu;
+        static std::set<std::pair<int, int>> enabled;  // (to, from) pairs tried
+        std::lock_guard<std::mutex> lk(mu);
+        if (enabled.insert({ct->device, cf->device}).second) {
+            int can = 0;
+            if (cudaDeviceCanAccessPeer(&can, ct->device, cf->device) == cudaSuccess && can &&
+                cudaDeviceEnablePeerAccess(cf->device, 0) != cudaSuccess)
+                (void)cudaGetLastError();  // (already enabled, or refused: the copy still goes, staged)
+        }
+    }
+    if (cudaMemcpyPeerAsync(dst, ct->device, src, cf->device, size, ct->stream) != cudaSuccess) {
+        (void)cudaGetLastError();
+        return QL_ERR_IO;
+    }
+    return QL_OK;
 }
 
 bool ql_cuda_device_memory_used(const ql_backend *be, size_t *in_use, size_t *peak) {

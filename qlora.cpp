@@ -8224,6 +8224,13 @@ __attribute__((weak)) bool ql_cuda_memory_used(size_t *in_use, size_t *peak) {
     if (peak) *peak = 0;
     return false;
 }
+__attribute__((weak)) ql_status ql_cuda_copy_peer(ql_backend *, void *, ql_backend *, const void *, size_t) { return QL_ERR_UNSUPPORTED; }
+ql_status ql_backend_copy_peer(ql_backend *to, ql_tensor *dst, ql_backend *from, const ql_tensor *src) {
+    if (!to || !dst || !from || !src || !dst->data || !src->data || ql_nbytes(dst) != ql_nbytes(src) || !ql_is_contiguous(dst) ||
+        !ql_is_contiguous(src))
+        return QL_ERR_INVALID;
+    return ql_cuda_copy_peer(to, dst->data, from, src->data, ql_nbytes(src));
+}
 __attribute__((weak)) bool ql_cuda_device_memory_used(const ql_backend *, size_t *in_use, size_t *peak) {
     if (in_use) *in_use = 0;
     if (peak) *peak = 0;

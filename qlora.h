@@ -799,6 +799,11 @@ void       *ql_backend_buffer_host_data(const ql_backend_buffer *buf, const ql_t
 ql_status   ql_backend_tensor_set(ql_backend *be, ql_tensor *t, const void *data, size_t offset, size_t size);
 ql_status   ql_backend_tensor_get(ql_backend *be, const ql_tensor *t, void *data, size_t offset, size_t size);
 ql_status   ql_backend_tensor_memset(ql_backend *be, ql_tensor *t, int value, size_t offset, size_t size);
+// dst's bytes (on `to`) from src's (on `from`), the same size, card to card: both CUDA backends
+// (a peer copy, direct where the cards have peer access, else staged through host memory by the
+// driver; after from's queued work, before to's next). QL_ERR_UNSUPPORTED for any other pair
+// (copy through the host: ql_backend_tensor_get then _set).
+ql_status   ql_backend_copy_peer(ql_backend *to, ql_tensor *dst, ql_backend *from, const ql_tensor *src);
 // The same, queued on the backend's stream behind the graph runs already queued: `data` must stay
 // valid (and for get, unread) until ql_backend_synchronize. Pinned host memory makes them truly
 // asynchronous on a GPU. The CPU backend copies at once.
@@ -1326,6 +1331,12 @@ size_t  ql_cuda_cublas_workspace_bytes(int cc);
 bool    ql_cuda_memory_used(size_t *in_use, size_t *peak);
 // The same for be's device alone (a model split over devices: each stage's); false without CUDA
 bool    ql_cuda_device_memory_used(const ql_backend *be, size_t *in_use, size_t *peak);
+// size bytes from src on from's device to dst on to's (both CUDA backends): a peer copy, card to
+// card (direct where the two have peer access - enabled here once per pair - else the driver
+// stages it through host memory), after from's queued work and before to's next. QL_ERR_UNSUPPORTED
+// without CUDA or for another kind of backend (the caller then goes through the host);
+// QL_ERR_IO on a device error.
+ql_status ql_cuda_copy_peer(ql_backend *to, void *dst, ql_backend *from, const void *src, size_t size);
 // CUDA graphs: a planned graph run again with the same nodes and buffers is captured once (on its
 // second run) and replayed with one launch after; runs that time nodes (profile), look for
 // non-finite results or poison the buffer stay node by node. On by default; off with the

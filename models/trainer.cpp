@@ -1592,6 +1592,10 @@ static const batch_io &stage_io(const ql_trainer *st, size_t k) { return k + 1 <
 static bool stage_copy(ql_trainer *t, ql_trainer *from, const ql_tensor *x, ql_trainer *to, ql_tensor *y) {
     const size_t n = ql_nbytes(x);
     if (n != ql_nbytes(y) || n > t->xfer.size() * sizeof(float)) return false;
+    // card to card (a peer copy: direct where the cards have peer access, else staged by the
+    // driver); through this process's memory between other backends
+    const ql_status st = ql_backend_copy_peer(to->be, y, from->be, x);
+    if (st != QL_ERR_UNSUPPORTED) return st == QL_OK;
     return ql_backend_tensor_get(from->be, x, t->xfer.data(), 0, n) == QL_OK && ql_backend_tensor_set(to->be, y, t->xfer.data(), 0, n) == QL_OK;
 }
 

@@ -97,6 +97,7 @@ struct state_t {
     std::map<const void *, int> max_dyn_smem;  // cudaFuncSetAttribute
     long long syncs = 0;                         // cudaStreamSynchronize calls (qlshim_host_syncs)
     long long stream_ops = 0;                    // kernels, cuBLAS calls, async copies and memsets run (qlshim_stream_ops)
+    long long peer_copies = 0;                   // cudaMemcpyPeerAsync calls between two devices (qlshim_peer_copies)
     std::map<std::string, long long> launches;   // per kernel name (qlshim_launches)
     int wmma_sm80 = 0;                           // WMMA 16x16 fragments in sm_80's layout, not scrambled (QL_SHIM_WMMA=sm80)
 };
@@ -1143,6 +1144,31 @@ inline cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMem
     std::lock_guard<std::mutex> lk(qlshim::st().mu);
     qlshim::st().stream_ops++;
     return cudaSuccess;
+}
+// Peer copies: every shim device's memory is the host's, so the copy is a memmove on the stream;
+// the devices named must exist, and any pair can access each other
+inline cudaError_t cudaDeviceCanAccessPeer(int *can, int d, int peer) {
+    qlshim::read_env();
+    if (d < 0 || d >= qlshim::st().device_count || peer < 0 || peer >= qlshim::st().device_count) return cudaErrorInvalidDevice;
+    *can = d != peer;
+    return cudaSuccess;
+}
+inline cudaError_t cudaDeviceEnablePeerAccess(int peer, unsigned) {
+    if (peer < 0 || peer >= qlshim::st().device_count || peer == qlshim::current_device()) return cudaErrorInvalidDevice;
+    return cudaSuccess;
+}
+inline cudaError_t cudaMemcpyPeerAsync(void *dst, int dst_dev, const void *src, int src_dev, size_t n, cudaStream_t s) {
+    qlshim::read_env();
+    if (dst_dev < 0 || dst_dev >= qlshim::st().device_count || src_dev < 0 || src_dev >= qlshim::st().device_count) return cudaErrorInvalidDevice;
+    if (dst_dev != src_dev) {
+        std::lock_guard<std::mutex> lk(qlshim::st().mu);
+        qlshim::st().peer_copies++;
+    }
+    return cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, s);
+}
+extern "C" __attribute__((used)) inline long long qlshim_peer_copies(void) {
+    std::lock_guard<std::mutex> lk(qlshim::st().mu);
+    return qlshim::st().peer_copies;
 }
 inline cudaError_t cudaMemset(void *p, int v, size_t n) {
     if (qlshim::forbidden_in_capture("cudaMemset")) return cudaErrorStreamCaptureUnsupported;

@@ -2003,6 +2003,8 @@ OP_CASE(trainer_cache_weights) {
 
 extern "C" __attribute__((weak)) int qlshim_set_devices(int n);  // tests/cuda_shim.h; absent on a real GPU
 
+extern "C" long long qlshim_peer_copies(void) __attribute__((weak));  // tests/cuda_shim.h: peer copies between devices
+
 OP_CASE(trainer_split_layers) {
     // a second and third device: through the shim three of them (each a number for cudaSetDevice:
     // a launch on another device's stream, or a weight placed on another device, fails); on a real
@@ -2103,8 +2105,11 @@ OP_CASE(trainer_split_layers) {
         return r;
     };
     const result one = run({}, {});
+    const long long peer0 = qlshim_peer_copies ? qlshim_peer_copies() : 0;
     const result two = run({be, more[0]}, {});               // balanced by memory
     const result three = run({be, more[0], more[1]}, {0, 1, 3});
+    if (!host && qlshim_peer_copies)  // the activations and their gradients crossed card to card (shim devices 0-2)
+        CHECK(qlshim_peer_copies() - peer0 > 0);
     REQUIRE(two.plan.stages.size() == 2);
     REQUIRE(three.plan.stages.size() == 3);
     MESSAGE("split over 2: ", two.plan.split_choice, "; over 3: ", three.plan.split_choice);
