@@ -52,6 +52,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -828,7 +829,11 @@ inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
     for (int i = 0; i < 4; i++) r |= (unsigned)((v >> 8 * ((s >> 4 * i) & 7)) & 255) << 8 * i;
     return r;
 }
-inline int __float2int_rn(float x) { return (int)std::nearbyint(x); }
+inline int __float2int_rn(float x) {  // as CUDA's: to nearest even, saturating; NaN gives 0 (a C++ cast would be undefined)
+    if (std::isnan(x)) return 0;
+    const float r = std::nearbyint(x);
+    return r >= 2147483648.0f ? INT_MAX : r < -2147483648.0f ? INT_MIN : (int)r;
+}
 // device code's global min / max (CUDA has them for every arithmetic type)
 template <typename T> inline T min(T a, T b) { return b < a ? b : a; }
 template <typename T> inline T max(T a, T b) { return a < b ? b : a; }
