@@ -80,3 +80,65 @@ TEST_CASE("recompute: every keep level, and mixes, give the gradients of no reco
         }
     }
 }
+
+// A stack whose input is a graph input (the trainer's embedding rows uploaded from the host, a
+// later stage of a split): block 0's first norm has no op before it, so it is a run of one node
+// between two cuts, as is the o projection read only by the residual add. They join the segment
+// next to them - recomputed like the rest of the block, not alive through the whole step.
+TEST_CASE("recompute: a stack over a graph input keeps none of block 0 under KEEP_NONE") {
+    const int T = 16, L = 2;
+    ql_init_params ip = {32u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_llama m;
+    ql_llama_create(ctx, &m, tiny_hparams(29, 32, 48), QL_TYPE_F32, false);
+    ql_llama_randomize(&m, 7, 0.1f);
+    ql_llama_set_params(&m);
+    const int64_t E = m.hp.n_embd;
+    REQUIRE(m.hp.n_layer == L);
+    ql_tensor *x = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_F32, E, T));
+    ql_tensor *pos = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1));
+    for (int i = 0; i < E * T; i++) ((float *)x->data)[i] = 0.05f * (float)((i * 7) % 23) - 0.5f;
+    for (int t = 0; t < T; t++) ((int32_t *)pos->data)[t] = t;
+    ql_tensor *h = ql_llama_hidden(ctx, &m, ql_reshape_3d(ctx, x, E, T, 1), pos, nullptr);
+    ql_tensor *loss = ql_sum(ctx, ql_mul(ctx, h, h));
+    ql_graph *gf = ql_graph_new(ctx);
+    ql_graph_build_forward(gf, loss);
+    auto run = [&](bool recompute, ql_plan_stats *ps) {
+        ql_graph *gb = ql_graph_backward(ctx, gf, loss);
+        REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
+        std::vector<ql_tensor *> in(16, nullptr);
+        const int n = ql_graph_segments(gb, in.data(), 16);
+        CHECK(n == 2 * L);
+        REQUIRE(in[0]);
+        CHECK(in[0]->op == QL_OP_RMS_NORM);  // block 0's first norm starts the first segment
+        if (recompute) {
+            const std::vector<ql_keep> none((size_t)n, QL_KEEP_NONE);
+            REQUIRE_MESSAGE(ql_graph_recompute(gb, none.data(), n, nullptr) == QL_OK, ql_ctx_error(ctx));
+        }
+        ql_backend *be = ql_backend_cpu_init(1);
+        REQUIRE_MESSAGE(ql_graph_plan(gb, be, ps) == QL_OK, ql_ctx_error(ctx));
+        REQUIRE(ql_graph_alloc(gb, be) == QL_OK);
+        ql_graph_zero_grads(gb);
+        REQUIRE_MESSAGE(ql_backend_graph_compute(be, gb) == QL_OK, ql_ctx_error(ctx));
+        std::vector<float> out{*(const float *)loss->data};
+        for (int i = 0; i < ql_graph_n_params(gb); i++) {
+            const ql_tensor *g = ql_graph_param(gb, i)->grad;
+            out.insert(out.end(), (const float *)g->data, (const float *)g->data + ql_nelements(g));
+        }
+        ql_backend_free(be);
+        ql_graph_free(gb);
+        return out;
+    };
+    ql_plan_stats kept, none;
+    const std::vector<float> ref = run(false, &kept), got = run(true, &none);
+    REQUIRE(got.size() == ref.size());
+    CHECK(memcmp(got.data(), ref.data(), ref.size() * sizeof(float)) == 0);
+    // saved under KEEP_NONE: what follows the last segment (the head's input, the final norm and
+    // its product, read by their backward: three [E, T]) - none of block 0 (its norm and its o
+    // projection were two more, kept before)
+    const size_t row = (size_t)E * T * sizeof(float);
+    MESSAGE("saved: no recompute ", kept.bytes[QL_MEM_SAVED], ", every segment KEEP_NONE ", none.bytes[QL_MEM_SAVED], " ([E, T] = ", row, ")");
+    CHECK(none.bytes[QL_MEM_SAVED] <= 3 * row + 64);
+    ql_graph_free(gf);
+    ql_free(ctx);
+}
