@@ -175,18 +175,21 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     x = ql_add(ctx, x, ql_llama_linear(ctx, m, L.wo, a));
 
     // feed-forward: pre-norm, SwiGLU, residual
-    h = ql_mul(ctx, ql_rms_norm(ctx, x, hp.norm_eps), L.ffn_norm);
-    hc = compute_input(ctx, m, L.w_gate, h);  // one for gate and up
     // gate, up and SwiGLU's result in the compute type: 16-bit ops read them (SwiGLU; the down
     // projection's multiply), so what backward keeps of the FFN is 16-bit; the residual stays f32
     const ql_type ff = m->compute;
     const int64_t rows = T * B, c = m->ffn_chunk;
-    if (c <= 0 || c >= rows || !x || !h || !hc) {
+    if (c <= 0 || c >= rows || !x) {
+        h = ql_mul(ctx, ql_rms_norm(ctx, x, hp.norm_eps), L.ffn_norm);
+        hc = compute_input(ctx, m, L.w_gate, h);  // one for gate and up
         ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, h, hc, 0, ff), linear_c(ctx, m, L.w_up, h, hc, 0, ff));  // [n_ff, T, B]
         return ql_add(ctx, x, ql_llama_linear(ctx, m, L.w_down, g));
     }
-    // in chunks of c tokens: each chunk's gate, up, SwiGLU and down (and their LoRA) on rows of h,
-    // its result added into those rows of the residual (in place along the chain)
+    // in chunks of c tokens: each chunk's norm, gate, up, SwiGLU and down (and their LoRA) on rows
+    // of x, its result added into those rows of the residual (in place along the chain). The norm
+    // and the 16-bit copy too are made a chunk at a time (a norm is row by row: the same bits): no
+    // [E, T] of them exists, and every gradient reaches x through views of its rows, summed into
+    // x's one gradient (add_rows) - not one whole-size tensor per chunk
     const int64_t E = hp.n_embd;
     auto rows_of = [&](ql_tensor *t, int64_t r0, int64_t n) {  // [E, n]: rows r0.. of t, T and B counted together
         return ql_view_2d(ctx, t, E, n, t->nb[1], (size_t)r0 * t->nb[1]);
@@ -196,7 +199,8 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     ql_tensor *r = x;
     for (int64_t r0 = 0; r0 < rows && r; r0 += c) {
         const int64_t n = std::min(c, rows - r0);
-        ql_tensor *hr = rows_of(h, r0, n), *hcr = hc == h ? hr : rows_of(hc, r0, n);
+        ql_tensor *hr = ql_mul(ctx, ql_rms_norm(ctx, rows_of(x, r0, n), hp.norm_eps), L.ffn_norm);  // [E, n]
+        ql_tensor *hcr = compute_input(ctx, m, L.w_gate, hr);
         ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, hr, hcr, r0, ff), linear_c(ctx, m, L.w_up, hr, hcr, r0, ff));  // [n_ff, n]
         r = ql_add_rows(ctx, r, linear_c(ctx, m, L.w_down, g, compute_input(ctx, m, L.w_down, g), r0), r0);
     }
