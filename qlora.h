@@ -565,8 +565,9 @@ ql_tensor *ql_graph_param(const ql_graph *g, int i);
 // ---- recompute (gradient checkpointing), decided on the graph, not in the model ----
 // The forward part of a backward graph is cut where every later node reaches earlier results
 // only through one tensor (a transformer's residual stream between the halves of its blocks);
-// a segment is the run of nodes between two cuts, its input the first cut. Nodes before the
-// first segment and after the last (embedding, output head) always stay as they are.
+// a segment is the run of nodes between two cuts, its input the first cut; a run with no op
+// inside (one node between two cuts) joins the segment before it, or the first segment. Nodes
+// after the last segment (the output head) always stay as they are.
 typedef enum ql_keep {
     QL_KEEP_ALL,    // every forward result backward reads stays alive (no recompute)
     QL_KEEP_HEAVY,  // matmul and attention results stay; cheaper ones are recomputed from them
