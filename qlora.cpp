@@ -3266,13 +3266,32 @@ ql_status ql_graph_offload(ql_graph *g, ql_tensor *const *tensors, int n_off) {
     for (const item &x : items) back_of[x.t] = x.back;
     std::vector<ql_tensor *> order;
     order.reserve((size_t)n + 2 * items.size());
+    // a backward reader of a forward view of a checkpoint (the chunked FFN reads its input by
+    // rows) reads the same view of the copy brought back, made again over it once - else the
+    // forward view would keep the checkpoint on the device through backward
+    std::function<ql_tensor *(ql_tensor *)> back = [&](ql_tensor *t) -> ql_tensor * {
+        auto it = back_of.find(t);
+        if (it != back_of.end()) return it->second;
+        if (!t->view_src || !aliases_src(t->op) || !at.count(t)) return t;
+        ql_tensor *vs = back(t->view_src);
+        if (vs == t->view_src) return t;
+        ql_tensor *srcs[QL_MAX_SRC] = {nullptr};
+        for (int k = 0; k < QL_MAX_SRC; k++) srcs[k] = t->src[k] ? back(t->src[k]) : nullptr;
+        ql_tensor *c = clone_node(ctx, t, srcs, vs);
+        if (!c) return t;
+        c->flags &= ~QL_FLAG_RECOMPUTED;
+        ql_format_name(c, "%s (back)", t->name[0] ? t->name : ql_op_name(t->op));
+        g->visited.insert(c);
+        order.push_back(c);  // after the copy it views (placed before the first backward reader)
+        return back_of[t] = c;
+    };
     for (int i = 0; i < n; i++) {
         ql_tensor *node = g->nodes[(size_t)i];
         for (ql_tensor *b : before[(size_t)i]) order.push_back(b);
         if (i >= nf) {  // backward readers (and views of the checkpoint) read the copy brought back
             for (int s = 0; s < QL_MAX_SRC; s++)
-                if (node->src[s] && back_of.count(node->src[s])) node->src[s] = back_of[node->src[s]];
-            if (node->view_src && back_of.count(node->view_src)) node->view_src = back_of[node->view_src];
+                if (node->src[s]) node->src[s] = back(node->src[s]);
+            if (node->view_src) node->view_src = back(node->view_src);
         }
         order.push_back(node);
         if (i < nf)

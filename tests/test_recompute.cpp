@@ -142,3 +142,72 @@ TEST_CASE("recompute: a stack over a graph input keeps none of block 0 under KEE
     ql_graph_free(gf);
     ql_free(ctx);
 }
+
+// Offload with the FFN in chunks: the FFN's input (a segment input under KEEP_INPUT) is read in
+// backward through views of its rows. Those views are made again over the copy brought back, so
+// the checkpoint itself dies at its copy to the host - before, the forward views kept it on the
+// device through backward (31 x [E, T] f32 at the 8B shape). Gradients equal no offload's.
+TEST_CASE("recompute: offloaded checkpoints read through row views die at their copy to the host") {
+    const int T = 16;
+    ql_init_params ip = {32u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_llama m;
+    ql_llama_create(ctx, &m, tiny_hparams(29, 32, 48), QL_TYPE_F32, false);
+    ql_llama_randomize(&m, 9, 0.1f);
+    ql_llama_set_params(&m);
+    m.ffn_chunk = 5;  // 16 rows: chunks of 5, 5, 5, 1
+    const int64_t E = m.hp.n_embd;
+    ql_tensor *x = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_F32, E, T));
+    ql_tensor *pos = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1));
+    for (int i = 0; i < E * T; i++) ((float *)x->data)[i] = 0.04f * (float)((i * 5) % 29) - 0.5f;
+    for (int t = 0; t < T; t++) ((int32_t *)pos->data)[t] = t;
+    ql_tensor *h = ql_llama_hidden(ctx, &m, ql_reshape_3d(ctx, x, E, T, 1), pos, nullptr);
+    ql_tensor *loss = ql_sum(ctx, ql_mul(ctx, h, h));
+    ql_graph *gf = ql_graph_new(ctx);
+    ql_graph_build_forward(gf, loss);
+    auto run = [&](bool offload) {
+        ql_graph *gb = ql_graph_backward(ctx, gf, loss);
+        REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
+        const int n = ql_graph_segments(gb, nullptr, 0);
+        std::vector<ql_tensor *> in((size_t)n, nullptr);
+        ql_graph_segments(gb, in.data(), n);
+        const std::vector<ql_keep> input((size_t)n, QL_KEEP_INPUT);
+        REQUIRE_MESSAGE(ql_graph_recompute(gb, input.data(), n, nullptr) == QL_OK, ql_ctx_error(ctx));
+        std::vector<ql_tensor *> off;
+        for (ql_tensor *t : in)
+            if (t->op == QL_OP_ADD) off.push_back(t);  // the FFN halves' inputs (x + attention)
+        CHECK(off.size() == 2);
+        if (offload) REQUIRE_MESSAGE(ql_graph_offload(gb, off.data(), (int)off.size()) == QL_OK, ql_ctx_error(ctx));
+        ql_backend *be = ql_backend_cpu_init(1);
+        REQUIRE_MESSAGE(ql_graph_plan(gb, be, nullptr) == QL_OK, ql_ctx_error(ctx));
+        if (offload) {
+            const ql_plan_entry *e;
+            const int ne = ql_graph_plan_entries(gb, &e);
+            int found = 0;
+            for (int k = 0; k < ne; k++)
+                for (ql_tensor *t : off)
+                    if (e[k].tensor == t) {
+                        found++;
+                        CHECK(e[k].last < ql_graph_n_forward(gb));  // its last reader: the copy to the host
+                    }
+            CHECK(found == 2);
+        }
+        REQUIRE(ql_graph_alloc(gb, be) == QL_OK);
+        ql_graph_set_poison(gb, true);
+        ql_graph_zero_grads(gb);
+        REQUIRE_MESSAGE(ql_backend_graph_compute(be, gb) == QL_OK, ql_ctx_error(ctx));
+        std::vector<float> out{*(const float *)loss->data};
+        for (int i = 0; i < ql_graph_n_params(gb); i++) {
+            const ql_tensor *g = ql_graph_param(gb, i)->grad;
+            out.insert(out.end(), (const float *)g->data, (const float *)g->data + ql_nelements(g));
+        }
+        ql_backend_free(be);
+        ql_graph_free(gb);
+        return out;
+    };
+    const std::vector<float> ref = run(false), got = run(true);
+    REQUIRE(got.size() == ref.size());
+    CHECK(memcmp(got.data(), ref.data(), ref.size() * sizeof(float)) == 0);
+    ql_graph_free(gf);
+    ql_free(ctx);
+}
