@@ -106,10 +106,12 @@ static ql_tensor *compute_input(ql_context *ctx, const ql_llama *m, ql_tensor *w
 // whole (the FFN in chunks): its dropout draws the whole's mask. out: y's type - F32, or the
 // compute type where only 16-bit ops read y (W x, then W x + B(.), each rounded once on store)
 static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x, ql_tensor *xc, int64_t row0 = 0,
-                           ql_type out = QL_TYPE_F32) {
-    // a 16-bit compute type: the multiplies' inputs in it (what backward keeps is then 16-bit too)
-    const bool low = m->compute != QL_TYPE_F32;
-    auto in = [&](ql_tensor *t) { return low ? ql_cast(ctx, t, m->compute) : t; };
+                           ql_type out = QL_TYPE_F32, ql_type ct = QL_TYPE_COUNT) {
+    // a 16-bit compute type: the multiplies' inputs in it (what backward keeps is then 16-bit too);
+    // ct: this linear's own (f32 for the guarded down projection), else the model's
+    if (ct == QL_TYPE_COUNT) ct = m->compute;
+    const bool low = ct != QL_TYPE_F32;
+    auto in = [&](ql_tensor *t) { return low ? ql_cast(ctx, t, ct) : t; };
     ql_tensor *y = ql_mul_mat_to(ctx, w, xc, out);
     if (y && m->q8_activations) ql_mul_mat_set_prec(y, QL_TYPE_Q8_0);
     auto it = m->lora.find(w);
@@ -120,9 +122,9 @@ static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
     static const bool env_unfused = env && strcmp(env, "0") == 0, env_x16 = env && strcmp(env, "16") == 0;
     ql_tensor *ax;  // A dropout(x) [r, T]: the mask applied as A's multiply reads x (or xc), or a dropped-out copy of x first
     if (drop && m->lora_dropout_fused && !env_unfused)
-        ax = ql_mul_mat_dropout(ctx, p.a, m->lora_dropout_x16 || env_x16 ? xc : x, p.dropout, p.seed, p.stream, m->compute, row0);
+        ax = ql_mul_mat_dropout(ctx, p.a, m->lora_dropout_x16 || env_x16 ? xc : x, p.dropout, p.seed, p.stream, ct, row0);
     else  // (the copy in the compute type as made)
-        ax = ql_mul_mat(ctx, p.a, drop ? ql_dropout_rows_to(ctx, x, p.dropout, p.seed, p.stream, m->compute, row0) : xc);
+        ax = ql_mul_mat(ctx, p.a, drop ? ql_dropout_rows_to(ctx, x, p.dropout, p.seed, p.stream, ct, row0) : xc);
     // the scale on the rank-r side: a pass over [r, T] instead of over [out, T], forward and back;
     // B's multiply adds onto W x as it writes (in place where W x dies there): no pass for the add
     return ql_mul_mat_acc(ctx, p.b, in(ql_scale(ctx, ax, p.scale)), y);
@@ -177,13 +179,20 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     // feed-forward: pre-norm, SwiGLU, residual
     // gate, up and SwiGLU's result in the compute type: 16-bit ops read them (SwiGLU; the down
     // projection's multiply), so what backward keeps of the FFN is 16-bit; the residual stays f32
-    const ql_type ff = m->compute;
+    // (the fp16 guard, ffn_down_f32: gate and up written in f32, SwiGLU's result f32, the down
+    // projection and its LoRA multiplied in f32 - nothing of the FFN past gate and up is 16-bit)
+    const bool guard = m->ffn_down_f32 && m->compute != QL_TYPE_F32;
+    const ql_type ff = guard ? QL_TYPE_F32 : m->compute;
+    auto down = [&](ql_tensor *g, int64_t r0) {
+        return guard ? linear_c(ctx, m, L.w_down, g, g, r0, QL_TYPE_F32, QL_TYPE_F32)
+                     : linear_c(ctx, m, L.w_down, g, compute_input(ctx, m, L.w_down, g), r0);
+    };
     const int64_t rows = T * B, c = m->ffn_chunk;
     if (c <= 0 || c >= rows || !x) {
         h = ql_mul(ctx, ql_rms_norm(ctx, x, hp.norm_eps), L.ffn_norm);
         hc = compute_input(ctx, m, L.w_gate, h);  // one for gate and up
         ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, h, hc, 0, ff), linear_c(ctx, m, L.w_up, h, hc, 0, ff));  // [n_ff, T, B]
-        return ql_add(ctx, x, ql_llama_linear(ctx, m, L.w_down, g));
+        return ql_add(ctx, x, down(g, 0));
     }
     // in chunks of c tokens: each chunk's norm, gate, up, SwiGLU and down (and their LoRA) on rows
     // of x, its result added into those rows of the residual (in place along the chain). The norm
@@ -202,7 +211,7 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
         ql_tensor *hr = ql_mul(ctx, ql_rms_norm(ctx, rows_of(x, r0, n), hp.norm_eps), L.ffn_norm);  // [E, n]
         ql_tensor *hcr = compute_input(ctx, m, L.w_gate, hr);
         ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, hr, hcr, r0, ff), linear_c(ctx, m, L.w_up, hr, hcr, r0, ff));  // [n_ff, n]
-        r = ql_add_rows(ctx, r, linear_c(ctx, m, L.w_down, g, compute_input(ctx, m, L.w_down, g), r0), r0);
+        r = ql_add_rows(ctx, r, down(g, r0), r0);
     }
     return r;
 }

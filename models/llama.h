@@ -75,6 +75,11 @@ struct ql_llama {
     // with compute bf16, attention's products in bf16 too (ql_flash_attn_set_prec: where the
     // backend takes the request - the CPU with AVX512-BF16; the GPU backend stays f32)
     bool attn_bf16 = true;
+    // with a 16-bit compute type, the FFN's gate, up and SwiGLU results and the down projection
+    // (its LoRA too) in f32: a guard for fp16, whose range (65504) a SwiGLU result on an outlier
+    // token can pass, giving an inf no loss scale can fix. Costs the f32 product and twice the
+    // FFN's intermediates; off by default (finetune --ffn-down-f32)
+    bool ffn_down_f32 = false;
     // the feed-forward in chunks of this many tokens (T x B counted together; 0: whole): its
     // T x n_ff intermediates then exist a chunk at a time, in forward and in recompute. The
     // same numbers (dropout masks included) as unchunked, but for the sums over tokens.

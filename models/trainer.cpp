@@ -297,6 +297,7 @@ static bool build(ql_trainer *t, ql_context *ctx) {
     m.lora_dropout_fused = t->on_host || (fused_env && (strcmp(fused_env, "1") == 0 || strcmp(fused_env, "16") == 0));
     m.compute = t->compute;
     m.attn_bf16 = !t->o.attn_f32;
+    m.ffn_down_f32 = t->o.ffn_down_f32;
     m.ffn_chunk = t->ffn_chunk;
     t->tr = make_io(ctx, m, t->T, t->B, t->packed, true, t->embd_host, t->loss_chunk, t->o.loss_fused, t->l0, t->l1);
     // the policy's levels, and the unfused chunked loss's logits (recomputed whatever the levels)
@@ -479,7 +480,8 @@ static void set_cache(ql_trainer *t, bool on) {
     };
     for (int il = t->l0; il < t->l1; il++) {
         ql_llama_layer &L = m.layers[(size_t)il];
-        for (ql_tensor *w : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) add(w);
+        for (ql_tensor *w : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up}) add(w);
+        if (!t->o.ffn_down_f32 || t->compute == QL_TYPE_F32) add(L.w_down);  // (the guard multiplies it in f32: no copy)
     }
     if (t->l1 == m.hp.n_layer) add(m.output);
     t->cache = on;
@@ -1802,6 +1804,9 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
                    (std::isnan(l) ? "nan" : "infinite") + (found ? "; first non-finite result: " + where.substr(std::min(where.size(), where.find("node "))) : "") +
                    "; the adapter is left as it was after step " + std::to_string(s) + " --> hint: " +
                    (t->o.precision == ql_precision::fp16 ? "--precision bf16 (fp16 overflows past 65504), " : "") +
+                   (t->o.precision == ql_precision::fp16 && !t->o.ffn_down_f32 && where.find("swiglu") != std::string::npos
+                        ? "--ffn-down-f32 (SwiGLU's result and the down projection in f32), "
+                        : "") +
                    "a lower --lr, or check the data and the model";
             return false;
         }

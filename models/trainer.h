@@ -63,6 +63,9 @@ struct ql_train_options {
     // bf16: attention's products stay f32 (ql_llama.attn_bf16 off). The CPU multiplies them in bf16
     // where it has AVX512-BF16 - a run on another backend is then not the CPU's to the rounding.
     bool attn_f32 = false;
+    // 16-bit precisions: the FFN past gate and up (SwiGLU's result, the down projection and its
+    // LoRA) in f32 (ql_llama.ffn_down_f32) - fp16's guard against a SwiGLU result past 65504
+    bool ffn_down_f32 = false;
     // fp16 only: dynamic loss scaling, torch's GradScaler. The loss (so every gradient) is
     // multiplied by the scale; a step with a non-finite gradient is skipped (no update, the
     // schedule and Adam's step count stay) and the scale multiplied by backoff; after `interval`

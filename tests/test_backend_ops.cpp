@@ -1410,6 +1410,69 @@ OP_CASE(trainer_device) {
     CHECK(read_file(d.file((ql_backend_is_host(be) ? std::string("cpu") : std::string("cuda")) + ".ckpt")).size() > 1000);
 }
 
+// fp16 with the FFN's guard (--ffn-down-f32: gate and up written in f32, SwiGLU's result and the
+// down projection with its LoRA and dropout in f32 over NF4 weights, the rest fp16 with loss
+// scaling): the device's steps are the CPU's to fp16's rounding
+OP_CASE(trainer_fp16_ffn_guard) {
+    tmpdir d;
+    const std::string path = d.file("tiny-nf4-guard.gguf");
+    {
+        tiny_llama t(tiny_hparams(61, 64, 128), 9, 0.2f, /*tied_output=*/true);
+        llama_gguf_opts o;
+        o.linear_type = QL_TYPE_NF4;
+        write_llama_gguf(t.m, path, o);
+    }
+    std::vector<ql_sequence> seqs;
+    for (int s = 0; s < 4; s++) {
+        ql_sequence q;
+        int tok = (5 * s + 1) % 61;
+        for (int i = 0; i < 16; i++) {
+            q.tokens.push_back(tok);
+            q.pos.push_back(i);
+            q.seg.push_back(0);
+            tok = (3 * tok + 1) % 61;
+            q.targets.push_back(i >= 1 ? tok : -1);
+            q.n_targets += q.targets.back() >= 0;
+        }
+        seqs.push_back(q);
+    }
+    ql_train_options o;
+    o.lora.r = 4;
+    o.lora.alpha = 8;
+    o.lora.dropout = 0.1f;
+    o.lora.targets = {"q", "k", "v", "o", "gate", "up", "down"};
+    o.micro_batch = 2;
+    o.lr = 5e-3f;
+    o.max_steps = 4;
+    o.threads = 1;
+    o.precision = ql_precision::fp16;
+    o.ffn_down_f32 = true;
+    auto run = [&](ql_backend *backend, std::vector<double> *losses) {
+        char err[256];
+        ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
+        REQUIRE_MESSAGE(f, err);
+        ql_train_options oo = o;
+        oo.backend = backend;
+        std::string e;
+        ql_trainer *t = ql_trainer_new(f, seqs, seqs, oo, &e);
+        REQUIRE_MESSAGE(t, e);
+        ql_step_metrics m;
+        while (ql_trainer_steps_done(t) < ql_trainer_total_steps(t)) {
+            REQUIRE_MESSAGE(ql_trainer_step(t, &m, &e), e);
+            losses->push_back(m.loss);
+        }
+        ql_trainer_free(t);
+        ql_llama_file_free(f);
+    };
+    std::vector<double> ref, got;
+    run(nullptr, &ref);
+    run(be, &got);
+    REQUIRE(got.size() == ref.size());
+    for (size_t s = 0; s < ref.size(); s++)
+        CHECK_MESSAGE(std::fabs(got[s] - ref[s]) <= 1e-2 * ref[s], "step ", s + 1, ": ", got[s], " vs ", ref[s]);
+    CHECK(ref.back() < ref.front());
+}
+
 // ---- GPU memory: the loss in chunks, the embedding on the host, the device plan is exact ----
 
 OP_CASE(trainer_chunked_loss_embd_on_host_plan) {

@@ -1093,3 +1093,64 @@ TEST_CASE("trainer: on a device the fused loss takes chunks of 2^26 logits where
     ql_llama_file_free(f);
     ql_backend_free(card);
 }
+
+// fp16's range: a SwiGLU result past 65504 is an inf no loss scale fixes. One FFN unit of layer 0
+// is made an outlier (gate and up rows of 100 x +-1, its down column 1e-4: silu(a) a ~ 1e5 where
+// a > 0, a ~ 25 added to the residual): fp16 stops at the first step naming the SwiGLU and
+// hinting --ffn-down-f32; with it (the FFN past gate and up in f32) the run goes on, within fp16's
+// rounding of the fp32 run; bf16's range holds it as it is.
+TEST_CASE("trainer: fp16's SwiGLU overflow stops with the node and the --ffn-down-f32 hint; the guard trains") {
+    tmpdir d;
+    tiny_llama t(tiny_hparams(61, 64, 128, 2), 3, 0.2f, /*tied_output=*/true);
+    const ql_llama_layer &L = t.m.layers[0];
+    const int64_t E = 64, F = 128;
+    for (int64_t i = 0; i < E; i++) {
+        const float u = ((i * 7) % 3 == 0 ? -100.0f : 100.0f);
+        ((float *)L.w_gate->data)[0 * E + i] = u;  // unit 0's row: [n_embd, n_ff], row j = unit j
+        ((float *)L.w_up->data)[0 * E + i] = u;
+    }
+    for (int64_t o = 0; o < E; o++) ((float *)L.w_down->data)[o * F + 0] = 1e-4f;  // [n_ff, n_embd]: unit 0's column
+    llama_gguf_opts go;
+    go.norm_eps = false;
+    go.norms_first = true;
+    const std::string path = d.path + "/outlier.gguf";
+    write_llama_gguf(t.m, path, go);
+    char cerr[256];
+    ql_llama_file *f = ql_llama_load(path.c_str(), cerr, sizeof(cerr));
+    REQUIRE_MESSAGE(f, cerr);
+    const std::vector<ql_sequence> seqs = make_sequences(4, 12, 1);
+    auto run = [&](ql_precision p, bool guard, std::vector<double> *losses) {
+        ql_train_options o = base_options();
+        o.precision = p;
+        o.ffn_down_f32 = guard;
+        std::string err;
+        ql_trainer *tr = ql_trainer_new(f, seqs, seqs, o, &err);
+        REQUIRE_MESSAGE(tr, err);
+        ql_step_metrics m;
+        bool ok = true;
+        for (int s = 0; s < 4 && ok; s++) {
+            ok = ql_trainer_step(tr, &m, &err);
+            if (ok) losses->push_back(m.loss);
+        }
+        ql_trainer_free(tr);
+        return ok ? std::string() : err;
+    };
+    std::vector<double> l32, l16, l16g, lb;
+    REQUIRE(run(ql_precision::fp32, false, &l32).empty());
+    const std::string err = run(ql_precision::fp16, false, &l16);
+    CHECK(l16.empty());
+    CHECK_MESSAGE(err.find("step 1, micro-batch 1: the loss is") != std::string::npos, err);
+    CHECK_MESSAGE(err.find("swiglu") != std::string::npos, err);
+    CHECK_MESSAGE(err.find("--ffn-down-f32") != std::string::npos, err);
+    const std::string eg = run(ql_precision::fp16, true, &l16g);
+    CHECK_MESSAGE(eg.empty(), eg);
+    CHECK(run(ql_precision::bf16, false, &lb).empty());
+    REQUIRE(l16g.size() == l32.size());
+    for (size_t s = 0; s < l32.size(); s++) {
+        CHECK(std::isfinite(l16g[s]));
+        CHECK(l16g[s] == doctest::Approx(l32[s]).epsilon(1e-2));
+    }
+    MESSAGE("outlier unit: fp32 losses " << l32.front() << " .. " << l32.back() << ", fp16 with --ffn-down-f32 " << l16g.front() << " .. "
+            << l16g.back() << ", bf16 " << lb.front() << " .. " << lb.back());
+    ql_llama_file_free(f);
+}

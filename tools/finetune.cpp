@@ -84,6 +84,8 @@ static const char *k_help =
     "           on the CPU bf16 where it multiplies it natively (AMX, AVX512-BF16), else fp32)\n"
     "           fp16's loss scaling: --loss-scale-init 65536  --loss-scale-growth 2  --loss-scale-backoff 0.5\n"
     "           --loss-scale-interval 2000\n"
+    "           --ffn-down-f32 (with a 16-bit type: the FFN past gate and up, the down projection and its LoRA in f32 -\n"
+    "           fp16's guard where a SwiGLU result passes 65504; the hint names it when that happens)\n"
     "memory:    --checkpointing none|block|sqrt|auto  --mem-limit SIZE (e.g. 6G; auto and -b auto need it, or a GPU)\n"
     "           (auto is the default when the limit is known - --mem-limit, --vram, a GPU's free memory: no recompute,\n"
     "           recompute, then on a GPU offload, --embd-on-host, paged optimizer state, the first that fits)\n"
@@ -797,6 +799,7 @@ static bool parse_flags(int argc, char **argv, args *a) {
         else if (f == "--loss-scale-growth") { if (!num(f.c_str(), need(i), 1, 1e6, &v)) return false; a->o.scale_growth = (float)v; a->scaler_flag = f; }
         else if (f == "--loss-scale-backoff") { if (!num(f.c_str(), need(i), 1e-6, 0.999999, &v)) return false; a->o.scale_backoff = (float)v; a->scaler_flag = f; }
         else if (f == "--loss-scale-interval") { if (!whole(f.c_str(), need(i), 1, 1e9, &v)) return false; a->o.scale_interval = (int)v; a->scaler_flag = f; }
+        else if (f == "--ffn-down-f32") a->o.ffn_down_f32 = true;
         else if (f == "--dry-run") a->dry_run = true;
         else if (f == "--json") a->json = true;
         else if (f == "--grad-accum") { if (!whole(f.c_str(), need(i), 1, 1 << 20, &v)) return false; a->o.grad_accum = (int)v; }
