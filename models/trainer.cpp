@@ -255,26 +255,11 @@ static void free_io(batch_io &io) {
 }
 
 // adapters, both graphs and the optimizer state in ctx (a measuring context, or the real one)
-// the trainable tensors of blocks [l0, l1)'s adapters, as ql_llama_lora_params orders them
-static std::vector<ql_tensor *> lora_params_range(const ql_llama &m, int l0, int l1) {
-    std::vector<ql_tensor *> out;
-    for (int il = l0; il < l1; il++) {
-        const ql_llama_layer &L = m.layers[(size_t)il];
-        for (ql_tensor *w : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) {
-            auto it = m.lora.find(w);
-            if (it == m.lora.end()) continue;
-            out.push_back(it->second.a);
-            out.push_back(it->second.b);
-        }
-    }
-    return out;
-}
-
 static bool build(ql_trainer *t, ql_context *ctx) {
     ql_llama &m = t->f->model;
     t->seed = ql_set_input(ql_set_name(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1), "dropout_seed"));
     if (ql_llama_add_lora_range(ctx, &m, t->o.lora, t->seed, t->l0, t->l1) != QL_OK) return false;
-    t->params = lora_params_range(m, t->l0, t->l1);
+    t->params = ql_llama_lora_params_range(m, t->l0, t->l1);
     // a stage: the rope factors (read by every block) copied into its own tensors, placed with
     // them on its device; the model's stay where they are while its graphs are built
     ql_tensor *const rope_model = m.rope_freqs;
