@@ -1631,22 +1631,29 @@ static bool split_micro_batch(ql_trainer *t, size_t k, const ql_sequence *const 
     return true;
 }
 
+// The step's sequences into t->slot (B x accumulation: every rank's micro-batches, nullptr past
+// the data's end); returns their supervised-token count, the loss's denominator (every rank's),
+// or 0 with the message when the step has none
+static int64_t step_slots(ql_trainer *t, std::string *err) {
+    const int64_t s = t->step, n = t->B * accum(t);
+    int64_t targets = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t q = slot_sequence(t, s, i);
+        t->slot[(size_t)i] = q >= 0 ? &(*t->train)[(size_t)q] : nullptr;
+        if (q >= 0) targets += (*t->train)[(size_t)q].n_targets;
+    }
+    if (targets == 0) *err = "step " + std::to_string(s + 1) + " has no supervised tokens";
+    return targets;
+}
+
 // The step of a split: ql_trainer_step's, micro-batch by micro-batch through the stages; the
 // gradient norm summed over every stage's, so that one clip factor (and fp16's one skip) holds
 // for all, each stage's update given that factor as its scale (and no clipping of its own).
 static bool split_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t s = t->step, B = t->B, A = accum(t);  // (no data parallel with a split: world 1)
-    int64_t targets = 0;
-    for (int64_t i = 0; i < B * A; i++) {
-        const int64_t q = slot_sequence(t, s, i);
-        t->slot[(size_t)i] = q >= 0 ? &(*t->train)[(size_t)q] : nullptr;
-        if (q >= 0) targets += (*t->train)[(size_t)q].n_targets;
-    }
-    if (targets == 0) {
-        *err = "step " + std::to_string(s + 1) + " has no supervised tokens";
-        return false;
-    }
+    const int64_t targets = step_slots(t, err);
+    if (targets == 0) return false;
     const double scale = t->scale;
     auto fail = [&](const std::string &what) {
         t->broken = true;  // a backend error: a device may not give the adapter back
@@ -1738,16 +1745,8 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     // this rank's micro-batches of the step: [a0, a1) of the A every rank's make up
     const int64_t a0 = (int64_t)t->o.rank * t->o.grad_accum, a1 = a0 + t->o.grad_accum;
     // the step's sequences, and its supervised-token count (the loss's denominator): every rank's
-    int64_t targets = 0;
-    for (int64_t i = 0; i < B * A; i++) {
-        const int64_t q = slot_sequence(t, s, i);
-        t->slot[(size_t)i] = q >= 0 ? &(*t->train)[(size_t)q] : nullptr;
-        if (q >= 0) targets += (*t->train)[(size_t)q].n_targets;
-    }
-    if (targets == 0) {
-        *err = "step " + std::to_string(s + 1) + " has no supervised tokens";
-        return false;
-    }
+    const int64_t targets = step_slots(t, err);
+    if (targets == 0) return false;
     // loss scaling: the loss's denominator divided by the scale multiplies the loss, so every
     // gradient, by it (exactly when the scale is a power of two, as with the default flags)
     const double scale = t->scale;
