@@ -7329,8 +7329,9 @@ bool        ql_backend_supports_op(ql_backend *be, const ql_tensor *node) {
     return be && node && (is_noop(node->op) || be->iface.supports_op(be, node));
 }
 
-ql_status ql_backend_graph_compute(ql_backend *be, ql_graph *g) {
-    if (!be || !g) return QL_ERR_INVALID;
+// nodes [first, last) of g on be, once g's buffer and plan are be's (the checks both entry points
+// make); the run's range is the whole graph again afterwards
+static ql_status graph_compute_nodes(ql_backend *be, ql_graph *g, int first, int last) {
     if (g->ctx->status != QL_OK) return g->ctx->status;
     if (!g->bound || g->buffer_backend != be->id || g->plan_backend != be->id) {
         QL_ERR(g->ctx, QL_ERR_INVALID, "compute: the graph has no buffer on backend %s --> hint: ql_graph_plan and "
@@ -7338,8 +7339,15 @@ ql_status ql_backend_graph_compute(ql_backend *be, ql_graph *g) {
         return g->ctx->status;
     }
     graph_bind(g);
+    g->run_first = first, g->run_last = last;
+    const ql_status st = be->iface.graph_compute(be, g);
     g->run_first = 0, g->run_last = (int)g->nodes.size();
-    return be->iface.graph_compute(be, g);
+    return st;
+}
+
+ql_status ql_backend_graph_compute(ql_backend *be, ql_graph *g) {
+    if (!be || !g) return QL_ERR_INVALID;
+    return graph_compute_nodes(be, g, 0, (int)g->nodes.size());
 }
 
 ql_status ql_backend_graph_compute_range(ql_backend *be, ql_graph *g, int first, int last) {
@@ -7350,18 +7358,7 @@ ql_status ql_backend_graph_compute_range(ql_backend *be, ql_graph *g, int first,
         QL_ERR(g->ctx, QL_ERR_INVALID, "compute_range: nodes [%d, %d) of a graph of %d", first, last, n);
         return g->ctx->status;
     }
-    if (first == 0 && last == n) return ql_backend_graph_compute(be, g);
-    if (g->ctx->status != QL_OK) return g->ctx->status;
-    if (!g->bound || g->buffer_backend != be->id || g->plan_backend != be->id) {
-        QL_ERR(g->ctx, QL_ERR_INVALID, "compute: the graph has no buffer on backend %s --> hint: ql_graph_plan and "
-                                       "ql_graph_alloc it first", be->iface.name);
-        return g->ctx->status;
-    }
-    graph_bind(g);
-    g->run_first = first, g->run_last = last;
-    const ql_status st = be->iface.graph_compute(be, g);
-    g->run_first = 0, g->run_last = n;
-    return st;
+    return graph_compute_nodes(be, g, first, last);
 }
 
 // ---- memory a backend owns: buffers and tensor copies (host memory + memcpy for the CPU) ----

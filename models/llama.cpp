@@ -389,14 +389,20 @@ ql_status ql_llama_add_lora_range(ql_context *ctx, ql_llama *m, const ql_lora_co
 }
 
 std::vector<ql_tensor *> ql_llama_lora_params(const ql_llama &m) {
+    return ql_llama_lora_params_range(m, 0, (int)m.layers.size());
+}
+
+std::vector<ql_tensor *> ql_llama_lora_params_range(const ql_llama &m, int l0, int l1) {
     std::vector<ql_tensor *> out;
-    for (const ql_llama_layer &L : m.layers)
+    for (int il = l0; il < l1; il++) {
+        const ql_llama_layer &L = m.layers[(size_t)il];
         for (ql_tensor *w : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) {
             auto it = m.lora.find(w);
             if (it == m.lora.end()) continue;
             out.push_back(it->second.a);
             out.push_back(it->second.b);
         }
+    }
     return out;
 }
 

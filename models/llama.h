@@ -214,6 +214,8 @@ ql_status  ql_llama_add_lora(ql_context *ctx, ql_llama *m, const ql_lora_config 
 ql_status  ql_llama_add_lora_range(ql_context *ctx, ql_llama *m, const ql_lora_config &spec, ql_tensor *seed, int l0, int l1);
 // the trainable tensors of m's adapters, A then B per weight, layers in order
 std::vector<ql_tensor *> ql_llama_lora_params(const ql_llama &m);
+// those of blocks [l0, l1) only, in the same order (ql_llama_lora_params is [0, n_layer))
+std::vector<ql_tensor *> ql_llama_lora_params_range(const ql_llama &m, int l0, int l1);
 
 // ---- generation with a KV cache ----
 // One graph per number of new tokens serves every step: positions, where to write in the cache

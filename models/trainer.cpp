@@ -255,26 +255,11 @@ static void free_io(batch_io &io) {
 }
 
 // adapters, both graphs and the optimizer state in ctx (a measuring context, or the real one)
-// the trainable tensors of blocks [l0, l1)'s adapters, as ql_llama_lora_params orders them
-static std::vector<ql_tensor *> lora_params_range(const ql_llama &m, int l0, int l1) {
-    std::vector<ql_tensor *> out;
-    for (int il = l0; il < l1; il++) {
-        const ql_llama_layer &L = m.layers[(size_t)il];
-        for (ql_tensor *w : {L.wq, L.wk, L.wv, L.wo, L.w_gate, L.w_up, L.w_down}) {
-            auto it = m.lora.find(w);
-            if (it == m.lora.end()) continue;
-            out.push_back(it->second.a);
-            out.push_back(it->second.b);
-        }
-    }
-    return out;
-}
-
 static bool build(ql_trainer *t, ql_context *ctx) {
     ql_llama &m = t->f->model;
     t->seed = ql_set_input(ql_set_name(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1), "dropout_seed"));
     if (ql_llama_add_lora_range(ctx, &m, t->o.lora, t->seed, t->l0, t->l1) != QL_OK) return false;
-    t->params = lora_params_range(m, t->l0, t->l1);
+    t->params = ql_llama_lora_params_range(m, t->l0, t->l1);
     // a stage: the rope factors (read by every block) copied into its own tensors, placed with
     // them on its device; the model's stay where they are while its graphs are built
     ql_tensor *const rope_model = m.rope_freqs;
@@ -1648,22 +1633,29 @@ static bool split_micro_batch(ql_trainer *t, size_t k, const ql_sequence *const 
     return true;
 }
 
+// The step's sequences into t->slot (B x accumulation: every rank's micro-batches, nullptr past
+// the data's end); returns their supervised-token count, the loss's denominator (every rank's),
+// or 0 with the message when the step has none
+static int64_t step_slots(ql_trainer *t, std::string *err) {
+    const int64_t s = t->step, n = t->B * accum(t);
+    int64_t targets = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t q = slot_sequence(t, s, i);
+        t->slot[(size_t)i] = q >= 0 ? &(*t->train)[(size_t)q] : nullptr;
+        if (q >= 0) targets += (*t->train)[(size_t)q].n_targets;
+    }
+    if (targets == 0) *err = "step " + std::to_string(s + 1) + " has no supervised tokens";
+    return targets;
+}
+
 // The step of a split: ql_trainer_step's, micro-batch by micro-batch through the stages; the
 // gradient norm summed over every stage's, so that one clip factor (and fp16's one skip) holds
 // for all, each stage's update given that factor as its scale (and no clipping of its own).
 static bool split_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     const auto t0 = std::chrono::steady_clock::now();
     const int64_t s = t->step, B = t->B, A = accum(t);  // (no data parallel with a split: world 1)
-    int64_t targets = 0;
-    for (int64_t i = 0; i < B * A; i++) {
-        const int64_t q = slot_sequence(t, s, i);
-        t->slot[(size_t)i] = q >= 0 ? &(*t->train)[(size_t)q] : nullptr;
-        if (q >= 0) targets += (*t->train)[(size_t)q].n_targets;
-    }
-    if (targets == 0) {
-        *err = "step " + std::to_string(s + 1) + " has no supervised tokens";
-        return false;
-    }
+    const int64_t targets = step_slots(t, err);
+    if (targets == 0) return false;
     const double scale = t->scale;
     auto fail = [&](const std::string &what) {
         t->broken = true;  // a backend error: a device may not give the adapter back
@@ -1755,16 +1747,8 @@ bool ql_trainer_step(ql_trainer *t, ql_step_metrics *m, std::string *err) {
     // this rank's micro-batches of the step: [a0, a1) of the A every rank's make up
     const int64_t a0 = (int64_t)t->o.rank * t->o.grad_accum, a1 = a0 + t->o.grad_accum;
     // the step's sequences, and its supervised-token count (the loss's denominator): every rank's
-    int64_t targets = 0;
-    for (int64_t i = 0; i < B * A; i++) {
-        const int64_t q = slot_sequence(t, s, i);
-        t->slot[(size_t)i] = q >= 0 ? &(*t->train)[(size_t)q] : nullptr;
-        if (q >= 0) targets += (*t->train)[(size_t)q].n_targets;
-    }
-    if (targets == 0) {
-        *err = "step " + std::to_string(s + 1) + " has no supervised tokens";
-        return false;
-    }
+    const int64_t targets = step_slots(t, err);
+    if (targets == 0) return false;
     // loss scaling: the loss's denominator divided by the scale multiplies the loss, so every
     // gradient, by it (exactly when the scale is a power of two, as with the default flags)
     const double scale = t->scale;

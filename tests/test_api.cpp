@@ -263,6 +263,55 @@ TEST_CASE("plan: an op the backend lacks is named; compute needs a plan; bad ids
     ql_free(ctx);
 }
 
+TEST_CASE("compute_range: a graph in two parts equals one run; bad ranges and a graph without a buffer are refused") {
+    ql_init_params ip = {8u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *a = ql_set_param(ql_new_tensor_2d(ctx, QL_TYPE_F32, 7, 3));  // [7, 3]
+    ql_tensor *x = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_F32, 7, 4));  // [7, 4]
+    for (ql_tensor *t : {a, x})
+        for (int64_t i = 0; i < ql_nelements(t); i++) ql_set_f32_1d(t, i, 0.1f * (float)((i * 7) % 11) - 0.5f);
+    ql_tensor *y = ql_mul_mat(ctx, a, x);  // [3, 4]
+    ql_tensor *loss = ql_sum(ctx, ql_mul(ctx, y, y));
+    ql_graph *gf = ql_graph_new(ctx);
+    ql_graph_build_forward(gf, loss);
+    ql_graph *gb = ql_graph_backward(ctx, gf, loss);
+    REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
+    const int n = ql_graph_n_nodes(gb), nf = ql_graph_n_forward(gb);
+    REQUIRE(0 < nf);
+    REQUIRE(nf < n);
+    ql_backend *be = ql_backend_cpu_init(2);
+    CHECK(ql_backend_graph_compute_range(be, gb, 0, nf) == QL_ERR_INVALID);  // no buffer yet
+    CHECK(has(ql_ctx_error(ctx), "ql_graph_alloc"));
+    ql_ctx_clear_error(ctx);
+    REQUIRE(ql_graph_plan(gb, be, nullptr) == QL_OK);
+    REQUIRE(ql_graph_alloc(gb, be) == QL_OK);
+    const int bad[3][2] = {{-1, nf}, {nf, nf - 1}, {0, n + 1}};
+    for (const auto &r : bad) {
+        CHECK(ql_backend_graph_compute_range(be, gb, r[0], r[1]) == QL_ERR_INVALID);
+        CHECK(has(ql_ctx_error(ctx), "compute_range: nodes ["));
+        ql_ctx_clear_error(ctx);
+    }
+    ql_graph_zero_grads(gb);
+    REQUIRE(ql_backend_graph_compute(be, gb) == QL_OK);
+    const std::vector<float> whole((const float *)a->grad->data, (const float *)a->grad->data + 21);
+    const float whole_loss = ql_get_f32_1d(loss, 0);
+    ql_graph_zero_grads(gb);
+    ql_set_f32_1d(loss, 0, 0.0f);
+    REQUIRE(ql_backend_graph_compute_range(be, gb, 0, nf) == QL_OK);  // the forward part alone
+    CHECK(ql_get_f32_1d(loss, 0) == whole_loss);
+    for (int i = 0; i < 21; i++) CHECK(((const float *)a->grad->data)[i] == 0.0f);
+    REQUIRE(ql_backend_graph_compute_range(be, gb, nf, -1) == QL_OK);  // then the rest
+    for (int i = 0; i < 21; i++) CHECK(((const float *)a->grad->data)[i] == whole[(size_t)i]);
+    ql_graph_zero_grads(gb);
+    REQUIRE(ql_backend_graph_compute_range(be, gb, 0, -1) == QL_OK);  // the whole range: one run
+    REQUIRE(ql_backend_graph_compute(be, gb) == QL_OK);              // and a whole run after it adds
+    for (int i = 0; i < 21; i++) CHECK(((const float *)a->grad->data)[i] == 2 * whole[(size_t)i]);
+    ql_graph_free(gb);
+    ql_graph_free(gf);
+    ql_backend_free(be);
+    ql_free(ctx);
+}
+
 TEST_CASE("cross entropy: a target outside the vocabulary and a zero count are runtime errors") {
     tiny_model tm(8, 1, 7, 1);
     ql_backend *be = ql_backend_cpu_init(1);

@@ -6,6 +6,7 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -799,6 +800,42 @@ TEST_CASE("trainer: a nan loss stops the step with its step and micro-batch; the
     CHECK(std::isfinite(l));
     ql_trainer_free(t);
     ql_llama_file_free(f);
+}
+
+TEST_CASE("trainer: a step without supervised tokens stops with its number, on one device and over a split") {
+    tmpdir d;
+    const std::string path = d.file("untied.gguf");  // (a split needs an untied output projection)
+    {
+        tiny_llama u(tiny_hparams(61, 64, 128, 2), 3, 0.2f, /*tied_output=*/false);
+        write_llama_gguf(u.m, path, llama_gguf_opts());
+    }
+    std::vector<ql_sequence> seqs = make_sequences(4, 12, 1);
+    for (ql_sequence &q : seqs) {  // every target masked (a prompt alone)
+        std::fill(q.targets.begin(), q.targets.end(), -1);
+        q.n_targets = 0;
+    }
+    ql_backend *cpu[2] = {ql_backend_cpu_init(1), ql_backend_cpu_init(1)};
+    for (int split = 0; split < 2; split++) {
+        CAPTURE(split);
+        char e[256];
+        ql_llama_file *f = ql_llama_load(path.c_str(), e, sizeof(e));
+        REQUIRE_MESSAGE(f, e);
+        ql_train_options o = base_options();
+        if (split) o.split = {cpu[0], cpu[1]};
+        std::string err;
+        ql_trainer *t = ql_trainer_new(f, seqs, seqs, o, &err);
+        REQUIRE_MESSAGE(t, err);
+        CHECK(ql_trainer_memory(t).stages.size() == (split ? 2u : 0u));
+        const std::vector<float> before = adapter_of(t);
+        ql_step_metrics m;
+        CHECK(!ql_trainer_step(t, &m, &err));
+        CHECK(err == "step 1 has no supervised tokens");
+        CHECK(ql_trainer_steps_done(t) == 0);
+        CHECK(adapter_of(t) == before);
+        ql_trainer_free(t);
+        ql_llama_file_free(f);
+    }
+    for (ql_backend *b : cpu) ql_backend_free(b);
 }
 
 TEST_CASE("trainer: fp16 loss scaling - an overflow skips the step (adapter, schedule and Adam untouched) and halves the scale; "
