@@ -3026,11 +3026,35 @@ template <typename KT> __global__ void __launch_bounds__(FA_WARPS * 32) k_fa_fwd
 // elements lane + 32 t of q, of the keys' and values' rows and of its running output; q.k summed
 // by shuffles, online softmax per warp, the warps' (max, sum, output) met in shared memory at
 // the end. k_fa_fwd's tiles through shared memory had one warp of four computing for a single
-// query: 57 us a layer at the 8B shape on the H200 (13% of a token).
+// query: 57 us a layer at the 8B shape on the H200 (13% of a token). An f16 cache (KT uint16_t):
+// a lane holds pairs instead, elements 64 (t / 2) + 2 lane + t % 2, each pair one 4-byte load.
 #define FD_WARPS 8
 #define FD_KEYS 2
 #define FD_MAXC 8  // D, DV <= 32 FD_MAXC
 #define FD_MAX_TQ 8
+// the row element slot t of a lane holds (a bijection of [0, 32 FD_MAXC) for each KT)
+template <typename KT> __device__ __forceinline__ int fd_col(int lane, int t) {
+    return sizeof(KT) == 4 ? lane + 32 * t : 64 * (t >> 1) + 2 * lane + (t & 1);
+}
+// a lane's slots of a cache row's first n elements into r (zeros past n), widened to f32
+template <typename KT> __device__ __forceinline__ void fd_load(float r[FD_MAXC], const cu_t &t, int64_t j, int64_t hk, int64_t b, int64_t n, int lane) {
+    const KT *p = (const KT *)(t.data + j * t.nb[1] + hk * t.nb[2] + b * t.nb[3]);
+    if constexpr (sizeof(KT) == 4) {
+QL_UNROLL
+        for (int s = 0; s < FD_MAXC; s++) r[s] = lane + 32 * s < n ? p[lane + 32 * s] : 0.0f;
+    } else {
+QL_UNROLL
+        for (int s = 0; s < FD_MAXC; s += 2) {
+            const int c = fd_col<KT>(lane, s);
+            if (c + 1 < n && (uintptr_t)(p + c) % 4 == 0) {  // (rows of an odd length: not 4-byte aligned)
+                const uint32_t w = *(const uint32_t *)(p + c);
+                r[s] = cu_h2f((uint16_t)(w & 0xffff)), r[s + 1] = cu_h2f((uint16_t)(w >> 16));
+            } else {
+                r[s] = c < n ? cu_h2f(p[c]) : 0.0f, r[s + 1] = c + 1 < n ? cu_h2f(p[c + 1]) : 0.0f;
+            }
+        }
+    }
+}
 template <typename KT> __global__ void __launch_bounds__(FD_WARPS * 32) k_fa_decode(fa_args a, float *out, float *lse) {
     __shared__ float sm_m[FD_WARPS], sm_l[FD_WARPS], sm_o[FD_WARPS][32 * FD_MAXC];
     const int64_t D = a.q.ne[0], Tq = a.q.ne[1], H = a.q.ne[2], DV = a.v.ne[0], Hkv = a.k.ne[2];
@@ -3047,19 +3071,15 @@ template <typename KT> __global__ void __launch_bounds__(FD_WARPS * 32) k_fa_dec
     float q[FD_MAXC], o[FD_MAXC];
     const float *qr = fa_row(a.q, i, h, b);
 QL_UNROLL
-    for (int t = 0; t < FD_MAXC; t++) q[t] = lane + 32 * t < D ? qr[lane + 32 * t] : 0.0f, o[t] = 0.0f;
+    for (int t = 0; t < FD_MAXC; t++) q[t] = fd_col<KT>(lane, t) < D ? qr[fd_col<KT>(lane, t)] : 0.0f, o[t] = 0.0f;
     float m = -INFINITY, l = 0.0f;
     for (int64_t j0 = warp; j0 < jend; j0 += FD_WARPS * FD_KEYS) {  // warp-uniform
         float kr[FD_KEYS][FD_MAXC], vr[FD_KEYS][FD_MAXC];
 QL_UNROLL
         for (int u = 0; u < FD_KEYS; u++) {  // the rows' loads first (past jend: row j0 again, not used)
             const int64_t j = j0 + u * FD_WARPS < jend ? j0 + u * FD_WARPS : j0;
-QL_UNROLL
-            for (int t = 0; t < FD_MAXC; t++) {
-                const int c = lane + 32 * t;
-                kr[u][t] = c < D ? fa_kv<KT>(a.k, j, hk, b, c) : 0.0f;
-                vr[u][t] = c < DV ? fa_kv<KT>(a.v, j, hk, b, c) : 0.0f;
-            }
+            fd_load<KT>(kr[u], a.k, j, hk, b, D, lane);
+            fd_load<KT>(vr[u], a.v, j, hk, b, DV, lane);
         }
 QL_UNROLL
         for (int u = 0; u < FD_KEYS; u++) {
@@ -3078,7 +3098,7 @@ QL_UNROLL
     }
     if (lane == 0) sm_m[warp] = m, sm_l[warp] = l;
 QL_UNROLL
-    for (int t = 0; t < FD_MAXC; t++) sm_o[warp][lane + 32 * t] = o[t];
+    for (int t = 0; t < FD_MAXC; t++) sm_o[warp][fd_col<KT>(lane, t)] = o[t];
     __syncthreads();
     float M = -INFINITY;
     for (int w = 0; w < FD_WARPS; w++) M = fmaxf(M, sm_m[w]);

@@ -1074,9 +1074,10 @@ OP_CASE(cache_store) {
 
 // An f16 KV cache (generate --cache-type f16; issue 32 item 3): keys and values rounded to f16 as
 // stored (the same bits as the CPU's), read widened by the attention over the cache - the decode
-// kernel for 1..8 queries (key groups of 16, the last partial: n_kv 1, 15, 17, 33, 77), the tiled
-// kernel for a prompt's (tiles of 32 keys and 8 queries: n_kv 9, 33, 70, 96 - the last tile partial
-// or whole), head dims 64, 80 (lanes past the row's end) and 128, GQA 4:1 and 2:1, batch 2. The new
+// kernel for 1..8 queries (key groups of 16, the last partial: n_kv 1, 15, 17, 21, 33, 40, 77; a lane's
+// element pairs, one 4-byte load each), the tiled kernel for a prompt's (tiles of 32 keys and 8
+// queries: n_kv 9, 33, 70, 96 - the last tile partial or whole), head dims 64, 80 (lanes past the
+// row's end), 128 and 33 (odd: pairs unaligned), GQA 4:1 and 2:1, batch 2. The new
 // rows are stored at n_kv - Tq, as generate does, over a cache of random f16 rows.
 extern "C" long long qlshim_launches(const char *kernel) __attribute__((weak));  // the shim's count per kernel (absent elsewhere)
 OP_CASE(flash_attn_kv16) {
@@ -1093,6 +1094,7 @@ OP_CASE(flash_attn_kv16) {
     const kv_shape shapes[] = {
         {128, 1, 1, 8, 2, 1}, {128, 1, 77, 8, 2, 1}, {64, 1, 17, 4, 2, 2}, {80, 3, 15, 4, 1, 2}, {64, 4, 33, 4, 2, 1},
         {80, 8, 40, 2, 2, 1},  // the most queries the decode kernel takes
+        {33, 2, 21, 2, 1, 1},  // rows of an odd length: the decode kernel's pairs not 4-byte aligned
         {64, 9, 9, 4, 2, 1}, {64, 20, 33, 4, 1, 2}, {128, 40, 70, 4, 2, 1}, {80, 17, 96, 2, 1, 1},
     };
     for (const kv_shape &k : shapes) {
