@@ -2185,21 +2185,28 @@ static void cu_op_acc_grad(cu_ctx &c, ql_tensor *node) {
     CU_LAUNCHED(c);
 }
 
-// rows of src into the cache at the run-time row pos[0] (read on the device)
-__global__ void k_cache_store(cu_t cache, cu_t src, const int32_t *pos, int64_t n) {
+// rows of src (f32) into the cache (f32, or f16: rounded to nearest even as the CPU's) at the
+// run-time row pos[0] (read on the device)
+template <typename CT> __global__ void k_cache_store(cu_t cache, cu_t src, const int32_t *pos, int64_t n) {
     const int32_t at = *pos;
     CU_GRID_LOOP(i, n) {
         const int64_t i0 = i % src.ne[0], r = i / src.ne[0], i1 = r % src.ne[1], i2 = (r / src.ne[1]) % src.ne[2],
                       i3 = r / (src.ne[1] * src.ne[2]);
         float v = *(const float *)(src.data + i0 * src.nb[0] + i1 * src.nb[1] + i2 * src.nb[2] + i3 * src.nb[3]);
         // limitation: a row outside the cache is not written (the CPU backend reports it; the tools never ask for one)
-        if (at >= 0 && at + i1 < cache.ne[1])
-            *(float *)(cache.data + i0 * 4 + (at + i1) * cache.nb[1] + i2 * cache.nb[2] + i3 * cache.nb[3]) = v;
+        if (at >= 0 && at + i1 < cache.ne[1]) {
+            char *to = cache.data + i0 * (int64_t)sizeof(CT) + (at + i1) * cache.nb[1] + i2 * cache.nb[2] + i3 * cache.nb[3];
+            if (sizeof(CT) == 4) *(float *)to = v;
+            else *(uint16_t *)to = (uint16_t)cu_bits16(v, QL_TYPE_F16);
+        }
     }
 }
 static void cu_op_cache_store(cu_ctx &c, ql_tensor *node) {
     const int64_t n = ql_nelements(node->src[1]);
-    QL_LAUNCH(k_cache_store, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(node), cu_of(node->src[1]), (const int32_t *)node->src[2]->data, n);
+    const cu_t cache = cu_of(node), src = cu_of(node->src[1]);
+    const int32_t *pos = (const int32_t *)node->src[2]->data;
+    if (node->type == QL_TYPE_F16) QL_LAUNCH(k_cache_store<uint16_t>, cu_grid(n), CU_BLOCK, 0, c.stream, cache, src, pos, n);
+    else QL_LAUNCH(k_cache_store<float>, cu_grid(n), CU_BLOCK, 0, c.stream, cache, src, pos, n);
     CU_LAUNCHED(c);
 }
 
@@ -2649,8 +2656,10 @@ static bool cu_ops_supported(const ql_tensor *node) {
         return is_float_type_cu(a->type) && node->src[1]->type == a->type && node->type == a->type && ql_is_contiguous(node);
     case QL_OP_SWIGLU_BACK:
         return is_float_type_cu(a->type) && node->src[1]->type == a->type && f32(node->src[2]) && f32(node);
-    case QL_OP_ACC_GRAD: case QL_OP_CACHE_STORE:
+    case QL_OP_ACC_GRAD:
         return f32(node) && f32(node->src[1]) && ql_is_contiguous(node);
+    case QL_OP_CACHE_STORE:  // an f32 or f16 cache, f32 rows
+        return (f32(node) || node->type == QL_TYPE_F16) && f32(node->src[1]) && ql_is_contiguous(node);
     case QL_OP_VIEW_BACK:
         return f32(a) && ql_is_contiguous(node);
     case QL_OP_ADD_ROWS:
@@ -2928,17 +2937,25 @@ __device__ __forceinline__ float fa_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
     return v;
 }
-// rows [j0, j0 + n) of k (or v) of head hk into shared memory, `ld` floats apart; zeros past n
+// element c of a KV cache's row (i, h, b) as f32: KT float, or uint16_t for an f16 cache (widened
+// as loaded; the sums stay f32)
+template <typename KT> __device__ __forceinline__ float fa_kv(const cu_t &t, int64_t i, int64_t h, int64_t b, int64_t c) {
+    const KT x = ((const KT *)(t.data + i * t.nb[1] + h * t.nb[2] + b * t.nb[3]))[c];
+    if constexpr (sizeof(KT) == 4) return x;
+    else return cu_h2f(x);
+}
+// rows [j0, j0 + n) of k (or v) of head hk into shared memory as f32, `ld` floats apart; zeros past n
+template <typename KT>
 __device__ __forceinline__ void fa_load(float *dst, int ld, const cu_t &t, int64_t j0, int n, int rows, int64_t hk, int64_t b) {
     const int64_t D = t.ne[0];
     for (int x = threadIdx.x; x < rows * D; x += blockDim.x) {
         const int r = x / (int)D, c = x % (int)D;
-        dst[r * ld + c] = r < n ? fa_row(t, j0 + r, hk, b)[c] : 0.0f;
+        dst[r * ld + c] = r < n ? fa_kv<KT>(t, j0 + r, hk, b, c) : 0.0f;
     }
 }
 
-// the fused forward over a KV cache: block (query tile, head, batch)
-__global__ void __launch_bounds__(FA_WARPS * 32) k_fa_fwd(fa_args a, float *out, float *lse) {
+// the fused forward over a KV cache (KT: its element, float or f16's uint16_t): block (query tile, head, batch)
+template <typename KT> __global__ void __launch_bounds__(FA_WARPS * 32) k_fa_fwd(fa_args a, float *out, float *lse) {
     const int64_t D = a.q.ne[0], Tq = a.q.ne[1], H = a.q.ne[2], DV = a.v.ne[0], Hkv = a.k.ne[2];
     const int64_t h = blockIdx.y, b = blockIdx.z, hk = h / (H / Hkv), i0 = (int64_t)blockIdx.x * FA_BQ;
     const int nq = (int)min((int64_t)FA_BQ, Tq - i0), lane = threadIdx.x % 32, warp = threadIdx.x / 32;
@@ -2963,8 +2980,8 @@ __global__ void __launch_bounds__(FA_WARPS * 32) k_fa_fwd(fa_args a, float *out,
     for (int64_t j0 = 0; j0 < jend; j0 += FA_BK) {
         const int bk = (int)min((int64_t)FA_BK, jend - j0);
         __syncthreads();  // the previous tile is no longer read
-        fa_load(K, (int)D + 1, a.k, j0, bk, FA_BK, hk, b);
-        fa_load(V, (int)DV + 1, a.v, j0, bk, FA_BK, hk, b);
+        fa_load<KT>(K, (int)D + 1, a.k, j0, bk, FA_BK, hk, b);
+        fa_load<KT>(V, (int)DV + 1, a.v, j0, bk, FA_BK, hk, b);
         __syncthreads();
         for (int qi = warp; qi < nq; qi += FA_WARPS) {  // warp-uniform
             const int64_t i = i0 + qi, j = j0 + lane;
@@ -3009,12 +3026,36 @@ __global__ void __launch_bounds__(FA_WARPS * 32) k_fa_fwd(fa_args a, float *out,
 // elements lane + 32 t of q, of the keys' and values' rows and of its running output; q.k summed
 // by shuffles, online softmax per warp, the warps' (max, sum, output) met in shared memory at
 // the end. k_fa_fwd's tiles through shared memory had one warp of four computing for a single
-// query: 57 us a layer at the 8B shape on the H200 (13% of a token).
+// query: 57 us a layer at the 8B shape on the H200 (13% of a token). An f16 cache (KT uint16_t):
+// a lane holds pairs instead, elements 64 (t / 2) + 2 lane + t % 2, each pair one 4-byte load.
 #define FD_WARPS 8
 #define FD_KEYS 2
 #define FD_MAXC 8  // D, DV <= 32 FD_MAXC
 #define FD_MAX_TQ 8
-__global__ void __launch_bounds__(FD_WARPS * 32) k_fa_decode(fa_args a, float *out, float *lse) {
+// the row element slot t of a lane holds (a bijection of [0, 32 FD_MAXC) for each KT)
+template <typename KT> __device__ __forceinline__ int fd_col(int lane, int t) {
+    return sizeof(KT) == 4 ? lane + 32 * t : 64 * (t >> 1) + 2 * lane + (t & 1);
+}
+// a lane's slots of a cache row's first n elements into r (zeros past n), widened to f32
+template <typename KT> __device__ __forceinline__ void fd_load(float r[FD_MAXC], const cu_t &t, int64_t j, int64_t hk, int64_t b, int64_t n, int lane) {
+    const KT *p = (const KT *)(t.data + j * t.nb[1] + hk * t.nb[2] + b * t.nb[3]);
+    if constexpr (sizeof(KT) == 4) {
+QL_UNROLL
+        for (int s = 0; s < FD_MAXC; s++) r[s] = lane + 32 * s < n ? p[lane + 32 * s] : 0.0f;
+    } else {
+QL_UNROLL
+        for (int s = 0; s < FD_MAXC; s += 2) {
+            const int c = fd_col<KT>(lane, s);
+            if (c + 1 < n && (uintptr_t)(p + c) % 4 == 0) {  // (rows of an odd length: not 4-byte aligned)
+                const uint32_t w = *(const uint32_t *)(p + c);
+                r[s] = cu_h2f((uint16_t)(w & 0xffff)), r[s + 1] = cu_h2f((uint16_t)(w >> 16));
+            } else {
+                r[s] = c < n ? cu_h2f(p[c]) : 0.0f, r[s + 1] = c + 1 < n ? cu_h2f(p[c + 1]) : 0.0f;
+            }
+        }
+    }
+}
+template <typename KT> __global__ void __launch_bounds__(FD_WARPS * 32) k_fa_decode(fa_args a, float *out, float *lse) {
     __shared__ float sm_m[FD_WARPS], sm_l[FD_WARPS], sm_o[FD_WARPS][32 * FD_MAXC];
     const int64_t D = a.q.ne[0], Tq = a.q.ne[1], H = a.q.ne[2], DV = a.v.ne[0], Hkv = a.k.ne[2];
     const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / (H / Hkv);
@@ -3030,20 +3071,15 @@ __global__ void __launch_bounds__(FD_WARPS * 32) k_fa_decode(fa_args a, float *o
     float q[FD_MAXC], o[FD_MAXC];
     const float *qr = fa_row(a.q, i, h, b);
 QL_UNROLL
-    for (int t = 0; t < FD_MAXC; t++) q[t] = lane + 32 * t < D ? qr[lane + 32 * t] : 0.0f, o[t] = 0.0f;
+    for (int t = 0; t < FD_MAXC; t++) q[t] = fd_col<KT>(lane, t) < D ? qr[fd_col<KT>(lane, t)] : 0.0f, o[t] = 0.0f;
     float m = -INFINITY, l = 0.0f;
     for (int64_t j0 = warp; j0 < jend; j0 += FD_WARPS * FD_KEYS) {  // warp-uniform
         float kr[FD_KEYS][FD_MAXC], vr[FD_KEYS][FD_MAXC];
 QL_UNROLL
         for (int u = 0; u < FD_KEYS; u++) {  // the rows' loads first (past jend: row j0 again, not used)
             const int64_t j = j0 + u * FD_WARPS < jend ? j0 + u * FD_WARPS : j0;
-            const float *kp = fa_row(a.k, j, hk, b), *vp = fa_row(a.v, j, hk, b);
-QL_UNROLL
-            for (int t = 0; t < FD_MAXC; t++) {
-                const int c = lane + 32 * t;
-                kr[u][t] = c < D ? kp[c] : 0.0f;
-                vr[u][t] = c < DV ? vp[c] : 0.0f;
-            }
+            fd_load<KT>(kr[u], a.k, j, hk, b, D, lane);
+            fd_load<KT>(vr[u], a.v, j, hk, b, DV, lane);
         }
 QL_UNROLL
         for (int u = 0; u < FD_KEYS; u++) {
@@ -3062,7 +3098,7 @@ QL_UNROLL
     }
     if (lane == 0) sm_m[warp] = m, sm_l[warp] = l;
 QL_UNROLL
-    for (int t = 0; t < FD_MAXC; t++) sm_o[warp][lane + 32 * t] = o[t];
+    for (int t = 0; t < FD_MAXC; t++) sm_o[warp][fd_col<KT>(lane, t)] = o[t];
     __syncthreads();
     float M = -INFINITY;
     for (int w = 0; w < FD_WARPS; w++) M = fmaxf(M, sm_m[w]);
@@ -4256,13 +4292,17 @@ static void cu_op_flash_attn(cu_ctx &c, ql_tensor *node) {
     const size_t smem = fa_fwd_smem(q->ne[0], v->ne[0]);
     const dim3 grid((unsigned)((q->ne[1] + FA_BQ - 1) / FA_BQ), (unsigned)q->ne[2], (unsigned)q->ne[3]);
     float *lse = (float *)((char *)node->data + ql_nbytes(node));
+    const bool kv16 = node->src[1]->type == QL_TYPE_F16;  // an f16 KV cache (q f32: cu_attn_supported)
+    const fa_args a = fa_args_of(node);
     if (q->ne[1] <= FD_MAX_TQ && q->ne[0] <= 32 * FD_MAXC && v->ne[0] <= 32 * FD_MAXC) {  // decode: a block per query
-        QL_LAUNCH(k_fa_decode, dim3((unsigned)q->ne[1], (unsigned)q->ne[2], (unsigned)q->ne[3]), FD_WARPS * 32, 0, c.stream,
-                  fa_args_of(node), (float *)node->data, lse);
+        const dim3 gd((unsigned)q->ne[1], (unsigned)q->ne[2], (unsigned)q->ne[3]);
+        if (kv16) QL_LAUNCH(k_fa_decode<uint16_t>, gd, FD_WARPS * 32, 0, c.stream, a, (float *)node->data, lse);
+        else QL_LAUNCH(k_fa_decode<float>, gd, FD_WARPS * 32, 0, c.stream, a, (float *)node->data, lse);
         CU_LAUNCHED(c);
         return;
     }
-    QL_LAUNCH(k_fa_fwd, grid, FA_WARPS * 32, smem, c.stream, fa_args_of(node), (float *)node->data, lse);
+    if (kv16) QL_LAUNCH(k_fa_fwd<uint16_t>, grid, FA_WARPS * 32, smem, c.stream, a, (float *)node->data, lse);
+    else QL_LAUNCH(k_fa_fwd<float>, grid, FA_WARPS * 32, smem, c.stream, a, (float *)node->data, lse);
     CU_LAUNCHED(c);
 }
 
@@ -4270,7 +4310,10 @@ static void cu_op_flash_attn_back(cu_ctx &c, ql_tensor *node) { ql_cuda_fa_fused
 
 static bool cu_attn_supported(const ql_tensor *node, int cc) {
     const ql_tensor *q = node->src[0], *k = node->src[1], *v = node->src[2];
-    if (!is_float_type_cu(q->type) || k->type != q->type || v->type != q->type) return false;  // f32, or one 16-bit type
+    // f32, or one 16-bit type; over a KV cache (src[4]: n_kv) f32 q, and f32 or f16 k and v (an f16 cache)
+    const bool kv16 = node->op == QL_OP_FLASH_ATTN && node->src[4] && q->type == QL_TYPE_F32 && k->type == QL_TYPE_F16 &&
+                      v->type == QL_TYPE_F16;
+    if (!kv16 && (!is_float_type_cu(q->type) || k->type != q->type || v->type != q->type)) return false;
     if (!ql_is_contiguous(node)) return false;
     if (node->op == QL_OP_FLASH_ATTN && (node->src[4] ? q->type != QL_TYPE_F32 : node->type != q->type)) return false;
     if (node->op == QL_OP_FLASH_ATTN_BACK) {

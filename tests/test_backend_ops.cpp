@@ -1072,6 +1072,48 @@ OP_CASE(cache_store) {
     }, 0.0, false);
 }
 
+// An f16 KV cache (generate --cache-type f16; issue 32 item 3): keys and values rounded to f16 as
+// stored (the same bits as the CPU's), read widened by the attention over the cache - the decode
+// kernel for 1..8 queries (key groups of 16, the last partial: n_kv 1, 15, 17, 21, 33, 40, 77; a lane's
+// element pairs, one 4-byte load each), the tiled kernel for a prompt's (tiles of 32 keys and 8
+// queries: n_kv 9, 33, 70, 96 - the last tile partial or whole), head dims 64, 80 (lanes past the
+// row's end), 128 and 33 (odd: pairs unaligned), GQA 4:1 and 2:1, batch 2. The new
+// rows are stored at n_kv - Tq, as generate does, over a cache of random f16 rows.
+extern "C" long long qlshim_launches(const char *kernel) __attribute__((weak));  // the shim's count per kernel (absent elsewhere)
+OP_CASE(flash_attn_kv16) {
+    check_case(be, "f16 cache: rows stored at a run-time position", [](leafs &L) {
+        ql_tensor *cache = L.rand(QL_TYPE_F16, {8, 10, 2, 2});
+        ql_tensor *pos = L.i32({1}, [](int64_t) { return 6; });
+        ql_tensor *c = ql_cache_store(L.ctx, cache, L.rand(QL_TYPE_F32, {8, 3, 2, 2}, -60000.0f, 60000.0f), pos);
+        REQUIRE(c->type == QL_TYPE_F16);
+        return ql_cont(L.ctx, c);
+    }, 0.0, false);  // one rounding each: the same bits
+    struct kv_shape {
+        int64_t d, tq, nkv, h, hkv, b;
+    };
+    const kv_shape shapes[] = {
+        {128, 1, 1, 8, 2, 1}, {128, 1, 77, 8, 2, 1}, {64, 1, 17, 4, 2, 2}, {80, 3, 15, 4, 1, 2}, {64, 4, 33, 4, 2, 1},
+        {80, 8, 40, 2, 2, 1},  // the most queries the decode kernel takes
+        {33, 2, 21, 2, 1, 1},  // rows of an odd length: the decode kernel's pairs not 4-byte aligned
+        {64, 9, 9, 4, 2, 1}, {64, 20, 33, 4, 1, 2}, {128, 40, 70, 4, 2, 1}, {80, 17, 96, 2, 1, 1},
+    };
+    for (const kv_shape &k : shapes) {
+        INFO("d " << k.d << ", " << k.tq << " queries, " << k.nkv << " keys of 96, heads " << k.h << "/" << k.hkv << ", batch " << k.b);
+        const bool decode = k.tq <= 8;
+        const char *kern = decode ? "k_fa_decode<uint16_t>" : "k_fa_fwd<uint16_t>";
+        const long long before = qlshim_launches ? qlshim_launches(kern) : 0;
+        check_case(be, "f16 cache: store, then attention over it", [k](leafs &L) {
+            ql_tensor *nkv = L.i32({1}, [k](int64_t) { return (int32_t)k.nkv; });
+            ql_tensor *pos = L.i32({1}, [k](int64_t) { return (int32_t)(k.nkv - k.tq); });
+            ql_tensor *ck = L.rand(QL_TYPE_F16, {k.d, 96, k.hkv, k.b}), *cv = L.rand(QL_TYPE_F16, {k.d, 96, k.hkv, k.b});
+            ql_tensor *kk = ql_cache_store(L.ctx, ck, L.rand(QL_TYPE_F32, {k.d, k.tq, k.hkv, k.b}), pos);
+            ql_tensor *vv = ql_cache_store(L.ctx, cv, L.rand(QL_TYPE_F32, {k.d, k.tq, k.hkv, k.b}), pos);
+            return ql_flash_attn_kv(L.ctx, L.rand(QL_TYPE_F32, {k.d, k.tq, k.h, k.b}), kk, vv, nkv, 1.0f / std::sqrt((float)k.d));
+        }, TOL_F32, false);
+        if (!ql_backend_is_host(be) && qlshim_launches) CHECK_MESSAGE(qlshim_launches(kern) == before + 1, kern, " ran");
+    }
+}
+
 OP_CASE(views_backward) {
     check_case(be, "view gradients into the source", [](leafs &L) {
         ql_tensor *a = L.param({12, 10});

@@ -432,3 +432,121 @@ TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logi
     MESSAGE("decode logits, cuda against the CPU's 8-bit path: max |diff| / max |logit| = ", num / den);
     if (qlshim_launches) CHECK(quantised == std::vector<long long>{10, 10, 10});  // 4 + 5 + the head's, each token
 }
+
+// Greedy decode as ./generate --exact runs it (a KV cache; the prompt's graph, its last token's
+// logits; then the one-token graph per token, graphs on), the tiny Q4_K llama: the tokens, every
+// step's logits, and the backend's graph counts. (--exact: the prompt's int8 GEMM on the CPU and
+// the device's dequantised product differ by more than a cache's rounding in this random model.)
+struct greedy_run {
+    std::vector<int32_t> tokens;
+    std::vector<float> logits;  // [n_vocab] per step: the prompt's last, then each decoded token's
+    ql_cuda_graph_counts counts{};
+    size_t cache_bytes = 0;  // the cache's tensors
+};
+static greedy_run decode_greedy(const std::string &path, bool cuda, ql_type cache_type, const std::vector<int32_t> &prompt, int n_gen) {
+    greedy_run r;
+    char err[256] = "";
+    ql_backend *be = cuda ? ql_backend_cuda_init(0, err, sizeof(err)) : ql_backend_cpu_init(1);
+    REQUIRE_MESSAGE(be, err);
+    ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
+    REQUIRE_MESSAGE(f, err);
+    const ql_llama &m = f->model;
+    ql_backend_buffer *wbuf = ql_backend_place_ctx_tensors(be, f->ctx);
+    REQUIRE_MESSAGE(wbuf, ql_ctx_error(f->ctx));
+    ql_init_params ip = {(size_t)1000 * ql_tensor_overhead() + (1u << 20), nullptr, true, false};
+    ql_context *ctx = ql_init(ip);
+    const int np = (int)prompt.size(), n_ctx = np + n_gen;
+    ql_llama_cache cache;
+    REQUIRE(ql_llama_cache_create(ctx, &m, n_ctx, &cache, cache_type) == QL_OK);
+    for (size_t l = 0; l < cache.k.size(); l++) r.cache_bytes += ql_nbytes(cache.k[l]) + ql_nbytes(cache.v[l]);
+    ql_tensor *pt = ql_new_tensor_2d(ctx, QL_TYPE_I32, np, 1), *pp = ql_new_tensor_2d(ctx, QL_TYPE_I32, np, 1);
+    ql_tensor *ot = ql_new_tensor_2d(ctx, QL_TYPE_I32, 1, 1), *op = ql_new_tensor_2d(ctx, QL_TYPE_I32, 1, 1);
+    ql_tensor *lp = ql_set_output(ql_llama_forward_cached(ctx, &m, &cache, pt, pp, true));  // [n_vocab, 1]: the last token's
+    ql_tensor *lo = ql_set_output(ql_llama_forward_cached(ctx, &m, &cache, ot, op));
+    REQUIRE_MESSAGE((lp && lo), ql_ctx_error(ctx));
+    ql_graph *gp = ql_graph_new(ctx), *go = ql_graph_new(ctx);
+    ql_graph_build_forward(gp, lp);
+    ql_graph_build_forward(go, lo);
+    ql_backend_buffer *cbuf = ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE);
+    REQUIRE_MESSAGE((cbuf && ql_graph_alloc(gp, be) == QL_OK && ql_graph_alloc(go, be) == QL_OK), ql_ctx_error(ctx));
+    auto set = [&](ql_tensor *t, const int32_t *v, size_t n) { REQUIRE(ql_backend_tensor_set(be, t, v, 0, n * 4) == QL_OK); };
+    const int V = m.hp.n_vocab;
+    std::vector<float> l((size_t)V);
+    auto next = [&](ql_tensor *logits) {  // greedy: the first of the largest
+        REQUIRE(ql_backend_tensor_get(be, logits, l.data(), 0, (size_t)V * 4) == QL_OK);
+        r.logits.insert(r.logits.end(), l.begin(), l.end());
+        return (int32_t)(std::max_element(l.begin(), l.end()) - l.begin());
+    };
+    std::vector<int32_t> pos((size_t)np);
+    for (int i = 0; i < np; i++) pos[(size_t)i] = i;
+    const int32_t zero = 0;
+    set(pt, prompt.data(), (size_t)np), set(pp, pos.data(), (size_t)np), set(cache.write_pos, &zero, 1), set(cache.n_kv, &np, 1);
+    REQUIRE_MESSAGE(ql_backend_graph_compute(be, gp) == QL_OK, ql_ctx_error(ctx));
+    int32_t tok = next(lp);
+    for (int i = 0; i < n_gen; i++) {
+        r.tokens.push_back(tok);
+        const int32_t p = np + i, n_kv = p + 1;
+        set(ot, &tok, 1), set(op, &p, 1), set(cache.write_pos, &p, 1), set(cache.n_kv, &n_kv, 1);
+        REQUIRE_MESSAGE(ql_backend_graph_compute(be, go) == QL_OK, ql_ctx_error(ctx));
+        tok = next(lo);
+    }
+    if (cuda) REQUIRE(ql_cuda_get_graph_counts(be, &r.counts));
+    ql_graph_free(gp), ql_graph_free(go);
+    ql_backend_buffer_free(cbuf);
+    ql_free(ctx);
+    ql_backend_buffer_free(wbuf);
+    ql_llama_file_free(f);
+    ql_backend_free(be);
+    return r;
+}
+static double max_rel_diff(const std::vector<float> &got, const std::vector<float> &ref) {  // max |got - ref| / max |ref|; NaN: inf
+    if (got.size() != ref.size()) return INFINITY;
+    double num = 0, den = 1e-12;
+    for (size_t i = 0; i < ref.size(); i++) {
+        const double e = std::fabs((double)got[i] - ref[i]);
+        num = std::isfinite(e) ? std::max(num, e) : INFINITY;
+        den = std::max(den, (double)std::fabs(ref[i]));
+    }
+    return num / den;
+}
+
+// An f16 KV cache on the CUDA backend (generate --device cuda --cache-type f16): 16 tokens decoded
+// greedily after a 12-token prompt (the prompt through the tile kernel, each token through the
+// decode kernel; up to 28 keys: a partial second key group) are the CPU's with its f16 cache, every
+// logit within 1e-3 of the largest (measured 1.4e-4: the f32 sums' orders, and the f16 roundings
+// of keys and values they flip; the f32 cache's 5e-6), and not the f32 cache's logits (the
+// rounding is there). The cache's tensors are half the f32 cache's bytes. The one-token graph is captured once and replayed: the
+// write position and n_kv are device tensors the kernels read, not parameters - the prompt and
+// the first token run eager, the second token is captured, every token after it one launch.
+TEST_CASE("cuda decode: an f16 KV cache gives the CPU's greedy tokens; one graph replayed for every token" *
+          skip_unless(k_cuda, "without a CUDA device")) {
+    tmpdir d;
+    const std::string path = d.file("tiny-q4k.gguf");
+    {
+        tiny_llama t(tiny_hparams(61, 256, 512), 7, 0.2f);
+        llama_gguf_opts o;
+        o.linear_type = QL_TYPE_Q4_K;
+        write_llama_gguf(t.m, path, o);
+    }
+    const std::vector<int32_t> prompt = {3, 17, 42, 5, 9, 33, 60, 1, 28, 14, 50, 7};
+    const int n_gen = 16;
+    const greedy_run cpu = decode_greedy(path, false, QL_TYPE_F16, prompt, n_gen);
+    const long long fd = qlshim_launches ? qlshim_launches("k_fa_decode<uint16_t>") : 0, ff = qlshim_launches ? qlshim_launches("k_fa_fwd<uint16_t>") : 0;
+    const greedy_run gpu = decode_greedy(path, true, QL_TYPE_F16, prompt, n_gen);
+    if (qlshim_launches) {  // 2 layers: the prompt's through the tile kernel, each token's through the decode kernel (a replay runs them too)
+        CHECK(qlshim_launches("k_fa_fwd<uint16_t>") - ff == 2);
+        CHECK(qlshim_launches("k_fa_decode<uint16_t>") - fd == 2 * n_gen);
+    }
+    const greedy_run gpu32 = decode_greedy(path, true, QL_TYPE_F32, prompt, n_gen);
+    CHECK(gpu.tokens == cpu.tokens);
+    const double e = max_rel_diff(gpu.logits, cpu.logits), e32 = max_rel_diff(gpu32.logits, gpu.logits);
+    CHECK_MESSAGE(e < 1e-3, "max |cuda - cpu| / max |cpu| = ", e);
+    CHECK_MESSAGE(e32 > 1e-6, "the f32 cache's logits against the f16 cache's: ", e32);
+    MESSAGE("f16 cache, 16 greedy tokens: cuda against the CPU ", e, ", the f32 cache against f16 ", e32,
+            "; graphs: ", gpu.counts.eager, " eager, ", gpu.counts.captured, " captured, ", gpu.counts.launched, " launched");
+    CHECK(gpu.cache_bytes * 2 == gpu32.cache_bytes);
+    CHECK(gpu.counts.eager == 2);     // the prompt, the first token
+    CHECK(gpu.counts.captured == 1);  // the second token
+    CHECK(gpu.counts.launched == n_gen - 1);
+    CHECK(gpu32.counts.captured == 1);
+}
