@@ -5,17 +5,20 @@
 # the policy the tool chose.
 #   bench/seq_fit.sh model.gguf data.jsonl "8G 12G 16G 24G" [finetune flags...]
 # data.jsonl must hold a text longer than the longest length tried (MAX, default 200192 tokens).
-# The host's free memory bounds offload: a plan is made for this machine's RAM.
+# The host's free memory bounds offload: a plan is made for this machine's RAM (or --host-mem).
+# MIN (default 0) narrows the search from below when a length known to fit is given: each plan of
+# a long sequence takes minutes on a small machine.
 set -e
 M=$1; D=$2; SIZES=$3; shift 3
 MAX=${MAX:-200192}
+MIN=${MIN:-0}
 plan() {  # seq vram [flags]: the plan's JSON line
     s=$1; v=$2; shift 2
     ./finetune -m "$M" -d "$D" --dry-run --device cuda --vram $v --seq-len $s -b 1 --json "$@" 2>/dev/null | tail -1
 }
 fits() { plan "$@" | grep -q '"fits": true'; }
 for v in $SIZES; do
-    lo=0; hi=$((MAX / 256))
+    lo=$((MIN / 256)); hi=$((MAX / 256))
     while [ $lo -lt $hi ]; do
         mid=$(( (lo + hi + 1) / 2 ))
         if fits $((mid * 256)) $v "$@"; then lo=$mid; else hi=$((mid - 1)); fi
