@@ -205,15 +205,19 @@ ql_precision ql_auto_precision(const ql_backend *be) {  // see trainer.h
 // the graph of blocks [l0, l1) (the whole model: [0, n_layer)); a stage before the last ends in
 // its h_out, returned (training) through ql_with_grad with g_out as its gradient, so that
 // backward starts from what the next stage sends back
+// embd_shared: another graph's embedding rows input of the same shape, read by this graph too
+// (training and evaluation never run at once: one [n_embd, T, B] on the device, not two)
 static batch_io make_io(ql_context *ctx, const ql_llama &m, int64_t T, int64_t B, bool packed, bool backward, bool embd_host,
-                        int64_t loss_chunk, bool loss_fused, int l0, int l1) {
+                        int64_t loss_chunk, bool loss_fused, int l0, int l1, ql_tensor *embd_shared = nullptr) {
     const bool first = l0 == 0, last = l1 == m.hp.n_layer;
     batch_io io;
     if (!first) {  // (training: a leaf with a gradient - an accumulator, not one of the optimizer's parameters)
         io.h_in = ql_format_name(ql_new_tensor_3d(ctx, QL_TYPE_F32, m.hp.n_embd, T, B), "blk.%d.in", l0);
         io.h_in = backward ? ql_set_param(io.h_in) : ql_set_input(io.h_in);
     } else if (embd_host) {
-        io.embd = ql_set_input(ql_new_tensor_3d(ctx, QL_TYPE_F32, m.hp.n_embd, T, B));
+        io.embd = embd_shared && embd_shared->ne[0] == m.hp.n_embd && embd_shared->ne[1] == T && embd_shared->ne[2] == B
+                      ? embd_shared
+                      : ql_set_input(ql_new_tensor_3d(ctx, QL_TYPE_F32, m.hp.n_embd, T, B));
     } else {
         io.tokens = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, T, B));
     }
@@ -316,7 +320,7 @@ static bool build(ql_trainer *t, ql_context *ctx) {
             return false;
     }
     m.lora_dropout = false;  // evaluation: no dropout
-    t->ev = make_io(ctx, m, t->T, t->B, t->packed, false, t->embd_host, t->loss_chunk, false, t->l0, t->l1);
+    t->ev = make_io(ctx, m, t->T, t->B, t->packed, false, t->embd_host, t->loss_chunk, false, t->l0, t->l1, t->tr.embd);
     m.lora_dropout = true;
     t->state.clear();
     const bool eight = ql_optim_8bit(t->o.optim);
@@ -537,7 +541,8 @@ static bool measure(ql_trainer *t, std::string *err) {
         for (const auto &st : t->state)
             for (const ql_tensor *x : st) m.optimizer += ql_nbytes(x);
         m.optimizer_host = ql_optim_paged(t->o.optim);
-        m.inputs = input_bytes(t->tr) + input_bytes(t->ev) + bucket_inputs + ql_nbytes(t->seed);
+        m.inputs = input_bytes(t->tr) + input_bytes(t->ev) + bucket_inputs + ql_nbytes(t->seed) -
+                   (t->ev.embd && t->ev.embd == t->tr.embd ? ql_nbytes(t->ev.embd) : 0);  // (shared: counted once)
         m.headers = arena - std::min(arena, m.lora + m.grads + m.optimizer + m.inputs);
         m.graph_heap = 0;  // every graph the run keeps: training, evaluation, the shorter lengths'
         auto heap = [](const batch_io &io) { return ql_graph_heap_bytes(io.gf) + (io.g != io.gf ? ql_graph_heap_bytes(io.g) : 0); };

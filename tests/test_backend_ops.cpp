@@ -1627,6 +1627,12 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
     CHECK(chunked.plan.embd_on_host);
     CHECK(chunked.plan.host_embd == (size_t)(97 * 64 * 4));
     CHECK(chunked.plan.dev_weights < whole.plan.dev_weights);
+    // the step's embedding rows: one [64, 24, 2] f32 input that training and evaluation both read
+    // (two before: 12 KiB more; the token ids they replace are 192 bytes a graph)
+    const size_t rows_in = 64 * 24 * 2 * 4;
+    MESSAGE("device state: token ids ", whole.plan.dev_state, ", embedding rows ", chunked.plan.dev_state);
+    CHECK(chunked.plan.dev_state + 2 * 256 >= whole.plan.dev_state + rows_in);
+    CHECK(chunked.plan.dev_state <= whole.plan.dev_state + rows_in);
     CHECK(offloaded.plan.host_pinned > 0);  // 2 layers: the first block's checkpoint (the last stays)
     CHECK(offloaded.plan.saved < block.plan.saved);
     CHECK(paged.plan.optimizer_host);
