@@ -244,6 +244,7 @@ TEST_CASE("planner: blocks placed by size fill the holes execution order leaves"
     REQUIRE(ql_backend_graph_compute(be, g) == QL_OK);
     const std::vector<float> got = {*(const float *)ra->data, *(const float *)rb->data, ((const float *)s->data)[7]};
     CHECK(memcmp(got.data(), ref.data(), sizeof(float) * ref.size()) == 0);
+    ql_graph_free(g);
     ql_backend_free(be);
     ql_free(ctx);
 }
