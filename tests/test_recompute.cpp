@@ -10,6 +10,46 @@
 
 namespace {
 
+// the loss and every parameter's gradient after a run of gb, as raw floats
+std::vector<float> loss_and_grads(const ql_graph *gb, const ql_tensor *loss) {
+    std::vector<float> out{*(const float *)loss->data};
+    for (int i = 0; i < ql_graph_n_params(gb); i++) {
+        const ql_tensor *g = ql_graph_param(gb, i)->grad;
+        out.insert(out.end(), (const float *)g->data, (const float *)g->data + ql_nelements(g));
+    }
+    return out;
+}
+
+// a 2-layer stack over a graph input x [E, T] (as the trainer's embedding rows uploaded from the
+// host), every weight trainable, loss = sum(h * h); x[i] = a * ((i * b) % c) - 0.5
+struct stack_over_input {
+    ql_context *ctx = nullptr;
+    ql_llama m;
+    ql_tensor *loss = nullptr;
+    ql_graph *gf = nullptr;
+    stack_over_input(uint64_t seed, int64_t ffn_chunk, float a, int b, int c, int T = 16) {
+        ql_init_params ip = {32u << 20, nullptr, false, false};
+        ctx = ql_init(ip);
+        ql_llama_create(ctx, &m, tiny_hparams(29, 32, 48), QL_TYPE_F32, false);
+        ql_llama_randomize(&m, seed, 0.1f);
+        ql_llama_set_params(&m);
+        m.ffn_chunk = ffn_chunk;
+        const int64_t E = m.hp.n_embd;
+        ql_tensor *x = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_F32, E, T));
+        ql_tensor *pos = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1));
+        for (int i = 0; i < E * T; i++) ((float *)x->data)[i] = a * (float)((i * b) % c) - 0.5f;
+        for (int t = 0; t < T; t++) ((int32_t *)pos->data)[t] = t;
+        ql_tensor *h = ql_llama_hidden(ctx, &m, ql_reshape_3d(ctx, x, E, T, 1), pos, nullptr);
+        loss = ql_sum(ctx, ql_mul(ctx, h, h));
+        gf = ql_graph_new(ctx);
+        ql_graph_build_forward(gf, loss);
+    }
+    ~stack_over_input() {
+        ql_graph_free(gf);
+        ql_free(ctx);
+    }
+};
+
 // loss and every gradient of one run of tm's training graph (after `levels`, if given)
 std::vector<float> grads_with(const std::vector<ql_keep> *levels, ql_recompute_stats *rs, ql_plan_stats *ps, bool poison) {
     tiny_model tm(16, 2, 29, 5);
@@ -25,11 +65,7 @@ std::vector<float> grads_with(const std::vector<ql_keep> *levels, ql_recompute_s
     REQUIRE(ql_graph_alloc(tm.gb, be) == QL_OK);
     ql_graph_zero_grads(tm.gb);
     REQUIRE_MESSAGE(ql_backend_graph_compute(be, tm.gb) == QL_OK, ql_ctx_error(tm.ctx));
-    std::vector<float> out{*(const float *)tm.loss->data};
-    for (int i = 0; i < ql_graph_n_params(tm.gb); i++) {
-        const ql_tensor *g = ql_graph_param(tm.gb, i)->grad;
-        out.insert(out.end(), (const float *)g->data, (const float *)g->data + ql_nelements(g));
-    }
+    const std::vector<float> out = loss_and_grads(tm.gb, tm.loss);
     ql_backend_free(be);
     return out;
 }
@@ -87,22 +123,12 @@ TEST_CASE("recompute: every keep level, and mixes, give the gradients of no reco
 // next to them - recomputed like the rest of the block, not alive through the whole step.
 TEST_CASE("recompute: a stack over a graph input keeps none of block 0 under KEEP_NONE") {
     const int T = 16, L = 2;
-    ql_init_params ip = {32u << 20, nullptr, false, false};
-    ql_context *ctx = ql_init(ip);
-    ql_llama m;
-    ql_llama_create(ctx, &m, tiny_hparams(29, 32, 48), QL_TYPE_F32, false);
-    ql_llama_randomize(&m, 7, 0.1f);
-    ql_llama_set_params(&m);
-    const int64_t E = m.hp.n_embd;
-    REQUIRE(m.hp.n_layer == L);
-    ql_tensor *x = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_F32, E, T));
-    ql_tensor *pos = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1));
-    for (int i = 0; i < E * T; i++) ((float *)x->data)[i] = 0.05f * (float)((i * 7) % 23) - 0.5f;
-    for (int t = 0; t < T; t++) ((int32_t *)pos->data)[t] = t;
-    ql_tensor *h = ql_llama_hidden(ctx, &m, ql_reshape_3d(ctx, x, E, T, 1), pos, nullptr);
-    ql_tensor *loss = ql_sum(ctx, ql_mul(ctx, h, h));
-    ql_graph *gf = ql_graph_new(ctx);
-    ql_graph_build_forward(gf, loss);
+    stack_over_input st(7, 0, 0.05f, 7, 23, T);
+    ql_context *ctx = st.ctx;
+    ql_graph *gf = st.gf;
+    ql_tensor *loss = st.loss;
+    const int64_t E = st.m.hp.n_embd;
+    REQUIRE(st.m.hp.n_layer == L);
     auto run = [&](bool recompute, ql_plan_stats *ps) {
         ql_graph *gb = ql_graph_backward(ctx, gf, loss);
         REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
@@ -120,11 +146,7 @@ TEST_CASE("recompute: a stack over a graph input keeps none of block 0 under KEE
         REQUIRE(ql_graph_alloc(gb, be) == QL_OK);
         ql_graph_zero_grads(gb);
         REQUIRE_MESSAGE(ql_backend_graph_compute(be, gb) == QL_OK, ql_ctx_error(ctx));
-        std::vector<float> out{*(const float *)loss->data};
-        for (int i = 0; i < ql_graph_n_params(gb); i++) {
-            const ql_tensor *g = ql_graph_param(gb, i)->grad;
-            out.insert(out.end(), (const float *)g->data, (const float *)g->data + ql_nelements(g));
-        }
+        const std::vector<float> out = loss_and_grads(gb, loss);
         ql_backend_free(be);
         ql_graph_free(gb);
         return out;
@@ -139,8 +161,6 @@ TEST_CASE("recompute: a stack over a graph input keeps none of block 0 under KEE
     const size_t row = (size_t)E * T * sizeof(float);
     MESSAGE("saved: no recompute ", kept.bytes[QL_MEM_SAVED], ", every segment KEEP_NONE ", none.bytes[QL_MEM_SAVED], " ([E, T] = ", row, ")");
     CHECK(none.bytes[QL_MEM_SAVED] <= 3 * row + 64);
-    ql_graph_free(gf);
-    ql_free(ctx);
 }
 
 // Offload with the FFN in chunks: the FFN's input (a segment input under KEEP_INPUT) is read in
@@ -148,23 +168,10 @@ TEST_CASE("recompute: a stack over a graph input keeps none of block 0 under KEE
 // the checkpoint itself dies at its copy to the host - before, the forward views kept it on the
 // device through backward (31 x [E, T] f32 at the 8B shape). Gradients equal no offload's.
 TEST_CASE("recompute: offloaded checkpoints read through row views die at their copy to the host") {
-    const int T = 16;
-    ql_init_params ip = {32u << 20, nullptr, false, false};
-    ql_context *ctx = ql_init(ip);
-    ql_llama m;
-    ql_llama_create(ctx, &m, tiny_hparams(29, 32, 48), QL_TYPE_F32, false);
-    ql_llama_randomize(&m, 9, 0.1f);
-    ql_llama_set_params(&m);
-    m.ffn_chunk = 5;  // 16 rows: chunks of 5, 5, 5, 1
-    const int64_t E = m.hp.n_embd;
-    ql_tensor *x = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_F32, E, T));
-    ql_tensor *pos = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, T, 1));
-    for (int i = 0; i < E * T; i++) ((float *)x->data)[i] = 0.04f * (float)((i * 5) % 29) - 0.5f;
-    for (int t = 0; t < T; t++) ((int32_t *)pos->data)[t] = t;
-    ql_tensor *h = ql_llama_hidden(ctx, &m, ql_reshape_3d(ctx, x, E, T, 1), pos, nullptr);
-    ql_tensor *loss = ql_sum(ctx, ql_mul(ctx, h, h));
-    ql_graph *gf = ql_graph_new(ctx);
-    ql_graph_build_forward(gf, loss);
+    stack_over_input st(9, 5, 0.04f, 5, 29);  // 16 rows: FFN chunks of 5, 5, 5, 1
+    ql_context *ctx = st.ctx;
+    ql_graph *gf = st.gf;
+    ql_tensor *loss = st.loss;
     auto run = [&](bool offload) {
         ql_graph *gb = ql_graph_backward(ctx, gf, loss);
         REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
@@ -196,11 +203,7 @@ TEST_CASE("recompute: offloaded checkpoints read through row views die at their 
         ql_graph_set_poison(gb, true);
         ql_graph_zero_grads(gb);
         REQUIRE_MESSAGE(ql_backend_graph_compute(be, gb) == QL_OK, ql_ctx_error(ctx));
-        std::vector<float> out{*(const float *)loss->data};
-        for (int i = 0; i < ql_graph_n_params(gb); i++) {
-            const ql_tensor *g = ql_graph_param(gb, i)->grad;
-            out.insert(out.end(), (const float *)g->data, (const float *)g->data + ql_nelements(g));
-        }
+        const std::vector<float> out = loss_and_grads(gb, loss);
         ql_backend_free(be);
         ql_graph_free(gb);
         return out;
@@ -208,6 +211,4 @@ TEST_CASE("recompute: offloaded checkpoints read through row views die at their 
     const std::vector<float> ref = run(false), got = run(true);
     REQUIRE(got.size() == ref.size());
     CHECK(memcmp(got.data(), ref.data(), ref.size() * sizeof(float)) == 0);
-    ql_graph_free(gf);
-    ql_free(ctx);
 }
