@@ -2693,6 +2693,8 @@ struct grad_builder {
     std::unordered_set<const ql_tensor *> needs;              // leads to a trainable param
     std::unordered_map<const ql_tensor *, ql_tensor *> grad;  // summed contributions so far
     std::map<std::pair<const ql_tensor *, int>, ql_tensor *> casts;  // (gradient, type) -> its one cast
+    std::unordered_map<const ql_tensor *, int> uses;          // forward nodes reading each tensor
+    std::unordered_set<const ql_tensor *> seeded;             // add_rows links whose dy the chain's root already holds
 
     bool wants(const ql_tensor *t) const { return t && needs.count(t); }
 
@@ -2908,10 +2910,43 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
                                      get_param<int64_t>(node, 2)));
         break;
     case QL_OP_ADD_ROWS: {  // y = a, b added at rows [row0, ...): da = dy, db = those rows of dy (a view)
-        gb.add(a, dy);
+        // A chain r_c = add_rows(r_c-1, b_c) from x (the FFN in chunks, each b_c a function of rows
+        // of x) hands x all of dy at its last link, the first backward meets, rather than at its
+        // first, the last: the chunks' gradients then add onto dy itself, each onto its own rows
+        // (add_view: add_rows, in place), and each b_c reads its rows off that running sum - rows no
+        // later chunk wrote, so still dy's - which keeps one [E, T] gradient alive, not two.
+        const int64_t row0 = get_param<int64_t>(node, 0), nrows = ql_nrows(b);
+        ql_tensor *root = a;
+        bool chain = !gb.seeded.count(node) && a->op == QL_OP_ADD_ROWS;
+        while (chain && root->op == QL_OP_ADD_ROWS) {
+            auto u = gb.uses.find(root);
+            chain = u != gb.uses.end() && u->second == 1 && !(root->flags & QL_FLAG_OUTPUT);  // a link only the next one reads
+            root = root->src[0];
+        }
+        if (gb.seeded.count(node)) {  // x has this dy already
+            root = node->src[0];
+            while (root->op == QL_OP_ADD_ROWS) root = root->src[0];
+            if (a->op == QL_OP_ADD_ROWS) gb.grad[a] = dy, gb.seeded.insert(a);  // (a pass: no node)
+        } else if (chain && gb.wants(root)) {
+            gb.add(root, dy);
+            gb.grad[a] = dy, gb.seeded.insert(a);
+        } else {
+            gb.add(a, dy);
+            root = nullptr;
+        }
         if (gb.wants(b)) {
             ql_tensor *d = gb.contiguous(dy);
-            gb.add(b, d ? view_as(ctx, d, b, get_param<int64_t>(node, 0) * b->ne[0]) : nullptr);
+            if (root && d == dy) {  // x's sum so far: dy, then add_rows on rows apart from these
+                ql_tensor *sum = gb.grad.count(root) ? gb.grad[root] : nullptr;
+                for (ql_tensor *s = sum; s && s != dy;) {
+                    const int64_t s0 = s->op == QL_OP_ADD_ROWS ? get_param<int64_t>(s, 0) : 0;
+                    if (s->op != QL_OP_ADD_ROWS || (s0 < row0 + nrows && row0 < s0 + ql_nrows(s->src[1]))) sum = nullptr;
+                    else s = s->src[0];
+                    if (!sum) break;
+                }
+                if (sum) d = sum;
+            }
+            gb.add(b, d ? view_as(ctx, d, b, row0 * b->ne[0]) : nullptr);
         }
         break;
     }
@@ -2953,7 +2988,10 @@ ql_graph *ql_graph_backward(ql_context *ctx, const ql_graph *gf, ql_tensor *loss
         QL_ERR(ctx, QL_ERR_SHAPE, "graph_backward: the loss %s must be a single f32", shape_str(loss).c_str());
         return nullptr;
     }
-    grad_builder gb{ctx, {}, {}, {}};
+    grad_builder gb{ctx, {}, {}, {}, {}, {}};
+    for (ql_tensor *n : gf->nodes)
+        for (int j = 0; j < QL_MAX_SRC; j++)
+            if (n->src[j] && std::find(n->src, n->src + j, n->src[j]) == n->src + j) gb.uses[n->src[j]]++;
     for (ql_tensor *l : gf->leafs) {
         if (!(l->flags & QL_FLAG_PARAM)) continue;
         if (l->type != QL_TYPE_F32) {
@@ -2987,6 +3025,7 @@ ql_graph *ql_graph_backward(ql_context *ctx, const ql_graph *gf, ql_tensor *loss
     gb_graph->n_forward = (int)gf->nodes.size();
 
     std::vector<ql_tensor *> accs;
+    const size_t first_acc = ctx->tensors.size();  // what is made from here on (the accumulations) runs early, below
     for (ql_tensor *p : gf->leafs) {
         auto g = gb.grad.find(p);
         if (!(p->flags & QL_FLAG_PARAM) || g == gb.grad.end()) continue;
@@ -3016,12 +3055,33 @@ ql_graph *ql_graph_backward(ql_context *ctx, const ql_graph *gf, ql_tensor *loss
         for (const ql_tensor *s : t->src)
             if (s) stack.push_back(s);
     }
+    // ... except that each parameter's accumulation (and a copy it reads) runs as soon as its
+    // gradient is complete, not at the end: a layer's LoRA gradients are then not all alive at once
+    // (at the 8B shape 160 MiB, the whole adapter's, under the last layers' backward)
+    std::unordered_map<const ql_tensor *, double> key;  // execution position
+    std::vector<std::pair<double, ql_tensor *>> order;
     for (size_t i = first_new; i < ctx->tensors.size(); i++) {
         ql_tensor *t = ctx->tensors[i];
         if (!live.count(t)) continue;
         gb_graph->visited.insert(t);
-        (t->op == QL_OP_NONE ? gb_graph->leafs : gb_graph->nodes).push_back(t);
+        if (t->op == QL_OP_NONE) {
+            gb_graph->leafs.push_back(t);
+            continue;
+        }
+        double k = (double)i;
+        if (i >= first_acc) {  // right after its latest source (ties keep creation order)
+            k = -1.0;
+            for (const ql_tensor *s : t->src) {
+                auto it = s ? key.find(s) : key.end();
+                if (it != key.end()) k = std::max(k, it->second);
+            }
+            k += 1e-6 * (double)(i - first_acc + 1) / (double)(ctx->tensors.size() - first_acc + 1);
+        }
+        key[t] = k;
+        order.push_back({k, t});
     }
+    std::stable_sort(order.begin(), order.end(), [](const auto &x, const auto &y) { return x.first < y.first; });
+    for (const auto &o : order) gb_graph->nodes.push_back(o.second);
     for (ql_tensor *acc : accs) {
         gb_graph->outputs.push_back(acc);
         ql_tensor *gl = acc->src[0];  // made by an earlier ql_graph_backward: not new, not in gf
@@ -3479,15 +3539,17 @@ static size_t place_by_size(std::vector<ql_plan_entry> &entries, const std::vect
 
 // Debug: QLORA_PLAN_DUMP=N (MiB) prints, for each plan whose buffer is at least N MiB, what is alive
 // where the most is (by node: made at or before it, last read at or after it; device entries),
-// grouped by op, type and row length, largest first - what makes a plan's bytes per token.
+// grouped by op, type and row length, largest first - what makes a plan's bytes per token. With
+// QLORA_PLAN_DUMP_ALL=1 also each entry there over 1/64 of it (where made, its last reader), with
+// QLORA_PLAN_DUMP_NODES=A:B the nodes A..B-1 and what they read.
 static void plan_dump(const ql_graph *g) {
     const char *env = getenv("QLORA_PLAN_DUMP");
     if (!env || !*env || (double)g->arena_size < atof(env) * 1048576.0) return;
     const int n = (int)g->nodes.size();
     std::vector<long long> live((size_t)n + 1, 0);
     for (const ql_plan_entry &e : g->entries)
-        if (!e.host) {
-            live[(size_t)std::min(std::max(e.first, 0), n)] += (long long)e.size;
+        if (!e.host) {  // (an in-place result takes over its source's bytes after the node that made it)
+            live[(size_t)std::min(std::max(e.first + (e.inplace ? 1 : 0), 0), n)] += (long long)e.size;
             live[(size_t)std::min(std::max(e.last + 1, 0), n)] -= (long long)e.size;  // (outputs live to the end)
         }
     int at = 0;
@@ -3496,7 +3558,7 @@ static void plan_dump(const ql_graph *g) {
         if ((cur += live[(size_t)i]) > best) best = cur, at = i;
     std::map<std::string, std::pair<int, size_t>> groups;  // "op type [ne0]" -> (count, bytes)
     for (const ql_plan_entry &e : g->entries) {
-        if (e.host || e.first > at || e.last < at) continue;
+        if (e.host || e.first + (e.inplace ? 1 : 0) > at || e.last < at) continue;
         char key[160];
         snprintf(key, sizeof(key), "%-16s %-5s [%lld, ...] %s", ql_op_name(e.tensor->op), ql_type_name(e.tensor->type),
                  (long long)e.tensor->ne[0], e.tensor->flags & QL_FLAG_RECOMPUTED ? "recomputed" : "");
@@ -3508,6 +3570,27 @@ static void plan_dump(const ql_graph *g) {
     fprintf(stderr, "plan dump: buffer %.1f MiB; most alive at node %d of %d (%s %s): %.1f MiB\n", g->arena_size / 1048576.0, at, n,
             ql_op_name(g->nodes[(size_t)at]->op), g->nodes[(size_t)at]->name, best / 1048576.0);
     for (const auto &o : order) fprintf(stderr, "  %10.1f MiB  %s\n", o.first / 1048576.0, o.second.c_str());
+    if (const char *r = getenv("QLORA_PLAN_DUMP_NODES")) {
+        int a = 0, b = 0;
+        sscanf(r, "%d:%d", &a, &b);
+        for (int i = std::max(a, 0); i < std::min(b, n); i++) {
+            const ql_tensor *t = g->nodes[(size_t)i];
+            if (is_noop(t->op)) continue;
+            fprintf(stderr, "  #%d %-14s %-5s [%lld %lld] %s%s <-", i, ql_op_name(t->op), ql_type_name(t->type), (long long)t->ne[0], (long long)t->ne[1],
+                    t->name, t->flags & QL_FLAG_RECOMPUTED ? " R" : "");
+            for (const ql_tensor *sr : t->src)
+                if (sr) fprintf(stderr, " %s(%s)", ql_op_name(view_root(const_cast<ql_tensor *>(sr))->op), view_root(const_cast<ql_tensor *>(sr))->name);
+            fprintf(stderr, "\n");
+        }
+    }
+    if (getenv("QLORA_PLAN_DUMP_ALL"))
+        for (const ql_plan_entry &e : g->entries) {
+            if (e.host || e.first + (e.inplace ? 1 : 0) > at || e.last < at || e.size < (size_t)best / 64) continue;
+            const ql_tensor *t = e.tensor;
+            fprintf(stderr, "    %8.1f MiB %-12s %-5s made %6d (%s) last %6d by %s%s src0 %s/%s\n", e.size / 1048576.0, ql_op_name(t->op), ql_type_name(t->type), e.first,
+                    t->name, e.last, e.last < n ? ql_op_name(g->nodes[(size_t)e.last]->op) : "-", t->flags & QL_FLAG_RECOMPUTED ? " R" : "",
+                    t->src[0] ? ql_op_name(t->src[0]->op) : "-", t->src[0] ? t->src[0]->name : "-");
+        }
 }
 
 ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
@@ -3685,12 +3768,23 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
     std::unordered_set<const ql_tensor *> inplace;
     for (size_t i = 0; i < g->entries.size(); i++)
         if (g->entries[i].inplace) inplace.insert(g->entry_tensor[i]);
+    static const int dump = getenv("QLORA_CENSUS_DUMP") ? atoi(getenv("QLORA_CENSUS_DUMP")) : 0;  // debug: 1 per op, 2 per node
+    std::map<std::string, std::pair<int64_t, int64_t>> by_op;
     for (const ql_tensor *node : g->nodes) {
         if (is_noop(node->op)) continue;
         ql_tensor mm;  // a product into rows: its FLOPs and bytes those of the product
         const ql_tensor *n = node->op == QL_OP_MUL_MAT_ROWS ? (ql_mul_mat_rows_product(node, &mm), &mm) : node;
         c->nodes++;
-        c->launches += caps.host ? 1 : ql_cuda_node_launches(node, caps.cc, inplace.count(node) > 0);
+        const int64_t nl = caps.host ? 1 : ql_cuda_node_launches(node, caps.cc, inplace.count(node) > 0);
+        c->launches += nl;
+        if (dump) {  // QLORA_CENSUS_DUMP: launches and nodes per op (and per 16-bit type of the result)
+            auto &e = by_op[std::string(ql_op_name(node->op)) + (node->type == QL_TYPE_F32 ? "" : "/16")];
+            e.first += nl, e.second++;
+            if (dump > 1)
+                fprintf(stderr, "node %-18s %-5s %3lld [%lld %lld] %s%s <- %s %s %s\n", ql_op_name(node->op), ql_type_name(node->type), (long long)nl,
+                        (long long)node->ne[0], (long long)node->ne[1], node->name, (node->flags & QL_FLAG_RECOMPUTED) ? " (R)" : "",
+                        node->src[0] ? node->src[0]->name : "-", node->src[1] ? node->src[1]->name : "-", node->src[2] ? node->src[2]->name : "-");
+        }
         const double f = node_flops(n);
         c->flops += f;
         if (n->flags & QL_FLAG_RECOMPUTED) c->recompute_flops += f;
@@ -3706,6 +3800,8 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
                                                                                               : QL_CENSUS_OTHER;
         c->bytes[cls] += b;
     }
+    if (dump) fprintf(stderr, "census: %lld launches, by op:\n", (long long)c->launches);
+    for (const auto &e : by_op) fprintf(stderr, "census %-24s %6lld launches %6lld nodes\n", e.first.c_str(), (long long)e.second.first, (long long)e.second.second);
     return QL_OK;
 }
 

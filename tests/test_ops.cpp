@@ -21,6 +21,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace {
@@ -1556,6 +1557,39 @@ TEST_CASE("add_rows: x with pieces added at their rows - forward and gradients (
                      for (int64_t j = 0; j < E * len[i]; j++) o[(size_t)(at[i] * E + j)] += in[(size_t)i + 1][(size_t)j];
                  return o;
              });
+    // the FFN in chunks: each piece a function of rows of a itself. Backward hands a all of dy at
+    // the chain's last link and adds each piece's gradient onto its rows of that one sum (no
+    // src-sized view_back), each piece reading its rows of dy off the sum (still dy's there); where
+    // pieces share rows, a piece reads dy itself
+    auto pieces_of_a = [&](const int64_t *p0, const int64_t *pn, int np, bool apart) {
+        const std::string what = apart ? "apart" : "sharing rows";
+        check_op("add_rows chain of pieces made from rows of a, " + what,
+                 [&](Harness &h) {
+                     ql_tensor *a = h.input(QL_TYPE_F32, {E, N, 1, 1}, true), *r = a;
+                     for (int i = 0; i < np; i++) {
+                         ql_tensor *v = ql_view_2d(h.ctx, a, E, pn[i], a->nb[1], (size_t)p0[i] * a->nb[1]);
+                         r = ql_add_rows(h.ctx, r, ql_mul(h.ctx, v, v), p0[i]);
+                     }
+                     return r;
+                 },
+                 [&](const Inputs &in) {
+                     Vec o = in[0];
+                     for (int i = 0; i < np; i++)
+                         for (int64_t j = p0[i] * E; j < (p0[i] + pn[i]) * E; j++) o[(size_t)j] += in[0][(size_t)j] * in[0][(size_t)j];
+                     return o;
+                 },
+                 Tol(), [&](Harness &h) {
+                     int whole = 0;  // a-sized gradients made: a view_back, dy added at the end
+                     for (int i = 0; i < ql_graph_n_nodes(h.gb); i++) {
+                         const ql_tensor *t = ql_graph_node(h.gb, i);
+                         whole += (t->op == QL_OP_VIEW_BACK || t->op == QL_OP_ADD) && ql_nelements(t) == E * N;
+                     }
+                     CHECK(whole == 0);
+                 });
+    };
+    pieces_of_a(at, len, 3, true);
+    const int64_t at2[2] = {0, 3}, len2[2] = {6, 6};  // rows 0-5 and 3-8
+    pieces_of_a(at2, len2, 2, false);
     check_op("add_rows, a part of the rows, b a strided view, a 3-d a",
              [&](Harness &h) {
                  ql_tensor *a = h.input(QL_TYPE_F32, {E, 4, 3, 1}, true), *b = h.input(QL_TYPE_F32, {E + 5, 2, 1, 1}, true);
@@ -1600,6 +1634,45 @@ TEST_CASE("add_rows: the bits of ql_add; a chain goes in place; bad shapes are r
     CHECK(ql_add_rows(ctx, ql_transpose(ctx, x), ql_new_tensor_2d(ctx, QL_TYPE_F32, N, 3), 0) == nullptr);  // a not contiguous
     ql_ctx_clear_error(ctx);
     ql_graph_free(g);
+    ql_backend_free(be);
+    ql_free(ctx);
+}
+
+TEST_CASE("backward: each parameter's accumulation runs as soon as its gradient is complete, not at the end") {
+    ql_init_params ip{8u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    const int L = 6;
+    ql_tensor *h = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_F32, 8, 16));
+    for (int i = 0; i < 8 * 16; i++) ((float *)h->data)[i] = 0.01f * (float)(i % 13);
+    std::vector<ql_tensor *> w;
+    for (int l = 0; l < L; l++) {
+        w.push_back(ql_set_param(ql_new_tensor_2d(ctx, QL_TYPE_F32, 8, 8)));
+        for (int i = 0; i < 64; i++) ((float *)w.back()->data)[i] = 0.1f * (float)((i * 7 + l) % 5) - 0.2f;
+        h = ql_mul_mat(ctx, w.back(), h);
+    }
+    ql_tensor *loss = ql_sum(ctx, h);
+    ql_graph *gf = ql_graph_new(ctx);
+    REQUIRE(ql_graph_build_forward(gf, loss) == QL_OK);
+    ql_graph *gb = ql_graph_backward(ctx, gf, loss);
+    REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
+    std::unordered_map<const ql_tensor *, int> pos;
+    for (int i = 0; i < ql_graph_n_nodes(gb); i++) pos[ql_graph_node(gb, i)] = i;
+    int accs = 0;
+    for (int i = 0; i < ql_graph_n_nodes(gb); i++) {
+        const ql_tensor *t = ql_graph_node(gb, i);
+        if (t->op != QL_OP_ACC_GRAD) continue;
+        accs++;
+        REQUIRE(pos.count(t->src[1]));
+        CHECK(i == pos[t->src[1]] + 1);  // right after its gradient: that gradient dies there
+    }
+    CHECK(accs == L);
+    ql_backend *be = ql_backend_cpu_init(1);  // (the gradients' values: every other autodiff test)
+    REQUIRE(ql_graph_plan(gb, be, nullptr) == QL_OK);
+    REQUIRE(ql_graph_alloc(gb, be) == QL_OK);
+    ql_graph_zero_grads(gb);
+    REQUIRE(ql_backend_graph_compute(be, gb) == QL_OK);
+    ql_graph_free(gb);
+    ql_graph_free(gf);
     ql_backend_free(be);
     ql_free(ctx);
 }
