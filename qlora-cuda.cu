@@ -4777,6 +4777,7 @@ static ql_status cuda_graph_compute(ql_backend *be, ql_graph *g) {
     // on another device of a split) is an error, not a fault
     for (int i = ex.first; i < ex.last; i++) {
         const ql_tensor *node = ql_graph_node(g, i);
+        if (node->op == QL_OP_TO_DEVICE) continue;  // (a host leaf's copy, ql_to_device: reads host memory by design)
         for (const ql_tensor *s : node->src) {
             if (!s || s->op != QL_OP_NONE) continue;
             const int dev = s->data && ql_nbytes(s) > 0 ? cu_device_of_ptr(s->data) : -1;

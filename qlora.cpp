@@ -2020,6 +2020,13 @@ ql_tensor *ql_cast(ql_context *ctx, ql_tensor *a, ql_type type) {
 }
 ql_tensor *ql_cont(ql_context *ctx, ql_tensor *a) { return a ? ql_cast(ctx, a, a->type) : ql_cast(ctx, a, QL_TYPE_F32); }
 
+ql_tensor *ql_to_device(ql_context *ctx, ql_tensor *host) {
+    if (!srcs_ok(ctx, "to_device", {host})) return nullptr;
+    QL_CHECK(ctx, host->op == QL_OP_NONE && (host->flags & QL_FLAG_HOST) && ql_is_contiguous(host) && !host->aux_size, QL_ERR_INVALID,
+             "to_device: %s must be a contiguous leaf in host memory (QL_FLAG_HOST)", shape_str(host).c_str());
+    return new_op_like(ctx, QL_OP_TO_DEVICE, host->type, host, {host});
+}
+
 static bool can_repeat(const ql_tensor *b, const ql_tensor *a) {  // b broadcasts to a
     for (int i = 0; i < 4; i++)
         if (b->ne[i] == 0 || a->ne[i] % b->ne[i] != 0) return false;
@@ -2969,8 +2976,10 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
     case QL_OP_MUL_MAT_ROWS:
         QL_ERR(ctx, QL_ERR_UNSUPPORTED, "backward: mul_mat_rows writes a gradient made in forward; it has none itself");
         break;
+    case QL_OP_TO_DEVICE:  // a copy (ql_to_device): the gradient passes through
+        gb.add(a, dy);
+        break;
     case QL_OP_TO_HOST:
-    case QL_OP_TO_DEVICE:
         QL_ERR(ctx, QL_ERR_UNSUPPORTED, "backward: %s is made by ql_graph_offload on a backward graph", ql_op_name(node->op));
         break;
     }
@@ -3227,7 +3236,9 @@ ql_status ql_graph_recompute(ql_graph *g, const ql_keep *level, int n_levels, ql
             const ql_op op = g->nodes[(size_t)i]->op;
             kept[(size_t)i] = lv == QL_KEEP_HEAVY && (op == QL_OP_MUL_MAT || op == QL_OP_MUL_MAT_DROPOUT || op == QL_OP_FLASH_ATTN);
         }
-        if (lv == QL_KEEP_NONE) kept[(size_t)fs.in[(size_t)k]] = false;
+        // an input that is a host leaf's copy (ql_to_device) is copied again, not kept
+        const ql_tensor *in = g->nodes[(size_t)fs.in[(size_t)k]];
+        if (lv == QL_KEEP_NONE || (in->op == QL_OP_TO_DEVICE && in->src[0]->op == QL_OP_NONE)) kept[(size_t)fs.in[(size_t)k]] = false;
     }
     for (int i = 0; i < nf; i++)  // results their constructor asked to have recomputed
         if (g->nodes[(size_t)i]->flags & QL_FLAG_RECOMPUTE) kept[(size_t)i] = false;

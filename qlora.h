@@ -278,7 +278,7 @@ typedef enum ql_op {
     QL_OP_ACC_GRAD,          // param->grad += contribution (in place; the result aliases the grad)
     QL_OP_CACHE_STORE,       // rows written into a persistent cache at a run-time position
     QL_OP_TO_HOST,           // a copy of src[0] in the graph's host memory (activation offload; ql_graph_offload)
-    QL_OP_TO_DEVICE,         // a TO_HOST copy brought back into the planned buffer
+    QL_OP_TO_DEVICE,         // a TO_HOST copy, or a host-memory leaf (ql_to_device), copied into the planned buffer
     QL_OP_ADD_ROWS,          // a with b added to a range of its rows (a result made in pieces of rows)
     QL_OP_WITH_GRAD,         // a scalar itself (a view) with its gradient w.r.t. a tensor made in forward (ql_with_grad)
     QL_OP_MUL_MAT_ROWS,      // a product written over a range of rows of c (in place; the result aliases c)
@@ -384,6 +384,12 @@ ql_tensor *ql_permute(ql_context *ctx, ql_tensor *a, int axis0, int axis1, int a
 ql_tensor *ql_transpose(ql_context *ctx, ql_tensor *a);             // swap ne0 and ne1
 ql_tensor *ql_cont(ql_context *ctx, ql_tensor *a);                  // contiguous copy
 ql_tensor *ql_cast(ql_context *ctx, ql_tensor *a, ql_type type);    // contiguous copy in `type`
+// host: a contiguous leaf in host memory (QL_FLAG_HOST; pinned on a GPU: ql_backend_place_tensors_pinned)
+// copied into the planned buffer where the graph reaches it (on a GPU on the copy stream). Its
+// bytes live on the device only from there to the copy's last reader, and ql_graph_recompute
+// copies it again rather than keep it (an input the caller writes on the host each run: the
+// embedding's rows with --embd-on-host). The host must not write it while a run is in flight.
+ql_tensor *ql_to_device(ql_context *ctx, ql_tensor *host);
 
 // elementwise, f32. b is broadcast to a's shape by repetition: a.ne[i] % b.ne[i] == 0.
 ql_tensor *ql_add(ql_context *ctx, ql_tensor *a, ql_tensor *b);

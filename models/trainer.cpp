@@ -62,7 +62,8 @@ struct ql_trainer {
     ql_backend_buffer *paged_buf = nullptr;  // paged_* on a device: the moments in pinned host memory
     bool on_host = true;
     std::vector<int32_t> in_tokens, in_pos, in_targets, in_seg;  // [T * B] staging for set
-    std::vector<float> in_embd;  // [n_embd * T * B] embedding rows gathered on the host (embd_host)
+    ql_backend_buffer *embd_buf = nullptr;  // embd_host: the rows input in pinned host memory (the shorter lengths' share it)
+    std::vector<std::pair<ql_tensor *, void *>> embd_alias;  // those shorter lengths' inputs, and their own bytes
     bool embd_host = false;      // the token embedding stays in host memory (QL_FLAG_HOST)
     // --cache-weights: the frozen weights that get a copy in the compute type (flagged while the
     // plan has them: QL_FLAG_CACHED), and on a device the buffer of the copies
@@ -215,9 +216,12 @@ static batch_io make_io(ql_context *ctx, const ql_llama &m, int64_t T, int64_t B
         io.h_in = ql_format_name(ql_new_tensor_3d(ctx, QL_TYPE_F32, m.hp.n_embd, T, B), "blk.%d.in", l0);
         io.h_in = backward ? ql_set_param(io.h_in) : ql_set_input(io.h_in);
     } else if (embd_host) {
+        // in host memory, gathered there each run and copied to the device where block 0 reads
+        // it (and again for its recompute): not a device input alive through the whole step
         io.embd = embd_shared && embd_shared->ne[0] == m.hp.n_embd && embd_shared->ne[1] == T && embd_shared->ne[2] == B
                       ? embd_shared
-                      : ql_set_input(ql_new_tensor_3d(ctx, QL_TYPE_F32, m.hp.n_embd, T, B));
+                      : ql_set_input(ql_set_name(ql_new_tensor_3d(ctx, QL_TYPE_F32, m.hp.n_embd, T, B), "token_embd.rows"));
+        if (io.embd) io.embd->flags |= QL_FLAG_HOST;
     } else {
         io.tokens = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, T, B));
     }
@@ -227,7 +231,7 @@ static batch_io make_io(ql_context *ctx, const ql_llama &m, int64_t T, int64_t B
         io.targets = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, T * B));
         io.count = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_F32, 1));
     }
-    ql_tensor *x = !first ? io.h_in : embd_host ? io.embd : ql_get_rows(ctx, m.tok_embd, io.tokens);  // [n_embd, T, B]
+    ql_tensor *x = !first ? io.h_in : embd_host ? ql_to_device(ctx, io.embd) : ql_get_rows(ctx, m.tok_embd, io.tokens);  // [n_embd, T, B]
     ql_tensor *h = ql_llama_hidden_range(ctx, &m, x, io.pos, io.seg, l0, l1);
     if (last) {
         io.loss = ql_llama_loss(ctx, &m, h, io.targets, io.count, loss_chunk, backward && loss_fused);
@@ -300,9 +304,10 @@ static bool build(ql_trainer *t, ql_context *ctx) {
         // limitation: a checkpoint that is a view of another tensor (a segment inside a block can
         // start at attention's permuted [head_dim, heads, T, B]) stays on the device: ql_graph_offload
         // copies whole forward results only
+        // (an upload of host memory, ql_to_device, is copied again instead)
         auto copyable = [](const ql_tensor *x) {
             return ql_is_contiguous(x) && !x->aux_size && x->op != QL_OP_VIEW && x->op != QL_OP_RESHAPE &&
-                   x->op != QL_OP_PERMUTE && x->op != QL_OP_TRANSPOSE;
+                   x->op != QL_OP_PERMUTE && x->op != QL_OP_TRANSPOSE && x->op != QL_OP_TO_DEVICE;
         };
         for (size_t i = 0; i < in.size(); i++)
             if (t->levels[i] == QL_KEEP_INPUT && in[i] && copyable(in[i])) off.push_back(in[i]);
@@ -491,7 +496,6 @@ static void device_plan(ql_trainer *t, ql_context *meas, size_t train_buf, size_
     const std::vector<ql_tensor *> sw = stage_weights(t);
     m.dev_weights = t->is_stage ? ql_tensors_placed_bytes(sw.data(), (int)sw.size()) : ql_ctx_placed_bytes(t->f->ctx);
     std::map<std::string, size_t> by_type;
-    const ql_llama &md = t->f->model;
     for (const ql_tensor *w : base_weights(t))
         if (w && w->data && !(w->flags & QL_FLAG_HOST)) by_type[ql_type_name(w->type)] += ql_nbytes(w) + w->aux_size;
     m.dev_weights_by_type.assign(by_type.begin(), by_type.end());
@@ -509,7 +513,7 @@ static void device_plan(ql_trainer *t, ql_context *meas, size_t train_buf, size_
     // embedding's rows on the host, else none: the placement gives the model's pages back) and
     // pinned memory. Not planned: the device runtime's own (kernels loaded on first use).
     const size_t n_in = (size_t)(t->T * t->B);
-    const size_t staged = n_in * 4 * sizeof(int32_t) + (t->embd_host ? n_in * (size_t)md.hp.n_embd * sizeof(float) : 0);
+    const size_t staged = n_in * 4 * sizeof(int32_t);  // (the embedding's rows are gathered into their pinned input)
     m.host = m.weights + m.headers + m.graph_heap + m.lora + m.optimizer + staged + m.host_pinned + m.dist;
     m.host += plan_reserve(m.host);
 }
@@ -557,9 +561,10 @@ static bool measure(ql_trainer *t, std::string *err) {
         std::vector<ql_tensor *> in((size_t)t->levels.size(), nullptr);
         if (!in.empty()) ql_graph_segments(t->tr.g, in.data(), (int)in.size());
         for (size_t i = 0; i < in.size(); i++)
-            if (t->levels[i] == QL_KEEP_INPUT && in[i]) m.checkpoints += ql_nbytes(in[i]) + in[i]->aux_size;
+            if (t->levels[i] == QL_KEEP_INPUT && in[i] && in[i]->op != QL_OP_TO_DEVICE) m.checkpoints += ql_nbytes(in[i]) + in[i]->aux_size;
         m.offload = t->o.offload_activations && m.checkpoints > 0;
-        m.host_pinned = ps.host_size;
+        m.host_rows = t->tr.embd && !t->on_host ? ql_nbytes(t->tr.embd) : 0;  // (one buffer: evaluation and the shorter lengths share it)
+        m.host_pinned = ps.host_size + m.host_rows;
         m.dist = t->o.world > 1 || t->o.dist_always ? m.grads : 0;
         const size_t planned = m.weights + arena + m.graph_heap + std::max(ps.buffer_size, es.buffer_size) + m.dist;
         m.reserve = plan_reserve(planned);
@@ -1192,13 +1197,20 @@ static bool allocate(ql_trainer *t, std::string *err) {
             return false;
         }
     }
+    if (t->tr.embd && !t->on_host) {  // the embedding's rows input: pinned (its copy to the device is async, and captured)
+        if (!(t->embd_buf = ql_backend_place_tensors_pinned(t->be, &t->tr.embd, 1))) {
+            *err = "the embedding's rows input: " + mib_text(ql_nbytes(t->tr.embd)) + " of pinned host memory could not be had";
+            return false;
+        }
+        for (batch_io &b : t->bucket_io)  // the shorter lengths' inputs: the same bytes (one run at a time)
+            if (b.embd && b.embd != t->tr.embd) t->embd_alias.push_back({b.embd, b.embd->data}), b.embd->data = t->tr.embd->data;
+    }
     for (const auto &st : t->state)  // zero moments (8-bit: zero absmax makes every code 0)
         for (ql_tensor *x : st)
             if (x->flags & QL_FLAG_HOST) memset(x->data, 0, ql_nbytes(x));
             else ql_backend_tensor_memset(t->be, x, 0, 0, ql_nbytes(x));
     const size_t n_in = (size_t)(t->T * t->B);
     t->in_tokens.assign(n_in, 0), t->in_pos.assign(n_in, 0), t->in_targets.assign(n_in, 0), t->in_seg.assign(n_in, 0);
-    if (t->embd_host) t->in_embd.assign(n_in * (size_t)t->f->model.hp.n_embd, 0.0f);
     t->dist_grads.assign(t->mem.dist / sizeof(float), 0.0f);  // (world 1: none)
     for (const ql_tensor *p : t->params)
         if ((t->o.world > 1 || t->o.dist_always) && !t->on_host) t->dist_dev.push_back((float *)p->grad->data), t->dist_n.push_back((size_t)ql_nelements(p->grad));
@@ -1354,6 +1366,8 @@ void ql_trainer_free(ql_trainer *t) {
     t->bucket_io.clear();
     ql_optim_list_free(t->olist);
     ql_backend_buffer_free(t->paged_buf);
+    for (auto &a : t->embd_alias) a.first->data = a.second;
+    ql_backend_buffer_free(t->embd_buf);
     ql_backend_buffer_free(t->cache_buf);    // the weights' copies (their flags cleared),
     ql_backend_buffer_free(t->state_buf);    // the tensors back on the arena,
     ql_backend_buffer_free(t->weights_buf);  // the weights on the file mapping
@@ -1468,12 +1482,12 @@ static bool fill(ql_trainer *t, const batch_io &io, const ql_sequence *const *se
         }
     }
     const size_t n = (size_t)(T * B) * 4;
-    if (io.embd) {  // the embedding on the host: its rows of this batch gathered here, uploaded
+    if (io.embd) {  // the embedding on the host: its rows of this batch gathered into the (pinned) input the graph uploads
         const ql_tensor *e = t->f->model.tok_embd;
         const size_t E = (size_t)e->ne[0];
+        if (!t->on_host && ql_backend_synchronize(t->be) != QL_OK) return false;  // (no run still reading the last batch's)
         for (size_t k = 0; k < (size_t)(T * B); k++)
-            if (ql_tensor_row_to_float(e, tk[k], t->in_embd.data() + k * E) != QL_OK) return false;
-        if (ql_backend_tensor_set(t->be, io.embd, t->in_embd.data(), 0, (size_t)(T * B) * E * sizeof(float)) != QL_OK) return false;
+            if (ql_tensor_row_to_float(e, tk[k], (float *)io.embd->data + k * E) != QL_OK) return false;
     }
     // (a stage of a split has the inputs its blocks read: the tokens on the first, the targets on the last)
     return (!io.tokens || ql_backend_tensor_set(t->be, io.tokens, tk, 0, n) == QL_OK) && ql_backend_tensor_set(t->be, io.pos, ps, 0, n) == QL_OK &&
@@ -2229,9 +2243,12 @@ bool ql_trainer_to_host(ql_trainer *t, std::string *err) {
     ql_backend_buffer_free(t->state_buf);  // every placed tensor back on its host bytes
     ql_backend_buffer_free(t->weights_buf);
     ql_backend_buffer_free(t->paged_buf);
+    for (auto &a : t->embd_alias) a.first->data = a.second;
+    t->embd_alias.clear();
+    ql_backend_buffer_free(t->embd_buf);
     ql_optim_list_free(t->olist);  // (its pointers were the device's: no step after this)
     t->olist = nullptr;
-    t->state_buf = t->weights_buf = t->paged_buf = t->cache_buf = nullptr;
+    t->state_buf = t->weights_buf = t->paged_buf = t->cache_buf = t->embd_buf = nullptr;
     for (const auto &st : t->state)
         for (ql_tensor *x : st) x->flags &= ~QL_FLAG_HOST;
     t->on_host = true;

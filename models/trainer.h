@@ -198,7 +198,8 @@ struct ql_memory_plan {
     bool   dev_context_estimated = false;  // an estimate for this cc, not measured on such a card
     size_t dev_granularity = 0; // which rounds each allocation up to a multiple of this
     size_t dev_rounding = 0;    // the device allocator's granularity over our few allocations (+ one for its scratch)
-    size_t host_pinned = 0;     // offloaded checkpoints in pinned host memory (a device run with --offload-activations)
+    size_t host_pinned = 0;     // pinned host memory: offloaded checkpoints (--offload-activations) and host_rows
+    size_t host_rows = 0;       // of it the step's embedding rows input (a device run with the embedding on the host)
     bool   embd_on_host = false;
     size_t host_embd = 0;       // the embedding's bytes kept in host memory (read a row at a time)
     size_t dev_cache = 0;       // --cache-weights: the frozen weights' copies in the compute type (0: none)

@@ -1554,10 +1554,12 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
         std::vector<float> adapter;
         ql_memory_plan plan;
         size_t allocated = 0;  // device memory the trainer allocated (ql_backend_memory_used)
+        size_t n_lengths = 0;  // training graphs (dynamic padding)
     };
     using C = ql_checkpointing;
     auto run = [&](int64_t chunk, int embd_host, C checkpointing = C::none, bool offload = false, ql_optim optim = ql_optim::adamw,
-                   int64_t ffn_chunk = -1) {
+                   int64_t ffn_chunk = -1, const std::vector<ql_sequence> *data = nullptr) {
+        const std::vector<ql_sequence> &seqs_run = data ? *data : seqs;
         result r;
         char err[256];
         ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
@@ -1570,13 +1572,14 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
         oo.optim = optim;
         oo.ffn_chunk = ffn_chunk;
         std::string e;
-        REQUIRE_MESSAGE(ql_train_plan(f, seqs, seqs, oo, &r.plan, &e), e);
+        REQUIRE_MESSAGE(ql_train_plan(f, seqs_run, seqs_run, oo, &r.plan, &e), e);
         size_t before = 0, after = 0;
         ql_backend_memory_used(be, &before, nullptr);
-        ql_trainer *t = ql_trainer_new(f, seqs, seqs, oo, &e);
+        ql_trainer *t = ql_trainer_new(f, seqs_run, seqs_run, oo, &e);
         REQUIRE_MESSAGE(t, e);
         ql_backend_memory_used(be, &after, nullptr);
         r.allocated = after - before;
+        r.n_lengths = ql_trainer_lengths(t).size();
         ql_step_metrics m;
         while (ql_trainer_steps_done(t) < ql_trainer_total_steps(t)) {
             REQUIRE_MESSAGE(ql_trainer_step(t, &m, &e), e);
@@ -1592,6 +1595,10 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
     const result whole = run(-1, 0), chunked = run(10, ql_backend_is_host(be) ? 0 : 1);
     const result block = run(-1, 0, C::block), offloaded = run(-1, 0, C::block, true);
     const result ffn = run(-1, 0, C::block, false, ql_optim::adamw, 10);  // 48 token rows in chunks of 10
+    // the rows input in pinned host memory, copied in by the graph (ql_to_device) for block 0's
+    // forward and again for its recompute, with the checkpoints offloaded; and the FFN in chunks
+    const result rows_offloaded = run(-1, ql_backend_is_host(be) ? 0 : 1, C::block, true),
+                 rows_ffn = run(-1, ql_backend_is_host(be) ? 0 : 1, C::block, false, ql_optim::adamw, 10);
     const result paged = run(-1, 0, C::none, false, ql_optim::paged_adamw), paged8 = run(-1, 0, C::none, false, ql_optim::paged_adamw8bit),
                  eight = run(-1, 0, C::none, false, ql_optim::adamw8bit);
     // 48 rows in chunks of 10: every chunk covers the whole vocabulary, so the loss is the same sum
@@ -1612,6 +1619,35 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
     REQUIRE(ffn.losses.size() == block.losses.size());
     for (size_t s = 0; s < block.losses.size(); s++) CHECK(ffn.losses[s] == doctest::Approx(block.losses[s]).epsilon(1e-5));
     CHECK(norm_err(ffn.adapter, block.adapter) <= 1e-4);
+    CHECK(rows_offloaded.losses == offloaded.losses);  // the same rows, gathered on the host: the same bits
+    CHECK(rows_offloaded.adapter == offloaded.adapter);
+    CHECK(rows_ffn.losses == ffn.losses);
+    CHECK(rows_ffn.adapter == ffn.adapter);
+    {  // 48 positions; lengths 48, 48, 12, 20 in micro-batches of 2: a shorter graph (dynamic
+       // padding) whose rows input shares the longest one's pinned bytes
+        std::vector<ql_sequence> mixed;
+        for (int s = 0; s < 4; s++) {
+            ql_sequence q;
+            int tok = (7 * s + 2) % 97;
+            const int n = s < 2 ? 48 : s == 2 ? 12 : 20;
+            for (int i = 0; i < 48; i++) {  // (padded to 48, as the data's sequences are)
+                q.tokens.push_back(i < n ? tok : 0);
+                q.pos.push_back(i);
+                q.seg.push_back(0);
+                tok = (5 * tok + 3) % 97;
+                q.targets.push_back(i >= 3 && i < n ? tok : -1);
+                q.n_targets += q.targets.back() >= 0;
+            }
+            q.len = n;
+            mixed.push_back(q);
+        }
+        const result dev = run(-1, 0, C::block, false, ql_optim::adamw, -1, &mixed),  // (offload keeps one length)
+                     host = run(-1, ql_backend_is_host(be) ? 0 : 1, C::block, false, ql_optim::adamw, -1, &mixed);
+        CHECK(dev.losses == host.losses);
+        CHECK(dev.adapter == host.adapter);
+        CHECK(dev.losses != block.losses);
+        CHECK(host.n_lengths >= 2);  // (a shorter graph did run)
+    }
     // paged state (on a GPU: pinned host memory its kernel updates in place): the same updates
     CHECK(paged.losses == whole.losses);
     CHECK(paged.adapter == whole.adapter);
@@ -1627,17 +1663,25 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
     CHECK(chunked.plan.embd_on_host);
     CHECK(chunked.plan.host_embd == (size_t)(97 * 64 * 4));
     CHECK(chunked.plan.dev_weights < whole.plan.dev_weights);
-    // the step's embedding rows: one [64, 24, 2] f32 input that training and evaluation both read
-    // (two before: 12 KiB more; the token ids they replace are 192 bytes a graph)
+    // the step's embedding rows: one [64, 24, 2] f32 input that training and evaluation both read,
+    // in pinned host memory (on the device only from its copy to its last reader: in the graph's
+    // buffer); the token ids they replace were 192 bytes a graph
     const size_t rows_in = 64 * 24 * 2 * 4;
     MESSAGE("device state: token ids ", whole.plan.dev_state, ", embedding rows ", chunked.plan.dev_state);
-    CHECK(chunked.plan.dev_state + 2 * 256 >= whole.plan.dev_state + rows_in);
-    CHECK(chunked.plan.dev_state <= whole.plan.dev_state + rows_in);
+    CHECK(chunked.plan.dev_state < whole.plan.dev_state);
+    CHECK(chunked.plan.dev_state + 2 * 256 >= whole.plan.dev_state);
+    CHECK(chunked.plan.host_pinned == rows_in);
+    // block 0's checkpoint is the rows' copy, made again in backward: not kept, not offloaded (2
+    // layers: nothing is left to offload; the pinned bytes are the rows')
+    CHECK(rows_offloaded.plan.checkpoints + rows_in == offloaded.plan.checkpoints);
+    CHECK(rows_offloaded.plan.saved <= offloaded.plan.saved);
+    CHECK(offloaded.plan.host_pinned == rows_in);  // (block 0's checkpoint, the same size)
+    CHECK(rows_offloaded.plan.host_pinned == rows_in);
     CHECK(offloaded.plan.host_pinned > 0);  // 2 layers: the first block's checkpoint (the last stays)
     CHECK(offloaded.plan.saved < block.plan.saved);
     CHECK(paged.plan.optimizer_host);
     CHECK(paged.plan.dev_state + paged.plan.optimizer == whole.plan.dev_state);  // the moments left the device
-    for (const result *r : {&whole, &chunked, &block, &offloaded, &paged, &paged8, &ffn}) {
+    for (const result *r : {&whole, &chunked, &block, &offloaded, &paged, &paged8, &ffn, &rows_offloaded, &rows_ffn}) {
         // (and the weights' copies, which --cache-weights auto takes on the shim's 16 GiB)
         CHECK(r->allocated == r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer + r->plan.dev_cache);
         CHECK(r->plan.total ==

@@ -319,12 +319,12 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
         printf("}, \"embedding_in_host_memory\": %zu}, \"lora\": %zu, \"grads\": %zu, \"optimizer\": %zu, \"optimizer_name\": \"%s\", "
                "\"optimizer_in_host_memory\": %s, \"inputs_and_state\": %zu, \"saved_activations\": %zu, \"checkpoints\": %zu, \"temporaries\": %zu, "
                "\"recompute_peak\": %zu, \"workspace\": %zu, \"graph_buffer\": %zu, \"context\": %zu, \"rounding\": %zu, "
-               "\"total\": %zu, \"limit\": %zu, \"fits\": %s, \"host\": {\"process\": %zu, \"planned\": %zu, \"embedding\": %zu, \"pinned\": %zu}, "
+               "\"total\": %zu, \"limit\": %zu, \"fits\": %s, \"host\": {\"process\": %zu, \"planned\": %zu, \"embedding\": %zu, \"pinned\": %zu, \"rows\": %zu}, "
                "\"checkpointing\": \"%s\", \"recompute_fraction\": %.4f, \"micro_batch\": %d, \"loss_chunk\": %lld, \"ffn_chunk\": %lld, "
                "\"cache_weights\": {\"bytes\": %zu, \"copies_would_take\": %zu, \"choice\": \"%s\"}, \"census\": {\"nodes\": %lld, \"launches\": %lld, \"flops\": %.6g, \"recompute_flops\": %.6g, \"bytes\": {\"matmul\": %.6g, "
                "\"attention\": %.6g, \"loss\": %.6g, \"other\": %.6g}}}\n",
                m.host_embd, m.lora, m.grads, m.optimizer, optim.c_str(), m.optimizer_host ? "true" : "false", m.dev_state, m.saved, m.checkpoints, m.scratch, m.recompute,
-               m.work, m.dev_buffer, m.dev_context, m.dev_rounding, m.total, limit, fits ? "true" : "false", process, m.host, m.host_embd, m.host_pinned,
+               m.work, m.dev_buffer, m.dev_context, m.dev_rounding, m.total, limit, fits ? "true" : "false", process, m.host, m.host_embd, m.host_pinned, m.host_rows,
                m.checkpointing.c_str(), m.recompute_fraction, m.micro_batch, (long long)m.loss_chunk, (long long)m.ffn_chunk,
                m.dev_cache, m.cache_candidate, m.cache_weights.c_str(), (long long)m.census.nodes, (long long)m.census.launches, m.census.flops, m.census.recompute_flops,
                m.census.bytes[QL_CENSUS_MATMUL], m.census.bytes[QL_CENSUS_ATTENTION], m.census.bytes[QL_CENSUS_LOSS], m.census.bytes[QL_CENSUS_OTHER]);
@@ -333,7 +333,9 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
     const std::string types = by_type_text(m.dev_weights_by_type);
     printf("finetune: device memory plan (MiB), %s\n", m.device_desc.c_str());
     printf("  base weights, whole, as stored         %10.1f   %s\n", m.dev_weights / MiB, types.c_str());
-    if (m.embd_on_host) printf("    (the token embedding stays in host memory: %.1f; the step's rows are gathered and uploaded)\n", m.host_embd / MiB);
+    if (m.embd_on_host)
+        printf("    (the token embedding stays in host memory: %.1f; the step's rows are gathered into pinned memory, %.1f, and copied in where\n"
+               "    block 0 reads them)\n", m.host_embd / MiB, m.host_rows / MiB);
     printf("  LoRA parameters (fp32)                 %10.1f\n", m.lora / MiB);
     printf("  gradients (fp32)                       %10.1f\n", m.grads / MiB);
     printf("  optimizer state (%-20s %10.1f   %.2f bytes per parameter%s\n", (optim + ")").c_str(), m.optimizer / MiB,
@@ -341,8 +343,9 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
            m.optimizer_host ? "; paged: pinned host memory, updated there by the GPU" : "");
     printf("  graph inputs                           %10.2f\n", (m.dev_state - std::min(m.dev_state, m.lora + m.grads + m.optimizer)) / MiB);
     printf("  saved activations (forward->backward)  %10.1f", m.saved / MiB);
-    if (m.checkpoints) printf("   of them block checkpoints %.1f", (m.checkpoints - std::min(m.checkpoints, m.host_pinned)) / MiB);
-    if (m.host_pinned) printf("\n    offloaded: %.1f of checkpoints in pinned host memory, copied on a second stream", m.host_pinned / MiB);
+    const size_t offloaded = m.host_pinned - std::min(m.host_pinned, m.host_rows);
+    if (m.checkpoints) printf("   of them block checkpoints %.1f", (m.checkpoints - std::min(m.checkpoints, offloaded)) / MiB);
+    if (offloaded) printf("\n    offloaded: %.1f of checkpoints in pinned host memory, copied on a second stream", offloaded / MiB);
     printf("\n  temporaries and recompute              %10.1f", m.scratch / MiB);
     if (m.recompute) printf("   recomputed results: at most %.1f at once", m.recompute / MiB);
     printf("\n  kernel workspace (dequant tiles, attn) %10.1f\n", m.work / MiB);
@@ -361,7 +364,7 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
     printf("\n    of it: the adapter's and moments' copies (checkpoints are written from them) %.1f", (m.lora + m.optimizer) / MiB);
     if (m.dist) printf(", the gradients packed for the all-reduce (data parallel) %.1f", m.dist / MiB);
     if (m.embd_on_host) printf(", the embedding's rows read from the model's mapping %.1f", m.weights / MiB);
-    if (m.host_pinned) printf(", pinned %.1f (offloaded checkpoints)", m.host_pinned / MiB);
+    if (m.host_pinned) printf(", pinned %.1f (offloaded checkpoints, the embedding's rows)", m.host_pinned / MiB);
     printf("\n    (the model's pages go back to the kernel once copied to the device; the CUDA runtime's own host memory, its\n"
            "    kernels loaded on first use, is not planned)");
     printf("\n  checkpointing: %s", m.checkpointing.c_str());
