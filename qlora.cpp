@@ -3665,8 +3665,13 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
         if (own != idx.end()) {
             ql_plan_entry &e = g->entries[(size_t)own->second];
             bool placed = false;
-            const int k = g->no_reuse ? -1 : inplace_src(node);
-            ql_tensor *s = k >= 0 ? node->src[k] : nullptr;
+            // an add or product of same-shaped tensors may also write over its second source (read
+            // element by element before the write) when the first lives on: the recompute's residual
+            // add (the checkpoint + the o projection's output) needs no third [E, T]
+            const int k0 = g->no_reuse ? -1 : inplace_src(node);
+            const bool both = (node->op == QL_OP_ADD || node->op == QL_OP_MUL) && node->src[1] && ql_same_shape(node->src[1], node);
+            for (int k = k0; k >= 0 && k <= (both ? 1 : k0) && !placed; k++) {
+            ql_tensor *s = node->src[k];
             if (s && s->view_src == nullptr && idx.count(s)) {
                 const int se = idx[s];
                 bool shared = false;  // another source in the same block would be overwritten under it
@@ -3682,6 +3687,7 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
                     placed = true;
                     n_inplace++;
                 }
+            }
             }
             if (e.host) {  // host memory: alive from the forward to its copy back, all at once anyway
                 e.offset = host_top;

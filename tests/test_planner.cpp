@@ -248,3 +248,48 @@ TEST_CASE("planner: blocks placed by size fill the holes execution order leaves"
     ql_backend_free(be);
     ql_free(ctx);
 }
+
+TEST_CASE("planner: an add (or product) writes over its second source when the first lives on; the values stay") {
+    // y = x + f(x): x is read again later (a residual stream's checkpoint), f(x) dies at the add -
+    // the add takes f(x)'s block instead of a third [E, T]
+    for (ql_op op : {QL_OP_ADD, QL_OP_MUL}) {
+        CAPTURE(ql_op_name(op));
+        ql_init_params ip{8u << 20, nullptr, false, false};
+        ql_context *ctx = ql_init(ip);
+        const int64_t E = 32, T = 24;
+        ql_tensor *in = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_F32, E, T));
+        for (int64_t i = 0; i < E * T; i++) ((float *)in->data)[i] = 0.01f * (float)(i % 37) - 0.1f;
+        ql_tensor *x = ql_scale(ctx, in, 2.0f);                 // a result that stays alive
+        ql_tensor *f = ql_scale(ctx, ql_rms_norm(ctx, x, 1e-5f), 3.0f);
+        ql_tensor *y = op == QL_OP_ADD ? ql_add(ctx, x, f) : ql_mul(ctx, x, f);
+        ql_tensor *out = ql_add(ctx, ql_scale(ctx, y, 0.5f), x);  // x read after y
+        ql_set_output(out);
+        ql_graph *g = ql_graph_new(ctx);
+        REQUIRE(ql_graph_build_forward(g, out) == QL_OK);
+        ql_backend *be = ql_backend_cpu_init(2);
+        REQUIRE(ql_graph_plan(g, be, nullptr) == QL_OK);
+        const ql_plan_entry *pe = nullptr;
+        const int n = ql_graph_plan_entries(g, &pe);
+        size_t y_off = 1, f_off = 0;
+        for (int i = 0; i < n; i++) {
+            if (pe[i].tensor == y) {
+                y_off = pe[i].offset;
+                CHECK(pe[i].inplace);
+            }
+            if (pe[i].tensor == f) f_off = pe[i].offset;
+        }
+        CHECK(y_off == f_off);
+        REQUIRE(ql_graph_alloc(g, be) == QL_OK);
+        ql_graph_set_poison(g, true);
+        REQUIRE(ql_backend_graph_compute(be, g) == QL_OK);
+        std::vector<float> got((const float *)out->data, (const float *)out->data + E * T);
+        ql_graph_set_no_reuse(g, true);  // the same graph, every result its own bytes
+        REQUIRE(ql_graph_plan(g, be, nullptr) == QL_OK);
+        REQUIRE(ql_graph_alloc(g, be) == QL_OK);
+        REQUIRE(ql_backend_graph_compute(be, g) == QL_OK);
+        CHECK(memcmp(got.data(), out->data, got.size() * sizeof(float)) == 0);
+        ql_graph_free(g);
+        ql_backend_free(be);
+        ql_free(ctx);
+    }
+}
