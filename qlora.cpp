@@ -3289,7 +3289,9 @@ ql_status ql_graph_recompute(ql_graph *g, const ql_keep *level, int n_levels, ql
     return QL_OK;
 }
 
-ql_status ql_graph_offload(ql_graph *g, ql_tensor *const *tensors, int n_off) {
+ql_status ql_graph_offload(ql_graph *g, ql_tensor *const *tensors, int n_off) { return ql_graph_offload_ex(g, tensors, n_off, 0); }
+
+ql_status ql_graph_offload_ex(ql_graph *g, ql_tensor *const *tensors, int n_off, int flags) {
     if (!g || (n_off && !tensors)) return QL_ERR_INVALID;
     ql_context *ctx = g->ctx;
     if (ctx->status != QL_OK) return ctx->status;
@@ -3300,7 +3302,10 @@ ql_status ql_graph_offload(ql_graph *g, ql_tensor *const *tensors, int n_off) {
     const int nf = g->n_forward, n = (int)g->nodes.size();
     std::unordered_map<const ql_tensor *, int> at;  // forward node -> index
     for (int i = 0; i < nf; i++) at[g->nodes[(size_t)i]] = i;
-    struct item { ql_tensor *t; int made, first_back; ql_tensor *host, *back; };
+    // late: the backward readers after the widest gap between them (block recompute: the
+    // recompute at a block's start, the norm's backward at its end) read a second copy brought
+    // back just before them; nothing of the checkpoint is on the device in between
+    struct item { ql_tensor *t; int made, first_back, late; ql_tensor *host, *back, *back2; };
     std::vector<item> items;
     for (int k = 0; k < n_off; k++) {
         ql_tensor *t = tensors[k];
@@ -3310,59 +3315,89 @@ ql_status ql_graph_offload(ql_graph *g, ql_tensor *const *tensors, int n_off) {
                    t ? shape_str(t).c_str() : "(null)");
             return ctx->status;
         }
-        int first = -1;
-        for (int j = nf; j < n && first < 0; j++)
+        std::vector<int> readers;
+        for (int j = nf; j < n; j++)
             for (ql_tensor *s : g->nodes[(size_t)j]->src)
-                if (s && view_root(s) == t) first = j;
-        if (first >= 0) items.push_back({t, it->second, first, nullptr, nullptr});  // backward never reads it: nothing to do
+                if (s && view_root(s) == t) {
+                    readers.push_back(j);
+                    break;
+                }
+        if (readers.empty()) continue;  // backward never reads it: nothing to do
+        int late = -1;
+        if (flags & QL_OFFLOAD_LATE) {
+            size_t q = 0;
+            int gap = 0;
+            for (size_t r = 1; r < readers.size(); r++)
+                if (readers[r] - readers[r - 1] > gap) gap = readers[r] - readers[r - 1], q = r;
+            if (gap > 1 && 2 * gap >= readers.back() - readers.front()) late = readers[q];
+        }
+        items.push_back({t, it->second, readers.front(), late, nullptr, nullptr, nullptr});
     }
     // backward meets them in reverse: each comes back just before the previous one's first use
+    // (late: just before the previous one's late readers, with their copy)
     std::sort(items.begin(), items.end(), [](const item &a, const item &b) { return a.first_back < b.first_back; });
     std::vector<std::vector<ql_tensor *>> before((size_t)n + 1), after_fwd((size_t)nf);
+    auto copy_back = [&](const item &x, const char *what) {
+        ql_tensor *c = new_tensor_impl(ctx, x.t->type, 4, x.t->ne, "to_device");
+        if (!c) return c;
+        c->op = QL_OP_TO_DEVICE;
+        c->src[0] = x.host;
+        ql_format_name(c, "%s (%s)", x.t->name[0] ? x.t->name : ql_op_name(x.t->op), what);
+        return c;
+    };
     for (size_t k = 0; k < items.size(); k++) {
         item &x = items[k];
         x.host = new_tensor_impl(ctx, x.t->type, 4, x.t->ne, "to_host");
-        x.back = new_tensor_impl(ctx, x.t->type, 4, x.t->ne, "to_device");
-        if (!x.host || !x.back) return ctx->status;
+        if (!x.host) return ctx->status;
         x.host->op = QL_OP_TO_HOST;
         x.host->src[0] = x.t;
-        x.back->op = QL_OP_TO_DEVICE;
-        x.back->src[0] = x.host;
         ql_format_name(x.host, "%s (host)", x.t->name[0] ? x.t->name : ql_op_name(x.t->op));
-        ql_format_name(x.back, "%s (back)", x.t->name[0] ? x.t->name : ql_op_name(x.t->op));
+        if (!(x.back = copy_back(x, "back")) || (x.late >= 0 && !(x.back2 = copy_back(x, "back, late")))) return ctx->status;
         after_fwd[(size_t)x.made].push_back(x.host);
-        before[(size_t)(k == 0 ? x.first_back : items[k - 1].first_back)].push_back(x.back);
+        if (x.back2) before[(size_t)x.late].push_back(x.back2);
+        const int anchor = k == 0 ? x.first_back : items[k - 1].late >= 0 ? items[k - 1].late : items[k - 1].first_back;
+        before[(size_t)anchor].push_back(x.back);
     }
-    std::unordered_map<const ql_tensor *, ql_tensor *> back_of;
-    for (const item &x : items) back_of[x.t] = x.back;
+    std::unordered_map<const ql_tensor *, ql_tensor *> back_of[2];  // [late]: checkpoint (or a view of it) -> its copy's
+    for (const item &x : items) {
+        back_of[0][x.t] = x.back;
+        back_of[1][x.t] = x.back2 ? x.back2 : x.back;
+    }
     std::vector<ql_tensor *> order;
-    order.reserve((size_t)n + 2 * items.size());
+    order.reserve((size_t)n + 3 * items.size());
     // a backward reader of a forward view of a checkpoint (the chunked FFN reads its input by
     // rows) reads the same view of the copy brought back, made again over it once - else the
     // forward view would keep the checkpoint on the device through backward
-    std::function<ql_tensor *(ql_tensor *)> back = [&](ql_tensor *t) -> ql_tensor * {
-        auto it = back_of.find(t);
-        if (it != back_of.end()) return it->second;
+    std::function<ql_tensor *(ql_tensor *, int)> back = [&](ql_tensor *t, int late) -> ql_tensor * {
+        auto it = back_of[late].find(t);
+        if (it != back_of[late].end()) return it->second;
         if (!t->view_src || !aliases_src(t->op) || !at.count(t)) return t;
-        ql_tensor *vs = back(t->view_src);
+        ql_tensor *vs = back(t->view_src, late);
         if (vs == t->view_src) return t;
         ql_tensor *srcs[QL_MAX_SRC] = {nullptr};
-        for (int k = 0; k < QL_MAX_SRC; k++) srcs[k] = t->src[k] ? back(t->src[k]) : nullptr;
+        for (int k = 0; k < QL_MAX_SRC; k++) srcs[k] = t->src[k] ? back(t->src[k], late) : nullptr;
         ql_tensor *c = clone_node(ctx, t, srcs, vs);
         if (!c) return t;
         c->flags &= ~QL_FLAG_RECOMPUTED;
         ql_format_name(c, "%s (back)", t->name[0] ? t->name : ql_op_name(t->op));
         g->visited.insert(c);
         order.push_back(c);  // after the copy it views (placed before the first backward reader)
-        return back_of[t] = c;
+        return back_of[late][t] = c;
+    };
+    std::unordered_map<const ql_tensor *, int> late_from;  // checkpoint -> the node its late readers start at
+    for (const item &x : items)
+        if (x.late >= 0) late_from[x.t] = x.late;
+    auto is_late = [&](ql_tensor *s, int i) {
+        auto it = late_from.find(view_root(s));
+        return it != late_from.end() && i >= it->second ? 1 : 0;
     };
     for (int i = 0; i < n; i++) {
         ql_tensor *node = g->nodes[(size_t)i];
         for (ql_tensor *b : before[(size_t)i]) order.push_back(b);
         if (i >= nf) {  // backward readers (and views of the checkpoint) read the copy brought back
             for (int s = 0; s < QL_MAX_SRC; s++)
-                if (node->src[s]) node->src[s] = back(node->src[s]);
-            if (node->view_src) node->view_src = back(node->view_src);
+                if (node->src[s]) node->src[s] = back(node->src[s], is_late(node->src[s], i));
+            if (node->view_src) node->view_src = back(node->view_src, is_late(node->view_src, i));
         }
         order.push_back(node);
         if (i < nf)
@@ -3371,6 +3406,7 @@ ql_status ql_graph_offload(ql_graph *g, ql_tensor *const *tensors, int n_off) {
     for (const item &x : items) {
         g->visited.insert(x.host);
         g->visited.insert(x.back);
+        if (x.back2) g->visited.insert(x.back2);
     }
     g->nodes = order;
     g->n_forward = nf + (int)items.size();  // the copies to the host belong to the forward part

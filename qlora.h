@@ -606,6 +606,13 @@ ql_status ql_graph_recompute(ql_graph *gb, const ql_keep *level, int n, ql_recom
 // run on a copy stream while the neighbouring segment computes. The device buffer then holds
 // only the checkpoints in flight; the copies are exact, so are the gradients.
 ql_status ql_graph_offload(ql_graph *gb, ql_tensor *const *tensors, int n);
+// flags QL_OFFLOAD_LATE: where a checkpoint's backward readers fall in two groups far apart (block
+// recompute: the recompute at the block's start, its first norm's backward at its end) the later
+// group reads a second copy brought back just before it, and the next checkpoint comes back
+// there too (not one checkpoint ahead): no checkpoint is on the device through the block's
+// backward, at the price of copies the compute may wait for (two a block).
+#define QL_OFFLOAD_LATE 1
+ql_status ql_graph_offload_ex(ql_graph *gb, ql_tensor *const *tensors, int n, int flags);
 
 // ============================================================================================
 // static memory plan: every op result gets an offset in one buffer, reused after its last

@@ -311,8 +311,8 @@ static bool build(ql_trainer *t, ql_context *ctx) {
         };
         for (size_t i = 0; i < in.size(); i++)
             if (t->levels[i] == QL_KEEP_INPUT && in[i] && copyable(in[i])) off.push_back(in[i]);
-        if (!off.empty()) off.pop_back();
-        if (ql_graph_offload(t->tr.g, off.data(), (int)off.size()) != QL_OK) return false;
+        if (!off.empty() && !t->o.offload_late) off.pop_back();  // (late: the last too - it waits for its copies anyway)
+        if (ql_graph_offload_ex(t->tr.g, off.data(), (int)off.size(), t->o.offload_late ? QL_OFFLOAD_LATE : 0) != QL_OK) return false;
     }
     t->bucket_io.clear();
     for (size_t k = 0; t->tr.g && k + 1 < t->bucket_len.size(); k++) {  // the shorter lengths: the same recompute

@@ -102,6 +102,9 @@ struct ql_train_options {
     // block checkpoints in pinned host memory, copied on a second stream (ql_graph_offload; on
     // the CPU: accounted only - one memory)
     bool offload_activations = false;
+    // with it: checkpoints brought back late, twice a block (QL_OFFLOAD_LATE): none on the device
+    // through a block's backward; the compute may wait for the copies
+    bool offload_late = false;
     // the loss's output projection and cross-entropy in chunks of rows (ql_llama_loss): 0 auto
     // (chunks of at most 2^23 logits when the whole would be more: always on a device, on the CPU
     // when the plan does not fit without; on a device the fused loss's chunks of 512+ rows, 2^26

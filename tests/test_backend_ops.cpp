@@ -1558,7 +1558,7 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
     };
     using C = ql_checkpointing;
     auto run = [&](int64_t chunk, int embd_host, C checkpointing = C::none, bool offload = false, ql_optim optim = ql_optim::adamw,
-                   int64_t ffn_chunk = -1, const std::vector<ql_sequence> *data = nullptr) {
+                   int64_t ffn_chunk = -1, const std::vector<ql_sequence> *data = nullptr, bool late = false) {
         const std::vector<ql_sequence> &seqs_run = data ? *data : seqs;
         result r;
         char err[256];
@@ -1571,6 +1571,7 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
         oo.offload_activations = offload;
         oo.optim = optim;
         oo.ffn_chunk = ffn_chunk;
+        oo.offload_late = late;
         std::string e;
         REQUIRE_MESSAGE(ql_train_plan(f, seqs_run, seqs_run, oo, &r.plan, &e), e);
         size_t before = 0, after = 0;
@@ -1619,6 +1620,13 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
     REQUIRE(ffn.losses.size() == block.losses.size());
     for (size_t s = 0; s < block.losses.size(); s++) CHECK(ffn.losses[s] == doctest::Approx(block.losses[s]).epsilon(1e-5));
     CHECK(norm_err(ffn.adapter, block.adapter) <= 1e-4);
+    // each checkpoint brought back twice, just before its readers (none on the device through a
+    // block's backward; the last block's offloaded too): the same bits, less device memory
+    const result late = run(-1, 0, C::block, true, ql_optim::adamw, -1, nullptr, true);
+    CHECK(late.losses == block.losses);
+    CHECK(late.adapter == block.adapter);
+    CHECK(late.plan.host_pinned == 2 * offloaded.plan.host_pinned);  // both blocks' checkpoints
+    if (!ql_backend_is_host(be)) CHECK(late.plan.dev_buffer < offloaded.plan.dev_buffer);
     CHECK(rows_offloaded.losses == offloaded.losses);  // the same rows, gathered on the host: the same bits
     CHECK(rows_offloaded.adapter == offloaded.adapter);
     CHECK(rows_ffn.losses == ffn.losses);
@@ -1681,7 +1689,7 @@ OP_CASE(trainer_chunked_loss_embd_on_host_plan) {
     CHECK(offloaded.plan.saved < block.plan.saved);
     CHECK(paged.plan.optimizer_host);
     CHECK(paged.plan.dev_state + paged.plan.optimizer == whole.plan.dev_state);  // the moments left the device
-    for (const result *r : {&whole, &chunked, &block, &offloaded, &paged, &paged8, &ffn, &rows_offloaded, &rows_ffn}) {
+    for (const result *r : {&whole, &chunked, &block, &offloaded, &paged, &paged8, &ffn, &rows_offloaded, &rows_ffn, &late}) {
         // (and the weights' copies, which --cache-weights auto takes on the shim's 16 GiB)
         CHECK(r->allocated == r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer + r->plan.dev_cache);
         CHECK(r->plan.total ==

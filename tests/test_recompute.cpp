@@ -212,3 +212,44 @@ TEST_CASE("recompute: offloaded checkpoints read through row views die at their 
     REQUIRE(got.size() == ref.size());
     CHECK(memcmp(got.data(), ref.data(), ref.size() * sizeof(float)) == 0);
 }
+
+TEST_CASE("recompute: offloaded late, a block's checkpoint comes back twice and is on the device only around its readers") {
+    stack_over_input st(4, 0, 0.03f, 7, 31);
+    auto run = [&](int flags) {
+        ql_graph *gb = ql_graph_backward(st.ctx, st.gf, st.loss);
+        REQUIRE_MESSAGE(gb, ql_ctx_error(st.ctx));
+        const int n = ql_graph_segments(gb, nullptr, 0);
+        std::vector<ql_tensor *> in((size_t)n, nullptr);
+        ql_graph_segments(gb, in.data(), n);
+        std::vector<ql_keep> block((size_t)n, QL_KEEP_NONE);  // as the trainer's block: one checkpoint a block
+        std::vector<ql_tensor *> off;
+        for (int i = 0; i < n; i++)
+            if (std::string(in[(size_t)i]->name) == "blk.1.in") block[(size_t)i] = QL_KEEP_INPUT, off.push_back(in[(size_t)i]);
+        REQUIRE(off.size() == 1);
+        REQUIRE_MESSAGE(ql_graph_recompute(gb, block.data(), n, nullptr) == QL_OK, ql_ctx_error(st.ctx));
+        if (flags >= 0) REQUIRE_MESSAGE(ql_graph_offload_ex(gb, off.data(), 1, flags) == QL_OK, ql_ctx_error(st.ctx));
+        ql_backend *be = ql_backend_cpu_init(1);
+        REQUIRE_MESSAGE(ql_graph_plan(gb, be, nullptr) == QL_OK, ql_ctx_error(st.ctx));
+        if (flags == QL_OFFLOAD_LATE) {  // two copies back: the first dies before the second is made
+            const ql_plan_entry *e;
+            const int ne = ql_graph_plan_entries(gb, &e);
+            std::vector<const ql_plan_entry *> backs;
+            for (int k = 0; k < ne; k++)
+                if (e[k].tensor->op == QL_OP_TO_DEVICE) backs.push_back(&e[k]);
+            REQUIRE(backs.size() == 2);
+            CHECK(backs[0]->last < backs[1]->first);
+            CHECK(backs[1]->first > backs[0]->first + 50);  // (the block's backward in between)
+        }
+        REQUIRE(ql_graph_alloc(gb, be) == QL_OK);
+        ql_graph_set_poison(gb, true);
+        ql_graph_zero_grads(gb);
+        REQUIRE_MESSAGE(ql_backend_graph_compute(be, gb) == QL_OK, ql_ctx_error(st.ctx));
+        const std::vector<float> out = loss_and_grads(gb, st.loss);
+        ql_backend_free(be);
+        ql_graph_free(gb);
+        return out;
+    };
+    const std::vector<float> ref = run(-1), once = run(0), late = run(QL_OFFLOAD_LATE);
+    CHECK(memcmp(once.data(), ref.data(), ref.size() * sizeof(float)) == 0);
+    CHECK(memcmp(late.data(), ref.data(), ref.size() * sizeof(float)) == 0);
+}

@@ -88,8 +88,10 @@ static const char *k_help =
     "           fp16's guard where a SwiGLU result passes 65504; the hint names it when that happens)\n"
     "memory:    --checkpointing none|block|sqrt|auto  --mem-limit SIZE (e.g. 6G; auto and -b auto need it, or a GPU)\n"
     "           (auto is the default when the limit is known - --mem-limit, --vram, a GPU's free memory: no recompute,\n"
-    "           recompute, then on a GPU offload, --embd-on-host, paged optimizer state, the first that fits)\n"
+    "           recompute, then on a GPU offload, --embd-on-host, paged optimizer state, --offload-late, the first that fits)\n"
     "           -b auto  --effective-batch N  --offload-activations  --dry-run (print the plan, train nothing)  --json\n"
+    "           --offload-late (offload, and each block's checkpoint brought back twice, just before its readers: none on\n"
+    "           the device through a block's backward; the GPU may wait for those copies)\n"
     "           --loss-chunk N (tokens per output-projection + loss chunk; 0 auto, -1 never)  --loss-unfused (backward\n"
     "           recomputes each chunk's logits: the path before the fused head + loss, for comparisons)\n"
     "           --ffn-chunk N (tokens per feed-forward chunk: its intermediates a chunk at a time; 0 auto: when the plan\n"
@@ -789,6 +791,7 @@ static bool parse_flags(int argc, char **argv, args *a) {
         else if (f == "--loss-chunk") { if (!whole(f.c_str(), need(i), -1, 1 << 30, &v)) return false; a->o.loss_chunk = (int64_t)v; }
         else if (f == "--ffn-chunk") { if (!whole(f.c_str(), need(i), -1, 1 << 30, &v)) return false; a->o.ffn_chunk = (int64_t)v; }
         else if (f == "--offload-activations") a->o.offload_activations = true;
+        else if (f == "--offload-late") a->o.offload_activations = a->o.offload_late = true;
         else if (f == "--loss-unfused") a->o.loss_fused = false;
         else if (f == "--optim") {
             if (!(s = need(i))) return false;
@@ -877,7 +880,7 @@ static bool flag_given(const args &a, const char *f) {
 // must agree with the run's.
 static bool operational_flag(const std::string &f) {
     for (const char *x : {"-o", "-t", "--device", "--checkpointing", "--mem-limit", "--vram", "--cc", "--host-mem", "--embd-on-host",
-                          "--embd-on-device", "--cache-weights", "--loss-chunk", "--loss-unfused", "--ffn-chunk", "--offload-activations", "--eval-every", "--save-every", "--merge",
+                          "--embd-on-device", "--cache-weights", "--loss-chunk", "--loss-unfused", "--ffn-chunk", "--offload-activations", "--offload-late", "--eval-every", "--save-every", "--merge",
                           "--overwrite", "--profile", "--dry-run", "--json", "--resume", "--export", "--max-steps", "--epochs"})
         if (f == x) return true;
     return false;
@@ -1246,7 +1249,7 @@ static double relative_step_time(const ql_memory_plan &mp, const ql_memory_plan 
 static void choose_memory(ql_llama_file *f, const seqs &tr, const seqs &ev, args *a) {
     const bool device = !ql_backend_is_host(a->be);
     const bool cp_pinned = a->o.checkpointing != ql_checkpointing::automatic, offload_pinned = a->o.offload_activations;
-    const bool embd_pinned = a->o.embd_on_host != -1, optim_pinned = flag_given(*a, "--optim");
+    const bool embd_pinned = a->o.embd_on_host != -1, optim_pinned = flag_given(*a, "--optim"), late_pinned = a->o.offload_late;
     const bool tied = f->model.output == f->model.tok_embd;
     std::vector<mem_step> steps;
     mem_step s0;
@@ -1269,6 +1272,8 @@ static void choose_memory(ql_llama_file *f, const seqs &tr, const seqs &ev, args
         add("+ paged optimizer state", [](ql_train_options &o) {
             o.optim = ql_optim_8bit(o.optim) ? ql_optim::paged_adamw8bit : ql_optim::paged_adamw;
         });
+    if (device && !late_pinned && steps.back().o.offload_activations)  // (copies the compute waits for: last)
+        add("+ checkpoints back late", [](ql_train_options &o) { o.offload_late = true; });
     if (steps.size() < 2) return;  // everything pinned: the flags' plan, as given
 
     size_t available = 0, margin = 0;
