@@ -2094,27 +2094,36 @@ static void cu_op_binary(cu_ctx &c, ql_tensor *node, bool mul) {
     CU_LAUNCHED(c);
 }
 
-__global__ void k_scale(cu_t a, float *d, float s, int64_t n) {
-    CU_GRID_LOOP(i, n) d[i] = *(const float *)(a.data + cu_offs(a, i)) * s;
+// d = a * s in d's type (f32, or 16-bit: ql_scale_to, the f32 product rounded once on store)
+__global__ void k_scale(cu_t a, char *d, int d_type, float s, int64_t n) {
+    const int ds = d_type == QL_TYPE_F32 ? 4 : 2;
+    CU_GRID_LOOP(i, n) cu_st(d + i * ds, d_type, *(const float *)(a.data + cu_offs(a, i)) * s);
 }
-__global__ void k_scale_vec(const float *x, float *d, float s, int64_t n) {
+template <int D> __global__ void k_scale_vec(const float *x, typename cu_ew<D>::T *d, float s, int64_t n) {
     CU_VEC_LOOP(v, n) {
         float p[CU_EW_VEC];
         cu_ew<QL_TYPE_F32>::ld8(x + v * CU_EW_VEC, p);
 QL_UNROLL
         for (int k = 0; k < CU_EW_VEC; k++) p[k] = p[k] * s;
-        cu_ew<QL_TYPE_F32>::st8(d + v * CU_EW_VEC, p);
+        cu_ew<D>::st8(d + v * CU_EW_VEC, p);
     }
-    CU_VEC_TAIL(i, n) d[i] = x[i] * s;
+    CU_VEC_TAIL(i, n) cu_ew<D>::st(d, i, x[i] * s);
+}
+template <int D> static void cu_launch_scale_vec(cu_ctx &c, const void *x, void *d, float s, int64_t n) {
+    QL_LAUNCH(k_scale_vec<D>, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const float *)x, (typename cu_ew<D>::T *)d, s, n);
 }
 static void cu_op_scale(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *a = node->src[0];
     const int64_t n = ql_nelements(node);
     const float s = cu_param<float>(node, 0);
-    if (cu_ew_fast(cu_vec_ok(a) && cu_vec_ok(node)))
-        QL_LAUNCH(k_scale_vec, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const float *)a->data, (float *)node->data, s, n);
-    else
-        QL_LAUNCH(k_scale, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), (float *)node->data, s, n);
+    CU_ASSERT(a->type == QL_TYPE_F32 && is_float_type_cu(node->type) && ql_is_contiguous(node));
+    if (cu_ew_fast(cu_vec_ok(a) && cu_vec_ok(node))) {
+        if (node->type == QL_TYPE_F32) cu_launch_scale_vec<QL_TYPE_F32>(c, a->data, node->data, s, n);
+        else if (node->type == QL_TYPE_BF16) cu_launch_scale_vec<QL_TYPE_BF16>(c, a->data, node->data, s, n);
+        else cu_launch_scale_vec<QL_TYPE_F16>(c, a->data, node->data, s, n);
+    } else {
+        QL_LAUNCH(k_scale, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), (char *)node->data, (int)node->type, s, n);
+    }
     CU_LAUNCHED(c);
 }
 
@@ -2646,7 +2655,9 @@ static bool cu_ops_supported(const ql_tensor *node) {
         return (is_float_type_cu(a->type) && is_float_type_cu(node->type)) || (a->type == QL_TYPE_I32 && node->type == QL_TYPE_I32);
     case QL_OP_ADD: case QL_OP_MUL:
         return f32(a) && f32(node->src[1]) && node->type == QL_TYPE_F32;
-    case QL_OP_SCALE: case QL_OP_SUM: case QL_OP_REDUCE_TO: case QL_OP_SILU:
+    case QL_OP_SCALE:  // f32, or a 16-bit result (ql_scale_to)
+        return f32(a) && is_float_type_cu(node->type);
+    case QL_OP_SUM: case QL_OP_REDUCE_TO: case QL_OP_SILU:
         return f32(a) && node->type == QL_TYPE_F32;
     case QL_OP_DROPOUT:
         return is_float_type_cu(a->type) && is_float_type_cu(node->type);

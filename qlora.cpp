@@ -2052,8 +2052,15 @@ static ql_tensor *unary_f32(ql_context *ctx, ql_op op, ql_tensor *a) {
     return new_op_like(ctx, op, QL_TYPE_F32, a, {a});
 }
 
-ql_tensor *ql_scale(ql_context *ctx, ql_tensor *a, float s) {
-    ql_tensor *t = unary_f32(ctx, QL_OP_SCALE, a);
+ql_tensor *ql_scale(ql_context *ctx, ql_tensor *a, float s) { return ql_scale_to(ctx, a, s, QL_TYPE_F32); }
+
+ql_tensor *ql_scale_to(ql_context *ctx, ql_tensor *a, float s, ql_type type) {
+    if (!srcs_ok(ctx, "scale", {a})) return nullptr;
+    QL_CHECK(ctx, type == QL_TYPE_F32 || type == QL_TYPE_BF16 || type == QL_TYPE_F16, QL_ERR_TYPE,
+             "scale: a result in %s: f32, bf16 or f16 only", ql_type_traits_get(type) ? ql_type_name(type) : "?");
+    QL_CHECK(ctx, a->type == QL_TYPE_F32, QL_ERR_TYPE, "scale: a %s must be f32", shape_str(a).c_str());
+    QL_CHECK(ctx, ql_rows_contiguous(a), QL_ERR_SHAPE, "scale: a %s needs dense rows --> hint: ql_cont first", shape_str(a).c_str());
+    ql_tensor *t = new_op_like(ctx, QL_OP_SCALE, type, a, {a});
     if (t) set_param(t, 0, s);
     return t;
 }
@@ -2702,10 +2709,13 @@ struct grad_builder {
     ql_tensor *contiguous(ql_tensor *t) { return (!t || ql_is_contiguous(t)) ? t : ql_cont(ctx, t); }
 
     // a gradient rounded to a 16-bit type, made once: y = W x + B(s A x) hands the same dy to
-    // both multiplies, and each wants it in x's type
+    // both multiplies, and each wants it in x's type. A scaled f32 gradient (LoRA's s: the A
+    // multiply's dy) is scaled and rounded by one node (ql_scale_to, the same bits); the f32
+    // scale stays only where something else reads it
     ql_tensor *cast(ql_tensor *t, ql_type type) {
         if (!t || t->type == type) return t;
         ql_tensor *&c = casts[{t, (int)type}];
+        if (!c && t->op == QL_OP_SCALE && t->type == QL_TYPE_F32) c = ql_scale_to(ctx, t->src[0], get_param<float>(t, 0), type);
         if (!c) c = ql_cast(ctx, dense(t), type);
         return c;
     }
@@ -3380,11 +3390,11 @@ static void row_to_float(const ql_tensor *t, const uint8_t *row, int64_t k0, int
 // element or row by row before writing).
 static int inplace_src(const ql_tensor *node) {
     switch (node->op) {
-    case QL_OP_ADD: case QL_OP_MUL: case QL_OP_SCALE: case QL_OP_SILU:
+    case QL_OP_ADD: case QL_OP_MUL: case QL_OP_SILU:
     case QL_OP_RMS_NORM: case QL_OP_ROPE: case QL_OP_ROPE_BACK: case QL_OP_ADD_ROWS:
     case QL_OP_CROSS_ENTROPY_BACK:  // dlogits over the logits, element by element (the fused head + loss's forward)
         return 0;
-    case QL_OP_DROPOUT:  // not into f32 storage as a 16-bit result: rows would land on rows not read yet
+    case QL_OP_DROPOUT: case QL_OP_SCALE:  // not into f32 storage as a 16-bit result: rows would land on rows not read yet
         return node->type == node->src[0]->type ? 0 : -1;
     case QL_OP_SILU_BACK: case QL_OP_RMS_NORM_BACK:
         return 1;  // over dy
@@ -4362,9 +4372,22 @@ template <bool MUL> static void k_binary(const cpu_params &p, ql_tensor *dst) {
 static void k_scale(const cpu_params &p, ql_tensor *dst) {
     const ql_tensor *a = dst->src[0];
     const float s = get_param<float>(dst, 0);
+    const int64_t ne0 = a->ne[0];
     int64_t b, e;
     split_range(ql_nrows(a), p.ith, p.nth, b, e);
-    for (int64_t r = b; r < e; r++) row_scale(a->ne[0], s, f32_row(a, r), (float *)dst->data + r * a->ne[0]);
+    if (dst->type == QL_TYPE_F32) {
+        for (int64_t r = b; r < e; r++) row_scale(ne0, s, f32_row(a, r), (float *)dst->data + r * ne0);
+        return;
+    }
+    // a 16-bit result (ql_scale_to): the f32 products of a piece of the row, then rounded as ql_cast rounds
+    const ql_type_traits &td = traits(dst->type);
+    float tmp[256];
+    for (int64_t r = b; r < e; r++)
+        for (int64_t i = 0; i < ne0; i += 256) {
+            const int64_t n = std::min<int64_t>(256, ne0 - i);
+            row_scale(n, s, f32_row(a, r) + i, tmp);
+            td.from_float(tmp, (uint8_t *)dst->data + (size_t)(r * ne0 + i) * td.type_size, n);
+        }
 }
 
 static void k_sum(const cpu_params &p, ql_tensor *dst) {

@@ -389,6 +389,10 @@ ql_tensor *ql_cast(ql_context *ctx, ql_tensor *a, ql_type type);    // contiguou
 ql_tensor *ql_add(ql_context *ctx, ql_tensor *a, ql_tensor *b);
 ql_tensor *ql_mul(ql_context *ctx, ql_tensor *a, ql_tensor *b);
 ql_tensor *ql_scale(ql_context *ctx, ql_tensor *a, float s);
+// a * s with the result in `type` (F32, BF16 or F16): the product in f32, rounded once on store -
+// the bits of ql_cast(ql_scale(a, s), type) in one node (LoRA's s A x as B's multiply reads it;
+// autodiff makes it for a scaled gradient that a 16-bit multiply reads). Backward: ql_scale's (f32).
+ql_tensor *ql_scale_to(ql_context *ctx, ql_tensor *a, float s, ql_type type);
 ql_tensor *ql_sum(ql_context *ctx, ql_tensor *a);                   // -> [1]
 // sum a over the repetitions that broadcast `like` to a's shape: result has like's shape.
 // grouped=false: repetition by modulo (as ql_add); true: by blocks (as ql_mul_mat's batch).

@@ -110,8 +110,6 @@ static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
     // a 16-bit compute type: the multiplies' inputs in it (what backward keeps is then 16-bit too);
     // ct: this linear's own (f32 for the guarded down projection), else the model's
     if (ct == QL_TYPE_COUNT) ct = m->compute;
-    const bool low = ct != QL_TYPE_F32;
-    auto in = [&](ql_tensor *t) { return low ? ql_cast(ctx, t, ct) : t; };
     ql_tensor *y = ql_mul_mat_to(ctx, w, xc, out);
     if (y && m->q8_activations) ql_mul_mat_set_prec(y, QL_TYPE_Q8_0);
     auto it = m->lora.find(w);
@@ -125,9 +123,10 @@ static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
         ax = ql_mul_mat_dropout(ctx, p.a, m->lora_dropout_x16 || env_x16 ? xc : x, p.dropout, p.seed, p.stream, ct, row0);
     else  // (the copy in the compute type as made)
         ax = ql_mul_mat(ctx, p.a, drop ? ql_dropout_rows_to(ctx, x, p.dropout, p.seed, p.stream, ct, row0) : xc);
-    // the scale on the rank-r side: a pass over [r, T] instead of over [out, T], forward and back;
+    // the scale on the rank-r side: a pass over [r, T] instead of over [out, T], forward and back,
+    // its result rounded to the compute type as it is written (one node: no cast after it);
     // B's multiply adds onto W x as it writes (in place where W x dies there): no pass for the add
-    return ql_mul_mat_acc(ctx, p.b, in(ql_scale(ctx, ax, p.scale)), y);
+    return ql_mul_mat_acc(ctx, p.b, ql_scale_to(ctx, ax, p.scale, ct), y);
 }
 
 ql_tensor *ql_llama_linear(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x) {

@@ -719,6 +719,41 @@ OP_CASE(elementwise_fast_paths) {
     }
 }
 
+// ql_scale_to (issue 28 item 2: LoRA's s A x and its 16-bit cast as one node): s a in f32, rounded
+// once on store - on every backend the bits of the CPU's ql_cast(ql_scale(a, s), type), fast paths
+// and strided kernels alike (a view at element 1: the strided kernel), f16 past its range (inf);
+// the gradient ql_scale's
+OP_CASE(scale_to) {
+    auto bits = [](const std::vector<float> &x, const std::vector<float> &y) {
+        return x.size() == y.size() && !x.empty() && !memcmp(x.data(), y.data(), x.size() * sizeof(float));
+    };
+    for (ql_type t : {QL_TYPE_F32, QL_TYPE_F16, QL_TYPE_BF16})
+        for (int64_t n0 : {5, 64, 37, 333}) {
+            INFO(std::string(ql_type_name(t)) << ", elements " << n0 << " x 5" << std::string(n0 == 333 ? ", a view at element 1" : ""));
+            const float lo = t == QL_TYPE_F16 ? -300000.0f : -3.0f, hi = -lo;  // (f16: some products past 65504)
+            auto a = [n0, lo, hi](leafs &L) {
+                if (n0 != 333) return L.param({n0, 5}, lo, hi);
+                ql_tensor *x = L.param({400, 5}, lo, hi);
+                return ql_view_2d(L.ctx, x, 333, 5, x->nb[1], 4);
+            };
+            const builder fused = [t, a](leafs &L) { return ql_cast(L.ctx, ql_scale_to(L.ctx, a(L), 0.37f, t), QL_TYPE_F32); };
+            const builder pair = [t, a](leafs &L) {
+                return ql_cast(L.ctx, ql_cast(L.ctx, ql_scale(L.ctx, a(L), 0.37f), t), QL_TYPE_F32);
+            };
+            ew_case(be, "scale_to", fused, 0.0, -1);
+            ql_backend *cpu = ql_backend_cpu_init(1);
+            const run_result ref = run_case(cpu, true, pair, true);
+            ql_backend_free(cpu);
+            const run_result got = run_case(be, false, fused, true);
+            REQUIRE(ref.error.empty());
+            REQUIRE(got.error.empty());
+            CHECK_MESSAGE(bits(got.out, ref.out), "scale_to: not the bits of the CPU's cast(scale(a, s))");
+            REQUIRE(got.grads.size() == 1);
+            REQUIRE(ref.grads.size() == 1);
+            CHECK_MESSAGE(bits(got.grads[0], ref.grads[0]), "scale_to's gradient: not the pair's");
+        }
+}
+
 OP_CASE(rope) {
     for (int mode : {QL_ROPE_NORMAL, QL_ROPE_NEOX}) {
         INFO("mode: " << mode);

@@ -792,3 +792,51 @@ TEST_CASE("llama: adapter dropout inside A's multiply gives the copies' loss and
             }
     ql_backend_free(be);
 }
+
+// Issue 28 item 2: fewer element-wise nodes. LoRA's s A x is written in the compute type by its
+// scale (ql_scale_to), and so is backward's s dy that A's multiply reads: no cast reads a scale,
+// and one scale per adapted linear each way - every compute type, the FFN whole and in chunks,
+// adapter dropout in A's multiply or as copies
+TEST_CASE("llama: LoRA's scale is written in the compute type, forward and backward: no cast after it") {
+    const int V = 50, E = 64, N = 24;
+    tiny_llama t(tiny_hparams(V, E, 96, 2, 4, 2), 11, 0.2f);
+    for (ql_type ct : {QL_TYPE_F32, QL_TYPE_BF16, QL_TYPE_F16})
+        for (int64_t chunk : {(int64_t)0, (int64_t)10})
+            for (bool fused : {true, false}) {
+                INFO(std::string(ql_type_name(ct)) << ", FFN chunk " << chunk << std::string(fused ? "" : ", dropout copies"));
+                ql_init_params ip = {32u << 20, nullptr, true, false};
+                ql_context *ctx = ql_init(ip);
+                ql_llama m = t.m;
+                m.compute = ct;
+                m.ffn_chunk = chunk;
+                m.lora_dropout_fused = fused;
+                ql_tensor *seed = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1));
+                ql_lora_config lc;
+                lc.r = 4, lc.alpha = 8, lc.dropout = 0.2f, lc.targets = {"q", "k", "v", "o", "gate", "up", "down"};
+                REQUIRE(ql_llama_add_lora(ctx, &m, lc, seed) == QL_OK);
+                ql_tensor *h = ql_set_input(ql_new_tensor_3d(ctx, QL_TYPE_F32, E, N, 1));
+                ql_tensor *pos = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, N, 1));
+                ql_tensor *tg = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, N));
+                ql_tensor *cnt = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_F32, 1));
+                ql_tensor *loss = ql_llama_loss(ctx, &m, ql_llama_hidden(ctx, &m, h, pos, nullptr), tg, cnt, 0, true);
+                REQUIRE_MESSAGE(loss, ql_ctx_error(ctx));
+                ql_graph *gf = ql_graph_new(ctx);
+                REQUIRE(ql_graph_build_forward(gf, loss) == QL_OK);
+                ql_graph *gb = ql_graph_backward(ctx, gf, loss);
+                REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
+                int n_scale[2] = {0, 0}, n_cast_of_scale = 0;  // scales in the compute type: forward, backward
+                for (int i = 0; i < ql_graph_n_nodes(gb); i++) {
+                    const ql_tensor *n = ql_graph_node(gb, i);
+                    const bool of_product = n->src[0] && (n->src[0]->op == QL_OP_MUL_MAT || n->src[0]->op == QL_OP_MUL_MAT_DROPOUT);
+                    if (n->op == QL_OP_SCALE && n->type == ct && of_product) n_scale[i >= ql_graph_n_nodes(gf)]++;
+                    if (n->op == QL_OP_CONT && n->src[0]->op == QL_OP_SCALE) n_cast_of_scale++;
+                }
+                const int per_layer = chunk ? 4 + 3 * 3 : 7;  // q k v o, then gate up down per chunk (24 rows: 3 chunks)
+                CHECK(n_cast_of_scale == 0);
+                CHECK(n_scale[0] == 2 * per_layer);
+                CHECK(n_scale[1] == 2 * per_layer);
+                ql_graph_free(gb);
+                ql_graph_free(gf);
+                ql_free(ctx);
+            }
+}
