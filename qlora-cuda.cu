@@ -2276,40 +2276,52 @@ static void cu_op_get_rows_back(cu_ctx &c, ql_tensor *node) {
 
 // ---- row ops: rms_norm, silu, swiglu, dropout ----
 
-__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm(cu_t a, float *d, float eps) {
+// w: NULL, or [ne0] (ql_rms_norm_mul): the normed element rounded to f32, then times w (ql_mul's product)
+__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm(cu_t a, const float *w, float *d, float eps) {
     __shared__ float sh[32];
     const int64_t ne0 = a.ne[0], r = blockIdx.x;
     const float *x = (const float *)cu_row(a, r);
     float s = 0;
     for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) s += x[i] * x[i];
     const float rs = 1.0f / sqrtf(cu_block_sum(s, sh) / (float)ne0 + eps);
-    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) d[r * ne0 + i] = x[i] * rs;
+    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) {
+        const float y = x[i] * rs;
+        d[r * ne0 + i] = w ? __fmul_rn(y, w[i]) : y;
+    }
 }
 static void cu_op_rms_norm(cu_ctx &c, ql_tensor *node) {
     // limitation: one block per row; rows beyond the grid's 2^31 - 1 do not occur in these graphs
-    QL_LAUNCH(k_rms_norm, (unsigned)cu_nrows(node), CU_ROW_BLOCK, 0, c.stream, cu_of(node->src[0]), (float *)node->data,
-              cu_param<float>(node, 0));
+    const ql_tensor *w = node->src[1];
+    QL_LAUNCH(k_rms_norm, (unsigned)cu_nrows(node), CU_ROW_BLOCK, 0, c.stream, cu_of(node->src[0]), w ? (const float *)w->data : nullptr,
+              (float *)node->data, cu_param<float>(node, 0));
     CU_LAUNCHED(c);
 }
 
 // y = x r, r = (mean(x^2) + eps)^-1/2  =>  dx = r dy - r^3/n (dy . x) x
-__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm_back(cu_t a, cu_t dy, float *d, float eps) {
+// w: NULL, or the forward's weight (ql_rms_norm_mul): the norm's dy is dy * w, rounded to f32 as
+// ql_mul's product (__fmul_rn: never contracted into a sum), made where dy is read
+__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm_back(cu_t a, cu_t dy, const float *w, float *d, float eps) {
     __shared__ float sh[32];
     const int64_t ne0 = a.ne[0], r = blockIdx.x;
     const float *x = (const float *)cu_row(a, r), *g = (const float *)cu_row(dy, r);
     float sxx = 0, sgx = 0;
     for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) {
+        const float gi = w ? __fmul_rn(g[i], w[i]) : g[i];
         sxx += x[i] * x[i];
-        sgx += g[i] * x[i];
+        sgx += gi * x[i];
     }
     sxx = cu_block_sum(sxx, sh);
     sgx = cu_block_sum(sgx, sh);
     const float rs = 1.0f / sqrtf(sxx / (float)ne0 + eps), k = -rs * rs * rs * sgx / (float)ne0;
-    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) d[r * ne0 + i] = rs * g[i] + k * x[i];
+    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) {
+        const float gi = w ? __fmul_rn(g[i], w[i]) : g[i];  // (g may be d: this thread's own element, read before it is written)
+        d[r * ne0 + i] = rs * gi + k * x[i];
+    }
 }
 static void cu_op_rms_norm_back(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *w = node->src[2];
     QL_LAUNCH(k_rms_norm_back, (unsigned)cu_nrows(node), CU_ROW_BLOCK, 0, c.stream, cu_of(node->src[0]), cu_of(node->src[1]),
-              (float *)node->data, cu_param<float>(node, 0));
+              w ? (const float *)w->data : nullptr, (float *)node->data, cu_param<float>(node, 0));
     CU_LAUNCHED(c);
 }
 
@@ -2689,10 +2701,10 @@ static bool cu_ops_supported(const ql_tensor *node) {
     }
     case QL_OP_GET_ROWS_BACK:
         return dense_rows(a) && ql_is_contiguous(node);
-    case QL_OP_RMS_NORM:
-        return dense_rows(a);
+    case QL_OP_RMS_NORM:  // (a weight: contiguous f32 [ne0])
+        return dense_rows(a) && (!node->src[1] || (f32(node->src[1]) && ql_is_contiguous(node->src[1])));
     case QL_OP_RMS_NORM_BACK:
-        return dense_rows(a) && dense_rows(node->src[1]);
+        return dense_rows(a) && dense_rows(node->src[1]) && (!node->src[2] || (f32(node->src[2]) && ql_is_contiguous(node->src[2])));
     case QL_OP_ROPE: case QL_OP_ROPE_BACK:  // rope: f32 or 16-bit a, the result in a's type
         return is_float_type_cu(a->type) && ql_rows_contiguous(a) && node->type == a->type && ql_is_contiguous(node) &&
                (!node->src[2] || ql_is_contiguous(node->src[2]));

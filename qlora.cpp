@@ -2145,6 +2145,15 @@ ql_tensor *ql_rms_norm(ql_context *ctx, ql_tensor *a, float eps) {
     return t;
 }
 
+ql_tensor *ql_rms_norm_mul(ql_context *ctx, ql_tensor *a, ql_tensor *w, float eps) {
+    if (!srcs_ok(ctx, "rms_norm", {a, w})) return nullptr;
+    QL_CHECK(ctx, w->type == QL_TYPE_F32 && ql_is_contiguous(w) && ql_nelements(w) == a->ne[0], QL_ERR_SHAPE,
+             "rms_norm: weight %s must be contiguous f32 with a %s's row length", shape_str(w).c_str(), shape_str(a).c_str());
+    ql_tensor *t = ql_rms_norm(ctx, a, eps);
+    if (t) t->src[1] = w;  // the same node: each row multiplied by w as it is written
+    return t;
+}
+
 static ql_tensor *rope_impl(ql_context *ctx, ql_op op, ql_tensor *a, ql_tensor *pos, ql_tensor *ff, int n_dims,
                             int mode, float base) {
     const char *name = ql_op_name(op);
@@ -2495,9 +2504,10 @@ static ql_tensor *get_rows_back(ql_context *ctx, ql_tensor *dy, ql_tensor *ids, 
     return new_op(ctx, QL_OP_GET_ROWS_BACK, QL_TYPE_F32, ne, {dy, ids});
 }
 
-static ql_tensor *rms_norm_back(ql_context *ctx, ql_tensor *x, ql_tensor *dy, float eps) {
+// w: NULL, or the forward's weight (ql_rms_norm_mul): dy * w is the norm's dy, made as each row is read
+static ql_tensor *rms_norm_back(ql_context *ctx, ql_tensor *x, ql_tensor *dy, float eps, ql_tensor *w = nullptr) {
     if (!srcs_ok(ctx, "rms_norm_back", {x, dy})) return nullptr;
-    ql_tensor *t = new_op_like(ctx, QL_OP_RMS_NORM_BACK, QL_TYPE_F32, x, {x, dy});
+    ql_tensor *t = new_op_like(ctx, QL_OP_RMS_NORM_BACK, QL_TYPE_F32, x, {x, dy, w});
     if (t) set_param(t, 0, eps);
     return t;
 }
@@ -2840,9 +2850,12 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
     case QL_OP_GET_ROWS:  // y[:, n] = a[:, ids[n]]: scatter-add dy's rows back
         gb.add(a, get_rows_back(ctx, gb.dense(dy), b, a));
         break;
-    case QL_OP_RMS_NORM:
-        gb.add(a, rms_norm_back(ctx, a, gb.dense(dy), get_param<float>(node, 0)));
+    case QL_OP_RMS_NORM: {  // y = n(a) (* w): da = rms_norm_back(a, dy w), dw = reduce(dy n(a))
+        const float eps = get_param<float>(node, 0);
+        if (gb.wants(a)) gb.add(a, rms_norm_back(ctx, a, gb.dense(dy), eps, b));
+        if (b && gb.wants(b)) gb.add(b, ql_reduce_to(ctx, ql_mul(ctx, gb.dense(dy), ql_rms_norm(ctx, a, eps)), b, false));
         break;
+    }
     case QL_OP_ROPE:  // a rotation: its gradient is the inverse rotation of dy
         gb.add(a, rope_impl(ctx, QL_OP_ROPE_BACK, gb.dense(dy), b, node->src[2], node->op_params[0],
                             node->op_params[1], get_param<float>(node, 2)));
@@ -4025,6 +4038,11 @@ static inline void row_scale(int64_t n, float a, const float *x, float *y) {  //
     for (; i + VW <= n; i += VW) vf_store(y + i, vf_mul(va, vf_load(x + i)));
     for (; i < n; i++) y[i] = a * x[i];
 }
+static inline void row_mul(int64_t n, const float *x, const float *y, float *d) {  // d = x * y, element by element (d may be x)
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) vf_store(d + i, vf_mul(vf_load(x + i), vf_load(y + i)));
+    for (; i < n; i++) d[i] = x[i] * y[i];
+}
 static inline float row_max(int64_t n, const float *x) {
     float m = -INFINITY;
     int64_t i = 0;
@@ -4547,25 +4565,33 @@ static void k_get_rows_back(const cpu_params &p, ql_tensor *dst) {
 static void k_rms_norm(const cpu_params &p, ql_tensor *dst) {
     const ql_tensor *a = dst->src[0];
     const float eps = get_param<float>(dst, 0);
+    const float *w = dst->src[1] ? (const float *)dst->src[1]->data : nullptr;  // ql_rms_norm_mul: [ne0]
     const int64_t ne0 = a->ne[0];
     int64_t b, e;
     split_range(ql_nrows(a), p.ith, p.nth, b, e);
     for (int64_t r = b; r < e; r++) {
         const float *x = f32_row(a, r);
+        float *d = (float *)dst->data + r * ne0;
         const float ms = row_dot(ne0, x, x) / (float)ne0;
-        row_scale(ne0, 1.0f / std::sqrt(ms + eps), x, (float *)dst->data + r * ne0);
+        row_scale(ne0, 1.0f / std::sqrt(ms + eps), x, d);
+        if (w) row_mul(ne0, d, w, d);  // the normed row rounded to f32, then times w: ql_mul's product
     }
 }
 
 static void k_rms_norm_back(const cpu_params &p, ql_tensor *dst) {
     // y = x r, r = (mean(x^2) + eps)^-1/2  =>  dx = r dy - r^3/n (dy . x) x
     const ql_tensor *a = dst->src[0], *dy = dst->src[1];
+    const float *w = dst->src[2] ? (const float *)dst->src[2]->data : nullptr;  // the norm's dy is dy * w (ql_rms_norm_mul)
     const float eps = get_param<float>(dst, 0);
     const int64_t ne0 = a->ne[0];
     int64_t b, e;
     split_range(ql_nrows(a), p.ith, p.nth, b, e);
     for (int64_t r = b; r < e; r++) {
         const float *x = f32_row(a, r), *g = f32_row(dy, r);
+        if (w) {  // dy * w in the workspace: ql_mul's product, then the same sums as over a dy made by it
+            row_mul(ne0, g, w, (float *)p.wdata);
+            g = (const float *)p.wdata;
+        }
         float *d = (float *)dst->data + r * ne0;
         const float ms = row_dot(ne0, x, x) / (float)ne0, rs = 1.0f / std::sqrt(ms + eps);
         const float c = -rs * rs * rs * row_dot(ne0, g, x) / (float)ne0;
@@ -7016,6 +7042,7 @@ static size_t cpu_work_per_thread(const ql_tensor *node, int nth) {
     case QL_OP_SWIGLU:    return node->type == QL_TYPE_F32 ? 0 : 3 * (size_t)node->ne[0] * sizeof(float);
     case QL_OP_SWIGLU_BACK: return node->src[0]->type == QL_TYPE_F32 ? 0 : 2 * (size_t)node->src[0]->ne[0] * sizeof(float);
     case QL_OP_REDUCE_TO: return (size_t)node->src[0]->ne[0] * sizeof(float);
+    case QL_OP_RMS_NORM_BACK: return node->src[2] ? (size_t)node->ne[0] * sizeof(float) : 0;  // dy * w, a row
     case QL_OP_ROPE: case QL_OP_ROPE_BACK: return rope_work(node);
     case QL_OP_FLASH_ATTN: case QL_OP_FLASH_ATTN_BACK: return fa_work(node);
     case QL_OP_MUL_MAT: {
@@ -8152,6 +8179,8 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
         return 1 + (node->op_params[0] < node->src[0]->ne[0]);  // the dimensions past n_dims copied by a second kernel
     case QL_OP_VIEW_BACK: case QL_OP_GET_ROWS_BACK:
         return 2;  // a memset, then the kernel
+    case QL_OP_RMS_NORM: case QL_OP_RMS_NORM_BACK:
+        return 1;  // with a weight too (ql_rms_norm_mul): multiplied in the same kernel
     default:
         return 1;
     }

@@ -431,6 +431,10 @@ ql_tensor *ql_get_rows(ql_context *ctx, ql_tensor *a, ql_tensor *ids);
 
 // y = x / sqrt(mean(x^2) + eps) over each row (ne0)
 ql_tensor *ql_rms_norm(ql_context *ctx, ql_tensor *a, float eps);
+// y = ql_rms_norm(a, eps) * w, w f32 [ne0] (a norm's weight) multiplied into each row as the row
+// is written: one node (QL_OP_RMS_NORM with w as src[1]), the bits of ql_mul(ql_rms_norm(a, eps), w).
+// Backward: da = rms_norm_back(a, dy * w) in one node; a trainable w gets reduce(dy * rms_norm(a)).
+ql_tensor *ql_rms_norm_mul(ql_context *ctx, ql_tensor *a, ql_tensor *w, float eps);
 
 enum ql_rope_mode {
     QL_ROPE_NORMAL = 0,  // rotate adjacent pairs (2i, 2i+1): llama, llama2.c

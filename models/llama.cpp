@@ -150,7 +150,7 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     const int n_rot = hp.n_rot > 0 ? hp.n_rot : (int)d;
 
     // attention: pre-norm, q/k/v, rope, fused causal attention, output projection, residual
-    ql_tensor *h = ql_mul(ctx, ql_rms_norm(ctx, x, hp.norm_eps), L.attn_norm);
+    ql_tensor *h = ql_rms_norm_mul(ctx, x, L.attn_norm, hp.norm_eps);
     ql_tensor *hc = compute_input(ctx, m, L.wq, h);  // one 16-bit copy for q, k and v
     // q, k, v in the compute type: only 16-bit ops read them (rope, attention), so what backward
     // keeps of attention (q and k after rope, v, the output: the o projection's input) is 16-bit
@@ -188,7 +188,7 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     };
     const int64_t rows = T * B, c = m->ffn_chunk;
     if (c <= 0 || c >= rows || !x) {
-        h = ql_mul(ctx, ql_rms_norm(ctx, x, hp.norm_eps), L.ffn_norm);
+        h = ql_rms_norm_mul(ctx, x, L.ffn_norm, hp.norm_eps);
         hc = compute_input(ctx, m, L.w_gate, h);  // one for gate and up
         ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, h, hc, 0, ff), linear_c(ctx, m, L.w_up, h, hc, 0, ff));  // [n_ff, T, B]
         return ql_add(ctx, x, down(g, 0));
@@ -207,7 +207,7 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     ql_tensor *r = x;
     for (int64_t r0 = 0; r0 < rows && r; r0 += c) {
         const int64_t n = std::min(c, rows - r0);
-        ql_tensor *hr = ql_mul(ctx, ql_rms_norm(ctx, rows_of(x, r0, n), hp.norm_eps), L.ffn_norm);  // [E, n]
+        ql_tensor *hr = ql_rms_norm_mul(ctx, rows_of(x, r0, n), L.ffn_norm, hp.norm_eps);  // [E, n]
         ql_tensor *hcr = compute_input(ctx, m, L.w_gate, hr);
         ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, hr, hcr, r0, ff), linear_c(ctx, m, L.w_up, hr, hcr, r0, ff));  // [n_ff, n]
         r = ql_add_rows(ctx, r, down(g, r0), r0);
@@ -220,7 +220,7 @@ ql_tensor *ql_llama_block(ql_context *ctx, const ql_llama *m, int il, ql_tensor 
 }
 
 static ql_tensor *head(ql_context *ctx, const ql_llama *m, ql_tensor *x) {  // final norm, output projection
-    x = ql_mul(ctx, ql_rms_norm(ctx, x, m->hp.norm_eps), m->out_norm);
+    x = ql_rms_norm_mul(ctx, x, m->out_norm, m->hp.norm_eps);
     return ql_llama_linear(ctx, m, m->output, x);
 }
 
@@ -247,7 +247,7 @@ ql_tensor *ql_llama_hidden_range(ql_context *ctx, const ql_llama *m, ql_tensor *
         if (il < l1) x = block(ctx, m, il, x, pos, seg, nullptr);
     }
     if (l1 < m->hp.n_layer) return x;
-    return ql_mul(ctx, ql_rms_norm(ctx, x, m->hp.norm_eps), m->out_norm);  // [n_embd, T, B]
+    return ql_rms_norm_mul(ctx, x, m->out_norm, m->hp.norm_eps);  // [n_embd, T, B]
 }
 
 int64_t ql_llama_ffn_chunk(int64_t n_ff, int64_t n_rows) {

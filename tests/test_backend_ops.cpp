@@ -754,6 +754,37 @@ OP_CASE(scale_to) {
         }
 }
 
+// ql_rms_norm_mul (issue 28 item 2: a norm times its weight as one node): on every backend the
+// bits of that backend's ql_mul(ql_rms_norm(a), w), forward and backward (rms_norm_back with dy * w
+// made in it; a trainable weight's reduce), within TOL_F32 of the CPU; rows of a view of rows (the
+// FFN's chunks), a row wider than a block, the result cast to 16 bits as the model's compute input
+OP_CASE(rms_norm_mul) {
+    auto bits = [](const std::vector<float> &x, const std::vector<float> &y) {
+        return x.size() == y.size() && !x.empty() && !memcmp(x.data(), y.data(), x.size() * sizeof(float));
+    };
+    for (ql_type t : {QL_TYPE_F32, QL_TYPE_F16, QL_TYPE_BF16})
+        for (int64_t n0 : {300, 2050, 64})
+            for (bool w_trained : {false, true}) {
+                INFO(std::string(ql_type_name(t)) << ", rows of " << n0 << std::string(n0 == 64 ? " (a view of rows 2..6 of 9)" : "")
+                                                  << std::string(w_trained ? ", w trained" : ""));
+                auto make = [t, n0, w_trained](leafs &L, bool fused) {
+                    ql_tensor *x = L.param({n0, n0 == 64 ? 9 : 5}, -2.0f, 2.0f);
+                    if (n0 == 64) x = ql_view_2d(L.ctx, x, 64, 4, x->nb[1], 2 * x->nb[1]);
+                    ql_tensor *w = w_trained ? L.param({n0}, 0.5f, 1.5f) : L.rand(QL_TYPE_F32, {n0}, 0.5f, 1.5f);
+                    ql_tensor *y = fused ? ql_rms_norm_mul(L.ctx, x, w, 1e-5f) : ql_mul(L.ctx, ql_rms_norm(L.ctx, x, 1e-5f), w);
+                    return t == QL_TYPE_F32 ? y : ql_cast(L.ctx, ql_cast(L.ctx, y, t), QL_TYPE_F32);
+                };
+                const builder fused = [make](leafs &L) { return make(L, true); }, pair = [make](leafs &L) { return make(L, false); };
+                check_case(be, "rms_norm_mul", fused, t == QL_TYPE_F32 ? TOL_F32 : TOL_16);
+                const run_result want = run_case(be, false, pair, true), got = run_case(be, false, fused, true);
+                REQUIRE(want.error.empty());
+                REQUIRE(got.error.empty());
+                CHECK_MESSAGE(bits(got.out, want.out), "rms_norm_mul: not the bits of mul(rms_norm(a), w) on this backend");
+                REQUIRE(got.grads.size() == want.grads.size());
+                for (size_t i = 0; i < got.grads.size(); i++) CHECK_MESSAGE(bits(got.grads[i], want.grads[i]), "gradient ", i, " differs");
+            }
+}
+
 OP_CASE(rope) {
     for (int mode : {QL_ROPE_NORMAL, QL_ROPE_NEOX}) {
         INFO("mode: " << mode);

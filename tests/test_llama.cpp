@@ -795,9 +795,10 @@ TEST_CASE("llama: adapter dropout inside A's multiply gives the copies' loss and
 
 // Issue 28 item 2: fewer element-wise nodes. LoRA's s A x is written in the compute type by its
 // scale (ql_scale_to), and so is backward's s dy that A's multiply reads: no cast reads a scale,
-// and one scale per adapted linear each way - every compute type, the FFN whole and in chunks,
-// adapter dropout in A's multiply or as copies
-TEST_CASE("llama: LoRA's scale is written in the compute type, forward and backward: no cast after it") {
+// and one scale per adapted linear each way. Each norm multiplies its weight in (ql_rms_norm_mul),
+// and its backward multiplies dy by it: no mul by a norm weight either way. Every compute type,
+// the FFN whole and in chunks (a norm per chunk), adapter dropout in A's multiply or as copies
+TEST_CASE("llama: LoRA's scale is written in the compute type, norms multiply their weight in; forward and backward") {
     const int V = 50, E = 64, N = 24;
     tiny_llama t(tiny_hparams(V, E, 96, 2, 4, 2), 11, 0.2f);
     for (ql_type ct : {QL_TYPE_F32, QL_TYPE_BF16, QL_TYPE_F16})
@@ -825,8 +826,19 @@ TEST_CASE("llama: LoRA's scale is written in the compute type, forward and backw
                 ql_graph *gb = ql_graph_backward(ctx, gf, loss);
                 REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
                 int n_scale[2] = {0, 0}, n_cast_of_scale = 0;  // scales in the compute type: forward, backward
+                int n_norm[2] = {0, 0}, n_mul_by_norm_weight = 0;     // norms with their weight: forward, backward
+                auto norm_weight = [&m](const ql_tensor *w) {
+                    if (w == m.out_norm) return true;
+                    for (const ql_llama_layer &L : m.layers)
+                        if (w == L.attn_norm || w == L.ffn_norm) return true;
+                    return false;
+                };
                 for (int i = 0; i < ql_graph_n_nodes(gb); i++) {
                     const ql_tensor *n = ql_graph_node(gb, i);
+                    const bool back = i >= ql_graph_n_nodes(gf);
+                    if (n->op == QL_OP_MUL && (norm_weight(n->src[0]) || norm_weight(n->src[1]))) n_mul_by_norm_weight++;
+                    if (n->op == QL_OP_RMS_NORM && !back && norm_weight(n->src[1])) n_norm[0]++;
+                    if (n->op == QL_OP_RMS_NORM_BACK && norm_weight(n->src[2])) n_norm[1]++;
                     const bool of_product = n->src[0] && (n->src[0]->op == QL_OP_MUL_MAT || n->src[0]->op == QL_OP_MUL_MAT_DROPOUT);
                     if (n->op == QL_OP_SCALE && n->type == ct && of_product) n_scale[i >= ql_graph_n_nodes(gf)]++;
                     if (n->op == QL_OP_CONT && n->src[0]->op == QL_OP_SCALE) n_cast_of_scale++;
@@ -835,6 +847,10 @@ TEST_CASE("llama: LoRA's scale is written in the compute type, forward and backw
                 CHECK(n_cast_of_scale == 0);
                 CHECK(n_scale[0] == 2 * per_layer);
                 CHECK(n_scale[1] == 2 * per_layer);
+                const int norms = chunk ? 1 + 3 : 2;  // per layer: attention's, the FFN's (per chunk)
+                CHECK(n_mul_by_norm_weight == 0);
+                CHECK(n_norm[0] == 2 * norms + 1);  // (+ the head's)
+                CHECK(n_norm[1] == 2 * norms);      // (+ the head's, - block 0's first: no parameter's gradient needs its input's)
                 ql_graph_free(gb);
                 ql_graph_free(gf);
                 ql_free(ctx);
