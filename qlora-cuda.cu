@@ -2356,9 +2356,16 @@ __global__ void k_swiglu(cu_t a, cu_t b, char *d, int64_t n) {
     const int ds = a.type == QL_TYPE_F32 ? 4 : 2;
     CU_GRID_LOOP(i, n) cu_st(d + i * ds, a.type, cu_swiglu_f(cu_get(a, i), cu_get(b, i)));
 }
-// y = silu(a) b: da = dy b silu'(a) at [0, n), db = dy silu(a) at [n, 2n); a and b of any plain type, dy and d f32
-__global__ void k_swiglu_back(cu_t a, cu_t b, cu_t dy, float *d, int64_t n) {
-    CU_GRID_LOOP(i, n) cu_swiglu_back_f(cu_get(a, i), cu_get(b, i), cu_at(dy, i), &d[i], &d[n + i]);
+// y = silu(a) b: da = dy b silu'(a) at [0, n), db = dy silu(a) at [n, 2n); a and b of any plain type, dy f32,
+// d f32 or 16-bit (autodiff's cast of the two gradients folded in: each rounded once as it is stored)
+__global__ void k_swiglu_back(cu_t a, cu_t b, cu_t dy, char *d, int d_type, int64_t n) {
+    const int ds = d_type == QL_TYPE_F32 ? 4 : 2;
+    CU_GRID_LOOP(i, n) {
+        float da, db;
+        cu_swiglu_back_f(cu_get(a, i), cu_get(b, i), cu_at(dy, i), &da, &db);
+        cu_st(d + i * ds, d_type, da);
+        cu_st(d + (n + i) * ds, d_type, db);
+    }
 }
 
 // the fast paths: every operand contiguous and 16-byte aligned (swiglu_back's d + n too)
@@ -2395,8 +2402,9 @@ QL_UNROLL
     }
     CU_VEC_TAIL(i, n) cu_ew<T>::st(d, i, cu_swiglu_f(cu_ew<T>::ld(a, i), cu_ew<T>::ld(b, i)));
 }
-template <int T> __global__ void k_swiglu_back_vec(const typename cu_ew<T>::T *a, const typename cu_ew<T>::T *b, const float *dy, float *d,
-                                                   int64_t n) {
+template <int T, int D>
+__global__ void k_swiglu_back_vec(const typename cu_ew<T>::T *a, const typename cu_ew<T>::T *b, const float *dy, typename cu_ew<D>::T *d,
+                                  int64_t n) {
     CU_VEC_LOOP(v, n) {
         float p[CU_EW_VEC], q[CU_EW_VEC], g[CU_EW_VEC], da[CU_EW_VEC], db[CU_EW_VEC];
         cu_ew<T>::ld8(a + v * CU_EW_VEC, p);
@@ -2404,10 +2412,15 @@ template <int T> __global__ void k_swiglu_back_vec(const typename cu_ew<T>::T *a
         cu_ew<QL_TYPE_F32>::ld8(dy + v * CU_EW_VEC, g);
 QL_UNROLL
         for (int k = 0; k < CU_EW_VEC; k++) cu_swiglu_back_f(p[k], q[k], g[k], &da[k], &db[k]);
-        cu_ew<QL_TYPE_F32>::st8(d + v * CU_EW_VEC, da);
-        cu_ew<QL_TYPE_F32>::st8(d + n + v * CU_EW_VEC, db);
+        cu_ew<D>::st8(d + v * CU_EW_VEC, da);
+        cu_ew<D>::st8(d + n + v * CU_EW_VEC, db);
     }
-    CU_VEC_TAIL(i, n) cu_swiglu_back_f(cu_ew<T>::ld(a, i), cu_ew<T>::ld(b, i), dy[i], &d[i], &d[n + i]);
+    CU_VEC_TAIL(i, n) {
+        float da, db;
+        cu_swiglu_back_f(cu_ew<T>::ld(a, i), cu_ew<T>::ld(b, i), dy[i], &da, &db);
+        cu_ew<D>::st(d, i, da);
+        cu_ew<D>::st(d, n + i, db);
+    }
 }
 static void cu_op_silu(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *a = node->src[0];
@@ -2447,22 +2460,26 @@ static void cu_op_swiglu(cu_ctx &c, ql_tensor *node) {
     }
     CU_LAUNCHED(c);
 }
+template <int T, int D> static void cu_launch_swiglu_back_vec(cu_ctx &c, const ql_tensor *node, int64_t n) {
+    QL_LAUNCH((k_swiglu_back_vec<T, D>), cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const typename cu_ew<T>::T *)node->src[0]->data,
+              (const typename cu_ew<T>::T *)node->src[1]->data, (const float *)node->src[2]->data, (typename cu_ew<D>::T *)node->data, n);
+}
+template <int T> static void cu_launch_swiglu_back_vec_to(cu_ctx &c, const ql_tensor *node, int64_t n) {
+    if (node->type == QL_TYPE_F32) cu_launch_swiglu_back_vec<T, QL_TYPE_F32>(c, node, n);
+    else if (node->type == QL_TYPE_BF16) cu_launch_swiglu_back_vec<T, QL_TYPE_BF16>(c, node, n);
+    else cu_launch_swiglu_back_vec<T, QL_TYPE_F16>(c, node, n);
+}
 static void cu_op_swiglu_back(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *a = node->src[0], *b = node->src[1], *dy = node->src[2];
     const int64_t n = ql_nelements(a);
-    float *d = (float *)node->data;
-    if (cu_ew_fast(cu_vec_ok(a) && cu_vec_ok(b) && cu_vec_ok(dy) && cu_vec_ok(node) && (uintptr_t)(d + n) % 16 == 0)) {
-        if (a->type == QL_TYPE_F32)
-            QL_LAUNCH(k_swiglu_back_vec<QL_TYPE_F32>, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const float *)a->data, (const float *)b->data,
-                      (const float *)dy->data, d, n);
-        else if (a->type == QL_TYPE_BF16)
-            QL_LAUNCH(k_swiglu_back_vec<QL_TYPE_BF16>, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const uint16_t *)a->data,
-                      (const uint16_t *)b->data, (const float *)dy->data, d, n);
-        else
-            QL_LAUNCH(k_swiglu_back_vec<QL_TYPE_F16>, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const uint16_t *)a->data,
-                      (const uint16_t *)b->data, (const float *)dy->data, d, n);
+    const size_t ds = node->type == QL_TYPE_F32 ? 4 : 2;
+    CU_ASSERT(is_float_type_cu(node->type) && ql_is_contiguous(node));
+    if (cu_ew_fast(cu_vec_ok(a) && cu_vec_ok(b) && cu_vec_ok(dy) && cu_vec_ok(node) && ((uintptr_t)node->data + n * ds) % 16 == 0)) {
+        if (a->type == QL_TYPE_F32) cu_launch_swiglu_back_vec_to<QL_TYPE_F32>(c, node, n);
+        else if (a->type == QL_TYPE_BF16) cu_launch_swiglu_back_vec_to<QL_TYPE_BF16>(c, node, n);
+        else cu_launch_swiglu_back_vec_to<QL_TYPE_F16>(c, node, n);
     } else {
-        QL_LAUNCH(k_swiglu_back, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), cu_of(b), cu_of(dy), d, n);
+        QL_LAUNCH(k_swiglu_back, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), cu_of(b), cu_of(dy), (char *)node->data, (int)node->type, n);
     }
     CU_LAUNCHED(c);
 }
@@ -2677,8 +2694,8 @@ static bool cu_ops_supported(const ql_tensor *node) {
         return f32(a) && f32(node->src[1]);
     case QL_OP_SWIGLU:  // f32, or 16-bit a, b and result
         return is_float_type_cu(a->type) && node->src[1]->type == a->type && node->type == a->type && ql_is_contiguous(node);
-    case QL_OP_SWIGLU_BACK:
-        return is_float_type_cu(a->type) && node->src[1]->type == a->type && f32(node->src[2]) && f32(node);
+    case QL_OP_SWIGLU_BACK:  // the result f32, or 16-bit (autodiff's cast folded in)
+        return is_float_type_cu(a->type) && node->src[1]->type == a->type && f32(node->src[2]) && is_float_type_cu(node->type);
     case QL_OP_ACC_GRAD:
         return f32(node) && f32(node->src[1]) && ql_is_contiguous(node);
     case QL_OP_CACHE_STORE:  // an f32 or f16 cache, f32 rows

@@ -2523,6 +2523,13 @@ static ql_tensor *flat_op(ql_context *ctx, ql_op op, int64_t n, std::initializer
     return new_op(ctx, op, QL_TYPE_F32, ne, srcs);
 }
 
+// swiglu's backward (a flat_op SWIGLU_BACK) made again with its result in `type`: each gradient
+// rounded once as it is stored, the bits of ql_cast of the f32 node's views
+static ql_tensor *swiglu_back_to(ql_context *ctx, const ql_tensor *flat, ql_type type) {
+    if (!srcs_ok(ctx, "swiglu_back", {flat})) return nullptr;
+    return new_op_like(ctx, QL_OP_SWIGLU_BACK, type, flat, {flat->src[0], flat->src[1], flat->src[2]});
+}
+
 // contiguous f32 view of `like`'s shape at element offset `off` of a flat buffer
 static ql_tensor *view_as(ql_context *ctx, ql_tensor *flat, const ql_tensor *like, int64_t off) {
     if (!flat) return nullptr;
@@ -2705,6 +2712,11 @@ ql_status ql_graph_build_forward(ql_graph *g, ql_tensor *out) {
 // 8. autodiff: one backward case per forward op, each next to the math it inverts
 // ============================================================================================
 
+// autodiff folds a 16-bit cast of a gradient into the node that makes it (a scale, SwiGLU's
+// backward): the same bits; off, a separate cast (tests compare the two)
+static bool g_fold_casts = true;
+void ql_autodiff_fold_casts_for_tests(bool on) { g_fold_casts = on; }
+
 struct grad_builder {
     ql_context *ctx;
     std::unordered_set<const ql_tensor *> needs;              // leads to a trainable param
@@ -2725,7 +2737,16 @@ struct grad_builder {
     ql_tensor *cast(ql_tensor *t, ql_type type) {
         if (!t || t->type == type) return t;
         ql_tensor *&c = casts[{t, (int)type}];
-        if (!c && t->op == QL_OP_SCALE && t->type == QL_TYPE_F32) c = ql_scale_to(ctx, t->src[0], get_param<float>(t, 0), type);
+        if (!c && g_fold_casts && t->op == QL_OP_SCALE && t->type == QL_TYPE_F32) c = ql_scale_to(ctx, t->src[0], get_param<float>(t, 0), type);
+        // SwiGLU's gradients (gate's and up's dy, which their multiplies read in x's type): views
+        // of one SWIGLU_BACK made in `type` (once for both), rounded as they are written
+        const ql_tensor *f = t->op == QL_OP_VIEW && g_fold_casts ? t->view_src : nullptr;
+        if (!c && f && f->op == QL_OP_SWIGLU_BACK && f->type == QL_TYPE_F32 && ql_is_contiguous(t)) {
+            ql_tensor *&f16 = casts[{f, (int)type}];
+            if (!f16) f16 = swiglu_back_to(ctx, f, type);
+            const size_t ts = traits(type).type_size, nb1 = (size_t)t->ne[0] * ts, nb2 = nb1 * (size_t)t->ne[1];
+            if (f16) c = ql_view_4d(ctx, f16, t->ne[0], t->ne[1], t->ne[2], t->ne[3], nb1, nb2, nb2 * (size_t)t->ne[2], t->view_offs / 4 * ts);
+        }
         if (!c) c = ql_cast(ctx, dense(t), type);
         return c;
     }
@@ -4669,9 +4690,11 @@ static void k_swiglu_back(const cpu_params &p, ql_tensor *dst) {
     split_range(ql_nrows(a), p.ith, p.nth, b, e);
     const vf one = vf_set1(1.0f);
     float *ws = (float *)p.wdata;  // 16-bit a and b: their rows as f32 [2, ne0]
+    const bool f32 = dst->type == QL_TYPE_F32;  // else (autodiff's cast of these gradients, folded in) da's and db's rows
+    float *wd = ws + (a->type == QL_TYPE_F32 ? 0 : 2 * ne0);  // in the workspace [2, ne0], rounded once as ql_cast rounds
     for (int64_t r = b; r < e; r++) {
         const float *x = f32_row_of(a, r, ws), *u = f32_row_of(bt, r, ws + ne0), *g = f32_row(dy, r);
-        float *da = (float *)dst->data + r * ne0, *db = da + n;
+        float *da = f32 ? (float *)dst->data + r * ne0 : wd, *db = f32 ? da + n : wd + ne0;
         int64_t i = 0;
         for (; i + VW <= ne0; i += VW) {
             const vf v = vf_load(x + i), s = vf_sigmoid(v), gv = vf_load(g + i);
@@ -4682,6 +4705,11 @@ static void k_swiglu_back(const cpu_params &p, ql_tensor *dst) {
             const float s = sigmoid1(x[i]);
             db[i] = g[i] * x[i] * s;
             da[i] = g[i] * u[i] * s * (1.0f + x[i] * (1.0f - s));
+        }
+        if (!f32) {
+            const ql_type_traits &td = traits(dst->type);
+            td.from_float(da, (uint8_t *)dst->data + (size_t)(r * ne0) * td.type_size, ne0);
+            td.from_float(db, (uint8_t *)dst->data + (size_t)(n + r * ne0) * td.type_size, ne0);
         }
     }
 }
@@ -7040,7 +7068,8 @@ static size_t cpu_work_per_thread(const ql_tensor *node, int nth) {
     case QL_OP_CONT:      return (size_t)node->src[0]->ne[0] * sizeof(float);
     case QL_OP_DROPOUT:   return ((node->type != QL_TYPE_F32) + (node->src[0]->type != QL_TYPE_F32)) * (size_t)node->ne[0] * sizeof(float);
     case QL_OP_SWIGLU:    return node->type == QL_TYPE_F32 ? 0 : 3 * (size_t)node->ne[0] * sizeof(float);
-    case QL_OP_SWIGLU_BACK: return node->src[0]->type == QL_TYPE_F32 ? 0 : 2 * (size_t)node->src[0]->ne[0] * sizeof(float);
+    case QL_OP_SWIGLU_BACK:  // 16-bit a and b: their rows as f32; a 16-bit result: da's and db's rows before rounding
+        return ((node->src[0]->type != QL_TYPE_F32) + (node->type != QL_TYPE_F32)) * 2 * (size_t)node->src[0]->ne[0] * sizeof(float);
     case QL_OP_REDUCE_TO: return (size_t)node->src[0]->ne[0] * sizeof(float);
     case QL_OP_RMS_NORM_BACK: return node->src[2] ? (size_t)node->ne[0] * sizeof(float) : 0;  // dy * w, a row
     case QL_OP_ROPE: case QL_OP_ROPE_BACK: return rope_work(node);

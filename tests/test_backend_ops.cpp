@@ -785,6 +785,50 @@ OP_CASE(rms_norm_mul) {
             }
 }
 
+void ql_autodiff_fold_casts_for_tests(bool on);  // qlora.cpp's autodiff: a gradient's 16-bit cast folded into the node making it
+
+namespace {
+struct fold_casts_off {  // autodiff's separate casts while in scope
+    fold_casts_off() { ql_autodiff_fold_casts_for_tests(false); }
+    ~fold_casts_off() { ql_autodiff_fold_casts_for_tests(true); }
+};
+}  // namespace
+
+// SwiGLU's backward writing gate's and up's gradients in the type their multiplies read (autodiff
+// folds the two casts into it): on every backend the bits of the f32 node and its casts (the
+// folding off), fast path and strided kernel alike, within TOL_16 of the CPU; 16-bit gate and up,
+// and f32 ones read by 16-bit multiplies (fp16's guard); rows of 40 (vectors, the db half aligned)
+// and 37 (tails; in 16 bits the db half is not 16-byte aligned: the strided kernel)
+OP_CASE(swiglu_back_to) {
+    for (ql_type t : {QL_TYPE_F16, QL_TYPE_BF16})
+        for (bool guard : {false, true})
+            for (int64_t n_ff : {40, 37}) {
+                INFO(std::string(ql_type_name(t)) << std::string(guard ? ", f32 gate and up" : "") << ", n_ff " << n_ff);
+                const builder build = [t, guard, n_ff](leafs &L) {
+                    ql_tensor *x = ql_cast(L.ctx, L.param({32, 6}), t);
+                    const ql_type out = guard ? QL_TYPE_F32 : t;
+                    ql_tensor *g = ql_mul_mat_to(L.ctx, L.rand(QL_TYPE_F32, {32, n_ff}, -0.5f, 0.5f), x, out);
+                    ql_tensor *u = ql_mul_mat_to(L.ctx, L.rand(QL_TYPE_F32, {32, n_ff}, -0.5f, 0.5f), x, out);
+                    ql_tensor *y = ql_swiglu(L.ctx, g, u);
+                    return out == QL_TYPE_F32 ? y : ql_cast(L.ctx, y, QL_TYPE_F32);
+                };
+                ew_case(be, "swiglu_back_to", build, TOL_16, -1);
+                const run_result folded = run_case(be, false, build, true);
+                run_result apart;
+                {
+                    fold_casts_off off;
+                    apart = run_case(be, false, build, true);
+                }
+                REQUIRE(folded.error.empty());
+                REQUIRE(apart.error.empty());
+                REQUIRE(folded.grads.size() == 1);
+                REQUIRE(apart.grads.size() == 1);
+                CHECK(folded.out == apart.out);
+                CHECK_MESSAGE(!memcmp(folded.grads[0].data(), apart.grads[0].data(), folded.grads[0].size() * sizeof(float)),
+                              "x's gradient through the folded casts: not the bits of the separate ones");
+            }
+}
+
 OP_CASE(rope) {
     for (int mode : {QL_ROPE_NORMAL, QL_ROPE_NEOX}) {
         INFO("mode: " << mode);
