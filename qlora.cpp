@@ -2747,6 +2747,13 @@ struct grad_builder {
             const size_t ts = traits(type).type_size, nb1 = (size_t)t->ne[0] * ts, nb2 = nb1 * (size_t)t->ne[1];
             if (f16) c = ql_view_4d(ctx, f16, t->ne[0], t->ne[1], t->ne[2], t->ne[3], nb1, nb2, nb2 * (size_t)t->ne[2], t->view_offs / 4 * ts);
         }
+        // a gradient copied to be contiguous (f32, maybe then reshaped: a reshape's backward over
+        // a permuted view, attention's dv): the cast reads what was copied (one copy, the same bits)
+        ql_tensor *r = g_fold_casts && t->op == QL_OP_RESHAPE ? t->src[0] : t;
+        if (!c && g_fold_casts && r->op == QL_OP_CONT && r->type == QL_TYPE_F32 && r->src[0]->type == QL_TYPE_F32) {
+            c = ql_cast(ctx, r->src[0], type);
+            if (c && r != t) c = ql_reshape_4d(ctx, c, t->ne[0], t->ne[1], t->ne[2], t->ne[3]);
+        }
         if (!c) c = ql_cast(ctx, dense(t), type);
         return c;
     }

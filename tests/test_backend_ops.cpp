@@ -829,6 +829,34 @@ OP_CASE(swiglu_back_to) {
             }
 }
 
+// a gradient copied to be contiguous (a reshape's backward over a permuted view, as attention's dv)
+// that a 16-bit multiply reads: autodiff's cast reads the permuted view itself (the strided k_cont
+// on CUDA) - x's gradient the bits of the copy and the cast, within TOL_16 of the CPU
+OP_CASE(cast_of_copy_folded) {
+    for (ql_type t : {QL_TYPE_F16, QL_TYPE_BF16}) {
+        INFO(std::string(ql_type_name(t)));
+        const builder build = [t](leafs &L) {
+            ql_tensor *x = ql_cast(L.ctx, L.param({16, 12}), t);
+            ql_tensor *v = ql_mul_mat_to(L.ctx, L.rand(QL_TYPE_F32, {16, 24}, -0.5f, 0.5f), x, t);  // [24, 12]
+            ql_tensor *p = ql_permute(L.ctx, ql_reshape_4d(L.ctx, v, 8, 3, 12, 1), 0, 2, 1, 3);    // [8, 12, 3, 1]
+            return ql_cast(L.ctx, p, QL_TYPE_F32);
+        };
+        check_case(be, "cast of a copy, folded", build, TOL_16);
+        const run_result folded = run_case(be, false, build, true);
+        run_result apart;
+        {
+            fold_casts_off off;
+            apart = run_case(be, false, build, true);
+        }
+        REQUIRE(folded.error.empty());
+        REQUIRE(apart.error.empty());
+        REQUIRE(folded.grads.size() == 1);
+        REQUIRE(apart.grads.size() == 1);
+        CHECK_MESSAGE(!memcmp(folded.grads[0].data(), apart.grads[0].data(), folded.grads[0].size() * sizeof(float)),
+                      "x's gradient through the folded cast: not the bits of the copy and the cast");
+    }
+}
+
 OP_CASE(rope) {
     for (int mode : {QL_ROPE_NORMAL, QL_ROPE_NEOX}) {
         INFO("mode: " << mode);

@@ -860,7 +860,8 @@ TEST_CASE("llama: LoRA's scale is written in the compute type, norms multiply th
 void ql_autodiff_fold_casts_for_tests(bool on);  // qlora.cpp's autodiff: a gradient's 16-bit cast folded into the node making it
 
 // ... and autodiff's folded casts (s dy by ql_scale_to, SwiGLU's gradients written in the compute
-// type) give the separate casts' loss and LoRA gradients bit for bit, with fewer nodes: every
+// type, a cast reading what an f32 copy would have copied) give the separate casts' loss and LoRA
+// gradients bit for bit, with fewer nodes: every
 // compute type, the FFN whole and in chunks, fp16's guard (f32 gate and up), every segment recomputed
 TEST_CASE("llama: autodiff's casts folded into the nodes making the gradients give the separate casts' bits") {
     const int V = 50, E = 64, N = 24;
@@ -938,8 +939,9 @@ TEST_CASE("llama: autodiff's casts folded into the nodes making the gradients gi
                     REQUIRE(folded.grads.size() == apart.grads.size());
                     for (size_t i = 0; i < folded.grads.size(); i++) CHECK_MESSAGE(folded.grads[i] == apart.grads[i], "LoRA tensor " << i);
                     // the casts folded, per layer: each adapted linear's scaled dy (the guard's down projection
-                    // and its LoRA are f32: none), SwiGLU's 2 gradients (per FFN chunk: 24 rows, 3 chunks)
-                    const int swiglu = chunk ? 3 : 1, per_layer = 4 + 2 * swiglu + (guard ? 0 : swiglu) + 2 * swiglu;
+                    // and its LoRA are f32: none), SwiGLU's 2 gradients (per FFN chunk: 24 rows, 3 chunks), and
+                    // v's f32 copy (its gradient out of attention's, permuted back and made contiguous)
+                    const int swiglu = chunk ? 3 : 1, per_layer = 4 + 2 * swiglu + (guard ? 0 : swiglu) + 2 * swiglu + 1;
                     if (ct == QL_TYPE_F32) CHECK(folded.nodes == apart.nodes);
                     else CHECK(apart.nodes - folded.nodes == 2 * per_layer);
                 }
