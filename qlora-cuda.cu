@@ -2299,8 +2299,9 @@ static void cu_op_rms_norm(cu_ctx &c, ql_tensor *node) {
 
 // y = x r, r = (mean(x^2) + eps)^-1/2  =>  dx = r dy - r^3/n (dy . x) x
 // w: NULL, or the forward's weight (ql_rms_norm_mul): the norm's dy is dy * w, rounded to f32 as
-// ql_mul's product (__fmul_rn: never contracted into a sum), made where dy is read
-__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm_back(cu_t a, cu_t dy, const float *w, float *d, float eps) {
+// ql_mul's product (__fmul_rn: never contracted into a sum), made where dy is read. acc: NULL, or the
+// gradient so far (contiguous): d = acc + dx as ql_add sums (__fadd_rn: dx rounded first)
+__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm_back(cu_t a, cu_t dy, const float *w, const float *acc, float *d, float eps) {
     __shared__ float sh[32];
     const int64_t ne0 = a.ne[0], r = blockIdx.x;
     const float *x = (const float *)cu_row(a, r), *g = (const float *)cu_row(dy, r);
@@ -2315,13 +2316,14 @@ __global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm_back(cu_t a, cu_t dy,
     const float rs = 1.0f / sqrtf(sxx / (float)ne0 + eps), k = -rs * rs * rs * sgx / (float)ne0;
     for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) {
         const float gi = w ? __fmul_rn(g[i], w[i]) : g[i];  // (g may be d: this thread's own element, read before it is written)
-        d[r * ne0 + i] = rs * gi + k * x[i];
+        const float dx = rs * gi + k * x[i];
+        d[r * ne0 + i] = acc ? __fadd_rn(acc[r * ne0 + i], dx) : dx;
     }
 }
 static void cu_op_rms_norm_back(cu_ctx &c, ql_tensor *node) {
-    const ql_tensor *w = node->src[2];
+    const ql_tensor *w = node->src[2], *acc = node->src[3];
     QL_LAUNCH(k_rms_norm_back, (unsigned)cu_nrows(node), CU_ROW_BLOCK, 0, c.stream, cu_of(node->src[0]), cu_of(node->src[1]),
-              w ? (const float *)w->data : nullptr, (float *)node->data, cu_param<float>(node, 0));
+              w ? (const float *)w->data : nullptr, acc ? (const float *)acc->data : nullptr, (float *)node->data, cu_param<float>(node, 0));
     CU_LAUNCHED(c);
 }
 
@@ -2721,7 +2723,8 @@ static bool cu_ops_supported(const ql_tensor *node) {
     case QL_OP_RMS_NORM:  // (a weight: contiguous f32 [ne0])
         return dense_rows(a) && (!node->src[1] || (f32(node->src[1]) && ql_is_contiguous(node->src[1])));
     case QL_OP_RMS_NORM_BACK:
-        return dense_rows(a) && dense_rows(node->src[1]) && (!node->src[2] || (f32(node->src[2]) && ql_is_contiguous(node->src[2])));
+        return dense_rows(a) && dense_rows(node->src[1]) && (!node->src[2] || (f32(node->src[2]) && ql_is_contiguous(node->src[2]))) &&
+               (!node->src[3] || (f32(node->src[3]) && ql_is_contiguous(node->src[3])));
     case QL_OP_ROPE: case QL_OP_ROPE_BACK:  // rope: f32 or 16-bit a, the result in a's type
         return is_float_type_cu(a->type) && ql_rows_contiguous(a) && node->type == a->type && ql_is_contiguous(node) &&
                (!node->src[2] || ql_is_contiguous(node->src[2]));

@@ -2504,10 +2504,14 @@ static ql_tensor *get_rows_back(ql_context *ctx, ql_tensor *dy, ql_tensor *ids, 
     return new_op(ctx, QL_OP_GET_ROWS_BACK, QL_TYPE_F32, ne, {dy, ids});
 }
 
-// w: NULL, or the forward's weight (ql_rms_norm_mul): dy * w is the norm's dy, made as each row is read
-static ql_tensor *rms_norm_back(ql_context *ctx, ql_tensor *x, ql_tensor *dy, float eps, ql_tensor *w = nullptr) {
+// w: NULL, or the forward's weight (ql_rms_norm_mul): dy * w is the norm's dy, made as each row is read.
+// acc: NULL, or x's gradient so far (f32, contiguous, x's shape): the result is acc + dx, added as
+// it is written (the bits of ql_add(acc, dx)) - the residual stream's gradient summed without a pass
+static ql_tensor *rms_norm_back(ql_context *ctx, ql_tensor *x, ql_tensor *dy, float eps, ql_tensor *w = nullptr,
+                                ql_tensor *acc = nullptr) {
     if (!srcs_ok(ctx, "rms_norm_back", {x, dy})) return nullptr;
-    ql_tensor *t = new_op_like(ctx, QL_OP_RMS_NORM_BACK, QL_TYPE_F32, x, {x, dy, w});
+    QL_ASSERT(!acc || (acc->type == QL_TYPE_F32 && ql_is_contiguous(acc) && ql_same_shape(acc, x)));
+    ql_tensor *t = new_op_like(ctx, QL_OP_RMS_NORM_BACK, QL_TYPE_F32, x, {x, dy, w, acc});
     if (t) set_param(t, 0, eps);
     return t;
 }
@@ -2713,9 +2717,10 @@ ql_status ql_graph_build_forward(ql_graph *g, ql_tensor *out) {
 // ============================================================================================
 
 // autodiff folds a 16-bit cast of a gradient into the node that makes it (a scale, SwiGLU's
-// backward): the same bits; off, a separate cast (tests compare the two)
-static bool g_fold_casts = true;
-void ql_autodiff_fold_casts_for_tests(bool on) { g_fold_casts = on; }
+// backward, the copy before it), and a norm's dx into the sum of its input's gradient: the same
+// bits; off, separate casts and adds (tests compare the two)
+static bool g_autodiff_fold = true;
+void ql_autodiff_fold_for_tests(bool on) { g_autodiff_fold = on; }
 
 struct grad_builder {
     ql_context *ctx;
@@ -2737,10 +2742,10 @@ struct grad_builder {
     ql_tensor *cast(ql_tensor *t, ql_type type) {
         if (!t || t->type == type) return t;
         ql_tensor *&c = casts[{t, (int)type}];
-        if (!c && g_fold_casts && t->op == QL_OP_SCALE && t->type == QL_TYPE_F32) c = ql_scale_to(ctx, t->src[0], get_param<float>(t, 0), type);
+        if (!c && g_autodiff_fold && t->op == QL_OP_SCALE && t->type == QL_TYPE_F32) c = ql_scale_to(ctx, t->src[0], get_param<float>(t, 0), type);
         // SwiGLU's gradients (gate's and up's dy, which their multiplies read in x's type): views
         // of one SWIGLU_BACK made in `type` (once for both), rounded as they are written
-        const ql_tensor *f = t->op == QL_OP_VIEW && g_fold_casts ? t->view_src : nullptr;
+        const ql_tensor *f = t->op == QL_OP_VIEW && g_autodiff_fold ? t->view_src : nullptr;
         if (!c && f && f->op == QL_OP_SWIGLU_BACK && f->type == QL_TYPE_F32 && ql_is_contiguous(t)) {
             ql_tensor *&f16 = casts[{f, (int)type}];
             if (!f16) f16 = swiglu_back_to(ctx, f, type);
@@ -2749,8 +2754,8 @@ struct grad_builder {
         }
         // a gradient copied to be contiguous (f32, maybe then reshaped: a reshape's backward over
         // a permuted view, attention's dv): the cast reads what was copied (one copy, the same bits)
-        ql_tensor *r = g_fold_casts && t->op == QL_OP_RESHAPE ? t->src[0] : t;
-        if (!c && g_fold_casts && r->op == QL_OP_CONT && r->type == QL_TYPE_F32 && r->src[0]->type == QL_TYPE_F32) {
+        ql_tensor *r = g_autodiff_fold && t->op == QL_OP_RESHAPE ? t->src[0] : t;
+        if (!c && g_autodiff_fold && r->op == QL_OP_CONT && r->type == QL_TYPE_F32 && r->src[0]->type == QL_TYPE_F32) {
             c = ql_cast(ctx, r->src[0], type);
             if (c && r != t) c = ql_reshape_4d(ctx, c, t->ne[0], t->ne[1], t->ne[2], t->ne[3]);
         }
@@ -2880,7 +2885,14 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
         break;
     case QL_OP_RMS_NORM: {  // y = n(a) (* w): da = rms_norm_back(a, dy w), dw = reduce(dy n(a))
         const float eps = get_param<float>(node, 0);
-        if (gb.wants(a)) gb.add(a, rms_norm_back(ctx, a, gb.dense(dy), eps, b));
+        if (gb.wants(a)) {  // onto a's gradient so far as it is written (the residual stream's: what ql_add would sum)
+            auto it = gb.grad.find(a);
+            ql_tensor *prev = it == gb.grad.end() ? nullptr : it->second;
+            if (g_autodiff_fold && prev && prev->type == QL_TYPE_F32 && ql_is_contiguous(prev) && ql_same_shape(prev, a))
+                it->second = rms_norm_back(ctx, a, gb.dense(dy), eps, b, prev);
+            else
+                gb.add(a, rms_norm_back(ctx, a, gb.dense(dy), eps, b));
+        }
         if (b && gb.wants(b)) gb.add(b, ql_reduce_to(ctx, ql_mul(ctx, gb.dense(dy), ql_rms_norm(ctx, a, eps)), b, false));
         break;
     }
@@ -4066,6 +4078,11 @@ static inline void row_scale(int64_t n, float a, const float *x, float *y) {  //
     for (; i + VW <= n; i += VW) vf_store(y + i, vf_mul(va, vf_load(x + i)));
     for (; i < n; i++) y[i] = a * x[i];
 }
+static inline void row_add(int64_t n, const float *x, const float *y, float *d) {  // d = x + y, element by element (d may be x or y)
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) vf_store(d + i, vf_add(vf_load(x + i), vf_load(y + i)));
+    for (; i < n; i++) d[i] = x[i] + y[i];
+}
 static inline void row_mul(int64_t n, const float *x, const float *y, float *d) {  // d = x * y, element by element (d may be x)
     int64_t i = 0;
     for (; i + VW <= n; i += VW) vf_store(d + i, vf_mul(vf_load(x + i), vf_load(y + i)));
@@ -4610,20 +4627,24 @@ static void k_rms_norm_back(const cpu_params &p, ql_tensor *dst) {
     // y = x r, r = (mean(x^2) + eps)^-1/2  =>  dx = r dy - r^3/n (dy . x) x
     const ql_tensor *a = dst->src[0], *dy = dst->src[1];
     const float *w = dst->src[2] ? (const float *)dst->src[2]->data : nullptr;  // the norm's dy is dy * w (ql_rms_norm_mul)
+    const ql_tensor *acc = dst->src[3];  // the gradient so far: the result is acc + dx (ql_add's sum)
     const float eps = get_param<float>(dst, 0);
     const int64_t ne0 = a->ne[0];
     int64_t b, e;
     split_range(ql_nrows(a), p.ith, p.nth, b, e);
+    float *ws = (float *)p.wdata;  // [ne0] dy * w, then [ne0] dx before the sum
+    float *wx = ws + (w ? ne0 : 0);
     for (int64_t r = b; r < e; r++) {
         const float *x = f32_row(a, r), *g = f32_row(dy, r);
         if (w) {  // dy * w in the workspace: ql_mul's product, then the same sums as over a dy made by it
-            row_mul(ne0, g, w, (float *)p.wdata);
-            g = (const float *)p.wdata;
+            row_mul(ne0, g, w, ws);
+            g = ws;
         }
-        float *d = (float *)dst->data + r * ne0;
+        float *d = (float *)dst->data + r * ne0, *dx = acc ? wx : d;
         const float ms = row_dot(ne0, x, x) / (float)ne0, rs = 1.0f / std::sqrt(ms + eps);
         const float c = -rs * rs * rs * row_dot(ne0, g, x) / (float)ne0;
-        for (int64_t i = 0; i < ne0; i++) d[i] = rs * g[i] + c * x[i];
+        for (int64_t i = 0; i < ne0; i++) dx[i] = rs * g[i] + c * x[i];
+        if (acc) row_add(ne0, (const float *)acc->data + r * ne0, dx, d);
     }
 }
 
@@ -7078,7 +7099,7 @@ static size_t cpu_work_per_thread(const ql_tensor *node, int nth) {
     case QL_OP_SWIGLU_BACK:  // 16-bit a and b: their rows as f32; a 16-bit result: da's and db's rows before rounding
         return ((node->src[0]->type != QL_TYPE_F32) + (node->type != QL_TYPE_F32)) * 2 * (size_t)node->src[0]->ne[0] * sizeof(float);
     case QL_OP_REDUCE_TO: return (size_t)node->src[0]->ne[0] * sizeof(float);
-    case QL_OP_RMS_NORM_BACK: return node->src[2] ? (size_t)node->ne[0] * sizeof(float) : 0;  // dy * w, a row
+    case QL_OP_RMS_NORM_BACK: return ((node->src[2] != nullptr) + (node->src[3] != nullptr)) * (size_t)node->ne[0] * sizeof(float);  // dy * w, dx: rows
     case QL_OP_ROPE: case QL_OP_ROPE_BACK: return rope_work(node);
     case QL_OP_FLASH_ATTN: case QL_OP_FLASH_ATTN_BACK: return fa_work(node);
     case QL_OP_MUL_MAT: {

@@ -785,12 +785,12 @@ OP_CASE(rms_norm_mul) {
             }
 }
 
-void ql_autodiff_fold_casts_for_tests(bool on);  // qlora.cpp's autodiff: a gradient's 16-bit cast folded into the node making it
+void ql_autodiff_fold_for_tests(bool on);  // qlora.cpp's autodiff: a gradient's 16-bit cast or sum folded into the node making it
 
 namespace {
-struct fold_casts_off {  // autodiff's separate casts while in scope
-    fold_casts_off() { ql_autodiff_fold_casts_for_tests(false); }
-    ~fold_casts_off() { ql_autodiff_fold_casts_for_tests(true); }
+struct fold_off {  // autodiff's separate casts and adds while in scope
+    fold_off() { ql_autodiff_fold_for_tests(false); }
+    ~fold_off() { ql_autodiff_fold_for_tests(true); }
 };
 }  // namespace
 
@@ -816,7 +816,7 @@ OP_CASE(swiglu_back_to) {
                 const run_result folded = run_case(be, false, build, true);
                 run_result apart;
                 {
-                    fold_casts_off off;
+                    fold_off off;
                     apart = run_case(be, false, build, true);
                 }
                 REQUIRE(folded.error.empty());
@@ -827,6 +827,34 @@ OP_CASE(swiglu_back_to) {
                 CHECK_MESSAGE(!memcmp(folded.grads[0].data(), apart.grads[0].data(), folded.grads[0].size() * sizeof(float)),
                               "x's gradient through the folded casts: not the bits of the separate ones");
             }
+}
+
+// a norm's dx summed onto its input's gradient so far by rms_norm_back (autodiff folds the add in;
+// y = x + rms_norm_mul(x, w), the residual stream's shape: the sum so far is also the norm's dy):
+// on every backend the bits of rms_norm_back and ql_add (the folding off), within TOL_F32 of the CPU
+OP_CASE(rms_norm_back_acc) {
+    for (int64_t n0 : {300, 2050})
+        for (bool weighted : {false, true}) {
+            INFO("rows of " << n0 << std::string(weighted ? ", weighted" : ""));
+            const builder build = [n0, weighted](leafs &L) {
+                ql_tensor *x = L.param({n0, 5}, -2.0f, 2.0f);
+                ql_tensor *n = weighted ? ql_rms_norm_mul(L.ctx, x, L.rand(QL_TYPE_F32, {n0}, 0.5f, 1.5f), 1e-5f) : ql_rms_norm(L.ctx, x, 1e-5f);
+                return ql_add(L.ctx, x, n);
+            };
+            check_case(be, "rms_norm_back onto the gradient so far", build, TOL_F32);
+            const run_result folded = run_case(be, false, build, true);
+            run_result apart;
+            {
+                fold_off off;
+                apart = run_case(be, false, build, true);
+            }
+            REQUIRE(folded.error.empty());
+            REQUIRE(apart.error.empty());
+            REQUIRE(folded.grads.size() == 1);
+            REQUIRE(apart.grads.size() == 1);
+            CHECK_MESSAGE(!memcmp(folded.grads[0].data(), apart.grads[0].data(), folded.grads[0].size() * sizeof(float)),
+                          "x's gradient with the add folded: not the bits of rms_norm_back and the add");
+        }
 }
 
 // a gradient copied to be contiguous (a reshape's backward over a permuted view, as attention's dv)
@@ -845,7 +873,7 @@ OP_CASE(cast_of_copy_folded) {
         const run_result folded = run_case(be, false, build, true);
         run_result apart;
         {
-            fold_casts_off off;
+            fold_off off;
             apart = run_case(be, false, build, true);
         }
         REQUIRE(folded.error.empty());
