@@ -2276,8 +2276,9 @@ static void cu_op_get_rows_back(cu_ctx &c, ql_tensor *node) {
 
 // ---- row ops: rms_norm, silu, swiglu, dropout ----
 
-// w: NULL, or [ne0] (ql_rms_norm_mul): the normed element rounded to f32, then times w (ql_mul's product)
-__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm(cu_t a, const float *w, float *d, float eps) {
+// w: NULL, or [ne0] (ql_rms_norm_mul): the normed element rounded to f32, then times w (ql_mul's
+// product); d in d_type: f32, or 16-bit (ql_rms_norm_mul_to: that f32 value rounded once on store)
+__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm(cu_t a, const float *w, char *d, int d_type, float eps) {
     __shared__ float sh[32];
     const int64_t ne0 = a.ne[0], r = blockIdx.x;
     const float *x = (const float *)cu_row(a, r);
@@ -2286,14 +2287,15 @@ __global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm(cu_t a, const float *
     const float rs = 1.0f / sqrtf(cu_block_sum(s, sh) / (float)ne0 + eps);
     for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) {
         const float y = x[i] * rs;
-        d[r * ne0 + i] = w ? __fmul_rn(y, w[i]) : y;
+        cu_st(d + (r * ne0 + i) * (d_type == QL_TYPE_F32 ? 4 : 2), d_type, w ? __fmul_rn(y, w[i]) : y);
     }
 }
 static void cu_op_rms_norm(cu_ctx &c, ql_tensor *node) {
     // limitation: one block per row; rows beyond the grid's 2^31 - 1 do not occur in these graphs
     const ql_tensor *w = node->src[1];
+    CU_ASSERT(is_float_type_cu(node->type) && ql_is_contiguous(node));
     QL_LAUNCH(k_rms_norm, (unsigned)cu_nrows(node), CU_ROW_BLOCK, 0, c.stream, cu_of(node->src[0]), w ? (const float *)w->data : nullptr,
-              (float *)node->data, cu_param<float>(node, 0));
+              (char *)node->data, (int)node->type, cu_param<float>(node, 0));
     CU_LAUNCHED(c);
 }
 
@@ -2720,8 +2722,8 @@ static bool cu_ops_supported(const ql_tensor *node) {
     }
     case QL_OP_GET_ROWS_BACK:
         return dense_rows(a) && ql_is_contiguous(node);
-    case QL_OP_RMS_NORM:  // (a weight: contiguous f32 [ne0])
-        return dense_rows(a) && (!node->src[1] || (f32(node->src[1]) && ql_is_contiguous(node->src[1])));
+    case QL_OP_RMS_NORM:  // (a weight: contiguous f32 [ne0]; the result f32 or 16-bit)
+        return dense_rows(a) && (!node->src[1] || (f32(node->src[1]) && ql_is_contiguous(node->src[1]))) && is_float_type_cu(node->type);
     case QL_OP_RMS_NORM_BACK:
         return dense_rows(a) && dense_rows(node->src[1]) && (!node->src[2] || (f32(node->src[2]) && ql_is_contiguous(node->src[2]))) &&
                (!node->src[3] || (f32(node->src[3]) && ql_is_contiguous(node->src[3])));

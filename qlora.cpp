@@ -2146,11 +2146,19 @@ ql_tensor *ql_rms_norm(ql_context *ctx, ql_tensor *a, float eps) {
 }
 
 ql_tensor *ql_rms_norm_mul(ql_context *ctx, ql_tensor *a, ql_tensor *w, float eps) {
+    return ql_rms_norm_mul_to(ctx, a, w, eps, QL_TYPE_F32);
+}
+
+ql_tensor *ql_rms_norm_mul_to(ql_context *ctx, ql_tensor *a, ql_tensor *w, float eps, ql_type type) {
     if (!srcs_ok(ctx, "rms_norm", {a, w})) return nullptr;
     QL_CHECK(ctx, w->type == QL_TYPE_F32 && ql_is_contiguous(w) && ql_nelements(w) == a->ne[0], QL_ERR_SHAPE,
              "rms_norm: weight %s must be contiguous f32 with a %s's row length", shape_str(w).c_str(), shape_str(a).c_str());
-    ql_tensor *t = ql_rms_norm(ctx, a, eps);
-    if (t) t->src[1] = w;  // the same node: each row multiplied by w as it is written
+    QL_CHECK(ctx, type == QL_TYPE_F32 || type == QL_TYPE_BF16 || type == QL_TYPE_F16, QL_ERR_TYPE,
+             "rms_norm: a result in %s: f32, bf16 or f16 only", ql_type_traits_get(type) ? ql_type_name(type) : "?");
+    QL_CHECK(ctx, a->type == QL_TYPE_F32, QL_ERR_TYPE, "rms_norm: a %s must be f32", shape_str(a).c_str());
+    QL_CHECK(ctx, ql_rows_contiguous(a), QL_ERR_SHAPE, "rms_norm: a %s needs dense rows --> hint: ql_cont first", shape_str(a).c_str());
+    ql_tensor *t = new_op_like(ctx, QL_OP_RMS_NORM, type, a, {a, w});  // each row multiplied by w as it is written
+    if (t) set_param(t, 0, eps);
     return t;
 }
 
@@ -3444,10 +3452,10 @@ static void row_to_float(const ql_tensor *t, const uint8_t *row, int64_t k0, int
 static int inplace_src(const ql_tensor *node) {
     switch (node->op) {
     case QL_OP_ADD: case QL_OP_MUL: case QL_OP_SILU:
-    case QL_OP_RMS_NORM: case QL_OP_ROPE: case QL_OP_ROPE_BACK: case QL_OP_ADD_ROWS:
+    case QL_OP_ROPE: case QL_OP_ROPE_BACK: case QL_OP_ADD_ROWS:
     case QL_OP_CROSS_ENTROPY_BACK:  // dlogits over the logits, element by element (the fused head + loss's forward)
         return 0;
-    case QL_OP_DROPOUT: case QL_OP_SCALE:  // not into f32 storage as a 16-bit result: rows would land on rows not read yet
+    case QL_OP_DROPOUT: case QL_OP_SCALE: case QL_OP_RMS_NORM:  // not into f32 storage as a 16-bit result: rows would land on rows not read yet
         return node->type == node->src[0]->type ? 0 : -1;
     case QL_OP_SILU_BACK: case QL_OP_RMS_NORM_BACK:
         return 1;  // over dy
@@ -4616,10 +4624,11 @@ static void k_rms_norm(const cpu_params &p, ql_tensor *dst) {
     split_range(ql_nrows(a), p.ith, p.nth, b, e);
     for (int64_t r = b; r < e; r++) {
         const float *x = f32_row(a, r);
-        float *d = (float *)dst->data + r * ne0;
+        float *d = dst->type == QL_TYPE_F32 ? (float *)dst->data + r * ne0 : (float *)p.wdata;  // (16-bit: the f32 row first)
         const float ms = row_dot(ne0, x, x) / (float)ne0;
         row_scale(ne0, 1.0f / std::sqrt(ms + eps), x, d);
         if (w) row_mul(ne0, d, w, d);  // the normed row rounded to f32, then times w: ql_mul's product
+        if (dst->type != QL_TYPE_F32) traits(dst->type).from_float(d, (uint8_t *)dst->data + (size_t)(r * ne0) * traits(dst->type).type_size, ne0);
     }
 }
 
@@ -7099,6 +7108,7 @@ static size_t cpu_work_per_thread(const ql_tensor *node, int nth) {
     case QL_OP_SWIGLU_BACK:  // 16-bit a and b: their rows as f32; a 16-bit result: da's and db's rows before rounding
         return ((node->src[0]->type != QL_TYPE_F32) + (node->type != QL_TYPE_F32)) * 2 * (size_t)node->src[0]->ne[0] * sizeof(float);
     case QL_OP_REDUCE_TO: return (size_t)node->src[0]->ne[0] * sizeof(float);
+    case QL_OP_RMS_NORM: return node->type == QL_TYPE_F32 ? 0 : (size_t)node->ne[0] * sizeof(float);  // a 16-bit result's f32 row
     case QL_OP_RMS_NORM_BACK: return ((node->src[2] != nullptr) + (node->src[3] != nullptr)) * (size_t)node->ne[0] * sizeof(float);  // dy * w, dx: rows
     case QL_OP_ROPE: case QL_OP_ROPE_BACK: return rope_work(node);
     case QL_OP_FLASH_ATTN: case QL_OP_FLASH_ATTN_BACK: return fa_work(node);

@@ -435,6 +435,9 @@ ql_tensor *ql_rms_norm(ql_context *ctx, ql_tensor *a, float eps);
 // is written: one node (QL_OP_RMS_NORM with w as src[1]), the bits of ql_mul(ql_rms_norm(a, eps), w).
 // Backward: da = rms_norm_back(a, dy * w) in one node; a trainable w gets reduce(dy * rms_norm(a)).
 ql_tensor *ql_rms_norm_mul(ql_context *ctx, ql_tensor *a, ql_tensor *w, float eps);
+// The same with the result in `type` (F32, BF16 or F16): the f32 value rounded once on store, the
+// bits of ql_cast(ql_rms_norm_mul(a, w, eps), type) - a norm whose only reader is a 16-bit multiply.
+ql_tensor *ql_rms_norm_mul_to(ql_context *ctx, ql_tensor *a, ql_tensor *w, float eps, ql_type type);
 
 enum ql_rope_mode {
     QL_ROPE_NORMAL = 0,  // rotate adjacent pairs (2i, 2i+1): llama, llama2.c

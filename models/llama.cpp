@@ -102,6 +102,37 @@ static ql_tensor *compute_input(ql_context *ctx, const ql_llama *m, ql_tensor *w
     return xc ? ql_format_name(xc, "%s.input", w->name) : nullptr;
 }
 
+// QLORA_DROPOUT_FUSED: 0 the dropped-out copies, 16 the fused dropout reading x's 16-bit copy (tests, A/B)
+static const char *dropout_env() {
+    static const char *env = getenv("QLORA_DROPOUT_FUSED");
+    return env ? env : "";
+}
+
+// whether linear_c reads x itself, not only xc: adapter dropout drawn over f32 x
+static bool reads_x(const ql_llama *m, const ql_tensor *w) {
+    auto it = m->lora.find(w);
+    if (it == m->lora.end() || !(m->lora_dropout && it->second.seed && it->second.dropout > 0)) return false;
+    const bool fused = m->lora_dropout_fused && strcmp(dropout_env(), "0") != 0;
+    return !(fused && (m->lora_dropout_x16 || strcmp(dropout_env(), "16") == 0));
+}
+
+// a pre-norm, x normed and times `norm`, for the linears ws that read it: *h f32 and *hc, its copy
+// in the compute type (compute_input) - or, where no linear reads h itself (no adapter dropout
+// drawn over it), *hc alone, the norm writing the compute type (the cast's bits), and *h = *hc
+static void pre_norm(ql_context *ctx, const ql_llama *m, ql_tensor *x, ql_tensor *norm, std::initializer_list<const ql_tensor *> ws,
+                     ql_tensor **h, ql_tensor **hc) {
+    bool f32 = m->compute == QL_TYPE_F32;
+    for (const ql_tensor *w : ws) f32 = f32 || reads_x(m, w);
+    if (f32) {
+        *h = ql_rms_norm_mul(ctx, x, norm, m->hp.norm_eps);
+        *hc = compute_input(ctx, m, (ql_tensor *)*ws.begin(), *h);
+    } else {
+        *hc = ql_rms_norm_mul_to(ctx, x, norm, m->hp.norm_eps, m->compute);
+        if (*hc) ql_format_name(*hc, "%s.input", (*ws.begin())->name);
+        *h = *hc;
+    }
+}
+
 // y = W x (+ LoRA), xc: x in the compute type (compute_input); x may be rows [row0, ...) of a
 // whole (the FFN in chunks): its dropout draws the whole's mask. out: y's type - F32, or the
 // compute type where only 16-bit ops read y (W x, then W x + B(.), each rounded once on store)
@@ -116,8 +147,7 @@ static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
     if (it == m->lora.end()) return y;
     const ql_lora_pair &p = it->second;  // [in, r] then [r, out]
     const bool drop = m->lora_dropout && p.seed && p.dropout > 0;
-    static const char *env = getenv("QLORA_DROPOUT_FUSED");
-    static const bool env_unfused = env && strcmp(env, "0") == 0, env_x16 = env && strcmp(env, "16") == 0;
+    const bool env_unfused = strcmp(dropout_env(), "0") == 0, env_x16 = strcmp(dropout_env(), "16") == 0;
     ql_tensor *ax;  // A dropout(x) [r, T]: the mask applied as A's multiply reads x (or xc), or a dropped-out copy of x first
     if (drop && m->lora_dropout_fused && !env_unfused)
         ax = ql_mul_mat_dropout(ctx, p.a, m->lora_dropout_x16 || env_x16 ? xc : x, p.dropout, p.seed, p.stream, ct, row0);
@@ -150,8 +180,8 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     const int n_rot = hp.n_rot > 0 ? hp.n_rot : (int)d;
 
     // attention: pre-norm, q/k/v, rope, fused causal attention, output projection, residual
-    ql_tensor *h = ql_rms_norm_mul(ctx, x, L.attn_norm, hp.norm_eps);
-    ql_tensor *hc = compute_input(ctx, m, L.wq, h);  // one 16-bit copy for q, k and v
+    ql_tensor *h, *hc;  // one 16-bit copy for q, k and v (or the norm written in 16 bits)
+    pre_norm(ctx, m, x, L.attn_norm, {L.wq, L.wk, L.wv}, &h, &hc);
     // q, k, v in the compute type: only 16-bit ops read them (rope, attention), so what backward
     // keeps of attention (q and k after rope, v, the output: the o projection's input) is 16-bit
     // too. f32 where something f32-only reads them: the biases' add (Qwen2), a KV cache (generate)
@@ -188,8 +218,7 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     };
     const int64_t rows = T * B, c = m->ffn_chunk;
     if (c <= 0 || c >= rows || !x) {
-        h = ql_rms_norm_mul(ctx, x, L.ffn_norm, hp.norm_eps);
-        hc = compute_input(ctx, m, L.w_gate, h);  // one for gate and up
+        pre_norm(ctx, m, x, L.ffn_norm, {L.w_gate, L.w_up}, &h, &hc);  // one for gate and up
         ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, h, hc, 0, ff), linear_c(ctx, m, L.w_up, h, hc, 0, ff));  // [n_ff, T, B]
         return ql_add(ctx, x, down(g, 0));
     }
@@ -207,8 +236,8 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     ql_tensor *r = x;
     for (int64_t r0 = 0; r0 < rows && r; r0 += c) {
         const int64_t n = std::min(c, rows - r0);
-        ql_tensor *hr = ql_rms_norm_mul(ctx, rows_of(x, r0, n), L.ffn_norm, hp.norm_eps);  // [E, n]
-        ql_tensor *hcr = compute_input(ctx, m, L.w_gate, hr);
+        ql_tensor *hr, *hcr;  // [E, n]
+        pre_norm(ctx, m, rows_of(x, r0, n), L.ffn_norm, {L.w_gate, L.w_up}, &hr, &hcr);
         ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, hr, hcr, r0, ff), linear_c(ctx, m, L.w_up, hr, hcr, r0, ff));  // [n_ff, n]
         r = ql_add_rows(ctx, r, down(g, r0), r0);
     }
@@ -220,8 +249,9 @@ ql_tensor *ql_llama_block(ql_context *ctx, const ql_llama *m, int il, ql_tensor 
 }
 
 static ql_tensor *head(ql_context *ctx, const ql_llama *m, ql_tensor *x) {  // final norm, output projection
-    x = ql_rms_norm_mul(ctx, x, m->out_norm, m->hp.norm_eps);
-    return ql_llama_linear(ctx, m, m->output, x);
+    ql_tensor *h, *hc;
+    pre_norm(ctx, m, x, m->out_norm, {m->output}, &h, &hc);
+    return linear_c(ctx, m, m->output, h, hc);
 }
 
 ql_tensor *ql_llama_forward(ql_context *ctx, const ql_llama *m, ql_tensor *tokens, ql_tensor *pos, ql_tensor *seg) {

@@ -757,7 +757,8 @@ OP_CASE(scale_to) {
 // ql_rms_norm_mul (issue 28 item 2: a norm times its weight as one node): on every backend the
 // bits of that backend's ql_mul(ql_rms_norm(a), w), forward and backward (rms_norm_back with dy * w
 // made in it; a trainable weight's reduce), within TOL_F32 of the CPU; rows of a view of rows (the
-// FFN's chunks), a row wider than a block, the result cast to 16 bits as the model's compute input
+// FFN's chunks), a row wider than a block, the result cast to 16 bits as the model's compute input -
+// and written in 16 bits (ql_rms_norm_mul_to): that cast's bits
 OP_CASE(rms_norm_mul) {
     auto bits = [](const std::vector<float> &x, const std::vector<float> &y) {
         return x.size() == y.size() && !x.empty() && !memcmp(x.data(), y.data(), x.size() * sizeof(float));
@@ -782,6 +783,18 @@ OP_CASE(rms_norm_mul) {
                 CHECK_MESSAGE(bits(got.out, want.out), "rms_norm_mul: not the bits of mul(rms_norm(a), w) on this backend");
                 REQUIRE(got.grads.size() == want.grads.size());
                 for (size_t i = 0; i < got.grads.size(); i++) CHECK_MESSAGE(bits(got.grads[i], want.grads[i]), "gradient ", i, " differs");
+                // ql_rms_norm_mul_to: the result written in t, the bits of the cast of the f32 node
+                const builder to = [t, n0, w_trained](leafs &L) {
+                    ql_tensor *x = L.param({n0, n0 == 64 ? 9 : 5}, -2.0f, 2.0f);
+                    if (n0 == 64) x = ql_view_2d(L.ctx, x, 64, 4, x->nb[1], 2 * x->nb[1]);
+                    ql_tensor *w = w_trained ? L.param({n0}, 0.5f, 1.5f) : L.rand(QL_TYPE_F32, {n0}, 0.5f, 1.5f);
+                    return ql_cast(L.ctx, ql_rms_norm_mul_to(L.ctx, x, w, 1e-5f, t), QL_TYPE_F32);
+                };
+                const run_result got_to = run_case(be, false, to, true);
+                REQUIRE(got_to.error.empty());
+                CHECK_MESSAGE(bits(got_to.out, got.out), "rms_norm_mul_to: not the bits of the cast of rms_norm_mul on this backend");
+                REQUIRE(got_to.grads.size() == got.grads.size());
+                for (size_t i = 0; i < got.grads.size(); i++) CHECK_MESSAGE(bits(got_to.grads[i], got.grads[i]), "rms_norm_mul_to's gradient ", i);
             }
 }
 

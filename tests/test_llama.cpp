@@ -803,17 +803,18 @@ TEST_CASE("llama: LoRA's scale is written in the compute type, norms multiply th
     tiny_llama t(tiny_hparams(V, E, 96, 2, 4, 2), 11, 0.2f);
     for (ql_type ct : {QL_TYPE_F32, QL_TYPE_BF16, QL_TYPE_F16})
         for (int64_t chunk : {(int64_t)0, (int64_t)10})
-            for (bool fused : {true, false}) {
-                INFO(std::string(ql_type_name(ct)) << ", FFN chunk " << chunk << std::string(fused ? "" : ", dropout copies"));
+            for (int fused = 0; fused < 3; fused++) {  // 2: no adapter dropout - the norms written in the compute type
+                INFO(std::string(ql_type_name(ct)) << ", FFN chunk " << chunk
+                                                   << std::string(fused == 1 ? "" : fused == 0 ? ", dropout copies" : ", no dropout"));
                 ql_init_params ip = {32u << 20, nullptr, true, false};
                 ql_context *ctx = ql_init(ip);
                 ql_llama m = t.m;
                 m.compute = ct;
                 m.ffn_chunk = chunk;
-                m.lora_dropout_fused = fused;
+                m.lora_dropout_fused = fused == 1;
                 ql_tensor *seed = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1));
                 ql_lora_config lc;
-                lc.r = 4, lc.alpha = 8, lc.dropout = 0.2f, lc.targets = {"q", "k", "v", "o", "gate", "up", "down"};
+                lc.r = 4, lc.alpha = 8, lc.dropout = fused == 2 ? 0.0f : 0.2f, lc.targets = {"q", "k", "v", "o", "gate", "up", "down"};
                 REQUIRE(ql_llama_add_lora(ctx, &m, lc, seed) == QL_OK);
                 ql_tensor *h = ql_set_input(ql_new_tensor_3d(ctx, QL_TYPE_F32, E, N, 1));
                 ql_tensor *pos = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, N, 1));
@@ -827,6 +828,7 @@ TEST_CASE("llama: LoRA's scale is written in the compute type, norms multiply th
                 REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
                 int n_scale[2] = {0, 0}, n_cast_of_scale = 0;  // scales in the compute type: forward, backward
                 int n_norm[2] = {0, 0}, n_mul_by_norm_weight = 0;     // norms with their weight: forward, backward
+                int n_norm16 = 0, n_cast_of_norm = 0;                 // norms written in the compute type; casts reading a norm
                 auto norm_weight = [&m](const ql_tensor *w) {
                     if (w == m.out_norm) return true;
                     for (const ql_llama_layer &L : m.layers)
@@ -838,6 +840,8 @@ TEST_CASE("llama: LoRA's scale is written in the compute type, norms multiply th
                     const bool back = i >= ql_graph_n_nodes(gf);
                     if (n->op == QL_OP_MUL && (norm_weight(n->src[0]) || norm_weight(n->src[1]))) n_mul_by_norm_weight++;
                     if (n->op == QL_OP_RMS_NORM && !back && norm_weight(n->src[1])) n_norm[0]++;
+                    if (n->op == QL_OP_RMS_NORM && !back && n->type == ct && ct != QL_TYPE_F32) n_norm16++;
+                    if (n->op == QL_OP_CONT && n->src[0]->op == QL_OP_RMS_NORM) n_cast_of_norm++;
                     if (n->op == QL_OP_RMS_NORM_BACK && norm_weight(n->src[2])) n_norm[1]++;
                     const bool of_product = n->src[0] && (n->src[0]->op == QL_OP_MUL_MAT || n->src[0]->op == QL_OP_MUL_MAT_DROPOUT);
                     if (n->op == QL_OP_SCALE && n->type == ct && of_product) n_scale[i >= ql_graph_n_nodes(gf)]++;
@@ -851,6 +855,11 @@ TEST_CASE("llama: LoRA's scale is written in the compute type, norms multiply th
                 CHECK(n_mul_by_norm_weight == 0);
                 CHECK(n_norm[0] == 2 * norms + 1);  // (+ the head's)
                 CHECK(n_norm[1] == 2 * norms);      // (+ the head's, - block 0's first: no parameter's gradient needs its input's)
+                // the blocks' norms: in the compute type where no dropout reads them in f32 (the head's stays f32:
+                // the loss reads it), else f32 and one cast each
+                const bool norm16 = fused == 2 && ct != QL_TYPE_F32;
+                CHECK(n_norm16 == (norm16 ? 2 * norms : 0));
+                CHECK(n_cast_of_norm == (ct == QL_TYPE_F32 || norm16 ? 0 : 2 * norms));
                 ql_graph_free(gb);
                 ql_graph_free(gf);
                 ql_free(ctx);
