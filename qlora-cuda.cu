@@ -2094,27 +2094,36 @@ static void cu_op_binary(cu_ctx &c, ql_tensor *node, bool mul) {
     CU_LAUNCHED(c);
 }
 
-__global__ void k_scale(cu_t a, float *d, float s, int64_t n) {
-    CU_GRID_LOOP(i, n) d[i] = *(const float *)(a.data + cu_offs(a, i)) * s;
+// d = a * s in d's type (f32, or 16-bit: ql_scale_to, the f32 product rounded once on store)
+__global__ void k_scale(cu_t a, char *d, int d_type, float s, int64_t n) {
+    const int ds = d_type == QL_TYPE_F32 ? 4 : 2;
+    CU_GRID_LOOP(i, n) cu_st(d + i * ds, d_type, *(const float *)(a.data + cu_offs(a, i)) * s);
 }
-__global__ void k_scale_vec(const float *x, float *d, float s, int64_t n) {
+template <int D> __global__ void k_scale_vec(const float *x, typename cu_ew<D>::T *d, float s, int64_t n) {
     CU_VEC_LOOP(v, n) {
         float p[CU_EW_VEC];
         cu_ew<QL_TYPE_F32>::ld8(x + v * CU_EW_VEC, p);
 QL_UNROLL
         for (int k = 0; k < CU_EW_VEC; k++) p[k] = p[k] * s;
-        cu_ew<QL_TYPE_F32>::st8(d + v * CU_EW_VEC, p);
+        cu_ew<D>::st8(d + v * CU_EW_VEC, p);
     }
-    CU_VEC_TAIL(i, n) d[i] = x[i] * s;
+    CU_VEC_TAIL(i, n) cu_ew<D>::st(d, i, x[i] * s);
+}
+template <int D> static void cu_launch_scale_vec(cu_ctx &c, const void *x, void *d, float s, int64_t n) {
+    QL_LAUNCH(k_scale_vec<D>, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const float *)x, (typename cu_ew<D>::T *)d, s, n);
 }
 static void cu_op_scale(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *a = node->src[0];
     const int64_t n = ql_nelements(node);
     const float s = cu_param<float>(node, 0);
-    if (cu_ew_fast(cu_vec_ok(a) && cu_vec_ok(node)))
-        QL_LAUNCH(k_scale_vec, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const float *)a->data, (float *)node->data, s, n);
-    else
-        QL_LAUNCH(k_scale, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), (float *)node->data, s, n);
+    CU_ASSERT(a->type == QL_TYPE_F32 && is_float_type_cu(node->type) && ql_is_contiguous(node));
+    if (cu_ew_fast(cu_vec_ok(a) && cu_vec_ok(node))) {
+        if (node->type == QL_TYPE_F32) cu_launch_scale_vec<QL_TYPE_F32>(c, a->data, node->data, s, n);
+        else if (node->type == QL_TYPE_BF16) cu_launch_scale_vec<QL_TYPE_BF16>(c, a->data, node->data, s, n);
+        else cu_launch_scale_vec<QL_TYPE_F16>(c, a->data, node->data, s, n);
+    } else {
+        QL_LAUNCH(k_scale, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), (char *)node->data, (int)node->type, s, n);
+    }
     CU_LAUNCHED(c);
 }
 
@@ -2267,40 +2276,56 @@ static void cu_op_get_rows_back(cu_ctx &c, ql_tensor *node) {
 
 // ---- row ops: rms_norm, silu, swiglu, dropout ----
 
-__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm(cu_t a, float *d, float eps) {
+// w: NULL, or [ne0] (ql_rms_norm_mul): the normed element rounded to f32, then times w (ql_mul's
+// product); d in d_type: f32, or 16-bit (ql_rms_norm_mul_to: that f32 value rounded once on store)
+__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm(cu_t a, const float *w, char *d, int d_type, float eps) {
     __shared__ float sh[32];
     const int64_t ne0 = a.ne[0], r = blockIdx.x;
     const float *x = (const float *)cu_row(a, r);
     float s = 0;
     for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) s += x[i] * x[i];
     const float rs = 1.0f / sqrtf(cu_block_sum(s, sh) / (float)ne0 + eps);
-    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) d[r * ne0 + i] = x[i] * rs;
+    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) {
+        const float y = x[i] * rs;
+        cu_st(d + (r * ne0 + i) * (d_type == QL_TYPE_F32 ? 4 : 2), d_type, w ? __fmul_rn(y, w[i]) : y);
+    }
 }
 static void cu_op_rms_norm(cu_ctx &c, ql_tensor *node) {
     // limitation: one block per row; rows beyond the grid's 2^31 - 1 do not occur in these graphs
-    QL_LAUNCH(k_rms_norm, (unsigned)cu_nrows(node), CU_ROW_BLOCK, 0, c.stream, cu_of(node->src[0]), (float *)node->data,
-              cu_param<float>(node, 0));
+    const ql_tensor *w = node->src[1];
+    CU_ASSERT(is_float_type_cu(node->type) && ql_is_contiguous(node));
+    QL_LAUNCH(k_rms_norm, (unsigned)cu_nrows(node), CU_ROW_BLOCK, 0, c.stream, cu_of(node->src[0]), w ? (const float *)w->data : nullptr,
+              (char *)node->data, (int)node->type, cu_param<float>(node, 0));
     CU_LAUNCHED(c);
 }
 
 // y = x r, r = (mean(x^2) + eps)^-1/2  =>  dx = r dy - r^3/n (dy . x) x
-__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm_back(cu_t a, cu_t dy, float *d, float eps) {
+// w: NULL, or the forward's weight (ql_rms_norm_mul): the norm's dy is dy * w, rounded to f32 as
+// ql_mul's product (__fmul_rn: never contracted into a sum), made where dy is read. acc: NULL, or the
+// gradient so far (contiguous): d = acc + dx as ql_add sums (__fadd_rn: dx rounded first)
+__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm_back(cu_t a, cu_t dy, const float *w, const float *acc, float *d, float eps) {
     __shared__ float sh[32];
     const int64_t ne0 = a.ne[0], r = blockIdx.x;
     const float *x = (const float *)cu_row(a, r), *g = (const float *)cu_row(dy, r);
     float sxx = 0, sgx = 0;
     for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) {
+        const float gi = w ? __fmul_rn(g[i], w[i]) : g[i];
         sxx += x[i] * x[i];
-        sgx += g[i] * x[i];
+        sgx += gi * x[i];
     }
     sxx = cu_block_sum(sxx, sh);
     sgx = cu_block_sum(sgx, sh);
     const float rs = 1.0f / sqrtf(sxx / (float)ne0 + eps), k = -rs * rs * rs * sgx / (float)ne0;
-    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) d[r * ne0 + i] = rs * g[i] + k * x[i];
+    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) {
+        const float gi = w ? __fmul_rn(g[i], w[i]) : g[i];  // (g may be d: this thread's own element, read before it is written)
+        const float dx = rs * gi + k * x[i];
+        d[r * ne0 + i] = acc ? __fadd_rn(acc[r * ne0 + i], dx) : dx;
+    }
 }
 static void cu_op_rms_norm_back(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *w = node->src[2], *acc = node->src[3];
     QL_LAUNCH(k_rms_norm_back, (unsigned)cu_nrows(node), CU_ROW_BLOCK, 0, c.stream, cu_of(node->src[0]), cu_of(node->src[1]),
-              (float *)node->data, cu_param<float>(node, 0));
+              w ? (const float *)w->data : nullptr, acc ? (const float *)acc->data : nullptr, (float *)node->data, cu_param<float>(node, 0));
     CU_LAUNCHED(c);
 }
 
@@ -2335,9 +2360,16 @@ __global__ void k_swiglu(cu_t a, cu_t b, char *d, int64_t n) {
     const int ds = a.type == QL_TYPE_F32 ? 4 : 2;
     CU_GRID_LOOP(i, n) cu_st(d + i * ds, a.type, cu_swiglu_f(cu_get(a, i), cu_get(b, i)));
 }
-// y = silu(a) b: da = dy b silu'(a) at [0, n), db = dy silu(a) at [n, 2n); a and b of any plain type, dy and d f32
-__global__ void k_swiglu_back(cu_t a, cu_t b, cu_t dy, float *d, int64_t n) {
-    CU_GRID_LOOP(i, n) cu_swiglu_back_f(cu_get(a, i), cu_get(b, i), cu_at(dy, i), &d[i], &d[n + i]);
+// y = silu(a) b: da = dy b silu'(a) at [0, n), db = dy silu(a) at [n, 2n); a and b of any plain type, dy f32,
+// d f32 or 16-bit (autodiff's cast of the two gradients folded in: each rounded once as it is stored)
+__global__ void k_swiglu_back(cu_t a, cu_t b, cu_t dy, char *d, int d_type, int64_t n) {
+    const int ds = d_type == QL_TYPE_F32 ? 4 : 2;
+    CU_GRID_LOOP(i, n) {
+        float da, db;
+        cu_swiglu_back_f(cu_get(a, i), cu_get(b, i), cu_at(dy, i), &da, &db);
+        cu_st(d + i * ds, d_type, da);
+        cu_st(d + (n + i) * ds, d_type, db);
+    }
 }
 
 // the fast paths: every operand contiguous and 16-byte aligned (swiglu_back's d + n too)
@@ -2374,8 +2406,9 @@ QL_UNROLL
     }
     CU_VEC_TAIL(i, n) cu_ew<T>::st(d, i, cu_swiglu_f(cu_ew<T>::ld(a, i), cu_ew<T>::ld(b, i)));
 }
-template <int T> __global__ void k_swiglu_back_vec(const typename cu_ew<T>::T *a, const typename cu_ew<T>::T *b, const float *dy, float *d,
-                                                   int64_t n) {
+template <int T, int D>
+__global__ void k_swiglu_back_vec(const typename cu_ew<T>::T *a, const typename cu_ew<T>::T *b, const float *dy, typename cu_ew<D>::T *d,
+                                  int64_t n) {
     CU_VEC_LOOP(v, n) {
         float p[CU_EW_VEC], q[CU_EW_VEC], g[CU_EW_VEC], da[CU_EW_VEC], db[CU_EW_VEC];
         cu_ew<T>::ld8(a + v * CU_EW_VEC, p);
@@ -2383,10 +2416,15 @@ template <int T> __global__ void k_swiglu_back_vec(const typename cu_ew<T>::T *a
         cu_ew<QL_TYPE_F32>::ld8(dy + v * CU_EW_VEC, g);
 QL_UNROLL
         for (int k = 0; k < CU_EW_VEC; k++) cu_swiglu_back_f(p[k], q[k], g[k], &da[k], &db[k]);
-        cu_ew<QL_TYPE_F32>::st8(d + v * CU_EW_VEC, da);
-        cu_ew<QL_TYPE_F32>::st8(d + n + v * CU_EW_VEC, db);
+        cu_ew<D>::st8(d + v * CU_EW_VEC, da);
+        cu_ew<D>::st8(d + n + v * CU_EW_VEC, db);
     }
-    CU_VEC_TAIL(i, n) cu_swiglu_back_f(cu_ew<T>::ld(a, i), cu_ew<T>::ld(b, i), dy[i], &d[i], &d[n + i]);
+    CU_VEC_TAIL(i, n) {
+        float da, db;
+        cu_swiglu_back_f(cu_ew<T>::ld(a, i), cu_ew<T>::ld(b, i), dy[i], &da, &db);
+        cu_ew<D>::st(d, i, da);
+        cu_ew<D>::st(d, n + i, db);
+    }
 }
 static void cu_op_silu(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *a = node->src[0];
@@ -2426,22 +2464,26 @@ static void cu_op_swiglu(cu_ctx &c, ql_tensor *node) {
     }
     CU_LAUNCHED(c);
 }
+template <int T, int D> static void cu_launch_swiglu_back_vec(cu_ctx &c, const ql_tensor *node, int64_t n) {
+    QL_LAUNCH((k_swiglu_back_vec<T, D>), cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const typename cu_ew<T>::T *)node->src[0]->data,
+              (const typename cu_ew<T>::T *)node->src[1]->data, (const float *)node->src[2]->data, (typename cu_ew<D>::T *)node->data, n);
+}
+template <int T> static void cu_launch_swiglu_back_vec_to(cu_ctx &c, const ql_tensor *node, int64_t n) {
+    if (node->type == QL_TYPE_F32) cu_launch_swiglu_back_vec<T, QL_TYPE_F32>(c, node, n);
+    else if (node->type == QL_TYPE_BF16) cu_launch_swiglu_back_vec<T, QL_TYPE_BF16>(c, node, n);
+    else cu_launch_swiglu_back_vec<T, QL_TYPE_F16>(c, node, n);
+}
 static void cu_op_swiglu_back(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *a = node->src[0], *b = node->src[1], *dy = node->src[2];
     const int64_t n = ql_nelements(a);
-    float *d = (float *)node->data;
-    if (cu_ew_fast(cu_vec_ok(a) && cu_vec_ok(b) && cu_vec_ok(dy) && cu_vec_ok(node) && (uintptr_t)(d + n) % 16 == 0)) {
-        if (a->type == QL_TYPE_F32)
-            QL_LAUNCH(k_swiglu_back_vec<QL_TYPE_F32>, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const float *)a->data, (const float *)b->data,
-                      (const float *)dy->data, d, n);
-        else if (a->type == QL_TYPE_BF16)
-            QL_LAUNCH(k_swiglu_back_vec<QL_TYPE_BF16>, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const uint16_t *)a->data,
-                      (const uint16_t *)b->data, (const float *)dy->data, d, n);
-        else
-            QL_LAUNCH(k_swiglu_back_vec<QL_TYPE_F16>, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const uint16_t *)a->data,
-                      (const uint16_t *)b->data, (const float *)dy->data, d, n);
+    const size_t ds = node->type == QL_TYPE_F32 ? 4 : 2;
+    CU_ASSERT(is_float_type_cu(node->type) && ql_is_contiguous(node));
+    if (cu_ew_fast(cu_vec_ok(a) && cu_vec_ok(b) && cu_vec_ok(dy) && cu_vec_ok(node) && ((uintptr_t)node->data + n * ds) % 16 == 0)) {
+        if (a->type == QL_TYPE_F32) cu_launch_swiglu_back_vec_to<QL_TYPE_F32>(c, node, n);
+        else if (a->type == QL_TYPE_BF16) cu_launch_swiglu_back_vec_to<QL_TYPE_BF16>(c, node, n);
+        else cu_launch_swiglu_back_vec_to<QL_TYPE_F16>(c, node, n);
     } else {
-        QL_LAUNCH(k_swiglu_back, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), cu_of(b), cu_of(dy), d, n);
+        QL_LAUNCH(k_swiglu_back, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), cu_of(b), cu_of(dy), (char *)node->data, (int)node->type, n);
     }
     CU_LAUNCHED(c);
 }
@@ -2646,7 +2688,9 @@ static bool cu_ops_supported(const ql_tensor *node) {
         return (is_float_type_cu(a->type) && is_float_type_cu(node->type)) || (a->type == QL_TYPE_I32 && node->type == QL_TYPE_I32);
     case QL_OP_ADD: case QL_OP_MUL:
         return f32(a) && f32(node->src[1]) && node->type == QL_TYPE_F32;
-    case QL_OP_SCALE: case QL_OP_SUM: case QL_OP_REDUCE_TO: case QL_OP_SILU:
+    case QL_OP_SCALE:  // f32, or a 16-bit result (ql_scale_to)
+        return f32(a) && is_float_type_cu(node->type);
+    case QL_OP_SUM: case QL_OP_REDUCE_TO: case QL_OP_SILU:
         return f32(a) && node->type == QL_TYPE_F32;
     case QL_OP_DROPOUT:
         return is_float_type_cu(a->type) && is_float_type_cu(node->type);
@@ -2654,8 +2698,8 @@ static bool cu_ops_supported(const ql_tensor *node) {
         return f32(a) && f32(node->src[1]);
     case QL_OP_SWIGLU:  // f32, or 16-bit a, b and result
         return is_float_type_cu(a->type) && node->src[1]->type == a->type && node->type == a->type && ql_is_contiguous(node);
-    case QL_OP_SWIGLU_BACK:
-        return is_float_type_cu(a->type) && node->src[1]->type == a->type && f32(node->src[2]) && f32(node);
+    case QL_OP_SWIGLU_BACK:  // the result f32, or 16-bit (autodiff's cast folded in)
+        return is_float_type_cu(a->type) && node->src[1]->type == a->type && f32(node->src[2]) && is_float_type_cu(node->type);
     case QL_OP_ACC_GRAD:
         return f32(node) && f32(node->src[1]) && ql_is_contiguous(node);
     case QL_OP_CACHE_STORE:  // an f32 or f16 cache, f32 rows
@@ -2678,10 +2722,11 @@ static bool cu_ops_supported(const ql_tensor *node) {
     }
     case QL_OP_GET_ROWS_BACK:
         return dense_rows(a) && ql_is_contiguous(node);
-    case QL_OP_RMS_NORM:
-        return dense_rows(a);
+    case QL_OP_RMS_NORM:  // (a weight: contiguous f32 [ne0]; the result f32 or 16-bit)
+        return dense_rows(a) && (!node->src[1] || (f32(node->src[1]) && ql_is_contiguous(node->src[1]))) && is_float_type_cu(node->type);
     case QL_OP_RMS_NORM_BACK:
-        return dense_rows(a) && dense_rows(node->src[1]);
+        return dense_rows(a) && dense_rows(node->src[1]) && (!node->src[2] || (f32(node->src[2]) && ql_is_contiguous(node->src[2]))) &&
+               (!node->src[3] || (f32(node->src[3]) && ql_is_contiguous(node->src[3])));
     case QL_OP_ROPE: case QL_OP_ROPE_BACK:  // rope: f32 or 16-bit a, the result in a's type
         return is_float_type_cu(a->type) && ql_rows_contiguous(a) && node->type == a->type && ql_is_contiguous(node) &&
                (!node->src[2] || ql_is_contiguous(node->src[2]));

@@ -2059,8 +2059,15 @@ static ql_tensor *unary_f32(ql_context *ctx, ql_op op, ql_tensor *a) {
     return new_op_like(ctx, op, QL_TYPE_F32, a, {a});
 }
 
-ql_tensor *ql_scale(ql_context *ctx, ql_tensor *a, float s) {
-    ql_tensor *t = unary_f32(ctx, QL_OP_SCALE, a);
+ql_tensor *ql_scale(ql_context *ctx, ql_tensor *a, float s) { return ql_scale_to(ctx, a, s, QL_TYPE_F32); }
+
+ql_tensor *ql_scale_to(ql_context *ctx, ql_tensor *a, float s, ql_type type) {
+    if (!srcs_ok(ctx, "scale", {a})) return nullptr;
+    QL_CHECK(ctx, type == QL_TYPE_F32 || type == QL_TYPE_BF16 || type == QL_TYPE_F16, QL_ERR_TYPE,
+             "scale: a result in %s: f32, bf16 or f16 only", ql_type_traits_get(type) ? ql_type_name(type) : "?");
+    QL_CHECK(ctx, a->type == QL_TYPE_F32, QL_ERR_TYPE, "scale: a %s must be f32", shape_str(a).c_str());
+    QL_CHECK(ctx, ql_rows_contiguous(a), QL_ERR_SHAPE, "scale: a %s needs dense rows --> hint: ql_cont first", shape_str(a).c_str());
+    ql_tensor *t = new_op_like(ctx, QL_OP_SCALE, type, a, {a});
     if (t) set_param(t, 0, s);
     return t;
 }
@@ -2141,6 +2148,23 @@ ql_tensor *ql_get_rows(ql_context *ctx, ql_tensor *a, ql_tensor *ids) {
 
 ql_tensor *ql_rms_norm(ql_context *ctx, ql_tensor *a, float eps) {
     ql_tensor *t = unary_f32(ctx, QL_OP_RMS_NORM, a);
+    if (t) set_param(t, 0, eps);
+    return t;
+}
+
+ql_tensor *ql_rms_norm_mul(ql_context *ctx, ql_tensor *a, ql_tensor *w, float eps) {
+    return ql_rms_norm_mul_to(ctx, a, w, eps, QL_TYPE_F32);
+}
+
+ql_tensor *ql_rms_norm_mul_to(ql_context *ctx, ql_tensor *a, ql_tensor *w, float eps, ql_type type) {
+    if (!srcs_ok(ctx, "rms_norm", {a, w})) return nullptr;
+    QL_CHECK(ctx, w->type == QL_TYPE_F32 && ql_is_contiguous(w) && ql_nelements(w) == a->ne[0], QL_ERR_SHAPE,
+             "rms_norm: weight %s must be contiguous f32 with a %s's row length", shape_str(w).c_str(), shape_str(a).c_str());
+    QL_CHECK(ctx, type == QL_TYPE_F32 || type == QL_TYPE_BF16 || type == QL_TYPE_F16, QL_ERR_TYPE,
+             "rms_norm: a result in %s: f32, bf16 or f16 only", ql_type_traits_get(type) ? ql_type_name(type) : "?");
+    QL_CHECK(ctx, a->type == QL_TYPE_F32, QL_ERR_TYPE, "rms_norm: a %s must be f32", shape_str(a).c_str());
+    QL_CHECK(ctx, ql_rows_contiguous(a), QL_ERR_SHAPE, "rms_norm: a %s needs dense rows --> hint: ql_cont first", shape_str(a).c_str());
+    ql_tensor *t = new_op_like(ctx, QL_OP_RMS_NORM, type, a, {a, w});  // each row multiplied by w as it is written
     if (t) set_param(t, 0, eps);
     return t;
 }
@@ -2495,9 +2519,14 @@ static ql_tensor *get_rows_back(ql_context *ctx, ql_tensor *dy, ql_tensor *ids, 
     return new_op(ctx, QL_OP_GET_ROWS_BACK, QL_TYPE_F32, ne, {dy, ids});
 }
 
-static ql_tensor *rms_norm_back(ql_context *ctx, ql_tensor *x, ql_tensor *dy, float eps) {
+// w: NULL, or the forward's weight (ql_rms_norm_mul): dy * w is the norm's dy, made as each row is read.
+// acc: NULL, or x's gradient so far (f32, contiguous, x's shape): the result is acc + dx, added as
+// it is written (the bits of ql_add(acc, dx)) - the residual stream's gradient summed without a pass
+static ql_tensor *rms_norm_back(ql_context *ctx, ql_tensor *x, ql_tensor *dy, float eps, ql_tensor *w = nullptr,
+                                ql_tensor *acc = nullptr) {
     if (!srcs_ok(ctx, "rms_norm_back", {x, dy})) return nullptr;
-    ql_tensor *t = new_op_like(ctx, QL_OP_RMS_NORM_BACK, QL_TYPE_F32, x, {x, dy});
+    QL_ASSERT(!acc || (acc->type == QL_TYPE_F32 && ql_is_contiguous(acc) && ql_same_shape(acc, x)));
+    ql_tensor *t = new_op_like(ctx, QL_OP_RMS_NORM_BACK, QL_TYPE_F32, x, {x, dy, w, acc});
     if (t) set_param(t, 0, eps);
     return t;
 }
@@ -2511,6 +2540,13 @@ static ql_tensor *silu_back(ql_context *ctx, ql_tensor *x, ql_tensor *dy) {
 static ql_tensor *flat_op(ql_context *ctx, ql_op op, int64_t n, std::initializer_list<ql_tensor *> srcs) {
     const int64_t ne[4] = {n, 1, 1, 1};
     return new_op(ctx, op, QL_TYPE_F32, ne, srcs);
+}
+
+// swiglu's backward (a flat_op SWIGLU_BACK) made again with its result in `type`: each gradient
+// rounded once as it is stored, the bits of ql_cast of the f32 node's views
+static ql_tensor *swiglu_back_to(ql_context *ctx, const ql_tensor *flat, ql_type type) {
+    if (!srcs_ok(ctx, "swiglu_back", {flat})) return nullptr;
+    return new_op_like(ctx, QL_OP_SWIGLU_BACK, type, flat, {flat->src[0], flat->src[1], flat->src[2]});
 }
 
 // contiguous f32 view of `like`'s shape at element offset `off` of a flat buffer
@@ -2695,6 +2731,12 @@ ql_status ql_graph_build_forward(ql_graph *g, ql_tensor *out) {
 // 8. autodiff: one backward case per forward op, each next to the math it inverts
 // ============================================================================================
 
+// autodiff folds a 16-bit cast of a gradient into the node that makes it (a scale, SwiGLU's
+// backward, the copy before it), and a norm's dx into the sum of its input's gradient: the same
+// bits; off, separate casts and adds (tests compare the two)
+static bool g_autodiff_fold = true;
+void ql_autodiff_fold_for_tests(bool on) { g_autodiff_fold = on; }
+
 struct grad_builder {
     ql_context *ctx;
     std::unordered_set<const ql_tensor *> needs;              // leads to a trainable param
@@ -2711,10 +2753,29 @@ struct grad_builder {
     ql_tensor *contiguous(ql_tensor *t) { return (!t || ql_is_contiguous(t)) ? t : ql_cont(ctx, t); }
 
     // a gradient rounded to a 16-bit type, made once: y = W x + B(s A x) hands the same dy to
-    // both multiplies, and each wants it in x's type
+    // both multiplies, and each wants it in x's type. A scaled f32 gradient (LoRA's s: the A
+    // multiply's dy) is scaled and rounded by one node (ql_scale_to, the same bits); the f32
+    // scale stays only where something else reads it
     ql_tensor *cast(ql_tensor *t, ql_type type) {
         if (!t || t->type == type) return t;
         ql_tensor *&c = casts[{t, (int)type}];
+        if (!c && g_autodiff_fold && t->op == QL_OP_SCALE && t->type == QL_TYPE_F32) c = ql_scale_to(ctx, t->src[0], get_param<float>(t, 0), type);
+        // SwiGLU's gradients (gate's and up's dy, which their multiplies read in x's type): views
+        // of one SWIGLU_BACK made in `type` (once for both), rounded as they are written
+        const ql_tensor *f = t->op == QL_OP_VIEW && g_autodiff_fold ? t->view_src : nullptr;
+        if (!c && f && f->op == QL_OP_SWIGLU_BACK && f->type == QL_TYPE_F32 && ql_is_contiguous(t)) {
+            ql_tensor *&f16 = casts[{f, (int)type}];
+            if (!f16) f16 = swiglu_back_to(ctx, f, type);
+            const size_t ts = traits(type).type_size, nb1 = (size_t)t->ne[0] * ts, nb2 = nb1 * (size_t)t->ne[1];
+            if (f16) c = ql_view_4d(ctx, f16, t->ne[0], t->ne[1], t->ne[2], t->ne[3], nb1, nb2, nb2 * (size_t)t->ne[2], t->view_offs / 4 * ts);
+        }
+        // a gradient copied to be contiguous (f32, maybe then reshaped: a reshape's backward over
+        // a permuted view, attention's dv): the cast reads what was copied (one copy, the same bits)
+        ql_tensor *r = g_autodiff_fold && t->op == QL_OP_RESHAPE ? t->src[0] : t;
+        if (!c && g_autodiff_fold && r->op == QL_OP_CONT && r->type == QL_TYPE_F32 && r->src[0]->type == QL_TYPE_F32) {
+            c = ql_cast(ctx, r->src[0], type);
+            if (c && r != t) c = ql_reshape_4d(ctx, c, t->ne[0], t->ne[1], t->ne[2], t->ne[3]);
+        }
         if (!c) c = ql_cast(ctx, dense(t), type);
         return c;
     }
@@ -2839,9 +2900,19 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
     case QL_OP_GET_ROWS:  // y[:, n] = a[:, ids[n]]: scatter-add dy's rows back
         gb.add(a, get_rows_back(ctx, gb.dense(dy), b, a));
         break;
-    case QL_OP_RMS_NORM:
-        gb.add(a, rms_norm_back(ctx, a, gb.dense(dy), get_param<float>(node, 0)));
+    case QL_OP_RMS_NORM: {  // y = n(a) (* w): da = rms_norm_back(a, dy w), dw = reduce(dy n(a))
+        const float eps = get_param<float>(node, 0);
+        if (gb.wants(a)) {  // onto a's gradient so far as it is written (the residual stream's: what ql_add would sum)
+            auto it = gb.grad.find(a);
+            ql_tensor *prev = it == gb.grad.end() ? nullptr : it->second;
+            if (g_autodiff_fold && prev && prev->type == QL_TYPE_F32 && ql_is_contiguous(prev) && ql_same_shape(prev, a))
+                it->second = rms_norm_back(ctx, a, gb.dense(dy), eps, b, prev);
+            else
+                gb.add(a, rms_norm_back(ctx, a, gb.dense(dy), eps, b));
+        }
+        if (b && gb.wants(b)) gb.add(b, ql_reduce_to(ctx, ql_mul(ctx, gb.dense(dy), ql_rms_norm(ctx, a, eps)), b, false));
         break;
+    }
     case QL_OP_ROPE:  // a rotation: its gradient is the inverse rotation of dy
         gb.add(a, rope_impl(ctx, QL_OP_ROPE_BACK, gb.dense(dy), b, node->src[2], node->op_params[0],
                             node->op_params[1], get_param<float>(node, 2)));
@@ -3487,11 +3558,11 @@ static void row_to_float(const ql_tensor *t, const uint8_t *row, int64_t k0, int
 // element or row by row before writing).
 static int inplace_src(const ql_tensor *node) {
     switch (node->op) {
-    case QL_OP_ADD: case QL_OP_MUL: case QL_OP_SCALE: case QL_OP_SILU:
-    case QL_OP_RMS_NORM: case QL_OP_ROPE: case QL_OP_ROPE_BACK: case QL_OP_ADD_ROWS:
+    case QL_OP_ADD: case QL_OP_MUL: case QL_OP_SILU:
+    case QL_OP_ROPE: case QL_OP_ROPE_BACK: case QL_OP_ADD_ROWS:
     case QL_OP_CROSS_ENTROPY_BACK:  // dlogits over the logits, element by element (the fused head + loss's forward)
         return 0;
-    case QL_OP_DROPOUT:  // not into f32 storage as a 16-bit result: rows would land on rows not read yet
+    case QL_OP_DROPOUT: case QL_OP_SCALE: case QL_OP_RMS_NORM:  // not into f32 storage as a 16-bit result: rows would land on rows not read yet
         return node->type == node->src[0]->type ? 0 : -1;
     case QL_OP_SILU_BACK: case QL_OP_RMS_NORM_BACK:
         return 1;  // over dy
@@ -4164,6 +4235,16 @@ static inline void row_scale(int64_t n, float a, const float *x, float *y) {  //
     for (; i + VW <= n; i += VW) vf_store(y + i, vf_mul(va, vf_load(x + i)));
     for (; i < n; i++) y[i] = a * x[i];
 }
+static inline void row_add(int64_t n, const float *x, const float *y, float *d) {  // d = x + y, element by element (d may be x or y)
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) vf_store(d + i, vf_add(vf_load(x + i), vf_load(y + i)));
+    for (; i < n; i++) d[i] = x[i] + y[i];
+}
+static inline void row_mul(int64_t n, const float *x, const float *y, float *d) {  // d = x * y, element by element (d may be x)
+    int64_t i = 0;
+    for (; i + VW <= n; i += VW) vf_store(d + i, vf_mul(vf_load(x + i), vf_load(y + i)));
+    for (; i < n; i++) d[i] = x[i] * y[i];
+}
 static inline float row_max(int64_t n, const float *x) {
     float m = -INFINITY;
     int64_t i = 0;
@@ -4511,9 +4592,22 @@ template <bool MUL> static void k_binary(const cpu_params &p, ql_tensor *dst) {
 static void k_scale(const cpu_params &p, ql_tensor *dst) {
     const ql_tensor *a = dst->src[0];
     const float s = get_param<float>(dst, 0);
+    const int64_t ne0 = a->ne[0];
     int64_t b, e;
     split_range(ql_nrows(a), p.ith, p.nth, b, e);
-    for (int64_t r = b; r < e; r++) row_scale(a->ne[0], s, f32_row(a, r), (float *)dst->data + r * a->ne[0]);
+    if (dst->type == QL_TYPE_F32) {
+        for (int64_t r = b; r < e; r++) row_scale(ne0, s, f32_row(a, r), (float *)dst->data + r * ne0);
+        return;
+    }
+    // a 16-bit result (ql_scale_to): the f32 products of a piece of the row, then rounded as ql_cast rounds
+    const ql_type_traits &td = traits(dst->type);
+    float tmp[256];
+    for (int64_t r = b; r < e; r++)
+        for (int64_t i = 0; i < ne0; i += 256) {
+            const int64_t n = std::min<int64_t>(256, ne0 - i);
+            row_scale(n, s, f32_row(a, r) + i, tmp);
+            td.from_float(tmp, (uint8_t *)dst->data + (size_t)(r * ne0 + i) * td.type_size, n);
+        }
 }
 
 static void k_sum(const cpu_params &p, ql_tensor *dst) {
@@ -4673,29 +4767,42 @@ static void k_get_rows_back(const cpu_params &p, ql_tensor *dst) {
 static void k_rms_norm(const cpu_params &p, ql_tensor *dst) {
     const ql_tensor *a = dst->src[0];
     const float eps = get_param<float>(dst, 0);
+    const float *w = dst->src[1] ? (const float *)dst->src[1]->data : nullptr;  // ql_rms_norm_mul: [ne0]
     const int64_t ne0 = a->ne[0];
     int64_t b, e;
     split_range(ql_nrows(a), p.ith, p.nth, b, e);
     for (int64_t r = b; r < e; r++) {
         const float *x = f32_row(a, r);
+        float *d = dst->type == QL_TYPE_F32 ? (float *)dst->data + r * ne0 : (float *)p.wdata;  // (16-bit: the f32 row first)
         const float ms = row_dot(ne0, x, x) / (float)ne0;
-        row_scale(ne0, 1.0f / std::sqrt(ms + eps), x, (float *)dst->data + r * ne0);
+        row_scale(ne0, 1.0f / std::sqrt(ms + eps), x, d);
+        if (w) row_mul(ne0, d, w, d);  // the normed row rounded to f32, then times w: ql_mul's product
+        if (dst->type != QL_TYPE_F32) traits(dst->type).from_float(d, (uint8_t *)dst->data + (size_t)(r * ne0) * traits(dst->type).type_size, ne0);
     }
 }
 
 static void k_rms_norm_back(const cpu_params &p, ql_tensor *dst) {
     // y = x r, r = (mean(x^2) + eps)^-1/2  =>  dx = r dy - r^3/n (dy . x) x
     const ql_tensor *a = dst->src[0], *dy = dst->src[1];
+    const float *w = dst->src[2] ? (const float *)dst->src[2]->data : nullptr;  // the norm's dy is dy * w (ql_rms_norm_mul)
+    const ql_tensor *acc = dst->src[3];  // the gradient so far: the result is acc + dx (ql_add's sum)
     const float eps = get_param<float>(dst, 0);
     const int64_t ne0 = a->ne[0];
     int64_t b, e;
     split_range(ql_nrows(a), p.ith, p.nth, b, e);
+    float *ws = (float *)p.wdata;  // [ne0] dy * w, then [ne0] dx before the sum
+    float *wx = ws + (w ? ne0 : 0);
     for (int64_t r = b; r < e; r++) {
         const float *x = f32_row(a, r), *g = f32_row(dy, r);
-        float *d = (float *)dst->data + r * ne0;
+        if (w) {  // dy * w in the workspace: ql_mul's product, then the same sums as over a dy made by it
+            row_mul(ne0, g, w, ws);
+            g = ws;
+        }
+        float *d = (float *)dst->data + r * ne0, *dx = acc ? wx : d;
         const float ms = row_dot(ne0, x, x) / (float)ne0, rs = 1.0f / std::sqrt(ms + eps);
         const float c = -rs * rs * rs * row_dot(ne0, g, x) / (float)ne0;
-        for (int64_t i = 0; i < ne0; i++) d[i] = rs * g[i] + c * x[i];
+        for (int64_t i = 0; i < ne0; i++) dx[i] = rs * g[i] + c * x[i];
+        if (acc) row_add(ne0, (const float *)acc->data + r * ne0, dx, d);
     }
 }
 
@@ -4769,9 +4876,11 @@ static void k_swiglu_back(const cpu_params &p, ql_tensor *dst) {
     split_range(ql_nrows(a), p.ith, p.nth, b, e);
     const vf one = vf_set1(1.0f);
     float *ws = (float *)p.wdata;  // 16-bit a and b: their rows as f32 [2, ne0]
+    const bool f32 = dst->type == QL_TYPE_F32;  // else (autodiff's cast of these gradients, folded in) da's and db's rows
+    float *wd = ws + (a->type == QL_TYPE_F32 ? 0 : 2 * ne0);  // in the workspace [2, ne0], rounded once as ql_cast rounds
     for (int64_t r = b; r < e; r++) {
         const float *x = f32_row_of(a, r, ws), *u = f32_row_of(bt, r, ws + ne0), *g = f32_row(dy, r);
-        float *da = (float *)dst->data + r * ne0, *db = da + n;
+        float *da = f32 ? (float *)dst->data + r * ne0 : wd, *db = f32 ? da + n : wd + ne0;
         int64_t i = 0;
         for (; i + VW <= ne0; i += VW) {
             const vf v = vf_load(x + i), s = vf_sigmoid(v), gv = vf_load(g + i);
@@ -4782,6 +4891,11 @@ static void k_swiglu_back(const cpu_params &p, ql_tensor *dst) {
             const float s = sigmoid1(x[i]);
             db[i] = g[i] * x[i] * s;
             da[i] = g[i] * u[i] * s * (1.0f + x[i] * (1.0f - s));
+        }
+        if (!f32) {
+            const ql_type_traits &td = traits(dst->type);
+            td.from_float(da, (uint8_t *)dst->data + (size_t)(r * ne0) * td.type_size, ne0);
+            td.from_float(db, (uint8_t *)dst->data + (size_t)(n + r * ne0) * td.type_size, ne0);
         }
     }
 }
@@ -7140,8 +7254,11 @@ static size_t cpu_work_per_thread(const ql_tensor *node, int nth) {
     case QL_OP_CONT:      return (size_t)node->src[0]->ne[0] * sizeof(float);
     case QL_OP_DROPOUT:   return ((node->type != QL_TYPE_F32) + (node->src[0]->type != QL_TYPE_F32)) * (size_t)node->ne[0] * sizeof(float);
     case QL_OP_SWIGLU:    return node->type == QL_TYPE_F32 ? 0 : 3 * (size_t)node->ne[0] * sizeof(float);
-    case QL_OP_SWIGLU_BACK: return node->src[0]->type == QL_TYPE_F32 ? 0 : 2 * (size_t)node->src[0]->ne[0] * sizeof(float);
+    case QL_OP_SWIGLU_BACK:  // 16-bit a and b: their rows as f32; a 16-bit result: da's and db's rows before rounding
+        return ((node->src[0]->type != QL_TYPE_F32) + (node->type != QL_TYPE_F32)) * 2 * (size_t)node->src[0]->ne[0] * sizeof(float);
     case QL_OP_REDUCE_TO: return (size_t)node->src[0]->ne[0] * sizeof(float);
+    case QL_OP_RMS_NORM: return node->type == QL_TYPE_F32 ? 0 : (size_t)node->ne[0] * sizeof(float);  // a 16-bit result's f32 row
+    case QL_OP_RMS_NORM_BACK: return ((node->src[2] != nullptr) + (node->src[3] != nullptr)) * (size_t)node->ne[0] * sizeof(float);  // dy * w, dx: rows
     case QL_OP_ROPE: case QL_OP_ROPE_BACK: return rope_work(node);
     case QL_OP_FLASH_ATTN: case QL_OP_FLASH_ATTN_BACK: return fa_work(node);
     case QL_OP_MUL_MAT: {
@@ -8278,6 +8395,8 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
         return 1 + (node->op_params[0] < node->src[0]->ne[0]);  // the dimensions past n_dims copied by a second kernel
     case QL_OP_VIEW_BACK: case QL_OP_GET_ROWS_BACK:
         return 2;  // a memset, then the kernel
+    case QL_OP_RMS_NORM: case QL_OP_RMS_NORM_BACK:
+        return 1;  // with a weight too (ql_rms_norm_mul): multiplied in the same kernel
     default:
         return 1;
     }

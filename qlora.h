@@ -395,6 +395,10 @@ ql_tensor *ql_to_device(ql_context *ctx, ql_tensor *host);
 ql_tensor *ql_add(ql_context *ctx, ql_tensor *a, ql_tensor *b);
 ql_tensor *ql_mul(ql_context *ctx, ql_tensor *a, ql_tensor *b);
 ql_tensor *ql_scale(ql_context *ctx, ql_tensor *a, float s);
+// a * s with the result in `type` (F32, BF16 or F16): the product in f32, rounded once on store -
+// the bits of ql_cast(ql_scale(a, s), type) in one node (LoRA's s A x as B's multiply reads it;
+// autodiff makes it for a scaled gradient that a 16-bit multiply reads). Backward: ql_scale's (f32).
+ql_tensor *ql_scale_to(ql_context *ctx, ql_tensor *a, float s, ql_type type);
 ql_tensor *ql_sum(ql_context *ctx, ql_tensor *a);                   // -> [1]
 // sum a over the repetitions that broadcast `like` to a's shape: result has like's shape.
 // grouped=false: repetition by modulo (as ql_add); true: by blocks (as ql_mul_mat's batch).
@@ -433,6 +437,13 @@ ql_tensor *ql_get_rows(ql_context *ctx, ql_tensor *a, ql_tensor *ids);
 
 // y = x / sqrt(mean(x^2) + eps) over each row (ne0)
 ql_tensor *ql_rms_norm(ql_context *ctx, ql_tensor *a, float eps);
+// y = ql_rms_norm(a, eps) * w, w f32 [ne0] (a norm's weight) multiplied into each row as the row
+// is written: one node (QL_OP_RMS_NORM with w as src[1]), the bits of ql_mul(ql_rms_norm(a, eps), w).
+// Backward: da = rms_norm_back(a, dy * w) in one node; a trainable w gets reduce(dy * rms_norm(a)).
+ql_tensor *ql_rms_norm_mul(ql_context *ctx, ql_tensor *a, ql_tensor *w, float eps);
+// The same with the result in `type` (F32, BF16 or F16): the f32 value rounded once on store, the
+// bits of ql_cast(ql_rms_norm_mul(a, w, eps), type) - a norm whose only reader is a 16-bit multiply.
+ql_tensor *ql_rms_norm_mul_to(ql_context *ctx, ql_tensor *a, ql_tensor *w, float eps, ql_type type);
 
 enum ql_rope_mode {
     QL_ROPE_NORMAL = 0,  // rotate adjacent pairs (2i, 2i+1): llama, llama2.c

@@ -102,6 +102,37 @@ static ql_tensor *compute_input(ql_context *ctx, const ql_llama *m, ql_tensor *w
     return xc ? ql_format_name(xc, "%s.input", w->name) : nullptr;
 }
 
+// QLORA_DROPOUT_FUSED: 0 the dropped-out copies, 16 the fused dropout reading x's 16-bit copy (tests, A/B)
+static const char *dropout_env() {
+    static const char *env = getenv("QLORA_DROPOUT_FUSED");
+    return env ? env : "";
+}
+
+// whether linear_c reads x itself, not only xc: adapter dropout drawn over f32 x
+static bool reads_x(const ql_llama *m, const ql_tensor *w) {
+    auto it = m->lora.find(w);
+    if (it == m->lora.end() || !(m->lora_dropout && it->second.seed && it->second.dropout > 0)) return false;
+    const bool fused = m->lora_dropout_fused && strcmp(dropout_env(), "0") != 0;
+    return !(fused && (m->lora_dropout_x16 || strcmp(dropout_env(), "16") == 0));
+}
+
+// a pre-norm, x normed and times `norm`, for the linears ws that read it: *h f32 and *hc, its copy
+// in the compute type (compute_input) - or, where no linear reads h itself (no adapter dropout
+// drawn over it), *hc alone, the norm writing the compute type (the cast's bits), and *h = *hc
+static void pre_norm(ql_context *ctx, const ql_llama *m, ql_tensor *x, ql_tensor *norm, std::initializer_list<const ql_tensor *> ws,
+                     ql_tensor **h, ql_tensor **hc) {
+    bool f32 = m->compute == QL_TYPE_F32;
+    for (const ql_tensor *w : ws) f32 = f32 || reads_x(m, w);
+    if (f32) {
+        *h = ql_rms_norm_mul(ctx, x, norm, m->hp.norm_eps);
+        *hc = compute_input(ctx, m, (ql_tensor *)*ws.begin(), *h);
+    } else {
+        *hc = ql_rms_norm_mul_to(ctx, x, norm, m->hp.norm_eps, m->compute);
+        if (*hc) ql_format_name(*hc, "%s.input", (*ws.begin())->name);
+        *h = *hc;
+    }
+}
+
 // y = W x (+ LoRA), xc: x in the compute type (compute_input); x may be rows [row0, ...) of a
 // whole (the FFN in chunks): its dropout draws the whole's mask. out: y's type - F32, or the
 // compute type where only 16-bit ops read y (W x, then W x + B(.), each rounded once on store)
@@ -110,24 +141,22 @@ static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
     // a 16-bit compute type: the multiplies' inputs in it (what backward keeps is then 16-bit too);
     // ct: this linear's own (f32 for the guarded down projection), else the model's
     if (ct == QL_TYPE_COUNT) ct = m->compute;
-    const bool low = ct != QL_TYPE_F32;
-    auto in = [&](ql_tensor *t) { return low ? ql_cast(ctx, t, ct) : t; };
     ql_tensor *y = ql_mul_mat_to(ctx, w, xc, out);
     if (y && m->q8_activations) ql_mul_mat_set_prec(y, QL_TYPE_Q8_0);
     auto it = m->lora.find(w);
     if (it == m->lora.end()) return y;
     const ql_lora_pair &p = it->second;  // [in, r] then [r, out]
     const bool drop = m->lora_dropout && p.seed && p.dropout > 0;
-    static const char *env = getenv("QLORA_DROPOUT_FUSED");
-    static const bool env_unfused = env && strcmp(env, "0") == 0, env_x16 = env && strcmp(env, "16") == 0;
+    const bool env_unfused = strcmp(dropout_env(), "0") == 0, env_x16 = strcmp(dropout_env(), "16") == 0;
     ql_tensor *ax;  // A dropout(x) [r, T]: the mask applied as A's multiply reads x (or xc), or a dropped-out copy of x first
     if (drop && m->lora_dropout_fused && !env_unfused)
         ax = ql_mul_mat_dropout(ctx, p.a, m->lora_dropout_x16 || env_x16 ? xc : x, p.dropout, p.seed, p.stream, ct, row0);
     else  // (the copy in the compute type as made)
         ax = ql_mul_mat(ctx, p.a, drop ? ql_dropout_rows_to(ctx, x, p.dropout, p.seed, p.stream, ct, row0) : xc);
-    // the scale on the rank-r side: a pass over [r, T] instead of over [out, T], forward and back;
+    // the scale on the rank-r side: a pass over [r, T] instead of over [out, T], forward and back,
+    // its result rounded to the compute type as it is written (one node: no cast after it);
     // B's multiply adds onto W x as it writes (in place where W x dies there): no pass for the add
-    return ql_mul_mat_acc(ctx, p.b, in(ql_scale(ctx, ax, p.scale)), y);
+    return ql_mul_mat_acc(ctx, p.b, ql_scale_to(ctx, ax, p.scale, ct), y);
 }
 
 ql_tensor *ql_llama_linear(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x) {
@@ -151,8 +180,8 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     const int n_rot = hp.n_rot > 0 ? hp.n_rot : (int)d;
 
     // attention: pre-norm, q/k/v, rope, fused causal attention, output projection, residual
-    ql_tensor *h = ql_mul(ctx, ql_rms_norm(ctx, x, hp.norm_eps), L.attn_norm);
-    ql_tensor *hc = compute_input(ctx, m, L.wq, h);  // one 16-bit copy for q, k and v
+    ql_tensor *h, *hc;  // one 16-bit copy for q, k and v (or the norm written in 16 bits)
+    pre_norm(ctx, m, x, L.attn_norm, {L.wq, L.wk, L.wv}, &h, &hc);
     // q, k, v in the compute type: only 16-bit ops read them (rope, attention), so what backward
     // keeps of attention (q and k after rope, v, the output: the o projection's input) is 16-bit
     // too. f32 where something f32-only reads them: the biases' add (Qwen2), a KV cache (generate)
@@ -189,8 +218,7 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     };
     const int64_t rows = T * B, c = m->ffn_chunk;
     if (c <= 0 || c >= rows || !x) {
-        h = ql_mul(ctx, ql_rms_norm(ctx, x, hp.norm_eps), L.ffn_norm);
-        hc = compute_input(ctx, m, L.w_gate, h);  // one for gate and up
+        pre_norm(ctx, m, x, L.ffn_norm, {L.w_gate, L.w_up}, &h, &hc);  // one for gate and up
         ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, h, hc, 0, ff), linear_c(ctx, m, L.w_up, h, hc, 0, ff));  // [n_ff, T, B]
         return ql_add(ctx, x, down(g, 0));
     }
@@ -208,8 +236,8 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     ql_tensor *r = x;
     for (int64_t r0 = 0; r0 < rows && r; r0 += c) {
         const int64_t n = std::min(c, rows - r0);
-        ql_tensor *hr = ql_mul(ctx, ql_rms_norm(ctx, rows_of(x, r0, n), hp.norm_eps), L.ffn_norm);  // [E, n]
-        ql_tensor *hcr = compute_input(ctx, m, L.w_gate, hr);
+        ql_tensor *hr, *hcr;  // [E, n]
+        pre_norm(ctx, m, rows_of(x, r0, n), L.ffn_norm, {L.w_gate, L.w_up}, &hr, &hcr);
         ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, hr, hcr, r0, ff), linear_c(ctx, m, L.w_up, hr, hcr, r0, ff));  // [n_ff, n]
         r = ql_add_rows(ctx, r, down(g, r0), r0);
     }
@@ -221,8 +249,9 @@ ql_tensor *ql_llama_block(ql_context *ctx, const ql_llama *m, int il, ql_tensor 
 }
 
 static ql_tensor *head(ql_context *ctx, const ql_llama *m, ql_tensor *x) {  // final norm, output projection
-    x = ql_mul(ctx, ql_rms_norm(ctx, x, m->hp.norm_eps), m->out_norm);
-    return ql_llama_linear(ctx, m, m->output, x);
+    ql_tensor *h, *hc;
+    pre_norm(ctx, m, x, m->out_norm, {m->output}, &h, &hc);
+    return linear_c(ctx, m, m->output, h, hc);
 }
 
 ql_tensor *ql_llama_forward(ql_context *ctx, const ql_llama *m, ql_tensor *tokens, ql_tensor *pos, ql_tensor *seg) {
@@ -248,7 +277,7 @@ ql_tensor *ql_llama_hidden_range(ql_context *ctx, const ql_llama *m, ql_tensor *
         if (il < l1) x = block(ctx, m, il, x, pos, seg, nullptr);
     }
     if (l1 < m->hp.n_layer) return x;
-    return ql_mul(ctx, ql_rms_norm(ctx, x, m->hp.norm_eps), m->out_norm);  // [n_embd, T, B]
+    return ql_rms_norm_mul(ctx, x, m->out_norm, m->hp.norm_eps);  // [n_embd, T, B]
 }
 
 int64_t ql_llama_ffn_chunk(int64_t n_ff, int64_t n_rows) {

@@ -119,6 +119,7 @@ TEST_CASE("bad shapes and types are reported with op, shapes and file:line") {
         {"mul_mat", [&] { return ql_mul_mat(ctx, x, i); }, QL_ERR_SHAPE},
         {"get_rows", [&] { return ql_get_rows(ctx, x, x); }, QL_ERR_TYPE},
         {"rms_norm", [&] { return ql_rms_norm(ctx, i, 1e-5f); }, QL_ERR_TYPE},
+        {"scale", [&] { return ql_scale_to(ctx, x, 2.0f, QL_TYPE_Q8_0); }, QL_ERR_TYPE},
         {"rope", [&] { return ql_rope(ctx, ql_reshape_4d(ctx, x, 4, 2, 4, 1), i, nullptr, 3, 0, 1e4f); }, QL_ERR_INVALID},
         {"rope", [&] { return ql_rope(ctx, ql_reshape_4d(ctx, x, 4, 2, 2, 2), i, nullptr, 4, 0, 1e4f); }, QL_ERR_SHAPE},
         {"flash_attn", [&] { return ql_flash_attn(ctx, ql_reshape_4d(ctx, x, 4, 4, 2, 1), ql_reshape_4d(ctx, x, 4, 2, 4, 1), ql_reshape_4d(ctx, x, 4, 2, 4, 1), nullptr, 1.0f); }, QL_ERR_SHAPE},

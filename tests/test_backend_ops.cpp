@@ -719,6 +719,185 @@ OP_CASE(elementwise_fast_paths) {
     }
 }
 
+// ql_scale_to (issue 28 item 2: LoRA's s A x and its 16-bit cast as one node): s a in f32, rounded
+// once on store - on every backend the bits of the CPU's ql_cast(ql_scale(a, s), type), fast paths
+// and strided kernels alike (a view at element 1: the strided kernel), f16 past its range (inf);
+// the gradient ql_scale's
+OP_CASE(scale_to) {
+    auto bits = [](const std::vector<float> &x, const std::vector<float> &y) {
+        return x.size() == y.size() && !x.empty() && !memcmp(x.data(), y.data(), x.size() * sizeof(float));
+    };
+    for (ql_type t : {QL_TYPE_F32, QL_TYPE_F16, QL_TYPE_BF16})
+        for (int64_t n0 : {5, 64, 37, 333}) {
+            INFO(std::string(ql_type_name(t)) << ", elements " << n0 << " x 5" << std::string(n0 == 333 ? ", a view at element 1" : ""));
+            const float lo = t == QL_TYPE_F16 ? -300000.0f : -3.0f, hi = -lo;  // (f16: some products past 65504)
+            auto a = [n0, lo, hi](leafs &L) {
+                if (n0 != 333) return L.param({n0, 5}, lo, hi);
+                ql_tensor *x = L.param({400, 5}, lo, hi);
+                return ql_view_2d(L.ctx, x, 333, 5, x->nb[1], 4);
+            };
+            const builder fused = [t, a](leafs &L) { return ql_cast(L.ctx, ql_scale_to(L.ctx, a(L), 0.37f, t), QL_TYPE_F32); };
+            const builder pair = [t, a](leafs &L) {
+                return ql_cast(L.ctx, ql_cast(L.ctx, ql_scale(L.ctx, a(L), 0.37f), t), QL_TYPE_F32);
+            };
+            ew_case(be, "scale_to", fused, 0.0, -1);
+            ql_backend *cpu = ql_backend_cpu_init(1);
+            const run_result ref = run_case(cpu, true, pair, true);
+            ql_backend_free(cpu);
+            const run_result got = run_case(be, false, fused, true);
+            REQUIRE(ref.error.empty());
+            REQUIRE(got.error.empty());
+            CHECK_MESSAGE(bits(got.out, ref.out), "scale_to: not the bits of the CPU's cast(scale(a, s))");
+            REQUIRE(got.grads.size() == 1);
+            REQUIRE(ref.grads.size() == 1);
+            CHECK_MESSAGE(bits(got.grads[0], ref.grads[0]), "scale_to's gradient: not the pair's");
+        }
+}
+
+// ql_rms_norm_mul (issue 28 item 2: a norm times its weight as one node): on every backend the
+// bits of that backend's ql_mul(ql_rms_norm(a), w), forward and backward (rms_norm_back with dy * w
+// made in it; a trainable weight's reduce), within TOL_F32 of the CPU; rows of a view of rows (the
+// FFN's chunks), a row wider than a block, the result cast to 16 bits as the model's compute input -
+// and written in 16 bits (ql_rms_norm_mul_to): that cast's bits
+OP_CASE(rms_norm_mul) {
+    auto bits = [](const std::vector<float> &x, const std::vector<float> &y) {
+        return x.size() == y.size() && !x.empty() && !memcmp(x.data(), y.data(), x.size() * sizeof(float));
+    };
+    for (ql_type t : {QL_TYPE_F32, QL_TYPE_F16, QL_TYPE_BF16})
+        for (int64_t n0 : {300, 2050, 64})
+            for (bool w_trained : {false, true}) {
+                INFO(std::string(ql_type_name(t)) << ", rows of " << n0 << std::string(n0 == 64 ? " (a view of rows 2..6 of 9)" : "")
+                                                  << std::string(w_trained ? ", w trained" : ""));
+                auto make = [t, n0, w_trained](leafs &L, bool fused) {
+                    ql_tensor *x = L.param({n0, n0 == 64 ? 9 : 5}, -2.0f, 2.0f);
+                    if (n0 == 64) x = ql_view_2d(L.ctx, x, 64, 4, x->nb[1], 2 * x->nb[1]);
+                    ql_tensor *w = w_trained ? L.param({n0}, 0.5f, 1.5f) : L.rand(QL_TYPE_F32, {n0}, 0.5f, 1.5f);
+                    ql_tensor *y = fused ? ql_rms_norm_mul(L.ctx, x, w, 1e-5f) : ql_mul(L.ctx, ql_rms_norm(L.ctx, x, 1e-5f), w);
+                    return t == QL_TYPE_F32 ? y : ql_cast(L.ctx, ql_cast(L.ctx, y, t), QL_TYPE_F32);
+                };
+                const builder fused = [make](leafs &L) { return make(L, true); }, pair = [make](leafs &L) { return make(L, false); };
+                check_case(be, "rms_norm_mul", fused, t == QL_TYPE_F32 ? TOL_F32 : TOL_16);
+                const run_result want = run_case(be, false, pair, true), got = run_case(be, false, fused, true);
+                REQUIRE(want.error.empty());
+                REQUIRE(got.error.empty());
+                CHECK_MESSAGE(bits(got.out, want.out), "rms_norm_mul: not the bits of mul(rms_norm(a), w) on this backend");
+                REQUIRE(got.grads.size() == want.grads.size());
+                for (size_t i = 0; i < got.grads.size(); i++) CHECK_MESSAGE(bits(got.grads[i], want.grads[i]), "gradient ", i, " differs");
+                // ql_rms_norm_mul_to: the result written in t, the bits of the cast of the f32 node
+                const builder to = [t, n0, w_trained](leafs &L) {
+                    ql_tensor *x = L.param({n0, n0 == 64 ? 9 : 5}, -2.0f, 2.0f);
+                    if (n0 == 64) x = ql_view_2d(L.ctx, x, 64, 4, x->nb[1], 2 * x->nb[1]);
+                    ql_tensor *w = w_trained ? L.param({n0}, 0.5f, 1.5f) : L.rand(QL_TYPE_F32, {n0}, 0.5f, 1.5f);
+                    return ql_cast(L.ctx, ql_rms_norm_mul_to(L.ctx, x, w, 1e-5f, t), QL_TYPE_F32);
+                };
+                const run_result got_to = run_case(be, false, to, true);
+                REQUIRE(got_to.error.empty());
+                CHECK_MESSAGE(bits(got_to.out, got.out), "rms_norm_mul_to: not the bits of the cast of rms_norm_mul on this backend");
+                REQUIRE(got_to.grads.size() == got.grads.size());
+                for (size_t i = 0; i < got.grads.size(); i++) CHECK_MESSAGE(bits(got_to.grads[i], got.grads[i]), "rms_norm_mul_to's gradient ", i);
+            }
+}
+
+void ql_autodiff_fold_for_tests(bool on);  // qlora.cpp's autodiff: a gradient's 16-bit cast or sum folded into the node making it
+
+namespace {
+struct fold_off {  // autodiff's separate casts and adds while in scope
+    fold_off() { ql_autodiff_fold_for_tests(false); }
+    ~fold_off() { ql_autodiff_fold_for_tests(true); }
+};
+}  // namespace
+
+// SwiGLU's backward writing gate's and up's gradients in the type their multiplies read (autodiff
+// folds the two casts into it): on every backend the bits of the f32 node and its casts (the
+// folding off), fast path and strided kernel alike, within TOL_16 of the CPU; 16-bit gate and up,
+// and f32 ones read by 16-bit multiplies (fp16's guard); rows of 40 (vectors, the db half aligned)
+// and 37 (tails; in 16 bits the db half is not 16-byte aligned: the strided kernel)
+OP_CASE(swiglu_back_to) {
+    for (ql_type t : {QL_TYPE_F16, QL_TYPE_BF16})
+        for (bool guard : {false, true})
+            for (int64_t n_ff : {40, 37}) {
+                INFO(std::string(ql_type_name(t)) << std::string(guard ? ", f32 gate and up" : "") << ", n_ff " << n_ff);
+                const builder build = [t, guard, n_ff](leafs &L) {
+                    ql_tensor *x = ql_cast(L.ctx, L.param({32, 6}), t);
+                    const ql_type out = guard ? QL_TYPE_F32 : t;
+                    ql_tensor *g = ql_mul_mat_to(L.ctx, L.rand(QL_TYPE_F32, {32, n_ff}, -0.5f, 0.5f), x, out);
+                    ql_tensor *u = ql_mul_mat_to(L.ctx, L.rand(QL_TYPE_F32, {32, n_ff}, -0.5f, 0.5f), x, out);
+                    ql_tensor *y = ql_swiglu(L.ctx, g, u);
+                    return out == QL_TYPE_F32 ? y : ql_cast(L.ctx, y, QL_TYPE_F32);
+                };
+                ew_case(be, "swiglu_back_to", build, TOL_16, -1);
+                const run_result folded = run_case(be, false, build, true);
+                run_result apart;
+                {
+                    fold_off off;
+                    apart = run_case(be, false, build, true);
+                }
+                REQUIRE(folded.error.empty());
+                REQUIRE(apart.error.empty());
+                REQUIRE(folded.grads.size() == 1);
+                REQUIRE(apart.grads.size() == 1);
+                CHECK(folded.out == apart.out);
+                CHECK_MESSAGE(!memcmp(folded.grads[0].data(), apart.grads[0].data(), folded.grads[0].size() * sizeof(float)),
+                              "x's gradient through the folded casts: not the bits of the separate ones");
+            }
+}
+
+// a norm's dx summed onto its input's gradient so far by rms_norm_back (autodiff folds the add in;
+// y = x + rms_norm_mul(x, w), the residual stream's shape: the sum so far is also the norm's dy):
+// on every backend the bits of rms_norm_back and ql_add (the folding off), within TOL_F32 of the CPU
+OP_CASE(rms_norm_back_acc) {
+    for (int64_t n0 : {300, 2050})
+        for (bool weighted : {false, true}) {
+            INFO("rows of " << n0 << std::string(weighted ? ", weighted" : ""));
+            const builder build = [n0, weighted](leafs &L) {
+                ql_tensor *x = L.param({n0, 5}, -2.0f, 2.0f);
+                ql_tensor *n = weighted ? ql_rms_norm_mul(L.ctx, x, L.rand(QL_TYPE_F32, {n0}, 0.5f, 1.5f), 1e-5f) : ql_rms_norm(L.ctx, x, 1e-5f);
+                return ql_add(L.ctx, x, n);
+            };
+            check_case(be, "rms_norm_back onto the gradient so far", build, TOL_F32);
+            const run_result folded = run_case(be, false, build, true);
+            run_result apart;
+            {
+                fold_off off;
+                apart = run_case(be, false, build, true);
+            }
+            REQUIRE(folded.error.empty());
+            REQUIRE(apart.error.empty());
+            REQUIRE(folded.grads.size() == 1);
+            REQUIRE(apart.grads.size() == 1);
+            CHECK_MESSAGE(!memcmp(folded.grads[0].data(), apart.grads[0].data(), folded.grads[0].size() * sizeof(float)),
+                          "x's gradient with the add folded: not the bits of rms_norm_back and the add");
+        }
+}
+
+// a gradient copied to be contiguous (a reshape's backward over a permuted view, as attention's dv)
+// that a 16-bit multiply reads: autodiff's cast reads the permuted view itself (the strided k_cont
+// on CUDA) - x's gradient the bits of the copy and the cast, within TOL_16 of the CPU
+OP_CASE(cast_of_copy_folded) {
+    for (ql_type t : {QL_TYPE_F16, QL_TYPE_BF16}) {
+        INFO(std::string(ql_type_name(t)));
+        const builder build = [t](leafs &L) {
+            ql_tensor *x = ql_cast(L.ctx, L.param({16, 12}), t);
+            ql_tensor *v = ql_mul_mat_to(L.ctx, L.rand(QL_TYPE_F32, {16, 24}, -0.5f, 0.5f), x, t);  // [24, 12]
+            ql_tensor *p = ql_permute(L.ctx, ql_reshape_4d(L.ctx, v, 8, 3, 12, 1), 0, 2, 1, 3);    // [8, 12, 3, 1]
+            return ql_cast(L.ctx, p, QL_TYPE_F32);
+        };
+        check_case(be, "cast of a copy, folded", build, TOL_16);
+        const run_result folded = run_case(be, false, build, true);
+        run_result apart;
+        {
+            fold_off off;
+            apart = run_case(be, false, build, true);
+        }
+        REQUIRE(folded.error.empty());
+        REQUIRE(apart.error.empty());
+        REQUIRE(folded.grads.size() == 1);
+        REQUIRE(apart.grads.size() == 1);
+        CHECK_MESSAGE(!memcmp(folded.grads[0].data(), apart.grads[0].data(), folded.grads[0].size() * sizeof(float)),
+                      "x's gradient through the folded cast: not the bits of the copy and the cast");
+    }
+}
+
 OP_CASE(rope) {
     for (int mode : {QL_ROPE_NORMAL, QL_ROPE_NEOX}) {
         INFO("mode: " << mode);

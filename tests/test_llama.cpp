@@ -792,3 +792,171 @@ TEST_CASE("llama: adapter dropout inside A's multiply gives the copies' loss and
             }
     ql_backend_free(be);
 }
+
+// Issue 28 item 2: fewer element-wise nodes. LoRA's s A x is written in the compute type by its
+// scale (ql_scale_to), and so is backward's s dy that A's multiply reads: no cast reads a scale,
+// and one scale per adapted linear each way. Each norm multiplies its weight in (ql_rms_norm_mul),
+// and its backward multiplies dy by it: no mul by a norm weight either way. Every compute type,
+// the FFN whole and in chunks (a norm per chunk), adapter dropout in A's multiply or as copies
+TEST_CASE("llama: LoRA's scale is written in the compute type, norms multiply their weight in; forward and backward") {
+    const int V = 50, E = 64, N = 24;
+    tiny_llama t(tiny_hparams(V, E, 96, 2, 4, 2), 11, 0.2f);
+    for (ql_type ct : {QL_TYPE_F32, QL_TYPE_BF16, QL_TYPE_F16})
+        for (int64_t chunk : {(int64_t)0, (int64_t)10})
+            for (int fused = 0; fused < 3; fused++) {  // 2: no adapter dropout - the norms written in the compute type
+                INFO(std::string(ql_type_name(ct)) << ", FFN chunk " << chunk
+                                                   << std::string(fused == 1 ? "" : fused == 0 ? ", dropout copies" : ", no dropout"));
+                ql_init_params ip = {32u << 20, nullptr, true, false};
+                ql_context *ctx = ql_init(ip);
+                ql_llama m = t.m;
+                m.compute = ct;
+                m.ffn_chunk = chunk;
+                m.lora_dropout_fused = fused == 1;
+                ql_tensor *seed = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1));
+                ql_lora_config lc;
+                lc.r = 4, lc.alpha = 8, lc.dropout = fused == 2 ? 0.0f : 0.2f, lc.targets = {"q", "k", "v", "o", "gate", "up", "down"};
+                REQUIRE(ql_llama_add_lora(ctx, &m, lc, seed) == QL_OK);
+                ql_tensor *h = ql_set_input(ql_new_tensor_3d(ctx, QL_TYPE_F32, E, N, 1));
+                ql_tensor *pos = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, N, 1));
+                ql_tensor *tg = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, N));
+                ql_tensor *cnt = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_F32, 1));
+                ql_tensor *loss = ql_llama_loss(ctx, &m, ql_llama_hidden(ctx, &m, h, pos, nullptr), tg, cnt, 0, true);
+                REQUIRE_MESSAGE(loss, ql_ctx_error(ctx));
+                ql_graph *gf = ql_graph_new(ctx);
+                REQUIRE(ql_graph_build_forward(gf, loss) == QL_OK);
+                ql_graph *gb = ql_graph_backward(ctx, gf, loss);
+                REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
+                int n_scale[2] = {0, 0}, n_cast_of_scale = 0;  // scales in the compute type: forward, backward
+                int n_norm[2] = {0, 0}, n_mul_by_norm_weight = 0;     // norms with their weight: forward, backward
+                int n_norm16 = 0, n_cast_of_norm = 0;                 // norms written in the compute type; casts reading a norm
+                auto norm_weight = [&m](const ql_tensor *w) {
+                    if (w == m.out_norm) return true;
+                    for (const ql_llama_layer &L : m.layers)
+                        if (w == L.attn_norm || w == L.ffn_norm) return true;
+                    return false;
+                };
+                for (int i = 0; i < ql_graph_n_nodes(gb); i++) {
+                    const ql_tensor *n = ql_graph_node(gb, i);
+                    const bool back = i >= ql_graph_n_nodes(gf);
+                    if (n->op == QL_OP_MUL && (norm_weight(n->src[0]) || norm_weight(n->src[1]))) n_mul_by_norm_weight++;
+                    if (n->op == QL_OP_RMS_NORM && !back && norm_weight(n->src[1])) n_norm[0]++;
+                    if (n->op == QL_OP_RMS_NORM && !back && n->type == ct && ct != QL_TYPE_F32) n_norm16++;
+                    if (n->op == QL_OP_CONT && n->src[0]->op == QL_OP_RMS_NORM) n_cast_of_norm++;
+                    if (n->op == QL_OP_RMS_NORM_BACK && norm_weight(n->src[2])) n_norm[1]++;
+                    const bool of_product = n->src[0] && (n->src[0]->op == QL_OP_MUL_MAT || n->src[0]->op == QL_OP_MUL_MAT_DROPOUT);
+                    if (n->op == QL_OP_SCALE && n->type == ct && of_product) n_scale[i >= ql_graph_n_nodes(gf)]++;
+                    if (n->op == QL_OP_CONT && n->src[0]->op == QL_OP_SCALE) n_cast_of_scale++;
+                }
+                const int per_layer = chunk ? 4 + 3 * 3 : 7;  // q k v o, then gate up down per chunk (24 rows: 3 chunks)
+                CHECK(n_cast_of_scale == 0);
+                CHECK(n_scale[0] == 2 * per_layer);
+                CHECK(n_scale[1] == 2 * per_layer);
+                const int norms = chunk ? 1 + 3 : 2;  // per layer: attention's, the FFN's (per chunk)
+                CHECK(n_mul_by_norm_weight == 0);
+                CHECK(n_norm[0] == 2 * norms + 1);  // (+ the head's)
+                CHECK(n_norm[1] == 2 * norms);      // (+ the head's, - block 0's first: no parameter's gradient needs its input's)
+                // the blocks' norms: in the compute type where no dropout reads them in f32 (the head's stays f32:
+                // the loss reads it), else f32 and one cast each
+                const bool norm16 = fused == 2 && ct != QL_TYPE_F32;
+                CHECK(n_norm16 == (norm16 ? 2 * norms : 0));
+                CHECK(n_cast_of_norm == (ct == QL_TYPE_F32 || norm16 ? 0 : 2 * norms));
+                ql_graph_free(gb);
+                ql_graph_free(gf);
+                ql_free(ctx);
+            }
+}
+
+void ql_autodiff_fold_for_tests(bool on);  // qlora.cpp's autodiff: a gradient's 16-bit cast or sum folded into the node making it
+
+// ... and autodiff's folded casts (s dy by ql_scale_to, SwiGLU's gradients written in the compute
+// type, a cast reading what an f32 copy would have copied) and adds (a norm's dx summed onto its
+// input's gradient by rms_norm_back) give the separate nodes' loss and LoRA gradients bit for bit,
+// with fewer nodes: every
+// compute type, the FFN whole and in chunks, fp16's guard (f32 gate and up), every segment recomputed
+TEST_CASE("llama: autodiff's casts and adds folded into the nodes making the gradients give the separate nodes' bits") {
+    const int V = 50, E = 64, N = 24;
+    tiny_llama t(tiny_hparams(V, E, 96, 2, 4, 2), 11, 0.2f);
+    ql_backend *be = ql_backend_cpu_init(2);
+    REQUIRE(be);
+    struct result {
+        float loss = 0;
+        std::vector<std::vector<float>> grads;
+        int nodes = 0;
+    };
+    auto run = [&](bool fold, ql_type ct, int64_t chunk, bool guard, bool recompute) {
+        result r;
+        ql_autodiff_fold_for_tests(fold);
+        ql_init_params ip = {32u << 20, nullptr, false, false};
+        ql_context *ctx = ql_init(ip);
+        ql_llama m = t.m;
+        m.compute = ct;
+        m.ffn_chunk = chunk;
+        m.ffn_down_f32 = guard;
+        m.lora_dropout_fused = false;  // (the device's default: dropped-out copies)
+        ql_tensor *seed = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1));
+        ((int32_t *)seed->data)[0] = 7;
+        ql_lora_config lc;
+        lc.r = 4, lc.alpha = 8, lc.dropout = 0.2f, lc.targets = {"q", "k", "v", "o", "gate", "up", "down"};
+        REQUIRE(ql_llama_add_lora(ctx, &m, lc, seed) == QL_OK);
+        const std::vector<ql_tensor *> params = ql_llama_lora_params(m);
+        std::mt19937 rng(3);
+        std::normal_distribution<float> nd(0.0f, 0.3f);
+        for (ql_tensor *p : params)  // B too (0 as made): A's gradient then flows
+            for (int64_t i = 0; i < ql_nelements(p); i++) ((float *)p->data)[i] = nd(rng);
+        ql_tensor *h = ql_set_input(ql_new_tensor_3d(ctx, QL_TYPE_F32, E, N, 1));
+        for (int i = 0; i < E * N; i++) ((float *)h->data)[i] = nd(rng) * 3.0f;
+        ql_tensor *pos = ql_set_input(ql_new_tensor_2d(ctx, QL_TYPE_I32, N, 1));
+        for (int i = 0; i < N; i++) ((int32_t *)pos->data)[i] = i;
+        ql_tensor *tg = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, N));
+        for (int i = 0; i < N; i++) ((int32_t *)tg->data)[i] = (i * 7 + 3) % V;
+        ql_tensor *cnt = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_F32, 1));
+        *(float *)cnt->data = (float)N;
+        ql_tensor *loss = ql_llama_loss(ctx, &m, ql_llama_hidden(ctx, &m, h, pos, nullptr), tg, cnt, 0, true);
+        REQUIRE_MESSAGE(loss, ql_ctx_error(ctx));
+        ql_graph *gf = ql_graph_new(ctx);
+        REQUIRE(ql_graph_build_forward(gf, loss) == QL_OK);
+        ql_graph *gb = ql_graph_backward(ctx, gf, loss);
+        ql_autodiff_fold_for_tests(true);
+        REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
+        if (recompute) {
+            const int n_seg = ql_graph_segments(gb, nullptr, 0);
+            REQUIRE(n_seg > 0);
+            std::vector<ql_keep> none((size_t)n_seg, QL_KEEP_NONE);
+            REQUIRE(ql_graph_recompute(gb, none.data(), n_seg, nullptr) == QL_OK);
+        }
+        r.nodes = ql_graph_n_nodes(gb);
+        REQUIRE_MESSAGE(ql_graph_plan(gb, be, nullptr) == QL_OK, ql_ctx_error(ctx));
+        REQUIRE(ql_graph_alloc(gb, be) == QL_OK);
+        ql_graph_set_poison(gb, true);
+        ql_graph_zero_grads(gb);
+        REQUIRE_MESSAGE(ql_backend_graph_compute(be, gb) == QL_OK, ql_ctx_error(ctx));
+        r.loss = ql_get_f32_1d(loss, 0);
+        for (ql_tensor *p : params) r.grads.emplace_back((const float *)p->grad->data, (const float *)p->grad->data + ql_nelements(p));
+        ql_graph_free(gb);
+        ql_graph_free(gf);
+        ql_free(ctx);
+        return r;
+    };
+    for (ql_type ct : {QL_TYPE_F32, QL_TYPE_BF16, QL_TYPE_F16})
+        for (int64_t chunk : {(int64_t)0, (int64_t)10})
+            for (bool guard : {false, true})
+                for (bool recompute : {false, true}) {
+                    if (guard && ct == QL_TYPE_F32) continue;
+                    INFO(std::string(ql_type_name(ct)) << ", FFN chunk " << chunk << std::string(guard ? ", f32 FFN past gate and up" : "")
+                                                       << std::string(recompute ? ", every segment recomputed" : ""));
+                    const result apart = run(false, ct, chunk, guard, recompute), folded = run(true, ct, chunk, guard, recompute);
+                    CHECK(folded.loss == apart.loss);
+                    REQUIRE(folded.grads.size() == apart.grads.size());
+                    for (size_t i = 0; i < folded.grads.size(); i++) CHECK_MESSAGE(folded.grads[i] == apart.grads[i], "LoRA tensor " << i);
+                    // the casts folded, per layer: each adapted linear's scaled dy (the guard's down projection
+                    // and its LoRA are f32: none), SwiGLU's 2 gradients (per FFN chunk: 24 rows, 3 chunks), and
+                    // v's f32 copy (its gradient out of attention's, permuted back and made contiguous)
+                    const int swiglu = chunk ? 3 : 1, per_layer = 4 + 2 * swiglu + (guard ? 0 : swiglu) + 2 * swiglu + 1;
+                    // and the adds of a norm's dx onto its input's gradient: both norms of both layers but block
+                    // 0's first (no gradient of its input is needed); the FFN in chunks: its norms read views of
+                    // rows (whose gradients add_rows sums), so only block 1's attention norm
+                    const int adds = chunk ? 1 : 2 * 2 - 1;
+                    CHECK(apart.nodes - folded.nodes == (ct == QL_TYPE_F32 ? 0 : 2 * per_layer) + adds);
+                }
+    ql_backend_free(be);
+}
