@@ -3616,20 +3616,20 @@ static size_t place_by_size(std::vector<ql_plan_entry> &entries, const std::vect
     size_t work = 0;  // bucket entries: a graph that keeps thousands of blocks alive over long stretches keeps its placement
     for (const blk &b : blocks) work += (size_t)(b.last / W - b.first / W + 1);
     if (work > ((size_t)4 << 20)) return top;
-    // two orders, the smaller placement kept: by size, then longest-lived first; by size class
-    // (a power of two: the [E, T] f32 and the near-equal 16-bit ones apart), then longest-lived
-    // first - which of them packs the tighter depends on the graph (at the 8B shape each wins
-    // somewhere by up to 2%)
+    // four placements, the smallest kept: blocks in order of size, or of size class (a power of
+    // two: the [E, T] f32 and the near-equal 16-bit ones apart), then the longest-lived first;
+    // each into the smallest gap that holds it (best fit), or the lowest (first fit). Which packs
+    // the tighter depends on the graph (at the 8B shape each wins somewhere, by up to 2%)
     std::vector<size_t> best_off;
     size_t best_top = top;
-    for (int variant = 0; variant < 2; variant++) {
+    for (int variant = 0; variant < 4; variant++) {  // bit 0: by size class; bit 1: first fit
         std::vector<int> order((size_t)nb);
         for (int i = 0; i < nb; i++) order[(size_t)i] = i;
         auto cls = [](size_t z) { return 63 - __builtin_clzll((unsigned long long)z | 1); };
         std::sort(order.begin(), order.end(), [&](int a, int b) {
             const blk &x = blocks[(size_t)a], &y = blocks[(size_t)b];
-            if (variant == 1 && cls(x.size) != cls(y.size)) return cls(x.size) > cls(y.size);
-            if (variant == 0 && x.size != y.size) return x.size > y.size;
+            if ((variant & 1) == 1 && cls(x.size) != cls(y.size)) return cls(x.size) > cls(y.size);
+            if ((variant & 1) == 0 && x.size != y.size) return x.size > y.size;
             if (x.last - x.first != y.last - y.first) return x.last - x.first > y.last - y.first;
             if (x.size != y.size) return x.size > y.size;
             return a < b;
@@ -3652,7 +3652,7 @@ static size_t place_by_size(std::vector<ql_plan_entry> &entries, const std::vect
             std::sort(live.begin(), live.end());
             size_t at = 0, best = SIZE_MAX, best_gap = SIZE_MAX;
             for (const auto &l : live) {
-                if (l.first > at && l.first - at >= b.size && l.first - at < best_gap) best = at, best_gap = l.first - at;
+                if (l.first > at && l.first - at >= b.size && l.first - at < best_gap && (!(variant & 2) || best == SIZE_MAX)) best = at, best_gap = l.first - at;
                 at = std::max(at, l.second);
             }
             b.offset = best != SIZE_MAX ? best : at;
