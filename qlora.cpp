@@ -2994,35 +2994,30 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
         // (add_view: add_rows, in place), and each b_c reads its rows off that running sum - rows no
         // later chunk wrote, so still dy's - which keeps one [E, T] gradient alive, not two.
         const int64_t row0 = get_param<int64_t>(node, 0), nrows = ql_nrows(b);
+        const bool seeded = gb.seeded.count(node) > 0;  // x has this dy already
+        bool chain = seeded || a->op == QL_OP_ADD_ROWS;
         ql_tensor *root = a;
-        bool chain = !gb.seeded.count(node) && a->op == QL_OP_ADD_ROWS;
-        while (chain && root->op == QL_OP_ADD_ROWS) {
+        for (; root->op == QL_OP_ADD_ROWS; root = root->src[0]) {  // links only the next one reads, down to x
             auto u = gb.uses.find(root);
-            chain = u != gb.uses.end() && u->second == 1 && !(root->flags & QL_FLAG_OUTPUT);  // a link only the next one reads
-            root = root->src[0];
+            chain = chain && (seeded || (u != gb.uses.end() && u->second == 1 && !(root->flags & QL_FLAG_OUTPUT)));
         }
-        if (gb.seeded.count(node)) {  // x has this dy already
-            root = node->src[0];
-            while (root->op == QL_OP_ADD_ROWS) root = root->src[0];
+        if (chain && (seeded || gb.wants(root))) {
+            if (!seeded) gb.add(root, dy);
             if (a->op == QL_OP_ADD_ROWS) gb.grad[a] = dy, gb.seeded.insert(a);  // (a pass: no node)
-        } else if (chain && gb.wants(root)) {
-            gb.add(root, dy);
-            gb.grad[a] = dy, gb.seeded.insert(a);
         } else {
             gb.add(a, dy);
             root = nullptr;
         }
         if (gb.wants(b)) {
             ql_tensor *d = gb.contiguous(dy);
-            if (root && d == dy) {  // x's sum so far: dy, then add_rows on rows apart from these
-                ql_tensor *sum = gb.grad.count(root) ? gb.grad[root] : nullptr;
-                for (ql_tensor *s = sum; s && s != dy;) {
-                    const int64_t s0 = s->op == QL_OP_ADD_ROWS ? get_param<int64_t>(s, 0) : 0;
-                    if (s->op != QL_OP_ADD_ROWS || (s0 < row0 + nrows && row0 < s0 + ql_nrows(s->src[1]))) sum = nullptr;
-                    else s = s->src[0];
-                    if (!sum) break;
+            if (root && d == dy && gb.grad.count(root)) {  // x's sum so far: dy, then add_rows on rows apart from these
+                ql_tensor *s = gb.grad[root];
+                while (s != dy && s->op == QL_OP_ADD_ROWS) {
+                    const int64_t s0 = get_param<int64_t>(s, 0);
+                    if (s0 < row0 + nrows && row0 < s0 + ql_nrows(s->src[1])) break;  // rows shared: not dy's there
+                    s = s->src[0];
                 }
-                if (sum) d = sum;
+                if (s == dy) d = gb.grad[root];
             }
             gb.add(b, d ? view_as(ctx, d, b, row0 * b->ne[0]) : nullptr);
         }
@@ -3138,8 +3133,9 @@ ql_graph *ql_graph_backward(ql_context *ctx, const ql_graph *gf, ql_tensor *loss
     // ... except that each parameter's accumulation (and a copy it reads) runs as soon as its
     // gradient is complete, not at the end: a layer's LoRA gradients are then not all alive at once
     // (at the 8B shape 160 MiB, the whole adapter's, under the last layers' backward)
-    std::unordered_map<const ql_tensor *, double> key;  // execution position
-    std::vector<std::pair<double, ql_tensor *>> order;
+    // (position: creation index; an accumulation's is its latest source's, then its own after it)
+    std::unordered_map<const ql_tensor *, std::pair<size_t, size_t>> key;
+    std::vector<std::pair<std::pair<size_t, size_t>, ql_tensor *>> order;
     for (size_t i = first_new; i < ctx->tensors.size(); i++) {
         ql_tensor *t = ctx->tensors[i];
         if (!live.count(t)) continue;
@@ -3148,19 +3144,18 @@ ql_graph *ql_graph_backward(ql_context *ctx, const ql_graph *gf, ql_tensor *loss
             gb_graph->leafs.push_back(t);
             continue;
         }
-        double k = (double)i;
-        if (i >= first_acc) {  // right after its latest source (ties keep creation order)
-            k = -1.0;
+        std::pair<size_t, size_t> k = {i, 0};
+        if (i >= first_acc) {  // right after its latest source
+            k = {0, i};
             for (const ql_tensor *s : t->src) {
                 auto it = s ? key.find(s) : key.end();
-                if (it != key.end()) k = std::max(k, it->second);
+                if (it != key.end()) k.first = std::max(k.first, it->second.first);
             }
-            k += 1e-6 * (double)(i - first_acc + 1) / (double)(ctx->tensors.size() - first_acc + 1);
         }
         key[t] = k;
         order.push_back({k, t});
     }
-    std::stable_sort(order.begin(), order.end(), [](const auto &x, const auto &y) { return x.first < y.first; });
+    std::stable_sort(order.begin(), order.end(), [](const auto &x, const auto &y) { return x.first < y.first; });  // (keys unique)
     for (const auto &o : order) gb_graph->nodes.push_back(o.second);
     for (ql_tensor *acc : accs) {
         gb_graph->outputs.push_back(acc);
@@ -3796,23 +3791,23 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
             const int k0 = g->no_reuse ? -1 : inplace_src(node);
             const bool both = (node->op == QL_OP_ADD || node->op == QL_OP_MUL) && node->src[1] && ql_same_shape(node->src[1], node);
             for (int k = k0; k >= 0 && k <= (both ? 1 : k0) && !placed; k++) {
-            ql_tensor *s = node->src[k];
-            if (s && s->view_src == nullptr && idx.count(s)) {
-                const int se = idx[s];
-                bool shared = false;  // another source in the same block would be overwritten under it
-                for (int j = 0; j < QL_MAX_SRC; j++)
-                    if (j != k && node->src[j] && entry_of(node->src[j]) == se) shared = true;
-                ql_plan_entry &src_e = g->entries[(size_t)se];
-                if (!shared && src_e.last == i && !moved[(size_t)se] && src_e.size == e.size && s->type == node->type &&
-                    ql_is_contiguous(s) && node->aux_size == 0) {
-                    e.offset  = src_e.offset;
-                    e.inplace = true;
-                    moved[(size_t)se] = true;
-                    inplace_of[(size_t)own->second] = se;
-                    placed = true;
-                    n_inplace++;
+                ql_tensor *s = node->src[k];
+                if (s && s->view_src == nullptr && idx.count(s)) {
+                    const int se = idx[s];
+                    bool shared = false;  // another source in the same block would be overwritten under it
+                    for (int j = 0; j < QL_MAX_SRC; j++)
+                        if (j != k && node->src[j] && entry_of(node->src[j]) == se) shared = true;
+                    ql_plan_entry &src_e = g->entries[(size_t)se];
+                    if (!shared && src_e.last == i && !moved[(size_t)se] && src_e.size == e.size && s->type == node->type &&
+                        ql_is_contiguous(s) && node->aux_size == 0) {
+                        e.offset  = src_e.offset;
+                        e.inplace = true;
+                        moved[(size_t)se] = true;
+                        inplace_of[(size_t)own->second] = se;
+                        placed = true;
+                        n_inplace++;
+                    }
                 }
-            }
             }
             if (e.host) {  // host memory: alive from the forward to its copy back, all at once anyway
                 e.offset = host_top;

@@ -1358,6 +1358,14 @@ size_t ql_trainer_page_in_weights(const ql_trainer *t) {
     return n;
 }
 
+// the embedding's rows input given back: the shorter lengths' inputs to their own bytes, the pinned buffer freed
+static void free_rows(ql_trainer *t) {
+    for (auto &a : t->embd_alias) a.first->data = a.second;
+    t->embd_alias.clear();
+    ql_backend_buffer_free(t->embd_buf);
+    t->embd_buf = nullptr;
+}
+
 void ql_trainer_free(ql_trainer *t) {
     if (!t) return;
     free_io(t->tr);
@@ -1366,8 +1374,7 @@ void ql_trainer_free(ql_trainer *t) {
     t->bucket_io.clear();
     ql_optim_list_free(t->olist);
     ql_backend_buffer_free(t->paged_buf);
-    for (auto &a : t->embd_alias) a.first->data = a.second;
-    ql_backend_buffer_free(t->embd_buf);
+    free_rows(t);
     ql_backend_buffer_free(t->cache_buf);    // the weights' copies (their flags cleared),
     ql_backend_buffer_free(t->state_buf);    // the tensors back on the arena,
     ql_backend_buffer_free(t->weights_buf);  // the weights on the file mapping
@@ -2243,12 +2250,10 @@ bool ql_trainer_to_host(ql_trainer *t, std::string *err) {
     ql_backend_buffer_free(t->state_buf);  // every placed tensor back on its host bytes
     ql_backend_buffer_free(t->weights_buf);
     ql_backend_buffer_free(t->paged_buf);
-    for (auto &a : t->embd_alias) a.first->data = a.second;
-    t->embd_alias.clear();
-    ql_backend_buffer_free(t->embd_buf);
+    free_rows(t);
     ql_optim_list_free(t->olist);  // (its pointers were the device's: no step after this)
     t->olist = nullptr;
-    t->state_buf = t->weights_buf = t->paged_buf = t->cache_buf = t->embd_buf = nullptr;
+    t->state_buf = t->weights_buf = t->paged_buf = t->cache_buf = nullptr;
     for (const auto &st : t->state)
         for (ql_tensor *x : st) x->flags &= ~QL_FLAG_HOST;
     t->on_host = true;

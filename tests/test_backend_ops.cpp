@@ -805,6 +805,22 @@ struct fold_off {  // autodiff's separate casts and adds while in scope
     fold_off() { ql_autodiff_fold_for_tests(false); }
     ~fold_off() { ql_autodiff_fold_for_tests(true); }
 };
+// build's one parameter's gradient with autodiff's folds and without: the same bits (and, with
+// same_out, the same output)
+void check_fold_bits(ql_backend *be, const builder &build, const char *what, bool same_out = false) {
+    const run_result folded = run_case(be, false, build, true);
+    run_result apart;
+    {
+        fold_off off;
+        apart = run_case(be, false, build, true);
+    }
+    REQUIRE(folded.error.empty());
+    REQUIRE(apart.error.empty());
+    REQUIRE(folded.grads.size() == 1);
+    REQUIRE(apart.grads.size() == 1);
+    if (same_out) CHECK(folded.out == apart.out);
+    CHECK_MESSAGE(!memcmp(folded.grads[0].data(), apart.grads[0].data(), folded.grads[0].size() * sizeof(float)), what);
+}
 }  // namespace
 
 // SwiGLU's backward writing gate's and up's gradients in the type their multiplies read (autodiff
@@ -826,19 +842,7 @@ OP_CASE(swiglu_back_to) {
                     return out == QL_TYPE_F32 ? y : ql_cast(L.ctx, y, QL_TYPE_F32);
                 };
                 ew_case(be, "swiglu_back_to", build, TOL_16, -1);
-                const run_result folded = run_case(be, false, build, true);
-                run_result apart;
-                {
-                    fold_off off;
-                    apart = run_case(be, false, build, true);
-                }
-                REQUIRE(folded.error.empty());
-                REQUIRE(apart.error.empty());
-                REQUIRE(folded.grads.size() == 1);
-                REQUIRE(apart.grads.size() == 1);
-                CHECK(folded.out == apart.out);
-                CHECK_MESSAGE(!memcmp(folded.grads[0].data(), apart.grads[0].data(), folded.grads[0].size() * sizeof(float)),
-                              "x's gradient through the folded casts: not the bits of the separate ones");
+                check_fold_bits(be, build, "x's gradient through the folded casts: not the bits of the separate ones", true);
             }
 }
 
@@ -855,18 +859,7 @@ OP_CASE(rms_norm_back_acc) {
                 return ql_add(L.ctx, x, n);
             };
             check_case(be, "rms_norm_back onto the gradient so far", build, TOL_F32);
-            const run_result folded = run_case(be, false, build, true);
-            run_result apart;
-            {
-                fold_off off;
-                apart = run_case(be, false, build, true);
-            }
-            REQUIRE(folded.error.empty());
-            REQUIRE(apart.error.empty());
-            REQUIRE(folded.grads.size() == 1);
-            REQUIRE(apart.grads.size() == 1);
-            CHECK_MESSAGE(!memcmp(folded.grads[0].data(), apart.grads[0].data(), folded.grads[0].size() * sizeof(float)),
-                          "x's gradient with the add folded: not the bits of rms_norm_back and the add");
+            check_fold_bits(be, build, "x's gradient with the add folded: not the bits of rms_norm_back and the add");
         }
 }
 
@@ -883,18 +876,7 @@ OP_CASE(cast_of_copy_folded) {
             return ql_cast(L.ctx, p, QL_TYPE_F32);
         };
         check_case(be, "cast of a copy, folded", build, TOL_16);
-        const run_result folded = run_case(be, false, build, true);
-        run_result apart;
-        {
-            fold_off off;
-            apart = run_case(be, false, build, true);
-        }
-        REQUIRE(folded.error.empty());
-        REQUIRE(apart.error.empty());
-        REQUIRE(folded.grads.size() == 1);
-        REQUIRE(apart.grads.size() == 1);
-        CHECK_MESSAGE(!memcmp(folded.grads[0].data(), apart.grads[0].data(), folded.grads[0].size() * sizeof(float)),
-                      "x's gradient through the folded cast: not the bits of the copy and the cast");
+        check_fold_bits(be, build, "x's gradient through the folded cast: not the bits of the copy and the cast");
     }
 }
 
