@@ -1638,6 +1638,34 @@ TEST_CASE("add_rows: the bits of ql_add; a chain goes in place; bad shapes are r
     ql_free(ctx);
 }
 
+TEST_CASE("to_device: a host leaf's copy in the graph; anything else refused with the op in the message") {
+    ql_init_params ip{1u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *dev = ql_new_tensor_2d(ctx, QL_TYPE_F32, 8, 4);  // not flagged QL_FLAG_HOST
+    CHECK(ql_to_device(ctx, dev) == nullptr);
+    CHECK(std::string(ql_ctx_error(ctx)).find("to_device: [8, 4") != std::string::npos);
+    ql_ctx_clear_error(ctx);
+    ql_tensor *host = ql_new_tensor_2d(ctx, QL_TYPE_F32, 8, 4);
+    host->flags |= QL_FLAG_HOST;
+    CHECK(ql_to_device(ctx, ql_transpose(ctx, host)) == nullptr);  // a view, not a leaf
+    ql_ctx_clear_error(ctx);
+    for (int i = 0; i < 32; i++) ((float *)host->data)[i] = 0.5f * (float)i;
+    ql_tensor *y = ql_to_device(ctx, host);
+    REQUIRE_MESSAGE(y, ql_ctx_error(ctx));
+    CHECK(y->op == QL_OP_TO_DEVICE);
+    ql_set_output(y);
+    ql_graph *g = ql_graph_new(ctx);
+    REQUIRE(ql_graph_build_forward(g, y) == QL_OK);
+    ql_backend *be = ql_backend_cpu_init(1);
+    REQUIRE(ql_graph_plan(g, be, nullptr) == QL_OK);
+    REQUIRE(ql_graph_alloc(g, be) == QL_OK);
+    REQUIRE(ql_backend_graph_compute(be, g) == QL_OK);
+    CHECK(memcmp(y->data, host->data, 32 * sizeof(float)) == 0);
+    ql_graph_free(g);
+    ql_backend_free(be);
+    ql_free(ctx);
+}
+
 TEST_CASE("backward: each parameter's accumulation runs as soon as its gradient is complete, not at the end") {
     ql_init_params ip{8u << 20, nullptr, false, false};
     ql_context *ctx = ql_init(ip);
