@@ -283,11 +283,14 @@ static bool build(ql_trainer *t, ql_context *ctx) {
         ~restore_rope() { m.rope_freqs = r; }
     } restore{m, rope_model};
     m.lora_dropout = true;
-    // adapter dropout inside A's multiply: on the CPU (the copies' bits, less memory); on a device
-    // only when asked (QLORA_DROPOUT_FUSED=1, or 16): there its kernels made an H200's 1B and 8B
-    // steps 14% slower than the dropped-out copies and cuBLAS (bench/RESULTS.md, session 11)
+    // adapter dropout inside A's multiply (ql_train_options.lora_dropout_fused; auto: on the CPU
+    // only - on a device its kernels made an H200's 1B and 8B steps 14% slower than the dropped-out
+    // copies and cuBLAS, bench/RESULTS.md, session 11). QLORA_DROPOUT_FUSED=1 or 16 in the
+    // environment turns it on under auto (A/B runs)
     const char *fused_env = getenv("QLORA_DROPOUT_FUSED");
-    m.lora_dropout_fused = t->on_host || (fused_env && (strcmp(fused_env, "1") == 0 || strcmp(fused_env, "16") == 0));
+    const int fused = t->o.lora_dropout_fused;
+    m.lora_dropout_fused = fused > 0 || (fused < 0 && (t->on_host || (fused_env && (strcmp(fused_env, "1") == 0 || strcmp(fused_env, "16") == 0))));
+    m.lora_dropout_x16 = fused == 16 && t->compute != QL_TYPE_F32;
     m.compute = t->compute;
     m.attn_bf16 = !t->o.attn_f32;
     m.ffn_down_f32 = t->o.ffn_down_f32;
@@ -872,6 +875,11 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
     if (o.cache_weights == 1 && t->on_host) {
         *err = "--cache-weights on: the CPU backend converts the weights while packing its panels, so a copy would save "
                "nothing (it is for a device: --device cuda)";
+        ql_trainer_free(t);
+        return nullptr;
+    }
+    if (o.lora_dropout_fused != -1 && o.lora_dropout_fused != 0 && o.lora_dropout_fused != 1 && o.lora_dropout_fused != 16) {
+        *err = "lora_dropout_fused " + std::to_string(o.lora_dropout_fused) + ": -1 (auto), 0, 1 or 16";
         ql_trainer_free(t);
         return nullptr;
     }

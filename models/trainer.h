@@ -105,6 +105,13 @@ struct ql_train_options {
     // with it: checkpoints brought back late, twice a block (QL_OFFLOAD_LATE): none on the device
     // through a block's backward; the compute may wait for the copies
     bool offload_late = false;
+    // adapter dropout inside A's multiply (ql_mul_mat_dropout: the mask regenerated as x is read,
+    // no dropped-out copy of x per adapted linear). -1 auto: on the CPU over f32 x (the copies'
+    // bits, less memory), off on a device (its kernels made an H200's step 14% slower than the
+    // copies and cuBLAS); 0 off; 1 on, over f32 x; 16 on, over x's copy in the 16-bit compute type
+    // (backward keeps that copy, not f32 x or the dropped-out copies: the least memory, but a kept
+    // element is rounded twice - within a 16-bit ulp of the copies', not their bits)
+    int lora_dropout_fused = -1;
     // the loss's output projection and cross-entropy in chunks of rows (ql_llama_loss): 0 auto
     // (chunks of at most 2^23 logits when the whole would be more: always on a device, on the CPU
     // when the plan does not fit without; on a device the fused loss's chunks of 512+ rows, 2^26

@@ -413,3 +413,47 @@ TEST_CASE("finetune memory auto: a device plan - block recompute when none does 
     REQUIRE_MESSAGE(run(ft + " --vram " + std::to_string(block) + "B --checkpointing block", &log) == 0, log);
     CHECK_MESSAGE(has(log, "finetune: memory: checkpointing auto -> --checkpointing block: "), log);
 }
+
+TEST_CASE("finetune memory auto: the last step, adapter dropout inside A's multiply over 16-bit x; pinned by its flag" * needs_tools("make-model finetune")) {
+    tmpdir d;
+    const std::string m = d.file("g.gguf"), data = d.file("qa.jsonl");
+    std::string log;
+    REQUIRE(run("./make-model -o " + m + " --dim 256 --layers 4 --heads 4 --ff 512 --vocab 4000 --type nf4", &log) == 0);
+    write_qa(data, 16);
+    // (a small loss chunk: attention's backward, not the logits, is the peak this step lowers)
+    const std::string ft = "./finetune -m " + m + " -d " + data + " -o " + d.file("o") +
+                           " --seq-len 512 -b 8 --no-dynamic-padding --device cuda --cc 8.6 --dry-run --loss-chunk 128 --lora-targets all"
+                           " --cache-weights off --checkpointing block";
+    const std::string rest = " --offload-late --embd-on-host --optim paged_adamw8bit";
+    auto total = [&](const std::string &flags) {
+        std::string out;
+        REQUIRE_MESSAGE(run(ft + " --vram 8G --json" + flags, &out) == 0, out);
+        const size_t p = out.find("\"total\": ");
+        REQUIRE(p != std::string::npos);
+        return (long long)atof(out.c_str() + p + 9);
+    };
+    const long long late = total(rest), x16 = total(rest + " --lora-dropout-fused 16");
+    REQUIRE_MESSAGE(x16 + (4 << 20) < late, x16 << " " << late);
+    const long long on = total(rest + " --lora-dropout-fused on");  // over f32 x: f32 x kept, not the copies
+    CHECK(on <= late);
+    CHECK(x16 + (2 << 20) < on);
+    // a card that holds x16's plan and not late's: auto's last step
+    REQUIRE_MESSAGE(run(ft + " --vram " + std::to_string(x16) + "B", &log) == 0, log);
+    std::string line = line_of(log, "finetune: memory: checkpointing auto -> ");
+    CHECK_MESSAGE(has(line, "-> + dropout inside A's multiply (16-bit x): "), log);
+    CHECK(has(line, "(+ checkpoints back late needs "));
+    CHECK(has(line_of(log, "  + checkpoints back late "), "does NOT fit"));
+    // the flag pins it: off (or f32 compute) leaves the step out, and nothing fits; without
+    // dropout there is no step either (nothing is dropped out)
+    for (const char *pin : {" --lora-dropout-fused off", " --precision fp32"}) {
+        CHECK(run(ft + " --vram " + std::to_string(x16) + "B" + pin, &log) == 1);
+        CHECK_MESSAGE(has(log, "finetune: memory: checkpointing auto: nothing fits"), pin, log);
+        CHECK(!has(log, "dropout inside A's multiply"));
+    }
+    run(ft + " --vram " + std::to_string(x16) + "B --lora-dropout 0", &log);
+    CHECK_MESSAGE(has(log, "finetune: memory: "), log);
+    CHECK(!has(log, "dropout inside A's multiply"));
+    // a value it does not know: one line naming the flag and the choices
+    CHECK(run(ft + " --lora-dropout-fused 8", &log) == 2);
+    CHECK_MESSAGE(has(log, "finetune: --lora-dropout-fused: '8' is not one of auto, off, on, 16"), log);
+}

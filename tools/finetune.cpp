@@ -88,10 +88,13 @@ static const char *k_help =
     "           fp16's guard where a SwiGLU result passes 65504; the hint names it when that happens)\n"
     "memory:    --checkpointing none|block|sqrt|auto  --mem-limit SIZE (e.g. 6G; auto and -b auto need it, or a GPU)\n"
     "           (auto is the default when the limit is known - --mem-limit, --vram, a GPU's free memory: no recompute,\n"
-    "           recompute, then on a GPU offload, --embd-on-host, paged optimizer state, --offload-late, the first that fits)\n"
+    "           recompute, then on a GPU offload, --embd-on-host, paged optimizer state, --offload-late; then with 16-bit\n"
+    "           compute and dropout --lora-dropout-fused 16: the first that fits)\n"
     "           -b auto  --effective-batch N  --offload-activations  --dry-run (print the plan, train nothing)  --json\n"
     "           --offload-late (offload, and each block's checkpoint brought back twice, just before its readers: none on\n"
     "           the device through a block's backward; the GPU may wait for those copies)\n"
+    "           --lora-dropout-fused auto|off|on|16 (adapter dropout inside A's multiply: auto on the CPU, off on a GPU;\n"
+    "           16 reads x's 16-bit copy: the least memory, x rounded twice; auto's last step when a limit needs it)\n"
     "           --loss-chunk N (tokens per output-projection + loss chunk; 0 auto, -1 never)  --loss-unfused (backward\n"
     "           recomputes each chunk's logits: the path before the fused head + loss, for comparisons)\n"
     "           --ffn-chunk N (tokens per feed-forward chunk: its intermediates a chunk at a time; 0 auto: when the plan\n"
@@ -792,6 +795,15 @@ static bool parse_flags(int argc, char **argv, args *a) {
         else if (f == "--ffn-chunk") { if (!whole(f.c_str(), need(i), -1, 1 << 30, &v)) return false; a->o.ffn_chunk = (int64_t)v; }
         else if (f == "--offload-activations") a->o.offload_activations = true;
         else if (f == "--offload-late") a->o.offload_activations = a->o.offload_late = true;
+        else if (f == "--lora-dropout-fused") {
+            if (!(s = need(i))) return false;
+            if (!strcmp(s, "auto") || !strcmp(s, "off") || !strcmp(s, "on") || !strcmp(s, "16")) {
+                a->o.lora_dropout_fused = !strcmp(s, "auto") ? -1 : !strcmp(s, "off") ? 0 : !strcmp(s, "on") ? 1 : 16;
+            } else {
+                fprintf(stderr, "finetune: --lora-dropout-fused: '%s' is not one of auto, off, on, 16\n", s);
+                return false;
+            }
+        }
         else if (f == "--loss-unfused") a->o.loss_fused = false;
         else if (f == "--optim") {
             if (!(s = need(i))) return false;
@@ -880,7 +892,7 @@ static bool flag_given(const args &a, const char *f) {
 // must agree with the run's.
 static bool operational_flag(const std::string &f) {
     for (const char *x : {"-o", "-t", "--device", "--checkpointing", "--mem-limit", "--vram", "--cc", "--host-mem", "--embd-on-host",
-                          "--embd-on-device", "--cache-weights", "--loss-chunk", "--loss-unfused", "--ffn-chunk", "--offload-activations", "--offload-late", "--eval-every", "--save-every", "--merge",
+                          "--embd-on-device", "--cache-weights", "--loss-chunk", "--loss-unfused", "--ffn-chunk", "--offload-activations", "--offload-late", "--lora-dropout-fused", "--eval-every", "--save-every", "--merge",
                           "--overwrite", "--profile", "--dry-run", "--json", "--resume", "--export", "--max-steps", "--epochs"})
         if (f == x) return true;
     return false;
@@ -1250,6 +1262,7 @@ static void choose_memory(ql_llama_file *f, const seqs &tr, const seqs &ev, args
     const bool device = !ql_backend_is_host(a->be);
     const bool cp_pinned = a->o.checkpointing != ql_checkpointing::automatic, offload_pinned = a->o.offload_activations;
     const bool embd_pinned = a->o.embd_on_host != -1, optim_pinned = flag_given(*a, "--optim"), late_pinned = a->o.offload_late;
+    const bool drop_pinned = a->o.lora_dropout_fused != -1;
     const bool tied = f->model.output == f->model.tok_embd;
     std::vector<mem_step> steps;
     mem_step s0;
@@ -1272,8 +1285,12 @@ static void choose_memory(ql_llama_file *f, const seqs &tr, const seqs &ev, args
         add("+ paged optimizer state", [](ql_train_options &o) {
             o.optim = ql_optim_8bit(o.optim) ? ql_optim::paged_adamw8bit : ql_optim::paged_adamw;
         });
-    if (device && !late_pinned && steps.back().o.offload_activations)  // (copies the compute waits for: last)
+    if (device && !late_pinned && steps.back().o.offload_activations)  // (copies the compute waits for)
         add("+ checkpoints back late", [](ql_train_options &o) { o.offload_late = true; });
+    // adapter dropout inside A's multiply over x's 16-bit copy: backward keeps that copy instead of
+    // a dropped-out copy per adapted linear (on a device: kernels measured 14% slower: last)
+    if (!drop_pinned && a->o.lora.dropout > 0 && a->o.precision != ql_precision::fp32)
+        add("+ dropout inside A's multiply (16-bit x)", [](ql_train_options &o) { o.lora_dropout_fused = 16; });
     if (steps.size() < 2) return;  // everything pinned: the flags' plan, as given
 
     size_t available = 0, margin = 0;
