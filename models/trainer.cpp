@@ -576,6 +576,11 @@ static bool measure(ql_trainer *t, std::string *err) {
         m.loss_chunk = t->loss_chunk;
         m.loss_fused = t->o.loss_fused;
         m.ffn_chunk = t->ffn_chunk;
+        {
+            const ql_llama &lm = t->f->model;
+            m.lora_dropout = t->o.lora.dropout <= 0 ? "" : !lm.lora_dropout_fused ? "copies"
+                           : lm.lora_dropout_x16 ? "in A's multiply, over x's 16-bit copy" : "in A's multiply";
+        }
         m.embd_on_host = t->embd_host;
         m.host_embd = t->embd_host ? ql_nbytes(t->f->model.tok_embd) + t->f->model.tok_embd->aux_size : 0;
         if (!t->on_host) device_plan(t, meas, ps.buffer_size, es.buffer_size);

@@ -195,6 +195,9 @@ struct ql_memory_plan {
     int64_t loss_chunk = 0;     // rows per cross-entropy chunk (0: unchunked)
     bool loss_fused = false;    // the head and the loss fused (dh made in forward)
     int64_t ffn_chunk = 0;      // tokens per feed-forward chunk (0: unchunked)
+    // where adapter dropout runs: "" (none drawn), "copies" (a dropped-out copy of x per adapted
+    // linear), "in A's multiply" (over f32 x), "in A's multiply, over x's 16-bit copy"
+    std::string lora_dropout;
     // a device run (a GPU, or a stand-in planning for one): total is device memory, made of these
     bool   device = false;
     std::string device_desc;    // the device, or "planned for cc 8.6" without one

@@ -443,6 +443,10 @@ TEST_CASE("finetune memory auto: the last step, adapter dropout inside A's multi
     CHECK_MESSAGE(has(line, "-> + dropout inside A's multiply (16-bit x): "), log);
     CHECK(has(line, "(+ checkpoints back late needs "));
     CHECK(has(line_of(log, "  + checkpoints back late "), "does NOT fit"));
+    CHECK(has(log, "\n  adapter dropout: in A's multiply, over x's 16-bit copy\n"));  // the plan printed is the chosen one
+    std::string js;
+    REQUIRE(run(ft + " --vram 8G --json", &js) == 0);
+    CHECK_MESSAGE(has(js, "\"lora_dropout\": \"copies\""), js);  // a device's auto when memory allows
     // the flag pins it: off (or f32 compute) leaves the step out, and nothing fits; without
     // dropout there is no step either (nothing is dropped out)
     for (const char *pin : {" --lora-dropout-fused off", " --precision fp32"}) {

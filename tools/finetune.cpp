@@ -325,12 +325,12 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
                "\"optimizer_in_host_memory\": %s, \"inputs_and_state\": %zu, \"saved_activations\": %zu, \"checkpoints\": %zu, \"temporaries\": %zu, "
                "\"recompute_peak\": %zu, \"workspace\": %zu, \"graph_buffer\": %zu, \"context\": %zu, \"rounding\": %zu, "
                "\"total\": %zu, \"limit\": %zu, \"fits\": %s, \"host\": {\"process\": %zu, \"planned\": %zu, \"embedding\": %zu, \"pinned\": %zu, \"rows\": %zu}, "
-               "\"checkpointing\": \"%s\", \"recompute_fraction\": %.4f, \"micro_batch\": %d, \"loss_chunk\": %lld, \"ffn_chunk\": %lld, "
+               "\"checkpointing\": \"%s\", \"recompute_fraction\": %.4f, \"micro_batch\": %d, \"loss_chunk\": %lld, \"ffn_chunk\": %lld, \"lora_dropout\": \"%s\", "
                "\"cache_weights\": {\"bytes\": %zu, \"copies_would_take\": %zu, \"choice\": \"%s\"}, \"census\": {\"nodes\": %lld, \"launches\": %lld, \"flops\": %.6g, \"recompute_flops\": %.6g, \"bytes\": {\"matmul\": %.6g, "
                "\"attention\": %.6g, \"loss\": %.6g, \"other\": %.6g}}}\n",
                m.host_embd, m.lora, m.grads, m.optimizer, optim.c_str(), m.optimizer_host ? "true" : "false", m.dev_state, m.saved, m.checkpoints, m.scratch, m.recompute,
                m.work, m.dev_buffer, m.dev_context, m.dev_rounding, m.total, limit, fits ? "true" : "false", process, m.host, m.host_embd, m.host_pinned, m.host_rows,
-               m.checkpointing.c_str(), m.recompute_fraction, m.micro_batch, (long long)m.loss_chunk, (long long)m.ffn_chunk,
+               m.checkpointing.c_str(), m.recompute_fraction, m.micro_batch, (long long)m.loss_chunk, (long long)m.ffn_chunk, m.lora_dropout.c_str(),
                m.dev_cache, m.cache_candidate, m.cache_weights.c_str(), (long long)m.census.nodes, (long long)m.census.launches, m.census.flops, m.census.recompute_flops,
                m.census.bytes[QL_CENSUS_MATMUL], m.census.bytes[QL_CENSUS_ATTENTION], m.census.bytes[QL_CENSUS_LOSS], m.census.bytes[QL_CENSUS_OTHER]);
         return;
@@ -377,6 +377,7 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
     if (m.loss_chunk) printf("\n  loss: output projection + cross-entropy in chunks of %lld tokens (logits never whole)%s", (long long)m.loss_chunk,
                              m.loss_fused ? "; fused: dlogits and dh made in forward" : "; backward recomputes the logits");
     if (m.ffn_chunk) printf("\n  feed-forward: in chunks of %lld tokens (its intermediates a chunk at a time)", (long long)m.ffn_chunk);
+    if (!m.lora_dropout.empty()) printf("\n  adapter dropout: %s", m.lora_dropout.c_str());
     if (m.census.nodes) {  // what one micro-batch's graph costs there, from the plan (ql_graph_census)
         const ql_census &c = m.census;
         const double GB = 1e9;
@@ -443,6 +444,7 @@ static void print_memory(const ql_memory_plan &m, const std::string &optim, size
     if (m.loss_chunk) printf("\n  loss: output projection + cross-entropy in chunks of %lld tokens (logits never whole)%s", (long long)m.loss_chunk,
                              m.loss_fused ? "; fused: dlogits and dh made in forward" : "; backward recomputes the logits");
     if (m.ffn_chunk) printf("\n  feed-forward: in chunks of %lld tokens (its intermediates a chunk at a time)", (long long)m.ffn_chunk);
+    if (!m.lora_dropout.empty()) printf("\n  adapter dropout: %s", m.lora_dropout.c_str());
     printf("\n");
     fflush(stdout);  // before any message on stderr
 }
