@@ -75,6 +75,7 @@
 #endif
 #endif
 #ifdef QLSHIM_ASAN
+#include <sanitizer/asan_interface.h>
 #include <sanitizer/common_interface_defs.h>
 #endif
 
@@ -510,6 +511,12 @@ struct launch_job {
 
 // its own function: getcontext returns twice, which must not touch the caller's locals
 __attribute__((noinline)) inline void init_fiber(fiber *f) {
+#ifdef QLSHIM_ASAN
+    // a reused stack: the fiber before ended by switching away, never returning, so its frames'
+    // redzones are still poisoned where the new fiber's frames will lie (seen: a false
+    // stack-buffer-underflow copying a kernel's arguments, on an AVX2-only build)
+    __asan_unpoison_memory_region(f->stack, stack_bytes());
+#endif
 #ifdef QLSHIM_ASM_SWITCH
     // the stack as qlshim_switch leaves it: MXCSR + x87 control word, six registers, and the
     // return address (fiber_entry), which sits 16-byte aligned so that fiber_entry starts as if called
