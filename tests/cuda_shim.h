@@ -511,12 +511,6 @@ struct launch_job {
 
 // its own function: getcontext returns twice, which must not touch the caller's locals
 __attribute__((noinline)) inline void init_fiber(fiber *f) {
-#ifdef QLSHIM_ASAN
-    // a reused stack: the fiber before ended by switching away, never returning, so its frames'
-    // redzones are still poisoned where the new fiber's frames will lie (seen: a false
-    // stack-buffer-underflow copying a kernel's arguments, on an AVX2-only build)
-    __asan_unpoison_memory_region(f->stack, stack_bytes());
-#endif
 #ifdef QLSHIM_ASM_SWITCH
     // the stack as qlshim_switch leaves it: MXCSR + x87 control word, six registers, and the
     // return address (fiber_entry), which sits 16-byte aligned so that fiber_entry starts as if called
@@ -555,6 +549,10 @@ inline void worker_run(launch_job *j) {
         stacks.push_back(s);
     }
     fibers.assign((size_t)n, fiber());
+#ifdef QLSHIM_ASAN
+    static thread_local std::vector<char> deep;  // per stack: its last fiber did not finish
+    if (deep.size() < stacks.size()) deep.resize(stacks.size(), 1);
+#endif
     std::vector<unsigned char> dyn(j->smem + 16);
     const long long nb = (long long)j->grid.x * j->grid.y * j->grid.z;
     block_ctx b;
@@ -574,9 +572,20 @@ inline void worker_run(launch_job *j) {
             f.tid = t;
             f.idx = uint3{(unsigned)(t % j->block.x), (unsigned)(t / j->block.x % j->block.y), (unsigned)(t / j->block.x / j->block.y)};
             f.stack = stacks[(size_t)t];
+#ifdef QLSHIM_ASAN
+            // a reused stack: the fiber before ended by switching away, never returning, so its
+            // frames' redzones are still poisoned where the new fiber's frames will lie (seen: a
+            // false stack-buffer-underflow copying a kernel's arguments, AVX2-only build). One that
+            // finished left only its first frames, at the top; one that did not (a failed block), any
+            const size_t top = deep[(size_t)t] ? stack_bytes() : (size_t)16 << 10;
+            __asan_unpoison_memory_region(f.stack + stack_bytes() - top, top);
+#endif
             init_fiber(&f);
         }
         run_block(&b, n, st().seed ^ mix64((uint64_t)bi));
+#ifdef QLSHIM_ASAN
+        for (int t = 0; t < n; t++) deep[(size_t)t] = fibers[(size_t)t].state != F_DONE;
+#endif
         if (b.failed) {
             std::lock_guard<std::mutex> lk(j->mu);
             if (!j->failed.exchange(true))
