@@ -3228,17 +3228,18 @@ __global__ void k_fa_ds(const float *S, const float *dP, char *P, char *dS, int 
     }
 }
 
-// delta_i = dO_i . O_i, per (query, head, batch); O f32 or 16-bit (ot)
+// delta_i = dO_i . O_i, per (query, head, batch); dO (dt) and O (ot) f32 or 16-bit
 // d16 (the fused backward's): dO rounded to the compute type ct as well, for its kernels' 16-byte tile copies
-__global__ void k_fa_delta(const float *dO, const char *O, int ot, int64_t DV, int64_t H, int64_t Tq, int64_t n, float *delta,
+__global__ void k_fa_delta(const char *dO, int dt, const char *O, int ot, int64_t DV, int64_t H, int64_t Tq, int64_t n, float *delta,
                            char *d16, int ct) {
-    const int es = ot == QL_TYPE_F32 ? 4 : 2;
+    const int es = ot == QL_TYPE_F32 ? 4 : 2, ds = dt == QL_TYPE_F32 ? 4 : 2;
     CU_GRID_LOOP(x, n) {  // x = (b H + h) Tq + i
         const int64_t i = x % Tq, h = (x / Tq) % H, b = x / (Tq * H), row = ((b * Tq + i) * H + h) * DV;
         float s = 0;
         for (int64_t c = 0; c < DV; c++) {
-            s += dO[row + c] * cu_ld(O + (row + c) * es, ot);
-            if (d16) cu_st(d16 + (row + c) * 2, ct, dO[row + c]);
+            const float d = cu_ld(dO + (row + c) * ds, dt);
+            s += d * cu_ld(O + (row + c) * es, ot);
+            if (d16) cu_st(d16 + (row + c) * 2, ct, d);
         }
         delta[x] = s;
     }
@@ -3283,9 +3284,10 @@ static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
     if (back) {
         dOv = cu_of(dOt);
         dOv.ne[1] = Tq, dOv.ne[2] = H, dOv.contig = 0;
-        dOv.nb[1] = (int64_t)(H * DV * 4), dOv.nb[2] = (int64_t)(DV * 4);
-        QL_LAUNCH(k_fa_delta, cu_grid(Tq * H * B), CU_BLOCK, 0, c.stream, (const float *)dOt->data, (const char *)fwd->data,
-                  (int)fwd->type, DV, H, Tq, Tq * H * B, delta, nullptr, (int)QL_TYPE_BF16);
+        const int64_t ds = (int64_t)ql_plain_size(dOt->type);  // f32 or 16-bit
+        dOv.nb[1] = H * DV * ds, dOv.nb[2] = DV * ds;
+        QL_LAUNCH(k_fa_delta, cu_grid(Tq * H * B), CU_BLOCK, 0, c.stream, (const char *)dOt->data, (int)dOt->type,
+                  (const char *)fwd->data, (int)fwd->type, DV, H, Tq, Tq * H * B, delta, nullptr, (int)QL_TYPE_BF16);
         CU_LAUNCHED(c);
         CU_CHECK(c, cudaMemsetAsync(dk, 0, (ql_nelements(k) + ql_nelements(v)) * sizeof(float), c.stream));  // dK, dV add up
     }
@@ -3629,10 +3631,10 @@ FA2_UNROLL
 }
 
 // dK, dV: block (16 NW keys, kv head, batch); every query head of the group, every query tile
-// that may see the keys. dk, dv [D, Tk, Hkv, B]; dO [D, H, Tq, B]; lse, delta [Tq, H, B]
+// that may see the keys. dk, dv [D, Tk, Hkv, B]; dO [D, H, Tq, B] of type dt (f32 or 16-bit); lse, delta [Tq, H, B]
 template <typename T, int D>
 __global__ void __launch_bounds__(fa2_back_cfg<T>::NW * 32, 1)
-    k_fa2_dkv(fa_args a, const float *dO, const float *lse, const float *delta, float *dk, float *dv) {
+    k_fa2_dkv(fa_args a, const char *dO, int dt, const float *lse, const float *delta, float *dk, float *dv) {
     if constexpr (!FA2_ARCH_OK(T)) return;
     else
     {
@@ -3662,7 +3664,8 @@ FA2_UNROLL
     for (int r = 0; r < rep; r++) {
         const int h = hk * rep + r;
         const char *qb = a.q.data + h * a.q.nb[2] + b * a.q.nb[3];
-        const bool qvec = fa2_aligned(qb, a.q.nb[1]), ovec = fa2_aligned(dO, H * D * 4);
+        const int64_t es = dt == QL_TYPE_F32 ? 4 : 2, ors = (int64_t)H * D * es;  // dO's element size, row stride
+        const bool qvec = fa2_aligned(qb, a.q.nb[1]), ovec = fa2_aligned(dO, ors);
         for (int i0 = qstart; i0 < Tq; i0 += BT) {
             const int nq = min(BT, Tq - i0);
             if (a.seg) {  // documents: the same answer in every warp
@@ -3672,7 +3675,7 @@ FA2_UNROLL
             }
             __syncthreads();  // the previous query tile is no longer read
             fa2_load<T, D>(Qs, qb + (int64_t)i0 * a.q.nb[1], a.q.nb[1], nq, BT, qvec, a.q.type);
-            fa2_load<T, D>(dOs, (const char *)(dO + ((int64_t)(b * Tq + i0) * H + h) * D), H * D * 4, nq, BT, ovec);
+            fa2_load<T, D>(dOs, dO + ((int64_t)(b * Tq + i0) * H + h) * D * es, ors, nq, BT, ovec, dt);
             for (int x = threadIdx.x; x < BT; x += blockDim.x) {
                 const int64_t row = (int64_t)(b * H + h) * Tq + i0 + x;
                 Lr[x] = x < nq ? lse[row] * FA2_LOG2E : 0.0f;
@@ -3713,7 +3716,7 @@ FA2_UNROLL
 // dQ: block (16 NW queries, head, batch) over the key tiles its queries may see. dq [D, Tq, H, B]
 template <typename T, int D>
 __global__ void __launch_bounds__(fa2_back_cfg<T>::NW * 32, 1)
-    k_fa2_dq(fa_args a, const float *dO, const float *lse, const float *delta, float *dq) {
+    k_fa2_dq(fa_args a, const char *dO, int dt, const float *lse, const float *delta, float *dq) {
     if constexpr (!FA2_ARCH_OK(T)) return;
     else
     {
@@ -3729,9 +3732,10 @@ __global__ void __launch_bounds__(fa2_back_cfg<T>::NW * 32, 1)
     T *Pw = (T *)((float *)(Vs + BT * LD) + NW * 16 * SLD) + warp * 16 * PLD;
     float *Lr = (float *)((T *)((float *)(Vs + BT * LD) + NW * 16 * SLD) + NW * 16 * PLD), *Dr = Lr + RQ;
     const char *qb = a.q.data + i0 * a.q.nb[1] + h * a.q.nb[2] + b * a.q.nb[3];
-    const float *ob = dO + ((b * Tq + i0) * H + h) * D;
+    const int64_t es = dt == QL_TYPE_F32 ? 4 : 2;  // dO [D, H, Tq, B] of type dt
+    const char *ob = dO + ((b * Tq + i0) * H + h) * D * es;
     fa2_load<T, D>(Qs, qb, a.q.nb[1], nq, RQ, fa2_aligned(qb, a.q.nb[1]), a.q.type);
-    fa2_load<T, D>(dOs, (const char *)ob, H * D * 4, nq, RQ, fa2_aligned(ob, H * D * 4));
+    fa2_load<T, D>(dOs, ob, H * D * es, nq, RQ, fa2_aligned(ob, H * D * es), dt);
     for (int x = threadIdx.x; x < RQ; x += blockDim.x) {
         const int64_t row = (b * H + h) * Tq + i0 + x;
         Lr[x] = x < nq ? lse[row] * FA2_LOG2E : 0.0f;
@@ -4248,10 +4252,11 @@ template <int D, int NW> static void fa2_back_reg_launch(cu_ctx &c, ql_tensor *n
         using T = __nv_bfloat16;
         constexpr int SNW = fa2_back_cfg<T>::NW;
         const size_t ssmem = fa2_back_smem<T, D>();
-        void (*kold)(fa_args, const float *, const float *, const float *, float *, float *) = k_fa2_dkv<T, D>;
+        void (*kold)(fa_args, const char *, int, const float *, const float *, float *, float *) = k_fa2_dkv<T, D>;
         CU_CHECK(c, cudaFuncSetAttribute(kold, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ssmem));
         const dim3 gk((unsigned)((k->ne[1] + 16 * SNW - 1) / (16 * SNW)), (unsigned)k->ne[2], (unsigned)k->ne[3]);
-        QL_LAUNCH(kold, gk, SNW * 32, ssmem, c.stream, a, (const float *)node->src[5]->data, lse, delta, dk, dv);
+        QL_LAUNCH(kold, gk, SNW * 32, ssmem, c.stream, a, (const char *)node->src[5]->data, (int)node->src[5]->type, lse, delta, dk,
+                  dv);
         CU_LAUNCHED(c);
     } else {
         void (*kdkv)(fa_args, const char *, const float *, const float *, float *, float *) = k_fa2_dkv_reg<__nv_bfloat16, D, NW, BT>;
@@ -4286,17 +4291,19 @@ template <typename T, int D> static void fa2_back_launch(cu_ctx &c, ql_tensor *n
     constexpr int NW = fa2_back_cfg<T>::NW;
     const size_t smem = fa2_back_smem<T, D>();
     const fa_args a = fa_args_of(node);
-    const float *dO = (const float *)node->src[5]->data, *lse = (const float *)((const char *)fwd->data + ql_nbytes(fwd));
+    const char *dO = (const char *)node->src[5]->data;
+    const int dt = (int)node->src[5]->type;
+    const float *lse = (const float *)((const char *)fwd->data + ql_nbytes(fwd));
     float *dq = (float *)node->data, *dk = dq + ql_nelements(q), *dv = dk + ql_nelements(k);
-    void (*kdkv)(fa_args, const float *, const float *, const float *, float *, float *) = k_fa2_dkv<T, D>;
-    void (*kdq)(fa_args, const float *, const float *, const float *, float *) = k_fa2_dq<T, D>;
+    void (*kdkv)(fa_args, const char *, int, const float *, const float *, float *, float *) = k_fa2_dkv<T, D>;
+    void (*kdq)(fa_args, const char *, int, const float *, const float *, float *) = k_fa2_dq<T, D>;
     CU_CHECK(c, cudaFuncSetAttribute(kdkv, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     CU_CHECK(c, cudaFuncSetAttribute(kdq, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     const dim3 gk((unsigned)((k->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)k->ne[2], (unsigned)k->ne[3]);
-    QL_LAUNCH(kdkv, gk, NW * 32, smem, c.stream, a, dO, lse, delta, dk, dv);
+    QL_LAUNCH(kdkv, gk, NW * 32, smem, c.stream, a, dO, dt, lse, delta, dk, dv);
     CU_LAUNCHED(c);
     const dim3 gq((unsigned)((q->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)q->ne[2], (unsigned)q->ne[3]);
-    QL_LAUNCH(kdq, gq, NW * 32, smem, c.stream, a, dO, lse, delta, dq);
+    QL_LAUNCH(kdq, gq, NW * 32, smem, c.stream, a, dO, dt, lse, delta, dq);
     CU_LAUNCHED(c);
 }
 template <typename T> static void fa2_run(cu_ctx &c, ql_tensor *node, const float *delta, const char *dO16) {
@@ -4320,10 +4327,14 @@ static void cu_fa_fused(cu_ctx &c, ql_tensor *node) {
     if (node->op == QL_OP_FLASH_ATTN_BACK) {
         const ql_tensor *q = node->src[0], *v = node->src[2];
         const int64_t DV = v->ne[0], H = q->ne[2], Tq = q->ne[1], B = q->ne[3];
+        const ql_tensor *dO = node->src[5];
+        const bool copy = dO->type != ct;  // dO already in the compute type: read in place (the layout has no copy)
         delta = (float *)((char *)c.work + o[QL_CUDA_FA_DELTA]);
-        dO16 = (char *)c.work + o[QL_CUDA_FA_DO];
-        QL_LAUNCH(k_fa_delta, cu_grid(Tq * H * B), CU_BLOCK, 0, c.stream, (const float *)node->src[5]->data,
-                  (const char *)node->src[4]->data, (int)node->src[4]->type, DV, H, Tq, Tq * H * B, delta, dO16, (int)ct);
+        dO16 = copy ? (char *)c.work + o[QL_CUDA_FA_DO] : (char *)dO->data;
+        CU_ASSERT((uintptr_t)dO16 % 16 == 0);  // the register path's 16-byte tile copies
+        QL_LAUNCH(k_fa_delta, cu_grid(Tq * H * B), CU_BLOCK, 0, c.stream, (const char *)dO->data, (int)dO->type,
+                  (const char *)node->src[4]->data, (int)node->src[4]->type, DV, H, Tq, Tq * H * B, delta, copy ? dO16 : nullptr,
+                  (int)ct);
         CU_LAUNCHED(c);
     }
     if (ct == QL_TYPE_BF16) fa2_run<__nv_bfloat16>(c, node, delta, dO16);
@@ -4362,8 +4373,8 @@ static bool cu_attn_supported(const ql_tensor *node, int cc) {
     if (!ql_is_contiguous(node)) return false;
     if (node->op == QL_OP_FLASH_ATTN && (node->src[4] ? q->type != QL_TYPE_F32 : node->type != q->type)) return false;
     if (node->op == QL_OP_FLASH_ATTN_BACK) {
-        const ql_tensor *dO = node->src[5];
-        if (!ql_is_contiguous(dO) || !ql_is_contiguous(node->src[4])) return false;
+        const ql_tensor *dO = node->src[5];  // f32, or 16-bit (a 16-bit output's, autodiff rounds it)
+        if (!is_float_type_cu(dO->type) || !ql_is_contiguous(dO) || !ql_is_contiguous(node->src[4])) return false;
     }
     if (ql_cuda_fa_fused(node))  // the fused kernels: the grid's y and z; fp16 on sm_75, bf16 from sm_80
         return cc >= 75 && q->ne[2] <= 65535 && q->ne[3] <= 65535;

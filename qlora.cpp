@@ -2934,7 +2934,10 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
         }
         ql_tensor *q = a, *k = b, *v = node->src[2];
         const int64_t nq = ql_nelements(q), nk = ql_nelements(k), nv = ql_nelements(v);
-        ql_tensor *flat = flat_op(ctx, QL_OP_FLASH_ATTN_BACK, nq + nk + nv, {q, k, v, node->src[3], node, gb.dense(dy)});
+        // a 16-bit output's dO read in its type (the products round it so; delta = rowsum(dO o O)
+        // from the rounded dO): the f32 dO dies before backward's peak, which is at this node
+        ql_tensor *dO = node->type == QL_TYPE_F32 ? gb.dense(dy) : gb.cast(dy, node->type);
+        ql_tensor *flat = flat_op(ctx, QL_OP_FLASH_ATTN_BACK, nq + nk + nv, {q, k, v, node->src[3], node, dO});
         if (flat) flat->op_params[0] = node->op_params[0], flat->op_params[1] = node->op_params[1];  // scale, prec
         gb.add(q, view_as(ctx, flat, q, 0));
         gb.add(k, view_as(ctx, flat, k, nq));
@@ -5291,21 +5294,24 @@ static size_t fa_work_f32(const ql_tensor *node) {  // f32 q, k, v: the kernels'
             FA_BQ * FA_BK) * sizeof(float);
 }
 // 16-bit q, k, v: after that layout, f32 copies of a block of queries, a tile of keys and of
-// values, and one output row [FA_BQ D + FA_BK (D + DV) + DV] (fa_x16)
+// values, and one output row [FA_BQ D + FA_BK (D + DV) + DV] (fa_x16); backward's 16-bit dO: a
+// block of its rows [FA_BQ DV]
 static size_t fa_work(const ql_tensor *node) {
     if (fa_decode(node)) return std::max(fa_work_f32(node), fa_decode_work(node));
     const ql_tensor *q = node->src[0], *v = node->src[2];
     const size_t D = (size_t)q->ne[0], DV = (size_t)v->ne[0];
-    const bool x16 = q->type != QL_TYPE_F32 || node->src[1]->type != QL_TYPE_F32 || v->type != QL_TYPE_F32;  // (an f16 cache)
-    return fa_work_f32(node) + (x16 ? (FA_BQ * D + FA_BK * (D + DV) + DV) * sizeof(float) : 0);
+    const bool do16 = node->op == QL_OP_FLASH_ATTN_BACK && node->src[5]->type != QL_TYPE_F32;
+    const bool x16 = do16 || q->type != QL_TYPE_F32 || node->src[1]->type != QL_TYPE_F32 || v->type != QL_TYPE_F32;  // (an f16 cache)
+    return fa_work_f32(node) + (x16 ? (FA_BQ * D + FA_BK * (D + DV) + DV + (do16 ? FA_BQ * DV : 0)) * sizeof(float) : 0);
 }
 struct fa_x16 {  // fa_work's 16-bit part
-    float *q, *k, *v, *o;
+    float *q, *k, *v, *o, *dO;
     fa_x16(const cpu_params &p, const ql_tensor *node) {
         q = (float *)((uint8_t *)p.wdata + fa_work_f32(node));
         k = q + FA_BQ * node->src[0]->ne[0];
         v = k + FA_BK * node->src[0]->ne[0];
         o = v + FA_BK * node->src[2]->ne[0];
+        dO = o + node->src[2]->ne[0];
     }
 };
 
@@ -5498,7 +5504,15 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
         traits(fwd->type).to_float((const uint8_t *)fwd->data + at * 2, x16.o, DV);
         return (const float *)x16.o;
     };
-    auto do_row = [&](int64_t i, int64_t h, int64_t b) { return fa_row(dO, h, i, b); };  // dO is [DV, H, Tq, B]
+    // dO [DV, H, Tq, B]: rows [i0, i0 + n) of head h, f32 (16-bit: widened into x16.dO [n][DV])
+    auto do_rows = [&](int64_t i0, int64_t n, int64_t h, int64_t b, const float **rows) {
+        for (int64_t j = 0; j < n; j++) {
+            rows[j] = fa_row(dO, h, i0 + j, b);
+            if (dO->type == QL_TYPE_F32) continue;
+            traits(dO->type).to_float((const uint8_t *)rows[j], x16.dO + j * DV, DV);
+            rows[j] = x16.dO + j * DV;
+        }
+    };
     auto masked = [&](int64_t i, int64_t j, int64_t b) {
         return j > i + off || (sg && sg[b * Tk + j] != sg[b * Tk + i + off]);
     };
@@ -5519,7 +5533,11 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
             std::fill(dvb, dvb + Tk * DV, 0.0f);
             std::fill(dqb, dqb + rep * Tq * D, 0.0f);
             for (int64_t h = hk * rep; h < (hk + 1) * rep; h++)
-                for (int64_t i = 0; i < Tq; i++) DdAll[(h - hk * rep) * Tq + i] = row_dot(DV, do_row(i, h, b), o_row(i, h, b));
+                for (int64_t i = 0; i < Tq; i++) {
+                    const float *r;
+                    do_rows(i, 1, h, b, &r);
+                    DdAll[(h - hk * rep) * Tq + i] = row_dot(DV, r, o_row(i, h, b));
+                }
             for (int64_t j0 = 0; j0 < Tk; j0 += FA_BK) {  // keys outermost: dq sums over them in the order of the dq pass
                 const int64_t nk = std::min<int64_t>(FA_BK, Tk - j0);
                 const float *krows[FA_BK];
@@ -5539,8 +5557,8 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                         const float *qrows[FA_BQ], *orows[FA_BQ];
                         const float *L = lse + (b * H + h) * Tq + i0, *Dd = DdAll + (h - hk * rep) * Tq + i0;
                         fa_rows(q, i0, nq, h, b, x16.q, qrows);
+                        do_rows(i0, nq, h, b, orows);
                         for (int64_t ii = 0; ii < nq; ii++) {
-                            orows[ii] = do_row(i0 + ii, h, b);
                             if (bf) {
                                 fa_bf_row(D, qrows[ii], Qw + ii * D2);
                                 fa_bf_row(DV, orows[ii], dOw + ii * DV2);
@@ -5619,8 +5637,10 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
             float *KT = w, *VT = KT + D * FA_BK, *S = VT + DV * FA_BK, *DP = S + FA_G * FA_BK;
             float *acc = DP + FA_G * FA_BK, *Dd = acc + FA_BQ * D, *L = Dd + FA_BQ, *dummy = L + FA_BQ;
             std::fill(acc, acc + nq * D, 0.0f);
+            const float *dorows[FA_BQ];
+            do_rows(i0, nq, h, b, dorows);
             for (int64_t ii = 0; ii < nq; ii++) {
-                Dd[ii] = row_dot(DV, do_row(i0 + ii, h, b), o_row(i0 + ii, h, b));  // rowsum(dO o O)
+                Dd[ii] = row_dot(DV, dorows[ii], o_row(i0 + ii, h, b));  // rowsum(dO o O)
                 L[ii] = lse[(b * H + h) * Tq + i0 + ii];
             }
             const float *qblk[FA_BQ];
@@ -5639,7 +5659,7 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                     for (int g = 0; g < FA_G; g++) {
                         const int64_t ii = g0 + std::min(g, gq.gn - 1);
                         gq.in[g]  = qblk[ii];
-                        gdo.in[g] = do_row(i0 + ii, h, b);
+                        gdo.in[g] = dorows[ii];
                         gq.out[g] = g < gq.gn ? acc + (g0 + g) * D : dummy;
                     }
                     fa_scores<FA_G, FA_BK>(D, gq.in, KT, S);
@@ -5677,8 +5697,8 @@ static void k_flash_attn_back(const cpu_params &p, ql_tensor *dst) {
                     fa_pack_t(q, i0, nq, h, b, FA_BQ, QT);
                     const float *qrows[FA_BQ], *orows[FA_BQ];
                     fa_rows(q, i0, nq, h, b, x16.q, qrows);
+                    do_rows(i0, nq, h, b, orows);
                     for (int64_t ii = 0; ii < nq; ii++) {  // dO^T, and per query L and D
-                        orows[ii] = do_row(i0 + ii, h, b);
                         for (int64_t c = 0; c < DV; c++) OT[c * FA_BQ + ii] = orows[ii][c];
                         L[ii] = lse[(b * H + h) * Tq + i0 + ii];
                         Dd[ii] = row_dot(DV, orows[ii], o_row(i0 + ii, h, b));
@@ -8427,13 +8447,15 @@ size_t ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NB
     const size_t es = ql_plain_size(ct);
     const int64_t D = q->ne[0], Tq = q->ne[1], H = q->ne[2], B = q->ne[3], Tk = k->ne[1], Hkv = k->ne[2], DV = v->ne[0];
     const bool back = node->op == QL_OP_FLASH_ATTN_BACK;
-    if (fused) {  // the fused kernels read q, k, v in place; the backward's delta [Tq, H, B] and dO in the compute type [DV, H, Tq, B]
+    if (fused) {  // the fused kernels read q, k, v in place; the backward's delta [Tq, H, B] and dO in the compute type
+                  // [DV, H, Tq, B] (none where dO is in it already: read in place)
         for (int i = 0; off && i < QL_CUDA_FA_NBUF; i++) off[i] = 0;
         const size_t nd = align_up((size_t)(Tq * H * B) * sizeof(float), QL_ALIGN);
         if (off) off[QL_CUDA_FA_DO] = nd;
         if (chunk) *chunk = 0;
         if (compute) *compute = ct;
-        return back ? nd + align_up((size_t)(DV * Tq * H * B) * es, QL_ALIGN) : 0;
+        const bool copy = back && node->src[5]->type != ct;
+        return back ? nd + (copy ? align_up((size_t)(DV * Tq * H * B) * es, QL_ALIGN) : 0) : 0;
     }
     // the chunk: a power of two in [16, 256] whose scores fit QL_CUDA_FA_SCORE_BYTES (QLORA_CUDA_FA_SCORE_MB:
     // another budget, for measuring), or all of Tq

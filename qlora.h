@@ -466,8 +466,8 @@ ql_tensor *ql_swiglu(ql_context *ctx, ql_tensor *a, ql_tensor *b);
 //   q [d, Tq, H, B], k [d, Tk, Hkv, B], v [dv, Tk, Hkv, B] of one type, f32 or 16-bit (bf16, f16:
 //   a 16-bit compute type's q, k, v, widened as they are read), any strides with dense rows
 //   -> [dv, H, Tq, B] in that type (16-bit: each f32 result rounded once on store; what backward
-//   keeps of attention is then 16-bit; the logsumexp and the gradients stay f32); reshapes to
-//   [dv*H, Tq, B] directly
+//   keeps of attention is then 16-bit, and backward reads the output's gradient rounded to that
+//   type too; the logsumexp and the gradients of q, k, v stay f32); reshapes to [dv*H, Tq, B] directly
 // H % Hkv == 0 (query head h reads kv head h / (H/Hkv)). Query i may attend key j when
 // j <= i + (Tk - Tq) (so a KV cache works) and, if seg (I32 [Tk, B], Tq == Tk) is given,
 // seg[i] == seg[j]: packed documents never see each other.
@@ -1420,7 +1420,8 @@ size_t  ql_cuda_work_size(const ql_tensor *node, int cc);  // per-node workspace
 // scores of every head [keys, chunk] in f32 (QL_CUDA_FA_SCORE_BYTES at most, for 16 queries at
 // least), q, k, v (backward: dO too) packed in the compute type (bf16 when prec asks and cc >= 80,
 // else f32), the probabilities (and dS) beside them in bf16 or over the scores in f32. The byte
-// offsets of those buffers in the node's workspace, in this order (the fused kernels: delta only):
+// offsets of those buffers in the node's workspace, in this order (the fused kernels: delta, and
+// dO in the compute type unless it is in that type already):
 #define QL_CUDA_FA_SCORE_BYTES ((size_t)32 << 20)
 enum { QL_CUDA_FA_DELTA, QL_CUDA_FA_K, QL_CUDA_FA_V, QL_CUDA_FA_Q, QL_CUDA_FA_DO, QL_CUDA_FA_S, QL_CUDA_FA_DP, QL_CUDA_FA_P,
        QL_CUDA_FA_DS, QL_CUDA_FA_OUT, QL_CUDA_FA_NBUF };

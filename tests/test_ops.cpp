@@ -1345,6 +1345,58 @@ TEST_CASE("flash_attn in bf16 (ql_flash_attn_set_prec): near the f32 result, rou
     }
 }
 
+TEST_CASE("flash_attn backward with a 16-bit output: dO read in its type, both passes the same bits, near f32's") {
+    // 16-bit q, k, v (a 16-bit compute type's): autodiff hands backward dO rounded to the output's
+    // type. Both CPU paths (B * Hkv = 2 items: the fused pass at 1 and 2 threads, the two passes at
+    // 3 and 4) widen it alike: the same bits; within the type's rounding of the f32 attention's
+    // gradients on the same (rounded) inputs. Several query blocks and key tiles, GQA, documents.
+    struct C { int64_t d, dv, H, Hkv, Tq, Tk, B; bool seg; };
+    for (ql_type t : {QL_TYPE_BF16, QL_TYPE_F16})
+        for (const C c : {C{16, 16, 4, 1, 150, 150, 2, true}, C{24, 20, 4, 2, 70, 135, 1, false}, C{64, 64, 6, 2, 200, 200, 1, false}}) {
+            std::vector<int32_t> seg;
+            for (int64_t b = 0; b < c.B; ++b)
+                for (int64_t j = 0; j < c.Tk; ++j) seg.push_back((int32_t)(b * 100 + j / 37));
+            Vec f32[3], first[3];
+            for (int run = 0; run < 5; run++) {  // f32 at 1 thread, then 16-bit at 1 .. 4
+                const int nt = run == 0 ? 1 : run;
+                INFO(std::string(ql_type_name(t)) << " d " << c.d << " H " << c.H << " Hkv " << c.Hkv << " Tq " << c.Tq << " Tk " << c.Tk
+                                     << (run ? ", 16-bit, " : ", f32, ") << nt << " threads");
+                Harness h;
+                ql_tensor *q = h.input(QL_TYPE_F32, {c.d, c.Tq, c.H, c.B}, true, -2, 2);
+                ql_tensor *k = h.input(QL_TYPE_F32, {c.d, c.Tk, c.Hkv, c.B}, true, -2, 2);
+                ql_tensor *v = h.input(QL_TYPE_F32, {c.dv, c.Tk, c.Hkv, c.B}, true);
+                auto in = [&](ql_tensor *x) {  // the same rounded values either way; f32 reads them widened
+                    ql_tensor *r = ql_cast(h.ctx, x, t);
+                    return run ? r : ql_cast(h.ctx, r, QL_TYPE_F32);
+                };
+                ql_tensor *a = ql_flash_attn(h.ctx, in(q), in(k), in(v), c.seg ? h.ints({c.Tk, c.B, 1, 1}, seg) : nullptr, 0.3f);
+                REQUIRE(a != nullptr);
+                h.run(run ? ql_cast(h.ctx, a, QL_TYPE_F32) : a, nt);
+                int n_back = 0;
+                for (int i = 0; i < ql_graph_n_nodes(h.gb); i++) {
+                    const ql_tensor *n = ql_graph_node(h.gb, i);
+                    if (n->op != QL_OP_FLASH_ATTN_BACK) continue;
+                    n_back++;
+                    CHECK(n->src[5]->type == (run ? t : QL_TYPE_F32));  // f32 attention: dO as it was
+                }
+                CHECK(n_back == 1);
+                const Vec got[3] = {h.grad(0), h.grad(1), h.grad(2)};
+                for (int i = 0; i < 3; i++) {
+                    if (run == 0) {
+                        f32[i] = got[i];
+                        continue;
+                    }
+                    const double e = fwd_err(got[i], f32[i]);
+                    if (verbose()) MESSAGE(std::string(ql_type_name(t)) << " attention, grad " << i << ": " << e << " from f32");
+                    CHECK_MESSAGE(e <= (t == QL_TYPE_BF16 ? 1e-2 : 2e-3), "grad " << i << ": " << e << " from f32's");
+                    CHECK_MESSAGE(e > 1e-6, "grad " << i << ": dO not rounded? " << e);
+                    if (run == 1) first[i] = got[i];
+                    else CHECK_MESSAGE(got[i] == first[i], "grad " << i << " differs from 1 thread's");
+                }
+            }
+        }
+}
+
 // =============================================================================================
 // cross_entropy
 // =============================================================================================
