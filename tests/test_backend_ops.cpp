@@ -1207,7 +1207,7 @@ OP_CASE(flash_attn_fused) {
         // probe finds them) if the shim scrambled them above, else the scramble (the shared-memory path)
         const int was = qlshim_set_wmma_sm80(1);
         qlshim_set_wmma_sm80(!was);
-        INFO("WMMA fragments " << (was ? "scrambled: the shared-memory path" : "in sm_80's layout: the register path"));
+        INFO("WMMA fragments " << std::string(was ? "scrambled: the shared-memory path" : "in sm_80's layout: the register path"));
         ql_backend *other = make_backend("cuda");
         CHECK(ql_cuda_fa2_register_path(other) == !was);  // the probe found what the shim does
         fused_attn_cases(other);

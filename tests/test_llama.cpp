@@ -751,7 +751,7 @@ TEST_CASE("llama: adapter dropout inside A's multiply gives the copies' loss and
     for (ql_type ct : {QL_TYPE_F32, QL_TYPE_BF16, QL_TYPE_F16})
         for (int64_t chunk : {(int64_t)0, (int64_t)10})
             for (bool recompute : {false, true}) {
-                INFO(std::string(ql_type_name(ct)) << ", FFN chunk " << chunk << (recompute ? ", every segment recomputed" : ""));
+                INFO(std::string(ql_type_name(ct)) << ", FFN chunk " << chunk << std::string(recompute ? ", every segment recomputed" : ""));
                 const result copies = run(false, ct, chunk, recompute), fused = run(true, ct, chunk, recompute);
                 CHECK(fused.loss == copies.loss);
                 REQUIRE(fused.grads.size() == copies.grads.size());

@@ -1322,7 +1322,7 @@ TEST_CASE("flash_attn in bf16 (ql_flash_attn_set_prec): near the f32 result, rou
         Vec f32[4], first[4];
         for (int run = 0; run < 4; run++) {  // f32 at 1 thread, then bf16 at 1, 2 and 3
             const int nt = run == 0 ? 1 : run;
-            INFO("d " << c.d << " dv " << c.dv << " Tq " << c.Tq << " Tk " << c.Tk << (run ? " bf16, " : " f32, ") << nt << " threads");
+            INFO("d " << c.d << " dv " << c.dv << " Tq " << c.Tq << " Tk " << c.Tk << std::string(run ? " bf16, " : " f32, ") << nt << " threads");
             Harness h;
             ql_tensor *q = h.input(QL_TYPE_F32, {c.d, c.Tq, c.H, c.B}, true, -2, 2);
             ql_tensor *k = h.input(QL_TYPE_F32, {c.d, c.Tk, c.Hkv, c.B}, true, -2, 2);
