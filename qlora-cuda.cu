@@ -1581,11 +1581,11 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node);
 static void cu_op_dropout(cu_ctx &c, ql_tensor *node);
 template <typename T> static T cu_param(const ql_tensor *t, int slot);
 // y = c + dropout(y) over the product y (the result of mul_mat_dropout's dx, where k_mm_thin does not take it)
-__global__ void k_drop_acc(float *y, const float *cin, const int32_t *seed, uint32_t stream, uint32_t threshold, float keep_scale,
-                           int64_t first, int64_t n) {
+__global__ void k_drop_acc(float *y, const float *prod, const float *cin, const int32_t *seed, uint32_t stream, uint32_t threshold,
+                           float keep_scale, int64_t first, int64_t n) {
     const uint64_t key = ql_dropout_key(seed[0], stream);
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-        const float v = ql_dropout_hash(key, (uint64_t)(first + i)) >= threshold ? y[i] * keep_scale : 0.0f;
+        const float v = ql_dropout_hash(key, (uint64_t)(first + i)) >= threshold ? prod[i] * keep_scale : 0.0f;
         y[i] = cin ? cin[i] + v : v;
     }
 }
@@ -1608,13 +1608,21 @@ static void cu_op_mul_mat_dropout(cu_ctx &c, ql_tensor *node) {
             CU_LAUNCHED(c);
             return;
         }
+        // the product at the workspace's start (the rest its own): the result may be c's storage
+        // (in place, the plan's), which k_drop_acc reads element by element as it writes
         ql_tensor mm, d;
         ql_mul_mat_dropout_product(node, &mm, &d, nullptr);
-        cu_op_mul_mat(c, &mm);
-        if (c.failed) return;
         const int64_t n = ql_nelements(node);
-        QL_LAUNCH(k_drop_acc, cu_grid(n), CU_BLOCK, 0, c.stream, (float *)node->data, acc ? (const float *)acc->data : nullptr, seed, stream,
-                  thr, 1.0f / (1.0f - pr), row0 * node->ne[0], n);
+        const size_t np = ((size_t)n * sizeof(float) + QL_ALIGN - 1) / QL_ALIGN * QL_ALIGN;  // (qlora.cpp's rule)
+        CU_ASSERT(ql_cuda_work_size(node, 0) <= c.work_size);
+        float *prod = (float *)c.work;
+        mm.data = prod;
+        c.work += np, c.work_size -= np;
+        cu_op_mul_mat(c, &mm);
+        c.work -= np, c.work_size += np;
+        if (c.failed) return;
+        QL_LAUNCH(k_drop_acc, cu_grid(n), CU_BLOCK, 0, c.stream, (float *)node->data, (const float *)prod,
+                  acc ? (const float *)acc->data : nullptr, seed, stream, thr, 1.0f / (1.0f - pr), row0 * node->ne[0], n);
         CU_LAUNCHED(c);
         return;
     }

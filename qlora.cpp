@@ -3566,6 +3566,8 @@ static int inplace_src(const ql_tensor *node) {
         return 1;  // over dy
     case QL_OP_MUL_MAT:  // ql_mul_mat_acc: each element of c is read by the tile that then writes it
         return node->src[2] ? 2 : -1;
+    case QL_OP_MUL_MAT_DROPOUT:  // mul_mat_dropped onto c: the same (the CPU's staged sub-tiles, k_mm_thin; else the product apart)
+        return get_param<int32_t>(node, 4) == 2 && node->src[3] ? 3 : -1;
     default:
         return -1;
     }
@@ -7016,6 +7018,14 @@ struct mm_problem {
     bool q8;                // the 8-bit activations' path (mm_q8) takes it
     ql_type ct = QL_TYPE_F32;         // the result's type; a 16-bit one is made through mm_stage (c: its bytes)
     const uint8_t *ci16 = nullptr;    // ql_mul_mat_acc's 16-bit c, else NULL
+    // mul_mat_dropped's epilogue (an f32 result made through mm_stage): each sum dropped out by
+    // its index ((row0 + i) ldc + j: the whole result's mask) before ci is added - so c may be ci
+    // itself (in place): a sub-tile's elements of ci are read just before the same ones are stored
+    bool drop = false;
+    uint64_t drop_key = 0;
+    uint32_t drop_thr = 0;
+    float drop_scale = 1.0f;
+    int64_t drop_row0 = 0;
 };
 
 // A 16-bit result is made a sub-tile at a time in f32 in the thread's staging block (after the
@@ -7096,12 +7106,12 @@ static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
             else
                 mm_packed(w, x, c, cin, ldc, P.K, i0, i1, j0, j1, work, L);
         };
-        if (P.ct == QL_TYPE_F32) {
+        if (P.ct == QL_TYPE_F32 && !P.drop) {
             float *c = (float *)((uint8_t *)P.c + i2 * P.cb2 + i3 * P.cb3);
             run(c, P.ci ? (const float *)((const uint8_t *)P.ci + i2 * P.cb2 + i3 * P.cb3) : nullptr, P.ldc, ib, ie, jb, je);
             continue;
         }
-        const ql_type_traits &tt = traits(P.ct);
+        const ql_type_traits &tt = traits(P.ct);  // (P.drop: f32)
         uint8_t *c16 = (uint8_t *)P.c + i2 * P.cb2 + i3 * P.cb3;
         const uint8_t *ci16 = P.ci16 ? P.ci16 + i2 * P.cb2 + i3 * P.cb3 : nullptr;
         float *st = work + L.total;
@@ -7111,6 +7121,17 @@ static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
                 const int64_t i1 = std::min(ie, i0 + rs), j1 = std::min(je, j0 + MM_NC), n = j1 - j0;
                 float *crow = st + (i1 - i0) * n;
                 run(st - (i0 * n + j0), nullptr, n, i0, i1, j0, j1);  // C's (i, j) at st[(i - i0) n + j - j0]
+                if (P.drop) {  // one batch (mul_mat_dropped's b is 2-D)
+                    for (int64_t i = i0; i < i1; i++) {
+                        float *s = st + (i - i0) * n, *c = P.c + i * P.ldc + j0;
+                        dropout_row(n, s, s, P.drop_key, (uint64_t)((P.drop_row0 + i) * P.ldc + j0), P.drop_thr, P.drop_scale);
+                        if (P.ci)
+                            for (int64_t j = 0; j < n; j++) c[j] = P.ci[i * P.ldc + j0 + j] + s[j];  // ql_add's order: the sum so far + this
+                        else
+                            memcpy(c, s, (size_t)n * sizeof(float));
+                    }
+                    continue;
+                }
                 for (int64_t i = i0; i < i1; i++) {
                     float *s = st + (i - i0) * n;
                     const size_t o = (size_t)(i * P.ldc + j0) * tt.type_size;
@@ -7211,29 +7232,32 @@ static size_t mmd_d_bytes(const ql_tensor *node, const ql_tensor &d) {  // (the 
     return slot == 2 ? 0 : align_up((size_t)ql_nelements(node->src[slot]) * ql_plain_size(d.type), QL_ALIGN);
 }
 static size_t cpu_work_per_thread(const ql_tensor *node, int nth);
+// mul_mat_dropped's (slot 2) multiply: mm's, with the dropout and c in its epilogue
+static mm_problem mmd_problem(const ql_tensor *node, const ql_tensor &mm) {
+    mm_problem P = mm_problem_of(&mm);
+    const float pr = get_param<float>(node, 0);
+    P.drop = true;
+    P.drop_key = ql_dropout_key(((const int32_t *)node->src[2]->data)[0], get_param<uint32_t>(node, 1));
+    P.drop_thr = ql_dropout_threshold(pr);
+    P.drop_scale = 1.0f / (1.0f - pr);
+    P.drop_row0 = get_param<int64_t>(node, 2);
+    P.ci = node->src[3] ? (const float *)node->src[3]->data : nullptr;
+    return P;
+}
 static size_t mmd_thread_work(const ql_tensor *node, const ql_tensor &mm, int nth) {
     const int slot = get_param<int32_t>(node, 4);
+    if (slot == 2) {  // the product's workspace, then its staging block (mm_run_tasks)
+        const mm_problem P = mm_problem_of(&mm);
+        return align_up((mm_layout_of(P.M, P.N, P.K).total + mm_stage_floats(P, nth)) * sizeof(float), QL_ALIGN);
+    }
     const size_t rows = slot == 2 ? 0 : 2 * (size_t)node->src[slot]->ne[0] * sizeof(float);  // k_dropout's
     return align_up(std::max(cpu_work_per_thread(&mm, nth), rows), QL_ALIGN);
 }
 static void k_mul_mat_dropout(const cpu_params &p, ql_tensor *dst) {
-    if (get_param<int32_t>(dst, 4) == 2) {  // the product into the result, then its rows dropped (in place) and c added
+    if (get_param<int32_t>(dst, 4) == 2) {  // the product a sub-tile at a time, each sum dropped and c added as it is stored
         ql_tensor mm, d;
         ql_mul_mat_dropout_product(dst, &mm, &d, nullptr);
-        if (p.pass == 0) return k_mul_mat(p, &mm);
-        const float pr = get_param<float>(dst, 0);
-        const uint64_t key = ql_dropout_key(((const int32_t *)dst->src[2]->data)[0], get_param<uint32_t>(dst, 1));
-        const int64_t ne0 = dst->ne[0], row0 = get_param<int64_t>(dst, 2);
-        const float *c = dst->src[3] ? (const float *)dst->src[3]->data : nullptr;
-        int64_t b, e;
-        split_range(ql_nrows(dst), p.ith, p.nth, b, e);
-        for (int64_t r = b; r < e; r++) {
-            float *y = (float *)dst->data + r * ne0;
-            dropout_row(ne0, y, y, key, (uint64_t)((r + row0) * ne0), ql_dropout_threshold(pr), 1.0f / (1.0f - pr));
-            if (c)
-                for (int64_t i = 0; i < ne0; i++) y[i] = c[r * ne0 + i] + y[i];  // ql_add's order: the sum so far + this
-        }
-        return;
+        return mm_run_tasks(mmd_problem(dst, mm), p.ith, p.nth, (float *)p.wdata);
     }
     const ql_tensor *x = dst->src[get_param<int32_t>(dst, 4)];
     uint8_t *base = p.job->g->work;
@@ -7269,8 +7293,8 @@ static int cpu_n_passes(const ql_tensor *node) {
     switch (node->op) {
     case QL_OP_GET_ROWS_BACK: case QL_OP_VIEW_BACK: case QL_OP_CROSS_ENTROPY:
         return 2;  // zero (or per-row) first, then combine
-    case QL_OP_MUL_MAT_DROPOUT:
-        return 2;  // the dropped operand, then the product
+    case QL_OP_MUL_MAT_DROPOUT:  // the dropped operand, then the product (the result dropped: the product alone)
+        return get_param<int32_t>(node, 4) == 2 ? 1 : 2;
     default:
         return 1;
     }
@@ -7307,7 +7331,7 @@ static size_t cpu_work_per_thread(const ql_tensor *node, int nth) {
     case QL_OP_MUL_MAT_DROPOUT: {  // D shared by the threads (a share each), then each thread's own (k_mul_mat_dropout)
         ql_tensor mm, d;
         ql_mul_mat_dropout_product(node, &mm, &d, nullptr);
-        if (get_param<int32_t>(node, 4) == 2) return cpu_work_per_thread(&mm, nth);  // the product's (into the result)
+        if (get_param<int32_t>(node, 4) == 2) return mmd_thread_work(node, mm, nth);  // the product's, with its staging block
         return mmd_thread_work(node, mm, nth) + align_up((mmd_d_bytes(node, d) + (size_t)nth - 1) / (size_t)nth, QL_ALIGN);
     }
     default:              return 0;
@@ -8502,7 +8526,8 @@ size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
         }
         ql_tensor mm, d;
         ql_mul_mat_dropout_product(node, &mm, &d, nullptr);
-        if (slot == 2) return ql_cuda_work_size(&mm, cc);  // (the product into the result)
+        if (slot == 2)  // the product, then its own workspace: k_drop_acc reads it and c (c may be the result's storage)
+            return align_up((size_t)ql_nelements(node) * sizeof(float), QL_ALIGN) + ql_cuda_work_size(&mm, cc);
         return align_up((size_t)ql_nelements(node->src[slot]) * ql_plain_size(d.type), QL_ALIGN) + ql_cuda_work_size(&mm, cc);
     }
     case QL_OP_MUL_MAT: {  // b's contiguous copy (when cuBLAS cannot read it), then a's tile buffers: tiles of

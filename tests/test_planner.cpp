@@ -293,3 +293,61 @@ TEST_CASE("planner: an add (or product) writes over its second source when the f
         ql_free(ctx);
     }
 }
+
+TEST_CASE("planner: mul_mat_dropout's dx adds onto the gradient so far over its bytes; the bits stay") {
+    // x read by two LoRA A multiplies with their dropout inside (ql_mul_mat_dropout): backward's
+    // second dx = c + dropout(Aᵀ dc) lands on the first's, which dies there - the result takes c's
+    // block, so the kernel must read each element of c before it stores that element
+    for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16}) {
+        CAPTURE(ql_type_name(t));
+        ql_init_params ip{8u << 20, nullptr, false, false};
+        ql_context *ctx = ql_init(ip);
+        const int64_t K = 96, N = 40, R = 8;
+        ql_tensor *seed = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1));
+        *(int32_t *)seed->data = 8;
+        auto param = [&](int64_t a, int64_t b, int salt) {
+            ql_tensor *p = ql_set_param(ql_new_tensor_2d(ctx, QL_TYPE_F32, a, b));
+            for (int64_t i = 0; i < a * b; i++) ((float *)p->data)[i] = 0.02f * (float)((i * 7 + salt) % 41) - 0.4f;
+            return p;
+        };
+        ql_tensor *x = param(K, N, 1), *a1 = param(K, R, 2), *a2 = param(K, R, 3);
+        ql_tensor *y = ql_add(ctx, ql_mul_mat_dropout(ctx, a1, x, 0.3f, seed, 1, t, 0), ql_mul_mat_dropout(ctx, a2, x, 0.3f, seed, 2, t, 0));
+        ql_tensor *loss = ql_sum(ctx, ql_mul(ctx, y, y));
+        ql_graph *gf = ql_graph_new(ctx);
+        REQUIRE(ql_graph_build_forward(gf, loss) == QL_OK);
+        ql_graph *gb = ql_graph_backward(ctx, gf, loss);
+        REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
+        ql_backend *be = ql_backend_cpu_init(2);
+        REQUIRE(ql_graph_plan(gb, be, nullptr) == QL_OK);
+        const ql_plan_entry *pe = nullptr;
+        const int n = ql_graph_plan_entries(gb, &pe);
+        int onto = 0, inplace = 0;
+        for (int i = 0; i < n; i++) {
+            const ql_tensor *e = pe[i].tensor;
+            if (e->op != QL_OP_MUL_MAT_DROPOUT || !e->src[3]) continue;
+            onto++;
+            inplace += pe[i].inplace;
+            if (pe[i].inplace) CHECK(pe[i].offset == [&] { for (int j = 0; j < n; j++) if (pe[j].tensor == e->src[3]) return pe[j].offset; return (size_t)1; }());
+        }
+        CHECK(onto == 1);
+        CHECK(inplace == 1);
+        REQUIRE(ql_graph_alloc(gb, be) == QL_OK);
+        ql_graph_set_poison(gb, true);
+        ql_graph_zero_grads(gb);
+        REQUIRE_MESSAGE(ql_backend_graph_compute(be, gb) == QL_OK, ql_ctx_error(ctx));
+        const std::vector<float> got((const float *)x->grad->data, (const float *)x->grad->data + K * N);
+        ql_graph_set_no_reuse(gb, true);  // every result its own bytes
+        REQUIRE(ql_graph_plan(gb, be, nullptr) == QL_OK);
+        REQUIRE(ql_graph_alloc(gb, be) == QL_OK);
+        ql_graph_zero_grads(gb);
+        REQUIRE_MESSAGE(ql_backend_graph_compute(be, gb) == QL_OK, ql_ctx_error(ctx));
+        CHECK(memcmp(got.data(), x->grad->data, got.size() * sizeof(float)) == 0);
+        double norm = 0;
+        for (float v : got) norm += (double)v * v;
+        CHECK(norm > 1e-3);  // a gradient that is there
+        ql_graph_free(gb);
+        ql_graph_free(gf);
+        ql_backend_free(be);
+        ql_free(ctx);
+    }
+}
