@@ -135,13 +135,15 @@ static void pre_norm(ql_context *ctx, const ql_llama *m, ql_tensor *x, ql_tensor
 
 // y = W x (+ LoRA), xc: x in the compute type (compute_input); x may be rows [row0, ...) of a
 // whole (the FFN in chunks): its dropout draws the whole's mask. out: y's type - F32, or the
-// compute type where only 16-bit ops read y (W x, then W x + B(.), each rounded once on store)
+// compute type where only 16-bit ops read y (W x, then W x + B(.), each rounded once on store).
+// onto (f32, y's shape, contiguous): y = onto + W x (+ LoRA), the product adding onto it as it
+// writes (ql_mul_mat_acc; over onto's storage where onto dies there) - the residual's add
 static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x, ql_tensor *xc, int64_t row0 = 0,
-                           ql_type out = QL_TYPE_F32, ql_type ct = QL_TYPE_COUNT) {
+                           ql_type out = QL_TYPE_F32, ql_type ct = QL_TYPE_COUNT, ql_tensor *onto = nullptr) {
     // a 16-bit compute type: the multiplies' inputs in it (what backward keeps is then 16-bit too);
     // ct: this linear's own (f32 for the guarded down projection), else the model's
     if (ct == QL_TYPE_COUNT) ct = m->compute;
-    ql_tensor *y = ql_mul_mat_to(ctx, w, xc, out);
+    ql_tensor *y = onto ? ql_mul_mat_acc(ctx, w, xc, onto) : ql_mul_mat_to(ctx, w, xc, out);
     if (y && m->q8_activations) ql_mul_mat_set_prec(y, QL_TYPE_Q8_0);
     auto it = m->lora.find(w);
     if (it == m->lora.end()) return y;
@@ -203,7 +205,14 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     }
     if (a && m->compute == QL_TYPE_BF16 && m->attn_bf16) ql_flash_attn_set_prec(a, QL_TYPE_BF16);
     a = ql_reshape_3d(ctx, a, d * hp.n_head, T, B);  // in q's type: a 16-bit a is the o projection's input as it is
-    x = ql_add(ctx, x, ql_llama_linear(ctx, m, L.wo, a));
+    // the residual: the o projection adds onto x as it writes - no [E, T] product and add pass;
+    // in backward's recompute x (a checkpoint brought back, read again later from its own copy)
+    // dies here, so x + o(a) takes over its bytes. Not with a cache: decode's products
+    // (ql_cuda_mm_gemv) write their result alone
+    if (!cache && x->type == QL_TYPE_F32 && ql_is_contiguous(x))
+        x = linear_c(ctx, m, L.wo, a, compute_input(ctx, m, L.wo, a), 0, QL_TYPE_F32, QL_TYPE_COUNT, x);
+    else
+        x = ql_add(ctx, x, ql_llama_linear(ctx, m, L.wo, a));
 
     // feed-forward: pre-norm, SwiGLU, residual
     // gate, up and SwiGLU's result in the compute type: 16-bit ops read them (SwiGLU; the down

@@ -182,7 +182,7 @@ TEST_CASE("recompute: offloaded checkpoints read through row views die at their 
         REQUIRE_MESSAGE(ql_graph_recompute(gb, input.data(), n, nullptr) == QL_OK, ql_ctx_error(ctx));
         std::vector<ql_tensor *> off;
         for (ql_tensor *t : in)
-            if (t->op == QL_OP_ADD) off.push_back(t);  // the FFN halves' inputs (x + attention)
+            if (t->op == QL_OP_MUL_MAT && t->src[2]) off.push_back(t);  // the FFN halves' inputs (x + attention: the o projection onto x)
         CHECK(off.size() == 2);
         if (offload) REQUIRE_MESSAGE(ql_graph_offload(gb, off.data(), (int)off.size()) == QL_OK, ql_ctx_error(ctx));
         ql_backend *be = ql_backend_cpu_init(1);
