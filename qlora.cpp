@@ -7121,12 +7121,15 @@ static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
                 const int64_t i1 = std::min(ie, i0 + rs), j1 = std::min(je, j0 + MM_NC), n = j1 - j0;
                 float *crow = st + (i1 - i0) * n;
                 run(st - (i0 * n + j0), nullptr, n, i0, i1, j0, j1);  // C's (i, j) at st[(i - i0) n + j - j0]
-                if (P.drop) {  // one batch (mul_mat_dropped's b is 2-D)
+                if (P.drop) {  // the result's row bt N + i (contiguous: batches follow each other)
+                    float *cb = (float *)c16;
+                    const float *cib = P.ci ? (const float *)((const uint8_t *)P.ci + i2 * P.cb2 + i3 * P.cb3) : nullptr;
                     for (int64_t i = i0; i < i1; i++) {
-                        float *s = st + (i - i0) * n, *c = P.c + i * P.ldc + j0;
-                        dropout_row(n, s, s, P.drop_key, (uint64_t)((P.drop_row0 + i) * P.ldc + j0), P.drop_thr, P.drop_scale);
-                        if (P.ci)
-                            for (int64_t j = 0; j < n; j++) c[j] = P.ci[i * P.ldc + j0 + j] + s[j];  // ql_add's order: the sum so far + this
+                        float *s = st + (i - i0) * n, *c = cb + i * P.ldc + j0;
+                        const int64_t row = P.drop_row0 + bt * P.N + i;
+                        dropout_row(n, s, s, P.drop_key, (uint64_t)(row * P.ldc + j0), P.drop_thr, P.drop_scale);
+                        if (cib)
+                            for (int64_t j = 0; j < n; j++) c[j] = cib[i * P.ldc + j0 + j] + s[j];  // ql_add's order: the sum so far + this
                         else
                             memcpy(c, s, (size_t)n * sizeof(float));
                     }
