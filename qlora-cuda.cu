@@ -1580,7 +1580,7 @@ __global__ void k_mm_drop_sum(const float *P, float *C, int splits, int64_t n) {
 static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node);
 static void cu_op_dropout(cu_ctx &c, ql_tensor *node);
 template <typename T> static T cu_param(const ql_tensor *t, int slot);
-// y = c + dropout(y) over the product y (the result of mul_mat_dropout's dx, where k_mm_thin does not take it)
+// y = c + dropout(prod) over the product prod (mul_mat_dropout's dx, where k_mm_thin does not take it); y may be c
 __global__ void k_drop_acc(float *y, const float *prod, const float *cin, const int32_t *seed, uint32_t stream, uint32_t threshold,
                            float keep_scale, int64_t first, int64_t n) {
     const uint64_t key = ql_dropout_key(seed[0], stream);

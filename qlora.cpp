@@ -7253,7 +7253,7 @@ static size_t mmd_thread_work(const ql_tensor *node, const ql_tensor &mm, int nt
         const mm_problem P = mm_problem_of(&mm);
         return align_up((mm_layout_of(P.M, P.N, P.K).total + mm_stage_floats(P, nth)) * sizeof(float), QL_ALIGN);
     }
-    const size_t rows = slot == 2 ? 0 : 2 * (size_t)node->src[slot]->ne[0] * sizeof(float);  // k_dropout's
+    const size_t rows = 2 * (size_t)node->src[slot]->ne[0] * sizeof(float);  // k_dropout's
     return align_up(std::max(cpu_work_per_thread(&mm, nth), rows), QL_ALIGN);
 }
 static void k_mul_mat_dropout(const cpu_params &p, ql_tensor *dst) {
@@ -7334,7 +7334,6 @@ static size_t cpu_work_per_thread(const ql_tensor *node, int nth) {
     case QL_OP_MUL_MAT_DROPOUT: {  // D shared by the threads (a share each), then each thread's own (k_mul_mat_dropout)
         ql_tensor mm, d;
         ql_mul_mat_dropout_product(node, &mm, &d, nullptr);
-        if (get_param<int32_t>(node, 4) == 2) return mmd_thread_work(node, mm, nth);  // the product's, with its staging block
         return mmd_thread_work(node, mm, nth) + align_up((mmd_d_bytes(node, d) + (size_t)nth - 1) / (size_t)nth, QL_ALIGN);
     }
     default:              return 0;
