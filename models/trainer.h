@@ -171,7 +171,9 @@ struct ql_train_options {
 // Where the memory of a run goes, all known before step one (bytes).
 struct ql_memory_plan {
     std::vector<std::pair<std::string, size_t>> weights_by_type;  // type name -> bytes read
-    size_t weights = 0;         // pages of the base model a run reads (embedding: rows the data uses)
+    size_t weights = 0;         // pages of the base model a run reads (embedding: rows the data uses),
+                                // less those already in the process's memory when planned
+    size_t weights_resident = 0;  // those: counted in the process's RSS before training, not again here
     size_t weights_file = 0;    // the model's tensor bytes in the file
     size_t lora = 0, grads = 0, optimizer = 0;
     bool   optimizer_host = false;  // paged optimizers: the state is host memory
@@ -185,7 +187,7 @@ struct ql_memory_plan {
     size_t scratch = 0;         // the rest of the planned buffer (temporaries, recomputed results)
     size_t work = 0;            // kernel workspace (matmul packing, attention tiles)
     size_t dist = 0;            // data parallel (world > 1): the gradients packed in host memory for the all-reduce
-    size_t reserve = 0;         // for what no plan sees (heap bookkeeping, code pages): 1 MiB + 0.5%
+    size_t reserve = 0;         // for what no plan sees (heap bookkeeping, code pages): 0.75 MiB + 0.5%
     size_t total = 0;           // weights + arena + planned buffer + reserve: what the trainer adds to the process
     size_t host = 0;            // of it host memory (the process's RSS grows by this): total, or a device run's host part
     std::string checkpointing;  // the policy; with auto, what it chose ("auto: 6 of 24 segments recomputed")

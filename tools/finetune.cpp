@@ -404,7 +404,7 @@ static void print_memory(const ql_memory_plan &m, const std::string &optim, size
     const double MiB = 1048576.0;
     const size_t total = process + m.total;
     if (json) {
-        printf("{\"weights\": {\"read\": %zu, \"file\": %zu, \"by_type\": {", m.weights, m.weights_file);
+        printf("{\"weights\": {\"read\": %zu, \"read_already\": %zu, \"file\": %zu, \"by_type\": {", m.weights, m.weights_resident, m.weights_file);
         for (size_t i = 0; i < m.weights_by_type.size(); i++)
             printf("%s\"%s\": %zu", i ? ", " : "", m.weights_by_type[i].first.c_str(), m.weights_by_type[i].second);
         printf("}}, \"lora\": %zu, \"grads\": %zu, \"optimizer\": %zu, \"saved_activations\": %zu, \"checkpoints\": %zu, "
@@ -418,7 +418,9 @@ static void print_memory(const ql_memory_plan &m, const std::string &optim, size
     }
     const std::string types = by_type_text(m.weights_by_type);
     printf("finetune: memory plan (MiB)\n");
-    printf("  base weights, pages read               %10.1f   %s; %.1f in the file\n", m.weights / MiB, types.c_str(), m.weights_file / MiB);
+    printf("  base weights, pages read               %10.1f   %s; %.1f in the file", m.weights / MiB, types.c_str(), m.weights_file / MiB);
+    if (m.weights_resident) printf("; %.1f read already (in the process's line)", m.weights_resident / MiB);
+    printf("\n");
     printf("  LoRA parameters (fp32)                 %10.1f\n", m.lora / MiB);
     printf("  gradients (fp32)                       %10.1f\n", m.grads / MiB);
     printf("  optimizer state (%-20s %10.1f   %.2f bytes per parameter%s\n", (optim + ")").c_str(), m.optimizer / MiB,
