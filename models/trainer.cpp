@@ -467,10 +467,9 @@ static void weight_pages(ql_trainer *t) {
     }
     t->mem.weights = 0;
     for (const auto &x : t->pages) t->mem.weights += (size_t)(x.second - x.first) * P;
-    // pages that loading touched already (NF4 statistics checked, fault-around) are in the
-    // process's RSS, to which the plan adds: not counted twice (the demo's model: 1.4 of 2.5 MiB)
+    // pages that loading touched already (NF4 statistics checked, fault-around) are in the RSS
+    // the plan adds to (ql_plan_process)
     t->mem.weights_resident = std::min(t->mem.weights, resident_pages(t->pages) * P);
-    t->mem.weights -= t->mem.weights_resident;
     t->mem.weights_by_type.assign(by_type.begin(), by_type.end());
 }
 
@@ -640,7 +639,7 @@ static size_t limit_of(const ql_trainer *t) {
 }
 static bool fits(const ql_trainer *t) {
     const size_t lim = limit_of(t);
-    return lim == 0 || (t->mem.device ? 0 : t->o.mem_other) + t->mem.total <= lim;
+    return lim == 0 || (t->mem.device ? 0 : ql_plan_process(t->mem, t->o.mem_other)) + t->mem.total <= lim;
 }
 
 static std::string mib_text(size_t b) {
@@ -966,7 +965,7 @@ static std::string over_limit(const ql_trainer *t) {
                mib_text(t->mem.total) + "; the weights' copies " + std::to_string(t->mem.dev_cache) + "), " + std::to_string(lim) +
                " available (" + mib_text(lim) + ") --> hint: --cache-weights auto";
     }
-    return "needs " + mib_text((t->mem.device ? 0 : t->o.mem_other) + t->mem.total) + " of the " + mib_text(limit_of(t)) +
+    return "needs " + mib_text((t->mem.device ? 0 : ql_plan_process(t->mem, t->o.mem_other)) + t->mem.total) + " of the " + mib_text(limit_of(t)) +
            (t->mem.device ? " of device memory" : "") + " allowed (" + biggest_items(t->mem) + ")";
 }
 

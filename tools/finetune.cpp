@@ -316,6 +316,7 @@ static std::string by_type_text(const std::vector<std::pair<std::string, size_t>
 
 static void print_device_memory(const ql_memory_plan &m, const std::string &optim, size_t process, size_t limit, bool json) {
     const double MiB = 1048576.0;
+    process = ql_plan_process(m, process);
     const bool fits = limit == 0 || m.total <= limit;
     if (json) {
         printf("{\"device\": \"%s\", \"cc\": %d, \"weights\": {\"device\": %zu, \"by_type\": {", m.device_desc.c_str(), m.cc, m.dev_weights);
@@ -396,12 +397,13 @@ static size_t plan_limit(const ql_memory_plan &m, size_t mem_limit) {
     if (!m.device) return mem_limit;
     return m.vram && mem_limit ? std::min(m.vram, mem_limit) : m.vram ? m.vram : mem_limit;
 }
-static size_t plan_total(const ql_memory_plan &m, size_t process) { return (m.device ? 0 : process) + m.total; }
+static size_t plan_total(const ql_memory_plan &m, size_t rss) { return (m.device ? 0 : ql_plan_process(m, rss)) + m.total; }
 
 static void print_memory(const ql_memory_plan &m, const std::string &optim, size_t process, const char *process_how, size_t limit,
                          bool json) {
     if (m.device) return print_device_memory(m, optim, process, limit, json);
     const double MiB = 1048576.0;
+    process = ql_plan_process(m, process);
     const size_t total = process + m.total;
     if (json) {
         printf("{\"weights\": {\"read\": %zu, \"read_already\": %zu, \"file\": %zu, \"by_type\": {", m.weights, m.weights_resident, m.weights_file);
@@ -419,7 +421,7 @@ static void print_memory(const ql_memory_plan &m, const std::string &optim, size
     const std::string types = by_type_text(m.weights_by_type);
     printf("finetune: memory plan (MiB)\n");
     printf("  base weights, pages read               %10.1f   %s; %.1f in the file", m.weights / MiB, types.c_str(), m.weights_file / MiB);
-    if (m.weights_resident) printf("; %.1f read already (in the process's line)", m.weights_resident / MiB);
+    if (m.weights_resident) printf("; %.1f read already (not in the process's line)", m.weights_resident / MiB);
     printf("\n");
     printf("  LoRA parameters (fp32)                 %10.1f\n", m.lora / MiB);
     printf("  gradients (fp32)                       %10.1f\n", m.grads / MiB);
@@ -1134,7 +1136,7 @@ static void print_split(const args &a, const ql_memory_plan &m, int n_layer, boo
         }
         printf("{\"split\": \"%s\", \"cards\": %zu, \"fits\": %s, \"total\": %zu, \"checkpointing\": \"%s\", \"optimizer_name\": \"%s\", "
                "\"host\": {\"process\": %zu, \"planned\": %zu, \"pinned\": %zu}}\n",
-               m.split_choice.c_str(), S, all ? "true" : "false", most, cps.c_str(), ql_name(a.o.optim), a.o.mem_other, m.host, pinned);
+               m.split_choice.c_str(), S, all ? "true" : "false", most, cps.c_str(), ql_name(a.o.optim), ql_plan_process(m, a.o.mem_other), m.host, pinned);
     }
 }
 
@@ -2237,7 +2239,7 @@ static int run(int argc, char **argv) {
            std::chrono::duration<double>(std::chrono::steady_clock::now() - r.t_build).count());
     fflush(stdout);
     ql_trainer *t = r.t.get();
-    r.predicted = a.o.mem_other + ql_trainer_memory(t).host;
+    r.predicted = ql_plan_process(ql_trainer_memory(t), a.o.mem_other) + ql_trainer_memory(t).host;
     // the weight pages now rather than during step one, and the peak counted from here: loading's
     // temporaries are not the training run's
     ql_trainer_page_in_weights(t);
