@@ -2570,9 +2570,10 @@ static void cu_op_add_rows(cu_ctx &c, ql_tensor *node) {
 
 // ---- rope ----
 // One thread per (token, rotated pair): its angle once (in double, as the CPU), then every head.
-// a and d in one type: f32, or 16-bit (rope of q, k under a 16-bit compute type: widened as read,
-// the f32 result rounded once on store, as the CPU); d contiguous [D, H, T, B].
-__global__ void k_rope(cu_t a, const int32_t *pos, const float *ff, char *d, int n_dims, int mode, float base, int back, int64_t n_tok) {
+// a: f32, or 16-bit (rope of q, k under a 16-bit compute type: widened as read); d of type dt: a's,
+// or a 16-bit rope_back of f32 a (q's, k's gradients as their multiplies read them); a 16-bit d
+// the f32 result rounded once on store, as the CPU; d contiguous [D, H, T, B].
+__global__ void k_rope(cu_t a, const int32_t *pos, const float *ff, char *d, int dt, int n_dims, int mode, float base, int back, int64_t n_tok) {
     const int hp = n_dims / 2;  // rotated pairs
     const int64_t D = a.ne[0], H = a.ne[1], T = a.ne[2];
     CU_GRID_LOOP(j, n_tok * hp) {
@@ -2585,25 +2586,26 @@ __global__ void k_rope(cu_t a, const int32_t *pos, const float *ff, char *d, int
         const float r = (float)(th - two_pi * rint(th / two_pi));
         const float cs = __cosf(r), sn = back ? -__sinf(r) : __sinf(r);
         const int64_t i0 = mode == QL_ROPE_NEOX ? i : 2 * i, other = mode == QL_ROPE_NEOX ? hp : 1;
-        const int es = a.type == QL_TYPE_F32 ? 4 : 2;
+        const int es = a.type == QL_TYPE_F32 ? 4 : 2, ed = dt == QL_TYPE_F32 ? 4 : 2;
         for (int64_t h = 0; h < H; h++) {
             const char *x = a.data + h * a.nb[1] + t * a.nb[2] + bb * a.nb[3];
-            char *y = d + (tok * H + h) * D * es;
+            char *y = d + (tok * H + h) * D * ed;
             const float x0 = cu_ld(x + i0 * es, a.type), x1 = cu_ld(x + (i0 + other) * es, a.type);
-            cu_st(y + i0 * es, a.type, x0 * cs - x1 * sn);
-            cu_st(y + (i0 + other) * es, a.type, x0 * sn + x1 * cs);
+            cu_st(y + i0 * ed, dt, x0 * cs - x1 * sn);
+            cu_st(y + (i0 + other) * ed, dt, x0 * sn + x1 * cs);
         }
     }
 }
-// the dimensions past n_dims pass through (the bytes: d has a's type)
-__global__ void k_rope_tail(cu_t a, char *d, int n_dims, int64_t n_rows) {
+// the dimensions past n_dims pass through (the bytes where d has a's type, else rounded as stored)
+__global__ void k_rope_tail(cu_t a, char *d, int dt, int n_dims, int64_t n_rows) {
     const int64_t D = a.ne[0], tail = D - n_dims;
     const int es = a.type == QL_TYPE_F32 ? 4 : 2;
     CU_GRID_LOOP(j, n_rows * tail) {
         const int64_t row = j / tail, i = n_dims + j % tail;  // row = tok * H + h
         const int64_t h = row % a.ne[1], tok = row / a.ne[1], t = tok % a.ne[2], bb = tok / a.ne[2];
         const char *x = a.data + i * es + h * a.nb[1] + t * a.nb[2] + bb * a.nb[3];
-        if (es == 4) *(float *)(d + (row * D + i) * 4) = *(const float *)x;
+        if (dt != a.type) cu_st(d + (row * D + i) * 2, dt, *(const float *)x);  // (f32 a, 16-bit d)
+        else if (es == 4) *(float *)(d + (row * D + i) * 4) = *(const float *)x;
         else *(uint16_t *)(d + (row * D + i) * 2) = *(const uint16_t *)x;
     }
 }
@@ -2612,12 +2614,12 @@ static void cu_op_rope(cu_ctx &c, ql_tensor *node, bool back) {
     const int n_dims = node->op_params[0], mode = node->op_params[1];
     const int64_t n_tok = a->ne[2] * a->ne[3];
     QL_LAUNCH(k_rope, cu_grid(n_tok * (n_dims / 2)), CU_BLOCK, 0, c.stream, cu_of(a), (const int32_t *)node->src[1]->data,
-              ff ? (const float *)ff->data : (const float *)nullptr, (char *)node->data, n_dims, mode, cu_param<float>(node, 2),
+              ff ? (const float *)ff->data : (const float *)nullptr, (char *)node->data, (int)node->type, n_dims, mode, cu_param<float>(node, 2),
               (int)back, n_tok);
     CU_LAUNCHED(c);
     if (n_dims < a->ne[0]) {
         const int64_t rows = n_tok * a->ne[1];
-        QL_LAUNCH(k_rope_tail, cu_grid(rows * (a->ne[0] - n_dims)), CU_BLOCK, 0, c.stream, cu_of(a), (char *)node->data, n_dims, rows);
+        QL_LAUNCH(k_rope_tail, cu_grid(rows * (a->ne[0] - n_dims)), CU_BLOCK, 0, c.stream, cu_of(a), (char *)node->data, (int)node->type, n_dims, rows);
         CU_LAUNCHED(c);
     }
 }
@@ -2735,8 +2737,9 @@ static bool cu_ops_supported(const ql_tensor *node) {
     case QL_OP_RMS_NORM_BACK:
         return dense_rows(a) && dense_rows(node->src[1]) && (!node->src[2] || (f32(node->src[2]) && ql_is_contiguous(node->src[2]))) &&
                (!node->src[3] || (f32(node->src[3]) && ql_is_contiguous(node->src[3])));
-    case QL_OP_ROPE: case QL_OP_ROPE_BACK:  // rope: f32 or 16-bit a, the result in a's type
-        return is_float_type_cu(a->type) && ql_rows_contiguous(a) && node->type == a->type && ql_is_contiguous(node) &&
+    case QL_OP_ROPE: case QL_OP_ROPE_BACK:  // rope: f32 or 16-bit a, the result in a's type; rope_back: f32 a, also a 16-bit result
+        return is_float_type_cu(a->type) && ql_rows_contiguous(a) && is_float_type_cu(node->type) &&
+               (node->type == a->type || (node->op == QL_OP_ROPE_BACK && a->type == QL_TYPE_F32)) && ql_is_contiguous(node) &&
                (!node->src[2] || ql_is_contiguous(node->src[2]));
     case QL_OP_CROSS_ENTROPY:
         return dense_rows(a);

@@ -2197,6 +2197,16 @@ static ql_tensor *rope_impl(ql_context *ctx, ql_op op, ql_tensor *a, ql_tensor *
     set_param(t, 2, base);
     return t;
 }
+// a rope_back (f32) made again with its result in `type`: the rotation in f32, rounded once as
+// it is stored - the bits of ql_cast of the f32 node (q's and k's gradients, which their 16-bit
+// multiplies read)
+static ql_tensor *rope_back_to(ql_context *ctx, const ql_tensor *rb, ql_type type) {
+    if (!srcs_ok(ctx, "rope_back", {rb})) return nullptr;
+    ql_tensor *t = new_op_like(ctx, QL_OP_ROPE_BACK, type, rb, {rb->src[0], rb->src[1], rb->src[2]});
+    if (!t) return nullptr;
+    memcpy(t->op_params, rb->op_params, sizeof(t->op_params));
+    return t;
+}
 ql_tensor *ql_rope(ql_context *ctx, ql_tensor *a, ql_tensor *pos, ql_tensor *ff, int n_dims, int mode, float base) {
     return rope_impl(ctx, QL_OP_ROPE, a, pos, ff, n_dims, mode, base);
 }
@@ -2772,6 +2782,13 @@ struct grad_builder {
         // a gradient copied to be contiguous (f32, maybe then reshaped: a reshape's backward over
         // a permuted view, attention's dv): the cast reads what was copied (one copy, the same bits)
         ql_tensor *r = g_autodiff_fold && t->op == QL_OP_RESHAPE ? t->src[0] : t;
+        // q's and k's gradients (rope's backward, reshaped to the projection's rows): rotated and
+        // rounded by one node; the f32 rotation is never stored (at a long sequence's backward
+        // peak it was 16 KiB a token beside attention's f32 dq, dk, dv)
+        if (!c && g_autodiff_fold && r->op == QL_OP_ROPE_BACK && r->type == QL_TYPE_F32) {
+            c = rope_back_to(ctx, r, type);
+            if (c && r != t) c = ql_reshape_4d(ctx, c, t->ne[0], t->ne[1], t->ne[2], t->ne[3]);
+        }
         if (!c && g_autodiff_fold && r->op == QL_OP_CONT && r->type == QL_TYPE_F32 && r->src[0]->type == QL_TYPE_F32) {
             c = ql_cast(ctx, r->src[0], type);
             if (c && r != t) c = ql_reshape_4d(ctx, c, t->ne[0], t->ne[1], t->ne[2], t->ne[3]);
@@ -3135,7 +3152,14 @@ ql_graph *ql_graph_backward(ql_context *ctx, const ql_graph *gf, ql_tensor *loss
     }
     // ... except that each parameter's accumulation (and a copy it reads) runs as soon as its
     // gradient is complete, not at the end: a layer's LoRA gradients are then not all alive at once
-    // (at the 8B shape 160 MiB, the whole adapter's, under the last layers' backward)
+    // (at the 8B shape 160 MiB, the whole adapter's, under the last layers' backward). And
+    // attention backward's dq, dk and dv (one f32 result) are taken out of it at once, into the
+    // compute type as their multiplies read them (rope_back, a cast): the f32 result dies there,
+    // not after v's and k's products (at the 8B shape it was 24 KiB a token under them)
+    auto unpacks_attn_back = [](ql_tensor *t) {
+        ql_tensor *a = is_noop(t->op) ? t : (t->op == QL_OP_ROPE_BACK || t->op == QL_OP_CONT) && t->type != QL_TYPE_F32 ? t->src[0] : nullptr;
+        return a && view_root(a)->op == QL_OP_FLASH_ATTN_BACK;
+    };
     // (position: creation index; an accumulation's is its latest source's, then its own after it)
     std::unordered_map<const ql_tensor *, std::pair<size_t, size_t>> key;
     std::vector<std::pair<std::pair<size_t, size_t>, ql_tensor *>> order;
@@ -3148,7 +3172,7 @@ ql_graph *ql_graph_backward(ql_context *ctx, const ql_graph *gf, ql_tensor *loss
             continue;
         }
         std::pair<size_t, size_t> k = {i, 0};
-        if (i >= first_acc) {  // right after its latest source
+        if (i >= first_acc || unpacks_attn_back(t)) {  // right after its latest source
             k = {0, i};
             for (const ql_tensor *s : t->src) {
                 auto it = s ? key.find(s) : key.end();
@@ -3557,10 +3581,12 @@ static void row_to_float(const ql_tensor *t, const uint8_t *row, int64_t k0, int
 static int inplace_src(const ql_tensor *node) {
     switch (node->op) {
     case QL_OP_ADD: case QL_OP_MUL: case QL_OP_SILU:
-    case QL_OP_ROPE: case QL_OP_ROPE_BACK: case QL_OP_ADD_ROWS:
+    case QL_OP_ADD_ROWS:
     case QL_OP_CROSS_ENTROPY_BACK:  // dlogits over the logits, element by element (the fused head + loss's forward)
         return 0;
     case QL_OP_DROPOUT: case QL_OP_SCALE: case QL_OP_RMS_NORM:  // not into f32 storage as a 16-bit result: rows would land on rows not read yet
+        return node->type == node->src[0]->type ? 0 : -1;
+    case QL_OP_ROPE: case QL_OP_ROPE_BACK:  // (the same: rope_back rounded as stored reads f32)
         return node->type == node->src[0]->type ? 0 : -1;
     case QL_OP_SILU_BACK: case QL_OP_RMS_NORM_BACK:
         return 1;  // over dy
@@ -4972,8 +4998,8 @@ static void k_dropout(const cpu_params &p, ql_tensor *dst) {
 
 // ---- rope ----
 
-static size_t rope_work(const ql_tensor *node) {  // inv, cos, sin; 16-bit: a row in and out as f32 [2, D]
-    const size_t row16 = node->type == QL_TYPE_F32 ? 0 : 2 * (size_t)node->ne[0];
+static size_t rope_work(const ql_tensor *node) {  // inv, cos, sin; 16-bit a or result: a row in and out as f32 [2, D]
+    const size_t row16 = node->type == QL_TYPE_F32 && node->src[0]->type == QL_TYPE_F32 ? 0 : 2 * (size_t)node->ne[0];
     return (size_t)node->op_params[0] / 2 * sizeof(double) + ((size_t)node->op_params[0] + row16) * sizeof(float);
 }
 
@@ -4984,8 +5010,8 @@ template <bool BACK> static void k_rope(const cpu_params &p, ql_tensor *dst) {
     const int64_t D = a->ne[0], H = a->ne[1], T = a->ne[2];
     double *inv = (double *)p.wdata;  // [half]
     float *cs = (float *)(inv + half), *sn = cs + half;
-    float *xw = sn + half, *yw = xw + D;  // 16-bit (rope only): a row widened, the result before its one rounding
-    const bool f32 = dst->type == QL_TYPE_F32;
+    float *xw = sn + half, *yw = xw + D;  // 16-bit: a's row widened (rope), the result before its one rounding
+    const bool a32 = a->type == QL_TYPE_F32, f32 = dst->type == QL_TYPE_F32;
     for (int i = 0; i < half; i++)
         inv[i] = ql_rope_inv_freq(i, n_dims, base, ff ? (double)((const float *)ff->data)[i] : 1.0);
     int64_t b, e;
@@ -5002,7 +5028,7 @@ template <bool BACK> static void k_rope(const cpu_params &p, ql_tensor *dst) {
             const uint8_t *xr = (const uint8_t *)a->data + h * a->nb[1] + t * a->nb[2] + bb * a->nb[3];
             const float *x = (const float *)xr;
             float *y = f32 ? (float *)dst->data + (tok * H + h) * D : yw;
-            if (!f32) traits(a->type).to_float(xr, xw, D), x = xw;
+            if (!a32) traits(a->type).to_float(xr, xw, D), x = xw;
             const int64_t stride = mode == QL_ROPE_NEOX ? 1 : 2, other = mode == QL_ROPE_NEOX ? half : 1;
             for (int i = 0; i < half; i++) {
                 const int64_t i0 = i * stride;

@@ -846,6 +846,43 @@ OP_CASE(swiglu_back_to) {
             }
 }
 
+// rope's backward writing q's gradient in the type its multiply reads (autodiff folds the cast
+// into it): on every backend the bits of the f32 rope_back and its cast (the folding off), within
+// TOL_16 of the CPU; whole and partial rotations (a pass-through tail rounded as stored), both modes
+OP_CASE(rope_back_to) {
+    for (ql_type t : {QL_TYPE_F16, QL_TYPE_BF16})
+        for (int mode : {QL_ROPE_NORMAL, QL_ROPE_NEOX})
+            for (int n_dims : {12, 8}) {
+                INFO(std::string(ql_type_name(t)) << ", mode " << mode << ", n_dims " << n_dims);
+                const builder build = [t, mode, n_dims](leafs &L) {
+                    ql_tensor *pos = L.i32({5, 2}, [](int64_t i) { return (int32_t)(7 * i + 3); });
+                    ql_tensor *ff = n_dims < 12 ? L.rand(QL_TYPE_F32, {n_dims / 2}, 1.0f, 8.0f) : nullptr;
+                    ql_tensor *x = ql_cast(L.ctx, L.param({32, 10}), t);
+                    ql_tensor *q = ql_mul_mat_to(L.ctx, L.rand(QL_TYPE_F32, {32, 36}, -0.5f, 0.5f), x, t);  // [36, 10]
+                    ql_tensor *r = ql_rope(L.ctx, ql_reshape_4d(L.ctx, q, 12, 3, 5, 2), pos, ff, n_dims, mode, 10000.0f);
+                    return ql_cast(L.ctx, r, QL_TYPE_F32);
+                };
+                check_case(be, "rope_back_to", build, TOL_16);
+                check_fold_bits(be, build, "x's gradient through the folded cast: not the bits of rope_back and the cast", true);
+                // (the fold is there: one rope_back, in t, and no f32 one)
+                ql_init_params ip = {16u << 20, nullptr, false, false};
+                std::unique_ptr<ql_context, void (*)(ql_context *)> ctx(ql_init(ip), ql_free);
+                leafs L{ctx.get(), true, {}, {}};
+                ql_tensor *loss = ql_sum(ctx.get(), build(L));
+                ql_graph *gf = ql_graph_new(ctx.get());
+                REQUIRE(ql_graph_build_forward(gf, loss) == QL_OK);
+                ql_graph *gb = ql_graph_backward(ctx.get(), gf, loss);
+                REQUIRE(gb);
+                int rb16 = 0, rb32 = 0;
+                for (int i = 0; i < ql_graph_n_nodes(gb); i++) {
+                    const ql_tensor *n = ql_graph_node(gb, i);
+                    if (n->op == QL_OP_ROPE_BACK) (n->type == t ? rb16 : rb32)++;
+                }
+                CHECK(rb16 == 1);
+                CHECK(rb32 == 0);
+            }
+}
+
 // a norm's dx summed onto its input's gradient so far by rms_norm_back (autodiff folds the add in;
 // y = x + rms_norm_mul(x, w), the residual stream's shape: the sum so far is also the norm's dy):
 // on every backend the bits of rms_norm_back and ql_add (the folding off), within TOL_F32 of the CPU

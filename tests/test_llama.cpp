@@ -868,8 +868,8 @@ TEST_CASE("llama: LoRA's scale is written in the compute type, norms multiply th
 
 void ql_autodiff_fold_for_tests(bool on);  // qlora.cpp's autodiff: a gradient's 16-bit cast or sum folded into the node making it
 
-// ... and autodiff's folded casts (s dy by ql_scale_to, SwiGLU's gradients written in the compute
-// type, a cast reading what an f32 copy would have copied) and adds (a norm's dx summed onto its
+// ... and autodiff's folded casts (s dy by ql_scale_to, SwiGLU's and rope's gradients written in
+// the compute type, a cast reading what an f32 copy would have copied) and adds (a norm's dx summed onto its
 // input's gradient by rms_norm_back) give the separate nodes' loss and LoRA gradients bit for bit,
 // with fewer nodes: every
 // compute type, the FFN whole and in chunks, fp16's guard (f32 gate and up), every segment recomputed
@@ -926,6 +926,17 @@ TEST_CASE("llama: autodiff's casts and adds folded into the nodes making the gra
         }
         r.nodes = ql_graph_n_nodes(gb);
         REQUIRE_MESSAGE(ql_graph_plan(gb, be, nullptr) == QL_OK, ql_ctx_error(ctx));
+        if (fold && ct != QL_TYPE_F32) {  // attention backward's f32 dq, dk, dv taken out (16-bit) before any product runs
+            const ql_plan_entry *e = nullptr;
+            int n_attn = 0;
+            for (int i = 0, ne = ql_graph_plan_entries(gb, &e); i < ne; i++) {
+                if (e[i].tensor->op != QL_OP_FLASH_ATTN_BACK) continue;
+                n_attn++;
+                for (int j = e[i].first + 1; j <= e[i].last; j++)
+                    CHECK_MESSAGE(ql_graph_node(gb, j)->op != QL_OP_MUL_MAT, "attention backward's result alive at a product, node ", j);
+            }
+            CHECK(n_attn == 2);
+        }
         REQUIRE(ql_graph_alloc(gb, be) == QL_OK);
         ql_graph_set_poison(gb, true);
         ql_graph_zero_grads(gb);
@@ -949,9 +960,10 @@ TEST_CASE("llama: autodiff's casts and adds folded into the nodes making the gra
                     REQUIRE(folded.grads.size() == apart.grads.size());
                     for (size_t i = 0; i < folded.grads.size(); i++) CHECK_MESSAGE(folded.grads[i] == apart.grads[i], "LoRA tensor " << i);
                     // the casts folded, per layer: each adapted linear's scaled dy (the guard's down projection
-                    // and its LoRA are f32: none), SwiGLU's 2 gradients (per FFN chunk: 24 rows, 3 chunks), and
-                    // v's f32 copy (its gradient out of attention's, permuted back and made contiguous)
-                    const int swiglu = chunk ? 3 : 1, per_layer = 4 + 2 * swiglu + (guard ? 0 : swiglu) + 2 * swiglu + 1;
+                    // and its LoRA are f32: none), SwiGLU's 2 gradients (per FFN chunk: 24 rows, 3 chunks),
+                    // v's f32 copy (its gradient out of attention's, permuted back and made contiguous), and
+                    // q's and k's rope_back
+                    const int swiglu = chunk ? 3 : 1, per_layer = 4 + 2 * swiglu + (guard ? 0 : swiglu) + 2 * swiglu + 1 + 2;
                     // and the adds of a norm's dx onto its input's gradient: both norms of both layers but block
                     // 0's first (no gradient of its input is needed); the FFN in chunks: its norms read views of
                     // rows (whose gradients add_rows sums), so only block 1's attention norm
