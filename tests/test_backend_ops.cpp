@@ -880,6 +880,8 @@ OP_CASE(rope_back_to) {
                 }
                 CHECK(rb16 == 1);
                 CHECK(rb32 == 0);
+                ql_graph_free(gb);
+                ql_graph_free(gf);
             }
 }
 
