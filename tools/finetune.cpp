@@ -235,9 +235,11 @@ static void print_profile(const ql_graph *g, ql_backend *be, double runs) {  // 
     for (const auto &e : mm) mms.push_back({e.second.first, e.first});
     std::sort(mms.rbegin(), mms.rend());
     printf("  mul_mat by shape (M x N x K a.b: share of the graph, GFLOP/s):\n");
-    for (size_t k = 0; k < mms.size() && k < 12; k++)
-        printf("  %6.1f%%  %-40s %7.1f\n", 100 * mms[k].first / total, mms[k].second.c_str(),
-               mms[k].first > 0 ? runs * mm[mms[k].second].second / mms[k].first / 1e9 : 0.0);
+    for (size_t k = 0; k < mms.size() && k < 12; k++) {
+        // (below 1 GFLOP/s - a tiny product, a loaded machine - 3 digits, not "0.0")
+        const double rate = mms[k].first > 0 ? runs * mm[mms[k].second].second / mms[k].first / 1e9 : 0.0;
+        printf(rate < 1 ? "  %6.1f%%  %-40s %7.3g\n" : "  %6.1f%%  %-40s %7.1f\n", 100 * mms[k].first / total, mms[k].second.c_str(), rate);
+    }
     std::sort(nodes.rbegin(), nodes.rend());
     printf("  costliest nodes:\n");
     for (size_t k = 0; k < nodes.size() && k < 10; k++) {
