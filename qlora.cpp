@@ -3585,8 +3585,7 @@ static int inplace_src(const ql_tensor *node) {
     case QL_OP_CROSS_ENTROPY_BACK:  // dlogits over the logits, element by element (the fused head + loss's forward)
         return 0;
     case QL_OP_DROPOUT: case QL_OP_SCALE: case QL_OP_RMS_NORM:  // not into f32 storage as a 16-bit result: rows would land on rows not read yet
-        return node->type == node->src[0]->type ? 0 : -1;
-    case QL_OP_ROPE: case QL_OP_ROPE_BACK:  // (the same: rope_back rounded as stored reads f32)
+    case QL_OP_ROPE: case QL_OP_ROPE_BACK:                        // (rope_back_to: f32 read, 16-bit written)
         return node->type == node->src[0]->type ? 0 : -1;
     case QL_OP_SILU_BACK: case QL_OP_RMS_NORM_BACK:
         return 1;  // over dy
