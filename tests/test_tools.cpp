@@ -1165,7 +1165,14 @@ TEST_CASE("finetune: the memory plan: --dry-run, measured peak within 3%, -b aut
     const long long half = (long long)((planned_none + planned_block) / 2 * 1048576.0);
     REQUIRE_MESSAGE(run(ft + " -b 4 --checkpointing auto --mem-limit " + std::to_string(half) + "B --max-steps 1", &log) == 0, log);
     CHECK_MESSAGE(has(log, "checkpointing: auto: of 8 segments"), log);
-    CHECK(peak_line(log, "of training").first * 1048576.0 <= (double)half);
+    {  // the plan fits the budget (printed to 0.1 MiB); VmHWM is the plan's within its 3%, not
+       // under the budget to the byte (it went 0.1 MiB over once, in CI's UBSan tree under load)
+        const auto [measured, planned] = peak_line(log, "of training");
+        MESSAGE("auto at ", half / 1048576.0, " MiB: measured ", measured, " MiB, planned ", planned, " MiB");
+        REQUIRE(planned > 0);
+        CHECK((planned - 0.05) * 1048576.0 <= (double)half);
+        CHECK(std::fabs(measured - planned) <= 0.03 * planned);
+    }
 
     // the optimizers' state in the table: bytes per parameter, paged ones in host memory
     REQUIRE(run(ft + " -b 4 --dry-run --optim adamw", &log) == 0);
