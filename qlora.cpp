@@ -2381,7 +2381,8 @@ ql_tensor *ql_add_rows(ql_context *ctx, ql_tensor *a, ql_tensor *b, int64_t row0
     return t;
 }
 
-ql_tensor *ql_mul_mat_rows(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor *c, int64_t row0) {
+// add: the product is added onto those rows (param slot 2) instead of written over them
+static ql_tensor *mul_mat_rows_impl(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor *c, int64_t row0, bool add) {
     if (!srcs_ok(ctx, "mul_mat_rows", {a, b, c})) return nullptr;
     QL_CHECK(ctx, c->type == QL_TYPE_F32 && ql_is_contiguous(c) && c->ne[2] == 1 && c->ne[3] == 1, QL_ERR_TYPE,
              "mul_mat_rows: c %s must be 2-D contiguous f32", shape_str(c).c_str());
@@ -2394,7 +2395,12 @@ ql_tensor *ql_mul_mat_rows(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tenso
     t->src[1] = a;
     t->src[2] = b;
     set_param(t, 0, row0);
+    set_param(t, 2, (int32_t)add);
     return t;
+}
+
+ql_tensor *ql_mul_mat_rows(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor *c, int64_t row0) {
+    return mul_mat_rows_impl(ctx, a, b, c, row0, false);
 }
 
 void ql_mul_mat_rows_product(const ql_tensor *node, ql_tensor *mm) {
@@ -2413,6 +2419,9 @@ void ql_mul_mat_rows_product(const ql_tensor *node, ql_tensor *mm) {
     mm->view_offs = 0;
     mm->aux_size = 0;
     mm->grad = nullptr;
+    // adding: ql_mul_mat_acc over its own storage - c is mm itself, each element read by the
+    // tile that then writes it (the in-place form every backend's product takes)
+    if (get_param<int32_t>(node, 2)) mm->src[2] = mm;
 }
 
 // params: p, stream, the mask's first row (int64: slots 2-3), the slot of the dropped operand's
@@ -2598,6 +2607,10 @@ static ql_tensor *view_back(ql_context *ctx, ql_tensor *dy, const ql_tensor *vie
                                          (int64_t)(view->nb[3] / ts));
     return t;
 }
+
+// a parameter's gradient that is one product runs as mul_mat_rows adding onto the grad, else as
+// the product and acc_grad (QLORA_GRAD_MM_ACC=0, to compare)
+static const bool g_grad_mm_acc = !(getenv("QLORA_GRAD_MM_ACC") && strcmp(getenv("QLORA_GRAD_MM_ACC"), "0") == 0);
 
 static ql_tensor *acc_grad(ql_context *ctx, ql_tensor *grad, ql_tensor *contrib) {
     if (!srcs_ok(ctx, "acc_grad", {grad, contrib})) return nullptr;
@@ -3130,7 +3143,16 @@ ql_graph *ql_graph_backward(ql_context *ctx, const ql_graph *gf, ql_tensor *loss
             p->grad->flags |= QL_FLAG_GRAD;
             ql_format_name(p->grad, "grad:%s", p->name);
         }
-        ql_tensor *acc = acc_grad(ctx, p->grad, gb.dense(g->second));
+        // a gradient that is one plain product a^T b is added onto the grad as the multiply writes
+        // it (mul_mat_rows adding over all rows): no [M, N] product apart, one launch fewer -
+        // the LoRA factors' gradients, two per adapted linear
+        ql_tensor *d = g->second, *acc = nullptr;
+        if (d->op == QL_OP_MUL_MAT && d->type == QL_TYPE_F32 && !d->src[2] && !get_param<int32_t>(d, 0) && ql_is_contiguous(d) &&
+            d->src[0]->ne[2] == 1 && d->src[0]->ne[3] == 1 && d->src[1]->ne[2] == 1 && d->src[1]->ne[3] == 1 &&
+            p->grad->ne[2] == 1 && p->grad->ne[3] == 1 && ql_same_shape(p->grad, d) && g_grad_mm_acc)
+            acc = mul_mat_rows_impl(ctx, d->src[0], d->src[1], p->grad, 0, true);
+        else
+            acc = acc_grad(ctx, p->grad, gb.dense(d));
         if (!acc) break;
         accs.push_back(acc);
         gb_graph->params.push_back(p);
@@ -8443,7 +8465,7 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
     case QL_OP_MUL_MAT_ROWS: {  // its product's (the result is c's storage: no copy of c)
         ql_tensor mm;
         ql_mul_mat_rows_product(node, &mm);
-        return ql_cuda_node_launches(&mm, cc, false);
+        return ql_cuda_node_launches(&mm, cc, mm.src[2] != nullptr);  // adding: c is mm, in place
     }
     case QL_OP_MUL_MAT_DROPOUT: {  // one kernel, or the dropout kernel and the product's launches
         if (ql_cuda_mm_drop_fused(node)) return node->op_params[4] == 1 && ql_cuda_mm_drop_splits(node, nullptr) > 1 ? 2 : 1;  // (the splits' sum)

@@ -1737,20 +1737,45 @@ TEST_CASE("backward: each parameter's accumulation runs as soon as its gradient 
     REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
     std::unordered_map<const ql_tensor *, int> pos;
     for (int i = 0; i < ql_graph_n_nodes(gb); i++) pos[ql_graph_node(gb, i)] = i;
-    int accs = 0;
+    // a gradient that is one product is added onto the grad as it is multiplied (mul_mat_rows
+    // adding over the grad's rows, right after its operands); else acc_grad right after it
+    int accs = 0, products = 0;
     for (int i = 0; i < ql_graph_n_nodes(gb); i++) {
         const ql_tensor *t = ql_graph_node(gb, i);
+        if (t->op == QL_OP_MUL_MAT_ROWS && (t->src[0]->flags & QL_FLAG_GRAD)) {
+            products++;
+            int last = -1;
+            for (int s = 1; s <= 2; s++)
+                if (pos.count(t->src[s])) last = std::max(last, pos[t->src[s]]);
+            CHECK(i == last + 1);
+            continue;
+        }
         if (t->op != QL_OP_ACC_GRAD) continue;
         accs++;
         REQUIRE(pos.count(t->src[1]));
         CHECK(i == pos[t->src[1]] + 1);  // right after its gradient: that gradient dies there
     }
-    CHECK(accs == L);
+    CHECK(accs + products == L);
+    CHECK(products == L);  // each w's gradient is one product
     ql_backend *be = ql_backend_cpu_init(1);  // (the gradients' values: every other autodiff test)
     REQUIRE(ql_graph_plan(gb, be, nullptr) == QL_OK);
     REQUIRE(ql_graph_alloc(gb, be) == QL_OK);
     ql_graph_zero_grads(gb);
     REQUIRE(ql_backend_graph_compute(be, gb) == QL_OK);
+    // a second run adds onto the first (accumulation over micro-batches): twice the gradient
+    std::vector<std::vector<float>> once;
+    for (ql_tensor *p : w) once.emplace_back((const float *)p->grad->data, (const float *)p->grad->data + 64);
+    REQUIRE(ql_backend_graph_compute(be, gb) == QL_OK);
+    for (int l = 0; l < L; l++) {
+        double worst = 0, amax = 0;
+        for (int i = 0; i < 64; i++) {
+            worst = std::max(worst, std::fabs((double)((const float *)w[l]->grad->data)[i] - 2.0 * once[l][i]));
+            amax = std::max(amax, std::fabs((double)once[l][i]));
+        }
+        CAPTURE(l);
+        CHECK(amax > 0);
+        CHECK(worst <= 1e-6 * amax);
+    }
     ql_graph_free(gb);
     ql_graph_free(gf);
     ql_backend_free(be);
