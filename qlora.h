@@ -550,7 +550,9 @@ ql_tensor *ql_add_rows(ql_context *ctx, ql_tensor *a, ql_tensor *b, int64_t row0
 // write; chain them for several pieces. No backward.
 ql_tensor *ql_mul_mat_rows(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor *c, int64_t row0);
 // For backends: the MUL_MAT node a MUL_MAT_ROWS node runs - its product over the rows it writes
-// (data, when bound, at those rows) - so both run, size and count it as that product
+// (data, when bound, at those rows) - so both run, size and count it as that product. A node
+// that adds (autodiff's form for a parameter's gradient that is one product: grad += a^T b) gives
+// the product with src[2] = mm itself: ql_mul_mat_acc in place over those rows
 void ql_mul_mat_rows_product(const ql_tensor *node, ql_tensor *mm);
 
 // ============================================================================================
