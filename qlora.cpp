@@ -3016,10 +3016,27 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
         }
         break;
     }
-    case QL_OP_DROPOUT:  // same mask (same seed, stream and indices), same scale
-        gb.add(a, ql_dropout_rows_to(ctx, gb.dense(dy), get_param<float>(node, 0), b, get_param<uint32_t>(node, 1), QL_TYPE_F32,
-                                     get_param<int64_t>(node, 2)));
+    case QL_OP_DROPOUT: {  // same mask (same seed, stream and indices), same scale
+        const float p = get_param<float>(node, 0);
+        const uint32_t stream = get_param<uint32_t>(node, 1);
+        const int64_t row0 = get_param<int64_t>(node, 2);
+        // the dropped copy one product read (LoRA's A over dropout(x), unfused): dx = dropout(Aᵀ dc)
+        // as mul_mat_dropout's backward makes it - one node, added onto x's gradient so far as it is
+        // written, instead of the product, the dropout and the add (the same bits: c + v)
+        if (g_mmd_dx_fused && gb.wants(a) && dy && dy->op == QL_OP_MUL_MAT && dy->type == QL_TYPE_F32 && !dy->src[2] &&
+            !get_param<int32_t>(dy, 0) && ql_is_contiguous(dy) && ql_same_shape(dy, a) && dy->src[0]->ne[2] == 1 &&
+            dy->src[0]->ne[3] == 1) {
+            auto it = gb.grad.find(a);
+            ql_tensor *prev = it == gb.grad.end() ? nullptr : it->second;
+            const bool onto = prev && prev->type == QL_TYPE_F32 && ql_is_contiguous(prev) && ql_same_shape(prev, a);
+            ql_tensor *d = mul_mat_dropped(ctx, dy->src[0], dy->src[1], onto ? prev : nullptr, p, b, stream, row0);
+            if (onto) it->second = d;
+            else gb.add(a, d);
+            break;
+        }
+        gb.add(a, ql_dropout_rows_to(ctx, gb.dense(dy), p, b, stream, QL_TYPE_F32, row0));
         break;
+    }
     case QL_OP_ADD_ROWS: {  // y = a, b added at rows [row0, ...): da = dy, db = those rows of dy (a view)
         // A chain r_c = add_rows(r_c-1, b_c) from x (the FFN in chunks, each b_c a function of rows
         // of x) hands x all of dy at its last link, the first backward meets, rather than at its

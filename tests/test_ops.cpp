@@ -1907,7 +1907,9 @@ TEST_CASE("mul_mat_dropout: the bits of mul_mat over ql_dropout_rows_to, forward
                     REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
                     int n_fused = 0;
                     for (int i = 0; i < ql_graph_n_nodes(gb); i++) n_fused += ql_graph_node(gb, i)->op == QL_OP_MUL_MAT_DROPOUT;
-                    CHECK(n_fused == (fused ? 3 : 0));  // forward, da's and dx's: no dropped-out copy anywhere
+                    // forward, da's and dx's: no dropped-out copy anywhere; unfused, dx's too (the
+                    // dropout's backward over the product that read its copy)
+                    CHECK(n_fused == (fused ? 3 : 1));
                     ql_backend *be = ql_backend_cpu_init(nt);
                     REQUIRE(ql_graph_plan(gb, be, nullptr) == QL_OK);
                     REQUIRE(ql_graph_alloc(gb, be) == QL_OK);
@@ -1925,6 +1927,32 @@ TEST_CASE("mul_mat_dropout: the bits of mul_mat over ql_dropout_rows_to, forward
                 CHECK(y[1] == y[0]);
                 CHECK(ga[1] == ga[0]);
                 CHECK(gx[1] == gx[0]);
+                {  // dx in one node has the bits of its three: dropout(aᵀ dc) as forward ops (dc = r in
+                   // the multiply's type), x's gradient in the piece's rows
+                    ql_init_params ip{16u << 20, nullptr, false, false};
+                    ql_context *ctx = ql_init(ip);
+                    ql_tensor *a = ql_new_tensor_2d(ctx, QL_TYPE_F32, K, M);
+                    for (int64_t i = 0; i < K * M; i++) ((float *)a->data)[i] = 0.05f * (float)((i * 29) % 41) - 1.0f;
+                    ql_tensor *r = ql_new_tensor_2d(ctx, QL_TYPE_F32, M, n);
+                    for (int64_t i = 0; i < M * n; i++) ((float *)r->data)[i] = 0.01f * (float)((i * 7) % 23) - 0.1f;
+                    ql_tensor *seed = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1));
+                    ((int32_t *)seed->data)[0] = 31;
+                    ql_tensor *dc = t == QL_TYPE_F32 ? r : ql_cast(ctx, r, t);
+                    ql_tensor *dx = ql_dropout_rows_to(ctx, ql_mul_mat(ctx, ql_transpose(ctx, a), dc), p, seed, 4u, QL_TYPE_F32, r0);
+                    REQUIRE_MESSAGE(dx, ql_ctx_error(ctx));
+                    ql_set_output(dx);
+                    ql_graph *g = ql_graph_new(ctx);
+                    REQUIRE(ql_graph_build_forward(g, dx) == QL_OK);
+                    ql_backend *be = ql_backend_cpu_init(nt);
+                    REQUIRE(ql_graph_plan(g, be, nullptr) == QL_OK);
+                    REQUIRE(ql_graph_alloc(g, be) == QL_OK);
+                    REQUIRE_MESSAGE(ql_backend_graph_compute(be, g) == QL_OK, ql_ctx_error(ctx));
+                    CHECK(std::vector<float>((const float *)dx->data, (const float *)dx->data + K * n) ==
+                          std::vector<float>(gx[1].begin() + r0 * K, gx[1].begin() + (r0 + n) * K));
+                    ql_graph_free(g);
+                    ql_backend_free(be);
+                    ql_free(ctx);
+                }
                 int64_t zeros = 0, outside = 0;  // x's gradient: the piece's mask in its rows, nothing elsewhere
                 for (int64_t i = 0; i < K * N; i++) {
                     const bool in = i / K >= r0 && i / K < r0 + n;
