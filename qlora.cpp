@@ -2848,6 +2848,16 @@ struct grad_builder {
         else
             add(src, ql_mul_mat(ctx, a, b));
     }
+    // A dropped-out product's contribution dropout(a b) (mul_mat_dropped: one node, the add's
+    // bits c + v): onto the sum so far as it is written, where that sum is a plain f32 tensor
+    void add_dropped(ql_tensor *src, ql_tensor *a, ql_tensor *b, float p, ql_tensor *seed, uint32_t stream, int64_t row0) {
+        auto it = grad.find(src);
+        ql_tensor *prev = it == grad.end() ? nullptr : it->second;
+        const bool onto = prev && prev->type == QL_TYPE_F32 && ql_is_contiguous(prev) && ql_same_shape(prev, src);
+        ql_tensor *d = mul_mat_dropped(ctx, a, b, onto ? prev : nullptr, p, seed, stream, row0);
+        if (onto) it->second = d;
+        else add(src, d);
+    }
 };
 
 // mul_mat_dropout's dx in one node (mul_mat_dropped) - or the product, the dropout and the add as
@@ -3004,12 +3014,7 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
         }
         if (gb.wants(b)) {  // dx = dropout(aᵀ dc) added onto x's gradient so far as it is made (the add's bits: c + v)
             if (g_mmd_dx_fused) {
-                auto it = gb.grad.find(b);
-                ql_tensor *prev = it == gb.grad.end() ? nullptr : it->second;
-                const bool onto = prev && prev->type == QL_TYPE_F32 && ql_is_contiguous(prev) && ql_same_shape(prev, b);
-                ql_tensor *d = mul_mat_dropped(ctx, ql_transpose(ctx, a), gb.dense(dc), onto ? prev : nullptr, p, seed, stream, row0);
-                if (onto) it->second = d;
-                else gb.add(b, d);
+                gb.add_dropped(b, ql_transpose(ctx, a), gb.dense(dc), p, seed, stream, row0);
             } else {
                 gb.add(b, ql_dropout_rows_to(ctx, ql_mul_mat(ctx, ql_transpose(ctx, a), gb.dense(dc)), p, seed, stream, QL_TYPE_F32, row0));
             }
@@ -3026,12 +3031,7 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
         if (g_mmd_dx_fused && gb.wants(a) && dy && dy->op == QL_OP_MUL_MAT && dy->type == QL_TYPE_F32 && !dy->src[2] &&
             !get_param<int32_t>(dy, 0) && ql_is_contiguous(dy) && ql_same_shape(dy, a) && dy->src[0]->ne[2] == 1 &&
             dy->src[0]->ne[3] == 1) {
-            auto it = gb.grad.find(a);
-            ql_tensor *prev = it == gb.grad.end() ? nullptr : it->second;
-            const bool onto = prev && prev->type == QL_TYPE_F32 && ql_is_contiguous(prev) && ql_same_shape(prev, a);
-            ql_tensor *d = mul_mat_dropped(ctx, dy->src[0], dy->src[1], onto ? prev : nullptr, p, b, stream, row0);
-            if (onto) it->second = d;
-            else gb.add(a, d);
+            gb.add_dropped(a, dy->src[0], dy->src[1], p, b, stream, row0);
             break;
         }
         gb.add(a, ql_dropout_rows_to(ctx, gb.dense(dy), p, b, stream, QL_TYPE_F32, row0));
@@ -3166,7 +3166,7 @@ ql_graph *ql_graph_backward(ql_context *ctx, const ql_graph *gf, ql_tensor *loss
         ql_tensor *d = g->second, *acc = nullptr;
         if (d->op == QL_OP_MUL_MAT && d->type == QL_TYPE_F32 && !d->src[2] && !get_param<int32_t>(d, 0) && ql_is_contiguous(d) &&
             d->src[0]->ne[2] == 1 && d->src[0]->ne[3] == 1 && d->src[1]->ne[2] == 1 && d->src[1]->ne[3] == 1 &&
-            p->grad->ne[2] == 1 && p->grad->ne[3] == 1 && ql_same_shape(p->grad, d) && g_grad_mm_acc)
+            ql_same_shape(p->grad, d) && g_grad_mm_acc)
             acc = mul_mat_rows_impl(ctx, d->src[0], d->src[1], p->grad, 0, true);
         else
             acc = acc_grad(ctx, p->grad, gb.dense(d));
