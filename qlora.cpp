@@ -2278,6 +2278,13 @@ ql_status ql_flash_attn_set_prec(ql_tensor *attn, ql_type prec) {
     return QL_OK;
 }
 
+ql_status ql_flash_attn_set_score_bytes(ql_tensor *attn, size_t bytes) {
+    if (!attn || attn->op != QL_OP_FLASH_ATTN || bytes % ((size_t)1 << 20) != 0 || (bytes >> 20) > (size_t)INT32_MAX)
+        return QL_ERR_INVALID;
+    set_param(attn, 2, (int32_t)(bytes >> 20));  // MiB; 0: the default
+    return QL_OK;
+}
+
 ql_tensor *ql_cache_store(ql_context *ctx, ql_tensor *cache, ql_tensor *src, ql_tensor *pos) {
     if (!srcs_ok(ctx, "cache_store", {cache, src, pos})) return nullptr;
     QL_CHECK(ctx, (cache->type == QL_TYPE_F32 || cache->type == QL_TYPE_F16) && src->type == QL_TYPE_F32 && ql_is_contiguous(cache) &&
@@ -8527,6 +8534,17 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
 bool ql_cuda_fa_gemm(const ql_tensor *node) {
     return ((node->op == QL_OP_FLASH_ATTN && !node->src[4]) || node->op == QL_OP_FLASH_ATTN_BACK) && !ql_cuda_fa_fused(node);
 }
+// the chunk: a power of two in [16, 256] whose scores fit the budget (QLORA_CUDA_FA_SCORE_MB: another
+// budget for every node, for measuring), or all of Tq
+int64_t ql_flash_attn_chunk_rows(int64_t Tq, int64_t Tk, int64_t H, int64_t B, size_t score_bytes) {
+    static const size_t env_bytes = getenv("QLORA_CUDA_FA_SCORE_MB") && atoi(getenv("QLORA_CUDA_FA_SCORE_MB")) > 0
+                                        ? (size_t)atoi(getenv("QLORA_CUDA_FA_SCORE_MB")) << 20
+                                        : 0;
+    const size_t budget = env_bytes ? env_bytes : score_bytes ? score_bytes : QL_FLASH_ATTN_SCORE_BYTES;
+    int64_t c = 16;
+    while (c < 256 && (size_t)(2 * c * Tk * H * B) * sizeof(float) <= budget) c *= 2;
+    return std::min(c, Tq);
+}
 // q [D, Tq, H, B], k [D, Tk, Hkv, B], v [DV, Tk, Hkv, B]; the forward needs K, V, Q, S (+ P in
 // bf16) and the output's chunk [DV, chunk, H, B]; backward also delta [Tq, H, B], dO, dP (+ dS)
 // and dq's chunk in the output's place
@@ -8547,14 +8565,8 @@ size_t ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NB
         const bool copy = back && node->src[5]->type != ct;
         return back ? nd + (copy ? align_up((size_t)(DV * Tq * H * B) * es, QL_ALIGN) : 0) : 0;
     }
-    // the chunk: a power of two in [16, 256] whose scores fit QL_CUDA_FA_SCORE_BYTES (QLORA_CUDA_FA_SCORE_MB:
-    // another budget, for measuring), or all of Tq
-    static const size_t score_bytes = getenv("QLORA_CUDA_FA_SCORE_MB") && atoi(getenv("QLORA_CUDA_FA_SCORE_MB")) > 0
-                                          ? (size_t)atoi(getenv("QLORA_CUDA_FA_SCORE_MB")) << 20
-                                          : QL_CUDA_FA_SCORE_BYTES;
-    int64_t c = 16;
-    while (c < 256 && (size_t)(2 * c * Tk * H * B) * sizeof(float) <= score_bytes) c *= 2;
-    c = std::min(c, Tq);
+    const ql_tensor *fwd = back ? node->src[4] : node;  // (the forward's budget: ql_flash_attn_set_score_bytes)
+    const int64_t c = ql_flash_attn_chunk_rows(Tq, Tk, H, B, (size_t)get_param<int32_t>(fwd, 2) << 20);
     const size_t sc = (size_t)(Tk * c * H * B);  // scores of one chunk
     size_t n[QL_CUDA_FA_NBUF] = {0};
     n[QL_CUDA_FA_DELTA] = back ? (size_t)(Tq * H * B) * sizeof(float) : 0;

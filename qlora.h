@@ -484,6 +484,18 @@ ql_tensor *ql_flash_attn_kv(ql_context *ctx, ql_tensor *q, ql_tensor *k, ql_tens
 // CUDA backend does. Its backward inherits it. QL_ERR_INVALID if attn is not a
 // ql_flash_attn(_kv) result, QL_ERR_TYPE for another prec.
 ql_status ql_flash_attn_set_prec(ql_tensor *attn, ql_type prec);
+// Sizes the query chunks where a backend runs this attention as products over chunks of queries
+// (the CUDA backend's backward, and its forward where no fused kernel takes the shape): a chunk's
+// scores, f32 [Tk, chunk, H, B], fit `bytes` (their gradient takes as much again; chunks are a
+// power of two from 16 to 256 queries, or all of Tq). 0: QL_FLASH_ATTN_SCORE_BYTES. Larger chunks
+// are fewer, larger products for more workspace; dk and dv are summed over the chunks in f32, so
+// their last bits follow the chunking. Its backward inherits it. QL_ERR_INVALID if attn is not a
+// ql_flash_attn(_kv) result or bytes is not a whole number of MiB below 2^31 MiB.
+ql_status ql_flash_attn_set_score_bytes(ql_tensor *attn, size_t bytes);
+#define QL_FLASH_ATTN_SCORE_BYTES ((size_t)32 << 20)
+// The queries a chunk then holds, for q [d, Tq, H, B] over Tk keys and a budget (0: the default;
+// QLORA_CUDA_FA_SCORE_MB in the environment, for measuring, overrides every budget)
+int64_t ql_flash_attn_chunk_rows(int64_t Tq, int64_t Tk, int64_t H, int64_t B, size_t score_bytes);
 
 // Writes src's rows into `cache` starting at row pos[0] of dimension 1 (I32 [1], read at run
 // time): cache [ne0, n_ctx, ne2, ne3] (a leaf that persists across runs), src [ne0, n, ne2,
@@ -1419,12 +1431,11 @@ size_t  ql_cuda_mm_tile_bytes(int64_t row_len, int64_t n_rows, ql_type compute);
 int     ql_cuda_mm_tile_bufs(int64_t row_len, int64_t n_rows, int64_t batches);   // 2 with more than one tile (the overlap) within the budget, else 1
 size_t  ql_cuda_work_size(const ql_tensor *node, int cc);  // per-node workspace bytes on a device of compute capability cc
 // Attention without a KV cache runs as cuBLAS products over chunks of `chunk` queries: per chunk the
-// scores of every head [keys, chunk] in f32 (QL_CUDA_FA_SCORE_BYTES at most, for 16 queries at
+// scores of every head [keys, chunk] in f32 (QL_FLASH_ATTN_SCORE_BYTES at most, for 16 queries at
 // least), q, k, v (backward: dO too) packed in the compute type (bf16 when prec asks and cc >= 80,
 // else f32), the probabilities (and dS) beside them in bf16 or over the scores in f32. The byte
 // offsets of those buffers in the node's workspace, in this order (the fused kernels: delta, and
 // dO in the compute type unless it is in that type already):
-#define QL_CUDA_FA_SCORE_BYTES ((size_t)32 << 20)
 enum { QL_CUDA_FA_DELTA, QL_CUDA_FA_K, QL_CUDA_FA_V, QL_CUDA_FA_Q, QL_CUDA_FA_DO, QL_CUDA_FA_S, QL_CUDA_FA_DP, QL_CUDA_FA_P,
        QL_CUDA_FA_DS, QL_CUDA_FA_OUT, QL_CUDA_FA_NBUF };
 bool    ql_cuda_fa_fused(const ql_tensor *node);       // training attention on tensor cores (FlashAttention-2, WMMA):

@@ -204,6 +204,7 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
                           ql_permute(ctx, k, 0, 2, 1, 3), ql_permute(ctx, v, 0, 2, 1, 3), seg, scale);
     }
     if (a && m->compute == QL_TYPE_BF16 && m->attn_bf16) ql_flash_attn_set_prec(a, QL_TYPE_BF16);
+    if (a && !cache && m->attn_score_bytes) ql_flash_attn_set_score_bytes(a, m->attn_score_bytes);
     a = ql_reshape_3d(ctx, a, d * hp.n_head, T, B);  // in q's type: a 16-bit a is the o projection's input as it is
     // the residual: the o projection adds onto x as it writes - no [E, T] product and add pass;
     // in backward's recompute x (a checkpoint brought back, read again later from its own copy)

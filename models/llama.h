@@ -84,6 +84,9 @@ struct ql_llama {
     // T x n_ff intermediates then exist a chunk at a time, in forward and in recompute. The
     // same numbers (dropout masks included) as unchunked, but for the sums over tokens.
     int64_t ffn_chunk = 0;
+    // attention's score budget (ql_flash_attn_set_score_bytes; 0: the default): the size of a
+    // device's chunks of queries where it runs attention as products
+    size_t attn_score_bytes = 0;
     // inference: the linears' multiplies by the base weights take their activations in 8 bits
     // (ql_mul_mat_set_prec QL_TYPE_Q8_0: integer dot products where the backend has them for the
     // weight's type, decode's few tokens). Within README's bound, not bit-exact: training never sets it

@@ -74,6 +74,7 @@ struct ql_trainer {
     int64_t auto_chunk = 0;      // what auto would choose (0: one chunk suffices)
     int64_t ffn_chunk = 0;       // tokens per feed-forward chunk (0: whole)
     int64_t auto_ffn_chunk = 0;  // what auto would choose (0: one chunk suffices)
+    size_t attn_score = 0;       // attention's score budget (0: the default)
     ql_tensor *seed = nullptr;
     batch_io tr, ev;
     std::vector<ql_tensor *> params;
@@ -295,6 +296,7 @@ static bool build(ql_trainer *t, ql_context *ctx) {
     m.attn_bf16 = !t->o.attn_f32;
     m.ffn_down_f32 = t->o.ffn_down_f32;
     m.ffn_chunk = t->ffn_chunk;
+    m.attn_score_bytes = t->attn_score;
     t->tr = make_io(ctx, m, t->T, t->B, t->packed, true, t->embd_host, t->loss_chunk, t->o.loss_fused, t->l0, t->l1);
     // the policy's levels, and the unfused chunked loss's logits (recomputed whatever the levels)
     if (t->tr.g && (!t->levels.empty() || t->loss_chunk > 0) &&
@@ -787,7 +789,7 @@ static bool choose_memory(ql_trainer *t, std::string *err) {
 // Everything above, and the weights' copies (--cache-weights): on, every choice is made with
 // them; auto, they are added last, only when the plan with them still fits - the first thing
 // given up when memory is tight, before any recompute, offload or embedding choice.
-static bool choose_levels(ql_trainer *t, std::string *err) {
+static bool choose_cache(ql_trainer *t, std::string *err) {
     const int cw = t->on_host ? 0 : t->o.cache_weights;
     set_cache(t, cw == 1);
     if (!choose_memory(t, err)) return false;
@@ -810,6 +812,41 @@ static bool choose_levels(ql_trainer *t, std::string *err) {
         if (!measure(t, err)) return false;
         m.cache_weights = "auto: off (" + mib_text(over) + " over the limit with them)";
     }
+    return true;
+}
+// And attention's score budget (ql_train_options.attn_score_mib): auto doubles the default where
+// that makes the chunks larger and the plan still fits - added after everything else, so the
+// first thing given up (it buys 2-3% of a step; the weights' copies buy more)
+static bool choose_levels(ql_trainer *t, std::string *err) {
+    const size_t base = QL_FLASH_ATTN_SCORE_BYTES, big = 2 * QL_FLASH_ATTN_SCORE_BYTES;
+    const int mib = t->on_host ? 0 : t->o.attn_score_mib;
+    t->attn_score = mib > 0 ? (size_t)mib << 20 : 0;
+    if (!choose_cache(t, err)) return false;
+    ql_memory_plan &m = t->mem;
+    const int64_t H = t->f->model.hp.n_head;
+    auto rows = [&](size_t b) { return ql_flash_attn_chunk_rows(t->T, t->T, H, t->B, b); };
+    m.attn_chunk = t->on_host ? 0 : rows(t->attn_score);
+    m.attn_scores = t->on_host ? "" : mib > 0 ? std::to_string(mib) + " MiB" : "auto: " + std::to_string(base >> 20) + " MiB";
+    if (t->on_host || mib > 0) return true;
+    if (rows(big) == rows(base)) {
+        m.attn_scores += " (twice as much would not make larger chunks)";
+        return true;
+    }
+    if (!fits(t)) {
+        m.attn_scores += " (the plan does not fit as it is)";
+        return true;
+    }
+    t->attn_score = big;
+    if (!measure(t, err)) return false;
+    if (fits(t)) {
+        m.attn_chunk = rows(big);
+        m.attn_scores = "auto: " + std::to_string(big >> 20) + " MiB";
+        return true;
+    }
+    const size_t over = m.total - limit_of(t);
+    t->attn_score = 0;
+    if (!measure(t, err)) return false;
+    m.attn_scores += " (" + mib_text(over) + " over the limit with " + std::to_string(big >> 20) + ")";
     return true;
 }
 
@@ -903,6 +940,12 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
     }
     if (o.vram) t->mem.vram = o.vram;
     const ql_llama &m = f->model;
+    if (o.attn_score_mib > 0 && t->on_host) {
+        *err = "--attn-score-mib: the CPU backend's attention runs in tiles of its own, not as products over chunks of "
+               "queries (it is for a device: --device cuda)";
+        ql_trainer_free(t);
+        return nullptr;
+    }
     if (o.cache_weights == 1 && t->on_host) {
         *err = "--cache-weights on: the CPU backend converts the weights while packing its panels, so a copy would save "
                "nothing (it is for a device: --device cuda)";

@@ -135,6 +135,13 @@ struct ql_train_options {
     // on when the plan with it fits the memory limit with the options chosen without it (the
     // first thing given up). The CPU: off (it converts weights while packing; 1 is refused).
     int cache_weights = -1;
+    // a device run: attention's backward runs as products over chunks of queries, sized by a budget
+    // for one chunk's f32 scores (ql_flash_attn_set_score_bytes), in MiB. 0 auto: twice the default
+    // (QL_FLASH_ATTN_SCORE_BYTES) where the plan fits with it and the chunks grow - fewer, larger
+    // products (at seq 2048 and 32 heads 256 queries a chunk instead of 128: 2-3% of an H200's 1B
+    // and 8B steps, bench/RESULTS.md, session 10), added after the weights' copies, so given up
+    // first; > 0 that budget.
+    int attn_score_mib = 0;
     // a device run: the device memory the plan must fit. 0: the device's free memory at the start
     // (a stand-in has none: no limit); otherwise it caps the plan like mem_limit.
     size_t vram = 0;
@@ -219,6 +226,8 @@ struct ql_memory_plan {
     size_t dev_cache = 0;       // --cache-weights: the frozen weights' copies in the compute type (0: none)
     size_t cache_candidate = 0; // what those copies take (or would), whether or not they are made
     std::string cache_weights;  // the choice and why ("auto: on", "auto: off (does not fit)", "off", "on")
+    int64_t attn_chunk = 0;     // a device run: queries per chunk of attention's products (the longest sequence's)
+    std::string attn_scores;    // its score budget and why ("auto: 64 MiB", "auto: 32 MiB (does not fit with 64)", "48 MiB")
     ql_census census{};         // one micro-batch's training graph on the plan's backend (ql_graph_census)
     // a split (ql_train_options.split): each stage's plan, in order, and the first block of each;
     // the fields above are then the first stage's, but total (every stage's), which fits no one

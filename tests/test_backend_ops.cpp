@@ -1081,6 +1081,15 @@ OP_CASE(flash_attn) {
     check_case(be, "several query chunks, Tq < Tk, dv != d", [](leafs &L) {
         return ql_flash_attn(L.ctx, L.param({16, 270, 2, 1}), L.param({16, 290, 2, 1}), L.param({8, 290, 2, 1}), nullptr, 0.25f);
     }, TOL_F32);
+    // a score budget (ql_flash_attn_set_score_bytes): chunks of 64 queries, ten of them, the last of 24
+    check_case(be, "a score budget of 1 MiB: ten query chunks, the last partial, GQA", [](leafs &L) {
+        ql_tensor *a = ql_flash_attn(L.ctx, L.param({16, 600, 4, 1}), L.param({16, 600, 2, 1}), L.param({16, 600, 2, 1}), nullptr, 0.25f);
+        REQUIRE(ql_flash_attn_set_score_bytes(a, (size_t)1 << 20) == QL_OK);
+        int64_t c = 0;
+        ql_cuda_fa_layout(a, 90, nullptr, &c, nullptr);
+        REQUIRE(c == 64);
+        return a;
+    }, TOL_F32);
     check_case(be, "documents across chunks", [](leafs &L) {
         ql_tensor *seg = L.i32({280, 2}, [](int64_t i) { return (int32_t)((i % 280) < 100 ? 0 : (i % 280) < 261 ? 1 : 2); });
         return ql_flash_attn(L.ctx, L.param({32, 280, 2, 2}), L.param({32, 280, 2, 2}), L.param({32, 280, 2, 2}), seg, 0.2f);

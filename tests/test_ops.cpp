@@ -10,6 +10,7 @@
 // random tensor of the output's shape. Set QL_TEST_VERBOSE=1 to print every measured error.
 #include <doctest/doctest.h>
 
+#define QL_INTERNALS  // ql_cuda_fa_layout, ql_cuda_work_size, ql_cuda_node_launches: a score budget's chunks
 #include "qlora.h"
 
 #include <algorithm>
@@ -1343,6 +1344,47 @@ TEST_CASE("flash_attn in bf16 (ql_flash_attn_set_prec): near the f32 result, rou
             }
         }
     }
+}
+
+TEST_CASE("flash_attn's score budget: a device's chunk of queries, its backward's too; bad budgets refused") {
+    // q [16, 600, 4, 1]: a chunk's scores are c x 600 x 4 f32 - the default budget (32 MiB) takes
+    // the largest chunk (256), 1 MiB 64 (its scores 600 KiB; 128 would be 1.2 MiB)
+    Harness h;
+    ql_tensor *q = h.input(QL_TYPE_F32, {16, 600, 4, 1}, true), *k = h.input(QL_TYPE_F32, {16, 600, 2, 1}, true),
+              *v = h.input(QL_TYPE_F32, {16, 600, 2, 1}, true);
+    ql_tensor *a = ql_flash_attn(h.ctx, q, k, v, nullptr, 0.25f);
+    REQUIRE(a != nullptr);
+    auto chunk = [](const ql_tensor *n) {
+        int64_t c = -1;
+        ql_cuda_fa_layout(n, 90, nullptr, &c, nullptr);
+        return c;
+    };
+    CHECK(ql_flash_attn_chunk_rows(600, 600, 4, 1, 0) == 256);
+    CHECK(ql_flash_attn_chunk_rows(600, 600, 4, 1, (size_t)1 << 20) == 64);
+    CHECK(ql_flash_attn_chunk_rows(100, 600, 4, 1, 0) == 100);  // all of Tq
+    CHECK(ql_flash_attn_chunk_rows(4096, 4096, 32, 8, 0) == 16);  // never below 16
+    CHECK(chunk(a) == 256);
+    const size_t ws_default = ql_cuda_work_size(a, 90);
+    CHECK(ql_flash_attn_set_score_bytes(nullptr, (size_t)1 << 20) == QL_ERR_INVALID);
+    CHECK(ql_flash_attn_set_score_bytes(q, (size_t)1 << 20) == QL_ERR_INVALID);           // not an attention
+    CHECK(ql_flash_attn_set_score_bytes(a, ((size_t)3 << 20) / 2) == QL_ERR_INVALID);      // not whole MiB
+    CHECK(ql_flash_attn_set_score_bytes(a, (size_t)INT32_MAX * 2 << 20) == QL_ERR_INVALID);  // past 2^31 MiB
+    CHECK(chunk(a) == 256);  // (refused: unchanged)
+    REQUIRE(ql_flash_attn_set_score_bytes(a, (size_t)1 << 20) == QL_OK);
+    CHECK(chunk(a) == 64);
+    CHECK(ql_cuda_work_size(a, 90) < ws_default);
+    h.run(a, 1);
+    int n_back = 0;
+    for (int i = 0; i < ql_graph_n_nodes(h.gb); i++) {
+        const ql_tensor *n = ql_graph_node(h.gb, i);
+        if (n->op != QL_OP_FLASH_ATTN_BACK) continue;
+        n_back++;
+        CHECK(chunk(n) == 64);  // the forward's budget
+        CHECK(ql_cuda_node_launches(n, 90, false) == 4 + 9 * 10);  // 600 / 64: 10 chunks, the last of 24
+    }
+    CHECK(n_back == 1);
+    REQUIRE(ql_flash_attn_set_score_bytes(a, 0) == QL_OK);  // the default again
+    CHECK(chunk(a) == 256);
 }
 
 TEST_CASE("flash_attn backward with a 16-bit output: dO read in its type, both passes the same bits, near f32's") {

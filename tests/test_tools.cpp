@@ -933,6 +933,10 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
         {md + " --device cpu --cache-weights on", "--cache-weights on: the CPU backend converts the weights while packing its panels"},
         {md + " --loss-chunk many", "--loss-chunk: 'many' is not a number in [-1, "},
         {md + " --ffn-chunk -2", "--ffn-chunk: '-2' is not a number in [-1, "},
+        {md + " --attn-score-mib 0", "--attn-score-mib: '0' is not auto or a whole number of MiB in [1, 1048576]"},
+        {md + " --attn-score-mib 1.5", "--attn-score-mib: '1.5' is not auto or a whole number of MiB"},
+        {md + " --attn-score-mib", "--attn-score-mib needs a value"},
+        {md + " --device cpu --attn-score-mib 64", "--attn-score-mib: the CPU backend's attention runs in tiles of its own"},
         {md + " --host-mem 64", "--host-mem: '64' "},
         {md + " --host-mem 64G", "--host-mem plans for another machine's memory: with --dry-run"},
         {" -m " + base + " -d " + both + " -o " + out, both + ":2: both \"text\" and \"prompt\"/\"completion\": which to train on is ambiguous"},
@@ -1314,6 +1318,52 @@ TEST_CASE("finetune --cache-weights: auto takes the copies on a large --vram and
     REQUIRE_MESSAGE(run(ft.substr(0, ft.size() - 7) + " --vram 8G", &log) == 0, log);
     CHECK_MESSAGE(has(log, "weights' copies in the compute type"), log);
     CHECK_MESSAGE(has(log, "--cache-weights auto: on"), log);
+}
+
+TEST_CASE("finetune --attn-score-mib: auto takes the larger chunks of attention's products where they fit, and gives "
+          "them up first; a number wins" * needs_tools("make-model finetune")) {
+    tmpdir d;
+    const std::string base = d.path + "/base.gguf", data = d.path + "/long.jsonl";
+    std::string log;
+    // 16 heads at 4096 tokens: the default budget (32 MiB of scores) makes chunks of 128 queries, 64 MiB of 256;
+    // head dim 64, so the forward is the fused kernel's and only the backward runs in chunks
+    REQUIRE(run("./make-model -o " + base + " --dim 1024 --layers 2 --heads 16 --ff 256 --vocab 512 --type nf4", &log) == 0);
+    {
+        std::string a, lines;
+        for (int i = 0; i < 1500; i++) a += "a b c ";
+        for (int i = 0; i < 4; i++) lines += "{\"prompt\": \"q " + std::to_string(i) + "\", \"completion\": \"" + a + "\"}\n";
+        write_file(data, lines);
+    }
+    const std::string ft = "./finetune -m " + base + " -d " + data + " --seq-len 4096 -b 1 --no-dynamic-padding --device cuda --cc 9.0 --dry-run --json";
+    auto plan = [&](const std::string &flags) {
+        REQUIRE_MESSAGE(run(ft + flags + " 2>/dev/null", &log) == 0, log);
+        return json_line(log);
+    };
+    const ql_json big = plan(" --vram 8G"), small = plan(" --vram 8G --attn-score-mib 32");
+    CHECK(jnum(big, "attn_chunk") == 256);
+    CHECK(jstr(big, "attn_scores") == "auto: 64 MiB");
+    CHECK(jnum(small, "attn_chunk") == 128);
+    CHECK(jstr(small, "attn_scores") == "32 MiB");
+    // twice the chunk, half the chunks: the backward's launches (4 + 9 a chunk) fall by 9 x 16 a block
+    CHECK(jnum(*small.get("census"), "launches") - jnum(*big.get("census"), "launches") == 2 * 9 * 16);
+    CHECK(jnum(big, "workspace") > jnum(small, "workspace"));
+    CHECK(jnum(big, "total") > jnum(small, "total"));
+    // a card that holds the plan with the default chunks but not with the larger ones: auto keeps
+    // the default and says why; nothing else changes for their sake
+    const std::string tight = std::to_string((long long)(jnum(small, "total") + jnum(big, "total")) / 2) + "B";
+    const ql_json mid = plan(" --vram " + tight);
+    CHECK(jnum(mid, "attn_chunk") == 128);
+    CHECK(has(jstr(mid, "attn_scores"), "auto: 32 MiB ("));
+    CHECK(has(jstr(mid, "attn_scores"), "over the limit with 64)"));
+    CHECK(jnum(mid, "total") == jnum(small, "total"));
+    CHECK(jstr(mid, "checkpointing") == jstr(small, "checkpointing"));
+    // a short sequence: the default chunk holds every query already
+    const ql_json shrt = plan(" --vram 8G --seq-len 256");
+    CHECK(jnum(shrt, "attn_chunk") == 256);
+    CHECK(has(jstr(shrt, "attn_scores"), "auto: 32 MiB (twice as much would not make larger chunks)"));
+    // the table says it
+    REQUIRE_MESSAGE(run(ft.substr(0, ft.size() - 7) + " --vram 8G", &log) == 0, log);
+    CHECK_MESSAGE(has(log, "attention's backward products: chunks of 256 queries (--attn-score-mib auto: 64 MiB)"), log);
 }
 
 TEST_CASE("finetune --precision: fp16's scale and skips in the progress line and metrics (valid JSON); auto by the CPU" * needs_tools("make-model finetune")) {
