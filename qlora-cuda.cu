@@ -1698,6 +1698,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
     if (acc && !acc16 && acc->data != node->data)
         CU_CHECK(c, cudaMemcpyAsync(C, acc->data, ql_nbytes(node), cudaMemcpyDeviceToDevice, c.stream));
     const float beta0 = acc && !acc16 ? 1.0f : 0.0f;  // the GEMMs' beta over C
+    const float alpha = ql_mul_mat_alpha(node);      // ql_mul_mat_scaled_to: the epilogue's (f32, before rounding)
 
     // B: in place, or copied contiguous (K x N per batch) into the workspace
     const char *bp = (const char *)b->data;
@@ -1796,7 +1797,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
             const int64_t i3 = ia3 * r3 + j3;
             const cu_operand B = cu_as_operand(bp + ia2 * r2 * bnb2 + i3 * bnb3, es, bnb0, bnb1, K, N, false);
             cu_gemm_to(c, ct, A, 0, B, bnb2 / (int64_t)es, C + ((i3 * B2 + ia2 * r2) * sC + m0) * cs, rt, M, sC, mt, N, K, (int)r2,
-                       beta0);
+                       beta0, alpha);
             if (c.failed) return;
         }
         if (!direct) o.read[buf] = ++o.pos[0];

@@ -2114,6 +2114,19 @@ ql_tensor *ql_mul_mat(ql_context *ctx, ql_tensor *a, ql_tensor *b) { return mul_
 
 ql_tensor *ql_mul_mat_to(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_type type) { return mul_mat_impl(ctx, a, b, type); }
 
+// params: slot 1 the scale (float), slot 2 set when there is one (a zeroed node is unscaled)
+ql_tensor *ql_mul_mat_scaled_to(ql_context *ctx, ql_tensor *a, ql_tensor *b, float s, ql_type type) {
+    ql_tensor *y = mul_mat_impl(ctx, a, b, type);
+    if (y && s != 1.0f) {
+        set_param(y, 1, s);
+        set_param(y, 2, (int32_t)1);
+    }
+    return y;
+}
+float ql_mul_mat_alpha(const ql_tensor *mm) {
+    return mm && mm->op == QL_OP_MUL_MAT && mm->op_params[2] ? get_param<float>(mm, 1) : 1.0f;
+}
+
 ql_tensor *ql_mul_mat_acc(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor *c) {
     if (!srcs_ok(ctx, "mul_mat_acc", {a, b, c})) return nullptr;
     QL_CHECK(ctx, c->type == QL_TYPE_F32 || c->type == b->type, QL_ERR_TYPE,
@@ -2927,7 +2940,11 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
         // (a block-quantized frozen `a` is transposed as a view only mul_mat reads: dx = dy W).
         // A 16-bit b made it a 16-bit multiply: so are both of backward's, dc rounded to b's type
         // (where fp16 gradients underflow or overflow: what loss scaling is for); sums stay f32.
-        ql_tensor *dc = b->type == QL_TYPE_F32 ? dy : gb.cast(dy, b->type);
+        // Scaled (ql_mul_mat_scaled_to): dy s first - QL_OP_SCALE's backward, so the same nodes
+        // (a cast of it is one ql_scale_to) as the product and the scale apart
+        const float alpha = ql_mul_mat_alpha(node);
+        ql_tensor *dys = alpha == 1.0f ? dy : ql_scale(ctx, gb.dense(dy), alpha);
+        ql_tensor *dc = b->type == QL_TYPE_F32 ? dys : gb.cast(dys, b->type);
         if (gb.wants(a)) {
             ql_tensor *bb = b, *dd = dc;
             if (a->ne[2] * a->ne[3] == 1 && b->ne[2] * b->ne[3] > 1 && dc && ql_is_contiguous(b) && ql_is_contiguous(dc)) {
@@ -7088,6 +7105,7 @@ struct mm_problem {
     size_t wb2, wb3, xb2, xb3, cb2, cb3;  // batch strides in bytes
     bool q8;                // the 8-bit activations' path (mm_q8) takes it
     ql_type ct = QL_TYPE_F32;         // the result's type; a 16-bit one is made through mm_stage (c: its bytes)
+    float alpha = 1.0f;               // ql_mul_mat_scaled_to's s: each sum times it in the staging block, then stored
     const uint8_t *ci16 = nullptr;    // ql_mul_mat_acc's 16-bit c, else NULL
     // mul_mat_dropped's epilogue (an f32 result made through mm_stage): each sum dropped out by
     // its index ((row0 + i) ldc + j: the whole result's mask) before ci is added - so c may be ci
@@ -7177,7 +7195,7 @@ static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
             else
                 mm_packed(w, x, c, cin, ldc, P.K, i0, i1, j0, j1, work, L);
         };
-        if (P.ct == QL_TYPE_F32 && !P.drop) {
+        if (P.ct == QL_TYPE_F32 && !P.drop && P.alpha == 1.0f) {
             float *c = (float *)((uint8_t *)P.c + i2 * P.cb2 + i3 * P.cb3);
             run(c, P.ci ? (const float *)((const uint8_t *)P.ci + i2 * P.cb2 + i3 * P.cb3) : nullptr, P.ldc, ib, ie, jb, je);
             continue;
@@ -7209,6 +7227,7 @@ static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
                 for (int64_t i = i0; i < i1; i++) {
                     float *s = st + (i - i0) * n;
                     const size_t o = (size_t)(i * P.ldc + j0) * tt.type_size;
+                    if (P.alpha != 1.0f) row_scale(n, P.alpha, s, s);  // (ql_scale_to's product: the same bits)
                     if (ci16) {
                         tt.to_float(ci16 + o, crow, n);
                         for (int64_t j = 0; j < n; j++) s[j] = crow[j] + s[j];
@@ -7237,6 +7256,7 @@ static mm_problem mm_problem_of(const ql_tensor *dst) {
     if (b->type != QL_TYPE_F32 && a->type != b->type) P.w.round = b->type;
     P.c = (float *)dst->data;
     P.ct = dst->type;
+    P.alpha = ql_mul_mat_alpha(dst);
     const bool c16 = dst->type != QL_TYPE_F32;  // ql_mul_mat_acc's c has the result's type
     P.ci = dst->src[2] && !c16 ? (const float *)dst->src[2]->data : nullptr;  // contiguous, dst's shape: dst's strides
     P.ci16 = dst->src[2] && c16 ? (const uint8_t *)dst->src[2]->data : nullptr;
@@ -7266,7 +7286,7 @@ static mm_problem mm_problem_of(const ql_tensor *dst) {
     const bool nf4_whole = (a->type != QL_TYPE_NF4 && a->type != QL_TYPE_NF4_NODQ) ||
                            (P.K % QL_NF4_BLOCK == 0 && first * 2 % QL_NF4_BLOCK == 0 && P.w.smn * 2 % QL_NF4_BLOCK == 0);
     P.q8 = get_param<int32_t>(dst, 0) == QL_TYPE_Q8_0 && qb > 0 && !trows && mm_k_contig(P.w) && b->type == QL_TYPE_F32 &&
-           mm_k_contig(P.x) && P.n_batch == 1 && (P.N <= MM_Q8_MAX_N || mm_q8g_type(a->type)) && P.K > 0 && P.K % qb == 0 && nf4_whole && !c16;
+           mm_k_contig(P.x) && P.n_batch == 1 && (P.N <= MM_Q8_MAX_N || mm_q8g_type(a->type)) && P.K > 0 && P.K % qb == 0 && nf4_whole && !c16 && P.alpha == 1.0f;
     return P;
 }
 
@@ -7395,7 +7415,7 @@ static size_t cpu_work_per_thread(const ql_tensor *node, int nth) {
     case QL_OP_MUL_MAT: {
         const mm_problem P = mm_problem_of(node);
         if (P.q8) return P.N > MM_Q8_MAX_N ? mm_q8g_work(P.N, P.K, P.w.type) : mm_q8_work(P.N, P.K, mm_q8_block(P.w.type));
-        return (mm_layout_of(P.M, P.N, P.K).total + (P.ct == QL_TYPE_F32 ? 0 : mm_stage_floats(P, nth))) * sizeof(float);
+        return (mm_layout_of(P.M, P.N, P.K).total + (P.ct == QL_TYPE_F32 && P.alpha == 1.0f ? 0 : mm_stage_floats(P, nth))) * sizeof(float);
     }
     case QL_OP_MUL_MAT_ROWS: {
         ql_tensor mm;
@@ -8385,8 +8405,8 @@ int ql_cuda_mm_tile_bufs(int64_t row_len, int64_t n_rows, int64_t batches) {
 // no dequantised tile, no workspace. a: a whole 2-D weight (block-quantized or 16/32-bit) with
 // rows of a multiple of 32; b: at most QL_CUDA_GEMV_MAX_N columns of K contiguous elements; an
 // f32 result, no accumulation onto c.
-bool ql_cuda_mm_gemv(const ql_tensor *node) {
-    if (node->op != QL_OP_MUL_MAT || node->type != QL_TYPE_F32 || node->src[2]) return false;
+bool ql_cuda_mm_gemv(const ql_tensor *node) {  // (a scaled product: the GEMM's alpha)
+    if (node->op != QL_OP_MUL_MAT || node->type != QL_TYPE_F32 || node->src[2] || ql_mul_mat_alpha(node) != 1.0f) return false;
     const ql_tensor *a = node->src[0], *b = node->src[1];
     const ql_type_traits *t = ql_type_traits_get(a->type);
     if (!t || (!t->to_float && !t->to_float_aux) || a->type == QL_TYPE_I32 || a->type == QL_TYPE_I8) return false;
@@ -8422,7 +8442,9 @@ size_t ql_cuda_mm_q8_layout(int64_t N, int64_t K, int qb, size_t off[2]) {
 // on an H200 in session 10, 1B 25,098 against 25,206 tokens/s, 8B 7,270 against 7,304)
 static const bool g_cuda_thin_f32 = getenv("QLORA_CUDA_THIN") && strcmp(getenv("QLORA_CUDA_THIN"), "all") == 0;
 bool ql_cuda_mm_thin(const ql_tensor *node) {
-    if (node->op != QL_OP_MUL_MAT || ql_cuda_mm_gemv(node) || !node->src[2] || (node->type == QL_TYPE_F32 && !g_cuda_thin_f32)) return false;
+    if (node->op != QL_OP_MUL_MAT || ql_cuda_mm_gemv(node) || !node->src[2] || (node->type == QL_TYPE_F32 && !g_cuda_thin_f32) ||
+        ql_mul_mat_alpha(node) != 1.0f)
+        return false;
     const ql_tensor *a = node->src[0], *b = node->src[1];
     const bool plain = a->type == QL_TYPE_F32 || a->type == QL_TYPE_F16 || a->type == QL_TYPE_BF16;
     return plain && !ql_cuda_mm_trows(a) && a->ne[0] <= QL_CUDA_THIN_K && a->ne[2] == 1 && a->ne[3] == 1 && b->ne[2] == 1 &&

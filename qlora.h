@@ -421,6 +421,11 @@ ql_tensor *ql_mul_mat_to(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_type ty
 // rounded once on store - the bits of ql_cast(ql_add(ql_cast(c, F32), ql_mul_mat(a, b)), c's
 // type) for any K. (So a LoRA'd 16-bit linear is rounded twice: W x on its store, then W x + B(.).)
 ql_tensor *ql_mul_mat_acc(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor *c);
+// s (a b) in `type` (f32, or b's 16-bit type), each sum times s in f32 and then rounded once on
+// store: the bits of ql_scale_to(ql_mul_mat(a, b), s, type) without the f32 product or a second
+// pass (LoRA's scale on A's product; on a GPU the GEMM's alpha). s == 1: ql_mul_mat_to.
+ql_tensor *ql_mul_mat_scaled_to(ql_context *ctx, ql_tensor *a, ql_tensor *b, float s, ql_type type);
+float ql_mul_mat_alpha(const ql_tensor *mm);  // a product's s (ql_mul_mat_scaled_to), else (or not a product) 1
 // Asks for a multiply's activations in 8 bits (prec QL_TYPE_Q8_0; QL_TYPE_F32, the default, is
 // exact): b's rows rounded per block to int8 with an f32 scale, dotted in integers with a's
 // packed blocks - llama.cpp's way of running a quantised model. For inference only: the result

@@ -108,6 +108,12 @@ static const char *dropout_env() {
     return env ? env : "";
 }
 
+// QLORA_MM_SCALE=0: LoRA's scale as a pass after A's product, not in it (A/B runs: the same bits)
+static bool scale_env_off() {
+    static const bool off = getenv("QLORA_MM_SCALE") && strcmp(getenv("QLORA_MM_SCALE"), "0") == 0;
+    return off;
+}
+
 // whether linear_c reads x itself, not only xc: adapter dropout drawn over f32 x
 static bool reads_x(const ql_llama *m, const ql_tensor *w) {
     auto it = m->lora.find(w);
@@ -150,15 +156,19 @@ static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
     const ql_lora_pair &p = it->second;  // [in, r] then [r, out]
     const bool drop = m->lora_dropout && p.seed && p.dropout > 0;
     const bool env_unfused = strcmp(dropout_env(), "0") == 0, env_x16 = strcmp(dropout_env(), "16") == 0;
-    ql_tensor *ax;  // A dropout(x) [r, T]: the mask applied as A's multiply reads x (or xc), or a dropped-out copy of x first
-    if (drop && m->lora_dropout_fused && !env_unfused)
-        ax = ql_mul_mat_dropout(ctx, p.a, m->lora_dropout_x16 || env_x16 ? xc : x, p.dropout, p.seed, p.stream, ct, row0);
-    else  // (the copy in the compute type as made)
-        ax = ql_mul_mat(ctx, p.a, drop ? ql_dropout_rows_to(ctx, x, p.dropout, p.seed, p.stream, ct, row0) : xc);
-    // the scale on the rank-r side: a pass over [r, T] instead of over [out, T], forward and back,
-    // its result rounded to the compute type as it is written (one node: no cast after it);
-    // B's multiply adds onto W x as it writes (in place where W x dies there): no pass for the add
-    return ql_mul_mat_acc(ctx, p.b, ql_scale_to(ctx, ax, p.scale, ct), y);
+    // the scale on the rank-r side: over [r, T] instead of [out, T], forward and back, its result
+    // rounded to the compute type as it is written: A's multiply's own (its GEMM's alpha), or with
+    // dropout inside the multiply one pass after it. B's multiply adds onto W x as it writes (in
+    // place where W x dies there): no pass for the add
+    ql_tensor *sax;  // s A dropout(x) [r, T]: the mask applied as A's multiply reads x (or xc), or a dropped-out copy of x first
+    if (drop && m->lora_dropout_fused && !env_unfused) {
+        ql_tensor *ax = ql_mul_mat_dropout(ctx, p.a, m->lora_dropout_x16 || env_x16 ? xc : x, p.dropout, p.seed, p.stream, ct, row0);
+        sax = ql_scale_to(ctx, ax, p.scale, ct);
+    } else {  // (the copy in the compute type as made)
+        ql_tensor *in = drop ? ql_dropout_rows_to(ctx, x, p.dropout, p.seed, p.stream, ct, row0) : xc;
+        sax = scale_env_off() ? ql_scale_to(ctx, ql_mul_mat(ctx, p.a, in), p.scale, ct) : ql_mul_mat_scaled_to(ctx, p.a, in, p.scale, ct);
+    }
+    return ql_mul_mat_acc(ctx, p.b, sax, y);
 }
 
 ql_tensor *ql_llama_linear(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x) {

@@ -1056,6 +1056,31 @@ OP_CASE(mul_mat_dropout) {
         }, t == QL_TYPE_F32 ? TOL_MM : TOL_16, false);
 }
 
+// ql_mul_mat_scaled_to: the scale in the GEMM's alpha (not the decode gemv's or the thin kernel's:
+// those take none), a 16-bit result rounded after it; a few tokens (the gemv's shapes) and many, an
+// NF4 a (tiles)
+OP_CASE(mul_mat_scaled) {
+    for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16}) {
+        check_case(be, "scaled product, many tokens", [t](leafs &L) {
+            ql_tensor *b = t == QL_TYPE_F32 ? L.param({96, 150}) : ql_cast(L.ctx, L.param({96, 150}), t);
+            ql_tensor *y = ql_mul_mat_scaled_to(L.ctx, L.param({96, 24}), b, 0.375f, t);
+            REQUIRE(ql_mul_mat_alpha(y) == 0.375f);
+            return t == QL_TYPE_F32 ? y : ql_cast(L.ctx, y, QL_TYPE_F32);
+        }, t == QL_TYPE_F32 ? TOL_MM : TOL_16);
+        check_case(be, "scaled product, 4 tokens (not the gemv)", [t](leafs &L) {
+            ql_tensor *b = t == QL_TYPE_F32 ? L.param({64, 4}) : ql_cast(L.ctx, L.param({64, 4}), t);
+            ql_tensor *y = ql_mul_mat_scaled_to(L.ctx, L.param({64, 16}), b, -2.5f, t);
+            REQUIRE(!ql_cuda_mm_gemv(y));
+            return t == QL_TYPE_F32 ? y : ql_cast(L.ctx, y, QL_TYPE_F32);
+        }, t == QL_TYPE_F32 ? TOL_MM : TOL_16);
+    }
+    check_case(be, "scaled product, an NF4 a in tiles, bf16", [](leafs &L) {
+        ql_tensor *w = L.rand(QL_TYPE_NF4, {128, 40});
+        return ql_cast(L.ctx, ql_mul_mat_scaled_to(L.ctx, w, ql_cast(L.ctx, L.param({128, 70}), QL_TYPE_BF16), 0.5f, QL_TYPE_BF16),
+                       QL_TYPE_F32);
+    }, TOL_16);
+}
+
 // fa_mode_guard: a CUDA attention mode (ql_cuda_fa_set_mode) for one case, the previous one after
 struct fa_mode_guard {
     int was = ql_cuda_fa_get_mode();

@@ -798,7 +798,7 @@ TEST_CASE("llama: adapter dropout inside A's multiply gives the copies' loss and
 // and one scale per adapted linear each way. Each norm multiplies its weight in (ql_rms_norm_mul),
 // and its backward multiplies dy by it: no mul by a norm weight either way. Every compute type,
 // the FFN whole and in chunks (a norm per chunk), adapter dropout in A's multiply or as copies
-TEST_CASE("llama: LoRA's scale is written in the compute type, norms multiply their weight in; forward and backward") {
+TEST_CASE("llama: LoRA's scale is written in the compute type (by A's product where dropout is not in it), norms multiply their weight in; forward and backward") {
     const int V = 50, E = 64, N = 24;
     tiny_llama t(tiny_hparams(V, E, 96, 2, 4, 2), 11, 0.2f);
     for (ql_type ct : {QL_TYPE_F32, QL_TYPE_BF16, QL_TYPE_F16})
@@ -827,6 +827,7 @@ TEST_CASE("llama: LoRA's scale is written in the compute type, norms multiply th
                 ql_graph *gb = ql_graph_backward(ctx, gf, loss);
                 REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
                 int n_scale[2] = {0, 0}, n_cast_of_scale = 0;  // scales in the compute type: forward, backward
+                int n_scaled[2] = {0, 0};                      // products scaled as they write (alpha / r = 2)
                 int n_norm[2] = {0, 0}, n_mul_by_norm_weight = 0;     // norms with their weight: forward, backward
                 int n_norm16 = 0, n_cast_of_norm = 0;                 // norms written in the compute type; casts reading a norm
                 auto norm_weight = [&m](const ql_tensor *w) {
@@ -845,12 +846,17 @@ TEST_CASE("llama: LoRA's scale is written in the compute type, norms multiply th
                     if (n->op == QL_OP_RMS_NORM_BACK && norm_weight(n->src[2])) n_norm[1]++;
                     const bool of_product = n->src[0] && (n->src[0]->op == QL_OP_MUL_MAT || n->src[0]->op == QL_OP_MUL_MAT_DROPOUT);
                     if (n->op == QL_OP_SCALE && n->type == ct && of_product) n_scale[i >= ql_graph_n_nodes(gf)]++;
+                    if (n->op == QL_OP_MUL_MAT && n->type == ct && ql_mul_mat_alpha(n) == 2.0f) n_scaled[back]++;
                     if (n->op == QL_OP_CONT && n->src[0]->op == QL_OP_SCALE) n_cast_of_scale++;
                 }
                 const int per_layer = chunk ? 4 + 3 * 3 : 7;  // q k v o, then gate up down per chunk (24 rows: 3 chunks)
                 CHECK(n_cast_of_scale == 0);
-                CHECK(n_scale[0] == 2 * per_layer);
+                // forward: the scale is A's product's own (ql_mul_mat_scaled_to), or with dropout in the
+                // product one pass after it; backward: s dc, one ql_scale_to before A's two products
+                CHECK(n_scale[0] == (fused == 1 ? 2 * per_layer : 0));
+                CHECK(n_scaled[0] == (fused == 1 ? 0 : 2 * per_layer));
                 CHECK(n_scale[1] == 2 * per_layer);
+                CHECK(n_scaled[1] == 0);
                 const int norms = chunk ? 1 + 3 : 2;  // per layer: attention's, the FFN's (per chunk)
                 CHECK(n_mul_by_norm_weight == 0);
                 CHECK(n_norm[0] == 2 * norms + 1);  // (+ the head's)

@@ -1112,7 +1112,7 @@ TEST_CASE("get_rows") {
                  [&](Harness &h) {
                      ql_tensor *a = h.input(g.atype, {E, R, 1, 1}, g.atype == QL_TYPE_F32);
                      ql_tensor *y = ql_get_rows(h.ctx, a, h.ints(g.idn, ids));
-                     REQUIRE_MESSAGE(y != nullptr, ql_ctx_error(h.ctx));
+                     REQUIRE_MESSAGE(y != nullptr, std::string(ql_ctx_error(h.ctx)));
                      CHECK(y->ne[0] == E);
                      CHECK(y->ne[1] == g.idn[0]);
                      CHECK(y->ne[2] == g.idn[1]);
@@ -1344,6 +1344,45 @@ TEST_CASE("flash_attn in bf16 (ql_flash_attn_set_prec): near the f32 result, rou
             }
         }
     }
+}
+
+TEST_CASE("mul_mat_scaled_to: the bits of ql_scale_to(ql_mul_mat(a, b), s, type), forward and backward, in one node") {
+    // the dot path (a few f32 columns), the packed one, a 16-bit b (its result in 16 bits), 1 and 2 threads
+    struct C { int64_t K, M, N; ql_type bt; };
+    for (const C c : {C{64, 16, 3, QL_TYPE_F32}, C{96, 40, 300, QL_TYPE_F32}, C{64, 16, 200, QL_TYPE_BF16}, C{72, 24, 5, QL_TYPE_F16}})
+        for (int nt : {1, 2}) {
+            INFO("K " << c.K << " M " << c.M << " N " << c.N << " b " << std::string(ql_type_name(c.bt)) << ", " << nt << " threads");
+            Vec out[2], ga[2], gb[2];
+            for (int one = 0; one < 2; one++) {
+                Harness h;
+                ql_tensor *a = h.input(QL_TYPE_F32, {c.K, c.M, 1, 1}, true), *b = h.input(c.bt, {c.K, c.N, 1, 1}, c.bt == QL_TYPE_F32);
+                ql_tensor *y = one ? ql_mul_mat_scaled_to(h.ctx, a, b, 0.37f, c.bt) : ql_scale_to(h.ctx, ql_mul_mat(h.ctx, a, b), 0.37f, c.bt);
+                REQUIRE_MESSAGE(y != nullptr, std::string(ql_ctx_error(h.ctx)));
+                CHECK(y->op == (one ? QL_OP_MUL_MAT : QL_OP_SCALE));
+                CHECK(ql_mul_mat_alpha(y) == (one ? 0.37f : 1.0f));
+                h.run(c.bt == QL_TYPE_F32 ? y : ql_cast(h.ctx, y, QL_TYPE_F32), nt);
+                int n_scale = 0;
+                for (int i = 0; i < ql_graph_n_nodes(h.gf); i++) n_scale += ql_graph_node(h.gf, i)->op == QL_OP_SCALE;
+                CHECK(n_scale == (one ? 0 : 1));  // forward: the scale is the product's own
+                out[one] = h.output();
+                ga[one] = h.grad(0);
+                if (c.bt == QL_TYPE_F32) gb[one] = h.grad(1);
+            }
+            CHECK(out[0] == out[1]);
+            CHECK(ga[0] == ga[1]);
+            CHECK(gb[0] == gb[1]);
+            double mx = 0;
+            for (float v : out[1]) mx = std::max(mx, (double)std::fabs(v));
+            CHECK(mx > 0.1);  // (not all zeros)
+        }
+    // s == 1 is the plain product; a scale is a MUL_MAT's only
+    Harness h;
+    ql_tensor *a = h.input(QL_TYPE_F32, {8, 4, 1, 1}, true), *b = h.input(QL_TYPE_F32, {8, 3, 1, 1}, false);
+    CHECK(ql_mul_mat_alpha(ql_mul_mat_scaled_to(h.ctx, a, b, 1.0f, QL_TYPE_F32)) == 1.0f);
+    CHECK(ql_mul_mat_alpha(ql_mul_mat(h.ctx, a, b)) == 1.0f);
+    CHECK(ql_mul_mat_alpha(ql_scale(h.ctx, a, 3.0f)) == 1.0f);
+    CHECK(ql_mul_mat_alpha(nullptr) == 1.0f);
+    CHECK(ql_mul_mat_scaled_to(h.ctx, a, b, 2.0f, QL_TYPE_BF16) == nullptr);  // a 16-bit result needs a 16-bit b
 }
 
 TEST_CASE("flash_attn's score budget: a device's chunk of queries, its backward's too; bad budgets refused") {
