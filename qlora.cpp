@@ -2126,6 +2126,12 @@ ql_tensor *ql_mul_mat_scaled_to(ql_context *ctx, ql_tensor *a, ql_tensor *b, flo
 float ql_mul_mat_alpha(const ql_tensor *mm) {
     return mm && mm->op == QL_OP_MUL_MAT && mm->op_params[2] ? get_param<float>(mm, 1) : 1.0f;
 }
+// a product that is a b and nothing more - f32, contiguous, onto nothing, exact (no 8-bit
+// activations), unscaled, its a one matrix: what backward may rebuild from its sources alone
+static bool plain_product(const ql_tensor *t) {
+    return t && t->op == QL_OP_MUL_MAT && t->type == QL_TYPE_F32 && !t->src[2] && !get_param<int32_t>(t, 0) &&
+           ql_mul_mat_alpha(t) == 1.0f && ql_is_contiguous(t) && t->src[0]->ne[2] == 1 && t->src[0]->ne[3] == 1;
+}
 
 ql_tensor *ql_mul_mat_acc(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor *c) {
     if (!srcs_ok(ctx, "mul_mat_acc", {a, b, c})) return nullptr;
@@ -3052,9 +3058,7 @@ static void backward_node(grad_builder &gb, ql_tensor *node, ql_tensor *dy) {
         // the dropped copy one product read (LoRA's A over dropout(x), unfused): dx = dropout(Aᵀ dc)
         // as mul_mat_dropout's backward makes it - one node, added onto x's gradient so far as it is
         // written, instead of the product, the dropout and the add (the same bits: c + v)
-        if (g_mmd_dx_fused && gb.wants(a) && dy && dy->op == QL_OP_MUL_MAT && dy->type == QL_TYPE_F32 && !dy->src[2] &&
-            !get_param<int32_t>(dy, 0) && ql_is_contiguous(dy) && ql_same_shape(dy, a) && dy->src[0]->ne[2] == 1 &&
-            dy->src[0]->ne[3] == 1) {
+        if (g_mmd_dx_fused && gb.wants(a) && plain_product(dy) && ql_same_shape(dy, a)) {
             gb.add_dropped(a, dy->src[0], dy->src[1], p, b, stream, row0);
             break;
         }
@@ -3188,9 +3192,7 @@ ql_graph *ql_graph_backward(ql_context *ctx, const ql_graph *gf, ql_tensor *loss
         // it (mul_mat_rows adding over all rows): no [M, N] product apart, one launch fewer -
         // the LoRA factors' gradients, two per adapted linear
         ql_tensor *d = g->second, *acc = nullptr;
-        if (d->op == QL_OP_MUL_MAT && d->type == QL_TYPE_F32 && !d->src[2] && !get_param<int32_t>(d, 0) && ql_is_contiguous(d) &&
-            d->src[0]->ne[2] == 1 && d->src[0]->ne[3] == 1 && d->src[1]->ne[2] == 1 && d->src[1]->ne[3] == 1 &&
-            ql_same_shape(p->grad, d) && g_grad_mm_acc)
+        if (plain_product(d) && d->src[1]->ne[2] == 1 && d->src[1]->ne[3] == 1 && ql_same_shape(p->grad, d) && g_grad_mm_acc)
             acc = mul_mat_rows_impl(ctx, d->src[0], d->src[1], p->grad, 0, true);
         else
             acc = acc_grad(ctx, p->grad, gb.dense(d));
