@@ -1721,7 +1721,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
     // columns of every row (Wᵀ dy), a plain type converted. Tile j of a's batch (ia2, ia3)
     // covers m in [m0, m0 + mt); the planner's rules give the tile and the buffers
     // (a cached weight W, or Wᵀ: read in place from its copy in the compute type, ql_backend_cache_weights)
-    const ql_tensor *cw = ql_cuda_mm_cached(a);
+    const ql_tensor *cw = ql_cuda_mm_cached(a, ct);
     const ql_weight_copy *copy = cw ? (const ql_weight_copy *)cw->extra : nullptr;
     if (cw && (!copy || copy->type != ct)) {
         char why[160];
@@ -2776,7 +2776,7 @@ __global__ void k_adamw(float *w, float *m, float *v, const float *g, int64_t n,
 // ql_adamw8bit_update's expressions. Every thread of the block calls it.
 __device__ __forceinline__ void cu_adamw8_block(float *w, uint8_t *qm, float *am, uint8_t *qv, float *av, const float *g, int64_t n,
                                                 int64_t b, float b1, float b2, float step_size, float eps, float decay, float gscale,
-                                                float *sh) {
+                                                float *sh, char *w16 = nullptr, int w16_type = 0) {
     const int64_t i = b * QL_OPT8_BLOCK + threadIdx.x;
     const bool in = i < n;
     float mi = 0, vi = 0;
@@ -2792,6 +2792,7 @@ __device__ __forceinline__ void cu_adamw8_block(float *w, uint8_t *qm, float *am
         } else {
             mi = vi = 0.0f;
         }
+        if (w16) cu_st(w16 + i * 2, w16_type, w[i]);  // the parameter's copy: k_convert_2d's rounding
     }
     const float mx_m = cu_block_max(fabsf(mi), sh), mx_v = cu_block_max(vi, sh);
     if (threadIdx.x == 0) {
@@ -2916,7 +2917,8 @@ __global__ void __launch_bounds__(QL_OPT8_BLOCK) k_grad_stats_multi(const ql_opt
 }
 
 // One AdamW step of every group, block c updating chunk c (of QL_OPT8_BLOCK elements, one a
-// thread) of its group, f32 or 8-bit. The gradient factor (unscale, clip) comes from the
+// thread) of its group, f32 or 8-bit, and the parameter's 16-bit copy where it has one (its
+// products then read no f32 factor). The gradient factor (unscale, clip) comes from the
 // statistics in result, on the device; a non-finite element anywhere skips the whole step.
 __global__ void __launch_bounds__(QL_OPT8_BLOCK) k_adamw_multi(const ql_optim_desc *desc, int n_groups, const double *result,
                                                              float b1, float b2, float step_size, float eps, float decay,
@@ -2935,11 +2937,13 @@ __global__ void __launch_bounds__(QL_OPT8_BLOCK) k_adamw_multi(const ql_optim_de
     const ql_optim_desc d = desc[lo];
     if (!d.m_absmax) {
         const int64_t i = (c - d.chunk0) * QL_OPT8_BLOCK + threadIdx.x;
-        if (i < d.n) cu_adamw_elem(d.w, (float *)d.m, (float *)d.v, d.g, i, b1, b2, step_size, eps, decay, gscale);
+        if (i >= d.n) return;
+        cu_adamw_elem(d.w, (float *)d.m, (float *)d.v, d.g, i, b1, b2, step_size, eps, decay, gscale);
+        if (d.w16) cu_st((char *)d.w16 + i * 2, (int)d.w16_type, d.w[i]);  // the parameter's copy: k_convert_2d's rounding
         return;
     }
     cu_adamw8_block(d.w, (uint8_t *)d.m, d.m_absmax, (uint8_t *)d.v, d.v_absmax, d.g, d.n, c - d.chunk0, b1, b2, step_size, eps, decay,
-                    gscale, sh);
+                    gscale, sh, (char *)d.w16, (int)d.w16_type);
 }
 
 static void cu_grad_stats_multi_launch(cu_ctx &c, const ql_optim_list *l) {

@@ -4023,7 +4023,7 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
         double b = (double)ql_nbytes(n);
         for (const ql_tensor *sr : n->src)
             if (sr) b += (double)(ql_nbytes(sr) + (sr->view_src ? 0 : sr->aux_size));
-        if (!caps.host && n->op == QL_OP_MUL_MAT && ql_cuda_mm_cached(n->src[0]))  // a device reads the weight's copy instead
+        if (!caps.host && n->op == QL_OP_MUL_MAT && ql_cuda_mm_cached(n->src[0], n->src[1]->type))  // a device reads the weight's copy instead
             b += (double)ql_nelements(n->src[0]) * (double)ql_plain_size(n->src[1]->type) -
                  (double)(ql_nbytes(n->src[0]) + (n->src[0]->view_src ? 0 : n->src[0]->aux_size));
         const int cls = n->op == QL_OP_MUL_MAT || n->op == QL_OP_MUL_MAT_DROPOUT ? QL_CENSUS_MATMUL
@@ -7982,9 +7982,9 @@ ql_backend_buffer *ql_backend_cache_weights(ql_backend *be, ql_tensor *const *w,
                     ql_backend_is_host(be) ? " (it converts the weights while packing its panels: a copy saves nothing)" : "");
     for (int i = 0; i < n; i++) {
         const ql_tensor *x = w[i];
-        if (!x || !is_plain_leaf(x) || !x->data || (x->flags & (QL_FLAG_HOST | QL_FLAG_PARAM)) || x->ne[2] != 1 || x->ne[3] != 1 ||
-            x->type == type || !ql_rows_contiguous(x) || !ql_type_traits_get(x->type))
-            return fail("cache_weights: %s is not a placed 2-D frozen weight of another type than %s", x ? x->name : "(null)",
+        if (!x || !is_plain_leaf(x) || !x->data || (x->flags & QL_FLAG_HOST) || x->ne[2] != 1 || x->ne[3] != 1 || x->type == type ||
+            !ql_rows_contiguous(x) || !ql_type_traits_get(x->type) || ((x->flags & QL_FLAG_PARAM) && x->type != QL_TYPE_F32))
+            return fail("cache_weights: %s is not a placed 2-D weight (or f32 parameter) of another type than %s", x ? x->name : "(null)",
                         ql_type_name(type));
     }
     ql_backend_buffer *b = ql_backend_buffer_alloc(be, QL_BUFFER_DEVICE, ql_weight_cache_bytes(w, n, type));
@@ -8060,14 +8060,24 @@ static ql_status tensor_io(ql_backend *be, const ql_tensor *t, void *host, size_
     }
     return dir == QL_COPY_TO_DEVICE ? tensor_copy(be, dev, host, size, dir, async) : tensor_copy(be, host, dev, size, dir, async);
 }
+// A cached parameter's copy made again from its values after a write (ql_backend_cache_weights):
+// the copy's kernels run on the stream the write was queued on, so they see it
+static ql_status copy_refresh(ql_backend *be, ql_tensor *t, ql_status st) {
+    const ql_weight_copy *cp = (t->flags & QL_FLAG_CACHED) ? (const ql_weight_copy *)t->extra : nullptr;
+    if (st != QL_OK || !cp || ql_backend_is_host(be) || !be->iface.weight_copy) return st;
+    char err[256] = {0};
+    if (be->iface.weight_copy(be, t, cp->data, cp->type, err, sizeof(err))) return QL_OK;
+    fprintf(stderr, "qlora: %s: the copy of %s: %s\n", be->iface.name, t->name, err);
+    return QL_ERR_IO;
+}
 ql_status ql_backend_tensor_set(ql_backend *be, ql_tensor *t, const void *data, size_t offset, size_t size) {
-    return tensor_io(be, t, (void *)data, offset, size, QL_COPY_TO_DEVICE, false);
+    return copy_refresh(be, t, tensor_io(be, t, (void *)data, offset, size, QL_COPY_TO_DEVICE, false));
 }
 ql_status ql_backend_tensor_get(ql_backend *be, const ql_tensor *t, void *data, size_t offset, size_t size) {
     return tensor_io(be, t, data, offset, size, QL_COPY_TO_HOST, false);
 }
 ql_status ql_backend_tensor_set_async(ql_backend *be, ql_tensor *t, const void *data, size_t offset, size_t size) {
-    return tensor_io(be, t, (void *)data, offset, size, QL_COPY_TO_DEVICE, true);
+    return copy_refresh(be, t, tensor_io(be, t, (void *)data, offset, size, QL_COPY_TO_DEVICE, true));
 }
 ql_status ql_backend_tensor_get_async(ql_backend *be, const ql_tensor *t, void *data, size_t offset, size_t size) {
     return tensor_io(be, t, data, offset, size, QL_COPY_TO_HOST, true);
@@ -8081,7 +8091,7 @@ ql_status ql_backend_tensor_memset(ql_backend *be, ql_tensor *t, int value, size
         return QL_OK;
     }
     char err[256];
-    if (be->iface.memset(be, (uint8_t *)t->data + offset, value, size, err, sizeof(err))) return QL_OK;
+    if (be->iface.memset(be, (uint8_t *)t->data + offset, value, size, err, sizeof(err))) return copy_refresh(be, t, QL_OK);
     fprintf(stderr, "qlora: %s: %s\n", be->iface.name, err);
     return QL_ERR_IO;
 }
@@ -8118,7 +8128,7 @@ ql_status ql_backend_adamw_update(ql_backend *be, ql_tensor *param, ql_tensor *m
     if (!param->data || !param->grad->data || !m->data || !v->data || (m_absmax && (!m_absmax->data || !v_absmax->data)))
         return QL_ERR_INVALID;
     if (!m_absmax && !adamw_f32_ok(param, m, v)) return QL_ERR_INVALID;
-    if (be->iface.adamw_update) return be->iface.adamw_update(be, param, m, v, m_absmax, v_absmax, step, p, grad_scale);
+    if (be->iface.adamw_update) return copy_refresh(be, param, be->iface.adamw_update(be, param, m, v, m_absmax, v_absmax, step, p, grad_scale));
     if (m_absmax) ql_adamw8bit_update(param, m, m_absmax, v, v_absmax, step, p, grad_scale);
     else ql_adamw_update(param, m, v, step, p, grad_scale);
     return QL_OK;
@@ -8194,9 +8204,10 @@ ql_optim_list *ql_optim_list_new(ql_backend *be, const ql_optim_group *groups, i
     for (int i = 0; i < n_groups; i++) {
         const ql_optim_group &g = groups[i];
         const int64_t n = ql_nelements(g.param);
+        const ql_weight_copy *cp = (g.param->flags & QL_FLAG_CACHED) ? (const ql_weight_copy *)g.param->extra : nullptr;
         desc[(size_t)i] = {(float *)g.param->data, (const float *)g.param->grad->data, g.m->data, g.v->data,
                            g.m_absmax ? (float *)g.m_absmax->data : nullptr, g.v_absmax ? (float *)g.v_absmax->data : nullptr,
-                           n, l->n_chunks};
+                           n, l->n_chunks, cp ? cp->data : nullptr, cp ? (int64_t)cp->type : 0};
         l->n_chunks += (n + QL_OPT8_BLOCK - 1) / QL_OPT8_BLOCK;
     }
     // the CPU's threads: the largest group next to the least-loaded thread (groups are independent:
@@ -8373,10 +8384,11 @@ bool ql_cuda_mm_trows(const ql_tensor *a) {
 bool ql_cuda_mm_a_direct(const ql_tensor *a, ql_type ct) {
     return a->type == ct && ql_cuda_operand_ok(ql_plain_size(ct), (int64_t)a->nb[0], (int64_t)a->nb[1], a->ne[0], a->ne[1]);
 }
-const ql_tensor *ql_cuda_mm_cached(const ql_tensor *a) {
+const ql_tensor *ql_cuda_mm_cached(const ql_tensor *a, ql_type compute) {
     const bool tr = a->op == QL_OP_TRANSPOSE && a->view_src && a->view_offs == 0;
     const ql_tensor *w = tr ? a->view_src : a;
-    if (!(w->flags & QL_FLAG_CACHED) || w->op != QL_OP_NONE || w->view_src || w->ne[2] != 1 || w->ne[3] != 1) return nullptr;
+    if (!(w->flags & QL_FLAG_CACHED) || w->type == compute || w->op != QL_OP_NONE || w->view_src || w->ne[2] != 1 || w->ne[3] != 1)
+        return nullptr;  // (a product in W's own type: W in place)
     return !tr || (a->ne[0] == w->ne[1] && a->ne[1] == w->ne[0] && a->ne[2] == 1 && a->ne[3] == 1) ? w : nullptr;
 }
 bool ql_cuda_mm_b_direct(const ql_tensor *b) {
@@ -8531,7 +8543,7 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
         const int64_t n = (acc && !acc16 && !inplace) + acc16 + (ql_cuda_mm_b_direct(b) ? 0 : B2 * B3);  // c's copy; k_acc_round; b's copies
         // a in place (a cached weight: its copy), or in tiles of its rows (of Wᵀ: bands of W's
         // columns), each dequantised or converted by one kernel; per tile the GEMMs of the b batches it serves
-        const bool direct = ql_cuda_mm_cached(a) || (!ql_cuda_mm_trows(a) && ql_cuda_mm_a_direct(a, b->type));
+        const bool direct = ql_cuda_mm_cached(a, b->type) || (!ql_cuda_mm_trows(a) && ql_cuda_mm_a_direct(a, b->type));
         const int64_t tiles = direct ? 1 : cdiv(M, ql_cuda_mm_tile_rows(K, M));
         return n + A2 * A3 * tiles * ((direct ? 0 : 1) + r3);
     }
@@ -8642,7 +8654,7 @@ size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
         if (ql_cuda_mm_thin(node)) return 0;
         const ql_tensor *a = node->src[0], *b = node->src[1];
         size_t w = ql_cuda_mm_b_bytes(b);
-        if (!ql_cuda_mm_cached(a) && (ql_cuda_mm_trows(a) || !ql_cuda_mm_a_direct(a, b->type)))  // (a cached weight: its copy)
+        if (!ql_cuda_mm_cached(a, b->type) && (ql_cuda_mm_trows(a) || !ql_cuda_mm_a_direct(a, b->type)))  // (a cached weight: its copy)
             w += (size_t)ql_cuda_mm_tile_bufs(a->ne[0], a->ne[1], a->ne[2] * a->ne[3]) *
                  ql_cuda_mm_tile_bytes(a->ne[0], a->ne[1], b->type);
         if (node->src[2] && node->type != QL_TYPE_F32)  // a 16-bit c: the product in f32 before c is added (qlora-cuda.cu)
@@ -8768,7 +8780,7 @@ ql_status ql_backend_copy_peer(ql_backend *to, ql_tensor *dst, ql_backend *from,
     if (!to || !dst || !from || !src || !dst->data || !src->data || ql_nbytes(dst) != ql_nbytes(src) || !ql_is_contiguous(dst) ||
         !ql_is_contiguous(src))
         return QL_ERR_INVALID;
-    return ql_cuda_copy_peer(to, dst->data, from, src->data, ql_nbytes(src));
+    return copy_refresh(to, dst, ql_cuda_copy_peer(to, dst->data, from, src->data, ql_nbytes(src)));
 }
 __attribute__((weak)) bool ql_cuda_device_memory_used(const ql_backend *, size_t *in_use, size_t *peak) {
     if (in_use) *in_use = 0;

@@ -818,14 +818,20 @@ size_t      ql_ctx_placed_bytes(const ql_context *ctx);
 // multiply's type before every product - forward, recompute and backward. With memory to spare
 // it keeps one copy of each weight in that type instead, made once after placement; the products
 // then read the copy: the same values the tiles hold, so the GEMMs get the same inputs. Weights:
-// placed 2-D leaves (not views, not QL_FLAG_HOST, not parameters) of another type than `type`.
+// placed 2-D leaves (not views, not QL_FLAG_HOST) of another type than `type`. An f32 parameter
+// (a LoRA factor) may have a copy too: every write through this API keeps it equal to the
+// parameter's values in `type` (ql_backend_tensor_set and _memset, ql_backend_copy_peer, both
+// optimizer steps - a list made after the copies writes them in its update kernel), so the
+// factor's products skip their conversion. Writing a parameter's bytes any other way while it
+// is flagged leaves its copy stale.
 // The bytes ql_backend_cache_weights allocates for them (one buffer: each copy QL_ALIGN-aligned):
 size_t      ql_weight_cache_bytes(ql_tensor *const *w, int n, ql_type type);
 // Sets (on) or clears QL_FLAG_CACHED on the weights without making copies: a plan made before they
 // exist then sizes the multiplies' workspace without tiles (ql_backend_cache_weights sets it too).
 void        ql_weight_cache_mark(ql_tensor *const *w, int n, bool on);
 // The copies, in ONE new device buffer; each weight flagged and its `extra` pointed at its copy.
-// Freeing the buffer clears both. A weight's products must then be in `type`. NULL with the
+// Freeing the buffer clears both. A weight's products must then be in `type`, or in the weight's
+// own (those read it in place). NULL with the
 // reason in err when a weight is not one of the above, memory is short, or the backend keeps no
 // copies (the CPU: it converts weights while packing its panels, so a copy would save nothing).
 ql_backend_buffer *ql_backend_cache_weights(ql_backend *be, ql_tensor *const *w, int n, ql_type type, char *err, size_t err_size);
@@ -1295,8 +1301,10 @@ typedef struct ql_optim_desc {
     float       *m_absmax, *v_absmax;  // [ceil(n / QL_OPT8_BLOCK)] (NULL: f32 moments)
     int64_t      n;
     int64_t      chunk0;             // its first chunk of QL_OPT8_BLOCK elements among all groups'
+    void        *w16;                // [n] the parameter's copy (ql_backend_cache_weights), rewritten
+    int64_t      w16_type;           // with each update; NULL: none
 } ql_optim_desc;
-QL_STATIC_ASSERT(sizeof(ql_optim_desc) == 64, optim_desc);  // the host writes what the device reads
+QL_STATIC_ASSERT(sizeof(ql_optim_desc) == 80, optim_desc);  // the host writes what the device reads
 #define QL_OPT_STATS_BLOCKS 1024  // most blocks of the statistics' launch (min(this, chunks): a fixed summation order per list)
 // The store: ql_optim_desc [n], then per statistics block {sum of squares, non-finite count}
 // (double [2 * QL_OPT_STATS_BLOCKS]), the result {sumsq, non-finite count} (double [2]), and
@@ -1423,9 +1431,9 @@ void    ql_cuda_mm_drop_fused_for_tests(bool on);      // off: every such produc
 // the planner gave the node its source's memory (ql_plan_entry.inplace)
 int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace);
 bool    ql_cuda_mm_a_direct(const ql_tensor *a, ql_type compute);
-// a = W or transpose(W) of a QL_FLAG_CACHED weight W: its products read W's copy in place (no
-// tile, no workspace for a); W, or NULL
-const ql_tensor *ql_cuda_mm_cached(const ql_tensor *a);
+// a = W or transpose(W) of a QL_FLAG_CACHED weight W, in a product whose compute type (b's) is
+// not W's own: the product reads W's copy in place (no tile, no workspace for a); W, or NULL
+const ql_tensor *ql_cuda_mm_cached(const ql_tensor *a, ql_type compute);
 bool    ql_cuda_mm_b_direct(const ql_tensor *b);
 size_t  ql_cuda_mm_b_bytes(const ql_tensor *b);        // b's contiguous copy in the workspace (0: read in place)
 // a's rows in a dequantised tile (all of its row_len = K each): the budget's rows rounded down to

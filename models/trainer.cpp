@@ -263,12 +263,26 @@ static void free_io(batch_io &io) {
     io = batch_io();
 }
 
+// With the weights' copies, the adapter's f32 factors get one too, in the compute type: every
+// product of a factor would otherwise convert it first (two launches a product, 384 of the 1B
+// step's), and the optimizer's update kernel rewrites the copy as it updates the factor
+static bool factor_copy(const ql_trainer *t, const ql_tensor *p) {
+    return !t->on_host && t->compute != QL_TYPE_F32 && p->type == QL_TYPE_F32 && p->ne[2] == 1 && p->ne[3] == 1;
+}
+static std::vector<ql_tensor *> param_copies(const ql_trainer *t) {
+    std::vector<ql_tensor *> v;
+    for (ql_tensor *p : t->params)
+        if (t->cache && factor_copy(t, p)) v.push_back(p);
+    return v;
+}
+
 // adapters, both graphs and the optimizer state in ctx (a measuring context, or the real one)
 static bool build(ql_trainer *t, ql_context *ctx) {
     ql_llama &m = t->f->model;
     t->seed = ql_set_input(ql_set_name(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1), "dropout_seed"));
     if (ql_llama_add_lora_range(ctx, &m, t->o.lora, t->seed, t->l0, t->l1) != QL_OK) return false;
     t->params = ql_llama_lora_params_range(m, t->l0, t->l1);
+    for (ql_tensor *p : param_copies(t)) p->flags |= QL_FLAG_CACHED;  // (the plan's; the copies come with the weights')
     // a stage: the rope factors (read by every block) copied into its own tensors, placed with
     // them on its device; the model's stay where they are while its graphs are built
     ql_tensor *const rope_model = m.rope_freqs;
@@ -534,7 +548,11 @@ static void device_plan(ql_trainer *t, ql_context *meas, size_t train_buf, size_
     m.dev_buffer = std::max(train_buf, eval_buf);  // one buffer, the other graph runs in it
     m.dev_context = t->caps.context_bytes;
     m.dev_context_estimated = t->caps.context_estimated;
-    m.cache_candidate = ql_weight_cache_bytes(t->cache_w.data(), (int)t->cache_w.size(), t->compute);
+    std::vector<ql_tensor *> pc;  // the factors' copies, counted whether or not they are on
+    for (ql_tensor *p : t->params)
+        if (factor_copy(t, p)) pc.push_back(p);
+    m.cache_candidate = ql_weight_cache_bytes(t->cache_w.data(), (int)t->cache_w.size(), t->compute) +
+                        ql_weight_cache_bytes(pc.data(), (int)pc.size(), t->compute);
     m.dev_cache = t->cache ? m.cache_candidate : 0;  // one buffer of copies, made after the weights are placed
     m.dev_rounding = round(m.dev_weights) + round(m.dev_state) + round(m.dev_buffer) + round(m.dev_cache) + G;  // + the backend's scratch
     m.total = m.dev_weights + m.dev_state + m.dev_buffer + m.dev_cache + m.dev_context + m.dev_rounding;
@@ -1264,9 +1282,11 @@ static bool allocate(ql_trainer *t, std::string *err) {
         *err = "placing the model on " + std::string(ql_backend_name(t->be)) + ": " + ctx_message(t->weights_buf ? t->ctx : t->f->ctx);
         return false;
     }
-    if (t->cache) {  // after the weights are on the device: made from them, once
+    if (t->cache) {  // after the weights and the adapter are on the device: made from them (the adapter's again with each update)
         char e[512] = {0};
-        if (!(t->cache_buf = ql_backend_cache_weights(t->be, t->cache_w.data(), (int)t->cache_w.size(), t->compute, e, sizeof(e)))) {
+        std::vector<ql_tensor *> w = t->cache_w;
+        for (ql_tensor *p : param_copies(t)) w.push_back(p);
+        if (!(t->cache_buf = ql_backend_cache_weights(t->be, w.data(), (int)w.size(), t->compute, e, sizeof(e)))) {
             *err = "--cache-weights: " + ql_user_message(e);
             return false;
         }

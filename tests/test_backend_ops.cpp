@@ -2270,8 +2270,8 @@ OP_CASE(trainer_cache_weights) {
         CHECK(b0 >= (size_t)2 * 64 * 64 * 2);
         CHECK(ql_cuda_node_launches(fwd, 90, false) == 3 + 3);  // 3 tiles: a fill and a GEMM each
         ql_weight_cache_mark(&w, 1, true);
-        CHECK(ql_cuda_mm_cached(fwd->src[0]) == w);
-        CHECK(ql_cuda_mm_cached(back->src[0]) == w);
+        CHECK(ql_cuda_mm_cached(fwd->src[0], QL_TYPE_BF16) == w);
+        CHECK(ql_cuda_mm_cached(back->src[0], QL_TYPE_BF16) == w);
         CHECK(ql_cuda_work_size(fwd, 90) == 0);
         CHECK(ql_cuda_work_size(back, 90) == 0);
         CHECK(ql_cuda_node_launches(fwd, 90, false) == 1);  // one GEMM over the copy
@@ -2282,11 +2282,15 @@ OP_CASE(trainer_cache_weights) {
     struct variant {
         ql_type linear;
         ql_precision prec;
+        int r = 4;
+        ql_optim optim = ql_optim::adamw;
     };
+    // (r 16: the factors of 6,144 elements take 8-bit state, the smaller ones f32 - both update kernels)
     for (const variant &vr : {variant{QL_TYPE_NF4, ql_precision::bf16}, variant{QL_TYPE_NF4, ql_precision::fp16},
                               variant{QL_TYPE_Q8_0, ql_precision::bf16}, variant{QL_TYPE_F16, ql_precision::bf16},
-                              variant{QL_TYPE_F16, ql_precision::fp16}}) {
-        INFO("linears " << std::string(ql_type_name(vr.linear)) << ", precision " << std::string(ql_name(vr.prec)));
+                              variant{QL_TYPE_F16, ql_precision::fp16}, variant{QL_TYPE_NF4, ql_precision::bf16, 16, ql_optim::paged_adamw8bit}}) {
+        INFO("linears " << std::string(ql_type_name(vr.linear)) << ", precision " << std::string(ql_name(vr.prec)) << ", r " << vr.r
+                        << ", " << std::string(ql_name(vr.optim)));
         const std::string path = d.file(std::string("tiny-") + ql_type_name(vr.linear) + ".gguf");
         {
             tiny_llama t(tiny_hparams(300, 64, 384), 9, 0.2f, /*tied_output=*/false);
@@ -2309,10 +2313,11 @@ OP_CASE(trainer_cache_weights) {
             seqs.push_back(q);
         }
         ql_train_options o;
-        o.lora.r = 4;
-        o.lora.alpha = 8;
+        o.lora.r = vr.r;
+        o.lora.alpha = 2.0f * vr.r;
         o.lora.targets = {"q", "k", "v", "o", "gate", "up", "down"};
         o.lora.dropout = 0.1f;
+        o.optim = vr.optim;
         o.micro_batch = 2;
         o.lr = 1e-2f;
         o.max_steps = 3;
@@ -2328,7 +2333,9 @@ OP_CASE(trainer_cache_weights) {
             size_t allocated = 0;
             std::string error;
         };
-        auto run = [&](int cache) {
+        // resume: a checkpoint saved after the first step and a new trainer loading it (the load
+        // writes the adapter after the copies were made from its initial values)
+        auto run = [&](int cache, bool resume = false) {
             result r;
             char err[256];
             ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
@@ -2350,6 +2357,13 @@ OP_CASE(trainer_cache_weights) {
             while (ql_trainer_steps_done(t) < ql_trainer_total_steps(t)) {
                 REQUIRE_MESSAGE(ql_trainer_step(t, &m, &e), e);
                 r.losses.push_back(m.loss);
+                if (resume && ql_trainer_steps_done(t) == 1) {
+                    const std::string ck = d.file("resume.gguf");
+                    REQUIRE_MESSAGE(ql_trainer_save(t, ck.c_str(), &e), e);
+                    ql_trainer_free(t);
+                    REQUIRE((t = ql_trainer_new(f, seqs, seqs, oo, &e)));
+                    REQUIRE_MESSAGE(ql_trainer_load(t, ck.c_str(), &e), e);
+                }
             }
             REQUIRE_MESSAGE(ql_trainer_to_host(t, &e), e);
             for (ql_tensor *p : ql_llama_lora_params(ql_trainer_model(t)))
@@ -2376,18 +2390,27 @@ OP_CASE(trainer_cache_weights) {
         const result on = run(1);
         REQUIRE_MESSAGE(on.error.empty(), on.error);
         CHECK(on.plan.cache_weights == "on");
-        // f16 linears under fp16 need no copy (they are the compute type): only the f32 head has one
-        const int64_t E = 64, F = 384, V = 300, kv = 64 / 4 * 2, L = 2;
+        // f16 linears under fp16 need no copy (they are the compute type): only the f32 head has one;
+        // and each LoRA factor, f32 [in, r] and [r, out], one in the compute type
+        const int64_t E = 64, F = 384, V = 300, kv = 64 / 4 * 2, L = 2, R = vr.r;
         const size_t es = vr.prec == ql_precision::fp32 ? 4 : 2;
         const int64_t linear_elems = L * (E * E * 2 + E * kv * 2 + E * F * 3);
         const bool linears = !(vr.linear == QL_TYPE_F16 && vr.prec == ql_precision::fp16);
-        CHECK(on.plan.dev_cache == (linears ? (size_t)linear_elems * es : 0) + (size_t)(E * V) * es);
+        size_t factors = 0;
+        for (const int64_t n : {E * R, R * E, E * R, R * kv, E * R, R * kv, E * R, R * E, E * R, R * F, E * R, R * F, F * R, R * E})
+            factors += L * (((size_t)n * es + QL_ALIGN - 1) / QL_ALIGN * QL_ALIGN);
+        CHECK(on.plan.dev_cache == (linears ? (size_t)linear_elems * es : 0) + (size_t)(E * V) * es + factors);
+        // every product of a factor reads its copy: no conversion before it
+        CHECK(on.plan.census.launches < off.plan.census.launches);
         // the shim's 16 GiB: auto took them, and the same plan as `on`
         CHECK(autod.plan.cache_weights == "auto: on");
         CHECK(autod.plan.dev_cache == on.plan.dev_cache);
-        // the same bits: the copies hold the tiles' values
+        // the same bits: the copies hold the tiles' values, and the factors' follow every update
         CHECK(on.losses == off.losses);
         CHECK(on.adapter == off.adapter);
+        const result resumed = run(1, true);  // and every write: a checkpoint loaded into a new run
+        CHECK(resumed.losses == on.losses);
+        CHECK(resumed.adapter == on.adapter);
         for (const result *r : {&off, &on, &autod}) {  // the plan is what was allocated, to the byte
             CHECK(r->allocated == r->plan.dev_weights + r->plan.dev_state + r->plan.dev_buffer + r->plan.dev_cache);
             CHECK(r->plan.total ==

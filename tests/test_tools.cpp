@@ -1287,8 +1287,9 @@ TEST_CASE("finetune --cache-weights: auto takes the copies on a large --vram and
         REQUIRE_MESSAGE(run(ft + flags, &log) == 0, log);
         return json_line(log);
     };
-    // the copies: the seven NF4 linears of 2 blocks and the f32 head, in bf16
-    const size_t copies = (size_t)2 * (128 * 128 * 4 + 128 * 512 * 3) * 2 + (size_t)128 * 512 * 2;
+    // the copies: the seven NF4 linears of 2 blocks and the f32 head, in bf16; and the adapter's
+    // factors (the default r 16 on q, k, v, o: [128, 16] and [16, 128] each)
+    const size_t copies = (size_t)2 * (128 * 128 * 4 + 128 * 512 * 3) * 2 + (size_t)128 * 512 * 2 + (size_t)2 * 4 * 2 * (128 * 16) * 2;
     const ql_json big = plan(" --vram 8G"), off = plan(" --vram 8G --cache-weights off");
     const ql_json &cb = *big.get("cache_weights"), &co = *off.get("cache_weights");
     CHECK(jstr(cb, "choice") == "auto: on");
