@@ -3181,13 +3181,17 @@ static size_t fa_fwd_smem(int64_t D, int64_t DV) {
 
 // rows [i0, i0 + n) of t [E, T, Hx, B] (f32 or 16-bit, dense rows, any strides) -> dst [E, n, Hx, B] in type ct:
 // per (batch, kv head) the rep = H / Hkv query heads of the group are adjacent, so a group's
-// columns (head r, query i) are one matrix [E, rep n]
-__global__ void k_fa_pack(cu_t t, int64_t i0, int64_t n, char *dst, int ct) {
-    const int64_t E = t.ne[0], Hx = t.ne[2], total = E * n * Hx * t.ne[3];
+// columns (head r, query i) are one matrix [E, rep n]. Two tensors a launch (K and V; a chunk's
+// Q and dO), the second's elements after the first's; dst1 NULL: one
+__global__ void k_fa_pack(cu_t t0, char *dst0, cu_t t1, char *dst1, int64_t i0, int64_t n, int ct) {
+    const int64_t total0 = t0.ne[0] * n * t0.ne[2] * t0.ne[3], total1 = dst1 ? t1.ne[0] * n * t1.ne[2] * t1.ne[3] : 0;
     const int es = ct == QL_TYPE_F32 ? 4 : 2;
-    CU_GRID_LOOP(x, total) {
+    CU_GRID_LOOP(y, total0 + total1) {
+        const bool second = y >= total0;
+        const cu_t &t = second ? t1 : t0;
+        const int64_t x = second ? y - total0 : y, E = t.ne[0], Hx = t.ne[2];
         const int64_t c = x % E, i = (x / E) % n, hb = x / (E * n), h = hb % Hx, b = hb / Hx;
-        cu_st(dst + x * es, ct, cu_ld(t.data + c * t.nb[0] + (i0 + i) * t.nb[1] + h * t.nb[2] + b * t.nb[3], t.type));
+        cu_st((second ? dst1 : dst0) + x * es, ct, cu_ld(t.data + c * t.nb[0] + (i0 + i) * t.nb[1] + h * t.nb[2] + b * t.nb[3], t.type));
     }
 }
 
@@ -3246,8 +3250,10 @@ __global__ void k_fa_ds(const float *S, const float *dP, char *P, char *dS, int 
 
 // delta_i = dO_i . O_i, per (query, head, batch); dO (dt) and O (ot) f32 or 16-bit
 // d16 (the fused backward's): dO rounded to the compute type ct as well, for its kernels' 16-byte tile copies
+// zero [nz] (the products' backward): dK and dV, which its chunks add up, set to 0 in the same launch
 __global__ void k_fa_delta(const char *dO, int dt, const char *O, int ot, int64_t DV, int64_t H, int64_t Tq, int64_t n, float *delta,
-                           char *d16, int ct) {
+                           char *d16, int ct, float *zero, int64_t nz) {
+    CU_GRID_LOOP(z, nz) zero[z] = 0.0f;
     const int es = ot == QL_TYPE_F32 ? 4 : 2, ds = dt == QL_TYPE_F32 ? 4 : 2;
     CU_GRID_LOOP(x, n) {  // x = (b H + h) Tq + i
         const int64_t i = x % Tq, h = (x / Tq) % H, b = x / (Tq * H), row = ((b * Tq + i) * H + h) * DV;
@@ -3302,21 +3308,21 @@ static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
         dOv.ne[1] = Tq, dOv.ne[2] = H, dOv.contig = 0;
         const int64_t ds = (int64_t)ql_plain_size(dOt->type);  // f32 or 16-bit
         dOv.nb[1] = H * DV * ds, dOv.nb[2] = DV * ds;
-        QL_LAUNCH(k_fa_delta, cu_grid(Tq * H * B), CU_BLOCK, 0, c.stream, (const char *)dOt->data, (int)dOt->type,
-                  (const char *)fwd->data, (int)fwd->type, DV, H, Tq, Tq * H * B, delta, nullptr, (int)QL_TYPE_BF16);
+        const int64_t nz = ql_nelements(k) + ql_nelements(v);  // dK, dV add up over the chunks: zeroed here
+        QL_LAUNCH(k_fa_delta, cu_grid(std::max(Tq * H * B, nz / 8)), CU_BLOCK, 0, c.stream, (const char *)dOt->data, (int)dOt->type,
+                  (const char *)fwd->data, (int)fwd->type, DV, H, Tq, Tq * H * B, delta, nullptr, (int)QL_TYPE_BF16, dk, nz);
         CU_LAUNCHED(c);
-        CU_CHECK(c, cudaMemsetAsync(dk, 0, (ql_nelements(k) + ql_nelements(v)) * sizeof(float), c.stream));  // dK, dV add up
     }
-    QL_LAUNCH(k_fa_pack, cu_grid(D * Tk * G), CU_BLOCK, 0, c.stream, a.k, 0, Tk, Kw, (int)ct);
-    CU_LAUNCHED(c);
-    QL_LAUNCH(k_fa_pack, cu_grid(DV * Tk * G), CU_BLOCK, 0, c.stream, a.v, 0, Tk, Vw, (int)ct);
+    QL_LAUNCH(k_fa_pack, cu_grid((D + DV) * Tk * G), CU_BLOCK, 0, c.stream, a.k, Kw, a.v, Vw, (int64_t)0, Tk, (int)ct);
     CU_LAUNCHED(c);
     const cu_operand Kn{Kw, CUBLAS_OP_N, D, true}, Kt{Kw, CUBLAS_OP_T, D, true};
     const cu_operand Vn{Vw, CUBLAS_OP_N, DV, true}, Vt{Vw, CUBLAS_OP_T, DV, true};
     for (int64_t i0 = 0; i0 < Tq; i0 += chunk) {
         const int64_t n = std::min(chunk, Tq - i0), cols = rep * n, jend = std::min(Tk, i0 + n + off);
         const int64_t sS = jend * cols;  // per (batch, kv head)
-        QL_LAUNCH(k_fa_pack, cu_grid(D * n * H * B), CU_BLOCK, 0, c.stream, a.q, i0, n, Qw, (int)ct);
+        // Q's chunk (and backward's dO's, [DV, H, Tq, B] seen as [DV, Tq, H, B]) packed
+        QL_LAUNCH(k_fa_pack, cu_grid((D + (back ? DV : 0)) * n * H * B), CU_BLOCK, 0, c.stream, a.q, Qw, dOv, back ? dOw : nullptr, i0,
+                  n, (int)ct);
         CU_LAUNCHED(c);
         // S = scale K^T Q: [jend, cols] per group
         cu_gemm(c, ct, Kt, D * Tk, cu_operand{Qw, CUBLAS_OP_N, D, true}, D * cols, S, jend, sS, jend, cols, D, (int)G, 0.0f, a.scale);
@@ -3332,8 +3338,6 @@ static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
             CU_LAUNCHED(c);
             continue;
         }
-        QL_LAUNCH(k_fa_pack, cu_grid(DV * n * H * B), CU_BLOCK, 0, c.stream, dOv, i0, n, dOw, (int)ct);
-        CU_LAUNCHED(c);
         const cu_operand dOn{dOw, CUBLAS_OP_N, DV, true}, Qn{Qw, CUBLAS_OP_N, D, true};
         // dP = V^T dO: [jend, cols]
         cu_gemm(c, ct, Vt, DV * Tk, dOn, DV * cols, dP, jend, sS, jend, cols, DV, (int)G, 0.0f);
@@ -4350,7 +4354,7 @@ static void cu_fa_fused(cu_ctx &c, ql_tensor *node) {
         CU_ASSERT((uintptr_t)dO16 % 16 == 0);  // the register path's 16-byte tile copies
         QL_LAUNCH(k_fa_delta, cu_grid(Tq * H * B), CU_BLOCK, 0, c.stream, (const char *)dO->data, (int)dO->type,
                   (const char *)node->src[4]->data, (int)node->src[4]->type, DV, H, Tq, Tq * H * B, delta, copy ? dO16 : nullptr,
-                  (int)ct);
+                  (int)ct, nullptr, (int64_t)0);
         CU_LAUNCHED(c);
     }
     if (ct == QL_TYPE_BF16) fa2_run<__nv_bfloat16>(c, node, delta, dO16);

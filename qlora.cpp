@@ -8553,7 +8553,8 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
         int64_t chunk = 1;
         ql_cuda_fa_layout(node, cc, nullptr, &chunk, nullptr);
         const int64_t chunks = cdiv(node->src[0]->ne[1], chunk);
-        return back ? 4 + 9 * chunks : 2 + 5 * chunks;  // (delta, memset,) K and V packed; per chunk: packs, products, softmax/dS, unpack
+        return back ? 2 + 8 * chunks : 1 + 5 * chunks;  // (delta and dK/dV zeroed,) K and V packed; per chunk: Q (and dO) packed,
+                                                        // products, softmax / dS, unpack
     }
     case QL_OP_CROSS_ENTROPY:
         return 2;  // rows, total
