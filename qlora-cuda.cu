@@ -3187,11 +3187,12 @@ __global__ void k_fa_pack(cu_t t0, char *dst0, cu_t t1, char *dst1, int64_t i0, 
     const int64_t total0 = t0.ne[0] * n * t0.ne[2] * t0.ne[3], total1 = dst1 ? t1.ne[0] * n * t1.ne[2] * t1.ne[3] : 0;
     const int es = ct == QL_TYPE_F32 ? 4 : 2;
     CU_GRID_LOOP(y, total0 + total1) {
-        const bool second = y >= total0;
-        const cu_t &t = second ? t1 : t0;
-        const int64_t x = second ? y - total0 : y, E = t.ne[0], Hx = t.ne[2];
+        const bool second = y >= total0;  // (field by field: a reference to either parameter would copy both to the stack)
+        const int64_t x = second ? y - total0 : y, E = second ? t1.ne[0] : t0.ne[0], Hx = second ? t1.ne[2] : t0.ne[2];
         const int64_t c = x % E, i = (x / E) % n, hb = x / (E * n), h = hb % Hx, b = hb / Hx;
-        cu_st((second ? dst1 : dst0) + x * es, ct, cu_ld(t.data + c * t.nb[0] + (i0 + i) * t.nb[1] + h * t.nb[2] + b * t.nb[3], t.type));
+        const int64_t off = c * (second ? t1.nb[0] : t0.nb[0]) + (i0 + i) * (second ? t1.nb[1] : t0.nb[1]) +
+                            h * (second ? t1.nb[2] : t0.nb[2]) + b * (second ? t1.nb[3] : t0.nb[3]);
+        cu_st((second ? dst1 : dst0) + x * es, ct, cu_ld((second ? t1.data : t0.data) + off, second ? t1.type : t0.type));
     }
 }
 
