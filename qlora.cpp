@@ -2786,6 +2786,9 @@ ql_status ql_graph_build_forward(ql_graph *g, ql_tensor *out) {
 static bool g_autodiff_fold = true;
 void ql_autodiff_fold_for_tests(bool on) { g_autodiff_fold = on; }
 
+// QLORA_MM_SCALE_BACK=0: a scaled product's 16-bit dy as the product and ql_scale_to (A/B runs)
+static const bool g_mm_scale_back = !(getenv("QLORA_MM_SCALE_BACK") && strcmp(getenv("QLORA_MM_SCALE_BACK"), "0") == 0);
+
 struct grad_builder {
     ql_context *ctx;
     std::unordered_set<const ql_tensor *> needs;              // leads to a trainable param
@@ -2808,6 +2811,11 @@ struct grad_builder {
     ql_tensor *cast(ql_tensor *t, ql_type type) {
         if (!t || t->type == type) return t;
         ql_tensor *&c = casts[{t, (int)type}];
+        // (and where what it scales is a plain product in `type`'s multiply - the B factor's
+        // dx, Bᵀ dy - by that product with the scale as its alpha: one node, not two, the same bits)
+        const ql_tensor *sp = t->op == QL_OP_SCALE ? t->src[0] : nullptr;
+        if (!c && g_autodiff_fold && g_mm_scale_back && sp && t->type == QL_TYPE_F32 && plain_product(sp) && sp->src[1]->type == type)
+            c = ql_mul_mat_scaled_to(ctx, sp->src[0], sp->src[1], get_param<float>(t, 0), type);
         if (!c && g_autodiff_fold && t->op == QL_OP_SCALE && t->type == QL_TYPE_F32) c = ql_scale_to(ctx, t->src[0], get_param<float>(t, 0), type);
         // SwiGLU's gradients (gate's and up's dy, which their multiplies read in x's type): views
         // of one SWIGLU_BACK made in `type` (once for both), rounded as they are written

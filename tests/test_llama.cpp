@@ -793,9 +793,9 @@ TEST_CASE("llama: adapter dropout inside A's multiply gives the copies' loss and
     ql_backend_free(be);
 }
 
-// Issue 28 item 2: fewer element-wise nodes. LoRA's s A x is written in the compute type by its
-// scale (ql_scale_to), and so is backward's s dy that A's multiply reads: no cast reads a scale,
-// and one scale per adapted linear each way. Each norm multiplies its weight in (ql_rms_norm_mul),
+// Issue 28 item 2: fewer element-wise nodes. LoRA's s A x is written in the compute type by A's
+// product or its scale (ql_scale_to), and so is backward's s dy that A's multiply reads (by B's
+// dx product, its alpha s): no cast reads a scale. Each norm multiplies its weight in (ql_rms_norm_mul),
 // and its backward multiplies dy by it: no mul by a norm weight either way. Every compute type,
 // the FFN whole and in chunks (a norm per chunk), adapter dropout in A's multiply or as copies
 TEST_CASE("llama: LoRA's scale is written in the compute type (by A's product where dropout is not in it), norms multiply their weight in; forward and backward") {
@@ -852,11 +852,12 @@ TEST_CASE("llama: LoRA's scale is written in the compute type (by A's product wh
                 const int per_layer = chunk ? 4 + 3 * 3 : 7;  // q k v o, then gate up down per chunk (24 rows: 3 chunks)
                 CHECK(n_cast_of_scale == 0);
                 // forward: the scale is A's product's own (ql_mul_mat_scaled_to), or with dropout in the
-                // product one pass after it; backward: s dc, one ql_scale_to before A's two products
+                // product one pass after it; backward: s dc for A's two products, made by B's dx product
+                // (s Bᵀ dy, its alpha) in a 16-bit compute type; in f32 one scale after that product
                 CHECK(n_scale[0] == (fused == 1 ? 2 * per_layer : 0));
                 CHECK(n_scaled[0] == (fused == 1 ? 0 : 2 * per_layer));
-                CHECK(n_scale[1] == 2 * per_layer);
-                CHECK(n_scaled[1] == 0);
+                CHECK(n_scale[1] == (ct == QL_TYPE_F32 ? 2 * per_layer : 0));
+                CHECK(n_scaled[1] == (ct == QL_TYPE_F32 ? 0 : 2 * per_layer));
                 const int norms = chunk ? 1 + 3 : 2;  // per layer: attention's, the FFN's (per chunk)
                 CHECK(n_mul_by_norm_weight == 0);
                 CHECK(n_norm[0] == 2 * norms + 1);  // (+ the head's)
@@ -965,11 +966,12 @@ TEST_CASE("llama: autodiff's casts and adds folded into the nodes making the gra
                     CHECK(folded.loss == apart.loss);
                     REQUIRE(folded.grads.size() == apart.grads.size());
                     for (size_t i = 0; i < folded.grads.size(); i++) CHECK_MESSAGE(folded.grads[i] == apart.grads[i], "LoRA tensor " << i);
-                    // the casts folded, per layer: each adapted linear's scaled dy (the guard's down projection
-                    // and its LoRA are f32: none), SwiGLU's 2 gradients (per FFN chunk: 24 rows, 3 chunks),
-                    // v's f32 copy (its gradient out of attention's, permuted back and made contiguous), and
-                    // q's and k's rope_back
-                    const int swiglu = chunk ? 3 : 1, per_layer = 4 + 2 * swiglu + (guard ? 0 : swiglu) + 2 * swiglu + 1 + 2;
+                    // the casts folded, per layer: each adapted linear's scaled dy, two nodes (the f32 product
+                    // Bᵀ dy and its scale: one product with the scale as alpha, writing 16 bits; the guard's
+                    // down projection and its LoRA are f32: none), SwiGLU's 2 gradients (per FFN chunk: 24
+                    // rows, 3 chunks), v's f32 copy (its gradient out of attention's, permuted back and made
+                    // contiguous), and q's and k's rope_back
+                    const int swiglu = chunk ? 3 : 1, per_layer = 2 * (4 + 2 * swiglu + (guard ? 0 : swiglu)) + 2 * swiglu + 1 + 2;
                     // and the adds of a norm's dx onto its input's gradient: both norms of both layers but block
                     // 0's first (no gradient of its input is needed); the FFN in chunks: its norms read views of
                     // rows (whose gradients add_rows sums), so only block 1's attention norm
