@@ -3182,11 +3182,20 @@ static size_t fa_fwd_smem(int64_t D, int64_t DV) {
 // rows [i0, i0 + n) of t [E, T, Hx, B] (f32 or 16-bit, dense rows, any strides) -> dst [E, n, Hx, B] in type ct:
 // per (batch, kv head) the rep = H / Hkv query heads of the group are adjacent, so a group's
 // columns (head r, query i) are one matrix [E, rep n]. Two tensors a launch (K and V; a chunk's
-// Q and dO), the second's elements after the first's; dst1 NULL: one
-__global__ void k_fa_pack(cu_t t0, char *dst0, cu_t t1, char *dst1, int64_t i0, int64_t n, int ct) {
+// Q and dO), the second's elements after the first's; dst1 NULL: one. Backward also unpacks the
+// chunk before's dq (k_fa_unpack's [E, Tq, H, B] f32, E = t0's): usrc [E, un, H, B] -> udst rows
+// [ui0, ui0 + un) - its product's result, read before this chunk's product writes it again
+__global__ void k_fa_pack(cu_t t0, char *dst0, cu_t t1, char *dst1, int64_t i0, int64_t n, int ct, const float *usrc, int64_t un,
+                          int64_t ui0, float *udst) {
     const int64_t total0 = t0.ne[0] * n * t0.ne[2] * t0.ne[3], total1 = dst1 ? t1.ne[0] * n * t1.ne[2] * t1.ne[3] : 0;
+    const int64_t packed = total0 + total1, E0 = t0.ne[0], Tq = t0.ne[1];
     const int es = ct == QL_TYPE_F32 ? 4 : 2;
-    CU_GRID_LOOP(y, total0 + total1) {
+    CU_GRID_LOOP(y, packed + E0 * un * t0.ne[2] * t0.ne[3]) {
+        if (y >= packed) {  // the unpack
+            const int64_t x = y - packed, c = x % E0, i = (x / E0) % un, bh = x / (E0 * un);
+            udst[(bh * Tq + ui0 + i) * E0 + c] = usrc[x];
+            continue;
+        }
         const bool second = y >= total0;  // (field by field: a reference to either parameter would copy both to the stack)
         const int64_t x = second ? y - total0 : y, E = second ? t1.ne[0] : t0.ne[0], Hx = second ? t1.ne[2] : t0.ne[2];
         const int64_t c = x % E, i = (x / E) % n, hb = x / (E * n), h = hb % Hx, b = hb / Hx;
@@ -3314,16 +3323,18 @@ static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
                   (const char *)fwd->data, (int)fwd->type, DV, H, Tq, Tq * H * B, delta, nullptr, (int)QL_TYPE_BF16, dk, nz);
         CU_LAUNCHED(c);
     }
-    QL_LAUNCH(k_fa_pack, cu_grid((D + DV) * Tk * G), CU_BLOCK, 0, c.stream, a.k, Kw, a.v, Vw, (int64_t)0, Tk, (int)ct);
+    QL_LAUNCH(k_fa_pack, cu_grid((D + DV) * Tk * G), CU_BLOCK, 0, c.stream, a.k, Kw, a.v, Vw, (int64_t)0, Tk, (int)ct,
+              (const float *)nullptr, (int64_t)0, (int64_t)0, (float *)nullptr);
     CU_LAUNCHED(c);
+    int64_t un = 0, ui0 = 0;  // backward: the chunk whose dq is still in Ow, unpacked by the next pack
     const cu_operand Kn{Kw, CUBLAS_OP_N, D, true}, Kt{Kw, CUBLAS_OP_T, D, true};
     const cu_operand Vn{Vw, CUBLAS_OP_N, DV, true}, Vt{Vw, CUBLAS_OP_T, DV, true};
     for (int64_t i0 = 0; i0 < Tq; i0 += chunk) {
         const int64_t n = std::min(chunk, Tq - i0), cols = rep * n, jend = std::min(Tk, i0 + n + off);
         const int64_t sS = jend * cols;  // per (batch, kv head)
-        // Q's chunk (and backward's dO's, [DV, H, Tq, B] seen as [DV, Tq, H, B]) packed
-        QL_LAUNCH(k_fa_pack, cu_grid((D + (back ? DV : 0)) * n * H * B), CU_BLOCK, 0, c.stream, a.q, Qw, dOv, back ? dOw : nullptr, i0,
-                  n, (int)ct);
+        // Q's chunk (and backward's dO's, [DV, H, Tq, B] seen as [DV, Tq, H, B]) packed; the chunk before's dq unpacked
+        QL_LAUNCH(k_fa_pack, cu_grid((D + (back ? DV : 0)) * n * H * B + D * un * H * B), CU_BLOCK, 0, c.stream, a.q, Qw, dOv,
+                  back ? dOw : nullptr, i0, n, (int)ct, (const float *)Ow, un, ui0, dq);
         CU_LAUNCHED(c);
         // S = scale K^T Q: [jend, cols] per group
         cu_gemm(c, ct, Kt, D * Tk, cu_operand{Qw, CUBLAS_OP_N, D, true}, D * cols, S, jend, sS, jend, cols, D, (int)G, 0.0f, a.scale);
@@ -3353,7 +3364,10 @@ static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
         if (c.failed) return;
         cu_gemm(c, ct, Kn, D * Tk, cu_operand{dS, CUBLAS_OP_N, jend, true}, sS, Ow, D, D * cols, D, cols, jend, (int)G, 0.0f, a.scale);
         if (c.failed) return;
-        QL_LAUNCH(k_fa_unpack, cu_grid(D * n * H * B), CU_BLOCK, 0, c.stream, Ow, D, n, H, B, i0, Tq, 0, (char *)dq, (int)QL_TYPE_F32);
+        un = n, ui0 = i0;
+    }
+    if (un) {  // the last chunk's dq
+        QL_LAUNCH(k_fa_unpack, cu_grid(D * un * H * B), CU_BLOCK, 0, c.stream, Ow, D, un, H, B, ui0, Tq, 0, (char *)dq, (int)QL_TYPE_F32);
         CU_LAUNCHED(c);
     }
 }

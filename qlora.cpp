@@ -8561,8 +8561,9 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
         int64_t chunk = 1;
         ql_cuda_fa_layout(node, cc, nullptr, &chunk, nullptr);
         const int64_t chunks = cdiv(node->src[0]->ne[1], chunk);
-        return back ? 2 + 8 * chunks : 1 + 5 * chunks;  // (delta and dK/dV zeroed,) K and V packed; per chunk: Q (and dO) packed,
-                                                        // products, softmax / dS, unpack
+        // (delta and dK/dV zeroed,) K and V packed; per chunk: Q (and dO) packed, products, softmax / dS,
+        // the unpack (backward's by the next chunk's pack, the last one alone)
+        return back ? 3 + 7 * chunks : 1 + 5 * chunks;
     }
     case QL_OP_CROSS_ENTROPY:
         return 2;  // rows, total
