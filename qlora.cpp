@@ -2811,8 +2811,8 @@ struct grad_builder {
     ql_tensor *cast(ql_tensor *t, ql_type type) {
         if (!t || t->type == type) return t;
         ql_tensor *&c = casts[{t, (int)type}];
-        // (and where what it scales is a plain product in `type`'s multiply - the B factor's
-        // dx, Bᵀ dy - by that product with the scale as its alpha: one node, not two, the same bits)
+        // A scale of a plain product in `type`'s multiply (LoRA's s Bᵀ dy): that product with the
+        // scale as its alpha, written in `type` - one node, not two, the same bits
         const ql_tensor *sp = t->op == QL_OP_SCALE ? t->src[0] : nullptr;
         if (!c && g_autodiff_fold && g_mm_scale_back && sp && t->type == QL_TYPE_F32 && plain_product(sp) && sp->src[1]->type == type)
             c = ql_mul_mat_scaled_to(ctx, sp->src[0], sp->src[1], get_param<float>(t, 0), type);
