@@ -8180,6 +8180,8 @@ void ql_optim_list_free(ql_optim_list *l) {
     if (!l) return;
     delete[] l->groups;
     delete[] l->owner;
+    delete[] l->w16;
+    delete[] l->w16_type;
     delete l;
 }
 
@@ -8207,6 +8209,8 @@ ql_optim_list *ql_optim_list_new(ql_backend *be, const ql_optim_group *groups, i
     l->n = n_groups;
     l->groups = new ql_optim_group[(size_t)n_groups + 1];
     l->owner = new int[(size_t)n_groups + 1];
+    l->w16 = new void *[(size_t)n_groups + 1];
+    l->w16_type = new int[(size_t)n_groups + 1];
     std::copy(groups, groups + n_groups, l->groups);
     std::vector<ql_optim_desc> desc((size_t)n_groups);
     for (int i = 0; i < n_groups; i++) {
@@ -8216,6 +8220,8 @@ ql_optim_list *ql_optim_list_new(ql_backend *be, const ql_optim_group *groups, i
         desc[(size_t)i] = {(float *)g.param->data, (const float *)g.param->grad->data, g.m->data, g.v->data,
                            g.m_absmax ? (float *)g.m_absmax->data : nullptr, g.v_absmax ? (float *)g.v_absmax->data : nullptr,
                            n, l->n_chunks, cp ? cp->data : nullptr, cp ? (int64_t)cp->type : 0};
+        l->w16[i] = cp ? cp->data : nullptr;
+        l->w16_type[i] = cp ? (int)cp->type : -1;
         l->n_chunks += (n + QL_OPT8_BLOCK - 1) / QL_OPT8_BLOCK;
     }
     // the CPU's threads: the largest group next to the least-loaded thread (groups are independent:
@@ -8301,6 +8307,18 @@ ql_status ql_backend_grad_stats_multi(ql_backend *be, ql_optim_list *l, double *
 ql_status ql_backend_adamw_update_multi(ql_backend *be, ql_optim_list *l, int64_t step, const ql_adamw_params *p,
                                         double loss_scale, float max_norm, double *sumsq, bool *finite) {
     if (!be || !l || l->backend != be->id || !p || step < 1 || !(loss_scale > 0) || !sumsq || !finite) return QL_ERR_INVALID;
+    // The device's descriptors name each copy as it was: one made since would go stale (products
+    // would read the old values), one freed since would be written after its free.
+    for (int k = 0; k < l->n; k++) {
+        const ql_tensor *w = l->groups[k].param;
+        const ql_weight_copy *cp = (w->flags & QL_FLAG_CACHED) ? (const ql_weight_copy *)w->extra : nullptr;
+        if ((cp ? cp->data : nullptr) != l->w16[k] || (cp ? (int)cp->type : -1) != l->w16_type[k]) {
+            fprintf(stderr, "qlora: ql_backend_adamw_update_multi: %s's weight copy was %s after ql_optim_list_new: make the list "
+                            "again after ql_backend_cache_weights or ql_backend_buffer_free\n",
+                    w->name, l->w16[k] ? (cp ? "replaced" : "freed") : "made");
+            return QL_ERR_INVALID;
+        }
+    }
     if (be->iface.adamw_update_multi) return be->iface.adamw_update_multi(be, l, step, p, loss_scale, max_norm, sumsq, finite);
     const ql_status st = ql_backend_grad_stats_multi(be, l, sumsq, finite);
     if (st != QL_OK || !*finite) return st;  // a non-finite element: the step is skipped

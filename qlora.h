@@ -1320,6 +1320,8 @@ struct ql_optim_list {
     uint8_t        *store;      // the store's data (device memory on a device; NULL on the host)
     int             n_threads;  // the CPU backend's threads, and
     int            *owner;      // [n] the thread that updates group i (largest next to the least loaded)
+    void          **w16;        // [n] each parameter's copy (ql_backend_cache_weights) when the list was
+    int            *w16_type;   // made (NULL: none), and its type: an update refuses a list whose copies have changed since
 };
 
 // ---- the backend interface ----

@@ -467,6 +467,26 @@ TEST_CASE("optimizer multi-tensor: a list refuses what the per-tensor update ref
         {
             groups_on d(be, {5000, 300}, true);
             CHECK(ql_optim_list_new(be, d.g.data(), 2, nullptr) == nullptr);  // no store
+            // a list whose parameters' copies changed after it was made: refused, nothing written
+            d.set_grads(1, 0.01f);
+            ql_optim_list *dl = ql_optim_list_new(be, d.g.data(), 2, d.store);
+            REQUIRE(dl);
+            char e[256] = {0};
+            ql_backend_buffer *cb = ql_backend_cache_weights(be, &d.g[1].param, 1, QL_TYPE_BF16, e, sizeof(e));
+            REQUIRE_MESSAGE(cb, e);
+            const std::vector<float> p0 = d.params();
+            CHECK(ql_backend_adamw_update_multi(be, dl, 1, &hp, 1.0, 1.0f, &sq, &fin) == QL_ERR_INVALID);  // made since
+            CHECK(d.params() == p0);
+            ql_optim_list_free(dl);
+            dl = ql_optim_list_new(be, d.g.data(), 2, d.store);  // made again: it updates, the copy with it
+            REQUIRE(dl);
+            CHECK(ql_backend_adamw_update_multi(be, dl, 1, &hp, 1.0, 1.0f, &sq, &fin) == QL_OK);
+            CHECK(d.params() != p0);
+            ql_backend_buffer_free(cb);
+            const std::vector<float> p1 = d.params();
+            CHECK(ql_backend_adamw_update_multi(be, dl, 2, &hp, 1.0, 1.0f, &sq, &fin) == QL_ERR_INVALID);  // freed since
+            CHECK(d.params() == p1);
+            ql_optim_list_free(dl);
         }
         ql_backend_free(be);
     }
