@@ -5942,6 +5942,7 @@ struct mm_operand {
     const void *aux;             // side data of the root tensor (NF4), else NULL
     const uint8_t *root_data;    // where the root's blocks start: a block's index from its address
     ql_type round = QL_TYPE_F32; // a 16-bit multiply (b in f16/bf16): packed values rounded to it
+    const uint8_t *r8 = nullptr; // Q4_0 repacked in groups of 8 rows (mm_r8_*), read by the 8-bit paths; NULL: none
 };
 
 static inline bool mm_k_contig(const mm_operand &o) { return !o.trows && o.sk == (int64_t)traits(o.type).type_size; }
@@ -6845,6 +6846,68 @@ static float mm_q8dot_q6_K(int64_t K, const uint8_t *w, const int8_t *xq, const 
 }
 #endif
 
+// ---- Q4_0 repacked in groups of 8 rows (ql_backend_cache_weights on the CPU) ----
+// Per group of 8 rows and block of 32, 144 bytes: the 8 rows' d, then for q = 0..3 the 8 rows'
+// code bytes 4q..4q+3. One 4-byte product sum (vpdpbusd, or maddubs + madd) then adds to each
+// row's own 32-bit lane: no horizontal sums, one scale conversion for 8 rows, one stream of
+// weights. On a 1B shape's weights decode's products read it 1.15-2x faster than rows
+// (bench/RESULTS.md, session 21; llama.cpp's REPACK keeps Q4_0 so too). The integer block sums
+// are mm_q8dot_q4_0's; a row sums its blocks in f32 one after another (the rows' kernel: 8 lanes
+// in two chains), so the two differ in the last bits, within the same bound. The prompt GEMM
+// packs its panels from it with the same bytes (mm_r8_block): the rows' results bit for bit.
+static constexpr int64_t MM_R8_BLOCK = 144;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+static constexpr bool k_mm_r8 = true;
+#else
+static constexpr bool k_mm_r8 = false;
+#endif
+static bool mm_r8_ok(const ql_tensor *w) {  // a weight this layout takes
+    return k_mm_r8 && w->type == QL_TYPE_Q4_0 && w->ne[1] % 8 == 0 && w->ne[2] == 1 && w->ne[3] == 1;
+}
+static size_t mm_r8_bytes(const ql_tensor *w) { return (size_t)(w->ne[0] / 32) * (size_t)w->ne[1] * (MM_R8_BLOCK / 8); }
+static void mm_r8_pack(const uint8_t *src, int64_t K, int64_t M, size_t row_stride, uint8_t *dst) {
+    const int64_t nb = K / 32;
+    for (int64_t g = 0; g < M / 8; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *p = dst + (size_t)(g * nb + b) * MM_R8_BLOCK;
+            for (int r = 0; r < 8; r++) {
+                const ql_block_q4_0 &s = ((const ql_block_q4_0 *)(src + (size_t)(8 * g + r) * row_stride))[b];
+                memcpy(p + 2 * r, &s.d, 2);
+                for (int q = 0; q < 4; q++) memcpy(p + 16 + 32 * q + 4 * r, s.qs + 4 * q, 4);
+            }
+        }
+}
+// row j's block b, as the rows hold it (nb blocks a row)
+static inline void mm_r8_block(const uint8_t *r8, int64_t nb, int64_t j, int64_t b, ql_block_q4_0 *out) {
+    const uint8_t *p = r8 + (size_t)((j / 8) * nb + b) * MM_R8_BLOCK;
+    const int r = (int)(j % 8);
+    memcpy(&out->d, p + 2 * r, 2);
+    for (int q = 0; q < 4; q++) memcpy(out->qs + 4 * q, p + 16 + 32 * q + 4 * r, 4);
+}
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// a group of 8 rows (p: its first block) against one activation row: codes xq, scales xd, 16-sums bsum
+static inline __m256 mm_r8_group(const uint8_t *p, int64_t nb, const int8_t *xq, const float *xd, const int16_t *bsum) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++, p += MM_R8_BLOCK) {
+        const int8_t *x = xq + 32 * b;
+        __m256i s = _mm256_setzero_si256();
+        for (int q = 0; q < 4; q++) {  // low nibbles: elements 4q..4q+3, high: 16 + 4q..
+            const __m256i c = mm_ld(p + 16 + 32 * q);
+            int32_t lo, hi;
+            memcpy(&lo, x + 4 * q, 4);
+            memcpy(&hi, x + 16 + 4 * q, 4);
+            s = mm_dpbusd(s, _mm256_and_si256(c, m4), _mm256_set1_epi32(lo));
+            s = mm_dpbusd(s, _mm256_and_si256(_mm256_srli_epi16(c, 4), m4), _mm256_set1_epi32(hi));
+        }
+        s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * (bsum[2 * b] + bsum[2 * b + 1])));  // the codes are q - 8
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(xd[b])), acc);
+    }
+    return acc;
+}
+#endif
+
 static mm_q8_dot_fn mm_q8_dot_of(ql_type t) {
     switch (t) {
     case QL_TYPE_Q4_0: return mm_q8dot_q4_0;
@@ -6865,7 +6928,22 @@ static void mm_q8(const mm_operand &w, const mm_operand &x, float *c, const floa
     const mm_xq xq = mm_q8_carve(work, N, K, qb);
     for (int64_t i = 0; i < N; i++)
         mm_q8_quantize_row((const float *)(x.p + i * x.smn), K, qb, xq.q + i * K, xq.d + i * (K / qb),
-                           qb == QL_QK_K ? xq.bsum + i * (K / 16) : nullptr);
+                           qb == QL_QK_K || w.r8 ? xq.bsum + i * (K / 16) : nullptr);
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+    if (w.r8) {  // groups of 8 rows (jb, je: multiples of 8), each against every activation row
+        alignas(32) float y[8];
+        for (int64_t g = jb / 8; g < je / 8; g++)
+            for (int64_t i = 0; i < N; i++) {
+                _mm256_store_ps(y, mm_r8_group(w.r8 + (size_t)(g * (K / 32)) * MM_R8_BLOCK, K / 32, xq.q + i * K, xq.d + i * (K / 32),
+                                               xq.bsum + i * (K / 16)));
+                for (int r = 0; r < 8; r++) {
+                    const int64_t o = i * ldc + 8 * g + r;
+                    c[o] = ci ? ci[o] + y[r] : y[r];
+                }
+            }
+        return;
+    }
+#endif
     const mm_q8_dot_fn dot = mm_q8_dot_of(w.type);
     const bool nf4 = w.type == QL_TYPE_NF4 || w.type == QL_TYPE_NF4_NODQ;
     for (int64_t j = jb; j < je; j++) {
@@ -6936,6 +7014,31 @@ static void mm_q8g_pack(const mm_operand &w, int64_t K, int64_t j0, int64_t nr, 
     int8_t v[32];
     auto put = [](uint8_t *p, int r, float f) { memcpy(p + 4 * r, &f, 4); };
     auto put_i = [](uint8_t *p, int r, int32_t i) { memcpy(p + 4 * r, &i, 4); };
+    if (w.r8) {  // Q4_0 repacked (mm_r8_*): a row's 4 code bytes of a group are 4 low and 4 high codes
+        auto less8 = [](uint32_t c) { return ((c | 0x80808080u) - 0x08080808u) ^ 0x80808080u; };  // 4 codes (0..15) - 8 as int8
+        auto sum4 = [](uint32_t c) { return (int32_t)((c * 0x01010101u) >> 24); };                 // 4 codes' sum (<= 60)
+        for (int64_t b = 0; b < nb; b++) {  // a block's 8-row groups whole, one after the other
+            uint8_t *pb = pan + (size_t)b * bb;
+            for (int64_t r = 0; r < nr; r++) {
+                const uint8_t *p = w.r8 + (size_t)(((j0 + r) / 8) * nb + b) * MM_R8_BLOCK;
+                const int l = (int)((j0 + r) % 8);
+                int32_t s = -256;  // 32 codes' - 8
+                for (int q = 0; q < 4; q++) {
+                    uint32_t c;
+                    memcpy(&c, p + 16 + 32 * q + 4 * l, 4);
+                    const uint32_t lo = c & 0x0f0f0f0fu, hi = (c >> 4) & 0x0f0f0f0fu, vl = less8(lo), vh = less8(hi);
+                    memcpy(pb + q * 64 + r * 4, &vl, 4);
+                    memcpy(pb + (q + 4) * 64 + r * 4, &vh, 4);
+                    s += sum4(lo) + sum4(hi);
+                }
+                uint16_t dh;
+                memcpy(&dh, p + 2 * l, 2);
+                put(pb + 512, (int)r, mm_h2f(dh));
+                put_i(pb + 576, (int)r, -128 * s);
+            }
+        }
+        return;
+    }
     for (int64_t r = 0; r < nr; r++) {
         const uint8_t *row = w.p + (j0 + r) * w.smn;
         const int64_t b0 = nf4 ? (int64_t)(row - w.root_data) * 2 / QL_NF4_BLOCK : 0;  // the row's first block of 64
@@ -6943,7 +7046,9 @@ static void mm_q8g_pack(const mm_operand &w, int64_t K, int64_t j0, int64_t nr, 
             uint8_t *pb = pan + (size_t)b * bb;
             float d = 0, d2 = 0, mn = 0;  // the block's scale (halves: lo, hi), Q4_K's min
             if (w.type == QL_TYPE_Q4_0) {
-                const ql_block_q4_0 &q = ((const ql_block_q4_0 *)row)[b];
+                ql_block_q4_0 rb;
+                if (w.r8) mm_r8_block(w.r8, nb, j0 + r, b, &rb);
+                const ql_block_q4_0 &q = w.r8 ? rb : ((const ql_block_q4_0 *)row)[b];
 #if defined(__SSE2__)
                 const __m128i c = _mm_loadu_si128((const __m128i *)q.qs), m4 = _mm_set1_epi8(15), e8 = _mm_set1_epi8(8);
                 _mm_storeu_si128((__m128i *)v, _mm_sub_epi8(_mm_and_si128(c, m4), e8));
@@ -7264,6 +7369,8 @@ static mm_problem mm_problem_of(const ql_tensor *dst) {
            a->type, trows, side ? ql_aux_data(root) : nullptr, (const uint8_t *)root->data};
     P.x = {(const uint8_t *)b->data, (int64_t)b->nb[0], (int64_t)b->nb[1], b->type, false, nullptr, nullptr};
     if (b->type != QL_TYPE_F32 && a->type != b->type) P.w.round = b->type;
+    const ql_weight_copy *cp = (a->flags & QL_FLAG_CACHED) ? (const ql_weight_copy *)a->extra : nullptr;
+    if (cp && !trows && cp->type == a->type && a->type == QL_TYPE_Q4_0) P.w.r8 = (const uint8_t *)cp->data;  // (the CPU's copies)
     P.c = (float *)dst->data;
     P.ct = dst->type;
     P.alpha = ql_mul_mat_alpha(dst);
@@ -7670,6 +7777,16 @@ void ql_cpu_warn_threads(const char *tool, int n) {
                 tool, n, cores, cores == 1 ? "" : "s");
 }
 
+// the CPU's weight copies: Q4_0 repacked in groups of 8 rows (mm_r8_pack), for the 8-bit paths
+static bool cpu_weight_copy(ql_backend *, const ql_tensor *w, void *dst, ql_type type, char *err, size_t n) {
+    if (type != QL_TYPE_Q4_0 || !mm_r8_ok(w)) {
+        snprintf(err, n, "the CPU keeps only Q4_0 weights of rows a multiple of 8, repacked");
+        return false;
+    }
+    mm_r8_pack((const uint8_t *)w->data, w->ne[0], w->ne[1], w->nb[1], (uint8_t *)dst);
+    return true;
+}
+
 ql_backend *ql_backend_cpu_init(int n_threads) {
     mm_amx_ready();  // asked once, before any worker thread exists
     if (n_threads <= 0) n_threads = ql_cpu_default_threads();
@@ -7681,7 +7798,7 @@ ql_backend *ql_backend_cpu_init(int n_threads) {
         return nullptr;
     }
     be->iface = {"cpu", cpu_supports_op, cpu_work_size, cpu_buffer_alloc, cpu_buffer_free, cpu_graph_compute, cpu_free,
-                 nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};  // host memory: memcpy, host math
+                 nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, cpu_weight_copy};  // host memory: memcpy, host math
     be->impl = cb;
     be->id = ql_backend_new_id();
     if (!cb->pool.start(n_threads)) {
@@ -7964,6 +8081,7 @@ size_t ql_tensors_placed_bytes(const ql_tensor *const *tensors, int n) {
 // ---- frozen weights in the compute type (--cache-weights) ----
 
 static size_t weight_copy_bytes(const ql_tensor *w, ql_type type) {
+    if (type == QL_TYPE_Q4_0) return align_up(mm_r8_bytes(w), QL_ALIGN);  // (the CPU's: repacked)
     return align_up((size_t)ql_nelements(w) * ql_plain_size(type), QL_ALIGN);
 }
 size_t ql_weight_cache_bytes(ql_tensor *const *w, int n, ql_type type) {
@@ -7983,13 +8101,23 @@ ql_backend_buffer *ql_backend_cache_weights(ql_backend *be, ql_tensor *const *w,
         if (err && err_size) snprintf(err, err_size, fmt, a, b);
         return nullptr;
     };
-    if (!be || n < 0 || (n && !w) || (type != QL_TYPE_F32 && type != QL_TYPE_F16 && type != QL_TYPE_BF16))
+    if (!be || n < 0 || (n && !w) || (type != QL_TYPE_F32 && type != QL_TYPE_F16 && type != QL_TYPE_BF16 && type != QL_TYPE_Q4_0))
         return fail("cache_weights: bad arguments%s%s", "", "");
+    const bool host = ql_backend_is_host(be);
+    if (host != (type == QL_TYPE_Q4_0))  // the CPU keeps only repacked Q4_0 (8-bit-activation inference), a device only 16/32-bit
+        return fail("cache_weights: backend %s keeps no weight copies in this type%s", be->iface.name,
+                    host ? " (it converts the weights while packing its panels: a copy saves nothing; it keeps Q4_0 weights repacked for "
+                           "8-bit-activation inference: type q4_0)"
+                         : "");
     if (!be->iface.weight_copy || !holds_memory(be))
         return fail("cache_weights: backend %s keeps no weight copies%s", be->iface.name,
                     ql_backend_is_host(be) ? " (it converts the weights while packing its panels: a copy saves nothing)" : "");
     for (int i = 0; i < n; i++) {
         const ql_tensor *x = w[i];
+        if (host && (!x || !is_plain_leaf(x) || !x->data || !mm_r8_ok(x) || !ql_rows_contiguous(x)))
+            return fail("cache_weights: %s is not a 2-D Q4_0 weight whose rows are a multiple of 8%s", x ? x->name : "(null)",
+                        k_mm_r8 ? "" : " (or this build has no AVX2 + FMA + F16C: no kernel for the repacked layout)");
+        if (host) continue;
         if (!x || !is_plain_leaf(x) || !x->data || (x->flags & QL_FLAG_HOST) || x->ne[2] != 1 || x->ne[3] != 1 || x->type == type ||
             !ql_rows_contiguous(x) || !ql_type_traits_get(x->type) || ((x->flags & QL_FLAG_PARAM) && x->type != QL_TYPE_F32))
             return fail("cache_weights: %s is not a placed 2-D weight (or f32 parameter) of another type than %s", x ? x->name : "(null)",
@@ -8014,6 +8142,7 @@ ql_backend_buffer *ql_backend_cache_weights(ql_backend *be, ql_tensor *const *w,
         b->cached.push_back(w[i]);
         w[i]->extra = &b->copies.back();
         w[i]->flags |= QL_FLAG_CACHED;
+        if (host && (w[i]->flags & QL_FLAG_MAPPED)) release_mapped_pages(w[i]->data, ql_nbytes(w[i]));  // read only by other paths now
         off += weight_copy_bytes(w[i], type);
     }
     return b;
@@ -8072,7 +8201,7 @@ static ql_status tensor_io(ql_backend *be, const ql_tensor *t, void *host, size_
 // the copy's kernels run on the stream the write was queued on, so they see it
 static ql_status copy_refresh(ql_backend *be, ql_tensor *t, ql_status st) {
     const ql_weight_copy *cp = (t->flags & QL_FLAG_CACHED) ? (const ql_weight_copy *)t->extra : nullptr;
-    if (st != QL_OK || !cp || ql_backend_is_host(be) || !be->iface.weight_copy) return st;
+    if (st != QL_OK || !cp || !be->iface.weight_copy) return st;
     char err[256] = {0};
     if (be->iface.weight_copy(be, t, cp->data, cp->type, err, sizeof(err))) return QL_OK;
     fprintf(stderr, "qlora: %s: the copy of %s: %s\n", be->iface.name, t->name, err);

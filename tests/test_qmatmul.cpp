@@ -339,6 +339,113 @@ TEST_CASE("8-bit activations (ql_mul_mat_set_prec): within the stated bound of t
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+static constexpr bool k_have_r8 = true;  // (qlora.cpp's repacked kernel is compiled with the same flags)
+#else
+static constexpr bool k_have_r8 = false;
+#endif
+
+// The CPU's weight copies: Q4_0 repacked in groups of 8 rows (ql_backend_cache_weights with
+// QL_TYPE_Q4_0), read by decode's kernel and packed from by the prompt GEMM.
+TEST_CASE("8-bit activations on Q4_0 repacked in groups of 8 rows: the rows' results (prompts bit for bit), any threads, kept in step, "
+          "freed" *
+          skip_unless(k_have_r8, "without AVX2 + FMA + F16C (no repacked kernel in this build)")) {
+    const int64_t M = 72, K = 1024;
+    std::mt19937 rng(33);
+    const std::vector<uint8_t> wq = make_weight(QL_TYPE_Q4_0, M, K, rng), wq2 = make_weight(QL_TYPE_Q4_0, M, K, rng);
+    std::vector<float> wf((size_t)(M * K)), wf2((size_t)(M * K));
+    REQUIRE(ql_dequantize(QL_TYPE_Q4_0, wq.data(), M, K, wf.data()) == QL_OK);
+    REQUIRE(ql_dequantize(QL_TYPE_Q4_0, wq2.data(), M, K, wf2.data()) == QL_OK);
+    // the largest |a - b| over the outputs, relative to each output's sum |w x|
+    auto rel = [&](const std::vector<float> &a, const std::vector<float> &b, const std::vector<float> &w, const std::vector<float> &x, int64_t N) {
+        double worst = 0;
+        for (int64_t i = 0; i < N; i++)
+            for (int64_t j = 0; j < M; j++) {
+                double mag = 0;
+                for (int64_t k = 0; k < K; k++) mag += std::fabs((double)w[(size_t)(j * K + k)] * x[(size_t)(i * K + k)]);
+                worst = std::max(worst, std::fabs((double)a[(size_t)(i * M + j)] - b[(size_t)(i * M + j)]) / mag);
+            }
+        return worst;
+    };
+    for (int64_t N : {1, 3, 8, 9, 37}) {
+        CAPTURE(N);
+        const std::vector<float> x = outlier_activations(K * N, rng);
+        const std::vector<float> rows = run_forward(QL_TYPE_Q4_0, wq, M, K, x, N, 2, true);
+        std::vector<float> r8[3];
+        for (int th : {1, 2, 3}) {
+            ql_init_params ip = {wq.size() + (size_t)(K * N + M * N) * 4 + (4u << 20), nullptr, false, false};
+            ql_context *ctx = ql_init(ip);
+            ql_tensor *w = ql_new_tensor_2d(ctx, QL_TYPE_Q4_0, K, M);
+            ql_set_name(w, "w");
+            memcpy(w->data, wq.data(), wq.size());
+            ql_tensor *xt = ql_new_tensor_2d(ctx, QL_TYPE_F32, K, N);
+            memcpy(xt->data, x.data(), x.size() * 4);
+            ql_tensor *y = ql_set_output(ql_mul_mat(ctx, w, xt));
+            REQUIRE(ql_mul_mat_set_prec(y, QL_TYPE_Q8_0) == QL_OK);
+            ql_graph *g = ql_graph_new(ctx);
+            ql_graph_build_forward(g, y);
+            ql_backend *be = ql_backend_cpu_init(th);
+            REQUIRE(ql_graph_alloc(g, be) == QL_OK);
+            char err[256] = {0};
+            ql_backend_buffer *rb = ql_backend_cache_weights(be, &w, 1, QL_TYPE_Q4_0, err, sizeof(err));
+            REQUIRE_MESSAGE(rb, err);
+            memset(w->data, 0, wq.size());  // the rows zeroed behind the API's back: only the copy can give the results
+            REQUIRE(ql_backend_graph_compute(be, g) == QL_OK);
+            r8[th - 1].assign((const float *)y->data, (const float *)y->data + M * N);
+            if (th == 2) {
+                // a write through the API makes the copy again: the rows' results on the new bytes
+                REQUIRE(ql_backend_tensor_set(be, w, wq2.data(), 0, wq2.size()) == QL_OK);
+                REQUIRE(ql_backend_graph_compute(be, g) == QL_OK);
+                const std::vector<float> now((const float *)y->data, (const float *)y->data + M * N);
+                const std::vector<float> rows2 = run_forward(QL_TYPE_Q4_0, wq2, M, K, x, N, 2, true);
+                if (N > 8 && k_have_vnni) CHECK(now == rows2);
+                CHECK(rel(now, rows2, wf2, x, N) <= 2e-6);
+                // freed: the weight is rows again (its own bytes: wq2 now)
+                ql_backend_buffer_free(rb);
+                CHECK(!(w->flags & QL_FLAG_CACHED));
+                REQUIRE(ql_backend_graph_compute(be, g) == QL_OK);
+                CHECK(std::vector<float>((const float *)y->data, (const float *)y->data + M * N) == rows2);
+            } else {
+                ql_backend_buffer_free(rb);
+            }
+            ql_graph_free(g);
+            ql_backend_free(be);
+            ql_free(ctx);
+        }
+        CHECK(r8[0] == r8[1]);  // no dependence on the threads
+        CHECK(r8[2] == r8[1]);
+        // the same integer block sums: a prompt's GEMM packs the same panels (the rows' bits); decode
+        // sums a row's blocks in another f32 order than the rows' kernel
+        if (N > 8 && k_have_vnni) CHECK(r8[1] == rows);
+        CHECK(rel(r8[1], rows, wf, x, N) <= 2e-6);
+    }
+}
+
+TEST_CASE("the CPU's weight copies: Q4_0 alone, rows a multiple of 8; other requests refused with the reason") {
+    ql_init_params ip = {4u << 20, nullptr, false, false};
+    ql_context *ctx = ql_init(ip);
+    ql_tensor *odd = ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_Q4_0, 64, 12), "odd");  // 12 rows
+    ql_tensor *nf4 = ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_NF4, 64, 16), "nf4w");
+    ql_tensor *ok = ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_Q4_0, 64, 16), "okw");
+    ql_backend *be = ql_backend_cpu_init(1);
+    char err[256] = {0};
+    CHECK(ql_backend_cache_weights(be, &odd, 1, QL_TYPE_Q4_0, err, sizeof(err)) == nullptr);
+    CHECK_MESSAGE(std::string(err).find("odd is not a 2-D Q4_0 weight whose rows are a multiple of 8") != std::string::npos, err);
+    CHECK(ql_backend_cache_weights(be, &nf4, 1, QL_TYPE_Q4_0, err, sizeof(err)) == nullptr);
+    CHECK_MESSAGE(std::string(err).find("nf4w is not a 2-D Q4_0 weight") != std::string::npos, err);
+    CHECK(ql_backend_cache_weights(be, &ok, 1, QL_TYPE_BF16, err, sizeof(err)) == nullptr);  // a compute-type copy: a device's
+    CHECK_MESSAGE(std::string(err).find("keeps no weight copies in this type") != std::string::npos, err);
+    CHECK(!(odd->flags & QL_FLAG_CACHED));
+    CHECK(!(ok->flags & QL_FLAG_CACHED));
+    ql_backend_buffer *b = ql_backend_cache_weights(be, &ok, 1, QL_TYPE_Q4_0, err, sizeof(err));
+    CHECK_MESSAGE((b != nullptr) == k_have_r8, err);
+    CHECK(((ok->flags & QL_FLAG_CACHED) != 0) == k_have_r8);
+    ql_backend_buffer_free(b);
+    CHECK(!(ok->flags & QL_FLAG_CACHED));
+    ql_backend_free(be);
+    ql_free(ctx);
+}
+
 TEST_CASE("8-bit activations: the request's checks, and the multiplies it leaves exact") {
     ql_init_params ip = {1u << 20, nullptr, false, false};
     ql_context *ctx = ql_init(ip);
