@@ -7258,6 +7258,14 @@ static mm_split mm_split_of(const mm_problem &P, int nth) {
     }
     return s;
 }
+// a thread's packing workspace: sized by its largest task's columns (a split over the threads'
+// columns packs only its share of W: the plan then counts the pages a thread touches), all of b's
+// rows (the AMX path's bf16 X block, rows rounded up to 32, needs the f32 block's room)
+static mm_layout mm_task_layout(const mm_problem &P, int nth) {
+    const mm_split s = mm_split_of(P, nth);
+    const int64_t col_units = (P.M + s.align - 1) / s.align;
+    return mm_layout_of(std::min<int64_t>(P.M, (col_units + s.nj - 1) / s.nj * s.align), P.N, P.K);
+}
 // a thread's staging block for a 16-bit result: its largest task's rows (at most MM_STAGE_ROWS,
 // all of them on the dot path) x columns (at most MM_NC), + one row of c - sized to what a task
 // touches, so that the plan is what becomes resident
@@ -7288,7 +7296,7 @@ static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
     const bool dp = !amx && !dot && k_mm_dp && P.x.type == QL_TYPE_BF16 && P.K % 2 == 0 && P.K > 0;
     const int64_t align = sp.align, nj = sp.nj, ni = sp.ni;
     const int64_t n_tasks = P.n_batch * nj * ni;
-    const mm_layout L = mm_layout_of(P.M, P.N, P.K);
+    const mm_layout L = mm_task_layout(P, nth);
     const int64_t col_units = (P.M + align - 1) / align;
     for (int64_t t = ith; t < n_tasks; t += nth) {
         const int64_t bt = t / (nj * ni), cj = (t / ni) % nj, ci = t % ni;
@@ -7459,7 +7467,7 @@ static size_t mmd_thread_work(const ql_tensor *node, const ql_tensor &mm, int nt
     const int slot = get_param<int32_t>(node, 4);
     if (slot == 2) {  // the product's workspace, then its staging block (mm_run_tasks)
         const mm_problem P = mm_problem_of(&mm);
-        return align_up((mm_layout_of(P.M, P.N, P.K).total + mm_stage_floats(P, nth)) * sizeof(float), QL_ALIGN);
+        return align_up((mm_task_layout(P, nth).total + mm_stage_floats(P, nth)) * sizeof(float), QL_ALIGN);
     }
     const size_t rows = 2 * (size_t)node->src[slot]->ne[0] * sizeof(float);  // k_dropout's
     return align_up(std::max(cpu_work_per_thread(&mm, nth), rows), QL_ALIGN);
@@ -7532,7 +7540,7 @@ static size_t cpu_work_per_thread(const ql_tensor *node, int nth) {
     case QL_OP_MUL_MAT: {
         const mm_problem P = mm_problem_of(node);
         if (P.q8) return P.N > MM_Q8_MAX_N ? mm_q8g_work(P.N, P.K, P.w.type) : mm_q8_work(P.N, P.K, mm_q8_block(P.w.type));
-        return (mm_layout_of(P.M, P.N, P.K).total + (P.ct == QL_TYPE_F32 && P.alpha == 1.0f ? 0 : mm_stage_floats(P, nth))) * sizeof(float);
+        return (mm_task_layout(P, nth).total + (P.ct == QL_TYPE_F32 && P.alpha == 1.0f ? 0 : mm_stage_floats(P, nth))) * sizeof(float);
     }
     case QL_OP_MUL_MAT_ROWS: {
         ql_tensor mm;
