@@ -6856,7 +6856,9 @@ static float mm_q8dot_q6_K(int64_t K, const uint8_t *w, const int8_t *xq, const 
 // in two chains), so the two differ in the last bits, within the same bound. The prompt GEMM
 // packs its panels from it with the same bytes (mm_r8_block): the rows' results bit for bit.
 static constexpr int64_t MM_R8_BLOCK = 144;
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// Made only where prompts have the int8 GEMM too (AVX-512 VNNI): elsewhere a prompt's exact path
+// reads the rows, which would then be resident beside the copy (the weights' memory twice).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 static constexpr bool k_mm_r8 = true;
 #else
 static constexpr bool k_mm_r8 = false;
@@ -7818,6 +7820,7 @@ ql_backend *ql_backend_cpu_init(int n_threads) {
 }
 
 bool ql_cpu_bf16_native(void) { return mm_amx_ready() || k_mm_dp; }
+bool ql_cpu_q4_0_repack(void) { return k_mm_r8; }
 const char *ql_cpu_bf16_kind(void) {
     return mm_amx_ready() ? "AMX tiles" : k_mm_dp ? "AVX512-BF16 pair dot products" : nullptr;
 }
@@ -8112,6 +8115,9 @@ ql_backend_buffer *ql_backend_cache_weights(ql_backend *be, ql_tensor *const *w,
     if (!be || n < 0 || (n && !w) || (type != QL_TYPE_F32 && type != QL_TYPE_F16 && type != QL_TYPE_BF16 && type != QL_TYPE_Q4_0))
         return fail("cache_weights: bad arguments%s%s", "", "");
     const bool host = ql_backend_is_host(be);
+    if (host && type == QL_TYPE_Q4_0 && !k_mm_r8)
+        return fail("cache_weights: this build keeps no repacked Q4_0 (it lacks AVX-512 VNNI: its prompts would read the rows, and "
+                    "the copy would double the memory)%s%s", "", "");
     if (host != (type == QL_TYPE_Q4_0))  // the CPU keeps only repacked Q4_0 (8-bit-activation inference), a device only 16/32-bit
         return fail("cache_weights: backend %s keeps no weight copies in this type%s", be->iface.name,
                     host ? " (it converts the weights while packing its panels: a copy saves nothing; it keeps Q4_0 weights repacked for "
@@ -8123,8 +8129,7 @@ ql_backend_buffer *ql_backend_cache_weights(ql_backend *be, ql_tensor *const *w,
     for (int i = 0; i < n; i++) {
         const ql_tensor *x = w[i];
         if (host && (!x || !is_plain_leaf(x) || !x->data || !mm_r8_ok(x) || !ql_rows_contiguous(x)))
-            return fail("cache_weights: %s is not a 2-D Q4_0 weight whose rows are a multiple of 8%s", x ? x->name : "(null)",
-                        k_mm_r8 ? "" : " (or this build has no AVX2 + FMA + F16C: no kernel for the repacked layout)");
+            return fail("cache_weights: %s is not a 2-D Q4_0 weight whose rows are a multiple of 8%s", x ? x->name : "(null)", "");
         if (host) continue;
         if (!x || !is_plain_leaf(x) || !x->data || (x->flags & QL_FLAG_HOST) || x->ne[2] != 1 || x->ne[3] != 1 || x->type == type ||
             !ql_rows_contiguous(x) || !ql_type_traits_get(x->type) || ((x->flags & QL_FLAG_PARAM) && x->type != QL_TYPE_F32))

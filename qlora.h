@@ -760,6 +760,9 @@ void        ql_backend_cpu_parallel(ql_backend *be, void (*fn)(void *arg, int it
 // elsewhere bf16 inputs are widened to f32 and multiplied as f32 (the same products, summed in
 // f32 in another order; the native paths flush subnormal inputs and results to zero).
 bool        ql_cpu_bf16_native(void);
+// whether this build's CPU backend keeps Q4_0 weights repacked for 8-bit-activation inference
+// (ql_backend_cache_weights(cpu, w, n, QL_TYPE_Q4_0, ...): AVX-512 VNNI builds)
+bool        ql_cpu_q4_0_repack(void);
 const char *ql_cpu_bf16_kind(void);                // "AMX tiles", "AVX512-BF16 pair dot products", or NULL
 const char *ql_cpu_features(void);                 // e.g. "AVX512F AVX2 FMA F16C" as compiled in
 

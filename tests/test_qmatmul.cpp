@@ -339,8 +339,8 @@ TEST_CASE("8-bit activations (ql_mul_mat_set_prec): within the stated bound of t
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-static constexpr bool k_have_r8 = true;  // (qlora.cpp's repacked kernel is compiled with the same flags)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+static constexpr bool k_have_r8 = true;  // (qlora.cpp makes the copies under the same flags)
 #else
 static constexpr bool k_have_r8 = false;
 #endif
@@ -349,7 +349,7 @@ static constexpr bool k_have_r8 = false;
 // QL_TYPE_Q4_0), read by decode's kernel and packed from by the prompt GEMM.
 TEST_CASE("8-bit activations on Q4_0 repacked in groups of 8 rows: the rows' results (prompts bit for bit), any threads, kept in step, "
           "freed" *
-          skip_unless(k_have_r8, "without AVX2 + FMA + F16C (no repacked kernel in this build)")) {
+          skip_unless(k_have_r8, "without AVX-512 VNNI (no repacked copies in this build)")) {
     const int64_t M = 72, K = 1024;
     std::mt19937 rng(33);
     const std::vector<uint8_t> wq = make_weight(QL_TYPE_Q4_0, M, K, rng), wq2 = make_weight(QL_TYPE_Q4_0, M, K, rng);
@@ -398,7 +398,7 @@ TEST_CASE("8-bit activations on Q4_0 repacked in groups of 8 rows: the rows' res
                 REQUIRE(ql_backend_graph_compute(be, g) == QL_OK);
                 const std::vector<float> now((const float *)y->data, (const float *)y->data + M * N);
                 const std::vector<float> rows2 = run_forward(QL_TYPE_Q4_0, wq2, M, K, x, N, 2, true);
-                if (N > 8 && k_have_vnni) CHECK(now == rows2);
+                if (N > 8) CHECK(now == rows2);
                 CHECK(rel(now, rows2, wf2, x, N) <= 2e-6);
                 // freed: the weight is rows again (its own bytes: wq2 now)
                 ql_backend_buffer_free(rb);
@@ -416,7 +416,7 @@ TEST_CASE("8-bit activations on Q4_0 repacked in groups of 8 rows: the rows' res
         CHECK(r8[2] == r8[1]);
         // the same integer block sums: a prompt's GEMM packs the same panels (the rows' bits); decode
         // sums a row's blocks in another f32 order than the rows' kernel
-        if (N > 8 && k_have_vnni) CHECK(r8[1] == rows);
+        if (N > 8) CHECK(r8[1] == rows);
         CHECK(rel(r8[1], rows, wf, x, N) <= 2e-6);
     }
 }
@@ -429,10 +429,12 @@ TEST_CASE("the CPU's weight copies: Q4_0 alone, rows a multiple of 8; other requ
     ql_tensor *ok = ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_Q4_0, 64, 16), "okw");
     ql_backend *be = ql_backend_cpu_init(1);
     char err[256] = {0};
+    CHECK(ql_cpu_q4_0_repack() == k_have_r8);
     CHECK(ql_backend_cache_weights(be, &odd, 1, QL_TYPE_Q4_0, err, sizeof(err)) == nullptr);
-    CHECK_MESSAGE(std::string(err).find("odd is not a 2-D Q4_0 weight whose rows are a multiple of 8") != std::string::npos, err);
+    CHECK_MESSAGE(std::string(err).find(k_have_r8 ? "odd is not a 2-D Q4_0 weight whose rows are a multiple of 8" : "this build keeps no repacked Q4_0") !=
+                      std::string::npos, err);
     CHECK(ql_backend_cache_weights(be, &nf4, 1, QL_TYPE_Q4_0, err, sizeof(err)) == nullptr);
-    CHECK_MESSAGE(std::string(err).find("nf4w is not a 2-D Q4_0 weight") != std::string::npos, err);
+    CHECK_MESSAGE(std::string(err).find(k_have_r8 ? "nf4w is not a 2-D Q4_0 weight" : "this build keeps no repacked Q4_0") != std::string::npos, err);
     CHECK(ql_backend_cache_weights(be, &ok, 1, QL_TYPE_BF16, err, sizeof(err)) == nullptr);  // a compute-type copy: a device's
     CHECK_MESSAGE(std::string(err).find("keeps no weight copies in this type") != std::string::npos, err);
     CHECK(!(odd->flags & QL_FLAG_CACHED));

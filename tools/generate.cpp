@@ -264,7 +264,7 @@ static int plan_graphs(const gen_args &a, gen_state *s) {
     }
     // on the CPU with 8-bit activations, Q4_0 weights repacked in groups of 8 rows (the file's pages
     // of them given back): decode reads them 1.15-2x faster (bench/RESULTS.md, session 21)
-    if (ql_backend_is_host(be) && m.q8_activations) {
+    if (ql_backend_is_host(be) && m.q8_activations && ql_cpu_q4_0_repack()) {
         std::vector<ql_tensor *> ws;
         auto add = [&ws](ql_tensor *t) {
             if (t && t->type == QL_TYPE_Q4_0 && t->ne[1] % 8 == 0 && std::find(ws.begin(), ws.end(), t) == ws.end()) ws.push_back(t);
