@@ -6867,9 +6867,9 @@ static bool mm_r8_ok(const ql_tensor *w) {  // a weight this layout takes
     return k_mm_r8 && w->type == QL_TYPE_Q4_0 && w->ne[1] % 8 == 0 && w->ne[2] == 1 && w->ne[3] == 1;
 }
 static size_t mm_r8_bytes(const ql_tensor *w) { return (size_t)(w->ne[0] / 32) * (size_t)w->ne[1] * (MM_R8_BLOCK / 8); }
-static void mm_r8_pack(const uint8_t *src, int64_t K, int64_t M, size_t row_stride, uint8_t *dst) {
+static void mm_r8_pack(const uint8_t *src, int64_t K, int64_t g0, int64_t g1, size_t row_stride, uint8_t *dst) {  // groups [g0, g1)
     const int64_t nb = K / 32;
-    for (int64_t g = 0; g < M / 8; g++)
+    for (int64_t g = g0; g < g1; g++)
         for (int64_t b = 0; b < nb; b++) {
             uint8_t *p = dst + (size_t)(g * nb + b) * MM_R8_BLOCK;
             for (int r = 0; r < 8; r++) {
@@ -7788,12 +7788,22 @@ void ql_cpu_warn_threads(const char *tool, int n) {
 }
 
 // the CPU's weight copies: Q4_0 repacked in groups of 8 rows (mm_r8_pack), for the 8-bit paths
-static bool cpu_weight_copy(ql_backend *, const ql_tensor *w, void *dst, ql_type type, char *err, size_t n) {
+struct cpu_r8_job {
+    const ql_tensor *w;
+    uint8_t *dst;
+};
+static void cpu_r8_worker(void *arg, int ith, int nth) {  // a share of the groups each
+    const cpu_r8_job *j = (const cpu_r8_job *)arg;
+    const int64_t G = j->w->ne[1] / 8;
+    mm_r8_pack((const uint8_t *)j->w->data, j->w->ne[0], G * ith / nth, G * (ith + 1) / nth, j->w->nb[1], j->dst);
+}
+static bool cpu_weight_copy(ql_backend *be, const ql_tensor *w, void *dst, ql_type type, char *err, size_t n) {
     if (type != QL_TYPE_Q4_0 || !mm_r8_ok(w)) {
         snprintf(err, n, "the CPU keeps only Q4_0 weights of rows a multiple of 8, repacked");
         return false;
     }
-    mm_r8_pack((const uint8_t *)w->data, w->ne[0], w->ne[1], w->nb[1], (uint8_t *)dst);
+    cpu_r8_job j = {w, (uint8_t *)dst};
+    ql_backend_cpu_parallel(be, cpu_r8_worker, &j);  // (the file's pages faulted in and the copy's first touched: both threads)
     return true;
 }
 
