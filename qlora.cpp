@@ -6854,7 +6854,7 @@ static float mm_q8dot_q6_K(int64_t K, const uint8_t *w, const int8_t *xq, const 
 // (bench/RESULTS.md, session 21; llama.cpp's REPACK keeps Q4_0 so too). The integer block sums
 // are mm_q8dot_q4_0's; a row sums its blocks in f32 one after another (the rows' kernel: 8 lanes
 // in two chains), so the two differ in the last bits, within the same bound. The prompt GEMM
-// packs its panels from it with the same bytes (mm_r8_block): the rows' results bit for bit.
+// packs its panels from it with the same bytes (mm_q8g_pack): the rows' results bit for bit.
 static constexpr int64_t MM_R8_BLOCK = 144;
 // Made only where prompts have the int8 GEMM too (AVX-512 VNNI): elsewhere a prompt's exact path
 // reads the rows, which would then be resident beside the copy (the weights' memory twice).
@@ -6878,13 +6878,6 @@ static void mm_r8_pack(const uint8_t *src, int64_t K, int64_t g0, int64_t g1, si
                 for (int q = 0; q < 4; q++) memcpy(p + 16 + 32 * q + 4 * r, s.qs + 4 * q, 4);
             }
         }
-}
-// row j's block b, as the rows hold it (nb blocks a row)
-static inline void mm_r8_block(const uint8_t *r8, int64_t nb, int64_t j, int64_t b, ql_block_q4_0 *out) {
-    const uint8_t *p = r8 + (size_t)((j / 8) * nb + b) * MM_R8_BLOCK;
-    const int r = (int)(j % 8);
-    memcpy(&out->d, p + 2 * r, 2);
-    for (int q = 0; q < 4; q++) memcpy(out->qs + 4 * q, p + 16 + 32 * q + 4 * r, 4);
 }
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // a group of 8 rows (p: its first block) against one activation row: codes xq, scales xd, 16-sums bsum
@@ -7048,9 +7041,7 @@ static void mm_q8g_pack(const mm_operand &w, int64_t K, int64_t j0, int64_t nr, 
             uint8_t *pb = pan + (size_t)b * bb;
             float d = 0, d2 = 0, mn = 0;  // the block's scale (halves: lo, hi), Q4_K's min
             if (w.type == QL_TYPE_Q4_0) {
-                ql_block_q4_0 rb;
-                if (w.r8) mm_r8_block(w.r8, nb, j0 + r, b, &rb);
-                const ql_block_q4_0 &q = w.r8 ? rb : ((const ql_block_q4_0 *)row)[b];
+                const ql_block_q4_0 &q = ((const ql_block_q4_0 *)row)[b];
 #if defined(__SSE2__)
                 const __m128i c = _mm_loadu_si128((const __m128i *)q.qs), m4 = _mm_set1_epi8(15), e8 = _mm_set1_epi8(8);
                 _mm_storeu_si128((__m128i *)v, _mm_sub_epi8(_mm_and_si128(c, m4), e8));
@@ -8133,9 +8124,7 @@ ql_backend_buffer *ql_backend_cache_weights(ql_backend *be, ql_tensor *const *w,
                     host ? " (it converts the weights while packing its panels: a copy saves nothing; it keeps Q4_0 weights repacked for "
                            "8-bit-activation inference: type q4_0)"
                          : "");
-    if (!be->iface.weight_copy || !holds_memory(be))
-        return fail("cache_weights: backend %s keeps no weight copies%s", be->iface.name,
-                    ql_backend_is_host(be) ? " (it converts the weights while packing its panels: a copy saves nothing)" : "");
+    if (!be->iface.weight_copy || !holds_memory(be)) return fail("cache_weights: backend %s keeps no weight copies%s", be->iface.name, "");
     for (int i = 0; i < n; i++) {
         const ql_tensor *x = w[i];
         if (host && (!x || !is_plain_leaf(x) || !x->data || !mm_r8_ok(x) || !ql_rows_contiguous(x)))
