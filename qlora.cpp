@@ -5942,7 +5942,7 @@ struct mm_operand {
     const void *aux;             // side data of the root tensor (NF4), else NULL
     const uint8_t *root_data;    // where the root's blocks start: a block's index from its address
     ql_type round = QL_TYPE_F32; // a 16-bit multiply (b in f16/bf16): packed values rounded to it
-    const uint8_t *r8 = nullptr; // Q4_0 repacked in groups of 8 rows (mm_r8_*), read by the 8-bit paths; NULL: none
+    const uint8_t *r8 = nullptr; // Q4_0 / Q4_K repacked in groups of 8 rows (mm_r8_*, mm_k8_*), read by the 8-bit paths; NULL: none
 };
 
 static inline bool mm_k_contig(const mm_operand &o) { return !o.trows && o.sk == (int64_t)traits(o.type).type_size; }
@@ -6863,10 +6863,20 @@ static constexpr bool k_mm_r8 = true;
 #else
 static constexpr bool k_mm_r8 = false;
 #endif
-static bool mm_r8_ok(const ql_tensor *w) {  // a weight this layout takes
-    return k_mm_r8 && w->type == QL_TYPE_Q4_0 && w->ne[1] % 8 == 0 && w->ne[2] == 1 && w->ne[3] == 1;
+// Q4_K likewise (mm_k8_*), per group of 8 rows and super-block of 256, 1184 bytes: the 8 rows' d,
+// then their dmin (f16); the 8 sub-blocks' scales unpacked to bytes [sub-block][row]; the mins as
+// bytes [sub-block pair][row][2] (one madd takes a pair); then for g = 0..3 and q = 0..7 the 8
+// rows' code bytes 32g + 4q .. + 3 (low nibbles sub-block 2g, high 2g + 1). 2.8% more bytes than
+// the rows, whose 6-bit scales each row's kernel unpacked again for every token.
+static constexpr int64_t MM_K8_BLOCK = 1184;
+static constexpr int MM_K8_SC = 32, MM_K8_MN = 96, MM_K8_QS = 160;  // offsets in a block
+static bool mm_r8_ok(const ql_tensor *w) {  // a weight these layouts take
+    return k_mm_r8 && (w->type == QL_TYPE_Q4_0 || w->type == QL_TYPE_Q4_K) && w->ne[1] % 8 == 0 && w->ne[2] == 1 && w->ne[3] == 1;
 }
-static size_t mm_r8_bytes(const ql_tensor *w) { return (size_t)(w->ne[0] / 32) * (size_t)w->ne[1] * (MM_R8_BLOCK / 8); }
+static size_t mm_r8_bytes(const ql_tensor *w) {
+    if (w->type == QL_TYPE_Q4_K) return (size_t)(w->ne[0] / QL_QK_K) * (size_t)(w->ne[1] / 8) * MM_K8_BLOCK;
+    return (size_t)(w->ne[0] / 32) * (size_t)w->ne[1] * (MM_R8_BLOCK / 8);
+}
 static void mm_r8_pack(const uint8_t *src, int64_t K, int64_t g0, int64_t g1, size_t row_stride, uint8_t *dst) {  // groups [g0, g1)
     const int64_t nb = K / 32;
     for (int64_t g = g0; g < g1; g++)
@@ -6879,11 +6889,31 @@ static void mm_r8_pack(const uint8_t *src, int64_t K, int64_t g0, int64_t g1, si
             }
         }
 }
+static void mm_k8_pack(const uint8_t *src, int64_t K, int64_t g0, int64_t g1, size_t row_stride, uint8_t *dst) {  // groups [g0, g1)
+    const int64_t nb = K / QL_QK_K;
+    for (int64_t g = g0; g < g1; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *p = dst + (size_t)(g * nb + b) * MM_K8_BLOCK;
+            for (int r = 0; r < 8; r++) {
+                const ql_block_q4_K &s = ((const ql_block_q4_K *)(src + (size_t)(8 * g + r) * row_stride))[b];
+                memcpy(p + 2 * r, &s.d, 2);
+                memcpy(p + 16 + 2 * r, &s.dmin, 2);
+                uint8_t sc[8], mn[8];
+                mm_k4_scales(s.scales, sc, mn);
+                for (int t = 0; t < 8; t++) {
+                    p[MM_K8_SC + 8 * t + r] = sc[t];
+                    p[MM_K8_MN + 16 * (t / 2) + 2 * r + t % 2] = mn[t];
+                }
+                for (int q = 0; q < 32; q++) memcpy(p + MM_K8_QS + 32 * q + 4 * r, s.qs + 4 * q, 4);  // q = 8 g + q'
+            }
+        }
+}
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // a group of 8 rows (p: its first block) against one activation row: codes xq, scales xd, 16-sums bsum
-static inline __m256 mm_r8_group(const uint8_t *p, int64_t nb, const int8_t *xq, const float *xd, const int16_t *bsum) {
+// (st[0]: the sums so far)
+static inline void mm_r8_group(const uint8_t *p, int64_t nb, const int8_t *xq, const float *xd, const int16_t *bsum, __m256 st[2]) {
     const __m256i m4 = _mm256_set1_epi8(15);
-    __m256 acc = _mm256_setzero_ps();
+    __m256 acc = st[0];
     for (int64_t b = 0; b < nb; b++, p += MM_R8_BLOCK) {
         const int8_t *x = xq + 32 * b;
         __m256i s = _mm256_setzero_si256();
@@ -6899,7 +6929,45 @@ static inline __m256 mm_r8_group(const uint8_t *p, int64_t nb, const int8_t *xq,
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(xd[b])), acc);
     }
-    return acc;
+    st[0] = acc;
+}
+// Q4_K's group (mm_k8_*): per sub-block an integer sum for each of the 8 rows, times the rows'
+// scales; the mins' part per row sum_s m_s bsum_s (the activation's sub-block sums, two per madd)
+// (st: the scales' and the mins' sums so far)
+static inline void mm_k8_group(const uint8_t *p, int64_t nb, const int8_t *xq, const float *xd, const int16_t *bsum, __m256 st[2]) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 acc = st[0], accm = st[1];
+    for (int64_t b = 0; b < nb; b++, p += MM_K8_BLOCK) {
+        const int8_t *x = xq + QL_QK_K * b;
+        __m256i isum = _mm256_setzero_si256();
+        for (int g = 0; g < 4; g++) {
+            __m256i s[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int q = 0; q < 8; q++) {  // low nibbles: elements 64g + 4q .., high: 64g + 32 + 4q .. (two chains each)
+                const __m256i c = mm_ld(p + MM_K8_QS + 32 * (8 * g + q));
+                int32_t lo, hi;
+                memcpy(&lo, x + 64 * g + 4 * q, 4);
+                memcpy(&hi, x + 64 * g + 32 + 4 * q, 4);
+                s[q & 1] = mm_dpbusd(s[q & 1], _mm256_and_si256(c, m4), _mm256_set1_epi32(lo));
+                s[2 + (q & 1)] = mm_dpbusd(s[2 + (q & 1)], _mm256_and_si256(_mm256_srli_epi16(c, 4), m4), _mm256_set1_epi32(hi));
+            }
+            const __m256i s0 = _mm256_add_epi32(s[0], s[1]), s1 = _mm256_add_epi32(s[2], s[3]);
+            const __m256i sc0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + MM_K8_SC + 16 * g)));
+            const __m256i sc1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + MM_K8_SC + 16 * g + 8)));
+            isum = _mm256_add_epi32(isum, _mm256_add_epi32(_mm256_mullo_epi32(s0, sc0), _mm256_mullo_epi32(s1, sc1)));
+        }
+        const int16_t *bs = bsum + 16 * b;
+        __m256i ms = _mm256_setzero_si256();
+        for (int t = 0; t < 4; t++) {  // sub-blocks 2t, 2t + 1
+            const uint32_t pair = (uint16_t)(bs[4 * t] + bs[4 * t + 1]) | (uint32_t)(uint16_t)(bs[4 * t + 2] + bs[4 * t + 3]) << 16;
+            const __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + MM_K8_MN + 16 * t)));
+            ms = _mm256_add_epi32(ms, _mm256_madd_epi16(mn, _mm256_set1_epi32((int32_t)pair)));
+        }
+        const __m256 dx = _mm256_set1_ps(xd[b]);
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)), dm = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), acc);
+        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(dm, dx), accm);
+    }
+    st[0] = acc, st[1] = accm;
 }
 #endif
 
@@ -6926,11 +6994,18 @@ static void mm_q8(const mm_operand &w, const mm_operand &x, float *c, const floa
                            qb == QL_QK_K || w.r8 ? xq.bsum + i * (K / 16) : nullptr);
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     if (w.r8) {  // groups of 8 rows (jb, je: multiples of 8), each against every activation row
+        // (in tiles of groups a chunk of K at a time, to keep a chunk's activations in L1, the
+        // weights' streams broke up: 10 against 25 GB/s on one thread at K = 8192)
+        const bool k4 = w.type == QL_TYPE_Q4_K;
+        const int64_t qk = k4 ? QL_QK_K : 32, nb = K / qk, bsz = k4 ? MM_K8_BLOCK : MM_R8_BLOCK;
         alignas(32) float y[8];
         for (int64_t g = jb / 8; g < je / 8; g++)
             for (int64_t i = 0; i < N; i++) {
-                _mm256_store_ps(y, mm_r8_group(w.r8 + (size_t)(g * (K / 32)) * MM_R8_BLOCK, K / 32, xq.q + i * K, xq.d + i * (K / 32),
-                                               xq.bsum + i * (K / 16)));
+                __m256 st[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+                const uint8_t *p = w.r8 + (size_t)(g * nb) * bsz;
+                if (k4) mm_k8_group(p, nb, xq.q + i * K, xq.d + i * nb, xq.bsum + i * (K / 16), st);
+                else mm_r8_group(p, nb, xq.q + i * K, xq.d + i * nb, xq.bsum + i * (K / 16), st);
+                _mm256_store_ps(y, k4 ? _mm256_sub_ps(st[0], st[1]) : st[0]);
                 for (int r = 0; r < 8; r++) {
                     const int64_t o = i * ldc + 8 * g + r;
                     c[o] = ci ? ci[o] + y[r] : y[r];
@@ -7009,7 +7084,7 @@ static void mm_q8g_pack(const mm_operand &w, int64_t K, int64_t j0, int64_t nr, 
     int8_t v[32];
     auto put = [](uint8_t *p, int r, float f) { memcpy(p + 4 * r, &f, 4); };
     auto put_i = [](uint8_t *p, int r, int32_t i) { memcpy(p + 4 * r, &i, 4); };
-    if (w.r8) {  // Q4_0 repacked (mm_r8_*): a row's 4 code bytes of a group are 4 low and 4 high codes
+    if (w.r8 && w.type == QL_TYPE_Q4_0) {  // Q4_0 repacked (mm_r8_*): a row's 4 code bytes of a group are 4 low and 4 high codes
         auto less8 = [](uint32_t c) { return ((c | 0x80808080u) - 0x08080808u) ^ 0x80808080u; };  // 4 codes (0..15) - 8 as int8
         auto sum4 = [](uint32_t c) { return (int32_t)((c * 0x01010101u) >> 24); };                 // 4 codes' sum (<= 60)
         for (int64_t b = 0; b < nb; b++) {  // a block's 8-row groups whole, one after the other
@@ -7030,6 +7105,35 @@ static void mm_q8g_pack(const mm_operand &w, int64_t K, int64_t j0, int64_t nr, 
                 memcpy(&dh, p + 2 * l, 2);
                 put(pb + 512, (int)r, mm_h2f(dh));
                 put_i(pb + 576, (int)r, -128 * s);
+            }
+        }
+        return;
+    }
+    if (w.r8 && w.type == QL_TYPE_Q4_K) {  // repacked (mm_k8_*): the rows' codes, scales and mins, a block's rows in turn
+        const __m256i m4 = _mm256_set1_epi8(15);
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *pb = pan + (size_t)b * bb;
+            const int sb = (int)(b % 8), g = sb / 2;
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t l8 = (j0 + r) % 8;
+                const uint8_t *p = w.r8 + (size_t)(((j0 + r) / 8) * (K / QL_QK_K) + b / 8) * MM_K8_BLOCK;
+                const uint8_t *cq = p + MM_K8_QS + 256 * g + 4 * l8;  // the row's 4 code bytes 32 apart, 8 times
+                alignas(32) int32_t w4[8];
+                for (int q = 0; q < 8; q++) memcpy(&w4[q], cq + 32 * q, 4);
+                __m256i cv = _mm256_load_si256((const __m256i *)w4);
+                if (sb % 2) cv = _mm256_srli_epi16(cv, 4);
+                cv = _mm256_and_si256(cv, m4);
+                _mm256_store_si256((__m256i *)w4, cv);
+                for (int q = 0; q < 8; q++) memcpy(pb + q * 64 + r * 4, &w4[q], 4);
+                const __m256i s16 = _mm256_sad_epu8(cv, _mm256_setzero_si256());  // the 32 codes' sum (>= 0), 8 at a time
+                const int32_t sum = _mm256_extract_epi32(s16, 0) + _mm256_extract_epi32(s16, 2) + _mm256_extract_epi32(s16, 4) +
+                                    _mm256_extract_epi32(s16, 6);
+                uint16_t dh, mh;
+                memcpy(&dh, p + 2 * l8, 2);
+                memcpy(&mh, p + 16 + 2 * l8, 2);
+                put(pb + 512, (int)r, mm_h2f(dh) * p[MM_K8_SC + 8 * sb + l8]);
+                put_i(pb + 576, (int)r, -128 * sum);
+                put(pb + 640, (int)r, mm_h2f(mh) * p[MM_K8_MN + 16 * (sb / 2) + 2 * l8 + sb % 2]);
             }
         }
         return;
@@ -7371,7 +7475,8 @@ static mm_problem mm_problem_of(const ql_tensor *dst) {
     P.x = {(const uint8_t *)b->data, (int64_t)b->nb[0], (int64_t)b->nb[1], b->type, false, nullptr, nullptr};
     if (b->type != QL_TYPE_F32 && a->type != b->type) P.w.round = b->type;
     const ql_weight_copy *cp = (a->flags & QL_FLAG_CACHED) ? (const ql_weight_copy *)a->extra : nullptr;
-    if (cp && !trows && cp->type == a->type && a->type == QL_TYPE_Q4_0) P.w.r8 = (const uint8_t *)cp->data;  // (the CPU's copies)
+    if (cp && !trows && cp->type == a->type && (a->type == QL_TYPE_Q4_0 || a->type == QL_TYPE_Q4_K))
+        P.w.r8 = (const uint8_t *)cp->data;  // (the CPU's copies)
     P.c = (float *)dst->data;
     P.ct = dst->type;
     P.alpha = ql_mul_mat_alpha(dst);
@@ -7778,7 +7883,8 @@ void ql_cpu_warn_threads(const char *tool, int n) {
                 tool, n, cores, cores == 1 ? "" : "s");
 }
 
-// the CPU's weight copies: Q4_0 repacked in groups of 8 rows (mm_r8_pack), for the 8-bit paths
+// the CPU's weight copies: Q4_0 and Q4_K repacked in groups of 8 rows (mm_r8_pack, mm_k8_pack),
+// for the 8-bit paths
 struct cpu_r8_job {
     const ql_tensor *w;
     uint8_t *dst;
@@ -7786,11 +7892,12 @@ struct cpu_r8_job {
 static void cpu_r8_worker(void *arg, int ith, int nth) {  // a share of the groups each
     const cpu_r8_job *j = (const cpu_r8_job *)arg;
     const int64_t G = j->w->ne[1] / 8;
-    mm_r8_pack((const uint8_t *)j->w->data, j->w->ne[0], G * ith / nth, G * (ith + 1) / nth, j->w->nb[1], j->dst);
+    (j->w->type == QL_TYPE_Q4_K ? mm_k8_pack : mm_r8_pack)((const uint8_t *)j->w->data, j->w->ne[0], G * ith / nth, G * (ith + 1) / nth,
+                                                         j->w->nb[1], j->dst);
 }
 static bool cpu_weight_copy(ql_backend *be, const ql_tensor *w, void *dst, ql_type type, char *err, size_t n) {
-    if (type != QL_TYPE_Q4_0 || !mm_r8_ok(w)) {
-        snprintf(err, n, "the CPU keeps only Q4_0 weights of rows a multiple of 8, repacked");
+    if (type != w->type || !mm_r8_ok(w)) {
+        snprintf(err, n, "the CPU keeps only Q4_0 and Q4_K weights of rows a multiple of 8, repacked, in their own type");
         return false;
     }
     cpu_r8_job j = {w, (uint8_t *)dst};
@@ -7821,7 +7928,7 @@ ql_backend *ql_backend_cpu_init(int n_threads) {
 }
 
 bool ql_cpu_bf16_native(void) { return mm_amx_ready() || k_mm_dp; }
-bool ql_cpu_q4_0_repack(void) { return k_mm_r8; }
+bool ql_cpu_repacks(ql_type type) { return k_mm_r8 && (type == QL_TYPE_Q4_0 || type == QL_TYPE_Q4_K); }
 const char *ql_cpu_bf16_kind(void) {
     return mm_amx_ready() ? "AMX tiles" : k_mm_dp ? "AVX512-BF16 pair dot products" : nullptr;
 }
@@ -8093,7 +8200,7 @@ size_t ql_tensors_placed_bytes(const ql_tensor *const *tensors, int n) {
 // ---- frozen weights in the compute type (--cache-weights) ----
 
 static size_t weight_copy_bytes(const ql_tensor *w, ql_type type) {
-    if (type == QL_TYPE_Q4_0) return align_up(mm_r8_bytes(w), QL_ALIGN);  // (the CPU's: repacked)
+    if (type == QL_TYPE_Q4_0 || type == QL_TYPE_Q4_K) return align_up(mm_r8_bytes(w), QL_ALIGN);  // (the CPU's: repacked)
     return align_up((size_t)ql_nelements(w) * ql_plain_size(type), QL_ALIGN);
 }
 size_t ql_weight_cache_bytes(ql_tensor *const *w, int n, ql_type type) {
@@ -8113,22 +8220,24 @@ ql_backend_buffer *ql_backend_cache_weights(ql_backend *be, ql_tensor *const *w,
         if (err && err_size) snprintf(err, err_size, fmt, a, b);
         return nullptr;
     };
-    if (!be || n < 0 || (n && !w) || (type != QL_TYPE_F32 && type != QL_TYPE_F16 && type != QL_TYPE_BF16 && type != QL_TYPE_Q4_0))
-        return fail("cache_weights: bad arguments%s%s", "", "");
+    const bool repack = type == QL_TYPE_Q4_0 || type == QL_TYPE_Q4_K;
+    if (!be || n < 0 || (n && !w)) return fail("cache_weights: bad arguments%s%s", "", "");
+    if (type != QL_TYPE_F32 && type != QL_TYPE_F16 && type != QL_TYPE_BF16 && !repack)
+        return fail("cache_weights: backend %s keeps no weight copies in this type (%s)", be->iface.name, ql_type_name(type));
     const bool host = ql_backend_is_host(be);
-    if (host && type == QL_TYPE_Q4_0 && !k_mm_r8)
-        return fail("cache_weights: this build keeps no repacked Q4_0 (it lacks AVX-512 VNNI: its prompts would read the rows, and "
-                    "the copy would double the memory)%s%s", "", "");
-    if (host != (type == QL_TYPE_Q4_0))  // the CPU keeps only repacked Q4_0 (8-bit-activation inference), a device only 16/32-bit
+    if (host && repack && !k_mm_r8)
+        return fail("cache_weights: this build keeps no repacked %s (it lacks AVX-512 VNNI: its prompts would read the rows, and "
+                    "the copy would double the memory)%s", ql_type_name(type), "");
+    if (host != repack)  // the CPU keeps only repacked Q4_0 / Q4_K (8-bit-activation inference), a device only 16/32-bit
         return fail("cache_weights: backend %s keeps no weight copies in this type%s", be->iface.name,
-                    host ? " (it converts the weights while packing its panels: a copy saves nothing; it keeps Q4_0 weights repacked for "
-                           "8-bit-activation inference: type q4_0)"
+                    host ? " (it converts the weights while packing its panels: a copy saves nothing; it keeps Q4_0 and Q4_K weights "
+                           "repacked for 8-bit-activation inference: type q4_0 or q4_K)"
                          : "");
     if (!be->iface.weight_copy || !holds_memory(be)) return fail("cache_weights: backend %s keeps no weight copies%s", be->iface.name, "");
     for (int i = 0; i < n; i++) {
         const ql_tensor *x = w[i];
-        if (host && (!x || !is_plain_leaf(x) || !x->data || !mm_r8_ok(x) || !ql_rows_contiguous(x)))
-            return fail("cache_weights: %s is not a 2-D Q4_0 weight whose rows are a multiple of 8%s", x ? x->name : "(null)", "");
+        if (host && (!x || x->type != type || !is_plain_leaf(x) || !x->data || !mm_r8_ok(x) || !ql_rows_contiguous(x)))
+            return fail("cache_weights: %s is not a 2-D %s weight whose rows are a multiple of 8", x ? x->name : "(null)", ql_type_name(type));
         if (host) continue;
         if (!x || !is_plain_leaf(x) || !x->data || (x->flags & QL_FLAG_HOST) || x->ne[2] != 1 || x->ne[3] != 1 || x->type == type ||
             !ql_rows_contiguous(x) || !ql_type_traits_get(x->type) || ((x->flags & QL_FLAG_PARAM) && x->type != QL_TYPE_F32))

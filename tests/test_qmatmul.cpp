@@ -345,17 +345,19 @@ static constexpr bool k_have_r8 = true;  // (qlora.cpp makes the copies under th
 static constexpr bool k_have_r8 = false;
 #endif
 
-// The CPU's weight copies: Q4_0 repacked in groups of 8 rows (ql_backend_cache_weights with
-// QL_TYPE_Q4_0), read by decode's kernel and packed from by the prompt GEMM.
-TEST_CASE("8-bit activations on Q4_0 repacked in groups of 8 rows: the rows' results (prompts bit for bit), any threads, kept in step, "
-          "freed" *
+// The CPU's weight copies: Q4_0 and Q4_K repacked in groups of 8 rows (ql_backend_cache_weights
+// with the weight's type), read by decode's kernel and packed from by the prompt GEMM.
+TEST_CASE("8-bit activations on Q4_0 and Q4_K repacked in groups of 8 rows: the rows' results (prompts bit for bit), any threads, kept "
+          "in step, freed" *
           skip_unless(k_have_r8, "without AVX-512 VNNI (no repacked copies in this build)")) {
+  for (ql_type T : {QL_TYPE_Q4_0, QL_TYPE_Q4_K}) {
+    CAPTURE(std::string(ql_type_name(T)));
     const int64_t M = 72, K = 1024;
     std::mt19937 rng(33);
-    const std::vector<uint8_t> wq = make_weight(QL_TYPE_Q4_0, M, K, rng), wq2 = make_weight(QL_TYPE_Q4_0, M, K, rng);
+    const std::vector<uint8_t> wq = make_weight(T, M, K, rng), wq2 = make_weight(T, M, K, rng);
     std::vector<float> wf((size_t)(M * K)), wf2((size_t)(M * K));
-    REQUIRE(ql_dequantize(QL_TYPE_Q4_0, wq.data(), M, K, wf.data()) == QL_OK);
-    REQUIRE(ql_dequantize(QL_TYPE_Q4_0, wq2.data(), M, K, wf2.data()) == QL_OK);
+    REQUIRE(ql_dequantize(T, wq.data(), M, K, wf.data()) == QL_OK);
+    REQUIRE(ql_dequantize(T, wq2.data(), M, K, wf2.data()) == QL_OK);
     // the largest |a - b| over the outputs, relative to each output's sum |w x|
     auto rel = [&](const std::vector<float> &a, const std::vector<float> &b, const std::vector<float> &w, const std::vector<float> &x, int64_t N) {
         double worst = 0;
@@ -370,12 +372,12 @@ TEST_CASE("8-bit activations on Q4_0 repacked in groups of 8 rows: the rows' res
     for (int64_t N : {1, 3, 8, 9, 37}) {
         CAPTURE(N);
         const std::vector<float> x = outlier_activations(K * N, rng);
-        const std::vector<float> rows = run_forward(QL_TYPE_Q4_0, wq, M, K, x, N, 2, true);
+        const std::vector<float> rows = run_forward(T, wq, M, K, x, N, 2, true);
         std::vector<float> r8[3];
         for (int th : {1, 2, 3}) {
             ql_init_params ip = {wq.size() + (size_t)(K * N + M * N) * 4 + (4u << 20), nullptr, false, false};
             ql_context *ctx = ql_init(ip);
-            ql_tensor *w = ql_new_tensor_2d(ctx, QL_TYPE_Q4_0, K, M);
+            ql_tensor *w = ql_new_tensor_2d(ctx, T, K, M);
             ql_set_name(w, "w");
             memcpy(w->data, wq.data(), wq.size());
             ql_tensor *xt = ql_new_tensor_2d(ctx, QL_TYPE_F32, K, N);
@@ -387,7 +389,7 @@ TEST_CASE("8-bit activations on Q4_0 repacked in groups of 8 rows: the rows' res
             ql_backend *be = ql_backend_cpu_init(th);
             REQUIRE(ql_graph_alloc(g, be) == QL_OK);
             char err[256] = {0};
-            ql_backend_buffer *rb = ql_backend_cache_weights(be, &w, 1, QL_TYPE_Q4_0, err, sizeof(err));
+            ql_backend_buffer *rb = ql_backend_cache_weights(be, &w, 1, T, err, sizeof(err));
             REQUIRE_MESSAGE(rb, err);
             memset(w->data, 0, wq.size());  // the rows zeroed behind the API's back: only the copy can give the results
             REQUIRE(ql_backend_graph_compute(be, g) == QL_OK);
@@ -397,7 +399,7 @@ TEST_CASE("8-bit activations on Q4_0 repacked in groups of 8 rows: the rows' res
                 REQUIRE(ql_backend_tensor_set(be, w, wq2.data(), 0, wq2.size()) == QL_OK);
                 REQUIRE(ql_backend_graph_compute(be, g) == QL_OK);
                 const std::vector<float> now((const float *)y->data, (const float *)y->data + M * N);
-                const std::vector<float> rows2 = run_forward(QL_TYPE_Q4_0, wq2, M, K, x, N, 2, true);
+                const std::vector<float> rows2 = run_forward(T, wq2, M, K, x, N, 2, true);
                 if (N > 8) CHECK(now == rows2);
                 CHECK(rel(now, rows2, wf2, x, N) <= 2e-6);
                 // freed: the weight is rows again (its own bytes: wq2 now)
@@ -419,31 +421,41 @@ TEST_CASE("8-bit activations on Q4_0 repacked in groups of 8 rows: the rows' res
         if (N > 8) CHECK(r8[1] == rows);
         CHECK(rel(r8[1], rows, wf, x, N) <= 2e-6);
     }
+  }
 }
 
-TEST_CASE("the CPU's weight copies: Q4_0 alone, rows a multiple of 8; other requests refused with the reason") {
+TEST_CASE("the CPU's weight copies: Q4_0 and Q4_K alone, in their own type, rows a multiple of 8; other requests refused with the "
+          "reason") {
     ql_init_params ip = {4u << 20, nullptr, false, false};
     ql_context *ctx = ql_init(ip);
     ql_tensor *odd = ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_Q4_0, 64, 12), "odd");  // 12 rows
     ql_tensor *nf4 = ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_NF4, 64, 16), "nf4w");
+    ql_tensor *q6 = ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_Q6_K, 256, 16), "q6w");
     ql_tensor *ok = ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_Q4_0, 64, 16), "okw");
+    ql_tensor *k4 = ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_Q4_K, 512, 16), "k4w");
     ql_backend *be = ql_backend_cpu_init(1);
     char err[256] = {0};
-    CHECK(ql_cpu_q4_0_repack() == k_have_r8);
-    CHECK(ql_backend_cache_weights(be, &odd, 1, QL_TYPE_Q4_0, err, sizeof(err)) == nullptr);
-    CHECK_MESSAGE(std::string(err).find(k_have_r8 ? "odd is not a 2-D Q4_0 weight whose rows are a multiple of 8" : "this build keeps no repacked Q4_0") !=
-                      std::string::npos, err);
-    CHECK(ql_backend_cache_weights(be, &nf4, 1, QL_TYPE_Q4_0, err, sizeof(err)) == nullptr);
-    CHECK_MESSAGE(std::string(err).find(k_have_r8 ? "nf4w is not a 2-D Q4_0 weight" : "this build keeps no repacked Q4_0") != std::string::npos, err);
-    CHECK(ql_backend_cache_weights(be, &ok, 1, QL_TYPE_BF16, err, sizeof(err)) == nullptr);  // a compute-type copy: a device's
-    CHECK_MESSAGE(std::string(err).find("keeps no weight copies in this type") != std::string::npos, err);
-    CHECK(!(odd->flags & QL_FLAG_CACHED));
-    CHECK(!(ok->flags & QL_FLAG_CACHED));
-    ql_backend_buffer *b = ql_backend_cache_weights(be, &ok, 1, QL_TYPE_Q4_0, err, sizeof(err));
-    CHECK_MESSAGE((b != nullptr) == k_have_r8, err);
-    CHECK(((ok->flags & QL_FLAG_CACHED) != 0) == k_have_r8);
-    ql_backend_buffer_free(b);
-    CHECK(!(ok->flags & QL_FLAG_CACHED));
+    CHECK(ql_cpu_repacks(QL_TYPE_Q4_0) == k_have_r8);
+    CHECK(ql_cpu_repacks(QL_TYPE_Q4_K) == k_have_r8);
+    CHECK(!ql_cpu_repacks(QL_TYPE_Q6_K));
+    auto refused = [&](ql_tensor *w, ql_type type, const char *why) {
+        CHECK(ql_backend_cache_weights(be, &w, 1, type, err, sizeof(err)) == nullptr);
+        CHECK_MESSAGE(std::string(err).find(why) != std::string::npos, err);
+        CHECK(!(w->flags & QL_FLAG_CACHED));
+    };
+    refused(odd, QL_TYPE_Q4_0, k_have_r8 ? "odd is not a 2-D q4_0 weight whose rows are a multiple of 8" : "this build keeps no repacked q4_0");
+    refused(nf4, QL_TYPE_Q4_0, k_have_r8 ? "nf4w is not a 2-D q4_0 weight" : "this build keeps no repacked q4_0");
+    refused(k4, QL_TYPE_Q4_0, k_have_r8 ? "k4w is not a 2-D q4_0 weight" : "this build keeps no repacked q4_0");  // another type than its own
+    refused(ok, QL_TYPE_Q4_K, k_have_r8 ? "okw is not a 2-D q4_K weight" : "this build keeps no repacked q4_K");
+    refused(q6, QL_TYPE_Q6_K, "keeps no weight copies in this type");
+    refused(ok, QL_TYPE_BF16, "keeps no weight copies in this type");  // a compute-type copy: a device's
+    for (ql_tensor *w : {ok, k4}) {
+        ql_backend_buffer *b = ql_backend_cache_weights(be, &w, 1, w->type, err, sizeof(err));
+        CHECK_MESSAGE((b != nullptr) == k_have_r8, err);
+        CHECK(((w->flags & QL_FLAG_CACHED) != 0) == k_have_r8);
+        ql_backend_buffer_free(b);
+        CHECK(!(w->flags & QL_FLAG_CACHED));
+    }
     ql_backend_free(be);
     ql_free(ctx);
 }

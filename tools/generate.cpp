@@ -173,7 +173,7 @@ struct gen_state {
     owned<ql_lora_adapter> ad{nullptr, ql_lora_adapter_free};
     owned<ql_backend> be{nullptr, ql_backend_free};
     owned<ql_backend_buffer> wbuf{nullptr, ql_backend_buffer_free}, abuf{nullptr, ql_backend_buffer_free};
-    owned<ql_backend_buffer> rbuf{nullptr, ql_backend_buffer_free};  // the CPU's repacked Q4_0 weights
+    owned<ql_backend_buffer> rbuf[2] = {{nullptr, ql_backend_buffer_free}, {nullptr, ql_backend_buffer_free}};  // the CPU's repacked Q4_0, Q4_K weights
     owned<ql_context> ctx{nullptr, ql_free};
     owned<ql_graph> gp{nullptr, ql_graph_free}, go{nullptr, ql_graph_free};
     owned<ql_backend_buffer> cbuf{nullptr, ql_backend_buffer_free};
@@ -262,20 +262,21 @@ static int plan_graphs(const gen_args &a, gen_state *s) {
         fprintf(stderr, "generate: %s\n", ql_ctx_error(s->wbuf ? ad->ctx : s->f->ctx));
         return 1;
     }
-    // on the CPU with 8-bit activations, Q4_0 weights repacked in groups of 8 rows (the file's pages
-    // of them given back): decode reads them 1.15-2x faster (bench/RESULTS.md, session 21)
-    if (ql_backend_is_host(be) && m.q8_activations && ql_cpu_q4_0_repack()) {
+    // on the CPU with 8-bit activations, Q4_0 and Q4_K weights repacked in groups of 8 rows (the
+    // file's pages of them given back): decode reads them faster (bench/RESULTS.md, sessions 21-22)
+    for (int k = 0; k < 2 && ql_backend_is_host(be) && m.q8_activations; k++) {
+        const ql_type type = k ? QL_TYPE_Q4_K : QL_TYPE_Q4_0;
+        if (!ql_cpu_repacks(type)) continue;
         std::vector<ql_tensor *> ws;
-        auto add = [&ws](ql_tensor *t) {
-            if (t && t->type == QL_TYPE_Q4_0 && t->ne[1] % 8 == 0 && std::find(ws.begin(), ws.end(), t) == ws.end()) ws.push_back(t);
+        auto add = [&ws, type](ql_tensor *t) {
+            if (t && t->type == type && t->ne[1] % 8 == 0 && std::find(ws.begin(), ws.end(), t) == ws.end()) ws.push_back(t);
         };
         for (const ql_llama_layer &l : m.layers)
             for (ql_tensor *t : {l.wq, l.wk, l.wv, l.wo, l.w_gate, l.w_up, l.w_down}) add(t);
         add(m.output);
-        if (!ws.empty()) {
-            s->rbuf.reset(ql_backend_cache_weights(be, ws.data(), (int)ws.size(), QL_TYPE_Q4_0, err, sizeof(err)));
-            if (!s->rbuf) fprintf(stderr, "generate: note: Q4_0 weights read as rows, not repacked (%s)\n", err);
-        }
+        if (ws.empty()) continue;
+        s->rbuf[k].reset(ql_backend_cache_weights(be, ws.data(), (int)ws.size(), type, err, sizeof(err)));
+        if (!s->rbuf[k]) fprintf(stderr, "generate: note: %s weights read as rows, not repacked (%s)\n", ql_type_name(type), err);
     }
     // headers only: the cache and the inputs get their data from the backend (alloc_ctx_tensors)
     ql_init_params ip = {(size_t)(hp.n_layer * 200 + 400) * ql_tensor_overhead() + (1u << 20), nullptr, true, false};
