@@ -5942,7 +5942,7 @@ struct mm_operand {
     const void *aux;             // side data of the root tensor (NF4), else NULL
     const uint8_t *root_data;    // where the root's blocks start: a block's index from its address
     ql_type round = QL_TYPE_F32; // a 16-bit multiply (b in f16/bf16): packed values rounded to it
-    const uint8_t *r8 = nullptr; // Q4_0 / Q4_K repacked in groups of 8 rows (mm_r8_*, mm_k8_*), read by the 8-bit paths; NULL: none
+    const uint8_t *r8 = nullptr; // Q4_0 / Q4_K / Q6_K repacked in groups of 8 rows (mm_r8_*, mm_k8_*, mm_q6r8_*), read by the 8-bit paths; NULL: none
 };
 
 static inline bool mm_k_contig(const mm_operand &o) { return !o.trows && o.sk == (int64_t)traits(o.type).type_size; }
@@ -6870,10 +6870,18 @@ static constexpr bool k_mm_r8 = false;
 // the rows, whose 6-bit scales each row's kernel unpacked again for every token.
 static constexpr int64_t MM_K8_BLOCK = 1184;
 static constexpr int MM_K8_SC = 32, MM_K8_MN = 96, MM_K8_QS = 160;  // offsets in a block
+// Q6_K likewise (mm_q6r8_*), 1680 bytes (the rows' own size): the 8 rows' d (f16); the 16
+// sub-blocks' scales [sub-block][row] (int8); then for h = 0..1 and q = 0..7 three runs of the 8
+// rows' 4 bytes: ql 64h + 4q .., ql 64h + 32 + 4q .., qh 32h + 4q .. - together the 6-bit codes of
+// elements 128h + 32m + 4q .. + 3 for m = 0..3.
+static constexpr int64_t MM_Q6R8_BLOCK = 1680;
+static constexpr int MM_Q6R8_SC = 16, MM_Q6R8_QS = 144;
+static bool mm_r8_type(ql_type t) { return t == QL_TYPE_Q4_0 || t == QL_TYPE_Q4_K || t == QL_TYPE_Q6_K; }
 static bool mm_r8_ok(const ql_tensor *w) {  // a weight these layouts take
-    return k_mm_r8 && (w->type == QL_TYPE_Q4_0 || w->type == QL_TYPE_Q4_K) && w->ne[1] % 8 == 0 && w->ne[2] == 1 && w->ne[3] == 1;
+    return k_mm_r8 && mm_r8_type(w->type) && w->ne[1] % 8 == 0 && w->ne[2] == 1 && w->ne[3] == 1;
 }
 static size_t mm_r8_bytes(const ql_tensor *w) {
+    if (w->type == QL_TYPE_Q6_K) return (size_t)(w->ne[0] / QL_QK_K) * (size_t)(w->ne[1] / 8) * MM_Q6R8_BLOCK;
     if (w->type == QL_TYPE_Q4_K) return (size_t)(w->ne[0] / QL_QK_K) * (size_t)(w->ne[1] / 8) * MM_K8_BLOCK;
     return (size_t)(w->ne[0] / 32) * (size_t)w->ne[1] * (MM_R8_BLOCK / 8);
 }
@@ -6905,6 +6913,25 @@ static void mm_k8_pack(const uint8_t *src, int64_t K, int64_t g0, int64_t g1, si
                     p[MM_K8_MN + 16 * (t / 2) + 2 * r + t % 2] = mn[t];
                 }
                 for (int q = 0; q < 32; q++) memcpy(p + MM_K8_QS + 32 * q + 4 * r, s.qs + 4 * q, 4);  // q = 8 g + q'
+            }
+        }
+}
+static void mm_q6r8_pack(const uint8_t *src, int64_t K, int64_t g0, int64_t g1, size_t row_stride, uint8_t *dst) {  // groups [g0, g1)
+    const int64_t nb = K / QL_QK_K;
+    for (int64_t g = g0; g < g1; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *p = dst + (size_t)(g * nb + b) * MM_Q6R8_BLOCK;
+            for (int r = 0; r < 8; r++) {
+                const ql_block_q6_K &s = ((const ql_block_q6_K *)(src + (size_t)(8 * g + r) * row_stride))[b];
+                memcpy(p + 2 * r, &s.d, 2);
+                for (int t = 0; t < 16; t++) p[MM_Q6R8_SC + 8 * t + r] = (uint8_t)s.scales[t];
+                for (int h = 0; h < 2; h++)
+                    for (int q = 0; q < 8; q++) {
+                        uint8_t *u = p + MM_Q6R8_QS + 96 * (8 * h + q) + 4 * r;
+                        memcpy(u, s.ql + 64 * h + 4 * q, 4);
+                        memcpy(u + 32, s.ql + 64 * h + 32 + 4 * q, 4);
+                        memcpy(u + 64, s.qh + 32 * h + 4 * q, 4);
+                    }
             }
         }
 }
@@ -6969,6 +6996,43 @@ static inline void mm_k8_group(const uint8_t *p, int64_t nb, const int8_t *xq, c
     }
     st[0] = acc, st[1] = accm;
 }
+// Q6_K's group (mm_q6r8_*): per sub-block of 16 an integer sum for each row, less 32 times the
+// activation's 16-sum (the codes are q - 32), times the rows' scales
+static inline void mm_q6r8_group(const uint8_t *p, int64_t nb, const int8_t *xq, const float *xd, const int16_t *bsum, __m256 st[2]) {
+    const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+    __m256 acc = st[0];
+    for (int64_t b = 0; b < nb; b++, p += MM_Q6R8_BLOCK) {
+        const int8_t *x = xq + QL_QK_K * b;
+        const int16_t *bs = bsum + 16 * b;
+        __m256i isum = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            __m256i a[8];  // [m][s]: sub-block 8h + 2m + s
+            for (int k = 0; k < 8; k++) a[k] = _mm256_setzero_si256();
+            for (int q = 0; q < 8; q++) {
+                const uint8_t *u = p + MM_Q6R8_QS + 96 * (8 * h + q);
+                const __m256i A = mm_ld(u), B = mm_ld(u + 32), H = mm_ld(u + 64);
+                __m256i c[4];
+                c[0] = _mm256_or_si256(_mm256_and_si256(A, m4), _mm256_slli_epi16(_mm256_and_si256(H, m3), 4));
+                c[1] = _mm256_or_si256(_mm256_and_si256(B, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 2), m3), 4));
+                c[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(A, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 4), m3), 4));
+                c[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(B, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(H, 6), m3), 4));
+                for (int m = 0; m < 4; m++) {
+                    int32_t xv;
+                    memcpy(&xv, x + 128 * h + 32 * m + 4 * q, 4);
+                    a[2 * m + q / 4] = mm_dpbusd(a[2 * m + q / 4], c[m], _mm256_set1_epi32(xv));
+                }
+            }
+            for (int k = 0; k < 8; k++) {
+                const int sub = 8 * h + k;
+                const __m256i t = _mm256_sub_epi32(a[k], _mm256_set1_epi32(32 * bs[sub]));
+                isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(t, _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + MM_Q6R8_SC + 8 * sub)))));
+            }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(xd[b])), acc);
+    }
+    st[0] = acc;
+}
 #endif
 
 static mm_q8_dot_fn mm_q8_dot_of(ql_type t) {
@@ -6996,14 +7060,15 @@ static void mm_q8(const mm_operand &w, const mm_operand &x, float *c, const floa
     if (w.r8) {  // groups of 8 rows (jb, je: multiples of 8), each against every activation row
         // (in tiles of groups a chunk of K at a time, to keep a chunk's activations in L1, the
         // weights' streams broke up: 10 against 25 GB/s on one thread at K = 8192)
-        const bool k4 = w.type == QL_TYPE_Q4_K;
-        const int64_t qk = k4 ? QL_QK_K : 32, nb = K / qk, bsz = k4 ? MM_K8_BLOCK : MM_R8_BLOCK;
+        const bool k4 = w.type == QL_TYPE_Q4_K, k6 = w.type == QL_TYPE_Q6_K;
+        const int64_t qk = k4 || k6 ? QL_QK_K : 32, nb = K / qk, bsz = k4 ? MM_K8_BLOCK : k6 ? MM_Q6R8_BLOCK : MM_R8_BLOCK;
         alignas(32) float y[8];
         for (int64_t g = jb / 8; g < je / 8; g++)
             for (int64_t i = 0; i < N; i++) {
                 __m256 st[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
                 const uint8_t *p = w.r8 + (size_t)(g * nb) * bsz;
                 if (k4) mm_k8_group(p, nb, xq.q + i * K, xq.d + i * nb, xq.bsum + i * (K / 16), st);
+                else if (k6) mm_q6r8_group(p, nb, xq.q + i * K, xq.d + i * nb, xq.bsum + i * (K / 16), st);
                 else mm_r8_group(p, nb, xq.q + i * K, xq.d + i * nb, xq.bsum + i * (K / 16), st);
                 _mm256_store_ps(y, k4 ? _mm256_sub_ps(st[0], st[1]) : st[0]);
                 for (int r = 0; r < 8; r++) {
@@ -7134,6 +7199,40 @@ static void mm_q8g_pack(const mm_operand &w, int64_t K, int64_t j0, int64_t nr, 
                 put(pb + 512, (int)r, mm_h2f(dh) * p[MM_K8_SC + 8 * sb + l8]);
                 put_i(pb + 576, (int)r, -128 * sum);
                 put(pb + 640, (int)r, mm_h2f(mh) * p[MM_K8_MN + 16 * (sb / 2) + 2 * l8 + sb % 2]);
+            }
+        }
+        return;
+    }
+    if (w.r8 && w.type == QL_TYPE_Q6_K) {  // repacked (mm_q6r8_*): the rows' codes and scales, a block's rows in turn
+        const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
+        for (int64_t b = 0; b < nb; b++) {  // elements 128h + 32m + l
+            uint8_t *pb = pan + (size_t)b * bb;
+            const int h = (int)(b % 8) / 4, m = (int)(b % 4);
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t l8 = (j0 + r) % 8;
+                const uint8_t *p = w.r8 + (size_t)(((j0 + r) / 8) * (K / QL_QK_K) + b / 8) * MM_Q6R8_BLOCK;
+                const uint8_t *u = p + MM_Q6R8_QS + 96 * 8 * h + 4 * l8;
+                alignas(32) int32_t lw[8], hw[8];
+                for (int q = 0; q < 8; q++) {
+                    memcpy(&lw[q], u + 96 * q + 32 * (m & 1), 4);
+                    memcpy(&hw[q], u + 96 * q + 64, 4);
+                }
+                __m256i lo = _mm256_load_si256((const __m256i *)lw), top = _mm256_load_si256((const __m256i *)hw);
+                if (m >= 2) lo = _mm256_srli_epi16(lo, 4);
+                top = _mm256_srli_epi16(top, 2 * m);
+                const __m256i code = _mm256_or_si256(_mm256_and_si256(lo, m4), _mm256_slli_epi16(_mm256_and_si256(top, m3), 4));  // 0..63
+                const __m256i s16 = _mm256_sad_epu8(code, _mm256_setzero_si256());
+                const int32_t slo = _mm256_extract_epi32(s16, 0) + _mm256_extract_epi32(s16, 2) - 16 * 32;
+                const int32_t shi = _mm256_extract_epi32(s16, 4) + _mm256_extract_epi32(s16, 6) - 16 * 32;
+                _mm256_store_si256((__m256i *)lw, _mm256_sub_epi8(code, _mm256_set1_epi8(32)));
+                for (int q = 0; q < 8; q++) memcpy(pb + q * 64 + r * 4, &lw[q], 4);
+                uint16_t dh;
+                memcpy(&dh, p + 2 * l8, 2);
+                const float dd = mm_h2f(dh);
+                put(pb + 512, (int)r, dd * (int8_t)p[MM_Q6R8_SC + 8 * (8 * h + 2 * m) + l8]);
+                put(pb + 576, (int)r, dd * (int8_t)p[MM_Q6R8_SC + 8 * (8 * h + 2 * m + 1) + l8]);
+                put_i(pb + 640, (int)r, -128 * slo);
+                put_i(pb + 704, (int)r, -128 * shi);
             }
         }
         return;
@@ -7475,7 +7574,7 @@ static mm_problem mm_problem_of(const ql_tensor *dst) {
     P.x = {(const uint8_t *)b->data, (int64_t)b->nb[0], (int64_t)b->nb[1], b->type, false, nullptr, nullptr};
     if (b->type != QL_TYPE_F32 && a->type != b->type) P.w.round = b->type;
     const ql_weight_copy *cp = (a->flags & QL_FLAG_CACHED) ? (const ql_weight_copy *)a->extra : nullptr;
-    if (cp && !trows && cp->type == a->type && (a->type == QL_TYPE_Q4_0 || a->type == QL_TYPE_Q4_K))
+    if (cp && !trows && cp->type == a->type && mm_r8_type(a->type))
         P.w.r8 = (const uint8_t *)cp->data;  // (the CPU's copies)
     P.c = (float *)dst->data;
     P.ct = dst->type;
@@ -7883,8 +7982,8 @@ void ql_cpu_warn_threads(const char *tool, int n) {
                 tool, n, cores, cores == 1 ? "" : "s");
 }
 
-// the CPU's weight copies: Q4_0 and Q4_K repacked in groups of 8 rows (mm_r8_pack, mm_k8_pack),
-// for the 8-bit paths
+// the CPU's weight copies: Q4_0, Q4_K and Q6_K repacked in groups of 8 rows (mm_r8_pack,
+// mm_k8_pack, mm_q6r8_pack), for the 8-bit paths
 struct cpu_r8_job {
     const ql_tensor *w;
     uint8_t *dst;
@@ -7892,12 +7991,12 @@ struct cpu_r8_job {
 static void cpu_r8_worker(void *arg, int ith, int nth) {  // a share of the groups each
     const cpu_r8_job *j = (const cpu_r8_job *)arg;
     const int64_t G = j->w->ne[1] / 8;
-    (j->w->type == QL_TYPE_Q4_K ? mm_k8_pack : mm_r8_pack)((const uint8_t *)j->w->data, j->w->ne[0], G * ith / nth, G * (ith + 1) / nth,
+    (j->w->type == QL_TYPE_Q4_K ? mm_k8_pack : j->w->type == QL_TYPE_Q6_K ? mm_q6r8_pack : mm_r8_pack)((const uint8_t *)j->w->data, j->w->ne[0], G * ith / nth, G * (ith + 1) / nth,
                                                          j->w->nb[1], j->dst);
 }
 static bool cpu_weight_copy(ql_backend *be, const ql_tensor *w, void *dst, ql_type type, char *err, size_t n) {
     if (type != w->type || !mm_r8_ok(w)) {
-        snprintf(err, n, "the CPU keeps only Q4_0 and Q4_K weights of rows a multiple of 8, repacked, in their own type");
+        snprintf(err, n, "the CPU keeps only Q4_0, Q4_K and Q6_K weights of rows a multiple of 8, repacked, in their own type");
         return false;
     }
     cpu_r8_job j = {w, (uint8_t *)dst};
@@ -7928,7 +8027,7 @@ ql_backend *ql_backend_cpu_init(int n_threads) {
 }
 
 bool ql_cpu_bf16_native(void) { return mm_amx_ready() || k_mm_dp; }
-bool ql_cpu_repacks(ql_type type) { return k_mm_r8 && (type == QL_TYPE_Q4_0 || type == QL_TYPE_Q4_K); }
+bool ql_cpu_repacks(ql_type type) { return k_mm_r8 && mm_r8_type(type); }
 const char *ql_cpu_bf16_kind(void) {
     return mm_amx_ready() ? "AMX tiles" : k_mm_dp ? "AVX512-BF16 pair dot products" : nullptr;
 }
@@ -8200,7 +8299,7 @@ size_t ql_tensors_placed_bytes(const ql_tensor *const *tensors, int n) {
 // ---- frozen weights in the compute type (--cache-weights) ----
 
 static size_t weight_copy_bytes(const ql_tensor *w, ql_type type) {
-    if (type == QL_TYPE_Q4_0 || type == QL_TYPE_Q4_K) return align_up(mm_r8_bytes(w), QL_ALIGN);  // (the CPU's: repacked)
+    if (mm_r8_type(type)) return align_up(mm_r8_bytes(w), QL_ALIGN);  // (the CPU's: repacked)
     return align_up((size_t)ql_nelements(w) * ql_plain_size(type), QL_ALIGN);
 }
 size_t ql_weight_cache_bytes(ql_tensor *const *w, int n, ql_type type) {
@@ -8220,7 +8319,7 @@ ql_backend_buffer *ql_backend_cache_weights(ql_backend *be, ql_tensor *const *w,
         if (err && err_size) snprintf(err, err_size, fmt, a, b);
         return nullptr;
     };
-    const bool repack = type == QL_TYPE_Q4_0 || type == QL_TYPE_Q4_K;
+    const bool repack = mm_r8_type(type);
     if (!be || n < 0 || (n && !w)) return fail("cache_weights: bad arguments%s%s", "", "");
     if (type != QL_TYPE_F32 && type != QL_TYPE_F16 && type != QL_TYPE_BF16 && !repack)
         return fail("cache_weights: backend %s keeps no weight copies in this type (%s)", be->iface.name, ql_type_name(type));
@@ -8228,10 +8327,10 @@ ql_backend_buffer *ql_backend_cache_weights(ql_backend *be, ql_tensor *const *w,
     if (host && repack && !k_mm_r8)
         return fail("cache_weights: this build keeps no repacked %s (it lacks AVX-512 VNNI: its prompts would read the rows, and "
                     "the copy would double the memory)%s", ql_type_name(type), "");
-    if (host != repack)  // the CPU keeps only repacked Q4_0 / Q4_K (8-bit-activation inference), a device only 16/32-bit
+    if (host != repack)  // the CPU keeps only repacked Q4_0 / Q4_K / Q6_K (8-bit-activation inference), a device only 16/32-bit
         return fail("cache_weights: backend %s keeps no weight copies in this type%s", be->iface.name,
-                    host ? " (it converts the weights while packing its panels: a copy saves nothing; it keeps Q4_0 and Q4_K weights "
-                           "repacked for 8-bit-activation inference: type q4_0 or q4_K)"
+                    host ? " (it converts the weights while packing its panels: a copy saves nothing; it keeps Q4_0, Q4_K and Q6_K "
+                           "weights repacked for 8-bit-activation inference: their own type)"
                          : "");
     if (!be->iface.weight_copy || !holds_memory(be)) return fail("cache_weights: backend %s keeps no weight copies%s", be->iface.name, "");
     for (int i = 0; i < n; i++) {

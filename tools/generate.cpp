@@ -173,7 +173,8 @@ struct gen_state {
     owned<ql_lora_adapter> ad{nullptr, ql_lora_adapter_free};
     owned<ql_backend> be{nullptr, ql_backend_free};
     owned<ql_backend_buffer> wbuf{nullptr, ql_backend_buffer_free}, abuf{nullptr, ql_backend_buffer_free};
-    owned<ql_backend_buffer> rbuf[2] = {{nullptr, ql_backend_buffer_free}, {nullptr, ql_backend_buffer_free}};  // the CPU's repacked Q4_0, Q4_K weights
+    owned<ql_backend_buffer> rbuf[3] = {{nullptr, ql_backend_buffer_free}, {nullptr, ql_backend_buffer_free},
+                                        {nullptr, ql_backend_buffer_free}};  // the CPU's repacked Q4_0, Q4_K, Q6_K weights
     owned<ql_context> ctx{nullptr, ql_free};
     owned<ql_graph> gp{nullptr, ql_graph_free}, go{nullptr, ql_graph_free};
     owned<ql_backend_buffer> cbuf{nullptr, ql_backend_buffer_free};
@@ -262,10 +263,10 @@ static int plan_graphs(const gen_args &a, gen_state *s) {
         fprintf(stderr, "generate: %s\n", ql_ctx_error(s->wbuf ? ad->ctx : s->f->ctx));
         return 1;
     }
-    // on the CPU with 8-bit activations, Q4_0 and Q4_K weights repacked in groups of 8 rows (the
+    // on the CPU with 8-bit activations, Q4_0, Q4_K and Q6_K weights repacked in groups of 8 rows (the
     // file's pages of them given back): decode reads them faster (bench/RESULTS.md, sessions 21-22)
-    for (int k = 0; k < 2 && ql_backend_is_host(be) && m.q8_activations; k++) {
-        const ql_type type = k ? QL_TYPE_Q4_K : QL_TYPE_Q4_0;
+    for (int k = 0; k < 3 && ql_backend_is_host(be) && m.q8_activations; k++) {
+        const ql_type type = k == 0 ? QL_TYPE_Q4_0 : k == 1 ? QL_TYPE_Q4_K : QL_TYPE_Q6_K;
         if (!ql_cpu_repacks(type)) continue;
         std::vector<ql_tensor *> ws;
         auto add = [&ws, type](ql_tensor *t) {
