@@ -457,6 +457,26 @@ std::vector<ql_tensor *> ql_llama_lora_params_range(const ql_llama &m, int l0, i
 
 // ---- generation with a KV cache ----
 
+std::vector<ql_backend_buffer *> ql_llama_repack_weights(ql_backend *be, const ql_llama *m, const char *tool) {
+    std::vector<ql_backend_buffer *> bufs;
+    if (!be || !m || !ql_backend_is_host(be) || !m->q8_activations) return bufs;
+    for (ql_type type : {QL_TYPE_Q4_0, QL_TYPE_Q4_K, QL_TYPE_Q6_K}) {
+        if (!ql_cpu_repacks(type)) continue;
+        std::vector<ql_tensor *> ws;
+        auto add = [&ws, type](ql_tensor *t) {
+            if (t && t->type == type && t->ne[1] % 8 == 0 && std::find(ws.begin(), ws.end(), t) == ws.end()) ws.push_back(t);
+        };
+        for (const ql_llama_layer &l : m->layers)
+            for (ql_tensor *t : {l.wq, l.wk, l.wv, l.wo, l.w_gate, l.w_up, l.w_down}) add(t);
+        add(m->output);
+        if (ws.empty()) continue;
+        char err[256] = {0};
+        if (ql_backend_buffer *b = ql_backend_cache_weights(be, ws.data(), (int)ws.size(), type, err, sizeof(err))) bufs.push_back(b);
+        else fprintf(stderr, "%s: note: %s weights read as rows, not repacked (%s)\n", tool, ql_type_name(type), err);
+    }
+    return bufs;
+}
+
 ql_status ql_llama_cache_create(ql_context *ctx, const ql_llama *m, int n_ctx, ql_llama_cache *cache, ql_type type) {
     if (n_ctx <= 0) {
         ql_ctx_set_error(ctx, QL_ERR_INVALID, "llama: cache length %d must be positive", n_ctx);

@@ -231,6 +231,29 @@ struct ql_llama_cache {
     ql_tensor *n_kv      = nullptr;     // I32 [1]: write_pos + new tokens
 };
 
+// Inference on the CPU with 8-bit activations (m->q8_activations): the layers' linears and the
+// output head of each type this build repacks (ql_cpu_repacks: Q4_0, Q4_K, Q6_K; rows a multiple
+// of 8) copied in groups of 8 rows, one buffer per type (ql_backend_cache_weights), which decode's
+// products read and prompts' panels are packed from; the file's pages of them are given back.
+// Returns the buffers (free them before the weights' buffer); a type that could not be copied is
+// read as rows, with a note naming `tool` on stderr. Nothing on other backends or without q8.
+std::vector<ql_backend_buffer *> ql_llama_repack_weights(ql_backend *be, const ql_llama *m, const char *tool);
+struct ql_llama_repacked {  // holds those buffers: freed when it goes, or when assigned anew
+    std::vector<ql_backend_buffer *> bufs;
+    ql_llama_repacked() = default;
+    ql_llama_repacked(const ql_llama_repacked &) = delete;
+    ql_llama_repacked &operator=(std::vector<ql_backend_buffer *> b) {
+        clear();
+        bufs = std::move(b);
+        return *this;
+    }
+    void clear() {
+        for (ql_backend_buffer *b : bufs) ql_backend_buffer_free(b);
+        bufs.clear();
+    }
+    ~ql_llama_repacked() { clear(); }
+};
+
 // creates the cache tensors in ctx (which must allocate: n_layer * 2 * head_dim * n_ctx * n_head_kv
 // elements of `type`: F32, or F16 - half the memory and the bytes each decoded token reads; keys and
 // values rounded to f16 as they are stored, widened as attention reads them)

@@ -173,8 +173,7 @@ struct gen_state {
     owned<ql_lora_adapter> ad{nullptr, ql_lora_adapter_free};
     owned<ql_backend> be{nullptr, ql_backend_free};
     owned<ql_backend_buffer> wbuf{nullptr, ql_backend_buffer_free}, abuf{nullptr, ql_backend_buffer_free};
-    owned<ql_backend_buffer> rbuf[3] = {{nullptr, ql_backend_buffer_free}, {nullptr, ql_backend_buffer_free},
-                                        {nullptr, ql_backend_buffer_free}};  // the CPU's repacked Q4_0, Q4_K, Q6_K weights
+    ql_llama_repacked rbuf;  // the CPU's repacked Q4_0, Q4_K, Q6_K weights
     owned<ql_context> ctx{nullptr, ql_free};
     owned<ql_graph> gp{nullptr, ql_graph_free}, go{nullptr, ql_graph_free};
     owned<ql_backend_buffer> cbuf{nullptr, ql_backend_buffer_free};
@@ -263,22 +262,9 @@ static int plan_graphs(const gen_args &a, gen_state *s) {
         fprintf(stderr, "generate: %s\n", ql_ctx_error(s->wbuf ? ad->ctx : s->f->ctx));
         return 1;
     }
-    // on the CPU with 8-bit activations, Q4_0, Q4_K and Q6_K weights repacked in groups of 8 rows (the
-    // file's pages of them given back): decode reads them faster (bench/RESULTS.md, sessions 21-22)
-    for (int k = 0; k < 3 && ql_backend_is_host(be) && m.q8_activations; k++) {
-        const ql_type type = k == 0 ? QL_TYPE_Q4_0 : k == 1 ? QL_TYPE_Q4_K : QL_TYPE_Q6_K;
-        if (!ql_cpu_repacks(type)) continue;
-        std::vector<ql_tensor *> ws;
-        auto add = [&ws, type](ql_tensor *t) {
-            if (t && t->type == type && t->ne[1] % 8 == 0 && std::find(ws.begin(), ws.end(), t) == ws.end()) ws.push_back(t);
-        };
-        for (const ql_llama_layer &l : m.layers)
-            for (ql_tensor *t : {l.wq, l.wk, l.wv, l.wo, l.w_gate, l.w_up, l.w_down}) add(t);
-        add(m.output);
-        if (ws.empty()) continue;
-        s->rbuf[k].reset(ql_backend_cache_weights(be, ws.data(), (int)ws.size(), type, err, sizeof(err)));
-        if (!s->rbuf[k]) fprintf(stderr, "generate: note: %s weights read as rows, not repacked (%s)\n", ql_type_name(type), err);
-    }
+    // on the CPU with 8-bit activations, Q4_0, Q4_K and Q6_K weights repacked in groups of 8 rows
+    // (the file's pages of them given back): decode reads them faster (bench/RESULTS.md, sessions 21-22)
+    s->rbuf = ql_llama_repack_weights(be, &m, "generate");
     // headers only: the cache and the inputs get their data from the backend (alloc_ctx_tensors)
     ql_init_params ip = {(size_t)(hp.n_layer * 200 + 400) * ql_tensor_overhead() + (1u << 20), nullptr, true, false};
     s->ctx.reset(ql_init(ip));
