@@ -6880,67 +6880,57 @@ static bool mm_r8_type(ql_type t) { return t == QL_TYPE_Q4_0 || t == QL_TYPE_Q4_
 static bool mm_r8_ok(const ql_tensor *w) {  // a weight these layouts take
     return k_mm_r8 && mm_r8_type(w->type) && w->ne[1] % 8 == 0 && w->ne[2] == 1 && w->ne[3] == 1;
 }
+static int64_t mm_r8_block(ql_type t) {  // bytes a group of 8 rows takes per block of mm_q8_block(t) elements
+    return t == QL_TYPE_Q6_K ? MM_Q6R8_BLOCK : t == QL_TYPE_Q4_K ? MM_K8_BLOCK : MM_R8_BLOCK;
+}
 static size_t mm_r8_bytes(const ql_tensor *w) {
-    if (w->type == QL_TYPE_Q6_K) return (size_t)(w->ne[0] / QL_QK_K) * (size_t)(w->ne[1] / 8) * MM_Q6R8_BLOCK;
-    if (w->type == QL_TYPE_Q4_K) return (size_t)(w->ne[0] / QL_QK_K) * (size_t)(w->ne[1] / 8) * MM_K8_BLOCK;
-    return (size_t)(w->ne[0] / 32) * (size_t)w->ne[1] * (MM_R8_BLOCK / 8);
+    return (size_t)(w->ne[0] / mm_q8_block(w->type)) * (size_t)(w->ne[1] / 8) * (size_t)mm_r8_block(w->type);
 }
-static void mm_r8_pack(const uint8_t *src, int64_t K, int64_t g0, int64_t g1, size_t row_stride, uint8_t *dst) {  // groups [g0, g1)
-    const int64_t nb = K / 32;
+// groups [g0, g1) of a weight's rows (row_stride apart) into its layout: each of a group's 8
+// rows' block b put into the group's block by put(p, r, block)
+template <class Block, class Put>
+static void mm_r8_groups(const uint8_t *src, int64_t nb, int64_t g0, int64_t g1, size_t row_stride, int64_t bytes, uint8_t *dst, Put put) {
     for (int64_t g = g0; g < g1; g++)
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t *p = dst + (size_t)(g * nb + b) * MM_R8_BLOCK;
-            for (int r = 0; r < 8; r++) {
-                const ql_block_q4_0 &s = ((const ql_block_q4_0 *)(src + (size_t)(8 * g + r) * row_stride))[b];
-                memcpy(p + 2 * r, &s.d, 2);
-                for (int q = 0; q < 4; q++) memcpy(p + 16 + 32 * q + 4 * r, s.qs + 4 * q, 4);
+        for (int64_t b = 0; b < nb; b++)
+            for (int r = 0; r < 8; r++) put(dst + (size_t)(g * nb + b) * bytes, r, ((const Block *)(src + (size_t)(8 * g + r) * row_stride))[b]);
+}
+static void mm_r8_pack(ql_type t, const uint8_t *src, int64_t K, int64_t g0, int64_t g1, size_t row_stride, uint8_t *dst) {
+    const int64_t nb = K / mm_q8_block(t), bytes = mm_r8_block(t);
+    if (t == QL_TYPE_Q4_0)
+        mm_r8_groups<ql_block_q4_0>(src, nb, g0, g1, row_stride, bytes, dst, [](uint8_t *p, int r, const ql_block_q4_0 &s) {
+            memcpy(p + 2 * r, &s.d, 2);
+            for (int q = 0; q < 4; q++) memcpy(p + 16 + 32 * q + 4 * r, s.qs + 4 * q, 4);
+        });
+    else if (t == QL_TYPE_Q4_K)
+        mm_r8_groups<ql_block_q4_K>(src, nb, g0, g1, row_stride, bytes, dst, [](uint8_t *p, int r, const ql_block_q4_K &s) {
+            memcpy(p + 2 * r, &s.d, 2);
+            memcpy(p + 16 + 2 * r, &s.dmin, 2);
+            uint8_t sc[8], mn[8];
+            mm_k4_scales(s.scales, sc, mn);
+            for (int u = 0; u < 8; u++) {
+                p[MM_K8_SC + 8 * u + r] = sc[u];
+                p[MM_K8_MN + 16 * (u / 2) + 2 * r + u % 2] = mn[u];
             }
-        }
-}
-static void mm_k8_pack(const uint8_t *src, int64_t K, int64_t g0, int64_t g1, size_t row_stride, uint8_t *dst) {  // groups [g0, g1)
-    const int64_t nb = K / QL_QK_K;
-    for (int64_t g = g0; g < g1; g++)
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t *p = dst + (size_t)(g * nb + b) * MM_K8_BLOCK;
-            for (int r = 0; r < 8; r++) {
-                const ql_block_q4_K &s = ((const ql_block_q4_K *)(src + (size_t)(8 * g + r) * row_stride))[b];
-                memcpy(p + 2 * r, &s.d, 2);
-                memcpy(p + 16 + 2 * r, &s.dmin, 2);
-                uint8_t sc[8], mn[8];
-                mm_k4_scales(s.scales, sc, mn);
-                for (int t = 0; t < 8; t++) {
-                    p[MM_K8_SC + 8 * t + r] = sc[t];
-                    p[MM_K8_MN + 16 * (t / 2) + 2 * r + t % 2] = mn[t];
+            for (int q = 0; q < 32; q++) memcpy(p + MM_K8_QS + 32 * q + 4 * r, s.qs + 4 * q, 4);  // q = 8 g + q'
+        });
+    else
+        mm_r8_groups<ql_block_q6_K>(src, nb, g0, g1, row_stride, bytes, dst, [](uint8_t *p, int r, const ql_block_q6_K &s) {
+            memcpy(p + 2 * r, &s.d, 2);
+            for (int u = 0; u < 16; u++) p[MM_Q6R8_SC + 8 * u + r] = (uint8_t)s.scales[u];
+            for (int h = 0; h < 2; h++)
+                for (int q = 0; q < 8; q++) {
+                    uint8_t *o = p + MM_Q6R8_QS + 96 * (8 * h + q) + 4 * r;
+                    memcpy(o, s.ql + 64 * h + 4 * q, 4);
+                    memcpy(o + 32, s.ql + 64 * h + 32 + 4 * q, 4);
+                    memcpy(o + 64, s.qh + 32 * h + 4 * q, 4);
                 }
-                for (int q = 0; q < 32; q++) memcpy(p + MM_K8_QS + 32 * q + 4 * r, s.qs + 4 * q, 4);  // q = 8 g + q'
-            }
-        }
-}
-static void mm_q6r8_pack(const uint8_t *src, int64_t K, int64_t g0, int64_t g1, size_t row_stride, uint8_t *dst) {  // groups [g0, g1)
-    const int64_t nb = K / QL_QK_K;
-    for (int64_t g = g0; g < g1; g++)
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t *p = dst + (size_t)(g * nb + b) * MM_Q6R8_BLOCK;
-            for (int r = 0; r < 8; r++) {
-                const ql_block_q6_K &s = ((const ql_block_q6_K *)(src + (size_t)(8 * g + r) * row_stride))[b];
-                memcpy(p + 2 * r, &s.d, 2);
-                for (int t = 0; t < 16; t++) p[MM_Q6R8_SC + 8 * t + r] = (uint8_t)s.scales[t];
-                for (int h = 0; h < 2; h++)
-                    for (int q = 0; q < 8; q++) {
-                        uint8_t *u = p + MM_Q6R8_QS + 96 * (8 * h + q) + 4 * r;
-                        memcpy(u, s.ql + 64 * h + 4 * q, 4);
-                        memcpy(u + 32, s.ql + 64 * h + 32 + 4 * q, 4);
-                        memcpy(u + 64, s.qh + 32 * h + 4 * q, 4);
-                    }
-            }
-        }
+        });
 }
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 // a group of 8 rows (p: its first block) against one activation row: codes xq, scales xd, 16-sums bsum
-// (st[0]: the sums so far)
-static inline void mm_r8_group(const uint8_t *p, int64_t nb, const int8_t *xq, const float *xd, const int16_t *bsum, __m256 st[2]) {
+static inline __m256 mm_r8_group(const uint8_t *p, int64_t nb, const int8_t *xq, const float *xd, const int16_t *bsum) {
     const __m256i m4 = _mm256_set1_epi8(15);
-    __m256 acc = st[0];
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, p += MM_R8_BLOCK) {
         const int8_t *x = xq + 32 * b;
         __m256i s = _mm256_setzero_si256();
@@ -6956,14 +6946,13 @@ static inline void mm_r8_group(const uint8_t *p, int64_t nb, const int8_t *xq, c
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(xd[b])), acc);
     }
-    st[0] = acc;
+    return acc;
 }
 // Q4_K's group (mm_k8_*): per sub-block an integer sum for each of the 8 rows, times the rows'
 // scales; the mins' part per row sum_s m_s bsum_s (the activation's sub-block sums, two per madd)
-// (st: the scales' and the mins' sums so far)
-static inline void mm_k8_group(const uint8_t *p, int64_t nb, const int8_t *xq, const float *xd, const int16_t *bsum, __m256 st[2]) {
+static inline __m256 mm_k8_group(const uint8_t *p, int64_t nb, const int8_t *xq, const float *xd, const int16_t *bsum) {
     const __m256i m4 = _mm256_set1_epi8(15);
-    __m256 acc = st[0], accm = st[1];
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, p += MM_K8_BLOCK) {
         const int8_t *x = xq + QL_QK_K * b;
         __m256i isum = _mm256_setzero_si256();
@@ -6994,13 +6983,13 @@ static inline void mm_k8_group(const uint8_t *p, int64_t nb, const int8_t *xq, c
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, dx), acc);
         accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_mul_ps(dm, dx), accm);
     }
-    st[0] = acc, st[1] = accm;
+    return _mm256_sub_ps(acc, accm);
 }
 // Q6_K's group (mm_q6r8_*): per sub-block of 16 an integer sum for each row, less 32 times the
 // activation's 16-sum (the codes are q - 32), times the rows' scales
-static inline void mm_q6r8_group(const uint8_t *p, int64_t nb, const int8_t *xq, const float *xd, const int16_t *bsum, __m256 st[2]) {
+static inline __m256 mm_q6r8_group(const uint8_t *p, int64_t nb, const int8_t *xq, const float *xd, const int16_t *bsum) {
     const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);
-    __m256 acc = st[0];
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++, p += MM_Q6R8_BLOCK) {
         const int8_t *x = xq + QL_QK_K * b;
         const int16_t *bs = bsum + 16 * b;
@@ -7031,7 +7020,7 @@ static inline void mm_q6r8_group(const uint8_t *p, int64_t nb, const int8_t *xq,
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(d, _mm256_set1_ps(xd[b])), acc);
     }
-    st[0] = acc;
+    return acc;
 }
 #endif
 
@@ -7058,19 +7047,14 @@ static void mm_q8(const mm_operand &w, const mm_operand &x, float *c, const floa
                            qb == QL_QK_K || w.r8 ? xq.bsum + i * (K / 16) : nullptr);
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     if (w.r8) {  // groups of 8 rows (jb, je: multiples of 8), each against every activation row
-        // (in tiles of groups a chunk of K at a time, to keep a chunk's activations in L1, the
-        // weights' streams broke up: 10 against 25 GB/s on one thread at K = 8192)
-        const bool k4 = w.type == QL_TYPE_Q4_K, k6 = w.type == QL_TYPE_Q6_K;
-        const int64_t qk = k4 || k6 ? QL_QK_K : 32, nb = K / qk, bsz = k4 ? MM_K8_BLOCK : k6 ? MM_Q6R8_BLOCK : MM_R8_BLOCK;
+        // (a group's whole row at once: tiles of groups a chunk of K at a time, to keep the chunk's
+        // activations in L1, broke the weights' streams up - 10 against 25 GB/s at K = 8192)
+        const int64_t nb = K / qb;
+        auto group = w.type == QL_TYPE_Q4_K ? mm_k8_group : w.type == QL_TYPE_Q6_K ? mm_q6r8_group : mm_r8_group;
         alignas(32) float y[8];
         for (int64_t g = jb / 8; g < je / 8; g++)
             for (int64_t i = 0; i < N; i++) {
-                __m256 st[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-                const uint8_t *p = w.r8 + (size_t)(g * nb) * bsz;
-                if (k4) mm_k8_group(p, nb, xq.q + i * K, xq.d + i * nb, xq.bsum + i * (K / 16), st);
-                else if (k6) mm_q6r8_group(p, nb, xq.q + i * K, xq.d + i * nb, xq.bsum + i * (K / 16), st);
-                else mm_r8_group(p, nb, xq.q + i * K, xq.d + i * nb, xq.bsum + i * (K / 16), st);
-                _mm256_store_ps(y, k4 ? _mm256_sub_ps(st[0], st[1]) : st[0]);
+                _mm256_store_ps(y, group(w.r8 + (size_t)(g * nb) * mm_r8_block(w.type), nb, xq.q + i * K, xq.d + i * nb, xq.bsum + i * (K / 16)));
                 for (int r = 0; r < 8; r++) {
                     const int64_t o = i * ldc + 8 * g + r;
                     c[o] = ci ? ci[o] + y[r] : y[r];
@@ -7982,8 +7966,8 @@ void ql_cpu_warn_threads(const char *tool, int n) {
                 tool, n, cores, cores == 1 ? "" : "s");
 }
 
-// the CPU's weight copies: Q4_0, Q4_K and Q6_K repacked in groups of 8 rows (mm_r8_pack,
-// mm_k8_pack, mm_q6r8_pack), for the 8-bit paths
+// the CPU's weight copies: Q4_0, Q4_K and Q6_K repacked in groups of 8 rows (mm_r8_pack), for the
+// 8-bit paths
 struct cpu_r8_job {
     const ql_tensor *w;
     uint8_t *dst;
@@ -7991,8 +7975,7 @@ struct cpu_r8_job {
 static void cpu_r8_worker(void *arg, int ith, int nth) {  // a share of the groups each
     const cpu_r8_job *j = (const cpu_r8_job *)arg;
     const int64_t G = j->w->ne[1] / 8;
-    (j->w->type == QL_TYPE_Q4_K ? mm_k8_pack : j->w->type == QL_TYPE_Q6_K ? mm_q6r8_pack : mm_r8_pack)((const uint8_t *)j->w->data, j->w->ne[0], G * ith / nth, G * (ith + 1) / nth,
-                                                         j->w->nb[1], j->dst);
+    mm_r8_pack(j->w->type, (const uint8_t *)j->w->data, j->w->ne[0], G * ith / nth, G * (ith + 1) / nth, j->w->nb[1], j->dst);
 }
 static bool cpu_weight_copy(ql_backend *be, const ql_tensor *w, void *dst, ql_type type, char *err, size_t n) {
     if (type != w->type || !mm_r8_ok(w)) {

@@ -238,21 +238,6 @@ struct ql_llama_cache {
 // Returns the buffers (free them before the weights' buffer); a type that could not be copied is
 // read as rows, with a note naming `tool` on stderr. Nothing on other backends or without q8.
 std::vector<ql_backend_buffer *> ql_llama_repack_weights(ql_backend *be, const ql_llama *m, const char *tool);
-struct ql_llama_repacked {  // holds those buffers: freed when it goes, or when assigned anew
-    std::vector<ql_backend_buffer *> bufs;
-    ql_llama_repacked() = default;
-    ql_llama_repacked(const ql_llama_repacked &) = delete;
-    ql_llama_repacked &operator=(std::vector<ql_backend_buffer *> b) {
-        clear();
-        bufs = std::move(b);
-        return *this;
-    }
-    void clear() {
-        for (ql_backend_buffer *b : bufs) ql_backend_buffer_free(b);
-        bufs.clear();
-    }
-    ~ql_llama_repacked() { clear(); }
-};
 
 // creates the cache tensors in ctx (which must allocate: n_layer * 2 * head_dim * n_ctx * n_head_kv
 // elements of `type`: F32, or F16 - half the memory and the bytes each decoded token reads; keys and

@@ -169,7 +169,7 @@ struct ppl_state {
     owned<ql_lora_adapter> ad{nullptr, ql_lora_adapter_free};
     owned<ql_backend> be{nullptr, ql_backend_free};
     owned<ql_backend_buffer> wbuf{nullptr, ql_backend_buffer_free}, abuf{nullptr, ql_backend_buffer_free};
-    ql_llama_repacked rbuf;  // the CPU's repacked Q4_0, Q4_K, Q6_K weights
+    std::vector<owned<ql_backend_buffer>> rbuf;  // the CPU's repacked Q4_0, Q4_K, Q6_K weights
 };
 
 // The model, its vocabulary and the adapter (--lora); 0, or 1 after the message.
@@ -272,7 +272,8 @@ int main(int argc, char **argv) {
     if (const int rc = place_model(o, &s)) return rc;
     ql_backend *be = s.be.get();
     s.f->model.q8_activations = !o.exact;  // (before the graphs are built: their multiplies carry it)
-    s.rbuf = ql_llama_repack_weights(be, &s.f->model, "perplexity");  // prompts' panels packed from the copies: the same bits
+    for (ql_backend_buffer *b : ql_llama_repack_weights(be, &s.f->model, "perplexity"))  // prompts' panels packed from the copies: the same bits
+        s.rbuf.emplace_back(b, ql_backend_buffer_free);
     window_graph full, last;  // both planned and allocated before the first window runs
     std::string why;
     if ((n_full > 0 && !full.build(m, o.c, be, &why)) || (tail > 0 && !last.build(m, (int)tail + 1, be, &why))) {
