@@ -3455,6 +3455,93 @@ ql_status ql_graph_recompute(ql_graph *g, const ql_keep *level, int n_levels, ql
     return QL_OK;
 }
 
+// QL_OFFLOAD_GRADS: backward's own large results that wait across an attention's backward for
+// their next reader go to host memory after their last reader before it, and come back once
+// attention's f32 result is read: the residual stream's gradient (made where a block's FFN
+// backward ends, read again by its attention norm's backward) and the attention norm's 16-bit
+// output (recomputed for q, k and v, read again by their adapters' gradients). At the 8B shape
+// that is 24 of the 84 KiB a token on the device at attention backward's peak.
+static ql_status offload_across_attention(ql_graph *g) {
+    ql_context *ctx = g->ctx;
+    const int nf = g->n_forward, n = (int)g->nodes.size();
+    std::unordered_map<const ql_tensor *, int> made;  // backward result -> its index
+    for (int i = nf; i < n; i++) made[g->nodes[(size_t)i]] = i;
+    std::unordered_map<const ql_tensor *, std::vector<int>> readers;  // root -> backward readers, in order
+    std::unordered_map<const ql_tensor *, int> view_read;  // root -> the last backward node reading it through a view
+    for (int i = nf; i < n; i++) {
+        const ql_tensor *node = g->nodes[(size_t)i];
+        std::vector<const ql_tensor *> seen;
+        auto note = [&](ql_tensor *s) {
+            if (!s) return;
+            ql_tensor *r = view_root(s);
+            if (r != s) view_read[r] = i;
+            if (std::find(seen.begin(), seen.end(), r) == seen.end()) seen.push_back(r), readers[r].push_back(i);
+        };
+        for (ql_tensor *s : node->src) note(s);
+        note(node->view_src);
+    }
+    std::vector<ql_tensor *> roots;  // the results read, in node order (the copies' order: the same plan every time)
+    for (int i = nf; i < n; i++)
+        if (readers.count(g->nodes[(size_t)i])) roots.push_back(g->nodes[(size_t)i]);
+    struct move { ql_tensor *t; int after, attn; };
+    std::vector<move> moves;
+    std::unordered_set<const ql_tensor *> moved;  // (each once: at the first attention its wait spans)
+    for (int a = nf; a < n; a++) {
+        const ql_tensor *fa = g->nodes[(size_t)a];
+        if (fa->op != QL_OP_FLASH_ATTN_BACK) continue;
+        // large: a quarter of attention's f32 result or more (the residual gradient is 4/6 of it at
+        // the 8B shape, the norm's 16-bit copy 1/3)
+        const size_t big = ql_nbytes(fa) / 4;
+        for (ql_tensor *t : roots) {
+            auto m = made.find(t);
+            if (moved.count(t)) continue;
+            if (m == made.end() || m->second >= a || aliases_src(t->op) || t->view_src || !ql_is_contiguous(t) || t->aux_size ||
+                (t->flags & QL_FLAG_HOST) || ql_nbytes(t) < big || (view_read.count(t) && view_read[t] > a))
+                continue;  // (read through a view after attention: left alone - its readers name t itself)
+            const std::vector<int> &r = readers[t];
+            auto nx = std::upper_bound(r.begin(), r.end(), a);
+            if (nx == r.end() || nx == r.begin() || *(nx - 1) == a) continue;  // nothing after, or attention reads it
+            // back once attention's own result is read (its f32 dq, dk, dv die), before t's next reader
+            const auto fr = readers.find(fa);
+            const int back_at = std::min(fr == readers.end() ? a : std::max(a, fr->second.back()), *nx - 1);
+            moves.push_back({t, *(nx - 1), back_at});
+            moved.insert(t);
+        }
+    }
+    if (moves.empty()) return QL_OK;
+    std::vector<std::vector<ql_tensor *>> after((size_t)n);
+    std::unordered_map<const ql_tensor *, std::pair<int, ql_tensor *>> back_of;  // t -> (from node, its copy)
+    for (const move &mv : moves) {
+        ql_tensor *h = new_tensor_impl(ctx, mv.t->type, 4, mv.t->ne, "to_host");
+        ql_tensor *c = h ? new_tensor_impl(ctx, mv.t->type, 4, mv.t->ne, "to_device") : nullptr;
+        if (!c) return ctx->status;
+        h->op = QL_OP_TO_HOST;
+        h->src[0] = mv.t;
+        c->op = QL_OP_TO_DEVICE;
+        c->src[0] = h;
+        ql_format_name(h, "%s (host)", mv.t->name[0] ? mv.t->name : ql_op_name(mv.t->op));
+        ql_format_name(c, "%s (back)", mv.t->name[0] ? mv.t->name : ql_op_name(mv.t->op));
+        after[(size_t)mv.after].push_back(h);
+        after[(size_t)mv.attn].push_back(c);
+        back_of[mv.t] = {mv.attn, c};
+        g->visited.insert(h);
+        g->visited.insert(c);
+    }
+    std::vector<ql_tensor *> order;
+    order.reserve((size_t)n + 2 * moves.size());
+    for (int i = 0; i < n; i++) {
+        ql_tensor *node = g->nodes[(size_t)i];
+        for (int s = 0; s < QL_MAX_SRC && i >= nf; s++) {
+            auto it = node->src[s] ? back_of.find(node->src[s]) : back_of.end();
+            if (it != back_of.end() && i > it->second.first) node->src[s] = it->second.second;
+        }
+        order.push_back(node);
+        for (ql_tensor *x : after[(size_t)i]) order.push_back(x);
+    }
+    g->nodes = order;
+    return QL_OK;
+}
+
 ql_status ql_graph_offload(ql_graph *g, ql_tensor *const *tensors, int n_off) { return ql_graph_offload_ex(g, tensors, n_off, 0); }
 
 ql_status ql_graph_offload_ex(ql_graph *g, ql_tensor *const *tensors, int n_off, int flags) {
@@ -3471,7 +3558,7 @@ ql_status ql_graph_offload_ex(ql_graph *g, ql_tensor *const *tensors, int n_off,
     // late: the backward readers after the widest gap between them (block recompute: the
     // recompute at a block's start, the norm's backward at its end) read a second copy brought
     // back just before them; nothing of the checkpoint is on the device in between
-    struct item { ql_tensor *t; int made, first_back, late; ql_tensor *host, *back, *back2; };
+    struct item { ql_tensor *t; int made, first_back, late, last_back; ql_tensor *host, *back, *back2; };
     std::vector<item> items;
     for (int k = 0; k < n_off; k++) {
         ql_tensor *t = tensors[k];
@@ -3497,7 +3584,7 @@ ql_status ql_graph_offload_ex(ql_graph *g, ql_tensor *const *tensors, int n_off,
                 if (readers[r] - readers[r - 1] > gap) gap = readers[r] - readers[r - 1], q = r;
             if (gap > 1 && 2 * gap >= readers.back() - readers.front()) late = readers[q];
         }
-        items.push_back({t, it->second, readers.front(), late, nullptr, nullptr, nullptr});
+        items.push_back({t, it->second, readers.front(), late, readers.back(), nullptr, nullptr, nullptr});
     }
     // backward meets them in reverse: each comes back just before the previous one's first use
     // (late: just before the previous one's late readers, with their copy)
@@ -3521,7 +3608,11 @@ ql_status ql_graph_offload_ex(ql_graph *g, ql_tensor *const *tensors, int n_off,
         if (!(x.back = copy_back(x, "back")) || (x.late >= 0 && !(x.back2 = copy_back(x, "back, late")))) return ctx->status;
         after_fwd[(size_t)x.made].push_back(x.host);
         if (x.back2) before[(size_t)x.late].push_back(x.back2);
-        const int anchor = k == 0 ? x.first_back : items[k - 1].late >= 0 ? items[k - 1].late : items[k - 1].first_back;
+        // (QL_OFFLOAD_GRADS: after the previous one's last reader - not beside it, at backward's fullest point)
+        const int anchor = k == 0                                              ? x.first_back
+                           : (flags & QL_OFFLOAD_GRADS) && items[k - 1].late >= 0 ? std::min(items[k - 1].last_back + 1, x.first_back)
+                           : items[k - 1].late >= 0                               ? items[k - 1].late
+                                                                                  : items[k - 1].first_back;
         before[(size_t)anchor].push_back(x.back);
     }
     std::unordered_map<const ql_tensor *, ql_tensor *> back_of[2];  // [late]: checkpoint (or a view of it) -> its copy's
@@ -3576,7 +3667,7 @@ ql_status ql_graph_offload_ex(ql_graph *g, ql_tensor *const *tensors, int n_off,
     }
     g->nodes = order;
     g->n_forward = nf + (int)items.size();  // the copies to the host belong to the forward part
-    return QL_OK;
+    return (flags & QL_OFFLOAD_GRADS) ? offload_across_attention(g) : QL_OK;
 }
 
 // ============================================================================================
@@ -3877,8 +3968,9 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
     for (size_t e = 0; e < keep.size(); e++)
         if (keep[e]) g->entries[e].last = n;
 
-    block_allocator alloc;
+    block_allocator alloc, host_back;  // (host_back: backward's host copies, after the forward's)
     size_t host_top = 0;
+    const int nf_plan = g->n_forward >= 0 ? g->n_forward : n;
     std::vector<bool> moved(g->entries.size(), false);
     std::vector<int> inplace_of(g->entries.size(), -1);  // an in-place entry: the entry whose block it took
     int n_inplace = 0;
@@ -3912,9 +4004,11 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
                     }
                 }
             }
-            if (e.host) {  // host memory: alive from the forward to its copy back, all at once anyway
+            if (e.host && i < nf_plan) {  // host memory: alive from the forward to its copy back, all at once anyway
                 e.offset = host_top;
                 host_top += e.size;
+            } else if (e.host) {  // a copy backward makes (QL_OFFLOAD_GRADS): short-lived, its bytes reused
+                e.offset = host_back.alloc(e.size);
             } else if (!placed) {
                 e.offset = alloc.alloc(e.size);
             }
@@ -3928,12 +4022,19 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
         std::sort(dying.begin(), dying.end());
         dying.erase(std::unique(dying.begin(), dying.end()), dying.end());
         for (int e : dying) {
-            if (e < 0 || moved[(size_t)e] || g->entries[(size_t)e].last != i || g->entries[(size_t)e].host) continue;
+            if (e < 0 || moved[(size_t)e] || g->entries[(size_t)e].last != i) continue;
+            if (g->entries[(size_t)e].host) {
+                if (g->entries[(size_t)e].first >= nf_plan) host_back.release(g->entries[(size_t)e].offset, g->entries[(size_t)e].size);
+                continue;
+            }
             alloc.release(g->entries[(size_t)e].offset, g->entries[(size_t)e].size);
             g->freed_after[(size_t)i].push_back(e);
         }
     }
 
+    for (ql_plan_entry &e : g->entries)  // backward's host copies after the forward's
+        if (e.host && e.first >= nf_plan) e.offset += host_top;
+    host_top += host_back.top;
     size_t arena_top = alloc.top;
     if (!g->no_reuse) arena_top = place_by_size(g->entries, inplace_of, arena_top);
 
@@ -3953,6 +4054,7 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
         if (g->n_forward >= 0 && e.first < nf && e.last >= nf && !e.host) st.bytes[QL_MEM_SAVED] += e.size;
     }
     st.host_size = host_top;
+    st.host_back = host_back.top;
     g->host_size = host_top;
     {  // recomputed tensors alive together, at most
         std::vector<std::pair<int, long long>> ev;  // (node index, +size at birth / -size after the last read)

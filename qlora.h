@@ -642,6 +642,13 @@ ql_status ql_graph_offload(ql_graph *gb, ql_tensor *const *tensors, int n);
 // there too (not one checkpoint ahead): no checkpoint is on the device through the block's
 // backward, at the price of copies the compute may wait for (two a block).
 #define QL_OFFLOAD_LATE 1
+// QL_OFFLOAD_GRADS: backward's own large results (a quarter of attention's f32 result or more) that
+// wait across an attention's backward for their next reader - a block's residual gradient, its
+// attention norm's 16-bit output - go to host memory after their last reader before it and come
+// back once attention's result is read; their host bytes are reused block after block. With
+// QL_OFFLOAD_LATE each checkpoint then comes back after the previous one's last reader, not beside
+// it. Less device memory at attention backward's peak; the compute waits for these copies.
+#define QL_OFFLOAD_GRADS 2
 ql_status ql_graph_offload_ex(ql_graph *gb, ql_tensor *const *tensors, int n, int flags);
 
 // ============================================================================================
@@ -671,6 +678,7 @@ typedef struct ql_plan_stats {
     int    n_inplace;      // of them, results written over a dying source
     size_t recompute_peak; // most bytes of recomputed tensors alive at once (part of SCRATCH)
     size_t host_size;      // TO_HOST copies: the graph's host memory (pinned on a GPU), not in buffer_size
+    size_t host_back;      // of it backward's own copies (QL_OFFLOAD_GRADS): short-lived, their bytes reused
 } ql_plan_stats;
 
 typedef struct ql_plan_entry {

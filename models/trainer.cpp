@@ -330,8 +330,8 @@ static bool build(ql_trainer *t, ql_context *ctx) {
         };
         for (size_t i = 0; i < in.size(); i++)
             if (t->levels[i] == QL_KEEP_INPUT && in[i] && copyable(in[i])) off.push_back(in[i]);
-        if (!off.empty() && !t->o.offload_late) off.pop_back();  // (late: the last too - it waits for its copies anyway)
-        if (ql_graph_offload_ex(t->tr.g, off.data(), (int)off.size(), t->o.offload_late ? QL_OFFLOAD_LATE : 0) != QL_OK) return false;
+        if (!off.empty() && !t->o.offload_late && !t->o.offload_grads) off.pop_back();  // (late: the last too - it waits for its copies anyway)
+        if (ql_graph_offload_ex(t->tr.g, off.data(), (int)off.size(), (t->o.offload_late ? QL_OFFLOAD_LATE : 0) | (t->o.offload_grads ? QL_OFFLOAD_GRADS : 0)) != QL_OK) return false;
     }
     t->bucket_io.clear();
     for (size_t k = 0; t->tr.g && k + 1 < t->bucket_len.size(); k++) {  // the shorter lengths: the same recompute
@@ -614,6 +614,7 @@ static bool measure(ql_trainer *t, std::string *err) {
         m.offload = t->o.offload_activations && m.checkpoints > 0;
         m.host_rows = t->tr.embd && !t->on_host ? ql_nbytes(t->tr.embd) : 0;  // (one buffer: evaluation and the shorter lengths share it)
         m.host_pinned = ps.host_size + m.host_rows;
+        m.host_parked = ps.host_back;
         m.dist = t->o.world > 1 || t->o.dist_always ? m.grads : 0;
         const size_t planned = m.weights + arena + m.graph_heap + std::max(ps.buffer_size, es.buffer_size) + m.dist;
         m.reserve = plan_reserve(planned);

@@ -105,6 +105,11 @@ struct ql_train_options {
     // with it: checkpoints brought back late, twice a block (QL_OFFLOAD_LATE): none on the device
     // through a block's backward; the compute may wait for the copies
     bool offload_late = false;
+    // with it: backward's own large results that wait across a block's attention backward (the
+    // residual stream's gradient, the attention norm's 16-bit output) parked in pinned host memory
+    // meanwhile (QL_OFFLOAD_GRADS), and each block's checkpoint brought back after the one before
+    // is done with: the least device memory a token; the compute waits for more of the copies
+    bool offload_grads = false;
     // adapter dropout inside A's multiply (ql_mul_mat_dropout: the mask regenerated as x is read,
     // no dropped-out copy of x per adapted linear). -1 auto: on the CPU over f32 x (the copies'
     // bits, less memory), off on a device (its kernels made an H200's step 14% slower than the
@@ -221,6 +226,7 @@ struct ql_memory_plan {
     size_t dev_rounding = 0;    // the device allocator's granularity over our few allocations (+ one for its scratch)
     size_t host_pinned = 0;     // pinned host memory: offloaded checkpoints (--offload-activations) and host_rows
     size_t host_rows = 0;       // of it the step's embedding rows input (a device run with the embedding on the host)
+    size_t host_parked = 0;     // of it backward's results parked across attention's backward (offload_grads)
     bool   embd_on_host = false;
     size_t host_embd = 0;       // the embedding's bytes kept in host memory (read a row at a time)
     size_t dev_cache = 0;       // --cache-weights: the frozen weights' copies in the compute type (0: none)

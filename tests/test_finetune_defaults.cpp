@@ -19,6 +19,7 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -441,8 +442,9 @@ TEST_CASE("finetune memory auto: the last step, adapter dropout inside A's multi
     REQUIRE_MESSAGE(run(ft + " --vram " + std::to_string(x16) + "B", &log) == 0, log);
     std::string line = line_of(log, "finetune: memory: checkpointing auto -> ");
     CHECK_MESSAGE(has(line, "-> + dropout inside A's multiply (16-bit x): "), log);
-    CHECK(has(line, "(+ checkpoints back late needs "));
+    CHECK(has(line, "(+ gradients parked on the host needs "));  // (the step before: at this shape no lower than late's)
     CHECK(has(line_of(log, "  + checkpoints back late "), "does NOT fit"));
+    CHECK(has(line_of(log, "  + gradients parked on the host "), "does NOT fit"));
     CHECK(has(log, "\n  adapter dropout: in A's multiply, over x's 16-bit copy\n"));  // the plan printed is the chosen one
     std::string js;
     REQUIRE(run(ft + " --vram 8G --json", &js) == 0);
@@ -460,4 +462,43 @@ TEST_CASE("finetune memory auto: the last step, adapter dropout inside A's multi
     // a value it does not know: one line naming the flag and the choices
     CHECK(run(ft + " --lora-dropout-fused 8", &log) == 2);
     CHECK_MESSAGE(has(log, "finetune: --lora-dropout-fused: '8' is not one of auto, off, on, 16"), log);
+}
+
+TEST_CASE("finetune memory auto: gradients parked on the host across attention's backward (--offload-grads)" * needs_tools("make-model finetune")) {
+    tmpdir d;
+    const std::string m = d.file("g.gguf"), data = d.file("long.jsonl");
+    std::string log;
+    // grouped heads and a long sequence: a block's attention backward is the backward's peak, with
+    // the residual gradient (f32 [E, T]) waiting across it
+    REQUIRE(run("./make-model -o " + m + " --dim 256 --layers 4 --heads 8 --kv-heads 2 --ff 768 --vocab 4000 --type nf4 --zero", &log) == 0);
+    {
+        std::ofstream f(data);
+        f << "{\"text\": \"";
+        for (int i = 0; i < 12000; i++) f << "word" << i % 500 << ' ';
+        f << "\"}\n";
+    }
+    const std::string ft = "./finetune -m " + m + " -d " + data + " -o " + d.file("o") +
+                           " --seq-len 8192 -b 1 --device cuda --cc 8.6 --dry-run --lora-targets all --cache-weights off --checkpointing block"
+                           " --embd-on-host --optim paged_adamw8bit --ffn-chunk 512 --loss-chunk 256 --lora-dropout-fused 16"
+                           " --attn-score-mib 32";  // (pinned: auto's budget grows with the card's room and moves the totals)
+    auto plan = [&](const std::string &flags, long long *parked) {
+        std::string out;
+        REQUIRE_MESSAGE(run(ft + " --vram 8G --json" + flags, &out) == 0, out);
+        const size_t p = out.find("\"total\": "), q = out.find("\"parked\": ");
+        REQUIRE(p != std::string::npos);
+        REQUIRE(q != std::string::npos);
+        *parked = (long long)atof(out.c_str() + q + 10);
+        return (long long)atof(out.c_str() + p + 9);
+    };
+    long long parked_late = -1, parked = -1;
+    const long long late = plan(" --offload-late", &parked_late), grads = plan(" --offload-grads", &parked);
+    CHECK(parked_late == 0);
+    CHECK(parked >= 8192LL * 256 * 4);  // the residual gradient at least
+    REQUIRE_MESSAGE(grads + (4 << 20) < late, grads << " " << late);
+    // a card that holds it and not late's: the step after late
+    REQUIRE_MESSAGE(run(ft + " --vram " + std::to_string(grads) + "B", &log) == 0, log);
+    const std::string line = line_of(log, "finetune: memory: checkpointing auto -> ");
+    CHECK_MESSAGE(has(line, "-> + gradients parked on the host: "), log);
+    CHECK(has(line, "(+ checkpoints back late needs "));
+    CHECK(has(log, "of backward's gradients parked there across each attention's backward"));  // the plan printed is the chosen one
 }

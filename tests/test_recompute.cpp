@@ -213,7 +213,7 @@ TEST_CASE("recompute: offloaded checkpoints read through row views die at their 
     CHECK(memcmp(got.data(), ref.data(), ref.size() * sizeof(float)) == 0);
 }
 
-TEST_CASE("recompute: offloaded late, a block's checkpoint comes back twice and is on the device only around its readers") {
+TEST_CASE("recompute: offloaded late, a block's checkpoint comes back twice and is on the device only around its readers; gradients parked") {
     stack_over_input st(4, 0, 0.03f, 7, 31);
     auto run = [&](int flags) {
         ql_graph *gb = ql_graph_backward(st.ctx, st.gf, st.loss);
@@ -240,6 +240,28 @@ TEST_CASE("recompute: offloaded late, a block's checkpoint comes back twice and 
             CHECK(backs[0]->last < backs[1]->first);
             CHECK(backs[1]->first > backs[0]->first + 50);  // (the block's backward in between)
         }
+        if (flags > 0 && (flags & QL_OFFLOAD_GRADS)) {  // backward's results parked across attention's backward
+            const ql_plan_entry *e;
+            const int ne = ql_graph_plan_entries(gb, &e), nf = ql_graph_n_forward(gb);
+            int parked = 0;
+            for (int k = 0; k < ne; k++) {
+                if (!e[k].host || e[k].first < nf) continue;
+                parked++;
+                const ql_tensor *src = e[k].tensor->src[0];
+                bool attn_between = false;  // the copy back comes after an attention backward
+                int back = -1;
+                for (int i = e[k].first + 1; i < ql_graph_n_nodes(gb); i++) {
+                    const ql_tensor *node = ql_graph_node(gb, i);
+                    if (node->op == QL_OP_FLASH_ATTN_BACK) attn_between = true;
+                    if (node->op == QL_OP_TO_DEVICE && node->src[0] == e[k].tensor) back = i;
+                }
+                CHECK(attn_between);
+                CHECK(back > e[k].first);
+                for (int j = 0; j < ne; j++)  // the original dies at its copy to the host
+                    if (e[j].tensor == src) CHECK(e[j].last == e[k].first);
+            }
+            CHECK(parked >= 1);  // block 1's residual gradient (block 0's input takes no gradient: nothing reads it after)
+        }
         REQUIRE(ql_graph_alloc(gb, be) == QL_OK);
         ql_graph_set_poison(gb, true);
         ql_graph_zero_grads(gb);
@@ -249,7 +271,9 @@ TEST_CASE("recompute: offloaded late, a block's checkpoint comes back twice and 
         ql_graph_free(gb);
         return out;
     };
-    const std::vector<float> ref = run(-1), once = run(0), late = run(QL_OFFLOAD_LATE);
+    const std::vector<float> ref = run(-1), once = run(0), late = run(QL_OFFLOAD_LATE), parked = run(QL_OFFLOAD_LATE | QL_OFFLOAD_GRADS);
     CHECK(memcmp(once.data(), ref.data(), ref.size() * sizeof(float)) == 0);
     CHECK(memcmp(late.data(), ref.data(), ref.size() * sizeof(float)) == 0);
+    // (poisoned: a reader left on a parked original reads freed bytes, 0xff)
+    CHECK(memcmp(parked.data(), ref.data(), ref.size() * sizeof(float)) == 0);
 }

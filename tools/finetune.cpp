@@ -88,11 +88,13 @@ static const char *k_help =
     "           fp16's guard where a SwiGLU result passes 65504; the hint names it when that happens)\n"
     "memory:    --checkpointing none|block|sqrt|auto  --mem-limit SIZE (e.g. 6G; auto and -b auto need it, or a GPU)\n"
     "           (auto is the default when the limit is known - --mem-limit, --vram, a GPU's free memory: no recompute,\n"
-    "           recompute, then on a GPU offload, --embd-on-host, paged optimizer state, --offload-late; then with 16-bit\n"
-    "           compute and dropout --lora-dropout-fused 16: the first that fits)\n"
+    "           recompute, then on a GPU offload, --embd-on-host, paged optimizer state, --offload-late, --offload-grads;\n"
+    "           then with 16-bit compute and dropout --lora-dropout-fused 16: the first that fits)\n"
     "           -b auto  --effective-batch N  --offload-activations  --dry-run (print the plan, train nothing)  --json\n"
     "           --offload-late (offload, and each block's checkpoint brought back twice, just before its readers: none on\n"
     "           the device through a block's backward; the GPU may wait for those copies)\n"
+    "           --offload-grads (--offload-late, and backward's large results that wait across a block's attention\n"
+    "           backward - the residual gradient, the norm's 16-bit output - parked in pinned host memory meanwhile)\n"
     "           --lora-dropout-fused auto|off|on|16 (adapter dropout inside A's multiply: auto on the CPU, off on a GPU;\n"
     "           16 reads x's 16-bit copy: the least memory, x rounded twice; auto's last step when a limit needs it)\n"
     "           --loss-chunk N (tokens per output-projection + loss chunk; 0 auto, -1 never)  --loss-unfused (backward\n"
@@ -329,12 +331,12 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
         printf("}, \"embedding_in_host_memory\": %zu}, \"lora\": %zu, \"grads\": %zu, \"optimizer\": %zu, \"optimizer_name\": \"%s\", "
                "\"optimizer_in_host_memory\": %s, \"inputs_and_state\": %zu, \"saved_activations\": %zu, \"checkpoints\": %zu, \"temporaries\": %zu, "
                "\"recompute_peak\": %zu, \"workspace\": %zu, \"graph_buffer\": %zu, \"context\": %zu, \"rounding\": %zu, "
-               "\"total\": %zu, \"limit\": %zu, \"fits\": %s, \"host\": {\"process\": %zu, \"planned\": %zu, \"embedding\": %zu, \"pinned\": %zu, \"rows\": %zu}, "
+               "\"total\": %zu, \"limit\": %zu, \"fits\": %s, \"host\": {\"process\": %zu, \"planned\": %zu, \"embedding\": %zu, \"pinned\": %zu, \"rows\": %zu, \"parked\": %zu}, "
                "\"checkpointing\": \"%s\", \"recompute_fraction\": %.4f, \"micro_batch\": %d, \"loss_chunk\": %lld, \"ffn_chunk\": %lld, \"attn_chunk\": %lld, \"attn_scores\": \"%s\", \"lora_dropout\": \"%s\", "
                "\"cache_weights\": {\"bytes\": %zu, \"copies_would_take\": %zu, \"choice\": \"%s\"}, \"census\": {\"nodes\": %lld, \"launches\": %lld, \"flops\": %.6g, \"recompute_flops\": %.6g, \"bytes\": {\"matmul\": %.6g, "
                "\"attention\": %.6g, \"loss\": %.6g, \"other\": %.6g}}}\n",
                m.host_embd, m.lora, m.grads, m.optimizer, optim.c_str(), m.optimizer_host ? "true" : "false", m.dev_state, m.saved, m.checkpoints, m.scratch, m.recompute,
-               m.work, m.dev_buffer, m.dev_context, m.dev_rounding, m.total, limit, fits ? "true" : "false", process, m.host, m.host_embd, m.host_pinned, m.host_rows,
+               m.work, m.dev_buffer, m.dev_context, m.dev_rounding, m.total, limit, fits ? "true" : "false", process, m.host, m.host_embd, m.host_pinned, m.host_rows, m.host_parked,
                m.checkpointing.c_str(), m.recompute_fraction, m.micro_batch, (long long)m.loss_chunk, (long long)m.ffn_chunk, (long long)m.attn_chunk,
                m.attn_scores.c_str(), m.lora_dropout.c_str(), m.dev_cache, m.cache_candidate, m.cache_weights.c_str(), (long long)m.census.nodes, (long long)m.census.launches, m.census.flops, m.census.recompute_flops,
                m.census.bytes[QL_CENSUS_MATMUL], m.census.bytes[QL_CENSUS_ATTENTION], m.census.bytes[QL_CENSUS_LOSS], m.census.bytes[QL_CENSUS_OTHER]);
@@ -353,9 +355,10 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
            m.optimizer_host ? "; paged: pinned host memory, updated there by the GPU" : "");
     printf("  graph inputs                           %10.2f\n", (m.dev_state - std::min(m.dev_state, m.lora + m.grads + m.optimizer)) / MiB);
     printf("  saved activations (forward->backward)  %10.1f", m.saved / MiB);
-    const size_t offloaded = m.host_pinned - std::min(m.host_pinned, m.host_rows);
+    const size_t offloaded = m.host_pinned - std::min(m.host_pinned, m.host_rows + m.host_parked);
     if (m.checkpoints) printf("   of them block checkpoints %.1f", (m.checkpoints - std::min(m.checkpoints, offloaded)) / MiB);
     if (offloaded) printf("\n    offloaded: %.1f of checkpoints in pinned host memory, copied on a second stream", offloaded / MiB);
+    if (m.host_parked) printf("\n    and %.1f of backward's gradients parked there across each attention's backward", m.host_parked / MiB);
     printf("\n  temporaries and recompute              %10.1f", m.scratch / MiB);
     if (m.recompute) printf("   recomputed results: at most %.1f at once", m.recompute / MiB);
     printf("\n  kernel workspace (dequant tiles, attn) %10.1f\n", m.work / MiB);
@@ -817,6 +820,7 @@ static bool parse_flags(int argc, char **argv, args *a) {
         }
         else if (f == "--offload-activations") a->o.offload_activations = true;
         else if (f == "--offload-late") a->o.offload_activations = a->o.offload_late = true;
+        else if (f == "--offload-grads") a->o.offload_activations = a->o.offload_late = a->o.offload_grads = true;
         else if (f == "--lora-dropout-fused") {
             if (!(s = need(i))) return false;
             if (!strcmp(s, "auto") || !strcmp(s, "off") || !strcmp(s, "on") || !strcmp(s, "16")) {
@@ -914,7 +918,7 @@ static bool flag_given(const args &a, const char *f) {
 // must agree with the run's.
 static bool operational_flag(const std::string &f) {
     for (const char *x : {"-o", "-t", "--device", "--checkpointing", "--mem-limit", "--vram", "--cc", "--host-mem", "--embd-on-host",
-                          "--embd-on-device", "--cache-weights", "--loss-chunk", "--loss-unfused", "--ffn-chunk", "--attn-score-mib", "--offload-activations", "--offload-late", "--lora-dropout-fused", "--eval-every", "--save-every", "--merge",
+                          "--embd-on-device", "--cache-weights", "--loss-chunk", "--loss-unfused", "--ffn-chunk", "--attn-score-mib", "--offload-activations", "--offload-late", "--offload-grads", "--lora-dropout-fused", "--eval-every", "--save-every", "--merge",
                           "--overwrite", "--profile", "--dry-run", "--json", "--resume", "--export", "--max-steps", "--epochs"})
         if (f == x) return true;
     return false;
@@ -1284,6 +1288,7 @@ static void choose_memory(ql_llama_file *f, const seqs &tr, const seqs &ev, args
     const bool device = !ql_backend_is_host(a->be);
     const bool cp_pinned = a->o.checkpointing != ql_checkpointing::automatic, offload_pinned = a->o.offload_activations;
     const bool embd_pinned = a->o.embd_on_host != -1, optim_pinned = flag_given(*a, "--optim"), late_pinned = a->o.offload_late;
+    const bool grads_pinned = a->o.offload_grads;
     const bool drop_pinned = a->o.lora_dropout_fused != -1;
     const bool tied = f->model.output == f->model.tok_embd;
     std::vector<mem_step> steps;
@@ -1309,6 +1314,10 @@ static void choose_memory(ql_llama_file *f, const seqs &tr, const seqs &ev, args
         });
     if (device && !late_pinned && steps.back().o.offload_activations)  // (copies the compute waits for)
         add("+ checkpoints back late", [](ql_train_options &o) { o.offload_late = true; });
+    // the residual gradient (and the norm's copy) parked on the host across attention's backward:
+    // one copy a block more that the compute waits for - cheaper than the dropout's kernels
+    if (device && !grads_pinned && steps.back().o.offload_late)
+        add("+ gradients parked on the host", [](ql_train_options &o) { o.offload_grads = true; });
     // adapter dropout inside A's multiply over x's 16-bit copy: backward keeps that copy instead of
     // a dropped-out copy per adapted linear (on a device: kernels measured 14% slower: last)
     if (!drop_pinned && a->o.lora.dropout > 0 && a->o.precision != ql_precision::fp32)
