@@ -28,6 +28,7 @@ struct run_result {
     std::vector<float> grads;    // every step's LoRA gradients, in order
     std::vector<float> adapter;  // after the last step
     ql_cuda_graph_counts counts{};
+    int parked = 0;  // copies to the host made in backward (offload_grads)
 };
 
 // a trainer of the tiny NF4 llama on a CUDA backend of its own, graphs on or off; freed in reverse
@@ -75,6 +76,8 @@ run_result train(const std::string &path, const std::vector<ql_sequence> &seqs, 
         }
     }
     REQUIRE(ql_cuda_get_graph_counts(be, &r.counts));
+    for (int i = ql_graph_n_forward(ql_trainer_graph(t)); i < ql_graph_n_nodes(ql_trainer_graph(t)); i++)
+        r.parked += ql_graph_node(ql_trainer_graph(t), i)->op == QL_OP_TO_HOST;
     if (profile) {
         const ql_graph *g = ql_trainer_graph(t);
         double total = 0, least = 1e30;
@@ -199,6 +202,16 @@ TEST_CASE("cuda graphs: block checkpoints offloaded to pinned host memory: repla
     check_same_bits(replayed, eager);
     CHECK(replayed.counts.captured == 1);
     CHECK(replayed.counts.launched == 7);  // 8 micro-batches: the first eager
+    // and with backward's gradients parked on the host across attention's backward (copies made
+    // in backward too, their host bytes reused): the same bits, captured and replayed
+    o.offload_late = o.offload_grads = true;
+    const run_result parked_eager = train(path, seqs, o, false), parked = train(path, seqs, o, true);
+    check_same_bits(parked_eager, eager);
+    check_same_bits(parked, eager);
+    CHECK(parked.parked > 0);
+    CHECK(eager.parked == 0);
+    CHECK(parked.counts.captured == 1);
+    CHECK(parked.counts.launched == 7);
 }
 
 // A to-host copy nothing in the run reads again: the run's end joins the copy stream, so once the
