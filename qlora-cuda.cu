@@ -3323,12 +3323,20 @@ static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
                   (const char *)fwd->data, (int)fwd->type, DV, H, Tq, Tq * H * B, delta, nullptr, (int)QL_TYPE_BF16, dk, nz);
         CU_LAUNCHED(c);
     }
-    QL_LAUNCH(k_fa_pack, cu_grid((D + DV) * Tk * G), CU_BLOCK, 0, c.stream, a.k, Kw, a.v, Vw, (int64_t)0, Tk, (int)ct,
-              (const float *)nullptr, (int64_t)0, (int64_t)0, (float *)nullptr);
-    CU_LAUNCHED(c);
+    // K and V packed [D, Tk] per group, or read in place (a kv head's rows Hkv D apart, the heads D apart)
+    const bool direct = ql_cuda_fa_kv_direct(node, ct);
+    if (direct) {
+        Kw = (char *)k->data;
+        Vw = (char *)v->data;
+    } else {
+        QL_LAUNCH(k_fa_pack, cu_grid((D + DV) * Tk * G), CU_BLOCK, 0, c.stream, a.k, Kw, a.v, Vw, (int64_t)0, Tk, (int)ct,
+                  (const float *)nullptr, (int64_t)0, (int64_t)0, (float *)nullptr);
+        CU_LAUNCHED(c);
+    }
+    const int64_t ldk = direct ? Hkv * D : D, ldv = direct ? Hkv * DV : DV, sK = direct ? D : D * Tk, sV = direct ? DV : DV * Tk;
     int64_t un = 0, ui0 = 0;  // backward: the chunk whose dq is still in Ow, unpacked by the next pack
-    const cu_operand Kn{Kw, CUBLAS_OP_N, D, true}, Kt{Kw, CUBLAS_OP_T, D, true};
-    const cu_operand Vn{Vw, CUBLAS_OP_N, DV, true}, Vt{Vw, CUBLAS_OP_T, DV, true};
+    const cu_operand Kn{Kw, CUBLAS_OP_N, ldk, true}, Kt{Kw, CUBLAS_OP_T, ldk, true};
+    const cu_operand Vn{Vw, CUBLAS_OP_N, ldv, true}, Vt{Vw, CUBLAS_OP_T, ldv, true};
     for (int64_t i0 = 0; i0 < Tq; i0 += chunk) {
         const int64_t n = std::min(chunk, Tq - i0), cols = rep * n, jend = std::min(Tk, i0 + n + off);
         const int64_t sS = jend * cols;  // per (batch, kv head)
@@ -3337,13 +3345,13 @@ static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
                   back ? dOw : nullptr, i0, n, (int)ct, (const float *)Ow, un, ui0, dq);
         CU_LAUNCHED(c);
         // S = scale K^T Q: [jend, cols] per group
-        cu_gemm(c, ct, Kt, D * Tk, cu_operand{Qw, CUBLAS_OP_N, D, true}, D * cols, S, jend, sS, jend, cols, D, (int)G, 0.0f, a.scale);
+        cu_gemm(c, ct, Kt, sK, cu_operand{Qw, CUBLAS_OP_N, D, true}, D * cols, S, jend, sS, jend, cols, D, (int)G, 0.0f, a.scale);
         if (c.failed) return;
         if (!back) {
             QL_LAUNCH(k_fa_softmax, (unsigned)(n * H * B), CU_ROW_BLOCK, 0, c.stream, S, P, (int)ct, jend, n, i0, Tq, Tk, a.seg, H, lse);
             CU_LAUNCHED(c);
             // O = V P: [DV, cols] per group
-            cu_gemm(c, ct, Vn, DV * Tk, cu_operand{P, CUBLAS_OP_N, jend, true}, sS, Ow, DV, DV * cols, DV, cols, jend, (int)G, 0.0f);
+            cu_gemm(c, ct, Vn, sV, cu_operand{P, CUBLAS_OP_N, jend, true}, sS, Ow, DV, DV * cols, DV, cols, jend, (int)G, 0.0f);
             if (c.failed) return;
             QL_LAUNCH(k_fa_unpack, cu_grid(DV * n * H * B), CU_BLOCK, 0, c.stream, Ow, DV, n, H, B, i0, Tq, 1, (char *)node->data,
                       (int)node->type);
@@ -3352,7 +3360,7 @@ static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
         }
         const cu_operand dOn{dOw, CUBLAS_OP_N, DV, true}, Qn{Qw, CUBLAS_OP_N, D, true};
         // dP = V^T dO: [jend, cols]
-        cu_gemm(c, ct, Vt, DV * Tk, dOn, DV * cols, dP, jend, sS, jend, cols, DV, (int)G, 0.0f);
+        cu_gemm(c, ct, Vt, sV, dOn, DV * cols, dP, jend, sS, jend, cols, DV, (int)G, 0.0f);
         if (c.failed) return;
         QL_LAUNCH(k_fa_ds, cu_grid(jend * n * H * B), CU_BLOCK, 0, c.stream, S, dP, P, dS, (int)ct, jend, n, n * H * B, i0, Tq, Tk,
                   a.seg, H, lse_in, delta);
@@ -3362,7 +3370,7 @@ static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
         if (c.failed) return;
         cu_gemm(c, ct, Qn, D * cols, cu_operand{dS, CUBLAS_OP_T, jend, true}, sS, dk, D, D * Tk, D, jend, cols, (int)G, 1.0f, a.scale);
         if (c.failed) return;
-        cu_gemm(c, ct, Kn, D * Tk, cu_operand{dS, CUBLAS_OP_N, jend, true}, sS, Ow, D, D * cols, D, cols, jend, (int)G, 0.0f, a.scale);
+        cu_gemm(c, ct, Kn, sK, cu_operand{dS, CUBLAS_OP_N, jend, true}, sS, Ow, D, D * cols, D, cols, jend, (int)G, 0.0f, a.scale);
         if (c.failed) return;
         un = n, ui0 = i0;
     }

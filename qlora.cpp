@@ -9011,11 +9011,12 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
         const bool back = node->op == QL_OP_FLASH_ATTN_BACK;
         if (!ql_cuda_fa_gemm(node)) return back ? 3 : 1;  // fused: delta, dK/dV, dQ; the forward (or the KV cache's kernel)
         int64_t chunk = 1;
-        ql_cuda_fa_layout(node, cc, nullptr, &chunk, nullptr);
+        ql_type ct = QL_TYPE_F32;
+        ql_cuda_fa_layout(node, cc, nullptr, &chunk, &ct);
         const int64_t chunks = cdiv(node->src[0]->ne[1], chunk);
-        // (delta and dK/dV zeroed,) K and V packed; per chunk: Q (and dO) packed, products, softmax / dS,
-        // the unpack (backward's by the next chunk's pack, the last one alone)
-        return back ? 3 + 7 * chunks : 1 + 5 * chunks;
+        // (delta and dK/dV zeroed,) K and V packed (unless read in place); per chunk: Q (and dO)
+        // packed, products, softmax / dS, the unpack (backward's by the next chunk's pack, the last one alone)
+        return (ql_cuda_fa_kv_direct(node, ct) ? 0 : 1) + (back ? 2 + 7 * chunks : 5 * chunks);
     }
     case QL_OP_CROSS_ENTROPY:
         return 2;  // rows, total
@@ -9043,6 +9044,19 @@ int64_t ql_flash_attn_chunk_rows(int64_t Tq, int64_t Tk, int64_t H, int64_t B, s
     while (c < 256 && (size_t)(2 * c * Tk * H * B) * sizeof(float) <= budget) c *= 2;
     return std::min(c, Tq);
 }
+// k and v read in place by the products (no packed copies, 4 KiB a token at the 8B shape): one
+// sequence, already in the compute type, each a permuted view of a contiguous [D, Hkv, Tk] (what
+// the llama block's rope and v projection make) - a kv head's rows [D, Tk] then lie Hkv D apart
+// and the heads D apart, one stride each as the batched products need
+bool ql_cuda_fa_kv_direct(const ql_tensor *node, ql_type ct) {
+    for (const ql_tensor *t : {node->src[1], node->src[2]}) {
+        const size_t es = ql_plain_size(t->type);
+        if (t->type != ct || t->ne[3] != 1 || t->nb[0] != es || t->nb[2] != (size_t)t->ne[0] * es ||
+            t->nb[1] != (size_t)(t->ne[0] * t->ne[2]) * es)
+            return false;
+    }
+    return true;
+}
 // q [D, Tq, H, B], k [D, Tk, Hkv, B], v [DV, Tk, Hkv, B]; the forward needs K, V, Q, S (+ P in
 // bf16) and the output's chunk [DV, chunk, H, B]; backward also delta [Tq, H, B], dO, dP (+ dS)
 // and dq's chunk in the output's place
@@ -9068,8 +9082,9 @@ size_t ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NB
     const size_t sc = (size_t)(Tk * c * H * B);  // scores of one chunk
     size_t n[QL_CUDA_FA_NBUF] = {0};
     n[QL_CUDA_FA_DELTA] = back ? (size_t)(Tq * H * B) * sizeof(float) : 0;
-    n[QL_CUDA_FA_K] = (size_t)(D * Tk * Hkv * B) * es;
-    n[QL_CUDA_FA_V] = (size_t)(DV * Tk * Hkv * B) * es;
+    const bool direct = ql_cuda_fa_kv_direct(node, ct);
+    n[QL_CUDA_FA_K] = direct ? 0 : (size_t)(D * Tk * Hkv * B) * es;
+    n[QL_CUDA_FA_V] = direct ? 0 : (size_t)(DV * Tk * Hkv * B) * es;
     n[QL_CUDA_FA_Q] = (size_t)(D * c * H * B) * es;
     n[QL_CUDA_FA_DO] = back ? (size_t)(DV * c * H * B) * es : 0;
     n[QL_CUDA_FA_S] = sc * sizeof(float);

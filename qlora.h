@@ -1477,6 +1477,8 @@ int     ql_cuda_fa_get_mode(void);
 bool    ql_cuda_fa2_register_path(const ql_backend *be); // the fused kernels keep scores in registers on this device (bf16,
                                                        // sm_80's fragment layout found by a probe; QLORA_CUDA_FA2_REG=0: off)
 size_t  ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NBUF], int64_t *chunk, ql_type *compute);
+bool    ql_cuda_fa_kv_direct(const ql_tensor *node, ql_type compute);  // k and v read in place (no K, V buffers): one
+                                                       // sequence, in the compute type, permuted views of contiguous [D, Hkv, Tk]
 
 // ---- the graph state a backend runs on ----
 

@@ -1133,6 +1133,26 @@ OP_CASE(flash_attn) {
         REQUIRE(ql_cuda_fa_gemm(a));
         return a;
     }, TOL_16);
+    // bf16 k and v as the llama block makes them - permuted views of [D, Hkv, T], one sequence: the
+    // products read them in place (a kv head's rows Hkv D apart, the heads D apart), no packed
+    // copies; two chunks, GQA 2:1 and 1:1, Tq < Tk
+    for (int64_t hkv : {1, 2})
+        check_case(be, "bf16 k, v read in place by the products (permuted views, one sequence)", [hkv](leafs &L) {
+            auto heads = [&](int64_t d, int64_t h, int64_t t) {  // [d, t, h, 1] over a bf16 [d, h, t, 1]
+                return ql_permute(L.ctx, ql_cast(L.ctx, L.param({d, h, t, 1}), QL_TYPE_BF16), 0, 2, 1, 3);
+            };
+            ql_tensor *a = ql_flash_attn(L.ctx, heads(64, 2, 300), heads(64, hkv, 320), heads(64, hkv, 320), nullptr, 0.125f);
+            REQUIRE(ql_flash_attn_set_prec(a, QL_TYPE_BF16) == QL_OK);
+            REQUIRE(ql_cuda_fa_gemm(a));
+            REQUIRE(ql_cuda_fa_kv_direct(a, QL_TYPE_BF16));
+            size_t off[QL_CUDA_FA_NBUF];
+            int64_t c = 0;
+            ql_cuda_fa_layout(a, 90, off, &c, nullptr);
+            CHECK(off[QL_CUDA_FA_V] == off[QL_CUDA_FA_K]);  // no K buffer
+            CHECK(off[QL_CUDA_FA_Q] == off[QL_CUDA_FA_K]);  // nor V
+            CHECK(c < 300);
+            return ql_cast(L.ctx, a, QL_TYPE_F32);
+        }, TOL_16);
     // 16-bit q, k, v (a 16-bit compute type's): read widened, the output in their type, rounded
     // once; f32 gradients. f32 products (fp16 and bf16), bf16 products (set_prec) over two chunks
     // with GQA, documents across chunks

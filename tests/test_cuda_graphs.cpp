@@ -320,6 +320,16 @@ TEST_CASE("census: the launches counted from the plan are what the CUDA backend 
         o.offload_activations = true;
         census_of_training(path, seqs, o);
     }
+    SUBCASE("bf16, micro-batch 1: attention's backward products read k and v in place (no pack)") {
+        o.micro_batch = 1;
+        census_of_training(path, seqs, o);
+    }
+    SUBCASE("bf16, micro-batch 1, gradients parked on the host") {
+        o.micro_batch = 1;
+        o.checkpointing = ql_checkpointing::block;
+        o.offload_activations = o.offload_late = o.offload_grads = true;
+        census_of_training(path, seqs, o);
+    }
 }
 
 void ql_cuda_mm_tile_elems_for_tests(int64_t n);  // qlora.cpp's CUDA planning rules: the tile budget (<= 0: the default)
