@@ -502,3 +502,41 @@ TEST_CASE("finetune memory auto: gradients parked on the host across attention's
     CHECK(has(line, "(+ checkpoints back late needs "));
     CHECK(has(log, "of backward's gradients parked there across each attention's backward"));  // the plan printed is the chosen one
 }
+
+TEST_CASE("finetune memory auto: short of pinned host memory, a step offloads one checkpoint a block instead of auto's two" * needs_tools("make-model finetune")) {
+    tmpdir d;
+    const std::string m = d.file("g.gguf"), data = d.file("long.jsonl");
+    std::string log;
+    REQUIRE(run("./make-model -o " + m + " --dim 256 --layers 4 --heads 8 --kv-heads 2 --ff 768 --vocab 4000 --type nf4 --zero", &log) == 0);
+    {
+        std::ofstream f(data);
+        f << "{\"text\": \"";
+        for (int i = 0; i < 12000; i++) f << "word" << i % 500 << ' ';
+        f << "\"}\n";
+    }
+    const std::string ft = "./finetune -m " + m + " -d " + data + " -o " + d.file("o") +
+                           " --seq-len 8192 -b 1 --device cuda --cc 8.6 --dry-run --lora-targets all --cache-weights off"
+                           " --ffn-chunk 512 --loss-chunk 256 --attn-score-mib 32 --vram 750M";
+    auto pinned = [&](const std::string &flags, std::string *checkpointing) {
+        std::string out;
+        REQUIRE_MESSAGE(run(ft + " --json" + flags, &out) == 0, out);
+        const size_t p = out.find("\"pinned\": "), c = out.find("\"checkpointing\": \"");
+        REQUIRE(p != std::string::npos);
+        REQUIRE(c != std::string::npos);
+        const size_t c0 = c + strlen("\"checkpointing\": \"");
+        if (checkpointing) *checkpointing = out.substr(c0, out.find('"', c0) - c0);
+        return (long long)atoll(out.c_str() + p + 10);
+    };
+    // with room on the host: auto's offload step, its policy keeping each half-block's input
+    std::string policy;
+    const long long two = pinned(" --host-mem 64G", &policy), one = pinned(" --checkpointing block --offload-activations", nullptr);
+    REQUIRE_MESSAGE(policy.find("of 8 segments 8 keep only their input") != std::string::npos, policy);  // (the shape this case needs)
+    REQUIRE(one > 0);
+    REQUIRE(one < two);
+    // a host whose room (less the 2 GiB margin) lies between the two: block's offload, not nothing
+    const long long host = (2LL << 30) + (one + two) / 2;
+    REQUIRE_MESSAGE(run(ft + " --host-mem " + std::to_string(host) + "B", &log) == 0, log);
+    CHECK_MESSAGE(has(line_of(log, "finetune: memory: checkpointing auto -> "), "-> + checkpoint offload (one checkpoint a block: less host memory): "), log);
+    CHECK(has(log, "\n  checkpointing: block;"));
+    CHECK(pinned(" --host-mem " + std::to_string(host) + "B", nullptr) == one);
+}

@@ -1278,8 +1278,10 @@ static double relative_step_time(const ql_memory_plan &mp, const ql_memory_plan 
 
 // --checkpointing auto (the default when the memory limit is known): the fastest plan that fits,
 // in this order - no recompute; recompute (the trainer's auto: per segment, block, sqrt); then on
-// a device the checkpoints offloaded to pinned host memory (when the host has it); the token
-// embedding in host memory; the optimizer's moments paged to pinned host memory. Each step keeps
+// a device the checkpoints offloaded to pinned host memory (when the host has it; where it has
+// not under auto's recompute, the step is planned again with block's); the token embedding in
+// host memory; the optimizer's moments paged to pinned host memory; checkpoints back late;
+// gradients parked on the host; adapter dropout inside A's multiply. Each step keeps
 // the ones before it; a flag given for any of them pins it (the ladder leaves it as given). On
 // the CPU only the first two (offload there is accounting only; the rest are device memory's).
 // One line says what was chosen and why; --dry-run adds the table of the steps. When none fits,
@@ -1335,6 +1337,19 @@ static void choose_memory(ql_llama_file *f, const seqs &tr, const seqs &ev, args
         if (s.what == "recompute") s.what += " (" + auto_policy_text(s.mp.checkpointing) + ")";
         s.pinned = s.mp.host_pinned + (device && s.mp.optimizer_host ? s.mp.optimizer : 0);
         if (s.fits && s.pinned > 0 && s.pinned > host_room) s.fits = false, s.host_short = true;
+        // auto's recompute may keep two checkpoints a block (each half's input): less device memory,
+        // twice the pinned host memory once offloaded. Short of host memory: one a block instead
+        if (s.host_short && !cp_pinned && s.o.checkpointing == ql_checkpointing::automatic && s.o.offload_activations) {
+            mem_step b = s;
+            b.o.checkpointing = ql_checkpointing::block;
+            b.fits = ql_train_plan(f, tr, ev, b.o, &b.mp, &err);
+            b.pinned = b.mp.host_pinned + (device && b.mp.optimizer_host ? b.mp.optimizer : 0);
+            b.host_short = b.fits && b.pinned > host_room;
+            if (b.fits && !b.host_short) {
+                b.what += " (one checkpoint a block: less host memory)";
+                s = b;
+            }
+        }
         if (s.fits && chosen < 0) chosen = (int)i;
         if (chosen >= 0 && !a->dry_run) break;  // a dry run plans them all for its table
     }
