@@ -3464,8 +3464,6 @@ ql_status ql_graph_recompute(ql_graph *g, const ql_keep *level, int n_levels, ql
 static ql_status offload_across_attention(ql_graph *g) {
     ql_context *ctx = g->ctx;
     const int nf = g->n_forward, n = (int)g->nodes.size();
-    std::unordered_map<const ql_tensor *, int> made;  // backward result -> its index
-    for (int i = nf; i < n; i++) made[g->nodes[(size_t)i]] = i;
     std::unordered_map<const ql_tensor *, std::vector<int>> readers;  // root -> backward readers, in order
     std::unordered_map<const ql_tensor *, int> view_read;  // root -> the last backward node reading it through a view
     for (int i = nf; i < n; i++) {
@@ -3480,9 +3478,6 @@ static ql_status offload_across_attention(ql_graph *g) {
         for (ql_tensor *s : node->src) note(s);
         note(node->view_src);
     }
-    std::vector<ql_tensor *> roots;  // the results read, in node order (the copies' order: the same plan every time)
-    for (int i = nf; i < n; i++)
-        if (readers.count(g->nodes[(size_t)i])) roots.push_back(g->nodes[(size_t)i]);
     struct move { ql_tensor *t; int after, attn; };
     std::vector<move> moves;
     std::unordered_set<const ql_tensor *> moved;  // (each once: at the first attention its wait spans)
@@ -3492,11 +3487,11 @@ static ql_status offload_across_attention(ql_graph *g) {
         // large: a quarter of attention's f32 result or more (the residual gradient is 4/6 of it at
         // the 8B shape, the norm's 16-bit copy 1/3)
         const size_t big = ql_nbytes(fa) / 4;
-        for (ql_tensor *t : roots) {
-            auto m = made.find(t);
-            if (moved.count(t)) continue;
-            if (m == made.end() || m->second >= a || aliases_src(t->op) || t->view_src || !ql_is_contiguous(t) || t->aux_size ||
-                (t->flags & QL_FLAG_HOST) || ql_nbytes(t) < big || (view_read.count(t) && view_read[t] > a))
+        for (int m = nf; m < a; m++) {  // backward's results made before it, in node order (the same plan every time)
+            ql_tensor *t = g->nodes[(size_t)m];
+            if (!readers.count(t) || moved.count(t)) continue;
+            if (aliases_src(t->op) || t->view_src || !ql_is_contiguous(t) || t->aux_size || (t->flags & QL_FLAG_HOST) ||
+                ql_nbytes(t) < big || (view_read.count(t) && view_read[t] > a))
                 continue;  // (read through a view after attention: left alone - its readers name t itself)
             const std::vector<int> &r = readers[t];
             auto nx = std::upper_bound(r.begin(), r.end(), a);

@@ -464,19 +464,24 @@ TEST_CASE("finetune memory auto: the last step, adapter dropout inside A's multi
     CHECK_MESSAGE(has(log, "finetune: --lora-dropout-fused: '8' is not one of auto, off, on, 16"), log);
 }
 
+// A grouped-heads model (4 layers, dim 256, 8/2 heads) and one text of 12,000 words, planned at 8k
+// tokens: a block's attention backward is the backward's peak, with the residual gradient (f32
+// [E, T]) waiting across it
+static void long_gqa_model(tmpdir &d, std::string *m, std::string *data) {
+    std::string log;
+    *m = d.file("g.gguf");
+    *data = d.file("long.jsonl");
+    REQUIRE(run("./make-model -o " + *m + " --dim 256 --layers 4 --heads 8 --kv-heads 2 --ff 768 --vocab 4000 --type nf4 --zero", &log) == 0);
+    std::ofstream f(*data);
+    f << "{\"text\": \"";
+    for (int i = 0; i < 12000; i++) f << "word" << i % 500 << ' ';
+    f << "\"}\n";
+}
+
 TEST_CASE("finetune memory auto: gradients parked on the host across attention's backward (--offload-grads)" * needs_tools("make-model finetune")) {
     tmpdir d;
-    const std::string m = d.file("g.gguf"), data = d.file("long.jsonl");
-    std::string log;
-    // grouped heads and a long sequence: a block's attention backward is the backward's peak, with
-    // the residual gradient (f32 [E, T]) waiting across it
-    REQUIRE(run("./make-model -o " + m + " --dim 256 --layers 4 --heads 8 --kv-heads 2 --ff 768 --vocab 4000 --type nf4 --zero", &log) == 0);
-    {
-        std::ofstream f(data);
-        f << "{\"text\": \"";
-        for (int i = 0; i < 12000; i++) f << "word" << i % 500 << ' ';
-        f << "\"}\n";
-    }
+    std::string m, data, log;
+    long_gqa_model(d, &m, &data);
     const std::string ft = "./finetune -m " + m + " -d " + data + " -o " + d.file("o") +
                            " --seq-len 8192 -b 1 --device cuda --cc 8.6 --dry-run --lora-targets all --cache-weights off --checkpointing block"
                            " --embd-on-host --optim paged_adamw8bit --ffn-chunk 512 --loss-chunk 256 --lora-dropout-fused 16"
@@ -505,15 +510,8 @@ TEST_CASE("finetune memory auto: gradients parked on the host across attention's
 
 TEST_CASE("finetune memory auto: short of pinned host memory, a step offloads one checkpoint a block instead of auto's two" * needs_tools("make-model finetune")) {
     tmpdir d;
-    const std::string m = d.file("g.gguf"), data = d.file("long.jsonl");
-    std::string log;
-    REQUIRE(run("./make-model -o " + m + " --dim 256 --layers 4 --heads 8 --kv-heads 2 --ff 768 --vocab 4000 --type nf4 --zero", &log) == 0);
-    {
-        std::ofstream f(data);
-        f << "{\"text\": \"";
-        for (int i = 0; i < 12000; i++) f << "word" << i % 500 << ' ';
-        f << "\"}\n";
-    }
+    std::string m, data, log;
+    long_gqa_model(d, &m, &data);
     const std::string ft = "./finetune -m " + m + " -d " + data + " -o " + d.file("o") +
                            " --seq-len 8192 -b 1 --device cuda --cc 8.6 --dry-run --lora-targets all --cache-weights off"
                            " --ffn-chunk 512 --loss-chunk 256 --attn-score-mib 32 --vram 750M";
