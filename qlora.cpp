@@ -6039,7 +6039,7 @@ struct mm_operand {
     const void *aux;             // side data of the root tensor (NF4), else NULL
     const uint8_t *root_data;    // where the root's blocks start: a block's index from its address
     ql_type round = QL_TYPE_F32; // a 16-bit multiply (b in f16/bf16): packed values rounded to it
-    const uint8_t *r8 = nullptr; // Q4_0 / Q4_K / Q6_K repacked in groups of 8 rows (mm_r8_*, mm_k8_*, mm_q6r8_*), read by the 8-bit paths; NULL: none
+    const uint8_t *r8 = nullptr; // Q4_0 / Q4_K / Q6_K / NF4 repacked in groups of 8 rows (mm_r8_*, mm_k8_*, mm_q6r8_*, mm_n8_*), read by the 8-bit paths; NULL: none
 };
 
 static inline bool mm_k_contig(const mm_operand &o) { return !o.trows && o.sk == (int64_t)traits(o.type).type_size; }
@@ -6635,6 +6635,11 @@ static constexpr int MM_Q8_MAX_N = 8;  // b rows at or below: this path (decode,
 // NF4's 16 values as int8, round(127 v): the weight is nf4_i8[q] * absmax / 127 here. The largest
 // rounding, |127 v - round(127 v)| / 127 over the table, is 0.00367 absmax (v = -0.2844: 36.12)
 static const int8_t k_nf4_i8[16] = QL_NF4_I8_VALUES;  // (qlora.h: the CUDA backend's decode reads the same)
+static const std::array<uint8_t, 16> k_nf4_u8 = [] {   // the same + 128, as unsigned bytes (mm_n8_group)
+    std::array<uint8_t, 16> u{};
+    for (int i = 0; i < 16; i++) u[(size_t)i] = (uint8_t)(k_nf4_i8[i] + 128);
+    return u;
+}();
 
 static int mm_q8_block(ql_type t) {  // the activations' block for a weight type; 0: no integer kernel
     switch (t) {
@@ -6954,8 +6959,10 @@ static float mm_q8dot_q6_K(int64_t K, const uint8_t *w, const int8_t *xq, const 
 // packs its panels from it with the same bytes (mm_q8g_pack): the rows' results bit for bit.
 static constexpr int64_t MM_R8_BLOCK = 144;
 // Made only where prompts have the int8 GEMM too (AVX-512 VNNI): elsewhere a prompt's exact path
-// reads the rows, which would then be resident beside the copy (the weights' memory twice).
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// reads the rows, which would then be resident beside the copy (the weights' memory twice). VL:
+// vpdpbusd on 256 bits, whose sums NF4's unsigned table bytes need (maddubs' int16 pairs saturate).
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512VL__)
 static constexpr bool k_mm_r8 = true;
 #else
 static constexpr bool k_mm_r8 = false;
@@ -6973,16 +6980,29 @@ static constexpr int MM_K8_SC = 32, MM_K8_MN = 96, MM_K8_QS = 160;  // offsets i
 // elements 128h + 32m + 4q .. + 3 for m = 0..3.
 static constexpr int64_t MM_Q6R8_BLOCK = 1680;
 static constexpr int MM_Q6R8_SC = 16, MM_Q6R8_QS = 144;
-static bool mm_r8_type(ql_type t) { return t == QL_TYPE_Q4_0 || t == QL_TYPE_Q4_K || t == QL_TYPE_Q6_K; }
-static bool mm_r8_ok(const ql_tensor *w) {  // a weight these layouts take
-    return k_mm_r8 && mm_r8_type(w->type) && w->ne[1] % 8 == 0 && w->ne[2] == 1 && w->ne[3] == 1;
+// NF4 (and NF4_NODQ) likewise (mm_n8_*), per group of 8 rows and block of 64, 288 bytes: the 8
+// rows' absmax / 127 (f32: the rows' kernel's scale, the double quantisation undone once here
+// instead of per row and token), then for q = 0..7 the 8 rows' 4 bytes whose low nibbles are codes
+// 4q .. 4q + 3 and high nibbles codes 32 + 4q .. (a block's halves: the activations' two blocks of
+// 32). 9% more bytes than the rows with double quantisation (4.5 bits a weight against 4.13).
+static constexpr int64_t MM_N8_BLOCK = 288;
+static constexpr int MM_N8_QS = 32;
+static bool mm_nf4_type(ql_type t) { return t == QL_TYPE_NF4 || t == QL_TYPE_NF4_NODQ; }
+static bool mm_r8_type(ql_type t) { return t == QL_TYPE_Q4_0 || t == QL_TYPE_Q4_K || t == QL_TYPE_Q6_K || mm_nf4_type(t); }
+static bool mm_r8_ok(const ql_tensor *w) {  // a weight these layouts take (NF4: rows of whole blocks of 64)
+    return k_mm_r8 && mm_r8_type(w->type) && w->ne[1] % 8 == 0 && w->ne[2] == 1 && w->ne[3] == 1 &&
+           (!mm_nf4_type(w->type) || w->ne[0] % QL_NF4_BLOCK == 0);
 }
-static int64_t mm_r8_block(ql_type t) {  // bytes a group of 8 rows takes per block of mm_q8_block(t) elements
-    return t == QL_TYPE_Q6_K ? MM_Q6R8_BLOCK : t == QL_TYPE_Q4_K ? MM_K8_BLOCK : MM_R8_BLOCK;
+static int64_t mm_r8_elems(ql_type t) {  // elements of a row in one of the layout's blocks
+    return mm_nf4_type(t) ? QL_NF4_BLOCK : mm_q8_block(t);
 }
-static size_t mm_r8_bytes(const ql_tensor *w) {
-    return (size_t)(w->ne[0] / mm_q8_block(w->type)) * (size_t)(w->ne[1] / 8) * (size_t)mm_r8_block(w->type);
+static int64_t mm_r8_block(ql_type t) {  // bytes a group of 8 rows takes per block of mm_r8_elems(t) elements
+    return t == QL_TYPE_Q6_K ? MM_Q6R8_BLOCK : t == QL_TYPE_Q4_K ? MM_K8_BLOCK : mm_nf4_type(t) ? MM_N8_BLOCK : MM_R8_BLOCK;
 }
+static size_t mm_r8_group_bytes(ql_type t, int64_t K) {  // a group of 8 rows, whole
+    return (size_t)(K / mm_r8_elems(t)) * (size_t)mm_r8_block(t);
+}
+static size_t mm_r8_bytes(const ql_tensor *w) { return (size_t)(w->ne[1] / 8) * mm_r8_group_bytes(w->type, w->ne[0]); }
 // groups [g0, g1) of a weight's rows (row_stride apart) into its layout: each of a group's 8
 // rows' block b put into the group's block by put(p, r, block)
 template <class Block, class Put>
@@ -6991,8 +7011,28 @@ static void mm_r8_groups(const uint8_t *src, int64_t nb, int64_t g0, int64_t g1,
         for (int64_t b = 0; b < nb; b++)
             for (int r = 0; r < 8; r++) put(dst + (size_t)(g * nb + b) * bytes, r, ((const Block *)(src + (size_t)(8 * g + r) * row_stride))[b]);
 }
-static void mm_r8_pack(ql_type t, const uint8_t *src, int64_t K, int64_t g0, int64_t g1, size_t row_stride, uint8_t *dst) {
-    const int64_t nb = K / mm_q8_block(t), bytes = mm_r8_block(t);
+// aux: NF4's side data (the absmax of block i of the weight is that of elements [64 i, 64 i + 64):
+// rows contiguous, whole blocks)
+static void mm_r8_pack(ql_type t, const uint8_t *src, const void *aux, int64_t K, int64_t g0, int64_t g1, size_t row_stride,
+                       uint8_t *dst) {
+    const int64_t nb = K / mm_r8_elems(t), bytes = mm_r8_block(t);
+    if (mm_nf4_type(t)) {  // a row's block: 32 bytes, element 2j in byte j's high nibble, 2j + 1 in its low
+        for (int64_t g = g0; g < g1; g++)
+            for (int64_t b = 0; b < nb; b++) {
+                uint8_t *p = dst + (size_t)(g * nb + b) * bytes;
+                for (int r = 0; r < 8; r++) {
+                    const int64_t blk = (8 * g + r) * nb + b;
+                    const uint8_t *c = src + (size_t)(8 * g + r) * row_stride + 32 * b;
+                    uint8_t e[64];
+                    for (int j = 0; j < 32; j++) e[2 * j] = c[j] >> 4, e[2 * j + 1] = c[j] & 15;
+                    const float sc = (t == QL_TYPE_NF4 ? nf4_aux(aux).absmax(blk) : ((const float *)aux)[blk]) / 127.0f;
+                    memcpy(p + 4 * r, &sc, 4);
+                    for (int q = 0; q < 8; q++)
+                        for (int i = 0; i < 4; i++) p[MM_N8_QS + 32 * q + 4 * r + i] = (uint8_t)(e[4 * q + i] | e[32 + 4 * q + i] << 4);
+                }
+            }
+        return;
+    }
     if (t == QL_TYPE_Q4_0)
         mm_r8_groups<ql_block_q4_0>(src, nb, g0, g1, row_stride, bytes, dst, [](uint8_t *p, int r, const ql_block_q4_0 &s) {
             memcpy(p + 2 * r, &s.d, 2);
@@ -7042,6 +7082,34 @@ static inline __m256 mm_r8_group(const uint8_t *p, int64_t nb, const int8_t *xq,
         s = _mm256_sub_epi32(s, _mm256_set1_epi32(8 * (bsum[2 * b] + bsum[2 * b + 1])));  // the codes are q - 8
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(xd[b])), acc);
+    }
+    return acc;
+}
+// NF4's group (mm_n8_*): the codes through the table as unsigned bytes, int8 value + 128 (vpdpbusd
+// multiplies unsigned by signed; its 32-bit sums do not saturate), less 128 times the activation's
+// block sum (its two 16-sums); each half of 32 times its row's absmax / 127 and its own d_x. The
+// integer sums are the rows' kernel's (mm_q8dot_nf4), so are the f32 products; only the order in
+// which a row's blocks are added differs.
+static inline __m256 mm_n8_group(const uint8_t *p, int64_t nb, const int8_t *xq, const float *xd, const int16_t *bsum) {
+    const __m256i m4 = _mm256_set1_epi8(15), lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)k_nf4_u8.data()));
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb / 2; b++, p += MM_N8_BLOCK) {  // nb: blocks of 32, two a block of 64
+        const int8_t *x = xq + 64 * b;
+        __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+        for (int q = 0; q < 8; q++) {  // low nibbles: elements 4q..4q+3, high: 32 + 4q..
+            const __m256i c = mm_ld(p + MM_N8_QS + 32 * q);
+            int32_t lo, hi;
+            memcpy(&lo, x + 4 * q, 4);
+            memcpy(&hi, x + 32 + 4 * q, 4);
+            s0 = mm_dpbusd(s0, _mm256_shuffle_epi8(lut, _mm256_and_si256(c, m4)), _mm256_set1_epi32(lo));
+            s1 = mm_dpbusd(s1, _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(c, 4), m4)), _mm256_set1_epi32(hi));
+        }
+        const int16_t *bs = bsum + 4 * b;
+        s0 = _mm256_sub_epi32(s0, _mm256_set1_epi32(128 * (bs[0] + bs[1])));
+        s1 = _mm256_sub_epi32(s1, _mm256_set1_epi32(128 * (bs[2] + bs[3])));
+        const __m256 w = _mm256_loadu_ps((const float *)p);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0), _mm256_mul_ps(w, _mm256_set1_ps(xd[2 * b])), acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1), _mm256_mul_ps(w, _mm256_set1_ps(xd[2 * b + 1])), acc);
     }
     return acc;
 }
@@ -7147,11 +7215,12 @@ static void mm_q8(const mm_operand &w, const mm_operand &x, float *c, const floa
         // (a group's whole row at once: tiles of groups a chunk of K at a time, to keep the chunk's
         // activations in L1, broke the weights' streams up - 10 against 25 GB/s at K = 8192)
         const int64_t nb = K / qb;
-        auto group = w.type == QL_TYPE_Q4_K ? mm_k8_group : w.type == QL_TYPE_Q6_K ? mm_q6r8_group : mm_r8_group;
+        auto group = w.type == QL_TYPE_Q4_K ? mm_k8_group : w.type == QL_TYPE_Q6_K ? mm_q6r8_group : mm_nf4_type(w.type) ? mm_n8_group : mm_r8_group;
+        const size_t gb = mm_r8_group_bytes(w.type, K);
         alignas(32) float y[8];
         for (int64_t g = jb / 8; g < je / 8; g++)
             for (int64_t i = 0; i < N; i++) {
-                _mm256_store_ps(y, group(w.r8 + (size_t)(g * nb) * mm_r8_block(w.type), nb, xq.q + i * K, xq.d + i * nb, xq.bsum + i * (K / 16)));
+                _mm256_store_ps(y, group(w.r8 + (size_t)g * gb, nb, xq.q + i * K, xq.d + i * nb, xq.bsum + i * (K / 16)));
                 for (int r = 0; r < 8; r++) {
                     const int64_t o = i * ldc + 8 * g + r;
                     c[o] = ci ? ci[o] + y[r] : y[r];
@@ -7250,6 +7319,33 @@ static void mm_q8g_pack(const mm_operand &w, int64_t K, int64_t j0, int64_t nr, 
                 uint16_t dh;
                 memcpy(&dh, p + 2 * l, 2);
                 put(pb + 512, (int)r, mm_h2f(dh));
+                put_i(pb + 576, (int)r, -128 * s);
+            }
+        }
+        return;
+    }
+    if (w.r8 && nf4) {  // repacked (mm_n8_*): block b is half b % 2 of the 64-block b / 2 (low nibbles, or high)
+        const size_t gb = mm_r8_group_bytes(w.type, K);
+        const __m256i m4 = _mm256_set1_epi8(15), lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)k_nf4_u8.data()));
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *pb = pan + (size_t)b * bb;
+            const int sh = 4 * (int)(b % 2);
+            for (int64_t r = 0; r < nr; r++) {
+                const int l = (int)((j0 + r) % 8);
+                const uint8_t *p = w.r8 + (size_t)((j0 + r) / 8) * gb + (size_t)(b / 2) * MM_N8_BLOCK;
+                alignas(32) int32_t w4[8];  // the row's 4 code bytes 32 apart, 8 times
+                for (int q = 0; q < 8; q++) memcpy(&w4[q], p + MM_N8_QS + 32 * q + 4 * l, 4);
+                __m256i cv = _mm256_load_si256((const __m256i *)w4);
+                cv = _mm256_and_si256(sh ? _mm256_srli_epi16(cv, 4) : cv, m4);
+                const __m256i u = _mm256_shuffle_epi8(lut, cv);  // value + 128
+                const __m256i s16 = _mm256_sad_epu8(u, _mm256_setzero_si256());
+                const int32_t s = _mm256_extract_epi32(s16, 0) + _mm256_extract_epi32(s16, 2) + _mm256_extract_epi32(s16, 4) +
+                                  _mm256_extract_epi32(s16, 6) - 32 * 128;
+                _mm256_store_si256((__m256i *)w4, _mm256_xor_si256(u, _mm256_set1_epi8((char)0x80)));  // the int8 values
+                for (int q = 0; q < 8; q++) memcpy(pb + q * 64 + r * 4, &w4[q], 4);
+                float d;
+                memcpy(&d, p + 4 * l, 4);
+                put(pb + 512, (int)r, d);
                 put_i(pb + 576, (int)r, -128 * s);
             }
         }
@@ -8063,7 +8159,7 @@ void ql_cpu_warn_threads(const char *tool, int n) {
                 tool, n, cores, cores == 1 ? "" : "s");
 }
 
-// the CPU's weight copies: Q4_0, Q4_K and Q6_K repacked in groups of 8 rows (mm_r8_pack), for the
+// the CPU's weight copies: Q4_0, Q4_K, Q6_K and NF4 repacked in groups of 8 rows (mm_r8_pack), for the
 // 8-bit paths
 struct cpu_r8_job {
     const ql_tensor *w;
@@ -8072,11 +8168,13 @@ struct cpu_r8_job {
 static void cpu_r8_worker(void *arg, int ith, int nth) {  // a share of the groups each
     const cpu_r8_job *j = (const cpu_r8_job *)arg;
     const int64_t G = j->w->ne[1] / 8;
-    mm_r8_pack(j->w->type, (const uint8_t *)j->w->data, j->w->ne[0], G * ith / nth, G * (ith + 1) / nth, j->w->nb[1], j->dst);
+    mm_r8_pack(j->w->type, (const uint8_t *)j->w->data, ql_aux_data(j->w), j->w->ne[0], G * ith / nth, G * (ith + 1) / nth, j->w->nb[1],
+               j->dst);
 }
 static bool cpu_weight_copy(ql_backend *be, const ql_tensor *w, void *dst, ql_type type, char *err, size_t n) {
     if (type != w->type || !mm_r8_ok(w)) {
-        snprintf(err, n, "the CPU keeps only Q4_0, Q4_K and Q6_K weights of rows a multiple of 8, repacked, in their own type");
+        snprintf(err, n, "the CPU keeps only Q4_0, Q4_K, Q6_K and NF4 weights of rows a multiple of 8 (NF4: of whole blocks of 64), repacked, in "
+                         "their own type");
         return false;
     }
     cpu_r8_job j = {w, (uint8_t *)dst};
@@ -8407,16 +8505,18 @@ ql_backend_buffer *ql_backend_cache_weights(ql_backend *be, ql_tensor *const *w,
     if (host && repack && !k_mm_r8)
         return fail("cache_weights: this build keeps no repacked %s (it lacks AVX-512 VNNI: its prompts would read the rows, and "
                     "the copy would double the memory)%s", ql_type_name(type), "");
-    if (host != repack)  // the CPU keeps only repacked Q4_0 / Q4_K / Q6_K (8-bit-activation inference), a device only 16/32-bit
+    if (host != repack)  // the CPU keeps only repacked Q4_0 / Q4_K / Q6_K / NF4 (8-bit-activation inference), a device only 16/32-bit
         return fail("cache_weights: backend %s keeps no weight copies in this type%s", be->iface.name,
-                    host ? " (it converts the weights while packing its panels: a copy saves nothing; it keeps Q4_0, Q4_K and Q6_K "
+                    host ? " (it converts the weights while packing its panels: a copy saves nothing; it keeps Q4_0, Q4_K, Q6_K and NF4 "
                            "weights repacked for 8-bit-activation inference: their own type)"
                          : "");
     if (!be->iface.weight_copy || !holds_memory(be)) return fail("cache_weights: backend %s keeps no weight copies%s", be->iface.name, "");
     for (int i = 0; i < n; i++) {
         const ql_tensor *x = w[i];
         if (host && (!x || x->type != type || !is_plain_leaf(x) || !x->data || !mm_r8_ok(x) || !ql_rows_contiguous(x)))
-            return fail("cache_weights: %s is not a 2-D %s weight whose rows are a multiple of 8", x ? x->name : "(null)", ql_type_name(type));
+            return fail(mm_nf4_type(type) ? "cache_weights: %s is not a 2-D %s weight whose rows are a multiple of 8, of whole blocks of 64"
+                                          : "cache_weights: %s is not a 2-D %s weight whose rows are a multiple of 8",
+                        x ? x->name : "(null)", ql_type_name(type));
         if (host) continue;
         if (!x || !is_plain_leaf(x) || !x->data || (x->flags & QL_FLAG_HOST) || x->ne[2] != 1 || x->ne[3] != 1 || x->type == type ||
             !ql_rows_contiguous(x) || !ql_type_traits_get(x->type) || ((x->flags & QL_FLAG_PARAM) && x->type != QL_TYPE_F32))

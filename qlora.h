@@ -769,7 +769,8 @@ void        ql_backend_cpu_parallel(ql_backend *be, void (*fn)(void *arg, int it
 // f32 in another order; the native paths flush subnormal inputs and results to zero).
 bool        ql_cpu_bf16_native(void);
 // whether this build's CPU backend keeps weights of this type repacked for 8-bit-activation
-// inference (ql_backend_cache_weights(cpu, w, n, type, ...)): Q4_0, Q4_K and Q6_K, in AVX-512 VNNI builds
+// inference (ql_backend_cache_weights(cpu, w, n, type, ...)): Q4_0, Q4_K, Q6_K and NF4 (and NF4_NODQ), in
+// AVX-512 VNNI builds
 bool        ql_cpu_repacks(ql_type type);
 const char *ql_cpu_bf16_kind(void);                // "AMX tiles", "AVX512-BF16 pair dot products", or NULL
 const char *ql_cpu_features(void);                 // e.g. "AVX512F AVX2 FMA F16C" as compiled in
@@ -845,8 +846,8 @@ void        ql_weight_cache_mark(ql_tensor *const *w, int n, bool on);
 // own (those read it in place). NULL with the
 // reason in err when a weight is not one of the above, memory is short, or the backend keeps no
 // such copies. The CPU converts weights while packing its panels, so a copy in a compute type would
-// save nothing; it keeps only Q4_0, Q4_K and Q6_K weights (type = the weight's own; 2-D, rows a multiple
-// of 8) repacked in groups of 8 rows, which its 8-bit-activation products (decode, prompts) read
+// save nothing; it keeps only Q4_0, Q4_K, Q6_K and NF4 weights (type = the weight's own; 2-D, rows a
+// multiple of 8; NF4's rows whole blocks of 64) repacked in groups of 8 rows, which its 8-bit-activation products (decode, prompts) read
 // instead of the rows (AVX-512 VNNI builds: ql_cpu_repacks).
 ql_backend_buffer *ql_backend_cache_weights(ql_backend *be, ql_tensor *const *w, int n, ql_type type, char *err, size_t err_size);
 // Leaves flagged QL_FLAG_HOST (so that the placement above leaves them) moved into ONE buffer of

@@ -460,11 +460,13 @@ std::vector<ql_tensor *> ql_llama_lora_params_range(const ql_llama &m, int l0, i
 std::vector<ql_backend_buffer *> ql_llama_repack_weights(ql_backend *be, const ql_llama *m, const char *tool) {
     std::vector<ql_backend_buffer *> bufs;
     if (!be || !m || !ql_backend_is_host(be) || !m->q8_activations) return bufs;
-    for (ql_type type : {QL_TYPE_Q4_0, QL_TYPE_Q4_K, QL_TYPE_Q6_K}) {
+    for (ql_type type : {QL_TYPE_Q4_0, QL_TYPE_Q4_K, QL_TYPE_Q6_K, QL_TYPE_NF4, QL_TYPE_NF4_NODQ}) {
         if (!ql_cpu_repacks(type)) continue;
         std::vector<ql_tensor *> ws;
         auto add = [&ws, type](ql_tensor *t) {
-            if (t && t->type == type && t->ne[1] % 8 == 0 && std::find(ws.begin(), ws.end(), t) == ws.end()) ws.push_back(t);
+            const bool nf4 = type == QL_TYPE_NF4 || type == QL_TYPE_NF4_NODQ;  // (rows of whole blocks of 64)
+            if (t && t->type == type && t->ne[1] % 8 == 0 && (!nf4 || t->ne[0] % 64 == 0) && std::find(ws.begin(), ws.end(), t) == ws.end())
+                ws.push_back(t);
         };
         for (const ql_llama_layer &l : m->layers)
             for (ql_tensor *t : {l.wq, l.wk, l.wv, l.wo, l.w_gate, l.w_up, l.w_down}) add(t);

@@ -232,8 +232,8 @@ struct ql_llama_cache {
 };
 
 // Inference on the CPU with 8-bit activations (m->q8_activations): the layers' linears and the
-// output head of each type this build repacks (ql_cpu_repacks: Q4_0, Q4_K, Q6_K; rows a multiple
-// of 8) copied in groups of 8 rows, one buffer per type (ql_backend_cache_weights), which decode's
+// output head of each type this build repacks (ql_cpu_repacks: Q4_0, Q4_K, Q6_K, NF4; rows a
+// multiple of 8) copied in groups of 8 rows, one buffer per type (ql_backend_cache_weights), which decode's
 // products read and prompts' panels are packed from; the file's pages of them are given back.
 // Returns the buffers (free them before the weights' buffer); a type that could not be copied is
 // read as rows, with a note naming `tool` on stderr. Nothing on other backends or without q8.

@@ -339,18 +339,21 @@ TEST_CASE("8-bit activations (ql_mul_mat_set_prec): within the stated bound of t
     }
 }
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    defined(__AVX512VL__)
 static constexpr bool k_have_r8 = true;  // (qlora.cpp makes the copies under the same flags)
 #else
 static constexpr bool k_have_r8 = false;
 #endif
 
-// The CPU's weight copies: Q4_0, Q4_K and Q6_K repacked in groups of 8 rows (ql_backend_cache_weights
-// with the weight's type), read by decode's kernel and packed from by the prompt GEMM.
-TEST_CASE("8-bit activations on Q4_0, Q4_K and Q6_K repacked in groups of 8 rows: the rows' results (prompts bit for bit), any threads, kept "
-          "in step, freed" *
+// The CPU's weight copies: Q4_0, Q4_K, Q6_K and NF4 repacked in groups of 8 rows
+// (ql_backend_cache_weights with the weight's type), read by decode's kernel and packed from by the
+// prompt GEMM. (NF4's copy holds its scales undone from the double quantisation: zeroing the rows
+// and their side data below leaves only the copy to give the results.)
+TEST_CASE("8-bit activations on Q4_0, Q4_K, Q6_K and NF4 repacked in groups of 8 rows: the rows' results (prompts bit for bit), any "
+          "threads, kept in step, freed" *
           skip_unless(k_have_r8, "without AVX-512 VNNI (no repacked copies in this build)")) {
-  for (ql_type T : {QL_TYPE_Q4_0, QL_TYPE_Q4_K, QL_TYPE_Q6_K}) {
+  for (ql_type T : {QL_TYPE_Q4_0, QL_TYPE_Q4_K, QL_TYPE_Q6_K, QL_TYPE_NF4, QL_TYPE_NF4_NODQ}) {
     CAPTURE(std::string(ql_type_name(T)));
     const int64_t M = 72, K = 1024;
     std::mt19937 rng(33);
@@ -424,8 +427,8 @@ TEST_CASE("8-bit activations on Q4_0, Q4_K and Q6_K repacked in groups of 8 rows
   }
 }
 
-TEST_CASE("the CPU's weight copies: Q4_0, Q4_K and Q6_K alone, in their own type, rows a multiple of 8; other requests refused with the "
-          "reason") {
+TEST_CASE("the CPU's weight copies: Q4_0, Q4_K, Q6_K and NF4 alone, in their own type, rows a multiple of 8 (NF4: of whole blocks of "
+          "64); other requests refused with the reason") {
     ql_init_params ip = {4u << 20, nullptr, false, false};
     ql_context *ctx = ql_init(ip);
     ql_tensor *odd = ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_Q4_0, 64, 12), "odd");  // 12 rows
@@ -434,11 +437,21 @@ TEST_CASE("the CPU's weight copies: Q4_0, Q4_K and Q6_K alone, in their own type
     ql_tensor *q8 = ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_Q8_0, 64, 16), "q8w");
     ql_tensor *ok = ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_Q4_0, 64, 16), "okw");
     ql_tensor *k4 = ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_Q4_K, 512, 16), "k4w");
+    ql_tensor *nf4part = ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_NF4, 96, 16), "nf4part");  // rows of 1.5 blocks of 64
+    ql_tensor *nodq = ql_set_name(ql_new_tensor_2d(ctx, QL_TYPE_NF4_NODQ, 128, 8), "nodqw");
+    std::mt19937 rng(34);
+    for (ql_tensor *t : {nf4, nodq}) {  // real blocks and side data (a copy reads the absmax)
+        const std::vector<uint8_t> b = make_weight(t->type, t->ne[1], t->ne[0], rng);
+        REQUIRE(b.size() == ql_nbytes(t) + t->aux_size);
+        memcpy(t->data, b.data(), b.size());
+    }
     ql_backend *be = ql_backend_cpu_init(1);
     char err[256] = {0};
     CHECK(ql_cpu_repacks(QL_TYPE_Q4_0) == k_have_r8);
     CHECK(ql_cpu_repacks(QL_TYPE_Q4_K) == k_have_r8);
     CHECK(ql_cpu_repacks(QL_TYPE_Q6_K) == k_have_r8);
+    CHECK(ql_cpu_repacks(QL_TYPE_NF4) == k_have_r8);
+    CHECK(ql_cpu_repacks(QL_TYPE_NF4_NODQ) == k_have_r8);
     CHECK(!ql_cpu_repacks(QL_TYPE_Q8_0));
     auto refused = [&](ql_tensor *w, ql_type type, const char *why) {
         CHECK(ql_backend_cache_weights(be, &w, 1, type, err, sizeof(err)) == nullptr);
@@ -449,9 +462,11 @@ TEST_CASE("the CPU's weight copies: Q4_0, Q4_K and Q6_K alone, in their own type
     refused(nf4, QL_TYPE_Q4_0, k_have_r8 ? "nf4w is not a 2-D q4_0 weight" : "this build keeps no repacked q4_0");
     refused(k4, QL_TYPE_Q4_0, k_have_r8 ? "k4w is not a 2-D q4_0 weight" : "this build keeps no repacked q4_0");  // another type than its own
     refused(ok, QL_TYPE_Q4_K, k_have_r8 ? "okw is not a 2-D q4_K weight" : "this build keeps no repacked q4_K");
+    refused(nf4part, QL_TYPE_NF4, k_have_r8 ? "nf4part is not a 2-D nf4 weight whose rows are a multiple of 8, of whole blocks of 64"
+                                           : "this build keeps no repacked nf4");
     refused(q8, QL_TYPE_Q8_0, "keeps no weight copies in this type");
     refused(ok, QL_TYPE_BF16, "keeps no weight copies in this type");  // a compute-type copy: a device's
-    for (ql_tensor *w : {ok, k4, q6}) {
+    for (ql_tensor *w : {ok, k4, q6, nf4, nodq}) {
         ql_backend_buffer *b = ql_backend_cache_weights(be, &w, 1, w->type, err, sizeof(err));
         CHECK_MESSAGE((b != nullptr) == k_have_r8, err);
         CHECK(((w->flags & QL_FLAG_CACHED) != 0) == k_have_r8);

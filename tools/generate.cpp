@@ -173,7 +173,7 @@ struct gen_state {
     owned<ql_lora_adapter> ad{nullptr, ql_lora_adapter_free};
     owned<ql_backend> be{nullptr, ql_backend_free};
     owned<ql_backend_buffer> wbuf{nullptr, ql_backend_buffer_free}, abuf{nullptr, ql_backend_buffer_free};
-    std::vector<owned<ql_backend_buffer>> rbuf;  // the CPU's repacked Q4_0, Q4_K, Q6_K weights
+    std::vector<owned<ql_backend_buffer>> rbuf;  // the CPU's repacked Q4_0, Q4_K, Q6_K, NF4 weights
     owned<ql_context> ctx{nullptr, ql_free};
     owned<ql_graph> gp{nullptr, ql_graph_free}, go{nullptr, ql_graph_free};
     owned<ql_backend_buffer> cbuf{nullptr, ql_backend_buffer_free};
@@ -262,7 +262,7 @@ static int plan_graphs(const gen_args &a, gen_state *s) {
         fprintf(stderr, "generate: %s\n", ql_ctx_error(s->wbuf ? ad->ctx : s->f->ctx));
         return 1;
     }
-    // on the CPU with 8-bit activations, Q4_0, Q4_K and Q6_K weights repacked in groups of 8 rows
+    // on the CPU with 8-bit activations, Q4_0, Q4_K, Q6_K and NF4 weights repacked in groups of 8 rows
     // (the file's pages of them given back): decode reads them faster (bench/RESULTS.md, sessions 21-22)
     for (ql_backend_buffer *b : ql_llama_repack_weights(be, &m, "generate")) s->rbuf.emplace_back(b, ql_backend_buffer_free);
     // headers only: the cache and the inputs get their data from the backend (alloc_ctx_tensors)

@@ -169,7 +169,7 @@ struct ppl_state {
     owned<ql_lora_adapter> ad{nullptr, ql_lora_adapter_free};
     owned<ql_backend> be{nullptr, ql_backend_free};
     owned<ql_backend_buffer> wbuf{nullptr, ql_backend_buffer_free}, abuf{nullptr, ql_backend_buffer_free};
-    std::vector<owned<ql_backend_buffer>> rbuf;  // the CPU's repacked Q4_0, Q4_K, Q6_K weights
+    std::vector<owned<ql_backend_buffer>> rbuf;  // the CPU's repacked Q4_0, Q4_K, Q6_K, NF4 weights
 };
 
 // The model, its vocabulary and the adapter (--lora); 0, or 1 after the message.
