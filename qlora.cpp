@@ -6620,15 +6620,16 @@ static void mm_dp(const mm_operand &, const mm_operand &, float *, const float *
 // Decode multiplies a quantised weight by one token (or a few): the exact paths above turn every
 // weight into a float first, and that conversion, not memory, bounds them. Here the activation
 // rows are quantised instead - int8 per element, an f32 scale d = amax/127 per block of 32 (Q4_0,
-// Q8_0, NF4) or of 256 with the sums of each 16 codes (the k-quants: their offsets, Q4_K's mins and
-// Q6_K's -32, then come from those sums) - once per thread into the workspace, and each weight
+// Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, NF4) or of 256 (Q4_K, Q5_K, Q6_K, IQ4_XS), with the sums of each
+// 16 codes where an offset or a min needs them (Q4_1/Q5_1's and the k-quants' mins, Q5_0's -16,
+// Q6_K's -32) - once per thread into the workspace, and each weight
 // row is dotted with them in integers, its codes unpacked in registers: four byte products per
 // 32-bit lane (AVX-512 VNNI's vpdpbusd, AVX2's maddubs + madd, or a scalar loop), each block's
 // integer sum scaled in f32. Each output has one thread and one summation order, so the result
 // does not depend on the thread count. The only error against the exact path is the activations'
 // rounding, |x - d q| <= d/2, and for NF4 its table in int8 (k_nf4_i8): README's generate section
-// states the bound and tests/test_qmatmul.cpp checks it. Other weight types stay exact (Q4_1,
-// Q5_*, Q2_K, Q3_K, Q5_K, IQ4_*: limitation: no integer kernel written for them yet).
+// states the bound and tests/test_qmatmul.cpp checks it. Q2_K and Q3_K stay exact (limitation: no
+// integer kernel written for them yet; their scales per 16 with mins, or signed, need another panel kind).
 
 static constexpr int MM_Q8_MAX_N = 8;  // b rows at or below: this path (decode, short prompts' tails)
 
@@ -6644,9 +6645,14 @@ static const std::array<uint8_t, 16> k_nf4_u8 = [] {   // the same + 128, as uns
 static int mm_q8_block(ql_type t) {  // the activations' block for a weight type; 0: no integer kernel
     switch (t) {
     case QL_TYPE_Q4_0: case QL_TYPE_Q8_0: case QL_TYPE_NF4: case QL_TYPE_NF4_NODQ: return 32;
-    case QL_TYPE_Q4_K: case QL_TYPE_Q6_K: return QL_QK_K;
+    case QL_TYPE_Q4_1: case QL_TYPE_Q5_0: case QL_TYPE_Q5_1: case QL_TYPE_IQ4_NL: return 32;
+    case QL_TYPE_Q4_K: case QL_TYPE_Q5_K: case QL_TYPE_Q6_K: case QL_TYPE_IQ4_XS: return QL_QK_K;
     default: return 0;
     }
+}
+// whether decode's kernel of a type reads the activation's 16-sums: an offset or a min per block
+static bool mm_q8_bsum(ql_type t) {
+    return mm_q8_block(t) == QL_QK_K || t == QL_TYPE_Q4_1 || t == QL_TYPE_Q5_0 || t == QL_TYPE_Q5_1;
 }
 
 // activation rows in 8 bits, in a thread's workspace: x(i, k) ~ d[i K/qb + k/qb] q[i K + k]
@@ -6873,6 +6879,114 @@ static float mm_q8dot_q6_K(int64_t K, const uint8_t *w, const int8_t *xq, const 
     }
     return mm_hsum8(acc);
 }
+// Q5_K: Q4_K's sums with each code's fifth bit from qh (bit 2g of qh[l] for sub-block 2g's element
+// l, bit 2g + 1 for 2g + 1's): codes 0..31
+static float mm_q8dot_q5_K(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
+    const ql_block_q5_K *b = (const ql_block_q5_K *)w;
+    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    for (int64_t i = 0; i < K / QL_QK_K; i++) {
+        uint8_t sc[8], mn[8];
+        mm_k4_scales(b[i].scales, sc, mn);
+        alignas(32) int32_t sc32[8];
+        _mm256_store_si256((__m256i *)sc32, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
+        const int8_t *x = xq + QL_QK_K * i;
+        __m256i isum = _mm256_setzero_si256(), h = mm_ld(b[i].qh);
+        for (int g = 0; g < 4; g++) {  // h's bit 0 of each byte is then bit 2g (a 16-bit shift: masked to bit 0, the byte's own)
+            const __m256i q = mm_ld(b[i].qs + 32 * g);
+            const __m256i lo = _mm256_or_si256(_mm256_and_si256(q, m4), _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
+            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
+                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+            h = _mm256_srli_epi16(h, 2);
+            const __m256i s0 = mm_dpbusd(_mm256_setzero_si256(), lo, mm_ld(x + 64 * g));
+            const __m256i s1 = mm_dpbusd(_mm256_setzero_si256(), hi, mm_ld(x + 64 * g + 32));
+            isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s0, _mm256_set1_epi32(sc32[2 * g])));
+            isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s1, _mm256_set1_epi32(sc32[2 * g + 1])));
+        }
+        uint64_t m8;
+        memcpy(&m8, mn, 8);
+        const __m128i mb = _mm_cvtsi64_si128((long long)m8);
+        const __m256i ms = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mb, mb)), mm_ld(bsum + 16 * i));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(mm_h2f(b[i].d) * xd[i]), acc);
+        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_set1_ps(mm_h2f(b[i].dmin) * xd[i]), accm);
+    }
+    return mm_hsum8(acc) - mm_hsum8(accm);
+}
+
+// 16 bytes of nibbles as 32 codes: elements 0-15 the low nibbles, 16-31 the high (Q4_0's order)
+static inline __m256i mm_nibbles32(const uint8_t *qs) {
+    const __m128i c = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(c, 4), c), _mm256_set1_epi8(15));
+}
+// IQ4_NL / IQ4_XS: the codes through their int8 table; IQ4_XS's 6-bit scales (ls - 32) per 32 in
+// integers, d per 256
+static float mm_q8dot_iq4_nl(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *, const float *) {
+    const ql_block_iq4_nl *b = (const ql_block_iq4_nl *)w;
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)k_iq4_values));
+    auto step = [&](int64_t i, __m256 acc) {
+        const __m256i s = mm_dpbssd(_mm256_setzero_si256(), _mm256_shuffle_epi8(lut, mm_nibbles32(b[i].qs)), mm_ld(xq + 32 * i));
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(mm_h2f(b[i].d) * xd[i]), acc);
+    };
+    return mm_q8_sum2(K / 32, step);
+}
+static float mm_q8dot_iq4_xs(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *, const float *) {
+    const ql_block_iq4_xs *b = (const ql_block_iq4_xs *)w;
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)k_iq4_values));
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < K / QL_QK_K; i++) {
+        const int8_t *x = xq + QL_QK_K * i;
+        __m256i isum = _mm256_setzero_si256();
+        for (int s = 0; s < 8; s++) {
+            const int ls = ((b[i].scales_l[s / 2] >> 4 * (s % 2)) & 15) | ((b[i].scales_h >> 2 * s) & 3) << 4;
+            const __m256i t = mm_dpbssd(_mm256_setzero_si256(), _mm256_shuffle_epi8(lut, mm_nibbles32(b[i].qs + 16 * s)), mm_ld(x + 32 * s));
+            isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(t, _mm256_set1_epi32(ls - 32)));
+        }
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(mm_h2f(b[i].d) * xd[i]), acc);
+    }
+    return mm_hsum8(acc);
+}
+
+// Q4_1, Q5_0, Q5_1 (blocks of 32): unsigned codes (Q5's fifth bits: bit j of qh for element j);
+// the offset (Q5_0's -16) or the min (m, times the activation's block sum) from the 16-sums
+static inline __m256i mm_bits32(const uint8_t *qh4) {  // byte j: 0xFF where bit j of the u32 is set
+    uint32_t v;
+    memcpy(&v, qh4, 4);
+    const __m256i pick = _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL, 0x0303030303030303LL);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)v), pick), bit), bit);
+}
+static inline __m256i mm_q5_codes32(const uint8_t *qs, const uint8_t *qh4) {
+    return _mm256_or_si256(mm_nibbles32(qs), _mm256_and_si256(mm_bits32(qh4), _mm256_set1_epi8(16)));
+}
+static float mm_q8dot_q5_0(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
+    const ql_block_q5_0 *b = (const ql_block_q5_0 *)w;
+    auto step = [&](int64_t i, __m256 acc) {
+        __m256i s = mm_dpbusd(_mm256_setzero_si256(), mm_q5_codes32(b[i].qs, b[i].qh), mm_ld(xq + 32 * i));
+        s = _mm256_sub_epi32(s, _mm256_setr_epi32(16 * (bsum[2 * i] + bsum[2 * i + 1]), 0, 0, 0, 0, 0, 0, 0));
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(mm_h2f(b[i].d) * xd[i]), acc);
+    };
+    return mm_q8_sum2(K / 32, step);
+}
+template <class Block, bool Q5> static float mm_q8dot_min32(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum) {
+    const Block *b = (const Block *)w;
+    __m256 acc = _mm256_setzero_ps();
+    float m = 0.0f;
+    for (int64_t i = 0; i < K / 32; i++) {
+        __m256i c;
+        if constexpr (Q5) c = mm_q5_codes32(b[i].qs, ((const ql_block_q5_1 *)(b + i))->qh);
+        else c = mm_nibbles32(b[i].qs);
+        const __m256i s = mm_dpbusd(_mm256_setzero_si256(), c, mm_ld(xq + 32 * i));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(mm_h2f(b[i].d) * xd[i]), acc);
+        m += (float)(bsum[2 * i] + bsum[2 * i + 1]) * (mm_h2f(b[i].m) * xd[i]);
+    }
+    return mm_hsum8(acc) + m;
+}
+static float mm_q8dot_q4_1(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
+    return mm_q8dot_min32<ql_block_q4_1, false>(K, w, xq, xd, bsum);
+}
+static float mm_q8dot_q5_1(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
+    return mm_q8dot_min32<ql_block_q5_1, true>(K, w, xq, xd, bsum);
+}
 #else
 // the portable kernels: the same integer sums, block by block
 static float mm_q8dot_q4_0(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *, const float *) {
@@ -6945,6 +7059,91 @@ static float mm_q8dot_q6_K(int64_t K, const uint8_t *w, const int8_t *xq, const 
         r += (float)s * (mm_h2f(b[i].d) * xd[i]);
     }
     return r;
+}
+
+static float mm_q8dot_q5_K(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
+    const ql_block_q5_K *b = (const ql_block_q5_K *)w;
+    float r = 0.0f;
+    for (int64_t i = 0; i < K / QL_QK_K; i++) {
+        uint8_t sc[8], mn[8];
+        mm_k4_scales(b[i].scales, sc, mn);
+        const int8_t *x = xq + QL_QK_K * i;
+        int s = 0, m = 0;
+        for (int g = 0; g < 4; g++) {
+            int s0 = 0, s1 = 0;
+            for (int l = 0; l < 32; l++) {
+                s0 += ((b[i].qs[32 * g + l] & 15) | ((b[i].qh[l] >> (2 * g)) & 1) << 4) * x[64 * g + l];
+                s1 += ((b[i].qs[32 * g + l] >> 4) | ((b[i].qh[l] >> (2 * g + 1)) & 1) << 4) * x[64 * g + 32 + l];
+            }
+            s += sc[2 * g] * s0 + sc[2 * g + 1] * s1;
+        }
+        for (int t = 0; t < 8; t++) m += mn[t] * (bsum[16 * i + 2 * t] + bsum[16 * i + 2 * t + 1]);
+        r += (float)s * (mm_h2f(b[i].d) * xd[i]) - (float)m * (mm_h2f(b[i].dmin) * xd[i]);
+    }
+    return r;
+}
+static float mm_q8dot_iq4_nl(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *, const float *) {
+    const ql_block_iq4_nl *b = (const ql_block_iq4_nl *)w;
+    float r = 0.0f;
+    for (int64_t i = 0; i < K / 32; i++) {
+        int s = 0;
+        for (int j = 0; j < 16; j++) s += k_iq4_values[b[i].qs[j] & 15] * xq[32 * i + j] + k_iq4_values[b[i].qs[j] >> 4] * xq[32 * i + j + 16];
+        r += (float)s * (mm_h2f(b[i].d) * xd[i]);
+    }
+    return r;
+}
+static float mm_q8dot_iq4_xs(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *, const float *) {
+    const ql_block_iq4_xs *b = (const ql_block_iq4_xs *)w;
+    float r = 0.0f;
+    for (int64_t i = 0; i < K / QL_QK_K; i++) {
+        int s = 0;
+        for (int t = 0; t < 8; t++) {
+            const int ls = ((b[i].scales_l[t / 2] >> 4 * (t % 2)) & 15) | ((b[i].scales_h >> 2 * t) & 3) << 4;
+            const uint8_t *qs = b[i].qs + 16 * t;
+            const int8_t *x = xq + QL_QK_K * i + 32 * t;
+            int u = 0;
+            for (int j = 0; j < 16; j++) u += k_iq4_values[qs[j] & 15] * x[j] + k_iq4_values[qs[j] >> 4] * x[j + 16];
+            s += (ls - 32) * u;
+        }
+        r += (float)s * (mm_h2f(b[i].d) * xd[i]);
+    }
+    return r;
+}
+// Q4_1, Q5_0, Q5_1: codes c (0..15 or 0..31); Q5_0's x = d (c - 16), the others' d c + m
+template <ql_type T> static float mm_q8dot_32(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum) {
+    float r = 0.0f;
+    const size_t bs = T == QL_TYPE_Q4_1 ? sizeof(ql_block_q4_1) : T == QL_TYPE_Q5_0 ? sizeof(ql_block_q5_0) : sizeof(ql_block_q5_1);
+    for (int64_t i = 0; i < K / 32; i++) {
+        const uint8_t *blk = w + (size_t)i * bs;
+        int c[32];
+        uint16_t d, m = 0;
+        memcpy(&d, blk, 2);
+        if (T == QL_TYPE_Q4_1) {
+            const ql_block_q4_1 *q = (const ql_block_q4_1 *)blk;
+            for (int j = 0; j < 16; j++) c[j] = q->qs[j] & 15, c[j + 16] = q->qs[j] >> 4;
+            m = q->m;
+        } else if (T == QL_TYPE_Q5_0) {
+            ql_q5_codes(((const ql_block_q5_0 *)blk)->qs, ((const ql_block_q5_0 *)blk)->qh, c);
+        } else {
+            ql_q5_codes(((const ql_block_q5_1 *)blk)->qs, ((const ql_block_q5_1 *)blk)->qh, c);
+            m = ((const ql_block_q5_1 *)blk)->m;
+        }
+        int s = 0;
+        for (int j = 0; j < 32; j++) s += c[j] * xq[32 * i + j];
+        const int xs = bsum[2 * i] + bsum[2 * i + 1];
+        if (T == QL_TYPE_Q5_0) r += (float)(s - 16 * xs) * (mm_h2f(d) * xd[i]);
+        else r += (float)s * (mm_h2f(d) * xd[i]) + (float)xs * (mm_h2f(m) * xd[i]);
+    }
+    return r;
+}
+static float mm_q8dot_q4_1(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
+    return mm_q8dot_32<QL_TYPE_Q4_1>(K, w, xq, xd, bsum);
+}
+static float mm_q8dot_q5_0(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
+    return mm_q8dot_32<QL_TYPE_Q5_0>(K, w, xq, xd, bsum);
+}
+static float mm_q8dot_q5_1(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
+    return mm_q8dot_32<QL_TYPE_Q5_1>(K, w, xq, xd, bsum);
 }
 #endif
 
@@ -7196,6 +7395,12 @@ static mm_q8_dot_fn mm_q8_dot_of(ql_type t) {
     case QL_TYPE_NF4: case QL_TYPE_NF4_NODQ: return mm_q8dot_nf4;
     case QL_TYPE_Q4_K: return mm_q8dot_q4_K;
     case QL_TYPE_Q6_K: return mm_q8dot_q6_K;
+    case QL_TYPE_Q5_K: return mm_q8dot_q5_K;
+    case QL_TYPE_IQ4_XS: return mm_q8dot_iq4_xs;
+    case QL_TYPE_IQ4_NL: return mm_q8dot_iq4_nl;
+    case QL_TYPE_Q4_1: return mm_q8dot_q4_1;
+    case QL_TYPE_Q5_0: return mm_q8dot_q5_0;
+    case QL_TYPE_Q5_1: return mm_q8dot_q5_1;
     default: return nullptr;
     }
 }
@@ -7209,7 +7414,7 @@ static void mm_q8(const mm_operand &w, const mm_operand &x, float *c, const floa
     const mm_xq xq = mm_q8_carve(work, N, K, qb);
     for (int64_t i = 0; i < N; i++)
         mm_q8_quantize_row((const float *)(x.p + i * x.smn), K, qb, xq.q + i * K, xq.d + i * (K / qb),
-                           qb == QL_QK_K || w.r8 ? xq.bsum + i * (K / 16) : nullptr);
+                           mm_q8_bsum(w.type) || w.r8 ? xq.bsum + i * (K / 16) : nullptr);
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
     if (w.r8) {  // groups of 8 rows (jb, je: multiples of 8), each against every activation row
         // (a group's whole row at once: tiles of groups a chunk of K at a time, to keep the chunk's
@@ -7274,7 +7479,8 @@ enum mm_q8g_kind { MM_Q8G_PLAIN, MM_Q8G_MINS, MM_Q8G_HALVES };
 static int mm_q8g_kind_of(ql_type t) {
     switch (t) {
     case QL_TYPE_Q4_0: case QL_TYPE_Q8_0: case QL_TYPE_NF4: case QL_TYPE_NF4_NODQ: return MM_Q8G_PLAIN;
-    case QL_TYPE_Q4_K: return MM_Q8G_MINS;
+    case QL_TYPE_Q5_0: case QL_TYPE_IQ4_NL: case QL_TYPE_IQ4_XS: return MM_Q8G_PLAIN;
+    case QL_TYPE_Q4_K: case QL_TYPE_Q5_K: case QL_TYPE_Q4_1: case QL_TYPE_Q5_1: return MM_Q8G_MINS;
     case QL_TYPE_Q6_K: return MM_Q8G_HALVES;
     default: return -1;
     }
@@ -7445,6 +7651,36 @@ static void mm_q8g_pack(const mm_operand &w, int64_t K, int64_t j0, int64_t nr, 
                 for (int k = 0; k < 16; k++) v[2 * k] = k_nf4_i8[c[k] >> 4], v[2 * k + 1] = k_nf4_i8[c[k] & 15];
 #endif
                 d = (w.type == QL_TYPE_NF4 ? nf4_aux(w.aux).absmax(b0 + b / 2) : ((const float *)w.aux)[b0 + b / 2]) / 127.0f;
+            } else if (w.type == QL_TYPE_Q4_1 || w.type == QL_TYPE_Q5_0 || w.type == QL_TYPE_Q5_1 || w.type == QL_TYPE_IQ4_NL) {
+                int c[32];  // codes in Q4_0's order; Q4_1 / Q5_1: x = d c + m (a min of -m)
+                if (w.type == QL_TYPE_Q4_1 || w.type == QL_TYPE_IQ4_NL) {
+                    const uint8_t *qs = w.type == QL_TYPE_Q4_1 ? ((const ql_block_q4_1 *)row)[b].qs : ((const ql_block_iq4_nl *)row)[b].qs;
+                    for (int k = 0; k < 16; k++) c[k] = qs[k] & 15, c[k + 16] = qs[k] >> 4;
+                } else if (w.type == QL_TYPE_Q5_0) {
+                    ql_q5_codes(((const ql_block_q5_0 *)row)[b].qs, ((const ql_block_q5_0 *)row)[b].qh, c);
+                } else {
+                    ql_q5_codes(((const ql_block_q5_1 *)row)[b].qs, ((const ql_block_q5_1 *)row)[b].qh, c);
+                }
+                for (int k = 0; k < 32; k++)
+                    v[k] = (int8_t)(w.type == QL_TYPE_IQ4_NL ? k_iq4_values[c[k]] : w.type == QL_TYPE_Q5_0 ? c[k] - 16 : c[k]);
+                d = mm_h2f(w.type == QL_TYPE_Q4_1 ? ((const ql_block_q4_1 *)row)[b].d : w.type == QL_TYPE_Q5_0 ? ((const ql_block_q5_0 *)row)[b].d
+                           : w.type == QL_TYPE_Q5_1 ? ((const ql_block_q5_1 *)row)[b].d : ((const ql_block_iq4_nl *)row)[b].d);
+                if (w.type == QL_TYPE_Q4_1) mn = -mm_h2f(((const ql_block_q4_1 *)row)[b].m);
+                if (w.type == QL_TYPE_Q5_1) mn = -mm_h2f(((const ql_block_q5_1 *)row)[b].m);
+            } else if (w.type == QL_TYPE_IQ4_XS) {  // sub-block s = b % 8: nibbles qs[16 s ..], scale d (ls - 32)
+                const ql_block_iq4_xs &q = ((const ql_block_iq4_xs *)row)[b / 8];
+                const int s = (int)(b % 8), ls = ((q.scales_l[s / 2] >> 4 * (s % 2)) & 15) | ((q.scales_h >> 2 * s) & 3) << 4;
+                for (int k = 0; k < 16; k++) v[k] = k_iq4_values[q.qs[16 * s + k] & 15], v[k + 16] = k_iq4_values[q.qs[16 * s + k] >> 4];
+                d = mm_h2f(q.d) * (float)(ls - 32);
+            } else if (w.type == QL_TYPE_Q5_K) {  // Q4_K's with the fifth bit: bit sb of qh[l]
+                const ql_block_q5_K &q = ((const ql_block_q5_K *)row)[b / 8];
+                const int sb = (int)(b % 8), g = sb / 2;
+                uint8_t sc[8], m8[8];
+                mm_k4_scales(q.scales, sc, m8);
+                for (int l = 0; l < 32; l++)
+                    v[l] = (int8_t)((sb % 2 ? q.qs[32 * g + l] >> 4 : q.qs[32 * g + l] & 15) | ((q.qh[l] >> sb) & 1) << 4);
+                d = mm_h2f(q.d) * sc[sb];
+                mn = mm_h2f(q.dmin) * m8[sb];
             } else if (w.type == QL_TYPE_Q4_K) {  // sub-block s = b % 8: 2g in qs[32 g ..]'s low nibbles, 2g + 1 the high
                 const ql_block_q4_K &q = ((const ql_block_q4_K *)row)[b / 8];
                 const int sb = (int)(b % 8), g = sb / 2;
