@@ -6620,16 +6620,16 @@ static void mm_dp(const mm_operand &, const mm_operand &, float *, const float *
 // Decode multiplies a quantised weight by one token (or a few): the exact paths above turn every
 // weight into a float first, and that conversion, not memory, bounds them. Here the activation
 // rows are quantised instead - int8 per element, an f32 scale d = amax/127 per block of 32 (Q4_0,
-// Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, NF4) or of 256 (Q4_K, Q5_K, Q6_K, IQ4_XS), with the sums of each
+// Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, NF4) or of 256 (Q2_K .. Q6_K, IQ4_XS), with the sums of each
 // 16 codes where an offset or a min needs them (Q4_1/Q5_1's and the k-quants' mins, Q5_0's -16,
-// Q6_K's -32) - once per thread into the workspace, and each weight
+// Q3_K's -4, Q6_K's -32) - once per thread into the workspace, and each weight
 // row is dotted with them in integers, its codes unpacked in registers: four byte products per
 // 32-bit lane (AVX-512 VNNI's vpdpbusd, AVX2's maddubs + madd, or a scalar loop), each block's
 // integer sum scaled in f32. Each output has one thread and one summation order, so the result
 // does not depend on the thread count. The only error against the exact path is the activations'
 // rounding, |x - d q| <= d/2, and for NF4 its table in int8 (k_nf4_i8): README's generate section
-// states the bound and tests/test_qmatmul.cpp checks it. Q2_K and Q3_K stay exact (limitation: no
-// integer kernel written for them yet; their scales per 16 with mins, or signed, need another panel kind).
+// states the bound and tests/test_qmatmul.cpp checks it. Every type we read has a decode kernel; a
+// prompt of Q2_K takes the exact path (its scale and min per 16 fit no panel kind: limitation).
 
 static constexpr int MM_Q8_MAX_N = 8;  // b rows at or below: this path (decode, short prompts' tails)
 
@@ -6647,6 +6647,7 @@ static int mm_q8_block(ql_type t) {  // the activations' block for a weight type
     case QL_TYPE_Q4_0: case QL_TYPE_Q8_0: case QL_TYPE_NF4: case QL_TYPE_NF4_NODQ: return 32;
     case QL_TYPE_Q4_1: case QL_TYPE_Q5_0: case QL_TYPE_Q5_1: case QL_TYPE_IQ4_NL: return 32;
     case QL_TYPE_Q4_K: case QL_TYPE_Q5_K: case QL_TYPE_Q6_K: case QL_TYPE_IQ4_XS: return QL_QK_K;
+    case QL_TYPE_Q2_K: case QL_TYPE_Q3_K: return QL_QK_K;
     default: return 0;
     }
 }
@@ -6734,6 +6735,18 @@ static inline void mm_k4_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) 
     o[3] = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
     memcpy(sc, o, 8);
     memcpy(mn, o + 2, 8);
+}
+// Q3_K's 16 6-bit scales less 32 (q3_K_to_float's layout): sub-block s's low 4 bits are scales[s]'s
+// low nibble (s < 8) or scales[s - 8]'s high, its top 2 bits scales[8 + s % 4]'s bits 2 (s / 4) ..
+static inline void mm_k3_scales(const uint8_t *sb, int8_t sc[16]) {
+    uint32_t a[3], o[4];  // four scales a word: the low nibbles (words 0, 1), the high (2, 3); top bits from a[2]
+    memcpy(a, sb, 12);
+    o[0] = (a[0] & 0x0f0f0f0fu) | (a[2] & 0x03030303u) << 4;
+    o[1] = (a[1] & 0x0f0f0f0fu) | (a[2] >> 2 & 0x03030303u) << 4;
+    o[2] = (a[0] >> 4 & 0x0f0f0f0fu) | (a[2] >> 4 & 0x03030303u) << 4;
+    o[3] = (a[1] >> 4 & 0x0f0f0f0fu) | (a[2] >> 6 & 0x03030303u) << 4;
+    for (int w = 0; w < 4; w++) o[w] = ((o[w] | 0x80808080u) - 0x20202020u) ^ 0x80808080u;  // each byte - 32 as int8, no borrows
+    memcpy(sc, o, 16);
 }
 
 // Row dot products: K elements of a weight row (blocks) against one quantised activation row.
@@ -6987,6 +7000,65 @@ static float mm_q8dot_q4_1(int64_t K, const uint8_t *w, const int8_t *xq, const 
 static float mm_q8dot_q5_1(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
     return mm_q8dot_min32<ql_block_q5_1, true>(K, w, xq, xd, bsum);
 }
+// Q3_K and Q2_K (256): per half h and 2-bit field k, the 32 elements 128 h + 32 k + l read bits 2k of
+// qs[32 h + l]; a scale per 16. The codes are small (Q3_K: 0..7, the 2 bits + 4 times bit 4h + k of
+// hmask[l], less 4 through the 16-sums; Q2_K: 0..3, x = d (sc & 15) q - dmin (sc >> 4), the mins
+// through the 16-sums), so maddubs' int16 pair sums cannot saturate and one madd applies the
+// scales: int16 lanes 0-7 hold the first 16 elements, 8-15 the second
+static inline __m256i mm_k_dup16(__m256i s32) {  // 8 int32 scales -> each dword the scale twice as int16
+    return _mm256_or_si256(_mm256_and_si256(s32, _mm256_set1_epi32(0xffff)), _mm256_slli_epi32(s32, 16));
+}
+static inline __m256i mm_k_pick(int k) {  // dwords 0-3: scale 2k of 8 (the first 16 elements), 4-7: 2k + 1
+    return _mm256_setr_epi32(2 * k, 2 * k, 2 * k, 2 * k, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1);
+}
+static float mm_q8dot_q3_K(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
+    const ql_block_q3_K *b = (const ql_block_q3_K *)w;
+    const __m256i m3 = _mm256_set1_epi8(3), four = _mm256_set1_epi8(4);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < K / QL_QK_K; i++) {
+        alignas(16) int8_t sc[16];
+        mm_k3_scales(b[i].scales, sc);
+        const int8_t *x = xq + QL_QK_K * i;
+        const __m256i hm = mm_ld(b[i].hmask);
+        __m256i isum = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = mm_ld(b[i].qs + 32 * h), s16 = mm_k_dup16(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8 * h))));
+            for (int k = 0; k < 4; k++) {
+                // bit 4h + k of each hmask byte to bit 2: a 16-bit shift, masked to the byte's own bit
+                const int up = 2 - (4 * h + k);
+                const __m256i hb = _mm256_and_si256(up > 0 ? _mm256_slli_epi16(hm, up) : _mm256_srli_epi16(hm, -up), four);
+                const __m256i c = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 2 * k), m3), hb);
+                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(c, mm_ld(x + 128 * h + 32 * k)),
+                                                                _mm256_permutevar8x32_epi32(s16, mm_k_pick(k))));
+            }
+        }
+        const __m256i os = _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_load_si128((const __m128i *)sc)), mm_ld(bsum + 16 * i));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum, _mm256_slli_epi32(os, 2))), _mm256_set1_ps(mm_h2f(b[i].d) * xd[i]), acc);
+    }
+    return mm_hsum8(acc);
+}
+static float mm_q8dot_q2_K(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
+    const ql_block_q2_K *b = (const ql_block_q2_K *)w;
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m128i m4 = _mm_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    for (int64_t i = 0; i < K / QL_QK_K; i++) {
+        const int8_t *x = xq + QL_QK_K * i;
+        const __m128i sm = _mm_loadu_si128((const __m128i *)b[i].scales);  // 16 x (scale | min << 4)
+        const __m128i scl = _mm_and_si128(sm, m4), mnl = _mm_and_si128(_mm_srli_epi16(sm, 4), m4);
+        __m256i isum = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            const __m256i q = mm_ld(b[i].qs + 32 * h), s16 = mm_k_dup16(_mm256_cvtepu8_epi32(h ? _mm_srli_si128(scl, 8) : scl));
+            for (int k = 0; k < 4; k++)
+                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 2 * k), m3), mm_ld(x + 128 * h + 32 * k)),
+                                                                _mm256_permutevar8x32_epi32(s16, mm_k_pick(k))));
+        }
+        const __m256i ms = _mm256_madd_epi16(_mm256_cvtepu8_epi16(mnl), mm_ld(bsum + 16 * i));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(mm_h2f(b[i].d) * xd[i]), acc);
+        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_set1_ps(mm_h2f(b[i].dmin) * xd[i]), accm);
+    }
+    return mm_hsum8(acc) - mm_hsum8(accm);
+}
 #else
 // the portable kernels: the same integer sums, block by block
 static float mm_q8dot_q4_0(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *, const float *) {
@@ -7144,6 +7216,38 @@ static float mm_q8dot_q5_0(int64_t K, const uint8_t *w, const int8_t *xq, const 
 }
 static float mm_q8dot_q5_1(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
     return mm_q8dot_32<QL_TYPE_Q5_1>(K, w, xq, xd, bsum);
+}
+
+static float mm_q8dot_q3_K(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *, const float *) {
+    const ql_block_q3_K *b = (const ql_block_q3_K *)w;
+    float r = 0.0f;
+    for (int64_t i = 0; i < K / QL_QK_K; i++) {
+        int8_t sc[16];
+        mm_k3_scales(b[i].scales, sc);
+        int s = 0;
+        for (int h = 0; h < 2; h++)
+            for (int k = 0; k < 4; k++)
+                for (int l = 0; l < 32; l++) {
+                    const int q = ((b[i].qs[32 * h + l] >> 2 * k) & 3) - ((b[i].hmask[l] >> (4 * h + k)) & 1 ? 0 : 4);
+                    s += sc[8 * h + 2 * k + l / 16] * q * xq[QL_QK_K * i + 128 * h + 32 * k + l];
+                }
+        r += (float)s * (mm_h2f(b[i].d) * xd[i]);
+    }
+    return r;
+}
+static float mm_q8dot_q2_K(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
+    const ql_block_q2_K *b = (const ql_block_q2_K *)w;
+    float r = 0.0f;
+    for (int64_t i = 0; i < K / QL_QK_K; i++) {
+        int s = 0, m = 0;
+        for (int h = 0; h < 2; h++)
+            for (int k = 0; k < 4; k++)
+                for (int l = 0; l < 32; l++)
+                    s += (b[i].scales[8 * h + 2 * k + l / 16] & 15) * ((b[i].qs[32 * h + l] >> 2 * k) & 3) * xq[QL_QK_K * i + 128 * h + 32 * k + l];
+        for (int t = 0; t < 16; t++) m += (b[i].scales[t] >> 4) * bsum[16 * i + t];
+        r += (float)s * (mm_h2f(b[i].d) * xd[i]) - (float)m * (mm_h2f(b[i].dmin) * xd[i]);
+    }
+    return r;
 }
 #endif
 
@@ -7401,6 +7505,8 @@ static mm_q8_dot_fn mm_q8_dot_of(ql_type t) {
     case QL_TYPE_Q4_1: return mm_q8dot_q4_1;
     case QL_TYPE_Q5_0: return mm_q8dot_q5_0;
     case QL_TYPE_Q5_1: return mm_q8dot_q5_1;
+    case QL_TYPE_Q3_K: return mm_q8dot_q3_K;
+    case QL_TYPE_Q2_K: return mm_q8dot_q2_K;
     default: return nullptr;
     }
 }
@@ -7481,8 +7587,8 @@ static int mm_q8g_kind_of(ql_type t) {
     case QL_TYPE_Q4_0: case QL_TYPE_Q8_0: case QL_TYPE_NF4: case QL_TYPE_NF4_NODQ: return MM_Q8G_PLAIN;
     case QL_TYPE_Q5_0: case QL_TYPE_IQ4_NL: case QL_TYPE_IQ4_XS: return MM_Q8G_PLAIN;
     case QL_TYPE_Q4_K: case QL_TYPE_Q5_K: case QL_TYPE_Q4_1: case QL_TYPE_Q5_1: return MM_Q8G_MINS;
-    case QL_TYPE_Q6_K: return MM_Q8G_HALVES;
-    default: return -1;
+    case QL_TYPE_Q6_K: case QL_TYPE_Q3_K: return MM_Q8G_HALVES;
+    default: return -1;  // (Q2_K: a scale and a min per 16, no panel kind for both: its prompts take the exact path)
     }
 }
 static bool mm_q8g_type(ql_type t) { return k_mm_q8g && mm_q8g_kind_of(t) >= 0; }
@@ -7672,6 +7778,14 @@ static void mm_q8g_pack(const mm_operand &w, int64_t K, int64_t j0, int64_t nr, 
                 const int s = (int)(b % 8), ls = ((q.scales_l[s / 2] >> 4 * (s % 2)) & 15) | ((q.scales_h >> 2 * s) & 3) << 4;
                 for (int k = 0; k < 16; k++) v[k] = k_iq4_values[q.qs[16 * s + k] & 15], v[k + 16] = k_iq4_values[q.qs[16 * s + k] >> 4];
                 d = mm_h2f(q.d) * (float)(ls - 32);
+            } else if (w.type == QL_TYPE_Q3_K) {  // block b % 8 = 4 h + k: bits 2k of qs[32 h + l], bit 4h + k of hmask[l]
+                const ql_block_q3_K &q = ((const ql_block_q3_K *)row)[b / 8];
+                const int h = (int)(b % 8) / 4, k = (int)(b % 4);
+                int8_t sc[16];
+                mm_k3_scales(q.scales, sc);
+                for (int l = 0; l < 32; l++) v[l] = (int8_t)(((q.qs[32 * h + l] >> 2 * k) & 3) - ((q.hmask[l] >> (4 * h + k)) & 1 ? 0 : 4));
+                d = mm_h2f(q.d) * sc[8 * h + 2 * k];
+                d2 = mm_h2f(q.d) * sc[8 * h + 2 * k + 1];
             } else if (w.type == QL_TYPE_Q5_K) {  // Q4_K's with the fifth bit: bit sb of qh[l]
                 const ql_block_q5_K &q = ((const ql_block_q5_K *)row)[b / 8];
                 const int sb = (int)(b % 8), g = sb / 2;

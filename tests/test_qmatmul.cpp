@@ -252,7 +252,7 @@ static constexpr bool k_have_vnni = false;
 // 0.00367 of the block's absmax per weight) times |x| and times d/2; f32 sums add 1e-5 sum |W| |x|.
 TEST_CASE("8-bit activations (ql_mul_mat_set_prec): within the stated bound of the exact path, every type with an integer kernel") {
     const ql_type types[] = {QL_TYPE_Q4_0, QL_TYPE_Q8_0, QL_TYPE_Q4_K, QL_TYPE_Q6_K, QL_TYPE_NF4, QL_TYPE_NF4_NODQ, QL_TYPE_Q4_1,
-                             QL_TYPE_Q5_0, QL_TYPE_Q5_1, QL_TYPE_Q5_K, QL_TYPE_IQ4_NL, QL_TYPE_IQ4_XS};
+                             QL_TYPE_Q5_0, QL_TYPE_Q5_1, QL_TYPE_Q5_K, QL_TYPE_IQ4_NL, QL_TYPE_IQ4_XS, QL_TYPE_Q3_K, QL_TYPE_Q2_K};
     const int64_t M = 72, K = 1024;  // M: chunks of 16 columns split unevenly over 3 threads
     std::mt19937 rng(32);
     for (ql_type type : types) {
@@ -260,7 +260,7 @@ TEST_CASE("8-bit activations (ql_mul_mat_set_prec): within the stated bound of t
         std::vector<float> wf((size_t)(M * K));
         REQUIRE(ql_dequantize(type, wq.data(), M, K, wf.data()) == QL_OK);
         const bool nf4 = type == QL_TYPE_NF4 || type == QL_TYPE_NF4_NODQ;
-        const int64_t qb_decode = type == QL_TYPE_Q4_K || type == QL_TYPE_Q6_K || type == QL_TYPE_Q5_K || type == QL_TYPE_IQ4_XS ? 256 : 32;
+        const int64_t qb_decode = ql_type_traits_get(type)->blck_size == 256 ? 256 : 32;
         std::vector<float> wtab((size_t)(M * K), 0.0f);  // NF4: the table's rounding, 0.00367 absmax (= the block's max |W|)
         if (nf4)
             for (int64_t b = 0; b < M * K / 64; b++) {
@@ -271,7 +271,7 @@ TEST_CASE("8-bit activations (ql_mul_mat_set_prec): within the stated bound of t
         // above 8 rows of b (a prompt) the int8 GEMM where the build has AVX-512 VNNI (elsewhere the
         // exact path): the activations then in blocks of 32 for every type
         for (int64_t N : {1, 3, 8, 9, 37}) {
-            if (N > 8 && !k_have_vnni) continue;
+            if (N > 8 && (!k_have_vnni || type == QL_TYPE_Q2_K)) continue;  // (Q2_K's prompts: the exact path, below)
             const int64_t qb = N > 8 ? 32 : qb_decode;
             const std::vector<float> x = outlier_activations(K * N, rng);
             const std::vector<float> exact = run_forward(type, wq, M, K, x, N, 2, false);
@@ -489,12 +489,11 @@ TEST_CASE("8-bit activations: the request's checks, and the multiplies it leaves
     CHECK(ql_mul_mat_set_prec(ql_add(ctx, x, x), QL_TYPE_Q8_0) == QL_ERR_INVALID);
     CHECK(ql_mul_mat_set_prec(nullptr, QL_TYPE_Q8_0) == QL_ERR_INVALID);
     ql_free(ctx);
-    // bit for bit the exact path: a type without an integer kernel, one row of b or a prompt's;
-    // without VNNI, more than 8 rows of b of any type
+    // bit for bit the exact path: a prompt's rows of b on a type without a panel kind (Q2_K); without
+    // VNNI, more than 8 rows of b of any type
     std::mt19937 rng(5);
     const int64_t M = 40, K = 512;
-    for (auto tn : {std::make_pair(QL_TYPE_Q3_K, (int64_t)1), std::make_pair(QL_TYPE_Q2_K, (int64_t)12),
-                    std::make_pair(k_have_vnni ? QL_TYPE_Q3_K : QL_TYPE_Q4_0, (int64_t)9)}) {
+    for (auto tn : {std::make_pair(QL_TYPE_Q2_K, (int64_t)12), std::make_pair(k_have_vnni ? QL_TYPE_Q2_K : QL_TYPE_Q4_0, (int64_t)9)}) {
         const std::vector<uint8_t> wq = make_weight(tn.first, M, K, rng);
         const std::vector<float> xs = outlier_activations(K * tn.second, rng);
         CAPTURE(std::string(ql_type_name(tn.first)));

@@ -274,9 +274,16 @@ static void bench_qmatmul(ql_backend *cpu, int n_threads, int reps) {
 // on the same weight: Llama-1B-shaped weights, prompts of N tokens; the fastest of reps runs
 static void bench_prompt(ql_backend *cpu, int n_threads, int reps) {
     printf("\n## a prompt's multiplies: exact path vs 8-bit activations; %d threads, fastest of %d\n", n_threads, reps);
-    printf("%-12s %7s %-6s %10s %10s %9s %12s\n", "W [out,in]", "tokens", "type", "exact ms", "q8 ms", "speed-up", "q8 GOP/s");
+    printf("%-12s %7s %-6s %10s %10s %9s %12s %10s\n", "W [out,in]", "tokens", "type", "exact ms", "q8 ms", "speed-up", "q8 GOP/s", "q8 GB/s");
     const int64_t shapes[][2] = {{2048, 2048}, {8192, 2048}, {2048, 8192}};
-    const ql_type types[] = {QL_TYPE_Q4_0, QL_TYPE_Q8_0, QL_TYPE_NF4, QL_TYPE_Q4_K};
+    static const ql_type all[] = {QL_TYPE_Q4_0, QL_TYPE_Q8_0, QL_TYPE_NF4, QL_TYPE_Q4_K, QL_TYPE_Q4_1, QL_TYPE_Q5_0, QL_TYPE_Q5_1,
+                                  QL_TYPE_Q2_K, QL_TYPE_Q3_K, QL_TYPE_Q5_K, QL_TYPE_Q6_K, QL_TYPE_IQ4_NL, QL_TYPE_IQ4_XS};
+    // QLORA_BENCH_TYPES=q2_K,q3_K: those alone (names as ql_type_name)
+    std::vector<ql_type> types;
+    const char *only = getenv("QLORA_BENCH_TYPES");
+    for (ql_type t : all)
+        if (!only || strstr(only, ql_type_name(t))) types.push_back(t);
+    // decode's one token (the weight read once: GB/s) and two prompts
     for (const auto &sh : shapes) {
         const int64_t out = sh[0], in = sh[1];
         std::vector<float> wf((size_t)(out * in));
@@ -285,12 +292,12 @@ static void bench_prompt(ql_backend *cpu, int n_threads, int reps) {
         for (float &v : wf) v = N01(rng);
         for (ql_type t : types) {
             const std::vector<uint8_t> wb = weight_bytes(t, out, in, wf);
-            for (int64_t N : {64, 512}) {
+            for (int64_t N : {1, 64, 512}) {
                 const double te = time_qmatmul(cpu, t, wb, out, in, N, false, -reps), tq = time_qmatmul(cpu, t, wb, out, in, N, false, reps, true);
                 char shape[32];
                 snprintf(shape, sizeof(shape), "%lldx%lld", (long long)out, (long long)in);
-                printf("%-12s %7lld %-6s %10.3f %10.3f %8.2fx %12.1f\n", shape, (long long)N, ql_type_name(t), te, tq, te / tq,
-                       2.0 * (double)(out * in * N) / (tq * 1e-3) / 1e9);
+                printf("%-12s %7lld %-6s %10.3f %10.3f %8.2fx %12.1f %10.1f\n", shape, (long long)N, ql_type_name(t), te, tq, te / tq,
+                       2.0 * (double)(out * in * N) / (tq * 1e-3) / 1e9, (double)wb.size() / (tq * 1e-3) / 1e9);
             }
         }
     }
