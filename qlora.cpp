@@ -6986,7 +6986,7 @@ template <class Block, bool Q5> static float mm_q8dot_min32(int64_t K, const uin
     float m = 0.0f;
     for (int64_t i = 0; i < K / 32; i++) {
         __m256i c;
-        if constexpr (Q5) c = mm_q5_codes32(b[i].qs, ((const ql_block_q5_1 *)(b + i))->qh);
+        if constexpr (Q5) c = mm_q5_codes32(b[i].qs, b[i].qh);
         else c = mm_nibbles32(b[i].qs);
         const __m256i s = mm_dpbusd(_mm256_setzero_si256(), c, mm_ld(xq + 32 * i));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(mm_h2f(b[i].d) * xd[i]), acc);
