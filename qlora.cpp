@@ -6789,12 +6789,16 @@ template <class Step> static inline float mm_q8_sum2(int64_t nb, const Step &ste
     return mm_hsum8(_mm256_add_ps(a0, a1));
 }
 
+// 16 bytes of nibbles as 32 codes: elements 0-15 the low nibbles, 16-31 the high (Q4_0's order)
+static inline __m256i mm_nibbles32(const uint8_t *qs) {
+    const __m128i c = _mm_loadu_si128((const __m128i *)qs);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(c, 4), c), _mm256_set1_epi8(15));
+}
 static float mm_q8dot_q4_0(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *, const float *) {
     const ql_block_q4_0 *b = (const ql_block_q4_0 *)w;
-    const __m256i m4 = _mm256_set1_epi8(15), eight = _mm256_set1_epi8(8);
+    const __m256i eight = _mm256_set1_epi8(8);
     auto step = [&](int64_t i, __m256 acc) {
-        const __m128i qs = _mm_loadu_si128((const __m128i *)b[i].qs);
-        const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), m4);  // elements 0-15, 16-31
+        const __m256i q = mm_nibbles32(b[i].qs);
         const __m256i x = mm_ld(xq + 32 * i);
         const __m256i s = _mm256_sub_epi32(mm_dpbusd(_mm256_setzero_si256(), q, x), mm_dpbusd(_mm256_setzero_si256(), eight, x));
         return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(mm_h2f(b[i].d) * xd[i]), acc);
@@ -6830,10 +6834,12 @@ static float mm_q8dot_nf4(int64_t K, const uint8_t *w, const int8_t *xq, const f
     return mm_hsum8(_mm256_add_ps(acc[0], acc[1]));
 }
 
-// Q4_K: d sc q - dmin m per sub-block of 32; the mins' part is dmin d_x sum_s m_s (bsum of its two 16s)
-static float mm_q8dot_q4_K(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
-    const ql_block_q4_K *b = (const ql_block_q4_K *)w;
-    const __m256i m4 = _mm256_set1_epi8(15);
+// Q4_K: d sc q - dmin m per sub-block of 32; the mins' part is dmin d_x sum_s m_s (bsum of its two 16s).
+// Q5_K (Block ql_block_q5_K): the same with each code's fifth bit from qh (bit 2g of qh[l] for
+// sub-block 2g's element l, bit 2g + 1 for 2g + 1's): codes 0..31
+template <class Block, bool Q5> static float mm_q8dot_k45(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum) {
+    const Block *b = (const Block *)w;
+    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     for (int64_t i = 0; i < K / QL_QK_K; i++) {
         uint8_t sc[8], mn[8];
@@ -6841,11 +6847,18 @@ static float mm_q8dot_q4_K(int64_t K, const uint8_t *w, const int8_t *xq, const 
         alignas(32) int32_t sc32[8];  // each broadcast below is then one load
         _mm256_store_si256((__m256i *)sc32, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
         const int8_t *x = xq + QL_QK_K * i;
-        __m256i isum = _mm256_setzero_si256();
+        __m256i isum = _mm256_setzero_si256(), h = _mm256_setzero_si256();
+        if constexpr (Q5) h = mm_ld(b[i].qh);
         for (int g = 0; g < 4; g++) {  // 32 bytes: sub-block 2g in the low nibbles, 2g+1 in the high
             const __m256i q = mm_ld(b[i].qs + 32 * g);
-            const __m256i s0 = mm_dpbusd(_mm256_setzero_si256(), _mm256_and_si256(q, m4), mm_ld(x + 64 * g));
-            const __m256i s1 = mm_dpbusd(_mm256_setzero_si256(), _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), mm_ld(x + 64 * g + 32));
+            __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+            if constexpr (Q5) {  // h's bit 0 of each byte is then bit 2g (a 16-bit shift: masked to bit 0, the byte's own)
+                lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
+                hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
+                h = _mm256_srli_epi16(h, 2);
+            }
+            const __m256i s0 = mm_dpbusd(_mm256_setzero_si256(), lo, mm_ld(x + 64 * g));
+            const __m256i s1 = mm_dpbusd(_mm256_setzero_si256(), hi, mm_ld(x + 64 * g + 32));
             isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s0, _mm256_set1_epi32(sc32[2 * g])));
             isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s1, _mm256_set1_epi32(sc32[2 * g + 1])));
         }
@@ -6891,45 +6904,6 @@ static float mm_q8dot_q6_K(int64_t K, const uint8_t *w, const int8_t *xq, const 
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(isum, _mm256_slli_epi32(os, 5))), dd, acc);
     }
     return mm_hsum8(acc);
-}
-// Q5_K: Q4_K's sums with each code's fifth bit from qh (bit 2g of qh[l] for sub-block 2g's element
-// l, bit 2g + 1 for 2g + 1's): codes 0..31
-static float mm_q8dot_q5_K(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
-    const ql_block_q5_K *b = (const ql_block_q5_K *)w;
-    const __m256i m4 = _mm256_set1_epi8(15), one = _mm256_set1_epi8(1);
-    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
-    for (int64_t i = 0; i < K / QL_QK_K; i++) {
-        uint8_t sc[8], mn[8];
-        mm_k4_scales(b[i].scales, sc, mn);
-        alignas(32) int32_t sc32[8];
-        _mm256_store_si256((__m256i *)sc32, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)sc)));
-        const int8_t *x = xq + QL_QK_K * i;
-        __m256i isum = _mm256_setzero_si256(), h = mm_ld(b[i].qh);
-        for (int g = 0; g < 4; g++) {  // h's bit 0 of each byte is then bit 2g (a 16-bit shift: masked to bit 0, the byte's own)
-            const __m256i q = mm_ld(b[i].qs + 32 * g);
-            const __m256i lo = _mm256_or_si256(_mm256_and_si256(q, m4), _mm256_slli_epi16(_mm256_and_si256(h, one), 4));
-            const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
-                                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 1), one), 4));
-            h = _mm256_srli_epi16(h, 2);
-            const __m256i s0 = mm_dpbusd(_mm256_setzero_si256(), lo, mm_ld(x + 64 * g));
-            const __m256i s1 = mm_dpbusd(_mm256_setzero_si256(), hi, mm_ld(x + 64 * g + 32));
-            isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s0, _mm256_set1_epi32(sc32[2 * g])));
-            isum = _mm256_add_epi32(isum, _mm256_mullo_epi32(s1, _mm256_set1_epi32(sc32[2 * g + 1])));
-        }
-        uint64_t m8;
-        memcpy(&m8, mn, 8);
-        const __m128i mb = _mm_cvtsi64_si128((long long)m8);
-        const __m256i ms = _mm256_madd_epi16(_mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mb, mb)), mm_ld(bsum + 16 * i));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(mm_h2f(b[i].d) * xd[i]), acc);
-        accm = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_set1_ps(mm_h2f(b[i].dmin) * xd[i]), accm);
-    }
-    return mm_hsum8(acc) - mm_hsum8(accm);
-}
-
-// 16 bytes of nibbles as 32 codes: elements 0-15 the low nibbles, 16-31 the high (Q4_0's order)
-static inline __m256i mm_nibbles32(const uint8_t *qs) {
-    const __m128i c = _mm_loadu_si128((const __m128i *)qs);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(c, 4), c), _mm256_set1_epi8(15));
 }
 // IQ4_NL / IQ4_XS: the codes through their int8 table; IQ4_XS's 6-bit scales (ls - 32) per 32 in
 // integers, d per 256
@@ -7094,8 +7068,8 @@ static float mm_q8dot_nf4(int64_t K, const uint8_t *w, const int8_t *xq, const f
         }
     return r;
 }
-static float mm_q8dot_q4_K(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
-    const ql_block_q4_K *b = (const ql_block_q4_K *)w;
+template <class Block, bool Q5> static float mm_q8dot_k45(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum) {
+    const Block *b = (const Block *)w;
     float r = 0.0f;
     for (int64_t i = 0; i < K / QL_QK_K; i++) {
         uint8_t sc[8], mn[8];
@@ -7105,8 +7079,10 @@ static float mm_q8dot_q4_K(int64_t K, const uint8_t *w, const int8_t *xq, const 
         for (int g = 0; g < 4; g++) {
             int s0 = 0, s1 = 0;
             for (int l = 0; l < 32; l++) {
-                s0 += (b[i].qs[32 * g + l] & 15) * x[64 * g + l];
-                s1 += (b[i].qs[32 * g + l] >> 4) * x[64 * g + 32 + l];
+                int c0 = b[i].qs[32 * g + l] & 15, c1 = b[i].qs[32 * g + l] >> 4;
+                if constexpr (Q5) c0 |= ((b[i].qh[l] >> (2 * g)) & 1) << 4, c1 |= ((b[i].qh[l] >> (2 * g + 1)) & 1) << 4;
+                s0 += c0 * x[64 * g + l];
+                s1 += c1 * x[64 * g + 32 + l];
             }
             s += sc[2 * g] * s0 + sc[2 * g + 1] * s1;
         }
@@ -7133,27 +7109,6 @@ static float mm_q8dot_q6_K(int64_t K, const uint8_t *w, const int8_t *xq, const 
     return r;
 }
 
-static float mm_q8dot_q5_K(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
-    const ql_block_q5_K *b = (const ql_block_q5_K *)w;
-    float r = 0.0f;
-    for (int64_t i = 0; i < K / QL_QK_K; i++) {
-        uint8_t sc[8], mn[8];
-        mm_k4_scales(b[i].scales, sc, mn);
-        const int8_t *x = xq + QL_QK_K * i;
-        int s = 0, m = 0;
-        for (int g = 0; g < 4; g++) {
-            int s0 = 0, s1 = 0;
-            for (int l = 0; l < 32; l++) {
-                s0 += ((b[i].qs[32 * g + l] & 15) | ((b[i].qh[l] >> (2 * g)) & 1) << 4) * x[64 * g + l];
-                s1 += ((b[i].qs[32 * g + l] >> 4) | ((b[i].qh[l] >> (2 * g + 1)) & 1) << 4) * x[64 * g + 32 + l];
-            }
-            s += sc[2 * g] * s0 + sc[2 * g + 1] * s1;
-        }
-        for (int t = 0; t < 8; t++) m += mn[t] * (bsum[16 * i + 2 * t] + bsum[16 * i + 2 * t + 1]);
-        r += (float)s * (mm_h2f(b[i].d) * xd[i]) - (float)m * (mm_h2f(b[i].dmin) * xd[i]);
-    }
-    return r;
-}
 static float mm_q8dot_iq4_nl(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *, const float *) {
     const ql_block_iq4_nl *b = (const ql_block_iq4_nl *)w;
     float r = 0.0f;
@@ -7250,6 +7205,12 @@ static float mm_q8dot_q2_K(int64_t K, const uint8_t *w, const int8_t *xq, const 
     return r;
 }
 #endif
+static float mm_q8dot_q4_K(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
+    return mm_q8dot_k45<ql_block_q4_K, false>(K, w, xq, xd, bsum);
+}
+static float mm_q8dot_q5_K(int64_t K, const uint8_t *w, const int8_t *xq, const float *xd, const int16_t *bsum, const float *) {
+    return mm_q8dot_k45<ql_block_q5_K, true>(K, w, xq, xd, bsum);
+}
 
 // ---- Q4_0 repacked in groups of 8 rows (ql_backend_cache_weights on the CPU) ----
 // Per group of 8 rows and block of 32, 144 bytes: the 8 rows' d, then for q = 0..3 the 8 rows'
@@ -7786,23 +7747,18 @@ static void mm_q8g_pack(const mm_operand &w, int64_t K, int64_t j0, int64_t nr, 
                 for (int l = 0; l < 32; l++) v[l] = (int8_t)(((q.qs[32 * h + l] >> 2 * k) & 3) - ((q.hmask[l] >> (4 * h + k)) & 1 ? 0 : 4));
                 d = mm_h2f(q.d) * sc[8 * h + 2 * k];
                 d2 = mm_h2f(q.d) * sc[8 * h + 2 * k + 1];
-            } else if (w.type == QL_TYPE_Q5_K) {  // Q4_K's with the fifth bit: bit sb of qh[l]
-                const ql_block_q5_K &q = ((const ql_block_q5_K *)row)[b / 8];
+            } else if (w.type == QL_TYPE_Q4_K || w.type == QL_TYPE_Q5_K) {  // sub-block s = b % 8: 2g in qs[32 g ..]'s low
+                // nibbles, 2g + 1 the high; Q5_K's fifth bit: bit sb of qh[l]
+                const ql_block_q4_K *k4 = w.type == QL_TYPE_Q4_K ? (const ql_block_q4_K *)row + b / 8 : nullptr;
+                const ql_block_q5_K *k5 = k4 ? nullptr : (const ql_block_q5_K *)row + b / 8;
+                const uint8_t *qs = k4 ? k4->qs : k5->qs;
                 const int sb = (int)(b % 8), g = sb / 2;
                 uint8_t sc[8], m8[8];
-                mm_k4_scales(q.scales, sc, m8);
+                mm_k4_scales(k4 ? k4->scales : k5->scales, sc, m8);
                 for (int l = 0; l < 32; l++)
-                    v[l] = (int8_t)((sb % 2 ? q.qs[32 * g + l] >> 4 : q.qs[32 * g + l] & 15) | ((q.qh[l] >> sb) & 1) << 4);
-                d = mm_h2f(q.d) * sc[sb];
-                mn = mm_h2f(q.dmin) * m8[sb];
-            } else if (w.type == QL_TYPE_Q4_K) {  // sub-block s = b % 8: 2g in qs[32 g ..]'s low nibbles, 2g + 1 the high
-                const ql_block_q4_K &q = ((const ql_block_q4_K *)row)[b / 8];
-                const int sb = (int)(b % 8), g = sb / 2;
-                uint8_t sc[8], m8[8];
-                mm_k4_scales(q.scales, sc, m8);
-                for (int l = 0; l < 32; l++) v[l] = (int8_t)(sb % 2 ? q.qs[32 * g + l] >> 4 : q.qs[32 * g + l] & 15);
-                d = mm_h2f(q.d) * sc[sb];
-                mn = mm_h2f(q.dmin) * m8[sb];
+                    v[l] = (int8_t)((sb % 2 ? qs[32 * g + l] >> 4 : qs[32 * g + l] & 15) | (k5 ? ((k5->qh[l] >> sb) & 1) << 4 : 0));
+                d = mm_h2f(k4 ? k4->d : k5->d) * sc[sb];
+                mn = mm_h2f(k4 ? k4->dmin : k5->dmin) * m8[sb];
             } else {  // Q6_K: elements 128 h + 32 m + l, a scale per 16
                 const ql_block_q6_K &q = ((const ql_block_q6_K *)row)[b / 8];
                 const int h = (int)(b % 8) / 4, m = (int)(b % 4);
