@@ -1,94 +1,206 @@
 #!/bin/sh
-# bench/gpu-first.sh - what to run first on a machine with a CUDA GPU, in one command:
-#   bench/gpu-first.sh [out=gpu-first-out]
-# 1. build with CUDA for this card only (make CUDA=1, CUDA_ARCHS from nvidia-smi's compute
-#    capability: minutes less than all of sm_75..sm_90);
-# 2. the op suite on the device against the CPU oracle (test-qlora's "backend ops cuda*" cases);
-# 3. micro-benchmarks: ./tools/bench's GPU modes where the build has them (`bench attn`: fused
-#    attention against the chunked cuBLAS products, forward and backward TFLOP/s);
-# 4. bench/gpu.sh at the 1B shape (and 8B when SHAPES says so), PyTorch + PEFT + bitsandbytes in
-#    the same call when python3 has them;
-# 5. the 1B step's profile (finetune --profile, steps 2..4);
-# 6. decode: ./generate --device cuda at the 1B shape in Q4_K_M and nf4 (and BASE's, beside it).
-# BASE=DIR (optional): a second source tree (e.g. `git archive <commit> | tar -x -C DIR`), built
-# the same way, whose 1B step runs beside this one's on the same card - the before/after pair.
-# Every part runs even when an earlier one failed; the logs and a summary go to OUT; the exit
-# status is the number of failed parts.
+# bench/gpu-first.sh - the first thing to run on a lent GPU: one command that fits one short lease.
+#   here, before the lease:  bench/gpu-prep.sh          (builds .gpu/: the binaries and wheels carried)
+#   on the device:           bench/gpu-first.sh [out]   (the device tool: carry [".gpu"], OUT=$OUT)
+# A lease here is 15 minutes of device time in all, the machine's start included, and 10 minutes a
+# command: so nothing is built there when .gpu/ holds binaries that run (built here for sm_90, the
+# H100/H200; otherwise the tools are built there for the card, minutes), and every phase runs
+# under its own time limit inside BUDGET seconds (default 540), the most wanted first; a phase that
+# no longer fits is skipped and says so. What each phase answers (the issue it measures):
+#   ops       the op suite, CUDA graphs and decode cases on the device against the CPU oracle (all)
+#   step-1b   the 1B training step with default options (checkpointing auto): tokens/s, MFU, the
+#             plan against the card's measured use, the census (issues 31, 28, 30)
+#   step-8b   the same at the 8B shape (issue 31's 40% MFU goal)
+#   fit-8b    8B at seq 2048 under --vram 8G, default options: the measured peak against the plan
+#             and the 6.0e9-byte goal (issue 30)
+#   torch     PyTorch + PEFT + bitsandbytes at 8B, then 1B (the 2x goal; bitsandbytes carried)
+#   attn      tools/bench attn: fused attention against the chunked products (issue 31 item 1)
+#   fa-fused  the 1B step with the fused attention backward: the census's largest term (issue 28)
+#   decode    ./generate at 1B (q4_K, nf4) and 8B (q4_K): tokens/s and the card's bandwidth (issue 32)
+#   profile   the 1B step's --profile (node times from events)
+#   amx       tools/bench matmul on the host CPU, AVX-512 and AMX builds side by side, when it has AMX
+#             (issue 31 item 5; the AMX kernel has run only through its shim)
+# Models are random (make-model, 16 threads, in the background while ops runs): NF4 linears with
+# bf16 embedding and head, vocab 128256 (bench/gpu.sh's shapes); the decode files q4_K / nf4 linears
+# with a q6_K head (make-model's types: no quantize pass, so not llama.cpp's Q4_K_M mix).
+# Output: OUT/summary.md (also printed last) and OUT/logs.tgz (every log); the device tool returns
+# at most 8 files, so nothing else is left in OUT. Exit status: the number of failed phases.
+# SELFTEST=1: the script's own check on a machine without a GPU (before a lease is spent on it):
+# tiny shapes on the CPU through every phase that can run there, the same parsing and summary.
 cd "$(dirname "$0")/.."
-OUT=${1:-gpu-first-out}
+OUT=${1:-${OUT:-gpu-first-out}}
 case $OUT in /*) ;; *) OUT=$PWD/$OUT ;; esac
-SHAPES=${SHAPES:-1b}
-STEPS=${STEPS:-10}
-J=$(nproc)
-mkdir -p "$OUT"
-S="$OUT/summary.md"
+BUDGET=${BUDGET:-540}
+T0=$(date +%s)
+W=${WORK:-/tmp/gpu-first}
+M=$W/m
+rm -rf "$W"
+mkdir -p "$OUT" "$W" "$M"
+S=$W/summary.md
 : > "$S"
+J=$(nproc)
 fail=0
-say() { echo "$*" | tee -a "$S"; }
-part() {  # part NAME CMD...: runs CMD, its output in OUT/NAME.log, a line in the summary
-    name=$1; shift
-    t0=$(date +%s)
-    if "$@" > "$OUT/$name.log" 2>&1; then r=ok; else r="FAILED (exit $?)"; fail=$((fail + 1)); fi
-    say "- $name: $r, $(($(date +%s) - t0)) s"
+MPID=
+# the shapes (dim layers heads kv-heads ffn), the vocabularies, tokens a sequence, the device
+S1="2048 16 32 8 8192" S8="4096 32 32 8 14336" VOC=128256 DVOC=32000 SEQ=2048 DEV=cuda FIT="--vram 8G"
+OPS="backend ops cuda*,cuda graphs*,cuda decode*,optimizer multi-tensor*"
+if [ "${SELFTEST:-0}" = 1 ]; then
+    S1="128 2 4 2 384" S8="192 2 4 2 512" VOC=1024 DVOC=1024 SEQ=128 DEV=cpu FIT="--mem-limit 1G"
+    OPS="backend ops cpu: mul_mat*"
+fi
+say() { echo "$*" >> "$S"; }
+left() { echo $((BUDGET - ($(date +%s) - T0))); }
+# phase NAME MIN MAX CMD...: the program CMD (not a shell function: `timeout` runs it) for at most
+# MAX s, and never past the budget less 20 s for packing up, when at least MIN s are left; its
+# output in W/NAME.log, a line in the summary
+phase() {
+    name=$1 min=$2 max=$3
+    shift 3
+    l=$(($(left) - 20))
+    if [ "$l" -lt "$min" ]; then say "- $name: skipped ($l s left of the budget, needs $min)"; return 1; fi
+    [ "$l" -lt "$max" ] && max=$l
+    t=$(date +%s)
+    timeout -k 5 "$max" "$@" > "$W/$name.log" 2>&1
+    rc=$?
+    case $rc in
+    0) r=ok ;;
+    124 | 137) r="TIMED OUT at $max s"; fail=$((fail + 1)) ;;
+    *) r="FAILED (exit $rc): $(tail -1 "$W/$name.log" | cut -c1-200)"; fail=$((fail + 1)) ;;
+    esac
+    say "- $name: $r, $(($(date +%s) - t)) s"
+    return $rc
 }
-CC=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1 | tr -d '. ')
-[ -n "$CC" ] || { say "no GPU (nvidia-smi gave no compute capability)"; exit 1; }
-ARCHS="-gencode arch=compute_$CC,code=sm_$CC"
-say "# gpu-first on $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | head -1), cc $CC"
-build() { make CUDA=1 CUDA_ARCHS="$ARCHS" -j"$J" all build/test-qlora tools/bench; }
-part build build
-if [ -n "$BASE" ]; then
-    (cd "$BASE" && make CUDA=1 CUDA_ARCHS="$ARCHS" -j"$J" all > "$OUT/base-build.log" 2>&1) &
-    base_pid=$!
+finish() {
+    if [ -n "$MPID" ] && kill -0 "$MPID" 2> /dev/null; then
+        pkill -P "$MPID" 2> /dev/null; kill "$MPID" 2> /dev/null
+        say "- models: stopped at the end ($(ls "$M" | grep -c '\.ok$') made)"
+    fi
+    say ""
+    say "failed phases: $fail; $(($(date +%s) - T0)) s of the $BUDGET s budget"
+    cp "$S" "$OUT/summary.md"
+    (cd "$W" && tar -czf "$OUT/logs.tgz" $(ls *.log */metrics.jsonl 2> /dev/null) summary.md)
+    cat "$S"
+    exit $fail
+}
+
+# ---- the card, the host, the binaries ----
+GPU=$(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2> /dev/null | head -1)
+CC=$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2> /dev/null | head -1 | tr -d '. ')
+say "# gpu-first: ${GPU:-no GPU}, cc ${CC:-?}; host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ //'), $J threads,"
+say "  $(awk '/MemTotal/ { printf "%.0f GiB", $2 / 1048576 }' /proc/meminfo); AMX: $(grep -q amx_tile /proc/cpuinfo && echo yes || echo no);"
+say "  prebuilt: $(cat .gpu/REV 2> /dev/null || echo none); $(date -u '+%Y-%m-%d %H:%M UTC')"
+[ "${SELFTEST:-0}" = 1 ] && { say "  SELFTEST: tiny shapes on the CPU"; CC=${CC:-90}; }
+[ -n "$CC" ] || { say "no GPU: nvidia-smi gave no compute capability"; finish; }
+{ nvidia-smi; nvidia-smi -q -d CLOCK,POWER | head -60; } > "$W/nvidia-smi.log" 2>&1
+ok_bins() { ./finetune --help > /dev/null 2>&1 && ./build/test-qlora -ltc > /dev/null 2>&1; }
+# cuBLAS 13 where the toolkit is not at /usr/local/cuda (the binaries' rpath): PyTorch's wheels have it
+if [ ! -e /usr/local/cuda/lib64/libcublas.so.13 ]; then
+    d=$(find / \( -path /proc -o -path /sys \) -prune -o -name 'libcublas.so.13' -printf '%h\n' 2> /dev/null | head -1)
+    e=$(find / \( -path /proc -o -path /sys \) -prune -o -name 'libcudart.so.13' -printf '%h\n' 2> /dev/null | head -1)
+    [ -n "$d$e" ] && export LD_LIBRARY_PATH=$d:$e${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} && say "  cuBLAS from $d, the runtime from $e"
 fi
-part ops ./build/test-qlora -tc="backend ops cuda*,cuda graphs*,optimizer multi-tensor cuda*"
-tail -3 "$OUT/ops.log" | sed 's/^/    /' >> "$S"
-if ./tools/bench --help 2>&1 | grep -q attn; then
-    part bench-attn ./tools/bench attn -r 10
-    grep -i 'tflop' "$OUT/bench-attn.log" | sed 's/^/    /' >> "$S"
+if [ -x .gpu/bin/finetune ] && [ "$(cat .gpu/CC 2> /dev/null)" = "$CC" ]; then
+    mkdir -p build
+    for b in finetune generate make-model quantize; do cp .gpu/bin/$b ./$b; done
+    cp .gpu/bin/test-qlora build/test-qlora
+    cp .gpu/bin/bench tools/bench
+    ok_bins && say "- binaries: carried (.gpu, sm_$CC)" || say "- binaries: carried ones do not run here: $(./finetune --help 2>&1 | head -1)"
 fi
-part gpu-bench env KEEP="$OUT/gpu" NO_BUILD=1 sh bench/gpu.sh "$SHAPES" "$STEPS" 2
-grep '^|' "$OUT/gpu-bench.log" >> "$S"
-M="$OUT/gpu/1b.gguf"
-if [ -n "$BASE" ] && [ -f "$M" ]; then
-    wait "$base_pid" || say "- base build FAILED"
-    for who in base this; do
-        dir=.; [ $who = base ] && dir=$BASE
-        part "step-$who" "$dir/finetune" --overwrite -m "$M" -d "$OUT/gpu/data.jsonl" -o "$OUT/$who.out" --device cuda --seq-len 2048 -b 1 \
-            --lora-r 16 --lora-alpha 32 --lora-targets all --max-steps $((STEPS + 2)) --precision bf16 --checkpointing block
-        grep -o '"step_seconds": [0-9.]*' "$OUT/$who.out/metrics.jsonl" | awk 'NR > 2 { print $2 }' | sort -g |
-            awk -v w=$who '{ v[NR] = $1 } END { m = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2;
-                            printf "    %s: median step %.4f s, %.0f tokens/s\n", w, m, 2048 / m }' >> "$S"
+if ! ok_bins; then
+    phase build 60 400 make CUDA=1 CUDA_ARCHS="-gencode arch=compute_$CC,code=sm_$CC" -j"$J" finetune generate make-model quantize \
+        build/test-qlora tools/bench || finish
+fi
+
+# ---- the models, in the background (ops needs none) ----
+shape() { set -- $1; echo "--dim $1 --layers $2 --heads $3 --kv-heads $4 --ff $5"; }
+MK="./make-model --threads $J --ctx 4096 --std 0.02"
+(
+    $MK -o "$M/1b.gguf" $(shape "$S1") --vocab $VOC --type nf4 --embd-type bf16 --output-type bf16 && touch "$M/1b.ok"
+    $MK -o "$M/8b.gguf" $(shape "$S8") --vocab $VOC --type nf4 --embd-type bf16 --output-type bf16 && touch "$M/8b.ok"
+    for ty in q4_K nf4; do
+        $MK -o "$M/d1b-$ty.gguf" $(shape "$S1") --vocab $DVOC --type $ty --embd-type f16 --output-type q6_K && touch "$M/d1b-$ty.ok"
     done
-fi
-if [ -f "$M" ]; then
-    part profile ./finetune --overwrite -m "$M" -d "$OUT/gpu/data.jsonl" -o "$OUT/prof.out" --device cuda --seq-len 2048 -b 1 \
-        --lora-r 16 --lora-alpha 32 --lora-targets all --max-steps 4 --precision bf16 --checkpointing block --profile
-    grep -A 25 'profile of the training graph' "$OUT/profile.log" | sed 's/^/    /' >> "$S"
-fi
-# 6. decode (issue 32 item 3): ./generate --device cuda on a 1B shape (vocab 32000) in Q4_K_M and
-#    nf4, 128 greedy tokens; the fraction of the card's memory bandwidth is the file's bytes x
-#    tokens/s over the datasheet's figure (BW_GBS overrides)
-bw_of() { case "$1" in *H200*) echo 4800 ;; *H100*PCIe*) echo 2000 ;; *H100*) echo 3350 ;; *A100*) echo 2039 ;; *4090*) echo 1008 ;;
-          *L40S*) echo 864 ;; *) echo 0 ;; esac; }
-BW=${BW_GBS:-$(bw_of "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)")}
-D="$OUT/decode"
-mkdir -p "$D"
-part decode-models sh -c "./make-model --threads $J -o $D/f16.gguf --dim 2048 --layers 16 --heads 32 --kv-heads 8 --ff 8192 --vocab 32000 \
-    --type f16 --embd-type f16 --output-type f16 && ./quantize $D/f16.gguf $D/Q4_K_M.gguf Q4_K_M && ./quantize $D/f16.gguf $D/nf4.gguf nf4"
-for ty in Q4_K_M nf4; do
-    [ -f "$D/$ty.gguf" ] || continue
-    mib=$(($(stat -c %s "$D/$ty.gguf") / 1048576))
-    for who in base this; do
-        g=./generate; [ $who = base ] && { [ -n "$BASE" ] || continue; g=$BASE/generate; }
-        for i in 1 2 3; do
-            "$g" -m "$D/$ty.gguf" -p "Once upon a time" -n 128 --temp 0 --device cuda 2>&1 > /dev/null |
-                sed -n 's/.*generated [0-9]* tokens in [0-9.]* s (\([0-9.]*\) tokens\/s).*/\1/p'
-        done > "$D/$ty.$who.tps"
-        tps=$(sort -g "$D/$ty.$who.tps" | sed -n 2p)
-        say "    decode 1B $ty ($mib MiB) $who: ${tps:-FAILED} tokens/s$( [ -n "$tps" ] && [ "$BW" != 0 ] &&
-            awk -v m=$mib -v t=$tps -v b=$BW 'BEGIN { printf ", %.1f%% of %d GB/s", 100 * m * 1.048576 * t / 1000 / b, b }')"
-    done
+    $MK -o "$M/d8b-q4_K.gguf" $(shape "$S8") --vocab $VOC --type q4_K --embd-type f16 --output-type q6_K && touch "$M/d8b-q4_K.ok"
+) > "$W/models.log" 2>&1 &
+MPID=$!
+awk 'BEGIN { srand(1); split("the a little dog cat ran sun happy big tree said to and was he she it in on play", w, " ");
+             for (i = 0; i < 24; i++) { s = ""; for (j = 0; j < 2400; j++) s = s (j ? " " : "") w[int(rand() * 20) + 1];
+                                        printf "{\"text\": \"%s\"}\n", s } }' > "$M/data.jsonl"
+# have NAME: waits (within the budget) for the background's model NAME
+have() {
+    while [ ! -f "$M/$1.ok" ] && [ "$(left)" -gt 40 ] && kill -0 "$MPID" 2> /dev/null; do sleep 1; done
+    [ -f "$M/$1.ok" ]
+}
+
+# ---- correctness first ----
+phase ops 30 170 ./build/test-qlora -tc="$OPS" && grep -q "skipped: no CUDA device" "$W/ops.log" && say "  (the suite found no device)"
+grep -E '^\[doctest\] (test cases|assertions)' "$W/ops.log" | sed 's/^/    /' >> "$S"
+grep -E 'ERROR|FAILED' "$W/ops.log" | head -8 | cut -c1-200 | sed 's/^/    /' >> "$S"
+
+# ---- the training step ----
+# useful FLOPs per token (bench/gpu.sh's count) of shape "dim layers heads kv ff": LoRA r16, SEQ tokens
+fpt() {
+    set -- $1
+    awk -v E=$1 -v L=$2 -v H=$3 -v KV=$4 -v F=$5 -v V=$VOC -v r=16 -v T=$SEQ 'BEGIN { d = E / H; q = H * d; kv = KV * d
+        N = L * (E * q + 2 * E * kv + q * E + 3 * E * F) + E * V
+        lora = L * r * ((E + q) + 2 * (E + kv) + (q + E) + 2 * (E + F) + (F + E))
+        printf "%.6e", 4 * N + L * 6 * (T / 2) * H * d * 2 + 6 * lora }'
+}
+PEAK=${PEAK_TFLOPS:-989}  # dense bf16 of the H100 SXM / H200 (datasheet)
+FT="--device $DEV --seq-len $SEQ -b 1 --lora-r 16 --lora-alpha 32 --lora-targets all --precision bf16"
+# step NAME MODEL STEPS MIN MAX [finetune flags...]: the median step after 2, tokens/s, MFU, memory
+# (STEP_ENV: variables for finetune, e.g. QLORA_CUDA_FA=fused)
+step() {
+    name=$1 model=$2 n=$3 min=$4 max=$5
+    shift 5
+    have "$model" || { say "- $name: skipped (no model: $(tail -1 "$W/models.log"))"; return; }
+    phase "$name" "$min" "$max" env $STEP_ENV ./finetune --overwrite -m "$M/$model.gguf" -d "$M/data.jsonl" -o "$W/$name.out" $FT \
+        --max-steps "$n" "$@" || return
+    case $model in 1b) F=$(fpt "$S1") ;; *) F=$(fpt "$S8") ;; esac
+    grep -o '"step_seconds": [0-9.]*' "$W/$name.out/metrics.jsonl" | awk 'NR > 2 { print $2 }' | sort -g |
+        awk -v f=$F -v p=$PEAK -v T=$SEQ '{ v[NR] = $1 } END { if (!NR) exit; m = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2;
+            printf "    median step %.4f s (%d steps after 2), %.0f tokens/s, MFU %.1f%% of %d TFLOP/s\n", m, NR, T / m, 100 * T / m * f / (p * 1e12), p }' >> "$S"
+    grep -E 'checkpointing auto ->|device memory after|peak memory after|census, one micro-batch|total device memory' "$W/$name.log" |
+        head -5 | cut -c1-220 | sed 's/^ */    /' >> "$S"
+    grep -o '"loss": [0-9.]*' "$W/$name.out/metrics.jsonl" | sed -n '1p;$p' | awk '{ printf "%s%s", (NR > 1 ? " -> " : "    loss "), $2 } END { print "" }' >> "$S"
+}
+step step-1b 1b 10 30 90
+step step-8b 8b 8 45 150
+step fit-8b 8b 5 45 120 $FIT
+
+# ---- the yardstick: PyTorch + PEFT + bitsandbytes (carried in .gpu/py) ----
+for sh in 8b 1b; do
+    case $sh in 8b) set -- $S8 6 ;; *) set -- $S1 10 ;; esac
+    [ "${SELFTEST:-0}" = 1 ] && { say "- torch-$sh: not in SELFTEST (a GPU's)"; continue; }
+    phase "torch-$sh" 60 150 env PYTHONPATH="$PWD/.gpu/py${PYTHONPATH:+:$PYTHONPATH}" python3 bench/torch_peft.py --init cuda \
+        --dim $1 --layers $2 --heads $3 --kv-heads $4 --ff $5 --vocab $VOC --seq $SEQ --steps $6 --warmup 2 &&
+        grep -E '^(stack|tokens_per_s|peak_mib)' "$W/torch-$sh.log" | sed 's/^/    /' >> "$S"
 done
-say "failed parts: $fail"
-exit $fail
+
+# ---- attention: fused against chunked ----
+if [ "$DEV" = cuda ]; then
+    phase attn 20 60 ./tools/bench attn -r 5 && grep -i 'tflop' "$W/attn.log" | head -12 | sed 's/^/    /' >> "$S"
+fi
+STEP_ENV=QLORA_CUDA_FA=fused
+step fa-fused-1b 1b 10 30 60
+STEP_ENV=
+
+# ---- decode: 128 greedy tokens twice, the faster; GB/s of the file's bytes against 4.8 TB/s (H200) / 3.35 (H100) ----
+BW=$(case "$GPU" in *H200*) echo 4800 ;; *) echo 3350 ;; esac)
+for d in d1b-q4_K d1b-nf4 d8b-q4_K; do
+    have $d || { say "- decode-$d: skipped (no model)"; continue; }
+    phase "decode-$d" 10 40 sh -c "for i in 1 2; do ./generate -m $M/$d.gguf -p 'Once upon a time' -n 128 --temp 0 --device $DEV; done" &&
+        sed -n 's/.*generated [0-9]* tokens in [0-9.]* s (\([0-9.]*\) tokens\/s).*/\1/p' "$W/decode-$d.log" | sort -g | tail -1 |
+        awk -v b=$(stat -c %s "$M/$d.gguf") -v bw=$BW '{ printf "    %.1f tokens/s, %.0f GB/s of the file (%.0f MB), %.0f%% of %d GB/s\n",
+            $1, b * $1 / 1e9, b / 1e6, 100 * b * $1 / 1e9 / bw, bw }' >> "$S"
+done
+
+# ---- where the 1B step goes ----
+phase profile 30 60 ./finetune --overwrite -m "$M/1b.gguf" -d "$M/data.jsonl" -o "$W/profile.out" $FT --max-steps 4 --profile &&
+    grep -A 24 'profile of the training graph' "$W/profile.log" | cut -c1-160 | sed 's/^/    /' >> "$S"
+
+# ---- the host's AMX (issue 31 item 5), built for Sapphire Rapids in .gpu/amx ----
+if grep -q amx_tile /proc/cpuinfo && [ -x .gpu/amx/bench ]; then
+    phase amx 20 60 sh -c "./tools/bench matmul -r 5; .gpu/amx/bench matmul -r 5" && grep -i 'bf16' "$W/amx.log" | head -12 | sed 's/^/    /' >> "$S"
+fi
+finish

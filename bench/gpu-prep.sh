@@ -1,0 +1,43 @@
+#!/bin/sh
+# bench/gpu-prep.sh - before a GPU lease, on a machine without one: builds what bench/gpu-first.sh's
+# one device call carries, so that no lease time goes to compiling. Into .gpu/ (git-ignored):
+#   .gpu/bin/   finetune generate make-model quantize test-qlora bench, with CUDA for one
+#               architecture (CC, default 90: the H100/H200), -march=x86-64-v3 (the device host's
+#               processor is not known here), host debug info stripped (~25 MB)
+#   .gpu/amx/   tools/bench built for Sapphire Rapids (AMX, no CUDA): run there only where the
+#               host's /proc/cpuinfo has amx_tile
+#   .gpu/py/    bitsandbytes (PyPI wheel BNB, default 0.50.2; only its CUDA 13 libraries: the
+#               device image's torch is cu130 and has no bitsandbytes) for the PyTorch yardstick
+#   .gpu/REV, .gpu/CC   the commit the binaries are of, and their architecture
+# Builds from a scratch worktree of HEAD: commit first (uncommitted changes are not in it).
+# Then: the device tool's run with carry [".gpu"] and command "sh bench/gpu-first.sh $OUT".
+#   bench/gpu-prep.sh            PIP=python3 -m pip (any pip that can download)   CC=90
+set -e
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+CC=${CC:-90}
+BNB=${BNB:-0.50.2}
+PIP=${PIP:-python3 -m pip}
+J=$(nproc)
+T=$(mktemp -d /tmp/qlora-gpu-prep-XXXXXX)
+trap 'cd "$ROOT"; git worktree remove --force "$T/src" > /dev/null 2>&1; git worktree remove --force "$T/amx" > /dev/null 2>&1; rm -rf "$T"' EXIT
+rm -rf .gpu
+mkdir -p .gpu/bin .gpu/amx .gpu/py
+git worktree add --detach "$T/src" HEAD > /dev/null
+git worktree add --detach "$T/amx" HEAD > /dev/null
+echo "gpu-prep: CUDA build for sm_$CC ($T/build.log)"
+(cd "$T/src" && make CUDA=1 CUDA_ARCHS="-gencode arch=compute_$CC,code=sm_$CC" ARCH=-march=x86-64-v3 -j"$J" \
+    finetune generate make-model quantize tools/bench build/test-qlora > "$T/build.log" 2>&1) || { tail -20 "$T/build.log"; exit 1; }
+for b in finetune generate make-model quantize tools/bench build/test-qlora; do cp "$T/src/$b" .gpu/bin/; done
+echo "gpu-prep: Sapphire Rapids build of tools/bench ($T/amx.log)"
+(cd "$T/amx" && make ARCH=-march=sapphirerapids -j"$J" tools/bench > "$T/amx.log" 2>&1) || { tail -20 "$T/amx.log"; exit 1; }
+cp "$T/amx/tools/bench" .gpu/amx/bench
+strip .gpu/bin/* .gpu/amx/bench
+echo "gpu-prep: bitsandbytes $BNB"
+$PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d "$T/whl" "bitsandbytes==$BNB"
+(cd .gpu/py && unzip -q "$T"/whl/bitsandbytes-*.whl && find . -name 'libbitsandbytes_*.so' ! -name '*cuda13*' ! -name '*cpu*' -delete)
+echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (the checkout had uncommitted changes: not in these binaries)')" > .gpu/REV
+echo "$CC" > .gpu/CC
+du -sh .gpu | sed 's/^/gpu-prep: /'
+echo "gpu-prep: done; carry [\".gpu\"] and run: sh bench/gpu-first.sh \$OUT"
