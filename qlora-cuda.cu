@@ -4446,6 +4446,7 @@ struct cu_schedule {  // a graph's offload copies: their event slots, and where 
     uint64_t key = 0;
     int runs = 0;                              // eager runs with this key
     cudaGraphExec_t exec = nullptr;
+    bool refused = false;                      // its capture failed: node by node until the plan changes
 };
 
 struct cuda_backend {
@@ -4857,10 +4858,11 @@ static uint64_t cu_graph_key(const ql_graph *g, const ql_graph_exec &ex) {
     return h;
 }
 
-static void cu_graph_drop(cu_schedule &sch) {
+static void cu_graph_drop(cu_schedule &sch) {  // (a new key or plan: the next capture is tried afresh)
     if (sch.exec) cudaGraphExecDestroy(sch.exec);
     sch.exec = nullptr;
     sch.runs = 0;
+    sch.refused = false;
 }
 
 static ql_status cuda_graph_compute(ql_backend *be, ql_graph *g) {
@@ -4929,27 +4931,37 @@ static ql_status cuda_graph_compute(ql_backend *be, ql_graph *g) {
         cu_graph_drop(sch);
         sch.key = key;
     }
+    if (sch.refused) {
+        cb->counts.eager++;
+        return cu_graph_enqueue(be, g, ex, sch, c);
+    }
     if (!sch.exec && ++sch.runs < 2) {  // (the first run eager: kernels and cuBLAS loaded outside any capture)
         cb->counts.eager++;
         return cu_graph_enqueue(be, g, ex, sch, c);
     }
     if (!sch.exec) {
-        if (cudaStreamBeginCapture(c.stream, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
-            ql_ctx_set_error(ctx, QL_ERR_IO, "compute: beginning a CUDA graph capture: %s", cudaGetErrorString(cudaGetLastError()));
-            return QL_ERR_IO;
-        }
-        const ql_status st = cu_graph_enqueue(be, g, ex, sch, c);
+        // A capture records, it runs nothing: where the device will not make the graph (a long
+        // sequence's ~10^6 launches, its executable's memory on a full card) the same run goes
+        // node by node, now and for this plan's later runs, and one line says so
+        const cudaError_t eb = cudaStreamBeginCapture(c.stream, cudaStreamCaptureModeThreadLocal);
+        const ql_status st = eb == cudaSuccess ? cu_graph_enqueue(be, g, ex, sch, c) : QL_OK;
         cudaGraph_t graph = nullptr;
-        const cudaError_t e = cudaStreamEndCapture(c.stream, &graph);
+        const cudaError_t e = eb != cudaSuccess ? eb : cudaStreamEndCapture(c.stream, &graph);
         const cudaError_t ei = e == cudaSuccess && st == QL_OK ? cudaGraphInstantiate(&sch.exec, graph, 0) : cudaSuccess;
         if (graph) cudaGraphDestroy(graph);
         if (st != QL_OK || e != cudaSuccess || ei != cudaSuccess) {
             (void)cudaGetLastError();  // (a failed capture's error is not the next launch's)
             sch.exec = nullptr;
-            if (st == QL_OK)
-                ql_ctx_set_error(ctx, QL_ERR_IO, "compute: capturing the CUDA graph: %s --> hint: QLORA_CUDA_GRAPHS=0 runs "
-                                 "it node by node", cudaGetErrorString(e != cudaSuccess ? e : ei));
-            return st != QL_OK ? st : QL_ERR_IO;
+            if (st != QL_OK) return st;  // (the run's own error, not the graph's)
+            fprintf(stderr, "qlora: cuda: a run of %d nodes could not be made a CUDA graph (%s): it runs node by node\n",
+                    ql_graph_n_nodes(g), cudaGetErrorString(e != cudaSuccess ? e : ei));
+            sch.refused = true;
+            cb->counts.refused++;
+            cb->counts.eager++;
+            c = cu_ctx_of(cb);  // (what the capture's enqueue noted, e.g. the decode codes made, was never run)
+            c.work = ex.work;
+            c.work_size = ex.work_size;
+            return cu_graph_enqueue(be, g, ex, sch, c);
         }
         cb->counts.captured++;
     }

@@ -1408,12 +1408,14 @@ bool    ql_cuda_device_memory_used(const ql_backend *be, size_t *in_use, size_t 
 ql_status ql_cuda_copy_peer(ql_backend *to, void *dst, ql_backend *from, const void *src, size_t size);
 // CUDA graphs: a planned graph run again with the same nodes and buffers is captured once (on its
 // second run) and replayed with one launch after; runs that time nodes (profile), look for
-// non-finite results or poison the buffer stay node by node. On by default; off with the
+// non-finite results or poison the buffer stay node by node, and so does a run whose capture or
+// instantiation the device refuses (one line on stderr; tried again when the plan changes). On by default; off with the
 // environment's QLORA_CUDA_GRAPHS=0 (read by ql_backend_cuda_init) or here. No-ops without CUDA.
 typedef struct ql_cuda_graph_counts {
     int64_t eager;     // runs queued node by node
     int64_t captured;  // captures made
     int64_t launched;  // runs as one graph launch (a capture's first included)
+    int64_t refused;   // captures the device would not make or instantiate: those runs go node by node
 } ql_cuda_graph_counts;
 void    ql_cuda_set_graphs(ql_backend *be, bool on);
 bool    ql_cuda_get_graph_counts(const ql_backend *be, ql_cuda_graph_counts *counts);  // false: not a CUDA backend

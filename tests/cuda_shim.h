@@ -102,6 +102,7 @@ struct state_t {
     long long peer_copies = 0;                   // cudaMemcpyPeerAsync calls between two devices (qlshim_peer_copies)
     std::map<std::string, long long> launches;   // per kernel name (qlshim_launches)
     int wmma_sm80 = 0;                           // WMMA 16x16 fragments in sm_80's layout, not scrambled (QL_SHIM_WMMA=sm80)
+    int fail_instantiate = 0;                    // the next this many cudaGraphInstantiate calls fail (qlshim_fail_instantiate)
 };
 inline state_t &st() {
     static state_t s;
@@ -160,6 +161,8 @@ extern "C" __attribute__((weak)) int qlshim_set_wmma_sm80(int on) {
     qlshim::st().wmma_sm80 = on;
     return was;
 }
+// the next n graph instantiations fail with cudaErrorMemoryAllocation (a huge graph on a full card)
+extern "C" __attribute__((weak)) void qlshim_fail_instantiate(int n) { qlshim::st().fail_instantiate = n; }
 namespace qlshim {
 inline size_t device_bytes_in_use() { return st().in_use; }
 inline size_t device_peak_bytes() { return st().peak; }
@@ -1389,6 +1392,11 @@ inline cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t *graph) {
 }
 inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t *exec, cudaGraph_t graph, unsigned long long) {
     if (!graph) return cudaErrorInvalidValue;
+    if (qlshim::st().fail_instantiate > 0) {  // as a card out of memory for a graph's executable would
+        qlshim::st().fail_instantiate--;
+        *exec = nullptr;
+        return cudaErrorMemoryAllocation;
+    }
     CUgraphExec_st *x = new CUgraphExec_st();
     static_cast<CUgraph_st &>(*x) = *graph;
     *exec = x;

@@ -170,6 +170,32 @@ TEST_CASE("cuda graphs: training steps replayed from a capture equal eager ones 
     MESSAGE("graphs: ", replayed.counts.captured, " captured, ", replayed.counts.launched, " launched, ", replayed.counts.eager, " eager");
 }
 
+// A graph the device will not instantiate (a long sequence's million launches on a full card) is
+// no failed step: that run and the bucket's later ones go node by node, with the same bits. The
+// shim refuses the first instantiation: one bucket runs eager throughout, the other is replayed.
+extern "C" void qlshim_fail_instantiate(int n) __attribute__((weak));
+TEST_CASE("cuda graphs: a capture the device refuses runs node by node: the same bits, the other bucket replayed" *
+          skip_unless(k_cuda && qlshim_fail_instantiate != nullptr, "without the CUDA shim's hooks")) {
+    tmpdir d;
+    const std::string path = graphs_model(d);
+    const std::vector<ql_sequence> seqs = sequences(8, 6, 61);
+    ql_train_options o = options();
+    o.max_steps = 8;
+    const run_result eager = train(path, seqs, o, false);
+    qlshim_fail_instantiate(1);
+    const run_result refused = train(path, seqs, o, true);
+    qlshim_fail_instantiate(0);
+    check_same_bits(refused, eager);
+    CHECK(refused.counts.refused == 1);
+    CHECK(refused.counts.captured == 1);
+    CHECK(refused.counts.launched >= 6);  // the other bucket's runs after its second
+    // the refused bucket: its first run, the one whose capture failed, and every later one eager
+    CHECK(refused.counts.eager + refused.counts.launched == eager.counts.eager);
+    CHECK(refused.counts.eager >= 6);
+    MESSAGE("refused: ", refused.counts.refused, ", captured ", refused.counts.captured, ", launched ", refused.counts.launched, ", eager ",
+            refused.counts.eager);
+}
+
 // --profile times nodes by events around each (no wait per node): the run stays eager, its
 // results are the unprofiled run's bits, and every multiply got a time
 TEST_CASE("cuda graphs: a profiled run is eager, gives the same bits, and times every multiply" * skip_unless(k_cuda, "without a CUDA device")) {
