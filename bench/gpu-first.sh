@@ -15,6 +15,7 @@
 #             and the 6.0e9-byte goal (issue 30)
 #   torch-8b  PyTorch + PEFT + bitsandbytes at 8B (issue 31's 2x goal; bitsandbytes carried)
 #   decode-*  ./generate at 1B (q4_K, nf4) and 8B (q4_K): tokens/s and the card's bandwidth (issue 32)
+#   llama-bench-*  llama.cpp's CUDA decode on the same q4_K files, when .gpu carries a build (issue 32)
 #   fit-8b-long  8B at 65,536 tokens under --vram 24G: the measured peak against the plan (issue 30)
 #   attn      tools/bench attn: fused attention against the chunked products (issue 31 item 1)
 #   fa-fused-1b  the 1B step with the fused attention backward: the census's largest term (issue 28)
@@ -192,6 +193,17 @@ for d in d1b-q4_K d1b-nf4 d8b-q4_K; do
         awk -v b=$(stat -c %s "$M/$d.gguf") -v bw=$BW '{ printf "    %.1f tokens/s, %.0f GB/s of the file (%.0f MB), %.0f%% of %d GB/s\n",
             $1, b * $1 / 1e9, b / 1e6, 100 * b * $1 / 1e9 / bw, bw }' >> "$S"
 done
+
+# ---- llama.cpp's llama-bench on the same q4_K files (issue 32: >= 1.0x llama.cpp CUDA), when .gpu holds
+#      one (bench/gpu-prep.sh: LLAMA_SRC=... builds it for sm_$CC; xz-compressed) ----
+if [ -f .gpu/llama-bench.xz ] && [ "$DEV" = cuda ]; then
+    xz -dc .gpu/llama-bench.xz > "$W/llama-bench" && chmod +x "$W/llama-bench"
+    for d in d1b-q4_K d8b-q4_K; do
+        [ -f "$M/$d.ok" ] || continue
+        phase "llama-bench-$d" 15 60 "$W/llama-bench" -m "$M/$d.gguf" -p 0 -n 128 -ngl 99 -fa on -r 3 &&
+            grep -E 'tg128' "$W/llama-bench-$d.log" | sed 's/^/    /' >> "$S"
+    done
+fi
 
 # ---- 8B at a long sequence under a 24 GiB limit (issue 30: the measured peak beside the plan) ----
 step fit-8b-long 8b 1 90 240 $LONG

@@ -8,6 +8,9 @@
 #               host's /proc/cpuinfo has amx_tile
 #   .gpu/py/    bitsandbytes (PyPI wheel BNB, default 0.50.2; only its CUDA 13 libraries: the
 #               device image's torch is cu130 and has no bitsandbytes) for the PyTorch yardstick
+#   .gpu/llama-bench.xz  llama.cpp's llama-bench for the same architecture (static, CUDA), from the
+#               source tree LLAMA_SRC (e.g. llama-cpp-python's sdist's vendor/llama.cpp) when given:
+#               its CUDA build takes about an hour on 2 cores (LLAMA_BUILD=DIR keeps and reuses it)
 #   .gpu/REV, .gpu/CC   the commit the binaries are of, and their architecture
 # Builds from a scratch worktree of HEAD: commit first (uncommitted changes are not in it).
 # Then: the device tool's run with carry [".gpu"] and command "sh bench/gpu-first.sh $OUT".
@@ -37,6 +40,15 @@ echo "gpu-prep: bitsandbytes $BNB"
 $PIP download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_24_x86_64 \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d "$T/whl" "bitsandbytes==$BNB"
 (cd .gpu/py && unzip -q "$T"/whl/bitsandbytes-*.whl && find . -name 'libbitsandbytes_*.so' ! -name '*cuda13*' ! -name '*cpu*' -delete)
+if [ -n "$LLAMA_SRC" ]; then
+    LB=${LLAMA_BUILD:-$T/llama}
+    echo "gpu-prep: llama.cpp's llama-bench for sm_$CC in $LB ($LB.log)"
+    (cmake -S "$LLAMA_SRC" -B "$LB" -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=$CC-real -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
+        -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+        -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_COMPILER="${NVCC:-/usr/local/cuda/bin/nvcc}" &&
+        cmake --build "$LB" --target llama-bench -j"$J") > "$LB.log" 2>&1 || { tail -20 "$LB.log"; exit 1; }
+    strip -o "$T/llama-bench" "$LB/bin/llama-bench" && xz -9 -c "$T/llama-bench" > .gpu/llama-bench.xz
+fi
 echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (the checkout had uncommitted changes: not in these binaries)')" > .gpu/REV
 echo "$CC" > .gpu/CC
 du -sh .gpu | sed 's/^/gpu-prep: /'

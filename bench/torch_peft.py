@@ -21,18 +21,23 @@ for k, v in [("dim", 2048), ("layers", 16), ("heads", 32), ("kv-heads", 8), ("ff
 # where the random weights are drawn: cpu (as before), or cuda in bf16 - seconds instead of minutes
 # at 8B, which a short GPU lease needs (bench/gpu-first.sh); NF4 quantisation is the same either way
 p.add_argument("--init", choices=["cpu", "cuda"], default="cpu")
+# --device cpu: the script's own check where there is no GPU (tiny shapes; no NF4, no memory figure)
+p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
 a = p.parse_args()
+cuda = a.device == "cuda"
 
 try:
     import bitsandbytes as bnb
 except Exception:  # noqa: BLE001 - any failure to import means: no NF4 here
+    bnb = None
+if not cuda:
     bnb = None
 
 cfg = transformers.LlamaConfig(vocab_size=a.vocab, hidden_size=a.dim, intermediate_size=a.ff, num_hidden_layers=a.layers,
                                num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, max_position_embeddings=a.seq,
                                torch_dtype=torch.bfloat16, attn_implementation="sdpa")
 torch.manual_seed(0)
-if a.init == "cuda":
+if a.init == "cuda" and cuda:
     torch.set_default_dtype(torch.bfloat16)
     with torch.device("cuda"):
         model = transformers.LlamaForCausalLM(cfg)
@@ -56,7 +61,7 @@ if bnb is not None:
     stack = "PyTorch + PEFT + bitsandbytes (QLoRA NF4, bf16)"
 else:
     stack = "PyTorch + PEFT (bf16 LoRA: bitsandbytes missing)"
-model = model.cuda()
+model = model.to(a.device)
 model.config.use_cache = False
 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 model.enable_input_require_grads()
@@ -64,18 +69,20 @@ model = peft.get_peft_model(model, peft.LoraConfig(r=16, lora_alpha=32, lora_dro
                                                    task_type="CAUSAL_LM"))
 opt = torch.optim.AdamW([q for q in model.parameters() if q.requires_grad], lr=2e-4)
 print("stack", stack, f"(torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__})")
-ids = torch.randint(0, a.vocab, (1, a.seq), device="cuda")
-torch.cuda.reset_peak_memory_stats()
+ids = torch.randint(0, a.vocab, (1, a.seq), device=a.device)
+sync = torch.cuda.synchronize if cuda else (lambda: None)
+if cuda:
+    torch.cuda.reset_peak_memory_stats()
 times = []
 for step in range(a.steps + a.warmup):
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    torch.cuda.synchronize()
+    sync()
     if step >= a.warmup:
         times.append(time.perf_counter() - t0)
 print("tokens_per_s %.1f" % (a.seq / statistics.median(times)))
-print("peak_mib %.1f" % (torch.cuda.max_memory_allocated() / 2**20))
+print("peak_mib %.1f" % (torch.cuda.max_memory_allocated() / 2**20 if cuda else 0.0))
