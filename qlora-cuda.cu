@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <type_traits>
 #include <chrono>
 #include <climits>
@@ -901,7 +902,9 @@ static const int g_gemv_rows = [] {
 // each unit's integer sums scaled in f32. The same codes and integer sums as the CPU: the results
 // differ from its by f32 summation order only (the CPU's bound against the exact path then holds).
 // A thread's unit is 32 elements; the k-quants' 8 units of a super-block are 8 neighbouring
-// threads (16-byte loads of Q4_K's codes: a warp reads 4 super-blocks' 512 code bytes at once).
+// threads (16-byte loads of Q4_K's codes: a warp reads 4 super-blocks' 512 code bytes at once;
+// Q5_K's the same, with its fifth bits' 16 bytes). The other types read by this backend (Q4_1,
+// Q5_0/1, Q2_K, Q3_K, IQ4_NL/XS) take the f32 decode kernels (k_gemv): packed, but no dp4a.
 // NF4's codes become their int8 values (QL_NF4_I8_VALUES) by two byte permutes from the table in
 // registers, a select on the code's top bit. Q4_0, Q8_0 (18- and 34-byte blocks) and Q6_K (210)
 // are read by 2-byte loads, a thread a block (Q4_0, Q8_0) - limitation: not coalesced; the
@@ -1044,14 +1047,18 @@ QL_UNROLL
     }
 };
 
-struct gq_q4_K {  // unit j of a super-block: 16 code bytes 32p + 16h (p = j / 2, h = j % 2): elements 16h .. 16h + 15 of sub-blocks 2p and 2p + 1
+// Q4_K and Q5_K (Q5: a fifth bit per element from qh, codes 0..31; the same scales, mins and sums)
+template <bool Q5>
+struct gq_k45 {  // unit j of a super-block: 16 code bytes 32p + 16h (p = j / 2, h = j % 2): elements 16h .. 16h + 15 of sub-blocks 2p and 2p + 1
     static constexpr int QB = QL_QK_K;
-    struct raw { uint4 hd, q; int j; };
+    typedef std::conditional_t<Q5, ql_block_q5_K, ql_block_q4_K> block;
+    struct raw { uint4 hd, q, qh; int j; };  // (qh: Q5_K's bytes 16h .. 16h + 15, bit 2p for sub-block 2p, 2p + 1 for 2p + 1)
     __device__ __forceinline__ static void load(raw &x, const uint8_t *row, int, const char *, int64_t, int64_t, int64_t i) {
-        const uint8_t *b = row + (i / 8) * sizeof(ql_block_q4_K);
+        const uint8_t *b = row + (i / 8) * sizeof(block);
         x.j = (int)(i % 8);
         x.hd = *(const uint4 *)b;  // d, dmin, scales[12]
-        x.q = *(const uint4 *)(b + 16 + 16 * x.j);
+        x.q = *(const uint4 *)(b + offsetof(block, qs) + 16 * x.j);
+        if constexpr (Q5) x.qh = *(const uint4 *)(b + offsetof(ql_block_q5_K, qh) + 16 * (x.j % 2));
     }
     __device__ __forceinline__ static void xload(q8x_t &x, const int8_t *q, const float *d, const int *s, int64_t i) {
         const int64_t b = i / 8;
@@ -1070,18 +1077,26 @@ struct gq_q4_K {  // unit j of a super-block: 16 code bytes 32p + 16h (p = j / 2
         const int sh = 16 * (p & 1);
         const int sc0 = (sc >> sh) & 255, sc1 = (sc >> (sh + 8)) & 255, mn0 = (mn >> sh) & 255, mn1 = (mn >> (sh + 8)) & 255;
         const uint32_t c[4] = {w.q.x, w.q.y, w.q.z, w.q.w};
+        const uint32_t hb[4] = {w.qh.x, w.qh.y, w.qh.z, w.qh.w};
         const int xa[4] = {x.c0.x, x.c0.y, x.c0.z, x.c0.w}, xb[4] = {x.c1.x, x.c1.y, x.c1.z, x.c1.w};
         int sa = 0, sb = 0;
 QL_UNROLL
         for (int k = 0; k < 4; k++) {
-            sa = __dp4a((int)(c[k] & 0x0f0f0f0fu), xa[k], sa);
-            sb = __dp4a((int)((c[k] >> 4) & 0x0f0f0f0fu), xb[k], sb);
+            uint32_t lo = c[k] & 0x0f0f0f0fu, hi = (c[k] >> 4) & 0x0f0f0f0fu;
+            if constexpr (Q5) {
+                lo |= ((hb[k] >> (2 * p)) & 0x01010101u) << 4;
+                hi |= ((hb[k] >> (2 * p + 1)) & 0x01010101u) << 4;
+            }
+            sa = __dp4a((int)lo, xa[k], sa);
+            sb = __dp4a((int)hi, xb[k], sb);
         }
         const float dx = x.d;
         return (float)(sc0 * sa + sc1 * sb) * __fmul_rn(cu_h2f((uint16_t)(w.hd.x & 0xffff)), dx) -
                (float)(mn0 * x.s[0] + mn1 * x.s[1]) * __fmul_rn(cu_h2f((uint16_t)(w.hd.x >> 16)), dx);
     }
 };
+typedef gq_k45<false> gq_q4_K;
+typedef gq_k45<true> gq_q5_K;
 
 struct gq_q6_K {  // unit j of a super-block: half h = j / 4, l in [8t, 8t + 8) (t = j % 4) of its four groups m (elements 128h + 32m + l)
     static constexpr int QB = QL_QK_K;
@@ -1254,7 +1269,7 @@ QL_UNROLL
 // run (the workspace planned for the codes then unused)
 static bool cu_gemv_q8_ok(const ql_tensor *node) {
     const ql_tensor *a = node->src[0];
-    const bool wide = a->type == QL_TYPE_Q4_K || a->type == QL_TYPE_NF4 || a->type == QL_TYPE_NF4_NODQ;
+    const bool wide = a->type == QL_TYPE_Q4_K || a->type == QL_TYPE_Q5_K || a->type == QL_TYPE_NF4 || a->type == QL_TYPE_NF4_NODQ;
     return !wide || ((uintptr_t)a->data | (uintptr_t)a->nb[1]) % 16 == 0;
 }
 static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *node, int qb) {
@@ -1301,6 +1316,7 @@ static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *node, int qb) {
     case QL_TYPE_Q4_0: pick((gq_q4_0 *)nullptr); break;
     case QL_TYPE_Q8_0: pick((gq_q8_0 *)nullptr); break;
     case QL_TYPE_Q4_K: pick((gq_q4_K *)nullptr); break;
+    case QL_TYPE_Q5_K: pick((gq_q5_K *)nullptr); break;
     case QL_TYPE_Q6_K: pick((gq_q6_K *)nullptr); break;
     default: CU_ASSERT(a->type == QL_TYPE_NF4 || a->type == QL_TYPE_NF4_NODQ); pick((gq_nf4 *)nullptr); break;
     }
