@@ -99,12 +99,22 @@ say "  prebuilt: $(cat .gpu/REV 2> /dev/null || echo none); $(date -u '+%Y-%m-%d
 [ -n "$CC" ] || { say "no GPU: nvidia-smi gave no compute capability"; finish; }
 { nvidia-smi; nvidia-smi -q -d CLOCK,POWER | head -60; } > "$W/nvidia-smi.log" 2>&1
 ok_bins() { ./finetune --help > /dev/null 2>&1 && ./build/test-qlora -ltc > /dev/null 2>&1; }
+# unxz FILE: to stdout (xz, or Python's lzma where the image has no xz)
+unxz() { xz -dc "$1" 2> /dev/null || python3 -c 'import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.argv[1]), sys.stdout.buffer)' "$1"; }
+# libs_for PROGRAM: the folders of the shared libraries it lacks (found anywhere: PyTorch's wheels
+# hold NCCL and cuBLAS), for LD_LIBRARY_PATH
+libs_for() {
+    ldd "$1" 2> /dev/null | awk '/not found/ { print $1 }' | while read -r lib; do
+        find / \( -path /proc -o -path /sys \) -prune -o -name "$lib" -printf '%h\n' 2> /dev/null | head -1
+    done | sort -u | tr '\n' ':'
+}
 # cuBLAS 13 where the toolkit is not at /usr/local/cuda (the binaries' rpath): PyTorch's wheels have it
 if [ ! -e /usr/local/cuda/lib64/libcublas.so.13 ]; then
     d=$(find / \( -path /proc -o -path /sys \) -prune -o -name 'libcublas.so.13' -printf '%h\n' 2> /dev/null | head -1)
     e=$(find / \( -path /proc -o -path /sys \) -prune -o -name 'libcudart.so.13' -printf '%h\n' 2> /dev/null | head -1)
     [ -n "$d$e" ] && export LD_LIBRARY_PATH=$d:$e${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} && say "  cuBLAS from $d, the runtime from $e"
 fi
+[ -f .gpu/bin.tar.xz ] && unxz .gpu/bin.tar.xz | tar -x -C .gpu
 if [ -x .gpu/bin/finetune ] && [ "$(cat .gpu/CC 2> /dev/null)" = "$CC" ]; then
     mkdir -p build
     for b in finetune generate make-model quantize; do cp .gpu/bin/$b ./$b; done
@@ -198,10 +208,12 @@ done
 # ---- llama.cpp's llama-bench on the same q4_K files (issue 32: >= 1.0x llama.cpp CUDA), when .gpu holds
 #      one (bench/gpu-prep.sh: LLAMA_SRC=... builds it for sm_$CC; xz-compressed) ----
 if [ -f .gpu/llama-bench.xz ] && [ "$DEV" = cuda ]; then
-    xz -dc .gpu/llama-bench.xz > "$W/llama-bench" && chmod +x "$W/llama-bench"
+    unxz .gpu/llama-bench.xz > "$W/llama-bench" && chmod +x "$W/llama-bench"
+    LP=$(libs_for "$W/llama-bench")
+    [ -n "$LP" ] && say "  llama-bench's libraries from $LP"
     for d in d1b-q4_K d8b-q4_K; do
         [ -f "$M/$d.ok" ] || continue
-        phase "llama-bench-$d" 15 60 "$W/llama-bench" -m "$M/$d.gguf" -p 0 -n 128 -ngl 99 -fa on -r 3 &&
+        phase "llama-bench-$d" 15 60 env LD_LIBRARY_PATH="$LP${LD_LIBRARY_PATH:-}" "$W/llama-bench" -m "$M/$d.gguf" -p 0 -n 128 -ngl 99 -fa on -r 3 &&
             grep -E 'tg128' "$W/llama-bench-$d.log" | sed 's/^/    /' >> "$S"
     done
 fi
