@@ -903,14 +903,16 @@ static const int g_gemv_rows = [] {
 // differ from its by f32 summation order only (the CPU's bound against the exact path then holds).
 // A thread's unit is 32 elements; the k-quants' 8 units of a super-block are 8 neighbouring
 // threads (16-byte loads of Q4_K's codes: a warp reads 4 super-blocks' 512 code bytes at once;
-// Q5_K's the same, with its fifth bits' 16 bytes). The other types read by this backend (Q4_1,
-// Q5_0/1, Q2_K, Q3_K, IQ4_NL/XS) take the f32 decode kernels (k_gemv): packed, but no dp4a.
+// Q5_K's the same, with its fifth bits' 16 bytes; IQ4_NL / IQ4_XS through their table as NF4). The
+// other types read by this backend (Q4_1, Q5_0/1, Q2_K, Q3_K) take the f32 decode kernels
+// (k_gemv): packed, but no dp4a.
 // NF4's codes become their int8 values (QL_NF4_I8_VALUES) by two byte permutes from the table in
 // registers, a select on the code's top bit. Q4_0, Q8_0 (18- and 34-byte blocks) and Q6_K (210)
 // are read by 2-byte loads, a thread a block (Q4_0, Q8_0) - limitation: not coalesced; the
 // Q4_K / NF4 files this targets use Q6_K for the head (~9% of an 8B file's bytes).
 
 __constant__ int8_t cu_nf4_i8[16] = QL_NF4_I8_VALUES;
+__constant__ int8_t cu_iq4_i8[16] = QL_IQ4_VALUES;  // IQ4_NL / IQ4_XS's non-linear values
 
 #define Q8_ACT_WARPS 8  // warps per block of k_q8_act, 256 elements each
 
@@ -1148,6 +1150,64 @@ QL_UNROLL
     }
 };
 
+// IQ4_NL (a block of 32: d, 16 bytes, element j the low nibble of byte j, j + 16 the high) and
+// IQ4_XS (unit s of a super-block of 136 bytes: sub-block s's 16 bytes, its 6-bit scale ls, x =
+// d (ls - 32) kvalue[q]): the codes become the table's int8 values as NF4's do (cu_nf4_i8x4 with
+// IQ4's table), then dp4a; one scale a unit, no mins or offsets
+__device__ __forceinline__ int cu_iq4_dot16(const uint32_t q[4], const q8x_t &x, const uint32_t *t) {
+    const int lo[4] = {x.c0.x, x.c0.y, x.c0.z, x.c0.w}, hi[4] = {x.c1.x, x.c1.y, x.c1.z, x.c1.w};
+    int sum = 0;
+QL_UNROLL
+    for (int k = 0; k < 4; k++) {  // bytes 4k .. 4k + 3: elements 4k .. 4k + 3 (low nibbles) and 16 + 4k .. (high)
+        sum = __dp4a((int)cu_nf4_i8x4(q[k] & 0x0f0f0f0fu, t), lo[k], sum);
+        sum = __dp4a((int)cu_nf4_i8x4((q[k] >> 4) & 0x0f0f0f0fu, t), hi[k], sum);
+    }
+    return sum;
+}
+struct gq_iq4_nl {
+    static constexpr int QB = 32;
+    struct raw { uint32_t q[4]; uint16_t d; };
+    __device__ __forceinline__ static void load(raw &x, const uint8_t *row, int, const char *, int64_t, int64_t, int64_t i) {
+        const uint8_t *b = row + i * sizeof(ql_block_iq4_nl);
+        x.d = *(const uint16_t *)b;
+QL_UNROLL
+        for (int k = 0; k < 4; k++) x.q[k] = cu_ld_u32_2(b + 2 + 4 * k);
+    }
+    __device__ __forceinline__ static void xload(q8x_t &x, const int8_t *q, const float *d, const int *, int64_t i) {
+        x.c0 = ((const int4 *)(q + 32 * i))[0], x.c1 = ((const int4 *)(q + 32 * i))[1];
+        x.d = d[i];
+    }
+    __device__ __forceinline__ static float dot(const raw &w, const q8x_t &x, const uint32_t *t) {
+        return (float)cu_iq4_dot16(w.q, x, t) * __fmul_rn(cu_h2f(w.d), x.d);
+    }
+};
+struct gq_iq4_xs {
+    static constexpr int QB = QL_QK_K;
+    struct raw { uint32_t q[4], hs, sl; int s; };  // hs: d | scales_h << 16; sl: scales_l[0..3]
+    __device__ __forceinline__ static void load(raw &x, const uint8_t *row, int, const char *, int64_t, int64_t, int64_t i) {
+        const uint8_t *b = row + (i / 8) * sizeof(ql_block_iq4_xs);  // (136 bytes: 4-byte loads)
+        x.s = (int)(i % 8);
+        x.hs = *(const uint32_t *)b;
+        x.sl = *(const uint32_t *)(b + offsetof(ql_block_iq4_xs, scales_l));
+        const uint8_t *qs = b + offsetof(ql_block_iq4_xs, qs) + 16 * x.s;
+QL_UNROLL
+        for (int k = 0; k < 4; k++) x.q[k] = *(const uint32_t *)(qs + 4 * k);
+    }
+    __device__ __forceinline__ static void xload(q8x_t &x, const int8_t *q, const float *d, const int *, int64_t i) {
+        x.c0 = ((const int4 *)(q + 32 * i))[0], x.c1 = ((const int4 *)(q + 32 * i))[1];  // (unit i: elements 32 i ..)
+        x.d = d[i / 8];
+    }
+    __device__ __forceinline__ static float dot(const raw &w, const q8x_t &x, const uint32_t *t) {
+        const int ls = (int)((w.sl >> (8 * (w.s / 2) + 4 * (w.s % 2))) & 15) | (int)(((w.hs >> 16) >> (2 * w.s)) & 3) << 4;
+        return (float)(cu_iq4_dot16(w.q, x, t) * (ls - 32)) * __fmul_rn(cu_h2f((uint16_t)(w.hs & 0xffff)), x.d);
+    }
+};
+// the int8 table a unit type reads (NF4's for the types without one: unused)
+template <typename T> __device__ __forceinline__ const int8_t *cu_lut_of() {
+    if constexpr (std::is_same_v<T, gq_iq4_nl> || std::is_same_v<T, gq_iq4_xs>) return cu_iq4_i8;
+    return cu_nf4_i8;
+}
+
 // C [M, N] = W b from b's codes: R rows a block (grid: M / R blocks of 32-128 threads), NN >= N
 // columns; a thread takes units i0, i0 + threads, ... of its rows, each column's codes read once
 // for the R rows. Partial sums meet by shuffles, then across warps in a fixed order.
@@ -1158,11 +1218,12 @@ __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv_q8(const char *w, int64_
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nt = blockDim.x;
     const int64_t r0 = (int64_t)blockIdx.x * R, n_units = K / 32;
     const int g = T::QB == 32 ? 32 : 8;
-    uint32_t tab[4];  // NF4's int8 values, four a word
+    uint32_t tab[4];  // a table type's int8 values (NF4's, or IQ4_NL/XS's), four a word
+    const int8_t *lut = cu_lut_of<T>();
 QL_UNROLL
     for (int k = 0; k < 4; k++)
-        tab[k] = (uint32_t)(uint8_t)cu_nf4_i8[4 * k] | (uint32_t)(uint8_t)cu_nf4_i8[4 * k + 1] << 8 |
-                 (uint32_t)(uint8_t)cu_nf4_i8[4 * k + 2] << 16 | (uint32_t)(uint8_t)cu_nf4_i8[4 * k + 3] << 24;
+        tab[k] = (uint32_t)(uint8_t)lut[4 * k] | (uint32_t)(uint8_t)lut[4 * k + 1] << 8 | (uint32_t)(uint8_t)lut[4 * k + 2] << 16 |
+                 (uint32_t)(uint8_t)lut[4 * k + 3] << 24;
     float acc[R][NN];
 QL_UNROLL
     for (int q = 0; q < R; q++)
@@ -1317,6 +1378,8 @@ static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *node, int qb) {
     case QL_TYPE_Q8_0: pick((gq_q8_0 *)nullptr); break;
     case QL_TYPE_Q4_K: pick((gq_q4_K *)nullptr); break;
     case QL_TYPE_Q5_K: pick((gq_q5_K *)nullptr); break;
+    case QL_TYPE_IQ4_NL: pick((gq_iq4_nl *)nullptr); break;
+    case QL_TYPE_IQ4_XS: pick((gq_iq4_xs *)nullptr); break;
     case QL_TYPE_Q6_K: pick((gq_q6_K *)nullptr); break;
     default: CU_ASSERT(a->type == QL_TYPE_NF4 || a->type == QL_TYPE_NF4_NODQ); pick((gq_nf4 *)nullptr); break;
     }

@@ -9298,9 +9298,10 @@ int ql_cuda_mm_q8(const ql_tensor *node) {
     if (!g_cuda_decode_dp4a || !ql_cuda_mm_gemv(node) || node->op_params[0] != QL_TYPE_Q8_0) return 0;
     const ql_tensor *a = node->src[0], *b = node->src[1];
     const bool nf4 = a->type == QL_TYPE_NF4 || a->type == QL_TYPE_NF4_NODQ;
-    const int qb = a->type == QL_TYPE_Q4_0 || a->type == QL_TYPE_Q8_0 || nf4                               ? 32
-                   : a->type == QL_TYPE_Q4_K || a->type == QL_TYPE_Q5_K || a->type == QL_TYPE_Q6_K ? QL_QK_K
-                                                                                                    : 0;
+    const ql_type t = a->type;
+    const int qb = t == QL_TYPE_Q4_0 || t == QL_TYPE_Q8_0 || t == QL_TYPE_IQ4_NL || nf4                                   ? 32
+                   : t == QL_TYPE_Q4_K || t == QL_TYPE_Q5_K || t == QL_TYPE_Q6_K || t == QL_TYPE_IQ4_XS ? QL_QK_K
+                                                                                                         : 0;
     return qb && b->type == QL_TYPE_F32 && a->ne[0] % qb == 0 && (!nf4 || a->ne[0] % QL_NF4_BLOCK == 0) ? qb : 0;
 }
 size_t ql_cuda_mm_q8_layout(int64_t N, int64_t K, int qb, size_t off[2]) {

@@ -412,7 +412,8 @@ OP_CASE(mul_mat_decode_q8) {
     const shape shapes[] = {{QL_TYPE_Q4_0, {96, 544, 4160}},   {QL_TYPE_Q8_0, {32, 544, 4160}},
                             {QL_TYPE_NF4, {64, 576, 4160}},    {QL_TYPE_NF4_NODQ, {192, 4160}},
                             {QL_TYPE_Q4_K, {256, 2304, 5120}}, {QL_TYPE_Q5_K, {256, 2304, 5120}},
-                            {QL_TYPE_Q6_K, {256, 2304, 2048, 10240}}};
+                            {QL_TYPE_Q6_K, {256, 2304, 2048, 10240}}, {QL_TYPE_IQ4_NL, {32, 544, 4160}},
+                            {QL_TYPE_IQ4_XS, {256, 2304, 5120}}};
     const bool cuda = strcmp(ql_backend_name(be), "cpu") != 0;
     for (const shape &sh : shapes)
         for (int64_t k : sh.ks)
@@ -425,7 +426,7 @@ OP_CASE(mul_mat_decode_q8) {
                         // activations with an outlier per column (blocks of very different scales)
                         ql_tensor *y = ql_mul_mat(L.ctx, L.rand(t, {k, m}, -0.5f, 0.5f), L.rand(QL_TYPE_F32, {k, n}, -2.0f, 2.0f));
                         REQUIRE(ql_mul_mat_set_prec(y, QL_TYPE_Q8_0) == QL_OK);
-                        if (cuda) CHECK(ql_cuda_mm_q8(y) == (t == QL_TYPE_Q4_K || t == QL_TYPE_Q5_K || t == QL_TYPE_Q6_K ? 256 : 32));
+                        if (cuda) CHECK(ql_cuda_mm_q8(y) == (ql_type_traits_get(t)->blck_size == QL_QK_K ? 256 : 32));
                         return y;
                     }, TOL_MM, false);
                 }
