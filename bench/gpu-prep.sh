@@ -24,7 +24,10 @@ PIP=${PIP:-python3 -m pip}
 J=$(nproc)
 T=$(mktemp -d /tmp/qlora-gpu-prep-XXXXXX)
 trap 'cd "$ROOT"; git worktree remove --force "$T/src" > /dev/null 2>&1; git worktree remove --force "$T/amx" > /dev/null 2>&1; rm -rf "$T"' EXIT
-rm -rf .gpu
+# (an earlier run's llama-bench.xz is kept unless LLAMA_SRC builds it again: it does not depend on HEAD)
+rm -rf .gpu/bin .gpu/bin.tar.xz .gpu/amx .gpu/py .gpu/REV .gpu/CC
+[ -n "$LLAMA_SRC" ] && rm -f .gpu/llama-bench.xz
+[ -f .gpu/llama-bench.xz ] && echo "gpu-prep: keeping .gpu/llama-bench.xz (LLAMA_SRC=... builds it again)"
 mkdir -p .gpu/amx .gpu/py
 git worktree add --detach "$T/src" HEAD > /dev/null
 git worktree add --detach "$T/amx" HEAD > /dev/null
