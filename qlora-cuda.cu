@@ -903,9 +903,8 @@ static const int g_gemv_rows = [] {
 // differ from its by f32 summation order only (the CPU's bound against the exact path then holds).
 // A thread's unit is 32 elements; the k-quants' 8 units of a super-block are 8 neighbouring
 // threads (16-byte loads of Q4_K's codes: a warp reads 4 super-blocks' 512 code bytes at once;
-// Q5_K's the same, with its fifth bits' 16 bytes; IQ4_NL / IQ4_XS through their table as NF4). The
-// other types read by this backend (Q4_1, Q5_0/1, Q2_K, Q3_K) take the f32 decode kernels
-// (k_gemv): packed, but no dp4a.
+// Q5_K's the same, with its fifth bits' 16 bytes; IQ4_NL / IQ4_XS through their table as NF4; Q4_1
+// and Q5_0/1 as Q4_0). Q2_K and Q3_K take the f32 decode kernels (k_gemv): packed, but no dp4a.
 // NF4's codes become their int8 values (QL_NF4_I8_VALUES) by two byte permutes from the table in
 // registers, a select on the code's top bit. Q4_0, Q8_0 (18- and 34-byte blocks) and Q6_K (210)
 // are read by 2-byte loads, a thread a block (Q4_0, Q8_0) - limitation: not coalesced; the
@@ -1150,6 +1149,45 @@ QL_UNROLL
     }
 };
 
+// Q4_1, Q5_0 and Q5_1 (blocks of 32, 2-byte aligned: 2-byte loads, a thread a block as Q4_0): the
+// nibbles as Q4_0's; Q5's fifth bit of element j is bit j of qh, spread here to bit 4 of each byte;
+// x = d (q - 16) (Q5_0) or d q + m (Q4_1, Q5_1): the offset or the min times the activation's block sum
+__device__ __forceinline__ uint32_t cu_qh_bit4(uint32_t qh, int j) {  // bits j .. j + 3 of qh at bit 4 of bytes 0 .. 3
+    const uint32_t x = (qh >> j) & 15u;
+    return ((x & 1u) | (x & 2u) << 7 | (x & 4u) << 14 | (x & 8u) << 21) << 4;
+}
+template <bool Q5, bool MIN>
+struct gq_q01 {
+    static constexpr int QB = 32;
+    typedef std::conditional_t<Q5, std::conditional_t<MIN, ql_block_q5_1, ql_block_q5_0>, ql_block_q4_1> block;
+    struct raw { uint32_t q[4], qh; uint16_t d, m; };
+    __device__ __forceinline__ static void load(raw &x, const uint8_t *row, int, const char *, int64_t, int64_t, int64_t i) {
+        const uint8_t *b = row + i * sizeof(block);
+        x.d = *(const uint16_t *)b;
+        x.m = MIN ? *(const uint16_t *)(b + 2) : 0;
+        x.qh = 0;
+        if constexpr (Q5) x.qh = cu_ld_u32_2(b + offsetof(block, qh));
+QL_UNROLL
+        for (int k = 0; k < 4; k++) x.q[k] = cu_ld_u32_2(b + offsetof(block, qs) + 4 * k);
+    }
+    __device__ __forceinline__ static void xload(q8x_t &x, const int8_t *q, const float *d, const int *s, int64_t i) {
+        x.c0 = ((const int4 *)(q + 32 * i))[0], x.c1 = ((const int4 *)(q + 32 * i))[1];
+        x.d = d[i], x.s[0] = s[i];
+    }
+    __device__ __forceinline__ static float dot(const raw &w, const q8x_t &x, const uint32_t *) {
+        const int lo[4] = {x.c0.x, x.c0.y, x.c0.z, x.c0.w}, hi[4] = {x.c1.x, x.c1.y, x.c1.z, x.c1.w};
+        int sum = 0;
+QL_UNROLL
+        for (int k = 0; k < 4; k++) {  // elements 4k .. 4k + 3 (low nibbles), 16 + 4k .. (high)
+            uint32_t a = w.q[k] & 0x0f0f0f0fu, b = (w.q[k] >> 4) & 0x0f0f0f0fu;
+            if constexpr (Q5) a |= cu_qh_bit4(w.qh, 4 * k), b |= cu_qh_bit4(w.qh, 16 + 4 * k);
+            sum = __dp4a((int)b, hi[k], __dp4a((int)a, lo[k], sum));
+        }
+        if constexpr (!MIN) return (float)(sum - 16 * x.s[0]) * __fmul_rn(cu_h2f(w.d), x.d);
+        return (float)sum * __fmul_rn(cu_h2f(w.d), x.d) + (float)x.s[0] * __fmul_rn(cu_h2f(w.m), x.d);
+    }
+};
+
 // IQ4_NL (a block of 32: d, 16 bytes, element j the low nibble of byte j, j + 16 the high) and
 // IQ4_XS (unit s of a super-block of 136 bytes: sub-block s's 16 bytes, its 6-bit scale ls, x =
 // d (ls - 32) kvalue[q]): the codes become the table's int8 values as NF4's do (cu_nf4_i8x4 with
@@ -1379,6 +1417,9 @@ static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *node, int qb) {
     case QL_TYPE_Q4_K: pick((gq_q4_K *)nullptr); break;
     case QL_TYPE_Q5_K: pick((gq_q5_K *)nullptr); break;
     case QL_TYPE_IQ4_NL: pick((gq_iq4_nl *)nullptr); break;
+    case QL_TYPE_Q4_1: pick((gq_q01<false, true> *)nullptr); break;
+    case QL_TYPE_Q5_0: pick((gq_q01<true, false> *)nullptr); break;
+    case QL_TYPE_Q5_1: pick((gq_q01<true, true> *)nullptr); break;
     case QL_TYPE_IQ4_XS: pick((gq_iq4_xs *)nullptr); break;
     case QL_TYPE_Q6_K: pick((gq_q6_K *)nullptr); break;
     default: CU_ASSERT(a->type == QL_TYPE_NF4 || a->type == QL_TYPE_NF4_NODQ); pick((gq_nf4 *)nullptr); break;

@@ -9299,7 +9299,8 @@ int ql_cuda_mm_q8(const ql_tensor *node) {
     const ql_tensor *a = node->src[0], *b = node->src[1];
     const bool nf4 = a->type == QL_TYPE_NF4 || a->type == QL_TYPE_NF4_NODQ;
     const ql_type t = a->type;
-    const int qb = t == QL_TYPE_Q4_0 || t == QL_TYPE_Q8_0 || t == QL_TYPE_IQ4_NL || nf4                                   ? 32
+    const bool q32 = t == QL_TYPE_Q4_0 || t == QL_TYPE_Q4_1 || t == QL_TYPE_Q5_0 || t == QL_TYPE_Q5_1 || t == QL_TYPE_Q8_0 || t == QL_TYPE_IQ4_NL;
+    const int qb = q32 || nf4                                                                                        ? 32
                    : t == QL_TYPE_Q4_K || t == QL_TYPE_Q5_K || t == QL_TYPE_Q6_K || t == QL_TYPE_IQ4_XS ? QL_QK_K
                                                                                                          : 0;
     return qb && b->type == QL_TYPE_F32 && a->ne[0] % qb == 0 && (!nf4 || a->ne[0] % QL_NF4_BLOCK == 0) ? qb : 0;

@@ -413,6 +413,8 @@ OP_CASE(mul_mat_decode_q8) {
                             {QL_TYPE_NF4, {64, 576, 4160}},    {QL_TYPE_NF4_NODQ, {192, 4160}},
                             {QL_TYPE_Q4_K, {256, 2304, 5120}}, {QL_TYPE_Q5_K, {256, 2304, 5120}},
                             {QL_TYPE_Q6_K, {256, 2304, 2048, 10240}}, {QL_TYPE_IQ4_NL, {32, 544, 4160}},
+                            {QL_TYPE_Q4_1, {32, 544, 4160}},   {QL_TYPE_Q5_0, {32, 544, 4160}},
+                            {QL_TYPE_Q5_1, {32, 544, 4160}},
                             {QL_TYPE_IQ4_XS, {256, 2304, 5120}}};
     const bool cuda = strcmp(ql_backend_name(be), "cpu") != 0;
     for (const shape &sh : shapes)
