@@ -1157,8 +1157,7 @@ __device__ __forceinline__ uint32_t cu_qh_bit4(uint32_t qh, int j) {  // bits j 
     return ((x & 1u) | (x & 2u) << 7 | (x & 4u) << 14 | (x & 8u) << 21) << 4;
 }
 template <bool Q5, bool MIN>
-struct gq_q01 {
-    static constexpr int QB = 32;
+struct gq_q01 : gq_q4_0 {  // (Q4_0's activation side: xload)
     typedef std::conditional_t<Q5, std::conditional_t<MIN, ql_block_q5_1, ql_block_q5_0>, ql_block_q4_1> block;
     struct raw { uint32_t q[4], qh; uint16_t d, m; };
     __device__ __forceinline__ static void load(raw &x, const uint8_t *row, int, const char *, int64_t, int64_t, int64_t i) {
@@ -1169,10 +1168,6 @@ struct gq_q01 {
         if constexpr (Q5) x.qh = cu_ld_u32_2(b + offsetof(block, qh));
 QL_UNROLL
         for (int k = 0; k < 4; k++) x.q[k] = cu_ld_u32_2(b + offsetof(block, qs) + 4 * k);
-    }
-    __device__ __forceinline__ static void xload(q8x_t &x, const int8_t *q, const float *d, const int *s, int64_t i) {
-        x.c0 = ((const int4 *)(q + 32 * i))[0], x.c1 = ((const int4 *)(q + 32 * i))[1];
-        x.d = d[i], x.s[0] = s[i];
     }
     __device__ __forceinline__ static float dot(const raw &w, const q8x_t &x, const uint32_t *) {
         const int lo[4] = {x.c0.x, x.c0.y, x.c0.z, x.c0.w}, hi[4] = {x.c1.x, x.c1.y, x.c1.z, x.c1.w};
@@ -1202,19 +1197,8 @@ QL_UNROLL
     }
     return sum;
 }
-struct gq_iq4_nl {
-    static constexpr int QB = 32;
-    struct raw { uint32_t q[4]; uint16_t d; };
-    __device__ __forceinline__ static void load(raw &x, const uint8_t *row, int, const char *, int64_t, int64_t, int64_t i) {
-        const uint8_t *b = row + i * sizeof(ql_block_iq4_nl);
-        x.d = *(const uint16_t *)b;
-QL_UNROLL
-        for (int k = 0; k < 4; k++) x.q[k] = cu_ld_u32_2(b + 2 + 4 * k);
-    }
-    __device__ __forceinline__ static void xload(q8x_t &x, const int8_t *q, const float *d, const int *, int64_t i) {
-        x.c0 = ((const int4 *)(q + 32 * i))[0], x.c1 = ((const int4 *)(q + 32 * i))[1];
-        x.d = d[i];
-    }
+struct gq_iq4_nl : gq_q4_0 {  // Q4_0's block layout (load, xload); its own values
+    static_assert(sizeof(ql_block_iq4_nl) == sizeof(ql_block_q4_0), "IQ4_NL reads as Q4_0's block");
     __device__ __forceinline__ static float dot(const raw &w, const q8x_t &x, const uint32_t *t) {
         return (float)cu_iq4_dot16(w.q, x, t) * __fmul_rn(cu_h2f(w.d), x.d);
     }

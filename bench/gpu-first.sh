@@ -108,13 +108,12 @@ libs_for() {
         find / \( -path /proc -o -path /sys \) -prune -o -name "$lib" -printf '%h\n' 2> /dev/null | head -1
     done | sort -u | tr '\n' ':'
 }
-# cuBLAS 13 where the toolkit is not at /usr/local/cuda (the binaries' rpath): PyTorch's wheels have it
-if [ ! -e /usr/local/cuda/lib64/libcublas.so.13 ]; then
-    d=$(find / \( -path /proc -o -path /sys \) -prune -o -name 'libcublas.so.13' -printf '%h\n' 2> /dev/null | head -1)
-    e=$(find / \( -path /proc -o -path /sys \) -prune -o -name 'libcudart.so.13' -printf '%h\n' 2> /dev/null | head -1)
-    [ -n "$d$e" ] && export LD_LIBRARY_PATH=$d:$e${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} && say "  cuBLAS from $d, the runtime from $e"
-fi
 [ -f .gpu/bin.tar.xz ] && unxz .gpu/bin.tar.xz | tar -x -C .gpu
+# cuBLAS 13 where the toolkit is not at /usr/local/cuda (the binaries' rpath): PyTorch's wheels have it
+if [ -x .gpu/bin/finetune ]; then
+    LP=$(libs_for .gpu/bin/finetune)
+    [ -n "$LP" ] && export LD_LIBRARY_PATH=$LP${LD_LIBRARY_PATH:-} && say "  the carried binaries' libraries from $LP"
+fi
 if [ -x .gpu/bin/finetune ] && [ "$(cat .gpu/CC 2> /dev/null)" = "$CC" ]; then
     mkdir -p build
     for b in finetune generate make-model quantize; do cp .gpu/bin/$b ./$b; done
