@@ -27,6 +27,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <mma.h>
+#include <cuda_pipeline_primitives.h>
 #define QL_LAUNCH(k, grid, block, smem, stream, ...) (k)<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
 #define QL_DYN_SMEM(T, name) \
     extern __shared__ __align__(16) unsigned char ql_dyn_smem_[]; \
@@ -3487,8 +3488,10 @@ static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
 // ---- attention on tensor cores: FlashAttention-2 through WMMA (training, 16-bit compute) ----
 // The default wherever ql_cuda_fa_fused(node) (qlora.cpp): prec bf16, d == dv in {64, 80, 96, 128}.
 // Tiles of q, k, v (and dO) are converted from f32 to the compute type T (bf16 from cc 8.0, fp16
-// on 7.5) on their way into shared memory - so cuda::memcpy_async, a byte copy, has nothing to
-// do here (limitation: no copy/compute overlap beyond what other resident blocks give). Products
+// on 7.5) on their way into shared memory, or copied where they are T already. The register
+// path's backward streams bf16 tiles by asynchronous copies (cp.async through
+// cuda_pipeline_primitives.h) into two buffers, so the next tile loads while this one's products
+// run; elsewhere no copy/compute overlap beyond what other resident blocks give. Products
 // are 16x16x16 WMMA tiles with f32 accumulators. A fragment's element-to-lane mapping is never
 // assumed: row-wise softmax goes through shared memory (S stored, processed by lanes, P loaded
 // as a matrix_a fragment), and the one per-row operation on register fragments (O's rescale)
@@ -4119,23 +4122,41 @@ FA2_UNROLL
     }
 }
 
+// The backward's streamed tiles (query tiles for dK/dV, key tiles for dQ). With PIPE (the sources
+// bf16 and 16-byte aligned: the trainer's under bf16) two buffers take turns: the next tile's rows
+// travel by asynchronous copies (cp.async) while this tile's products run, so a tile's load waits
+// on memory only when the products are shorter than its latency. Without PIPE one buffer, loaded
+// between two barriers. The same products in the same order either way: the same bits.
+// rows [0, n) of a bf16 matrix (base and rs 16-byte aligned) into dst [rows][E + FA2_PAD] by
+// asynchronous 16-byte copies; rows n.. zeroed by plain stores. They land at the caller's
+// __pipeline_wait_prior; other threads see them after the __syncthreads that follows it.
+template <typename T, int E> __device__ __forceinline__ void fa2_copy16_async(T *dst, const char *base, int64_t rs, int n, int rows) {
+    constexpr int LD = E + FA2_PAD, V = E / 8;
+    for (int x = threadIdx.x; x < rows * V; x += blockDim.x) {
+        const int r = x / V, c = x % V * 8;
+        if (r < n) __pipeline_memcpy_async(dst + r * LD + c, base + r * rs + c * 2, 16);
+        else *(uint4 *)(dst + r * LD + c) = make_uint4(0, 0, 0, 0);
+    }
+}
+
 // dK, dV, register path: block (16 NW keys, kv head, batch); every query head of the group, query
 // tiles of BT, 16 queries at a time. dk, dv [D, Tk, Hkv, B]; dO [D, H, Tq, B]; lse, delta [Tq, H, B]
-template <typename T, int D, int NW, int BT>  // (T: bf16)
+template <typename T, int D, int NW, int BT, bool PIPE>  // (T: bf16)
 __global__ void __launch_bounds__(NW * 32, 1)
     k_fa2_dkv_reg(fa_args a, const char *dO, const float *lse, const float *delta, float *dk, float *dv) {
     if constexpr (!FA2_ARCH_OK(T)) return;
     else
     {
     using namespace nvcuda;
-    constexpr int RK = 16 * NW, LD = D + FA2_PAD, NF = D / 16;
+    constexpr int RK = 16 * NW, LD = D + FA2_PAD, NF = D / 16, NB = PIPE ? 2 : 1;
+    static_assert(BT <= 32 * NW, "a thread per query row of a tile (its lse and delta)");
     const int Tq = (int)a.q.ne[1], H = (int)a.q.ne[2], Tk = (int)a.k.ne[1], Hkv = (int)a.k.ne[2], off = Tk - Tq, rep = H / Hkv;
     const int hk = blockIdx.y, b = blockIdx.z, j0 = blockIdx.x * RK;
     const int nk = min(RK, Tk - j0), warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
     const float sl2 = a.scale * FA2_LOG2E;
     QL_DYN_SMEM(unsigned char, sm);
-    T *Ks = (T *)sm, *Vs = Ks + RK * LD, *Qs = Vs + RK * LD, *dOs = Qs + BT * LD;
-    float *Lr = (float *)(dOs + BT * LD), *Dr = Lr + BT;
+    T *Ks = (T *)sm, *Vs = Ks + RK * LD, *Qb = Vs + RK * LD, *dOb = Qb + NB * BT * LD;  // K, V [RK][LD]; q, dO [NB][BT][LD]
+    float *Lb = (float *)(dOb + NB * BT * LD), *Db = Lb + NB * BT;                     // [NB][BT]: lse (log2 units), delta
     const char *kb = a.k.data + (int64_t)j0 * a.k.nb[1] + hk * a.k.nb[2] + b * a.k.nb[3];
     const char *vb = a.v.data + (int64_t)j0 * a.v.nb[1] + hk * a.v.nb[2] + b * a.v.nb[3];
     fa2_tile<T, D>(Ks, kb, a.k.nb[1], nk, RK, a.k.type);
@@ -4155,27 +4176,66 @@ FA2_UNROLL
     for (int f = 0; f < NF; f++) wmma::fill_fragment(dkf[f], 0.0f), wmma::fill_fragment(dvf[f], 0.0f);
     int klo = 0, khi = 0;
     if (a.seg) fa2_seg_range(a.seg + (int64_t)b * Tk, j0, nk, &klo, &khi);
+    // the tiles visited, in order: (query head r of the group, query tile i0) from the first query
+    // that may see key j0, less the tiles whose documents do not meet the keys' (every thread agrees)
     const int qstart = max(0, j0 - off) / BT * BT;
-    for (int r = 0; r < rep; r++) {
-        const int h = hk * rep + r;
-        const char *qb = a.q.data + h * a.q.nb[2] + b * a.q.nb[3];
-        for (int i0 = qstart; i0 < Tq; i0 += BT) {
-            const int nq = min(BT, Tq - i0);
-            if (a.seg) {
-                int qlo, qhi;
-                fa2_seg_range(a.seg + (int64_t)b * Tk, i0 + off, nq, &qlo, &qhi);
-                if (khi < qlo || klo > qhi) continue;
+    auto advance = [&](int &r, int &i0) {  // to the tile after (r, i0); false past the last
+        for (;;) {
+            if ((i0 += BT) >= Tq) {
+                i0 = qstart;
+                if (++r >= rep) return false;
             }
+            if (!a.seg) return true;
+            int qlo, qhi;
+            fa2_seg_range(a.seg + (int64_t)b * Tk, i0 + off, min(BT, Tq - i0), &qlo, &qhi);
+            if (!(khi < qlo || klo > qhi)) return true;
+        }
+    };
+    float ln = 0.0f, dn = 0.0f;  // this thread's query row of a tile on its way to Lb, Db
+    auto issue = [&](int r, int i0, int buf) {  // tile (r, i0) into buffer buf: q and dO rows; lse, delta into ln, dn
+        const int h = hk * rep + r, nq = min(BT, Tq - i0);
+        const char *qb = a.q.data + h * a.q.nb[2] + b * a.q.nb[3] + (int64_t)i0 * a.q.nb[1];
+        const char *ob = dO + (((int64_t)(b * Tq + i0) * H + h) * D) * 2;  // (bf16, aligned: the workspace's)
+        if constexpr (PIPE) {
+            fa2_copy16_async<T, D>(Qb + buf * BT * LD, qb, a.q.nb[1], nq, BT);
+            fa2_copy16_async<T, D>(dOb + buf * BT * LD, ob, H * D * 2, nq, BT);
+        } else {
+            fa2_tile<T, D>(Qb, qb, a.q.nb[1], nq, BT, a.q.type);
+            fa2_copy16<T, D>(dOb, ob, H * D * 2, nq, BT);
+        }
+        const int x = threadIdx.x;
+        if (x < BT) {
+            const int64_t row = (int64_t)(b * H + h) * Tq + i0 + x;
+            ln = x < nq ? lse[row] * FA2_LOG2E : 0.0f;
+            dn = x < nq ? delta[row] : 0.0f;
+        }
+    };
+    auto put = [&](int buf) {
+        if (threadIdx.x < BT) Lb[buf * BT + threadIdx.x] = ln, Db[buf * BT + threadIdx.x] = dn;
+    };
+    int r = 0, i0 = qstart - BT;
+    bool have = advance(r, i0);
+    if constexpr (PIPE) {
+        if (have) issue(r, i0, 0), put(0);
+        __pipeline_commit();
+    }
+    for (int buf = 0; have; buf = PIPE ? buf ^ 1 : 0) {
+        int rn = r, in = i0;
+        const bool more = advance(rn, in);
+        if constexpr (PIPE) {
+            if (more) issue(rn, in, buf ^ 1);
+            __pipeline_commit();
+            __pipeline_wait_prior(1);  // this tile's copies have landed (the next tile's may not have)
+            __syncthreads();           // ... every thread's
+        } else {
             __syncthreads();  // the previous query tile is no longer read
-            fa2_tile<T, D>(Qs, qb + (int64_t)i0 * a.q.nb[1], a.q.nb[1], nq, BT, a.q.type);
-            fa2_copy16<T, D>(dOs, dO + (((int64_t)(b * Tq + i0) * H + h) * D) * 2, H * D * 2, nq, BT);  // (bf16, aligned: the workspace's)
-            for (int x = threadIdx.x; x < BT; x += blockDim.x) {
-                const int64_t row = (int64_t)(b * H + h) * Tq + i0 + x;
-                Lr[x] = x < nq ? lse[row] * FA2_LOG2E : 0.0f;
-                Dr[x] = x < nq ? delta[row] : 0.0f;
-            }
+            issue(r, i0, 0), put(0);
             __syncthreads();
-            if (r0 >= nk) continue;
+        }
+        const T *Qs = Qb + buf * BT * LD, *dOs = dOb + buf * BT * LD;
+        const float *Lr = Lb + buf * BT, *Dr = Db + buf * BT;
+        const int nq = min(BT, Tq - i0);
+        if (r0 < nk) {
 FA2_NO_UNROLL
             for (int n = 0; n < BT / 16; n++) {  // queries i0 + 16 n ..
                 const int q0 = n * 16;
@@ -4231,6 +4291,11 @@ FA2_UNROLL
                 }
             }
         }
+        if constexpr (PIPE) {
+            if (more) put(buf ^ 1);
+            __syncthreads();  // this buffer is read no more: the tile after next is issued into it
+        }
+        r = rn, i0 = in, have = more;
     }
     const int64_t row = (int64_t)(b * Hkv + hk) * Tk + j0 + r0;
 FA2_UNROLL
@@ -4245,20 +4310,20 @@ FA2_UNROLL
 
 // dQ, register path: block (16 NW queries, head, batch) over key tiles of BT, 16 keys at a time.
 // dq [D, Tq, H, B]
-template <typename T, int D, int NW, int BT>  // (T: bf16)
+template <typename T, int D, int NW, int BT, bool PIPE>  // (T: bf16)
 __global__ void __launch_bounds__(NW * 32, 1)
     k_fa2_dq_reg(fa_args a, const char *dO, const float *lse, const float *delta, float *dq) {
     if constexpr (!FA2_ARCH_OK(T)) return;
     else
     {
     using namespace nvcuda;
-    constexpr int RQ = 16 * NW, LD = D + FA2_PAD, NF = D / 16;
+    constexpr int RQ = 16 * NW, LD = D + FA2_PAD, NF = D / 16, NB = PIPE ? 2 : 1;
     const int64_t Tq = a.q.ne[1], H = a.q.ne[2], Tk = a.k.ne[1], Hkv = a.k.ne[2], off = Tk - Tq;
     const int64_t h = blockIdx.y, b = blockIdx.z, hk = (int)h / ((int)H / (int)Hkv), i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * RQ;
     const int nq = (int)min((int64_t)RQ, Tq - i0), warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
     const float sl2 = a.scale * FA2_LOG2E;
     QL_DYN_SMEM(unsigned char, sm);
-    T *Qs = (T *)sm, *dOs = Qs + RQ * LD, *Ks = dOs + RQ * LD, *Vs = Ks + BT * LD;
+    T *Qs = (T *)sm, *dOs = Qs + RQ * LD, *Kb = dOs + RQ * LD, *Vb = Kb + NB * BT * LD;  // q, dO [RQ][LD]; K, V [NB][BT][LD]
     const char *qb = a.q.data + i0 * a.q.nb[1] + h * a.q.nb[2] + b * a.q.nb[3];
     fa2_tile<T, D>(Qs, qb, a.q.nb[1], nq, RQ, a.q.type);
     fa2_copy16<T, D>(dOs, dO + ((b * Tq + i0) * H + h) * D * 2, H * D * 2, nq, RQ);  // (bf16, aligned: the workspace's)
@@ -4286,60 +4351,93 @@ FA2_UNROLL
     if (a.seg) fa2_seg_range(a.seg + b * Tk, i0 + off, nq, &qlo, &qhi);
     const char *kb = a.k.data + hk * a.k.nb[2] + b * a.k.nb[3], *vb = a.v.data + hk * a.v.nb[2] + b * a.v.nb[3];
     const int64_t jend = min(Tk, i0 + nq + off);
-    for (int64_t j0 = 0; j0 < jend; j0 += BT) {
-        const int nk = (int)min((int64_t)BT, jend - j0);
-        if (a.seg) {
+    // the key tiles visited, in order, less those whose documents do not meet the queries' (every thread agrees)
+    auto advance = [&](int64_t &j0) {  // to the tile after j0; false past the last
+        for (;;) {
+            if ((j0 += BT) >= jend) return false;
+            if (!a.seg) return true;
             int klo, khi;
-            fa2_seg_range(a.seg + b * Tk, j0, nk, &klo, &khi);
-            if (khi < qlo || klo > qhi) continue;
+            fa2_seg_range(a.seg + b * Tk, j0, (int)min((int64_t)BT, jend - j0), &klo, &khi);
+            if (!(khi < qlo || klo > qhi)) return true;
         }
-        __syncthreads();  // the previous key tile is no longer read
-        fa2_tile<T, D>(Ks, kb + j0 * a.k.nb[1], a.k.nb[1], nk, BT, a.k.type);
-        fa2_tile<T, D>(Vs, vb + j0 * a.v.nb[1], a.v.nb[1], nk, BT, a.v.type);
-        __syncthreads();
-        if (r0 >= nq) continue;
+    };
+    auto issue = [&](int64_t j0, int buf) {  // key tile j0 into buffer buf
+        const int nk = (int)min((int64_t)BT, jend - j0);
+        if constexpr (PIPE) {
+            fa2_copy16_async<T, D>(Kb + buf * BT * LD, kb + j0 * a.k.nb[1], a.k.nb[1], nk, BT);
+            fa2_copy16_async<T, D>(Vb + buf * BT * LD, vb + j0 * a.v.nb[1], a.v.nb[1], nk, BT);
+        } else {
+            fa2_tile<T, D>(Kb, kb + j0 * a.k.nb[1], a.k.nb[1], nk, BT, a.k.type);
+            fa2_tile<T, D>(Vb, vb + j0 * a.v.nb[1], a.v.nb[1], nk, BT, a.v.type);
+        }
+    };
+    int64_t j0 = -BT;
+    bool have = advance(j0);
+    if constexpr (PIPE) {
+        if (have) issue(j0, 0);
+        __pipeline_commit();
+    }
+    for (int buf = 0; have; buf = PIPE ? buf ^ 1 : 0) {
+        int64_t jn = j0;
+        const bool more = advance(jn);
+        if constexpr (PIPE) {
+            if (more) issue(jn, buf ^ 1);
+            __pipeline_commit();
+            __pipeline_wait_prior(1);  // this tile's copies have landed (the next tile's may not have)
+            __syncthreads();           // ... every thread's
+        } else {
+            __syncthreads();  // the previous key tile is no longer read
+            issue(j0, 0);
+            __syncthreads();
+        }
+        const T *Ks = Kb + buf * BT * LD, *Vs = Vb + buf * BT * LD;
+        const int nk = (int)min((int64_t)BT, jend - j0);
+        if (r0 < nq) {
 FA2_NO_UNROLL
-        for (int n = 0; n < BT / 16; n++) {  // keys j0 + 16 n ..
-            const int k0 = n * 16;
-            if (k0 >= nk || j0 + k0 > i0 + r0 + 15 + off) continue;  // none of them seen by this warp's queries
-            const bool full = !a.seg && k0 + 16 <= nk && r0 + 16 <= nq && j0 + k0 + 15 <= i0 + r0 + off;
-            // S = Q K^T and dP = dO V^T: [16 queries, 16 keys]
-            wmma::fragment<wmma::accumulator, 16, 16, 16, float> s, dp;
-            wmma::fill_fragment(s, 0.0f);
-            wmma::fill_fragment(dp, 0.0f);
+            for (int n = 0; n < BT / 16; n++) {  // keys j0 + 16 n ..
+                const int k0 = n * 16;
+                if (k0 >= nk || j0 + k0 > i0 + r0 + 15 + off) continue;  // none of them seen by this warp's queries
+                const bool full = !a.seg && k0 + 16 <= nk && r0 + 16 <= nq && j0 + k0 + 15 <= i0 + r0 + off;
+                // S = Q K^T and dP = dO V^T: [16 queries, 16 keys]
+                wmma::fragment<wmma::accumulator, 16, 16, 16, float> s, dp;
+                wmma::fill_fragment(s, 0.0f);
+                wmma::fill_fragment(dp, 0.0f);
 FA2_UNROLL
-            for (int f = 0; f < NF; f++) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> yf;
-                wmma::load_matrix_sync(yf, Ks + k0 * LD + f * 16, LD);
-                if constexpr (QREG) {
-                    wmma::mma_sync(s, qfa[f], yf, s);
-                } else {
-                    wmma::load_matrix_sync(qfa[0], Qs + r0 * LD + f * 16, LD);
-                    wmma::mma_sync(s, qfa[0], yf, s);
+                for (int f = 0; f < NF; f++) {
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> yf;
+                    wmma::load_matrix_sync(yf, Ks + k0 * LD + f * 16, LD);
+                    if constexpr (QREG) {
+                        wmma::mma_sync(s, qfa[f], yf, s);
+                    } else {
+                        wmma::load_matrix_sync(qfa[0], Qs + r0 * LD + f * 16, LD);
+                        wmma::mma_sync(s, qfa[0], yf, s);
+                    }
+                    wmma::load_matrix_sync(yf, Vs + k0 * LD + f * 16, LD);
+                    if constexpr (QREG) {
+                        wmma::mma_sync(dp, ofa[f], yf, dp);
+                    } else {
+                        wmma::load_matrix_sync(ofa[0], dOs + r0 * LD + f * 16, LD);
+                        wmma::mma_sync(dp, ofa[0], yf, dp);
+                    }
                 }
-                wmma::load_matrix_sync(yf, Vs + k0 * LD + f * 16, LD);
-                if constexpr (QREG) {
-                    wmma::mma_sync(dp, ofa[f], yf, dp);
-                } else {
-                    wmma::load_matrix_sync(ofa[0], dOs + r0 * LD + f * 16, LD);
-                    wmma::mma_sync(dp, ofa[0], yf, dp);
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> df;
+FA2_UNROLL
+                for (int i = 0; i < 8; i++) {
+                    const int qr = r0 + fa2_rr(lane, i), c = k0 + fa2_rc(lane, i), e = i / 2 % 2;
+                    const bool vis = full || (qr < nq && c < nk && fa_visible(a.seg, i0 + qr, j0 + c, off, Tk, b));
+                    const float p = fa2_f(fa2_cvt<T>(vis ? exp2f(s.x[i] * sl2 - Lq[e]) : 0.0f));  // P rounded as the dK/dV kernel's
+                    df.x[i] = fa2_cvt<T>(p * (dp.x[i] - Dq[e]));
                 }
-            }
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> df;
 FA2_UNROLL
-            for (int i = 0; i < 8; i++) {
-                const int qr = r0 + fa2_rr(lane, i), c = k0 + fa2_rc(lane, i), e = i / 2 % 2;
-                const bool vis = full || (qr < nq && c < nk && fa_visible(a.seg, i0 + qr, j0 + c, off, Tk, b));
-                const float p = fa2_f(fa2_cvt<T>(vis ? exp2f(s.x[i] * sl2 - Lq[e]) : 0.0f));  // P rounded as the dK/dV kernel's
-                df.x[i] = fa2_cvt<T>(p * (dp.x[i] - Dq[e]));
-            }
-FA2_UNROLL
-            for (int f = 0; f < NF; f++) {  // dQ += dS K
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> yf;
-                wmma::load_matrix_sync(yf, Ks + k0 * LD + f * 16, LD);
-                wmma::mma_sync(dqf[f], df, yf, dqf[f]);
+                for (int f = 0; f < NF; f++) {  // dQ += dS K
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> yf;
+                    wmma::load_matrix_sync(yf, Ks + k0 * LD + f * 16, LD);
+                    wmma::mma_sync(dqf[f], df, yf, dqf[f]);
+                }
             }
         }
+        if constexpr (PIPE) __syncthreads();  // this buffer is read no more: the tile after next is issued into it
+        j0 = jn, have = more;
     }
     float *dst = dq + ((b * H + h) * Tq + i0) * D;
 FA2_UNROLL
@@ -4354,13 +4452,19 @@ FA2_UNROLL
 template <int D, int NW> constexpr size_t fa2_fwd_reg_smem() {  // K and V tiles (q's first), and q's own above head dim 96
     return (size_t)(2 * FA2_BK + (D > 96 ? 16 * NW : 0)) * (D + FA2_PAD) * 2;
 }
-template <int D, int NW, int BT> constexpr size_t fa2_back_reg_smem() {
-    return (size_t)2 * (16 * NW + BT) * (D + FA2_PAD) * 2 + 2 * BT * sizeof(float);
+template <int D, int NW, int BT, int NB = 1> constexpr size_t fa2_back_reg_smem() {  // 16 NW rows held, NB buffers of BT streamed
+    return (size_t)2 * (16 * NW + NB * BT) * (D + FA2_PAD) * 2 + 2 * NB * BT * sizeof(float);  // (+ dK/dV's lse, delta)
 }
 #define FA2_REG_NW 4   // backward: warps per block (16 NW keys or queries held)
 #define FA2_REG_BT 64  // backward: queries (dK/dV) or keys (dQ) per streamed tile
+// the streamed tile with two buffers (PIPE): FA2_REG_BT rows where the block's shared memory stays within 99 KiB, else half
+template <int D, int NW> constexpr int fa2_pipe_bt() {
+    return fa2_back_reg_smem<D, NW, FA2_REG_BT, 2>() <= (99u << 10) ? FA2_REG_BT : FA2_REG_BT / 2;
+}
 #define FA2_REG_SMEM_OK(D)                                                                                                 \
-    static_assert(fa2_fwd_reg_smem<D, 8>() <= (99u << 10) && fa2_back_reg_smem<D, (D <= 96 ? 8 : 4), FA2_REG_BT>() <= (99u << 10), \
+    static_assert(fa2_fwd_reg_smem<D, 8>() <= (99u << 10) && fa2_back_reg_smem<D, (D <= 96 ? 8 : 4), FA2_REG_BT>() <= (99u << 10) && \
+                      fa2_back_reg_smem<D, FA2_REG_NW, fa2_pipe_bt<D, FA2_REG_NW>(), 2>() <= (99u << 10) &&                   \
+                      (D > 96 || fa2_back_reg_smem<D, 8, fa2_pipe_bt<D, 8>(), 2>() <= (99u << 10)),                                       \
                   "fused attention's register path: shared memory above the device limit at head dim " #D)
 FA2_REG_SMEM_OK(64);
 FA2_REG_SMEM_OK(80);
@@ -4385,16 +4489,45 @@ template <int D, int NW> static void fa2_fwd_reg_launch(cu_ctx &c, ql_tensor *no
 // the register path's backward: 4 warps a block (64 keys or queries held), or 8 (QLORA_CUDA_FA2_BWD_WARPS=8; on an
 // H200 the same speed: d 64 18.2 against 18.4 TFLOP/s)
 static const int g_fa2_bwd_warps = getenv("QLORA_CUDA_FA2_BWD_WARPS") && atoi(getenv("QLORA_CUDA_FA2_BWD_WARPS")) == 8 ? 8 : 4;
+// the register path's streamed tiles in two buffers by asynchronous copies (PIPE) where the streamed
+// tensor is bf16 and every row 16-byte aligned, unless QLORA_CUDA_FA2_PIPE=0 (or ql_cuda_fa2_set_pipe)
+static int g_fa2_pipe = !(getenv("QLORA_CUDA_FA2_PIPE") && strcmp(getenv("QLORA_CUDA_FA2_PIPE"), "0") == 0);
+int ql_cuda_fa2_set_pipe(int on) {
+    const int was = g_fa2_pipe;
+    g_fa2_pipe = on != 0;
+    return was;
+}
+static bool fa2_async_ok(const ql_tensor *t) {
+    return g_fa2_pipe && t->type == QL_TYPE_BF16 && ((uintptr_t)t->data | (uintptr_t)t->nb[1] | (uintptr_t)t->nb[2] | (uintptr_t)t->nb[3]) % 16 == 0;
+}
+template <int D, int NW, bool PIPE>
+static void fa2_dkv_reg_launch(cu_ctx &c, const ql_tensor *k, const fa_args &a, const char *dO, const float *lse, const float *delta,
+                               float *dk, float *dv) {
+    constexpr int BT = PIPE ? fa2_pipe_bt<D, NW>() : FA2_REG_BT;
+    const size_t smem = fa2_back_reg_smem<D, NW, BT, PIPE ? 2 : 1>();
+    void (*kern)(fa_args, const char *, const float *, const float *, float *, float *) = k_fa2_dkv_reg<__nv_bfloat16, D, NW, BT, PIPE>;
+    CU_CHECK(c, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    const dim3 gk((unsigned)((k->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)k->ne[2], (unsigned)k->ne[3]);
+    QL_LAUNCH(kern, gk, NW * 32, smem, c.stream, a, dO, lse, delta, dk, dv);
+    CU_LAUNCHED(c);
+}
+template <int D, int NW, bool PIPE>
+static void fa2_dq_reg_launch(cu_ctx &c, const ql_tensor *q, const fa_args &a, const char *dO, const float *lse, const float *delta,
+                              float *dq) {
+    constexpr int BT = PIPE ? fa2_pipe_bt<D, NW>() : FA2_REG_BT;
+    const size_t smem = fa2_back_reg_smem<D, NW, BT, PIPE ? 2 : 1>();
+    void (*kern)(fa_args, const char *, const float *, const float *, float *) = k_fa2_dq_reg<__nv_bfloat16, D, NW, BT, PIPE>;
+    CU_CHECK(c, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    const dim3 gq((unsigned)((q->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)q->ne[2], (unsigned)q->ne[3]);
+    QL_LAUNCH(kern, gq, NW * 32, smem, c.stream, a, dO, lse, delta, dq);
+    CU_LAUNCHED(c);
+}
 template <int D, int NW> static void fa2_back_reg_launch(cu_ctx &c, ql_tensor *node, const float *delta, const char *dO16) {
-    constexpr int BT = FA2_REG_BT;
-    const ql_tensor *q = node->src[0], *k = node->src[1], *fwd = node->src[4];
-    const size_t smem = fa2_back_reg_smem<D, NW, BT>();
+    const ql_tensor *q = node->src[0], *k = node->src[1], *v = node->src[2], *fwd = node->src[4];
     const fa_args a = fa_args_of(node);
     const char *dO = dO16;
     const float *lse = (const float *)((const char *)fwd->data + ql_nbytes(fwd));
     float *dq = (float *)node->data, *dk = dq + ql_nelements(q), *dv = dk + ql_nelements(k);
-    void (*kdq)(fa_args, const char *, const float *, const float *, float *) = k_fa2_dq_reg<__nv_bfloat16, D, NW, BT>;
-    CU_CHECK(c, cudaFuncSetAttribute(kdq, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     if constexpr (D > 96) {  // dK, dV at head dim 128: the shared-memory kernel (the register one needs more than 255 registers)
         using T = __nv_bfloat16;
         constexpr int SNW = fa2_back_cfg<T>::NW;
@@ -4405,16 +4538,13 @@ template <int D, int NW> static void fa2_back_reg_launch(cu_ctx &c, ql_tensor *n
         QL_LAUNCH(kold, gk, SNW * 32, ssmem, c.stream, a, (const char *)node->src[5]->data, (int)node->src[5]->type, lse, delta, dk,
                   dv);
         CU_LAUNCHED(c);
+    } else if (fa2_async_ok(q)) {  // (dO: the bf16 workspace copy or dO itself, 16-byte aligned either way)
+        fa2_dkv_reg_launch<D, NW, true>(c, k, a, dO, lse, delta, dk, dv);
     } else {
-        void (*kdkv)(fa_args, const char *, const float *, const float *, float *, float *) = k_fa2_dkv_reg<__nv_bfloat16, D, NW, BT>;
-        CU_CHECK(c, cudaFuncSetAttribute(kdkv, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-        const dim3 gk((unsigned)((k->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)k->ne[2], (unsigned)k->ne[3]);
-        QL_LAUNCH(kdkv, gk, NW * 32, smem, c.stream, a, dO, lse, delta, dk, dv);
-        CU_LAUNCHED(c);
+        fa2_dkv_reg_launch<D, NW, false>(c, k, a, dO, lse, delta, dk, dv);
     }
-    const dim3 gq((unsigned)((q->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)q->ne[2], (unsigned)q->ne[3]);
-    QL_LAUNCH(kdq, gq, NW * 32, smem, c.stream, a, dO, lse, delta, dq);
-    CU_LAUNCHED(c);
+    if (fa2_async_ok(k) && fa2_async_ok(v)) fa2_dq_reg_launch<D, NW, true>(c, q, a, dO, lse, delta, dq);
+    else fa2_dq_reg_launch<D, NW, false>(c, q, a, dO, lse, delta, dq);
 }
 template <typename T, int D> static void fa2_fwd_launch(cu_ctx &c, ql_tensor *node) {
     if (std::is_same<T, __nv_bfloat16>::value && cu_fa2_reg(c))

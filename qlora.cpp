@@ -9643,6 +9643,7 @@ __attribute__((weak)) ql_backend *ql_backend_cuda_init(int, char *err, size_t er
 }
 __attribute__((weak)) bool ql_backend_is_cuda(const ql_backend *) { return false; }
 __attribute__((weak)) bool ql_cuda_fa2_register_path(const ql_backend *) { return false; }
+__attribute__((weak)) int ql_cuda_fa2_set_pipe(int) { return 0; }
 __attribute__((weak)) void ql_cuda_set_graphs(ql_backend *, bool) {}
 __attribute__((weak)) bool ql_cuda_get_graph_counts(const ql_backend *, ql_cuda_graph_counts *counts) {
     if (counts) *counts = ql_cuda_graph_counts{};

@@ -23,6 +23,10 @@
 //     or whose lanes arrive from different call sites;
 //   - an invalid launch (threads per block, grid limits, dynamic shared memory above 48 KiB
 //     without cudaFuncSetAttribute, above the device's opt-in limit with it).
+//   - an asynchronous copy (__pipeline_memcpy_async) not of 4, 8 or 16 bytes, not aligned to its
+//     size, not into the block's dynamic shared memory, or never waited for. A copy lands at the
+//     __syncthreads after the wait that covers it (QL_SHIM_ASYNC=early: as it is issued), so a
+//     read before the wait or its barrier, or a copy into a buffer still being read, goes wrong.
 //   - in a stream capture (CUDA graphs), what a capture forbids: synchronising, allocating, a
 //     synchronous copy, a stream drawn in and never joined back (see "stream capture" below).
 // Out-of-bounds accesses are ASan's: device allocations are plain malloc blocks. Fresh device
@@ -102,6 +106,7 @@ struct state_t {
     long long peer_copies = 0;                   // cudaMemcpyPeerAsync calls between two devices (qlshim_peer_copies)
     std::map<std::string, long long> launches;   // per kernel name (qlshim_launches)
     int wmma_sm80 = 0;                           // WMMA 16x16 fragments in sm_80's layout, not scrambled (QL_SHIM_WMMA=sm80)
+    int async_early = 0;                         // asynchronous copies land when issued, not at the wait (QL_SHIM_ASYNC=early)
     int fail_instantiate = 0;                    // the next this many cudaGraphInstantiate calls fail (qlshim_fail_instantiate)
 };
 inline state_t &st() {
@@ -126,6 +131,7 @@ inline void read_env() {
     // (tests/nccl_shim.h refuses two ranks on one device, as NCCL does)
     if (const char *d = getenv("QL_SHIM_DEVICES")) s.device_count = std::max(1, atoi(d));
     if (const char *w = getenv("QL_SHIM_WMMA")) s.wmma_sm80 = strcmp(w, "sm80") == 0;
+    if (const char *a = getenv("QL_SHIM_ASYNC")) s.async_early = strcmp(a, "early") == 0;
 }
 // the current device (cudaSetDevice's; one per host thread, as in CUDA)
 inline int &current_device() {
@@ -159,6 +165,16 @@ extern "C" __attribute__((weak)) int qlshim_set_wmma_sm80(int on) {
     qlshim::read_env();
     const int was = qlshim::st().wmma_sm80;
     qlshim::st().wmma_sm80 = on;
+    return was;
+}
+// asynchronous copies (__pipeline_memcpy_async): 1 = each lands as it is issued, 0 = at the
+// __syncthreads after the __pipeline_wait_prior that covers it (the default); returns the previous
+// setting. The two ends of the window in which the block may see it: the late end shows a read
+// before the wait and its barrier, the early end a copy issued into a buffer still being read
+extern "C" __attribute__((weak)) int qlshim_set_async_early(int on) {
+    qlshim::read_env();
+    const int was = qlshim::st().async_early;
+    qlshim::st().async_early = on;
     return was;
 }
 // the next n graph instantiations fail with cudaErrorMemoryAllocation (a huge graph on a full card)
@@ -230,6 +246,18 @@ struct fiber {
     unsigned mask = 0;
     uint64_t value = 0, result = 0;
     int param = 0, width = 32;
+    // asynchronous copies (__pipeline_memcpy_async): issued since the last commit, and the
+    // committed groups not yet waited for, oldest first; where the first one was issued
+    struct async_copy {
+        void *dst;
+        const void *src;
+        size_t n;
+    };
+    std::vector<async_copy> open;
+    std::vector<std::vector<async_copy>> groups;
+    std::vector<async_copy> waited;  // waited for: they land at this thread's next __syncthreads
+    const char *copy_file = nullptr;
+    int copy_line = 0;
 };
 
 struct block_ctx {
@@ -243,6 +271,7 @@ struct block_ctx {
     fiber *cur = nullptr;
     dim3 block_idx, block_dim, grid_dim;
     unsigned char *dyn = nullptr;
+    size_t dyn_size = 0;
     const std::function<void()> *body = nullptr;
     bool failed = false;
     std::string err;
@@ -294,6 +323,12 @@ inline void yield_to_scheduler(bool dying = false) {
 #endif
 }
 
+inline void fail(const std::string &msg) {
+    block_ctx *b = cur_block();
+    if (!b->failed) b->err = msg;
+    b->failed = true;
+}
+
 inline void fiber_entry() {
 #ifdef QLSHIM_ASAN
     block_ctx *b0 = cur_block();
@@ -301,20 +336,23 @@ inline void fiber_entry() {
 #endif
     block_ctx *b = cur_block();
     (*b->body)();
-    b->cur->state = F_DONE;
+    fiber *f = b->cur;
+    size_t pending = f->open.size();
+    for (const auto &g : f->groups) pending += g.size();
+    if (pending)
+        fail("thread " + std::to_string(f->tid) + " ended with " + std::to_string(pending) +
+             " asynchronous copies never waited for (__pipeline_wait_prior), the first issued at " + f->copy_file + ":" +
+             std::to_string(f->copy_line));
+    f->state = F_DONE;
     yield_to_scheduler(true);
-}
-
-inline void fail(const std::string &msg) {
-    block_ctx *b = cur_block();
-    if (!b->failed) b->err = msg;
-    b->failed = true;
 }
 
 inline std::string site(const fiber &f) { return std::string(f.file) + ":" + std::to_string(f.line); }
 
+inline void land_waited(fiber *f);
 inline void syncthreads(const char *file, int line) {
     block_ctx *b = cur_block();
+    land_waited(b->cur);
     b->cur->state = F_BARRIER;
     b->cur->file = file;
     b->cur->line = line;
@@ -564,6 +602,7 @@ inline void worker_run(launch_job *j) {
     b.grid_dim = j->grid;
     b.body = j->body;
     b.dyn = dyn.data();
+    b.dyn_size = j->smem;
     b.gather.assign((size_t)(n + 31) / 32 * 32, 0);
     cur_block() = &b;
     for (long long bi; !j->failed.load() && (bi = j->next.fetch_add(1)) < nb;) {
@@ -753,6 +792,54 @@ inline const dim3 &thread_idx() {
 namespace qlshim {
 template <typename T> inline T shfl(wop op, unsigned mask, T v, int p, const char *file, int line, int width = 32) {
     return of_bits<T>(warp_op(op, mask, bits_of(v), p, width, file, line));
+}
+}  // namespace qlshim
+
+// asynchronous copies, global -> shared (cp.async; cuda_pipeline_primitives.h's names): each lands
+// at the __syncthreads after the wait that covers its group, or as it is issued
+// (qlshim_set_async_early); checked: 4, 8 or
+// 16 bytes, both ends aligned to it, the destination inside the block's dynamic shared memory, and
+// every copy waited for before the thread ends
+#define _CUDA_PIPELINE_PRIMITIVES_H_ 1  // CUDA's header (inline PTX) stays out
+#define __pipeline_memcpy_async(dst, src, ...) ::qlshim::memcpy_async(__FILE__, __LINE__, dst, src, __VA_ARGS__)
+#define __pipeline_commit() ::qlshim::pipeline_commit()
+#define __pipeline_wait_prior(n) ::qlshim::pipeline_wait_prior(n)
+namespace qlshim {
+inline void land(const fiber::async_copy &c) {
+    if (c.n) memcpy(c.dst, c.src, c.n);
+}
+inline void memcpy_async(const char *file, int line, void *dst, const void *src, size_t size, size_t zfill = 0) {
+    block_ctx *b = cur_block();
+    fiber *f = b->cur;
+    const std::string at = std::string(file) + ":" + std::to_string(line);
+    if ((size != 4 && size != 8 && size != 16) || zfill > size) return fail("__pipeline_memcpy_async of " + std::to_string(size) + " bytes at " + at);
+    if (((uintptr_t)dst | (uintptr_t)src) % size) return fail("__pipeline_memcpy_async: an end not aligned to its " + std::to_string(size) + " bytes at " + at);
+    if ((unsigned char *)dst < b->dyn || (unsigned char *)dst + size > b->dyn + b->dyn_size)
+        return fail("__pipeline_memcpy_async: the destination is not in the block's dynamic shared memory at " + at);
+    if (zfill) memset((char *)dst + (size - zfill), 0, zfill);
+    const fiber::async_copy c{dst, src, size - zfill};
+    if (f->open.empty() && f->groups.empty()) f->copy_file = file, f->copy_line = line;
+    if (st().async_early) land(c);
+    f->open.push_back(st().async_early ? fiber::async_copy{nullptr, nullptr, 0} : c);
+}
+inline void pipeline_commit() {
+    fiber *f = cur_block()->cur;
+    f->groups.push_back(std::move(f->open));
+    f->open.clear();
+}
+// Copies waited for land at the thread's next __syncthreads: what a barrier after the wait makes
+// visible to the block. (Stricter than CUDA for the thread's own copies, which it may read right
+// after the wait; the kernels here read tiles through WMMA, every thread's rows, after a barrier.)
+inline void pipeline_wait_prior(size_t n) {
+    fiber *f = cur_block()->cur;
+    while (f->groups.size() > n) {
+        for (const fiber::async_copy &c : f->groups.front()) f->waited.push_back(c);
+        f->groups.erase(f->groups.begin());
+    }
+}
+inline void land_waited(fiber *f) {
+    for (const fiber::async_copy &c : f->waited) land(c);
+    f->waited.clear();
 }
 }  // namespace qlshim
 

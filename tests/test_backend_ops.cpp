@@ -1234,48 +1234,55 @@ OP_CASE(flash_attn) {
 extern "C" __attribute__((weak)) void qlshim_set_cc(int major, int minor);  // tests/cuda_shim.h; absent on a real GPU
 extern "C" __attribute__((weak)) int qlshim_set_wmma_sm80(int on);         // the same
 
+struct fa_shape {
+    const char *what;
+    int64_t d, tq, tk, h, hkv, b;
+    int docs;  // 0: causal only; else document boundaries
+};
+static const fa_shape fa_shapes[] = {
+    {"d 64, GQA 4:1, batch 2, Tq 70 (partial tiles)", 64, 70, 70, 4, 1, 2, 0},
+    {"d 80, Tq 37 < Tk 100", 80, 37, 100, 2, 2, 1, 0},
+    {"d 96, documents, GQA 2:1, batch 2", 96, 90, 90, 4, 2, 2, 1},
+    {"d 128, GQA 2:1, three query tiles (whole tiles unmasked)", 128, 150, 150, 2, 1, 1, 0},
+    {"d 64, long documents: key tiles skipped", 64, 200, 200, 2, 2, 1, 2},
+    // tile edges: the last query of a warp sees just the first key of a tile (offset 33), the
+    // last query of a tile just one key of a warp (Tq 49), a tile one key short of whole (offset 14)
+    {"d 64, Tq 37 < Tk 70", 64, 37, 70, 1, 1, 1, 0},
+    {"d 64, Tq 49", 64, 49, 49, 1, 1, 1, 0},
+    {"d 64, Tq 50 < Tk 64", 64, 50, 64, 1, 1, 1, 0},
+};
+static const int fa_n_shapes = (int)(sizeof(fa_shapes) / sizeof(fa_shapes[0]));
+// bf16 q, k, v and output (a bf16 compute type's attention, as the trainer's): read and written in
+// 16 bits - on a device, the register path's backward streams them by asynchronous copies
+static const int fa_shapes16[] = {0, 2, 3, 4};
+static builder fused_attn_builder(const fa_shape sh, bool in16) {
+    return [sh, in16](leafs &L) {
+        ql_tensor *seg = nullptr;
+        if (sh.docs == 1)  // batch 0: three documents, batch 1: two
+            seg = L.i32({sh.tk, sh.b}, [&](int64_t i) {
+                const int64_t j = i % sh.tk;
+                return (int32_t)(i < sh.tk ? (j < 20 ? 0 : j < 61 ? 1 : 2) : (j < 45 ? 5 : 6));
+            });
+        if (sh.docs == 2) seg = L.i32({sh.tk, sh.b}, [&](int64_t i) { return (int32_t)(i % sh.tk < 70 ? 0 : 1); });
+        auto in = [&](std::vector<int64_t> ne) { return in16 ? ql_cast(L.ctx, L.param(ne), QL_TYPE_BF16) : L.param(ne); };
+        ql_tensor *a = ql_flash_attn(L.ctx, in({sh.d, sh.tq, sh.h, sh.b}), in({sh.d, sh.tk, sh.hkv, sh.b}),
+                                     in({sh.d, sh.tk, sh.hkv, sh.b}), seg, 1.0f / std::sqrt((float)sh.d));
+        REQUIRE(ql_flash_attn_set_prec(a, QL_TYPE_BF16) == QL_OK);
+        CHECK(ql_cuda_fa_fused(a));  // the fused kernels, not the chunked products
+        CHECK(!ql_cuda_fa_gemm(a));
+        return in16 ? ql_cast(L.ctx, a, QL_TYPE_F32) : a;
+    };
+}
+
 // few: the first shape, the documents and one bf16-input case only (a second mode over the same kernels)
 static void fused_attn_cases(ql_backend *be, bool few = false) {
-    struct shape {
-        const char *what;
-        int64_t d, tq, tk, h, hkv, b;
-        int docs;  // 0: causal only; else document boundaries
-    };
-    const shape shapes[] = {
-        {"d 64, GQA 4:1, batch 2, Tq 70 (partial tiles)", 64, 70, 70, 4, 1, 2, 0},
-        {"d 80, Tq 37 < Tk 100", 80, 37, 100, 2, 2, 1, 0},
-        {"d 96, documents, GQA 2:1, batch 2", 96, 90, 90, 4, 2, 2, 1},
-        {"d 128, GQA 2:1, three query tiles (whole tiles unmasked)", 128, 150, 150, 2, 1, 1, 0},
-        {"d 64, long documents: key tiles skipped", 64, 200, 200, 2, 2, 1, 2},
-        // tile edges: the last query of a warp sees just the first key of a tile (offset 33), the
-        // last query of a tile just one key of a warp (Tq 49), a tile one key short of whole (offset 14)
-        {"d 64, Tq 37 < Tk 70", 64, 37, 70, 1, 1, 1, 0},
-        {"d 64, Tq 49", 64, 49, 49, 1, 1, 1, 0},
-        {"d 64, Tq 50 < Tk 64", 64, 50, 64, 1, 1, 1, 0},
-    };
-    // bf16 q, k, v and output (a bf16 compute type's attention): read and written in 16 bits, on
-    // two of the shapes (GQA with partial tiles; documents)
-    for (int si = 0; si < (int)(sizeof(shapes) / sizeof(shapes[0])) + 2; si++) {
-        const bool in16 = si >= (int)(sizeof(shapes) / sizeof(shapes[0]));
-        if (few && si != 0 && si != 2 && si != (int)(sizeof(shapes) / sizeof(shapes[0]))) continue;
-        const shape sh = shapes[in16 ? 2 * (si % 2) : si];
+    const int n16 = (int)(sizeof(fa_shapes16) / sizeof(fa_shapes16[0]));
+    for (int si = 0; si < fa_n_shapes + n16; si++) {
+        const bool in16 = si >= fa_n_shapes;
+        if (few && si != 0 && si != 2 && si != fa_n_shapes) continue;
+        const fa_shape sh = fa_shapes[in16 ? fa_shapes16[si - fa_n_shapes] : si];
         INFO("q, k, v " << std::string(in16 ? "bf16" : "f32"));
-        const builder build = [sh, in16](leafs &L) {
-            ql_tensor *seg = nullptr;
-            if (sh.docs == 1)  // batch 0: three documents, batch 1: two
-                seg = L.i32({sh.tk, sh.b}, [&](int64_t i) {
-                    const int64_t j = i % sh.tk;
-                    return (int32_t)(i < sh.tk ? (j < 20 ? 0 : j < 61 ? 1 : 2) : (j < 45 ? 5 : 6));
-                });
-            if (sh.docs == 2) seg = L.i32({sh.tk, sh.b}, [&](int64_t i) { return (int32_t)(i % sh.tk < 70 ? 0 : 1); });
-            auto in = [&](std::vector<int64_t> ne) { return in16 ? ql_cast(L.ctx, L.param(ne), QL_TYPE_BF16) : L.param(ne); };
-            ql_tensor *a = ql_flash_attn(L.ctx, in({sh.d, sh.tq, sh.h, sh.b}), in({sh.d, sh.tk, sh.hkv, sh.b}),
-                                         in({sh.d, sh.tk, sh.hkv, sh.b}), seg, 1.0f / std::sqrt((float)sh.d));
-            REQUIRE(ql_flash_attn_set_prec(a, QL_TYPE_BF16) == QL_OK);
-            CHECK(ql_cuda_fa_fused(a));  // the fused kernels, not the chunked products
-            CHECK(!ql_cuda_fa_gemm(a));
-            return in16 ? ql_cast(L.ctx, a, QL_TYPE_F32) : a;
-        };
+        const builder build = fused_attn_builder(sh, in16);
         check_case(be, sh.what, build, TOL_16);
         if (ql_backend_is_host(be)) continue;
         // the backward is deterministic: dK, dV by key tiles, dQ by query tiles, no atomics
@@ -1288,11 +1295,45 @@ static void fused_attn_cases(ql_backend *be, bool few = false) {
     }
 }
 
+extern "C" __attribute__((weak)) int qlshim_set_async_early(int on);  // tests/cuda_shim.h; absent on a real GPU
+// The register path's streamed tiles by asynchronous copies in two buffers, against one buffer
+// loaded between barriers: the same products in the same order, so the same bits. Through the shim
+// the copies land at the wait (a read before it sees the buffer's old rows) and, again, as they are
+// issued (a copy into a buffer still being read changes what is read).
+static void fa2_pipe_cases(ql_backend *be) {
+    for (int si : fa_shapes16) {
+        const fa_shape sh = fa_shapes[si];
+        INFO(sh.what << ", bf16 q, k, v");
+        const builder build = fused_attn_builder(sh, true);
+        const int was = ql_cuda_fa2_set_pipe(0);
+        const run_result one = run_case(be, false, build, true);
+        ql_cuda_fa2_set_pipe(1);
+        const run_result two = run_case(be, false, build, true);
+        run_result early;
+        if (qlshim_set_async_early) {
+            const int e = qlshim_set_async_early(1);
+            early = run_case(be, false, build, true);
+            qlshim_set_async_early(e);
+        }
+        ql_cuda_fa2_set_pipe(was);
+        REQUIRE(one.error.empty());
+        REQUIRE(two.error.empty());
+        REQUIRE(one.grads.size() == 3);
+        REQUIRE(two.grads.size() == 3);
+        for (size_t i = 0; i < 3; i++) CHECK_MESSAGE(one.grads[i] == two.grads[i], "gradient ", i, ": two buffers differ from one");
+        if (!qlshim_set_async_early) continue;
+        REQUIRE(early.error.empty());
+        REQUIRE(early.grads.size() == 3);
+        for (size_t i = 0; i < 3; i++) CHECK_MESSAGE(early.grads[i] == one.grads[i], "gradient ", i, ": copies landing at issue differ");
+    }
+}
+
 OP_CASE(flash_attn_fused) {
     fa_mode_guard on(QL_CUDA_FA_FUSED);  // the default fuses the forward only: both for this case
     if (!ql_backend_is_host(be)) MESSAGE("fused attention: the " << std::string(ql_cuda_fa2_register_path(be) ? "register" : "shared-memory") << " path");
     fused_attn_cases(be);
     if (ql_backend_is_host(be)) return;
+    if (!qlshim_set_wmma_sm80 && ql_cuda_fa2_register_path(be)) fa2_pipe_cases(be);  // a real GPU's (the shim's: below)
     {  // the default: the fused forward's lse read by the chunked backward
         ql_cuda_fa_set_mode(QL_CUDA_FA_FORWARD);
         INFO("the fused forward, the chunked backward");
@@ -1308,6 +1349,7 @@ OP_CASE(flash_attn_fused) {
         ql_backend *other = make_backend("cuda");
         CHECK(ql_cuda_fa2_register_path(other) == !was);  // the probe found what the shim does
         fused_attn_cases(other);
+        if (ql_cuda_fa2_register_path(other)) fa2_pipe_cases(other);
         ql_backend_free(other);
         qlshim_set_wmma_sm80(was);
     }
