@@ -3997,14 +3997,34 @@ __device__ __forceinline__ void fa2_tile(T *dst, const char *base, int64_t rs, i
     else fa2_load<T, E>(dst, base, rs, n, rows, fa2_aligned(base, rs), st);
 }
 
-// forward, register path: block (16 NW queries, head, batch), key tiles of FA2_BK
-template <typename T, int D, int NW>  // (T: bf16)
+// The register path's streamed tiles (key tiles for the forward and dQ, query tiles for dK/dV).
+// With PIPE (the sources bf16 and 16-byte aligned: the trainer's under bf16) two buffers take
+// turns: the next tile's rows travel by asynchronous copies (cp.async) while this tile's products
+// run, so a tile's load waits on memory only when the products are shorter than its latency.
+// Without PIPE one buffer, loaded between two barriers. The same products in the same order
+// either way: the same bits.
+// rows [0, n) of a bf16 matrix (base and rs 16-byte aligned) into dst [rows][E + FA2_PAD] by
+// asynchronous 16-byte copies; rows n.. zeroed by plain stores. They land at the caller's
+// __pipeline_wait_prior; other threads see them after the __syncthreads that follows it.
+template <typename T, int E> __device__ __forceinline__ void fa2_copy16_async(T *dst, const char *base, int64_t rs, int n, int rows) {
+    constexpr int LD = E + FA2_PAD, V = E / 8;
+    for (int x = threadIdx.x; x < rows * V; x += blockDim.x) {
+        const int r = x / V, c = x % V * 8;
+        if (r < n) __pipeline_memcpy_async(dst + r * LD + c, base + r * rs + c * 2, 16);
+        else *(uint4 *)(dst + r * LD + c) = make_uint4(0, 0, 0, 0);
+    }
+}
+
+// forward, register path: block (16 NW queries, head, batch), key tiles of FA2_BK; with PIPE (k and
+// v bf16, rows 16-byte aligned, and the device's shared memory allowing two buffers) the next key
+// tile travels by asynchronous copies while this one's products run - the same bits as one buffer
+template <typename T, int D, int NW, bool PIPE>  // (T: bf16)
 __global__ void __launch_bounds__(NW * 32, 1) k_fa2_fwd_reg(fa_args a, char *out, float *lse) {
     if constexpr (!FA2_ARCH_OK(T)) return;
     else
     {
     using namespace nvcuda;
-    constexpr int LD = D + FA2_PAD, NF = D / 16, NK = FA2_BK / 16, BQ = 16 * NW;
+    constexpr int LD = D + FA2_PAD, NF = D / 16, NK = FA2_BK / 16, BQ = 16 * NW, NB = PIPE ? 2 : 1;
     constexpr bool QREG = D <= 96;  // q's fragments held in registers; at 128 read from shared memory (no spills)
     static_assert(BQ <= 2 * FA2_BK, "q's tile is loaded through the K and V tiles");
     const int64_t Tq = a.q.ne[1], H = a.q.ne[2], Tk = a.k.ne[1], Hkv = a.k.ne[2], off = Tk - Tq;
@@ -4012,7 +4032,7 @@ __global__ void __launch_bounds__(NW * 32, 1) k_fa2_fwd_reg(fa_args a, char *out
     const int nq = (int)min((int64_t)BQ, Tq - i0), warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
     const float sl2 = a.scale * FA2_LOG2E;
     QL_DYN_SMEM(unsigned char, sm);
-    T *Ks = (T *)sm, *Vs = Ks + FA2_BK * LD, *Qs = QREG ? Ks : Vs + FA2_BK * LD;  // [FA2_BK][LD] each; q [BQ][LD]
+    T *Kb = (T *)sm, *Vb = Kb + NB * FA2_BK * LD, *Qs = QREG ? Kb : Vb + NB * FA2_BK * LD;  // K, V [NB][FA2_BK][LD]; q [BQ][LD]
     const char *qb = a.q.data + i0 * a.q.nb[1] + h * a.q.nb[2] + b * a.q.nb[3];
     fa2_tile<T, D>(Qs, qb, a.q.nb[1], nq, BQ, a.q.type);
     __syncthreads();
@@ -4028,77 +4048,111 @@ FA2_UNROLL
     if (a.seg) fa2_seg_range(a.seg + b * Tk, i0 + off, nq, &qlo, &qhi);
     const char *kb = a.k.data + hk * a.k.nb[2] + b * a.k.nb[3], *vb = a.v.data + hk * a.v.nb[2] + b * a.v.nb[3];
     const int64_t jend = min(Tk, i0 + nq + off);
-    for (int64_t j0 = 0; j0 < jend; j0 += FA2_BK) {
-        const int nk = (int)min((int64_t)FA2_BK, jend - j0);
-        if (a.seg) {
+    // the key tiles visited, in order, less those whose documents do not meet the queries' (every thread agrees)
+    auto advance = [&](int64_t &j0) {  // to the tile after j0; false past the last
+        for (;;) {
+            if ((j0 += FA2_BK) >= jend) return false;
+            if (!a.seg) return true;
             int klo, khi;
-            fa2_seg_range(a.seg + b * Tk, j0, nk, &klo, &khi);
-            if (khi < qlo || klo > qhi) continue;
+            fa2_seg_range(a.seg + b * Tk, j0, (int)min((int64_t)FA2_BK, jend - j0), &klo, &khi);
+            if (!(khi < qlo || klo > qhi)) return true;
         }
-        __syncthreads();  // the previous tile (or q) is no longer read
-        fa2_tile<T, D>(Ks, kb + j0 * a.k.nb[1], a.k.nb[1], nk, FA2_BK, a.k.type);
-        fa2_tile<T, D>(Vs, vb + j0 * a.v.nb[1], a.v.nb[1], nk, FA2_BK, a.v.type);
-        __syncthreads();
-        if (j0 > i0 + r0 + 15 + off || r0 >= nq) continue;  // this warp's queries see none of the tile
-        const bool full = !a.seg && j0 + FA2_BK - 1 <= i0 + r0 + off;
-        wmma::fragment<wmma::accumulator, 16, 16, 16, float> s[NK];
+    };
+    auto issue = [&](int64_t j0, int buf) {  // key tile j0 into buffer buf
+        const int nk = (int)min((int64_t)FA2_BK, jend - j0);
+        if constexpr (PIPE) {
+            fa2_copy16_async<T, D>(Kb + buf * FA2_BK * LD, kb + j0 * a.k.nb[1], a.k.nb[1], nk, FA2_BK);
+            fa2_copy16_async<T, D>(Vb + buf * FA2_BK * LD, vb + j0 * a.v.nb[1], a.v.nb[1], nk, FA2_BK);
+        } else {
+            fa2_tile<T, D>(Kb, kb + j0 * a.k.nb[1], a.k.nb[1], nk, FA2_BK, a.k.type);
+            fa2_tile<T, D>(Vb, vb + j0 * a.v.nb[1], a.v.nb[1], nk, FA2_BK, a.v.type);
+        }
+    };
+    int64_t j0 = -FA2_BK;
+    bool have = advance(j0);
+    if constexpr (PIPE) {
+        __syncthreads();  // q (read through the first buffer where QREG) is in every warp's registers
+        if (have) issue(j0, 0);
+        __pipeline_commit();
+    }
+    for (int buf = 0; have; buf = PIPE ? buf ^ 1 : 0) {
+        int64_t jn = j0;
+        const bool more = advance(jn);
+        if constexpr (PIPE) {
+            if (more) issue(jn, buf ^ 1);
+            __pipeline_commit();
+            __pipeline_wait_prior(1);  // this tile's copies have landed (the next tile's may not have)
+            __syncthreads();           // ... every thread's
+        } else {
+            __syncthreads();  // the previous tile (or q) is no longer read
+            issue(j0, 0);
+            __syncthreads();
+        }
+        const T *Ks = Kb + buf * FA2_BK * LD, *Vs = Vb + buf * FA2_BK * LD;
+        const int nk = (int)min((int64_t)FA2_BK, jend - j0);
+        if (!(j0 > i0 + r0 + 15 + off || r0 >= nq)) {  // this warp's queries see some of the tile
+            const bool full = !a.seg && j0 + FA2_BK - 1 <= i0 + r0 + off;
+            wmma::fragment<wmma::accumulator, 16, 16, 16, float> s[NK];
 FA2_UNROLL
-        for (int n = 0; n < NK; n++) {
-            wmma::fill_fragment(s[n], 0.0f);
+            for (int n = 0; n < NK; n++) {
+                wmma::fill_fragment(s[n], 0.0f);
 FA2_UNROLL
-            for (int f = 0; f < NF; f++) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
-                wmma::load_matrix_sync(kf, Ks + n * 16 * LD + f * 16, LD);
-                if constexpr (QREG) {
-                    wmma::mma_sync(s[n], qf[f], kf, s[n]);
-                } else {
-                    wmma::load_matrix_sync(qf[0], Qs + r0 * LD + f * 16, LD);
-                    wmma::mma_sync(s[n], qf[0], kf, s[n]);
+                for (int f = 0; f < NF; f++) {
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> kf;
+                    wmma::load_matrix_sync(kf, Ks + n * 16 * LD + f * 16, LD);
+                    if constexpr (QREG) {
+                        wmma::mma_sync(s[n], qf[f], kf, s[n]);
+                    } else {
+                        wmma::load_matrix_sync(qf[0], Qs + r0 * LD + f * 16, LD);
+                        wmma::mma_sync(s[n], qf[0], kf, s[n]);
+                    }
+                }
+            }
+            float mx[2] = {-INFINITY, -INFINITY};
+FA2_UNROLL
+            for (int n = 0; n < NK; n++)
+FA2_UNROLL
+                for (int i = 0; i < 8; i++) {
+                    float v = s[n].x[i] * sl2;
+                    if (!full) {
+                        const int r = r0 + fa2_rr(lane, i), c = n * 16 + fa2_rc(lane, i);
+                        if (!(r < nq && c < nk && fa_visible(a.seg, i0 + r, j0 + c, off, Tk, b))) v = -INFINITY;
+                    }
+                    s[n].x[i] = v;
+                    mx[i / 2 % 2] = fmaxf(mx[i / 2 % 2], v);
+                }
+            float ms[2], alpha[2];
+FA2_UNROLL
+            for (int e = 0; e < 2; e++) {
+                const float mn = fmaxf(m[e], fa2_quad_max(mx[e]));
+                ms[e] = mn == -INFINITY ? 0.0f : mn;
+                alpha[e] = exp2f(m[e] - ms[e]);
+                m[e] = mn;
+                l[e] *= alpha[e];
+            }
+FA2_UNROLL
+            for (int f = 0; f < NF; f++)
+FA2_UNROLL
+                for (int i = 0; i < 8; i++) o[f].x[i] *= alpha[i / 2 % 2];
+FA2_UNROLL
+            for (int kk = 0; kk < NK; kk++) {
+                wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf;
+FA2_UNROLL
+                for (int i = 0; i < 8; i++) {
+                    const float p = exp2f(s[kk].x[i] - ms[i / 2 % 2]);
+                    l[i / 2 % 2] += p;
+                    pf.x[i] = fa2_cvt<T>(p);
+                }
+FA2_UNROLL
+                for (int f = 0; f < NF; f++) {
+                    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
+                    wmma::load_matrix_sync(vf, Vs + kk * 16 * LD + f * 16, LD);
+                    wmma::mma_sync(o[f], pf, vf, o[f]);
                 }
             }
         }
-        float mx[2] = {-INFINITY, -INFINITY};
-FA2_UNROLL
-        for (int n = 0; n < NK; n++)
-FA2_UNROLL
-            for (int i = 0; i < 8; i++) {
-                float v = s[n].x[i] * sl2;
-                if (!full) {
-                    const int r = r0 + fa2_rr(lane, i), c = n * 16 + fa2_rc(lane, i);
-                    if (!(r < nq && c < nk && fa_visible(a.seg, i0 + r, j0 + c, off, Tk, b))) v = -INFINITY;
-                }
-                s[n].x[i] = v;
-                mx[i / 2 % 2] = fmaxf(mx[i / 2 % 2], v);
-            }
-        float ms[2], alpha[2];
-FA2_UNROLL
-        for (int e = 0; e < 2; e++) {
-            const float mn = fmaxf(m[e], fa2_quad_max(mx[e]));
-            ms[e] = mn == -INFINITY ? 0.0f : mn;
-            alpha[e] = exp2f(m[e] - ms[e]);
-            m[e] = mn;
-            l[e] *= alpha[e];
-        }
-FA2_UNROLL
-        for (int f = 0; f < NF; f++)
-FA2_UNROLL
-            for (int i = 0; i < 8; i++) o[f].x[i] *= alpha[i / 2 % 2];
-FA2_UNROLL
-        for (int kk = 0; kk < NK; kk++) {
-            wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> pf;
-FA2_UNROLL
-            for (int i = 0; i < 8; i++) {
-                const float p = exp2f(s[kk].x[i] - ms[i / 2 % 2]);
-                l[i / 2 % 2] += p;
-                pf.x[i] = fa2_cvt<T>(p);
-            }
-FA2_UNROLL
-            for (int f = 0; f < NF; f++) {
-                wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> vf;
-                wmma::load_matrix_sync(vf, Vs + kk * 16 * LD + f * 16, LD);
-                wmma::mma_sync(o[f], pf, vf, o[f]);
-            }
-        }
+        if constexpr (PIPE) __syncthreads();  // this buffer is read no more: the tile after next is issued into it
+        j0 = jn, have = more;
     }
     float inv[2];
 FA2_UNROLL
@@ -4119,23 +4173,6 @@ FA2_UNROLL
             const int r = r0 + lane / 4 + 8 * e;
             if (r < nq) lse[(b * H + h) * Tq + i0 + r] = m[e] * FA2_LN2 + logf(l[e]);
         }
-    }
-}
-
-// The backward's streamed tiles (query tiles for dK/dV, key tiles for dQ). With PIPE (the sources
-// bf16 and 16-byte aligned: the trainer's under bf16) two buffers take turns: the next tile's rows
-// travel by asynchronous copies (cp.async) while this tile's products run, so a tile's load waits
-// on memory only when the products are shorter than its latency. Without PIPE one buffer, loaded
-// between two barriers. The same products in the same order either way: the same bits.
-// rows [0, n) of a bf16 matrix (base and rs 16-byte aligned) into dst [rows][E + FA2_PAD] by
-// asynchronous 16-byte copies; rows n.. zeroed by plain stores. They land at the caller's
-// __pipeline_wait_prior; other threads see them after the __syncthreads that follows it.
-template <typename T, int E> __device__ __forceinline__ void fa2_copy16_async(T *dst, const char *base, int64_t rs, int n, int rows) {
-    constexpr int LD = E + FA2_PAD, V = E / 8;
-    for (int x = threadIdx.x; x < rows * V; x += blockDim.x) {
-        const int r = x / V, c = x % V * 8;
-        if (r < n) __pipeline_memcpy_async(dst + r * LD + c, base + r * rs + c * 2, 16);
-        else *(uint4 *)(dst + r * LD + c) = make_uint4(0, 0, 0, 0);
     }
 }
 
@@ -4449,8 +4486,8 @@ FA2_UNROLL
         }
     }
 }
-template <int D, int NW> constexpr size_t fa2_fwd_reg_smem() {  // K and V tiles (q's first), and q's own above head dim 96
-    return (size_t)(2 * FA2_BK + (D > 96 ? 16 * NW : 0)) * (D + FA2_PAD) * 2;
+template <int D, int NW, int NB = 1> constexpr size_t fa2_fwd_reg_smem() {  // NB buffers of K and V tiles (q's first), q's own above head dim 96
+    return (size_t)(2 * NB * FA2_BK + (D > 96 ? 16 * NW : 0)) * (D + FA2_PAD) * 2;
 }
 template <int D, int NW, int BT, int NB = 1> constexpr size_t fa2_back_reg_smem() {  // 16 NW rows held, NB buffers of BT streamed
     return (size_t)2 * (16 * NW + NB * BT) * (D + FA2_PAD) * 2 + 2 * NB * BT * sizeof(float);  // (+ dK/dV's lse, delta)
@@ -4473,24 +4510,10 @@ FA2_REG_SMEM_OK(128);
 
 // launchers: the kernel for (T, D), its shared memory allowed, then the launch
 static bool cu_fa2_reg(const cu_ctx &c);
-// the register path's forward: 8 warps (128 queries) a block, or 4 (QLORA_CUDA_FA2_WARPS=4); on an H200
-// 8 ran 56 / 45 TFLOP/s at d 128 / 64, 4 ran 50 / 42
-static const int g_fa2_fwd_warps = getenv("QLORA_CUDA_FA2_WARPS") && atoi(getenv("QLORA_CUDA_FA2_WARPS")) == 4 ? 4 : 8;
-template <int D, int NW> static void fa2_fwd_reg_launch(cu_ctx &c, ql_tensor *node) {
-    const ql_tensor *q = node->src[0];
-    const size_t smem = fa2_fwd_reg_smem<D, NW>();
-    void (*kern)(fa_args, char *, float *) = k_fa2_fwd_reg<__nv_bfloat16, D, NW>;
-    CU_CHECK(c, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    const dim3 grid((unsigned)((q->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)q->ne[2], (unsigned)q->ne[3]);
-    float *lse = (float *)((char *)node->data + ql_nbytes(node));
-    QL_LAUNCH(kern, grid, NW * 32, smem, c.stream, fa_args_of(node), (char *)node->data, lse);
-    CU_LAUNCHED(c);
-}
-// the register path's backward: 4 warps a block (64 keys or queries held), or 8 (QLORA_CUDA_FA2_BWD_WARPS=8; on an
-// H200 the same speed: d 64 18.2 against 18.4 TFLOP/s)
-static const int g_fa2_bwd_warps = getenv("QLORA_CUDA_FA2_BWD_WARPS") && atoi(getenv("QLORA_CUDA_FA2_BWD_WARPS")) == 8 ? 8 : 4;
+static size_t cu_smem_optin(const cu_ctx &c);  // a block's shared memory on this device, opted in
 // the register path's streamed tiles in two buffers by asynchronous copies (PIPE) where the streamed
-// tensor is bf16 and every row 16-byte aligned, unless QLORA_CUDA_FA2_PIPE=0 (or ql_cuda_fa2_set_pipe)
+// tensor is bf16 and every row 16-byte aligned (and, forward, the device's shared memory allows),
+// unless QLORA_CUDA_FA2_PIPE=0 (or ql_cuda_fa2_set_pipe)
 static int g_fa2_pipe = !(getenv("QLORA_CUDA_FA2_PIPE") && strcmp(getenv("QLORA_CUDA_FA2_PIPE"), "0") == 0);
 int ql_cuda_fa2_set_pipe(int on) {
     const int was = g_fa2_pipe;
@@ -4500,6 +4523,27 @@ int ql_cuda_fa2_set_pipe(int on) {
 static bool fa2_async_ok(const ql_tensor *t) {
     return g_fa2_pipe && t->type == QL_TYPE_BF16 && ((uintptr_t)t->data | (uintptr_t)t->nb[1] | (uintptr_t)t->nb[2] | (uintptr_t)t->nb[3]) % 16 == 0;
 }
+// the register path's forward: 8 warps (128 queries) a block, or 4 (QLORA_CUDA_FA2_WARPS=4); on an H200
+// 8 ran 56 / 45 TFLOP/s at d 128 / 64, 4 ran 50 / 42
+static const int g_fa2_fwd_warps = getenv("QLORA_CUDA_FA2_WARPS") && atoi(getenv("QLORA_CUDA_FA2_WARPS")) == 4 ? 4 : 8;
+template <int D, int NW, bool PIPE> static void fa2_fwd_reg_launch(cu_ctx &c, ql_tensor *node) {
+    const ql_tensor *q = node->src[0];
+    const size_t smem = fa2_fwd_reg_smem<D, NW, PIPE ? 2 : 1>();
+    void (*kern)(fa_args, char *, float *) = k_fa2_fwd_reg<__nv_bfloat16, D, NW, PIPE>;
+    CU_CHECK(c, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
+    const dim3 grid((unsigned)((q->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)q->ne[2], (unsigned)q->ne[3]);
+    float *lse = (float *)((char *)node->data + ql_nbytes(node));
+    QL_LAUNCH(kern, grid, NW * 32, smem, c.stream, fa_args_of(node), (char *)node->data, lse);
+    CU_LAUNCHED(c);
+}
+template <int D, int NW> static void fa2_fwd_reg_pick(cu_ctx &c, ql_tensor *node) {  // two buffers where they fit this device
+    if (fa2_async_ok(node->src[1]) && fa2_async_ok(node->src[2]) && fa2_fwd_reg_smem<D, NW, 2>() <= cu_smem_optin(c))
+        return fa2_fwd_reg_launch<D, NW, true>(c, node);
+    fa2_fwd_reg_launch<D, NW, false>(c, node);
+}
+// the register path's backward: 4 warps a block (64 keys or queries held), or 8 (QLORA_CUDA_FA2_BWD_WARPS=8; on an
+// H200 the same speed: d 64 18.2 against 18.4 TFLOP/s)
+static const int g_fa2_bwd_warps = getenv("QLORA_CUDA_FA2_BWD_WARPS") && atoi(getenv("QLORA_CUDA_FA2_BWD_WARPS")) == 8 ? 8 : 4;
 template <int D, int NW, bool PIPE>
 static void fa2_dkv_reg_launch(cu_ctx &c, const ql_tensor *k, const fa_args &a, const char *dO, const float *lse, const float *delta,
                                float *dk, float *dv) {
@@ -4548,7 +4592,7 @@ template <int D, int NW> static void fa2_back_reg_launch(cu_ctx &c, ql_tensor *n
 }
 template <typename T, int D> static void fa2_fwd_launch(cu_ctx &c, ql_tensor *node) {
     if (std::is_same<T, __nv_bfloat16>::value && cu_fa2_reg(c))
-        return g_fa2_fwd_warps == 8 ? fa2_fwd_reg_launch<D, 8>(c, node) : fa2_fwd_reg_launch<D, 4>(c, node);
+        return g_fa2_fwd_warps == 8 ? fa2_fwd_reg_pick<D, 8>(c, node) : fa2_fwd_reg_pick<D, 4>(c, node);
     const ql_tensor *q = node->src[0];
     const size_t smem = fa2_fwd_smem<T, D>();
     void (*kern)(fa_args, char *, float *) = k_fa2_fwd<T, D>;  // (a name without commas, for the macros)
@@ -4717,6 +4761,7 @@ static bool cu_use(const cuda_backend *cb) {
 }
 static int cu_cc(const cu_ctx &c) { return c.cb->prop.major * 10 + c.cb->prop.minor; }
 static bool cu_fa2_reg(const cu_ctx &c) { return c.cb->fa2_reg; }
+static size_t cu_smem_optin(const cu_ctx &c) { return c.cb->prop.sharedMemPerBlockOptin; }
 
 
 __global__ void k_first_nonfinite(cu_t t, int64_t n, unsigned long long *first) {
