@@ -3541,14 +3541,14 @@ template <typename T, int D> constexpr size_t fa2_fwd_smem() {
     return (size_t)2 * FA2_BK * (D + FA2_PAD) * sizeof(T) + (size_t)FA2_WARPS * 16 * (FA2_BK + 4) * sizeof(float) +
            (size_t)FA2_WARPS * 16 * (FA2_BK + FA2_PAD) * sizeof(T) + (256 + 3 * FA2_BQ) * sizeof(float);
 }
-template <typename T, int D> constexpr size_t fa2_back_smem() {  // both backward kernels: 16 NW rows held, BT streamed
+template <typename T, int D, int NB = 1> constexpr size_t fa2_back_smem() {  // both backward kernels: 16 NW rows held, NB x BT streamed
     constexpr int NW = fa2_back_cfg<T>::NW, BT = fa2_back_cfg<T>::BT;
-    return (size_t)2 * (16 * NW + BT) * (D + FA2_PAD) * sizeof(T) + (size_t)NW * 16 * (BT + 4) * sizeof(float) +
-           (size_t)NW * 16 * (BT + FA2_PAD) * sizeof(T) + 2 * 16 * NW * sizeof(float) + 2 * BT * sizeof(float);
+    return (size_t)2 * (16 * NW + NB * BT) * (D + FA2_PAD) * sizeof(T) + (size_t)NW * 16 * (BT + 4) * sizeof(float) +
+           (size_t)NW * 16 * (BT + FA2_PAD) * sizeof(T) + 2 * 16 * NW * sizeof(float) + 2 * NB * BT * sizeof(float);
 }
 // the gate: a block's shared memory within sm_86/89's 99 KiB (bf16, cc >= 8.0) and sm_75's 64 KiB (fp16)
 #define FA2_SMEM_OK(D)                                                                                                  \
-    static_assert(fa2_fwd_smem<__nv_bfloat16, D>() <= (99u << 10) && fa2_back_smem<__nv_bfloat16, D>() <= (99u << 10) && \
+    static_assert(fa2_fwd_smem<__nv_bfloat16, D>() <= (99u << 10) && fa2_back_smem<__nv_bfloat16, D, 2>() <= (99u << 10) && \
                       fa2_fwd_smem<__half, D>() <= (64u << 10) && fa2_back_smem<__half, D>() <= (64u << 10),        \
                   "fused attention's shared memory above the device limit at head dim " #D)
 FA2_SMEM_OK(64);
@@ -3578,6 +3578,42 @@ __device__ __forceinline__ void fa2_load(T *dst, const char *base, int64_t rs, i
     }
 }
 __device__ __forceinline__ bool fa2_aligned(const void *p, int64_t rs) { return ((uintptr_t)p | (uintptr_t)rs) % 16 == 0; }
+
+// rows [0, n) of a 16-bit matrix of T, E dense columns `rs` bytes apart, into dst [rows][E +
+// FA2_PAD]: 16-byte copies (base and rs 16-byte aligned); zeros from n to rows
+template <typename T, int E> __device__ __forceinline__ void fa2_copy16(T *dst, const char *base, int64_t rs, int n, int rows) {
+    constexpr int LD = E + FA2_PAD, V = E / 8;  // 8 elements a copy
+    for (int x = threadIdx.x; x < rows * V; x += blockDim.x) {
+        const int r = x / V, c = x % V * 8;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r < n) v = *(const uint4 *)(base + r * rs + c * 2);
+        *(uint4 *)(dst + r * LD + c) = v;
+    }
+}
+// fa2_load, or fa2_copy16 where the source is T already and aligned
+template <typename T, int E>
+__device__ __forceinline__ void fa2_tile(T *dst, const char *base, int64_t rs, int n, int rows, int st) {
+    if (st == QL_TYPE_BF16 && std::is_same<T, __nv_bfloat16>::value && fa2_aligned(base, rs)) fa2_copy16<T, E>(dst, base, rs, n, rows);
+    else fa2_load<T, E>(dst, base, rs, n, rows, fa2_aligned(base, rs), st);
+}
+
+// The register path's streamed tiles (key tiles for the forward and dQ, query tiles for dK/dV).
+// With PIPE (the sources bf16 and 16-byte aligned: the trainer's under bf16) two buffers take
+// turns: the next tile's rows travel by asynchronous copies (cp.async) while this tile's products
+// run, so a tile's load waits on memory only when the products are shorter than its latency.
+// Without PIPE one buffer, loaded between two barriers. The same products in the same order
+// either way: the same bits.
+// rows [0, n) of a bf16 matrix (base and rs 16-byte aligned) into dst [rows][E + FA2_PAD] by
+// asynchronous 16-byte copies; rows n.. zeroed by plain stores. They land at the caller's
+// __pipeline_wait_prior; other threads see them after the __syncthreads that follows it.
+template <typename T, int E> __device__ __forceinline__ void fa2_copy16_async(T *dst, const char *base, int64_t rs, int n, int rows) {
+    constexpr int LD = E + FA2_PAD, V = E / 8;
+    for (int x = threadIdx.x; x < rows * V; x += blockDim.x) {
+        const int r = x / V, c = x % V * 8;
+        if (r < n) __pipeline_memcpy_async(dst + r * LD + c, base + r * rs + c * 2, 16);
+        else *(uint4 *)(dst + r * LD + c) = make_uint4(0, 0, 0, 0);
+    }
+}
 
 // the segment ids of positions [p0, p0 + n) of batch b: min and max, the same in every lane
 __device__ __forceinline__ void fa2_seg_range(const int32_t *seg, int64_t p0, int n, int *lo, int *hi) {
@@ -3781,26 +3817,29 @@ FA2_UNROLL
 }
 
 // dK, dV: block (16 NW keys, kv head, batch); every query head of the group, every query tile
-// that may see the keys. dk, dv [D, Tk, Hkv, B]; dO [D, H, Tq, B] of type dt (f32 or 16-bit); lse, delta [Tq, H, B]
-template <typename T, int D>
+// that may see the keys. dk, dv [D, Tk, Hkv, B]; dO [D, H, Tq, B] of type dt (f32 or 16-bit); lse, delta [Tq, H, B].
+// PIPE (the register path's choice at d 128: q and dO bf16, aligned): query tiles in two buffers by
+// asynchronous copies, as k_fa2_dkv_reg's
+template <typename T, int D, bool PIPE = false>
 __global__ void __launch_bounds__(fa2_back_cfg<T>::NW * 32, 1)
     k_fa2_dkv(fa_args a, const char *dO, int dt, const float *lse, const float *delta, float *dk, float *dv) {
     if constexpr (!FA2_ARCH_OK(T)) return;
     else
     {
     using namespace nvcuda;
-    constexpr int NW = fa2_back_cfg<T>::NW, BT = fa2_back_cfg<T>::BT, RK = 16 * NW, LD = D + FA2_PAD, NF = D / 16;
+    constexpr int NW = fa2_back_cfg<T>::NW, BT = fa2_back_cfg<T>::BT, RK = 16 * NW, LD = D + FA2_PAD, NF = D / 16, NB = PIPE ? 2 : 1;
     constexpr int SLD = BT + 4, PLD = BT + FA2_PAD;
+    static_assert(BT <= 32 * NW, "a thread per query row of a tile (its lse and delta)");
     // sizes and positions in 32 bits (row offsets below in 64): fewer registers beside the accumulators
     const int Tq = (int)a.q.ne[1], H = (int)a.q.ne[2], Tk = (int)a.k.ne[1], Hkv = (int)a.k.ne[2], off = Tk - Tq, rep = H / Hkv;
     const int hk = blockIdx.y, b = blockIdx.z, j0 = blockIdx.x * RK;
     const int nk = min(RK, Tk - j0), warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
     const float sl2 = a.scale * FA2_LOG2E;
     QL_DYN_SMEM(unsigned char, sm);
-    T *Ks = (T *)sm, *Vs = Ks + RK * LD, *Qs = Vs + RK * LD, *dOs = Qs + BT * LD;
-    float *Sw = (float *)(dOs + BT * LD) + warp * 16 * SLD;
-    T *Pw = (T *)((float *)(dOs + BT * LD) + NW * 16 * SLD) + warp * 16 * PLD;
-    float *Lr = (float *)((T *)((float *)(dOs + BT * LD) + NW * 16 * SLD) + NW * 16 * PLD), *Dr = Lr + BT;
+    T *Ks = (T *)sm, *Vs = Ks + RK * LD, *Qb = Vs + RK * LD, *dOb = Qb + NB * BT * LD;  // K, V [RK][LD]; q, dO [NB][BT][LD]
+    float *Sw = (float *)(dOb + NB * BT * LD) + warp * 16 * SLD;
+    T *Pw = (T *)((float *)(dOb + NB * BT * LD) + NW * 16 * SLD) + warp * 16 * PLD;
+    float *Lb = (float *)((T *)((float *)(dOb + NB * BT * LD) + NW * 16 * SLD) + NW * 16 * PLD), *Db = Lb + NB * BT;  // [NB][BT]
     const char *kb = a.k.data + (int64_t)j0 * a.k.nb[1] + hk * a.k.nb[2] + b * a.k.nb[3];
     const char *vb = a.v.data + (int64_t)j0 * a.v.nb[1] + hk * a.v.nb[2] + b * a.v.nb[3];
     fa2_load<T, D>(Ks, kb, a.k.nb[1], nk, RK, fa2_aligned(kb, a.k.nb[1]), a.k.type);
@@ -3811,28 +3850,64 @@ FA2_UNROLL
     int klo = 0, khi = 0;
     if (a.seg) fa2_seg_range(a.seg + (int64_t)b * Tk, j0, nk, &klo, &khi);
     const int qstart = max(0, j0 - off) / BT * BT;  // the first query that may see key j0
-    for (int r = 0; r < rep; r++) {
-        const int h = hk * rep + r;
-        const char *qb = a.q.data + h * a.q.nb[2] + b * a.q.nb[3];
-        const int64_t es = dt == QL_TYPE_F32 ? 4 : 2, ors = (int64_t)H * D * es;  // dO's element size, row stride
-        const bool qvec = fa2_aligned(qb, a.q.nb[1]), ovec = fa2_aligned(dO, ors);
-        for (int i0 = qstart; i0 < Tq; i0 += BT) {
-            const int nq = min(BT, Tq - i0);
-            if (a.seg) {  // documents: the same answer in every warp
-                int qlo, qhi;
-                fa2_seg_range(a.seg + (int64_t)b * Tk, i0 + off, nq, &qlo, &qhi);
-                if (khi < qlo || klo > qhi) continue;
+    const int64_t es = dt == QL_TYPE_F32 ? 4 : 2, ors = (int64_t)H * D * es;  // dO's element size, row stride
+    auto advance = [&](int &r, int &i0) {  // to the tile after (r, i0); false past the last (as k_fa2_dkv_reg's)
+        for (;;) {
+            if ((i0 += BT) >= Tq) {
+                i0 = qstart;
+                if (++r >= rep) return false;
             }
+            if (!a.seg) return true;
+            int qlo, qhi;
+            fa2_seg_range(a.seg + (int64_t)b * Tk, i0 + off, min(BT, Tq - i0), &qlo, &qhi);
+            if (!(khi < qlo || klo > qhi)) return true;
+        }
+    };
+    float ln = 0.0f, dn = 0.0f;  // this thread's query row of a tile on its way to Lb, Db
+    auto issue = [&](int r, int i0, int buf) {  // tile (r, i0) into buffer buf: q and dO rows; lse, delta into ln, dn
+        const int h = hk * rep + r, nq = min(BT, Tq - i0);
+        const char *qb = a.q.data + h * a.q.nb[2] + b * a.q.nb[3] + (int64_t)i0 * a.q.nb[1];
+        const char *ob = dO + ((int64_t)(b * Tq + i0) * H + h) * D * es;
+        if constexpr (PIPE) {
+            fa2_copy16_async<T, D>(Qb + buf * BT * LD, qb, a.q.nb[1], nq, BT);
+            fa2_copy16_async<T, D>(dOb + buf * BT * LD, ob, ors, nq, BT);
+        } else {
+            fa2_load<T, D>(Qb, qb, a.q.nb[1], nq, BT, fa2_aligned(qb, a.q.nb[1]), a.q.type);
+            fa2_load<T, D>(dOb, ob, ors, nq, BT, fa2_aligned(ob, ors), dt);
+        }
+        const int x = threadIdx.x;
+        if (x < BT) {
+            const int64_t row = (int64_t)(b * H + h) * Tq + i0 + x;
+            ln = x < nq ? lse[row] * FA2_LOG2E : 0.0f;
+            dn = x < nq ? delta[row] : 0.0f;
+        }
+    };
+    auto put = [&](int buf) {
+        if (threadIdx.x < BT) Lb[buf * BT + threadIdx.x] = ln, Db[buf * BT + threadIdx.x] = dn;
+    };
+    int r = 0, i0 = qstart - BT;
+    bool have = advance(r, i0);
+    if constexpr (PIPE) {
+        if (have) issue(r, i0, 0), put(0);
+        __pipeline_commit();
+    }
+    for (int buf = 0; have; buf = PIPE ? buf ^ 1 : 0) {
+        int rn = r, in = i0;
+        const bool more = advance(rn, in);
+        if constexpr (PIPE) {
+            if (more) issue(rn, in, buf ^ 1);
+            __pipeline_commit();
+            __pipeline_wait_prior(1);  // this tile's copies have landed (the next tile's may not have)
+            __syncthreads();           // ... every thread's
+        } else {
             __syncthreads();  // the previous query tile is no longer read
-            fa2_load<T, D>(Qs, qb + (int64_t)i0 * a.q.nb[1], a.q.nb[1], nq, BT, qvec, a.q.type);
-            fa2_load<T, D>(dOs, dO + ((int64_t)(b * Tq + i0) * H + h) * D * es, ors, nq, BT, ovec, dt);
-            for (int x = threadIdx.x; x < BT; x += blockDim.x) {
-                const int64_t row = (int64_t)(b * H + h) * Tq + i0 + x;
-                Lr[x] = x < nq ? lse[row] * FA2_LOG2E : 0.0f;
-                Dr[x] = x < nq ? delta[row] : 0.0f;
-            }
+            issue(r, i0, 0), put(0);
             __syncthreads();
-            if (r0 >= nk || j0 + r0 > i0 + nq - 1 + off) continue;  // no query of the tile sees this warp's keys
+        }
+        const T *Qs = Qb + buf * BT * LD, *dOs = dOb + buf * BT * LD;
+        const float *Lr = Lb + buf * BT, *Dr = Db + buf * BT;
+        const int nq = min(BT, Tq - i0);
+        if (!(r0 >= nk || j0 + r0 > i0 + nq - 1 + off)) {  // some query of the tile sees this warp's keys
             const bool full = !a.seg && nq == BT && r0 + 16 <= nk && j0 + r0 + 15 <= i0 + off;
             // S^T = K Q^T -> P^T (kept in registers for dS, and in Pw for dV)
             fa2_rows_by_rows<T, D, BT>(Sw, Ks + r0 * LD, Qs);
@@ -3855,6 +3930,11 @@ FA2_UNROLL
             __syncwarp();
             fa2_acc_product<T, D, BT>(dkf, Pw, Qs);  // dK += dS^T Q
         }
+        if constexpr (PIPE) {
+            if (more) put(buf ^ 1);
+            __syncthreads();  // this buffer is read no more: the tile after next is issued into it
+        }
+        r = rn, i0 = in, have = more;
     }
     const int64_t row = (int64_t)(b * Hkv + hk) * Tk + j0 + r0;
     const int n = max(0, min(16, nk - r0));
@@ -3976,42 +4056,6 @@ template <typename T> __global__ void k_fa2_probe(int *ok) {  // (T: bf16; a tem
         }
     good = __all_sync(0xffffffff, good);
     if (lane == 0) *ok = good ? 1 : 0;
-    }
-}
-
-// rows [0, n) of a 16-bit matrix of T, E dense columns `rs` bytes apart, into dst [rows][E +
-// FA2_PAD]: 16-byte copies (base and rs 16-byte aligned); zeros from n to rows
-template <typename T, int E> __device__ __forceinline__ void fa2_copy16(T *dst, const char *base, int64_t rs, int n, int rows) {
-    constexpr int LD = E + FA2_PAD, V = E / 8;  // 8 elements a copy
-    for (int x = threadIdx.x; x < rows * V; x += blockDim.x) {
-        const int r = x / V, c = x % V * 8;
-        uint4 v = make_uint4(0, 0, 0, 0);
-        if (r < n) v = *(const uint4 *)(base + r * rs + c * 2);
-        *(uint4 *)(dst + r * LD + c) = v;
-    }
-}
-// fa2_load, or fa2_copy16 where the source is T already and aligned
-template <typename T, int E>
-__device__ __forceinline__ void fa2_tile(T *dst, const char *base, int64_t rs, int n, int rows, int st) {
-    if (st == QL_TYPE_BF16 && std::is_same<T, __nv_bfloat16>::value && fa2_aligned(base, rs)) fa2_copy16<T, E>(dst, base, rs, n, rows);
-    else fa2_load<T, E>(dst, base, rs, n, rows, fa2_aligned(base, rs), st);
-}
-
-// The register path's streamed tiles (key tiles for the forward and dQ, query tiles for dK/dV).
-// With PIPE (the sources bf16 and 16-byte aligned: the trainer's under bf16) two buffers take
-// turns: the next tile's rows travel by asynchronous copies (cp.async) while this tile's products
-// run, so a tile's load waits on memory only when the products are shorter than its latency.
-// Without PIPE one buffer, loaded between two barriers. The same products in the same order
-// either way: the same bits.
-// rows [0, n) of a bf16 matrix (base and rs 16-byte aligned) into dst [rows][E + FA2_PAD] by
-// asynchronous 16-byte copies; rows n.. zeroed by plain stores. They land at the caller's
-// __pipeline_wait_prior; other threads see them after the __syncthreads that follows it.
-template <typename T, int E> __device__ __forceinline__ void fa2_copy16_async(T *dst, const char *base, int64_t rs, int n, int rows) {
-    constexpr int LD = E + FA2_PAD, V = E / 8;
-    for (int x = threadIdx.x; x < rows * V; x += blockDim.x) {
-        const int r = x / V, c = x % V * 8;
-        if (r < n) __pipeline_memcpy_async(dst + r * LD + c, base + r * rs + c * 2, 16);
-        else *(uint4 *)(dst + r * LD + c) = make_uint4(0, 0, 0, 0);
     }
 }
 
@@ -4575,12 +4619,14 @@ template <int D, int NW> static void fa2_back_reg_launch(cu_ctx &c, ql_tensor *n
     if constexpr (D > 96) {  // dK, dV at head dim 128: the shared-memory kernel (the register one needs more than 255 registers)
         using T = __nv_bfloat16;
         constexpr int SNW = fa2_back_cfg<T>::NW;
-        const size_t ssmem = fa2_back_smem<T, D>();
-        void (*kold)(fa_args, const char *, int, const float *, const float *, float *, float *) = k_fa2_dkv<T, D>;
+        const bool pipe = fa2_async_ok(q);  // (then dO from the 16-byte aligned bf16 copy, or dO itself in bf16)
+        const size_t ssmem = pipe ? fa2_back_smem<T, D, 2>() : fa2_back_smem<T, D>();
+        void (*kold)(fa_args, const char *, int, const float *, const float *, float *, float *) = pipe ? k_fa2_dkv<T, D, true> : k_fa2_dkv<T, D, false>;
         CU_CHECK(c, cudaFuncSetAttribute(kold, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ssmem));
         const dim3 gk((unsigned)((k->ne[1] + 16 * SNW - 1) / (16 * SNW)), (unsigned)k->ne[2], (unsigned)k->ne[3]);
-        QL_LAUNCH(kold, gk, SNW * 32, ssmem, c.stream, a, (const char *)node->src[5]->data, (int)node->src[5]->type, lse, delta, dk,
-                  dv);
+        const char *dOk = pipe ? dO16 : (const char *)node->src[5]->data;
+        const int dtk = pipe ? (int)QL_TYPE_BF16 : (int)node->src[5]->type;
+        QL_LAUNCH(kold, gk, SNW * 32, ssmem, c.stream, a, dOk, dtk, lse, delta, dk, dv);
         CU_LAUNCHED(c);
     } else if (fa2_async_ok(q)) {  // (dO: the bf16 workspace copy or dO itself, 16-byte aligned either way)
         fa2_dkv_reg_launch<D, NW, true>(c, k, a, dO, lse, delta, dk, dv);
