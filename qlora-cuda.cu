@@ -3489,7 +3489,7 @@ static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
 // The default wherever ql_cuda_fa_fused(node) (qlora.cpp): prec bf16, d == dv in {64, 80, 96, 128}.
 // Tiles of q, k, v (and dO) are converted from f32 to the compute type T (bf16 from cc 8.0, fp16
 // on 7.5) on their way into shared memory, or copied where they are T already. The register
-// path's backward streams bf16 tiles by asynchronous copies (cp.async through
+// path (forward and backward) streams bf16 tiles by asynchronous copies (cp.async through
 // cuda_pipeline_primitives.h) into two buffers, so the next tile loads while this one's products
 // run; elsewhere no copy/compute overlap beyond what other resident blocks give. Products
 // are 16x16x16 WMMA tiles with f32 accumulators. A fragment's element-to-lane mapping is never
@@ -3602,7 +3602,9 @@ __device__ __forceinline__ void fa2_tile(T *dst, const char *base, int64_t rs, i
 // turns: the next tile's rows travel by asynchronous copies (cp.async) while this tile's products
 // run, so a tile's load waits on memory only when the products are shorter than its latency.
 // Without PIPE one buffer, loaded between two barriers. The same products in the same order
-// either way: the same bits.
+// either way: the same bits. (Where two buffers halve the tile - dQ at d 128, the 8-warp backward
+// at d 96 - a 16-row piece of another document inside a 64-row tile is skipped instead of
+// multiplied by a zero P: still the same bits while those rows are finite.)
 // rows [0, n) of a bf16 matrix (base and rs 16-byte aligned) into dst [rows][E + FA2_PAD] by
 // asynchronous 16-byte copies; rows n.. zeroed by plain stores. They land at the caller's
 // __pipeline_wait_prior; other threads see them after the __syncthreads that follows it.

@@ -1479,9 +1479,11 @@ void    ql_cuda_fa_set_mode(int mode);                 // process-wide (QLORA_CU
 int     ql_cuda_fa_get_mode(void);
 bool    ql_cuda_fa2_register_path(const ql_backend *be); // the fused kernels keep scores in registers on this device (bf16,
                                                        // sm_80's fragment layout found by a probe; QLORA_CUDA_FA2_REG=0: off)
-int     ql_cuda_fa2_set_pipe(int on);                  // the register path's backward streams its tiles in two buffers by
-                                                       // asynchronous copies (bf16, aligned); 0: one buffer, loaded between
-                                                       // barriers (QLORA_CUDA_FA2_PIPE=0) - the same bits; returns the previous
+int     ql_cuda_fa2_set_pipe(int on);                  // the register path (forward and backward) streams its tiles in two
+                                                       // buffers by asynchronous copies (bf16, aligned); 0: one buffer, loaded
+                                                       // between barriers (QLORA_CUDA_FA2_PIPE=0) - the same bits; returns the
+                                                       // previous. Set it before a plan's first run (a captured CUDA graph keeps
+                                                       // the kernels it was captured with)
 size_t  ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NBUF], int64_t *chunk, ql_type *compute);
 bool    ql_cuda_fa_kv_direct(const ql_tensor *node, ql_type compute);  // k and v read in place (no K, V buffers): one
                                                        // sequence, in the compute type, permuted views of contiguous [D, Hkv, Tk]

@@ -24,8 +24,8 @@
 //   - an invalid launch (threads per block, grid limits, dynamic shared memory above 48 KiB
 //     without cudaFuncSetAttribute, above the device's opt-in limit with it).
 //   - an asynchronous copy (__pipeline_memcpy_async) not of 4, 8 or 16 bytes, not aligned to its
-//     size, not into the block's dynamic shared memory, or never waited for. A copy lands at the
-//     __syncthreads after the wait that covers it (QL_SHIM_ASYNC=early: as it is issued), so a
+//     size, not into the block's dynamic shared memory, or never waited for. A copy lands when the
+//     __syncthreads after the wait that covers it releases (QL_SHIM_ASYNC=early: as issued), so a
 //     read before the wait or its barrier, or a copy into a buffer still being read, goes wrong.
 //   - in a stream capture (CUDA graphs), what a capture forbids: synchronising, allocating, a
 //     synchronous copy, a stream drawn in and never joined back (see "stream capture" below).
@@ -107,6 +107,7 @@ struct state_t {
     std::map<std::string, long long> launches;   // per kernel name (qlshim_launches)
     int wmma_sm80 = 0;                           // WMMA 16x16 fragments in sm_80's layout, not scrambled (QL_SHIM_WMMA=sm80)
     int async_early = 0;                         // asynchronous copies land when issued, not at the wait (QL_SHIM_ASYNC=early)
+    std::atomic<long long> async_copies{0};      // __pipeline_memcpy_async calls (qlshim_async_copies)
     int fail_instantiate = 0;                    // the next this many cudaGraphInstantiate calls fail (qlshim_fail_instantiate)
 };
 inline state_t &st() {
@@ -349,10 +350,8 @@ inline void fiber_entry() {
 
 inline std::string site(const fiber &f) { return std::string(f.file) + ":" + std::to_string(f.line); }
 
-inline void land_waited(fiber *f);
 inline void syncthreads(const char *file, int line) {
     block_ctx *b = cur_block();
-    land_waited(b->cur);
     b->cur->state = F_BARRIER;
     b->cur->file = file;
     b->cur->line = line;
@@ -516,6 +515,11 @@ inline void run_block(block_ctx *b, int n, uint64_t seed) {
                          ", thread " + std::to_string(f.tid) + " at " + site(f));
                     return;
                 }
+            for (fiber &f : fs) {  // the barrier releases: the copies its threads waited for land now
+                for (const fiber::async_copy &c : f.waited)
+                    if (c.n) memcpy(c.dst, c.src, c.n);
+                f.waited.clear();
+            }
             for (fiber &f : fs) f.state = F_READY;
             if (st().order == ORDER_RANDOM) make_order(ord, n, rs);
             continue;
@@ -796,7 +800,7 @@ template <typename T> inline T shfl(wop op, unsigned mask, T v, int p, const cha
 }  // namespace qlshim
 
 // asynchronous copies, global -> shared (cp.async; cuda_pipeline_primitives.h's names): each lands
-// at the __syncthreads after the wait that covers its group, or as it is issued
+// when the __syncthreads after the wait that covers its group releases, or as it is issued
 // (qlshim_set_async_early); checked: 4, 8 or
 // 16 bytes, both ends aligned to it, the destination inside the block's dynamic shared memory, and
 // every copy waited for before the thread ends
@@ -817,6 +821,7 @@ inline void memcpy_async(const char *file, int line, void *dst, const void *src,
     if ((unsigned char *)dst < b->dyn || (unsigned char *)dst + size > b->dyn + b->dyn_size)
         return fail("__pipeline_memcpy_async: the destination is not in the block's dynamic shared memory at " + at);
     if (zfill) memset((char *)dst + (size - zfill), 0, zfill);
+    st().async_copies++;
     const fiber::async_copy c{dst, src, size - zfill};
     if (f->open.empty() && f->groups.empty()) f->copy_file = file, f->copy_line = line;
     if (st().async_early) land(c);
@@ -827,19 +832,16 @@ inline void pipeline_commit() {
     f->groups.push_back(std::move(f->open));
     f->open.clear();
 }
-// Copies waited for land at the thread's next __syncthreads: what a barrier after the wait makes
-// visible to the block. (Stricter than CUDA for the thread's own copies, which it may read right
-// after the wait; the kernels here read tiles through WMMA, every thread's rows, after a barrier.)
+// Copies waited for land when the block's next __syncthreads releases: what a barrier after the
+// wait makes visible to the block. (Stricter than CUDA for the thread's own copies, which it may
+// read right after the wait; the kernels here read tiles through WMMA, every thread's rows, after
+// a barrier.)
 inline void pipeline_wait_prior(size_t n) {
     fiber *f = cur_block()->cur;
     while (f->groups.size() > n) {
         for (const fiber::async_copy &c : f->groups.front()) f->waited.push_back(c);
         f->groups.erase(f->groups.begin());
     }
-}
-inline void land_waited(fiber *f) {
-    for (const fiber::async_copy &c : f->waited) land(c);
-    f->waited.clear();
 }
 }  // namespace qlshim
 
@@ -1329,6 +1331,7 @@ extern "C" __attribute__((used)) inline long long qlshim_host_syncs(void) {
     std::lock_guard<std::mutex> lk(qlshim::st().mu);
     return qlshim::st().syncs;
 }
+extern "C" __attribute__((used)) inline long long qlshim_async_copies(void) { return qlshim::st().async_copies.load(); }
 extern "C" __attribute__((used)) inline long long qlshim_launches(const char *kernel) {
     std::lock_guard<std::mutex> lk(qlshim::st().mu);
     auto it = qlshim::st().launches.find(kernel);

@@ -1296,6 +1296,7 @@ static void fused_attn_cases(ql_backend *be, bool few = false) {
 }
 
 extern "C" __attribute__((weak)) int qlshim_set_async_early(int on);  // tests/cuda_shim.h; absent on a real GPU
+extern "C" __attribute__((weak)) long long qlshim_async_copies(void);  // the same
 // The register path's streamed tiles by asynchronous copies in two buffers, against one buffer
 // loaded between barriers: the same products in the same order, so the same bits. Through the shim
 // the copies land at the wait (a read before it sees the buffer's old rows) and, again, as they are
@@ -1306,9 +1307,15 @@ static void fa2_pipe_cases(ql_backend *be) {
         INFO(sh.what << ", bf16 q, k, v");
         const builder build = fused_attn_builder(sh, true);
         const int was = ql_cuda_fa2_set_pipe(0);
+        const long long c0 = qlshim_async_copies ? qlshim_async_copies() : 0;
         const run_result one = run_case(be, false, build, true);
+        const long long c1 = qlshim_async_copies ? qlshim_async_copies() : 0;
         ql_cuda_fa2_set_pipe(1);
         const run_result two = run_case(be, false, build, true);
+        if (qlshim_async_copies) {  // the two runs took the two paths (else the comparison below proves nothing)
+            CHECK(c1 == c0);
+            CHECK(qlshim_async_copies() > c1);
+        }
         run_result early;
         if (qlshim_set_async_early) {
             const int e = qlshim_set_async_early(1);
@@ -1320,10 +1327,12 @@ static void fa2_pipe_cases(ql_backend *be) {
         REQUIRE(two.error.empty());
         REQUIRE(one.grads.size() == 3);
         REQUIRE(two.grads.size() == 3);
+        CHECK(one.out == two.out);
         for (size_t i = 0; i < 3; i++) CHECK_MESSAGE(one.grads[i] == two.grads[i], "gradient ", i, ": two buffers differ from one");
         if (!qlshim_set_async_early) continue;
         REQUIRE(early.error.empty());
         REQUIRE(early.grads.size() == 3);
+        CHECK(early.out == one.out);
         for (size_t i = 0; i < 3; i++) CHECK_MESSAGE(early.grads[i] == one.grads[i], "gradient ", i, ": copies landing at issue differ");
     }
 }
