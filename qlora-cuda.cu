@@ -3818,6 +3818,78 @@ FA2_UNROLL
     }
 }
 
+// The streamed-tile loop of the register path (and of the d 128 dK/dV kernel), both ways. Tile
+// positions t come from advance(t) (false past the last); issue(t, buf) loads tile t into buffer
+// buf (with PIPE: starts its copies) and keeps its per-row values in registers; put(buf) stores
+// those into shared memory; body(t, buf) computes on a loaded tile. With PIPE tile t + 1 is issued
+// before tile t's body runs, and its rows are put after it.
+template <bool PIPE, typename P, typename Adv, typename Issue, typename Put, typename Body>
+__device__ __forceinline__ void fa2_stream(P t, Adv advance, Issue issue, Put put, Body body) {
+    bool have = advance(t);
+    if constexpr (PIPE) {
+        if (have) issue(t, 0), put(0);
+        __pipeline_commit();
+    }
+    for (int buf = 0; have; buf = PIPE ? buf ^ 1 : 0) {
+        P tn = t;
+        const bool more = advance(tn);
+        if constexpr (PIPE) {
+            if (more) issue(tn, buf ^ 1);
+            __pipeline_commit();
+            __pipeline_wait_prior(1);  // this tile's copies have landed (the next tile's may not have)
+            __syncthreads();           // ... every thread's
+        } else {
+            __syncthreads();  // the previous tile is no longer read
+            issue(t, 0), put(0);
+            __syncthreads();
+        }
+        body(t, buf);
+        if constexpr (PIPE) {
+            if (more) put(buf ^ 1);
+            __syncthreads();  // this buffer is read no more: the tile after next is issued into it
+        }
+        t = tn, have = more;
+    }
+}
+// the key tile after j0 (tiles of BK up to jend) whose documents meet the queries' [qlo, qhi]
+// (every thread agrees); false past the last
+__device__ __forceinline__ bool fa2_next_ktile(const fa_args &a, int64_t b, int64_t Tk, int64_t jend, int BK, int qlo, int qhi, int64_t &j0) {
+    for (;;) {
+        if ((j0 += BK) >= jend) return false;
+        if (!a.seg) return true;
+        int klo, khi;
+        fa2_seg_range(a.seg + b * Tk, j0, (int)min((int64_t)BK, jend - j0), &klo, &khi);
+        if (!(khi < qlo || klo > qhi)) return true;
+    }
+}
+// dK/dV's tile after t = (query head r of the group, query tile i0): tiles of BT from qstart, the
+// first that may see the block's keys, whose documents meet the keys' [klo, khi]; false past the last
+__device__ __forceinline__ bool fa2_next_qtile(const fa_args &a, int b, int Tk, int Tq, int off, int BT, int qstart, int rep, int klo,
+                                               int khi, int2 &t) {
+    for (;;) {
+        if ((t.y += BT) >= Tq) {
+            t.y = qstart;
+            if (++t.x >= rep) return false;
+        }
+        if (!a.seg) return true;
+        int qlo, qhi;
+        fa2_seg_range(a.seg + (int64_t)b * Tk, t.y + off, min(BT, Tq - t.y), &qlo, &qhi);
+        if (!(khi < qlo || klo > qhi)) return true;
+    }
+}
+// a dK/dV tile's query row of this thread (threads < BT): lse in log2 units and delta, on their way
+// from issue to shared memory
+struct fa2_qrow {
+    float l = 0.0f, d = 0.0f;
+    __device__ __forceinline__ void get(const float *lse, const float *delta, int64_t row0, int nq, int BT) {
+        const int x = threadIdx.x;
+        if (x < BT) l = x < nq ? lse[row0 + x] * FA2_LOG2E : 0.0f, d = x < nq ? delta[row0 + x] : 0.0f;
+    }
+    __device__ __forceinline__ void put(float *L, float *Dl, int BT) const {
+        if ((int)threadIdx.x < BT) L[threadIdx.x] = l, Dl[threadIdx.x] = d;
+    }
+};
+
 // dK, dV: block (16 NW keys, kv head, batch); every query head of the group, every query tile
 // that may see the keys. dk, dv [D, Tk, Hkv, B]; dO [D, H, Tq, B] of type dt (f32 or 16-bit); lse, delta [Tq, H, B].
 // PIPE (the register path's choice at d 128: q and dO bf16, aligned): query tiles in two buffers by
@@ -3853,21 +3925,10 @@ FA2_UNROLL
     if (a.seg) fa2_seg_range(a.seg + (int64_t)b * Tk, j0, nk, &klo, &khi);
     const int qstart = max(0, j0 - off) / BT * BT;  // the first query that may see key j0
     const int64_t es = dt == QL_TYPE_F32 ? 4 : 2, ors = (int64_t)H * D * es;  // dO's element size, row stride
-    auto advance = [&](int &r, int &i0) {  // to the tile after (r, i0); false past the last (as k_fa2_dkv_reg's)
-        for (;;) {
-            if ((i0 += BT) >= Tq) {
-                i0 = qstart;
-                if (++r >= rep) return false;
-            }
-            if (!a.seg) return true;
-            int qlo, qhi;
-            fa2_seg_range(a.seg + (int64_t)b * Tk, i0 + off, min(BT, Tq - i0), &qlo, &qhi);
-            if (!(khi < qlo || klo > qhi)) return true;
-        }
-    };
-    float ln = 0.0f, dn = 0.0f;  // this thread's query row of a tile on its way to Lb, Db
-    auto issue = [&](int r, int i0, int buf) {  // tile (r, i0) into buffer buf: q and dO rows; lse, delta into ln, dn
-        const int h = hk * rep + r, nq = min(BT, Tq - i0);
+    auto advance = [&](int2 &t) { return fa2_next_qtile(a, b, Tk, Tq, off, BT, qstart, rep, klo, khi, t); };
+    fa2_qrow qrow;  // this thread's query row of the tile on its way
+    auto issue = [&](int2 t, int buf) {  // tile t = (r, i0) into buffer buf: q and dO rows; lse, delta into qrow
+        const int h = hk * rep + t.x, i0 = t.y, nq = min(BT, Tq - i0);
         const char *qb = a.q.data + h * a.q.nb[2] + b * a.q.nb[3] + (int64_t)i0 * a.q.nb[1];
         const char *ob = dO + ((int64_t)(b * Tq + i0) * H + h) * D * es;
         if constexpr (PIPE) {
@@ -3877,35 +3938,11 @@ FA2_UNROLL
             fa2_load<T, D>(Qb, qb, a.q.nb[1], nq, BT, fa2_aligned(qb, a.q.nb[1]), a.q.type);
             fa2_load<T, D>(dOb, ob, ors, nq, BT, fa2_aligned(ob, ors), dt);
         }
-        const int x = threadIdx.x;
-        if (x < BT) {
-            const int64_t row = (int64_t)(b * H + h) * Tq + i0 + x;
-            ln = x < nq ? lse[row] * FA2_LOG2E : 0.0f;
-            dn = x < nq ? delta[row] : 0.0f;
-        }
+        qrow.get(lse, delta, (int64_t)(b * H + h) * Tq + i0, nq, BT);
     };
-    auto put = [&](int buf) {
-        if (threadIdx.x < BT) Lb[buf * BT + threadIdx.x] = ln, Db[buf * BT + threadIdx.x] = dn;
-    };
-    int r = 0, i0 = qstart - BT;
-    bool have = advance(r, i0);
-    if constexpr (PIPE) {
-        if (have) issue(r, i0, 0), put(0);
-        __pipeline_commit();
-    }
-    for (int buf = 0; have; buf = PIPE ? buf ^ 1 : 0) {
-        int rn = r, in = i0;
-        const bool more = advance(rn, in);
-        if constexpr (PIPE) {
-            if (more) issue(rn, in, buf ^ 1);
-            __pipeline_commit();
-            __pipeline_wait_prior(1);  // this tile's copies have landed (the next tile's may not have)
-            __syncthreads();           // ... every thread's
-        } else {
-            __syncthreads();  // the previous query tile is no longer read
-            issue(r, i0, 0), put(0);
-            __syncthreads();
-        }
+    auto put = [&](int buf) { qrow.put(Lb + buf * BT, Db + buf * BT, BT); };
+    fa2_stream<PIPE>(int2{0, qstart - BT}, advance, issue, put, [&](int2 t, int buf) {
+        const int i0 = t.y;
         const T *Qs = Qb + buf * BT * LD, *dOs = dOb + buf * BT * LD;
         const float *Lr = Lb + buf * BT, *Dr = Db + buf * BT;
         const int nq = min(BT, Tq - i0);
@@ -3932,12 +3969,7 @@ FA2_UNROLL
             __syncwarp();
             fa2_acc_product<T, D, BT>(dkf, Pw, Qs);  // dK += dS^T Q
         }
-        if constexpr (PIPE) {
-            if (more) put(buf ^ 1);
-            __syncthreads();  // this buffer is read no more: the tile after next is issued into it
-        }
-        r = rn, i0 = in, have = more;
-    }
+    });
     const int64_t row = (int64_t)(b * Hkv + hk) * Tk + j0 + r0;
     const int n = max(0, min(16, nk - r0));
     fa2_store_rows<D, BT>(dkf, a.scale, Sw, dk + row * D, n);
@@ -4095,15 +4127,7 @@ FA2_UNROLL
     const char *kb = a.k.data + hk * a.k.nb[2] + b * a.k.nb[3], *vb = a.v.data + hk * a.v.nb[2] + b * a.v.nb[3];
     const int64_t jend = min(Tk, i0 + nq + off);
     // the key tiles visited, in order, less those whose documents do not meet the queries' (every thread agrees)
-    auto advance = [&](int64_t &j0) {  // to the tile after j0; false past the last
-        for (;;) {
-            if ((j0 += FA2_BK) >= jend) return false;
-            if (!a.seg) return true;
-            int klo, khi;
-            fa2_seg_range(a.seg + b * Tk, j0, (int)min((int64_t)FA2_BK, jend - j0), &klo, &khi);
-            if (!(khi < qlo || klo > qhi)) return true;
-        }
-    };
+    auto advance = [&](int64_t &j0) { return fa2_next_ktile(a, b, Tk, jend, FA2_BK, qlo, qhi, j0); };
     auto issue = [&](int64_t j0, int buf) {  // key tile j0 into buffer buf
         const int nk = (int)min((int64_t)FA2_BK, jend - j0);
         if constexpr (PIPE) {
@@ -4114,26 +4138,8 @@ FA2_UNROLL
             fa2_tile<T, D>(Vb, vb + j0 * a.v.nb[1], a.v.nb[1], nk, FA2_BK, a.v.type);
         }
     };
-    int64_t j0 = -FA2_BK;
-    bool have = advance(j0);
-    if constexpr (PIPE) {
-        __syncthreads();  // q (read through the first buffer where QREG) is in every warp's registers
-        if (have) issue(j0, 0);
-        __pipeline_commit();
-    }
-    for (int buf = 0; have; buf = PIPE ? buf ^ 1 : 0) {
-        int64_t jn = j0;
-        const bool more = advance(jn);
-        if constexpr (PIPE) {
-            if (more) issue(jn, buf ^ 1);
-            __pipeline_commit();
-            __pipeline_wait_prior(1);  // this tile's copies have landed (the next tile's may not have)
-            __syncthreads();           // ... every thread's
-        } else {
-            __syncthreads();  // the previous tile (or q) is no longer read
-            issue(j0, 0);
-            __syncthreads();
-        }
+    if constexpr (PIPE) __syncthreads();  // q (read through the first buffer where QREG) is in every warp's registers
+    fa2_stream<PIPE>((int64_t)-FA2_BK, advance, issue, [](int) {}, [&](int64_t j0, int buf) {
         const T *Ks = Kb + buf * FA2_BK * LD, *Vs = Vb + buf * FA2_BK * LD;
         const int nk = (int)min((int64_t)FA2_BK, jend - j0);
         if (!(j0 > i0 + r0 + 15 + off || r0 >= nq)) {  // this warp's queries see some of the tile
@@ -4197,9 +4203,7 @@ FA2_UNROLL
                 }
             }
         }
-        if constexpr (PIPE) __syncthreads();  // this buffer is read no more: the tile after next is issued into it
-        j0 = jn, have = more;
-    }
+    });
     float inv[2];
 FA2_UNROLL
     for (int e = 0; e < 2; e++) {
@@ -4262,21 +4266,10 @@ FA2_UNROLL
     // the tiles visited, in order: (query head r of the group, query tile i0) from the first query
     // that may see key j0, less the tiles whose documents do not meet the keys' (every thread agrees)
     const int qstart = max(0, j0 - off) / BT * BT;
-    auto advance = [&](int &r, int &i0) {  // to the tile after (r, i0); false past the last
-        for (;;) {
-            if ((i0 += BT) >= Tq) {
-                i0 = qstart;
-                if (++r >= rep) return false;
-            }
-            if (!a.seg) return true;
-            int qlo, qhi;
-            fa2_seg_range(a.seg + (int64_t)b * Tk, i0 + off, min(BT, Tq - i0), &qlo, &qhi);
-            if (!(khi < qlo || klo > qhi)) return true;
-        }
-    };
-    float ln = 0.0f, dn = 0.0f;  // this thread's query row of a tile on its way to Lb, Db
-    auto issue = [&](int r, int i0, int buf) {  // tile (r, i0) into buffer buf: q and dO rows; lse, delta into ln, dn
-        const int h = hk * rep + r, nq = min(BT, Tq - i0);
+    auto advance = [&](int2 &t) { return fa2_next_qtile(a, b, Tk, Tq, off, BT, qstart, rep, klo, khi, t); };
+    fa2_qrow qrow;  // this thread's query row of the tile on its way
+    auto issue = [&](int2 t, int buf) {  // tile t = (r, i0) into buffer buf: q and dO rows; lse, delta into qrow
+        const int h = hk * rep + t.x, i0 = t.y, nq = min(BT, Tq - i0);
         const char *qb = a.q.data + h * a.q.nb[2] + b * a.q.nb[3] + (int64_t)i0 * a.q.nb[1];
         const char *ob = dO + (((int64_t)(b * Tq + i0) * H + h) * D) * 2;  // (bf16, aligned: the workspace's)
         if constexpr (PIPE) {
@@ -4286,35 +4279,11 @@ FA2_UNROLL
             fa2_tile<T, D>(Qb, qb, a.q.nb[1], nq, BT, a.q.type);
             fa2_copy16<T, D>(dOb, ob, H * D * 2, nq, BT);
         }
-        const int x = threadIdx.x;
-        if (x < BT) {
-            const int64_t row = (int64_t)(b * H + h) * Tq + i0 + x;
-            ln = x < nq ? lse[row] * FA2_LOG2E : 0.0f;
-            dn = x < nq ? delta[row] : 0.0f;
-        }
+        qrow.get(lse, delta, (int64_t)(b * H + h) * Tq + i0, nq, BT);
     };
-    auto put = [&](int buf) {
-        if (threadIdx.x < BT) Lb[buf * BT + threadIdx.x] = ln, Db[buf * BT + threadIdx.x] = dn;
-    };
-    int r = 0, i0 = qstart - BT;
-    bool have = advance(r, i0);
-    if constexpr (PIPE) {
-        if (have) issue(r, i0, 0), put(0);
-        __pipeline_commit();
-    }
-    for (int buf = 0; have; buf = PIPE ? buf ^ 1 : 0) {
-        int rn = r, in = i0;
-        const bool more = advance(rn, in);
-        if constexpr (PIPE) {
-            if (more) issue(rn, in, buf ^ 1);
-            __pipeline_commit();
-            __pipeline_wait_prior(1);  // this tile's copies have landed (the next tile's may not have)
-            __syncthreads();           // ... every thread's
-        } else {
-            __syncthreads();  // the previous query tile is no longer read
-            issue(r, i0, 0), put(0);
-            __syncthreads();
-        }
+    auto put = [&](int buf) { qrow.put(Lb + buf * BT, Db + buf * BT, BT); };
+    fa2_stream<PIPE>(int2{0, qstart - BT}, advance, issue, put, [&](int2 t, int buf) {
+        const int i0 = t.y;
         const T *Qs = Qb + buf * BT * LD, *dOs = dOb + buf * BT * LD;
         const float *Lr = Lb + buf * BT, *Dr = Db + buf * BT;
         const int nq = min(BT, Tq - i0);
@@ -4374,12 +4343,7 @@ FA2_UNROLL
                 }
             }
         }
-        if constexpr (PIPE) {
-            if (more) put(buf ^ 1);
-            __syncthreads();  // this buffer is read no more: the tile after next is issued into it
-        }
-        r = rn, i0 = in, have = more;
-    }
+    });
     const int64_t row = (int64_t)(b * Hkv + hk) * Tk + j0 + r0;
 FA2_UNROLL
     for (int f = 0; f < NF; f++)
@@ -4435,15 +4399,7 @@ FA2_UNROLL
     const char *kb = a.k.data + hk * a.k.nb[2] + b * a.k.nb[3], *vb = a.v.data + hk * a.v.nb[2] + b * a.v.nb[3];
     const int64_t jend = min(Tk, i0 + nq + off);
     // the key tiles visited, in order, less those whose documents do not meet the queries' (every thread agrees)
-    auto advance = [&](int64_t &j0) {  // to the tile after j0; false past the last
-        for (;;) {
-            if ((j0 += BT) >= jend) return false;
-            if (!a.seg) return true;
-            int klo, khi;
-            fa2_seg_range(a.seg + b * Tk, j0, (int)min((int64_t)BT, jend - j0), &klo, &khi);
-            if (!(khi < qlo || klo > qhi)) return true;
-        }
-    };
+    auto advance = [&](int64_t &j0) { return fa2_next_ktile(a, b, Tk, jend, BT, qlo, qhi, j0); };
     auto issue = [&](int64_t j0, int buf) {  // key tile j0 into buffer buf
         const int nk = (int)min((int64_t)BT, jend - j0);
         if constexpr (PIPE) {
@@ -4454,25 +4410,7 @@ FA2_UNROLL
             fa2_tile<T, D>(Vb, vb + j0 * a.v.nb[1], a.v.nb[1], nk, BT, a.v.type);
         }
     };
-    int64_t j0 = -BT;
-    bool have = advance(j0);
-    if constexpr (PIPE) {
-        if (have) issue(j0, 0);
-        __pipeline_commit();
-    }
-    for (int buf = 0; have; buf = PIPE ? buf ^ 1 : 0) {
-        int64_t jn = j0;
-        const bool more = advance(jn);
-        if constexpr (PIPE) {
-            if (more) issue(jn, buf ^ 1);
-            __pipeline_commit();
-            __pipeline_wait_prior(1);  // this tile's copies have landed (the next tile's may not have)
-            __syncthreads();           // ... every thread's
-        } else {
-            __syncthreads();  // the previous key tile is no longer read
-            issue(j0, 0);
-            __syncthreads();
-        }
+    fa2_stream<PIPE>((int64_t)-BT, advance, issue, [](int) {}, [&](int64_t j0, int buf) {
         const T *Ks = Kb + buf * BT * LD, *Vs = Vb + buf * BT * LD;
         const int nk = (int)min((int64_t)BT, jend - j0);
         if (r0 < nq) {
@@ -4519,9 +4457,7 @@ FA2_UNROLL
                 }
             }
         }
-        if constexpr (PIPE) __syncthreads();  // this buffer is read no more: the tile after next is issued into it
-        j0 = jn, have = more;
-    }
+    });
     float *dst = dq + ((b * H + h) * Tq + i0) * D;
 FA2_UNROLL
     for (int f = 0; f < NF; f++)
