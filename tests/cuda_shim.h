@@ -264,6 +264,8 @@ struct fiber {
 struct block_ctx {
     std::vector<fiber> *fibers = nullptr;
     std::vector<uint64_t> gather;  // [warps * 32]: every lane's value at the last W_GATHER (WMMA)
+    std::vector<uint64_t> gathers, mma_at;  // [warps]: W_GATHERs resolved; the count when the warp's last mma result was made
+    std::vector<float> mma_d;               // [warps][256]: that result, each lane taking its slots
 #ifdef QLSHIM_ASM_SWITCH
     void *sched_sp = nullptr;
 #else
@@ -410,10 +412,10 @@ inline bool resolve_warps(block_ctx *b, int n) {
         if (first < 0) continue;
         const fiber &f0 = fs[(size_t)(w0 + first)];
         const unsigned mask = f0.mask;
-        const std::string where = "warp " + std::to_string(w0 / 32) + " at " + site(f0);
+        auto where = [&] { return "warp " + std::to_string(w0 / 32) + " at " + site(f0); };  // (made only for a failure)
         if (!(mask >> first & 1u)) {
             fail("warp collective whose mask 0x" + std::to_string(mask) + " does not name the calling lane " +
-                 std::to_string(first) + ", " + where);
+                 std::to_string(first) + ", " + where());
             return false;
         }
         bool ready = true;
@@ -421,18 +423,18 @@ inline bool resolve_warps(block_ctx *b, int n) {
             if (!(mask >> l & 1u)) continue;
             if (l >= lanes) {
                 fail("full-mask warp collective in a partial warp: lane " + std::to_string(l) + " does not exist (" +
-                     std::to_string(lanes) + " threads in the warp), " + where);
+                     std::to_string(lanes) + " threads in the warp), " + where());
                 return false;
             }
             const fiber &g = fs[(size_t)(w0 + l)];
             if (g.state == F_DONE) {
-                fail("warp collective waits for lane " + std::to_string(l) + ", which has exited, " + where);
+                fail("warp collective waits for lane " + std::to_string(l) + ", which has exited, " + where());
                 return false;
             }
             if (g.state != F_WARP) ready = false;
-            else if (g.line != f0.line || strcmp(g.file, f0.file) || g.op != f0.op || g.mask != mask) {
+            else if (g.line != f0.line || (g.file != f0.file && strcmp(g.file, f0.file)) || g.op != f0.op || g.mask != mask) {
                 fail("lanes of one warp collective arrive from different call sites or masks: lane " + std::to_string(l) +
-                     " at " + site(g) + ", " + where);
+                     " at " + site(g) + ", " + where());
                 return false;
             }
         }
@@ -454,7 +456,7 @@ inline bool resolve_warps(block_ctx *b, int n) {
             }
             if (g.op == W_SHFL || g.op == W_XOR || g.op == W_DOWN || g.op == W_UP) {
                 if (!(mask >> src & 1u)) {
-                    fail("shuffle reads lane " + std::to_string(src) + ", which is not in the mask, " + where);
+                    fail("shuffle reads lane " + std::to_string(src) + ", which is not in the mask, " + where());
                     return false;
                 }
                 g.result = fs[(size_t)(w0 + src)].value;
@@ -467,6 +469,7 @@ inline bool resolve_warps(block_ctx *b, int n) {
             } else if (g.op == W_GATHER) {  // the warp's values stay readable until its next collective
                 b->gather[(size_t)(w0 + l)] = g.value;
                 g.result = (uint64_t)(uintptr_t)&b->gather[(size_t)w0];
+                if (l == first) b->gathers[(size_t)(w0 / 32)]++;
             }
         }
         for (int l = 0; l < 32; l++)
@@ -510,7 +513,7 @@ inline void run_block(block_ctx *b, int n, uint64_t seed) {
         if (done == n) return;
         if (barrier + done == n && done == 0) {
             for (const fiber &f : fs)
-                if (f.line != first_bar->line || strcmp(f.file, first_bar->file)) {
+                if (f.line != first_bar->line || (f.file != first_bar->file && strcmp(f.file, first_bar->file))) {
                     fail("divergent __syncthreads: thread " + std::to_string(first_bar->tid) + " at " + site(*first_bar) +
                          ", thread " + std::to_string(f.tid) + " at " + site(f));
                     return;
@@ -608,6 +611,9 @@ inline void worker_run(launch_job *j) {
     b.dyn = dyn.data();
     b.dyn_size = j->smem;
     b.gather.assign((size_t)(n + 31) / 32 * 32, 0);
+    b.gathers.assign((size_t)(n + 31) / 32, 0);
+    b.mma_at.assign((size_t)(n + 31) / 32, 0);
+    b.mma_d.resize((size_t)(n + 31) / 32 * 256);
     cur_block() = &b;
     for (long long bi; !j->failed.load() && (bi = j->next.fetch_add(1)) < nb;) {
         b.block_idx = dim3((unsigned)(bi % j->grid.x), (unsigned)(bi / j->grid.x % j->grid.y), (unsigned)(bi / j->grid.x / j->grid.y));
@@ -971,12 +977,32 @@ template <typename Use, int M, int N, int K, typename T, typename Layout = void>
     static constexpr int num_elements = rows * cols / 32;
     T x[num_elements];
 };
-inline int qlshim_perm(int e, int size) {
-    if (size == 256 && ::qlshim::st().wmma_sm80) {
+inline int qlshim_perm_in(int e, int size, bool sm80) {
+    if (size == 256 && sm80) {
         const int r = e / 16, c = e % 16;
         return (4 * (c / 8) + 2 * (r / 8) + c % 2) * 32 + 4 * (r % 8) + (c % 8) / 2;
     }
     return (int)(((long long)e * 37 + 11) % size);  // 37: odd, so a bijection for the power-of-two sizes
+}
+inline int qlshim_perm(int e, int size) { return qlshim_perm_in(e, size, ::qlshim::st().wmma_sm80 != 0); }
+// the 16x16 fragments' layouts as tables, made once: which element (row-major index) each lane
+// holds in each slot, per layout (0: the scramble, 1: sm_80's). The loops below are the same
+// ones over these instead of over all 256 elements per lane (a 16x16 load or mma was most of
+// an attention case's time in the shim)
+struct qlshim_map256 {
+    unsigned char e[2][32][8];  // [sm80][lane][slot] -> element
+};
+inline const qlshim_map256 &qlshim_map() {
+    static const qlshim_map256 m = [] {
+        qlshim_map256 t{};
+        for (int mode = 0; mode < 2; mode++)
+            for (int e = 0; e < 256; e++) {
+                const int q = qlshim_perm_in(e, 256, mode != 0);
+                t.e[mode][q % 32][q / 32] = (unsigned char)e;
+            }
+        return t;
+    }();
+    return m;
 }
 template <typename F> inline float qlshim_get(const F &f, int r, int c) {
     const int p = qlshim_perm(r * F::cols + c, F::rows * F::cols);
@@ -1000,6 +1026,14 @@ inline void qlshim_fill(fragment<U, M, N, K, T, L> &f, V v) {
 template <typename F, typename P> inline void qlshim_load(F &f, const P *p, unsigned ldm, bool row, const char *file, int line) {
     QLSHIM_WARP_SYNC(file, line);
     const int lane = qlshim_lane(), size = F::rows * F::cols;
+    if (size == 256) {
+        const unsigned char *me = qlshim_map().e[::qlshim::st().wmma_sm80 ? 1 : 0][lane];
+        for (int i = 0; i < 8; i++) {
+            const int r = me[i] / F::cols, c = me[i] % F::cols;
+            f.x[i] = p[row ? (size_t)r * ldm + c : (size_t)c * ldm + r];
+        }
+        return;
+    }
     for (int e = 0; e < size; e++) {
         const int q = qlshim_perm(e, size);
         if (q % 32 != lane) continue;
@@ -1010,6 +1044,14 @@ template <typename F, typename P> inline void qlshim_load(F &f, const P *p, unsi
 template <typename F, typename P> inline void qlshim_store(P *p, const F &f, unsigned ldm, bool row, const char *file, int line) {
     QLSHIM_WARP_SYNC(file, line);
     const int lane = qlshim_lane(), size = F::rows * F::cols;
+    if (size == 256) {
+        const unsigned char *me = qlshim_map().e[::qlshim::st().wmma_sm80 ? 1 : 0][lane];
+        for (int i = 0; i < 8; i++) {
+            const int r = me[i] / F::cols, c = me[i] % F::cols;
+            p[row ? (size_t)r * ldm + c : (size_t)c * ldm + r] = f.x[i];
+        }
+        return;
+    }
     for (int e = 0; e < size; e++) {
         const int q = qlshim_perm(e, size);
         if (q % 32 != lane) continue;
@@ -1024,6 +1066,32 @@ inline void qlshim_mma(FD &d, const FA &a, const FB &b, const FC &c, const char 
     const uint64_t *all = (const uint64_t *)(uintptr_t)::qlshim::warp_op(::qlshim::W_GATHER, 0xffffffffu, (uint64_t)(uintptr_t)&mine,
                                                                          0, 32, file, line);
     const int lane = qlshim_lane(), size = FD::rows * FD::cols;
+    using TD = typename std::remove_reference<decltype(d.x[0])>::type;
+    if (size == 256 && FA::rows * FA::cols == 256 && FB::rows * FB::cols == 256) {
+        // 16x16x16: the warp's D made once, by the lane that runs first after the gather (every
+        // lane's fragments are read before any lane writes its own), the same sums in the same order
+        ::qlshim::block_ctx *bk = ::qlshim::cur_block();
+        const size_t w = (size_t)(bk->cur->tid / 32);
+        float *D = &bk->mma_d[w * 256];
+        const unsigned char(*m)[8] = qlshim_map().e[::qlshim::st().wmma_sm80 ? 1 : 0];
+        if (bk->mma_at[w] != bk->gathers[w]) {
+            bk->mma_at[w] = bk->gathers[w];
+            float A[256], B[256];
+            for (int l = 0; l < 32; l++) {
+                const parts *pl = (const parts *)(uintptr_t)all[l];
+                for (int i = 0; i < 8; i++)
+                    A[m[l][i]] = qlshim_to_f(pl->a->x[i]), B[m[l][i]] = qlshim_to_f(pl->b->x[i]), D[m[l][i]] = qlshim_to_f(pl->c->x[i]);
+            }
+            for (int r = 0; r < 16; r++)
+                for (int col = 0; col < 16; col++) {
+                    float acc = 0;
+                    for (int k = 0; k < 16; k++) acc += A[r * 16 + k] * B[k * 16 + col];
+                    D[r * 16 + col] = acc + D[r * 16 + col];
+                }
+        }
+        for (int i = 0; i < 8; i++) d.x[i] = qlshim_from_f<TD>(D[m[lane][i]]);
+        return;
+    }
     FD out;
     for (int e = 0; e < size; e++) {
         const int q = qlshim_perm(e, size);
@@ -1035,7 +1103,7 @@ inline void qlshim_mma(FD &d, const FA &a, const FB &b, const FC &c, const char 
             acc += qlshim_to_f(((const parts *)(uintptr_t)all[qa % 32])->a->x[qa / 32]) *
                    qlshim_to_f(((const parts *)(uintptr_t)all[qb % 32])->b->x[qb / 32]);
         }
-        out.x[q / 32] = qlshim_from_f<typename std::remove_reference<decltype(d.x[0])>::type>(acc + qlshim_to_f(c.x[q / 32]));
+        out.x[q / 32] = qlshim_from_f<TD>(acc + qlshim_to_f(c.x[q / 32]));
     }
     QLSHIM_WARP_SYNC(file, line);  // every lane has read the others' fragments before any changes them
     d = out;
