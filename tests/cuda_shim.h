@@ -264,8 +264,8 @@ struct fiber {
 struct block_ctx {
     std::vector<fiber> *fibers = nullptr;
     std::vector<uint64_t> gather;  // [warps * 32]: every lane's value at the last W_GATHER (WMMA)
-    std::vector<uint64_t> gathers, mma_at;  // [warps]: W_GATHERs resolved; the count when the warp's last mma result was made
-    std::vector<float> mma_d;               // [warps][256]: that result, each lane taking its slots
+    std::vector<char> mma_made;    // [warps]: whether mma_d holds the product of the warp's last W_GATHER
+    std::vector<float> mma_d;      // [warps][256]: that product, each lane taking its slots
 #ifdef QLSHIM_ASM_SWITCH
     void *sched_sp = nullptr;
 #else
@@ -469,7 +469,7 @@ inline bool resolve_warps(block_ctx *b, int n) {
             } else if (g.op == W_GATHER) {  // the warp's values stay readable until its next collective
                 b->gather[(size_t)(w0 + l)] = g.value;
                 g.result = (uint64_t)(uintptr_t)&b->gather[(size_t)w0];
-                if (l == first) b->gathers[(size_t)(w0 / 32)]++;
+                b->mma_made[(size_t)(w0 / 32)] = 0;
             }
         }
         for (int l = 0; l < 32; l++)
@@ -611,8 +611,7 @@ inline void worker_run(launch_job *j) {
     b.dyn = dyn.data();
     b.dyn_size = j->smem;
     b.gather.assign((size_t)(n + 31) / 32 * 32, 0);
-    b.gathers.assign((size_t)(n + 31) / 32, 0);
-    b.mma_at.assign((size_t)(n + 31) / 32, 0);
+    b.mma_made.assign((size_t)(n + 31) / 32, 0);
     b.mma_d.resize((size_t)(n + 31) / 32 * 256);
     cur_block() = &b;
     for (long long bi; !j->failed.load() && (bi = j->next.fetch_add(1)) < nb;) {
@@ -977,36 +976,29 @@ template <typename Use, int M, int N, int K, typename T, typename Layout = void>
     static constexpr int num_elements = rows * cols / 32;
     T x[num_elements];
 };
-inline int qlshim_perm_in(int e, int size, bool sm80) {
-    if (size == 256 && sm80) {
-        const int r = e / 16, c = e % 16;
-        return (4 * (c / 8) + 2 * (r / 8) + c % 2) * 32 + 4 * (r % 8) + (c % 8) / 2;
-    }
-    return (int)(((long long)e * 37 + 11) % size);  // 37: odd, so a bijection for the power-of-two sizes
-}
-inline int qlshim_perm(int e, int size) { return qlshim_perm_in(e, size, ::qlshim::st().wmma_sm80 != 0); }
-// the 16x16 fragments' layouts as tables, made once: which element (row-major index) each lane
-// holds in each slot, per layout (0: the scramble, 1: sm_80's). The loops below are the same
-// ones over these instead of over all 256 elements per lane (a 16x16 load or mma was most of
-// an attention case's time in the shim)
+// the layouts as tables, made once: which element (row-major index) each lane holds in each slot
+// (0: the scramble, 1: sm_80's). Only 16x16 fragments (m16n16k16), the shape the kernels use
 struct qlshim_map256 {
     unsigned char e[2][32][8];  // [sm80][lane][slot] -> element
 };
 inline const qlshim_map256 &qlshim_map() {
     static const qlshim_map256 m = [] {
         qlshim_map256 t{};
-        for (int mode = 0; mode < 2; mode++)
+        for (int sm80 = 0; sm80 < 2; sm80++)
             for (int e = 0; e < 256; e++) {
-                const int q = qlshim_perm_in(e, 256, mode != 0);
-                t.e[mode][q % 32][q / 32] = (unsigned char)e;
+                const int r = e / 16, c = e % 16;
+                const int q = sm80 ? (4 * (c / 8) + 2 * (r / 8) + c % 2) * 32 + 4 * (r % 8) + (c % 8) / 2
+                                   : (e * 37 + 11) % 256;  // 37: odd, so a bijection
+                t.e[sm80][q % 32][q / 32] = (unsigned char)e;
             }
         return t;
     }();
     return m;
 }
-template <typename F> inline float qlshim_get(const F &f, int r, int c) {
-    const int p = qlshim_perm(r * F::cols + c, F::rows * F::cols);
-    return (float)f.x[p / 32];
+// this lane's elements: slot i holds element lane_elems()[i]
+inline const unsigned char *qlshim_lane_elems(int lane) { return qlshim_map().e[::qlshim::st().wmma_sm80 ? 1 : 0][lane]; }
+template <typename F> constexpr void qlshim_16x16() {
+    static_assert(F::rows == 16 && F::cols == 16, "the shim's WMMA has 16x16 fragments (m16n16k16) only");
 }
 inline float qlshim_to_f(float v) { return v; }
 inline float qlshim_to_f(__half v) { return __half2float(v); }
@@ -1024,89 +1016,53 @@ inline void qlshim_fill(fragment<U, M, N, K, T, L> &f, V v) {
 }
 // every slot of this lane from memory: element (r, c) at p[r * ldm + c] (row major) or p[c * ldm + r]
 template <typename F, typename P> inline void qlshim_load(F &f, const P *p, unsigned ldm, bool row, const char *file, int line) {
+    qlshim_16x16<F>();
     QLSHIM_WARP_SYNC(file, line);
-    const int lane = qlshim_lane(), size = F::rows * F::cols;
-    if (size == 256) {
-        const unsigned char *me = qlshim_map().e[::qlshim::st().wmma_sm80 ? 1 : 0][lane];
-        for (int i = 0; i < 8; i++) {
-            const int r = me[i] / F::cols, c = me[i] % F::cols;
-            f.x[i] = p[row ? (size_t)r * ldm + c : (size_t)c * ldm + r];
-        }
-        return;
-    }
-    for (int e = 0; e < size; e++) {
-        const int q = qlshim_perm(e, size);
-        if (q % 32 != lane) continue;
-        const int r = e / F::cols, c = e % F::cols;
-        f.x[q / 32] = p[row ? (size_t)r * ldm + c : (size_t)c * ldm + r];
+    const unsigned char *me = qlshim_lane_elems(qlshim_lane());
+    for (int i = 0; i < 8; i++) {
+        const int r = me[i] / 16, c = me[i] % 16;
+        f.x[i] = p[row ? (size_t)r * ldm + c : (size_t)c * ldm + r];
     }
 }
 template <typename F, typename P> inline void qlshim_store(P *p, const F &f, unsigned ldm, bool row, const char *file, int line) {
+    qlshim_16x16<F>();
     QLSHIM_WARP_SYNC(file, line);
-    const int lane = qlshim_lane(), size = F::rows * F::cols;
-    if (size == 256) {
-        const unsigned char *me = qlshim_map().e[::qlshim::st().wmma_sm80 ? 1 : 0][lane];
-        for (int i = 0; i < 8; i++) {
-            const int r = me[i] / F::cols, c = me[i] % F::cols;
-            p[row ? (size_t)r * ldm + c : (size_t)c * ldm + r] = f.x[i];
-        }
-        return;
-    }
-    for (int e = 0; e < size; e++) {
-        const int q = qlshim_perm(e, size);
-        if (q % 32 != lane) continue;
-        const int r = e / F::cols, c = e % F::cols;
-        p[row ? (size_t)r * ldm + c : (size_t)c * ldm + r] = f.x[q / 32];
+    const unsigned char *me = qlshim_lane_elems(qlshim_lane());
+    for (int i = 0; i < 8; i++) {
+        const int r = me[i] / 16, c = me[i] % 16;
+        p[row ? (size_t)r * ldm + c : (size_t)c * ldm + r] = f.x[i];
     }
 }
-// D = A B + C: the warp's fragments gathered, each lane its own slots of D, f32 sums in k order
+// D = A B + C: the warp's fragments gathered; the whole 16x16 D made once, by the lane that runs
+// first after the gather (every lane's fragments are read before any lane writes its own), f32
+// sums in k order; each lane then takes its slots
 template <typename FD, typename FA, typename FB, typename FC>
 inline void qlshim_mma(FD &d, const FA &a, const FB &b, const FC &c, const char *file, int line) {
+    qlshim_16x16<FD>(), qlshim_16x16<FA>(), qlshim_16x16<FB>(), qlshim_16x16<FC>();
     struct parts { const FA *a; const FB *b; const FC *c; } mine{&a, &b, &c};
     const uint64_t *all = (const uint64_t *)(uintptr_t)::qlshim::warp_op(::qlshim::W_GATHER, 0xffffffffu, (uint64_t)(uintptr_t)&mine,
                                                                          0, 32, file, line);
-    const int lane = qlshim_lane(), size = FD::rows * FD::cols;
-    using TD = typename std::remove_reference<decltype(d.x[0])>::type;
-    if (size == 256 && FA::rows * FA::cols == 256 && FB::rows * FB::cols == 256) {
-        // 16x16x16: the warp's D made once, by the lane that runs first after the gather (every
-        // lane's fragments are read before any lane writes its own), the same sums in the same order
-        ::qlshim::block_ctx *bk = ::qlshim::cur_block();
-        const size_t w = (size_t)(bk->cur->tid / 32);
-        float *D = &bk->mma_d[w * 256];
-        const unsigned char(*m)[8] = qlshim_map().e[::qlshim::st().wmma_sm80 ? 1 : 0];
-        if (bk->mma_at[w] != bk->gathers[w]) {
-            bk->mma_at[w] = bk->gathers[w];
-            float A[256], B[256];
-            for (int l = 0; l < 32; l++) {
-                const parts *pl = (const parts *)(uintptr_t)all[l];
-                for (int i = 0; i < 8; i++)
-                    A[m[l][i]] = qlshim_to_f(pl->a->x[i]), B[m[l][i]] = qlshim_to_f(pl->b->x[i]), D[m[l][i]] = qlshim_to_f(pl->c->x[i]);
+    ::qlshim::block_ctx *bk = ::qlshim::cur_block();
+    const size_t w = (size_t)(bk->cur->tid / 32);
+    float *D = &bk->mma_d[w * 256];
+    if (!bk->mma_made[w]) {
+        bk->mma_made[w] = 1;
+        float A[256], B[256];
+        for (int l = 0; l < 32; l++) {
+            const parts *pl = (const parts *)(uintptr_t)all[l];
+            const unsigned char *el = qlshim_lane_elems(l);
+            for (int i = 0; i < 8; i++)
+                A[el[i]] = qlshim_to_f(pl->a->x[i]), B[el[i]] = qlshim_to_f(pl->b->x[i]), D[el[i]] = qlshim_to_f(pl->c->x[i]);
+        }
+        for (int r = 0; r < 16; r++)
+            for (int col = 0; col < 16; col++) {
+                float acc = 0;
+                for (int k = 0; k < 16; k++) acc += A[r * 16 + k] * B[k * 16 + col];
+                D[r * 16 + col] = acc + D[r * 16 + col];
             }
-            for (int r = 0; r < 16; r++)
-                for (int col = 0; col < 16; col++) {
-                    float acc = 0;
-                    for (int k = 0; k < 16; k++) acc += A[r * 16 + k] * B[k * 16 + col];
-                    D[r * 16 + col] = acc + D[r * 16 + col];
-                }
-        }
-        for (int i = 0; i < 8; i++) d.x[i] = qlshim_from_f<TD>(D[m[lane][i]]);
-        return;
     }
-    FD out;
-    for (int e = 0; e < size; e++) {
-        const int q = qlshim_perm(e, size);
-        if (q % 32 != lane) continue;
-        const int r = e / FD::cols, col = e % FD::cols;
-        float acc = 0;
-        for (int k = 0; k < FA::cols; k++) {
-            const int qa = qlshim_perm(r * FA::cols + k, FA::rows * FA::cols), qb = qlshim_perm(k * FB::cols + col, FB::rows * FB::cols);
-            acc += qlshim_to_f(((const parts *)(uintptr_t)all[qa % 32])->a->x[qa / 32]) *
-                   qlshim_to_f(((const parts *)(uintptr_t)all[qb % 32])->b->x[qb / 32]);
-        }
-        out.x[q / 32] = qlshim_from_f<TD>(acc + qlshim_to_f(c.x[q / 32]));
-    }
-    QLSHIM_WARP_SYNC(file, line);  // every lane has read the others' fragments before any changes them
-    d = out;
+    const unsigned char *me = qlshim_lane_elems(qlshim_lane());
+    for (int i = 0; i < 8; i++) d.x[i] = qlshim_from_f<typename std::remove_reference<decltype(d.x[0])>::type>(D[me[i]]);
 }
 }  // namespace wmma
 }  // namespace nvcuda
