@@ -1523,9 +1523,9 @@ static void cu_mm_wait(cu_ctx &c, cu_mm_side &m, cu_mm_order &o, int x, int ev) 
 // (m, n) of the result's rows from row0 (qlora.h's hash), x / (1 - p) or 0 - then c added.
 #define MT_M 128
 #define MT_N 32
-__global__ void __launch_bounds__(256) k_mm_thin(cu_t a, cu_t b, int ct, const char *c, char *C, int c_type, int64_t M, int64_t N,
-                                                 int64_t K, const int32_t *seed, uint32_t stream, uint32_t threshold, float keep_scale,
-                                                 int64_t row0) {
+__global__ void __launch_bounds__(256) k_mm_thin(cu_t a, cu_t b, int ct, const char *c, int ci_type, char *C, int c_type, int64_t M,
+                                                 int64_t N, int64_t K, const int32_t *seed, uint32_t stream, uint32_t threshold,
+                                                 float keep_scale, int64_t row0) {
     QL_DYN_SMEM(float, sm);  // As [K][MT_M + 1], then Bs [K][MT_N + 1]: 41 KiB at K = 64
     float *As = sm, *Bs = sm + K * (MT_M + 1);
     const int64_t m0 = (int64_t)blockIdx.x * MT_M, n0 = (int64_t)blockIdx.y * MT_N;
@@ -1567,16 +1567,17 @@ QL_UNROLL
                 acc[j][i] = ql_dropout_hash(key, (uint64_t)((row0 + n) * M + m)) >= threshold ? acc[j][i] * keep_scale : 0.0f;
             }
     }
-    // c's 16 elements read first, all at once, then the sums stored: C may be c itself (in place),
-    // and each thread reads only what it writes - so no read waits for the previous element's store
-    const size_t cs = c_type == QL_TYPE_F32 ? 4 : 2;
+    // c's 16 elements read first, all at once, then the sums stored: C may be c itself (in place, of
+    // C's type), and each thread reads only what it writes - so no read waits for the previous
+    // element's store. c of its own type: mul_mat_dropped's f32 c under a 16-bit result (dO)
+    const size_t cs = c_type == QL_TYPE_F32 ? 4 : 2, cis = ci_type == QL_TYPE_F32 ? 4 : 2;
     if (c) {
 QL_UNROLL
         for (int j = 0; j < 4; j++)
 QL_UNROLL
             for (int i = 0; i < 4; i++) {
                 const int64_t n = n0 + ty * 4 + j, m = m0 + tx + 32 * i;
-                if (n < N && m < M) acc[j][i] += cu_ld(c + (n * M + m) * cs, c_type);
+                if (n < N && m < M) acc[j][i] += cu_ld(c + (n * M + m) * cis, ci_type);
             }
     }
 QL_UNROLL
@@ -1594,7 +1595,7 @@ static void cu_op_mm_thin(cu_ctx &c, ql_tensor *node) {
     CU_ASSERT(K <= QL_CUDA_THIN_K && ql_is_contiguous(node) && (!acc || (acc->type == node->type && ql_is_contiguous(acc))));
     const dim3 grid((unsigned)((M + MT_M - 1) / MT_M), (unsigned)((N + MT_N - 1) / MT_N));
     QL_LAUNCH(k_mm_thin, grid, 256, (size_t)K * (MT_M + MT_N + 2) * sizeof(float), c.stream, cu_of(a), cu_of(b), (int)b->type, acc ? (const char *)acc->data : nullptr,
-              (char *)node->data, (int)node->type, M, N, K, (const int32_t *)nullptr, 0u, 0u, 0.0f, (int64_t)0);
+              (int)node->type, (char *)node->data, (int)node->type, M, N, K, (const int32_t *)nullptr, 0u, 0u, 0.0f, (int64_t)0);
     CU_LAUNCHED(c);
 }
 
@@ -1685,13 +1686,15 @@ __global__ void k_mm_drop_sum(const float *P, float *C, int splits, int64_t n) {
 static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node);
 static void cu_op_dropout(cu_ctx &c, ql_tensor *node);
 template <typename T> static T cu_param(const ql_tensor *t, int slot);
-// y = c + dropout(prod) over the product prod (mul_mat_dropout's dx, where k_mm_thin does not take it); y may be c
-__global__ void k_drop_acc(float *y, const float *prod, const float *cin, const int32_t *seed, uint32_t stream, uint32_t threshold,
+// y = c + dropout(prod) over the product prod (mul_mat_dropout's dx, where k_mm_thin does not take it),
+// y of type yt (16 bits: the f32 sum rounded once); an f32 y may be c
+__global__ void k_drop_acc(char *y, int yt, const float *prod, const float *cin, const int32_t *seed, uint32_t stream, uint32_t threshold,
                            float keep_scale, int64_t first, int64_t n) {
     const uint64_t key = ql_dropout_key(seed[0], stream);
+    const int ys = yt == QL_TYPE_F32 ? 4 : 2;
     for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
         const float v = ql_dropout_hash(key, (uint64_t)(first + i)) >= threshold ? prod[i] * keep_scale : 0.0f;
-        y[i] = cin ? cin[i] + v : v;
+        cu_st(y + i * ys, yt, cin ? cin[i] + v : v);
     }
 }
 
@@ -1703,13 +1706,13 @@ static void cu_op_mul_mat_dropout(cu_ctx &c, ql_tensor *node) {
         const float pr = cu_param<float>(node, 0);
         const uint32_t stream = cu_param<uint32_t>(node, 1), thr = ql_dropout_threshold(pr);
         const int64_t row0 = cu_param<int64_t>(node, 2);
-        CU_ASSERT(ql_is_contiguous(node) && node->type == QL_TYPE_F32 && (!acc || (acc->type == QL_TYPE_F32 && ql_is_contiguous(acc))));
+        CU_ASSERT(ql_is_contiguous(node) && is_float_type_cu(node->type) && (!acc || (acc->type == QL_TYPE_F32 && ql_is_contiguous(acc))));
         if (ql_cuda_mm_drop_fused(node)) {
             const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
             const dim3 grid((unsigned)((M + MT_M - 1) / MT_M), (unsigned)((N + MT_N - 1) / MT_N));
             QL_LAUNCH(k_mm_thin, grid, 256, (size_t)K * (MT_M + MT_N + 2) * sizeof(float), c.stream, cu_of(a), cu_of(b), (int)b->type,
-                      acc ? (const char *)acc->data : nullptr, (char *)node->data, (int)QL_TYPE_F32, M, N, K, seed, stream, thr,
-                      1.0f / (1.0f - pr), row0);
+                      acc ? (const char *)acc->data : nullptr, (int)QL_TYPE_F32, (char *)node->data, (int)node->type, M, N, K, seed,
+                      stream, thr, 1.0f / (1.0f - pr), row0);
             CU_LAUNCHED(c);
             return;
         }
@@ -1726,7 +1729,7 @@ static void cu_op_mul_mat_dropout(cu_ctx &c, ql_tensor *node) {
         cu_op_mul_mat(c, &mm);
         c.work -= np, c.work_size += np;
         if (c.failed) return;
-        QL_LAUNCH(k_drop_acc, cu_grid(n), CU_BLOCK, 0, c.stream, (float *)node->data, (const float *)prod,
+        QL_LAUNCH(k_drop_acc, cu_grid(n), CU_BLOCK, 0, c.stream, (char *)node->data, (int)node->type, (const float *)prod,
                   acc ? (const float *)acc->data : nullptr, seed, stream, thr, 1.0f / (1.0f - pr), row0 * node->ne[0], n);
         CU_LAUNCHED(c);
         return;

@@ -2492,14 +2492,18 @@ ql_tensor *ql_mul_mat_dropout(ql_context *ctx, ql_tensor *a, ql_tensor *x, float
 // gradient so far, as ql_add(c, dropout(a b)) would add it), the mask's elements those of the
 // result's rows from first_row (x's); a 2-D plain, b as ql_mul_mat takes it - the bits of
 // ql_dropout_rows_to(ql_mul_mat(a, b)) and the add, in one node
+// out: the result's type - f32, or 16 bits where only a 16-bit read follows (attention's dO): the
+// sum c + v made in f32 and rounded once as it is stored, the bits of ql_cast of the f32 result
 static ql_tensor *mul_mat_dropped(ql_context *ctx, ql_tensor *a, ql_tensor *b, ql_tensor *c, float p, ql_tensor *seed, uint32_t stream,
-                                  int64_t first_row) {
+                                  int64_t first_row, ql_type out = QL_TYPE_F32) {
     if (!srcs_ok(ctx, "mul_mat_dropped", {a, b, seed})) return nullptr;
     QL_CHECK(ctx, a->ne[2] == 1 && a->ne[3] == 1 && a->ne[0] == b->ne[0] && ql_plain_size(b->type) > 1 &&
-                      (a->type == QL_TYPE_F32 || a->type == QL_TYPE_BF16 || a->type == QL_TYPE_F16),
-             QL_ERR_SHAPE, "mul_mat_dropped: a %s (2-D, plain) and b %s", shape_str(a).c_str(), shape_str(b).c_str());
+                      (a->type == QL_TYPE_F32 || a->type == QL_TYPE_BF16 || a->type == QL_TYPE_F16) &&
+                      (out == QL_TYPE_F32 || out == QL_TYPE_BF16 || out == QL_TYPE_F16),
+             QL_ERR_SHAPE, "mul_mat_dropped: a %s (2-D, plain), b %s, result %s", shape_str(a).c_str(), shape_str(b).c_str(),
+             ql_type_traits_get(out) ? ql_type_name(out) : "?");
     const int64_t ne[4] = {a->ne[1], b->ne[1], b->ne[2], b->ne[3]};
-    ql_tensor *t = new_op(ctx, QL_OP_MUL_MAT_DROPOUT, QL_TYPE_F32, ne, {a, b, seed});
+    ql_tensor *t = new_op(ctx, QL_OP_MUL_MAT_DROPOUT, out, ne, {a, b, seed});
     if (!t) return nullptr;
     if (c) {
         QL_CHECK(ctx, c->type == QL_TYPE_F32 && ql_is_contiguous(c) && ql_same_shape(c, t), QL_ERR_SHAPE,
@@ -2517,10 +2521,13 @@ static ql_tensor *mul_mat_dropped(ql_context *ctx, ql_tensor *a, ql_tensor *b, q
 void ql_mul_mat_dropout_product(const ql_tensor *node, ql_tensor *mm, ql_tensor *d, void *d_data) {
     const int slot = get_param<int32_t>(node, 4);
     const ql_type type = (ql_type)get_param<int32_t>(node, 5);
-    if (slot == 2) {  // the result dropped: the product itself, at the result's data
+    if (slot == 2) {  // the result dropped: the product itself (f32: the sums before the dropout), at the result's data
         *d = ql_tensor{};
         *mm = *node;
         mm->op = QL_OP_MUL_MAT;
+        mm->type = QL_TYPE_F32;
+        mm->nb[0] = sizeof(float);
+        for (int i = 1; i < 4; i++) mm->nb[i] = mm->nb[i - 1] * (size_t)mm->ne[i - 1];
         memset(mm->op_params, 0, sizeof(mm->op_params));
         for (ql_tensor *&s : mm->src) s = nullptr;
         mm->src[0] = node->src[0];
@@ -2781,7 +2788,7 @@ ql_status ql_graph_build_forward(ql_graph *g, ql_tensor *out) {
 // ============================================================================================
 
 // autodiff folds a 16-bit cast of a gradient into the node that makes it (a scale, SwiGLU's
-// backward, the copy before it), and a norm's dx into the sum of its input's gradient: the same
+// backward, the copy before it, a dropped-out product's dx), and a norm's dx into the sum of its input's gradient: the same
 // bits; off, separate casts and adds (tests compare the two)
 static bool g_autodiff_fold = true;
 void ql_autodiff_fold_for_tests(bool on) { g_autodiff_fold = on; }
@@ -2834,6 +2841,14 @@ struct grad_builder {
         // peak it was 16 KiB a token beside attention's f32 dq, dk, dv)
         if (!c && g_autodiff_fold && r->op == QL_OP_ROPE_BACK && r->type == QL_TYPE_F32) {
             c = rope_back_to(ctx, r, type);
+            if (c && r != t) c = ql_reshape_4d(ctx, c, t->ne[0], t->ne[1], t->ne[2], t->ne[3]);
+        }
+        // a dropped-out product's dx onto the sum so far (LoRA's dx of the o projection's input, read
+        // by attention's backward as its 16-bit dO): the sum rounded as it is stored, no f32 copy
+        if (!c && g_autodiff_fold && r->op == QL_OP_MUL_MAT_DROPOUT && get_param<int32_t>(r, 4) == 2 &&
+            r->type == QL_TYPE_F32 && (type == QL_TYPE_BF16 || type == QL_TYPE_F16)) {
+            c = mul_mat_dropped(ctx, r->src[0], r->src[1], r->src[3], get_param<float>(r, 0), r->src[2], get_param<uint32_t>(r, 1),
+                                get_param<int64_t>(r, 2), type);
             if (c && r != t) c = ql_reshape_4d(ctx, c, t->ne[0], t->ne[1], t->ne[2], t->ne[3]);
         }
         if (!c && g_autodiff_fold && r->op == QL_OP_CONT && r->type == QL_TYPE_F32 && r->src[0]->type == QL_TYPE_F32) {
@@ -3751,7 +3766,7 @@ static int inplace_src(const ql_tensor *node) {
     case QL_OP_MUL_MAT:  // ql_mul_mat_acc: each element of c is read by the tile that then writes it
         return node->src[2] ? 2 : -1;
     case QL_OP_MUL_MAT_DROPOUT:  // mul_mat_dropped onto c: the same (the CPU's staged sub-tiles, k_mm_thin; else the product apart)
-        return get_param<int32_t>(node, 4) == 2 && node->src[3] ? 3 : -1;
+        return get_param<int32_t>(node, 4) == 2 && node->src[3] && node->type == node->src[3]->type ? 3 : -1;
     default:
         return -1;
     }
@@ -8002,7 +8017,7 @@ static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
             run(c, P.ci ? (const float *)((const uint8_t *)P.ci + i2 * P.cb2 + i3 * P.cb3) : nullptr, P.ldc, ib, ie, jb, je);
             continue;
         }
-        const ql_type_traits &tt = traits(P.ct);  // (P.drop: f32)
+        const ql_type_traits &tt = traits(P.ct);
         uint8_t *c16 = (uint8_t *)P.c + i2 * P.cb2 + i3 * P.cb3;
         const uint8_t *ci16 = P.ci16 ? P.ci16 + i2 * P.cb2 + i3 * P.cb3 : nullptr;
         float *st = work + L.total;
@@ -8013,16 +8028,17 @@ static void mm_run_tasks(const mm_problem &P, int ith, int nth, float *work) {
                 float *crow = st + (i1 - i0) * n;
                 run(st - (i0 * n + j0), nullptr, n, i0, i1, j0, j1);  // C's (i, j) at st[(i - i0) n + j - j0]
                 if (P.drop) {  // the result's row bt N + i (contiguous: batches follow each other)
-                    float *cb = (float *)c16;
-                    const float *cib = P.ci ? (const float *)((const uint8_t *)P.ci + i2 * P.cb2 + i3 * P.cb3) : nullptr;
+                    // c (f32, the result's shape) at the result's element offset; a 16-bit result
+                    // the f32 sum rounded once as it is stored
+                    const float *cib = P.ci ? P.ci + (i2 * P.cb2 + i3 * P.cb3) / tt.type_size : nullptr;
                     for (int64_t i = i0; i < i1; i++) {
-                        float *s = st + (i - i0) * n, *c = cb + i * P.ldc + j0;
+                        float *s = st + (i - i0) * n;
                         const int64_t row = P.drop_row0 + bt * P.N + i;
                         dropout_row(n, s, s, P.drop_key, (uint64_t)(row * P.ldc + j0), P.drop_thr, P.drop_scale);
                         if (cib)
-                            for (int64_t j = 0; j < n; j++) c[j] = cib[i * P.ldc + j0 + j] + s[j];  // ql_add's order: the sum so far + this
-                        else
-                            memcpy(c, s, (size_t)n * sizeof(float));
+                            for (int64_t j = 0; j < n; j++) s[j] = cib[i * P.ldc + j0 + j] + s[j];  // ql_add's order: the sum so far + this
+                        if (P.ct == QL_TYPE_F32) memcpy((float *)c16 + i * P.ldc + j0, s, (size_t)n * sizeof(float));
+                        else tt.from_float(s, c16 + (size_t)(i * P.ldc + j0) * tt.type_size, n);
                     }
                     continue;
                 }
@@ -8141,6 +8157,8 @@ static mm_problem mmd_problem(const ql_tensor *node, const ql_tensor &mm) {
     P.drop_scale = 1.0f / (1.0f - pr);
     P.drop_row0 = get_param<int64_t>(node, 2);
     P.ci = node->src[3] ? (const float *)node->src[3]->data : nullptr;
+    P.ct = node->type;  // (mm's is f32: a 16-bit result's strides are the node's)
+    P.cb2 = node->nb[2], P.cb3 = node->nb[3];
     return P;
 }
 static size_t mmd_thread_work(const ql_tensor *node, const ql_tensor &mm, int nth) {

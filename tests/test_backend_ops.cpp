@@ -1051,6 +1051,26 @@ OP_CASE(mul_mat_dropout) {
             }, t == QL_TYPE_F32 ? TOL_MM : TOL_16);
     }
     ql_cuda_mm_drop_fused_for_tests(true);
+    // y read by two products, whose dx (the second's onto the first's, c) y's own product reads in
+    // 16 bits (as attention reads its dO): autodiff writes that sum in 16 bits (c + v in f32, rounded
+    // once as stored), the bits of the f32 node and its cast. k_mm_thin's epilogue with an f32 c
+    // under a 16-bit result, and the product's path
+    for (int fused = 1; fused >= 0; fused--) {
+        ql_cuda_mm_drop_fused_for_tests(fused != 0);
+        for (ql_type t : {QL_TYPE_BF16, QL_TYPE_F16}) {
+            INFO(std::string(ql_type_name(t)) << (fused ? ", k_mm_thin" : ", the product's path"));
+            const builder build = [t](leafs &L) {
+                ql_tensor *seed = L.i32({1}, [](int64_t) { return 31; });
+                ql_tensor *x = L.param({40, 70}, -2.0f, 2.0f);
+                ql_tensor *y = ql_mul_mat_dropout(L.ctx, L.rand(QL_TYPE_F32, {40, 160}, -0.5f, 0.5f), x, 0.2f, seed, 1, t, 0);  // [160, 70]
+                return ql_add(L.ctx, ql_mul_mat_dropout(L.ctx, L.rand(QL_TYPE_F32, {160, 12}, -0.5f, 0.5f), y, 0.3f, seed, 2, t, 0),
+                              ql_mul_mat_dropout(L.ctx, L.rand(QL_TYPE_F32, {160, 12}, -0.5f, 0.5f), y, 0.3f, seed, 3, t, 0));
+            };
+            check_case(be, fused ? "mul_mat_dropout, a 16-bit dx" : "mul_mat_dropout, a 16-bit dx, the product's path", build, TOL_16);
+            check_fold_bits(be, build, "x's gradient through the 16-bit dx: not the bits of the f32 dx and its cast", true);
+        }
+    }
+    ql_cuda_mm_drop_fused_for_tests(true);
     // enough tokens that a split takes more than one k step (2 splits of 2 steps and 1, 172 token
     // blocks): forward only
     for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16})

@@ -875,8 +875,8 @@ TEST_CASE("llama: LoRA's scale is written in the compute type (by A's product wh
 
 void ql_autodiff_fold_for_tests(bool on);  // qlora.cpp's autodiff: a gradient's 16-bit cast or sum folded into the node making it
 
-// ... and autodiff's folded casts (s dy by ql_scale_to, SwiGLU's and rope's gradients written in
-// the compute type, a cast reading what an f32 copy would have copied) and adds (a norm's dx summed onto its
+// ... and autodiff's folded casts (s dy by ql_scale_to, SwiGLU's and rope's gradients and
+// attention's dO written in the compute type, a cast reading what an f32 copy would have copied) and adds (a norm's dx summed onto its
 // input's gradient by rms_norm_back) give the separate nodes' loss and LoRA gradients bit for bit,
 // with fewer nodes: every
 // compute type, the FFN whole and in chunks, fp16's guard (f32 gate and up), every segment recomputed
@@ -970,8 +970,9 @@ TEST_CASE("llama: autodiff's casts and adds folded into the nodes making the gra
                     // Bᵀ dy and its scale: one product with the scale as alpha, writing 16 bits; the guard's
                     // down projection and its LoRA are f32: none), SwiGLU's 2 gradients (per FFN chunk: 24
                     // rows, 3 chunks), v's f32 copy (its gradient out of attention's, permuted back and made
-                    // contiguous), and q's and k's rope_back
-                    const int swiglu = chunk ? 3 : 1, per_layer = 2 * (4 + 2 * swiglu + (guard ? 0 : swiglu)) + 2 * swiglu + 1 + 2;
+                    // contiguous), q's and k's rope_back, and attention's dO (the o projection's input's
+                    // dx, its LoRA's dropped-out product onto Wᵀ dy, written in 16 bits)
+                    const int swiglu = chunk ? 3 : 1, per_layer = 2 * (4 + 2 * swiglu + (guard ? 0 : swiglu)) + 2 * swiglu + 1 + 2 + 1;
                     // and the adds of a norm's dx onto its input's gradient: both norms of both layers but block
                     // 0's first (no gradient of its input is needed); the FFN in chunks: its norms read views of
                     // rows (whose gradients add_rows sums), so only block 1's attention norm
