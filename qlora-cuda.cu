@@ -2682,9 +2682,24 @@ static void cu_op_add_rows(cu_ctx &c, ql_tensor *node) {
 // a: f32, or 16-bit (rope of q, k under a 16-bit compute type: widened as read); d of type dt: a's,
 // or a 16-bit rope_back of f32 a (q's, k's gradients as their multiplies read them); a 16-bit d
 // the f32 result rounded once on store, as the CPU; d contiguous [D, H, T, B].
-__global__ void k_rope(cu_t a, const int32_t *pos, const float *ff, char *d, int dt, int n_dims, int mode, float base, int back, int64_t n_tok) {
+// a2, d2 (d2 non-null): a second tensor rotated by the same launch, at the same positions (q's and
+// k's rotations, ql_cuda_rope_pair): its heads after a's, each thread its (token, pair) in both
+__device__ __forceinline__ void cu_rope_heads(const cu_t &a, char *d, int dt, int64_t tok, int64_t t, int64_t bb, int64_t i0, int64_t other,
+                                              float cs, float sn) {
+    const int64_t D = a.ne[0], H = a.ne[1];
+    const int es = a.type == QL_TYPE_F32 ? 4 : 2, ed = dt == QL_TYPE_F32 ? 4 : 2;
+    for (int64_t h = 0; h < H; h++) {
+        const char *x = a.data + h * a.nb[1] + t * a.nb[2] + bb * a.nb[3];
+        char *y = d + (tok * H + h) * D * ed;
+        const float x0 = cu_ld(x + i0 * es, a.type), x1 = cu_ld(x + (i0 + other) * es, a.type);
+        cu_st(y + i0 * ed, dt, x0 * cs - x1 * sn);
+        cu_st(y + (i0 + other) * ed, dt, x0 * sn + x1 * cs);
+    }
+}
+__global__ void k_rope(cu_t a, const int32_t *pos, const float *ff, char *d, int dt, int n_dims, int mode, float base, int back, int64_t n_tok,
+                       cu_t a2, char *d2, int dt2) {
     const int hp = n_dims / 2;  // rotated pairs
-    const int64_t D = a.ne[0], H = a.ne[1], T = a.ne[2];
+    const int64_t T = a.ne[2];
     CU_GRID_LOOP(j, n_tok * hp) {
         const int64_t tok = j / hp, t = tok % T, bb = tok / T;
         const int i = (int)(j % hp);
@@ -2695,14 +2710,8 @@ __global__ void k_rope(cu_t a, const int32_t *pos, const float *ff, char *d, int
         const float r = (float)(th - two_pi * rint(th / two_pi));
         const float cs = __cosf(r), sn = back ? -__sinf(r) : __sinf(r);
         const int64_t i0 = mode == QL_ROPE_NEOX ? i : 2 * i, other = mode == QL_ROPE_NEOX ? hp : 1;
-        const int es = a.type == QL_TYPE_F32 ? 4 : 2, ed = dt == QL_TYPE_F32 ? 4 : 2;
-        for (int64_t h = 0; h < H; h++) {
-            const char *x = a.data + h * a.nb[1] + t * a.nb[2] + bb * a.nb[3];
-            char *y = d + (tok * H + h) * D * ed;
-            const float x0 = cu_ld(x + i0 * es, a.type), x1 = cu_ld(x + (i0 + other) * es, a.type);
-            cu_st(y + i0 * ed, dt, x0 * cs - x1 * sn);
-            cu_st(y + (i0 + other) * ed, dt, x0 * sn + x1 * cs);
-        }
+        cu_rope_heads(a, d, dt, tok, t, bb, i0, other, cs, sn);
+        if (d2) cu_rope_heads(a2, d2, dt2, tok, t, bb, i0, other, cs, sn);
     }
 }
 // the dimensions past n_dims pass through (the bytes where d has a's type, else rounded as stored)
@@ -2718,13 +2727,16 @@ __global__ void k_rope_tail(cu_t a, char *d, int dt, int n_dims, int64_t n_rows)
         else *(uint16_t *)(d + (row * D + i) * 2) = *(const uint16_t *)x;
     }
 }
-static void cu_op_rope(cu_ctx &c, ql_tensor *node, bool back) {
+// node2: a second rotation made by the same launch (ql_cuda_rope_pair), else NULL
+static void cu_op_rope(cu_ctx &c, ql_tensor *node, bool back, ql_tensor *node2 = nullptr) {
     const ql_tensor *a = node->src[0], *ff = node->src[2];
     const int n_dims = node->op_params[0], mode = node->op_params[1];
     const int64_t n_tok = a->ne[2] * a->ne[3];
+    CU_ASSERT(!node2 || (ql_cuda_rope_pair(node, node2) && n_dims == a->ne[0]));
     QL_LAUNCH(k_rope, cu_grid(n_tok * (n_dims / 2)), CU_BLOCK, 0, c.stream, cu_of(a), (const int32_t *)node->src[1]->data,
               ff ? (const float *)ff->data : (const float *)nullptr, (char *)node->data, (int)node->type, n_dims, mode, cu_param<float>(node, 2),
-              (int)back, n_tok);
+              (int)back, n_tok, node2 ? cu_of(node2->src[0]) : cu_of(a), node2 ? (char *)node2->data : (char *)nullptr,
+              node2 ? (int)node2->type : 0);
     CU_LAUNCHED(c);
     if (n_dims < a->ne[0]) {
         const int64_t rows = n_tok * a->ne[1];
@@ -5000,6 +5012,17 @@ static void cu_copy_schedule(const ql_graph *g, cu_schedule *sch) {
     }
 }
 
+static bool cu_noop(const ql_tensor *n) {
+    return n->op == QL_OP_NONE || n->op == QL_OP_VIEW || n->op == QL_OP_RESHAPE || n->op == QL_OP_PERMUTE || n->op == QL_OP_TRANSPOSE ||
+           n->op == QL_OP_WITH_GRAD;
+}
+// whether y's bytes lie over x's (its view root's): the census' test on the plan (ql_graph_census)
+static bool cu_over(const ql_tensor *x, const ql_tensor *y) {
+    while (x->view_src) x = x->view_src;
+    const char *xb = (const char *)x->data, *yb = (const char *)y->data;
+    return xb < yb + ql_nbytes(y) && yb < xb + ql_nbytes(x);
+}
+
 // The nodes of g queued on the streams, in order; offload's copies on the copy stream, joined
 // back at the end (so a copy no node waits for is done when the compute stream is). Eager runs
 // may also time nodes (profile) or look for the first non-finite result (check_finite).
@@ -5027,6 +5050,7 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
         }
         timed.reserve((size_t)n);
     }
+    int made = -1;  // a node already made by the launch of the one before it
     for (int i = ex.first; i < ex.last && !c.failed; i++) {
         ql_tensor *node = ql_graph_node(g, i);
         for (int k : sch.wait_before[(size_t)i])
@@ -5048,11 +5072,20 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
             c.q8_b = nullptr;  // (a copy may write where decode's 8-bit activations came from)
             continue;
         }
-        if (c.failed || node->op == QL_OP_NONE || node->op == QL_OP_VIEW || node->op == QL_OP_RESHAPE ||
-            node->op == QL_OP_PERMUTE || node->op == QL_OP_TRANSPOSE || node->op == QL_OP_WITH_GRAD)
-            continue;
+        if (c.failed || cu_noop(node) || i == made) continue;
         if (ex.profile && !c.failed && cudaEventRecord(cb->prof_events[(size_t)(2 * i)], c.stream) != cudaSuccess) c.failed = true;
-        cu_run_node(c, node);
+        // a rotation and the next node's by one launch (q's and k's: ql_cuda_rope_pair), unless the
+        // next waits for a copy, is timed or checked apart, or its result lies over this one's source
+        int j = i + 1;
+        while (j < ex.last && cu_noop(ql_graph_node(g, j))) j++;
+        ql_tensor *next = j < ex.last ? ql_graph_node(g, j) : nullptr;
+        if (next && !ex.profile && !ex.check_finite && sch.slot[(size_t)j] < 0 && sch.wait_before[(size_t)j].empty() &&
+            ql_cuda_rope_pair(node, next) && !cu_over(node->src[0], next)) {
+            cu_op_rope(c, node, node->op == QL_OP_ROPE_BACK, next);
+            made = j;
+        } else {
+            cu_run_node(c, node);
+        }
         if (ex.profile && !c.failed) {
             if (cudaEventRecord(cb->prof_events[(size_t)(2 * i + 1)], c.stream) != cudaSuccess) c.failed = true;
             timed.push_back(i);

@@ -1968,6 +1968,12 @@ ql_tensor *ql_reshape_4d(ql_context *ctx, ql_tensor *a, int64_t ne0, int64_t ne1
     const int64_t ne[4] = {ne0, ne1, ne2, ne3};
     return reshape_impl(ctx, a, ne);
 }
+ql_tensor *ql_reshape_4d_after(ql_context *ctx, ql_tensor *a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3, ql_tensor *after) {
+    if (!srcs_ok(ctx, "reshape_after", {a, after})) return nullptr;
+    ql_tensor *t = ql_reshape_4d(ctx, a, ne0, ne1, ne2, ne3);
+    if (t) t->src[1] = after;  // graph order only: the walk visits it before t (a view's own src[1] is otherwise unused)
+    return t;
+}
 
 ql_tensor *ql_permute(ql_context *ctx, ql_tensor *a, int ax0, int ax1, int ax2, int ax3) {
     if (!srcs_ok(ctx, "permute", {a})) return nullptr;
@@ -4122,12 +4128,24 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
         if (g->entries[i].inplace) inplace.insert(g->entry_tensor[i]);
     static const int dump = getenv("QLORA_CENSUS_DUMP") ? atoi(getenv("QLORA_CENSUS_DUMP")) : 0;  // debug: 1 per op, 2 per node
     std::map<std::string, std::pair<int64_t, int64_t>> by_op;
+    // two rotations by one launch (ql_cuda_rope_pair), unless b's planned bytes lie over a's source's
+    std::unordered_map<const ql_tensor *, const ql_plan_entry *> entry_of;
+    for (size_t i = 0; i < g->entries.size(); i++) entry_of[g->entry_tensor[i]] = &g->entries[i];
+    auto over = [&](const ql_tensor *x, const ql_tensor *y) {
+        while (x->view_src) x = x->view_src;
+        auto ex = entry_of.find(x), ey = entry_of.find(y);
+        if (ex == entry_of.end() || ey == entry_of.end() || ex->second->host || ey->second->host) return false;
+        return ex->second->offset < ey->second->offset + ey->second->size && ey->second->offset < ex->second->offset + ex->second->size;
+    };
+    const ql_tensor *prev = nullptr;  // the node before (no-op nodes skipped), unless its launch made it
     for (const ql_tensor *node : g->nodes) {
         if (is_noop(node->op)) continue;
         ql_tensor mm;  // a product into rows: its FLOPs and bytes those of the product
         const ql_tensor *n = node->op == QL_OP_MUL_MAT_ROWS ? (ql_mul_mat_rows_product(node, &mm), &mm) : node;
         c->nodes++;
-        const int64_t nl = caps.host ? 1 : ql_cuda_node_launches(node, caps.cc, inplace.count(node) > 0);
+        const bool paired = !caps.host && ql_cuda_rope_pair(prev, node) && !over(prev->src[0], node);
+        prev = paired ? nullptr : node;
+        const int64_t nl = caps.host ? 1 : paired ? 0 : ql_cuda_node_launches(node, caps.cc, inplace.count(node) > 0);
         c->launches += nl;
         if (dump) {  // QLORA_CENSUS_DUMP: launches and nodes per op (and per 16-bit type of the result)
             auto &e = by_op[std::string(ql_op_name(node->op)) + (node->type == QL_TYPE_F32 ? "" : "/16")];
@@ -9452,6 +9470,15 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
     default:
         return 1;
     }
+}
+bool ql_cuda_rope_pair(const ql_tensor *a, const ql_tensor *b) {
+    if (!a || !b || a->op != b->op || (a->op != QL_OP_ROPE && a->op != QL_OP_ROPE_BACK)) return false;
+    const ql_tensor *x = a->src[0], *y = b->src[0];
+    const ql_tensor *yr = y;
+    while (yr->view_src) yr = yr->view_src;
+    return a->src[1] == b->src[1] && a->src[2] == b->src[2] && !memcmp(a->op_params, b->op_params, 3 * sizeof(int32_t)) &&
+           a->op_params[0] == x->ne[0] && b->op_params[0] == y->ne[0] && x->ne[2] == y->ne[2] && x->ne[3] == y->ne[3] && yr != a &&
+           ql_is_contiguous(a) && ql_is_contiguous(b);
 }
 bool ql_cuda_fa_gemm(const ql_tensor *node) {
     return ((node->op == QL_OP_FLASH_ATTN && !node->src[4]) || node->op == QL_OP_FLASH_ATTN_BACK) && !ql_cuda_fa_fused(node);

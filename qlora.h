@@ -379,6 +379,10 @@ ql_tensor *ql_reshape_1d(ql_context *ctx, ql_tensor *a, int64_t ne0);
 ql_tensor *ql_reshape_2d(ql_context *ctx, ql_tensor *a, int64_t ne0, int64_t ne1);
 ql_tensor *ql_reshape_3d(ql_context *ctx, ql_tensor *a, int64_t ne0, int64_t ne1, int64_t ne2);
 ql_tensor *ql_reshape_4d(ql_context *ctx, ql_tensor *a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3);
+// ql_reshape_4d that the graph also places after `after` (a source the walk visits first; nothing
+// of it is read): q's rotation after k's projection, so that the two rotations are neighbours
+// and a device makes them in one launch (ql_cuda_rope_pair)
+ql_tensor *ql_reshape_4d_after(ql_context *ctx, ql_tensor *a, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3, ql_tensor *after);
 // source dimension i becomes result dimension axis_i (ggml semantics)
 ql_tensor *ql_permute(ql_context *ctx, ql_tensor *a, int axis0, int axis1, int axis2, int axis3);
 ql_tensor *ql_transpose(ql_context *ctx, ql_tensor *a);             // swap ne0 and ne1
@@ -1449,6 +1453,11 @@ void    ql_cuda_mm_drop_fused_for_tests(bool on);      // off: every such produc
 // launches one node costs on a CUDA device of compute capability cc (ql_census' unit); inplace:
 // the planner gave the node its source's memory (ql_plan_entry.inplace)
 int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace);
+// a and b, two rope (or two rope_back) nodes with only views between them, made by one launch:
+// the same positions, frequencies and parameters, every dimension rotated, the same tokens, b not
+// reading a. The launch is made unless b's result lies over a's source (a's source may die at a
+// and the planner give its bytes to b): the census and the backend apply that test alike
+bool    ql_cuda_rope_pair(const ql_tensor *a, const ql_tensor *b);
 bool    ql_cuda_mm_a_direct(const ql_tensor *a, ql_type compute);
 // a = W or transpose(W) of a QL_FLAG_CACHED weight W, in a product whose compute type (b's) is
 // not W's own: the product reads W's copy in place (no tile, no workspace for a); W, or NULL

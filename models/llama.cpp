@@ -198,8 +198,11 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     // keeps of attention (q and k after rope, v, the output: the o projection's input) is 16-bit
     // too. f32 where something f32-only reads them: the biases' add (Qwen2), a KV cache (generate)
     const ql_type qkv = m->compute != QL_TYPE_F32 && !cache && !L.bq && !L.bk && !L.bv ? m->compute : QL_TYPE_F32;
-    ql_tensor *q = ql_reshape_4d(ctx, linear_b(ctx, m, L.wq, L.bq, h, hc, qkv), d, hp.n_head, T, B);     // [d, H, T, B]
-    ql_tensor *k = ql_reshape_4d(ctx, linear_b(ctx, m, L.wk, L.bk, h, hc, qkv), d, hp.n_head_kv, T, B);  // [d, Hkv, T, B]
+    // q's rotation placed after k's projection (graph order only): the two rotations are then
+    // neighbours, which a device makes in one launch
+    ql_tensor *kl = linear_b(ctx, m, L.wk, L.bk, h, hc, qkv);
+    ql_tensor *q = ql_reshape_4d_after(ctx, linear_b(ctx, m, L.wq, L.bq, h, hc, qkv), d, hp.n_head, T, B, kl);  // [d, H, T, B]
+    ql_tensor *k = ql_reshape_4d(ctx, kl, d, hp.n_head_kv, T, B);                                             // [d, Hkv, T, B]
     ql_tensor *v = ql_reshape_4d(ctx, linear_b(ctx, m, L.wv, L.bv, h, hc, qkv), d, hp.n_head_kv, T, B);
     q = ql_rope(ctx, q, pos, m->rope_freqs, n_rot, hp.rope_mode, hp.rope_base);
     k = ql_rope(ctx, k, pos, m->rope_freqs, n_rot, hp.rope_mode, hp.rope_base);

@@ -950,6 +950,24 @@ OP_CASE(rope) {
             }, TOL_16);
         }
     }
+    // q's and k's rotations as neighbours in the graph (q's placed after k's projection), which a
+    // device makes by one launch forward and, their gradients' rotations, backward: 4 and 2 heads,
+    // 16-bit and f32, both modes
+    for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16})
+        for (int mode : {QL_ROPE_NORMAL, QL_ROPE_NEOX}) {
+            INFO("q and k, " << std::string(ql_type_name(t)) << ", mode " << mode);
+            check_case(be, "rope, q's and k's as neighbours", [t, mode](leafs &L) {
+                ql_tensor *pos = L.i32({7, 2}, [](int64_t i) { return (int32_t)(5 * i + 2); });
+                ql_tensor *x = L.param({24, 7, 2});
+                ql_tensor *xc = t == QL_TYPE_F32 ? x : ql_cast(L.ctx, x, t);
+                ql_tensor *kl = ql_mul_mat_to(L.ctx, L.rand(QL_TYPE_F32, {24, 32}, -0.5f, 0.5f), xc, t);  // [32, 7, 2]
+                ql_tensor *ql = ql_mul_mat_to(L.ctx, L.rand(QL_TYPE_F32, {24, 64}, -0.5f, 0.5f), xc, t);
+                ql_tensor *q = ql_rope(L.ctx, ql_reshape_4d_after(L.ctx, ql, 16, 4, 7, 2, kl), pos, nullptr, 16, mode, 10000.0f);
+                ql_tensor *k = ql_rope(L.ctx, ql_reshape_4d(L.ctx, kl, 16, 2, 7, 2), pos, nullptr, 16, mode, 10000.0f);
+                // one node reads both rotations (as attention does): q's first, so they are neighbours
+                return ql_mul_mat(L.ctx, ql_reshape_2d(L.ctx, q, 16, 56), ql_reshape_2d(L.ctx, k, 16, 28));  // [56, 28]
+            }, t == QL_TYPE_F32 ? TOL_MM : TOL_16);
+        }
     if (!ql_backend_is_host(be)) return;
     // the CPU (the oracle): a 16-bit rope is the f32 rope of the widened input, rounded once - bit for bit
     for (ql_type t : {QL_TYPE_BF16, QL_TYPE_F16}) {
