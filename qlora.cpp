@@ -2802,6 +2802,9 @@ void ql_autodiff_fold_for_tests(bool on) { g_autodiff_fold = on; }
 // QLORA_MM_SCALE_BACK=0: a scaled product's 16-bit dy as the product and ql_scale_to (A/B runs)
 static const bool g_mm_scale_back = !(getenv("QLORA_MM_SCALE_BACK") && strcmp(getenv("QLORA_MM_SCALE_BACK"), "0") == 0);
 
+static bool g_cast_grad_into = !(getenv("QLORA_CAST_GRAD") && strcmp(getenv("QLORA_CAST_GRAD"), "0") == 0);
+void ql_autodiff_cast_grad_for_tests(bool on) { g_cast_grad_into = on; }
+
 struct grad_builder {
     ql_context *ctx;
     std::unordered_set<const ql_tensor *> needs;              // leads to a trainable param
@@ -2865,8 +2868,18 @@ struct grad_builder {
         return c;
     }
 
+    // A 16-bit copy of an f32 tensor (a cast: its gradient passes through in f32) sums its
+    // contributions into the f32 tensor's gradient directly: the normed input's copy that q, k and
+    // v multiply, beside the f32 input their adapters' dropout reads - one sum, not two and an add.
+    // The same math, summed in another order (QLORA_CAST_GRAD=0: apart, to compare)
+    ql_tensor *target(ql_tensor *src) const {
+        if (!g_cast_grad_into || !src || src->op != QL_OP_CONT || src->type == QL_TYPE_F32) return src;
+        ql_tensor *x = src->src[0];
+        return x->type == QL_TYPE_F32 && !x->view_src && ql_is_contiguous(x) && ql_same_shape(x, src) && wants(x) ? x : src;
+    }
     // A tensor used by several consumers gets the sum of their contributions.
     void add(ql_tensor *src, ql_tensor *g) {
+        src = target(src);
         if (!wants(src) || !g) return;
         auto it = grad.find(src);
         if (it == grad.end())
@@ -2878,7 +2891,7 @@ struct grad_builder {
     // of src when src has a sum so far, added onto those rows of it (ql_add_rows; in place where
     // the sum dies there) - a tensor read in pieces of rows (the FFN in chunks) gets its gradient
     // a piece at a time, not one src-sized tensor per piece
-    void add_view(ql_tensor *src, const ql_tensor *view, ql_tensor *dy) {
+    void add_view(ql_tensor *src, const ql_tensor *view, ql_tensor *dy) {  // (a view's offsets are src's own: no target here)
         if (!wants(src) || !dy) return;
         auto it = grad.find(src);
         ql_tensor *prev = it == grad.end() ? nullptr : it->second;
@@ -2894,6 +2907,7 @@ struct grad_builder {
     // (ql_mul_mat_acc; in place where the sum dies there) instead of a product and an add - an
     // input that feeds several multiplies (q, k, v, the LoRA factors) sums its gradients so
     void add_product(ql_tensor *src, ql_tensor *a, ql_tensor *b) {
+        src = target(src);
         if (!wants(src)) return;
         auto it = grad.find(src);
         ql_tensor *prev = it == grad.end() ? nullptr : it->second;
@@ -2906,6 +2920,7 @@ struct grad_builder {
     // A dropped-out product's contribution dropout(a b) (mul_mat_dropped: one node, the add's
     // bits c + v): onto the sum so far as it is written, where that sum is a plain f32 tensor
     void add_dropped(ql_tensor *src, ql_tensor *a, ql_tensor *b, float p, ql_tensor *seed, uint32_t stream, int64_t row0) {
+        src = target(src);
         auto it = grad.find(src);
         ql_tensor *prev = it == grad.end() ? nullptr : it->second;
         const bool onto = prev && prev->type == QL_TYPE_F32 && ql_is_contiguous(prev) && ql_same_shape(prev, src);

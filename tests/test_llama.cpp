@@ -874,6 +874,7 @@ TEST_CASE("llama: LoRA's scale is written in the compute type (by A's product wh
 }
 
 void ql_autodiff_fold_for_tests(bool on);  // qlora.cpp's autodiff: a gradient's 16-bit cast or sum folded into the node making it
+void ql_autodiff_cast_grad_for_tests(bool on);  // ... a 16-bit copy's gradient summed into its f32 source's
 
 // ... and autodiff's folded casts (s dy by ql_scale_to, SwiGLU's and rope's gradients and
 // attention's dO written in the compute type, a cast reading what an f32 copy would have copied) and adds (a norm's dx summed onto its
@@ -890,9 +891,10 @@ TEST_CASE("llama: autodiff's casts and adds folded into the nodes making the gra
         std::vector<std::vector<float>> grads;
         int nodes = 0;
     };
-    auto run = [&](bool fold, ql_type ct, int64_t chunk, bool guard, bool recompute) {
+    auto run = [&](bool fold, ql_type ct, int64_t chunk, bool guard, bool recompute, bool cast_grad = true) {
         result r;
         ql_autodiff_fold_for_tests(fold);
+        ql_autodiff_cast_grad_for_tests(cast_grad);
         ql_init_params ip = {32u << 20, nullptr, false, false};
         ql_context *ctx = ql_init(ip);
         ql_llama m = t.m;
@@ -924,6 +926,7 @@ TEST_CASE("llama: autodiff's casts and adds folded into the nodes making the gra
         REQUIRE(ql_graph_build_forward(gf, loss) == QL_OK);
         ql_graph *gb = ql_graph_backward(ctx, gf, loss);
         ql_autodiff_fold_for_tests(true);
+        ql_autodiff_cast_grad_for_tests(true);
         REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
         if (recompute) {
             const int n_seg = ql_graph_segments(gb, nullptr, 0);
@@ -979,5 +982,23 @@ TEST_CASE("llama: autodiff's casts and adds folded into the nodes making the gra
                     const int adds = chunk ? 1 : 2 * 2 - 1;
                     CHECK(apart.nodes - folded.nodes == (ct == QL_TYPE_F32 ? 0 : 2 * per_layer) + adds);
                 }
+    // the normed input's 16-bit copy (q, k and v multiply it; their adapters' dropout reads the f32
+    // input) sums its gradient into the f32 input's: the same gradients to f32's rounding (summed
+    // in another order), one add fewer per norm whose result has a gradient - every one but block
+    // 0's attention norm (nothing trainable before it), the FFN's once per chunk (24 rows, 3 chunks)
+    for (ql_type ct : {QL_TYPE_BF16, QL_TYPE_F16})
+        for (int64_t chunk : {(int64_t)0, (int64_t)10}) {
+            INFO(std::string(ql_type_name(ct)) << ", FFN chunk " << chunk);
+            const result into = run(true, ct, chunk, false, false), apart = run(true, ct, chunk, false, false, false);
+            CHECK(into.loss == apart.loss);
+            REQUIRE(into.grads.size() == apart.grads.size());
+            for (size_t i = 0; i < into.grads.size(); i++) {
+                double mx = 0, err = 0;
+                for (size_t j = 0; j < into.grads[i].size(); j++)
+                    mx = std::max(mx, (double)std::fabs(apart.grads[i][j])), err = std::max(err, (double)std::fabs(into.grads[i][j] - apart.grads[i][j]));
+                CHECK_MESSAGE(err <= 1e-5 * mx, "LoRA tensor " << i << ": " << err << " of " << mx);
+            }
+            CHECK(apart.nodes - into.nodes == (2 - 1) + 2 * (chunk ? 3 : 1));
+        }
     ql_backend_free(be);
 }
