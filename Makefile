@@ -51,7 +51,7 @@ NVCC_THREADS ?= $(shell nproc 2>/dev/null || echo 1)
 CUDA_SRC  := qlora-cuda.cu
 CUDA_OBJ  := $(if $(CUDA),$(BUILD)/qlora-cuda.o)
 comma := ,
-LDLIBS    += $(if $(CUDA),-L$(CUDA_HOME)/lib64 -lcublas -lcudart -Wl$(comma)-rpath$(comma)$(CUDA_HOME)/lib64)
+LDLIBS    += $(if $(CUDA),-L$(CUDA_HOME)/lib64 -lcublasLt -lcublas -lcudart -Wl$(comma)-rpath$(comma)$(CUDA_HOME)/lib64)
 
 # MPI: opt-in (MPI=1): qlora-mpi.cpp, compiled and linked with mpicxx into ./finetune, whose
 # ql_dist_* replace the library's one-process weak ones. The library itself never includes mpi.h.
@@ -204,7 +204,7 @@ endif
 # not depend on CUDA=1) and cuda-check's object: what CI runs to see the CUDA build link and its
 # GPU suite skip (or run) without compiling everything a second time.
 $(BUILD)/test-qlora-cuda: $(TEST_OBJ) $(BUILD)/libtools.a $(BUILD)/libqlora.a $(BUILD)/cuda/qlora-cuda.o
-	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS) -L$(CUDA_HOME)/lib64 -lcublas -lcudart -Wl,-rpath,$(CUDA_HOME)/lib64
+	$(CXX) $(CXXFLAGS) $^ -o $@ $(LDLIBS) -L$(CUDA_HOME)/lib64 -lcublasLt -lcublas -lcudart -Wl,-rpath,$(CUDA_HOME)/lib64
 
 # session 11's kernels (LoRA dropout in A's multiply, decode on 8-bit activations) and the layer
 # split's peer copies again with each block's threads in a seeded random order (tests/cuda_shim.h:

@@ -22,6 +22,7 @@
 #include "qlora.h"
 
 #ifndef QL_CUDA_SHIM
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -595,14 +596,48 @@ static cu_operand cu_as_operand(const char *p, size_t es, int64_t nb0, int64_t n
     return o;
 }
 
+static cublasLtHandle_t cu_lt(cu_ctx &c);
+static bool &cu_lt_ok(cu_ctx &c);
+static void *cu_lt_work(cu_ctx &c, size_t *size);
 // C (M x N, ldc) = alpha op(A) op(B) + beta C, batched with strides (a stride of 0 broadcasts);
-// C f32, or of A and B's 16-bit type: summed in f32 (beta C too), rounded once as it is stored
-static void cu_gemm_to(cu_ctx &c, ql_type ab_type, const cu_operand &A, int64_t sA, const cu_operand &B, int64_t sB,
+// C f32, or of A and B's 16-bit type: summed in f32 (beta C too), rounded once as it is stored.
+// Cin (beta != 0): C's addend where it is not C itself, laid out as C - cuBLASLt's C != D, so that a
+// residual that lives on is added by the product that writes the sum, with no copy of it first
+// (cuBLAS' GEMMs take C = D only). Returns false, with nothing queued, where cuBLASLt refuses it
+static bool cu_gemm_to(cu_ctx &c, ql_type ab_type, const cu_operand &A, int64_t sA, const cu_operand &B, int64_t sB,
                        void *C, ql_type c_type, int64_t ldc, int64_t sC, int64_t M, int64_t N, int64_t K, int batch, float beta,
-                       float alpha = 1.0f) {
-    CUBLAS_CHECK(c, cublasGemmStridedBatchedEx(c.blas, A.op, B.op, (int)M, (int)N, (int)K, &alpha, A.p, cu_dtype(ab_type),
-                                               (int)A.ld, sA, B.p, cu_dtype(ab_type), (int)B.ld, sB, &beta, C, cu_dtype(c_type),
-                                               (int)ldc, sC, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+                       float alpha = 1.0f, const void *Cin = nullptr) {
+    if (Cin && Cin != C && beta != 0.0f) {
+        cublasLtMatmulDescOpaque_t op;
+        cublasLtMatrixLayoutOpaque_t la, lb, lc;
+        const int32_t ta = A.op, tb = B.op, nb = batch;
+        const int64_t sa = sA, sb = sB, sc = sC;
+        const cudaDataType abt = cu_dtype(ab_type), ct = cu_dtype(c_type);
+        size_t ws_size = 0;
+        void *ws = cu_lt_work(c, &ws_size);
+        // a layout's rows and cols as stored (before op): A m x k under N, k x m under T
+        const bool ok =
+            cublasLtMatmulDescInit(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof(ta)) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmulDescSetAttribute(&op, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof(tb)) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatrixLayoutInit(&la, abt, A.op == CUBLAS_OP_N ? M : K, A.op == CUBLAS_OP_N ? K : M, A.ld) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatrixLayoutInit(&lb, abt, B.op == CUBLAS_OP_N ? K : N, B.op == CUBLAS_OP_N ? N : K, B.ld) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatrixLayoutInit(&lc, ct, M, N, ldc) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatrixLayoutSetAttribute(&la, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &nb, sizeof(nb)) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatrixLayoutSetAttribute(&lb, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &nb, sizeof(nb)) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatrixLayoutSetAttribute(&lc, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &nb, sizeof(nb)) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatrixLayoutSetAttribute(&la, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &sa, sizeof(sa)) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatrixLayoutSetAttribute(&lb, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &sb, sizeof(sb)) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatrixLayoutSetAttribute(&lc, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &sc, sizeof(sc)) == CUBLAS_STATUS_SUCCESS &&
+            cublasLtMatmul(cu_lt(c), &op, &alpha, A.p, &la, B.p, &lb, &beta, Cin, &lc, C, &lc, nullptr, ws, ws_size, c.stream) ==
+                CUBLAS_STATUS_SUCCESS;
+        return ok;
+    }
+    const cublasStatus_t s = cublasGemmStridedBatchedEx(c.blas, A.op, B.op, (int)M, (int)N, (int)K, &alpha, A.p, cu_dtype(ab_type),
+                                                        (int)A.ld, sA, B.p, cu_dtype(ab_type), (int)B.ld, sB, &beta, C, cu_dtype(c_type),
+                                                        (int)ldc, sC, batch, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    if (s != CUBLAS_STATUS_SUCCESS) cu_fail(c, __FILE__, __LINE__, "cublasGemmStridedBatchedEx", cublasGetStatusString(s));
+    return s == CUBLAS_STATUS_SUCCESS;
 }
 static void cu_gemm(cu_ctx &c, ql_type ab_type, const cu_operand &A, int64_t sA, const cu_operand &B, int64_t sB,
                     float *C, int64_t ldc, int64_t sC, int64_t M, int64_t N, int64_t K, int batch, float beta, float alpha = 1.0f) {
@@ -1523,9 +1558,13 @@ static void cu_mm_wait(cu_ctx &c, cu_mm_side &m, cu_mm_order &o, int x, int ev) 
 // (m, n) of the result's rows from row0 (qlora.h's hash), x / (1 - p) or 0 - then c added.
 #define MT_M 128
 #define MT_N 32
-__global__ void __launch_bounds__(256) k_mm_thin(cu_t a, cu_t b, int ct, const char *c, int ci_type, char *C, int c_type, int64_t M,
-                                                 int64_t N, int64_t K, const int32_t *seed, uint32_t stream, uint32_t threshold,
-                                                 float keep_scale, int64_t row0) {
+// C_F32: c is f32 whatever C's type (mul_mat_dropped's c under a 16-bit dO), else of C's type.
+// (Two blocks an SM at least: with the bound on threads alone ptxas gave the C_F32 kernel an 8-byte
+// stack frame on sm_90, at 40 registers)
+template <bool C_F32>
+__global__ void __launch_bounds__(256, 2) k_mm_thin(cu_t a, cu_t b, int ct, const char *c, char *C, int c_type, int64_t M, int64_t N,
+                                                 int64_t K, const int32_t *seed, uint32_t stream, uint32_t threshold, float keep_scale,
+                                                 int64_t row0) {
     QL_DYN_SMEM(float, sm);  // As [K][MT_M + 1], then Bs [K][MT_N + 1]: 41 KiB at K = 64
     float *As = sm, *Bs = sm + K * (MT_M + 1);
     const int64_t m0 = (int64_t)blockIdx.x * MT_M, n0 = (int64_t)blockIdx.y * MT_N;
@@ -1569,15 +1608,15 @@ QL_UNROLL
     }
     // c's 16 elements read first, all at once, then the sums stored: C may be c itself (in place, of
     // C's type), and each thread reads only what it writes - so no read waits for the previous
-    // element's store. c of its own type: mul_mat_dropped's f32 c under a 16-bit result (dO)
-    const size_t cs = c_type == QL_TYPE_F32 ? 4 : 2, cis = ci_type == QL_TYPE_F32 ? 4 : 2;
+    // element's store
+    const size_t cs = c_type == QL_TYPE_F32 ? 4 : 2;
     if (c) {
 QL_UNROLL
         for (int j = 0; j < 4; j++)
 QL_UNROLL
             for (int i = 0; i < 4; i++) {
                 const int64_t n = n0 + ty * 4 + j, m = m0 + tx + 32 * i;
-                if (n < N && m < M) acc[j][i] += cu_ld(c + (n * M + m) * cis, ci_type);
+                if (n < N && m < M) acc[j][i] += cu_ld(c + (n * M + m) * (C_F32 ? 4 : cs), C_F32 ? (int)QL_TYPE_F32 : c_type);
             }
     }
 QL_UNROLL
@@ -1594,8 +1633,9 @@ static void cu_op_mm_thin(cu_ctx &c, ql_tensor *node) {
     const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
     CU_ASSERT(K <= QL_CUDA_THIN_K && ql_is_contiguous(node) && (!acc || (acc->type == node->type && ql_is_contiguous(acc))));
     const dim3 grid((unsigned)((M + MT_M - 1) / MT_M), (unsigned)((N + MT_N - 1) / MT_N));
-    QL_LAUNCH(k_mm_thin, grid, 256, (size_t)K * (MT_M + MT_N + 2) * sizeof(float), c.stream, cu_of(a), cu_of(b), (int)b->type, acc ? (const char *)acc->data : nullptr,
-              (int)node->type, (char *)node->data, (int)node->type, M, N, K, (const int32_t *)nullptr, 0u, 0u, 0.0f, (int64_t)0);
+    QL_LAUNCH(k_mm_thin<false>, grid, 256, (size_t)K * (MT_M + MT_N + 2) * sizeof(float), c.stream, cu_of(a), cu_of(b), (int)b->type,
+              acc ? (const char *)acc->data : nullptr, (char *)node->data, (int)node->type, M, N, K, (const int32_t *)nullptr, 0u, 0u, 0.0f,
+              (int64_t)0);
     CU_LAUNCHED(c);
 }
 
@@ -1710,9 +1750,10 @@ static void cu_op_mul_mat_dropout(cu_ctx &c, ql_tensor *node) {
         if (ql_cuda_mm_drop_fused(node)) {
             const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
             const dim3 grid((unsigned)((M + MT_M - 1) / MT_M), (unsigned)((N + MT_N - 1) / MT_N));
-            QL_LAUNCH(k_mm_thin, grid, 256, (size_t)K * (MT_M + MT_N + 2) * sizeof(float), c.stream, cu_of(a), cu_of(b), (int)b->type,
-                      acc ? (const char *)acc->data : nullptr, (int)QL_TYPE_F32, (char *)node->data, (int)node->type, M, N, K, seed,
-                      stream, thr, 1.0f / (1.0f - pr), row0);
+            // (c f32: the gradient so far; the result f32, or 16 bits where attention reads it as dO)
+            QL_LAUNCH(k_mm_thin<true>, grid, 256, (size_t)K * (MT_M + MT_N + 2) * sizeof(float), c.stream, cu_of(a), cu_of(b), (int)b->type,
+                      acc ? (const char *)acc->data : nullptr, (char *)node->data, (int)node->type, M, N, K, seed, stream, thr,
+                      1.0f / (1.0f - pr), row0);
             CU_LAUNCHED(c);
             return;
         }
@@ -1802,9 +1843,14 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
     const int64_t cs = (int64_t)ql_plain_size(rt);
     const int64_t sC = M * N;  // per batch of the result, in elements
     uint8_t *ws = c.work;
-    // ql_mul_mat_acc (c of the GEMMs' type): C starts as c (unless written over it in place), and every GEMM adds to it
-    if (acc && !acc16 && acc->data != node->data)
-        CU_CHECK(c, cudaMemcpyAsync(C, acc->data, ql_nbytes(node), cudaMemcpyDeviceToDevice, c.stream));
+    // ql_mul_mat_acc (c of the GEMMs' type): every GEMM adds c's part - in place over c, or read from
+    // c where c lives on (cuBLASLt's C != D: no copy of c first). Where cuBLASLt refuses that, c is
+    // copied into C and the GEMMs add to it (said once: the census counts no copy)
+    const char *cin = acc && !acc16 && acc->data != node->data ? (const char *)acc->data : nullptr;
+    if (cin && !cu_lt_ok(c)) {
+        CU_CHECK(c, cudaMemcpyAsync(C, cin, ql_nbytes(node), cudaMemcpyDeviceToDevice, c.stream));
+        cin = nullptr;
+    }
     const float beta0 = acc && !acc16 ? 1.0f : 0.0f;  // the GEMMs' beta over C
     const float alpha = ql_mul_mat_alpha(node);      // ql_mul_mat_scaled_to: the epilogue's (f32, before rounding)
 
@@ -1904,8 +1950,19 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
         for (int64_t j3 = 0; j3 < r3; j3++) {
             const int64_t i3 = ia3 * r3 + j3;
             const cu_operand B = cu_as_operand(bp + ia2 * r2 * bnb2 + i3 * bnb3, es, bnb0, bnb1, K, N, false);
-            cu_gemm_to(c, ct, A, 0, B, bnb2 / (int64_t)es, C + ((i3 * B2 + ia2 * r2) * sC + m0) * cs, rt, M, sC, mt, N, K, (int)r2,
-                       beta0, alpha);
+            const int64_t off = ((i3 * B2 + ia2 * r2) * sC + m0) * cs;
+            if (!cu_gemm_to(c, ct, A, 0, B, bnb2 / (int64_t)es, C + off, rt, M, sC, mt, N, K, (int)r2, beta0, alpha, cin ? cin + off : nullptr) &&
+                !c.failed) {
+                if (t > 0 || j3 > 0) {  // (the first GEMM of the node: nothing of C is written yet)
+                    cu_fail(c, __FILE__, __LINE__, "cublasLtMatmul", "refused a product it took before");
+                    return;
+                }
+                fprintf(stderr, "qlora: cuda: cuBLASLt refused a product with C != D: each such product copies its addend first\n");
+                cu_lt_ok(c) = false;
+                CU_CHECK(c, cudaMemcpyAsync(C, cin, ql_nbytes(node), cudaMemcpyDeviceToDevice, c.stream));
+                cin = nullptr;
+                if (!cu_gemm_to(c, ct, A, 0, B, bnb2 / (int64_t)es, C + off, rt, M, sC, mt, N, K, (int)r2, beta0, alpha)) return;
+            }
             if (c.failed) return;
         }
         if (!direct) o.read[buf] = ++o.pos[0];
@@ -4731,6 +4788,9 @@ struct cuda_backend {
     cudaDeviceProp prop{};
     cudaStream_t stream = nullptr;
     cublasHandle_t blas = nullptr;
+    cublasLtHandle_t lt = nullptr;  // cuBLASLt: products whose addend is not their result (C != D); on cuBLAS' workspace
+    bool lt_ok = true;              // false once it refused one (then c is copied first)
+    size_t blas_work_size = 0;
     int   *d_scratch = nullptr;  // device: reduction results (check_finite, gradient statistics)
     int   *h_scratch = nullptr;  // pinned host copy
     // activation offload (QL_OP_TO_HOST / TO_DEVICE): the copies' own stream, and per copy two
@@ -4751,6 +4811,13 @@ struct cuda_backend {
     bool fa2_reg = false;  // k_fa2_probe found sm_80's fragment layout: the fused attention's register path
 };
 static cu_mm_side &cu_mm_side_of(cu_ctx &c) { return c.cb->mm_side; }
+static cublasLtHandle_t cu_lt(cu_ctx &c) { return c.cb->lt; }
+static bool &cu_lt_ok(cu_ctx &c) { return c.cb->lt_ok; }
+// cuBLAS' workspace: the GEMMs and cuBLASLt's products run one after another on the compute stream
+static void *cu_lt_work(cu_ctx &c, size_t *size) {
+    *size = c.cb->blas_work_size;
+    return c.cb->blas_work;
+}
 // Every entry point makes its backend's device the current one first: several backends (a model
 // split over devices) share the process and its host threads.
 static bool cu_use(const cuda_backend *cb) {
@@ -5293,6 +5360,7 @@ static void cuda_free(ql_backend *be) {
     if (!cu_use(cb)) (void)cudaGetLastError();  // (freed anyway)
     for (auto &kv : cb->schedules) cu_graph_drop(kv.second);
     if (cb->blas) cublasDestroy(cb->blas);
+    if (cb->lt) cublasLtDestroy(cb->lt);
     if (cb->blas_work) cudaFree(cb->blas_work);
     if (cb->joined) cudaEventDestroy(cb->joined);
     if (cb->stream) cudaStreamDestroy(cb->stream);
@@ -5378,7 +5446,8 @@ ql_backend *ql_backend_cuda_init(int device, char *err, size_t err_size) {
     // After cublasSetStream, which resets it to cuBLAS's own pool (the shim does the same)
     const size_t blas_ws = ql_cuda_cublas_workspace_bytes(info.major * 10 + info.minor);
     ok = ok && cudaMalloc(&cb->blas_work, blas_ws) == cudaSuccess &&
-         cublasSetWorkspace(cb->blas, cb->blas_work, blas_ws) == CUBLAS_STATUS_SUCCESS;
+         cublasSetWorkspace(cb->blas, cb->blas_work, blas_ws) == CUBLAS_STATUS_SUCCESS && cublasLtCreate(&cb->lt) == CUBLAS_STATUS_SUCCESS;
+    cb->blas_work_size = blas_ws;
     const char *graphs = getenv("QLORA_CUDA_GRAPHS");
     cb->graphs = !graphs || strcmp(graphs, "0") != 0;  // on by default
     cb->d_scratch = ok ? (int *)cu_device_alloc(4096) : nullptr;

@@ -9433,6 +9433,7 @@ bool ql_cuda_fa_fused(const ql_tensor *node) {
 // As qlora-cuda.cu issues them (cu_run_node and the cu_op_* it calls); a test runs graphs through
 // the shim and compares the count of what it issued with this.
 int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
+    (void)inplace;  // (a product's c, in place or where it lives on, costs no copy: cuBLASLt reads it)
     auto cdiv = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
     switch (node->op) {
     case QL_OP_NONE: case QL_OP_VIEW: case QL_OP_RESHAPE: case QL_OP_PERMUTE: case QL_OP_TRANSPOSE: case QL_OP_WITH_GRAD:
@@ -9456,7 +9457,8 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
         const int64_t K = a->ne[0], M = a->ne[1];
         const int64_t A2 = a->ne[2], A3 = a->ne[3], B2 = b->ne[2], B3 = b->ne[3], r3 = B3 / A3;
         const bool acc16 = acc && node->type != QL_TYPE_F32;
-        const int64_t n = (acc && !acc16 && !inplace) + acc16 + (ql_cuda_mm_b_direct(b) ? 0 : B2 * B3);  // c's copy; k_acc_round; b's copies
+        // k_acc_round; b's copies (c where it lives on: read by cuBLASLt's C != D, no copy)
+        const int64_t n = acc16 + (ql_cuda_mm_b_direct(b) ? 0 : B2 * B3);
         // a in place (a cached weight: its copy), or in tiles of its rows (of Wᵀ: bands of W's
         // columns), each dequantised or converted by one kernel; per tile the GEMMs of the b batches it serves
         const bool direct = ql_cuda_mm_cached(a, b->type) || (!ql_cuda_mm_trows(a) && ql_cuda_mm_a_direct(a, b->type));

@@ -1451,7 +1451,8 @@ bool    ql_cuda_mm_drop_fused(const ql_tensor *node);   // ... and backward's dx
 int64_t ql_cuda_mm_drop_splits(const ql_tensor *node, int64_t *k_per_split);  // 1: no split
 void    ql_cuda_mm_drop_fused_for_tests(bool on);      // off: every such product by the workspace's path
 // launches one node costs on a CUDA device of compute capability cc (ql_census' unit); inplace:
-// the planner gave the node its source's memory (ql_plan_entry.inplace)
+// the planner gave the node its source's memory (ql_plan_entry.inplace; no longer changes the
+// count: a product's addend is read where it lives, cuBLASLt's C != D, in place or not)
 int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace);
 // a and b, two rope (or two rope_back) nodes with only views between them, made by one launch:
 // the same positions, frequencies and parameters, every dimension rotated, the same tokens, b not

@@ -235,15 +235,17 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     // projection and its LoRA multiplied in f32 - nothing of the FFN past gate and up is 16-bit)
     const bool guard = m->ffn_down_f32 && m->compute != QL_TYPE_F32;
     const ql_type ff = guard ? QL_TYPE_F32 : m->compute;
-    auto down = [&](ql_tensor *g, int64_t r0) {
-        return guard ? linear_c(ctx, m, L.w_down, g, g, r0, QL_TYPE_F32, QL_TYPE_F32)
-                     : linear_c(ctx, m, L.w_down, g, compute_input(ctx, m, L.w_down, g), r0);
+    // onto: the residual the product adds onto as it writes (as the o projection's), or NULL
+    auto down = [&](ql_tensor *g, int64_t r0, ql_tensor *onto = nullptr) {
+        return guard ? linear_c(ctx, m, L.w_down, g, g, r0, QL_TYPE_F32, QL_TYPE_F32, onto)
+                     : linear_c(ctx, m, L.w_down, g, compute_input(ctx, m, L.w_down, g), r0, QL_TYPE_F32, QL_TYPE_COUNT, onto);
     };
     const int64_t rows = T * B, c = m->ffn_chunk;
     if (c <= 0 || c >= rows || !x) {
         pre_norm(ctx, m, x, L.ffn_norm, {L.w_gate, L.w_up}, &h, &hc);  // one for gate and up
         ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, h, hc, 0, ff), linear_c(ctx, m, L.w_up, h, hc, 0, ff));  // [n_ff, T, B]
-        return ql_add(ctx, x, down(g, 0));
+        // the residual added by the down projection as it writes (not with a cache: decode's products write alone)
+        return !cache && x->type == QL_TYPE_F32 && ql_is_contiguous(x) ? down(g, 0, x) : ql_add(ctx, x, down(g, 0));
     }
     // in chunks of c tokens: each chunk's norm, gate, up, SwiGLU and down (and their LoRA) on rows
     // of x, its result added into those rows of the residual (in place along the chain). The norm

@@ -46,6 +46,7 @@
 
 #define QL_CUDA_SHIM 1
 
+#include <cublasLt.h>
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -109,6 +110,7 @@ struct state_t {
     int async_early = 0;                         // asynchronous copies land when issued, not at the wait (QL_SHIM_ASYNC=early)
     std::atomic<long long> async_copies{0};      // __pipeline_memcpy_async calls (qlshim_async_copies)
     int fail_instantiate = 0;                    // the next this many cudaGraphInstantiate calls fail (qlshim_fail_instantiate)
+    int refuse_lt = 0;                           // the next this many cublasLtMatmul calls are refused (qlshim_refuse_lt)
 };
 inline state_t &st() {
     static state_t s;
@@ -180,6 +182,13 @@ extern "C" __attribute__((weak)) int qlshim_set_async_early(int on) {
 }
 // the next n graph instantiations fail with cudaErrorMemoryAllocation (a huge graph on a full card)
 extern "C" __attribute__((weak)) void qlshim_fail_instantiate(int n) { qlshim::st().fail_instantiate = n; }
+// the next n cublasLtMatmul calls return CUBLAS_STATUS_NOT_SUPPORTED (a layout a library refuses);
+// returns how many were left unused
+extern "C" __attribute__((weak)) int qlshim_refuse_lt(int n) {
+    const int left = qlshim::st().refuse_lt;
+    qlshim::st().refuse_lt = n;
+    return left;
+}
 namespace qlshim {
 inline size_t device_bytes_in_use() { return st().in_use; }
 inline size_t device_peak_bytes() { return st().peak; }
@@ -1572,6 +1581,46 @@ inline cudaError_t set_max_dyn_smem(const void *k, int bytes) {
 
 // ---- cuBLAS: a reference GEMM with cuBLAS' column-major semantics and argument checks -----------
 
+namespace qlshim {
+// D = alpha op(A) op(B) + beta C per batch (column-major, f32 sums in k order, rounded once to the
+// output type); C and D of one type, D may be C (cuBLAS) or apart (cuBLASLt); beta 0: C not read
+inline void gemm_ref(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, float al, const void *A, cudaDataType at, long long lda,
+                     long long sA, const void *B, cudaDataType bt, long long ldb, long long sB, float be, const void *C, cudaDataType ct,
+                     long long ldc, long long sC, void *D, long long ldd, long long sD, int batch) {
+    {
+        std::lock_guard<std::mutex> lk(st().mu);
+        st().stream_ops++;
+    }
+    auto ld = [](const void *p, cudaDataType t, long long i) -> float {
+        if (t == CUDA_R_32F) return ((const float *)p)[i];
+        if (t == CUDA_R_16F) return __half2float(((const __half *)p)[i]);
+        return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
+    };
+    const int cs = ct == CUDA_R_32F ? 4 : 2;
+    for (int bi = 0; bi < batch; bi++) {
+        const char *Ab = (const char *)A + bi * sA * (at == CUDA_R_32F ? 4 : 2);
+        const char *Bb = (const char *)B + bi * sB * (bt == CUDA_R_32F ? 4 : 2);
+        const char *Cb = (const char *)C + bi * sC * cs;
+        char *Db = (char *)D + bi * sD * cs;
+        for (int j = 0; j < n; j++)
+            for (int i = 0; i < m; i++) {
+                float acc = 0;
+                for (int p = 0; p < k; p++) {
+                    const float a = ld(Ab, at, ta == CUBLAS_OP_N ? i + (long long)p * lda : p + (long long)i * lda);
+                    const float b = ld(Bb, bt, tb == CUBLAS_OP_N ? p + (long long)j * ldb : j + (long long)p * ldb);
+                    acc += a * b;
+                }
+                float r = al * acc;
+                if (be != 0.0f) r += be * ld(Cb, ct, i + (long long)j * ldc);  // beta 0: C is not read (garbage never leaks)
+                const long long di = i + (long long)j * ldd;
+                if (ct == CUDA_R_32F) ((float *)Db)[di] = r;
+                else if (ct == CUDA_R_16F) ((__half *)Db)[di] = __float2half_rn(r);
+                else ((__nv_bfloat16 *)Db)[di] = __float2bfloat16_rn(r);
+            }
+    }
+}
+}  // namespace qlshim
+
 extern "C" {
 inline cublasStatus_t cublasCreate_v2(cublasHandle_t *h) {
     *h = new cublasContext{nullptr};
@@ -1636,36 +1685,8 @@ inline cublasStatus_t cublasGemmStridedBatchedEx(cublasHandle_t h, cublasOperati
         });
         return CUBLAS_STATUS_SUCCESS;
     }
-    {
-        std::lock_guard<std::mutex> lk(qlshim::st().mu);
-        qlshim::st().stream_ops++;
-    }
-    auto ld = [](const void *p, cudaDataType t, long long i) -> float {
-        if (t == CUDA_R_32F) return ((const float *)p)[i];
-        if (t == CUDA_R_16F) return __half2float(((const __half *)p)[i]);
-        return __bfloat162float(((const __nv_bfloat16 *)p)[i]);
-    };
-    const float al = *(const float *)alpha, be = *(const float *)beta;
-    for (int bi = 0; bi < batch; bi++) {
-        const char *Ab = (const char *)A + bi * sA * (at == CUDA_R_32F ? 4 : 2);
-        const char *Bb = (const char *)B + bi * sB * (bt == CUDA_R_32F ? 4 : 2);
-        char *Cb = (char *)C + bi * sC * (ct == CUDA_R_32F ? 4 : 2);
-        for (int j = 0; j < n; j++)
-            for (int i = 0; i < m; i++) {
-                float acc = 0;
-                for (int p = 0; p < k; p++) {
-                    const float a = ld(Ab, at, ta == CUBLAS_OP_N ? i + (long long)p * lda : p + (long long)i * lda);
-                    const float b = ld(Bb, bt, tb == CUBLAS_OP_N ? p + (long long)j * ldb : j + (long long)p * ldb);
-                    acc += a * b;
-                }
-                const long long ci = i + (long long)j * ldc;
-                float r = al * acc;
-                if (be != 0.0f) r += be * ld(Cb, ct, ci);  // beta 0: C is not read (garbage never leaks)
-                if (ct == CUDA_R_32F) ((float *)Cb)[ci] = r;
-                else if (ct == CUDA_R_16F) ((__half *)Cb)[ci] = __float2half_rn(r);
-                else ((__nv_bfloat16 *)Cb)[ci] = __float2bfloat16_rn(r);
-            }
-    }
+    qlshim::gemm_ref(ta, tb, m, n, k, *(const float *)alpha, A, at, lda, sA, B, bt, ldb, sB, *(const float *)beta, C, ct, ldc, sC, C, ldc,
+                     sC, batch);
     return CUBLAS_STATUS_SUCCESS;
 }
 
@@ -1673,6 +1694,119 @@ inline cublasStatus_t cublasGemmEx(cublasHandle_t h, cublasOperation_t ta, cubla
                                    const void *A, cudaDataType at, int lda, const void *B, cudaDataType bt, int ldb, const void *beta,
                                    void *C, cudaDataType ct, int ldc, cublasComputeType_t comp, cublasGemmAlgo_t algo) {
     return cublasGemmStridedBatchedEx(h, ta, tb, m, n, k, alpha, A, at, lda, 0, B, bt, ldb, 0, beta, C, ct, ldc, 0, 1, comp, algo);
+}
+
+// ---- cuBLASLt: what the backend asks of it (D = alpha op(A) op(B) + beta C with D apart from C:
+// a residual added by the product that writes the sum), on the reference GEMM. The descriptors
+// are the header's opaque structs, initialised in place (no allocation); what is set is kept in
+// their words: a layout's type, rows, cols, ld, batch count and stride; a multiply's compute and
+// scale types and the two transposes
+}  // extern "C"
+struct cublasLtContext {
+    int magic = 0x4c74;
+};
+namespace qlshim {
+enum { LT_TYPE, LT_ROWS, LT_COLS, LT_LD, LT_BATCH, LT_STRIDE, LT_SET };  // a layout's words
+enum { LT_COMPUTE, LT_SCALE, LT_TA, LT_TB, LT_DSET };                      // a multiply's words
+}  // namespace qlshim
+extern "C" {
+inline cublasStatus_t cublasLtCreate(cublasLtHandle_t *h) {
+    if (!h) return CUBLAS_STATUS_INVALID_VALUE;
+    *h = new cublasLtContext();
+    return CUBLAS_STATUS_SUCCESS;
+}
+inline cublasStatus_t cublasLtDestroy(cublasLtHandle_t h) {
+    if (!h || h->magic != 0x4c74) return CUBLAS_STATUS_NOT_INITIALIZED;
+    delete h;
+    return CUBLAS_STATUS_SUCCESS;
+}
+inline cublasStatus_t cublasLtMatrixLayoutInit_internal(cublasLtMatrixLayout_t l, size_t size, cudaDataType type, uint64_t rows,
+                                                         uint64_t cols, int64_t ld) {
+    if (!l || size < sizeof(cublasLtMatrixLayoutOpaque_t)) return CUBLAS_STATUS_INVALID_VALUE;
+    int64_t *w = (int64_t *)l->data;
+    w[qlshim::LT_TYPE] = (int64_t)type, w[qlshim::LT_ROWS] = (int64_t)rows, w[qlshim::LT_COLS] = (int64_t)cols, w[qlshim::LT_LD] = ld;
+    w[qlshim::LT_BATCH] = 1, w[qlshim::LT_STRIDE] = 0, w[qlshim::LT_SET] = 0x4c61;
+    return CUBLAS_STATUS_SUCCESS;
+}
+inline cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t l, cublasLtMatrixLayoutAttribute_t attr, const void *buf,
+                                                        size_t size) {
+    if (!l || !buf || ((int64_t *)l->data)[qlshim::LT_SET] != 0x4c61) return CUBLAS_STATUS_INVALID_VALUE;
+    int64_t *w = (int64_t *)l->data;
+    if (attr == CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT && size == sizeof(int32_t)) w[qlshim::LT_BATCH] = *(const int32_t *)buf;
+    else if (attr == CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET && size == sizeof(int64_t)) w[qlshim::LT_STRIDE] = *(const int64_t *)buf;
+    else return CUBLAS_STATUS_INVALID_VALUE;  // (the backend sets no other)
+    return CUBLAS_STATUS_SUCCESS;
+}
+inline cublasStatus_t cublasLtMatmulDescInit_internal(cublasLtMatmulDesc_t d, size_t size, cublasComputeType_t compute,
+                                                       cudaDataType_t scale) {
+    if (!d || size < sizeof(cublasLtMatmulDescOpaque_t)) return CUBLAS_STATUS_INVALID_VALUE;
+    int64_t *w = (int64_t *)d->data;
+    w[qlshim::LT_COMPUTE] = (int64_t)compute, w[qlshim::LT_SCALE] = (int64_t)scale;
+    w[qlshim::LT_TA] = w[qlshim::LT_TB] = (int64_t)CUBLAS_OP_N, w[qlshim::LT_DSET] = 0x4c64;
+    return CUBLAS_STATUS_SUCCESS;
+}
+inline cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const void *buf,
+                                                      size_t size) {
+    if (!d || !buf || ((int64_t *)d->data)[qlshim::LT_DSET] != 0x4c64) return CUBLAS_STATUS_INVALID_VALUE;
+    int64_t *w = (int64_t *)d->data;
+    if ((attr == CUBLASLT_MATMUL_DESC_TRANSA || attr == CUBLASLT_MATMUL_DESC_TRANSB) && size == sizeof(int32_t))
+        w[attr == CUBLASLT_MATMUL_DESC_TRANSA ? qlshim::LT_TA : qlshim::LT_TB] = *(const int32_t *)buf;
+    else return CUBLAS_STATUS_INVALID_VALUE;
+    return CUBLAS_STATUS_SUCCESS;
+}
+inline cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t desc, const void *alpha, const void *A,
+                                     cublasLtMatrixLayout_t Ad, const void *B, cublasLtMatrixLayout_t Bd, const void *beta, const void *C,
+                                     cublasLtMatrixLayout_t Cd, void *D, cublasLtMatrixLayout_t Dd, const cublasLtMatmulAlgo_t *algo,
+                                     void *workspace, size_t workspace_size, cudaStream_t stream) {
+    (void)algo, (void)workspace, (void)workspace_size;  // (algo NULL: the library's heuristic; the reference has one way)
+    if (!h || h->magic != 0x4c74) return CUBLAS_STATUS_NOT_INITIALIZED;
+    if (!desc || !Ad || !Bd || !Cd || !Dd || !alpha || !beta) return CUBLAS_STATUS_INVALID_VALUE;
+    const int64_t *dw = (const int64_t *)desc->data, *a = (const int64_t *)Ad->data, *b = (const int64_t *)Bd->data,
+                  *c = (const int64_t *)Cd->data, *d = (const int64_t *)Dd->data;
+    using namespace qlshim;
+    if (dw[LT_DSET] != 0x4c64 || a[LT_SET] != 0x4c61 || b[LT_SET] != 0x4c61 || c[LT_SET] != 0x4c61 || d[LT_SET] != 0x4c61)
+        return CUBLAS_STATUS_INVALID_VALUE;
+    const cublasOperation_t ta = (cublasOperation_t)dw[LT_TA], tb = (cublasOperation_t)dw[LT_TB];
+    // D m x n; op(A) m x k, op(B) k x n, as the layouts say (rows and cols before the transpose)
+    const int64_t m = d[LT_ROWS], n = d[LT_COLS], k = ta == CUBLAS_OP_N ? a[LT_COLS] : a[LT_ROWS];
+    const int batch = (int)d[LT_BATCH];
+    const bool shapes = (ta == CUBLAS_OP_N ? a[LT_ROWS] : a[LT_COLS]) == m && (tb == CUBLAS_OP_N ? b[LT_ROWS] : b[LT_COLS]) == k &&
+                        (tb == CUBLAS_OP_N ? b[LT_COLS] : b[LT_ROWS]) == n && c[LT_ROWS] == m && c[LT_COLS] == n &&
+                        a[LT_LD] >= std::max<int64_t>(1, a[LT_ROWS]) && b[LT_LD] >= std::max<int64_t>(1, b[LT_ROWS]) &&
+                        c[LT_LD] >= std::max<int64_t>(1, m) && d[LT_LD] >= std::max<int64_t>(1, m) && a[LT_BATCH] == batch &&
+                        b[LT_BATCH] == batch && c[LT_BATCH] == batch && batch >= 1 && (ta == CUBLAS_OP_N || ta == CUBLAS_OP_T) &&
+                        (tb == CUBLAS_OP_N || tb == CUBLAS_OP_T);
+    if (!shapes) return CUBLAS_STATUS_INVALID_VALUE;
+    {
+        std::lock_guard<std::mutex> lk(st().mu);
+        if (st().refuse_lt > 0) {
+            st().refuse_lt--;
+            return CUBLAS_STATUS_NOT_SUPPORTED;
+        }
+    }
+    const cudaDataType at = (cudaDataType)a[LT_TYPE], bt = (cudaDataType)b[LT_TYPE], ct = (cudaDataType)c[LT_TYPE];
+    const bool f32 = at == CUDA_R_32F && bt == CUDA_R_32F && ct == CUDA_R_32F;
+    const bool h16 = at == bt && (at == CUDA_R_16F || at == CUDA_R_16BF) && (ct == CUDA_R_32F || ct == at);
+    if (!(f32 || h16) || (cudaDataType)d[LT_TYPE] != ct || dw[LT_COMPUTE] != CUBLAS_COMPUTE_32F || dw[LT_SCALE] != CUDA_R_32F)
+        return CUBLAS_STATUS_NOT_SUPPORTED;
+    if (at == CUDA_R_16BF && st().cc_major < 8) return CUBLAS_STATUS_ARCH_MISMATCH;
+    // C and D apart, or D in place over C: a D that only partly overlaps C is an error
+    const size_t es = ct == CUDA_R_32F ? 4 : 2;
+    const char *c0 = (const char *)C, *d0 = (const char *)D;
+    const size_t cspan = (size_t)((batch - 1) * c[LT_STRIDE] + (n - 1) * c[LT_LD] + m) * es,
+                 dspan = (size_t)((batch - 1) * d[LT_STRIDE] + (n - 1) * d[LT_LD] + m) * es;
+    if (c0 != d0 && c0 < d0 + dspan && d0 < c0 + cspan) return CUBLAS_STATUS_INVALID_VALUE;
+    const float al = *(const float *)alpha, be = *(const float *)beta;
+    const int64_t lda = a[LT_LD], ldb = b[LT_LD], ldc = c[LT_LD], ldd = d[LT_LD], sA = a[LT_STRIDE], sB = b[LT_STRIDE],
+                  sC = c[LT_STRIDE], sD = d[LT_STRIDE];
+    auto run = [=] { gemm_ref(ta, tb, (int)m, (int)n, (int)k, al, A, at, lda, sA, B, bt, ldb, sB, be, C, ct, ldc, sC, D, ldd, sD, batch); };
+    if (capturing(stream)) {
+        capture_record(stream, run);
+        return CUBLAS_STATUS_SUCCESS;
+    }
+    flush_stream(stream);  // in order behind its stream's copies
+    run();
+    return CUBLAS_STATUS_SUCCESS;
 }
 }  // extern "C"
 

@@ -297,6 +297,16 @@ OP_CASE(mul_mat_float) {
     check_case(be, "mul_mat_acc onto an op's result", [](leafs &L) {
         return ql_mul_mat_acc(L.ctx, L.param({16, 40}), L.param({16, 9}), ql_scale(L.ctx, L.param({40, 9}), 0.5f));
     }, TOL_MM);
+    for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16})  // K over several of the CPU's K blocks, in place over c
+        check_case(be, "mul_mat_acc onto an op's result, long K", [t](leafs &L) {
+            ql_tensor *x = L.param({1000, 9});
+            return ql_mul_mat_acc(L.ctx, L.param({1000, 40}), t == QL_TYPE_F32 ? x : ql_cast(L.ctx, x, t), ql_scale(L.ctx, L.param({40, 9}), 0.5f));
+        }, t == QL_TYPE_F32 ? TOL_MM : TOL_16);
+    for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16})  // ... and onto a c that lives on (a leaf)
+        check_case(be, "mul_mat_acc onto a leaf, long K", [t](leafs &L) {
+            ql_tensor *x = L.param({1000, 9});
+            return ql_mul_mat_acc(L.ctx, L.param({1000, 40}), t == QL_TYPE_F32 ? x : ql_cast(L.ctx, x, t), L.param({40, 9}));
+        }, t == QL_TYPE_F32 ? TOL_MM : TOL_16);
     check_case(be, "mul_mat_acc onto a leaf, batched", [](leafs &L) {
         return ql_mul_mat_acc(L.ctx, L.param({24, 10}), L.param({24, 7, 3}), L.param({10, 7, 3}));
     }, TOL_MM);
@@ -549,6 +559,14 @@ OP_CASE(mul_mat_tiles) {
                 return ql_mul_mat(L.ctx, ql_transpose(L.ctx, L.rand(tt.t, {tt.ne0, rows})), L.param({rows, 5}));
             }, TOL_MM, false);  // forward only: W x's backward above is this product already
             if (rows != k_tile_rows[0]) continue;
+            // onto a c that lives on (the residual under the o and down projections): each tile's
+            // GEMM reads its rows of c and writes the sum apart (cuBLASLt's C != D), f32 and bf16 b
+            for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16})
+                check_case(be, "W x onto a kept c", [&](leafs &L) {
+                    ql_tensor *x = L.param({tt.ne0, 6});
+                    return ql_mul_mat_acc(L.ctx, L.rand(tt.t, {tt.ne0, rows}), t == QL_TYPE_F32 ? x : ql_cast(L.ctx, x, t),
+                                          L.param({rows, 6}));
+                }, t == QL_TYPE_F32 ? TOL_MM : TOL_16);
             for (ql_type t : {QL_TYPE_BF16, QL_TYPE_F16}) {
                 INFO("compute " << std::string(ql_type_name(t)));
                 check_case(be, "W x, 16-bit b", [&](leafs &L) {

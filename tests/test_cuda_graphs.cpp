@@ -196,6 +196,24 @@ TEST_CASE("cuda graphs: a capture the device refuses runs node by node: the same
             refused.counts.eager);
 }
 
+// The residual products read their addend where it lives (cuBLASLt's C != D). Where the library
+// refuses that, the backend copies the addend first and says so: the same bits (the shim's GEMMs
+// are one reference either way), and every later such product takes the copy too
+extern "C" int qlshim_refuse_lt(int n) __attribute__((weak));
+TEST_CASE("cuda: a C != D product cuBLASLt refuses is made by a copy and cuBLAS: the same bits" *
+          skip_unless(k_cuda && qlshim_refuse_lt != nullptr, "without the CUDA shim's hooks")) {
+    tmpdir d;
+    const std::string path = graphs_model(d);
+    const std::vector<ql_sequence> seqs = sequences(8, 6, 61);
+    ql_train_options o = options();
+    o.max_steps = 3;
+    const run_result lt = train(path, seqs, o, false);
+    qlshim_refuse_lt(1);
+    const run_result refused = train(path, seqs, o, false);
+    CHECK(qlshim_refuse_lt(0) == 0);  // the refusal was met
+    check_same_bits(refused, lt);
+}
+
 // --profile times nodes by events around each (no wait per node): the run stays eager, its
 // results are the unprofiled run's bits, and every multiply got a time
 TEST_CASE("cuda graphs: a profiled run is eager, gives the same bits, and times every multiply" * skip_unless(k_cuda, "without a CUDA device")) {
