@@ -38,7 +38,8 @@
 // groups; WMMA (nvcuda::wmma fragments, fill / load / store / mma_sync, called unqualified as
 // `wmma::load_matrix_sync` through `using namespace nvcuda`) with the shim's own fragment layout; 16-bit values only converted (CUDA's own cuda_fp16.h / cuda_bf16.h do that
 // bit-exactly on the host). Types and declarations come from CUDA's headers, so the backend
-// compiles against the real signatures; the definitions below replace the runtime and cuBLAS.
+// compiles against the real signatures; the definitions below replace the runtime, cuBLAS and
+// the cuBLASLt calls the backend makes.
 //
 // Limitations: memory-ordering races between blocks are not detected (blocks on one worker run
 // in sequence); atomics are real atomics; cuBLAS is a plain reference GEMM (f32 sums in k order).
