@@ -5143,12 +5143,16 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
         if (ex.profile && !c.failed && cudaEventRecord(cb->prof_events[(size_t)(2 * i)], c.stream) != cudaSuccess) c.failed = true;
         // a rotation and the next node's by one launch (q's and k's: ql_cuda_rope_pair), unless the
         // next waits for a copy, is timed or checked apart, or its result lies over this one's source
+        // (a wait may sit on a view between them: the first reader of a copy)
         int j = i + 1;
-        while (j < ex.last && cu_noop(ql_graph_node(g, j))) j++;
+        bool waits = false;
+        for (; j < ex.last && cu_noop(ql_graph_node(g, j)); j++) waits = waits || !sch.wait_before[(size_t)j].empty();
         ql_tensor *next = j < ex.last ? ql_graph_node(g, j) : nullptr;
-        if (next && !ex.profile && !ex.check_finite && sch.slot[(size_t)j] < 0 && sch.wait_before[(size_t)j].empty() &&
+        if (next && !ex.profile && !ex.check_finite && !waits && sch.slot[(size_t)j] < 0 && sch.wait_before[(size_t)j].empty() &&
             ql_cuda_rope_pair(node, next) && !cu_over(node->src[0], next)) {
             cu_op_rope(c, node, node->op == QL_OP_ROPE_BACK, next);
+            cu_q8_after(c, node);  // (as cu_run_node: decode's 8-bit activations dropped where written over)
+            cu_q8_after(c, next);
             made = j;
         } else {
             cu_run_node(c, node);

@@ -245,7 +245,7 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
         pre_norm(ctx, m, x, L.ffn_norm, {L.w_gate, L.w_up}, &h, &hc);  // one for gate and up
         ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, h, hc, 0, ff), linear_c(ctx, m, L.w_up, h, hc, 0, ff));  // [n_ff, T, B]
         // the residual added by the down projection as it writes (not with a cache: decode's products write alone)
-        return !cache && x->type == QL_TYPE_F32 && ql_is_contiguous(x) ? down(g, 0, x) : ql_add(ctx, x, down(g, 0));
+        return x && !cache && x->type == QL_TYPE_F32 && ql_is_contiguous(x) ? down(g, 0, x) : ql_add(ctx, x, down(g, 0));
     }
     // in chunks of c tokens: each chunk's norm, gate, up, SwiGLU and down (and their LoRA) on rows
     // of x, its result added into those rows of the residual (in place along the chain). The norm
