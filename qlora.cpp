@@ -4147,7 +4147,7 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
     std::unordered_map<const ql_tensor *, const ql_plan_entry *> entry_of;
     for (size_t i = 0; i < g->entries.size(); i++) entry_of[g->entry_tensor[i]] = &g->entries[i];
     auto over = [&](const ql_tensor *x, const ql_tensor *y) {
-        while (x->view_src) x = x->view_src;
+        x = view_root(const_cast<ql_tensor *>(x));
         auto ex = entry_of.find(x), ey = entry_of.find(y);
         if (ex == entry_of.end() || ey == entry_of.end() || ex->second->host || ey->second->host) return false;
         return ex->second->offset < ey->second->offset + ey->second->size && ey->second->offset < ex->second->offset + ex->second->size;
@@ -9490,9 +9490,7 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
 }
 bool ql_cuda_rope_pair(const ql_tensor *a, const ql_tensor *b) {
     if (!a || !b || a->op != b->op || (a->op != QL_OP_ROPE && a->op != QL_OP_ROPE_BACK)) return false;
-    const ql_tensor *x = a->src[0], *y = b->src[0];
-    const ql_tensor *yr = y;
-    while (yr->view_src) yr = yr->view_src;
+    const ql_tensor *x = a->src[0], *y = b->src[0], *yr = view_root(b->src[0]);
     return a->src[1] == b->src[1] && a->src[2] == b->src[2] && !memcmp(a->op_params, b->op_params, 3 * sizeof(int32_t)) &&
            a->op_params[0] == x->ne[0] && b->op_params[0] == y->ne[0] && x->ne[2] == y->ne[2] && x->ne[3] == y->ne[3] && yr != a &&
            ql_is_contiguous(a) && ql_is_contiguous(b);
