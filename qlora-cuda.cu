@@ -644,6 +644,15 @@ static void cu_gemm(cu_ctx &c, ql_type ab_type, const cu_operand &A, int64_t sA,
     cu_gemm_to(c, ab_type, A, sA, B, sB, C, QL_TYPE_F32, ldc, sC, M, N, K, batch, beta, alpha);
 }
 
+// part of a batched result: rows (bytes each) of a column-major matrix, cols of them ld bytes
+// apart, batch matrices stride bytes apart - from src into dst at the same offsets
+static void cu_copy_part(cu_ctx &c, char *dst, const char *src, int64_t row_bytes, int64_t ld, int64_t cols, int batch,
+                         int64_t stride) {
+    for (int i = 0; i < batch && !c.failed; i++)
+        CU_CHECK(c, cudaMemcpy2DAsync(dst + i * stride, (size_t)ld, src + i * stride, (size_t)ld, (size_t)row_bytes, (size_t)cols,
+                                      cudaMemcpyDeviceToDevice, c.stream));
+}
+
 // the workspace rules (which operands cuBLAS reads in place, tile sizes) are qlora.cpp's
 // ql_cuda_* functions: a device plan computes them without CUDA
 
@@ -1851,6 +1860,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
         CU_CHECK(c, cudaMemcpyAsync(C, cin, ql_nbytes(node), cudaMemcpyDeviceToDevice, c.stream));
         cin = nullptr;
     }
+    const char *cin_parts = nullptr;  // c, copied a GEMM's part at a time (cuBLASLt refused after the first GEMM)
     const float beta0 = acc && !acc16 ? 1.0f : 0.0f;  // the GEMMs' beta over C
     const float alpha = ql_mul_mat_alpha(node);      // ql_mul_mat_scaled_to: the epilogue's (f32, before rounding)
 
@@ -1951,15 +1961,20 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
             const int64_t i3 = ia3 * r3 + j3;
             const cu_operand B = cu_as_operand(bp + ia2 * r2 * bnb2 + i3 * bnb3, es, bnb0, bnb1, K, N, false);
             const int64_t off = ((i3 * B2 + ia2 * r2) * sC + m0) * cs;
+            // a refusal after the node's first GEMM (cuBLASLt's heuristics may take one tile's shape and
+            // not the next): the earlier GEMMs' parts of C are made, so from here on each GEMM copies
+            // its own part of c (mt of M rows, N columns, r2 batches) and adds to it by cuBLAS
+            if (cin_parts) cu_copy_part(c, C + off, cin_parts + off, mt * cs, M * cs, N, (int)r2, sC * cs);
             if (!cu_gemm_to(c, ct, A, 0, B, bnb2 / (int64_t)es, C + off, rt, M, sC, mt, N, K, (int)r2, beta0, alpha, cin ? cin + off : nullptr) &&
                 !c.failed) {
-                if (t > 0 || j3 > 0) {  // (the first GEMM of the node: nothing of C is written yet)
-                    cu_fail(c, __FILE__, __LINE__, "cublasLtMatmul", "refused a product it took before");
-                    return;
-                }
                 fprintf(stderr, "qlora: cuda: cuBLASLt refused a product with C != D: each such product copies its addend first\n");
                 cu_lt_ok(c) = false;
-                CU_CHECK(c, cudaMemcpyAsync(C, cin, ql_nbytes(node), cudaMemcpyDeviceToDevice, c.stream));
+                if (t == 0 && j3 == 0) {  // nothing of C written yet: c whole, once
+                    CU_CHECK(c, cudaMemcpyAsync(C, cin, ql_nbytes(node), cudaMemcpyDeviceToDevice, c.stream));
+                } else {
+                    cin_parts = cin;
+                    cu_copy_part(c, C + off, cin_parts + off, mt * cs, M * cs, N, (int)r2, sC * cs);
+                }
                 cin = nullptr;
                 if (!cu_gemm_to(c, ct, A, 0, B, bnb2 / (int64_t)es, C + off, rt, M, sC, mt, N, K, (int)r2, beta0, alpha)) return;
             }

@@ -112,6 +112,7 @@ struct state_t {
     std::atomic<long long> async_copies{0};      // __pipeline_memcpy_async calls (qlshim_async_copies)
     int fail_instantiate = 0;                    // the next this many cudaGraphInstantiate calls fail (qlshim_fail_instantiate)
     int refuse_lt = 0;                           // the next this many cublasLtMatmul calls are refused (qlshim_refuse_lt)
+    int refuse_lt_skip = 0;                      // after this many are taken (qlshim_refuse_lt_after)
 };
 inline state_t &st() {
     static state_t s;
@@ -188,6 +189,14 @@ extern "C" __attribute__((weak)) void qlshim_fail_instantiate(int n) { qlshim::s
 extern "C" __attribute__((weak)) int qlshim_refuse_lt(int n) {
     const int left = qlshim::st().refuse_lt;
     qlshim::st().refuse_lt = n;
+    qlshim::st().refuse_lt_skip = 0;
+    return left;
+}
+// the same, the first `skip` calls taken before the refusals start (a refusal inside a node)
+extern "C" __attribute__((weak)) int qlshim_refuse_lt_after(int skip, int n) {
+    const int left = qlshim::st().refuse_lt;
+    qlshim::st().refuse_lt = n;
+    qlshim::st().refuse_lt_skip = skip;
     return left;
 }
 namespace qlshim {
@@ -1292,6 +1301,20 @@ inline cudaError_t cudaMemcpyAsync(void *dst, const void *src, size_t n, cudaMem
     qlshim::st().stream_ops++;
     return cudaSuccess;
 }
+// rows of width bytes, height of them, pitches apart: the real call refuses a width over either pitch
+inline cudaError_t cudaMemcpy2DAsync(void *dst, size_t dpitch, const void *src, size_t spitch, size_t width, size_t height,
+                                     cudaMemcpyKind k, cudaStream_t s) {
+    if (width > dpitch || width > spitch) return cudaErrorInvalidPitchValue;
+    if (qlshim::capturing(s)) {
+        qlshim::capture_record(s, [=] { cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, k, s); });
+        return cudaSuccess;
+    }
+    for (size_t r = 0; r < height; r++) {
+        const cudaError_t e = cudaMemcpyAsync((char *)dst + r * dpitch, (const char *)src + r * spitch, width, k, s);
+        if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+}
 // Peer copies: every shim device's memory is the host's, so the copy is a memmove on the stream;
 // the devices named must exist, and any pair can access each other
 inline cudaError_t cudaDeviceCanAccessPeer(int *can, int d, int peer) {
@@ -1780,7 +1803,9 @@ inline cublasStatus_t cublasLtMatmul(cublasLtHandle_t h, cublasLtMatmulDesc_t de
     if (!shapes) return CUBLAS_STATUS_INVALID_VALUE;
     {
         std::lock_guard<std::mutex> lk(st().mu);
-        if (st().refuse_lt > 0) {
+        if (st().refuse_lt > 0 && st().refuse_lt_skip > 0) {
+            st().refuse_lt_skip--;
+        } else if (st().refuse_lt > 0) {
             st().refuse_lt--;
             return CUBLAS_STATUS_NOT_SUPPORTED;
         }

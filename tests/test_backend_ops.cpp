@@ -582,6 +582,42 @@ OP_CASE(mul_mat_tiles) {
     }
 }
 
+// cuBLASLt refusing a C != D product after it took the node's first tile (its heuristics may
+// take one shape and not the next): the tiles made stay, each later one copies its own rows of c
+// and adds to them by cuBLAS - the bits of the run it never refused (the shim's GEMMs are one
+// reference either way), and the CPU's within the products' bound
+extern "C" int qlshim_refuse_lt_after(int skip, int n) __attribute__((weak));
+TEST_CASE("backend ops cuda: W x onto a kept c, cuBLASLt refusing after the first tile: the same bits" *
+          skip_unless(k_have_cuda && qlshim_refuse_lt_after != nullptr, "without the CUDA shim's hooks")) {
+    const tile_type tt = k_tile_types[0];
+    const int64_t rows = k_tile_rows[0];  // 3 tiles of 128 rows
+    tile_budget tb(budget_for(128, tt, rows));
+    const builder build = [&](leafs &L) {
+        ql_tensor *x = L.param({tt.ne0, 6});
+        return ql_mul_mat_acc(L.ctx, L.rand(tt.t, {tt.ne0, rows}), ql_cast(L.ctx, x, QL_TYPE_BF16), L.param({rows, 6}));
+    };
+    auto run = [&](int skip) {  // a fresh backend each: a refusal is remembered by the backend
+        ql_backend *be = make_backend("cuda");
+        if (skip >= 0) qlshim_refuse_lt_after(skip, 1);
+        const run_result r = run_case(be, false, build, false);
+        CHECK(qlshim_refuse_lt_after(0, 0) == 0);  // the refusal was met (or none was asked)
+        ql_backend_free(be);
+        REQUIRE_MESSAGE(r.error.empty(), r.error);
+        return r;
+    };
+    const run_result taken = run(-1);
+    ql_backend *cpu = ql_backend_cpu_init(1);
+    const run_result ref = run_case(cpu, true, build, false);
+    ql_backend_free(cpu);
+    CHECK(norm_err(taken.out, ref.out) <= TOL_16);
+    for (int skip : {1, 2}) {  // refused at the second tile's GEMM, at the third's
+        INFO("cuBLASLt takes " << skip << " GEMMs, then refuses");
+        const run_result refused = run(skip);
+        REQUIRE(refused.out.size() == taken.out.size());
+        CHECK(memcmp(refused.out.data(), taken.out.data(), taken.out.size() * sizeof(float)) == 0);
+    }
+}
+
 OP_CASE(get_rows) {
     auto ids = [](leafs &L) { return L.i32({11}, [](int64_t i) { return (int32_t)((i * 7 + 3) % 13); }); };
     check_case(be, "f32, backward", [ids](leafs &L) { return ql_get_rows(L.ctx, L.param({40, 13}), ids(L)); }, TOL_F32);
