@@ -2467,7 +2467,8 @@ static void cu_op_get_rows_back(cu_ctx &c, ql_tensor *node) {
 
 // w: NULL, or [ne0] (ql_rms_norm_mul): the normed element rounded to f32, then times w (ql_mul's
 // product); d in d_type: f32, or 16-bit (ql_rms_norm_mul_to: that f32 value rounded once on store)
-__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm(cu_t a, const float *w, char *d, int d_type, float eps) {
+// d16: NULL, or an f32 d's cast to d16_type written too (ql_cuda_norm_cast_pair: the cast node's bits)
+__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm(cu_t a, const float *w, char *d, int d_type, float eps, char *d16, int d16_type) {
     __shared__ float sh[32];
     const int64_t ne0 = a.ne[0], r = blockIdx.x;
     const float *x = (const float *)cu_row(a, r);
@@ -2475,24 +2476,29 @@ __global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm(cu_t a, const float *
     for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) s += x[i] * x[i];
     const float rs = 1.0f / sqrtf(cu_block_sum(s, sh) / (float)ne0 + eps);
     for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) {
-        const float y = x[i] * rs;
-        cu_st(d + (r * ne0 + i) * (d_type == QL_TYPE_F32 ? 4 : 2), d_type, w ? __fmul_rn(y, w[i]) : y);
+        const float y = x[i] * rs, v = w ? __fmul_rn(y, w[i]) : y;
+        cu_st(d + (r * ne0 + i) * (d_type == QL_TYPE_F32 ? 4 : 2), d_type, v);
+        if (d16) cu_st(d16 + (r * ne0 + i) * 2, d16_type, v);
     }
 }
-static void cu_op_rms_norm(cu_ctx &c, ql_tensor *node) {
+// cast: NULL, or the next node, the result's cast to 16 bits, made by the same launch (ql_cuda_norm_cast_pair)
+static void cu_op_rms_norm(cu_ctx &c, ql_tensor *node, ql_tensor *cast = nullptr) {
     // limitation: one block per row; rows beyond the grid's 2^31 - 1 do not occur in these graphs
     const ql_tensor *w = node->src[1];
     CU_ASSERT(is_float_type_cu(node->type) && ql_is_contiguous(node));
+    CU_ASSERT(!cast || ql_cuda_norm_cast_pair(node, cast));
     QL_LAUNCH(k_rms_norm, (unsigned)cu_nrows(node), CU_ROW_BLOCK, 0, c.stream, cu_of(node->src[0]), w ? (const float *)w->data : nullptr,
-              (char *)node->data, (int)node->type, cu_param<float>(node, 0));
+              (char *)node->data, (int)node->type, cu_param<float>(node, 0), cast ? (char *)cast->data : nullptr, cast ? (int)cast->type : 0);
     CU_LAUNCHED(c);
 }
 
 // y = x r, r = (mean(x^2) + eps)^-1/2  =>  dx = r dy - r^3/n (dy . x) x
 // w: NULL, or the forward's weight (ql_rms_norm_mul): the norm's dy is dy * w, rounded to f32 as
 // ql_mul's product (__fmul_rn: never contracted into a sum), made where dy is read. acc: NULL, or the
-// gradient so far (contiguous): d = acc + dx as ql_add sums (__fadd_rn: dx rounded first)
-__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm_back(cu_t a, cu_t dy, const float *w, const float *acc, float *d, float eps) {
+// gradient so far (contiguous): d = acc + dx as ql_add sums (__fadd_rn: dx rounded first). d16:
+// NULL, or d's cast to d16_type written too (ql_cuda_norm_cast_pair: the cast node's bits, no launch)
+__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm_back(cu_t a, cu_t dy, const float *w, const float *acc, float *d, float eps,
+                                                              char *d16, int d16_type) {
     __shared__ float sh[32];
     const int64_t ne0 = a.ne[0], r = blockIdx.x;
     const float *x = (const float *)cu_row(a, r), *g = (const float *)cu_row(dy, r);
@@ -2508,13 +2514,18 @@ __global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm_back(cu_t a, cu_t dy,
     for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) {
         const float gi = w ? __fmul_rn(g[i], w[i]) : g[i];  // (g may be d: this thread's own element, read before it is written)
         const float dx = rs * gi + k * x[i];
-        d[r * ne0 + i] = acc ? __fadd_rn(acc[r * ne0 + i], dx) : dx;
+        const float v = acc ? __fadd_rn(acc[r * ne0 + i], dx) : dx;
+        d[r * ne0 + i] = v;
+        if (d16) cu_st(d16 + (r * ne0 + i) * 2, d16_type, v);
     }
 }
-static void cu_op_rms_norm_back(cu_ctx &c, ql_tensor *node) {
+// cast: NULL, or the next node, the result's cast to 16 bits, made by the same launch (ql_cuda_norm_cast_pair)
+static void cu_op_rms_norm_back(cu_ctx &c, ql_tensor *node, ql_tensor *cast = nullptr) {
     const ql_tensor *w = node->src[2], *acc = node->src[3];
+    CU_ASSERT(!cast || (ql_cuda_norm_cast_pair(node, cast) && ql_is_contiguous(node)));
     QL_LAUNCH(k_rms_norm_back, (unsigned)cu_nrows(node), CU_ROW_BLOCK, 0, c.stream, cu_of(node->src[0]), cu_of(node->src[1]),
-              w ? (const float *)w->data : nullptr, acc ? (const float *)acc->data : nullptr, (float *)node->data, cu_param<float>(node, 0));
+              w ? (const float *)w->data : nullptr, acc ? (const float *)acc->data : nullptr, (float *)node->data, cu_param<float>(node, 0),
+              cast ? (char *)cast->data : nullptr, cast ? (int)cast->type : 0);
     CU_LAUNCHED(c);
 }
 
@@ -5094,6 +5105,9 @@ static void cu_copy_schedule(const ql_graph *g, cu_schedule *sch) {
     }
 }
 
+static std::atomic<int64_t> cu_pairs_made{0};  // nodes made by the launch of the one before (tests)
+int64_t ql_cuda_pairs_made_for_tests() { return cu_pairs_made.load(); }
+
 static bool cu_noop(const ql_tensor *n) {
     return n->op == QL_OP_NONE || n->op == QL_OP_VIEW || n->op == QL_OP_RESHAPE || n->op == QL_OP_PERMUTE || n->op == QL_OP_TRANSPOSE ||
            n->op == QL_OP_WITH_GRAD;
@@ -5103,6 +5117,14 @@ static bool cu_over(const ql_tensor *x, const ql_tensor *y) {
     while (x->view_src) x = x->view_src;
     const char *xb = (const char *)x->data, *yb = (const char *)y->data;
     return xb < yb + ql_nbytes(y) && yb < xb + ql_nbytes(x);
+}
+// ... over a's result or any of a's sources (ql_cuda_launch_pair's second node b: its launch reads
+// them while it writes b)
+static bool cu_over_any(const ql_tensor *a, const ql_tensor *b) {
+    if (cu_over(a, b)) return true;
+    for (const ql_tensor *sr : a->src)
+        if (sr && cu_over(sr, b)) return true;
+    return false;
 }
 
 // The nodes of g queued on the streams, in order; offload's copies on the copy stream, joined
@@ -5156,16 +5178,20 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
         }
         if (c.failed || cu_noop(node) || i == made) continue;
         if (ex.profile && !c.failed && cudaEventRecord(cb->prof_events[(size_t)(2 * i)], c.stream) != cudaSuccess) c.failed = true;
-        // a rotation and the next node's by one launch (q's and k's: ql_cuda_rope_pair), unless the
-        // next waits for a copy, is timed or checked apart, or its result lies over this one's source
-        // (a wait may sit on a view between them: the first reader of a copy)
+        // a node and the next by one launch (ql_cuda_launch_pair: q's and k's rotations; a norm's
+        // backward and its cast), unless the next waits for a copy, is timed or checked apart, or its
+        // result lies over this one's or a source of it (a wait may sit on a view between them: the
+        // first reader of a copy)
         int j = i + 1;
         bool waits = false;
         for (; j < ex.last && cu_noop(ql_graph_node(g, j)); j++) waits = waits || !sch.wait_before[(size_t)j].empty();
         ql_tensor *next = j < ex.last ? ql_graph_node(g, j) : nullptr;
         if (next && !ex.profile && !ex.check_finite && !waits && sch.slot[(size_t)j] < 0 && sch.wait_before[(size_t)j].empty() &&
-            ql_cuda_rope_pair(node, next) && !cu_over(node->src[0], next)) {
-            cu_op_rope(c, node, node->op == QL_OP_ROPE_BACK, next);
+            ql_cuda_launch_pair(node, next) && !cu_over_any(node, next)) {
+            cu_pairs_made++;
+            if (node->op == QL_OP_RMS_NORM_BACK) cu_op_rms_norm_back(c, node, next);
+            else if (node->op == QL_OP_RMS_NORM) cu_op_rms_norm(c, node, next);
+            else cu_op_rope(c, node, node->op == QL_OP_ROPE_BACK, next);
             cu_q8_after(c, node);  // (as cu_run_node: decode's 8-bit activations dropped where written over)
             cu_q8_after(c, next);
             made = j;

@@ -2872,7 +2872,12 @@ struct grad_builder {
     // contributions into the f32 tensor's gradient directly: the normed input's copy that q, k and
     // v multiply, beside the f32 input their adapters' dropout reads - one sum, not two and an add.
     // The same math, summed in another order (QLORA_CAST_GRAD=0: apart, to compare)
+    // An identity reshape (the normed input placed after its copy, ql_reshape_4d_after: graph order
+    // only) has its source's gradient: its readers' contributions are summed there directly too.
     ql_tensor *target(ql_tensor *src) const {
+        while (src && src->op == QL_OP_RESHAPE && ql_same_shape(src, src->src[0]) && ql_is_contiguous(src->src[0]) &&
+               wants(src->src[0]))
+            src = src->src[0];
         if (!g_cast_grad_into || !src || src->op != QL_OP_CONT || src->type == QL_TYPE_F32) return src;
         ql_tensor *x = src->src[0];
         return x->type == QL_TYPE_F32 && !x->view_src && ql_is_contiguous(x) && ql_same_shape(x, src) && wants(x) ? x : src;
@@ -3998,6 +4003,23 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
     }
     for (size_t e = 0; e < keep.size(); e++)
         if (keep[e]) g->entries[e].last = n;
+    // a device makes two neighbours by one launch (ql_cuda_launch_pair) only where the second's
+    // bytes are not the first's sources': those are held until the second is made (not where the
+    // first took one over in place: that block is the first's result, alive past the second)
+    std::vector<int> hold(g->entries.size(), -1);
+    ql_backend_caps caps;
+    if (ql_backend_get_caps(be, &caps) == QL_OK && !caps.host) {
+        ql_tensor *prev = nullptr;
+        for (int i = 0; i < n; i++) {
+            ql_tensor *node = g->nodes[(size_t)i];
+            if (is_noop(node->op)) continue;
+            if (ql_cuda_launch_pair(prev, node))
+                for (ql_tensor *sr : prev->src)
+                    if (sr && entry_of(sr) >= 0) hold[(size_t)entry_of(sr)] = i;
+            prev = node;
+        }
+    }
+    std::vector<std::vector<int>> held_until((size_t)n);  // blocks released after node i, held there (hold)
 
     block_allocator alloc, host_back;  // (host_back: backward's host copies, after the forward's)
     size_t host_top = 0;
@@ -4050,10 +4072,16 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
         for (ql_tensor *s : node->src)
             if (s) dying.push_back(entry_of(s));
         if (own != idx.end()) dying.push_back(own->second);
+        for (int e : held_until[(size_t)i]) dying.push_back(e);
         std::sort(dying.begin(), dying.end());
         dying.erase(std::unique(dying.begin(), dying.end()), dying.end());
         for (int e : dying) {
-            if (e < 0 || moved[(size_t)e] || g->entries[(size_t)e].last != i) continue;
+            if (e < 0 || moved[(size_t)e]) continue;
+            if (g->entries[(size_t)e].last != i && hold[(size_t)e] != i) continue;
+            if (g->entries[(size_t)e].last == i && hold[(size_t)e] > i) {
+                held_until[(size_t)hold[(size_t)e]].push_back(e);
+                continue;
+            }
             if (g->entries[(size_t)e].host) {
                 if (g->entries[(size_t)e].first >= nf_plan) host_back.release(g->entries[(size_t)e].offset, g->entries[(size_t)e].size);
                 continue;
@@ -4063,6 +4091,8 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
         }
     }
 
+    for (size_t e = 0; e < g->entries.size(); e++)  // a held block lives to the pair's second node
+        if (!moved[e] && hold[e] > g->entries[e].last) g->entries[e].last = hold[e];
     for (ql_plan_entry &e : g->entries)  // backward's host copies after the forward's
         if (e.host && e.first >= nf_plan) e.offset += host_top;
     host_top += host_back.top;
@@ -4143,7 +4173,8 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
         if (g->entries[i].inplace) inplace.insert(g->entry_tensor[i]);
     static const int dump = getenv("QLORA_CENSUS_DUMP") ? atoi(getenv("QLORA_CENSUS_DUMP")) : 0;  // debug: 1 per op, 2 per node
     std::map<std::string, std::pair<int64_t, int64_t>> by_op;
-    // two rotations by one launch (ql_cuda_rope_pair), unless b's planned bytes lie over a's source's
+    // two nodes by one launch (ql_cuda_launch_pair), unless b's planned bytes lie over a's result or
+    // a source of a's
     std::unordered_map<const ql_tensor *, const ql_plan_entry *> entry_of;
     for (size_t i = 0; i < g->entries.size(); i++) entry_of[g->entry_tensor[i]] = &g->entries[i];
     auto over = [&](const ql_tensor *x, const ql_tensor *y) {
@@ -4152,13 +4183,20 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
         if (ex == entry_of.end() || ey == entry_of.end() || ex->second->host || ey->second->host) return false;
         return ex->second->offset < ey->second->offset + ey->second->size && ey->second->offset < ex->second->offset + ex->second->size;
     };
+    auto over_any = [&](const ql_tensor *a, const ql_tensor *b) {
+        if (over(a, b)) return true;
+        for (const ql_tensor *sr : a->src)
+            if (sr && over(sr, b)) return true;
+        return false;
+    };
     const ql_tensor *prev = nullptr;  // the node before (no-op nodes skipped), unless its launch made it
     for (const ql_tensor *node : g->nodes) {
         if (is_noop(node->op)) continue;
         ql_tensor mm;  // a product into rows: its FLOPs and bytes those of the product
         const ql_tensor *n = node->op == QL_OP_MUL_MAT_ROWS ? (ql_mul_mat_rows_product(node, &mm), &mm) : node;
         c->nodes++;
-        const bool paired = !caps.host && ql_cuda_rope_pair(prev, node) && !over(prev->src[0], node);
+        const bool paired = !caps.host && ql_cuda_launch_pair(prev, node) && !over_any(prev, node);
+        const bool cast_made = paired && ql_cuda_norm_cast_pair(prev, node);  // (written by the norm's kernel: nothing read again)
         prev = paired ? nullptr : node;
         const int64_t nl = caps.host ? 1 : paired ? 0 : ql_cuda_node_launches(node, caps.cc, inplace.count(node) > 0);
         c->launches += nl;
@@ -4175,7 +4213,7 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
         if (n->flags & QL_FLAG_RECOMPUTED) c->recompute_flops += f;
         double b = (double)ql_nbytes(n);
         for (const ql_tensor *sr : n->src)
-            if (sr) b += (double)(ql_nbytes(sr) + (sr->view_src ? 0 : sr->aux_size));
+            if (sr && !cast_made) b += (double)(ql_nbytes(sr) + (sr->view_src ? 0 : sr->aux_size));
         if (!caps.host && n->op == QL_OP_MUL_MAT && ql_cuda_mm_cached(n->src[0], n->src[1]->type))  // a device reads the weight's copy instead
             b += (double)ql_nelements(n->src[0]) * (double)ql_plain_size(n->src[1]->type) -
                  (double)(ql_nbytes(n->src[0]) + (n->src[0]->view_src ? 0 : n->src[0]->aux_size));
@@ -9494,6 +9532,25 @@ bool ql_cuda_rope_pair(const ql_tensor *a, const ql_tensor *b) {
     return a->src[1] == b->src[1] && a->src[2] == b->src[2] && !memcmp(a->op_params, b->op_params, 3 * sizeof(int32_t)) &&
            a->op_params[0] == x->ne[0] && b->op_params[0] == y->ne[0] && x->ne[2] == y->ne[2] && x->ne[3] == y->ne[3] && yr != a &&
            ql_is_contiguous(a) && ql_is_contiguous(b);
+}
+// b casts the whole of a, a norm or its backward in f32, to the 16 bits the products read: the
+// norm's kernel writes both as it stores each element. (Backward: the residual's gradient goes on in
+// f32. Forward: adapter dropout is drawn over the f32 normed input, the products read its copy)
+bool ql_cuda_norm_cast_pair(const ql_tensor *a, const ql_tensor *b) {
+    if (!a || !b || (a->op != QL_OP_RMS_NORM_BACK && a->op != QL_OP_RMS_NORM) || b->op != QL_OP_CONT || a->type != QL_TYPE_F32 ||
+        (b->type != QL_TYPE_BF16 && b->type != QL_TYPE_F16))
+        return false;
+    const ql_tensor *x = b->src[0];
+    size_t offs = 0;  // x's byte offset into a, through the views between
+    for (const ql_tensor *v = x; v->view_src; v = v->view_src) offs += v->view_offs;
+    return view_root(b->src[0]) == a && offs == 0 && ql_nelements(x) == ql_nelements(a) && ql_is_contiguous(x) && ql_is_contiguous(a) &&
+           ql_is_contiguous(b);
+}
+// off (QLORA_CUDA_PAIRS=0, an A/B; or a test: the same bits either way): every node its own launch
+static std::atomic<bool> cuda_pairs_on{!(getenv("QLORA_CUDA_PAIRS") && strcmp(getenv("QLORA_CUDA_PAIRS"), "0") == 0)};
+void ql_cuda_launch_pair_for_tests(bool on) { cuda_pairs_on = on; }
+bool ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b) {
+    return cuda_pairs_on && (ql_cuda_rope_pair(a, b) || ql_cuda_norm_cast_pair(a, b));
 }
 bool ql_cuda_fa_gemm(const ql_tensor *node) {
     return ((node->op == QL_OP_FLASH_ATTN && !node->src[4]) || node->op == QL_OP_FLASH_ATTN_BACK) && !ql_cuda_fa_fused(node);

@@ -1459,6 +1459,11 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace);
 // reading a. The launch is made unless b's result lies over a's source (a's source may die at a
 // and the planner give its bytes to b): the census and the backend apply that test alike
 bool    ql_cuda_rope_pair(const ql_tensor *a, const ql_tensor *b);
+// a, a norm or a norm's backward (f32), and b, its cast to 16 bits read by the products, with only
+// views between them: the norm's kernel writes both (no cast launch), unless b lies over a or a
+// source of a's
+bool    ql_cuda_norm_cast_pair(const ql_tensor *a, const ql_tensor *b);
+bool    ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b);  // either of the two
 bool    ql_cuda_mm_a_direct(const ql_tensor *a, ql_type compute);
 // a = W or transpose(W) of a QL_FLAG_CACHED weight W, in a product whose compute type (b's) is
 // not W's own: the product reads W's copy in place (no tile, no workspace for a); W, or NULL

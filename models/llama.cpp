@@ -132,6 +132,9 @@ static void pre_norm(ql_context *ctx, const ql_llama *m, ql_tensor *x, ql_tensor
     if (f32) {
         *h = ql_rms_norm_mul(ctx, x, norm, m->hp.norm_eps);
         *hc = compute_input(ctx, m, (ql_tensor *)*ws.begin(), *h);
+        // the readers of h (dropout) placed after the copy (graph order only): the norm and its copy
+        // are then neighbours, which a device makes by one launch (ql_cuda_norm_cast_pair)
+        if (*h && *hc && *hc != *h) *h = ql_reshape_4d_after(ctx, *h, (*h)->ne[0], (*h)->ne[1], (*h)->ne[2], (*h)->ne[3], *hc);
     } else {
         *hc = ql_rms_norm_mul_to(ctx, x, norm, m->hp.norm_eps, m->compute);
         if (*hc) ql_format_name(*hc, "%s.input", (*ws.begin())->name);

@@ -641,6 +641,50 @@ OP_CASE(rms_norm_silu_swiglu) {
     }
 }
 
+// A norm's backward whose result (the residual's gradient, f32) a product reads in 16 bits: the
+// device's norm kernel writes the cast too, and the cast node is no launch (ql_cuda_norm_cast_pair).
+// x = W p (W NF4, p read in bf16 / f16) normed: backward's dx = norm_back(dy), cast for Wᵀ dx; with
+// the residual (x also added to the output) the norm's dx is summed onto x's gradient so far in the
+// same kernel; and forward, the norm in f32 and its copy for a product. On the device: the bits of
+// the two launches (pairs off), and the CPU's within the 16-bit bound; on the CPU the case is the
+// oracle's own
+void ql_cuda_launch_pair_for_tests(bool on);
+int64_t ql_cuda_pairs_made_for_tests() __attribute__((weak));
+namespace {
+// forward: the norm (f32: adapter dropout reads it) and its copy the product reads
+ql_tensor *norm_cast_forward_case(leafs &L, ql_type t) {
+    ql_tensor *h = ql_rms_norm_mul(L.ctx, L.param({64, 7, 2}), L.rand(QL_TYPE_F32, {64}, 0.5f, 1.5f), 1e-5f);
+    return ql_mul_mat_to(L.ctx, L.rand(QL_TYPE_NF4, {64, 40}), ql_cast(L.ctx, h, t), QL_TYPE_F32);
+}
+ql_tensor *norm_cast_case(leafs &L, ql_type t, bool residual) {
+    ql_tensor *p = L.param({64, 7, 2});
+    ql_tensor *x = ql_mul_mat_to(L.ctx, L.rand(QL_TYPE_NF4, {64, 40}), ql_cast(L.ctx, p, t), QL_TYPE_F32);  // [40, 7, 2]
+    ql_tensor *y = ql_rms_norm_mul(L.ctx, x, L.rand(QL_TYPE_F32, {40}, 0.5f, 1.5f), 1e-5f);  // (frozen, as a model's)
+    return residual ? ql_add(L.ctx, y, x) : y;
+}
+}  // namespace
+OP_CASE(rms_norm_back_cast) {
+    for (ql_type t : {QL_TYPE_BF16, QL_TYPE_F16})
+        for (int v = 0; v < 3; v++) {  // backward, backward with the residual, forward
+            INFO(std::string(ql_type_name(t)) << std::string(v == 1 ? ", with the residual" : v == 2 ? ", forward" : ""));
+            const builder build = [t, v](leafs &L) { return v == 2 ? norm_cast_forward_case(L, t) : norm_cast_case(L, t, v == 1); };
+            check_case(be, "rms_norm_back then its 16-bit cast", build, TOL_16);
+            if (ql_backend_is_host(be)) continue;
+            const int64_t made0 = ql_cuda_pairs_made_for_tests ? ql_cuda_pairs_made_for_tests() : 0;
+            const run_result paired = run_case(be, false, build, true);
+            const int64_t made = ql_cuda_pairs_made_for_tests ? ql_cuda_pairs_made_for_tests() - made0 : -1;
+            ql_cuda_launch_pair_for_tests(false);
+            const run_result apart = run_case(be, false, build, true);
+            ql_cuda_launch_pair_for_tests(true);
+            REQUIRE(paired.error.empty());
+            REQUIRE(apart.error.empty());
+            CHECK(made >= 1);  // the pair was made by one launch
+            CHECK(paired.out == apart.out);
+            REQUIRE(paired.grads.size() == apart.grads.size());
+            for (size_t i = 0; i < paired.grads.size(); i++) CHECK_MESSAGE(paired.grads[i] == apart.grads[i], "gradient ", i);
+        }
+}
+
 // ---- the element-wise ops' typed fast paths (issue 28 item 2): contiguous, 16-byte aligned
 // operands take vectors of 8 elements and a scalar tail; other layouts the strided kernels. Each
 // case runs on the backend twice, fast paths on and off: the same bits (the same float math per
