@@ -2868,22 +2868,24 @@ static void cu_op_cross_entropy(cu_ctx &c, ql_tensor *node) {
 }
 
 // d = (softmax(x) - onehot(t)) dy / count, zero for ignored rows
+// d in d_type: f32, or 16 bits (ql_cross_entropy_back_to: the f32 value rounded once on store)
 __global__ void __launch_bounds__(CU_CE_BLOCK) k_ce_back(cu_t lg, const int32_t *tg, const float *lse, const float *dy, const float *count,
-                                                          float *d) {
+                                                          char *d, int d_type) {
     const int64_t V = lg.ne[0], r = blockIdx.x;
     const int32_t t = tg[r];
     const float *x = (const float *)cu_row(lg, r);
     const float scale = *dy / *count, l = lse[r];
-    float *o = d + r * V;
+    const int es = d_type == QL_TYPE_F32 ? 4 : 2;
+    char *o = d + r * V * es;
     const bool ignored = t < 0 || t >= V;
     for (int64_t i = threadIdx.x; i < V; i += blockDim.x)
-        o[i] = ignored ? 0.0f : expf(x[i] - l) * scale - (i == t ? scale : 0.0f);
+        cu_st(o + i * es, d_type, ignored ? 0.0f : expf(x[i] - l) * scale - (i == t ? scale : 0.0f));
 }
 static void cu_op_cross_entropy_back(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *lg = node->src[0], *fwd = node->src[3];
     const float *lse = (const float *)((const char *)fwd->data + ql_nbytes(fwd));
     QL_LAUNCH(k_ce_back, (unsigned)cu_nrows(lg), CU_CE_BLOCK, 0, c.stream, cu_of(lg), (const int32_t *)node->src[1]->data, lse,
-              (const float *)node->src[4]->data, (const float *)node->src[2]->data, (float *)node->data);
+              (const float *)node->src[4]->data, (const float *)node->src[2]->data, (char *)node->data, (int)node->type);
     CU_LAUNCHED(c);
 }
 
@@ -2948,7 +2950,7 @@ static bool cu_ops_supported(const ql_tensor *node) {
     case QL_OP_CROSS_ENTROPY:
         return dense_rows(a);
     case QL_OP_CROSS_ENTROPY_BACK:
-        return dense_rows(a) && ql_is_contiguous(node);
+        return dense_rows(a) && ql_is_contiguous(node) && is_float_type_cu(node->type);
     case QL_OP_TO_HOST: case QL_OP_TO_DEVICE:  // one copy of the bytes (cuda_graph_compute, on the copy stream)
         return ql_is_contiguous(node) && ql_is_contiguous(a) && node->type == a->type;
     default:
@@ -5178,20 +5180,31 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
         }
         if (c.failed || cu_noop(node) || i == made) continue;
         if (ex.profile && !c.failed && cudaEventRecord(cb->prof_events[(size_t)(2 * i)], c.stream) != cudaSuccess) c.failed = true;
-        // a node and the next by one launch (ql_cuda_launch_pair: q's and k's rotations; a norm's
-        // backward and its cast), unless the next waits for a copy, is timed or checked apart, or its
-        // result lies over this one's or a source of it (a wait may sit on a view between them: the
-        // first reader of a copy)
+        // a node and the next by one launch (ql_cuda_launch_pair: q's and k's rotations; a norm or its
+        // backward and its 16-bit copy), unless the next is timed or checked apart, or its result lies
+        // over this one's or a source of it. The copies' waits before the next (and the views between:
+        // the first reader of a copy) are made before the launch: earlier, so no later (the census
+        // counts the pair whatever the waits)
         int j = i + 1;
-        bool waits = false;
-        for (; j < ex.last && cu_noop(ql_graph_node(g, j)); j++) waits = waits || !sch.wait_before[(size_t)j].empty();
+        for (; j < ex.last && cu_noop(ql_graph_node(g, j)); j++) {}
         ql_tensor *next = j < ex.last ? ql_graph_node(g, j) : nullptr;
-        if (next && !ex.profile && !ex.check_finite && !waits && sch.slot[(size_t)j] < 0 && sch.wait_before[(size_t)j].empty() &&
-            ql_cuda_launch_pair(node, next) && !cu_over_any(node, next)) {
+        if (next && !ex.profile && !ex.check_finite && sch.slot[(size_t)j] < 0 && ql_cuda_launch_pair(node, next) &&
+            !cu_over_any(node, next)) {
+            for (int k = i + 1; k <= j && !c.failed; k++)
+                for (int w : sch.wait_before[(size_t)k])
+                    if (cudaStreamWaitEvent(c.stream, cb->events[(size_t)(2 * w + 1)], 0) != cudaSuccess) {
+                        snprintf(c.err, sizeof(c.err), "cudaStreamWaitEvent: %s", cudaGetErrorString(cudaGetLastError()));
+                        c.failed = true;
+                    }
             cu_pairs_made++;
-            if (node->op == QL_OP_RMS_NORM_BACK) cu_op_rms_norm_back(c, node, next);
-            else if (node->op == QL_OP_RMS_NORM) cu_op_rms_norm(c, node, next);
-            else cu_op_rope(c, node, node->op == QL_OP_ROPE_BACK, next);
+            if (c.failed) {
+            } else if (node->op == QL_OP_RMS_NORM_BACK) {
+                cu_op_rms_norm_back(c, node, next);
+            } else if (node->op == QL_OP_RMS_NORM) {
+                cu_op_rms_norm(c, node, next);
+            } else {
+                cu_op_rope(c, node, node->op == QL_OP_ROPE_BACK, next);
+            }
             cu_q8_after(c, node);  // (as cu_run_node: decode's 8-bit activations dropped where written over)
             cu_q8_after(c, next);
             made = j;

@@ -2346,13 +2346,18 @@ ql_tensor *ql_cross_entropy(ql_context *ctx, ql_tensor *logits, ql_tensor *targe
 }
 
 ql_tensor *ql_cross_entropy_back(ql_context *ctx, ql_tensor *ce, ql_tensor *dy) {
+    return ql_cross_entropy_back_to(ctx, ce, dy, QL_TYPE_F32);
+}
+ql_tensor *ql_cross_entropy_back_to(ql_context *ctx, ql_tensor *ce, ql_tensor *dy, ql_type type) {
     if (!srcs_ok(ctx, "cross_entropy_back", {ce, dy})) return nullptr;
+    QL_CHECK(ctx, type == QL_TYPE_F32 || type == QL_TYPE_BF16 || type == QL_TYPE_F16, QL_ERR_TYPE,
+             "cross_entropy_back: result type %s (f32, bf16 or f16)", ql_type_traits_get(type) ? ql_type_name(type) : "?");
     QL_CHECK(ctx, ce->op == QL_OP_CROSS_ENTROPY, QL_ERR_INVALID, "cross_entropy_back: %s is not a ql_cross_entropy result",
              shape_str(ce).c_str());
     QL_CHECK(ctx, dy->type == QL_TYPE_F32 && ql_nelements(dy) == 1, QL_ERR_SHAPE, "cross_entropy_back: dy %s must be a single f32",
              shape_str(dy).c_str());
     ql_tensor *lg = ce->src[0];  // reads the logits, the targets, the count and ce's logsumexp rows
-    return new_op_like(ctx, QL_OP_CROSS_ENTROPY_BACK, QL_TYPE_F32, lg, {lg, ce->src[1], ce->src[2], ce, dy});
+    return new_op_like(ctx, QL_OP_CROSS_ENTROPY_BACK, type, lg, {lg, ce->src[1], ce->src[2], ce, dy});
 }
 
 ql_tensor *ql_with_grad(ql_context *ctx, ql_tensor *y, ql_tensor *x, ql_tensor *dx) {
@@ -3782,8 +3787,8 @@ static int inplace_src(const ql_tensor *node) {
     switch (node->op) {
     case QL_OP_ADD: case QL_OP_MUL: case QL_OP_SILU:
     case QL_OP_ADD_ROWS:
-    case QL_OP_CROSS_ENTROPY_BACK:  // dlogits over the logits, element by element (the fused head + loss's forward)
-        return 0;
+    case QL_OP_CROSS_ENTROPY_BACK:  // dlogits over the logits, element by element (the fused head + loss's forward; f32 only)
+        return node->type == node->src[0]->type ? 0 : -1;
     case QL_OP_DROPOUT: case QL_OP_SCALE: case QL_OP_RMS_NORM:  // not into f32 storage as a 16-bit result: rows would land on rows not read yet
     case QL_OP_ROPE: case QL_OP_ROPE_BACK:                        // (rope_back_to: f32 read, 16-bit written)
         return node->type == node->src[0]->type ? 0 : -1;
@@ -3805,6 +3810,8 @@ static int inplace_src(const ql_tensor *node) {
 // took over a block in place move with it; a block is alive from its first entry's node to its
 // last entry's last read, both inclusive. Returns the new top, or keeps the first placement
 // (returning `top`) when it is not larger.
+static bool plan_by_size = true;  // off: the first placement kept as it is (tests check it alone)
+void ql_plan_by_size_for_tests(bool on) { plan_by_size = on; }
 static size_t place_by_size(std::vector<ql_plan_entry> &entries, const std::vector<int> &inplace_of, size_t top) {
     const int ne = (int)entries.size();
     struct blk { size_t size, offset; int first, last; };
@@ -4013,10 +4020,11 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
         for (int i = 0; i < n; i++) {
             ql_tensor *node = g->nodes[(size_t)i];
             if (is_noop(node->op)) continue;
-            if (ql_cuda_launch_pair(prev, node))
+            const bool paired = ql_cuda_launch_pair(prev, node);
+            if (paired)
                 for (ql_tensor *sr : prev->src)
-                    if (sr && entry_of(sr) >= 0) hold[(size_t)entry_of(sr)] = i;
-            prev = node;
+                    if (sr && entry_of(sr) >= 0) hold[(size_t)entry_of(sr)] = std::max(hold[(size_t)entry_of(sr)], i);
+            prev = paired ? nullptr : node;  // (as the census and the executor: a pair's second starts no pair)
         }
     }
     std::vector<std::vector<int>> held_until((size_t)n);  // blocks released after node i, held there (hold)
@@ -4077,9 +4085,11 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
         dying.erase(std::unique(dying.begin(), dying.end()), dying.end());
         for (int e : dying) {
             if (e < 0 || moved[(size_t)e]) continue;
-            if (g->entries[(size_t)e].last != i && hold[(size_t)e] != i) continue;
-            if (g->entries[(size_t)e].last == i && hold[(size_t)e] > i) {
-                held_until[(size_t)hold[(size_t)e]].push_back(e);
+            // freed at the later of its last read and its hold: a block held past its last read waits
+            // in held_until; one read past its hold is freed at that read
+            const int last_e = g->entries[(size_t)e].last, end = std::max(last_e, hold[(size_t)e]);
+            if (end != i) {
+                if (last_e == i) held_until[(size_t)end].push_back(e);
                 continue;
             }
             if (g->entries[(size_t)e].host) {
@@ -4097,7 +4107,7 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
         if (e.host && e.first >= nf_plan) e.offset += host_top;
     host_top += host_back.top;
     size_t arena_top = alloc.top;
-    if (!g->no_reuse) arena_top = place_by_size(g->entries, inplace_of, arena_top);
+    if (!g->no_reuse && plan_by_size) arena_top = place_by_size(g->entries, inplace_of, arena_top);
 
     ql_plan_stats st;
     memset(&st, 0, sizeof(st));
@@ -6077,18 +6087,20 @@ static void k_cross_entropy_back(const cpu_params &p, ql_tensor *dst) {
     const float *lse = (const float *)ql_aux_data(fwd);
     const int32_t *t = (const int32_t *)tg->data;
     const float scale = *(const float *)dy->data / *(const float *)cnt->data;
+    const ql_type_traits &tt = traits(dst->type);  // a 16-bit result: the f32 row in the workspace, rounded once as stored
     int64_t b, e;
     split_range(N, p.ith, p.nth, b, e);
     for (int64_t r = b; r < e; r++) {
-        float *d = (float *)dst->data + r * V;
+        float *d = dst->type == QL_TYPE_F32 ? (float *)dst->data + r * V : (float *)p.wdata;
         if (t[r] < 0 || t[r] >= V) {
             std::fill(d, d + V, 0.0f);
-            continue;
+        } else {
+            const float *x = f32_row(lg, r);
+            row_exp_sum(V, x, lse[r], d);  // softmax
+            row_scale(V, scale, d, d);
+            d[t[r]] -= scale;
         }
-        const float *x = f32_row(lg, r);
-        row_exp_sum(V, x, lse[r], d);  // softmax
-        row_scale(V, scale, d, d);
-        d[t[r]] -= scale;
+        if (dst->type != QL_TYPE_F32) tt.from_float(d, (uint8_t *)dst->data + (size_t)(r * V) * tt.type_size, V);
     }
 }
 
@@ -8302,6 +8314,7 @@ static size_t cpu_work_per_thread(const ql_tensor *node, int nth) {
     case QL_OP_SWIGLU_BACK:  // 16-bit a and b: their rows as f32; a 16-bit result: da's and db's rows before rounding
         return ((node->src[0]->type != QL_TYPE_F32) + (node->type != QL_TYPE_F32)) * 2 * (size_t)node->src[0]->ne[0] * sizeof(float);
     case QL_OP_REDUCE_TO: return (size_t)node->src[0]->ne[0] * sizeof(float);
+    case QL_OP_CROSS_ENTROPY_BACK: return node->type == QL_TYPE_F32 ? 0 : (size_t)node->ne[0] * sizeof(float);  // a 16-bit result's f32 row
     case QL_OP_RMS_NORM: return node->type == QL_TYPE_F32 ? 0 : (size_t)node->ne[0] * sizeof(float);  // a 16-bit result's f32 row
     case QL_OP_RMS_NORM_BACK: return ((node->src[2] != nullptr) + (node->src[3] != nullptr)) * (size_t)node->ne[0] * sizeof(float);  // dy * w, dx: rows
     case QL_OP_ROPE: case QL_OP_ROPE_BACK: return rope_work(node);

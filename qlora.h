@@ -521,6 +521,10 @@ ql_tensor *ql_cross_entropy(ql_context *ctx, ql_tensor *logits, ql_tensor *targe
 // count, zero on ignored rows; f32 shaped like the logits. Written over the logits where they
 // die here (the fused head + loss makes it in forward, ql_llama_loss; backward makes it too).
 ql_tensor *ql_cross_entropy_back(ql_context *ctx, ql_tensor *ce, ql_tensor *dy);
+// ... in `type`: F32, or BF16 / F16 where only a 16-bit multiply reads it (the fused head's Wᵀ
+// dlogits): each element made in f32 and rounded once as it is stored, ql_cast's bits of the f32
+// result, without the f32 tensor or the cast's pass
+ql_tensor *ql_cross_entropy_back_to(ql_context *ctx, ql_tensor *ce, ql_tensor *dy, ql_type type);
 // y itself (a view: nothing runs) with its gradient w.r.t. x made already: dx (f32, x's shape),
 // the gradient for dy = 1. Backward adds dx * dy to x's gradient and gives y's own sources
 // nothing - what made y is not differentiated again. y: a single f32 that depends on x (a loss

@@ -343,8 +343,8 @@ ql_tensor *ql_llama_loss(ql_context *ctx, const ql_llama *m, ql_tensor *h, ql_te
             ql_tensor *hc = ql_view_2d(ctx, h, E, n, h ? h->nb[1] : 0, (size_t)r0 * (h ? h->nb[1] : 0));
             ql_tensor *l = ql_cross_entropy(ctx, ql_llama_linear(ctx, m, m->output, hc),
                                             ql_view_1d(ctx, targets, n, (size_t)r0 * sizeof(int32_t)), count);
-            ql_tensor *d = ql_cross_entropy_back(ctx, l, one);  // [n_vocab, n]
-            if (m->compute != QL_TYPE_F32) d = ql_cast(ctx, d, m->compute);
+            // [n_vocab, n], written in the multiply's type (the f32 values rounded once: a cast's bits)
+            ql_tensor *d = ql_cross_entropy_back_to(ctx, l, one, m->compute);
             dh = ql_mul_mat_rows(ctx, wt, d, dh, r0);  // straight into its rows of dh
             loss = loss ? ql_add(ctx, loss, l) : l;
         }

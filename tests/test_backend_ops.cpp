@@ -1091,6 +1091,26 @@ OP_CASE(cross_entropy) {
         ql_tensor *tg = L.i32({9, 2}, [](int64_t i) { return i % 4 == 3 ? -1 : (int32_t)((i * 37) % 1000); });
         return ql_cross_entropy(L.ctx, L.param({1000, 9, 2}, -4.0f, 4.0f), tg, L.scalar(11.0f));
     }, TOL_F32);
+    // dlogits written in 16 bits (ql_cross_entropy_back_to: the fused head's Wᵀ dlogits reads
+    // them so): the bits of the f32 result's cast, on this backend, and the CPU's within the bound
+    for (ql_type t : {QL_TYPE_BF16, QL_TYPE_F16}) {
+        INFO("dlogits in " << std::string(ql_type_name(t)));
+        auto build = [t](bool direct) {
+            return [t, direct](leafs &L) {
+                ql_tensor *tg = L.i32({9, 2}, [](int64_t i) { return i % 4 == 3 ? -1 : (int32_t)((i * 37) % 1000); });
+                ql_tensor *ce = ql_cross_entropy(L.ctx, L.rand(QL_TYPE_F32, {1000, 9, 2}, -4.0f, 4.0f), tg, L.scalar(11.0f));
+                ql_tensor *dy = L.scalar(0.75f);
+                ql_tensor *d = direct ? ql_cross_entropy_back_to(L.ctx, ce, dy, t) : ql_cast(L.ctx, ql_cross_entropy_back(L.ctx, ce, dy), t);
+                return ql_cast(L.ctx, d, QL_TYPE_F32);
+            };
+        };
+        check_case(be, "dlogits in 16 bits", build(true), TOL_16, false);
+        const bool host = ql_backend_is_host(be);
+        const run_result direct = run_case(be, host, build(true), false), cast = run_case(be, host, build(false), false);
+        REQUIRE(direct.error.empty());
+        REQUIRE(cast.error.empty());
+        CHECK(direct.out == cast.out);
+    }
 }
 
 OP_CASE(dropout) {

@@ -376,6 +376,46 @@ TEST_CASE("census: the launches counted from the plan are what the CUDA backend 
     }
 }
 
+// A device plan holds a launch pair's first node's sources until its second is placed
+// (ql_cuda_launch_pair): no two tensors live at once share bytes, apart from a result written in
+// place over a source that dies there - with f32 compute too, where rope_back's pair reads views
+// of attention's backward result that is read again after the pair
+void ql_plan_by_size_for_tests(bool on);  // qlora.cpp: off, the first placement (where holds act) is kept as made
+TEST_CASE("cuda plan: live tensors never overlap with launch pairs held (bf16, fp32, block recompute)" *
+          skip_unless(k_cuda, "without a CUDA device")) {
+    tmpdir d;
+    const std::string path = graphs_model(d);
+    const std::vector<ql_sequence> seqs = sequences(8, 0, 61);
+    for (int v = 0; v < 6; v++) {
+        INFO("variant " << v % 3 << (v >= 3 ? ", the first placement alone" : ""));
+        struct by_size {
+            explicit by_size(bool on) { ql_plan_by_size_for_tests(on); }
+            ~by_size() { ql_plan_by_size_for_tests(true); }
+        } bs(v < 3);
+        ql_train_options o = options();
+        o.max_steps = 1;
+        if (v % 3 == 1) o.precision = ql_precision::fp32;
+        if (v % 3 == 2) o.checkpointing = ql_checkpointing::block;
+        cuda_trainer ct(path, seqs, o, false);
+        const ql_graph *g = ql_trainer_graph(ct.t);
+        const ql_plan_entry *e;
+        const int n = ql_graph_plan_entries(g, &e);
+        REQUIRE(n > 0);
+        long bad = 0;
+        for (int i = 0; i < n; i++)
+            for (int j = i + 1; j < n; j++) {
+                if (e[i].host != e[j].host || !(e[i].first <= e[j].last && e[j].first <= e[i].last)) continue;
+                const bool handoff = (e[j].inplace && e[j].first == e[i].last && e[j].offset == e[i].offset) ||
+                                     (e[i].inplace && e[i].first == e[j].last && e[i].offset == e[j].offset);
+                const bool disjoint = e[i].offset + e[i].size <= e[j].offset || e[j].offset + e[j].size <= e[i].offset;
+                if (!handoff && !disjoint && bad++ < 3)
+                    MESSAGE(e[i].tensor->name, " [", e[i].first, ",", e[i].last, "] and ", e[j].tensor->name, " [", e[j].first, ",",
+                            e[j].last, "] overlap");
+            }
+        CHECK(bad == 0);
+    }
+}
+
 void ql_cuda_mm_tile_elems_for_tests(int64_t n);  // qlora.cpp's CUDA planning rules: the tile budget (<= 0: the default)
 
 TEST_CASE("census: a decode product (one kernel) and products in tiles" * skip_unless(k_cuda && qlshim_stream_ops != nullptr,
