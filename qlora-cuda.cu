@@ -1860,7 +1860,7 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
         CU_CHECK(c, cudaMemcpyAsync(C, cin, ql_nbytes(node), cudaMemcpyDeviceToDevice, c.stream));
         cin = nullptr;
     }
-    const char *cin_parts = nullptr;  // c, copied a GEMM's part at a time (cuBLASLt refused after the first GEMM)
+    const char *cin_parts = nullptr;  // c, copied a GEMM's part at a time (cuBLASLt refused one of this node's GEMMs)
     const float beta0 = acc && !acc16 ? 1.0f : 0.0f;  // the GEMMs' beta over C
     const float alpha = ql_mul_mat_alpha(node);      // ql_mul_mat_scaled_to: the epilogue's (f32, before rounding)
 
@@ -1961,20 +1961,16 @@ static void cu_op_mul_mat(cu_ctx &c, ql_tensor *node) {
             const int64_t i3 = ia3 * r3 + j3;
             const cu_operand B = cu_as_operand(bp + ia2 * r2 * bnb2 + i3 * bnb3, es, bnb0, bnb1, K, N, false);
             const int64_t off = ((i3 * B2 + ia2 * r2) * sC + m0) * cs;
-            // a refusal after the node's first GEMM (cuBLASLt's heuristics may take one tile's shape and
-            // not the next): the earlier GEMMs' parts of C are made, so from here on each GEMM copies
-            // its own part of c (mt of M rows, N columns, r2 batches) and adds to it by cuBLAS
+            // a refusal (at any GEMM: cuBLASLt's heuristics may take one tile's shape and not the next):
+            // the earlier GEMMs' parts of C are made, so from there on each GEMM copies its own part of
+            // c (mt of M rows, N columns, r2 batches) and adds to it by cuBLAS
             if (cin_parts) cu_copy_part(c, C + off, cin_parts + off, mt * cs, M * cs, N, (int)r2, sC * cs);
             if (!cu_gemm_to(c, ct, A, 0, B, bnb2 / (int64_t)es, C + off, rt, M, sC, mt, N, K, (int)r2, beta0, alpha, cin ? cin + off : nullptr) &&
                 !c.failed) {
                 fprintf(stderr, "qlora: cuda: cuBLASLt refused a product with C != D: each such product copies its addend first\n");
                 cu_lt_ok(c) = false;
-                if (t == 0 && j3 == 0) {  // nothing of C written yet: c whole, once
-                    CU_CHECK(c, cudaMemcpyAsync(C, cin, ql_nbytes(node), cudaMemcpyDeviceToDevice, c.stream));
-                } else {
-                    cin_parts = cin;
-                    cu_copy_part(c, C + off, cin_parts + off, mt * cs, M * cs, N, (int)r2, sC * cs);
-                }
+                cin_parts = cin;
+                cu_copy_part(c, C + off, cin_parts + off, mt * cs, M * cs, N, (int)r2, sC * cs);
                 cin = nullptr;
                 if (!cu_gemm_to(c, ct, A, 0, B, bnb2 / (int64_t)es, C + off, rt, M, sC, mt, N, K, (int)r2, beta0, alpha)) return;
             }
@@ -5197,13 +5193,10 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
                         c.failed = true;
                     }
             cu_pairs_made++;
-            if (c.failed) {
-            } else if (node->op == QL_OP_RMS_NORM_BACK) {
-                cu_op_rms_norm_back(c, node, next);
-            } else if (node->op == QL_OP_RMS_NORM) {
-                cu_op_rms_norm(c, node, next);
-            } else {
-                cu_op_rope(c, node, node->op == QL_OP_ROPE_BACK, next);
+            if (!c.failed) {
+                if (node->op == QL_OP_RMS_NORM_BACK) cu_op_rms_norm_back(c, node, next);
+                else if (node->op == QL_OP_RMS_NORM) cu_op_rms_norm(c, node, next);
+                else cu_op_rope(c, node, node->op == QL_OP_ROPE_BACK, next);
             }
             cu_q8_after(c, node);  // (as cu_run_node: decode's 8-bit activations dropped where written over)
             cu_q8_after(c, next);
