@@ -697,10 +697,13 @@ QL_UNROLL
     for (int l = 0; l < CU_DQ_VEC; l++) x[l] = cu_ld(bp + l * bes, b_type);
 }
 
-// C [M, N] = W b: W [K, M] (rows of K, row_bytes apart), b [K, N] (columns bnb1 bytes apart, of b_type); grid: M blocks
+// C [M, N] = W b (+ Ci: ql_mul_mat_acc's c, [M, N] f32, or NULL; added as ql_add would, c + the
+// product, each element read and written by one thread: C may be Ci): W [K, M] (rows of K,
+// row_bytes apart), b [K, N] (columns bnb1 bytes apart, of b_type); grid: M blocks
 template <int U, bool generic>
 __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv(const char *w, int64_t row_bytes, int type, const char *aux, int64_t K,
-                                                        int64_t M, const char *b, int b_type, int64_t bnb1, int N, int ct, float *C) {
+                                                        int64_t M, const char *b, int b_type, int64_t bnb1, int N, int ct, float *C,
+                                                        const float *Ci) {
     __shared__ float red[GV_WARPS][QL_CUDA_GEMV_MAX_N];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     const int64_t r = blockIdx.x;
@@ -752,7 +755,7 @@ QL_UNROLL
     if ((int)threadIdx.x < N) {
         float s = 0.0f;
         for (int i = 0; i < GV_WARPS; i++) s += red[i][threadIdx.x];
-        C[threadIdx.x * M + r] = s;
+        C[threadIdx.x * M + r] = Ci ? Ci[threadIdx.x * M + r] + s : s;
     }
 }
 
@@ -850,13 +853,14 @@ QL_UNROLL
     }
 };
 
-// C [M, N] = W b as k_gemv, R rows a block (grid: M / R blocks of 32-128 threads), NN >= N
+// C [M, N] = W b (+ Ci) as k_gemv, R rows a block (grid: M / R blocks of 32-128 threads), NN >= N
 // columns. The rows of a block share each load of b: the 8 elements of b a thread reads serve
 // its units of all R rows (per row, b is K f32 against K / 2 bytes of 4-bit weight: with a row a
 // block, b's re-reads from L1/L2 were 7x the weight's bytes and bounded the kernel)
 template <typename T, int R, int NN>
 __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv_unit(const char *w, int64_t row_bytes, int type, const char *aux, int64_t K,
-                                                             int64_t M, const char *b, int b_type, int64_t bnb1, int N, int ct, float *C) {
+                                                             int64_t M, const char *b, int b_type, int64_t bnb1, int N, int ct, float *C,
+                                                             const float *Ci) {
     __shared__ float red[GV_WARPS][R * NN];
     __shared__ float tab[16];  // NF4's table: the lanes' different codes from shared memory, not serialized constant reads
     if (threadIdx.x < 16) tab[threadIdx.x] = cu_nf4_values[threadIdx.x];
@@ -924,7 +928,7 @@ QL_UNROLL
     if (q < R && n < N && r0 + q < M) {
         float sum = 0.0f;
         for (int i = 0; i < nt / 32; i++) sum += red[i][q * NN + n];
-        C[n * M + r0 + q] = sum;
+        C[n * M + r0 + q] = Ci ? Ci[n * M + r0 + q] + sum : sum;
     }
 }
 
@@ -961,21 +965,11 @@ __constant__ int8_t cu_iq4_i8[16] = QL_IQ4_VALUES;  // IQ4_NL / IQ4_XS's non-lin
 #define Q8_ACT_WARPS 8  // warps per block of k_q8_act, 256 elements each
 
 // codes [N, K], scales [N, K/qb], sums [N, K/g] (ql_cuda_mm_q8_layout) of b [K, N] (f32, columns
-// bnb1 bytes apart); grid: (K / (256 Q8_ACT_WARPS) rounded up, N). A lane takes 8 neighbouring
-// elements; the lanes of a block (4 for qb 32, the warp for 256) meet by shuffles.
-__global__ void __launch_bounds__(Q8_ACT_WARPS * 32) k_q8_act(const char *b, int64_t bnb1, int64_t K, int qb, int8_t *q, float *d, int *s) {
-    const int lane = threadIdx.x % 32, n = blockIdx.y;
-    const int64_t e = ((int64_t)blockIdx.x * Q8_ACT_WARPS + threadIdx.x / 32) * 256 + lane * 8;
-    const bool in = e < K;  // (K a multiple of qb: a block's lanes are all in or all out)
-    const float *x = (const float *)(b + n * bnb1) + e;
-    float v[8];
-    if (in && (((uintptr_t)x) % 16) == 0) {
-        const float4 p0 = ((const float4 *)x)[0], p1 = ((const float4 *)x)[1];
-        v[0] = p0.x, v[1] = p0.y, v[2] = p0.z, v[3] = p0.w, v[4] = p1.x, v[5] = p1.y, v[6] = p1.z, v[7] = p1.w;
-    } else {
-QL_UNROLL
-        for (int l = 0; l < 8; l++) v[l] = in ? x[l] : 0.0f;
-    }
+// bnb1 bytes apart). A lane takes 8 neighbouring elements; the lanes of a block (4 for qb 32, the
+// warp for 256) meet by shuffles. Here a lane's 8 elements e.. of column n (every lane of the warp
+// calls it: the shuffles; in: e < K); k_q8_act's grid: (K / (256 Q8_ACT_WARPS) rounded up, N)
+__device__ __forceinline__ void cu_q8_act8(const float v[8], bool in, int64_t n, int64_t K, int64_t e, int qb, int8_t *q, float *d, int *s) {
+    const int lane = threadIdx.x % 32;
     float amax = 0.0f, bad = 0.0f;
 QL_UNROLL
     for (int l = 0; l < 8; l++) {
@@ -1003,6 +997,21 @@ QL_UNROLL
     const int g = qb == 32 ? 32 : 8;
     if (lane % (g / 8) == 0) s[n * (K / g) + e / g] = sum;
     if (lane % span == 0) d[n * (K / qb) + e / qb] = __fadd_rn(__fdiv_rn(amax, 127.0f), bad);
+}
+__global__ void __launch_bounds__(Q8_ACT_WARPS * 32) k_q8_act(const char *b, int64_t bnb1, int64_t K, int qb, int8_t *q, float *d, int *s) {
+    const int lane = threadIdx.x % 32, n = blockIdx.y;
+    const int64_t e = ((int64_t)blockIdx.x * Q8_ACT_WARPS + threadIdx.x / 32) * 256 + lane * 8;
+    const bool in = e < K;  // (K a multiple of qb: a block's lanes are all in or all out)
+    const float *x = (const float *)(b + n * bnb1) + e;
+    float v[8];
+    if (in && (((uintptr_t)x) % 16) == 0) {
+        const float4 p0 = ((const float4 *)x)[0], p1 = ((const float4 *)x)[1];
+        v[0] = p0.x, v[1] = p0.y, v[2] = p0.z, v[3] = p0.w, v[4] = p1.x, v[5] = p1.y, v[6] = p1.z, v[7] = p1.w;
+    } else {
+QL_UNROLL
+        for (int l = 0; l < 8; l++) v[l] = in ? x[l] : 0.0f;
+    }
+    cu_q8_act8(v, in, n, K, e, qb, q, d, s);
 }
 
 // The weight units: load (the raw bytes of unit i of a row), xload (column n's codes, scales and
@@ -1275,12 +1284,13 @@ template <typename T> __device__ __forceinline__ const int8_t *cu_lut_of() {
     return cu_nf4_i8;
 }
 
-// C [M, N] = W b from b's codes: R rows a block (grid: M / R blocks of 32-128 threads), NN >= N
+// C [M, N] = W b (+ Ci, as k_gemv's) from b's codes: R rows a block (grid: M / R blocks of 32-128 threads), NN >= N
 // columns; a thread takes units i0, i0 + threads, ... of its rows, each column's codes read once
 // for the R rows. Partial sums meet by shuffles, then across warps in a fixed order.
 template <typename T, int R, int NN>
 __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv_q8(const char *w, int64_t row_bytes, int type, const char *aux, int64_t K, int64_t M,
-                                                           const int8_t *xq, const float *xd, const int *xs, int N, float *C) {
+                                                           const int8_t *xq, const float *xd, const int *xs, int N, float *C,
+                                                           const float *Ci) {
     __shared__ float red[GV_WARPS][R * NN];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nt = blockDim.x;
     const int64_t r0 = (int64_t)blockIdx.x * R, n_units = K / 32;
@@ -1326,7 +1336,7 @@ QL_UNROLL
     if (q < R && n < N && r0 + q < M) {
         float sum = 0.0f;
         for (int i = 0; i < nt / 32; i++) sum += red[i][q * NN + n];
-        C[n * M + r0 + q] = sum;
+        C[n * M + r0 + q] = Ci ? Ci[n * M + r0 + q] + sum : sum;
     }
 }
 
@@ -1339,7 +1349,7 @@ QL_UNROLL
 #define Q6S_CHUNK (8 * (int)sizeof(ql_block_q6_K))  // bytes of a chunk: 8 super-blocks, 2048 elements
 template <int R, int NN>
 __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv_q8_q6s(const char *w, int64_t row_bytes, int64_t K, int64_t M, const int8_t *xq,
-                                                               const float *xd, const int *xs, int N, float *C) {
+                                                               const float *xd, const int *xs, int N, float *C, const float *Ci) {
     QL_DYN_SMEM(uint4, stage);  // [warps][R][Q6S_CHUNK / 16]: each warp's chunk of each row
     __shared__ float red[GV_WARPS][R * NN];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
@@ -1389,17 +1399,14 @@ QL_UNROLL
     if (q < R && n < N && r0 + q < M) {
         float sum = 0.0f;
         for (int i = 0; i < nw; i++) sum += red[i][q * NN + n];
-        C[n * M + r0 + q] = sum;
+        C[n * M + r0 + q] = Ci ? Ci[n * M + r0 + q] + sum : sum;
     }
 }
 
-// the 16-byte loads of Q4_K's and NF4's units need an aligned weight: otherwise the f32 kernels
-// run (the workspace planned for the codes then unused)
-static bool cu_gemv_q8_ok(const ql_tensor *node) {
-    const ql_tensor *a = node->src[0];
-    const bool wide = a->type == QL_TYPE_Q4_K || a->type == QL_TYPE_Q5_K || a->type == QL_TYPE_NF4 || a->type == QL_TYPE_NF4_NODQ;
-    return !wide || ((uintptr_t)a->data | (uintptr_t)a->nb[1]) % 16 == 0;
-}
+// a decode product's addend (ql_mul_mat_acc's c: the residual stream, f32 [M, N] dense, maybe
+// the result's own storage), or NULL
+static const float *cu_gemv_addend(const ql_tensor *node) { return node->src[2] ? (const float *)node->src[2]->data : nullptr; }
+
 static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *node, int qb) {
     const ql_tensor *a = node->src[0], *b = node->src[1];
     const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
@@ -1418,7 +1425,8 @@ static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *node, int qb) {
         c.q8_b = b->data;
         memcpy(c.q8_key, key, sizeof(key));
     }
-    typedef void (*fn)(const char *, int64_t, int, const char *, int64_t, int64_t, const int8_t *, const float *, const int *, int, float *);
+    typedef void (*fn)(const char *, int64_t, int, const char *, int64_t, int64_t, const int8_t *, const float *, const int *, int, float *,
+                       const float *);
     fn kern = nullptr;
     const ql_type_traits *at = ql_type_traits_get(a->type);
     const char *aux = at->aux_bytes ? (const char *)a->data + ql_aux_offset(ql_nbytes(a)) : nullptr;
@@ -1430,13 +1438,13 @@ static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *node, int qb) {
     // Q6_K in rows of whole chunks, 16-byte aligned: staged through shared memory (k_gemv_q8_q6s)
     const bool q6s = a->type == QL_TYPE_Q6_K && K % 2048 == 0 && ((uintptr_t)a->data | (uintptr_t)a->nb[1]) % 16 == 0;
     if (q6s) {
-        typedef void (*fs)(const char *, int64_t, int64_t, int64_t, const int8_t *, const float *, const int *, int, float *);
+        typedef void (*fs)(const char *, int64_t, int64_t, int64_t, const int8_t *, const float *, const int *, int, float *, const float *);
         const fs k6 = N > 1 ? k_gemv_q8_q6s<1, QL_CUDA_GEMV_MAX_N> : rows == 4 ? k_gemv_q8_q6s<4, 1> : rows == 2 ? k_gemv_q8_q6s<2, 1>
                                                                                                       : k_gemv_q8_q6s<1, 1>;
         const unsigned nw = (unsigned)std::min<int64_t>(GV_WARPS, K / 2048);
         QL_LAUNCH(k6, (unsigned)((M + rows - 1) / rows), 32 * nw, nw * (N > 1 ? 1 : rows) * Q6S_CHUNK, c.stream,
                   (const char *)a->data, (int64_t)a->nb[1], K, M, (const int8_t *)xq, (const float *)xd, (const int *)xs, (int)N,
-                  (float *)node->data);
+                  (float *)node->data, cu_gemv_addend(node));
         CU_LAUNCHED(c);
         return;
     }
@@ -1455,13 +1463,13 @@ static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *node, int qb) {
     }
     QL_LAUNCH(kern, (unsigned)((M + rows - 1) / rows), cu_gemv_unit_threads(K, 32, 1), 0, c.stream, (const char *)a->data,
               (int64_t)a->nb[1], (int)a->type, aux, K, M, (const int8_t *)xq, (const float *)xd, (const int *)xs, (int)N,
-              (float *)node->data);
+              (float *)node->data, cu_gemv_addend(node));
     CU_LAUNCHED(c);
 }
 
 // After each node of a run: the workspace's codes are forgotten once a node wrote over their b
 // (its memory reused, a product in place of it) or used the workspace for anything else.
-// limitation: ql_cuda_node_launches (the census) counts the quantisation for every such product
+// (ql_graph_census counts the launches by the same rule)
 static int cu_cc(const cu_ctx &c);  // section 8
 static void cu_q8_after(cu_ctx &c, const ql_tensor *node) {
     if (!c.q8_b) return;
@@ -1473,12 +1481,13 @@ static void cu_q8_after(cu_ctx &c, const ql_tensor *node) {
 
 static void cu_op_gemv(cu_ctx &c, ql_tensor *node) {
     if (const int qb = ql_cuda_mm_q8(node))
-        if (cu_gemv_q8_ok(node)) return cu_op_gemv_q8(c, node, qb);
+        if (ql_cuda_q8_aligned(node)) return cu_op_gemv_q8(c, node, qb);
     const ql_tensor *a = node->src[0], *b = node->src[1];
     const ql_type_traits *at = ql_type_traits_get(a->type);
     const char *aux = at->aux_bytes ? (const char *)a->data + ql_aux_offset(ql_nbytes(a)) : nullptr;
     const int64_t M = a->ne[1];
-    typedef void (*gemv_fn)(const char *, int64_t, int, const char *, int64_t, int64_t, const char *, int, int64_t, int, int, float *);
+    typedef void (*gemv_fn)(const char *, int64_t, int, const char *, int64_t, int64_t, const char *, int, int64_t, int, int, float *,
+                            const float *);
     gemv_fn kern = cu_dequant8_fast(a->type) ? k_gemv<GV_UNROLL, false> : k_gemv<1, true>;  // (a name without commas, for the macros)
     unsigned threads = GV_WARPS * 32, rows = 1;  // the block's threads and rows
     const bool aligned = ((uintptr_t)a->data | (uintptr_t)a->nb[1]) % 16 == 0;  // the unit kernels' 16-byte loads
@@ -1499,7 +1508,7 @@ static void cu_op_gemv(cu_ctx &c, ql_tensor *node) {
         unit((gv_q6_K *)nullptr);
     QL_LAUNCH(kern, (unsigned)((M + rows - 1) / rows), threads, 0, c.stream, (const char *)a->data, (int64_t)a->nb[1],
               (int)a->type, aux, a->ne[0], M, (const char *)b->data, (int)b->type, (int64_t)b->nb[1], (int)b->ne[1], (int)b->type,
-              (float *)node->data);
+              (float *)node->data, cu_gemv_addend(node));
     CU_LAUNCHED(c);
 }
 
@@ -2381,26 +2390,47 @@ static void cu_op_acc_grad(cu_ctx &c, ql_tensor *node) {
 
 // rows of src (f32) into the cache (f32, or f16: rounded to nearest even as the CPU's) at the
 // run-time row pos[0] (read on the device)
-template <typename CT> __global__ void k_cache_store(cu_t cache, cu_t src, const int32_t *pos, int64_t n) {
-    const int32_t at = *pos;
-    CU_GRID_LOOP(i, n) {
-        const int64_t i0 = i % src.ne[0], r = i / src.ne[0], i1 = r % src.ne[1], i2 = (r / src.ne[1]) % src.ne[2],
-                      i3 = r / (src.ne[1] * src.ne[2]);
-        float v = *(const float *)(src.data + i0 * src.nb[0] + i1 * src.nb[1] + i2 * src.nb[2] + i3 * src.nb[3]);
-        // limitation: a row outside the cache is not written (the CPU backend reports it; the tools never ask for one)
-        if (at >= 0 && at + i1 < cache.ne[1]) {
-            char *to = cache.data + i0 * (int64_t)sizeof(CT) + (at + i1) * cache.nb[1] + i2 * cache.nb[2] + i3 * cache.nb[3];
-            if (sizeof(CT) == 4) *(float *)to = v;
-            else *(uint16_t *)to = (uint16_t)cu_bits16(v, QL_TYPE_F16);
-        }
+template <typename CT> __device__ __forceinline__ void cu_cache_store1(const cu_t &cache, const cu_t &src, int32_t at, int64_t i) {
+    const int64_t i0 = i % src.ne[0], r = i / src.ne[0], i1 = r % src.ne[1], i2 = (r / src.ne[1]) % src.ne[2], i3 = r / (src.ne[1] * src.ne[2]);
+    float v = *(const float *)(src.data + i0 * src.nb[0] + i1 * src.nb[1] + i2 * src.nb[2] + i3 * src.nb[3]);
+    // limitation: a row outside the cache is not written (the CPU backend reports it; the tools never ask for one)
+    if (at >= 0 && at + i1 < cache.ne[1]) {
+        char *to = cache.data + i0 * (int64_t)sizeof(CT) + (at + i1) * cache.nb[1] + i2 * cache.nb[2] + i3 * cache.nb[3];
+        if (sizeof(CT) == 4) *(float *)to = v;
+        else *(uint16_t *)to = (uint16_t)cu_bits16(v, QL_TYPE_F16);
     }
 }
-static void cu_op_cache_store(cu_ctx &c, ql_tensor *node) {
+template <typename CT> __global__ void k_cache_store(cu_t cache, cu_t src, const int32_t *pos, int64_t n) {
+    const int32_t at = *pos;
+    CU_GRID_LOOP(i, n) cu_cache_store1<CT>(cache, src, at, i);
+}
+// the keys' and the values' stores by one launch (ql_cuda_cache_store_pair): elements [0, n0) the
+// first's, then the second's
+template <typename CT>
+__global__ void k_cache_store2(cu_t cache0, cu_t src0, cu_t cache1, cu_t src1, const int32_t *pos, int64_t n0, int64_t n1) {
+    const int32_t at = *pos;
+    CU_GRID_LOOP(i, n0 + n1) {
+        if (i < n0) cu_cache_store1<CT>(cache0, src0, at, i);
+        else cu_cache_store1<CT>(cache1, src1, at, i - n0);
+    }
+}
+// second: NULL, or the next node, the values' store made by the same launch
+static void cu_op_cache_store(cu_ctx &c, ql_tensor *node, ql_tensor *second = nullptr) {
     const int64_t n = ql_nelements(node->src[1]);
     const cu_t cache = cu_of(node), src = cu_of(node->src[1]);
     const int32_t *pos = (const int32_t *)node->src[2]->data;
-    if (node->type == QL_TYPE_F16) QL_LAUNCH(k_cache_store<uint16_t>, cu_grid(n), CU_BLOCK, 0, c.stream, cache, src, pos, n);
-    else QL_LAUNCH(k_cache_store<float>, cu_grid(n), CU_BLOCK, 0, c.stream, cache, src, pos, n);
+    if (second) {
+        CU_ASSERT(ql_cuda_cache_store_pair(node, second));
+        const int64_t n1 = ql_nelements(second->src[1]);
+        const cu_t cache1 = cu_of(second), src1 = cu_of(second->src[1]);
+        if (node->type == QL_TYPE_F16)
+            QL_LAUNCH(k_cache_store2<uint16_t>, cu_grid(n + n1), CU_BLOCK, 0, c.stream, cache, src, cache1, src1, pos, n, n1);
+        else QL_LAUNCH(k_cache_store2<float>, cu_grid(n + n1), CU_BLOCK, 0, c.stream, cache, src, cache1, src1, pos, n, n1);
+    } else if (node->type == QL_TYPE_F16) {
+        QL_LAUNCH(k_cache_store<uint16_t>, cu_grid(n), CU_BLOCK, 0, c.stream, cache, src, pos, n);
+    } else {
+        QL_LAUNCH(k_cache_store<float>, cu_grid(n), CU_BLOCK, 0, c.stream, cache, src, pos, n);
+    }
     CU_LAUNCHED(c);
 }
 
@@ -2475,6 +2505,31 @@ __global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm(cu_t a, const float *
         const float y = x[i] * rs, v = w ? __fmul_rn(y, w[i]) : y;
         cu_st(d + (r * ne0 + i) * (d_type == QL_TYPE_F32 ? 4 : 2), d_type, v);
         if (d16) cu_st(d16 + (r * ne0 + i) * 2, d16_type, v);
+    }
+}
+// decode (ql_cuda_q8_made_by): k_rms_norm's f32 result (the same sum of squares, the same products),
+// and as each lane stores 8 neighbouring elements, their 8-bit codes for the next product (k_q8_act's,
+// cu_q8_act8) - the product then finds them in the workspace. One block of CU_ROW_BLOCK a row
+// (a column of the product's b), ne0 a multiple of 256
+__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm_q8(cu_t a, const float *w, float *d, float eps, int qb, int8_t *q, float *sd,
+                                                              int *ss) {
+    __shared__ float sh[32];
+    const int64_t ne0 = a.ne[0], r = blockIdx.x;
+    const float *x = (const float *)cu_row(a, r);
+    float s = 0;
+    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) s += x[i] * x[i];
+    const float rs = 1.0f / sqrtf(cu_block_sum(s, sh) / (float)ne0 + eps);
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    for (int64_t base = (int64_t)warp * 256; base < ne0; base += (int64_t)nw * 256) {  // (warp-uniform: the shuffles)
+        const int64_t e = base + lane * 8;
+        float v[8];
+QL_UNROLL
+        for (int l = 0; l < 8; l++) {
+            const float y = x[e + l] * rs;
+            v[l] = w ? __fmul_rn(y, w[e + l]) : y;
+            d[r * ne0 + e + l] = v[l];
+        }
+        cu_q8_act8(v, true, r, ne0, e, qb, q, sd, ss);
     }
 }
 // cast: NULL, or the next node, the result's cast to 16 bits, made by the same launch (ql_cuda_norm_cast_pair)
@@ -2641,6 +2696,22 @@ static void cu_op_silu_back(cu_ctx &c, ql_tensor *node) {
         QL_LAUNCH(k_silu_back, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), cu_of(dy), (float *)node->data, n);
     CU_LAUNCHED(c);
 }
+// decode (ql_cuda_q8_made_by): SwiGLU's f32 result [K, N] (cu_swiglu_f, as k_swiglu's) and, as
+// each lane stores 8 neighbouring elements, their 8-bit codes for the next product (cu_q8_act8);
+// k_q8_act's grid
+__global__ void __launch_bounds__(Q8_ACT_WARPS * 32) k_swiglu_q8(const float *a, const float *b, float *d, int64_t K, int qb, int8_t *q,
+                                                                float *sd, int *ss) {
+    const int lane = threadIdx.x % 32, n = blockIdx.y;
+    const int64_t e = ((int64_t)blockIdx.x * Q8_ACT_WARPS + threadIdx.x / 32) * 256 + lane * 8;
+    const bool in = e < K;  // (K a multiple of qb: a block's lanes are all in or all out)
+    float v[8];
+QL_UNROLL
+    for (int l = 0; l < 8; l++) {
+        v[l] = in ? cu_swiglu_f(a[n * K + e + l], b[n * K + e + l]) : 0.0f;
+        if (in) d[n * K + e + l] = v[l];
+    }
+    cu_q8_act8(v, in, n, K, e, qb, q, sd, ss);
+}
 static void cu_op_swiglu(cu_ctx &c, ql_tensor *node) {
     const ql_tensor *a = node->src[0], *b = node->src[1];
     const int64_t n = ql_nelements(node);
@@ -2659,6 +2730,28 @@ static void cu_op_swiglu(cu_ctx &c, ql_tensor *node) {
         QL_LAUNCH(k_swiglu, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), cu_of(b), (char *)node->data, n);
     }
     CU_LAUNCHED(c);
+}
+// a norm or SwiGLU with the 8-bit codes of product mm's b (ql_cuda_q8_made_by(node, mm) == qb): left
+// in the workspace as mm's own quantisation would leave them (cu_op_gemv_q8 finds them: c.q8_b, c.q8_key)
+static void cu_op_q8_made_by(cu_ctx &c, ql_tensor *node, const ql_tensor *mm, int qb) {
+    const int64_t K = node->ne[0], N = node->ne[1];
+    size_t off[2];
+    CU_ASSERT(ql_cuda_q8_made_by(node, mm) == qb && ql_cuda_mm_q8_layout(N, K, qb, off) <= c.work_size);
+    int8_t *q = (int8_t *)c.work;
+    float *sd = (float *)(c.work + off[0]);
+    int *ss = (int *)(c.work + off[1]);
+    if (node->op == QL_OP_RMS_NORM) {
+        const ql_tensor *w = node->src[1];
+        QL_LAUNCH(k_rms_norm_q8, (unsigned)N, CU_ROW_BLOCK, 0, c.stream, cu_of(node->src[0]), w ? (const float *)w->data : nullptr,
+                  (float *)node->data, cu_param<float>(node, 0), qb, q, sd, ss);
+    } else {
+        QL_LAUNCH(k_swiglu_q8, dim3((unsigned)((K + 256 * Q8_ACT_WARPS - 1) / (256 * Q8_ACT_WARPS)), (unsigned)N), Q8_ACT_WARPS * 32, 0,
+                  c.stream, (const float *)node->src[0]->data, (const float *)node->src[1]->data, (float *)node->data, K, qb, q, sd, ss);
+    }
+    CU_LAUNCHED(c);
+    const int64_t key[4] = {K, N, (int64_t)node->nb[1], qb};  // (cu_op_gemv_q8's)
+    c.q8_b = node->data;
+    memcpy(c.q8_key, key, sizeof(key));
 }
 template <int T, int D> static void cu_launch_swiglu_back_vec(cu_ctx &c, const ql_tensor *node, int64_t n) {
     QL_LAUNCH((k_swiglu_back_vec<T, D>), cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const typename cu_ew<T>::T *)node->src[0]->data,
@@ -5196,11 +5289,16 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
             if (!c.failed) {
                 if (node->op == QL_OP_RMS_NORM_BACK) cu_op_rms_norm_back(c, node, next);
                 else if (node->op == QL_OP_RMS_NORM) cu_op_rms_norm(c, node, next);
+                else if (node->op == QL_OP_CACHE_STORE) cu_op_cache_store(c, node, next);
                 else cu_op_rope(c, node, node->op == QL_OP_ROPE_BACK, next);
             }
             cu_q8_after(c, node);  // (as cu_run_node: decode's 8-bit activations dropped where written over)
             cu_q8_after(c, next);
             made = j;
+        } else if (int qb = next && !ex.profile && !ex.check_finite ? ql_cuda_q8_made_by(node, next) : 0) {
+            // decode: a norm or SwiGLU and the codes of the product after it, which reads them (one launch fewer)
+            cu_q8_after(c, node);
+            cu_op_q8_made_by(c, node, next, qb);
         } else {
             cu_run_node(c, node);
         }

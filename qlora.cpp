@@ -4199,8 +4199,28 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
             if (sr && over(sr, b)) return true;
         return false;
     };
+    // decode's 8-bit codes of a product's b, still in the workspace for the next product of that b
+    // (q, k and v; gate and up): not made again (the executor's cu_q8_after: forgotten when a node
+    // writes over b or uses the workspace otherwise). The key: b's root, offset, row stride, K, N, block
+    struct q8_key {
+        const ql_tensor *root = nullptr;
+        size_t offs = 0, nb1 = 0;
+        int64_t K = 0, N = 0;
+        int qb = 0;
+        bool operator==(const q8_key &o) const {
+            return root == o.root && offs == o.offs && nb1 == o.nb1 && K == o.K && N == o.N && qb == o.qb;
+        }
+    } codes;
+    auto key_of = [](const ql_tensor *mmn, int qb) {
+        q8_key k;
+        const ql_tensor *b = mmn->src[1];
+        for (const ql_tensor *v = b; v->view_src; v = v->view_src) k.offs += v->view_offs;
+        k.root = view_root(const_cast<ql_tensor *>(b)), k.nb1 = b->nb[1], k.K = b->ne[0], k.N = b->ne[1], k.qb = qb;
+        return k;
+    };
     const ql_tensor *prev = nullptr;  // the node before (no-op nodes skipped), unless its launch made it
-    for (const ql_tensor *node : g->nodes) {
+    for (size_t ni = 0; ni < g->nodes.size(); ni++) {
+        const ql_tensor *node = g->nodes[ni];
         if (is_noop(node->op)) continue;
         ql_tensor mm;  // a product into rows: its FLOPs and bytes those of the product
         const ql_tensor *n = node->op == QL_OP_MUL_MAT_ROWS ? (ql_mul_mat_rows_product(node, &mm), &mm) : node;
@@ -4208,7 +4228,20 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
         const bool paired = !caps.host && ql_cuda_launch_pair(prev, node) && !over_any(prev, node);
         const bool cast_made = paired && ql_cuda_norm_cast_pair(prev, node);  // (written by the norm's kernel: nothing read again)
         prev = paired ? nullptr : node;
-        const int64_t nl = caps.host ? 1 : paired ? 0 : ql_cuda_node_launches(node, caps.cc, inplace.count(node) > 0);
+        int64_t nl = caps.host ? 1 : paired ? 0 : ql_cuda_node_launches(node, caps.cc, inplace.count(node) > 0);
+        if (!caps.host) {
+            const int qb = ql_cuda_mm_q8(node);
+            if (qb && ql_cuda_q8_aligned(node)) {
+                const q8_key k = key_of(node, qb);
+                if (codes.root && k == codes) nl--;  // (the quantisation the count above includes)
+                codes = k;
+            }
+            if (codes.root && (over(codes.root, node) || (!qb && ql_cuda_work_size(node, caps.cc) > 0))) codes = q8_key{};
+            size_t nj = ni + 1;  // a norm or SwiGLU writing the next product's codes (ql_cuda_q8_made_by), not paired
+            while (nj < g->nodes.size() && is_noop(g->nodes[nj]->op)) nj++;
+            if (!paired && nj < g->nodes.size() && prev == node)
+                if (const int nq = ql_cuda_q8_made_by(node, g->nodes[nj])) codes = key_of(g->nodes[nj], nq);
+        }
         c->launches += nl;
         if (dump) {  // QLORA_CENSUS_DUMP: launches and nodes per op (and per 16-bit type of the result)
             auto &e = by_op[std::string(ql_op_name(node->op)) + (node->type == QL_TYPE_F32 ? "" : "/16")];
@@ -4222,8 +4255,12 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
         c->flops += f;
         if (n->flags & QL_FLAG_RECOMPUTED) c->recompute_flops += f;
         double b = (double)ql_nbytes(n);
-        for (const ql_tensor *sr : n->src)
-            if (sr && !cast_made) b += (double)(ql_nbytes(sr) + (sr->view_src ? 0 : sr->aux_size));
+        for (int i = 0; i < QL_MAX_SRC; i++) {
+            const ql_tensor *sr = n->src[i];
+            if (!sr || cast_made) continue;
+            if (i == 0 && n->op == QL_OP_GET_ROWS) b += (double)(ql_nelements(n->src[1]) * (int64_t)sr->nb[1]);  // the rows it reads, not the table
+            else b += (double)(ql_nbytes(sr) + (sr->view_src ? 0 : sr->aux_size));
+        }
         if (!caps.host && n->op == QL_OP_MUL_MAT && ql_cuda_mm_cached(n->src[0], n->src[1]->type))  // a device reads the weight's copy instead
             b += (double)ql_nelements(n->src[0]) * (double)ql_plain_size(n->src[1]->type) -
                  (double)(ql_nbytes(n->src[0]) + (n->src[0]->view_src ? 0 : n->src[0]->aux_size));
@@ -9381,9 +9418,12 @@ int ql_cuda_mm_tile_bufs(int64_t row_len, int64_t n_rows, int64_t batches) {
 // A product of a few tokens (decode) read straight from the packed weight, one warp per row:
 // no dequantised tile, no workspace. a: a whole 2-D weight (block-quantized or 16/32-bit) with
 // rows of a multiple of 32; b: at most QL_CUDA_GEMV_MAX_N columns of K contiguous elements; an
-// f32 result, no accumulation onto c.
-bool ql_cuda_mm_gemv(const ql_tensor *node) {  // (a scaled product: the GEMM's alpha)
-    if (node->op != QL_OP_MUL_MAT || node->type != QL_TYPE_F32 || node->src[2] || ql_mul_mat_alpha(node) != 1.0f) return false;
+// f32 result, unscaled (a scaled product: the GEMM's alpha). ql_mul_mat_acc's c (the residual the
+// o and down projections add onto) is read by the kernels as they write: f32, the result's shape.
+bool ql_cuda_mm_gemv(const ql_tensor *node) {
+    if (node->op != QL_OP_MUL_MAT || node->type != QL_TYPE_F32 || ql_mul_mat_alpha(node) != 1.0f) return false;
+    const ql_tensor *c = node->src[2];
+    if (c && (c->type != QL_TYPE_F32 || !ql_is_contiguous(c) || !ql_same_shape(c, node) || !ql_is_contiguous(node))) return false;
     const ql_tensor *a = node->src[0], *b = node->src[1];
     const ql_type_traits *t = ql_type_traits_get(a->type);
     if (!t || (!t->to_float && !t->to_float_aux) || a->type == QL_TYPE_I32 || a->type == QL_TYPE_I8) return false;
@@ -9406,6 +9446,11 @@ int ql_cuda_mm_q8(const ql_tensor *node) {
                    : t == QL_TYPE_Q4_K || t == QL_TYPE_Q5_K || t == QL_TYPE_Q6_K || t == QL_TYPE_IQ4_XS ? QL_QK_K
                                                                                                          : 0;
     return qb && b->type == QL_TYPE_F32 && a->ne[0] % qb == 0 && (!nf4 || a->ne[0] % QL_NF4_BLOCK == 0) ? qb : 0;
+}
+bool ql_cuda_q8_aligned(const ql_tensor *node) {
+    const ql_tensor *a = node->src[0];
+    const bool wide = a->type == QL_TYPE_Q4_K || a->type == QL_TYPE_Q5_K || a->type == QL_TYPE_NF4 || a->type == QL_TYPE_NF4_NODQ;
+    return !wide || ((uintptr_t)a->data | (uintptr_t)a->nb[1]) % 16 == 0;
 }
 size_t ql_cuda_mm_q8_layout(int64_t N, int64_t K, int qb, size_t off[2]) {
     const size_t d = align_up((size_t)(N * K), 16), s = d + align_up((size_t)(N * (K / qb)) * sizeof(float), 16);
@@ -9502,7 +9547,7 @@ int64_t ql_cuda_node_launches(const ql_tensor *node, int cc, bool inplace) {
         return 1 + ql_cuda_node_launches(&mm, cc, false);  // the dropout before (D), or after (k_drop_acc)
     }
     case QL_OP_MUL_MAT: {
-        if (ql_cuda_mm_gemv(node)) return ql_cuda_mm_q8(node) ? 2 : 1;  // (b's columns quantised first)
+        if (ql_cuda_mm_gemv(node)) return ql_cuda_mm_q8(node) && ql_cuda_q8_aligned(node) ? 2 : 1;  // (b's columns quantised first)
         if (ql_cuda_mm_thin(node)) return 1;
         const ql_tensor *a = node->src[0], *b = node->src[1], *acc = node->src[2];
         const int64_t K = a->ne[0], M = a->ne[1];
@@ -9546,6 +9591,11 @@ bool ql_cuda_rope_pair(const ql_tensor *a, const ql_tensor *b) {
            a->op_params[0] == x->ne[0] && b->op_params[0] == y->ne[0] && x->ne[2] == y->ne[2] && x->ne[3] == y->ne[3] && yr != a &&
            ql_is_contiguous(a) && ql_is_contiguous(b);
 }
+// decode: the new keys' and values' rows into their caches (the same position, cache type)
+bool ql_cuda_cache_store_pair(const ql_tensor *a, const ql_tensor *b) {
+    return a && b && a->op == QL_OP_CACHE_STORE && b->op == QL_OP_CACHE_STORE && a->type == b->type && a->src[2] == b->src[2] &&
+           a->view_src != b->view_src && view_root(b->src[1]) != a->view_src;  // (a store's result is a view of its cache)
+}
 // b casts the whole of a, a norm or its backward in f32, to the 16 bits the products read: the
 // norm's kernel writes both as it stores each element. (Backward: the residual's gradient goes on in
 // f32. Forward: adapter dropout is drawn over the f32 normed input, the products read its copy)
@@ -9559,11 +9609,29 @@ bool ql_cuda_norm_cast_pair(const ql_tensor *a, const ql_tensor *b) {
     return view_root(b->src[0]) == a && offs == 0 && ql_nelements(x) == ql_nelements(a) && ql_is_contiguous(x) && ql_is_contiguous(a) &&
            ql_is_contiguous(b);
 }
-// off (QLORA_CUDA_PAIRS=0, an A/B; or a test: the same bits either way): every node its own launch
+// decode: a norm (whole rows of a multiple of 256) or SwiGLU (contiguous f32 operands), f32, at
+// most QL_CUDA_GEMV_MAX_N columns, whose next node is a product with 8-bit activations reading it:
+// its kernel writes the product's codes too (the product's quantisation is then not launched). qb, or 0
 static std::atomic<bool> cuda_pairs_on{!(getenv("QLORA_CUDA_PAIRS") && strcmp(getenv("QLORA_CUDA_PAIRS"), "0") == 0)};
+int ql_cuda_q8_made_by(const ql_tensor *a, const ql_tensor *mm) {
+    if (!cuda_pairs_on || !a || !mm || a->type != QL_TYPE_F32 || !ql_is_contiguous(a) || a->ne[2] != 1 || a->ne[3] != 1 ||
+        mm->op != QL_OP_MUL_MAT || mm->src[1] != a)
+        return 0;
+    if (a->op == QL_OP_RMS_NORM) {
+        if (a->ne[0] % 256 != 0) return 0;
+    } else if (a->op == QL_OP_SWIGLU) {
+        for (const ql_tensor *x : {a->src[0], a->src[1]})
+            if (x->type != QL_TYPE_F32 || !ql_is_contiguous(x)) return 0;
+    } else {
+        return 0;
+    }
+    const int qb = ql_cuda_mm_q8(mm);
+    return qb && ql_cuda_q8_aligned(mm) ? qb : 0;
+}
+// off (QLORA_CUDA_PAIRS=0, an A/B; or a test: the same bits either way): every node its own launch
 void ql_cuda_launch_pair_for_tests(bool on) { cuda_pairs_on = on; }
 bool ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b) {
-    return cuda_pairs_on && (ql_cuda_rope_pair(a, b) || ql_cuda_norm_cast_pair(a, b));
+    return cuda_pairs_on && (ql_cuda_rope_pair(a, b) || ql_cuda_norm_cast_pair(a, b) || ql_cuda_cache_store_pair(a, b));
 }
 bool ql_cuda_fa_gemm(const ql_tensor *node) {
     return ((node->op == QL_OP_FLASH_ATTN && !node->src[4]) || node->op == QL_OP_FLASH_ATTN_BACK) && !ql_cuda_fa_fused(node);

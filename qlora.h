@@ -1436,6 +1436,12 @@ bool    ql_cuda_mm_gemv(const ql_tensor *node);        // ... and this one does 
 // QLORA_CUDA_DECODE_DP4A=0: never): b's columns quantised as the CPU's path does, into the workspace,
 // then integer dot products. The activations' block (32, or 256 for the k-quants), or 0: not this path
 int     ql_cuda_mm_q8(const ql_tensor *node);
+// ... and its weight aligned for the 16-byte loads of Q4_K's, Q5_K's and NF4's units: otherwise
+// the f32 decode kernels run (the workspace planned for the codes then unused)
+bool    ql_cuda_q8_aligned(const ql_tensor *node);
+// decode: a norm or SwiGLU whose next node (mm) is such a product reading it writes mm's codes
+// too, in the same launch (mm's own quantisation then not launched); QLORA_CUDA_PAIRS=0: never. qb, or 0
+int     ql_cuda_q8_made_by(const ql_tensor *a, const ql_tensor *mm);
 // the quantised columns' workspace, N columns of K in blocks of qb: codes int8 [N, K] at 0, scales
 // f32 [N, K/qb] at off[0], code sums int32 [N, K/g] at off[1] (g: 32 for qb 32, 8 for qb 256); the size
 size_t  ql_cuda_mm_q8_layout(int64_t N, int64_t K, int qb, size_t off[2]);
@@ -1467,7 +1473,10 @@ bool    ql_cuda_rope_pair(const ql_tensor *a, const ql_tensor *b);
 // views between them: the norm's kernel writes both (no cast launch), unless b lies over a or a
 // source of a's
 bool    ql_cuda_norm_cast_pair(const ql_tensor *a, const ql_tensor *b);
-bool    ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b);  // either of the two
+// a and b, decode's two cache stores (keys, values) at one position into caches of one type,
+// b's rows not a's result: one launch writes both
+bool    ql_cuda_cache_store_pair(const ql_tensor *a, const ql_tensor *b);
+bool    ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b);  // any of the three (QLORA_CUDA_PAIRS=0: none)
 bool    ql_cuda_mm_a_direct(const ql_tensor *a, ql_type compute);
 // a = W or transpose(W) of a QL_FLAG_CACHED weight W, in a product whose compute type (b's) is
 // not W's own: the product reads W's copy in place (no tile, no workspace for a); W, or NULL

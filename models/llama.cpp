@@ -212,6 +212,9 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     const float scale = 1.0f / std::sqrt((float)d);
     ql_tensor *a;  // [d, H, T, B]
     if (cache) {
+        // k's store placed after v's projection (graph order only): the two stores are then
+        // neighbours, which a device makes in one launch
+        k = ql_reshape_4d_after(ctx, k, k->ne[0], k->ne[1], k->ne[2], k->ne[3], v);
         ql_tensor *kc = ql_cache_store(ctx, cache->k[(size_t)il], ql_permute(ctx, k, 0, 2, 1, 3), cache->write_pos);
         ql_tensor *vc = ql_cache_store(ctx, cache->v[(size_t)il], ql_permute(ctx, v, 0, 2, 1, 3), cache->write_pos);
         a = ql_flash_attn_kv(ctx, ql_permute(ctx, q, 0, 2, 1, 3), kc, vc, cache->n_kv, scale);
@@ -222,11 +225,11 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     if (a && m->compute == QL_TYPE_BF16 && m->attn_bf16) ql_flash_attn_set_prec(a, QL_TYPE_BF16);
     if (a && !cache && m->attn_score_bytes) ql_flash_attn_set_score_bytes(a, m->attn_score_bytes);
     a = ql_reshape_3d(ctx, a, d * hp.n_head, T, B);  // in q's type: a 16-bit a is the o projection's input as it is
-    // the residual: the o projection adds onto x as it writes - no [E, T] product and add pass;
-    // in backward's recompute x (a checkpoint brought back, read again later from its own copy)
-    // dies here, so x + o(a) takes over its bytes. Not with a cache: decode's products
-    // (ql_cuda_mm_gemv) write their result alone
-    if (!cache && x->type == QL_TYPE_F32 && ql_is_contiguous(x))
+    // the residual: the o projection adds onto x as it writes - no [E, T] product and add pass
+    // (decode's too: a launch fewer a projection, the same bits as the add); in backward's
+    // recompute x (a checkpoint brought back, read again later from its own copy) dies here, so
+    // x + o(a) takes over its bytes
+    if (x->type == QL_TYPE_F32 && ql_is_contiguous(x))
         x = linear_c(ctx, m, L.wo, a, compute_input(ctx, m, L.wo, a), 0, QL_TYPE_F32, QL_TYPE_COUNT, x);
     else
         x = ql_add(ctx, x, ql_llama_linear(ctx, m, L.wo, a));
@@ -247,8 +250,8 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     if (c <= 0 || c >= rows || !x) {
         pre_norm(ctx, m, x, L.ffn_norm, {L.w_gate, L.w_up}, &h, &hc);  // one for gate and up
         ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, h, hc, 0, ff), linear_c(ctx, m, L.w_up, h, hc, 0, ff));  // [n_ff, T, B]
-        // the residual added by the down projection as it writes (not with a cache: decode's products write alone)
-        return x && !cache && x->type == QL_TYPE_F32 && ql_is_contiguous(x) ? down(g, 0, x) : ql_add(ctx, x, down(g, 0));
+        // the residual added by the down projection as it writes
+        return x && x->type == QL_TYPE_F32 && ql_is_contiguous(x) ? down(g, 0, x) : ql_add(ctx, x, down(g, 0));
     }
     // in chunks of c tokens: each chunk's norm, gate, up, SwiGLU and down (and their LoRA) on rows
     // of x, its result added into those rows of the residual (in place along the chain). The norm

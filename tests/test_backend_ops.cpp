@@ -394,6 +394,18 @@ OP_CASE(mul_mat_quantized) {
                     return ql_mul_mat(L.ctx, L.rand(t, {k, 37}), L.rand(QL_TYPE_F32, {k, n}));
                 }, TOL_MM, false);
             }
+    // onto c (decode's residual: the o and down projections add onto it as they write), c an
+    // intermediate that dies there (the product may take over its bytes) or a leaf that lives on
+    for (int64_t n : {1, 8})
+        for (bool dies : {true, false}) {
+            INFO("columns: " << n << (dies ? ", c dies at the product" : ", c a leaf"));
+            check_case(be, "decode product onto c", [t, n, dies](leafs &L) {
+                ql_tensor *c = dies ? ql_scale(L.ctx, L.rand(QL_TYPE_F32, {37, n}), 3.0f) : L.rand(QL_TYPE_F32, {37, n});
+                ql_tensor *y = ql_mul_mat_acc(L.ctx, L.rand(t, {2048, 37}), L.rand(QL_TYPE_F32, {2048, n}), c);
+                CHECK(ql_cuda_mm_gemv(y));
+                return y;
+            }, TOL_MM, false);
+        }
     }
     for (ql_type t : {QL_TYPE_F16, QL_TYPE_BF16, QL_TYPE_F32})
         check_case(be, "decode product, a float weight", [t](leafs &L) {
@@ -442,6 +454,22 @@ OP_CASE(mul_mat_decode_q8) {
                         return y;
                     }, TOL_MM, false);
                 }
+    // onto c (decode's residual, added as the product is written; c dying there: the product may
+    // take its bytes), 1 and 3 columns, for each type at its longest row (Q6_K: whole chunks,
+    // k_gemv_q8_q6s, and 2304, k_gemv_q8)
+    for (const shape &sh : shapes)
+        for (int64_t k : sh.t == QL_TYPE_Q6_K ? std::vector<int64_t>{2304, 10240} : std::vector<int64_t>{sh.ks.back()})
+            for (int64_t n : {1, 3}) {
+                INFO("onto c: type " << std::string(ql_type_name(sh.t)) << ", K " << k << ", columns " << n);
+                const ql_type t = sh.t;
+                check_case(be, "decode product onto c, 8-bit activations", [t, k, n, cuda](leafs &L) {
+                    ql_tensor *c = ql_scale(L.ctx, L.rand(QL_TYPE_F32, {37, n}, -4.0f, 4.0f), 0.5f);
+                    ql_tensor *y = ql_mul_mat_acc(L.ctx, L.rand(t, {k, 37}, -0.5f, 0.5f), L.rand(QL_TYPE_F32, {k, n}, -2.0f, 2.0f), c);
+                    REQUIRE(ql_mul_mat_set_prec(y, QL_TYPE_Q8_0) == QL_OK);
+                    if (cuda) CHECK(ql_cuda_mm_q8(y) > 0);
+                    return y;
+                }, TOL_MM, false);
+            }
     // products of one b (q, k and v; gate and up) share its codes: made once, unless a node in
     // between used the workspace (here a product in dequantised tiles: made again). The shim counts
     // the quantisations
@@ -560,12 +588,15 @@ OP_CASE(mul_mat_tiles) {
             }, TOL_MM, false);  // forward only: W x's backward above is this product already
             if (rows != k_tile_rows[0]) continue;
             // onto a c that lives on (the residual under the o and down projections): each tile's
-            // GEMM reads its rows of c and writes the sum apart (cuBLASLt's C != D), f32 and bf16 b
+            // GEMM reads its rows of c and writes the sum apart (cuBLASLt's C != D), f32 and bf16 b;
+            // 12 columns (8 or fewer: the decode kernel, which adds c itself)
             for (ql_type t : {QL_TYPE_F32, QL_TYPE_BF16})
                 check_case(be, "W x onto a kept c", [&](leafs &L) {
-                    ql_tensor *x = L.param({tt.ne0, 6});
-                    return ql_mul_mat_acc(L.ctx, L.rand(tt.t, {tt.ne0, rows}), t == QL_TYPE_F32 ? x : ql_cast(L.ctx, x, t),
-                                          L.param({rows, 6}));
+                    ql_tensor *x = L.param({tt.ne0, 12});
+                    ql_tensor *y = ql_mul_mat_acc(L.ctx, L.rand(tt.t, {tt.ne0, rows}), t == QL_TYPE_F32 ? x : ql_cast(L.ctx, x, t),
+                                                  L.param({rows, 12}));
+                    CHECK_FALSE(ql_cuda_mm_gemv(y));
+                    return y;
                 }, t == QL_TYPE_F32 ? TOL_MM : TOL_16);
             for (ql_type t : {QL_TYPE_BF16, QL_TYPE_F16}) {
                 INFO("compute " << std::string(ql_type_name(t)));
@@ -593,8 +624,8 @@ TEST_CASE("backend ops cuda: W x onto a kept c, cuBLASLt refusing after the firs
     const int64_t rows = k_tile_rows[0];  // 3 tiles of 128 rows
     tile_budget tb(budget_for(128, tt, rows));
     const builder build = [&](leafs &L) {
-        ql_tensor *x = L.param({tt.ne0, 6});
-        return ql_mul_mat_acc(L.ctx, L.rand(tt.t, {tt.ne0, rows}), ql_cast(L.ctx, x, QL_TYPE_BF16), L.param({rows, 6}));
+        ql_tensor *x = L.param({tt.ne0, 12});  // (more than 8 columns: tiles, not the decode kernel)
+        return ql_mul_mat_acc(L.ctx, L.rand(tt.t, {tt.ne0, rows}), ql_cast(L.ctx, x, QL_TYPE_BF16), L.param({rows, 12}));
     };
     auto run = [&](int skip) {  // a fresh backend each: a refusal is remembered by the backend
         ql_backend *be = make_backend("cuda");

@@ -461,11 +461,13 @@ TEST_CASE("census: a decode product (one kernel) and products in tiles" * skip_u
 }
 
 extern "C" long long qlshim_launches(const char *kernel) __attribute__((weak));  // the shim's count per kernel (NULL elsewhere)
+void ql_cuda_launch_pair_for_tests(bool on);  // (qlora.cpp: a device's paired launches on or off)
 
 // Decode through the CUDA backend with 8-bit activations, as ./generate runs it (a KV cache, the
 // prompt's graph, then one token's graph at a time): the logits are the CPU's 8-bit path's, and a
 // token quantises its activations once per input - q, k and v share theirs, gate and up theirs:
-// 4 a layer and the head's, 5 in the layer whose v is NF4 (blocks of 32 against Q4_K's 256)
+// 4 a layer and the head's, 5 in the layer whose v is NF4 (blocks of 32 against Q4_K's 256); a
+// norm's or SwiGLU's kernel makes the codes of the product after it (then not launched apart)
 TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logits, quantised once per input" *
           skip_unless(k_cuda, "without a CUDA device")) {
     tmpdir d;
@@ -514,8 +516,16 @@ TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logi
             const int32_t p = 3 + i, n_kv = p + 1;
             set(ot, &next[i], 1), set(op, &p, 1), set(cache.write_pos, &p, 1), set(cache.n_kv, &n_kv, 1);
             const long long before = qlshim_launches ? qlshim_launches("k_q8_act") : 0;
+            const long long ops = cuda && qlshim_stream_ops ? qlshim_stream_ops() : 0;
             REQUIRE_MESSAGE(ql_backend_graph_compute(be, go) == QL_OK, ql_ctx_error(ctx));
             if (cuda && qlshim_launches) quantised->push_back(qlshim_launches("k_q8_act") - before);
+            if (cuda && qlshim_stream_ops) {  // the census counts what the token issued: the shared codes once,
+                                              // the residual added by the o and down products (no add launches)
+                ql_census c;
+                REQUIRE(ql_graph_census(go, be, &c) == QL_OK);
+                CHECK_MESSAGE(c.launches == qlshim_stream_ops() - ops, "census ", c.launches, ", issued ", qlshim_stream_ops() - ops);
+                for (int j = 0; j < ql_graph_n_nodes(go); j++) CHECK(ql_graph_node(go, j)->op != QL_OP_ADD);
+            }
             REQUIRE(ql_backend_tensor_get(be, lo, l.data(), 0, (size_t)V * 4) == QL_OK);
             logits.insert(logits.end(), l.begin(), l.end());
         }
@@ -527,8 +537,13 @@ TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logi
         ql_backend_free(be);
         return logits;
     };
-    std::vector<long long> quantised;
+    std::vector<long long> quantised, quantised_apart;
     const std::vector<float> ref = run(false, nullptr), got = run(true, &quantised);
+    // the norms and SwiGLU writing the next product's codes (ql_cuda_q8_made_by) give the codes k_q8_act makes: the same logits, bit for bit
+    ql_cuda_launch_pair_for_tests(false);
+    const std::vector<float> apart = run(true, &quantised_apart);
+    ql_cuda_launch_pair_for_tests(true);
+    CHECK(apart == got);
     REQUIRE(got.size() == ref.size());
     const size_t V = ref.size() / 4;  // the prompt's last logits, then 3 tokens'
     double den = 1e-12;
@@ -548,7 +563,10 @@ TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logi
     CHECK_MESSAGE(*std::max_element(err.begin(), err.end()) < 3e-2, "worst token ", *std::max_element(err.begin(), err.end()));
     MESSAGE("decode logits, cuda against the CPU's 8-bit path: max |diff| / max |logit| per token = ", err[0], " ", err[1], " ",
             err[2], " ", err[3]);
-    if (qlshim_launches) CHECK(quantised == std::vector<long long>{10, 10, 10});  // 4 + 5 + the head's, each token
+    if (qlshim_launches) {  // each token: 4 + 5 + the head's; with the norms' and SwiGLU's codes, o's and layer 1's NF4 v's alone
+        CHECK(quantised_apart == std::vector<long long>{10, 10, 10});
+        CHECK(quantised == std::vector<long long>{3, 3, 3});
+    }
 }
 
 // Greedy decode as ./generate --exact runs it (a KV cache; the prompt's graph, its last token's

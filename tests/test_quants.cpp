@@ -593,7 +593,11 @@ TEST_CASE("cuda rules: decode products read the packed weight, others take tiles
     CHECK(ql_cuda_mm_gemv(ql_mul_mat(ctx, w, ql_cast(ctx, x1, QL_TYPE_BF16))));  // 16-bit b: its bits read as they are
     CHECK_FALSE(ql_cuda_mm_gemv(ql_mul_mat_to(ctx, ql_new_tensor_2d(ctx, QL_TYPE_F32, 512, 64), ql_cast(ctx, x1, QL_TYPE_BF16),
                                               QL_TYPE_BF16)));  // a 16-bit result
-    CHECK_FALSE(ql_cuda_mm_gemv(ql_mul_mat_acc(ctx, ql_new_tensor_2d(ctx, QL_TYPE_F32, 512, 64), x1, ql_new_tensor_2d(ctx, QL_TYPE_F32, 64, 1))));
+    // onto an f32 c (decode's residual, added by the o and down projections): the kernel adds it as it writes
+    CHECK(ql_cuda_mm_gemv(ql_mul_mat_acc(ctx, w, x1, ql_new_tensor_2d(ctx, QL_TYPE_F32, 64, 1))));
+    CHECK(ql_cuda_mm_gemv(ql_mul_mat_acc(ctx, ql_new_tensor_2d(ctx, QL_TYPE_F32, 512, 64), x1, ql_new_tensor_2d(ctx, QL_TYPE_F32, 64, 1))));
+    CHECK_FALSE(ql_cuda_mm_gemv(ql_mul_mat_acc(ctx, w, ql_cast(ctx, x1, QL_TYPE_BF16),
+                                               ql_new_tensor_2d(ctx, QL_TYPE_BF16, 64, 1))));  // onto a 16-bit c: a 16-bit result
     CHECK_FALSE(ql_cuda_mm_gemv(ql_mul_mat(ctx, ql_transpose(ctx, w), ql_new_tensor_2d(ctx, QL_TYPE_F32, 64, 1))));  // W^T: by rows of W
     CHECK_FALSE(ql_cuda_mm_gemv(ql_mul_mat(ctx, ql_new_tensor_2d(ctx, QL_TYPE_NF4, 172, 5), ql_new_tensor_2d(ctx, QL_TYPE_F32, 172, 1))));
     CHECK_FALSE(ql_cuda_mm_gemv(ql_mul_mat(ctx, w, ql_new_tensor_3d(ctx, QL_TYPE_F32, 512, 1, 2))));  // batched b
