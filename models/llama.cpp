@@ -226,9 +226,10 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     if (a && !cache && m->attn_score_bytes) ql_flash_attn_set_score_bytes(a, m->attn_score_bytes);
     a = ql_reshape_3d(ctx, a, d * hp.n_head, T, B);  // in q's type: a 16-bit a is the o projection's input as it is
     // the residual: the o projection adds onto x as it writes - no [E, T] product and add pass
-    // (decode's too: a launch fewer a projection, the same bits as the add); in backward's
-    // recompute x (a checkpoint brought back, read again later from its own copy) dies here, so
-    // x + o(a) takes over its bytes
+    // (decode's too: a launch fewer a projection - the add's bits where the product is summed
+    // first, as the device's decode kernels and the CPU's 8-bit path do; the CPU's packed GEMMs
+    // start from c, within their bound); in backward's recompute x (a checkpoint brought back,
+    // read again later from its own copy) dies here, so x + o(a) takes over its bytes
     if (x->type == QL_TYPE_F32 && ql_is_contiguous(x))
         x = linear_c(ctx, m, L.wo, a, compute_input(ctx, m, L.wo, a), 0, QL_TYPE_F32, QL_TYPE_COUNT, x);
     else
