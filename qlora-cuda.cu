@@ -2494,20 +2494,30 @@ static void cu_op_get_rows_back(cu_ctx &c, ql_tensor *node) {
 // w: NULL, or [ne0] (ql_rms_norm_mul): the normed element rounded to f32, then times w (ql_mul's
 // product); d in d_type: f32, or 16-bit (ql_rms_norm_mul_to: that f32 value rounded once on store)
 // d16: NULL, or an f32 d's cast to d16_type written too (ql_cuda_norm_cast_pair: the cast node's bits)
+// the row's scale (mean(x^2) + eps)^-1/2: each thread's strided sum, then the block's (every
+// thread of the block calls it; the same order in every norm kernel, so the same bits)
+__device__ __forceinline__ float cu_rms_scale(const float *x, int64_t ne0, float eps, float *sh) {
+    float s = 0;
+    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) s += x[i] * x[i];
+    return 1.0f / sqrtf(cu_block_sum(s, sh) / (float)ne0 + eps);
+}
+// element i normed, then times w[i] (w NULL: not)
+__device__ __forceinline__ float cu_rms_elem(const float *x, float rs, const float *w, int64_t i) {
+    const float y = x[i] * rs;
+    return w ? __fmul_rn(y, w[i]) : y;
+}
 __global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm(cu_t a, const float *w, char *d, int d_type, float eps, char *d16, int d16_type) {
     __shared__ float sh[32];
     const int64_t ne0 = a.ne[0], r = blockIdx.x;
     const float *x = (const float *)cu_row(a, r);
-    float s = 0;
-    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) s += x[i] * x[i];
-    const float rs = 1.0f / sqrtf(cu_block_sum(s, sh) / (float)ne0 + eps);
+    const float rs = cu_rms_scale(x, ne0, eps, sh);
     for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) {
-        const float y = x[i] * rs, v = w ? __fmul_rn(y, w[i]) : y;
+        const float v = cu_rms_elem(x, rs, w, i);
         cu_st(d + (r * ne0 + i) * (d_type == QL_TYPE_F32 ? 4 : 2), d_type, v);
         if (d16) cu_st(d16 + (r * ne0 + i) * 2, d16_type, v);
     }
 }
-// decode (ql_cuda_q8_made_by): k_rms_norm's f32 result (the same sum of squares, the same products),
+// decode (ql_cuda_q8_made_by): k_rms_norm's f32 result (cu_rms_scale, cu_rms_elem),
 // and as each lane stores 8 neighbouring elements, their 8-bit codes for the next product (k_q8_act's,
 // cu_q8_act8) - the product then finds them in the workspace. One block of CU_ROW_BLOCK a row
 // (a column of the product's b), ne0 a multiple of 256
@@ -2516,17 +2526,14 @@ __global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm_q8(cu_t a, const floa
     __shared__ float sh[32];
     const int64_t ne0 = a.ne[0], r = blockIdx.x;
     const float *x = (const float *)cu_row(a, r);
-    float s = 0;
-    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) s += x[i] * x[i];
-    const float rs = 1.0f / sqrtf(cu_block_sum(s, sh) / (float)ne0 + eps);
+    const float rs = cu_rms_scale(x, ne0, eps, sh);
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
     for (int64_t base = (int64_t)warp * 256; base < ne0; base += (int64_t)nw * 256) {  // (warp-uniform: the shuffles)
         const int64_t e = base + lane * 8;
         float v[8];
 QL_UNROLL
         for (int l = 0; l < 8; l++) {
-            const float y = x[e + l] * rs;
-            v[l] = w ? __fmul_rn(y, w[e + l]) : y;
+            v[l] = cu_rms_elem(x, rs, w, e + l);
             d[r * ne0 + e + l] = v[l];
         }
         cu_q8_act8(v, true, r, ne0, e, qb, q, sd, ss);
