@@ -1284,16 +1284,36 @@ template <typename T> __device__ __forceinline__ const int8_t *cu_lut_of() {
     return cu_nf4_i8;
 }
 
-// C [M, N] = W b (+ Ci, as k_gemv's) from b's codes: R rows a block (grid: M / R blocks of 32-128 threads), NN >= N
-// columns; a thread takes units i0, i0 + threads, ... of its rows, each column's codes read once
-// for the R rows. Partial sums meet by shuffles, then across warps in a fixed order.
+// One product's part of a k_gemv_q8 launch (ql_cuda_gemv_group: q, k and v, or gate and up, of
+// one b's codes): its weight (row_bytes apart, aux: NF4's double-quantised scales), M rows, the
+// result C [M, N] and its addend Ci (or NULL)
+struct gv_seg {
+    const char *w;
+    int64_t row_bytes;
+    const char *aux;
+    int64_t M;
+    float *C;
+    const float *Ci;
+};
+
+// C [M, N] = W b (+ Ci, as k_gemv's) from b's codes: R rows a block, NN >= N columns; a thread
+// takes units i0, i0 + threads, ... of its rows, each column's codes read once for the R rows.
+// Partial sums meet by shuffles, then across warps in a fixed order. Up to three products of the
+// same codes: blocks [0, blk1) make s0's rows, [blk1, blk2) s1's, the rest s2's (grid: the sum of
+// their M / R blocks of 32-128 threads); each row's sums are those of its product launched alone
 template <typename T, int R, int NN>
-__global__ void __launch_bounds__(GV_WARPS * 32) k_gemv_q8(const char *w, int64_t row_bytes, int type, const char *aux, int64_t K, int64_t M,
-                                                           const int8_t *xq, const float *xd, const int *xs, int N, float *C,
-                                                           const float *Ci) {
+__global__ void __launch_bounds__(GV_WARPS * 32) k_gemv_q8(gv_seg s0, gv_seg s1, gv_seg s2, int64_t blk1, int64_t blk2, int type, int64_t K,
+                                                           const int8_t *xq, const float *xd, const int *xs, int N) {
     __shared__ float red[GV_WARPS][R * NN];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nt = blockDim.x;
-    const int64_t r0 = (int64_t)blockIdx.x * R, n_units = K / 32;
+    // this block's product, field by field (an indexed array of them would go through the stack)
+    const int64_t bx = blockIdx.x;
+    const int sg = bx >= blk2 ? 2 : bx >= blk1 ? 1 : 0;
+    const char *w = sg == 2 ? s2.w : sg == 1 ? s1.w : s0.w, *aux = sg == 2 ? s2.aux : sg == 1 ? s1.aux : s0.aux;
+    const int64_t row_bytes = sg == 2 ? s2.row_bytes : sg == 1 ? s1.row_bytes : s0.row_bytes, M = sg == 2 ? s2.M : sg == 1 ? s1.M : s0.M;
+    float *C = sg == 2 ? s2.C : sg == 1 ? s1.C : s0.C;
+    const float *Ci = sg == 2 ? s2.Ci : sg == 1 ? s1.Ci : s0.Ci;
+    const int64_t r0 = (bx - (sg == 2 ? blk2 : sg == 1 ? blk1 : 0)) * R, n_units = K / 32;
     const int g = T::QB == 32 ? 32 : 8;
     uint32_t tab[4];  // a table type's int8 values (NF4's, or IQ4_NL/XS's), four a word
     const int8_t *lut = cu_lut_of<T>();
@@ -1407,11 +1427,13 @@ QL_UNROLL
 // the result's own storage), or NULL
 static const float *cu_gemv_addend(const ql_tensor *node) { return node->src[2] ? (const float *)node->src[2]->data : nullptr; }
 
-static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *node, int qb) {
-    const ql_tensor *a = node->src[0], *b = node->src[1];
+// nodes[0..n): one product, or up to three of one b's codes (ql_cuda_gemv_group) by one launch
+static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *const *nodes, int n, int qb) {
+    const ql_tensor *node = nodes[0], *a = node->src[0], *b = node->src[1];
     const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
     size_t off[2];
-    CU_ASSERT(ql_cuda_mm_q8_layout(N, K, qb, off) <= c.work_size && N <= QL_CUDA_GEMV_MAX_N);
+    CU_ASSERT(ql_cuda_mm_q8_layout(N, K, qb, off) <= c.work_size && N <= QL_CUDA_GEMV_MAX_N && n >= 1 && n <= QL_CUDA_GEMV_GROUP);
+    for (int m = 1; m < n; m++) CU_ASSERT(ql_cuda_gemv_group(nodes[0], nodes[m]));
     int8_t *xq = (int8_t *)c.work;
     float *xd = (float *)(c.work + off[0]);
     int *xs = (int *)(c.work + off[1]);
@@ -1425,19 +1447,10 @@ static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *node, int qb) {
         c.q8_b = b->data;
         memcpy(c.q8_key, key, sizeof(key));
     }
-    typedef void (*fn)(const char *, int64_t, int, const char *, int64_t, int64_t, const int8_t *, const float *, const int *, int, float *,
-                       const float *);
-    fn kern = nullptr;
-    const ql_type_traits *at = ql_type_traits_get(a->type);
-    const char *aux = at->aux_bytes ? (const char *)a->data + ql_aux_offset(ql_nbytes(a)) : nullptr;
     const int rows = N == 1 ? g_gemv_rows : 1;
-    auto pick = [&](auto *tag) {
-        typedef std::remove_pointer_t<decltype(tag)> T;
-        kern = N > 1 ? k_gemv_q8<T, 1, QL_CUDA_GEMV_MAX_N> : rows == 4 ? k_gemv_q8<T, 4, 1> : rows == 2 ? k_gemv_q8<T, 2, 1> : k_gemv_q8<T, 1, 1>;
-    };
-    // Q6_K in rows of whole chunks, 16-byte aligned: staged through shared memory (k_gemv_q8_q6s)
-    const bool q6s = a->type == QL_TYPE_Q6_K && K % 2048 == 0 && ((uintptr_t)a->data | (uintptr_t)a->nb[1]) % 16 == 0;
-    if (q6s) {
+    // Q6_K in rows of whole chunks, 16-byte aligned: staged through shared memory (k_gemv_q8_q6s; alone)
+    if (ql_cuda_gemv_q6s(a)) {
+        CU_ASSERT(n == 1);
         typedef void (*fs)(const char *, int64_t, int64_t, int64_t, const int8_t *, const float *, const int *, int, float *, const float *);
         const fs k6 = N > 1 ? k_gemv_q8_q6s<1, QL_CUDA_GEMV_MAX_N> : rows == 4 ? k_gemv_q8_q6s<4, 1> : rows == 2 ? k_gemv_q8_q6s<2, 1>
                                                                                                       : k_gemv_q8_q6s<1, 1>;
@@ -1448,6 +1461,13 @@ static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *node, int qb) {
         CU_LAUNCHED(c);
         return;
     }
+    typedef void (*fn)(gv_seg, gv_seg, gv_seg, int64_t, int64_t, int, int64_t, const int8_t *, const float *, const int *, int);
+    fn k_gemv_q8_of = nullptr;  // (named so: the shim counts launches by this name)
+    auto pick = [&](auto *tag) {
+        typedef std::remove_pointer_t<decltype(tag)> T;
+        k_gemv_q8_of = N > 1 ? k_gemv_q8<T, 1, QL_CUDA_GEMV_MAX_N> : rows == 4 ? k_gemv_q8<T, 4, 1> : rows == 2 ? k_gemv_q8<T, 2, 1>
+                                                                                                  : k_gemv_q8<T, 1, 1>;
+    };
     switch (a->type) {
     case QL_TYPE_Q4_0: pick((gq_q4_0 *)nullptr); break;
     case QL_TYPE_Q8_0: pick((gq_q8_0 *)nullptr); break;
@@ -1461,9 +1481,20 @@ static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *node, int qb) {
     case QL_TYPE_Q6_K: pick((gq_q6_K *)nullptr); break;
     default: CU_ASSERT(a->type == QL_TYPE_NF4 || a->type == QL_TYPE_NF4_NODQ); pick((gq_nf4 *)nullptr); break;
     }
-    QL_LAUNCH(kern, (unsigned)((M + rows - 1) / rows), cu_gemv_unit_threads(K, 32, 1), 0, c.stream, (const char *)a->data,
-              (int64_t)a->nb[1], (int)a->type, aux, K, M, (const int8_t *)xq, (const float *)xd, (const int *)xs, (int)N,
-              (float *)node->data, cu_gemv_addend(node));
+    gv_seg sg[QL_CUDA_GEMV_GROUP] = {};
+    int64_t first[QL_CUDA_GEMV_GROUP + 1] = {0};  // each product's first block; the grid's size last
+    for (int m = 0; m < QL_CUDA_GEMV_GROUP; m++) {
+        if (m < n) {
+            const ql_tensor *wm = nodes[m]->src[0];
+            const ql_type_traits *at = ql_type_traits_get(wm->type);
+            sg[m] = gv_seg{(const char *)wm->data, (int64_t)wm->nb[1],
+                           at->aux_bytes ? (const char *)wm->data + ql_aux_offset(ql_nbytes(wm)) : nullptr, wm->ne[1],
+                           (float *)nodes[m]->data, cu_gemv_addend(nodes[m])};
+        }
+        first[m + 1] = first[m] + (m < n ? (sg[m].M + rows - 1) / rows : 0);
+    }
+    QL_LAUNCH(k_gemv_q8_of, (unsigned)first[QL_CUDA_GEMV_GROUP], cu_gemv_unit_threads(K, 32, 1), 0, c.stream, sg[0], sg[1], sg[2], first[1],
+              first[2], (int)a->type, K, (const int8_t *)xq, (const float *)xd, (const int *)xs, (int)N);
     CU_LAUNCHED(c);
 }
 
@@ -1481,7 +1512,7 @@ static void cu_q8_after(cu_ctx &c, const ql_tensor *node) {
 
 static void cu_op_gemv(cu_ctx &c, ql_tensor *node) {
     if (const int qb = ql_cuda_mm_q8(node))
-        if (ql_cuda_q8_aligned(node)) return cu_op_gemv_q8(c, node, qb);
+        if (ql_cuda_q8_aligned(node)) return cu_op_gemv_q8(c, &node, 1, qb);
     const ql_tensor *a = node->src[0], *b = node->src[1];
     const ql_type_traits *at = ql_type_traits_get(a->type);
     const char *aux = at->aux_bytes ? (const char *)a->data + ql_aux_offset(ql_nbytes(a)) : nullptr;
@@ -5252,7 +5283,7 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
         }
         timed.reserve((size_t)n);
     }
-    int made = -1;  // a node already made by the launch of the one before it
+    int made = -1;  // the last node made by the launch of an earlier one (ql_cuda_launch_joins)
     for (int i = ex.first; i < ex.last && !c.failed; i++) {
         ql_tensor *node = ql_graph_node(g, i);
         for (int k : sch.wait_before[(size_t)i])
@@ -5274,7 +5305,7 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
             c.q8_b = nullptr;  // (a copy may write where decode's 8-bit activations came from)
             continue;
         }
-        if (c.failed || cu_noop(node) || i == made) continue;
+        if (c.failed || cu_noop(node) || i <= made) continue;  // (a launch's nodes: only views between them)
         if (ex.profile && !c.failed && cudaEventRecord(cb->prof_events[(size_t)(2 * i)], c.stream) != cudaSuccess) c.failed = true;
         // a node and the next by one launch (ql_cuda_launch_pair: q's and k's rotations; a norm or its
         // backward and its 16-bit copy), unless the next is timed or checked apart, or its result lies
@@ -5286,21 +5317,34 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
         ql_tensor *next = j < ex.last ? ql_graph_node(g, j) : nullptr;
         if (next && !ex.profile && !ex.check_finite && sch.slot[(size_t)j] < 0 && ql_cuda_launch_pair(node, next) &&
             !cu_over_any(node, next)) {
+            // decode's products of one b's codes: a third joins the launch (ql_cuda_launch_joins)
+            ql_tensor *grp[QL_CUDA_GEMV_GROUP] = {node, next};
+            int ng = 2;
+            for (int k = j + 1; ng < QL_CUDA_GEMV_GROUP; k++) {
+                for (; k < ex.last && cu_noop(ql_graph_node(g, k)); k++) {}
+                if (k >= ex.last || sch.slot[(size_t)k] >= 0) break;
+                ql_tensor *t = ql_graph_node(g, k);
+                bool joins = ql_cuda_launch_joins(grp, ng, t);
+                for (int m = 0; joins && m < ng; m++) joins = !cu_over_any(grp[m], t);
+                if (!joins) break;
+                grp[ng++] = t;
+                j = k;
+            }
             for (int k = i + 1; k <= j && !c.failed; k++)
                 for (int w : sch.wait_before[(size_t)k])
                     if (cudaStreamWaitEvent(c.stream, cb->events[(size_t)(2 * w + 1)], 0) != cudaSuccess) {
                         snprintf(c.err, sizeof(c.err), "cudaStreamWaitEvent: %s", cudaGetErrorString(cudaGetLastError()));
                         c.failed = true;
                     }
-            cu_pairs_made++;
+            cu_pairs_made += ng - 1;
             if (!c.failed) {
                 if (node->op == QL_OP_RMS_NORM_BACK) cu_op_rms_norm_back(c, node, next);
                 else if (node->op == QL_OP_RMS_NORM) cu_op_rms_norm(c, node, next);
                 else if (node->op == QL_OP_CACHE_STORE) cu_op_cache_store(c, node, next);
+                else if (node->op == QL_OP_MUL_MAT) cu_op_gemv_q8(c, grp, ng, ql_cuda_mm_q8(node));
                 else cu_op_rope(c, node, node->op == QL_OP_ROPE_BACK, next);
             }
-            cu_q8_after(c, node);  // (as cu_run_node: decode's 8-bit activations dropped where written over)
-            cu_q8_after(c, next);
+            for (int m = 0; m < ng; m++) cu_q8_after(c, grp[m]);  // (as cu_run_node: decode's 8-bit activations dropped where written over)
             made = j;
         } else if (int qb = next && !ex.profile && !ex.check_finite ? ql_cuda_q8_made_by(node, next) : 0) {
             // decode: a norm or SwiGLU and the codes of the product after it, which reads them (one launch fewer)

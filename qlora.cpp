@@ -4010,21 +4010,25 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
     }
     for (size_t e = 0; e < keep.size(); e++)
         if (keep[e]) g->entries[e].last = n;
-    // a device makes two neighbours by one launch (ql_cuda_launch_pair) only where the second's
-    // bytes are not the first's sources': those are held until the second is made (not where the
-    // first took one over in place: that block is the first's result, alive past the second)
+    // a device makes neighbours by one launch (ql_cuda_launch_joins) only where a later one's bytes
+    // are not an earlier one's sources': those are held until the last is made (not where one took
+    // a source over in place: that block is its result, alive past the last)
     std::vector<int> hold(g->entries.size(), -1);
     ql_backend_caps caps;
     if (ql_backend_get_caps(be, &caps) == QL_OK && !caps.host) {
-        ql_tensor *prev = nullptr;
+        const ql_tensor *grp[QL_CUDA_GEMV_GROUP];
+        int ng = 0;  // the launch's nodes so far (as the census and the executor group them)
         for (int i = 0; i < n; i++) {
             ql_tensor *node = g->nodes[(size_t)i];
             if (is_noop(node->op)) continue;
-            const bool paired = ql_cuda_launch_pair(prev, node);
-            if (paired)
-                for (ql_tensor *sr : prev->src)
+            if (!ql_cuda_launch_joins(grp, ng, node)) {
+                grp[0] = node, ng = 1;
+                continue;
+            }
+            for (int m = 0; m < ng; m++)
+                for (ql_tensor *sr : grp[m]->src)
                     if (sr && entry_of(sr) >= 0) hold[(size_t)entry_of(sr)] = std::max(hold[(size_t)entry_of(sr)], i);
-            prev = paired ? nullptr : node;  // (as the census and the executor: a pair's second starts no pair)
+            grp[ng++] = node;
         }
     }
     std::vector<std::vector<int>> held_until((size_t)n);  // blocks released after node i, held there (hold)
@@ -4218,28 +4222,31 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
         k.root = view_root(const_cast<ql_tensor *>(b)), k.nb1 = b->nb[1], k.K = b->ne[0], k.N = b->ne[1], k.qb = qb;
         return k;
     };
-    const ql_tensor *prev = nullptr;  // the node before (no-op nodes skipped), unless its launch made it
+    const ql_tensor *grp[QL_CUDA_GEMV_GROUP];  // the launch the node before started (no-op nodes skipped) and its nodes so far
+    int ng = 0;
     for (size_t ni = 0; ni < g->nodes.size(); ni++) {
         const ql_tensor *node = g->nodes[ni];
         if (is_noop(node->op)) continue;
         ql_tensor mm;  // a product into rows: its FLOPs and bytes those of the product
         const ql_tensor *n = node->op == QL_OP_MUL_MAT_ROWS ? (ql_mul_mat_rows_product(node, &mm), &mm) : node;
         c->nodes++;
-        const bool paired = !caps.host && ql_cuda_launch_pair(prev, node) && !over_any(prev, node);
-        const bool cast_made = paired && ql_cuda_norm_cast_pair(prev, node);  // (written by the norm's kernel: nothing read again)
-        prev = paired ? nullptr : node;
+        bool paired = !caps.host && ql_cuda_launch_joins(grp, ng, node);
+        for (int m = 0; paired && m < ng; m++) paired = !over_any(grp[m], node);
+        const bool cast_made = paired && ql_cuda_norm_cast_pair(grp[0], node);  // (written by the norm's kernel: nothing read again)
+        if (paired) grp[ng++] = node;
+        else grp[0] = node, ng = 1;
         int64_t nl = caps.host ? 1 : paired ? 0 : ql_cuda_node_launches(node, caps.cc, inplace.count(node) > 0);
         if (!caps.host) {
             const int qb = ql_cuda_mm_q8(node);
             if (qb && ql_cuda_q8_aligned(node)) {
                 const q8_key k = key_of(node, qb);
-                if (codes.root && k == codes) nl--;  // (the quantisation the count above includes)
+                if (!paired && codes.root && k == codes) nl--;  // (the quantisation the count above includes)
                 codes = k;
             }
             if (codes.root && (over(codes.root, node) || (!qb && ql_cuda_work_size(node, caps.cc) > 0))) codes = q8_key{};
             size_t nj = ni + 1;  // a norm or SwiGLU writing the next product's codes (ql_cuda_q8_made_by), not paired
             while (nj < g->nodes.size() && is_noop(g->nodes[nj]->op)) nj++;
-            if (!paired && nj < g->nodes.size() && prev == node)
+            if (!paired && nj < g->nodes.size())
                 if (const int nq = ql_cuda_q8_made_by(node, g->nodes[nj])) codes = key_of(g->nodes[nj], nq);
         }
         c->launches += nl;
@@ -9628,10 +9635,34 @@ int ql_cuda_q8_made_by(const ql_tensor *a, const ql_tensor *mm) {
     const int qb = ql_cuda_mm_q8(mm);
     return qb && ql_cuda_q8_aligned(mm) ? qb : 0;
 }
+// Q6_K rows of whole 2048-element chunks, 16-byte aligned: the staged decode kernel (k_gemv_q8_q6s)
+bool ql_cuda_gemv_q6s(const ql_tensor *w) {
+    return w->type == QL_TYPE_Q6_K && w->ne[0] % 2048 == 0 && ((uintptr_t)w->data | (uintptr_t)w->nb[1]) % 16 == 0;
+}
+// decode: two products with 8-bit activations of one b (q, k and v; gate and up): one launch of
+// k_gemv_q8 over both weights' rows (the same weight type: one kernel), b's codes made once
+bool ql_cuda_gemv_group(const ql_tensor *a, const ql_tensor *b) {
+    if (!a || !b || a->op != QL_OP_MUL_MAT || b->op != QL_OP_MUL_MAT || a->src[1] != b->src[1]) return false;
+    const int qb = ql_cuda_mm_q8(a);
+    if (!qb || ql_cuda_mm_q8(b) != qb || !ql_cuda_q8_aligned(a) || !ql_cuda_q8_aligned(b)) return false;
+    if (a->src[0]->type != b->src[0]->type || ql_cuda_gemv_q6s(a->src[0]) || ql_cuda_gemv_q6s(b->src[0])) return false;
+    for (const ql_tensor *s : b->src)  // b reads nothing of a's result (its addend, say)
+        if (s && view_root(const_cast<ql_tensor *>(s)) == a) return false;
+    return true;
+}
 // off (QLORA_CUDA_PAIRS=0, an A/B; or a test: the same bits either way): every node its own launch
 void ql_cuda_launch_pair_for_tests(bool on) { cuda_pairs_on = on; }
 bool ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b) {
-    return cuda_pairs_on && (ql_cuda_rope_pair(a, b) || ql_cuda_norm_cast_pair(a, b) || ql_cuda_cache_store_pair(a, b));
+    return cuda_pairs_on &&
+           (ql_cuda_rope_pair(a, b) || ql_cuda_norm_cast_pair(a, b) || ql_cuda_cache_store_pair(a, b) || ql_cuda_gemv_group(a, b));
+}
+bool ql_cuda_launch_joins(const ql_tensor *const *grp, int n, const ql_tensor *node) {
+    if (n <= 0 || !node) return false;
+    if (n == 1) return ql_cuda_launch_pair(grp[0], node);
+    if (n >= QL_CUDA_GEMV_GROUP || !cuda_pairs_on) return false;
+    for (int i = 0; i < n; i++)
+        if (!ql_cuda_gemv_group(grp[i], node)) return false;
+    return true;
 }
 bool ql_cuda_fa_gemm(const ql_tensor *node) {
     return ((node->op == QL_OP_FLASH_ATTN && !node->src[4]) || node->op == QL_OP_FLASH_ATTN_BACK) && !ql_cuda_fa_fused(node);

@@ -1476,7 +1476,16 @@ bool    ql_cuda_norm_cast_pair(const ql_tensor *a, const ql_tensor *b);
 // a and b, decode's two cache stores (keys, values) at one position into caches of one type,
 // b's rows not a's result: one launch writes both
 bool    ql_cuda_cache_store_pair(const ql_tensor *a, const ql_tensor *b);
-bool    ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b);  // any of the three (QLORA_CUDA_PAIRS=0: none)
+// a and b, decode products of one b with 8-bit activations (ql_cuda_mm_q8) and weights of one
+// type, b not reading a's result: one k_gemv_q8 launch makes both (and a third: q, k and v)
+bool    ql_cuda_gemv_group(const ql_tensor *a, const ql_tensor *b);
+bool    ql_cuda_gemv_q6s(const ql_tensor *w);        // a Q6_K weight the staged decode kernel reads (not grouped)
+bool    ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b);  // any of the four (QLORA_CUDA_PAIRS=0: none)
+// whether node joins the launch of grp[0..n) (n nodes so far, no launching node between): a pair's
+// second (ql_cuda_launch_pair), or the third of a group of decode products (QL_CUDA_GEMV_GROUP at
+// most); the planner, the census and the executor group nodes by this one rule
+#define QL_CUDA_GEMV_GROUP 3
+bool    ql_cuda_launch_joins(const ql_tensor *const *grp, int n, const ql_tensor *node);
 bool    ql_cuda_mm_a_direct(const ql_tensor *a, ql_type compute);
 // a = W or transpose(W) of a QL_FLAG_CACHED weight W, in a product whose compute type (b's) is
 // not W's own: the product reads W's copy in place (no tile, no workspace for a); W, or NULL

@@ -202,11 +202,13 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     // too. f32 where something f32-only reads them: the biases' add (Qwen2), a KV cache (generate)
     const ql_type qkv = m->compute != QL_TYPE_F32 && !cache && !L.bq && !L.bk && !L.bv ? m->compute : QL_TYPE_F32;
     // q's rotation placed after k's projection (graph order only): the two rotations are then
-    // neighbours, which a device makes in one launch
-    ql_tensor *kl = linear_b(ctx, m, L.wk, L.bk, h, hc, qkv);
-    ql_tensor *q = ql_reshape_4d_after(ctx, linear_b(ctx, m, L.wq, L.bq, h, hc, qkv), d, hp.n_head, T, B, kl);  // [d, H, T, B]
+    // neighbours, which a device makes in one launch. With a cache (decode) after v's projection
+    // too: q's, k's and v's products then neighbours, one launch on a device (ql_cuda_gemv_group)
+    ql_tensor *kl = linear_b(ctx, m, L.wk, L.bk, h, hc, qkv), *vl = linear_b(ctx, m, L.wv, L.bv, h, hc, qkv);
+    ql_tensor *kv = cache && kl && vl ? ql_reshape_4d_after(ctx, kl, kl->ne[0], kl->ne[1], kl->ne[2], kl->ne[3], vl) : kl;
+    ql_tensor *q = ql_reshape_4d_after(ctx, linear_b(ctx, m, L.wq, L.bq, h, hc, qkv), d, hp.n_head, T, B, kv);  // [d, H, T, B]
     ql_tensor *k = ql_reshape_4d(ctx, kl, d, hp.n_head_kv, T, B);                                             // [d, Hkv, T, B]
-    ql_tensor *v = ql_reshape_4d(ctx, linear_b(ctx, m, L.wv, L.bv, h, hc, qkv), d, hp.n_head_kv, T, B);
+    ql_tensor *v = ql_reshape_4d(ctx, vl, d, hp.n_head_kv, T, B);
     q = ql_rope(ctx, q, pos, m->rope_freqs, n_rot, hp.rope_mode, hp.rope_base);
     k = ql_rope(ctx, k, pos, m->rope_freqs, n_rot, hp.rope_mode, hp.rope_base);
     const float scale = 1.0f / std::sqrt((float)d);

@@ -463,6 +463,108 @@ TEST_CASE("census: a decode product (one kernel) and products in tiles" * skip_u
 extern "C" long long qlshim_launches(const char *kernel) __attribute__((weak));  // the shim's count per kernel (NULL elsewhere)
 void ql_cuda_launch_pair_for_tests(bool on);  // (qlora.cpp: a device's paired launches on or off)
 
+// Decode's products of one input (q, k and v; gate and up) with 8-bit activations: one k_gemv_q8
+// launch over the rows of all three (ql_cuda_gemv_group). Every weight type of that kernel, 1 and 5
+// tokens, row counts not a multiple of the block's 4 rows, a product adding onto c: each result is
+// the bits of its product launched alone (pairs off), and within the 8-bit path's bound of the CPU's.
+// Weights of two types, or Q6_K rows the staged kernel reads: no group (that many launches)
+TEST_CASE("cuda decode: products of one input's codes by one launch give each product's bits alone" *
+          skip_unless(k_cuda && qlshim_launches != nullptr, "without the CUDA shim's counters")) {
+    struct variant {
+        ql_type t, t3;  // the first two weights' type, the third's
+        int64_t K, N;
+        int launches;   // k_gemv_q8_of launches, grouped
+    };
+    const variant vs[] = {
+        {QL_TYPE_Q4_K, QL_TYPE_Q4_K, 512, 1, 1}, {QL_TYPE_Q4_K, QL_TYPE_Q4_K, 512, 5, 1}, {QL_TYPE_Q4_0, QL_TYPE_Q4_0, 512, 1, 1},
+        {QL_TYPE_Q8_0, QL_TYPE_Q8_0, 512, 5, 1},     {QL_TYPE_Q5_K, QL_TYPE_Q5_K, 512, 1, 1}, {QL_TYPE_Q6_K, QL_TYPE_Q6_K, 512, 1, 1},
+        {QL_TYPE_NF4, QL_TYPE_NF4, 512, 1, 1},       {QL_TYPE_NF4, QL_TYPE_NF4, 512, 5, 1},   {QL_TYPE_IQ4_XS, QL_TYPE_IQ4_XS, 512, 1, 1},
+        {QL_TYPE_Q5_1, QL_TYPE_Q5_1, 512, 1, 1},     {QL_TYPE_Q4_K, QL_TYPE_Q4_0, 512, 1, 2}, {QL_TYPE_Q6_K, QL_TYPE_Q6_K, 2048, 1, 0},
+    };
+    for (const variant &v : vs) {
+        CAPTURE(ql_type_name(v.t));
+        CAPTURE(ql_type_name(v.t3));
+        CAPTURE(v.K);
+        CAPTURE(v.N);
+        const int64_t M[3] = {200, 64, 70};
+        auto run = [&](ql_backend *be, long long *gemvs, long long *issued) {
+            ql_init_params ip = {64u << 20, nullptr, true, false};
+            ql_context *ctx = ql_init(ip);
+            std::vector<std::pair<ql_tensor *, std::vector<uint8_t>>> data;
+            uint64_t st = 7;  // values uniform in [-1, 1), the same for every backend
+            auto leaf = [&](ql_type t, int64_t ne0, int64_t ne1) {
+                ql_tensor *x = ql_new_tensor_2d(ctx, t, ne0, ne1);
+                std::vector<float> f((size_t)(ne0 * ne1));
+                for (float &e : f) {
+                    st = st * 6364136223846793005ull + 1442695040888963407ull;
+                    e = (float)((st >> 40) * (1.0 / 8388608.0)) - 1.0f;
+                }
+                std::vector<uint8_t> b(ql_nbytes(x) + x->aux_size);
+                char err[128];
+                REQUIRE_MESSAGE(ql_quantize(t, f.data(), ne1, ne0, b.data(), err, sizeof(err)) == QL_OK, err);
+                data.push_back({x, std::move(b)});
+                return x;
+            };
+            ql_tensor *b = leaf(QL_TYPE_F32, v.K, v.N), *c1 = leaf(QL_TYPE_F32, M[1], v.N);
+            ql_tensor *y[3] = {ql_mul_mat(ctx, leaf(v.t, v.K, M[0]), b), ql_mul_mat_acc(ctx, leaf(v.t, v.K, M[1]), b, c1),
+                               ql_mul_mat(ctx, leaf(v.t3, v.K, M[2]), b)};
+            ql_graph *g = ql_graph_new(ctx);
+            for (ql_tensor *t : y) {
+                REQUIRE(t);
+                REQUIRE(ql_mul_mat_set_prec(t, QL_TYPE_Q8_0) == QL_OK);
+                ql_set_output(t);
+                REQUIRE(ql_graph_build_forward(g, t) == QL_OK);
+            }
+            ql_backend_buffer *leafs = ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE);
+            REQUIRE_MESSAGE(leafs, ql_ctx_error(ctx));
+            for (auto &d : data) REQUIRE(ql_backend_tensor_set(be, d.first, d.second.data(), 0, d.second.size()) == QL_OK);
+            const bool ok = ql_graph_plan(g, be, nullptr) == QL_OK && ql_graph_alloc(g, be) == QL_OK;
+            REQUIRE_MESSAGE(ok, ql_ctx_error(ctx));
+            const bool cuda = !ql_backend_is_host(be);
+            ql_census cen;
+            REQUIRE(ql_graph_census(g, be, &cen) == QL_OK);
+            const long long g0 = qlshim_launches("k_gemv_q8_of"), o0 = qlshim_stream_ops();
+            REQUIRE_MESSAGE(ql_backend_graph_compute(be, g) == QL_OK, ql_ctx_error(ctx));
+            REQUIRE(ql_backend_synchronize(be) == QL_OK);
+            if (cuda) {
+                *gemvs = qlshim_launches("k_gemv_q8_of") - g0, *issued = qlshim_stream_ops() - o0;
+                CHECK_MESSAGE(cen.launches == *issued, "census ", cen.launches, ", issued ", *issued);
+            }
+            std::vector<float> out;
+            for (ql_tensor *t : y) {
+                std::vector<float> o((size_t)ql_nelements(t));
+                REQUIRE(ql_backend_tensor_get(be, t, o.data(), 0, o.size() * 4) == QL_OK);
+                out.insert(out.end(), o.begin(), o.end());
+            }
+            ql_graph_free(g);
+            ql_backend_buffer_free(leafs);
+            ql_free(ctx);
+            return out;
+        };
+        char err[256];
+        ql_backend *cu = ql_backend_cuda_init(0, err, sizeof(err)), *cpu = ql_backend_cpu_init(1);
+        REQUIRE_MESSAGE(cu, err);
+        ql_cuda_set_graphs(cu, false);
+        long long gemvs = 0, issued = 0, gemvs_apart = 0, issued_apart = 0;
+        const std::vector<float> got = run(cu, &gemvs, &issued);
+        ql_cuda_launch_pair_for_tests(false);
+        const std::vector<float> apart = run(cu, &gemvs_apart, &issued_apart);
+        ql_cuda_launch_pair_for_tests(true);
+        const std::vector<float> ref = run(cpu, nullptr, nullptr);
+        CHECK(gemvs == v.launches);
+        CHECK(gemvs_apart == (v.launches ? 3 : 0));
+        CHECK(issued_apart - issued == (v.launches ? 3 - v.launches : 0));
+        REQUIRE(got.size() == apart.size());
+        CHECK(memcmp(got.data(), apart.data(), got.size() * 4) == 0);
+        double den = 1e-12, worst = 0;
+        for (float x : ref) den = std::max(den, (double)std::fabs(x));
+        for (size_t i = 0; i < ref.size(); i++) worst = std::max(worst, std::isfinite(got[i]) ? std::fabs((double)got[i] - ref[i]) / den : INFINITY);
+        CHECK_MESSAGE(worst < 1e-5, "max |cuda - cpu| / max |cpu| = ", worst);  // (the same codes, f32 sums in another order)
+        ql_backend_free(cu);
+        ql_backend_free(cpu);
+    }
+}
+
 // Decode through the CUDA backend with 8-bit activations, as ./generate runs it (a KV cache, the
 // prompt's graph, then one token's graph at a time): the logits are the CPU's 8-bit path's, and a
 // token quantises its activations once per input - q, k and v share theirs, gate and up theirs:
@@ -480,7 +582,7 @@ TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logi
         write_llama_gguf(t.m, path, o);
     }
     const int32_t prompt[3] = {3, 17, 42}, next[3] = {5, 9, 33};
-    auto run = [&](bool cuda, std::vector<long long> *quantised) {
+    auto run = [&](bool cuda, std::vector<long long> *quantised, std::vector<long long> *products = nullptr) {
         char err[256] = "";
         ql_backend *be = cuda ? ql_backend_cuda_init(0, err, sizeof(err)) : ql_backend_cpu_init(1);
         REQUIRE_MESSAGE(be, err);
@@ -516,9 +618,11 @@ TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logi
             const int32_t p = 3 + i, n_kv = p + 1;
             set(ot, &next[i], 1), set(op, &p, 1), set(cache.write_pos, &p, 1), set(cache.n_kv, &n_kv, 1);
             const long long before = qlshim_launches ? qlshim_launches("k_q8_act") : 0;
+            const long long gemvs = qlshim_launches ? qlshim_launches("k_gemv_q8_of") : 0;
             const long long ops = cuda && qlshim_stream_ops ? qlshim_stream_ops() : 0;
             REQUIRE_MESSAGE(ql_backend_graph_compute(be, go) == QL_OK, ql_ctx_error(ctx));
             if (cuda && qlshim_launches) quantised->push_back(qlshim_launches("k_q8_act") - before);
+            if (cuda && qlshim_launches && products) products->push_back(qlshim_launches("k_gemv_q8_of") - gemvs);
             if (cuda && qlshim_stream_ops) {  // the census counts what the token issued: the shared codes once,
                                               // the residual added by the o and down products (no add launches)
                 ql_census c;
@@ -537,11 +641,13 @@ TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logi
         ql_backend_free(be);
         return logits;
     };
-    std::vector<long long> quantised, quantised_apart;
-    const std::vector<float> ref = run(false, nullptr), got = run(true, &quantised);
-    // the norms and SwiGLU writing the next product's codes (ql_cuda_q8_made_by) give the codes k_q8_act makes: the same logits, bit for bit
+    std::vector<long long> quantised, quantised_apart, products, products_apart;
+    const std::vector<float> ref = run(false, nullptr), got = run(true, &quantised, &products);
+    // the norms and SwiGLU writing the next product's codes (ql_cuda_q8_made_by) give the codes
+    // k_q8_act makes, and q, k and v (gate and up) by one launch (ql_cuda_gemv_group) each row's
+    // sums of its own launch: the same logits, bit for bit
     ql_cuda_launch_pair_for_tests(false);
-    const std::vector<float> apart = run(true, &quantised_apart);
+    const std::vector<float> apart = run(true, &quantised_apart, &products_apart);
     ql_cuda_launch_pair_for_tests(true);
     CHECK(apart == got);
     REQUIRE(got.size() == ref.size());
@@ -566,6 +672,10 @@ TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logi
     if (qlshim_launches) {  // each token: 4 + 5 + the head's; with the norms' and SwiGLU's codes, o's and layer 1's NF4 v's alone
         CHECK(quantised_apart == std::vector<long long>{10, 10, 10});
         CHECK(quantised == std::vector<long long>{3, 3, 3});
+        // the products' launches: 7 a layer and the head's apart; grouped, layer 0's q, k and v one,
+        // layer 1's q and k (its v NF4: another kernel) - and gate and up one
+        CHECK(products_apart == std::vector<long long>{15, 15, 15});
+        CHECK(products == std::vector<long long>{10, 10, 10});
     }
 }
 
