@@ -2421,15 +2421,19 @@ static void cu_op_acc_grad(cu_ctx &c, ql_tensor *node) {
 
 // rows of src (f32) into the cache (f32, or f16: rounded to nearest even as the CPU's) at the
 // run-time row pos[0] (read on the device)
-template <typename CT> __device__ __forceinline__ void cu_cache_store1(const cu_t &cache, const cu_t &src, int32_t at, int64_t i) {
-    const int64_t i0 = i % src.ne[0], r = i / src.ne[0], i1 = r % src.ne[1], i2 = (r / src.ne[1]) % src.ne[2], i3 = r / (src.ne[1] * src.ne[2]);
-    float v = *(const float *)(src.data + i0 * src.nb[0] + i1 * src.nb[1] + i2 * src.nb[2] + i3 * src.nb[3]);
+// v into the cache's element i0 of row at + i1 (kv head i2, batch i3); f16: 2-byte elements
+__device__ __forceinline__ void cu_cache_put(const cu_t &cache, bool f16, int32_t at, int64_t i0, int64_t i1, int64_t i2, int64_t i3, float v) {
     // limitation: a row outside the cache is not written (the CPU backend reports it; the tools never ask for one)
     if (at >= 0 && at + i1 < cache.ne[1]) {
-        char *to = cache.data + i0 * (int64_t)sizeof(CT) + (at + i1) * cache.nb[1] + i2 * cache.nb[2] + i3 * cache.nb[3];
-        if (sizeof(CT) == 4) *(float *)to = v;
+        char *to = cache.data + i0 * (f16 ? 2 : 4) + (at + i1) * cache.nb[1] + i2 * cache.nb[2] + i3 * cache.nb[3];
+        if (!f16) *(float *)to = v;
         else *(uint16_t *)to = (uint16_t)cu_bits16(v, QL_TYPE_F16);
     }
+}
+template <typename CT> __device__ __forceinline__ void cu_cache_store1(const cu_t &cache, const cu_t &src, int32_t at, int64_t i) {
+    const int64_t i0 = i % src.ne[0], r = i / src.ne[0], i1 = r % src.ne[1], i2 = (r / src.ne[1]) % src.ne[2], i3 = r / (src.ne[1] * src.ne[2]);
+    const float v = *(const float *)(src.data + i0 * src.nb[0] + i1 * src.nb[1] + i2 * src.nb[2] + i3 * src.nb[3]);
+    cu_cache_put(cache, sizeof(CT) == 2, at, i0, i1, i2, i3, v);
 }
 template <typename CT> __global__ void k_cache_store(cu_t cache, cu_t src, const int32_t *pos, int64_t n) {
     const int32_t at = *pos;
@@ -2893,23 +2897,39 @@ static void cu_op_add_rows(cu_ctx &c, ql_tensor *node) {
 // or a 16-bit rope_back of f32 a (q's, k's gradients as their multiplies read them); a 16-bit d
 // the f32 result rounded once on store, as the CPU; d contiguous [D, H, T, B].
 // a2, d2 (d2 non-null): a second tensor rotated by the same launch, at the same positions (q's and
-// k's rotations, ql_cuda_rope_pair): its heads after a's, each thread its (token, pair) in both
+// k's rotations, ql_cuda_rope_pair): its heads after a's, each thread its (token, pair) in both.
+// kc.data non-null (decode, ql_cuda_rope_store; d2 f32): the second's rotated pairs also into the
+// keys' cache at row *at + t (f16: cf16), and nv more threads store the values vs into vc as
+// k_cache_store's would (the values' store joined too; nv 0: not)
 __device__ __forceinline__ void cu_rope_heads(const cu_t &a, char *d, int dt, int64_t tok, int64_t t, int64_t bb, int64_t i0, int64_t other,
-                                              float cs, float sn) {
+                                              float cs, float sn, const cu_t &kc, bool store = false, bool cf16 = false, int32_t at = 0) {
     const int64_t D = a.ne[0], H = a.ne[1];
     const int es = a.type == QL_TYPE_F32 ? 4 : 2, ed = dt == QL_TYPE_F32 ? 4 : 2;
     for (int64_t h = 0; h < H; h++) {
         const char *x = a.data + h * a.nb[1] + t * a.nb[2] + bb * a.nb[3];
         char *y = d + (tok * H + h) * D * ed;
         const float x0 = cu_ld(x + i0 * es, a.type), x1 = cu_ld(x + (i0 + other) * es, a.type);
-        cu_st(y + i0 * ed, dt, x0 * cs - x1 * sn);
-        cu_st(y + (i0 + other) * ed, dt, x0 * sn + x1 * cs);
+        const float y0 = x0 * cs - x1 * sn, y1 = x0 * sn + x1 * cs;
+        cu_st(y + i0 * ed, dt, y0);
+        cu_st(y + (i0 + other) * ed, dt, y1);
+        if (store) {  // (dt f32: the values the store would read back)
+            cu_cache_put(kc, cf16, at, i0, t, h, bb, y0);
+            cu_cache_put(kc, cf16, at, i0 + other, t, h, bb, y1);
+        }
     }
 }
 __global__ void k_rope(cu_t a, const int32_t *pos, const float *ff, char *d, int dt, int n_dims, int mode, float base, int back, int64_t n_tok,
-                       cu_t a2, char *d2, int dt2) {
+                       cu_t a2, char *d2, int dt2, cu_t kc, cu_t vc, cu_t vs, const int32_t *at, int64_t nv, int cf16) {
     const int hp = n_dims / 2;  // rotated pairs
     const int64_t T = a.ne[2];
+    if (nv) {
+        const int32_t row = *at;
+        CU_GRID_LOOP(j, nv) {  // the values' store: each thread its share, then its share of the rotations
+            const int64_t i0 = j % vs.ne[0], r = j / vs.ne[0], i1 = r % vs.ne[1], i2 = (r / vs.ne[1]) % vs.ne[2], i3 = r / (vs.ne[1] * vs.ne[2]);
+            cu_cache_put(vc, cf16, row, i0, i1, i2, i3, *(const float *)(vs.data + i0 * vs.nb[0] + i1 * vs.nb[1] + i2 * vs.nb[2] + i3 * vs.nb[3]));
+        }
+    }
+    const int32_t krow = kc.data ? *at : 0;
     CU_GRID_LOOP(j, n_tok * hp) {
         const int64_t tok = j / hp, t = tok % T, bb = tok / T;
         const int i = (int)(j % hp);
@@ -2920,8 +2940,8 @@ __global__ void k_rope(cu_t a, const int32_t *pos, const float *ff, char *d, int
         const float r = (float)(th - two_pi * rint(th / two_pi));
         const float cs = __cosf(r), sn = back ? -__sinf(r) : __sinf(r);
         const int64_t i0 = mode == QL_ROPE_NEOX ? i : 2 * i, other = mode == QL_ROPE_NEOX ? hp : 1;
-        cu_rope_heads(a, d, dt, tok, t, bb, i0, other, cs, sn);
-        if (d2) cu_rope_heads(a2, d2, dt2, tok, t, bb, i0, other, cs, sn);
+        cu_rope_heads(a, d, dt, tok, t, bb, i0, other, cs, sn, kc);
+        if (d2) cu_rope_heads(a2, d2, dt2, tok, t, bb, i0, other, cs, sn, kc, kc.data != nullptr, cf16 != 0, krow);
     }
 }
 // the dimensions past n_dims pass through (the bytes where d has a's type, else rounded as stored)
@@ -2937,16 +2957,22 @@ __global__ void k_rope_tail(cu_t a, char *d, int dt, int n_dims, int64_t n_rows)
         else *(uint16_t *)(d + (row * D + i) * 2) = *(const uint16_t *)x;
     }
 }
-// node2: a second rotation made by the same launch (ql_cuda_rope_pair), else NULL
-static void cu_op_rope(cu_ctx &c, ql_tensor *node, bool back, ql_tensor *node2 = nullptr) {
+// node2: a second rotation made by the same launch (ql_cuda_rope_pair), else NULL; ks, vs: decode's
+// keys' store of node2's result (ql_cuda_rope_store) and the values' (a store pair with ks), or NULL
+static void cu_op_rope(cu_ctx &c, ql_tensor *node, bool back, ql_tensor *node2 = nullptr, const ql_tensor *ks = nullptr,
+                       const ql_tensor *vs = nullptr) {
     const ql_tensor *a = node->src[0], *ff = node->src[2];
     const int n_dims = node->op_params[0], mode = node->op_params[1];
     const int64_t n_tok = a->ne[2] * a->ne[3];
     CU_ASSERT(!node2 || (ql_cuda_rope_pair(node, node2) && n_dims == a->ne[0]));
-    QL_LAUNCH(k_rope, cu_grid(n_tok * (n_dims / 2)), CU_BLOCK, 0, c.stream, cu_of(a), (const int32_t *)node->src[1]->data,
+    CU_ASSERT(!ks || (node2 && ql_cuda_rope_store(node2, ks) && (!vs || ql_cuda_cache_store_pair(ks, vs))));
+    const int64_t nv = vs ? ql_nelements(vs->src[1]) : 0;
+    const cu_t none = cu_of(a), kc = ks ? cu_of(ks) : cu_t{};
+    QL_LAUNCH(k_rope, cu_grid(nv + n_tok * (n_dims / 2)), CU_BLOCK, 0, c.stream, cu_of(a), (const int32_t *)node->src[1]->data,
               ff ? (const float *)ff->data : (const float *)nullptr, (char *)node->data, (int)node->type, n_dims, mode, cu_param<float>(node, 2),
               (int)back, n_tok, node2 ? cu_of(node2->src[0]) : cu_of(a), node2 ? (char *)node2->data : (char *)nullptr,
-              node2 ? (int)node2->type : 0);
+              node2 ? (int)node2->type : 0, kc, vs ? cu_of(vs) : none, vs ? cu_of(vs->src[1]) : none,
+              ks ? (const int32_t *)ks->src[2]->data : (const int32_t *)nullptr, nv, ks && ks->type == QL_TYPE_F16 ? 1 : 0);
     CU_LAUNCHED(c);
     if (n_dims < a->ne[0]) {
         const int64_t rows = n_tok * a->ne[1];
@@ -5317,10 +5343,11 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
         ql_tensor *next = j < ex.last ? ql_graph_node(g, j) : nullptr;
         if (next && !ex.profile && !ex.check_finite && sch.slot[(size_t)j] < 0 && ql_cuda_launch_pair(node, next) &&
             !cu_over_any(node, next)) {
-            // decode's products of one b's codes: a third joins the launch (ql_cuda_launch_joins)
-            ql_tensor *grp[QL_CUDA_GEMV_GROUP] = {node, next};
+            // more join the launch (ql_cuda_launch_joins): decode's third product of one b's codes;
+            // after the rotations, the keys' and values' cache stores
+            ql_tensor *grp[QL_CUDA_LAUNCH_MAX] = {node, next};
             int ng = 2;
-            for (int k = j + 1; ng < QL_CUDA_GEMV_GROUP; k++) {
+            for (int k = j + 1; ng < QL_CUDA_LAUNCH_MAX; k++) {
                 for (; k < ex.last && cu_noop(ql_graph_node(g, k)); k++) {}
                 if (k >= ex.last || sch.slot[(size_t)k] >= 0) break;
                 ql_tensor *t = ql_graph_node(g, k);
@@ -5342,7 +5369,7 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
                 else if (node->op == QL_OP_RMS_NORM) cu_op_rms_norm(c, node, next);
                 else if (node->op == QL_OP_CACHE_STORE) cu_op_cache_store(c, node, next);
                 else if (node->op == QL_OP_MUL_MAT) cu_op_gemv_q8(c, grp, ng, ql_cuda_mm_q8(node));
-                else cu_op_rope(c, node, node->op == QL_OP_ROPE_BACK, next);
+                else cu_op_rope(c, node, node->op == QL_OP_ROPE_BACK, next, ng > 2 ? grp[2] : nullptr, ng > 3 ? grp[3] : nullptr);
             }
             for (int m = 0; m < ng; m++) cu_q8_after(c, grp[m]);  // (as cu_run_node: decode's 8-bit activations dropped where written over)
             made = j;

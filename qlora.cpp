@@ -4016,7 +4016,7 @@ ql_status ql_graph_plan(ql_graph *g, ql_backend *be, ql_plan_stats *stats_out) {
     std::vector<int> hold(g->entries.size(), -1);
     ql_backend_caps caps;
     if (ql_backend_get_caps(be, &caps) == QL_OK && !caps.host) {
-        const ql_tensor *grp[QL_CUDA_GEMV_GROUP];
+        const ql_tensor *grp[QL_CUDA_LAUNCH_MAX];
         int ng = 0;  // the launch's nodes so far (as the census and the executor group them)
         for (int i = 0; i < n; i++) {
             ql_tensor *node = g->nodes[(size_t)i];
@@ -4222,7 +4222,7 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
         k.root = view_root(const_cast<ql_tensor *>(b)), k.nb1 = b->nb[1], k.K = b->ne[0], k.N = b->ne[1], k.qb = qb;
         return k;
     };
-    const ql_tensor *grp[QL_CUDA_GEMV_GROUP];  // the launch the node before started (no-op nodes skipped) and its nodes so far
+    const ql_tensor *grp[QL_CUDA_LAUNCH_MAX];  // the launch the node before started (no-op nodes skipped) and its nodes so far
     int ng = 0;
     for (size_t ni = 0; ni < g->nodes.size(); ni++) {
         const ql_tensor *node = g->nodes[ni];
@@ -9656,10 +9656,23 @@ bool ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b) {
     return cuda_pairs_on &&
            (ql_cuda_rope_pair(a, b) || ql_cuda_norm_cast_pair(a, b) || ql_cuda_cache_store_pair(a, b) || ql_cuda_gemv_group(a, b));
 }
+bool ql_cuda_rope_store(const ql_tensor *rk, const ql_tensor *st) {
+    if (!rk || !st || rk->op != QL_OP_ROPE || st->op != QL_OP_CACHE_STORE || rk->type != QL_TYPE_F32 || !ql_is_contiguous(rk))
+        return false;
+    const ql_tensor *s = st->src[1];
+    size_t offs = 0;  // s's byte offset into rk, through the views between
+    for (const ql_tensor *v = s; v->view_src; v = v->view_src) offs += v->view_offs;
+    return view_root(const_cast<ql_tensor *>(s)) == rk && offs == 0 && s->type == QL_TYPE_F32 && s->ne[0] == rk->ne[0] &&
+           s->ne[1] == rk->ne[2] && s->ne[2] == rk->ne[1] && s->ne[3] == rk->ne[3] && s->nb[0] == rk->nb[0] && s->nb[1] == rk->nb[2] &&
+           s->nb[2] == rk->nb[1] && s->nb[3] == rk->nb[3];
+}
 bool ql_cuda_launch_joins(const ql_tensor *const *grp, int n, const ql_tensor *node) {
     if (n <= 0 || !node) return false;
     if (n == 1) return ql_cuda_launch_pair(grp[0], node);
-    if (n >= QL_CUDA_GEMV_GROUP || !cuda_pairs_on) return false;
+    if (!cuda_pairs_on) return false;
+    if (grp[0]->op == QL_OP_ROPE)  // a rope pair, then k's store, then v's
+        return n == 2 ? ql_cuda_rope_store(grp[1], node) : n == 3 && ql_cuda_cache_store_pair(grp[2], node);
+    if (n >= QL_CUDA_GEMV_GROUP) return false;
     for (int i = 0; i < n; i++)
         if (!ql_cuda_gemv_group(grp[i], node)) return false;
     return true;

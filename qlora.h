@@ -1481,10 +1481,16 @@ bool    ql_cuda_cache_store_pair(const ql_tensor *a, const ql_tensor *b);
 bool    ql_cuda_gemv_group(const ql_tensor *a, const ql_tensor *b);
 bool    ql_cuda_gemv_q6s(const ql_tensor *w);        // a Q6_K weight the staged decode kernel reads (not grouped)
 bool    ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b);  // any of the four (QLORA_CUDA_PAIRS=0: none)
+// decode: rk, the second of a rope pair (k's rotation, f32), and st, the cache store of rk's result
+// seen as [D, T, Hkv, B]: the rotating launch writes the cache rows too (then the values' store, a
+// store pair with st, as well)
+bool    ql_cuda_rope_store(const ql_tensor *rk, const ql_tensor *st);
 // whether node joins the launch of grp[0..n) (n nodes so far, no launching node between): a pair's
-// second (ql_cuda_launch_pair), or the third of a group of decode products (QL_CUDA_GEMV_GROUP at
-// most); the planner, the census and the executor group nodes by this one rule
+// second (ql_cuda_launch_pair); the third of a group of decode products (QL_CUDA_GEMV_GROUP at
+// most); after a rope pair, k's cache store and then v's (ql_cuda_rope_store: QL_CUDA_LAUNCH_MAX).
+// The planner, the census and the executor group nodes by this one rule
 #define QL_CUDA_GEMV_GROUP 3
+#define QL_CUDA_LAUNCH_MAX 4
 bool    ql_cuda_launch_joins(const ql_tensor *const *grp, int n, const ql_tensor *node);
 bool    ql_cuda_mm_a_direct(const ql_tensor *a, ql_type compute);
 // a = W or transpose(W) of a QL_FLAG_CACHED weight W, in a product whose compute type (b's) is

@@ -778,10 +778,22 @@ TEST_CASE("cuda decode: an f16 KV cache gives the CPU's greedy tokens; one graph
     const int n_gen = 16;
     const greedy_run cpu = decode_greedy(path, false, QL_TYPE_F16, prompt, n_gen);
     const long long fd = qlshim_launches ? qlshim_launches("k_fa_decode<uint16_t>") : 0, ff = qlshim_launches ? qlshim_launches("k_fa_fwd<uint16_t>") : 0;
+    auto stores = [] { return qlshim_launches ? qlshim_launches("k_cache_store<uint16_t>") + qlshim_launches("k_cache_store2<uint16_t>") : 0; };
+    const long long st = stores();
     const greedy_run gpu = decode_greedy(path, true, QL_TYPE_F16, prompt, n_gen);
     if (qlshim_launches) {  // 2 layers: the prompt's through the tile kernel, each token's through the decode kernel (a replay runs them too)
         CHECK(qlshim_launches("k_fa_fwd<uint16_t>") - ff == 2);
         CHECK(qlshim_launches("k_fa_decode<uint16_t>") - fd == 2 * n_gen);
+        CHECK(stores() == st);  // the rotations' launch stores the keys and values (ql_cuda_rope_store), the prompt's too
+    }
+    {  // every node its own launch: the same bits (the stores' f16 roundings of the same f32 values)
+        ql_cuda_launch_pair_for_tests(false);
+        const greedy_run apart = decode_greedy(path, true, QL_TYPE_F16, prompt, n_gen);
+        ql_cuda_launch_pair_for_tests(true);
+        if (qlshim_launches) CHECK(stores() - st == 4 * (n_gen + 1));  // (2 layers, keys and values, the prompt and each token)
+        CHECK(apart.tokens == gpu.tokens);
+        REQUIRE(apart.logits.size() == gpu.logits.size());
+        CHECK(memcmp(apart.logits.data(), gpu.logits.data(), gpu.logits.size() * 4) == 0);
     }
     const greedy_run gpu32 = decode_greedy(path, true, QL_TYPE_F32, prompt, n_gen);
     CHECK(gpu.tokens == cpu.tokens);
