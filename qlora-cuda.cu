@@ -81,6 +81,7 @@ struct cu_ctx {
     // product to the next of the same run while no node in between writes the workspace or over b
     const void    *q8_b = nullptr;
     int64_t        q8_key[4] = {0, 0, 0, 0};  // K, N, b's column stride, the block
+    unsigned      *q8_cnt = nullptr;            // k_fa_decode's counters for the codes it writes (in the backend's scratch)
 };
 
 static void cu_fail(cu_ctx &c, const char *file, int line, const char *what, const char *why) {
@@ -2774,8 +2775,8 @@ static void cu_op_swiglu(cu_ctx &c, ql_tensor *node) {
     CU_LAUNCHED(c);
 }
 // a norm or SwiGLU with the 8-bit codes of product mm's b (ql_cuda_q8_made_by(node, mm) == qb): left
-// in the workspace as mm's own quantisation would leave them (cu_op_gemv_q8 finds them: c.q8_b, c.q8_key)
-static void cu_op_q8_made_by(cu_ctx &c, ql_tensor *node, const ql_tensor *mm, int qb) {
+// in the workspace as mm's own quantisation would leave them (cu_op_q8_made_by)
+static void cu_op_q8_norm_swiglu(cu_ctx &c, ql_tensor *node, const ql_tensor *mm, int qb) {
     const int64_t K = node->ne[0], N = node->ne[1];
     size_t off[2];
     CU_ASSERT(ql_cuda_q8_made_by(node, mm) == qb && ql_cuda_mm_q8_layout(N, K, qb, off) <= c.work_size);
@@ -2791,9 +2792,6 @@ static void cu_op_q8_made_by(cu_ctx &c, ql_tensor *node, const ql_tensor *mm, in
                   c.stream, (const float *)node->src[0]->data, (const float *)node->src[1]->data, (float *)node->data, K, qb, q, sd, ss);
     }
     CU_LAUNCHED(c);
-    const int64_t key[4] = {K, N, (int64_t)node->nb[1], qb};  // (cu_op_gemv_q8's)
-    c.q8_b = node->data;
-    memcpy(c.q8_key, key, sizeof(key));
 }
 template <int T, int D> static void cu_launch_swiglu_back_vec(cu_ctx &c, const ql_tensor *node, int64_t n) {
     QL_LAUNCH((k_swiglu_back_vec<T, D>), cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const typename cu_ew<T>::T *)node->src[0]->data,
@@ -3474,7 +3472,15 @@ QL_UNROLL
         }
     }
 }
-template <typename KT> __global__ void __launch_bounds__(FD_WARPS * 32) k_fa_decode(fa_args a, float *out, float *lse) {
+#define QL_CUDA_Q8_COUNTER0 256   // the backend's scratch ints from here: k_fa_decode's counters, ...
+#define QL_CUDA_Q8_COUNTERS 768   // ... this many (blocks of an o projection's input)
+// q8 non-null (ql_cuda_q8_made_by: one query, the o projection's codes in blocks of qb): after its
+// head's output, the block that finishes a group of qb / DV heads (or each of its head's DV / qb
+// blocks) quantises the group's elements as k_q8_act would (cu_q8_act8, the values read back from
+// out). The group's heads count themselves in cnt[group] (zero before; set back to 0 by the last)
+template <typename KT>
+__global__ void __launch_bounds__(FD_WARPS * 32) k_fa_decode(fa_args a, float *out, float *lse, int8_t *q8, float *q8d, int *q8s, int qb,
+                                                             unsigned *cnt) {
     __shared__ float sm_m[FD_WARPS], sm_l[FD_WARPS], sm_o[FD_WARPS][32 * FD_MAXC];
     const int64_t D = a.q.ne[0], Tq = a.q.ne[1], H = a.q.ne[2], DV = a.v.ne[0], Hkv = a.k.ne[2];
     const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z, hk = h / (H / Hkv);
@@ -3529,6 +3535,28 @@ QL_UNROLL
         out[((b * Tq + i) * H + h) * DV + c] = bad ? NAN : acc / L;
     }
     if (threadIdx.x == 0) lse[(b * H + h) * Tq + i] = bad ? NAN : M + logf(L);
+    if (!q8) return;
+    __shared__ bool last;
+    const int64_t K = H * DV, hpb = qb > DV ? qb / DV : 1, grp = h / hpb;  // heads a block spans; this head's group
+    __syncthreads();  // (the head's output written by every thread)
+    if (threadIdx.x == 0) {
+        __threadfence();  // this head's output visible before the count says so
+        last = hpb == 1 || atomicAdd(cnt + grp, 1u) == (unsigned)hpb - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const volatile float *vo = out;  // written by other blocks: past this block's L1
+    const int64_t e0 = grp * hpb * DV, e1 = e0 + hpb * DV;
+    for (int64_t c0 = e0 + warp * 256; c0 < e1; c0 += FD_WARPS * 256) {  // warp-uniform: a warp 256 elements, a lane 8
+        const int64_t e = c0 + lane * 8;
+        const bool in = e < e1;
+        float v8[8];
+QL_UNROLL
+        for (int u = 0; u < 8; u++) v8[u] = in ? vo[e + u] : 0.0f;
+        cu_q8_act8(v8, in, 0, K, e, qb, q8, q8d, q8s);
+    }
+    if (threadIdx.x == 0 && hpb > 1) cnt[grp] = 0;  // ready for the next launch
 }
 
 static size_t fa_fwd_smem(int64_t D, int64_t DV) {
@@ -4899,7 +4927,10 @@ static void cu_fa_fused(cu_ctx &c, ql_tensor *node) {
     else fa2_run<__half>(c, node, delta, dO16);
 }
 
-static void cu_op_flash_attn(cu_ctx &c, ql_tensor *node) {
+// mm: NULL, or the o projection whose 8-bit codes (blocks of qb) the decode kernel writes too
+// (ql_cuda_q8_made_by), into the workspace as k_q8_act would
+static void cu_op_flash_attn(cu_ctx &c, ql_tensor *node, const ql_tensor *mm = nullptr, int qb = 0) {
+    CU_ASSERT(!mm || ql_cuda_q8_made_by(node, mm) == qb);
     if (ql_cuda_fa_fused(node)) return cu_fa_fused(c, node);
     if (ql_cuda_fa_gemm(node)) return cu_fa_gemm(c, node);
     const ql_tensor *q = node->src[0], *v = node->src[2];
@@ -4910,14 +4941,37 @@ static void cu_op_flash_attn(cu_ctx &c, ql_tensor *node) {
     const fa_args a = fa_args_of(node);
     if (q->ne[1] <= FD_MAX_TQ && q->ne[0] <= 32 * FD_MAXC && v->ne[0] <= 32 * FD_MAXC) {  // decode: a block per query
         const dim3 gd((unsigned)q->ne[1], (unsigned)q->ne[2], (unsigned)q->ne[3]);
-        if (kv16) QL_LAUNCH(k_fa_decode<uint16_t>, gd, FD_WARPS * 32, 0, c.stream, a, (float *)node->data, lse);
-        else QL_LAUNCH(k_fa_decode<float>, gd, FD_WARPS * 32, 0, c.stream, a, (float *)node->data, lse);
+        int8_t *q8 = nullptr;
+        float *q8d = nullptr;
+        int *q8s = nullptr;
+        if (mm) {
+            const int64_t K = ql_nelements(node);
+            size_t off[2];
+            CU_ASSERT(ql_cuda_mm_q8_layout(1, K, qb, off) <= c.work_size && K / qb <= QL_CUDA_Q8_COUNTERS);
+            q8 = (int8_t *)c.work, q8d = (float *)(c.work + off[0]), q8s = (int *)(c.work + off[1]);
+        }
+        unsigned *cnt = c.q8_cnt;
+        CU_ASSERT(!mm || cnt);
+        if (kv16) QL_LAUNCH(k_fa_decode<uint16_t>, gd, FD_WARPS * 32, 0, c.stream, a, (float *)node->data, lse, q8, q8d, q8s, qb, cnt);
+        else QL_LAUNCH(k_fa_decode<float>, gd, FD_WARPS * 32, 0, c.stream, a, (float *)node->data, lse, q8, q8d, q8s, qb, cnt);
         CU_LAUNCHED(c);
         return;
     }
     if (kv16) QL_LAUNCH(k_fa_fwd<uint16_t>, grid, FA_WARPS * 32, smem, c.stream, a, (float *)node->data, lse);
     else QL_LAUNCH(k_fa_fwd<float>, grid, FA_WARPS * 32, smem, c.stream, a, (float *)node->data, lse);
     CU_LAUNCHED(c);
+}
+
+// a node with the 8-bit codes of product mm's b (ql_cuda_q8_made_by(node, mm) == qb: a norm,
+// SwiGLU, decode's attention), left in the workspace as mm's own quantisation would leave them
+// (cu_op_gemv_q8 finds them: c.q8_b, c.q8_key)
+static void cu_op_q8_made_by(cu_ctx &c, ql_tensor *node, const ql_tensor *mm, int qb) {
+    const ql_tensor *b = mm->src[1];  // node's result, or (attention's) a view of it as [DV H, 1]
+    if (node->op == QL_OP_FLASH_ATTN) cu_op_flash_attn(c, node, mm, qb);
+    else cu_op_q8_norm_swiglu(c, node, mm, qb);
+    const int64_t key[4] = {b->ne[0], b->ne[1], (int64_t)b->nb[1], qb};  // (cu_op_gemv_q8's)
+    c.q8_b = b->data;
+    memcpy(c.q8_key, key, sizeof(key));
 }
 
 static void cu_op_flash_attn_back(cu_ctx &c, ql_tensor *node) { ql_cuda_fa_fused(node) ? cu_fa_fused(c, node) : cu_fa_gemm(c, node); }
@@ -4972,7 +5026,8 @@ struct cuda_backend {
     cublasLtHandle_t lt = nullptr;  // cuBLASLt: products whose addend is not their result (C != D); on cuBLAS' workspace
     bool lt_ok = true;              // false once it refused one (then c is copied first)
     size_t blas_work_size = 0;
-    int   *d_scratch = nullptr;  // device: reduction results (check_finite, gradient statistics)
+    int   *d_scratch = nullptr;  // device: reduction results (check_finite, gradient statistics); from int
+                                 // QL_CUDA_Q8_COUNTER0 the decode attention's counters (k_fa_decode), zeroed at start
     int   *h_scratch = nullptr;  // pinned host copy
     // activation offload (QL_OP_TO_HOST / TO_DEVICE): the copies' own stream, and per copy two
     // events (the compute stream reached it; the copy is done), made on the first graph that has
@@ -5150,6 +5205,7 @@ static cu_ctx cu_ctx_of(cuda_backend *cb) {
     c.cb = cb;
     c.stream = cb->stream;
     c.blas = cb->blas;
+    c.q8_cnt = cb->d_scratch ? (unsigned *)(cb->d_scratch + QL_CUDA_Q8_COUNTER0) : nullptr;
     return c;
 }
 
@@ -5679,6 +5735,7 @@ ql_backend *ql_backend_cuda_init(int device, char *err, size_t err_size) {
     cb->graphs = !graphs || strcmp(graphs, "0") != 0;  // on by default
     cb->d_scratch = ok ? (int *)cu_device_alloc(4096) : nullptr;
     cb->h_scratch = ok ? (int *)cuda_host_alloc(be, 4096) : nullptr;
+    ok = ok && cb->d_scratch && cudaMemsetAsync(cb->d_scratch, 0, 4096, cb->stream) == cudaSuccess;
     if (ok && cb->d_scratch && cb->h_scratch && info.major >= 8) {  // the fragment layout the register path needs, checked once
         QL_LAUNCH(k_fa2_probe<__nv_bfloat16>, 1, 32, 0, cb->stream, cb->d_scratch);
         ok = cudaGetLastError() == cudaSuccess &&

@@ -9622,8 +9622,25 @@ bool ql_cuda_norm_cast_pair(const ql_tensor *a, const ql_tensor *b) {
 static std::atomic<bool> cuda_pairs_on{!(getenv("QLORA_CUDA_PAIRS") && strcmp(getenv("QLORA_CUDA_PAIRS"), "0") == 0)};
 int ql_cuda_q8_made_by(const ql_tensor *a, const ql_tensor *mm) {
     if (!cuda_pairs_on || !a || !mm || a->type != QL_TYPE_F32 || !ql_is_contiguous(a) || a->ne[2] != 1 || a->ne[3] != 1 ||
-        mm->op != QL_OP_MUL_MAT || mm->src[1] != a)
+        mm->op != QL_OP_MUL_MAT)
         return 0;
+    const int qb = ql_cuda_mm_q8(mm);
+    if (!qb || !ql_cuda_q8_aligned(mm)) return 0;
+    if (a->op == QL_OP_FLASH_ATTN) {
+        // decode's attention over a cache (k_fa_decode: one query, D and DV <= 256), read by the o
+        // projection as [DV H, 1]: the head completing a block of qb writes its codes (a block spans
+        // qb / DV heads, or a head DV / qb blocks)
+        const ql_tensor *b = mm->src[1], *q = a->src[0];
+        size_t offs = 0;
+        for (const ql_tensor *v = b; v->view_src; v = v->view_src) offs += v->view_offs;
+        const int64_t DV = a->ne[0];
+        return a->src[4] && q->type == QL_TYPE_F32 && q->ne[1] == 1 && q->ne[0] <= 256 && DV <= 256 &&
+                       view_root(const_cast<ql_tensor *>(b)) == a && offs == 0 && ql_is_contiguous(b) && b->ne[1] == 1 &&
+                       ql_nelements(b) == ql_nelements(a) && (qb % DV == 0 || DV % qb == 0)
+                   ? qb
+                   : 0;
+    }
+    if (mm->src[1] != a) return 0;
     if (a->op == QL_OP_RMS_NORM) {
         if (a->ne[0] % 256 != 0) return 0;
     } else if (a->op == QL_OP_SWIGLU) {
@@ -9632,8 +9649,7 @@ int ql_cuda_q8_made_by(const ql_tensor *a, const ql_tensor *mm) {
     } else {
         return 0;
     }
-    const int qb = ql_cuda_mm_q8(mm);
-    return qb && ql_cuda_q8_aligned(mm) ? qb : 0;
+    return qb;
 }
 // Q6_K rows of whole 2048-element chunks, 16-byte aligned: the staged decode kernel (k_gemv_q8_q6s)
 bool ql_cuda_gemv_q6s(const ql_tensor *w) {

@@ -1440,7 +1440,8 @@ int     ql_cuda_mm_q8(const ql_tensor *node);
 // the f32 decode kernels run (the workspace planned for the codes then unused)
 bool    ql_cuda_q8_aligned(const ql_tensor *node);
 // decode: a norm or SwiGLU whose next node (mm) is such a product reading it writes mm's codes
-// too, in the same launch (mm's own quantisation then not launched); QLORA_CUDA_PAIRS=0: never. qb, or 0
+// too, in the same launch (mm's own quantisation then not launched) - and attention over a KV cache
+// for the o projection reading its one token's output; QLORA_CUDA_PAIRS=0: never. qb, or 0
 int     ql_cuda_q8_made_by(const ql_tensor *a, const ql_tensor *mm);
 // the quantised columns' workspace, N columns of K in blocks of qb: codes int8 [N, K] at 0, scales
 // f32 [N, K/qb] at off[0], code sums int32 [N, K/g] at off[1] (g: 32 for qb 32, 8 for qb 256); the size

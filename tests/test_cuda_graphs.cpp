@@ -569,7 +569,9 @@ TEST_CASE("cuda decode: products of one input's codes by one launch give each pr
 // prompt's graph, then one token's graph at a time): the logits are the CPU's 8-bit path's, and a
 // token quantises its activations once per input - q, k and v share theirs, gate and up theirs:
 // 4 a layer and the head's, 5 in the layer whose v is NF4 (blocks of 32 against Q4_K's 256); a
-// norm's or SwiGLU's kernel makes the codes of the product after it (then not launched apart)
+// norm's, SwiGLU's or attention's kernel makes the codes of the product after it (then not launched
+// apart): attention's for layer 0's Q4_K o (a block of 256 spans its 4 heads of 64) and layer 1's
+// NF4 o (blocks of 32 within a head)
 TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logits, quantised once per input" *
           skip_unless(k_cuda, "without a CUDA device")) {
     tmpdir d;
@@ -578,7 +580,7 @@ TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logi
         tiny_llama t(tiny_hparams(61, 256, 512), 5, 0.2f);
         llama_gguf_opts o;
         o.linear_type = QL_TYPE_Q4_K;
-        o.nf4 = {"output.weight", "blk.1.attn_v.weight"};
+        o.nf4 = {"output.weight", "blk.1.attn_v.weight", "blk.1.attn_output.weight"};  // (NF4: blocks of 32, within a head)
         write_llama_gguf(t.m, path, o);
     }
     const int32_t prompt[3] = {3, 17, 42}, next[3] = {5, 9, 33};
@@ -669,9 +671,9 @@ TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logi
     CHECK_MESSAGE(*std::max_element(err.begin(), err.end()) < 3e-2, "worst token ", *std::max_element(err.begin(), err.end()));
     MESSAGE("decode logits, cuda against the CPU's 8-bit path: max |diff| / max |logit| per token = ", err[0], " ", err[1], " ",
             err[2], " ", err[3]);
-    if (qlshim_launches) {  // each token: 4 + 5 + the head's; with the norms' and SwiGLU's codes, o's and layer 1's NF4 v's alone
+    if (qlshim_launches) {  // each token: 4 + 5 + the head's; with the norms', SwiGLU's and attention's codes, layer 1's NF4 v's alone
         CHECK(quantised_apart == std::vector<long long>{10, 10, 10});
-        CHECK(quantised == std::vector<long long>{3, 3, 3});
+        CHECK(quantised == std::vector<long long>{1, 1, 1});
         // the products' launches: 7 a layer and the head's apart; grouped, layer 0's q, k and v one,
         // layer 1's q and k (its v NF4: another kernel) - and gate and up one
         CHECK(products_apart == std::vector<long long>{15, 15, 15});
@@ -689,13 +691,15 @@ struct greedy_run {
     ql_cuda_graph_counts counts{};
     size_t cache_bytes = 0;  // the cache's tensors
 };
-static greedy_run decode_greedy(const std::string &path, bool cuda, ql_type cache_type, const std::vector<int32_t> &prompt, int n_gen) {
+static greedy_run decode_greedy(const std::string &path, bool cuda, ql_type cache_type, const std::vector<int32_t> &prompt, int n_gen,
+                                bool q8 = false) {
     greedy_run r;
     char err[256] = "";
     ql_backend *be = cuda ? ql_backend_cuda_init(0, err, sizeof(err)) : ql_backend_cpu_init(1);
     REQUIRE_MESSAGE(be, err);
     ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
     REQUIRE_MESSAGE(f, err);
+    f->model.q8_activations = q8;  // (8-bit activations: ./generate's default)
     const ql_llama &m = f->model;
     ql_backend_buffer *wbuf = ql_backend_place_ctx_tensors(be, f->ctx);
     REQUIRE_MESSAGE(wbuf, ql_ctx_error(f->ctx));
@@ -794,6 +798,21 @@ TEST_CASE("cuda decode: an f16 KV cache gives the CPU's greedy tokens; one graph
         CHECK(apart.tokens == gpu.tokens);
         REQUIRE(apart.logits.size() == gpu.logits.size());
         CHECK(memcmp(apart.logits.data(), gpu.logits.data(), gpu.logits.size() * 4) == 0);
+    }
+    {  // 8-bit activations over the f16 cache (the decode kernel's f16 keys writing the o projection's codes): the same bits apart
+        const long long q0 = qlshim_launches ? qlshim_launches("k_q8_act") : 0;
+        const greedy_run on = decode_greedy(path, true, QL_TYPE_F16, prompt, n_gen, true);
+        const long long q1 = qlshim_launches ? qlshim_launches("k_q8_act") : 0;
+        ql_cuda_launch_pair_for_tests(false);
+        const greedy_run apart = decode_greedy(path, true, QL_TYPE_F16, prompt, n_gen, true);
+        ql_cuda_launch_pair_for_tests(true);
+        if (qlshim_launches) {  // the tokens' graphs quantise nothing apart; each of 2 layers' 4 inputs apart (the head: not 8-bit)
+            CHECK(q1 - q0 == 0);
+            CHECK(qlshim_launches("k_q8_act") - q1 == 8 * n_gen);
+        }
+        CHECK(apart.tokens == on.tokens);
+        REQUIRE(apart.logits.size() == on.logits.size());
+        CHECK(memcmp(apart.logits.data(), on.logits.data(), on.logits.size() * 4) == 0);
     }
     const greedy_run gpu32 = decode_greedy(path, true, QL_TYPE_F32, prompt, n_gen);
     CHECK(gpu.tokens == cpu.tokens);
