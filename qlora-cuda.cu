@@ -4930,7 +4930,7 @@ static void cu_fa_fused(cu_ctx &c, ql_tensor *node) {
 // mm: NULL, or the o projection whose 8-bit codes (blocks of qb) the decode kernel writes too
 // (ql_cuda_q8_made_by), into the workspace as k_q8_act would
 static void cu_op_flash_attn(cu_ctx &c, ql_tensor *node, const ql_tensor *mm = nullptr, int qb = 0) {
-    CU_ASSERT(!mm || ql_cuda_q8_made_by(node, mm) == qb);
+    CU_ASSERT(!mm || (ql_cuda_q8_made_by(node, mm) == qb && !ql_cuda_fa_fused(node) && !ql_cuda_fa_gemm(node)));
     if (ql_cuda_fa_fused(node)) return cu_fa_fused(c, node);
     if (ql_cuda_fa_gemm(node)) return cu_fa_gemm(c, node);
     const ql_tensor *q = node->src[0], *v = node->src[2];
@@ -4957,6 +4957,7 @@ static void cu_op_flash_attn(cu_ctx &c, ql_tensor *node, const ql_tensor *mm = n
         CU_LAUNCHED(c);
         return;
     }
+    CU_ASSERT(!mm);  // (ql_cuda_q8_made_by asks for the decode kernel's shapes)
     if (kv16) QL_LAUNCH(k_fa_fwd<uint16_t>, grid, FA_WARPS * 32, smem, c.stream, a, (float *)node->data, lse);
     else QL_LAUNCH(k_fa_fwd<float>, grid, FA_WARPS * 32, smem, c.stream, a, (float *)node->data, lse);
     CU_LAUNCHED(c);
