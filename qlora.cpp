@@ -1766,6 +1766,12 @@ static uint8_t *elem_ptr(const ql_tensor *t, int64_t i) {
 }
 
 static ql_tensor *view_root(ql_tensor *t);
+// t's byte offset into its view root, through the views between
+static size_t view_root_offset(const ql_tensor *t) {
+    size_t offs = 0;
+    for (const ql_tensor *v = t; v->view_src; v = v->view_src) offs += v->view_offs;
+    return offs;
+}
 static void row_to_float(const ql_tensor *t, const uint8_t *row, int64_t k0, int64_t n, float *dst);
 
 float ql_get_f32_1d(const ql_tensor *t, int64_t i) {
@@ -4218,7 +4224,7 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
     auto key_of = [](const ql_tensor *mmn, int qb) {
         q8_key k;
         const ql_tensor *b = mmn->src[1];
-        for (const ql_tensor *v = b; v->view_src; v = v->view_src) k.offs += v->view_offs;
+        k.offs = view_root_offset(b);
         k.root = view_root(const_cast<ql_tensor *>(b)), k.nb1 = b->nb[1], k.K = b->ne[0], k.N = b->ne[1], k.qb = qb;
         return k;
     };
@@ -9611,8 +9617,7 @@ bool ql_cuda_norm_cast_pair(const ql_tensor *a, const ql_tensor *b) {
         (b->type != QL_TYPE_BF16 && b->type != QL_TYPE_F16))
         return false;
     const ql_tensor *x = b->src[0];
-    size_t offs = 0;  // x's byte offset into a, through the views between
-    for (const ql_tensor *v = x; v->view_src; v = v->view_src) offs += v->view_offs;
+    const size_t offs = view_root_offset(x);  // x's byte offset into a
     return view_root(b->src[0]) == a && offs == 0 && ql_nelements(x) == ql_nelements(a) && ql_is_contiguous(x) && ql_is_contiguous(a) &&
            ql_is_contiguous(b);
 }
@@ -9631,8 +9636,7 @@ int ql_cuda_q8_made_by(const ql_tensor *a, const ql_tensor *mm) {
         // projection as [DV H, 1]: the head completing a block of qb writes its codes (a block spans
         // qb / DV heads, or a head DV / qb blocks)
         const ql_tensor *b = mm->src[1], *q = a->src[0];
-        size_t offs = 0;
-        for (const ql_tensor *v = b; v->view_src; v = v->view_src) offs += v->view_offs;
+        const size_t offs = view_root_offset(b);
         const int64_t DV = a->ne[0];
         return a->src[4] && q->type == QL_TYPE_F32 && q->ne[1] == 1 && q->ne[0] <= 256 && DV <= 256 &&
                        view_root(const_cast<ql_tensor *>(b)) == a && offs == 0 && ql_is_contiguous(b) && b->ne[1] == 1 &&
@@ -9676,8 +9680,7 @@ bool ql_cuda_rope_store(const ql_tensor *rk, const ql_tensor *st) {
     if (!rk || !st || rk->op != QL_OP_ROPE || st->op != QL_OP_CACHE_STORE || rk->type != QL_TYPE_F32 || !ql_is_contiguous(rk))
         return false;
     const ql_tensor *s = st->src[1];
-    size_t offs = 0;  // s's byte offset into rk, through the views between
-    for (const ql_tensor *v = s; v->view_src; v = v->view_src) offs += v->view_offs;
+    const size_t offs = view_root_offset(s);  // s's byte offset into rk
     return view_root(const_cast<ql_tensor *>(s)) == rk && offs == 0 && s->type == QL_TYPE_F32 && s->ne[0] == rk->ne[0] &&
            s->ne[1] == rk->ne[2] && s->ne[2] == rk->ne[1] && s->ne[3] == rk->ne[3] && s->nb[0] == rk->nb[0] && s->nb[1] == rk->nb[2] &&
            s->nb[2] == rk->nb[1] && s->nb[3] == rk->nb[3];
