@@ -81,7 +81,8 @@ struct cu_ctx {
     // product to the next of the same run while no node in between writes the workspace or over b
     const void    *q8_b = nullptr;
     int64_t        q8_key[4] = {0, 0, 0, 0};  // K, N, b's column stride, the block
-    unsigned      *q8_cnt = nullptr;            // k_fa_decode's counters for the codes it writes (in the backend's scratch)
+    size_t         q8_at = 0;                   // ... the workspace's byte where they lie (ql_cuda_q8_codes_at)
+    unsigned      *q8_cnt = nullptr;            // decode's counters (k_fa_decode, gv_tail_run: in the backend's scratch, zero)
 };
 
 static void cu_fail(cu_ctx &c, const char *file, int line, const char *what, const char *why) {
@@ -675,6 +676,43 @@ __global__ void k_acc_round(const char *c16, const float *p, char *d, int type, 
 // the warps of a block split the row (4x the warps for the short rows of k/v), and each thread
 // issues GV_UNROLL chunks' loads before it multiplies. The partial sums meet by shuffles within a
 // warp, then in shared memory in a fixed order (the same bits every run).
+#define CU_ROW_BLOCK 256  // threads per row of the row ops (rms_norm, softmax rows)
+
+// The norm's and SwiGLU's element math, here for the decode products' tails (gv_tail_run) too.
+// A row's scale (mean(x^2) + eps)^-1/2 as a block of CU_ROW_BLOCK threads sums it - thread v's
+// strided sum, shuffles within each warp, then warp 0's over the warps' sums - made by this
+// block's threads (a multiple of 32: thread t sums for threads t, t + blockDim.x, ...): every
+// norm kernel's order, so the same bits whichever block makes it. Every thread calls it; sh [32]
+template <typename P> __device__ __forceinline__ float cu_rms_scale_of(P x, int64_t ne0, float eps, float *sh) {
+    const int lane = threadIdx.x % 32;
+    for (int v0 = (int)threadIdx.x - lane; v0 < CU_ROW_BLOCK; v0 += (int)blockDim.x) {  // warp-uniform: thread v0 + lane's sum
+        float s = 0;
+        for (int64_t i = v0 + lane; i < ne0; i += CU_ROW_BLOCK) {
+            const float xi = x[i];
+            s += xi * xi;
+        }
+        for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffff, s, o);
+        if (lane == 0) sh[v0 / 32] = s;
+    }
+    __syncthreads();
+    float t = threadIdx.x < CU_ROW_BLOCK / 32 ? sh[threadIdx.x] : 0.0f;
+    if (threadIdx.x < 32)
+        for (int o = 16; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffff, t, o);
+    __syncthreads();
+    if (threadIdx.x == 0) sh[0] = t;
+    __syncthreads();
+    const float r = sh[0];
+    __syncthreads();  // (sh is written again by the next call)
+    return 1.0f / sqrtf(r / (float)ne0 + eps);
+}
+// element i normed, then times w[i] (w NULL: not)
+template <typename P> __device__ __forceinline__ float cu_rms_elem(P x, float rs, const float *w, int64_t i) {
+    const float y = x[i] * rs;
+    return w ? __fmul_rn(y, w[i]) : y;
+}
+__device__ __forceinline__ float cu_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+__device__ __forceinline__ float cu_swiglu_f(float x, float y) { return x * cu_sigmoid(x) * y; }
+
 #define GV_WARPS 4                          // warps per row
 #define GV_SPAN (GV_WARPS * 32 * CU_DQ_VEC)  // elements a block covers per chunk: 1024
 #define GV_UNROLL 4                         // chunks in flight per thread (the types of cu_dequant8_fast; the others 1)
@@ -1285,6 +1323,60 @@ template <typename T> __device__ __forceinline__ const int8_t *cu_lut_of() {
     return cu_nf4_i8;
 }
 
+// The tail of a decode product's launch (ql_cuda_gemv_norm, ql_cuda_gemv_swiglu), run by every
+// block after it stored its rows: it counts itself in cnt[g] (each thread's stores made visible
+// first), and the last of the launch (norm: cnt[0], every block) or of its 256 rows (SwiGLU:
+// cnt[row / 256], both products' blocks of them) makes the result from what the others stored,
+// read past L1: the norm's rows [M, N] (k_rms_norm_q8's bits) or SwiGLU's 256 rows (k_swiglu_q8's),
+// and the next product's codes (q NULL: none). It sets the counter back to 0 for the next launch.
+struct gv_tail {
+    int kind;                // 0: none; 1: the norm of a (w: its weight, or NULL); 2: SwiGLU of a and b
+    unsigned *cnt;           // zero (the backend's scratch)
+    const float *a, *b, *w;
+    float eps;
+    float *out;              // [M, N]
+    int qb;                  // the next product's codes: blocks of qb, at q, sd, ss (ql_cuda_mm_q8_layout)
+    int8_t *q;
+    float *sd;
+    int *ss;
+};
+__device__ __forceinline__ void gv_tail_run(int kind, unsigned *cnt, const float *a, const float *b, const float *w, float eps, float *out,
+                                            int qb, int8_t *q, float *sd, int *ss, int64_t M, int N, int64_t g, unsigned arrivals) {
+    __shared__ bool last;
+    __shared__ float sh[32];
+    __threadfence();  // this thread's rows visible before the count says so
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(cnt + g, 1u) == arrivals - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const volatile float *va = a, *vb = b;  // (stored by other blocks)
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
+    // the norm: each column's scale first (k_rms_norm's sums); then a warp makes 256 elements at a
+    // time - a column's all (norm) or rows g's (SwiGLU) - stores them, and reads them back for the
+    // codes (one path for both kinds: few values live across the divisions' calls)
+    __shared__ float rss[QL_CUDA_GEMV_MAX_N];
+    for (int n = 0; kind == 1 && n < N; n++) {
+        const float rs = cu_rms_scale_of(va + n * M, M, eps, sh);
+        if (threadIdx.x == 0) rss[n] = rs;
+    }
+    __syncthreads();
+    const int64_t per = kind == 1 ? M / 256 : 1, e0 = kind == 1 ? 0 : g * 256;  // chunks of 256 a column, the first's row
+    for (int64_t it = warp; it < N * per; it += nw) {  // (warp-uniform: the shuffles)
+        const int n = (int)(it / per);
+        const int64_t e = e0 + (it % per) * 256 + lane * 8;
+QL_UNROLL
+        for (int l = 0; l < 8; l++)
+            out[n * M + e + l] = kind == 1 ? cu_rms_elem(va + n * M, rss[n], w, e + l) : cu_swiglu_f(va[n * M + e + l], vb[n * M + e + l]);
+        if (!q) continue;
+        float v[8];
+QL_UNROLL
+        for (int l = 0; l < 8; l++) v[l] = out[n * M + e + l];  // (this thread's own stores)
+        cu_q8_act8(v, true, n, M, e, qb, q, sd, ss);
+    }
+    if (threadIdx.x == 0) cnt[g] = 0;
+}
+
 // One product's part of a k_gemv_q8 launch (ql_cuda_gemv_group: q, k and v, or gate and up, of
 // one b's codes): its weight (row_bytes apart, aux: NF4's double-quantised scales), M rows, the
 // result C [M, N] and its addend Ci (or NULL)
@@ -1301,10 +1393,11 @@ struct gv_seg {
 // takes units i0, i0 + threads, ... of its rows, each column's codes read once for the R rows.
 // Partial sums meet by shuffles, then across warps in a fixed order. Up to three products of the
 // same codes: blocks [0, blk1) make s0's rows, [blk1, blk2) s1's, the rest s2's (grid: the sum of
-// their M / R blocks of 32-128 threads); each row's sums are those of its product launched alone
+// their M / R blocks of 32-128 threads); each row's sums are those of its product launched alone.
+// tl: the launch's tail (gv_tail_run: s0's norm, or SwiGLU of s0's and s1's results), or kind 0
 template <typename T, int R, int NN>
 __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv_q8(gv_seg s0, gv_seg s1, gv_seg s2, int64_t blk1, int64_t blk2, int type, int64_t K,
-                                                           const int8_t *xq, const float *xd, const int *xs, int N) {
+                                                           const int8_t *xq, const float *xd, const int *xs, int N, gv_tail tl) {
     __shared__ float red[GV_WARPS][R * NN];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nt = blockDim.x;
     // this block's product, field by field (an indexed array of them would go through the stack)
@@ -1359,6 +1452,9 @@ QL_UNROLL
         for (int i = 0; i < nt / 32; i++) sum += red[i][q * NN + n];
         C[n * M + r0 + q] = Ci ? Ci[n * M + r0 + q] + sum : sum;
     }
+    if (tl.kind)
+        gv_tail_run(tl.kind, tl.cnt, tl.a, tl.b, tl.w, tl.eps, tl.out, tl.qb, tl.q, tl.sd, tl.ss, M, N, tl.kind == 1 ? 0 : r0 / 256,
+                    tl.kind == 1 ? gridDim.x : 2 * (256 / R));
 }
 
 // Q6_K's 210-byte blocks through shared memory: a warp stages a chunk of 8 super-blocks of each
@@ -1370,7 +1466,7 @@ QL_UNROLL
 #define Q6S_CHUNK (8 * (int)sizeof(ql_block_q6_K))  // bytes of a chunk: 8 super-blocks, 2048 elements
 template <int R, int NN>
 __global__ void __launch_bounds__(GV_WARPS * 32) k_gemv_q8_q6s(const char *w, int64_t row_bytes, int64_t K, int64_t M, const int8_t *xq,
-                                                               const float *xd, const int *xs, int N, float *C, const float *Ci) {
+                                                               const float *xd, const int *xs, int N, float *C, const float *Ci, gv_tail tl) {
     QL_DYN_SMEM(uint4, stage);  // [warps][R][Q6S_CHUNK / 16]: each warp's chunk of each row
     __shared__ float red[GV_WARPS][R * NN];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, nw = blockDim.x / 32;
@@ -1422,47 +1518,83 @@ QL_UNROLL
         for (int i = 0; i < nw; i++) sum += red[i][q * NN + n];
         C[n * M + r0 + q] = Ci ? Ci[n * M + r0 + q] + sum : sum;
     }
+    if (tl.kind == 1)  // (a norm only: never grouped)
+        gv_tail_run(1, tl.cnt, tl.a, nullptr, tl.w, tl.eps, tl.out, tl.qb, tl.q, tl.sd, tl.ss, M, N, 0, gridDim.x);
 }
 
 // a decode product's addend (ql_mul_mat_acc's c: the residual stream, f32 [M, N] dense, maybe
 // the result's own storage), or NULL
 static const float *cu_gemv_addend(const ql_tensor *node) { return node->src[2] ? (const float *)node->src[2]->data : nullptr; }
 
-// nodes[0..n): one product, or up to three of one b's codes (ql_cuda_gemv_group) by one launch
-static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *const *nodes, int n, int qb) {
+// the codes of mm's b (blocks of qb), now at byte `at` of the workspace, for the next product of that b
+static void cu_q8_made(cu_ctx &c, const ql_tensor *mm, int qb, size_t at) {
+    const ql_tensor *b = mm->src[1];
+    const int64_t key[4] = {b->ne[0], b->ne[1], (int64_t)b->nb[1], qb};  // (cu_op_gemv_q8's)
+    c.q8_b = b->data;
+    memcpy(c.q8_key, key, sizeof(key));
+    c.q8_at = at;
+}
+
+// nodes[0..n): one product, or up to three of one b's codes (ql_cuda_gemv_group) by one launch.
+// tail: NULL, or the node after them the launch makes as well (ql_cuda_gemv_norm: nodes[0]'s
+// norm; ql_cuda_gemv_swiglu: SwiGLU of nodes[0]'s and nodes[1]'s results); mm: NULL, or the product
+// after the tail whose codes it writes (ql_cuda_q8_made_by(tail, mm)) - the caller then records them
+// (cu_q8_made at ql_cuda_q8_codes_at(mm) for SwiGLU, 0 for a norm)
+static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *const *nodes, int n, int qb, const ql_tensor *tail = nullptr,
+                          const ql_tensor *mm = nullptr) {
     const ql_tensor *node = nodes[0], *a = node->src[0], *b = node->src[1];
     const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
     size_t off[2];
     CU_ASSERT(ql_cuda_mm_q8_layout(N, K, qb, off) <= c.work_size && N <= QL_CUDA_GEMV_MAX_N && n >= 1 && n <= QL_CUDA_GEMV_GROUP);
     for (int m = 1; m < n; m++) CU_ASSERT(ql_cuda_gemv_group(nodes[0], nodes[m]));
-    int8_t *xq = (int8_t *)c.work;
-    float *xd = (float *)(c.work + off[0]);
-    int *xs = (int *)(c.work + off[1]);
-    // the codes of this b made by an earlier product (q, k and v of one input; gate and up) are
-    // still there (cu_q8_after): not made again
+    // the codes of this b made by an earlier node (q, k and v of one input; gate and up; a norm or
+    // SwiGLU before) are still there (cu_q8_after), at c.q8_at: not made again
     const int64_t key[4] = {K, N, (int64_t)b->nb[1], qb};
     if (c.q8_b != b->data || memcmp(c.q8_key, key, sizeof(key)) != 0) {
         QL_LAUNCH(k_q8_act, dim3((unsigned)((K + 256 * Q8_ACT_WARPS - 1) / (256 * Q8_ACT_WARPS)), (unsigned)N), Q8_ACT_WARPS * 32, 0,
-                  c.stream, (const char *)b->data, (int64_t)b->nb[1], K, qb, xq, xd, xs);
+                  c.stream, (const char *)b->data, (int64_t)b->nb[1], K, qb, (int8_t *)c.work, (float *)(c.work + off[0]),
+                  (int *)(c.work + off[1]));
         CU_LAUNCHED(c);
-        c.q8_b = b->data;
-        memcpy(c.q8_key, key, sizeof(key));
+        cu_q8_made(c, node, qb, 0);
+    }
+    CU_ASSERT(c.q8_at + ql_cuda_mm_q8_layout(N, K, qb, nullptr) <= c.work_size);
+    const int8_t *xq = (const int8_t *)(c.work + c.q8_at);
+    const float *xd = (const float *)(c.work + c.q8_at + off[0]);
+    const int *xs = (const int *)(c.work + c.q8_at + off[1]);
+    gv_tail tl{};
+    if (tail) {
+        tl.kind = tail->op == QL_OP_RMS_NORM ? 1 : 2;
+        CU_ASSERT(tl.kind == 1 ? n == 1 && ql_cuda_gemv_norm(node, tail) : n == 2 && ql_cuda_gemv_swiglu(nodes[0], nodes[1], tail));
+        CU_ASSERT(c.q8_cnt && (tl.kind == 1 || c.q8_at == 0));  // (SwiGLU's codes go past the group's: ql_cuda_q8_codes_at)
+        tl.cnt = c.q8_cnt;
+        tl.a = (const float *)(tl.kind == 1 ? node->data : tail->src[0]->data);
+        tl.b = tl.kind == 1 ? nullptr : (const float *)tail->src[1]->data;
+        tl.w = tl.kind == 1 && tail->src[1] ? (const float *)tail->src[1]->data : nullptr;
+        if (tl.kind == 1) memcpy(&tl.eps, &tail->op_params[0], sizeof(float));  // (the norm's eps: cu_param's slot 0)
+        tl.out = (float *)tail->data;
+        if (mm) {
+            tl.qb = ql_cuda_q8_made_by(tail, mm);
+            const size_t at = tl.kind == 1 ? 0 : ql_cuda_q8_codes_at(mm);
+            size_t o2[2];
+            CU_ASSERT(tl.qb && at + ql_cuda_mm_q8_layout(mm->src[1]->ne[1], mm->src[1]->ne[0], tl.qb, o2) <= c.work_size);
+            tl.q = (int8_t *)(c.work + at), tl.sd = (float *)(c.work + at + o2[0]), tl.ss = (int *)(c.work + at + o2[1]);
+        }
     }
     const int rows = N == 1 ? g_gemv_rows : 1;
     // Q6_K in rows of whole chunks, 16-byte aligned: staged through shared memory (k_gemv_q8_q6s; alone)
     if (ql_cuda_gemv_q6s(a)) {
         CU_ASSERT(n == 1);
-        typedef void (*fs)(const char *, int64_t, int64_t, int64_t, const int8_t *, const float *, const int *, int, float *, const float *);
+        typedef void (*fs)(const char *, int64_t, int64_t, int64_t, const int8_t *, const float *, const int *, int, float *, const float *,
+                           gv_tail);
         const fs k6 = N > 1 ? k_gemv_q8_q6s<1, QL_CUDA_GEMV_MAX_N> : rows == 4 ? k_gemv_q8_q6s<4, 1> : rows == 2 ? k_gemv_q8_q6s<2, 1>
                                                                                                       : k_gemv_q8_q6s<1, 1>;
         const unsigned nw = (unsigned)std::min<int64_t>(GV_WARPS, K / 2048);
         QL_LAUNCH(k6, (unsigned)((M + rows - 1) / rows), 32 * nw, nw * (N > 1 ? 1 : rows) * Q6S_CHUNK, c.stream,
-                  (const char *)a->data, (int64_t)a->nb[1], K, M, (const int8_t *)xq, (const float *)xd, (const int *)xs, (int)N,
-                  (float *)node->data, cu_gemv_addend(node));
+                  (const char *)a->data, (int64_t)a->nb[1], K, M, xq, xd, xs, (int)N, (float *)node->data, cu_gemv_addend(node), tl);
         CU_LAUNCHED(c);
         return;
     }
-    typedef void (*fn)(gv_seg, gv_seg, gv_seg, int64_t, int64_t, int, int64_t, const int8_t *, const float *, const int *, int);
+    typedef void (*fn)(gv_seg, gv_seg, gv_seg, int64_t, int64_t, int, int64_t, const int8_t *, const float *, const int *, int, gv_tail);
     fn k_gemv_q8_of = nullptr;  // (named so: the shim counts launches by this name)
     auto pick = [&](auto *tag) {
         typedef std::remove_pointer_t<decltype(tag)> T;
@@ -1495,7 +1627,7 @@ static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *const *nodes, int n, int qb) {
         first[m + 1] = first[m] + (m < n ? (sg[m].M + rows - 1) / rows : 0);
     }
     QL_LAUNCH(k_gemv_q8_of, (unsigned)first[QL_CUDA_GEMV_GROUP], cu_gemv_unit_threads(K, 32, 1), 0, c.stream, sg[0], sg[1], sg[2], first[1],
-              first[2], (int)a->type, K, (const int8_t *)xq, (const float *)xd, (const int *)xs, (int)N);
+              first[2], (int)a->type, K, xq, xd, xs, (int)N, tl);
     CU_LAUNCHED(c);
 }
 
@@ -2096,8 +2228,6 @@ template <typename T> static T cu_param(const ql_tensor *t, int slot) {
     return v;
 }
 
-#define CU_ROW_BLOCK 256  // threads per row of the row ops (rms_norm, softmax rows)
-
 // A reduction over the whole block (every thread gets the result): within each warp by
 // shuffles, then the warps' results through `sh` (32 slots). Every thread must call it.
 struct cu_add {
@@ -2530,17 +2660,9 @@ static void cu_op_get_rows_back(cu_ctx &c, ql_tensor *node) {
 // w: NULL, or [ne0] (ql_rms_norm_mul): the normed element rounded to f32, then times w (ql_mul's
 // product); d in d_type: f32, or 16-bit (ql_rms_norm_mul_to: that f32 value rounded once on store)
 // d16: NULL, or an f32 d's cast to d16_type written too (ql_cuda_norm_cast_pair: the cast node's bits)
-// the row's scale (mean(x^2) + eps)^-1/2: each thread's strided sum, then the block's (every
-// thread of the block calls it; the same order in every norm kernel, so the same bits)
+// the row's scale: cu_rms_scale_of (section 5, with cu_rms_elem: the decode products' tails use them too)
 __device__ __forceinline__ float cu_rms_scale(const float *x, int64_t ne0, float eps, float *sh) {
-    float s = 0;
-    for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) s += x[i] * x[i];
-    return 1.0f / sqrtf(cu_block_sum(s, sh) / (float)ne0 + eps);
-}
-// element i normed, then times w[i] (w NULL: not)
-__device__ __forceinline__ float cu_rms_elem(const float *x, float rs, const float *w, int64_t i) {
-    const float y = x[i] * rs;
-    return w ? __fmul_rn(y, w[i]) : y;
+    return cu_rms_scale_of(x, ne0, eps, sh);
 }
 __global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm(cu_t a, const float *w, char *d, int d_type, float eps, char *d16, int d16_type) {
     __shared__ float sh[32];
@@ -2623,7 +2745,6 @@ static void cu_op_rms_norm_back(cu_ctx &c, ql_tensor *node, ql_tensor *cast = nu
     CU_LAUNCHED(c);
 }
 
-__device__ __forceinline__ float cu_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 __device__ __forceinline__ float cu_at(const cu_t &t, int64_t i) { return *(const float *)(t.data + cu_offs(t, i)); }
 
 // the per-element math, one place for the generic kernels and the fast paths (the same bits)
@@ -2633,7 +2754,6 @@ __device__ __forceinline__ float cu_silu_back_f(float x, float g) {
     const float s = cu_sigmoid(x);
     return g * s * (1.0f + x * (1.0f - s));
 }
-__device__ __forceinline__ float cu_swiglu_f(float x, float y) { return x * cu_sigmoid(x) * y; }
 // swiglu's backward at one element: *da = dy b silu'(a), *db = dy silu(a)
 __device__ __forceinline__ void cu_swiglu_back_f(float x, float y, float g, float *da, float *db) {
     const float s = cu_sigmoid(x);
@@ -3472,8 +3592,7 @@ QL_UNROLL
         }
     }
 }
-#define QL_CUDA_Q8_COUNTER0 256   // the backend's scratch ints from here: k_fa_decode's counters, ...
-#define QL_CUDA_Q8_COUNTERS 768   // ... this many (blocks of an o projection's input)
+#define QL_CUDA_Q8_COUNTER0 256   // the backend's scratch ints from here: decode's counters (QL_CUDA_Q8_COUNTERS)
 // q8 non-null (ql_cuda_q8_made_by: one query, the o projection's codes in blocks of qb): after its
 // head's output, the block that finishes a group of qb / DV heads (or each of its head's DV / qb
 // blocks) quantises the group's elements as k_q8_act would (cu_q8_act8, the values read back from
@@ -4967,12 +5086,9 @@ static void cu_op_flash_attn(cu_ctx &c, ql_tensor *node, const ql_tensor *mm = n
 // SwiGLU, decode's attention), left in the workspace as mm's own quantisation would leave them
 // (cu_op_gemv_q8 finds them: c.q8_b, c.q8_key)
 static void cu_op_q8_made_by(cu_ctx &c, ql_tensor *node, const ql_tensor *mm, int qb) {
-    const ql_tensor *b = mm->src[1];  // node's result, or (attention's) a view of it as [DV H, 1]
     if (node->op == QL_OP_FLASH_ATTN) cu_op_flash_attn(c, node, mm, qb);
     else cu_op_q8_norm_swiglu(c, node, mm, qb);
-    const int64_t key[4] = {b->ne[0], b->ne[1], (int64_t)b->nb[1], qb};  // (cu_op_gemv_q8's)
-    c.q8_b = b->data;
-    memcpy(c.q8_key, key, sizeof(key));
+    cu_q8_made(c, mm, qb, 0);
 }
 
 static void cu_op_flash_attn_back(cu_ctx &c, ql_tensor *node) { ql_cuda_fa_fused(node) ? cu_fa_fused(c, node) : cu_fa_gemm(c, node); }
@@ -5399,7 +5515,7 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
         for (; j < ex.last && cu_noop(ql_graph_node(g, j)); j++) {}
         ql_tensor *next = j < ex.last ? ql_graph_node(g, j) : nullptr;
         if (next && !ex.profile && !ex.check_finite && sch.slot[(size_t)j] < 0 && ql_cuda_launch_pair(node, next) &&
-            !cu_over_any(node, next)) {
+            (ql_cuda_tail_over_ok(node, next) || !cu_over_any(node, next))) {
             // more join the launch (ql_cuda_launch_joins): decode's third product of one b's codes;
             // after the rotations, the keys' and values' cache stores
             ql_tensor *grp[QL_CUDA_LAUNCH_MAX] = {node, next};
@@ -5409,7 +5525,7 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
                 if (k >= ex.last || sch.slot[(size_t)k] >= 0) break;
                 ql_tensor *t = ql_graph_node(g, k);
                 bool joins = ql_cuda_launch_joins(grp, ng, t);
-                for (int m = 0; joins && m < ng; m++) joins = !cu_over_any(grp[m], t);
+                for (int m = 0; joins && m < ng && !ql_cuda_tail_over_ok(grp[0], t); m++) joins = !cu_over_any(grp[m], t);
                 if (!joins) break;
                 grp[ng++] = t;
                 j = k;
@@ -5421,14 +5537,26 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
                         c.failed = true;
                     }
             cu_pairs_made += ng - 1;
+            // decode products: a norm or SwiGLU ending the launch (ql_cuda_gemv_norm / _swiglu) writes
+            // the codes of the product after it, as its own launch would (ql_cuda_q8_made_by)
+            int np = 0;
+            while (np < ng && grp[np]->op == QL_OP_MUL_MAT) np++;
+            const ql_tensor *tail = node->op == QL_OP_MUL_MAT && np < ng ? grp[np] : nullptr, *mm = nullptr;
+            int qt = 0;
+            if (tail) {
+                int k = j + 1;
+                for (; k < ex.last && cu_noop(ql_graph_node(g, k)); k++) {}
+                if (k < ex.last && (qt = ql_cuda_q8_made_by(tail, ql_graph_node(g, k)))) mm = ql_graph_node(g, k);
+            }
             if (!c.failed) {
                 if (node->op == QL_OP_RMS_NORM_BACK) cu_op_rms_norm_back(c, node, next);
                 else if (node->op == QL_OP_RMS_NORM) cu_op_rms_norm(c, node, next);
                 else if (node->op == QL_OP_CACHE_STORE) cu_op_cache_store(c, node, next);
-                else if (node->op == QL_OP_MUL_MAT) cu_op_gemv_q8(c, grp, ng, ql_cuda_mm_q8(node));
+                else if (node->op == QL_OP_MUL_MAT) cu_op_gemv_q8(c, grp, np, ql_cuda_mm_q8(node), tail, mm);
                 else cu_op_rope(c, node, node->op == QL_OP_ROPE_BACK, next, ng > 2 ? grp[2] : nullptr, ng > 3 ? grp[3] : nullptr);
             }
             for (int m = 0; m < ng; m++) cu_q8_after(c, grp[m]);  // (as cu_run_node: decode's 8-bit activations dropped where written over)
+            if (mm) cu_q8_made(c, mm, qt, tail->op == QL_OP_SWIGLU ? ql_cuda_q8_codes_at(mm) : 0);
             made = j;
         } else if (int qb = next && !ex.profile && !ex.check_finite ? ql_cuda_q8_made_by(node, next) : 0) {
             // decode: a norm or SwiGLU and the codes of the product after it, which reads them (one launch fewer)

@@ -4237,7 +4237,7 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
         const ql_tensor *n = node->op == QL_OP_MUL_MAT_ROWS ? (ql_mul_mat_rows_product(node, &mm), &mm) : node;
         c->nodes++;
         bool paired = !caps.host && ql_cuda_launch_joins(grp, ng, node);
-        for (int m = 0; paired && m < ng; m++) paired = !over_any(grp[m], node);
+        for (int m = 0; paired && m < ng && !ql_cuda_tail_over_ok(grp[0], node); m++) paired = !over_any(grp[m], node);
         const bool cast_made = paired && ql_cuda_norm_cast_pair(grp[0], node);  // (written by the norm's kernel: nothing read again)
         if (paired) grp[ng++] = node;
         else grp[0] = node, ng = 1;
@@ -4250,9 +4250,11 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
                 codes = k;
             }
             if (codes.root && (over(codes.root, node) || (!qb && ql_cuda_work_size(node, caps.cc) > 0))) codes = q8_key{};
-            size_t nj = ni + 1;  // a norm or SwiGLU writing the next product's codes (ql_cuda_q8_made_by), not paired
+            // a norm or SwiGLU writing the next product's codes (ql_cuda_q8_made_by): alone, or ending a
+            // product's launch (ql_cuda_gemv_norm / _swiglu; a paired node is one only there)
+            size_t nj = ni + 1;
             while (nj < g->nodes.size() && is_noop(g->nodes[nj]->op)) nj++;
-            if (!paired && nj < g->nodes.size())
+            if (nj < g->nodes.size())
                 if (const int nq = ql_cuda_q8_made_by(node, g->nodes[nj])) codes = key_of(g->nodes[nj], nq);
         }
         c->launches += nl;
@@ -9670,11 +9672,49 @@ bool ql_cuda_gemv_group(const ql_tensor *a, const ql_tensor *b) {
         if (s && view_root(const_cast<ql_tensor *>(s)) == a) return false;
     return true;
 }
+// decode: b norms the whole of a, a product with 8-bit activations [M, N] (f32, M a multiple of
+// 256): the last of the product's blocks to finish norms its result (k_gemv_q8's tail, the bits of
+// k_rms_norm) and writes the next product's codes where the norm's own launch would
+bool ql_cuda_gemv_norm(const ql_tensor *a, const ql_tensor *b) {
+    if (!a || !b || a->op != QL_OP_MUL_MAT || b->op != QL_OP_RMS_NORM || !ql_cuda_mm_q8(a) || !ql_cuda_q8_aligned(a)) return false;
+    const ql_tensor *x = b->src[0];
+    return view_root(const_cast<ql_tensor *>(x)) == a && view_root_offset(x) == 0 && ql_nelements(x) == ql_nelements(a) &&
+           x->ne[0] == a->ne[0] && a->type == QL_TYPE_F32 && b->type == QL_TYPE_F32 && a->ne[0] % 256 == 0 && ql_is_contiguous(a) &&
+           ql_is_contiguous(x) && ql_is_contiguous(b) && (!b->src[1] || (b->src[1]->type == QL_TYPE_F32 && ql_is_contiguous(b->src[1])));
+}
+// decode: s = SwiGLU(a's result, b's), a and b a group of products (gate and up: ql_cuda_gemv_group)
+// of M rows, a multiple of 256: the last block to finish each 256 rows of both makes s's rows and
+// their codes for the next product (in the workspace past the group's own codes: ql_cuda_q8_codes_at)
+bool ql_cuda_gemv_swiglu(const ql_tensor *a, const ql_tensor *b, const ql_tensor *s) {
+    if (!s || s->op != QL_OP_SWIGLU || !ql_cuda_gemv_group(a, b) || s->type != QL_TYPE_F32 || !ql_is_contiguous(s)) return false;
+    if (ql_cuda_q8_codes_at(a) != 0) return false;  // (the group's codes at the workspace's start)
+    const int64_t M = a->ne[0];
+    if (M % 256 != 0 || M / 256 > QL_CUDA_Q8_COUNTERS || b->ne[0] != M || s->ne[0] != M || s->ne[1] != a->ne[1] || b->ne[1] != a->ne[1])
+        return false;
+    for (const ql_tensor *t : {a, b})
+        if (t->type != QL_TYPE_F32 || !ql_is_contiguous(t)) return false;
+    return ((s->src[0] == a && s->src[1] == b) || (s->src[0] == b && s->src[1] == a)) && s->src[0] != s->src[1];
+}
+// where product mm finds its b's codes: past its b's producers' codes where b is SwiGLU of a
+// product group (ql_cuda_gemv_swiglu writes them while the group reads its own at 0); else at 0
+size_t ql_cuda_q8_codes_at(const ql_tensor *mm) {
+    const ql_tensor *s = mm && mm->op == QL_OP_MUL_MAT ? mm->src[1] : nullptr;
+    if (!s || s->op != QL_OP_SWIGLU || !s->src[0] || s->src[0]->op != QL_OP_MUL_MAT) return 0;
+    const ql_tensor *g = s->src[0];
+    const int qb = ql_cuda_mm_q8(g);
+    return qb ? align_up(ql_cuda_mm_q8_layout(g->src[1]->ne[1], g->src[0]->ne[0], qb, nullptr), QL_ALIGN) : 0;
+}
+// a product launch's tail (ql_cuda_gemv_norm, _swiglu) may lie over the products' bytes, result
+// or addend (in place): the tail's rows are made after every block that reads them has counted
+// itself, and the products read b's codes in the workspace, not b
+bool ql_cuda_tail_over_ok(const ql_tensor *first, const ql_tensor *node) {
+    return first && node && first->op == QL_OP_MUL_MAT && (node->op == QL_OP_RMS_NORM || node->op == QL_OP_SWIGLU);
+}
 // off (QLORA_CUDA_PAIRS=0, an A/B; or a test: the same bits either way): every node its own launch
 void ql_cuda_launch_pair_for_tests(bool on) { cuda_pairs_on = on; }
 bool ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b) {
-    return cuda_pairs_on &&
-           (ql_cuda_rope_pair(a, b) || ql_cuda_norm_cast_pair(a, b) || ql_cuda_cache_store_pair(a, b) || ql_cuda_gemv_group(a, b));
+    return cuda_pairs_on && (ql_cuda_rope_pair(a, b) || ql_cuda_norm_cast_pair(a, b) || ql_cuda_cache_store_pair(a, b) ||
+                             ql_cuda_gemv_group(a, b) || ql_cuda_gemv_norm(a, b));
 }
 bool ql_cuda_rope_store(const ql_tensor *rk, const ql_tensor *st) {
     if (!rk || !st || rk->op != QL_OP_ROPE || st->op != QL_OP_CACHE_STORE || rk->type != QL_TYPE_F32 || !ql_is_contiguous(rk))
@@ -9691,6 +9731,8 @@ bool ql_cuda_launch_joins(const ql_tensor *const *grp, int n, const ql_tensor *n
     if (!cuda_pairs_on) return false;
     if (grp[0]->op == QL_OP_ROPE)  // a rope pair, then k's store, then v's
         return n == 2 ? ql_cuda_rope_store(grp[1], node) : n == 3 && ql_cuda_cache_store_pair(grp[2], node);
+    if (grp[n - 1]->op != QL_OP_MUL_MAT) return false;  // (a product's norm or SwiGLU ends its launch)
+    if (n == 2 && ql_cuda_gemv_swiglu(grp[0], grp[1], node)) return true;
     if (n >= QL_CUDA_GEMV_GROUP) return false;
     for (int i = 0; i < n; i++)
         if (!ql_cuda_gemv_group(grp[i], node)) return false;
@@ -9790,9 +9832,9 @@ size_t ql_cuda_work_size(const ql_tensor *node, int cc) {
     case QL_OP_MUL_MAT: {  // b's contiguous copy (when cuBLAS cannot read it), then a's tile buffers: tiles of
         // a's rows (K each; of a transposed W, bands of W's columns), two when there is more than
         // one tile (the next is dequantised while the current one's GEMMs run)
-        if (ql_cuda_mm_gemv(node)) {  // none, or b's columns in 8 bits
+        if (ql_cuda_mm_gemv(node)) {  // none, or b's columns in 8 bits (where they are found: ql_cuda_q8_codes_at)
             const int qb = ql_cuda_mm_q8(node);
-            return qb ? ql_cuda_mm_q8_layout(node->src[1]->ne[1], node->src[0]->ne[0], qb, nullptr) : 0;
+            return qb ? ql_cuda_q8_codes_at(node) + ql_cuda_mm_q8_layout(node->src[1]->ne[1], node->src[0]->ne[0], qb, nullptr) : 0;
         }
         if (ql_cuda_mm_thin(node)) return 0;
         const ql_tensor *a = node->src[0], *b = node->src[1];

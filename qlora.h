@@ -1481,14 +1481,26 @@ bool    ql_cuda_cache_store_pair(const ql_tensor *a, const ql_tensor *b);
 // type, b not reading a's result: one k_gemv_q8 launch makes both (and a third: q, k and v)
 bool    ql_cuda_gemv_group(const ql_tensor *a, const ql_tensor *b);
 bool    ql_cuda_gemv_q6s(const ql_tensor *w);        // a Q6_K weight the staged decode kernel reads (not grouped)
-bool    ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b);  // any of the four (QLORA_CUDA_PAIRS=0: none)
+// a, such a product alone (M a multiple of 256), and b, the norm of its whole result: the product's
+// last block norms it (and writes the next product's codes, as the norm's own launch would)
+bool    ql_cuda_gemv_norm(const ql_tensor *a, const ql_tensor *b);
+// a and b, such a group (gate and up), and s = SwiGLU of their results (M a multiple of 256): the
+// last block of each 256 rows makes s's rows (and the next product's codes, past the group's:
+// ql_cuda_q8_codes_at)
+bool    ql_cuda_gemv_swiglu(const ql_tensor *a, const ql_tensor *b, const ql_tensor *s);
+// ... whose results may lie over the products' (in place: the census and the executor skip their overlap test)
+bool    ql_cuda_tail_over_ok(const ql_tensor *first, const ql_tensor *node);
+size_t  ql_cuda_q8_codes_at(const ql_tensor *mm);    // where product mm's b's codes lie in its workspace (bytes)
+#define QL_CUDA_Q8_COUNTERS 768                      // the counters decode's cross-block codes use (blocks of 256 rows, or of qb)
+bool    ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b);  // any of the five (QLORA_CUDA_PAIRS=0: none)
 // decode: rk, the second of a rope pair (k's rotation, f32), and st, the cache store of rk's result
 // seen as [D, T, Hkv, B]: the rotating launch writes the cache rows too (then the values' store, a
 // store pair with st, as well)
 bool    ql_cuda_rope_store(const ql_tensor *rk, const ql_tensor *st);
 // whether node joins the launch of grp[0..n) (n nodes so far, no launching node between): a pair's
 // second (ql_cuda_launch_pair); the third of a group of decode products (QL_CUDA_GEMV_GROUP at
-// most); after a rope pair, k's cache store and then v's (ql_cuda_rope_store: QL_CUDA_LAUNCH_MAX).
+// most), or SwiGLU after two (ql_cuda_gemv_swiglu); after a rope pair, k's cache store and then
+// v's (ql_cuda_rope_store: QL_CUDA_LAUNCH_MAX).
 // The planner, the census and the executor group nodes by this one rule
 #define QL_CUDA_GEMV_GROUP 3
 #define QL_CUDA_LAUNCH_MAX 4

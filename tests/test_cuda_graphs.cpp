@@ -565,13 +565,151 @@ TEST_CASE("cuda decode: products of one input's codes by one launch give each pr
     }
 }
 
+// Decode's element-wise steps as the tails of the products' launches (gv_tail_run): the o (or down)
+// product's last block norms its result and writes the next product's codes (ql_cuda_gemv_norm),
+// and the last block of each 256 rows of gate and up makes SwiGLU's rows and the down product's codes
+// (ql_cuda_gemv_swiglu). A block [o +r -> norm -> gate, up -> SwiGLU -> down +r -> norm -> head]:
+// the tails' blocks of 32, 64, 96 and 128 threads (the norm's sums as one of 256 would make them),
+// 1 and 5 tokens (rows of 4 and of 1), blocks of 32 and 256, the final norm over its product's
+// bytes (in place) and the staged Q6_K kernel's tail. Every result the bits of the nodes' own
+// launches (pairs off), within the 8-bit path's bound of the CPU's; no norm, SwiGLU or k_q8_act
+// launch but the input's; the census what was issued.
+TEST_CASE("cuda decode: a norm or SwiGLU ending the products' launch gives the bits of its own launch" *
+          skip_unless(k_cuda && qlshim_launches != nullptr, "without the CUDA shim's counters")) {
+    struct variant {
+        ql_type t, td;         // o, gate, up and the head's type; down's
+        int64_t K0, D, F, N;   // o's input, the model's width, the FFN's, tokens
+    };
+    const variant vs[] = {
+        {QL_TYPE_Q4_K, QL_TYPE_Q4_K, 3072, 512, 2048, 1},  // o's tail 96 threads, down's 64
+        {QL_TYPE_Q4_0, QL_TYPE_Q4_0, 256, 256, 768, 5},    // 5 tokens: a block a row, 512 arrivals a group
+        {QL_TYPE_NF4, QL_TYPE_NF4, 4096, 768, 1024, 1},    // o's tail 128 threads
+        {QL_TYPE_Q4_K, QL_TYPE_Q6_K, 512, 256, 2048, 1},   // down by the staged Q6_K kernel, its tail
+    };
+    for (const variant &v : vs) {
+        CAPTURE(ql_type_name(v.t));
+        CAPTURE(ql_type_name(v.td));
+        CAPTURE(v.K0);
+        CAPTURE(v.D);
+        CAPTURE(v.F);
+        CAPTURE(v.N);
+        struct counts {
+            long long issued = 0, norms = 0, swiglus = 0, quantised = 0;
+        };
+        auto run = [&](ql_backend *be, counts *n) {
+            ql_init_params ip = {256u << 20, nullptr, true, false};
+            ql_context *ctx = ql_init(ip);
+            std::vector<std::pair<ql_tensor *, std::vector<uint8_t>>> data;
+            uint64_t st = 11;  // values uniform in [-s, s), the same for every backend
+            auto leaf = [&](ql_type t, int64_t ne0, int64_t ne1, float s) {
+                ql_tensor *x = ne1 ? ql_new_tensor_2d(ctx, t, ne0, ne1) : ql_new_tensor_1d(ctx, t, ne0);
+                std::vector<float> f((size_t)(ne0 * std::max<int64_t>(ne1, 1)));
+                for (float &e : f) {
+                    st = st * 6364136223846793005ull + 1442695040888963407ull;
+                    e = s * ((float)((st >> 40) * (1.0 / 8388608.0)) - 1.0f);
+                }
+                std::vector<uint8_t> b(ql_nbytes(x) + x->aux_size);
+                char err[128];
+                REQUIRE_MESSAGE(ql_quantize(t, f.data(), std::max<int64_t>(ne1, 1), ne0, b.data(), err, sizeof(err)) == QL_OK, err);
+                data.push_back({x, std::move(b)});
+                return x;
+            };
+            auto q8 = [&](ql_tensor *t) {
+                REQUIRE(t);
+                REQUIRE(ql_mul_mat_set_prec(t, QL_TYPE_Q8_0) == QL_OK);
+                return t;
+            };
+            ql_tensor *x0 = leaf(QL_TYPE_F32, v.K0, v.N, 1.0f), *r = leaf(QL_TYPE_F32, v.D, v.N, 1.0f);
+            ql_tensor *y = q8(ql_mul_mat_acc(ctx, leaf(v.t, v.K0, v.D, 0.1f), x0, r));
+            ql_tensor *n1 = ql_rms_norm_mul(ctx, y, leaf(QL_TYPE_F32, v.D, 0, 1.0f), 1e-5f);
+            ql_tensor *g = q8(ql_mul_mat(ctx, leaf(v.t, v.D, v.F, 0.1f), n1)), *u = q8(ql_mul_mat(ctx, leaf(v.t, v.D, v.F, 0.1f), n1));
+            ql_tensor *s = ql_swiglu(ctx, g, u);
+            ql_tensor *dn = q8(ql_mul_mat_acc(ctx, leaf(v.td, v.F, v.D, 0.1f), s, y));
+            ql_tensor *n2 = ql_rms_norm_mul(ctx, dn, leaf(QL_TYPE_F32, v.D, 0, 1.0f), 1e-5f);  // (dn has no other reader: in place)
+            ql_tensor *h = q8(ql_mul_mat(ctx, leaf(v.t, v.D, 256, 0.1f), n2));
+            ql_tensor *outs[4] = {n1, s, n2, h};
+            ql_graph *gr = ql_graph_new(ctx);
+            for (ql_tensor *t : outs) ql_set_output(t);
+            REQUIRE(ql_graph_build_forward(gr, h) == QL_OK);
+            for (ql_tensor *t : outs) REQUIRE(ql_graph_build_forward(gr, t) == QL_OK);
+            ql_backend_buffer *leafs = ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE);
+            REQUIRE_MESSAGE(leafs, ql_ctx_error(ctx));
+            for (auto &d : data) REQUIRE(ql_backend_tensor_set(be, d.first, d.second.data(), 0, d.second.size()) == QL_OK);
+            const bool ok = ql_graph_plan(gr, be, nullptr) == QL_OK && ql_graph_alloc(gr, be) == QL_OK;
+            REQUIRE_MESSAGE(ok, ql_ctx_error(ctx));
+            const bool cuda = !ql_backend_is_host(be);
+            ql_census cen;
+            REQUIRE(ql_graph_census(gr, be, &cen) == QL_OK);
+            auto norms = [] { return qlshim_launches("k_rms_norm") + qlshim_launches("k_rms_norm_q8"); };
+            auto swiglus = [] {
+                return qlshim_launches("k_swiglu_q8") + qlshim_launches("k_swiglu") + qlshim_launches("k_swiglu_vec<QL_TYPE_F32>");
+            };
+            const long long o0 = qlshim_stream_ops(), nm0 = norms(), sw0 = swiglus(), q0 = qlshim_launches("k_q8_act");
+            for (int rep = 0; rep < 2; rep++)  // (twice: the tails' counters are back at 0 after each launch)
+                REQUIRE_MESSAGE(ql_backend_graph_compute(be, gr) == QL_OK, ql_ctx_error(ctx));
+            REQUIRE(ql_backend_synchronize(be) == QL_OK);
+            if (cuda) {
+                n->issued = (qlshim_stream_ops() - o0) / 2, n->norms = (norms() - nm0) / 2, n->swiglus = (swiglus() - sw0) / 2;
+                n->quantised = (qlshim_launches("k_q8_act") - q0) / 2;
+                CHECK_MESSAGE(cen.launches == n->issued, "census ", cen.launches, ", issued ", n->issued);
+            }
+            std::vector<float> out;
+            for (ql_tensor *t : outs) {
+                std::vector<float> o((size_t)ql_nelements(t));
+                REQUIRE(ql_backend_tensor_get(be, t, o.data(), 0, o.size() * 4) == QL_OK);
+                out.insert(out.end(), o.begin(), o.end());
+            }
+            ql_graph_free(gr);
+            ql_backend_buffer_free(leafs);
+            ql_free(ctx);
+            return out;
+        };
+        char err[256];
+        ql_backend *cu = ql_backend_cuda_init(0, err, sizeof(err)), *cpu = ql_backend_cpu_init(1);
+        REQUIRE_MESSAGE(cu, err);
+        ql_cuda_set_graphs(cu, false);
+        counts on, off;
+        const std::vector<float> got = run(cu, &on);
+        ql_cuda_launch_pair_for_tests(false);
+        const std::vector<float> apart = run(cu, &off);
+        ql_cuda_launch_pair_for_tests(true);
+        const std::vector<float> ref = run(cpu, nullptr);
+        REQUIRE(got.size() == apart.size());
+        CHECK(memcmp(got.data(), apart.data(), got.size() * 4) == 0);
+        // with the tails: x0's codes, o + norm, gate + up + SwiGLU, down + norm, the head (apart: 2
+        // norms, SwiGLU, 4 quantisations, gate and up apart)
+        CHECK(on.norms == 0);
+        CHECK(on.swiglus == 0);
+        CHECK(on.quantised == 1);
+        CHECK(on.issued == 5);
+        CHECK(off.norms == 2);
+        CHECK(off.swiglus == 1);
+        CHECK(off.quantised == 4);
+        CHECK(off.issued == 12);
+        // against the CPU: the first norm from x0's codes (the same codes, f32 sums in another order);
+        // after it the codes of values a rounding apart may differ by one step
+        const size_t n1 = (size_t)(v.D * v.N);
+        double den = 1e-12, worst1 = 0, worst = 0;
+        for (float x : ref) den = std::max(den, (double)std::fabs(x));
+        for (size_t i = 0; i < ref.size(); i++) {
+            const double e = std::isfinite(got[i]) ? std::fabs((double)got[i] - ref[i]) / den : INFINITY;
+            (i < n1 ? worst1 : worst) = std::max(i < n1 ? worst1 : worst, e);
+        }
+        CHECK_MESSAGE(worst1 < 1e-5, "the norm: max |cuda - cpu| / max |cpu| = ", worst1);
+        CHECK_MESSAGE(worst < 1e-2, "after it: max |cuda - cpu| / max |cpu| = ", worst);
+        ql_backend_free(cu);
+        ql_backend_free(cpu);
+    }
+}
+
 // Decode through the CUDA backend with 8-bit activations, as ./generate runs it (a KV cache, the
 // prompt's graph, then one token's graph at a time): the logits are the CPU's 8-bit path's, and a
 // token quantises its activations once per input - q, k and v share theirs, gate and up theirs:
 // 4 a layer and the head's, 5 in the layer whose v is NF4 (blocks of 32 against Q4_K's 256); a
 // norm's, SwiGLU's or attention's kernel makes the codes of the product after it (then not launched
 // apart): attention's for layer 0's Q4_K o (a block of 256 spans its 4 heads of 64) and layer 1's
-// NF4 o (blocks of 32 within a head)
+// NF4 o (blocks of 32 within a head). The o and down products' launches end with the norm after
+// them, gate and up's with SwiGLU (gv_tail_run): no norm or SwiGLU launch but layer 0's first norm
 TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logits, quantised once per input" *
           skip_unless(k_cuda, "without a CUDA device")) {
     tmpdir d;
@@ -584,7 +722,8 @@ TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logi
         write_llama_gguf(t.m, path, o);
     }
     const int32_t prompt[3] = {3, 17, 42}, next[3] = {5, 9, 33};
-    auto run = [&](bool cuda, std::vector<long long> *quantised, std::vector<long long> *products = nullptr) {
+    auto run = [&](bool cuda, std::vector<long long> *quantised, std::vector<long long> *products = nullptr,
+                   std::vector<long long> *elementwise = nullptr) {
         char err[256] = "";
         ql_backend *be = cuda ? ql_backend_cuda_init(0, err, sizeof(err)) : ql_backend_cpu_init(1);
         REQUIRE_MESSAGE(be, err);
@@ -621,10 +760,16 @@ TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logi
             set(ot, &next[i], 1), set(op, &p, 1), set(cache.write_pos, &p, 1), set(cache.n_kv, &n_kv, 1);
             const long long before = qlshim_launches ? qlshim_launches("k_q8_act") : 0;
             const long long gemvs = qlshim_launches ? qlshim_launches("k_gemv_q8_of") : 0;
+            auto ew = [] {  // the norms' and SwiGLU's own launches
+                return qlshim_launches("k_rms_norm") + qlshim_launches("k_rms_norm_q8") + qlshim_launches("k_swiglu_q8") +
+                       qlshim_launches("k_swiglu") + qlshim_launches("k_swiglu_vec<QL_TYPE_F32>");
+            };
+            const long long ew0 = qlshim_launches ? ew() : 0;
             const long long ops = cuda && qlshim_stream_ops ? qlshim_stream_ops() : 0;
             REQUIRE_MESSAGE(ql_backend_graph_compute(be, go) == QL_OK, ql_ctx_error(ctx));
             if (cuda && qlshim_launches) quantised->push_back(qlshim_launches("k_q8_act") - before);
             if (cuda && qlshim_launches && products) products->push_back(qlshim_launches("k_gemv_q8_of") - gemvs);
+            if (cuda && qlshim_launches && elementwise) elementwise->push_back(ew() - ew0);
             if (cuda && qlshim_stream_ops) {  // the census counts what the token issued: the shared codes once,
                                               // the residual added by the o and down products (no add launches)
                 ql_census c;
@@ -643,13 +788,13 @@ TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logi
         ql_backend_free(be);
         return logits;
     };
-    std::vector<long long> quantised, quantised_apart, products, products_apart;
-    const std::vector<float> ref = run(false, nullptr), got = run(true, &quantised, &products);
+    std::vector<long long> quantised, quantised_apart, products, products_apart, elementwise, elementwise_apart;
+    const std::vector<float> ref = run(false, nullptr), got = run(true, &quantised, &products, &elementwise);
     // the norms and SwiGLU writing the next product's codes (ql_cuda_q8_made_by) give the codes
     // k_q8_act makes, and q, k and v (gate and up) by one launch (ql_cuda_gemv_group) each row's
     // sums of its own launch: the same logits, bit for bit
     ql_cuda_launch_pair_for_tests(false);
-    const std::vector<float> apart = run(true, &quantised_apart, &products_apart);
+    const std::vector<float> apart = run(true, &quantised_apart, &products_apart, &elementwise_apart);
     ql_cuda_launch_pair_for_tests(true);
     CHECK(apart == got);
     REQUIRE(got.size() == ref.size());
@@ -678,6 +823,10 @@ TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logi
         // layer 1's q and k (its v NF4: another kernel) - and gate and up one
         CHECK(products_apart == std::vector<long long>{15, 15, 15});
         CHECK(products == std::vector<long long>{10, 10, 10});
+        // the norms and SwiGLU: 2 + 1 a layer and the final norm apart; the o and down products'
+        // tails make all but layer 0's first norm (ql_cuda_gemv_norm, ql_cuda_gemv_swiglu)
+        CHECK(elementwise_apart == std::vector<long long>{7, 7, 7});
+        CHECK(elementwise == std::vector<long long>{1, 1, 1});
     }
 }
 
