@@ -1323,6 +1323,28 @@ template <typename T> __device__ __forceinline__ const int8_t *cu_lut_of() {
     return cu_nf4_i8;
 }
 
+// v into the cache's element i0 of row at + i1 (kv head i2, batch i3); f16: 2-byte elements
+__device__ __forceinline__ void cu_cache_put(const cu_t &cache, bool f16, int32_t at, int64_t i0, int64_t i1, int64_t i2, int64_t i3, float v) {
+    // limitation: a row outside the cache is not written (the CPU backend reports it; the tools never ask for one)
+    if (at >= 0 && at + i1 < cache.ne[1]) {
+        char *to = cache.data + i0 * (f16 ? 2 : 4) + (at + i1) * cache.nb[1] + i2 * cache.nb[2] + i3 * cache.nb[3];
+        if (!f16) *(float *)to = v;
+        else *(uint16_t *)to = (uint16_t)cu_bits16(v, QL_TYPE_F16);
+    }
+}
+// rope's angle for pair i at position p (k_rope's and the decode products' tail's): in double as
+// the CPU's, reduced to [-pi, pi] in double, then the f32 intrinsics (|error| < 2^-21 there;
+// double sin/cos would put their large-argument path in local memory); back: its inverse
+__device__ __forceinline__ void cu_rope_cs(int i, int n_dims, float base, const float *ff, int32_t p, int back, float *cs, float *sn) {
+    const double inv = ql_rope_inv_freq(i, n_dims, (double)base, ff ? (double)ff[i] : 1.0);  // qlora.h: the CPU's expression
+    const double th = (double)p * inv, two_pi = 6.283185307179586476925;
+    const float r = (float)(th - two_pi * rint(th / two_pi));
+    *cs = __cosf(r), *sn = back ? -__sinf(r) : __sinf(r);
+}
+__device__ __forceinline__ void cu_rope_rot(float x0, float x1, float cs, float sn, float *y0, float *y1) {
+    *y0 = x0 * cs - x1 * sn, *y1 = x0 * sn + x1 * cs;
+}
+
 // The tail of a decode product's launch (ql_cuda_gemv_norm, ql_cuda_gemv_swiglu), run by every
 // block after it stored its rows: it counts itself in cnt[g] (each thread's stores made visible
 // first), and the last of the launch (norm: cnt[0], every block) or of its 256 rows (SwiGLU:
@@ -1339,7 +1361,50 @@ struct gv_tail {
     int8_t *q;
     float *sd;
     int *ss;
+    // kind 3 (ql_cuda_gemv_rope; a q, k, v group): q's and k's heads of D rows rotated into rq and rk
+    // (NULL: not joined; H of q's) at positions pos with rope's frequencies (ff: NULL or factors,
+    // base, mode); the keys' cache kc and the values' vc (data NULL: no store; f16: cf16) at row *at,
+    // the values' heads of DV
+    float *rq, *rk;
+    int64_t D, H, DV;
+    const int32_t *pos;
+    const float *ff;
+    float base;
+    int mode, cf16;
+    cu_t kc, vc;
+    const int32_t *at;
 };
+// kind 3's tail, run by the blocks of q's (sg 0) and k's (sg 1) rows r0..: the last block of a
+// head's rows (counted in cnt[(sg ? H : 0) + head]) rotates it, every token, as k_rope does
+// (cu_rope_cs, cu_rope_rot: the same bits), and stores k's rotated pairs in the keys' cache
+__device__ __forceinline__ void gv_rope_tail(unsigned *cnt, const float *a, float *out, int64_t M, int N, int64_t r0, int R, int sg, int64_t D,
+                                             int64_t H, const int32_t *pos, const float *ff, float base, int mode, const cu_t &kc, int cf16,
+                                             const int32_t *at) {
+    __shared__ bool last;
+    const int64_t g = (sg ? H : 0) + r0 / D;
+    __threadfence();  // this thread's rows visible before the count says so
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(cnt + g, 1u) == (unsigned)(D / R) - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const volatile float *va = a;  // (stored by other blocks)
+    const int64_t h = r0 / D, hp = D / 2, other = mode == QL_ROPE_NEOX ? hp : 1;
+    const bool store = sg == 1 && kc.data;
+    const int32_t row = store ? *at : 0;
+    for (int64_t j = threadIdx.x; j < N * hp; j += blockDim.x) {
+        const int64_t t = j / hp, i = j % hp, i0 = mode == QL_ROPE_NEOX ? i : 2 * i, e = t * M + h * D + i0;
+        float cs, sn, y0, y1;
+        cu_rope_cs((int)i, (int)D, base, ff, pos[t], 0, &cs, &sn);
+        cu_rope_rot(va[e], va[e + other], cs, sn, &y0, &y1);
+        out[e] = y0, out[e + other] = y1;  // (the rotation [D, H, T]: C's own layout)
+        if (store) {
+            cu_cache_put(kc, cf16 != 0, row, i0, t, h, 0, y0);
+            cu_cache_put(kc, cf16 != 0, row, i0 + other, t, h, 0, y1);
+        }
+    }
+    if (threadIdx.x == 0) cnt[g] = 0;
+}
 __device__ __forceinline__ void gv_tail_run(int kind, unsigned *cnt, const float *a, const float *b, const float *w, float eps, float *out,
                                             int qb, int8_t *q, float *sd, int *ss, int64_t M, int N, int64_t g, unsigned arrivals) {
     __shared__ bool last;
@@ -1450,9 +1515,15 @@ QL_UNROLL
     if (q < R && n < N && r0 + q < M) {
         float sum = 0.0f;
         for (int i = 0; i < nt / 32; i++) sum += red[i][q * NN + n];
-        C[n * M + r0 + q] = Ci ? Ci[n * M + r0 + q] + sum : sum;
+        const float y = Ci ? Ci[n * M + r0 + q] + sum : sum;
+        C[n * M + r0 + q] = y;
+        if (tl.kind == 3 && sg == 2 && tl.vc.data)  // (ql_cuda_gemv_rope: v's row into the values' cache, as k_cache_store)
+            cu_cache_put(tl.vc, tl.cf16 != 0, *tl.at, (r0 + q) % tl.DV, n, (r0 + q) / tl.DV, 0, y);
     }
-    if (tl.kind)
+    if (tl.kind == 3) {
+        if (sg < 2 && (sg == 0 ? tl.rq : tl.rk))
+            gv_rope_tail(tl.cnt, C, sg == 0 ? tl.rq : tl.rk, M, N, r0, R, sg, tl.D, tl.H, tl.pos, tl.ff, tl.base, tl.mode, tl.kc, tl.cf16, tl.at);
+    } else if (tl.kind)
         gv_tail_run(tl.kind, tl.cnt, tl.a, tl.b, tl.w, tl.eps, tl.out, tl.qb, tl.q, tl.sd, tl.ss, M, N, tl.kind == 1 ? 0 : r0 / 256,
                     tl.kind == 1 ? gridDim.x : 2 * (256 / R));
 }
@@ -1536,12 +1607,14 @@ static void cu_q8_made(cu_ctx &c, const ql_tensor *mm, int qb, size_t at) {
 }
 
 // nodes[0..n): one product, or up to three of one b's codes (ql_cuda_gemv_group) by one launch.
-// tail: NULL, or the node after them the launch makes as well (ql_cuda_gemv_norm: nodes[0]'s
-// norm; ql_cuda_gemv_swiglu: SwiGLU of nodes[0]'s and nodes[1]'s results); mm: NULL, or the product
-// after the tail whose codes it writes (ql_cuda_q8_made_by(tail, mm)) - the caller then records them
-// (cu_q8_made at ql_cuda_q8_codes_at(mm) for SwiGLU, 0 for a norm)
-static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *const *nodes, int n, int qb, const ql_tensor *tail = nullptr,
+// tails[0..nt): the nodes after them the launch makes as well: nodes[0]'s norm (ql_cuda_gemv_norm),
+// SwiGLU of nodes[0]'s and nodes[1]'s results (ql_cuda_gemv_swiglu), or q's and k's rotations and the
+// keys' and values' stores after q, k and v (ql_cuda_gemv_rope); mm: NULL, or the product after a
+// norm or SwiGLU whose codes it writes (ql_cuda_q8_made_by(tail, mm)) - the caller then records
+// them (cu_q8_made at ql_cuda_q8_codes_at(mm) for SwiGLU, 0 for a norm)
+static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *const *nodes, int n, int qb, ql_tensor *const *tails = nullptr, int nt = 0,
                           const ql_tensor *mm = nullptr) {
+    const ql_tensor *tail = nt ? tails[0] : nullptr;
     const ql_tensor *node = nodes[0], *a = node->src[0], *b = node->src[1];
     const int64_t K = a->ne[0], M = a->ne[1], N = b->ne[1];
     size_t off[2];
@@ -1562,7 +1635,28 @@ static void cu_op_gemv_q8(cu_ctx &c, ql_tensor *const *nodes, int n, int qb, con
     const float *xd = (const float *)(c.work + c.q8_at + off[0]);
     const int *xs = (const int *)(c.work + c.q8_at + off[1]);
     gv_tail tl{};
-    if (tail) {
+    if (tail && tail->op == QL_OP_ROPE) {  // q's rotation, then k's, k's store, v's: as far as they joined
+        const ql_tensor *const grp[QL_CUDA_LAUNCH_MAX] = {nodes[0], nodes[1], nodes[2], tails[0], nt > 1 ? tails[1] : nullptr,
+                                                          nt > 2 ? tails[2] : nullptr};
+        CU_ASSERT(n == 3 && nt <= 4 && c.q8_cnt);
+        for (int m = 0; m < nt; m++) CU_ASSERT(ql_cuda_gemv_rope(grp, 3 + m, tails[m]));
+        tl.kind = 3;
+        tl.cnt = c.q8_cnt;
+        tl.rq = (float *)tails[0]->data;
+        tl.rk = nt > 1 ? (float *)tails[1]->data : nullptr;
+        tl.D = tail->src[0]->ne[0], tl.H = tail->src[0]->ne[1];
+        tl.pos = (const int32_t *)tail->src[1]->data;
+        tl.ff = tail->src[2] ? (const float *)tail->src[2]->data : nullptr;
+        memcpy(&tl.base, &tail->op_params[2], sizeof(float));  // (rope's base: cu_param's slot 2)
+        tl.mode = tail->op_params[1];
+        if (nt > 2) {
+            tl.kc = cu_of(tails[2]);
+            tl.cf16 = tails[2]->type == QL_TYPE_F16;
+            tl.at = (const int32_t *)tails[2]->src[2]->data;
+        }
+        if (nt > 3) tl.vc = cu_of(tails[3]), tl.DV = tails[3]->src[1]->ne[0];
+    } else if (tail) {
+        CU_ASSERT(nt == 1);
         tl.kind = tail->op == QL_OP_RMS_NORM ? 1 : 2;
         CU_ASSERT(tl.kind == 1 ? n == 1 && ql_cuda_gemv_norm(node, tail) : n == 2 && ql_cuda_gemv_swiglu(nodes[0], nodes[1], tail));
         CU_ASSERT(c.q8_cnt && (tl.kind == 1 || c.q8_at == 0));  // (SwiGLU's codes go past the group's: ql_cuda_q8_codes_at)
@@ -2552,15 +2646,6 @@ static void cu_op_acc_grad(cu_ctx &c, ql_tensor *node) {
 
 // rows of src (f32) into the cache (f32, or f16: rounded to nearest even as the CPU's) at the
 // run-time row pos[0] (read on the device)
-// v into the cache's element i0 of row at + i1 (kv head i2, batch i3); f16: 2-byte elements
-__device__ __forceinline__ void cu_cache_put(const cu_t &cache, bool f16, int32_t at, int64_t i0, int64_t i1, int64_t i2, int64_t i3, float v) {
-    // limitation: a row outside the cache is not written (the CPU backend reports it; the tools never ask for one)
-    if (at >= 0 && at + i1 < cache.ne[1]) {
-        char *to = cache.data + i0 * (f16 ? 2 : 4) + (at + i1) * cache.nb[1] + i2 * cache.nb[2] + i3 * cache.nb[3];
-        if (!f16) *(float *)to = v;
-        else *(uint16_t *)to = (uint16_t)cu_bits16(v, QL_TYPE_F16);
-    }
-}
 template <typename CT> __device__ __forceinline__ void cu_cache_store1(const cu_t &cache, const cu_t &src, int32_t at, int64_t i) {
     const int64_t i0 = i % src.ne[0], r = i / src.ne[0], i1 = r % src.ne[1], i2 = (r / src.ne[1]) % src.ne[2], i3 = r / (src.ne[1] * src.ne[2]);
     const float v = *(const float *)(src.data + i0 * src.nb[0] + i1 * src.nb[1] + i2 * src.nb[2] + i3 * src.nb[3]);
@@ -3027,7 +3112,8 @@ __device__ __forceinline__ void cu_rope_heads(const cu_t &a, char *d, int dt, in
         const char *x = a.data + h * a.nb[1] + t * a.nb[2] + bb * a.nb[3];
         char *y = d + (tok * H + h) * D * ed;
         const float x0 = cu_ld(x + i0 * es, a.type), x1 = cu_ld(x + (i0 + other) * es, a.type);
-        const float y0 = x0 * cs - x1 * sn, y1 = x0 * sn + x1 * cs;
+        float y0, y1;
+        cu_rope_rot(x0, x1, cs, sn, &y0, &y1);
         cu_st(y + i0 * ed, dt, y0);
         cu_st(y + (i0 + other) * ed, dt, y1);
         if (store) {  // (dt f32: the values the store would read back)
@@ -3051,12 +3137,8 @@ __global__ void k_rope(cu_t a, const int32_t *pos, const float *ff, char *d, int
     CU_GRID_LOOP(j, n_tok * hp) {
         const int64_t tok = j / hp, t = tok % T, bb = tok / T;
         const int i = (int)(j % hp);
-        // the angle in double as the CPU's, reduced to [-pi, pi] in double, then the f32 intrinsics
-        // (|error| < 2^-21 there; double sin/cos would put their large-argument path in local memory)
-        const double inv = ql_rope_inv_freq(i, n_dims, (double)base, ff ? (double)ff[i] : 1.0);  // qlora.h: the CPU's expression
-        const double th = (double)pos[tok] * inv, two_pi = 6.283185307179586476925;
-        const float r = (float)(th - two_pi * rint(th / two_pi));
-        const float cs = __cosf(r), sn = back ? -__sinf(r) : __sinf(r);
+        float cs, sn;
+        cu_rope_cs(i, n_dims, base, ff, pos[tok], back, &cs, &sn);
         const int64_t i0 = mode == QL_ROPE_NEOX ? i : 2 * i, other = mode == QL_ROPE_NEOX ? hp : 1;
         cu_rope_heads(a, d, dt, tok, t, bb, i0, other, cs, sn, kc);
         if (d2) cu_rope_heads(a2, d2, dt2, tok, t, bb, i0, other, cs, sn, kc, kc.data != nullptr, cf16 != 0, krow);
@@ -5537,11 +5619,12 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
                         c.failed = true;
                     }
             cu_pairs_made += ng - 1;
-            // decode products: a norm or SwiGLU ending the launch (ql_cuda_gemv_norm / _swiglu) writes
-            // the codes of the product after it, as its own launch would (ql_cuda_q8_made_by)
+            // decode products and their launch's tails (ql_cuda_gemv_norm / _swiglu / _rope): a norm or
+            // SwiGLU ending it writes the codes of the product after it, as its own launch would
+            // (ql_cuda_q8_made_by)
             int np = 0;
             while (np < ng && grp[np]->op == QL_OP_MUL_MAT) np++;
-            const ql_tensor *tail = node->op == QL_OP_MUL_MAT && np < ng ? grp[np] : nullptr, *mm = nullptr;
+            const ql_tensor *tail = node->op == QL_OP_MUL_MAT && np < ng ? grp[ng - 1] : nullptr, *mm = nullptr;
             int qt = 0;
             if (tail) {
                 int k = j + 1;
@@ -5552,7 +5635,7 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
                 if (node->op == QL_OP_RMS_NORM_BACK) cu_op_rms_norm_back(c, node, next);
                 else if (node->op == QL_OP_RMS_NORM) cu_op_rms_norm(c, node, next);
                 else if (node->op == QL_OP_CACHE_STORE) cu_op_cache_store(c, node, next);
-                else if (node->op == QL_OP_MUL_MAT) cu_op_gemv_q8(c, grp, np, ql_cuda_mm_q8(node), tail, mm);
+                else if (node->op == QL_OP_MUL_MAT) cu_op_gemv_q8(c, grp, np, ql_cuda_mm_q8(node), grp + np, ng - np, mm);
                 else cu_op_rope(c, node, node->op == QL_OP_ROPE_BACK, next, ng > 2 ? grp[2] : nullptr, ng > 3 ? grp[3] : nullptr);
             }
             for (int m = 0; m < ng; m++) cu_q8_after(c, grp[m]);  // (as cu_run_node: decode's 8-bit activations dropped where written over)

@@ -9695,6 +9695,42 @@ bool ql_cuda_gemv_swiglu(const ql_tensor *a, const ql_tensor *b, const ql_tensor
         if (t->type != QL_TYPE_F32 || !ql_is_contiguous(t)) return false;
     return ((s->src[0] == a && s->src[1] == b) || (s->src[0] == b && s->src[1] == a)) && s->src[0] != s->src[1];
 }
+// decode: after a group of q, k and v products (ql_cuda_gemv_group, three), q's rotation, k's
+// (a rope pair after it), k's cache store of it (ql_cuda_rope_store) and v's (a store pair after
+// it): each rotation of every dimension (f32) reading its product's whole result [D H, T] as
+// [D, H, T], the values v's whole result [DV Hkv, T] as [DV, T, Hkv]. Node joins grp[0..n) as the
+// next of those (n 3 to 6): the launch's tail rotates each head once its rows are made (the last
+// block of them; the keys into their cache too), and v's blocks store their rows in the cache
+bool ql_cuda_gemv_rope(const ql_tensor *const *grp, int n, const ql_tensor *node) {
+    if (n < 3 || n > 6 || !node) return false;
+    for (int i = 0; i < 3; i++)
+        if (grp[i]->op != QL_OP_MUL_MAT || grp[i]->type != QL_TYPE_F32 || !ql_is_contiguous(grp[i])) return false;
+    auto whole = [](const ql_tensor *x, const ql_tensor *mm) {
+        return view_root(const_cast<ql_tensor *>(x)) == mm && view_root_offset(x) == 0 && ql_nelements(x) == ql_nelements(mm) &&
+               x->type == QL_TYPE_F32;
+    };
+    auto rotation = [&](const ql_tensor *r, const ql_tensor *mm) {  // r rotates mm's [D H, T] as [D, H, T], every dimension
+        const ql_tensor *x = r->src[0];
+        const int64_t D = x->ne[0];
+        return r->op == QL_OP_ROPE && r->type == QL_TYPE_F32 && ql_is_contiguous(r) && whole(x, mm) && r->op_params[0] == D &&
+               D % 4 == 0 && x->ne[3] == 1 && x->nb[0] == 4 && x->nb[1] == (size_t)D * 4 && x->nb[2] == (size_t)(D * x->ne[1]) * 4 &&
+               mm->ne[0] == D * x->ne[1];
+    };
+    switch (n) {
+    case 3:
+        return rotation(node, grp[0]) && ql_cuda_gemv_group(grp[0], grp[1]) && ql_cuda_gemv_group(grp[0], grp[2]) &&
+               grp[0]->ne[0] / node->src[0]->ne[0] + grp[1]->ne[0] / node->src[0]->ne[0] <= QL_CUDA_Q8_COUNTERS;
+    case 4:
+        return rotation(node, grp[1]) && ql_cuda_rope_pair(grp[3], node) && node->src[0]->ne[0] == grp[3]->src[0]->ne[0];
+    case 5:
+        return ql_cuda_rope_store(grp[4], node);
+    default: {
+        const ql_tensor *vs = node->src[1], *v = grp[2];
+        return ql_cuda_cache_store_pair(grp[5], node) && whole(vs, v) && vs->ne[3] == 1 && vs->nb[0] == 4 &&
+               vs->nb[1] == (size_t)v->ne[0] * 4 && vs->nb[2] == (size_t)vs->ne[0] * 4 && vs->ne[0] * vs->ne[2] == v->ne[0];
+    }
+    }
+}
 // where product mm finds its b's codes: past its b's producers' codes where b is SwiGLU of a
 // product group (ql_cuda_gemv_swiglu writes them while the group reads its own at 0); else at 0
 size_t ql_cuda_q8_codes_at(const ql_tensor *mm) {
@@ -9708,7 +9744,8 @@ size_t ql_cuda_q8_codes_at(const ql_tensor *mm) {
 // or addend (in place): the tail's rows are made after every block that reads them has counted
 // itself, and the products read b's codes in the workspace, not b
 bool ql_cuda_tail_over_ok(const ql_tensor *first, const ql_tensor *node) {
-    return first && node && first->op == QL_OP_MUL_MAT && (node->op == QL_OP_RMS_NORM || node->op == QL_OP_SWIGLU);
+    return first && node && first->op == QL_OP_MUL_MAT &&
+           (node->op == QL_OP_RMS_NORM || node->op == QL_OP_SWIGLU || node->op == QL_OP_ROPE || node->op == QL_OP_CACHE_STORE);
 }
 // off (QLORA_CUDA_PAIRS=0, an A/B; or a test: the same bits either way): every node its own launch
 void ql_cuda_launch_pair_for_tests(bool on) { cuda_pairs_on = on; }
@@ -9731,6 +9768,7 @@ bool ql_cuda_launch_joins(const ql_tensor *const *grp, int n, const ql_tensor *n
     if (!cuda_pairs_on) return false;
     if (grp[0]->op == QL_OP_ROPE)  // a rope pair, then k's store, then v's
         return n == 2 ? ql_cuda_rope_store(grp[1], node) : n == 3 && ql_cuda_cache_store_pair(grp[2], node);
+    if (grp[0]->op == QL_OP_MUL_MAT && n >= 3 && ql_cuda_gemv_rope(grp, n, node)) return true;
     if (grp[n - 1]->op != QL_OP_MUL_MAT) return false;  // (a product's norm or SwiGLU ends its launch)
     if (n == 2 && ql_cuda_gemv_swiglu(grp[0], grp[1], node)) return true;
     if (n >= QL_CUDA_GEMV_GROUP) return false;

@@ -1490,7 +1490,11 @@ bool    ql_cuda_gemv_norm(const ql_tensor *a, const ql_tensor *b);
 bool    ql_cuda_gemv_swiglu(const ql_tensor *a, const ql_tensor *b, const ql_tensor *s);
 // ... whose results may lie over the products' (in place: the census and the executor skip their overlap test)
 bool    ql_cuda_tail_over_ok(const ql_tensor *first, const ql_tensor *node);
-size_t  ql_cuda_q8_codes_at(const ql_tensor *mm);    // where product mm's b's codes lie in its workspace (bytes)
+size_t  ql_cuda_q8_codes_at(const ql_tensor *mm);
+// grp[0..3), decode's q, k and v products by one launch, then (n 3 to 6) q's rotation, k's, k's
+// cache store, v's: node joins as the next (the launch's tail rotates each head once its rows are
+// made, and stores the keys and values)
+bool    ql_cuda_gemv_rope(const ql_tensor *const *grp, int n, const ql_tensor *node);    // where product mm's b's codes lie in its workspace (bytes)
 #define QL_CUDA_Q8_COUNTERS 768                      // the counters decode's cross-block codes use (blocks of 256 rows, or of qb)
 bool    ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b);  // any of the five (QLORA_CUDA_PAIRS=0: none)
 // decode: rk, the second of a rope pair (k's rotation, f32), and st, the cache store of rk's result
@@ -1499,11 +1503,12 @@ bool    ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b);  // any of 
 bool    ql_cuda_rope_store(const ql_tensor *rk, const ql_tensor *st);
 // whether node joins the launch of grp[0..n) (n nodes so far, no launching node between): a pair's
 // second (ql_cuda_launch_pair); the third of a group of decode products (QL_CUDA_GEMV_GROUP at
-// most), or SwiGLU after two (ql_cuda_gemv_swiglu); after a rope pair, k's cache store and then
-// v's (ql_cuda_rope_store: QL_CUDA_LAUNCH_MAX).
+// most), or SwiGLU after two (ql_cuda_gemv_swiglu), or the rotations and stores after three
+// (ql_cuda_gemv_rope: QL_CUDA_LAUNCH_MAX); after a rope pair, k's cache store and then v's
+// (ql_cuda_rope_store).
 // The planner, the census and the executor group nodes by this one rule
 #define QL_CUDA_GEMV_GROUP 3
-#define QL_CUDA_LAUNCH_MAX 4
+#define QL_CUDA_LAUNCH_MAX 7
 bool    ql_cuda_launch_joins(const ql_tensor *const *grp, int n, const ql_tensor *node);
 bool    ql_cuda_mm_a_direct(const ql_tensor *a, ql_type compute);
 // a = W or transpose(W) of a QL_FLAG_CACHED weight W, in a product whose compute type (b's) is

@@ -722,6 +722,7 @@ TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logi
         write_llama_gguf(t.m, path, o);
     }
     const int32_t prompt[3] = {3, 17, 42}, next[3] = {5, 9, 33};
+    int rope_mode = QL_ROPE_NORMAL;
     auto run = [&](bool cuda, std::vector<long long> *quantised, std::vector<long long> *products = nullptr,
                    std::vector<long long> *elementwise = nullptr) {
         char err[256] = "";
@@ -731,6 +732,7 @@ TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logi
         ql_llama_file *f = ql_llama_load(path.c_str(), err, sizeof(err));
         REQUIRE_MESSAGE(f, err);
         f->model.q8_activations = true;
+        f->model.hp.rope_mode = rope_mode;
         const ql_llama &m = f->model;
         ql_backend_buffer *wbuf = ql_backend_place_ctx_tensors(be, f->ctx);
         REQUIRE_MESSAGE(wbuf, ql_ctx_error(f->ctx));
@@ -760,9 +762,11 @@ TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logi
             set(ot, &next[i], 1), set(op, &p, 1), set(cache.write_pos, &p, 1), set(cache.n_kv, &n_kv, 1);
             const long long before = qlshim_launches ? qlshim_launches("k_q8_act") : 0;
             const long long gemvs = qlshim_launches ? qlshim_launches("k_gemv_q8_of") : 0;
-            auto ew = [] {  // the norms' and SwiGLU's own launches
+            auto ew = [] {  // the norms', SwiGLU's, the rotations' and the cache stores' own launches
                 return qlshim_launches("k_rms_norm") + qlshim_launches("k_rms_norm_q8") + qlshim_launches("k_swiglu_q8") +
-                       qlshim_launches("k_swiglu") + qlshim_launches("k_swiglu_vec<QL_TYPE_F32>");
+                       qlshim_launches("k_swiglu") + qlshim_launches("k_swiglu_vec<QL_TYPE_F32>") +
+                       100 * (qlshim_launches("k_rope") + qlshim_launches("k_cache_store<float>") +
+                              qlshim_launches("k_cache_store2<float>"));
             };
             const long long ew0 = qlshim_launches ? ew() : 0;
             const long long ops = cuda && qlshim_stream_ops ? qlshim_stream_ops() : 0;
@@ -797,6 +801,23 @@ TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logi
     const std::vector<float> apart = run(true, &quantised_apart, &products_apart, &elementwise_apart);
     ql_cuda_launch_pair_for_tests(true);
     CHECK(apart == got);
+    {  // the rotations of (i, i + D/2) (NEOX: qwen2's) through the q, k, v launch's tail (ql_cuda_gemv_rope) too
+        rope_mode = QL_ROPE_NEOX;
+        std::vector<long long> qn, qna;
+        const std::vector<float> ref_n = run(false, nullptr), got_n = run(true, &qn);
+        ql_cuda_launch_pair_for_tests(false);
+        const std::vector<float> apart_n = run(true, &qna);
+        ql_cuda_launch_pair_for_tests(true);
+        rope_mode = QL_ROPE_NORMAL;
+        CHECK(apart_n == got_n);
+        REQUIRE(got_n.size() == ref_n.size());
+        double den_n = 1e-12, worst_n = 0;
+        for (float r : ref_n) den_n = std::max(den_n, (double)std::fabs(r));
+        for (size_t i = 0; i < ref_n.size(); i++)
+            worst_n = std::max(worst_n, std::isfinite(got_n[i]) ? std::fabs((double)got_n[i] - ref_n[i]) / den_n : INFINITY);
+        CHECK_MESSAGE(worst_n < 3e-2, "NEOX: worst logit ", worst_n);  // (the bound below: 8-bit codes step)
+        CHECK(ref_n != ref);  // (the mode was taken)
+    }
     REQUIRE(got.size() == ref.size());
     const size_t V = ref.size() / 4;  // the prompt's last logits, then 3 tokens'
     double den = 1e-12;
@@ -824,9 +845,11 @@ TEST_CASE("cuda decode: 8-bit activations through a KV cache give the CPU's logi
         CHECK(products_apart == std::vector<long long>{15, 15, 15});
         CHECK(products == std::vector<long long>{10, 10, 10});
         // the norms and SwiGLU: 2 + 1 a layer and the final norm apart; the o and down products'
-        // tails make all but layer 0's first norm (ql_cuda_gemv_norm, ql_cuda_gemv_swiglu)
-        CHECK(elementwise_apart == std::vector<long long>{7, 7, 7});
-        CHECK(elementwise == std::vector<long long>{1, 1, 1});
+        // tails make all but layer 0's first norm (ql_cuda_gemv_norm, ql_cuda_gemv_swiglu). The
+        // rotations and stores (x100): 4 a layer apart; layer 0's q, k and v launch makes its
+        // (ql_cuda_gemv_rope), layer 1's (v NF4: not grouped) are one k_rope launch
+        CHECK(elementwise_apart == std::vector<long long>{807, 807, 807});
+        CHECK(elementwise == std::vector<long long>{101, 101, 101});
     }
 }
 
