@@ -204,9 +204,10 @@ for d in d1b-q4_K d1b-nf4 d8b-q4_K; do
         awk -v b=$(stat -c %s "$M/$d.gguf") -v bw=$BW '{ printf "    %.1f tokens/s, %.0f GB/s of the file (%.0f MB), %.0f%% of %d GB/s\n",
             $1, b * $1 / 1e9, b / 1e6, 100 * b * $1 / 1e9 / bw, bw }' >> "$S"
 done
-# the same with QLORA_CUDA_PAIRS=0 (sessions 30-31's decode launches: a norm's / SwiGLU's / attention's
+# the same with QLORA_CUDA_PAIRS=0 (sessions 30-32's decode launches: a norm's / SwiGLU's / attention's
 # codes for the next product, q/k/v's and gate/up's products, q's and k's rotations with the two cache
-# stores, each launched apart - 19 launches a layer against 9; the residual stays folded)
+# stores, the products' tails (norm, SwiGLU, rotations and stores), each launched apart - 19 launches
+# a layer against 5; the residual stays folded)
 for d in d1b-q4_K d8b-q4_K; do
     have $d || continue
     phase "decode-$d-apart" 10 30 env QLORA_CUDA_PAIRS=0 sh -c "for i in 1 2; do ./generate -m $M/$d.gguf -p 'Once upon a time' -n 128 --temp 0 --device $DEV; done" &&
