@@ -5226,7 +5226,7 @@ struct cuda_backend {
     bool lt_ok = true;              // false once it refused one (then c is copied first)
     size_t blas_work_size = 0;
     int   *d_scratch = nullptr;  // device: reduction results (check_finite, gradient statistics); from int
-                                 // QL_CUDA_Q8_COUNTER0 the decode attention's counters (k_fa_decode), zeroed at start
+                                 // QL_CUDA_Q8_COUNTER0 decode's counters (k_fa_decode, the products' tails), zeroed at start
     int   *h_scratch = nullptr;  // pinned host copy
     // activation offload (QL_OP_TO_HOST / TO_DEVICE): the copies' own stream, and per copy two
     // events (the compute stream reached it; the copy is done), made on the first graph that has

@@ -9740,9 +9740,10 @@ size_t ql_cuda_q8_codes_at(const ql_tensor *mm) {
     const int qb = ql_cuda_mm_q8(g);
     return qb ? align_up(ql_cuda_mm_q8_layout(g->src[1]->ne[1], g->src[0]->ne[0], qb, nullptr), QL_ALIGN) : 0;
 }
-// a product launch's tail (ql_cuda_gemv_norm, _swiglu) may lie over the products' bytes, result
-// or addend (in place): the tail's rows are made after every block that reads them has counted
-// itself, and the products read b's codes in the workspace, not b
+// a product launch's tail (ql_cuda_gemv_norm, _swiglu, _rope) may lie over the products' bytes,
+// result or addend (in place): the tail's rows are made after every block that reads them has
+// counted itself (a rotation's, after its head's), the products read b's codes in the workspace,
+// not b, and the cache stores write the caches
 bool ql_cuda_tail_over_ok(const ql_tensor *first, const ql_tensor *node) {
     return first && node && first->op == QL_OP_MUL_MAT &&
            (node->op == QL_OP_RMS_NORM || node->op == QL_OP_SWIGLU || node->op == QL_OP_ROPE || node->op == QL_OP_CACHE_STORE);

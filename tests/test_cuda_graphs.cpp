@@ -461,6 +461,33 @@ TEST_CASE("census: a decode product (one kernel) and products in tiles" * skip_u
 }
 
 extern "C" long long qlshim_launches(const char *kernel) __attribute__((weak));  // the shim's count per kernel (NULL elsewhere)
+
+// the decode products' tests: a leaf of type t [ne0, ne1] (ne1 0: 1-D) of values uniform in [-s, s)
+// from the generator st (the same for every backend), quantised; its bytes kept in data to be set
+typedef std::vector<std::pair<ql_tensor *, std::vector<uint8_t>>> leaf_bytes;
+static ql_tensor *random_leaf(ql_context *ctx, leaf_bytes &data, uint64_t &st, ql_type t, int64_t ne0, int64_t ne1, float s) {
+    ql_tensor *x = ne1 ? ql_new_tensor_2d(ctx, t, ne0, ne1) : ql_new_tensor_1d(ctx, t, ne0);
+    std::vector<float> f((size_t)(ne0 * std::max<int64_t>(ne1, 1)));
+    for (float &e : f) {
+        st = st * 6364136223846793005ull + 1442695040888963407ull;
+        e = s * ((float)((st >> 40) * (1.0 / 8388608.0)) - 1.0f);
+    }
+    std::vector<uint8_t> b(ql_nbytes(x) + x->aux_size);
+    char err[128];
+    REQUIRE_MESSAGE(ql_quantize(t, f.data(), std::max<int64_t>(ne1, 1), ne0, b.data(), err, sizeof(err)) == QL_OK, err);
+    data.push_back({x, std::move(b)});
+    return x;
+}
+// the results of ts[0..n), one after another, in f32
+static std::vector<float> results_of(ql_backend *be, ql_tensor *const *ts, size_t n) {
+    std::vector<float> out;
+    for (size_t i = 0; i < n; i++) {
+        std::vector<float> o((size_t)ql_nelements(ts[i]));
+        REQUIRE(ql_backend_tensor_get(be, ts[i], o.data(), 0, o.size() * 4) == QL_OK);
+        out.insert(out.end(), o.begin(), o.end());
+    }
+    return out;
+}
 void ql_cuda_launch_pair_for_tests(bool on);  // (qlora.cpp: a device's paired launches on or off)
 
 // Decode's products of one input (q, k and v; gate and up) with 8-bit activations: one k_gemv_q8
@@ -490,21 +517,9 @@ TEST_CASE("cuda decode: products of one input's codes by one launch give each pr
         auto run = [&](ql_backend *be, long long *gemvs, long long *issued) {
             ql_init_params ip = {64u << 20, nullptr, true, false};
             ql_context *ctx = ql_init(ip);
-            std::vector<std::pair<ql_tensor *, std::vector<uint8_t>>> data;
+            leaf_bytes data;
             uint64_t st = 7;  // values uniform in [-1, 1), the same for every backend
-            auto leaf = [&](ql_type t, int64_t ne0, int64_t ne1) {
-                ql_tensor *x = ql_new_tensor_2d(ctx, t, ne0, ne1);
-                std::vector<float> f((size_t)(ne0 * ne1));
-                for (float &e : f) {
-                    st = st * 6364136223846793005ull + 1442695040888963407ull;
-                    e = (float)((st >> 40) * (1.0 / 8388608.0)) - 1.0f;
-                }
-                std::vector<uint8_t> b(ql_nbytes(x) + x->aux_size);
-                char err[128];
-                REQUIRE_MESSAGE(ql_quantize(t, f.data(), ne1, ne0, b.data(), err, sizeof(err)) == QL_OK, err);
-                data.push_back({x, std::move(b)});
-                return x;
-            };
+            auto leaf = [&](ql_type t, int64_t ne0, int64_t ne1) { return random_leaf(ctx, data, st, t, ne0, ne1, 1.0f); };
             ql_tensor *b = leaf(QL_TYPE_F32, v.K, v.N), *c1 = leaf(QL_TYPE_F32, M[1], v.N);
             ql_tensor *y[3] = {ql_mul_mat(ctx, leaf(v.t, v.K, M[0]), b), ql_mul_mat_acc(ctx, leaf(v.t, v.K, M[1]), b, c1),
                                ql_mul_mat(ctx, leaf(v.t3, v.K, M[2]), b)};
@@ -530,12 +545,7 @@ TEST_CASE("cuda decode: products of one input's codes by one launch give each pr
                 *gemvs = qlshim_launches("k_gemv_q8_of") - g0, *issued = qlshim_stream_ops() - o0;
                 CHECK_MESSAGE(cen.launches == *issued, "census ", cen.launches, ", issued ", *issued);
             }
-            std::vector<float> out;
-            for (ql_tensor *t : y) {
-                std::vector<float> o((size_t)ql_nelements(t));
-                REQUIRE(ql_backend_tensor_get(be, t, o.data(), 0, o.size() * 4) == QL_OK);
-                out.insert(out.end(), o.begin(), o.end());
-            }
+            const std::vector<float> out = results_of(be, y, 3);
             ql_graph_free(g);
             ql_backend_buffer_free(leafs);
             ql_free(ctx);
@@ -599,21 +609,9 @@ TEST_CASE("cuda decode: a norm or SwiGLU ending the products' launch gives the b
         auto run = [&](ql_backend *be, counts *n) {
             ql_init_params ip = {256u << 20, nullptr, true, false};
             ql_context *ctx = ql_init(ip);
-            std::vector<std::pair<ql_tensor *, std::vector<uint8_t>>> data;
+            leaf_bytes data;
             uint64_t st = 11;  // values uniform in [-s, s), the same for every backend
-            auto leaf = [&](ql_type t, int64_t ne0, int64_t ne1, float s) {
-                ql_tensor *x = ne1 ? ql_new_tensor_2d(ctx, t, ne0, ne1) : ql_new_tensor_1d(ctx, t, ne0);
-                std::vector<float> f((size_t)(ne0 * std::max<int64_t>(ne1, 1)));
-                for (float &e : f) {
-                    st = st * 6364136223846793005ull + 1442695040888963407ull;
-                    e = s * ((float)((st >> 40) * (1.0 / 8388608.0)) - 1.0f);
-                }
-                std::vector<uint8_t> b(ql_nbytes(x) + x->aux_size);
-                char err[128];
-                REQUIRE_MESSAGE(ql_quantize(t, f.data(), std::max<int64_t>(ne1, 1), ne0, b.data(), err, sizeof(err)) == QL_OK, err);
-                data.push_back({x, std::move(b)});
-                return x;
-            };
+            auto leaf = [&](ql_type t, int64_t ne0, int64_t ne1, float s) { return random_leaf(ctx, data, st, t, ne0, ne1, s); };
             auto q8 = [&](ql_tensor *t) {
                 REQUIRE(t);
                 REQUIRE(ql_mul_mat_set_prec(t, QL_TYPE_Q8_0) == QL_OK);
@@ -653,12 +651,7 @@ TEST_CASE("cuda decode: a norm or SwiGLU ending the products' launch gives the b
                 n->quantised = (qlshim_launches("k_q8_act") - q0) / 2;
                 CHECK_MESSAGE(cen.launches == n->issued, "census ", cen.launches, ", issued ", n->issued);
             }
-            std::vector<float> out;
-            for (ql_tensor *t : outs) {
-                std::vector<float> o((size_t)ql_nelements(t));
-                REQUIRE(ql_backend_tensor_get(be, t, o.data(), 0, o.size() * 4) == QL_OK);
-                out.insert(out.end(), o.begin(), o.end());
-            }
+            const std::vector<float> out = results_of(be, outs, 4);
             ql_graph_free(gr);
             ql_backend_buffer_free(leafs);
             ql_free(ctx);
