@@ -3981,9 +3981,11 @@ static void cu_fa_gemm(cu_ctx &c, ql_tensor *node) {
 // (fragments of one type share one mapping). Scores are kept in log2 units: s2 = scale log2(e) q.k.
 //   forward: block = 64 queries of one head (16 per warp); key tiles of 64; online softmax.
 //   backward, deterministic, no atomics: delta = rowsum(dO O) first (k_fa_delta), then
-//     k_fa2_dkv: block = 16 NW keys of one kv head, over every query head of its group and every
-//              query tile that can see them: dV += P^T dO, dK += dS^T Q (scale at the end);
-//     k_fa2_dq:  block = 16 NW queries of one head, over their key tiles: dQ += dS K.
+//     k_fa2_dkv: block = 16 NW keys of one kv head, over the query heads of its group (or of a
+//              slice of them: ql_cuda_fa2_kv_split) and every query tile that can see them:
+//              dV += P^T dO, dK += dS^T Q (scale at the end); a slice's into its partial;
+//     k_fa2_dq:  block = 16 NW queries of one head, over their key tiles: dQ += dS K; with
+//              slices, the blocks past the heads sum the partials in slice order.
 // Causal tiles no query of the block may see are not visited; with documents (seg), neither are
 // tiles whose segment ranges do not meet; tiles every query sees entirely skip the mask.
 #ifdef QL_CUDA_SHIM
@@ -4345,18 +4347,51 @@ __device__ __forceinline__ bool fa2_next_ktile(const fa_args &a, int64_t b, int6
     }
 }
 // dK/dV's tile after t = (query head r of the group, query tile i0): tiles of BT from qstart, the
-// first that may see the block's keys, whose documents meet the keys' [klo, khi]; false past the last
-__device__ __forceinline__ bool fa2_next_qtile(const fa_args &a, int b, int Tk, int Tq, int off, int BT, int qstart, int rep, int klo,
+// first that may see the block's keys, whose documents meet the keys' [klo, khi], heads r up to
+// rhi (the end of the block's slice); false past the last
+__device__ __forceinline__ bool fa2_next_qtile(const fa_args &a, int b, int Tk, int Tq, int off, int BT, int qstart, int rhi, int klo,
                                                int khi, int2 &t) {
     for (;;) {
         if ((t.y += BT) >= Tq) {
             t.y = qstart;
-            if (++t.x >= rep) return false;
+            if (++t.x >= rhi) return false;
         }
         if (!a.seg) return true;
         int qlo, qhi;
         fa2_seg_range(a.seg + (int64_t)b * Tk, t.y + off, min(BT, Tq - t.y), &qlo, &qhi);
         if (!(khi < qlo || klo > qhi)) return true;
+    }
+}
+// dK/dV by slices of the group's query heads (ql_cuda_fa2_kv_split): with split > 1 the dK/dV kernel's
+// block (blockIdx.x = kv head x split + slice) writes its slice's partial dK, dV (the layout of dk
+// then dv, n floats) at part + slice n, and the dQ kernel's blocks past its heads (blockIdx.y >= H)
+// sum the slices in order into out (dk, dv contiguous: the backward's own result)
+struct fa2_split {
+    const float *part;
+    float *out;
+    int64_t n;
+    int split;
+};
+// the dK/dV block's slice: its kv head, the first and past-the-last query head of the group, and dk,
+// dv pointed at its partial when split
+__device__ __forceinline__ int fa2_slice(const fa2_split &sp, int rep, int &hk, int &rlo, float *&dk, float *&dv) {
+    const int sl = (int)blockIdx.x % sp.split;
+    hk = (int)blockIdx.x / sp.split;
+    rlo = sl * rep / sp.split;
+    if (sp.split > 1) {
+        const int64_t vo = dv - dk;
+        dk = (float *)sp.part + sl * sp.n, dv = dk + vo;
+    }
+    return (sl + 1) * rep / sp.split;
+}
+// the dQ kernel's blocks past its heads: out = the slices' sum, in slice order
+__device__ __forceinline__ void fa2_sum_slices(const fa2_split &sp, int H) {
+    const int64_t nb = (int64_t)(gridDim.y - H) * gridDim.x * gridDim.z;
+    const int64_t id = ((int64_t)(blockIdx.y - H) * gridDim.z + blockIdx.z) * gridDim.x + blockIdx.x;
+    for (int64_t i = id * blockDim.x + threadIdx.x; i < sp.n; i += nb * blockDim.x) {
+        float s = sp.part[i];
+        for (int j = 1; j < sp.split; j++) s += sp.part[j * sp.n + i];
+        sp.out[i] = s;
     }
 }
 // a dK/dV tile's query row of this thread (threads < BT): lse in log2 units and delta, on their way
@@ -4372,13 +4407,13 @@ struct fa2_qrow {
     }
 };
 
-// dK, dV: block (16 NW keys, kv head, batch); every query head of the group, every query tile
+// dK, dV: block (kv head and slice, 16 NW keys, batch); the slice's query heads, every query tile
 // that may see the keys. dk, dv [D, Tk, Hkv, B]; dO [D, H, Tq, B] of type dt (f32 or 16-bit); lse, delta [Tq, H, B].
 // PIPE (the register path's choice at d 128: q and dO bf16, aligned): query tiles in two buffers by
 // asynchronous copies, as k_fa2_dkv_reg's
 template <typename T, int D, bool PIPE = false>
 __global__ void __launch_bounds__(fa2_back_cfg<T>::NW * 32, 1)
-    k_fa2_dkv(fa_args a, const char *dO, int dt, const float *lse, const float *delta, float *dk, float *dv) {
+    k_fa2_dkv(fa_args a, const char *dO, int dt, const float *lse, const float *delta, float *dk, float *dv, fa2_split sp) {
     if constexpr (!FA2_ARCH_OK(T)) return;
     else
     {
@@ -4388,7 +4423,8 @@ __global__ void __launch_bounds__(fa2_back_cfg<T>::NW * 32, 1)
     static_assert(BT <= 32 * NW, "a thread per query row of a tile (its lse and delta)");
     // sizes and positions in 32 bits (row offsets below in 64): fewer registers beside the accumulators
     const int Tq = (int)a.q.ne[1], H = (int)a.q.ne[2], Tk = (int)a.k.ne[1], Hkv = (int)a.k.ne[2], off = Tk - Tq, rep = H / Hkv;
-    const int hk = blockIdx.y, b = blockIdx.z, j0 = blockIdx.x * RK;
+    int hk, rlo;  // (blockIdx.x: kv head and slice; y: keys, the first, busiest, dispatched first across heads)
+    const int rhi = fa2_slice(sp, rep, hk, rlo, dk, dv), b = blockIdx.z, j0 = blockIdx.y * RK;
     const int nk = min(RK, Tk - j0), warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
     const float sl2 = a.scale * FA2_LOG2E;
     QL_DYN_SMEM(unsigned char, sm);
@@ -4407,7 +4443,7 @@ FA2_UNROLL
     if (a.seg) fa2_seg_range(a.seg + (int64_t)b * Tk, j0, nk, &klo, &khi);
     const int qstart = max(0, j0 - off) / BT * BT;  // the first query that may see key j0
     const int64_t es = dt == QL_TYPE_F32 ? 4 : 2, ors = (int64_t)H * D * es;  // dO's element size, row stride
-    auto advance = [&](int2 &t) { return fa2_next_qtile(a, b, Tk, Tq, off, BT, qstart, rep, klo, khi, t); };
+    auto advance = [&](int2 &t) { return fa2_next_qtile(a, b, Tk, Tq, off, BT, qstart, rhi, klo, khi, t); };
     fa2_qrow qrow;  // this thread's query row of the tile on its way
     auto issue = [&](int2 t, int buf) {  // tile t = (r, i0) into buffer buf: q and dO rows; lse, delta into qrow
         const int h = hk * rep + t.x, i0 = t.y, nq = min(BT, Tq - i0);
@@ -4423,7 +4459,7 @@ FA2_UNROLL
         qrow.get(lse, delta, (int64_t)(b * H + h) * Tq + i0, nq, BT);
     };
     auto put = [&](int buf) { qrow.put(Lb + buf * BT, Db + buf * BT, BT); };
-    fa2_stream<PIPE>(int2{0, qstart - BT}, advance, issue, put, [&](int2 t, int buf) {
+    fa2_stream<PIPE>(int2{rlo, qstart - BT}, advance, issue, put, [&](int2 t, int buf) {
         const int i0 = t.y;
         const T *Qs = Qb + buf * BT * LD, *dOs = dOb + buf * BT * LD;
         const float *Lr = Lb + buf * BT, *Dr = Db + buf * BT;
@@ -4462,13 +4498,14 @@ FA2_UNROLL
 // dQ: block (16 NW queries, head, batch) over the key tiles its queries may see. dq [D, Tq, H, B]
 template <typename T, int D>
 __global__ void __launch_bounds__(fa2_back_cfg<T>::NW * 32, 1)
-    k_fa2_dq(fa_args a, const char *dO, int dt, const float *lse, const float *delta, float *dq) {
+    k_fa2_dq(fa_args a, const char *dO, int dt, const float *lse, const float *delta, float *dq, fa2_split sp) {
     if constexpr (!FA2_ARCH_OK(T)) return;
     else
     {
     constexpr int NW = fa2_back_cfg<T>::NW, BT = fa2_back_cfg<T>::BT, RQ = 16 * NW, LD = D + FA2_PAD, NF = D / 16;
     constexpr int SLD = BT + 4, PLD = BT + FA2_PAD;
     const int64_t Tq = a.q.ne[1], H = a.q.ne[2], Tk = a.k.ne[1], Hkv = a.k.ne[2], off = Tk - Tq;
+    if (blockIdx.y >= H) return fa2_sum_slices(sp, (int)H);  // (the blocks past the heads: dK, dV's slices summed)
     const int64_t h = blockIdx.y, b = blockIdx.z, hk = (int)h / ((int)H / (int)Hkv), i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * RQ;
     const int nq = (int)min((int64_t)RQ, Tq - i0), warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
     const float sl2 = a.scale * FA2_LOG2E;
@@ -4708,11 +4745,11 @@ FA2_UNROLL
     }
 }
 
-// dK, dV, register path: block (16 NW keys, kv head, batch); every query head of the group, query
+// dK, dV, register path: block (kv head and slice, 16 NW keys, batch); the slice's query heads, query
 // tiles of BT, 16 queries at a time. dk, dv [D, Tk, Hkv, B]; dO [D, H, Tq, B]; lse, delta [Tq, H, B]
 template <typename T, int D, int NW, int BT, bool PIPE>  // (T: bf16)
 __global__ void __launch_bounds__(NW * 32, 1)
-    k_fa2_dkv_reg(fa_args a, const char *dO, const float *lse, const float *delta, float *dk, float *dv) {
+    k_fa2_dkv_reg(fa_args a, const char *dO, const float *lse, const float *delta, float *dk, float *dv, fa2_split sp) {
     if constexpr (!FA2_ARCH_OK(T)) return;
     else
     {
@@ -4720,7 +4757,8 @@ __global__ void __launch_bounds__(NW * 32, 1)
     constexpr int RK = 16 * NW, LD = D + FA2_PAD, NF = D / 16, NB = PIPE ? 2 : 1;
     static_assert(BT <= 32 * NW, "a thread per query row of a tile (its lse and delta)");
     const int Tq = (int)a.q.ne[1], H = (int)a.q.ne[2], Tk = (int)a.k.ne[1], Hkv = (int)a.k.ne[2], off = Tk - Tq, rep = H / Hkv;
-    const int hk = blockIdx.y, b = blockIdx.z, j0 = blockIdx.x * RK;
+    int hk, rlo;  // (blockIdx.x: kv head and slice; y: keys, the first, busiest, dispatched first across heads)
+    const int rhi = fa2_slice(sp, rep, hk, rlo, dk, dv), b = blockIdx.z, j0 = blockIdx.y * RK;
     const int nk = min(RK, Tk - j0), warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
     const float sl2 = a.scale * FA2_LOG2E;
     QL_DYN_SMEM(unsigned char, sm);
@@ -4748,7 +4786,7 @@ FA2_UNROLL
     // the tiles visited, in order: (query head r of the group, query tile i0) from the first query
     // that may see key j0, less the tiles whose documents do not meet the keys' (every thread agrees)
     const int qstart = max(0, j0 - off) / BT * BT;
-    auto advance = [&](int2 &t) { return fa2_next_qtile(a, b, Tk, Tq, off, BT, qstart, rep, klo, khi, t); };
+    auto advance = [&](int2 &t) { return fa2_next_qtile(a, b, Tk, Tq, off, BT, qstart, rhi, klo, khi, t); };
     fa2_qrow qrow;  // this thread's query row of the tile on its way
     auto issue = [&](int2 t, int buf) {  // tile t = (r, i0) into buffer buf: q and dO rows; lse, delta into qrow
         const int h = hk * rep + t.x, i0 = t.y, nq = min(BT, Tq - i0);
@@ -4764,7 +4802,7 @@ FA2_UNROLL
         qrow.get(lse, delta, (int64_t)(b * H + h) * Tq + i0, nq, BT);
     };
     auto put = [&](int buf) { qrow.put(Lb + buf * BT, Db + buf * BT, BT); };
-    fa2_stream<PIPE>(int2{0, qstart - BT}, advance, issue, put, [&](int2 t, int buf) {
+    fa2_stream<PIPE>(int2{rlo, qstart - BT}, advance, issue, put, [&](int2 t, int buf) {
         const int i0 = t.y;
         const T *Qs = Qb + buf * BT * LD, *dOs = dOb + buf * BT * LD;
         const float *Lr = Lb + buf * BT, *Dr = Db + buf * BT;
@@ -4841,13 +4879,14 @@ FA2_UNROLL
 // dq [D, Tq, H, B]
 template <typename T, int D, int NW, int BT, bool PIPE>  // (T: bf16)
 __global__ void __launch_bounds__(NW * 32, 1)
-    k_fa2_dq_reg(fa_args a, const char *dO, const float *lse, const float *delta, float *dq) {
+    k_fa2_dq_reg(fa_args a, const char *dO, const float *lse, const float *delta, float *dq, fa2_split sp) {
     if constexpr (!FA2_ARCH_OK(T)) return;
     else
     {
     using namespace nvcuda;
     constexpr int RQ = 16 * NW, LD = D + FA2_PAD, NF = D / 16, NB = PIPE ? 2 : 1;
     const int64_t Tq = a.q.ne[1], H = a.q.ne[2], Tk = a.k.ne[1], Hkv = a.k.ne[2], off = Tk - Tq;
+    if (blockIdx.y >= H) return fa2_sum_slices(sp, (int)H);  // (the blocks past the heads: dK, dV's slices summed)
     const int64_t h = blockIdx.y, b = blockIdx.z, hk = (int)h / ((int)H / (int)Hkv), i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * RQ;
     const int nq = (int)min((int64_t)RQ, Tq - i0), warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
     const float sl2 = a.scale * FA2_LOG2E;
@@ -5008,29 +5047,40 @@ template <int D, int NW> static void fa2_fwd_reg_pick(cu_ctx &c, ql_tensor *node
 // the register path's backward: 4 warps a block (64 keys or queries held), or 8 (QLORA_CUDA_FA2_BWD_WARPS=8; on an
 // H200 the same speed: d 64 18.2 against 18.4 TFLOP/s)
 static const int g_fa2_bwd_warps = getenv("QLORA_CUDA_FA2_BWD_WARPS") && atoi(getenv("QLORA_CUDA_FA2_BWD_WARPS")) == 8 ? 8 : 4;
+// the dK/dV grid: (kv heads x slices, blocks of rk keys, batch) - a key block's heads and slices side by
+// side, so the first (busiest) key blocks of every head go first; the dQ grid: (blocks of rq queries,
+// heads + rows of blocks that sum dK/dV's slices, batch)
+static dim3 fa2_dkv_grid(const ql_tensor *k, int rk, const fa2_split &sp) {
+    return dim3((unsigned)(k->ne[2] * sp.split), (unsigned)((k->ne[1] + rk - 1) / rk), (unsigned)k->ne[3]);
+}
+static dim3 fa2_dq_grid(const ql_tensor *q, int rq, int threads, const fa2_split &sp) {
+    const int64_t gx = (q->ne[1] + rq - 1) / rq, B = q->ne[3], H = q->ne[2];
+    const int64_t sums = sp.split > 1 ? (sp.n + 32 * threads - 1) / (32 * threads) : 0;  // blocks of 32 sums a thread
+    const int64_t rows = std::min((sums + gx * B - 1) / (gx * B), 65535 - H);
+    return dim3((unsigned)gx, (unsigned)(H + rows), (unsigned)B);
+}
 template <int D, int NW, bool PIPE>
 static void fa2_dkv_reg_launch(cu_ctx &c, const ql_tensor *k, const fa_args &a, const char *dO, const float *lse, const float *delta,
-                               float *dk, float *dv) {
+                               float *dk, float *dv, const fa2_split &sp) {
     constexpr int BT = PIPE ? fa2_pipe_bt<D, NW>() : FA2_REG_BT;
     const size_t smem = fa2_back_reg_smem<D, NW, BT, PIPE ? 2 : 1>();
-    void (*kern)(fa_args, const char *, const float *, const float *, float *, float *) = k_fa2_dkv_reg<__nv_bfloat16, D, NW, BT, PIPE>;
+    void (*kern)(fa_args, const char *, const float *, const float *, float *, float *, fa2_split) = k_fa2_dkv_reg<__nv_bfloat16, D, NW, BT, PIPE>;
     CU_CHECK(c, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    const dim3 gk((unsigned)((k->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)k->ne[2], (unsigned)k->ne[3]);
-    QL_LAUNCH(kern, gk, NW * 32, smem, c.stream, a, dO, lse, delta, dk, dv);
+    QL_LAUNCH(kern, fa2_dkv_grid(k, 16 * NW, sp), NW * 32, smem, c.stream, a, dO, lse, delta, dk, dv, sp);
     CU_LAUNCHED(c);
 }
 template <int D, int NW, bool PIPE>
 static void fa2_dq_reg_launch(cu_ctx &c, const ql_tensor *q, const fa_args &a, const char *dO, const float *lse, const float *delta,
-                              float *dq) {
+                              float *dq, const fa2_split &sp) {
     constexpr int BT = PIPE ? fa2_pipe_bt<D, NW>() : FA2_REG_BT;
     const size_t smem = fa2_back_reg_smem<D, NW, BT, PIPE ? 2 : 1>();
-    void (*kern)(fa_args, const char *, const float *, const float *, float *) = k_fa2_dq_reg<__nv_bfloat16, D, NW, BT, PIPE>;
+    void (*kern)(fa_args, const char *, const float *, const float *, float *, fa2_split) = k_fa2_dq_reg<__nv_bfloat16, D, NW, BT, PIPE>;
     CU_CHECK(c, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    const dim3 gq((unsigned)((q->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)q->ne[2], (unsigned)q->ne[3]);
-    QL_LAUNCH(kern, gq, NW * 32, smem, c.stream, a, dO, lse, delta, dq);
+    QL_LAUNCH(kern, fa2_dq_grid(q, 16 * NW, NW * 32, sp), NW * 32, smem, c.stream, a, dO, lse, delta, dq, sp);
     CU_LAUNCHED(c);
 }
-template <int D, int NW> static void fa2_back_reg_launch(cu_ctx &c, ql_tensor *node, const float *delta, const char *dO16) {
+template <int D, int NW>
+static void fa2_back_reg_launch(cu_ctx &c, ql_tensor *node, const float *delta, const char *dO16, const fa2_split &sp) {
     const ql_tensor *q = node->src[0], *k = node->src[1], *v = node->src[2], *fwd = node->src[4];
     const fa_args a = fa_args_of(node);
     const char *dO = dO16;
@@ -5041,20 +5091,20 @@ template <int D, int NW> static void fa2_back_reg_launch(cu_ctx &c, ql_tensor *n
         constexpr int SNW = fa2_back_cfg<T>::NW;
         const bool pipe = fa2_async_ok(q);  // (then dO from the 16-byte aligned bf16 copy, or dO itself in bf16)
         const size_t ssmem = pipe ? fa2_back_smem<T, D, 2>() : fa2_back_smem<T, D>();
-        void (*kold)(fa_args, const char *, int, const float *, const float *, float *, float *) = pipe ? k_fa2_dkv<T, D, true> : k_fa2_dkv<T, D, false>;
+        void (*kold)(fa_args, const char *, int, const float *, const float *, float *, float *, fa2_split) =
+            pipe ? k_fa2_dkv<T, D, true> : k_fa2_dkv<T, D, false>;
         CU_CHECK(c, cudaFuncSetAttribute(kold, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)ssmem));
-        const dim3 gk((unsigned)((k->ne[1] + 16 * SNW - 1) / (16 * SNW)), (unsigned)k->ne[2], (unsigned)k->ne[3]);
         const char *dOk = pipe ? dO16 : (const char *)node->src[5]->data;
         const int dtk = pipe ? (int)QL_TYPE_BF16 : (int)node->src[5]->type;
-        QL_LAUNCH(kold, gk, SNW * 32, ssmem, c.stream, a, dOk, dtk, lse, delta, dk, dv);
+        QL_LAUNCH(kold, fa2_dkv_grid(k, 16 * SNW, sp), SNW * 32, ssmem, c.stream, a, dOk, dtk, lse, delta, dk, dv, sp);
         CU_LAUNCHED(c);
     } else if (fa2_async_ok(q)) {  // (dO: the bf16 workspace copy or dO itself, 16-byte aligned either way)
-        fa2_dkv_reg_launch<D, NW, true>(c, k, a, dO, lse, delta, dk, dv);
+        fa2_dkv_reg_launch<D, NW, true>(c, k, a, dO, lse, delta, dk, dv, sp);
     } else {
-        fa2_dkv_reg_launch<D, NW, false>(c, k, a, dO, lse, delta, dk, dv);
+        fa2_dkv_reg_launch<D, NW, false>(c, k, a, dO, lse, delta, dk, dv, sp);
     }
-    if (fa2_async_ok(k) && fa2_async_ok(v)) fa2_dq_reg_launch<D, NW, true>(c, q, a, dO, lse, delta, dq);
-    else fa2_dq_reg_launch<D, NW, false>(c, q, a, dO, lse, delta, dq);
+    if (fa2_async_ok(k) && fa2_async_ok(v)) fa2_dq_reg_launch<D, NW, true>(c, q, a, dO, lse, delta, dq, sp);
+    else fa2_dq_reg_launch<D, NW, false>(c, q, a, dO, lse, delta, dq, sp);
 }
 template <typename T, int D> static void fa2_fwd_launch(cu_ctx &c, ql_tensor *node) {
     if (std::is_same<T, __nv_bfloat16>::value && cu_fa2_reg(c))
@@ -5068,11 +5118,12 @@ template <typename T, int D> static void fa2_fwd_launch(cu_ctx &c, ql_tensor *no
     QL_LAUNCH(kern, grid, FA2_WARPS * 32, smem, c.stream, fa_args_of(node), (char *)node->data, lse);
     CU_LAUNCHED(c);
 }
-template <typename T, int D> static void fa2_back_launch(cu_ctx &c, ql_tensor *node, const float *delta, const char *dO16) {
+template <typename T, int D>
+static void fa2_back_launch(cu_ctx &c, ql_tensor *node, const float *delta, const char *dO16, const fa2_split &sp) {
     if (std::is_same<T, __nv_bfloat16>::value && cu_fa2_reg(c)) {
         if constexpr (D <= 96)  // (8 warps' tiles above 99 KiB of shared memory at d 128)
-            if (g_fa2_bwd_warps == 8) return fa2_back_reg_launch<D, 8>(c, node, delta, dO16);
-        return fa2_back_reg_launch<D, FA2_REG_NW>(c, node, delta, dO16);
+            if (g_fa2_bwd_warps == 8) return fa2_back_reg_launch<D, 8>(c, node, delta, dO16, sp);
+        return fa2_back_reg_launch<D, FA2_REG_NW>(c, node, delta, dO16, sp);
     }
     const ql_tensor *q = node->src[0], *k = node->src[1], *fwd = node->src[4];
     constexpr int NW = fa2_back_cfg<T>::NW;
@@ -5082,24 +5133,22 @@ template <typename T, int D> static void fa2_back_launch(cu_ctx &c, ql_tensor *n
     const int dt = (int)node->src[5]->type;
     const float *lse = (const float *)((const char *)fwd->data + ql_nbytes(fwd));
     float *dq = (float *)node->data, *dk = dq + ql_nelements(q), *dv = dk + ql_nelements(k);
-    void (*kdkv)(fa_args, const char *, int, const float *, const float *, float *, float *) = k_fa2_dkv<T, D>;
-    void (*kdq)(fa_args, const char *, int, const float *, const float *, float *) = k_fa2_dq<T, D>;
+    void (*kdkv)(fa_args, const char *, int, const float *, const float *, float *, float *, fa2_split) = k_fa2_dkv<T, D>;
+    void (*kdq)(fa_args, const char *, int, const float *, const float *, float *, fa2_split) = k_fa2_dq<T, D>;
     CU_CHECK(c, cudaFuncSetAttribute(kdkv, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
     CU_CHECK(c, cudaFuncSetAttribute(kdq, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    const dim3 gk((unsigned)((k->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)k->ne[2], (unsigned)k->ne[3]);
-    QL_LAUNCH(kdkv, gk, NW * 32, smem, c.stream, a, dO, dt, lse, delta, dk, dv);
+    QL_LAUNCH(kdkv, fa2_dkv_grid(k, 16 * NW, sp), NW * 32, smem, c.stream, a, dO, dt, lse, delta, dk, dv, sp);
     CU_LAUNCHED(c);
-    const dim3 gq((unsigned)((q->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)q->ne[2], (unsigned)q->ne[3]);
-    QL_LAUNCH(kdq, gq, NW * 32, smem, c.stream, a, dO, dt, lse, delta, dq);
+    QL_LAUNCH(kdq, fa2_dq_grid(q, 16 * NW, NW * 32, sp), NW * 32, smem, c.stream, a, dO, dt, lse, delta, dq, sp);
     CU_LAUNCHED(c);
 }
-template <typename T> static void fa2_run(cu_ctx &c, ql_tensor *node, const float *delta, const char *dO16) {
+template <typename T> static void fa2_run(cu_ctx &c, ql_tensor *node, const float *delta, const char *dO16, const fa2_split &sp) {
     const bool back = node->op == QL_OP_FLASH_ATTN_BACK;
     switch (node->src[0]->ne[0]) {
-    case 64:  return back ? fa2_back_launch<T, 64>(c, node, delta, dO16) : fa2_fwd_launch<T, 64>(c, node);
-    case 80:  return back ? fa2_back_launch<T, 80>(c, node, delta, dO16) : fa2_fwd_launch<T, 80>(c, node);
-    case 96:  return back ? fa2_back_launch<T, 96>(c, node, delta, dO16) : fa2_fwd_launch<T, 96>(c, node);
-    case 128: return back ? fa2_back_launch<T, 128>(c, node, delta, dO16) : fa2_fwd_launch<T, 128>(c, node);
+    case 64:  return back ? fa2_back_launch<T, 64>(c, node, delta, dO16, sp) : fa2_fwd_launch<T, 64>(c, node);
+    case 80:  return back ? fa2_back_launch<T, 80>(c, node, delta, dO16, sp) : fa2_fwd_launch<T, 80>(c, node);
+    case 96:  return back ? fa2_back_launch<T, 96>(c, node, delta, dO16, sp) : fa2_fwd_launch<T, 96>(c, node);
+    case 128: return back ? fa2_back_launch<T, 128>(c, node, delta, dO16, sp) : fa2_fwd_launch<T, 128>(c, node);
     default:  CU_ASSERT(!"fused attention: head dim not in ql_cuda_fa_fused");
     }
 }
@@ -5111,7 +5160,13 @@ static void cu_fa_fused(cu_ctx &c, ql_tensor *node) {
     CU_ASSERT(c.work_size >= need);
     float *delta = nullptr;
     char *dO16 = nullptr;
+    fa2_split sp{nullptr, nullptr, 0, 1};
     if (node->op == QL_OP_FLASH_ATTN_BACK) {
+        const ql_tensor *k = node->src[1];
+        sp.split = ql_cuda_fa2_kv_split(node);
+        sp.n = ql_nelements(k) + ql_nelements(node->src[2]);
+        sp.out = (float *)node->data + ql_nelements(node->src[0]);  // dk, then dv
+        if (sp.split > 1) sp.part = (const float *)((char *)c.work + o[QL_CUDA_FA_S]);
         const ql_tensor *q = node->src[0], *v = node->src[2];
         const int64_t DV = v->ne[0], H = q->ne[2], Tq = q->ne[1], B = q->ne[3];
         const ql_tensor *dO = node->src[5];
@@ -5124,8 +5179,8 @@ static void cu_fa_fused(cu_ctx &c, ql_tensor *node) {
                   (int)ct, nullptr, (int64_t)0);
         CU_LAUNCHED(c);
     }
-    if (ct == QL_TYPE_BF16) fa2_run<__nv_bfloat16>(c, node, delta, dO16);
-    else fa2_run<__half>(c, node, delta, dO16);
+    if (ct == QL_TYPE_BF16) fa2_run<__nv_bfloat16>(c, node, delta, dO16, sp);
+    else fa2_run<__half>(c, node, delta, dO16, sp);
 }
 
 // mm: NULL, or the o projection whose 8-bit codes (blocks of qb) the decode kernel writes too

@@ -9804,6 +9804,31 @@ bool ql_cuda_fa_kv_direct(const ql_tensor *node, ql_type ct) {
     }
     return true;
 }
+// The fused backward's dK/dV blocks, one per (keys, kv head, slice of the group's query heads):
+// with GQA a block over every query head of its group runs rep times the query tiles of one over
+// a single head, and at seq 2048 (1B and 8B shapes: 32 key blocks x 8 kv heads = 256 blocks, one
+// wave on an H100) the first key block's rep x 32 tiles set the kernel's time while most SMs idle.
+// Split into slices until the grid has QL_CUDA_FA2_SPLIT_BLOCKS blocks (nominal 64 keys a block,
+// whatever the device's kernel: the plan's workspace must not depend on it); the slices' partial
+// dK, dV are summed by the dQ kernel's extra blocks in slice order (deterministic). 1: no split
+// (MHA, enough blocks, or QLORA_CUDA_FA2_SPLIT=0 / ql_cuda_fa2_set_split(0)).
+static int g_fa2_split = !(getenv("QLORA_CUDA_FA2_SPLIT") && strcmp(getenv("QLORA_CUDA_FA2_SPLIT"), "0") == 0);
+int ql_cuda_fa2_set_split(int on) {
+    const int was = g_fa2_split;
+    g_fa2_split = on != 0;
+    return was;
+}
+int ql_cuda_fa2_kv_split(const ql_tensor *node) {
+    if (!g_fa2_split || node->op != QL_OP_FLASH_ATTN_BACK || !ql_cuda_fa_fused(node)) return 1;
+    const ql_tensor *q = node->src[0], *k = node->src[1];
+    const int64_t rep = q->ne[2] / k->ne[2], blocks = (k->ne[1] + 63) / 64 * k->ne[2] * k->ne[3];
+    int s = 1;
+    while (s < rep && blocks * s < QL_CUDA_FA2_SPLIT_BLOCKS) {
+        s++;
+        while (rep % s) s++;  // a divisor of rep: every slice as many heads
+    }
+    return s;
+}
 // q [D, Tq, H, B], k [D, Tk, Hkv, B], v [DV, Tk, Hkv, B]; the forward needs K, V, Q, S (+ P in
 // bf16) and the output's chunk [DV, chunk, H, B]; backward also delta [Tq, H, B], dO, dP (+ dS)
 // and dq's chunk in the output's place
@@ -9822,7 +9847,11 @@ size_t ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NB
         if (chunk) *chunk = 0;
         if (compute) *compute = ct;
         const bool copy = back && node->src[5]->type != ct;
-        return back ? nd + (copy ? align_up((size_t)(DV * Tq * H * B) * es, QL_ALIGN) : 0) : 0;
+        if (!back) return 0;
+        const size_t nc = copy ? align_up((size_t)(DV * Tq * H * B) * es, QL_ALIGN) : 0;
+        const int split = ql_cuda_fa2_kv_split(node);  // dK, dV by slices of the group's query heads: [split][dk | dv] f32
+        if (off) off[QL_CUDA_FA_S] = nd + nc;
+        return nd + nc + (split > 1 ? (size_t)split * (size_t)(ql_nelements(k) + ql_nelements(v)) * sizeof(float) : 0);
     }
     const ql_tensor *fwd = back ? node->src[4] : node;  // (the forward's budget: ql_flash_attn_set_score_bytes)
     const int64_t c = ql_flash_attn_chunk_rows(Tq, Tk, H, B, (size_t)get_param<int32_t>(fwd, 2) << 20);

@@ -1527,8 +1527,8 @@ size_t  ql_cuda_work_size(const ql_tensor *node, int cc);  // per-node workspace
 // scores of every head [keys, chunk] in f32 (QL_FLASH_ATTN_SCORE_BYTES at most, for 16 queries at
 // least), q, k, v (backward: dO too) packed in the compute type (bf16 when prec asks and cc >= 80,
 // else f32), the probabilities (and dS) beside them in bf16 or over the scores in f32. The byte
-// offsets of those buffers in the node's workspace, in this order (the fused kernels: delta, and
-// dO in the compute type unless it is in that type already):
+// offsets of those buffers in the node's workspace, in this order (the fused kernels: delta, dO in
+// the compute type unless it is in that type already, and at QL_CUDA_FA_S dK/dV's slices):
 enum { QL_CUDA_FA_DELTA, QL_CUDA_FA_K, QL_CUDA_FA_V, QL_CUDA_FA_Q, QL_CUDA_FA_DO, QL_CUDA_FA_S, QL_CUDA_FA_DP, QL_CUDA_FA_P,
        QL_CUDA_FA_DS, QL_CUDA_FA_OUT, QL_CUDA_FA_NBUF };
 bool    ql_cuda_fa_fused(const ql_tensor *node);       // training attention on tensor cores (FlashAttention-2, WMMA):
@@ -1545,6 +1545,12 @@ int     ql_cuda_fa2_set_pipe(int on);                  // the register path (for
                                                        // between barriers (QLORA_CUDA_FA2_PIPE=0) - the same bits; returns the
                                                        // previous. Set it before a plan's first run (a captured CUDA graph keeps
                                                        // the kernels it was captured with)
+int     ql_cuda_fa2_kv_split(const ql_tensor *node);  // the fused backward's dK/dV blocks each take 1/split of the group's
+                                                       // query heads (1: all); the partials [split][dk | dv] f32 at the
+                                                       // layout's QL_CUDA_FA_S, summed in slice order by the dQ kernel
+#define QL_CUDA_FA2_SPLIT_BLOCKS 1024                  // ... until the dK/dV grid has this many blocks (64 keys a block)
+int     ql_cuda_fa2_set_split(int on);                 // 0: no split (QLORA_CUDA_FA2_SPLIT=0); returns the previous. Set it
+                                                       // before a plan is made: the workspace depends on it
 size_t  ql_cuda_fa_layout(const ql_tensor *node, int cc, size_t off[QL_CUDA_FA_NBUF], int64_t *chunk, ql_type *compute);
 bool    ql_cuda_fa_kv_direct(const ql_tensor *node, ql_type compute);  // k and v read in place (no K, V buffers): one
                                                        // sequence, in the compute type, permuted views of contiguous [D, Hkv, Tk]

@@ -18,7 +18,7 @@
 #   llama-bench-*  llama.cpp's CUDA decode on the same q4_K files, when .gpu carries a build (issue 32)
 #   fit-8b-long  8B at 32,768 tokens under --vram 12G (block recompute + checkpoint offload by default):
 #             the measured peak against the plan at a long sequence (issue 30)
-#   attn      tools/bench attn: fused attention (its backward streaming tiles in two buffers, and in one) against the chunked products (issue 31 item 1)
+#   attn      tools/bench attn: fused attention (its backward streaming tiles in two buffers, and in one; dK/dV a block per query head, and over all of a group's) against the chunked products (issue 31 item 1)
 #   fa-fused-1b  the 1B step with the fused attention backward: the census's largest term (issue 28)
 #   torch-1b  the yardstick at 1B
 #   profile   the 1B step's --profile (node times from events)

@@ -1529,6 +1529,13 @@ OP_CASE(flash_attn_fused) {
     if (!ql_backend_is_host(be)) MESSAGE("fused attention: the " << std::string(ql_cuda_fa2_register_path(be) ? "register" : "shared-memory") << " path");
     fused_attn_cases(be);
     if (ql_backend_is_host(be)) return;
+    {  // dK, dV by blocks over all the group's query heads (above: a block per head, the slices summed by
+       // the dQ kernel, as these short sequences always get - ql_cuda_fa2_kv_split)
+        const int was = ql_cuda_fa2_set_split(0);
+        INFO("dK/dV blocks over every head of the group (no slices)");
+        fused_attn_cases(be, true);
+        ql_cuda_fa2_set_split(was);
+    }
     if (!qlshim_set_wmma_sm80 && ql_cuda_fa2_register_path(be)) fa2_pipe_cases(be);  // a real GPU's (the shim's: below)
     {  // the default: the fused forward's lse read by the chunked backward
         ql_cuda_fa_set_mode(QL_CUDA_FA_FORWARD);

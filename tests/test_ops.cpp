@@ -1426,6 +1426,65 @@ TEST_CASE("flash_attn's score budget: a device's chunk of queries, its backward'
     CHECK(chunk(a) == 256);
 }
 
+TEST_CASE("the fused attention backward's dK/dV slices: the rule, the workspace, the census") {
+    // headers only: the plan's functions read shapes. bf16 attention, both directions fused
+    const int mode = ql_cuda_fa_get_mode();
+    ql_cuda_fa_set_mode(QL_CUDA_FA_FUSED);
+    struct C { int64_t d, T, H, Hkv, B; int split; };
+    const C cases[] = {
+        {64, 2048, 32, 8, 1, 4},   // the 1B shape: 32 key blocks x 8 kv heads = 256 blocks -> all 4 heads apart
+        {128, 2048, 32, 8, 1, 4},  // the 8B shape
+        {64, 4096, 32, 8, 1, 2},   // 512 blocks: two slices of 2 heads
+        {64, 8192, 32, 8, 1, 1},   // 1024 blocks: enough
+        {64, 2048, 32, 32, 1, 1},  // MHA: nothing to split
+        {64, 100, 12, 2, 1, 6},    // rep 6: a divisor each time (2, 3, 6), up to 6
+        {64, 3000, 12, 2, 1, 6},   // 47 x 2 blocks: 3 would make 282 - not enough, 6 is all
+        {64, 9000, 12, 2, 1, 6},   // 141 x 2 blocks: 2 slices make 564, 3 846, then 6 (4 and 5 do not divide 6)
+        {64, 12000, 12, 2, 1, 3},  // 188 x 2: 2 make 752, 3 make 1128 - enough
+        {64, 2048, 32, 8, 4, 1},   // batch 4: 1024 blocks
+    };
+    for (const C &c : cases) {
+        INFO("d " << c.d << ", T " << c.T << ", heads " << c.H << "/" << c.Hkv << ", batch " << c.B);
+        ql_init_params ip{64u << 20, nullptr, true, false};
+        ql_context *ctx = ql_init(ip);
+        REQUIRE(ctx != nullptr);
+        auto leaf = [&](int64_t h) { return ql_cast(ctx, ql_set_param(ql_new_tensor_4d(ctx, QL_TYPE_F32, c.d, c.T, h, c.B)), QL_TYPE_BF16); };
+        ql_tensor *q = leaf(c.H), *k = leaf(c.Hkv), *v = leaf(c.Hkv);
+        ql_tensor *a = ql_flash_attn(ctx, q, k, v, nullptr, 0.125f);
+        REQUIRE(a != nullptr);
+        REQUIRE(ql_flash_attn_set_prec(a, QL_TYPE_BF16) == QL_OK);
+        ql_tensor *loss = ql_sum(ctx, ql_cast(ctx, a, QL_TYPE_F32));
+        ql_graph *gf = ql_graph_new(ctx);
+        REQUIRE(ql_graph_build_forward(gf, loss) == QL_OK);
+        ql_graph *gb = ql_graph_backward(ctx, gf, loss);
+        REQUIRE_MESSAGE(gb != nullptr, ql_ctx_error(ctx));
+        int n_back = 0;
+        for (int i = 0; i < ql_graph_n_nodes(gb); i++) {
+            const ql_tensor *n = ql_graph_node(gb, i);
+            if (n->op != QL_OP_FLASH_ATTN_BACK) continue;
+            n_back++;
+            REQUIRE(ql_cuda_fa_fused(n));
+            CHECK(ql_cuda_fa2_kv_split(n) == c.split);
+            CHECK(ql_cuda_fa2_kv_split(a) == 1);  // (the forward has no slices)
+            size_t off[QL_CUDA_FA_NBUF];
+            const size_t with = ql_cuda_fa_layout(n, 90, off, nullptr, nullptr);
+            const int was = ql_cuda_fa2_set_split(0);
+            CHECK(ql_cuda_fa2_kv_split(n) == 1);
+            const size_t without = ql_cuda_fa_layout(n, 90, nullptr, nullptr, nullptr);
+            ql_cuda_fa2_set_split(was);
+            const size_t parts = c.split > 1 ? (size_t)c.split * (size_t)(2 * c.d * c.T * c.Hkv * c.B) * sizeof(float) : 0;
+            CHECK(with == without + parts);  // the slices' partials, f32
+            CHECK(off[QL_CUDA_FA_S] == without);  // after delta and dO's copy
+            CHECK(ql_cuda_node_launches(n, 90, false) == 3);  // delta, dK/dV, dQ (+ the sums)
+        }
+        CHECK(n_back == 1);
+        ql_graph_free(gb);
+        ql_graph_free(gf);
+        ql_free(ctx);
+    }
+    ql_cuda_fa_set_mode(mode);
+}
+
 TEST_CASE("flash_attn backward with a 16-bit output: dO read in its type, both passes the same bits, near f32's") {
     // 16-bit q, k, v (a 16-bit compute type's): autodiff hands backward dO rounded to the output's
     // type. Both CPU paths (B * Hkv = 2 items: the fused pass at 1 and 2 threads, the two passes at

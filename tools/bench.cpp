@@ -363,15 +363,18 @@ static void bench_attn(int reps) {
     for (int64_t D : {128, 64}) {
         const double flop = 2.0 * 2048.0 * 2048.0 * (double)D * 32.0;  // the causal half of 2 products of 2 T^2 d H
         // the fused path as it runs (the register path's backward streaming its tiles by asynchronous
-        // copies into two buffers), the same with one buffer loaded between barriers, the products
-        for (int path : {0, 1, 2}) {
+        // copies into two buffers; dK/dV blocks a query head each, 4 slices here), the same with one
+        // buffer loaded between barriers, the same with dK/dV blocks over all 4 heads of a group, the products
+        static const char *const names[] = {"fused (WMMA)", "fused, one buffer", "fused, no head slices", "chunked cuBLAS"};
+        for (int path : {0, 1, 2, 3}) {
             if (path == 1 && !ql_cuda_fa2_register_path(be)) continue;
-            const bool fused = path < 2;
-            const int was = ql_cuda_fa2_set_pipe(path == 0);
+            const bool fused = path < 3;
+            const int was = ql_cuda_fa2_set_pipe(path != 1), was_split = ql_cuda_fa2_set_split(path != 2);
             const double tf = time_attn(be, fused, false, reps, D), tfb = time_attn(be, fused, true, reps, D), tb = tfb - tf;
             ql_cuda_fa2_set_pipe(was);
-            printf("%-22s %4lld %10.3f %10.3f %12.1f %12.1f\n", path == 0 ? "fused (WMMA)" : path == 1 ? "fused, one buffer" : "chunked cuBLAS",
-                   (long long)D, tf * 1e3, tb * 1e3, flop / tf * 1e-12, 2.5 * flop / tb * 1e-12);
+            ql_cuda_fa2_set_split(was_split);
+            printf("%-22s %4lld %10.3f %10.3f %12.1f %12.1f\n", names[path], (long long)D, tf * 1e3, tb * 1e3, flop / tf * 1e-12,
+                   2.5 * flop / tb * 1e-12);
         }
     }
     ql_backend_free(be);
