@@ -4109,7 +4109,9 @@ __device__ __forceinline__ void fa2_seg_range(const int32_t *seg, int64_t p0, in
     *lo = a, *hi = z;
 }
 
-// forward: block (query tile, head, batch), the last query tiles (the longest causal rows) first
+// forward: block (head, query tile, batch), the last query tiles (the longest causal rows) of every
+// head first (blocks start in order of their index, x fastest: longest first leaves the short ones
+// to fill the end, where a head's long tile dispatched last would run alone)
 template <typename T, int D>
 __global__ void __launch_bounds__(FA2_WARPS * 32, 1) k_fa2_fwd(fa_args a, char *out, float *lse) {
     if constexpr (!FA2_ARCH_OK(T)) return;
@@ -4118,7 +4120,7 @@ __global__ void __launch_bounds__(FA2_WARPS * 32, 1) k_fa2_fwd(fa_args a, char *
     using namespace nvcuda;
     constexpr int LD = D + FA2_PAD, SLD = FA2_BK + 4, PLD = FA2_BK + FA2_PAD, NF = D / 16, NK = FA2_BK / 16;
     const int64_t Tq = a.q.ne[1], H = a.q.ne[2], Tk = a.k.ne[1], Hkv = a.k.ne[2], off = Tk - Tq;
-    const int64_t h = blockIdx.y, b = blockIdx.z, hk = (int)h / ((int)H / (int)Hkv), i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * FA2_BQ;  // (32-bit divisions)
+    const int64_t h = blockIdx.x, b = blockIdx.z, hk = (int)h / ((int)H / (int)Hkv), i0 = (int64_t)(gridDim.y - 1 - blockIdx.y) * FA2_BQ;  // (32-bit divisions)
     const int nq = (int)min((int64_t)FA2_BQ, Tq - i0), warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
     const float sl2 = a.scale * FA2_LOG2E;
     QL_DYN_SMEM(unsigned char, sm);
@@ -4364,7 +4366,7 @@ __device__ __forceinline__ bool fa2_next_qtile(const fa_args &a, int b, int Tk, 
 }
 // dK/dV by slices of the group's query heads (ql_cuda_fa2_kv_split): with split > 1 the dK/dV kernel's
 // block (blockIdx.x = kv head x split + slice) writes its slice's partial dK, dV (the layout of dk
-// then dv, n floats) at part + slice n, and the dQ kernel's blocks past its heads (blockIdx.y >= H)
+// then dv, n floats) at part + slice n, and the dQ kernel's rows of blocks past its query tiles
 // sum the slices in order into out (dk, dv contiguous: the backward's own result)
 struct fa2_split {
     const float *part;
@@ -4384,10 +4386,10 @@ __device__ __forceinline__ int fa2_slice(const fa2_split &sp, int rep, int &hk, 
     }
     return (sl + 1) * rep / sp.split;
 }
-// the dQ kernel's blocks past its heads: out = the slices' sum, in slice order
-__device__ __forceinline__ void fa2_sum_slices(const fa2_split &sp, int H) {
-    const int64_t nb = (int64_t)(gridDim.y - H) * gridDim.x * gridDim.z;
-    const int64_t id = ((int64_t)(blockIdx.y - H) * gridDim.z + blockIdx.z) * gridDim.x + blockIdx.x;
+// the dQ kernel's rows of blocks past its query tiles (y >= y0): out = the slices' sum, in slice order
+__device__ __forceinline__ void fa2_sum_slices(const fa2_split &sp, int y0) {
+    const int64_t nb = (int64_t)(gridDim.y - y0) * gridDim.x * gridDim.z;
+    const int64_t id = ((int64_t)(blockIdx.y - y0) * gridDim.z + blockIdx.z) * gridDim.x + blockIdx.x;
     for (int64_t i = id * blockDim.x + threadIdx.x; i < sp.n; i += nb * blockDim.x) {
         float s = sp.part[i];
         for (int j = 1; j < sp.split; j++) s += sp.part[j * sp.n + i];
@@ -4505,8 +4507,9 @@ __global__ void __launch_bounds__(fa2_back_cfg<T>::NW * 32, 1)
     constexpr int NW = fa2_back_cfg<T>::NW, BT = fa2_back_cfg<T>::BT, RQ = 16 * NW, LD = D + FA2_PAD, NF = D / 16;
     constexpr int SLD = BT + 4, PLD = BT + FA2_PAD;
     const int64_t Tq = a.q.ne[1], H = a.q.ne[2], Tk = a.k.ne[1], Hkv = a.k.ne[2], off = Tk - Tq;
-    if (blockIdx.y >= H) return fa2_sum_slices(sp, (int)H);  // (the blocks past the heads: dK, dV's slices summed)
-    const int64_t h = blockIdx.y, b = blockIdx.z, hk = (int)h / ((int)H / (int)Hkv), i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * RQ;
+    const int nqb = (int)((Tq + RQ - 1) / RQ);
+    if ((int)blockIdx.y >= nqb) return fa2_sum_slices(sp, nqb);  // (the rows past the query tiles: dK, dV's slices summed)
+    const int64_t h = blockIdx.x, b = blockIdx.z, hk = (int)h / ((int)H / (int)Hkv), i0 = (int64_t)(nqb - 1 - (int)blockIdx.y) * RQ;
     const int nq = (int)min((int64_t)RQ, Tq - i0), warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
     const float sl2 = a.scale * FA2_LOG2E;
     QL_DYN_SMEM(unsigned char, sm);
@@ -4625,7 +4628,7 @@ __global__ void __launch_bounds__(NW * 32, 1) k_fa2_fwd_reg(fa_args a, char *out
     constexpr bool QREG = D <= 96;  // q's fragments held in registers; at 128 read from shared memory (no spills)
     static_assert(BQ <= 2 * FA2_BK, "q's tile is loaded through the K and V tiles");
     const int64_t Tq = a.q.ne[1], H = a.q.ne[2], Tk = a.k.ne[1], Hkv = a.k.ne[2], off = Tk - Tq;
-    const int64_t h = blockIdx.y, b = blockIdx.z, hk = (int)h / ((int)H / (int)Hkv), i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * BQ;
+    const int64_t h = blockIdx.x, b = blockIdx.z, hk = (int)h / ((int)H / (int)Hkv), i0 = (int64_t)(gridDim.y - 1 - blockIdx.y) * BQ;
     const int nq = (int)min((int64_t)BQ, Tq - i0), warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
     const float sl2 = a.scale * FA2_LOG2E;
     QL_DYN_SMEM(unsigned char, sm);
@@ -4886,8 +4889,9 @@ __global__ void __launch_bounds__(NW * 32, 1)
     using namespace nvcuda;
     constexpr int RQ = 16 * NW, LD = D + FA2_PAD, NF = D / 16, NB = PIPE ? 2 : 1;
     const int64_t Tq = a.q.ne[1], H = a.q.ne[2], Tk = a.k.ne[1], Hkv = a.k.ne[2], off = Tk - Tq;
-    if (blockIdx.y >= H) return fa2_sum_slices(sp, (int)H);  // (the blocks past the heads: dK, dV's slices summed)
-    const int64_t h = blockIdx.y, b = blockIdx.z, hk = (int)h / ((int)H / (int)Hkv), i0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * RQ;
+    const int nqb = (int)((Tq + RQ - 1) / RQ);
+    if ((int)blockIdx.y >= nqb) return fa2_sum_slices(sp, nqb);  // (the rows past the query tiles: dK, dV's slices summed)
+    const int64_t h = blockIdx.x, b = blockIdx.z, hk = (int)h / ((int)H / (int)Hkv), i0 = (int64_t)(nqb - 1 - (int)blockIdx.y) * RQ;
     const int nq = (int)min((int64_t)RQ, Tq - i0), warp = threadIdx.x / 32, lane = threadIdx.x % 32, r0 = warp * 16;
     const float sl2 = a.scale * FA2_LOG2E;
     QL_DYN_SMEM(unsigned char, sm);
@@ -5034,7 +5038,7 @@ template <int D, int NW, bool PIPE> static void fa2_fwd_reg_launch(cu_ctx &c, ql
     const size_t smem = fa2_fwd_reg_smem<D, NW, PIPE ? 2 : 1>();
     void (*kern)(fa_args, char *, float *) = k_fa2_fwd_reg<__nv_bfloat16, D, NW, PIPE>;
     CU_CHECK(c, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    const dim3 grid((unsigned)((q->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)q->ne[2], (unsigned)q->ne[3]);
+    const dim3 grid((unsigned)q->ne[2], (unsigned)((q->ne[1] + 16 * NW - 1) / (16 * NW)), (unsigned)q->ne[3]);  // (heads, query tiles, batch)
     float *lse = (float *)((char *)node->data + ql_nbytes(node));
     QL_LAUNCH(kern, grid, NW * 32, smem, c.stream, fa_args_of(node), (char *)node->data, lse);
     CU_LAUNCHED(c);
@@ -5048,16 +5052,16 @@ template <int D, int NW> static void fa2_fwd_reg_pick(cu_ctx &c, ql_tensor *node
 // H200 the same speed: d 64 18.2 against 18.4 TFLOP/s)
 static const int g_fa2_bwd_warps = getenv("QLORA_CUDA_FA2_BWD_WARPS") && atoi(getenv("QLORA_CUDA_FA2_BWD_WARPS")) == 8 ? 8 : 4;
 // the dK/dV grid: (kv heads x slices, blocks of rk keys, batch) - a key block's heads and slices side by
-// side, so the first (busiest) key blocks of every head go first; the dQ grid: (blocks of rq queries,
-// heads + rows of blocks that sum dK/dV's slices, batch)
+// side, so the first (busiest) key blocks of every head go first; the dQ grid: (heads, blocks of rq
+// queries, the last (busiest) first, + rows of blocks that sum dK/dV's slices, batch)
 static dim3 fa2_dkv_grid(const ql_tensor *k, int rk, const fa2_split &sp) {
     return dim3((unsigned)(k->ne[2] * sp.split), (unsigned)((k->ne[1] + rk - 1) / rk), (unsigned)k->ne[3]);
 }
 static dim3 fa2_dq_grid(const ql_tensor *q, int rq, int threads, const fa2_split &sp) {
-    const int64_t gx = (q->ne[1] + rq - 1) / rq, B = q->ne[3], H = q->ne[2];
+    const int64_t nqb = (q->ne[1] + rq - 1) / rq, B = q->ne[3], H = q->ne[2];
     const int64_t sums = sp.split > 1 ? (sp.n + 32 * threads - 1) / (32 * threads) : 0;  // blocks of 32 sums a thread
-    const int64_t rows = std::min((sums + gx * B - 1) / (gx * B), 65535 - H);
-    return dim3((unsigned)gx, (unsigned)(H + rows), (unsigned)B);
+    const int64_t rows = std::min((sums + H * B - 1) / (H * B), 65535 - nqb);
+    return dim3((unsigned)H, (unsigned)(nqb + rows), (unsigned)B);
 }
 template <int D, int NW, bool PIPE>
 static void fa2_dkv_reg_launch(cu_ctx &c, const ql_tensor *k, const fa_args &a, const char *dO, const float *lse, const float *delta,
@@ -5113,7 +5117,7 @@ template <typename T, int D> static void fa2_fwd_launch(cu_ctx &c, ql_tensor *no
     const size_t smem = fa2_fwd_smem<T, D>();
     void (*kern)(fa_args, char *, float *) = k_fa2_fwd<T, D>;  // (a name without commas, for the macros)
     CU_CHECK(c, cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem));
-    const dim3 grid((unsigned)((q->ne[1] + FA2_BQ - 1) / FA2_BQ), (unsigned)q->ne[2], (unsigned)q->ne[3]);
+    const dim3 grid((unsigned)q->ne[2], (unsigned)((q->ne[1] + FA2_BQ - 1) / FA2_BQ), (unsigned)q->ne[3]);  // (heads, query tiles, batch)
     float *lse = (float *)((char *)node->data + ql_nbytes(node));
     QL_LAUNCH(kern, grid, FA2_WARPS * 32, smem, c.stream, fa_args_of(node), (char *)node->data, lse);
     CU_LAUNCHED(c);
