@@ -3573,10 +3573,11 @@ __device__ __forceinline__ void fa_load(float *dst, int ld, const cu_t &t, int64
     }
 }
 
-// the fused forward over a KV cache (KT: its element, float or f16's uint16_t): block (query tile, head, batch)
+// the fused forward over a KV cache (KT: its element, float or f16's uint16_t): block (head, query
+// tile, batch), every head's last (longest) query tiles first, as k_fa2_fwd's
 template <typename KT> __global__ void __launch_bounds__(FA_WARPS * 32) k_fa_fwd(fa_args a, float *out, float *lse) {
     const int64_t D = a.q.ne[0], Tq = a.q.ne[1], H = a.q.ne[2], DV = a.v.ne[0], Hkv = a.k.ne[2];
-    const int64_t h = blockIdx.y, b = blockIdx.z, hk = h / (H / Hkv), i0 = (int64_t)blockIdx.x * FA_BQ;
+    const int64_t h = blockIdx.x, b = blockIdx.z, hk = h / (H / Hkv), i0 = (int64_t)(gridDim.y - 1 - blockIdx.y) * FA_BQ;
     const int nq = (int)min((int64_t)FA_BQ, Tq - i0), lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     int64_t Tk = a.k.ne[1];
     bool bad = false;
@@ -5195,7 +5196,7 @@ static void cu_op_flash_attn(cu_ctx &c, ql_tensor *node, const ql_tensor *mm = n
     if (ql_cuda_fa_gemm(node)) return cu_fa_gemm(c, node);
     const ql_tensor *q = node->src[0], *v = node->src[2];
     const size_t smem = fa_fwd_smem(q->ne[0], v->ne[0]);
-    const dim3 grid((unsigned)((q->ne[1] + FA_BQ - 1) / FA_BQ), (unsigned)q->ne[2], (unsigned)q->ne[3]);
+    const dim3 grid((unsigned)q->ne[2], (unsigned)((q->ne[1] + FA_BQ - 1) / FA_BQ), (unsigned)q->ne[3]);  // (heads, query tiles, batch)
     float *lse = (float *)((char *)node->data + ql_nbytes(node));
     const bool kv16 = node->src[1]->type == QL_TYPE_F16;  // an f16 KV cache (q f32: cu_attn_supported)
     const fa_args a = fa_args_of(node);
