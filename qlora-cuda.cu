@@ -4370,7 +4370,7 @@ __device__ __forceinline__ bool fa2_next_qtile(const fa_args &a, int b, int Tk, 
 // then dv, n floats) at part + slice n, and the dQ kernel's rows of blocks past its query tiles
 // sum the slices in order into out (dk, dv contiguous: the backward's own result)
 struct fa2_split {
-    const float *part;
+    float *part;
     float *out;
     int64_t n;
     int split;
@@ -4383,7 +4383,7 @@ __device__ __forceinline__ int fa2_slice(const fa2_split &sp, int rep, int &hk, 
     rlo = sl * rep / sp.split;
     if (sp.split > 1) {
         const int64_t vo = dv - dk;
-        dk = (float *)sp.part + sl * sp.n, dv = dk + vo;
+        dk = sp.part + sl * sp.n, dv = dk + vo;
     }
     return (sl + 1) * rep / sp.split;
 }
@@ -5167,12 +5167,11 @@ static void cu_fa_fused(cu_ctx &c, ql_tensor *node) {
     char *dO16 = nullptr;
     fa2_split sp{nullptr, nullptr, 0, 1};
     if (node->op == QL_OP_FLASH_ATTN_BACK) {
-        const ql_tensor *k = node->src[1];
+        const ql_tensor *q = node->src[0], *k = node->src[1], *v = node->src[2];
         sp.split = ql_cuda_fa2_kv_split(node);
-        sp.n = ql_nelements(k) + ql_nelements(node->src[2]);
-        sp.out = (float *)node->data + ql_nelements(node->src[0]);  // dk, then dv
-        if (sp.split > 1) sp.part = (const float *)((char *)c.work + o[QL_CUDA_FA_S]);
-        const ql_tensor *q = node->src[0], *v = node->src[2];
+        sp.n = ql_nelements(k) + ql_nelements(v);
+        sp.out = (float *)node->data + ql_nelements(q);  // dk, then dv
+        if (sp.split > 1) sp.part = (float *)((char *)c.work + o[QL_CUDA_FA_S]);
         const int64_t DV = v->ne[0], H = q->ne[2], Tq = q->ne[1], B = q->ne[3];
         const ql_tensor *dO = node->src[5];
         const bool copy = dO->type != ct;  // dO already in the compute type: read in place (the layout has no copy)

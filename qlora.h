@@ -1490,11 +1490,11 @@ bool    ql_cuda_gemv_norm(const ql_tensor *a, const ql_tensor *b);
 bool    ql_cuda_gemv_swiglu(const ql_tensor *a, const ql_tensor *b, const ql_tensor *s);
 // ... whose results may lie over the products' (in place: the census and the executor skip their overlap test)
 bool    ql_cuda_tail_over_ok(const ql_tensor *first, const ql_tensor *node);
-size_t  ql_cuda_q8_codes_at(const ql_tensor *mm);
+size_t  ql_cuda_q8_codes_at(const ql_tensor *mm);    // where product mm's b's codes lie in its workspace (bytes)
 // grp[0..3), decode's q, k and v products by one launch, then (n 3 to 6) q's rotation, k's, k's
 // cache store, v's: node joins as the next (the launch's tail rotates each head once its rows are
 // made, and stores the keys and values)
-bool    ql_cuda_gemv_rope(const ql_tensor *const *grp, int n, const ql_tensor *node);    // where product mm's b's codes lie in its workspace (bytes)
+bool    ql_cuda_gemv_rope(const ql_tensor *const *grp, int n, const ql_tensor *node);
 #define QL_CUDA_Q8_COUNTERS 768                      // the counters decode's cross-block codes use (blocks of 256 rows, or of qb)
 bool    ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b);  // any of the five (QLORA_CUDA_PAIRS=0: none)
 // decode: rk, the second of a rope pair (k's rotation, f32), and st, the cache store of rk's result
