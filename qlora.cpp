@@ -9521,25 +9521,127 @@ static int32_t cuda_fa_prec(const ql_tensor *node) {
     memcpy(&prec, &fwd->op_params[1], sizeof(prec));
     return prec;
 }
-// Which attention runs on tensor cores (read once from QLORA_CUDA_FA=chunked|forward|fused, or
-// ql_cuda_fa_set_mode). The default, QL_CUDA_FA_FORWARD: the fused forward, the chunked cuBLAS
-// backward - on an H200 at seq 2048 the fused forward's register path ran at 50 / 42 TFLOP/s (d 128
-// / 64) against the products' 40 / 23, its backward at 16 / 17 against 22 / 20 (bench/RESULTS.md,
-// GPU speed, session 10). The two paths store the forward's lse alike, so they mix.
+// Which attention runs on tensor cores (read once from QLORA_CUDA_FA=chunked|forward|fused|auto, or
+// ql_cuda_fa_set_mode). The default, QL_CUDA_FA_AUTO: the fused forward, and the backward the
+// trainer times on the card (ql_cuda_fa_choose) - until then, and wherever nothing times it (a plan
+// for a card this machine lacks), the chunked cuBLAS backward, as QL_CUDA_FA_FORWARD. On an H200 at
+// seq 2048 the fused forward's register path ran at 50 / 42 TFLOP/s (d 128 / 64) against the
+// products' 40 / 23, its backward at 16 / 17 against 22 / 20 (bench/RESULTS.md, GPU speed, session
+// 10); its grids changed since (session 33), unmeasured. The two paths store the forward's lse
+// alike, so they mix.
 static int cuda_fa_mode_from_env() {
     const char *e = getenv("QLORA_CUDA_FA");
-    if (!e) return QL_CUDA_FA_FORWARD;
-    return strcmp(e, "fused") == 0 ? QL_CUDA_FA_FUSED : strcmp(e, "chunked") == 0 ? QL_CUDA_FA_CHUNKED : QL_CUDA_FA_FORWARD;
+    if (!e) return QL_CUDA_FA_AUTO;
+    return strcmp(e, "fused") == 0     ? QL_CUDA_FA_FUSED
+           : strcmp(e, "chunked") == 0 ? QL_CUDA_FA_CHUNKED
+           : strcmp(e, "forward") == 0 ? QL_CUDA_FA_FORWARD
+                                       : QL_CUDA_FA_AUTO;
 }
-static int g_cuda_fa_mode = cuda_fa_mode_from_env();
+static int g_cuda_fa_mode = -1;  // (-1: the environment not read yet - constant-initialised, so a static initialiser elsewhere may set it)
 void ql_cuda_fa_set_mode(int mode) { g_cuda_fa_mode = mode; }
-int ql_cuda_fa_get_mode(void) { return g_cuda_fa_mode; }
+int ql_cuda_fa_get_mode(void) {
+    if (g_cuda_fa_mode < 0) g_cuda_fa_mode = cuda_fa_mode_from_env();
+    return g_cuda_fa_mode;
+}
 bool ql_cuda_fa_fused(const ql_tensor *node) {
-    if (g_cuda_fa_mode == QL_CUDA_FA_CHUNKED) return false;
-    if (!((node->op == QL_OP_FLASH_ATTN && !node->src[4]) || (node->op == QL_OP_FLASH_ATTN_BACK && g_cuda_fa_mode == QL_CUDA_FA_FUSED)))
+    const int mode = ql_cuda_fa_get_mode();
+    if (mode == QL_CUDA_FA_CHUNKED) return false;
+    if (!((node->op == QL_OP_FLASH_ATTN && !node->src[4]) || (node->op == QL_OP_FLASH_ATTN_BACK && mode == QL_CUDA_FA_FUSED)))
         return false;
     const int64_t D = node->src[0]->ne[0];
     return cuda_fa_prec(node) == QL_TYPE_BF16 && node->src[2]->ne[0] == D && (D == 64 || D == 80 || D == 96 || D == 128);
+}
+
+// One layer's attention at the run's shape (batch 1, seq <= QL_CUDA_FA_CHOOSE_SEQ: O(T^2) either
+// way, so a longer run's ratio is taken there), forward and backward, in bf16 as the trainer makes
+// it, once per path: the fused forward with the fused backward, and with the products (in auto's
+// larger chunks, as a card with room runs them). Each graph is planned under its path's mode and
+// run under it (the backend reads the mode as it runs a node); the two run in turn, twice to warm
+// up (the second run captures a CUDA graph), then QL_CUDA_FA_CHOOSE_REPS times each, so clocks
+// and the other work on the card weigh on both alike; the medians are compared. The forward is the same kernel in both: the difference is
+// the backward's.
+struct cuda_fa_timing {
+    ql_context *ctx = nullptr;
+    ql_graph *gf = nullptr, *g = nullptr;
+    ql_backend_buffer *buf = nullptr;
+    bool fused = false;  // the graph's backward is the fused kernels'
+    std::vector<double> ts;
+    ~cuda_fa_timing() {
+        if (g && g != gf) ql_graph_free(g);
+        if (gf) ql_graph_free(gf);
+        if (buf) ql_backend_buffer_free(buf);
+        if (ctx) ql_free(ctx);
+    }
+    bool make(ql_backend *be, int64_t D, int64_t H, int64_t Hkv, int64_t T) {
+        ql_init_params ip = {16u << 20, nullptr, true, false};
+        if (!(ctx = ql_init(ip))) return false;
+        ql_tensor *q = ql_new_tensor_4d(ctx, QL_TYPE_F32, D, T, H, 1), *k = ql_new_tensor_4d(ctx, QL_TYPE_F32, D, T, Hkv, 1);
+        ql_tensor *v = ql_new_tensor_4d(ctx, QL_TYPE_F32, D, T, Hkv, 1);
+        for (ql_tensor *t : {q, k, v}) ql_set_param(t);
+        ql_tensor *a = ql_flash_attn(ctx, ql_cast(ctx, q, QL_TYPE_BF16), ql_cast(ctx, k, QL_TYPE_BF16), ql_cast(ctx, v, QL_TYPE_BF16),
+                                     nullptr, 1.0f / std::sqrt((float)D));
+        if (!a) return false;
+        ql_flash_attn_set_prec(a, QL_TYPE_BF16);
+        ql_flash_attn_set_score_bytes(a, 2 * QL_FLASH_ATTN_SCORE_BYTES);
+        ql_tensor *loss = ql_sum(ctx, ql_cast(ctx, a, QL_TYPE_F32));
+        gf = ql_graph_new(ctx);
+        ql_graph_build_forward(gf, loss);
+        if (!(g = ql_graph_backward(ctx, gf, loss)) || !(buf = ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE)) ||
+            ql_graph_plan(g, be, nullptr) != QL_OK || ql_graph_alloc(g, be) != QL_OK)
+            return false;
+        for (int i = 0; i < ql_graph_n_nodes(g); i++)
+            if (ql_graph_node(g, i)->op == QL_OP_FLASH_ATTN_BACK) fused = ql_cuda_fa_fused(ql_graph_node(g, i));
+        for (ql_tensor *x : {q, k, v}) {  // values of attention's scale (a hash: the same for both paths)
+            std::vector<float> d((size_t)ql_nelements(x));
+            for (size_t i = 0; i < d.size(); i++) d[i] = (float)((ql_dropout_hash((uint64_t)x->ne[2], i) >> 8) * 0x1p-23 - 1.0);
+            if (ql_backend_tensor_set(be, x, d.data(), 0, d.size() * sizeof(float)) != QL_OK) return false;
+        }
+        return true;
+    }
+    bool run(ql_backend *be, bool keep) {
+        const auto t0 = std::chrono::steady_clock::now();
+        if (ql_backend_graph_zero_grads(be, g) != QL_OK || ql_backend_graph_compute(be, g) != QL_OK || ql_backend_synchronize(be) != QL_OK)
+            return false;
+        if (keep) ts.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        return true;
+    }
+    double median() {
+        std::sort(ts.begin(), ts.end());
+        return ts[ts.size() / 2];
+    }
+};
+int ql_cuda_fa_choose(ql_backend *be, int64_t D, int64_t H, int64_t Hkv, int64_t T, double *ms_fused, double *ms_products,
+                      char *err, size_t err_size) {
+    auto fail = [&](const std::string &m) {
+        if (err && err_size) snprintf(err, err_size, "%s", m.c_str());
+        return -1;
+    };
+    if (!ql_backend_is_cuda(be)) return fail("not a CUDA device");
+    if (D <= 0 || H <= 0 || Hkv <= 0 || H % Hkv || T <= 0) return fail("bad attention shape");
+    T = std::min<int64_t>(T, QL_CUDA_FA_CHOOSE_SEQ);
+    const int was = ql_cuda_fa_get_mode();
+    const int modes[2] = {QL_CUDA_FA_FUSED, QL_CUDA_FA_FORWARD};
+    cuda_fa_timing tm[2];
+    std::string e;
+    bool ok = true;
+    for (int p = 0; p < 2 && ok; p++) {
+        g_cuda_fa_mode = modes[p];
+        ok = tm[p].make(be, D, H, Hkv, T);
+        if (!ok) e = tm[p].ctx && ql_ctx_error(tm[p].ctx)[0] ? ql_ctx_error(tm[p].ctx) : "the timing graph could not be made";
+    }
+    if (ok && !tm[0].fused) e = "the fused backward does not take head dim " + std::to_string(D), ok = false;
+    for (int r = 0; ok && r < 2 + QL_CUDA_FA_CHOOSE_REPS; r++)
+        for (int p = 0; p < 2 && ok; p++) {
+            g_cuda_fa_mode = modes[p];
+            ok = tm[p].run(be, r >= 2);
+            if (!ok) e = ql_ctx_error(tm[p].ctx)[0] ? ql_ctx_error(tm[p].ctx) : "the timing graph did not run";
+        }
+    g_cuda_fa_mode = was;
+    if (!ok) return fail(e);
+    const double tf = tm[0].median(), tp = tm[1].median();
+    if (ms_fused) *ms_fused = tf * 1e3;
+    if (ms_products) *ms_products = tp * 1e3;
+    return tf <= tp ? QL_CUDA_FA_FUSED : QL_CUDA_FA_FORWARD;
 }
 // As qlora-cuda.cu issues them (cu_run_node and the cu_op_* it calls); a test runs graphs through
 // the shim and compares the count of what it issued with this.

@@ -989,6 +989,23 @@ ql_backend *ql_backend_cuda_init(int device, char *err, size_t err_size);
 bool        ql_backend_is_cuda(const ql_backend *be);
 // the device a CUDA backend runs on (QL_ERR_INVALID for any other backend)
 ql_status   ql_backend_cuda_info(const ql_backend *be, ql_cuda_device_info *info);
+// Training attention (no KV cache) on a device, process-wide: cuBLAS products over chunks of
+// queries; the fused forward (FlashAttention-2 on tensor cores) with those products backward; both
+// fused; the default: the fused forward and the backward the trainer times on the card
+// (ql_train_options.attn_backward), the products until then. The fused kernels where they take
+// the shape (bf16 attention, head dim 64, 80, 96 or 128), the products elsewhere.
+enum { QL_CUDA_FA_CHUNKED, QL_CUDA_FA_FORWARD, QL_CUDA_FA_FUSED, QL_CUDA_FA_AUTO };
+void        ql_cuda_fa_set_mode(int mode);  // (also read once from QLORA_CUDA_FA=chunked|forward|fused|auto)
+int         ql_cuda_fa_get_mode(void);
+// Times one layer's bf16 attention, forward and backward, at [D, T, H] (Hkv key/value heads,
+// batch 1, T capped at QL_CUDA_FA_CHOOSE_SEQ) on a CUDA backend with each backward - the fused
+// kernels, the products - and returns the faster one's mode (QL_CUDA_FA_FUSED or QL_CUDA_FA_FORWARD)
+// with the medians of QL_CUDA_FA_CHOOSE_REPS runs in ms; the mode is left as it was. -1 with err:
+// not a CUDA backend, a shape the fused backward does not take, or the device failed (its memory).
+#define QL_CUDA_FA_CHOOSE_SEQ  4096
+#define QL_CUDA_FA_CHOOSE_REPS 3
+int         ql_cuda_fa_choose(ql_backend *be, int64_t D, int64_t H, int64_t Hkv, int64_t T, double *ms_fused,
+                              double *ms_products, char *err, size_t err_size);
 
 // Direct matrix multiply on the CPU, for tools and benchmarks: c[M,N] (ldc floats between rows
 // n) = sum_k a[k + m*lda] * b[k + n*ldb] (both row-major with K contiguous), using the backend's
@@ -1535,9 +1552,6 @@ bool    ql_cuda_fa_fused(const ql_tensor *node);       // training attention on 
                                                        // prec bf16, d == dv in {64, 80, 96, 128}; bf16 from cc 8.0, fp16 on 7.5;
                                                        // the forward by default, the backward too under QL_CUDA_FA_FUSED
 bool    ql_cuda_fa_gemm(const ql_tensor *node);        // this attention runs as products (else: a fused kernel)
-enum { QL_CUDA_FA_CHUNKED, QL_CUDA_FA_FORWARD, QL_CUDA_FA_FUSED };  // products only; the fused forward (default); both fused
-void    ql_cuda_fa_set_mode(int mode);                 // process-wide (QLORA_CUDA_FA=chunked|forward|fused; tools/bench, tests)
-int     ql_cuda_fa_get_mode(void);
 bool    ql_cuda_fa2_register_path(const ql_backend *be); // the fused kernels keep scores in registers on this device (bf16,
                                                        // sm_80's fragment layout found by a probe; QLORA_CUDA_FA2_REG=0: off)
 int     ql_cuda_fa2_set_pipe(int on);                  // the register path (forward and backward) streams its tiles in two

@@ -9,7 +9,7 @@
 # no longer fits is skipped and says so. What each phase answers (the issue it measures):
 #   ops       the op suite, CUDA graphs and decode cases on the device against the CPU oracle (all)
 #   step-1b   the 1B training step with default options (checkpointing auto): tokens/s, MFU, the
-#             plan against the card's measured use, the census (issues 31, 28, 30)
+#             plan against the card's measured use, the census, attention's backward as auto timed it (issues 31, 28, 30)
 #   step-8b   the same at the 8B shape (issue 31's 40% MFU goal)
 #   fit-8b    8B at seq 2048 under --vram 8G, default options: the measured peak against the plan
 #             and the 6.0e9-byte goal (issue 30)
@@ -19,7 +19,8 @@
 #   fit-8b-long  8B at 32,768 tokens under --vram 12G (block recompute + checkpoint offload by default):
 #             the measured peak against the plan at a long sequence (issue 30)
 #   attn      tools/bench attn: fused attention (its backward streaming tiles in two buffers, and in one; dK/dV a block per query head, and over all of a group's) against the chunked products (issue 31 item 1)
-#   fa-fused-1b  the 1B step with the fused attention backward: the census's largest term (issue 28)
+#   fa-*-1b   the 1B step with the attention backward auto did not choose at step-1b's start (fused
+#             kernels or products, each timed there on one layer): the census's largest term (issue 28)
 #   torch-1b  the yardstick at 1B
 #   profile   the 1B step's --profile (node times from events)
 #   amx       tools/bench matmul on the host CPU, AVX-512 and AMX builds side by side, when it has AMX
@@ -165,7 +166,7 @@ fpt() {
 PEAK=${PEAK_TFLOPS:-989}  # dense bf16 of the H100 SXM / H200 (datasheet)
 FT="--device $DEV --seq-len $SEQ -b 1 --lora-r 16 --lora-alpha 32 --lora-targets all --precision bf16"
 # step NAME MODEL STEPS MIN MAX [finetune flags...]: the median step after 2, tokens/s, MFU, memory
-# (STEP_ENV: variables for finetune, e.g. QLORA_CUDA_FA=fused)
+# (STEP_ENV: variables for finetune, e.g. QLORA_CUDA_PAIRS=0)
 step() {
     name=$1 model=$2 n=$3 min=$4 max=$5
     shift 5
@@ -177,8 +178,8 @@ step() {
         awk -v f=$F -v p=$PEAK -v T=$SEQ '{ v[NR] = $1 } END { if (!NR) exit; m = (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2;
             printf "    median step %.4f s (%d steps after 2), %.0f tokens/s, MFU %.1f%% of %d TFLOP/s\n", m, NR, T / m, 100 * T / m * f / (p * 1e12), p }' >> "$S"
     # (cuBLASLt's C != D - the residual read where it lives - has run only through the shim: a refusal is said here)
-    grep -E 'checkpointing auto ->|device memory after|peak memory after|census, one micro-batch|total device memory|cuBLASLt refused' "$W/$name.log" |
-        head -6 | cut -c1-220 | sed 's/^ */    /' >> "$S"
+    grep -E "checkpointing auto ->|device memory after|peak memory after|census, one micro-batch|total device memory|cuBLASLt refused|attention's backward:" "$W/$name.log" |
+        head -7 | cut -c1-220 | sed 's/^ */    /' >> "$S"
     grep -o '"loss": [0-9.]*' "$W/$name.out/metrics.jsonl" | sed -n '1p;$p' | awk '{ printf "%s%s", (NR > 1 ? " -> " : "    loss "), $2 } END { print "" }' >> "$S"
 }
 step step-1b 1b 10 30 90
@@ -235,9 +236,13 @@ step fit-8b-long 8b 1 90 240 $LONG
 if [ "$DEV" = cuda ]; then
     phase attn 20 80 ./tools/bench attn -r 5 && grep -E '^(## attention|path|fused|chunked)' "$W/attn.log" | head -12 | sed 's/^/    /' >> "$S"
 fi
-STEP_ENV=QLORA_CUDA_FA=fused
-step fa-fused-1b 1b 10 30 60
-STEP_ENV=
+# the 1B step with the attention backward auto did not choose (step-1b's "attention's backward:"
+# line: both timed at the start, one layer; here the whole step's time beside it)
+OTHER=fused
+grep -q "attention's backward: fused" "$W/step-1b.log" 2> /dev/null && OTHER=products
+AB=
+[ "$DEV" = cuda ] && AB="--attn-backward $OTHER"
+step fa-$OTHER-1b 1b 10 30 60 $AB
 
 torch_step 1b
 

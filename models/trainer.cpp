@@ -881,6 +881,49 @@ static int64_t real_len(const ql_sequence &q) { return q.len > 0 ? q.len : neede
 
 // fields from the options; nothing built
 // (a stage of a split: blocks [l0, l1) only, is_stage)
+// Attention's backward on a device (ql_train_options.attn_backward): given, or auto - the faster
+// of the fused kernels and the products on this card, one layer at the run's shape timed both ways
+// (ql_cuda_fa_choose) once a process, where nothing set the mode (QLORA_CUDA_FA, a caller's
+// ql_cuda_fa_set_mode). Made before anything is planned: the two take different workspaces.
+static void choose_attn_backward(ql_trainer *t) {
+    static int timed_mode = -1;  // this process's timed choice and its reason (a later trainer, a split's next stage, keeps it)
+    static std::string timed_why;
+    const ql_llama_hparams &hp = t->f->model.hp;
+    const int64_t D = hp.head_dim();
+    const bool takes = t->compute == QL_TYPE_BF16 && !t->o.attn_f32 && (D == 64 || D == 80 || D == 96 || D == 128);
+    ql_memory_plan &m = t->mem;
+    std::string why;
+    if (t->o.attn_backward >= 0) {
+        ql_cuda_fa_set_mode(t->o.attn_backward ? QL_CUDA_FA_FUSED : QL_CUDA_FA_FORWARD);
+        why = t->o.attn_backward ? "--attn-backward fused" : "--attn-backward products";
+    } else if (ql_cuda_fa_get_mode() != QL_CUDA_FA_AUTO) {
+        why = ql_cuda_fa_get_mode() == timed_mode ? timed_why : "auto: the mode set for the process (QLORA_CUDA_FA)";
+    } else if (!takes) {
+        why = "the fused kernels take a bf16 compute type and head dims 64, 80, 96, 128";
+    } else if (t->caps.plan_only) {
+        why = "auto: on the card the faster of the two, timed at the start; planned here as products";
+    } else {
+        double tf = 0, tp = 0;
+        char e[256] = "";
+        const int mode = ql_cuda_fa_choose(t->be, D, hp.n_head, hp.n_head_kv, t->T, &tf, &tp, e, sizeof(e));
+        char buf[320];
+        for (char *c = e; *c; c++)
+            if (*c == '"' || *c == '\\' || (unsigned char)*c < 32) *c = '\'';  // (the plan's JSON carries it)
+        if (mode < 0)
+            snprintf(buf, sizeof(buf), "auto: the timing failed (%s)", e);
+        else
+            snprintf(buf, sizeof(buf), "auto: one layer forward and backward at seq %lld, d %lld on this card: fused %.2f ms, products %.2f ms",
+                     (long long)std::min<int64_t>(t->T, QL_CUDA_FA_CHOOSE_SEQ), (long long)D, tf, tp);
+        timed_mode = mode < 0 ? QL_CUDA_FA_FORWARD : mode;
+        timed_why = why = buf;
+        ql_cuda_fa_set_mode(timed_mode);
+    }
+    const int mode = ql_cuda_fa_get_mode();
+    m.attn_fused = takes && mode == QL_CUDA_FA_FUSED;
+    if (!takes && t->o.attn_backward == 1) why += ": the fused kernels take a bf16 compute type and head dims 64, 80, 96, 128";
+    m.attn_backward = std::string(m.attn_fused ? "fused kernels" : "products") + " (" + why + ")";
+}
+
 static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train, const std::vector<ql_sequence> &eval,
                          const ql_train_options &o, std::string *err, int l0 = 0, int l1 = -1, bool is_stage = false) {
     if (train.empty()) {
@@ -965,6 +1008,14 @@ static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train
         ql_trainer_free(t);
         return nullptr;
     }
+    if (o.attn_backward != -1 && (t->on_host || o.attn_backward < -1 || o.attn_backward > 1)) {
+        *err = t->on_host ? "--attn-backward: the CPU backend's attention runs in tiles of its own, neither the fused kernels nor "
+                            "products (it is for a device: --device cuda)"
+                          : "attn_backward " + std::to_string(o.attn_backward) + ": -1 (auto), 0 (products) or 1 (fused)";
+        ql_trainer_free(t);
+        return nullptr;
+    }
+    if (!t->on_host) choose_attn_backward(t);
     if (o.cache_weights == 1 && t->on_host) {
         *err = "--cache-weights on: the CPU backend converts the weights while packing its panels, so a copy would save "
                "nothing (it is for a device: --device cuda)";

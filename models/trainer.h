@@ -147,6 +147,14 @@ struct ql_train_options {
     // and 8B steps, bench/RESULTS.md, session 10), added after the weights' copies, so given up
     // first; > 0 that budget.
     int attn_score_mib = 0;
+    // a device run: attention's backward (the forward is the fused kernel either way, where it takes
+    // the shape: bf16 compute, head dim 64, 80, 96 or 128). 1: the fused kernels (FlashAttention-2,
+    // deterministic); 0: cuBLAS products over chunks of queries; -1 auto: the faster on this card -
+    // one layer at the run's shape timed both ways at the start (ql_cuda_fa_choose; once a process,
+    // the choice then kept for every later trainer), unless QLORA_CUDA_FA or ql_cuda_fa_set_mode
+    // set the mode. A plan for a card this machine lacks plans the products (the larger workspace).
+    // Process-wide: it sets ql_cuda_fa_set_mode. The CPU: 1 and 0 are refused (its attention is tiled).
+    int attn_backward = -1;
     // a device run: the device memory the plan must fit. 0: the device's free memory at the start
     // (a stand-in has none: no limit); otherwise it caps the plan like mem_limit.
     size_t vram = 0;
@@ -234,6 +242,8 @@ struct ql_memory_plan {
     std::string cache_weights;  // the choice and why ("auto: on", "auto: off (does not fit)", "off", "on")
     int64_t attn_chunk = 0;     // a device run: queries per chunk of attention's products (the longest sequence's)
     std::string attn_scores;    // its score budget and why ("auto: 64 MiB", "auto: 32 MiB (does not fit with 64)", "48 MiB")
+    bool attn_fused = false;    // a device run: attention's backward by the fused kernels (else the products, in chunks)
+    std::string attn_backward;  // which and why ("fused kernels (auto: timed ...)", "products (--attn-backward products)")
     ql_census census{};         // one micro-batch's training graph on the plan's backend (ql_graph_census)
     // a split (ql_train_options.split): each stage's plan, in order, and the first block of each;
     // the fields above are then the first stage's, but total (every stage's), which fits no one

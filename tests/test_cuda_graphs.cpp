@@ -22,6 +22,10 @@ bool have_cuda() {
     return ok;
 }
 const bool k_cuda = have_cuda();  // evaluated before main: doctest's skip needs it
+// A trainer's attention backward is by default the faster path on its device, timed at its start
+// (ql_train_options.attn_backward auto). In this binary the cases run the products unless they set
+// a mode (QLORA_CUDA_FA wins): "attention's backward: auto ..." times on purpose, the rest never.
+const int k_fa_fixed = getenv("QLORA_CUDA_FA") ? 0 : (ql_cuda_fa_set_mode(QL_CUDA_FA_FORWARD), 0);
 
 struct run_result {
     std::vector<double> losses;
@@ -991,4 +995,91 @@ TEST_CASE("cuda decode: an f16 KV cache gives the CPU's greedy tokens; one graph
     CHECK(gpu.counts.captured == 1);  // the second token
     CHECK(gpu.counts.launched == n_gen - 1);
     CHECK(gpu32.counts.captured == 1);
+}
+
+// attention's backward, auto: both paths timed on the device at the run's shape (head dim 64),
+// the faster kept - and kept for the process: a later trainer times nothing; given, it is set;
+// a shape the fused kernels do not take plans the products, and says why
+TEST_CASE("attention's backward: auto times the fused kernels and the products on the device, keeps the faster for the process; "
+          "given, it is set" * skip_unless(k_cuda, "without a CUDA device")) {
+    tmpdir d;
+    const std::string path = d.file("d64.gguf"), path16 = graphs_model(d);
+    {
+        tiny_llama t(tiny_hparams(61, 128, 128, 1, 2, 1), 5, 0.2f, /*tied_output=*/true);  // 2 heads of 64 over 1 kv head
+        llama_gguf_opts go;
+        go.linear_type = QL_TYPE_NF4;
+        write_llama_gguf(t.m, path, go);
+    }
+    const std::vector<ql_sequence> seqs = sequences(4, 0, 61);
+    ql_train_options o = options();
+    o.max_steps = 1;
+    char err[256] = "";
+    {  // the timing itself: the faster one's mode, the times of both, the mode left as it was
+        cuda_trainer ct(path16, seqs, o, false);  // (a device to time on)
+        double tf = -1, tp = -1;
+        const int m = ql_cuda_fa_choose(ct.be, 64, 4, 2, 48, &tf, &tp, err, sizeof(err));
+        REQUIRE_MESSAGE(m >= 0, err);
+        CHECK(tf > 0);
+        CHECK(tp > 0);
+        CHECK(m == (tf <= tp ? QL_CUDA_FA_FUSED : QL_CUDA_FA_FORWARD));
+        CHECK(ql_cuda_fa_get_mode() == QL_CUDA_FA_FORWARD);
+        CHECK(ql_cuda_fa_choose(ct.be, 32, 4, 2, 48, &tf, &tp, err, sizeof(err)) == -1);
+        CHECK_MESSAGE(has(err, "does not take head dim 32"), err);
+        CHECK(ql_cuda_fa_choose(ct.be, 64, 4, 3, 48, &tf, &tp, err, sizeof(err)) == -1);
+        ql_backend *cpu = ql_backend_cpu_init(1);
+        CHECK(ql_cuda_fa_choose(cpu, 64, 4, 2, 48, &tf, &tp, err, sizeof(err)) == -1);
+        CHECK_MESSAGE(has(err, "not a CUDA device"), err);
+        ql_backend_free(cpu);
+    }
+    auto backward_fused = [](ql_trainer *t) {  // what the trainer's graph runs
+        const ql_graph *g = ql_trainer_graph(t);
+        int n = 0, fused = 0;
+        for (int i = 0; i < ql_graph_n_nodes(g); i++)
+            if (ql_graph_node(g, i)->op == QL_OP_FLASH_ATTN_BACK) n++, fused += ql_cuda_fa_fused(ql_graph_node(g, i));
+        REQUIRE(n > 0);
+        CHECK((fused == 0 || fused == n));
+        return fused == n;
+    };
+    ql_cuda_fa_set_mode(QL_CUDA_FA_AUTO);
+    std::string first;
+    {
+        cuda_trainer ct(path, seqs, o, false);
+        const ql_memory_plan &m = ql_trainer_memory(ct.t);
+        const int mode = ql_cuda_fa_get_mode();
+        CHECK((mode == QL_CUDA_FA_FUSED || mode == QL_CUDA_FA_FORWARD));
+        CHECK_MESSAGE(has(m.attn_backward, "(auto: one layer forward and backward at seq 32, d 64 on this card: fused "), m.attn_backward);
+        CHECK(has(m.attn_backward, mode == QL_CUDA_FA_FUSED ? "fused kernels (" : "products ("));
+        CHECK(m.attn_fused == (mode == QL_CUDA_FA_FUSED));
+        CHECK(backward_fused(ct.t) == m.attn_fused);
+        first = m.attn_backward;
+        MESSAGE("auto: ", first);
+    }
+    {  // kept: no second timing (the same reason, its times too)
+        const int mode = ql_cuda_fa_get_mode();
+        cuda_trainer ct(path, seqs, o, false);
+        CHECK(ql_cuda_fa_get_mode() == mode);
+        CHECK(ql_trainer_memory(ct.t).attn_backward == first);
+    }
+    for (int given : {1, 0}) {
+        ql_train_options og = o;
+        og.attn_backward = given;
+        cuda_trainer ct(path, seqs, og, false);
+        const ql_memory_plan &m = ql_trainer_memory(ct.t);
+        CHECK(ql_cuda_fa_get_mode() == (given ? QL_CUDA_FA_FUSED : QL_CUDA_FA_FORWARD));
+        CHECK(m.attn_backward == (given ? "fused kernels (--attn-backward fused)" : "products (--attn-backward products)"));
+        CHECK(m.attn_fused == (given == 1));
+        CHECK(backward_fused(ct.t) == (given == 1));
+        std::string e;
+        ql_step_metrics sm;
+        CHECK_MESSAGE(ql_trainer_step(ct.t, &sm, &e), e);
+        CHECK(std::isfinite(sm.loss));
+    }
+    {  // head dim 16: the products, auto or not, and why
+        ql_cuda_fa_set_mode(QL_CUDA_FA_AUTO);
+        cuda_trainer ct(path16, seqs, o, false);
+        CHECK(ql_cuda_fa_get_mode() == QL_CUDA_FA_AUTO);  // (nothing timed)
+        CHECK(ql_trainer_memory(ct.t).attn_backward == "products (the fused kernels take a bf16 compute type and head dims 64, 80, 96, 128)");
+        CHECK(!backward_fused(ct.t));
+    }
+    ql_cuda_fa_set_mode(QL_CUDA_FA_FORWARD);
 }

@@ -937,6 +937,9 @@ TEST_CASE("finetune: bad flags and bad input give one clear line, and nothing is
         {md + " --attn-score-mib 1.5", "--attn-score-mib: '1.5' is not auto or a whole number of MiB"},
         {md + " --attn-score-mib", "--attn-score-mib needs a value"},
         {md + " --device cpu --attn-score-mib 64", "--attn-score-mib: the CPU backend's attention runs in tiles of its own"},
+        {md + " --attn-backward sideways", "--attn-backward: 'sideways' is not one of auto, fused, products"},
+        {md + " --attn-backward", "--attn-backward needs a value"},
+        {md + " --device cpu --attn-backward fused", "--attn-backward: the CPU backend's attention runs in tiles of its own"},
         {md + " --host-mem 64", "--host-mem: '64' "},
         {md + " --host-mem 64G", "--host-mem plans for another machine's memory: with --dry-run"},
         {" -m " + base + " -d " + both + " -o " + out, both + ":2: both \"text\" and \"prompt\"/\"completion\": which to train on is ambiguous"},
@@ -1365,6 +1368,24 @@ TEST_CASE("finetune --attn-score-mib: auto takes the larger chunks of attention'
     // the table says it
     REQUIRE_MESSAGE(run(ft.substr(0, ft.size() - 7) + " --vram 8G", &log) == 0, log);
     CHECK_MESSAGE(has(log, "attention's backward products: chunks of 256 queries (--attn-score-mib auto: 64 MiB)"), log);
+    CHECK_MESSAGE(has(log, "attention's backward: products (auto: on the card the faster of the two, timed at the start; planned here as products)"), log);
+    // --attn-backward: a plan without the card plans auto as the products; the fused kernels given
+    // take no score chunks and less workspace (3 launches a backward against 2 + 7 a chunk: k and v
+    // read in place at micro-batch 1); products given are auto's plan
+    CHECK(has(jstr(big, "attn_backward"), "products (auto: "));
+    const ql_json fused = plan(" --vram 8G --attn-backward fused"), prod = plan(" --vram 8G --attn-backward products");
+    CHECK(jstr(fused, "attn_backward") == "fused kernels (--attn-backward fused)");
+    CHECK(jstr(prod, "attn_backward") == "products (--attn-backward products)");
+    CHECK(jnum(prod, "total") == jnum(big, "total"));
+    CHECK(jnum(*prod.get("census"), "launches") == jnum(*big.get("census"), "launches"));
+    CHECK(jnum(fused, "workspace") < jnum(big, "workspace"));
+    CHECK(jnum(*big.get("census"), "launches") - jnum(*fused.get("census"), "launches") == 2 * (2 + 7 * 16 - 3));
+    REQUIRE_MESSAGE(run(ft.substr(0, ft.size() - 7) + " --vram 8G --attn-backward fused", &log) == 0, log);
+    CHECK_MESSAGE(has(log, "attention's backward: fused kernels (--attn-backward fused)"), log);
+    CHECK_MESSAGE(!has(log, "attention's backward products: chunks"), log);
+    // an f32 compute type: the fused kernels do not take it, whatever is given
+    const ql_json f32 = plan(" --vram 8G --precision fp32 --attn-backward fused");
+    CHECK(has(jstr(f32, "attn_backward"), "products (--attn-backward fused: the fused kernels take a bf16 compute type"));
 }
 
 TEST_CASE("finetune --precision: fp16's scale and skips in the progress line and metrics (valid JSON); auto by the CPU" * needs_tools("make-model finetune")) {

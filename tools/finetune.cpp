@@ -103,6 +103,8 @@ static const char *k_help =
     "           needs it, -1 never)\n"
     "           --attn-score-mib auto|N (a GPU: attention's backward as products over chunks of queries whose f32 scores\n"
     "           fit N MiB; auto: 64 where the plan fits with it and the chunks grow, else 32)\n"
+    "           --attn-backward auto|fused|products (a GPU: attention's backward by the fused kernels or by those products;\n"
+    "           auto: the faster on the card, one layer timed both ways at the start; a plan without the card: products)\n"
     "GPU:       --vram SIZE  --cc X.Y (with --dry-run on a machine without that card: its plan, e.g. --vram 12G --cc 8.6;\n"
     "           cc 7.5 to 12.0; sizes take a unit: K/M/G/T, powers of 1024, or B)\n"
     "           --embd-on-host | --embd-on-device (default: on the host only when the plan needs it)\n"
@@ -332,13 +334,13 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
                "\"optimizer_in_host_memory\": %s, \"inputs_and_state\": %zu, \"saved_activations\": %zu, \"checkpoints\": %zu, \"temporaries\": %zu, "
                "\"recompute_peak\": %zu, \"workspace\": %zu, \"graph_buffer\": %zu, \"context\": %zu, \"rounding\": %zu, "
                "\"total\": %zu, \"limit\": %zu, \"fits\": %s, \"host\": {\"process\": %zu, \"planned\": %zu, \"embedding\": %zu, \"pinned\": %zu, \"rows\": %zu, \"parked\": %zu}, "
-               "\"checkpointing\": \"%s\", \"recompute_fraction\": %.4f, \"micro_batch\": %d, \"loss_chunk\": %lld, \"ffn_chunk\": %lld, \"attn_chunk\": %lld, \"attn_scores\": \"%s\", \"lora_dropout\": \"%s\", "
+               "\"checkpointing\": \"%s\", \"recompute_fraction\": %.4f, \"micro_batch\": %d, \"loss_chunk\": %lld, \"ffn_chunk\": %lld, \"attn_chunk\": %lld, \"attn_scores\": \"%s\", \"attn_backward\": \"%s\", \"lora_dropout\": \"%s\", "
                "\"cache_weights\": {\"bytes\": %zu, \"copies_would_take\": %zu, \"choice\": \"%s\"}, \"census\": {\"nodes\": %lld, \"launches\": %lld, \"flops\": %.6g, \"recompute_flops\": %.6g, \"bytes\": {\"matmul\": %.6g, "
                "\"attention\": %.6g, \"loss\": %.6g, \"other\": %.6g}}}\n",
                m.host_embd, m.lora, m.grads, m.optimizer, optim.c_str(), m.optimizer_host ? "true" : "false", m.dev_state, m.saved, m.checkpoints, m.scratch, m.recompute,
                m.work, m.dev_buffer, m.dev_context, m.dev_rounding, m.total, limit, fits ? "true" : "false", process, m.host, m.host_embd, m.host_pinned, m.host_rows, m.host_parked,
                m.checkpointing.c_str(), m.recompute_fraction, m.micro_batch, (long long)m.loss_chunk, (long long)m.ffn_chunk, (long long)m.attn_chunk,
-               m.attn_scores.c_str(), m.lora_dropout.c_str(), m.dev_cache, m.cache_candidate, m.cache_weights.c_str(), (long long)m.census.nodes, (long long)m.census.launches, m.census.flops, m.census.recompute_flops,
+               m.attn_scores.c_str(), m.attn_backward.c_str(), m.lora_dropout.c_str(), m.dev_cache, m.cache_candidate, m.cache_weights.c_str(), (long long)m.census.nodes, (long long)m.census.launches, m.census.flops, m.census.recompute_flops,
                m.census.bytes[QL_CENSUS_MATMUL], m.census.bytes[QL_CENSUS_ATTENTION], m.census.bytes[QL_CENSUS_LOSS], m.census.bytes[QL_CENSUS_OTHER]);
         return;
     }
@@ -385,7 +387,8 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
     if (m.loss_chunk) printf("\n  loss: output projection + cross-entropy in chunks of %lld tokens (logits never whole)%s", (long long)m.loss_chunk,
                              m.loss_fused ? "; fused: dlogits and dh made in forward" : "; backward recomputes the logits");
     if (m.ffn_chunk) printf("\n  feed-forward: in chunks of %lld tokens (its intermediates a chunk at a time)", (long long)m.ffn_chunk);
-    if (m.attn_chunk)
+    if (!m.attn_backward.empty()) printf("\n  attention's backward: %s", m.attn_backward.c_str());
+    if (m.attn_chunk && !m.attn_fused)
         printf("\n  attention's backward products: chunks of %lld queries (--attn-score-mib %s)", (long long)m.attn_chunk, m.attn_scores.c_str());
     if (!m.lora_dropout.empty()) printf("\n  adapter dropout: %s", m.lora_dropout.c_str());
     if (m.census.nodes) {  // what one micro-batch's graph costs there, from the plan (ql_graph_census)
@@ -818,6 +821,14 @@ static bool parse_flags(int argc, char **argv, args *a) {
             }
             a->o.attn_score_mib = (int)n;
         }
+        else if (f == "--attn-backward") {
+            if (!(s = need(i))) return false;
+            if (strcmp(s, "auto") && strcmp(s, "fused") && strcmp(s, "products")) {
+                fprintf(stderr, "finetune: --attn-backward: '%s' is not one of auto, fused, products\n", s);
+                return false;
+            }
+            a->o.attn_backward = !strcmp(s, "auto") ? -1 : !strcmp(s, "fused") ? 1 : 0;
+        }
         else if (f == "--offload-activations") a->o.offload_activations = true;
         else if (f == "--offload-late") a->o.offload_activations = a->o.offload_late = true;
         else if (f == "--offload-grads") a->o.offload_activations = a->o.offload_late = a->o.offload_grads = true;
@@ -918,7 +929,7 @@ static bool flag_given(const args &a, const char *f) {
 // must agree with the run's.
 static bool operational_flag(const std::string &f) {
     for (const char *x : {"-o", "-t", "--device", "--checkpointing", "--mem-limit", "--vram", "--cc", "--host-mem", "--embd-on-host",
-                          "--embd-on-device", "--cache-weights", "--loss-chunk", "--loss-unfused", "--ffn-chunk", "--attn-score-mib", "--offload-activations", "--offload-late", "--offload-grads", "--lora-dropout-fused", "--eval-every", "--save-every", "--merge",
+                          "--embd-on-device", "--cache-weights", "--loss-chunk", "--loss-unfused", "--ffn-chunk", "--attn-score-mib", "--attn-backward", "--offload-activations", "--offload-late", "--offload-grads", "--lora-dropout-fused", "--eval-every", "--save-every", "--merge",
                           "--overwrite", "--profile", "--dry-run", "--json", "--resume", "--export", "--max-steps", "--epochs"})
         if (f == x) return true;
     return false;
