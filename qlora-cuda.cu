@@ -6077,3 +6077,11 @@ bool ql_cuda_memory_used(size_t *in_use, size_t *peak) {
     if (peak) *peak = r.peak;
     return true;
 }
+void ql_cuda_memory_set_peaks(const ql_backend *be, size_t peak, size_t device_peak) {
+    cu_registry &r = cu_reg();
+    std::lock_guard<std::mutex> lk(r.mu);
+    r.peak = std::max(peak, r.in_use);
+    if (!ql_backend_is_cuda(be)) return;
+    auto it = r.per_device.find(((const cuda_backend *)be->impl)->device);
+    if (it != r.per_device.end()) it->second.second = std::max(device_peak, it->second.first);
+}

@@ -9621,24 +9621,31 @@ int ql_cuda_fa_choose(ql_backend *be, int64_t D, int64_t H, int64_t Hkv, int64_t
     T = std::min<int64_t>(T, QL_CUDA_FA_CHOOSE_SEQ);
     const int was = ql_cuda_fa_get_mode();
     const int modes[2] = {QL_CUDA_FA_FUSED, QL_CUDA_FA_FORWARD};
-    cuda_fa_timing tm[2];
+    size_t peak = 0, dev_peak = 0;  // the timing's allocations are not the run's: the peaks are put back after
+    ql_cuda_memory_used(nullptr, &peak);
+    ql_cuda_device_memory_used(be, nullptr, &dev_peak);
     std::string e;
     bool ok = true;
-    for (int p = 0; p < 2 && ok; p++) {
-        g_cuda_fa_mode = modes[p];
-        ok = tm[p].make(be, D, H, Hkv, T);
-        if (!ok) e = tm[p].ctx && ql_ctx_error(tm[p].ctx)[0] ? ql_ctx_error(tm[p].ctx) : "the timing graph could not be made";
-    }
-    if (ok && !tm[0].fused) e = "the fused backward does not take head dim " + std::to_string(D), ok = false;
-    for (int r = 0; ok && r < 2 + QL_CUDA_FA_CHOOSE_REPS; r++)
+    double tf = 0, tp = 0;
+    {
+        cuda_fa_timing tm[2];
         for (int p = 0; p < 2 && ok; p++) {
             g_cuda_fa_mode = modes[p];
-            ok = tm[p].run(be, r >= 2);
-            if (!ok) e = ql_ctx_error(tm[p].ctx)[0] ? ql_ctx_error(tm[p].ctx) : "the timing graph did not run";
+            ok = tm[p].make(be, D, H, Hkv, T);
+            if (!ok) e = tm[p].ctx && ql_ctx_error(tm[p].ctx)[0] ? ql_ctx_error(tm[p].ctx) : "the timing graph could not be made";
         }
+        if (ok && !tm[0].fused) e = "the fused backward does not take head dim " + std::to_string(D), ok = false;
+        for (int r = 0; ok && r < 2 + QL_CUDA_FA_CHOOSE_REPS; r++)
+            for (int p = 0; p < 2 && ok; p++) {
+                g_cuda_fa_mode = modes[p];
+                ok = tm[p].run(be, r >= 2);
+                if (!ok) e = ql_ctx_error(tm[p].ctx)[0] ? ql_ctx_error(tm[p].ctx) : "the timing graph did not run";
+            }
+        if (ok) tf = tm[0].median(), tp = tm[1].median();
+    }
     g_cuda_fa_mode = was;
+    ql_cuda_memory_set_peaks(be, peak, dev_peak);
     if (!ok) return fail(e);
-    const double tf = tm[0].median(), tp = tm[1].median();
     if (ms_fused) *ms_fused = tf * 1e3;
     if (ms_products) *ms_products = tp * 1e3;
     return tf <= tp ? QL_CUDA_FA_FUSED : QL_CUDA_FA_FORWARD;
@@ -10143,6 +10150,7 @@ __attribute__((weak)) bool ql_cuda_device_memory_used(const ql_backend *, size_t
     if (peak) *peak = 0;
     return false;
 }
+__attribute__((weak)) void ql_cuda_memory_set_peaks(const ql_backend *, size_t, size_t) {}
 
 // A build without qlora-mpi.cpp: one process. Its definitions replace these when it is linked in
 // (make MPI=1): the library and the drop-in build need no MPI.

@@ -1425,6 +1425,9 @@ size_t  ql_cuda_cublas_workspace_bytes(int cc);
 bool    ql_cuda_memory_used(size_t *in_use, size_t *peak);
 // The same for be's device alone (a model split over devices: each stage's); false without CUDA
 bool    ql_cuda_device_memory_used(const ql_backend *be, size_t *in_use, size_t *peak);
+// Both peaks put back (each at least what is held now): a measurement's own allocations, such as
+// ql_cuda_fa_choose's, are not the run's
+void    ql_cuda_memory_set_peaks(const ql_backend *be, size_t peak, size_t device_peak);
 // size bytes from src on from's device to dst on to's (both CUDA backends): a peer copy, card to
 // card (direct where the two have peer access - enabled here once per pair - else the driver
 // stages it through host memory), after from's queued work and before to's next. QL_ERR_UNSUPPORTED

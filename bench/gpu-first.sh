@@ -234,7 +234,7 @@ step fit-8b-long 8b 1 90 240 $LONG
 
 # ---- attention: fused against chunked ----
 if [ "$DEV" = cuda ]; then
-    phase attn 20 80 ./tools/bench attn -r 5 && grep -E '^(## attention|path|fused|chunked)' "$W/attn.log" | head -12 | sed 's/^/    /' >> "$S"
+    phase attn 20 80 ./tools/bench attn -r 5 && grep -E '^(## attention|path|fused|chunked|auto)' "$W/attn.log" | head -14 | sed 's/^/    /' >> "$S"
 fi
 # the 1B step with the attention backward auto did not choose (step-1b's "attention's backward:"
 # line: both timed at the start, one layer; here the whole step's time beside it)

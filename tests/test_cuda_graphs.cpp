@@ -1017,8 +1017,18 @@ TEST_CASE("attention's backward: auto times the fused kernels and the products o
     {  // the timing itself: the faster one's mode, the times of both, the mode left as it was
         cuda_trainer ct(path16, seqs, o, false);  // (a device to time on)
         double tf = -1, tp = -1;
+        size_t used0 = 0, peak0 = 0, dev0 = 0, used1 = 0, peak1 = 0, dev1 = 0;
+        ql_cuda_memory_set_peaks(ct.be, 0, 0);  // the peaks down to what is held: the timing's own would show
+        REQUIRE(ql_backend_memory_used(ct.be, &used0, &peak0));
+        REQUIRE(ql_cuda_device_memory_used(ct.be, nullptr, &dev0));
         const int m = ql_cuda_fa_choose(ct.be, 64, 4, 2, 48, &tf, &tp, err, sizeof(err));
         REQUIRE_MESSAGE(m >= 0, err);
+        REQUIRE(ql_backend_memory_used(ct.be, &used1, &peak1));
+        REQUIRE(ql_cuda_device_memory_used(ct.be, nullptr, &dev1));
+        CHECK(used1 == used0);  // all given back,
+        CHECK(peak1 == peak0);  // and not counted in the run's peaks
+        CHECK(dev1 == dev0);
+        CHECK(peak0 == used0);
         CHECK(tf > 0);
         CHECK(tp > 0);
         CHECK(m == (tf <= tp ? QL_CUDA_FA_FUSED : QL_CUDA_FA_FORWARD));

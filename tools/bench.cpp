@@ -14,7 +14,8 @@
 // attn:   training attention on the CUDA backend (not part of all): causal, seq 2048, d 128 and 64, 32
 //         query / 8 kv heads, batch 1, bf16 products; the fused FlashAttention-2 kernels against the
 //         chunked cuBLAS products; forward and backward (fwd+bwd minus fwd) in TFLOP/s, counting
-//         the causal half: forward 2 T^2 d H, backward 2.5 times that.
+//         the causal half: forward 2 T^2 d H, backward 2.5 times that; then what a trainer's
+//         --attn-backward auto chooses at each head dim (ql_cuda_fa_choose) and its two times.
 // Times are medians over the repetitions after one warm-up run.
 // limitation: random q6_K bytes need ql_block_q6_K (implementer part) to put a sane scale in d
 #define QL_INTERNALS
@@ -376,6 +377,16 @@ static void bench_attn(int reps) {
             printf("%-22s %4lld %10.3f %10.3f %12.1f %12.1f\n", names[path], (long long)D, tf * 1e3, tb * 1e3, flop / tf * 1e-12,
                    2.5 * flop / tb * 1e-12);
         }
+        // what a trainer's --attn-backward auto would choose at this shape (its own timing: one
+        // layer forward and backward each way, in turn; the same graphs as above, f32 leafs cast)
+        double mf = 0, mp = 0;
+        char why[256] = "";
+        const int m = ql_cuda_fa_choose(be, D, 32, 8, 2048, &mf, &mp, why, sizeof(why));
+        if (m < 0)
+            printf("auto (ql_cuda_fa_choose) %4lld: %s\n", (long long)D, why);
+        else
+            printf("auto (ql_cuda_fa_choose) %4lld: %s (fused %.3f ms, products %.3f ms forward and backward)\n", (long long)D,
+                   m == QL_CUDA_FA_FUSED ? "fused" : "products", mf, mp);
     }
     ql_backend_free(be);
 }
