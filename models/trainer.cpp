@@ -879,8 +879,6 @@ static int64_t needed_len(const ql_sequence &q) {
 }
 static int64_t real_len(const ql_sequence &q) { return q.len > 0 ? q.len : needed_len(q); }
 
-// fields from the options; nothing built
-// (a stage of a split: blocks [l0, l1) only, is_stage)
 // Attention's backward on a device (ql_train_options.attn_backward): given, or auto - the faster
 // of the fused kernels and the products on this card, one layer at the run's shape timed both ways
 // (ql_cuda_fa_choose) once a process, where nothing set the mode (QLORA_CUDA_FA, a caller's
@@ -897,7 +895,8 @@ static void choose_attn_backward(ql_trainer *t) {
         ql_cuda_fa_set_mode(t->o.attn_backward ? QL_CUDA_FA_FUSED : QL_CUDA_FA_FORWARD);
         why = t->o.attn_backward ? "--attn-backward fused" : "--attn-backward products";
     } else if (ql_cuda_fa_get_mode() != QL_CUDA_FA_AUTO) {
-        why = ql_cuda_fa_get_mode() == timed_mode ? timed_why : "auto: the mode set for the process (QLORA_CUDA_FA)";
+        why = ql_cuda_fa_get_mode() == timed_mode ? timed_why
+                                                    : "auto: the process's mode as set by QLORA_CUDA_FA, ql_cuda_fa_set_mode or an earlier run's flag";
     } else if (!takes) {
         why = "the fused kernels take a bf16 compute type and head dims 64, 80, 96, 128";
     } else if (t->caps.plan_only) {
@@ -924,6 +923,8 @@ static void choose_attn_backward(ql_trainer *t) {
     m.attn_backward = std::string(m.attn_fused ? "fused kernels" : "products") + " (" + why + ")";
 }
 
+// fields from the options; nothing built
+// (a stage of a split: blocks [l0, l1) only, is_stage)
 static ql_trainer *setup(ql_llama_file *f, const std::vector<ql_sequence> &train, const std::vector<ql_sequence> &eval,
                          const ql_train_options &o, std::string *err, int l0 = 0, int l1 = -1, bool is_stage = false) {
     if (train.empty()) {

@@ -1383,6 +1383,11 @@ TEST_CASE("finetune --attn-score-mib: auto takes the larger chunks of attention'
     REQUIRE_MESSAGE(run(ft.substr(0, ft.size() - 7) + " --vram 8G --attn-backward fused", &log) == 0, log);
     CHECK_MESSAGE(has(log, "attention's backward: fused kernels (--attn-backward fused)"), log);
     CHECK_MESSAGE(!has(log, "attention's backward products: chunks"), log);
+    // QLORA_CUDA_FA sets the process's mode: auto keeps it and says so
+    REQUIRE_MESSAGE(run("QLORA_CUDA_FA=fused " + ft + " --vram 8G 2>/dev/null", &log) == 0, log);
+    const ql_json env = json_line(log);
+    CHECK(jstr(env, "attn_backward") == "fused kernels (auto: the process's mode as set by QLORA_CUDA_FA, ql_cuda_fa_set_mode or an earlier run's flag)");
+    CHECK(jnum(*env.get("census"), "launches") == jnum(*fused.get("census"), "launches"));
     // an f32 compute type: the fused kernels do not take it, whatever is given
     const ql_json f32 = plan(" --vram 8G --precision fp32 --attn-backward fused");
     CHECK(has(jstr(f32, "attn_backward"), "products (--attn-backward fused: the fused kernels take a bf16 compute type"));
