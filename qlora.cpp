@@ -9558,8 +9558,8 @@ bool ql_cuda_fa_fused(const ql_tensor *node) {
 // larger chunks, as a card with room runs them). Each graph is planned under its path's mode and
 // run under it (the backend reads the mode as it runs a node); the two run in turn, twice to warm
 // up (the second run captures a CUDA graph), then QL_CUDA_FA_CHOOSE_REPS times each, so clocks
-// and the other work on the card weigh on both alike; the medians are compared. The forward is the same kernel in both: the difference is
-// the backward's.
+// and the other work on the card weigh on both alike; the medians are compared. The forward is
+// the same kernel in both: the difference is the backward's.
 struct cuda_fa_timing {
     ql_context *ctx = nullptr;
     ql_graph *gf = nullptr, *g = nullptr;
