@@ -9549,22 +9549,19 @@ bool ql_cuda_fa_fused(const ql_tensor *node) {
     if (!((node->op == QL_OP_FLASH_ATTN && !node->src[4]) || (node->op == QL_OP_FLASH_ATTN_BACK && mode == QL_CUDA_FA_FUSED)))
         return false;
     const int64_t D = node->src[0]->ne[0];
-    return cuda_fa_prec(node) == QL_TYPE_BF16 && node->src[2]->ne[0] == D && (D == 64 || D == 80 || D == 96 || D == 128);
+    return cuda_fa_prec(node) == QL_TYPE_BF16 && node->src[2]->ne[0] == D && ql_cuda_fa_fused_takes(D);
 }
+bool ql_cuda_fa_fused_takes(int64_t head_dim) { return head_dim == 64 || head_dim == 80 || head_dim == 96 || head_dim == 128; }
 
-// One layer's attention at the run's shape (batch 1, seq <= QL_CUDA_FA_CHOOSE_SEQ: O(T^2) either
-// way, so a longer run's ratio is taken there), forward and backward, in bf16 as the trainer makes
-// it, once per path: the fused forward with the fused backward, and with the products (in auto's
-// larger chunks, as a card with room runs them). Each graph is planned under its path's mode and
-// run under it (the backend reads the mode as it runs a node); the two run in turn, twice to warm
-// up (the second run captures a CUDA graph), then QL_CUDA_FA_CHOOSE_REPS times each, so clocks
-// and the other work on the card weigh on both alike; the medians are compared. The forward is
-// the same kernel in both: the difference is the backward's.
+// One layer's bf16 attention as the trainer makes it (q, k, v cast from f32 leafs; batch 1),
+// forward only or forward and backward, as a graph planned and run under one attention mode (the
+// backend reads the mode as it runs a node, so it is set around each run); runs timed to the
+// synchronize. ql_cuda_fa_time (tools/bench attn) and ql_cuda_fa_choose.
 struct cuda_fa_timing {
     ql_context *ctx = nullptr;
     ql_graph *gf = nullptr, *g = nullptr;
     ql_backend_buffer *buf = nullptr;
-    bool fused = false;  // the graph's backward is the fused kernels'
+    int mode = QL_CUDA_FA_AUTO;
     std::vector<double> ts;
     ~cuda_fa_timing() {
         if (g && g != gf) ql_graph_free(g);
@@ -9572,7 +9569,16 @@ struct cuda_fa_timing {
         if (buf) ql_backend_buffer_free(buf);
         if (ctx) ql_free(ctx);
     }
-    bool make(ql_backend *be, int64_t D, int64_t H, int64_t Hkv, int64_t T) {
+    // score_bytes: the products' chunks (0: QL_FLASH_ATTN_SCORE_BYTES)
+    bool make(ql_backend *be, int m, int64_t D, int64_t H, int64_t Hkv, int64_t T, bool backward, size_t score_bytes) {
+        mode = m;
+        const int was = ql_cuda_fa_get_mode();
+        g_cuda_fa_mode = mode;
+        const bool ok = build(be, D, H, Hkv, T, backward, score_bytes);
+        g_cuda_fa_mode = was;
+        return ok;
+    }
+    bool build(ql_backend *be, int64_t D, int64_t H, int64_t Hkv, int64_t T, bool backward, size_t score_bytes) {
         ql_init_params ip = {16u << 20, nullptr, true, false};
         if (!(ctx = ql_init(ip))) return false;
         ql_tensor *q = ql_new_tensor_4d(ctx, QL_TYPE_F32, D, T, H, 1), *k = ql_new_tensor_4d(ctx, QL_TYPE_F32, D, T, Hkv, 1);
@@ -9582,16 +9588,14 @@ struct cuda_fa_timing {
                                      nullptr, 1.0f / std::sqrt((float)D));
         if (!a) return false;
         ql_flash_attn_set_prec(a, QL_TYPE_BF16);
-        ql_flash_attn_set_score_bytes(a, 2 * QL_FLASH_ATTN_SCORE_BYTES);
+        if (score_bytes) ql_flash_attn_set_score_bytes(a, score_bytes);
         ql_tensor *loss = ql_sum(ctx, ql_cast(ctx, a, QL_TYPE_F32));
         gf = ql_graph_new(ctx);
-        ql_graph_build_forward(gf, loss);
-        if (!(g = ql_graph_backward(ctx, gf, loss)) || !(buf = ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE)) ||
+        ql_graph_build_forward(gf, backward ? loss : a);
+        if (!(g = backward ? ql_graph_backward(ctx, gf, loss) : gf) || !(buf = ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE)) ||
             ql_graph_plan(g, be, nullptr) != QL_OK || ql_graph_alloc(g, be) != QL_OK)
             return false;
-        for (int i = 0; i < ql_graph_n_nodes(g); i++)
-            if (ql_graph_node(g, i)->op == QL_OP_FLASH_ATTN_BACK) fused = ql_cuda_fa_fused(ql_graph_node(g, i));
-        for (ql_tensor *x : {q, k, v}) {  // values of attention's scale (a hash: the same for both paths)
+        for (ql_tensor *x : {q, k, v}) {  // values of attention's scale (a hash: the same for every path)
             std::vector<float> d((size_t)ql_nelements(x));
             for (size_t i = 0; i < d.size(); i++) d[i] = (float)((ql_dropout_hash((uint64_t)x->ne[2], i) >> 8) * 0x1p-23 - 1.0);
             if (ql_backend_tensor_set(be, x, d.data(), 0, d.size() * sizeof(float)) != QL_OK) return false;
@@ -9599,17 +9603,32 @@ struct cuda_fa_timing {
         return true;
     }
     bool run(ql_backend *be, bool keep) {
+        const int was = ql_cuda_fa_get_mode();
+        g_cuda_fa_mode = mode;
         const auto t0 = std::chrono::steady_clock::now();
-        if (ql_backend_graph_zero_grads(be, g) != QL_OK || ql_backend_graph_compute(be, g) != QL_OK || ql_backend_synchronize(be) != QL_OK)
-            return false;
-        if (keep) ts.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-        return true;
+        const bool ok = (g == gf || ql_backend_graph_zero_grads(be, g) == QL_OK) && ql_backend_graph_compute(be, g) == QL_OK &&
+                        ql_backend_synchronize(be) == QL_OK;
+        if (ok && keep) ts.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        g_cuda_fa_mode = was;
+        return ok;
     }
     double median() {
         std::sort(ts.begin(), ts.end());
         return ts[ts.size() / 2];
     }
+    std::string error() const { return ctx && ql_ctx_error(ctx)[0] ? ql_ctx_error(ctx) : "the timing graph could not be made or run"; }
 };
+// Two runs to warm up (the second captures a CUDA graph), then the median of reps
+double ql_cuda_fa_time(ql_backend *be, int mode, int64_t D, int64_t H, int64_t Hkv, int64_t T, bool backward, int reps) {
+    cuda_fa_timing tm;
+    bool ok = ql_backend_is_cuda(be) && reps > 0 && tm.make(be, mode, D, H, Hkv, T, backward, 0);
+    for (int r = 0; ok && r < 2 + reps; r++) ok = tm.run(be, r >= 2);
+    return ok ? tm.median() : -1.0;
+}
+// Each path at the run's shape (T capped: O(T^2) either way, so a longer run's ratio is taken
+// there): the fused backward, and the products in auto's larger chunks, as a card with room runs
+// them. The two run in turn, so clocks and the other work on the card weigh on both alike; the
+// medians are compared. The forward is the same kernel in both: the difference is the backward's.
 int ql_cuda_fa_choose(ql_backend *be, int64_t D, int64_t H, int64_t Hkv, int64_t T, double *ms_fused, double *ms_products,
                       char *err, size_t err_size) {
     auto fail = [&](const std::string &m) {
@@ -9618,34 +9637,26 @@ int ql_cuda_fa_choose(ql_backend *be, int64_t D, int64_t H, int64_t Hkv, int64_t
     };
     if (!ql_backend_is_cuda(be)) return fail("not a CUDA device");
     if (D <= 0 || H <= 0 || Hkv <= 0 || H % Hkv || T <= 0) return fail("bad attention shape");
+    if (!ql_cuda_fa_fused_takes(D)) return fail("the fused backward does not take head dim " + std::to_string(D));
     T = std::min<int64_t>(T, QL_CUDA_FA_CHOOSE_SEQ);
-    const int was = ql_cuda_fa_get_mode();
-    const int modes[2] = {QL_CUDA_FA_FUSED, QL_CUDA_FA_FORWARD};
     size_t peak = 0, dev_peak = 0;  // the timing's allocations are not the run's: the peaks are put back after
     ql_cuda_memory_used(nullptr, &peak);
     ql_cuda_device_memory_used(be, nullptr, &dev_peak);
     std::string e;
-    bool ok = true;
     double tf = 0, tp = 0;
     {
         cuda_fa_timing tm[2];
-        for (int p = 0; p < 2 && ok; p++) {
-            g_cuda_fa_mode = modes[p];
-            ok = tm[p].make(be, D, H, Hkv, T);
-            if (!ok) e = tm[p].ctx && ql_ctx_error(tm[p].ctx)[0] ? ql_ctx_error(tm[p].ctx) : "the timing graph could not be made";
-        }
-        if (ok && !tm[0].fused) e = "the fused backward does not take head dim " + std::to_string(D), ok = false;
-        for (int r = 0; ok && r < 2 + QL_CUDA_FA_CHOOSE_REPS; r++)
-            for (int p = 0; p < 2 && ok; p++) {
-                g_cuda_fa_mode = modes[p];
-                ok = tm[p].run(be, r >= 2);
-                if (!ok) e = ql_ctx_error(tm[p].ctx)[0] ? ql_ctx_error(tm[p].ctx) : "the timing graph did not run";
-            }
-        if (ok) tf = tm[0].median(), tp = tm[1].median();
+        int bad = !tm[0].make(be, QL_CUDA_FA_FUSED, D, H, Hkv, T, true, 0)                                ? 0
+                  : !tm[1].make(be, QL_CUDA_FA_FORWARD, D, H, Hkv, T, true, 2 * QL_FLASH_ATTN_SCORE_BYTES) ? 1
+                                                                                                            : -1;
+        for (int r = 0; bad < 0 && r < 2 + QL_CUDA_FA_CHOOSE_REPS; r++)  // (two warm-ups, as ql_cuda_fa_time)
+            for (int p = 0; p < 2 && bad < 0; p++)
+                if (!tm[p].run(be, r >= 2)) bad = p;
+        if (bad < 0) tf = tm[0].median(), tp = tm[1].median();
+        else e = tm[bad].error();
     }
-    g_cuda_fa_mode = was;
     ql_cuda_memory_set_peaks(be, peak, dev_peak);
-    if (!ok) return fail(e);
+    if (!e.empty()) return fail(e);
     if (ms_fused) *ms_fused = tf * 1e3;
     if (ms_products) *ms_products = tp * 1e3;
     return tf <= tp ? QL_CUDA_FA_FUSED : QL_CUDA_FA_FORWARD;

@@ -997,6 +997,7 @@ ql_status   ql_backend_cuda_info(const ql_backend *be, ql_cuda_device_info *info
 enum { QL_CUDA_FA_CHUNKED, QL_CUDA_FA_FORWARD, QL_CUDA_FA_FUSED, QL_CUDA_FA_AUTO };
 void        ql_cuda_fa_set_mode(int mode);  // (also read once from QLORA_CUDA_FA=chunked|forward|fused|auto)
 int         ql_cuda_fa_get_mode(void);
+bool        ql_cuda_fa_fused_takes(int64_t head_dim);  // the fused kernels' head dims: 64, 80, 96, 128
 // Times one layer's bf16 attention, forward and backward, at [D, T, H] (Hkv key/value heads,
 // batch 1, T capped at QL_CUDA_FA_CHOOSE_SEQ) on a CUDA backend with each backward - the fused
 // kernels, the products - and returns the faster one's mode (QL_CUDA_FA_FUSED or QL_CUDA_FA_FORWARD)
@@ -1428,6 +1429,10 @@ bool    ql_cuda_device_memory_used(const ql_backend *be, size_t *in_use, size_t 
 // Both peaks put back (each at least what is held now): a measurement's own allocations, such as
 // ql_cuda_fa_choose's, are not the run's
 void    ql_cuda_memory_set_peaks(const ql_backend *be, size_t peak, size_t device_peak);
+// Seconds (median of reps, after two warm-up runs; -1: not a CUDA backend, or the graph could not be
+// made or run) of one layer's bf16 attention at [D, T, H] (Hkv key/value heads, batch 1), forward
+// only or forward and backward, planned and run under attention mode `mode` (tools/bench attn)
+double  ql_cuda_fa_time(ql_backend *be, int mode, int64_t D, int64_t H, int64_t Hkv, int64_t T, bool backward, int reps);
 // size bytes from src on from's device to dst on to's (both CUDA backends): a peer copy, card to
 // card (direct where the two have peer access - enabled here once per pair - else the driver
 // stages it through host memory), after from's queued work and before to's next. QL_ERR_UNSUPPORTED

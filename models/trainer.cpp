@@ -888,7 +888,7 @@ static void choose_attn_backward(ql_trainer *t) {
     static std::string timed_why;
     const ql_llama_hparams &hp = t->f->model.hp;
     const int64_t D = hp.head_dim();
-    const bool takes = t->compute == QL_TYPE_BF16 && !t->o.attn_f32 && (D == 64 || D == 80 || D == 96 || D == 128);
+    const bool takes = t->compute == QL_TYPE_BF16 && !t->o.attn_f32 && ql_cuda_fa_fused_takes(D);
     ql_memory_plan &m = t->mem;
     std::string why;
     if (t->o.attn_backward >= 0) {

@@ -16,7 +16,7 @@
 //         chunked cuBLAS products; forward and backward (fwd+bwd minus fwd) in TFLOP/s, counting
 //         the causal half: forward 2 T^2 d H, backward 2.5 times that; then what a trainer's
 //         --attn-backward auto chooses at each head dim (ql_cuda_fa_choose) and its two times.
-// Times are medians over the repetitions after one warm-up run.
+// Times are medians over the repetitions after one warm-up run (attn: two, the second capturing a CUDA graph).
 // limitation: random q6_K bytes need ql_block_q6_K (implementer part) to put a sane scale in d
 #define QL_INTERNALS
 #include "../models/llama.h"
@@ -306,46 +306,14 @@ static void bench_prompt(ql_backend *cpu, int n_threads, int reps) {
 
 // ---- attention on the CUDA backend ----
 // q, k, v in bf16 as the trainer makes them under a bf16 compute type (cast from f32 leafs: the
-// casts' time is in the numbers, ~1% at d 128)
+// casts' time is in the numbers, ~1% at d 128): the library's own timing (ql_cuda_fa_time, which
+// --attn-backward auto's choice also runs)
 static double time_attn(ql_backend *be, bool fused, bool backward, int reps, int64_t D) {
-    const int64_t T = 2048, H = 32, HKV = 8;
-    const int was = ql_cuda_fa_get_mode();
-    ql_cuda_fa_set_mode(fused ? QL_CUDA_FA_FUSED : QL_CUDA_FA_CHUNKED);
-    ql_init_params ip = {64u << 20, nullptr, true, false};
-    ql_context *ctx = ql_init(ip);
-    ql_tensor *q = ql_new_tensor_4d(ctx, QL_TYPE_F32, D, T, H, 1), *k = ql_new_tensor_4d(ctx, QL_TYPE_F32, D, T, HKV, 1);
-    ql_tensor *v = ql_new_tensor_4d(ctx, QL_TYPE_F32, D, T, HKV, 1);
-    for (ql_tensor *t : {q, k, v}) ql_set_param(t);
-    ql_tensor *a = ql_flash_attn(ctx, ql_cast(ctx, q, QL_TYPE_BF16), ql_cast(ctx, k, QL_TYPE_BF16), ql_cast(ctx, v, QL_TYPE_BF16),
-                                 nullptr, 1.0f / std::sqrt((float)D));
-    ql_flash_attn_set_prec(a, QL_TYPE_BF16);
-    ql_tensor *loss = ql_sum(ctx, ql_cast(ctx, a, QL_TYPE_F32));
-    ql_graph *gf = ql_graph_new(ctx);
-    ql_graph_build_forward(gf, backward ? loss : a);
-    ql_graph *g = backward ? ql_graph_backward(ctx, gf, loss) : gf;
-    ql_backend_buffer *buf = ql_backend_alloc_ctx_tensors(be, ctx, QL_BUFFER_DEVICE);  // (after backward: its gradient leafs too)
-    ql_plan_stats st;
-    if (!buf || !g || ql_graph_plan(g, be, &st) != QL_OK || ql_graph_alloc(g, be) != QL_OK) {
-        fprintf(stderr, "bench: %s\n", ql_ctx_error(ctx));
+    const double t = ql_cuda_fa_time(be, fused ? QL_CUDA_FA_FUSED : QL_CUDA_FA_CHUNKED, D, 32, 8, 2048, backward, reps);
+    if (t < 0) {
+        fprintf(stderr, "bench: attention at d %lld did not run\n", (long long)D);
         exit(1);
     }
-    std::mt19937 rng(5);
-    std::uniform_real_distribution<float> U(-1, 1);
-    for (ql_tensor *t : {q, k, v}) {
-        std::vector<float> x((size_t)ql_nelements(t));
-        for (float &e : x) e = U(rng);
-        ql_backend_tensor_set(be, t, x.data(), 0, x.size() * sizeof(float));
-    }
-    const double t = median_time(reps, [&] {
-        if (backward) ql_backend_graph_zero_grads(be, g);
-        ql_backend_graph_compute(be, g);
-        ql_backend_synchronize(be);
-    });
-    if (g != gf) ql_graph_free(g);
-    ql_graph_free(gf);
-    ql_backend_buffer_free(buf);
-    ql_free(ctx);
-    ql_cuda_fa_set_mode(was);
     return t;
 }
 
