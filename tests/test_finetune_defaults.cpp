@@ -415,6 +415,45 @@ TEST_CASE("finetune memory auto: a device plan - block recompute when none does 
     CHECK_MESSAGE(has(log, "finetune: memory: checkpointing auto -> --checkpointing block: "), log);
 }
 
+TEST_CASE("finetune memory auto: on a device, checkpoint offload with the feed-forward whole before recompute with it in chunks" * needs_tools("make-model finetune")) {
+    tmpdir d;
+    const std::string m = d.file("g.gguf"), data = d.file("qa.jsonl");
+    std::string log;
+    // (ffn 4096 at 4096 tokens: 2^24 elements an intermediate, over the 2^23 auto chunks at)
+    REQUIRE(run("./make-model -o " + m + " --dim 256 --layers 4 --heads 4 --ff 4096 --vocab 4000 --type nf4 --ctx 8192", &log) == 0);
+    write_qa(data, 4);
+    const std::string ft = "./finetune -m " + m + " -d " + data + " -o " + d.file("o") +
+                           " --seq-len 4096 -b 1 --no-dynamic-padding --device cuda --cc 8.6 --dry-run --loss-chunk 2048 --cache-weights off";
+    auto total = [&](const std::string &flags) {
+        std::string out;
+        REQUIRE_MESSAGE(run(ft + " --json" + flags, &out) == 0, out);
+        const size_t p = out.find("\"total\": ");
+        REQUIRE(p != std::string::npos);
+        return (long long)atof(out.c_str() + p + 9);
+    };
+    // a limit under block recompute's plan with the feed-forward whole (8G: the first step fits)
+    const std::string vram = " --vram " + std::to_string(total(" --vram 8G --checkpointing block --ffn-chunk -1") - (12 << 20)) + "B";
+    // auto: the checkpoints offloaded, the feed-forward whole (chunks cost more than the copies)
+    REQUIRE_MESSAGE(run(ft + vram + " --host-mem 64G", &log) == 0, log);
+    std::string line = line_of(log, "finetune: memory: checkpointing auto -> ");
+    CHECK_MESSAGE(has(line, "-> + checkpoint offload: "), log);
+    CHECK(has(line, "(recompute (block) needs "));
+    CHECK(!has(log, "\n  feed-forward: in chunks"));
+    CHECK(has(line_of(log, "  recompute (block) "), "does NOT fit"));
+    CHECK(has(line_of(log, ", feed-forward in chunks "), " fits "));  // (the second pass, planned for the table)
+    // no pinned memory on the host: recompute with the feed-forward in chunks, as before
+    REQUIRE_MESSAGE(run(ft + vram + " --host-mem 1G", &log) == 0, log);
+    line = line_of(log, "finetune: memory: checkpointing auto -> ");
+    CHECK_MESSAGE(has(line, "-> recompute ("), log);
+    CHECK_MESSAGE(has(line, "), feed-forward in chunks: "), log);
+    CHECK(has(line, "more with the feed-forward's chunks"));
+    CHECK(has(log, "\n  feed-forward: in chunks of "));
+    // --ffn-chunk given: one pass, the flag's
+    REQUIRE_MESSAGE(run(ft + vram + " --host-mem 1G --ffn-chunk 1024", &log) == 0, log);
+    CHECK_MESSAGE(has(log, "\n  feed-forward: in chunks of 1024 tokens"), log);
+    CHECK(!has(log, ", feed-forward in chunks"));
+}
+
 TEST_CASE("finetune memory auto: the last step, adapter dropout inside A's multiply over 16-bit x; pinned by its flag" * needs_tools("make-model finetune")) {
     tmpdir d;
     const std::string m = d.file("g.gguf"), data = d.file("qa.jsonl");

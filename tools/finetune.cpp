@@ -88,7 +88,8 @@ static const char *k_help =
     "           fp16's guard where a SwiGLU result passes 65504; the hint names it when that happens)\n"
     "memory:    --checkpointing none|block|sqrt|auto  --mem-limit SIZE (e.g. 6G; auto and -b auto need it, or a GPU)\n"
     "           (auto is the default when the limit is known - --mem-limit, --vram, a GPU's free memory: no recompute,\n"
-    "           recompute, then on a GPU offload, --embd-on-host, paged optimizer state, --offload-late, --offload-grads;\n"
+    "           recompute, then on a GPU offload, --embd-on-host, paged optimizer state (these first with the feed-forward\n"
+    "           whole, then again with it in chunks where needed), --offload-late, --offload-grads;\n"
     "           then with 16-bit compute and dropout --lora-dropout-fused 16: the first that fits)\n"
     "           -b auto  --effective-batch N  --offload-activations  --dry-run (print the plan, train nothing)  --json\n"
     "           --offload-late (offload, and each block's checkpoint brought back twice, just before its readers: none on\n"
@@ -1276,6 +1277,8 @@ struct mem_step {
     bool planned = false, fits = false;
     size_t pinned = 0;        // pinned host memory: offloaded checkpoints, paged moments
     bool host_short = false;  // the device would hold it, the host has not the pinned memory
+    bool chunks = false;      // the second pass: the feed-forward in chunks where the trainer needs them
+    bool twin = false;        // ... of a step the first pass tried with the feed-forward whole
 };
 
 // The step time relative to no recompute, from the planner's FLOPs: a LoRA step costs about
@@ -1335,6 +1338,36 @@ static void choose_memory(ql_llama_file *f, const seqs &tr, const seqs &ev, args
     // a dropped-out copy per adapted linear (on a device: kernels measured 14% slower: last)
     if (!drop_pinned && a->o.lora.dropout > 0 && a->o.precision != ql_precision::fp32)
         add("+ dropout inside A's multiply (16-bit x)", [](ql_train_options &o) { o.lora_dropout_fused = 16; });
+    // On a device, the feed-forward in chunks of tokens (the trainer's auto, when recompute's peak
+    // needs it) costs more than the copies that overlap: each chunk dequantises the weights again
+    // in smaller products (an H200 at the 8B shape, seq 2048, NF4 tiles: 4 chunks made a
+    // block-recompute step 1.54x slower, while offloading its checkpoints cost 1%; bench/RESULTS.md,
+    // session 35). So the steps up to the paged state are tried first with the feed-forward whole,
+    // then the whole ladder again with its chunks allowed.
+    if (device && a->o.ffn_chunk == 0) {
+        std::vector<mem_step> ladder;
+        for (const mem_step &s : steps) {
+            const bool waits = s.o.offload_late || s.o.offload_grads || s.o.lora_dropout_fused != a->o.lora_dropout_fused;
+            if (waits) break;  // (copies the compute waits for, kernels measured slower: after the chunks)
+            if (s.o.checkpointing == ql_checkpointing::none) {
+                ladder.push_back(s);  // (no recompute: the trainer chunks only recompute's feed-forward)
+                continue;
+            }
+            mem_step w = s;
+            w.o.ffn_chunk = -1;
+            ladder.push_back(w);
+        }
+        const size_t first = ladder.size();
+        for (const mem_step &s : steps) {
+            if (s.o.checkpointing == ql_checkpointing::none) continue;
+            ladder.push_back(s);
+            ladder.back().chunks = true;
+        }
+        for (size_t i = first; i < ladder.size(); i++)
+            for (size_t j = 0; j < first; j++)
+                if (ladder[j].what == ladder[i].what) ladder[i].twin = true;
+        steps.swap(ladder);
+    }
     if (steps.size() < 2) return;  // everything pinned: the flags' plan, as given
 
     size_t available = 0, margin = 0;
@@ -1345,7 +1378,12 @@ static void choose_memory(ql_llama_file *f, const seqs &tr, const seqs &ev, args
         std::string err;
         s.fits = ql_train_plan(f, tr, ev, s.o, &s.mp, &err);
         s.planned = s.mp.total > 0;
+        if (s.chunks && s.mp.ffn_chunk == 0 && s.twin) {  // (the first pass's plan again: not shown twice)
+            s.planned = s.fits = false;
+            continue;
+        }
         if (s.what == "recompute") s.what += " (" + auto_policy_text(s.mp.checkpointing) + ")";
+        if (s.chunks && s.mp.ffn_chunk > 0) s.what += ", feed-forward in chunks";
         s.pinned = s.mp.host_pinned + (device && s.mp.optimizer_host ? s.mp.optimizer : 0);
         if (s.fits && s.pinned > 0 && s.pinned > host_room) s.fits = false, s.host_short = true;
         // auto's recompute may keep two checkpoints a block (each half's input): less device memory,
@@ -1385,8 +1423,10 @@ static void choose_memory(ql_llama_file *f, const seqs &tr, const seqs &ev, args
         a->o = c.o;
         fprintf(out, "finetune: memory: checkpointing auto -> %s: %s of the %s%s limit", c.what.c_str(), size_text(total(c)).c_str(),
                 size_text(limit).c_str(), kind);
+        int prev = chosen - 1;
+        while (prev > 0 && !steps[(size_t)prev].planned) prev--;
         if (chosen > 0) {
-            const mem_step &p = steps[(size_t)chosen - 1];
+            const mem_step &p = steps[(size_t)prev];
             fprintf(out, " (%s needs %s%s)", p.what.c_str(), size_text(total(p)).c_str(),
                     p.host_short ? ", more pinned host memory than there is" : "");
         }
@@ -1394,6 +1434,8 @@ static void choose_memory(ql_llama_file *f, const seqs &tr, const seqs &ev, args
             fprintf(out, "; pinned host %s of %s available less a %s margin", size_text(c.pinned).c_str(), size_text(available).c_str(),
                     size_text(margin).c_str());
         if (chosen > 0) fprintf(out, "; step time about x%.2f", relative_step_time(c.mp, m0));
+        if (chosen > 0 && device && c.mp.ffn_chunk > 0)
+            fprintf(out, " by FLOPs, more with the feed-forward's chunks (each dequantises the weights again)");
         fprintf(out, "\n");
     }
     if (a->dry_run) {
