@@ -17,7 +17,8 @@
 #    shim devices against one process with twice the accumulation (losses within 1e-6, the ranks'
 #    adapters the same, one NCCL launch a step on each rank, each on its own device); with one
 #    device the two ranks share it and NCCL's init refuses; QLORA_DIST_ALWAYS=1 -np 1 the same losses;
-#    before them NCCL_SHIM_SELFTEST (tests/nccl_shim_selftest.cpp), the NCCL shim's own checks.
+#    before them NCCL_SHIM_SELFTEST (tests/nccl_shim_selftest.cpp), the NCCL shim's own checks;
+#    and --profile's census per run equal to the plan's, with the weights' copies on.
 #   sh tests/mpi.sh MPI_FINETUNE OUT_DIR [SHIM_FINETUNE NCCL_SHIM_SELFTEST]
 set -e
 ft=$1
@@ -126,6 +127,15 @@ if [ -n "$shim" ]; then
         grep -q "qlshim nccl: rank $r of 2 on device $r: 8 launches, [1-9][0-9]* all-reduces run" "$out/shim-two.log" ||
             { grep "qlshim nccl" "$out/shim-two.log"; fail "the shim: rank $r did not make 8 NCCL launches on device $r"; }
     done
+    # --profile's census per run is the plan's, the weights' copies counted (they are dropped when
+    # the trainer moves to the host at the end, before the profile is printed; a census made then
+    # counted every product's dequantisation tiles)
+    "$shim" $args --device cuda --precision bf16 --cache-weights on --profile --max-steps 3 -o "$out/shim-profile" \
+        > "$out/shim-profile.log" 2>&1 || { cat "$out/shim-profile.log"; fail "the shim: --profile failed"; }
+    planned=$(sed -n 's/^  census, one micro-batch: \([0-9]*\) launches.*/\1/p' "$out/shim-profile.log")
+    profiled=$(sed -n 's/^  census per run: \([0-9]*\) launches.*/\1/p' "$out/shim-profile.log")
+    grep -q "cache-weights on" "$out/shim-profile.log" && [ -n "$planned" ] && [ "$planned" = "$profiled" ] ||
+        { grep -E "census|cache-weights" "$out/shim-profile.log"; fail "the shim: --profile's census ($profiled launches) is not the plan's ($planned)"; }
     # one device: both ranks on it, which NCCL refuses (the device is the local rank's)
     QL_SHIM_DEVICES=1 $mpirun "$shim" $args --device cuda --grad-accum 1 -o "$out/shim-dup" > "$out/shim-dup.log" 2>&1 &&
         fail "the shim: two ranks on one device ran"
@@ -138,7 +148,7 @@ if [ -n "$shim" ]; then
     grep -q "qlshim nccl: rank 0 of 1 on device 0: 8 launches" "$out/shim-always.log" || fail "the shim: QLORA_DIST_ALWAYS: no NCCL launches"
     same_values "$out/shim-one/metrics.jsonl" "$out/shim-always/metrics.jsonl" loss
     echo "test-mpi: the NCCL shim's self-test; the GPU path through the CUDA shim and NCCL on MPI: 2 processes on 2 shim devices = 1 with twice the accumulation" \
-         "(8 steps, 3 evaluations, within 1e-6), one NCCL launch a step; 2 ranks on 1 device refused; QLORA_DIST_ALWAYS=1 -np 1 the same"
+         "(8 steps, 3 evaluations, within 1e-6), one NCCL launch a step; 2 ranks on 1 device refused; QLORA_DIST_ALWAYS=1 -np 1 the same; --profile's census the plan's"
 else
     echo "test-mpi: the GPU path through the shim skipped (no SHIM_FINETUNE: nccl.h or CUDA's headers missing)"
 fi

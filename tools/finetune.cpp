@@ -200,7 +200,9 @@ static void keep_metrics(const std::string &path, int64_t upto, std::string *kep
 }
 
 // where the training graph's time went: per op kind, the multiplies by shape, then the ten costliest nodes
-static void print_profile(const ql_graph *g, ql_backend *be, double runs) {  // runs: the graph's evaluations profiled
+// (c: the plan's census, made while the run's weights' copies existed - by the time the profile is
+// printed the trainer has moved to the host and dropped them, and a census now would count tiles)
+static void print_profile(const ql_graph *g, const ql_census &c, double runs) {  // runs: the graph's evaluations profiled
     std::vector<double> by_op(QL_OP_COUNT, 0.0);
     std::vector<std::pair<double, int>> nodes;
     double total = 0;
@@ -212,8 +214,7 @@ static void print_profile(const ql_graph *g, ql_backend *be, double runs) {  // 
     }
     if (total <= 0) return;
     printf("finetune: profile of the training graph (%d nodes, %.3f s in all):\n", ql_graph_n_nodes(g), total);
-    ql_census c;
-    if (ql_graph_census(g, be, &c) == QL_OK)  // per run, from the plan: what the time above paid for
+    if (c.nodes)  // per run, from the plan: what the time above paid for
         printf("  census per run: %lld launches (%lld ops), %.3f TFLOP executed (%.3f recomputed): %.1f TFLOP/s over the "
                "profiled time\n", (long long)c.launches, (long long)c.nodes, c.flops / 1e12, c.recompute_flops / 1e12,
                c.flops * runs / total / 1e12);
@@ -2297,7 +2298,7 @@ static int write_results(const args &a, ft_run &r) {
     if (a.profile) {
         if (r.profiled_from > first) printf("finetune: profile: steps %lld-%lld (step %lld left out: first calls)\n",
                                             (long long)r.profiled_from + 1, (long long)ql_trainer_steps_done(t), (long long)r.profiled_from);
-        print_profile(ql_trainer_graph(t), a.be, (double)(ql_trainer_steps_done(t) - r.profiled_from) * a.o.grad_accum);
+        print_profile(ql_trainer_graph(t), ql_trainer_memory(t).census, (double)(ql_trainer_steps_done(t) - r.profiled_from) * a.o.grad_accum);
     }
     return 0;
 }
