@@ -968,6 +968,9 @@ typedef struct ql_backend_caps {
     size_t context_bytes;
     bool   context_estimated;
     size_t alloc_granularity;  // allocations of a buffer are whole multiples of this (1: exact)
+    // device memory a captured CUDA graph holds for its executable, per kernel launch (measured
+    // once, on an H200); 0 for the CPU
+    size_t graph_launch_bytes;
 } ql_backend_caps;
 ql_status   ql_backend_get_caps(const ql_backend *be, ql_backend_caps *caps);
 // Device memory qlora holds on this backend now and at most so far (its own allocations, not the
@@ -1418,6 +1421,8 @@ uint64_t ql_backend_new_id(void);  // the id a new backend must carry
 // Device memory a CUDA run holds besides its own allocations: the context and cuBLAS's workspace
 // (an estimate per compute capability, measured for 9.0: see qlora.cpp). ql_backend_caps.context_bytes.
 size_t  ql_cuda_context_bytes(int cc);
+// ql_backend_caps.graph_launch_bytes on a GPU (see qlora.cpp: measured once, on an H200)
+size_t  ql_cuda_graph_launch_bytes(void);
 // cuBLAS's workspace (NVIDIA's recommendation: 32 MiB on Hopper, 4 MiB before), part of the context
 // bytes: the backend allocates it and gives it to cuBLAS (cublasSetWorkspace), so that a CUDA graph
 // capture allocates nothing.

@@ -546,7 +546,9 @@ static void device_plan(ql_trainer *t, ql_context *meas, size_t train_buf, size_
     m.dev_weights_by_type.assign(by_type.begin(), by_type.end());
     m.dev_state = ql_ctx_placed_bytes(meas);
     m.dev_buffer = std::max(train_buf, eval_buf);  // one buffer, the other graph runs in it
-    m.dev_context = t->caps.context_bytes;
+    // (the context, and the training graph's executable once captured: the census is made by now)
+    m.dev_graph = (size_t)std::max<int64_t>(0, m.census.launches) * t->caps.graph_launch_bytes;
+    m.dev_context = t->caps.context_bytes + m.dev_graph;
     m.dev_context_estimated = t->caps.context_estimated;
     std::vector<ql_tensor *> pc;  // the factors' copies, counted whether or not they are on
     for (ql_tensor *p : t->params)

@@ -528,7 +528,7 @@ TEST_CASE("backend as a value: --device parsed once, and what a backend answers 
     CHECK(!c.plan_only);
     CHECK(std::string(c.name) == "cpu");
     CHECK(c.bf16_gemm == ql_cpu_bf16_native());
-    CHECK((c.cc == 0 && c.mem_total == 0 && c.context_bytes == 0 && c.alloc_granularity == 1));
+    CHECK((c.cc == 0 && c.mem_total == 0 && c.context_bytes == 0 && c.alloc_granularity == 1 && c.graph_launch_bytes == 0));
     size_t in_use = 1, peak = 1;
     CHECK(!ql_backend_memory_used(cpu, &in_use, &peak));
     CHECK((in_use == 0 && peak == 0));
@@ -550,6 +550,8 @@ TEST_CASE("backend as a value: --device parsed once, and what a backend answers 
         CHECK(c.context_estimated == (cc != 90));
         CHECK(c.context_bytes == ql_cuda_context_bytes(cc));
         CHECK(c.context_bytes > 0);
+        CHECK(c.graph_launch_bytes == ql_cuda_graph_launch_bytes());
+        CHECK(c.graph_launch_bytes > 0);
         CHECK(c.alloc_granularity == (size_t)2 << 20);
         CHECK(c.mem_total == 0);
         CHECK(has(c.name, ("compute capability " + std::to_string(cc / 10) + "." + std::to_string(cc % 10)).c_str()));

@@ -477,8 +477,10 @@ TEST_CASE("finetune memory auto: the last step, adapter dropout inside A's multi
     const long long on = total(rest + " --lora-dropout-fused on");  // over f32 x: f32 x kept, not the copies
     CHECK(on <= late);
     CHECK(x16 + (2 << 20) < on);
-    // a card that holds x16's plan and not late's: auto's last step
-    REQUIRE_MESSAGE(run(ft + " --vram " + std::to_string(x16) + "B", &log) == 0, log);
+    // a card that holds x16's plan and not late's: auto's last step (1 MiB over x16's total: under
+    // this limit attention's chunks may be smaller, and the CUDA graph's executable, 86 B a launch,
+    // a little larger than under 8G's)
+    REQUIRE_MESSAGE(run(ft + " --vram " + std::to_string(x16 + (1 << 20)) + "B", &log) == 0, log);
     std::string line = line_of(log, "finetune: memory: checkpointing auto -> ");
     CHECK_MESSAGE(has(line, "-> + dropout inside A's multiply (16-bit x): "), log);
     CHECK(has(line, "(+ gradients parked on the host needs "));  // (the step before: at this shape no lower than late's)
@@ -553,7 +555,7 @@ TEST_CASE("finetune memory auto: short of pinned host memory, a step offloads on
     long_gqa_model(d, &m, &data);
     const std::string ft = "./finetune -m " + m + " -d " + data + " -o " + d.file("o") +
                            " --seq-len 8192 -b 1 --device cuda --cc 8.6 --dry-run --lora-targets all --cache-weights off"
-                           " --ffn-chunk 512 --loss-chunk 256 --attn-score-mib 32 --vram 750M";
+                           " --ffn-chunk 512 --loss-chunk 256 --attn-score-mib 32 --vram 784M";
     auto pinned = [&](const std::string &flags, std::string *checkpointing) {
         std::string out;
         REQUIRE_MESSAGE(run(ft + " --json" + flags, &out) == 0, out);

@@ -369,8 +369,10 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
     printf("  weights' copies in the compute type    %10.1f   --cache-weights %s", m.dev_cache / MiB, m.cache_weights.c_str());
     if (!m.dev_cache && m.cache_candidate) printf("; they would take %.1f", m.cache_candidate / MiB);
     printf("\n");
-    printf("  CUDA context + cuBLAS workspace        %10.1f   %s for cc %d.%d (the card's use is printed after step 1)\n",
-           m.dev_context / MiB, m.dev_context_estimated ? "an ESTIMATE (an H100's, as a bound)" : "measured", m.cc / 10, m.cc % 10);
+    printf("  CUDA context + cuBLAS workspace        %10.1f   %s for cc %d.%d (the card's use is printed after step 1); of it the CUDA "
+           "graph's executable %.1f (86 B a launch, measured once)\n",
+           m.dev_context / MiB, m.dev_context_estimated ? "an ESTIMATE (an H200's, as a bound)" : "measured", m.cc / 10, m.cc % 10,
+           m.dev_graph / MiB);
     char pages[48];
     snprintf(pages, sizeof(pages), "allocator rounding (%g MiB pages)", m.dev_granularity / MiB);
     printf("  %-38s %10.1f\n", pages, m.dev_rounding / MiB);
