@@ -230,7 +230,7 @@ struct ql_memory_plan {
     size_t dev_buffer = 0;      // the graphs' planned buffer (saved, temporaries, recompute, workspace)
     size_t dev_context = 0;     // the device's context and library workspace (ql_backend_caps.context_bytes)
     bool   dev_context_estimated = false;  // an estimate for this cc, not measured on such a card
-    size_t dev_graph = 0;       // of dev_context: the training graph's CUDA graph executable (ql_cuda_graph_exec_bytes)
+    size_t dev_graph = 0;       // of dev_context: the training graph's CUDA graph executable (census launches x ql_backend_caps.graph_launch_bytes)
     size_t dev_granularity = 0; // which rounds each allocation up to a multiple of this
     size_t dev_rounding = 0;    // the device allocator's granularity over our few allocations (+ one for its scratch)
     size_t host_pinned = 0;     // pinned host memory: offloaded checkpoints (--offload-activations) and host_rows

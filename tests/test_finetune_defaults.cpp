@@ -36,6 +36,15 @@ void write_qa(const std::string &path, int n) {
     write_file(path, s);
 }
 
+// the "total" of the plan that cmd (a finetune --json run) prints
+double plan_total(const std::string &cmd) {
+    std::string out;
+    REQUIRE_MESSAGE(run(cmd, &out) == 0, out);
+    const size_t p = out.find("\"total\": ");
+    REQUIRE(p != std::string::npos);
+    return atof(out.c_str() + p + 9);
+}
+
 // a tiny model and data in d: ./finetune -m M -d D (without -o), on the CPU (a later --device wins)
 std::string tiny_run(const tmpdir &d, const char *model_flags = "--dim 32 --layers 1 --heads 2 --ff 48") {
     const std::string m = d.file("m.gguf"), data = d.file("qa.jsonl");
@@ -179,13 +188,7 @@ TEST_CASE("finetune defaults: when no single change fits, the advice gives the c
     write_qa(data, 16);
     const std::string ft = "./finetune -m " + m + " -d " + data + " -o " + d.file("o") +
                            " --seq-len 256 -t 1 --no-dynamic-padding --precision fp32 --device cpu --dry-run --json";
-    auto total = [&](const std::string &flags) {
-        std::string out;
-        REQUIRE_MESSAGE(run(ft + flags, &out) == 0, out);
-        const size_t p = out.find("\"total\": ");
-        REQUIRE(p != std::string::npos);
-        return atof(out.c_str() + p + 9);
-    };
+    auto total = [&](const std::string &flags) { return plan_total(ft + flags); };
     // -b 4: each of block checkpointing and -b 1 alone is over a limit that both together meet
     const double both = total(" -b 1 --grad-accum 4 --checkpointing block"), block = total(" -b 4 --checkpointing block"),
                  b1 = total(" -b 1 --grad-accum 4"), b2 = total(" -b 2 --grad-accum 2 --checkpointing block");
@@ -385,14 +388,8 @@ TEST_CASE("finetune memory auto: a device plan - block recompute when none does 
     // where they fit - and move the thresholds this ladder is measured against)
     const std::string ft = "./finetune -m " + m + " -d " + data + " -o " + d.file("o") +
                            " --seq-len 512 -b 8 --no-dynamic-padding --device cuda --cc 8.6 --dry-run --loss-chunk 2048";
-    auto total = [&](const std::string &flags) {
-        std::string out;
-        // (without the weights' copies: auto adds them only where they fit, after the choices tested here)
-        REQUIRE_MESSAGE(run(ft + " --vram 8G --json --cache-weights off" + flags, &out) == 0, out);
-        const size_t p = out.find("\"total\": ");
-        REQUIRE(p != std::string::npos);
-        return (long long)atof(out.c_str() + p + 9);
-    };
+    // (without the weights' copies: auto adds them only where they fit, after the choices tested here)
+    auto total = [&](const std::string &flags) { return (long long)plan_total(ft + " --vram 8G --json --cache-weights off" + flags); };
     const long long none = total(" --checkpointing none"), block = total(" --checkpointing block");
     REQUIRE(block + (4 << 20) < none);
     // the card holds block's plan, not none's: recompute
@@ -424,13 +421,7 @@ TEST_CASE("finetune memory auto: on a device, checkpoint offload with the feed-f
     write_qa(data, 4);
     const std::string ft = "./finetune -m " + m + " -d " + data + " -o " + d.file("o") +
                            " --seq-len 4096 -b 1 --no-dynamic-padding --device cuda --cc 8.6 --dry-run --loss-chunk 2048 --cache-weights off";
-    auto total = [&](const std::string &flags) {
-        std::string out;
-        REQUIRE_MESSAGE(run(ft + " --json" + flags, &out) == 0, out);
-        const size_t p = out.find("\"total\": ");
-        REQUIRE(p != std::string::npos);
-        return (long long)atof(out.c_str() + p + 9);
-    };
+    auto total = [&](const std::string &flags) { return (long long)plan_total(ft + " --json" + flags); };
     // a limit under block recompute's plan with the feed-forward whole (8G: the first step fits)
     const std::string vram = " --vram " + std::to_string(total(" --vram 8G --checkpointing block --ffn-chunk -1") - (12 << 20)) + "B";
     // auto: the checkpoints offloaded, the feed-forward whole (chunks cost more than the copies)
@@ -465,13 +456,7 @@ TEST_CASE("finetune memory auto: the last step, adapter dropout inside A's multi
                            " --seq-len 512 -b 8 --no-dynamic-padding --device cuda --cc 8.6 --dry-run --loss-chunk 128 --lora-targets all"
                            " --cache-weights off --checkpointing block";
     const std::string rest = " --offload-late --embd-on-host --optim paged_adamw8bit";
-    auto total = [&](const std::string &flags) {
-        std::string out;
-        REQUIRE_MESSAGE(run(ft + " --vram 8G --json" + flags, &out) == 0, out);
-        const size_t p = out.find("\"total\": ");
-        REQUIRE(p != std::string::npos);
-        return (long long)atof(out.c_str() + p + 9);
-    };
+    auto total = [&](const std::string &flags) { return (long long)plan_total(ft + " --vram 8G --json" + flags); };
     const long long late = total(rest), x16 = total(rest + " --lora-dropout-fused 16");
     REQUIRE_MESSAGE(x16 + (4 << 20) < late, x16 << " " << late);
     const long long on = total(rest + " --lora-dropout-fused on");  // over f32 x: f32 x kept, not the copies

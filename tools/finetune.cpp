@@ -370,9 +370,9 @@ static void print_device_memory(const ql_memory_plan &m, const std::string &opti
     if (!m.dev_cache && m.cache_candidate) printf("; they would take %.1f", m.cache_candidate / MiB);
     printf("\n");
     printf("  CUDA context + cuBLAS workspace        %10.1f   %s for cc %d.%d (the card's use is printed after step 1); of it the CUDA "
-           "graph's executable %.1f (86 B a launch, measured once)\n",
+           "graph's executable %.1f (%lld B a launch, measured once)\n",
            m.dev_context / MiB, m.dev_context_estimated ? "an ESTIMATE (an H200's, as a bound)" : "measured", m.cc / 10, m.cc % 10,
-           m.dev_graph / MiB);
+           m.dev_graph / MiB, m.census.launches > 0 ? (long long)(m.dev_graph / (size_t)m.census.launches) : 0LL);
     char pages[48];
     snprintf(pages, sizeof(pages), "allocator rounding (%g MiB pages)", m.dev_granularity / MiB);
     printf("  %-38s %10.1f\n", pages, m.dev_rounding / MiB);
@@ -1349,26 +1349,21 @@ static void choose_memory(ql_llama_file *f, const seqs &tr, const seqs &ev, args
     // then the whole ladder again with its chunks allowed.
     if (device && a->o.ffn_chunk == 0) {
         std::vector<mem_step> ladder;
+        size_t whole = 0;  // the steps the first pass takes: those before the copies the compute waits for
         for (const mem_step &s : steps) {
             const bool waits = s.o.offload_late || s.o.offload_grads || s.o.lora_dropout_fused != a->o.lora_dropout_fused;
             if (waits) break;  // (copies the compute waits for, kernels measured slower: after the chunks)
-            if (s.o.checkpointing == ql_checkpointing::none) {
-                ladder.push_back(s);  // (no recompute: the trainer chunks only recompute's feed-forward)
-                continue;
-            }
-            mem_step w = s;
-            w.o.ffn_chunk = -1;
-            ladder.push_back(w);
-        }
-        const size_t first = ladder.size();
-        for (const mem_step &s : steps) {
-            if (s.o.checkpointing == ql_checkpointing::none) continue;
             ladder.push_back(s);
-            ladder.back().chunks = true;
+            // (no recompute: the trainer chunks only recompute's feed-forward)
+            if (s.o.checkpointing != ql_checkpointing::none) ladder.back().o.ffn_chunk = -1;
+            whole++;
         }
-        for (size_t i = first; i < ladder.size(); i++)
-            for (size_t j = 0; j < first; j++)
-                if (ladder[j].what == ladder[i].what) ladder[i].twin = true;
+        for (size_t i = 0; i < steps.size(); i++) {
+            if (steps[i].o.checkpointing == ql_checkpointing::none) continue;
+            ladder.push_back(steps[i]);
+            ladder.back().chunks = true;
+            ladder.back().twin = i < whole;
+        }
         steps.swap(ladder);
     }
     if (steps.size() < 2) return;  // everything pinned: the flags' plan, as given
