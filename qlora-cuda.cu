@@ -2749,15 +2749,36 @@ static void cu_op_get_rows_back(cu_ctx &c, ql_tensor *node) {
 __device__ __forceinline__ float cu_rms_scale(const float *x, int64_t ne0, float eps, float *sh) {
     return cu_rms_scale_of(x, ne0, eps, sh);
 }
-__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm(cu_t a, const float *w, char *d, int d_type, float eps, char *d16, int d16_type) {
+// dr: the adapters' dropped-out copies of an f32 d (ql_cuda_norm_dropout), each element k_dropout's
+// (the mask of its own index, the kept value times the scale, rounded once on store)
+struct cu_norm_drops {
+    const int32_t *seed[QL_CUDA_NORM_DROPS];
+    char *d[QL_CUDA_NORM_DROPS];
+    int type[QL_CUDA_NORM_DROPS];
+    uint32_t stream[QL_CUDA_NORM_DROPS], thr[QL_CUDA_NORM_DROPS];
+    float ks[QL_CUDA_NORM_DROPS];
+    int64_t first[QL_CUDA_NORM_DROPS];  // the mask's index of element 0 (ql_dropout_rows_to's first row times ne0)
+    int n;
+};
+__global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm(cu_t a, const float *w, char *d, int d_type, float eps, char *d16, int d16_type,
+                                                           cu_norm_drops dr) {
     __shared__ float sh[32];
     const int64_t ne0 = a.ne[0], r = blockIdx.x;
     const float *x = (const float *)cu_row(a, r);
     const float rs = cu_rms_scale(x, ne0, eps, sh);
+    uint64_t key[QL_CUDA_NORM_DROPS];  // (the loops unrolled: constant indices, registers not local memory)
+QL_UNROLL
+    for (int k = 0; k < QL_CUDA_NORM_DROPS; k++) key[k] = k < dr.n ? ql_dropout_key(dr.seed[k][0], dr.stream[k]) : 0;
     for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) {
         const float v = cu_rms_elem(x, rs, w, i);
-        cu_st(d + (r * ne0 + i) * (d_type == QL_TYPE_F32 ? 4 : 2), d_type, v);
-        if (d16) cu_st(d16 + (r * ne0 + i) * 2, d16_type, v);
+        const int64_t e = r * ne0 + i;
+        cu_st(d + e * (d_type == QL_TYPE_F32 ? 4 : 2), d_type, v);
+        if (d16) cu_st(d16 + e * 2, d16_type, v);
+QL_UNROLL
+        for (int k = 0; k < QL_CUDA_NORM_DROPS; k++)
+            if (k < dr.n)
+                cu_st(dr.d[k] + e * (dr.type[k] == QL_TYPE_F32 ? 4 : 2), dr.type[k],
+                      ql_dropout_hash(key[k], (uint64_t)(dr.first[k] + e)) >= dr.thr[k] ? v * dr.ks[k] : 0.0f);
     }
 }
 // decode (ql_cuda_q8_made_by): k_rms_norm's f32 result (cu_rms_scale, cu_rms_elem),
@@ -2782,14 +2803,26 @@ QL_UNROLL
         cu_q8_act8(v, true, r, ne0, e, qb, q, sd, ss);
     }
 }
-// cast: NULL, or the next node, the result's cast to 16 bits, made by the same launch (ql_cuda_norm_cast_pair)
-static void cu_op_rms_norm(cu_ctx &c, ql_tensor *node, ql_tensor *cast = nullptr) {
+// more[0..nm): the nodes after it made by the same launch - the result's cast to 16 bits
+// (ql_cuda_norm_cast_pair), then adapters' dropped-out copies (ql_cuda_norm_dropout)
+static void cu_op_rms_norm(cu_ctx &c, ql_tensor *node, ql_tensor *const *more = nullptr, int nm = 0) {
     // limitation: one block per row; rows beyond the grid's 2^31 - 1 do not occur in these graphs
     const ql_tensor *w = node->src[1];
     CU_ASSERT(is_float_type_cu(node->type) && ql_is_contiguous(node));
+    const ql_tensor *cast = nm > 0 && more[0]->op == QL_OP_CONT ? more[0] : nullptr;
     CU_ASSERT(!cast || ql_cuda_norm_cast_pair(node, cast));
+    cu_norm_drops dr{};
+    for (int k = cast ? 1 : 0; k < nm; k++) {
+        const ql_tensor *t = more[k];
+        CU_ASSERT(dr.n < QL_CUDA_NORM_DROPS && ql_cuda_norm_dropout(node, t));
+        const float pr = cu_param<float>(t, 0);
+        dr.seed[dr.n] = (const int32_t *)t->src[1]->data, dr.d[dr.n] = (char *)t->data, dr.type[dr.n] = (int)t->type;
+        dr.stream[dr.n] = cu_param<uint32_t>(t, 1), dr.thr[dr.n] = ql_dropout_threshold(pr), dr.ks[dr.n] = 1.0f / (1.0f - pr);
+        dr.first[dr.n] = cu_param<int64_t>(t, 2) * t->ne[0];
+        dr.n++;
+    }
     QL_LAUNCH(k_rms_norm, (unsigned)cu_nrows(node), CU_ROW_BLOCK, 0, c.stream, cu_of(node->src[0]), w ? (const float *)w->data : nullptr,
-              (char *)node->data, (int)node->type, cu_param<float>(node, 0), cast ? (char *)cast->data : nullptr, cast ? (int)cast->type : 0);
+              (char *)node->data, (int)node->type, cu_param<float>(node, 0), cast ? (char *)cast->data : nullptr, cast ? (int)cast->type : 0, dr);
     CU_LAUNCHED(c);
 }
 
@@ -5692,7 +5725,7 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
             }
             if (!c.failed) {
                 if (node->op == QL_OP_RMS_NORM_BACK) cu_op_rms_norm_back(c, node, next);
-                else if (node->op == QL_OP_RMS_NORM) cu_op_rms_norm(c, node, next);
+                else if (node->op == QL_OP_RMS_NORM) cu_op_rms_norm(c, node, grp + 1, ng - 1);
                 else if (node->op == QL_OP_CACHE_STORE) cu_op_cache_store(c, node, next);
                 else if (node->op == QL_OP_MUL_MAT) cu_op_gemv_q8(c, grp, np, ql_cuda_mm_q8(node), grp + np, ng - np, mm);
                 else cu_op_rope(c, node, node->op == QL_OP_ROPE_BACK, next, ng > 2 ? grp[2] : nullptr, ng > 3 ? grp[3] : nullptr);

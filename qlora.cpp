@@ -4238,7 +4238,8 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
         c->nodes++;
         bool paired = !caps.host && ql_cuda_launch_joins(grp, ng, node);
         for (int m = 0; paired && m < ng && !ql_cuda_tail_over_ok(grp[0], node); m++) paired = !over_any(grp[m], node);
-        const bool cast_made = paired && ql_cuda_norm_cast_pair(grp[0], node);  // (written by the norm's kernel: nothing read again)
+        // (a cast or an adapter's copy written by the norm's kernel: nothing read again)
+        const bool cast_made = paired && (ql_cuda_norm_cast_pair(grp[0], node) || ql_cuda_norm_dropout(grp[0], node));
         if (paired) grp[ng++] = node;
         else grp[0] = node, ng = 1;
         int64_t nl = caps.host ? 1 : paired ? 0 : ql_cuda_node_launches(node, caps.cc, inplace.count(node) > 0);
@@ -9743,6 +9744,18 @@ bool ql_cuda_norm_cast_pair(const ql_tensor *a, const ql_tensor *b) {
     return view_root(b->src[0]) == a && offs == 0 && ql_nelements(x) == ql_nelements(a) && ql_is_contiguous(x) && ql_is_contiguous(a) &&
            ql_is_contiguous(b);
 }
+// d, an adapter's dropped-out copy (contiguous) of the whole of a, a norm's forward result (f32,
+// contiguous, maybe through identity views): the norm's kernel writes d too as it stores each element,
+// with k_dropout's mask and bits (the mask at the copy's own rows: d's first row), after the norm's
+// 16-bit copy if it has one, at most QL_CUDA_NORM_DROPS of them (q, k and v; gate and up)
+bool ql_cuda_norm_dropout(const ql_tensor *a, const ql_tensor *d) {
+    if (!a || !d || a->op != QL_OP_RMS_NORM || d->op != QL_OP_DROPOUT || a->type != QL_TYPE_F32 || !ql_is_contiguous(a) ||
+        !ql_is_contiguous(d) || (d->type != QL_TYPE_F32 && d->type != QL_TYPE_BF16 && d->type != QL_TYPE_F16))
+        return false;
+    const ql_tensor *x = d->src[0], *seed = d->src[1];
+    return view_root(const_cast<ql_tensor *>(x)) == a && view_root_offset(x) == 0 && x->type == QL_TYPE_F32 &&
+           ql_nelements(x) == ql_nelements(a) && ql_is_contiguous(x) && seed && seed->type == QL_TYPE_I32;
+}
 // decode: a norm (whole rows of a multiple of 256) or SwiGLU (contiguous f32 operands), f32, at
 // most QL_CUDA_GEMV_MAX_N columns, whose next node is a product with 8-bit activations reading it:
 // its kernel writes the product's codes too (the product's quantisation is then not launched). qb, or 0
@@ -9871,8 +9884,8 @@ bool ql_cuda_tail_over_ok(const ql_tensor *first, const ql_tensor *node) {
 // off (QLORA_CUDA_PAIRS=0, an A/B; or a test: the same bits either way): every node its own launch
 void ql_cuda_launch_pair_for_tests(bool on) { cuda_pairs_on = on; }
 bool ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b) {
-    return cuda_pairs_on && (ql_cuda_rope_pair(a, b) || ql_cuda_norm_cast_pair(a, b) || ql_cuda_cache_store_pair(a, b) ||
-                             ql_cuda_gemv_group(a, b) || ql_cuda_gemv_norm(a, b));
+    return cuda_pairs_on && (ql_cuda_rope_pair(a, b) || ql_cuda_norm_cast_pair(a, b) || ql_cuda_norm_dropout(a, b) ||
+                             ql_cuda_cache_store_pair(a, b) || ql_cuda_gemv_group(a, b) || ql_cuda_gemv_norm(a, b));
 }
 bool ql_cuda_rope_store(const ql_tensor *rk, const ql_tensor *st) {
     if (!rk || !st || rk->op != QL_OP_ROPE || st->op != QL_OP_CACHE_STORE || rk->type != QL_TYPE_F32 || !ql_is_contiguous(rk))
@@ -9887,6 +9900,8 @@ bool ql_cuda_launch_joins(const ql_tensor *const *grp, int n, const ql_tensor *n
     if (n <= 0 || !node) return false;
     if (n == 1) return ql_cuda_launch_pair(grp[0], node);
     if (!cuda_pairs_on) return false;
+    if (grp[0]->op == QL_OP_RMS_NORM)  // a norm, its cast or an adapter's copy, then more copies
+        return n - 1 - (grp[1]->op == QL_OP_CONT) < QL_CUDA_NORM_DROPS && ql_cuda_norm_dropout(grp[0], node);
     if (grp[0]->op == QL_OP_ROPE)  // a rope pair, then k's store, then v's
         return n == 2 ? ql_cuda_rope_store(grp[1], node) : n == 3 && ql_cuda_cache_store_pair(grp[2], node);
     if (grp[0]->op == QL_OP_MUL_MAT && n >= 3 && ql_cuda_gemv_rope(grp, n, node)) return true;

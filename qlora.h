@@ -1504,6 +1504,10 @@ bool    ql_cuda_rope_pair(const ql_tensor *a, const ql_tensor *b);
 // views between them: the norm's kernel writes both (no cast launch), unless b lies over a or a
 // source of a's
 bool    ql_cuda_norm_cast_pair(const ql_tensor *a, const ql_tensor *b);
+// d, an adapter's dropped-out copy of the whole of a, a norm's forward in f32: the norm's kernel
+// writes it too (k_dropout's bits), after its cast if it has one; QL_CUDA_NORM_DROPS copies at most
+#define QL_CUDA_NORM_DROPS 3
+bool    ql_cuda_norm_dropout(const ql_tensor *a, const ql_tensor *d);
 // a and b, decode's two cache stores (keys, values) at one position into caches of one type,
 // b's rows not a's result: one launch writes both
 bool    ql_cuda_cache_store_pair(const ql_tensor *a, const ql_tensor *b);
@@ -1526,13 +1530,14 @@ size_t  ql_cuda_q8_codes_at(const ql_tensor *mm);    // where product mm's b's c
 // made, and stores the keys and values)
 bool    ql_cuda_gemv_rope(const ql_tensor *const *grp, int n, const ql_tensor *node);
 #define QL_CUDA_Q8_COUNTERS 768                      // the counters decode's cross-block codes use (blocks of 256 rows, or of qb)
-bool    ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b);  // any of the five (QLORA_CUDA_PAIRS=0: none)
+bool    ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b);  // any of the six (QLORA_CUDA_PAIRS=0: none)
 // decode: rk, the second of a rope pair (k's rotation, f32), and st, the cache store of rk's result
 // seen as [D, T, Hkv, B]: the rotating launch writes the cache rows too (then the values' store, a
 // store pair with st, as well)
 bool    ql_cuda_rope_store(const ql_tensor *rk, const ql_tensor *st);
 // whether node joins the launch of grp[0..n) (n nodes so far, no launching node between): a pair's
-// second (ql_cuda_launch_pair); the third of a group of decode products (QL_CUDA_GEMV_GROUP at
+// second (ql_cuda_launch_pair); after a norm and its cast or copy, more adapter copies
+// (ql_cuda_norm_dropout); the third of a group of decode products (QL_CUDA_GEMV_GROUP at
 // most), or SwiGLU after two (ql_cuda_gemv_swiglu), or the rotations and stores after three
 // (ql_cuda_gemv_rope: QL_CUDA_LAUNCH_MAX); after a rope pair, k's cache store and then v's
 // (ql_cuda_rope_store).

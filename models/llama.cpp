@@ -147,8 +147,9 @@ static void pre_norm(ql_context *ctx, const ql_llama *m, ql_tensor *x, ql_tensor
 // compute type where only 16-bit ops read y (W x, then W x + B(.), each rounded once on store).
 // onto (f32, y's shape, contiguous): y = onto + W x (+ LoRA), the product adding onto it as it
 // writes (ql_mul_mat_acc; over onto's storage where onto dies there) - the residual's add
+// xd: NULL, or the adapter's dropped-out copy of x made already (dropped_copies)
 static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x, ql_tensor *xc, int64_t row0 = 0,
-                           ql_type out = QL_TYPE_F32, ql_type ct = QL_TYPE_COUNT, ql_tensor *onto = nullptr) {
+                           ql_type out = QL_TYPE_F32, ql_type ct = QL_TYPE_COUNT, ql_tensor *onto = nullptr, ql_tensor *xd = nullptr) {
     // a 16-bit compute type: the multiplies' inputs in it (what backward keeps is then 16-bit too);
     // ct: this linear's own (f32 for the guarded down projection), else the model's
     if (ct == QL_TYPE_COUNT) ct = m->compute;
@@ -168,10 +169,33 @@ static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
         ql_tensor *ax = ql_mul_mat_dropout(ctx, p.a, m->lora_dropout_x16 || env_x16 ? xc : x, p.dropout, p.seed, p.stream, ct, row0);
         sax = ql_scale_to(ctx, ax, p.scale, ct);
     } else {  // (the copy in the compute type as made)
-        ql_tensor *in = drop ? ql_dropout_rows_to(ctx, x, p.dropout, p.seed, p.stream, ct, row0) : xc;
+        ql_tensor *in = !drop ? xc : xd ? xd : ql_dropout_rows_to(ctx, x, p.dropout, p.seed, p.stream, ct, row0);
         sax = scale_env_off() ? ql_scale_to(ctx, ql_mul_mat(ctx, p.a, in), p.scale, ct) : ql_mul_mat_scaled_to(ctx, p.a, in, p.scale, ct);
     }
     return ql_mul_mat_acc(ctx, p.b, sax, y);
+}
+
+// The adapters' dropped-out copies of x (rows row0.. of a whole) for the linears ws that read x
+// itself (reads_x: copies, not dropout inside A's multiply), made one after another (graph order
+// only), so they follow the norm and its 16-bit copy with no node between: a device's norm kernel
+// writes them all as it stores each element (ql_cuda_norm_dropout), not a launch each re-reading x.
+// Each reader gets a view placed after the last copy, so whichever linear the walk meets first, all
+// the copies come before it. xd[i]: ws[i]'s copy, or NULL
+static void dropped_copies(ql_context *ctx, const ql_llama *m, std::initializer_list<const ql_tensor *> ws, ql_tensor *x, int64_t row0,
+                           ql_tensor **xd) {
+    ql_tensor *last = nullptr;
+    int i = 0;
+    for (const ql_tensor *w : ws) {
+        xd[i] = nullptr;
+        if (x && reads_x(m, w)) {
+            const ql_lora_pair &p = m->lora.find(w)->second;
+            ql_tensor *src = last ? ql_reshape_4d_after(ctx, x, x->ne[0], x->ne[1], x->ne[2], x->ne[3], last) : x;
+            xd[i] = last = ql_dropout_rows_to(ctx, src, p.dropout, p.seed, p.stream, m->compute, row0);
+        }
+        i++;
+    }
+    for (int k = 0; k < i; k++)
+        if (xd[k] && xd[k] != last) xd[k] = ql_reshape_4d_after(ctx, xd[k], xd[k]->ne[0], xd[k]->ne[1], xd[k]->ne[2], xd[k]->ne[3], last);
 }
 
 ql_tensor *ql_llama_linear(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x) {
@@ -180,8 +204,8 @@ ql_tensor *ql_llama_linear(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
 
 // y = W x (+ b): the linear layers of attention may carry biases (Qwen2); out: y's type (linear_c)
 static ql_tensor *linear_b(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *b, ql_tensor *x, ql_tensor *xc,
-                           ql_type out) {
-    ql_tensor *y = linear_c(ctx, m, w, x, xc, 0, out);
+                           ql_type out, ql_tensor *xd) {
+    ql_tensor *y = linear_c(ctx, m, w, x, xc, 0, out, QL_TYPE_COUNT, nullptr, xd);
     return b ? ql_add(ctx, y, b) : y;
 }
 
@@ -197,6 +221,8 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     // attention: pre-norm, q/k/v, rope, fused causal attention, output projection, residual
     ql_tensor *h, *hc;  // one 16-bit copy for q, k and v (or the norm written in 16 bits)
     pre_norm(ctx, m, x, L.attn_norm, {L.wq, L.wk, L.wv}, &h, &hc);
+    ql_tensor *xd[3];  // q's, k's and v's adapter dropout copies of h, or NULL
+    dropped_copies(ctx, m, {L.wq, L.wk, L.wv}, h, 0, xd);
     // q, k, v in the compute type: only 16-bit ops read them (rope, attention), so what backward
     // keeps of attention (q and k after rope, v, the output: the o projection's input) is 16-bit
     // too. f32 where something f32-only reads them: the biases' add (Qwen2), a KV cache (generate)
@@ -204,9 +230,9 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     // q's rotation placed after k's projection (graph order only): the two rotations are then
     // neighbours, which a device makes in one launch. With a cache (decode) after v's projection
     // too: q's, k's and v's products then neighbours, one launch on a device (ql_cuda_gemv_group)
-    ql_tensor *kl = linear_b(ctx, m, L.wk, L.bk, h, hc, qkv), *vl = linear_b(ctx, m, L.wv, L.bv, h, hc, qkv);
+    ql_tensor *kl = linear_b(ctx, m, L.wk, L.bk, h, hc, qkv, xd[1]), *vl = linear_b(ctx, m, L.wv, L.bv, h, hc, qkv, xd[2]);
     ql_tensor *kv = cache && kl && vl ? ql_reshape_4d_after(ctx, kl, kl->ne[0], kl->ne[1], kl->ne[2], kl->ne[3], vl) : kl;
-    ql_tensor *q = ql_reshape_4d_after(ctx, linear_b(ctx, m, L.wq, L.bq, h, hc, qkv), d, hp.n_head, T, B, kv);  // [d, H, T, B]
+    ql_tensor *q = ql_reshape_4d_after(ctx, linear_b(ctx, m, L.wq, L.bq, h, hc, qkv, xd[0]), d, hp.n_head, T, B, kv);  // [d, H, T, B]
     ql_tensor *k = ql_reshape_4d(ctx, kl, d, hp.n_head_kv, T, B);                                             // [d, Hkv, T, B]
     ql_tensor *v = ql_reshape_4d(ctx, vl, d, hp.n_head_kv, T, B);
     q = ql_rope(ctx, q, pos, m->rope_freqs, n_rot, hp.rope_mode, hp.rope_base);
@@ -252,7 +278,9 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
     const int64_t rows = T * B, c = m->ffn_chunk;
     if (c <= 0 || c >= rows || !x) {
         pre_norm(ctx, m, x, L.ffn_norm, {L.w_gate, L.w_up}, &h, &hc);  // one for gate and up
-        ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, h, hc, 0, ff), linear_c(ctx, m, L.w_up, h, hc, 0, ff));  // [n_ff, T, B]
+        dropped_copies(ctx, m, {L.w_gate, L.w_up}, h, 0, xd);
+        ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, h, hc, 0, ff, QL_TYPE_COUNT, nullptr, xd[0]),
+                                 linear_c(ctx, m, L.w_up, h, hc, 0, ff, QL_TYPE_COUNT, nullptr, xd[1]));  // [n_ff, T, B]
         // the residual added by the down projection as it writes
         return x && x->type == QL_TYPE_F32 && ql_is_contiguous(x) ? down(g, 0, x) : ql_add(ctx, x, down(g, 0));
     }
@@ -272,7 +300,9 @@ static ql_tensor *block(ql_context *ctx, const ql_llama *m, int il, ql_tensor *x
         const int64_t n = std::min(c, rows - r0);
         ql_tensor *hr, *hcr;  // [E, n]
         pre_norm(ctx, m, rows_of(x, r0, n), L.ffn_norm, {L.w_gate, L.w_up}, &hr, &hcr);
-        ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, hr, hcr, r0, ff), linear_c(ctx, m, L.w_up, hr, hcr, r0, ff));  // [n_ff, n]
+        dropped_copies(ctx, m, {L.w_gate, L.w_up}, hr, r0, xd);
+        ql_tensor *g = ql_swiglu(ctx, linear_c(ctx, m, L.w_gate, hr, hcr, r0, ff, QL_TYPE_COUNT, nullptr, xd[0]),
+                                 linear_c(ctx, m, L.w_up, hr, hcr, r0, ff, QL_TYPE_COUNT, nullptr, xd[1]));  // [n_ff, n]
         r = ql_add_rows(ctx, r, down(g, r0), r0);
     }
     return r;

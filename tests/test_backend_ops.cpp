@@ -716,6 +716,56 @@ OP_CASE(rms_norm_back_cast) {
         }
 }
 
+// The adapters' dropped-out copies of a normed input (q's, k's and v's, as llama's dropped_copies
+// makes them: one after another, each reader placed after the last) follow the norm and its 16-bit
+// copy, and the device's norm kernel writes them all (ql_cuda_norm_dropout): one launch for five
+// nodes, not four reading the norm's result again. Copies in bf16, f16 and f32, one with its mask
+// from row 3 on (a chunk's rows of the whole); without the 16-bit copy too (f32 compute). On the
+// device: the bits of the launches apart (pairs off: k_dropout, tested against the CPU), the number
+// of nodes the launch made, and the CPU's result within the 16-bit bound
+namespace {
+ql_tensor *norm_drops_case(leafs &L, ql_type t, bool cast) {
+    ql_tensor *h = ql_rms_norm_mul(L.ctx, L.param({64, 7, 2}), L.rand(QL_TYPE_F32, {64}, 0.5f, 1.5f), 1e-5f);
+    ql_tensor *hc = cast ? ql_cast(L.ctx, h, t) : nullptr;
+    if (hc) h = ql_reshape_4d_after(L.ctx, h, 64, 7, 2, 1, hc);
+    ql_tensor *seed = L.i32({1}, [](int64_t) { return 4242; });
+    const ql_type types[3] = {t, QL_TYPE_F32, t == QL_TYPE_BF16 ? QL_TYPE_F16 : QL_TYPE_BF16};
+    ql_tensor *d[3], *last = nullptr;
+    for (int i = 0; i < 3; i++) {
+        ql_tensor *src = last ? ql_reshape_4d_after(L.ctx, h, 64, 7, 2, 1, last) : h;
+        d[i] = last = ql_dropout_rows_to(L.ctx, src, 0.3f, seed, 7 + (uint32_t)i, types[i], i == 1 ? 3 : 0);
+    }
+    ql_tensor *y = nullptr;  // (the copies' readers first, as in a linear: the walk meets them before the base product)
+    for (int i = 0; i < 3; i++) {
+        ql_tensor *di = d[i] == last ? d[i] : ql_reshape_4d_after(L.ctx, d[i], 64, 7, 2, 1, last);
+        ql_tensor *p = ql_mul_mat(L.ctx, L.param({64, 40}, -0.5f, 0.5f), di);  // (an adapter's A, trained)
+        y = y ? ql_add(L.ctx, y, p) : p;
+    }
+    return hc ? ql_add(L.ctx, y, ql_mul_mat_to(L.ctx, L.rand(QL_TYPE_NF4, {64, 40}), hc, QL_TYPE_F32)) : y;
+}
+}  // namespace
+OP_CASE(rms_norm_dropout_copies) {
+    for (ql_type t : {QL_TYPE_BF16, QL_TYPE_F16})
+        for (bool cast : {true, false}) {
+            INFO(std::string(ql_type_name(t)) << std::string(cast ? ", with the 16-bit copy" : ", no 16-bit copy"));
+            const builder build = [t, cast](leafs &L) { return norm_drops_case(L, t, cast); };
+            check_case(be, "rms_norm then its cast and three dropped-out copies", build, TOL_16);
+            if (ql_backend_is_host(be)) continue;
+            const int64_t made0 = ql_cuda_pairs_made_for_tests ? ql_cuda_pairs_made_for_tests() : 0;
+            const run_result paired = run_case(be, false, build, true);
+            const int64_t made = ql_cuda_pairs_made_for_tests ? ql_cuda_pairs_made_for_tests() - made0 : -1;
+            ql_cuda_launch_pair_for_tests(false);
+            const run_result apart = run_case(be, false, build, true);
+            ql_cuda_launch_pair_for_tests(true);
+            REQUIRE(paired.error.empty());
+            REQUIRE(apart.error.empty());
+            CHECK(made == (cast ? 4 : 3));  // the cast and the three copies made by the norm's launch
+            CHECK(paired.out == apart.out);
+            REQUIRE(paired.grads.size() == apart.grads.size());
+            for (size_t i = 0; i < paired.grads.size(); i++) CHECK_MESSAGE(paired.grads[i] == apart.grads[i], "gradient ", i);
+        }
+}
+
 // ---- the element-wise ops' typed fast paths (issue 28 item 2): contiguous, 16-byte aligned
 // operands take vectors of 8 elements and a scalar tail; other layouts the strided kernels. Each
 // case runs on the backend twice, fast paths on and off: the same bits (the same float math per
