@@ -2365,6 +2365,7 @@ template <> struct cu_ew<QL_TYPE_F32> {
     typedef float T;
     static __device__ __forceinline__ float ld(const float *p, int64_t i) { return p[i]; }
     static __device__ __forceinline__ void st(float *p, int64_t i, float v) { p[i] = v; }
+    static __device__ __forceinline__ float rounded(float v) { return v; }  // v as st stores it, read back
     static __device__ __forceinline__ void ld8(const float *p, float v[CU_EW_VEC]) {
         const float4 a = ((const float4 *)p)[0], b = ((const float4 *)p)[1];
         v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
@@ -2383,6 +2384,7 @@ template <int TYPE> struct cu_ew16 {  // f16, bf16: the bits as uint16_t, elemen
         return __bfloat162float(__nv_bfloat16(r));
     }
     static __device__ __forceinline__ float ld(const uint16_t *p, int64_t i) { return f(p[i]); }
+    static __device__ __forceinline__ float rounded(float v) { return f(cu_bits16(v, TYPE)); }
     static __device__ __forceinline__ void st(uint16_t *p, int64_t i, float v) { p[i] = (uint16_t)cu_bits16(v, TYPE); }
     static __device__ __forceinline__ void ld8(const uint16_t *p, float v[CU_EW_VEC]) {
         const uint4 q = *(const uint4 *)p;
@@ -2993,11 +2995,76 @@ QL_UNROLL
     }
     cu_q8_act8(v, in, n, K, e, qb, q, sd, ss);
 }
-static void cu_op_swiglu(cu_ctx &c, ql_tensor *node) {
+// SwiGLU and the down projection adapter's dropped-out copy of its result (ql_cuda_swiglu_dropout):
+// each element rounded to the result's type as stored, then k_dropout's mask and scale (its bits)
+struct cu_drop_args {
+    const int32_t *seed;
+    uint32_t stream, thr;
+    float ks;
+    int64_t first;  // the mask's index of element 0
+};
+static cu_drop_args cu_drop_of(const ql_tensor *t) {
+    const float pr = cu_param<float>(t, 0);
+    return cu_drop_args{(const int32_t *)t->src[1]->data, cu_param<uint32_t>(t, 1), ql_dropout_threshold(pr), 1.0f / (1.0f - pr),
+                        cu_param<int64_t>(t, 2) * t->ne[0]};
+}
+__global__ void k_swiglu_drop(cu_t a, cu_t b, char *d, char *dd, int dd_type, cu_drop_args dr, int64_t n) {
+    const int ds = a.type == QL_TYPE_F32 ? 4 : 2, dds = dd_type == QL_TYPE_F32 ? 4 : 2;
+    const uint64_t key = ql_dropout_key(dr.seed[0], dr.stream);
+    CU_GRID_LOOP(i, n) {
+        cu_st(d + i * ds, a.type, cu_swiglu_f(cu_get(a, i), cu_get(b, i)));
+        cu_st(dd + i * dds, dd_type, ql_dropout_hash(key, (uint64_t)(dr.first + i)) >= dr.thr ? cu_ld(d + i * ds, a.type) * dr.ks : 0.0f);
+    }
+}
+template <int T, int TD>
+__global__ void k_swiglu_drop_vec(const typename cu_ew<T>::T *a, const typename cu_ew<T>::T *b, typename cu_ew<T>::T *d,
+                                  typename cu_ew<TD>::T *dd, cu_drop_args dr, int64_t n) {
+    const uint64_t key = ql_dropout_key(dr.seed[0], dr.stream);
+    CU_VEC_LOOP(v, n) {
+        float p[CU_EW_VEC], q[CU_EW_VEC];
+        cu_ew<T>::ld8(a + v * CU_EW_VEC, p);
+        cu_ew<T>::ld8(b + v * CU_EW_VEC, q);
+QL_UNROLL
+        for (int k = 0; k < CU_EW_VEC; k++) p[k] = cu_swiglu_f(p[k], q[k]);
+        cu_ew<T>::st8(d + v * CU_EW_VEC, p);
+        uint64_t ctr = key + QL_DROPOUT_STEP * (uint64_t)(dr.first + v * CU_EW_VEC + 1);  // (k_dropout8's counter)
+QL_UNROLL
+        for (int k = 0; k < CU_EW_VEC; k++, ctr += QL_DROPOUT_STEP)
+            q[k] = (uint32_t)(ql_mix64(ctr) >> 32) >= dr.thr ? cu_ew<T>::rounded(p[k]) * dr.ks : 0.0f;
+        cu_ew<TD>::st8(dd + v * CU_EW_VEC, q);
+    }
+    CU_VEC_TAIL(i, n) {
+        const float y = cu_ew<T>::rounded(cu_swiglu_f(cu_ew<T>::ld(a, i), cu_ew<T>::ld(b, i)));
+        cu_ew<T>::st(d, i, y);
+        cu_ew<TD>::st(dd, i, ql_dropout_hash(key, (uint64_t)(dr.first + i)) >= dr.thr ? y * dr.ks : 0.0f);
+    }
+}
+template <int T, int TD> static void cu_launch_swiglu_drop_vec(cu_ctx &c, const ql_tensor *node, ql_tensor *drop, int64_t n) {
+    QL_LAUNCH((k_swiglu_drop_vec<T, TD>), cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const typename cu_ew<T>::T *)node->src[0]->data,
+              (const typename cu_ew<T>::T *)node->src[1]->data, (typename cu_ew<T>::T *)node->data, (typename cu_ew<TD>::T *)drop->data,
+              cu_drop_of(drop), n);
+}
+template <int T> static void cu_launch_swiglu_drop_vec_to(cu_ctx &c, const ql_tensor *node, ql_tensor *drop, int64_t n) {
+    if (drop->type == QL_TYPE_F32) cu_launch_swiglu_drop_vec<T, QL_TYPE_F32>(c, node, drop, n);
+    else if (drop->type == QL_TYPE_BF16) cu_launch_swiglu_drop_vec<T, QL_TYPE_BF16>(c, node, drop, n);
+    else cu_launch_swiglu_drop_vec<T, QL_TYPE_F16>(c, node, drop, n);
+}
+// drop: NULL, or the next node, the adapter's dropped-out copy of the result, made by the same launch
+static void cu_op_swiglu(cu_ctx &c, ql_tensor *node, ql_tensor *drop = nullptr) {
     const ql_tensor *a = node->src[0], *b = node->src[1];
     const int64_t n = ql_nelements(node);
     CU_ASSERT(node->type == a->type && b->type == a->type && ql_is_contiguous(node));
-    if (cu_ew_fast(cu_vec_ok(a) && cu_vec_ok(b) && cu_vec_ok(node))) {
+    CU_ASSERT(!drop || ql_cuda_swiglu_dropout(node, drop));
+    if (drop) {
+        if (cu_ew_fast(cu_vec_ok(a) && cu_vec_ok(b) && cu_vec_ok(node) && cu_vec_ok(drop))) {
+            if (a->type == QL_TYPE_F32) cu_launch_swiglu_drop_vec_to<QL_TYPE_F32>(c, node, drop, n);
+            else if (a->type == QL_TYPE_BF16) cu_launch_swiglu_drop_vec_to<QL_TYPE_BF16>(c, node, drop, n);
+            else cu_launch_swiglu_drop_vec_to<QL_TYPE_F16>(c, node, drop, n);
+        } else {
+            QL_LAUNCH(k_swiglu_drop, cu_grid(n), CU_BLOCK, 0, c.stream, cu_of(a), cu_of(b), (char *)node->data, (char *)drop->data,
+                      (int)drop->type, cu_drop_of(drop), n);
+        }
+    } else if (cu_ew_fast(cu_vec_ok(a) && cu_vec_ok(b) && cu_vec_ok(node))) {
         if (a->type == QL_TYPE_F32)
             QL_LAUNCH(k_swiglu_vec<QL_TYPE_F32>, cu_grid_vec(n), CU_BLOCK, 0, c.stream, (const float *)a->data, (const float *)b->data,
                       (float *)node->data, n);
@@ -5726,6 +5793,7 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
             if (!c.failed) {
                 if (node->op == QL_OP_RMS_NORM_BACK) cu_op_rms_norm_back(c, node, next);
                 else if (node->op == QL_OP_RMS_NORM) cu_op_rms_norm(c, node, grp + 1, ng - 1);
+                else if (node->op == QL_OP_SWIGLU) cu_op_swiglu(c, node, next);
                 else if (node->op == QL_OP_CACHE_STORE) cu_op_cache_store(c, node, next);
                 else if (node->op == QL_OP_MUL_MAT) cu_op_gemv_q8(c, grp, np, ql_cuda_mm_q8(node), grp + np, ng - np, mm);
                 else cu_op_rope(c, node, node->op == QL_OP_ROPE_BACK, next, ng > 2 ? grp[2] : nullptr, ng > 3 ? grp[3] : nullptr);

@@ -4239,7 +4239,8 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
         bool paired = !caps.host && ql_cuda_launch_joins(grp, ng, node);
         for (int m = 0; paired && m < ng && !ql_cuda_tail_over_ok(grp[0], node); m++) paired = !over_any(grp[m], node);
         // (a cast or an adapter's copy written by the norm's kernel: nothing read again)
-        const bool cast_made = paired && (ql_cuda_norm_cast_pair(grp[0], node) || ql_cuda_norm_dropout(grp[0], node));
+        const bool cast_made = paired && (ql_cuda_norm_cast_pair(grp[0], node) || ql_cuda_norm_dropout(grp[0], node) ||
+                                          ql_cuda_swiglu_dropout(grp[0], node));
         if (paired) grp[ng++] = node;
         else grp[0] = node, ng = 1;
         int64_t nl = caps.host ? 1 : paired ? 0 : ql_cuda_node_launches(node, caps.cc, inplace.count(node) > 0);
@@ -9756,6 +9757,16 @@ bool ql_cuda_norm_dropout(const ql_tensor *a, const ql_tensor *d) {
     return view_root(const_cast<ql_tensor *>(x)) == a && view_root_offset(x) == 0 && x->type == QL_TYPE_F32 &&
            ql_nelements(x) == ql_nelements(a) && ql_is_contiguous(x) && seed && seed->type == QL_TYPE_I32;
 }
+// d, an adapter's dropped-out copy (contiguous) of the whole of a, SwiGLU's result (contiguous; the
+// down projection's input): SwiGLU's kernel writes d too, from each element as stored (k_dropout's bits)
+bool ql_cuda_swiglu_dropout(const ql_tensor *a, const ql_tensor *d) {
+    if (!a || !d || a->op != QL_OP_SWIGLU || d->op != QL_OP_DROPOUT || !ql_is_contiguous(a) || !ql_is_contiguous(d) ||
+        (d->type != QL_TYPE_F32 && d->type != QL_TYPE_BF16 && d->type != QL_TYPE_F16))
+        return false;
+    const ql_tensor *x = d->src[0], *seed = d->src[1];
+    return view_root(const_cast<ql_tensor *>(x)) == a && view_root_offset(x) == 0 && x->type == a->type &&
+           ql_nelements(x) == ql_nelements(a) && ql_is_contiguous(x) && seed && seed->type == QL_TYPE_I32;
+}
 // decode: a norm (whole rows of a multiple of 256) or SwiGLU (contiguous f32 operands), f32, at
 // most QL_CUDA_GEMV_MAX_N columns, whose next node is a product with 8-bit activations reading it:
 // its kernel writes the product's codes too (the product's quantisation is then not launched). qb, or 0
@@ -9884,7 +9895,7 @@ bool ql_cuda_tail_over_ok(const ql_tensor *first, const ql_tensor *node) {
 // off (QLORA_CUDA_PAIRS=0, an A/B; or a test: the same bits either way): every node its own launch
 void ql_cuda_launch_pair_for_tests(bool on) { cuda_pairs_on = on; }
 bool ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b) {
-    return cuda_pairs_on && (ql_cuda_rope_pair(a, b) || ql_cuda_norm_cast_pair(a, b) || ql_cuda_norm_dropout(a, b) ||
+    return cuda_pairs_on && (ql_cuda_rope_pair(a, b) || ql_cuda_norm_cast_pair(a, b) || ql_cuda_norm_dropout(a, b) || ql_cuda_swiglu_dropout(a, b) ||
                              ql_cuda_cache_store_pair(a, b) || ql_cuda_gemv_group(a, b) || ql_cuda_gemv_norm(a, b));
 }
 bool ql_cuda_rope_store(const ql_tensor *rk, const ql_tensor *st) {

@@ -1508,6 +1508,8 @@ bool    ql_cuda_norm_cast_pair(const ql_tensor *a, const ql_tensor *b);
 // writes it too (k_dropout's bits), after its cast if it has one; QL_CUDA_NORM_DROPS copies at most
 #define QL_CUDA_NORM_DROPS 3
 bool    ql_cuda_norm_dropout(const ql_tensor *a, const ql_tensor *d);
+// d, an adapter's dropped-out copy of the whole of a, SwiGLU's result: SwiGLU's kernel writes it too
+bool    ql_cuda_swiglu_dropout(const ql_tensor *a, const ql_tensor *d);
 // a and b, decode's two cache stores (keys, values) at one position into caches of one type,
 // b's rows not a's result: one launch writes both
 bool    ql_cuda_cache_store_pair(const ql_tensor *a, const ql_tensor *b);
@@ -1530,7 +1532,7 @@ size_t  ql_cuda_q8_codes_at(const ql_tensor *mm);    // where product mm's b's c
 // made, and stores the keys and values)
 bool    ql_cuda_gemv_rope(const ql_tensor *const *grp, int n, const ql_tensor *node);
 #define QL_CUDA_Q8_COUNTERS 768                      // the counters decode's cross-block codes use (blocks of 256 rows, or of qb)
-bool    ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b);  // any of the six (QLORA_CUDA_PAIRS=0: none)
+bool    ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b);  // any of the seven (QLORA_CUDA_PAIRS=0: none)
 // decode: rk, the second of a rope pair (k's rotation, f32), and st, the cache store of rk's result
 // seen as [D, T, Hkv, B]: the rotating launch writes the cache rows too (then the values' store, a
 // store pair with st, as well)

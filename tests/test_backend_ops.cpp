@@ -766,6 +766,47 @@ OP_CASE(rms_norm_dropout_copies) {
         }
 }
 
+// SwiGLU's result and the down projection adapter's dropped-out copy of it by one launch
+// (ql_cuda_swiglu_dropout): the copy from each element as stored, with k_dropout's mask and scale.
+// 16-bit and f32 operands, copies in another type, a mask from row 2 on; rows of 77 (the vector
+// path's tail) and 96 (whole vectors); the strided kernel too (fast paths off). On the device: the
+// bits of the two launches (pairs off) and the CPU's within the bound
+void ql_cuda_ew_fast_for_tests(bool on) __attribute__((weak));  // qlora-cuda.cu (absent without the CUDA backend)
+OP_CASE(swiglu_dropout_copy) {
+    for (ql_type t : {QL_TYPE_BF16, QL_TYPE_F16, QL_TYPE_F32})
+        for (int64_t ne0 : {77, 96})
+            for (bool fast : {true, false}) {
+                const ql_type td = t == QL_TYPE_F32 ? QL_TYPE_BF16 : t;
+                INFO(std::string(ql_type_name(t)) << ", rows of " << ne0 << std::string(fast ? "" : ", fast paths off"));
+                const builder build = [t, td, ne0](leafs &L) {
+                    ql_tensor *a = L.param({ne0, 5}, -4.0f, 4.0f), *b = L.param({ne0, 5});
+                    if (t != QL_TYPE_F32) a = ql_cast(L.ctx, a, t), b = ql_cast(L.ctx, b, t);
+                    ql_tensor *g = ql_swiglu(L.ctx, a, b);
+                    ql_tensor *seed = L.i32({1}, [](int64_t) { return 515; });
+                    ql_tensor *d = ql_dropout_rows_to(L.ctx, g, 0.25f, seed, 3, td, 2);
+                    return ql_add(L.ctx, ql_mul_mat(L.ctx, L.param({ne0, 24}, -0.5f, 0.5f), d),  // (A's product, then the base's)
+                                  ql_mul_mat(L.ctx, L.rand(QL_TYPE_F32, {ne0, 24}, -0.5f, 0.5f), g));
+                };
+                if (ql_cuda_ew_fast_for_tests && !ql_backend_is_host(be)) ql_cuda_ew_fast_for_tests(fast);
+                check_case(be, "swiglu and its dropped-out copy", build, t == QL_TYPE_F32 ? TOL_MM : TOL_16);
+                if (!ql_backend_is_host(be)) {
+                    const int64_t made0 = ql_cuda_pairs_made_for_tests ? ql_cuda_pairs_made_for_tests() : 0;
+                    const run_result paired = run_case(be, false, build, true);
+                    const int64_t made = ql_cuda_pairs_made_for_tests ? ql_cuda_pairs_made_for_tests() - made0 : -1;
+                    ql_cuda_launch_pair_for_tests(false);
+                    const run_result apart = run_case(be, false, build, true);
+                    ql_cuda_launch_pair_for_tests(true);
+                    REQUIRE(paired.error.empty());
+                    REQUIRE(apart.error.empty());
+                    CHECK(made == 1);  // the copy made by SwiGLU's launch
+                    CHECK(paired.out == apart.out);
+                    REQUIRE(paired.grads.size() == apart.grads.size());
+                    for (size_t i = 0; i < paired.grads.size(); i++) CHECK_MESSAGE(paired.grads[i] == apart.grads[i], "gradient ", i);
+                }
+                if (ql_cuda_ew_fast_for_tests && !ql_backend_is_host(be)) ql_cuda_ew_fast_for_tests(true);
+            }
+}
+
 // ---- the element-wise ops' typed fast paths (issue 28 item 2): contiguous, 16-byte aligned
 // operands take vectors of 8 elements and a scalar tail; other layouts the strided kernels. Each
 // case runs on the backend twice, fast paths on and off: the same bits (the same float math per
@@ -773,7 +814,6 @@ OP_CASE(rms_norm_dropout_copies) {
 // Element counts: under one vector, whole vectors, whole vectors and a tail; views at 4 bytes
 // (misaligned: the strided kernels) and 16 bytes (aligned: the fast path) into a leaf. ----
 
-void ql_cuda_ew_fast_for_tests(bool on) __attribute__((weak));  // qlora-cuda.cu (absent without the CUDA backend)
 int64_t ql_cuda_ew_fast_launches_for_tests() __attribute__((weak));
 
 namespace {
