@@ -4266,7 +4266,7 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
             for (int k = 0; dump > 2 && k < 4; k++)
                 if (const ql_tensor *sr = node->src[k])
                     fprintf(stderr, "   src%d %s %s %s view_of %s ne [%lld %lld %lld %lld] nb [%zu %zu %zu %zu]\n", k, sr->name, ql_op_name(sr->op),
-                            ql_type_name(sr->type), sr->view_src ? ql_op_name(view_root(sr)->op) : "-", (long long)sr->ne[0], (long long)sr->ne[1],
+                            ql_type_name(sr->type), sr->view_src ? ql_op_name(view_root(const_cast<ql_tensor *>(sr))->op) : "-", (long long)sr->ne[0], (long long)sr->ne[1],
                             (long long)sr->ne[2], (long long)sr->ne[3], sr->nb[0], sr->nb[1], sr->nb[2], sr->nb[3]);
             if (dump > 1)
                 fprintf(stderr, "node %-18s %-5s %3lld [%lld %lld] %s%s <- %s %s %s\n", ql_op_name(node->op), ql_type_name(node->type), (long long)nl,
