@@ -25,6 +25,8 @@
 #   attn      tools/bench attn: fused attention (its backward streaming tiles in two buffers, and in one; dK/dV a block per query head, and over all of a group's) against the chunked products (issue 31 item 1)
 #   fa-*-1b   the 1B step with the attention backward auto did not choose at step-1b's start (fused
 #             kernels or products, each timed there on one layer): the census's largest term (issue 28)
+#   pairs-off-1b  the 1B step with QLORA_CUDA_PAIRS=0: what the launch pairs (norms writing their casts and
+#             the adapters' dropped copies, SwiGLU its copy, the rotations) are worth (issue 28)
 #   torch-1b  the yardstick at 1B
 #   profile   the 1B step's --profile (node times from events)
 #   amx       tools/bench matmul on the host CPU, AVX-512 and AMX builds side by side, when it has AMX
@@ -266,6 +268,11 @@ grep -q "attention's backward: fused" "$W/step-1b.log" 2> /dev/null && OTHER=pro
 AB=
 [ "$DEV" = cuda ] && AB="--attn-backward $OTHER"
 step fa-$OTHER-1b 1b 10 30 60 $AB
+# the 1B step with every launch pair off (QLORA_CUDA_PAIRS=0: the norms' casts and adapter copies,
+# SwiGLU's copy, the rotations each launched apart; session 36 grouped the copies): against step-1b
+STEP_ENV=QLORA_CUDA_PAIRS=0
+step pairs-off-1b 1b 10 30 60
+STEP_ENV=
 
 torch_step 1b
 

@@ -175,26 +175,26 @@ static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
     return ql_mul_mat_acc(ctx, p.b, sax, y);
 }
 
-// The adapters' dropped-out copies of x (rows row0.. of a whole) for the linears ws that read x
-// itself (reads_x: copies, not dropout inside A's multiply), made one after another (graph order
-// only), so they follow the norm and its 16-bit copy with no node between: a device's norm kernel
-// writes them all as it stores each element (ql_cuda_norm_dropout), not a launch each re-reading x.
-// Each reader gets a view placed after the last copy, so whichever linear the walk meets first, all
-// the copies come before it. xd[i]: ws[i]'s copy, or NULL
+// The adapters' dropped-out copies of one normed x (rows row0.. of a whole) for the linears ws
+// that read x itself (reads_x: copies, not dropout inside A's multiply), under lora_copies_first:
+// made one after another (graph order only) right after the norm and its 16-bit copy, so a device's
+// norm kernel writes them all as it stores each element (ql_cuda_norm_dropout). Each reader gets a
+// view placed after the last, so whichever linear the walk meets first, all the copies come first.
+// xd[i]: ws[i]'s copy, or NULL (linear_c makes it where it is read)
 static void dropped_copies(ql_context *ctx, const ql_llama *m, std::initializer_list<const ql_tensor *> ws, ql_tensor *x, int64_t row0,
                            ql_tensor **xd) {
     ql_tensor *last = nullptr;
-    int i = 0;
+    int n = 0;
     for (const ql_tensor *w : ws) {
-        xd[i] = nullptr;
-        if (x && reads_x(m, w)) {
+        xd[n] = nullptr;
+        if (m->lora_copies_first && x && reads_x(m, w)) {
             const ql_lora_pair &p = m->lora.find(w)->second;
             ql_tensor *src = last ? ql_reshape_4d_after(ctx, x, x->ne[0], x->ne[1], x->ne[2], x->ne[3], last) : x;
-            xd[i] = last = ql_dropout_rows_to(ctx, src, p.dropout, p.seed, p.stream, m->compute, row0);
+            xd[n] = last = ql_dropout_rows_to(ctx, src, p.dropout, p.seed, p.stream, m->compute, row0);
         }
-        i++;
+        n++;
     }
-    for (int k = 0; k < i; k++)
+    for (int k = 0; k < n; k++)
         if (xd[k] && xd[k] != last) xd[k] = ql_reshape_4d_after(ctx, xd[k], xd[k]->ne[0], xd[k]->ne[1], xd[k]->ne[2], xd[k]->ne[3], last);
 }
 

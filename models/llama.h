@@ -68,6 +68,12 @@ struct ql_llama {
     // element is rounded twice, round(round(x) / (1 - p)) - within a 16-bit ulp of the copies',
     // not their bits. Off by default; on with QLORA_DROPOUT_FUSED=16 too
     bool lora_dropout_x16 = false;
+    // the copies (lora_dropout_fused off) of one normed input made one after another right after
+    // the norm (graph order only), which a device's norm kernel then writes as it stores each
+    // element (ql_cuda_norm_dropout): one launch, not one a copy re-reading the input. The gradient
+    // of the input is then summed in another order (every base product's part first), so not the
+    // fused form's bits. The trainer sets it on a device
+    bool lora_copies_first = false;
     // mixed precision: the type of every matmul's inputs (activations cast to it, weights rounded
     // to it as they are packed, backward's dy too); f32 sums, norms, softmax, loss. Graphs built
     // after setting it use it.

@@ -306,6 +306,7 @@ static bool build(ql_trainer *t, ql_context *ctx) {
     const int fused = t->o.lora_dropout_fused;
     m.lora_dropout_fused = fused > 0 || (fused < 0 && (t->on_host || (fused_env && (strcmp(fused_env, "1") == 0 || strcmp(fused_env, "16") == 0))));
     m.lora_dropout_x16 = fused == 16 && t->compute != QL_TYPE_F32;
+    m.lora_copies_first = !t->on_host;
     m.compute = t->compute;
     m.attn_bf16 = !t->o.attn_f32;
     m.ffn_down_f32 = t->o.ffn_down_f32;

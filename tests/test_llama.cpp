@@ -677,7 +677,8 @@ TEST_CASE("llama: the fused loss gives the unfused gradient of h, one chunk's lo
 // dropped-out copies (ql_dropout_rows_to, then the multiply): the same loss and LoRA gradients bit
 // for bit - every compute type, the FFN whole and in chunks (a chunk's mask offset), and with every
 // segment recomputed (the masks drawn again) - and no copies: no dropout node in forward, and fewer
-// bytes alive when backward starts
+// bytes alive when backward starts. The copies made first (lora_copies_first, a device's order): the
+// same loss, the gradients to rounding
 TEST_CASE("llama: adapter dropout inside A's multiply gives the copies' loss and LoRA gradients bit for bit, and saves less") {
     const int V = 50, E = 64, N = 24;
     tiny_llama t(tiny_hparams(V, E, 96, 2, 4, 2), 11, 0.2f);
@@ -686,10 +687,10 @@ TEST_CASE("llama: adapter dropout inside A's multiply gives the copies' loss and
     struct result {
         float loss = 0;
         std::vector<std::vector<float>> grads;
-        int n_dropout = 0, n_fused = 0;
+        int n_dropout = 0, n_fused = 0, n_grouped = 0;
         size_t saved = 0;
     };
-    auto run = [&](bool fused, ql_type ct, int64_t chunk, bool recompute, bool x16 = false) {
+    auto run = [&](bool fused, ql_type ct, int64_t chunk, bool recompute, bool x16 = false, bool first = false) {
         result r;
         ql_init_params ip = {32u << 20, nullptr, false, false};
         ql_context *ctx = ql_init(ip);
@@ -698,6 +699,7 @@ TEST_CASE("llama: adapter dropout inside A's multiply gives the copies' loss and
         m.ffn_chunk = chunk;
         m.lora_dropout_fused = fused;
         m.lora_dropout_x16 = x16;
+        m.lora_copies_first = first;
         ql_tensor *seed = ql_set_input(ql_new_tensor_1d(ctx, QL_TYPE_I32, 1));
         ((int32_t *)seed->data)[0] = 2024;
         ql_lora_config lc;
@@ -721,9 +723,15 @@ TEST_CASE("llama: adapter dropout inside A's multiply gives the copies' loss and
         REQUIRE_MESSAGE(loss, ql_ctx_error(ctx));
         ql_graph *gf = ql_graph_new(ctx);
         REQUIRE(ql_graph_build_forward(gf, loss) == QL_OK);
+        int prev = QL_OP_NONE;  // the last op before, no-op views skipped
         for (int i = 0; i < ql_graph_n_nodes(gf); i++) {
-            r.n_dropout += ql_graph_node(gf, i)->op == QL_OP_DROPOUT;
-            r.n_fused += ql_graph_node(gf, i)->op == QL_OP_MUL_MAT_DROPOUT;
+            const ql_tensor *node = ql_graph_node(gf, i);
+            r.n_dropout += node->op == QL_OP_DROPOUT;
+            r.n_fused += node->op == QL_OP_MUL_MAT_DROPOUT;
+            // a copy right after the norm (its cast) or another copy: what a device makes in the norm's launch
+            if (node->op == QL_OP_DROPOUT) r.n_grouped += prev == QL_OP_RMS_NORM || prev == QL_OP_CONT || prev == QL_OP_DROPOUT;
+            if (node->op != QL_OP_RESHAPE && node->op != QL_OP_VIEW && node->op != QL_OP_PERMUTE && node->op != QL_OP_TRANSPOSE)
+                prev = node->op;
         }
         ql_graph *gb = ql_graph_backward(ctx, gf, loss);
         REQUIRE_MESSAGE(gb, ql_ctx_error(ctx));
@@ -761,6 +769,21 @@ TEST_CASE("llama: adapter dropout inside A's multiply gives the copies' loss and
                 CHECK(fused.n_dropout == 0);
                 CHECK(fused.n_fused == 2 * per_layer);
                 if (!recompute) CHECK(fused.saved < copies.saved);
+                // the copies of one normed input first (lora_copies_first, a device's: its norm kernel
+                // writes them): the same masks and loss; the input's gradient summed in another order
+                // (every base product's part first), so the gradients agree to rounding, not bit for bit
+                const result first = run(false, ct, chunk, recompute, false, true);
+                CHECK(first.loss == copies.loss);
+                CHECK(first.n_dropout == copies.n_dropout);
+                CHECK(first.n_grouped == 2 * (chunk ? 3 + 2 * 3 : 5));  // q k v, gate up (per chunk): all after their norm
+                CHECK(copies.n_grouped == 2 * (chunk ? 1 + 3 : 2));     // only the first of each norm's
+                for (size_t i = 0; i < first.grads.size(); i++) {
+                    double num = 0, den = 0;
+                    for (size_t j = 0; j < first.grads[i].size(); j++)
+                        num = std::max(num, std::fabs((double)first.grads[i][j] - copies.grads[i][j])),
+                        den = std::max(den, std::fabs((double)copies.grads[i][j]));
+                    CHECK_MESSAGE(num <= 1e-5 * den, "LoRA tensor ", i, ": ", num, " of ", den);
+                }
                 if (ct == QL_TYPE_BF16 && !chunk && !recompute)
                     MESSAGE("saved activations: ", fused.saved, " bytes fused, ", copies.saved, " with the copies");
                 // reading x's 16-bit cast (lora_dropout_x16): f32 x is that cast under f32 - the same
