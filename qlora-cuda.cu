@@ -3222,10 +3222,13 @@ __device__ __forceinline__ void cu_rope_heads(const cu_t &a, char *d, int dt, in
         }
     }
 }
+// cast_src, cast_d: nc elements of cast_src cast to cast_d's type cdt (ql_cuda_cast_rope: k_cont's bits), or nc 0
 __global__ void k_rope(cu_t a, const int32_t *pos, const float *ff, char *d, int dt, int n_dims, int mode, float base, int back, int64_t n_tok,
-                       cu_t a2, char *d2, int dt2, cu_t kc, cu_t vc, cu_t vs, const int32_t *at, int64_t nv, int cf16) {
+                       cu_t a2, char *d2, int dt2, cu_t kc, cu_t vc, cu_t vs, const int32_t *at, int64_t nv, int cf16, cu_t cast_src,
+                       char *cast_d, int cdt, int64_t nc) {
     const int hp = n_dims / 2;  // rotated pairs
     const int64_t T = a.ne[2];
+    CU_GRID_LOOP(j, nc) cu_st(cast_d + j * (cdt == QL_TYPE_F32 ? 4 : 2), cdt, cu_get(cast_src, j));  // (each thread its share first)
     if (nv) {
         const int32_t row = *at;
         CU_GRID_LOOP(j, nv) {  // the values' store: each thread its share, then its share of the rotations
@@ -3258,23 +3261,27 @@ __global__ void k_rope_tail(cu_t a, char *d, int dt, int n_dims, int64_t n_rows)
     }
 }
 // node2: a second rotation made by the same launch (ql_cuda_rope_pair), else NULL; ks, vs: decode's
-// keys' store of node2's result (ql_cuda_rope_store) and the values' (a store pair with ks), or NULL
+// keys' store of node2's result (ql_cuda_rope_store) and the values' (a store pair with ks), or NULL;
+// cast: NULL, or the node before, a cast the launch writes too (ql_cuda_cast_rope)
 static void cu_op_rope(cu_ctx &c, ql_tensor *node, bool back, ql_tensor *node2 = nullptr, const ql_tensor *ks = nullptr,
-                       const ql_tensor *vs = nullptr) {
+                       const ql_tensor *vs = nullptr, ql_tensor *cast = nullptr) {
     const ql_tensor *a = node->src[0], *ff = node->src[2];
     const int n_dims = node->op_params[0], mode = node->op_params[1];
     const int64_t n_tok = a->ne[2] * a->ne[3];
     CU_ASSERT(!node2 || (ql_cuda_rope_pair(node, node2) && n_dims == a->ne[0]));
     CU_ASSERT(!ks || (node2 && ql_cuda_rope_store(node2, ks) && (!vs || ql_cuda_cache_store_pair(ks, vs))));
-    const int64_t nv = vs ? ql_nelements(vs->src[1]) : 0;
+    CU_ASSERT(!cast || (ql_cuda_cast_rope(cast, node) && !ks));
+    const int64_t nv = vs ? ql_nelements(vs->src[1]) : 0, nc = cast ? ql_nelements(cast) : 0;
     const cu_t none = cu_of(a), kc = ks ? cu_of(ks) : cu_t{};
-    QL_LAUNCH(k_rope, cu_grid(nv + n_tok * (n_dims / 2)), CU_BLOCK, 0, c.stream, cu_of(a), (const int32_t *)node->src[1]->data,
+    QL_LAUNCH(k_rope, cu_grid(nc + nv + n_tok * (n_dims / 2)), CU_BLOCK, 0, c.stream, cu_of(a), (const int32_t *)node->src[1]->data,
               ff ? (const float *)ff->data : (const float *)nullptr, (char *)node->data, (int)node->type, n_dims, mode, cu_param<float>(node, 2),
               (int)back, n_tok, node2 ? cu_of(node2->src[0]) : cu_of(a), node2 ? (char *)node2->data : (char *)nullptr,
               node2 ? (int)node2->type : 0, kc, vs ? cu_of(vs) : none, vs ? cu_of(vs->src[1]) : none,
-              ks ? (const int32_t *)ks->src[2]->data : (const int32_t *)nullptr, nv, ks && ks->type == QL_TYPE_F16 ? 1 : 0);
+              ks ? (const int32_t *)ks->src[2]->data : (const int32_t *)nullptr, nv, ks && ks->type == QL_TYPE_F16 ? 1 : 0,
+              cast ? cu_of(cast->src[0]) : none, cast ? (char *)cast->data : (char *)nullptr, cast ? (int)cast->type : 0, nc);
     CU_LAUNCHED(c);
     if (n_dims < a->ne[0]) {
+        CU_ASSERT(!cast);  // (ql_cuda_cast_rope: one launch)
         const int64_t rows = n_tok * a->ne[1];
         QL_LAUNCH(k_rope_tail, cu_grid(rows * (a->ne[0] - n_dims)), CU_BLOCK, 0, c.stream, cu_of(a), (char *)node->data, (int)node->type, n_dims, rows);
         CU_LAUNCHED(c);
@@ -5794,6 +5801,8 @@ static ql_status cu_graph_enqueue(ql_backend *be, ql_graph *g, const ql_graph_ex
                 if (node->op == QL_OP_RMS_NORM_BACK) cu_op_rms_norm_back(c, node, next);
                 else if (node->op == QL_OP_RMS_NORM) cu_op_rms_norm(c, node, grp + 1, ng - 1);
                 else if (node->op == QL_OP_SWIGLU) cu_op_swiglu(c, node, next);
+                else if (node->op == QL_OP_CONT)
+                    cu_op_rope(c, next, next->op == QL_OP_ROPE_BACK, ng > 2 ? grp[2] : nullptr, nullptr, nullptr, node);
                 else if (node->op == QL_OP_CACHE_STORE) cu_op_cache_store(c, node, next);
                 else if (node->op == QL_OP_MUL_MAT) cu_op_gemv_q8(c, grp, np, ql_cuda_mm_q8(node), grp + np, ng - np, mm);
                 else cu_op_rope(c, node, node->op == QL_OP_ROPE_BACK, next, ng > 2 ? grp[2] : nullptr, ng > 3 ? grp[3] : nullptr);

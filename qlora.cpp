@@ -9772,6 +9772,18 @@ bool ql_cuda_swiglu_dropout(const ql_tensor *a, const ql_tensor *d) {
     return view_root(const_cast<ql_tensor *>(x)) == a && view_root_offset(x) == 0 && x->type == a->type &&
            ql_nelements(x) == ql_nelements(a) && ql_is_contiguous(x) && seed && seed->type == QL_TYPE_I32;
 }
+// a, a cast of an f32 view to 16 bits (contiguous), and b, a rotation of every dimension (no tail
+// launch) of a view of the same result: attention's backward, the values' gradient cast for their
+// products, then q's and k's rotations back (a rope pair after it). The rotation's launch writes
+// the cast too (k_cont's bits)
+bool ql_cuda_cast_rope(const ql_tensor *a, const ql_tensor *b) {
+    if (!a || !b || a->op != QL_OP_CONT || (a->type != QL_TYPE_BF16 && a->type != QL_TYPE_F16) || !ql_is_contiguous(a) ||
+        a->src[0]->type != QL_TYPE_F32 || (b->op != QL_OP_ROPE && b->op != QL_OP_ROPE_BACK) || !ql_is_contiguous(b) ||
+        b->op_params[0] != b->src[0]->ne[0])
+        return false;
+    const ql_tensor *ra = view_root(const_cast<ql_tensor *>(a->src[0]));
+    return ra == view_root(const_cast<ql_tensor *>(b->src[0])) && ra != a && ra != b;
+}
 // decode: a norm (whole rows of a multiple of 256) or SwiGLU (contiguous f32 operands), f32, at
 // most QL_CUDA_GEMV_MAX_N columns, whose next node is a product with 8-bit activations reading it:
 // its kernel writes the product's codes too (the product's quantisation is then not launched). qb, or 0
@@ -9900,7 +9912,7 @@ bool ql_cuda_tail_over_ok(const ql_tensor *first, const ql_tensor *node) {
 // off (QLORA_CUDA_PAIRS=0, an A/B; or a test: the same bits either way): every node its own launch
 void ql_cuda_launch_pair_for_tests(bool on) { cuda_pairs_on = on; }
 bool ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b) {
-    return cuda_pairs_on && (ql_cuda_rope_pair(a, b) || ql_cuda_norm_cast_pair(a, b) || ql_cuda_norm_dropout(a, b) || ql_cuda_swiglu_dropout(a, b) ||
+    return cuda_pairs_on && (ql_cuda_rope_pair(a, b) || ql_cuda_norm_cast_pair(a, b) || ql_cuda_norm_dropout(a, b) || ql_cuda_swiglu_dropout(a, b) || ql_cuda_cast_rope(a, b) ||
                              ql_cuda_cache_store_pair(a, b) || ql_cuda_gemv_group(a, b) || ql_cuda_gemv_norm(a, b));
 }
 bool ql_cuda_rope_store(const ql_tensor *rk, const ql_tensor *st) {
@@ -9916,6 +9928,8 @@ bool ql_cuda_launch_joins(const ql_tensor *const *grp, int n, const ql_tensor *n
     if (n <= 0 || !node) return false;
     if (n == 1) return ql_cuda_launch_pair(grp[0], node);
     if (!cuda_pairs_on) return false;
+    if (grp[0]->op == QL_OP_CONT)  // a cast and a rotation, then the rotation's pair
+        return n == 2 && ql_cuda_rope_pair(grp[1], node);
     if (grp[0]->op == QL_OP_RMS_NORM)  // a norm, its cast or an adapter's copy, then more copies
         return n - 1 - (grp[1]->op == QL_OP_CONT) < QL_CUDA_NORM_DROPS && ql_cuda_norm_dropout(grp[0], node);
     if (grp[0]->op == QL_OP_ROPE)  // a rope pair, then k's store, then v's

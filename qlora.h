@@ -1510,6 +1510,10 @@ bool    ql_cuda_norm_cast_pair(const ql_tensor *a, const ql_tensor *b);
 bool    ql_cuda_norm_dropout(const ql_tensor *a, const ql_tensor *d);
 // d, an adapter's dropped-out copy of the whole of a, SwiGLU's result: SwiGLU's kernel writes it too
 bool    ql_cuda_swiglu_dropout(const ql_tensor *a, const ql_tensor *d);
+// a, a cast of an f32 view to 16 bits, and b, a whole rotation of a view of the same result (the
+// values' gradient and q's, k's rotations back, after attention's backward): the rotation's launch
+// writes a too, and b's rope pair joins it
+bool    ql_cuda_cast_rope(const ql_tensor *a, const ql_tensor *b);
 // a and b, decode's two cache stores (keys, values) at one position into caches of one type,
 // b's rows not a's result: one launch writes both
 bool    ql_cuda_cache_store_pair(const ql_tensor *a, const ql_tensor *b);
@@ -1532,14 +1536,15 @@ size_t  ql_cuda_q8_codes_at(const ql_tensor *mm);    // where product mm's b's c
 // made, and stores the keys and values)
 bool    ql_cuda_gemv_rope(const ql_tensor *const *grp, int n, const ql_tensor *node);
 #define QL_CUDA_Q8_COUNTERS 768                      // the counters decode's cross-block codes use (blocks of 256 rows, or of qb)
-bool    ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b);  // any of the seven (QLORA_CUDA_PAIRS=0: none)
+bool    ql_cuda_launch_pair(const ql_tensor *a, const ql_tensor *b);  // any of the eight (QLORA_CUDA_PAIRS=0: none)
 // decode: rk, the second of a rope pair (k's rotation, f32), and st, the cache store of rk's result
 // seen as [D, T, Hkv, B]: the rotating launch writes the cache rows too (then the values' store, a
 // store pair with st, as well)
 bool    ql_cuda_rope_store(const ql_tensor *rk, const ql_tensor *st);
 // whether node joins the launch of grp[0..n) (n nodes so far, no launching node between): a pair's
 // second (ql_cuda_launch_pair); after a norm and its cast or copy, more adapter copies
-// (ql_cuda_norm_dropout); the third of a group of decode products (QL_CUDA_GEMV_GROUP at
+// (ql_cuda_norm_dropout); after a cast and a rotation, the rotation's pair (ql_cuda_cast_rope);
+// the third of a group of decode products (QL_CUDA_GEMV_GROUP at
 // most), or SwiGLU after two (ql_cuda_gemv_swiglu), or the rotations and stores after three
 // (ql_cuda_gemv_rope: QL_CUDA_LAUNCH_MAX); after a rope pair, k's cache store and then v's
 // (ql_cuda_rope_store).

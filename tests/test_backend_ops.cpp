@@ -807,6 +807,46 @@ OP_CASE(swiglu_dropout_copy) {
             }
 }
 
+// Attention's backward gives the gradients of q, k and v as views of one result; v's, read by its
+// 16-bit product, is cast, then q's and k's rotations back (a rope pair) follow. The rotations'
+// launch writes the cast too (ql_cuda_cast_rope): the block's q, k, v projections (NF4, 16-bit
+// results, q's rotation placed after k's projection as llama places it), GQA 4:2, head dim 16. On
+// the device: the bits of the launches apart, three nodes joined (forward's rope pair, backward's
+// and the cast), and the CPU's within the 16-bit bound
+OP_CASE(rope_back_cast) {
+    for (ql_type t : {QL_TYPE_BF16, QL_TYPE_F16}) {
+        INFO(std::string(ql_type_name(t)));
+        const builder build = [t](leafs &L) {
+            const int64_t E = 64, D = 16, H = 4, Hkv = 2, T = 12;
+            ql_tensor *x = ql_cast(L.ctx, L.param({E, T}), t);
+            auto lin = [&](int64_t out) { return ql_mul_mat_to(L.ctx, L.rand(QL_TYPE_NF4, {E, out}), x, t); };
+            ql_tensor *kl = lin(D * Hkv), *vl = lin(D * Hkv);
+            ql_tensor *q = ql_reshape_4d_after(L.ctx, lin(D * H), D, H, T, 1, kl);
+            ql_tensor *k = ql_reshape_4d(L.ctx, kl, D, Hkv, T, 1), *v = ql_reshape_4d(L.ctx, vl, D, Hkv, T, 1);
+            ql_tensor *pos = L.i32({T, 1}, [](int64_t i) { return (int32_t)(i * 3 % 17); });
+            q = ql_rope(L.ctx, q, pos, nullptr, (int)D, QL_ROPE_NORMAL, 10000.0f);
+            k = ql_rope(L.ctx, k, pos, nullptr, (int)D, QL_ROPE_NORMAL, 10000.0f);
+            ql_tensor *a = ql_flash_attn(L.ctx, ql_permute(L.ctx, q, 0, 2, 1, 3), ql_permute(L.ctx, k, 0, 2, 1, 3),
+                                         ql_permute(L.ctx, v, 0, 2, 1, 3), nullptr, 0.25f);
+            return ql_cast(L.ctx, ql_reshape_2d(L.ctx, a, D * H, T), QL_TYPE_F32);
+        };
+        check_case(be, "rope_back with the values' gradient cast", build, TOL_16);
+        if (ql_backend_is_host(be)) continue;
+        const int64_t made0 = ql_cuda_pairs_made_for_tests ? ql_cuda_pairs_made_for_tests() : 0;
+        const run_result paired = run_case(be, false, build, true);
+        const int64_t made = ql_cuda_pairs_made_for_tests ? ql_cuda_pairs_made_for_tests() - made0 : -1;
+        ql_cuda_launch_pair_for_tests(false);
+        const run_result apart = run_case(be, false, build, true);
+        ql_cuda_launch_pair_for_tests(true);
+        REQUIRE(paired.error.empty());
+        REQUIRE(apart.error.empty());
+        CHECK(made == 3);  // forward's rotations, backward's, and the cast joining backward's launch
+        CHECK(paired.out == apart.out);
+        REQUIRE(paired.grads.size() == apart.grads.size());
+        for (size_t i = 0; i < paired.grads.size(); i++) CHECK_MESSAGE(paired.grads[i] == apart.grads[i], "gradient ", i);
+    }
+}
+
 // ---- the element-wise ops' typed fast paths (issue 28 item 2): contiguous, 16-byte aligned
 // operands take vectors of 8 elements and a scalar tail; other layouts the strided kernels. Each
 // case runs on the backend twice, fast paths on and off: the same bits (the same float math per
