@@ -4263,15 +4263,16 @@ ql_status ql_graph_census(const ql_graph *g, ql_backend *be, ql_census *c) {
         if (dump) {  // QLORA_CENSUS_DUMP: launches and nodes per op (and per 16-bit type of the result)
             auto &e = by_op[std::string(ql_op_name(node->op)) + (node->type == QL_TYPE_F32 ? "" : "/16")];
             e.first += nl, e.second++;
-            for (int k = 0; dump > 2 && k < 4; k++)
-                if (const ql_tensor *sr = node->src[k])
-                    fprintf(stderr, "   src%d %s %s %s view_of %s ne [%lld %lld %lld %lld] nb [%zu %zu %zu %zu]\n", k, sr->name, ql_op_name(sr->op),
-                            ql_type_name(sr->type), sr->view_src ? ql_op_name(view_root(const_cast<ql_tensor *>(sr))->op) : "-", (long long)sr->ne[0], (long long)sr->ne[1],
-                            (long long)sr->ne[2], (long long)sr->ne[3], sr->nb[0], sr->nb[1], sr->nb[2], sr->nb[3]);
             if (dump > 1)
                 fprintf(stderr, "node %-18s %-5s %3lld [%lld %lld] %s%s <- %s %s %s\n", ql_op_name(node->op), ql_type_name(node->type), (long long)nl,
                         (long long)node->ne[0], (long long)node->ne[1], node->name, (node->flags & QL_FLAG_RECOMPUTED) ? " (R)" : "",
                         node->src[0] ? node->src[0]->name : "-", node->src[1] ? node->src[1]->name : "-", node->src[2] ? node->src[2]->name : "-");
+            for (int k = 0; dump > 2 && k < 4; k++)  // (under its node's line)
+                if (const ql_tensor *sr = node->src[k])
+                    fprintf(stderr, "   src%d %s %s %s view_of %s ne [%lld %lld %lld %lld] nb [%zu %zu %zu %zu]\n", k, sr->name,
+                            ql_op_name(sr->op), ql_type_name(sr->type), sr->view_src ? ql_op_name(view_root(const_cast<ql_tensor *>(sr))->op) : "-",
+                            (long long)sr->ne[0], (long long)sr->ne[1], (long long)sr->ne[2], (long long)sr->ne[3], sr->nb[0], sr->nb[1], sr->nb[2],
+                            sr->nb[3]);
         }
         const double f = node_flops(n);
         c->flops += f;
