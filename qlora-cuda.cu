@@ -2753,13 +2753,22 @@ __device__ __forceinline__ float cu_rms_scale(const float *x, int64_t ne0, float
 }
 // dr: the adapters' dropped-out copies of an f32 d (ql_cuda_norm_dropout), each element k_dropout's
 // (the mask of its own index, the kept value times the scale, rounded once on store)
+// a QL_OP_DROPOUT node's mask and scale, as k_dropout takes them (a copy made by another node's launch)
+struct cu_drop_args {
+    const int32_t *seed;
+    uint32_t stream, thr;
+    float ks;
+    int64_t first;  // the mask's index of element 0 (ql_dropout_rows_to's first row times ne0)
+};
+static cu_drop_args cu_drop_of(const ql_tensor *t) {
+    const float pr = cu_param<float>(t, 0);
+    return cu_drop_args{(const int32_t *)t->src[1]->data, cu_param<uint32_t>(t, 1), ql_dropout_threshold(pr), 1.0f / (1.0f - pr),
+                        cu_param<int64_t>(t, 2) * t->ne[0]};
+}
 struct cu_norm_drops {
-    const int32_t *seed[QL_CUDA_NORM_DROPS];
+    cu_drop_args m[QL_CUDA_NORM_DROPS];
     char *d[QL_CUDA_NORM_DROPS];
     int type[QL_CUDA_NORM_DROPS];
-    uint32_t stream[QL_CUDA_NORM_DROPS], thr[QL_CUDA_NORM_DROPS];
-    float ks[QL_CUDA_NORM_DROPS];
-    int64_t first[QL_CUDA_NORM_DROPS];  // the mask's index of element 0 (ql_dropout_rows_to's first row times ne0)
     int n;
 };
 __global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm(cu_t a, const float *w, char *d, int d_type, float eps, char *d16, int d16_type,
@@ -2770,7 +2779,7 @@ __global__ void __launch_bounds__(CU_ROW_BLOCK) k_rms_norm(cu_t a, const float *
     const float rs = cu_rms_scale(x, ne0, eps, sh);
     uint64_t key[QL_CUDA_NORM_DROPS];  // (the loops unrolled: constant indices, registers not local memory)
 QL_UNROLL
-    for (int k = 0; k < QL_CUDA_NORM_DROPS; k++) key[k] = k < dr.n ? ql_dropout_key(dr.seed[k][0], dr.stream[k]) : 0;
+    for (int k = 0; k < QL_CUDA_NORM_DROPS; k++) key[k] = k < dr.n ? ql_dropout_key(dr.m[k].seed[0], dr.m[k].stream) : 0;
     for (int64_t i = threadIdx.x; i < ne0; i += blockDim.x) {
         const float v = cu_rms_elem(x, rs, w, i);
         const int64_t e = r * ne0 + i;
@@ -2780,7 +2789,7 @@ QL_UNROLL
         for (int k = 0; k < QL_CUDA_NORM_DROPS; k++)
             if (k < dr.n)
                 cu_st(dr.d[k] + e * (dr.type[k] == QL_TYPE_F32 ? 4 : 2), dr.type[k],
-                      ql_dropout_hash(key[k], (uint64_t)(dr.first[k] + e)) >= dr.thr[k] ? v * dr.ks[k] : 0.0f);
+                      ql_dropout_hash(key[k], (uint64_t)(dr.m[k].first + e)) >= dr.m[k].thr ? v * dr.m[k].ks : 0.0f);
     }
 }
 // decode (ql_cuda_q8_made_by): k_rms_norm's f32 result (cu_rms_scale, cu_rms_elem),
@@ -2817,10 +2826,7 @@ static void cu_op_rms_norm(cu_ctx &c, ql_tensor *node, ql_tensor *const *more = 
     for (int k = cast ? 1 : 0; k < nm; k++) {
         const ql_tensor *t = more[k];
         CU_ASSERT(dr.n < QL_CUDA_NORM_DROPS && ql_cuda_norm_dropout(node, t));
-        const float pr = cu_param<float>(t, 0);
-        dr.seed[dr.n] = (const int32_t *)t->src[1]->data, dr.d[dr.n] = (char *)t->data, dr.type[dr.n] = (int)t->type;
-        dr.stream[dr.n] = cu_param<uint32_t>(t, 1), dr.thr[dr.n] = ql_dropout_threshold(pr), dr.ks[dr.n] = 1.0f / (1.0f - pr);
-        dr.first[dr.n] = cu_param<int64_t>(t, 2) * t->ne[0];
+        dr.m[dr.n] = cu_drop_of(t), dr.d[dr.n] = (char *)t->data, dr.type[dr.n] = (int)t->type;
         dr.n++;
     }
     QL_LAUNCH(k_rms_norm, (unsigned)cu_nrows(node), CU_ROW_BLOCK, 0, c.stream, cu_of(node->src[0]), w ? (const float *)w->data : nullptr,
@@ -2928,15 +2934,22 @@ QL_UNROLL
     }
     CU_VEC_TAIL(i, n) d[i] = cu_silu_back_f(x[i], dy[i]);
 }
+// vector v of SwiGLU's fast path: its elements made, stored in d, and left in p (as computed)
+template <int T>
+__device__ __forceinline__ void cu_swiglu8(const typename cu_ew<T>::T *a, const typename cu_ew<T>::T *b, typename cu_ew<T>::T *d, int64_t v,
+                                           float p[CU_EW_VEC]) {
+    float q[CU_EW_VEC];
+    cu_ew<T>::ld8(a + v * CU_EW_VEC, p);
+    cu_ew<T>::ld8(b + v * CU_EW_VEC, q);
+QL_UNROLL
+    for (int k = 0; k < CU_EW_VEC; k++) p[k] = cu_swiglu_f(p[k], q[k]);
+    cu_ew<T>::st8(d + v * CU_EW_VEC, p);
+}
 template <int T> __global__ void k_swiglu_vec(const typename cu_ew<T>::T *a, const typename cu_ew<T>::T *b, typename cu_ew<T>::T *d,
                                               int64_t n) {
     CU_VEC_LOOP(v, n) {
-        float p[CU_EW_VEC], q[CU_EW_VEC];
-        cu_ew<T>::ld8(a + v * CU_EW_VEC, p);
-        cu_ew<T>::ld8(b + v * CU_EW_VEC, q);
-QL_UNROLL
-        for (int k = 0; k < CU_EW_VEC; k++) p[k] = cu_swiglu_f(p[k], q[k]);
-        cu_ew<T>::st8(d + v * CU_EW_VEC, p);
+        float p[CU_EW_VEC];
+        cu_swiglu8<T>(a, b, d, v, p);
     }
     CU_VEC_TAIL(i, n) cu_ew<T>::st(d, i, cu_swiglu_f(cu_ew<T>::ld(a, i), cu_ew<T>::ld(b, i)));
 }
@@ -2997,17 +3010,6 @@ QL_UNROLL
 }
 // SwiGLU and the down projection adapter's dropped-out copy of its result (ql_cuda_swiglu_dropout):
 // each element rounded to the result's type as stored, then k_dropout's mask and scale (its bits)
-struct cu_drop_args {
-    const int32_t *seed;
-    uint32_t stream, thr;
-    float ks;
-    int64_t first;  // the mask's index of element 0
-};
-static cu_drop_args cu_drop_of(const ql_tensor *t) {
-    const float pr = cu_param<float>(t, 0);
-    return cu_drop_args{(const int32_t *)t->src[1]->data, cu_param<uint32_t>(t, 1), ql_dropout_threshold(pr), 1.0f / (1.0f - pr),
-                        cu_param<int64_t>(t, 2) * t->ne[0]};
-}
 __global__ void k_swiglu_drop(cu_t a, cu_t b, char *d, char *dd, int dd_type, cu_drop_args dr, int64_t n) {
     const int ds = a.type == QL_TYPE_F32 ? 4 : 2, dds = dd_type == QL_TYPE_F32 ? 4 : 2;
     const uint64_t key = ql_dropout_key(dr.seed[0], dr.stream);
@@ -3022,11 +3024,7 @@ __global__ void k_swiglu_drop_vec(const typename cu_ew<T>::T *a, const typename 
     const uint64_t key = ql_dropout_key(dr.seed[0], dr.stream);
     CU_VEC_LOOP(v, n) {
         float p[CU_EW_VEC], q[CU_EW_VEC];
-        cu_ew<T>::ld8(a + v * CU_EW_VEC, p);
-        cu_ew<T>::ld8(b + v * CU_EW_VEC, q);
-QL_UNROLL
-        for (int k = 0; k < CU_EW_VEC; k++) p[k] = cu_swiglu_f(p[k], q[k]);
-        cu_ew<T>::st8(d + v * CU_EW_VEC, p);
+        cu_swiglu8<T>(a, b, d, v, p);
         uint64_t ctr = key + QL_DROPOUT_STEP * (uint64_t)(dr.first + v * CU_EW_VEC + 1);  // (k_dropout8's counter)
 QL_UNROLL
         for (int k = 0; k < CU_EW_VEC; k++, ctr += QL_DROPOUT_STEP)
@@ -3161,13 +3159,13 @@ template <int TA> static void cu_launch_dropout8_to(cu_ctx &c, const ql_tensor *
     else cu_launch_dropout8<TA, QL_TYPE_F16>(c, a, node, seed, stream, thr, ks, first, n);
 }
 static void cu_op_dropout(cu_ctx &c, ql_tensor *node) {
-    const float pr = cu_param<float>(node, 0);
     const int64_t n = ql_nelements(node);
     const ql_tensor *a = node->src[0];
-    const int32_t *seed = (const int32_t *)node->src[1]->data;
-    const uint32_t stream = cu_param<uint32_t>(node, 1), thr = ql_dropout_threshold(pr);
-    const float ks = 1.0f / (1.0f - pr);
-    const int64_t first = cu_param<int64_t>(node, 2) * node->ne[0];
+    const cu_drop_args m = cu_drop_of(node);
+    const int32_t *seed = m.seed;
+    const uint32_t stream = m.stream, thr = m.thr;
+    const float ks = m.ks;
+    const int64_t first = m.first;
     if (cu_vec_ok(a) && cu_vec_ok(node) && is_float_type_cu(a->type)) {
         if (a->type == QL_TYPE_F32) cu_launch_dropout8_to<QL_TYPE_F32>(c, a, node, seed, stream, thr, ks, first, n);
         else if (a->type == QL_TYPE_BF16) cu_launch_dropout8_to<QL_TYPE_BF16>(c, a, node, seed, stream, thr, ks, first, n);

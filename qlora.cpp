@@ -9751,27 +9751,27 @@ bool ql_cuda_norm_cast_pair(const ql_tensor *a, const ql_tensor *b) {
     return view_root(b->src[0]) == a && offs == 0 && ql_nelements(x) == ql_nelements(a) && ql_is_contiguous(x) && ql_is_contiguous(a) &&
            ql_is_contiguous(b);
 }
-// d, an adapter's dropped-out copy (contiguous) of the whole of a, a norm's forward result (f32,
-// contiguous, maybe through identity views): the norm's kernel writes d too as it stores each element,
-// with k_dropout's mask and bits (the mask at the copy's own rows: d's first row), after the norm's
-// 16-bit copy if it has one, at most QL_CUDA_NORM_DROPS of them (q, k and v; gate and up)
-bool ql_cuda_norm_dropout(const ql_tensor *a, const ql_tensor *d) {
-    if (!a || !d || a->op != QL_OP_RMS_NORM || d->op != QL_OP_DROPOUT || a->type != QL_TYPE_F32 || !ql_is_contiguous(a) ||
-        !ql_is_contiguous(d) || (d->type != QL_TYPE_F32 && d->type != QL_TYPE_BF16 && d->type != QL_TYPE_F16))
-        return false;
-    const ql_tensor *x = d->src[0], *seed = d->src[1];
-    return view_root(const_cast<ql_tensor *>(x)) == a && view_root_offset(x) == 0 && x->type == QL_TYPE_F32 &&
-           ql_nelements(x) == ql_nelements(a) && ql_is_contiguous(x) && seed && seed->type == QL_TYPE_I32;
-}
-// d, an adapter's dropped-out copy (contiguous) of the whole of a, SwiGLU's result (contiguous; the
-// down projection's input): SwiGLU's kernel writes d too, from each element as stored (k_dropout's bits)
-bool ql_cuda_swiglu_dropout(const ql_tensor *a, const ql_tensor *d) {
-    if (!a || !d || a->op != QL_OP_SWIGLU || d->op != QL_OP_DROPOUT || !ql_is_contiguous(a) || !ql_is_contiguous(d) ||
+// d, a dropped-out copy (contiguous, a float type) of the whole of a, contiguous, read as it is
+// (maybe through identity views): a's kernel can write d as it stores each element
+static bool cuda_whole_dropout(const ql_tensor *a, const ql_tensor *d) {
+    if (!a || !d || d->op != QL_OP_DROPOUT || !ql_is_contiguous(a) || !ql_is_contiguous(d) ||
         (d->type != QL_TYPE_F32 && d->type != QL_TYPE_BF16 && d->type != QL_TYPE_F16))
         return false;
     const ql_tensor *x = d->src[0], *seed = d->src[1];
     return view_root(const_cast<ql_tensor *>(x)) == a && view_root_offset(x) == 0 && x->type == a->type &&
            ql_nelements(x) == ql_nelements(a) && ql_is_contiguous(x) && seed && seed->type == QL_TYPE_I32;
+}
+// d, an adapter's dropped-out copy of the whole of a, a norm's forward result in f32: the norm's
+// kernel writes d too, with k_dropout's mask and bits (the mask at the copy's own rows: d's first
+// row), after the norm's 16-bit copy if it has one, at most QL_CUDA_NORM_DROPS of them (q, k and v;
+// gate and up)
+bool ql_cuda_norm_dropout(const ql_tensor *a, const ql_tensor *d) {
+    return a && a->op == QL_OP_RMS_NORM && a->type == QL_TYPE_F32 && cuda_whole_dropout(a, d);
+}
+// d, an adapter's dropped-out copy of the whole of a, SwiGLU's result (the down projection's
+// input): SwiGLU's kernel writes d too, from each element as stored (k_dropout's bits)
+bool ql_cuda_swiglu_dropout(const ql_tensor *a, const ql_tensor *d) {
+    return a && a->op == QL_OP_SWIGLU && cuda_whole_dropout(a, d);
 }
 // a, a cast of an f32 view to 16 bits (contiguous), and b, a rotation of every dimension (no tail
 // launch) of a view of the same result: attention's backward, the values' gradient cast for their

@@ -184,18 +184,18 @@ static ql_tensor *linear_c(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_
 static void dropped_copies(ql_context *ctx, const ql_llama *m, std::initializer_list<const ql_tensor *> ws, ql_tensor *x, int64_t row0,
                            ql_tensor **xd) {
     ql_tensor *last = nullptr;
+    auto after_last = [&](ql_tensor *t) { return ql_reshape_4d_after(ctx, t, t->ne[0], t->ne[1], t->ne[2], t->ne[3], last); };
     int n = 0;
     for (const ql_tensor *w : ws) {
         xd[n] = nullptr;
         if (m->lora_copies_first && x && reads_x(m, w)) {
             const ql_lora_pair &p = m->lora.find(w)->second;
-            ql_tensor *src = last ? ql_reshape_4d_after(ctx, x, x->ne[0], x->ne[1], x->ne[2], x->ne[3], last) : x;
-            xd[n] = last = ql_dropout_rows_to(ctx, src, p.dropout, p.seed, p.stream, m->compute, row0);
+            xd[n] = last = ql_dropout_rows_to(ctx, last ? after_last(x) : x, p.dropout, p.seed, p.stream, m->compute, row0);
         }
         n++;
     }
     for (int k = 0; k < n; k++)
-        if (xd[k] && xd[k] != last) xd[k] = ql_reshape_4d_after(ctx, xd[k], xd[k]->ne[0], xd[k]->ne[1], xd[k]->ne[2], xd[k]->ne[3], last);
+        if (xd[k] && xd[k] != last) xd[k] = after_last(xd[k]);
 }
 
 ql_tensor *ql_llama_linear(ql_context *ctx, const ql_llama *m, ql_tensor *w, ql_tensor *x) {

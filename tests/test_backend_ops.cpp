@@ -682,6 +682,22 @@ OP_CASE(rms_norm_silu_swiglu) {
 void ql_cuda_launch_pair_for_tests(bool on);
 int64_t ql_cuda_pairs_made_for_tests() __attribute__((weak));
 namespace {
+// the case on a device with its launch pairs on, then off (each node its own launch): the same
+// output and gradients bit for bit; the nodes that joined a launch with the pairs on
+int64_t paired_as_apart(ql_backend *be, const builder &build) {
+    const int64_t made0 = ql_cuda_pairs_made_for_tests ? ql_cuda_pairs_made_for_tests() : 0;
+    const run_result paired = run_case(be, false, build, true);
+    const int64_t made = ql_cuda_pairs_made_for_tests ? ql_cuda_pairs_made_for_tests() - made0 : -1;
+    ql_cuda_launch_pair_for_tests(false);
+    const run_result apart = run_case(be, false, build, true);
+    ql_cuda_launch_pair_for_tests(true);
+    REQUIRE(paired.error.empty());
+    REQUIRE(apart.error.empty());
+    CHECK(paired.out == apart.out);
+    REQUIRE(paired.grads.size() == apart.grads.size());
+    for (size_t i = 0; i < paired.grads.size(); i++) CHECK_MESSAGE(paired.grads[i] == apart.grads[i], "gradient ", i);
+    return made;
+}
 // forward: the norm (f32: adapter dropout reads it) and its copy the product reads
 ql_tensor *norm_cast_forward_case(leafs &L, ql_type t) {
     ql_tensor *h = ql_rms_norm_mul(L.ctx, L.param({64, 7, 2}), L.rand(QL_TYPE_F32, {64}, 0.5f, 1.5f), 1e-5f);
@@ -701,18 +717,8 @@ OP_CASE(rms_norm_back_cast) {
             const builder build = [t, v](leafs &L) { return v == 2 ? norm_cast_forward_case(L, t) : norm_cast_case(L, t, v == 1); };
             check_case(be, "rms_norm_back then its 16-bit cast", build, TOL_16);
             if (ql_backend_is_host(be)) continue;
-            const int64_t made0 = ql_cuda_pairs_made_for_tests ? ql_cuda_pairs_made_for_tests() : 0;
-            const run_result paired = run_case(be, false, build, true);
-            const int64_t made = ql_cuda_pairs_made_for_tests ? ql_cuda_pairs_made_for_tests() - made0 : -1;
-            ql_cuda_launch_pair_for_tests(false);
-            const run_result apart = run_case(be, false, build, true);
-            ql_cuda_launch_pair_for_tests(true);
-            REQUIRE(paired.error.empty());
-            REQUIRE(apart.error.empty());
+            const int64_t made = paired_as_apart(be, build);
             CHECK(made >= 1);  // the pair was made by one launch
-            CHECK(paired.out == apart.out);
-            REQUIRE(paired.grads.size() == apart.grads.size());
-            for (size_t i = 0; i < paired.grads.size(); i++) CHECK_MESSAGE(paired.grads[i] == apart.grads[i], "gradient ", i);
         }
 }
 
@@ -751,18 +757,8 @@ OP_CASE(rms_norm_dropout_copies) {
             const builder build = [t, cast](leafs &L) { return norm_drops_case(L, t, cast); };
             check_case(be, "rms_norm then its cast and three dropped-out copies", build, TOL_16);
             if (ql_backend_is_host(be)) continue;
-            const int64_t made0 = ql_cuda_pairs_made_for_tests ? ql_cuda_pairs_made_for_tests() : 0;
-            const run_result paired = run_case(be, false, build, true);
-            const int64_t made = ql_cuda_pairs_made_for_tests ? ql_cuda_pairs_made_for_tests() - made0 : -1;
-            ql_cuda_launch_pair_for_tests(false);
-            const run_result apart = run_case(be, false, build, true);
-            ql_cuda_launch_pair_for_tests(true);
-            REQUIRE(paired.error.empty());
-            REQUIRE(apart.error.empty());
+            const int64_t made = paired_as_apart(be, build);
             CHECK(made == (cast ? 4 : 3));  // the cast and the three copies made by the norm's launch
-            CHECK(paired.out == apart.out);
-            REQUIRE(paired.grads.size() == apart.grads.size());
-            for (size_t i = 0; i < paired.grads.size(); i++) CHECK_MESSAGE(paired.grads[i] == apart.grads[i], "gradient ", i);
         }
 }
 
@@ -790,18 +786,8 @@ OP_CASE(swiglu_dropout_copy) {
                 if (ql_cuda_ew_fast_for_tests && !ql_backend_is_host(be)) ql_cuda_ew_fast_for_tests(fast);
                 check_case(be, "swiglu and its dropped-out copy", build, t == QL_TYPE_F32 ? TOL_MM : TOL_16);
                 if (!ql_backend_is_host(be)) {
-                    const int64_t made0 = ql_cuda_pairs_made_for_tests ? ql_cuda_pairs_made_for_tests() : 0;
-                    const run_result paired = run_case(be, false, build, true);
-                    const int64_t made = ql_cuda_pairs_made_for_tests ? ql_cuda_pairs_made_for_tests() - made0 : -1;
-                    ql_cuda_launch_pair_for_tests(false);
-                    const run_result apart = run_case(be, false, build, true);
-                    ql_cuda_launch_pair_for_tests(true);
-                    REQUIRE(paired.error.empty());
-                    REQUIRE(apart.error.empty());
+                    const int64_t made = paired_as_apart(be, build);
                     CHECK(made == 1);  // the copy made by SwiGLU's launch
-                    CHECK(paired.out == apart.out);
-                    REQUIRE(paired.grads.size() == apart.grads.size());
-                    for (size_t i = 0; i < paired.grads.size(); i++) CHECK_MESSAGE(paired.grads[i] == apart.grads[i], "gradient ", i);
                 }
                 if (ql_cuda_ew_fast_for_tests && !ql_backend_is_host(be)) ql_cuda_ew_fast_for_tests(true);
             }
@@ -832,18 +818,8 @@ OP_CASE(rope_back_cast) {
         };
         check_case(be, "rope_back with the values' gradient cast", build, TOL_16);
         if (ql_backend_is_host(be)) continue;
-        const int64_t made0 = ql_cuda_pairs_made_for_tests ? ql_cuda_pairs_made_for_tests() : 0;
-        const run_result paired = run_case(be, false, build, true);
-        const int64_t made = ql_cuda_pairs_made_for_tests ? ql_cuda_pairs_made_for_tests() - made0 : -1;
-        ql_cuda_launch_pair_for_tests(false);
-        const run_result apart = run_case(be, false, build, true);
-        ql_cuda_launch_pair_for_tests(true);
-        REQUIRE(paired.error.empty());
-        REQUIRE(apart.error.empty());
+        const int64_t made = paired_as_apart(be, build);
         CHECK(made == 3);  // forward's rotations, backward's, and the cast joining backward's launch
-        CHECK(paired.out == apart.out);
-        REQUIRE(paired.grads.size() == apart.grads.size());
-        for (size_t i = 0; i < paired.grads.size(); i++) CHECK_MESSAGE(paired.grads[i] == apart.grads[i], "gradient ", i);
     }
 }
 
